@@ -1,0 +1,72 @@
+// The chief: owns the job config, places the variables, loads every ps,
+// hands the job to workers when they register, logs progress from their
+// reports, and at the last step writes the saved model and tells ps and
+// workers to exit.
+#ifndef PSFLOW_CHIEF_CHIEF_H_
+#define PSFLOW_CHIEF_CHIEF_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/cluster_config.h"
+#include "proto/job.pb.h"
+
+namespace psflow::chief {
+
+inline constexpr char kDefaultDataDir[] = "/usr/share/datasets/fashion-mnist";
+
+// Every setting of a job; defaults are the flags' defaults.
+struct ChiefOptions {
+  ClusterConfig cluster;
+  std::string model = "cnn";             // built-in name or spec file
+  std::string data_dir = kDefaultDataDir;
+  int batch_size = 64;                   // per worker
+  int64_t epochs = 0;                    // 0: not given
+  int64_t train_steps = 0;               // 0: not given; exactly one of the two, else 1 epoch
+  std::string optimizer = "sgd";         // sgd, momentum, adam
+  float learning_rate = 0.01f;
+  float momentum = 0.9f;
+  uint64_t seed = 1;
+  std::string model_dir;                 // required
+  std::string saved_model_dir;           // default <model_dir>/saved_model
+  int log_every_steps = 100;
+  int compute_threads = 0;               // per worker; 0 = library default
+  absl::Duration startup_timeout = absl::Minutes(5);
+};
+
+// Turns options into the job config: resolves the model, counts the training
+// examples, derives steps per epoch and total steps, places the variables.
+// INVALID_ARGUMENT with one line for any bad setting.
+absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& options);
+
+// Exit codes, chosen for the Kubeflow operator's ExitCode restart policy.
+inline constexpr int kExitDone = 0;
+inline constexpr int kExitPermanent = 1;     // bad configuration: do not retry
+inline constexpr int kExitRetryable = 140;   // an unexpected failure worth a retry
+inline constexpr int kExitUnreachable = 138;  // a peer unreachable within --startup_timeout
+
+class Chief {
+ public:
+  explicit Chief(ChiefOptions options);
+  ~Chief();
+  Chief(const Chief&) = delete;
+  Chief& operator=(const Chief&) = delete;
+
+  // Runs the job to the end and returns the process exit code: kExit* above,
+  // or 128 + n after Stop(n).
+  int Run();
+  // Makes Run() stop waiting and return 128 + signal. Thread-safe; meant for
+  // the signal watcher.
+  void Stop(int signal);
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace psflow::chief
+
+#endif  // PSFLOW_CHIEF_CHIEF_H_

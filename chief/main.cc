@@ -1,0 +1,85 @@
+// psflow-chief: coordinates a psflow job. Its flags are the job's single
+// source of truth; ps and workers receive the job from it.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "chief/chief.h"
+#include "common/cluster_flags.h"
+#include "common/log.h"
+#include "common/signals.h"
+
+ABSL_FLAG(std::string, model, "cnn",
+          "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
+          "(784-256-256-10), or the path of a model spec in protobuf text format (see docs/models.md).");
+ABSL_FLAG(std::string, data_dir, psflow::chief::kDefaultDataDir,
+          "Directory with MNIST-format IDX files (train-images-idx3-ubyte[.gz], ...). Every worker "
+          "reads it at this path.");
+ABSL_FLAG(int, batch_size, 64, "Examples per step on each worker (the global batch is this times the workers).");
+ABSL_FLAG(int64_t, epochs, 0, "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
+ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
+ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam; applied on the parameter servers.");
+ABSL_FLAG(double, learning_rate, 0.01, "Learning rate of the optimizer.");
+ABSL_FLAG(double, momentum, 0.9, "Momentum of --optimizer=momentum.");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial weights and of the data order of every epoch.");
+ABSL_FLAG(std::string, model_dir, "",
+          "Directory for the job's outputs (required); the saved model goes to <model_dir>/saved_model.");
+ABSL_FLAG(std::string, saved_model_dir, "", "Where to write the saved model instead of <model_dir>/saved_model.");
+ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
+ABSL_FLAG(int, compute_threads, 0,
+          "CPU threads each worker's kernels use; 0 = all cores. Set it when workers share a machine.");
+ABSL_FLAG(int, startup_timeout, 300,
+          "Seconds to wait for every parameter server to come up before exiting with code 138.");
+
+int main(int argc, char** argv) {
+  psflow::BlockTerminationSignals();
+  psflow::ParseFlagsOrExit(
+      argc, argv,
+      "psflow-chief: the chief of a psflow job.\n\n"
+      "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow; 'master' counts as\n"
+      "chief), or CLUSTER_CONFIG and POD_NAME. Example:\n"
+      "  psflow-chief --job_name=chief --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"
+      "               --worker_hosts=h2:2222 --model=cnn --epochs=5 --optimizer=adam \\\n"
+      "               --learning_rate=0.001 --model_dir=/tmp/run\n"
+      "Exit codes: 0 done, 1 bad configuration, 138 a ps unreachable within --startup_timeout,\n"
+      "140 other failure worth a retry, 128+n after signal n.");
+  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kChief);
+  psflow::SetLogTag("chief");
+
+  psflow::chief::ChiefOptions o;
+  o.cluster = config;
+  o.model = absl::GetFlag(FLAGS_model);
+  o.data_dir = absl::GetFlag(FLAGS_data_dir);
+  o.batch_size = absl::GetFlag(FLAGS_batch_size);
+  o.epochs = absl::GetFlag(FLAGS_epochs);
+  o.train_steps = absl::GetFlag(FLAGS_train_steps);
+  o.optimizer = absl::GetFlag(FLAGS_optimizer);
+  o.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
+  o.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.model_dir = absl::GetFlag(FLAGS_model_dir);
+  o.saved_model_dir = absl::GetFlag(FLAGS_saved_model_dir);
+  o.log_every_steps = absl::GetFlag(FLAGS_log_every_steps);
+  o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  if (absl::GetFlag(FLAGS_startup_timeout) <= 0) {
+    std::fprintf(stderr, "psflow-chief: --startup_timeout must be positive\n");
+    return 1;
+  }
+  o.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+
+  psflow::chief::Chief chief(o);
+  std::promise<int> result;
+  std::future<int> done = result.get_future();
+  psflow::WatchTerminationSignals([&](int sig) {
+    PSLOG(INFO) << "signal " << sig << ": stopping";
+    chief.Stop(sig);
+    if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) std::_Exit(128 + sig);
+  });
+  int code = chief.Run();
+  result.set_value(code);
+  return code;
+}

@@ -1,0 +1,108 @@
+#include "chief/progress.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+
+namespace psflow::chief {
+
+Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
+                   int num_ps, std::function<void(const std::string&)> emit)
+    : train_steps_(train_steps),
+      steps_per_epoch_(std::max<int64_t>(steps_per_epoch, 1)),
+      log_every_(std::max(log_every_steps, 1)),
+      num_ps_(num_ps),
+      emit_(std::move(emit)),
+      reported_(num_workers, 0),
+      live_(num_workers, true) {}
+
+void Progress::SetWorkerLive(int worker, bool live) {
+  absl::MutexLock lock(&mu_);
+  if (worker >= 0 && worker < static_cast<int>(live_.size())) live_[worker] = live;
+}
+
+void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
+  for (const StepMetrics& m : metrics) {
+    if (m.step() < 0 || m.step() >= train_steps_) continue;
+    if (first_report_ == absl::InfinitePast()) {
+      first_report_ = now;
+      last_line_time_ = now;
+      first_step_ = m.step();
+    }
+    last_report_ = now;
+    // Step s (0-based) belongs to the interval ending at the next multiple of
+    // log_every (or at the last step).
+    int64_t end = std::min<int64_t>((m.step() / log_every_ + 1) * log_every_, train_steps_);
+    Interval& in = intervals_[end];
+    in.loss_sum += m.loss() * static_cast<double>(m.examples());
+    in.correct += m.correct();
+    in.examples += m.examples();
+    in.records += 1;
+    in.pull_us += m.pull_us();
+    in.compute_us += m.compute_us();
+    in.push_us += m.push_us();
+    in.wait_us += m.wait_us();
+    total_examples_ += m.examples();
+    reported_[worker] = std::max(reported_[worker], m.step() + 1);
+  }
+  EmitReadyLocked(now);
+}
+
+void Progress::EmitReadyLocked(absl::Time now) {
+  int64_t done = train_steps_;
+  int live = 0;
+  for (size_t w = 0; w < reported_.size(); ++w) {
+    if (!live_[w]) continue;
+    ++live;
+    done = std::min(done, reported_[w]);
+  }
+  if (live == 0) return;
+  while (!intervals_.empty() && intervals_.begin()->first <= done) {
+    auto it = intervals_.begin();
+    const int64_t end = it->first;
+    const Interval& in = it->second;
+    const int64_t begin = logged_until_ < 0 ? std::max<int64_t>(first_step_, 0) : logged_until_;
+    const int64_t steps = std::max<int64_t>(end - begin, 1);
+    const double secs = std::max(absl::ToDoubleSeconds(now - last_line_time_), 1e-6);
+    const double n = static_cast<double>(std::max<int64_t>(in.records, 1));
+    const double loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
+    const double acc = in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
+    emit_(absl::StrFormat(
+        "step %d/%d epoch %.2f loss %.4f acc %.3f | %.0f ex/s | step %.1f ms (pull %.1f compute %.1f "
+        "push %.1f wait %.1f) | workers %d/%d ps %d/%d",
+        end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss, acc,
+        static_cast<double>(in.examples) / secs, 1000.0 * secs / static_cast<double>(steps),
+        in.pull_us / n / 1000.0, in.compute_us / n / 1000.0, in.push_us / n / 1000.0,
+        in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()), num_ps_, num_ps_));
+    if (logged_until_ < 0) {
+      steady_start_ = now;  // the first interval holds start-up; leave it out of the mean
+    } else {
+      steady_examples_ += in.examples;
+      steady_end_ = now;
+    }
+    last_loss_ = loss;
+    last_acc_ = acc;
+    logged_until_ = end;
+    last_line_time_ = now;
+    intervals_.erase(it);
+  }
+}
+
+Progress::Summary Progress::summary() const {
+  absl::MutexLock lock(&mu_);
+  Summary s;
+  s.steps = logged_until_ < 0 ? 0 : logged_until_;
+  s.examples = total_examples_;
+  s.elapsed = first_report_ == absl::InfinitePast() ? absl::ZeroDuration() : last_report_ - first_report_;
+  const double steady_secs = absl::ToDoubleSeconds(steady_end_ - steady_start_);
+  s.examples_per_sec = steady_examples_ > 0 && steady_secs > 0
+                           ? static_cast<double>(steady_examples_) / steady_secs
+                           : 0;
+  s.last_loss = last_loss_;
+  s.last_accuracy = last_acc_;
+  return s;
+}
+
+}  // namespace psflow::chief

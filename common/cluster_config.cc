@@ -1,0 +1,462 @@
+#include "common/cluster_config.h"
+
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+
+namespace psflow {
+namespace {
+
+using ::google::protobuf::ListValue;
+using ::google::protobuf::Struct;
+using ::google::protobuf::Value;
+
+constexpr Role kAllRoles[] = {Role::kChief, Role::kPs, Role::kWorker, Role::kEvaluator};
+
+// Status messages are printed as one line: keep newlines from JSON parser
+// messages or user input out of them.
+std::string OneLine(absl::string_view text) {
+  std::string out(text);
+  for (char& c : out) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return out;
+}
+
+absl::Status Invalid(absl::string_view message) {
+  return absl::InvalidArgumentError(OneLine(message));
+}
+
+std::string BinaryName(Role role) {
+  return role == Role::kEvaluator ? "psflow-eval" : "psflow-" + RoleName(role);
+}
+
+std::vector<std::string>* MutableAddresses(ClusterSpec* spec, Role role) {
+  switch (role) {
+    case Role::kChief:
+      return &spec->chief;
+    case Role::kPs:
+      return &spec->ps;
+    case Role::kWorker:
+      return &spec->worker;
+    case Role::kEvaluator:
+      return &spec->evaluator;
+  }
+  return &spec->worker;  // unreachable
+}
+
+// The task a source names, and where the role came from (for messages).
+struct Task {
+  Role role = Role::kWorker;
+  int index = 0;
+  std::string origin;  // e.g. "in TF_CONFIG", "in POD_NAME 'worker-1'"
+};
+
+// What one environment source contributes: per-role lists it sets, and
+// possibly the task.
+struct Partial {
+  std::map<Role, std::vector<std::string>> lists;
+  std::optional<Task> task;
+};
+
+// Removes a ',' that is followed (after whitespace) by ']' or '}', outside
+// JSON strings, so Helm-rendered lists like ["a", "b",] parse. (Applied to
+// TF_CONFIG too, so that what parses does not depend on how lenient the
+// protobuf version's JSON parser is.)
+std::string StripTrailingCommas(absl::string_view json) {
+  std::string out;
+  out.reserve(json.size());
+  bool in_string = false;
+  for (size_t i = 0; i < json.size(); ++i) {
+    const char c = json[i];
+    if (in_string) {
+      out.push_back(c);
+      if (c == '\\' && i + 1 < json.size()) {
+        out.push_back(json[++i]);
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == ',') {
+      size_t j = i + 1;
+      while (j < json.size() && absl::ascii_isspace(static_cast<unsigned char>(json[j]))) ++j;
+      if (j < json.size() && (json[j] == ']' || json[j] == '}')) continue;  // drop it
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+absl::StatusOr<Struct> ParseJsonObject(const std::string& json, absl::string_view source) {
+  Struct root;
+  const auto status = google::protobuf::util::JsonStringToMessage(json, &root);
+  if (!status.ok()) {
+    return Invalid(absl::StrCat(source, " is not valid JSON: ",
+                                std::string(status.message().data(), status.message().size())));
+  }
+  return root;
+}
+
+// Reads a role's address list from a JSON value; `where` is e.g.
+// "TF_CONFIG: cluster.ps".
+absl::StatusOr<std::vector<std::string>> AddressList(const Value& value, const std::string& where) {
+  if (value.kind_case() != Value::kListValue) {
+    return Invalid(absl::StrCat(where, " is not a list of \"host:port\" strings"));
+  }
+  std::vector<std::string> out;
+  const ListValue& list = value.list_value();
+  for (int i = 0; i < list.values_size(); ++i) {
+    const Value& item = list.values(i);
+    if (item.kind_case() != Value::kStringValue) {
+      return Invalid(absl::StrFormat("%s[%d] is not a \"host:port\" string", where, i));
+    }
+    std::string host;
+    int port = 0;
+    if (absl::Status s = ParseHostPort(item.string_value(), &host, &port); !s.ok()) {
+      return Invalid(absl::StrFormat("%s[%d] %s", where, i, s.message()));
+    }
+    out.push_back(item.string_value());
+  }
+  return out;
+}
+
+// Reads {"role": [addresses], ...}. "master" is the chief; both is an error.
+absl::Status ParseClusterObject(const Struct& cluster, absl::string_view source,
+                                absl::string_view prefix, Partial* partial) {
+  // Sorted, so that the first error reported does not depend on map order.
+  std::map<std::string, const Value*> sorted;
+  for (const auto& [name, value] : cluster.fields()) sorted.emplace(name, &value);
+  std::map<Role, std::string> key_of_role;
+  for (const auto& [name, value] : sorted) {
+    absl::StatusOr<Role> role = ParseRole(name);
+    if (!role.ok()) {
+      return Invalid(absl::StrCat(source, ": unknown role '", name, "' in ",
+                                  prefix.empty() ? "the cluster" : "cluster",
+                                  " (expected chief, master, ps, worker or evaluator)"));
+    }
+    if (auto [it, inserted] = key_of_role.emplace(*role, name); !inserted) {
+      if (*role == Role::kChief &&
+          absl::AsciiStrToLower(it->second) != absl::AsciiStrToLower(name)) {
+        return Invalid(absl::StrCat(source, ": the cluster lists both 'chief' and 'master'"));
+      }
+      return Invalid(absl::StrCat(source, ": role '", name, "' is listed twice"));
+    }
+    absl::StatusOr<std::vector<std::string>> list =
+        AddressList(*value, absl::StrCat(source, ": ", prefix, name));
+    if (!list.ok()) return list.status();
+    partial->lists[*role] = *std::move(list);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Partial> ParseTfConfig(const std::string& json) {
+  absl::StatusOr<Struct> root = ParseJsonObject(json, "TF_CONFIG");
+  if (!root.ok()) return root.status();
+  Partial partial;
+  const auto& fields = root->fields();
+  if (auto it = fields.find("cluster"); it != fields.end()) {
+    if (it->second.kind_case() != Value::kStructValue) {
+      return Invalid("TF_CONFIG: \"cluster\" is not an object");
+    }
+    if (absl::Status s =
+            ParseClusterObject(it->second.struct_value(), "TF_CONFIG", "cluster.", &partial);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (auto it = fields.find("task"); it != fields.end()) {
+    if (it->second.kind_case() != Value::kStructValue) {
+      return Invalid("TF_CONFIG: \"task\" is not an object");
+    }
+    const auto& task_fields = it->second.struct_value().fields();
+    auto type = task_fields.find("type");
+    if (type == task_fields.end() || type->second.kind_case() != Value::kStringValue) {
+      return Invalid("TF_CONFIG: task.type is missing or not a string");
+    }
+    absl::StatusOr<Role> role = ParseRole(type->second.string_value());
+    if (!role.ok()) {
+      return Invalid(absl::StrCat("TF_CONFIG: task.type: ", role.status().message()));
+    }
+    int index = 0;
+    if (auto idx = task_fields.find("index"); idx != task_fields.end()) {
+      const Value& v = idx->second;
+      double number = -1;
+      if (v.kind_case() == Value::kNumberValue) {
+        number = v.number_value();
+      } else if (v.kind_case() != Value::kStringValue ||
+                 !absl::SimpleAtod(v.string_value(), &number)) {
+        return Invalid("TF_CONFIG: task.index is not a number");
+      }
+      if (number != std::floor(number) || number < 0 || number > std::numeric_limits<int>::max()) {
+        return Invalid(
+            absl::StrCat("TF_CONFIG: task.index ", number, " is not a non-negative integer"));
+      }
+      index = static_cast<int>(number);
+    }
+    partial.task = Task{*role, index, "in TF_CONFIG"};
+  }
+  return partial;
+}
+
+absl::StatusOr<Task> ParsePodName(const std::string& pod_name) {
+  std::vector<absl::string_view> parts = absl::StrSplit(pod_name, '-');
+  if (parts.size() < 2) {
+    return Invalid(absl::StrCat("POD_NAME '", pod_name, "' is not <role>-<index>"));
+  }
+  const std::string role_name(parts[parts.size() - 2]);
+  const absl::string_view index_text = parts.back();
+  absl::StatusOr<Role> role = ParseRole(role_name);
+  if (!role.ok()) {
+    return Invalid(absl::StrCat("POD_NAME '", pod_name, "': ", role.status().message()));
+  }
+  int index = -1;
+  if (index_text.empty() || !absl::ascii_isdigit(static_cast<unsigned char>(index_text[0])) ||
+      !absl::SimpleAtoi(index_text, &index)) {
+    return Invalid(
+        absl::StrCat("POD_NAME '", pod_name, "': '", index_text, "' is not a task index"));
+  }
+  return Task{*role, index, absl::StrCat("in POD_NAME '", pod_name, "'")};
+}
+
+// Splits a --*_hosts flag; surrounding spaces and one trailing comma are
+// tolerated, empty entries are not (they would shift the indices).
+absl::StatusOr<std::vector<std::string>> ParseHostsFlag(const std::string& value, Role role) {
+  const std::string flag = absl::StrCat("--", RoleName(role), "_hosts");
+  absl::string_view text = absl::StripAsciiWhitespace(value);
+  if (!text.empty() && text.back() == ',') text.remove_suffix(1);
+  std::vector<std::string> out;
+  int i = 0;
+  for (absl::string_view piece : absl::StrSplit(text, ',')) {
+    const std::string address(absl::StripAsciiWhitespace(piece));
+    std::string host;
+    int port = 0;
+    if (absl::Status s = ParseHostPort(address, &host, &port); !s.ok()) {
+      return Invalid(absl::StrFormat("%s: entry %d %s", flag, i, s.message()));
+    }
+    out.push_back(address);
+    ++i;
+  }
+  return out;
+}
+
+bool IsSet(const std::optional<std::string>& value) { return value.has_value() && !value->empty(); }
+
+constexpr absl::string_view kNothingConfigured =
+    "no cluster configuration: pass --job_name, --task_id and "
+    "--chief_hosts/--ps_hosts/--worker_hosts, or set TF_CONFIG, or CLUSTER_CONFIG and POD_NAME";
+
+}  // namespace
+
+std::string RoleName(Role role) {
+  switch (role) {
+    case Role::kChief:
+      return "chief";
+    case Role::kPs:
+      return "ps";
+    case Role::kWorker:
+      return "worker";
+    case Role::kEvaluator:
+      return "evaluator";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Role> ParseRole(const std::string& name) {
+  const std::string lower = absl::AsciiStrToLower(name);
+  if (lower == "chief" || lower == "master") return Role::kChief;
+  if (lower == "ps") return Role::kPs;
+  if (lower == "worker") return Role::kWorker;
+  if (lower == "evaluator") return Role::kEvaluator;
+  return Invalid(
+      absl::StrCat("unknown role '", name, "' (expected chief, master, ps, worker or evaluator)"));
+}
+
+const std::vector<std::string>& ClusterSpec::Addresses(Role role) const {
+  return *MutableAddresses(const_cast<ClusterSpec*>(this), role);
+}
+
+ConfigEnv ConfigEnv::FromProcess() {
+  ConfigEnv env;
+  auto read = [](const char* name) -> std::optional<std::string> {
+    const char* value = std::getenv(name);
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  };
+  env.tf_config = read("TF_CONFIG");
+  env.cluster_config = read("CLUSTER_CONFIG");
+  env.pod_name = read("POD_NAME");
+  return env;
+}
+
+absl::Status ParseHostPort(const std::string& address, std::string* host, int* port) {
+  auto bad = [&](absl::string_view why) {
+    return Invalid(absl::StrCat("'", address, "' is not host:port (", why, ")"));
+  };
+  absl::string_view host_part, port_part;
+  if (!address.empty() && address[0] == '[') {  // [ipv6]:port
+    const size_t close = address.find(']');
+    if (close == std::string::npos) return bad("unterminated '['");
+    if (close + 1 >= address.size() || address[close + 1] != ':') return bad("no ':port'");
+    host_part = absl::string_view(address).substr(1, close - 1);
+    port_part = absl::string_view(address).substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == std::string::npos) return bad("no ':port'");
+    host_part = absl::string_view(address).substr(0, colon);
+    port_part = absl::string_view(address).substr(colon + 1);
+    if (absl::StrContains(host_part, ':')) return bad("IPv6 hosts need brackets: [::1]:2222");
+  }
+  if (host_part.empty()) return bad("empty host");
+  for (char c : host_part) {
+    if (absl::ascii_isspace(static_cast<unsigned char>(c)) || c == '/' || c == '[' || c == ']') {
+      return bad("bad character in host");
+    }
+  }
+  int value = 0;
+  if (port_part.empty() || port_part.size() > 5 ||
+      !std::all_of(port_part.begin(), port_part.end(),
+                   [](char c) { return absl::ascii_isdigit(static_cast<unsigned char>(c)); }) ||
+      !absl::SimpleAtoi(port_part, &value) || value < 1 || value > 65535) {
+    return bad("port must be an integer in 1..65535");
+  }
+  if (host != nullptr) *host = std::string(host_part);
+  if (port != nullptr) *port = value;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, const ConfigEnv& env,
+                                                   Role expected) {
+  // 1. The environment: TF_CONFIG, else CLUSTER_CONFIG and/or POD_NAME.
+  Partial from_env;
+  if (IsSet(env.tf_config)) {
+    absl::StatusOr<Partial> parsed = ParseTfConfig(StripTrailingCommas(*env.tf_config));
+    if (!parsed.ok()) return parsed.status();
+    from_env = *std::move(parsed);
+  } else {
+    if (IsSet(env.cluster_config)) {
+      absl::StatusOr<Struct> root =
+          ParseJsonObject(StripTrailingCommas(*env.cluster_config), "CLUSTER_CONFIG");
+      if (!root.ok()) return root.status();
+      if (absl::Status s = ParseClusterObject(*root, "CLUSTER_CONFIG", "", &from_env); !s.ok()) {
+        return s;
+      }
+    }
+    if (IsSet(env.pod_name)) {
+      absl::StatusOr<Task> task = ParsePodName(*env.pod_name);
+      if (!task.ok()) return task.status();
+      from_env.task = *std::move(task);
+    }
+  }
+
+  // 2. Flags replace whole lists and the task.
+  const std::pair<Role, const std::optional<std::string>*> host_flags[] = {
+      {Role::kChief, &flags.chief_hosts},
+      {Role::kPs, &flags.ps_hosts},
+      {Role::kWorker, &flags.worker_hosts},
+      {Role::kEvaluator, &flags.evaluator_hosts}};
+  for (const auto& [role, value] : host_flags) {
+    if (!IsSet(*value)) continue;
+    absl::StatusOr<std::vector<std::string>> list = ParseHostsFlag(**value, role);
+    if (!list.ok()) return list.status();
+    from_env.lists[role] = *std::move(list);
+  }
+
+  if (flags.task_id && flags.task_index && *flags.task_id != *flags.task_index) {
+    return Invalid(absl::StrFormat("--task_id %d and --task_index %d disagree", *flags.task_id,
+                                   *flags.task_index));
+  }
+  const std::optional<int> flag_index = flags.task_id ? flags.task_id : flags.task_index;
+  if (IsSet(flags.job_name)) {
+    if (!flag_index) return Invalid("--job_name given without --task_id");
+    absl::StatusOr<Role> role = ParseRole(*flags.job_name);
+    if (!role.ok()) return Invalid(absl::StrCat("--job_name: ", role.status().message()));
+    from_env.task = Task{*role, *flag_index, "in --job_name"};
+  } else if (flag_index) {
+    // --task_id alone: the role stays as the environment says, or is this binary's.
+    if (from_env.task) {
+      from_env.task->index = *flag_index;
+    } else {
+      from_env.task = Task{expected, *flag_index, "(this binary's role)"};
+    }
+  }
+
+  bool any_address = false;
+  for (const auto& [role, list] : from_env.lists) any_address |= !list.empty();
+  if (!any_address) return Invalid(kNothingConfigured);
+  if (!from_env.task) {
+    return Invalid(
+        "no task: pass --job_name and --task_id, or set the task in TF_CONFIG, or set POD_NAME");
+  }
+
+  ClusterConfig config;
+  for (auto& [role, list] : from_env.lists) *MutableAddresses(&config.cluster, role) = list;
+  const Task& task = *from_env.task;
+
+  // 3. Checks on the merged result.
+  if (task.role != expected) {
+    return Invalid(absl::StrFormat("task type '%s' %s, but this is the %s binary (%s)",
+                                   RoleName(task.role), task.origin, RoleName(expected),
+                                   BinaryName(expected)));
+  }
+  std::map<std::string, std::string> seen;  // address -> "role[i]"
+  for (Role role : kAllRoles) {
+    const auto& list = config.cluster.Addresses(role);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string where = absl::StrFormat("%s[%d]", RoleName(role), i);
+      auto [it, inserted] = seen.emplace(list[i], where);
+      if (!inserted) {
+        return Invalid(
+            absl::StrFormat("address '%s' appears twice (%s and %s)", list[i], it->second, where));
+      }
+    }
+  }
+  if (config.cluster.chief.empty()) return Invalid("the cluster has no chief");
+  if (config.cluster.chief.size() > 1) {
+    return Invalid(absl::StrFormat("the cluster has %d chief tasks; there must be exactly one",
+                                   config.cluster.chief.size()));
+  }
+  if (expected != Role::kEvaluator && config.cluster.ps.empty()) {
+    return Invalid("the cluster has no ps");
+  }
+
+  const auto& own = config.cluster.Addresses(task.role);
+  config.role = task.role;
+  config.task_index = task.index;
+  // An evaluator's TF_CONFIG may leave the evaluator out of the cluster; it
+  // then has no address of its own (it listens on nothing).
+  const bool unlisted_evaluator = task.role == Role::kEvaluator && own.empty();
+  if (!unlisted_evaluator) {
+    if (task.index < 0 || static_cast<size_t>(task.index) >= own.size()) {
+      return Invalid(absl::StrFormat("task index %d out of range: the cluster has %d %s tasks",
+                                     task.index, own.size(), RoleName(task.role)));
+    }
+    config.self_address = own[task.index];
+    std::string host;
+    if (absl::Status s = ParseHostPort(config.self_address, &host, &config.self_port); !s.ok()) {
+      return s;  // validated above; kept for safety
+    }
+  } else if (task.index < 0) {
+    return Invalid(absl::StrFormat("task index %d out of range", task.index));
+  }
+  return config;
+}
+
+}  // namespace psflow

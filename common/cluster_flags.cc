@@ -1,0 +1,80 @@
+#include "common/cluster_flags.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+
+ABSL_FLAG(std::string, job_name, "",
+          "This process's role: chief (or master), ps, worker or evaluator. Overrides TF_CONFIG "
+          "and POD_NAME.");
+ABSL_FLAG(int, task_id, -1, "This process's index among the tasks of its role (0-based).");
+ABSL_FLAG(int, task_index, -1, "Alias of --task_id.");
+ABSL_FLAG(std::string, chief_hosts, "",
+          "Comma-separated host:port of the chief (exactly one). Overrides the environment's list.");
+ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated host:port of every parameter server, in task order.");
+ABSL_FLAG(std::string, worker_hosts, "", "Comma-separated host:port of every worker, in task order.");
+ABSL_FLAG(std::string, evaluator_hosts, "",
+          "Comma-separated host:port of evaluators (listed only; not training members).");
+
+namespace psflow {
+namespace {
+
+std::optional<std::string> NonEmpty(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  return s;
+}
+
+std::optional<int> NonNegative(int v) {
+  if (v < 0) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+void ParseFlagsOrExit(int argc, char** argv, const std::string& usage) {
+  absl::FlagsUsageConfig config;
+  // --help lists the flags of the binary's main.cc and these shared ones.
+  auto ours = [](absl::string_view path) {
+    return absl::EndsWith(path, "main.cc") || absl::EndsWith(path, "cluster_flags.cc");
+  };
+  config.contains_help_flags = ours;
+  config.contains_helpshort_flags = ours;
+  absl::SetFlagsUsageConfig(config);
+  absl::SetProgramUsageMessage(usage);
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "%s: unexpected argument '%s' (flags are written --name=value)\n", argv[0],
+                 rest[1]);
+    std::exit(1);
+  }
+}
+
+ClusterFlags GetClusterFlags() {
+  ClusterFlags f;
+  f.job_name = NonEmpty(absl::GetFlag(FLAGS_job_name));
+  f.task_id = NonNegative(absl::GetFlag(FLAGS_task_id));
+  f.task_index = NonNegative(absl::GetFlag(FLAGS_task_index));
+  f.chief_hosts = NonEmpty(absl::GetFlag(FLAGS_chief_hosts));
+  f.ps_hosts = NonEmpty(absl::GetFlag(FLAGS_ps_hosts));
+  f.worker_hosts = NonEmpty(absl::GetFlag(FLAGS_worker_hosts));
+  f.evaluator_hosts = NonEmpty(absl::GetFlag(FLAGS_evaluator_hosts));
+  return f;
+}
+
+ClusterConfig ResolveClusterOrExit(Role role) {
+  absl::StatusOr<ClusterConfig> config =
+      ResolveClusterConfig(GetClusterFlags(), ConfigEnv::FromProcess(), role);
+  if (!config.ok()) {
+    std::fprintf(stderr, "psflow-%s: %s\n", RoleName(role).c_str(),
+                 std::string(config.status().message()).c_str());
+    std::exit(1);
+  }
+  return *std::move(config);
+}
+
+}  // namespace psflow

@@ -1,0 +1,28 @@
+// The command-line flags every role binary shares (--job_name, --task_id,
+// --task_index, --chief_hosts, --ps_hosts, --worker_hosts, --evaluator_hosts),
+// and the start-up every main.cc runs: parse flags with --help covering the
+// shared flags, then resolve the cluster configuration or exit 1 with one line.
+#ifndef PSFLOW_COMMON_CLUSTER_FLAGS_H_
+#define PSFLOW_COMMON_CLUSTER_FLAGS_H_
+
+#include <string>
+#include <vector>
+
+#include "common/cluster_config.h"
+
+namespace psflow {
+
+// Parses argv with absl flags; `usage` is the first paragraph of --help.
+// Unknown flags and stray positional arguments exit 1 with one line.
+void ParseFlagsOrExit(int argc, char** argv, const std::string& usage);
+
+// The cluster flags as given (unset ones are nullopt).
+ClusterFlags GetClusterFlags();
+
+// Resolves this process's cluster configuration for `role` from the flags and
+// the environment; on error prints "<binary>: <problem>" and exits 1.
+ClusterConfig ResolveClusterOrExit(Role role);
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_CLUSTER_FLAGS_H_

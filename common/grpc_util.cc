@@ -1,0 +1,62 @@
+#include "common/grpc_util.h"
+
+#include <algorithm>
+
+#include "absl/time/clock.h"
+
+namespace psflow {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode share the canonical numbering.
+  auto code = static_cast<absl::StatusCode>(status.error_code());
+  std::string message = status.error_message();
+  if (message.empty()) message = "rpc failed";
+  return absl::Status(code, message);
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Reconnect quickly when a peer comes back: pods restart within seconds.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+void ConfigureServer(grpc::ServerBuilder* builder) {
+  builder->SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder->SetMaxSendMessageSize(kMaxMessageBytes);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+}
+
+Backoff::Backoff(absl::Duration max_delay)
+    : max_delay_(max_delay),
+      current_(absl::Milliseconds(50)),
+      state_(static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) | 1) {}
+
+absl::Duration Backoff::Next() {
+  // xorshift64: jitter only, no quality needed.
+  state_ ^= state_ << 13;
+  state_ ^= state_ >> 7;
+  state_ ^= state_ << 17;
+  double jitter = 0.8 + 0.4 * static_cast<double>(state_ % 1000) / 1000.0;
+  absl::Duration delay = current_ * jitter;
+  current_ = std::min(current_ * 2, max_delay_);
+  return delay;
+}
+
+void Backoff::Reset() { current_ = absl::Milliseconds(50); }
+
+}  // namespace psflow

@@ -1,0 +1,52 @@
+// The one edge where gRPC status and absl::Status meet, plus the channel and
+// server settings every psflow process uses and the retry backoff for
+// reaching peers that are not up yet.
+#ifndef PSFLOW_COMMON_GRPC_UTIL_H_
+#define PSFLOW_COMMON_GRPC_UTIL_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace psflow {
+
+// Converts, keeping code and message. A broken or reset stream (gRPC's
+// UNAVAILABLE or an unknown transport error) stays UNAVAILABLE so callers retry.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// The largest message any psflow peer accepts. Tensors are chunked well below
+// this; the limit only guards against garbage.
+inline constexpr int kMaxMessageBytes = 64 << 20;
+// Target payload of one streamed message of tensor chunks.
+inline constexpr size_t kChunkBytes = 1 << 20;
+
+// A channel to `address` ("host:port") with psflow's message limits and
+// keepalive settings.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+
+// Applies psflow's message limits to a server under construction.
+void ConfigureServer(grpc::ServerBuilder* builder);
+
+// Exponential backoff with jitter for reconnecting to peers: 50 ms doubling up
+// to `max_delay`. Not thread-safe.
+class Backoff {
+ public:
+  explicit Backoff(absl::Duration max_delay = absl::Seconds(2));
+  // The delay before the next attempt.
+  absl::Duration Next();
+  void Reset();
+
+ private:
+  absl::Duration max_delay_;
+  absl::Duration current_;
+  uint64_t state_;
+};
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_GRPC_UTIL_H_

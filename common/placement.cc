@@ -1,0 +1,97 @@
+#include "common/placement.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/tensor_chunks.h"
+
+namespace psflow {
+
+absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& variables, int num_ps,
+                                         int64_t split_bytes) {
+  if (num_ps < 1) return absl::InvalidArgumentError("placement needs at least one ps");
+  Placement placement;
+  placement.set_num_ps(num_ps);
+  std::vector<int64_t> load(num_ps, 0);
+  absl::flat_hash_set<std::string> names;
+  std::vector<int> whole;  // indices of variables placed whole
+  for (size_t i = 0; i < variables.size(); ++i) {
+    const VariableShape& v = variables[i];
+    if (!names.insert(v.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("variable '", v.name, "' appears twice"));
+    }
+    if (v.shape.empty() || NumElements(v.shape) <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("variable '", v.name, "' has shape ",
+                                                     ShapeString(v.shape)));
+    }
+    VariablePlacement* vp = placement.add_variable();
+    vp->set_name(v.name);
+    for (int64_t d : v.shape) vp->add_shape(d);
+    const int64_t bytes = NumElements(v.shape) * 4;
+    const int64_t rows = v.shape[0];
+    if (num_ps == 1 || bytes <= split_bytes || rows < 2) {
+      whole.push_back(static_cast<int>(i));
+      continue;
+    }
+    const int parts = static_cast<int>(std::min<int64_t>(num_ps, rows));
+    const int64_t row_bytes = bytes / rows;
+    int64_t begin = 0;
+    for (int p = 0; p < parts; ++p) {
+      int64_t end = begin + rows / parts + (p < rows % parts ? 1 : 0);
+      VariableSlice* s = vp->add_slice();
+      s->set_ps(p);
+      s->set_row_begin(begin);
+      s->set_row_end(end);
+      load[p] += (end - begin) * row_bytes;
+      begin = end;
+    }
+  }
+  // Largest first; equal sizes keep model order so the result is stable.
+  std::stable_sort(whole.begin(), whole.end(), [&](int a, int b) {
+    return NumElements(variables[a].shape) > NumElements(variables[b].shape);
+  });
+  for (int i : whole) {
+    int target = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    VariableSlice* s = placement.mutable_variable(i)->add_slice();
+    s->set_ps(target);
+    s->set_row_begin(0);
+    s->set_row_end(variables[i].shape[0]);
+    load[target] += NumElements(variables[i].shape) * 4;
+  }
+  return placement;
+}
+
+std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps) {
+  std::vector<SliceRef> out;
+  for (int i = 0; i < placement.variable_size(); ++i) {
+    const VariablePlacement& v = placement.variable(i);
+    std::vector<int64_t> shape(v.shape().begin(), v.shape().end());
+    const int64_t row_floats = shape.empty() ? 0 : NumElements(shape) / std::max<int64_t>(shape[0], 1);
+    for (const VariableSlice& s : v.slice()) {
+      if (s.ps() != ps) continue;
+      SliceRef r;
+      r.name = v.name();
+      r.variable_shape = shape;
+      r.slice_shape = shape;
+      r.slice_shape[0] = s.row_end() - s.row_begin();
+      r.row_begin = s.row_begin();
+      r.row_end = s.row_end();
+      r.float_offset = s.row_begin() * row_floats;
+      r.variable_index = i;
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> BytesPerPs(const Placement& placement) {
+  std::vector<int64_t> bytes(placement.num_ps(), 0);
+  for (int p = 0; p < placement.num_ps(); ++p) {
+    for (const SliceRef& s : SlicesOnPs(placement, p)) bytes[p] += NumElements(s.slice_shape) * 4;
+  }
+  return bytes;
+}
+
+}  // namespace psflow

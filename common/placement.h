@@ -1,0 +1,47 @@
+// Placing a model's variables over the parameter servers. Variables larger
+// than `split_bytes` are cut along their first dimension into contiguous row
+// ranges, one per ps (fewer when there are fewer rows than ps); the others go
+// whole, largest first, onto the ps holding the fewest bytes so far (ties to
+// the lowest index). The result depends only on its inputs.
+#ifndef PSFLOW_COMMON_PLACEMENT_H_
+#define PSFLOW_COMMON_PLACEMENT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/job.pb.h"
+
+namespace psflow {
+
+struct VariableShape {
+  std::string name;
+  std::vector<int64_t> shape;  // at least one dimension
+};
+
+// Variables above this many bytes are split over several ps by default.
+inline constexpr int64_t kDefaultSplitBytes = 256 << 10;
+
+absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& variables, int num_ps,
+                                         int64_t split_bytes = kDefaultSplitBytes);
+
+// One slice of a variable as held by one ps.
+struct SliceRef {
+  std::string name;
+  std::vector<int64_t> variable_shape;
+  std::vector<int64_t> slice_shape;  // rows [row_begin, row_end) of the variable
+  int64_t row_begin = 0, row_end = 0;
+  int64_t float_offset = 0;  // where the slice starts within the whole variable
+  int variable_index = 0;    // index in placement.variable()
+};
+
+// The slices that ps `ps` holds, in placement order.
+std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps);
+
+// Bytes held by each ps.
+std::vector<int64_t> BytesPerPs(const Placement& placement);
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_PLACEMENT_H_

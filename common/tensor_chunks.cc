@@ -1,0 +1,116 @@
+#include "common/tensor_chunks.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace psflow {
+namespace {
+
+std::string Key(const std::string& name, const std::string& slot) {
+  return absl::StrCat(name, std::string(1, '\0'), slot);
+}
+
+std::string DisplayName(const std::string& name, const std::string& slot) {
+  return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' slot '", slot, "'");
+}
+
+}  // namespace
+
+int64_t NumElements(absl::Span<const int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+ChunkSplitter::ChunkSplitter(std::vector<TensorRef> tensors, size_t max_bytes)
+    : tensors_(std::move(tensors)), max_bytes_(std::max<size_t>(max_bytes, 4)) {}
+
+bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
+  if (tensor_ >= tensors_.size()) return false;
+  size_t budget = max_bytes_;
+  while (tensor_ < tensors_.size() && budget > 0) {
+    const TensorRef& t = tensors_[tensor_];
+    const int64_t total = NumElements(t.shape) * static_cast<int64_t>(sizeof(float));
+    // Cut on whole floats so each chunk can be applied on its own.
+    int64_t take = std::min<int64_t>(total - offset_, static_cast<int64_t>(budget / 4 * 4));
+    if (take <= 0 && total > 0) break;
+    TensorChunk* chunk = out->Add();
+    chunk->set_name(t.name);
+    chunk->set_slot(t.slot);
+    chunk->set_dtype(DT_FLOAT);
+    for (int64_t d : t.shape) chunk->add_shape(d);
+    chunk->set_offset(offset_);
+    chunk->set_data(reinterpret_cast<const char*>(t.data) + offset_, static_cast<size_t>(take));
+    offset_ += take;
+    budget -= static_cast<size_t>(take);
+    if (offset_ >= total) {
+      ++tensor_;
+      offset_ = 0;
+    }
+  }
+  return true;
+}
+
+ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
+  for (TensorSink& s : sinks) {
+    Entry e;
+    e.bytes = NumElements(s.shape) * static_cast<int64_t>(sizeof(float));
+    std::string key = Key(s.name, s.slot);
+    e.sink = std::move(s);
+    entries_[key] = std::move(e);
+  }
+}
+
+absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
+  auto it = entries_.find(Key(chunk.name(), chunk.slot()));
+  std::string what = DisplayName(chunk.name(), chunk.slot());
+  if (it == entries_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what));
+  Entry& e = it->second;
+  if (chunk.dtype() != DT_FLOAT) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", what, " has dtype ", DataType_Name(chunk.dtype()), ", expected DT_FLOAT"));
+  }
+  if (!std::equal(chunk.shape().begin(), chunk.shape().end(), e.sink.shape.begin(), e.sink.shape.end())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " has shape ",
+                                                   ShapeString(chunk.shape()), ", expected ",
+                                                   ShapeString(e.sink.shape)));
+  }
+  if (chunk.offset() != e.received) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk at byte ", chunk.offset(),
+                                                   ", expected byte ", e.received));
+  }
+  const int64_t size = static_cast<int64_t>(chunk.data().size());
+  if (size > e.bytes - e.received || size % 4 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk of ", size,
+                                                   " bytes does not fit: ", e.bytes - e.received,
+                                                   " bytes remain"));
+  }
+  std::memcpy(reinterpret_cast<char*>(e.sink.data) + e.received, chunk.data().data(), size);
+  e.received += size;
+  return absl::OkStatus();
+}
+
+absl::Status ChunkAssembler::Finish() const {
+  for (const auto& [key, e] : entries_) {
+    if (e.sink.required && e.received != e.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(e.sink.name, e.sink.slot),
+                                                     " incomplete: ", e.received, " of ", e.bytes,
+                                                     " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool ChunkAssembler::Complete(const std::string& name, const std::string& slot) const {
+  auto it = entries_.find(Key(name, slot));
+  return it != entries_.end() && it->second.received == it->second.bytes;
+}
+
+}  // namespace psflow

@@ -1,0 +1,78 @@
+// Cutting fp32 tensors into TensorChunk messages and putting them back
+// together, with every chunk checked against what the receiver expects.
+//
+// The sender describes its tensors with TensorRef (no copy until a chunk is
+// filled); ChunkSplitter fills groups of chunks whose data adds up to at most
+// max_bytes, cutting a larger tensor into several chunks. The receiver
+// describes where each expected tensor goes with TensorSink; ChunkAssembler
+// copies each chunk's bytes into place and refuses (INVALID_ARGUMENT) a chunk
+// with an unknown name/slot, another dtype or shape, an offset other than the
+// next expected byte, or more bytes than the tensor holds. Neither class is
+// thread-safe.
+#ifndef PSFLOW_COMMON_TENSOR_CHUNKS_H_
+#define PSFLOW_COMMON_TENSOR_CHUNKS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "proto/tensor.pb.h"
+
+namespace psflow {
+
+int64_t NumElements(absl::Span<const int64_t> shape);
+std::string ShapeString(absl::Span<const int64_t> shape);
+
+struct TensorRef {
+  std::string name;
+  std::string slot;
+  std::vector<int64_t> shape;
+  const float* data = nullptr;  // NumElements(shape) floats, alive while splitting
+};
+
+class ChunkSplitter {
+ public:
+  ChunkSplitter(std::vector<TensorRef> tensors, size_t max_bytes);
+  // Appends the next group of chunks to `out`; returns false when every byte
+  // has been handed out. A tensor with no elements yields one empty chunk.
+  bool Next(google::protobuf::RepeatedPtrField<TensorChunk>* out);
+
+ private:
+  std::vector<TensorRef> tensors_;
+  size_t max_bytes_;
+  size_t tensor_ = 0;  // index of the tensor being cut
+  int64_t offset_ = 0;  // next byte of that tensor
+};
+
+struct TensorSink {
+  std::string name;
+  std::string slot;
+  std::vector<int64_t> shape;
+  float* data = nullptr;  // NumElements(shape) floats
+  bool required = true;   // Finish() fails if a required sink is incomplete
+};
+
+class ChunkAssembler {
+ public:
+  explicit ChunkAssembler(std::vector<TensorSink> sinks);
+  absl::Status Add(const TensorChunk& chunk);
+  // OK when every required sink received all its bytes.
+  absl::Status Finish() const;
+  // True when the sink named (name, slot) received all its bytes.
+  bool Complete(const std::string& name, const std::string& slot) const;
+
+ private:
+  struct Entry {
+    TensorSink sink;
+    int64_t bytes = 0;     // total size
+    int64_t received = 0;  // bytes copied so far
+  };
+  absl::flat_hash_map<std::string, Entry> entries_;  // key: name + '\0' + slot
+};
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_TENSOR_CHUNKS_H_

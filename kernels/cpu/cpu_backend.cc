@@ -1,0 +1,569 @@
+// CPU backend on oneDNN 2.x; see cpu_backend.h for the contract.
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <limits>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include <omp.h>
+
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace psflow::kernels {
+namespace cpu_internal {
+
+// Shared by a backend and all its ops (ops hold a shared_ptr, so they keep it
+// alive after the backend is gone).
+struct DnnlContext {
+  explicit DnnlContext(dnnl::engine e) : engine(std::move(e)), stream(engine) {}
+
+  // Runs fn(stream) and waits for it. The mutex serializes ops of this
+  // backend that are called from different threads: a dnnl::stream is not
+  // meant to be driven concurrently, and two OpenMP-parallel primitives at
+  // once would only oversubscribe the cores anyway.
+  template <typename Fn>
+  absl::Status Run(absl::string_view what, Fn&& fn) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    try {
+      fn(stream);
+      stream.wait();
+      return absl::OkStatus();
+    } catch (const dnnl::error& e) {
+      return absl::InternalError(absl::StrCat(what, ": oneDNN execution failed: ", e.what()));
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+    }
+  }
+
+  const dnnl::engine engine;
+  absl::Mutex mu;
+  dnnl::stream stream ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace cpu_internal
+
+namespace {
+
+using cpu_internal::DnnlContext;
+using dnnl::memory;
+using Tag = memory::format_tag;
+using Args = std::unordered_map<int, memory>;
+
+constexpr size_t kAlignment = 64;
+
+class HostBuffer final : public Buffer {
+ public:
+  HostBuffer(float* data, size_t size) : data_(data), size_(size) {}
+  ~HostBuffer() override { std::free(data_); }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  float* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  float* data_;
+  size_t size_;
+};
+
+memory::desc Md(const memory::dims& dims, Tag tag) {
+  return memory::desc(dims, memory::data_type::f32, tag);
+}
+
+// A memory object without a buffer; each call points it at the caller's data.
+memory Unbound(const memory::desc& md, const dnnl::engine& engine) {
+  return memory(md, engine, DNNL_MEMORY_NONE);
+}
+
+// oneDNN only reads its source arguments, so dropping const is safe.
+void Bind(const memory& m, const void* data) { m.set_data_handle(const_cast<void*>(data)); }
+
+absl::Status CheckNonNull(absl::string_view op,
+                          std::initializer_list<std::pair<absl::string_view, const void*>> args) {
+  for (const auto& [name, ptr] : args) {
+    if (ptr == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is null"));
+  }
+  return absl::OkStatus();
+}
+
+// Builds an op, turning oneDNN's refusal of a shape into INVALID_ARGUMENT.
+template <typename Op, typename Make>
+absl::StatusOr<std::unique_ptr<Op>> Build(absl::string_view what, Make&& make) {
+  try {
+    return std::unique_ptr<Op>(make());
+  } catch (const dnnl::error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not supported by oneDNN: ", e.what()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+  }
+}
+
+// ---------------------------------------------------------------- Conv2D
+
+std::string Describe(const Conv2DShape& s) {
+  return absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)", s.batch,
+                         s.in_channels, s.height, s.width, s.out_channels, s.kernel_h, s.kernel_w,
+                         s.stride, s.padding);
+}
+
+absl::Status Validate(const Conv2DShape& s) {
+  if (s.batch <= 0 || s.in_channels <= 0 || s.height <= 0 || s.width <= 0 || s.out_channels <= 0 ||
+      s.kernel_h <= 0 || s.kernel_w <= 0) {
+    return absl::InvalidArgumentError(Describe(s) + ": all dimensions must be positive");
+  }
+  if (s.stride <= 0) return absl::InvalidArgumentError(Describe(s) + ": stride must be positive");
+  if (s.padding < 0) return absl::InvalidArgumentError(Describe(s) + ": padding is negative");
+  // int64 so that a huge padding cannot overflow the check.
+  if (s.kernel_h > int64_t{s.height} + 2 * int64_t{s.padding} ||
+      s.kernel_w > int64_t{s.width} + 2 * int64_t{s.padding}) {
+    return absl::InvalidArgumentError(Describe(s) + ": kernel is larger than the padded input");
+  }
+  return absl::OkStatus();
+}
+
+class DnnlConv2D final : public Conv2D {
+ public:
+  DnnlConv2D(std::shared_ptr<DnnlContext> ctx, const Conv2DShape& s) : ctx_(std::move(ctx)) {
+    const dnnl::engine& eng = ctx_->engine;
+    const auto x_md = Md({s.batch, s.in_channels, s.height, s.width}, Tag::nchw);
+    const auto w_md = Md({s.out_channels, s.in_channels, s.kernel_h, s.kernel_w}, Tag::oihw);
+    const auto b_md = Md({s.out_channels}, Tag::x);
+    const auto y_md = Md({s.batch, s.out_channels, s.out_height(), s.out_width()}, Tag::nchw);
+    const memory::dims strides = {s.stride, s.stride};
+    // oneDNN checks (in + pad_l + pad_r - k) / stride + 1 == out with the same
+    // floor as Conv2DShape, so symmetric padding is consistent.
+    const memory::dims pad = {s.padding, s.padding};
+    const auto algo = dnnl::algorithm::convolution_direct;
+
+    const dnnl::convolution_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng);
+    const dnnl::convolution_backward_data::primitive_desc bwd_data_pd(
+        {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_pd);
+    const dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd(
+        {algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng, fwd_pd);
+    fwd_ = dnnl::convolution_forward(fwd_pd);
+    bwd_data_ = dnnl::convolution_backward_data(bwd_data_pd);
+    bwd_weights_ = dnnl::convolution_backward_weights(bwd_weights_pd);
+
+    x_ = Unbound(x_md, eng), w_ = Unbound(w_md, eng), b_ = Unbound(b_md, eng);
+    y_ = Unbound(y_md, eng), dx_ = Unbound(x_md, eng), dw_ = Unbound(w_md, eng);
+    db_ = Unbound(b_md, eng), dy_ = Unbound(y_md, eng);
+    // The maps hold handles to the same memory objects, so Bind() updates them.
+    fwd_args_ = {
+        {DNNL_ARG_SRC, x_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_BIAS, b_}, {DNNL_ARG_DST, y_}};
+    bwd_data_args_ = {{DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_DIFF_SRC, dx_}};
+    bwd_weights_args_ = {{DNNL_ARG_SRC, x_},
+                         {DNNL_ARG_DIFF_DST, dy_},
+                         {DNNL_ARG_DIFF_WEIGHTS, dw_},
+                         {DNNL_ARG_DIFF_BIAS, db_}};
+  }
+
+  absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
+    if (auto s = CheckNonNull("Conv2D forward", {{"x", x}, {"w", w}, {"b", b}, {"y", y}});
+        !s.ok()) {
+      return s;
+    }
+    return ctx_->Run("Conv2D forward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(w_, w), Bind(b_, b), Bind(y_, y);
+      fwd_.execute(stream, fwd_args_);
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                        float* db) override {
+    if (auto s = CheckNonNull("Conv2D backward",
+                              {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}});
+        !s.ok()) {
+      return s;
+    }
+    return ctx_->Run("Conv2D backward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(w_, w), Bind(dy_, dy), Bind(dw_, dw), Bind(db_, db);
+      if (dx != nullptr) {  // null for a first layer: nothing consumes dx
+        Bind(dx_, dx);
+        bwd_data_.execute(stream, bwd_data_args_);
+      }
+      bwd_weights_.execute(stream, bwd_weights_args_);
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  dnnl::convolution_forward fwd_;
+  dnnl::convolution_backward_data bwd_data_;
+  dnnl::convolution_backward_weights bwd_weights_;
+  memory x_, w_, b_, y_, dx_, dw_, db_, dy_;
+  Args fwd_args_, bwd_data_args_, bwd_weights_args_;
+};
+
+// ---------------------------------------------------------------- MaxPool2D
+
+std::string Describe(const Pool2DShape& s) {
+  return absl::StrFormat("MaxPool2D(N=%d C=%d H=%d W=%d window=%d stride=%d)", s.batch, s.channels,
+                         s.height, s.width, s.window, s.stride);
+}
+
+absl::Status Validate(const Pool2DShape& s) {
+  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0 || s.window <= 0 ||
+      s.stride <= 0) {
+    return absl::InvalidArgumentError(Describe(s) + ": all dimensions must be positive");
+  }
+  if (s.window > s.height || s.window > s.width) {
+    return absl::InvalidArgumentError(Describe(s) + ": window is larger than the input");
+  }
+  return absl::OkStatus();
+}
+
+class DnnlMaxPool2D final : public MaxPool2D {
+ public:
+  DnnlMaxPool2D(std::shared_ptr<DnnlContext> ctx, const Pool2DShape& s) : ctx_(std::move(ctx)) {
+    const dnnl::engine& eng = ctx_->engine;
+    const auto x_md = Md({s.batch, s.channels, s.height, s.width}, Tag::nchw);
+    const auto y_md = Md({s.batch, s.channels, s.out_height(), s.out_width()}, Tag::nchw);
+    const memory::dims strides = {s.stride, s.stride}, kernel = {s.window, s.window};
+    const memory::dims pad = {0, 0};
+    const auto algo = dnnl::algorithm::pooling_max;
+
+    const dnnl::pooling_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, algo, x_md, y_md, strides, kernel, pad, pad}, eng);
+    const dnnl::pooling_backward::primitive_desc bwd_pd(
+        {algo, x_md, y_md, strides, kernel, pad, pad}, eng, fwd_pd);
+    fwd_ = dnnl::pooling_forward(fwd_pd);
+    bwd_ = dnnl::pooling_backward(bwd_pd);
+
+    // The arg-max positions of the latest Forward, read by Backward.
+    workspace_ = memory(fwd_pd.workspace_desc(), eng);
+    x_ = Unbound(x_md, eng), y_ = Unbound(y_md, eng);
+    dx_ = Unbound(x_md, eng), dy_ = Unbound(y_md, eng);
+    fwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DST, y_}, {DNNL_ARG_WORKSPACE, workspace_}};
+    bwd_args_ = {
+        {DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_DIFF_SRC, dx_}, {DNNL_ARG_WORKSPACE, workspace_}};
+  }
+
+  absl::Status Forward(const float* x, float* y) override {
+    if (auto s = CheckNonNull("MaxPool2D forward", {{"x", x}, {"y", y}}); !s.ok()) return s;
+    absl::Status status = ctx_->Run("MaxPool2D forward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(y_, y);
+      fwd_.execute(stream, fwd_args_);
+    });
+    has_workspace_ = status.ok();
+    return status;
+  }
+
+  absl::Status Backward(const float* dy, float* dx) override {
+    if (auto s = CheckNonNull("MaxPool2D backward", {{"dy", dy}, {"dx", dx}}); !s.ok()) return s;
+    if (!has_workspace_) {
+      return absl::FailedPreconditionError("MaxPool2D backward: no successful Forward before it");
+    }
+    return ctx_->Run("MaxPool2D backward", [&](dnnl::stream& stream) {
+      Bind(dy_, dy), Bind(dx_, dx);
+      bwd_.execute(stream, bwd_args_);
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  dnnl::pooling_forward fwd_;
+  dnnl::pooling_backward bwd_;
+  memory workspace_, x_, y_, dx_, dy_;
+  Args fwd_args_, bwd_args_;
+  bool has_workspace_ = false;
+};
+
+// ---------------------------------------------------------------- Relu
+
+class DnnlRelu final : public Relu {
+ public:
+  DnnlRelu(std::shared_ptr<DnnlContext> ctx, int64_t size) : ctx_(std::move(ctx)) {
+    const dnnl::engine& eng = ctx_->engine;
+    const auto md = Md({size}, Tag::x);
+    const auto algo = dnnl::algorithm::eltwise_relu;
+    const dnnl::eltwise_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, algo, md, /*alpha=*/0.f}, eng);
+    // Backward from the source (not dst), as the interface passes x.
+    const dnnl::eltwise_backward::primitive_desc bwd_pd({algo, md, md, /*alpha=*/0.f}, eng, fwd_pd);
+    fwd_ = dnnl::eltwise_forward(fwd_pd);
+    bwd_ = dnnl::eltwise_backward(bwd_pd);
+
+    x_ = Unbound(md, eng), y_ = Unbound(md, eng), dx_ = Unbound(md, eng), dy_ = Unbound(md, eng);
+    fwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DST, y_}};
+    bwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_DIFF_SRC, dx_}};
+  }
+
+  absl::Status Forward(const float* x, float* y) override {
+    if (auto s = CheckNonNull("Relu forward", {{"x", x}, {"y", y}}); !s.ok()) return s;
+    return ctx_->Run("Relu forward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(y_, y);
+      fwd_.execute(stream, fwd_args_);
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* dy, float* dx) override {
+    if (auto s = CheckNonNull("Relu backward", {{"x", x}, {"dy", dy}, {"dx", dx}}); !s.ok()) {
+      return s;
+    }
+    return ctx_->Run("Relu backward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(dy_, dy), Bind(dx_, dx);
+      bwd_.execute(stream, bwd_args_);
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  dnnl::eltwise_forward fwd_;
+  dnnl::eltwise_backward bwd_;
+  memory x_, y_, dx_, dy_;
+  Args fwd_args_, bwd_args_;
+};
+
+// ---------------------------------------------------------------- Dense
+
+class DnnlDense final : public Dense {
+ public:
+  DnnlDense(std::shared_ptr<DnnlContext> ctx, const DenseShape& s) : ctx_(std::move(ctx)) {
+    const dnnl::engine& eng = ctx_->engine;
+    const auto x_md = Md({s.batch, s.in_features}, Tag::nc);
+    const auto w_md = Md({s.out_features, s.in_features}, Tag::oi);
+    const auto b_md = Md({s.out_features}, Tag::x);
+    const auto y_md = Md({s.batch, s.out_features}, Tag::nc);
+
+    const dnnl::inner_product_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, x_md, w_md, b_md, y_md}, eng);
+    const dnnl::inner_product_backward_data::primitive_desc bwd_data_pd({x_md, w_md, y_md}, eng,
+                                                                        fwd_pd);
+    const dnnl::inner_product_backward_weights::primitive_desc bwd_weights_pd(
+        {x_md, w_md, b_md, y_md}, eng, fwd_pd);
+    fwd_ = dnnl::inner_product_forward(fwd_pd);
+    bwd_data_ = dnnl::inner_product_backward_data(bwd_data_pd);
+    bwd_weights_ = dnnl::inner_product_backward_weights(bwd_weights_pd);
+
+    x_ = Unbound(x_md, eng), w_ = Unbound(w_md, eng), b_ = Unbound(b_md, eng);
+    y_ = Unbound(y_md, eng), dx_ = Unbound(x_md, eng), dw_ = Unbound(w_md, eng);
+    db_ = Unbound(b_md, eng), dy_ = Unbound(y_md, eng);
+    fwd_args_ = {
+        {DNNL_ARG_SRC, x_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_BIAS, b_}, {DNNL_ARG_DST, y_}};
+    bwd_data_args_ = {{DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_DIFF_SRC, dx_}};
+    bwd_weights_args_ = {{DNNL_ARG_SRC, x_},
+                         {DNNL_ARG_DIFF_DST, dy_},
+                         {DNNL_ARG_DIFF_WEIGHTS, dw_},
+                         {DNNL_ARG_DIFF_BIAS, db_}};
+  }
+
+  absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
+    if (auto s = CheckNonNull("Dense forward", {{"x", x}, {"w", w}, {"b", b}, {"y", y}}); !s.ok()) {
+      return s;
+    }
+    return ctx_->Run("Dense forward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(w_, w), Bind(b_, b), Bind(y_, y);
+      fwd_.execute(stream, fwd_args_);
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                        float* db) override {
+    if (auto s = CheckNonNull("Dense backward",
+                              {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}});
+        !s.ok()) {
+      return s;
+    }
+    return ctx_->Run("Dense backward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(w_, w), Bind(dy_, dy), Bind(dw_, dw), Bind(db_, db);
+      if (dx != nullptr) {
+        Bind(dx_, dx);
+        bwd_data_.execute(stream, bwd_data_args_);
+      }
+      bwd_weights_.execute(stream, bwd_weights_args_);
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  dnnl::inner_product_forward fwd_;
+  dnnl::inner_product_backward_data bwd_data_;
+  dnnl::inner_product_backward_weights bwd_weights_;
+  memory x_, w_, b_, y_, dx_, dw_, db_, dy_;
+  Args fwd_args_, bwd_data_args_, bwd_weights_args_;
+};
+
+// ---------------------------------------------------------------- SoftmaxCrossEntropy
+
+class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
+ public:
+  DnnlSoftmaxCrossEntropy(std::shared_ptr<DnnlContext> ctx, int batch, int classes)
+      : ctx_(std::move(ctx)), batch_(batch), classes_(classes) {
+    const dnnl::engine& eng = ctx_->engine;
+    const auto md = Md({batch, classes}, Tag::nc);
+    const dnnl::softmax_forward::primitive_desc pd(
+        {dnnl::prop_kind::forward_inference, md, /*softmax_axis=*/1}, eng);
+    fwd_ = dnnl::softmax_forward(pd);
+    logits_ = Unbound(md, eng), probs_ = Unbound(md, eng);
+    args_ = {{DNNL_ARG_SRC, logits_}, {DNNL_ARG_DST, probs_}};
+  }
+
+  absl::StatusOr<Result> Forward(const float* logits, const int32_t* labels,
+                                 float* probs) override {
+    if (auto s = CheckNonNull("SoftmaxCrossEntropy forward",
+                              {{"logits", logits}, {"labels", labels}, {"probs", probs}});
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = CheckLabels("SoftmaxCrossEntropy forward", labels); !s.ok()) return s;
+    if (auto s = ctx_->Run("SoftmaxCrossEntropy forward",
+                           [&](dnnl::stream& stream) {
+                             Bind(logits_, logits), Bind(probs_, probs);
+                             fwd_.execute(stream, args_);
+                           });
+        !s.ok()) {
+      return s;
+    }
+    // The loss comes from the logits by log-sum-exp rather than from log(probs):
+    // exact even where a probability underflows to 0.
+    Result result;
+    double total = 0;
+    for (int i = 0; i < batch_; ++i) {
+      const float* row = logits + static_cast<size_t>(i) * classes_;
+      const int argmax = static_cast<int>(std::max_element(row, row + classes_) - row);
+      const double max = row[argmax];
+      double sum = 0;
+      for (int j = 0; j < classes_; ++j) sum += std::exp(double{row[j]} - max);
+      total += max + std::log(sum) - row[labels[i]];
+      if (argmax == labels[i]) ++result.correct;
+    }
+    result.loss = total / batch_;
+    return result;
+  }
+
+  absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) override {
+    if (auto s = CheckNonNull("SoftmaxCrossEntropy backward",
+                              {{"probs", probs}, {"labels", labels}, {"dlogits", dlogits}});
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = CheckLabels("SoftmaxCrossEntropy backward", labels); !s.ok()) return s;
+    const float scale = 1.0f / batch_;
+    for (int i = 0; i < batch_; ++i) {
+      const size_t row = static_cast<size_t>(i) * classes_;
+      for (int j = 0; j < classes_; ++j) {
+        const float onehot = j == labels[i] ? 1.0f : 0.0f;
+        dlogits[row + j] = (probs[row + j] - onehot) * scale;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status CheckLabels(absl::string_view op, const int32_t* labels) const {
+    for (int i = 0; i < batch_; ++i) {
+      if (labels[i] < 0 || labels[i] >= classes_) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: label %d of example %d is outside [0, %d)", op, labels[i], i, classes_));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<DnnlContext> ctx_;
+  const int batch_, classes_;
+  dnnl::softmax_forward fwd_;
+  memory logits_, probs_;
+  Args args_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------- CpuBackend
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(int threads) {
+  if (threads > 0) omp_set_num_threads(threads);
+  try {
+    auto ctx = std::make_shared<DnnlContext>(dnnl::engine(dnnl::engine::kind::cpu, 0));
+    return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(ctx)));
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(absl::StrCat("cannot create the oneDNN CPU engine: ", e.what()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("cannot create the CPU backend: ", e.what()));
+  }
+}
+
+CpuBackend::CpuBackend(std::shared_ptr<DnnlContext> ctx) : ctx_(std::move(ctx)) {}
+CpuBackend::~CpuBackend() = default;
+
+absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t floats) {
+  if (floats > (std::numeric_limits<size_t>::max() - kAlignment) / sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("Allocate: ", floats, " floats is too many"));
+  }
+  // aligned_alloc wants a multiple of the alignment; never ask for 0 bytes.
+  const size_t bytes =
+      std::max<size_t>(1, (floats * sizeof(float) + kAlignment - 1) / kAlignment) * kAlignment;
+  void* data = std::aligned_alloc(kAlignment, bytes);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("Allocate: out of memory for ", bytes, " bytes"));
+  }
+  // Zero-filled so that a read before the first write is deterministic.
+  std::memset(data, 0, bytes);
+  return std::make_unique<HostBuffer>(static_cast<float*>(data), floats);
+}
+
+absl::Status CpuBackend::CopyToDevice(const float* host, size_t floats, float* device) {
+  if (floats == 0) return absl::OkStatus();
+  if (auto s = CheckNonNull("CopyToDevice", {{"host", host}, {"device", device}}); !s.ok())
+    return s;
+  std::memcpy(device, host, floats * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyToHost(const float* device, size_t floats, float* host) {
+  if (floats == 0) return absl::OkStatus();
+  if (auto s = CheckNonNull("CopyToHost", {{"device", device}, {"host", host}}); !s.ok()) return s;
+  std::memcpy(host, device, floats * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DShape& shape) {
+  if (auto s = Validate(shape); !s.ok()) return s;
+  return Build<Conv2D>(Describe(shape), [&] { return std::make_unique<DnnlConv2D>(ctx_, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<MaxPool2D>> CpuBackend::CreateMaxPool2D(const Pool2DShape& shape) {
+  if (auto s = Validate(shape); !s.ok()) return s;
+  return Build<MaxPool2D>(Describe(shape),
+                          [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<Relu>> CpuBackend::CreateRelu(int64_t size) {
+  const std::string what = absl::StrCat("Relu(size=", size, ")");
+  if (size <= 0) return absl::InvalidArgumentError(what + ": size must be positive");
+  return Build<Relu>(what, [&] { return std::make_unique<DnnlRelu>(ctx_, size); });
+}
+
+absl::StatusOr<std::unique_ptr<Dense>> CpuBackend::CreateDense(const DenseShape& shape) {
+  const std::string what = absl::StrFormat("Dense(N=%d in=%d out=%d)", shape.batch,
+                                           shape.in_features, shape.out_features);
+  if (shape.batch <= 0 || shape.in_features <= 0 || shape.out_features <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  return Build<Dense>(what, [&] { return std::make_unique<DnnlDense>(ctx_, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CpuBackend::CreateSoftmaxCrossEntropy(
+    int batch, int classes) {
+  const std::string what = absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes);
+  if (batch <= 0 || classes <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  return Build<SoftmaxCrossEntropy>(
+      what, [&] { return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes); });
+}
+
+}  // namespace psflow::kernels

@@ -1,0 +1,61 @@
+// The CPU backend: kernels.h implemented on oneDNN (2.x API) over host memory.
+//
+// Each op builds its oneDNN primitives once, for its fixed shape and the plain
+// layouts of kernels.h (nchw, oihw, nc, oi, x), and on every call only
+// re-points its dnnl::memory handles at the caller's pointers. Buffers are
+// 64-byte aligned, zero-filled host memory; Copy* is memcpy and all work has
+// finished when an op returns, so Synchronize has nothing to wait for.
+//
+// Thread-safety: the backend is thread-safe. Its ops share one engine and one
+// stream; execution on that stream is serialized by a mutex, so different ops
+// may be called from different threads (one op object still must not be
+// executed concurrently: it keeps per-call state such as the pooling
+// workspace). Ops keep the engine alive, so they may outlive the backend.
+#ifndef PSFLOW_KERNELS_CPU_CPU_BACKEND_H_
+#define PSFLOW_KERNELS_CPU_CPU_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kernels.h"
+
+namespace psflow::kernels {
+
+namespace cpu_internal {
+struct DnnlContext;  // engine + stream + its mutex; defined in cpu_backend.cc
+}  // namespace cpu_internal
+
+class CpuBackend final : public Backend {
+ public:
+  // Fails (INTERNAL) only if oneDNN cannot create a CPU engine. `threads` > 0
+  // sets the OpenMP team size of the calling thread, which runs the ops.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(int threads = 0);
+  ~CpuBackend() override;
+
+  std::string name() const override { return "cpu"; }
+
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) override;
+  absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
+  absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) override;
+  absl::StatusOr<std::unique_ptr<MaxPool2D>> CreateMaxPool2D(const Pool2DShape& shape) override;
+  absl::StatusOr<std::unique_ptr<Relu>> CreateRelu(int64_t size) override;
+  absl::StatusOr<std::unique_ptr<Dense>> CreateDense(const DenseShape& shape) override;
+  absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
+      int batch, int classes) override;
+
+ private:
+  explicit CpuBackend(std::shared_ptr<cpu_internal::DnnlContext> ctx);
+
+  std::shared_ptr<cpu_internal::DnnlContext> ctx_;
+};
+
+}  // namespace psflow::kernels
+
+#endif  // PSFLOW_KERNELS_CPU_CPU_BACKEND_H_

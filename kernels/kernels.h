@@ -1,0 +1,141 @@
+// The compute-kernel interface shared by every backend (CPU on oneDNN, GPU on
+// cuDNN/cuBLAS). A backend creates op objects for one fixed shape; an op keeps
+// its primitives (and any workspace its backward pass needs) and is executed
+// many times. Layers create their ops once per batch size and reuse them.
+//
+// Memory: every float* handed to an op points into memory of the op's backend
+// (host memory for the CPU backend), allocated with Backend::Allocate. Tensors
+// are dense, fp32, row-major; images are NCHW.
+//
+// Errors: ops return absl::Status; exceptions from the underlying libraries
+// are caught inside the backend and never cross this interface.
+//
+// Thread-safety: a Backend may be shared by threads that create ops; a single
+// op object must not be executed concurrently from two threads.
+#ifndef PSFLOW_KERNELS_KERNELS_H_
+#define PSFLOW_KERNELS_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace psflow::kernels {
+
+// Device memory owned by a backend; freed on destruction.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual float* data() = 0;
+  virtual size_t size() const = 0;  // in floats
+};
+
+struct Conv2DShape {
+  int batch = 0;
+  int in_channels = 0, height = 0, width = 0;
+  int out_channels = 0, kernel_h = 0, kernel_w = 0;
+  int stride = 1, padding = 0;
+  int out_height() const { return (height + 2 * padding - kernel_h) / stride + 1; }
+  int out_width() const { return (width + 2 * padding - kernel_w) / stride + 1; }
+};
+
+// y = conv(x, w) + b. x: [N,C,H,W], w: [K,C,R,S] (OIHW), b: [K], y: [N,K,P,Q].
+class Conv2D {
+ public:
+  virtual ~Conv2D() = default;
+  virtual absl::Status Forward(const float* x, const float* w, const float* b, float* y) = 0;
+  // Writes (overwrites) dw and db, and dx unless it is null.
+  virtual absl::Status Backward(const float* x, const float* w, const float* dy, float* dx,
+                                float* dw, float* db) = 0;
+};
+
+struct Pool2DShape {
+  int batch = 0, channels = 0, height = 0, width = 0;
+  int window = 2, stride = 2;
+  int out_height() const { return (height - window) / stride + 1; }
+  int out_width() const { return (width - window) / stride + 1; }
+};
+
+// Max pooling without padding. Backward uses state kept by the latest Forward,
+// so call Backward only after Forward on the same input.
+class MaxPool2D {
+ public:
+  virtual ~MaxPool2D() = default;
+  virtual absl::Status Forward(const float* x, float* y) = 0;
+  virtual absl::Status Backward(const float* dy, float* dx) = 0;
+};
+
+// y = max(x, 0) elementwise over `size` floats.
+class Relu {
+ public:
+  virtual ~Relu() = default;
+  virtual absl::Status Forward(const float* x, float* y) = 0;
+  // dx = dy where x > 0, else 0. x is the forward input.
+  virtual absl::Status Backward(const float* x, const float* dy, float* dx) = 0;
+};
+
+struct DenseShape {
+  int batch = 0, in_features = 0, out_features = 0;
+};
+
+// y = x * w^T + b. x: [N,in], w: [out,in], b: [out], y: [N,out].
+class Dense {
+ public:
+  virtual ~Dense() = default;
+  virtual absl::Status Forward(const float* x, const float* w, const float* b, float* y) = 0;
+  // Writes (overwrites) dw and db, and dx unless it is null.
+  virtual absl::Status Backward(const float* x, const float* w, const float* dy, float* dx,
+                                float* dw, float* db) = 0;
+};
+
+// Softmax over `classes` logits per example followed by cross-entropy against
+// integer labels, averaged over the batch.
+class SoftmaxCrossEntropy {
+ public:
+  virtual ~SoftmaxCrossEntropy() = default;
+  struct Result {
+    double loss = 0;    // mean cross-entropy over the batch
+    int64_t correct = 0;  // examples whose arg-max logit equals the label
+  };
+  // probs receives the softmax output [N,classes]. labels are host memory,
+  // each in [0, classes); a label out of range is INVALID_ARGUMENT.
+  virtual absl::StatusOr<Result> Forward(const float* logits, const int32_t* labels,
+                                         float* probs) = 0;
+  // dlogits = (probs - onehot(labels)) / N.
+  virtual absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) = 0;
+};
+
+// A compute device. Creating an op for a shape that the backend cannot run is
+// INVALID_ARGUMENT.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) = 0;
+  // Copies between host memory and a buffer of this backend.
+  virtual absl::Status CopyToDevice(const float* host, size_t floats, float* device) = 0;
+  virtual absl::Status CopyToHost(const float* device, size_t floats, float* host) = 0;
+  // Blocks until all work submitted to this backend has finished.
+  virtual absl::Status Synchronize() = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<MaxPool2D>> CreateMaxPool2D(const Pool2DShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Relu>> CreateRelu(int64_t size) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Dense>> CreateDense(const DenseShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
+      int batch, int classes) = 0;
+};
+
+// Creates the backend for a device name: "cpu" (oneDNN). Unknown or
+// unavailable devices are INVALID_ARGUMENT / UNAVAILABLE with a message.
+// `threads` > 0 caps the CPU threads the calling thread's kernels use (the
+// CPU backend's OpenMP team); 0 keeps the library default (all cores).
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device, int threads = 0);
+
+}  // namespace psflow::kernels
+
+#endif  // PSFLOW_KERNELS_KERNELS_H_

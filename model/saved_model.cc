@@ -1,0 +1,90 @@
+#include "model/saved_model.h"
+
+#include <cstring>
+#include <filesystem>
+
+#include <zlib.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "common/tensor_chunks.h"
+#include "model/spec.h"
+
+namespace psflow::model {
+namespace {
+
+uint32_t Crc32(const std::string& bytes) {
+  return static_cast<uint32_t>(
+      crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+}
+
+}  // namespace
+
+absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int64_t global_step,
+                             const std::vector<std::vector<float>>& values) {
+  std::vector<VariableShape> vars = ModelVariables(spec);
+  if (vars.size() != values.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("saved model needs ", vars.size(), " variables, got ",
+                                                   values.size()));
+  }
+  SavedModel saved;
+  *saved.mutable_spec() = spec;
+  saved.set_global_step(global_step);
+  for (size_t i = 0; i < vars.size(); ++i) {
+    if (static_cast<int64_t>(values[i].size()) != NumElements(vars[i].shape)) {
+      return absl::InvalidArgumentError(absl::StrCat("variable '", vars[i].name, "' has ",
+                                                     values[i].size(), " values, expected ",
+                                                     NumElements(vars[i].shape)));
+    }
+    TensorProto* t = saved.add_variable();
+    t->set_name(vars[i].name);
+    t->set_dtype(DT_FLOAT);
+    for (int64_t d : vars[i].shape) t->add_shape(d);
+    t->set_data(reinterpret_cast<const char*>(values[i].data()), values[i].size() * sizeof(float));
+    t->set_crc32(Crc32(t->data()));
+  }
+  absl::Status s = MakeDirectories(dir);
+  if (!s.ok()) return s;
+  return WriteFileAtomically(absl::StrCat(dir, "/", kSavedModelFile), saved.SerializeAsString());
+}
+
+absl::StatusOr<LoadedModel> ReadSavedModel(const std::string& path) {
+  std::string file = std::filesystem::is_directory(path) ? absl::StrCat(path, "/", kSavedModelFile) : path;
+  absl::StatusOr<std::string> bytes = ReadFile(file);
+  if (!bytes.ok()) return absl::NotFoundError(absl::StrCat("no saved model at ", file));
+  SavedModel saved;
+  if (!saved.ParseFromString(*bytes)) {
+    return absl::DataLossError(absl::StrCat(file, " is not a psflow saved model (cannot parse)"));
+  }
+  absl::StatusOr<std::vector<ActivationShape>> valid = ValidateModelSpec(saved.spec());
+  if (!valid.ok()) {
+    return absl::DataLossError(absl::StrCat(file, ": invalid model spec: ", valid.status().message()));
+  }
+  std::vector<VariableShape> vars = ModelVariables(saved.spec());
+  if (static_cast<int>(vars.size()) != saved.variable_size()) {
+    return absl::DataLossError(absl::StrCat(file, ": ", saved.variable_size(), " variables, the spec has ",
+                                            vars.size()));
+  }
+  LoadedModel loaded;
+  loaded.spec = saved.spec();
+  loaded.global_step = saved.global_step();
+  for (size_t i = 0; i < vars.size(); ++i) {
+    const TensorProto& t = saved.variable(static_cast<int>(i));
+    std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+    if (t.name() != vars[i].name || shape != vars[i].shape || t.dtype() != DT_FLOAT ||
+        static_cast<int64_t>(t.data().size()) != NumElements(shape) * 4) {
+      return absl::DataLossError(absl::StrCat(file, ": variable ", i, " ('", t.name(),
+                                              "') does not match the spec's '", vars[i].name, "' ",
+                                              ShapeString(vars[i].shape)));
+    }
+    if (Crc32(t.data()) != t.crc32()) {
+      return absl::DataLossError(absl::StrCat(file, ": checksum mismatch in '", t.name(), "'"));
+    }
+    std::vector<float> v(NumElements(shape));
+    std::memcpy(v.data(), t.data().data(), t.data().size());
+    loaded.values.push_back(std::move(v));
+  }
+  return loaded;
+}
+
+}  // namespace psflow::model

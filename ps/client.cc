@@ -1,0 +1,115 @@
+#include "ps/client.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+
+namespace psflow {
+namespace {
+
+void Prepare(grpc::ClientContext* context, absl::Time deadline) {
+  context->set_deadline(absl::ToChronoTime(deadline));
+  context->set_wait_for_ready(true);
+}
+
+absl::Status WithPs(int ps, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
+}
+
+}  // namespace
+
+PsClient::PsClient(const std::vector<std::string>& addresses) {
+  for (const std::string& a : addresses) stubs_.push_back(ParameterServer::NewStub(MakeChannel(a)));
+}
+
+absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+                            absl::Time deadline) {
+  grpc::ClientContext context;
+  Prepare(&context, deadline);
+  InitResponse response;
+  std::unique_ptr<grpc::ClientWriter<InitRequest>> writer = stubs_[ps]->Init(&context, &response);
+  InitRequest request;
+  *request.mutable_header() = header;
+  ChunkSplitter splitter(std::move(tensors), kChunkBytes);
+  bool more = true;
+  bool first = true;
+  while (more) {
+    more = splitter.Next(request.mutable_chunk());
+    if (!more && !first) break;
+    if (!writer->Write(request)) break;  // the status below says why
+    request.Clear();
+    first = false;
+  }
+  writer->WritesDone();
+  return WithPs(ps, FromGrpcStatus(writer->Finish()));
+}
+
+absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int64_t min_version,
+                                                    std::vector<TensorSink> sinks, absl::Time deadline) {
+  grpc::ClientContext context;
+  Prepare(&context, deadline);
+  PullRequest request;
+  request.set_job_id(job_id);
+  request.set_min_version(min_version);
+  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stubs_[ps]->Pull(&context, request);
+  ChunkAssembler assembler(std::move(sinks));
+  PullResponse response;
+  PullResult result;
+  bool first = true;
+  absl::Status bad;
+  while (reader->Read(&response)) {
+    if (!bad.ok()) continue;  // drain so Finish() returns
+    if (first) {
+      result.version = response.version();
+      result.wait_us = response.wait_us();
+      first = false;
+    } else if (response.version() != result.version) {
+      bad = absl::DataLossError("pull answer mixes versions");
+    }
+    for (const TensorChunk& chunk : response.chunk()) {
+      if (!bad.ok()) break;
+      bad = assembler.Add(chunk);
+    }
+  }
+  absl::Status s = FromGrpcStatus(reader->Finish());
+  if (!s.ok()) return WithPs(ps, s);
+  if (!bad.ok()) return WithPs(ps, absl::DataLossError(bad.message()));
+  s = assembler.Finish();
+  if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
+  return result;
+}
+
+absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+                                            absl::Time deadline) {
+  grpc::ClientContext context;
+  Prepare(&context, deadline);
+  PushResponse response;
+  std::unique_ptr<grpc::ClientWriter<PushRequest>> writer = stubs_[ps]->Push(&context, &response);
+  PushRequest request;
+  *request.mutable_header() = header;
+  ChunkSplitter splitter(std::move(grads), kChunkBytes);
+  bool first = true;
+  while (true) {
+    bool more = splitter.Next(request.mutable_chunk());
+    if (!more && !first) break;
+    if (!writer->Write(request)) break;
+    request.Clear();
+    first = false;
+    if (!more) break;
+  }
+  writer->WritesDone();
+  absl::Status s = FromGrpcStatus(writer->Finish());
+  if (!s.ok()) return WithPs(ps, s);
+  return response;
+}
+
+absl::Status PsClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
+  grpc::ClientContext context;
+  Prepare(&context, deadline);
+  ShutdownRequest request;
+  request.set_job_id(job_id);
+  ShutdownResponse response;
+  return WithPs(ps, FromGrpcStatus(stubs_[ps]->Shutdown(&context, request, &response)));
+}
+
+}  // namespace psflow

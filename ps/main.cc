@@ -1,0 +1,64 @@
+// psflow-ps: a parameter server. Holds variable slices for the job the chief
+// loads onto it, applies the optimizer, and exits 0 when the chief says the
+// job is done (or 143 on SIGTERM, after in-flight calls finish).
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <memory>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/cluster_flags.h"
+#include "common/grpc_util.h"
+#include "common/log.h"
+#include "common/signals.h"
+#include "ps/service.h"
+#include "ps/shard.h"
+
+int main(int argc, char** argv) {
+  psflow::BlockTerminationSignals();
+  psflow::ParseFlagsOrExit(
+      argc, argv,
+      "psflow-ps: a parameter server of a psflow job.\n\n"
+      "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow), or CLUSTER_CONFIG and\n"
+      "POD_NAME. Example:\n"
+      "  psflow-ps --job_name=ps --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"
+      "            --worker_hosts=h2:2222\n"
+      "The job itself (model, optimizer, placement) comes from the chief.");
+  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kPs);
+  psflow::SetLogTag(absl::StrCat("ps", config.task_index));
+
+  psflow::ps::Shard shard;
+  absl::Notification stop;
+  std::once_flag stop_once;
+  std::atomic<int> exit_code{0};
+  auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
+  psflow::ps::PsService service(config.task_index, &shard, request_stop);
+  psflow::WatchTerminationSignals([&](int sig) {
+    PSLOG(INFO) << "signal " << sig << ": finishing in-flight calls and exiting";
+    exit_code = 128 + sig;
+    request_stop();
+  });
+
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort(absl::StrCat("0.0.0.0:", config.self_port), grpc::InsecureServerCredentials(),
+                           &bound_port);
+  psflow::ConfigureServer(&builder);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound_port == 0) {
+    std::fprintf(stderr, "psflow-ps: cannot listen on port %d\n", config.self_port);
+    return 1;
+  }
+  PSLOG(INFO) << "listening on " << config.self_address << " (port " << bound_port << ")";
+  stop.WaitForNotification();
+  shard.Shutdown();  // wakes waiting pulls so the server can drain
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  psflow::ps::Shard::Stats stats = shard.stats();
+  PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
+              << ", duplicates " << stats.duplicate << ")";
+  return exit_code;
+}

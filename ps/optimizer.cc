@@ -1,0 +1,89 @@
+#include "ps/optimizer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace psflow::ps {
+namespace {
+
+class Sgd : public Optimizer {
+ public:
+  explicit Sgd(float lr) : lr_(lr) {}
+  std::vector<std::string> SlotNames() const override { return {}; }
+  void Apply(int64_t, float* w, const float* g, int64_t n, const std::vector<float*>&) const override {
+    for (int64_t i = 0; i < n; ++i) w[i] -= lr_ * g[i];
+  }
+
+ private:
+  float lr_;
+};
+
+class Momentum : public Optimizer {
+ public:
+  Momentum(float lr, float mu) : lr_(lr), mu_(mu) {}
+  std::vector<std::string> SlotNames() const override { return {"momentum"}; }
+  void Apply(int64_t, float* w, const float* g, int64_t n, const std::vector<float*>& slots) const override {
+    float* buf = slots[0];
+    for (int64_t i = 0; i < n; ++i) {
+      buf[i] = mu_ * buf[i] + g[i];
+      w[i] -= lr_ * buf[i];
+    }
+  }
+
+ private:
+  float lr_, mu_;
+};
+
+class Adam : public Optimizer {
+ public:
+  Adam(float lr, float b1, float b2, float eps) : lr_(lr), b1_(b1), b2_(b2), eps_(eps) {}
+  std::vector<std::string> SlotNames() const override { return {"m", "v"}; }
+  void Apply(int64_t step, float* w, const float* g, int64_t n, const std::vector<float*>& slots) const override {
+    float* m = slots[0];
+    float* v = slots[1];
+    const double t = static_cast<double>(step + 1);
+    const float c1 = static_cast<float>(1.0 - std::pow(b1_, t));
+    const float c2 = static_cast<float>(std::sqrt(1.0 - std::pow(b2_, t)));
+    const float step_size = lr_ / c1;
+    for (int64_t i = 0; i < n; ++i) {
+      m[i] = b1_ * m[i] + (1 - b1_) * g[i];
+      v[i] = b2_ * v[i] + (1 - b2_) * g[i] * g[i];
+      w[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps_);
+    }
+  }
+
+ private:
+  float lr_, b1_, b2_, eps_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConfig& config) {
+  const float lr = config.learning_rate();
+  if (!(lr > 0) || !std::isfinite(lr)) {
+    return absl::InvalidArgumentError(absl::StrCat("learning rate must be positive, got ", lr));
+  }
+  switch (config.kind()) {
+    case OptimizerConfig::SGD:
+      return std::make_unique<Sgd>(lr);
+    case OptimizerConfig::MOMENTUM: {
+      float mu = config.momentum() == 0 ? 0.9f : config.momentum();
+      if (!(mu > 0 && mu < 1)) return absl::InvalidArgumentError("momentum must be in (0, 1)");
+      return std::make_unique<Momentum>(lr, mu);
+    }
+    case OptimizerConfig::ADAM: {
+      float b1 = config.beta1() == 0 ? 0.9f : config.beta1();
+      float b2 = config.beta2() == 0 ? 0.999f : config.beta2();
+      float eps = config.epsilon() == 0 ? 1e-8f : config.epsilon();
+      if (!(b1 > 0 && b1 < 1 && b2 > 0 && b2 < 1 && eps > 0)) {
+        return absl::InvalidArgumentError("adam needs beta1, beta2 in (0, 1) and epsilon > 0");
+      }
+      return std::make_unique<Adam>(lr, b1, b2, eps);
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown optimizer kind ", config.kind()));
+  }
+}
+
+}  // namespace psflow::ps

@@ -1,0 +1,126 @@
+#include "ps/service.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+#include "common/log.h"
+#include "common/tensor_chunks.h"
+
+namespace psflow::ps {
+
+PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown)
+    : ps_index_(ps_index), shard_(shard), on_shutdown_(std::move(on_shutdown)) {}
+
+grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
+                             InitResponse* response) {
+  InitRequest request;
+  if (!reader->Read(&request) || !request.has_header()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("init stream must start with a header"));
+  }
+  const InitHeader header = request.header();
+  if (header.ps_index() != ps_index_) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps_index_)));
+  }
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
+  if (!opt.ok()) return ToGrpcStatus(opt.status());
+  const std::vector<std::string> slot_names = (*opt)->SlotNames();
+  std::vector<Shard::SliceValues> values(header.slice_size());
+  std::vector<TensorSink> sinks;
+  for (int i = 0; i < header.slice_size(); ++i) {
+    const SliceSpec& s = header.slice(i);
+    const int64_t n = NumElements(s.shape());
+    if (n <= 0 || n > (int64_t{1} << 31)) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("slice '", s.name(), "' has shape ",
+                                                                  ShapeString(s.shape()))));
+    }
+    std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
+    values[i].value.resize(n);
+    sinks.push_back({s.name(), "", shape, values[i].value.data(), true});
+    values[i].slots.resize(slot_names.size());
+    for (size_t k = 0; k < slot_names.size(); ++k) {
+      values[i].slots[k].assign(n, 0.0f);
+      sinks.push_back({s.name(), slot_names[k], shape, values[i].slots[k].data(), false});
+    }
+  }
+  ChunkAssembler assembler(std::move(sinks));
+  do {
+    for (const TensorChunk& chunk : request.chunk()) {
+      absl::Status s = assembler.Add(chunk);
+      if (!s.ok()) return ToGrpcStatus(s);
+    }
+  } while (reader->Read(&request));
+  absl::Status s = assembler.Finish();
+  if (s.ok()) s = shard_->Init(header, std::move(values));
+  if (!s.ok()) return ToGrpcStatus(s);
+  PSLOG(INFO) << "holding " << header.slice_size() << " slices of job " << header.job_id()
+              << " at version " << header.version() << " for " << header.live_workers_size()
+              << " workers";
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* request,
+                             grpc::ServerWriter<PullResponse>* writer) {
+  absl::StatusOr<Shard::Snapshot> snap =
+      shard_->Pull(request->job_id(), request->min_version(), absl::FromChrono(context->deadline()),
+                   [context] { return context->IsCancelled(); });
+  if (!snap.ok()) return ToGrpcStatus(snap.status());
+  std::vector<TensorRef> refs;
+  for (size_t i = 0; i < snap->slices.size(); ++i) {
+    const SliceSpec& s = snap->slices[i];
+    refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, snap->values[i].data()});
+  }
+  ChunkSplitter splitter(std::move(refs), kChunkBytes);
+  PullResponse response;
+  response.set_version(snap->version);
+  response.set_wait_us(absl::ToInt64Microseconds(snap->waited));
+  while (splitter.Next(response.mutable_chunk())) {
+    if (!writer->Write(response)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    response.clear_chunk();
+    response.clear_wait_us();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
+                             PushResponse* response) {
+  PushRequest request;
+  if (!reader->Read(&request) || !request.has_header()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("push stream must start with a header"));
+  }
+  const PushHeader header = request.header();
+  absl::StatusOr<std::vector<SliceSpec>> slices = shard_->Slices(header.job_id());
+  if (!slices.ok()) return ToGrpcStatus(slices.status());
+  std::vector<std::vector<float>> grads(slices->size());
+  std::vector<TensorSink> sinks;
+  for (size_t i = 0; i < slices->size(); ++i) {
+    const SliceSpec& s = (*slices)[i];
+    grads[i].resize(NumElements(s.shape()));
+    sinks.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, grads[i].data(), true});
+  }
+  ChunkAssembler assembler(std::move(sinks));
+  do {
+    for (const TensorChunk& chunk : request.chunk()) {
+      absl::Status s = assembler.Add(chunk);
+      if (!s.ok()) return ToGrpcStatus(s);
+    }
+  } while (reader->Read(&request));
+  absl::Status s = assembler.Finish();
+  if (!s.ok()) return ToGrpcStatus(s);
+  absl::StatusOr<PushResponse::Outcome> outcome =
+      shard_->Push(header.job_id(), header.worker(), header.step(), std::move(grads));
+  if (!outcome.ok()) return ToGrpcStatus(outcome.status());
+  response->set_outcome(*outcome);
+  response->set_version(shard_->stats().version);
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
+                                 ShutdownResponse* response) {
+  if (!shard_->Slices(request->job_id()).ok()) {
+    return ToGrpcStatus(absl::FailedPreconditionError("shutdown names another job"));
+  }
+  on_shutdown_();
+  return grpc::Status::OK;
+}
+
+}  // namespace psflow::ps

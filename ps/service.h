@@ -1,0 +1,38 @@
+// The gRPC face of a parameter server: ParameterServer::Service over a Shard.
+// Turns streams of TensorChunks into checked slices and back; every problem
+// with a request becomes an error status for that call only.
+#ifndef PSFLOW_PS_SERVICE_H_
+#define PSFLOW_PS_SERVICE_H_
+
+#include <functional>
+
+#include "proto/ps.grpc.pb.h"
+#include "ps/shard.h"
+
+namespace psflow::ps {
+
+class PsService final : public ParameterServer::Service {
+ public:
+  // `ps_index` is this server's task index: an Init for another index is
+  // refused. `on_shutdown` is called for an accepted Shutdown; it
+  // must only signal (the caller stops the server, letting this call finish).
+  PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown);
+
+  grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
+                    InitResponse* response) override;
+  grpc::Status Pull(grpc::ServerContext* context, const PullRequest* request,
+                    grpc::ServerWriter<PullResponse>* writer) override;
+  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
+                    PushResponse* response) override;
+  grpc::Status Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
+                        ShutdownResponse* response) override;
+
+ private:
+  int ps_index_;
+  Shard* shard_;
+  std::function<void()> on_shutdown_;
+};
+
+}  // namespace psflow::ps
+
+#endif  // PSFLOW_PS_SERVICE_H_

@@ -1,0 +1,164 @@
+#include "ps/shard.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/tensor_chunks.h"
+
+namespace psflow::ps {
+
+absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> values) {
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
+  if (!opt.ok()) return opt.status();
+  if (static_cast<int>(values.size()) != header.slice_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("init has ", values.size(), " slices of values for ",
+                                                   header.slice_size(), " slices"));
+  }
+  if (header.live_workers_size() == 0) return absl::InvalidArgumentError("init names no live workers");
+  const std::vector<std::string> slot_names = (*opt)->SlotNames();
+  for (int i = 0; i < header.slice_size(); ++i) {
+    const int64_t n = NumElements(header.slice(i).shape());
+    SliceValues& v = values[i];
+    if (static_cast<int64_t>(v.value.size()) != n) {
+      return absl::InvalidArgumentError(absl::StrCat("slice '", header.slice(i).name(), "' has ",
+                                                     v.value.size(), " values, expected ", n));
+    }
+    v.slots.resize(slot_names.size());
+    for (auto& slot : v.slots) {
+      if (slot.empty()) slot.assign(n, 0.0f);
+      if (static_cast<int64_t>(slot.size()) != n) {
+        return absl::InvalidArgumentError(absl::StrCat("slot of '", header.slice(i).name(), "' has the wrong size"));
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("ps is shutting down");
+  initialized_ = true;
+  job_id_ = header.job_id();
+  slices_.assign(header.slice().begin(), header.slice().end());
+  values_ = std::move(values);
+  optimizer_ = *std::move(opt);
+  live_workers_ = absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
+  sum_.clear();
+  for (const SliceSpec& s : slices_) sum_.emplace_back(NumElements(s.shape()), 0.0f);
+  pushed_.clear();
+  stats_ = Stats{};
+  stats_.version = header.version();
+  version_changed_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::Status Shard::CheckJobLocked(uint64_t job_id) const {
+  if (shutdown_) return absl::UnavailableError("ps is shutting down");
+  if (!initialized_) return absl::FailedPreconditionError("ps holds no job yet");
+  if (job_id != job_id_) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not the job this ps holds"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SliceSpec>> Shard::Slices(uint64_t job_id) const {
+  absl::MutexLock lock(&mu_);
+  absl::Status s = CheckJobLocked(job_id);
+  if (!s.ok()) return s;
+  return slices_;
+}
+
+absl::StatusOr<Shard::Snapshot> Shard::Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
+                                            const std::function<bool()>& cancelled) {
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  absl::Status s = CheckJobLocked(job_id);
+  if (!s.ok()) return s;
+  while (stats_.version < min_version) {
+    if (cancelled && cancelled()) return absl::CancelledError("pull cancelled");
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("version ", min_version, " not reached; ps is at ",
+                                                      stats_.version));
+    }
+    // Bounded wait so that a cancelled call is noticed; progress itself is signalled.
+    version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
+    if (shutdown_) return absl::UnavailableError("ps is shutting down");
+    if (job_id != job_id_) return absl::AbortedError("the job was replaced while waiting");
+  }
+  Snapshot snap;
+  snap.version = stats_.version;
+  snap.waited = absl::Now() - start;
+  snap.slices = slices_;
+  snap.values.reserve(values_.size());
+  for (const SliceValues& v : values_) snap.values.push_back(v.value);
+  return snap;
+}
+
+absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
+                                                  std::vector<std::vector<float>> grads) {
+  absl::MutexLock lock(&mu_);
+  absl::Status s = CheckJobLocked(job_id);
+  if (!s.ok()) return s;
+  if (!live_workers_.contains(worker)) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker, " is not a live member of the job"));
+  }
+  if (step < stats_.version) {
+    ++stats_.stale;
+    return PushResponse::STALE;
+  }
+  if (step > stats_.version) {
+    return absl::FailedPreconditionError(absl::StrCat("push for step ", step, " but the ps is at version ",
+                                                      stats_.version));
+  }
+  if (pushed_.contains(worker)) {
+    ++stats_.duplicate;
+    return PushResponse::DUPLICATE;
+  }
+  if (grads.size() != sum_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("push has ", grads.size(), " slices, the ps holds ", sum_.size()));
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].size() != sum_[i].size()) {
+      return absl::InvalidArgumentError(absl::StrCat("gradient of '", slices_[i].name(), "' has ",
+                                                     grads[i].size(), " values, expected ", sum_[i].size()));
+    }
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    float* sum = sum_[i].data();
+    const float* g = grads[i].data();
+    for (size_t j = 0; j < grads[i].size(); ++j) sum[j] += g[j];
+  }
+  pushed_.insert(worker);
+  bool all = std::all_of(live_workers_.begin(), live_workers_.end(),
+                         [this](int w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pushed_.contains(w); });
+  if (all) ApplyLocked();
+  return PushResponse::ACCEPTED;
+}
+
+void Shard::ApplyLocked() {
+  const float scale = 1.0f / static_cast<float>(pushed_.size());
+  std::vector<float*> slots;
+  for (size_t i = 0; i < values_.size(); ++i) {
+    std::vector<float>& sum = sum_[i];
+    for (float& g : sum) g *= scale;
+    slots.clear();
+    for (auto& slot : values_[i].slots) slots.push_back(slot.data());
+    optimizer_->Apply(stats_.version, values_[i].value.data(), sum.data(),
+                      static_cast<int64_t>(sum.size()), slots);
+    std::fill(sum.begin(), sum.end(), 0.0f);
+  }
+  pushed_.clear();
+  ++stats_.version;
+  ++stats_.applied;
+  version_changed_.SignalAll();
+}
+
+void Shard::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  shutdown_ = true;
+  version_changed_.SignalAll();
+}
+
+Shard::Stats Shard::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace psflow::ps

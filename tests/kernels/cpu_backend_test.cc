@@ -1,0 +1,687 @@
+// Tests of the oneDNN CPU backend: every op forward and backward against plain
+// loop references, finite-difference gradient checks, primitive reuse with
+// re-pointed memory, and the error paths.
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/kernels.h"
+
+namespace psflow::kernels {
+namespace {
+
+using ::testing::HasSubstr;
+using Ref = std::vector<double>;
+
+std::vector<float> Random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& f : v) f = dist(gen);
+  return v;
+}
+
+// Expects |got - want| <= rtol * (1 + |want|) elementwise; reports the first few misses.
+void ExpectClose(const std::vector<float>& got, const Ref& want, const std::string& what,
+                 double rtol = 1e-4) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(std::abs(got[i] - want[i]) <= rtol * (1 + std::abs(want[i])))) {
+      if (++bad <= 5)
+        ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " elements differ";
+}
+
+// ------------------------------------------------------------ references
+
+size_t Idx(int a, int b, int c, int d, int B, int C, int D) {
+  return ((static_cast<size_t>(a) * B + b) * C + c) * D + d;
+}
+
+Ref ConvForwardRef(const Conv2DShape& s, const std::vector<float>& x, const std::vector<float>& w,
+                   const std::vector<float>& b) {
+  const int P = s.out_height(), Q = s.out_width();
+  Ref y(static_cast<size_t>(s.batch) * s.out_channels * P * Q);
+  for (int n = 0; n < s.batch; ++n)
+    for (int k = 0; k < s.out_channels; ++k)
+      for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) {
+          double acc = b[k];
+          for (int c = 0; c < s.in_channels; ++c)
+            for (int r = 0; r < s.kernel_h; ++r)
+              for (int t = 0; t < s.kernel_w; ++t) {
+                const int ih = p * s.stride - s.padding + r, iw = q * s.stride - s.padding + t;
+                if (ih < 0 || ih >= s.height || iw < 0 || iw >= s.width) continue;
+                acc += double{x[Idx(n, c, ih, iw, s.in_channels, s.height, s.width)]} *
+                       w[Idx(k, c, r, t, s.in_channels, s.kernel_h, s.kernel_w)];
+              }
+          y[Idx(n, k, p, q, s.out_channels, P, Q)] = acc;
+        }
+  return y;
+}
+
+struct Grads {
+  Ref dx, dw, db;
+};
+
+Grads ConvBackwardRef(const Conv2DShape& s, const std::vector<float>& x,
+                      const std::vector<float>& w, const std::vector<float>& dy) {
+  const int P = s.out_height(), Q = s.out_width();
+  Grads g{Ref(x.size()), Ref(w.size()), Ref(s.out_channels)};
+  for (int n = 0; n < s.batch; ++n)
+    for (int k = 0; k < s.out_channels; ++k)
+      for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) {
+          const double d = dy[Idx(n, k, p, q, s.out_channels, P, Q)];
+          g.db[k] += d;
+          for (int c = 0; c < s.in_channels; ++c)
+            for (int r = 0; r < s.kernel_h; ++r)
+              for (int t = 0; t < s.kernel_w; ++t) {
+                const int ih = p * s.stride - s.padding + r, iw = q * s.stride - s.padding + t;
+                if (ih < 0 || ih >= s.height || iw < 0 || iw >= s.width) continue;
+                const size_t xi = Idx(n, c, ih, iw, s.in_channels, s.height, s.width);
+                const size_t wi = Idx(k, c, r, t, s.in_channels, s.kernel_h, s.kernel_w);
+                g.dx[xi] += d * w[wi];
+                g.dw[wi] += d * x[xi];
+              }
+        }
+  return g;
+}
+
+// Forward and backward of max pooling; backward routes dy to the first maximum.
+void PoolRef(const Pool2DShape& s, const std::vector<float>& x, const std::vector<float>& dy,
+             Ref* y, Ref* dx) {
+  const int P = s.out_height(), Q = s.out_width();
+  y->assign(static_cast<size_t>(s.batch) * s.channels * P * Q, 0);
+  dx->assign(x.size(), 0);
+  for (int n = 0; n < s.batch; ++n)
+    for (int c = 0; c < s.channels; ++c)
+      for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) {
+          size_t best = Idx(n, c, p * s.stride, q * s.stride, s.channels, s.height, s.width);
+          for (int r = 0; r < s.window; ++r)
+            for (int t = 0; t < s.window; ++t) {
+              const size_t i =
+                  Idx(n, c, p * s.stride + r, q * s.stride + t, s.channels, s.height, s.width);
+              if (x[i] > x[best]) best = i;
+            }
+          const size_t o = Idx(n, c, p, q, s.channels, P, Q);
+          (*y)[o] = x[best];
+          if (!dy.empty()) (*dx)[best] += dy[o];
+        }
+}
+
+Ref DenseForwardRef(const DenseShape& s, const std::vector<float>& x, const std::vector<float>& w,
+                    const std::vector<float>& b) {
+  Ref y(static_cast<size_t>(s.batch) * s.out_features);
+  for (int n = 0; n < s.batch; ++n)
+    for (int o = 0; o < s.out_features; ++o) {
+      double acc = b[o];
+      for (int i = 0; i < s.in_features; ++i)
+        acc += double{x[n * s.in_features + i]} * w[o * s.in_features + i];
+      y[n * s.out_features + o] = acc;
+    }
+  return y;
+}
+
+Grads DenseBackwardRef(const DenseShape& s, const std::vector<float>& x,
+                       const std::vector<float>& w, const std::vector<float>& dy) {
+  Grads g{Ref(x.size()), Ref(w.size()), Ref(s.out_features)};
+  for (int n = 0; n < s.batch; ++n)
+    for (int o = 0; o < s.out_features; ++o) {
+      const double d = dy[n * s.out_features + o];
+      g.db[o] += d;
+      for (int i = 0; i < s.in_features; ++i) {
+        g.dx[n * s.in_features + i] += d * w[o * s.in_features + i];
+        g.dw[o * s.in_features + i] += d * x[n * s.in_features + i];
+      }
+    }
+  return g;
+}
+
+// ------------------------------------------------------------ fixture
+
+class CpuBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto backend = CreateBackend("cpu");
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = std::move(*backend);
+  }
+
+  std::unique_ptr<Buffer> Upload(const std::vector<float>& host) {
+    auto buffer = backend_->Allocate(host.size()).value();
+    EXPECT_TRUE(backend_->CopyToDevice(host.data(), host.size(), buffer->data()).ok());
+    return buffer;
+  }
+  // A buffer of n copies of `value` (garbage that an overwriting op must replace).
+  std::unique_ptr<Buffer> Filled(size_t n, float value) {
+    return Upload(std::vector<float>(n, value));
+  }
+  std::vector<float> Download(Buffer& buffer) {
+    std::vector<float> host(buffer.size());
+    EXPECT_TRUE(backend_->CopyToHost(buffer.data(), host.size(), host.data()).ok());
+    return host;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
+
+// Central differences of loss() with respect to each of param[0, n), against
+// `analytic`. CPU buffers are host memory, so the test perturbs them in place.
+// The step actually taken (after rounding to float) is the denominator.
+void CheckGradient(const std::string& what, float* param, size_t n,
+                   const std::function<double()>& loss, const std::vector<float>& analytic,
+                   float eps, double atol = 2e-3, double rtol = 1e-2) {
+  ASSERT_EQ(analytic.size(), n) << what;
+  for (size_t i = 0; i < n; ++i) {
+    const float orig = param[i], hi = orig + eps, lo = orig - eps;
+    param[i] = hi;
+    const double loss_hi = loss();
+    param[i] = lo;
+    const double loss_lo = loss();
+    param[i] = orig;
+    const double numeric = (loss_hi - loss_lo) / (double{hi} - double{lo});
+    EXPECT_NEAR(analytic[i], numeric, atol + rtol * std::abs(numeric)) << what << "[" << i << "]";
+  }
+}
+
+double Dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double sum = 0;
+  for (size_t i = 0; i < a.size(); ++i) sum += double{a[i]} * b[i];
+  return sum;
+}
+
+// ------------------------------------------------------------ backend basics
+
+TEST_F(CpuBackendTest, NameAndUnknownDevice) {
+  EXPECT_EQ(backend_->name(), "cpu");
+  auto tpu = CreateBackend("tpu");
+  ASSERT_FALSE(tpu.ok());
+  EXPECT_EQ(tpu.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tpu.status().message(), HasSubstr("unknown device 'tpu'"));
+  EXPECT_THAT(tpu.status().message(), HasSubstr("supports: cpu"));
+}
+
+TEST_F(CpuBackendTest, AllocateAndCopy) {
+  auto buffer = backend_->Allocate(1001).value();
+  EXPECT_EQ(buffer->size(), 1001u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer->data()) % 64, 0u);
+  EXPECT_EQ(Download(*buffer), std::vector<float>(1001, 0.0f));
+  const std::vector<float> host = Random(1001, 1);
+  ASSERT_TRUE(backend_->CopyToDevice(host.data(), host.size(), buffer->data()).ok());
+  EXPECT_EQ(Download(*buffer), host);
+  EXPECT_TRUE(backend_->Synchronize().ok());
+
+  auto empty = backend_->Allocate(0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ((*empty)->size(), 0u);
+  EXPECT_EQ(backend_->CopyToDevice(nullptr, 4, buffer->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// ------------------------------------------------------------ Conv2D
+
+// A named shape for parameterized tests; the name labels the test and its failures.
+template <typename Shape>
+struct Case {
+  const char* name;
+  Shape shape;
+};
+template <typename Shape>
+void PrintTo(const Case<Shape>& c, std::ostream* os) {
+  *os << c.name;
+}
+template <typename Shape>
+std::string CaseName(const ::testing::TestParamInfo<Case<Shape>>& info) {
+  return info.param.name;
+}
+
+using ConvCase = Case<Conv2DShape>;
+class ConvTest : public CpuBackendTest, public ::testing::WithParamInterface<ConvCase> {};
+
+TEST_P(ConvTest, ForwardAndBackwardMatchReference) {
+  const Conv2DShape& s = GetParam().shape;
+  auto conv = backend_->CreateConv2D(s);
+  ASSERT_TRUE(conv.ok()) << conv.status();
+  const size_t nx = static_cast<size_t>(s.batch) * s.in_channels * s.height * s.width;
+  const size_t nw = static_cast<size_t>(s.out_channels) * s.in_channels * s.kernel_h * s.kernel_w;
+  const size_t ny = static_cast<size_t>(s.batch) * s.out_channels * s.out_height() * s.out_width();
+  const auto x = Random(nx, 1), w = Random(nw, 2), b = Random(s.out_channels, 3),
+             dy = Random(ny, 4);
+  auto xd = Upload(x), wd = Upload(w), bd = Upload(b), dyd = Upload(dy);
+  auto yd = Filled(ny, 7), dxd = Filled(nx, 7), dwd = Filled(nw, 7),
+       dbd = Filled(s.out_channels, 7);
+
+  ASSERT_TRUE((*conv)->Forward(xd->data(), wd->data(), bd->data(), yd->data()).ok());
+  ExpectClose(Download(*yd), ConvForwardRef(s, x, w, b), "y");
+
+  const Grads want = ConvBackwardRef(s, x, w, dy);
+  ASSERT_TRUE(
+      (*conv)
+          ->Backward(xd->data(), wd->data(), dyd->data(), dxd->data(), dwd->data(), dbd->data())
+          .ok());
+  ExpectClose(Download(*dxd), want.dx, "dx");
+  ExpectClose(Download(*dwd), want.dw, "dw");
+  ExpectClose(Download(*dbd), want.db, "db");
+
+  // A first layer passes no dx; dw and db are still overwritten.
+  auto dw2 = Filled(nw, -3), db2 = Filled(s.out_channels, -3);
+  ASSERT_TRUE((*conv)
+                  ->Backward(xd->data(), wd->data(), dyd->data(), nullptr, dw2->data(), db2->data())
+                  .ok());
+  ExpectClose(Download(*dw2), want.dw, "dw (no dx)");
+  ExpectClose(Download(*db2), want.db, "db (no dx)");
+}
+
+// Odd sizes throughout; "floor" cases leave input rows/columns no window reaches.
+INSTANTIATE_TEST_SUITE_P(Shapes, ConvTest,
+                         ::testing::Values(ConvCase{"s1p0", {2, 3, 7, 5, 4, 3, 3, 1, 0}},
+                                           ConvCase{"s1p1", {2, 3, 7, 5, 4, 3, 3, 1, 1}},
+                                           ConvCase{"s2p0", {2, 3, 9, 7, 4, 3, 3, 2, 0}},
+                                           ConvCase{"s2p1", {2, 3, 7, 5, 4, 3, 3, 2, 1}},
+                                           ConvCase{"s2p1_floor_rect_kernel",
+                                                    {1, 2, 8, 6, 3, 3, 2, 2, 1}},
+                                           ConvCase{"s2p0_floor", {3, 1, 8, 8, 2, 3, 3, 2, 0}},
+                                           ConvCase{"kernel1x1", {2, 5, 3, 3, 2, 1, 1, 1, 0}},
+                                           ConvCase{"kernel_wider_than_input_with_padding",
+                                                    {1, 2, 3, 3, 2, 5, 5, 1, 1}}),
+                         CaseName<Conv2DShape>);
+
+TEST_F(CpuBackendTest, ConvFiniteDifferences) {
+  const Conv2DShape s{2, 2, 5, 5, 3, 3, 3, 2, 1};
+  auto conv = backend_->CreateConv2D(s).value();
+  const size_t nx = 2 * 2 * 5 * 5, nw = 3 * 2 * 3 * 3, ny = 2 * 3 * 3 * 3;
+  auto x = Upload(Random(nx, 5)), w = Upload(Random(nw, 6)), b = Upload(Random(3, 7));
+  const auto g = Random(ny, 8);  // L = sum(y * g), so dL/dy = g
+  auto gd = Upload(g), y = Filled(ny, 0), dx = Filled(nx, 0), dw = Filled(nw, 0), db = Filled(3, 0);
+  ASSERT_TRUE(
+      conv->Backward(x->data(), w->data(), gd->data(), dx->data(), dw->data(), db->data()).ok());
+  const auto loss = [&] {
+    EXPECT_TRUE(conv->Forward(x->data(), w->data(), b->data(), y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-2f);
+  CheckGradient("dw", w->data(), nw, loss, Download(*dw), 1e-2f);
+  CheckGradient("db", b->data(), 3, loss, Download(*db), 1e-2f);
+}
+
+// ------------------------------------------------------------ MaxPool2D
+
+using PoolCase = Case<Pool2DShape>;
+class PoolTest : public CpuBackendTest, public ::testing::WithParamInterface<PoolCase> {};
+
+TEST_P(PoolTest, ForwardAndBackwardMatchReference) {
+  const Pool2DShape& s = GetParam().shape;
+  auto pool = backend_->CreateMaxPool2D(s);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const size_t nx = static_cast<size_t>(s.batch) * s.channels * s.height * s.width;
+  const size_t ny = static_cast<size_t>(s.batch) * s.channels * s.out_height() * s.out_width();
+  const auto x = Random(nx, 11), dy = Random(ny, 12);
+  auto xd = Upload(x), dyd = Upload(dy), yd = Filled(ny, 7), dxd = Filled(nx, 7);
+  Ref want_y, want_dx;
+  PoolRef(s, x, dy, &want_y, &want_dx);
+
+  ASSERT_TRUE((*pool)->Forward(xd->data(), yd->data()).ok());
+  ExpectClose(Download(*yd), want_y, "y");
+  ASSERT_TRUE((*pool)->Backward(dyd->data(), dxd->data()).ok());
+  ExpectClose(Download(*dxd), want_dx, "dx");
+}
+
+// "floor" cases leave input rows/columns that no window reaches.
+INSTANTIATE_TEST_SUITE_P(Shapes, PoolTest,
+                         ::testing::Values(PoolCase{"w2s2", {2, 3, 6, 6, 2, 2}},
+                                           PoolCase{"w3s2_overlap", {1, 2, 7, 5, 3, 2}},
+                                           PoolCase{"w3s2_overlap_floor", {2, 2, 6, 7, 3, 2}},
+                                           PoolCase{"w2s1_overlap", {1, 1, 5, 5, 2, 1}},
+                                           PoolCase{"w2s2_floor", {2, 1, 5, 7, 2, 2}}),
+                         CaseName<Pool2DShape>);
+
+TEST_F(CpuBackendTest, PoolFiniteDifferences) {
+  const Pool2DShape s{1, 2, 7, 7, 3, 2};
+  auto pool = backend_->CreateMaxPool2D(s).value();
+  const size_t nx = 2 * 7 * 7, ny = 2 * 3 * 3;
+  // Distinct values 0.05 apart, so a 1e-3 step never changes which one is the max.
+  std::vector<float> xh(nx);
+  std::iota(xh.begin(), xh.end(), 0.0f);
+  std::shuffle(xh.begin(), xh.end(), std::mt19937(13));
+  for (float& v : xh) v *= 0.05f;
+  const auto g = Random(ny, 14);
+  auto x = Upload(xh), gd = Upload(g), y = Filled(ny, 0), dx = Filled(nx, 0);
+  ASSERT_TRUE(pool->Forward(x->data(), y->data()).ok());
+  ASSERT_TRUE(pool->Backward(gd->data(), dx->data()).ok());
+  const auto loss = [&] {
+    EXPECT_TRUE(pool->Forward(x->data(), y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-3f);
+}
+
+// ------------------------------------------------------------ Relu
+
+TEST_F(CpuBackendTest, ReluMatchesReference) {
+  const int64_t n = 1037;
+  auto x = Random(n, 21), dy = Random(n, 22);
+  for (int64_t i = 0; i < n; i += 97) x[i] = 0.0f;  // the kink: gradient 0 there
+  auto relu = backend_->CreateRelu(n);
+  ASSERT_TRUE(relu.ok()) << relu.status();
+  auto xd = Upload(x), dyd = Upload(dy), yd = Filled(n, 7), dxd = Filled(n, 7);
+  Ref want_y(n), want_dx(n);
+  for (int64_t i = 0; i < n; ++i) {
+    want_y[i] = std::max(x[i], 0.0f);
+    want_dx[i] = x[i] > 0 ? dy[i] : 0.0;
+  }
+  ASSERT_TRUE((*relu)->Forward(xd->data(), yd->data()).ok());
+  ExpectClose(Download(*yd), want_y, "y");
+  ASSERT_TRUE((*relu)->Backward(xd->data(), dyd->data(), dxd->data()).ok());
+  ExpectClose(Download(*dxd), want_dx, "dx");
+}
+
+TEST_F(CpuBackendTest, ReluFiniteDifferences) {
+  const int64_t n = 64;
+  auto xh = Random(n, 23, 0.1f, 1.0f);  // kept away from the kink at 0
+  for (int64_t i = 0; i < n; i += 2) xh[i] = -xh[i];
+  const auto g = Random(n, 24);
+  auto relu = backend_->CreateRelu(n).value();
+  auto x = Upload(xh), gd = Upload(g), y = Filled(n, 0), dx = Filled(n, 0);
+  ASSERT_TRUE(relu->Backward(x->data(), gd->data(), dx->data()).ok());
+  const auto loss = [&] {
+    EXPECT_TRUE(relu->Forward(x->data(), y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), n, loss, Download(*dx), 1e-3f);
+}
+
+// ------------------------------------------------------------ Dense
+
+using DenseCase = Case<DenseShape>;
+class DenseTest : public CpuBackendTest, public ::testing::WithParamInterface<DenseCase> {};
+
+TEST_P(DenseTest, ForwardAndBackwardMatchReference) {
+  const DenseShape& s = GetParam().shape;
+  auto dense = backend_->CreateDense(s);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  const size_t nx = static_cast<size_t>(s.batch) * s.in_features;
+  const size_t nw = static_cast<size_t>(s.out_features) * s.in_features;
+  const size_t ny = static_cast<size_t>(s.batch) * s.out_features;
+  const auto x = Random(nx, 31), w = Random(nw, 32), b = Random(s.out_features, 33),
+             dy = Random(ny, 34);
+  auto xd = Upload(x), wd = Upload(w), bd = Upload(b), dyd = Upload(dy);
+  auto yd = Filled(ny, 7), dxd = Filled(nx, 7), dwd = Filled(nw, 7),
+       dbd = Filled(s.out_features, 7);
+
+  ASSERT_TRUE((*dense)->Forward(xd->data(), wd->data(), bd->data(), yd->data()).ok());
+  ExpectClose(Download(*yd), DenseForwardRef(s, x, w, b), "y");
+  const Grads want = DenseBackwardRef(s, x, w, dy);
+  ASSERT_TRUE(
+      (*dense)
+          ->Backward(xd->data(), wd->data(), dyd->data(), dxd->data(), dwd->data(), dbd->data())
+          .ok());
+  ExpectClose(Download(*dxd), want.dx, "dx");
+  ExpectClose(Download(*dwd), want.dw, "dw");
+  ExpectClose(Download(*dbd), want.db, "db");
+
+  auto dw2 = Filled(nw, -3), db2 = Filled(s.out_features, -3);
+  ASSERT_TRUE((*dense)
+                  ->Backward(xd->data(), wd->data(), dyd->data(), nullptr, dw2->data(), db2->data())
+                  .ok());
+  ExpectClose(Download(*dw2), want.dw, "dw (no dx)");
+  ExpectClose(Download(*db2), want.db, "db (no dx)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DenseTest,
+                         ::testing::Values(DenseCase{"odd", {5, 13, 7}},
+                                           DenseCase{"single", {1, 3, 1}},
+                                           DenseCase{"mnist_head", {16, 64, 10}}),
+                         CaseName<DenseShape>);
+
+TEST_F(CpuBackendTest, DenseFiniteDifferences) {
+  const DenseShape s{3, 5, 4};
+  auto dense = backend_->CreateDense(s).value();
+  auto x = Upload(Random(15, 35)), w = Upload(Random(20, 36)), b = Upload(Random(4, 37));
+  const auto g = Random(12, 38);
+  auto gd = Upload(g), y = Filled(12, 0), dx = Filled(15, 0), dw = Filled(20, 0), db = Filled(4, 0);
+  ASSERT_TRUE(
+      dense->Backward(x->data(), w->data(), gd->data(), dx->data(), dw->data(), db->data()).ok());
+  const auto loss = [&] {
+    EXPECT_TRUE(dense->Forward(x->data(), w->data(), b->data(), y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), 15, loss, Download(*dx), 1e-2f);
+  CheckGradient("dw", w->data(), 20, loss, Download(*dw), 1e-2f);
+  CheckGradient("db", b->data(), 4, loss, Download(*db), 1e-2f);
+}
+
+// ------------------------------------------------------------ SoftmaxCrossEntropy
+
+TEST_F(CpuBackendTest, SoftmaxCrossEntropyMatchesReference) {
+  const int n = 6, classes = 10;
+  const auto logits = Random(n * classes, 41, -3, 3);
+  std::vector<int32_t> labels(n);
+  std::mt19937 gen(42);
+  Ref want_probs(n * classes), want_dlogits(n * classes);
+  double want_loss = 0;
+  int64_t want_correct = 0;
+  for (int i = 0; i < n; ++i) {
+    const float* row = &logits[i * classes];
+    const int argmax = static_cast<int>(std::max_element(row, row + classes) - row);
+    // Half the examples are labelled with their arg-max, so accuracy is not trivially 0.
+    labels[i] = i % 2 == 0 ? argmax : static_cast<int32_t>(gen() % classes);
+    want_correct += labels[i] == argmax;
+    double sum = 0;
+    for (int j = 0; j < classes; ++j) sum += std::exp(double{row[j]});
+    for (int j = 0; j < classes; ++j) {
+      want_probs[i * classes + j] = std::exp(double{row[j]}) / sum;
+      want_dlogits[i * classes + j] = (want_probs[i * classes + j] - (j == labels[i])) / n;
+    }
+    want_loss -= std::log(want_probs[i * classes + labels[i]]) / n;
+  }
+  auto op = backend_->CreateSoftmaxCrossEntropy(n, classes);
+  ASSERT_TRUE(op.ok()) << op.status();
+  auto ld = Upload(logits), probs = Filled(n * classes, 7), dlogits = Filled(n * classes, 7);
+
+  auto result = (*op)->Forward(ld->data(), labels.data(), probs->data());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_NEAR(result->loss, want_loss, 1e-5 * (1 + want_loss));
+  EXPECT_EQ(result->correct, want_correct);
+  ExpectClose(Download(*probs), want_probs, "probs");
+  ASSERT_TRUE((*op)->Backward(probs->data(), labels.data(), dlogits->data()).ok());
+  ExpectClose(Download(*dlogits), want_dlogits, "dlogits");
+}
+
+TEST_F(CpuBackendTest, SoftmaxCrossEntropyIsNumericallySafe) {
+  // The label's probability underflows to 0 in fp32; the loss must stay exact.
+  auto op = backend_->CreateSoftmaxCrossEntropy(2, 3).value();
+  auto logits = Upload({1000, 0, -1000, -1000, 0, 1000}), probs = Filled(6, 0);
+  const std::vector<int32_t> labels = {2, 2};
+  auto result = op->Forward(logits->data(), labels.data(), probs->data());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_NEAR(result->loss, (2000.0 + 0.0) / 2, 1e-3);
+  EXPECT_EQ(result->correct, 1);
+  for (float p : Download(*probs)) EXPECT_TRUE(std::isfinite(p));
+}
+
+TEST_F(CpuBackendTest, SoftmaxCrossEntropyFiniteDifferences) {
+  const int n = 3, classes = 5;
+  auto op = backend_->CreateSoftmaxCrossEntropy(n, classes).value();
+  auto logits = Upload(Random(n * classes, 43, -2, 2));
+  auto probs = Filled(n * classes, 0), dlogits = Filled(n * classes, 0);
+  const std::vector<int32_t> labels = {0, 4, 2};
+  ASSERT_TRUE(op->Forward(logits->data(), labels.data(), probs->data()).ok());
+  ASSERT_TRUE(op->Backward(probs->data(), labels.data(), dlogits->data()).ok());
+  const auto analytic = Download(*dlogits);
+  const auto loss = [&] { return op->Forward(logits->data(), labels.data(), probs->data())->loss; };
+  CheckGradient("dlogits", logits->data(), n * classes, loss, analytic, 1e-3f, 1e-4, 1e-3);
+}
+
+TEST_F(CpuBackendTest, SoftmaxCrossEntropyRejectsBadLabels) {
+  auto op = backend_->CreateSoftmaxCrossEntropy(2, 10).value();
+  auto logits = Filled(20, 0), probs = Filled(20, 0), dlogits = Filled(20, 0);
+  for (const std::vector<int32_t>& labels : {std::vector<int32_t>{3, 10}, {-1, 0}}) {
+    auto result = op->Forward(logits->data(), labels.data(), probs->data());
+    ASSERT_FALSE(result.ok());
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(result.status().message(), HasSubstr("label"));
+    EXPECT_EQ(op->Backward(probs->data(), labels.data(), dlogits->data()).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+// ------------------------------------------------------------ reuse
+
+// Primitives are built once; each call must follow the pointers it is given.
+TEST_F(CpuBackendTest, ConvReusedWithDifferentPointers) {
+  const Conv2DShape s{2, 3, 6, 5, 4, 3, 3, 1, 1};
+  auto conv = backend_->CreateConv2D(s).value();
+  const size_t nx = 2 * 3 * 6 * 5, nw = 4 * 3 * 3 * 3, ny = 2 * 4 * 6 * 5;
+  const auto xa = Random(nx, 51), xb = Random(nx, 52), wa = Random(nw, 53), wb = Random(nw, 54);
+  const auto ba = Random(4, 55), bb = Random(4, 56), dya = Random(ny, 57), dyb = Random(ny, 58);
+  auto xad = Upload(xa), xbd = Upload(xb), wad = Upload(wa), wbd = Upload(wb);
+  auto bad = Upload(ba), bbd = Upload(bb), dyad = Upload(dya), dybd = Upload(dyb);
+  auto ya = Filled(ny, 0), yb = Filled(ny, 0), yc = Filled(ny, 0);
+
+  ASSERT_TRUE(conv->Forward(xad->data(), wad->data(), bad->data(), ya->data()).ok());
+  ASSERT_TRUE(conv->Forward(xbd->data(), wbd->data(), bbd->data(), yb->data()).ok());
+  ASSERT_TRUE(conv->Forward(xbd->data(), wad->data(), bad->data(), yc->data()).ok());
+  ExpectClose(Download(*ya), ConvForwardRef(s, xa, wa, ba), "ya");
+  ExpectClose(Download(*yb), ConvForwardRef(s, xb, wb, bb), "yb");
+  ExpectClose(Download(*yc), ConvForwardRef(s, xb, wa, ba), "yc");
+
+  auto dxa = Filled(nx, 0), dwa = Filled(nw, 0), dba = Filled(4, 0);
+  auto dxb = Filled(nx, 0), dwb = Filled(nw, 0), dbb = Filled(4, 0);
+  ASSERT_TRUE(
+      conv->Backward(xad->data(), wad->data(), dyad->data(), dxa->data(), dwa->data(), dba->data())
+          .ok());
+  ASSERT_TRUE(
+      conv->Backward(xbd->data(), wbd->data(), dybd->data(), dxb->data(), dwb->data(), dbb->data())
+          .ok());
+  const Grads ga = ConvBackwardRef(s, xa, wa, dya), gb = ConvBackwardRef(s, xb, wb, dyb);
+  ExpectClose(Download(*dxa), ga.dx, "dxa");
+  ExpectClose(Download(*dwa), ga.dw, "dwa");
+  ExpectClose(Download(*dba), ga.db, "dba");
+  ExpectClose(Download(*dxb), gb.dx, "dxb");
+  ExpectClose(Download(*dwb), gb.dw, "dwb");
+  ExpectClose(Download(*dbb), gb.db, "dbb");
+}
+
+TEST_F(CpuBackendTest, PoolBackwardUsesLatestForward) {
+  const Pool2DShape s{2, 3, 6, 6, 2, 2};
+  auto pool = backend_->CreateMaxPool2D(s).value();
+  const size_t nx = 2 * 3 * 6 * 6, ny = 2 * 3 * 3 * 3;
+  const auto xa = Random(nx, 61), xb = Random(nx, 62), dy = Random(ny, 63);
+  auto xad = Upload(xa), xbd = Upload(xb), dyd = Upload(dy);
+  auto ya = Filled(ny, 0), yb = Filled(ny, 0), dx = Filled(nx, 0);
+  Ref want_ya, want_yb, want_dxa, want_dxb;
+  PoolRef(s, xa, dy, &want_ya, &want_dxa);
+  PoolRef(s, xb, dy, &want_yb, &want_dxb);
+
+  ASSERT_TRUE(pool->Forward(xad->data(), ya->data()).ok());
+  ASSERT_TRUE(pool->Forward(xbd->data(), yb->data()).ok());
+  ASSERT_TRUE(pool->Backward(dyd->data(), dx->data()).ok());
+  ExpectClose(Download(*ya), want_ya, "ya");
+  ExpectClose(Download(*yb), want_yb, "yb");
+  ExpectClose(Download(*dx), want_dxb, "dx");
+  ASSERT_TRUE(pool->Forward(xad->data(), ya->data()).ok());
+  ASSERT_TRUE(pool->Backward(dyd->data(), dx->data()).ok());
+  ExpectClose(Download(*dx), want_dxa, "dx after forward on xa");
+}
+
+TEST_F(CpuBackendTest, DenseReusedWithDifferentPointers) {
+  const DenseShape s{4, 6, 3};
+  auto dense = backend_->CreateDense(s).value();
+  const auto xa = Random(24, 71), xb = Random(24, 72), w = Random(18, 73), b = Random(3, 74);
+  auto xad = Upload(xa), xbd = Upload(xb), wd = Upload(w), bd = Upload(b);
+  auto ya = Filled(12, 0), yb = Filled(12, 0);
+  ASSERT_TRUE(dense->Forward(xad->data(), wd->data(), bd->data(), ya->data()).ok());
+  ASSERT_TRUE(dense->Forward(xbd->data(), wd->data(), bd->data(), yb->data()).ok());
+  ExpectClose(Download(*ya), DenseForwardRef(s, xa, w, b), "ya");
+  ExpectClose(Download(*yb), DenseForwardRef(s, xb, w, b), "yb");
+}
+
+// Ops of one backend called from two threads at once (the stream is shared).
+TEST_F(CpuBackendTest, OpsOfOneBackendOnTwoThreads) {
+  const DenseShape s{8, 32, 16};
+  const auto x = Random(8 * 32, 81), w = Random(16 * 32, 82), b = Random(16, 83);
+  const Ref want = DenseForwardRef(s, x, w, b);
+  auto xd = Upload(x), wd = Upload(w), bd = Upload(b);
+  auto run = [&](Buffer* y) {
+    auto dense = backend_->CreateDense(s).value();
+    for (int i = 0; i < 50; ++i) {
+      EXPECT_TRUE(dense->Forward(xd->data(), wd->data(), bd->data(), y->data()).ok());
+    }
+  };
+  auto y1 = Filled(8 * 16, 0), y2 = Filled(8 * 16, 0);
+  std::thread t1(run, y1.get()), t2(run, y2.get());
+  t1.join();
+  t2.join();
+  ExpectClose(Download(*y1), want, "y1");
+  ExpectClose(Download(*y2), want, "y2");
+}
+
+TEST_F(CpuBackendTest, OpOutlivesBackend) {
+  auto relu = backend_->CreateRelu(4).value();
+  backend_.reset();
+  float x[4] = {-1, 2, -3, 4}, y[4] = {};
+  ASSERT_TRUE(relu->Forward(x, y).ok());
+  EXPECT_EQ(std::vector<float>(y, y + 4), (std::vector<float>{0, 2, 0, 4}));
+}
+
+// ------------------------------------------------------------ error paths
+
+TEST_F(CpuBackendTest, InvalidShapesAreInvalidArgument) {
+  const auto expect_invalid = [](const absl::Status& s, const char* what) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << ": " << s;
+  };
+  expect_invalid(backend_->CreateConv2D({1, 1, 3, 3, 1, 5, 5, 1, 0}).status(), "kernel > input");
+  expect_invalid(backend_->CreateConv2D({0, 1, 3, 3, 1, 3, 3, 1, 0}).status(), "zero batch");
+  expect_invalid(backend_->CreateConv2D({1, 1, 3, 3, 1, 3, 3, 0, 0}).status(), "zero stride");
+  expect_invalid(backend_->CreateConv2D({1, 1, 3, 3, 1, 3, 3, 1, -1}).status(), "negative pad");
+  expect_invalid(backend_->CreateConv2D({1, -2, 3, 3, 1, 3, 3, 1, 0}).status(), "channels");
+  expect_invalid(backend_->CreateMaxPool2D({1, 1, 3, 5, 4, 2}).status(), "window > height");
+  expect_invalid(backend_->CreateMaxPool2D({1, 1, 4, 4, 2, 0}).status(), "zero stride");
+  expect_invalid(backend_->CreateMaxPool2D({1, 0, 4, 4, 2, 2}).status(), "zero channels");
+  expect_invalid(backend_->CreateRelu(0).status(), "relu size 0");
+  expect_invalid(backend_->CreateRelu(-5).status(), "relu size -5");
+  expect_invalid(backend_->CreateDense({4, 0, 3}).status(), "dense in 0");
+  expect_invalid(backend_->CreateDense({-1, 2, 3}).status(), "dense batch -1");
+  expect_invalid(backend_->CreateSoftmaxCrossEntropy(4, 0).status(), "softmax classes 0");
+  expect_invalid(backend_->CreateSoftmaxCrossEntropy(0, 3).status(), "softmax batch 0");
+
+  auto conv = backend_->CreateConv2D({1, 1, 3, 3, 1, 5, 5, 1, 0});
+  EXPECT_THAT(conv.status().message(), HasSubstr("kernel is larger"));
+}
+
+TEST_F(CpuBackendTest, MisuseIsReported) {
+  auto pool = backend_->CreateMaxPool2D({1, 1, 4, 4, 2, 2}).value();
+  auto dy = Filled(4, 1), dx = Filled(16, 0);
+  EXPECT_EQ(pool->Backward(dy->data(), dx->data()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->Forward(nullptr, dy->data()).code(), absl::StatusCode::kInvalidArgument);
+
+  auto dense = backend_->CreateDense({1, 2, 2}).value();
+  auto buf = Filled(4, 0);
+  EXPECT_EQ(dense->Forward(buf->data(), nullptr, buf->data(), buf->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      dense->Backward(buf->data(), buf->data(), buf->data(), buf->data(), nullptr, buf->data())
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace psflow::kernels

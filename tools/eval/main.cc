@@ -1,0 +1,81 @@
+// psflow-eval: loads a saved model and reports its accuracy and loss on the
+// test split of an MNIST-format dataset.
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "data/mnist.h"
+#include "kernels/kernels.h"
+#include "model/network.h"
+#include "model/saved_model.h"
+
+ABSL_FLAG(std::string, saved_model, "", "Saved-model directory (<model_dir>/saved_model) or its model.pb file.");
+ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist",
+          "Directory with MNIST-format IDX files; the t10k-* (test) files are used.");
+ABSL_FLAG(int, batch_size, 500, "Examples per forward pass.");
+ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu.");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "psflow-eval: %s\n", message.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [](absl::string_view path) { return absl::EndsWith(path, "main.cc"); };
+  config.contains_helpshort_flags = config.contains_help_flags;
+  absl::SetFlagsUsageConfig(config);
+  absl::SetProgramUsageMessage(
+      "psflow-eval: prints the accuracy and mean loss of a saved model on the test split.\n"
+      "  psflow-eval --saved_model=/tmp/run/saved_model [--data_dir=DIR]\n"
+      "Output: 'accuracy: X' and 'loss: Y', one per line.");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) return Fail(std::string("unexpected argument '") + rest[1] + "'");
+  if (absl::GetFlag(FLAGS_saved_model).empty()) return Fail("--saved_model is required");
+  const int batch = absl::GetFlag(FLAGS_batch_size);
+  if (batch <= 0) return Fail("--batch_size must be positive");
+
+  absl::StatusOr<psflow::model::LoadedModel> loaded = psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
+  if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+  absl::StatusOr<psflow::data::Dataset> test =
+      psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTest);
+  if (!test.ok()) return Fail(std::string(test.status().message()));
+  const psflow::InputSpec& in = loaded->spec.input();
+  if (test->channels != in.channels() || test->height != in.height() || test->width != in.width()) {
+    return Fail("the test data does not have the model's input shape");
+  }
+  absl::StatusOr<std::unique_ptr<psflow::kernels::Backend>> backend =
+      psflow::kernels::CreateBackend(absl::GetFlag(FLAGS_device));
+  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  absl::StatusOr<std::unique_ptr<psflow::model::Network>> net =
+      psflow::model::Network::Create(loaded->spec, backend->get());
+  if (!net.ok()) return Fail(std::string(net.status().message()));
+  std::vector<const float*> weights;
+  for (const auto& v : loaded->values) weights.push_back(v.data());
+  absl::Status s = (*net)->SetWeights(weights);
+  if (!s.ok()) return Fail(std::string(s.message()));
+
+  double loss_sum = 0;
+  int64_t correct = 0;
+  const int64_t example = test->example_floats();
+  for (int64_t begin = 0; begin < test->count; begin += batch) {
+    const int n = static_cast<int>(std::min<int64_t>(batch, test->count - begin));
+    absl::StatusOr<psflow::model::Network::Result> r =
+        (*net)->Evaluate(test->images.data() + begin * example, test->labels.data() + begin, n);
+    if (!r.ok()) return Fail(std::string(r.status().message()));
+    loss_sum += r->loss * n;
+    correct += r->correct;
+  }
+  std::printf("model: %s (step %lld)\n", loaded->spec.name().c_str(), static_cast<long long>(loaded->global_step));
+  std::printf("examples: %lld\n", static_cast<long long>(test->count));
+  std::printf("accuracy: %.4f\n", static_cast<double>(correct) / static_cast<double>(test->count));
+  std::printf("loss: %.4f\n", loss_sum / static_cast<double>(test->count));
+  return 0;
+}

@@ -1,0 +1,245 @@
+#include "tools/launch/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace psflow::launch {
+namespace {
+
+struct Child {
+  std::string name;  // "chief", "ps0", "worker1"
+  pid_t pid = -1;
+  int out = -1;      // read end of its stdout+stderr
+  std::string partial;
+  bool exited = false;
+  int code = 0;
+};
+
+void Say(const std::string& line) {
+  std::string s = absl::StrCat("[launch] ", line, "\n");
+  (void)!::write(STDOUT_FILENO, s.data(), s.size());
+}
+
+// Reserves `n` distinct free TCP ports on `host` by binding them all at once.
+std::vector<int> FreePorts(const std::string& host, int n) {
+  std::vector<int> fds, ports;
+  for (int i = 0; i < n; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = 0;
+    ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+    socklen_t len = sizeof(addr);
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      if (fd >= 0) ::close(fd);
+      break;
+    }
+    fds.push_back(fd);
+    ports.push_back(ntohs(addr.sin_port));
+  }
+  for (int fd : fds) ::close(fd);
+  return ports;
+}
+
+void EmitLines(Child& c, const char* data, size_t n, bool flush) {
+  c.partial.append(data, n);
+  size_t start = 0;
+  while (true) {
+    size_t nl = c.partial.find('\n', start);
+    if (nl == std::string::npos) break;
+    std::string line = absl::StrCat("[", c.name, "] ", c.partial.substr(start, nl - start), "\n");
+    (void)!::write(STDOUT_FILENO, line.data(), line.size());
+    start = nl + 1;
+  }
+  c.partial.erase(0, start);
+  if (flush && !c.partial.empty()) {
+    std::string line = absl::StrCat("[", c.name, "] ", c.partial, "\n");
+    (void)!::write(STDOUT_FILENO, line.data(), line.size());
+    c.partial.clear();
+  }
+}
+
+bool Spawn(Child& c, const std::string& binary, const std::vector<std::string>& args, const sigset_t& old_mask) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return false;
+  const pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    // Own process group: the terminal's Ctrl-C reaches the launcher only,
+    // which forwards it once. Die with the launcher, however it ends.
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(137);
+    ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::dup2(fds[1], STDERR_FILENO);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(binary.c_str()));
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(binary.c_str(), argv.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", binary.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  c.pid = pid;
+  c.out = fds[0];
+  return true;
+}
+
+}  // namespace
+
+int RunCluster(const LaunchOptions& o) {
+  const int total = 1 + o.num_ps + o.num_workers;
+  std::vector<int> ports = FreePorts(o.host, total);
+  if (static_cast<int>(ports.size()) != total) {
+    Say(absl::StrCat("cannot find ", total, " free ports on ", o.host));
+    return 1;
+  }
+  auto addr = [&](int i) { return absl::StrCat(o.host, ":", ports[i]); };
+  std::vector<std::string> ps_hosts, worker_hosts;
+  for (int i = 0; i < o.num_ps; ++i) ps_hosts.push_back(addr(1 + i));
+  for (int i = 0; i < o.num_workers; ++i) worker_hosts.push_back(addr(1 + o.num_ps + i));
+  const std::vector<std::string> cluster = {
+      absl::StrCat("--chief_hosts=", addr(0)),
+      absl::StrCat("--ps_hosts=", absl::StrJoin(ps_hosts, ",")),
+      absl::StrCat("--worker_hosts=", absl::StrJoin(worker_hosts, ",")),
+  };
+
+  sigset_t mask, old_mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGHUP);
+  ::sigprocmask(SIG_BLOCK, &mask, &old_mask);
+  int sig_fd = ::signalfd(-1, &mask, SFD_CLOEXEC);
+
+  std::vector<Child> children;
+  auto start = [&](const std::string& name, const std::string& role, int index,
+                   const std::vector<std::string>& extra) {
+    Child c;
+    c.name = name;
+    std::vector<std::string> args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
+    args.insert(args.end(), cluster.begin(), cluster.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    const std::string binary = absl::StrCat(o.bin_dir, "/psflow-", role);
+    if (!Spawn(c, binary, args, old_mask)) {
+      Say(absl::StrCat("cannot start ", name, ": ", std::strerror(errno)));
+      return false;
+    }
+    children.push_back(std::move(c));
+    return true;
+  };
+  bool started = start("chief", "chief", 0, o.chief_args);
+  for (int i = 0; started && i < o.num_ps; ++i) started = start(absl::StrCat("ps", i), "ps", i, {});
+  for (int i = 0; started && i < o.num_workers; ++i) {
+    started = start(absl::StrCat("worker", i), "worker", i, {});
+  }
+  Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
+                   absl::StrJoin(worker_hosts, ",")));
+
+  auto signal_all = [&](int sig) {
+    for (Child& c : children) {
+      if (!c.exited) ::kill(c.pid, sig);
+    }
+  };
+  int result = -1;           // decided exit code
+  absl::Time chief_exit = absl::InfiniteFuture();
+  absl::Time terminated_at = absl::InfiniteFuture();
+  if (!started) {
+    result = 1;
+    signal_all(SIGTERM);
+    terminated_at = absl::Now();
+  }
+
+  while (true) {
+    std::vector<pollfd> fds;
+    fds.push_back({sig_fd, POLLIN, 0});
+    std::vector<Child*> polled;
+    for (Child& c : children) {
+      if (c.out >= 0) {
+        fds.push_back({c.out, POLLIN, 0});
+        polled.push_back(&c);
+      }
+    }
+    ::poll(fds.data(), fds.size(), 200);
+    if (fds[0].revents & POLLIN) {
+      signalfd_siginfo info;
+      if (::read(sig_fd, &info, sizeof(info)) == sizeof(info)) {
+        const int sig = static_cast<int>(info.ssi_signo);
+        Say(absl::StrCat("got signal ", sig, "; forwarding it to the cluster"));
+        signal_all(sig == SIGHUP ? SIGTERM : sig);
+        if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Child& c = *polled[i - 1];
+      char buf[8192];
+      ssize_t n = ::read(c.out, buf, sizeof(buf));
+      if (n > 0) {
+        EmitLines(c, buf, static_cast<size_t>(n), false);
+      } else if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
+        EmitLines(c, "", 0, true);
+        ::close(c.out);
+        c.out = -1;
+      }
+    }
+    // Reap.
+    int status = 0;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      for (Child& c : children) {
+        if (c.pid != pid) continue;
+        c.exited = true;
+        c.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        Say(absl::StrCat(c.name, " exited with code ", c.code));
+        if (&c == &children[0]) {
+          if (result < 0) result = c.code;
+          chief_exit = absl::Now();
+        } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture()) {
+          Say(absl::StrCat(c.name, " failed; stopping the cluster"));
+          result = c.code;
+          signal_all(SIGTERM);
+          terminated_at = absl::Now();
+        }
+      }
+    }
+    bool all_exited = true, all_closed = true;
+    for (const Child& c : children) {
+      all_exited &= c.exited;
+      all_closed &= c.out < 0;
+    }
+    if (all_exited && all_closed) break;
+    const absl::Time now = absl::Now();
+    if (now - chief_exit > absl::Seconds(o.grace_seconds) && terminated_at == absl::InfiniteFuture()) {
+      Say("processes still running after the chief exited; terminating them");
+      signal_all(SIGTERM);
+      terminated_at = now;
+    }
+    if (now - terminated_at > absl::Seconds(10)) signal_all(SIGKILL);
+  }
+  ::close(sig_fd);
+  return result < 0 ? 1 : result;
+}
+
+}  // namespace psflow::launch

@@ -1,0 +1,31 @@
+// psflow-launch's engine: starts a whole cluster (chief, ps, workers) as child
+// processes of this one on free loopback ports, prefixes every output line
+// with its process's name, forwards SIGINT/SIGTERM, and makes sure no child
+// outlives it (children die with the launcher even if it is killed).
+#ifndef PSFLOW_TOOLS_LAUNCH_LAUNCHER_H_
+#define PSFLOW_TOOLS_LAUNCH_LAUNCHER_H_
+
+#include <string>
+#include <vector>
+
+namespace psflow::launch {
+
+struct LaunchOptions {
+  int num_ps = 2;
+  int num_workers = 2;
+  std::string host = "127.0.0.1";
+  std::string bin_dir;                  // where psflow-chief, -ps and -worker are
+  std::vector<std::string> chief_args;  // everything after "--"
+  // Seconds the other processes get to exit on their own after the chief
+  // has exited, before they are terminated.
+  int grace_seconds = 15;
+};
+
+// Runs the cluster; returns the chief's exit code, or the code of the first
+// other process that failed while the chief was still running (after which
+// the whole cluster is stopped).
+int RunCluster(const LaunchOptions& options);
+
+}  // namespace psflow::launch
+
+#endif  // PSFLOW_TOOLS_LAUNCH_LAUNCHER_H_

@@ -1,0 +1,60 @@
+// psflow-launch: runs a whole psflow cluster on this machine.
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tools/launch/launcher.h"
+
+ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
+ABSL_FLAG(int, workers, 2, "Number of workers.");
+ABSL_FLAG(std::string, host, "127.0.0.1", "Address every process listens on (free ports are picked).");
+ABSL_FLAG(std::string, bin_dir, "",
+          "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
+ABSL_FLAG(int, grace_seconds, 15,
+          "Seconds the ps and workers get to exit by themselves after the chief exits.");
+
+int main(int argc, char** argv) {
+  absl::FlagsUsageConfig config;
+  config.contains_help_flags = [](absl::string_view path) { return absl::EndsWith(path, "main.cc"); };
+  config.contains_helpshort_flags = config.contains_help_flags;
+  absl::SetFlagsUsageConfig(config);
+  absl::SetProgramUsageMessage(
+      "psflow-launch: runs a psflow cluster (1 chief, --ps parameter servers, --workers workers)\n"
+      "on this machine. Everything after -- goes to the chief, e.g.\n"
+      "  psflow-launch --ps=2 --workers=2 -- --model=cnn --epochs=5 --optimizer=adam \\\n"
+      "                --learning_rate=0.001 --model_dir=/tmp/run\n"
+      "Each output line is prefixed with its process ([chief], [ps0], [worker1]). Ctrl-C and SIGTERM\n"
+      "are forwarded; no process outlives the launcher. Unless the chief's arguments set\n"
+      "--compute_threads, each worker gets cores / workers threads. Exits with the chief's code,\n"
+      "or with the code of a ps or worker that failed first.");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  psflow::launch::LaunchOptions o;
+  o.num_ps = absl::GetFlag(FLAGS_ps);
+  o.num_workers = absl::GetFlag(FLAGS_workers);
+  o.host = absl::GetFlag(FLAGS_host);
+  o.grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
+  if (o.num_ps < 1 || o.num_workers < 1) {
+    std::fprintf(stderr, "psflow-launch: --ps and --workers must be at least 1\n");
+    return 1;
+  }
+  o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
+  if (o.bin_dir.empty()) o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+  bool threads_given = false;
+  for (size_t i = 1; i < rest.size(); ++i) {
+    o.chief_args.push_back(rest[i]);
+    threads_given |= absl::StartsWith(rest[i], "--compute_threads");
+  }
+  if (!threads_given) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    o.chief_args.push_back(absl::StrCat("--compute_threads=", std::max(1, cores / o.num_workers)));
+  }
+  return psflow::launch::RunCluster(o);
+}

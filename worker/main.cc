@@ -1,0 +1,54 @@
+// psflow-worker: a training worker. Takes the job from the chief and trains
+// until the chief says the job is over.
+#include <chrono>
+#include <cstdlib>
+#include <future>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/cluster_flags.h"
+#include "common/log.h"
+#include "common/signals.h"
+#include "worker/worker.h"
+
+ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu (oneDNN).");
+ABSL_FLAG(int, startup_timeout, 300,
+          "Seconds to keep retrying to reach the chief before exiting with code 138.");
+
+int main(int argc, char** argv) {
+  psflow::BlockTerminationSignals();
+  psflow::ParseFlagsOrExit(
+      argc, argv,
+      "psflow-worker: a training worker of a psflow job.\n\n"
+      "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow), or CLUSTER_CONFIG and\n"
+      "POD_NAME. The job itself (model, data, batch size, steps) comes from the chief. Example:\n"
+      "  psflow-worker --job_name=worker --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"
+      "                --worker_hosts=h2:2222\n"
+      "Exit codes: 0 done, 1 permanent error, 138 chief or ps unreachable, 140 other failure\n"
+      "worth a retry, 128+n after signal n.");
+  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kWorker);
+  if (absl::GetFlag(FLAGS_startup_timeout) <= 0) {
+    std::fprintf(stderr, "psflow-worker: --startup_timeout must be positive\n");
+    return 1;
+  }
+  psflow::SetLogTag(absl::StrCat("worker", config.task_index));
+
+  psflow::worker::WorkerOptions options;
+  options.cluster = config;
+  options.device = absl::GetFlag(FLAGS_device);
+  options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  psflow::worker::Worker worker(options);
+  std::promise<int> result;
+  std::future<int> done = result.get_future();
+  psflow::WatchTerminationSignals([&](int sig) {
+    PSLOG(INFO) << "signal " << sig << ": stopping after the call in flight";
+    worker.Stop(sig);
+    // A pull blocked on the other workers ends within seconds; do not wait longer.
+    if (done.wait_for(std::chrono::seconds(6)) != std::future_status::ready) std::_Exit(128 + sig);
+  });
+  int code = worker.Run();
+  result.set_value(code);
+  return code;
+}

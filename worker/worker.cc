@@ -1,0 +1,339 @@
+#include "worker/worker.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/grpc_util.h"
+#include "common/log.h"
+#include "common/placement.h"
+#include "common/tensor_chunks.h"
+#include "common/thread_pool.h"
+#include "data/mnist.h"
+#include "kernels/kernels.h"
+#include "model/network.h"
+#include "proto/chief.grpc.pb.h"
+#include "ps/client.h"
+
+namespace psflow::worker {
+namespace {
+
+constexpr int kExitDone = 0;
+constexpr int kExitPermanent = 1;
+constexpr int kExitUnreachable = 138;
+constexpr int kExitRetryable = 140;
+
+// How long one pull may wait for the other workers before it is asked again
+// (so that a stop request is noticed).
+constexpr absl::Duration kPullWait = absl::Seconds(5);
+constexpr absl::Duration kReportEvery = absl::Milliseconds(250);
+
+bool Retryable(const absl::Status& s) { return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s); }
+
+int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+}  // namespace
+
+class Worker::Impl {
+ public:
+  explicit Impl(WorkerOptions options)
+      : options_(std::move(options)),
+        index_(options_.cluster.task_index),
+        chief_(Chief::NewStub(MakeChannel(options_.cluster.cluster.chief[0]))) {}
+
+  int Run();
+  void Stop(int signal) {
+    absl::MutexLock lock(&mu_);
+    if (stop_signal_ == 0) stop_signal_ = signal;
+  }
+
+ private:
+  int Register();
+  int Prepare();
+  int Train();
+  absl::Status PullAll(int64_t min_version, int64_t* version, int64_t* wait_us);
+  absl::Status PushAll(int64_t step);
+  void ReportLoop();
+  int stop_signal() {
+    absl::MutexLock lock(&mu_);
+    return stop_signal_;
+  }
+
+  const WorkerOptions options_;
+  const int index_;
+  std::unique_ptr<Chief::Stub> chief_;
+  uint64_t job_id_ = 0;
+  JobConfig job_;
+  std::unique_ptr<PsClient> ps_;
+  std::unique_ptr<ThreadPool> pool_;  // one thread per ps, for parallel pulls and pushes
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<model::Network> net_;
+  data::Dataset data_;
+  std::vector<std::vector<float>> weights_, grads_;  // host copies, by variable
+  std::vector<std::vector<SliceRef>> slices_;        // by ps
+
+  absl::Mutex mu_;
+  int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<StepMetrics> pending_ ABSL_GUARDED_BY(mu_);  // not yet reported
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // saw the final version
+  bool released_ ABSL_GUARDED_BY(mu_) = false;  // the chief said exit
+  int report_error_ ABSL_GUARDED_BY(mu_) = 0;   // exit code when reporting failed for good
+};
+
+int Worker::Impl::Register() {
+  const absl::Time give_up = absl::Now() + options_.startup_timeout;
+  Backoff backoff;
+  absl::Status last;
+  while (absl::Now() < give_up && stop_signal() == 0) {
+    grpc::ClientContext context;
+    context.set_wait_for_ready(true);
+    context.set_deadline(absl::ToChronoTime(std::min(give_up, absl::Now() + absl::Seconds(15))));
+    RegisterWorkerRequest request;
+    request.set_worker(index_);
+    RegisterWorkerResponse response;
+    last = FromGrpcStatus(chief_->RegisterWorker(&context, request, &response));
+    if (last.ok()) {
+      job_id_ = response.job_id();
+      job_ = response.job();
+      ps_ = std::make_unique<PsClient>(
+          std::vector<std::string>(response.ps_address().begin(), response.ps_address().end()));
+      return kExitDone;
+    }
+    if (!Retryable(last)) {
+      PSLOG(ERROR) << "the chief refused registration: " << last.message();
+      return kExitPermanent;
+    }
+    absl::SleepFor(backoff.Next());  // retry backoff towards a chief that is not up yet
+  }
+  if (stop_signal() != 0) return 128 + stop_signal();
+  PSLOG(ERROR) << "chief " << options_.cluster.cluster.chief[0] << " unreachable after "
+               << options_.startup_timeout << ": " << last.message();
+  return kExitUnreachable;
+}
+
+int Worker::Impl::Prepare() {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+      kernels::CreateBackend(options_.device, job_.compute_threads());
+  if (!backend.ok()) {
+    PSLOG(ERROR) << backend.status().message();
+    return kExitPermanent;
+  }
+  backend_ = *std::move(backend);
+  absl::StatusOr<data::Dataset> data = data::LoadMnist(job_.data_dir(), data::Split::kTrain);
+  if (!data.ok()) {
+    PSLOG(ERROR) << data.status().message();
+    return kExitPermanent;
+  }
+  data_ = *std::move(data);
+  const InputSpec& in = job_.model().input();
+  if (data_.channels != in.channels() || data_.height != in.height() || data_.width != in.width() ||
+      data_.num_classes != job_.model().num_classes()) {
+    PSLOG(ERROR) << "data in " << job_.data_dir() << " is " << data_.channels << "x" << data_.height << "x"
+                 << data_.width << " with " << data_.num_classes << " classes; model " << job_.model().name()
+                 << " expects " << in.channels() << "x" << in.height() << "x" << in.width() << " with "
+                 << job_.model().num_classes();
+    return kExitPermanent;
+  }
+  absl::StatusOr<std::unique_ptr<model::Network>> net = model::Network::Create(job_.model(), backend_.get());
+  if (!net.ok()) {
+    PSLOG(ERROR) << net.status().message();
+    return kExitPermanent;
+  }
+  net_ = *std::move(net);
+  for (const VariableShape& v : net_->variables()) {
+    weights_.emplace_back(NumElements(v.shape));
+    grads_.emplace_back(NumElements(v.shape));
+  }
+  for (int p = 0; p < job_.num_ps(); ++p) slices_.push_back(SlicesOnPs(job_.placement(), p));
+  pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));
+  PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name()
+              << ", " << job_.num_ps() << " ps";
+  return kExitDone;
+}
+
+absl::Status Worker::Impl::PullAll(int64_t min_version, int64_t* version, int64_t* wait_us) {
+  const int n = job_.num_ps();
+  std::vector<absl::StatusOr<PsClient::PullResult>> results(n);
+  pool_->ParallelFor(n, [&](int p) {
+    std::vector<TensorSink> sinks;
+    for (const SliceRef& s : slices_[p]) {
+      sinks.push_back({s.name, "", s.slice_shape, weights_[s.variable_index].data() + s.float_offset, true});
+    }
+    results[p] = ps_->Pull(p, job_id_, min_version, std::move(sinks), absl::Now() + kPullWait);
+  });
+  *version = -1;
+  *wait_us = 0;
+  for (int p = 0; p < n; ++p) {
+    if (!results[p].ok()) return results[p].status();
+    if (*version >= 0 && results[p]->version != *version) {
+      return absl::AbortedError(absl::StrCat("ps disagree on the version: ", *version, " and ",
+                                             results[p]->version));
+    }
+    *version = results[p]->version;
+    *wait_us = std::max(*wait_us, results[p]->wait_us);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Impl::PushAll(int64_t step) {
+  const int n = job_.num_ps();
+  std::vector<absl::Status> results(n);
+  pool_->ParallelFor(n, [&](int p) {
+    PushHeader header;
+    header.set_job_id(job_id_);
+    header.set_worker(index_);
+    header.set_step(step);
+    std::vector<TensorRef> grads;
+    for (const SliceRef& s : slices_[p]) {
+      grads.push_back({s.name, "", s.slice_shape, grads_[s.variable_index].data() + s.float_offset});
+    }
+    absl::StatusOr<PushResponse> r = ps_->Push(p, header, std::move(grads), absl::Now() + absl::Seconds(60));
+    results[p] = r.status();
+  });
+  for (const absl::Status& s : results) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void Worker::Impl::ReportLoop() {
+  absl::Time last_ok = absl::Now();
+  while (true) {
+    ReportRequest request;
+    request.set_job_id(job_id_);
+    request.set_worker(index_);
+    {
+      absl::MutexLock lock(&mu_);
+      if (released_ || stop_signal_ != 0 || report_error_ != 0) return;
+      // Wake early once the last step is done, so the exit order arrives promptly.
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ || stop_signal_ != 0; };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), kReportEvery);
+      for (StepMetrics& m : pending_) *request.add_metrics() = std::move(m);
+      pending_.clear();
+      request.set_finished(finished_);
+    }
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    ReportResponse response;
+    absl::Status s = FromGrpcStatus(chief_->Report(&context, request, &response));
+    absl::MutexLock lock(&mu_);
+    if (s.ok()) {
+      last_ok = absl::Now();
+      if (response.action() == ReportResponse::EXIT) released_ = true;
+      continue;
+    }
+    // Metrics of a failed report are dropped: the log is best effort.
+    if (!Retryable(s) || absl::Now() - last_ok > options_.startup_timeout) {
+      PSLOG(ERROR) << "cannot report to the chief: " << s.message();
+      report_error_ = Retryable(s) ? kExitUnreachable : kExitRetryable;
+    }
+  }
+}
+
+int Worker::Impl::Train() {
+  data::ShardSampler sampler(data_.count, job_.num_workers(), index_, job_.seed());
+  const int batch = job_.batch_size();
+  const int64_t example = data_.example_floats();
+  std::vector<float> images(static_cast<size_t>(batch) * example);
+  std::vector<int32_t> labels(batch);
+  std::vector<int64_t> order;
+  int64_t order_epoch = -1;
+  std::vector<const float*> weight_ptrs;
+  std::vector<float*> grad_ptrs;
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    weight_ptrs.push_back(weights_[i].data());
+    grad_ptrs.push_back(grads_[i].data());
+  }
+
+  int64_t step = 0;
+  while (true) {
+    if (stop_signal() != 0) return 128 + stop_signal();
+    const absl::Time t0 = absl::Now();
+    int64_t version = 0, wait_us = 0;
+    absl::Status s = PullAll(step, &version, &wait_us);
+    if (absl::IsDeadlineExceeded(s)) continue;  // the other workers are slow: ask again
+    if (!s.ok()) {
+      PSLOG(ERROR) << "pull failed: " << s.message();
+      return Retryable(s) ? kExitUnreachable : kExitRetryable;
+    }
+    const absl::Time t1 = absl::Now();
+    if (version >= job_.train_steps()) break;
+    step = version;
+    const int64_t epoch = step / job_.steps_per_epoch();
+    const int64_t position = step % job_.steps_per_epoch();
+    if (epoch != order_epoch) {
+      order = sampler.EpochIndices(epoch);
+      order_epoch = epoch;
+    }
+    s = data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch), images.data(),
+                          labels.data());
+    if (s.ok()) s = net_->SetWeights(weight_ptrs);
+    absl::StatusOr<model::Network::Result> result =
+        s.ok() ? net_->TrainStep(images.data(), labels.data(), batch) : s;
+    if (result.ok()) s = net_->GetGradients(grad_ptrs);
+    if (!result.ok() || !s.ok()) {
+      PSLOG(ERROR) << "step " << step << " failed: " << (result.ok() ? s : result.status()).message();
+      return kExitRetryable;
+    }
+    const absl::Time t2 = absl::Now();
+    s = PushAll(step);
+    if (!s.ok()) {
+      PSLOG(ERROR) << "push failed: " << s.message();
+      return Retryable(s) ? kExitUnreachable : kExitRetryable;
+    }
+    const absl::Time t3 = absl::Now();
+    StepMetrics m;
+    m.set_step(step);
+    m.set_loss(result->loss);
+    m.set_correct(result->correct);
+    m.set_examples(batch);
+    m.set_wait_us(wait_us);
+    m.set_pull_us(std::max<int64_t>(Micros(t1 - t0) - wait_us, 0));
+    m.set_compute_us(Micros(t2 - t1));
+    m.set_push_us(Micros(t3 - t2));
+    {
+      absl::MutexLock lock(&mu_);
+      pending_.push_back(std::move(m));
+    }
+    ++step;
+  }
+  return kExitDone;
+}
+
+int Worker::Impl::Run() {
+  int code = Register();
+  if (code != kExitDone) return code;
+  code = Prepare();
+  if (code != kExitDone) return code;
+  std::thread reporter([this] { ReportLoop(); });
+  code = Train();
+  {
+    absl::MutexLock lock(&mu_);
+    if (code == kExitDone) {
+      finished_ = true;
+      PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
+      auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return released_ || stop_signal_ != 0 || report_error_ != 0;
+      };
+      mu_.Await(absl::Condition(&over));
+      if (!released_) code = stop_signal_ != 0 ? 128 + stop_signal_ : report_error_;
+    } else if (stop_signal_ == 0) {
+      stop_signal_ = -128;  // ends the report loop; not a real signal
+    }
+  }
+  reporter.join();
+  if (code == kExitDone) PSLOG(INFO) << "released by the chief; exiting";
+  return code;
+}
+
+Worker::Worker(WorkerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Worker::~Worker() = default;
+int Worker::Run() { return impl_->Run(); }
+void Worker::Stop(int signal) { impl_->Stop(signal); }
+
+}  // namespace psflow::worker
