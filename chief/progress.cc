@@ -28,7 +28,6 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     if (m.step() < 0 || m.step() >= train_steps_) continue;
     if (first_report_ == absl::InfinitePast()) {
       first_report_ = now;
-      last_line_time_ = now;
       first_step_ = m.step();
     }
     last_report_ = now;
@@ -64,18 +63,23 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const int64_t end = it->first;
     const Interval& in = it->second;
     const int64_t begin = logged_until_ < 0 ? std::max<int64_t>(first_step_, 0) : logged_until_;
-    const int64_t steps = std::max<int64_t>(end - begin, 1);
-    const double secs = std::max(absl::ToDoubleSeconds(now - last_line_time_), 1e-6);
+    const double steps = static_cast<double>(std::max<int64_t>(end - begin, 1));
     const double n = static_cast<double>(std::max<int64_t>(in.records, 1));
     const double loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
     const double acc = in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
+    // Rates come from the workers' own step times, not from when reports
+    // happen to arrive here: a step takes as long as its slowest phase chain
+    // on a worker, and all workers of a synchronous step move together.
+    const double step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
+    const double examples_per_sec =
+        step_ms > 0 ? static_cast<double>(in.examples) / (steps * step_ms / 1000.0) : 0;
     emit_(absl::StrFormat(
         "step %d/%d epoch %.2f loss %.4f acc %.3f | %.0f ex/s | step %.1f ms (pull %.1f compute %.1f "
         "push %.1f wait %.1f) | workers %d/%d ps %d/%d",
         end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss, acc,
-        static_cast<double>(in.examples) / secs, 1000.0 * secs / static_cast<double>(steps),
-        in.pull_us / n / 1000.0, in.compute_us / n / 1000.0, in.push_us / n / 1000.0,
-        in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()), num_ps_, num_ps_));
+        examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
+        in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()), num_ps_,
+        num_ps_));
     if (logged_until_ < 0) {
       steady_start_ = now;  // the first interval holds start-up; leave it out of the mean
     } else {
@@ -85,7 +89,6 @@ void Progress::EmitReadyLocked(absl::Time now) {
     last_loss_ = loss;
     last_acc_ = acc;
     logged_until_ = end;
-    last_line_time_ = now;
     intervals_.erase(it);
   }
 }

@@ -3,6 +3,8 @@
 // line sums that interval up:
 //   step 1200/2345 epoch 2.56 loss 0.3124 acc 0.887 | 9850 ex/s |
 //   step 21.3 ms (pull 2.1 compute 15.0 push 1.8 wait 2.4) | workers 2/2 ps 2/2
+// The step time is the workers' mean of pull + compute + push + wait, and
+// ex/s is the interval's examples over its steps times that step time.
 // Thread-safe.
 #ifndef PSFLOW_CHIEF_PROGRESS_H_
 #define PSFLOW_CHIEF_PROGRESS_H_
@@ -57,7 +59,6 @@ class Progress {
   std::vector<bool> live_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any
-  absl::Time last_line_time_ ABSL_GUARDED_BY(mu_);
   absl::Time first_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time last_report_ ABSL_GUARDED_BY(mu_);
   int64_t first_step_ ABSL_GUARDED_BY(mu_) = -1;
