@@ -11,6 +11,7 @@
 #include "chief/chief.h"
 #include "common/cluster_flags.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/signals.h"
 
 ABSL_FLAG(std::string, model, "cnn",
@@ -36,6 +37,7 @@ ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to wait for every parameter server to come up before exiting with code 138.");
 
 int main(int argc, char** argv) {
+  psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,

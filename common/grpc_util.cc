@@ -5,6 +5,11 @@
 #include "absl/time/clock.h"
 
 namespace psflow {
+namespace {
+
+constexpr int kFlowWindowBytes = 16 << 20;
+
+}  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -28,6 +33,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // Weights and gradients move in megabytes per step: open the HTTP/2 flow
+  // control window wide from the start instead of growing it per stream.
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -37,6 +45,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
 void ConfigureServer(grpc::ServerBuilder* builder) {
   builder->SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder->SetMaxSendMessageSize(kMaxMessageBytes);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
 }

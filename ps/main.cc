@@ -13,11 +13,13 @@
 #include "common/cluster_flags.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/signals.h"
 #include "ps/service.h"
 #include "ps/shard.h"
 
 int main(int argc, char** argv) {
+  psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,

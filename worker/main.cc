@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "common/cluster_flags.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/signals.h"
 #include "worker/worker.h"
 
@@ -18,6 +19,7 @@ ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief before exiting with code 138.");
 
 int main(int argc, char** argv) {
+  psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -47,6 +48,7 @@ class Worker::Impl {
         chief_(Chief::NewStub(MakeChannel(options_.cluster.cluster.chief[0]))) {}
 
   int Run();
+  int RunTraining();
   void Stop(int signal) {
     absl::MutexLock lock(&mu_);
     if (stop_signal_ == 0) stop_signal_ = signal;
@@ -306,6 +308,24 @@ int Worker::Impl::Train() {
 }
 
 int Worker::Impl::Run() {
+  // The worker listens on its own address too: the standard gRPC health
+  // service answers there, for readiness probes and peers' connectivity checks.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::StrCat("0.0.0.0:", options_.cluster.self_port),
+                           grpc::InsecureServerCredentials(), &port);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    PSLOG(ERROR) << "cannot listen on port " << options_.cluster.self_port;
+    return kExitPermanent;
+  }
+  int code = RunTraining();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  return code;
+}
+
+int Worker::Impl::RunTraining() {
   int code = Register();
   if (code != kExitDone) return code;
   code = Prepare();

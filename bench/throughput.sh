@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Examples/s of the cnn on Fashion-MNIST (batch 64 per worker, Adam):
+#   - one worker training alone in one process (no ps), all cores;
+#   - two alone workers at the same time, cores/2 threads each (their sum);
+#   - synchronous psflow jobs with 1 and 2 workers against 1 and 2 ps, on
+#     loopback, workers with cores/workers threads each;
+# and each job's ratio to the alone figure with as many workers.
+# Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default)
+set -euo pipefail
+bin=${1:-build/bin}
+steps=${STEPS:-400}
+data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
+cores=$(nproc)
+half=$(( cores / 2 > 0 ? cores / 2 : 1 ))
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+alone() {  # threads -> ex/s
+  "$bin/psflow-bench-alone" --data_dir="$data_dir" --threads="$1" --steps="$steps" | awk '/^alone/ {print $2}'
+}
+
+job() {  # workers ps -> ex/s (from the chief's closing line)
+  "$bin/psflow-launch" --workers="$1" --ps="$2" -- --model=cnn --data_dir="$data_dir" \
+      --train_steps=$(( steps + 50 )) --log_every_steps=50 --batch_size=64 --optimizer=adam \
+      --learning_rate=0.001 --model_dir="$tmp/job_$1_$2" > "$tmp/job_$1_$2.log" 2>&1 \
+    || { echo "job $1x$2 failed:" >&2; tail -20 "$tmp/job_$1_$2.log" >&2; exit 1; }
+  sed -n 's/.* \([0-9.]*\) ex\/s after the first interval.*/\1/p' "$tmp/job_$1_$2.log"
+}
+
+echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"
+alone1=$(alone "$cores")
+alone "$half" > "$tmp/a0" & p0=$!
+alone "$half" > "$tmp/a1" & p1=$!
+wait $p0 $p1
+alone2=$(awk '{s += $1} END {printf "%.1f", s}' "$tmp/a0" "$tmp/a1")
+
+printf '%-34s %10s %8s\n' "configuration" "ex/s" "ratio"
+printf '%-34s %10.0f %8s\n' "1 worker alone (in-process)" "$alone1" "1.00"
+printf '%-34s %10.0f %8s\n' "2 workers alone, concurrently (sum)" "$alone2" "1.00"
+for w in 1 2; do
+  for p in 1 2; do
+    rate=$(job "$w" "$p")
+    base=$([ "$w" = 1 ] && echo "$alone1" || echo "$alone2")
+    ratio=$(awk -v r="$rate" -v b="$base" 'BEGIN {printf "%.2f", r / b}')
+    printf '%-34s %10.0f %8s\n' "$w worker(s), $p ps, synchronous" "$rate" "$ratio"
+  done
+done

@@ -1,0 +1,382 @@
+// Process-level tests of the built binaries: whole clusters on 127.0.0.1,
+// configured the ways DESIGN.md lists (flags, TF_CONFIG, CLUSTER_CONFIG +
+// POD_NAME), bad configurations, signals and --help.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/process.h"
+
+namespace psflow::itest {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+std::string Bin(const std::string& name) { return std::string(PSFLOW_BIN_DIR) + "/" + name; }
+
+std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+// Waits up to 3 s for every process whose command line contains `marker` to
+// be gone; kills (by pid) and reports the ones that remain.
+void ExpectNoProcessesLeft(const std::string& marker) {
+  std::vector<pid_t> left;
+  for (int i = 0; i < 300; ++i) {
+    left = FindProcesses(marker);
+    if (left.empty()) return;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  std::string pids;
+  for (pid_t pid : left) {
+    pids += " " + std::to_string(pid);
+    ::kill(pid, SIGKILL);
+  }
+  ADD_FAILURE() << left.size() << " process(es) with '" << marker << "' in their command line remain:" << pids;
+}
+
+// The chief's progress line for `step`/`total` (among the lines that start
+// with `prefix`), or "" if there is none.
+std::string ChiefProgressLine(const std::string& output, int step, int total,
+                              const std::string& prefix = "[chief] ") {
+  const std::string needle = "chief] step " + std::to_string(step) + "/" + std::to_string(total) + " ";
+  for (const std::string& line : Lines(output)) {
+    if (line.rfind(prefix, 0) == 0 && line.find(needle) != std::string::npos) return line;
+  }
+  return "";
+}
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = (std::filesystem::path(::testing::TempDir()) /
+            ("psflow_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
+               .string();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (HasFailure()) {
+      std::printf("(kept %s)\n", dir_.c_str());
+    } else {
+      std::filesystem::remove_all(dir_);
+    }
+  }
+  std::string dir_;
+};
+
+// ---------------------------------------------------------------------------
+// psflow-launch + psflow-eval
+
+TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=400", "--optimizer=adam",
+                  "--learning_rate=0.001", "--log_every_steps=100", "--model_dir=" + model_dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  const std::string out = launch.output();
+
+  for (int step : {100, 200, 300, 400}) {
+    const std::string line = ChiefProgressLine(out, step, 400);
+    EXPECT_NE(line, "") << "no [chief] progress line for step " << step << "\n" << launch.Describe();
+    if (step == 400) {
+      EXPECT_THAT(line, HasSubstr("workers 2/2 ps 2/2")) << line;
+    }
+  }
+  for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
+    EXPECT_THAT(out, HasSubstr(std::string("[launch] ") + name + " exited with code 0")) << launch.Describe();
+  }
+
+  // Nothing of this cluster outlives the launcher: every member's command
+  // line names the chief's address.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)")))
+      << launch.Describe();
+  ExpectNoProcessesLeft("--chief_hosts=" + m[1].str());
+  ExpectNoProcessesLeft(model_dir);
+
+  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"}, {}, seconds(60));
+  ASSERT_EQ(eval.exit_code, 0) << eval.description;
+  std::smatch acc, loss;
+  ASSERT_TRUE(std::regex_search(eval.out, acc, std::regex(R"((^|\n)accuracy: ([0-9.]+)\n)"))) << eval.description;
+  ASSERT_TRUE(std::regex_search(eval.out, loss, std::regex(R"((^|\n)loss: ([0-9.]+)\n)"))) << eval.description;
+  // 400 Adam steps of the MLP reach about 0.84 on the Fashion-MNIST test set.
+  EXPECT_GE(std::stod(acc[2].str()), 0.78) << eval.description;
+  EXPECT_LE(std::stod(acc[2].str()), 1.0) << eval.description;
+  const double loss_value = std::stod(loss[2].str());
+  EXPECT_TRUE(std::isfinite(loss_value) && loss_value > 0 && loss_value < 1.0) << eval.description;
+}
+
+TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(Bin("psflow-launch"), {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=1000000",
+                                        "--log_every_steps=50", "--model_dir=" + model_dir});
+  ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
+  std::smatch m;
+  const std::string out = launch.output();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)")))
+      << launch.Describe();
+  const std::string marker = "--chief_hosts=" + m[1].str();
+  // The scan sees the running cluster (so that its emptiness below means something).
+  EXPECT_THAT(FindProcesses(marker), SizeIs(5)) << launch.Describe();
+
+  launch.Signal(SIGTERM);
+  const Clock::time_point signalled = Clock::now();
+  const int code = launch.WaitOrKill(seconds(30));
+  const double took = std::chrono::duration<double>(Clock::now() - signalled).count();
+  EXPECT_FALSE(launch.timed_out()) << launch.Describe();
+  EXPECT_LT(took, 15.0) << launch.Describe();
+  // The launcher exits with the chief's code: 128 + SIGTERM.
+  EXPECT_EQ(code, 128 + SIGTERM) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("[launch] got signal 15")) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("[launch] chief exited with code 143")) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("[launch] ps0 exited with code 143")) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("[launch] ps1 exited with code 143")) << launch.Describe();
+  ExpectNoProcessesLeft(marker);
+}
+
+// ---------------------------------------------------------------------------
+// One process per role, started in the "wrong" order: workers, then ps, then
+// the chief (pods start in any order).
+
+struct Member {
+  std::string name;    // "worker0"
+  std::string binary;  // "psflow-worker"
+  std::vector<std::string> args;
+  std::map<std::string, std::string> env;
+};
+
+constexpr int kSteps = 150;
+
+std::vector<std::string> ChiefJobArgs(const std::string& model_dir) {
+  return {"--model=mlp", "--train_steps=" + std::to_string(kSteps), "--log_every_steps=50",
+          "--compute_threads=1", "--model_dir=" + model_dir};
+}
+
+// Starts `members` in order (a pause whenever the binary changes), waits for
+// all, and checks that every one exits 0 and the chief trained and saved.
+void RunSeparateCluster(const std::vector<Member>& members, const std::string& model_dir) {
+  std::vector<std::unique_ptr<Process>> procs;
+  Process* chief = nullptr;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (i > 0 && members[i].binary != members[i - 1].binary) std::this_thread::sleep_for(milliseconds(300));
+    procs.push_back(std::make_unique<Process>(Bin(members[i].binary), members[i].args, members[i].env));
+    if (members[i].binary == "psflow-chief") chief = procs.back().get();
+  }
+  ASSERT_NE(chief, nullptr);
+  chief->WaitOrKill(seconds(120));
+  const Clock::time_point deadline = Clock::now() + seconds(30);
+  for (auto& p : procs) {
+    p->WaitOrKill(std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
+  }
+  std::string all;
+  for (size_t i = 0; i < procs.size(); ++i) all += "\n===== " + members[i].name + "\n" + procs[i]->Describe();
+  for (size_t i = 0; i < procs.size(); ++i) {
+    EXPECT_EQ(procs[i]->exit_code(), 0) << members[i].name << " failed" << all;
+  }
+  EXPECT_NE(ChiefProgressLine(chief->output(), kSteps, kSteps, ""), "") << all;
+  EXPECT_TRUE(std::filesystem::exists(model_dir + "/saved_model")) << all;
+}
+
+struct Ports {
+  Ports() : p(FreePorts(6)) {}
+  std::vector<int> p;  // chief, ps0, ps1, worker0, worker1, evaluator
+  std::string chief() const { return Addr(p[0]); }
+  std::string ps(int i) const { return Addr(p[1 + i]); }
+  std::string worker(int i) const { return Addr(p[3 + i]); }
+  std::string evaluator() const { return Addr(p[5]); }
+};
+
+// TF_CONFIG exactly as the Kubeflow training operator writes it (roles in
+// sorted order, "environment":"cloud"); `chief_key` is "chief" or "master".
+std::string TfConfig(const Ports& ports, const std::string& chief_key, const std::string& type, int index) {
+  std::string c = "{\"cluster\":{";
+  if (chief_key == "chief") c += "\"chief\":[\"" + ports.chief() + "\"],";
+  c += "\"evaluator\":[\"" + ports.evaluator() + "\"],";
+  if (chief_key == "master") c += "\"master\":[\"" + ports.chief() + "\"],";
+  c += "\"ps\":[\"" + ports.ps(0) + "\",\"" + ports.ps(1) + "\"],";
+  c += "\"worker\":[\"" + ports.worker(0) + "\",\"" + ports.worker(1) + "\"]},";
+  c += "\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(index) + "},\"environment\":\"cloud\"}";
+  return c;
+}
+
+// CLUSTER_CONFIG as a Helm template renders it: trailing commas, newlines.
+std::string HelmClusterConfig(const Ports& ports) {
+  return "{\n  \"chief\": [\"" + ports.chief() + "\",],\n  \"ps\": [\"" + ports.ps(0) + "\", \"" + ports.ps(1) +
+         "\",],\n  \"worker\": [\"" + ports.worker(0) + "\", \"" + ports.worker(1) + "\",],\n}\n";
+}
+
+TEST_F(ClusterTest, SeparateProcessesWithFlags) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  const std::vector<std::string> hosts = {"--chief_hosts=" + ports.chief(),
+                                          "--ps_hosts=" + ports.ps(0) + "," + ports.ps(1),
+                                          "--worker_hosts=" + ports.worker(0) + "," + ports.worker(1)};
+  auto member = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
+    Member m{role == "chief" ? "chief" : role + std::to_string(index), "psflow-" + role, {}, {}};
+    m.args = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
+    m.args.insert(m.args.end(), hosts.begin(), hosts.end());
+    m.args.insert(m.args.end(), extra.begin(), extra.end());
+    return m;
+  };
+  const std::string model_dir = dir_ + "/model";
+  RunSeparateCluster({member("worker", 0), member("worker", 1), member("ps", 0), member("ps", 1),
+                      member("chief", 0, ChiefJobArgs(model_dir))},
+                     model_dir);
+}
+
+TEST_F(ClusterTest, SeparateProcessesWithTfConfig) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  auto member = [&](const std::string& role, int index, std::vector<std::string> args = {}) {
+    return Member{role == "chief" ? "chief" : role + std::to_string(index), "psflow-" + role, std::move(args),
+                  {{"TF_CONFIG", TfConfig(ports, "chief", role, index)}}};
+  };
+  // The evaluator is listed in the cluster but not started: it is no training member.
+  const std::string model_dir = dir_ + "/model";
+  RunSeparateCluster({member("worker", 0), member("worker", 1), member("ps", 0), member("ps", 1),
+                      member("chief", 0, ChiefJobArgs(model_dir))},
+                     model_dir);
+}
+
+// "master" for the chief in TF_CONFIG, and one ps and one worker configured
+// by CLUSTER_CONFIG + POD_NAME instead: all sources must agree on the cluster.
+TEST_F(ClusterTest, SeparateProcessesWithMasterAndClusterConfig) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  auto tf = [&](const std::string& name, const std::string& binary, const std::string& type, int index,
+                std::vector<std::string> args = {}) {
+    return Member{name, binary, std::move(args), {{"TF_CONFIG", TfConfig(ports, "master", type, index)}}};
+  };
+  auto helm = [&](const std::string& name, const std::string& binary, const std::string& pod) {
+    return Member{name, binary, {}, {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", pod}}};
+  };
+  const std::string model_dir = dir_ + "/model";
+  RunSeparateCluster({tf("worker0", "psflow-worker", "worker", 0), helm("worker1", "psflow-worker", "worker-1"),
+                      tf("ps0", "psflow-ps", "ps", 0), helm("ps1", "psflow-ps", "mnist-ps-1"),
+                      tf("chief", "psflow-chief", "master", 0, ChiefJobArgs(model_dir))},
+                     model_dir);
+}
+
+// ---------------------------------------------------------------------------
+// Bad configurations: exit code 1 at once, with one line naming the problem.
+
+struct BadCase {
+  std::string what;
+  std::string binary;
+  std::vector<std::string> args;
+  std::map<std::string, std::string> env;
+  std::string expect;     // a substring of the message
+  bool one_line = true;   // stdout empty, stderr exactly one line
+};
+
+TEST(BadConfiguration, ExitsOneQuicklyWithOneLine) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  const std::vector<std::string> chief_flags = {"--job_name=chief", "--task_id=0", "--chief_hosts=" + ports.chief(),
+                                                "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0)};
+  auto chief = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = chief_flags;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  const std::string model_dir = ::testing::TempDir() + "/psflow_bad_config_never_created";
+  const std::vector<BadCase> cases = {
+      {"malformed TF_CONFIG", "psflow-worker", {}, {{"TF_CONFIG", R"({"cluster": {"ps": ["127.0.0.1:2222")"}},
+       "TF_CONFIG is not valid JSON"},
+      {"TF_CONFIG for a worker given to psflow-ps", "psflow-ps", {},
+       {{"TF_CONFIG", TfConfig(ports, "chief", "worker", 1)}}, "task type 'worker' in TF_CONFIG, but this is the ps"},
+      {"task index out of range", "psflow-worker", {}, {{"TF_CONFIG", TfConfig(ports, "chief", "worker", 2)}},
+       "task index 2 out of range"},
+      {"flag task index out of range", "psflow-ps",
+       {"--job_name=ps", "--task_id=5", "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0),
+        "--worker_hosts=" + ports.worker(0)},
+       {},
+       "task index 5 out of range"},
+      {"no configuration", "psflow-ps", {}, {}, "no cluster configuration"},
+      {"no configuration (chief)", "psflow-chief", {"--model_dir=" + model_dir}, {}, "no cluster configuration"},
+      {"bad address in --ps_hosts", "psflow-ps",
+       {"--job_name=ps", "--task_id=0", "--chief_hosts=" + ports.chief(), "--ps_hosts=nohostport",
+        "--worker_hosts=" + ports.worker(0)},
+       {},
+       "'nohostport' is not host:port"},
+      {"POD_NAME without an index", "psflow-worker", {},
+       {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", "worker"}}, "POD_NAME 'worker'"},
+      {"unknown flag", "psflow-chief", {"--bogus"}, {}, "bogus", false},
+      {"--epochs and --train_steps", "psflow-chief",
+       chief({"--model=mlp", "--epochs=1", "--train_steps=10", "--model_dir=" + model_dir}), {},
+       "give --epochs or --train_steps, not both"},
+      {"unknown model", "psflow-chief", chief({"--model=does_not_exist", "--model_dir=" + model_dir}), {},
+       "model 'does_not_exist'"},
+      {"unknown optimizer", "psflow-chief", chief({"--model=mlp", "--optimizer=rmsprop", "--model_dir=" + model_dir}),
+       {}, "--optimizer 'rmsprop'"},
+      {"no --model_dir", "psflow-chief", chief({"--model=mlp"}), {}, "--model_dir is required"},
+  };
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.what);
+    RunResult r = RunProcess(Bin(c.binary), c.args, c.env, seconds(10));
+    EXPECT_FALSE(r.timed_out) << r.description;
+    EXPECT_EQ(r.exit_code, 1) << r.description;
+    EXPECT_LT(r.seconds, 5.0) << r.description;
+    EXPECT_THAT(r.output, HasSubstr(c.expect)) << r.description;
+    if (c.one_line) {
+      EXPECT_EQ(r.out, "") << r.description;
+      EXPECT_THAT(Lines(r.err), SizeIs(1)) << r.description;
+      EXPECT_TRUE(!r.err.empty() && r.err.back() == '\n') << r.description;
+    }
+  }
+  EXPECT_FALSE(std::filesystem::exists(model_dir));
+}
+
+// ---------------------------------------------------------------------------
+// --help
+
+const std::map<std::string, std::vector<std::string>>& OwnFlags() {
+  static const auto* flags = new std::map<std::string, std::vector<std::string>>{
+      {"psflow-chief",
+       {"model", "data_dir", "batch_size", "epochs", "train_steps", "optimizer", "learning_rate", "momentum", "seed",
+        "model_dir", "saved_model_dir", "log_every_steps", "compute_threads", "startup_timeout", "job_name",
+        "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts"}},
+      {"psflow-ps",
+       {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts"}},
+      {"psflow-worker",
+       {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
+        "evaluator_hosts"}},
+      {"psflow-launch", {"ps", "workers", "host", "bin_dir", "grace_seconds"}},
+      {"psflow-eval", {"saved_model", "data_dir", "batch_size", "device"}},
+  };
+  return *flags;
+}
+
+TEST(Help, ListsEveryOwnFlag) {
+  for (const auto& [binary, flags] : OwnFlags()) {
+    SCOPED_TRACE(binary);
+    RunResult r = RunProcess(Bin(binary), {"--help"}, {}, seconds(10));
+    ASSERT_FALSE(r.timed_out) << r.description;
+    EXPECT_THAT(r.output, HasSubstr(binary)) << r.description;
+    for (const std::string& flag : flags) {
+      EXPECT_THAT(r.output, HasSubstr("--" + flag + " (")) << r.description;
+    }
+  }
+}
+
+TEST(Help, ExitsZero) {
+  for (const auto& [binary, flags] : OwnFlags()) {
+    SCOPED_TRACE(binary);
+    RunResult r = RunProcess(Bin(binary), {"--help"}, {}, seconds(10));
+    EXPECT_EQ(r.exit_code, 0) << "(first lines) " << r.output.substr(0, 300);
+  }
+}
+
+}  // namespace
+}  // namespace psflow::itest

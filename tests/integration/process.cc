@@ -1,0 +1,319 @@
+#include "tests/integration/process.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+extern char** environ;
+
+namespace psflow::itest {
+namespace {
+
+bool IsUnsetVariable(const char* entry) {
+  for (const char* name : {"TF_CONFIG=", "CLUSTER_CONFIG=", "POD_NAME="}) {
+    if (std::strncmp(entry, name, std::strlen(name)) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Process::Process(const std::string& binary, const std::vector<std::string>& args,
+                 const std::map<std::string, std::string>& env)
+    : start_(Clock::now()) {
+  command_ = binary;
+  for (const std::string& a : args) command_ += " " + a;
+  for (const auto& [name, value] : env) command_ = name + "='" + value + "' " + command_;
+
+  // Everything the child needs is prepared before fork(): between fork and
+  // exec only async-signal-safe calls are allowed (this process has threads).
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    if (IsUnsetVariable(*e) || env.count(name) > 0) continue;
+    env_strings.push_back(entry);
+  }
+  for (const auto& [name, value] : env) env_strings.push_back(name + "=" + value);
+  std::vector<char*> envp;
+  for (std::string& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_strings = {binary};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : argv_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  int out[2], err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+    all_ = err_ = std::string("pipe2: ") + std::strerror(errno);
+    exit_code_ = 127;
+    end_ = Clock::now();
+    return;
+  }
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(137);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::signal(SIGPIPE, SIG_DFL);
+    const int null_fd = ::open("/dev/null", O_RDONLY);
+    if (null_fd >= 0) ::dup2(null_fd, STDIN_FILENO);
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    ::execve(argv[0], argv.data(), envp.data());
+    const char msg[] = "exec failed\n";
+    (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  out_fd_ = out[0];
+  err_fd_ = err[0];
+  if (pid < 0) {
+    all_ = err_ = std::string("fork: ") + std::strerror(errno);
+    exit_code_ = 127;
+    end_ = Clock::now();
+    ::close(out_fd_);
+    ::close(err_fd_);
+    out_fd_ = err_fd_ = -1;
+    return;
+  }
+  ::setpgid(pid, pid);  // also here, so that the group exists before any kill(-pid)
+  pid_ = pid;
+  reader_ = std::thread([this] { ReadLoop(); });
+}
+
+Process::~Process() {
+  if (pid_ > 0 && exit_code_ < 0) {
+    ::kill(-pid_, SIGKILL);
+    ::kill(pid_, SIGKILL);
+    Reap(true);
+  }
+  FinishOutput();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Process::ReadLoop() {
+  enum ReadResult { kData, kAgain, kEnd };
+  bool out_open = true, err_open = true;
+  auto read_one = [this](int fd, std::string* sink) {
+    char buf[8192];
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return kAgain;
+    if (n <= 0) return kEnd;
+    std::lock_guard<std::mutex> lock(mu_);
+    sink->append(buf, static_cast<size_t>(n));
+    all_.append(buf, static_cast<size_t>(n));
+    return kData;
+  };
+  while (out_open || err_open) {
+    pollfd fds[3] = {{out_open ? out_fd_ : -1, POLLIN, 0},
+                     {err_open ? err_fd_ : -1, POLLIN, 0},
+                     {wake_fd_, POLLIN, 0}};
+    if (::poll(fds, 3, -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[0].revents != 0) out_open = read_one(out_fd_, &out_) != kEnd;
+    if (fds[1].revents != 0) err_open = read_one(err_fd_, &err_) != kEnd;
+    if (fds[2].revents != 0) {
+      // Told to stop (a grandchild may hold the pipes open): take what is
+      // buffered without blocking, then stop.
+      for (int fd : {out_fd_, err_fd_}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+      while (out_open && read_one(out_fd_, &out_) == kData) {
+      }
+      while (err_open && read_one(err_fd_, &err_) == kData) {
+      }
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  eof_ = true;
+  eof_cv_.notify_all();
+}
+
+void Process::FinishOutput() {
+  if (!reader_.joinable()) return;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    eof_cv_.wait_for(lock, seconds(2), [this] { return eof_; });
+  }
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
+  reader_.join();
+  ::close(out_fd_);
+  ::close(err_fd_);
+  out_fd_ = err_fd_ = -1;
+}
+
+bool Process::Reap(bool block) {
+  if (exit_code_ >= 0) return true;
+  if (pid_ <= 0) return true;
+  int status = 0;
+  pid_t r;
+  do {
+    r = ::waitpid(pid_, &status, block ? 0 : WNOHANG);
+  } while (r < 0 && errno == EINTR);
+  if (r != pid_) return false;
+  end_ = Clock::now();
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  FinishOutput();
+  return true;
+}
+
+bool Process::running() { return !Reap(false); }
+
+bool Process::WaitFor(milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (true) {
+    if (Reap(false)) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+}
+
+int Process::WaitOrKill(milliseconds timeout) {
+  if (!WaitFor(timeout)) {
+    timed_out_ = true;
+    ::kill(-pid_, SIGKILL);
+    ::kill(pid_, SIGKILL);
+    Reap(true);
+  }
+  return exit_code_;
+}
+
+bool Process::WaitForOutput(const std::string& text, milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (all_.find(text) != std::string::npos) return true;
+    }
+    if (!running() || Clock::now() >= deadline) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return all_.find(text) != std::string::npos;
+    }
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+}
+
+void Process::Signal(int sig) {
+  if (pid_ > 0 && exit_code_ < 0) ::kill(pid_, sig);
+}
+
+double Process::elapsed_seconds() const {
+  const Clock::time_point end = exit_code_ >= 0 ? end_ : Clock::now();
+  return std::chrono::duration<double>(end - start_).count();
+}
+
+std::string Process::output() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return all_;
+}
+
+std::string Process::stdout_text() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return out_;
+}
+
+std::string Process::stderr_text() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return err_;
+}
+
+std::string Process::Describe() const {
+  std::ostringstream s;
+  s << "command: " << command_ << "\nexit code: " << exit_code_ << (timed_out_ ? " (killed: timed out)" : "")
+    << " after " << elapsed_seconds() << " s\n----- output -----\n"
+    << output() << "\n----- end of output -----";
+  return s.str();
+}
+
+RunResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
+              const std::map<std::string, std::string>& env, milliseconds timeout) {
+  Process p(binary, args, env);
+  RunResult r;
+  r.exit_code = p.WaitOrKill(timeout);
+  r.timed_out = p.timed_out();
+  r.seconds = p.elapsed_seconds();
+  r.output = p.output();
+  r.out = p.stdout_text();
+  r.err = p.stderr_text();
+  r.description = p.Describe();
+  return r;
+}
+
+std::vector<int> FreePorts(int n) {
+  std::vector<int> fds, ports;
+  for (int i = 0; i < n; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    fds.push_back(fd);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = 0;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      break;
+    }
+    ports.push_back(ntohs(addr.sin_port));
+  }
+  for (int fd : fds) ::close(fd);
+  return ports;
+}
+
+int FreePort() {
+  std::vector<int> ports = FreePorts(1);
+  return ports.empty() ? -1 : ports[0];
+}
+
+std::vector<pid_t> FindProcesses(const std::string& text) {
+  std::vector<pid_t> found;
+  const pid_t self = ::getpid();
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it("/proc", ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(name));
+    if (pid == self) continue;
+    std::ifstream in(it->path() / "cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (cmdline.empty()) continue;  // a zombie or a kernel thread
+    for (char& c : cmdline) {
+      if (c == '\0') c = ' ';
+    }
+    if (cmdline.find(text) != std::string::npos) found.push_back(pid);
+  }
+  return found;
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace psflow::itest

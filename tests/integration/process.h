@@ -1,0 +1,106 @@
+// Test helpers for process-level integration tests: run a binary as a child
+// process with its output captured, wait for it with a deadline, free ports,
+// and a /proc scan for processes left behind.
+#ifndef PSFLOW_TESTS_INTEGRATION_PROCESS_H_
+#define PSFLOW_TESTS_INTEGRATION_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace psflow::itest {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+// A child process running `binary` with `args` (argv[1..]). It inherits this
+// process's environment minus TF_CONFIG, CLUSTER_CONFIG and POD_NAME (so the
+// caller's environment cannot change what a test runs), plus `env`. Its stdout
+// and stderr are captured (separately and interleaved). It runs in its own
+// process group and is SIGKILLed if the test process dies.
+class Process {
+ public:
+  Process(const std::string& binary, const std::vector<std::string>& args,
+          const std::map<std::string, std::string>& env = {});
+  ~Process();  // SIGKILLs the process (group) if it still runs, and reaps it.
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool running();
+
+  // Waits up to `timeout` for the process to exit; false if it still runs.
+  bool WaitFor(milliseconds timeout);
+  // Waits up to `timeout`; past it, SIGKILLs the process group and reaps it
+  // (timed_out() is then true). Returns exit_code().
+  int WaitOrKill(milliseconds timeout);
+  // Waits until the interleaved output contains `text`, the process exits, or
+  // `timeout` passes. True if the text was seen.
+  bool WaitForOutput(const std::string& text, milliseconds timeout);
+
+  void Signal(int sig);  // to the process only (not its group)
+
+  // The exit status, or 128 + signal if a signal ended it; -1 while running.
+  int exit_code() const { return exit_code_; }
+  bool timed_out() const { return timed_out_; }
+  // Seconds from start to exit (or to now while running).
+  double elapsed_seconds() const;
+
+  std::string output() const;  // stdout and stderr, interleaved as read
+  std::string stdout_text() const;
+  std::string stderr_text() const;
+  // For failure messages: command line, exit code and output.
+  std::string Describe() const;
+
+ private:
+  void ReadLoop();
+  bool Reap(bool block);
+  void FinishOutput();
+
+  std::string command_;
+  pid_t pid_ = -1;
+  int out_fd_ = -1, err_fd_ = -1, wake_fd_ = -1;
+  int exit_code_ = -1;
+  bool timed_out_ = false;
+  Clock::time_point start_, end_;
+
+  mutable std::mutex mu_;
+  std::condition_variable eof_cv_;
+  bool eof_ = false;
+  std::string out_, err_, all_;
+  std::thread reader_;
+};
+
+struct RunResult {
+  int exit_code = -1;
+  bool timed_out = false;
+  double seconds = 0;
+  std::string output, out, err, description;
+};
+
+// Runs a process to completion (killing it after `timeout`).
+RunResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
+              const std::map<std::string, std::string>& env = {}, milliseconds timeout = seconds(30));
+
+// A TCP port that was free on 127.0.0.1 a moment ago.
+int FreePort();
+// `n` distinct such ports (all bound at once while picking).
+std::vector<int> FreePorts(int n);
+
+// Pids of live (non-zombie) processes other than this one whose command line
+// (arguments joined by spaces) contains `text`.
+std::vector<pid_t> FindProcesses(const std::string& text);
+
+// Lines of `text` (without the '\n').
+std::vector<std::string> Lines(const std::string& text);
+
+}  // namespace psflow::itest
+
+#endif  // PSFLOW_TESTS_INTEGRATION_PROCESS_H_

@@ -1,0 +1,339 @@
+// PsService on a real in-process gRPC server on loopback, driven by PsClient
+// and by hand-built streams through the generated stub.
+#include "ps/service.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/grpc_util.h"
+#include "common/tensor_chunks.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/ps.grpc.pb.h"
+#include "ps/client.h"
+#include "ps/shard.h"
+
+namespace psflow::ps {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kJob = 77;
+// 4.4 MB: more than gRPC's 4 MB default message size, so it must be chunked.
+const std::vector<int64_t> kBigShape = {1100, 1000};
+const std::vector<int64_t> kBiasShape = {10};
+constexpr float kLr = 0.5f;
+
+// Small multiples of powers of two: the SGD update is exact in fp32.
+std::vector<float> Pattern(int64_t n, int mod, float scale) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(i % mod - mod / 2) * scale;
+  return v;
+}
+
+absl::Time Deadline() { return absl::Now() + absl::Seconds(20); }
+
+class PsServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    service_ = std::make_unique<PsService>(0, &shard_, [this] { shutdown_.Notify(); });
+    grpc::ServerBuilder builder;
+    // No ConfigureServer: the server keeps gRPC's default 4 MB receive limit,
+    // so an Init or Push that is not chunked would fail.
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port_, 0);
+    address_ = absl::StrCat("127.0.0.1:", port_);
+    client_ = std::make_unique<PsClient>(std::vector<std::string>{address_});
+    stub_ = ParameterServer::NewStub(MakeChannel(address_));
+
+    big_ = Pattern(NumElements(kBigShape), 1024, 0.125f);
+    bias_ = Pattern(NumElements(kBiasShape), 10, 1.0f);
+  }
+
+  void TearDown() override {
+    shard_.Shutdown();  // wakes any waiting pull
+    if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  }
+
+  InitHeader Header(int ps_index = 0) const {
+    InitHeader h;
+    h.set_job_id(kJob);
+    h.set_ps_index(ps_index);
+    h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::SGD);
+    h.mutable_job()->mutable_optimizer()->set_learning_rate(kLr);
+    h.add_live_workers(0);
+    h.add_live_workers(1);
+    for (const auto& [name, shape] : {std::pair{"big", kBigShape}, std::pair{"bias", kBiasShape}}) {
+      SliceSpec* s = h.add_slice();
+      s->set_name(name);
+      for (int64_t d : shape) s->add_shape(d);
+      s->set_row_end(shape[0]);
+    }
+    return h;
+  }
+
+  absl::Status InitJob() {
+    return client_->Init(0, Header(), {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                         Deadline());
+  }
+
+  struct Pulled {
+    int64_t version = -1;
+    std::vector<float> big, bias;
+  };
+  absl::StatusOr<Pulled> PullAll(int64_t min_version, absl::Time deadline = Deadline()) {
+    Pulled p;
+    p.big.assign(NumElements(kBigShape), -1);
+    p.bias.assign(NumElements(kBiasShape), -1);
+    absl::StatusOr<PsClient::PullResult> r =
+        client_->Pull(0, kJob, min_version,
+                      {{"big", "", kBigShape, p.big.data()}, {"bias", "", kBiasShape, p.bias.data()}},
+                      deadline);
+    if (!r.ok()) return r.status();
+    p.version = r->version;
+    return p;
+  }
+
+  absl::StatusOr<PushResponse> PushAll(int worker, int64_t step, const std::vector<float>& gbig,
+                                       const std::vector<float>& gbias) {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(worker);
+    h.set_step(step);
+    return client_->Push(0, h, {{"big", "", kBigShape, gbig.data()}, {"bias", "", kBiasShape, gbias.data()}},
+                         Deadline());
+  }
+
+  // Sends `requests` on a raw Push stream and returns the call's status.
+  grpc::Status RawPush(const std::vector<PushRequest>& requests) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Deadline()));
+    PushResponse response;
+    std::unique_ptr<grpc::ClientWriter<PushRequest>> writer = stub_->Push(&context, &response);
+    for (const PushRequest& r : requests) {
+      if (!writer->Write(r)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  Shard shard_;
+  absl::Notification shutdown_;
+  std::unique_ptr<PsService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string address_;
+  std::unique_ptr<PsClient> client_;
+  std::unique_ptr<ParameterServer::Stub> stub_;
+  std::vector<float> big_, bias_;
+};
+
+std::vector<float> SgdAfter(const std::vector<float>& w, const std::vector<float>& g0,
+                            const std::vector<float>& g1) {
+  std::vector<float> out(w.size());
+  for (size_t i = 0; i < w.size(); ++i) out[i] = w[i] - kLr * ((g0[i] + g1[i]) / 2);
+  return out;
+}
+
+TEST_F(PsServiceTest, InitPullPushPull) {
+  absl::Status init = InitJob();
+  ASSERT_TRUE(init.ok()) << init;
+  absl::StatusOr<Pulled> p0 = PullAll(0);
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  EXPECT_EQ(p0->version, 0);
+  EXPECT_EQ(p0->big, big_);
+  EXPECT_EQ(p0->bias, bias_);
+
+  const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
+  const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
+
+  // A pull for version 1 waits for both workers' pushes.
+  absl::Notification pulled;
+  absl::StatusOr<Pulled> p1;
+  std::thread puller([&] {
+    p1 = PullAll(1);
+    pulled.Notify();
+  });
+  absl::StatusOr<PushResponse> r0 = PushAll(0, 0, g0_big, g0_bias);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  EXPECT_EQ(r0->outcome(), PushResponse::ACCEPTED);
+  EXPECT_EQ(r0->version(), 0);
+  EXPECT_FALSE(pulled.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+
+  absl::StatusOr<PushResponse> r1 = PushAll(1, 0, g1_big, g1_bias);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_EQ(r1->outcome(), PushResponse::ACCEPTED);
+  EXPECT_EQ(r1->version(), 1);
+  ASSERT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  puller.join();
+  ASSERT_TRUE(p1.ok()) << p1.status();
+  EXPECT_EQ(p1->version, 1);
+  EXPECT_EQ(p1->big, SgdAfter(big_, g0_big, g1_big));
+  EXPECT_EQ(p1->bias, SgdAfter(bias_, g0_bias, g1_bias));
+
+  // A retried push is a duplicate, an old one stale.
+  r1 = PushAll(1, 1, g1_big, g1_bias);
+  ASSERT_TRUE(r1.ok());
+  r1 = PushAll(1, 1, g1_big, g1_bias);
+  ASSERT_TRUE(r1.ok());
+  EXPECT_EQ(r1->outcome(), PushResponse::DUPLICATE);
+  r0 = PushAll(0, 0, g0_big, g0_bias);
+  ASSERT_TRUE(r0.ok());
+  EXPECT_EQ(r0->outcome(), PushResponse::STALE);
+  EXPECT_EQ(shard_.stats().duplicate, 1);
+  EXPECT_EQ(shard_.stats().stale, 1);
+}
+
+TEST_F(PsServiceTest, PullIsStreamedInChunksBelowTheDefaultLimit) {
+  ASSERT_TRUE(InitJob().ok());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  PullRequest request;
+  request.set_job_id(kJob);
+  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
+  PullResponse response;
+  int messages = 0;
+  int64_t bytes = 0;
+  while (reader->Read(&response)) {
+    ++messages;
+    EXPECT_LT(response.ByteSizeLong(), 4u << 20);
+    EXPECT_EQ(response.version(), 0);
+    for (const TensorChunk& c : response.chunk()) bytes += static_cast<int64_t>(c.data().size());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_GE(messages, 5);  // 4.4 MB in chunks of at most 1 MB
+  EXPECT_EQ(bytes, (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
+}
+
+TEST_F(PsServiceTest, PullDeadline) {
+  ASSERT_TRUE(InitJob().ok());
+  absl::StatusOr<Pulled> p = PullAll(1, absl::Now() + absl::Milliseconds(100));
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kDeadlineExceeded) << p.status();
+}
+
+TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
+  ASSERT_TRUE(InitJob().ok());
+  PushRequest first;
+  first.mutable_header()->set_job_id(kJob);
+  first.mutable_header()->set_worker(0);
+  first.mutable_header()->set_step(0);
+  const std::vector<float> ten(10, 1.0f);
+  auto chunk = [&](PushRequest* r, const std::string& name, std::vector<int64_t> shape, DataType dtype) {
+    TensorChunk* c = r->add_chunk();
+    c->set_name(name);
+    c->set_dtype(dtype);
+    for (int64_t d : shape) c->add_shape(d);
+    c->set_data(reinterpret_cast<const char*>(ten.data()), ten.size() * 4);
+  };
+  struct Case {
+    std::string what;
+    std::vector<PushRequest> requests;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  {
+    PushRequest r = first;
+    chunk(&r, "bias", {11}, DT_FLOAT);
+    cases.push_back({"wrong shape", {r}, "shape"});
+  }
+  {
+    PushRequest r = first;
+    chunk(&r, "nope", {10}, DT_FLOAT);
+    cases.push_back({"unknown name", {r}, "unknown tensor 'nope'"});
+  }
+  {
+    PushRequest r = first;
+    chunk(&r, "bias", {10}, DT_INVALID);
+    cases.push_back({"wrong dtype", {r}, "dtype"});
+  }
+  {
+    PushRequest r = first;
+    chunk(&r, "bias", {10}, DT_FLOAT);  // "big" never arrives
+    cases.push_back({"incomplete", {r}, "'big' incomplete"});
+  }
+  {
+    PushRequest r;
+    chunk(&r, "bias", {10}, DT_FLOAT);
+    cases.push_back({"no header", {r}, "header"});
+  }
+  {
+    PushRequest again = first;
+    again.clear_header();
+    chunk(&again, "bias", {10}, DT_FLOAT);
+    PushRequest r = first;
+    chunk(&r, "bias", {10}, DT_FLOAT);
+    cases.push_back({"bias twice, across messages", {r, again}, "expected byte 40"});
+  }
+  for (const Case& c : cases) {
+    grpc::Status s = RawPush(c.requests);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.what << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.what;
+  }
+  // Gradients of the wrong size through the client fail the same way.
+  PushHeader header = first.header();
+  const std::vector<float> nine(9, 0.0f);
+  absl::StatusOr<PushResponse> r = client_->Push(
+      0, header, {{"big", "", kBigShape, big_.data()}, {"bias", "", {9}, nine.data()}}, Deadline());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+
+  // No garbage was counted as a push: two good pushes apply step 0 exactly.
+  EXPECT_EQ(shard_.stats().version, 0);
+  const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
+  ASSERT_TRUE(PushAll(0, 0, gbig, gbias).ok());
+  EXPECT_EQ(shard_.stats().version, 0);
+  ASSERT_TRUE(PushAll(1, 0, gbig, gbias).ok());
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, SgdAfter(big_, gbig, gbig));
+  EXPECT_EQ(p->bias, SgdAfter(bias_, gbias, gbias));
+}
+
+TEST_F(PsServiceTest, PushForAnotherJobFails) {
+  ASSERT_TRUE(InitJob().ok());
+  PushHeader h;
+  h.set_job_id(kJob + 1);
+  absl::StatusOr<PushResponse> r = client_->Push(0, h, {}, Deadline());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+}
+
+TEST_F(PsServiceTest, InitForAnotherPsIsRefused) {
+  absl::Status s = client_->Init(0, Header(/*ps_index=*/1),
+                                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                                 Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("init for ps 1"));
+  EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition) << "nothing loaded";
+}
+
+TEST_F(PsServiceTest, InitWithMissingValuesIsRefused) {
+  absl::Status s = client_->Init(0, Header(), {{"big", "", kBigShape, big_.data()}}, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("'bias'"));
+  EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
+  // A correct Init afterwards works.
+  EXPECT_TRUE(InitJob().ok());
+}
+
+TEST_F(PsServiceTest, ShutdownRpc) {
+  ASSERT_TRUE(InitJob().ok());
+  EXPECT_EQ(client_->Shutdown(0, kJob + 1, Deadline()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(shutdown_.HasBeenNotified());
+  EXPECT_TRUE(client_->Shutdown(0, kJob, Deadline()).ok());
+  EXPECT_TRUE(shutdown_.HasBeenNotified());
+}
+
+}  // namespace
+}  // namespace psflow::ps

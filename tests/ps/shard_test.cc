@@ -1,0 +1,488 @@
+#include "ps/shard.h"
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "ps/optimizer.h"
+
+namespace psflow::ps {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kJob = 0xC0FFEE;
+
+// Values and gradients are small multiples of powers of two, so every sum,
+// mean and update below is exact in fp32 and can be compared with ==.
+InitHeader Header(OptimizerConfig::Kind kind, float lr, std::vector<int> workers = {0, 1},
+                  int64_t version = 0) {
+  InitHeader h;
+  h.set_job_id(kJob);
+  h.set_ps_index(0);
+  h.mutable_job()->mutable_optimizer()->set_kind(kind);
+  h.mutable_job()->mutable_optimizer()->set_learning_rate(lr);
+  h.set_version(version);
+  for (int w : workers) h.add_live_workers(w);
+  SliceSpec* a = h.add_slice();
+  a->set_name("a");
+  a->add_shape(2);
+  a->add_shape(3);
+  a->set_row_end(2);
+  SliceSpec* b = h.add_slice();
+  b->set_name("b");
+  b->add_shape(4);
+  b->set_row_end(4);
+  return h;
+}
+
+const std::vector<float> kA = {1, -2, 3.5, 0, 0.25, -8};
+const std::vector<float> kB = {10, 20, 30, 40};
+
+std::vector<Shard::SliceValues> Values() {
+  std::vector<Shard::SliceValues> v(2);
+  v[0].value = kA;
+  v[1].value = kB;
+  return v;
+}
+
+std::vector<std::vector<float>> Grads(float scale) {
+  return {{1 * scale, 2 * scale, -3 * scale, 0.5f * scale, 4 * scale, -1 * scale},
+          {-2 * scale, 0.25f * scale, 6 * scale, 1 * scale}};
+}
+
+absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
+
+class ShardTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok()); }
+
+  // The values at the shard's current version.
+  std::vector<std::vector<float>> Current() {
+    absl::StatusOr<Shard::Snapshot> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
+    EXPECT_TRUE(snap.ok()) << snap.status();
+    return snap.ok() ? snap->values : std::vector<std::vector<float>>{};
+  }
+
+  PushResponse::Outcome MustPush(int worker, int64_t step, std::vector<std::vector<float>> grads) {
+    absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, worker, step, std::move(grads));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : PushResponse::Outcome{};
+  }
+
+  Shard shard_;
+};
+
+// w - lr * mean(g0, g1), computed the way the shard must.
+std::vector<std::vector<float>> SgdAfter(const std::vector<std::vector<float>>& w, float lr,
+                                         const std::vector<std::vector<float>>& g0,
+                                         const std::vector<std::vector<float>>& g1) {
+  std::vector<std::vector<float>> out = w;
+  for (size_t i = 0; i < w.size(); ++i) {
+    for (size_t j = 0; j < w[i].size(); ++j) out[i][j] = w[i][j] - lr * ((g0[i][j] + g1[i][j]) / 2);
+  }
+  return out;
+}
+
+TEST_F(ShardTest, SlicesAndInitialPull) {
+  absl::StatusOr<std::vector<SliceSpec>> slices = shard_.Slices(kJob);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  ASSERT_EQ(slices->size(), 2u);
+  EXPECT_EQ((*slices)[0].name(), "a");
+  EXPECT_EQ((*slices)[1].name(), "b");
+
+  absl::StatusOr<Shard::Snapshot> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->version, 0);
+  ASSERT_EQ(snap->slices.size(), 2u);
+  EXPECT_EQ(snap->values, (std::vector<std::vector<float>>{kA, kB}));
+}
+
+TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 0) << "one of two workers pushed: not applied yet";
+  EXPECT_EQ(shard_.stats().applied, 0);
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
+
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  Shard::Stats stats = shard_.stats();
+  EXPECT_EQ(stats.version, 1);
+  EXPECT_EQ(stats.applied, 1);
+  const auto expected = SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3));
+  EXPECT_EQ(Current(), expected);
+  // Spot check by hand: a[0] = 1 - 0.5 * (1 - 3) / 2 = 1.5.
+  EXPECT_EQ(Current()[0][0], 1.5f);
+
+  // The sums start again from zero for the next step.
+  EXPECT_EQ(MustPush(1, 1, Grads(2)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(0, 1, Grads(2)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 2);
+  EXPECT_EQ(Current(), SgdAfter(expected, 0.5f, Grads(2), Grads(2)));
+}
+
+TEST_F(ShardTest, StalePushIsDroppedAndCounted) {
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(1));
+  const auto before = Current();
+  EXPECT_EQ(MustPush(0, 0, Grads(100)), PushResponse::STALE);
+  EXPECT_EQ(shard_.stats().stale, 1);
+  EXPECT_EQ(shard_.stats().version, 1);
+  // A stale push must not count toward step 1: worker 1 alone does not apply.
+  EXPECT_EQ(MustPush(1, 1, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), before);
+}
+
+TEST_F(ShardTest, DuplicatePushIsIgnoredAndCounted) {
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(0, 0, Grads(64)), PushResponse::DUPLICATE);
+  EXPECT_EQ(shard_.stats().duplicate, 1);
+  EXPECT_EQ(shard_.stats().version, 0) << "a duplicate does not stand in for worker 1";
+  EXPECT_EQ(MustPush(1, 0, Grads(-1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  // The duplicate's gradients were not added: the mean of g and -g is zero.
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
+}
+
+TEST_F(ShardTest, FuturePushFails) {
+  absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 0, 1, Grads(1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(shard_.stats().stale, 0);
+}
+
+TEST_F(ShardTest, WorkerNotLiveFails) {
+  absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 2, 0, Grads(1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("worker 2"));
+  r = shard_.Push(kJob, -1, 0, Grads(1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  // And it did not count as anyone's push.
+  MustPush(0, 0, Grads(1));
+  EXPECT_EQ(shard_.stats().version, 0);
+}
+
+TEST_F(ShardTest, WrongJobFails) {
+  EXPECT_EQ(shard_.Slices(kJob + 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard_.Pull(kJob + 1, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard_.Push(kJob + 1, 0, 0, Grads(1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ShardNoJobTest, EverythingFailsBeforeInit) {
+  Shard shard;
+  EXPECT_EQ(shard.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard.Pull(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ShardTest, WrongGradientSizeFails) {
+  std::vector<std::vector<float>> g = Grads(1);
+  g[1].push_back(1);
+  absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 0, 0, g);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("'b'"));
+  g = Grads(1);
+  g.pop_back();
+  EXPECT_EQ(shard_.Push(kJob, 0, 0, g).status().code(), absl::StatusCode::kInvalidArgument);
+  // The rejected pushes did not mark worker 0 as done: its retry is accepted.
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(1, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(Current(), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+}
+
+TEST(ShardInitTest, RejectsBadInit) {
+  Shard shard;
+  std::vector<Shard::SliceValues> one = Values();
+  one.pop_back();
+  EXPECT_EQ(shard.Init(Header(OptimizerConfig::SGD, 0.5f), one).code(), absl::StatusCode::kInvalidArgument);
+
+  std::vector<Shard::SliceValues> short_values = Values();
+  short_values[0].value.pop_back();
+  absl::Status s = shard.Init(Header(OptimizerConfig::SGD, 0.5f), short_values);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("'a'"));
+
+  std::vector<Shard::SliceValues> bad_slot = Values();
+  bad_slot[1].slots = {{1, 2}};
+  EXPECT_EQ(shard.Init(Header(OptimizerConfig::MOMENTUM, 0.5f), bad_slot).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(shard.Init(Header(OptimizerConfig::SGD, 0.5f, {}), Values()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard.Init(Header(OptimizerConfig::SGD, 0.0f), Values()).code(),
+            absl::StatusCode::kInvalidArgument);
+  // None of these loaded a job.
+  EXPECT_EQ(shard.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ShardInitTest, StartsAtTheHeaderVersion) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f, {3}, 7), Values()).ok());
+  EXPECT_EQ(shard.stats().version, 7);
+  EXPECT_EQ(shard.Push(kJob, 3, 6, Grads(1)).value(), PushResponse::STALE);
+  EXPECT_EQ(shard.Push(kJob, 3, 7, Grads(1)).value(), PushResponse::ACCEPTED);
+  // One live worker: applied at once.
+  EXPECT_EQ(shard.stats().version, 8);
+  absl::StatusOr<Shard::Snapshot> snap = shard.Pull(kJob, 8, Soon(), nullptr);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->values, SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+}
+
+// Runs Pull on another thread; `done` is notified when it returns.
+class AsyncPull {
+ public:
+  AsyncPull(Shard* shard, uint64_t job, int64_t version, absl::Time deadline,
+            std::function<bool()> cancelled = nullptr)
+      : thread_([=, this] {
+          result_ = shard->Pull(job, version, deadline, cancelled);
+          done_.Notify();
+        }) {}
+  ~AsyncPull() { thread_.join(); }
+
+  bool Done(absl::Duration wait) { return done_.WaitForNotificationWithTimeout(wait); }
+  const absl::StatusOr<Shard::Snapshot>& result() {
+    done_.WaitForNotification();
+    return result_;
+  }
+
+ private:
+  absl::Notification done_;
+  absl::StatusOr<Shard::Snapshot> result_;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+TEST_F(ShardTest, PullBlocksUntilTheStepIsApplied) {
+  AsyncPull pull(&shard_, kJob, 1, Soon());
+  EXPECT_FALSE(pull.Done(absl::Milliseconds(50))) << "version 1 does not exist yet";
+  MustPush(1, 0, Grads(1));
+  EXPECT_FALSE(pull.Done(absl::Milliseconds(50))) << "worker 0 has not pushed yet";
+  MustPush(0, 0, Grads(0.5f));
+  ASSERT_TRUE(pull.Done(absl::Seconds(5)));
+  ASSERT_TRUE(pull.result().ok()) << pull.result().status();
+  EXPECT_EQ(pull.result()->version, 1);
+  EXPECT_EQ(pull.result()->values, SgdAfter({kA, kB}, 0.5f, Grads(0.5f), Grads(1)));
+  // It waited for the 100 ms of pushes above (less the time its thread took to start).
+  EXPECT_GE(pull.result()->waited, absl::Milliseconds(40));
+}
+
+TEST_F(ShardTest, PullDeadline) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Shard::Snapshot> r = shard_.Pull(kJob, 1, start + absl::Milliseconds(50), nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // A version already reached is served even past the deadline.
+  EXPECT_TRUE(shard_.Pull(kJob, 0, absl::InfinitePast(), nullptr).ok());
+}
+
+TEST_F(ShardTest, PullCancelled) {
+  int asked = 0;
+  absl::StatusOr<Shard::Snapshot> r = shard_.Pull(kJob, 1, Soon(), [&] {
+    ++asked;
+    return true;
+  });
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_GE(asked, 1);
+}
+
+TEST_F(ShardTest, PullNoticesLateCancellation) {
+  std::atomic<bool> cancel = false;
+  AsyncPull pull(&shard_, kJob, 1, Soon(), [&] { return cancel.load(); });
+  EXPECT_FALSE(pull.Done(absl::Milliseconds(50)));
+  cancel = true;
+  // Cancellation is polled at least once a second.
+  ASSERT_TRUE(pull.Done(absl::Milliseconds(1500)));
+  EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kCancelled) << pull.result().status();
+}
+
+TEST_F(ShardTest, ShutdownWakesWaitingPull) {
+  AsyncPull pull(&shard_, kJob, 1, Soon());
+  EXPECT_FALSE(pull.Done(absl::Milliseconds(50)));
+  shard_.Shutdown();
+  ASSERT_TRUE(pull.Done(absl::Seconds(2))) << "Shutdown must wake the pull, not its 1 s poll";
+  EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kUnavailable) << pull.result().status();
+  // Later calls fail the same way.
+  EXPECT_EQ(shard_.Pull(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(shard_.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ShardTest, NewJobAbortsWaitingPull) {
+  AsyncPull pull(&shard_, kJob, 1, Soon());
+  EXPECT_FALSE(pull.Done(absl::Milliseconds(50)));
+  InitHeader other = Header(OptimizerConfig::SGD, 0.5f);
+  other.set_job_id(kJob + 1);
+  ASSERT_TRUE(shard_.Init(other, Values()).ok());
+  ASSERT_TRUE(pull.Done(absl::Seconds(2)));
+  EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kAborted) << pull.result().status();
+  EXPECT_EQ(shard_.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(shard_.Slices(kJob + 1).ok());
+}
+
+TEST_F(ShardTest, ManyConcurrentPushesApplyEachStepOnce) {
+  // Two workers push 50 steps each from their own threads, each waiting for
+  // the previous version: every step must be applied exactly once.
+  constexpr int kSteps = 50;
+  auto worker = [&](int w) {
+    for (int step = 0; step < kSteps; ++step) {
+      ASSERT_TRUE(shard_.Pull(kJob, step, Soon(), nullptr).ok());
+      absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, w, step, Grads(w == 0 ? 1 : -1));
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(*r, PushResponse::ACCEPTED);
+    }
+  };
+  std::thread t0(worker, 0), t1(worker, 1);
+  t0.join();
+  t1.join();
+  Shard::Stats stats = shard_.stats();
+  EXPECT_EQ(stats.version, kSteps);
+  EXPECT_EQ(stats.applied, kSteps);
+  EXPECT_EQ(stats.stale + stats.duplicate, 0);
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB})) << "g and -g average to zero";
+}
+
+// ---- Optimizer ----
+
+std::unique_ptr<Optimizer> MakeOptimizer(const OptimizerConfig& config) {
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(config);
+  EXPECT_TRUE(opt.ok()) << opt.status();
+  return opt.ok() ? *std::move(opt) : nullptr;
+}
+
+TEST(OptimizerTest, Sgd) {
+  OptimizerConfig c;
+  c.set_kind(OptimizerConfig::SGD);
+  c.set_learning_rate(0.25f);
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  ASSERT_NE(opt, nullptr);
+  EXPECT_TRUE(opt->SlotNames().empty());
+  std::vector<float> w = {1, 2}, g = {4, -8};
+  opt->Apply(0, w.data(), g.data(), 2, {});
+  EXPECT_EQ(w, (std::vector<float>{0, 4}));
+}
+
+TEST(OptimizerTest, MomentumMatchesTorch) {
+  // torch.optim.SGD(momentum=0.9, lr=0.1): buf = 0.9 buf + g; w -= lr buf.
+  OptimizerConfig c;
+  c.set_kind(OptimizerConfig::MOMENTUM);
+  c.set_learning_rate(0.1f);
+  c.set_momentum(0.9f);
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  ASSERT_NE(opt, nullptr);
+  ASSERT_EQ(opt->SlotNames(), (std::vector<std::string>{"momentum"}));
+  float w = 1.0f, buf = 0.0f;
+  const float grads[] = {1.0f, 0.5f, -1.0f};
+  const double want_w[] = {0.9, 0.76, 0.734};
+  const double want_buf[] = {1.0, 1.4, 0.26};
+  for (int step = 0; step < 3; ++step) {
+    opt->Apply(step, &w, &grads[step], 1, {&buf});
+    EXPECT_NEAR(w, want_w[step], 1e-6) << "step " << step;
+    EXPECT_NEAR(buf, want_buf[step], 1e-6) << "step " << step;
+  }
+}
+
+TEST(OptimizerTest, MomentumDefaultsTo09) {
+  OptimizerConfig c;
+  c.set_kind(OptimizerConfig::MOMENTUM);
+  c.set_learning_rate(0.1f);
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  ASSERT_NE(opt, nullptr);
+  float w = 1.0f, buf = 1.0f, g = 0.0f;
+  opt->Apply(0, &w, &g, 1, {&buf});
+  EXPECT_NEAR(buf, 0.9, 1e-7);
+}
+
+TEST(OptimizerTest, AdamMatchesTorch) {
+  // torch.optim.Adam(lr=0.1) (betas 0.9, 0.999, eps 1e-8 by default), one
+  // weight starting at 1 with gradients 1, 0.5, -1; values from the torch
+  // formulas in double precision:
+  //   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2
+  //   w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+  OptimizerConfig c;
+  c.set_kind(OptimizerConfig::ADAM);
+  c.set_learning_rate(0.1f);
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  ASSERT_NE(opt, nullptr);
+  ASSERT_EQ(opt->SlotNames(), (std::vector<std::string>{"m", "v"}));
+  float w = 1.0f, m = 0.0f, v = 0.0f;
+  const float grads[] = {1.0f, 0.5f, -1.0f};
+  const double want_w[] = {0.900000001, 0.8067820382981611, 0.7957037312938717};
+  const double want_m[] = {0.1, 0.14, 0.026};
+  const double want_v[] = {0.001, 0.001249, 0.002247751};
+  for (int step = 0; step < 3; ++step) {
+    opt->Apply(step, &w, &grads[step], 1, {&m, &v});
+    EXPECT_NEAR(w, want_w[step], 2e-6) << "step " << step;
+    EXPECT_NEAR(m, want_m[step], 1e-6) << "step " << step;
+    // 1 - 0.999f is 1.3e-5 off 0.001 in relative terms (as in torch's fp32).
+    EXPECT_NEAR(v, want_v[step], want_v[step] * 2e-5) << "step " << step;
+  }
+}
+
+TEST(OptimizerTest, AdamOnShardUsesTheVersionAsStep) {
+  // Through the shard, the bias correction of the first applied step is t=1:
+  // the first update is lr * sign(g) whatever g's size.
+  Shard shard;
+  InitHeader h = Header(OptimizerConfig::ADAM, 0.125f, {0});
+  ASSERT_TRUE(shard.Init(h, Values()).ok());
+  ASSERT_TRUE(shard.Push(kJob, 0, 0, Grads(3)).ok());
+  absl::StatusOr<Shard::Snapshot> snap = shard.Pull(kJob, 1, Soon(), nullptr);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  const auto g = Grads(3);
+  const std::vector<std::vector<float>> w0 = {kA, kB};
+  for (size_t i = 0; i < w0.size(); ++i) {
+    for (size_t j = 0; j < w0[i].size(); ++j) {
+      const double sign = g[i][j] > 0 ? 1 : -1;
+      EXPECT_NEAR(snap->values[i][j], w0[i][j] - 0.125 * sign, 1e-5) << i << "," << j;
+    }
+  }
+}
+
+TEST(OptimizerTest, RejectsInvalidConfigs) {
+  auto rejected = [](OptimizerConfig::Kind kind, float lr, float momentum = 0, float b1 = 0,
+                     float b2 = 0, float eps = 0) {
+    OptimizerConfig c;
+    c.set_kind(kind);
+    c.set_learning_rate(lr);
+    c.set_momentum(momentum);
+    c.set_beta1(b1);
+    c.set_beta2(b2);
+    c.set_epsilon(eps);
+    absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(c);
+    return !opt.ok() && opt.status().code() == absl::StatusCode::kInvalidArgument;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(rejected(OptimizerConfig::SGD, 0));
+  EXPECT_TRUE(rejected(OptimizerConfig::SGD, -0.1f));
+  EXPECT_TRUE(rejected(OptimizerConfig::SGD, nan));
+  EXPECT_TRUE(rejected(OptimizerConfig::SGD, inf));
+  EXPECT_TRUE(rejected(OptimizerConfig::MOMENTUM, 0.1f, 1.0f));
+  EXPECT_TRUE(rejected(OptimizerConfig::MOMENTUM, 0.1f, -0.5f));
+  EXPECT_TRUE(rejected(OptimizerConfig::MOMENTUM, 0.1f, nan));
+  EXPECT_TRUE(rejected(OptimizerConfig::ADAM, 0.1f, 0, 1.0f));
+  EXPECT_TRUE(rejected(OptimizerConfig::ADAM, 0.1f, 0, -0.1f));
+  EXPECT_TRUE(rejected(OptimizerConfig::ADAM, 0.1f, 0, 0, 1.5f));
+  EXPECT_TRUE(rejected(OptimizerConfig::ADAM, 0.1f, 0, 0, 0, -1e-8f));
+  EXPECT_TRUE(rejected(OptimizerConfig::ADAM, 0.1f, 0, nan));
+  EXPECT_TRUE(rejected(static_cast<OptimizerConfig::Kind>(7), 0.1f));
+  // And the valid ones are accepted.
+  EXPECT_FALSE(rejected(OptimizerConfig::SGD, 0.1f));
+  EXPECT_FALSE(rejected(OptimizerConfig::MOMENTUM, 0.1f, 0.5f));
+  EXPECT_FALSE(rejected(OptimizerConfig::ADAM, 0.1f, 0, 0.8f, 0.99f, 1e-7f));
+}
+
+}  // namespace
+}  // namespace psflow::ps
