@@ -46,10 +46,10 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     total_examples_ += m.examples();
     reported_[worker] = std::max(reported_[worker], m.step() + 1);
   }
-  EmitReadyLocked(now);
+  EmitReadyLocked();
 }
 
-void Progress::EmitReadyLocked(absl::Time now) {
+void Progress::EmitReadyLocked() {
   int64_t done = train_steps_;
   int live = 0;
   for (size_t w = 0; w < reported_.size(); ++w) {
@@ -80,11 +80,9 @@ void Progress::EmitReadyLocked(absl::Time now) {
         examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
         in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()), num_ps_,
         num_ps_));
-    if (logged_until_ < 0) {
-      steady_start_ = now;  // the first interval holds start-up; leave it out of the mean
-    } else {
+    if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
-      steady_end_ = now;
+      steady_seconds_ += steps * step_ms / 1000.0;
     }
     last_loss_ = loss;
     last_acc_ = acc;
@@ -99,10 +97,7 @@ Progress::Summary Progress::summary() const {
   s.steps = logged_until_ < 0 ? 0 : logged_until_;
   s.examples = total_examples_;
   s.elapsed = first_report_ == absl::InfinitePast() ? absl::ZeroDuration() : last_report_ - first_report_;
-  const double steady_secs = absl::ToDoubleSeconds(steady_end_ - steady_start_);
-  s.examples_per_sec = steady_examples_ > 0 && steady_secs > 0
-                           ? static_cast<double>(steady_examples_) / steady_secs
-                           : 0;
+  s.examples_per_sec = steady_seconds_ > 0 ? static_cast<double>(steady_examples_) / steady_seconds_ : 0;
   s.last_loss = last_loss_;
   s.last_accuracy = last_acc_;
   return s;

@@ -47,7 +47,7 @@ class Progress {
     int64_t correct = 0, examples = 0, records = 0;
     int64_t pull_us = 0, compute_us = 0, push_us = 0, wait_us = 0;
   };
-  void EmitReadyLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EmitReadyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t train_steps_, steps_per_epoch_;
   const int log_every_;
@@ -64,7 +64,7 @@ class Progress {
   int64_t first_step_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t total_examples_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steady_examples_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time steady_start_ ABSL_GUARDED_BY(mu_), steady_end_ ABSL_GUARDED_BY(mu_);
+  double steady_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double last_loss_ ABSL_GUARDED_BY(mu_) = 0, last_acc_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -19,6 +19,7 @@
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "proto/chief.grpc.pb.h"
+#include "proto/worker.grpc.pb.h"
 #include "ps/client.h"
 
 namespace psflow::worker {
@@ -40,7 +41,7 @@ int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
 }  // namespace
 
-class Worker::Impl {
+class Worker::Impl final : public ::psflow::Worker::Service {
  public:
   explicit Impl(WorkerOptions options)
       : options_(std::move(options)),
@@ -49,6 +50,14 @@ class Worker::Impl {
 
   int Run();
   int RunTraining();
+  grpc::Status GetStatus(grpc::ServerContext*, const WorkerStatusRequest*, WorkerStatus* status) override {
+    absl::MutexLock lock(&mu_);
+    status->set_worker(index_);
+    status->set_job_id(job_id_);
+    status->set_step(step_);
+    status->set_finished(finished_);
+    return grpc::Status::OK;
+  }
   void Stop(int signal) {
     absl::MutexLock lock(&mu_);
     if (stop_signal_ == 0) stop_signal_ = signal;
@@ -69,7 +78,7 @@ class Worker::Impl {
   const WorkerOptions options_;
   const int index_;
   std::unique_ptr<Chief::Stub> chief_;
-  uint64_t job_id_ = 0;
+  std::atomic<uint64_t> job_id_{0};  // set once at registration
   JobConfig job_;
   std::unique_ptr<PsClient> ps_;
   std::unique_ptr<ThreadPool> pool_;  // one thread per ps, for parallel pulls and pushes
@@ -82,6 +91,7 @@ class Worker::Impl {
   absl::Mutex mu_;
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<StepMetrics> pending_ ABSL_GUARDED_BY(mu_);  // not yet reported
+  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // saw the final version
   bool released_ ABSL_GUARDED_BY(mu_) = false;  // the chief said exit
   int report_error_ ABSL_GUARDED_BY(mu_) = 0;   // exit code when reporting failed for good
@@ -298,11 +308,12 @@ int Worker::Impl::Train() {
     m.set_pull_us(std::max<int64_t>(Micros(t1 - t0) - wait_us, 0));
     m.set_compute_us(Micros(t2 - t1));
     m.set_push_us(Micros(t3 - t2));
+    ++step;
     {
       absl::MutexLock lock(&mu_);
       pending_.push_back(std::move(m));
+      step_ = step;
     }
-    ++step;
   }
   return kExitDone;
 }
@@ -315,6 +326,8 @@ int Worker::Impl::Run() {
   int port = 0;
   builder.AddListeningPort(absl::StrCat("0.0.0.0:", options_.cluster.self_port),
                            grpc::InsecureServerCredentials(), &port);
+  ConfigureServer(&builder);
+  builder.RegisterService(this);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     PSLOG(ERROR) << "cannot listen on port " << options_.cluster.self_port;
