@@ -5,10 +5,8 @@
 #include <cstdio>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/time/clock.h"
-#include "common/tensor_chunks.h"
+#include "common/command_line.h"
 #include "data/mnist.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
@@ -25,15 +23,15 @@ ABSL_FLAG(int, threads, 0, "CPU threads for the kernels; 0 = all cores.");
 namespace {
 
 int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "psflow-bench-alone: %s\n", std::string(s.message()).c_str());
+  std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
   return 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("psflow-bench-alone: examples/s of one worker training alone (no ps).");
-  absl::ParseCommandLine(argc, argv);
+  psflow::ParseCommandLine(argc, argv,
+                           "examples/s of one worker training alone (no ps).");
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));
   if (!spec.ok()) return Fail(spec.status());
   auto data = psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTrain);

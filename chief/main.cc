@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,
-      "psflow-chief: the chief of a psflow job.\n\n"
+      "the chief of a psflow job.\n\n"
       "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow; 'master' counts as\n"
       "chief), or CLUSTER_CONFIG and POD_NAME. Example:\n"
       "  psflow-chief --job_name=chief --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"

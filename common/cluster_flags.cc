@@ -4,10 +4,7 @@
 #include <cstdlib>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
+#include "common/command_line.h"
 
 ABSL_FLAG(std::string, job_name, "",
           "This process's role: chief (or master), ps, worker or evaluator. Overrides TF_CONFIG "
@@ -37,16 +34,7 @@ std::optional<int> NonNegative(int v) {
 }  // namespace
 
 void ParseFlagsOrExit(int argc, char** argv, const std::string& usage) {
-  absl::FlagsUsageConfig config;
-  // --help lists the flags of the binary's main.cc and these shared ones.
-  auto ours = [](absl::string_view path) {
-    return absl::EndsWith(path, "main.cc") || absl::EndsWith(path, "cluster_flags.cc");
-  };
-  config.contains_help_flags = ours;
-  config.contains_helpshort_flags = ours;
-  absl::SetFlagsUsageConfig(config);
-  absl::SetProgramUsageMessage(usage);
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> rest = ParseCommandLine(argc, argv, usage, {"main.cc", "cluster_flags.cc"});
   if (rest.size() > 1) {
     std::fprintf(stderr, "%s: unexpected argument '%s' (flags are written --name=value)\n", argv[0],
                  rest[1]);

@@ -92,7 +92,7 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
                                                    " bytes does not fit: ", e.bytes - e.received,
                                                    " bytes remain"));
   }
-  std::memcpy(reinterpret_cast<char*>(e.sink.data) + e.received, chunk.data().data(), size);
+  if (size > 0) std::memcpy(reinterpret_cast<char*>(e.sink.data) + e.received, chunk.data().data(), size);
   e.received += size;
   return absl::OkStatus();
 }

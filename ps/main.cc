@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,
-      "psflow-ps: a parameter server of a psflow job.\n\n"
+      "a parameter server of a psflow job.\n\n"
       "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow), or CLUSTER_CONFIG and\n"
       "POD_NAME. Example:\n"
       "  psflow-ps --job_name=ps --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"

@@ -73,11 +73,13 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
   PullResponse response;
   response.set_version(snap->version);
   response.set_wait_us(absl::ToInt64Microseconds(snap->waited));
-  while (splitter.Next(response.mutable_chunk())) {
+  // At least one message, so that a ps holding no slices still reports its version.
+  bool more = splitter.Next(response.mutable_chunk());
+  do {
     if (!writer->Write(response)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     response.clear_chunk();
     response.clear_wait_us();
-  }
+  } while (more && (more = splitter.Next(response.mutable_chunk())));
   return grpc::Status::OK;
 }
 

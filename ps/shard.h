@@ -38,8 +38,8 @@ class Shard {
 
   Shard() = default;
 
-  // Loads a job, replacing any earlier one (waiting pulls of the old job fail
-  // with ABORTED). `values` follow header.slice().
+  // Loads a job, replacing any earlier one (waiting pulls of a job with
+  // another id fail with ABORTED; those of the same id see the new state). `values` follow header.slice().
   absl::Status Init(const InitHeader& header, std::vector<SliceValues> values);
 
   // The slices of the current job, if `job_id` names it; FAILED_PRECONDITION

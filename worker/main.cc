@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,
-      "psflow-worker: a training worker of a psflow job.\n\n"
+      "a training worker of a psflow job.\n\n"
       "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow), or CLUSTER_CONFIG and\n"
       "POD_NAME. The job itself (model, data, batch size, steps) comes from the chief. Example:\n"
       "  psflow-worker --job_name=worker --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"

@@ -280,7 +280,7 @@ struct BadCase {
   bool one_line = true;   // stdout empty, stderr exactly one line
 };
 
-TEST(BadConfiguration, ExitsOneQuicklyWithOneLine) {
+TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
   const std::vector<std::string> chief_flags = {"--job_name=chief", "--task_id=0", "--chief_hosts=" + ports.chief(),
@@ -358,7 +358,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
   return *flags;
 }
 
-TEST(Help, ListsEveryOwnFlag) {
+TEST(ClusterCliTest, HelpListsEveryOwnFlag) {
   for (const auto& [binary, flags] : OwnFlags()) {
     SCOPED_TRACE(binary);
     RunResult r = RunProcess(Bin(binary), {"--help"}, {}, seconds(10));
@@ -370,7 +370,7 @@ TEST(Help, ListsEveryOwnFlag) {
   }
 }
 
-TEST(Help, ExitsZero) {
+TEST(ClusterCliTest, HelpExitsZero) {
   for (const auto& [binary, flags] : OwnFlags()) {
     SCOPED_TRACE(binary);
     RunResult r = RunProcess(Bin(binary), {"--help"}, {}, seconds(10));

@@ -3,10 +3,7 @@
 #include <cstdio>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
+#include "common/command_line.h"
 #include "data/mnist.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
@@ -21,22 +18,18 @@ ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu.");
 namespace {
 
 int Fail(const std::string& message) {
-  std::fprintf(stderr, "psflow-eval: %s\n", message.c_str());
+  std::fprintf(stderr, "%s\n", message.c_str());
   return 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::FlagsUsageConfig config;
-  config.contains_help_flags = [](absl::string_view path) { return absl::EndsWith(path, "main.cc"); };
-  config.contains_helpshort_flags = config.contains_help_flags;
-  absl::SetFlagsUsageConfig(config);
-  absl::SetProgramUsageMessage(
-      "psflow-eval: prints the accuracy and mean loss of a saved model on the test split.\n"
+  std::vector<char*> rest = psflow::ParseCommandLine(
+      argc, argv,
+      "prints the accuracy and mean loss of a saved model on the test split.\n"
       "  psflow-eval --saved_model=/tmp/run/saved_model [--data_dir=DIR]\n"
       "Output: 'accuracy: X' and 'loss: Y', one per line.");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) return Fail(std::string("unexpected argument '") + rest[1] + "'");
   if (absl::GetFlag(FLAGS_saved_model).empty()) return Fail("--saved_model is required");
   const int batch = absl::GetFlag(FLAGS_batch_size);

@@ -6,9 +6,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
+#include "common/command_line.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tools/launch/launcher.h"
@@ -22,12 +20,9 @@ ABSL_FLAG(int, grace_seconds, 15,
           "Seconds the ps and workers get to exit by themselves after the chief exits.");
 
 int main(int argc, char** argv) {
-  absl::FlagsUsageConfig config;
-  config.contains_help_flags = [](absl::string_view path) { return absl::EndsWith(path, "main.cc"); };
-  config.contains_helpshort_flags = config.contains_help_flags;
-  absl::SetFlagsUsageConfig(config);
-  absl::SetProgramUsageMessage(
-      "psflow-launch: runs a psflow cluster (1 chief, --ps parameter servers, --workers workers)\n"
+  std::vector<char*> rest = psflow::ParseCommandLine(
+      argc, argv,
+      "runs a psflow cluster (1 chief, --ps parameter servers, --workers workers)\n"
       "on this machine. Everything after -- goes to the chief, e.g.\n"
       "  psflow-launch --ps=2 --workers=2 -- --model=cnn --epochs=5 --optimizer=adam \\\n"
       "                --learning_rate=0.001 --model_dir=/tmp/run\n"
@@ -35,7 +30,6 @@ int main(int argc, char** argv) {
       "are forwarded; no process outlives the launcher. Unless the chief's arguments set\n"
       "--compute_threads, each worker gets cores / workers threads. Exits with the chief's code,\n"
       "or with the code of a ps or worker that failed first.");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   psflow::launch::LaunchOptions o;
   o.num_ps = absl::GetFlag(FLAGS_ps);
   o.num_workers = absl::GetFlag(FLAGS_workers);
