@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
   psflow::chief::Chief chief(o);
   std::promise<int> result;
   std::future<int> done = result.get_future();
-  psflow::WatchTerminationSignals([&](int sig) {
+  psflow::TerminationWatcher watcher([&](int sig) {
     PSLOG(INFO) << "signal " << sig << ": stopping";
     chief.Stop(sig);
     if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) std::_Exit(128 + sig);

@@ -6,10 +6,6 @@
 namespace psflow {
 namespace {
 
-void Prepare(grpc::ClientContext* context, absl::Time deadline) {
-  context->set_deadline(absl::ToChronoTime(deadline));
-  context->set_wait_for_ready(true);
-}
 
 absl::Status WithPs(int ps, const absl::Status& s) {
   if (s.ok()) return s;
@@ -18,14 +14,44 @@ absl::Status WithPs(int ps, const absl::Status& s) {
 
 }  // namespace
 
+// Registers a call's context for CancelAll for the call's lifetime.
+class PsClient::CallScope {
+ public:
+  CallScope(PsClient* client, absl::Time deadline) : client_(client) {
+    context_.set_deadline(absl::ToChronoTime(deadline));
+    context_.set_wait_for_ready(true);
+    absl::MutexLock lock(&client_->mu_);
+    if (client_->cancelled_) {
+      context_.TryCancel();
+    } else {
+      client_->active_.insert(&context_);
+    }
+  }
+  ~CallScope() {
+    absl::MutexLock lock(&client_->mu_);
+    client_->active_.erase(&context_);
+  }
+  grpc::ClientContext* context() { return &context_; }
+
+ private:
+  PsClient* client_;
+  grpc::ClientContext context_;
+};
+
+void PsClient::CancelAll() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  for (grpc::ClientContext* c : active_) c->TryCancel();
+}
+
 PsClient::PsClient(const std::vector<std::string>& addresses) {
   for (const std::string& a : addresses) stubs_.push_back(ParameterServer::NewStub(MakeChannel(a)));
 }
 
 absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                             absl::Time deadline) {
-  grpc::ClientContext context;
-  Prepare(&context, deadline);
+  CallScope call(this, deadline);
+  grpc::ClientContext& context = *call.context();
   InitResponse response;
   std::unique_ptr<grpc::ClientWriter<InitRequest>> writer = stubs_[ps]->Init(&context, &response);
   InitRequest request;
@@ -46,8 +72,8 @@ absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<Tensor
 
 absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int64_t min_version,
                                                     std::vector<TensorSink> sinks, absl::Time deadline) {
-  grpc::ClientContext context;
-  Prepare(&context, deadline);
+  CallScope call(this, deadline);
+  grpc::ClientContext& context = *call.context();
   PullRequest request;
   request.set_job_id(job_id);
   request.set_min_version(min_version);
@@ -81,8 +107,8 @@ absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int
 
 absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                             absl::Time deadline) {
-  grpc::ClientContext context;
-  Prepare(&context, deadline);
+  CallScope call(this, deadline);
+  grpc::ClientContext& context = *call.context();
   PushResponse response;
   std::unique_ptr<grpc::ClientWriter<PushRequest>> writer = stubs_[ps]->Push(&context, &response);
   PushRequest request;
@@ -104,8 +130,8 @@ absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, st
 }
 
 absl::Status PsClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
-  grpc::ClientContext context;
-  Prepare(&context, deadline);
+  CallScope call(this, deadline);
+  grpc::ClientContext& context = *call.context();
   ShutdownRequest request;
   request.set_job_id(job_id);
   ShutdownResponse response;

@@ -10,7 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/tensor_chunks.h"
 #include "proto/ps.grpc.pb.h"
@@ -41,8 +43,17 @@ class PsClient {
 
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline);
 
+  // Cancels every call in flight and makes later calls fail with CANCELLED
+  // at once (for a process that is stopping).
+  void CancelAll();
+
  private:
+  class CallScope;
+
   std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<grpc::ClientContext*> active_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace psflow

@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   std::atomic<int> exit_code{0};
   auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
   psflow::ps::PsService service(config.task_index, &shard, request_stop);
-  psflow::WatchTerminationSignals([&](int sig) {
+  psflow::TerminationWatcher watcher([&](int sig) {
     PSLOG(INFO) << "signal " << sig << ": finishing in-flight calls and exiting";
     exit_code = 128 + sig;
     request_stop();

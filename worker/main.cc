@@ -44,10 +44,10 @@ int main(int argc, char** argv) {
   psflow::worker::Worker worker(options);
   std::promise<int> result;
   std::future<int> done = result.get_future();
-  psflow::WatchTerminationSignals([&](int sig) {
+  psflow::TerminationWatcher watcher([&](int sig) {
     PSLOG(INFO) << "signal " << sig << ": stopping after the call in flight";
     worker.Stop(sig);
-    // A pull blocked on the other workers ends within seconds; do not wait longer.
+    // Calls in flight are cancelled; do not wait for more than a few seconds.
     if (done.wait_for(std::chrono::seconds(6)) != std::future_status::ready) std::_Exit(128 + sig);
   });
   int code = worker.Run();

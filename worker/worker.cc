@@ -61,6 +61,7 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   void Stop(int signal) {
     absl::MutexLock lock(&mu_);
     if (stop_signal_ == 0) stop_signal_ = signal;
+    if (ps_ != nullptr) ps_->CancelAll();  // a pull blocked on the other workers ends now
   }
 
  private:
@@ -80,7 +81,7 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   std::unique_ptr<Chief::Stub> chief_;
   std::atomic<uint64_t> job_id_{0};  // set once at registration
   JobConfig job_;
-  std::unique_ptr<PsClient> ps_;
+  std::unique_ptr<PsClient> ps_;  // set once at registration, under mu_
   std::unique_ptr<ThreadPool> pool_;  // one thread per ps, for parallel pulls and pushes
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
@@ -95,6 +96,7 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // saw the final version
   bool released_ ABSL_GUARDED_BY(mu_) = false;  // the chief said exit
   int report_error_ ABSL_GUARDED_BY(mu_) = 0;   // exit code when reporting failed for good
+  bool training_failed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 int Worker::Impl::Register() {
@@ -112,6 +114,7 @@ int Worker::Impl::Register() {
     if (last.ok()) {
       job_id_ = response.job_id();
       job_ = response.job();
+      absl::MutexLock lock(&mu_);
       ps_ = std::make_unique<PsClient>(
           std::vector<std::string>(response.ps_address().begin(), response.ps_address().end()));
       return kExitDone;
@@ -221,7 +224,7 @@ void Worker::Impl::ReportLoop() {
     request.set_worker(index_);
     {
       absl::MutexLock lock(&mu_);
-      if (released_ || stop_signal_ != 0 || report_error_ != 0) return;
+      if (released_ || stop_signal_ != 0 || report_error_ != 0 || training_failed_) return;
       // Wake early once the last step is done, so the exit order arrives promptly.
       auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ || stop_signal_ != 0; };
       mu_.AwaitWithTimeout(absl::Condition(&wake), kReportEvery);
@@ -240,6 +243,7 @@ void Worker::Impl::ReportLoop() {
       continue;
     }
     // Metrics of a failed report are dropped: the log is best effort.
+    if (stop_signal_ != 0) return;
     if (!Retryable(s) || absl::Now() - last_ok > options_.startup_timeout) {
       PSLOG(ERROR) << "cannot report to the chief: " << s.message();
       report_error_ = Retryable(s) ? kExitUnreachable : kExitRetryable;
@@ -268,6 +272,7 @@ int Worker::Impl::Train() {
     const absl::Time t0 = absl::Now();
     int64_t version = 0, wait_us = 0;
     absl::Status s = PullAll(step, &version, &wait_us);
+    if (stop_signal() != 0) return 128 + stop_signal();
     if (absl::IsDeadlineExceeded(s)) continue;  // the other workers are slow: ask again
     if (!s.ok()) {
       PSLOG(ERROR) << "pull failed: " << s.message();
@@ -294,6 +299,7 @@ int Worker::Impl::Train() {
     }
     const absl::Time t2 = absl::Now();
     s = PushAll(step);
+    if (stop_signal() != 0) return 128 + stop_signal();
     if (!s.ok()) {
       PSLOG(ERROR) << "push failed: " << s.message();
       return Retryable(s) ? kExitUnreachable : kExitRetryable;
@@ -355,8 +361,8 @@ int Worker::Impl::RunTraining() {
       };
       mu_.Await(absl::Condition(&over));
       if (!released_) code = stop_signal_ != 0 ? 128 + stop_signal_ : report_error_;
-    } else if (stop_signal_ == 0) {
-      stop_signal_ = -128;  // ends the report loop; not a real signal
+    } else {
+      training_failed_ = true;  // ends the report loop
     }
   }
   reporter.join();

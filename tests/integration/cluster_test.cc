@@ -142,6 +142,8 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   EXPECT_THAT(launch.output(), HasSubstr("[launch] chief exited with code 143")) << launch.Describe();
   EXPECT_THAT(launch.output(), HasSubstr("[launch] ps0 exited with code 143")) << launch.Describe();
   EXPECT_THAT(launch.output(), HasSubstr("[launch] ps1 exited with code 143")) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("[launch] worker0 exited with code 143")) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("[launch] worker1 exited with code 143")) << launch.Describe();
   ExpectNoProcessesLeft(marker);
 }
 
