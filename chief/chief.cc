@@ -1,6 +1,7 @@
 #include "chief/chief.h"
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <random>
 #include <thread>
@@ -26,19 +27,45 @@
 namespace psflow::chief {
 namespace {
 
-// Counts the training examples from the labels file alone.
-absl::StatusOr<int64_t> CountTrainingExamples(const std::string& data_dir) {
-  const std::string base = absl::StrCat(data_dir, "/train-labels-idx1-ubyte");
-  absl::StatusOr<data::IdxFile> labels = data::ReadIdxFile(base);
-  if (!labels.ok()) labels = data::ReadIdxFile(base + ".gz");
-  if (!labels.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot read training labels in --data_dir=", data_dir,
-                                                   ": ", labels.status().message()));
+// What the chief needs of the training data: how many examples, and the
+// mean and standard deviation of their pixels (scaled to [0, 1]) for
+// standardizing the model's inputs.
+struct TrainingDataStats {
+  int64_t count = 0;
+  double mean = 0, stddev = 0;
+};
+
+absl::StatusOr<data::IdxFile> ReadIdx(const std::string& data_dir, const std::string& name) {
+  const std::string base = absl::StrCat(data_dir, "/", name);
+  absl::StatusOr<data::IdxFile> file = data::ReadIdxFile(base);
+  if (!file.ok()) file = data::ReadIdxFile(base + ".gz");
+  if (!file.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read ", name, "[.gz] in --data_dir=", data_dir, ": ", file.status().message()));
   }
-  if (labels->dims.size() != 1 || labels->dims[0] <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(base, " is not a labels file"));
+  return file;
+}
+
+absl::StatusOr<TrainingDataStats> ReadTrainingDataStats(const std::string& data_dir) {
+  absl::StatusOr<data::IdxFile> labels = ReadIdx(data_dir, "train-labels-idx1-ubyte");
+  if (!labels.ok()) return labels.status();
+  absl::StatusOr<data::IdxFile> images = ReadIdx(data_dir, "train-images-idx3-ubyte");
+  if (!images.ok()) return images.status();
+  if (labels->dims.size() != 1 || images->dims.empty() || images->dims[0] != labels->dims[0] ||
+      images->data.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("the training images and labels in ", data_dir, " do not match"));
   }
-  return labels->dims[0];
+  TrainingDataStats stats;
+  stats.count = labels->dims[0];
+  double sum = 0, sum_sq = 0;
+  for (uint8_t p : images->data) {
+    sum += p;
+    sum_sq += static_cast<double>(p) * p;
+  }
+  const double n = static_cast<double>(images->data.size());
+  stats.mean = sum / n / 255.0;
+  stats.stddev = std::sqrt(std::max(sum_sq / n - (sum / n) * (sum / n), 0.0)) / 255.0;
+  return stats;
 }
 
 absl::StatusOr<OptimizerConfig> MakeOptimizer(const ChiefOptions& o) {
@@ -89,11 +116,15 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   absl::StatusOr<OptimizerConfig> opt = MakeOptimizer(o);
   if (!opt.ok()) return opt.status();
   *job.mutable_optimizer() = *opt;
-  absl::StatusOr<int64_t> count = CountTrainingExamples(o.data_dir);
-  if (!count.ok()) return count.status();
+  absl::StatusOr<TrainingDataStats> stats = ReadTrainingDataStats(o.data_dir);
+  if (!stats.ok()) return stats.status();
+  if (stats->stddev > 0) {
+    job.mutable_model()->mutable_input()->set_mean(static_cast<float>(stats->mean));
+    job.mutable_model()->mutable_input()->set_stddev(static_cast<float>(stats->stddev));
+  }
   // DistributedSampler: each worker sees ceil(count / workers) examples per
   // epoch, in full batches.
-  const int64_t shard = (*count + num_workers - 1) / num_workers;
+  const int64_t shard = (stats->count + num_workers - 1) / num_workers;
   const int64_t steps_per_epoch = shard / o.batch_size;
   if (steps_per_epoch == 0) {
     return absl::InvalidArgumentError(absl::StrCat("--batch_size ", o.batch_size, " exceeds the ", shard,
@@ -321,7 +352,9 @@ int Chief::Impl::Run() {
               << job_.train_steps() << " steps (" << job_.steps_per_epoch() << " per epoch), batch "
               << job_.batch_size() << " x " << job_.num_workers() << " workers, optimizer "
               << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr " << job_.optimizer().learning_rate()
-              << ", variables over " << job_.num_ps() << " ps (" << per_ps << ")";
+              << ", inputs standardized with mean " << job_.model().input().mean() << " stddev "
+              << job_.model().input().stddev() << ", variables over " << job_.num_ps() << " ps (" << per_ps
+              << ")";
   PSLOG(INFO) << "listening on " << options_.cluster.self_address << "; loading the parameter servers";
 
   int code = LoadParameterServers();

@@ -37,8 +37,9 @@ struct ChiefOptions {
   absl::Duration startup_timeout = absl::Minutes(5);
 };
 
-// Turns options into the job config: resolves the model, counts the training
-// examples, derives steps per epoch and total steps, places the variables.
+// Turns options into the job config: resolves the model, reads the training
+// data's size and pixel statistics (the model's inputs are standardized with
+// them), derives steps per epoch and total steps, places the variables.
 // INVALID_ARGUMENT with one line for any bad setting.
 absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& options);
 

@@ -24,6 +24,7 @@ struct Network::BatchState {
   std::vector<std::unique_ptr<kernels::Buffer>> acts, dacts;
   std::unique_ptr<kernels::Buffer> probs;
   std::vector<int32_t> labels;
+  std::vector<float> standardized;  // host staging of the batch's inputs
 };
 
 Network::Network(ModelSpec spec, kernels::Backend* backend)
@@ -154,6 +155,14 @@ absl::StatusOr<Network::BatchState*> Network::StateFor(int batch) {
 
 absl::StatusOr<Network::Result> Network::Forward(BatchState* st, const float* images,
                                                  const int32_t* labels) {
+  const InputSpec& in = spec_.input();
+  if (in.stddev() > 0) {
+    const size_t n = st->acts[0]->size();
+    st->standardized.resize(n);
+    const float mean = in.mean(), scale = 1.0f / in.stddev();
+    for (size_t i = 0; i < n; ++i) st->standardized[i] = (images[i] - mean) * scale;
+    images = st->standardized.data();
+  }
   PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(images, st->acts[0]->size(), st->acts[0]->data()));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];

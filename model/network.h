@@ -37,8 +37,8 @@ class Network {
     double loss = 0;      // mean over the batch
     int64_t correct = 0;  // arg-max equals the label
   };
-  // Forward and backward over one batch (host memory: images [batch, C, H, W],
-  // labels [batch]); the gradients of the mean loss stay in the network until
+  // Forward and backward over one batch (host memory: images [batch, C, H, W]
+  // in [0, 1], standardized here as the spec's input says; labels [batch]); the gradients of the mean loss stay in the network until
   // GetGradients.
   absl::StatusOr<Result> TrainStep(const float* images, const int32_t* labels, int batch);
   // Copies the latest gradients out to host memory, one pointer per variable.

@@ -95,6 +95,9 @@ absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& 
     return absl::InvalidArgumentError("input needs positive channels, height and width");
   }
   if (spec.num_classes() < 2) return absl::InvalidArgumentError("num_classes must be at least 2");
+  if (!(in.stddev() >= 0) || !std::isfinite(in.mean()) || !std::isfinite(in.stddev())) {
+    return absl::InvalidArgumentError("input stddev must be finite and not negative");
+  }
   if (spec.layer_size() == 0) return absl::InvalidArgumentError("the model has no layers");
   ActivationShape cur{in.channels(), in.height(), in.width()};
   std::vector<ActivationShape> shapes;

@@ -30,6 +30,10 @@ class Optimizer {
                      const std::vector<float*>& slots) const = 0;
 };
 
+// Element-wise helpers for gradient averaging, vectorized like the optimizers.
+void AddInto(float* sum, const float* x, int64_t n);
+void ScaleInPlace(float* x, float factor, int64_t n);
+
 }  // namespace psflow::ps
 
 #endif  // PSFLOW_PS_OPTIMIZER_H_

@@ -121,9 +121,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
     }
   }
   for (size_t i = 0; i < grads.size(); ++i) {
-    float* sum = sum_[i].data();
-    const float* g = grads[i].data();
-    for (size_t j = 0; j < grads[i].size(); ++j) sum[j] += g[j];
+    AddInto(sum_[i].data(), grads[i].data(), static_cast<int64_t>(grads[i].size()));
   }
   pushed_.insert(worker);
   bool all = std::all_of(live_workers_.begin(), live_workers_.end(),
@@ -137,7 +135,7 @@ void Shard::ApplyLocked() {
   std::vector<float*> slots;
   for (size_t i = 0; i < values_.size(); ++i) {
     std::vector<float>& sum = sum_[i];
-    for (float& g : sum) g *= scale;
+    ScaleInPlace(sum.data(), scale, static_cast<int64_t>(sum.size()));
     slots.clear();
     for (auto& slot : values_[i].slots) slots.push_back(slot.data());
     optimizer_->Apply(stats_.version, values_[i].value.data(), sum.data(),

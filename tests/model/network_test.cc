@@ -166,6 +166,32 @@ TEST_F(NetworkTest, EvaluateWithOtherBatchSizes) {
   }
 }
 
+// A spec with input mean/stddev sees (x - mean) / stddev: the same result as an
+// unstandardized spec fed pre-standardized inputs, and not the same as that
+// spec fed raw ones.
+TEST_F(NetworkTest, StandardizesInputsAsTheSpecSays) {
+  ModelSpec standardized = spec_;
+  standardized.mutable_input()->set_mean(0.25f);
+  standardized.mutable_input()->set_stddev(0.5f);
+  absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(standardized, backend_.get());
+  ASSERT_TRUE(net.ok()) << net.status();
+  std::vector<const float*> ptrs;
+  for (const auto& v : weights_) ptrs.push_back(v.data());
+  ASSERT_TRUE((*net)->SetWeights(ptrs).ok());
+  absl::StatusOr<Network::Result> got = (*net)->Evaluate(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(got.ok()) << got.status();
+
+  std::vector<float> pre(images_.size());
+  for (size_t i = 0; i < pre.size(); ++i) pre[i] = (images_[i] - 0.25f) / 0.5f;
+  absl::StatusOr<Network::Result> want = net_->Evaluate(pre.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_NEAR(got->loss, want->loss, 1e-5);
+  EXPECT_EQ(got->correct, want->correct);
+  absl::StatusOr<Network::Result> raw = net_->Evaluate(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_GT(std::abs(raw->loss - got->loss), 1e-4);
+}
+
 TEST_F(NetworkTest, Errors) {
   EXPECT_EQ(net_->Evaluate(images_.data(), labels_.data(), 0).status().code(),
             absl::StatusCode::kInvalidArgument);
