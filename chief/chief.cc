@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <atomic>
 #include <random>
 #include <thread>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "chief/progress.h"
+#include "common/file_util.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
@@ -23,6 +25,7 @@
 #include "model/spec.h"
 #include "proto/chief.grpc.pb.h"
 #include "ps/client.h"
+#include "ps/optimizer.h"
 
 namespace psflow::chief {
 namespace {
@@ -32,31 +35,23 @@ namespace {
 // standardizing the model's inputs.
 struct TrainingDataStats {
   int64_t count = 0;
+  int64_t height = 0, width = 0;
   double mean = 0, stddev = 0;
 };
 
-absl::StatusOr<data::IdxFile> ReadIdx(const std::string& data_dir, const std::string& name) {
-  const std::string base = absl::StrCat(data_dir, "/", name);
-  absl::StatusOr<data::IdxFile> file = data::ReadIdxFile(base);
-  if (!file.ok()) file = data::ReadIdxFile(base + ".gz");
-  if (!file.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot read ", name, "[.gz] in --data_dir=", data_dir, ": ", file.status().message()));
-  }
-  return file;
-}
-
 absl::StatusOr<TrainingDataStats> ReadTrainingDataStats(const std::string& data_dir) {
-  absl::StatusOr<data::IdxFile> labels = ReadIdx(data_dir, "train-labels-idx1-ubyte");
-  if (!labels.ok()) return labels.status();
-  absl::StatusOr<data::IdxFile> images = ReadIdx(data_dir, "train-images-idx3-ubyte");
-  if (!images.ok()) return images.status();
-  if (labels->dims.size() != 1 || images->dims.empty() || images->dims[0] != labels->dims[0] ||
+  absl::StatusOr<data::IdxFile> labels = data::ReadIdxFileInDir(data_dir, "train-labels-idx1-ubyte");
+  if (!labels.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", labels.status().message()));
+  absl::StatusOr<data::IdxFile> images = data::ReadIdxFileInDir(data_dir, "train-images-idx3-ubyte");
+  if (!images.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", images.status().message()));
+  if (labels->dims.size() != 1 || images->dims.size() != 3 || images->dims[0] != labels->dims[0] ||
       images->data.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("the training images and labels in ", data_dir, " do not match"));
   }
   TrainingDataStats stats;
   stats.count = labels->dims[0];
+  stats.height = images->dims[1];
+  stats.width = images->dims[2];
   double sum = 0, sum_sq = 0;
   for (uint8_t p : images->data) {
     sum += p;
@@ -85,10 +80,13 @@ absl::StatusOr<OptimizerConfig> MakeOptimizer(const ChiefOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--optimizer '", o.optimizer, "' is not one of sgd, momentum, adam"));
   }
-  if (!(o.learning_rate > 0)) {
+  if (!(o.learning_rate > 0) || !std::isfinite(o.learning_rate)) {
     return absl::InvalidArgumentError(absl::StrCat("--learning_rate must be positive, got ", o.learning_rate));
   }
   config.set_learning_rate(o.learning_rate);
+  // The ps will build the same optimizer: refuse here what they would refuse.
+  absl::StatusOr<std::unique_ptr<ps::Optimizer>> check = ps::Optimizer::Create(config);
+  if (!check.ok()) return check.status();
   return config;
 }
 
@@ -118,6 +116,16 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   *job.mutable_optimizer() = *opt;
   absl::StatusOr<TrainingDataStats> stats = ReadTrainingDataStats(o.data_dir);
   if (!stats.ok()) return stats.status();
+  const InputSpec& in = spec->input();
+  if (in.channels() != 1 || in.height() != stats->height || in.width() != stats->width) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " takes ", in.channels(), "x",
+                                                   in.height(), "x", in.width(), " inputs, the images in ",
+                                                   o.data_dir, " are 1x", stats->height, "x", stats->width));
+  }
+  if (spec->num_classes() != 10) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " has ", spec->num_classes(),
+                                                   " classes; MNIST-format data has 10"));
+  }
   if (stats->stddev > 0) {
     job.mutable_model()->mutable_input()->set_mean(static_cast<float>(stats->mean));
     job.mutable_model()->mutable_input()->set_stddev(static_cast<float>(stats->stddev));
@@ -133,7 +141,12 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   job.set_data_dir(o.data_dir);
   job.set_batch_size(o.batch_size);
   job.set_steps_per_epoch(steps_per_epoch);
-  job.set_train_steps(o.train_steps > 0 ? o.train_steps : std::max<int64_t>(o.epochs, 1) * steps_per_epoch);
+  const int64_t epochs = std::max<int64_t>(o.epochs, 1);
+  if (o.train_steps == 0 && epochs > std::numeric_limits<int64_t>::max() / steps_per_epoch) {
+    return absl::InvalidArgumentError(absl::StrCat("--epochs ", o.epochs, " is too large"));
+  }
+  job.set_train_steps(o.train_steps > 0 ? o.train_steps : epochs * steps_per_epoch);
+  job.set_num_examples(stats->count);
   job.set_seed(o.seed);
   job.set_num_workers(num_workers);
   job.set_num_ps(num_ps);
@@ -151,7 +164,8 @@ class Chief::Impl final : public ::psflow::Chief::Service {
   int Run();
   void Stop(int signal) {
     absl::MutexLock lock(&mu_);
-    stop_signal_ = signal;
+    if (stop_signal_ == 0) stop_signal_ = signal;
+    if (ps_ != nullptr) ps_->CancelAll();
   }
 
   grpc::Status RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
@@ -165,11 +179,15 @@ class Chief::Impl final : public ::psflow::Chief::Service {
   int SaveModel();
   void ReleaseEveryone();
   bool Stopping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; }
+  std::string SavedModelDir() const {
+    return options_.saved_model_dir.empty() ? absl::StrCat(options_.model_dir, "/saved_model")
+                                            : options_.saved_model_dir;
+  }
 
   const ChiefOptions options_;
   JobConfig job_;
   uint64_t job_id_ = 0;
-  std::unique_ptr<PsClient> ps_;
+  std::unique_ptr<PsClient> ps_;  // set once in Run under mu_ (Stop reads it)
   std::unique_ptr<Progress> progress_;
 
   absl::Mutex mu_;
@@ -225,7 +243,6 @@ grpc::Status Chief::Impl::Report(grpc::ServerContext* context, const ReportReque
 }
 
 int Chief::Impl::LoadParameterServers() {
-  const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
   const std::vector<std::vector<float>> init = model::InitialValues(job_.model(), job_.seed());
   const absl::Time deadline = absl::Now() + options_.startup_timeout;
   std::vector<absl::Status> results(job_.num_ps());
@@ -255,10 +272,12 @@ int Chief::Impl::LoadParameterServers() {
     if (results[p].ok()) continue;
     PSLOG(ERROR) << "cannot load ps " << p << " at " << options_.cluster.cluster.ps[p] << ": "
                  << results[p].message();
-    const bool unreachable = absl::IsDeadlineExceeded(results[p]) || absl::IsUnavailable(results[p]);
-    return unreachable ? kExitUnreachable : kExitRetryable;
+    if (absl::IsDeadlineExceeded(results[p]) || absl::IsUnavailable(results[p])) return kExitUnreachable;
+    // A ps that refuses the job (another task index at that address, say)
+    // will refuse it again: not worth a restart.
+    if (absl::IsInvalidArgument(results[p]) || absl::IsFailedPrecondition(results[p])) return kExitPermanent;
+    return kExitRetryable;
   }
-  (void)vars;
   return kExitDone;
 }
 
@@ -268,7 +287,7 @@ int Chief::Impl::WaitForWorkers() {
     return Stopping() || static_cast<int>(finished_.size()) == job_.num_workers();
   };
   mu_.Await(absl::Condition(&all_finished));
-  return Stopping() ? 128 + stop_signal_ : kExitDone;
+  return Stopping() ? ExitCodeForSignal(stop_signal_) : kExitDone;
 }
 
 int Chief::Impl::SaveModel() {
@@ -290,8 +309,7 @@ int Chief::Impl::SaveModel() {
     }
     version = r->version;
   }
-  const std::string dir =
-      options_.saved_model_dir.empty() ? absl::StrCat(options_.model_dir, "/saved_model") : options_.saved_model_dir;
+  const std::string dir = SavedModelDir();
   absl::Status s = model::WriteSavedModel(dir, job_.model(), version, values);
   if (!s.ok()) {
     PSLOG(ERROR) << "cannot write the saved model: " << s.message();
@@ -307,7 +325,7 @@ void Chief::Impl::ReleaseEveryone() {
     done_ = true;
     // Workers learn it from their next report; give them a little while.
     auto all_released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return released_.size() >= finished_.size();
+      return Stopping() || released_.size() >= finished_.size();
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&all_released), absl::Seconds(30))) {
       PSLOG(WARNING) << "not every worker collected its exit order";
@@ -329,8 +347,22 @@ int Chief::Impl::Run() {
   job_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
   progress_ = std::make_unique<Progress>(job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps,
                                          job_.num_workers(), job_.num_ps(),
+                                         [this] {
+                                           int n = 0;
+                                           for (int p = 0; p < job_.num_ps(); ++p) n += ps_->Reachable(p);
+                                           return n;
+                                         },
                                          [](const std::string& line) { PSLOG(INFO) << line; });
-  ps_ = std::make_unique<PsClient>(options_.cluster.cluster.ps);
+  {
+    absl::MutexLock lock(&mu_);
+    ps_ = std::make_unique<PsClient>(options_.cluster.cluster.ps);
+  }
+  // Find out now, not after training, that the outputs cannot be written.
+  absl::Status writable = MakeDirectories(SavedModelDir());
+  if (!writable.ok()) {
+    PSLOG(ERROR) << writable.message();
+    return kExitPermanent;
+  }
 
   grpc::ServerBuilder builder;
   int port = 0;
@@ -366,9 +398,16 @@ int Chief::Impl::Run() {
     PSLOG(INFO) << "parameter servers loaded; training";
     code = WaitForWorkers();
   }
-  if (code == kExitDone) code = SaveModel();
+  const bool trained = code == kExitDone;
+  if (trained) code = SaveModel();
+  {
+    absl::MutexLock lock(&mu_);
+    if (Stopping()) code = ExitCodeForSignal(stop_signal_);
+  }
+  // Once training is over, ps and workers have nothing left to do, whether
+  // or not the saved model could be written.
+  if (trained) ReleaseEveryone();
   if (code == kExitDone) {
-    ReleaseEveryone();
     Progress::Summary s = progress_->summary();
     PSLOG(INFO) << absl::StrFormat("done: %d steps, %d examples in %.1f s, %.0f ex/s after the first interval, "
                                    "final loss %.4f acc %.3f",

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/cluster_config.h"
+#include "common/exit_codes.h"
 #include "proto/job.pb.h"
 
 namespace psflow::chief {
@@ -43,12 +44,6 @@ struct ChiefOptions {
 // INVALID_ARGUMENT with one line for any bad setting.
 absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& options);
 
-// Exit codes, chosen for the Kubeflow operator's ExitCode restart policy.
-inline constexpr int kExitDone = 0;
-inline constexpr int kExitPermanent = 1;     // bad configuration: do not retry
-inline constexpr int kExitRetryable = 140;   // an unexpected failure worth a retry
-inline constexpr int kExitUnreachable = 138;  // a peer unreachable within --startup_timeout
-
 class Chief {
  public:
   explicit Chief(ChiefOptions options);
@@ -56,7 +51,7 @@ class Chief {
   Chief(const Chief&) = delete;
   Chief& operator=(const Chief&) = delete;
 
-  // Runs the job to the end and returns the process exit code: kExit* above,
+  // Runs the job to the end and returns the process exit code (common/exit_codes.h),
   // or 128 + n after Stop(n).
   int Run();
   // Makes Run() stop waiting and return 128 + signal. Thread-safe; meant for

@@ -7,23 +7,21 @@
 namespace psflow::chief {
 
 Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
-                   int num_ps, std::function<void(const std::string&)> emit)
+                   int num_ps, std::function<int()> reachable_ps,
+                   std::function<void(const std::string&)> emit)
     : train_steps_(train_steps),
       steps_per_epoch_(std::max<int64_t>(steps_per_epoch, 1)),
       log_every_(std::max(log_every_steps, 1)),
       num_ps_(num_ps),
+      reachable_ps_(std::move(reachable_ps)),
       emit_(std::move(emit)),
       reported_(num_workers, 0),
-      live_(num_workers, true) {}
-
-void Progress::SetWorkerLive(int worker, bool live) {
-  absl::MutexLock lock(&mu_);
-  if (worker >= 0 && worker < static_cast<int>(live_.size())) live_[worker] = live;
-}
+      last_seen_(num_workers, absl::InfinitePast()) {}
 
 void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now) {
   absl::MutexLock lock(&mu_);
   if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
+  last_seen_[worker] = now;
   for (const StepMetrics& m : metrics) {
     if (m.step() < 0 || m.step() >= train_steps_) continue;
     if (first_report_ == absl::InfinitePast()) {
@@ -46,18 +44,17 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     total_examples_ += m.examples();
     reported_[worker] = std::max(reported_[worker], m.step() + 1);
   }
-  EmitReadyLocked();
+  EmitReadyLocked(now);
 }
 
-void Progress::EmitReadyLocked() {
+void Progress::EmitReadyLocked(absl::Time now) {
+  // A line waits for every worker (synchronous steps move together).
   int64_t done = train_steps_;
   int live = 0;
   for (size_t w = 0; w < reported_.size(); ++w) {
-    if (!live_[w]) continue;
-    ++live;
     done = std::min(done, reported_[w]);
+    if (now - last_seen_[w] <= kLiveWindow) ++live;
   }
-  if (live == 0) return;
   while (!intervals_.empty() && intervals_.begin()->first <= done) {
     auto it = intervals_.begin();
     const int64_t end = it->first;
@@ -78,8 +75,8 @@ void Progress::EmitReadyLocked() {
         "push %.1f wait %.1f) | workers %d/%d ps %d/%d",
         end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss, acc,
         examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
-        in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()), num_ps_,
-        num_ps_));
+        in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()),
+        reachable_ps_ ? reachable_ps_() : num_ps_, num_ps_));
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
       steady_seconds_ += steps * step_ms / 1000.0;

@@ -23,14 +23,17 @@ namespace psflow::chief {
 
 class Progress {
  public:
-  // `emit` receives each finished line (the chief logs it).
+  // `emit` receives each finished line (the chief logs it); `reachable_ps`
+  // counts the ps whose connection is up when a line is written.
   Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
-           int num_ps, std::function<void(const std::string&)> emit);
+           int num_ps, std::function<int()> reachable_ps, std::function<void(const std::string&)> emit);
 
-  // Records a worker's metrics and emits every line that became complete.
+  // A worker counts as live ("workers live/total") if it reported within this.
+  static constexpr absl::Duration kLiveWindow = absl::Seconds(10);
+
+  // Records a worker's metrics (a report is also its heartbeat) and emits
+  // every line that became complete.
   void Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now);
-  // Marks a worker as live or not (shown as "workers live/total").
-  void SetWorkerLive(int worker, bool live);
 
   struct Summary {
     int64_t steps = 0;
@@ -47,16 +50,17 @@ class Progress {
     int64_t correct = 0, examples = 0, records = 0;
     int64_t pull_us = 0, compute_us = 0, push_us = 0, wait_us = 0;
   };
-  void EmitReadyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EmitReadyLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t train_steps_, steps_per_epoch_;
   const int log_every_;
   const int num_ps_;
+  std::function<int()> reachable_ps_;
   std::function<void(const std::string&)> emit_;
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)
-  std::vector<bool> live_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any
   absl::Time first_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

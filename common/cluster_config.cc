@@ -43,7 +43,7 @@ absl::Status Invalid(absl::string_view message) {
 }
 
 std::string BinaryName(Role role) {
-  return role == Role::kEvaluator ? "psflow-eval" : "psflow-" + RoleName(role);
+  return "psflow-" + RoleName(role);
 }
 
 std::vector<std::string>* MutableAddresses(ClusterSpec* spec, Role role) {

@@ -45,8 +45,10 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    absl::Status s = ErrnoError("cannot flush", tmp);
+  const bool synced = ::fsync(fd) == 0;
+  absl::Status s = synced ? absl::OkStatus() : ErrnoError("cannot fsync", tmp);
+  if (::close(fd) != 0 && s.ok()) s = ErrnoError("cannot close", tmp);
+  if (!s.ok()) {
     ::unlink(tmp.c_str());
     return s;
   }
@@ -60,8 +62,12 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path, errno != 0 ? ": " : "",
+                                            errno != 0 ? std::strerror(errno) : ""));
+  }
   std::ostringstream out;
   out << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));

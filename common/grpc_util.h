@@ -14,8 +14,8 @@
 
 namespace psflow {
 
-// Converts, keeping code and message. A broken or reset stream (gRPC's
-// UNAVAILABLE or an unknown transport error) stays UNAVAILABLE so callers retry.
+// Converts, keeping code and message (gRPC reports a lost connection as
+// UNAVAILABLE, which callers treat as worth a retry).
 absl::Status FromGrpcStatus(const grpc::Status& status);
 grpc::Status ToGrpcStatus(const absl::Status& status);
 

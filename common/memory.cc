@@ -5,8 +5,8 @@
 namespace psflow {
 
 void KeepLargeAllocationsInHeap() {
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  // 32 MiB is the largest mmap threshold glibc accepts on 64-bit systems.
+  if (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1) mallopt(M_TRIM_THRESHOLD, 64 << 20);
 }
 
 }  // namespace psflow

@@ -7,8 +7,8 @@ namespace psflow {
 // Every step moves megabytes of tensors through freshly allocated buffers
 // (messages, gradients). By default glibc serves such blocks with mmap and
 // returns them on free, so each step pays page faults on new memory. This
-// keeps freed blocks of up to 256 MiB in the heap for reuse instead. Call
-// once at the start of main.
+// keeps freed blocks of up to 32 MiB in the heap for reuse instead. Call once
+// at the start of main.
 void KeepLargeAllocationsInHeap();
 
 }  // namespace psflow

@@ -25,6 +25,17 @@ int64_t NumElements(absl::Span<const int64_t> shape) {
   return n;
 }
 
+absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape, int64_t limit) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 1 || n > limit / d) {
+      return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeString(shape), " is empty or too large"));
+    }
+    n *= d;
+  }
+  return n;
+}
+
 std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
 }

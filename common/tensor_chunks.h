@@ -18,12 +18,16 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/tensor.pb.h"
 
 namespace psflow {
 
 int64_t NumElements(absl::Span<const int64_t> shape);
+// NumElements for shapes from untrusted input: every dimension must be at
+// least 1 and the product at most `limit` (INVALID_ARGUMENT otherwise).
+absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape, int64_t limit);
 std::string ShapeString(absl::Span<const int64_t> shape);
 
 struct TensorRef {

@@ -98,6 +98,16 @@ absl::StatusOr<std::pair<std::string, IdxFile>> ReadNamed(const std::string& dir
   return std::make_pair(path, *std::move(idx));
 }
 
+}  // namespace
+
+absl::StatusOr<IdxFile> ReadIdxFileInDir(const std::string& dir, const std::string& name) {
+  absl::StatusOr<std::pair<std::string, IdxFile>> named = ReadNamed(dir, name);
+  if (!named.ok()) return named.status();
+  return std::move(named->second);
+}
+
+namespace {
+
 std::string Magic(size_t ndims) { return absl::StrFormat("0x%08x", 0x800u + ndims); }
 
 }  // namespace

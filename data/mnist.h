@@ -37,6 +37,8 @@ struct IdxFile {
   std::vector<uint8_t> data;
 };
 absl::StatusOr<IdxFile> ReadIdxFile(const std::string& path);
+// Reads <dir>/<name>, or <dir>/<name>.gz when only that exists.
+absl::StatusOr<IdxFile> ReadIdxFileInDir(const std::string& dir, const std::string& name);
 
 // DistributedSampler-style sharding: each epoch is a permutation of
 // [0, count) drawn from (seed, epoch); the permutation is padded by wrapping

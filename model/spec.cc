@@ -58,6 +58,9 @@ absl::StatusOr<ModelSpec> ParseText(const std::string& text, const std::string& 
   return spec;
 }
 
+constexpr int64_t kMaxDim = 1 << 16;
+constexpr int64_t kMaxParameters = int64_t{1} << 30;
+
 absl::Status LayerError(const LayerSpec& layer, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("layer '", layer.name(), "': ", what));
 }
@@ -93,6 +96,19 @@ absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& 
   const InputSpec& in = spec.input();
   if (in.channels() <= 0 || in.height() <= 0 || in.width() <= 0) {
     return absl::InvalidArgumentError("input needs positive channels, height and width");
+  }
+  // Every size a spec names stays within kMaxDim, so products below fit in
+  // int64 and a typo cannot ask the ps for terabytes.
+  auto too_big = [](int64_t v) { return v > kMaxDim; };
+  if (too_big(in.channels()) || too_big(in.height()) || too_big(in.width()) || too_big(spec.num_classes())) {
+    return absl::InvalidArgumentError(absl::StrCat("input sizes and num_classes must be at most ", kMaxDim));
+  }
+  for (const LayerSpec& layer : spec.layer()) {
+    const bool big = too_big(layer.conv2d().filters()) || too_big(layer.conv2d().kernel()) ||
+                     too_big(layer.conv2d().stride()) || too_big(layer.conv2d().padding()) ||
+                     too_big(layer.max_pool().size()) || too_big(layer.max_pool().stride()) ||
+                     too_big(layer.dense().units());
+    if (big) return LayerError(layer, absl::StrCat("sizes must be at most ", kMaxDim));
   }
   if (spec.num_classes() < 2) return absl::InvalidArgumentError("num_classes must be at least 2");
   if (!(in.stddev() >= 0) || !std::isfinite(in.mean()) || !std::isfinite(in.stddev())) {
@@ -142,6 +158,24 @@ absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& 
         return LayerError(layer, "no layer kind given (conv2d, max_pool, relu or dense)");
     }
     shapes.push_back(cur);
+  }
+  int64_t params = 0;
+  ActivationShape prev{in.channels(), in.height(), in.width()};
+  for (int i = 0; i < spec.layer_size(); ++i) {
+    const LayerSpec& layer = spec.layer(i);
+    if (prev.size() > kMaxParameters) {
+      return LayerError(layer, absl::StrCat("its input has more than ", kMaxParameters, " values"));
+    }
+    if (layer.has_conv2d()) {
+      const int64_t k = layer.conv2d().kernel();
+      params += layer.conv2d().filters() * (int64_t{prev.channels} * k * k + 1);
+    } else if (layer.has_dense()) {
+      params += layer.dense().units() * (prev.size() + 1);
+    }
+    if (params > kMaxParameters) {
+      return LayerError(layer, absl::StrCat("the model exceeds ", kMaxParameters, " parameters"));
+    }
+    prev = shapes[i];
   }
   const LayerSpec& last = spec.layer(spec.layer_size() - 1);
   if (last.kind_case() != LayerSpec::kDense || last.dense().units() != spec.num_classes()) {

@@ -38,6 +38,11 @@ class PsClient::CallScope {
   grpc::ClientContext context_;
 };
 
+bool PsClient::Reachable(int ps) const {
+  const grpc_connectivity_state state = channels_[ps]->GetState(/*try_to_connect=*/false);
+  return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
+}
+
 void PsClient::CancelAll() {
   absl::MutexLock lock(&mu_);
   cancelled_ = true;
@@ -45,7 +50,10 @@ void PsClient::CancelAll() {
 }
 
 PsClient::PsClient(const std::vector<std::string>& addresses) {
-  for (const std::string& a : addresses) stubs_.push_back(ParameterServer::NewStub(MakeChannel(a)));
+  for (const std::string& a : addresses) {
+    channels_.push_back(MakeChannel(a));
+    stubs_.push_back(ParameterServer::NewStub(channels_.back()));
+  }
 }
 
 absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
@@ -71,12 +79,14 @@ absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<Tensor
 }
 
 absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int64_t min_version,
-                                                    std::vector<TensorSink> sinks, absl::Time deadline) {
+                                                    std::vector<TensorSink> sinks, absl::Time deadline,
+                                                    absl::Duration max_wait) {
   CallScope call(this, deadline);
   grpc::ClientContext& context = *call.context();
   PullRequest request;
   request.set_job_id(job_id);
   request.set_min_version(min_version);
+  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stubs_[ps]->Pull(&context, request);
   ChunkAssembler assembler(std::move(sinks));
   PullResponse response;
@@ -100,6 +110,8 @@ absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int
   absl::Status s = FromGrpcStatus(reader->Finish());
   if (!s.ok()) return WithPs(ps, s);
   if (!bad.ok()) return WithPs(ps, absl::DataLossError(bad.message()));
+  if (first) return WithPs(ps, absl::DataLossError("empty pull answer"));
+  if (result.version < min_version) return result;  // not yet
   s = assembler.Finish();
   if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
   return result;

@@ -30,18 +30,23 @@ class PsClient {
                     absl::Time deadline);
 
   struct PullResult {
-    int64_t version = 0;
+    int64_t version = 0;  // below min_version: max_wait passed first, sinks untouched
     int64_t wait_us = 0;  // time the ps waited for min_version
   };
-  // Pulls every slice of ps `ps` into `sinks` once it reaches min_version. An
-  // answer that leaves a sink incomplete is DATA_LOSS.
+  // Pulls every slice of ps `ps` into `sinks` once it reaches min_version,
+  // waiting at most `max_wait` for that (zero: until the deadline). An answer
+  // that leaves a sink incomplete is DATA_LOSS.
   absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                  std::vector<TensorSink> sinks, absl::Time deadline);
+                                  std::vector<TensorSink> sinks, absl::Time deadline,
+                                  absl::Duration max_wait = absl::ZeroDuration());
 
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline);
 
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline);
+
+  // Whether the connection to ps `ps` is up (or idle), not failing.
+  bool Reachable(int ps) const;
 
   // Cancels every call in flight and makes later calls fail with CANCELLED
   // at once (for a process that is stopping).
@@ -50,6 +55,7 @@ class PsClient {
  private:
   class CallScope;
 
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
   absl::Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;

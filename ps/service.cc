@@ -1,11 +1,18 @@
 #include "ps/service.h"
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow::ps {
+namespace {
+
+// The most one ps accepts to hold (values and optimizer slots): 16 GiB.
+constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
+
+}  // namespace
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown)
     : ps_index_(ps_index), shard_(shard), on_shutdown_(std::move(on_shutdown)) {}
@@ -24,15 +31,26 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
   if (!opt.ok()) return ToGrpcStatus(opt.status());
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
+  // Check every size before allocating anything: the header may be garbage.
+  absl::flat_hash_set<std::string> names;
+  int64_t total_floats = 0;
+  for (const SliceSpec& s : header.slice()) {
+    absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
+    if (!n.ok() || !names.insert(s.name()).second) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message())));
+    }
+    total_floats += *n * static_cast<int64_t>(1 + slot_names.size());
+    if (total_floats > kMaxInitFloats) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat("init asks for more than ", kMaxInitFloats * 4 >> 30, " GiB of slices and slots")));
+    }
+  }
   std::vector<Shard::SliceValues> values(header.slice_size());
   std::vector<TensorSink> sinks;
   for (int i = 0; i < header.slice_size(); ++i) {
     const SliceSpec& s = header.slice(i);
     const int64_t n = NumElements(s.shape());
-    if (n <= 0 || n > (int64_t{1} << 31)) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("slice '", s.name(), "' has shape ",
-                                                                  ShapeString(s.shape()))));
-    }
     std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
     values[i].value.resize(n);
     sinks.push_back({s.name(), "", shape, values[i].value.data(), true});
@@ -60,9 +78,18 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
 
 grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* request,
                              grpc::ServerWriter<PullResponse>* writer) {
-  absl::StatusOr<Shard::Snapshot> snap =
-      shard_->Pull(request->job_id(), request->min_version(), absl::FromChrono(context->deadline()),
-                   [context] { return context->IsCancelled(); });
+  const absl::Time call_deadline = absl::FromChrono(context->deadline());
+  const absl::Time wait_deadline =
+      request->max_wait_ms() > 0 ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()))
+                                 : call_deadline;
+  absl::StatusOr<Shard::Snapshot> snap = shard_->Pull(request->job_id(), request->min_version(), wait_deadline,
+                                                      [context] { return context->IsCancelled(); });
+  if (absl::IsDeadlineExceeded(snap.status()) && wait_deadline < call_deadline) {
+    PullResponse not_yet;  // the version only: the caller asks again
+    not_yet.set_version(shard_->stats().version);
+    writer->Write(not_yet);
+    return grpc::Status::OK;
+  }
   if (!snap.ok()) return ToGrpcStatus(snap.status());
   std::vector<TensorRef> refs;
   for (size_t i = 0; i < snap->slices.size(); ++i) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
@@ -25,14 +26,11 @@
 namespace psflow::worker {
 namespace {
 
-constexpr int kExitDone = 0;
-constexpr int kExitPermanent = 1;
-constexpr int kExitUnreachable = 138;
-constexpr int kExitRetryable = 140;
-
-// How long one pull may wait for the other workers before it is asked again
-// (so that a stop request is noticed).
+// How long a ps may hold a pull while the other workers finish the step
+// before answering "not yet" (the worker then asks again).
 constexpr absl::Duration kPullWait = absl::Seconds(5);
+// Allowance for moving one shard's tensors, on top of any waiting.
+constexpr absl::Duration kTransferTimeout = absl::Seconds(120);
 constexpr absl::Duration kReportEvery = absl::Milliseconds(250);
 
 bool Retryable(const absl::Status& s) { return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s); }
@@ -74,6 +72,21 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   int stop_signal() {
     absl::MutexLock lock(&mu_);
     return stop_signal_;
+  }
+  // Runs `call` until it succeeds, fails for good, the worker is stopping, or
+  // the ps has been unreachable for --startup_timeout.
+  template <typename Call>
+  auto WithRetries(const Call& call) -> decltype(call()) {
+    const absl::Time give_up = absl::Now() + options_.startup_timeout;
+    Backoff backoff;
+    while (true) {
+      auto result = call();
+      if (result.ok() || !Retryable(result.status()) || stop_signal() != 0 || absl::Now() >= give_up) {
+        return result;
+      }
+      PSLOG(WARNING) << "retrying: " << result.status().message();
+      absl::SleepFor(backoff.Next());
+    }
   }
 
   const WorkerOptions options_;
@@ -132,6 +145,11 @@ int Worker::Impl::Register() {
 }
 
 int Worker::Impl::Prepare() {
+  if (job_.num_ps() < 1 || job_.num_ps() != ps_->num_ps() || job_.batch_size() < 1 ||
+      job_.steps_per_epoch() < 1 || job_.num_workers() <= index_ || job_.placement().num_ps() != job_.num_ps()) {
+    PSLOG(ERROR) << "the chief sent an inconsistent job";
+    return kExitPermanent;
+  }
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
       kernels::CreateBackend(options_.device, job_.compute_threads());
   if (!backend.ok()) {
@@ -145,6 +163,11 @@ int Worker::Impl::Prepare() {
     return kExitPermanent;
   }
   data_ = *std::move(data);
+  if (data_.count != job_.num_examples()) {
+    PSLOG(ERROR) << "this worker sees " << data_.count << " training examples in " << job_.data_dir()
+                 << ", the chief saw " << job_.num_examples() << ": every process needs the same data";
+    return kExitPermanent;
+  }
   const InputSpec& in = job_.model().input();
   if (data_.channels != in.channels() || data_.height != in.height() || data_.width != in.width() ||
       data_.num_classes != job_.model().num_classes()) {
@@ -179,7 +202,19 @@ absl::Status Worker::Impl::PullAll(int64_t min_version, int64_t* version, int64_
     for (const SliceRef& s : slices_[p]) {
       sinks.push_back({s.name, "", s.slice_shape, weights_[s.variable_index].data() + s.float_offset, true});
     }
-    results[p] = ps_->Pull(p, job_id_, min_version, std::move(sinks), absl::Now() + kPullWait);
+    const absl::Time start = absl::Now();
+    absl::Time last_ask = start;
+    results[p] = WithRetries([&] {
+      absl::StatusOr<PsClient::PullResult> r;
+      do {  // ask again while the other workers are still on the step
+        if (stop_signal() != 0) return absl::StatusOr<PsClient::PullResult>(absl::CancelledError("stopping"));
+        last_ask = absl::Now();
+        r = ps_->Pull(p, job_id_, min_version, sinks, last_ask + kPullWait + kTransferTimeout, kPullWait);
+      } while (r.ok() && r->version < min_version);
+      return r;
+    });
+    // Time spent on "not yet" answers is waiting too.
+    if (results[p].ok()) results[p]->wait_us += Micros(last_ask - start);
   });
   *version = -1;
   *wait_us = 0;
@@ -207,8 +242,11 @@ absl::Status Worker::Impl::PushAll(int64_t step) {
     for (const SliceRef& s : slices_[p]) {
       grads.push_back({s.name, "", s.slice_shape, grads_[s.variable_index].data() + s.float_offset});
     }
-    absl::StatusOr<PushResponse> r = ps_->Push(p, header, std::move(grads), absl::Now() + absl::Seconds(60));
-    results[p] = r.status();
+    // A retried push that had arrived after all is answered DUPLICATE (or
+    // STALE once applied): either way the ps has this worker's gradients.
+    results[p] = WithRetries([&] {
+      return ps_->Push(p, header, grads, absl::Now() + kTransferTimeout);
+    }).status();
   });
   for (const absl::Status& s : results) {
     if (!s.ok()) return s;
@@ -273,7 +311,6 @@ int Worker::Impl::Train() {
     int64_t version = 0, wait_us = 0;
     absl::Status s = PullAll(step, &version, &wait_us);
     if (stop_signal() != 0) return 128 + stop_signal();
-    if (absl::IsDeadlineExceeded(s)) continue;  // the other workers are slow: ask again
     if (!s.ok()) {
       PSLOG(ERROR) << "pull failed: " << s.message();
       return Retryable(s) ? kExitUnreachable : kExitRetryable;

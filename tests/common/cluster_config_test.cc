@@ -422,7 +422,7 @@ TEST(ErrorsTest, RoleIsNotThisBinary) {
               "task type 'worker' in POD_NAME 'worker-0', but this is the chief binary "
               "(psflow-chief)");
   ExpectError(ResolveClusterConfig(FullFlags(), {}, Role::kEvaluator),
-              "task type 'worker' in --job_name, but this is the evaluator binary (psflow-eval)");
+              "task type 'worker' in --job_name, but this is the evaluator binary (psflow-evaluator)");
 }
 
 TEST(ErrorsTest, IndexOutOfRange) {

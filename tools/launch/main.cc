@@ -13,7 +13,9 @@
 
 ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
 ABSL_FLAG(int, workers, 2, "Number of workers.");
-ABSL_FLAG(std::string, host, "127.0.0.1", "Address every process listens on (free ports are picked).");
+ABSL_FLAG(std::string, host, "127.0.0.1",
+          "Host in the cluster addresses handed to the processes (each listens on all interfaces, "
+          "on a free port picked here).");
 ABSL_FLAG(std::string, bin_dir, "",
           "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
 ABSL_FLAG(int, grace_seconds, 15,
