@@ -364,15 +364,9 @@ int Chief::Impl::Run() {
     return kExitPermanent;
   }
 
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::StrCat("0.0.0.0:", options_.cluster.self_port),
-                           grpc::InsecureServerCredentials(), &port);
-  ConfigureServer(&builder);
-  builder.RegisterService(this);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    PSLOG(ERROR) << "cannot listen on port " << options_.cluster.self_port;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(options_.cluster.self_port, this);
+  if (!server.ok()) {
+    PSLOG(ERROR) << server.status().message();
     return kExitPermanent;
   }
   int64_t params = 0;
@@ -414,7 +408,7 @@ int Chief::Impl::Run() {
                                    job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed),
                                    s.examples_per_sec, s.last_loss, s.last_accuracy);
   }
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return code;
 }
 

@@ -23,7 +23,8 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
   if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
   last_seen_[worker] = now;
   for (const StepMetrics& m : metrics) {
-    if (m.step() < 0 || m.step() >= train_steps_) continue;
+    // Steps outside the job, or of an interval already logged (a late report), are dropped.
+    if (m.step() < 0 || m.step() >= train_steps_ || m.step() < logged_until_) continue;
     if (first_report_ == absl::InfinitePast()) {
       first_report_ = now;
       first_step_ = m.step();

@@ -1,4 +1,4 @@
-// The chief's progress log. Workers report per-step metrics; once every live
+// The chief's progress log. Workers report per-step metrics; once every
 // worker has reported up to the end of an interval of --log_every_steps, one
 // line sums that interval up:
 //   step 1200/2345 epoch 2.56 loss 0.3124 acc 0.887 | 9850 ex/s |

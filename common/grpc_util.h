@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace psflow {
@@ -29,8 +30,9 @@ inline constexpr size_t kChunkBytes = 1 << 20;
 // keepalive settings.
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 
-// Applies psflow's message limits to a server under construction.
-void ConfigureServer(grpc::ServerBuilder* builder);
+// Starts a server for `service` on 0.0.0.0:port (all interfaces) with
+// psflow's limits; UNAVAILABLE naming the port if it cannot listen there.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service);
 
 // Exponential backoff with jitter for reconnecting to peers: 50 ms doubling up
 // to `max_delay`. Not thread-safe.

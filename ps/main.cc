@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/cluster_flags.h"
+#include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/memory.h"
@@ -40,25 +41,19 @@ int main(int argc, char** argv) {
   psflow::ps::PsService service(config.task_index, &shard, request_stop);
   psflow::TerminationWatcher watcher([&](int sig) {
     PSLOG(INFO) << "signal " << sig << ": finishing in-flight calls and exiting";
-    exit_code = 128 + sig;
+    exit_code = psflow::ExitCodeForSignal(sig);
     request_stop();
   });
 
-  grpc::ServerBuilder builder;
-  int bound_port = 0;
-  builder.AddListeningPort(absl::StrCat("0.0.0.0:", config.self_port), grpc::InsecureServerCredentials(),
-                           &bound_port);
-  psflow::ConfigureServer(&builder);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || bound_port == 0) {
-    std::fprintf(stderr, "psflow-ps: cannot listen on port %d\n", config.self_port);
-    return 1;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(config.self_port, &service);
+  if (!server.ok()) {
+    PSLOG(ERROR) << server.status().message();
+    return psflow::kExitPermanent;
   }
-  PSLOG(INFO) << "listening on " << config.self_address << " (port " << bound_port << ")";
+  PSLOG(INFO) << "listening on " << config.self_address;
   stop.WaitForNotification();
   shard.Shutdown();  // wakes waiting pulls so the server can drain
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   psflow::ps::Shard::Stats stats = shard.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
               << ", duplicates " << stats.duplicate << ")";

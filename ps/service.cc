@@ -12,6 +12,19 @@ namespace {
 // The most one ps accepts to hold (values and optimizer slots): 16 GiB.
 constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
 
+// Feeds the chunks of `request` and of every later message on `reader` to
+// `assembler`, then checks that nothing is missing.
+template <typename Request>
+absl::Status ReadChunks(grpc::ServerReader<Request>* reader, Request& request, ChunkAssembler& assembler) {
+  do {
+    for (const TensorChunk& chunk : request.chunk()) {
+      absl::Status s = assembler.Add(chunk);
+      if (!s.ok()) return s;
+    }
+  } while (reader->Read(&request));
+  return assembler.Finish();
+}
+
 }  // namespace
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown)
@@ -61,13 +74,7 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
     }
   }
   ChunkAssembler assembler(std::move(sinks));
-  do {
-    for (const TensorChunk& chunk : request.chunk()) {
-      absl::Status s = assembler.Add(chunk);
-      if (!s.ok()) return ToGrpcStatus(s);
-    }
-  } while (reader->Read(&request));
-  absl::Status s = assembler.Finish();
+  absl::Status s = ReadChunks(reader, request, assembler);
   if (s.ok()) s = shard_->Init(header, std::move(values));
   if (!s.ok()) return ToGrpcStatus(s);
   PSLOG(INFO) << "holding " << header.slice_size() << " slices of job " << header.job_id()
@@ -127,13 +134,7 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
     sinks.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, grads[i].data(), true});
   }
   ChunkAssembler assembler(std::move(sinks));
-  do {
-    for (const TensorChunk& chunk : request.chunk()) {
-      absl::Status s = assembler.Add(chunk);
-      if (!s.ok()) return ToGrpcStatus(s);
-    }
-  } while (reader->Read(&request));
-  absl::Status s = assembler.Finish();
+  absl::Status s = ReadChunks(reader, request, assembler);
   if (!s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<PushResponse::Outcome> outcome =
       shard_->Push(header.job_id(), header.worker(), header.step(), std::move(grads));

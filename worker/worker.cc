@@ -365,19 +365,13 @@ int Worker::Impl::Run() {
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::StrCat("0.0.0.0:", options_.cluster.self_port),
-                           grpc::InsecureServerCredentials(), &port);
-  ConfigureServer(&builder);
-  builder.RegisterService(this);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    PSLOG(ERROR) << "cannot listen on port " << options_.cluster.self_port;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(options_.cluster.self_port, this);
+  if (!server.ok()) {
+    PSLOG(ERROR) << server.status().message();
     return kExitPermanent;
   }
   int code = RunTraining();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   return code;
 }
 

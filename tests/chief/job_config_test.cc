@@ -1,0 +1,300 @@
+#include <zlib.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "chief/chief.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/job.pb.h"
+
+namespace psflow::chief {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr uint32_t kCount = 100;
+
+std::vector<uint8_t> IdxBytes(uint32_t magic, const std::vector<uint32_t>& dims,
+                              const std::vector<uint8_t>& data) {
+  std::vector<uint8_t> out;
+  auto put32 = [&](uint32_t v) {
+    for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<uint8_t>(v >> shift));
+  };
+  put32(magic);
+  for (uint32_t d : dims) put32(d);
+  out.insert(out.end(), data.begin(), data.end());
+  return out;
+}
+
+void WritePlain(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << path;
+}
+
+void WriteGzip(const std::string& path, const std::vector<uint8_t>& bytes) {
+  gzFile file = gzopen(path.c_str(), "wb");
+  ASSERT_NE(file, nullptr) << path;
+  ASSERT_EQ(gzwrite(file, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+  ASSERT_EQ(gzclose(file), Z_OK);
+}
+
+// Pixels of `count` images of size x size: (i * 37 + k * 13) % 256 skewed so
+// the mean is not 127.5.
+std::vector<uint8_t> Pixels(uint32_t count, uint32_t size) {
+  std::vector<uint8_t> pixels(size_t{count} * size * size);
+  for (size_t j = 0; j < pixels.size(); ++j) {
+    const size_t i = j / (size * size), k = j % (size * size);
+    const uint32_t v = static_cast<uint32_t>((i * 37 + k * 13) % 256);
+    pixels[j] = static_cast<uint8_t>(v * v / 255);
+  }
+  return pixels;
+}
+
+void ExpectInvalid(const absl::StatusOr<JobConfig>& job, const std::string& substring) {
+  ASSERT_FALSE(job.ok()) << "expected an error containing '" << substring << "'";
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument) << job.status();
+  EXPECT_THAT(std::string(job.status().message()), HasSubstr(substring));
+}
+
+class JobConfigTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = (fs::path(::testing::TempDir()) / absl::StrCat("job_config_test_", info->name())).string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    options_.cluster.cluster.chief = {"chief-0:2222"};
+    options_.cluster.cluster.worker = {"worker-0:2222", "worker-1:2222"};
+    options_.cluster.cluster.ps = {"ps-0:2222", "ps-1:2222"};
+    options_.cluster.role = Role::kChief;
+    options_.model = "cnn";
+    options_.data_dir = dir_;
+    options_.model_dir = (fs::path(dir_) / "model").string();
+    options_.batch_size = 8;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Writes the training images and labels, plain or gzipped (".gz" names).
+  void WriteData(uint32_t count, uint32_t size, bool gzip) {
+    pixels_ = Pixels(count, size);
+    std::vector<uint8_t> labels(count);
+    for (uint32_t i = 0; i < count; ++i) labels[i] = static_cast<uint8_t>(i % 10);
+    const std::vector<uint8_t> images = IdxBytes(0x803, {count, size, size}, pixels_);
+    const std::vector<uint8_t> label_bytes = IdxBytes(0x801, {count}, labels);
+    const std::string images_path = (fs::path(dir_) / "train-images-idx3-ubyte").string();
+    const std::string labels_path = (fs::path(dir_) / "train-labels-idx1-ubyte").string();
+    if (gzip) {
+      WriteGzip(images_path + ".gz", images);
+      WriteGzip(labels_path + ".gz", label_bytes);
+    } else {
+      WritePlain(images_path, images);
+      WritePlain(labels_path, label_bytes);
+    }
+  }
+
+  std::string dir_;
+  std::vector<uint8_t> pixels_;
+  ChiefOptions options_;
+};
+
+TEST_F(JobConfigTest, DefaultsToOneEpoch) {
+  WriteData(kCount, 28, /*gzip=*/false);
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // Each of 2 workers sees ceil(100 / 2) = 50 examples per epoch: 6 full batches of 8.
+  EXPECT_EQ(job->steps_per_epoch(), 6);
+  EXPECT_EQ(job->train_steps(), 6);
+  EXPECT_EQ(job->num_examples(), kCount);
+  EXPECT_EQ(job->batch_size(), 8);
+  EXPECT_EQ(job->num_workers(), 2);
+  EXPECT_EQ(job->num_ps(), 2);
+  EXPECT_EQ(job->data_dir(), dir_);
+  EXPECT_EQ(job->seed(), 1u);
+  EXPECT_EQ(job->model().name(), "cnn");
+  EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::SGD);
+  EXPECT_FLOAT_EQ(job->optimizer().learning_rate(), 0.01f);
+}
+
+TEST_F(JobConfigTest, ReadsGzippedDataAndOddCounts) {
+  WriteData(101, 28, /*gzip=*/true);
+  options_.batch_size = 17;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // ceil(101 / 2) = 51 = 3 * 17.
+  EXPECT_EQ(job->steps_per_epoch(), 3);
+  EXPECT_EQ(job->num_examples(), 101);
+}
+
+TEST_F(JobConfigTest, StepsPerEpochIsFullBatchesOfAShard) {
+  WriteData(kCount, 28, false);
+  for (int batch : {1, 7, 8, 25, 49, 50}) {
+    options_.batch_size = batch;
+    absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << batch << ": " << job.status();
+    EXPECT_EQ(job->steps_per_epoch(), 50 / batch) << batch;
+  }
+  options_.cluster.cluster.worker = {"worker-0:2222", "worker-1:2222", "worker-2:2222"};
+  options_.batch_size = 10;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->steps_per_epoch(), 3);  // ceil(100 / 3) = 34
+  EXPECT_EQ(job->num_workers(), 3);
+}
+
+TEST_F(JobConfigTest, EpochsOrTrainSteps) {
+  WriteData(kCount, 28, false);
+  options_.epochs = 3;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->train_steps(), 3 * 6);
+
+  options_.epochs = 0;
+  options_.train_steps = 7;  // not a multiple of steps_per_epoch: used as is
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->train_steps(), 7);
+  EXPECT_EQ(job->steps_per_epoch(), 6);
+
+  options_.epochs = 2;
+  ExpectInvalid(BuildJobConfig(options_), "not both");
+
+  options_.epochs = -1;
+  options_.train_steps = 0;
+  ExpectInvalid(BuildJobConfig(options_), "must not be negative");
+  options_.epochs = std::numeric_limits<int64_t>::max() / 2;
+  ExpectInvalid(BuildJobConfig(options_), "too large");
+}
+
+TEST_F(JobConfigTest, StandardizesInputsWithThePixelStatistics) {
+  WriteData(kCount, 28, false);
+  double sum = 0;
+  for (uint8_t p : pixels_) sum += p / 255.0;
+  const double mean = sum / static_cast<double>(pixels_.size());
+  double var = 0;
+  for (uint8_t p : pixels_) var += (p / 255.0 - mean) * (p / 255.0 - mean);
+  const double stddev = std::sqrt(var / static_cast<double>(pixels_.size()));
+  ASSERT_GT(stddev, 0.05);
+  ASSERT_GT(std::abs(mean - 0.5), 0.05);  // the data really is skewed
+
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_NEAR(job->model().input().mean(), mean, 1e-6);
+  EXPECT_NEAR(job->model().input().stddev(), stddev, 1e-6);
+  EXPECT_EQ(job->model().input().height(), 28);
+  EXPECT_EQ(job->model().input().width(), 28);
+}
+
+TEST_F(JobConfigTest, PlacesEveryVariableOnThePs) {
+  WriteData(kCount, 28, false);
+  for (int num_ps : {1, 2, 3}) {
+    options_.cluster.cluster.ps.clear();
+    for (int p = 0; p < num_ps; ++p) options_.cluster.cluster.ps.push_back(absl::StrCat("ps-", p, ":2222"));
+    absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << num_ps << ": " << job.status();
+    EXPECT_EQ(job->num_ps(), num_ps);
+    EXPECT_EQ(job->placement().num_ps(), num_ps);
+    // cnn: conv1, conv2, fc1, fc2 with kernel and bias each.
+    EXPECT_EQ(job->placement().variable_size(), 8);
+    std::vector<bool> used(num_ps, false);
+    for (const VariablePlacement& v : job->placement().variable()) {
+      ASSERT_GT(v.slice_size(), 0) << v.name();
+      EXPECT_EQ(v.slice(0).row_begin(), 0) << v.name();
+      EXPECT_EQ(v.slice(v.slice_size() - 1).row_end(), v.shape(0)) << v.name();
+      for (const VariableSlice& s : v.slice()) {
+        ASSERT_GE(s.ps(), 0);
+        ASSERT_LT(s.ps(), num_ps);
+        used[s.ps()] = true;
+      }
+    }
+    for (int p = 0; p < num_ps; ++p) EXPECT_TRUE(used[p]) << "ps " << p << " of " << num_ps << " holds nothing";
+  }
+}
+
+TEST_F(JobConfigTest, Optimizers) {
+  WriteData(kCount, 28, false);
+  options_.optimizer = "Momentum";
+  options_.momentum = 0.5f;
+  options_.learning_rate = 0.1f;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::MOMENTUM);
+  EXPECT_FLOAT_EQ(job->optimizer().momentum(), 0.5f);
+  EXPECT_FLOAT_EQ(job->optimizer().learning_rate(), 0.1f);
+
+  options_.optimizer = "adam";
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::ADAM);
+
+  // --momentum only matters to the momentum optimizer.
+  options_.optimizer = "sgd";
+  options_.momentum = 1.5f;
+  EXPECT_TRUE(BuildJobConfig(options_).ok());
+}
+
+TEST_F(JobConfigTest, RejectsBadSettings) {
+  WriteData(kCount, 28, false);
+  ASSERT_TRUE(BuildJobConfig(options_).ok());
+  auto with = [&](auto change) {
+    ChiefOptions o = options_;
+    change(o);
+    return BuildJobConfig(o);
+  };
+  ExpectInvalid(with([](ChiefOptions& o) { o.model_dir.clear(); }), "--model_dir is required");
+  ExpectInvalid(with([](ChiefOptions& o) { o.batch_size = 0; }), "--batch_size must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.batch_size = -3; }), "--batch_size must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.batch_size = 51; }),
+                "--batch_size 51 exceeds the 50 examples each worker sees per epoch");
+  ExpectInvalid(with([](ChiefOptions& o) { o.optimizer = "rmsprop"; }),
+                "--optimizer 'rmsprop' is not one of sgd, momentum, adam");
+  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = 0; }), "--learning_rate must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = -0.1f; }), "--learning_rate must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = std::numeric_limits<float>::infinity(); }),
+                "--learning_rate must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = std::numeric_limits<float>::quiet_NaN(); }),
+                "--learning_rate must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) {
+                  o.optimizer = "momentum";
+                  o.momentum = 1.5f;
+                }),
+                "--momentum must be in (0, 1)");
+  ExpectInvalid(with([](ChiefOptions& o) {
+                  o.optimizer = "momentum";
+                  o.momentum = 0;
+                }),
+                "--momentum must be in (0, 1)");
+  ExpectInvalid(with([&](ChiefOptions& o) { o.data_dir = (fs::path(dir_) / "missing").string(); }),
+                "--data_dir");
+  ExpectInvalid(with([](ChiefOptions& o) { o.model = "no-such-model"; }),
+                "'no-such-model' is neither a built-in model");
+  ExpectInvalid(with([](ChiefOptions& o) { o.log_every_steps = 0; }), "--log_every_steps must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.compute_threads = -1; }), "--compute_threads must not be negative");
+  ExpectInvalid(with([](ChiefOptions& o) { o.cluster.cluster.worker.clear(); }), "no workers");
+}
+
+TEST_F(JobConfigTest, RejectsImagesOfTheWrongSize) {
+  WriteData(kCount, 20, false);
+  ExpectInvalid(BuildJobConfig(options_), "model cnn takes 1x28x28 inputs");
+  ExpectInvalid(BuildJobConfig(options_), "are 1x20x20");
+}
+
+TEST_F(JobConfigTest, RejectsMismatchedImagesAndLabels) {
+  WriteData(kCount, 28, false);
+  WritePlain((fs::path(dir_) / "train-labels-idx1-ubyte").string(), IdxBytes(0x801, {3}, {1, 2, 3}));
+  ExpectInvalid(BuildJobConfig(options_), "do not match");
+}
+
+}  // namespace
+}  // namespace psflow::chief

@@ -1,0 +1,282 @@
+#include "chief/progress.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/chief.pb.h"
+
+namespace psflow::chief {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+constexpr int64_t kTrainSteps = 25;
+constexpr int64_t kStepsPerEpoch = 10;
+constexpr int kLogEvery = 10;
+constexpr int kWorkers = 2;
+constexpr int kPs = 2;
+
+// Deterministic metrics for (worker, step); `compute_us` lets a test give
+// intervals different step times.
+StepMetrics Metric(int worker, int64_t step, int64_t compute_us = 5000) {
+  StepMetrics m;
+  m.set_step(step);
+  m.set_loss(0.5 + 0.1 * worker + 0.01 * static_cast<double>(step));
+  m.set_examples(8 + 4 * worker + step % 3);  // uneven, so the weighting matters
+  m.set_correct((step + 3 * worker) % (m.examples() + 1));
+  m.set_pull_us(1000 + 10 * step);
+  m.set_compute_us(compute_us + 100 * worker);
+  m.set_push_us(800 + 5 * step);
+  m.set_wait_us(200 * worker + step);
+  return m;
+}
+
+std::vector<StepMetrics> Steps(int worker, int64_t begin, int64_t end, int64_t compute_us = 5000) {
+  std::vector<StepMetrics> out;
+  for (int64_t s = begin; s < end; ++s) out.push_back(Metric(worker, s, compute_us));
+  return out;
+}
+
+// What a line should say about the records `ms` of an interval of `steps` global steps.
+struct Expected {
+  double loss = 0, acc = 0, step_ms = 0, pull = 0, compute = 0, push = 0, wait = 0, ex_per_s = 0;
+  int64_t examples = 0;
+  double seconds = 0;  // steps * step_ms
+};
+
+Expected Expect(const std::vector<StepMetrics>& ms, int64_t steps) {
+  Expected e;
+  double loss_sum = 0;
+  int64_t correct = 0;
+  for (const StepMetrics& m : ms) {
+    loss_sum += m.loss() * static_cast<double>(m.examples());
+    correct += m.correct();
+    e.examples += m.examples();
+    e.pull += m.pull_us();
+    e.compute += m.compute_us();
+    e.push += m.push_us();
+    e.wait += m.wait_us();
+  }
+  const double n = static_cast<double>(ms.size());
+  e.loss = loss_sum / static_cast<double>(e.examples);
+  e.acc = static_cast<double>(correct) / static_cast<double>(e.examples);
+  e.pull /= n * 1000;
+  e.compute /= n * 1000;
+  e.push /= n * 1000;
+  e.wait /= n * 1000;
+  e.step_ms = e.pull + e.compute + e.push + e.wait;
+  e.seconds = static_cast<double>(steps) * e.step_ms / 1000.0;
+  e.ex_per_s = static_cast<double>(e.examples) / e.seconds;
+  return e;
+}
+
+struct Line {
+  int end = 0, total = 0, live = 0, workers = 0, ps_up = 0, ps = 0;
+  double epoch = 0, loss = 0, acc = 0, ex_per_s = 0, step_ms = 0, pull = 0, compute = 0, push = 0,
+         wait = 0;
+};
+
+// Parses a progress line; fails the test if it does not have the documented form.
+Line Parse(const std::string& text) {
+  Line l;
+  const int got = std::sscanf(
+      text.c_str(),
+      "step %d/%d epoch %lf loss %lf acc %lf | %lf ex/s | step %lf ms (pull %lf compute %lf push %lf "
+      "wait %lf) | workers %d/%d ps %d/%d",
+      &l.end, &l.total, &l.epoch, &l.loss, &l.acc, &l.ex_per_s, &l.step_ms, &l.pull, &l.compute, &l.push,
+      &l.wait, &l.live, &l.workers, &l.ps_up, &l.ps);
+  EXPECT_EQ(got, 15) << "unparsable line: " << text;
+  return l;
+}
+
+// Checks a parsed line against expectations, within the printed precision.
+void ExpectLine(const Line& l, const Expected& e, int end) {
+  EXPECT_EQ(l.end, end);
+  EXPECT_EQ(l.total, kTrainSteps);
+  EXPECT_NEAR(l.epoch, static_cast<double>(end) / kStepsPerEpoch, 0.005 + 1e-9);
+  EXPECT_NEAR(l.loss, e.loss, 0.00005 + 1e-9);
+  EXPECT_NEAR(l.acc, e.acc, 0.0005 + 1e-9);
+  EXPECT_NEAR(l.step_ms, e.step_ms, 0.05 + 1e-9);
+  EXPECT_NEAR(l.pull, e.pull, 0.05 + 1e-9);
+  EXPECT_NEAR(l.compute, e.compute, 0.05 + 1e-9);
+  EXPECT_NEAR(l.push, e.push, 0.05 + 1e-9);
+  EXPECT_NEAR(l.wait, e.wait, 0.05 + 1e-9);
+  EXPECT_NEAR(l.ex_per_s, e.ex_per_s, 0.5 + 1e-9);
+  // ex/s is the interval's examples over steps * step time (as printed, to rounding).
+  const int64_t steps = end - (end == kTrainSteps ? 20 : end - kLogEvery);
+  EXPECT_NEAR(l.ex_per_s, static_cast<double>(e.examples) / (static_cast<double>(steps) * l.step_ms / 1000.0),
+              0.01 * l.ex_per_s);
+}
+
+class ProgressTest : public ::testing::Test {
+ protected:
+  ProgressTest()
+      : progress_(kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [this] { return reachable_; },
+                  [this](const std::string& line) { lines_.push_back(line); }) {}
+
+  const absl::Time t0_ = absl::FromUnixSeconds(1700000000);
+  int reachable_ = kPs;
+  std::vector<std::string> lines_;
+  Progress progress_;
+};
+
+TEST_F(ProgressTest, NoLineUntilEveryWorkerFinishedTheInterval) {
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  EXPECT_TRUE(lines_.empty());
+  progress_.Record(1, Steps(1, 0, 9), t0_ + absl::Milliseconds(100));
+  EXPECT_TRUE(lines_.empty());
+  // Worker 0 runs ahead into the next interval: still only the first may go out.
+  progress_.Record(0, Steps(0, 10, 15), t0_ + absl::Milliseconds(150));
+  EXPECT_TRUE(lines_.empty());
+  progress_.Record(1, Steps(1, 9, 10), t0_ + absl::Milliseconds(200));
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], StartsWith("step 10/25 epoch 1.00 "));
+  EXPECT_THAT(lines_[0], HasSubstr("| workers 2/2 ps 2/2"));
+}
+
+// A report that arrives after its interval was logged (a late RPC) changes
+// nothing: no second line for that interval, no step count going back.
+TEST_F(ProgressTest, DropsStepsOfIntervalsAlreadyLogged) {
+  progress_.Record(0, Steps(0, 0, 20), t0_);
+  progress_.Record(1, Steps(1, 0, 20), t0_ + absl::Milliseconds(100));
+  ASSERT_EQ(lines_.size(), 2u);
+  const int64_t examples = progress_.summary().examples;
+  progress_.Record(1, Steps(1, 5, 6), t0_ + absl::Milliseconds(200));
+  EXPECT_EQ(lines_.size(), 2u);
+  EXPECT_EQ(progress_.summary().steps, 20);
+  EXPECT_EQ(progress_.summary().examples, examples);
+}
+
+TEST_F(ProgressTest, LinesCarryTheIntervalsExampleWeightedMetrics) {
+  std::vector<StepMetrics> first = Steps(0, 0, 10);
+  for (const StepMetrics& m : Steps(1, 0, 10)) first.push_back(m);
+  std::vector<StepMetrics> second = Steps(0, 10, 20);
+  for (const StepMetrics& m : Steps(1, 10, 20)) second.push_back(m);
+  std::vector<StepMetrics> last = Steps(0, 20, 25);
+  for (const StepMetrics& m : Steps(1, 20, 25)) last.push_back(m);
+
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  progress_.Record(1, Steps(1, 0, 10), t0_ + absl::Seconds(1));
+  ASSERT_EQ(lines_.size(), 1u);
+  ExpectLine(Parse(lines_[0]), Expect(first, 10), 10);
+
+  progress_.Record(1, Steps(1, 10, 25), t0_ + absl::Seconds(2));
+  EXPECT_EQ(lines_.size(), 1u);
+  // One report completes both remaining intervals: two lines, in order.
+  progress_.Record(0, Steps(0, 10, 25), t0_ + absl::Seconds(3));
+  ASSERT_EQ(lines_.size(), 3u);
+  ExpectLine(Parse(lines_[1]), Expect(second, 10), 20);
+  // The last, partial interval ends at train_steps.
+  ExpectLine(Parse(lines_[2]), Expect(last, 5), 25);
+  EXPECT_THAT(lines_[2], StartsWith("step 25/25 epoch 2.50 "));
+}
+
+TEST_F(ProgressTest, CountsLiveWorkers) {
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  // Worker 1 reports after worker 0 went quiet for longer than the live window.
+  progress_.Record(1, Steps(1, 0, 10), t0_ + Progress::kLiveWindow + absl::Seconds(1));
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], HasSubstr("| workers 1/2 ps 2/2"));
+  const Line l = Parse(lines_[0]);
+  EXPECT_EQ(l.live, 1);
+  EXPECT_EQ(l.workers, 2);
+
+  // Both recent again (exactly at the window's edge still counts as live).
+  progress_.Record(0, Steps(0, 10, 20), t0_ + absl::Seconds(12));
+  progress_.Record(1, Steps(1, 10, 20), t0_ + absl::Seconds(12) + Progress::kLiveWindow);
+  ASSERT_EQ(lines_.size(), 2u);
+  EXPECT_THAT(lines_[1], HasSubstr("| workers 2/2 ps 2/2"));
+}
+
+TEST_F(ProgressTest, ReportsReachablePs) {
+  reachable_ = 1;
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  progress_.Record(1, Steps(1, 0, 10), t0_);
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], HasSubstr("| workers 2/2 ps 1/2"));
+}
+
+TEST(ProgressNoCallbackTest, WithoutReachablePsCallbackAssumesAllPs) {
+  std::vector<std::string> lines;
+  Progress progress(kTrainSteps, kStepsPerEpoch, kLogEvery, 1, 3, nullptr,
+                    [&](const std::string& line) { lines.push_back(line); });
+  progress.Record(0, Steps(0, 0, 10), absl::UnixEpoch());
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_THAT(lines[0], HasSubstr("| workers 1/1 ps 3/3"));
+}
+
+TEST_F(ProgressTest, SummaryLeavesTheFirstIntervalOutOfTheRate) {
+  EXPECT_EQ(progress_.summary().steps, 0);
+  EXPECT_EQ(progress_.summary().examples, 0);
+  EXPECT_EQ(progress_.summary().examples_per_sec, 0);
+
+  // A slow start-up interval, then faster ones with different step times.
+  std::vector<StepMetrics> first, second, last;
+  for (int w = 0; w < kWorkers; ++w) {
+    for (const StepMetrics& m : Steps(w, 0, 10, 50000)) first.push_back(m);
+    for (const StepMetrics& m : Steps(w, 10, 20, 2000)) second.push_back(m);
+    for (const StepMetrics& m : Steps(w, 20, 25, 3000)) last.push_back(m);
+  }
+  for (int w = 0; w < kWorkers; ++w) progress_.Record(w, Steps(w, 0, 10, 50000), t0_ + absl::Seconds(w));
+  // After only the first line there is no steady rate yet.
+  EXPECT_EQ(progress_.summary().examples_per_sec, 0);
+  for (int w = 0; w < kWorkers; ++w) progress_.Record(w, Steps(w, 10, 20, 2000), t0_ + absl::Seconds(5 + w));
+  for (int w = 0; w < kWorkers; ++w) progress_.Record(w, Steps(w, 20, 25, 3000), t0_ + absl::Seconds(8 + w));
+  ASSERT_EQ(lines_.size(), 3u);
+
+  const Expected e1 = Expect(first, 10), e2 = Expect(second, 10), e3 = Expect(last, 5);
+  const Progress::Summary s = progress_.summary();
+  EXPECT_EQ(s.steps, 25);
+  EXPECT_EQ(s.examples, e1.examples + e2.examples + e3.examples);
+  EXPECT_EQ(s.elapsed, absl::Seconds(9));
+  const double steady = static_cast<double>(e2.examples + e3.examples) / (e2.seconds + e3.seconds);
+  EXPECT_NEAR(s.examples_per_sec, steady, 1e-6 * steady);
+  // Including the start-up interval would give a clearly different (lower) rate.
+  const double all = static_cast<double>(e1.examples + e2.examples + e3.examples) /
+                     (e1.seconds + e2.seconds + e3.seconds);
+  EXPECT_GT(s.examples_per_sec, 1.5 * all);
+  EXPECT_DOUBLE_EQ(s.last_loss, e3.loss);
+  EXPECT_DOUBLE_EQ(s.last_accuracy, e3.acc);
+}
+
+TEST_F(ProgressTest, IgnoresOutOfRangeWorkersAndSteps) {
+  progress_.Record(-1, Steps(0, 0, 10), t0_);
+  progress_.Record(kWorkers, Steps(1, 0, 10), t0_);
+  progress_.Record(1000, Steps(1, 0, 25), t0_);
+  EXPECT_TRUE(lines_.empty());
+  EXPECT_EQ(progress_.summary().examples, 0);
+
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  // Steps outside [0, train_steps) from a valid worker count for nothing.
+  progress_.Record(1, {Metric(1, -1), Metric(1, -100), Metric(1, kTrainSteps), Metric(1, 1000)}, t0_);
+  EXPECT_TRUE(lines_.empty());
+  Progress::Summary s = progress_.summary();
+  EXPECT_EQ(s.steps, 0);
+  int64_t examples = 0;
+  for (const StepMetrics& m : Steps(0, 0, 10)) examples += m.examples();
+  EXPECT_EQ(s.examples, examples);
+
+  // Worker 1's real steps still complete the interval normally.
+  progress_.Record(1, Steps(1, 0, 10), t0_);
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], StartsWith("step 10/25 "));
+}
+
+TEST_F(ProgressTest, EmptyReportIsAHeartbeat) {
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  progress_.Record(1, Steps(1, 0, 9), t0_);
+  progress_.Record(0, {}, t0_ + absl::Seconds(15));  // worker 0 is alive, just idle
+  EXPECT_TRUE(lines_.empty());
+  progress_.Record(1, Steps(1, 9, 10), t0_ + absl::Seconds(16));
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], HasSubstr("| workers 2/2 "));
+}
+
+}  // namespace
+}  // namespace psflow::chief
