@@ -114,6 +114,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // True when buffers of this backend are plain host memory that the caller
+  // may read and write directly (so host copies can be skipped).
+  virtual bool host_memory() const { return false; }
 
   virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) = 0;
   // Copies between host memory and a buffer of this backend.

@@ -66,6 +66,22 @@ int64_t Network::input_floats() const {
   return int64_t{spec_.input().channels()} * spec_.input().height() * spec_.input().width();
 }
 
+std::vector<float*> Network::HostWeights() {
+  std::vector<float*> out;
+  if (backend_->host_memory()) {
+    for (auto& w : weights_) out.push_back(w->data());
+  }
+  return out;
+}
+
+std::vector<float*> Network::HostGradients() {
+  std::vector<float*> out;
+  if (backend_->host_memory()) {
+    for (auto& g : grads_) out.push_back(g->data());
+  }
+  return out;
+}
+
 absl::Status Network::SetWeights(const std::vector<const float*>& host) {
   if (host.size() != weights_.size()) return absl::InvalidArgumentError("wrong number of weight tensors");
   for (size_t i = 0; i < host.size(); ++i) {

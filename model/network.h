@@ -30,6 +30,12 @@ class Network {
   const std::vector<VariableShape>& variables() const { return variables_; }
   int64_t input_floats() const;  // per example
 
+  // When the backend computes in host memory: the network's own weight and
+  // gradient buffers, one per variable, to fill and read in place instead of
+  // SetWeights and GetGradients. Empty for other backends.
+  std::vector<float*> HostWeights();
+  std::vector<float*> HostGradients();
+
   // Copies weights in from host memory, one pointer per variable.
   absl::Status SetWeights(const std::vector<const float*>& host);
 

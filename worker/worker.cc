@@ -99,7 +99,11 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
   data::Dataset data_;
-  std::vector<std::vector<float>> weights_, grads_;  // host copies, by variable
+  // Where pulls land and pushes come from, by variable: the network's own
+  // buffers when in_place_, else staging_ copied to and from the device.
+  std::vector<float*> weights_, grads_;
+  bool in_place_ = false;
+  std::vector<std::vector<float>> staging_;
   std::vector<std::vector<SliceRef>> slices_;        // by ps
 
   absl::Mutex mu_;
@@ -183,9 +187,18 @@ int Worker::Impl::Prepare() {
     return kExitPermanent;
   }
   net_ = *std::move(net);
-  for (const VariableShape& v : net_->variables()) {
-    weights_.emplace_back(NumElements(v.shape));
-    grads_.emplace_back(NumElements(v.shape));
+  // Pull into and push from the network's own buffers when they are host
+  // memory; otherwise stage on the host.
+  weights_ = net_->HostWeights();
+  grads_ = net_->HostGradients();
+  in_place_ = !weights_.empty();
+  if (!in_place_) {
+    for (const VariableShape& v : net_->variables()) {
+      staging_.emplace_back(NumElements(v.shape));
+      weights_.push_back(staging_.back().data());
+      staging_.emplace_back(NumElements(v.shape));
+      grads_.push_back(staging_.back().data());
+    }
   }
   for (int p = 0; p < job_.num_ps(); ++p) slices_.push_back(SlicesOnPs(job_.placement(), p));
   pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));
@@ -200,7 +213,7 @@ absl::Status Worker::Impl::PullAll(int64_t min_version, int64_t* version, int64_
   pool_->ParallelFor(n, [&](int p) {
     std::vector<TensorSink> sinks;
     for (const SliceRef& s : slices_[p]) {
-      sinks.push_back({s.name, "", s.slice_shape, weights_[s.variable_index].data() + s.float_offset, true});
+      sinks.push_back({s.name, "", s.slice_shape, weights_[s.variable_index] + s.float_offset, true});
     }
     const absl::Time start = absl::Now();
     absl::Time last_ask = start;
@@ -240,7 +253,7 @@ absl::Status Worker::Impl::PushAll(int64_t step) {
     header.set_step(step);
     std::vector<TensorRef> grads;
     for (const SliceRef& s : slices_[p]) {
-      grads.push_back({s.name, "", s.slice_shape, grads_[s.variable_index].data() + s.float_offset});
+      grads.push_back({s.name, "", s.slice_shape, grads_[s.variable_index] + s.float_offset});
     }
     // A retried push that had arrived after all is answered DUPLICATE (or
     // STALE once applied): either way the ps has this worker's gradients.
@@ -297,12 +310,7 @@ int Worker::Impl::Train() {
   std::vector<int32_t> labels(batch);
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
-  std::vector<const float*> weight_ptrs;
-  std::vector<float*> grad_ptrs;
-  for (size_t i = 0; i < weights_.size(); ++i) {
-    weight_ptrs.push_back(weights_[i].data());
-    grad_ptrs.push_back(grads_[i].data());
-  }
+  const std::vector<const float*> weight_ptrs(weights_.begin(), weights_.end());
 
   int64_t step = 0;
   while (true) {
@@ -326,10 +334,10 @@ int Worker::Impl::Train() {
     }
     s = data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch), images.data(),
                           labels.data());
-    if (s.ok()) s = net_->SetWeights(weight_ptrs);
+    if (s.ok() && !in_place_) s = net_->SetWeights(weight_ptrs);
     absl::StatusOr<model::Network::Result> result =
         s.ok() ? net_->TrainStep(images.data(), labels.data(), batch) : s;
-    if (result.ok()) s = net_->GetGradients(grad_ptrs);
+    if (result.ok() && !in_place_) s = net_->GetGradients(grads_);
     if (!result.ok() || !s.ok()) {
       PSLOG(ERROR) << "step " << step << " failed: " << (result.ok() ? s : result.status()).message();
       return kExitRetryable;

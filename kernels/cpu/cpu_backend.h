@@ -37,6 +37,7 @@ class CpuBackend final : public Backend {
   ~CpuBackend() override;
 
   std::string name() const override { return "cpu"; }
+  bool host_memory() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) override;
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
