@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev
   libgtest-dev libgmock-dev zlib1g-dev
+  python3 python3-yaml python3-jsonschema
   dataset-fashion-mnist
 )
 

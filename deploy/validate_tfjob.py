@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Validates psflow's TFJob manifests offline.
+
+Each TFJob document is checked against the openAPIV3Schema of the Kubeflow
+TFJob CustomResourceDefinition, with unknown fields refused (as a structural
+schema would prune them), and against what psflow needs of it: the container
+named "tensorflow" (the only one the operator gives TF_CONFIG), the ExitCode
+restart policy, one chief, and storage mounted on the chief alone.
+
+usage: validate_tfjob.py CRD.yaml MANIFEST.yaml...
+Exit code 0 when every manifest passes, 1 otherwise (each problem on a line).
+"""
+import copy
+import sys
+
+import jsonschema
+import yaml
+
+
+def closed(schema):
+    """Returns the schema with additionalProperties: false on every object
+    that lists its properties and does not opt out of pruning."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def tfjob_schema(crd_path):
+    with open(crd_path) as f:
+        crd = yaml.safe_load(f)
+    for version in crd["spec"]["versions"]:
+        if version["name"] == "v1":
+            return closed(version["schema"]["openAPIV3Schema"])
+    raise SystemExit(f"{crd_path}: no v1 schema")
+
+
+def psflow_problems(job):
+    """What psflow itself needs of a TFJob, beyond the schema."""
+    problems = []
+    specs = job.get("spec", {}).get("tfReplicaSpecs", {})
+    if specs.get("Chief", {}).get("replicas") != 1:
+        problems.append("needs exactly one Chief replica")
+    for role in ("PS", "Worker"):
+        if role not in specs:
+            problems.append(f"has no {role} replicas")
+    for role, spec in specs.items():
+        if spec.get("restartPolicy") != "ExitCode":
+            problems.append(f"{role}: restartPolicy should be ExitCode (psflow's exit codes say what to retry)")
+        pod = spec.get("template", {}).get("spec", {})
+        names = [c.get("name") for c in pod.get("containers", [])]
+        if "tensorflow" not in names:
+            problems.append(f"{role}: no container named 'tensorflow' (the operator writes TF_CONFIG only there)")
+        if role != "Chief" and pod.get("volumes"):
+            problems.append(f"{role}: only the chief needs storage")
+    return problems
+
+
+def validate(schema, path):
+    """Returns the problems of every TFJob in the file at `path`."""
+    with open(path) as f:
+        documents = [d for d in yaml.safe_load_all(f) if d]
+    problems = []
+    jobs = [d for d in documents if d.get("kind") == "TFJob"]
+    if not jobs:
+        problems.append(f"{path}: no TFJob")
+    for job in jobs:
+        name = job.get("metadata", {}).get("name", "?")
+        validator = jsonschema.Draft7Validator(schema)
+        for error in sorted(validator.iter_errors(job), key=lambda e: list(e.path)):
+            where = ".".join(str(p) for p in error.path) or "(top)"
+            problems.append(f"{path}: TFJob {name}: {where}: {error.message}")
+        problems += [f"{path}: TFJob {name}: {p}" for p in psflow_problems(job)]
+    return problems
+
+
+def main(argv):
+    if len(argv) < 3:
+        print(__doc__.strip().splitlines()[-2], file=sys.stderr)
+        return 2
+    schema = tfjob_schema(argv[1])
+    problems = []
+    for path in argv[2:]:
+        found = validate(schema, path)
+        problems += found
+        if not found:
+            print(f"ok: {path}")
+    for p in problems:
+        print(p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
