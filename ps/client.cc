@@ -141,6 +141,49 @@ absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, st
   return response;
 }
 
+absl::StatusOr<PsState> PsClient::GetState(int ps, absl::Time deadline) {
+  CallScope call(this, deadline);
+  PsState state;
+  absl::Status s = FromGrpcStatus(stubs_[ps]->GetState(call.context(), GetStateRequest(), &state));
+  if (!s.ok()) return WithPs(ps, s);
+  return state;
+}
+
+absl::Status PsClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                                      int64_t from_version, absl::Time deadline) {
+  CallScope call(this, deadline);
+  SetLiveWorkersRequest request;
+  request.set_job_id(job_id);
+  for (int w : live) request.add_live_workers(w);
+  request.set_from_version(from_version);
+  SetLiveWorkersResponse response;
+  return WithPs(ps, FromGrpcStatus(stubs_[ps]->SetLiveWorkers(call.context(), request, &response)));
+}
+
+absl::Status PsClient::Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                                absl::Time deadline) {
+  CallScope call(this, deadline);
+  SnapshotRequest request;
+  request.set_job_id(job_id);
+  request.set_version(version);
+  std::unique_ptr<grpc::ClientReader<SnapshotResponse>> reader = stubs_[ps]->Snapshot(call.context(), request);
+  ChunkAssembler assembler(std::move(sinks));
+  SnapshotResponse response;
+  absl::Status bad;
+  while (reader->Read(&response)) {
+    if (bad.ok() && response.version() != version) bad = absl::DataLossError("snapshot of another version");
+    for (const TensorChunk& chunk : response.chunk()) {
+      if (!bad.ok()) break;
+      bad = assembler.Add(chunk);
+    }
+  }
+  absl::Status s = FromGrpcStatus(reader->Finish());
+  if (!s.ok()) return WithPs(ps, s);
+  if (!bad.ok()) return WithPs(ps, absl::DataLossError(bad.message()));
+  s = assembler.Finish();
+  return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
+}
+
 absl::Status PsClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
   CallScope call(this, deadline);
   grpc::ClientContext& context = *call.context();

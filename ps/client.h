@@ -45,6 +45,14 @@ class PsClient {
 
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline);
 
+  absl::StatusOr<PsState> GetState(int ps, absl::Time deadline);
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
+                              absl::Time deadline);
+  // Values and slots of ps `ps` as of exactly `version`, into `sinks` (one
+  // per slice and slot: value sinks have slot ""). DATA_LOSS if incomplete.
+  absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                        absl::Time deadline);
+
   // Whether the connection to ps `ps` is up (or idle), not failing.
   bool Reachable(int ps) const;
 

@@ -144,6 +144,54 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   return grpc::Status::OK;
 }
 
+grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateRequest* request,
+                                 PsState* response) {
+  Shard::State st = shard_->state();
+  response->set_ps_index(ps_index_);
+  response->set_holds_job(st.has_job);
+  response->set_job_id(st.job_id);
+  response->set_version(st.version);
+  *response->mutable_job() = std::move(st.job);
+  for (int w : st.live_workers) response->add_live_workers(w);
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context, const SetLiveWorkersRequest* request,
+                                       SetLiveWorkersResponse* response) {
+  absl::Status s = shard_->SetLiveWorkers(
+      request->job_id(), {request->live_workers().begin(), request->live_workers().end()},
+      request->from_version());
+  if (!s.ok()) return ToGrpcStatus(s);
+  response->set_version(shard_->stats().version);
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotRequest* request,
+                                 grpc::ServerWriter<SnapshotResponse>* writer) {
+  absl::StatusOr<Shard::SnapshotData> snap =
+      shard_->SnapshotAt(request->job_id(), request->version(), absl::FromChrono(context->deadline()),
+                       [context] { return context->IsCancelled(); });
+  if (!snap.ok()) return ToGrpcStatus(snap.status());
+  std::vector<TensorRef> refs;
+  for (size_t i = 0; i < snap->slices.size(); ++i) {
+    const SliceSpec& s = snap->slices[i];
+    std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
+    refs.push_back({s.name(), "", shape, snap->values[i].value.data()});
+    for (size_t k = 0; k < snap->slot_names.size(); ++k) {
+      refs.push_back({s.name(), snap->slot_names[k], shape, snap->values[i].slots[k].data()});
+    }
+  }
+  ChunkSplitter splitter(std::move(refs), kChunkBytes);
+  SnapshotResponse response;
+  response.set_version(snap->version);
+  bool more = splitter.Next(response.mutable_chunk());
+  do {
+    if (!writer->Write(response)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    response.clear_chunk();
+  } while (more && (more = splitter.Next(response.mutable_chunk())));
+  return grpc::Status::OK;
+}
+
 grpc::Status PsService::Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
                                  ShutdownResponse* response) {
   if (!shard_->Slices(request->job_id()).ok()) {

@@ -26,6 +26,12 @@ class PsService final : public ParameterServer::Service {
                     PushResponse* response) override;
   grpc::Status Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
                         ShutdownResponse* response) override;
+  grpc::Status GetState(grpc::ServerContext* context, const GetStateRequest* request,
+                        PsState* response) override;
+  grpc::Status SetLiveWorkers(grpc::ServerContext* context, const SetLiveWorkersRequest* request,
+                              SetLiveWorkersResponse* response) override;
+  grpc::Status Snapshot(grpc::ServerContext* context, const SnapshotRequest* request,
+                        grpc::ServerWriter<SnapshotResponse>* writer) override;
 
  private:
   int ps_index_;

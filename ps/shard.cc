@@ -37,11 +37,14 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   job_id_ = header.job_id();
   slices_.assign(header.slice().begin(), header.slice().end());
   values_ = std::move(values);
+  job_ = header.job();
   optimizer_ = *std::move(opt);
   live_workers_ = absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
+  joining_.clear();
   sum_.clear();
   for (const SliceSpec& s : slices_) sum_.emplace_back(NumElements(s.shape()), 0.0f);
-  pushed_.clear();
+  pending_.clear();
+  snapshots_.clear();
   stats_ = Stats{};
   stats_.version = header.version();
   version_changed_.SignalAll();
@@ -107,7 +110,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
     return absl::FailedPreconditionError(absl::StrCat("push for step ", step, " but the ps is at version ",
                                                       stats_.version));
   }
-  if (pushed_.contains(worker)) {
+  if (pending_.contains(worker)) {
     ++stats_.duplicate;
     return PushResponse::DUPLICATE;
   }
@@ -120,18 +123,28 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
                                                      grads[i].size(), " values, expected ", sum_[i].size()));
     }
   }
-  for (size_t i = 0; i < grads.size(); ++i) {
-    AddInto(sum_[i].data(), grads[i].data(), static_cast<int64_t>(grads[i].size()));
-  }
-  pushed_.insert(worker);
-  bool all = std::all_of(live_workers_.begin(), live_workers_.end(),
-                         [this](int w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pushed_.contains(w); });
-  if (all) ApplyLocked();
+  pending_[worker] = std::move(grads);
+  MaybeApplyLocked();
   return PushResponse::ACCEPTED;
 }
 
+void Shard::MaybeApplyLocked() {
+  if (live_workers_.empty()) return;
+  for (int w : live_workers_) {
+    if (!pending_.contains(w)) return;
+  }
+  ApplyLocked();
+}
+
 void Shard::ApplyLocked() {
-  const float scale = 1.0f / static_cast<float>(pushed_.size());
+  // The mean over the live workers' pushes (pending_ holds no others).
+  for (auto& sum : sum_) std::fill(sum.begin(), sum.end(), 0.0f);
+  for (const auto& [worker, grads] : pending_) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      AddInto(sum_[i].data(), grads[i].data(), static_cast<int64_t>(grads[i].size()));
+    }
+  }
+  const float scale = 1.0f / static_cast<float>(pending_.size());
   std::vector<float*> slots;
   for (size_t i = 0; i < values_.size(); ++i) {
     std::vector<float>& sum = sum_[i];
@@ -140,12 +153,96 @@ void Shard::ApplyLocked() {
     for (auto& slot : values_[i].slots) slots.push_back(slot.data());
     optimizer_->Apply(stats_.version, values_[i].value.data(), sum.data(),
                       static_cast<int64_t>(sum.size()), slots);
-    std::fill(sum.begin(), sum.end(), 0.0f);
   }
-  pushed_.clear();
+  pending_.clear();
   ++stats_.version;
   ++stats_.applied;
+  OnVersionLocked();
   version_changed_.SignalAll();
+}
+
+void Shard::OnVersionLocked() {
+  for (auto it = joining_.begin(); it != joining_.end();) {
+    if (it->second <= stats_.version) {
+      live_workers_.insert(it->first);
+      joining_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  auto snap = snapshots_.find(stats_.version);
+  if (snap != snapshots_.end() && snap->second == nullptr) {
+    auto data = std::make_shared<SnapshotData>();
+    data->version = stats_.version;
+    data->slices = slices_;
+    data->values = values_;
+    data->slot_names = optimizer_->SlotNames();
+    snap->second = std::move(data);
+  }
+}
+
+absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version) {
+  if (live.empty()) return absl::InvalidArgumentError("a job needs at least one live worker");
+  absl::MutexLock lock(&mu_);
+  absl::Status s = CheckJobLocked(job_id);
+  if (!s.ok()) return s;
+  const absl::flat_hash_set<int> wanted(live.begin(), live.end());
+  for (auto it = live_workers_.begin(); it != live_workers_.end();) {
+    if (!wanted.contains(*it)) {
+      pending_.erase(*it);  // a dropped worker's push does not count
+      live_workers_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  joining_.clear();
+  for (int w : wanted) {
+    if (!live_workers_.contains(w)) joining_[w] = from_version;
+  }
+  OnVersionLocked();  // joins due already
+  MaybeApplyLocked();
+  version_changed_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Shard::SnapshotData> Shard::SnapshotAt(uint64_t job_id, int64_t version, absl::Time deadline,
+                                                    const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  absl::Status s = CheckJobLocked(job_id);
+  if (!s.ok()) return s;
+  if (stats_.version > version && !snapshots_.contains(version)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ps is at version ", stats_.version, ", past ", version));
+  }
+  snapshots_.try_emplace(version, nullptr);
+  OnVersionLocked();  // takes it now if the shard is at that version
+  while (snapshots_[version] == nullptr) {
+    if (cancelled && cancelled()) return absl::CancelledError("snapshot cancelled");
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      snapshots_.erase(version);
+      return absl::DeadlineExceededError(absl::StrCat("version ", version, " not reached; ps is at ",
+                                                      stats_.version));
+    }
+    version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
+    if (shutdown_) return absl::UnavailableError("ps is shutting down");
+    if (job_id != job_id_) return absl::AbortedError("the job was replaced while waiting");
+  }
+  std::shared_ptr<SnapshotData> data = std::move(snapshots_[version]);
+  snapshots_.erase(version);
+  return std::move(*data);
+}
+
+Shard::State Shard::state() const {
+  absl::MutexLock lock(&mu_);
+  State st;
+  st.has_job = initialized_;
+  st.job_id = job_id_;
+  st.version = stats_.version;
+  st.job = job_;
+  st.live_workers.assign(live_workers_.begin(), live_workers_.end());
+  std::sort(st.live_workers.begin(), st.live_workers.end());
+  return st;
 }
 
 void Shard::Shutdown() {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -64,6 +65,32 @@ class Shard {
   absl::StatusOr<PushResponse::Outcome> Push(uint64_t job_id, int worker, int64_t step,
                                              std::vector<std::vector<float>> grads);
 
+  // Workers left out of `live` are dropped now, with their pushes for the
+  // current step; workers added count from `from_version` on (at once if the
+  // shard is there). Applies the current step if every remaining live worker
+  // has pushed. An empty set is INVALID_ARGUMENT.
+  absl::Status SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version);
+
+  struct SnapshotData {
+    int64_t version = 0;
+    std::vector<SliceSpec> slices;
+    std::vector<SliceValues> values;  // follows slices, with every slot
+    std::vector<std::string> slot_names;
+  };
+  // Values and slots as of exactly `version`, copied when the shard reaches
+  // it. FAILED_PRECONDITION if already past; the other errors as for Pull.
+  absl::StatusOr<SnapshotData> SnapshotAt(uint64_t job_id, int64_t version, absl::Time deadline,
+                                        const std::function<bool()>& cancelled);
+
+  struct State {
+    bool has_job = false;
+    uint64_t job_id = 0;
+    int64_t version = 0;
+    JobConfig job;
+    std::vector<int> live_workers;  // sorted
+  };
+  State state() const;
+
   // Wakes every waiting pull with UNAVAILABLE; later calls fail the same way.
   void Shutdown();
 
@@ -77,7 +104,12 @@ class Shard {
 
  private:
   absl::Status CheckJobLocked(uint64_t job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies the current step if every live worker has pushed for it.
+  void MaybeApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves workers whose joining version has come into the live set, and
+  // takes snapshots that wait for the current version.
+  void OnVersionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   absl::CondVar version_changed_;  // signalled on apply, Init and Shutdown
@@ -86,11 +118,16 @@ class Shard {
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<SliceSpec> slices_ ABSL_GUARDED_BY(mu_);
   std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);
+  JobConfig job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Optimizer> optimizer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);
-  // Gradients summed for step version_, and who has pushed them.
-  std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<int> pushed_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int, int64_t> joining_ ABSL_GUARDED_BY(mu_);  // worker -> first version
+  // Gradients pushed for the current step, by worker (kept apart so that a
+  // worker dropped mid-step takes its gradient with it).
+  absl::flat_hash_map<int, std::vector<std::vector<float>>> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);  // scratch for the mean
+  // Snapshots asked for, by version; filled when the shard reaches it.
+  absl::flat_hash_map<int64_t, std::shared_ptr<SnapshotData>> snapshots_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 
