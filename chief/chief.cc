@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "chief/checkpoint.h"
 #include "chief/progress.h"
 #include "common/file_util.h"
 #include "common/grpc_util.h"
@@ -165,7 +167,8 @@ class Chief::Impl final : public ::psflow::Chief::Service {
   void Stop(int signal) {
     absl::MutexLock lock(&mu_);
     if (stop_signal_ == 0) stop_signal_ = signal;
-    if (ps_ != nullptr) ps_->CancelAll();
+    // Before the ps are loaded nothing needs saving: stop waiting for them.
+    if (!ready_ && ps_ != nullptr) ps_->CancelAll();
   }
 
   grpc::Status RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
@@ -174,10 +177,27 @@ class Chief::Impl final : public ::psflow::Chief::Service {
                       ReportResponse* response) override;
 
  private:
-  int LoadParameterServers();
-  int WaitForWorkers();
+  // Full tensors (values and optimizer slots) to load the ps with.
+  struct Weights {
+    int64_t step = 0;
+    std::vector<CheckpointTensorData> tensors;
+  };
+
+  absl::StatusOr<Weights> InitialWeights();
+  bool TryAdopt();
+  int LoadParameterServers(const Weights& weights);
+  int Supervise();
+  void CheckWorkers();
+  bool PsHealthy(int64_t* max_version);
+  int Recover();
+  absl::Status TakeCheckpoint();
   int SaveModel();
   void ReleaseEveryone();
+  absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
+  uint64_t job_id() {
+    absl::MutexLock lock(&mu_);
+    return job_id_;
+  }
   bool Stopping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; }
   std::string SavedModelDir() const {
     return options_.saved_model_dir.empty() ? absl::StrCat(options_.model_dir, "/saved_model")
@@ -186,18 +206,33 @@ class Chief::Impl final : public ::psflow::Chief::Service {
 
   const ChiefOptions options_;
   JobConfig job_;
-  uint64_t job_id_ = 0;
   std::unique_ptr<PsClient> ps_;  // set once in Run under mu_ (Stop reads it)
   std::unique_ptr<Progress> progress_;
+  int64_t last_checkpoint_step_ = 0;  // main thread only
+  absl::Time last_checkpoint_time_;   // main thread only
 
+  // Changes of the live set are made one at a time (they call the ps).
+  absl::Mutex membership_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
+  uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
-  bool ready_ ABSL_GUARDED_BY(mu_) = false;  // every ps holds its shard
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;  // every ps holds the job
   bool done_ ABSL_GUARDED_BY(mu_) = false;   // the saved model is written
-  absl::flat_hash_set<int> registered_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<int> live_ ABSL_GUARDED_BY(mu_);  // workers the steps wait for
+  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
   absl::flat_hash_set<int> finished_ ABSL_GUARDED_BY(mu_);  // saw the final version
   absl::flat_hash_set<int> released_ ABSL_GUARDED_BY(mu_);  // were told to exit
 };
+
+absl::Status Chief::Impl::BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version) {
+  const uint64_t id = job_id();
+  for (int p = 0; p < job_.num_ps(); ++p) {
+    absl::Status s = ps_->SetLiveWorkers(p, id, live, from_version, absl::Now() + absl::Seconds(10));
+    if (!s.ok()) return s;
+  }
+  progress_->SetLiveWorkers(live);
+  return absl::OkStatus();
+}
 
 grpc::Status Chief::Impl::RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
                                          RegisterWorkerResponse* response) {
@@ -206,27 +241,54 @@ grpc::Status Chief::Impl::RegisterWorker(grpc::ServerContext* context, const Reg
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("worker ", w, " is not in the cluster (", job_.num_workers(), " workers)")));
   }
-  absl::MutexLock lock(&mu_);
-  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Seconds(10));
-  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ || Stopping(); };
-  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  if (!ready_) return ToGrpcStatus(absl::UnavailableError("the parameter servers are not loaded yet"));
-  if (registered_.insert(w).second) PSLOG(INFO) << "worker " << w << " registered";
-  response->set_job_id(job_id_);
+  absl::MutexLock membership(&membership_mu_);
+  std::vector<int> live;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time deadline = std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Seconds(10));
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ || Stopping(); };
+    mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    if (!ready_) return ToGrpcStatus(absl::UnavailableError("the parameter servers are not loaded yet"));
+    last_seen_[w] = absl::Now();
+    finished_.erase(w);
+    if (!live_.contains(w)) {
+      live_.insert(w);
+      live.assign(live_.begin(), live_.end());
+    }
+  }
+  int64_t start = 0;  // a member already: pull whatever version the ps are at
+  if (!live.empty()) {
+    // A (re)joining worker takes part from the step after the newest one any
+    // ps has reached, so no step waits for a push computed on other weights.
+    int64_t max_version = 0;
+    if (!PsHealthy(&max_version)) return ToGrpcStatus(absl::UnavailableError("a ps is not reachable"));
+    start = max_version + 1;
+    std::sort(live.begin(), live.end());
+    absl::Status s = BroadcastLiveWorkers(live, start);
+    if (!s.ok()) return ToGrpcStatus(absl::UnavailableError(s.message()));
+    progress_->Rejoin(w, start);
+    PSLOG(INFO) << "worker " << w << " joins at step " << start << " (" << live.size() << " live)";
+  } else {
+    PSLOG(INFO) << "worker " << w << " registered";
+  }
+  response->set_job_id(job_id());
   *response->mutable_job() = job_;
   for (const std::string& a : options_.cluster.cluster.ps) response->add_ps_address(a);
+  response->set_start_step(start);
   return grpc::Status::OK;
 }
 
 grpc::Status Chief::Impl::Report(grpc::ServerContext* context, const ReportRequest* request,
                                  ReportResponse* response) {
-  if (request->job_id() != job_id_) {
-    return ToGrpcStatus(absl::FailedPreconditionError("report for another job: register again"));
-  }
   const int w = request->worker();
   if (w < 0 || w >= job_.num_workers()) return ToGrpcStatus(absl::InvalidArgumentError("unknown worker"));
-  progress_->Record(w, {request->metrics().begin(), request->metrics().end()}, absl::Now());
   absl::MutexLock lock(&mu_);
+  if (request->job_id() != job_id_ || !ready_) {
+    response->set_action(ReportResponse::REGISTER);  // the job was reloaded: its step is gone
+    return grpc::Status::OK;
+  }
+  last_seen_[w] = absl::Now();
+  progress_->Record(w, {request->metrics().begin(), request->metrics().end()}, absl::Now());
   if (request->finished()) {
     finished_.insert(w);
     // Long-poll: answer when the job is over, or soon enough to serve as a heartbeat.
@@ -242,19 +304,99 @@ grpc::Status Chief::Impl::Report(grpc::ServerContext* context, const ReportReque
   return grpc::Status::OK;
 }
 
-int Chief::Impl::LoadParameterServers() {
-  const std::vector<std::vector<float>> init = model::InitialValues(job_.model(), job_.seed());
+absl::StatusOr<Chief::Impl::Weights> Chief::Impl::InitialWeights() {
+  const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
+  absl::StatusOr<Checkpoint> ckpt = ReadNewestCheckpoint(options_.model_dir);
+  Weights w;
+  if (!ckpt.ok()) {
+    if (!absl::IsNotFound(ckpt.status())) return ckpt.status();
+    std::vector<std::vector<float>> init = model::InitialValues(job_.model(), job_.seed());
+    for (size_t i = 0; i < vars.size(); ++i) w.tensors.push_back({vars[i].name, "", vars[i].shape, std::move(init[i])});
+    return w;
+  }
+  // Every variable must be there with its shape; optimizer slots are taken
+  // when the optimizer is the same kind (otherwise they start at zero).
+  const bool same_optimizer = ckpt->manifest.optimizer().kind() == job_.optimizer().kind();
+  absl::flat_hash_set<std::string> wanted;
+  for (const VariableShape& v : vars) wanted.insert(v.name);
+  for (const VariableShape& v : vars) {
+    auto it = std::find_if(ckpt->tensors.begin(), ckpt->tensors.end(),
+                           [&](const CheckpointTensorData& t) { return t.name == v.name && t.slot.empty(); });
+    if (it == ckpt->tensors.end() || it->shape != v.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the newest checkpoint in ", CheckpointsDir(options_.model_dir), " does not fit model ",
+          job_.model().name(), " (variable '", v.name, "'): use another --model_dir"));
+    }
+  }
+  for (CheckpointTensorData& t : ckpt->tensors) {
+    if (wanted.contains(t.name) && (t.slot.empty() || same_optimizer)) w.tensors.push_back(std::move(t));
+  }
+  w.step = ckpt->manifest.step();
+  PSLOG(INFO) << "restoring from the checkpoint of step " << w.step << " (saved with "
+              << ckpt->manifest.num_ps() << " ps" << (same_optimizer ? "" : ", optimizer slots reset") << ")";
+  return w;
+}
+
+bool Chief::Impl::TryAdopt() {
+  // After a restart of the chief alone, the ps may still hold the job, all at
+  // one step: take it over as it is rather than going back to a checkpoint.
+  uint64_t id = 0;
+  for (int attempt = 0; attempt < 40; ++attempt) {
+    std::vector<PsState> states;
+    for (int p = 0; p < job_.num_ps(); ++p) {
+      absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + absl::Seconds(2));
+      if (!st.ok() || !st->holds_job()) return false;
+      states.push_back(*std::move(st));
+    }
+    JobConfig theirs = states[0].job();
+    bool same = theirs.SerializeAsString() == job_.SerializeAsString();
+    bool agree = true;
+    for (const PsState& st : states) {
+      same = same && st.job_id() == states[0].job_id() && st.live_workers_size() > 0;
+      agree = agree && st.version() == states[0].version();
+    }
+    if (!same) return false;
+    if (agree) {
+      id = states[0].job_id();
+      std::vector<int> live(states[0].live_workers().begin(), states[0].live_workers().end());
+      {
+        absl::MutexLock lock(&mu_);
+        job_id_ = id;
+        live_ = absl::flat_hash_set<int>(live.begin(), live.end());
+        for (absl::Time& t : last_seen_) t = absl::Now();
+      }
+      progress_->Restart(states[0].version());
+      progress_->SetLiveWorkers(live);
+      last_checkpoint_step_ = states[0].version();
+      PSLOG(INFO) << "adopting the running job at step " << states[0].version() << " (" << live.size()
+                  << " live workers)";
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(50));  // a step is being applied: look again
+  }
+  return false;
+}
+
+int Chief::Impl::LoadParameterServers(const Weights& weights) {
   const absl::Time deadline = absl::Now() + options_.startup_timeout;
+  std::vector<int> live;
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    live.assign(live_.begin(), live_.end());
+    id = job_id_;
+  }
+  std::sort(live.begin(), live.end());
   std::vector<absl::Status> results(job_.num_ps());
   std::vector<std::thread> threads;
   for (int p = 0; p < job_.num_ps(); ++p) {
     threads.emplace_back([&, p] {
       InitHeader header;
-      header.set_job_id(job_id_);
+      header.set_job_id(id);
       header.set_ps_index(p);
       *header.mutable_job() = job_;
-      header.set_version(0);
-      for (int w = 0; w < job_.num_workers(); ++w) header.add_live_workers(w);
+      header.set_version(weights.step);
+      for (int w : live) header.add_live_workers(w);
       std::vector<TensorRef> tensors;
       for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
         SliceSpec* spec = header.add_slice();
@@ -262,7 +404,9 @@ int Chief::Impl::LoadParameterServers() {
         for (int64_t d : s.slice_shape) spec->add_shape(d);
         spec->set_row_begin(s.row_begin);
         spec->set_row_end(s.row_end);
-        tensors.push_back({s.name, "", s.slice_shape, init[s.variable_index].data() + s.float_offset});
+        for (const CheckpointTensorData& t : weights.tensors) {
+          if (t.name == s.name) tensors.push_back({s.name, t.slot, s.slice_shape, t.values.data() + s.float_offset});
+        }
       }
       results[p] = ps_->Init(p, header, std::move(tensors), deadline);
     });
@@ -272,22 +416,180 @@ int Chief::Impl::LoadParameterServers() {
     if (results[p].ok()) continue;
     PSLOG(ERROR) << "cannot load ps " << p << " at " << options_.cluster.cluster.ps[p] << ": "
                  << results[p].message();
+    {
+      absl::MutexLock lock(&mu_);
+      if (Stopping()) return ExitCodeForSignal(stop_signal_);
+    }
     if (absl::IsDeadlineExceeded(results[p]) || absl::IsUnavailable(results[p])) return kExitUnreachable;
     // A ps that refuses the job (another task index at that address, say)
     // will refuse it again: not worth a restart.
     if (absl::IsInvalidArgument(results[p]) || absl::IsFailedPrecondition(results[p])) return kExitPermanent;
     return kExitRetryable;
   }
+  progress_->Restart(weights.step);
+  progress_->SetLiveWorkers(live);
+  last_checkpoint_step_ = weights.step;
+  last_checkpoint_time_ = absl::Now();
+  absl::MutexLock lock(&mu_);
+  ready_ = true;
+  for (absl::Time& t : last_seen_) t = absl::Now();  // the workers' timeouts start now
   return kExitDone;
 }
 
-int Chief::Impl::WaitForWorkers() {
+bool Chief::Impl::PsHealthy(int64_t* max_version) {
+  const uint64_t id = job_id();
+  *max_version = 0;
+  for (int p = 0; p < job_.num_ps(); ++p) {
+    absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + absl::Seconds(2));
+    if (!st.ok() || !st->holds_job() || st->job_id() != id) return false;
+    *max_version = std::max(*max_version, st->version());
+  }
+  return true;
+}
+
+void Chief::Impl::CheckWorkers() {
+  absl::MutexLock membership(&membership_mu_);
+  std::vector<int> live;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (int w : std::vector<int>(live_.begin(), live_.end())) {
+      if (now - last_seen_[w] <= options_.worker_timeout || finished_.contains(w)) continue;
+      if (live_.size() == 1) break;  // the last one: nobody left to go on with
+      live_.erase(w);
+      PSLOG(WARNING) << "worker " << w << " sent no heartbeat for " << options_.worker_timeout
+                     << "; going on with " << live_.size() << " workers";
+      live.assign(live_.begin(), live_.end());
+    }
+  }
+  if (live.empty()) return;
+  std::sort(live.begin(), live.end());
+  absl::Status s = BroadcastLiveWorkers(live, 0);
+  if (!s.ok()) PSLOG(WARNING) << "cannot update the live workers: " << s.message();
+}
+
+int Chief::Impl::Recover() {
+  PSLOG(WARNING) << "a parameter server is down or lost its shard; pausing the workers and reloading "
+                    "every ps from the newest checkpoint";
+  {
+    absl::MutexLock lock(&mu_);
+    ready_ = false;
+    // A new job id: the workers' calls to the old one fail and they register again.
+    job_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+    finished_.clear();
+  }
+  absl::StatusOr<Weights> weights = InitialWeights();
+  if (!weights.ok()) {
+    PSLOG(ERROR) << weights.status().message();
+    return kExitPermanent;
+  }
+  int code = LoadParameterServers(*weights);
+  if (code == kExitDone) PSLOG(INFO) << "parameter servers reloaded at step " << weights->step << "; training";
+  return code;
+}
+
+absl::Status Chief::Impl::TakeCheckpoint() {
+  int64_t target = 0;
+  if (!PsHealthy(&target)) return absl::UnavailableError("a ps is not reachable");
+  const uint64_t id = job_id();
+  // Every ps copies its slices the moment it reaches `target` (those there
+  // already, at once): one consistent step across shards, taken while
+  // training goes on.
+  const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
+  absl::StatusOr<std::unique_ptr<ps::Optimizer>> opt = ps::Optimizer::Create(job_.optimizer());
+  if (!opt.ok()) return opt.status();
+  const std::vector<std::string> slots = (*opt)->SlotNames();
+  Checkpoint ckpt;
+  std::vector<std::vector<CheckpointTensorData*>> by_var(vars.size());
+  for (size_t i = 0; i < vars.size(); ++i) {
+    for (size_t k = 0; k <= slots.size(); ++k) {
+      ckpt.tensors.push_back({vars[i].name, k == 0 ? "" : slots[k - 1], vars[i].shape,
+                              std::vector<float>(NumElements(vars[i].shape))});
+    }
+  }
+  for (size_t i = 0; i < vars.size(); ++i) {
+    for (size_t k = 0; k <= slots.size(); ++k) by_var[i].push_back(&ckpt.tensors[i * (slots.size() + 1) + k]);
+  }
+  std::vector<absl::Status> results(job_.num_ps());
+  std::vector<std::thread> threads;
+  for (int p = 0; p < job_.num_ps(); ++p) {
+    threads.emplace_back([&, p] {
+      std::vector<TensorSink> sinks;
+      for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
+        for (CheckpointTensorData* t : by_var[s.variable_index]) {
+          sinks.push_back({s.name, t->slot, s.slice_shape, t->values.data() + s.float_offset, true});
+        }
+      }
+      results[p] = ps_->Snapshot(p, id, target, std::move(sinks), absl::Now() + absl::Seconds(20));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& s : results) {
+    if (!s.ok()) return s;
+  }
+  CheckpointManifest& m = ckpt.manifest;
+  m.set_step(target);
+  *m.mutable_model() = job_.model();
+  *m.mutable_optimizer() = job_.optimizer();
+  m.set_steps_per_epoch(job_.steps_per_epoch());
+  m.set_num_workers(job_.num_workers());
+  m.set_batch_size(job_.batch_size());
+  m.set_seed(job_.seed());
+  m.set_num_ps(job_.num_ps());
+  for (int w = 0; w < job_.num_workers(); ++w) {
+    WorkerPosition* pos = m.add_worker();
+    pos->set_worker(w);
+    pos->set_epoch(target / job_.steps_per_epoch());
+    pos->set_examples_done((target % job_.steps_per_epoch()) * job_.batch_size());
+  }
+  const absl::Time start = absl::Now();
+  absl::Status s = WriteCheckpoint(options_.model_dir, ckpt, options_.keep_checkpoints);
+  if (!s.ok()) return s;
+  last_checkpoint_step_ = target;
+  last_checkpoint_time_ = absl::Now();
+  PSLOG(INFO) << "checkpoint of step " << target << " written to " << CheckpointsDir(options_.model_dir) << " ("
+              << absl::ToInt64Milliseconds(absl::Now() - start) << " ms)";
+  return absl::OkStatus();
+}
+
+int Chief::Impl::Supervise() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (Stopping()) return true;
+        for (int w : live_) {
+          if (!finished_.contains(w)) return false;
+        }
+        return true;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), absl::Milliseconds(100));
+      if (Stopping()) break;
+      if (wake()) return kExitDone;
+    }
+    int64_t version = 0;
+    if (!PsHealthy(&version)) {
+      int code = Recover();
+      if (code != kExitDone) return code;
+      continue;
+    }
+    CheckWorkers();
+    const bool by_steps = options_.checkpoint_every_steps > 0 &&
+                          version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
+    const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&
+                         absl::Now() - last_checkpoint_time_ >= options_.checkpoint_every &&
+                         version > last_checkpoint_step_;
+    if (by_steps || by_time) {
+      absl::Status s = TakeCheckpoint();
+      if (!s.ok()) PSLOG(WARNING) << "checkpoint failed: " << s.message();
+    }
+  }
+  // Stopped by a signal: keep what was trained, then leave ps and workers
+  // running for the chief that comes next.
+  absl::Status s = TakeCheckpoint();
+  if (!s.ok()) PSLOG(WARNING) << "no checkpoint before exiting: " << s.message();
   absl::MutexLock lock(&mu_);
-  auto all_finished = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Stopping() || static_cast<int>(finished_.size()) == job_.num_workers();
-  };
-  mu_.Await(absl::Condition(&all_finished));
-  return Stopping() ? ExitCodeForSignal(stop_signal_) : kExitDone;
+  return ExitCodeForSignal(stop_signal_);
 }
 
 int Chief::Impl::SaveModel() {
@@ -295,14 +597,14 @@ int Chief::Impl::SaveModel() {
   std::vector<std::vector<float>> values;
   for (const VariableShape& v : vars) values.emplace_back(NumElements(v.shape));
   const absl::Time deadline = absl::Now() + absl::Minutes(1);
+  const uint64_t id = job_id();
   int64_t version = -1;
   for (int p = 0; p < job_.num_ps(); ++p) {
     std::vector<TensorSink> sinks;
     for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
       sinks.push_back({s.name, "", s.slice_shape, values[s.variable_index].data() + s.float_offset, true});
     }
-    absl::StatusOr<PsClient::PullResult> r =
-        ps_->Pull(p, job_id_, job_.train_steps(), std::move(sinks), deadline);
+    absl::StatusOr<PsClient::PullResult> r = ps_->Pull(p, id, job_.train_steps(), std::move(sinks), deadline);
     if (!r.ok()) {
       PSLOG(ERROR) << "cannot read the final weights: " << r.status().message();
       return kExitRetryable;
@@ -331,8 +633,9 @@ void Chief::Impl::ReleaseEveryone() {
       PSLOG(WARNING) << "not every worker collected its exit order";
     }
   }
+  const uint64_t id = job_id();
   for (int p = 0; p < job_.num_ps(); ++p) {
-    absl::Status s = ps_->Shutdown(p, job_id_, absl::Now() + absl::Seconds(10));
+    absl::Status s = ps_->Shutdown(p, id, absl::Now() + absl::Seconds(10));
     if (!s.ok()) PSLOG(WARNING) << "ps " << p << " did not take the exit order: " << s.message();
   }
 }
@@ -344,7 +647,13 @@ int Chief::Impl::Run() {
     return kExitPermanent;
   }
   job_ = *std::move(job);
-  job_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+  {
+    absl::MutexLock lock(&mu_);
+    job_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+    for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
+    last_seen_.assign(job_.num_workers(), absl::Now());
+    ps_ = std::make_unique<PsClient>(options_.cluster.cluster.ps);
+  }
   progress_ = std::make_unique<Progress>(job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps,
                                          job_.num_workers(), job_.num_ps(),
                                          [this] {
@@ -353,12 +662,9 @@ int Chief::Impl::Run() {
                                            return n;
                                          },
                                          [](const std::string& line) { PSLOG(INFO) << line; });
-  {
-    absl::MutexLock lock(&mu_);
-    ps_ = std::make_unique<PsClient>(options_.cluster.cluster.ps);
-  }
   // Find out now, not after training, that the outputs cannot be written.
   absl::Status writable = MakeDirectories(SavedModelDir());
+  if (writable.ok()) writable = MakeDirectories(CheckpointsDir(options_.model_dir));
   if (!writable.ok()) {
     PSLOG(ERROR) << writable.message();
     return kExitPermanent;
@@ -383,20 +689,31 @@ int Chief::Impl::Run() {
               << ")";
   PSLOG(INFO) << "listening on " << options_.cluster.self_address << "; loading the parameter servers";
 
-  int code = LoadParameterServers();
-  if (code == kExitDone) {
-    {
-      absl::MutexLock lock(&mu_);
-      ready_ = true;
+  int code = kExitDone;
+  if (TryAdopt()) {
+    absl::MutexLock lock(&mu_);
+    ready_ = true;
+  } else {
+    absl::StatusOr<Weights> weights = InitialWeights();
+    if (!weights.ok()) {
+      PSLOG(ERROR) << weights.status().message();
+      code = kExitPermanent;
+    } else {
+      code = LoadParameterServers(*weights);
+      if (code == kExitDone) PSLOG(INFO) << "parameter servers loaded at step " << weights->step << "; training";
     }
-    PSLOG(INFO) << "parameter servers loaded; training";
-    code = WaitForWorkers();
   }
+  if (code == kExitDone) code = Supervise();
   const bool trained = code == kExitDone;
-  if (trained) code = SaveModel();
+  if (trained) {
+    // The last checkpoint holds the final step: a restarted job finds it done.
+    absl::Status s = TakeCheckpoint();
+    if (!s.ok()) PSLOG(WARNING) << "no final checkpoint: " << s.message();
+    code = SaveModel();
+  }
   {
     absl::MutexLock lock(&mu_);
-    if (Stopping()) code = ExitCodeForSignal(stop_signal_);
+    if (Stopping() && code == kExitDone) code = ExitCodeForSignal(stop_signal_);
   }
   // Once training is over, ps and workers have nothing left to do, whether
   // or not the saved model could be written.

@@ -36,6 +36,14 @@ struct ChiefOptions {
   int log_every_steps = 100;
   int compute_threads = 0;               // per worker; 0 = library default
   absl::Duration startup_timeout = absl::Minutes(5);
+  // Checkpoints: every this many steps and/or seconds (0 = not by that
+  // measure), keeping the newest keep_checkpoints.
+  int64_t checkpoint_every_steps = 0;
+  absl::Duration checkpoint_every = absl::Minutes(10);
+  int keep_checkpoints = 5;
+  // A worker without a report (heartbeat) for this long is dropped from the
+  // synchronous steps until it registers again.
+  absl::Duration worker_timeout = absl::Seconds(30);
 };
 
 // Turns options into the job config: resolves the model, reads the training

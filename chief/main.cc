@@ -35,6 +35,15 @@ ABSL_FLAG(int, compute_threads, 0,
           "CPU threads each worker's kernels use; 0 = all cores. Set it when workers share a machine.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to wait for every parameter server to come up before exiting with code 138.");
+ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
+          "Write a checkpoint every this many steps (0: not by steps). Checkpoints go to "
+          "<model_dir>/checkpoints; a job started again with the same --model_dir resumes from the "
+          "newest valid one.");
+ABSL_FLAG(int, checkpoint_every_secs, 600, "Write a checkpoint every this many seconds (0: not by time).");
+ABSL_FLAG(int, keep_checkpoints, 5, "How many of the newest checkpoints to keep.");
+ABSL_FLAG(int, worker_timeout, 30,
+          "Seconds without a report from a worker after which the synchronous steps go on without it; "
+          "it takes part again when it registers anew.");
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -48,7 +57,7 @@ int main(int argc, char** argv) {
       "               --worker_hosts=h2:2222 --model=cnn --epochs=5 --optimizer=adam \\\n"
       "               --learning_rate=0.001 --model_dir=/tmp/run\n"
       "Exit codes: 0 done, 1 bad configuration, 138 a ps unreachable within --startup_timeout,\n"
-      "140 other failure worth a retry, 128+n after signal n.");
+      "140 other failure worth a retry, 128+n after signal n (after writing a checkpoint).");
   psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kChief);
   psflow::SetLogTag("chief");
 
@@ -72,6 +81,17 @@ int main(int argc, char** argv) {
     return 1;
   }
   o.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  o.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+  o.checkpoint_every = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_secs));
+  o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  o.worker_timeout = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
+  if (o.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 || o.keep_checkpoints < 1 ||
+      absl::GetFlag(FLAGS_worker_timeout) <= 0) {
+    std::fprintf(stderr,
+                 "psflow-chief: --checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
+                 "--worker_timeout must be positive\n");
+    return 1;
+  }
 
   psflow::chief::Chief chief(o);
   std::promise<int> result;
@@ -79,7 +99,8 @@ int main(int argc, char** argv) {
   psflow::TerminationWatcher watcher([&](int sig) {
     PSLOG(INFO) << "signal " << sig << ": stopping";
     chief.Stop(sig);
-    if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) std::_Exit(128 + sig);
+    // It writes a checkpoint first; give that time, not forever.
+    if (done.wait_for(std::chrono::seconds(30)) != std::future_status::ready) std::_Exit(128 + sig);
   });
   int code = chief.Run();
   result.set_value(code);

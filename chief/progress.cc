@@ -16,7 +16,29 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
       reachable_ps_(std::move(reachable_ps)),
       emit_(std::move(emit)),
       reported_(num_workers, 0),
-      last_seen_(num_workers, absl::InfinitePast()) {}
+      last_seen_(num_workers, absl::InfinitePast()),
+      member_(num_workers, true) {}
+
+void Progress::SetLiveWorkers(const std::vector<int>& live) {
+  absl::MutexLock lock(&mu_);
+  std::fill(member_.begin(), member_.end(), false);
+  for (int w : live) {
+    if (w >= 0 && w < static_cast<int>(member_.size())) member_[w] = true;
+  }
+}
+
+void Progress::Rejoin(int worker, int64_t step) {
+  absl::MutexLock lock(&mu_);
+  if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
+  reported_[worker] = std::max(reported_[worker], step);
+}
+
+void Progress::Restart(int64_t step) {
+  absl::MutexLock lock(&mu_);
+  intervals_.clear();
+  std::fill(reported_.begin(), reported_.end(), step);
+  if (step > 0 || logged_until_ >= 0) logged_until_ = step;
+}
 
 void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now) {
   absl::MutexLock lock(&mu_);
@@ -49,10 +71,11 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
 }
 
 void Progress::EmitReadyLocked(absl::Time now) {
-  // A line waits for every worker (synchronous steps move together).
+  // A line waits for every live worker (synchronous steps move together).
   int64_t done = train_steps_;
   int live = 0;
   for (size_t w = 0; w < reported_.size(); ++w) {
+    if (!member_[w]) continue;
     done = std::min(done, reported_[w]);
     if (now - last_seen_[w] <= kLiveWindow) ++live;
   }

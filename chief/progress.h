@@ -35,6 +35,13 @@ class Progress {
   // every line that became complete.
   void Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now);
 
+  // The workers the synchronous steps wait for; lines wait for these only.
+  void SetLiveWorkers(const std::vector<int>& live);
+  // A worker that (re)joins at `step` reports nothing before it.
+  void Rejoin(int worker, int64_t step);
+  // The job went back to (or started at) `step`: forget what is not logged.
+  void Restart(int64_t step);
+
   struct Summary {
     int64_t steps = 0;
     int64_t examples = 0;
@@ -61,6 +68,7 @@ class Progress {
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)
   std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
+  std::vector<bool> member_ ABSL_GUARDED_BY(mu_);  // in the live set
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any
   absl::Time first_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -26,6 +26,9 @@
 namespace psflow::worker {
 namespace {
 
+// Train's answer when the worker must register again (not an exit code).
+constexpr int kRegisterAgain = -1;
+
 // How long a ps may hold a pull while the other workers finish the step
 // before answering "not yet" (the worker then asks again).
 constexpr absl::Duration kPullWait = absl::Seconds(5);
@@ -34,6 +37,10 @@ constexpr absl::Duration kTransferTimeout = absl::Seconds(120);
 constexpr absl::Duration kReportEvery = absl::Milliseconds(250);
 
 bool Retryable(const absl::Status& s) { return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s); }
+
+// A ps that holds another job (the chief reloaded it), drops this worker, or
+// answers from another version than its peers (mid-reload): register again.
+bool JobChanged(const absl::Status& s) { return absl::IsFailedPrecondition(s) || absl::IsAborted(s); }
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
@@ -65,7 +72,9 @@ class Worker::Impl final : public ::psflow::Worker::Service {
  private:
   int Register();
   int Prepare();
-  int Train();
+  // Trains from `start` to the end. kRegisterAgain when the job was reloaded
+  // or this worker was dropped from it.
+  int Train(int64_t start);
   absl::Status PullAll(int64_t min_version, int64_t* version, int64_t* wait_us);
   absl::Status PushAll(int64_t step);
   void ReportLoop();
@@ -114,6 +123,8 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   bool released_ ABSL_GUARDED_BY(mu_) = false;  // the chief said exit
   int report_error_ ABSL_GUARDED_BY(mu_) = 0;   // exit code when reporting failed for good
   bool training_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool reregister_ ABSL_GUARDED_BY(mu_) = false;  // the chief asked for a new registration
+  int64_t start_step_ = 0;  // from the latest registration (training thread only)
 };
 
 int Worker::Impl::Register() {
@@ -129,11 +140,20 @@ int Worker::Impl::Register() {
     RegisterWorkerResponse response;
     last = FromGrpcStatus(chief_->RegisterWorker(&context, request, &response));
     if (last.ok()) {
+      if (ps_ != nullptr && response.job().SerializeAsString() != job_.SerializeAsString()) {
+        // Same cluster, another job config: start over as a fresh process.
+        PSLOG(ERROR) << "the chief now runs another job configuration; restarting";
+        return kExitRetryable;
+      }
       job_id_ = response.job_id();
       job_ = response.job();
+      start_step_ = response.start_step();
       absl::MutexLock lock(&mu_);
-      ps_ = std::make_unique<PsClient>(
-          std::vector<std::string>(response.ps_address().begin(), response.ps_address().end()));
+      if (ps_ == nullptr) {
+        ps_ = std::make_unique<PsClient>(
+            std::vector<std::string>(response.ps_address().begin(), response.ps_address().end()));
+      }
+      reregister_ = false;
       return kExitDone;
     }
     if (!Retryable(last)) {
@@ -291,6 +311,7 @@ void Worker::Impl::ReportLoop() {
     if (s.ok()) {
       last_ok = absl::Now();
       if (response.action() == ReportResponse::EXIT) released_ = true;
+      if (response.action() == ReportResponse::REGISTER) reregister_ = true;
       continue;
     }
     // Metrics of a failed report are dropped: the log is best effort.
@@ -302,7 +323,7 @@ void Worker::Impl::ReportLoop() {
   }
 }
 
-int Worker::Impl::Train() {
+int Worker::Impl::Train(int64_t start) {
   data::ShardSampler sampler(data_.count, job_.num_workers(), index_, job_.seed());
   const int batch = job_.batch_size();
   const int64_t example = data_.example_floats();
@@ -312,13 +333,18 @@ int Worker::Impl::Train() {
   int64_t order_epoch = -1;
   const std::vector<const float*> weight_ptrs(weights_.begin(), weights_.end());
 
-  int64_t step = 0;
+  int64_t step = start;
   while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (reregister_) return kRegisterAgain;
+    }
     if (stop_signal() != 0) return 128 + stop_signal();
     const absl::Time t0 = absl::Now();
     int64_t version = 0, wait_us = 0;
     absl::Status s = PullAll(step, &version, &wait_us);
     if (stop_signal() != 0) return 128 + stop_signal();
+    if (JobChanged(s)) return kRegisterAgain;
     if (!s.ok()) {
       PSLOG(ERROR) << "pull failed: " << s.message();
       return Retryable(s) ? kExitUnreachable : kExitRetryable;
@@ -345,6 +371,7 @@ int Worker::Impl::Train() {
     const absl::Time t2 = absl::Now();
     s = PushAll(step);
     if (stop_signal() != 0) return 128 + stop_signal();
+    if (JobChanged(s)) return kRegisterAgain;
     if (!s.ok()) {
       PSLOG(ERROR) << "push failed: " << s.message();
       return Retryable(s) ? kExitUnreachable : kExitRetryable;
@@ -389,19 +416,36 @@ int Worker::Impl::RunTraining() {
   code = Prepare();
   if (code != kExitDone) return code;
   std::thread reporter([this] { ReportLoop(); });
-  code = Train();
-  {
+  while (true) {
+    code = Train(start_step_);
+    if (code == kRegisterAgain) {
+      PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again";
+      code = Register();
+      if (code == kExitDone) continue;
+    }
     absl::MutexLock lock(&mu_);
-    if (code == kExitDone) {
-      finished_ = true;
-      PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
-      auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return released_ || stop_signal_ != 0 || report_error_ != 0;
-      };
-      mu_.Await(absl::Condition(&over));
-      if (!released_) code = stop_signal_ != 0 ? 128 + stop_signal_ : report_error_;
-    } else {
+    if (code != kExitDone) {
       training_failed_ = true;  // ends the report loop
+      break;
+    }
+    finished_ = true;
+    PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
+    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return released_ || stop_signal_ != 0 || report_error_ != 0 || reregister_;
+    };
+    mu_.Await(absl::Condition(&over));
+    if (released_) break;
+    if (stop_signal_ != 0 || report_error_ != 0) {
+      code = stop_signal_ != 0 ? ExitCodeForSignal(stop_signal_) : report_error_;
+      break;
+    }
+    finished_ = false;  // the chief went back to a checkpoint: train on
+    mu_.Unlock();
+    code = Register();
+    mu_.Lock();
+    if (code != kExitDone) {
+      training_failed_ = true;
+      break;
     }
   }
   reporter.join();

@@ -2,6 +2,7 @@
 // and by hand-built streams through the generated stub.
 #include "ps/service.h"
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -345,6 +346,184 @@ TEST_F(PsServiceTest, PullFromAPsWithoutSlicesReportsItsVersion) {
   absl::StatusOr<PsClient::PullResult> r = client_->Pull(0, kJob, 1, {}, Deadline());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version, 1);
+}
+
+TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
+  absl::StatusOr<PsState> st = client_->GetState(0, Deadline());
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->ps_index(), 0);
+  EXPECT_FALSE(st->holds_job());
+  EXPECT_EQ(st->version(), 0);
+  EXPECT_EQ(st->live_workers_size(), 0);
+
+  ASSERT_TRUE(InitJob().ok());
+  st = client_->GetState(0, Deadline());
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->holds_job());
+  EXPECT_EQ(st->job_id(), kJob);
+  EXPECT_EQ(st->version(), 0);
+  EXPECT_THAT(st->live_workers(), ::testing::ElementsAre(0, 1));
+  EXPECT_EQ(st->job().SerializeAsString(), Header().job().SerializeAsString());
+
+  const std::vector<float> gbig(big_.size(), 1.0f), gbias(10, 1.0f);
+  ASSERT_TRUE(PushAll(0, 0, gbig, gbias).ok());
+  ASSERT_TRUE(PushAll(1, 0, gbig, gbias).ok());
+  ASSERT_TRUE(client_->SetLiveWorkers(0, kJob, {1}, 1, Deadline()).ok());
+  st = client_->GetState(0, Deadline());
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->version(), 1);
+  EXPECT_THAT(st->live_workers(), ::testing::ElementsAre(1));
+
+  // A ps with another index reports it (0 is also the proto default).
+  Shard other_shard;
+  PsService other(3, &other_shard, [] {});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&other);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  PsClient other_client({absl::StrCat("127.0.0.1:", port)});
+  st = other_client.GetState(0, Deadline());
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->ps_index(), 3);
+  EXPECT_FALSE(st->holds_job());
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
+  constexpr float kAdamLr = 0.125f;
+  InitHeader h = Header();
+  h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
+  h.mutable_job()->mutable_optimizer()->set_learning_rate(kAdamLr);
+  ASSERT_TRUE(client_
+                  ->Init(0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                         Deadline())
+                  .ok());
+  const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
+  const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
+  ASSERT_TRUE(PushAll(0, 0, g0_big, g0_bias).ok());
+  ASSERT_TRUE(PushAll(1, 0, g1_big, g1_bias).ok());
+  ASSERT_EQ(shard_.stats().version, 1);
+
+  // Over gRPC: 3 x 4.4 MB for "big" (value, m, v), well over one message.
+  struct Tensors {
+    std::vector<float> value, m, v;
+  };
+  auto fresh = [](int64_t n) { return Tensors{std::vector<float>(n, -1), std::vector<float>(n, -1),
+                                              std::vector<float>(n, -1)}; };
+  Tensors big = fresh(big_.size()), bias = fresh(bias_.size());
+  absl::Status s = client_->Snapshot(0, kJob, 1,
+                                     {{"big", "", kBigShape, big.value.data()},
+                                      {"big", "m", kBigShape, big.m.data()},
+                                      {"big", "v", kBigShape, big.v.data()},
+                                      {"bias", "", kBiasShape, bias.value.data()},
+                                      {"bias", "m", kBiasShape, bias.m.data()},
+                                      {"bias", "v", kBiasShape, bias.v.data()}},
+                                     Deadline());
+  ASSERT_TRUE(s.ok()) << s;
+
+  // Exactly the shard's own copy at version 1.
+  absl::StatusOr<Shard::SnapshotData> ref = shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ASSERT_EQ(ref->slot_names, (std::vector<std::string>{"m", "v"}));
+  ASSERT_EQ(ref->values.size(), 2u);
+  EXPECT_TRUE(big.value == ref->values[0].value);
+  EXPECT_TRUE(big.m == ref->values[0].slots[0]);
+  EXPECT_TRUE(big.v == ref->values[0].slots[1]);
+  EXPECT_EQ(bias.value, ref->values[1].value);
+  EXPECT_EQ(bias.m, ref->values[1].slots[0]);
+  EXPECT_EQ(bias.v, ref->values[1].slots[1]);
+  // Values equal what a Pull gives.
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(big.value == p->big);
+  EXPECT_EQ(bias.value, p->bias);
+  EXPECT_FALSE(big.value == big_) << "the step moved the weights";
+
+  // Slots by hand: m = (1 - b1) g, v = (1 - b2) g^2, g the mean of both pushes.
+  auto check_slots = [](const std::string& what, const Tensors& t, const std::vector<float>& g0,
+                        const std::vector<float>& g1) {
+    int bad = 0, nonzero = 0;
+    for (size_t i = 0; i < g0.size(); ++i) {
+      const float g = (g0[i] + g1[i]) / 2;
+      const float m = (1 - 0.9f) * g, v = (1 - 0.999f) * g * g;
+      nonzero += g != 0;
+      if (std::abs(t.m[i] - m) > 1e-6f * std::abs(m) || std::abs(t.v[i] - v) > 1e-6f * std::abs(v)) {
+        if (++bad <= 3) ADD_FAILURE() << what << "[" << i << "]: m " << t.m[i] << " v " << t.v[i]
+                                      << ", want " << m << " " << v;
+      }
+    }
+    EXPECT_EQ(bad, 0) << what;
+    EXPECT_GT(nonzero, static_cast<int>(g0.size() / 2)) << what;
+  };
+  check_slots("big", big, g0_big, g1_big);
+  check_slots("bias", bias, g0_bias, g1_bias);
+
+  // On the wire: chunked below the default 4 MB, every message at version 1.
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  SnapshotRequest request;
+  request.set_job_id(kJob);
+  request.set_version(1);
+  std::unique_ptr<grpc::ClientReader<SnapshotResponse>> reader = stub_->Snapshot(&context, request);
+  SnapshotResponse response;
+  int messages = 0;
+  int64_t bytes = 0;
+  while (reader->Read(&response)) {
+    ++messages;
+    EXPECT_LT(response.ByteSizeLong(), 4u << 20);
+    EXPECT_EQ(response.version(), 1);
+    for (const TensorChunk& c : response.chunk()) bytes += static_cast<int64_t>(c.data().size());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_GE(messages, 13);
+  EXPECT_EQ(bytes, 3 * (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
+
+  // A past version is refused; a future one waits until the deadline.
+  s = client_->Snapshot(0, kJob, 0, {}, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  s = client_->Snapshot(0, kJob, 2, {}, absl::Now() + absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  s = client_->Snapshot(0, kJob + 1, 1, {}, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+}
+
+TEST_F(PsServiceTest, SetLiveWorkersLetsAStepCompleteWithoutADroppedWorker) {
+  ASSERT_TRUE(InitJob().ok());
+  const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
+  ASSERT_TRUE(PushAll(0, 0, g0_big, g0_bias).ok());
+
+  // Someone waits for version 1, which worker 1 (gone) would never allow.
+  absl::Notification pulled;
+  absl::StatusOr<Pulled> p1;
+  std::thread puller([&] {
+    p1 = PullAll(1);
+    pulled.Notify();
+  });
+  EXPECT_FALSE(pulled.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+
+  EXPECT_EQ(client_->SetLiveWorkers(0, kJob, {}, 0, Deadline()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->SetLiveWorkers(0, kJob + 1, {0}, 0, Deadline()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard_.stats().version, 0);
+
+  absl::Status s = client_->SetLiveWorkers(0, kJob, {0}, 0, Deadline());
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  puller.join();
+  ASSERT_TRUE(p1.ok()) << p1.status();
+  EXPECT_EQ(p1->version, 1);
+  EXPECT_EQ(p1->big, SgdAfter(big_, g0_big, g0_big)) << "worker 0's gradient alone";
+  EXPECT_EQ(p1->bias, SgdAfter(bias_, g0_bias, g0_bias));
+
+  // Worker 1 is out.
+  absl::StatusOr<PushResponse> r = PushAll(1, 1, g0_big, g0_bias);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  // Worker 0 alone completes the next step.
+  r = PushAll(0, 1, g0_big, g0_bias);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->version(), 2);
 }
 
 TEST_F(PsServiceTest, ShutdownRpc) {

@@ -354,6 +354,364 @@ TEST_F(ShardTest, ManyConcurrentPushesApplyEachStepOnce) {
   EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB})) << "g and -g average to zero";
 }
 
+// ---- Live workers, snapshots, state ----
+
+// w - lr * mean(grads), computed the way the shard must.
+std::vector<std::vector<float>> SgdMean(const std::vector<std::vector<float>>& w, float lr,
+                                        const std::vector<std::vector<std::vector<float>>>& grads) {
+  std::vector<std::vector<float>> out = w;
+  for (size_t i = 0; i < w.size(); ++i) {
+    for (size_t j = 0; j < w[i].size(); ++j) {
+      float sum = 0;
+      for (const auto& g : grads) sum += g[i][j];
+      out[i][j] = w[i][j] - lr * (sum / static_cast<float>(grads.size()));
+    }
+  }
+  return out;
+}
+
+TEST_F(ShardTest, DroppingAWorkerThatHasNotPushedAppliesAtOnce) {
+  EXPECT_EQ(MustPush(0, 0, Grads(2)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 0);
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0}, 1).ok());
+  // Worker 0 already pushed: the step is applied by SetLiveWorkers itself,
+  // with the mean over worker 0 alone (not halved).
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(shard_.stats().applied, 1);
+  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(2)}));
+  EXPECT_EQ(shard_.state().live_workers, std::vector<int>{0});
+  // From now on worker 0 alone completes each step.
+  EXPECT_EQ(MustPush(0, 1, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 2);
+  EXPECT_EQ(Current(), SgdMean(SgdMean({kA, kB}, 0.5f, {Grads(2)}), 0.5f, {Grads(1)}));
+}
+
+TEST_F(ShardTest, DroppingAWorkerThatHasNotPushedAppliesOnceTheOthersPush) {
+  ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f, {0, 1, 2}), Values()).ok());
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0, 1}, 0).ok());
+  EXPECT_EQ(shard_.stats().version, 0) << "worker 1 has not pushed yet";
+  EXPECT_EQ(shard_.state().live_workers, (std::vector<int>{0, 1}));
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  // The mean over the two remaining workers: divided by 2, not 3.
+  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)}));
+}
+
+TEST_F(ShardTest, DroppingAWorkerThatPushedDiscardsItsGradient) {
+  ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f, {0, 1, 2}), Values()).ok());
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(2, 0, Grads(64)), PushResponse::ACCEPTED);
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0, 1}, 0).ok());
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)})) << "worker 2's push must not count";
+
+  // The dropped worker's later pushes fail, for the current step and the old one.
+  absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 2, 1, Grads(1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  r = shard_.Push(kJob, 2, 0, Grads(1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_EQ(shard_.stats().stale, 0);
+}
+
+TEST_F(ShardTest, DroppingTheOnlyWorkerStillMissingAppliesWithTheOthers) {
+  // Worker 1 pushed, worker 0 did not; dropping worker 1 (who pushed) with
+  // worker 0 still missing leaves the step waiting for worker 0 alone.
+  EXPECT_EQ(MustPush(1, 0, Grads(64)), PushResponse::ACCEPTED);
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0}, 0).ok());
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(1)}));
+}
+
+TEST_F(ShardTest, AddedWorkerCountsFromTheNextVersion) {
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0, 1, 2}, 1).ok());
+  // Step 0 still applies with workers 0 and 1 only.
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  const auto after0 = SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)});
+  EXPECT_EQ(Current(), after0);
+  EXPECT_EQ(shard_.state().live_workers, (std::vector<int>{0, 1, 2}));
+
+  // Step 1 waits for worker 2 too.
+  EXPECT_EQ(MustPush(0, 1, Grads(3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(1, 1, Grads(3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1) << "worker 2 counts from version 1 on";
+  EXPECT_EQ(Current(), after0);
+  EXPECT_EQ(MustPush(2, 1, Grads(6)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 2);
+  // Mean over three: (3 + 3 + 6) / 3 = 4.
+  EXPECT_EQ(Current(), SgdMean(after0, 0.5f, {Grads(3), Grads(3), Grads(6)}));
+  EXPECT_EQ(Current(), SgdMean(after0, 0.5f, {Grads(4)}));
+}
+
+TEST_F(ShardTest, AddedWorkerFromAVersionReachedCountsAtOnce) {
+  for (int64_t from : {int64_t{0}, int64_t{-5}}) {
+    SCOPED_TRACE(from);
+    ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f, {0, 1}), Values()).ok());
+    ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0, 1, 2}, from).ok());
+    EXPECT_EQ(shard_.state().live_workers, (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(MustPush(0, 0, Grads(3)), PushResponse::ACCEPTED);
+    EXPECT_EQ(MustPush(1, 0, Grads(3)), PushResponse::ACCEPTED);
+    EXPECT_EQ(shard_.stats().version, 0) << "worker 2 already counts for step 0";
+    EXPECT_EQ(MustPush(2, 0, Grads(6)), PushResponse::ACCEPTED);
+    EXPECT_EQ(shard_.stats().version, 1);
+    EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(4)}));
+  }
+  // Also past the start: at version 7, from_version 3 is already reached.
+  ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f, {0}, 7), Values()).ok());
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0, 1}, 3).ok());
+  EXPECT_EQ(MustPush(0, 7, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 7);
+  EXPECT_EQ(MustPush(1, 7, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 8);
+}
+
+TEST_F(ShardTest, SetLiveWorkersRejectsEmptySetAndOtherJob) {
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.SetLiveWorkers(kJob, {}, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.SetLiveWorkers(kJob + 1, {0}, 0).code(), absl::StatusCode::kFailedPrecondition);
+  // Neither changed anything: worker 0's push still stands, worker 1 still counts.
+  EXPECT_EQ(shard_.state().live_workers, (std::vector<int>{0, 1}));
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)}));
+
+  Shard empty;
+  EXPECT_EQ(empty.SetLiveWorkers(kJob, {0}, 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Momentum 0.5, lr 0.5: buf = 0.5 buf + g; w -= 0.5 buf (exact in fp32 here).
+InitHeader MomentumHeader(std::vector<int> workers) {
+  InitHeader h = Header(OptimizerConfig::MOMENTUM, 0.5f, std::move(workers));
+  h.mutable_job()->mutable_optimizer()->set_momentum(0.5f);
+  return h;
+}
+
+struct MomentumState {
+  std::vector<std::vector<float>> w, buf;
+};
+MomentumState MomentumStep(MomentumState s, const std::vector<std::vector<float>>& g) {
+  for (size_t i = 0; i < s.w.size(); ++i) {
+    for (size_t j = 0; j < s.w[i].size(); ++j) {
+      s.buf[i][j] = 0.5f * s.buf[i][j] + g[i][j];
+      s.w[i][j] -= 0.5f * s.buf[i][j];
+    }
+  }
+  return s;
+}
+MomentumState MomentumStart() { return {{kA, kB}, {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}}; }
+
+void ExpectSnapshotIs(const Shard::SnapshotData& snap, int64_t version, const MomentumState& want) {
+  EXPECT_EQ(snap.version, version);
+  EXPECT_EQ(snap.slot_names, std::vector<std::string>{"momentum"});
+  ASSERT_EQ(snap.slices.size(), 2u);
+  EXPECT_EQ(snap.slices[0].name(), "a");
+  EXPECT_EQ(snap.slices[1].name(), "b");
+  ASSERT_EQ(snap.values.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(snap.values[i].value, want.w[i]) << "slice " << i;
+    ASSERT_EQ(snap.values[i].slots.size(), 1u);
+    EXPECT_EQ(snap.values[i].slots[0], want.buf[i]) << "slice " << i;
+  }
+}
+
+TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
+  ASSERT_TRUE(shard_.Init(MomentumHeader({0, 1}), Values()).ok());
+  absl::StatusOr<Shard::SnapshotData> s0 = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(s0.ok()) << s0.status();
+  ExpectSnapshotIs(*s0, 0, MomentumStart());
+
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(-3));
+  MomentumState want = MomentumStep(MomentumStart(), Grads(-1));  // mean of 1 and -3
+  MustPush(0, 1, Grads(2));
+  MustPush(1, 1, Grads(4));
+  want = MomentumStep(want, Grads(3));
+  ASSERT_EQ(shard_.stats().version, 2);
+  // Hand check of one element: a[0]: buf = -1, w = 1.5; buf = -0.5 + 3 = 2.5, w = 1.5 - 1.25.
+  EXPECT_EQ(want.buf[0][0], 2.5f);
+  EXPECT_EQ(want.w[0][0], 0.25f);
+
+  // A deadline already past does not matter: the version is there.
+  absl::StatusOr<Shard::SnapshotData> s2 = shard_.SnapshotAt(kJob, 2, absl::InfinitePast(), nullptr);
+  ASSERT_TRUE(s2.ok()) << s2.status();
+  ExpectSnapshotIs(*s2, 2, want);
+  ASSERT_EQ(s2->values.size(), 2u);
+  const auto pulled = Current();
+  EXPECT_EQ(s2->values[0].value, pulled[0]);
+  EXPECT_EQ(s2->values[1].value, pulled[1]);
+}
+
+TEST_F(ShardTest, SnapshotKeepsInitialSlots) {
+  std::vector<Shard::SliceValues> v = Values();
+  v[0].slots = {{1, 2, 3, 4, 5, 6}};
+  v[1].slots = {{-1, -2, -3, -4}};
+  ASSERT_TRUE(shard_.Init(MomentumHeader({0}), v).ok());
+  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ExpectSnapshotIs(*s, 0, MomentumState{{kA, kB}, {v[0].slots[0], v[1].slots[0]}});
+}
+
+// Runs SnapshotAt on another thread; `done` is notified when it returns.
+class AsyncSnapshot {
+ public:
+  AsyncSnapshot(Shard* shard, uint64_t job, int64_t version, absl::Time deadline,
+                std::function<bool()> cancelled = nullptr)
+      : thread_([=, this] {
+          result_ = shard->SnapshotAt(job, version, deadline, cancelled);
+          done_.Notify();
+        }) {}
+  ~AsyncSnapshot() { thread_.join(); }
+
+  bool Done(absl::Duration wait) { return done_.WaitForNotificationWithTimeout(wait); }
+  const absl::StatusOr<Shard::SnapshotData>& result() {
+    done_.WaitForNotification();
+    return result_;
+  }
+
+ private:
+  absl::Notification done_;
+  absl::StatusOr<Shard::SnapshotData> result_;
+  std::thread thread_;
+};
+
+TEST_F(ShardTest, SnapshotOfAFutureVersionWaitsAndIsExactlyThatVersion) {
+  ASSERT_TRUE(shard_.Init(MomentumHeader({0}), Values()).ok());
+  MustPush(0, 0, Grads(1));
+  MomentumState want1 = MomentumStep(MomentumStart(), Grads(1));
+  AsyncSnapshot snap(&shard_, kJob, 2, Soon());
+  EXPECT_FALSE(snap.Done(absl::Milliseconds(50))) << "version 2 does not exist yet";
+  // Steps 1 and 2 back to back: the snapshot must hold version 2, even if
+  // its thread only wakes after version 3.
+  MustPush(0, 1, Grads(2));
+  MomentumState want2 = MomentumStep(want1, Grads(2));
+  MustPush(0, 2, Grads(-4));
+  MomentumState want3 = MomentumStep(want2, Grads(-4));
+  ASSERT_TRUE(snap.Done(absl::Seconds(5)));
+  ASSERT_TRUE(snap.result().ok()) << snap.result().status();
+  ExpectSnapshotIs(*snap.result(), 2, want2);
+  // Another step after it returned does not change it.
+  MustPush(0, 3, Grads(8));
+  ExpectSnapshotIs(*snap.result(), 2, want2);
+  // The shard itself moved on.
+  EXPECT_EQ(Current(), MomentumStep(want3, Grads(8)).w);
+}
+
+TEST_F(ShardTest, SnapshotOfAPastVersionFails) {
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(1));
+  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_EQ(shard_.SnapshotAt(kJob + 1, 1, Soon(), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  Shard empty;
+  EXPECT_EQ(empty.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ShardTest, SnapshotDeadline) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 1, start + absl::Milliseconds(50), nullptr);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // Once reached, the same version can be asked for again and is served.
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(1));
+  s = shard_.SnapshotAt(kJob, 1, Soon(), nullptr);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->version, 1);
+  EXPECT_EQ(s->values[0].value, Current()[0]);
+}
+
+TEST_F(ShardTest, ShutdownWakesWaitingSnapshot) {
+  AsyncSnapshot snap(&shard_, kJob, 1, Soon());
+  EXPECT_FALSE(snap.Done(absl::Milliseconds(50)));
+  shard_.Shutdown();
+  ASSERT_TRUE(snap.Done(absl::Milliseconds(900))) << "Shutdown must wake the snapshot, not its 1 s poll";
+  EXPECT_EQ(snap.result().status().code(), absl::StatusCode::kUnavailable) << snap.result().status();
+  EXPECT_EQ(shard_.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ShardTest, TwoSnapshotsOfTheSameVersionBothGetIt) {
+  // E.g. a chief that retries a Snapshot RPC while the first is still waiting.
+  const absl::Time deadline = absl::Now() + absl::Seconds(1);
+  AsyncSnapshot a(&shard_, kJob, 1, deadline);
+  AsyncSnapshot b(&shard_, kJob, 1, deadline);
+  EXPECT_FALSE(a.Done(absl::Milliseconds(50)));
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(-3));
+  const auto want = SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)});
+  for (AsyncSnapshot* s : {&a, &b}) {
+    ASSERT_TRUE(s->result().ok()) << s->result().status();
+    EXPECT_EQ(s->result()->version, 1);
+    EXPECT_EQ(s->result()->values[0].value, want[0]);
+  }
+}
+
+TEST_F(ShardTest, CancelledSnapshotDoesNotKeepACopy) {
+  // A cancelled snapshot must not leave its request behind: otherwise the
+  // shard copies every value and slot when it reaches that version and keeps
+  // the copy for good, and a later request for that (by then past) version
+  // is served instead of refused.
+  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 1, Soon(), [] { return true; });
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kCancelled) << s.status();
+  for (int64_t step : {0, 1}) {
+    MustPush(0, step, Grads(1));
+    MustPush(1, step, Grads(1));
+  }
+  ASSERT_EQ(shard_.stats().version, 2);
+  s = shard_.SnapshotAt(kJob, 1, Soon(), nullptr);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+}
+
+TEST_F(ShardTest, ReplacingEveryLiveWorkerDoesNotStallTheStep) {
+  // Workers 0 and 1 are gone; worker 2 replaces them from the next version.
+  // Nobody is left to complete step 0 and worker 2 may not push for it, so
+  // the shard would never reach version 1: SetLiveWorkers must either refuse
+  // this or let worker 2 count for step 0.
+  absl::Status s = shard_.SetLiveWorkers(kJob, {2}, 1);
+  if (!s.ok()) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(shard_.state().live_workers, (std::vector<int>{0, 1})) << "a refused call changes nothing";
+    return;
+  }
+  absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 2, 0, Grads(1));
+  ASSERT_TRUE(r.ok()) << r.status() << " (live workers: " << shard_.state().live_workers.size()
+                      << "): nobody can complete step 0";
+  EXPECT_EQ(shard_.stats().version, 1);
+}
+
+TEST(ShardStateTest, StateBeforeAndAfterInit) {
+  Shard shard;
+  Shard::State st = shard.state();
+  EXPECT_FALSE(st.has_job);
+  EXPECT_EQ(st.version, 0);
+  EXPECT_TRUE(st.live_workers.empty());
+
+  InitHeader h = Header(OptimizerConfig::ADAM, 0.125f, {5, 0, 3}, 4);
+  h.mutable_job()->mutable_optimizer()->set_beta1(0.5f);
+  h.mutable_job()->set_batch_size(32);
+  ASSERT_TRUE(shard.Init(h, Values()).ok());
+  st = shard.state();
+  EXPECT_TRUE(st.has_job);
+  EXPECT_EQ(st.job_id, kJob);
+  EXPECT_EQ(st.version, 4);
+  EXPECT_EQ(st.live_workers, (std::vector<int>{0, 3, 5}));
+  EXPECT_EQ(st.job.SerializeAsString(), h.job().SerializeAsString());
+  EXPECT_EQ(st.job.optimizer().kind(), OptimizerConfig::ADAM);
+  EXPECT_EQ(st.job.optimizer().beta1(), 0.5f);
+
+  for (int w : {0, 3, 5}) ASSERT_TRUE(shard.Push(kJob, w, 4, Grads(1)).ok());
+  EXPECT_EQ(shard.state().version, 5);
+  ASSERT_TRUE(shard.SetLiveWorkers(kJob, {9, 3}, 5).ok());
+  EXPECT_EQ(shard.state().live_workers, (std::vector<int>{3, 9}));
+}
+
 // ---- Optimizer ----
 
 std::unique_ptr<Optimizer> MakeOptimizer(const OptimizerConfig& config) {
