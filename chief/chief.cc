@@ -191,6 +191,7 @@ class Chief::Impl final : public ::psflow::Chief::Service {
   bool PsHealthy(int64_t* max_version);
   int Recover();
   absl::Status TakeCheckpoint();
+  absl::Status TakeCheckpointOnce();
   int SaveModel();
   void ReleaseEveryone();
   absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
@@ -489,6 +490,16 @@ int Chief::Impl::Recover() {
 }
 
 absl::Status Chief::Impl::TakeCheckpoint() {
+  // A ps may pass the chosen step between looking and asking: look again.
+  absl::Status s;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    s = TakeCheckpointOnce();
+    if (!absl::IsFailedPrecondition(s)) return s;
+  }
+  return s;
+}
+
+absl::Status Chief::Impl::TakeCheckpointOnce() {
   int64_t target = 0;
   if (!PsHealthy(&target)) return absl::UnavailableError("a ps is not reachable");
   const uint64_t id = job_id();

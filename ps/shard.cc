@@ -171,13 +171,13 @@ void Shard::OnVersionLocked() {
     }
   }
   auto snap = snapshots_.find(stats_.version);
-  if (snap != snapshots_.end() && snap->second == nullptr) {
+  if (snap != snapshots_.end() && snap->second.data == nullptr) {
     auto data = std::make_shared<SnapshotData>();
     data->version = stats_.version;
     data->slices = slices_;
     data->values = values_;
     data->slot_names = optimizer_->SlotNames();
-    snap->second = std::move(data);
+    snap->second.data = std::move(data);
   }
 }
 
@@ -195,9 +195,14 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
       ++it;
     }
   }
-  joining_.clear();
+  // Joins already scheduled keep their version; new ones get from_version.
+  absl::erase_if(joining_, [&](const auto& entry) { return !wanted.contains(entry.first); });
   for (int w : wanted) {
-    if (!live_workers_.contains(w)) joining_[w] = from_version;
+    if (!live_workers_.contains(w)) joining_.try_emplace(w, from_version);
+  }
+  // Nobody left for the current step: the joining workers take it on now.
+  if (live_workers_.empty()) {
+    for (auto& [w, version] : joining_) version = std::min(version, stats_.version);
   }
   OnVersionLocked();  // joins due already
   MaybeApplyLocked();
@@ -210,27 +215,45 @@ absl::StatusOr<Shard::SnapshotData> Shard::SnapshotAt(uint64_t job_id, int64_t v
   absl::MutexLock lock(&mu_);
   absl::Status s = CheckJobLocked(job_id);
   if (!s.ok()) return s;
-  if (stats_.version > version && !snapshots_.contains(version)) {
+  auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = snapshots_.find(version);
+    return it != snapshots_.end() && it->second.data != nullptr;
+  };
+  if (stats_.version > version && !taken()) {
     return absl::FailedPreconditionError(
         absl::StrCat("the ps is at version ", stats_.version, ", past ", version));
   }
-  snapshots_.try_emplace(version, nullptr);
+  ++snapshots_[version].waiters;
+  // Every way out of here drops this caller's claim on the snapshot.
+  auto leave = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = snapshots_.find(version);
+    if (it != snapshots_.end() && --it->second.waiters <= 0) snapshots_.erase(it);
+  };
   OnVersionLocked();  // takes it now if the shard is at that version
-  while (snapshots_[version] == nullptr) {
-    if (cancelled && cancelled()) return absl::CancelledError("snapshot cancelled");
+  while (!taken()) {
+    absl::Status wait_error;
     const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      snapshots_.erase(version);
-      return absl::DeadlineExceededError(absl::StrCat("version ", version, " not reached; ps is at ",
-                                                      stats_.version));
+    if (cancelled && cancelled()) {
+      wait_error = absl::CancelledError("snapshot cancelled");
+    } else if (now >= deadline) {
+      wait_error = absl::DeadlineExceededError(
+          absl::StrCat("version ", version, " not reached; ps is at ", stats_.version));
+    } else {
+      version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
+      if (shutdown_) {
+        wait_error = absl::UnavailableError("ps is shutting down");
+      } else if (job_id != job_id_) {
+        wait_error = absl::AbortedError("the job was replaced while waiting");
+      }
     }
-    version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
-    if (shutdown_) return absl::UnavailableError("ps is shutting down");
-    if (job_id != job_id_) return absl::AbortedError("the job was replaced while waiting");
+    if (!wait_error.ok()) {
+      leave();
+      return wait_error;
+    }
   }
-  std::shared_ptr<SnapshotData> data = std::move(snapshots_[version]);
-  snapshots_.erase(version);
-  return std::move(*data);
+  SnapshotData copy = *snapshots_[version].data;
+  leave();
+  return copy;
 }
 
 Shard::State Shard::state() const {

@@ -126,8 +126,13 @@ class Shard {
   // worker dropped mid-step takes its gradient with it).
   absl::flat_hash_map<int, std::vector<std::vector<float>>> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);  // scratch for the mean
-  // Snapshots asked for, by version; filled when the shard reaches it.
-  absl::flat_hash_map<int64_t, std::shared_ptr<SnapshotData>> snapshots_ ABSL_GUARDED_BY(mu_);
+  // Snapshots asked for, by version: filled when the shard reaches it, and
+  // dropped when the last caller waiting for it leaves.
+  struct PendingSnapshot {
+    std::shared_ptr<const SnapshotData> data;  // null until taken
+    int waiters = 0;
+  };
+  absl::flat_hash_map<int64_t, PendingSnapshot> snapshots_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -25,7 +25,10 @@ namespace {
 
 struct Child {
   std::string name;  // "chief", "ps0", "worker1"
+  std::string binary;
+  std::vector<std::string> args;
   pid_t pid = -1;
+  absl::Time restart_at = absl::InfiniteFuture();
   int out = -1;      // read end of its stdout+stderr
   std::string partial;
   bool exited = false;
@@ -138,11 +141,11 @@ int RunCluster(const LaunchOptions& o) {
                    const std::vector<std::string>& extra) {
     Child c;
     c.name = name;
-    std::vector<std::string> args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
-    args.insert(args.end(), cluster.begin(), cluster.end());
-    args.insert(args.end(), extra.begin(), extra.end());
-    const std::string binary = absl::StrCat(o.bin_dir, "/psflow-", role);
-    if (!Spawn(c, binary, args, old_mask)) {
+    c.args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
+    c.args.insert(c.args.end(), cluster.begin(), cluster.end());
+    c.args.insert(c.args.end(), extra.begin(), extra.end());
+    c.binary = absl::StrCat(o.bin_dir, "/psflow-", role);
+    if (!Spawn(c, c.binary, c.args, old_mask)) {
       Say(absl::StrCat("cannot start ", name, ": ", std::strerror(errno)));
       return false;
     }
@@ -163,6 +166,7 @@ int RunCluster(const LaunchOptions& o) {
     }
   };
   int result = -1;           // decided exit code
+  int restarts = 0;
   absl::Time chief_exit = absl::InfiniteFuture();
   absl::Time terminated_at = absl::InfiniteFuture();
   if (!started) {
@@ -213,6 +217,12 @@ int RunCluster(const LaunchOptions& o) {
         c.exited = true;
         c.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         Say(absl::StrCat(c.name, " exited with code ", c.code));
+        if (c.code != 0 && o.restart_on_failure && terminated_at == absl::InfiniteFuture() &&
+            restarts < o.max_restarts) {
+          c.restart_at = absl::Now() + absl::Seconds(1);
+          ++restarts;
+          continue;
+        }
         if (&c == &children[0]) {
           if (result < 0) result = c.code;
           chief_exit = absl::Now();
@@ -224,9 +234,30 @@ int RunCluster(const LaunchOptions& o) {
         }
       }
     }
+    for (Child& c : children) {
+      if (c.restart_at == absl::InfiniteFuture()) continue;
+      if (terminated_at != absl::InfiniteFuture()) {  // stopping: no more restarts
+        c.restart_at = absl::InfiniteFuture();
+        continue;
+      }
+      if (c.restart_at > absl::Now()) continue;
+      c.restart_at = absl::InfiniteFuture();
+      if (c.out >= 0) {  // the old pipe's last lines
+        EmitLines(c, "", 0, true);
+        ::close(c.out);
+        c.out = -1;
+      }
+      c.partial.clear();
+      if (Spawn(c, c.binary, c.args, old_mask)) {
+        c.exited = false;
+        Say(absl::StrCat("restarted ", c.name, " (restart ", restarts, " of at most ", o.max_restarts, ")"));
+      } else {
+        Say(absl::StrCat("cannot restart ", c.name, ": ", std::strerror(errno)));
+      }
+    }
     bool all_exited = true, all_closed = true;
     for (const Child& c : children) {
-      all_exited &= c.exited;
+      all_exited &= c.exited && c.restart_at == absl::InfiniteFuture();
       all_closed &= c.out < 0;
     }
     if (all_exited && all_closed) break;

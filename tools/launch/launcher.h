@@ -19,11 +19,15 @@ struct LaunchOptions {
   // Seconds the other processes get to exit on their own after the chief
   // has exited, before they are terminated.
   int grace_seconds = 15;
+  // Like a Kubernetes restartPolicy: OnFailure, start a process again (after
+  // a second) when it exits non-zero, up to max_restarts times in all.
+  bool restart_on_failure = false;
+  int max_restarts = 20;
 };
 
 // Runs the cluster; returns the chief's exit code, or the code of the first
 // other process that failed while the chief was still running (after which
-// the whole cluster is stopped).
+// the whole cluster is stopped) unless failed processes are restarted.
 int RunCluster(const LaunchOptions& options);
 
 }  // namespace psflow::launch

@@ -20,6 +20,10 @@ ABSL_FLAG(std::string, bin_dir, "",
           "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
 ABSL_FLAG(int, grace_seconds, 15,
           "Seconds the ps and workers get to exit by themselves after the chief exits.");
+ABSL_FLAG(std::string, restart, "never",
+          "never, or on-failure: start a process again (after a second) when it exits non-zero, as a "
+          "Kubernetes restart policy would; the job then ends when the chief exits 0.");
+ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
 
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
@@ -37,6 +41,13 @@ int main(int argc, char** argv) {
   o.num_workers = absl::GetFlag(FLAGS_workers);
   o.host = absl::GetFlag(FLAGS_host);
   o.grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
+  const std::string restart = absl::GetFlag(FLAGS_restart);
+  if (restart != "never" && restart != "on-failure") {
+    std::fprintf(stderr, "psflow-launch: --restart must be never or on-failure, not '%s'\n", restart.c_str());
+    return 1;
+  }
+  o.restart_on_failure = restart == "on-failure";
+  o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
   if (o.num_ps < 1 || o.num_workers < 1) {
     std::fprintf(stderr, "psflow-launch: --ps and --workers must be at least 1\n");
     return 1;
