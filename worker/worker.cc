@@ -125,6 +125,7 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   bool training_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool reregister_ ABSL_GUARDED_BY(mu_) = false;  // the chief asked for a new registration
   int64_t start_step_ = 0;  // from the latest registration (training thread only)
+  Backoff register_backoff_;  // between registrations that end in no step (training thread only)
 };
 
 int Worker::Impl::Register() {
@@ -251,14 +252,18 @@ absl::Status Worker::Impl::PullAll(int64_t min_version, int64_t* version, int64_
   });
   *version = -1;
   *wait_us = 0;
+  int64_t newest = -1;
   for (int p = 0; p < n; ++p) {
     if (!results[p].ok()) return results[p].status();
-    if (*version >= 0 && results[p]->version != *version) {
-      return absl::AbortedError(absl::StrCat("ps disagree on the version: ", *version, " and ",
-                                             results[p]->version));
-    }
-    *version = results[p]->version;
+    *version = *version < 0 ? results[p]->version : std::min(*version, results[p]->version);
+    newest = std::max(newest, results[p]->version);
     *wait_us = std::max(*wait_us, results[p]->wait_us);
+  }
+  // One step apart: a worker died between its pushes of the last step to
+  // different ps (some applied it, the others still wait for its push). Do
+  // the older step: the ps past it answer STALE, the others get their push.
+  if (newest - *version > 1) {
+    return absl::AbortedError(absl::StrCat("ps disagree on the version: ", *version, " and ", newest));
   }
   return absl::OkStatus();
 }
@@ -387,6 +392,7 @@ int Worker::Impl::Train(int64_t start) {
     m.set_compute_us(Micros(t2 - t1));
     m.set_push_us(Micros(t3 - t2));
     ++step;
+    register_backoff_.Reset();
     {
       absl::MutexLock lock(&mu_);
       pending_.push_back(std::move(m));
@@ -420,6 +426,8 @@ int Worker::Impl::RunTraining() {
     code = Train(start_step_);
     if (code == kRegisterAgain) {
       PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again";
+      // While the chief reloads the ps, registering again at once just spins.
+      absl::SleepFor(register_backoff_.Next());
       code = Register();
       if (code == kExitDone) continue;
     }
