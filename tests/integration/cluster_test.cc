@@ -27,23 +27,6 @@ std::string Bin(const std::string& name) { return std::string(PSFLOW_BIN_DIR) + 
 
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 
-// Waits up to 3 s for every process whose command line contains `marker` to
-// be gone; kills (by pid) and reports the ones that remain.
-void ExpectNoProcessesLeft(const std::string& marker) {
-  std::vector<pid_t> left;
-  for (int i = 0; i < 300; ++i) {
-    left = FindProcesses(marker);
-    if (left.empty()) return;
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  std::string pids;
-  for (pid_t pid : left) {
-    pids += " " + std::to_string(pid);
-    ::kill(pid, SIGKILL);
-  }
-  ADD_FAILURE() << left.size() << " process(es) with '" << marker << "' in their command line remain:" << pids;
-}
-
 // The chief's progress line for `step`/`total` (among the lines that start
 // with `prefix`), or "" if there is none.
 std::string ChiefProgressLine(const std::string& output, int step, int total,

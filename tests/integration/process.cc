@@ -12,11 +12,15 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
+
+#include "gtest/gtest.h"
 
 extern char** environ;
 
@@ -314,6 +318,21 @@ std::vector<std::string> Lines(const std::string& text) {
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   return lines;
+}
+
+void ExpectNoProcessesLeft(const std::string& text) {
+  std::vector<pid_t> left;
+  for (int i = 0; i < 300; ++i) {
+    left = FindProcesses(text);
+    if (left.empty()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string pids;
+  for (pid_t pid : left) {
+    pids += " " + std::to_string(pid);
+    ::kill(pid, SIGKILL);
+  }
+  ADD_FAILURE() << left.size() << " process(es) with '" << text << "' in their command line remain:" << pids;
 }
 
 }  // namespace psflow::itest

@@ -98,6 +98,10 @@ std::vector<int> FreePorts(int n);
 // (arguments joined by spaces) contains `text`.
 std::vector<pid_t> FindProcesses(const std::string& text);
 
+// Waits up to 3 s for every process whose command line contains `text` to
+// be gone; kills (by pid) the ones that remain and fails the current test.
+void ExpectNoProcessesLeft(const std::string& text);
+
 // Lines of `text` (without the '\n').
 std::vector<std::string> Lines(const std::string& text);
 

@@ -268,23 +268,6 @@ int LastExitCode(const std::string& output, const std::string& name) {
   return code;
 }
 
-// Waits up to 3 s for every process whose command line contains `text` to
-// be gone; kills (by pid) and reports the ones that remain.
-void ExpectNoProcessesLeft(const std::string& text) {
-  std::vector<pid_t> left;
-  for (int i = 0; i < 300; ++i) {
-    left = FindProcesses(text);
-    if (left.empty()) return;
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  std::string pids;
-  for (pid_t pid : left) {
-    pids += " " + std::to_string(pid);
-    ::kill(pid, SIGKILL);
-  }
-  ADD_FAILURE() << left.size() << " process(es) with '" << text << "' in their command line remain:" << pids;
-}
-
 // Steps of the ckpt-<step> directories under <model_dir>/checkpoints, sorted.
 std::vector<int64_t> CheckpointSteps(const std::string& model_dir) {
   std::vector<int64_t> steps;
