@@ -1,11 +1,43 @@
 #include "ps/client.h"
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 
 namespace psflow {
 namespace {
 
+
+// Reads a server stream of chunked tensors into `assembler`. Returns the
+// first message (without its chunks; nothing if the stream was empty). The
+// call's own failure comes first; chunks that do not fit, or messages of
+// differing versions, are DATA_LOSS. The stream is always drained, so that
+// Finish() returns.
+template <typename Response>
+absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>* reader,
+                                                   ChunkAssembler* assembler) {
+  std::optional<Response> first;
+  Response response;
+  absl::Status bad;
+  while (reader->Read(&response)) {
+    if (!bad.ok()) continue;
+    if (!first.has_value()) {
+      first = response;
+      first->clear_chunk();
+    } else if (response.version() != first->version()) {
+      bad = absl::DataLossError("answer mixes versions");
+    }
+    for (const TensorChunk& chunk : response.chunk()) {
+      if (!bad.ok()) break;
+      bad = assembler->Add(chunk);
+    }
+  }
+  absl::Status s = FromGrpcStatus(reader->Finish());
+  if (!s.ok()) return s;
+  if (!bad.ok()) return absl::DataLossError(bad.message());
+  return first;
+}
 
 absl::Status WithPs(int ps, const absl::Status& s) {
   if (s.ok()) return s;
@@ -82,37 +114,20 @@ absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int
                                                     std::vector<TensorSink> sinks, absl::Time deadline,
                                                     absl::Duration max_wait) {
   CallScope call(this, deadline);
-  grpc::ClientContext& context = *call.context();
   PullRequest request;
   request.set_job_id(job_id);
   request.set_min_version(min_version);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
-  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stubs_[ps]->Pull(&context, request);
   ChunkAssembler assembler(std::move(sinks));
-  PullResponse response;
+  absl::StatusOr<std::optional<PullResponse>> first =
+      ReadChunks(stubs_[ps]->Pull(call.context(), request).get(), &assembler);
+  if (!first.ok()) return WithPs(ps, first.status());
+  if (!first->has_value()) return WithPs(ps, absl::DataLossError("empty pull answer"));
   PullResult result;
-  bool first = true;
-  absl::Status bad;
-  while (reader->Read(&response)) {
-    if (!bad.ok()) continue;  // drain so Finish() returns
-    if (first) {
-      result.version = response.version();
-      result.wait_us = response.wait_us();
-      first = false;
-    } else if (response.version() != result.version) {
-      bad = absl::DataLossError("pull answer mixes versions");
-    }
-    for (const TensorChunk& chunk : response.chunk()) {
-      if (!bad.ok()) break;
-      bad = assembler.Add(chunk);
-    }
-  }
-  absl::Status s = FromGrpcStatus(reader->Finish());
-  if (!s.ok()) return WithPs(ps, s);
-  if (!bad.ok()) return WithPs(ps, absl::DataLossError(bad.message()));
-  if (first) return WithPs(ps, absl::DataLossError("empty pull answer"));
+  result.version = (*first)->version();
+  result.wait_us = (*first)->wait_us();
   if (result.version < min_version) return result;  // not yet
-  s = assembler.Finish();
+  absl::Status s = assembler.Finish();
   if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
   return result;
 }
@@ -166,21 +181,14 @@ absl::Status PsClient::Snapshot(int ps, uint64_t job_id, int64_t version, std::v
   SnapshotRequest request;
   request.set_job_id(job_id);
   request.set_version(version);
-  std::unique_ptr<grpc::ClientReader<SnapshotResponse>> reader = stubs_[ps]->Snapshot(call.context(), request);
   ChunkAssembler assembler(std::move(sinks));
-  SnapshotResponse response;
-  absl::Status bad;
-  while (reader->Read(&response)) {
-    if (bad.ok() && response.version() != version) bad = absl::DataLossError("snapshot of another version");
-    for (const TensorChunk& chunk : response.chunk()) {
-      if (!bad.ok()) break;
-      bad = assembler.Add(chunk);
-    }
+  absl::StatusOr<std::optional<SnapshotResponse>> first =
+      ReadChunks(stubs_[ps]->Snapshot(call.context(), request).get(), &assembler);
+  if (!first.ok()) return WithPs(ps, first.status());
+  if (!first->has_value() || (*first)->version() != version) {
+    return WithPs(ps, absl::DataLossError("snapshot of another version"));
   }
-  absl::Status s = FromGrpcStatus(reader->Finish());
-  if (!s.ok()) return WithPs(ps, s);
-  if (!bad.ok()) return WithPs(ps, absl::DataLossError(bad.message()));
-  s = assembler.Finish();
+  absl::Status s = assembler.Finish();
   return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
 }
 
