@@ -283,13 +283,17 @@ grpc::Status Chief::Impl::Report(grpc::ServerContext* context, const ReportReque
                                  ReportResponse* response) {
   const int w = request->worker();
   if (w < 0 || w >= job_.num_workers()) return ToGrpcStatus(absl::InvalidArgumentError("unknown worker"));
-  absl::MutexLock lock(&mu_);
-  if (request->job_id() != job_id_ || !ready_) {
-    response->set_action(ReportResponse::REGISTER);  // the job was reloaded: its step is gone
-    return grpc::Status::OK;
+  {
+    absl::MutexLock lock(&mu_);
+    if (request->job_id() != job_id_ || !ready_) {
+      response->set_action(ReportResponse::REGISTER);  // the job was reloaded: its step is gone
+      return grpc::Status::OK;
+    }
+    last_seen_[w] = absl::Now();
   }
-  last_seen_[w] = absl::Now();
+  // Outside mu_: recording may write log lines.
   progress_->Record(w, {request->metrics().begin(), request->metrics().end()}, absl::Now());
+  absl::MutexLock lock(&mu_);
   if (request->finished()) {
     finished_.insert(w);
     // Long-poll: answer when the job is over, or soon enough to serve as a heartbeat.
