@@ -413,7 +413,14 @@ int Chief::Impl::LoadParameterServers(const Weights& weights) {
           if (t.name == s.name) tensors.push_back({s.name, t.slot, s.slice_shape, t.values.data() + s.float_offset});
         }
       }
-      results[p] = ps_->Init(p, header, std::move(tensors), deadline);
+      // wait_for_ready covers a ps not up yet; a connection that breaks
+      // under the call (a ps going down as it is asked) is tried again.
+      Backoff backoff;
+      do {
+        results[p] = ps_->Init(p, header, tensors, deadline);
+        if (!absl::IsUnavailable(results[p]) || absl::Now() >= deadline) break;
+        absl::SleepFor(backoff.Next());
+      } while (absl::Now() < deadline);
     });
   }
   for (auto& t : threads) t.join();

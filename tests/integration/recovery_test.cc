@@ -444,8 +444,10 @@ TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
   const std::vector<int64_t> written = WrittenCheckpoints(cluster.output(), pos);
   ASSERT_FALSE(written.empty()) << cluster.Describe();
   ASSERT_TRUE(cluster.SignalMember("ps", 0, SIGKILL)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] ps0 exited with code 137", pos));
-  ASSERT_SEEN(pos = cluster.Wait("a parameter server is down", pos));
+  // The launcher's line and the chief's may come in either order.
+  const size_t killed = pos;
+  ASSERT_SEEN(cluster.Wait("[launch] ps0 exited with code 137", killed));
+  ASSERT_SEEN(pos = cluster.Wait("a parameter server is down", killed));
   ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), pos,
                                       &m));
   const int64_t restored = std::stoll(m[1].str());
@@ -543,8 +545,10 @@ TEST_F(RecoveryTest, KilledPsIsReloadedFromACheckpoint) {
   const std::vector<int64_t> written = WrittenCheckpoints(cluster.output(), pos);
   ASSERT_FALSE(written.empty()) << cluster.Describe();
   ASSERT_TRUE(cluster.SignalMember("ps", 0, SIGKILL)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] ps0 exited with code 137", pos));
-  ASSERT_SEEN(pos = cluster.Wait("a parameter server is down", pos));
+  // The launcher's line and the chief's may come in either order.
+  const size_t killed = pos;
+  ASSERT_SEEN(cluster.Wait("[launch] ps0 exited with code 137", killed));
+  ASSERT_SEEN(pos = cluster.Wait("a parameter server is down", killed));
   std::smatch m;
   ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), pos,
                                       &m));
