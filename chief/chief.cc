@@ -23,6 +23,7 @@
 #include "common/placement.h"
 #include "common/tensor_chunks.h"
 #include "data/mnist.h"
+#include "data/synthetic.h"
 #include "model/saved_model.h"
 #include "model/spec.h"
 #include "proto/chief.grpc.pb.h"
@@ -62,6 +63,23 @@ absl::StatusOr<TrainingDataStats> ReadTrainingDataStats(const std::string& data_
   const double n = static_cast<double>(images->data.size());
   stats.mean = sum / n / 255.0;
   stats.stddev = std::sqrt(std::max(sum_sq / n - (sum / n) * (sum / n), 0.0)) / 255.0;
+  return stats;
+}
+
+// The same for data made in memory (the synthetic dataset).
+TrainingDataStats StatsOf(const data::Dataset& d) {
+  TrainingDataStats stats;
+  stats.count = d.count;
+  stats.height = d.height;
+  stats.width = d.width;
+  double sum = 0, sum_sq = 0;
+  for (float p : d.images) {
+    sum += p;
+    sum_sq += static_cast<double>(p) * p;
+  }
+  const double n = static_cast<double>(d.images.size());
+  stats.mean = sum / n;
+  stats.stddev = std::sqrt(std::max(sum_sq / n - stats.mean * stats.mean, 0.0));
   return stats;
 }
 
@@ -116,17 +134,27 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   absl::StatusOr<OptimizerConfig> opt = MakeOptimizer(o);
   if (!opt.ok()) return opt.status();
   *job.mutable_optimizer() = *opt;
-  absl::StatusOr<TrainingDataStats> stats = ReadTrainingDataStats(o.data_dir);
-  if (!stats.ok()) return stats.status();
   const InputSpec& in = spec->input();
-  if (in.channels() != 1 || in.height() != stats->height || in.width() != stats->width) {
-    return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " takes ", in.channels(), "x",
-                                                   in.height(), "x", in.width(), " inputs, the images in ",
-                                                   o.data_dir, " are 1x", stats->height, "x", stats->width));
-  }
-  if (spec->num_classes() != 10) {
-    return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " has ", spec->num_classes(),
-                                                   " classes; MNIST-format data has 10"));
+  absl::StatusOr<TrainingDataStats> stats;
+  if (o.dataset == "synthetic") {
+    data::SyntheticShape shape{in.channels(), in.height(), in.width(), spec->num_classes()};
+    absl::StatusOr<data::Dataset> made = data::MakeSynthetic(shape, o.synthetic_examples, data::Split::kTrain);
+    if (!made.ok()) return absl::InvalidArgumentError(absl::StrCat("--synthetic_examples: ", made.status().message()));
+    stats = StatsOf(*made);
+  } else if (o.dataset == "idx") {
+    stats = ReadTrainingDataStats(o.data_dir);
+    if (!stats.ok()) return stats.status();
+    if (in.channels() != 1 || in.height() != stats->height || in.width() != stats->width) {
+      return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " takes ", in.channels(), "x",
+                                                     in.height(), "x", in.width(), " inputs, the images in ",
+                                                     o.data_dir, " are 1x", stats->height, "x", stats->width));
+    }
+    if (spec->num_classes() != 10) {
+      return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " has ", spec->num_classes(),
+                                                     " classes; MNIST-format data has 10"));
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--dataset '", o.dataset, "' is not one of idx, synthetic"));
   }
   if (stats->stddev > 0) {
     job.mutable_model()->mutable_input()->set_mean(static_cast<float>(stats->mean));
@@ -141,6 +169,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
                                                    " examples each worker sees per epoch"));
   }
   job.set_data_dir(o.data_dir);
+  job.set_dataset(o.dataset);
   job.set_batch_size(o.batch_size);
   job.set_steps_per_epoch(steps_per_epoch);
   const int64_t epochs = std::max<int64_t>(o.epochs, 1);

@@ -24,6 +24,8 @@ struct ChiefOptions {
   ClusterConfig cluster;
   std::string model = "cnn";             // built-in name or spec file
   std::string data_dir = kDefaultDataDir;
+  std::string dataset = "idx";           // idx (files in data_dir) or synthetic
+  int64_t synthetic_examples = 10000;    // training examples of the synthetic dataset
   int batch_size = 64;                   // per worker
   int64_t epochs = 0;                    // 0: not given
   int64_t train_steps = 0;               // 0: not given; exactly one of the two, else 1 epoch

@@ -16,10 +16,15 @@
 
 ABSL_FLAG(std::string, model, "cnn",
           "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
-          "(784-256-256-10), or the path of a model spec in protobuf text format (see docs/models.md).");
+          "(784-256-256-10), resnet (ResNet-18 for 32x32x3 inputs; use it with --dataset=synthetic), or the path of a model spec in protobuf text format (see docs/models.md).");
 ABSL_FLAG(std::string, data_dir, psflow::chief::kDefaultDataDir,
           "Directory with MNIST-format IDX files (train-images-idx3-ubyte[.gz], ...). Every worker "
           "reads it at this path.");
+ABSL_FLAG(std::string, dataset, "idx",
+          "Where examples come from: idx (the MNIST-format files in --data_dir) or synthetic (labelled "
+          "images of the model's input shape, made in every process, for benchmarks; see "
+          "--synthetic_examples).");
+ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --dataset=synthetic.");
 ABSL_FLAG(int, batch_size, 64, "Examples per step on each worker (the global batch is this times the workers).");
 ABSL_FLAG(int64_t, epochs, 0, "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
 ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
@@ -65,6 +70,8 @@ int main(int argc, char** argv) {
   o.cluster = config;
   o.model = absl::GetFlag(FLAGS_model);
   o.data_dir = absl::GetFlag(FLAGS_data_dir);
+  o.dataset = absl::GetFlag(FLAGS_dataset);
+  o.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
   o.batch_size = absl::GetFlag(FLAGS_batch_size);
   o.epochs = absl::GetFlag(FLAGS_epochs);
   o.train_steps = absl::GetFlag(FLAGS_train_steps);

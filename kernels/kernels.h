@@ -10,6 +10,11 @@
 // Errors: ops return absl::Status; exceptions from the underlying libraries
 // are caught inside the backend and never cross this interface.
 //
+// Ordering: a backend runs the work it is given in submission order. A GPU
+// backend may return before the work has finished (ops are queued on one
+// stream); CopyToHost and Synchronize wait for it. Backends that support it
+// can record a sequence of calls once as a Graph and replay it (CUDA graphs).
+//
 // Thread-safety: a Backend may be shared by threads that create ops; a single
 // op object must not be executed concurrently from two threads.
 #ifndef PSFLOW_KERNELS_KERNELS_H_
@@ -17,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -43,11 +49,12 @@ struct Conv2DShape {
 };
 
 // y = conv(x, w) + b. x: [N,C,H,W], w: [K,C,R,S] (OIHW), b: [K], y: [N,K,P,Q].
+// b may be null (no bias); then Backward's db must be null too.
 class Conv2D {
  public:
   virtual ~Conv2D() = default;
   virtual absl::Status Forward(const float* x, const float* w, const float* b, float* y) = 0;
-  // Writes (overwrites) dw and db, and dx unless it is null.
+  // Writes (overwrites) dw, db unless it is null, and dx unless it is null.
   virtual absl::Status Backward(const float* x, const float* w, const float* dy, float* dx,
                                 float* dw, float* db) = 0;
 };
@@ -91,21 +98,59 @@ class Dense {
                                 float* dw, float* db) = 0;
 };
 
+struct BatchNormShape {
+  int batch = 0, channels = 0, height = 0, width = 0;
+  float epsilon = 1e-5f;
+};
+
+// Batch normalization with the batch's own statistics (training mode): per
+// channel c, over the N*H*W values of x, y = gamma[c] * (x - mean) /
+// sqrt(var + epsilon) + beta[c], var being the biased variance. x, y: NCHW.
+class BatchNorm {
+ public:
+  virtual ~BatchNorm() = default;
+  // Keeps the batch mean and inverse standard deviation for Backward.
+  virtual absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) = 0;
+  // After Forward on the same x: writes (overwrites) dx, dgamma and dbeta.
+  virtual absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
+                                float* dgamma, float* dbeta) = 0;
+};
+
+struct GlobalAvgPoolShape {
+  int batch = 0, channels = 0, height = 0, width = 0;
+};
+
+// y[n,c] = mean over h,w of x[n,c,h,w]. x: [N,C,H,W], y: [N,C].
+class GlobalAvgPool {
+ public:
+  virtual ~GlobalAvgPool() = default;
+  virtual absl::Status Forward(const float* x, float* y) = 0;
+  // dx[n,c,h,w] = dy[n,c] / (H*W).
+  virtual absl::Status Backward(const float* dy, float* dx) = 0;
+};
+
 // Softmax over `classes` logits per example followed by cross-entropy against
 // integer labels, averaged over the batch.
 class SoftmaxCrossEntropy {
  public:
   virtual ~SoftmaxCrossEntropy() = default;
-  struct Result {
-    double loss = 0;    // mean cross-entropy over the batch
-    int64_t correct = 0;  // examples whose arg-max logit equals the label
-  };
-  // probs receives the softmax output [N,classes]. labels are host memory,
-  // each in [0, classes); a label out of range is INVALID_ARGUMENT.
-  virtual absl::StatusOr<Result> Forward(const float* logits, const int32_t* labels,
-                                         float* probs) = 0;
+  // probs receives the softmax output [N,classes]. labels: [N] int32 in
+  // backend memory (a Buffer of N floats holds them), each in [0, classes);
+  // callers check the range (a backend may not). stats: 2 floats of backend
+  // memory that receive the mean cross-entropy over the batch and the number
+  // of examples whose arg-max logit equals the label.
+  virtual absl::Status Forward(const float* logits, const int32_t* labels, float* probs,
+                               float* stats) = 0;
   // dlogits = (probs - onehot(labels)) / N.
   virtual absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) = 0;
+};
+
+// A recorded sequence of backend calls, replayed with the same pointers.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  // Queues one replay; like an op, it may return before the work is done.
+  virtual absl::Status Launch() = 0;
 };
 
 // A compute device. Creating an op for a shape that the backend cannot run is
@@ -125,18 +170,41 @@ class Backend {
   // Blocks until all work submitted to this backend has finished.
   virtual absl::Status Synchronize() = 0;
 
+  // Elementwise helpers over n floats of backend memory; outputs may alias
+  // inputs. y = a + b.
+  virtual absl::Status Add(const float* a, const float* b, float* y, int64_t n) = 0;
+  // y = x * scale + shift.
+  virtual absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) = 0;
+  // w -= learning_rate * g (plain SGD, for training without parameter servers).
+  virtual absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) = 0;
+  // dst = src, both backend memory.
+  virtual absl::Status Copy(const float* src, float* dst, int64_t n) = 0;
+
+  // Records the backend calls `work` makes (ops of this backend, the helpers
+  // above; no copies to or from the host) into a Graph without running them.
+  // Ops must have run once before, so that their workspaces exist. Backends
+  // without graphs return UNIMPLEMENTED.
+  virtual absl::StatusOr<std::unique_ptr<Graph>> Capture(const std::function<absl::Status()>& work) {
+    return absl::UnimplementedError(name() + " cannot record graphs");
+  }
+
   virtual absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<MaxPool2D>> CreateMaxPool2D(const Pool2DShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<Relu>> CreateRelu(int64_t size) = 0;
   virtual absl::StatusOr<std::unique_ptr<Dense>> CreateDense(const DenseShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
       int batch, int classes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const BatchNormShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
+      const GlobalAvgPoolShape& shape) = 0;
 };
 
-// Creates the backend for a device name: "cpu" (oneDNN). Unknown or
-// unavailable devices are INVALID_ARGUMENT / UNAVAILABLE with a message.
-// `threads` > 0 caps the CPU threads the calling thread's kernels use (the
-// CPU backend's OpenMP team); 0 keeps the library default (all cores).
+// Creates the backend for a device name: "cpu" (oneDNN), or "cuda:N" (cuDNN
+// and cuBLAS on GPU N; "cuda" is cuda:0) in builds with CUDA. Unknown devices
+// are INVALID_ARGUMENT; a device this machine lacks is UNAVAILABLE; both with
+// a message. `threads` > 0 caps the CPU threads the calling thread's kernels
+// use (the CPU backend's OpenMP team); 0 keeps the library default (all
+// cores). GPU backends ignore it.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device, int threads = 0);
 
 }  // namespace psflow::kernels

@@ -1,56 +1,70 @@
 #include "model/network.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow::model {
 
+// Activation 0 is the (standardized) model input; activation i + 1 is the
+// output of layer i.
 struct Network::Layer {
   LayerSpec::KindCase kind;
+  int in_act = 0, other_act = -1;  // activations read (other_act: add only)
   ActivationShape in, out;
-  int weights = -1, bias = -1;  // variable indices for conv and dense
+  int first = -1, second = -1;  // variables: weights/bias or gamma/beta
 };
 
-// Ops and activations for one batch size. acts[i] is the input of layer i
-// (acts[0] the images, acts.back() the logits); dacts[i] its gradient.
+// Ops and buffers for one batch size. acts[i] is activation i, dacts[i] its
+// gradient (none for the model input).
 struct Network::BatchState {
   int batch = 0;
   std::vector<std::unique_ptr<kernels::Conv2D>> conv;
   std::vector<std::unique_ptr<kernels::MaxPool2D>> pool;
   std::vector<std::unique_ptr<kernels::Relu>> relu;
   std::vector<std::unique_ptr<kernels::Dense>> dense;
+  std::vector<std::unique_ptr<kernels::BatchNorm>> norm;
+  std::vector<std::unique_ptr<kernels::GlobalAvgPool>> gap;
   std::unique_ptr<kernels::SoftmaxCrossEntropy> loss;
+  std::unique_ptr<kernels::Buffer> images, labels, probs, stats, scratch;
   std::vector<std::unique_ptr<kernels::Buffer>> acts, dacts;
-  std::unique_ptr<kernels::Buffer> probs;
-  std::vector<int32_t> labels;
-  std::vector<float> standardized;  // host staging of the batch's inputs
+  std::vector<bool> grad_written;  // by activation, while queueing a backward pass
+  std::unique_ptr<kernels::Graph> train_graph, eval_graph;
+  bool eager_train_done = false, eager_eval_done = false;
+  bool graphs_off = false;  // the backend has none, or recording failed
+  bool inputs_set = false;
 };
 
-Network::Network(ModelSpec spec, kernels::Backend* backend)
-    : spec_(std::move(spec)), backend_(backend) {}
+Network::Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options)
+    : spec_(std::move(spec)), backend_(backend), options_(options) {}
 
 Network::~Network() = default;
 
-absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
-                                                         kernels::Backend* backend) {
+absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec, kernels::Backend* backend,
+                                                         const NetworkOptions& options) {
   absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
   if (!shapes.ok()) return shapes.status();
-  std::unique_ptr<Network> net(new Network(spec, backend));
+  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
+  if (!wiring.ok()) return wiring.status();
+  std::unique_ptr<Network> net(new Network(spec, backend, options));
   net->variables_ = ModelVariables(spec);
-  ActivationShape in{spec.input().channels(), spec.input().height(), spec.input().width()};
-  int var = 0;
+  const std::vector<LayerVariables> vars = LayerVariableIndices(spec);
+  std::vector<ActivationShape> act_shapes{{spec.input().channels(), spec.input().height(), spec.input().width()}};
+  act_shapes.insert(act_shapes.end(), shapes->begin(), shapes->end());
   for (int i = 0; i < spec.layer_size(); ++i) {
     Layer layer;
     layer.kind = spec.layer(i).kind_case();
-    layer.in = in;
-    layer.out = (*shapes)[i];
-    if (layer.kind == LayerSpec::kConv2D || layer.kind == LayerSpec::kDense) {
-      layer.weights = var++;
-      layer.bias = var++;
-    }
+    layer.in_act = (*wiring)[i].input + 1;
+    if ((*wiring)[i].other >= 0) layer.other_act = (*wiring)[i].other + 1;
+    layer.in = act_shapes[layer.in_act];
+    layer.out = act_shapes[i + 1];
+    layer.first = vars[i].first;
+    layer.second = vars[i].second;
     net->layers_.push_back(layer);
-    in = layer.out;
   }
   for (const VariableShape& v : net->variables_) {
     for (auto* list : {&net->weights_, &net->grads_}) {
@@ -90,9 +104,16 @@ absl::Status Network::SetWeights(const std::vector<const float*>& host) {
   return absl::OkStatus();
 }
 
+absl::Status Network::GetWeights(const std::vector<float*>& host) {
+  if (host.size() != weights_.size()) return absl::InvalidArgumentError("wrong number of weight tensors");
+  for (size_t i = 0; i < host.size(); ++i) {
+    PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(weights_[i]->data(), weights_[i]->size(), host[i]));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Network::GetGradients(const std::vector<float*>& host) {
   if (host.size() != grads_.size()) return absl::InvalidArgumentError("wrong number of gradient tensors");
-  PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());
   for (size_t i = 0; i < host.size(); ++i) {
     PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(grads_[i]->data(), grads_[i]->size(), host[i]));
   }
@@ -105,88 +126,134 @@ absl::StatusOr<Network::BatchState*> Network::StateFor(int batch) {
   if (it != states_.end()) return it->second.get();
   auto state = std::make_unique<BatchState>();
   state->batch = batch;
-  const size_t n = layers_.size();
-  state->conv.resize(n);
-  state->pool.resize(n);
-  state->relu.resize(n);
-  state->dense.resize(n);
-  auto alloc = [&](int64_t floats) { return backend_->Allocate(static_cast<size_t>(floats)); };
-  for (size_t i = 0; i <= n; ++i) {
-    const int64_t floats = int64_t{batch} * (i == 0 ? layers_[0].in.size() : layers_[i - 1].out.size());
-    for (auto* list : {&state->acts, &state->dacts}) {
-      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf = alloc(floats);
-      if (!buf.ok()) return buf.status();
-      list->push_back(*std::move(buf));
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const Layer& l = layers_[i];
-    const LayerSpec& spec = spec_.layer(static_cast<int>(i));
-    absl::Status s;
-    if (l.kind == LayerSpec::kConv2D) {
-      kernels::Conv2DShape shape;
-      shape.batch = batch;
-      shape.in_channels = l.in.channels;
-      shape.height = l.in.height;
-      shape.width = l.in.width;
-      shape.out_channels = spec.conv2d().filters();
-      shape.kernel_h = shape.kernel_w = spec.conv2d().kernel();
-      shape.stride = spec.conv2d().stride() == 0 ? 1 : spec.conv2d().stride();
-      shape.padding = spec.conv2d().padding();
-      auto op = backend_->CreateConv2D(shape);
-      if (!op.ok()) return op.status();
-      state->conv[i] = *std::move(op);
-    } else if (l.kind == LayerSpec::kMaxPool) {
-      kernels::Pool2DShape shape;
-      shape.batch = batch;
-      shape.channels = l.in.channels;
-      shape.height = l.in.height;
-      shape.width = l.in.width;
-      shape.window = spec.max_pool().size();
-      shape.stride = spec.max_pool().stride() == 0 ? shape.window : spec.max_pool().stride();
-      auto op = backend_->CreateMaxPool2D(shape);
-      if (!op.ok()) return op.status();
-      state->pool[i] = *std::move(op);
-    } else if (l.kind == LayerSpec::kRelu) {
-      auto op = backend_->CreateRelu(int64_t{batch} * l.in.size());
-      if (!op.ok()) return op.status();
-      state->relu[i] = *std::move(op);
-    } else if (l.kind == LayerSpec::kDense) {
-      kernels::DenseShape shape{batch, static_cast<int>(l.in.size()), l.out.channels};
-      auto op = backend_->CreateDense(shape);
-      if (!op.ok()) return op.status();
-      state->dense[i] = *std::move(op);
-    }
-  }
-  auto loss = backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes());
-  if (!loss.ok()) return loss.status();
-  state->loss = *std::move(loss);
-  auto probs = alloc(int64_t{batch} * spec_.num_classes());
-  if (!probs.ok()) return probs.status();
-  state->probs = *std::move(probs);
+  PSFLOW_RETURN_IF_ERROR(CreateOps(state.get()));
   BatchState* raw = state.get();
   states_[batch] = std::move(state);
   return raw;
 }
 
-absl::StatusOr<Network::Result> Network::Forward(BatchState* st, const float* images,
-                                                 const int32_t* labels) {
-  const InputSpec& in = spec_.input();
-  if (in.stddev() > 0) {
-    const size_t n = st->acts[0]->size();
-    st->standardized.resize(n);
-    const float mean = in.mean(), scale = 1.0f / in.stddev();
-    for (size_t i = 0; i < n; ++i) st->standardized[i] = (images[i] - mean) * scale;
-    images = st->standardized.data();
+absl::Status Network::CreateOps(BatchState* st) {
+  const int batch = st->batch;
+  const size_t n = layers_.size();
+  st->conv.resize(n);
+  st->pool.resize(n);
+  st->relu.resize(n);
+  st->dense.resize(n);
+  st->norm.resize(n);
+  st->gap.resize(n);
+  auto alloc = [&](int64_t floats, std::unique_ptr<kernels::Buffer>* out) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf = backend_->Allocate(static_cast<size_t>(floats));
+    if (!buf.ok()) return buf.status();
+    *out = *std::move(buf);
+    return absl::OkStatus();
+  };
+  int64_t largest = 0;
+  st->acts.resize(n + 1);
+  st->dacts.resize(n + 1);
+  for (size_t i = 0; i <= n; ++i) {
+    const int64_t floats = int64_t{batch} * (i == 0 ? input_floats() : layers_[i - 1].out.size());
+    largest = std::max(largest, floats);
+    PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->acts[i]));
+    if (i > 0) PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->dacts[i]));
   }
-  PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(images, st->acts[0]->size(), st->acts[0]->data()));
+  PSFLOW_RETURN_IF_ERROR(alloc(largest, &st->scratch));
+  PSFLOW_RETURN_IF_ERROR(alloc(int64_t{batch} * input_floats(), &st->images));
+  PSFLOW_RETURN_IF_ERROR(alloc(batch, &st->labels));  // int32 bits in float slots
+  PSFLOW_RETURN_IF_ERROR(alloc(int64_t{batch} * spec_.num_classes(), &st->probs));
+  PSFLOW_RETURN_IF_ERROR(alloc(2, &st->stats));
+  for (size_t i = 0; i < n; ++i) {
+    const Layer& l = layers_[i];
+    const LayerSpec& spec = spec_.layer(static_cast<int>(i));
+    switch (l.kind) {
+      case LayerSpec::kConv2D: {
+        kernels::Conv2DShape shape;
+        shape.batch = batch;
+        shape.in_channels = l.in.channels;
+        shape.height = l.in.height;
+        shape.width = l.in.width;
+        shape.out_channels = spec.conv2d().filters();
+        shape.kernel_h = shape.kernel_w = spec.conv2d().kernel();
+        shape.stride = spec.conv2d().stride() == 0 ? 1 : spec.conv2d().stride();
+        shape.padding = spec.conv2d().padding();
+        PSFLOW_ASSIGN_OR_RETURN(st->conv[i], backend_->CreateConv2D(shape));
+        break;
+      }
+      case LayerSpec::kMaxPool: {
+        kernels::Pool2DShape shape;
+        shape.batch = batch;
+        shape.channels = l.in.channels;
+        shape.height = l.in.height;
+        shape.width = l.in.width;
+        shape.window = spec.max_pool().size();
+        shape.stride = spec.max_pool().stride() == 0 ? shape.window : spec.max_pool().stride();
+        PSFLOW_ASSIGN_OR_RETURN(st->pool[i], backend_->CreateMaxPool2D(shape));
+        break;
+      }
+      case LayerSpec::kRelu: {
+        PSFLOW_ASSIGN_OR_RETURN(st->relu[i], backend_->CreateRelu(int64_t{batch} * l.in.size()));
+        break;
+      }
+      case LayerSpec::kDense: {
+        kernels::DenseShape shape{batch, static_cast<int>(l.in.size()), l.out.channels};
+        PSFLOW_ASSIGN_OR_RETURN(st->dense[i], backend_->CreateDense(shape));
+        break;
+      }
+      case LayerSpec::kBatchNorm: {
+        kernels::BatchNormShape shape{batch, l.in.channels, l.in.height, l.in.width};
+        if (spec.batch_norm().epsilon() > 0) shape.epsilon = spec.batch_norm().epsilon();
+        PSFLOW_ASSIGN_OR_RETURN(st->norm[i], backend_->CreateBatchNorm(shape));
+        break;
+      }
+      case LayerSpec::kGlobalAvgPool: {
+        kernels::GlobalAvgPoolShape shape{batch, l.in.channels, l.in.height, l.in.width};
+        PSFLOW_ASSIGN_OR_RETURN(st->gap[i], backend_->CreateGlobalAvgPool(shape));
+        break;
+      }
+      case LayerSpec::kAdd:
+        break;
+      case LayerSpec::KIND_NOT_SET:
+        return absl::InternalError("layer without kind");
+    }
+  }
+  PSFLOW_ASSIGN_OR_RETURN(st->loss, backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes()));
+  return absl::OkStatus();
+}
+
+absl::Status Network::SetInputs(const float* images, const int32_t* labels, int batch) {
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  for (int i = 0; i < batch; ++i) {
+    if (labels[i] < 0 || labels[i] >= spec_.num_classes()) {
+      return absl::InvalidArgumentError(absl::StrCat("label ", labels[i], " of example ", i,
+                                                     " is outside [0, ", spec_.num_classes(), ")"));
+    }
+  }
+  PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(images, st->images->size(), st->images->data()));
+  static_assert(sizeof(int32_t) == sizeof(float));
+  PSFLOW_RETURN_IF_ERROR(
+      backend_->CopyToDevice(reinterpret_cast<const float*>(labels), static_cast<size_t>(batch), st->labels->data()));
+  st->inputs_set = true;
+  return absl::OkStatus();
+}
+
+absl::Status Network::QueueForward(BatchState* st) {
+  const InputSpec& in = spec_.input();
+  const int64_t input_size = static_cast<int64_t>(st->images->size());
+  if (in.stddev() > 0) {
+    const float scale = 1.0f / in.stddev();
+    PSFLOW_RETURN_IF_ERROR(
+        backend_->Affine(st->images->data(), scale, -in.mean() * scale, st->acts[0]->data(), input_size));
+  } else {
+    PSFLOW_RETURN_IF_ERROR(backend_->Copy(st->images->data(), st->acts[0]->data(), input_size));
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
-    const float* x = st->acts[i]->data();
+    const float* x = st->acts[l.in_act]->data();
     float* y = st->acts[i + 1]->data();
+    const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
+    const float* b = l.second >= 0 ? weights_[l.second]->data() : nullptr;
     switch (l.kind) {
       case LayerSpec::kConv2D:
-        PSFLOW_RETURN_IF_ERROR(st->conv[i]->Forward(x, weights_[l.weights]->data(), weights_[l.bias]->data(), y));
+        PSFLOW_RETURN_IF_ERROR(st->conv[i]->Forward(x, w, b, y));
         break;
       case LayerSpec::kMaxPool:
         PSFLOW_RETURN_IF_ERROR(st->pool[i]->Forward(x, y));
@@ -195,58 +262,188 @@ absl::StatusOr<Network::Result> Network::Forward(BatchState* st, const float* im
         PSFLOW_RETURN_IF_ERROR(st->relu[i]->Forward(x, y));
         break;
       case LayerSpec::kDense:
-        PSFLOW_RETURN_IF_ERROR(st->dense[i]->Forward(x, weights_[l.weights]->data(), weights_[l.bias]->data(), y));
+        PSFLOW_RETURN_IF_ERROR(st->dense[i]->Forward(x, w, b, y));
+        break;
+      case LayerSpec::kBatchNorm:
+        PSFLOW_RETURN_IF_ERROR(st->norm[i]->Forward(x, w, b, y));
+        break;
+      case LayerSpec::kGlobalAvgPool:
+        PSFLOW_RETURN_IF_ERROR(st->gap[i]->Forward(x, y));
+        break;
+      case LayerSpec::kAdd:
+        PSFLOW_RETURN_IF_ERROR(backend_->Add(x, st->acts[l.other_act]->data(), y,
+                                             static_cast<int64_t>(st->acts[i + 1]->size())));
         break;
       case LayerSpec::KIND_NOT_SET:
         return absl::InternalError("layer without kind");
     }
   }
-  st->labels.assign(labels, labels + st->batch);
-  absl::StatusOr<kernels::SoftmaxCrossEntropy::Result> r =
-      st->loss->Forward(st->acts.back()->data(), st->labels.data(), st->probs->data());
-  if (!r.ok()) return r.status();
-  return Result{r->loss, r->correct};
+  return st->loss->Forward(st->acts.back()->data(), reinterpret_cast<const int32_t*>(st->labels->data()),
+                           st->probs->data(), st->stats->data());
+}
+
+absl::Status Network::Contribute(BatchState* st, int act, const std::function<absl::Status(float*)>& produce) {
+  if (!st->grad_written[act]) {
+    PSFLOW_RETURN_IF_ERROR(produce(st->dacts[act]->data()));
+    st->grad_written[act] = true;
+    return absl::OkStatus();
+  }
+  PSFLOW_RETURN_IF_ERROR(produce(st->scratch->data()));
+  float* d = st->dacts[act]->data();
+  return backend_->Add(d, st->scratch->data(), d, static_cast<int64_t>(st->dacts[act]->size()));
+}
+
+absl::Status Network::QueueBackward(BatchState* st) {
+  const size_t n = layers_.size();
+  st->grad_written.assign(n + 1, false);
+  const int32_t* labels = reinterpret_cast<const int32_t*>(st->labels->data());
+  PSFLOW_RETURN_IF_ERROR(st->loss->Backward(st->probs->data(), labels, st->dacts[n]->data()));
+  st->grad_written[n] = true;
+  for (size_t i = n; i-- > 0;) {
+    const Layer& l = layers_[i];
+    if (!st->grad_written[i + 1]) return absl::InternalError(absl::StrCat("no gradient reaches layer ", i));
+    const float* x = st->acts[l.in_act]->data();
+    const float* dy = st->dacts[i + 1]->data();
+    const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
+    float* dw = l.first >= 0 ? grads_[l.first]->data() : nullptr;
+    float* db = l.second >= 0 ? grads_[l.second]->data() : nullptr;
+    // The model input's gradient is never needed.
+    const bool need_dx = l.in_act > 0;
+    switch (l.kind) {
+      case LayerSpec::kConv2D:
+        if (!need_dx) {
+          PSFLOW_RETURN_IF_ERROR(st->conv[i]->Backward(x, w, dy, nullptr, dw, db));
+        } else {
+          PSFLOW_RETURN_IF_ERROR(Contribute(st, l.in_act, [&](float* dx) {
+            return st->conv[i]->Backward(x, w, dy, dx, dw, db);
+          }));
+        }
+        break;
+      case LayerSpec::kDense:
+        if (!need_dx) {
+          PSFLOW_RETURN_IF_ERROR(st->dense[i]->Backward(x, w, dy, nullptr, dw, db));
+        } else {
+          PSFLOW_RETURN_IF_ERROR(Contribute(st, l.in_act, [&](float* dx) {
+            return st->dense[i]->Backward(x, w, dy, dx, dw, db);
+          }));
+        }
+        break;
+      case LayerSpec::kBatchNorm:
+        if (!need_dx) {
+          PSFLOW_RETURN_IF_ERROR(st->norm[i]->Backward(x, w, dy, st->scratch->data(), dw, db));
+        } else {
+          PSFLOW_RETURN_IF_ERROR(Contribute(st, l.in_act, [&](float* dx) {
+            return st->norm[i]->Backward(x, w, dy, dx, dw, db);
+          }));
+        }
+        break;
+      case LayerSpec::kMaxPool:
+        if (need_dx) {
+          PSFLOW_RETURN_IF_ERROR(
+              Contribute(st, l.in_act, [&](float* dx) { return st->pool[i]->Backward(dy, dx); }));
+        }
+        break;
+      case LayerSpec::kRelu:
+        if (need_dx) {
+          PSFLOW_RETURN_IF_ERROR(
+              Contribute(st, l.in_act, [&](float* dx) { return st->relu[i]->Backward(x, dy, dx); }));
+        }
+        break;
+      case LayerSpec::kGlobalAvgPool:
+        if (need_dx) {
+          PSFLOW_RETURN_IF_ERROR(
+              Contribute(st, l.in_act, [&](float* dx) { return st->gap[i]->Backward(dy, dx); }));
+        }
+        break;
+      case LayerSpec::kAdd: {
+        // The sum passes its gradient unchanged to both operands.
+        const int64_t size = static_cast<int64_t>(st->dacts[i + 1]->size());
+        for (int act : {l.in_act, l.other_act}) {
+          if (act == 0) continue;
+          float* d = st->dacts[act]->data();
+          if (!st->grad_written[act]) {
+            PSFLOW_RETURN_IF_ERROR(backend_->Copy(dy, d, size));
+            st->grad_written[act] = true;
+          } else {
+            PSFLOW_RETURN_IF_ERROR(backend_->Add(d, dy, d, size));
+          }
+        }
+        break;
+      }
+      case LayerSpec::KIND_NOT_SET:
+        return absl::InternalError("layer without kind");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Network::QueueTrain(BatchState* st) {
+  PSFLOW_RETURN_IF_ERROR(QueueForward(st));
+  PSFLOW_RETURN_IF_ERROR(QueueBackward(st));
+  if (options_.local_sgd_learning_rate > 0) {
+    for (size_t v = 0; v < weights_.size(); ++v) {
+      PSFLOW_RETURN_IF_ERROR(backend_->Sgd(weights_[v]->data(), grads_[v]->data(),
+                                           options_.local_sgd_learning_rate,
+                                           static_cast<int64_t>(weights_[v]->size())));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Network::Run(BatchState* st, bool train) {
+  std::unique_ptr<kernels::Graph>& graph = train ? st->train_graph : st->eval_graph;
+  bool& eager_done = train ? st->eager_train_done : st->eager_eval_done;
+  auto queue = [this, st, train]() { return train ? QueueTrain(st) : QueueForward(st); };
+  if (graph != nullptr) return graph->Launch();
+  // The first step of a batch size runs eagerly: it creates the workspaces
+  // and lazily initialised library state that a recording must not.
+  if (!options_.use_graphs || st->graphs_off || !eager_done) {
+    PSFLOW_RETURN_IF_ERROR(queue());
+    eager_done = true;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<kernels::Graph>> recorded = backend_->Capture(queue);
+  if (!recorded.ok()) {
+    st->graphs_off = true;
+    if (!absl::IsUnimplemented(recorded.status())) {
+      PSLOG(WARNING) << "recording the step as a graph failed (" << recorded.status().message()
+                     << "); running it op by op";
+    }
+    return queue();
+  }
+  graph = *std::move(recorded);
+  return graph->Launch();
+}
+
+absl::Status Network::StartTrainStep(int batch) {
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  if (!st->inputs_set) return absl::FailedPreconditionError("StartTrainStep before SetInputs");
+  return Run(st, /*train=*/true);
+}
+
+absl::StatusOr<Network::Result> Network::FinishStep(int batch) {
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  float stats[2] = {0, 0};
+  PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(st->stats->data(), 2, stats));
+  return Result{stats[0], std::llround(stats[1])};
+}
+
+bool Network::UsesGraph(int batch) const {
+  auto it = states_.find(batch);
+  return it != states_.end() && it->second->train_graph != nullptr;
 }
 
 absl::StatusOr<Network::Result> Network::TrainStep(const float* images, const int32_t* labels, int batch) {
-  absl::StatusOr<BatchState*> st_or = StateFor(batch);
-  if (!st_or.ok()) return st_or.status();
-  BatchState* st = *st_or;
-  absl::StatusOr<Result> result = Forward(st, images, labels);
-  if (!result.ok()) return result;
-  PSFLOW_RETURN_IF_ERROR(st->loss->Backward(st->probs->data(), st->labels.data(), st->dacts.back()->data()));
-  for (size_t i = layers_.size(); i-- > 0;) {
-    const Layer& l = layers_[i];
-    const float* x = st->acts[i]->data();
-    const float* dy = st->dacts[i + 1]->data();
-    // The first layer's input gradient is never used.
-    float* dx = i == 0 ? nullptr : st->dacts[i]->data();
-    switch (l.kind) {
-      case LayerSpec::kConv2D:
-        PSFLOW_RETURN_IF_ERROR(st->conv[i]->Backward(x, weights_[l.weights]->data(), dy, dx,
-                                                     grads_[l.weights]->data(), grads_[l.bias]->data()));
-        break;
-      case LayerSpec::kDense:
-        PSFLOW_RETURN_IF_ERROR(st->dense[i]->Backward(x, weights_[l.weights]->data(), dy, dx,
-                                                      grads_[l.weights]->data(), grads_[l.bias]->data()));
-        break;
-      case LayerSpec::kMaxPool:
-        if (dx != nullptr) PSFLOW_RETURN_IF_ERROR(st->pool[i]->Backward(dy, dx));
-        break;
-      case LayerSpec::kRelu:
-        if (dx != nullptr) PSFLOW_RETURN_IF_ERROR(st->relu[i]->Backward(x, dy, dx));
-        break;
-      case LayerSpec::KIND_NOT_SET:
-        return absl::InternalError("layer without kind");
-    }
-  }
-  return result;
+  PSFLOW_RETURN_IF_ERROR(SetInputs(images, labels, batch));
+  PSFLOW_RETURN_IF_ERROR(StartTrainStep(batch));
+  return FinishStep(batch);
 }
 
 absl::StatusOr<Network::Result> Network::Evaluate(const float* images, const int32_t* labels, int batch) {
-  absl::StatusOr<BatchState*> st = StateFor(batch);
-  if (!st.ok()) return st.status();
-  return Forward(*st, images, labels);
+  PSFLOW_RETURN_IF_ERROR(SetInputs(images, labels, batch));
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  PSFLOW_RETURN_IF_ERROR(Run(st, /*train=*/false));
+  return FinishStep(batch);
 }
 
 }  // namespace psflow::model

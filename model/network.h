@@ -1,7 +1,16 @@
 // A model spec made runnable on a kernels backend: the worker trains with it,
-// psflow-eval and the evaluator run it forward. Ops and activation buffers
-// are created once per batch size and reused. Weights and gradients are
-// exchanged through host memory, in ModelVariables(spec) order.
+// psflow-eval and the evaluator run it forward, the benchmarks time it. Ops
+// and activation buffers are created once per batch size and reused.
+// Weights and gradients are exchanged through host memory, in
+// ModelVariables(spec) order.
+//
+// Layers form a graph (a layer reads any earlier layer's output, `add` joins
+// two); the backward pass visits layers in reverse order and sums the
+// gradients of outputs read by more than one layer.
+//
+// On a backend that records graphs (CUDA), the work of a step is queued as one
+// graph after the first eager step of each batch size, so a step costs one
+// launch instead of one per kernel.
 //
 // Not thread-safe: one Network per thread.
 #ifndef PSFLOW_MODEL_NETWORK_H_
@@ -19,11 +28,19 @@
 
 namespace psflow::model {
 
+struct NetworkOptions {
+  // Replay each batch size's step as a recorded graph where the backend can.
+  bool use_graphs = true;
+  // > 0: each training step ends with w -= rate * g on the device, for
+  // training without parameter servers (benchmarks).
+  float local_sgd_learning_rate = 0;
+};
+
 class Network {
  public:
   // `spec` must be valid; `backend` must outlive the network.
-  static absl::StatusOr<std::unique_ptr<Network>> Create(const ModelSpec& spec,
-                                                         kernels::Backend* backend);
+  static absl::StatusOr<std::unique_ptr<Network>> Create(const ModelSpec& spec, kernels::Backend* backend,
+                                                         const NetworkOptions& options = {});
   ~Network();
 
   const ModelSpec& spec() const { return spec_; }
@@ -38,29 +55,52 @@ class Network {
 
   // Copies weights in from host memory, one pointer per variable.
   absl::Status SetWeights(const std::vector<const float*>& host);
+  // Copies the weights out to host memory, one pointer per variable.
+  absl::Status GetWeights(const std::vector<float*>& host);
 
   struct Result {
     double loss = 0;      // mean over the batch
     int64_t correct = 0;  // arg-max equals the label
   };
   // Forward and backward over one batch (host memory: images [batch, C, H, W]
-  // in [0, 1], standardized here as the spec's input says; labels [batch]); the gradients of the mean loss stay in the network until
-  // GetGradients.
+  // in [0, 1], standardized on the device as the spec's input says; labels
+  // [batch], each in [0, num_classes)); the gradients of the mean loss stay
+  // in the network until GetGradients.
   absl::StatusOr<Result> TrainStep(const float* images, const int32_t* labels, int batch);
-  // Copies the latest gradients out to host memory, one pointer per variable.
-  absl::Status GetGradients(const std::vector<float*>& host);
   // Forward only.
   absl::StatusOr<Result> Evaluate(const float* images, const int32_t* labels, int batch);
+  // Copies the latest gradients out to host memory, one pointer per variable.
+  absl::Status GetGradients(const std::vector<float*>& host);
+
+  // The same step in parts, for callers that keep a batch on the device:
+  // SetInputs copies a batch in; StartTrainStep queues a step on the inputs
+  // last set for that batch size and returns before it finishes;
+  // FinishStep waits for it and reads its loss and accuracy.
+  absl::Status SetInputs(const float* images, const int32_t* labels, int batch);
+  absl::Status StartTrainStep(int batch);
+  absl::StatusOr<Result> FinishStep(int batch);
+
+  // Whether steps of this batch size replay a recorded graph (after the
+  // first eager step); false on backends without graphs.
+  bool UsesGraph(int batch) const;
 
  private:
   struct Layer;
   struct BatchState;
-  Network(ModelSpec spec, kernels::Backend* backend);
+  Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options);
   absl::StatusOr<BatchState*> StateFor(int batch);
-  absl::StatusOr<Result> Forward(BatchState* state, const float* images, const int32_t* labels);
+  absl::Status CreateOps(BatchState* st);
+  absl::Status QueueForward(BatchState* st);
+  absl::Status QueueBackward(BatchState* st);
+  absl::Status QueueTrain(BatchState* st);
+  // Adds (or writes, if it is the first) a gradient contribution for
+  // activation `act`; `produce` writes it into the pointer it is given.
+  absl::Status Contribute(BatchState* st, int act, const std::function<absl::Status(float*)>& produce);
+  absl::Status Run(BatchState* st, bool train);
 
   ModelSpec spec_;
   kernels::Backend* backend_;
+  NetworkOptions options_;
   std::vector<VariableShape> variables_;
   std::vector<Layer> layers_;
   std::vector<std::unique_ptr<kernels::Buffer>> weights_;

@@ -15,7 +15,7 @@
 
 namespace psflow::model {
 
-// "cnn" and "mlp" are built in; anything else is read as a path to a spec in
+// "cnn", "mlp" and "resnet" (ResNet-18 for 32x32x3 inputs) are built in; anything else is read as a path to a spec in
 // protobuf text format. The result has passed ValidateModelSpec.
 absl::StatusOr<ModelSpec> ResolveModelSpec(const std::string& name_or_path);
 
@@ -29,18 +29,36 @@ struct ActivationShape {
   int64_t size() const { return int64_t{channels} * height * width; }
 };
 
-// Checks layer names (unique, non-empty), parameters (positive, kernels that
-// fit), and that the last layer is a dense layer with num_classes units.
-// Returns the activation shape after each layer.
+// Checks layer names (unique, non-empty), wiring (inputs name earlier layers,
+// every output but the last is read, added shapes agree), parameters
+// (positive, kernels that fit), and that the last layer is a dense layer with
+// num_classes units. Returns the activation shape after each layer.
 absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& spec);
 
-// The variables of a valid spec in layer order: "<layer>/weights" (conv:
-// [filters, in_channels, k, k]; dense: [units, in_features]) then
-// "<layer>/bias" ([filters] or [units]).
+// Which layer outputs a layer reads: the index of an earlier layer, or -1 for
+// the model input. `other` is the second operand of an add layer.
+struct LayerWiring {
+  int input = -1;
+  int other = -1;
+};
+absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec);
+
+// The variables of a valid spec in layer order: conv "<layer>/weights"
+// [filters, in_channels, k, k] and "<layer>/bias" [filters] (unless no_bias);
+// dense "<layer>/weights" [units, in_features] and "<layer>/bias" [units];
+// batch_norm "<layer>/gamma" and "<layer>/beta" [channels].
 std::vector<VariableShape> ModelVariables(const ModelSpec& spec);
 
+// Per layer, the indices into ModelVariables of its variables: weights and
+// bias, or gamma and beta; -1 where it has none.
+struct LayerVariables {
+  int first = -1, second = -1;
+};
+std::vector<LayerVariables> LayerVariableIndices(const ModelSpec& spec);
+
 // Initial values, deterministic in `seed`: weights and biases uniform in
-// (-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in being the inputs of one output unit.
+// (-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in being the inputs of one output
+// unit; batch-norm gamma 1 and beta 0.
 std::vector<std::vector<float>> InitialValues(const ModelSpec& spec, uint64_t seed);
 
 }  // namespace psflow::model

@@ -14,7 +14,9 @@
 #include "common/signals.h"
 #include "worker/worker.h"
 
-ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu (oneDNN).");
+ABSL_FLAG(std::string, device, "cpu",
+          "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
+          "The parameter servers stay on CPUs either way.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief before exiting with code 138.");
 

@@ -17,6 +17,7 @@
 #include "common/tensor_chunks.h"
 #include "common/thread_pool.h"
 #include "data/mnist.h"
+#include "data/synthetic.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "proto/chief.grpc.pb.h"
@@ -182,7 +183,12 @@ int Worker::Impl::Prepare() {
     return kExitPermanent;
   }
   backend_ = *std::move(backend);
-  absl::StatusOr<data::Dataset> data = data::LoadMnist(job_.data_dir(), data::Split::kTrain);
+  const InputSpec& in = job_.model().input();
+  absl::StatusOr<data::Dataset> data =
+      job_.dataset() == "synthetic"
+          ? data::MakeSynthetic({in.channels(), in.height(), in.width(), job_.model().num_classes()},
+                                job_.num_examples(), data::Split::kTrain)
+          : data::LoadMnist(job_.data_dir(), data::Split::kTrain);
   if (!data.ok()) {
     PSLOG(ERROR) << data.status().message();
     return kExitPermanent;
@@ -193,7 +199,6 @@ int Worker::Impl::Prepare() {
                  << ", the chief saw " << job_.num_examples() << ": every process needs the same data";
     return kExitPermanent;
   }
-  const InputSpec& in = job_.model().input();
   if (data_.channels != in.channels() || data_.height != in.height() || data_.width != in.width() ||
       data_.num_classes != job_.model().num_classes()) {
     PSLOG(ERROR) << "data in " << job_.data_dir() << " is " << data_.channels << "x" << data_.height << "x"

@@ -46,6 +46,15 @@ struct DnnlContext {
     }
   }
 
+  // Runs host loops (OpenMP-parallel ones included) under the same mutex, so
+  // that they never compete with a primitive, or each other, for the cores.
+  template <typename Fn>
+  absl::Status RunLoops(Fn&& fn) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    fn();
+    return absl::OkStatus();
+  }
+
   const dnnl::engine engine;
   absl::Mutex mu;
   dnnl::stream stream ABSL_GUARDED_BY(mu);
@@ -61,6 +70,10 @@ using Tag = memory::format_tag;
 using Args = std::unordered_map<int, memory>;
 
 constexpr size_t kAlignment = 64;
+
+// Host loops over fewer floats than this run on one thread: below it, starting
+// the OpenMP team costs more than the loop.
+constexpr int64_t kMinParallel = int64_t{1} << 15;
 
 class HostBuffer final : public Buffer {
  public:
@@ -146,64 +159,85 @@ class DnnlConv2D final : public Conv2D {
     const memory::dims pad = {s.padding, s.padding};
     const auto algo = dnnl::algorithm::convolution_direct;
 
+    const auto train = dnnl::prop_kind::forward_training;
+
+    // Both variants, with and without bias, are built here, so that a layer
+    // may pick per call and no call ever creates a primitive.
     const dnnl::convolution_forward::primitive_desc fwd_pd(
-        {dnnl::prop_kind::forward_training, algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng);
+        {train, algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng);
+    const dnnl::convolution_forward::primitive_desc fwd_no_bias_pd(
+        {train, algo, x_md, w_md, y_md, strides, pad, pad}, eng);
     const dnnl::convolution_backward_data::primitive_desc bwd_data_pd(
         {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_pd);
     const dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd(
         {algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng, fwd_pd);
+    const dnnl::convolution_backward_weights::primitive_desc bwd_weights_no_bias_pd(
+        {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_no_bias_pd);
     fwd_ = dnnl::convolution_forward(fwd_pd);
+    fwd_no_bias_ = dnnl::convolution_forward(fwd_no_bias_pd);
     bwd_data_ = dnnl::convolution_backward_data(bwd_data_pd);
     bwd_weights_ = dnnl::convolution_backward_weights(bwd_weights_pd);
+    bwd_weights_no_bias_ = dnnl::convolution_backward_weights(bwd_weights_no_bias_pd);
 
     x_ = Unbound(x_md, eng), w_ = Unbound(w_md, eng), b_ = Unbound(b_md, eng);
     y_ = Unbound(y_md, eng), dx_ = Unbound(x_md, eng), dw_ = Unbound(w_md, eng);
     db_ = Unbound(b_md, eng), dy_ = Unbound(y_md, eng);
     // The maps hold handles to the same memory objects, so Bind() updates them.
-    fwd_args_ = {
-        {DNNL_ARG_SRC, x_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_BIAS, b_}, {DNNL_ARG_DST, y_}};
+    fwd_no_bias_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_DST, y_}};
+    fwd_args_ = fwd_no_bias_args_;
+    fwd_args_.insert({DNNL_ARG_BIAS, b_});
     bwd_data_args_ = {{DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_WEIGHTS, w_}, {DNNL_ARG_DIFF_SRC, dx_}};
-    bwd_weights_args_ = {{DNNL_ARG_SRC, x_},
-                         {DNNL_ARG_DIFF_DST, dy_},
-                         {DNNL_ARG_DIFF_WEIGHTS, dw_},
-                         {DNNL_ARG_DIFF_BIAS, db_}};
+    bwd_weights_no_bias_args_ = {
+        {DNNL_ARG_SRC, x_}, {DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_DIFF_WEIGHTS, dw_}};
+    bwd_weights_args_ = bwd_weights_no_bias_args_;
+    bwd_weights_args_.insert({DNNL_ARG_DIFF_BIAS, db_});
   }
 
+  // b == nullptr: no bias.
   absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
-    if (auto s = CheckNonNull("Conv2D forward", {{"x", x}, {"w", w}, {"b", b}, {"y", y}});
-        !s.ok()) {
+    if (auto s = CheckNonNull("Conv2D forward", {{"x", x}, {"w", w}, {"y", y}}); !s.ok()) {
       return s;
     }
     return ctx_->Run("Conv2D forward", [&](dnnl::stream& stream) {
-      Bind(x_, x), Bind(w_, w), Bind(b_, b), Bind(y_, y);
-      fwd_.execute(stream, fwd_args_);
+      Bind(x_, x), Bind(w_, w), Bind(y_, y);
+      if (b != nullptr) {
+        Bind(b_, b);
+        fwd_.execute(stream, fwd_args_);
+      } else {
+        fwd_no_bias_.execute(stream, fwd_no_bias_args_);
+      }
     });
   }
 
+  // db == nullptr: the layer has no bias, so no bias gradient.
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
-    if (auto s = CheckNonNull("Conv2D backward",
-                              {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}});
+    if (auto s = CheckNonNull("Conv2D backward", {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}});
         !s.ok()) {
       return s;
     }
     return ctx_->Run("Conv2D backward", [&](dnnl::stream& stream) {
-      Bind(x_, x), Bind(w_, w), Bind(dy_, dy), Bind(dw_, dw), Bind(db_, db);
+      Bind(x_, x), Bind(w_, w), Bind(dy_, dy), Bind(dw_, dw);
       if (dx != nullptr) {  // null for a first layer: nothing consumes dx
         Bind(dx_, dx);
         bwd_data_.execute(stream, bwd_data_args_);
       }
-      bwd_weights_.execute(stream, bwd_weights_args_);
+      if (db != nullptr) {
+        Bind(db_, db);
+        bwd_weights_.execute(stream, bwd_weights_args_);
+      } else {
+        bwd_weights_no_bias_.execute(stream, bwd_weights_no_bias_args_);
+      }
     });
   }
 
  private:
   std::shared_ptr<DnnlContext> ctx_;
-  dnnl::convolution_forward fwd_;
+  dnnl::convolution_forward fwd_, fwd_no_bias_;
   dnnl::convolution_backward_data bwd_data_;
-  dnnl::convolution_backward_weights bwd_weights_;
+  dnnl::convolution_backward_weights bwd_weights_, bwd_weights_no_bias_;
   memory x_, w_, b_, y_, dx_, dw_, db_, dy_;
-  Args fwd_args_, bwd_data_args_, bwd_weights_args_;
+  Args fwd_args_, fwd_no_bias_args_, bwd_data_args_, bwd_weights_args_, bwd_weights_no_bias_args_;
 };
 
 // ---------------------------------------------------------------- MaxPool2D
@@ -410,10 +444,12 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
     args_ = {{DNNL_ARG_SRC, logits_}, {DNNL_ARG_DST, probs_}};
   }
 
-  absl::StatusOr<Result> Forward(const float* logits, const int32_t* labels,
-                                 float* probs) override {
-    if (auto s = CheckNonNull("SoftmaxCrossEntropy forward",
-                              {{"logits", logits}, {"labels", labels}, {"probs", probs}});
+  // labels and stats are host memory, as all memory of this backend.
+  absl::Status Forward(const float* logits, const int32_t* labels, float* probs,
+                       float* stats) override {
+    if (auto s = CheckNonNull(
+            "SoftmaxCrossEntropy forward",
+            {{"logits", logits}, {"labels", labels}, {"probs", probs}, {"stats", stats}});
         !s.ok()) {
       return s;
     }
@@ -428,8 +464,8 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
     }
     // The loss comes from the logits by log-sum-exp rather than from log(probs):
     // exact even where a probability underflows to 0.
-    Result result;
     double total = 0;
+    int64_t correct = 0;
     for (int i = 0; i < batch_; ++i) {
       const float* row = logits + static_cast<size_t>(i) * classes_;
       const int argmax = static_cast<int>(std::max_element(row, row + classes_) - row);
@@ -437,10 +473,11 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
       double sum = 0;
       for (int j = 0; j < classes_; ++j) sum += std::exp(double{row[j]} - max);
       total += max + std::log(sum) - row[labels[i]];
-      if (argmax == labels[i]) ++result.correct;
+      if (argmax == labels[i]) ++correct;
     }
-    result.loss = total / batch_;
-    return result;
+    stats[0] = static_cast<float>(total / batch_);
+    stats[1] = static_cast<float>(correct);
+    return absl::OkStatus();
   }
 
   absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) override {
@@ -478,6 +515,176 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
   memory logits_, probs_;
   Args args_;
 };
+
+// ---------------------------------------------------------------- BatchNorm
+
+std::string Describe(const BatchNormShape& s) {
+  return absl::StrFormat("BatchNorm(N=%d C=%d H=%d W=%d epsilon=%g)", s.batch, s.channels, s.height,
+                         s.width, s.epsilon);
+}
+
+absl::Status Validate(const BatchNormShape& s) {
+  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0) {
+    return absl::InvalidArgumentError(Describe(s) + ": all dimensions must be positive");
+  }
+  if (!(s.epsilon >= 0) || !std::isfinite(s.epsilon)) {  // NaN fails the first test
+    return absl::InvalidArgumentError(Describe(s) + ": epsilon must be finite and not negative");
+  }
+  return absl::OkStatus();
+}
+
+class DnnlBatchNorm final : public BatchNorm {
+ public:
+  DnnlBatchNorm(std::shared_ptr<DnnlContext> ctx, const BatchNormShape& s) : ctx_(std::move(ctx)) {
+    const dnnl::engine& eng = ctx_->engine;
+    const auto x_md = Md({s.batch, s.channels, s.height, s.width}, Tag::nchw);
+    const auto c_md = Md({s.channels}, Tag::x);
+    // Batch statistics (no use_global_stats): forward_training computes the
+    // mean and the biased variance and writes them out; gamma and beta are
+    // separate scale and shift memories (use_scale | use_shift, not the
+    // packed [2, C] weights of use_scale_shift).
+    const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
+    const dnnl::batch_normalization_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, x_md, s.epsilon, flags}, eng);
+    // prop_kind::backward (not backward_data): also the scale and shift diffs.
+    const dnnl::batch_normalization_backward::primitive_desc bwd_pd(
+        {dnnl::prop_kind::backward, x_md, x_md, s.epsilon, flags}, eng, fwd_pd);
+    fwd_ = dnnl::batch_normalization_forward(fwd_pd);
+    bwd_ = dnnl::batch_normalization_backward(bwd_pd);
+
+    // The statistics of the latest Forward, read by Backward; owned by the op.
+    mean_ = memory(fwd_pd.mean_desc(), eng);
+    variance_ = memory(fwd_pd.variance_desc(), eng);
+    // oneDNN 2.6 lists DNNL_ARG_SHIFT among the inputs of a use_shift backward
+    // primitive and fails execution ("could not execute a primitive") without
+    // it, although the gradients do not depend on beta and Backward is not
+    // given it. It gets C zeros of its own.
+    unused_shift_ = memory(c_md, eng);
+    std::memset(unused_shift_.get_data_handle(), 0, c_md.get_size());
+    x_ = Unbound(x_md, eng), y_ = Unbound(x_md, eng), dx_ = Unbound(x_md, eng);
+    dy_ = Unbound(x_md, eng), gamma_ = Unbound(c_md, eng), beta_ = Unbound(c_md, eng);
+    dgamma_ = Unbound(c_md, eng), dbeta_ = Unbound(c_md, eng);
+    fwd_args_ = {{DNNL_ARG_SRC, x_},      {DNNL_ARG_DST, y_},     {DNNL_ARG_SCALE, gamma_},
+                 {DNNL_ARG_SHIFT, beta_}, {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, variance_}};
+    bwd_args_ = {{DNNL_ARG_SRC, x_},           {DNNL_ARG_DIFF_DST, dy_},
+                 {DNNL_ARG_MEAN, mean_},       {DNNL_ARG_VARIANCE, variance_},
+                 {DNNL_ARG_SCALE, gamma_},     {DNNL_ARG_SHIFT, unused_shift_},
+                 {DNNL_ARG_DIFF_SRC, dx_},     {DNNL_ARG_DIFF_SCALE, dgamma_},
+                 {DNNL_ARG_DIFF_SHIFT, dbeta_}};
+    // None without fuse_norm_relu; kept general in case an implementation wants one.
+    if (fwd_pd.workspace_desc().get_size() != 0) {
+      workspace_ = memory(fwd_pd.workspace_desc(), eng);
+      fwd_args_.insert({DNNL_ARG_WORKSPACE, workspace_});
+      bwd_args_.insert({DNNL_ARG_WORKSPACE, workspace_});
+    }
+  }
+
+  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) override {
+    if (auto s = CheckNonNull("BatchNorm forward",
+                              {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}});
+        !s.ok()) {
+      return s;
+    }
+    absl::Status status = ctx_->Run("BatchNorm forward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(gamma_, gamma), Bind(beta_, beta), Bind(y_, y);
+      fwd_.execute(stream, fwd_args_);
+    });
+    has_stats_ = status.ok();
+    return status;
+  }
+
+  absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
+                        float* dgamma, float* dbeta) override {
+    if (auto s = CheckNonNull("BatchNorm backward", {{"x", x},
+                                                     {"gamma", gamma},
+                                                     {"dy", dy},
+                                                     {"dx", dx},
+                                                     {"dgamma", dgamma},
+                                                     {"dbeta", dbeta}});
+        !s.ok()) {
+      return s;
+    }
+    if (!has_stats_) {
+      return absl::FailedPreconditionError("BatchNorm backward: no successful Forward before it");
+    }
+    return ctx_->Run("BatchNorm backward", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(gamma_, gamma), Bind(dy_, dy), Bind(dx_, dx);
+      Bind(dgamma_, dgamma), Bind(dbeta_, dbeta);
+      bwd_.execute(stream, bwd_args_);
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  dnnl::batch_normalization_forward fwd_;
+  dnnl::batch_normalization_backward bwd_;
+  memory mean_, variance_, unused_shift_, workspace_;
+  memory x_, y_, dx_, dy_, gamma_, beta_, dgamma_, dbeta_;
+  Args fwd_args_, bwd_args_;
+  bool has_stats_ = false;
+};
+
+// ---------------------------------------------------------------- GlobalAvgPool
+
+// Plain loops: one (n, c) plane per iteration, OpenMP-parallel over the N*C
+// planes when the input is large enough.
+class LoopGlobalAvgPool final : public GlobalAvgPool {
+ public:
+  LoopGlobalAvgPool(std::shared_ptr<DnnlContext> ctx, const GlobalAvgPoolShape& s)
+      : ctx_(std::move(ctx)),
+        planes_(int64_t{s.batch} * s.channels),
+        plane_size_(int64_t{s.height} * s.width) {}
+
+  absl::Status Forward(const float* x, float* y) override {
+    if (auto s = CheckNonNull("GlobalAvgPool forward", {{"x", x}, {"y", y}}); !s.ok()) return s;
+    const int64_t planes = planes_, hw = plane_size_;
+    const double scale = 1.0 / static_cast<double>(hw);
+    const bool parallel = planes > 1 && planes * hw >= kMinParallel;
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel)
+      for (int64_t p = 0; p < planes; ++p) {
+        const float* plane = x + p * hw;
+        double sum = 0;  // double: exact enough for any plane size
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hw; ++i) sum += plane[i];
+        y[p] = static_cast<float>(sum * scale);
+      }
+    });
+  }
+
+  absl::Status Backward(const float* dy, float* dx) override {
+    if (auto s = CheckNonNull("GlobalAvgPool backward", {{"dy", dy}, {"dx", dx}}); !s.ok()) {
+      return s;
+    }
+    const int64_t planes = planes_, hw = plane_size_;
+    const float scale = 1.0f / static_cast<float>(hw);
+    const bool parallel = planes > 1 && planes * hw >= kMinParallel;
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel)
+      for (int64_t p = 0; p < planes; ++p) {
+        const float g = dy[p] * scale;
+        float* plane = dx + p * hw;
+#pragma omp simd
+        for (int64_t i = 0; i < hw; ++i) plane[i] = g;
+      }
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  const int64_t planes_, plane_size_;
+};
+
+// ---------------------------------------------------------------- elementwise helpers
+
+// n < 0 is INVALID_ARGUMENT; n == 0 is a no-op (null pointers allowed); else
+// every pointer must be non-null.
+absl::Status CheckHelper(absl::string_view op, int64_t n,
+                         std::initializer_list<std::pair<absl::string_view, const void*>> args) {
+  if (n < 0) return absl::InvalidArgumentError(absl::StrCat(op, ": n = ", n, " is negative"));
+  if (n == 0) return absl::OkStatus();
+  return CheckNonNull(op, args);
+}
 
 }  // namespace
 
@@ -530,6 +737,49 @@ absl::Status CpuBackend::CopyToHost(const float* device, size_t floats, float* h
   return absl::OkStatus();
 }
 
+// The helpers run their loops under the context's mutex, like the ops. Each
+// element is read before it is written at the same index, so an output may be
+// the same array as an input.
+absl::Status CpuBackend::Add(const float* a, const float* b, float* y, int64_t n) {
+  if (auto s = CheckHelper("Add", n, {{"a", a}, {"b", b}, {"y", y}}); !s.ok() || n == 0) return s;
+  return ctx_->RunLoops([&] {
+#pragma omp parallel for simd if (parallel : n >= kMinParallel)
+    for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+  });
+}
+
+absl::Status CpuBackend::Affine(const float* x, float scale, float shift, float* y, int64_t n) {
+  if (auto s = CheckHelper("Affine", n, {{"x", x}, {"y", y}}); !s.ok() || n == 0) return s;
+  return ctx_->RunLoops([&] {
+#pragma omp parallel for simd if (parallel : n >= kMinParallel)
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale + shift;
+  });
+}
+
+absl::Status CpuBackend::Sgd(float* w, const float* g, float learning_rate, int64_t n) {
+  if (auto s = CheckHelper("Sgd", n, {{"w", w}, {"g", g}}); !s.ok() || n == 0) return s;
+  return ctx_->RunLoops([&] {
+#pragma omp parallel for simd if (parallel : n >= kMinParallel)
+    for (int64_t i = 0; i < n; ++i) w[i] -= learning_rate * g[i];
+  });
+}
+
+absl::Status CpuBackend::Copy(const float* src, float* dst, int64_t n) {
+  if (auto s = CheckHelper("Copy", n, {{"src", src}, {"dst", dst}}); !s.ok() || n == 0) return s;
+  if (src == dst) return absl::OkStatus();
+  return ctx_->RunLoops([&] {
+    // Overlapping ranges (not just the same array) need memmove's ordering.
+    const auto from = reinterpret_cast<uintptr_t>(src), to = reinterpret_cast<uintptr_t>(dst);
+    const uintptr_t bytes = static_cast<uintptr_t>(n) * sizeof(float);
+    if (from < to + bytes && to < from + bytes) {
+      std::memmove(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
+    }
+#pragma omp parallel for simd if (parallel : n >= kMinParallel)
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+  });
+}
+
 absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DShape& shape) {
   if (auto s = Validate(shape); !s.ok()) return s;
   return Build<Conv2D>(Describe(shape), [&] { return std::make_unique<DnnlConv2D>(ctx_, shape); });
@@ -564,6 +814,24 @@ absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CpuBackend::CreateSoftmaxCr
   }
   return Build<SoftmaxCrossEntropy>(
       what, [&] { return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes); });
+}
+
+absl::StatusOr<std::unique_ptr<BatchNorm>> CpuBackend::CreateBatchNorm(
+    const BatchNormShape& shape) {
+  if (auto s = Validate(shape); !s.ok()) return s;
+  return Build<BatchNorm>(Describe(shape),
+                          [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CpuBackend::CreateGlobalAvgPool(
+    const GlobalAvgPoolShape& shape) {
+  const std::string what = absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", shape.batch,
+                                           shape.channels, shape.height, shape.width);
+  if (shape.batch <= 0 || shape.channels <= 0 || shape.height <= 0 || shape.width <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  return Build<GlobalAvgPool>(what,
+                              [&] { return std::make_unique<LoopGlobalAvgPool>(ctx_, shape); });
 }
 
 }  // namespace psflow::kernels

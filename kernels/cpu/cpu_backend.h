@@ -2,15 +2,20 @@
 //
 // Each op builds its oneDNN primitives once, for its fixed shape and the plain
 // layouts of kernels.h (nchw, oihw, nc, oi, x), and on every call only
-// re-points its dnnl::memory handles at the caller's pointers. Buffers are
-// 64-byte aligned, zero-filled host memory; Copy* is memcpy and all work has
-// finished when an op returns, so Synchronize has nothing to wait for.
+// re-points its dnnl::memory handles at the caller's pointers (Conv2D builds
+// both its with-bias and its bias-less primitives at creation). Work that
+// oneDNN has no primitive for (global average pooling, the elementwise
+// helpers, the loss) is plain loops, OpenMP-parallel where the size pays for
+// it. Buffers are 64-byte aligned, zero-filled host memory; Copy* is memcpy
+// and all work has finished when an op returns, so Synchronize has nothing to
+// wait for. There are no graphs: Capture is UNIMPLEMENTED.
 //
 // Thread-safety: the backend is thread-safe. Its ops share one engine and one
-// stream; execution on that stream is serialized by a mutex, so different ops
-// may be called from different threads (one op object still must not be
-// executed concurrently: it keeps per-call state such as the pooling
-// workspace). Ops keep the engine alive, so they may outlive the backend.
+// stream; execution on that stream, and the OpenMP loops, are serialized by a
+// mutex, so different ops may be called from different threads (one op object
+// still must not be executed concurrently: it keeps per-call state such as the
+// pooling workspace or the batch-norm statistics). Ops keep the engine alive,
+// so they may outlive the backend.
 #ifndef PSFLOW_KERNELS_CPU_CPU_BACKEND_H_
 #define PSFLOW_KERNELS_CPU_CPU_BACKEND_H_
 
@@ -44,12 +49,21 @@ class CpuBackend final : public Backend {
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
+  // Elementwise helpers; n < 0 or a null pointer (for n > 0) is INVALID_ARGUMENT.
+  absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;
+  absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override;
+  absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override;
+  absl::Status Copy(const float* src, float* dst, int64_t n) override;
+
   absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) override;
   absl::StatusOr<std::unique_ptr<MaxPool2D>> CreateMaxPool2D(const Pool2DShape& shape) override;
   absl::StatusOr<std::unique_ptr<Relu>> CreateRelu(int64_t size) override;
   absl::StatusOr<std::unique_ptr<Dense>> CreateDense(const DenseShape& shape) override;
   absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
       int batch, int classes) override;
+  absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const BatchNormShape& shape) override;
+  absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
+      const GlobalAvgPoolShape& shape) override;
 
  private:
   explicit CpuBackend(std::shared_ptr<cpu_internal::DnnlContext> ctx);

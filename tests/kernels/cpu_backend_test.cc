@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -25,6 +26,13 @@ namespace {
 
 using ::testing::HasSubstr;
 using Ref = std::vector<double>;
+
+// Asserts that a Status is OK and prints it when it is not.
+#define ASSERT_OK(expr)                   \
+  do {                                    \
+    const absl::Status status_ = (expr);  \
+    ASSERT_TRUE(status_.ok()) << status_; \
+  } while (false)
 
 std::vector<float> Random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);
@@ -179,6 +187,17 @@ class CpuBackendTest : public ::testing::Test {
     EXPECT_TRUE(backend_->CopyToHost(buffer.data(), host.size(), host.data()).ok());
     return host;
   }
+  // Labels live in a Buffer of N floats that holds their int32 bits. CPU
+  // buffers are host memory, so the bits are copied straight in.
+  std::unique_ptr<Buffer> UploadLabels(const std::vector<int32_t>& labels) {
+    static_assert(sizeof(int32_t) == sizeof(float));
+    auto buffer = backend_->Allocate(labels.size()).value();
+    std::memcpy(buffer->data(), labels.data(), labels.size() * sizeof(int32_t));
+    return buffer;
+  }
+  static const int32_t* Labels(Buffer& buffer) {
+    return reinterpret_cast<const int32_t*>(buffer.data());
+  }
 
   std::unique_ptr<Backend> backend_;
 };
@@ -288,6 +307,27 @@ TEST_P(ConvTest, ForwardAndBackwardMatchReference) {
                   .ok());
   ExpectClose(Download(*dw2), want.dw, "dw (no dx)");
   ExpectClose(Download(*db2), want.db, "db (no dx)");
+
+  // Without bias: b and db null. The same op runs both variants.
+  auto y3 = Filled(ny, 7);
+  ASSERT_TRUE((*conv)->Forward(xd->data(), wd->data(), nullptr, y3->data()).ok());
+  ExpectClose(Download(*y3), ConvForwardRef(s, x, w, std::vector<float>(s.out_channels, 0.0f)),
+              "y (no bias)");
+  auto dx3 = Filled(nx, 7), dw3 = Filled(nw, 7);
+  ASSERT_TRUE((*conv)
+                  ->Backward(xd->data(), wd->data(), dyd->data(), dx3->data(), dw3->data(), nullptr)
+                  .ok());
+  ExpectClose(Download(*dx3), want.dx, "dx (no bias)");
+  ExpectClose(Download(*dw3), want.dw, "dw (no bias)");
+  auto dw4 = Filled(nw, -3);
+  ASSERT_TRUE(
+      (*conv)->Backward(xd->data(), wd->data(), dyd->data(), nullptr, dw4->data(), nullptr).ok());
+  ExpectClose(Download(*dw4), want.dw, "dw (no bias, no dx)");
+
+  // And back to the bias variant: nothing of the bias-less calls sticks.
+  auto y5 = Filled(ny, 7);
+  ASSERT_TRUE((*conv)->Forward(xd->data(), wd->data(), bd->data(), y5->data()).ok());
+  ExpectClose(Download(*y5), ConvForwardRef(s, x, w, b), "y (bias again)");
 }
 
 // Odd sizes throughout; "floor" cases leave input rows/columns no window reaches.
@@ -320,6 +360,23 @@ TEST_F(CpuBackendTest, ConvFiniteDifferences) {
   CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-2f);
   CheckGradient("dw", w->data(), nw, loss, Download(*dw), 1e-2f);
   CheckGradient("db", b->data(), 3, loss, Download(*db), 1e-2f);
+}
+
+TEST_F(CpuBackendTest, ConvWithoutBiasFiniteDifferences) {
+  const Conv2DShape s{2, 2, 6, 5, 3, 3, 2, 1, 1};
+  auto conv = backend_->CreateConv2D(s).value();
+  const size_t nx = 2 * 2 * 6 * 5, nw = 3 * 2 * 3 * 2, ny = 2 * 3 * 6 * 6;
+  auto x = Upload(Random(nx, 9)), w = Upload(Random(nw, 10));
+  const auto g = Random(ny, 15);
+  auto gd = Upload(g), y = Filled(ny, 0), dx = Filled(nx, 0), dw = Filled(nw, 0);
+  ASSERT_TRUE(
+      conv->Backward(x->data(), w->data(), gd->data(), dx->data(), dw->data(), nullptr).ok());
+  const auto loss = [&] {
+    EXPECT_TRUE(conv->Forward(x->data(), w->data(), nullptr, y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-2f);
+  CheckGradient("dw", w->data(), nw, loss, Download(*dw), 1e-2f);
 }
 
 // ------------------------------------------------------------ MaxPool2D
@@ -494,14 +551,15 @@ TEST_F(CpuBackendTest, SoftmaxCrossEntropyMatchesReference) {
   }
   auto op = backend_->CreateSoftmaxCrossEntropy(n, classes);
   ASSERT_TRUE(op.ok()) << op.status();
-  auto ld = Upload(logits), probs = Filled(n * classes, 7), dlogits = Filled(n * classes, 7);
+  auto ld = Upload(logits), lab = UploadLabels(labels);
+  auto probs = Filled(n * classes, 7), dlogits = Filled(n * classes, 7), stats = Filled(2, 7);
 
-  auto result = (*op)->Forward(ld->data(), labels.data(), probs->data());
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_NEAR(result->loss, want_loss, 1e-5 * (1 + want_loss));
-  EXPECT_EQ(result->correct, want_correct);
+  ASSERT_TRUE((*op)->Forward(ld->data(), Labels(*lab), probs->data(), stats->data()).ok());
+  const auto got = Download(*stats);
+  EXPECT_NEAR(got[0], want_loss, 1e-5 * (1 + want_loss));
+  EXPECT_EQ(got[1], static_cast<float>(want_correct));
   ExpectClose(Download(*probs), want_probs, "probs");
-  ASSERT_TRUE((*op)->Backward(probs->data(), labels.data(), dlogits->data()).ok());
+  ASSERT_TRUE((*op)->Backward(probs->data(), Labels(*lab), dlogits->data()).ok());
   ExpectClose(Download(*dlogits), want_dlogits, "dlogits");
 }
 
@@ -509,11 +567,11 @@ TEST_F(CpuBackendTest, SoftmaxCrossEntropyIsNumericallySafe) {
   // The label's probability underflows to 0 in fp32; the loss must stay exact.
   auto op = backend_->CreateSoftmaxCrossEntropy(2, 3).value();
   auto logits = Upload({1000, 0, -1000, -1000, 0, 1000}), probs = Filled(6, 0);
-  const std::vector<int32_t> labels = {2, 2};
-  auto result = op->Forward(logits->data(), labels.data(), probs->data());
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_NEAR(result->loss, (2000.0 + 0.0) / 2, 1e-3);
-  EXPECT_EQ(result->correct, 1);
+  auto labels = UploadLabels({2, 2}), stats = Filled(2, 7);
+  ASSERT_TRUE(op->Forward(logits->data(), Labels(*labels), probs->data(), stats->data()).ok());
+  const auto got = Download(*stats);
+  EXPECT_NEAR(got[0], (2000.0 + 0.0) / 2, 1e-3);
+  EXPECT_EQ(got[1], 1.0f);
   for (float p : Download(*probs)) EXPECT_TRUE(std::isfinite(p));
 }
 
@@ -521,26 +579,346 @@ TEST_F(CpuBackendTest, SoftmaxCrossEntropyFiniteDifferences) {
   const int n = 3, classes = 5;
   auto op = backend_->CreateSoftmaxCrossEntropy(n, classes).value();
   auto logits = Upload(Random(n * classes, 43, -2, 2));
-  auto probs = Filled(n * classes, 0), dlogits = Filled(n * classes, 0);
-  const std::vector<int32_t> labels = {0, 4, 2};
-  ASSERT_TRUE(op->Forward(logits->data(), labels.data(), probs->data()).ok());
-  ASSERT_TRUE(op->Backward(probs->data(), labels.data(), dlogits->data()).ok());
+  auto probs = Filled(n * classes, 0), dlogits = Filled(n * classes, 0), stats = Filled(2, 0);
+  auto labels = UploadLabels({0, 4, 2});
+  ASSERT_TRUE(op->Forward(logits->data(), Labels(*labels), probs->data(), stats->data()).ok());
+  ASSERT_TRUE(op->Backward(probs->data(), Labels(*labels), dlogits->data()).ok());
   const auto analytic = Download(*dlogits);
-  const auto loss = [&] { return op->Forward(logits->data(), labels.data(), probs->data())->loss; };
-  CheckGradient("dlogits", logits->data(), n * classes, loss, analytic, 1e-3f, 1e-4, 1e-3);
+  // The loss now comes back as a float, so the step is larger than for a
+  // double loss: a 1e-2 step keeps float rounding of the loss below 1e-5.
+  const auto loss = [&] {
+    EXPECT_TRUE(op->Forward(logits->data(), Labels(*labels), probs->data(), stats->data()).ok());
+    return double{Download(*stats)[0]};
+  };
+  CheckGradient("dlogits", logits->data(), n * classes, loss, analytic, 1e-2f, 1e-4, 1e-3);
 }
 
 TEST_F(CpuBackendTest, SoftmaxCrossEntropyRejectsBadLabels) {
   auto op = backend_->CreateSoftmaxCrossEntropy(2, 10).value();
-  auto logits = Filled(20, 0), probs = Filled(20, 0), dlogits = Filled(20, 0);
-  for (const std::vector<int32_t>& labels : {std::vector<int32_t>{3, 10}, {-1, 0}}) {
-    auto result = op->Forward(logits->data(), labels.data(), probs->data());
-    ASSERT_FALSE(result.ok());
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(result.status().message(), HasSubstr("label"));
-    EXPECT_EQ(op->Backward(probs->data(), labels.data(), dlogits->data()).code(),
+  auto logits = Upload(Random(20, 44)), probs = Filled(20, 0), dlogits = Filled(20, 0);
+  auto stats = Filled(2, 7);
+  for (const std::vector<int32_t>& bad : {std::vector<int32_t>{3, 10}, {-1, 0}}) {
+    auto labels = UploadLabels(bad);
+    const absl::Status s =
+        op->Forward(logits->data(), Labels(*labels), probs->data(), stats->data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("label"));
+    EXPECT_EQ(op->Backward(probs->data(), Labels(*labels), dlogits->data()).code(),
               absl::StatusCode::kInvalidArgument);
   }
+  // Nothing was written by the rejected calls.
+  EXPECT_EQ(Download(*stats), std::vector<float>(2, 7.0f));
+  EXPECT_EQ(
+      op->Forward(logits->data(), Labels(*UploadLabels({1, 2})), probs->data(), nullptr).code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+// ------------------------------------------------------------ BatchNorm
+
+struct BatchNormRefResult {
+  Ref y, dx, dgamma, dbeta;
+};
+
+// Training-mode batch norm in double: per channel over N*H*W, biased variance.
+// Backward by the standard formulas, with M = N*H*W:
+//   dbeta = sum dy, dgamma = sum dy * xhat,
+//   dx = gamma * invstd / M * (M * dy - dbeta - xhat * dgamma).
+BatchNormRefResult BatchNormRef(const BatchNormShape& s, const std::vector<float>& x,
+                                const std::vector<float>& gamma, const std::vector<float>& beta,
+                                const std::vector<float>& dy) {
+  const size_t hw = static_cast<size_t>(s.height) * s.width;
+  const double m = static_cast<double>(s.batch) * hw;
+  BatchNormRefResult r{Ref(x.size()), Ref(x.size()), Ref(s.channels), Ref(s.channels)};
+  for (int c = 0; c < s.channels; ++c) {
+    const auto at = [&](int n, size_t i) {
+      return (static_cast<size_t>(n) * s.channels + c) * hw + i;
+    };
+    double mean = 0, var = 0;
+    for (int n = 0; n < s.batch; ++n)
+      for (size_t i = 0; i < hw; ++i) mean += x[at(n, i)];
+    mean /= m;
+    for (int n = 0; n < s.batch; ++n)
+      for (size_t i = 0; i < hw; ++i) var += (x[at(n, i)] - mean) * (x[at(n, i)] - mean);
+    var /= m;
+    const double invstd = 1 / std::sqrt(var + double{s.epsilon});
+    double dbeta = 0, dgamma = 0;
+    for (int n = 0; n < s.batch; ++n)
+      for (size_t i = 0; i < hw; ++i) {
+        const double xhat = (x[at(n, i)] - mean) * invstd;
+        r.y[at(n, i)] = gamma[c] * xhat + beta[c];
+        dbeta += dy[at(n, i)];
+        dgamma += dy[at(n, i)] * xhat;
+      }
+    r.dbeta[c] = dbeta;
+    r.dgamma[c] = dgamma;
+    for (int n = 0; n < s.batch; ++n)
+      for (size_t i = 0; i < hw; ++i) {
+        const double xhat = (x[at(n, i)] - mean) * invstd;
+        r.dx[at(n, i)] = gamma[c] * invstd / m * (m * dy[at(n, i)] - dbeta - xhat * dgamma);
+      }
+  }
+  return r;
+}
+
+size_t Elements(const BatchNormShape& s) {
+  return static_cast<size_t>(s.batch) * s.channels * s.height * s.width;
+}
+
+using BatchNormCase = Case<BatchNormShape>;
+class BatchNormTest : public CpuBackendTest, public ::testing::WithParamInterface<BatchNormCase> {};
+
+TEST_P(BatchNormTest, ForwardAndBackwardMatchReference) {
+  const BatchNormShape& s = GetParam().shape;
+  auto bn = backend_->CreateBatchNorm(s);
+  ASSERT_TRUE(bn.ok()) << bn.status();
+  const size_t nx = Elements(s);
+  const auto x = Random(nx, 91), gamma = Random(s.channels, 92), beta = Random(s.channels, 93),
+             dy = Random(nx, 94);
+  const BatchNormRefResult want = BatchNormRef(s, x, gamma, beta, dy);
+  auto xd = Upload(x), gd = Upload(gamma), bd = Upload(beta), dyd = Upload(dy);
+  auto yd = Filled(nx, 7), dxd = Filled(nx, 7), dgd = Filled(s.channels, 7),
+       dbd = Filled(s.channels, 7);
+
+  ASSERT_OK((*bn)->Forward(xd->data(), gd->data(), bd->data(), yd->data()));
+  ExpectClose(Download(*yd), want.y, "y");
+  ASSERT_OK(
+      (*bn)->Backward(xd->data(), gd->data(), dyd->data(), dxd->data(), dgd->data(), dbd->data()));
+  ExpectClose(Download(*dxd), want.dx, "dx");
+  ExpectClose(Download(*dgd), want.dgamma, "dgamma");
+  ExpectClose(Download(*dbd), want.dbeta, "dbeta");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BatchNormTest,
+                         ::testing::Values(BatchNormCase{"odd", {2, 3, 5, 4}},
+                                           BatchNormCase{"one_image", {1, 2, 7, 3}},
+                                           BatchNormCase{"one_pixel_per_image", {9, 5, 1, 1}},
+                                           BatchNormCase{"many_channels", {4, 37, 3, 3}},
+                                           BatchNormCase{"larger", {8, 16, 12, 12}},
+                                           BatchNormCase{"epsilon_0_1", {3, 4, 5, 5, 1e-1f}},
+                                           // M = 1: the variance is 0, y = beta and dx = 0.
+                                           BatchNormCase{"single_value_per_channel", {1, 4, 1, 1}}),
+                         CaseName<BatchNormShape>);
+
+TEST_F(CpuBackendTest, BatchNormFiniteDifferences) {
+  const BatchNormShape s{2, 3, 3, 2};
+  auto bn = backend_->CreateBatchNorm(s).value();
+  const size_t nx = Elements(s);
+  auto x = Upload(Random(nx, 101)), gamma = Upload(Random(3, 102)), beta = Upload(Random(3, 103));
+  const auto g = Random(nx, 104);  // L = sum(y * g)
+  auto gd = Upload(g), y = Filled(nx, 0), dx = Filled(nx, 0), dgamma = Filled(3, 0),
+       dbeta = Filled(3, 0);
+  ASSERT_OK(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()));
+  ASSERT_OK(bn->Backward(x->data(), gamma->data(), gd->data(), dx->data(), dgamma->data(),
+                         dbeta->data()));
+  const auto loss = [&] {
+    EXPECT_TRUE(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-2f, 2e-3, 1e-2);
+  CheckGradient("dgamma", gamma->data(), 3, loss, Download(*dgamma), 1e-2f, 2e-3, 1e-2);
+  CheckGradient("dbeta", beta->data(), 3, loss, Download(*dbeta), 1e-2f, 2e-3, 1e-2);
+}
+
+// Backward uses the statistics of the latest Forward, kept in the op.
+TEST_F(CpuBackendTest, BatchNormBackwardUsesLatestForward) {
+  const BatchNormShape s{3, 4, 5, 3};
+  auto bn = backend_->CreateBatchNorm(s).value();
+  const size_t nx = Elements(s);
+  // xb has other statistics than xa: shifted and scaled.
+  const auto xa = Random(nx, 111), gamma = Random(4, 113), beta = Random(4, 114),
+             dy = Random(nx, 115);
+  auto xb = Random(nx, 112);
+  for (float& v : xb) v = 0.5f + 2 * v;
+  auto xad = Upload(xa), xbd = Upload(xb), gd = Upload(gamma), bd = Upload(beta), dyd = Upload(dy);
+  auto ya = Filled(nx, 0), yb = Filled(nx, 0), dx = Filled(nx, 7), dg = Filled(4, 7),
+       db = Filled(4, 7);
+  const BatchNormRefResult wa = BatchNormRef(s, xa, gamma, beta, dy),
+                           wb = BatchNormRef(s, xb, gamma, beta, dy);
+
+  ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
+  ASSERT_OK(bn->Forward(xbd->data(), gd->data(), bd->data(), yb->data()));
+  ExpectClose(Download(*ya), wa.y, "ya");
+  ExpectClose(Download(*yb), wb.y, "yb");
+  ASSERT_OK(bn->Backward(xbd->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
+  ExpectClose(Download(*dx), wb.dx, "dx of xb");
+  ExpectClose(Download(*dg), wb.dgamma, "dgamma of xb");
+  ExpectClose(Download(*db), wb.dbeta, "dbeta of xb");
+  ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
+  ASSERT_OK(bn->Backward(xad->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
+  ExpectClose(Download(*dx), wa.dx, "dx of xa");
+  ExpectClose(Download(*dg), wa.dgamma, "dgamma of xa");
+}
+
+// ------------------------------------------------------------ GlobalAvgPool
+
+using GapCase = Case<GlobalAvgPoolShape>;
+class GlobalAvgPoolTest : public CpuBackendTest, public ::testing::WithParamInterface<GapCase> {};
+
+TEST_P(GlobalAvgPoolTest, ForwardAndBackwardMatchReference) {
+  const GlobalAvgPoolShape& s = GetParam().shape;
+  auto gap = backend_->CreateGlobalAvgPool(s);
+  ASSERT_TRUE(gap.ok()) << gap.status();
+  const size_t planes = static_cast<size_t>(s.batch) * s.channels;
+  const size_t hw = static_cast<size_t>(s.height) * s.width;
+  const auto x = Random(planes * hw, 121), dy = Random(planes, 122);
+  Ref want_y(planes), want_dx(planes * hw);
+  for (size_t p = 0; p < planes; ++p) {
+    for (size_t i = 0; i < hw; ++i) want_y[p] += x[p * hw + i];
+    want_y[p] /= static_cast<double>(hw);
+    for (size_t i = 0; i < hw; ++i) want_dx[p * hw + i] = dy[p] / static_cast<double>(hw);
+  }
+  auto xd = Upload(x), dyd = Upload(dy), yd = Filled(planes, 7), dxd = Filled(planes * hw, 7);
+  ASSERT_OK((*gap)->Forward(xd->data(), yd->data()));
+  ExpectClose(Download(*yd), want_y, "y");
+  ASSERT_OK((*gap)->Backward(dyd->data(), dxd->data()));
+  ExpectClose(Download(*dxd), want_dx, "dx");
+}
+
+// "parallel" cases are large enough for the OpenMP loops.
+INSTANTIATE_TEST_SUITE_P(Shapes, GlobalAvgPoolTest,
+                         ::testing::Values(GapCase{"odd", {2, 3, 5, 4}},
+                                           GapCase{"one_pixel", {3, 5, 1, 1}},
+                                           GapCase{"one_plane", {1, 1, 9, 7}},
+                                           GapCase{"parallel", {8, 64, 8, 8}},
+                                           GapCase{"parallel_big_planes", {2, 3, 111, 97}}),
+                         CaseName<GlobalAvgPoolShape>);
+
+TEST_F(CpuBackendTest, GlobalAvgPoolFiniteDifferences) {
+  const GlobalAvgPoolShape s{2, 3, 3, 4};
+  auto gap = backend_->CreateGlobalAvgPool(s).value();
+  const size_t nx = 2 * 3 * 3 * 4, ny = 2 * 3;
+  const auto g = Random(ny, 123);
+  auto x = Upload(Random(nx, 124)), gd = Upload(g), y = Filled(ny, 0), dx = Filled(nx, 0);
+  ASSERT_OK(gap->Backward(gd->data(), dx->data()));
+  const auto loss = [&] {
+    EXPECT_TRUE(gap->Forward(x->data(), y->data()).ok());
+    return Dot(Download(*y), g);
+  };
+  CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-2f);
+}
+
+// ------------------------------------------------------------ elementwise helpers
+
+// Odd sizes, below and above the size where the loops go parallel.
+class HelperTest : public CpuBackendTest, public ::testing::WithParamInterface<int64_t> {};
+
+TEST_P(HelperTest, Add) {
+  const int64_t n = GetParam();
+  const auto a = Random(n, 131), b = Random(n, 132);
+  Ref want(n), want_twice(n);
+  for (int64_t i = 0; i < n; ++i) want[i] = double{a[i]} + b[i], want_twice[i] = 2.0 * a[i];
+  auto ad = Upload(a), bd = Upload(b), y = Filled(n, 7);
+  ASSERT_OK(backend_->Add(ad->data(), bd->data(), y->data(), n));
+  ExpectClose(Download(*y), want, "y = a + b");
+  EXPECT_EQ(Download(*ad), a) << "a changed";
+  EXPECT_EQ(Download(*bd), b) << "b changed";
+  // In place, on either input.
+  ASSERT_OK(backend_->Add(ad->data(), bd->data(), ad->data(), n));
+  ExpectClose(Download(*ad), want, "a = a + b");
+  auto a2 = Upload(a);
+  ASSERT_OK(backend_->Add(a2->data(), bd->data(), bd->data(), n));
+  ExpectClose(Download(*bd), want, "b = a + b");
+  // All three the same.
+  ASSERT_OK(backend_->Add(a2->data(), a2->data(), a2->data(), n));
+  ExpectClose(Download(*a2), want_twice, "a = a + a");
+}
+
+TEST_P(HelperTest, Affine) {
+  const int64_t n = GetParam();
+  const auto x = Random(n, 141);
+  const float scale = -0.75f, shift = 0.3f;
+  Ref want(n);
+  for (int64_t i = 0; i < n; ++i) want[i] = double{x[i]} * scale + shift;
+  auto xd = Upload(x), y = Filled(n, 7);
+  ASSERT_OK(backend_->Affine(xd->data(), scale, shift, y->data(), n));
+  ExpectClose(Download(*y), want, "y");
+  EXPECT_EQ(Download(*xd), x) << "x changed";
+  ASSERT_OK(backend_->Affine(xd->data(), scale, shift, xd->data(), n));
+  ExpectClose(Download(*xd), want, "x in place");
+}
+
+TEST_P(HelperTest, Sgd) {
+  const int64_t n = GetParam();
+  const auto w = Random(n, 151), g = Random(n, 152);
+  const float lr = 0.05f;
+  Ref want(n);
+  for (int64_t i = 0; i < n; ++i) want[i] = double{w[i]} - double{lr} * g[i];
+  auto wd = Upload(w), gd = Upload(g);
+  ASSERT_OK(backend_->Sgd(wd->data(), gd->data(), lr, n));
+  ExpectClose(Download(*wd), want, "w", 1e-6);
+  EXPECT_EQ(Download(*gd), g) << "g changed";
+}
+
+TEST_P(HelperTest, Copy) {
+  const int64_t n = GetParam();
+  const auto src = Random(n, 161);
+  auto sd = Upload(src), dd = Filled(n, 7);
+  ASSERT_OK(backend_->Copy(sd->data(), dd->data(), n));
+  EXPECT_EQ(Download(*dd), src);
+  EXPECT_EQ(Download(*sd), src) << "src changed";
+  ASSERT_OK(backend_->Copy(sd->data(), sd->data(), n));
+  EXPECT_EQ(Download(*sd), src) << "copy onto itself";
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, HelperTest, ::testing::Values(1, 7, 1037, 100003),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return "n" + std::to_string(info.param);
+                         });
+
+TEST_F(CpuBackendTest, HelpersOnPartsOfBuffers) {
+  // A tail of n floats inside a larger buffer: the floats around it stay.
+  const auto a = Random(40, 171), b = Random(40, 172);
+  auto ad = Upload(a), bd = Upload(b), y = Filled(40, 7);
+  ASSERT_OK(backend_->Add(ad->data() + 5, bd->data() + 5, y->data() + 5, 30));
+  const auto got = Download(*y);
+  for (int i = 0; i < 40; ++i) {
+    if (i < 5 || i >= 35) {
+      EXPECT_EQ(got[i], 7.0f) << i;
+    } else {
+      EXPECT_FLOAT_EQ(got[i], a[i] + b[i]) << i;
+    }
+  }
+  // Overlapping ranges of one buffer: Copy behaves like memmove.
+  auto m = Upload(a);
+  ASSERT_OK(backend_->Copy(m->data(), m->data() + 3, 30));
+  auto moved = Download(*m);
+  for (int i = 0; i < 30; ++i) EXPECT_EQ(moved[i + 3], a[i]) << i;
+  m = Upload(a);
+  ASSERT_OK(backend_->Copy(m->data() + 3, m->data(), 30));
+  moved = Download(*m);
+  for (int i = 0; i < 30; ++i) EXPECT_EQ(moved[i], a[i + 3]) << i;
+}
+
+TEST_F(CpuBackendTest, HelpersRejectBadArguments) {
+  auto buf = Filled(8, 1);
+  float* p = buf->data();
+  const auto invalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_EQ(backend_->Add(p, p, p, -1).code(), invalid);
+  EXPECT_EQ(backend_->Add(p, nullptr, p, 8).code(), invalid);
+  EXPECT_EQ(backend_->Affine(nullptr, 1, 0, p, 8).code(), invalid);
+  EXPECT_EQ(backend_->Affine(p, 1, 0, p, -2).code(), invalid);
+  EXPECT_EQ(backend_->Sgd(nullptr, p, 0.1f, 8).code(), invalid);
+  EXPECT_EQ(backend_->Sgd(p, p, 0.1f, -8).code(), invalid);
+  EXPECT_EQ(backend_->Copy(p, nullptr, 8).code(), invalid);
+  EXPECT_EQ(backend_->Copy(p, p, -3).code(), invalid);
+  // n == 0 is a no-op.
+  EXPECT_TRUE(backend_->Add(nullptr, nullptr, nullptr, 0).ok());
+  EXPECT_TRUE(backend_->Copy(nullptr, nullptr, 0).ok());
+  EXPECT_EQ(Download(*buf), std::vector<float>(8, 1.0f));
+}
+
+// ------------------------------------------------------------ graphs
+
+TEST_F(CpuBackendTest, CaptureIsUnimplemented) {
+  bool ran = false;
+  auto graph = backend_->Capture([&] {
+    ran = true;
+    return absl::OkStatus();
+  });
+  ASSERT_FALSE(graph.ok());
+  EXPECT_EQ(graph.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(graph.status().message(), HasSubstr("cpu"));
+  EXPECT_FALSE(ran) << "Capture must not run the work it refuses to record";
 }
 
 // ------------------------------------------------------------ reuse
@@ -662,6 +1040,12 @@ TEST_F(CpuBackendTest, InvalidShapesAreInvalidArgument) {
   expect_invalid(backend_->CreateDense({-1, 2, 3}).status(), "dense batch -1");
   expect_invalid(backend_->CreateSoftmaxCrossEntropy(4, 0).status(), "softmax classes 0");
   expect_invalid(backend_->CreateSoftmaxCrossEntropy(0, 3).status(), "softmax batch 0");
+  expect_invalid(backend_->CreateBatchNorm({0, 3, 4, 4}).status(), "batchnorm batch 0");
+  expect_invalid(backend_->CreateBatchNorm({2, 3, 4, -4}).status(), "batchnorm width -4");
+  expect_invalid(backend_->CreateBatchNorm({2, 3, 4, 4, -1e-5f}).status(), "batchnorm eps < 0");
+  expect_invalid(backend_->CreateBatchNorm({2, 3, 4, 4, NAN}).status(), "batchnorm eps NaN");
+  expect_invalid(backend_->CreateGlobalAvgPool({2, 0, 4, 4}).status(), "gap channels 0");
+  expect_invalid(backend_->CreateGlobalAvgPool({2, 3, 0, 4}).status(), "gap height 0");
 
   auto conv = backend_->CreateConv2D({1, 1, 3, 3, 1, 5, 5, 1, 0});
   EXPECT_THAT(conv.status().message(), HasSubstr("kernel is larger"));
@@ -681,6 +1065,30 @@ TEST_F(CpuBackendTest, MisuseIsReported) {
       dense->Backward(buf->data(), buf->data(), buf->data(), buf->data(), nullptr, buf->data())
           .code(),
       absl::StatusCode::kInvalidArgument);
+
+  // A bias-less conv still needs x, w, y and dw.
+  auto conv = backend_->CreateConv2D({1, 1, 2, 2, 1, 1, 1, 1, 0}).value();
+  EXPECT_EQ(conv->Forward(buf->data(), nullptr, nullptr, buf->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(conv->Backward(buf->data(), buf->data(), buf->data(), nullptr, nullptr, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  auto bn = backend_->CreateBatchNorm({1, 2, 1, 2}).value();
+  EXPECT_EQ(
+      bn->Backward(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data())
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(bn->Forward(buf->data(), buf->data(), nullptr, buf->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  // A failed Forward (null argument) leaves no statistics for Backward.
+  EXPECT_EQ(
+      bn->Backward(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data())
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
+
+  auto gap = backend_->CreateGlobalAvgPool({1, 2, 2, 1}).value();
+  EXPECT_EQ(gap->Forward(nullptr, buf->data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gap->Backward(buf->data(), nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

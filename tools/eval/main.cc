@@ -5,6 +5,7 @@
 #include "absl/flags/flag.h"
 #include "common/command_line.h"
 #include "data/mnist.h"
+#include "data/synthetic.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/saved_model.h"
@@ -13,7 +14,11 @@ ABSL_FLAG(std::string, saved_model, "", "Saved-model directory (<model_dir>/save
 ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist",
           "Directory with MNIST-format IDX files; the t10k-* (test) files are used.");
 ABSL_FLAG(int, batch_size, 500, "Examples per forward pass.");
-ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu.");
+ABSL_FLAG(std::string, dataset, "idx",
+          "idx (the test files in --data_dir) or synthetic (the test split of the synthetic dataset "
+          "the chief's --dataset=synthetic trains on).");
+ABSL_FLAG(int64_t, synthetic_examples, 2000, "Test examples of --dataset=synthetic.");
+ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu, or cuda:N in builds with CUDA.");
 
 namespace {
 
@@ -37,10 +42,15 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<psflow::model::LoadedModel> loaded = psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
   if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
-  absl::StatusOr<psflow::data::Dataset> test =
-      psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTest);
-  if (!test.ok()) return Fail(std::string(test.status().message()));
   const psflow::InputSpec& in = loaded->spec.input();
+  const std::string dataset = absl::GetFlag(FLAGS_dataset);
+  if (dataset != "idx" && dataset != "synthetic") return Fail("--dataset must be idx or synthetic");
+  absl::StatusOr<psflow::data::Dataset> test =
+      dataset == "synthetic"
+          ? psflow::data::MakeSynthetic({in.channels(), in.height(), in.width(), loaded->spec.num_classes()},
+                                        absl::GetFlag(FLAGS_synthetic_examples), psflow::data::Split::kTest)
+          : psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTest);
+  if (!test.ok()) return Fail(std::string(test.status().message()));
   if (test->channels != in.channels() || test->height != in.height() || test->width != in.width()) {
     return Fail("the test data does not have the model's input shape");
   }

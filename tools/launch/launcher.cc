@@ -155,7 +155,9 @@ int RunCluster(const LaunchOptions& o) {
   bool started = start("chief", "chief", 0, o.chief_args);
   for (int i = 0; started && i < o.num_ps; ++i) started = start(absl::StrCat("ps", i), "ps", i, {});
   for (int i = 0; started && i < o.num_workers; ++i) {
-    started = start(absl::StrCat("worker", i), "worker", i, {});
+    std::vector<std::string> extra;
+    if (i < static_cast<int>(o.worker_devices.size())) extra.push_back("--device=" + o.worker_devices[i]);
+    started = start(absl::StrCat("worker", i), "worker", i, extra);
   }
   Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
                    absl::StrJoin(worker_hosts, ",")));

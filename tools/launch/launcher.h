@@ -16,6 +16,8 @@ struct LaunchOptions {
   std::string host = "127.0.0.1";
   std::string bin_dir;                  // where psflow-chief, -ps and -worker are
   std::vector<std::string> chief_args;  // everything after "--"
+  // --device of each worker (empty: the worker's default, cpu).
+  std::vector<std::string> worker_devices;
   // Seconds the other processes get to exit on their own after the chief
   // has exited, before they are terminated.
   int grace_seconds = 15;

@@ -9,6 +9,7 @@
 #include "common/command_line.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "tools/launch/launcher.h"
 
 ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
@@ -23,6 +24,9 @@ ABSL_FLAG(int, grace_seconds, 15,
 ABSL_FLAG(std::string, restart, "never",
           "never, or on-failure: start a process again (after a second) when it exits non-zero, as a "
           "Kubernetes restart policy would; the job then ends when the chief exits 0.");
+ABSL_FLAG(std::string, worker_devices, "",
+          "The workers' --device: one value for every worker (cuda:0) or a comma-separated list with one "
+          "per worker (cuda:0,cuda:1). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
 
 int main(int argc, char** argv) {
@@ -53,6 +57,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
+  const std::string devices = absl::GetFlag(FLAGS_worker_devices);
+  if (!devices.empty()) {
+    o.worker_devices = absl::StrSplit(devices, ',');
+    if (o.worker_devices.size() == 1) o.worker_devices.resize(o.num_workers, o.worker_devices[0]);
+    if (static_cast<int>(o.worker_devices.size()) != o.num_workers) {
+      std::fprintf(stderr, "psflow-launch: --worker_devices needs one device or one per worker (%d)\n",
+                   o.num_workers);
+      return 1;
+    }
+  }
   if (o.bin_dir.empty()) o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
   bool threads_given = false;
   for (size_t i = 1; i < rest.size(); ++i) {

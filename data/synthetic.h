@@ -1,0 +1,30 @@
+// Synthetic labelled images of any shape and count, for benchmarks and for
+// models whose inputs no installed dataset has (the 32x32x3 resnet).
+//
+// Each class has a fixed random pattern; an example is its class's pattern
+// blended with noise of its own, so a model can learn the classes and the
+// accuracy of a run still means something. The data is a pure function of
+// (shape, classes, split, index): every process of a job makes the same
+// examples without any file, and the test split is disjoint from training.
+#ifndef PSFLOW_DATA_SYNTHETIC_H_
+#define PSFLOW_DATA_SYNTHETIC_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "data/mnist.h"
+
+namespace psflow::data {
+
+struct SyntheticShape {
+  int channels = 3, height = 32, width = 32;
+  int num_classes = 10;
+};
+
+// `count` examples of the split, pixels in [0, 1]. INVALID_ARGUMENT for a
+// non-positive size or count, or one above 2^31 floats in all.
+absl::StatusOr<Dataset> MakeSynthetic(const SyntheticShape& shape, int64_t count, Split split);
+
+}  // namespace psflow::data
+
+#endif  // PSFLOW_DATA_SYNTHETIC_H_
