@@ -4,10 +4,16 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/kernels.h"
+#if PSFLOW_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#endif
 
 namespace psflow::kernels {
 namespace {
@@ -23,11 +29,31 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpu(int threads) {
   return std::unique_ptr<Backend>(std::move(*backend));
 }
 
-// One entry per backend in this build; a GPU backend adds its entry here
-// (under its build option).
+// One entry per backend in this build that has a fixed name; GPUs ("cuda:N")
+// are matched in CreateBackend.
 constexpr Device kDevices[] = {
     {"cpu", &CreateCpu},
 };
+
+#if PSFLOW_HAVE_CUDA
+// "cuda" (GPU 0) or "cuda:N", N a non-negative decimal integer.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCuda(absl::string_view device) {
+  int ordinal = 0;
+  if (device != "cuda") {
+    const absl::string_view index = device.substr(device.find(':') + 1);
+    // SimpleAtoi alone would take signs and surrounding spaces.
+    const bool digits = !index.empty() && index.find_first_not_of("0123456789") == index.npos;
+    if (!digits || !absl::SimpleAtoi(index, &ordinal)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "invalid device '%s': the GPU index must be a non-negative integer (cuda:0, cuda:1, ...)",
+          device));
+    }
+  }
+  auto backend = CudaBackend::Create(ordinal);
+  if (!backend.ok()) return backend.status();
+  return std::unique_ptr<Backend>(std::move(*backend));
+}
+#endif
 
 }  // namespace
 
@@ -38,6 +64,10 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
     if (device == d.name) return d.create(threads);
     names.push_back(d.name);
   }
+#if PSFLOW_HAVE_CUDA
+  if (device == "cuda" || absl::StartsWith(device, "cuda:")) return CreateCuda(device);
+  names.push_back("cuda:N");
+#endif
   return absl::InvalidArgumentError(absl::StrFormat("unknown device '%s' (this build supports: %s)",
                                                     device, absl::StrJoin(names, ", ")));
 }

@@ -1,0 +1,1088 @@
+// CUDA backend on cuDNN (legacy API), cuBLAS and kernels/cuda/cuda_kernels.cu;
+// see cuda_backend.h for the design and the contract.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace psflow::kernels {
+namespace cuda_internal {
+namespace {
+
+// ---------------------------------------------------------------- error checks
+
+// The function name of a stringized call such as "cudaMalloc(&p, bytes)".
+absl::string_view FunctionName(absl::string_view call) { return call.substr(0, call.find('(')); }
+
+// A failed runtime call also records its error as the thread's "last error";
+// clearing it keeps the cudaGetLastError() after the next kernel launch from
+// reporting it a second time. (Sticky errors, which corrupt the context, stay
+// and are reported by every later call.)
+void ClearLastError() { static_cast<void>(cudaGetLastError()); }
+
+absl::Status CheckCuda(cudaError_t err, absl::string_view call) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  ClearLastError();
+  return absl::InternalError(absl::StrCat(FunctionName(call), " failed: ", cudaGetErrorName(err),
+                                          " (", cudaGetErrorString(err), ")"));
+}
+
+absl::Status CheckCudnn(cudnnStatus_t status, absl::string_view call) {
+  if (status == CUDNN_STATUS_SUCCESS) return absl::OkStatus();
+  ClearLastError();
+  std::string message = absl::StrCat(FunctionName(call), " failed: ", cudnnGetErrorString(status));
+  char detail[512] = "";
+  cudnnGetLastErrorString(detail, sizeof detail);  // cuDNN 9's explanation, often empty
+  if (detail[0] != '\0') absl::StrAppend(&message, " (", detail, ")");
+  return absl::InternalError(message);
+}
+
+absl::Status CheckCublas(cublasStatus_t status, absl::string_view call) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  ClearLastError();
+  return absl::InternalError(absl::StrCat(FunctionName(call),
+                                          " failed: ", cublasGetStatusName(status), " (",
+                                          cublasGetStatusString(status), ")"));
+}
+
+#define PSFLOW_CUDA_CHECK(expr) PSFLOW_RETURN_IF_ERROR(CheckCuda((expr), #expr))
+#define PSFLOW_CUDNN_CHECK(expr) PSFLOW_RETURN_IF_ERROR(CheckCudnn((expr), #expr))
+#define PSFLOW_CUBLAS_CHECK(expr) PSFLOW_RETURN_IF_ERROR(CheckCublas((expr), #expr))
+
+// `what: message`, same code; OK stays OK.
+absl::Status Annotate(absl::Status status, absl::string_view what) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));
+}
+
+absl::Status CheckNonNull(std::initializer_list<std::pair<absl::string_view, const void*>> args) {
+  for (const auto& [name, ptr] : args) {
+    if (ptr == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " is null"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- context
+
+// cuBLAS's own workspace (its default pool size on Hopper). Given explicitly,
+// so that cuBLAS never allocates during graph capture.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// Shared by a backend and everything it creates.
+struct CudaContext {
+  explicit CudaContext(int device) : device(device) {}
+  ~CudaContext();
+  CudaContext(const CudaContext&) = delete;
+  CudaContext& operator=(const CudaContext&) = delete;
+
+  const int device;
+  // Serializes the use of the stream and the handles (cuDNN and cuBLAS
+  // handles must not be used by two threads at once). Recursive, because
+  // Capture holds it while the ops it records take it again, and because
+  // freeing memory takes it inside calls that hold it already.
+  std::recursive_mutex mu;
+  cudaStream_t stream = nullptr;
+  cudnnHandle_t cudnn = nullptr;
+  cublasHandle_t cublas = nullptr;
+  void* cublas_workspace = nullptr;
+};
+
+namespace {
+
+// Opens every entry point: takes the context's lock and makes its device
+// current on this thread; the destructor restores the previous device.
+class Scope {
+ public:
+  explicit Scope(CudaContext& ctx) : lock_(ctx.mu) {
+    int current = -1;
+    status_ = CheckCuda(cudaGetDevice(&current), "cudaGetDevice");
+    if (status_.ok() && current != ctx.device) {
+      status_ = CheckCuda(cudaSetDevice(ctx.device), "cudaSetDevice");
+      if (status_.ok()) restore_ = current;
+    }
+  }
+  ~Scope() {
+    if (restore_ >= 0) static_cast<void>(cudaSetDevice(restore_));
+  }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+
+  const absl::Status& status() const { return status_; }
+
+ private:
+  std::lock_guard<std::recursive_mutex> lock_;
+  absl::Status status_;
+  int restore_ = -1;
+};
+
+// Runs fn() (returning absl::Status) inside a Scope; errors get the prefix
+// "<what> <step>: " (or "<what>: " without a step).
+template <typename Fn>
+absl::Status RunIn(CudaContext& ctx, absl::string_view what, absl::string_view step, Fn&& fn) {
+  Scope scope(ctx);
+  absl::Status status = scope.status();
+  if (status.ok()) status = fn();
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(what, step.empty() ? "" : " ", step, ": ", status.message()));
+}
+
+}  // namespace
+
+CudaContext::~CudaContext() {
+  // Nothing else refers to the context any more; errors can only be dropped.
+  if (cudaSetDevice(device) != cudaSuccess) return;
+  if (stream != nullptr) static_cast<void>(cudaStreamSynchronize(stream));
+  if (cublas != nullptr) static_cast<void>(cublasDestroy(cublas));
+  if (cudnn != nullptr) static_cast<void>(cudnnDestroy(cudnn));
+  if (cublas_workspace != nullptr) static_cast<void>(cudaFree(cublas_workspace));
+  if (stream != nullptr) static_cast<void>(cudaStreamDestroy(stream));
+}
+
+}  // namespace cuda_internal
+
+namespace {
+
+using cuda_internal::Annotate;
+using cuda_internal::CheckCublas;
+using cuda_internal::CheckCuda;
+using cuda_internal::CheckCudnn;
+using cuda_internal::CheckNonNull;
+using cuda_internal::CudaContext;
+using cuda_internal::RunIn;
+using cuda_internal::Scope;
+
+constexpr float kOne = 1.0f;
+constexpr float kZero = 0.0f;
+
+// ---------------------------------------------------------------- device memory
+
+// Frees device memory of ctx's device once the work queued before has
+// finished (ops may be destroyed while their kernels are still queued).
+struct DeviceDeleter {
+  std::shared_ptr<CudaContext> ctx;
+  void operator()(void* p) const {
+    if (p == nullptr || ctx == nullptr) return;
+    Scope scope(*ctx);
+    if (!scope.status().ok()) return;
+    static_cast<void>(cudaStreamSynchronize(ctx->stream));
+    static_cast<void>(cudaFree(p));
+  }
+};
+using DevicePtr = std::unique_ptr<void, DeviceDeleter>;
+
+// cudaMalloc of `bytes` (at least 1) on ctx's device, zero-filled when
+// `zero`. Runs inside a Scope of ctx. Out of memory is RESOURCE_EXHAUSTED.
+absl::Status AllocateDevice(const std::shared_ptr<CudaContext>& ctx, size_t bytes, bool zero,
+                            DevicePtr& out) {
+  bytes = std::max<size_t>(bytes, 1);
+  void* p = nullptr;
+  if (const cudaError_t err = cudaMalloc(&p, bytes); err != cudaSuccess) {
+    absl::Status status = CheckCuda(err, "cudaMalloc");
+    if (err == cudaErrorMemoryAllocation) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of GPU memory for ", bytes, " bytes: ", status.message()));
+    }
+    return status;
+  }
+  out = DevicePtr(p, DeviceDeleter{ctx});
+  if (zero) {
+    PSFLOW_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, ctx->stream));
+    PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+  }
+  return absl::OkStatus();
+}
+
+float* Floats(const DevicePtr& p) { return static_cast<float*>(p.get()); }
+
+class CudaBuffer final : public Buffer {
+ public:
+  CudaBuffer(DevicePtr memory, size_t size) : memory_(std::move(memory)), size_(size) {}
+
+  float* data() override { return Floats(memory_); }
+  size_t size() const override { return size_; }
+
+ private:
+  DevicePtr memory_;
+  size_t size_;
+};
+
+// ---------------------------------------------------------------- cuDNN descriptors
+
+template <typename T, cudnnStatus_t (*Destroy)(T)>
+struct CudnnDeleter {
+  void operator()(T d) const { static_cast<void>(Destroy(d)); }
+};
+template <typename T, cudnnStatus_t (*Destroy)(T)>
+using CudnnPtr = std::unique_ptr<std::remove_pointer_t<T>, CudnnDeleter<T, Destroy>>;
+
+using TensorDesc = CudnnPtr<cudnnTensorDescriptor_t, cudnnDestroyTensorDescriptor>;
+using FilterDesc = CudnnPtr<cudnnFilterDescriptor_t, cudnnDestroyFilterDescriptor>;
+using ConvDesc = CudnnPtr<cudnnConvolutionDescriptor_t, cudnnDestroyConvolutionDescriptor>;
+using PoolDesc = CudnnPtr<cudnnPoolingDescriptor_t, cudnnDestroyPoolingDescriptor>;
+using ActivationDesc = CudnnPtr<cudnnActivationDescriptor_t, cudnnDestroyActivationDescriptor>;
+
+// A packed fp32 NCHW tensor descriptor.
+absl::Status MakeTensor(TensorDesc& out, int n, int c, int h, int w) {
+  cudnnTensorDescriptor_t d = nullptr;
+  PSFLOW_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
+  out.reset(d);
+  PSFLOW_CUDNN_CHECK(
+      cudnnSetTensor4dDescriptor(d, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, c, h, w));
+  return absl::OkStatus();
+}
+
+absl::Status MakeFilter(FilterDesc& out, int k, int c, int h, int w) {
+  cudnnFilterDescriptor_t d = nullptr;
+  PSFLOW_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d));
+  out.reset(d);
+  PSFLOW_CUDNN_CHECK(
+      cudnnSetFilter4dDescriptor(d, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, k, c, h, w));
+  return absl::OkStatus();
+}
+
+// Cross-correlation (what deep-learning frameworks call convolution), fp32
+// accumulation, dilation 1, CUDNN_DEFAULT_MATH (TF32 allowed).
+absl::Status MakeConv(ConvDesc& out, int padding, int stride) {
+  cudnnConvolutionDescriptor_t d = nullptr;
+  PSFLOW_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
+  out.reset(d);
+  PSFLOW_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, padding, padding, stride, stride, 1, 1,
+                                                     CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+  PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(d, CUDNN_DEFAULT_MATH));
+  return absl::OkStatus();
+}
+
+// cuDNN's legacy descriptors (and our kernels' row indices) take int sizes.
+bool FitsInt(int64_t n) { return n > 0 && n <= std::numeric_limits<int>::max(); }
+
+absl::Status CheckElementCount(
+    std::initializer_list<std::pair<absl::string_view, int64_t>> tensors) {
+  for (const auto& [name, count] : tensors) {
+    if (!FitsInt(count)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has ", count, " elements; the CUDA backend takes at most 2^31-1"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The first (fastest) result of a cudnnFind*Algorithm call that succeeded.
+template <typename Perf>
+const Perf* Fastest(const Perf* perf, int count) {
+  for (int i = 0; i < count; ++i) {
+    if (perf[i].status == CUDNN_STATUS_SUCCESS) return &perf[i];
+  }
+  return nullptr;
+}
+
+// ---------------------------------------------------------------- Conv2D
+
+std::string Describe(const Conv2DShape& s) {
+  return absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)", s.batch,
+                         s.in_channels, s.height, s.width, s.out_channels, s.kernel_h, s.kernel_w,
+                         s.stride, s.padding);
+}
+
+absl::Status Validate(const Conv2DShape& s) {
+  if (s.batch <= 0 || s.in_channels <= 0 || s.height <= 0 || s.width <= 0 || s.out_channels <= 0 ||
+      s.kernel_h <= 0 || s.kernel_w <= 0) {
+    return absl::InvalidArgumentError("all dimensions must be positive");
+  }
+  if (s.stride <= 0) return absl::InvalidArgumentError("stride must be positive");
+  if (s.padding < 0) return absl::InvalidArgumentError("padding is negative");
+  if (s.kernel_h > int64_t{s.height} + 2 * int64_t{s.padding} ||
+      s.kernel_w > int64_t{s.width} + 2 * int64_t{s.padding}) {
+    return absl::InvalidArgumentError("kernel is larger than the padded input");
+  }
+  const int64_t n = s.batch;
+  return CheckElementCount(
+      {{"x", n * s.in_channels * s.height * s.width},
+       {"w", int64_t{s.out_channels} * s.in_channels * s.kernel_h * s.kernel_w},
+       {"y", n * s.out_channels * s.out_height() * s.out_width()}});
+}
+
+class CudnnConv2D final : public Conv2D {
+ public:
+  CudnnConv2D(std::shared_ptr<CudaContext> ctx, const Conv2DShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(Describe(s)) {}
+
+  // Inside a Scope: descriptors, algorithms (cuDNN's Find runs each candidate
+  // on the stream) and the workspace.
+  absl::Status Init() {
+    const Conv2DShape& s = shape_;
+    PSFLOW_RETURN_IF_ERROR(MakeTensor(x_desc_, s.batch, s.in_channels, s.height, s.width));
+    PSFLOW_RETURN_IF_ERROR(
+        MakeTensor(y_desc_, s.batch, s.out_channels, s.out_height(), s.out_width()));
+    PSFLOW_RETURN_IF_ERROR(MakeTensor(b_desc_, 1, s.out_channels, 1, 1));
+    PSFLOW_RETURN_IF_ERROR(
+        MakeFilter(w_desc_, s.out_channels, s.in_channels, s.kernel_h, s.kernel_w));
+    // One convolution descriptor per direction: each takes the math type of
+    // the algorithm found for it.
+    PSFLOW_RETURN_IF_ERROR(MakeConv(fwd_conv_, s.padding, s.stride));
+    PSFLOW_RETURN_IF_ERROR(MakeConv(data_conv_, s.padding, s.stride));
+    PSFLOW_RETURN_IF_ERROR(MakeConv(filter_conv_, s.padding, s.stride));
+
+    int n = 0, c = 0, h = 0, w = 0;
+    PSFLOW_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(fwd_conv_.get(), x_desc_.get(),
+                                                             w_desc_.get(), &n, &c, &h, &w));
+    if (n != s.batch || c != s.out_channels || h != s.out_height() || w != s.out_width()) {
+      return absl::InternalError(
+          absl::StrFormat("cuDNN computes an output of %dx%dx%dx%d, not %dx%dx%dx%d", n, c, h, w,
+                          s.batch, s.out_channels, s.out_height(), s.out_width()));
+    }
+
+    cudnnHandle_t handle = ctx_->cudnn;
+    size_t workspace = 0;
+    {
+      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+      int count = 0;
+      PSFLOW_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithm(
+          handle, x_desc_.get(), w_desc_.get(), fwd_conv_.get(), y_desc_.get(),
+          CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, perf));
+      const auto* best = Fastest(perf, count);
+      if (best == nullptr) return absl::InvalidArgumentError("cuDNN has no forward algorithm");
+      fwd_algo_ = best->algo;
+      PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(fwd_conv_.get(), best->mathType));
+      size_t bytes = 0;
+      PSFLOW_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
+          handle, x_desc_.get(), w_desc_.get(), fwd_conv_.get(), y_desc_.get(), fwd_algo_, &bytes));
+      workspace = std::max({workspace, bytes, best->memory});
+    }
+    {
+      cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+      int count = 0;
+      PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
+          handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(),
+          CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &count, perf));
+      const auto* best = Fastest(perf, count);
+      if (best == nullptr) {
+        return absl::InvalidArgumentError("cuDNN has no backward-data algorithm");
+      }
+      data_algo_ = best->algo;
+      PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(data_conv_.get(), best->mathType));
+      size_t bytes = 0;
+      PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+          handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), data_algo_,
+          &bytes));
+      workspace = std::max({workspace, bytes, best->memory});
+    }
+    {
+      cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+      int count = 0;
+      PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
+          handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(),
+          CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &count, perf));
+      const auto* best = Fastest(perf, count);
+      if (best == nullptr) {
+        return absl::InvalidArgumentError("cuDNN has no backward-filter algorithm");
+      }
+      filter_algo_ = best->algo;
+      PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(filter_conv_.get(), best->mathType));
+      size_t bytes = 0;
+      PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+          handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), filter_algo_,
+          &bytes));
+      workspace = std::max({workspace, bytes, best->memory});
+    }
+    // One workspace for the three directions: they run one after another on
+    // the stream.
+    workspace_bytes_ = workspace;
+    if (workspace > 0) {
+      PSFLOW_RETURN_IF_ERROR(AllocateDevice(ctx_, workspace, false, workspace_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"w", w}, {"y", y}}));
+      PSFLOW_CUDNN_CHECK(cudnnConvolutionForward(
+          ctx_->cudnn, &kOne, x_desc_.get(), x, w_desc_.get(), w, fwd_conv_.get(), fwd_algo_,
+          workspace_.get(), workspace_bytes_, &kZero, y_desc_.get(), y));
+      if (b != nullptr) {  // y += b, broadcast over N, H, W
+        PSFLOW_CUDNN_CHECK(
+            cudnnAddTensor(ctx_->cudnn, &kOne, b_desc_.get(), b, &kOne, y_desc_.get(), y));
+      }
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                        float* db) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}}));
+      if (db != nullptr) {
+        PSFLOW_CUDNN_CHECK(cudnnConvolutionBackwardBias(ctx_->cudnn, &kOne, y_desc_.get(), dy,
+                                                        &kZero, b_desc_.get(), db));
+      }
+      PSFLOW_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+          ctx_->cudnn, &kOne, x_desc_.get(), x, y_desc_.get(), dy, filter_conv_.get(), filter_algo_,
+          workspace_.get(), workspace_bytes_, &kZero, w_desc_.get(), dw));
+      if (dx != nullptr) {  // null for a first layer: nothing consumes dx
+        PSFLOW_CUDNN_CHECK(cudnnConvolutionBackwardData(
+            ctx_->cudnn, &kOne, w_desc_.get(), w, y_desc_.get(), dy, data_conv_.get(), data_algo_,
+            workspace_.get(), workspace_bytes_, &kZero, x_desc_.get(), dx));
+      }
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const Conv2DShape shape_;
+  const std::string what_;
+  TensorDesc x_desc_, y_desc_, b_desc_;
+  FilterDesc w_desc_;
+  ConvDesc fwd_conv_, data_conv_, filter_conv_;
+  cudnnConvolutionFwdAlgo_t fwd_algo_{};
+  cudnnConvolutionBwdDataAlgo_t data_algo_{};
+  cudnnConvolutionBwdFilterAlgo_t filter_algo_{};
+  DevicePtr workspace_;
+  size_t workspace_bytes_ = 0;
+};
+
+// ---------------------------------------------------------------- MaxPool2D
+
+std::string Describe(const Pool2DShape& s) {
+  return absl::StrFormat("MaxPool2D(N=%d C=%d H=%d W=%d window=%d stride=%d)", s.batch, s.channels,
+                         s.height, s.width, s.window, s.stride);
+}
+
+absl::Status Validate(const Pool2DShape& s) {
+  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0 || s.window <= 0 ||
+      s.stride <= 0) {
+    return absl::InvalidArgumentError("all dimensions must be positive");
+  }
+  if (s.window > s.height || s.window > s.width) {
+    return absl::InvalidArgumentError("window is larger than the input");
+  }
+  return CheckElementCount({{"x", int64_t{s.batch} * s.channels * s.height * s.width}});
+}
+
+class CudnnMaxPool2D final : public MaxPool2D {
+ public:
+  CudnnMaxPool2D(std::shared_ptr<CudaContext> ctx, const Pool2DShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(Describe(s)) {}
+
+  absl::Status Init() {
+    const Pool2DShape& s = shape_;
+    PSFLOW_RETURN_IF_ERROR(MakeTensor(x_desc_, s.batch, s.channels, s.height, s.width));
+    PSFLOW_RETURN_IF_ERROR(MakeTensor(y_desc_, s.batch, s.channels, s.out_height(), s.out_width()));
+    cudnnPoolingDescriptor_t d = nullptr;
+    PSFLOW_CUDNN_CHECK(cudnnCreatePoolingDescriptor(&d));
+    pool_desc_.reset(d);
+    // Deterministic max pooling (the gradient goes to one position per
+    // window); no padding.
+    PSFLOW_CUDNN_CHECK(cudnnSetPooling2dDescriptor(d, CUDNN_POOLING_MAX_DETERMINISTIC,
+                                                   CUDNN_PROPAGATE_NAN, s.window, s.window, 0, 0,
+                                                   s.stride, s.stride));
+    int n = 0, c = 0, h = 0, w = 0;
+    PSFLOW_CUDNN_CHECK(cudnnGetPooling2dForwardOutputDim(d, x_desc_.get(), &n, &c, &h, &w));
+    if (n != s.batch || c != s.channels || h != s.out_height() || w != s.out_width()) {
+      return absl::InternalError(
+          absl::StrFormat("cuDNN computes an output of %dx%dx%dx%d", n, c, h, w));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const float* x, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
+      last_x_ = last_y_ = nullptr;
+      PSFLOW_CUDNN_CHECK(cudnnPoolingForward(ctx_->cudnn, pool_desc_.get(), &kOne, x_desc_.get(), x,
+                                             &kZero, y_desc_.get(), y));
+      last_x_ = x;
+      last_y_ = y;
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* dy, float* dx) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"dy", dy}, {"dx", dx}}));
+      if (last_x_ == nullptr) {
+        return absl::FailedPreconditionError("no successful Forward before it");
+      }
+      // cuDNN finds each window's maximum again from the forward's x and y.
+      PSFLOW_CUDNN_CHECK(cudnnPoolingBackward(ctx_->cudnn, pool_desc_.get(), &kOne, y_desc_.get(),
+                                              last_y_, y_desc_.get(), dy, x_desc_.get(), last_x_,
+                                              &kZero, x_desc_.get(), dx));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const Pool2DShape shape_;
+  const std::string what_;
+  TensorDesc x_desc_, y_desc_;
+  PoolDesc pool_desc_;
+  const float* last_x_ = nullptr;  // of the latest successful Forward
+  const float* last_y_ = nullptr;
+};
+
+// ---------------------------------------------------------------- Relu
+
+class CudnnRelu final : public Relu {
+ public:
+  CudnnRelu(std::shared_ptr<CudaContext> ctx, int64_t size)
+      : ctx_(std::move(ctx)), size_(size), what_(absl::StrCat("Relu(size=", size, ")")) {}
+
+  absl::Status Init() {
+    // Elementwise, so any packed shape of `size` elements will do.
+    PSFLOW_RETURN_IF_ERROR(MakeTensor(desc_, static_cast<int>(size_), 1, 1, 1));
+    cudnnActivationDescriptor_t d = nullptr;
+    PSFLOW_CUDNN_CHECK(cudnnCreateActivationDescriptor(&d));
+    act_desc_.reset(d);
+    PSFLOW_CUDNN_CHECK(
+        cudnnSetActivationDescriptor(d, CUDNN_ACTIVATION_RELU, CUDNN_PROPAGATE_NAN, 0.0));
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const float* x, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
+      PSFLOW_CUDNN_CHECK(cudnnActivationForward(ctx_->cudnn, act_desc_.get(), &kOne, desc_.get(), x,
+                                                &kZero, desc_.get(), y));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* dy, float* dx) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"dy", dy}, {"dx", dx}}));
+      // cuDNN wants the forward output y; relu(x) > 0 exactly where x > 0,
+      // so x serves as y.
+      PSFLOW_CUDNN_CHECK(cudnnActivationBackward(ctx_->cudnn, act_desc_.get(), &kOne, desc_.get(),
+                                                 x, desc_.get(), dy, desc_.get(), x, &kZero,
+                                                 desc_.get(), dx));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const int64_t size_;
+  const std::string what_;
+  TensorDesc desc_;
+  ActivationDesc act_desc_;
+};
+
+// ---------------------------------------------------------------- Dense
+
+// cuBLAS is column-major; a row-major [R,C] matrix is the same memory as a
+// column-major [C,R] one (its transpose) with leading dimension C. So, with
+// x: [N,in], w: [out,in], y, dy: [N,out] row-major:
+//   y[N,out]  = x·wᵀ   <=> yᵀ[out,N] = (wᵀ)ᵀ·xᵀ  : gemm(T, N, m=out, n=N, k=in,
+//                                                    A=w (lda=in), B=x (ldb=in), C=y (ldc=out))
+//   dw[out,in] = dyᵀ·x  <=> dwᵀ[in,out] = xᵀ·dy   : gemm(N, T, m=in, n=out, k=N,
+//                                                    A=x (lda=in), B=dy (ldb=out), C=dw (ldc=in))
+//   dx[N,in]  = dy·w    <=> dxᵀ[in,N] = wᵀ·dyᵀ   : gemm(N, N, m=in, n=N, k=out,
+//                                                    A=w (lda=in), B=dy (ldb=out), C=dx (ldc=in))
+//   db[out]   = Σ_n dy[n,:] = dyᵀ[out,N]·1[N]    : gemv(N, m=out, n=N, A=dy (lda=out), x=ones)
+// The bias is added to y by a kernel after the GEMM.
+class CublasDense final : public Dense {
+ public:
+  CublasDense(std::shared_ptr<CudaContext> ctx, const DenseShape& s)
+      : ctx_(std::move(ctx)),
+        shape_(s),
+        what_(absl::StrFormat("Dense(N=%d in=%d out=%d)", s.batch, s.in_features, s.out_features)) {
+  }
+
+  absl::Status Init() {
+    PSFLOW_RETURN_IF_ERROR(
+        AllocateDevice(ctx_, static_cast<size_t>(shape_.batch) * sizeof(float), false, ones_));
+    const std::vector<float> ones(shape_.batch, 1.0f);
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(ones_.get(), ones.data(), ones.size() * sizeof(float),
+                                      cudaMemcpyHostToDevice, ctx_->stream));
+    PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));  // before `ones` goes away
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"w", w}, {"b", b}, {"y", y}}));
+      const int n = shape_.batch, in = shape_.in_features, out = shape_.out_features;
+      PSFLOW_CUBLAS_CHECK(cublasSgemm(ctx_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &kOne, w,
+                                      in, x, in, &kZero, y, out));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchAddRowBias(y, b, n, out, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                        float* db) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(
+          CheckNonNull({{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}}));
+      const int n = shape_.batch, in = shape_.in_features, out = shape_.out_features;
+      PSFLOW_CUBLAS_CHECK(cublasSgemm(ctx_->cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &kOne, x,
+                                      in, dy, out, &kZero, dw, in));
+      PSFLOW_CUBLAS_CHECK(cublasSgemv(ctx_->cublas, CUBLAS_OP_N, out, n, &kOne, dy, out,
+                                      Floats(ones_), 1, &kZero, db, 1));
+      if (dx != nullptr) {
+        PSFLOW_CUBLAS_CHECK(cublasSgemm(ctx_->cublas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &kOne,
+                                        w, in, dy, out, &kZero, dx, in));
+      }
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const DenseShape shape_;
+  const std::string what_;
+  DevicePtr ones_;  // [N] of 1.0f, for db
+};
+
+// ---------------------------------------------------------------- BatchNorm
+
+std::string Describe(const BatchNormShape& s) {
+  return absl::StrFormat("BatchNorm(N=%d C=%d H=%d W=%d epsilon=%g)", s.batch, s.channels, s.height,
+                         s.width, s.epsilon);
+}
+
+class CudnnBatchNorm final : public BatchNorm {
+ public:
+  CudnnBatchNorm(std::shared_ptr<CudaContext> ctx, const BatchNormShape& s)
+      : ctx_(std::move(ctx)),
+        shape_(s),
+        what_(Describe(s)),
+        epsilon_(std::max(static_cast<double>(s.epsilon), CUDNN_BN_MIN_EPSILON)) {}
+
+  absl::Status Init() {
+    const BatchNormShape& s = shape_;
+    PSFLOW_RETURN_IF_ERROR(MakeTensor(x_desc_, s.batch, s.channels, s.height, s.width));
+    cudnnTensorDescriptor_t d = nullptr;
+    PSFLOW_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
+    param_desc_.reset(d);
+    PSFLOW_CUDNN_CHECK(cudnnDeriveBNTensorDescriptor(d, x_desc_.get(), CUDNN_BATCHNORM_SPATIAL));
+    // [saved mean | saved inverse std | running mean | running variance], C
+    // floats each. The running statistics are not used (the interface has no
+    // inference mode), but cuDNN's header does not promise that they may be
+    // null, so they get dummy storage (with an averaging factor of 0 they
+    // stay 0).
+    return AllocateDevice(ctx_, 4 * static_cast<size_t>(s.channels) * sizeof(float), true, stats_);
+  }
+
+  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
+      has_forward_ = false;
+      float* const p = Floats(stats_);
+      const size_t c = shape_.channels;
+      PSFLOW_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
+          ctx_->cudnn, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, x_desc_.get(), x, x_desc_.get(), y,
+          param_desc_.get(), gamma, beta, /*exponentialAverageFactor=*/0.0, p + 2 * c, p + 3 * c,
+          epsilon_, /*resultSaveMean=*/p, /*resultSaveInvVariance=*/p + c));
+      has_forward_ = true;
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
+                        float* dgamma, float* dbeta) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x},
+                                           {"gamma", gamma},
+                                           {"dy", dy},
+                                           {"dx", dx},
+                                           {"dgamma", dgamma},
+                                           {"dbeta", dbeta}}));
+      if (!has_forward_) return absl::FailedPreconditionError("no successful Forward before it");
+      const float* const p = Floats(stats_);
+      const size_t c = shape_.channels;
+      PSFLOW_CUDNN_CHECK(cudnnBatchNormalizationBackward(
+          ctx_->cudnn, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, &kOne, &kZero, x_desc_.get(), x,
+          x_desc_.get(), dy, x_desc_.get(), dx, param_desc_.get(), gamma, dgamma, dbeta, epsilon_,
+          /*savedMean=*/p, /*savedInvVariance=*/p + c));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const BatchNormShape shape_;
+  const std::string what_;
+  const double epsilon_;
+  TensorDesc x_desc_, param_desc_;
+  DevicePtr stats_;
+  bool has_forward_ = false;
+};
+
+// ---------------------------------------------------------------- GlobalAvgPool
+
+class CudaGlobalAvgPool final : public GlobalAvgPool {
+ public:
+  CudaGlobalAvgPool(std::shared_ptr<CudaContext> ctx, const GlobalAvgPoolShape& s)
+      : ctx_(std::move(ctx)),
+        rows_(int64_t{s.batch} * s.channels),
+        hw_(int64_t{s.height} * s.width),
+        what_(absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", s.batch, s.channels, s.height,
+                              s.width)) {}
+
+  absl::Status Init() { return absl::OkStatus(); }  // nothing to prepare
+
+  absl::Status Forward(const float* x, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchGlobalAvgPoolForward(x, y, rows_, hw_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* dy, float* dx) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"dy", dy}, {"dx", dx}}));
+      PSFLOW_CUDA_CHECK(
+          cuda_internal::LaunchGlobalAvgPoolBackward(dy, dx, rows_, hw_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const int64_t rows_, hw_;
+  const std::string what_;
+};
+
+// ---------------------------------------------------------------- SoftmaxCrossEntropy
+
+class CudaSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
+ public:
+  CudaSoftmaxCrossEntropy(std::shared_ptr<CudaContext> ctx, int batch, int classes)
+      : ctx_(std::move(ctx)),
+        batch_(batch),
+        classes_(classes),
+        what_(absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes)) {}
+
+  absl::Status Init() {
+    // Per-example loss and correct flag, reduced by a second kernel.
+    return AllocateDevice(ctx_, 2 * static_cast<size_t>(batch_) * sizeof(float), false, scratch_);
+  }
+
+  absl::Status Forward(const float* logits, const int32_t* labels, float* probs,
+                       float* stats) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull(
+          {{"logits", logits}, {"labels", labels}, {"probs", probs}, {"stats", stats}}));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchSoftmaxCrossEntropyForward(
+          logits, labels, probs, Floats(scratch_), stats, batch_, classes_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(
+          CheckNonNull({{"probs", probs}, {"labels", labels}, {"dlogits", dlogits}}));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchSoftmaxCrossEntropyBackward(
+          probs, labels, dlogits, batch_, classes_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const int batch_, classes_;
+  const std::string what_;
+  DevicePtr scratch_;
+};
+
+// ---------------------------------------------------------------- Graph
+
+struct GraphDeleter {
+  void operator()(cudaGraph_t g) const { static_cast<void>(cudaGraphDestroy(g)); }
+};
+using GraphPtr = std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, GraphDeleter>;
+
+class CudaGraph final : public Graph {
+ public:
+  CudaGraph(std::shared_ptr<CudaContext> ctx, GraphPtr graph, cudaGraphExec_t exec)
+      : ctx_(std::move(ctx)), graph_(std::move(graph)), exec_(exec) {}
+
+  ~CudaGraph() override {
+    // A replay still in flight finishes first (CUDA frees the executable
+    // graph asynchronously).
+    Scope scope(*ctx_);
+    if (scope.status().ok()) static_cast<void>(cudaGraphExecDestroy(exec_));
+    graph_.reset();
+  }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+
+  absl::Status Launch() override {
+    return RunIn(*ctx_, "Graph", "launch", [&]() -> absl::Status {
+      PSFLOW_CUDA_CHECK(cudaGraphLaunch(exec_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  GraphPtr graph_;
+  cudaGraphExec_t exec_;
+};
+
+// Creates an op whose constructor takes (ctx, args...) and whose Init() runs
+// inside a Scope; errors are prefixed with the op's description.
+template <typename Interface, typename Op, typename... Args>
+absl::StatusOr<std::unique_ptr<Interface>> Build(const std::shared_ptr<CudaContext>& ctx,
+                                                 absl::string_view what, Args&&... args) {
+  Scope scope(*ctx);
+  PSFLOW_RETURN_IF_ERROR(Annotate(scope.status(), what));
+  auto op = std::make_unique<Op>(ctx, std::forward<Args>(args)...);
+  PSFLOW_RETURN_IF_ERROR(Annotate(op->Init(), what));
+  return std::unique_ptr<Interface>(std::move(op));
+}
+
+absl::Status CheckCount(int64_t n, absl::string_view what) {
+  if (n < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative count ", n));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- CudaBackend
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device_ordinal) {
+  const std::string name = absl::StrCat("cuda:", device_ordinal);
+  if (device_ordinal < 0) {
+    return absl::InvalidArgumentError(name + ": the GPU index must not be negative");
+  }
+  int count = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
+    cuda_internal::ClearLastError();
+    return absl::UnavailableError(absl::StrCat(name, ": no usable CUDA device (",
+                                               cudaGetErrorName(err), ": ", cudaGetErrorString(err),
+                                               ")"));
+  }
+  if (device_ordinal >= count) {
+    return absl::UnavailableError(
+        absl::StrCat(name, ": this machine has ", count, " CUDA device", count == 1 ? "" : "s"));
+  }
+
+  auto ctx = std::make_shared<CudaContext>(device_ordinal);
+  absl::Status status = [&]() -> absl::Status {
+    Scope scope(*ctx);
+    PSFLOW_RETURN_IF_ERROR(scope.status());
+    PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->stream, cudaStreamNonBlocking));
+    PSFLOW_CUDNN_CHECK(cudnnCreate(&ctx->cudnn));
+    PSFLOW_CUDNN_CHECK(cudnnSetStream(ctx->cudnn, ctx->stream));
+    PSFLOW_CUBLAS_CHECK(cublasCreate(&ctx->cublas));
+    PSFLOW_CUBLAS_CHECK(cublasSetStream(ctx->cublas, ctx->stream));
+    PSFLOW_CUDA_CHECK(cudaMalloc(&ctx->cublas_workspace, cuda_internal::kCublasWorkspaceBytes));
+    PSFLOW_CUBLAS_CHECK(cublasSetWorkspace(ctx->cublas, ctx->cublas_workspace,
+                                           cuda_internal::kCublasWorkspaceBytes));
+    // CUBLAS_DEFAULT_MATH: fp32 GEMMs keep full fp32 precision (no TF32
+    // tensor cores). alpha and beta are read from the host.
+    PSFLOW_CUBLAS_CHECK(cublasSetMathMode(ctx->cublas, CUBLAS_DEFAULT_MATH));
+    PSFLOW_CUBLAS_CHECK(cublasSetPointerMode(ctx->cublas, CUBLAS_POINTER_MODE_HOST));
+    return absl::OkStatus();
+  }();
+  PSFLOW_RETURN_IF_ERROR(Annotate(status, name));
+  return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(ctx)));
+}
+
+CudaBackend::CudaBackend(std::shared_ptr<CudaContext> ctx) : ctx_(std::move(ctx)) {}
+CudaBackend::~CudaBackend() = default;
+
+std::string CudaBackend::name() const { return absl::StrCat("cuda:", ctx_->device); }
+
+absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t floats) {
+  if (floats > std::numeric_limits<size_t>::max() / sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("Allocate: ", floats, " floats is too many"));
+  }
+  DevicePtr memory;
+  PSFLOW_RETURN_IF_ERROR(RunIn(*ctx_, "Allocate", absl::StrCat(floats, " floats"), [&] {
+    return AllocateDevice(ctx_, floats * sizeof(float), true, memory);
+  }));
+  return std::make_unique<CudaBuffer>(std::move(memory), floats);
+}
+
+absl::Status CudaBackend::CopyToDevice(const float* host, size_t floats, float* device) {
+  if (floats == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CopyToDevice", absl::StrCat(floats, " floats"), [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
+    // From pageable memory: the driver stages the data before returning.
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, floats * sizeof(float), cudaMemcpyHostToDevice,
+                                      ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::CopyToHost(const float* device, size_t floats, float* host) {
+  if (floats == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CopyToHost", absl::StrCat(floats, " floats"), [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", device}, {"host", host}}));
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(host, device, floats * sizeof(float), cudaMemcpyDeviceToHost,
+                                      ctx_->stream));
+    PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Synchronize() {
+  return RunIn(*ctx_, "Synchronize", "", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Add(const float* a, const float* b, float* y, int64_t n) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Add"));
+  if (n == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "Add", absl::StrCat(n), [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"a", a}, {"b", b}, {"y", y}}));
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchAdd(a, b, y, n, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Affine(const float* x, float scale, float shift, float* y, int64_t n) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Affine"));
+  if (n == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "Affine", absl::StrCat(n), [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchAffine(x, scale, shift, y, n, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Sgd(float* w, const float* g, float learning_rate, int64_t n) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Sgd"));
+  if (n == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "Sgd", absl::StrCat(n), [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"w", w}, {"g", g}}));
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchSgd(w, g, learning_rate, n, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Copy(const float* src, float* dst, int64_t n) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Copy"));
+  if (n == 0 || src == dst) return absl::OkStatus();
+  return RunIn(*ctx_, "Copy", absl::StrCat(n), [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"src", src}, {"dst", dst}}));
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::Capture(
+    const std::function<absl::Status()>& work) {
+  // The scope (and so the backend's lock) is held while `work` runs: other
+  // threads wait rather than queue into the graph; this thread's ops take the
+  // recursive lock again.
+  Scope scope(*ctx_);
+  PSFLOW_RETURN_IF_ERROR(Annotate(scope.status(), "Capture"));
+  PSFLOW_RETURN_IF_ERROR(
+      Annotate(CheckCuda(cudaStreamBeginCapture(ctx_->stream, cudaStreamCaptureModeThreadLocal),
+                         "cudaStreamBeginCapture"),
+               "Capture"));
+  const absl::Status work_status = work();
+  // Always end the capture, or the stream stays unusable.
+  cudaGraph_t raw_graph = nullptr;
+  const absl::Status end_status =
+      CheckCuda(cudaStreamEndCapture(ctx_->stream, &raw_graph), "cudaStreamEndCapture");
+  GraphPtr graph(raw_graph);
+  if (!work_status.ok()) return work_status;
+  PSFLOW_RETURN_IF_ERROR(Annotate(end_status, "Capture"));
+  cudaGraphExec_t exec = nullptr;
+  PSFLOW_RETURN_IF_ERROR(Annotate(
+      CheckCuda(cudaGraphInstantiate(&exec, graph.get(), 0), "cudaGraphInstantiate"), "Capture"));
+  return std::unique_ptr<Graph>(new CudaGraph(ctx_, std::move(graph), exec));
+}
+
+absl::StatusOr<std::unique_ptr<Conv2D>> CudaBackend::CreateConv2D(const Conv2DShape& shape) {
+  const std::string what = Describe(shape);
+  PSFLOW_RETURN_IF_ERROR(Annotate(Validate(shape), what));
+  return Build<Conv2D, CudnnConv2D>(ctx_, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<MaxPool2D>> CudaBackend::CreateMaxPool2D(const Pool2DShape& shape) {
+  const std::string what = Describe(shape);
+  PSFLOW_RETURN_IF_ERROR(Annotate(Validate(shape), what));
+  return Build<MaxPool2D, CudnnMaxPool2D>(ctx_, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<Relu>> CudaBackend::CreateRelu(int64_t size) {
+  const std::string what = absl::StrCat("Relu(size=", size, ")");
+  if (size <= 0) return absl::InvalidArgumentError(what + ": size must be positive");
+  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", size}}), what));
+  return Build<Relu, CudnnRelu>(ctx_, what, size);
+}
+
+absl::StatusOr<std::unique_ptr<Dense>> CudaBackend::CreateDense(const DenseShape& shape) {
+  const std::string what = absl::StrFormat("Dense(N=%d in=%d out=%d)", shape.batch,
+                                           shape.in_features, shape.out_features);
+  if (shape.batch <= 0 || shape.in_features <= 0 || shape.out_features <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  PSFLOW_RETURN_IF_ERROR(
+      Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.in_features},
+                                  {"w", int64_t{shape.out_features} * shape.in_features},
+                                  {"y", int64_t{shape.batch} * shape.out_features}}),
+               what));
+  return Build<Dense, CublasDense>(ctx_, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CudaBackend::CreateSoftmaxCrossEntropy(
+    int batch, int classes) {
+  const std::string what = absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes);
+  if (batch <= 0 || classes <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"logits", int64_t{batch} * classes}}), what));
+  return Build<SoftmaxCrossEntropy, CudaSoftmaxCrossEntropy>(ctx_, what, batch, classes);
+}
+
+absl::StatusOr<std::unique_ptr<BatchNorm>> CudaBackend::CreateBatchNorm(
+    const BatchNormShape& shape) {
+  const std::string what = Describe(shape);
+  if (shape.batch <= 0 || shape.channels <= 0 || shape.height <= 0 || shape.width <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  if (!(shape.epsilon >= 0.0f) || !std::isfinite(shape.epsilon)) {
+    return absl::InvalidArgumentError(what + ": epsilon must be finite and not negative");
+  }
+  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.channels *
+                                                               shape.height * shape.width}}),
+                                  what));
+  return Build<BatchNorm, CudnnBatchNorm>(ctx_, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CudaBackend::CreateGlobalAvgPool(
+    const GlobalAvgPoolShape& shape) {
+  const std::string what = absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", shape.batch,
+                                           shape.channels, shape.height, shape.width);
+  if (shape.batch <= 0 || shape.channels <= 0 || shape.height <= 0 || shape.width <= 0) {
+    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
+  }
+  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.channels *
+                                                               shape.height * shape.width}}),
+                                  what));
+  return Build<GlobalAvgPool, CudaGlobalAvgPool>(ctx_, what, shape);
+}
+
+}  // namespace psflow::kernels

@@ -1,0 +1,113 @@
+// The CUDA backend: kernels.h implemented on cuDNN (legacy API), cuBLAS and a
+// few kernels of psflow's own (kernels/cuda/cuda_kernels.h), over the memory
+// of one GPU.
+//
+// Design:
+// - One stream per backend (created non-blocking, so it never waits for the
+//   legacy default stream). Every op and helper only queues its work on that
+//   stream and returns; work runs in submission order. CopyToHost and
+//   Synchronize wait for the stream; CopyToDevice does not (the driver stages
+//   the pageable host memory before it returns, so the caller may reuse it).
+// - One cuDNN handle and one cuBLAS handle, both bound to the stream. cuBLAS
+//   gets a fixed workspace of its own at creation, so it never allocates
+//   while a graph is being captured. Dense keeps full fp32 GEMMs
+//   (CUBLAS_DEFAULT_MATH: no TF32); convolutions use CUDNN_DEFAULT_MATH,
+//   which lets cuDNN pick TF32 tensor-core algorithms (like PyTorch's
+//   defaults for matmul and convolution).
+// - Ops pick their algorithms (cuDNN's Find for convolutions) and allocate
+//   every workspace and scratch buffer when they are created, never when they
+//   run: an op's execution only queues kernels on the stream, which is what
+//   makes Capture/Graph::Launch valid.
+// - Capture records what the callback queues on the stream into a CUDA graph
+//   (cudaStreamCaptureModeThreadLocal); Graph::Launch replays it on the same
+//   stream with the same pointers. Inside the callback only ops and the
+//   elementwise helpers may be called: Allocate, op creation, host copies,
+//   Synchronize and the destruction of buffers or ops synchronize or
+//   allocate, which a capture does not allow (the capture then fails, and
+//   the stream stays usable).
+// - Allocate waits for its zero fill. Freeing device memory (a buffer, an
+//   op's workspace) first waits for the work queued before it, so memory is
+//   never freed under a running kernel; a graph destroyed while a replay is
+//   in flight is freed by CUDA when the replay ends.
+// - MaxPool2D's Backward hands cuDNN the x and y of the latest Forward (cuDNN
+//   finds each window's maximum again from them): those buffers must still
+//   hold the forward's values when Backward is queued. BatchNorm keeps its
+//   saved mean and inverse standard deviation in buffers of its own.
+// - Every entry point (ops, helpers, buffers' and ops' destruction) makes the
+//   backend's GPU current on the calling thread and restores the previous one
+//   afterwards, so any thread may use the backend. Errors of CUDA, cuDNN and
+//   cuBLAS become INTERNAL statuses naming the call and the library's message
+//   (errors of queued work surface at the next call that waits for it).
+//
+// Thread-safety: the backend is thread-safe. Its calls, those of its ops and
+// graphs, and the destruction of its buffers, ops and graphs are serialized
+// by a recursive mutex of the backend (they only queue work, so the lock is
+// held briefly); Capture holds it for the whole callback, so other threads
+// wait instead of queueing into the graph being recorded. One op object still
+// must not be executed from two threads at once (MaxPool2D and BatchNorm keep
+// state of their latest Forward). Buffers, ops and graphs keep the stream and
+// handles alive, so they may outlive the backend.
+#ifndef PSFLOW_KERNELS_CUDA_CUDA_BACKEND_H_
+#define PSFLOW_KERNELS_CUDA_CUDA_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kernels.h"
+
+namespace psflow::kernels {
+
+namespace cuda_internal {
+struct CudaContext;  // device, stream, handles and their mutex; defined in cuda_backend.cc
+}  // namespace cuda_internal
+
+class CudaBackend final : public Backend {
+ public:
+  // Creates the backend for GPU `device_ordinal`. UNAVAILABLE ("cuda:N: ...")
+  // when the machine has no usable CUDA device of that index (no driver, no
+  // GPU, ordinal out of range); INTERNAL when creating the stream or a library
+  // handle fails.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device_ordinal);
+  ~CudaBackend() override;
+
+  std::string name() const override;
+
+  // Zero-filled device memory (at least 256-byte aligned).
+  absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) override;
+  absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
+  absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
+  absl::Status Synchronize() override;
+
+  absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;
+  absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override;
+  absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override;
+  // src and dst must be the same or not overlap.
+  absl::Status Copy(const float* src, float* dst, int64_t n) override;
+
+  absl::StatusOr<std::unique_ptr<Graph>> Capture(
+      const std::function<absl::Status()>& work) override;
+
+  absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) override;
+  absl::StatusOr<std::unique_ptr<MaxPool2D>> CreateMaxPool2D(const Pool2DShape& shape) override;
+  absl::StatusOr<std::unique_ptr<Relu>> CreateRelu(int64_t size) override;
+  absl::StatusOr<std::unique_ptr<Dense>> CreateDense(const DenseShape& shape) override;
+  absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
+      int batch, int classes) override;
+  absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const BatchNormShape& shape) override;
+  absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
+      const GlobalAvgPoolShape& shape) override;
+
+ private:
+  explicit CudaBackend(std::shared_ptr<cuda_internal::CudaContext> ctx);
+
+  std::shared_ptr<cuda_internal::CudaContext> ctx_;
+};
+
+}  // namespace psflow::kernels
+
+#endif  // PSFLOW_KERNELS_CUDA_CUDA_BACKEND_H_

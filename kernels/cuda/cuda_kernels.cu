@@ -1,0 +1,282 @@
+// psflow's own CUDA kernels; see cuda_kernels.h for the contract.
+//
+// Every kernel loops grid-stride (elementwise) or warp-stride (one warp per
+// row), so the grid can be capped and any size is covered. Reductions run in a
+// fixed order (warp butterflies, then a fixed tree), so results are bitwise
+// reproducible from run to run.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace psflow::kernels::cuda_internal {
+namespace {
+
+constexpr int kThreads = 256;  // threads per block
+constexpr int kWarpSize = 32;
+constexpr int kWarpsPerBlock = kThreads / kWarpSize;
+constexpr int64_t kMaxBlocks = 4096;  // grid cap; loops cover the rest
+constexpr unsigned kFullMask = 0xffffffffu;
+
+int BlocksFor(int64_t work_items, int64_t items_per_block) {
+  return static_cast<int>(
+      std::min<int64_t>((work_items + items_per_block - 1) / items_per_block, kMaxBlocks));
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+__device__ int64_t GlobalThread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ int64_t GridThreads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+// ---------------------------------------------------------------- elementwise
+
+// y[i] = f(a[i], b[i]); a unary op ignores b (passed as a).
+template <typename F>
+__global__ void Map2Kernel(const float* a, const float* b, float* y, int64_t n, F f) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) y[i] = f(a[i], b[i]);
+}
+
+// The same over float4 (n4 = n / 4), for 16-byte aligned pointers.
+template <typename F>
+__global__ void Map2Kernel4(const float4* a, const float4* b, float4* y, int64_t n4, F f) {
+  for (int64_t i = GlobalThread(); i < n4; i += GridThreads()) {
+    const float4 va = a[i], vb = b[i];
+    y[i] = make_float4(f(va.x, vb.x), f(va.y, vb.y), f(va.z, vb.z), f(va.w, vb.w));
+  }
+}
+
+template <typename F>
+cudaError_t LaunchMap2(const float* a, const float* b, float* y, int64_t n, F f,
+                       cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (n % 4 == 0 && Aligned16(a) && Aligned16(b) && Aligned16(y)) {
+    const int64_t n4 = n / 4;
+    Map2Kernel4<<<BlocksFor(n4, kThreads), kThreads, 0, stream>>>(
+        reinterpret_cast<const float4*>(a), reinterpret_cast<const float4*>(b),
+        reinterpret_cast<float4*>(y), n4, f);
+  } else {
+    Map2Kernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(a, b, y, n, f);
+  }
+  return cudaGetLastError();
+}
+
+struct AddFn {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+struct AffineFn {
+  float scale, shift;
+  __device__ float operator()(float x, float) const { return x * scale + shift; }
+};
+
+struct SgdFn {
+  float learning_rate;
+  __device__ float operator()(float w, float g) const { return w - learning_rate * g; }
+};
+
+__global__ void AddRowBiasKernel(float* y, const float* b, int64_t n, int64_t cols) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) y[i] += b[i % cols];
+}
+
+// ---------------------------------------------------------------- warp helpers
+
+__device__ float WarpSum(float v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(kFullMask, v, offset);
+  }
+  return v;  // the same in every lane (a + b == b + a bitwise)
+}
+
+// Arg-max over the warp: the larger value wins, equal values go to the
+// smaller index (so the result is the first maximum, like std::max_element).
+__device__ void WarpArgMax(float& value, int& index) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const float other_value = __shfl_xor_sync(kFullMask, value, offset);
+    const int other_index = __shfl_xor_sync(kFullMask, index, offset);
+    if (other_value > value || (other_value == value && other_index < index)) {
+      value = other_value;
+      index = other_index;
+    }
+  }
+}
+
+__device__ int64_t GlobalWarp() { return GlobalThread() / kWarpSize; }
+__device__ int64_t GridWarps() { return GridThreads() / kWarpSize; }
+__device__ int Lane() { return static_cast<int>(threadIdx.x % kWarpSize); }
+
+// ---------------------------------------------------------------- global average pooling
+
+// One warp per row; the loop bound is the same for all lanes of a warp, so
+// every lane reaches the shuffles.
+__global__ void GlobalAvgPoolForwardKernel(const float* x, float* y, int64_t rows, int64_t hw) {
+  const int lane = Lane();
+  for (int64_t row = GlobalWarp(); row < rows; row += GridWarps()) {
+    const float* in = x + row * hw;
+    float sum = 0.0f;
+    for (int64_t j = lane; j < hw; j += kWarpSize) sum += in[j];
+    sum = WarpSum(sum);
+    if (lane == 0) y[row] = sum / static_cast<float>(hw);
+  }
+}
+
+__global__ void GlobalAvgPoolBackwardKernel(const float* dy, float* dx, int64_t n, int64_t hw) {
+  const float inv = 1.0f / static_cast<float>(hw);
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) dx[i] = dy[i / hw] * inv;
+}
+
+// ---------------------------------------------------------------- softmax cross-entropy
+
+// One warp per example: max and first arg-max, sum of exp(x - max), then the
+// probabilities, the example's loss and whether it is classified correctly.
+__global__ void SoftmaxCrossEntropyRowsKernel(const float* logits, const int32_t* labels,
+                                              float* probs, float* loss, float* correct, int batch,
+                                              int classes) {
+  const int lane = Lane();
+  for (int64_t row = GlobalWarp(); row < batch; row += GridWarps()) {
+    const float* x = logits + row * classes;
+    float* p = probs + row * classes;
+
+    // A lane without any element keeps (-inf, INT_MAX), which loses every
+    // comparison, ties with a -inf logit included.
+    float best = -INFINITY;
+    int best_index = INT_MAX;
+    for (int j = lane; j < classes; j += kWarpSize) {
+      const float v = x[j];
+      if (best_index == INT_MAX || v > best) {  // strict: the first maximum of this lane
+        best = v;
+        best_index = j;
+      }
+    }
+    WarpArgMax(best, best_index);  // every lane now holds the row's max (a NaN logit
+                                   // makes the probabilities and the loss NaN anyway)
+    const float max = best;
+
+    float sum = 0.0f;
+    for (int j = lane; j < classes; j += kWarpSize) sum += expf(x[j] - max);
+    sum = WarpSum(sum);
+    const float inv_sum = 1.0f / sum;
+    for (int j = lane; j < classes; j += kWarpSize) p[j] = expf(x[j] - max) * inv_sum;
+
+    if (lane == 0) {
+      const int32_t label = labels[row];
+      if (label >= 0 && label < classes) {
+        // log-sum-exp minus the label's logit: exact even where a probability
+        // underflows to 0.
+        loss[row] = max + logf(sum) - x[label];
+        correct[row] = best_index == label ? 1.0f : 0.0f;
+      } else {
+        loss[row] = NAN;  // out-of-range label: visible in the mean loss
+        correct[row] = 0.0f;
+      }
+    }
+  }
+}
+
+// One block: thread t sums elements t, t + kThreads, ... in order, then a
+// fixed tree adds the partial sums. Loss in double, the count exactly.
+__global__ void SoftmaxCrossEntropyStatsKernel(const float* loss, const float* correct,
+                                               float* stats, int batch) {
+  __shared__ double loss_sum[kThreads];
+  __shared__ int correct_sum[kThreads];
+  const int t = threadIdx.x;
+  double l = 0.0;
+  int c = 0;
+  for (int i = t; i < batch; i += kThreads) {
+    l += loss[i];
+    c += correct[i] != 0.0f ? 1 : 0;
+  }
+  loss_sum[t] = l;
+  correct_sum[t] = c;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (t < half) {
+      loss_sum[t] += loss_sum[t + half];
+      correct_sum[t] += correct_sum[t + half];
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    stats[0] = static_cast<float>(loss_sum[0] / batch);
+    stats[1] = static_cast<float>(correct_sum[0]);
+  }
+}
+
+__global__ void SoftmaxCrossEntropyBackwardKernel(const float* probs, const int32_t* labels,
+                                                  float* dlogits, int64_t n, int classes,
+                                                  float scale) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const int64_t row = i / classes;
+    const int j = static_cast<int>(i - row * classes);
+    const float onehot = labels[row] == j ? 1.0f : 0.0f;  // never true out of range
+    dlogits[i] = (probs[i] - onehot) * scale;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchAdd(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
+  return LaunchMap2(a, b, y, n, AddFn{}, stream);
+}
+
+cudaError_t LaunchAffine(const float* x, float scale, float shift, float* y, int64_t n,
+                         cudaStream_t stream) {
+  return LaunchMap2(x, x, y, n, AffineFn{scale, shift}, stream);
+}
+
+cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
+                      cudaStream_t stream) {
+  return LaunchMap2(w, g, w, n, SgdFn{learning_rate}, stream);
+}
+
+cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,
+                             cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  const int64_t n = rows * cols;
+  AddRowBiasKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(y, b, n, cols);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGlobalAvgPoolForward(const float* x, float* y, int64_t rows, int64_t hw,
+                                       cudaStream_t stream) {
+  if (rows <= 0 || hw <= 0) return cudaSuccess;
+  GlobalAvgPoolForwardKernel<<<BlocksFor(rows, kWarpsPerBlock), kThreads, 0, stream>>>(x, y, rows,
+                                                                                       hw);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGlobalAvgPoolBackward(const float* dy, float* dx, int64_t rows, int64_t hw,
+                                        cudaStream_t stream) {
+  if (rows <= 0 || hw <= 0) return cudaSuccess;
+  const int64_t n = rows * hw;
+  GlobalAvgPoolBackwardKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(dy, dx, n, hw);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSoftmaxCrossEntropyForward(const float* logits, const int32_t* labels,
+                                             float* probs, float* scratch, float* stats, int batch,
+                                             int classes, cudaStream_t stream) {
+  if (batch <= 0 || classes <= 0) return cudaSuccess;
+  float* loss = scratch;
+  float* correct = scratch + batch;
+  SoftmaxCrossEntropyRowsKernel<<<BlocksFor(batch, kWarpsPerBlock), kThreads, 0, stream>>>(
+      logits, labels, probs, loss, correct, batch, classes);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  SoftmaxCrossEntropyStatsKernel<<<1, kThreads, 0, stream>>>(loss, correct, stats, batch);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSoftmaxCrossEntropyBackward(const float* probs, const int32_t* labels,
+                                              float* dlogits, int batch, int classes,
+                                              cudaStream_t stream) {
+  if (batch <= 0 || classes <= 0) return cudaSuccess;
+  const int64_t n = static_cast<int64_t>(batch) * classes;
+  SoftmaxCrossEntropyBackwardKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(
+      probs, labels, dlogits, n, classes, 1.0f / static_cast<float>(batch));
+  return cudaGetLastError();
+}
+
+}  // namespace psflow::kernels::cuda_internal

@@ -1,0 +1,63 @@
+// psflow's own CUDA kernels, for the parts of kernels.h that cuDNN and cuBLAS
+// do not cover. Plain launchers: each queues its kernel(s) on `stream` and
+// returns cudaGetLastError() (the launch status; an error during execution
+// surfaces at the next synchronizing call). They do not set the device: the
+// caller (CudaBackend) has made the stream's device current.
+//
+// Counts are in floats; n <= 0 (or an empty shape) launches nothing. Pointers
+// are device memory. Elementwise kernels allow an output to alias an input
+// exactly (each element is read before it is written by the same thread).
+#ifndef PSFLOW_KERNELS_CUDA_CUDA_KERNELS_H_
+#define PSFLOW_KERNELS_CUDA_CUDA_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace psflow::kernels::cuda_internal {
+
+// y = a + b.
+cudaError_t LaunchAdd(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+
+// y = x * scale + shift.
+cudaError_t LaunchAffine(const float* x, float scale, float shift, float* y, int64_t n,
+                         cudaStream_t stream);
+
+// w -= learning_rate * g.
+cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
+                      cudaStream_t stream);
+
+// y[r, c] += b[c] for a row-major y of rows x cols (a bias broadcast over rows).
+cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,
+                             cudaStream_t stream);
+
+// y[r] = mean of x[r, 0..hw) for a row-major x of rows x hw (rows = N*C of an
+// NCHW tensor, hw = H*W).
+cudaError_t LaunchGlobalAvgPoolForward(const float* x, float* y, int64_t rows, int64_t hw,
+                                       cudaStream_t stream);
+
+// dx[r, i] = dy[r] / hw.
+cudaError_t LaunchGlobalAvgPoolBackward(const float* dy, float* dx, int64_t rows, int64_t hw,
+                                        cudaStream_t stream);
+
+// Softmax + cross-entropy over `batch` rows of `classes` logits.
+// probs[i, :] = softmax(logits[i, :]); per example the loss
+// logsumexp(logits[i, :]) - logits[i, labels[i]] and whether the first arg-max
+// equals the label go to scratch[i] and scratch[batch + i] (so scratch holds
+// 2 * batch floats); then one block reduces them in a fixed order into
+// stats[0] = mean loss, stats[1] = number correct. A label outside
+// [0, classes) is never used as an index: its example's loss is NaN (so the
+// mean is NaN, visibly) and it counts as incorrect.
+cudaError_t LaunchSoftmaxCrossEntropyForward(const float* logits, const int32_t* labels,
+                                             float* probs, float* scratch, float* stats, int batch,
+                                             int classes, cudaStream_t stream);
+
+// dlogits[i, j] = (probs[i, j] - (j == labels[i])) / batch. A row whose label
+// is out of range gets probs / batch (no one-hot term).
+cudaError_t LaunchSoftmaxCrossEntropyBackward(const float* probs, const int32_t* labels,
+                                              float* dlogits, int batch, int classes,
+                                              cudaStream_t stream);
+
+}  // namespace psflow::kernels::cuda_internal
+
+#endif  // PSFLOW_KERNELS_CUDA_CUDA_KERNELS_H_

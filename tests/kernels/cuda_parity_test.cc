@@ -1,0 +1,721 @@
+// Parity of the CUDA backend with the CPU backend: every op and helper runs the
+// same random inputs through CreateBackend("cpu") and CreateBackend("cuda:0"),
+// and outputs and gradients must agree in relative L2 error ||gpu - cpu|| /
+// ||cpu||. Every GPU output is poisoned with NaN before the GPU writes it, so
+// an element the GPU leaves unwritten shows up. Then graph capture and replay,
+// and the errors of the device name (which need no GPU). Without a GPU the
+// tests that need one skip.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/kernels.h"
+
+namespace psflow::kernels {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+constexpr double kTol = 1e-4;
+constexpr double kConvTol = 5e-3;  // cuDNN may use TF32 tensor cores for convolutions
+
+#define PSFLOW_ASSERT_OK(expr)                             \
+  do {                                                     \
+    const absl::Status _status = (expr);                   \
+    ASSERT_TRUE(_status.ok()) << #expr << ": " << _status; \
+  } while (0)
+
+// One tensor on both backends.
+struct Pair {
+  std::unique_ptr<Buffer> cpu, gpu;
+  float* c() const { return cpu->data(); }
+  float* g() const { return gpu->data(); }
+  size_t size() const { return cpu->size(); }
+};
+
+const int32_t* Labels(float* p) { return reinterpret_cast<const int32_t*>(p); }
+
+class CudaParityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto gpu = CreateBackend("cuda:0");
+    if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
+    gpu_ = std::move(*gpu);
+    auto cpu = CreateBackend("cpu");
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    cpu_ = std::move(*cpu);
+    // A fixed seed per test (from its name), so that a failure reproduces.
+    const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    gen_.seed(static_cast<uint32_t>(std::hash<std::string>()(name)));
+  }
+
+  // n values uniform in [-1, 1], never exactly 0.
+  std::vector<float> Random(size_t n) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    std::vector<float> v(n);
+    for (float& f : v) {
+      do {
+        f = dist(gen_);
+      } while (f == 0.0f);
+    }
+    return v;
+  }
+
+  static std::unique_ptr<Buffer> Upload(Backend& backend, const std::vector<float>& host) {
+    auto buffer = backend.Allocate(host.size()).value();
+    EXPECT_TRUE(backend.CopyToDevice(host.data(), host.size(), buffer->data()).ok());
+    return buffer;
+  }
+  static std::vector<float> Download(Backend& backend, const float* device, size_t n) {
+    std::vector<float> host(n);
+    const absl::Status status = backend.CopyToHost(device, n, host.data());
+    EXPECT_TRUE(status.ok()) << status;
+    return host;
+  }
+
+  // The same values on both backends.
+  Pair In(const std::vector<float>& host) { return {Upload(*cpu_, host), Upload(*gpu_, host)}; }
+  Pair In(size_t n) { return In(Random(n)); }
+  // Labels: their int32 bits in float slots.
+  Pair InLabels(const std::vector<int32_t>& labels) {
+    std::vector<float> bits(labels.size());
+    std::memcpy(bits.data(), labels.data(), labels.size() * sizeof(int32_t));
+    return In(bits);
+  }
+  // An output: zeros on the CPU, NaN on the GPU.
+  Pair Out(size_t n) {
+    Pair p{cpu_->Allocate(n).value(), gpu_->Allocate(n).value()};
+    Poison(p);
+    return p;
+  }
+  void Poison(const Pair& p) {
+    const std::vector<float> nan(p.size(), std::numeric_limits<float>::quiet_NaN());
+    EXPECT_TRUE(gpu_->CopyToDevice(nan.data(), nan.size(), p.g()).ok());
+  }
+
+  // Every GPU element written (finite) and ||gpu - cpu|| <= tol * ||cpu||.
+  void ExpectMatch(const Pair& p, double tol, const std::string& what) {
+    const std::vector<float> c = Download(*cpu_, p.c(), p.size());
+    const std::vector<float> g = Download(*gpu_, p.g(), p.size());
+    size_t unwritten = 0;
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < c.size(); ++i) {
+      if (!std::isfinite(g[i])) {
+        if (++unwritten <= 3) ADD_FAILURE() << what << "[" << i << "] on the GPU is " << g[i];
+        continue;
+      }
+      diff += (double{g[i]} - c[i]) * (double{g[i]} - c[i]);
+      norm += double{c[i]} * c[i];
+    }
+    EXPECT_EQ(unwritten, 0u) << what << ": " << unwritten << " of " << g.size()
+                             << " elements not written by the GPU";
+    const double error = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    EXPECT_LE(error, tol) << what << ": relative L2 error over " << c.size() << " elements";
+  }
+
+  std::unique_ptr<Backend> cpu_, gpu_;
+  std::mt19937 gen_;
+};
+
+// ------------------------------------------------------------ Conv2D
+
+struct ConvCase {
+  std::string name;
+  Conv2DShape shape;
+  bool bias = true;
+  bool dx = true;
+};
+
+class CudaConvParityTest : public CudaParityTest, public ::testing::WithParamInterface<ConvCase> {};
+
+TEST_P(CudaConvParityTest, ForwardAndBackward) {
+  const ConvCase& tc = GetParam();
+  const Conv2DShape& s = tc.shape;
+  auto cpu_op = cpu_->CreateConv2D(s);
+  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+  auto gpu_op = gpu_->CreateConv2D(s);
+  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+
+  const size_t nx = size_t{1} * s.batch * s.in_channels * s.height * s.width;
+  const size_t nw = size_t{1} * s.out_channels * s.in_channels * s.kernel_h * s.kernel_w;
+  const size_t ny = size_t{1} * s.batch * s.out_channels * s.out_height() * s.out_width();
+  Pair x = In(nx), w = In(nw), b = In(s.out_channels), dy = In(ny);
+  Pair y = Out(ny), dx = Out(nx), dw = Out(nw), db = Out(s.out_channels);
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), w.c(), tc.bias ? b.c() : nullptr, y.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), w.g(), tc.bias ? b.g() : nullptr, y.g()));
+  ExpectMatch(y, kConvTol, "y");
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), w.c(), dy.c(), tc.dx ? dx.c() : nullptr, dw.c(),
+                                       tc.bias ? db.c() : nullptr));
+  PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), w.g(), dy.g(), tc.dx ? dx.g() : nullptr, dw.g(),
+                                       tc.bias ? db.g() : nullptr));
+  ExpectMatch(dw, kConvTol, "dw");
+  if (tc.bias) ExpectMatch(db, kConvTol, "db");
+  if (tc.dx) ExpectMatch(dx, kConvTol, "dx");
+}
+
+// Conv2DShape: {batch, in_channels, height, width, out_channels, kernel_h, kernel_w, stride,
+// padding}.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaConvParityTest,
+    ::testing::Values(ConvCase{"k3_pad1_stride1", {4, 3, 12, 12, 8, 3, 3, 1, 1}},
+                      ConvCase{"k3_pad1_stride2", {2, 16, 15, 15, 32, 3, 3, 2, 1}},
+                      ConvCase{"k1_stride2", {4, 8, 9, 9, 16, 1, 1, 2, 0}},
+                      ConvCase{"k5_nopad_first_layer", {3, 1, 28, 28, 20, 5, 5, 1, 0}, true, false},
+                      ConvCase{"k5_nopad_rect", {2, 4, 11, 9, 6, 5, 5, 1, 0}},
+                      ConvCase{"k3_no_bias", {4, 8, 10, 10, 8, 3, 3, 1, 1}, false, true},
+                      ConvCase{"k3_no_bias_no_dx", {2, 8, 10, 10, 16, 3, 3, 2, 1}, false, false},
+                      ConvCase{"k3_wide", {8, 32, 16, 16, 64, 3, 3, 1, 1}}),
+    [](const ::testing::TestParamInfo<ConvCase>& info) { return info.param.name; });
+
+// ------------------------------------------------------------ MaxPool2D
+
+class CudaPoolParityTest : public CudaParityTest,
+                           public ::testing::WithParamInterface<Pool2DShape> {};
+
+TEST_P(CudaPoolParityTest, ForwardAndBackward) {
+  const Pool2DShape& s = GetParam();
+  auto cpu_op = cpu_->CreateMaxPool2D(s);
+  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+  auto gpu_op = gpu_->CreateMaxPool2D(s);
+  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  const size_t nx = size_t{1} * s.batch * s.channels * s.height * s.width;
+  const size_t ny = size_t{1} * s.batch * s.channels * s.out_height() * s.out_width();
+  Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), y.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), y.g()));
+  ExpectMatch(y, kTol, "y");
+  PSFLOW_ASSERT_OK((*cpu_op)->Backward(dy.c(), dx.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Backward(dy.g(), dx.g()));
+  ExpectMatch(dx, kTol, "dx");
+}
+
+// Pool2DShape: {batch, channels, height, width, window, stride}.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaPoolParityTest,
+                         ::testing::Values(Pool2DShape{4, 6, 8, 8, 2, 2},
+                                           Pool2DShape{2, 3, 7, 7, 2, 2},
+                                           Pool2DShape{3, 20, 24, 24, 2, 2},
+                                           Pool2DShape{2, 4, 9, 7, 3, 2}));
+
+// ------------------------------------------------------------ Relu
+
+TEST_F(CudaParityTest, Relu) {
+  // The second size is beyond 65535 elements in the descriptor's N.
+  for (const int64_t size : {int64_t{1000}, int64_t{131075}}) {
+    SCOPED_TRACE(size);
+    auto cpu_op = cpu_->CreateRelu(size);
+    ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+    auto gpu_op = gpu_->CreateRelu(size);
+    ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+    const size_t n = static_cast<size_t>(size);
+    Pair x = In(n), dy = In(n), y = Out(n), dx = Out(n);
+    PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), y.c()));
+    PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), y.g()));
+    ExpectMatch(y, kTol, "y");
+    PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), dy.c(), dx.c()));
+    PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), dy.g(), dx.g()));
+    ExpectMatch(dx, kTol, "dx");
+  }
+}
+
+// ------------------------------------------------------------ Dense
+
+struct DenseCase {
+  std::string name;
+  DenseShape shape;
+  bool dx = true;
+};
+
+class CudaDenseParityTest : public CudaParityTest,
+                            public ::testing::WithParamInterface<DenseCase> {};
+
+TEST_P(CudaDenseParityTest, ForwardAndBackward) {
+  const DenseCase& tc = GetParam();
+  const DenseShape& s = tc.shape;
+  auto cpu_op = cpu_->CreateDense(s);
+  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+  auto gpu_op = gpu_->CreateDense(s);
+  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  const size_t nx = size_t{1} * s.batch * s.in_features;
+  const size_t nw = size_t{1} * s.out_features * s.in_features;
+  const size_t ny = size_t{1} * s.batch * s.out_features;
+  Pair x = In(nx), w = In(nw), b = In(s.out_features), dy = In(ny);
+  Pair y = Out(ny), dx = Out(nx), dw = Out(nw), db = Out(s.out_features);
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), w.c(), b.c(), y.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), w.g(), b.g(), y.g()));
+  ExpectMatch(y, kTol, "y");
+  PSFLOW_ASSERT_OK(
+      (*cpu_op)->Backward(x.c(), w.c(), dy.c(), tc.dx ? dx.c() : nullptr, dw.c(), db.c()));
+  PSFLOW_ASSERT_OK(
+      (*gpu_op)->Backward(x.g(), w.g(), dy.g(), tc.dx ? dx.g() : nullptr, dw.g(), db.g()));
+  ExpectMatch(dw, kTol, "dw");
+  ExpectMatch(db, kTol, "db");
+  if (tc.dx) ExpectMatch(dx, kTol, "dx");
+}
+
+// DenseShape: {batch, in_features, out_features}.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaDenseParityTest,
+                         ::testing::Values(DenseCase{"small", {8, 50, 10}},
+                                           DenseCase{"batch1", {1, 3, 7}},
+                                           DenseCase{"cnn_hidden_no_dx", {64, 800, 500}, false},
+                                           DenseCase{"odd", {33, 257, 129}}),
+                         [](const ::testing::TestParamInfo<DenseCase>& info) {
+                           return info.param.name;
+                         });
+
+// ------------------------------------------------------------ BatchNorm
+
+class CudaBatchNormParityTest : public CudaParityTest,
+                                public ::testing::WithParamInterface<BatchNormShape> {};
+
+TEST_P(CudaBatchNormParityTest, ForwardAndBackward) {
+  const BatchNormShape& s = GetParam();
+  auto cpu_op = cpu_->CreateBatchNorm(s);
+  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+  auto gpu_op = gpu_->CreateBatchNorm(s);
+  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
+  const size_t c = s.channels;
+  Pair x = In(n), gamma = In(c), beta = In(c), dy = In(n);
+  Pair y = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c);
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), gamma.c(), beta.c(), y.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), gamma.g(), beta.g(), y.g()));
+  ExpectMatch(y, kTol, "y");
+  PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
+  ExpectMatch(dx, kTol, "dx");
+  ExpectMatch(dgamma, kTol, "dgamma");
+  ExpectMatch(dbeta, kTol, "dbeta");
+}
+
+// BatchNormShape: {batch, channels, height, width, epsilon}.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaBatchNormParityTest,
+                         ::testing::Values(BatchNormShape{8, 16, 8, 8, 1e-5f},
+                                           BatchNormShape{4, 3, 5, 5, 1e-5f},
+                                           BatchNormShape{16, 8, 1, 1, 1e-3f}));
+
+// ------------------------------------------------------------ GlobalAvgPool
+
+TEST_F(CudaParityTest, GlobalAvgPool) {
+  // GlobalAvgPoolShape: {batch, channels, height, width}.
+  for (const GlobalAvgPoolShape& s :
+       {GlobalAvgPoolShape{4, 8, 7, 7}, GlobalAvgPoolShape{2, 3, 1, 1},
+        GlobalAvgPoolShape{3, 64, 8, 8}}) {
+    SCOPED_TRACE(testing::Message()
+                 << s.batch << "x" << s.channels << "x" << s.height << "x" << s.width);
+    auto cpu_op = cpu_->CreateGlobalAvgPool(s);
+    ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+    auto gpu_op = gpu_->CreateGlobalAvgPool(s);
+    ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+    const size_t nx = size_t{1} * s.batch * s.channels * s.height * s.width;
+    const size_t ny = size_t{1} * s.batch * s.channels;
+    Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
+    PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), y.c()));
+    PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), y.g()));
+    ExpectMatch(y, kTol, "y");
+    PSFLOW_ASSERT_OK((*cpu_op)->Backward(dy.c(), dx.c()));
+    PSFLOW_ASSERT_OK((*gpu_op)->Backward(dy.g(), dx.g()));
+    ExpectMatch(dx, kTol, "dx");
+  }
+}
+
+// ------------------------------------------------------------ SoftmaxCrossEntropy
+
+TEST_F(CudaParityTest, SoftmaxCrossEntropy) {
+  // {batch, classes}: the stats reduction loops when batch > 256; 1000 classes
+  // loop inside a warp.
+  for (const auto& [batch, classes] :
+       std::vector<std::pair<int, int>>{{64, 10}, {5, 1000}, {300, 3}, {1, 1}}) {
+    SCOPED_TRACE(testing::Message() << "batch " << batch << ", classes " << classes);
+    auto cpu_op = cpu_->CreateSoftmaxCrossEntropy(batch, classes);
+    ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+    auto gpu_op = gpu_->CreateSoftmaxCrossEntropy(batch, classes);
+    ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+    const size_t n = size_t{1} * batch * classes;
+    const std::vector<float> logits_host = Random(n);
+    // Half the labels at the arg-max, so that some examples count as correct.
+    std::vector<int32_t> labels_host(batch);
+    for (int i = 0; i < batch; ++i) {
+      const float* row = logits_host.data() + size_t{1} * i * classes;
+      labels_host[i] = i % 2 == 0 ? static_cast<int32_t>(std::max_element(row, row + classes) - row)
+                                  : static_cast<int32_t>(gen_() % classes);
+    }
+    Pair logits = In(logits_host), labels = InLabels(labels_host);
+    Pair probs = Out(n), stats = Out(2), dlogits = Out(n);
+
+    PSFLOW_ASSERT_OK((*cpu_op)->Forward(logits.c(), Labels(labels.c()), probs.c(), stats.c()));
+    PSFLOW_ASSERT_OK((*gpu_op)->Forward(logits.g(), Labels(labels.g()), probs.g(), stats.g()));
+    ExpectMatch(probs, kTol, "probs");
+    const std::vector<float> cpu_stats = Download(*cpu_, stats.c(), 2);
+    const std::vector<float> gpu_stats = Download(*gpu_, stats.g(), 2);
+    EXPECT_NEAR(gpu_stats[0], cpu_stats[0], kTol * std::abs(cpu_stats[0])) << "mean loss";
+    EXPECT_EQ(gpu_stats[1], cpu_stats[1]) << "correct";
+
+    PSFLOW_ASSERT_OK((*cpu_op)->Backward(probs.c(), Labels(labels.c()), dlogits.c()));
+    PSFLOW_ASSERT_OK((*gpu_op)->Backward(probs.g(), Labels(labels.g()), dlogits.g()));
+    ExpectMatch(dlogits, kTol, "dlogits");
+  }
+}
+
+// The GPU does not check labels (that would need a copy to the host); an
+// out-of-range label must not be used as an index, and shows as a NaN loss.
+TEST_F(CudaParityTest, SoftmaxCrossEntropyLabelOutOfRangeGivesNanLoss) {
+  const int batch = 4, classes = 3;
+  auto op = gpu_->CreateSoftmaxCrossEntropy(batch, classes).value();
+  // Row 0's arg-max is class 2; rows 1 and 2 have bad labels.
+  const std::vector<float> logits_host = {0, 1, 2, 0, 0, 0, 1, 1, 1, 3, 2, 1};
+  const std::vector<int32_t> labels_host = {2, -1, classes, 0};
+  std::vector<float> bits(batch);
+  std::memcpy(bits.data(), labels_host.data(), sizeof(int32_t) * batch);
+  auto logits = Upload(*gpu_, logits_host), labels = Upload(*gpu_, bits);
+  auto probs = gpu_->Allocate(batch * classes).value(), stats = gpu_->Allocate(2).value();
+  auto dlogits = gpu_->Allocate(batch * classes).value();
+  PSFLOW_ASSERT_OK(
+      op->Forward(logits->data(), Labels(labels->data()), probs->data(), stats->data()));
+  PSFLOW_ASSERT_OK(op->Backward(probs->data(), Labels(labels->data()), dlogits->data()));
+  const std::vector<float> got = Download(*gpu_, stats->data(), 2);
+  EXPECT_TRUE(std::isnan(got[0])) << got[0];
+  EXPECT_EQ(got[1], 2.0f);  // rows 0 and 3
+  for (float d : Download(*gpu_, dlogits->data(), batch * classes)) EXPECT_TRUE(std::isfinite(d));
+}
+
+// ------------------------------------------------------------ helpers
+
+TEST_F(CudaParityTest, ElementwiseHelpers) {
+  // 1000: the float4 path; 1001: the scalar one; offset 1: misaligned pointers.
+  for (const auto& [n, offset] : std::vector<std::pair<int64_t, size_t>>{
+           {1000, 0}, {1001, 0}, {1000, 1}, {1, 0}, {1 << 20, 0}}) {
+    SCOPED_TRACE(testing::Message() << "n " << n << ", offset " << offset);
+    const size_t len = static_cast<size_t>(n) + offset;
+    Pair a = In(len), b = In(len), y = Out(len);
+    auto at = [offset](const Pair& p, bool gpu) { return (gpu ? p.g() : p.c()) + offset; };
+
+    for (bool gpu : {false, true}) {
+      Backend& backend = gpu ? *gpu_ : *cpu_;
+      PSFLOW_ASSERT_OK(backend.Add(at(a, gpu), at(b, gpu), at(y, gpu), n));
+    }
+    // The unused leading element stays poisoned on the GPU; compare the rest.
+    if (offset == 0) ExpectMatch(y, kTol, "Add");
+
+    Pair z = Out(len);
+    for (bool gpu : {false, true}) {
+      Backend& backend = gpu ? *gpu_ : *cpu_;
+      PSFLOW_ASSERT_OK(backend.Affine(at(a, gpu), 0.75f, -0.25f, at(z, gpu), n));
+    }
+    if (offset == 0) ExpectMatch(z, kTol, "Affine");
+
+    Pair w = In(len);  // updated in place
+    for (bool gpu : {false, true}) {
+      Backend& backend = gpu ? *gpu_ : *cpu_;
+      PSFLOW_ASSERT_OK(backend.Sgd(at(w, gpu), at(b, gpu), 0.1f, n));
+    }
+    ExpectMatch(w, kTol, "Sgd");
+
+    Pair copy = Out(len);
+    for (bool gpu : {false, true}) {
+      Backend& backend = gpu ? *gpu_ : *cpu_;
+      PSFLOW_ASSERT_OK(backend.Copy(at(a, gpu), at(copy, gpu), n));
+    }
+    if (offset == 0) ExpectMatch(copy, 0.0, "Copy");
+
+    // Outputs aliasing inputs: a += b.
+    for (bool gpu : {false, true}) {
+      Backend& backend = gpu ? *gpu_ : *cpu_;
+      PSFLOW_ASSERT_OK(backend.Add(at(a, gpu), at(b, gpu), at(a, gpu), n));
+    }
+    ExpectMatch(a, kTol, "Add in place");
+
+    if (offset != 0) {  // the misaligned outputs, without their unused first element
+      for (const Pair* p : {&y, &z, &copy}) {
+        const auto c = Download(*cpu_, p->c() + offset, n), g = Download(*gpu_, p->g() + offset, n);
+        double diff = 0, norm = 0;
+        for (size_t i = 0; i < c.size(); ++i) {
+          ASSERT_TRUE(std::isfinite(g[i])) << i;
+          diff += (double{g[i]} - c[i]) * (double{g[i]} - c[i]);
+          norm += double{c[i]} * c[i];
+        }
+        EXPECT_LE(std::sqrt(diff / norm), kTol);
+      }
+    }
+  }
+}
+
+TEST_F(CudaParityTest, BasicsAndErrors) {
+  EXPECT_EQ(gpu_->name(), "cuda:0");
+  EXPECT_FALSE(gpu_->host_memory());
+  auto buffer = gpu_->Allocate(1001).value();
+  EXPECT_EQ(buffer->size(), 1001u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer->data()) % 16, 0u);
+  EXPECT_EQ(Download(*gpu_, buffer->data(), 1001), std::vector<float>(1001, 0.0f));
+  auto empty = gpu_->Allocate(0);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ((*empty)->size(), 0u);
+  PSFLOW_ASSERT_OK(gpu_->Synchronize());
+
+  const auto invalid = absl::StatusCode::kInvalidArgument;
+  float* p = buffer->data();
+  EXPECT_EQ(gpu_->CopyToDevice(nullptr, 4, p).code(), invalid);
+  EXPECT_EQ(gpu_->Add(p, nullptr, p, 8).code(), invalid);
+  EXPECT_EQ(gpu_->Affine(p, 1, 0, p, -1).code(), invalid);
+  EXPECT_TRUE(gpu_->Copy(nullptr, nullptr, 0).ok());
+  EXPECT_EQ(gpu_->CreateConv2D(Conv2DShape{1, 1, 2, 2, 1, 3, 3, 1, 0}).status().code(), invalid);
+  EXPECT_EQ(gpu_->CreateRelu(int64_t{1} << 32).status().code(), invalid);
+  EXPECT_EQ(gpu_->CreateDense(DenseShape{0, 1, 1}).status().code(), invalid);
+
+  auto pool = gpu_->CreateMaxPool2D(Pool2DShape{1, 1, 4, 4, 2, 2}).value();
+  EXPECT_EQ(pool->Backward(p, p).code(), absl::StatusCode::kFailedPrecondition);
+  auto norm = gpu_->CreateBatchNorm(BatchNormShape{2, 1, 2, 2}).value();
+  EXPECT_EQ(norm->Backward(p, p, p, p, p, p).code(), absl::StatusCode::kFailedPrecondition);
+  // The backend still works after the errors.
+  PSFLOW_ASSERT_OK(gpu_->Affine(p, 0.0f, 2.0f, p, 4));
+  EXPECT_EQ(Download(*gpu_, p, 4), std::vector<float>(4, 2.0f));
+}
+
+// ------------------------------------------------------------ graphs
+
+TEST_F(CudaParityTest, CaptureRecordsWithoutRunningAndReplays) {
+  const int64_t n = 4099;
+  Pair x = In(n), y = Out(n), z = Out(n);
+  auto queue = [&](Backend& backend, bool gpu) -> absl::Status {
+    float* xp = gpu ? x.g() : x.c();
+    float* yp = gpu ? y.g() : y.c();
+    float* zp = gpu ? z.g() : z.c();
+    if (absl::Status s = backend.Affine(xp, 2.0f, 1.0f, yp, n); !s.ok()) return s;
+    return backend.Add(yp, xp, zp, n);  // z = 3x + 1
+  };
+  auto graph = gpu_->Capture([&] { return queue(*gpu_, true); });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  for (float v : Download(*gpu_, z.g(), n)) ASSERT_TRUE(std::isnan(v)) << "Capture ran the work";
+
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE(replay);
+    const std::vector<float> input = Random(n);  // new contents, same pointers
+    PSFLOW_ASSERT_OK(cpu_->CopyToDevice(input.data(), n, x.c()));
+    PSFLOW_ASSERT_OK(gpu_->CopyToDevice(input.data(), n, x.g()));
+    Poison(y);
+    Poison(z);
+    PSFLOW_ASSERT_OK(queue(*cpu_, false));
+    PSFLOW_ASSERT_OK((*graph)->Launch());
+    ExpectMatch(y, 1e-6, "y");
+    ExpectMatch(z, 1e-6, "z");
+  }
+}
+
+TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
+  auto buffer = gpu_->Allocate(16).value();
+  auto graph = gpu_->Capture([&]() -> absl::Status {
+    if (absl::Status s = gpu_->Affine(buffer->data(), 1.0f, 1.0f, buffer->data(), 16); !s.ok()) {
+      return s;
+    }
+    return absl::DataLossError("stop here");
+  });
+  ASSERT_FALSE(graph.ok());
+  EXPECT_EQ(graph.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(graph.status().message(), "stop here");
+  // The capture was ended: the stream runs work again (and the recorded
+  // Affine never ran).
+  PSFLOW_ASSERT_OK(gpu_->Affine(buffer->data(), 1.0f, 3.0f, buffer->data(), 16));
+  EXPECT_EQ(Download(*gpu_, buffer->data(), 16), std::vector<float>(16, 3.0f));
+}
+
+TEST_F(CudaParityTest, CaptureOfAHostCopyFailsAndTheBackendRecovers) {
+  auto buffer = gpu_->Allocate(16).value();
+  std::vector<float> host(16);
+  auto graph =
+      gpu_->Capture([&] { return gpu_->CopyToHost(buffer->data(), host.size(), host.data()); });
+  EXPECT_FALSE(graph.ok());
+  PSFLOW_ASSERT_OK(gpu_->Affine(buffer->data(), 1.0f, 5.0f, buffer->data(), 16));
+  EXPECT_EQ(Download(*gpu_, buffer->data(), 16), std::vector<float>(16, 5.0f));
+}
+
+// A small network's whole training step (conv, batch norm, relu, max pool,
+// global average pooling, dense, softmax cross-entropy, their backward passes
+// and SGD) on one backend. (Parity of each op with the CPU is tested above;
+// the step compares a replayed graph with the same step run eagerly.)
+class MiniNet {
+ public:
+  static constexpr int kN = 4, kC = 3, kH = 8, kK = 8, kClasses = 5;
+  static constexpr float kLearningRate = 0.1f;
+
+  // The buffers, in the order of Sizes().
+  // clang-format off
+  enum Name {
+    kX, kLabels, kWc, kBc, kGamma, kBeta, kWd, kBd, kInputs,  // inputs and parameters
+    kY1 = kInputs, kY2, kY3, kY4, kY5, kLogits, kProbs, kStats,  // forward
+    kDLogits, kD5, kD4, kD3, kD2, kD1, kDWc, kDBc, kDGamma, kDBeta, kDWd, kDBd,  // backward
+    kCount
+  };
+  // clang-format on
+  static std::vector<size_t> Sizes() {
+    constexpr size_t act = kN * kK * kH * kH, pooled = kN * kK * (kH / 2) * (kH / 2);
+    constexpr size_t wc = kK * kC * 9, wd = kClasses * kK, logits = kN * kClasses;
+    // clang-format off
+    return {kN * kC * kH * kH, kN, wc, kK, kK, kK, wd, kClasses,
+            act, act, act, pooled, kN * kK, logits, logits, 2,
+            logits, kN * kK, pooled, act, act, act, wc, kK, kK, kK, wd, kClasses};
+    // clang-format on
+  }
+
+  explicit MiniNet(Backend& backend) : backend_(backend) {
+    conv_ = backend.CreateConv2D(Conv2DShape{kN, kC, kH, kH, kK, 3, 3, 1, 1}).value();
+    norm_ = backend.CreateBatchNorm(BatchNormShape{kN, kK, kH, kH}).value();
+    relu_ = backend.CreateRelu(kN * kK * kH * kH).value();
+    pool_ = backend.CreateMaxPool2D(Pool2DShape{kN, kK, kH, kH, 2, 2}).value();
+    gap_ = backend.CreateGlobalAvgPool(GlobalAvgPoolShape{kN, kK, kH / 2, kH / 2}).value();
+    dense_ = backend.CreateDense(DenseShape{kN, kK, kClasses}).value();
+    loss_ = backend.CreateSoftmaxCrossEntropy(kN, kClasses).value();
+    for (size_t size : Sizes()) buffers_.push_back(backend.Allocate(size).value());
+  }
+
+  float* at(int name) { return buffers_[name]->data(); }
+
+  absl::Status QueueStep() {
+    const int32_t* labels = Labels(at(kLabels));
+    std::vector<absl::Status> s;
+    s.push_back(conv_->Forward(at(kX), at(kWc), at(kBc), at(kY1)));
+    s.push_back(norm_->Forward(at(kY1), at(kGamma), at(kBeta), at(kY2)));
+    s.push_back(relu_->Forward(at(kY2), at(kY3)));
+    s.push_back(pool_->Forward(at(kY3), at(kY4)));
+    s.push_back(gap_->Forward(at(kY4), at(kY5)));
+    s.push_back(dense_->Forward(at(kY5), at(kWd), at(kBd), at(kLogits)));
+    s.push_back(loss_->Forward(at(kLogits), labels, at(kProbs), at(kStats)));
+    s.push_back(loss_->Backward(at(kProbs), labels, at(kDLogits)));
+    s.push_back(dense_->Backward(at(kY5), at(kWd), at(kDLogits), at(kD5), at(kDWd), at(kDBd)));
+    s.push_back(gap_->Backward(at(kD5), at(kD4)));
+    s.push_back(pool_->Backward(at(kD4), at(kD3)));
+    s.push_back(relu_->Backward(at(kY2), at(kD3), at(kD2)));
+    s.push_back(norm_->Backward(at(kY1), at(kGamma), at(kD2), at(kD1), at(kDGamma), at(kDBeta)));
+    s.push_back(conv_->Backward(at(kX), at(kWc), at(kD1), nullptr, at(kDWc), at(kDBc)));
+    for (auto [param, grad] : {std::pair{kWc, kDWc},
+                               {kBc, kDBc},
+                               {kGamma, kDGamma},
+                               {kBeta, kDBeta},
+                               {kWd, kDWd},
+                               {kBd, kDBd}}) {
+      s.push_back(backend_.Sgd(at(param), at(grad), kLearningRate,
+                               static_cast<int64_t>(buffers_[param]->size())));
+    }
+    for (const absl::Status& status : s) {
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  Backend& backend_;
+  std::unique_ptr<Conv2D> conv_;
+  std::unique_ptr<BatchNorm> norm_;
+  std::unique_ptr<Relu> relu_;
+  std::unique_ptr<MaxPool2D> pool_;
+  std::unique_ptr<GlobalAvgPool> gap_;
+  std::unique_ptr<Dense> dense_;
+  std::unique_ptr<SoftmaxCrossEntropy> loss_;
+  std::vector<std::unique_ptr<Buffer>> buffers_;
+};
+
+TEST_F(CudaParityTest, CapturedTrainingStepMatchesEager) {
+  const std::vector<size_t> sizes = MiniNet::Sizes();
+  ASSERT_EQ(sizes.size(), size_t{MiniNet::kCount});
+  MiniNet net(*gpu_);
+  using Values = std::vector<std::vector<float>>;  // one per buffer
+  auto make_inputs = [&] {
+    Values inputs;
+    for (int name = 0; name < MiniNet::kInputs; ++name) {
+      inputs.push_back(Random(sizes[name]));
+      if (name == MiniNet::kLabels) {
+        for (float& v : inputs.back()) {
+          const int32_t label = static_cast<int32_t>(gen_() % MiniNet::kClasses);
+          std::memcpy(&v, &label, sizeof label);
+        }
+      }
+    }
+    return inputs;
+  };
+  // Loads the inputs, poisons the rest, runs `step` and returns every buffer.
+  auto run = [&](const Values& inputs, const std::function<absl::Status()>& step) {
+    for (int name = 0; name < MiniNet::kCount; ++name) {
+      const std::vector<float> values =
+          name < MiniNet::kInputs
+              ? inputs[name]
+              : std::vector<float>(sizes[name], std::numeric_limits<float>::quiet_NaN());
+      EXPECT_TRUE(gpu_->CopyToDevice(values.data(), values.size(), net.at(name)).ok());
+    }
+    const absl::Status status = step();
+    EXPECT_TRUE(status.ok()) << status;
+    Values all;
+    for (int name = 0; name < MiniNet::kCount; ++name) {
+      all.push_back(Download(*gpu_, net.at(name), sizes[name]));
+    }
+    return all;
+  };
+  auto expect_same = [&](const Values& eager, const Values& replayed) {
+    for (int name = 0; name < MiniNet::kCount; ++name) {
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < sizes[name]; ++i) {
+        const double e = eager[name][i], g = replayed[name][i];
+        ASSERT_TRUE(std::isfinite(g)) << "buffer " << name << "[" << i << "] not written";
+        diff += (g - e) * (g - e);
+        norm += e * e;
+      }
+      EXPECT_LE(std::sqrt(diff), kTol * std::sqrt(norm)) << "buffer " << name;
+    }
+  };
+
+  // The eager run comes first: ops must have run before they are recorded.
+  const Values inputs_a = make_inputs(), inputs_b = make_inputs();
+  const Values eager_a = run(inputs_a, [&] { return net.QueueStep(); });
+  auto graph = gpu_->Capture([&] { return net.QueueStep(); });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  expect_same(eager_a, run(inputs_a, [&] { return (*graph)->Launch(); }));
+  // New contents of the same buffers.
+  const Values eager_b = run(inputs_b, [&] { return net.QueueStep(); });
+  expect_same(eager_b, run(inputs_b, [&] { return (*graph)->Launch(); }));
+}
+
+// ------------------------------------------------------------ device names (no GPU needed)
+
+TEST(CudaDeviceNameTest, MalformedIndexIsInvalidArgument) {
+  for (const char* device : {"cuda:x", "cuda:", "cuda:-1", "cuda:+1", "cuda: 1", "cuda:1x",
+                             "cuda:0x1", "cuda:99999999999"}) {
+    auto backend = CreateBackend(device);
+    ASSERT_FALSE(backend.ok()) << device;
+    EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument) << device;
+    EXPECT_THAT(backend.status().message(), HasSubstr(device));
+  }
+}
+
+TEST(CudaDeviceNameTest, MissingGpuIsUnavailable) {
+  auto backend = CreateBackend("cuda:99");
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kUnavailable) << backend.status();
+  EXPECT_THAT(std::string(backend.status().message()), StartsWith("cuda:99: "));
+  EXPECT_EQ(backend.status().message().find('\n'), absl::string_view::npos);
+}
+
+TEST(CudaDeviceNameTest, UnknownDeviceListsCuda) {
+  auto backend = CreateBackend("gpu");
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(backend.status().message(), HasSubstr("cpu, cuda:N"));
+}
+
+}  // namespace
+}  // namespace psflow::kernels
