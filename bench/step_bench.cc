@@ -31,6 +31,9 @@ ABSL_FLAG(int, repeats, 5, "Repeats; the median repeat is reported.");
 ABSL_FLAG(int, warmup_steps, 10, "Steps before timing.");
 ABSL_FLAG(double, learning_rate, 0.01, "SGD learning rate of the local update.");
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0 = all cores.");
+ABSL_FLAG(bool, profile, false,
+          "Also run each batch size op by op, waiting after every layer, and print the time per layer "
+          "and pass (the device idles between layers, so the sum exceeds a real step).");
 
 namespace {
 
@@ -81,9 +84,12 @@ int main(int argc, char** argv) {
     auto data = psflow::data::MakeSynthetic({in.channels(), in.height(), in.width(), spec->num_classes()}, batch,
                                             psflow::data::Split::kTrain);
     if (!data.ok()) return Fail("data", data.status());
-    for (const std::string& mode : modes) {
+    std::vector<std::string> runs = modes;
+    if (absl::GetFlag(FLAGS_profile)) runs.push_back("profile");
+    for (const std::string& mode : runs) {
       psflow::model::NetworkOptions options;
       options.use_graphs = mode == "graph";
+      options.profile = mode == "profile";
       options.local_sgd_learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
       auto net = psflow::model::Network::Create(*spec, backend->get(), options);
       if (!net.ok()) return Fail("network", net.status());
@@ -98,6 +104,21 @@ int main(int argc, char** argv) {
       if (mode == "graph" && !(*net)->UsesGraph(batch)) {
         std::printf("step model=%s device=%s batch=%d mode=graph unavailable\n", spec->name().c_str(),
                     device.c_str(), batch);
+        continue;
+      }
+      if (mode == "profile") {
+        for (int i = 0; i < steps && s.ok(); ++i) s = (*net)->StartTrainStep(batch);
+        if (!s.ok()) return Fail("step", s);
+        std::vector<std::pair<std::string, double>> times = (*net)->LayerTimes();
+        double total = 0;
+        for (const auto& t : times) total += t.second;
+        std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+        std::printf("profile model=%s batch=%d: %.3f ms per step in layers (waiting after each)\n",
+                    spec->name().c_str(), batch, total / (steps + absl::GetFlag(FLAGS_warmup_steps)));
+        for (size_t i = 0; i < times.size() && i < 15; ++i) {
+          std::printf("  %-24s %8.3f ms\n", times[i].first.c_str(),
+                      times[i].second / (steps + absl::GetFlag(FLAGS_warmup_steps)));
+        }
         continue;
       }
       std::vector<double> ms;

@@ -23,10 +23,20 @@ constexpr int64_t kMaxFloats = int64_t{1} << 31;
 
 }  // namespace
 
-absl::StatusOr<Dataset> MakeSynthetic(const SyntheticShape& shape, int64_t count, Split split) {
+absl::Status CheckSynthetic(const SyntheticShape& shape, int64_t count) {
   if (shape.channels <= 0 || shape.height <= 0 || shape.width <= 0 || shape.num_classes < 2 || count <= 0) {
     return absl::InvalidArgumentError("synthetic data needs positive sizes, a positive count and 2+ classes");
   }
+  const int64_t per = int64_t{shape.channels} * shape.height * shape.width;  // ints: no overflow
+  if (per > kMaxFloats / (count + shape.num_classes)) {
+    return absl::InvalidArgumentError(absl::StrCat("synthetic data of ", count, " examples of ", per,
+                                                   " values is too large"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Dataset> MakeSynthetic(const SyntheticShape& shape, int64_t count, Split split) {
+  if (absl::Status s = CheckSynthetic(shape, count); !s.ok()) return s;
   Dataset d;
   d.count = count;
   d.channels = shape.channels;
@@ -34,10 +44,6 @@ absl::StatusOr<Dataset> MakeSynthetic(const SyntheticShape& shape, int64_t count
   d.width = shape.width;
   d.num_classes = shape.num_classes;
   const int64_t per = d.example_floats();
-  if (per > kMaxFloats / count) {
-    return absl::InvalidArgumentError(absl::StrCat("synthetic data of ", count, " examples of ", per,
-                                                   " values is too large"));
-  }
   std::vector<float> patterns(static_cast<size_t>(per * shape.num_classes));
   for (size_t i = 0; i < patterns.size(); ++i) patterns[i] = Unit(Mix(kPatternSalt ^ Mix(i)));
   d.images.resize(static_cast<size_t>(per * count));

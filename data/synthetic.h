@@ -21,8 +21,12 @@ struct SyntheticShape {
   int num_classes = 10;
 };
 
-// `count` examples of the split, pixels in [0, 1]. INVALID_ARGUMENT for a
-// non-positive size or count, or one above 2^31 floats in all.
+// INVALID_ARGUMENT for a non-positive size or count, fewer than 2 classes,
+// or data of more than 2^31 floats in all.
+absl::Status CheckSynthetic(const SyntheticShape& shape, int64_t count);
+
+// `count` examples of the split, pixels in [0, 1]; the first k examples of a
+// split are the same whatever the count. Fails as CheckSynthetic.
 absl::StatusOr<Dataset> MakeSynthetic(const SyntheticShape& shape, int64_t count, Split split);
 
 }  // namespace psflow::data

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
@@ -37,6 +38,7 @@ struct Network::BatchState {
   bool eager_train_done = false, eager_eval_done = false;
   bool graphs_off = false;  // the backend has none, or recording failed
   bool inputs_set = false;
+  bool step_queued = false;  // a step or evaluation whose stats FinishStep may read
 };
 
 Network::Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options)
@@ -251,6 +253,7 @@ absl::Status Network::QueueForward(BatchState* st) {
     float* y = st->acts[i + 1]->data();
     const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
     const float* b = l.second >= 0 ? weights_[l.second]->data() : nullptr;
+    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "forward", [&]() -> absl::Status {
     switch (l.kind) {
       case LayerSpec::kConv2D:
         PSFLOW_RETURN_IF_ERROR(st->conv[i]->Forward(x, w, b, y));
@@ -277,9 +280,13 @@ absl::Status Network::QueueForward(BatchState* st) {
       case LayerSpec::KIND_NOT_SET:
         return absl::InternalError("layer without kind");
     }
+    return absl::OkStatus();
+    }));
   }
-  return st->loss->Forward(st->acts.back()->data(), reinterpret_cast<const int32_t*>(st->labels->data()),
-                           st->probs->data(), st->stats->data());
+  return Timed(-1, "loss forward", [&] {
+    return st->loss->Forward(st->acts.back()->data(), reinterpret_cast<const int32_t*>(st->labels->data()),
+                             st->probs->data(), st->stats->data());
+  });
 }
 
 absl::Status Network::Contribute(BatchState* st, int act, const std::function<absl::Status(float*)>& produce) {
@@ -297,7 +304,8 @@ absl::Status Network::QueueBackward(BatchState* st) {
   const size_t n = layers_.size();
   st->grad_written.assign(n + 1, false);
   const int32_t* labels = reinterpret_cast<const int32_t*>(st->labels->data());
-  PSFLOW_RETURN_IF_ERROR(st->loss->Backward(st->probs->data(), labels, st->dacts[n]->data()));
+  PSFLOW_RETURN_IF_ERROR(
+      Timed(-1, "loss backward", [&] { return st->loss->Backward(st->probs->data(), labels, st->dacts[n]->data()); }));
   st->grad_written[n] = true;
   for (size_t i = n; i-- > 0;) {
     const Layer& l = layers_[i];
@@ -309,6 +317,7 @@ absl::Status Network::QueueBackward(BatchState* st) {
     float* db = l.second >= 0 ? grads_[l.second]->data() : nullptr;
     // The model input's gradient is never needed.
     const bool need_dx = l.in_act > 0;
+    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "backward", [&]() -> absl::Status {
     switch (l.kind) {
       case LayerSpec::kConv2D:
         if (!need_dx) {
@@ -373,6 +382,8 @@ absl::Status Network::QueueBackward(BatchState* st) {
       case LayerSpec::KIND_NOT_SET:
         return absl::InternalError("layer without kind");
     }
+    return absl::OkStatus();
+    }));
   }
   return absl::OkStatus();
 }
@@ -381,14 +392,37 @@ absl::Status Network::QueueTrain(BatchState* st) {
   PSFLOW_RETURN_IF_ERROR(QueueForward(st));
   PSFLOW_RETURN_IF_ERROR(QueueBackward(st));
   if (options_.local_sgd_learning_rate > 0) {
-    for (size_t v = 0; v < weights_.size(); ++v) {
-      PSFLOW_RETURN_IF_ERROR(backend_->Sgd(weights_[v]->data(), grads_[v]->data(),
-                                           options_.local_sgd_learning_rate,
-                                           static_cast<int64_t>(weights_[v]->size())));
-    }
+    return Timed(-1, "sgd", [&]() -> absl::Status {
+      for (size_t v = 0; v < weights_.size(); ++v) {
+        PSFLOW_RETURN_IF_ERROR(backend_->Sgd(weights_[v]->data(), grads_[v]->data(),
+                                             options_.local_sgd_learning_rate,
+                                             static_cast<int64_t>(weights_[v]->size())));
+      }
+      return absl::OkStatus();
+    });
   }
   return absl::OkStatus();
 }
+
+absl::Status Network::Timed(int layer, const char* pass, const std::function<absl::Status()>& fn) {
+  if (!options_.profile) return fn();
+  const std::string name = layer < 0 ? pass : absl::StrCat(spec_.layer(layer).name(), " ", pass);
+  PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());
+  const absl::Time start = absl::Now();
+  PSFLOW_RETURN_IF_ERROR(fn());
+  PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  for (auto& [n, total] : layer_times_) {
+    if (n == name) {
+      total += ms;
+      return absl::OkStatus();
+    }
+  }
+  layer_times_.emplace_back(name, ms);
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, double>> Network::LayerTimes() const { return layer_times_; }
 
 absl::Status Network::Run(BatchState* st, bool train) {
   std::unique_ptr<kernels::Graph>& graph = train ? st->train_graph : st->eval_graph;
@@ -397,7 +431,7 @@ absl::Status Network::Run(BatchState* st, bool train) {
   if (graph != nullptr) return graph->Launch();
   // The first step of a batch size runs eagerly: it creates the workspaces
   // and lazily initialised library state that a recording must not.
-  if (!options_.use_graphs || st->graphs_off || !eager_done) {
+  if (!options_.use_graphs || options_.profile || st->graphs_off || !eager_done) {
     PSFLOW_RETURN_IF_ERROR(queue());
     eager_done = true;
     return absl::OkStatus();
@@ -418,11 +452,18 @@ absl::Status Network::Run(BatchState* st, bool train) {
 absl::Status Network::StartTrainStep(int batch) {
   PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
   if (!st->inputs_set) return absl::FailedPreconditionError("StartTrainStep before SetInputs");
-  return Run(st, /*train=*/true);
+  st->step_queued = false;
+  PSFLOW_RETURN_IF_ERROR(Run(st, /*train=*/true));
+  st->step_queued = true;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Network::Result> Network::FinishStep(int batch) {
-  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  auto it = states_.find(batch);
+  if (it == states_.end() || !it->second->step_queued) {
+    return absl::FailedPreconditionError(absl::StrCat("FinishStep without a step of batch size ", batch));
+  }
+  BatchState* st = it->second.get();
   float stats[2] = {0, 0};
   PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(st->stats->data(), 2, stats));
   return Result{stats[0], std::llround(stats[1])};
@@ -442,7 +483,9 @@ absl::StatusOr<Network::Result> Network::TrainStep(const float* images, const in
 absl::StatusOr<Network::Result> Network::Evaluate(const float* images, const int32_t* labels, int batch) {
   PSFLOW_RETURN_IF_ERROR(SetInputs(images, labels, batch));
   PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  st->step_queued = false;
   PSFLOW_RETURN_IF_ERROR(Run(st, /*train=*/false));
+  st->step_queued = true;
   return FinishStep(batch);
 }
 

@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -34,6 +36,9 @@ struct NetworkOptions {
   // > 0: each training step ends with w -= rate * g on the device, for
   // training without parameter servers (benchmarks).
   float local_sgd_learning_rate = 0;
+  // Benchmarks: time every layer's forward and backward pass by waiting for
+  // the device after each (slow; implies op-by-op steps). See LayerTimes.
+  bool profile = false;
 };
 
 class Network {
@@ -84,6 +89,11 @@ class Network {
   // first eager step); false on backends without graphs.
   bool UsesGraph(int batch) const;
 
+  // With NetworkOptions.profile: milliseconds spent per layer and pass
+  // ("conv1 forward", "loss backward", "sgd", ...) summed over all steps
+  // since the network was created, in the order first seen.
+  std::vector<std::pair<std::string, double>> LayerTimes() const;
+
  private:
   struct Layer;
   struct BatchState;
@@ -97,6 +107,9 @@ class Network {
   // activation `act`; `produce` writes it into the pointer it is given.
   absl::Status Contribute(BatchState* st, int act, const std::function<absl::Status(float*)>& produce);
   absl::Status Run(BatchState* st, bool train);
+  // Runs fn; with options_.profile, waits for the device and adds the time to
+  // layer_times_ under "<layer name> <pass>" (just `pass` for layer -1).
+  absl::Status Timed(int layer, const char* pass, const std::function<absl::Status()>& fn);
 
   ModelSpec spec_;
   kernels::Backend* backend_;
@@ -106,6 +119,7 @@ class Network {
   std::vector<std::unique_ptr<kernels::Buffer>> weights_;
   std::vector<std::unique_ptr<kernels::Buffer>> grads_;
   std::map<int, std::unique_ptr<BatchState>> states_;  // by batch size
+  std::vector<std::pair<std::string, double>> layer_times_;
 };
 
 }  // namespace psflow::model

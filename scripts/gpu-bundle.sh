@@ -8,6 +8,8 @@
 #   mkdir psflow && tar -xJf psflow-gpu.tar.xz -C psflow
 #   export LD_LIBRARY_PATH=$PWD/psflow/lib:<dirs of libcudnn.so.9 and libcublas.so.13>
 #   psflow/bin/psflow-worker --device=cuda:0 ...
+# With GPU_TESTS=1 the GPU test binaries (build/tests/*cuda*, *gpu*) come too,
+# under tests/.
 # glibc, libstdc++ and the CUDA, cuDNN and cuBLAS libraries are left out: the
 # target machine brings its own (its glibc must be 2.36 or newer). The CUDA
 # runtime is linked statically.
@@ -22,12 +24,19 @@ for f in "$build"/bin/psflow-*; do
   [ -f "$f" ] || continue
   strip -o "$stage/bin/$(basename "$f")" "$f"
 done
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  mkdir -p "$stage/tests"
+  for f in "$build"/tests/*cuda* "$build"/tests/*gpu*; do
+    [ -f "$f" ] && [ -x "$f" ] && strip -o "$stage/tests/$(basename "$f")" "$f"
+  done
+fi
 # Everything the executables load, less what the target machine provides.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudnn|libcublas|libnvidia)'
-for f in "$stage"/bin/*; do
+for f in "$stage"/bin/* "$stage"/tests/*; do
+  [ -f "$f" ] || continue
   ldd "$f" | awk '$3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
   if ! [[ $name =~ $skip ]]; then cp -L "$path" "$stage/lib/$name"; strip "$stage/lib/$name" 2>/dev/null || true; fi
 done
-tar -C "$stage" -cJf "$out" bin lib
+tar -C "$stage" -cJf "$out" $(cd "$stage" && ls)
 echo "$out: $(du -h "$out" | cut -f1) ($(ls "$stage/bin" | wc -l) executables, $(ls "$stage/lib" | wc -l) libraries)"

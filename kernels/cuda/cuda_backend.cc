@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <mutex>
@@ -296,6 +298,29 @@ const Perf* Fastest(const Perf* perf, int count) {
 
 // ---------------------------------------------------------------- Conv2D
 
+// PSFLOW_CUDA_VERBOSE=1 in the environment: each convolution prints the
+// algorithms cuDNN's Find chose (a diagnostic for performance work).
+bool Verbose() {
+  static const bool verbose = [] {
+    const char* v = std::getenv("PSFLOW_CUDA_VERBOSE");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return verbose;
+}
+
+template <typename Perf>
+void LogChoice(const std::string& what, const char* direction, const Perf* perf, int count) {
+  if (!Verbose()) return;
+  std::string line = absl::StrCat(what, " ", direction, ":");
+  for (int i = 0; i < count && i < 3; ++i) {
+    if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+    absl::StrAppendFormat(&line, " algo %d%s %.3f ms %zu B;", static_cast<int>(perf[i].algo),
+                          perf[i].mathType == CUDNN_TENSOR_OP_MATH ? " tensor-op" : "", perf[i].time,
+                          perf[i].memory);
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+}
+
 std::string Describe(const Conv2DShape& s) {
   return absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)", s.batch,
                          s.in_channels, s.height, s.width, s.out_channels, s.kernel_h, s.kernel_w,
@@ -360,6 +385,7 @@ class CudnnConv2D final : public Conv2D {
           CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, perf));
       const auto* best = Fastest(perf, count);
       if (best == nullptr) return absl::InvalidArgumentError("cuDNN has no forward algorithm");
+      LogChoice(what_, "forward", perf, count);
       fwd_algo_ = best->algo;
       PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(fwd_conv_.get(), best->mathType));
       size_t bytes = 0;
@@ -377,6 +403,7 @@ class CudnnConv2D final : public Conv2D {
       if (best == nullptr) {
         return absl::InvalidArgumentError("cuDNN has no backward-data algorithm");
       }
+      LogChoice(what_, "backward-data", perf, count);
       data_algo_ = best->algo;
       PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(data_conv_.get(), best->mathType));
       size_t bytes = 0;
@@ -395,6 +422,7 @@ class CudnnConv2D final : public Conv2D {
       if (best == nullptr) {
         return absl::InvalidArgumentError("cuDNN has no backward-filter algorithm");
       }
+      LogChoice(what_, "backward-filter", perf, count);
       filter_algo_ = best->algo;
       PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(filter_conv_.get(), best->mathType));
       size_t bytes = 0;
@@ -403,6 +431,9 @@ class CudnnConv2D final : public Conv2D {
           &bytes));
       workspace = std::max({workspace, bytes, best->memory});
     }
+    PSFLOW_RETURN_IF_ERROR(AllocateDevice(
+        ctx_, cuda_internal::ChannelPartialFloats(s.batch, s.out_channels) * sizeof(float), false,
+        bias_partial_));
     // One workspace for the three directions: they run one after another on
     // the stream.
     workspace_bytes_ = workspace;
@@ -430,9 +461,10 @@ class CudnnConv2D final : public Conv2D {
                         float* db) override {
     return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}}));
-      if (db != nullptr) {
-        PSFLOW_CUDNN_CHECK(cudnnConvolutionBackwardBias(ctx_->cudnn, &kOne, y_desc_.get(), dy,
-                                                        &kZero, b_desc_.get(), db));
+      if (db != nullptr) {  // own reduction: cuDNN's is slow for large N*H*W
+        PSFLOW_CUDA_CHECK(cuda_internal::LaunchChannelSum(
+            dy, db, Floats(bias_partial_), shape_.batch, shape_.out_channels,
+            int64_t{shape_.out_height()} * shape_.out_width(), ctx_->stream));
       }
       PSFLOW_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
           ctx_->cudnn, &kOne, x_desc_.get(), x, y_desc_.get(), dy, filter_conv_.get(), filter_algo_,
@@ -458,6 +490,7 @@ class CudnnConv2D final : public Conv2D {
   cudnnConvolutionBwdFilterAlgo_t filter_algo_{};
   DevicePtr workspace_;
   size_t workspace_bytes_ = 0;
+  DevicePtr bias_partial_;  // partial sums of the bias gradient
 };
 
 // ---------------------------------------------------------------- MaxPool2D
@@ -661,39 +694,30 @@ std::string Describe(const BatchNormShape& s) {
                          s.width, s.epsilon);
 }
 
-class CudnnBatchNorm final : public BatchNorm {
+// Own kernels (cuda_kernels.h): per-channel partial sums over slices of the
+// batch, then one elementwise pass. cuDNN's legacy NCHW batch norm took
+// several times longer on the H100 for the large activations of a resnet.
+class CudaBatchNorm final : public BatchNorm {
  public:
-  CudnnBatchNorm(std::shared_ptr<CudaContext> ctx, const BatchNormShape& s)
-      : ctx_(std::move(ctx)),
-        shape_(s),
-        what_(Describe(s)),
-        epsilon_(std::max(static_cast<double>(s.epsilon), CUDNN_BN_MIN_EPSILON)) {}
+  CudaBatchNorm(std::shared_ptr<CudaContext> ctx, const BatchNormShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(Describe(s)) {}
 
   absl::Status Init() {
-    const BatchNormShape& s = shape_;
-    PSFLOW_RETURN_IF_ERROR(MakeTensor(x_desc_, s.batch, s.channels, s.height, s.width));
-    cudnnTensorDescriptor_t d = nullptr;
-    PSFLOW_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d));
-    param_desc_.reset(d);
-    PSFLOW_CUDNN_CHECK(cudnnDeriveBNTensorDescriptor(d, x_desc_.get(), CUDNN_BATCHNORM_SPATIAL));
-    // [saved mean | saved inverse std | running mean | running variance], C
-    // floats each. The running statistics are not used (the interface has no
-    // inference mode), but cuDNN's header does not promise that they may be
-    // null, so they get dummy storage (with an averaging factor of 0 they
-    // stay 0).
-    return AllocateDevice(ctx_, 4 * static_cast<size_t>(s.channels) * sizeof(float), true, stats_);
+    const int64_t c = shape_.channels;
+    partial_floats_ = cuda_internal::ChannelPartialFloats(shape_.batch, c);
+    // saved: [mean | inv_std]; scratch: partial sums, then 3 floats of
+    // coefficients per channel.
+    PSFLOW_RETURN_IF_ERROR(AllocateDevice(ctx_, 2 * c * sizeof(float), true, saved_));
+    return AllocateDevice(ctx_, (partial_floats_ + 3 * c) * sizeof(float), false, scratch_);
   }
 
   absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) override {
     return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
       has_forward_ = false;
-      float* const p = Floats(stats_);
-      const size_t c = shape_.channels;
-      PSFLOW_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
-          ctx_->cudnn, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, x_desc_.get(), x, x_desc_.get(), y,
-          param_desc_.get(), gamma, beta, /*exponentialAverageFactor=*/0.0, p + 2 * c, p + 3 * c,
-          epsilon_, /*resultSaveMean=*/p, /*resultSaveInvVariance=*/p + c));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormForward(
+          x, gamma, beta, y, Floats(saved_), Floats(scratch_), shape_.batch, shape_.channels,
+          int64_t{shape_.height} * shape_.width, shape_.epsilon, ctx_->stream));
       has_forward_ = true;
       return absl::OkStatus();
     });
@@ -709,12 +733,10 @@ class CudnnBatchNorm final : public BatchNorm {
                                            {"dgamma", dgamma},
                                            {"dbeta", dbeta}}));
       if (!has_forward_) return absl::FailedPreconditionError("no successful Forward before it");
-      const float* const p = Floats(stats_);
-      const size_t c = shape_.channels;
-      PSFLOW_CUDNN_CHECK(cudnnBatchNormalizationBackward(
-          ctx_->cudnn, CUDNN_BATCHNORM_SPATIAL, &kOne, &kZero, &kOne, &kZero, x_desc_.get(), x,
-          x_desc_.get(), dy, x_desc_.get(), dx, param_desc_.get(), gamma, dgamma, dbeta, epsilon_,
-          /*savedMean=*/p, /*savedInvVariance=*/p + c));
+      float* scratch = Floats(scratch_);
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormBackward(
+          x, gamma, dy, dx, dgamma, dbeta, Floats(saved_), scratch + partial_floats_, scratch,
+          shape_.batch, shape_.channels, int64_t{shape_.height} * shape_.width, ctx_->stream));
       return absl::OkStatus();
     });
   }
@@ -723,9 +745,8 @@ class CudnnBatchNorm final : public BatchNorm {
   std::shared_ptr<CudaContext> ctx_;
   const BatchNormShape shape_;
   const std::string what_;
-  const double epsilon_;
-  TensorDesc x_desc_, param_desc_;
-  DevicePtr stats_;
+  int64_t partial_floats_ = 0;
+  DevicePtr saved_, scratch_;
   bool has_forward_ = false;
 };
 
@@ -1069,7 +1090,7 @@ absl::StatusOr<std::unique_ptr<BatchNorm>> CudaBackend::CreateBatchNorm(
   PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.channels *
                                                                shape.height * shape.width}}),
                                   what));
-  return Build<BatchNorm, CudnnBatchNorm>(ctx_, what, shape);
+  return Build<BatchNorm, CudaBatchNorm>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CudaBackend::CreateGlobalAvgPool(

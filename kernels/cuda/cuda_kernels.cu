@@ -216,6 +216,162 @@ __global__ void SoftmaxCrossEntropyBackwardKernel(const float* probs, const int3
   }
 }
 
+
+// ---------------------------------------------------------------- per-channel reductions
+
+// Blocks per channel: enough channel x slice blocks to fill the GPU a few
+// times over, never more slices than images.
+constexpr int64_t kTargetBlocks = 1024;
+
+int64_t SlicesFor(int64_t n, int64_t channels) {
+  return std::max<int64_t>(1, std::min<int64_t>(n, (kTargetBlocks + channels - 1) / channels));
+}
+
+// Sums two values over a block; the result is valid in thread 0.
+__device__ void BlockSum2(float& a, float& b) {
+  __shared__ float sa[kWarpsPerBlock], sb[kWarpsPerBlock];
+  a = WarpSum(a);
+  b = WarpSum(b);
+  const int warp = threadIdx.x / kWarpSize;
+  if (Lane() == 0) {
+    sa[warp] = a;
+    sb[warp] = b;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    a = 0.0f;
+    b = 0.0f;
+    for (int w = 0; w < kWarpsPerBlock; ++w) {
+      a += sa[w];
+      b += sb[w];
+    }
+  }
+}
+
+// Per channel c (blockIdx.y) and slice of images (blockIdx.x): two sums
+// over the slice's values of channel c, f(x, y, c) giving both terms.
+// partial[(c * slices + slice) * 2 + {0, 1}].
+// Index: uint32_t when the whole tensor has fewer than 2^31 values (the
+// divisions below then cost a few instructions instead of a 64-bit routine).
+template <typename Index, typename F>
+__global__ void ChannelPartialKernel(const float* x, const float* y, float* partial, int64_t n,
+                                     int64_t channels, int64_t hw, F f) {
+  const int64_t c = blockIdx.y, slices = gridDim.x, slice = blockIdx.x;
+  const int64_t first = slice * n / slices, last = (slice + 1) * n / slices;
+  const Index count = static_cast<Index>((last - first) * hw), hw_i = static_cast<Index>(hw);
+  const int64_t base = (first * channels + c) * hw, image_stride = channels * hw;
+  float a = 0.0f, b = 0.0f;
+  for (Index i = threadIdx.x; i < count; i += blockDim.x) {
+    const Index img = i / hw_i;
+    const int64_t at = base + static_cast<int64_t>(img) * image_stride + (i - img * hw_i);
+    const float2 v = f(x[at], y == nullptr ? 0.0f : y[at], c);
+    a += v.x;
+    b += v.y;
+  }
+  BlockSum2(a, b);
+  if (threadIdx.x == 0) {
+    partial[(c * slices + slice) * 2] = a;
+    partial[(c * slices + slice) * 2 + 1] = b;
+  }
+}
+
+// Adds a channel's partial sums in double, in slice order: out[c] = {a, b}.
+__device__ void ChannelTotals(const float* partial, int64_t slices, int64_t c, double& a, double& b) {
+  a = 0.0;
+  b = 0.0;
+  for (int64_t s = 0; s < slices; ++s) {
+    a += partial[(c * slices + s) * 2];
+    b += partial[(c * slices + s) * 2 + 1];
+  }
+}
+
+struct SumFn {
+  __device__ float2 operator()(float v, float, int64_t) const { return make_float2(v, 0.0f); }
+};
+
+__global__ void ChannelSumFinishKernel(const float* partial, float* out, int64_t channels,
+                                       int64_t slices) {
+  for (int64_t c = GlobalThread(); c < channels; c += GridThreads()) {
+    double a, b;
+    ChannelTotals(partial, slices, c, a, b);
+    out[c] = static_cast<float>(a);
+  }
+}
+
+// Sums of (x - shift) and its square, shift being the channel's first value
+// (so that a large mean does not cancel the variance away).
+struct ShiftedMomentsFn {
+  const float* x;
+  int64_t channels, hw;
+  __device__ float2 operator()(float v, float, int64_t c) const {
+    const float d = v - x[c * hw];
+    return make_float2(d, d * d);
+  }
+};
+
+// saved = [mean | inv_std]; coef = [scale | shift] for y = x * scale + shift.
+__global__ void BatchNormStatsKernel(const float* x, const float* gamma, const float* beta,
+                                     const float* partial, float* saved, float* coef,
+                                     int64_t channels, int64_t slices, int64_t hw, double count,
+                                     float epsilon) {
+  for (int64_t c = GlobalThread(); c < channels; c += GridThreads()) {
+    double s1, s2;
+    ChannelTotals(partial, slices, c, s1, s2);
+    const double shifted_mean = s1 / count;
+    const double var = fmax(s2 / count - shifted_mean * shifted_mean, 0.0);
+    const double mean = shifted_mean + x[c * hw];
+    const double inv_std = rsqrt(var + epsilon);
+    saved[c] = static_cast<float>(mean);
+    saved[channels + c] = static_cast<float>(inv_std);
+    const double scale = gamma[c] * inv_std;
+    coef[c] = static_cast<float>(scale);
+    coef[channels + c] = static_cast<float>(beta[c] - mean * scale);
+  }
+}
+
+// y = a[c] * x + b[c] * z + d[c] over an NCHW tensor (z may be null: b unused).
+template <typename Index>
+__global__ void ChannelAffineKernel(const float* x, const float* z, float* y, const float* a,
+                                    const float* b, const float* d, int64_t total, int64_t channels,
+                                    int64_t hw) {
+  const Index hw_i = static_cast<Index>(hw), channels_i = static_cast<Index>(channels);
+  for (Index i = static_cast<Index>(GlobalThread()); i < static_cast<Index>(total);
+       i += static_cast<Index>(GridThreads())) {
+    const Index c = (i / hw_i) % channels_i;
+    float v = a[c] * x[i] + d[c];
+    if (z != nullptr) v += b[c] * z[i];
+    y[i] = v;
+  }
+}
+
+// Sums of dy and dy * (x - mean).
+struct BackwardSumsFn {
+  const float* saved;
+  __device__ float2 operator()(float dy, float x, int64_t c) const {
+    return make_float2(dy, dy * (x - saved[c]));
+  }
+};
+
+// dgamma, dbeta, and dx = a*dy + b*x + d per channel into coef [a | b | d].
+__global__ void BatchNormBackwardCoefKernel(const float* gamma, const float* saved,
+                                            const float* partial, float* dgamma, float* dbeta,
+                                            float* coef, int64_t channels, int64_t slices,
+                                            double count) {
+  for (int64_t c = GlobalThread(); c < channels; c += GridThreads()) {
+    double sum_dy, sum_dy_xc;
+    ChannelTotals(partial, slices, c, sum_dy, sum_dy_xc);
+    const double mean = saved[c], inv_std = saved[channels + c];
+    const double dg = sum_dy_xc * inv_std;  // sum dy * xhat
+    dgamma[c] = static_cast<float>(dg);
+    dbeta[c] = static_cast<float>(sum_dy);
+    const double k = gamma[c] * inv_std;
+    // dx = k * (dy - sum_dy/M - (x - mean) * inv_std * dg/M)
+    const double b = -k * inv_std * dg / count;
+    coef[c] = static_cast<float>(k);
+    coef[channels + c] = static_cast<float>(b);
+    coef[2 * channels + c] = static_cast<float>(-k * sum_dy / count - b * mean);
+  }
+}
 }  // namespace
 
 cudaError_t LaunchAdd(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) {
@@ -276,6 +432,76 @@ cudaError_t LaunchSoftmaxCrossEntropyBackward(const float* probs, const int32_t*
   const int64_t n = static_cast<int64_t>(batch) * classes;
   SoftmaxCrossEntropyBackwardKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(
       probs, labels, dlogits, n, classes, 1.0f / static_cast<float>(batch));
+  return cudaGetLastError();
+}
+
+namespace {
+
+constexpr int64_t kSmallIndex = int64_t{1} << 31;
+
+template <typename F>
+void ChannelPartial(const float* x, const float* y, float* partial, int64_t n, int64_t channels,
+                    int64_t hw, F f, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(SlicesFor(n, channels)), static_cast<unsigned>(channels));
+  if (n * channels * hw < kSmallIndex) {
+    ChannelPartialKernel<uint32_t><<<grid, kThreads, 0, stream>>>(x, y, partial, n, channels, hw, f);
+  } else {
+    ChannelPartialKernel<int64_t><<<grid, kThreads, 0, stream>>>(x, y, partial, n, channels, hw, f);
+  }
+}
+
+void ChannelAffine(const float* x, const float* z, float* y, const float* a, const float* b,
+                   const float* d, int64_t n, int64_t channels, int64_t hw, cudaStream_t stream) {
+  const int64_t total = n * channels * hw;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65536));
+  if (total < kSmallIndex) {
+    ChannelAffineKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(x, z, y, a, b, d, total, channels, hw);
+  } else {
+    ChannelAffineKernel<int64_t><<<blocks, kThreads, 0, stream>>>(x, z, y, a, b, d, total, channels, hw);
+  }
+}
+
+}  // namespace
+
+int64_t ChannelPartialFloats(int64_t n, int64_t channels) {
+  return 2 * channels * SlicesFor(n, channels);
+}
+
+cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t n,
+                             int64_t channels, int64_t hw, cudaStream_t stream) {
+  if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
+  const int64_t slices = SlicesFor(n, channels);
+  ChannelPartial(dy, nullptr, partial, n, channels, hw, SumFn{}, stream);
+  ChannelSumFinishKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(partial, db, channels,
+                                                                                slices);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
+                                   float* saved, float* partial, int64_t n, int64_t channels,
+                                   int64_t hw, float epsilon, cudaStream_t stream) {
+  if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
+  const int64_t slices = SlicesFor(n, channels);
+  ChannelPartial(x, nullptr, partial, n, channels, hw, ShiftedMomentsFn{x, channels, hw}, stream);
+  // coef (scale, shift) lives after the partial sums.
+  float* coef = partial + ChannelPartialFloats(n, channels);
+  BatchNormStatsKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(
+      x, gamma, beta, partial, saved, coef, channels, slices, hw, static_cast<double>(n * hw),
+      epsilon);
+  ChannelAffine(x, nullptr, y, coef, nullptr, coef + channels, n, channels, hw, stream);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchBatchNormBackward(const float* x, const float* gamma, const float* dy, float* dx,
+                                    float* dgamma, float* dbeta, const float* saved, float* coef,
+                                    float* partial, int64_t n, int64_t channels, int64_t hw,
+                                    cudaStream_t stream) {
+  if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
+  const int64_t slices = SlicesFor(n, channels);
+  ChannelPartial(dy, x, partial, n, channels, hw, BackwardSumsFn{saved}, stream);
+  BatchNormBackwardCoefKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(
+      gamma, saved, partial, dgamma, dbeta, coef, channels, slices, static_cast<double>(n * hw));
+  ChannelAffine(dy, x, dx, coef, coef + channels, coef + 2 * channels, n, channels, hw, stream);
   return cudaGetLastError();
 }
 

@@ -58,6 +58,33 @@ cudaError_t LaunchSoftmaxCrossEntropyBackward(const float* probs, const int32_t*
                                               float* dlogits, int batch, int classes,
                                               cudaStream_t stream);
 
+// Per-channel work on NCHW tensors [n, channels, hw] (hw = H*W). Each first
+// reduces per channel in two fixed-order stages (channel x batch-slice blocks
+// write partial sums to `partial`, then one block per channel adds them), so
+// the results are reproducible; `partial` must hold
+// ChannelPartialFloats(n, channels) floats.
+int64_t ChannelPartialFloats(int64_t n, int64_t channels);
+
+// db[c] = sum over n and hw of dy (a convolution's bias gradient).
+cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t n,
+                             int64_t channels, int64_t hw, cudaStream_t stream);
+
+// Batch normalization with batch statistics: mean[c] and inv_std[c] =
+// 1/sqrt(var + epsilon) (biased variance, computed around a per-channel shift
+// to avoid cancellation) are kept in `saved` [mean | inv_std], then
+// y = (x - mean) * inv_std * gamma + beta.
+cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
+                                   float* saved, float* partial, int64_t n, int64_t channels,
+                                   int64_t hw, float epsilon, cudaStream_t stream);
+
+// The gradients for the Forward that filled `saved`: dbeta = sum dy, dgamma =
+// sum dy * xhat, dx = gamma * inv_std * (dy - dbeta/M - xhat * dgamma/M),
+// M = n*hw. `coef` holds 3*channels floats of scratch.
+cudaError_t LaunchBatchNormBackward(const float* x, const float* gamma, const float* dy, float* dx,
+                                    float* dgamma, float* dbeta, const float* saved, float* coef,
+                                    float* partial, int64_t n, int64_t channels, int64_t hw,
+                                    cudaStream_t stream);
+
 }  // namespace psflow::kernels::cuda_internal
 
 #endif  // PSFLOW_KERNELS_CUDA_CUDA_KERNELS_H_

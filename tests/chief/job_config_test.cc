@@ -11,6 +11,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "chief/chief.h"
+#include "data/mnist.h"
+#include "data/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/data/idx_files.h"
@@ -273,6 +275,98 @@ TEST_F(JobConfigTest, RejectsMismatchedImagesAndLabels) {
   WriteData(kCount, 28, false);
   WritePlain((fs::path(dir_) / "train-labels-idx1-ubyte").string(), IdxBytes(0x801, {3}, {1, 2, 3}));
   ExpectInvalid(BuildJobConfig(options_), "do not match");
+}
+
+// --dataset=synthetic: the examples are made, not read, so no data files are
+// needed and any input shape works (the resnet's 3x32x32).
+TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
+  options_.model = "resnet";
+  options_.dataset = "synthetic";
+  options_.synthetic_examples = 1000;
+  options_.data_dir = (fs::path(dir_) / "no-such-dir").string();
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->dataset(), "synthetic");
+  EXPECT_EQ(job->num_examples(), 1000);
+  // ceil(1000 / 2 workers) = 500 examples each: 62 full batches of 8.
+  EXPECT_EQ(job->steps_per_epoch(), 62);
+  EXPECT_EQ(job->train_steps(), 62);
+  EXPECT_EQ(job->model().name(), "resnet");
+  EXPECT_EQ(job->model().input().channels(), 3);
+  EXPECT_EQ(job->model().input().height(), 32);
+  EXPECT_EQ(job->model().input().width(), 32);
+  EXPECT_EQ(job->placement().variable_size(), 62) << "every resnet variable is placed";
+
+  // The inputs are standardized with the statistics of the very examples the
+  // workers will make.
+  absl::StatusOr<data::Dataset> made = data::MakeSynthetic(data::SyntheticShape{3, 32, 32, 10}, 1000,
+                                                           data::Split::kTrain);
+  ASSERT_TRUE(made.ok()) << made.status();
+  double sum = 0, sum_sq = 0;
+  for (float p : made->images) {
+    sum += p;
+    sum_sq += static_cast<double>(p) * p;
+  }
+  const double n = static_cast<double>(made->images.size());
+  const double mean = sum / n;
+  const double stddev = std::sqrt(sum_sq / n - mean * mean);
+  EXPECT_NEAR(job->model().input().mean(), mean, 1e-6);
+  EXPECT_NEAR(job->model().input().stddev(), stddev, 1e-6);
+  // Half a uniform pattern and half uniform noise: mean 1/2, variance
+  // 2 * (1/4) * (1/12) = 1/24.
+  EXPECT_NEAR(job->model().input().mean(), 0.5, 0.01);
+  EXPECT_NEAR(job->model().input().stddev(), std::sqrt(1.0 / 24), 0.01);
+
+  // More examples, more steps.
+  options_.synthetic_examples = 4000;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->num_examples(), 4000);
+  EXPECT_EQ(job->steps_per_epoch(), 250);
+}
+
+TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
+  // MNIST-format data has 10 classes; synthetic data has as many as the model.
+  const std::string spec = (fs::path(dir_) / "five.pbtxt").string();
+  std::ofstream(spec) << "input { channels: 1 height: 6 width: 6 } num_classes: 5 "
+                         "layer { name: \"d\" dense { units: 5 } }";
+  options_.model = spec;
+  options_.dataset = "synthetic";
+  options_.synthetic_examples = 64;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->model().num_classes(), 5);
+  EXPECT_EQ(job->num_examples(), 64);
+  EXPECT_EQ(job->steps_per_epoch(), 4);
+  EXPECT_GT(job->model().input().stddev(), 0.1);
+
+  WriteData(kCount, 6, false);
+  options_.dataset = "idx";
+  ExpectInvalid(BuildJobConfig(options_), "MNIST-format data has 10");
+}
+
+TEST_F(JobConfigTest, RejectsBadDatasets) {
+  WriteData(kCount, 28, false);
+  options_.dataset = "imagenet";
+  ExpectInvalid(BuildJobConfig(options_), "--dataset 'imagenet' is not one of idx, synthetic");
+  options_.dataset = "";
+  ExpectInvalid(BuildJobConfig(options_), "--dataset");
+
+  // The resnet takes 3x32x32 images; the Fashion-MNIST files hold 1x28x28.
+  options_.dataset = "idx";
+  options_.model = "resnet";
+  ExpectInvalid(BuildJobConfig(options_), "model resnet takes 3x32x32 inputs");
+  ExpectInvalid(BuildJobConfig(options_), "are 1x28x28");
+
+  options_.dataset = "synthetic";
+  options_.synthetic_examples = 0;
+  ExpectInvalid(BuildJobConfig(options_), "--synthetic_examples");
+  options_.synthetic_examples = -10;
+  ExpectInvalid(BuildJobConfig(options_), "--synthetic_examples");
+  options_.synthetic_examples = 10;  // 5 per worker, batches of 8
+  ExpectInvalid(BuildJobConfig(options_), "--batch_size 8 exceeds the 5 examples each worker sees per epoch");
+  options_.synthetic_examples = 16;
+  EXPECT_TRUE(BuildJobConfig(options_).ok());
 }
 
 }  // namespace

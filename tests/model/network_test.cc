@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -13,12 +14,18 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/tensor_chunks.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
 #include "model/spec.h"
 
 namespace psflow::model {
 namespace {
+
+using ::testing::HasSubstr;
+
+using Weights = std::vector<std::vector<float>>;
+using WeightsD = std::vector<std::vector<double>>;
 
 // input 1x8x8 -> conv 3@3x3 (3x6x6) -> relu -> max-pool 2 (3x3x3) -> dense 4.
 constexpr char kSmallSpec[] = R"pb(
@@ -31,7 +38,417 @@ constexpr char kSmallSpec[] = R"pb(
   layer { name: "fc" dense { units: 4 } }
 )pb";
 
+// A residual block on a stem, in text format: r1 (the block input) is read by
+// both c2 and the projection shortcut, and `sum` joins the two paths.
+//   input 2x6x6 -> c1 conv 3@3x3 pad 1 (no bias) -> bn1 -> r1 relu
+//     main path: c2 conv 4@3x3 pad 1 (no bias) -> bn2
+//     shortcut:  proj conv 4@1x1 (no bias), reading r1 -> proj_bn
+//   -> sum (bn2 + proj_bn) -> r2 relu -> global average pool (4) -> fc dense 3
+constexpr char kResidualSpec[] = R"pb(
+  name: "residual"
+  input { channels: 2 height: 6 width: 6 }
+  num_classes: 3
+  layer { name: "c1" conv2d { filters: 3 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn1" batch_norm {} }
+  layer { name: "r1" relu {} }
+  layer { name: "c2" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn2" batch_norm {} }
+  layer { name: "proj" input: "r1" conv2d { filters: 4 kernel: 1 no_bias: true } }
+  layer { name: "proj_bn" batch_norm {} }
+  layer { name: "sum" input: "bn2" add { other: "proj_bn" } }
+  layer { name: "r2" relu {} }
+  layer { name: "pool" global_avg_pool {} }
+  layer { name: "fc" dense { units: 3 } }
+)pb";
+
 constexpr int kBatch = 8;
+
+ModelSpec ParseSpec(const char* text) {
+  ModelSpec spec;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec));
+  return spec;
+}
+
+// InitialValues, with batch-norm gamma and beta moved off 1 and 0 so that
+// their gradients are generic.
+Weights ResidualWeights(const ModelSpec& spec, uint64_t seed) {
+  Weights w = InitialValues(spec, seed);
+  const std::vector<VariableShape> vars = ModelVariables(spec);
+  std::mt19937 rng(static_cast<uint32_t>(seed) + 100);
+  std::uniform_real_distribution<float> gamma(0.5f, 1.5f), beta(-0.3f, 0.3f);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    const std::string kind = vars[v].name.substr(vars[v].name.find('/') + 1);
+    if (kind == "gamma") {
+      for (float& x : w[v]) x = gamma(rng);
+    } else if (kind == "beta") {
+      for (float& x : w[v]) x = beta(rng);
+    }
+  }
+  return w;
+}
+
+// Random pixels in [0, 1) and labels in [0, num_classes).
+void RandomBatch(const ModelSpec& spec, int batch, uint32_t seed, std::vector<float>* images,
+                 std::vector<int32_t>* labels) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> pixel(0.0f, 1.0f);
+  const int64_t per = int64_t{spec.input().channels()} * spec.input().height() * spec.input().width();
+  images->resize(static_cast<size_t>(batch * per));
+  for (float& x : *images) x = pixel(rng);
+  labels->resize(static_cast<size_t>(batch));
+  for (int32_t& y : *labels) y = static_cast<int32_t>(rng() % static_cast<uint32_t>(spec.num_classes()));
+}
+
+absl::Status SetNetWeights(Network& net, const Weights& w) {
+  std::vector<const float*> ptrs;
+  for (const auto& v : w) ptrs.push_back(v.data());
+  return net.SetWeights(ptrs);
+}
+
+Weights Zeros(const Network& net) {
+  Weights out;
+  for (const VariableShape& v : net.variables()) out.emplace_back(NumElements(v.shape), 0.0f);
+  return out;
+}
+
+Weights NetGradients(Network& net) {
+  Weights g = Zeros(net);
+  std::vector<float*> ptrs;
+  for (auto& v : g) ptrs.push_back(v.data());
+  absl::Status s = net.GetGradients(ptrs);
+  EXPECT_TRUE(s.ok()) << s;
+  return g;
+}
+
+Weights NetWeights(Network& net) {
+  Weights w = Zeros(net);
+  std::vector<float*> ptrs;
+  for (auto& v : w) ptrs.push_back(v.data());
+  absl::Status s = net.GetWeights(ptrs);
+  EXPECT_TRUE(s.ok()) << s;
+  return w;
+}
+
+WeightsD ToDouble(const Weights& w) {
+  WeightsD out;
+  for (const auto& v : w) out.emplace_back(v.begin(), v.end());
+  return out;
+}
+
+// A double-precision interpreter of a model spec (plain loops, written from
+// the documented semantics of each layer), the reference for the gradient
+// checks. Its loss is the network's up to fp32 rounding, and it records every
+// ReLU sign and max-pool arg-max: the loss is smooth in the weights as long as
+// none of these decisions changes, so comparing them tells whether a
+// finite-difference step crosses a kink.
+class Reference {
+ public:
+  explicit Reference(const ModelSpec& spec) : spec_(spec) {
+    absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
+    absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
+    EXPECT_TRUE(shapes.ok() && wiring.ok());
+    if (shapes.ok()) shapes_ = *shapes;
+    if (wiring.ok()) wiring_ = *wiring;
+    vars_ = LayerVariableIndices(spec);
+  }
+
+  // The mean cross-entropy over the batch; appends the decisions to
+  // *decisions unless it is null.
+  double Loss(const WeightsD& w, const float* images, const int32_t* labels, int batch,
+              std::vector<int>* decisions = nullptr) const {
+    const InputSpec& in = spec_.input();
+    const ActivationShape model_in{in.channels(), in.height(), in.width()};
+    std::vector<std::vector<double>> acts(spec_.layer_size() + 1);
+    acts[0].resize(static_cast<size_t>(model_in.size() * batch));
+    for (size_t i = 0; i < acts[0].size(); ++i) {
+      acts[0][i] = in.stddev() > 0 ? (images[i] - double{in.mean()}) / in.stddev() : images[i];
+    }
+    for (int l = 0; l < spec_.layer_size(); ++l) {
+      const LayerSpec& layer = spec_.layer(l);
+      const int src = wiring_[l].input + 1;
+      const ActivationShape a = src == 0 ? model_in : shapes_[src - 1];
+      const ActivationShape o = shapes_[l];
+      const std::vector<double>& x = acts[src];
+      std::vector<double>& y = acts[l + 1];
+      y.assign(static_cast<size_t>(o.size() * batch), 0.0);
+      const std::vector<double>* w1 = vars_[l].first >= 0 ? &w[vars_[l].first] : nullptr;
+      const std::vector<double>* w2 = vars_[l].second >= 0 ? &w[vars_[l].second] : nullptr;
+      auto at = [](const ActivationShape& s, int n, int c, int h, int v) {
+        return ((static_cast<size_t>(n) * s.channels + c) * s.height + h) * s.width + v;
+      };
+      switch (layer.kind_case()) {
+        case LayerSpec::kConv2D: {
+          const Conv2DLayer& c = layer.conv2d();
+          const int k = c.kernel(), stride = c.stride() == 0 ? 1 : c.stride(), pad = c.padding();
+          for (int n = 0; n < batch; ++n) {
+            for (int f = 0; f < o.channels; ++f) {
+              for (int p = 0; p < o.height; ++p) {
+                for (int q = 0; q < o.width; ++q) {
+                  double s = w2 != nullptr ? (*w2)[f] : 0.0;
+                  for (int ch = 0; ch < a.channels; ++ch) {
+                    for (int r = 0; r < k; ++r) {
+                      for (int t = 0; t < k; ++t) {
+                        const int hh = p * stride + r - pad, ww = q * stride + t - pad;
+                        if (hh < 0 || hh >= a.height || ww < 0 || ww >= a.width) continue;
+                        s += (*w1)[((static_cast<size_t>(f) * a.channels + ch) * k + r) * k + t] *
+                             x[at(a, n, ch, hh, ww)];
+                      }
+                    }
+                  }
+                  y[at(o, n, f, p, q)] = s;
+                }
+              }
+            }
+          }
+          break;
+        }
+        case LayerSpec::kMaxPool: {
+          const int size = layer.max_pool().size();
+          const int stride = layer.max_pool().stride() == 0 ? size : layer.max_pool().stride();
+          for (int n = 0; n < batch; ++n) {
+            for (int c = 0; c < o.channels; ++c) {
+              for (int p = 0; p < o.height; ++p) {
+                for (int q = 0; q < o.width; ++q) {
+                  double best = -std::numeric_limits<double>::infinity();
+                  int arg = 0;
+                  for (int r = 0; r < size; ++r) {
+                    for (int t = 0; t < size; ++t) {
+                      const double v = x[at(a, n, c, p * stride + r, q * stride + t)];
+                      if (v > best) {
+                        best = v;
+                        arg = r * size + t;
+                      }
+                    }
+                  }
+                  y[at(o, n, c, p, q)] = best;
+                  if (decisions != nullptr) decisions->push_back(arg);
+                }
+              }
+            }
+          }
+          break;
+        }
+        case LayerSpec::kRelu:
+          for (size_t i = 0; i < y.size(); ++i) {
+            y[i] = std::max(x[i], 0.0);
+            if (decisions != nullptr) decisions->push_back(x[i] > 0);
+          }
+          break;
+        case LayerSpec::kDense: {
+          const int64_t in_f = a.size();
+          for (int n = 0; n < batch; ++n) {
+            for (int u = 0; u < o.channels; ++u) {
+              double s = (*w2)[u];
+              for (int64_t i = 0; i < in_f; ++i) s += (*w1)[u * in_f + i] * x[n * in_f + i];
+              y[static_cast<size_t>(n) * o.channels + u] = s;
+            }
+          }
+          break;
+        }
+        case LayerSpec::kBatchNorm: {
+          const double eps = layer.batch_norm().epsilon() > 0 ? layer.batch_norm().epsilon() : 1e-5;
+          const double count = static_cast<double>(batch) * a.height * a.width;
+          for (int c = 0; c < a.channels; ++c) {
+            double sum = 0, sq = 0;
+            for (int n = 0; n < batch; ++n) {
+              for (int h = 0; h < a.height; ++h) {
+                for (int v = 0; v < a.width; ++v) sum += x[at(a, n, c, h, v)];
+              }
+            }
+            const double mean = sum / count;
+            for (int n = 0; n < batch; ++n) {
+              for (int h = 0; h < a.height; ++h) {
+                for (int v = 0; v < a.width; ++v) sq += (x[at(a, n, c, h, v)] - mean) * (x[at(a, n, c, h, v)] - mean);
+              }
+            }
+            const double inv = 1.0 / std::sqrt(sq / count + eps);
+            for (int n = 0; n < batch; ++n) {
+              for (int h = 0; h < a.height; ++h) {
+                for (int v = 0; v < a.width; ++v) {
+                  const size_t i = at(a, n, c, h, v);
+                  y[i] = (*w1)[c] * (x[i] - mean) * inv + (*w2)[c];
+                }
+              }
+            }
+          }
+          break;
+        }
+        case LayerSpec::kAdd: {
+          const std::vector<double>& other = acts[wiring_[l].other + 1];
+          for (size_t i = 0; i < y.size(); ++i) y[i] = x[i] + other[i];
+          break;
+        }
+        case LayerSpec::kGlobalAvgPool: {
+          const int hw = a.height * a.width;
+          for (int n = 0; n < batch; ++n) {
+            for (int c = 0; c < a.channels; ++c) {
+              double s = 0;
+              for (int i = 0; i < hw; ++i) s += x[(static_cast<size_t>(n) * a.channels + c) * hw + i];
+              y[static_cast<size_t>(n) * a.channels + c] = s / hw;
+            }
+          }
+          break;
+        }
+        case LayerSpec::KIND_NOT_SET:
+          ADD_FAILURE() << "layer without kind";
+          return NAN;
+      }
+    }
+    const std::vector<double>& logits = acts.back();
+    const int classes = spec_.num_classes();
+    double total = 0;
+    for (int n = 0; n < batch; ++n) {
+      const double* z = logits.data() + static_cast<size_t>(n) * classes;
+      const double m = *std::max_element(z, z + classes);
+      double sum = 0;
+      for (int c = 0; c < classes; ++c) sum += std::exp(z[c] - m);
+      total += m + std::log(sum) - z[labels[n]];
+    }
+    return total / batch;
+  }
+
+ private:
+  ModelSpec spec_;
+  std::vector<ActivationShape> shapes_;
+  std::vector<LayerWiring> wiring_;
+  std::vector<LayerVariables> vars_;
+};
+
+// Checks the gradients a network computes on one batch at weights w, for
+// every variable, in two ways:
+//
+// 1. Every element against central differences of the double-precision
+//    reference (h = 1e-6: rounding in double contributes ~1e-10, and no ReLU
+//    or max-pool decision changes within +-h, which is checked). Tolerance:
+//    1e-3 relative plus 1e-4 of the variable's largest gradient, for the fp32
+//    sums inside the network's backward pass.
+//
+// 2. A few elements per variable against central differences of the network's
+//    own fp32 loss. The loss comes back as a float, so each evaluation is off
+//    by up to ~2 ulp of the loss (its rounding to float plus the fp32
+//    arithmetic of softmax and mean), and the difference quotient by up to
+//    2 ulp / h: that is the absolute term of the tolerance, next to 1e-2
+//    relative and the truncation error of that h (measured on the reference,
+//    |D_h - D_1e-6|). h is the largest of 5e-3, 2.5e-3, ..., 1.5625e-4 (the
+//    smaller the h, the looser the check) for which the reference sees no
+//    ReLU or max-pool decision change within +-h (8 points checked): kinks are
+//    dense here (a weight before batch norm moves every activation of its
+//    channel), and a step across one makes the difference quotient the mean
+//    of two one-sided slopes. Up to 4 distinct elements per variable, from
+//    the first, a third, half way and the last on: an element kinked even at
+//    the smallest h gives way to the next one.
+void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, const Weights& w,
+                                           const std::vector<float>& images, const std::vector<int32_t>& labels,
+                                           int batch) {
+  ASSERT_TRUE(SetNetWeights(net, w).ok());
+  absl::StatusOr<Network::Result> step = net.TrainStep(images.data(), labels.data(), batch);
+  ASSERT_TRUE(step.ok()) << step.status();
+  const Weights grads = NetGradients(net);
+  ASSERT_EQ(grads.size(), w.size());
+
+  const Reference ref(spec);
+  const WeightsD wd = ToDouble(w);
+  std::vector<int> base;
+  const double ref_loss = ref.Loss(wd, images.data(), labels.data(), batch, &base);
+  ASSERT_FALSE(base.empty()) << "the model has ReLU or max-pool decisions";
+  EXPECT_NEAR(step->loss, ref_loss, 1e-5 * ref_loss) << "the network computes the reference's loss";
+
+  // Whether the reference's decisions stay those at w for every step t*h,
+  // t in [-1, 1], of element (v, i) (t = +-1/4, +-1/2, +-3/4, +-1).
+  auto smooth_within = [&](size_t v, int64_t i, double h, bool float_steps) {
+    for (int k = -4; k <= 4; ++k) {
+      if (k == 0) continue;
+      WeightsD p = wd;
+      p[v][i] = float_steps ? static_cast<double>(static_cast<float>(w[v][i] + h * k / 4)) : wd[v][i] + h * k / 4;
+      std::vector<int> d;
+      ref.Loss(p, images.data(), labels.data(), batch, &d);
+      if (d != base) return false;
+    }
+    return true;
+  };
+  auto ref_difference = [&](size_t v, int64_t i, double up_value, double down_value) {
+    WeightsD p = wd;
+    p[v][i] = up_value;
+    const double up = ref.Loss(p, images.data(), labels.data(), batch);
+    p[v][i] = down_value;
+    const double down = ref.Loss(p, images.data(), labels.data(), batch);
+    return (up - down) / (up_value - down_value);
+  };
+
+  // 1. Every element against the reference.
+  int64_t checked = 0, kinked = 0;
+  for (size_t v = 0; v < grads.size(); ++v) {
+    const std::string& name = net.variables()[v].name;
+    double largest = 0;
+    for (float g : grads[v]) largest = std::max(largest, static_cast<double>(std::abs(g)));
+    EXPECT_GT(largest, 1e-5) << name << " has no gradient";
+    constexpr double h = 1e-6;
+    for (int64_t i = 0; i < static_cast<int64_t>(grads[v].size()); ++i) {
+      if (!smooth_within(v, i, h, /*float_steps=*/false)) {
+        ++kinked;
+        continue;
+      }
+      ++checked;
+      const double fd = ref_difference(v, i, wd[v][i] + h, wd[v][i] - h);
+      EXPECT_NEAR(grads[v][i], fd, 1e-3 * std::abs(fd) + 1e-4 * largest) << name << "[" << i << "]";
+    }
+  }
+  EXPECT_LE(kinked, checked / 50) << "kinks within 1e-6 of the weights should be rare";
+
+  // 2. Picked elements against the network's own loss.
+  const float loss32 = static_cast<float>(ref_loss);
+  const double ulp = std::nextafter(loss32, std::numeric_limits<float>::infinity()) - loss32;
+  auto net_loss = [&](const Weights& p) {
+    EXPECT_TRUE(SetNetWeights(net, p).ok());
+    absl::StatusOr<Network::Result> r = net.Evaluate(images.data(), labels.data(), batch);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->loss : NAN;
+  };
+  int total_done = 0;
+  for (size_t v = 0; v < grads.size(); ++v) {
+    const std::string& name = net.variables()[v].name;
+    const int64_t n = static_cast<int64_t>(grads[v].size());
+    std::vector<bool> used(static_cast<size_t>(n), false);
+    int done = 0;
+    for (int64_t pick : {int64_t{0}, n / 3, n / 2, n - 1}) {
+      // The first element from `pick` on, not checked yet, with a kink-free
+      // step.
+      for (int64_t tries = 0; tries < n; ++tries) {
+        const int64_t i = (pick + tries) % n;
+        if (used[i]) continue;
+        double h = 0;
+        for (double candidate : {5e-3, 2.5e-3, 1.25e-3, 6.25e-4, 3.125e-4, 1.5625e-4}) {
+          if (smooth_within(v, i, candidate, /*float_steps=*/true)) {
+            h = candidate;
+            break;
+          }
+        }
+        if (h == 0) continue;
+        used[i] = true;
+        Weights p = w;
+        p[v][i] = static_cast<float>(w[v][i] + h);
+        const double up_value = p[v][i];
+        const double up = net_loss(p);
+        p[v][i] = static_cast<float>(w[v][i] - h);
+        const double down_value = p[v][i];
+        const double down = net_loss(p);
+        const double fd = (up - down) / (up_value - down_value);
+        const double truncation = std::abs(ref_difference(v, i, up_value, down_value) -
+                                           ref_difference(v, i, wd[v][i] + 1e-6, wd[v][i] - 1e-6));
+        const double an = grads[v][i];
+        EXPECT_NEAR(an, fd, 1e-2 * std::max(std::abs(fd), std::abs(an)) + 2 * ulp / h + truncation)
+            << name << "[" << i << "], h = " << h;
+        ++done;
+        break;
+      }
+    }
+    EXPECT_GE(done, 1) << name << ": no element without a kink within +-1.5e-4";
+    total_done += done;
+  }
+  // Most picks find an element of their own (variables of 3 or 4 elements may
+  // have fewer kink-free ones).
+  EXPECT_GE(total_done, 3 * static_cast<int>(grads.size()));
+}
 
 class NetworkTest : public ::testing::Test {
  protected:
@@ -55,21 +472,9 @@ class NetworkTest : public ::testing::Test {
     ASSERT_TRUE(SetWeights(weights_).ok());
   }
 
-  absl::Status SetWeights(const std::vector<std::vector<float>>& w) {
-    std::vector<const float*> ptrs;
-    for (const auto& v : w) ptrs.push_back(v.data());
-    return net_->SetWeights(ptrs);
-  }
+  absl::Status SetWeights(const std::vector<std::vector<float>>& w) { return SetNetWeights(*net_, w); }
 
-  std::vector<std::vector<float>> Gradients() {
-    std::vector<std::vector<float>> g;
-    for (const VariableShape& v : net_->variables()) g.emplace_back(NumElements(v.shape), 0.0f);
-    std::vector<float*> ptrs;
-    for (auto& v : g) ptrs.push_back(v.data());
-    absl::Status s = net_->GetGradients(ptrs);
-    EXPECT_TRUE(s.ok()) << s;
-    return g;
-  }
+  std::vector<std::vector<float>> Gradients() { return NetGradients(*net_); }
 
   double Loss(const std::vector<std::vector<float>>& w, int batch = kBatch, int first = 0) {
     EXPECT_TRUE(SetWeights(w).ok());
@@ -92,33 +497,7 @@ TEST_F(NetworkTest, GradientsMatchFiniteDifferences) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_GT(r->loss, 0.0);
   EXPECT_NEAR(r->loss, Loss(weights_), 1e-6) << "TrainStep and Evaluate agree on the loss";
-  ASSERT_TRUE(SetWeights(weights_).ok());
-  ASSERT_TRUE(net_->TrainStep(images_.data(), labels_.data(), kBatch).ok());
-  const std::vector<std::vector<float>> grads = Gradients();
-
-  // Small enough that no ReLU or max-pool switch lies within +-h of these
-  // weights (conv/bias[2] has one near 1e-3), large enough for fp32 noise.
-  const double h = 3e-4;
-  for (size_t v = 0; v < grads.size(); ++v) {
-    const std::string& name = net_->variables()[v].name;
-    const int64_t n = static_cast<int64_t>(grads[v].size());
-    double norm = 0;
-    for (float g : grads[v]) norm += std::abs(g);
-    EXPECT_GT(norm, 1e-4) << name << " has no gradient";
-    // First, middle and last element, and a few more for the small ones.
-    std::vector<int64_t> picks = {0, n / 2, n - 1, n / 3};
-    for (int64_t i : picks) {
-      std::vector<std::vector<float>> w = weights_;
-      w[v][i] = weights_[v][i] + static_cast<float>(h);
-      const double up = Loss(w);
-      w[v][i] = weights_[v][i] - static_cast<float>(h);
-      const double down = Loss(w);
-      const double fd = (up - down) / (2 * h);
-      const double an = grads[v][i];
-      EXPECT_NEAR(an, fd, 1e-2 * std::max(std::abs(fd), std::abs(an)) + 2e-5)
-          << name << "[" << i << "]";
-    }
-  }
+  ExpectGradientsMatchFiniteDifferences(spec_, *net_, weights_, images_, labels_, kBatch);
 }
 
 TEST_F(NetworkTest, SgdStepsReduceTheLoss) {
@@ -206,6 +585,213 @@ TEST_F(NetworkTest, Errors) {
   ModelSpec invalid = spec_;
   invalid.mutable_layer(3)->mutable_dense()->set_units(5);
   EXPECT_EQ(Network::Create(invalid, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+
+// The residual model on the CPU backend.
+class ResidualNetworkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec_ = ParseSpec(kResidualSpec);
+    absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::CreateBackend("cpu", 1);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = *std::move(backend);
+    net_ = MakeNetwork();
+    ASSERT_NE(net_, nullptr);
+    ASSERT_EQ(net_->variables().size(), 11u);
+    weights_ = ResidualWeights(spec_, 5);
+    RandomBatch(spec_, kBatch, 12, &images_, &labels_);
+    // Not one class only, and not one pixel value.
+    EXPECT_NE(std::count(labels_.begin(), labels_.end(), labels_[0]), kBatch);
+    EXPECT_NE(*std::min_element(images_.begin(), images_.end()), *std::max_element(images_.begin(), images_.end()));
+  }
+
+  std::unique_ptr<Network> MakeNetwork(const NetworkOptions& options = {}) {
+    absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(spec_, backend_.get(), options);
+    EXPECT_TRUE(net.ok()) << net.status();
+    return net.ok() ? *std::move(net) : nullptr;
+  }
+
+  ModelSpec spec_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Network> net_;
+  Weights weights_;
+  std::vector<float> images_;
+  std::vector<int32_t> labels_;
+};
+
+// r1 is read by both c2 and proj, so the gradients of c1 and bn1 are right
+// only if the network sums both contributions to r1's gradient (and `sum`
+// passes its gradient to both of its operands); the checks below cover that.
+TEST_F(ResidualNetworkTest, GradientsMatchFiniteDifferences) {
+  ExpectGradientsMatchFiniteDifferences(spec_, *net_, weights_, images_, labels_, kBatch);
+}
+
+// The same on another batch and other weights, with standardized inputs.
+TEST_F(ResidualNetworkTest, GradientsMatchFiniteDifferencesStandardized) {
+  spec_.mutable_input()->set_mean(0.5f);
+  spec_.mutable_input()->set_stddev(0.25f);
+  std::unique_ptr<Network> net = MakeNetwork();
+  ASSERT_NE(net, nullptr);
+  std::vector<float> images;
+  std::vector<int32_t> labels;
+  RandomBatch(spec_, 5, 13, &images, &labels);
+  ExpectGradientsMatchFiniteDifferences(spec_, *net, ResidualWeights(spec_, 6), images, labels, 5);
+}
+
+TEST_F(ResidualNetworkTest, TrainStepEqualsItsParts) {
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  absl::StatusOr<Network::Result> whole = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const Weights whole_grads = NetGradients(*net_);
+
+  std::unique_ptr<Network> parts = MakeNetwork();
+  ASSERT_NE(parts, nullptr);
+  ASSERT_TRUE(SetNetWeights(*parts, weights_).ok());
+  ASSERT_TRUE(parts->SetInputs(images_.data(), labels_.data(), kBatch).ok());
+  // Inputs of another batch size are kept apart.
+  std::vector<float> other_images;
+  std::vector<int32_t> other_labels;
+  RandomBatch(spec_, 3, 99, &other_images, &other_labels);
+  ASSERT_TRUE(parts->SetInputs(other_images.data(), other_labels.data(), 3).ok());
+  ASSERT_TRUE(parts->StartTrainStep(kBatch).ok());
+  absl::StatusOr<Network::Result> finished = parts->FinishStep(kBatch);
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_GT(whole->loss, 0.0);
+  EXPECT_EQ(finished->loss, whole->loss);
+  EXPECT_EQ(finished->correct, whole->correct);
+  const Weights part_grads = NetGradients(*parts);
+  for (size_t v = 0; v < whole_grads.size(); ++v) {
+    EXPECT_EQ(part_grads[v], whole_grads[v]) << net_->variables()[v].name;
+  }
+
+  // A second StartTrainStep reuses the inputs set before, with the weights
+  // as they are now.
+  Weights doubled = weights_;
+  for (float& x : doubled.back()) x += 1.0f;  // fc/bias: shifts the logits
+  doubled.back()[0] += 2.0f;
+  ASSERT_TRUE(SetNetWeights(*parts, doubled).ok());
+  ASSERT_TRUE(parts->StartTrainStep(kBatch).ok());
+  absl::StatusOr<Network::Result> again = parts->FinishStep(kBatch);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(SetNetWeights(*net_, doubled).ok());
+  absl::StatusOr<Network::Result> want = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(again->loss, want->loss);
+  EXPECT_GT(std::abs(again->loss - whole->loss), 1e-3) << "the new weights were used";
+
+  // The other batch size's step reads its own inputs.
+  ASSERT_TRUE(parts->StartTrainStep(3).ok());
+  absl::StatusOr<Network::Result> small = parts->FinishStep(3);
+  ASSERT_TRUE(small.ok()) << small.status();
+  absl::StatusOr<Network::Result> small_want = net_->TrainStep(other_images.data(), other_labels.data(), 3);
+  ASSERT_TRUE(small_want.ok()) << small_want.status();
+  EXPECT_EQ(small->loss, small_want->loss);
+}
+
+TEST_F(ResidualNetworkTest, LocalSgdSubtractsTheScaledGradient) {
+  constexpr float kRate = 0.1f;
+  NetworkOptions options;
+  options.local_sgd_learning_rate = kRate;
+  std::unique_ptr<Network> sgd = MakeNetwork(options);
+  ASSERT_NE(sgd, nullptr);
+  ASSERT_TRUE(SetNetWeights(*sgd, weights_).ok());
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  absl::StatusOr<Network::Result> a = sgd->TrainStep(images_.data(), labels_.data(), kBatch);
+  absl::StatusOr<Network::Result> b = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->loss, b->loss);
+  const Weights grads = NetGradients(*net_);
+  EXPECT_EQ(NetGradients(*sgd), grads) << "the gradients are still there to read";
+  const Weights after = NetWeights(*sgd);
+  EXPECT_EQ(NetWeights(*net_), weights_) << "no update without local SGD";
+  int64_t moved = 0;
+  for (size_t v = 0; v < after.size(); ++v) {
+    for (size_t i = 0; i < after[v].size(); ++i) {
+      // w - lr * g in fp32, with or without a fused multiply-add.
+      const float plain = weights_[v][i] - kRate * grads[v][i];
+      const float fused = std::fma(-kRate, grads[v][i], weights_[v][i]);
+      EXPECT_TRUE(after[v][i] == plain || after[v][i] == fused)
+          << net_->variables()[v].name << "[" << i << "]: " << after[v][i] << " vs " << plain;
+      if (after[v][i] != weights_[v][i]) ++moved;
+    }
+  }
+  EXPECT_GT(moved, 100) << "most weights move";
+
+  // The next step runs on the updated weights: the same as a plain network
+  // given them.
+  ASSERT_TRUE(SetNetWeights(*net_, after).ok());
+  absl::StatusOr<Network::Result> a2 = sgd->TrainStep(images_.data(), labels_.data(), kBatch);
+  absl::StatusOr<Network::Result> b2 = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(a2.ok() && b2.ok());
+  EXPECT_EQ(a2->loss, b2->loss);
+  EXPECT_LT(a2->loss, a->loss) << "a step down the gradient lowers the loss of the same batch";
+}
+
+TEST_F(ResidualNetworkTest, LabelsOutOfRangeAreInvalid) {
+  for (int32_t bad : {-1, 3, 1000}) {
+    std::vector<int32_t> labels = labels_;
+    labels[kBatch - 1] = bad;
+    absl::Status set = net_->SetInputs(images_.data(), labels.data(), kBatch);
+    EXPECT_EQ(set.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(set.message()), HasSubstr(absl::StrCat("label ", bad))) << set;
+    EXPECT_EQ(net_->TrainStep(images_.data(), labels.data(), kBatch).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(net_->Evaluate(images_.data(), labels.data(), kBatch).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  // Nothing was set, so no step can start.
+  EXPECT_EQ(net_->StartTrainStep(kBatch).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(net_->SetInputs(images_.data(), labels_.data(), 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(net_->StartTrainStep(-1).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ResidualNetworkTest, StartTrainStepBeforeSetInputsFails) {
+  absl::Status s = net_->StartTrainStep(kBatch);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  ASSERT_TRUE(net_->SetInputs(images_.data(), labels_.data(), kBatch).ok());
+  // Inputs are per batch size.
+  EXPECT_EQ(net_->StartTrainStep(4).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  EXPECT_TRUE(net_->StartTrainStep(kBatch).ok());
+  absl::StatusOr<Network::Result> r = net_->FinishStep(kBatch);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->loss, 0.0);
+}
+
+TEST_F(ResidualNetworkTest, NoGraphsOnTheCpu) {
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  EXPECT_FALSE(net_->UsesGraph(kBatch));
+  std::vector<double> losses;
+  for (int step = 0; step < 3; ++step) {
+    absl::StatusOr<Network::Result> r = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    losses.push_back(r->loss);
+    EXPECT_FALSE(net_->UsesGraph(kBatch)) << "step " << step;
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(losses[0], losses[2]);
+  ASSERT_TRUE(net_->Evaluate(images_.data(), labels_.data(), kBatch).ok());
+  EXPECT_FALSE(net_->UsesGraph(kBatch));
+  EXPECT_FALSE(net_->UsesGraph(3)) << "a batch size never run";
+}
+
+// Evaluate's loss of the residual model is the mean of its examples' losses
+// only when batch norm sees the same batch: a batch of one normalizes
+// differently. The losses of the same batch agree whatever other batch sizes
+// the network has run.
+TEST_F(ResidualNetworkTest, BatchNormUsesTheStatisticsOfTheBatch) {
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  absl::StatusOr<Network::Result> full = net_->Evaluate(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(full.ok()) << full.status();
+  absl::StatusOr<Network::Result> half = net_->Evaluate(images_.data(), labels_.data(), kBatch / 2);
+  ASSERT_TRUE(half.ok()) << half.status();
+  absl::StatusOr<Network::Result> full2 = net_->Evaluate(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(full2.ok()) << full2.status();
+  EXPECT_EQ(full->loss, full2->loss);
+  const Reference ref(spec_);
+  EXPECT_NEAR(half->loss, ref.Loss(ToDouble(weights_), images_.data(), labels_.data(), kBatch / 2), 1e-5);
+  EXPECT_GT(std::abs(half->loss - full->loss), 1e-4);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -41,7 +42,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> Flatten(const std::vec
 using Var = std::pair<std::string, std::vector<int64_t>>;
 
 TEST(SpecTest, BuiltinsResolve) {
-  EXPECT_THAT(BuiltinModelNames(), ElementsAre("cnn", "mlp"));
+  EXPECT_THAT(BuiltinModelNames(), ElementsAre("cnn", "mlp", "resnet"));
   for (const std::string& name : BuiltinModelNames()) {
     absl::StatusOr<ModelSpec> spec = ResolveModelSpec(name);
     ASSERT_TRUE(spec.ok()) << name << ": " << spec.status();
@@ -75,6 +76,239 @@ TEST(SpecTest, MlpVariables) {
               ElementsAre(Var{"fc1/weights", {256, 784}}, Var{"fc1/bias", {256}},
                           Var{"fc2/weights", {256, 256}}, Var{"fc2/bias", {256}},
                           Var{"fc3/weights", {10, 256}}, Var{"fc3/bias", {10}}));
+}
+
+TEST(SpecTest, ResnetVariablesAndShapes) {
+  absl::StatusOr<ModelSpec> spec = ResolveModelSpec("resnet");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->name(), "resnet");
+  EXPECT_EQ(spec->input().channels(), 3);
+  EXPECT_EQ(spec->input().height(), 32);
+  EXPECT_EQ(spec->input().width(), 32);
+  EXPECT_EQ(spec->num_classes(), 10);
+
+  const std::vector<VariableShape> vars = ModelVariables(*spec);
+  // conv1 + bn1 (3), 8 blocks of conv1, bn1, conv2, bn2 (6 each), the
+  // projections of stages 2-4 (conv + bn: 3 each), fc (2).
+  ASSERT_EQ(vars.size(), 3u + 8 * 6 + 3 * 3 + 2);
+  std::map<std::string, std::vector<int64_t>> by_name;
+  int64_t total = 0;
+  for (const VariableShape& v : vars) {
+    EXPECT_TRUE(by_name.emplace(v.name, v.shape).second) << v.name << " twice";
+    total += NumElements(v.shape);
+    // Every convolution is followed by batch norm and has no bias.
+    EXPECT_FALSE(v.name.find("conv") != std::string::npos && v.name.find("/bias") != std::string::npos) << v.name;
+    EXPECT_FALSE(v.name.find("proj/") != std::string::npos && v.name.find("/bias") != std::string::npos) << v.name;
+  }
+  EXPECT_EQ(vars.front().name, "conv1/weights");
+  EXPECT_EQ(vars.back().name, "fc/bias");
+  using Shape = std::vector<int64_t>;
+  EXPECT_EQ(by_name["conv1/weights"], (Shape{64, 3, 3, 3}));
+  EXPECT_EQ(by_name["bn1/gamma"], (Shape{64}));
+  EXPECT_EQ(by_name["bn1/beta"], (Shape{64}));
+  EXPECT_EQ(by_name["s1b1_conv1/weights"], (Shape{64, 64, 3, 3}));
+  EXPECT_EQ(by_name["s1b2_conv2/weights"], (Shape{64, 64, 3, 3}));
+  EXPECT_EQ(by_name["s2b1_conv1/weights"], (Shape{128, 64, 3, 3}));
+  EXPECT_EQ(by_name["s2b1_conv2/weights"], (Shape{128, 128, 3, 3}));
+  EXPECT_EQ(by_name["s2b1_bn2/gamma"], (Shape{128}));
+  EXPECT_EQ(by_name["s2b1_proj/weights"], (Shape{128, 64, 1, 1}));
+  EXPECT_EQ(by_name["s2b1_proj_bn/gamma"], (Shape{128}));
+  EXPECT_EQ(by_name["s2b1_proj_bn/beta"], (Shape{128}));
+  EXPECT_EQ(by_name["s3b1_proj/weights"], (Shape{256, 128, 1, 1}));
+  EXPECT_EQ(by_name["s4b1_proj/weights"], (Shape{512, 256, 1, 1}));
+  EXPECT_EQ(by_name["s4b2_conv2/weights"], (Shape{512, 512, 3, 3}));
+  EXPECT_EQ(by_name["s4b2_bn2/beta"], (Shape{512}));
+  EXPECT_EQ(by_name["fc/weights"], (Shape{10, 512}));
+  EXPECT_EQ(by_name["fc/bias"], (Shape{10}));
+  // Stage 1 keeps 64 channels at stride 1: identity shortcuts, no projection.
+  EXPECT_EQ(by_name.count("s1b1_proj/weights"), 0u);
+  EXPECT_EQ(by_name.count("s2b2_proj/weights"), 0u);
+
+  // Counted by hand from the ResNet-18 CIFAR layout:
+  //   stem:    conv 3*3*3*64 = 1,728 + bn 128                             =     1,856
+  //   stage 1: 2 blocks * (2 * 3*3*64*64 + 2 bn * 128)                    =   147,968
+  //   stage 2: 3*3*64*128 + 3*3*128*128 + 512 + proj 64*128 + 256
+  //            + 2 * 3*3*128*128 + 512                                    =   525,568
+  //   stage 3: 3*3*128*256 + 3*3*256*256 + 1,024 + proj 128*256 + 512
+  //            + 2 * 3*3*256*256 + 1,024                                  = 2,099,712
+  //   stage 4: 3*3*256*512 + 3*3*512*512 + 2,048 + proj 256*512 + 1,024
+  //            + 2 * 3*3*512*512 + 2,048                                  = 8,393,728
+  //   fc:      512*10 + 10                                                =     5,130
+  // = 11,173,962 (the usual figure for ResNet-18 on CIFAR-10).
+  EXPECT_EQ(total, 11173962);
+
+  const std::vector<LayerVariables> layer_vars = LayerVariableIndices(*spec);
+  ASSERT_EQ(static_cast<int>(layer_vars.size()), spec->layer_size());
+  EXPECT_EQ(layer_vars[0].first, 0);
+  EXPECT_EQ(layer_vars[0].second, -1) << "conv1 has no bias";
+  EXPECT_EQ(layer_vars[1].first, 1);
+  EXPECT_EQ(layer_vars[1].second, 2);
+  EXPECT_EQ(layer_vars[2].first, -1) << "relu has no variables";
+
+  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
+  ASSERT_TRUE(shapes.ok()) << shapes.status();
+  ASSERT_EQ(static_cast<int>(shapes->size()), spec->layer_size());
+  // Stem, 8 blocks of 7 layers, 3 projections of 2 more, pool, fc.
+  EXPECT_EQ(spec->layer_size(), 3 + 8 * 7 + 3 * 2 + 2);
+  std::map<std::string, std::vector<int>> act;
+  for (int i = 0; i < spec->layer_size(); ++i) {
+    const ActivationShape& s = (*shapes)[i];
+    act[spec->layer(i).name()] = {s.channels, s.height, s.width};
+  }
+  EXPECT_EQ(act["relu1"], (std::vector<int>{64, 32, 32}));
+  EXPECT_EQ(act["s1b2_relu2"], (std::vector<int>{64, 32, 32}));
+  EXPECT_EQ(act["s2b1_conv1"], (std::vector<int>{128, 16, 16}));
+  EXPECT_EQ(act["s2b1_proj"], (std::vector<int>{128, 16, 16}));
+  EXPECT_EQ(act["s2b2_relu2"], (std::vector<int>{128, 16, 16}));
+  EXPECT_EQ(act["s3b2_relu2"], (std::vector<int>{256, 8, 8}));
+  EXPECT_EQ(act["s4b2_relu2"], (std::vector<int>{512, 4, 4}));
+  const ActivationShape& pool = (*shapes)[spec->layer_size() - 2];
+  EXPECT_EQ(spec->layer(spec->layer_size() - 2).name(), "pool");
+  EXPECT_EQ((std::vector<int>{pool.channels, pool.height, pool.width}), (std::vector<int>{512, 1, 1}));
+  const ActivationShape& logits = shapes->back();
+  EXPECT_EQ((std::vector<int>{logits.channels, logits.height, logits.width}), (std::vector<int>{10, 1, 1}));
+
+  // The shortcut wiring: a projection reads the block input; each add reads
+  // the main path and the shortcut.
+  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(*spec);
+  ASSERT_TRUE(wiring.ok()) << wiring.status();
+  std::map<std::string, int> index;
+  for (int i = 0; i < spec->layer_size(); ++i) index[spec->layer(i).name()] = i;
+  auto wire = [&](const std::string& name) { return (*wiring)[index.at(name)]; };
+  EXPECT_EQ(wire("conv1").input, -1) << "reads the model input";
+  EXPECT_EQ(wire("s1b1_add").input, index["s1b1_bn2"]);
+  EXPECT_EQ(wire("s1b1_add").other, index["relu1"]);
+  EXPECT_EQ(wire("s1b2_add").other, index["s1b1_relu2"]);
+  EXPECT_EQ(wire("s2b1_proj").input, index["s1b2_relu2"]);
+  EXPECT_EQ(wire("s2b1_add").input, index["s2b1_bn2"]);
+  EXPECT_EQ(wire("s2b1_add").other, index["s2b1_proj_bn"]);
+  EXPECT_EQ(wire("s2b1_conv1").input, index["s1b2_relu2"]);
+  EXPECT_EQ(wire("s2b1_relu2").input, index["s2b1_add"]);
+  EXPECT_EQ(wire("fc").other, -1);
+}
+
+// A residual block in text format: every new layer kind and `input`.
+constexpr char kResidualSpec[] = R"pb(
+  name: "tiny_residual"
+  input { channels: 2 height: 6 width: 6 }
+  num_classes: 3
+  layer { name: "c1" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn1" batch_norm {} }
+  layer { name: "r1" relu {} }
+  layer { name: "c2" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn2" batch_norm { epsilon: 1e-3 } }
+  layer { name: "sum" add { other: "r1" } }
+  layer { name: "r2" relu {} }
+  layer { name: "down" input: "r2" conv2d { filters: 5 kernel: 1 stride: 2 } }
+  layer { name: "gap" global_avg_pool {} }
+  layer { name: "out" dense { units: 3 } }
+)pb";
+
+TEST(SpecTest, ResidualSpecInTextFormatLoads) {
+  const std::string path = WriteTemp("residual_spec.pbtxt", kResidualSpec);
+  absl::StatusOr<ModelSpec> spec = ResolveModelSpec(path);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->name(), "tiny_residual");
+  ASSERT_EQ(spec->layer_size(), 10);
+  EXPECT_TRUE(spec->layer(0).conv2d().no_bias());
+  EXPECT_FLOAT_EQ(spec->layer(4).batch_norm().epsilon(), 1e-3f);
+  EXPECT_EQ(spec->layer(5).add().other(), "r1");
+  EXPECT_EQ(spec->layer(7).input(), "r2");
+  EXPECT_TRUE(spec->layer(8).has_global_avg_pool());
+  EXPECT_THAT(Flatten(ModelVariables(*spec)),
+              ElementsAre(Var{"c1/weights", {4, 2, 3, 3}}, Var{"bn1/gamma", {4}}, Var{"bn1/beta", {4}},
+                          Var{"c2/weights", {4, 4, 3, 3}}, Var{"bn2/gamma", {4}}, Var{"bn2/beta", {4}},
+                          Var{"down/weights", {5, 4, 1, 1}}, Var{"down/bias", {5}},
+                          Var{"out/weights", {3, 5}}, Var{"out/bias", {3}}));
+  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
+  ASSERT_TRUE(shapes.ok()) << shapes.status();
+  std::vector<std::vector<int>> got;
+  for (const ActivationShape& s : *shapes) got.push_back({s.channels, s.height, s.width});
+  EXPECT_EQ(got, (std::vector<std::vector<int>>{{4, 6, 6}, {4, 6, 6}, {4, 6, 6}, {4, 6, 6}, {4, 6, 6},
+                                                 {4, 6, 6}, {4, 6, 6}, {5, 3, 3}, {5, 1, 1}, {3, 1, 1}}));
+  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(*spec);
+  ASSERT_TRUE(wiring.ok()) << wiring.status();
+  std::vector<std::pair<int, int>> wires;
+  for (const LayerWiring& w : *wiring) wires.emplace_back(w.input, w.other);
+  EXPECT_EQ(wires, (std::vector<std::pair<int, int>>{
+                       {-1, -1}, {0, -1}, {1, -1}, {2, -1}, {3, -1}, {4, 2}, {5, -1}, {6, -1}, {7, -1}, {8, -1}}));
+  const std::vector<LayerVariables> lv = LayerVariableIndices(*spec);
+  ASSERT_EQ(lv.size(), 10u);
+  EXPECT_EQ(lv[0].first, 0);
+  EXPECT_EQ(lv[0].second, -1);
+  EXPECT_EQ(lv[4].first, 4);
+  EXPECT_EQ(lv[4].second, 5);
+  EXPECT_EQ(lv[5].first, -1) << "add has no variables";
+  EXPECT_EQ(lv[7].first, 6);
+  EXPECT_EQ(lv[7].second, 7);
+  EXPECT_EQ(lv[9].first, 8);
+  EXPECT_EQ(lv[9].second, 9);
+}
+
+// Wiring mistakes: INVALID_ARGUMENT naming the layer, from ValidateModelSpec,
+// ResolveWiring and ResolveModelSpec alike.
+TEST(SpecTest, WiringErrorsNameTheLayer) {
+  struct Case {
+    const char* what;
+    const char* layers;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"input names an unknown layer",
+       "layer { name: \"a\" relu {} } layer { name: \"b\" input: \"nope\" dense { units: 3 } }",
+       "layer 'b': input 'nope' is not an earlier layer"},
+      {"input names a later layer",
+       "layer { name: \"a\" input: \"b\" relu {} } layer { name: \"b\" dense { units: 3 } }",
+       "layer 'a': input 'b' is not an earlier layer"},
+      {"input names the layer itself",
+       "layer { name: \"a\" input: \"a\" relu {} } layer { name: \"b\" dense { units: 3 } }",
+       "layer 'a': input 'a' is not an earlier layer"},
+      {"add.other unknown",
+       "layer { name: \"a\" relu {} } layer { name: \"s\" add { other: \"ghost\" } } "
+       "layer { name: \"d\" dense { units: 3 } }",
+       "layer 's': add.other 'ghost' is not an earlier layer"},
+      {"add.other a later layer",
+       "layer { name: \"a\" relu {} } layer { name: \"s\" add { other: \"d\" } } "
+       "layer { name: \"d\" dense { units: 3 } }",
+       "layer 's': add.other 'd' is not an earlier layer"},
+      {"add shapes differ",
+       "layer { name: \"c\" conv2d { filters: 2 kernel: 3 padding: 1 } } layer { name: \"r\" relu {} } "
+       "layer { name: \"p\" max_pool { size: 2 } } layer { name: \"s\" add { other: \"r\" } } "
+       "layer { name: \"d\" dense { units: 3 } }",
+       "layer 's': adds 2x8x8 from 'r' to its 2x4x4 input"},
+      {"add channels differ",
+       "layer { name: \"c\" conv2d { filters: 2 kernel: 3 padding: 1 } } "
+       "layer { name: \"s\" add { other: \"c\" } input: \"c\" } "
+       "layer { name: \"c3\" input: \"s\" conv2d { filters: 3 kernel: 1 } } "
+       "layer { name: \"s2\" add { other: \"s\" } } layer { name: \"d\" dense { units: 3 } }",
+       "layer 's2': adds 2x8x8 from 's' to its 3x8x8 input"},
+      {"an output never read",
+       "layer { name: \"c\" conv2d { filters: 2 kernel: 3 } } layer { name: \"dead\" relu {} } "
+       "layer { name: \"d\" input: \"c\" dense { units: 3 } }",
+       "layer 'dead': its output is never read"},
+      {"duplicate names",
+       "layer { name: \"x\" relu {} } layer { name: \"y\" relu {} } layer { name: \"x\" dense { units: 3 } }",
+       "layer 'x': name used twice"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const ModelSpec spec = Parse(absl::StrCat("input { channels: 1 height: 8 width: 8 } num_classes: 3 ", c.layers));
+    absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
+    EXPECT_EQ(shapes.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(shapes.status().message()), HasSubstr(c.message));
+    const std::string path = WriteTemp("wiring_error.pbtxt", absl::StrCat(
+        "input { channels: 1 height: 8 width: 8 } num_classes: 3 ", c.layers));
+    absl::StatusOr<ModelSpec> resolved = ResolveModelSpec(path);
+    EXPECT_EQ(resolved.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(resolved.status().message()), HasSubstr(c.message));
+    EXPECT_TRUE(ModelVariables(spec).empty());
+  }
+  // Shape mismatches are found by ValidateModelSpec; the wiring itself
+  // resolves.
+  const ModelSpec unknown = Parse(
+      "input { channels: 1 height: 8 width: 8 } num_classes: 3 "
+      "layer { name: \"a\" relu {} } layer { name: \"b\" input: \"nope\" dense { units: 3 } }");
+  EXPECT_EQ(ResolveWiring(unknown).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 constexpr char kUserSpec[] = R"pb(
@@ -114,7 +348,10 @@ TEST(SpecTest, MissingFileIsAnError) {
   absl::StatusOr<ModelSpec> spec = ResolveModelSpec(absl::StrCat(::testing::TempDir(), "/no_such_spec"));
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(spec.status().message()), HasSubstr("no_such_spec"));
-  EXPECT_FALSE(ResolveModelSpec("resnet").ok());
+  // The message lists every built-in model.
+  EXPECT_THAT(std::string(spec.status().message()), HasSubstr("cnn, mlp, resnet"));
+  EXPECT_FALSE(ResolveModelSpec("resnet50").ok());
+  EXPECT_FALSE(ResolveModelSpec("").ok());
 }
 
 TEST(SpecTest, InvalidSpecInFileIsRejected) {
@@ -221,11 +458,26 @@ TEST(InitialValuesTest, UniformWithinFanInBound) {
     const std::vector<VariableShape> vars = ModelVariables(*spec);
     const auto values = InitialValues(*spec, 42);
     ASSERT_EQ(values.size(), vars.size());
+    int fan_in_vars = 0, norm_vars = 0;
     for (size_t i = 0; i < vars.size(); ++i) {
       SCOPED_TRACE(absl::StrCat(name, " ", vars[i].name));
       ASSERT_EQ(static_cast<int64_t>(values[i].size()), NumElements(vars[i].shape));
-      // The fan-in of a layer's units is its weights' size per output unit.
-      const std::vector<int64_t>& w = vars[i - i % 2].shape;
+      const std::string& var = vars[i].name;
+      const std::string layer = var.substr(0, var.find('/'));
+      const std::string kind = var.substr(var.find('/') + 1);
+      if (kind == "gamma" || kind == "beta") {
+        // Batch norm starts as the identity: gamma 1, beta 0.
+        const float want = kind == "gamma" ? 1.0f : 0.0f;
+        for (float x : values[i]) ASSERT_EQ(x, want);
+        ++norm_vars;
+        continue;
+      }
+      ASSERT_TRUE(kind == "weights" || kind == "bias") << var;
+      // The fan-in of a layer's units is its weights' size per output unit;
+      // a bias follows its layer's weights.
+      const size_t w_index = kind == "weights" ? i : i - 1;
+      ASSERT_EQ(vars[w_index].name, layer + "/weights");
+      const std::vector<int64_t>& w = vars[w_index].shape;
       const double bound = 1.0 / std::sqrt(static_cast<double>(NumElements(w) / w[0]));
       double sum = 0, max_abs = 0;
       for (float x : values[i]) {
@@ -233,6 +485,7 @@ TEST(InitialValuesTest, UniformWithinFanInBound) {
         sum += x;
         max_abs = std::max(max_abs, static_cast<double>(std::abs(x)));
       }
+      ++fan_in_vars;
       const double n = static_cast<double>(values[i].size());
       if (n >= 400) {
         // Uniform on (-b, b): mean 0 with standard error b / sqrt(3n), and
@@ -242,6 +495,13 @@ TEST(InitialValuesTest, UniformWithinFanInBound) {
       } else {
         EXPECT_GT(max_abs, 0.0);
       }
+    }
+    EXPECT_GT(fan_in_vars, 0);
+    if (name == "resnet") {
+      // conv1, bn1, then 8 blocks of 2 batch norms and 3 projection batch norms.
+      EXPECT_EQ(norm_vars, 2 * (1 + 8 * 2 + 3));
+    } else {
+      EXPECT_EQ(norm_vars, 0);
     }
   }
 }
