@@ -329,7 +329,7 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
 const std::map<std::string, std::vector<std::string>>& OwnFlags() {
   static const auto* flags = new std::map<std::string, std::vector<std::string>>{
       {"psflow-chief",
-       {"model", "data_dir", "batch_size", "epochs", "train_steps", "optimizer", "learning_rate", "momentum", "seed",
+       {"model", "data_dir", "dataset", "synthetic_examples", "batch_size", "epochs", "train_steps", "optimizer", "learning_rate", "momentum", "seed",
         "model_dir", "saved_model_dir", "log_every_steps", "compute_threads", "startup_timeout", "job_name",
         "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts"}},
       {"psflow-ps",
@@ -337,8 +337,8 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
         "evaluator_hosts"}},
-      {"psflow-launch", {"ps", "workers", "host", "bin_dir", "grace_seconds"}},
-      {"psflow-eval", {"saved_model", "data_dir", "batch_size", "device"}},
+      {"psflow-launch", {"ps", "workers", "host", "bin_dir", "grace_seconds", "worker_devices"}},
+      {"psflow-eval", {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device"}},
   };
   return *flags;
 }

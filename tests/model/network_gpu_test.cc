@@ -7,6 +7,9 @@
 // device, INVALID_ARGUMENT).
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,10 +34,19 @@ using Weights = std::vector<std::vector<float>>;
 constexpr char kGpuDevice[] = "cuda:0";
 constexpr char kFashionMnistDir[] = "/usr/share/datasets/fashion-mnist";
 
-// Loss: relative; gradients: relative L2 error per tensor (cuDNN may run
-// convolutions in TF32, ~1e-3 relative per product).
+// Loss: relative; gradients: relative L2 error per tensor.
 constexpr double kLossTolerance = 1e-3;
 constexpr double kGradientTolerance = 2e-2;
+
+// The parity checks run in strict fp32. With TF32, which cuDNN may pick for
+// the resnet's convolutions (inputs rounded to 10 mantissa bits), the
+// batch-norm backward passes (differences of nearly equal sums) amplify the
+// rounding: at batch 8 the first stage's gradients differed by 6-9% relative
+// between the CPU and the GPU, and between two GPU networks whose cuDNN Find
+// picked different algorithms, while the loss agreed to 1e-3. cuDNN and
+// cuBLAS read NVIDIA_TF32_OVERRIDE when their handles are created, so it is
+// set before main().
+const bool kStrictFp32 = [] { return setenv("NVIDIA_TF32_OVERRIDE", "0", 1) == 0; }();
 
 absl::Status SetNetWeights(Network& net, const Weights& w) {
   std::vector<const float*> ptrs;
@@ -146,15 +158,20 @@ class NetworkGpuTest : public ::testing::Test {
     EXPECT_NEAR(got->loss, want->loss, kLossTolerance * want->loss);
     EXPECT_EQ(got->correct, want->correct);
 
+    ASSERT_TRUE(kStrictFp32);
     const Weights cpu_grads = NetGradients(*cpu);
     const Weights gpu_grads = NetGradients(*gpu);
+    double worst = 0;
     ASSERT_EQ(cpu_grads.size(), gpu_grads.size());
     for (size_t v = 0; v < cpu_grads.size(); ++v) {
       const std::string& name = cpu->variables()[v].name;
       EXPECT_GT(L2(cpu_grads[v]), 0.0) << name << " has no gradient";
-      EXPECT_LT(RelativeL2(gpu_grads[v], cpu_grads[v]), kGradientTolerance) << name;
+      const double err = RelativeL2(gpu_grads[v], cpu_grads[v]);
+      worst = std::max(worst, err);
+      EXPECT_LT(err, kGradientTolerance) << name;
     }
 
+    std::printf("%s: worst gradient relative L2 error GPU vs CPU %.2e\n", spec.name().c_str(), worst);
     // Forward only, on other examples.
     const data::Dataset other = SyntheticBatch(spec, batch, data::Split::kTest);
     absl::StatusOr<Network::Result> want_eval = cpu->Evaluate(other.images.data(), other.labels.data(), batch);

@@ -1,0 +1,60 @@
+// A whole cluster with GPU workers: psflow-launch runs the main job's recipe
+// (cnn on Fashion-MNIST, 2 ps, 2 workers, 5 epochs, Adam) with both workers on
+// cuda:0, and psflow-eval, also on the GPU, checks the accuracy of the saved
+// model. Skips where "cuda:0" cannot be created (no GPU, or a build without
+// the CUDA backend) or the data is missing. PSFLOW_BIN_DIR in the environment
+// overrides where the binaries are (for test binaries carried to a GPU
+// machine).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/kernels.h"
+#include "tests/integration/process.h"
+
+namespace psflow::itest {
+namespace {
+
+constexpr char kData[] = "/usr/share/datasets/fashion-mnist";
+
+std::string Bin(const std::string& name) {
+  const char* dir = std::getenv("PSFLOW_BIN_DIR");
+  return std::string(dir != nullptr && dir[0] != '\0' ? dir : PSFLOW_BIN_DIR) + "/" + name;
+}
+
+TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
+  gpu->reset();  // the test process does not compute; the workers do
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
+  }
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
+                           ("psflow_gpu_cluster_" + std::to_string(::getpid())))
+                              .string();
+  std::filesystem::remove_all(dir);
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--worker_devices=cuda:0", "--", "--model=cnn", "--epochs=5",
+                  "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500",
+                  "--data_dir=" + std::string(kData), "--model_dir=" + dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
+  EXPECT_THAT(launch.output(), ::testing::HasSubstr("workers 2/2 ps 2/2")) << launch.Describe();
+
+  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
+                                                   "--data_dir=" + std::string(kData)},
+                              {}, seconds(120));
+  ASSERT_EQ(eval.exit_code, 0) << eval.description;
+  std::smatch acc;
+  ASSERT_TRUE(std::regex_search(eval.out, acc, std::regex(R"((^|\n)accuracy: ([0-9.]+)\n)"))) << eval.description;
+  // The same recipe on CPU workers reaches 0.90; on an H100 it reached 0.905.
+  EXPECT_GE(std::stod(acc[2].str()), 0.89) << eval.description;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace psflow::itest
