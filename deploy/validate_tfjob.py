@@ -5,7 +5,8 @@ Each TFJob document is checked against the openAPIV3Schema of the Kubeflow
 TFJob CustomResourceDefinition, with unknown fields refused (as a structural
 schema would prune them), and against what psflow needs of it: the container
 named "tensorflow" (the only one the operator gives TF_CONFIG), the ExitCode
-restart policy, one chief, and storage mounted on the chief alone.
+restart policy, one chief, storage mounted on the chief alone, and GPUs
+(nvidia.com/gpu) requested by workers alone, which then run --device=cuda:N.
 
 usage: validate_tfjob.py CRD.yaml MANIFEST.yaml...
 Exit code 0 when every manifest passes, 1 otherwise (each problem on a line).
@@ -64,6 +65,14 @@ def psflow_problems(job):
             problems.append(f"{role}: no container named 'tensorflow' (the operator writes TF_CONFIG only there)")
         if role != "Chief" and pod.get("volumes"):
             problems.append(f"{role}: only the chief needs storage")
+        for c in pod.get("containers", []):
+            res = c.get("resources", {})
+            gpus = any("nvidia.com/gpu" in (res.get(k) or {}) for k in ("limits", "requests"))
+            if gpus and role != "Worker":
+                problems.append(f"{role}: only workers compute on GPUs (nvidia.com/gpu)")
+            args = c.get("args", []) or []
+            if gpus and not any(str(a).startswith("--device=cuda") for a in args):
+                problems.append(f"{role}: a GPU is requested but the worker has no --device=cuda:N")
     return problems
 
 

@@ -68,6 +68,15 @@ class ValidateTfjobTest(unittest.TestCase):
             pod = j["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]
             pod["volumes"] = copy.deepcopy(j["spec"]["tfReplicaSpecs"]["Chief"]["template"]["spec"]["volumes"])
         self.assertTrue(any("only the chief" in p for p in self.problems_of(worker_volume)))
+        def ps_gpu(j):
+            c = j["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]
+            c.setdefault("resources", {})["limits"] = {"nvidia.com/gpu": 1}
+        self.assertTrue(any("only workers" in p for p in self.problems_of(ps_gpu)))
+        def gpu_without_device(j):
+            c = j["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+            c.setdefault("resources", {})["limits"] = {"nvidia.com/gpu": 1}
+            c["args"] = []
+        self.assertTrue(any("--device=cuda" in p for p in self.problems_of(gpu_without_device)))
 
 
 if __name__ == "__main__":
