@@ -103,7 +103,9 @@ int main(int argc, char** argv) {
   psflow::chief::Chief chief(o);
   std::promise<int> result;
   std::future<int> done = result.get_future();
+  absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
+    if (!terminated.HasBeenNotified()) terminated.Notify();
     PSLOG(INFO) << "signal " << sig << ": stopping";
     chief.Stop(sig);
     // It writes a checkpoint first; give that time, not forever.
@@ -111,5 +113,5 @@ int main(int argc, char** argv) {
   });
   int code = chief.Run();
   result.set_value(code);
-  return code;
+  return psflow::FinishOrIdle(code, terminated);
 }

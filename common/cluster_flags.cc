@@ -5,6 +5,7 @@
 
 #include "absl/flags/flag.h"
 #include "common/command_line.h"
+#include "common/log.h"
 
 ABSL_FLAG(std::string, job_name, "",
           "This process's role: chief (or master), ps, worker or evaluator. Overrides TF_CONFIG "
@@ -17,6 +18,9 @@ ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated host:port of every paramet
 ABSL_FLAG(std::string, worker_hosts, "", "Comma-separated host:port of every worker, in task order.");
 ABSL_FLAG(std::string, evaluator_hosts, "",
           "Comma-separated host:port of evaluators (listed only; not training members).");
+ABSL_FLAG(bool, exit_when_done, true,
+          "When the job is over, exit 0. false: stay up idle until SIGTERM, then exit 0 (for "
+          "controllers that restart containers even after success, such as StatefulSets).");
 
 namespace psflow {
 namespace {
@@ -52,6 +56,15 @@ ClusterFlags GetClusterFlags() {
   f.worker_hosts = NonEmpty(absl::GetFlag(FLAGS_worker_hosts));
   f.evaluator_hosts = NonEmpty(absl::GetFlag(FLAGS_evaluator_hosts));
   return f;
+}
+
+bool ExitWhenDone() { return absl::GetFlag(FLAGS_exit_when_done); }
+
+int FinishOrIdle(int code, absl::Notification& terminated) {
+  if (code != 0 || ExitWhenDone()) return code;
+  PSLOG(INFO) << "the job is over; idling until terminated (--exit_when_done=false)";
+  terminated.WaitForNotification();
+  return 0;
 }
 
 ClusterConfig ResolveClusterOrExit(Role role) {

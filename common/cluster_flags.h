@@ -1,5 +1,6 @@
 // The command-line flags every role binary shares (--job_name, --task_id,
-// --task_index, --chief_hosts, --ps_hosts, --worker_hosts, --evaluator_hosts),
+// --task_index, --chief_hosts, --ps_hosts, --worker_hosts, --evaluator_hosts,
+// --exit_when_done),
 // and the start-up every main.cc runs: parse flags with --help covering the
 // shared flags, then resolve the cluster configuration or exit 1 with one line.
 #ifndef PSFLOW_COMMON_CLUSTER_FLAGS_H_
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "common/cluster_config.h"
 
 namespace psflow {
@@ -18,6 +20,13 @@ void ParseFlagsOrExit(int argc, char** argv, const std::string& usage);
 
 // The cluster flags as given (unset ones are nullopt).
 ClusterFlags GetClusterFlags();
+
+// --exit_when_done: whether a role exits once the job is over.
+bool ExitWhenDone();
+// A role's main returns FinishOrIdle(code, terminated): `code`, except that
+// after success with --exit_when_done=false it first waits until
+// `terminated` (notified by the termination-signal handler) and returns 0.
+int FinishOrIdle(int code, absl::Notification& terminated);
 
 // Resolves this process's cluster configuration for `role` from the flags and
 // the environment; on error prints "<binary>: <problem>" and exits 1.

@@ -39,7 +39,9 @@ int main(int argc, char** argv) {
   std::atomic<int> exit_code{0};
   auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
   psflow::ps::PsService service(config.task_index, &shard, request_stop);
+  absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
+    if (!terminated.HasBeenNotified()) terminated.Notify();
     PSLOG(INFO) << "signal " << sig << ": finishing in-flight calls and exiting";
     exit_code = psflow::ExitCodeForSignal(sig);
     request_stop();
@@ -57,5 +59,5 @@ int main(int argc, char** argv) {
   psflow::ps::Shard::Stats stats = shard.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
               << ", duplicates " << stats.duplicate << ")";
-  return exit_code;
+  return psflow::FinishOrIdle(exit_code, terminated);
 }

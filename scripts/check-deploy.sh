@@ -90,4 +90,10 @@ fi
 
 # 4. Manifests.
 /usr/bin/python3 deploy/validate_tfjob.py ../shared/schemas/kubeflow.org_tfjobs.yaml deploy/tfjob/*.yaml
+/usr/bin/python3 tests/deploy/kustomize_test.py
+if command -v kubectl > /dev/null; then
+  kubectl kustomize deploy/kubernetes > /dev/null && echo "ok: deploy/kubernetes renders"
+else
+  echo "kubectl is not installed: the kustomize base was checked but not rendered"
+fi
 echo "check-deploy: all checks passed"

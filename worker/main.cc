@@ -46,7 +46,9 @@ int main(int argc, char** argv) {
   psflow::worker::Worker worker(options);
   std::promise<int> result;
   std::future<int> done = result.get_future();
+  absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
+    if (!terminated.HasBeenNotified()) terminated.Notify();
     PSLOG(INFO) << "signal " << sig << ": stopping after the call in flight";
     worker.Stop(sig);
     // Calls in flight are cancelled; do not wait for more than a few seconds.
@@ -54,5 +56,5 @@ int main(int argc, char** argv) {
   });
   int code = worker.Run();
   result.set_value(code);
-  return code;
+  return psflow::FinishOrIdle(code, terminated);
 }

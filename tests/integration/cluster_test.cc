@@ -220,6 +220,37 @@ TEST_F(ClusterTest, SeparateProcessesWithFlags) {
                      model_dir);
 }
 
+// --exit_when_done=false (the StatefulSet manifests): every role stays up once
+// the job is over, and exits 0 on SIGTERM.
+TEST_F(ClusterTest, RolesIdleAfterTheJobUntilTerminated) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  const std::string config = "{\"chief\": [\"" + ports.chief() + "\"], \"ps\": [\"" + ports.ps(0) +
+                             "\"], \"worker\": [\"" + ports.worker(0) + "\"]}";
+  auto env = [&](const std::string& pod) {
+    return std::map<std::string, std::string>{{"CLUSTER_CONFIG", config}, {"POD_NAME", "psflow-" + pod}};
+  };
+  const std::string model_dir = dir_ + "/model";
+  std::vector<std::string> chief_args = ChiefJobArgs(model_dir);
+  chief_args.push_back("--exit_when_done=false");
+  std::vector<std::unique_ptr<Process>> procs;
+  procs.push_back(std::make_unique<Process>(Bin("psflow-ps"), std::vector<std::string>{"--exit_when_done=false"},
+                                            env("ps-0")));
+  procs.push_back(std::make_unique<Process>(Bin("psflow-worker"),
+                                            std::vector<std::string>{"--exit_when_done=false"}, env("worker-0")));
+  procs.push_back(std::make_unique<Process>(Bin("psflow-chief"), chief_args, env("chief-0")));
+  for (auto& p : procs) {
+    ASSERT_TRUE(p->WaitForOutput("idling until terminated", seconds(120))) << p->Describe();
+  }
+  EXPECT_TRUE(std::filesystem::exists(model_dir + "/saved_model"));
+  std::this_thread::sleep_for(milliseconds(500));
+  for (auto& p : procs) {
+    EXPECT_TRUE(p->running()) << "left before it was terminated\n" << p->Describe();
+    p->Signal(SIGTERM);
+  }
+  for (auto& p : procs) EXPECT_EQ(p->WaitOrKill(seconds(20)), 0) << p->Describe();
+}
+
 TEST_F(ClusterTest, SeparateProcessesWithTfConfig) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
@@ -331,12 +362,13 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-chief",
        {"model", "data_dir", "dataset", "synthetic_examples", "batch_size", "epochs", "train_steps", "optimizer", "learning_rate", "momentum", "seed",
         "model_dir", "saved_model_dir", "log_every_steps", "compute_threads", "startup_timeout", "job_name",
-        "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts"}},
+        "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts", "exit_when_done"}},
       {"psflow-ps",
-       {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts"}},
+       {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts",
+        "exit_when_done"}},
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
-        "evaluator_hosts"}},
+        "evaluator_hosts", "exit_when_done"}},
       {"psflow-launch", {"ps", "workers", "host", "bin_dir", "grace_seconds", "worker_devices"}},
       {"psflow-eval", {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device"}},
   };

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Checks the plain-Kubernetes kustomize base (deploy/kubernetes): the
+StatefulSets, headless Services and CLUSTER_CONFIG agree with each other and
+with what psflow reads (POD_NAME <prefix>-<role>-<index>, addresses
+<pod>.<service>:port), only the chief has storage, every role stays up after
+the job (--exit_when_done=false); and, where kubectl is installed, that
+`kubectl kustomize` renders it."""
+import json
+import os
+import shutil
+import subprocess
+import unittest
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = os.path.join(ROOT, "deploy", "kubernetes")
+
+
+def load_base():
+    with open(os.path.join(BASE, "kustomization.yaml")) as f:
+        kustomization = yaml.safe_load(f)
+    objects = []
+    for name in kustomization["resources"]:
+        with open(os.path.join(BASE, name)) as f:
+            objects += [d for d in yaml.safe_load_all(f) if d]
+    (generator,) = kustomization["configMapGenerator"]
+    (config_file,) = generator["files"]
+    with open(os.path.join(BASE, config_file)) as f:
+        cluster = json.load(f)
+    return kustomization, objects, generator["name"], config_file, cluster
+
+
+class KustomizeBaseTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.kustomization, objects, cls.config_map, cls.config_key, cls.cluster = load_base()
+        cls.services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+        cls.sets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "StatefulSet"}
+
+    def test_one_statefulset_and_headless_service_per_role(self):
+        self.assertEqual(sorted(self.cluster), ["chief", "ps", "worker"])
+        for role, addresses in self.cluster.items():
+            name = f"psflow-{role}"
+            sts = self.sets[name]
+            self.assertEqual(sts["spec"]["replicas"], len(addresses), role)
+            service = self.services[sts["spec"]["serviceName"]]
+            self.assertEqual(service["spec"]["clusterIP"], "None", role)
+            self.assertTrue(service["spec"].get("publishNotReadyAddresses"), role)
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            for key, value in service["spec"]["selector"].items():
+                self.assertEqual(labels.get(key), value, role)
+            self.assertEqual(sts["spec"]["selector"]["matchLabels"].items() <= labels.items(), True)
+            port = service["spec"]["ports"][0]["port"]
+            # Pod i of StatefulSet s behind headless Service v is <s>-<i>.<v>.
+            want = [f"{name}-{i}.{service['metadata']['name']}:{port}" for i in range(len(addresses))]
+            self.assertEqual(addresses, want, role)
+
+    def test_pods_read_their_role_and_the_cluster_from_the_environment(self):
+        for role in self.cluster:
+            (container,) = self.sets[f"psflow-{role}"]["spec"]["template"]["spec"]["containers"]
+            self.assertEqual(container["command"], [f"psflow-{role}"])
+            self.assertIn("--exit_when_done=false", container["args"])
+            self.assertFalse(any(a.startswith(("--job_name", "--task_id")) for a in container["args"]))
+            env = {e["name"]: e["valueFrom"] for e in container["env"]}
+            self.assertEqual(env["POD_NAME"], {"fieldRef": {"fieldPath": "metadata.name"}})
+            self.assertEqual(env["CLUSTER_CONFIG"]["configMapKeyRef"],
+                             {"name": self.config_map, "key": self.config_key})
+            self.assertEqual(container["ports"][0]["containerPort"], 2222)
+
+    def test_storage_on_the_chief_only(self):
+        for role in self.cluster:
+            spec = self.sets[f"psflow-{role}"]["spec"]
+            claims = spec.get("volumeClaimTemplates", [])
+            if role == "chief":
+                self.assertEqual(claims[0]["spec"]["accessModes"], ["ReadWriteOnce"])
+                (container,) = spec["template"]["spec"]["containers"]
+                self.assertIn("--model_dir=/data/run", container["args"])
+                self.assertEqual(container["volumeMounts"][0]["mountPath"], "/data")
+            else:
+                self.assertEqual(claims, [], role)
+                self.assertNotIn("volumes", spec["template"]["spec"], role)
+
+    @unittest.skipUnless(shutil.which("kubectl"), "kubectl is not installed")
+    def test_kubectl_kustomize_renders(self):
+        out = subprocess.run(["kubectl", "kustomize", BASE], check=True, capture_output=True, text=True).stdout
+        rendered = [d for d in yaml.safe_load_all(out) if d]
+        kinds = sorted(d["kind"] for d in rendered)
+        self.assertEqual(kinds, ["ConfigMap", "Service", "Service", "Service", "StatefulSet", "StatefulSet",
+                                 "StatefulSet"])
+        (config_map,) = [d for d in rendered if d["kind"] == "ConfigMap"]
+        self.assertEqual(json.loads(config_map["data"][self.config_key]), self.cluster)
+        for d in rendered:
+            if d["kind"] == "StatefulSet":
+                (container,) = d["spec"]["template"]["spec"]["containers"]
+                ref = [e for e in container["env"] if e["name"] == "CLUSTER_CONFIG"][0]
+                # kustomize renames the generated ConfigMap and every reference to it.
+                self.assertEqual(ref["valueFrom"]["configMapKeyRef"]["name"], config_map["metadata"]["name"])
+
+
+if __name__ == "__main__":
+    unittest.main()
