@@ -24,12 +24,12 @@
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
+#include "tests/model/network_testing.h"
 #include "model/spec.h"
 
 namespace psflow::model {
 namespace {
 
-using Weights = std::vector<std::vector<float>>;
 
 constexpr char kGpuDevice[] = "cuda:0";
 constexpr char kFashionMnistDir[] = "/usr/share/datasets/fashion-mnist";
@@ -48,35 +48,6 @@ constexpr double kGradientTolerance = 2e-2;
 // set before main().
 const bool kStrictFp32 = [] { return setenv("NVIDIA_TF32_OVERRIDE", "0", 1) == 0; }();
 
-absl::Status SetNetWeights(Network& net, const Weights& w) {
-  std::vector<const float*> ptrs;
-  for (const auto& v : w) ptrs.push_back(v.data());
-  return net.SetWeights(ptrs);
-}
-
-Weights Zeros(const Network& net) {
-  Weights out;
-  for (const VariableShape& v : net.variables()) out.emplace_back(NumElements(v.shape), 0.0f);
-  return out;
-}
-
-Weights NetGradients(Network& net) {
-  Weights g = Zeros(net);
-  std::vector<float*> ptrs;
-  for (auto& v : g) ptrs.push_back(v.data());
-  absl::Status s = net.GetGradients(ptrs);
-  EXPECT_TRUE(s.ok()) << s;
-  return g;
-}
-
-Weights NetWeights(Network& net) {
-  Weights w = Zeros(net);
-  std::vector<float*> ptrs;
-  for (auto& v : w) ptrs.push_back(v.data());
-  absl::Status s = net.GetWeights(ptrs);
-  EXPECT_TRUE(s.ok()) << s;
-  return w;
-}
 
 // ||got - want|| / ||want||; NaN anywhere in got makes it NaN, which fails
 // every comparison.

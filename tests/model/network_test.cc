@@ -1,4 +1,5 @@
 #include "model/network.h"
+#include "tests/model/network_testing.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,7 +25,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-using Weights = std::vector<std::vector<float>>;
 using WeightsD = std::vector<std::vector<double>>;
 
 // input 1x8x8 -> conv 3@3x3 (3x6x6) -> relu -> max-pool 2 (3x3x3) -> dense 4.
@@ -99,35 +99,6 @@ void RandomBatch(const ModelSpec& spec, int batch, uint32_t seed, std::vector<fl
   for (int32_t& y : *labels) y = static_cast<int32_t>(rng() % static_cast<uint32_t>(spec.num_classes()));
 }
 
-absl::Status SetNetWeights(Network& net, const Weights& w) {
-  std::vector<const float*> ptrs;
-  for (const auto& v : w) ptrs.push_back(v.data());
-  return net.SetWeights(ptrs);
-}
-
-Weights Zeros(const Network& net) {
-  Weights out;
-  for (const VariableShape& v : net.variables()) out.emplace_back(NumElements(v.shape), 0.0f);
-  return out;
-}
-
-Weights NetGradients(Network& net) {
-  Weights g = Zeros(net);
-  std::vector<float*> ptrs;
-  for (auto& v : g) ptrs.push_back(v.data());
-  absl::Status s = net.GetGradients(ptrs);
-  EXPECT_TRUE(s.ok()) << s;
-  return g;
-}
-
-Weights NetWeights(Network& net) {
-  Weights w = Zeros(net);
-  std::vector<float*> ptrs;
-  for (auto& v : w) ptrs.push_back(v.data());
-  absl::Status s = net.GetWeights(ptrs);
-  EXPECT_TRUE(s.ok()) << s;
-  return w;
-}
 
 WeightsD ToDouble(const Weights& w) {
   WeightsD out;
