@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include <omp.h>
 
+#include "kernels/shapes.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace psflow::kernels {
@@ -124,27 +125,6 @@ absl::StatusOr<std::unique_ptr<Op>> Build(absl::string_view what, Make&& make) {
 
 // ---------------------------------------------------------------- Conv2D
 
-std::string Describe(const Conv2DShape& s) {
-  return absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)", s.batch,
-                         s.in_channels, s.height, s.width, s.out_channels, s.kernel_h, s.kernel_w,
-                         s.stride, s.padding);
-}
-
-absl::Status Validate(const Conv2DShape& s) {
-  if (s.batch <= 0 || s.in_channels <= 0 || s.height <= 0 || s.width <= 0 || s.out_channels <= 0 ||
-      s.kernel_h <= 0 || s.kernel_w <= 0) {
-    return absl::InvalidArgumentError(Describe(s) + ": all dimensions must be positive");
-  }
-  if (s.stride <= 0) return absl::InvalidArgumentError(Describe(s) + ": stride must be positive");
-  if (s.padding < 0) return absl::InvalidArgumentError(Describe(s) + ": padding is negative");
-  // int64 so that a huge padding cannot overflow the check.
-  if (s.kernel_h > int64_t{s.height} + 2 * int64_t{s.padding} ||
-      s.kernel_w > int64_t{s.width} + 2 * int64_t{s.padding}) {
-    return absl::InvalidArgumentError(Describe(s) + ": kernel is larger than the padded input");
-  }
-  return absl::OkStatus();
-}
-
 class DnnlConv2D final : public Conv2D {
  public:
   DnnlConv2D(std::shared_ptr<DnnlContext> ctx, const Conv2DShape& s) : ctx_(std::move(ctx)) {
@@ -241,22 +221,6 @@ class DnnlConv2D final : public Conv2D {
 };
 
 // ---------------------------------------------------------------- MaxPool2D
-
-std::string Describe(const Pool2DShape& s) {
-  return absl::StrFormat("MaxPool2D(N=%d C=%d H=%d W=%d window=%d stride=%d)", s.batch, s.channels,
-                         s.height, s.width, s.window, s.stride);
-}
-
-absl::Status Validate(const Pool2DShape& s) {
-  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0 || s.window <= 0 ||
-      s.stride <= 0) {
-    return absl::InvalidArgumentError(Describe(s) + ": all dimensions must be positive");
-  }
-  if (s.window > s.height || s.window > s.width) {
-    return absl::InvalidArgumentError(Describe(s) + ": window is larger than the input");
-  }
-  return absl::OkStatus();
-}
 
 class DnnlMaxPool2D final : public MaxPool2D {
  public:
@@ -518,21 +482,6 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
 
 // ---------------------------------------------------------------- BatchNorm
 
-std::string Describe(const BatchNormShape& s) {
-  return absl::StrFormat("BatchNorm(N=%d C=%d H=%d W=%d epsilon=%g)", s.batch, s.channels, s.height,
-                         s.width, s.epsilon);
-}
-
-absl::Status Validate(const BatchNormShape& s) {
-  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0) {
-    return absl::InvalidArgumentError(Describe(s) + ": all dimensions must be positive");
-  }
-  if (!(s.epsilon >= 0) || !std::isfinite(s.epsilon)) {  // NaN fails the first test
-    return absl::InvalidArgumentError(Describe(s) + ": epsilon must be finite and not negative");
-  }
-  return absl::OkStatus();
-}
-
 class DnnlBatchNorm final : public BatchNorm {
  public:
   DnnlBatchNorm(std::shared_ptr<DnnlContext> ctx, const BatchNormShape& s) : ctx_(std::move(ctx)) {
@@ -781,12 +730,12 @@ absl::Status CpuBackend::Copy(const float* src, float* dst, int64_t n) {
 }
 
 absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DShape& shape) {
-  if (auto s = Validate(shape); !s.ok()) return s;
+  if (auto s = ValidateShape(shape); !s.ok()) return s;
   return Build<Conv2D>(Describe(shape), [&] { return std::make_unique<DnnlConv2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CpuBackend::CreateMaxPool2D(const Pool2DShape& shape) {
-  if (auto s = Validate(shape); !s.ok()) return s;
+  if (auto s = ValidateShape(shape); !s.ok()) return s;
   return Build<MaxPool2D>(Describe(shape),
                           [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
 }
@@ -818,7 +767,7 @@ absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CpuBackend::CreateSoftmaxCr
 
 absl::StatusOr<std::unique_ptr<BatchNorm>> CpuBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
-  if (auto s = Validate(shape); !s.ok()) return s;
+  if (auto s = ValidateShape(shape); !s.ok()) return s;
   return Build<BatchNorm>(Describe(shape),
                           [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
 }

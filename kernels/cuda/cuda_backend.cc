@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/shapes.h"
 
 namespace psflow::kernels {
 namespace cuda_internal {
@@ -321,28 +322,14 @@ void LogChoice(const std::string& what, const char* direction, const Perf* perf,
   std::fprintf(stderr, "%s\n", line.c_str());
 }
 
-std::string Describe(const Conv2DShape& s) {
-  return absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)", s.batch,
-                         s.in_channels, s.height, s.width, s.out_channels, s.kernel_h, s.kernel_w,
-                         s.stride, s.padding);
-}
-
+// The shared checks, then cuDNN's int32 element counts.
 absl::Status Validate(const Conv2DShape& s) {
-  if (s.batch <= 0 || s.in_channels <= 0 || s.height <= 0 || s.width <= 0 || s.out_channels <= 0 ||
-      s.kernel_h <= 0 || s.kernel_w <= 0) {
-    return absl::InvalidArgumentError("all dimensions must be positive");
-  }
-  if (s.stride <= 0) return absl::InvalidArgumentError("stride must be positive");
-  if (s.padding < 0) return absl::InvalidArgumentError("padding is negative");
-  if (s.kernel_h > int64_t{s.height} + 2 * int64_t{s.padding} ||
-      s.kernel_w > int64_t{s.width} + 2 * int64_t{s.padding}) {
-    return absl::InvalidArgumentError("kernel is larger than the padded input");
-  }
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(s));
   const int64_t n = s.batch;
-  return CheckElementCount(
+  return Annotate(CheckElementCount(
       {{"x", n * s.in_channels * s.height * s.width},
        {"w", int64_t{s.out_channels} * s.in_channels * s.kernel_h * s.kernel_w},
-       {"y", n * s.out_channels * s.out_height() * s.out_width()}});
+       {"y", n * s.out_channels * s.out_height() * s.out_width()}}), Describe(s));
 }
 
 class CudnnConv2D final : public Conv2D {
@@ -495,20 +482,9 @@ class CudnnConv2D final : public Conv2D {
 
 // ---------------------------------------------------------------- MaxPool2D
 
-std::string Describe(const Pool2DShape& s) {
-  return absl::StrFormat("MaxPool2D(N=%d C=%d H=%d W=%d window=%d stride=%d)", s.batch, s.channels,
-                         s.height, s.width, s.window, s.stride);
-}
-
 absl::Status Validate(const Pool2DShape& s) {
-  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0 || s.window <= 0 ||
-      s.stride <= 0) {
-    return absl::InvalidArgumentError("all dimensions must be positive");
-  }
-  if (s.window > s.height || s.window > s.width) {
-    return absl::InvalidArgumentError("window is larger than the input");
-  }
-  return CheckElementCount({{"x", int64_t{s.batch} * s.channels * s.height * s.width}});
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(s));
+  return Annotate(CheckElementCount({{"x", int64_t{s.batch} * s.channels * s.height * s.width}}), Describe(s));
 }
 
 class CudnnMaxPool2D final : public MaxPool2D {
@@ -688,11 +664,6 @@ class CublasDense final : public Dense {
 };
 
 // ---------------------------------------------------------------- BatchNorm
-
-std::string Describe(const BatchNormShape& s) {
-  return absl::StrFormat("BatchNorm(N=%d C=%d H=%d W=%d epsilon=%g)", s.batch, s.channels, s.height,
-                         s.width, s.epsilon);
-}
 
 // Own kernels (cuda_kernels.h): per-channel partial sums over slices of the
 // batch, then one elementwise pass. cuDNN's legacy NCHW batch norm took
@@ -1037,13 +1008,13 @@ absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::Capture(
 
 absl::StatusOr<std::unique_ptr<Conv2D>> CudaBackend::CreateConv2D(const Conv2DShape& shape) {
   const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(Annotate(Validate(shape), what));
+  PSFLOW_RETURN_IF_ERROR(Validate(shape));
   return Build<Conv2D, CudnnConv2D>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CudaBackend::CreateMaxPool2D(const Pool2DShape& shape) {
   const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(Annotate(Validate(shape), what));
+  PSFLOW_RETURN_IF_ERROR(Validate(shape));
   return Build<MaxPool2D, CudnnMaxPool2D>(ctx_, what, shape);
 }
 
@@ -1081,12 +1052,7 @@ absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CudaBackend::CreateSoftmaxC
 absl::StatusOr<std::unique_ptr<BatchNorm>> CudaBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
   const std::string what = Describe(shape);
-  if (shape.batch <= 0 || shape.channels <= 0 || shape.height <= 0 || shape.width <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
-  if (!(shape.epsilon >= 0.0f) || !std::isfinite(shape.epsilon)) {
-    return absl::InvalidArgumentError(what + ": epsilon must be finite and not negative");
-  }
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
   PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.channels *
                                                                shape.height * shape.width}}),
                                   what));
