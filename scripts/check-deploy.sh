@@ -29,6 +29,7 @@ image=localhost/psflow:latest
 # 1. Base images.
 if ! "${podman[@]}" image exists localhost/debian:bookworm-slim; then
   rootfs=$(mktemp -d /var/tmp/psflow-rootfs.XXXXXX)
+  chmod 755 "$rootfs"  # it becomes the image's /: mktemp's 0700 would lock out non-root users
   echo "check-deploy: debootstrap bookworm (minbase) into $rootfs"
   debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian > "$rootfs.log" 2>&1 \
     || { tail -20 "$rootfs.log"; exit 1; }
