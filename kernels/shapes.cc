@@ -30,6 +30,21 @@ std::string Describe(const BatchNormShape& s) {
                          s.width, s.epsilon);
 }
 
+std::string Describe(const DenseShape& s) {
+  return absl::StrFormat("Dense(N=%d in=%d out=%d)", s.batch, s.in_features, s.out_features);
+}
+
+std::string Describe(const GlobalAvgPoolShape& s) {
+  return absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", s.batch, s.channels, s.height,
+                         s.width);
+}
+
+std::string DescribeRelu(int64_t size) { return absl::StrFormat("Relu(size=%d)", size); }
+
+std::string DescribeSoftmaxCrossEntropy(int batch, int classes) {
+  return absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes);
+}
+
 absl::Status ValidateShape(const Conv2DShape& s) {
   if (s.batch <= 0 || s.in_channels <= 0 || s.height <= 0 || s.width <= 0 || s.out_channels <= 0 ||
       s.kernel_h <= 0 || s.kernel_w <= 0) {
@@ -60,6 +75,32 @@ absl::Status ValidateShape(const BatchNormShape& s) {
   }
   if (!(s.epsilon >= 0) || !std::isfinite(s.epsilon)) {  // NaN fails the first test
     return Invalid(Describe(s), "epsilon must be finite and not negative");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateShape(const DenseShape& s) {
+  if (s.batch <= 0 || s.in_features <= 0 || s.out_features <= 0) {
+    return Invalid(Describe(s), "all dimensions must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateShape(const GlobalAvgPoolShape& s) {
+  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0) {
+    return Invalid(Describe(s), "all dimensions must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRelu(int64_t size) {
+  if (size <= 0) return Invalid(DescribeRelu(size), "size must be positive");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSoftmaxCrossEntropy(int batch, int classes) {
+  if (batch <= 0 || classes <= 0) {
+    return Invalid(DescribeSoftmaxCrossEntropy(batch, classes), "all dimensions must be positive");
   }
   return absl::OkStatus();
 }

@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include <omp.h>
 
+#include "common/status_macros.h"
 #include "kernels/shapes.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -175,9 +176,7 @@ class DnnlConv2D final : public Conv2D {
 
   // b == nullptr: no bias.
   absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
-    if (auto s = CheckNonNull("Conv2D forward", {{"x", x}, {"w", w}, {"y", y}}); !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Conv2D forward", {{"x", x}, {"w", w}, {"y", y}}));
     return ctx_->Run("Conv2D forward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(w_, w), Bind(y_, y);
       if (b != nullptr) {
@@ -192,10 +191,8 @@ class DnnlConv2D final : public Conv2D {
   // db == nullptr: the layer has no bias, so no bias gradient.
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
-    if (auto s = CheckNonNull("Conv2D backward", {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}});
-        !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(
+        CheckNonNull("Conv2D backward", {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}}));
     return ctx_->Run("Conv2D backward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(w_, w), Bind(dy_, dy), Bind(dw_, dw);
       if (dx != nullptr) {  // null for a first layer: nothing consumes dx
@@ -249,7 +246,7 @@ class DnnlMaxPool2D final : public MaxPool2D {
   }
 
   absl::Status Forward(const float* x, float* y) override {
-    if (auto s = CheckNonNull("MaxPool2D forward", {{"x", x}, {"y", y}}); !s.ok()) return s;
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("MaxPool2D forward", {{"x", x}, {"y", y}}));
     absl::Status status = ctx_->Run("MaxPool2D forward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(y_, y);
       fwd_.execute(stream, fwd_args_);
@@ -259,7 +256,7 @@ class DnnlMaxPool2D final : public MaxPool2D {
   }
 
   absl::Status Backward(const float* dy, float* dx) override {
-    if (auto s = CheckNonNull("MaxPool2D backward", {{"dy", dy}, {"dx", dx}}); !s.ok()) return s;
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("MaxPool2D backward", {{"dy", dy}, {"dx", dx}}));
     if (!has_workspace_) {
       return absl::FailedPreconditionError("MaxPool2D backward: no successful Forward before it");
     }
@@ -299,7 +296,7 @@ class DnnlRelu final : public Relu {
   }
 
   absl::Status Forward(const float* x, float* y) override {
-    if (auto s = CheckNonNull("Relu forward", {{"x", x}, {"y", y}}); !s.ok()) return s;
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Relu forward", {{"x", x}, {"y", y}}));
     return ctx_->Run("Relu forward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(y_, y);
       fwd_.execute(stream, fwd_args_);
@@ -307,9 +304,7 @@ class DnnlRelu final : public Relu {
   }
 
   absl::Status Backward(const float* x, const float* dy, float* dx) override {
-    if (auto s = CheckNonNull("Relu backward", {{"x", x}, {"dy", dy}, {"dx", dx}}); !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Relu backward", {{"x", x}, {"dy", dy}, {"dx", dx}}));
     return ctx_->Run("Relu backward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(dy_, dy), Bind(dx_, dx);
       bwd_.execute(stream, bwd_args_);
@@ -358,9 +353,7 @@ class DnnlDense final : public Dense {
   }
 
   absl::Status Forward(const float* x, const float* w, const float* b, float* y) override {
-    if (auto s = CheckNonNull("Dense forward", {{"x", x}, {"w", w}, {"b", b}, {"y", y}}); !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Dense forward", {{"x", x}, {"w", w}, {"b", b}, {"y", y}}));
     return ctx_->Run("Dense forward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(w_, w), Bind(b_, b), Bind(y_, y);
       fwd_.execute(stream, fwd_args_);
@@ -369,11 +362,8 @@ class DnnlDense final : public Dense {
 
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
-    if (auto s = CheckNonNull("Dense backward",
-                              {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}});
-        !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(
+        CheckNonNull("Dense backward", {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}}));
     return ctx_->Run("Dense backward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(w_, w), Bind(dy_, dy), Bind(dw_, dw), Bind(db_, db);
       if (dx != nullptr) {
@@ -411,21 +401,14 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
   // labels and stats are host memory, as all memory of this backend.
   absl::Status Forward(const float* logits, const int32_t* labels, float* probs,
                        float* stats) override {
-    if (auto s = CheckNonNull(
-            "SoftmaxCrossEntropy forward",
-            {{"logits", logits}, {"labels", labels}, {"probs", probs}, {"stats", stats}});
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = CheckLabels("SoftmaxCrossEntropy forward", labels); !s.ok()) return s;
-    if (auto s = ctx_->Run("SoftmaxCrossEntropy forward",
-                           [&](dnnl::stream& stream) {
-                             Bind(logits_, logits), Bind(probs_, probs);
-                             fwd_.execute(stream, args_);
-                           });
-        !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(
+        CheckNonNull("SoftmaxCrossEntropy forward",
+                     {{"logits", logits}, {"labels", labels}, {"probs", probs}, {"stats", stats}}));
+    PSFLOW_RETURN_IF_ERROR(CheckLabels("SoftmaxCrossEntropy forward", labels));
+    PSFLOW_RETURN_IF_ERROR(ctx_->Run("SoftmaxCrossEntropy forward", [&](dnnl::stream& stream) {
+      Bind(logits_, logits), Bind(probs_, probs);
+      fwd_.execute(stream, args_);
+    }));
     // The loss comes from the logits by log-sum-exp rather than from log(probs):
     // exact even where a probability underflows to 0.
     double total = 0;
@@ -445,12 +428,10 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
   }
 
   absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) override {
-    if (auto s = CheckNonNull("SoftmaxCrossEntropy backward",
-                              {{"probs", probs}, {"labels", labels}, {"dlogits", dlogits}});
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = CheckLabels("SoftmaxCrossEntropy backward", labels); !s.ok()) return s;
+    PSFLOW_RETURN_IF_ERROR(
+        CheckNonNull("SoftmaxCrossEntropy backward",
+                     {{"probs", probs}, {"labels", labels}, {"dlogits", dlogits}}));
+    PSFLOW_RETURN_IF_ERROR(CheckLabels("SoftmaxCrossEntropy backward", labels));
     const float scale = 1.0f / batch_;
     for (int i = 0; i < batch_; ++i) {
       const size_t row = static_cast<size_t>(i) * classes_;
@@ -529,11 +510,8 @@ class DnnlBatchNorm final : public BatchNorm {
   }
 
   absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) override {
-    if (auto s = CheckNonNull("BatchNorm forward",
-                              {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}});
-        !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(
+        CheckNonNull("BatchNorm forward", {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
     absl::Status status = ctx_->Run("BatchNorm forward", [&](dnnl::stream& stream) {
       Bind(x_, x), Bind(gamma_, gamma), Bind(beta_, beta), Bind(y_, y);
       fwd_.execute(stream, fwd_args_);
@@ -544,15 +522,12 @@ class DnnlBatchNorm final : public BatchNorm {
 
   absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
                         float* dgamma, float* dbeta) override {
-    if (auto s = CheckNonNull("BatchNorm backward", {{"x", x},
-                                                     {"gamma", gamma},
-                                                     {"dy", dy},
-                                                     {"dx", dx},
-                                                     {"dgamma", dgamma},
-                                                     {"dbeta", dbeta}});
-        !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("BatchNorm backward", {{"x", x},
+                                                               {"gamma", gamma},
+                                                               {"dy", dy},
+                                                               {"dx", dx},
+                                                               {"dgamma", dgamma},
+                                                               {"dbeta", dbeta}}));
     if (!has_stats_) {
       return absl::FailedPreconditionError("BatchNorm backward: no successful Forward before it");
     }
@@ -585,7 +560,7 @@ class LoopGlobalAvgPool final : public GlobalAvgPool {
         plane_size_(int64_t{s.height} * s.width) {}
 
   absl::Status Forward(const float* x, float* y) override {
-    if (auto s = CheckNonNull("GlobalAvgPool forward", {{"x", x}, {"y", y}}); !s.ok()) return s;
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("GlobalAvgPool forward", {{"x", x}, {"y", y}}));
     const int64_t planes = planes_, hw = plane_size_;
     const double scale = 1.0 / static_cast<double>(hw);
     const bool parallel = planes > 1 && planes * hw >= kMinParallel;
@@ -602,9 +577,7 @@ class LoopGlobalAvgPool final : public GlobalAvgPool {
   }
 
   absl::Status Backward(const float* dy, float* dx) override {
-    if (auto s = CheckNonNull("GlobalAvgPool backward", {{"dy", dy}, {"dx", dx}}); !s.ok()) {
-      return s;
-    }
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("GlobalAvgPool backward", {{"dy", dy}, {"dx", dx}}));
     const int64_t planes = planes_, hw = plane_size_;
     const float scale = 1.0f / static_cast<float>(hw);
     const bool parallel = planes > 1 && planes * hw >= kMinParallel;
@@ -673,15 +646,14 @@ absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t floats) {
 
 absl::Status CpuBackend::CopyToDevice(const float* host, size_t floats, float* device) {
   if (floats == 0) return absl::OkStatus();
-  if (auto s = CheckNonNull("CopyToDevice", {{"host", host}, {"device", device}}); !s.ok())
-    return s;
+  PSFLOW_RETURN_IF_ERROR(CheckNonNull("CopyToDevice", {{"host", host}, {"device", device}}));
   std::memcpy(device, host, floats * sizeof(float));
   return absl::OkStatus();
 }
 
 absl::Status CpuBackend::CopyToHost(const float* device, size_t floats, float* host) {
   if (floats == 0) return absl::OkStatus();
-  if (auto s = CheckNonNull("CopyToHost", {{"device", device}, {"host", host}}); !s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckNonNull("CopyToHost", {{"device", device}, {"host", host}}));
   std::memcpy(host, device, floats * sizeof(float));
   return absl::OkStatus();
 }
@@ -690,7 +662,8 @@ absl::Status CpuBackend::CopyToHost(const float* device, size_t floats, float* h
 // element is read before it is written at the same index, so an output may be
 // the same array as an input.
 absl::Status CpuBackend::Add(const float* a, const float* b, float* y, int64_t n) {
-  if (auto s = CheckHelper("Add", n, {{"a", a}, {"b", b}, {"y", y}}); !s.ok() || n == 0) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckHelper("Add", n, {{"a", a}, {"b", b}, {"y", y}}));
+  if (n == 0) return absl::OkStatus();
   return ctx_->RunLoops([&] {
 #pragma omp parallel for simd if (parallel : n >= kMinParallel)
     for (int64_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
@@ -698,7 +671,8 @@ absl::Status CpuBackend::Add(const float* a, const float* b, float* y, int64_t n
 }
 
 absl::Status CpuBackend::Affine(const float* x, float scale, float shift, float* y, int64_t n) {
-  if (auto s = CheckHelper("Affine", n, {{"x", x}, {"y", y}}); !s.ok() || n == 0) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckHelper("Affine", n, {{"x", x}, {"y", y}}));
+  if (n == 0) return absl::OkStatus();
   return ctx_->RunLoops([&] {
 #pragma omp parallel for simd if (parallel : n >= kMinParallel)
     for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale + shift;
@@ -706,7 +680,8 @@ absl::Status CpuBackend::Affine(const float* x, float scale, float shift, float*
 }
 
 absl::Status CpuBackend::Sgd(float* w, const float* g, float learning_rate, int64_t n) {
-  if (auto s = CheckHelper("Sgd", n, {{"w", w}, {"g", g}}); !s.ok() || n == 0) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckHelper("Sgd", n, {{"w", w}, {"g", g}}));
+  if (n == 0) return absl::OkStatus();
   return ctx_->RunLoops([&] {
 #pragma omp parallel for simd if (parallel : n >= kMinParallel)
     for (int64_t i = 0; i < n; ++i) w[i] -= learning_rate * g[i];
@@ -714,7 +689,8 @@ absl::Status CpuBackend::Sgd(float* w, const float* g, float learning_rate, int6
 }
 
 absl::Status CpuBackend::Copy(const float* src, float* dst, int64_t n) {
-  if (auto s = CheckHelper("Copy", n, {{"src", src}, {"dst", dst}}); !s.ok() || n == 0) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckHelper("Copy", n, {{"src", src}, {"dst", dst}}));
+  if (n == 0) return absl::OkStatus();
   if (src == dst) return absl::OkStatus();
   return ctx_->RunLoops([&] {
     // Overlapping ranges (not just the same array) need memmove's ordering.
@@ -730,56 +706,45 @@ absl::Status CpuBackend::Copy(const float* src, float* dst, int64_t n) {
 }
 
 absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DShape& shape) {
-  if (auto s = ValidateShape(shape); !s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
   return Build<Conv2D>(Describe(shape), [&] { return std::make_unique<DnnlConv2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CpuBackend::CreateMaxPool2D(const Pool2DShape& shape) {
-  if (auto s = ValidateShape(shape); !s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
   return Build<MaxPool2D>(Describe(shape),
                           [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<Relu>> CpuBackend::CreateRelu(int64_t size) {
-  const std::string what = absl::StrCat("Relu(size=", size, ")");
-  if (size <= 0) return absl::InvalidArgumentError(what + ": size must be positive");
-  return Build<Relu>(what, [&] { return std::make_unique<DnnlRelu>(ctx_, size); });
+  PSFLOW_RETURN_IF_ERROR(ValidateRelu(size));
+  return Build<Relu>(DescribeRelu(size), [&] { return std::make_unique<DnnlRelu>(ctx_, size); });
 }
 
 absl::StatusOr<std::unique_ptr<Dense>> CpuBackend::CreateDense(const DenseShape& shape) {
-  const std::string what = absl::StrFormat("Dense(N=%d in=%d out=%d)", shape.batch,
-                                           shape.in_features, shape.out_features);
-  if (shape.batch <= 0 || shape.in_features <= 0 || shape.out_features <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
-  return Build<Dense>(what, [&] { return std::make_unique<DnnlDense>(ctx_, shape); });
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
+  return Build<Dense>(Describe(shape), [&] { return std::make_unique<DnnlDense>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CpuBackend::CreateSoftmaxCrossEntropy(
     int batch, int classes) {
-  const std::string what = absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes);
-  if (batch <= 0 || classes <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
-  return Build<SoftmaxCrossEntropy>(
-      what, [&] { return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes); });
+  PSFLOW_RETURN_IF_ERROR(ValidateSoftmaxCrossEntropy(batch, classes));
+  return Build<SoftmaxCrossEntropy>(DescribeSoftmaxCrossEntropy(batch, classes), [&] {
+    return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes);
+  });
 }
 
 absl::StatusOr<std::unique_ptr<BatchNorm>> CpuBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
-  if (auto s = ValidateShape(shape); !s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
   return Build<BatchNorm>(Describe(shape),
                           [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CpuBackend::CreateGlobalAvgPool(
     const GlobalAvgPoolShape& shape) {
-  const std::string what = absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", shape.batch,
-                                           shape.channels, shape.height, shape.width);
-  if (shape.batch <= 0 || shape.channels <= 0 || shape.height <= 0 || shape.width <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
-  return Build<GlobalAvgPool>(what,
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
+  return Build<GlobalAvgPool>(Describe(shape),
                               [&] { return std::make_unique<LoopGlobalAvgPool>(ctx_, shape); });
 }
 

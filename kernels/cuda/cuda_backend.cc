@@ -7,7 +7,6 @@
 #include <cudnn.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
@@ -136,6 +135,13 @@ class Scope {
   int restore_ = -1;
 };
 
+// `status` (not OK) with the prefix "<what> <step>: " (or "<what>: " without
+// a step).
+absl::Status WithStep(const absl::Status& status, absl::string_view what, absl::string_view step) {
+  return absl::Status(status.code(),
+                      absl::StrCat(what, step.empty() ? "" : " ", step, ": ", status.message()));
+}
+
 // Runs fn() (returning absl::Status) inside a Scope; errors get the prefix
 // "<what> <step>: " (or "<what>: " without a step).
 template <typename Fn>
@@ -144,8 +150,22 @@ absl::Status RunIn(CudaContext& ctx, absl::string_view what, absl::string_view s
   absl::Status status = scope.status();
   if (status.ok()) status = fn();
   if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(what, step.empty() ? "" : " ", step, ": ", status.message()));
+  return WithStep(status, what, step);
+}
+
+// The same with the step "<count>" or "<count> <unit>", formatted only on
+// error (the helpers and copies run often). Count: any integer type, printed
+// as it is.
+template <typename Count, typename Fn>
+absl::Status RunIn(CudaContext& ctx, absl::string_view what, Count count, absl::string_view unit,
+                   Fn&& fn) {
+  static_assert(std::is_integral_v<Count>, "RunIn: the count must be an integer");
+  Scope scope(ctx);
+  absl::Status status = scope.status();
+  if (status.ok()) status = fn();
+  if (status.ok()) return status;
+  return WithStep(status, what,
+                  unit.empty() ? absl::StrCat(count) : absl::StrCat(count, " ", unit));
 }
 
 }  // namespace
@@ -183,7 +203,7 @@ constexpr float kZero = 0.0f;
 struct DeviceDeleter {
   std::shared_ptr<CudaContext> ctx;
   void operator()(void* p) const {
-    if (p == nullptr || ctx == nullptr) return;
+    if (p == nullptr) return;
     Scope scope(*ctx);
     if (!scope.status().ok()) return;
     static_cast<void>(cudaStreamSynchronize(ctx->stream));
@@ -277,12 +297,14 @@ absl::Status MakeConv(ConvDesc& out, int padding, int stride) {
 // cuDNN's legacy descriptors (and our kernels' row indices) take int sizes.
 bool FitsInt(int64_t n) { return n > 0 && n <= std::numeric_limits<int>::max(); }
 
+// INVALID_ARGUMENT "<what>: <tensor> has <count> elements; ..." for the first
+// tensor with too many (or no) elements.
 absl::Status CheckElementCount(
-    std::initializer_list<std::pair<absl::string_view, int64_t>> tensors) {
+    absl::string_view what, std::initializer_list<std::pair<absl::string_view, int64_t>> tensors) {
   for (const auto& [name, count] : tensors) {
     if (!FitsInt(count)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " has ", count, " elements; the CUDA backend takes at most 2^31-1"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", name, " has ", count, " elements; the CUDA backend takes at most 2^31-1"));
     }
   }
   return absl::OkStatus();
@@ -322,20 +344,47 @@ void LogChoice(const std::string& what, const char* direction, const Perf* perf,
   std::fprintf(stderr, "%s\n", line.c_str());
 }
 
-// The shared checks, then cuDNN's int32 element counts.
-absl::Status Validate(const Conv2DShape& s) {
+// One direction's cuDNN Find: runs find(kCount, &count, perf) (a
+// cudnnFind*Algorithm call), takes the fastest algorithm that succeeded into
+// `algo`, gives `conv` its math type, and raises `workspace` to what the
+// algorithm needs (workspace_size(algo, &bytes), a cudnnGet*WorkspaceSize call,
+// or the memory Find reported, whichever is larger). direction: "forward",
+// "backward-data" or "backward-filter", for the error and LogChoice.
+template <typename Perf, int kCount, typename Find, typename WorkspaceSize>
+absl::Status FindConvAlgorithm(const std::string& what, const char* direction,
+                               cudnnConvolutionDescriptor_t conv, Find&& find,
+                               WorkspaceSize&& workspace_size, decltype(Perf::algo)& algo,
+                               size_t& workspace) {
+  Perf perf[kCount];
+  int count = 0;
+  PSFLOW_RETURN_IF_ERROR(find(kCount, &count, perf));
+  const Perf* best = Fastest(perf, count);
+  if (best == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cuDNN has no ", direction, " algorithm"));
+  }
+  LogChoice(what, direction, perf, count);
+  algo = best->algo;
+  PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, best->mathType));
+  size_t bytes = 0;
+  PSFLOW_RETURN_IF_ERROR(workspace_size(algo, &bytes));
+  workspace = std::max({workspace, bytes, best->memory});
+  return absl::OkStatus();
+}
+
+// The shared checks, then cuDNN's int32 element counts. what: Describe(s).
+absl::Status Validate(const Conv2DShape& s, absl::string_view what) {
   PSFLOW_RETURN_IF_ERROR(ValidateShape(s));
   const int64_t n = s.batch;
-  return Annotate(CheckElementCount(
-      {{"x", n * s.in_channels * s.height * s.width},
-       {"w", int64_t{s.out_channels} * s.in_channels * s.kernel_h * s.kernel_w},
-       {"y", n * s.out_channels * s.out_height() * s.out_width()}}), Describe(s));
+  return CheckElementCount(
+      what, {{"x", n * s.in_channels * s.height * s.width},
+             {"w", int64_t{s.out_channels} * s.in_channels * s.kernel_h * s.kernel_w},
+             {"y", n * s.out_channels * s.out_height() * s.out_width()}});
 }
 
 class CudnnConv2D final : public Conv2D {
  public:
-  CudnnConv2D(std::shared_ptr<CudaContext> ctx, const Conv2DShape& s)
-      : ctx_(std::move(ctx)), shape_(s), what_(Describe(s)) {}
+  CudnnConv2D(std::shared_ptr<CudaContext> ctx, absl::string_view what, const Conv2DShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(what) {}
 
   // Inside a Scope: descriptors, algorithms (cuDNN's Find runs each candidate
   // on the stream) and the workspace.
@@ -364,60 +413,58 @@ class CudnnConv2D final : public Conv2D {
 
     cudnnHandle_t handle = ctx_->cudnn;
     size_t workspace = 0;
-    {
-      cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-      int count = 0;
-      PSFLOW_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithm(
-          handle, x_desc_.get(), w_desc_.get(), fwd_conv_.get(), y_desc_.get(),
-          CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &count, perf));
-      const auto* best = Fastest(perf, count);
-      if (best == nullptr) return absl::InvalidArgumentError("cuDNN has no forward algorithm");
-      LogChoice(what_, "forward", perf, count);
-      fwd_algo_ = best->algo;
-      PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(fwd_conv_.get(), best->mathType));
-      size_t bytes = 0;
-      PSFLOW_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
-          handle, x_desc_.get(), w_desc_.get(), fwd_conv_.get(), y_desc_.get(), fwd_algo_, &bytes));
-      workspace = std::max({workspace, bytes, best->memory});
-    }
-    {
-      cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-      int count = 0;
-      PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
-          handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(),
-          CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &count, perf));
-      const auto* best = Fastest(perf, count);
-      if (best == nullptr) {
-        return absl::InvalidArgumentError("cuDNN has no backward-data algorithm");
-      }
-      LogChoice(what_, "backward-data", perf, count);
-      data_algo_ = best->algo;
-      PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(data_conv_.get(), best->mathType));
-      size_t bytes = 0;
-      PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
-          handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), data_algo_,
-          &bytes));
-      workspace = std::max({workspace, bytes, best->memory});
-    }
-    {
-      cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
-      int count = 0;
-      PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
-          handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(),
-          CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &count, perf));
-      const auto* best = Fastest(perf, count);
-      if (best == nullptr) {
-        return absl::InvalidArgumentError("cuDNN has no backward-filter algorithm");
-      }
-      LogChoice(what_, "backward-filter", perf, count);
-      filter_algo_ = best->algo;
-      PSFLOW_CUDNN_CHECK(cudnnSetConvolutionMathType(filter_conv_.get(), best->mathType));
-      size_t bytes = 0;
-      PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-          handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), filter_algo_,
-          &bytes));
-      workspace = std::max({workspace, bytes, best->memory});
-    }
+    PSFLOW_RETURN_IF_ERROR(
+        (FindConvAlgorithm<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT>(
+            what_, "forward", fwd_conv_.get(),
+            [&](int requested, int* count, cudnnConvolutionFwdAlgoPerf_t* perf) -> absl::Status {
+              PSFLOW_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithm(
+                  handle, x_desc_.get(), w_desc_.get(), fwd_conv_.get(), y_desc_.get(), requested,
+                  count, perf));
+              return absl::OkStatus();
+            },
+            [&](cudnnConvolutionFwdAlgo_t algo, size_t* bytes) -> absl::Status {
+              PSFLOW_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
+                  handle, x_desc_.get(), w_desc_.get(), fwd_conv_.get(), y_desc_.get(), algo,
+                  bytes));
+              return absl::OkStatus();
+            },
+            fwd_algo_, workspace)));
+    PSFLOW_RETURN_IF_ERROR(
+        (FindConvAlgorithm<cudnnConvolutionBwdDataAlgoPerf_t,
+                           CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
+            what_, "backward-data", data_conv_.get(),
+            [&](int requested, int* count,
+                cudnnConvolutionBwdDataAlgoPerf_t* perf) -> absl::Status {
+              PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
+                  handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), requested,
+                  count, perf));
+              return absl::OkStatus();
+            },
+            [&](cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) -> absl::Status {
+              PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+                  handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), algo,
+                  bytes));
+              return absl::OkStatus();
+            },
+            data_algo_, workspace)));
+    PSFLOW_RETURN_IF_ERROR(
+        (FindConvAlgorithm<cudnnConvolutionBwdFilterAlgoPerf_t,
+                           CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
+            what_, "backward-filter", filter_conv_.get(),
+            [&](int requested, int* count,
+                cudnnConvolutionBwdFilterAlgoPerf_t* perf) -> absl::Status {
+              PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
+                  handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(),
+                  requested, count, perf));
+              return absl::OkStatus();
+            },
+            [&](cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) -> absl::Status {
+              PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                  handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), algo,
+                  bytes));
+              return absl::OkStatus();
+            },
+            filter_algo_, workspace)));
     PSFLOW_RETURN_IF_ERROR(AllocateDevice(
         ctx_, cuda_internal::ChannelPartialFloats(s.batch, s.out_channels) * sizeof(float), false,
         bias_partial_));
@@ -482,15 +529,16 @@ class CudnnConv2D final : public Conv2D {
 
 // ---------------------------------------------------------------- MaxPool2D
 
-absl::Status Validate(const Pool2DShape& s) {
+// what: Describe(s).
+absl::Status Validate(const Pool2DShape& s, absl::string_view what) {
   PSFLOW_RETURN_IF_ERROR(ValidateShape(s));
-  return Annotate(CheckElementCount({{"x", int64_t{s.batch} * s.channels * s.height * s.width}}), Describe(s));
+  return CheckElementCount(what, {{"x", int64_t{s.batch} * s.channels * s.height * s.width}});
 }
 
 class CudnnMaxPool2D final : public MaxPool2D {
  public:
-  CudnnMaxPool2D(std::shared_ptr<CudaContext> ctx, const Pool2DShape& s)
-      : ctx_(std::move(ctx)), shape_(s), what_(Describe(s)) {}
+  CudnnMaxPool2D(std::shared_ptr<CudaContext> ctx, absl::string_view what, const Pool2DShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(what) {}
 
   absl::Status Init() {
     const Pool2DShape& s = shape_;
@@ -553,8 +601,8 @@ class CudnnMaxPool2D final : public MaxPool2D {
 
 class CudnnRelu final : public Relu {
  public:
-  CudnnRelu(std::shared_ptr<CudaContext> ctx, int64_t size)
-      : ctx_(std::move(ctx)), size_(size), what_(absl::StrCat("Relu(size=", size, ")")) {}
+  CudnnRelu(std::shared_ptr<CudaContext> ctx, absl::string_view what, int64_t size)
+      : ctx_(std::move(ctx)), size_(size), what_(what) {}
 
   absl::Status Init() {
     // Elementwise, so any packed shape of `size` elements will do.
@@ -611,11 +659,8 @@ class CudnnRelu final : public Relu {
 // The bias is added to y by a kernel after the GEMM.
 class CublasDense final : public Dense {
  public:
-  CublasDense(std::shared_ptr<CudaContext> ctx, const DenseShape& s)
-      : ctx_(std::move(ctx)),
-        shape_(s),
-        what_(absl::StrFormat("Dense(N=%d in=%d out=%d)", s.batch, s.in_features, s.out_features)) {
-  }
+  CublasDense(std::shared_ptr<CudaContext> ctx, absl::string_view what, const DenseShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(what) {}
 
   absl::Status Init() {
     PSFLOW_RETURN_IF_ERROR(
@@ -670,8 +715,8 @@ class CublasDense final : public Dense {
 // several times longer on the H100 for the large activations of a resnet.
 class CudaBatchNorm final : public BatchNorm {
  public:
-  CudaBatchNorm(std::shared_ptr<CudaContext> ctx, const BatchNormShape& s)
-      : ctx_(std::move(ctx)), shape_(s), what_(Describe(s)) {}
+  CudaBatchNorm(std::shared_ptr<CudaContext> ctx, absl::string_view what, const BatchNormShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(what) {}
 
   absl::Status Init() {
     const int64_t c = shape_.channels;
@@ -686,9 +731,10 @@ class CudaBatchNorm final : public BatchNorm {
     return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
       has_forward_ = false;
+      float* scratch = Floats(scratch_);
       PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormForward(
-          x, gamma, beta, y, Floats(saved_), Floats(scratch_), shape_.batch, shape_.channels,
-          int64_t{shape_.height} * shape_.width, shape_.epsilon, ctx_->stream));
+          x, gamma, beta, y, Floats(saved_), scratch + partial_floats_, scratch, shape_.batch,
+          shape_.channels, int64_t{shape_.height} * shape_.width, shape_.epsilon, ctx_->stream));
       has_forward_ = true;
       return absl::OkStatus();
     });
@@ -725,12 +771,12 @@ class CudaBatchNorm final : public BatchNorm {
 
 class CudaGlobalAvgPool final : public GlobalAvgPool {
  public:
-  CudaGlobalAvgPool(std::shared_ptr<CudaContext> ctx, const GlobalAvgPoolShape& s)
+  CudaGlobalAvgPool(std::shared_ptr<CudaContext> ctx, absl::string_view what,
+                    const GlobalAvgPoolShape& s)
       : ctx_(std::move(ctx)),
         rows_(int64_t{s.batch} * s.channels),
         hw_(int64_t{s.height} * s.width),
-        what_(absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", s.batch, s.channels, s.height,
-                              s.width)) {}
+        what_(what) {}
 
   absl::Status Init() { return absl::OkStatus(); }  // nothing to prepare
 
@@ -761,11 +807,9 @@ class CudaGlobalAvgPool final : public GlobalAvgPool {
 
 class CudaSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
  public:
-  CudaSoftmaxCrossEntropy(std::shared_ptr<CudaContext> ctx, int batch, int classes)
-      : ctx_(std::move(ctx)),
-        batch_(batch),
-        classes_(classes),
-        what_(absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes)) {}
+  CudaSoftmaxCrossEntropy(std::shared_ptr<CudaContext> ctx, absl::string_view what, int batch,
+                          int classes)
+      : ctx_(std::move(ctx)), batch_(batch), classes_(classes), what_(what) {}
 
   absl::Status Init() {
     // Per-example loss and correct flag, reduced by a second kernel.
@@ -835,14 +879,14 @@ class CudaGraph final : public Graph {
   cudaGraphExec_t exec_;
 };
 
-// Creates an op whose constructor takes (ctx, args...) and whose Init() runs
-// inside a Scope; errors are prefixed with the op's description.
+// Creates an op whose constructor takes (ctx, what, args...) and whose Init()
+// runs inside a Scope; errors are prefixed with the op's description `what`.
 template <typename Interface, typename Op, typename... Args>
 absl::StatusOr<std::unique_ptr<Interface>> Build(const std::shared_ptr<CudaContext>& ctx,
                                                  absl::string_view what, Args&&... args) {
   Scope scope(*ctx);
   PSFLOW_RETURN_IF_ERROR(Annotate(scope.status(), what));
-  auto op = std::make_unique<Op>(ctx, std::forward<Args>(args)...);
+  auto op = std::make_unique<Op>(ctx, what, std::forward<Args>(args)...);
   PSFLOW_RETURN_IF_ERROR(Annotate(op->Init(), what));
   return std::unique_ptr<Interface>(std::move(op));
 }
@@ -905,7 +949,7 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t floats) {
     return absl::InvalidArgumentError(absl::StrCat("Allocate: ", floats, " floats is too many"));
   }
   DevicePtr memory;
-  PSFLOW_RETURN_IF_ERROR(RunIn(*ctx_, "Allocate", absl::StrCat(floats, " floats"), [&] {
+  PSFLOW_RETURN_IF_ERROR(RunIn(*ctx_, "Allocate", floats, "floats", [&] {
     return AllocateDevice(ctx_, floats * sizeof(float), true, memory);
   }));
   return std::make_unique<CudaBuffer>(std::move(memory), floats);
@@ -913,7 +957,7 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t floats) {
 
 absl::Status CudaBackend::CopyToDevice(const float* host, size_t floats, float* device) {
   if (floats == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CopyToDevice", absl::StrCat(floats, " floats"), [&]() -> absl::Status {
+  return RunIn(*ctx_, "CopyToDevice", floats, "floats", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
     // From pageable memory: the driver stages the data before returning.
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, floats * sizeof(float), cudaMemcpyHostToDevice,
@@ -924,7 +968,7 @@ absl::Status CudaBackend::CopyToDevice(const float* host, size_t floats, float* 
 
 absl::Status CudaBackend::CopyToHost(const float* device, size_t floats, float* host) {
   if (floats == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CopyToHost", absl::StrCat(floats, " floats"), [&]() -> absl::Status {
+  return RunIn(*ctx_, "CopyToHost", floats, "floats", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", device}, {"host", host}}));
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(host, device, floats * sizeof(float), cudaMemcpyDeviceToHost,
                                       ctx_->stream));
@@ -943,7 +987,7 @@ absl::Status CudaBackend::Synchronize() {
 absl::Status CudaBackend::Add(const float* a, const float* b, float* y, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Add"));
   if (n == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "Add", absl::StrCat(n), [&]() -> absl::Status {
+  return RunIn(*ctx_, "Add", n, "", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"a", a}, {"b", b}, {"y", y}}));
     PSFLOW_CUDA_CHECK(cuda_internal::LaunchAdd(a, b, y, n, ctx_->stream));
     return absl::OkStatus();
@@ -953,7 +997,7 @@ absl::Status CudaBackend::Add(const float* a, const float* b, float* y, int64_t 
 absl::Status CudaBackend::Affine(const float* x, float scale, float shift, float* y, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Affine"));
   if (n == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "Affine", absl::StrCat(n), [&]() -> absl::Status {
+  return RunIn(*ctx_, "Affine", n, "", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
     PSFLOW_CUDA_CHECK(cuda_internal::LaunchAffine(x, scale, shift, y, n, ctx_->stream));
     return absl::OkStatus();
@@ -963,7 +1007,7 @@ absl::Status CudaBackend::Affine(const float* x, float scale, float shift, float
 absl::Status CudaBackend::Sgd(float* w, const float* g, float learning_rate, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Sgd"));
   if (n == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "Sgd", absl::StrCat(n), [&]() -> absl::Status {
+  return RunIn(*ctx_, "Sgd", n, "", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"w", w}, {"g", g}}));
     PSFLOW_CUDA_CHECK(cuda_internal::LaunchSgd(w, g, learning_rate, n, ctx_->stream));
     return absl::OkStatus();
@@ -973,7 +1017,7 @@ absl::Status CudaBackend::Sgd(float* w, const float* g, float learning_rate, int
 absl::Status CudaBackend::Copy(const float* src, float* dst, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Copy"));
   if (n == 0 || src == dst) return absl::OkStatus();
-  return RunIn(*ctx_, "Copy", absl::StrCat(n), [&]() -> absl::Status {
+  return RunIn(*ctx_, "Copy", n, "", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"src", src}, {"dst", dst}}));
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
                                       cudaMemcpyDeviceToDevice, ctx_->stream));
@@ -1008,44 +1052,38 @@ absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::Capture(
 
 absl::StatusOr<std::unique_ptr<Conv2D>> CudaBackend::CreateConv2D(const Conv2DShape& shape) {
   const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(Validate(shape));
+  PSFLOW_RETURN_IF_ERROR(Validate(shape, what));
   return Build<Conv2D, CudnnConv2D>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CudaBackend::CreateMaxPool2D(const Pool2DShape& shape) {
   const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(Validate(shape));
+  PSFLOW_RETURN_IF_ERROR(Validate(shape, what));
   return Build<MaxPool2D, CudnnMaxPool2D>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<Relu>> CudaBackend::CreateRelu(int64_t size) {
-  const std::string what = absl::StrCat("Relu(size=", size, ")");
-  if (size <= 0) return absl::InvalidArgumentError(what + ": size must be positive");
-  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", size}}), what));
+  const std::string what = DescribeRelu(size);
+  PSFLOW_RETURN_IF_ERROR(ValidateRelu(size));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(what, {{"x", size}}));
   return Build<Relu, CudnnRelu>(ctx_, what, size);
 }
 
 absl::StatusOr<std::unique_ptr<Dense>> CudaBackend::CreateDense(const DenseShape& shape) {
-  const std::string what = absl::StrFormat("Dense(N=%d in=%d out=%d)", shape.batch,
-                                           shape.in_features, shape.out_features);
-  if (shape.batch <= 0 || shape.in_features <= 0 || shape.out_features <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
+  const std::string what = Describe(shape);
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
   PSFLOW_RETURN_IF_ERROR(
-      Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.in_features},
-                                  {"w", int64_t{shape.out_features} * shape.in_features},
-                                  {"y", int64_t{shape.batch} * shape.out_features}}),
-               what));
+      CheckElementCount(what, {{"x", int64_t{shape.batch} * shape.in_features},
+                               {"w", int64_t{shape.out_features} * shape.in_features},
+                               {"y", int64_t{shape.batch} * shape.out_features}}));
   return Build<Dense, CublasDense>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CudaBackend::CreateSoftmaxCrossEntropy(
     int batch, int classes) {
-  const std::string what = absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes);
-  if (batch <= 0 || classes <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
-  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"logits", int64_t{batch} * classes}}), what));
+  const std::string what = DescribeSoftmaxCrossEntropy(batch, classes);
+  PSFLOW_RETURN_IF_ERROR(ValidateSoftmaxCrossEntropy(batch, classes));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(what, {{"logits", int64_t{batch} * classes}}));
   return Build<SoftmaxCrossEntropy, CudaSoftmaxCrossEntropy>(ctx_, what, batch, classes);
 }
 
@@ -1053,22 +1091,17 @@ absl::StatusOr<std::unique_ptr<BatchNorm>> CudaBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
   const std::string what = Describe(shape);
   PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
-  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.channels *
-                                                               shape.height * shape.width}}),
-                                  what));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(
+      what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
   return Build<BatchNorm, CudaBatchNorm>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CudaBackend::CreateGlobalAvgPool(
     const GlobalAvgPoolShape& shape) {
-  const std::string what = absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", shape.batch,
-                                           shape.channels, shape.height, shape.width);
-  if (shape.batch <= 0 || shape.channels <= 0 || shape.height <= 0 || shape.width <= 0) {
-    return absl::InvalidArgumentError(what + ": all dimensions must be positive");
-  }
-  PSFLOW_RETURN_IF_ERROR(Annotate(CheckElementCount({{"x", int64_t{shape.batch} * shape.channels *
-                                                               shape.height * shape.width}}),
-                                  what));
+  const std::string what = Describe(shape);
+  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(
+      what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
   return Build<GlobalAvgPool, CudaGlobalAvgPool>(ctx_, what, shape);
 }
 

@@ -302,7 +302,7 @@ __global__ void ChannelSumFinishKernel(const float* partial, float* out, int64_t
 // (so that a large mean does not cancel the variance away).
 struct ShiftedMomentsFn {
   const float* x;
-  int64_t channels, hw;
+  int64_t hw;
   __device__ float2 operator()(float v, float, int64_t c) const {
     const float d = v - x[c * hw];
     return make_float2(d, d * d);
@@ -478,13 +478,12 @@ cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t
 }
 
 cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
-                                   float* saved, float* partial, int64_t n, int64_t channels,
-                                   int64_t hw, float epsilon, cudaStream_t stream) {
+                                   float* saved, float* coef, float* partial, int64_t n,
+                                   int64_t channels, int64_t hw, float epsilon,
+                                   cudaStream_t stream) {
   if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
   const int64_t slices = SlicesFor(n, channels);
-  ChannelPartial(x, nullptr, partial, n, channels, hw, ShiftedMomentsFn{x, channels, hw}, stream);
-  // coef (scale, shift) lives after the partial sums.
-  float* coef = partial + ChannelPartialFloats(n, channels);
+  ChannelPartial(x, nullptr, partial, n, channels, hw, ShiftedMomentsFn{x, hw}, stream);
   BatchNormStatsKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(
       x, gamma, beta, partial, saved, coef, channels, slices, hw, static_cast<double>(n * hw),
       epsilon);

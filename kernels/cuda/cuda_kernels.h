@@ -72,10 +72,12 @@ cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t
 // Batch normalization with batch statistics: mean[c] and inv_std[c] =
 // 1/sqrt(var + epsilon) (biased variance, computed around a per-channel shift
 // to avoid cancellation) are kept in `saved` [mean | inv_std], then
-// y = (x - mean) * inv_std * gamma + beta.
+// y = (x - mean) * inv_std * gamma + beta. `coef` holds 2*channels floats of
+// scratch (the per-channel scale and shift of y = x * scale + shift).
 cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
-                                   float* saved, float* partial, int64_t n, int64_t channels,
-                                   int64_t hw, float epsilon, cudaStream_t stream);
+                                   float* saved, float* coef, float* partial, int64_t n,
+                                   int64_t channels, int64_t hw, float epsilon,
+                                   cudaStream_t stream);
 
 // The gradients for the Forward that filled `saved`: dbeta = sum dy, dgamma =
 // sum dy * xhat, dx = gamma * inv_std * (dy - dbeta/M - xhat * dgamma/M),

@@ -20,19 +20,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
+#include "tests/kernels/status_testing.h"
 
 namespace psflow::kernels {
 namespace {
 
 using ::testing::HasSubstr;
 using Ref = std::vector<double>;
-
-// Asserts that a Status is OK and prints it when it is not.
-#define ASSERT_OK(expr)                   \
-  do {                                    \
-    const absl::Status status_ = (expr);  \
-    ASSERT_TRUE(status_.ok()) << status_; \
-  } while (false)
 
 std::vector<float> Random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);
@@ -679,9 +673,9 @@ TEST_P(BatchNormTest, ForwardAndBackwardMatchReference) {
   auto yd = Filled(nx, 7), dxd = Filled(nx, 7), dgd = Filled(s.channels, 7),
        dbd = Filled(s.channels, 7);
 
-  ASSERT_OK((*bn)->Forward(xd->data(), gd->data(), bd->data(), yd->data()));
+  PSFLOW_ASSERT_OK((*bn)->Forward(xd->data(), gd->data(), bd->data(), yd->data()));
   ExpectClose(Download(*yd), want.y, "y");
-  ASSERT_OK(
+  PSFLOW_ASSERT_OK(
       (*bn)->Backward(xd->data(), gd->data(), dyd->data(), dxd->data(), dgd->data(), dbd->data()));
   ExpectClose(Download(*dxd), want.dx, "dx");
   ExpectClose(Download(*dgd), want.dgamma, "dgamma");
@@ -707,9 +701,9 @@ TEST_F(CpuBackendTest, BatchNormFiniteDifferences) {
   const auto g = Random(nx, 104);  // L = sum(y * g)
   auto gd = Upload(g), y = Filled(nx, 0), dx = Filled(nx, 0), dgamma = Filled(3, 0),
        dbeta = Filled(3, 0);
-  ASSERT_OK(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()));
-  ASSERT_OK(bn->Backward(x->data(), gamma->data(), gd->data(), dx->data(), dgamma->data(),
-                         dbeta->data()));
+  PSFLOW_ASSERT_OK(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()));
+  PSFLOW_ASSERT_OK(bn->Backward(x->data(), gamma->data(), gd->data(), dx->data(), dgamma->data(),
+                                dbeta->data()));
   const auto loss = [&] {
     EXPECT_TRUE(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()).ok());
     return Dot(Download(*y), g);
@@ -735,16 +729,18 @@ TEST_F(CpuBackendTest, BatchNormBackwardUsesLatestForward) {
   const BatchNormRefResult wa = BatchNormRef(s, xa, gamma, beta, dy),
                            wb = BatchNormRef(s, xb, gamma, beta, dy);
 
-  ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
-  ASSERT_OK(bn->Forward(xbd->data(), gd->data(), bd->data(), yb->data()));
+  PSFLOW_ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
+  PSFLOW_ASSERT_OK(bn->Forward(xbd->data(), gd->data(), bd->data(), yb->data()));
   ExpectClose(Download(*ya), wa.y, "ya");
   ExpectClose(Download(*yb), wb.y, "yb");
-  ASSERT_OK(bn->Backward(xbd->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
+  PSFLOW_ASSERT_OK(
+      bn->Backward(xbd->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
   ExpectClose(Download(*dx), wb.dx, "dx of xb");
   ExpectClose(Download(*dg), wb.dgamma, "dgamma of xb");
   ExpectClose(Download(*db), wb.dbeta, "dbeta of xb");
-  ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
-  ASSERT_OK(bn->Backward(xad->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
+  PSFLOW_ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
+  PSFLOW_ASSERT_OK(
+      bn->Backward(xad->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
   ExpectClose(Download(*dx), wa.dx, "dx of xa");
   ExpectClose(Download(*dg), wa.dgamma, "dgamma of xa");
 }
@@ -768,9 +764,9 @@ TEST_P(GlobalAvgPoolTest, ForwardAndBackwardMatchReference) {
     for (size_t i = 0; i < hw; ++i) want_dx[p * hw + i] = dy[p] / static_cast<double>(hw);
   }
   auto xd = Upload(x), dyd = Upload(dy), yd = Filled(planes, 7), dxd = Filled(planes * hw, 7);
-  ASSERT_OK((*gap)->Forward(xd->data(), yd->data()));
+  PSFLOW_ASSERT_OK((*gap)->Forward(xd->data(), yd->data()));
   ExpectClose(Download(*yd), want_y, "y");
-  ASSERT_OK((*gap)->Backward(dyd->data(), dxd->data()));
+  PSFLOW_ASSERT_OK((*gap)->Backward(dyd->data(), dxd->data()));
   ExpectClose(Download(*dxd), want_dx, "dx");
 }
 
@@ -789,7 +785,7 @@ TEST_F(CpuBackendTest, GlobalAvgPoolFiniteDifferences) {
   const size_t nx = 2 * 3 * 3 * 4, ny = 2 * 3;
   const auto g = Random(ny, 123);
   auto x = Upload(Random(nx, 124)), gd = Upload(g), y = Filled(ny, 0), dx = Filled(nx, 0);
-  ASSERT_OK(gap->Backward(gd->data(), dx->data()));
+  PSFLOW_ASSERT_OK(gap->Backward(gd->data(), dx->data()));
   const auto loss = [&] {
     EXPECT_TRUE(gap->Forward(x->data(), y->data()).ok());
     return Dot(Download(*y), g);
@@ -808,18 +804,18 @@ TEST_P(HelperTest, Add) {
   Ref want(n), want_twice(n);
   for (int64_t i = 0; i < n; ++i) want[i] = double{a[i]} + b[i], want_twice[i] = 2.0 * a[i];
   auto ad = Upload(a), bd = Upload(b), y = Filled(n, 7);
-  ASSERT_OK(backend_->Add(ad->data(), bd->data(), y->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Add(ad->data(), bd->data(), y->data(), n));
   ExpectClose(Download(*y), want, "y = a + b");
   EXPECT_EQ(Download(*ad), a) << "a changed";
   EXPECT_EQ(Download(*bd), b) << "b changed";
   // In place, on either input.
-  ASSERT_OK(backend_->Add(ad->data(), bd->data(), ad->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Add(ad->data(), bd->data(), ad->data(), n));
   ExpectClose(Download(*ad), want, "a = a + b");
   auto a2 = Upload(a);
-  ASSERT_OK(backend_->Add(a2->data(), bd->data(), bd->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Add(a2->data(), bd->data(), bd->data(), n));
   ExpectClose(Download(*bd), want, "b = a + b");
   // All three the same.
-  ASSERT_OK(backend_->Add(a2->data(), a2->data(), a2->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Add(a2->data(), a2->data(), a2->data(), n));
   ExpectClose(Download(*a2), want_twice, "a = a + a");
 }
 
@@ -830,10 +826,10 @@ TEST_P(HelperTest, Affine) {
   Ref want(n);
   for (int64_t i = 0; i < n; ++i) want[i] = double{x[i]} * scale + shift;
   auto xd = Upload(x), y = Filled(n, 7);
-  ASSERT_OK(backend_->Affine(xd->data(), scale, shift, y->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Affine(xd->data(), scale, shift, y->data(), n));
   ExpectClose(Download(*y), want, "y");
   EXPECT_EQ(Download(*xd), x) << "x changed";
-  ASSERT_OK(backend_->Affine(xd->data(), scale, shift, xd->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Affine(xd->data(), scale, shift, xd->data(), n));
   ExpectClose(Download(*xd), want, "x in place");
 }
 
@@ -844,7 +840,7 @@ TEST_P(HelperTest, Sgd) {
   Ref want(n);
   for (int64_t i = 0; i < n; ++i) want[i] = double{w[i]} - double{lr} * g[i];
   auto wd = Upload(w), gd = Upload(g);
-  ASSERT_OK(backend_->Sgd(wd->data(), gd->data(), lr, n));
+  PSFLOW_ASSERT_OK(backend_->Sgd(wd->data(), gd->data(), lr, n));
   ExpectClose(Download(*wd), want, "w", 1e-6);
   EXPECT_EQ(Download(*gd), g) << "g changed";
 }
@@ -853,10 +849,10 @@ TEST_P(HelperTest, Copy) {
   const int64_t n = GetParam();
   const auto src = Random(n, 161);
   auto sd = Upload(src), dd = Filled(n, 7);
-  ASSERT_OK(backend_->Copy(sd->data(), dd->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Copy(sd->data(), dd->data(), n));
   EXPECT_EQ(Download(*dd), src);
   EXPECT_EQ(Download(*sd), src) << "src changed";
-  ASSERT_OK(backend_->Copy(sd->data(), sd->data(), n));
+  PSFLOW_ASSERT_OK(backend_->Copy(sd->data(), sd->data(), n));
   EXPECT_EQ(Download(*sd), src) << "copy onto itself";
 }
 
@@ -869,7 +865,7 @@ TEST_F(CpuBackendTest, HelpersOnPartsOfBuffers) {
   // A tail of n floats inside a larger buffer: the floats around it stay.
   const auto a = Random(40, 171), b = Random(40, 172);
   auto ad = Upload(a), bd = Upload(b), y = Filled(40, 7);
-  ASSERT_OK(backend_->Add(ad->data() + 5, bd->data() + 5, y->data() + 5, 30));
+  PSFLOW_ASSERT_OK(backend_->Add(ad->data() + 5, bd->data() + 5, y->data() + 5, 30));
   const auto got = Download(*y);
   for (int i = 0; i < 40; ++i) {
     if (i < 5 || i >= 35) {
@@ -880,11 +876,11 @@ TEST_F(CpuBackendTest, HelpersOnPartsOfBuffers) {
   }
   // Overlapping ranges of one buffer: Copy behaves like memmove.
   auto m = Upload(a);
-  ASSERT_OK(backend_->Copy(m->data(), m->data() + 3, 30));
+  PSFLOW_ASSERT_OK(backend_->Copy(m->data(), m->data() + 3, 30));
   auto moved = Download(*m);
   for (int i = 0; i < 30; ++i) EXPECT_EQ(moved[i + 3], a[i]) << i;
   m = Upload(a);
-  ASSERT_OK(backend_->Copy(m->data() + 3, m->data(), 30));
+  PSFLOW_ASSERT_OK(backend_->Copy(m->data() + 3, m->data(), 30));
   moved = Download(*m);
   for (int i = 0; i < 30; ++i) EXPECT_EQ(moved[i], a[i + 3]) << i;
 }
@@ -1080,7 +1076,7 @@ TEST_F(CpuBackendTest, MisuseIsReported) {
       absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(bn->Forward(buf->data(), buf->data(), nullptr, buf->data()).code(),
             absl::StatusCode::kInvalidArgument);
-  // A failed Forward (null argument) leaves no statistics for Backward.
+  // A Forward rejected for a null argument does not enable Backward.
   EXPECT_EQ(
       bn->Backward(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data())
           .code(),
