@@ -3,10 +3,14 @@
 // logic, forward/backward and optimizer as a psflow job, with the weights and
 // the optimizer held locally. Prints one line: "alone <ex/s>".
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/command_line.h"
+#include "common/tensor_chunks.h"
 #include "data/mnist.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
@@ -22,20 +26,31 @@ ABSL_FLAG(int, threads, 0, "CPU threads for the kernels; 0 = all cores.");
 
 namespace {
 
-int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "%s\n", message.c_str());
   return 1;
 }
+
+int Fail(const absl::Status& s) { return Fail(std::string(s.message())); }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  psflow::ParseCommandLine(argc, argv,
-                           "examples/s of one worker training alone (no ps).");
+  psflow::ParseCommandLine(argc, argv, "examples/s of one worker training alone (no ps).", {"alone_worker.cc"});
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));
   if (!spec.ok()) return Fail(spec.status());
+  const int batch = absl::GetFlag(FLAGS_batch_size);
+  if (batch <= 0) return Fail("--batch_size must be positive");
   auto data = psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTrain);
   if (!data.ok()) return Fail(data.status());
+  const psflow::InputSpec& in = spec->input();
+  if (data->channels != in.channels() || data->height != in.height() || data->width != in.width() ||
+      data->num_classes != spec->num_classes()) {
+    return Fail(absl::StrCat("data in ", absl::GetFlag(FLAGS_data_dir), " is ", data->channels, "x", data->height,
+                             "x", data->width, " with ", data->num_classes, " classes; model ", spec->name(),
+                             " expects ", in.channels(), "x", in.height(), "x", in.width(), " with ",
+                             spec->num_classes(), " classes"));
+  }
   auto backend = psflow::kernels::CreateBackend("cpu", absl::GetFlag(FLAGS_threads));
   if (!backend.ok()) return Fail(backend.status());
   auto net = psflow::model::Network::Create(*spec, backend->get());
@@ -46,39 +61,48 @@ int main(int argc, char** argv) {
   auto opt = psflow::ps::Optimizer::Create(oc);
   if (!opt.ok()) return Fail(opt.status());
 
-  std::vector<std::vector<float>> weights = psflow::model::InitialValues(*spec, 1);
-  std::vector<std::vector<float>> grads, m, v;
-  std::vector<const float*> wp;
-  std::vector<float*> gp;
-  for (auto& w : weights) {
-    grads.emplace_back(w.size());
-    m.emplace_back(w.size());
-    v.emplace_back(w.size());
-    wp.push_back(w.data());
-    gp.push_back(grads.back().data());
+  // Like the worker, train in the network's own host buffers: the optimizer
+  // updates the weights where the next step reads them.
+  {
+    const std::vector<std::vector<float>> initial = psflow::model::InitialValues(*spec, 1);
+    std::vector<const float*> initial_ptrs;
+    for (const auto& w : initial) initial_ptrs.push_back(w.data());
+    absl::Status s = (*net)->SetWeights(initial_ptrs);
+    if (!s.ok()) return Fail(s);
   }
-  const int batch = absl::GetFlag(FLAGS_batch_size);
+  const std::vector<float*> weights = (*net)->HostWeights();
+  const std::vector<float*> grads = (*net)->HostGradients();
+  if (weights.empty() || grads.size() != weights.size()) {
+    return Fail("the cpu backend does not compute in host memory: cannot train in place");
+  }
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<float>> m, v;
+  for (const psflow::VariableShape& var : (*net)->variables()) {
+    sizes.push_back(psflow::NumElements(var.shape));
+    m.emplace_back(sizes.back());
+    v.emplace_back(sizes.back());
+  }
   psflow::data::ShardSampler sampler(data->count, 1, 0, 1);
   std::vector<int64_t> order = sampler.EpochIndices(0);
   std::vector<float> images(static_cast<size_t>(batch) * data->example_floats());
   std::vector<int32_t> labels(batch);
   const int warmup = absl::GetFlag(FLAGS_warmup_steps), steps = absl::GetFlag(FLAGS_steps);
   const int64_t per_epoch = static_cast<int64_t>(order.size()) / batch;
+  if (per_epoch == 0) {
+    return Fail(absl::StrCat("--batch_size ", batch, " exceeds the ", order.size(), " training examples in ",
+                             absl::GetFlag(FLAGS_data_dir)));
+  }
   absl::Time start = absl::Now();
   for (int step = 0; step < warmup + steps; ++step) {
     if (step == warmup) start = absl::Now();
     const int64_t pos = step % per_epoch;
     absl::Status s = psflow::data::GatherBatch(
         *data, absl::MakeConstSpan(order).subspan(pos * batch, batch), images.data(), labels.data());
-    if (s.ok()) s = (*net)->SetWeights(wp);
     if (!s.ok()) return Fail(s);
     auto r = (*net)->TrainStep(images.data(), labels.data(), batch);
     if (!r.ok()) return Fail(r.status());
-    s = (*net)->GetGradients(gp);
-    if (!s.ok()) return Fail(s);
     for (size_t i = 0; i < weights.size(); ++i) {
-      (*opt)->Apply(step, weights[i].data(), grads[i].data(), static_cast<int64_t>(weights[i].size()),
-                    {m[i].data(), v[i].data()});
+      (*opt)->Apply(step, weights[i], grads[i], sizes[i], {m[i].data(), v[i].data()});
     }
   }
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);

@@ -45,7 +45,8 @@ int Fail(const std::string& what, const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  psflow::ParseCommandLine(argc, argv, "milliseconds per local training step (forward, backward, SGD).");
+  psflow::ParseCommandLine(argc, argv, "milliseconds per local training step (forward, backward, SGD).",
+                           {"step_bench.cc"});
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));
   if (!spec.ok()) return Fail("--model", spec.status());
   std::vector<int> batches;

@@ -254,50 +254,39 @@ absl::Status Network::QueueForward(BatchState* st) {
     const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
     const float* b = l.second >= 0 ? weights_[l.second]->data() : nullptr;
     PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "forward", [&]() -> absl::Status {
-    switch (l.kind) {
-      case LayerSpec::kConv2D:
-        PSFLOW_RETURN_IF_ERROR(st->conv[i]->Forward(x, w, b, y));
-        break;
-      case LayerSpec::kMaxPool:
-        PSFLOW_RETURN_IF_ERROR(st->pool[i]->Forward(x, y));
-        break;
-      case LayerSpec::kRelu:
-        PSFLOW_RETURN_IF_ERROR(st->relu[i]->Forward(x, y));
-        break;
-      case LayerSpec::kDense:
-        PSFLOW_RETURN_IF_ERROR(st->dense[i]->Forward(x, w, b, y));
-        break;
-      case LayerSpec::kBatchNorm:
-        PSFLOW_RETURN_IF_ERROR(st->norm[i]->Forward(x, w, b, y));
-        break;
-      case LayerSpec::kGlobalAvgPool:
-        PSFLOW_RETURN_IF_ERROR(st->gap[i]->Forward(x, y));
-        break;
-      case LayerSpec::kAdd:
-        PSFLOW_RETURN_IF_ERROR(backend_->Add(x, st->acts[l.other_act]->data(), y,
-                                             static_cast<int64_t>(st->acts[i + 1]->size())));
-        break;
-      case LayerSpec::KIND_NOT_SET:
-        return absl::InternalError("layer without kind");
-    }
-    return absl::OkStatus();
+      switch (l.kind) {
+        case LayerSpec::kConv2D:
+          PSFLOW_RETURN_IF_ERROR(st->conv[i]->Forward(x, w, b, y));
+          break;
+        case LayerSpec::kMaxPool:
+          PSFLOW_RETURN_IF_ERROR(st->pool[i]->Forward(x, y));
+          break;
+        case LayerSpec::kRelu:
+          PSFLOW_RETURN_IF_ERROR(st->relu[i]->Forward(x, y));
+          break;
+        case LayerSpec::kDense:
+          PSFLOW_RETURN_IF_ERROR(st->dense[i]->Forward(x, w, b, y));
+          break;
+        case LayerSpec::kBatchNorm:
+          PSFLOW_RETURN_IF_ERROR(st->norm[i]->Forward(x, w, b, y));
+          break;
+        case LayerSpec::kGlobalAvgPool:
+          PSFLOW_RETURN_IF_ERROR(st->gap[i]->Forward(x, y));
+          break;
+        case LayerSpec::kAdd:
+          PSFLOW_RETURN_IF_ERROR(backend_->Add(x, st->acts[l.other_act]->data(), y,
+                                               static_cast<int64_t>(st->acts[i + 1]->size())));
+          break;
+        case LayerSpec::KIND_NOT_SET:
+          return absl::InternalError("layer without kind");
+      }
+      return absl::OkStatus();
     }));
   }
   return Timed(-1, "loss forward", [&] {
     return st->loss->Forward(st->acts.back()->data(), reinterpret_cast<const int32_t*>(st->labels->data()),
                              st->probs->data(), st->stats->data());
   });
-}
-
-absl::Status Network::Contribute(BatchState* st, int act, const std::function<absl::Status(float*)>& produce) {
-  if (!st->grad_written[act]) {
-    PSFLOW_RETURN_IF_ERROR(produce(st->dacts[act]->data()));
-    st->grad_written[act] = true;
-    return absl::OkStatus();
-  }
-  PSFLOW_RETURN_IF_ERROR(produce(st->scratch->data()));
-  float* d = st->dacts[act]->data();
-  return backend_->Add(d, st->scratch->data(), d, static_cast<int64_t>(st->dacts[act]->size()));
 }
 
 absl::Status Network::QueueBackward(BatchState* st) {
@@ -315,74 +304,61 @@ absl::Status Network::QueueBackward(BatchState* st) {
     const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
     float* dw = l.first >= 0 ? grads_[l.first]->data() : nullptr;
     float* db = l.second >= 0 ? grads_[l.second]->data() : nullptr;
-    // The model input's gradient is never needed.
-    const bool need_dx = l.in_act > 0;
+    // The gradient of the layer's input (the model input's is never needed;
+    // add layers pass theirs on below). The first contribution to an
+    // activation's gradient is written in place; later ones go to scratch and
+    // are added to it.
+    const bool need_dx = l.in_act > 0 && l.kind != LayerSpec::kAdd;
+    const bool acc = need_dx && st->grad_written[l.in_act];
+    float* dx = !need_dx ? nullptr : acc ? st->scratch->data() : st->dacts[l.in_act]->data();
     PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "backward", [&]() -> absl::Status {
-    switch (l.kind) {
-      case LayerSpec::kConv2D:
-        if (!need_dx) {
-          PSFLOW_RETURN_IF_ERROR(st->conv[i]->Backward(x, w, dy, nullptr, dw, db));
-        } else {
-          PSFLOW_RETURN_IF_ERROR(Contribute(st, l.in_act, [&](float* dx) {
-            return st->conv[i]->Backward(x, w, dy, dx, dw, db);
-          }));
-        }
-        break;
-      case LayerSpec::kDense:
-        if (!need_dx) {
-          PSFLOW_RETURN_IF_ERROR(st->dense[i]->Backward(x, w, dy, nullptr, dw, db));
-        } else {
-          PSFLOW_RETURN_IF_ERROR(Contribute(st, l.in_act, [&](float* dx) {
-            return st->dense[i]->Backward(x, w, dy, dx, dw, db);
-          }));
-        }
-        break;
-      case LayerSpec::kBatchNorm:
-        if (!need_dx) {
-          PSFLOW_RETURN_IF_ERROR(st->norm[i]->Backward(x, w, dy, st->scratch->data(), dw, db));
-        } else {
-          PSFLOW_RETURN_IF_ERROR(Contribute(st, l.in_act, [&](float* dx) {
-            return st->norm[i]->Backward(x, w, dy, dx, dw, db);
-          }));
-        }
-        break;
-      case LayerSpec::kMaxPool:
-        if (need_dx) {
-          PSFLOW_RETURN_IF_ERROR(
-              Contribute(st, l.in_act, [&](float* dx) { return st->pool[i]->Backward(dy, dx); }));
-        }
-        break;
-      case LayerSpec::kRelu:
-        if (need_dx) {
-          PSFLOW_RETURN_IF_ERROR(
-              Contribute(st, l.in_act, [&](float* dx) { return st->relu[i]->Backward(x, dy, dx); }));
-        }
-        break;
-      case LayerSpec::kGlobalAvgPool:
-        if (need_dx) {
-          PSFLOW_RETURN_IF_ERROR(
-              Contribute(st, l.in_act, [&](float* dx) { return st->gap[i]->Backward(dy, dx); }));
-        }
-        break;
-      case LayerSpec::kAdd: {
-        // The sum passes its gradient unchanged to both operands.
-        const int64_t size = static_cast<int64_t>(st->dacts[i + 1]->size());
-        for (int act : {l.in_act, l.other_act}) {
-          if (act == 0) continue;
-          float* d = st->dacts[act]->data();
-          if (!st->grad_written[act]) {
-            PSFLOW_RETURN_IF_ERROR(backend_->Copy(dy, d, size));
-            st->grad_written[act] = true;
-          } else {
-            PSFLOW_RETURN_IF_ERROR(backend_->Add(d, dy, d, size));
+      switch (l.kind) {
+        case LayerSpec::kConv2D:
+          PSFLOW_RETURN_IF_ERROR(st->conv[i]->Backward(x, w, dy, dx, dw, db));
+          break;
+        case LayerSpec::kDense:
+          PSFLOW_RETURN_IF_ERROR(st->dense[i]->Backward(x, w, dy, dx, dw, db));
+          break;
+        case LayerSpec::kBatchNorm:
+          // Batch norm always writes an input gradient: scratch takes an unneeded one.
+          PSFLOW_RETURN_IF_ERROR(st->norm[i]->Backward(x, w, dy, dx != nullptr ? dx : st->scratch->data(), dw, db));
+          break;
+        case LayerSpec::kMaxPool:
+          if (need_dx) PSFLOW_RETURN_IF_ERROR(st->pool[i]->Backward(dy, dx));
+          break;
+        case LayerSpec::kRelu:
+          if (need_dx) PSFLOW_RETURN_IF_ERROR(st->relu[i]->Backward(x, dy, dx));
+          break;
+        case LayerSpec::kGlobalAvgPool:
+          if (need_dx) PSFLOW_RETURN_IF_ERROR(st->gap[i]->Backward(dy, dx));
+          break;
+        case LayerSpec::kAdd: {
+          // The sum passes its gradient unchanged to both operands.
+          const int64_t size = static_cast<int64_t>(st->dacts[i + 1]->size());
+          for (int act : {l.in_act, l.other_act}) {
+            if (act == 0) continue;
+            float* d = st->dacts[act]->data();
+            if (!st->grad_written[act]) {
+              PSFLOW_RETURN_IF_ERROR(backend_->Copy(dy, d, size));
+              st->grad_written[act] = true;
+            } else {
+              PSFLOW_RETURN_IF_ERROR(backend_->Add(d, dy, d, size));
+            }
           }
+          break;
         }
-        break;
+        case LayerSpec::KIND_NOT_SET:
+          return absl::InternalError("layer without kind");
       }
-      case LayerSpec::KIND_NOT_SET:
-        return absl::InternalError("layer without kind");
-    }
-    return absl::OkStatus();
+      if (need_dx) {
+        if (acc) {
+          float* d = st->dacts[l.in_act]->data();
+          PSFLOW_RETURN_IF_ERROR(
+              backend_->Add(d, st->scratch->data(), d, static_cast<int64_t>(st->dacts[l.in_act]->size())));
+        }
+        st->grad_written[l.in_act] = true;
+      }
+      return absl::OkStatus();
     }));
   }
   return absl::OkStatus();
@@ -404,7 +380,7 @@ absl::Status Network::QueueTrain(BatchState* st) {
   return absl::OkStatus();
 }
 
-absl::Status Network::Timed(int layer, const char* pass, const std::function<absl::Status()>& fn) {
+absl::Status Network::Timed(int layer, const char* pass, absl::FunctionRef<absl::Status()> fn) {
   if (!options_.profile) return fn();
   const std::string name = layer < 0 ? pass : absl::StrCat(spec_.layer(layer).name(), " ", pass);
   PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "kernels/kernels.h"
 #include "model/spec.h"
@@ -103,13 +104,10 @@ class Network {
   absl::Status QueueForward(BatchState* st);
   absl::Status QueueBackward(BatchState* st);
   absl::Status QueueTrain(BatchState* st);
-  // Adds (or writes, if it is the first) a gradient contribution for
-  // activation `act`; `produce` writes it into the pointer it is given.
-  absl::Status Contribute(BatchState* st, int act, const std::function<absl::Status(float*)>& produce);
   absl::Status Run(BatchState* st, bool train);
   // Runs fn; with options_.profile, waits for the device and adds the time to
   // layer_times_ under "<layer name> <pass>" (just `pass` for layer -1).
-  absl::Status Timed(int layer, const char* pass, const std::function<absl::Status()>& fn);
+  absl::Status Timed(int layer, const char* pass, absl::FunctionRef<absl::Status()> fn);
 
   ModelSpec spec_;
   kernels::Backend* backend_;

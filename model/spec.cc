@@ -200,7 +200,17 @@ absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec) {
   return wiring;
 }
 
-absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& spec) {
+namespace {
+
+// What checking a spec finds out: the activation shape after each layer and
+// the layers each one reads.
+struct Analysis {
+  std::vector<ActivationShape> shapes;
+  std::vector<LayerWiring> wiring;
+};
+
+// The checks of ValidateModelSpec, in one pass over the spec.
+absl::StatusOr<Analysis> Analyze(const ModelSpec& spec) {
   const InputSpec& in = spec.input();
   if (in.channels() <= 0 || in.height() <= 0 || in.width() <= 0) {
     return absl::InvalidArgumentError("input needs positive channels, height and width");
@@ -226,11 +236,13 @@ absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& 
   absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
   if (!wiring.ok()) return wiring.status();
   const ActivationShape model_in{in.channels(), in.height(), in.width()};
-  std::vector<ActivationShape> shapes;
+  Analysis result;
+  result.wiring = *std::move(wiring);
+  std::vector<ActivationShape>& shapes = result.shapes;
   int64_t params = 0;
   for (int i = 0; i < spec.layer_size(); ++i) {
     const LayerSpec& layer = spec.layer(i);
-    const LayerWiring& w = (*wiring)[i];
+    const LayerWiring& w = result.wiring[i];
     const ActivationShape cur = w.input < 0 ? model_in : shapes[w.input];
     if (cur.size() > kMaxParameters) {
       return LayerError(layer, absl::StrCat("its input has more than ", kMaxParameters, " values"));
@@ -302,24 +314,15 @@ absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& 
     return absl::InvalidArgumentError(
         absl::StrCat("the last layer must be dense with num_classes (", spec.num_classes(), ") units"));
   }
-  return shapes;
+  return result;
 }
 
-std::vector<LayerVariables> LayerVariableIndices(const ModelSpec& spec) {
-  std::vector<LayerVariables> out;
-  int next = 0;
-  for (const LayerSpec& layer : spec.layer()) {
-    LayerVariables v;
-    if (layer.has_conv2d() || layer.has_dense()) {
-      v.first = next++;
-      if (!(layer.has_conv2d() && layer.conv2d().no_bias())) v.second = next++;
-    } else if (layer.has_batch_norm()) {
-      v.first = next++;
-      v.second = next++;
-    }
-    out.push_back(v);
-  }
-  return out;
+}  // namespace
+
+absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& spec) {
+  absl::StatusOr<Analysis> analysis = Analyze(spec);
+  if (!analysis.ok()) return analysis.status();
+  return std::move(analysis->shapes);
 }
 
 namespace {
@@ -330,36 +333,48 @@ struct VariableInit {
   VariableShape shape;
   Init init = Init::kFanIn;
   int64_t fan_in = 1;
+  int layer = -1;  // index of the layer that owns it
 };
 
+// The one place that says which layer owns which variables, in what order.
+// Empty for an invalid spec.
 std::vector<VariableInit> Variables(const ModelSpec& spec) {
   std::vector<VariableInit> vars;
-  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
-  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
-  if (!shapes.ok() || !wiring.ok()) return vars;
+  absl::StatusOr<Analysis> analysis = Analyze(spec);
+  if (!analysis.ok()) return vars;
   const ActivationShape model_in{spec.input().channels(), spec.input().height(), spec.input().width()};
   for (int i = 0; i < spec.layer_size(); ++i) {
     const LayerSpec& layer = spec.layer(i);
-    const int src = (*wiring)[i].input;
-    const ActivationShape in = src < 0 ? model_in : (*shapes)[src];
+    const int src = analysis->wiring[i].input;
+    const ActivationShape in = src < 0 ? model_in : analysis->shapes[src];
     if (layer.has_conv2d()) {
       const int64_t k = layer.conv2d().kernel(), f = layer.conv2d().filters();
       const int64_t fan_in = int64_t{in.channels} * k * k;
-      vars.push_back({{layer.name() + "/weights", {f, in.channels, k, k}}, Init::kFanIn, fan_in});
-      if (!layer.conv2d().no_bias()) vars.push_back({{layer.name() + "/bias", {f}}, Init::kFanIn, fan_in});
+      vars.push_back({{layer.name() + "/weights", {f, in.channels, k, k}}, Init::kFanIn, fan_in, i});
+      if (!layer.conv2d().no_bias()) vars.push_back({{layer.name() + "/bias", {f}}, Init::kFanIn, fan_in, i});
     } else if (layer.has_dense()) {
       const int64_t u = layer.dense().units();
-      vars.push_back({{layer.name() + "/weights", {u, in.size()}}, Init::kFanIn, in.size()});
-      vars.push_back({{layer.name() + "/bias", {u}}, Init::kFanIn, in.size()});
+      vars.push_back({{layer.name() + "/weights", {u, in.size()}}, Init::kFanIn, in.size(), i});
+      vars.push_back({{layer.name() + "/bias", {u}}, Init::kFanIn, in.size(), i});
     } else if (layer.has_batch_norm()) {
-      vars.push_back({{layer.name() + "/gamma", {in.channels}}, Init::kOnes, 1});
-      vars.push_back({{layer.name() + "/beta", {in.channels}}, Init::kZeros, 1});
+      vars.push_back({{layer.name() + "/gamma", {in.channels}}, Init::kOnes, 1, i});
+      vars.push_back({{layer.name() + "/beta", {in.channels}}, Init::kZeros, 1, i});
     }
   }
   return vars;
 }
 
 }  // namespace
+
+std::vector<LayerVariables> LayerVariableIndices(const ModelSpec& spec) {
+  std::vector<LayerVariables> out(static_cast<size_t>(spec.layer_size()));
+  const std::vector<VariableInit> vars = Variables(spec);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    LayerVariables& owner = out[static_cast<size_t>(vars[v].layer)];
+    (owner.first < 0 ? owner.first : owner.second) = static_cast<int>(v);
+  }
+  return out;
+}
 
 std::vector<VariableShape> ModelVariables(const ModelSpec& spec) {
   std::vector<VariableShape> out;

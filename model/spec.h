@@ -50,7 +50,8 @@ absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec);
 std::vector<VariableShape> ModelVariables(const ModelSpec& spec);
 
 // Per layer, the indices into ModelVariables of its variables: weights and
-// bias, or gamma and beta; -1 where it has none.
+// bias, or gamma and beta; -1 where it has none (everywhere for an invalid
+// spec, whose ModelVariables is empty).
 struct LayerVariables {
   int first = -1, second = -1;
 };

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/cluster_flags.h"
+#include "common/exit_codes.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/signals.h"
@@ -18,7 +19,7 @@ ABSL_FLAG(std::string, device, "cpu",
           "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
           "The parameter servers stay on CPUs either way.");
 ABSL_FLAG(int, startup_timeout, 300,
-          "Seconds to keep retrying to reach the chief before exiting with code 138.");
+          "Seconds to keep retrying to reach the chief or a ps before exiting with code 138.");
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -52,7 +53,9 @@ int main(int argc, char** argv) {
     PSLOG(INFO) << "signal " << sig << ": stopping after the call in flight";
     worker.Stop(sig);
     // Calls in flight are cancelled; do not wait for more than a few seconds.
-    if (done.wait_for(std::chrono::seconds(6)) != std::future_status::ready) std::_Exit(128 + sig);
+    if (done.wait_for(std::chrono::seconds(6)) != std::future_status::ready) {
+      std::_Exit(psflow::ExitCodeForSignal(sig));
+    }
   });
   int code = worker.Run();
   result.set_value(code);

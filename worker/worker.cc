@@ -164,7 +164,7 @@ int Worker::Impl::Register() {
     }
     absl::SleepFor(backoff.Next());  // retry backoff towards a chief that is not up yet
   }
-  if (stop_signal() != 0) return 128 + stop_signal();
+  if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
   PSLOG(ERROR) << "chief " << options_.cluster.cluster.chief[0] << " unreachable after "
                << options_.startup_timeout << ": " << last.message();
   return kExitUnreachable;
@@ -349,11 +349,11 @@ int Worker::Impl::Train(int64_t start) {
       absl::MutexLock lock(&mu_);
       if (reregister_) return kRegisterAgain;
     }
-    if (stop_signal() != 0) return 128 + stop_signal();
+    if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
     const absl::Time t0 = absl::Now();
     int64_t version = 0, wait_us = 0;
     absl::Status s = PullAll(step, &version, &wait_us);
-    if (stop_signal() != 0) return 128 + stop_signal();
+    if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
     if (JobChanged(s)) return kRegisterAgain;
     if (!s.ok()) {
       PSLOG(ERROR) << "pull failed: " << s.message();
@@ -380,7 +380,7 @@ int Worker::Impl::Train(int64_t start) {
     }
     const absl::Time t2 = absl::Now();
     s = PushAll(step);
-    if (stop_signal() != 0) return 128 + stop_signal();
+    if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
     if (JobChanged(s)) return kRegisterAgain;
     if (!s.ok()) {
       PSLOG(ERROR) << "push failed: " << s.message();
@@ -436,27 +436,28 @@ int Worker::Impl::RunTraining() {
       code = Register();
       if (code == kExitDone) continue;
     }
-    absl::MutexLock lock(&mu_);
-    if (code != kExitDone) {
-      training_failed_ = true;  // ends the report loop
-      break;
+    {
+      absl::MutexLock lock(&mu_);
+      if (code != kExitDone) {
+        training_failed_ = true;  // ends the report loop
+        break;
+      }
+      finished_ = true;
+      PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
+      auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return released_ || stop_signal_ != 0 || report_error_ != 0 || reregister_;
+      };
+      mu_.Await(absl::Condition(&over));
+      if (released_) break;
+      if (stop_signal_ != 0 || report_error_ != 0) {
+        code = stop_signal_ != 0 ? ExitCodeForSignal(stop_signal_) : report_error_;
+        break;
+      }
+      finished_ = false;  // the chief went back to a checkpoint: train on
     }
-    finished_ = true;
-    PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
-    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return released_ || stop_signal_ != 0 || report_error_ != 0 || reregister_;
-    };
-    mu_.Await(absl::Condition(&over));
-    if (released_) break;
-    if (stop_signal_ != 0 || report_error_ != 0) {
-      code = stop_signal_ != 0 ? ExitCodeForSignal(stop_signal_) : report_error_;
-      break;
-    }
-    finished_ = false;  // the chief went back to a checkpoint: train on
-    mu_.Unlock();
     code = Register();
-    mu_.Lock();
     if (code != kExitDone) {
+      absl::MutexLock lock(&mu_);
       training_failed_ = true;
       break;
     }

@@ -525,9 +525,7 @@ TEST_F(NetworkTest, StandardizesInputsAsTheSpecSays) {
   standardized.mutable_input()->set_stddev(0.5f);
   absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(standardized, backend_.get());
   ASSERT_TRUE(net.ok()) << net.status();
-  std::vector<const float*> ptrs;
-  for (const auto& v : weights_) ptrs.push_back(v.data());
-  ASSERT_TRUE((*net)->SetWeights(ptrs).ok());
+  ASSERT_TRUE(SetNetWeights(**net, weights_).ok());
   absl::StatusOr<Network::Result> got = (*net)->Evaluate(images_.data(), labels_.data(), kBatch);
   ASSERT_TRUE(got.ok()) << got.status();
 

@@ -245,13 +245,16 @@ TEST(SpecTest, ResidualSpecInTextFormatLoads) {
   EXPECT_EQ(lv[9].second, 9);
 }
 
-// Wiring mistakes: INVALID_ARGUMENT naming the layer, from ValidateModelSpec,
-// ResolveWiring and ResolveModelSpec alike.
+// Wiring and add-shape mistakes: INVALID_ARGUMENT naming the layer, from
+// ValidateModelSpec and ResolveModelSpec alike, and no variables. ResolveWiring
+// gives the same answer for wiring mistakes and resolves the wiring of specs
+// whose only fault is a shape mismatch.
 TEST(SpecTest, WiringErrorsNameTheLayer) {
   struct Case {
     const char* what;
     const char* layers;
     const char* message;
+    bool wiring_resolves = false;  // a shape mismatch, not a wiring mistake
   };
   const Case cases[] = {
       {"input names an unknown layer",
@@ -275,13 +278,13 @@ TEST(SpecTest, WiringErrorsNameTheLayer) {
        "layer { name: \"c\" conv2d { filters: 2 kernel: 3 padding: 1 } } layer { name: \"r\" relu {} } "
        "layer { name: \"p\" max_pool { size: 2 } } layer { name: \"s\" add { other: \"r\" } } "
        "layer { name: \"d\" dense { units: 3 } }",
-       "layer 's': adds 2x8x8 from 'r' to its 2x4x4 input"},
+       "layer 's': adds 2x8x8 from 'r' to its 2x4x4 input", true},
       {"add channels differ",
        "layer { name: \"c\" conv2d { filters: 2 kernel: 3 padding: 1 } } "
        "layer { name: \"s\" add { other: \"c\" } input: \"c\" } "
        "layer { name: \"c3\" input: \"s\" conv2d { filters: 3 kernel: 1 } } "
        "layer { name: \"s2\" add { other: \"s\" } } layer { name: \"d\" dense { units: 3 } }",
-       "layer 's2': adds 2x8x8 from 's' to its 3x8x8 input"},
+       "layer 's2': adds 2x8x8 from 's' to its 3x8x8 input", true},
       {"an output never read",
        "layer { name: \"c\" conv2d { filters: 2 kernel: 3 } } layer { name: \"dead\" relu {} } "
        "layer { name: \"d\" input: \"c\" dense { units: 3 } }",
@@ -302,9 +305,14 @@ TEST(SpecTest, WiringErrorsNameTheLayer) {
     EXPECT_EQ(resolved.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(resolved.status().message()), HasSubstr(c.message));
     EXPECT_TRUE(ModelVariables(spec).empty());
+    absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
+    if (c.wiring_resolves) {
+      EXPECT_TRUE(wiring.ok()) << wiring.status();
+    } else {
+      EXPECT_EQ(wiring.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(wiring.status().message()), HasSubstr(c.message));
+    }
   }
-  // Shape mismatches are found by ValidateModelSpec; the wiring itself
-  // resolves.
   const ModelSpec unknown = Parse(
       "input { channels: 1 height: 8 width: 8 } num_classes: 3 "
       "layer { name: \"a\" relu {} } layer { name: \"b\" input: \"nope\" dense { units: 3 } }");

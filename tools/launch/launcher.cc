@@ -80,12 +80,29 @@ void EmitLines(Child& c, const char* data, size_t n, bool flush) {
   }
 }
 
-bool Spawn(Child& c, const std::string& binary, const std::vector<std::string>& args, const sigset_t& old_mask) {
+// Flushes the last partial line of c's output and closes its pipe.
+void ClosePipe(Child& c) {
+  EmitLines(c, "", 0, true);
+  ::close(c.out);
+  c.out = -1;
+}
+
+// Starts c.binary with c.args, its output on a new pipe c.out. False, with
+// errno set, when it cannot.
+bool Spawn(Child& c, const sigset_t& old_mask) {
+  const std::string& binary = c.binary;
+  const std::vector<std::string>& args = c.args;
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return false;
   const pid_t parent = ::getpid();
   pid_t pid = ::fork();
-  if (pid < 0) return false;
+  if (pid < 0) {
+    const int err = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    errno = err;
+    return false;
+  }
   if (pid == 0) {
     // Own process group: the terminal's Ctrl-C reaches the launcher only,
     // which forwards it once. Die with the launcher, however it ends.
@@ -145,7 +162,7 @@ int RunCluster(const LaunchOptions& o) {
     c.args.insert(c.args.end(), cluster.begin(), cluster.end());
     c.args.insert(c.args.end(), extra.begin(), extra.end());
     c.binary = absl::StrCat(o.bin_dir, "/psflow-", role);
-    if (!Spawn(c, c.binary, c.args, old_mask)) {
+    if (!Spawn(c, old_mask)) {
       Say(absl::StrCat("cannot start ", name, ": ", std::strerror(errno)));
       return false;
     }
@@ -176,6 +193,19 @@ int RunCluster(const LaunchOptions& o) {
     signal_all(SIGTERM);
     terminated_at = absl::Now();
   }
+  // c has exited with c.code and will not run again: the chief's exit decides
+  // the result; another process failing first stops the cluster.
+  auto exited_for_good = [&](Child& c) {
+    if (&c == &children[0]) {
+      if (result < 0) result = c.code;
+      chief_exit = absl::Now();
+    } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture()) {
+      Say(absl::StrCat(c.name, " failed; stopping the cluster"));
+      result = c.code;
+      signal_all(SIGTERM);
+      terminated_at = absl::Now();
+    }
+  };
 
   while (true) {
     std::vector<pollfd> fds;
@@ -205,9 +235,7 @@ int RunCluster(const LaunchOptions& o) {
       if (n > 0) {
         EmitLines(c, buf, static_cast<size_t>(n), false);
       } else if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
-        EmitLines(c, "", 0, true);
-        ::close(c.out);
-        c.out = -1;
+        ClosePipe(c);
       }
     }
     // Reap.
@@ -225,15 +253,7 @@ int RunCluster(const LaunchOptions& o) {
           ++restarts;
           continue;
         }
-        if (&c == &children[0]) {
-          if (result < 0) result = c.code;
-          chief_exit = absl::Now();
-        } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture()) {
-          Say(absl::StrCat(c.name, " failed; stopping the cluster"));
-          result = c.code;
-          signal_all(SIGTERM);
-          terminated_at = absl::Now();
-        }
+        exited_for_good(c);
       }
     }
     for (Child& c : children) {
@@ -244,17 +264,14 @@ int RunCluster(const LaunchOptions& o) {
       }
       if (c.restart_at > absl::Now()) continue;
       c.restart_at = absl::InfiniteFuture();
-      if (c.out >= 0) {  // the old pipe's last lines
-        EmitLines(c, "", 0, true);
-        ::close(c.out);
-        c.out = -1;
-      }
-      c.partial.clear();
-      if (Spawn(c, c.binary, c.args, old_mask)) {
+      if (c.out >= 0) ClosePipe(c);  // the old pipe's last lines
+      if (Spawn(c, old_mask)) {
         c.exited = false;
         Say(absl::StrCat("restarted ", c.name, " (restart ", restarts, " of at most ", o.max_restarts, ")"));
       } else {
         Say(absl::StrCat("cannot restart ", c.name, ": ", std::strerror(errno)));
+        // Its last exit is final, as if it had not been restartable.
+        exited_for_good(c);
       }
     }
     bool all_exited = true, all_closed = true;

@@ -22,7 +22,9 @@ struct LaunchOptions {
   // has exited, before they are terminated.
   int grace_seconds = 15;
   // Like a Kubernetes restartPolicy: OnFailure, start a process again (after
-  // a second) when it exits non-zero, up to max_restarts times in all.
+  // a second) when it exits non-zero, up to max_restarts times in all. A
+  // process that cannot be started again counts as exited for good with its
+  // last code.
   bool restart_on_failure = false;
   int max_restarts = 20;
 };
