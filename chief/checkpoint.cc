@@ -4,8 +4,6 @@
 #include <cstring>
 #include <filesystem>
 
-#include <zlib.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -21,10 +19,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr char kPrefix[] = "ckpt-";
-
-uint32_t Crc32(const char* data, size_t n) {
-  return static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(data), static_cast<uInt>(n)));
-}
 
 // Checkpoint directories by step, newest first ("ckpt-<digits>" only).
 std::vector<std::pair<int64_t, fs::path>> ListCheckpoints(const std::string& dir) {
@@ -58,7 +52,7 @@ absl::StatusOr<Checkpoint> ReadOne(const fs::path& path) {
         t.offset() + t.bytes() > static_cast<int64_t>(data->size())) {
       return absl::DataLossError(absl::StrCat("tensor '", t.name(), "' ", t.slot(), " does not fit the data"));
     }
-    if (Crc32(data->data() + t.offset(), static_cast<size_t>(t.bytes())) != t.crc32()) {
+    if (Crc32(absl::string_view(data->data() + t.offset(), static_cast<size_t>(t.bytes()))) != t.crc32()) {
       return absl::DataLossError(absl::StrCat("checksum mismatch in '", t.name(), "' ", t.slot()));
     }
     CheckpointTensorData d;
@@ -98,7 +92,7 @@ absl::Status WriteCheckpoint(const std::string& model_dir, const Checkpoint& che
     entry->set_offset(static_cast<int64_t>(data.size()));
     entry->set_bytes(static_cast<int64_t>(t.values.size() * sizeof(float)));
     const char* bytes = reinterpret_cast<const char*>(t.values.data());
-    entry->set_crc32(Crc32(bytes, t.values.size() * sizeof(float)));
+    entry->set_crc32(Crc32(absl::string_view(bytes, t.values.size() * sizeof(float))));
     data.append(bytes, t.values.size() * sizeof(float));
   }
   manifest.set_data_bytes(static_cast<int64_t>(data.size()));

@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <atomic>
-#include <random>
 #include <thread>
 
+#include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/random/distributions.h"
+#include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -21,6 +22,7 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
+#include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 #include "data/mnist.h"
 #include "data/synthetic.h"
@@ -42,6 +44,20 @@ struct TrainingDataStats {
   double mean = 0, stddev = 0;
 };
 
+// Sets stats->mean and stats->stddev from `pixels`, divided by `scale` to
+// bring them to [0, 1] (255 for IDX bytes, 1 for floats already there).
+template <typename Pixel>
+void SetPixelStats(const std::vector<Pixel>& pixels, double scale, TrainingDataStats* stats) {
+  double sum = 0, sum_sq = 0;
+  for (Pixel p : pixels) {
+    sum += p;
+    sum_sq += static_cast<double>(p) * p;
+  }
+  const double n = static_cast<double>(pixels.size());
+  stats->mean = sum / n / scale;
+  stats->stddev = std::sqrt(std::max(sum_sq / n - (sum / n) * (sum / n), 0.0)) / scale;
+}
+
 absl::StatusOr<TrainingDataStats> ReadTrainingDataStats(const std::string& data_dir) {
   absl::StatusOr<data::IdxFile> labels = data::ReadIdxFileInDir(data_dir, "train-labels-idx1-ubyte");
   if (!labels.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", labels.status().message()));
@@ -55,14 +71,7 @@ absl::StatusOr<TrainingDataStats> ReadTrainingDataStats(const std::string& data_
   stats.count = labels->dims[0];
   stats.height = images->dims[1];
   stats.width = images->dims[2];
-  double sum = 0, sum_sq = 0;
-  for (uint8_t p : images->data) {
-    sum += p;
-    sum_sq += static_cast<double>(p) * p;
-  }
-  const double n = static_cast<double>(images->data.size());
-  stats.mean = sum / n / 255.0;
-  stats.stddev = std::sqrt(std::max(sum_sq / n - (sum / n) * (sum / n), 0.0)) / 255.0;
+  SetPixelStats(images->data, 255.0, &stats);
   return stats;
 }
 
@@ -72,14 +81,7 @@ TrainingDataStats StatsOf(const data::Dataset& d) {
   stats.count = d.count;
   stats.height = d.height;
   stats.width = d.width;
-  double sum = 0, sum_sq = 0;
-  for (float p : d.images) {
-    sum += p;
-    sum_sq += static_cast<double>(p) * p;
-  }
-  const double n = static_cast<double>(d.images.size());
-  stats.mean = sum / n;
-  stats.stddev = std::sqrt(std::max(sum_sq / n - stats.mean * stats.mean, 0.0));
+  SetPixelStats(d.images, 1.0, &stats);
   return stats;
 }
 
@@ -105,10 +107,12 @@ absl::StatusOr<OptimizerConfig> MakeOptimizer(const ChiefOptions& o) {
   }
   config.set_learning_rate(o.learning_rate);
   // The ps will build the same optimizer: refuse here what they would refuse.
-  absl::StatusOr<std::unique_ptr<ps::Optimizer>> check = ps::Optimizer::Create(config);
-  if (!check.ok()) return check.status();
+  PSFLOW_RETURN_IF_ERROR(ps::Optimizer::Create(config).status());
   return config;
 }
+
+// A fresh random job id: calls that name an older one fail.
+uint64_t NewJobId() { return absl::Uniform<uint64_t>(absl::BitGen()); }
 
 }  // namespace
 
@@ -131,9 +135,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   absl::StatusOr<ModelSpec> spec = model::ResolveModelSpec(o.model);
   if (!spec.ok()) return spec.status();
   *job.mutable_model() = *spec;
-  absl::StatusOr<OptimizerConfig> opt = MakeOptimizer(o);
-  if (!opt.ok()) return opt.status();
-  *job.mutable_optimizer() = *opt;
+  PSFLOW_ASSIGN_OR_RETURN(*job.mutable_optimizer(), MakeOptimizer(o));
   const InputSpec& in = spec->input();
   absl::StatusOr<TrainingDataStats> stats;
   if (o.dataset == "synthetic") {
@@ -188,9 +190,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   job.set_num_workers(num_workers);
   job.set_num_ps(num_ps);
   job.set_compute_threads(o.compute_threads);
-  absl::StatusOr<Placement> placement = PlaceVariables(model::ModelVariables(*spec), num_ps);
-  if (!placement.ok()) return placement.status();
-  *job.mutable_placement() = *placement;
+  PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(), PlaceVariables(model::ModelVariables(*spec), num_ps));
   return job;
 }
 
@@ -225,9 +225,12 @@ class Chief::Impl final : public ::psflow::Chief::Service {
   void CheckWorkers();
   bool PsHealthy(int64_t* max_version);
   int Recover();
-  absl::Status TakeCheckpoint();
-  absl::Status TakeCheckpointOnce();
-  int SaveModel();
+  // On success, what was written is moved into *taken when one is given.
+  absl::Status TakeCheckpoint(Checkpoint* taken = nullptr);
+  absl::Status TakeCheckpointOnce(Checkpoint* taken);
+  // Writes the saved model from the values of `final_checkpoint` (one of
+  // step train_steps), or, without one, from the values pulled from the ps.
+  int SaveModel(Checkpoint* final_checkpoint);
   void ReleaseEveryone();
   absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
   uint64_t job_id() {
@@ -263,8 +266,7 @@ class Chief::Impl final : public ::psflow::Chief::Service {
 absl::Status Chief::Impl::BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version) {
   const uint64_t id = job_id();
   for (int p = 0; p < job_.num_ps(); ++p) {
-    absl::Status s = ps_->SetLiveWorkers(p, id, live, from_version, absl::Now() + absl::Seconds(10));
-    if (!s.ok()) return s;
+    PSFLOW_RETURN_IF_ERROR(ps_->SetLiveWorkers(p, id, live, from_version, absl::Now() + absl::Seconds(10)));
   }
   progress_->SetLiveWorkers(live);
   return absl::OkStatus();
@@ -388,8 +390,7 @@ bool Chief::Impl::TryAdopt() {
       if (!st.ok() || !st->holds_job()) return false;
       states.push_back(*std::move(st));
     }
-    JobConfig theirs = states[0].job();
-    bool same = theirs.SerializeAsString() == job_.SerializeAsString();
+    bool same = google::protobuf::util::MessageDifferencer::Equals(states[0].job(), job_);
     bool agree = true;
     for (const PsState& st : states) {
       same = same && st.job_id() == states[0].job_id() && st.live_workers_size() > 0;
@@ -522,7 +523,7 @@ int Chief::Impl::Recover() {
     absl::MutexLock lock(&mu_);
     ready_ = false;
     // A new job id: the workers' calls to the old one fail and they register again.
-    job_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+    job_id_ = NewJobId();
     finished_.clear();
   }
   absl::StatusOr<Weights> weights = InitialWeights();
@@ -535,17 +536,17 @@ int Chief::Impl::Recover() {
   return code;
 }
 
-absl::Status Chief::Impl::TakeCheckpoint() {
+absl::Status Chief::Impl::TakeCheckpoint(Checkpoint* taken) {
   // A ps may pass the chosen step between looking and asking: look again.
   absl::Status s;
   for (int attempt = 0; attempt < 5; ++attempt) {
-    s = TakeCheckpointOnce();
+    s = TakeCheckpointOnce(taken);
     if (!absl::IsFailedPrecondition(s)) return s;
   }
   return s;
 }
 
-absl::Status Chief::Impl::TakeCheckpointOnce() {
+absl::Status Chief::Impl::TakeCheckpointOnce(Checkpoint* taken) {
   int64_t target = 0;
   if (!PsHealthy(&target)) return absl::UnavailableError("a ps is not reachable");
   const uint64_t id = job_id();
@@ -553,19 +554,15 @@ absl::Status Chief::Impl::TakeCheckpointOnce() {
   // already, at once): one consistent step across shards, taken while
   // training goes on.
   const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
-  absl::StatusOr<std::unique_ptr<ps::Optimizer>> opt = ps::Optimizer::Create(job_.optimizer());
-  if (!opt.ok()) return opt.status();
-  const std::vector<std::string> slots = (*opt)->SlotNames();
+  const std::vector<std::string> slots = ps::Optimizer::SlotNames(job_.optimizer().kind());
+  // Variable i's value, then its slots, are ckpt.tensors[i * per_var, (i + 1) * per_var).
+  const size_t per_var = slots.size() + 1;
   Checkpoint ckpt;
-  std::vector<std::vector<CheckpointTensorData*>> by_var(vars.size());
   for (size_t i = 0; i < vars.size(); ++i) {
-    for (size_t k = 0; k <= slots.size(); ++k) {
+    for (size_t k = 0; k < per_var; ++k) {
       ckpt.tensors.push_back({vars[i].name, k == 0 ? "" : slots[k - 1], vars[i].shape,
                               std::vector<float>(NumElements(vars[i].shape))});
     }
-  }
-  for (size_t i = 0; i < vars.size(); ++i) {
-    for (size_t k = 0; k <= slots.size(); ++k) by_var[i].push_back(&ckpt.tensors[i * (slots.size() + 1) + k]);
   }
   std::vector<absl::Status> results(job_.num_ps());
   std::vector<std::thread> threads;
@@ -573,8 +570,9 @@ absl::Status Chief::Impl::TakeCheckpointOnce() {
     threads.emplace_back([&, p] {
       std::vector<TensorSink> sinks;
       for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
-        for (CheckpointTensorData* t : by_var[s.variable_index]) {
-          sinks.push_back({s.name, t->slot, s.slice_shape, t->values.data() + s.float_offset, true});
+        for (size_t k = 0; k < per_var; ++k) {
+          CheckpointTensorData& t = ckpt.tensors[s.variable_index * per_var + k];
+          sinks.push_back({s.name, t.slot, s.slice_shape, t.values.data() + s.float_offset, true});
         }
       }
       results[p] = ps_->Snapshot(p, id, target, std::move(sinks), absl::Now() + absl::Seconds(20));
@@ -600,12 +598,12 @@ absl::Status Chief::Impl::TakeCheckpointOnce() {
     pos->set_examples_done((target % job_.steps_per_epoch()) * job_.batch_size());
   }
   const absl::Time start = absl::Now();
-  absl::Status s = WriteCheckpoint(options_.model_dir, ckpt, options_.keep_checkpoints);
-  if (!s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(WriteCheckpoint(options_.model_dir, ckpt, options_.keep_checkpoints));
   last_checkpoint_step_ = target;
   last_checkpoint_time_ = absl::Now();
   PSLOG(INFO) << "checkpoint of step " << target << " written to " << CheckpointsDir(options_.model_dir) << " ("
               << absl::ToInt64Milliseconds(absl::Now() - start) << " ms)";
+  if (taken != nullptr) *taken = std::move(ckpt);
   return absl::OkStatus();
 }
 
@@ -649,24 +647,32 @@ int Chief::Impl::Supervise() {
   return ExitCodeForSignal(stop_signal_);
 }
 
-int Chief::Impl::SaveModel() {
-  const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
+int Chief::Impl::SaveModel(Checkpoint* final_checkpoint) {
   std::vector<std::vector<float>> values;
-  for (const VariableShape& v : vars) values.emplace_back(NumElements(v.shape));
-  const absl::Time deadline = absl::Now() + absl::Minutes(1);
-  const uint64_t id = job_id();
   int64_t version = -1;
-  for (int p = 0; p < job_.num_ps(); ++p) {
-    std::vector<TensorSink> sinks;
-    for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
-      sinks.push_back({s.name, "", s.slice_shape, values[s.variable_index].data() + s.float_offset, true});
+  if (final_checkpoint != nullptr) {
+    // The values (slot "") come in the variables' order.
+    for (CheckpointTensorData& t : final_checkpoint->tensors) {
+      if (t.slot.empty()) values.push_back(std::move(t.values));
     }
-    absl::StatusOr<PsClient::PullResult> r = ps_->Pull(p, id, job_.train_steps(), std::move(sinks), deadline);
-    if (!r.ok()) {
-      PSLOG(ERROR) << "cannot read the final weights: " << r.status().message();
-      return kExitRetryable;
+    version = final_checkpoint->manifest.step();
+  } else {
+    const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
+    for (const VariableShape& v : vars) values.emplace_back(NumElements(v.shape));
+    const absl::Time deadline = absl::Now() + absl::Minutes(1);
+    const uint64_t id = job_id();
+    for (int p = 0; p < job_.num_ps(); ++p) {
+      std::vector<TensorSink> sinks;
+      for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
+        sinks.push_back({s.name, "", s.slice_shape, values[s.variable_index].data() + s.float_offset, true});
+      }
+      absl::StatusOr<PsClient::PullResult> r = ps_->Pull(p, id, job_.train_steps(), std::move(sinks), deadline);
+      if (!r.ok()) {
+        PSLOG(ERROR) << "cannot read the final weights: " << r.status().message();
+        return kExitRetryable;
+      }
+      version = r->version;
     }
-    version = r->version;
   }
   const std::string dir = SavedModelDir();
   absl::Status s = model::WriteSavedModel(dir, job_.model(), version, values);
@@ -706,7 +712,7 @@ int Chief::Impl::Run() {
   job_ = *std::move(job);
   {
     absl::MutexLock lock(&mu_);
-    job_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+    job_id_ = NewJobId();
     for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
     last_seen_.assign(job_.num_workers(), absl::Now());
     ps_ = std::make_unique<PsClient>(options_.cluster.cluster.ps);
@@ -764,9 +770,13 @@ int Chief::Impl::Run() {
   const bool trained = code == kExitDone;
   if (trained) {
     // The last checkpoint holds the final step: a restarted job finds it done.
-    absl::Status s = TakeCheckpoint();
+    Checkpoint final_checkpoint;
+    absl::Status s = TakeCheckpoint(&final_checkpoint);
     if (!s.ok()) PSLOG(WARNING) << "no final checkpoint: " << s.message();
-    code = SaveModel();
+    // It holds the final weights too, unless a ps had gone past train_steps:
+    // then they are pulled again.
+    const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();
+    code = SaveModel(reuse ? &final_checkpoint : nullptr);
   }
   {
     absl::MutexLock lock(&mu_);

@@ -6,7 +6,6 @@
 #include <future>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "chief/chief.h"
 #include "common/cluster_flags.h"

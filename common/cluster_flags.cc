@@ -35,6 +35,9 @@ std::optional<int> NonNegative(int v) {
   return v;
 }
 
+// --exit_when_done: whether a role exits once the job is over.
+bool ExitWhenDone() { return absl::GetFlag(FLAGS_exit_when_done); }
+
 }  // namespace
 
 void ParseFlagsOrExit(int argc, char** argv, const std::string& usage) {
@@ -57,8 +60,6 @@ ClusterFlags GetClusterFlags() {
   f.evaluator_hosts = NonEmpty(absl::GetFlag(FLAGS_evaluator_hosts));
   return f;
 }
-
-bool ExitWhenDone() { return absl::GetFlag(FLAGS_exit_when_done); }
 
 int FinishOrIdle(int code, absl::Notification& terminated) {
   if (code != 0 || ExitWhenDone()) return code;

@@ -21,8 +21,6 @@ void ParseFlagsOrExit(int argc, char** argv, const std::string& usage);
 // The cluster flags as given (unset ones are nullopt).
 ClusterFlags GetClusterFlags();
 
-// --exit_when_done: whether a role exits once the job is over.
-bool ExitWhenDone();
 // A role's main returns FinishOrIdle(code, terminated): `code`, except that
 // after success with --exit_when_done=false it first waits until
 // `terminated` (notified by the termination-signal handler) and returns 0.

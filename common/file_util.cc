@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <zlib.h>
+
 #include "absl/strings/str_cat.h"
 
 namespace psflow {
@@ -79,6 +81,11 @@ absl::Status MakeDirectories(const std::string& path) {
   std::filesystem::create_directories(path, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create directory ", path, ": ", ec.message()));
   return absl::OkStatus();
+}
+
+uint32_t Crc32(absl::string_view bytes) {
+  return static_cast<uint32_t>(
+      crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
 }
 
 }  // namespace psflow

@@ -51,6 +51,25 @@ class ChunkSplitter {
   int64_t offset_ = 0;  // next byte of that tensor
 };
 
+// Writes `message` to `writer` (a gRPC client or server writer) once per
+// group of chunks from `splitter`, and once with no chunks if there are none,
+// so that what the first message carries besides chunks (a header, a version)
+// always gets through. Before each later group the chunks are cleared and
+// `strip(message)` drops what only the first message carries. Returns false
+// as soon as a write fails (nothing more is written).
+template <typename Writer, typename Message, typename Strip>
+bool WriteChunked(Writer* writer, ChunkSplitter& splitter, Message& message, Strip strip) {
+  bool more = splitter.Next(message.mutable_chunk());
+  while (true) {
+    if (!writer->Write(message)) return false;
+    if (!more) return true;
+    message.clear_chunk();
+    strip(message);
+    more = splitter.Next(message.mutable_chunk());
+    if (!more) return true;
+  }
+}
+
 struct TensorSink {
   std::string name;
   std::string slot;

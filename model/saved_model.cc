@@ -3,22 +3,12 @@
 #include <cstring>
 #include <filesystem>
 
-#include <zlib.h>
-
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/tensor_chunks.h"
 #include "model/spec.h"
 
 namespace psflow::model {
-namespace {
-
-uint32_t Crc32(const std::string& bytes) {
-  return static_cast<uint32_t>(
-      crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
-}
-
-}  // namespace
 
 absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int64_t global_step,
                              const std::vector<std::vector<float>>& values) {

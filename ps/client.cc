@@ -22,15 +22,17 @@ absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>*
   absl::Status bad;
   while (reader->Read(&response)) {
     if (!bad.ok()) continue;
-    if (!first.has_value()) {
-      first = response;
-      first->clear_chunk();
-    } else if (response.version() != first->version()) {
+    if (first.has_value() && response.version() != first->version()) {
       bad = absl::DataLossError("answer mixes versions");
     }
     for (const TensorChunk& chunk : response.chunk()) {
       if (!bad.ok()) break;
       bad = assembler->Add(chunk);
+    }
+    if (!first.has_value()) {
+      // Its chunks are in the assembler: keep the rest without copying them.
+      response.clear_chunk();
+      first = std::move(response);
     }
   }
   absl::Status s = FromGrpcStatus(reader->Finish());
@@ -97,15 +99,8 @@ absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<Tensor
   InitRequest request;
   *request.mutable_header() = header;
   ChunkSplitter splitter(std::move(tensors), kChunkBytes);
-  bool more = true;
-  bool first = true;
-  while (more) {
-    more = splitter.Next(request.mutable_chunk());
-    if (!more && !first) break;
-    if (!writer->Write(request)) break;  // the status below says why
-    request.Clear();
-    first = false;
-  }
+  // A failed write is explained by the status below.
+  WriteChunked(writer.get(), splitter, request, [](InitRequest& r) { r.Clear(); });
   writer->WritesDone();
   return WithPs(ps, FromGrpcStatus(writer->Finish()));
 }
@@ -141,15 +136,7 @@ absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, st
   PushRequest request;
   *request.mutable_header() = header;
   ChunkSplitter splitter(std::move(grads), kChunkBytes);
-  bool first = true;
-  while (true) {
-    bool more = splitter.Next(request.mutable_chunk());
-    if (!more && !first) break;
-    if (!writer->Write(request)) break;
-    request.Clear();
-    first = false;
-    if (!more) break;
-  }
+  WriteChunked(writer.get(), splitter, request, [](PushRequest& r) { r.Clear(); });
   writer->WritesDone();
   absl::Status s = FromGrpcStatus(writer->Finish());
   if (!s.ok()) return WithPs(ps, s);

@@ -2,7 +2,6 @@
 // loads onto it, applies the optimizer, and exits 0 when the chief says the
 // job is done (or 143 on SIGTERM, after in-flight calls finish).
 #include <atomic>
-#include <cstdio>
 #include <mutex>
 #include <memory>
 

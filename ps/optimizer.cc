@@ -35,7 +35,7 @@ PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size,
 class Sgd : public Optimizer {
  public:
   explicit Sgd(float lr) : lr_(lr) {}
-  std::vector<std::string> SlotNames() const override { return {}; }
+  std::vector<std::string> SlotNames() const override { return Optimizer::SlotNames(OptimizerConfig::SGD); }
   void Apply(int64_t, float* w, const float* g, int64_t n, const std::vector<float*>&) const override {
     SgdLoop(lr_, w, g, n);
   }
@@ -47,7 +47,9 @@ class Sgd : public Optimizer {
 class Momentum : public Optimizer {
  public:
   Momentum(float lr, float mu) : lr_(lr), mu_(mu) {}
-  std::vector<std::string> SlotNames() const override { return {"momentum"}; }
+  std::vector<std::string> SlotNames() const override {
+    return Optimizer::SlotNames(OptimizerConfig::MOMENTUM);
+  }
   void Apply(int64_t, float* w, const float* g, int64_t n, const std::vector<float*>& slots) const override {
     MomentumLoop(lr_, mu_, w, g, slots[0], n);
   }
@@ -59,7 +61,7 @@ class Momentum : public Optimizer {
 class Adam : public Optimizer {
  public:
   Adam(float lr, float b1, float b2, float eps) : lr_(lr), b1_(b1), b2_(b2), eps_(eps) {}
-  std::vector<std::string> SlotNames() const override { return {"m", "v"}; }
+  std::vector<std::string> SlotNames() const override { return Optimizer::SlotNames(OptimizerConfig::ADAM); }
   void Apply(int64_t step, float* w, const float* g, int64_t n, const std::vector<float*>& slots) const override {
     // As torch.optim.Adam: w -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps).
     const double t = static_cast<double>(step + 1);
@@ -80,6 +82,17 @@ PSFLOW_VECTOR_LOOP void AddInto(float* sum, const float* x, int64_t n) {
 
 PSFLOW_VECTOR_LOOP void ScaleInPlace(float* x, float factor, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+std::vector<std::string> Optimizer::SlotNames(OptimizerConfig::Kind kind) {
+  switch (kind) {
+    case OptimizerConfig::MOMENTUM:
+      return {"momentum"};
+    case OptimizerConfig::ADAM:
+      return {"m", "v"};
+    default:  // SGD, and kinds Create refuses
+      return {};
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConfig& config) {

@@ -22,7 +22,10 @@ class Optimizer {
   static absl::StatusOr<std::unique_ptr<Optimizer>> Create(const OptimizerConfig& config);
   virtual ~Optimizer() = default;
 
-  // Names of the slot variables, each the size of the weights.
+  // Names of the slot variables of an optimizer of `kind`, each the size of
+  // the weights, without building one (none for a kind Create refuses).
+  static std::vector<std::string> SlotNames(OptimizerConfig::Kind kind);
+  // SlotNames(kind) for this optimizer's kind.
   virtual std::vector<std::string> SlotNames() const = 0;
   // Applies one step computed from version `step` (0-based) to n weights.
   // slots follow SlotNames().

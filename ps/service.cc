@@ -108,12 +108,9 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
   response.set_version(snap->version);
   response.set_wait_us(absl::ToInt64Microseconds(snap->waited));
   // At least one message, so that a ps holding no slices still reports its version.
-  bool more = splitter.Next(response.mutable_chunk());
-  do {
-    if (!writer->Write(response)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-    response.clear_chunk();
-    response.clear_wait_us();
-  } while (more && (more = splitter.Next(response.mutable_chunk())));
+  if (!WriteChunked(writer, splitter, response, [](PullResponse& r) { r.clear_wait_us(); })) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
   return grpc::Status::OK;
 }
 
@@ -184,11 +181,9 @@ grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotReq
   ChunkSplitter splitter(std::move(refs), kChunkBytes);
   SnapshotResponse response;
   response.set_version(snap->version);
-  bool more = splitter.Next(response.mutable_chunk());
-  do {
-    if (!writer->Write(response)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-    response.clear_chunk();
-  } while (more && (more = splitter.Next(response.mutable_chunk())));
+  if (!WriteChunked(writer, splitter, response, [](SnapshotResponse&) {})) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
   return grpc::Status::OK;
 }
 

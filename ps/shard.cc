@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow::ps {
@@ -62,8 +63,7 @@ absl::Status Shard::CheckJobLocked(uint64_t job_id) const {
 
 absl::StatusOr<std::vector<SliceSpec>> Shard::Slices(uint64_t job_id) const {
   absl::MutexLock lock(&mu_);
-  absl::Status s = CheckJobLocked(job_id);
-  if (!s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   return slices_;
 }
 
@@ -71,8 +71,7 @@ absl::StatusOr<Shard::Snapshot> Shard::Pull(uint64_t job_id, int64_t min_version
                                             const std::function<bool()>& cancelled) {
   const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
-  absl::Status s = CheckJobLocked(job_id);
-  if (!s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   while (stats_.version < min_version) {
     if (cancelled && cancelled()) return absl::CancelledError("pull cancelled");
     const absl::Time now = absl::Now();
@@ -97,8 +96,7 @@ absl::StatusOr<Shard::Snapshot> Shard::Pull(uint64_t job_id, int64_t min_version
 absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
                                                   std::vector<std::vector<float>> grads) {
   absl::MutexLock lock(&mu_);
-  absl::Status s = CheckJobLocked(job_id);
-  if (!s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   if (!live_workers_.contains(worker)) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", worker, " is not a live member of the job"));
   }
@@ -184,8 +182,7 @@ void Shard::OnVersionLocked() {
 absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version) {
   if (live.empty()) return absl::InvalidArgumentError("a job needs at least one live worker");
   absl::MutexLock lock(&mu_);
-  absl::Status s = CheckJobLocked(job_id);
-  if (!s.ok()) return s;
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   const absl::flat_hash_set<int> wanted(live.begin(), live.end());
   for (auto it = live_workers_.begin(); it != live_workers_.end();) {
     if (!wanted.contains(*it)) {
@@ -212,48 +209,51 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
 
 absl::StatusOr<Shard::SnapshotData> Shard::SnapshotAt(uint64_t job_id, int64_t version, absl::Time deadline,
                                                     const std::function<bool()>& cancelled) {
-  absl::MutexLock lock(&mu_);
-  absl::Status s = CheckJobLocked(job_id);
-  if (!s.ok()) return s;
-  auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = snapshots_.find(version);
-    return it != snapshots_.end() && it->second.data != nullptr;
-  };
-  if (stats_.version > version && !taken()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ps is at version ", stats_.version, ", past ", version));
-  }
-  ++snapshots_[version].waiters;
-  // Every way out of here drops this caller's claim on the snapshot.
-  auto leave = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = snapshots_.find(version);
-    if (it != snapshots_.end() && --it->second.waiters <= 0) snapshots_.erase(it);
-  };
-  OnVersionLocked();  // takes it now if the shard is at that version
-  while (!taken()) {
-    absl::Status wait_error;
-    const absl::Time now = absl::Now();
-    if (cancelled && cancelled()) {
-      wait_error = absl::CancelledError("snapshot cancelled");
-    } else if (now >= deadline) {
-      wait_error = absl::DeadlineExceededError(
-          absl::StrCat("version ", version, " not reached; ps is at ", stats_.version));
-    } else {
-      version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
-      if (shutdown_) {
-        wait_error = absl::UnavailableError("ps is shutting down");
-      } else if (job_id != job_id_) {
-        wait_error = absl::AbortedError("the job was replaced while waiting");
+  std::shared_ptr<const SnapshotData> data;
+  {
+    absl::MutexLock lock(&mu_);
+    PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+    auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = snapshots_.find(version);
+      return it != snapshots_.end() && it->second.data != nullptr;
+    };
+    if (stats_.version > version && !taken()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the ps is at version ", stats_.version, ", past ", version));
+    }
+    ++snapshots_[version].waiters;
+    // Every way out of here drops this caller's claim on the snapshot.
+    auto leave = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = snapshots_.find(version);
+      if (it != snapshots_.end() && --it->second.waiters <= 0) snapshots_.erase(it);
+    };
+    OnVersionLocked();  // takes it now if the shard is at that version
+    while (!taken()) {
+      absl::Status wait_error;
+      const absl::Time now = absl::Now();
+      if (cancelled && cancelled()) {
+        wait_error = absl::CancelledError("snapshot cancelled");
+      } else if (now >= deadline) {
+        wait_error = absl::DeadlineExceededError(
+            absl::StrCat("version ", version, " not reached; ps is at ", stats_.version));
+      } else {
+        version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
+        if (shutdown_) {
+          wait_error = absl::UnavailableError("ps is shutting down");
+        } else if (job_id != job_id_) {
+          wait_error = absl::AbortedError("the job was replaced while waiting");
+        }
+      }
+      if (!wait_error.ok()) {
+        leave();
+        return wait_error;
       }
     }
-    if (!wait_error.ok()) {
-      leave();
-      return wait_error;
-    }
+    data = snapshots_[version].data;
+    leave();
   }
-  SnapshotData copy = *snapshots_[version].data;
-  leave();
-  return copy;
+  // Taken snapshots are never changed: copy this one without holding mu_.
+  return *data;
 }
 
 Shard::State Shard::state() const {

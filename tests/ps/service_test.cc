@@ -49,7 +49,7 @@ class PsServiceTest : public ::testing::Test {
   void SetUp() override {
     service_ = std::make_unique<PsService>(0, &shard_, [this] { shutdown_.Notify(); });
     grpc::ServerBuilder builder;
-    // No ConfigureServer: the server keeps gRPC's default 4 MB receive limit,
+    // No StartServer: the server keeps gRPC's default 4 MB receive limit,
     // so an Init or Push that is not chunked would fail.
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(service_.get());
