@@ -16,14 +16,14 @@ device=${2:-cuda:0}
 data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 job() {  # name workers -- chief flags...
   local name=$1 workers=$2
   shift 3
   echo "== $name: $workers worker(s) on $device, 2 ps"
-  "$bin/psflow-launch" --ps=2 --workers="$workers" --worker_devices="$device" -- \
-      --data_dir="$data_dir" --model_dir="$tmp/$name" "$@" > "$tmp/$name.log" 2>&1 \
-    || { echo "job $name failed:"; tail -30 "$tmp/$name.log"; exit 1; }
+  # A failure is reported on stdout, among the progress lines.
+  launch_job "$name" --ps=2 --workers="$workers" --worker_devices="$device" -- --data_dir="$data_dir" "$@" 2>&1
   grep -E '^\[chief\].*(step [0-9]+/|done:)' "$tmp/$name.log"
 }
 

@@ -14,17 +14,18 @@ cores=$(nproc)
 half=$(( cores / 2 > 0 ? cores / 2 : 1 ))
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+job_log_tail=20
 
 alone() {  # threads -> ex/s
   "$bin/psflow-bench-alone" --data_dir="$data_dir" --threads="$1" --steps="$steps" | awk '/^alone/ {print $2}'
 }
 
 job() {  # workers ps -> ex/s (from the chief's closing line)
-  "$bin/psflow-launch" --workers="$1" --ps="$2" -- --model=cnn --data_dir="$data_dir" \
+  launch_job "$1x$2" --workers="$1" --ps="$2" -- --model=cnn --data_dir="$data_dir" \
       --train_steps=$(( steps + 50 )) --log_every_steps=50 --batch_size=64 --optimizer=adam \
-      --learning_rate=0.001 --model_dir="$tmp/job_$1_$2" > "$tmp/job_$1_$2.log" 2>&1 \
-    || { echo "job $1x$2 failed:" >&2; tail -20 "$tmp/job_$1_$2.log" >&2; exit 1; }
-  sed -n 's/.* \([0-9.]*\) ex\/s after the first interval.*/\1/p' "$tmp/job_$1_$2.log"
+      --learning_rate=0.001
+  ex_per_s "$tmp/$1x$2.log"
 }
 
 echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"

@@ -1,8 +1,7 @@
 // Process-level tests of the built binaries: whole clusters on 127.0.0.1,
-// configured the ways DESIGN.md lists (flags, TF_CONFIG, CLUSTER_CONFIG +
+// configured the ways README.md lists (flags, TF_CONFIG, CLUSTER_CONFIG +
 // POD_NAME), bad configurations, signals and --help.
 #include <signal.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -23,8 +22,6 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
-std::string Bin(const std::string& name) { return std::string(PSFLOW_BIN_DIR) + "/" + name; }
-
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 
 // The chief's progress line for `step`/`total` (among the lines that start
@@ -38,24 +35,13 @@ std::string ChiefProgressLine(const std::string& output, int step, int total,
   return "";
 }
 
-class ClusterTest : public ::testing::Test {
+class ClusterTest : public TempDirTest {
  protected:
-  void SetUp() override {
-    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = (std::filesystem::path(::testing::TempDir()) /
-            ("psflow_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
-               .string();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::printf("(kept %s)\n", dir_.c_str());
-    } else {
-      std::filesystem::remove_all(dir_);
-    }
-  }
-  std::string dir_;
+  // Runs worker0, worker1, ps0, ps1 and then the chief (with ChiefJobArgs on
+  // dir_/model), each made by `member(role, index, args)`, with
+  // RunSeparateCluster (below).
+  template <typename MakeMember>
+  void RunWorkersThenPsThenChief(const MakeMember& member);
 };
 
 // ---------------------------------------------------------------------------
@@ -82,20 +68,20 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
 
   // Nothing of this cluster outlives the launcher: every member's command
   // line names the chief's address.
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)")))
-      << launch.Describe();
-  ExpectNoProcessesLeft("--chief_hosts=" + m[1].str());
+  const std::string chief = LaunchChiefAddress(out);
+  ASSERT_NE(chief, "") << launch.Describe();
+  ExpectNoProcessesLeft("--chief_hosts=" + chief);
   ExpectNoProcessesLeft(model_dir);
 
   RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"}, {}, seconds(60));
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
-  std::smatch acc, loss;
-  ASSERT_TRUE(std::regex_search(eval.out, acc, std::regex(R"((^|\n)accuracy: ([0-9.]+)\n)"))) << eval.description;
+  const std::string acc = EvalAccuracyText(eval.out);
+  ASSERT_NE(acc, "") << eval.description;
+  std::smatch loss;
   ASSERT_TRUE(std::regex_search(eval.out, loss, std::regex(R"((^|\n)loss: ([0-9.]+)\n)"))) << eval.description;
   // 400 Adam steps of the MLP reach about 0.84 on the Fashion-MNIST test set.
-  EXPECT_GE(std::stod(acc[2].str()), 0.78) << eval.description;
-  EXPECT_LE(std::stod(acc[2].str()), 1.0) << eval.description;
+  EXPECT_GE(std::stod(acc), 0.78) << eval.description;
+  EXPECT_LE(std::stod(acc), 1.0) << eval.description;
   const double loss_value = std::stod(loss[2].str());
   EXPECT_TRUE(std::isfinite(loss_value) && loss_value > 0 && loss_value < 1.0) << eval.description;
 }
@@ -105,11 +91,9 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   Process launch(Bin("psflow-launch"), {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=1000000",
                                         "--log_every_steps=50", "--model_dir=" + model_dir});
   ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
-  std::smatch m;
-  const std::string out = launch.output();
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)")))
-      << launch.Describe();
-  const std::string marker = "--chief_hosts=" + m[1].str();
+  const std::string chief = LaunchChiefAddress(launch.output());
+  ASSERT_NE(chief, "") << launch.Describe();
+  const std::string marker = "--chief_hosts=" + chief;
   // The scan sees the running cluster (so that its emptiness below means something).
   EXPECT_THAT(FindProcesses(marker), SizeIs(5)) << launch.Describe();
 
@@ -122,11 +106,10 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   // The launcher exits with the chief's code: 128 + SIGTERM.
   EXPECT_EQ(code, 128 + SIGTERM) << launch.Describe();
   EXPECT_THAT(launch.output(), HasSubstr("[launch] got signal 15")) << launch.Describe();
-  EXPECT_THAT(launch.output(), HasSubstr("[launch] chief exited with code 143")) << launch.Describe();
-  EXPECT_THAT(launch.output(), HasSubstr("[launch] ps0 exited with code 143")) << launch.Describe();
-  EXPECT_THAT(launch.output(), HasSubstr("[launch] ps1 exited with code 143")) << launch.Describe();
-  EXPECT_THAT(launch.output(), HasSubstr("[launch] worker0 exited with code 143")) << launch.Describe();
-  EXPECT_THAT(launch.output(), HasSubstr("[launch] worker1 exited with code 143")) << launch.Describe();
+  for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
+    EXPECT_THAT(launch.output(), HasSubstr(std::string("[launch] ") + name + " exited with code 143"))
+        << launch.Describe();
+  }
   ExpectNoProcessesLeft(marker);
 }
 
@@ -173,6 +156,14 @@ void RunSeparateCluster(const std::vector<Member>& members, const std::string& m
   EXPECT_TRUE(std::filesystem::exists(model_dir + "/saved_model")) << all;
 }
 
+template <typename MakeMember>
+void ClusterTest::RunWorkersThenPsThenChief(const MakeMember& member) {
+  const std::string model_dir = dir_ + "/model";
+  RunSeparateCluster({member("worker", 0, {}), member("worker", 1, {}), member("ps", 0, {}), member("ps", 1, {}),
+                      member("chief", 0, ChiefJobArgs(model_dir))},
+                     model_dir);
+}
+
 struct Ports {
   Ports() : p(FreePorts(6)) {}
   std::vector<int> p;  // chief, ps0, ps1, worker0, worker1, evaluator
@@ -214,10 +205,7 @@ TEST_F(ClusterTest, SeparateProcessesWithFlags) {
     m.args.insert(m.args.end(), extra.begin(), extra.end());
     return m;
   };
-  const std::string model_dir = dir_ + "/model";
-  RunSeparateCluster({member("worker", 0), member("worker", 1), member("ps", 0), member("ps", 1),
-                      member("chief", 0, ChiefJobArgs(model_dir))},
-                     model_dir);
+  RunWorkersThenPsThenChief(member);
 }
 
 // --exit_when_done=false (the StatefulSet manifests): every role stays up once
@@ -259,10 +247,7 @@ TEST_F(ClusterTest, SeparateProcessesWithTfConfig) {
                   {{"TF_CONFIG", TfConfig(ports, "chief", role, index)}}};
   };
   // The evaluator is listed in the cluster but not started: it is no training member.
-  const std::string model_dir = dir_ + "/model";
-  RunSeparateCluster({member("worker", 0), member("worker", 1), member("ps", 0), member("ps", 1),
-                      member("chief", 0, ChiefJobArgs(model_dir))},
-                     model_dir);
+  RunWorkersThenPsThenChief(member);
 }
 
 // "master" for the chief in TF_CONFIG, and one ps and one worker configured
@@ -360,38 +345,39 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
 const std::map<std::string, std::vector<std::string>>& OwnFlags() {
   static const auto* flags = new std::map<std::string, std::vector<std::string>>{
       {"psflow-chief",
-       {"model", "data_dir", "dataset", "synthetic_examples", "batch_size", "epochs", "train_steps", "optimizer", "learning_rate", "momentum", "seed",
-        "model_dir", "saved_model_dir", "log_every_steps", "compute_threads", "startup_timeout", "job_name",
-        "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts", "exit_when_done"}},
+       {"model", "data_dir", "dataset", "synthetic_examples", "batch_size", "epochs", "train_steps", "optimizer",
+        "learning_rate", "momentum", "seed", "model_dir", "saved_model_dir", "log_every_steps", "compute_threads",
+        "startup_timeout", "checkpoint_every_steps", "checkpoint_every_secs", "keep_checkpoints", "worker_timeout",
+        "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts",
+        "exit_when_done"}},
       {"psflow-ps",
        {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts",
         "exit_when_done"}},
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
         "evaluator_hosts", "exit_when_done"}},
-      {"psflow-launch", {"ps", "workers", "host", "bin_dir", "grace_seconds", "worker_devices"}},
+      {"psflow-launch",
+       {"ps", "workers", "host", "bin_dir", "grace_seconds", "restart", "worker_devices", "max_restarts"}},
       {"psflow-eval", {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device"}},
+      {"psflow-bench-step",
+       {"model", "device", "batch_sizes", "modes", "steps", "repeats", "warmup_steps", "learning_rate", "threads",
+        "profile"}},
+      {"psflow-bench-alone", {"model", "data_dir", "batch_size", "steps", "warmup_steps", "threads"}},
   };
   return *flags;
 }
 
-TEST(ClusterCliTest, HelpListsEveryOwnFlag) {
+// Each binary's --help exits 0 and lists every flag of its own.
+TEST(ClusterCliTest, HelpExitsZeroAndListsEveryOwnFlag) {
   for (const auto& [binary, flags] : OwnFlags()) {
     SCOPED_TRACE(binary);
     RunResult r = RunProcess(Bin(binary), {"--help"}, {}, seconds(10));
     ASSERT_FALSE(r.timed_out) << r.description;
+    EXPECT_EQ(r.exit_code, 0) << "(first lines) " << r.output.substr(0, 300);
     EXPECT_THAT(r.output, HasSubstr(binary)) << r.description;
     for (const std::string& flag : flags) {
       EXPECT_THAT(r.output, HasSubstr("--" + flag + " (")) << r.description;
     }
-  }
-}
-
-TEST(ClusterCliTest, HelpExitsZero) {
-  for (const auto& [binary, flags] : OwnFlags()) {
-    SCOPED_TRACE(binary);
-    RunResult r = RunProcess(Bin(binary), {"--help"}, {}, seconds(10));
-    EXPECT_EQ(r.exit_code, 0) << "(first lines) " << r.output.substr(0, 300);
   }
 }
 

@@ -12,11 +12,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -288,11 +290,6 @@ std::vector<int> FreePorts(int n) {
   return ports;
 }
 
-int FreePort() {
-  std::vector<int> ports = FreePorts(1);
-  return ports.empty() ? -1 : ports[0];
-}
-
 std::vector<pid_t> FindProcesses(const std::string& text) {
   std::vector<pid_t> found;
   const pid_t self = ::getpid();
@@ -318,6 +315,35 @@ std::vector<std::string> Lines(const std::string& text) {
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);) lines.push_back(line);
   return lines;
+}
+
+std::string LaunchChiefAddress(const std::string& output) {
+  std::smatch m;
+  if (!std::regex_search(output, m, std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)"))) return "";
+  return m[1].str();
+}
+
+std::string EvalAccuracyText(const std::string& eval_stdout) {
+  std::smatch m;
+  if (!std::regex_search(eval_stdout, m, std::regex(R"((^|\n)accuracy: ([0-9.]+)\n)"))) return "";
+  return m[2].str();
+}
+
+void TempDirTest::SetUp() {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  dir_ = (std::filesystem::path(::testing::TempDir()) /
+          ("psflow_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
+             .string();
+  std::filesystem::remove_all(dir_);
+  std::filesystem::create_directories(dir_);
+}
+
+void TempDirTest::TearDown() {
+  if (HasFailure()) {
+    std::printf("(kept %s)\n", dir_.c_str());
+  } else {
+    std::filesystem::remove_all(dir_);
+  }
 }
 
 void ExpectNoProcessesLeft(const std::string& text) {

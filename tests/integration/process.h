@@ -1,6 +1,8 @@
-// Test helpers for process-level integration tests: run a binary as a child
-// process with its output captured, wait for it with a deadline, free ports,
-// and a /proc scan for processes left behind.
+// Test helpers for process-level integration tests: where the built binaries
+// are, run one as a child process with its output captured, wait for it with a
+// deadline, free ports, a /proc scan for processes left behind, a fixture with
+// a fresh directory per test, and the lines of psflow-launch and psflow-eval
+// that tests read.
 #ifndef PSFLOW_TESTS_INTEGRATION_PROCESS_H_
 #define PSFLOW_TESTS_INTEGRATION_PROCESS_H_
 
@@ -8,17 +10,32 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "gtest/gtest.h"
+
 namespace psflow::itest {
 
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+
+#ifndef PSFLOW_BIN_DIR
+#error "PSFLOW_BIN_DIR (the build's bin directory) must be defined: see psflow_test() in tests/CMakeLists.txt"
+#endif
+
+// The path of the built binary `name`: in $PSFLOW_BIN_DIR where that is set
+// and not empty (for test binaries carried to another machine), else in the
+// build's bin directory (the PSFLOW_BIN_DIR compile definition).
+inline std::string Bin(const std::string& name) {
+  const char* dir = std::getenv("PSFLOW_BIN_DIR");
+  return std::string(dir != nullptr && dir[0] != '\0' ? dir : PSFLOW_BIN_DIR) + "/" + name;
+}
 
 // A child process running `binary` with `args` (argv[1..]). It inherits this
 // process's environment minus TF_CONFIG, CLUSTER_CONFIG and POD_NAME (so the
@@ -33,7 +50,6 @@ class Process {
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
 
-  pid_t pid() const { return pid_; }
   bool running();
 
   // Waits up to `timeout` for the process to exit; false if it still runs.
@@ -89,9 +105,8 @@ struct RunResult {
 RunResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
               const std::map<std::string, std::string>& env = {}, milliseconds timeout = seconds(30));
 
-// A TCP port that was free on 127.0.0.1 a moment ago.
-int FreePort();
-// `n` distinct such ports (all bound at once while picking).
+// `n` distinct TCP ports that were free on 127.0.0.1 a moment ago (all bound
+// at once while picking).
 std::vector<int> FreePorts(int n);
 
 // Pids of live (non-zombie) processes other than this one whose command line
@@ -104,6 +119,25 @@ void ExpectNoProcessesLeft(const std::string& text);
 
 // Lines of `text` (without the '\n').
 std::vector<std::string> Lines(const std::string& text);
+
+// The chief's address ("127.0.0.1:<port>") in psflow-launch's line
+// "[launch] cluster: chief 127.0.0.1:<port>, ps ..., workers ..." within
+// `output`; "" if there is none.
+std::string LaunchChiefAddress(const std::string& output);
+
+// The accuracy in psflow-eval's "accuracy: <a>" line of `eval_stdout`, as
+// printed; "" if there is none.
+std::string EvalAccuracyText(const std::string& eval_stdout);
+
+// A fixture with a fresh directory dir_ for each test (under
+// ::testing::TempDir(), named after the test and this pid); it is removed
+// after a test that passed and kept (and named) after one that failed.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+  std::string dir_;
+};
 
 }  // namespace psflow::itest
 

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <regex>
@@ -36,8 +37,6 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-std::string Bin(const std::string& name) { return std::string(PSFLOW_BIN_DIR) + "/" + name; }
 
 // How long any one expected log line may take to show up. Lines normally come
 // within seconds; this only bounds a hang.
@@ -76,11 +75,12 @@ class Cluster {
                                      restart_on_failure ? "--restart=on-failure" : "--restart=never", "--"};
     args.insert(args.end(), chief_args.begin(), chief_args.end());
     launch_ = std::make_unique<Process>(Bin("psflow-launch"), args);
-    std::smatch m;
-    if (WaitMatch(std::regex(R"(^\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)"), 0, &m, seconds(30)) !=
-        std::string::npos) {
-      marker_ = "--chief_hosts=" + m[1].str();
-    }
+    std::string chief;
+    auto cluster_line = [&chief](const std::string& line) {
+      chief = LaunchChiefAddress(line);
+      return !chief.empty();
+    };
+    if (WaitLine(cluster_line, 0, seconds(30)) != std::string::npos) marker_ = "--chief_hosts=" + chief;
   }
 
   ~Cluster() {
@@ -136,44 +136,22 @@ class Cluster {
   // npos when the timeout passes or the launcher exits without it.
   size_t WaitMatch(const std::regex& re, size_t from, std::smatch* m = nullptr,
                    milliseconds timeout = kLineTimeout) {
-    const Clock::time_point deadline = Clock::now() + timeout;
-    while (true) {
-      const bool running = launch_->running();
-      const std::string out = launch_->output();
-      size_t pos = from;
-      while (pos < out.size()) {
-        const size_t nl = out.find('\n', pos);
-        if (nl == std::string::npos) break;  // only whole lines count
-        const std::string line = out.substr(pos, nl - pos);
-        std::smatch local;
-        if (std::regex_search(line, local, re)) {
-          if (m != nullptr) {
-            // Keep the matched line alive for the caller's sub-matches.
-            matched_line_ = line;
-            std::regex_search(matched_line_, *m, re);
-          }
-          return nl + 1;
-        }
-        pos = nl + 1;
+    auto matches = [&](const std::string& line) {
+      if (!std::regex_search(line, re)) return false;
+      if (m != nullptr) {
+        // Keep the matched line alive for the caller's sub-matches.
+        matched_line_ = line;
+        std::regex_search(matched_line_, *m, re);
       }
-      if (!running || Livelocked(out) || Clock::now() > deadline) return std::string::npos;
-      std::this_thread::sleep_for(milliseconds(50));
-    }
+      return true;
+    };
+    return WaitLine(matches, from, timeout);
   }
 
+  // The same for a line that contains `text`.
   size_t Wait(const std::string& text, size_t from, milliseconds timeout = kLineTimeout) {
-    const Clock::time_point deadline = Clock::now() + timeout;
-    while (true) {
-      const bool running = launch_->running();
-      const std::string out = launch_->output();
-      const size_t end = out.rfind('\n');
-      if (end != std::string::npos && end >= from) {
-        const size_t at = out.find(text, from);
-        if (at != std::string::npos && at < end) return out.find('\n', at) + 1;
-      }
-      if (!running || Livelocked(out) || Clock::now() > deadline) return std::string::npos;
-      std::this_thread::sleep_for(milliseconds(50));
-    }
+    return WaitLine([&text](const std::string& line) { return line.find(text) != std::string::npos; }, from,
+                    timeout);
   }
 
   // Waits for the chief's first progress line at or past `step` after `from`.
@@ -215,6 +193,27 @@ class Cluster {
   }
 
  private:
+  // Waits for a complete output line at or after byte `from` for which
+  // `matches` is true; returns the offset just past that line, or npos when
+  // the timeout passes, the launcher exits without it, or the cluster
+  // livelocks.
+  size_t WaitLine(const std::function<bool(const std::string&)>& matches, size_t from, milliseconds timeout) {
+    const Clock::time_point deadline = Clock::now() + timeout;
+    while (true) {
+      const bool running = launch_->running();
+      const std::string out = launch_->output();
+      size_t pos = from;
+      while (pos < out.size()) {
+        const size_t nl = out.find('\n', pos);
+        if (nl == std::string::npos) break;  // only whole lines count
+        if (matches(out.substr(pos, nl - pos))) return nl + 1;
+        pos = nl + 1;
+      }
+      if (!running || Livelocked(out) || Clock::now() > deadline) return std::string::npos;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+  }
+
   bool Livelocked(const std::string& out) {
     if (livelocked_) return true;
     const Clock::time_point now = Clock::now();
@@ -328,14 +327,14 @@ void ExpectWholeCheckpoints(const std::string& model_dir, int64_t final_step) {
 double EvalAccuracy(const std::string& model_dir, int64_t step) {
   RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"}, {}, seconds(120));
   EXPECT_EQ(eval.exit_code, 0) << eval.description;
-  std::smatch acc;
-  if (!std::regex_search(eval.out, acc, std::regex(R"((^|\n)accuracy: ([0-9.]+)\n)"))) {
+  const std::string acc = EvalAccuracyText(eval.out);
+  if (acc.empty()) {
     ADD_FAILURE() << "no accuracy line\n" << eval.description;
     return -1;
   }
   EXPECT_THAT(eval.out, HasSubstr("(step " + std::to_string(step) + ")")) << eval.description;
-  std::printf("[recovery_test] %s: accuracy %s\n", model_dir.c_str(), acc[2].str().c_str());
-  return std::stod(acc[2].str());
+  std::printf("[recovery_test] %s: accuracy %s\n", model_dir.c_str(), acc.c_str());
+  return std::stod(acc);
 }
 
 // Steps of the "checkpoint of step N written" lines in output[0, end).
@@ -387,15 +386,10 @@ constexpr int64_t kMlpSteps = 1500;
 constexpr double kMlpFloor = 0.85;     // 1500 steps
 constexpr double kMlpFloor900 = 0.84;  // 900 steps
 
-class RecoveryTest : public ::testing::Test {
+class RecoveryTest : public TempDirTest {
  protected:
   void SetUp() override {
-    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = (fs::path(::testing::TempDir()) /
-            ("psflow_" + std::string(info->name()) + "_" + std::to_string(::getpid())))
-               .string();
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    TempDirTest::SetUp();
     model_dir_ = dir_ + "/model";
     start_ = Clock::now();
   }
@@ -403,20 +397,103 @@ class RecoveryTest : public ::testing::Test {
     std::printf("[recovery_test] %s took %.1f s\n",
                 ::testing::UnitTest::GetInstance()->current_test_info()->name(),
                 std::chrono::duration<double>(Clock::now() - start_).count());
-    if (HasFailure()) {
-      std::printf("(kept %s)\n", dir_.c_str());
-    } else {
-      fs::remove_all(dir_);
-    }
+    TempDirTest::TearDown();
   }
   // A fresh file name for a cluster's output.
   std::string Log() { return dir_ + "/launch" + std::to_string(++logs_) + ".log"; }
-  std::string dir_, model_dir_;
+  std::string model_dir_;
   int logs_ = 0;
   Clock::time_point start_;
 };
 
 #define ASSERT_SEEN(pos) ASSERT_NE((pos), std::string::npos) << cluster.Describe()
+
+// ---------------------------------------------------------------------------
+// Faults and the cluster's answers to them, for the chaos test and the
+// single-fault tests alike. Each waits for lines after *pos and leaves *pos
+// just past the last one; call them under ASSERT_NO_FATAL_FAILURE. The checks
+// on the steps they return are the callers'.
+
+// The launcher's name for a member: "chief", "ps0", "worker1".
+std::string MemberName(const std::string& role, int index) {
+  return role == "chief" ? role : role + std::to_string(index);
+}
+
+// Waits for the launcher's "<name> exited with code <code>", then its
+// "restarted <name>".
+void WaitRestarted(Cluster& cluster, const std::string& name, int code, size_t* pos) {
+  ASSERT_SEEN(*pos = cluster.Wait("[launch] " + name + " exited with code " + std::to_string(code), *pos));
+  ASSERT_SEEN(*pos = cluster.Wait("[launch] restarted " + name, *pos));
+}
+
+// kill -9 one member; the launcher sees it exit 137 and restarts it.
+void KillAndWaitRestarted(Cluster& cluster, const std::string& role, int index, size_t* pos) {
+  ASSERT_TRUE(cluster.SignalMember(role, index, SIGKILL)) << cluster.Describe();
+  ASSERT_NO_FATAL_FAILURE(WaitRestarted(cluster, MemberName(role, index), 137, pos));
+}
+
+// Waits for the chief to take worker `index` back: "worker N registered"
+// (back within --worker_timeout it is still a member; *joined_at = -1) or
+// "worker N joins at step S" (it had been dropped; *joined_at = S).
+void WaitWorkerBack(Cluster& cluster, int index, size_t* pos, int64_t* joined_at) {
+  std::smatch m;
+  ASSERT_SEEN(*pos = cluster.WaitMatch(
+                  std::regex("chief\\] worker " + std::to_string(index) + " (registered|joins at step ([0-9]+))"),
+                  *pos, &m));
+  *joined_at = m[2].matched ? std::stoll(m[2].str()) : -1;
+}
+
+// kill -9 ps0, after the chief has written checkpoints: the launcher sees it
+// exit 137 and the chief finds "a parameter server is down" (in either
+// order); then the chief is "restoring from the checkpoint of step S".
+// *newest: the newest checkpoint written before the kill (the restore must
+// use it or a later one); *restored: S. The "parameter servers reloaded" line
+// comes next.
+void KillPs0AndWaitRestore(Cluster& cluster, size_t* pos, int64_t* newest, int64_t* restored) {
+  const std::vector<int64_t> written = WrittenCheckpoints(cluster.output(), *pos);
+  ASSERT_FALSE(written.empty()) << cluster.Describe();
+  *newest = written.back();
+  ASSERT_TRUE(cluster.SignalMember("ps", 0, SIGKILL)) << cluster.Describe();
+  // The launcher's line and the chief's may come in either order.
+  const size_t killed = *pos;
+  ASSERT_SEEN(cluster.Wait("[launch] ps0 exited with code 137", killed));
+  ASSERT_SEEN(*pos = cluster.Wait("a parameter server is down", killed));
+  std::smatch m;
+  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), *pos,
+                                       &m));
+  *restored = std::stoll(m[1].str());
+}
+
+// kill -9 the chief: it is restarted, and the next one is "adopting the
+// running job at step S" (*adopted = S).
+void KillChiefAndWaitAdopted(Cluster& cluster, size_t* pos, int64_t* adopted) {
+  ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "chief", 0, pos));
+  std::smatch m;
+  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] adopting the running job at step ([0-9]+))"), *pos, &m));
+  *adopted = std::stoll(m[1].str());
+}
+
+// SIGTERM to the chief: it is stopping and writes the "checkpoint of step S"
+// (*saved = S).
+void TerminateChiefAndWaitCheckpoint(Cluster& cluster, size_t* pos, int64_t* saved) {
+  ASSERT_TRUE(cluster.SignalMember("chief", 0, SIGTERM)) << cluster.Describe();
+  ASSERT_SEEN(*pos = cluster.Wait("chief] signal 15: stopping", *pos));
+  std::smatch m;
+  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] checkpoint of step ([0-9]+) written)"), *pos, &m));
+  *saved = std::stoll(m[1].str());
+}
+
+// After TerminateChiefAndWaitCheckpoint: the chief exits 143 and is
+// restarted, and the next one adopts the running job or restores from a
+// checkpoint, at step *resumed.
+void WaitChiefResumed(Cluster& cluster, size_t* pos, int64_t* resumed) {
+  ASSERT_NO_FATAL_FAILURE(WaitRestarted(cluster, "chief", 143, pos));
+  std::smatch m;
+  ASSERT_SEEN(*pos = cluster.WaitMatch(
+                  std::regex(R"(chief\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))"),
+                  *pos, &m));
+  *resumed = std::stoll(m[2].str());
+}
 
 // ---------------------------------------------------------------------------
 // The README's cnn job with four faults in a row.
@@ -427,54 +504,36 @@ TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
                   {"--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
                    "--checkpoint_every_steps=100", "--log_every_steps=100", "--model_dir=" + model_dir_}, Log());
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
-  std::smatch m;
 
   // 1. kill -9 worker1; it is restarted and joins again.
   size_t pos = cluster.WaitForStep(300, 0);
   ASSERT_SEEN(pos);
-  ASSERT_TRUE(cluster.SignalMember("worker", 1, SIGKILL)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] worker1 exited with code 137", pos));
-  ASSERT_SEEN(pos = cluster.Wait("[launch] restarted worker1", pos));
+  ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "worker", 1, &pos));
   // Back within --worker_timeout it is still a member ("registered"); later
-  // it would have been dropped and "joins at step N".
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] worker 1 (registered|joins at step [1-9][0-9]*))"), pos));
+  // it would have been dropped and "joins at step N" (N > 0).
+  int64_t joined_at = -1;
+  ASSERT_NO_FATAL_FAILURE(WaitWorkerBack(cluster, 1, &pos, &joined_at));
+  EXPECT_NE(joined_at, 0) << cluster.Describe();
 
   // 2. kill -9 ps0: every ps is reloaded from the newest checkpoint.
   ASSERT_SEEN(pos = cluster.WaitForStep(800, pos));
-  const std::vector<int64_t> written = WrittenCheckpoints(cluster.output(), pos);
-  ASSERT_FALSE(written.empty()) << cluster.Describe();
-  ASSERT_TRUE(cluster.SignalMember("ps", 0, SIGKILL)) << cluster.Describe();
-  // The launcher's line and the chief's may come in either order.
-  const size_t killed = pos;
-  ASSERT_SEEN(cluster.Wait("[launch] ps0 exited with code 137", killed));
-  ASSERT_SEEN(pos = cluster.Wait("a parameter server is down", killed));
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), pos,
-                                      &m));
-  const int64_t restored = std::stoll(m[1].str());
-  EXPECT_GE(restored, written.back()) << "not the newest checkpoint\n" << cluster.Describe();
+  int64_t newest = 0, restored = 0;
+  ASSERT_NO_FATAL_FAILURE(KillPs0AndWaitRestore(cluster, &pos, &newest, &restored));
+  EXPECT_GE(restored, newest) << "not the newest checkpoint\n" << cluster.Describe();
   ASSERT_SEEN(pos = cluster.Wait("parameter servers reloaded at step " + std::to_string(restored), pos));
 
   // 3. kill -9 the chief: the next one adopts the running job.
   ASSERT_SEEN(pos = cluster.WaitForStep(restored + 500, pos));
-  ASSERT_TRUE(cluster.SignalMember("chief", 0, SIGKILL)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] chief exited with code 137", pos));
-  ASSERT_SEEN(pos = cluster.Wait("[launch] restarted chief", pos));
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] adopting the running job at step ([0-9]+))"), pos, &m));
-  const int64_t adopted = std::stoll(m[1].str());
+  int64_t adopted = 0;
+  ASSERT_NO_FATAL_FAILURE(KillChiefAndWaitAdopted(cluster, &pos, &adopted));
   EXPECT_GE(adopted, restored + 500) << cluster.Describe();
 
   // 4. SIGTERM the chief: it checkpoints, exits 143, and the next one goes on.
   ASSERT_SEEN(pos = cluster.WaitForStep(std::min<int64_t>(std::max<int64_t>(adopted + 100, 1800), 2200), pos));
-  ASSERT_TRUE(cluster.SignalMember("chief", 0, SIGTERM)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("chief] signal 15: stopping", pos));
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] checkpoint of step ([0-9]+) written)"), pos, &m));
-  const int64_t term_ckpt = std::stoll(m[1].str());
-  ASSERT_SEEN(pos = cluster.Wait("[launch] chief exited with code 143", pos));
-  ASSERT_SEEN(pos = cluster.Wait("[launch] restarted chief", pos));
-  ASSERT_SEEN(pos = cluster.WaitMatch(
-                  std::regex(R"(chief\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))"),
-                  pos, &m));
-  EXPECT_GE(std::stoll(m[2].str()), term_ckpt) << cluster.Describe();
+  int64_t term_ckpt = 0, resumed = 0;
+  ASSERT_NO_FATAL_FAILURE(TerminateChiefAndWaitCheckpoint(cluster, &pos, &term_ckpt));
+  ASSERT_NO_FATAL_FAILURE(WaitChiefResumed(cluster, &pos, &resumed));
+  EXPECT_GE(resumed, term_ckpt) << cluster.Describe();
 
   ExpectCleanFinish(cluster, model_dir_, kSteps, 0.885);
 }
@@ -487,15 +546,13 @@ TEST_F(RecoveryTest, KilledWorkerRejoins) {
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
   size_t pos = cluster.WaitForStep(300, 0);
   ASSERT_SEEN(pos);
-  ASSERT_TRUE(cluster.SignalMember("worker", 1, SIGKILL)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] worker1 exited with code 137", pos));
-  ASSERT_SEEN(pos = cluster.Wait("[launch] restarted worker1", pos));
+  ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "worker", 1, &pos));
   // Back within --worker_timeout (30 s) it is still a member: "registered"
   // (it would "join at step N" had it been dropped).
-  std::smatch m;
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] worker 1 (registered|joins at step ([0-9]+)))"), pos, &m));
-  if (m[2].matched) {
-    EXPECT_GE(std::stoll(m[2].str()), 300) << cluster.Describe();
+  int64_t joined_at = -1;
+  ASSERT_NO_FATAL_FAILURE(WaitWorkerBack(cluster, 1, &pos, &joined_at));
+  if (joined_at >= 0) {
+    EXPECT_GE(joined_at, 300) << cluster.Describe();
   }
   // The restarted worker1 takes the job again.
   ASSERT_SEEN(cluster.Wait("worker1] joined job", pos));
@@ -529,11 +586,27 @@ TEST_F(RecoveryTest, WorkerKilledBetweenItsPushesRejoins) {
     ASSERT_TRUE(cluster.SignalMember("worker", 1, SIGKILL)) << cluster.Describe();
     std::this_thread::sleep_for(milliseconds(100));
     ASSERT_TRUE(cluster.SignalMember("ps", 1, SIGCONT)) << cluster.Describe();
-    ASSERT_SEEN(pos = cluster.Wait("[launch] worker1 exited with code 137", pos));
-    ASSERT_SEEN(pos = cluster.Wait("[launch] restarted worker1", pos));
+    ASSERT_NO_FATAL_FAILURE(WaitRestarted(cluster, "worker1", 137, &pos));
     ASSERT_SEEN(pos = cluster.Wait("worker1] joined job", pos));
   }
   ExpectCleanFinish(cluster, model_dir_, kMlpSteps, kMlpFloor);
+  // Whether the half-pushed case came up: the restarted worker then pushes
+  // ps0 a step it has already applied, which ps0 drops and counts as stale
+  // ("exiting at version V (stale pushes S, duplicates D)"). Recorded and
+  // printed, not checked: a round may miss the case.
+  const std::regex stale_re(R"(ps0\] exiting at version [0-9]+ \(stale pushes ([0-9]+), duplicates [0-9]+\))");
+  int64_t stale = -1;
+  for (const std::string& line : Lines(cluster.output())) {
+    std::smatch m;
+    if (std::regex_search(line, m, stale_re)) stale = std::stoll(m[1].str());
+  }
+  if (stale >= 0) {
+    RecordProperty("ps0_stale_pushes", static_cast<int>(stale));
+    std::printf("[recovery_test] ps0 stale pushes: %lld\n", static_cast<long long>(stale));
+  } else {
+    std::printf("[recovery_test] ps0 stale pushes: no exit line of ps0\n");
+  }
+  std::fflush(stdout);
 }
 
 TEST_F(RecoveryTest, KilledPsIsReloadedFromACheckpoint) {
@@ -542,19 +615,10 @@ TEST_F(RecoveryTest, KilledPsIsReloadedFromACheckpoint) {
   size_t pos = cluster.WaitForStep(500, 0);
   ASSERT_SEEN(pos);
   // Checkpoints written before the kill: the reload must use the newest (or a later one).
-  const std::vector<int64_t> written = WrittenCheckpoints(cluster.output(), pos);
-  ASSERT_FALSE(written.empty()) << cluster.Describe();
-  ASSERT_TRUE(cluster.SignalMember("ps", 0, SIGKILL)) << cluster.Describe();
-  // The launcher's line and the chief's may come in either order.
-  const size_t killed = pos;
-  ASSERT_SEEN(cluster.Wait("[launch] ps0 exited with code 137", killed));
-  ASSERT_SEEN(pos = cluster.Wait("a parameter server is down", killed));
-  std::smatch m;
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), pos,
-                                      &m));
-  const int64_t restored = std::stoll(m[1].str());
+  int64_t newest = 0, restored = 0;
+  ASSERT_NO_FATAL_FAILURE(KillPs0AndWaitRestore(cluster, &pos, &newest, &restored));
   EXPECT_GT(restored, 0) << cluster.Describe();
-  EXPECT_GE(restored, written.back()) << "not the newest checkpoint\n" << cluster.Describe();
+  EXPECT_GE(restored, newest) << "not the newest checkpoint\n" << cluster.Describe();
   ASSERT_SEEN(pos = cluster.Wait("parameter servers reloaded at step " + std::to_string(restored), pos));
   ASSERT_SEEN(cluster.Wait("[launch] restarted ps0", 0));
   // Training goes on from there, not from 0: the next progress line is past it.
@@ -569,12 +633,9 @@ TEST_F(RecoveryTest, KilledChiefAdoptsTheRunningJob) {
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
   size_t pos = cluster.WaitForStep(300, 0);
   ASSERT_SEEN(pos);
-  ASSERT_TRUE(cluster.SignalMember("chief", 0, SIGKILL)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] chief exited with code 137", pos));
-  ASSERT_SEEN(pos = cluster.Wait("[launch] restarted chief", pos));
-  std::smatch m;
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] adopting the running job at step ([0-9]+))"), pos, &m));
-  EXPECT_GE(std::stoll(m[1].str()), 300) << cluster.Describe();
+  int64_t adopted = 0;
+  ASSERT_NO_FATAL_FAILURE(KillChiefAndWaitAdopted(cluster, &pos, &adopted));
+  EXPECT_GE(adopted, 300) << cluster.Describe();
   ExpectCleanFinish(cluster, model_dir_, kMlpSteps, kMlpFloor);
   const std::string after = cluster.output().substr(pos);
   EXPECT_THAT(after, Not(HasSubstr("restoring from the checkpoint"))) << cluster.Describe();
@@ -586,19 +647,13 @@ TEST_F(RecoveryTest, SigtermedChiefCheckpointsAndExits143) {
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
   size_t pos = cluster.WaitForStep(300, 0);
   ASSERT_SEEN(pos);
-  ASSERT_TRUE(cluster.SignalMember("chief", 0, SIGTERM)) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("chief] signal 15: stopping", pos));
-  std::smatch m;
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] checkpoint of step ([0-9]+) written)"), pos, &m));
-  const int64_t saved = std::stoll(m[1].str());
+  int64_t saved = 0;
+  ASSERT_NO_FATAL_FAILURE(TerminateChiefAndWaitCheckpoint(cluster, &pos, &saved));
   EXPECT_GE(saved, 300) << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("[launch] chief exited with code 143", pos));
-  ASSERT_SEEN(pos = cluster.Wait("[launch] restarted chief", pos));
-  ASSERT_SEEN(pos = cluster.WaitMatch(
-                  std::regex(R"(chief\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))"),
-                  pos, &m));
-  EXPECT_GT(std::stoll(m[2].str()), 0) << cluster.Describe();
-  EXPECT_GE(std::stoll(m[2].str()), saved) << cluster.Describe();
+  int64_t resumed = 0;
+  ASSERT_NO_FATAL_FAILURE(WaitChiefResumed(cluster, &pos, &resumed));
+  EXPECT_GT(resumed, 0) << cluster.Describe();
+  EXPECT_GE(resumed, saved) << cluster.Describe();
   ExpectCleanFinish(cluster, model_dir_, kMlpSteps, kMlpFloor);
 }
 

@@ -1,0 +1,23 @@
+# Shared by the bench scripts that run psflow-launch jobs (sourced, not run).
+# They set $bin (the directory of the psflow binaries) and $tmp (a scratch
+# directory) before calling these.
+
+# launch_job NAME LAUNCHER_FLAGS... -- CHIEF_FLAGS...
+#   Runs "$bin/psflow-launch" LAUNCHER_FLAGS -- --model_dir="$tmp/NAME"
+#   CHIEF_FLAGS, its whole output in "$tmp/NAME.log". If the job fails, prints
+#   "job NAME failed:" and the log's last $job_log_tail (default 30) lines on
+#   stderr and exits 1.
+launch_job() {
+  local name=$1 launcher=()
+  shift
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do launcher+=("$1"); shift; done
+  shift
+  "$bin/psflow-launch" "${launcher[@]}" -- --model_dir="$tmp/$name" "$@" > "$tmp/$name.log" 2>&1 \
+    || { echo "job $name failed:" >&2; tail -"${job_log_tail:-30}" "$tmp/$name.log" >&2; exit 1; }
+}
+
+# ex_per_s LOG: the examples/s of the chief's closing line in a job's log
+# ("... <rate> ex/s after the first interval ...").
+ex_per_s() {
+  sed -n 's/.* \([0-9.]*\) ex\/s after the first interval.*/\1/p' "$1"
+}
