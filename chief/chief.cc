@@ -190,6 +190,10 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   job.set_num_workers(num_workers);
   job.set_num_ps(num_ps);
   job.set_compute_threads(o.compute_threads);
+  if (o.on_nonfinite != "fail") {
+    return absl::InvalidArgumentError(absl::StrCat("--on_nonfinite '", o.on_nonfinite, "' is not fail"));
+  }
+  job.set_on_nonfinite(JobConfig::FAIL);
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(), PlaceVariables(model::ModelVariables(*spec), num_ps));
   return job;
 }
@@ -238,6 +242,18 @@ class Chief::Impl final : public ::psflow::Chief::Service {
     return job_id_;
   }
   bool Stopping() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; }
+  // Fails the job: no more checkpoints, no saved model, exit code 1. The
+  // first failure is the one logged and kept.
+  void Fail(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!failure_.ok()) return;
+    failure_ = why;
+    PSLOG(ERROR) << "the job fails: " << why.message();
+  }
+  bool Failed() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return !failure_.ok();
+  }
   std::string SavedModelDir() const {
     return options_.saved_model_dir.empty() ? absl::StrCat(options_.model_dir, "/saved_model")
                                             : options_.saved_model_dir;
@@ -261,6 +277,9 @@ class Chief::Impl final : public ::psflow::Chief::Service {
   std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
   absl::flat_hash_set<int> finished_ ABSL_GUARDED_BY(mu_);  // saw the final version
   absl::flat_hash_set<int> released_ ABSL_GUARDED_BY(mu_);  // were told to exit
+  // Why the job failed for good (it diverged); OK while it has not.
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 absl::Status Chief::Impl::BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version) {
@@ -320,8 +339,29 @@ grpc::Status Chief::Impl::Report(grpc::ServerContext* context, const ReportReque
                                  ReportResponse* response) {
   const int w = request->worker();
   if (w < 0 || w >= job_.num_workers()) return ToGrpcStatus(absl::InvalidArgumentError("unknown worker"));
+  for (const StepMetrics& m : request->metrics()) {
+    absl::Status valid = CheckStepMetrics(m, job_.train_steps(), job_.batch_size());
+    if (valid.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    // Refused, never logged as progress; the first few are named.
+    if (++refused_reports_ <= 10) {
+      PSLOG(WARNING) << "refused a report from worker " << w << ": " << valid.message();
+    }
+    return ToGrpcStatus(valid);
+  }
+  for (const StepMetrics& m : request->metrics()) {
+    if (!m.nonfinite()) continue;
+    Fail(absl::OutOfRangeError(absl::StrCat(
+        "worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
+        " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no saved model is written")));
+  }
   {
     absl::MutexLock lock(&mu_);
+    if (!failure_.ok()) {
+      response->set_action(ReportResponse::FAIL);
+      released_.insert(w);
+      return grpc::Status::OK;
+    }
     if (request->job_id() != job_id_ || !ready_) {
       response->set_action(ReportResponse::REGISTER);  // the job was reloaded: its step is gone
       return grpc::Status::OK;
@@ -336,10 +376,13 @@ grpc::Status Chief::Impl::Report(grpc::ServerContext* context, const ReportReque
     // Long-poll: answer when the job is over, or soon enough to serve as a heartbeat.
     const absl::Time deadline =
         std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Seconds(2));
-    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ || Stopping(); };
+    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ || Stopping() || !failure_.ok(); };
     mu_.AwaitWithDeadline(absl::Condition(&over), deadline);
   }
-  if (done_) {
+  if (!failure_.ok()) {
+    response->set_action(ReportResponse::FAIL);
+    released_.insert(w);
+  } else if (done_) {
     response->set_action(ReportResponse::EXIT);
     released_.insert(w);
   }
@@ -582,6 +625,14 @@ absl::Status Chief::Impl::TakeCheckpointOnce(Checkpoint* taken) {
   for (const absl::Status& s : results) {
     if (!s.ok()) return s;
   }
+  for (const CheckpointTensorData& t : ckpt.tensors) {
+    if (std::all_of(t.values.begin(), t.values.end(), [](float v) { return std::isfinite(v); })) continue;
+    absl::Status diverged = absl::OutOfRangeError(
+        absl::StrCat("the weights of step ", target, " are not finite (", t.name, t.slot.empty() ? "" : "/", t.slot,
+                     "): the job diverged; the checkpoints before it are kept, no saved model is written"));
+    Fail(diverged);
+    return diverged;
+  }
   CheckpointManifest& m = ckpt.manifest;
   m.set_step(target);
   *m.mutable_model() = job_.model();
@@ -612,13 +663,14 @@ int Chief::Impl::Supervise() {
     {
       absl::MutexLock lock(&mu_);
       auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        if (Stopping()) return true;
+        if (Stopping() || !failure_.ok()) return true;
         for (int w : live_) {
           if (!finished_.contains(w)) return false;
         }
         return true;
       };
       mu_.AwaitWithTimeout(absl::Condition(&wake), absl::Milliseconds(100));
+      if (!failure_.ok()) return kExitPermanent;
       if (Stopping()) break;
       if (wake()) return kExitDone;
     }
@@ -636,15 +688,15 @@ int Chief::Impl::Supervise() {
                          version > last_checkpoint_step_;
     if (by_steps || by_time) {
       absl::Status s = TakeCheckpoint();
-      if (!s.ok()) PSLOG(WARNING) << "checkpoint failed: " << s.message();
+      if (!s.ok() && !Failed()) PSLOG(WARNING) << "checkpoint failed: " << s.message();
     }
   }
   // Stopped by a signal: keep what was trained, then leave ps and workers
   // running for the chief that comes next.
   absl::Status s = TakeCheckpoint();
-  if (!s.ok()) PSLOG(WARNING) << "no checkpoint before exiting: " << s.message();
+  if (!s.ok() && !Failed()) PSLOG(WARNING) << "no checkpoint before exiting: " << s.message();
   absl::MutexLock lock(&mu_);
-  return ExitCodeForSignal(stop_signal_);
+  return failure_.ok() ? ExitCodeForSignal(stop_signal_) : kExitPermanent;
 }
 
 int Chief::Impl::SaveModel(Checkpoint* final_checkpoint) {
@@ -689,8 +741,11 @@ void Chief::Impl::ReleaseEveryone() {
     absl::MutexLock lock(&mu_);
     done_ = true;
     // Workers learn it from their next report; give them a little while.
+    // Every finished worker, or after a failure every live one, is told.
     auto all_released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return Stopping() || released_.size() >= finished_.size();
+      if (Stopping()) return true;
+      if (failure_.ok()) return released_.size() >= finished_.size();
+      return std::all_of(live_.begin(), live_.end(), [this](int w) { return released_.contains(w); });
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&all_released), absl::Seconds(30))) {
       PSLOG(WARNING) << "not every worker collected its exit order";
@@ -767,16 +822,25 @@ int Chief::Impl::Run() {
     }
   }
   if (code == kExitDone) code = Supervise();
-  const bool trained = code == kExitDone;
+  bool trained = code == kExitDone;
   if (trained) {
     // The last checkpoint holds the final step: a restarted job finds it done.
     Checkpoint final_checkpoint;
     absl::Status s = TakeCheckpoint(&final_checkpoint);
-    if (!s.ok()) PSLOG(WARNING) << "no final checkpoint: " << s.message();
+    if (Failed()) {
+      trained = false;
+      code = kExitPermanent;
+    }
+    if (!s.ok() && code == kExitDone) PSLOG(WARNING) << "no final checkpoint: " << s.message();
     // It holds the final weights too, unless a ps had gone past train_steps:
     // then they are pulled again.
     const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();
-    code = SaveModel(reuse ? &final_checkpoint : nullptr);
+    if (code == kExitDone) code = SaveModel(reuse ? &final_checkpoint : nullptr);
+  }
+  if (Failed()) {
+    // A failed job ends for everyone: workers learn it from their next report.
+    ReleaseEveryone();
+    code = kExitPermanent;
   }
   {
     absl::MutexLock lock(&mu_);

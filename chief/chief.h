@@ -46,6 +46,9 @@ struct ChiefOptions {
   // A worker without a report (heartbeat) for this long is dropped from the
   // synchronous steps until it registers again.
   absl::Duration worker_timeout = absl::Seconds(30);
+  // What a step with a non-finite loss or gradients does: "fail" stops the
+  // job with exit code 1, keeping the checkpoints taken before it.
+  std::string on_nonfinite = "fail";
 };
 
 // Turns options into the job config: resolves the model, reads the training

@@ -49,6 +49,11 @@ ABSL_FLAG(int, worker_timeout, 30,
           "Seconds without a report from a worker after which the synchronous steps go on without it; "
           "it takes part again when it registers anew.");
 
+ABSL_FLAG(std::string, on_nonfinite, "fail",
+          "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
+          "job with exit code 1 and one line naming the step; the checkpoints before it are kept and "
+          "no saved model is written.");
+
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
@@ -91,6 +96,7 @@ int main(int argc, char** argv) {
   o.checkpoint_every = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_secs));
   o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   o.worker_timeout = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
+  o.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
   if (o.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 || o.keep_checkpoints < 1 ||
       absl::GetFlag(FLAGS_worker_timeout) <= 0) {
     std::fprintf(stderr,

@@ -1,7 +1,9 @@
 #include "chief/progress.h"
 
 #include <algorithm>
+#include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace psflow::chief {
@@ -27,6 +29,26 @@ void Progress::SetLiveWorkers(const std::vector<int>& live) {
   }
 }
 
+absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int batch_size) {
+  constexpr int64_t kHourUs = int64_t{3600} * 1000 * 1000;
+  if (m.step() < 0 || m.step() >= train_steps) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", m.step(), " is not in the job"));
+  }
+  if (m.examples() <= 0 || m.examples() > batch_size) {
+    return absl::InvalidArgumentError(absl::StrCat("examples ", m.examples(), " is not in [1, ", batch_size, "]"));
+  }
+  if (m.correct() < 0 || m.correct() > m.examples()) {
+    return absl::InvalidArgumentError(absl::StrCat("correct ", m.correct(), " is not in [0, ", m.examples(), "]"));
+  }
+  for (int64_t us : {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()}) {
+    if (us < 0 || us > kHourUs) return absl::InvalidArgumentError(absl::StrCat("a step time of ", us, " us"));
+  }
+  if (!m.nonfinite() && !(std::isfinite(m.loss()) && m.loss() >= 0)) {
+    return absl::InvalidArgumentError("a loss that is negative or not finite, not flagged nonfinite");
+  }
+  return absl::OkStatus();
+}
+
 void Progress::Rejoin(int worker, int64_t step) {
   absl::MutexLock lock(&mu_);
   if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
@@ -45,6 +67,7 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
   if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
   last_seen_[worker] = now;
   for (const StepMetrics& m : metrics) {
+    if (m.nonfinite()) continue;  // nothing of it was applied
     // Steps outside the job, or of an interval already logged (a late report), are dropped.
     if (m.step() < 0 || m.step() >= train_steps_ || m.step() < logged_until_) continue;
     if (first_report_ == absl::InfinitePast()) {

@@ -15,11 +15,19 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/chief.pb.h"
 
 namespace psflow::chief {
+
+// Whether one step's metrics are possible for a job of `train_steps` steps and
+// `batch_size` examples per worker: a step in the job, 0 < examples <= batch,
+// 0 <= correct <= examples, times between 0 and an hour, and a finite,
+// non-negative loss unless the step is flagged nonfinite. INVALID_ARGUMENT
+// naming the first bad field otherwise. Reports are checked before Record.
+absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int batch_size);
 
 class Progress {
  public:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -29,6 +30,8 @@ namespace {
 
 // Train's answer when the worker must register again (not an exit code).
 constexpr int kRegisterAgain = -1;
+// Train's answer when a step's loss or gradients were not finite.
+constexpr int kNonFinite = -2;
 
 // How long a ps may hold a pull while the other workers finish the step
 // before answering "not yet" (the worker then asks again).
@@ -44,6 +47,13 @@ bool Retryable(const absl::Status& s) { return absl::IsUnavailable(s) || absl::I
 bool JobChanged(const absl::Status& s) { return absl::IsFailedPrecondition(s) || absl::IsAborted(s); }
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+bool AllFinite(const float* v, int64_t n) {
+  // No early exit: the loop vectorizes, and a finite job reads every value anyway.
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(v[i]);
+  return finite;
+}
 
 }  // namespace
 
@@ -125,6 +135,8 @@ class Worker::Impl final : public ::psflow::Worker::Service {
   int report_error_ ABSL_GUARDED_BY(mu_) = 0;   // exit code when reporting failed for good
   bool training_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool reregister_ ABSL_GUARDED_BY(mu_) = false;  // the chief asked for a new registration
+  bool nonfinite_ ABSL_GUARDED_BY(mu_) = false;   // a step was not finite: report it at once
+  bool job_failed_ ABSL_GUARDED_BY(mu_) = false;  // the chief said the job failed
   int64_t start_step_ = 0;  // from the latest registration (training thread only)
   Backoff register_backoff_;  // between registrations that end in no step (training thread only)
 };
@@ -305,9 +317,11 @@ void Worker::Impl::ReportLoop() {
     request.set_worker(index_);
     {
       absl::MutexLock lock(&mu_);
-      if (released_ || stop_signal_ != 0 || report_error_ != 0 || training_failed_) return;
+      if (released_ || job_failed_ || stop_signal_ != 0 || report_error_ != 0 || training_failed_) return;
       // Wake early once the last step is done, so the exit order arrives promptly.
-      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_ || stop_signal_ != 0; };
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return finished_ || nonfinite_ || stop_signal_ != 0;
+      };
       mu_.AwaitWithTimeout(absl::Condition(&wake), kReportEvery);
       for (StepMetrics& m : pending_) *request.add_metrics() = std::move(m);
       pending_.clear();
@@ -322,6 +336,10 @@ void Worker::Impl::ReportLoop() {
       last_ok = absl::Now();
       if (response.action() == ReportResponse::EXIT) released_ = true;
       if (response.action() == ReportResponse::REGISTER) reregister_ = true;
+      if (response.action() == ReportResponse::FAIL) {
+        job_failed_ = true;
+        if (ps_ != nullptr) ps_->CancelAll();  // a pull waiting for the failed step ends now
+      }
       continue;
     }
     // Metrics of a failed report are dropped: the log is best effort.
@@ -347,6 +365,7 @@ int Worker::Impl::Train(int64_t start) {
   while (true) {
     {
       absl::MutexLock lock(&mu_);
+      if (job_failed_) return kExitPermanent;
       if (reregister_) return kRegisterAgain;
     }
     if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
@@ -354,6 +373,10 @@ int Worker::Impl::Train(int64_t start) {
     int64_t version = 0, wait_us = 0;
     absl::Status s = PullAll(step, &version, &wait_us);
     if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
+    {
+      absl::MutexLock lock(&mu_);
+      if (job_failed_) return kExitPermanent;
+    }
     if (JobChanged(s)) return kRegisterAgain;
     if (!s.ok()) {
       PSLOG(ERROR) << "pull failed: " << s.message();
@@ -379,6 +402,23 @@ int Worker::Impl::Train(int64_t start) {
       return kExitRetryable;
     }
     const absl::Time t2 = absl::Now();
+    bool finite = std::isfinite(result->loss);
+    for (size_t i = 0; finite && i < grads_.size(); ++i) {
+      finite = AllFinite(grads_[i], NumElements(net_->variables()[i].shape));
+    }
+    if (!finite) {
+      // Nothing of this step is pushed; the chief decides what happens next.
+      PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
+                   << ") or the gradients are not finite; nothing pushed";
+      StepMetrics m;
+      m.set_step(step);
+      m.set_examples(batch);
+      m.set_nonfinite(true);
+      absl::MutexLock lock(&mu_);
+      pending_.push_back(std::move(m));
+      nonfinite_ = true;
+      return kNonFinite;
+    }
     s = PushAll(step);
     if (const int sig = stop_signal(); sig != 0) return ExitCodeForSignal(sig);
     if (JobChanged(s)) return kRegisterAgain;
@@ -429,6 +469,15 @@ int Worker::Impl::RunTraining() {
   std::thread reporter([this] { ReportLoop(); });
   while (true) {
     code = Train(start_step_);
+    if (code == kNonFinite) {
+      // The job's policy is to fail: wait (a little) for the chief to confirm.
+      absl::MutexLock lock(&mu_);
+      auto told = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return job_failed_ || stop_signal_ != 0 || report_error_ != 0;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&told), absl::Seconds(30));
+      code = kExitPermanent;
+    }
     if (code == kRegisterAgain) {
       PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again";
       // While the chief reloads the ps, registering again at once just spins.
@@ -445,10 +494,10 @@ int Worker::Impl::RunTraining() {
       finished_ = true;
       PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
       auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return released_ || stop_signal_ != 0 || report_error_ != 0 || reregister_;
+        return released_ || job_failed_ || stop_signal_ != 0 || report_error_ != 0 || reregister_;
       };
       mu_.Await(absl::Condition(&over));
-      if (released_) break;
+      if (released_ || job_failed_) break;
       if (stop_signal_ != 0 || report_error_ != 0) {
         code = stop_signal_ != 0 ? ExitCodeForSignal(stop_signal_) : report_error_;
         break;
@@ -464,6 +513,13 @@ int Worker::Impl::RunTraining() {
   }
   reporter.join();
   if (code == kExitDone) PSLOG(INFO) << "released by the chief; exiting";
+  {
+    absl::MutexLock lock(&mu_);
+    if (job_failed_) {
+      PSLOG(ERROR) << "the chief failed the job; exiting";
+      code = kExitPermanent;
+    }
+  }
   return code;
 }
 

@@ -1,5 +1,6 @@
 #include "chief/progress.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -14,6 +15,7 @@ namespace psflow::chief {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 constexpr int64_t kTrainSteps = 25;
@@ -276,6 +278,47 @@ TEST_F(ProgressTest, EmptyReportIsAHeartbeat) {
   progress_.Record(1, Steps(1, 9, 10), t0_ + absl::Seconds(16));
   ASSERT_EQ(lines_.size(), 1u);
   EXPECT_THAT(lines_[0], HasSubstr("| workers 2/2 "));
+}
+
+TEST(CheckStepMetricsTest, AcceptsRealMetricsAndRefusesImpossibleOnes) {
+  constexpr int kBatch = 64;
+  EXPECT_TRUE(CheckStepMetrics(Metric(1, 3), kTrainSteps, kBatch).ok());
+  auto refused = [&](void (*spoil)(StepMetrics*)) {
+    StepMetrics m = Metric(0, 4);
+    spoil(&m);
+    return CheckStepMetrics(m, kTrainSteps, kBatch);
+  };
+  for (auto spoil : std::vector<void (*)(StepMetrics*)>{
+           [](StepMetrics* m) { m->set_step(-1); },
+           [](StepMetrics* m) { m->set_step(kTrainSteps); },
+           [](StepMetrics* m) { m->set_examples(0); },
+           [](StepMetrics* m) { m->set_examples(int64_t{1} << 62); },
+           [](StepMetrics* m) { m->set_correct(-1); },
+           [](StepMetrics* m) { m->set_correct(m->examples() + 1); },
+           [](StepMetrics* m) { m->set_compute_us(-5); },
+           [](StepMetrics* m) { m->set_wait_us(int64_t{1} << 50); },
+           [](StepMetrics* m) { m->set_loss(std::nan("")); },
+           [](StepMetrics* m) { m->set_loss(-0.5); },
+           [](StepMetrics* m) { m->set_loss(HUGE_VAL); },
+       }) {
+    absl::Status s = refused(spoil);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  }
+  // A step flagged non-finite may carry any loss: it is the policy's business.
+  StepMetrics flagged = Metric(0, 4);
+  flagged.set_loss(std::nan(""));
+  flagged.set_nonfinite(true);
+  EXPECT_TRUE(CheckStepMetrics(flagged, kTrainSteps, kBatch).ok());
+}
+
+TEST_F(ProgressTest, NonFiniteStepsAreNotLogged) {
+  std::vector<StepMetrics> w0 = Steps(0, 0, 10);
+  w0[4].set_nonfinite(true);
+  w0[4].set_loss(std::nan(""));
+  progress_.Record(0, w0, t0_);
+  progress_.Record(1, Steps(1, 0, 10), t0_);
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], Not(HasSubstr("nan"))) << lines_[0];
 }
 
 }  // namespace

@@ -86,6 +86,43 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
   EXPECT_TRUE(std::isfinite(loss_value) && loss_value > 0 && loss_value < 1.0) << eval.description;
 }
 
+// A learning rate this large makes the mlp's loss NaN within a few steps:
+// the job must fail (exit 1, one line naming the step) and leave neither a
+// saved model nor a checkpoint of non-finite weights, which a restart would
+// "recover" into.
+TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300", "--learning_rate=50",
+                  "--checkpoint_every_steps=1", "--model_dir=" + model_dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(120)), 1) << launch.Describe();
+  const std::string out = launch.output();
+  EXPECT_THAT(out, HasSubstr("[launch] chief exited with code 1")) << launch.Describe();
+  int fail_lines = 0;
+  for (const std::string& line : Lines(out)) {
+    if (line.rfind("[chief] ", 0) == 0 && line.find("the job fails: ") != std::string::npos) ++fail_lines;
+    EXPECT_EQ(line.find("nan ex/s"), std::string::npos) << line;
+    if (line.rfind("[chief] ", 0) == 0) EXPECT_EQ(line.find("loss nan"), std::string::npos) << line;
+  }
+  EXPECT_EQ(fail_lines, 1) << launch.Describe();
+  EXPECT_THAT(out, ::testing::ContainsRegex("the job fails: (worker [01] computed a non-finite loss or gradients "
+                                            "at step [0-9]+|the weights of step [0-9]+ are not finite)"));
+  EXPECT_FALSE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << launch.Describe();
+  for (const auto& e : std::filesystem::directory_iterator(model_dir + "/saved_model")) {
+    ADD_FAILURE() << "the saved model directory holds " << e.path();
+  }
+  ExpectNoProcessesLeft(model_dir);
+
+  // The checkpoints kept are of finite weights: the same job with a sane
+  // learning rate resumes from the newest and trains to the end.
+  Process again(Bin("psflow-launch"),
+                {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300", "--learning_rate=0.01",
+                 "--model_dir=" + model_dir});
+  ASSERT_EQ(again.WaitOrKill(seconds(120)), 0) << again.Describe();
+  EXPECT_THAT(again.output(), HasSubstr("restoring from the checkpoint of step")) << again.Describe();
+  EXPECT_TRUE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << again.Describe();
+}
+
 TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   const std::string model_dir = dir_ + "/model";
   Process launch(Bin("psflow-launch"), {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=1000000",
