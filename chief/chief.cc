@@ -198,7 +198,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   return job;
 }
 
-class Chief::Impl final : public ::psflow::Chief::Service {
+class Chief::Impl final : public ChiefService::Service {
  public:
   explicit Impl(ChiefOptions options) : options_(std::move(options)) {}
 
@@ -261,7 +261,7 @@ class Chief::Impl final : public ::psflow::Chief::Service {
 
   const ChiefOptions options_;
   JobConfig job_;
-  std::unique_ptr<PsClient> ps_;  // set once in Run under mu_ (Stop reads it)
+  std::unique_ptr<ps::Client> ps_;  // set once in Run under mu_ (Stop reads it)
   std::unique_ptr<Progress> progress_;
   int64_t last_checkpoint_step_ = 0;  // main thread only
   absl::Time last_checkpoint_time_;   // main thread only
@@ -718,7 +718,7 @@ int Chief::Impl::SaveModel(Checkpoint* final_checkpoint) {
       for (const SliceRef& s : SlicesOnPs(job_.placement(), p)) {
         sinks.push_back({s.name, "", s.slice_shape, values[s.variable_index].data() + s.float_offset, true});
       }
-      absl::StatusOr<PsClient::PullResult> r = ps_->Pull(p, id, job_.train_steps(), std::move(sinks), deadline);
+      absl::StatusOr<ps::Client::PullResult> r = ps_->Pull(p, id, job_.train_steps(), std::move(sinks), deadline);
       if (!r.ok()) {
         PSLOG(ERROR) << "cannot read the final weights: " << r.status().message();
         return kExitRetryable;
@@ -770,7 +770,7 @@ int Chief::Impl::Run() {
     job_id_ = NewJobId();
     for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
     last_seen_.assign(job_.num_workers(), absl::Now());
-    ps_ = std::make_unique<PsClient>(options_.cluster.cluster.ps);
+    ps_ = std::make_unique<ps::GrpcClient>(options_.cluster.cluster.ps);
   }
   progress_ = std::make_unique<Progress>(job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps,
                                          job_.num_workers(), job_.num_ps(),

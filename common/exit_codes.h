@@ -1,8 +1,14 @@
 // Process exit codes of the role binaries, chosen for the Kubeflow training
 // operator's ExitCode restart policy: 1-127 are permanent failures (no
-// restart), 128 and above are retried.
+// restart), 128 and above are retried. Role logic returns absl::Status; each
+// executable's main turns the final status into its exit code with
+// ExitCodeFor, in one place.
 #ifndef PSFLOW_COMMON_EXIT_CODES_H_
 #define PSFLOW_COMMON_EXIT_CODES_H_
+
+#include <optional>
+
+#include "absl/status/status.h"
 
 namespace psflow {
 
@@ -12,6 +18,26 @@ inline constexpr int kExitUnreachable = 138;  // a peer unreachable within --sta
 inline constexpr int kExitRetryable = 140;    // another failure worth a retry
 // After signal n a process exits 128 + n (143 for SIGTERM).
 inline constexpr int ExitCodeForSignal(int signal) { return 128 + signal; }
+
+// The status of a role stopped by signal `signal` (CANCELLED, carrying it).
+absl::Status StoppedBySignal(int signal);
+// The signal a StoppedBySignal status carries, if any.
+std::optional<int> SignalOf(const absl::Status& status);
+
+// The exit code for a role's final status:
+//   OK                                        -> 0
+//   StoppedBySignal(n)                        -> 128 + n
+//   INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE,
+//   ALREADY_EXISTS, PERMISSION_DENIED, UNAUTHENTICATED, UNIMPLEMENTED
+//                                             -> 1   (the same input fails again)
+//   UNAVAILABLE, DEADLINE_EXCEEDED            -> 138 (a peer stayed unreachable)
+//   anything else                             -> 140 (worth a retry)
+int ExitCodeFor(const absl::Status& status);
+
+// Whether a call that failed with `status` may succeed if tried again: the
+// peer is not up yet, or the connection broke (UNAVAILABLE), or the call ran
+// out of time (DEADLINE_EXCEEDED). The one retry rule of every role.
+bool IsRetryable(const absl::Status& status);
 
 }  // namespace psflow
 

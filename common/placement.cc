@@ -86,6 +86,36 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps) {
   return out;
 }
 
+std::vector<TensorSink> SliceSinks(const Placement& placement, int ps, absl::Span<float* const> buffers,
+                                   const std::string& slot) {
+  std::vector<TensorSink> sinks;
+  for (const SliceRef& s : SlicesOnPs(placement, ps)) {
+    sinks.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true});
+  }
+  return sinks;
+}
+
+std::vector<TensorRef> SliceRefs(const Placement& placement, int ps, absl::Span<const float* const> buffers,
+                                 const std::string& slot) {
+  std::vector<TensorRef> refs;
+  for (const SliceRef& s : SlicesOnPs(placement, ps)) {
+    refs.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset});
+  }
+  return refs;
+}
+
+std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps) {
+  std::vector<SliceSpec> specs;
+  for (const SliceRef& s : SlicesOnPs(placement, ps)) {
+    SliceSpec& spec = specs.emplace_back();
+    spec.set_name(s.name);
+    for (int64_t d : s.slice_shape) spec.add_shape(d);
+    spec.set_row_begin(s.row_begin);
+    spec.set_row_end(s.row_end);
+  }
+  return specs;
+}
+
 std::vector<int64_t> BytesPerPs(const Placement& placement) {
   std::vector<int64_t> bytes(placement.num_ps(), 0);
   for (int p = 0; p < placement.num_ps(); ++p) {

@@ -11,7 +11,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/tensor_chunks.h"
 #include "proto/job.pb.h"
+#include "proto/ps.pb.h"
 
 namespace psflow {
 
@@ -38,6 +41,18 @@ struct SliceRef {
 
 // The slices that ps `ps` holds, in placement order.
 std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps);
+
+// The one mapping between the slices a ps holds and whole-variable buffers:
+// `buffers[i]` holds variable i of the placement in full (NumElements of its
+// shape floats, alive while the sinks or refs are used). The sinks receive
+// (and the refs send) ps `ps`'s slices of optimizer slot `slot` ("" for the
+// values), in SlicesOnPs order; every sink is required.
+std::vector<TensorSink> SliceSinks(const Placement& placement, int ps, absl::Span<float* const> buffers,
+                                   const std::string& slot = "");
+std::vector<TensorRef> SliceRefs(const Placement& placement, int ps, absl::Span<const float* const> buffers,
+                                 const std::string& slot = "");
+// What ps `ps` holds, as its InitHeader describes it.
+std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);
 
 // Bytes held by each ps.
 std::vector<int64_t> BytesPerPs(const Placement& placement);

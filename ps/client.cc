@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 
-namespace psflow {
+namespace psflow::ps {
 namespace {
 
 
@@ -49,9 +49,9 @@ absl::Status WithPs(int ps, const absl::Status& s) {
 }  // namespace
 
 // Registers a call's context for CancelAll for the call's lifetime.
-class PsClient::CallScope {
+class GrpcClient::CallScope {
  public:
-  CallScope(PsClient* client, absl::Time deadline) : client_(client) {
+  CallScope(GrpcClient* client, absl::Time deadline) : client_(client) {
     context_.set_deadline(absl::ToChronoTime(deadline));
     context_.set_wait_for_ready(true);
     absl::MutexLock lock(&client_->mu_);
@@ -68,29 +68,29 @@ class PsClient::CallScope {
   grpc::ClientContext* context() { return &context_; }
 
  private:
-  PsClient* client_;
+  GrpcClient* client_;
   grpc::ClientContext context_;
 };
 
-bool PsClient::Reachable(int ps) const {
+bool GrpcClient::Reachable(int ps) const {
   const grpc_connectivity_state state = channels_[ps]->GetState(/*try_to_connect=*/false);
   return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
 }
 
-void PsClient::CancelAll() {
+void GrpcClient::CancelAll() {
   absl::MutexLock lock(&mu_);
   cancelled_ = true;
   for (grpc::ClientContext* c : active_) c->TryCancel();
 }
 
-PsClient::PsClient(const std::vector<std::string>& addresses) {
+GrpcClient::GrpcClient(const std::vector<std::string>& addresses) {
   for (const std::string& a : addresses) {
     channels_.push_back(MakeChannel(a));
     stubs_.push_back(ParameterServer::NewStub(channels_.back()));
   }
 }
 
-absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                             absl::Time deadline) {
   CallScope call(this, deadline);
   grpc::ClientContext& context = *call.context();
@@ -105,7 +105,7 @@ absl::Status PsClient::Init(int ps, const InitHeader& header, std::vector<Tensor
   return WithPs(ps, FromGrpcStatus(writer->Finish()));
 }
 
-absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int64_t min_version,
+absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id, int64_t min_version,
                                                     std::vector<TensorSink> sinks, absl::Time deadline,
                                                     absl::Duration max_wait) {
   CallScope call(this, deadline);
@@ -127,7 +127,7 @@ absl::StatusOr<PsClient::PullResult> PsClient::Pull(int ps, uint64_t job_id, int
   return result;
 }
 
-absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                             absl::Time deadline) {
   CallScope call(this, deadline);
   grpc::ClientContext& context = *call.context();
@@ -143,7 +143,7 @@ absl::StatusOr<PushResponse> PsClient::Push(int ps, const PushHeader& header, st
   return response;
 }
 
-absl::StatusOr<PsState> PsClient::GetState(int ps, absl::Time deadline) {
+absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
   CallScope call(this, deadline);
   PsState state;
   absl::Status s = FromGrpcStatus(stubs_[ps]->GetState(call.context(), GetStateRequest(), &state));
@@ -151,7 +151,7 @@ absl::StatusOr<PsState> PsClient::GetState(int ps, absl::Time deadline) {
   return state;
 }
 
-absl::Status PsClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                                       int64_t from_version, absl::Time deadline) {
   CallScope call(this, deadline);
   SetLiveWorkersRequest request;
@@ -162,7 +162,7 @@ absl::Status PsClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vector
   return WithPs(ps, FromGrpcStatus(stubs_[ps]->SetLiveWorkers(call.context(), request, &response)));
 }
 
-absl::Status PsClient::Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
                                 absl::Time deadline) {
   CallScope call(this, deadline);
   SnapshotRequest request;
@@ -179,7 +179,7 @@ absl::Status PsClient::Snapshot(int ps, uint64_t job_id, int64_t version, std::v
   return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
 }
 
-absl::Status PsClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
+absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
   CallScope call(this, deadline);
   grpc::ClientContext& context = *call.context();
   ShutdownRequest request;
@@ -188,4 +188,4 @@ absl::Status PsClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
   return WithPs(ps, FromGrpcStatus(stubs_[ps]->Shutdown(&context, request, &response)));
 }
 
-}  // namespace psflow
+}  // namespace psflow::ps

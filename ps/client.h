@@ -1,8 +1,13 @@
-// The client side of the parameter-server service, shared by workers and the
-// chief: one channel per ps, tensors streamed as chunks in both directions.
-// Calls wait for a ps that is not up yet (gRPC wait-for-ready) until their
-// deadline. Thread-safe: calls to different ps (or the same) may run
-// concurrently.
+// What the chief and the workers call on the parameter servers, as an
+// interface (ps::Client) with its gRPC transport (ps::GrpcClient): one
+// channel per ps, tensors streamed as chunks in both directions. Role logic
+// holds a Client and knows no gRPC; tests give it an in-memory fake
+// (tests/fakes/fake_ps.h).
+//
+// Every call names the ps by index and ends by `deadline`. Errors name the
+// ps ("ps 1: ...") and keep the status code of the transport (UNAVAILABLE for
+// a ps that is down or not up yet, so callers retry under common/fan_out.h).
+// Thread-safe: calls to different ps (or the same) may run concurrently.
 #ifndef PSFLOW_PS_CLIENT_H_
 #define PSFLOW_PS_CLIENT_H_
 
@@ -17,17 +22,17 @@
 #include "common/tensor_chunks.h"
 #include "proto/ps.grpc.pb.h"
 
-namespace psflow {
+namespace psflow::ps {
 
-class PsClient {
+class Client {
  public:
-  explicit PsClient(const std::vector<std::string>& addresses);
-  int num_ps() const { return static_cast<int>(stubs_.size()); }
+  virtual ~Client() = default;
+  virtual int num_ps() const = 0;
 
   // Loads a job onto ps `ps`: the header, then `tensors` (values, and slots
   // named by TensorRef::slot).
-  absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
-                    absl::Time deadline);
+  virtual absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+                            absl::Time deadline) = 0;
 
   struct PullResult {
     int64_t version = 0;  // below min_version: max_wait passed first, sinks untouched
@@ -36,29 +41,52 @@ class PsClient {
   // Pulls every slice of ps `ps` into `sinks` once it reaches min_version,
   // waiting at most `max_wait` for that (zero: until the deadline). An answer
   // that leaves a sink incomplete is DATA_LOSS.
-  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                  std::vector<TensorSink> sinks, absl::Time deadline,
-                                  absl::Duration max_wait = absl::ZeroDuration());
+  virtual absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
+                                          std::vector<TensorSink> sinks, absl::Time deadline,
+                                          absl::Duration max_wait = absl::ZeroDuration()) = 0;
 
-  absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
-                                    absl::Time deadline);
+  virtual absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+                                            absl::Time deadline) = 0;
 
-  absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline);
+  virtual absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) = 0;
 
-  absl::StatusOr<PsState> GetState(int ps, absl::Time deadline);
-  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
-                              absl::Time deadline);
+  virtual absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) = 0;
+  virtual absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                                      int64_t from_version, absl::Time deadline) = 0;
   // Values and slots of ps `ps` as of exactly `version`, into `sinks` (one
   // per slice and slot: value sinks have slot ""). DATA_LOSS if incomplete.
-  absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
-                        absl::Time deadline);
+  virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                                absl::Time deadline) = 0;
 
   // Whether the connection to ps `ps` is up (or idle), not failing.
-  bool Reachable(int ps) const;
+  virtual bool Reachable(int ps) const = 0;
 
   // Cancels every call in flight and makes later calls fail with CANCELLED
   // at once (for a process that is stopping).
-  void CancelAll();
+  virtual void CancelAll() = 0;
+};
+
+// The gRPC transport. Calls wait for a ps that is not up yet (gRPC
+// wait-for-ready) until their deadline.
+class GrpcClient final : public Client {
+ public:
+  explicit GrpcClient(const std::vector<std::string>& addresses);
+  int num_ps() const override { return static_cast<int>(stubs_.size()); }
+
+  absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+                    absl::Time deadline) override;
+  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version, std::vector<TensorSink> sinks,
+                                  absl::Time deadline, absl::Duration max_wait) override;
+  absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+                                    absl::Time deadline) override;
+  absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
+  absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
+                              absl::Time deadline) override;
+  absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                        absl::Time deadline) override;
+  bool Reachable(int ps) const override;
+  void CancelAll() override;
 
  private:
   class CallScope;
@@ -70,6 +98,6 @@ class PsClient {
   absl::flat_hash_set<grpc::ClientContext*> active_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace psflow
+}  // namespace psflow::ps
 
 #endif  // PSFLOW_PS_CLIENT_H_

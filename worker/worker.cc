@@ -57,12 +57,12 @@ bool AllFinite(const float* v, int64_t n) {
 
 }  // namespace
 
-class Worker::Impl final : public ::psflow::Worker::Service {
+class Worker::Impl final : public WorkerService::Service {
  public:
   explicit Impl(WorkerOptions options)
       : options_(std::move(options)),
         index_(options_.cluster.task_index),
-        chief_(Chief::NewStub(MakeChannel(options_.cluster.cluster.chief[0]))) {}
+        chief_(ChiefService::NewStub(MakeChannel(options_.cluster.cluster.chief[0]))) {}
 
   int Run();
   int RunTraining();
@@ -111,10 +111,10 @@ class Worker::Impl final : public ::psflow::Worker::Service {
 
   const WorkerOptions options_;
   const int index_;
-  std::unique_ptr<Chief::Stub> chief_;
+  std::unique_ptr<ChiefService::Stub> chief_;
   std::atomic<uint64_t> job_id_{0};  // set once at registration
   JobConfig job_;
-  std::unique_ptr<PsClient> ps_;  // set once at registration, under mu_
+  std::unique_ptr<ps::Client> ps_;  // set once at registration, under mu_
   std::unique_ptr<ThreadPool> pool_;  // one thread per ps, for parallel pulls and pushes
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
@@ -164,7 +164,7 @@ int Worker::Impl::Register() {
       start_step_ = response.start_step();
       absl::MutexLock lock(&mu_);
       if (ps_ == nullptr) {
-        ps_ = std::make_unique<PsClient>(
+        ps_ = std::make_unique<ps::GrpcClient>(
             std::vector<std::string>(response.ps_address().begin(), response.ps_address().end()));
       }
       reregister_ = false;
@@ -247,7 +247,7 @@ int Worker::Impl::Prepare() {
 
 absl::Status Worker::Impl::PullAll(int64_t min_version, int64_t* version, int64_t* wait_us) {
   const int n = job_.num_ps();
-  std::vector<absl::StatusOr<PsClient::PullResult>> results(n);
+  std::vector<absl::StatusOr<ps::Client::PullResult>> results(n);
   pool_->ParallelFor(n, [&](int p) {
     std::vector<TensorSink> sinks;
     for (const SliceRef& s : slices_[p]) {
@@ -256,9 +256,9 @@ absl::Status Worker::Impl::PullAll(int64_t min_version, int64_t* version, int64_
     const absl::Time start = absl::Now();
     absl::Time last_ask = start;
     results[p] = WithRetries([&] {
-      absl::StatusOr<PsClient::PullResult> r;
+      absl::StatusOr<ps::Client::PullResult> r;
       do {  // ask again while the other workers are still on the step
-        if (stop_signal() != 0) return absl::StatusOr<PsClient::PullResult>(absl::CancelledError("stopping"));
+        if (stop_signal() != 0) return absl::StatusOr<ps::Client::PullResult>(absl::CancelledError("stopping"));
         last_ask = absl::Now();
         r = ps_->Pull(p, job_id_, min_version, sinks, last_ask + kPullWait + kTransferTimeout, kPullWait);
       } while (r.ok() && r->version < min_version);

@@ -1,4 +1,4 @@
-// PsService on a real in-process gRPC server on loopback, driven by PsClient
+// PsService on a real in-process gRPC server on loopback, driven by ps::GrpcClient
 // and by hand-built streams through the generated stub.
 #include "ps/service.h"
 
@@ -57,7 +57,7 @@ class PsServiceTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
     address_ = absl::StrCat("127.0.0.1:", port_);
-    client_ = std::make_unique<PsClient>(std::vector<std::string>{address_});
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_});
     stub_ = ParameterServer::NewStub(MakeChannel(address_));
 
     big_ = Pattern(NumElements(kBigShape), 1024, 0.125f);
@@ -99,7 +99,7 @@ class PsServiceTest : public ::testing::Test {
     Pulled p;
     p.big.assign(NumElements(kBigShape), -1);
     p.bias.assign(NumElements(kBiasShape), -1);
-    absl::StatusOr<PsClient::PullResult> r =
+    absl::StatusOr<Client::PullResult> r =
         client_->Pull(0, kJob, min_version,
                       {{"big", "", kBigShape, p.big.data()}, {"bias", "", kBiasShape, p.bias.data()}},
                       deadline);
@@ -137,7 +137,7 @@ class PsServiceTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::string address_;
-  std::unique_ptr<PsClient> client_;
+  std::unique_ptr<Client> client_;
   std::unique_ptr<ParameterServer::Stub> stub_;
   std::vector<float> big_, bias_;
 };
@@ -343,7 +343,7 @@ TEST_F(PsServiceTest, PullFromAPsWithoutSlicesReportsItsVersion) {
     ASSERT_TRUE(client_->Push(0, push, {}, Deadline()).ok());
   }
   EXPECT_EQ(shard_.stats().version, 1);
-  absl::StatusOr<PsClient::PullResult> r = client_->Pull(0, kJob, 1, {}, Deadline());
+  absl::StatusOr<Client::PullResult> r = client_->Pull(0, kJob, 1, {}, Deadline());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version, 1);
 }
@@ -383,7 +383,7 @@ TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
   builder.RegisterService(&other);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  PsClient other_client({absl::StrCat("127.0.0.1:", port)});
+  GrpcClient other_client({absl::StrCat("127.0.0.1:", port)});
   st = other_client.GetState(0, Deadline());
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->ps_index(), 3);

@@ -1,0 +1,32 @@
+#include "chief/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/grpc_util.h"
+
+namespace psflow::chief {
+
+GrpcClient::GrpcClient(const std::string& address) : stub_(ChiefService::NewStub(MakeChannel(address))) {}
+
+absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_wait_for_ready(true);
+  context.set_deadline(absl::ToChronoTime(deadline));
+  RegisterWorkerRequest request;
+  request.set_worker(worker);
+  RegisterWorkerResponse response;
+  absl::Status s = FromGrpcStatus(stub_->RegisterWorker(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  ReportResponse response;
+  absl::Status s = FromGrpcStatus(stub_->Report(&context, request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+}  // namespace psflow::chief

@@ -1,0 +1,41 @@
+// What a worker calls on the chief, as an interface (chief::Client) with its
+// gRPC transport (chief::GrpcClient). The trainer holds a Client and knows no
+// gRPC; tests give it a fake or an in-process coordinator. Errors keep the
+// transport's status code (UNAVAILABLE while the chief is down or not up
+// yet). Thread-safe.
+#ifndef PSFLOW_CHIEF_CLIENT_H_
+#define PSFLOW_CHIEF_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/chief.grpc.pb.h"
+
+namespace psflow::chief {
+
+class Client {
+ public:
+  virtual ~Client() = default;
+  // Registers worker `worker`; the chief answers once every ps holds the
+  // job. Waits for a chief that is not up yet until `deadline`.
+  virtual absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) = 0;
+  // Step metrics and heartbeat; the answer says go on, exit, register again
+  // or fail.
+  virtual absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) = 0;
+};
+
+class GrpcClient final : public Client {
+ public:
+  explicit GrpcClient(const std::string& address);
+  absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
+  absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
+
+ private:
+  std::unique_ptr<ChiefService::Stub> stub_;
+};
+
+}  // namespace psflow::chief
+
+#endif  // PSFLOW_CHIEF_CLIENT_H_
