@@ -70,6 +70,32 @@ absl::StatusOr<Checkpoint> ReadOne(const fs::path& path) {
 
 }  // namespace
 
+Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step, const std::vector<std::string>& slots) {
+  Checkpoint ckpt;
+  for (const VariablePlacement& v : job.placement().variable()) {
+    std::vector<int64_t> shape(v.shape().begin(), v.shape().end());
+    const size_t n = static_cast<size_t>(NumElements(shape));
+    ckpt.tensors.push_back({v.name(), "", shape, std::vector<float>(n)});
+    for (const std::string& slot : slots) ckpt.tensors.push_back({v.name(), slot, shape, std::vector<float>(n)});
+  }
+  CheckpointManifest& m = ckpt.manifest;
+  m.set_step(step);
+  *m.mutable_model() = job.model();
+  *m.mutable_optimizer() = job.optimizer();
+  m.set_steps_per_epoch(job.steps_per_epoch());
+  m.set_num_workers(job.num_workers());
+  m.set_batch_size(job.batch_size());
+  m.set_seed(job.seed());
+  m.set_num_ps(job.num_ps());
+  for (int w = 0; w < job.num_workers(); ++w) {
+    WorkerPosition* pos = m.add_worker();
+    pos->set_worker(w);
+    pos->set_epoch(step / job.steps_per_epoch());
+    pos->set_examples_done((step % job.steps_per_epoch()) * job.batch_size());
+  }
+  return ckpt;
+}
+
 std::string CheckpointsDir(const std::string& model_dir) { return absl::StrCat(model_dir, "/checkpoints"); }
 
 absl::Status WriteCheckpoint(const std::string& model_dir, const Checkpoint& checkpoint, int keep) {

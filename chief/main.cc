@@ -1,15 +1,18 @@
 // psflow-chief: coordinates a psflow job. Its flags are the job's single
 // source of truth; ps and workers receive the job from it.
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <future>
+#include <memory>
 
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
-#include "chief/chief.h"
+#include "chief/coordinator.h"
+#include "chief/service.h"
+#include "common/grpc_util.h"
+#include "common/thread_pool.h"
+#include "ps/client.h"
 #include "common/cluster_flags.h"
 #include "common/log.h"
+#include "common/exit_codes.h"
 #include "common/memory.h"
 #include "common/signals.h"
 
@@ -65,58 +68,67 @@ int main(int argc, char** argv) {
       "  psflow-chief --job_name=chief --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"
       "               --worker_hosts=h2:2222 --model=cnn --epochs=5 --optimizer=adam \\\n"
       "               --learning_rate=0.001 --model_dir=/tmp/run\n"
-      "Exit codes: 0 done, 1 bad configuration, 138 a ps unreachable within --startup_timeout,\n"
-      "140 other failure worth a retry, 128+n after signal n (after writing a checkpoint).");
-  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kChief);
+      "Exit codes: 0 done, 1 bad configuration or a diverged job, 138 a ps unreachable within\n"
+      "--startup_timeout, 140 other failure worth a retry, 128+n after signal n (after writing a\n"
+      "checkpoint).");
+  psflow::chief::ChiefOptions o;
+  o.cluster = psflow::ResolveClusterOrExit(psflow::Role::kChief);
   psflow::SetLogTag("chief");
 
-  psflow::chief::ChiefOptions o;
-  o.cluster = config;
-  o.model = absl::GetFlag(FLAGS_model);
-  o.data_dir = absl::GetFlag(FLAGS_data_dir);
-  o.dataset = absl::GetFlag(FLAGS_dataset);
-  o.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
-  o.batch_size = absl::GetFlag(FLAGS_batch_size);
-  o.epochs = absl::GetFlag(FLAGS_epochs);
-  o.train_steps = absl::GetFlag(FLAGS_train_steps);
-  o.optimizer = absl::GetFlag(FLAGS_optimizer);
-  o.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
-  o.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
-  o.seed = absl::GetFlag(FLAGS_seed);
-  o.model_dir = absl::GetFlag(FLAGS_model_dir);
-  o.saved_model_dir = absl::GetFlag(FLAGS_saved_model_dir);
-  o.log_every_steps = absl::GetFlag(FLAGS_log_every_steps);
-  o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  psflow::chief::JobOptions& job = o.job;
+  job.model = absl::GetFlag(FLAGS_model);
+  job.data_dir = absl::GetFlag(FLAGS_data_dir);
+  job.dataset = absl::GetFlag(FLAGS_dataset);
+  job.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
+  job.batch_size = absl::GetFlag(FLAGS_batch_size);
+  job.epochs = absl::GetFlag(FLAGS_epochs);
+  job.train_steps = absl::GetFlag(FLAGS_train_steps);
+  job.optimizer = absl::GetFlag(FLAGS_optimizer);
+  job.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
+  job.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
+  job.seed = absl::GetFlag(FLAGS_seed);
+  job.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
+  psflow::chief::CoordinatorOptions& c = o.coordinator;
+  c.ps_addresses = o.cluster.cluster.ps;
+  c.model_dir = absl::GetFlag(FLAGS_model_dir);
+  c.saved_model_dir = absl::GetFlag(FLAGS_saved_model_dir);
+  c.log_every_steps = absl::GetFlag(FLAGS_log_every_steps);
+  c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+  c.checkpoint_every = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_secs));
+  c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   if (absl::GetFlag(FLAGS_startup_timeout) <= 0) {
     std::fprintf(stderr, "psflow-chief: --startup_timeout must be positive\n");
-    return 1;
+    return psflow::kExitPermanent;
   }
-  o.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
-  o.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
-  o.checkpoint_every = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_secs));
-  o.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
-  o.worker_timeout = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
-  o.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
-  if (o.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 || o.keep_checkpoints < 1 ||
+  c.timeouts.startup = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  c.timeouts.worker = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
+  if (c.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 || c.keep_checkpoints < 1 ||
       absl::GetFlag(FLAGS_worker_timeout) <= 0) {
     std::fprintf(stderr,
                  "psflow-chief: --checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
                  "--worker_timeout must be positive\n");
-    return 1;
+    return psflow::kExitPermanent;
+  }
+  absl::StatusOr<psflow::JobConfig> config = psflow::chief::BuildJobConfig(o);
+  if (!config.ok()) {
+    PSLOG(ERROR) << config.status().message();
+    return psflow::ExitCodeFor(config.status());
   }
 
-  psflow::chief::Chief chief(o);
-  std::promise<int> result;
-  std::future<int> done = result.get_future();
-  absl::Notification terminated;
-  psflow::TerminationWatcher watcher([&](int sig) {
-    if (!terminated.HasBeenNotified()) terminated.Notify();
-    PSLOG(INFO) << "signal " << sig << ": stopping";
-    chief.Stop(sig);
-    // It writes a checkpoint first; give that time, not forever.
-    if (done.wait_for(std::chrono::seconds(30)) != std::future_status::ready) std::_Exit(128 + sig);
-  });
-  int code = chief.Run();
-  result.set_value(code);
-  return psflow::FinishOrIdle(code, terminated);
+  psflow::ps::GrpcClient ps(o.cluster.cluster.ps);
+  psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
+  psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool);
+  psflow::chief::GrpcChiefService service(&coordinator);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(o.cluster.self_port, &service);
+  if (!server.ok()) {
+    PSLOG(ERROR) << server.status().message();
+    return psflow::kExitPermanent;
+  }
+  PSLOG(INFO) << "listening on " << o.cluster.self_address << "; loading the parameter servers";
+  // A signal makes the coordinator checkpoint first; give that time, not forever.
+  const int code = psflow::RunRole([&] { return coordinator.Run(); }, [&](int sig) { coordinator.Stop(sig); },
+                                   absl::Seconds(30), "stopping");
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return code;
 }

@@ -5,7 +5,9 @@
 
 #include "absl/flags/flag.h"
 #include "common/command_line.h"
+#include "common/exit_codes.h"
 #include "common/log.h"
+#include "common/signals.h"
 
 ABSL_FLAG(std::string, job_name, "",
           "This process's role: chief (or master), ps, worker or evaluator. Overrides TF_CONFIG "
@@ -66,6 +68,25 @@ int FinishOrIdle(int code, absl::Notification& terminated) {
   PSLOG(INFO) << "the job is over; idling until terminated (--exit_when_done=false)";
   terminated.WaitForNotification();
   return 0;
+}
+
+int RunRole(const std::function<absl::Status()>& run, const std::function<void(int)>& stop,
+            absl::Duration grace, const std::string& what) {
+  absl::Notification terminated;
+  absl::Notification returned;
+  TerminationWatcher watcher([&](int sig) {
+    if (!terminated.HasBeenNotified()) terminated.Notify();
+    PSLOG(INFO) << "signal " << sig << ": " << what;
+    stop(sig);
+    if (!returned.WaitForNotificationWithTimeout(grace)) std::_Exit(ExitCodeForSignal(sig));
+  });
+  const absl::Status status = run();
+  returned.Notify();
+  const int code = ExitCodeFor(status);
+  if (!status.ok() && !SignalOf(status).has_value()) {
+    PSLOG(ERROR) << "exiting with code " << code << ": " << status.message();
+  }
+  return FinishOrIdle(code, terminated);
 }
 
 ClusterConfig ResolveClusterOrExit(Role role) {

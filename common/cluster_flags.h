@@ -6,10 +6,13 @@
 #ifndef PSFLOW_COMMON_CLUSTER_FLAGS_H_
 #define PSFLOW_COMMON_CLUSTER_FLAGS_H_
 
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/cluster_config.h"
 
 namespace psflow {
@@ -25,6 +28,14 @@ ClusterFlags GetClusterFlags();
 // after success with --exit_when_done=false it first waits until
 // `terminated` (notified by the termination-signal handler) and returns 0.
 int FinishOrIdle(int code, absl::Notification& terminated);
+
+// The rest of a role's main, once its parts are built: runs `run` on this
+// thread while SIGTERM/SIGINT make `stop(signal)` run (after logging
+// "signal N: <what>"); if `run` has not returned `grace` after a signal the
+// process exits 128+signal at once. Returns the exit code of run's status
+// (ExitCodeFor), through FinishOrIdle. Needs BlockTerminationSignals() first.
+int RunRole(const std::function<absl::Status()>& run, const std::function<void(int)>& stop,
+            absl::Duration grace, const std::string& what);
 
 // Resolves this process's cluster configuration for `role` from the flags and
 // the environment; on error prints "<binary>: <problem>" and exits 1.

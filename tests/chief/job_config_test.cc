@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "chief/chief.h"
+#include "chief/coordinator.h"
 #include "data/mnist.h"
 #include "data/synthetic.h"
 #include "gmock/gmock.h"
@@ -60,10 +60,10 @@ class JobConfigTest : public ::testing::Test {
     options_.cluster.cluster.worker = {"worker-0:2222", "worker-1:2222"};
     options_.cluster.cluster.ps = {"ps-0:2222", "ps-1:2222"};
     options_.cluster.role = Role::kChief;
-    options_.model = "cnn";
-    options_.data_dir = dir_;
-    options_.model_dir = (fs::path(dir_) / "model").string();
-    options_.batch_size = 8;
+    options_.job.model = "cnn";
+    options_.job.data_dir = dir_;
+    options_.coordinator.model_dir = (fs::path(dir_) / "model").string();
+    options_.job.batch_size = 8;
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -110,7 +110,7 @@ TEST_F(JobConfigTest, DefaultsToOneEpoch) {
 
 TEST_F(JobConfigTest, ReadsGzippedDataAndOddCounts) {
   WriteData(101, 28, /*gzip=*/true);
-  options_.batch_size = 17;
+  options_.job.batch_size = 17;
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   // ceil(101 / 2) = 51 = 3 * 17.
@@ -121,13 +121,13 @@ TEST_F(JobConfigTest, ReadsGzippedDataAndOddCounts) {
 TEST_F(JobConfigTest, StepsPerEpochIsFullBatchesOfAShard) {
   WriteData(kCount, 28, false);
   for (int batch : {1, 7, 8, 25, 49, 50}) {
-    options_.batch_size = batch;
+    options_.job.batch_size = batch;
     absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
     ASSERT_TRUE(job.ok()) << batch << ": " << job.status();
     EXPECT_EQ(job->steps_per_epoch(), 50 / batch) << batch;
   }
   options_.cluster.cluster.worker = {"worker-0:2222", "worker-1:2222", "worker-2:2222"};
-  options_.batch_size = 10;
+  options_.job.batch_size = 10;
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->steps_per_epoch(), 3);  // ceil(100 / 3) = 34
@@ -136,25 +136,25 @@ TEST_F(JobConfigTest, StepsPerEpochIsFullBatchesOfAShard) {
 
 TEST_F(JobConfigTest, EpochsOrTrainSteps) {
   WriteData(kCount, 28, false);
-  options_.epochs = 3;
+  options_.job.epochs = 3;
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->train_steps(), 3 * 6);
 
-  options_.epochs = 0;
-  options_.train_steps = 7;  // not a multiple of steps_per_epoch: used as is
+  options_.job.epochs = 0;
+  options_.job.train_steps = 7;  // not a multiple of steps_per_epoch: used as is
   job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->train_steps(), 7);
   EXPECT_EQ(job->steps_per_epoch(), 6);
 
-  options_.epochs = 2;
+  options_.job.epochs = 2;
   ExpectInvalid(BuildJobConfig(options_), "not both");
 
-  options_.epochs = -1;
-  options_.train_steps = 0;
+  options_.job.epochs = -1;
+  options_.job.train_steps = 0;
   ExpectInvalid(BuildJobConfig(options_), "must not be negative");
-  options_.epochs = std::numeric_limits<int64_t>::max() / 2;
+  options_.job.epochs = std::numeric_limits<int64_t>::max() / 2;
   ExpectInvalid(BuildJobConfig(options_), "too large");
 }
 
@@ -205,23 +205,23 @@ TEST_F(JobConfigTest, PlacesEveryVariableOnThePs) {
 
 TEST_F(JobConfigTest, Optimizers) {
   WriteData(kCount, 28, false);
-  options_.optimizer = "Momentum";
-  options_.momentum = 0.5f;
-  options_.learning_rate = 0.1f;
+  options_.job.optimizer = "Momentum";
+  options_.job.momentum = 0.5f;
+  options_.job.learning_rate = 0.1f;
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::MOMENTUM);
   EXPECT_FLOAT_EQ(job->optimizer().momentum(), 0.5f);
   EXPECT_FLOAT_EQ(job->optimizer().learning_rate(), 0.1f);
 
-  options_.optimizer = "adam";
+  options_.job.optimizer = "adam";
   job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::ADAM);
 
   // --momentum only matters to the momentum optimizer.
-  options_.optimizer = "sgd";
-  options_.momentum = 1.5f;
+  options_.job.optimizer = "sgd";
+  options_.job.momentum = 1.5f;
   EXPECT_TRUE(BuildJobConfig(options_).ok());
 }
 
@@ -233,35 +233,35 @@ TEST_F(JobConfigTest, RejectsBadSettings) {
     change(o);
     return BuildJobConfig(o);
   };
-  ExpectInvalid(with([](ChiefOptions& o) { o.model_dir.clear(); }), "--model_dir is required");
-  ExpectInvalid(with([](ChiefOptions& o) { o.batch_size = 0; }), "--batch_size must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.batch_size = -3; }), "--batch_size must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.batch_size = 51; }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.coordinator.model_dir.clear(); }), "--model_dir is required");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = 0; }), "--batch_size must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = -3; }), "--batch_size must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = 51; }),
                 "--batch_size 51 exceeds the 50 examples each worker sees per epoch");
-  ExpectInvalid(with([](ChiefOptions& o) { o.optimizer = "rmsprop"; }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.optimizer = "rmsprop"; }),
                 "--optimizer 'rmsprop' is not one of sgd, momentum, adam");
-  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = 0; }), "--learning_rate must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = -0.1f; }), "--learning_rate must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = std::numeric_limits<float>::infinity(); }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = 0; }), "--learning_rate must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = -0.1f; }), "--learning_rate must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = std::numeric_limits<float>::infinity(); }),
                 "--learning_rate must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.learning_rate = std::numeric_limits<float>::quiet_NaN(); }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = std::numeric_limits<float>::quiet_NaN(); }),
                 "--learning_rate must be positive");
   ExpectInvalid(with([](ChiefOptions& o) {
-                  o.optimizer = "momentum";
-                  o.momentum = 1.5f;
+                  o.job.optimizer = "momentum";
+                  o.job.momentum = 1.5f;
                 }),
                 "--momentum must be in (0, 1)");
   ExpectInvalid(with([](ChiefOptions& o) {
-                  o.optimizer = "momentum";
-                  o.momentum = 0;
+                  o.job.optimizer = "momentum";
+                  o.job.momentum = 0;
                 }),
                 "--momentum must be in (0, 1)");
-  ExpectInvalid(with([&](ChiefOptions& o) { o.data_dir = (fs::path(dir_) / "missing").string(); }),
+  ExpectInvalid(with([&](ChiefOptions& o) { o.job.data_dir = (fs::path(dir_) / "missing").string(); }),
                 "--data_dir");
-  ExpectInvalid(with([](ChiefOptions& o) { o.model = "no-such-model"; }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.model = "no-such-model"; }),
                 "'no-such-model' is neither a built-in model");
-  ExpectInvalid(with([](ChiefOptions& o) { o.log_every_steps = 0; }), "--log_every_steps must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.compute_threads = -1; }), "--compute_threads must not be negative");
+  ExpectInvalid(with([](ChiefOptions& o) { o.coordinator.log_every_steps = 0; }), "--log_every_steps must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.compute_threads = -1; }), "--compute_threads must not be negative");
   ExpectInvalid(with([](ChiefOptions& o) { o.cluster.cluster.worker.clear(); }), "no workers");
 }
 
@@ -280,10 +280,10 @@ TEST_F(JobConfigTest, RejectsMismatchedImagesAndLabels) {
 // --dataset=synthetic: the examples are made, not read, so no data files are
 // needed and any input shape works (the resnet's 3x32x32).
 TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
-  options_.model = "resnet";
-  options_.dataset = "synthetic";
-  options_.synthetic_examples = 1000;
-  options_.data_dir = (fs::path(dir_) / "no-such-dir").string();
+  options_.job.model = "resnet";
+  options_.job.dataset = "synthetic";
+  options_.job.synthetic_examples = 1000;
+  options_.job.data_dir = (fs::path(dir_) / "no-such-dir").string();
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->dataset(), "synthetic");
@@ -318,7 +318,7 @@ TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
   EXPECT_NEAR(job->model().input().stddev(), std::sqrt(1.0 / 24), 0.01);
 
   // More examples, more steps.
-  options_.synthetic_examples = 4000;
+  options_.job.synthetic_examples = 4000;
   job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->num_examples(), 4000);
@@ -330,9 +330,9 @@ TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
   const std::string spec = (fs::path(dir_) / "five.pbtxt").string();
   std::ofstream(spec) << "input { channels: 1 height: 6 width: 6 } num_classes: 5 "
                          "layer { name: \"d\" dense { units: 5 } }";
-  options_.model = spec;
-  options_.dataset = "synthetic";
-  options_.synthetic_examples = 64;
+  options_.job.model = spec;
+  options_.job.dataset = "synthetic";
+  options_.job.synthetic_examples = 64;
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->model().num_classes(), 5);
@@ -341,31 +341,31 @@ TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
   EXPECT_GT(job->model().input().stddev(), 0.1);
 
   WriteData(kCount, 6, false);
-  options_.dataset = "idx";
+  options_.job.dataset = "idx";
   ExpectInvalid(BuildJobConfig(options_), "MNIST-format data has 10");
 }
 
 TEST_F(JobConfigTest, RejectsBadDatasets) {
   WriteData(kCount, 28, false);
-  options_.dataset = "imagenet";
+  options_.job.dataset = "imagenet";
   ExpectInvalid(BuildJobConfig(options_), "--dataset 'imagenet' is not one of idx, synthetic");
-  options_.dataset = "";
+  options_.job.dataset = "";
   ExpectInvalid(BuildJobConfig(options_), "--dataset");
 
   // The resnet takes 3x32x32 images; the Fashion-MNIST files hold 1x28x28.
-  options_.dataset = "idx";
-  options_.model = "resnet";
+  options_.job.dataset = "idx";
+  options_.job.model = "resnet";
   ExpectInvalid(BuildJobConfig(options_), "model resnet takes 3x32x32 inputs");
   ExpectInvalid(BuildJobConfig(options_), "are 1x28x28");
 
-  options_.dataset = "synthetic";
-  options_.synthetic_examples = 0;
+  options_.job.dataset = "synthetic";
+  options_.job.synthetic_examples = 0;
   ExpectInvalid(BuildJobConfig(options_), "--synthetic_examples");
-  options_.synthetic_examples = -10;
+  options_.job.synthetic_examples = -10;
   ExpectInvalid(BuildJobConfig(options_), "--synthetic_examples");
-  options_.synthetic_examples = 10;  // 5 per worker, batches of 8
+  options_.job.synthetic_examples = 10;  // 5 per worker, batches of 8
   ExpectInvalid(BuildJobConfig(options_), "--batch_size 8 exceeds the 5 examples each worker sees per epoch");
-  options_.synthetic_examples = 16;
+  options_.job.synthetic_examples = 16;
   EXPECT_TRUE(BuildJobConfig(options_).ok());
 }
 

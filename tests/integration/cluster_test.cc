@@ -100,12 +100,12 @@ TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
   EXPECT_THAT(out, HasSubstr("[launch] chief exited with code 1")) << launch.Describe();
   int fail_lines = 0;
   for (const std::string& line : Lines(out)) {
-    if (line.rfind("[chief] ", 0) == 0 && line.find("the job fails: ") != std::string::npos) ++fail_lines;
+    if (line.rfind("[chief] ", 0) == 0 && line.find("exiting with code 1: ") != std::string::npos) ++fail_lines;
     EXPECT_EQ(line.find("nan ex/s"), std::string::npos) << line;
     if (line.rfind("[chief] ", 0) == 0) EXPECT_EQ(line.find("loss nan"), std::string::npos) << line;
   }
   EXPECT_EQ(fail_lines, 1) << launch.Describe();
-  EXPECT_THAT(out, ::testing::ContainsRegex("the job fails: (worker [01] computed a non-finite loss or gradients "
+  EXPECT_THAT(out, ::testing::ContainsRegex("chief\\] exiting with code 1: (worker [01] computed a non-finite loss or gradients "
                                             "at step [0-9]+|the weights of step [0-9]+ are not finite)"));
   EXPECT_FALSE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << launch.Describe();
   for (const auto& e : std::filesystem::directory_iterator(model_dir + "/saved_model")) {

@@ -1,0 +1,592 @@
+#include "chief/coordinator.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <google/protobuf/util/message_differencer.h>
+
+#include "absl/random/distributions.h"
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/exit_codes.h"
+#include "common/fan_out.h"
+#include "common/file_util.h"
+#include "common/log.h"
+#include "common/placement.h"
+#include "common/status_macros.h"
+#include "common/tensor_chunks.h"
+#include "model/saved_model.h"
+#include "model/spec.h"
+#include "ps/optimizer.h"
+
+namespace psflow::chief {
+namespace {
+
+// A fresh random job id: calls that name an older one fail.
+uint64_t NewJobId() { return absl::Uniform<uint64_t>(absl::BitGen()); }
+
+std::vector<int> Sorted(const absl::flat_hash_set<int>& set) {
+  std::vector<int> v(set.begin(), set.end());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
+  if (o.coordinator.model_dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
+  if (o.coordinator.log_every_steps <= 0) {
+    return absl::InvalidArgumentError("--log_every_steps must be positive");
+  }
+  return BuildJobConfig(o.job, static_cast<int>(o.cluster.cluster.worker.size()),
+                        static_cast<int>(o.cluster.cluster.ps.size()));
+}
+
+Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps, ThreadPool* pool)
+    : options_(std::move(options)), job_(std::move(job)), ps_(ps), pool_(pool) {
+  progress_ = std::make_unique<Progress>(
+      job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(), job_.num_ps(),
+      [this] {
+        int n = 0;
+        for (int p = 0; p < job_.num_ps(); ++p) n += ps_->Reachable(p);
+        return n;
+      },
+      [](const std::string& line) { PSLOG(INFO) << line; });
+  absl::MutexLock lock(&mu_);
+  job_id_ = NewJobId();
+  for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
+  last_seen_.assign(job_.num_workers(), absl::Now());
+}
+
+Coordinator::~Coordinator() = default;
+
+void Coordinator::Stop(int signal) {
+  absl::MutexLock lock(&mu_);
+  if (stop_signal_ == 0) stop_signal_ = signal;
+  // Before the ps are loaded nothing needs saving: stop waiting for them.
+  if (!ready_) ps_->CancelAll();
+}
+
+void Coordinator::Fail(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (failure_.ok()) failure_ = why;  // the first failure is the one kept
+}
+
+bool Coordinator::Failed() {
+  absl::MutexLock lock(&mu_);
+  return !failure_.ok();
+}
+
+uint64_t Coordinator::job_id() {
+  absl::MutexLock lock(&mu_);
+  return job_id_;
+}
+
+std::string Coordinator::SavedModelDir() const {
+  return options_.saved_model_dir.empty() ? absl::StrCat(options_.model_dir, "/saved_model")
+                                          : options_.saved_model_dir;
+}
+
+absl::Status Coordinator::BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version) {
+  const uint64_t id = job_id();
+  const absl::Time deadline = absl::Now() + options_.timeouts.control_call;
+  PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+    return ps_->SetLiveWorkers(p, id, live, from_version, deadline);
+  }));
+  progress_->SetLiveWorkers(live);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::Time deadline) {
+  if (w < 0 || w >= job_.num_workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", w, " is not in the cluster (", job_.num_workers(), " workers)"));
+  }
+  absl::MutexLock membership(&membership_mu_);
+  std::vector<int> live;
+  {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ready_ || Stopping(); };
+    mu_.AwaitWithDeadline(absl::Condition(&ready),
+                          std::min(deadline, absl::Now() + options_.timeouts.register_wait));
+    if (!ready_) return absl::UnavailableError("the parameter servers are not loaded yet");
+    last_seen_[w] = absl::Now();
+    finished_.erase(w);
+    if (!live_.contains(w)) {
+      live_.insert(w);
+      live = Sorted(live_);
+    }
+  }
+  int64_t start = 0;  // a member already: pull whatever version the ps are at
+  if (!live.empty()) {
+    // A (re)joining worker takes part from the step after the newest one any
+    // ps has reached, so no step waits for a push computed on other weights.
+    int64_t max_version = 0;
+    if (!PsHealthy(&max_version)) return absl::UnavailableError("a ps is not reachable");
+    start = max_version + 1;
+    absl::Status s = BroadcastLiveWorkers(live, start);
+    if (!s.ok()) return absl::UnavailableError(s.message());
+    progress_->Rejoin(w, start);
+    PSLOG(INFO) << "worker " << w << " joins at step " << start << " (" << live.size() << " live)";
+  } else {
+    PSLOG(INFO) << "worker " << w << " registered";
+  }
+  RegisterWorkerResponse response;
+  response.set_job_id(job_id());
+  *response.mutable_job() = job_;
+  for (const std::string& a : options_.ps_addresses) response.add_ps_address(a);
+  response.set_start_step(start);
+  return response;
+}
+
+absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request, absl::Time deadline) {
+  const int w = request.worker();
+  if (w < 0 || w >= job_.num_workers()) return absl::InvalidArgumentError("unknown worker");
+  for (const StepMetrics& m : request.metrics()) {
+    absl::Status valid = CheckStepMetrics(m, job_.train_steps(), job_.batch_size());
+    if (valid.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    // Refused, never logged as progress; the first few are named.
+    if (++refused_reports_ <= 10) {
+      PSLOG(WARNING) << "refused a report from worker " << w << ": " << valid.message();
+    }
+    return valid;
+  }
+  for (const StepMetrics& m : request.metrics()) {
+    if (!m.nonfinite()) continue;
+    Fail(absl::OutOfRangeError(absl::StrCat(
+        "worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
+        " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no saved model is written")));
+  }
+  ReportResponse response;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failure_.ok()) {
+      response.set_action(ReportResponse::FAIL);
+      released_.insert(w);
+      return response;
+    }
+    if (request.job_id() != job_id_ || !ready_) {
+      response.set_action(ReportResponse::REGISTER);  // the job was reloaded: its step is gone
+      return response;
+    }
+    last_seen_[w] = absl::Now();
+  }
+  // Outside mu_: recording may write log lines.
+  progress_->Record(w, {request.metrics().begin(), request.metrics().end()}, absl::Now());
+  absl::MutexLock lock(&mu_);
+  if (request.finished()) {
+    finished_.insert(w);
+    // Long-poll: answer when the job is over, or soon enough to serve as a heartbeat.
+    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ || Stopping() || !failure_.ok(); };
+    mu_.AwaitWithDeadline(absl::Condition(&over),
+                          std::min(deadline, absl::Now() + options_.timeouts.report_hold));
+  }
+  if (!failure_.ok()) {
+    response.set_action(ReportResponse::FAIL);
+    released_.insert(w);
+  } else if (done_) {
+    response.set_action(ReportResponse::EXIT);
+    released_.insert(w);
+  }
+  return response;
+}
+
+absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
+  const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
+  absl::StatusOr<Checkpoint> ckpt = ReadNewestCheckpoint(options_.model_dir);
+  Weights w;
+  if (!ckpt.ok()) {
+    if (!absl::IsNotFound(ckpt.status())) return ckpt.status();
+    std::vector<std::vector<float>> init = model::InitialValues(job_.model(), job_.seed());
+    for (size_t i = 0; i < vars.size(); ++i) w.tensors.push_back({vars[i].name, "", vars[i].shape, std::move(init[i])});
+    return w;
+  }
+  // Every variable must be there with its shape; optimizer slots are taken
+  // when the optimizer is the same kind (otherwise they start at zero).
+  const bool same_optimizer = ckpt->manifest.optimizer().kind() == job_.optimizer().kind();
+  absl::flat_hash_set<std::string> wanted;
+  for (const VariableShape& v : vars) wanted.insert(v.name);
+  for (const VariableShape& v : vars) {
+    auto it = std::find_if(ckpt->tensors.begin(), ckpt->tensors.end(),
+                           [&](const CheckpointTensorData& t) { return t.name == v.name && t.slot.empty(); });
+    if (it == ckpt->tensors.end() || it->shape != v.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the newest checkpoint in ", CheckpointsDir(options_.model_dir), " does not fit model ",
+          job_.model().name(), " (variable '", v.name, "'): use another --model_dir"));
+    }
+  }
+  for (CheckpointTensorData& t : ckpt->tensors) {
+    if (wanted.contains(t.name) && (t.slot.empty() || same_optimizer)) w.tensors.push_back(std::move(t));
+  }
+  w.step = ckpt->manifest.step();
+  PSLOG(INFO) << "restoring from the checkpoint of step " << w.step << " (saved with "
+              << ckpt->manifest.num_ps() << " ps" << (same_optimizer ? "" : ", optimizer slots reset") << ")";
+  return w;
+}
+
+bool Coordinator::TryAdopt() {
+  // After a restart of the chief alone, the ps may still hold the job, all at
+  // one step: take it over as it is rather than going back to a checkpoint.
+  for (int attempt = 0; attempt < options_.timeouts.adopt_attempts; ++attempt) {
+    std::vector<PsState> states;
+    for (int p = 0; p < job_.num_ps(); ++p) {
+      absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
+      if (!st.ok() || !st->holds_job()) return false;
+      states.push_back(*std::move(st));
+    }
+    bool same = google::protobuf::util::MessageDifferencer::Equals(states[0].job(), job_);
+    bool agree = true;
+    for (const PsState& st : states) {
+      same = same && st.job_id() == states[0].job_id() && st.live_workers_size() > 0;
+      agree = agree && st.version() == states[0].version();
+    }
+    if (!same) return false;
+    if (agree) {
+      std::vector<int> live(states[0].live_workers().begin(), states[0].live_workers().end());
+      {
+        absl::MutexLock lock(&mu_);
+        job_id_ = states[0].job_id();
+        live_ = absl::flat_hash_set<int>(live.begin(), live.end());
+        for (absl::Time& t : last_seen_) t = absl::Now();
+      }
+      progress_->Restart(states[0].version());
+      progress_->SetLiveWorkers(live);
+      last_checkpoint_step_ = states[0].version();
+      PSLOG(INFO) << "adopting the running job at step " << states[0].version() << " (" << live.size()
+                  << " live workers)";
+      return true;
+    }
+    absl::SleepFor(options_.timeouts.adopt_retry);  // a step is being applied: look again
+  }
+  return false;
+}
+
+absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
+  std::vector<int> live;
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    live = Sorted(live_);
+    id = job_id_;
+  }
+  // The tensors of each slot as whole-variable buffers, in placement order.
+  std::vector<std::string> slots = {""};
+  for (const std::string& s : ps::Optimizer::SlotNames(job_.optimizer().kind())) slots.push_back(s);
+  std::vector<std::vector<const float*>> buffers(slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    for (const VariablePlacement& v : job_.placement().variable()) {
+      auto it = std::find_if(weights.tensors.begin(), weights.tensors.end(), [&](const CheckpointTensorData& t) {
+        return t.name == v.name() && t.slot == slots[k];
+      });
+      buffers[k].push_back(it == weights.tensors.end() ? nullptr : it->values.data());
+    }
+    // A slot the weights do not hold starts at zero on the ps.
+    if (std::find(buffers[k].begin(), buffers[k].end(), nullptr) != buffers[k].end()) buffers[k].clear();
+  }
+  RetryPolicy retry;
+  retry.give_up = absl::Now() + options_.timeouts.startup;
+  retry.stop = [this] {
+    absl::MutexLock lock(&mu_);
+    return Stopping();
+  };
+  absl::Status s = FanOut(pool_, job_.num_ps(), retry, [&](int p) {
+    InitHeader header;
+    header.set_job_id(id);
+    header.set_ps_index(p);
+    *header.mutable_job() = job_;
+    header.set_version(weights.step);
+    for (int w : live) header.add_live_workers(w);
+    for (SliceSpec& spec : SliceSpecs(job_.placement(), p)) *header.add_slice() = std::move(spec);
+    std::vector<TensorRef> tensors;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      if (buffers[k].empty()) continue;
+      for (TensorRef& r : SliceRefs(job_.placement(), p, buffers[k], slots[k])) tensors.push_back(std::move(r));
+    }
+    // wait_for_ready covers a ps not up yet; a connection that breaks under
+    // the call (a ps going down as it is asked) is tried again.
+    return ps_->Init(p, header, std::move(tensors), retry.give_up);
+  });
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (Stopping()) return StoppedBySignal(stop_signal_);
+    // A ps that refuses the job (another task index at that address, say)
+    // refuses it again: INVALID_ARGUMENT and FAILED_PRECONDITION stay
+    // permanent, an unreachable ps stays "unreachable", the rest is retryable.
+    const bool keep = IsRetryable(s) || absl::IsInvalidArgument(s) || absl::IsFailedPrecondition(s);
+    return absl::Status(keep ? s.code() : absl::StatusCode::kInternal,
+                        absl::StrCat("cannot load the parameter servers: ", s.message()));
+  }
+  progress_->Restart(weights.step);
+  progress_->SetLiveWorkers(live);
+  last_checkpoint_step_ = weights.step;
+  last_checkpoint_time_ = absl::Now();
+  absl::MutexLock lock(&mu_);
+  ready_ = true;
+  for (absl::Time& t : last_seen_) t = absl::Now();  // the workers' timeouts start now
+  return absl::OkStatus();
+}
+
+bool Coordinator::PsHealthy(int64_t* max_version) {
+  const uint64_t id = job_id();
+  std::vector<int64_t> versions(job_.num_ps(), 0);
+  absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+    absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
+    if (!st.ok()) return st.status();
+    if (!st->holds_job() || st->job_id() != id) return absl::FailedPreconditionError("ps lost the job");
+    versions[p] = st->version();
+    return absl::OkStatus();
+  });
+  *max_version = versions.empty() ? 0 : *std::max_element(versions.begin(), versions.end());
+  return s.ok();
+}
+
+void Coordinator::CheckWorkers() {
+  absl::MutexLock membership(&membership_mu_);
+  std::vector<int> live;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (int w : Sorted(live_)) {
+      if (now - last_seen_[w] <= options_.timeouts.worker || finished_.contains(w)) continue;
+      if (live_.size() == 1) break;  // the last one: nobody left to go on with
+      live_.erase(w);
+      PSLOG(WARNING) << "worker " << w << " sent no heartbeat for " << options_.timeouts.worker
+                     << "; going on with " << live_.size() << " workers";
+      live = Sorted(live_);
+    }
+  }
+  if (live.empty()) return;
+  absl::Status s = BroadcastLiveWorkers(live, 0);
+  if (!s.ok()) PSLOG(WARNING) << "cannot update the live workers: " << s.message();
+}
+
+absl::Status Coordinator::Recover() {
+  PSLOG(WARNING) << "a parameter server is down or lost its shard; pausing the workers and reloading "
+                    "every ps from the newest checkpoint";
+  {
+    absl::MutexLock lock(&mu_);
+    ready_ = false;
+    // A new job id: the workers' calls to the old one fail and they register again.
+    job_id_ = NewJobId();
+    finished_.clear();
+  }
+  PSFLOW_ASSIGN_OR_RETURN(Weights weights, InitialWeights());
+  PSFLOW_RETURN_IF_ERROR(LoadParameterServers(weights));
+  PSLOG(INFO) << "parameter servers reloaded at step " << weights.step << "; training";
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
+  // A ps may pass the chosen step between looking and asking: look again.
+  absl::Status s;
+  for (int attempt = 0; attempt < options_.timeouts.checkpoint_attempts; ++attempt) {
+    s = TakeCheckpointOnce(taken);
+    if (!absl::IsFailedPrecondition(s)) return s;
+  }
+  return s;
+}
+
+absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
+  int64_t target = 0;
+  if (!PsHealthy(&target)) return absl::UnavailableError("a ps is not reachable");
+  const uint64_t id = job_id();
+  // Every ps copies its slices the moment it reaches `target` (those there
+  // already, at once): one consistent step across shards, taken while
+  // training goes on.
+  const std::vector<std::string> slots = ps::Optimizer::SlotNames(job_.optimizer().kind());
+  Checkpoint ckpt = EmptyCheckpoint(job_, target, slots);
+  // Variable i's value, then its slots, are ckpt.tensors[i * per_var + k].
+  const size_t per_var = slots.size() + 1;
+  std::vector<std::vector<float*>> buffers(per_var);
+  for (size_t i = 0; i < ckpt.tensors.size(); ++i) buffers[i % per_var].push_back(ckpt.tensors[i].values.data());
+  const absl::Time deadline = absl::Now() + options_.timeouts.snapshot_call;
+  PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+    std::vector<TensorSink> sinks;
+    for (size_t k = 0; k < per_var; ++k) {
+      for (TensorSink& s : SliceSinks(job_.placement(), p, buffers[k], ckpt.tensors[k].slot)) {
+        sinks.push_back(std::move(s));
+      }
+    }
+    return ps_->Snapshot(p, id, target, std::move(sinks), deadline);
+  }));
+  for (const CheckpointTensorData& t : ckpt.tensors) {
+    if (std::all_of(t.values.begin(), t.values.end(), [](float v) { return std::isfinite(v); })) continue;
+    absl::Status diverged = absl::OutOfRangeError(
+        absl::StrCat("the weights of step ", target, " are not finite (", t.name, t.slot.empty() ? "" : "/", t.slot,
+                     "): the job diverged; the checkpoints before it are kept, no saved model is written"));
+    Fail(diverged);
+    return diverged;
+  }
+  const absl::Time start = absl::Now();
+  PSFLOW_RETURN_IF_ERROR(WriteCheckpoint(options_.model_dir, ckpt, options_.keep_checkpoints));
+  last_checkpoint_step_ = target;
+  last_checkpoint_time_ = absl::Now();
+  PSLOG(INFO) << "checkpoint of step " << target << " written to " << CheckpointsDir(options_.model_dir) << " ("
+              << absl::ToInt64Milliseconds(absl::Now() - start) << " ms)";
+  if (taken != nullptr) *taken = std::move(ckpt);
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::Supervise() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (Stopping() || !failure_.ok()) return true;
+        for (int w : live_) {
+          if (!finished_.contains(w)) return false;
+        }
+        return true;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), options_.timeouts.supervise_every);
+      if (!failure_.ok()) return failure_;
+      if (Stopping()) break;
+      if (wake()) return absl::OkStatus();
+    }
+    int64_t version = 0;
+    if (!PsHealthy(&version)) {
+      PSFLOW_RETURN_IF_ERROR(Recover());
+      continue;
+    }
+    CheckWorkers();
+    const bool by_steps = options_.checkpoint_every_steps > 0 &&
+                          version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
+    const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&
+                         absl::Now() - last_checkpoint_time_ >= options_.checkpoint_every &&
+                         version > last_checkpoint_step_;
+    if (by_steps || by_time) {
+      absl::Status s = TakeCheckpoint();
+      if (!s.ok() && !Failed()) PSLOG(WARNING) << "checkpoint failed: " << s.message();
+    }
+  }
+  // Stopped by a signal: keep what was trained, then leave ps and workers
+  // running for the chief that comes next.
+  absl::Status s = TakeCheckpoint();
+  if (!s.ok() && !Failed()) PSLOG(WARNING) << "no checkpoint before exiting: " << s.message();
+  absl::MutexLock lock(&mu_);
+  return failure_.ok() ? StoppedBySignal(stop_signal_) : failure_;
+}
+
+absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
+  std::vector<std::vector<float>> values;
+  int64_t version = -1;
+  if (final_checkpoint != nullptr) {
+    // The values (slot "") come in the variables' order.
+    for (CheckpointTensorData& t : final_checkpoint->tensors) {
+      if (t.slot.empty()) values.push_back(std::move(t.values));
+    }
+    version = final_checkpoint->manifest.step();
+  } else {
+    for (const VariableShape& v : model::ModelVariables(job_.model())) values.emplace_back(NumElements(v.shape));
+    std::vector<float*> buffers;
+    for (std::vector<float>& v : values) buffers.push_back(v.data());
+    const absl::Time deadline = absl::Now() + options_.timeouts.final_pull;
+    const uint64_t id = job_id();
+    std::vector<int64_t> versions(job_.num_ps(), 0);
+    absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+      absl::StatusOr<ps::Client::PullResult> r =
+          ps_->Pull(p, id, job_.train_steps(), SliceSinks(job_.placement(), p, buffers), deadline);
+      if (r.ok()) versions[p] = r->version;
+      return r.status();
+    });
+    if (!s.ok()) return absl::InternalError(absl::StrCat("cannot read the final weights: ", s.message()));
+    version = versions.empty() ? 0 : versions[0];
+  }
+  const std::string dir = SavedModelDir();
+  absl::Status s = model::WriteSavedModel(dir, job_.model(), version, values);
+  if (!s.ok()) return absl::InternalError(absl::StrCat("cannot write the saved model: ", s.message()));
+  PSLOG(INFO) << "saved model (step " << version << ") written to " << dir;
+  return absl::OkStatus();
+}
+
+void Coordinator::ReleaseEveryone() {
+  {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+    // Workers learn it from their next report; give them a little while.
+    // Every finished worker, or after a failure every live one, is told.
+    auto all_released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (Stopping()) return true;
+      if (failure_.ok()) return released_.size() >= finished_.size();
+      return std::all_of(live_.begin(), live_.end(), [this](int w) { return released_.contains(w); });
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&all_released), options_.timeouts.release_wait)) {
+      PSLOG(WARNING) << "not every worker collected its exit order";
+    }
+  }
+  const uint64_t id = job_id();
+  const absl::Time deadline = absl::Now() + options_.timeouts.control_call;
+  for (int p = 0; p < job_.num_ps(); ++p) {
+    absl::Status s = ps_->Shutdown(p, id, deadline);
+    if (!s.ok()) PSLOG(WARNING) << "ps " << p << " did not take the exit order: " << s.message();
+  }
+}
+
+absl::Status Coordinator::Run() {
+  // Find out now, not after training, that the outputs cannot be written.
+  // That is a matter of configuration: permanent.
+  for (const std::string& dir : {SavedModelDir(), CheckpointsDir(options_.model_dir)}) {
+    absl::Status writable = MakeDirectories(dir);
+    if (!writable.ok()) return absl::FailedPreconditionError(writable.message());
+  }
+  int64_t params = 0;
+  for (const VariableShape& v : model::ModelVariables(job_.model())) params += NumElements(v.shape);
+  std::vector<int64_t> bytes = BytesPerPs(job_.placement());
+  std::string per_ps;
+  for (size_t p = 0; p < bytes.size(); ++p) absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
+  PSLOG(INFO) << "job: model " << job_.model().name() << " (" << params << " parameters), "
+              << job_.train_steps() << " steps (" << job_.steps_per_epoch() << " per epoch), batch "
+              << job_.batch_size() << " x " << job_.num_workers() << " workers, optimizer "
+              << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr " << job_.optimizer().learning_rate()
+              << ", inputs standardized with mean " << job_.model().input().mean() << " stddev "
+              << job_.model().input().stddev() << ", variables over " << job_.num_ps() << " ps (" << per_ps
+              << ")";
+
+  absl::Status status;
+  if (TryAdopt()) {
+    absl::MutexLock lock(&mu_);
+    ready_ = true;
+  } else {
+    absl::StatusOr<Weights> weights = InitialWeights();
+    status = weights.status();
+    if (status.ok()) status = LoadParameterServers(*weights);
+    if (status.ok()) PSLOG(INFO) << "parameter servers loaded at step " << weights->step << "; training";
+  }
+  if (status.ok()) status = Supervise();
+  bool trained = status.ok();
+  if (trained) {
+    // The last checkpoint holds the final step: a restarted job finds it done.
+    Checkpoint final_checkpoint;
+    absl::Status s = TakeCheckpoint(&final_checkpoint);
+    if (Failed()) {
+      trained = false;
+    } else {
+      if (!s.ok()) PSLOG(WARNING) << "no final checkpoint: " << s.message();
+      // It holds the final weights too, unless a ps had gone past
+      // train_steps: then they are pulled again.
+      const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();
+      status = SaveModel(reuse ? &final_checkpoint : nullptr);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failure_.ok()) status = failure_;
+    if (Stopping() && status.ok()) status = StoppedBySignal(stop_signal_);
+  }
+  // Once training is over (or failed), ps and workers have nothing left to
+  // do, whether or not the saved model could be written.
+  if (trained || Failed()) ReleaseEveryone();
+  if (status.ok()) {
+    Progress::Summary s = progress_->summary();
+    PSLOG(INFO) << absl::StrFormat("done: %d steps, %d examples in %.1f s, %.0f ex/s after the first interval, "
+                                   "final loss %.4f acc %.3f",
+                                   job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed),
+                                   s.examples_per_sec, s.last_loss, s.last_accuracy);
+  }
+  return status;
+}
+
+}  // namespace psflow::chief

@@ -1,0 +1,171 @@
+// The chief's logic, with no gRPC in it: job state, worker registration and
+// supervision, loading and watching the ps, recovery, checkpoint
+// orchestration, the saved model and the end of the job. It reaches the ps
+// only through ps::Client; the chief's gRPC service (chief/service.h)
+// forwards workers' calls to RegisterWorker and Report. Tests drive it with
+// fakes (tests/fakes/).
+//
+// Thread-safe: RegisterWorker, Report and Stop may be called from any thread
+// while Run runs on one. Lock order: membership_mu_ before mu_.
+#ifndef PSFLOW_CHIEF_COORDINATOR_H_
+#define PSFLOW_CHIEF_COORDINATOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "chief/checkpoint.h"
+#include "chief/job_config.h"
+#include "chief/progress.h"
+#include "common/cluster_config.h"
+#include "common/thread_pool.h"
+#include "proto/chief.pb.h"
+#include "proto/job.pb.h"
+#include "ps/client.h"
+
+namespace psflow::chief {
+
+// Every timeout and retry count of the chief, in one place. The defaults are
+// what the binaries use; tests shorten them.
+struct Timeouts {
+  // How long loading the ps may wait for them to come up (--startup_timeout).
+  absl::Duration startup = absl::Minutes(5);
+  // A worker without a report (heartbeat) for this long is dropped from the
+  // synchronous steps until it registers again (--worker_timeout).
+  absl::Duration worker = absl::Seconds(30);
+  // How often the supervisor looks at the ps, the workers and the clock.
+  absl::Duration supervise_every = absl::Milliseconds(100);
+  // A registration waits this long at most for the ps to be loaded.
+  absl::Duration register_wait = absl::Seconds(10);
+  // A finished worker's report is held this long (or until the job ends).
+  absl::Duration report_hold = absl::Seconds(2);
+  // GetState of one ps (also how a ps's health is judged).
+  absl::Duration state_call = absl::Seconds(2);
+  // SetLiveWorkers and Shutdown of one ps.
+  absl::Duration control_call = absl::Seconds(10);
+  // Snapshot of one ps for a checkpoint.
+  absl::Duration snapshot_call = absl::Seconds(20);
+  // Pull of the final weights when no checkpoint holds them.
+  absl::Duration final_pull = absl::Minutes(1);
+  // How long the workers get to collect the exit (or fail) order.
+  absl::Duration release_wait = absl::Seconds(30);
+  // A checkpoint whose chosen step a ps passed before snapshotting is tried
+  // again this many times.
+  int checkpoint_attempts = 5;
+  // Adopting a running job: how often to look for every ps at one step.
+  int adopt_attempts = 40;
+  absl::Duration adopt_retry = absl::Milliseconds(50);
+};
+
+struct CoordinatorOptions {
+  std::vector<std::string> ps_addresses;  // by ps index, handed to workers
+  std::string model_dir;                  // required: checkpoints (and the saved model)
+  std::string saved_model_dir;            // default <model_dir>/saved_model
+  int log_every_steps = 100;
+  // Checkpoints: every this many steps and/or this long (0 = not by that
+  // measure), keeping the newest keep_checkpoints.
+  int64_t checkpoint_every_steps = 0;
+  absl::Duration checkpoint_every = absl::Minutes(10);
+  int keep_checkpoints = 5;
+  Timeouts timeouts;
+};
+
+// Everything psflow-chief is configured with.
+struct ChiefOptions {
+  ClusterConfig cluster;
+  JobOptions job;
+  CoordinatorOptions coordinator;  // ps_addresses come from `cluster`
+};
+
+// Checks the coordinator's settings, then BuildJobConfig of the job's for
+// the cluster's workers and ps. INVALID_ARGUMENT with one line naming the
+// flag.
+absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& options);
+
+class Coordinator {
+ public:
+  // `ps` (not owned) must outlive the coordinator; so must `pool`, whose
+  // threads fan calls out over the ps (at least num_ps - 1 of them help).
+  Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps, ThreadPool* pool);
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // Runs the job to the end: loads (or adopts) the ps, supervises, checkpoints,
+  // writes the saved model and releases everyone. OK when done;
+  // StoppedBySignal(n) after Stop(n) (having checkpointed); OUT_OF_RANGE when
+  // the job diverged; otherwise the error that ended it (ExitCodeFor maps it).
+  absl::Status Run();
+  // Makes Run() checkpoint and return StoppedBySignal(signal). Thread-safe.
+  void Stop(int signal);
+
+  // A worker's registration: the job once every ps holds it. UNAVAILABLE
+  // while the ps are not loaded (the worker retries), INVALID_ARGUMENT for a
+  // worker not in the job.
+  absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline);
+  // A worker's metrics and heartbeat. INVALID_ARGUMENT for impossible
+  // metrics (nothing recorded). A finished worker's call is held until the
+  // job ends or `deadline` (at most Timeouts::report_hold).
+  absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline);
+
+ private:
+  struct Weights {  // full tensors (values and optimizer slots) to load the ps with
+    int64_t step = 0;
+    std::vector<CheckpointTensorData> tensors;
+  };
+
+  absl::StatusOr<Weights> InitialWeights();
+  bool TryAdopt();
+  absl::Status LoadParameterServers(const Weights& weights);
+  absl::Status Supervise();
+  void CheckWorkers();
+  bool PsHealthy(int64_t* max_version);
+  absl::Status Recover();
+  // On success, what was written is moved into *taken when one is given.
+  absl::Status TakeCheckpoint(Checkpoint* taken = nullptr);
+  absl::Status TakeCheckpointOnce(Checkpoint* taken);
+  // Writes the saved model from the values of `final_checkpoint` (one of
+  // step train_steps), or, without one, from the values pulled from the ps.
+  absl::Status SaveModel(Checkpoint* final_checkpoint);
+  void ReleaseEveryone();
+  absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
+  // Fails the job for good (it diverged): no more checkpoints, no saved
+  // model, FAIL to every worker; Run returns `why`.
+  void Fail(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
+  bool Failed() ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t job_id() ABSL_LOCKS_EXCLUDED(mu_);
+  bool Stopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; }
+  std::string SavedModelDir() const;
+
+  const CoordinatorOptions options_;
+  const JobConfig job_;
+  ps::Client* const ps_;
+  ThreadPool* const pool_;
+  std::unique_ptr<Progress> progress_;
+  int64_t last_checkpoint_step_ = 0;  // Run's thread only
+  absl::Time last_checkpoint_time_;   // Run's thread only
+
+  // Changes of the live set are made one at a time (they call the ps).
+  absl::Mutex membership_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  absl::Mutex mu_;
+  uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
+  int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;  // every ps holds the job
+  bool done_ ABSL_GUARDED_BY(mu_) = false;   // training is over: workers may exit
+  absl::flat_hash_set<int> live_ ABSL_GUARDED_BY(mu_);      // workers the steps wait for
+  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
+  absl::flat_hash_set<int> finished_ ABSL_GUARDED_BY(mu_);  // saw the final version
+  absl::flat_hash_set<int> released_ ABSL_GUARDED_BY(mu_);  // were told to exit (or fail)
+  // Why the job failed for good (it diverged); OK while it has not.
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace psflow::chief
+
+#endif  // PSFLOW_CHIEF_COORDINATOR_H_

@@ -1,0 +1,43 @@
+// The job configuration the chief hands to every ps and worker, built from
+// the chief's flags: the model resolved, the training data measured (its size
+// and pixel statistics, with which the model's inputs are standardized), steps
+// per epoch and in all, the optimizer checked, the variables placed over the
+// ps. A pure function of its inputs and the data files.
+#ifndef PSFLOW_CHIEF_JOB_CONFIG_H_
+#define PSFLOW_CHIEF_JOB_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "proto/job.pb.h"
+
+namespace psflow::chief {
+
+inline constexpr char kDefaultDataDir[] = "/usr/share/datasets/fashion-mnist";
+
+// The job's settings; defaults are the chief's flags' defaults.
+struct JobOptions {
+  std::string model = "cnn";           // built-in name or spec file
+  std::string data_dir = kDefaultDataDir;
+  std::string dataset = "idx";         // idx (files in data_dir) or synthetic
+  int64_t synthetic_examples = 10000;  // training examples of the synthetic dataset
+  int batch_size = 64;                 // per worker
+  int64_t epochs = 0;                  // 0: not given
+  int64_t train_steps = 0;             // 0: not given; exactly one of the two, else 1 epoch
+  std::string optimizer = "sgd";       // sgd, momentum, adam
+  float learning_rate = 0.01f;
+  float momentum = 0.9f;
+  uint64_t seed = 1;
+  int compute_threads = 0;             // per worker; 0 = library default
+  // What a step with a non-finite loss or gradients does: "fail" stops the
+  // job with exit code 1, keeping the checkpoints taken before it.
+  std::string on_nonfinite = "fail";
+};
+
+// INVALID_ARGUMENT with one line naming the flag for any bad setting.
+absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& options, int num_workers, int num_ps);
+
+}  // namespace psflow::chief
+
+#endif  // PSFLOW_CHIEF_JOB_CONFIG_H_

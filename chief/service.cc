@@ -1,0 +1,28 @@
+#include "chief/service.h"
+
+#include "common/grpc_util.h"
+
+namespace psflow::chief {
+namespace {
+
+// Copies a result into the response, or converts its error.
+template <typename Response>
+grpc::Status Answer(absl::StatusOr<Response> result, Response* response) {
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+grpc::Status GrpcChiefService::RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
+                                              RegisterWorkerResponse* response) {
+  return Answer(coordinator_->RegisterWorker(request->worker(), absl::FromChrono(context->deadline())), response);
+}
+
+grpc::Status GrpcChiefService::Report(grpc::ServerContext* context, const ReportRequest* request,
+                                      ReportResponse* response) {
+  return Answer(coordinator_->Report(*request, absl::FromChrono(context->deadline())), response);
+}
+
+}  // namespace psflow::chief

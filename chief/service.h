@@ -1,0 +1,28 @@
+// The chief's gRPC service: checks nothing and decides nothing, it converts
+// workers' calls (with their deadlines) into Coordinator calls and the
+// answers back. Thread-safe as the coordinator is.
+#ifndef PSFLOW_CHIEF_SERVICE_H_
+#define PSFLOW_CHIEF_SERVICE_H_
+
+#include "chief/coordinator.h"
+#include "proto/chief.grpc.pb.h"
+
+namespace psflow::chief {
+
+class GrpcChiefService final : public ChiefService::Service {
+ public:
+  // `coordinator` (not owned) must outlive the service.
+  explicit GrpcChiefService(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  grpc::Status RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
+                              RegisterWorkerResponse* response) override;
+  grpc::Status Report(grpc::ServerContext* context, const ReportRequest* request,
+                      ReportResponse* response) override;
+
+ private:
+  Coordinator* const coordinator_;
+};
+
+}  // namespace psflow::chief
+
+#endif  // PSFLOW_CHIEF_SERVICE_H_
