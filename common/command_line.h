@@ -1,18 +1,38 @@
-// Command-line parsing shared by every psflow executable, on absl flags.
+// Command-line parsing shared by every psflow executable, on absl flags
+// (public API only: absl::ParseCommandLine for the parse, absl::GetAllFlags for
+// the help). Call ParseCommandLine once, first thing in main; not thread-safe.
 #ifndef PSFLOW_COMMON_COMMAND_LINE_H_
 #define PSFLOW_COMMON_COMMAND_LINE_H_
 
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
+#include "absl/functional/function_ref.h"
+#include "absl/strings/string_view.h"
+
 namespace psflow {
 
-// Parses argv. `usage` opens --help, which lists the flags defined in files
-// whose path ends with one of `help_files` and exits 0. An unknown flag or a
-// bad value exits 1 naming it. Returns the positional arguments, argv[0]
-// first (and, after "--", everything that follows it).
+// Parses argv. `usage` opens the help, which goes to stdout and exits 0:
+//   --help, --helpshort, --helppackage
+//                        the flags defined in files whose path ends with one of
+//                        `help_files`
+//   --help=S             every flag whose name, help text or file contains S
+//   --helpfull           every flag, absl's own included
+//   --helpon=F           the flags of files named F (F.cc, F.h, ...)
+//   --helpmatch=S        the flags of files whose path contains S
+// These are recognised on the command line itself (not inside a --flagfile).
+// An unknown flag or a bad value exits 1 with one line per problem on stderr
+// (absl's "ERROR: ..."). Returns the positional arguments, argv[0] first (and,
+// after "--", everything that follows it).
 std::vector<char*> ParseCommandLine(int argc, char** argv, const std::string& usage,
                                     const std::vector<std::string>& help_files = {"main.cc"});
+
+// The help text: "<program>: <usage>", then each flag for which `include`
+// holds, grouped under "Flags from <dir>/<file>:" (files and flags sorted by
+// name), each as "--name (help); default: value;" wrapped at 80 columns.
+std::string FlagsHelp(absl::string_view program, absl::string_view usage,
+                      absl::FunctionRef<bool(const absl::CommandLineFlag&)> include);
 
 }  // namespace psflow
 

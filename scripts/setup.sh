@@ -9,6 +9,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev
   libgtest-dev libgmock-dev zlib1g-dev
   python3 python3-yaml python3-jsonschema
+  clang-14 clang-format-14
   dataset-fashion-mnist
 )
 
