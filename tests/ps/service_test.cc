@@ -424,16 +424,18 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   ASSERT_TRUE(s.ok()) << s;
 
   // Exactly the shard's own copy at version 1.
-  absl::StatusOr<Shard::SnapshotData> ref = shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref = shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  ASSERT_EQ(ref->slot_names, (std::vector<std::string>{"m", "v"}));
-  ASSERT_EQ(ref->values.size(), 2u);
-  EXPECT_TRUE(big.value == ref->values[0].value);
-  EXPECT_TRUE(big.m == ref->values[0].slots[0]);
-  EXPECT_TRUE(big.v == ref->values[0].slots[1]);
-  EXPECT_EQ(bias.value, ref->values[1].value);
-  EXPECT_EQ(bias.m, ref->values[1].slots[0]);
-  EXPECT_EQ(bias.v, ref->values[1].slots[1]);
+  const Shard::Snapshot& taken = **ref;
+  ASSERT_EQ(taken.slot_names, (std::vector<std::string>{"m", "v"}));
+  ASSERT_EQ(taken.weights->values.size(), 2u);
+  ASSERT_EQ(taken.slots.size(), 2u);
+  EXPECT_TRUE(big.value == taken.weights->values[0]);
+  EXPECT_TRUE(big.m == taken.slots[0][0]);
+  EXPECT_TRUE(big.v == taken.slots[0][1]);
+  EXPECT_EQ(bias.value, taken.weights->values[1]);
+  EXPECT_EQ(bias.m, taken.slots[1][0]);
+  EXPECT_EQ(bias.v, taken.slots[1][1]);
   // Values equal what a Pull gives.
   absl::StatusOr<Pulled> p = PullAll(1);
   ASSERT_TRUE(p.ok()) << p.status();
