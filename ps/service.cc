@@ -1,9 +1,13 @@
 #include "ps/service.h"
 
 #include <memory>
+#include <type_traits>
+#include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/tensor_chunks.h"
@@ -27,6 +31,17 @@ absl::Status ReadChunks(grpc::ServerReader<Request>* reader, Request& request, C
   return assembler.Finish();
 }
 
+// Reads the first message of a client stream into `request` and takes its
+// header out; INVALID_ARGUMENT if there is none. `rpc` names the call.
+template <typename Request>
+auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::string_view rpc)
+    -> absl::StatusOr<std::decay_t<decltype(request.header())>> {
+  if (!reader->Read(&request) || !request.has_header()) {
+    return absl::InvalidArgumentError(absl::StrCat(rpc, " stream must start with a header"));
+  }
+  return std::move(*request.mutable_header());
+}
+
 }  // namespace
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown)
@@ -35,10 +50,9 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
 grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                              InitResponse* response) {
   InitRequest request;
-  if (!reader->Read(&request) || !request.has_header()) {
-    return ToGrpcStatus(absl::InvalidArgumentError("init stream must start with a header"));
-  }
-  const InitHeader header = request.header();
+  absl::StatusOr<InitHeader> read = ReadHeader(reader, request, "init");
+  if (!read.ok()) return ToGrpcStatus(read.status());
+  const InitHeader& header = *read;
   if (header.ps_index() != ps_index_) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps_index_)));
@@ -121,11 +135,9 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
 grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
                              PushResponse* response) {
   PushRequest request;
-  if (!reader->Read(&request) || !request.has_header()) {
-    return ToGrpcStatus(absl::InvalidArgumentError("push stream must start with a header"));
-  }
-  const PushHeader header = request.header();
-  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_->Slices(header.job_id());
+  absl::StatusOr<PushHeader> header = ReadHeader(reader, request, "push");
+  if (!header.ok()) return ToGrpcStatus(header.status());
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_->Slices(header->job_id());
   if (!slices.ok()) return ToGrpcStatus(slices.status());
   const std::vector<SliceSpec>& specs = **slices;
   std::vector<std::vector<float>> grads(specs.size());
@@ -139,7 +151,7 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   absl::Status s = ReadChunks(reader, request, assembler);
   if (!s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<PushResponse::Outcome> outcome =
-      shard_->Push(header.job_id(), header.worker(), header.step(), std::move(grads));
+      shard_->Push(header->job_id(), header->worker(), header->step(), std::move(grads));
   if (!outcome.ok()) return ToGrpcStatus(outcome.status());
   response->set_outcome(*outcome);
   response->set_version(shard_->stats().version);
