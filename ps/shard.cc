@@ -1,12 +1,30 @@
 #include "ps/shard.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow::ps {
+namespace {
+
+// The index of the first gradient holding a NaN or an infinity, or -1.
+int FirstNonFinite(const std::vector<std::vector<float>>& grads) {
+  // A NaN or an infinity has every exponent bit set. One integer reduction
+  // per slice, with no branch per value.
+  constexpr uint32_t kExponent = 0x7f800000;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    uint32_t max_exponent = 0;
+    for (float g : grads[i]) max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
+    if (max_exponent == kExponent) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+}  // namespace
 
 absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> values) {
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
@@ -112,8 +130,17 @@ absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, 
 
 absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
                                                   std::vector<std::vector<float>> grads) {
+  const int non_finite = FirstNonFinite(grads);  // outside the lock: it reads every value
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (non_finite >= 0) {
+    ++counters_.refused_pushes;
+    const std::string name = static_cast<size_t>(non_finite) < slices_->size()
+                                 ? absl::StrCat("'", (*slices_)[non_finite].name(), "'")
+                                 : absl::StrCat("#", non_finite);
+    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ", name, " from worker ", worker,
+                                                   " at step ", step, ": push refused"));
+  }
   if (!live_workers_.contains(worker)) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", worker, " is not a live member of the job"));
   }

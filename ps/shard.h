@@ -6,7 +6,9 @@
 // workers push them; when every live worker has pushed, the mean is applied
 // once, the version becomes k+1 and every Pull waiting for k+1 is woken. A
 // push for a step below the version is stale (dropped, counted); a second
-// push of one worker for one step is a duplicate (ignored, counted).
+// push of one worker for one step is a duplicate (ignored, counted); a push
+// holding a non-finite gradient is refused (counted) before anything else
+// but its job is looked at.
 //
 // Readers do not copy: the values of a version are copied once, on its first
 // Pull or SnapshotAt, into an immutable Weights that every reader of that
@@ -87,7 +89,10 @@ class Shard {
                               const std::function<bool()>& cancelled);
 
   // One worker's gradients for `step`, one vector per slice in Slices() order
-  // and of the slice's size (INVALID_ARGUMENT otherwise).
+  // and of the slice's size (INVALID_ARGUMENT otherwise). A gradient holding
+  // a NaN or an infinity is refused with INVALID_ARGUMENT naming its slice
+  // ("non-finite gradient"), whatever the worker and step, and counted in
+  // Counters::refused_pushes; nothing of that push is kept.
   absl::StatusOr<PushResponse::Outcome> Push(uint64_t job_id, int worker, int64_t step,
                                              std::vector<std::vector<float>> grads);
 
@@ -120,6 +125,7 @@ class Shard {
     int64_t applied = 0;         // steps applied
     int64_t stale = 0;           // pushes for an applied step, dropped
     int64_t duplicate = 0;       // second pushes of a worker for a step, ignored
+    int64_t refused_pushes = 0;  // pushes refused for a non-finite gradient
   };
   struct Stats : Counters {
     int64_t version = 0;

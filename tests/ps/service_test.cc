@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -300,6 +301,42 @@ TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->big, SgdAfter(big_, gbig, gbig));
   EXPECT_EQ(p->bias, SgdAfter(bias_, gbias, gbias));
+}
+
+TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfThePushIsApplied) {
+  ASSERT_TRUE(InitJob().ok());
+  const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
+  // A NaN past the first chunk of "big", then an infinity in "bias": the
+  // chunks before and after it are well formed.
+  std::vector<float> nan_big = gbig;
+  nan_big[nan_big.size() - 7] = std::numeric_limits<float>::quiet_NaN();
+  absl::StatusOr<PushResponse> r = PushAll(0, 0, nan_big, gbias);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("non-finite gradient"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("'big'"));
+  EXPECT_EQ(shard_.stats().refused_pushes, 1);
+
+  std::vector<float> inf_bias = gbias;
+  inf_bias[4] = -std::numeric_limits<float>::infinity();
+  r = PushAll(1, 0, gbig, inf_bias);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("'bias'"));
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
+  EXPECT_EQ(shard_.stats().version, 0);
+
+  // Both workers' good pushes are accepted (the refused ones left no trace)
+  // and the step is theirs alone.
+  r = PushAll(0, 0, gbig, gbias);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
+  r = PushAll(1, 0, gbig, gbias);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, SgdAfter(big_, gbig, gbig));
+  EXPECT_EQ(p->bias, SgdAfter(bias_, gbias, gbias));
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
 }
 
 TEST_F(PsServiceTest, PushForAnotherJobFails) {

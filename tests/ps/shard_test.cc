@@ -423,6 +423,64 @@ TEST_F(ShardTest, APulledVersionIsNotChangedByLaterApplies) {
   EXPECT_EQ(Current(), (std::vector<std::vector<float>>{std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}));
 }
 
+// ---- Non-finite gradients ----
+
+TEST_F(ShardTest, NonFiniteGradientIsRefusedAndCounted) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    size_t slice, index;
+    float bad;
+    std::string name;
+  };
+  int64_t refused = 0;
+  for (const Case& c : {Case{0, 0, nan, "'a'"}, Case{1, 3, inf, "'b'"}, Case{0, 5, -inf, "'a'"},
+                        Case{1, 1, -nan, "'b'"}}) {
+    SCOPED_TRACE(c.bad);
+    std::vector<std::vector<float>> g = Grads(1);
+    g[c.slice][c.index] = c.bad;
+    absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 0, 0, g);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("non-finite gradient"));
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.name));
+    EXPECT_EQ(shard_.stats().refused_pushes, ++refused);
+  }
+  // Nothing of them was kept: worker 0's good push is not a duplicate, and
+  // the step is the mean of the two good pushes alone.
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3)));
+  Shard::Stats stats = shard_.stats();
+  EXPECT_EQ(stats.refused_pushes, 4);
+  EXPECT_EQ(stats.duplicate + stats.stale, 0);
+}
+
+TEST_F(ShardTest, NonFiniteGradientOfTheLastWorkerDoesNotApply) {
+  // The push that would complete the step is refused: no apply of NaN.
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  std::vector<std::vector<float>> g = Grads(1);
+  g[1][2] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(shard_.Push(kJob, 1, 0, g).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(shard_.stats().applied, 0);
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
+  // Refused whatever the step: a stale push with a NaN is refused, not dropped.
+  EXPECT_EQ(MustPush(1, 0, Grads(1)), PushResponse::ACCEPTED);
+  g[1][2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(shard_.Push(kJob, 1, 0, g).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.stats().stale, 0);
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
+  // Values next to the largest finite floats are accepted.
+  g = Grads(1);
+  g[0][0] = std::numeric_limits<float>::max();
+  g[0][1] = -std::numeric_limits<float>::max();
+  g[1][0] = std::numeric_limits<float>::denorm_min();
+  EXPECT_EQ(MustPush(0, 1, g), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
+}
+
 // ---- Live workers, snapshots, state ----
 
 // w - lr * mean(grads), computed the way the shard must.
