@@ -63,7 +63,8 @@ class Shard {
   };
 
   // Everything a checkpoint needs of exactly one version: values and
-  // optimizer slots. Immutable; shared by every SnapshotAt of that version.
+  // optimizer slots. Immutable; shared by the SnapshotAt calls that wait for
+  // that version together (the slots are copied once for them).
   struct Snapshot {
     std::shared_ptr<const Weights> weights;  // never null; the values pulls of the version see
     std::vector<std::string> slot_names;     // Optimizer::SlotNames()
