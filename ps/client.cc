@@ -41,6 +41,20 @@ absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>*
   return first;
 }
 
+// Sends `header` and then `tensors` in chunks on the client stream `writer`
+// (Init or Push), and returns the call's status. A failed write is explained
+// by that status.
+template <typename Request, typename Header>
+absl::Status WriteHeaderAndTensors(grpc::ClientWriter<Request>* writer, const Header& header,
+                                   std::vector<TensorRef> tensors) {
+  Request request;
+  *request.mutable_header() = header;
+  ChunkSplitter splitter(std::move(tensors), kChunkBytes);
+  WriteChunked(writer, splitter, request, [](Request& r) { r.Clear(); });
+  writer->WritesDone();
+  return FromGrpcStatus(writer->Finish());
+}
+
 absl::Status WithPs(int ps, const absl::Status& s) {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
@@ -93,16 +107,9 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses) {
 absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                             absl::Time deadline) {
   CallScope call(this, deadline);
-  grpc::ClientContext& context = *call.context();
   InitResponse response;
-  std::unique_ptr<grpc::ClientWriter<InitRequest>> writer = stubs_[ps]->Init(&context, &response);
-  InitRequest request;
-  *request.mutable_header() = header;
-  ChunkSplitter splitter(std::move(tensors), kChunkBytes);
-  // A failed write is explained by the status below.
-  WriteChunked(writer.get(), splitter, request, [](InitRequest& r) { r.Clear(); });
-  writer->WritesDone();
-  return WithPs(ps, FromGrpcStatus(writer->Finish()));
+  return WithPs(ps, WriteHeaderAndTensors(stubs_[ps]->Init(call.context(), &response).get(), header,
+                                          std::move(tensors)));
 }
 
 absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id, int64_t min_version,
@@ -130,15 +137,9 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
 absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                             absl::Time deadline) {
   CallScope call(this, deadline);
-  grpc::ClientContext& context = *call.context();
   PushResponse response;
-  std::unique_ptr<grpc::ClientWriter<PushRequest>> writer = stubs_[ps]->Push(&context, &response);
-  PushRequest request;
-  *request.mutable_header() = header;
-  ChunkSplitter splitter(std::move(grads), kChunkBytes);
-  WriteChunked(writer.get(), splitter, request, [](PushRequest& r) { r.Clear(); });
-  writer->WritesDone();
-  absl::Status s = FromGrpcStatus(writer->Finish());
+  absl::Status s =
+      WriteHeaderAndTensors(stubs_[ps]->Push(call.context(), &response).get(), header, std::move(grads));
   if (!s.ok()) return WithPs(ps, s);
   return response;
 }

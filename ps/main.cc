@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   psflow::ps::Shard::Stats stats = shard.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
-              << ", duplicates " << stats.duplicate << ")";
+              << ", duplicates " << stats.duplicate << ", refused for non-finite gradients "
+              << stats.refused_pushes << ")";
   return psflow::FinishOrIdle(exit_code, terminated);
 }

@@ -1,7 +1,13 @@
 #include "ps/service.h"
 
+#include <memory>
+#include <type_traits>
+#include <utility>
+
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/tensor_chunks.h"
@@ -25,6 +31,17 @@ absl::Status ReadChunks(grpc::ServerReader<Request>* reader, Request& request, C
   return assembler.Finish();
 }
 
+// Reads the first message of a client stream into `request` and takes its
+// header out; INVALID_ARGUMENT if there is none. `rpc` names the call.
+template <typename Request>
+auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::string_view rpc)
+    -> absl::StatusOr<std::decay_t<decltype(request.header())>> {
+  if (!reader->Read(&request) || !request.has_header()) {
+    return absl::InvalidArgumentError(absl::StrCat(rpc, " stream must start with a header"));
+  }
+  return std::move(*request.mutable_header());
+}
+
 }  // namespace
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown)
@@ -33,10 +50,9 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
 grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                              InitResponse* response) {
   InitRequest request;
-  if (!reader->Read(&request) || !request.has_header()) {
-    return ToGrpcStatus(absl::InvalidArgumentError("init stream must start with a header"));
-  }
-  const InitHeader header = request.header();
+  absl::StatusOr<InitHeader> read = ReadHeader(reader, request, "init");
+  if (!read.ok()) return ToGrpcStatus(read.status());
+  const InitHeader& header = *read;
   if (header.ps_index() != ps_index_) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps_index_)));
@@ -89,24 +105,26 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
   const absl::Time wait_deadline =
       request->max_wait_ms() > 0 ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()))
                                  : call_deadline;
-  absl::StatusOr<Shard::Snapshot> snap = shard_->Pull(request->job_id(), request->min_version(), wait_deadline,
+  absl::StatusOr<Shard::Pulled> pulled = shard_->Pull(request->job_id(), request->min_version(), wait_deadline,
                                                       [context] { return context->IsCancelled(); });
-  if (absl::IsDeadlineExceeded(snap.status()) && wait_deadline < call_deadline) {
+  if (absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
     PullResponse not_yet;  // the version only: the caller asks again
     not_yet.set_version(shard_->stats().version);
     writer->Write(not_yet);
     return grpc::Status::OK;
   }
-  if (!snap.ok()) return ToGrpcStatus(snap.status());
+  if (!pulled.ok()) return ToGrpcStatus(pulled.status());
+  // Streamed from the version's shared copy, which `pulled` keeps alive.
+  const Shard::Weights& weights = *pulled->weights;
   std::vector<TensorRef> refs;
-  for (size_t i = 0; i < snap->slices.size(); ++i) {
-    const SliceSpec& s = snap->slices[i];
-    refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, snap->values[i].data()});
+  for (size_t i = 0; i < weights.slices->size(); ++i) {
+    const SliceSpec& s = (*weights.slices)[i];
+    refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, weights.values[i].data()});
   }
   ChunkSplitter splitter(std::move(refs), kChunkBytes);
   PullResponse response;
-  response.set_version(snap->version);
-  response.set_wait_us(absl::ToInt64Microseconds(snap->waited));
+  response.set_version(weights.version);
+  response.set_wait_us(absl::ToInt64Microseconds(pulled->waited));
   // At least one message, so that a ps holding no slices still reports its version.
   if (!WriteChunked(writer, splitter, response, [](PullResponse& r) { r.clear_wait_us(); })) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
@@ -117,16 +135,15 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
 grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
                              PushResponse* response) {
   PushRequest request;
-  if (!reader->Read(&request) || !request.has_header()) {
-    return ToGrpcStatus(absl::InvalidArgumentError("push stream must start with a header"));
-  }
-  const PushHeader header = request.header();
-  absl::StatusOr<std::vector<SliceSpec>> slices = shard_->Slices(header.job_id());
+  absl::StatusOr<PushHeader> header = ReadHeader(reader, request, "push");
+  if (!header.ok()) return ToGrpcStatus(header.status());
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_->Slices(header->job_id());
   if (!slices.ok()) return ToGrpcStatus(slices.status());
-  std::vector<std::vector<float>> grads(slices->size());
+  const std::vector<SliceSpec>& specs = **slices;
+  std::vector<std::vector<float>> grads(specs.size());
   std::vector<TensorSink> sinks;
-  for (size_t i = 0; i < slices->size(); ++i) {
-    const SliceSpec& s = (*slices)[i];
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const SliceSpec& s = specs[i];
     grads[i].resize(NumElements(s.shape()));
     sinks.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, grads[i].data(), true});
   }
@@ -134,7 +151,7 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   absl::Status s = ReadChunks(reader, request, assembler);
   if (!s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<PushResponse::Outcome> outcome =
-      shard_->Push(header.job_id(), header.worker(), header.step(), std::move(grads));
+      shard_->Push(header->job_id(), header->worker(), header->step(), std::move(grads));
   if (!outcome.ok()) return ToGrpcStatus(outcome.status());
   response->set_outcome(*outcome);
   response->set_version(shard_->stats().version);
@@ -165,22 +182,25 @@ grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context, const SetLi
 
 grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotRequest* request,
                                  grpc::ServerWriter<SnapshotResponse>* writer) {
-  absl::StatusOr<Shard::SnapshotData> snap =
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
       shard_->SnapshotAt(request->job_id(), request->version(), absl::FromChrono(context->deadline()),
-                       [context] { return context->IsCancelled(); });
+                         [context] { return context->IsCancelled(); });
   if (!snap.ok()) return ToGrpcStatus(snap.status());
+  // Streamed from the shared, immutable snapshot, which `snap` keeps alive.
+  const Shard::Snapshot& taken = **snap;
+  const Shard::Weights& weights = *taken.weights;
   std::vector<TensorRef> refs;
-  for (size_t i = 0; i < snap->slices.size(); ++i) {
-    const SliceSpec& s = snap->slices[i];
+  for (size_t i = 0; i < weights.slices->size(); ++i) {
+    const SliceSpec& s = (*weights.slices)[i];
     std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    refs.push_back({s.name(), "", shape, snap->values[i].value.data()});
-    for (size_t k = 0; k < snap->slot_names.size(); ++k) {
-      refs.push_back({s.name(), snap->slot_names[k], shape, snap->values[i].slots[k].data()});
+    refs.push_back({s.name(), "", shape, weights.values[i].data()});
+    for (size_t k = 0; k < taken.slot_names.size(); ++k) {
+      refs.push_back({s.name(), taken.slot_names[k], shape, taken.slots[i][k].data()});
     }
   }
   ChunkSplitter splitter(std::move(refs), kChunkBytes);
   SnapshotResponse response;
-  response.set_version(snap->version);
+  response.set_version(weights.version);
   if (!WriteChunked(writer, splitter, response, [](SnapshotResponse&) {})) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }

@@ -1,12 +1,30 @@
 #include "ps/shard.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow::ps {
+namespace {
+
+// The index of the first gradient holding a NaN or an infinity, or -1.
+int FirstNonFinite(const std::vector<std::vector<float>>& grads) {
+  // A NaN or an infinity has every exponent bit set. One integer reduction
+  // per slice, with no branch per value.
+  constexpr uint32_t kExponent = 0x7f800000;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    uint32_t max_exponent = 0;
+    for (float g : grads[i]) max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
+    if (max_exponent == kExponent) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+}  // namespace
 
 absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> values) {
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
@@ -36,18 +54,19 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   if (shutdown_) return absl::UnavailableError("ps is shutting down");
   initialized_ = true;
   job_id_ = header.job_id();
-  slices_.assign(header.slice().begin(), header.slice().end());
+  slices_ = std::make_shared<const std::vector<SliceSpec>>(header.slice().begin(), header.slice().end());
   values_ = std::move(values);
+  weights_ = nullptr;
   job_ = header.job();
   optimizer_ = *std::move(opt);
   live_workers_ = absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
   joining_.clear();
   sum_.clear();
-  for (const SliceSpec& s : slices_) sum_.emplace_back(NumElements(s.shape()), 0.0f);
+  for (const SliceSpec& s : *slices_) sum_.emplace_back(NumElements(s.shape()), 0.0f);
   pending_.clear();
   snapshots_.clear();
-  stats_ = Stats{};
-  stats_.version = header.version();
+  counters_ = Counters{};
+  version_ = header.version();
   version_changed_.SignalAll();
   return absl::OkStatus();
 }
@@ -61,55 +80,80 @@ absl::Status Shard::CheckJobLocked(uint64_t job_id) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<SliceSpec>> Shard::Slices(uint64_t job_id) const {
+absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> Shard::Slices(uint64_t job_id) const {
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   return slices_;
 }
 
-absl::StatusOr<Shard::Snapshot> Shard::Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
-                                            const std::function<bool()>& cancelled) {
-  const absl::Time start = absl::Now();
-  absl::MutexLock lock(&mu_);
-  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  while (stats_.version < min_version) {
-    if (cancelled && cancelled()) return absl::CancelledError("pull cancelled");
+absl::Status Shard::WaitLocked(uint64_t job_id, int64_t version, absl::Time deadline,
+                              const std::function<bool()>& cancelled, absl::string_view what,
+                              absl::FunctionRef<bool()> reached) {
+  while (!reached()) {
+    if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, " cancelled"));
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("version ", min_version, " not reached; ps is at ",
-                                                      stats_.version));
+      return absl::DeadlineExceededError(absl::StrCat("version ", version, " not reached; ps is at ", version_));
     }
     // Bounded wait so that a cancelled call is noticed; progress itself is signalled.
     version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
     if (shutdown_) return absl::UnavailableError("ps is shutting down");
     if (job_id != job_id_) return absl::AbortedError("the job was replaced while waiting");
   }
-  Snapshot snap;
-  snap.version = stats_.version;
-  snap.waited = absl::Now() - start;
-  snap.slices = slices_;
-  snap.values.reserve(values_.size());
-  for (const SliceValues& v : values_) snap.values.push_back(v.value);
-  return snap;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const Shard::Weights> Shard::WeightsLocked() {
+  if (weights_ == nullptr) {
+    auto weights = std::make_shared<Weights>();
+    weights->version = version_;
+    weights->slices = slices_;
+    weights->values.reserve(values_.size());
+    for (const SliceValues& v : values_) weights->values.push_back(v.value);
+    weights_ = std::move(weights);
+  }
+  return weights_;
+}
+
+absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
+                                          const std::function<bool()>& cancelled) {
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  PSFLOW_RETURN_IF_ERROR(WaitLocked(job_id, min_version, deadline, cancelled, "pull",
+                                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= min_version; }));
+  Pulled pulled;
+  pulled.weights = WeightsLocked();
+  pulled.waited = absl::Now() - start;
+  return pulled;
 }
 
 absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
                                                   std::vector<std::vector<float>> grads) {
+  const int non_finite = FirstNonFinite(grads);  // outside the lock: it reads every value
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (non_finite >= 0) {
+    ++counters_.refused_pushes;
+    const std::string name = static_cast<size_t>(non_finite) < slices_->size()
+                                 ? absl::StrCat("'", (*slices_)[non_finite].name(), "'")
+                                 : absl::StrCat("#", non_finite);
+    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ", name, " from worker ", worker,
+                                                   " at step ", step, ": push refused"));
+  }
   if (!live_workers_.contains(worker)) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", worker, " is not a live member of the job"));
   }
-  if (step < stats_.version) {
-    ++stats_.stale;
+  if (step < version_) {
+    ++counters_.stale;
     return PushResponse::STALE;
   }
-  if (step > stats_.version) {
+  if (step > version_) {
     return absl::FailedPreconditionError(absl::StrCat("push for step ", step, " but the ps is at version ",
-                                                      stats_.version));
+                                                      version_));
   }
   if (pending_.contains(worker)) {
-    ++stats_.duplicate;
+    ++counters_.duplicate;
     return PushResponse::DUPLICATE;
   }
   if (grads.size() != sum_.size()) {
@@ -117,7 +161,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
   }
   for (size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].size() != sum_[i].size()) {
-      return absl::InvalidArgumentError(absl::StrCat("gradient of '", slices_[i].name(), "' has ",
+      return absl::InvalidArgumentError(absl::StrCat("gradient of '", (*slices_)[i].name(), "' has ",
                                                      grads[i].size(), " values, expected ", sum_[i].size()));
     }
   }
@@ -149,32 +193,32 @@ void Shard::ApplyLocked() {
     ScaleInPlace(sum.data(), scale, static_cast<int64_t>(sum.size()));
     slots.clear();
     for (auto& slot : values_[i].slots) slots.push_back(slot.data());
-    optimizer_->Apply(stats_.version, values_[i].value.data(), sum.data(),
-                      static_cast<int64_t>(sum.size()), slots);
+    optimizer_->Apply(version_, values_[i].value.data(), sum.data(), static_cast<int64_t>(sum.size()), slots);
   }
   pending_.clear();
-  ++stats_.version;
-  ++stats_.applied;
+  weights_ = nullptr;  // readers keep their copy of the old version
+  ++version_;
+  ++counters_.applied;
   OnVersionLocked();
   version_changed_.SignalAll();
 }
 
 void Shard::OnVersionLocked() {
   for (auto it = joining_.begin(); it != joining_.end();) {
-    if (it->second <= stats_.version) {
+    if (it->second <= version_) {
       live_workers_.insert(it->first);
       joining_.erase(it++);
     } else {
       ++it;
     }
   }
-  auto snap = snapshots_.find(stats_.version);
+  auto snap = snapshots_.find(version_);
   if (snap != snapshots_.end() && snap->second.data == nullptr) {
-    auto data = std::make_shared<SnapshotData>();
-    data->version = stats_.version;
-    data->slices = slices_;
-    data->values = values_;
+    auto data = std::make_shared<Snapshot>();
+    data->weights = WeightsLocked();
     data->slot_names = optimizer_->SlotNames();
+    data->slots.reserve(values_.size());
+    for (const SliceValues& v : values_) data->slots.push_back(v.slots);
     snap->second.data = std::move(data);
   }
 }
@@ -199,7 +243,7 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   }
   // Nobody left for the current step: the joining workers take it on now.
   if (live_workers_.empty()) {
-    for (auto& [w, version] : joining_) version = std::min(version, stats_.version);
+    for (auto& [w, version] : joining_) version = std::min(version, version_);
   }
   OnVersionLocked();  // joins due already
   MaybeApplyLocked();
@@ -207,53 +251,29 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   return absl::OkStatus();
 }
 
-absl::StatusOr<Shard::SnapshotData> Shard::SnapshotAt(uint64_t job_id, int64_t version, absl::Time deadline,
-                                                    const std::function<bool()>& cancelled) {
-  std::shared_ptr<const SnapshotData> data;
-  {
-    absl::MutexLock lock(&mu_);
-    PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-    auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      auto it = snapshots_.find(version);
-      return it != snapshots_.end() && it->second.data != nullptr;
-    };
-    if (stats_.version > version && !taken()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the ps is at version ", stats_.version, ", past ", version));
-    }
-    ++snapshots_[version].waiters;
-    // Every way out of here drops this caller's claim on the snapshot.
-    auto leave = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      auto it = snapshots_.find(version);
-      if (it != snapshots_.end() && --it->second.waiters <= 0) snapshots_.erase(it);
-    };
-    OnVersionLocked();  // takes it now if the shard is at that version
-    while (!taken()) {
-      absl::Status wait_error;
-      const absl::Time now = absl::Now();
-      if (cancelled && cancelled()) {
-        wait_error = absl::CancelledError("snapshot cancelled");
-      } else if (now >= deadline) {
-        wait_error = absl::DeadlineExceededError(
-            absl::StrCat("version ", version, " not reached; ps is at ", stats_.version));
-      } else {
-        version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
-        if (shutdown_) {
-          wait_error = absl::UnavailableError("ps is shutting down");
-        } else if (job_id != job_id_) {
-          wait_error = absl::AbortedError("the job was replaced while waiting");
-        }
-      }
-      if (!wait_error.ok()) {
-        leave();
-        return wait_error;
-      }
-    }
-    data = snapshots_[version].data;
-    leave();
+absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
+    uint64_t job_id, int64_t version, absl::Time deadline, const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = snapshots_.find(version);
+    return it != snapshots_.end() && it->second.data != nullptr;
+  };
+  if (version_ > version && !taken()) {
+    return absl::FailedPreconditionError(absl::StrCat("the ps is at version ", version_, ", past ", version));
   }
-  // Taken snapshots are never changed: copy this one without holding mu_.
-  return *data;
+  ++snapshots_[version].waiters;
+  OnVersionLocked();  // takes it now if the shard is at that version
+  absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot", taken);
+  std::shared_ptr<const Snapshot> data;
+  // Every way out drops this caller's claim on the snapshot.
+  auto it = snapshots_.find(version);
+  if (it != snapshots_.end()) {
+    if (s.ok()) data = it->second.data;
+    if (--it->second.waiters <= 0) snapshots_.erase(it);
+  }
+  if (!s.ok()) return s;
+  return data;
 }
 
 Shard::State Shard::state() const {
@@ -261,7 +281,7 @@ Shard::State Shard::state() const {
   State st;
   st.has_job = initialized_;
   st.job_id = job_id_;
-  st.version = stats_.version;
+  st.version = version_;
   st.job = job_;
   st.live_workers.assign(live_workers_.begin(), live_workers_.end());
   std::sort(st.live_workers.begin(), st.live_workers.end());
@@ -276,7 +296,10 @@ void Shard::Shutdown() {
 
 Shard::Stats Shard::stats() const {
   absl::MutexLock lock(&mu_);
-  return stats_;
+  Stats st;
+  static_cast<Counters&>(st) = counters_;
+  st.version = version_;
+  return st;
 }
 
 }  // namespace psflow::ps

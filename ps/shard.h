@@ -6,7 +6,14 @@
 // workers push them; when every live worker has pushed, the mean is applied
 // once, the version becomes k+1 and every Pull waiting for k+1 is woken. A
 // push for a step below the version is stale (dropped, counted); a second
-// push of one worker for one step is a duplicate (ignored, counted).
+// push of one worker for one step is a duplicate (ignored, counted); a push
+// holding a non-finite gradient is refused (counted) before anything else
+// but its job is looked at.
+//
+// Readers do not copy: the values of a version are copied once, on its first
+// Pull or SnapshotAt, into an immutable Weights that every reader of that
+// version shares (by shared_ptr) and reads outside the shard's lock. A later
+// apply leaves it alone and works on the shard's own masters.
 //
 // Thread-safe: every method may be called from any RPC thread.
 #ifndef PSFLOW_PS_SHARD_H_
@@ -20,7 +27,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/ps.pb.h"
@@ -37,6 +46,31 @@ class Shard {
     std::vector<std::vector<float>> slots;
   };
 
+  // The value of every slice at one version. Immutable once published: the
+  // shard copies its values once per version, on the first read of that
+  // version, and every reader of the version shares that copy (readers may
+  // keep it, and read it without any lock, for as long as they like).
+  struct Weights {
+    int64_t version = 0;
+    std::shared_ptr<const std::vector<SliceSpec>> slices;  // of the job, shared
+    std::vector<std::vector<float>> values;                 // follows *slices
+  };
+
+  // What Pull hands back.
+  struct Pulled {
+    std::shared_ptr<const Weights> weights;  // never null
+    absl::Duration waited;                   // time spent waiting for the version
+  };
+
+  // Everything a checkpoint needs of exactly one version: values and
+  // optimizer slots. Immutable; shared by the SnapshotAt calls that wait for
+  // that version together (the slots are copied once for them).
+  struct Snapshot {
+    std::shared_ptr<const Weights> weights;  // never null; the values pulls of the version see
+    std::vector<std::string> slot_names;     // Optimizer::SlotNames()
+    std::vector<std::vector<std::vector<float>>> slots;  // [slice][slot], follows slot_names
+  };
+
   Shard() = default;
 
   // Loads a job, replacing any earlier one (waiting pulls of a job with
@@ -44,24 +78,22 @@ class Shard {
   absl::Status Init(const InitHeader& header, std::vector<SliceValues> values);
 
   // The slices of the current job, if `job_id` names it; FAILED_PRECONDITION
-  // otherwise (no job yet, or another one).
-  absl::StatusOr<std::vector<SliceSpec>> Slices(uint64_t job_id) const;
+  // otherwise (no job yet, or another one). Shared, never changed.
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> Slices(uint64_t job_id) const;
 
-  struct Snapshot {
-    int64_t version = 0;
-    absl::Duration waited;
-    std::vector<SliceSpec> slices;
-    std::vector<std::vector<float>> values;  // follows slices
-  };
-  // Waits until the version reaches min_version, then copies every slice.
+  // Waits until the version reaches min_version, then returns the weights at
+  // the version the shard has (copied once per version, not per call).
   // Ends early with DEADLINE_EXCEEDED at `deadline`, CANCELLED once
   // `cancelled()` is true (checked at least once a second), ABORTED when the
   // job is replaced and UNAVAILABLE after Shutdown.
-  absl::StatusOr<Snapshot> Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
-                                const std::function<bool()>& cancelled);
+  absl::StatusOr<Pulled> Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
+                              const std::function<bool()>& cancelled);
 
   // One worker's gradients for `step`, one vector per slice in Slices() order
-  // and of the slice's size (INVALID_ARGUMENT otherwise).
+  // and of the slice's size (INVALID_ARGUMENT otherwise). A gradient holding
+  // a NaN or an infinity is refused with INVALID_ARGUMENT naming its slice
+  // ("non-finite gradient"), whatever the worker and step, and counted in
+  // Counters::refused_pushes; nothing of that push is kept.
   absl::StatusOr<PushResponse::Outcome> Push(uint64_t job_id, int worker, int64_t step,
                                              std::vector<std::vector<float>> grads);
 
@@ -71,16 +103,11 @@ class Shard {
   // has pushed. An empty set is INVALID_ARGUMENT.
   absl::Status SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version);
 
-  struct SnapshotData {
-    int64_t version = 0;
-    std::vector<SliceSpec> slices;
-    std::vector<SliceValues> values;  // follows slices, with every slot
-    std::vector<std::string> slot_names;
-  };
-  // Values and slots as of exactly `version`, copied when the shard reaches
+  // Values and slots as of exactly `version`, taken when the shard reaches
   // it. FAILED_PRECONDITION if already past; the other errors as for Pull.
-  absl::StatusOr<SnapshotData> SnapshotAt(uint64_t job_id, int64_t version, absl::Time deadline,
-                                        const std::function<bool()>& cancelled);
+  absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(uint64_t job_id, int64_t version,
+                                                             absl::Time deadline,
+                                                             const std::function<bool()>& cancelled);
 
   struct State {
     bool has_job = false;
@@ -94,16 +121,30 @@ class Shard {
   // Wakes every waiting pull with UNAVAILABLE; later calls fail the same way.
   void Shutdown();
 
-  struct Stats {
+  // Counts since the last Init.
+  struct Counters {
+    int64_t applied = 0;         // steps applied
+    int64_t stale = 0;           // pushes for an applied step, dropped
+    int64_t duplicate = 0;       // second pushes of a worker for a step, ignored
+    int64_t refused_pushes = 0;  // pushes refused for a non-finite gradient
+  };
+  struct Stats : Counters {
     int64_t version = 0;
-    int64_t applied = 0;
-    int64_t stale = 0;
-    int64_t duplicate = 0;
   };
   Stats stats() const;
 
  private:
   absl::Status CheckJobLocked(uint64_t job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The one wait of Pull and SnapshotAt: returns OK once `reached()` holds
+  // (checked first, so a reached version is served past the deadline), or the
+  // error that ends the wait (see Pull). `what` names the call in messages,
+  // `version` is the version waited for.
+  absl::Status WaitLocked(uint64_t job_id, int64_t version, absl::Time deadline,
+                          const std::function<bool()>& cancelled, absl::string_view what,
+                          absl::FunctionRef<bool()> reached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The weights at version_, published on first use and kept until the next
+  // apply or Init.
+  std::shared_ptr<const Weights> WeightsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies the current step if every live worker has pushed for it.
   void MaybeApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -116,8 +157,12 @@ class Shard {
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<SliceSpec> slices_ ABSL_GUARDED_BY(mu_);
-  std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);
+  int64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // steps applied (from the Init header's version on)
+  std::shared_ptr<const std::vector<SliceSpec>> slices_ ABSL_GUARDED_BY(mu_);  // replaced, never changed
+  std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);  // the masters the optimizer updates
+  // values_ as of version_ for readers; null until first asked for after an
+  // apply or Init. Never written through: an apply drops it instead.
+  std::shared_ptr<const Weights> weights_ ABSL_GUARDED_BY(mu_);
   JobConfig job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Optimizer> optimizer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);
@@ -129,11 +174,11 @@ class Shard {
   // Snapshots asked for, by version: filled when the shard reaches it, and
   // dropped when the last caller waiting for it leaves.
   struct PendingSnapshot {
-    std::shared_ptr<const SnapshotData> data;  // null until taken
+    std::shared_ptr<const Snapshot> data;  // null until taken
     int waiters = 0;
   };
   absl::flat_hash_map<int64_t, PendingSnapshot> snapshots_ ABSL_GUARDED_BY(mu_);
-  Stats stats_ ABSL_GUARDED_BY(mu_);
+  Counters counters_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace psflow::ps

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -302,6 +303,42 @@ TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
   EXPECT_EQ(p->bias, SgdAfter(bias_, gbias, gbias));
 }
 
+TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfThePushIsApplied) {
+  ASSERT_TRUE(InitJob().ok());
+  const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
+  // A NaN past the first chunk of "big", then an infinity in "bias": the
+  // chunks before and after it are well formed.
+  std::vector<float> nan_big = gbig;
+  nan_big[nan_big.size() - 7] = std::numeric_limits<float>::quiet_NaN();
+  absl::StatusOr<PushResponse> r = PushAll(0, 0, nan_big, gbias);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("non-finite gradient"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("'big'"));
+  EXPECT_EQ(shard_.stats().refused_pushes, 1);
+
+  std::vector<float> inf_bias = gbias;
+  inf_bias[4] = -std::numeric_limits<float>::infinity();
+  r = PushAll(1, 0, gbig, inf_bias);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("'bias'"));
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
+  EXPECT_EQ(shard_.stats().version, 0);
+
+  // Both workers' good pushes are accepted (the refused ones left no trace)
+  // and the step is theirs alone.
+  r = PushAll(0, 0, gbig, gbias);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
+  r = PushAll(1, 0, gbig, gbias);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, SgdAfter(big_, gbig, gbig));
+  EXPECT_EQ(p->bias, SgdAfter(bias_, gbias, gbias));
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
+}
+
 TEST_F(PsServiceTest, PushForAnotherJobFails) {
   ASSERT_TRUE(InitJob().ok());
   PushHeader h;
@@ -424,16 +461,18 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   ASSERT_TRUE(s.ok()) << s;
 
   // Exactly the shard's own copy at version 1.
-  absl::StatusOr<Shard::SnapshotData> ref = shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref = shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  ASSERT_EQ(ref->slot_names, (std::vector<std::string>{"m", "v"}));
-  ASSERT_EQ(ref->values.size(), 2u);
-  EXPECT_TRUE(big.value == ref->values[0].value);
-  EXPECT_TRUE(big.m == ref->values[0].slots[0]);
-  EXPECT_TRUE(big.v == ref->values[0].slots[1]);
-  EXPECT_EQ(bias.value, ref->values[1].value);
-  EXPECT_EQ(bias.m, ref->values[1].slots[0]);
-  EXPECT_EQ(bias.v, ref->values[1].slots[1]);
+  const Shard::Snapshot& taken = **ref;
+  ASSERT_EQ(taken.slot_names, (std::vector<std::string>{"m", "v"}));
+  ASSERT_EQ(taken.weights->values.size(), 2u);
+  ASSERT_EQ(taken.slots.size(), 2u);
+  EXPECT_TRUE(big.value == taken.weights->values[0]);
+  EXPECT_TRUE(big.m == taken.slots[0][0]);
+  EXPECT_TRUE(big.v == taken.slots[0][1]);
+  EXPECT_EQ(bias.value, taken.weights->values[1]);
+  EXPECT_EQ(bias.m, taken.slots[1][0]);
+  EXPECT_EQ(bias.v, taken.slots[1][1]);
   // Values equal what a Pull gives.
   absl::StatusOr<Pulled> p = PullAll(1);
   ASSERT_TRUE(p.ok()) << p.status();

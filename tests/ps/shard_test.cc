@@ -1,5 +1,6 @@
 #include "ps/shard.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -70,9 +71,9 @@ class ShardTest : public ::testing::Test {
 
   // The values at the shard's current version.
   std::vector<std::vector<float>> Current() {
-    absl::StatusOr<Shard::Snapshot> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
+    absl::StatusOr<Shard::Pulled> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
     EXPECT_TRUE(snap.ok()) << snap.status();
-    return snap.ok() ? snap->values : std::vector<std::vector<float>>{};
+    return snap.ok() ? snap->weights->values : std::vector<std::vector<float>>{};
   }
 
   PushResponse::Outcome MustPush(int worker, int64_t step, std::vector<std::vector<float>> grads) {
@@ -96,17 +97,17 @@ std::vector<std::vector<float>> SgdAfter(const std::vector<std::vector<float>>& 
 }
 
 TEST_F(ShardTest, SlicesAndInitialPull) {
-  absl::StatusOr<std::vector<SliceSpec>> slices = shard_.Slices(kJob);
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_.Slices(kJob);
   ASSERT_TRUE(slices.ok()) << slices.status();
-  ASSERT_EQ(slices->size(), 2u);
-  EXPECT_EQ((*slices)[0].name(), "a");
-  EXPECT_EQ((*slices)[1].name(), "b");
+  ASSERT_EQ((*slices)->size(), 2u);
+  EXPECT_EQ((**slices)[0].name(), "a");
+  EXPECT_EQ((**slices)[1].name(), "b");
 
-  absl::StatusOr<Shard::Snapshot> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Shard::Pulled> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
-  EXPECT_EQ(snap->version, 0);
-  ASSERT_EQ(snap->slices.size(), 2u);
-  EXPECT_EQ(snap->values, (std::vector<std::vector<float>>{kA, kB}));
+  EXPECT_EQ(snap->weights->version, 0);
+  ASSERT_EQ(snap->weights->slices->size(), 2u);
+  EXPECT_EQ(snap->weights->values, (std::vector<std::vector<float>>{kA, kB}));
 }
 
 TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
@@ -236,9 +237,9 @@ TEST(ShardInitTest, StartsAtTheHeaderVersion) {
   EXPECT_EQ(shard.Push(kJob, 3, 7, Grads(1)).value(), PushResponse::ACCEPTED);
   // One live worker: applied at once.
   EXPECT_EQ(shard.stats().version, 8);
-  absl::StatusOr<Shard::Snapshot> snap = shard.Pull(kJob, 8, Soon(), nullptr);
+  absl::StatusOr<Shard::Pulled> snap = shard.Pull(kJob, 8, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
-  EXPECT_EQ(snap->values, SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+  EXPECT_EQ(snap->weights->values, SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
 }
 
 // Runs a waiting call of the shard (Pull or SnapshotAt) on another thread;
@@ -265,8 +266,8 @@ class Async {
   absl::StatusOr<T> result_;
   std::thread thread_;  // last: starts after the members it uses exist
 };
-using AsyncPull = Async<Shard::Snapshot, &Shard::Pull>;
-using AsyncSnapshot = Async<Shard::SnapshotData, &Shard::SnapshotAt>;
+using AsyncPull = Async<Shard::Pulled, &Shard::Pull>;
+using AsyncSnapshot = Async<std::shared_ptr<const Shard::Snapshot>, &Shard::SnapshotAt>;
 
 TEST_F(ShardTest, PullBlocksUntilTheStepIsApplied) {
   AsyncPull pull(&shard_, kJob, 1, Soon());
@@ -276,15 +277,15 @@ TEST_F(ShardTest, PullBlocksUntilTheStepIsApplied) {
   MustPush(0, 0, Grads(0.5f));
   ASSERT_TRUE(pull.Done(absl::Seconds(5)));
   ASSERT_TRUE(pull.result().ok()) << pull.result().status();
-  EXPECT_EQ(pull.result()->version, 1);
-  EXPECT_EQ(pull.result()->values, SgdAfter({kA, kB}, 0.5f, Grads(0.5f), Grads(1)));
+  EXPECT_EQ(pull.result()->weights->version, 1);
+  EXPECT_EQ(pull.result()->weights->values, SgdAfter({kA, kB}, 0.5f, Grads(0.5f), Grads(1)));
   // It waited for the 100 ms of pushes above (less the time its thread took to start).
   EXPECT_GE(pull.result()->waited, absl::Milliseconds(40));
 }
 
 TEST_F(ShardTest, PullDeadline) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<Shard::Snapshot> r = shard_.Pull(kJob, 1, start + absl::Milliseconds(50), nullptr);
+  absl::StatusOr<Shard::Pulled> r = shard_.Pull(kJob, 1, start + absl::Milliseconds(50), nullptr);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
@@ -294,7 +295,7 @@ TEST_F(ShardTest, PullDeadline) {
 
 TEST_F(ShardTest, PullCancelled) {
   int asked = 0;
-  absl::StatusOr<Shard::Snapshot> r = shard_.Pull(kJob, 1, Soon(), [&] {
+  absl::StatusOr<Shard::Pulled> r = shard_.Pull(kJob, 1, Soon(), [&] {
     ++asked;
     return true;
   });
@@ -356,6 +357,128 @@ TEST_F(ShardTest, ManyConcurrentPushesApplyEachStepOnce) {
   EXPECT_EQ(stats.applied, kSteps);
   EXPECT_EQ(stats.stale + stats.duplicate, 0);
   EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB})) << "g and -g average to zero";
+}
+
+// ---- One copy per version ----
+
+TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
+  absl::StatusOr<Shard::Pulled> p1 = shard_.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Shard::Pulled> p2 = shard_.Pull(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(p1.ok()) << p1.status();
+  ASSERT_TRUE(p2.ok()) << p2.status();
+  ASSERT_NE(p1->weights, nullptr);
+  EXPECT_EQ(p1->weights.get(), p2->weights.get()) << "the second pull made its own copy";
+  EXPECT_EQ(p1->weights->values[0].data(), p2->weights->values[0].data());
+  // A snapshot of that version reads the same copy of the values.
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ((*snap)->weights.get(), p1->weights.get());
+  // So do pulls from many threads at once.
+  std::vector<const Shard::Weights*> seen(8, nullptr);
+  std::vector<std::thread> pullers;
+  for (size_t t = 0; t < seen.size(); ++t) {
+    pullers.emplace_back([&, t] {
+      absl::StatusOr<Shard::Pulled> p = shard_.Pull(kJob, 0, Soon(), nullptr);
+      if (p.ok()) seen[t] = p->weights.get();
+    });
+  }
+  for (std::thread& t : pullers) t.join();
+  for (const Shard::Weights* w : seen) EXPECT_EQ(w, p1->weights.get());
+  // The slice specs are shared with the shard, not copied per version.
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_.Slices(kJob);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  EXPECT_EQ(slices->get(), p1->weights->slices.get());
+
+  // The next version is a new copy, shared again.
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(1));
+  absl::StatusOr<Shard::Pulled> q1 = shard_.Pull(kJob, 1, Soon(), nullptr);
+  absl::StatusOr<Shard::Pulled> q2 = shard_.Pull(kJob, 0, Soon(), nullptr);  // served at version 1
+  ASSERT_TRUE(q1.ok()) << q1.status();
+  ASSERT_TRUE(q2.ok()) << q2.status();
+  EXPECT_NE(q1->weights.get(), p1->weights.get());
+  EXPECT_EQ(q1->weights.get(), q2->weights.get());
+  EXPECT_EQ(q2->weights->version, 1);
+}
+
+TEST_F(ShardTest, APulledVersionIsNotChangedByLaterApplies) {
+  absl::StatusOr<Shard::Pulled> p0 = shard_.Pull(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  const std::vector<std::vector<float>> want0 = {kA, kB};
+  ASSERT_EQ(p0->weights->values, want0);
+  for (int64_t step : {0, 1}) {
+    MustPush(0, step, Grads(1));
+    MustPush(1, step, Grads(3));
+  }
+  ASSERT_EQ(shard_.stats().version, 2);
+  EXPECT_EQ(p0->weights->version, 0);
+  EXPECT_EQ(p0->weights->values, want0) << "an apply wrote into a published version";
+  const auto want2 = SgdAfter(SgdAfter(want0, 0.5f, Grads(1), Grads(3)), 0.5f, Grads(1), Grads(3));
+  EXPECT_EQ(Current(), want2);
+  // A pull kept across a re-Init of the same job keeps its values too.
+  std::vector<Shard::SliceValues> zeros = Values();
+  for (auto& v : zeros) std::fill(v.value.begin(), v.value.end(), 0.0f);
+  ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), std::move(zeros)).ok());
+  EXPECT_EQ(p0->weights->values, want0);
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}));
+}
+
+// ---- Non-finite gradients ----
+
+TEST_F(ShardTest, NonFiniteGradientIsRefusedAndCounted) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    size_t slice, index;
+    float bad;
+    std::string name;
+  };
+  int64_t refused = 0;
+  for (const Case& c : {Case{0, 0, nan, "'a'"}, Case{1, 3, inf, "'b'"}, Case{0, 5, -inf, "'a'"},
+                        Case{1, 1, -nan, "'b'"}}) {
+    SCOPED_TRACE(c.bad);
+    std::vector<std::vector<float>> g = Grads(1);
+    g[c.slice][c.index] = c.bad;
+    absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 0, 0, g);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("non-finite gradient"));
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(c.name));
+    EXPECT_EQ(shard_.stats().refused_pushes, ++refused);
+  }
+  // Nothing of them was kept: worker 0's good push is not a duplicate, and
+  // the step is the mean of the two good pushes alone.
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3)));
+  Shard::Stats stats = shard_.stats();
+  EXPECT_EQ(stats.refused_pushes, 4);
+  EXPECT_EQ(stats.duplicate + stats.stale, 0);
+}
+
+TEST_F(ShardTest, NonFiniteGradientOfTheLastWorkerDoesNotApply) {
+  // The push that would complete the step is refused: no apply of NaN.
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  std::vector<std::vector<float>> g = Grads(1);
+  g[1][2] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(shard_.Push(kJob, 1, 0, g).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(shard_.stats().applied, 0);
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
+  // Refused whatever the step: a stale push with a NaN is refused, not dropped.
+  EXPECT_EQ(MustPush(1, 0, Grads(1)), PushResponse::ACCEPTED);
+  g[1][2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(shard_.Push(kJob, 1, 0, g).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.stats().stale, 0);
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
+  // Values next to the largest finite floats are accepted.
+  g = Grads(1);
+  g[0][0] = std::numeric_limits<float>::max();
+  g[0][1] = -std::numeric_limits<float>::max();
+  g[1][0] = std::numeric_limits<float>::denorm_min();
+  EXPECT_EQ(MustPush(0, 1, g), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().refused_pushes, 2);
 }
 
 // ---- Live workers, snapshots, state ----
@@ -522,25 +645,27 @@ MomentumState MomentumStep(MomentumState s, const std::vector<std::vector<float>
 }
 MomentumState MomentumStart() { return {{kA, kB}, {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}}; }
 
-void ExpectSnapshotIs(const Shard::SnapshotData& snap, int64_t version, const MomentumState& want) {
-  EXPECT_EQ(snap.version, version);
+void ExpectSnapshotIs(const Shard::Snapshot& snap, int64_t version, const MomentumState& want) {
+  ASSERT_NE(snap.weights, nullptr);
+  EXPECT_EQ(snap.weights->version, version);
   EXPECT_EQ(snap.slot_names, std::vector<std::string>{"momentum"});
-  ASSERT_EQ(snap.slices.size(), 2u);
-  EXPECT_EQ(snap.slices[0].name(), "a");
-  EXPECT_EQ(snap.slices[1].name(), "b");
-  ASSERT_EQ(snap.values.size(), 2u);
+  ASSERT_EQ(snap.weights->slices->size(), 2u);
+  EXPECT_EQ((*snap.weights->slices)[0].name(), "a");
+  EXPECT_EQ((*snap.weights->slices)[1].name(), "b");
+  ASSERT_EQ(snap.weights->values.size(), 2u);
+  ASSERT_EQ(snap.slots.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(snap.values[i].value, want.w[i]) << "slice " << i;
-    ASSERT_EQ(snap.values[i].slots.size(), 1u);
-    EXPECT_EQ(snap.values[i].slots[0], want.buf[i]) << "slice " << i;
+    EXPECT_EQ(snap.weights->values[i], want.w[i]) << "slice " << i;
+    ASSERT_EQ(snap.slots[i].size(), 1u);
+    EXPECT_EQ(snap.slots[i][0], want.buf[i]) << "slice " << i;
   }
 }
 
 TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
   ASSERT_TRUE(shard_.Init(MomentumHeader({0, 1}), Values()).ok());
-  absl::StatusOr<Shard::SnapshotData> s0 = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s0 = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(s0.ok()) << s0.status();
-  ExpectSnapshotIs(*s0, 0, MomentumStart());
+  ExpectSnapshotIs(**s0, 0, MomentumStart());
 
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(-3));
@@ -554,13 +679,13 @@ TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
   EXPECT_EQ(want.w[0][0], 0.25f);
 
   // A deadline already past does not matter: the version is there.
-  absl::StatusOr<Shard::SnapshotData> s2 = shard_.SnapshotAt(kJob, 2, absl::InfinitePast(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s2 = shard_.SnapshotAt(kJob, 2, absl::InfinitePast(), nullptr);
   ASSERT_TRUE(s2.ok()) << s2.status();
-  ExpectSnapshotIs(*s2, 2, want);
-  ASSERT_EQ(s2->values.size(), 2u);
+  ExpectSnapshotIs(**s2, 2, want);
+  ASSERT_EQ((*s2)->weights->values.size(), 2u);
   const auto pulled = Current();
-  EXPECT_EQ(s2->values[0].value, pulled[0]);
-  EXPECT_EQ(s2->values[1].value, pulled[1]);
+  EXPECT_EQ((*s2)->weights->values[0], pulled[0]);
+  EXPECT_EQ((*s2)->weights->values[1], pulled[1]);
 }
 
 TEST_F(ShardTest, SnapshotKeepsInitialSlots) {
@@ -568,9 +693,9 @@ TEST_F(ShardTest, SnapshotKeepsInitialSlots) {
   v[0].slots = {{1, 2, 3, 4, 5, 6}};
   v[1].slots = {{-1, -2, -3, -4}};
   ASSERT_TRUE(shard_.Init(MomentumHeader({0}), v).ok());
-  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
-  ExpectSnapshotIs(*s, 0, MomentumState{{kA, kB}, {v[0].slots[0], v[1].slots[0]}});
+  ExpectSnapshotIs(**s, 0, MomentumState{{kA, kB}, {v[0].slots[0], v[1].slots[0]}});
 }
 
 TEST_F(ShardTest, SnapshotOfAFutureVersionWaitsAndIsExactlyThatVersion) {
@@ -587,10 +712,10 @@ TEST_F(ShardTest, SnapshotOfAFutureVersionWaitsAndIsExactlyThatVersion) {
   MomentumState want3 = MomentumStep(want2, Grads(-4));
   ASSERT_TRUE(snap.Done(absl::Seconds(5)));
   ASSERT_TRUE(snap.result().ok()) << snap.result().status();
-  ExpectSnapshotIs(*snap.result(), 2, want2);
+  ExpectSnapshotIs(**snap.result(), 2, want2);
   // Another step after it returned does not change it.
   MustPush(0, 3, Grads(8));
-  ExpectSnapshotIs(*snap.result(), 2, want2);
+  ExpectSnapshotIs(**snap.result(), 2, want2);
   // The shard itself moved on.
   EXPECT_EQ(Current(), MomentumStep(want3, Grads(8)).w);
 }
@@ -598,7 +723,7 @@ TEST_F(ShardTest, SnapshotOfAFutureVersionWaitsAndIsExactlyThatVersion) {
 TEST_F(ShardTest, SnapshotOfAPastVersionFails) {
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
-  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
   EXPECT_EQ(shard_.SnapshotAt(kJob + 1, 1, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -608,7 +733,7 @@ TEST_F(ShardTest, SnapshotOfAPastVersionFails) {
 
 TEST_F(ShardTest, SnapshotDeadline) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 1, start + absl::Milliseconds(50), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 1, start + absl::Milliseconds(50), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
@@ -617,8 +742,8 @@ TEST_F(ShardTest, SnapshotDeadline) {
   MustPush(1, 0, Grads(1));
   s = shard_.SnapshotAt(kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
-  EXPECT_EQ(s->version, 1);
-  EXPECT_EQ(s->values[0].value, Current()[0]);
+  EXPECT_EQ((*s)->weights->version, 1);
+  EXPECT_EQ((*s)->weights->values[0], Current()[0]);
 }
 
 TEST_F(ShardTest, ShutdownWakesWaitingSnapshot) {
@@ -641,8 +766,8 @@ TEST_F(ShardTest, TwoSnapshotsOfTheSameVersionBothGetIt) {
   const auto want = SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)});
   for (AsyncSnapshot* s : {&a, &b}) {
     ASSERT_TRUE(s->result().ok()) << s->result().status();
-    EXPECT_EQ(s->result()->version, 1);
-    EXPECT_EQ(s->result()->values[0].value, want[0]);
+    EXPECT_EQ((*s->result())->weights->version, 1);
+    EXPECT_EQ((*s->result())->weights->values[0], want[0]);
   }
 }
 
@@ -651,7 +776,7 @@ TEST_F(ShardTest, CancelledSnapshotDoesNotKeepACopy) {
   // shard copies every value and slot when it reaches that version and keeps
   // the copy for good, and a later request for that (by then past) version
   // is served instead of refused.
-  absl::StatusOr<Shard::SnapshotData> s = shard_.SnapshotAt(kJob, 1, Soon(), [] { return true; });
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 1, Soon(), [] { return true; });
   EXPECT_EQ(s.status().code(), absl::StatusCode::kCancelled) << s.status();
   for (int64_t step : {0, 1}) {
     MustPush(0, step, Grads(1));
@@ -785,14 +910,14 @@ TEST(OptimizerTest, AdamOnShardUsesTheVersionAsStep) {
   InitHeader h = Header(OptimizerConfig::ADAM, 0.125f, {0});
   ASSERT_TRUE(shard.Init(h, Values()).ok());
   ASSERT_TRUE(shard.Push(kJob, 0, 0, Grads(3)).ok());
-  absl::StatusOr<Shard::Snapshot> snap = shard.Pull(kJob, 1, Soon(), nullptr);
+  absl::StatusOr<Shard::Pulled> snap = shard.Pull(kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   const auto g = Grads(3);
   const std::vector<std::vector<float>> w0 = {kA, kB};
   for (size_t i = 0; i < w0.size(); ++i) {
     for (size_t j = 0; j < w0[i].size(); ++j) {
       const double sign = g[i][j] > 0 ? 1 : -1;
-      EXPECT_NEAR(snap->values[i][j], w0[i][j] - 0.125 * sign, 1e-5) << i << "," << j;
+      EXPECT_NEAR(snap->weights->values[i][j], w0[i][j] - 0.125 * sign, 1e-5) << i << "," << j;
     }
   }
 }
