@@ -511,7 +511,10 @@ void Coordinator::ReleaseEveryone() {
     auto all_released = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (Stopping()) return true;
       if (failure_.ok()) return released_.size() >= finished_.size();
-      return std::all_of(live_.begin(), live_.end(), [this](int w) { return released_.contains(w); });
+      for (int w : live_) {
+        if (!released_.contains(w)) return false;
+      }
+      return true;
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&all_released), options_.timeouts.release_wait)) {
       PSLOG(WARNING) << "not every worker collected its exit order";
