@@ -10,8 +10,6 @@ std::string Describe(const ExampleShape& s) {
   return absl::StrCat(s.channels, "x", s.height, "x", s.width, " with ", s.num_classes, " classes");
 }
 
-ExampleShape ShapeOf(const Dataset& d) { return {d.channels, d.height, d.width, d.num_classes}; }
-
 }  // namespace
 
 ModelInput ModelInputOf(const ModelSpec& spec) {
@@ -35,7 +33,7 @@ absl::Status CheckFitsModel(const ExampleShape& data, absl::string_view origin, 
 }
 
 absl::Status CheckFitsModel(const Dataset& data, const ModelInput& model) {
-  return CheckFitsModel(ShapeOf(data), "the data", model);
+  return CheckFitsModel(data.shape(), "the data", model);
 }
 
 absl::StatusOr<Dataset> LoadDataset(const DataSource& source, const ModelInput& model, Split split) {
@@ -43,13 +41,12 @@ absl::StatusOr<Dataset> LoadDataset(const DataSource& source, const ModelInput& 
   if (source.dataset == "idx") {
     data = LoadMnist(source.data_dir, split);
   } else if (source.dataset == "synthetic") {
-    const ExampleShape& m = model.shape;
-    data = MakeSynthetic({m.channels, m.height, m.width, m.num_classes}, source.synthetic_examples, split);
+    data = MakeSynthetic(model.shape, source.synthetic_examples, split);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("dataset '", source.dataset, "' is not one of idx, synthetic"));
   }
   if (!data.ok()) return data.status();
-  absl::Status fits = CheckFitsModel(ShapeOf(*data), DescribeSource(source), model);
+  absl::Status fits = CheckFitsModel(data->shape(), DescribeSource(source), model);
   if (!fits.ok()) return fits;
   return data;
 }

@@ -17,13 +17,6 @@
 
 namespace psflow::data {
 
-// One example's shape: an image [channels, height, width] and a label in
-// [0, num_classes).
-struct ExampleShape {
-  int channels = 0, height = 0, width = 0;
-  int num_classes = 0;
-};
-
 // What a model takes, as a ModelSpec says it: its name (for messages), its
 // input's shape and its class count.
 struct ModelInput {
