@@ -11,7 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/command_line.h"
 #include "common/tensor_chunks.h"
-#include "data/mnist.h"
+#include "data/source.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/spec.h"
@@ -41,16 +41,9 @@ int main(int argc, char** argv) {
   if (!spec.ok()) return Fail(spec.status());
   const int batch = absl::GetFlag(FLAGS_batch_size);
   if (batch <= 0) return Fail("--batch_size must be positive");
-  auto data = psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTrain);
+  auto data = psflow::data::LoadDataset({"idx", absl::GetFlag(FLAGS_data_dir), 0},
+                                        psflow::data::ModelInputOf(*spec), psflow::data::Split::kTrain);
   if (!data.ok()) return Fail(data.status());
-  const psflow::InputSpec& in = spec->input();
-  if (data->channels != in.channels() || data->height != in.height() || data->width != in.width() ||
-      data->num_classes != spec->num_classes()) {
-    return Fail(absl::StrCat("data in ", absl::GetFlag(FLAGS_data_dir), " is ", data->channels, "x", data->height,
-                             "x", data->width, " with ", data->num_classes, " classes; model ", spec->name(),
-                             " expects ", in.channels(), "x", in.height(), "x", in.width(), " with ",
-                             spec->num_classes(), " classes"));
-  }
   auto backend = psflow::kernels::CreateBackend("cpu", absl::GetFlag(FLAGS_threads));
   if (!backend.ok()) return Fail(backend.status());
   auto net = psflow::model::Network::Create(*spec, backend->get());

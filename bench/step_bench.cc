@@ -17,7 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/command_line.h"
-#include "data/synthetic.h"
+#include "data/source.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/spec.h"
@@ -73,7 +73,6 @@ int main(int argc, char** argv) {
   const std::string device = absl::GetFlag(FLAGS_device);
   auto backend = psflow::kernels::CreateBackend(device, absl::GetFlag(FLAGS_threads));
   if (!backend.ok()) return Fail("--device", backend.status());
-  const psflow::InputSpec& in = spec->input();
   // Inputs standardized as a job would (mean and stddev of synthetic pixels).
   spec->mutable_input()->set_mean(0.5f);
   spec->mutable_input()->set_stddev(0.2f);
@@ -82,8 +81,8 @@ int main(int argc, char** argv) {
   for (const auto& v : initial) initial_ptrs.push_back(v.data());
 
   for (int batch : batches) {
-    auto data = psflow::data::MakeSynthetic({in.channels(), in.height(), in.width(), spec->num_classes()}, batch,
-                                            psflow::data::Split::kTrain);
+    auto data = psflow::data::LoadDataset({"synthetic", "", batch}, psflow::data::ModelInputOf(*spec),
+                                          psflow::data::Split::kTrain);
     if (!data.ok()) return Fail("data", data.status());
     std::vector<std::string> runs = modes;
     if (absl::GetFlag(FLAGS_profile)) runs.push_back("profile");

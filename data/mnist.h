@@ -19,6 +19,13 @@ namespace psflow::data {
 
 enum class Split { kTrain, kTest };
 
+// One example's shape: an image [channels, height, width] and a label in
+// [0, num_classes).
+struct ExampleShape {
+  int channels = 0, height = 0, width = 0;
+  int num_classes = 0;
+};
+
 struct Dataset {
   int64_t count = 0;
   int channels = 1, height = 0, width = 0;
@@ -26,6 +33,7 @@ struct Dataset {
   std::vector<int32_t> labels;  // count, each in [0, num_classes)
   int num_classes = 10;
   int64_t example_floats() const { return int64_t{channels} * height * width; }
+  ExampleShape shape() const { return {channels, height, width, num_classes}; }
 };
 
 absl::StatusOr<Dataset> LoadMnist(const std::string& dir, Split split);

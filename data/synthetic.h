@@ -16,9 +16,12 @@
 
 namespace psflow::data {
 
-struct SyntheticShape {
-  int channels = 3, height = 32, width = 32;
-  int num_classes = 10;
+// An ExampleShape whose default is the resnet's input: 3x32x32, 10 classes.
+struct SyntheticShape : ExampleShape {
+  SyntheticShape() : ExampleShape{3, 32, 32, 10} {}
+  SyntheticShape(int channels, int height, int width, int num_classes)
+      : ExampleShape{channels, height, width, num_classes} {}
+  SyntheticShape(const ExampleShape& shape) : ExampleShape(shape) {}  // NOLINT: implicit on purpose
 };
 
 // INVALID_ARGUMENT for a non-positive size or count, fewer than 2 classes,

@@ -13,9 +13,9 @@ namespace psflow::model {
 
 // Activation 0 is the (standardized) model input; activation i + 1 is the
 // output of layer i.
-struct Network::Layer {
-  LayerSpec::KindCase kind;
-  int in_act = 0, other_act = -1;  // activations read (other_act: add only)
+struct Network::Node {
+  const Layer* layer = nullptr;  // owned by graph_
+  int in_act = 0, other_act = -1;      // activations read (other_act: second operand)
   ActivationShape in, out;
   int first = -1, second = -1;  // variables: weights/bias or gamma/beta
 };
@@ -24,12 +24,7 @@ struct Network::Layer {
 // gradient (none for the model input).
 struct Network::BatchState {
   int batch = 0;
-  std::vector<std::unique_ptr<kernels::Conv2D>> conv;
-  std::vector<std::unique_ptr<kernels::MaxPool2D>> pool;
-  std::vector<std::unique_ptr<kernels::Relu>> relu;
-  std::vector<std::unique_ptr<kernels::Dense>> dense;
-  std::vector<std::unique_ptr<kernels::BatchNorm>> norm;
-  std::vector<std::unique_ptr<kernels::GlobalAvgPool>> gap;
+  std::vector<std::unique_ptr<LayerOps>> ops;  // per layer
   std::unique_ptr<kernels::SoftmaxCrossEntropy> loss;
   std::unique_ptr<kernels::Buffer> images, labels, probs, stats, scratch;
   std::vector<std::unique_ptr<kernels::Buffer>> acts, dacts;
@@ -48,25 +43,22 @@ Network::~Network() = default;
 
 absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec, kernels::Backend* backend,
                                                          const NetworkOptions& options) {
-  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
-  if (!shapes.ok()) return shapes.status();
-  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
-  if (!wiring.ok()) return wiring.status();
+  absl::StatusOr<ModelGraph> graph = BuildModelGraph(spec);
+  if (!graph.ok()) return graph.status();
   std::unique_ptr<Network> net(new Network(spec, backend, options));
-  net->variables_ = ModelVariables(spec);
-  const std::vector<LayerVariables> vars = LayerVariableIndices(spec);
-  std::vector<ActivationShape> act_shapes{{spec.input().channels(), spec.input().height(), spec.input().width()}};
-  act_shapes.insert(act_shapes.end(), shapes->begin(), shapes->end());
+  net->graph_ = std::make_unique<ModelGraph>(*std::move(graph));
+  const ModelGraph& g = *net->graph_;
+  for (const GraphVariable& v : g.variables) net->variables_.push_back(v.shape);
   for (int i = 0; i < spec.layer_size(); ++i) {
-    Layer layer;
-    layer.kind = spec.layer(i).kind_case();
-    layer.in_act = (*wiring)[i].input + 1;
-    if ((*wiring)[i].other >= 0) layer.other_act = (*wiring)[i].other + 1;
-    layer.in = act_shapes[layer.in_act];
-    layer.out = act_shapes[i + 1];
-    layer.first = vars[i].first;
-    layer.second = vars[i].second;
-    net->layers_.push_back(layer);
+    Node node;
+    node.layer = g.layers[i].get();
+    node.in_act = g.wiring[i].input + 1;
+    if (g.wiring[i].other >= 0) node.other_act = g.wiring[i].other + 1;
+    node.in = g.input_of(i);
+    node.out = g.shapes[i];
+    node.first = g.layer_vars[i].first;
+    node.second = g.layer_vars[i].second;
+    net->nodes_.push_back(node);
   }
   for (const VariableShape& v : net->variables_) {
     for (auto* list : {&net->weights_, &net->grads_}) {
@@ -136,13 +128,8 @@ absl::StatusOr<Network::BatchState*> Network::StateFor(int batch) {
 
 absl::Status Network::CreateOps(BatchState* st) {
   const int batch = st->batch;
-  const size_t n = layers_.size();
-  st->conv.resize(n);
-  st->pool.resize(n);
-  st->relu.resize(n);
-  st->dense.resize(n);
-  st->norm.resize(n);
-  st->gap.resize(n);
+  const size_t n = nodes_.size();
+  st->ops.resize(n);
   auto alloc = [&](int64_t floats, std::unique_ptr<kernels::Buffer>* out) -> absl::Status {
     absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf = backend_->Allocate(static_cast<size_t>(floats));
     if (!buf.ok()) return buf.status();
@@ -153,7 +140,7 @@ absl::Status Network::CreateOps(BatchState* st) {
   st->acts.resize(n + 1);
   st->dacts.resize(n + 1);
   for (size_t i = 0; i <= n; ++i) {
-    const int64_t floats = int64_t{batch} * (i == 0 ? input_floats() : layers_[i - 1].out.size());
+    const int64_t floats = int64_t{batch} * (i == 0 ? input_floats() : nodes_[i - 1].out.size());
     largest = std::max(largest, floats);
     PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->acts[i]));
     if (i > 0) PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->dacts[i]));
@@ -164,58 +151,7 @@ absl::Status Network::CreateOps(BatchState* st) {
   PSFLOW_RETURN_IF_ERROR(alloc(int64_t{batch} * spec_.num_classes(), &st->probs));
   PSFLOW_RETURN_IF_ERROR(alloc(2, &st->stats));
   for (size_t i = 0; i < n; ++i) {
-    const Layer& l = layers_[i];
-    const LayerSpec& spec = spec_.layer(static_cast<int>(i));
-    switch (l.kind) {
-      case LayerSpec::kConv2D: {
-        kernels::Conv2DShape shape;
-        shape.batch = batch;
-        shape.in_channels = l.in.channels;
-        shape.height = l.in.height;
-        shape.width = l.in.width;
-        shape.out_channels = spec.conv2d().filters();
-        shape.kernel_h = shape.kernel_w = spec.conv2d().kernel();
-        shape.stride = spec.conv2d().stride() == 0 ? 1 : spec.conv2d().stride();
-        shape.padding = spec.conv2d().padding();
-        PSFLOW_ASSIGN_OR_RETURN(st->conv[i], backend_->CreateConv2D(shape));
-        break;
-      }
-      case LayerSpec::kMaxPool: {
-        kernels::Pool2DShape shape;
-        shape.batch = batch;
-        shape.channels = l.in.channels;
-        shape.height = l.in.height;
-        shape.width = l.in.width;
-        shape.window = spec.max_pool().size();
-        shape.stride = spec.max_pool().stride() == 0 ? shape.window : spec.max_pool().stride();
-        PSFLOW_ASSIGN_OR_RETURN(st->pool[i], backend_->CreateMaxPool2D(shape));
-        break;
-      }
-      case LayerSpec::kRelu: {
-        PSFLOW_ASSIGN_OR_RETURN(st->relu[i], backend_->CreateRelu(int64_t{batch} * l.in.size()));
-        break;
-      }
-      case LayerSpec::kDense: {
-        kernels::DenseShape shape{batch, static_cast<int>(l.in.size()), l.out.channels};
-        PSFLOW_ASSIGN_OR_RETURN(st->dense[i], backend_->CreateDense(shape));
-        break;
-      }
-      case LayerSpec::kBatchNorm: {
-        kernels::BatchNormShape shape{batch, l.in.channels, l.in.height, l.in.width};
-        if (spec.batch_norm().epsilon() > 0) shape.epsilon = spec.batch_norm().epsilon();
-        PSFLOW_ASSIGN_OR_RETURN(st->norm[i], backend_->CreateBatchNorm(shape));
-        break;
-      }
-      case LayerSpec::kGlobalAvgPool: {
-        kernels::GlobalAvgPoolShape shape{batch, l.in.channels, l.in.height, l.in.width};
-        PSFLOW_ASSIGN_OR_RETURN(st->gap[i], backend_->CreateGlobalAvgPool(shape));
-        break;
-      }
-      case LayerSpec::kAdd:
-        break;
-      case LayerSpec::KIND_NOT_SET:
-        return absl::InternalError("layer without kind");
-    }
+    PSFLOW_ASSIGN_OR_RETURN(st->ops[i], nodes_[i].layer->CreateOps(backend_, batch, nodes_[i].in));
   }
   PSFLOW_ASSIGN_OR_RETURN(st->loss, backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes()));
   return absl::OkStatus();
@@ -247,41 +183,15 @@ absl::Status Network::QueueForward(BatchState* st) {
   } else {
     PSFLOW_RETURN_IF_ERROR(backend_->Copy(st->images->data(), st->acts[0]->data(), input_size));
   }
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& l = layers_[i];
-    const float* x = st->acts[l.in_act]->data();
-    float* y = st->acts[i + 1]->data();
-    const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
-    const float* b = l.second >= 0 ? weights_[l.second]->data() : nullptr;
-    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "forward", [&]() -> absl::Status {
-      switch (l.kind) {
-        case LayerSpec::kConv2D:
-          PSFLOW_RETURN_IF_ERROR(st->conv[i]->Forward(x, w, b, y));
-          break;
-        case LayerSpec::kMaxPool:
-          PSFLOW_RETURN_IF_ERROR(st->pool[i]->Forward(x, y));
-          break;
-        case LayerSpec::kRelu:
-          PSFLOW_RETURN_IF_ERROR(st->relu[i]->Forward(x, y));
-          break;
-        case LayerSpec::kDense:
-          PSFLOW_RETURN_IF_ERROR(st->dense[i]->Forward(x, w, b, y));
-          break;
-        case LayerSpec::kBatchNorm:
-          PSFLOW_RETURN_IF_ERROR(st->norm[i]->Forward(x, w, b, y));
-          break;
-        case LayerSpec::kGlobalAvgPool:
-          PSFLOW_RETURN_IF_ERROR(st->gap[i]->Forward(x, y));
-          break;
-        case LayerSpec::kAdd:
-          PSFLOW_RETURN_IF_ERROR(backend_->Add(x, st->acts[l.other_act]->data(), y,
-                                               static_cast<int64_t>(st->acts[i + 1]->size())));
-          break;
-        case LayerSpec::KIND_NOT_SET:
-          return absl::InternalError("layer without kind");
-      }
-      return absl::OkStatus();
-    }));
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& l = nodes_[i];
+    ForwardArgs args;
+    args.x = st->acts[l.in_act]->data();
+    if (l.other_act >= 0) args.other = st->acts[l.other_act]->data();
+    args.y = st->acts[i + 1]->data();
+    if (l.first >= 0) args.w = weights_[l.first]->data();
+    if (l.second >= 0) args.b = weights_[l.second]->data();
+    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "forward", [&] { return st->ops[i]->Forward(args); }));
   }
   return Timed(-1, "loss forward", [&] {
     return st->loss->Forward(st->acts.back()->data(), reinterpret_cast<const int32_t*>(st->labels->data()),
@@ -290,66 +200,52 @@ absl::Status Network::QueueForward(BatchState* st) {
 }
 
 absl::Status Network::QueueBackward(BatchState* st) {
-  const size_t n = layers_.size();
+  const size_t n = nodes_.size();
   st->grad_written.assign(n + 1, false);
   const int32_t* labels = reinterpret_cast<const int32_t*>(st->labels->data());
   PSFLOW_RETURN_IF_ERROR(
       Timed(-1, "loss backward", [&] { return st->loss->Backward(st->probs->data(), labels, st->dacts[n]->data()); }));
   st->grad_written[n] = true;
   for (size_t i = n; i-- > 0;) {
-    const Layer& l = layers_[i];
+    const Node& l = nodes_[i];
     if (!st->grad_written[i + 1]) return absl::InternalError(absl::StrCat("no gradient reaches layer ", i));
-    const float* x = st->acts[l.in_act]->data();
     const float* dy = st->dacts[i + 1]->data();
-    const float* w = l.first >= 0 ? weights_[l.first]->data() : nullptr;
-    float* dw = l.first >= 0 ? grads_[l.first]->data() : nullptr;
-    float* db = l.second >= 0 ? grads_[l.second]->data() : nullptr;
-    // The gradient of the layer's input (the model input's is never needed;
-    // add layers pass theirs on below). The first contribution to an
-    // activation's gradient is written in place; later ones go to scratch and
-    // are added to it.
-    const bool need_dx = l.in_act > 0 && l.kind != LayerSpec::kAdd;
-    const bool acc = need_dx && st->grad_written[l.in_act];
-    float* dx = !need_dx ? nullptr : acc ? st->scratch->data() : st->dacts[l.in_act]->data();
-    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "backward", [&]() -> absl::Status {
-      switch (l.kind) {
-        case LayerSpec::kConv2D:
-          PSFLOW_RETURN_IF_ERROR(st->conv[i]->Backward(x, w, dy, dx, dw, db));
-          break;
-        case LayerSpec::kDense:
-          PSFLOW_RETURN_IF_ERROR(st->dense[i]->Backward(x, w, dy, dx, dw, db));
-          break;
-        case LayerSpec::kBatchNorm:
-          // Batch norm always writes an input gradient: scratch takes an unneeded one.
-          PSFLOW_RETURN_IF_ERROR(st->norm[i]->Backward(x, w, dy, dx != nullptr ? dx : st->scratch->data(), dw, db));
-          break;
-        case LayerSpec::kMaxPool:
-          if (need_dx) PSFLOW_RETURN_IF_ERROR(st->pool[i]->Backward(dy, dx));
-          break;
-        case LayerSpec::kRelu:
-          if (need_dx) PSFLOW_RETURN_IF_ERROR(st->relu[i]->Backward(x, dy, dx));
-          break;
-        case LayerSpec::kGlobalAvgPool:
-          if (need_dx) PSFLOW_RETURN_IF_ERROR(st->gap[i]->Backward(dy, dx));
-          break;
-        case LayerSpec::kAdd: {
-          // The sum passes its gradient unchanged to both operands.
-          const int64_t size = static_cast<int64_t>(st->dacts[i + 1]->size());
-          for (int act : {l.in_act, l.other_act}) {
-            if (act == 0) continue;
-            float* d = st->dacts[act]->data();
-            if (!st->grad_written[act]) {
-              PSFLOW_RETURN_IF_ERROR(backend_->Copy(dy, d, size));
-              st->grad_written[act] = true;
-            } else {
-              PSFLOW_RETURN_IF_ERROR(backend_->Add(d, dy, d, size));
-            }
+    if (l.layer->passes_gradient()) {
+      // Each operand's gradient is dy: copied to the first contribution,
+      // added to a later one.
+      PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "backward", [&]() -> absl::Status {
+        const int64_t size = static_cast<int64_t>(st->dacts[i + 1]->size());
+        for (int act : {l.in_act, l.other_act}) {
+          if (act <= 0) continue;
+          float* d = st->dacts[act]->data();
+          if (!st->grad_written[act]) {
+            PSFLOW_RETURN_IF_ERROR(backend_->Copy(dy, d, size));
+            st->grad_written[act] = true;
+          } else {
+            PSFLOW_RETURN_IF_ERROR(backend_->Add(d, dy, d, size));
           }
-          break;
         }
-        case LayerSpec::KIND_NOT_SET:
-          return absl::InternalError("layer without kind");
-      }
+        return absl::OkStatus();
+      }));
+      continue;
+    }
+    // The gradient of the layer's input (the model input's is never needed).
+    // The first contribution to an activation's gradient is written in place;
+    // later ones go to scratch and are added to it.
+    const bool need_dx = l.in_act > 0;
+    const bool acc = need_dx && st->grad_written[l.in_act];
+    BackwardArgs args;
+    args.x = st->acts[l.in_act]->data();
+    args.dy = dy;
+    args.dx = !need_dx ? nullptr : acc ? st->scratch->data() : st->dacts[l.in_act]->data();
+    args.scratch = st->scratch->data();
+    if (l.first >= 0) {
+      args.w = weights_[l.first]->data();
+      args.dw = grads_[l.first]->data();
+    }
+    if (l.second >= 0) args.db = grads_[l.second]->data();
+    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(st->ops[i]->Backward(args));
       if (need_dx) {
         if (acc) {
           float* d = st->dacts[l.in_act]->data();

@@ -26,6 +26,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "kernels/kernels.h"
+#include "model/graph.h"
 #include "model/spec.h"
 #include "proto/model.pb.h"
 
@@ -96,7 +97,7 @@ class Network {
   std::vector<std::pair<std::string, double>> LayerTimes() const;
 
  private:
-  struct Layer;
+  struct Node;  // a layer with the activations it reads and writes
   struct BatchState;
   Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options);
   absl::StatusOr<BatchState*> StateFor(int batch);
@@ -113,7 +114,8 @@ class Network {
   kernels::Backend* backend_;
   NetworkOptions options_;
   std::vector<VariableShape> variables_;
-  std::vector<Layer> layers_;
+  std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
+  std::vector<Node> nodes_;
   std::vector<std::unique_ptr<kernels::Buffer>> weights_;
   std::vector<std::unique_ptr<kernels::Buffer>> grads_;
   std::map<int, std::unique_ptr<BatchState>> states_;  // by batch size

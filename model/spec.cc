@@ -6,10 +6,10 @@
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/tensor_chunks.h"
+#include "model/graph.h"
 
 namespace psflow::model {
 namespace {
@@ -57,14 +57,6 @@ absl::StatusOr<ModelSpec> ParseText(const std::string& text, const std::string& 
   }
   return spec;
 }
-
-constexpr int64_t kMaxDim = 1 << 16;
-constexpr int64_t kMaxParameters = int64_t{1} << 30;
-
-absl::Status LayerError(const LayerSpec& layer, const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat("layer '", layer.name(), "': ", what));
-}
-
 
 // A ResNet-18 for 32x32 inputs: a 3x3 stem (no max-pool), four stages of two
 // basic blocks (64, 128, 256, 512 filters; stages 2-4 halve the resolution in
@@ -161,239 +153,52 @@ absl::StatusOr<ModelSpec> ResolveModelSpec(const std::string& name_or_path) {
 }
 
 absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec) {
-  std::vector<LayerWiring> wiring;
-  absl::flat_hash_map<std::string, int> index;
-  for (int i = 0; i < spec.layer_size(); ++i) {
-    const LayerSpec& layer = spec.layer(i);
-    if (layer.name().empty() || layer.name().find('/') != std::string::npos) {
-      return absl::InvalidArgumentError("every layer needs a name without '/'");
-    }
-    if (index.contains(layer.name())) return LayerError(layer, "name used twice");
-    LayerWiring w;
-    w.input = i - 1;
-    if (!layer.input().empty()) {
-      auto it = index.find(layer.input());
-      if (it == index.end()) {
-        return LayerError(layer, absl::StrCat("input '", layer.input(), "' is not an earlier layer"));
-      }
-      w.input = it->second;
-    }
-    if (layer.has_add()) {
-      auto it = index.find(layer.add().other());
-      if (it == index.end()) {
-        return LayerError(layer, absl::StrCat("add.other '", layer.add().other(), "' is not an earlier layer"));
-      }
-      w.other = it->second;
-    }
-    index[layer.name()] = i;
-    wiring.push_back(w);
-  }
-  // Every output but the last feeds some layer: a dangling branch is a typo.
-  std::vector<bool> read(wiring.size(), false);
-  for (const LayerWiring& w : wiring) {
-    if (w.input >= 0) read[w.input] = true;
-    if (w.other >= 0) read[w.other] = true;
-  }
-  for (size_t i = 0; i + 1 < read.size(); ++i) {
-    if (!read[i]) return LayerError(spec.layer(static_cast<int>(i)), "its output is never read");
-  }
-  return wiring;
+  absl::StatusOr<WiredLayers> wired = WireLayers(spec);
+  if (!wired.ok()) return wired.status();
+  return std::move(wired->wiring);
 }
-
-namespace {
-
-// What checking a spec finds out: the activation shape after each layer and
-// the layers each one reads.
-struct Analysis {
-  std::vector<ActivationShape> shapes;
-  std::vector<LayerWiring> wiring;
-};
-
-// The checks of ValidateModelSpec, in one pass over the spec.
-absl::StatusOr<Analysis> Analyze(const ModelSpec& spec) {
-  const InputSpec& in = spec.input();
-  if (in.channels() <= 0 || in.height() <= 0 || in.width() <= 0) {
-    return absl::InvalidArgumentError("input needs positive channels, height and width");
-  }
-  // Every size a spec names stays within kMaxDim, so products below fit in
-  // int64 and a typo cannot ask the ps for terabytes.
-  auto too_big = [](int64_t v) { return v > kMaxDim; };
-  if (too_big(in.channels()) || too_big(in.height()) || too_big(in.width()) || too_big(spec.num_classes())) {
-    return absl::InvalidArgumentError(absl::StrCat("input sizes and num_classes must be at most ", kMaxDim));
-  }
-  for (const LayerSpec& layer : spec.layer()) {
-    const bool big = too_big(layer.conv2d().filters()) || too_big(layer.conv2d().kernel()) ||
-                     too_big(layer.conv2d().stride()) || too_big(layer.conv2d().padding()) ||
-                     too_big(layer.max_pool().size()) || too_big(layer.max_pool().stride()) ||
-                     too_big(layer.dense().units());
-    if (big) return LayerError(layer, absl::StrCat("sizes must be at most ", kMaxDim));
-  }
-  if (spec.num_classes() < 2) return absl::InvalidArgumentError("num_classes must be at least 2");
-  if (!(in.stddev() >= 0) || !std::isfinite(in.mean()) || !std::isfinite(in.stddev())) {
-    return absl::InvalidArgumentError("input stddev must be finite and not negative");
-  }
-  if (spec.layer_size() == 0) return absl::InvalidArgumentError("the model has no layers");
-  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
-  if (!wiring.ok()) return wiring.status();
-  const ActivationShape model_in{in.channels(), in.height(), in.width()};
-  Analysis result;
-  result.wiring = *std::move(wiring);
-  std::vector<ActivationShape>& shapes = result.shapes;
-  int64_t params = 0;
-  for (int i = 0; i < spec.layer_size(); ++i) {
-    const LayerSpec& layer = spec.layer(i);
-    const LayerWiring& w = result.wiring[i];
-    const ActivationShape cur = w.input < 0 ? model_in : shapes[w.input];
-    if (cur.size() > kMaxParameters) {
-      return LayerError(layer, absl::StrCat("its input has more than ", kMaxParameters, " values"));
-    }
-    ActivationShape out = cur;
-    switch (layer.kind_case()) {
-      case LayerSpec::kConv2D: {
-        const Conv2DLayer& c = layer.conv2d();
-        const int stride = c.stride() == 0 ? 1 : c.stride();
-        if (c.filters() <= 0 || c.kernel() <= 0 || stride <= 0 || c.padding() < 0) {
-          return LayerError(layer, "conv2d needs positive filters, kernel and stride");
-        }
-        if (cur.height + 2 * c.padding() < c.kernel() || cur.width + 2 * c.padding() < c.kernel()) {
-          return LayerError(layer, absl::StrCat("kernel ", c.kernel(), " larger than its ", cur.height,
-                                                "x", cur.width, " input"));
-        }
-        out = {c.filters(), (cur.height + 2 * c.padding() - c.kernel()) / stride + 1,
-               (cur.width + 2 * c.padding() - c.kernel()) / stride + 1};
-        const int64_t k = c.kernel();
-        params += c.filters() * (int64_t{cur.channels} * k * k + (c.no_bias() ? 0 : 1));
-        break;
-      }
-      case LayerSpec::kMaxPool: {
-        const MaxPoolLayer& p = layer.max_pool();
-        const int stride = p.stride() == 0 ? p.size() : p.stride();
-        if (p.size() <= 0 || stride <= 0) return LayerError(layer, "max_pool needs a positive size");
-        if (cur.height < p.size() || cur.width < p.size()) {
-          return LayerError(layer, "pool window larger than its input");
-        }
-        out = {cur.channels, (cur.height - p.size()) / stride + 1, (cur.width - p.size()) / stride + 1};
-        break;
-      }
-      case LayerSpec::kRelu:
-        break;
-      case LayerSpec::kDense:
-        if (layer.dense().units() <= 0) return LayerError(layer, "dense needs positive units");
-        out = {layer.dense().units(), 1, 1};
-        params += layer.dense().units() * (cur.size() + 1);
-        break;
-      case LayerSpec::kBatchNorm:
-        if (!(layer.batch_norm().epsilon() >= 0) || !std::isfinite(layer.batch_norm().epsilon())) {
-          return LayerError(layer, "batch_norm epsilon must be finite and not negative");
-        }
-        params += 2 * int64_t{cur.channels};
-        break;
-      case LayerSpec::kAdd: {
-        const ActivationShape& other = shapes[w.other];
-        if (other.channels != cur.channels || other.height != cur.height || other.width != cur.width) {
-          return LayerError(layer, absl::StrCat("adds ", other.channels, "x", other.height, "x", other.width,
-                                                " from '", layer.add().other(), "' to its ", cur.channels, "x",
-                                                cur.height, "x", cur.width, " input"));
-        }
-        break;
-      }
-      case LayerSpec::kGlobalAvgPool:
-        out = {cur.channels, 1, 1};
-        break;
-      case LayerSpec::KIND_NOT_SET:
-        return LayerError(layer, "no layer kind given (conv2d, max_pool, relu, dense, batch_norm, add or "
-                                 "global_avg_pool)");
-    }
-    if (params > kMaxParameters) {
-      return LayerError(layer, absl::StrCat("the model exceeds ", kMaxParameters, " parameters"));
-    }
-    shapes.push_back(out);
-  }
-  const LayerSpec& last = spec.layer(spec.layer_size() - 1);
-  if (last.kind_case() != LayerSpec::kDense || last.dense().units() != spec.num_classes()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the last layer must be dense with num_classes (", spec.num_classes(), ") units"));
-  }
-  return result;
-}
-
-}  // namespace
 
 absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& spec) {
-  absl::StatusOr<Analysis> analysis = Analyze(spec);
-  if (!analysis.ok()) return analysis.status();
-  return std::move(analysis->shapes);
+  absl::StatusOr<ModelGraph> graph = BuildModelGraph(spec);
+  if (!graph.ok()) return graph.status();
+  return std::move(graph->shapes);
 }
 
 namespace {
 
-enum class Init { kFanIn, kOnes, kZeros };
-
-struct VariableInit {
-  VariableShape shape;
-  Init init = Init::kFanIn;
-  int64_t fan_in = 1;
-  int layer = -1;  // index of the layer that owns it
-};
-
-// The one place that says which layer owns which variables, in what order.
-// Empty for an invalid spec.
-std::vector<VariableInit> Variables(const ModelSpec& spec) {
-  std::vector<VariableInit> vars;
-  absl::StatusOr<Analysis> analysis = Analyze(spec);
-  if (!analysis.ok()) return vars;
-  const ActivationShape model_in{spec.input().channels(), spec.input().height(), spec.input().width()};
-  for (int i = 0; i < spec.layer_size(); ++i) {
-    const LayerSpec& layer = spec.layer(i);
-    const int src = analysis->wiring[i].input;
-    const ActivationShape in = src < 0 ? model_in : analysis->shapes[src];
-    if (layer.has_conv2d()) {
-      const int64_t k = layer.conv2d().kernel(), f = layer.conv2d().filters();
-      const int64_t fan_in = int64_t{in.channels} * k * k;
-      vars.push_back({{layer.name() + "/weights", {f, in.channels, k, k}}, Init::kFanIn, fan_in, i});
-      if (!layer.conv2d().no_bias()) vars.push_back({{layer.name() + "/bias", {f}}, Init::kFanIn, fan_in, i});
-    } else if (layer.has_dense()) {
-      const int64_t u = layer.dense().units();
-      vars.push_back({{layer.name() + "/weights", {u, in.size()}}, Init::kFanIn, in.size(), i});
-      vars.push_back({{layer.name() + "/bias", {u}}, Init::kFanIn, in.size(), i});
-    } else if (layer.has_batch_norm()) {
-      vars.push_back({{layer.name() + "/gamma", {in.channels}}, Init::kOnes, 1, i});
-      vars.push_back({{layer.name() + "/beta", {in.channels}}, Init::kZeros, 1, i});
-    }
-  }
-  return vars;
+// The variables of a valid spec; empty for an invalid one.
+std::vector<GraphVariable> Variables(const ModelSpec& spec) {
+  absl::StatusOr<ModelGraph> graph = BuildModelGraph(spec);
+  if (!graph.ok()) return {};
+  return std::move(graph->variables);
 }
 
 }  // namespace
 
 std::vector<LayerVariables> LayerVariableIndices(const ModelSpec& spec) {
-  std::vector<LayerVariables> out(static_cast<size_t>(spec.layer_size()));
-  const std::vector<VariableInit> vars = Variables(spec);
-  for (size_t v = 0; v < vars.size(); ++v) {
-    LayerVariables& owner = out[static_cast<size_t>(vars[v].layer)];
-    (owner.first < 0 ? owner.first : owner.second) = static_cast<int>(v);
-  }
-  return out;
+  absl::StatusOr<ModelGraph> graph = BuildModelGraph(spec);
+  if (!graph.ok()) return std::vector<LayerVariables>(static_cast<size_t>(spec.layer_size()));
+  return std::move(graph->layer_vars);
 }
 
 std::vector<VariableShape> ModelVariables(const ModelSpec& spec) {
   std::vector<VariableShape> out;
-  for (VariableInit& v : Variables(spec)) out.push_back(std::move(v.shape));
+  for (GraphVariable& v : Variables(spec)) out.push_back(std::move(v.shape));
   return out;
 }
 
 std::vector<std::vector<float>> InitialValues(const ModelSpec& spec, uint64_t seed) {
   std::vector<std::vector<float>> values;
   std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + 0x5851F42D4C957F2Dull);
-  for (const VariableInit& var : Variables(spec)) {
+  for (const GraphVariable& var : Variables(spec)) {
     std::vector<float> v(NumElements(var.shape.shape));
     switch (var.init) {
-      case Init::kOnes:
+      case LayerVariable::Init::kOnes:
         std::fill(v.begin(), v.end(), 1.0f);
         break;
-      case Init::kZeros:
+      case LayerVariable::Init::kZeros:
         break;
-      case Init::kFanIn: {
+      case LayerVariable::Init::kFanIn: {
         const double bound = 1.0 / std::sqrt(static_cast<double>(var.fan_in));
         for (float& x : v) {
           // 53 random bits to a double in [0, 1): identical on every platform.

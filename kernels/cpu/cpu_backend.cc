@@ -706,45 +706,45 @@ absl::Status CpuBackend::Copy(const float* src, float* dst, int64_t n) {
 }
 
 absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DShape& shape) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
-  return Build<Conv2D>(Describe(shape), [&] { return std::make_unique<DnnlConv2D>(ctx_, shape); });
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<Conv2D>(what, [&] { return std::make_unique<DnnlConv2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CpuBackend::CreateMaxPool2D(const Pool2DShape& shape) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
-  return Build<MaxPool2D>(Describe(shape),
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<MaxPool2D>(what,
                           [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<Relu>> CpuBackend::CreateRelu(int64_t size) {
-  PSFLOW_RETURN_IF_ERROR(ValidateRelu(size));
-  return Build<Relu>(DescribeRelu(size), [&] { return std::make_unique<DnnlRelu>(ctx_, size); });
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckRelu(size));
+  return Build<Relu>(what, [&] { return std::make_unique<DnnlRelu>(ctx_, size); });
 }
 
 absl::StatusOr<std::unique_ptr<Dense>> CpuBackend::CreateDense(const DenseShape& shape) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
-  return Build<Dense>(Describe(shape), [&] { return std::make_unique<DnnlDense>(ctx_, shape); });
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<Dense>(what, [&] { return std::make_unique<DnnlDense>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CpuBackend::CreateSoftmaxCrossEntropy(
     int batch, int classes) {
-  PSFLOW_RETURN_IF_ERROR(ValidateSoftmaxCrossEntropy(batch, classes));
-  return Build<SoftmaxCrossEntropy>(DescribeSoftmaxCrossEntropy(batch, classes), [&] {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckSoftmaxCrossEntropy(batch, classes));
+  return Build<SoftmaxCrossEntropy>(what, [&] {
     return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes);
   });
 }
 
 absl::StatusOr<std::unique_ptr<BatchNorm>> CpuBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
-  return Build<BatchNorm>(Describe(shape),
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<BatchNorm>(what,
                           [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CpuBackend::CreateGlobalAvgPool(
     const GlobalAvgPoolShape& shape) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
-  return Build<GlobalAvgPool>(Describe(shape),
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<GlobalAvgPool>(what,
                               [&] { return std::make_unique<LoopGlobalAvgPool>(ctx_, shape); });
 }
 

@@ -371,9 +371,8 @@ absl::Status FindConvAlgorithm(const std::string& what, const char* direction,
   return absl::OkStatus();
 }
 
-// The shared checks, then cuDNN's int32 element counts. what: Describe(s).
-absl::Status Validate(const Conv2DShape& s, absl::string_view what) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(s));
+// After CheckShape (what: its description): cuDNN's int32 element counts.
+absl::Status CheckCounts(const Conv2DShape& s, absl::string_view what) {
   const int64_t n = s.batch;
   return CheckElementCount(
       what, {{"x", n * s.in_channels * s.height * s.width},
@@ -529,9 +528,8 @@ class CudnnConv2D final : public Conv2D {
 
 // ---------------------------------------------------------------- MaxPool2D
 
-// what: Describe(s).
-absl::Status Validate(const Pool2DShape& s, absl::string_view what) {
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(s));
+// After CheckShape (what: its description).
+absl::Status CheckCounts(const Pool2DShape& s, absl::string_view what) {
   return CheckElementCount(what, {{"x", int64_t{s.batch} * s.channels * s.height * s.width}});
 }
 
@@ -1051,27 +1049,25 @@ absl::StatusOr<std::unique_ptr<Graph>> CudaBackend::Capture(
 }
 
 absl::StatusOr<std::unique_ptr<Conv2D>> CudaBackend::CreateConv2D(const Conv2DShape& shape) {
-  const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(Validate(shape, what));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  PSFLOW_RETURN_IF_ERROR(CheckCounts(shape, what));
   return Build<Conv2D, CudnnConv2D>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CudaBackend::CreateMaxPool2D(const Pool2DShape& shape) {
-  const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(Validate(shape, what));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  PSFLOW_RETURN_IF_ERROR(CheckCounts(shape, what));
   return Build<MaxPool2D, CudnnMaxPool2D>(ctx_, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<Relu>> CudaBackend::CreateRelu(int64_t size) {
-  const std::string what = DescribeRelu(size);
-  PSFLOW_RETURN_IF_ERROR(ValidateRelu(size));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckRelu(size));
   PSFLOW_RETURN_IF_ERROR(CheckElementCount(what, {{"x", size}}));
   return Build<Relu, CudnnRelu>(ctx_, what, size);
 }
 
 absl::StatusOr<std::unique_ptr<Dense>> CudaBackend::CreateDense(const DenseShape& shape) {
-  const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
   PSFLOW_RETURN_IF_ERROR(
       CheckElementCount(what, {{"x", int64_t{shape.batch} * shape.in_features},
                                {"w", int64_t{shape.out_features} * shape.in_features},
@@ -1081,16 +1077,14 @@ absl::StatusOr<std::unique_ptr<Dense>> CudaBackend::CreateDense(const DenseShape
 
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CudaBackend::CreateSoftmaxCrossEntropy(
     int batch, int classes) {
-  const std::string what = DescribeSoftmaxCrossEntropy(batch, classes);
-  PSFLOW_RETURN_IF_ERROR(ValidateSoftmaxCrossEntropy(batch, classes));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckSoftmaxCrossEntropy(batch, classes));
   PSFLOW_RETURN_IF_ERROR(CheckElementCount(what, {{"logits", int64_t{batch} * classes}}));
   return Build<SoftmaxCrossEntropy, CudaSoftmaxCrossEntropy>(ctx_, what, batch, classes);
 }
 
 absl::StatusOr<std::unique_ptr<BatchNorm>> CudaBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
-  const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
   PSFLOW_RETURN_IF_ERROR(CheckElementCount(
       what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
   return Build<BatchNorm, CudaBatchNorm>(ctx_, what, shape);
@@ -1098,8 +1092,7 @@ absl::StatusOr<std::unique_ptr<BatchNorm>> CudaBackend::CreateBatchNorm(
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CudaBackend::CreateGlobalAvgPool(
     const GlobalAvgPoolShape& shape) {
-  const std::string what = Describe(shape);
-  PSFLOW_RETURN_IF_ERROR(ValidateShape(shape));
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
   PSFLOW_RETURN_IF_ERROR(CheckElementCount(
       what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
   return Build<GlobalAvgPool, CudaGlobalAvgPool>(ctx_, what, shape);

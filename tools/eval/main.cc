@@ -4,8 +4,7 @@
 
 #include "absl/flags/flag.h"
 #include "common/command_line.h"
-#include "data/mnist.h"
-#include "data/synthetic.h"
+#include "data/source.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/saved_model.h"
@@ -42,18 +41,11 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<psflow::model::LoadedModel> loaded = psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
   if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
-  const psflow::InputSpec& in = loaded->spec.input();
-  const std::string dataset = absl::GetFlag(FLAGS_dataset);
-  if (dataset != "idx" && dataset != "synthetic") return Fail("--dataset must be idx or synthetic");
+  const psflow::data::DataSource source{absl::GetFlag(FLAGS_dataset), absl::GetFlag(FLAGS_data_dir),
+                                        absl::GetFlag(FLAGS_synthetic_examples)};
   absl::StatusOr<psflow::data::Dataset> test =
-      dataset == "synthetic"
-          ? psflow::data::MakeSynthetic({in.channels(), in.height(), in.width(), loaded->spec.num_classes()},
-                                        absl::GetFlag(FLAGS_synthetic_examples), psflow::data::Split::kTest)
-          : psflow::data::LoadMnist(absl::GetFlag(FLAGS_data_dir), psflow::data::Split::kTest);
+      psflow::data::LoadDataset(source, psflow::data::ModelInputOf(loaded->spec), psflow::data::Split::kTest);
   if (!test.ok()) return Fail(std::string(test.status().message()));
-  if (test->channels != in.channels() || test->height != in.height() || test->width != in.width()) {
-    return Fail("the test data does not have the model's input shape");
-  }
   absl::StatusOr<std::unique_ptr<psflow::kernels::Backend>> backend =
       psflow::kernels::CreateBackend(absl::GetFlag(FLAGS_device));
   if (!backend.ok()) return Fail(std::string(backend.status().message()));

@@ -1,0 +1,112 @@
+#include "model/graph.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/tensor_chunks.h"
+
+namespace psflow::model {
+namespace {
+
+constexpr int64_t kMaxParameters = int64_t{1} << 30;
+
+}  // namespace
+
+absl::StatusOr<WiredLayers> WireLayers(const ModelSpec& spec) {
+  WiredLayers out;
+  absl::flat_hash_map<std::string, int> index;
+  for (int i = 0; i < spec.layer_size(); ++i) {
+    const LayerSpec& layer = spec.layer(i);
+    if (layer.name().empty() || layer.name().find('/') != std::string::npos) {
+      return absl::InvalidArgumentError("every layer needs a name without '/'");
+    }
+    if (index.contains(layer.name())) return LayerError(layer, "name used twice");
+    absl::StatusOr<std::unique_ptr<const Layer>> created = CreateLayer(layer);
+    if (!created.ok()) return created.status();
+    LayerWiring w;
+    w.input = i - 1;
+    if (!layer.input().empty()) {
+      auto it = index.find(layer.input());
+      if (it == index.end()) {
+        return LayerError(layer, absl::StrCat("input '", layer.input(), "' is not an earlier layer"));
+      }
+      w.input = it->second;
+    }
+    if (const std::string* other = (*created)->other_input(); other != nullptr) {
+      auto it = index.find(*other);
+      if (it == index.end()) {
+        return LayerError(layer,
+                          absl::StrCat((*created)->other_field(), " '", *other, "' is not an earlier layer"));
+      }
+      w.other = it->second;
+    }
+    index[layer.name()] = i;
+    out.layers.push_back(*std::move(created));
+    out.wiring.push_back(w);
+  }
+  // Every output but the last feeds some layer: a dangling branch is a typo.
+  std::vector<bool> read(out.wiring.size(), false);
+  for (const LayerWiring& w : out.wiring) {
+    if (w.input >= 0) read[w.input] = true;
+    if (w.other >= 0) read[w.other] = true;
+  }
+  for (size_t i = 0; i + 1 < read.size(); ++i) {
+    if (!read[i]) return LayerError(spec.layer(static_cast<int>(i)), "its output is never read");
+  }
+  return out;
+}
+
+absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
+  const InputSpec& in = spec.input();
+  if (in.channels() <= 0 || in.height() <= 0 || in.width() <= 0) {
+    return absl::InvalidArgumentError("input needs positive channels, height and width");
+  }
+  auto too_big = [](int64_t v) { return v > kMaxSpecDim; };
+  if (too_big(in.channels()) || too_big(in.height()) || too_big(in.width()) || too_big(spec.num_classes())) {
+    return absl::InvalidArgumentError(absl::StrCat("input sizes and num_classes must be at most ", kMaxSpecDim));
+  }
+  if (spec.num_classes() < 2) return absl::InvalidArgumentError("num_classes must be at least 2");
+  if (!(in.stddev() >= 0) || !std::isfinite(in.mean()) || !std::isfinite(in.stddev())) {
+    return absl::InvalidArgumentError("input stddev must be finite and not negative");
+  }
+  if (spec.layer_size() == 0) return absl::InvalidArgumentError("the model has no layers");
+  absl::StatusOr<WiredLayers> wired = WireLayers(spec);
+  if (!wired.ok()) return wired.status();
+  ModelGraph g;
+  g.input = {in.channels(), in.height(), in.width()};
+  g.layers = std::move(wired->layers);
+  g.wiring = std::move(wired->wiring);
+  g.layer_vars.resize(g.layers.size());
+  int64_t params = 0;
+  for (int i = 0; i < spec.layer_size(); ++i) {
+    const LayerSpec& layer = spec.layer(i);
+    const Layer& kind = *g.layers[i];
+    const ActivationShape cur = g.input_of(i);
+    if (cur.size() > kMaxParameters) {
+      return LayerError(layer, absl::StrCat("its input has more than ", kMaxParameters, " values"));
+    }
+    const int other = g.wiring[i].other;
+    absl::StatusOr<ActivationShape> out = kind.OutputShape(cur, other >= 0 ? &g.shapes[other] : nullptr);
+    if (!out.ok()) return LayerError(layer, out.status().message());
+    for (LayerVariable& v : kind.Variables(cur)) {
+      LayerVariables& owned = g.layer_vars[i];
+      (owned.first < 0 ? owned.first : owned.second) = static_cast<int>(g.variables.size());
+      params += NumElements(v.shape);
+      g.variables.push_back({{absl::StrCat(layer.name(), "/", v.suffix), std::move(v.shape)}, v.init, v.fan_in, i});
+    }
+    if (params > kMaxParameters) {
+      return LayerError(layer, absl::StrCat("the model exceeds ", kMaxParameters, " parameters"));
+    }
+    g.shapes.push_back(*out);
+  }
+  const LayerSpec& last = spec.layer(spec.layer_size() - 1);
+  if (!last.has_dense() || last.dense().units() != spec.num_classes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the last layer must be dense with num_classes (", spec.num_classes(), ") units"));
+  }
+  return g;
+}
+
+}  // namespace psflow::model

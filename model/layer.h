@@ -1,0 +1,129 @@
+// Layer kinds. Each kind of LayerSpec is one class (in model/layers.cc) that
+// knows everything about it: its parameters with their defaults resolved,
+// which earlier outputs it reads, its output shape, its variables, and how it
+// runs forward and backward on a kernels backend. Adding a kind means adding
+// a LayerSpec field, its class and one row of the table in layers.cc.
+//
+// The spec side (shapes, variables) needs no backend, so psflow_model_spec
+// (which the chief links) compiles this against the kernels interface only
+// (kernels/kernels.h); running a layer needs a backend from psflow_kernels.
+//
+// Layers are immutable after CreateLayer: thread-safe. LayerOps are not.
+#ifndef PSFLOW_MODEL_LAYER_H_
+#define PSFLOW_MODEL_LAYER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kernels.h"
+#include "model/spec.h"
+#include "proto/model.pb.h"
+
+namespace psflow::model {
+
+// Every size a spec names is at most this, so products of sizes fit in int64
+// and a typo cannot ask the ps for terabytes.
+inline constexpr int64_t kMaxSpecDim = 1 << 16;
+
+// One variable of a layer, named "<layer>/<suffix>".
+struct LayerVariable {
+  enum class Init {
+    kFanIn,  // uniform in (-1/sqrt(fan_in), 1/sqrt(fan_in))
+    kOnes,
+    kZeros,
+  };
+  std::string suffix;  // "weights", "bias", "gamma", "beta"
+  std::vector<int64_t> shape;
+  Init init = Init::kFanIn;
+  int64_t fan_in = 1;  // inputs of one output unit (kFanIn only)
+};
+
+// Backend memory a layer reads and writes in one pass over a batch. The
+// layer's first and second variables (weights and bias, gamma and beta) are
+// w and b; null where the layer has none.
+struct ForwardArgs {
+  const float* x = nullptr;      // the input activation
+  const float* other = nullptr;  // the second operand (layers with other_input())
+  float* y = nullptr;            // the output activation
+  const float* w = nullptr;
+  const float* b = nullptr;
+};
+
+struct BackwardArgs {
+  const float* x = nullptr;  // the forward input
+  const float* w = nullptr;
+  const float* dy = nullptr;  // the gradient of the output
+  // Overwritten with the gradient of the input; null when no one needs it
+  // (the input is the model input). Variable gradients are written anyway.
+  float* dx = nullptr;
+  float* dw = nullptr;
+  float* db = nullptr;
+  // At least as large as the layer's input, free for the layer's use.
+  float* scratch = nullptr;
+};
+
+// A layer's kernels for one batch size, created once and run many times.
+// Calls follow the kernels' contract: Backward after Forward on the same
+// input.
+class LayerOps {
+ public:
+  virtual ~LayerOps() = default;
+  virtual absl::Status Forward(const ForwardArgs& args) = 0;
+  virtual absl::Status Backward(const BackwardArgs& args) = 0;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+
+  const std::string& name() const { return name_; }
+
+  // The earlier layer whose output is the second operand (add.other), or
+  // null; `other_field` names the spec field that says so, for messages.
+  virtual const std::string* other_input() const { return nullptr; }
+  virtual const char* other_field() const { return ""; }
+
+  // Checks the parameters against the input shape (and the second operand's
+  // where other_input() is set; `other` is null otherwise) and returns the
+  // output shape. Errors are INVALID_ARGUMENT without the layer's name (the
+  // caller adds it).
+  virtual absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                                      const ActivationShape* other) const = 0;
+
+  // The layer's variables for an input shape OutputShape accepted: none, or
+  // two (weights and bias, gamma and beta) of which the second may be absent
+  // (a convolution without bias), in this order.
+  virtual std::vector<LayerVariable> Variables(const ActivationShape& in) const { return {}; }
+
+  // True when the gradient of each input is the output's gradient unchanged
+  // (add): the network routes it to the inputs itself and never calls
+  // Backward with a dx.
+  virtual bool passes_gradient() const { return false; }
+
+  // The kernels for batches of `batch` examples of input shape `in`.
+  virtual absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                              const ActivationShape& in) const = 0;
+
+ protected:
+  explicit Layer(std::string name) : name_(std::move(name)) {}
+
+ private:
+  std::string name_;
+};
+
+// The layer a spec describes, with defaults resolved (conv stride 1, pool
+// stride = size, batch-norm epsilon 1e-5). INVALID_ARGUMENT "layer '<name>':
+// ..." for a layer without a kind and for parameters that are out of range
+// whatever the input (sizes above kMaxSpecDim, non-positive filters, ...).
+absl::StatusOr<std::unique_ptr<const Layer>> CreateLayer(const LayerSpec& spec);
+
+// INVALID_ARGUMENT "layer '<name>': <what>".
+absl::Status LayerError(const LayerSpec& layer, absl::string_view what);
+
+}  // namespace psflow::model
+
+#endif  // PSFLOW_MODEL_LAYER_H_

@@ -1,0 +1,334 @@
+// The layer kinds, one class each, and the table that registers them.
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <iterator>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "model/layer.h"
+
+namespace psflow::model {
+namespace {
+
+// Sizes a spec names stay within kMaxSpecDim; negative ones are left to each
+// kind's own check, which names the parameter.
+absl::Status CheckSizes(std::initializer_list<int64_t> sizes) {
+  if (std::max(sizes) > kMaxSpecDim) {
+    return absl::InvalidArgumentError(absl::StrCat("sizes must be at most ", kMaxSpecDim));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Op>
+using ForwardFn = absl::Status (*)(Op&, const ForwardArgs&);
+template <typename Op>
+using BackwardFn = absl::Status (*)(Op&, const BackwardArgs&);
+
+// A kernel op with the layer's forward and backward calls on it.
+template <typename Op>
+class BoundOps final : public LayerOps {
+ public:
+  BoundOps(std::unique_ptr<Op> op, ForwardFn<Op> forward, BackwardFn<Op> backward)
+      : op_(std::move(op)), forward_(forward), backward_(backward) {}
+  absl::Status Forward(const ForwardArgs& args) override { return forward_(*op_, args); }
+  absl::Status Backward(const BackwardArgs& args) override { return backward_(*op_, args); }
+
+ private:
+  std::unique_ptr<Op> op_;
+  ForwardFn<Op> forward_;
+  BackwardFn<Op> backward_;
+};
+
+template <typename Op>
+absl::StatusOr<std::unique_ptr<LayerOps>> Bind(absl::StatusOr<std::unique_ptr<Op>> op,
+                                               std::type_identity_t<ForwardFn<Op>> forward,
+                                               std::type_identity_t<BackwardFn<Op>> backward) {
+  if (!op.ok()) return op.status();
+  return std::make_unique<BoundOps<Op>>(*std::move(op), forward, backward);
+}
+
+class Conv2DKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    const Conv2DLayer& c = spec.conv2d();
+    if (absl::Status s = CheckSizes({c.filters(), c.kernel(), c.stride(), c.padding()}); !s.ok()) return s;
+    const int stride = c.stride() == 0 ? 1 : c.stride();
+    if (c.filters() <= 0 || c.kernel() <= 0 || stride <= 0 || c.padding() < 0) {
+      return absl::InvalidArgumentError("conv2d needs positive filters, kernel and stride");
+    }
+    return std::unique_ptr<const Layer>(new Conv2DKind(spec.name(), c, stride));
+  }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+    if (in.height + 2 * padding_ < kernel_ || in.width + 2 * padding_ < kernel_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kernel ", kernel_, " larger than its ", in.height, "x", in.width, " input"));
+    }
+    const kernels::Conv2DShape shape = Shape(1, in);
+    return ActivationShape{filters_, shape.out_height(), shape.out_width()};
+  }
+
+  std::vector<LayerVariable> Variables(const ActivationShape& in) const override {
+    const int64_t k = kernel_, fan_in = in.channels * k * k;
+    std::vector<LayerVariable> vars{{"weights", {filters_, in.channels, k, k}, LayerVariable::Init::kFanIn, fan_in}};
+    if (bias_) vars.push_back({"bias", {filters_}, LayerVariable::Init::kFanIn, fan_in});
+    return vars;
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind(
+        backend->CreateConv2D(Shape(batch, in)),
+        [](kernels::Conv2D& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
+        [](kernels::Conv2D& op, const BackwardArgs& a) { return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db); });
+  }
+
+ private:
+  Conv2DKind(const std::string& name, const Conv2DLayer& c, int stride)
+      : Layer(name), filters_(c.filters()), kernel_(c.kernel()), stride_(stride), padding_(c.padding()),
+        bias_(!c.no_bias()) {}
+
+  kernels::Conv2DShape Shape(int batch, const ActivationShape& in) const {
+    return {batch, in.channels, in.height, in.width, filters_, kernel_, kernel_, stride_, padding_};
+  }
+
+  int filters_, kernel_, stride_, padding_;
+  bool bias_;
+};
+
+class MaxPoolKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    const MaxPoolLayer& p = spec.max_pool();
+    if (absl::Status s = CheckSizes({p.size(), p.stride()}); !s.ok()) return s;
+    const int stride = p.stride() == 0 ? p.size() : p.stride();
+    if (p.size() <= 0 || stride <= 0) return absl::InvalidArgumentError("max_pool needs a positive size");
+    return std::unique_ptr<const Layer>(new MaxPoolKind(spec.name(), p.size(), stride));
+  }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+    if (in.height < size_ || in.width < size_) {
+      return absl::InvalidArgumentError("pool window larger than its input");
+    }
+    const kernels::Pool2DShape shape = Shape(1, in);
+    return ActivationShape{in.channels, shape.out_height(), shape.out_width()};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind(
+        backend->CreateMaxPool2D(Shape(batch, in)),
+        [](kernels::MaxPool2D& op, const ForwardArgs& a) { return op.Forward(a.x, a.y); },
+        [](kernels::MaxPool2D& op, const BackwardArgs& a) {
+          return a.dx == nullptr ? absl::OkStatus() : op.Backward(a.dy, a.dx);
+        });
+  }
+
+ private:
+  MaxPoolKind(const std::string& name, int size, int stride) : Layer(name), size_(size), stride_(stride) {}
+
+  kernels::Pool2DShape Shape(int batch, const ActivationShape& in) const {
+    return {batch, in.channels, in.height, in.width, size_, stride_};
+  }
+
+  int size_, stride_;
+};
+
+class ReluKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    return std::unique_ptr<const Layer>(new ReluKind(spec.name()));
+  }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+    return in;
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind(
+        backend->CreateRelu(batch * in.size()),
+        [](kernels::Relu& op, const ForwardArgs& a) { return op.Forward(a.x, a.y); },
+        [](kernels::Relu& op, const BackwardArgs& a) {
+          return a.dx == nullptr ? absl::OkStatus() : op.Backward(a.x, a.dy, a.dx);
+        });
+  }
+
+ private:
+  using Layer::Layer;
+};
+
+class DenseKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    if (absl::Status s = CheckSizes({spec.dense().units()}); !s.ok()) return s;
+    if (spec.dense().units() <= 0) return absl::InvalidArgumentError("dense needs positive units");
+    return std::unique_ptr<const Layer>(new DenseKind(spec.name(), spec.dense().units()));
+  }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape&, const ActivationShape*) const override {
+    return ActivationShape{units_, 1, 1};
+  }
+
+  std::vector<LayerVariable> Variables(const ActivationShape& in) const override {
+    return {{"weights", {units_, in.size()}, LayerVariable::Init::kFanIn, in.size()},
+            {"bias", {units_}, LayerVariable::Init::kFanIn, in.size()}};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind(
+        backend->CreateDense({batch, static_cast<int>(in.size()), units_}),
+        [](kernels::Dense& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
+        [](kernels::Dense& op, const BackwardArgs& a) { return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db); });
+  }
+
+ private:
+  DenseKind(const std::string& name, int units) : Layer(name), units_(units) {}
+
+  int units_;
+};
+
+class BatchNormKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    const float epsilon = spec.batch_norm().epsilon();
+    if (!(epsilon >= 0) || !std::isfinite(epsilon)) {
+      return absl::InvalidArgumentError("batch_norm epsilon must be finite and not negative");
+    }
+    // 0 (unset) takes the kernels' default.
+    return std::unique_ptr<const Layer>(
+        new BatchNormKind(spec.name(), epsilon > 0 ? epsilon : kernels::BatchNormShape{}.epsilon));
+  }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+    return in;
+  }
+
+  std::vector<LayerVariable> Variables(const ActivationShape& in) const override {
+    return {{"gamma", {in.channels}, LayerVariable::Init::kOnes, 1},
+            {"beta", {in.channels}, LayerVariable::Init::kZeros, 1}};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind(
+        backend->CreateBatchNorm({batch, in.channels, in.height, in.width, epsilon_}),
+        [](kernels::BatchNorm& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
+        [](kernels::BatchNorm& op, const BackwardArgs& a) {
+          // Batch norm always writes an input gradient: scratch takes an unneeded one.
+          return op.Backward(a.x, a.w, a.dy, a.dx != nullptr ? a.dx : a.scratch, a.dw, a.db);
+        });
+  }
+
+ private:
+  BatchNormKind(const std::string& name, float epsilon) : Layer(name), epsilon_(epsilon) {}
+
+  float epsilon_;
+};
+
+class AddKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    return std::unique_ptr<const Layer>(new AddKind(spec.name(), spec.add().other()));
+  }
+
+  const std::string* other_input() const override { return &other_; }
+  const char* other_field() const override { return "add.other"; }
+  bool passes_gradient() const override { return true; }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape* other) const override {
+    if (other->channels != in.channels || other->height != in.height || other->width != in.width) {
+      return absl::InvalidArgumentError(absl::StrCat("adds ", other->channels, "x", other->height, "x",
+                                                     other->width, " from '", other_, "' to its ", in.channels,
+                                                     "x", in.height, "x", in.width, " input"));
+    }
+    return in;
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind<Sum>(
+        std::make_unique<Sum>(Sum{backend, batch * in.size()}),
+        [](Sum& sum, const ForwardArgs& a) { return sum.backend->Add(a.x, a.other, a.y, sum.floats); },
+        // Nothing to compute: the network routes dy to both operands.
+        [](Sum&, const BackwardArgs&) { return absl::OkStatus(); });
+  }
+
+ private:
+  struct Sum {
+    kernels::Backend* backend;
+    int64_t floats;
+  };
+
+  AddKind(const std::string& name, std::string other) : Layer(name), other_(std::move(other)) {}
+
+  std::string other_;
+};
+
+class GlobalAvgPoolKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    return std::unique_ptr<const Layer>(new GlobalAvgPoolKind(spec.name()));
+  }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+    return ActivationShape{in.channels, 1, 1};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in) const override {
+    return Bind(
+        backend->CreateGlobalAvgPool({batch, in.channels, in.height, in.width}),
+        [](kernels::GlobalAvgPool& op, const ForwardArgs& a) { return op.Forward(a.x, a.y); },
+        [](kernels::GlobalAvgPool& op, const BackwardArgs& a) {
+          return a.dx == nullptr ? absl::OkStatus() : op.Backward(a.dy, a.dx);
+        });
+  }
+
+ private:
+  using Layer::Layer;
+};
+
+// The registry: every layer kind, in the order messages list them.
+struct KindEntry {
+  LayerSpec::KindCase kind;
+  const char* field;
+  absl::StatusOr<std::unique_ptr<const Layer>> (*create)(const LayerSpec&);
+};
+constexpr KindEntry kKinds[] = {
+    {LayerSpec::kConv2D, "conv2d", &Conv2DKind::Create},
+    {LayerSpec::kMaxPool, "max_pool", &MaxPoolKind::Create},
+    {LayerSpec::kRelu, "relu", &ReluKind::Create},
+    {LayerSpec::kDense, "dense", &DenseKind::Create},
+    {LayerSpec::kBatchNorm, "batch_norm", &BatchNormKind::Create},
+    {LayerSpec::kAdd, "add", &AddKind::Create},
+    {LayerSpec::kGlobalAvgPool, "global_avg_pool", &GlobalAvgPoolKind::Create},
+};
+
+// "conv2d, max_pool, ... or global_avg_pool".
+std::string KindList() {
+  std::string list;
+  constexpr size_t n = std::size(kKinds);
+  for (size_t i = 0; i < n; ++i) absl::StrAppend(&list, i == 0 ? "" : i + 1 == n ? " or " : ", ", kKinds[i].field);
+  return list;
+}
+
+}  // namespace
+
+absl::Status LayerError(const LayerSpec& layer, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("layer '", layer.name(), "': ", what));
+}
+
+absl::StatusOr<std::unique_ptr<const Layer>> CreateLayer(const LayerSpec& spec) {
+  for (const KindEntry& kind : kKinds) {
+    if (kind.kind != spec.kind_case()) continue;
+    absl::StatusOr<std::unique_ptr<const Layer>> layer = kind.create(spec);
+    if (!layer.ok()) return LayerError(spec, layer.status().message());
+    return layer;
+  }
+  return LayerError(spec, absl::StrCat("no layer kind given (", KindList(), ")"));
+}
+
+}  // namespace psflow::model
