@@ -10,6 +10,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "data/mnist.h"
+#include "data/source.h"
 #include "data/synthetic.h"
 #include "model/spec.h"
 #include "ps/optimizer.h"
@@ -127,15 +128,9 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   } else if (o.dataset == "idx") {
     stats = ReadTrainingDataStats(o.data_dir);
     if (!stats.ok()) return stats.status();
-    if (in.channels() != 1 || in.height() != stats->height || in.width() != stats->width) {
-      return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " takes ", in.channels(), "x",
-                                                     in.height(), "x", in.width(), " inputs, the images in ",
-                                                     o.data_dir, " are 1x", stats->height, "x", stats->width));
-    }
-    if (spec->num_classes() != 10) {
-      return absl::InvalidArgumentError(absl::StrCat("model ", spec->name(), " has ", spec->num_classes(),
-                                                     " classes; MNIST-format data has 10"));
-    }
+    const data::DataSource source{o.dataset, o.data_dir, o.synthetic_examples};
+    PSFLOW_RETURN_IF_ERROR(data::CheckFitsModel({1, static_cast<int>(stats->height), static_cast<int>(stats->width), 10},
+                                                data::DescribeSource(source), data::ModelInputOf(*spec)));
   } else {
     return absl::InvalidArgumentError(absl::StrCat("--dataset '", o.dataset, "' is not one of idx, synthetic"));
   }

@@ -342,7 +342,7 @@ TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
 
   WriteData(kCount, 6, false);
   options_.job.dataset = "idx";
-  ExpectInvalid(BuildJobConfig(options_), "MNIST-format data has 10");
+  ExpectInvalid(BuildJobConfig(options_), "with 5 classes, but the images in");
 }
 
 TEST_F(JobConfigTest, RejectsBadDatasets) {
