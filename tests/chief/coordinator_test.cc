@@ -1,0 +1,403 @@
+// The coordinator's logic against an in-memory ps cluster (tests/fakes):
+// supervision, recovery, adoption, checkpoints and stopping, each without a
+// process and in well under a second. The test plays the workers: it
+// registers, pushes (zero) gradients straight to the fake ps and reports.
+#include "chief/coordinator.h"
+
+#include <signal.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/exit_codes.h"
+#include "common/placement.h"
+#include "common/tensor_chunks.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/saved_model.h"
+#include "model/spec.h"
+#include "tests/fakes/fake_ps.h"
+
+namespace psflow::chief {
+namespace {
+
+namespace fs = std::filesystem;
+using fakes::FakePs;
+using ::testing::ElementsAre;
+
+constexpr int kBatch = 32;
+
+Timeouts ShortTimeouts() {
+  Timeouts t;
+  t.startup = absl::Seconds(5);
+  t.worker = absl::Milliseconds(150);
+  t.supervise_every = absl::Milliseconds(10);
+  t.register_wait = absl::Seconds(2);
+  t.report_hold = absl::Milliseconds(50);
+  t.state_call = absl::Seconds(1);
+  t.control_call = absl::Seconds(1);
+  t.snapshot_call = absl::Seconds(2);
+  t.final_pull = absl::Seconds(2);
+  t.release_wait = absl::Milliseconds(300);
+  t.adopt_retry = absl::Milliseconds(5);
+  return t;
+}
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "psflow_coordinator_XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    if (run_.joinable()) {
+      coordinator_->Stop(SIGTERM);
+      run_.join();
+    }
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  // An mlp on synthetic data: `steps` steps of kBatch per worker.
+  void MakeJob(int workers, int num_ps, int64_t steps) {
+    JobOptions o;
+    o.model = "mlp";
+    o.dataset = "synthetic";
+    o.synthetic_examples = 512;
+    o.batch_size = kBatch;
+    o.train_steps = steps;
+    absl::StatusOr<JobConfig> job = BuildJobConfig(o, workers, num_ps);
+    ASSERT_TRUE(job.ok()) << job.status();
+    job_ = *job;
+    ps_ = std::make_unique<FakePs>(num_ps);
+    pool_ = std::make_unique<ThreadPool>(num_ps);
+  }
+
+  CoordinatorOptions Options() {
+    CoordinatorOptions o;
+    o.model_dir = dir_ + "/model";
+    o.log_every_steps = 1000;
+    o.checkpoint_every = absl::ZeroDuration();
+    o.timeouts = ShortTimeouts();
+    for (int p = 0; p < job_.num_ps(); ++p) o.ps_addresses.push_back(absl::StrCat("ps-", p, ":2222"));
+    return o;
+  }
+
+  // Starts Run on a thread of its own.
+  void Start(CoordinatorOptions options) {
+    coordinator_ = std::make_unique<Coordinator>(std::move(options), job_, ps_.get(), pool_.get());
+    run_ = std::thread([this] {
+      result_ = coordinator_->Run();
+      returned_.Notify();
+    });
+  }
+  absl::Status Join(absl::Duration timeout = absl::Seconds(5)) {
+    if (!returned_.WaitForNotificationWithTimeout(timeout)) return absl::DeadlineExceededError("Run did not return");
+    run_.join();
+    return result_;
+  }
+
+  RegisterWorkerResponse Register(int w) {
+    absl::StatusOr<RegisterWorkerResponse> r = coordinator_->RegisterWorker(w, absl::Now() + absl::Seconds(3));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : RegisterWorkerResponse();
+  }
+
+  // Worker w's (zero) gradients of `step` to every ps, as a worker pushes them.
+  absl::Status Push(uint64_t job_id, int w, int64_t step) {
+    std::vector<std::vector<float>> zeros;
+    std::vector<const float*> buffers;
+    for (const VariablePlacement& v : job_.placement().variable()) {
+      zeros.emplace_back(NumElements(std::vector<int64_t>(v.shape().begin(), v.shape().end())));
+    }
+    for (const auto& z : zeros) buffers.push_back(z.data());
+    for (int p = 0; p < job_.num_ps(); ++p) {
+      PushHeader h;
+      h.set_job_id(job_id);
+      h.set_worker(w);
+      h.set_step(step);
+      absl::StatusOr<PushResponse> r =
+          ps_->Push(p, h, SliceRefs(job_.placement(), p, buffers), absl::Now() + absl::Seconds(1));
+      if (!r.ok()) return r.status();
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<ReportResponse> Report(uint64_t job_id, int w, int64_t step, bool finished = false) {
+    ReportRequest r;
+    r.set_job_id(job_id);
+    r.set_worker(w);
+    r.set_finished(finished);
+    if (step >= 0) {
+      StepMetrics* m = r.add_metrics();
+      m->set_step(step);
+      m->set_loss(1.0);
+      m->set_examples(kBatch);
+    }
+    return coordinator_->Report(r, absl::Now() + absl::Seconds(1));
+  }
+
+  // Every worker in `workers` trains steps [from, to) and reports them.
+  void Train(uint64_t job_id, const std::vector<int>& workers, int64_t from, int64_t to) {
+    for (int64_t s = from; s < to; ++s) {
+      for (int w : workers) {
+        ASSERT_TRUE(Push(job_id, w, s).ok());
+        ASSERT_TRUE(Report(job_id, w, s).ok());
+      }
+    }
+  }
+
+  // Reports every worker finished until Run returns; the answers' actions.
+  std::vector<ReportResponse::Action> FinishAll(uint64_t job_id, const std::vector<int>& workers) {
+    std::vector<ReportResponse::Action> actions;
+    for (int w : workers) {
+      absl::StatusOr<ReportResponse> r = Report(job_id, w, -1, /*finished=*/true);
+      EXPECT_TRUE(r.ok()) << r.status();
+      actions.push_back(r.ok() ? r->action() : ReportResponse::CONTINUE);
+    }
+    // A finished report is held until the end; ask again until it comes.
+    for (int i = 0; i < 40 && !returned_.HasBeenNotified(); ++i) {
+      for (size_t k = 0; k < workers.size(); ++k) {
+        if (actions[k] != ReportResponse::CONTINUE) continue;
+        absl::StatusOr<ReportResponse> r = Report(job_id, workers[k], -1, true);
+        if (r.ok()) actions[k] = r->action();
+      }
+    }
+    return actions;
+  }
+
+  PsState State(int p) {
+    absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + absl::Seconds(1));
+    EXPECT_TRUE(st.ok()) << st.status();
+    return st.ok() ? *st : PsState();
+  }
+
+  // Waits (briefly) for `pred`.
+  template <typename Pred>
+  bool Eventually(Pred pred, absl::Duration timeout = absl::Seconds(2)) {
+    const absl::Time end = absl::Now() + timeout;
+    while (absl::Now() < end) {
+      if (pred()) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return pred();
+  }
+
+  std::string dir_;
+  JobConfig job_;
+  std::unique_ptr<FakePs> ps_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::thread run_;
+  absl::Notification returned_;
+  absl::Status result_;
+};
+
+TEST_F(CoordinatorTest, TrainsToTheEndWritesTheSavedModelAndReleasesEveryone) {
+  MakeJob(2, 2, 4);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  EXPECT_EQ(Register(1).job_id(), id);
+  Train(id, {0, 1}, 0, 4);
+  EXPECT_THAT(FinishAll(id, {0, 1}), ElementsAre(ReportResponse::EXIT, ReportResponse::EXIT));
+  ASSERT_TRUE(Join().ok()) << result_;
+  absl::StatusOr<model::LoadedModel> saved = model::ReadSavedModel(dir_ + "/model/saved_model");
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->global_step, 4);
+  EXPECT_TRUE(ps_->shut_down(0));
+  EXPECT_TRUE(ps_->shut_down(1));
+}
+
+TEST_F(CoordinatorTest, WorkerThatStopsReportingIsDroppedAndTheStepsGoOn) {
+  MakeJob(2, 2, 3);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  // Worker 1 never reports; worker 0 does, more often than the timeout.
+  ASSERT_TRUE(Eventually([&] {
+    EXPECT_TRUE(Report(id, 0, -1).ok());
+    return State(0).live_workers_size() == 1 && State(1).live_workers_size() == 1;
+  }));
+  EXPECT_THAT(State(0).live_workers(), ElementsAre(0));
+  // The steps now wait for worker 0 alone.
+  Train(id, {0}, 0, 3);
+  EXPECT_EQ(State(0).version(), 3);
+  EXPECT_THAT(FinishAll(id, {0}), ElementsAre(ReportResponse::EXIT));
+  EXPECT_TRUE(Join().ok()) << result_;
+}
+
+TEST_F(CoordinatorTest, PsThatComesBackEmptyIsReloadedFromTheNewestCheckpoint) {
+  MakeJob(1, 2, 10);
+  CoordinatorOptions o = Options();
+  o.checkpoint_every_steps = 2;
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 3);
+  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+  ps_->Restart(1);  // died and came back holding nothing
+  // Every ps is reloaded at the checkpoint's step under a new job id; the
+  // old id's reports are told to register again.
+  ASSERT_TRUE(Eventually([&] {
+    PsState a = State(0), b = State(1);
+    return b.holds_job() && a.job_id() == b.job_id() && a.job_id() != id;
+  }));
+  EXPECT_EQ(State(0).version(), 2);
+  EXPECT_EQ(State(1).version(), 2);
+  absl::StatusOr<ReportResponse> old = Report(id, 0, -1);
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->action(), ReportResponse::REGISTER);
+  RegisterWorkerResponse again = Register(0);
+  EXPECT_NE(again.job_id(), id);
+  Train(again.job_id(), {0}, 2, 10);
+  EXPECT_THAT(FinishAll(again.job_id(), {0}), ElementsAre(ReportResponse::EXIT));
+  EXPECT_TRUE(Join().ok()) << result_;
+}
+
+TEST_F(CoordinatorTest, RestartedChiefAdoptsTheRunningJob) {
+  MakeJob(1, 2, 6);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 3);
+  // The chief goes away (SIGTERM: a checkpoint, ps and workers left running).
+  coordinator_->Stop(SIGTERM);
+  absl::Status stopped = Join();
+  EXPECT_EQ(SignalOf(stopped), SIGTERM) << stopped;
+  EXPECT_EQ(ExitCodeFor(stopped), 128 + SIGTERM);
+  const int64_t inits = ps_->calls(0, FakePs::Method::kInit);
+  // The next chief takes the job over as it is: no Init, same id, same step.
+  returned_ = absl::Notification();
+  Start(Options());
+  RegisterWorkerResponse r = Register(0);
+  EXPECT_EQ(r.job_id(), id);
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kInit), inits);
+  Train(id, {0}, 3, 6);
+  EXPECT_THAT(FinishAll(id, {0}), ElementsAre(ReportResponse::EXIT));
+  EXPECT_TRUE(Join().ok()) << result_;
+}
+
+TEST_F(CoordinatorTest, CheckpointWhoseStepAPsPassedIsTakenAgain) {
+  MakeJob(1, 2, 4);
+  CoordinatorOptions o = Options();
+  o.checkpoint_every_steps = 2;
+  // The first snapshot asked of ps 1 finds it past the chosen step.
+  std::atomic<bool> injected{false};
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (p == 1 && m == FakePs::Method::kSnapshot && !injected.exchange(true)) {
+      ps_->FailNext(1, absl::StatusCode::kFailedPrecondition);
+    }
+  });
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+  EXPECT_TRUE(injected);
+  EXPECT_GE(ps_->calls(1, FakePs::Method::kSnapshot), 2);
+  Train(id, {0}, 2, 4);
+  FinishAll(id, {0});
+  EXPECT_TRUE(Join().ok()) << result_;
+}
+
+TEST_F(CoordinatorTest, CorruptNewestCheckpointIsSkippedForTheOneBefore) {
+  MakeJob(1, 1, 8);
+  CoordinatorOptions o = Options();
+  o.checkpoint_every_steps = 2;
+  Start(o);
+  uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+  Train(id, {0}, 2, 4);
+  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-4"); }));
+  coordinator_->Stop(SIGTERM);
+  ASSERT_EQ(SignalOf(Join()), SIGTERM);
+  // Flip a byte of the newest checkpoint's data; the ps lose their state.
+  const std::string newest = dir_ + "/model/checkpoints/ckpt-4/data";
+  ASSERT_TRUE(fs::exists(newest));
+  {
+    std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(17);
+    f.put('\x5a');
+  }
+  ps_->Restart(0);
+  returned_ = absl::Notification();
+  Start(o);
+  id = Register(0).job_id();
+  EXPECT_EQ(State(0).version(), 2);  // restored from ckpt-2
+  Train(id, {0}, 2, 8);
+  FinishAll(id, {0});
+  EXPECT_TRUE(Join().ok()) << result_;
+}
+
+TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {
+  MakeJob(1, 2, 100);
+  CoordinatorOptions o = Options();
+  o.checkpoint_every_steps = 1;
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (m == FakePs::Method::kSnapshot && p == 0) coordinator_->Stop(SIGTERM);
+  });
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 1);
+  absl::Status s = Join();
+  EXPECT_EQ(SignalOf(s), SIGTERM) << s;
+  // The checkpoint under way, or the one taken on the way out, is written.
+  EXPECT_TRUE(fs::exists(dir_ + "/model/checkpoints/checkpoint"));
+  EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model/" + std::string(model::kSavedModelFile)));
+  EXPECT_FALSE(ps_->shut_down(0));  // left running for the next chief
+}
+
+TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
+  MakeJob(2, 1, 10);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  ReportRequest r;
+  r.set_job_id(id);
+  r.set_worker(1);
+  StepMetrics* m = r.add_metrics();
+  m->set_step(0);
+  m->set_examples(kBatch);
+  m->set_loss(std::nan(""));
+  m->set_nonfinite(true);
+  absl::StatusOr<ReportResponse> answer = coordinator_->Report(r, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->action(), ReportResponse::FAIL);
+  absl::StatusOr<ReportResponse> other = Report(id, 0, -1);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->action(), ReportResponse::FAIL);
+  absl::Status s = Join();
+  EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
+  EXPECT_EQ(ExitCodeFor(s), 1);
+  EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model/" + std::string(model::kSavedModelFile)));
+  EXPECT_TRUE(ps_->shut_down(0));
+}
+
+TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
+  MakeJob(1, 1, 10);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  ReportRequest r;
+  r.set_job_id(id);
+  r.set_worker(0);
+  StepMetrics* m = r.add_metrics();
+  m->set_step(0);
+  m->set_examples(int64_t{1} << 62);
+  m->set_loss(0.5);
+  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->Report(r, absl::Now() + absl::Seconds(1)).status()));
+  r.set_worker(7);
+  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->Report(r, absl::Now() + absl::Seconds(1)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterWorker(3, absl::Now()).status()));
+}
+
+}  // namespace
+}  // namespace psflow::chief
