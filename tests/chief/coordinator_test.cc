@@ -134,18 +134,27 @@ class CoordinatorTest : public ::testing::Test {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<ReportResponse> Report(uint64_t job_id, int w, int64_t step, bool finished = false) {
+  // Worker w's report of `step` (none if negative) with this loss and count.
+  static ReportRequest MakeReport(uint64_t job_id, int w, int64_t step, double loss = 1.0,
+                                  int64_t examples = kBatch) {
     ReportRequest r;
     r.set_job_id(job_id);
     r.set_worker(w);
-    r.set_finished(finished);
     if (step >= 0) {
       StepMetrics* m = r.add_metrics();
       m->set_step(step);
-      m->set_loss(1.0);
-      m->set_examples(kBatch);
+      m->set_loss(loss);
+      m->set_examples(examples);
     }
+    return r;
+  }
+  absl::StatusOr<ReportResponse> Send(const ReportRequest& r) {
     return coordinator_->Report(r, absl::Now() + absl::Seconds(1));
+  }
+  absl::StatusOr<ReportResponse> Report(uint64_t job_id, int w, int64_t step, bool finished = false) {
+    ReportRequest r = MakeReport(job_id, w, step);
+    r.set_finished(finished);
+    return Send(r);
   }
 
   // Every worker in `workers` trains steps [from, to) and reports them.
@@ -361,15 +370,9 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   Start(Options());
   const uint64_t id = Register(0).job_id();
   Register(1);
-  ReportRequest r;
-  r.set_job_id(id);
-  r.set_worker(1);
-  StepMetrics* m = r.add_metrics();
-  m->set_step(0);
-  m->set_examples(kBatch);
-  m->set_loss(std::nan(""));
-  m->set_nonfinite(true);
-  absl::StatusOr<ReportResponse> answer = coordinator_->Report(r, absl::Now() + absl::Seconds(1));
+  ReportRequest r = MakeReport(id, 1, 0, std::nan(""));
+  r.mutable_metrics(0)->set_nonfinite(true);
+  absl::StatusOr<ReportResponse> answer = Send(r);
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_EQ(answer->action(), ReportResponse::FAIL);
   absl::StatusOr<ReportResponse> other = Report(id, 0, -1);
@@ -386,16 +389,10 @@ TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
   MakeJob(1, 1, 10);
   Start(Options());
   const uint64_t id = Register(0).job_id();
-  ReportRequest r;
-  r.set_job_id(id);
-  r.set_worker(0);
-  StepMetrics* m = r.add_metrics();
-  m->set_step(0);
-  m->set_examples(int64_t{1} << 62);
-  m->set_loss(0.5);
-  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->Report(r, absl::Now() + absl::Seconds(1)).status()));
+  ReportRequest r = MakeReport(id, 0, 0, 0.5, int64_t{1} << 62);
+  EXPECT_TRUE(absl::IsInvalidArgument(Send(r).status()));
   r.set_worker(7);
-  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->Report(r, absl::Now() + absl::Seconds(1)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Send(r).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterWorker(3, absl::Now()).status()));
 }
 
