@@ -106,7 +106,6 @@ absl::Status Trainer::Register() {
         // Same cluster, another job config: start over as a fresh process.
         return absl::InternalError("the chief now runs another job configuration; restarting");
       }
-      job_id_ = response->job_id();
       job_ = response->job();
       start_step_ = response->start_step();
       std::unique_ptr<ps::Client> client;
@@ -115,6 +114,10 @@ absl::Status Trainer::Register() {
         if (client == nullptr) return absl::InternalError("no client for the ps");
       }
       absl::MutexLock lock(&mu_);
+      // Metrics not yet reported belong to a job that is gone: its steps
+      // are done again.
+      if (job_id_ != response->job_id()) pending_.clear();
+      job_id_ = response->job_id();
       if (first) {
         ps_ = std::move(client);
         if (stop_signal_ != 0) ps_->CancelAll();  // Stop came before there was a client to cancel
@@ -251,7 +254,6 @@ void Trainer::ReportLoop() {
   absl::Time last_ok = absl::Now();
   while (true) {
     ReportRequest request;
-    request.set_job_id(job_id_);
     request.set_worker(options_.worker_index);
     {
       absl::MutexLock lock(&mu_);
@@ -261,6 +263,8 @@ void Trainer::ReportLoop() {
         return finished_ || nonfinite_ || stop_signal_ != 0;
       };
       mu_.AwaitWithTimeout(absl::Condition(&wake), options_.report_every);
+      // The job the metrics belong to: a registration changes both under mu_.
+      request.set_job_id(job_id_);
       for (StepMetrics& m : pending_) *request.add_metrics() = std::move(m);
       pending_.clear();
       request.set_finished(finished_);

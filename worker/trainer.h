@@ -122,7 +122,8 @@ class Trainer {
   chief::Client* const chief_;
   const PsClientFactory make_ps_;
 
-  // Set at each registration by the training thread; read by the report loop.
+  // Set at each registration by the training thread, under mu_ (with
+  // pending_, so that reported metrics carry their job); read anywhere.
   std::atomic<uint64_t> job_id_{0};
 
   // The training thread's own state.
