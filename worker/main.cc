@@ -5,15 +5,22 @@
 #include <future>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "chief/client.h"
 #include "common/cluster_flags.h"
 #include "common/exit_codes.h"
+#include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/signals.h"
-#include "worker/worker.h"
+#include "ps/client.h"
+#include "worker/service.h"
+#include "worker/trainer.h"
 
 ABSL_FLAG(std::string, device, "cpu",
           "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
@@ -40,24 +47,40 @@ int main(int argc, char** argv) {
   }
   psflow::SetLogTag(absl::StrCat("worker", config.task_index));
 
-  psflow::worker::WorkerOptions options;
-  options.cluster = config;
+  psflow::worker::TrainerOptions options;
+  options.worker_index = config.task_index;
   options.device = absl::GetFlag(FLAGS_device);
+  options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
-  psflow::worker::Worker worker(options);
+  psflow::chief::GrpcClient chief(config.cluster.chief[0]);
+  psflow::worker::Trainer trainer(options, &chief, [](const std::vector<std::string>& addresses) {
+    return std::make_unique<psflow::ps::GrpcClient>(addresses);
+  });
+  // The worker listens on its own address too: the standard gRPC health
+  // service answers there, for readiness probes and peers' connectivity checks.
+  psflow::worker::StatusService service(&trainer);
+  grpc::EnableDefaultHealthCheckService(true);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(config.self_port, &service);
+  if (!server.ok()) {
+    PSLOG(ERROR) << server.status().message();
+    return psflow::kExitPermanent;
+  }
   std::promise<int> result;
   std::future<int> done = result.get_future();
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
     if (!terminated.HasBeenNotified()) terminated.Notify();
     PSLOG(INFO) << "signal " << sig << ": stopping after the call in flight";
-    worker.Stop(sig);
+    trainer.Stop(sig);
     // Calls in flight are cancelled; do not wait for more than a few seconds.
     if (done.wait_for(std::chrono::seconds(6)) != std::future_status::ready) {
       std::_Exit(psflow::ExitCodeForSignal(sig));
     }
   });
-  int code = worker.Run();
+  const absl::Status status = trainer.Run();
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (!status.ok() && !psflow::SignalOf(status).has_value()) PSLOG(ERROR) << status.message();
+  const int code = psflow::ExitCodeFor(status);
   result.set_value(code);
   return psflow::FinishOrIdle(code, terminated);
 }

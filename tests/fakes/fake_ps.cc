@@ -1,0 +1,414 @@
+#include "tests/fakes/fake_ps.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "ps/optimizer.h"
+
+namespace psflow::fakes {
+namespace {
+
+// How often a waiting pull looks at cancellation, SetDown and Restart.
+constexpr absl::Duration kPollEvery = absl::Milliseconds(2);
+
+// The most one ps accepts to hold, as the service (16 GiB of floats).
+constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
+
+absl::Status WithPs(int ps, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
+}
+
+std::string DisplayName(const std::string& name, const std::string& slot) {
+  return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' (", slot, ")");
+}
+
+// Copies each tensor of `from` into the sink of its name and slot. What a
+// ChunkAssembler would refuse is INVALID_ARGUMENT: a tensor no sink names, of
+// another shape, or sent twice, and a required sink left empty.
+absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink>& sinks) {
+  absl::flat_hash_map<std::pair<std::string, std::string>, size_t> index;
+  for (size_t i = 0; i < sinks.size(); ++i) index[{sinks[i].name, sinks[i].slot}] = i;
+  std::vector<bool> filled(sinks.size(), false);
+  for (const TensorRef& t : from) {
+    auto it = index.find(std::make_pair(t.name, t.slot));
+    if (it == index.end()) return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", DisplayName(t.name, t.slot)));
+    TensorSink& sink = sinks[it->second];
+    if (t.shape != sink.shape) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot), " has shape ",
+                                                     ShapeString(t.shape), ", expected ", ShapeString(sink.shape)));
+    }
+    if (filled[it->second]) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot), " sent twice"));
+    }
+    std::copy_n(t.data, NumElements(t.shape), sink.data);
+    filled[it->second] = true;
+  }
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    if (sinks[i].required && !filled[i]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", DisplayName(sinks[i].name, sinks[i].slot), " is incomplete"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The only places that know the shard's result types: a pull's and a
+// snapshot's tensors as refs into the result (alive while it is).
+struct Tensors {
+  int64_t version = 0;
+  absl::Duration waited;
+  std::vector<TensorRef> refs;
+};
+
+Tensors PulledTensors(const ps::Shard::Snapshot& pulled) {
+  Tensors t{pulled.version, pulled.waited, {}};
+  for (size_t i = 0; i < pulled.slices.size(); ++i) {
+    const SliceSpec& s = pulled.slices[i];
+    t.refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, pulled.values[i].data()});
+  }
+  return t;
+}
+
+Tensors SnapshotTensors(const ps::Shard::SnapshotData& snap) {
+  Tensors t{snap.version, absl::ZeroDuration(), {}};
+  for (size_t i = 0; i < snap.slices.size(); ++i) {
+    const SliceSpec& s = snap.slices[i];
+    std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
+    t.refs.push_back({s.name(), "", shape, snap.values[i].value.data()});
+    for (size_t k = 0; k < snap.slot_names.size(); ++k) {
+      t.refs.push_back({s.name(), snap.slot_names[k], shape, snap.values[i].slots[k].data()});
+    }
+  }
+  return t;
+}
+
+const std::vector<SliceSpec>& SliceList(const std::vector<SliceSpec>& slices) { return slices; }
+
+}  // namespace
+
+// A further client of the same cluster: only its cancellation is its own.
+class FakePs::Connection final : public ps::Client {
+ public:
+  explicit Connection(FakePs* fake) : fake_(fake) {}
+  int num_ps() const override { return fake_->num_ps(); }
+  absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+                    absl::Time deadline) override {
+    return fake_->DoInit(cancelled_, ps, header, tensors, deadline);
+  }
+  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version, std::vector<TensorSink> sinks,
+                                  absl::Time deadline, absl::Duration max_wait) override {
+    return fake_->DoPull(cancelled_, ps, job_id, min_version, sinks, deadline, max_wait);
+  }
+  absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+                                    absl::Time deadline) override {
+    return fake_->DoPush(cancelled_, ps, header, grads, deadline);
+  }
+  absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override {
+    return fake_->DoShutdown(cancelled_, ps, job_id, deadline);
+  }
+  absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override {
+    return fake_->DoGetState(cancelled_, ps, deadline);
+  }
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
+                              absl::Time deadline) override {
+    return fake_->DoSetLiveWorkers(cancelled_, ps, job_id, live, from_version, deadline);
+  }
+  absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                        absl::Time deadline) override {
+    return fake_->DoSnapshot(cancelled_, ps, job_id, version, sinks, deadline);
+  }
+  bool Reachable(int ps) const override { return fake_->Reachable(ps); }
+  void CancelAll() override { cancelled_ = true; }
+
+ private:
+  FakePs* const fake_;
+  std::atomic<bool> cancelled_{false};
+};
+
+FakePs::FakePs(int num_ps) : num_ps_(num_ps), ps_(num_ps) {
+  for (PsEntry& e : ps_) e.shard = std::make_shared<ps::Shard>();
+}
+
+FakePs::~FakePs() = default;
+
+std::unique_ptr<ps::Client> FakePs::NewClient() { return std::make_unique<Connection>(this); }
+
+absl::StatusOr<std::shared_ptr<ps::Shard>> FakePs::Enter(int ps, Method method, absl::Time deadline,
+                                                         const std::atomic<bool>& cancelled) {
+  if (ps < 0 || ps >= num_ps_) return absl::InvalidArgumentError(absl::StrCat("there is no ps ", ps));
+  std::shared_ptr<const std::function<void(int, Method)>> hook;
+  absl::Duration delay;
+  {
+    absl::MutexLock lock(&mu_);
+    ++ps_[ps].calls[static_cast<int>(method)];
+    hook = hook_;
+    delay = delay_;
+  }
+  if (hook != nullptr) (*hook)(ps, method);
+  if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
+  if (cancelled) return WithPs(ps, absl::CancelledError("call cancelled"));
+  if (absl::Now() >= deadline) return WithPs(ps, absl::DeadlineExceededError("deadline exceeded"));
+  absl::MutexLock lock(&mu_);
+  PsEntry& e = ps_[ps];
+  if (e.down) return WithPs(ps, absl::UnavailableError("ps is down"));
+  if (e.shut_down) return WithPs(ps, absl::UnavailableError("ps has shut down"));
+  if (e.fail_count > 0) {
+    --e.fail_count;
+    return WithPs(ps, absl::Status(e.fail_code, "injected failure"));
+  }
+  return e.shard;
+}
+
+bool FakePs::Down(int ps) const {
+  absl::MutexLock lock(&mu_);
+  return ps_[ps].down;
+}
+
+absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const InitHeader& header,
+                            const std::vector<TensorRef>& tensors, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kInit, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  if (header.ps_index() != ps) {
+    return WithPs(ps, absl::InvalidArgumentError(absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps)));
+  }
+  absl::StatusOr<std::unique_ptr<ps::Optimizer>> opt = ps::Optimizer::Create(header.job().optimizer());
+  if (!opt.ok()) return WithPs(ps, opt.status());
+  const std::vector<std::string> slot_names = (*opt)->SlotNames();
+  absl::flat_hash_set<std::string> names;
+  std::vector<ps::Shard::SliceValues> values(header.slice_size());
+  std::vector<TensorSink> sinks;
+  for (int i = 0; i < header.slice_size(); ++i) {
+    const SliceSpec& s = header.slice(i);
+    absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
+    if (!n.ok() || !names.insert(s.name()).second) {
+      return WithPs(ps, absl::InvalidArgumentError(
+                            absl::StrCat("slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message())));
+    }
+    const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
+    values[i].value.resize(*n);
+    values[i].slots.resize(slot_names.size());
+    for (size_t k = 0; k < slot_names.size(); ++k) values[i].slots[k].assign(*n, 0.0f);
+  }
+  // Sinks point into `values`, which no longer grows.
+  for (int i = 0; i < header.slice_size(); ++i) {
+    const SliceSpec& s = header.slice(i);
+    const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
+    sinks.push_back({s.name(), "", shape, values[i].value.data(), true});
+    for (size_t k = 0; k < slot_names.size(); ++k) {
+      sinks.push_back({s.name(), slot_names[k], shape, values[i].slots[k].data(), false});
+    }
+  }
+  absl::Status s = CopyInto(tensors, sinks);
+  if (s.ok()) s = (*shard)->Init(header, std::move(values));
+  return WithPs(ps, s);
+}
+
+absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& cancelled, int ps,
+                                                      uint64_t job_id, int64_t min_version,
+                                                      std::vector<TensorSink>& sinks, absl::Time deadline,
+                                                      absl::Duration max_wait) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPull, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  const absl::Time start = absl::Now();
+  const absl::Time wait_deadline = max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
+  auto stop = [&] { return cancelled.load() || Down(ps); };
+  bool first = true;
+  while (true) {
+    const absl::Time asked = absl::Now();
+    const absl::Time slice_end = std::min(wait_deadline, asked + kPollEvery);
+    auto pulled = (*shard)->Pull(job_id, min_version, slice_end, stop);
+    if (pulled.ok()) {
+      const Tensors t = PulledTensors(*pulled);
+      absl::Status s = CopyInto(t.refs, sinks);
+      if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
+      PullResult result;
+      result.version = t.version;
+      result.wait_us = absl::ToInt64Microseconds(asked - start + t.waited);
+      return result;
+    }
+    const absl::Status& s = pulled.status();
+    if (absl::IsDeadlineExceeded(s) && slice_end < wait_deadline && !stop()) {
+      first = false;
+      continue;  // not there yet: wait on
+    }
+    if (absl::IsDeadlineExceeded(s) && !stop() && wait_deadline < deadline) {
+      PullResult not_yet;  // the version only: the caller asks again
+      not_yet.version = (*shard)->stats().version;
+      return not_yet;
+    }
+    if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
+    if (cancelled) return WithPs(ps, absl::CancelledError("call cancelled"));
+    // The job check passed before: the job was replaced between two waits.
+    if (absl::IsFailedPrecondition(s) && !first) {
+      return WithPs(ps, absl::AbortedError("the job was replaced while waiting"));
+    }
+    return WithPs(ps, s);
+  }
+}
+
+absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, int ps, const PushHeader& header,
+                                            const std::vector<TensorRef>& grads, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPush, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  auto slices = (*shard)->Slices(header.job_id());
+  if (!slices.ok()) return WithPs(ps, slices.status());
+  const std::vector<SliceSpec>& specs = SliceList(*slices);
+  std::vector<std::vector<float>> values(specs.size());
+  std::vector<TensorSink> sinks;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    values[i].resize(NumElements(specs[i].shape()));
+    sinks.push_back({specs[i].name(), "", {specs[i].shape().begin(), specs[i].shape().end()}, values[i].data(), true});
+  }
+  absl::Status s = CopyInto(grads, sinks);
+  if (!s.ok()) return WithPs(ps, s);
+  absl::StatusOr<PushResponse::Outcome> outcome =
+      (*shard)->Push(header.job_id(), header.worker(), header.step(), std::move(values));
+  if (!outcome.ok()) return WithPs(ps, outcome.status());
+  PushResponse response;
+  response.set_outcome(*outcome);
+  response.set_version((*shard)->stats().version);
+  return response;
+}
+
+absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kShutdown, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  if (!(*shard)->Slices(job_id).ok()) {
+    return WithPs(ps, absl::FailedPreconditionError("shutdown names another job"));
+  }
+  (*shard)->Shutdown();
+  absl::MutexLock lock(&mu_);
+  if (ps_[ps].shard == *shard) ps_[ps].shut_down = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, int ps, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kGetState, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  ps::Shard::State st = (*shard)->state();
+  PsState state;
+  state.set_ps_index(ps);
+  state.set_holds_job(st.has_job);
+  state.set_job_id(st.job_id);
+  state.set_version(st.version);
+  *state.mutable_job() = std::move(st.job);
+  for (int w : st.live_workers) state.add_live_workers(w);
+  return state;
+}
+
+absl::Status FakePs::DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                                      const std::vector<int>& live, int64_t from_version, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kSetLiveWorkers, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  return WithPs(ps, (*shard)->SetLiveWorkers(job_id, live, from_version));
+}
+
+absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint64_t job_id, int64_t version,
+                                std::vector<TensorSink>& sinks, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kSnapshot, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  auto snap = (*shard)->SnapshotAt(job_id, version, deadline, [&] { return cancelled.load() || Down(ps); });
+  if (!snap.ok()) {
+    if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
+    return WithPs(ps, snap.status());
+  }
+  const Tensors t = SnapshotTensors(*snap);
+  if (t.version != version) return WithPs(ps, absl::DataLossError("snapshot of another version"));
+  absl::Status s = CopyInto(t.refs, sinks);
+  return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
+}
+
+absl::Status FakePs::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors, absl::Time deadline) {
+  return DoInit(cancelled_, ps, header, tensors, deadline);
+}
+
+absl::StatusOr<ps::Client::PullResult> FakePs::Pull(int ps, uint64_t job_id, int64_t min_version,
+                                                    std::vector<TensorSink> sinks, absl::Time deadline,
+                                                    absl::Duration max_wait) {
+  return DoPull(cancelled_, ps, job_id, min_version, sinks, deadline, max_wait);
+}
+
+absl::StatusOr<PushResponse> FakePs::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+                                          absl::Time deadline) {
+  return DoPush(cancelled_, ps, header, grads, deadline);
+}
+
+absl::Status FakePs::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
+  return DoShutdown(cancelled_, ps, job_id, deadline);
+}
+
+absl::StatusOr<PsState> FakePs::GetState(int ps, absl::Time deadline) {
+  return DoGetState(cancelled_, ps, deadline);
+}
+
+absl::Status FakePs::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
+                                    absl::Time deadline) {
+  return DoSetLiveWorkers(cancelled_, ps, job_id, live, from_version, deadline);
+}
+
+absl::Status FakePs::Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                              absl::Time deadline) {
+  return DoSnapshot(cancelled_, ps, job_id, version, sinks, deadline);
+}
+
+bool FakePs::Reachable(int ps) const { return ps >= 0 && ps < num_ps_ && !Down(ps); }
+
+void FakePs::CancelAll() { cancelled_ = true; }
+
+void FakePs::FailNext(int ps, absl::StatusCode code, int count) {
+  absl::MutexLock lock(&mu_);
+  ps_[ps].fail_code = code;
+  ps_[ps].fail_count = count;
+}
+
+void FakePs::SetDown(int ps, bool down) {
+  absl::MutexLock lock(&mu_);
+  ps_[ps].down = down;
+}
+
+void FakePs::Restart(int ps) {
+  std::shared_ptr<ps::Shard> old;
+  {
+    absl::MutexLock lock(&mu_);
+    old = std::exchange(ps_[ps].shard, std::make_shared<ps::Shard>());
+    ps_[ps].shut_down = false;
+  }
+  old->Shutdown();  // pulls waiting on the old process end UNAVAILABLE
+}
+
+void FakePs::SetDelay(absl::Duration delay) {
+  absl::MutexLock lock(&mu_);
+  delay_ = delay;
+}
+
+void FakePs::OnCall(std::function<void(int ps, Method method)> hook) {
+  absl::MutexLock lock(&mu_);
+  hook_ = hook ? std::make_shared<const std::function<void(int, Method)>>(std::move(hook)) : nullptr;
+}
+
+int64_t FakePs::calls(int ps, Method method) const {
+  absl::MutexLock lock(&mu_);
+  return ps_[ps].calls[static_cast<int>(method)];
+}
+
+ps::Shard::Stats FakePs::stats(int ps) const {
+  std::shared_ptr<ps::Shard> shard;
+  {
+    absl::MutexLock lock(&mu_);
+    shard = ps_[ps].shard;
+  }
+  return shard->stats();
+}
+
+bool FakePs::shut_down(int ps) const {
+  absl::MutexLock lock(&mu_);
+  return ps_[ps].shut_down;
+}
+
+}  // namespace psflow::fakes

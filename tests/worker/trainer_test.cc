@@ -1,0 +1,541 @@
+// worker::Trainer against an in-memory ps cluster and chief (tests/fakes):
+// the step loop, its retries and re-registrations, and the status it ends
+// with, without processes.
+#include "worker/trainer.h"
+
+#include <csignal>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <google/protobuf/text_format.h>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/exit_codes.h"
+#include "common/placement.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/spec.h"
+#include "tests/fakes/fake_chief.h"
+#include "tests/fakes/fake_ps.h"
+#include "worker/service.h"
+
+namespace psflow::worker {
+namespace {
+
+using fakes::FakeChief;
+using fakes::FakePs;
+using Method = FakePs::Method;
+using ::testing::HasSubstr;
+
+// Two dense layers on 6x6 images of 4 classes: a step takes well under a
+// millisecond. fc1/weights (16x36 floats) is split over the ps.
+constexpr char kTinyModel[] = R"pb(
+  name: "tiny"
+  input { channels: 1 height: 6 width: 6 }
+  num_classes: 4
+  layer { name: "fc1" dense { units: 16 } }
+  layer { name: "relu1" relu {} }
+  layer { name: "fc2" dense { units: 4 } }
+)pb";
+
+constexpr uint64_t kJobId = 1;
+
+struct JobParams {
+  int num_ps = 2;
+  int num_workers = 1;
+  int64_t train_steps = 12;
+  float learning_rate = 0.1f;
+};
+
+// A job as the chief would make it: synthetic data, 256 examples, batch 8.
+JobConfig MakeJob(const JobParams& p) {
+  JobConfig job;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(kTinyModel, job.mutable_model()));
+  job.set_dataset("synthetic");
+  job.set_num_examples(256);
+  job.set_batch_size(8);
+  job.set_steps_per_epoch((256 + p.num_workers - 1) / p.num_workers / 8);
+  job.set_train_steps(p.train_steps);
+  job.set_seed(7);
+  job.set_num_workers(p.num_workers);
+  job.set_num_ps(p.num_ps);
+  job.set_compute_threads(1);
+  job.mutable_optimizer()->set_kind(OptimizerConfig::SGD);
+  job.mutable_optimizer()->set_learning_rate(p.learning_rate);
+  job.set_on_nonfinite(JobConfig::FAIL);
+  absl::StatusOr<Placement> placement =
+      PlaceVariables(model::ModelVariables(job.model()), p.num_ps, /*split_bytes=*/1024);
+  EXPECT_TRUE(placement.ok()) << placement.status();
+  if (placement.ok()) *job.mutable_placement() = *placement;
+  return job;
+}
+
+RegisterWorkerResponse Registration(const JobConfig& job, uint64_t job_id = kJobId, int64_t start_step = 0) {
+  RegisterWorkerResponse r;
+  r.set_job_id(job_id);
+  *r.mutable_job() = job;
+  for (int p = 0; p < job.num_ps(); ++p) r.add_ps_address("ps" + std::to_string(p) + ":2222");
+  r.set_start_step(start_step);
+  return r;
+}
+
+// Loads every ps with `values` (by variable) at `version`, as the chief does.
+absl::Status LoadPs(ps::Client& ps, const JobConfig& job, uint64_t job_id, int64_t version,
+                    const std::vector<std::vector<float>>& values) {
+  std::vector<const float*> buffers;
+  for (const std::vector<float>& v : values) buffers.push_back(v.data());
+  for (int p = 0; p < job.num_ps(); ++p) {
+    InitHeader header;
+    header.set_job_id(job_id);
+    header.set_ps_index(p);
+    *header.mutable_job() = job;
+    header.set_version(version);
+    for (int w = 0; w < job.num_workers(); ++w) header.add_live_workers(w);
+    for (SliceSpec& s : SliceSpecs(job.placement(), p)) *header.add_slice() = std::move(s);
+    absl::Status s = ps.Init(p, header, SliceRefs(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::vector<float>> InitialValues(const JobConfig& job) {
+  return model::InitialValues(job.model(), job.seed());
+}
+
+// The values every ps holds now, by variable.
+std::vector<std::vector<float>> ReadWeights(ps::Client& ps, const JobConfig& job, uint64_t job_id) {
+  std::vector<std::vector<float>> values;
+  std::vector<float*> buffers;
+  for (const VariableShape& v : model::ModelVariables(job.model())) values.emplace_back(NumElements(v.shape));
+  for (std::vector<float>& v : values) buffers.push_back(v.data());
+  for (int p = 0; p < job.num_ps(); ++p) {
+    absl::StatusOr<ps::Client::PullResult> r =
+        ps.Pull(p, job_id, 0, SliceSinks(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
+    EXPECT_TRUE(r.ok()) << r.status();
+  }
+  return values;
+}
+
+// Short waits and timeouts, so that every test takes well under a second.
+TrainerOptions FastOptions(int worker = 0) {
+  TrainerOptions o;
+  o.worker_index = worker;
+  o.startup_timeout = absl::Seconds(2);
+  o.register_timeout = absl::Milliseconds(500);
+  o.pull_wait = absl::Milliseconds(20);
+  o.transfer_timeout = absl::Seconds(2);
+  o.report_every = absl::Milliseconds(5);
+  o.report_timeout = absl::Seconds(1);
+  o.nonfinite_wait = absl::Seconds(1);
+  return o;
+}
+
+// Makes the trainer's ps client: another client of `fake`.
+PsClientFactory ClientOf(FakePs& fake) {
+  return [&fake](const std::vector<std::string>& addresses) {
+    EXPECT_EQ(static_cast<int>(addresses.size()), fake.num_ps());
+    return fake.NewClient();
+  };
+}
+
+// Trainer::Run on a thread of its own.
+class Running {
+ public:
+  explicit Running(Trainer* trainer)
+      : thread_([this, trainer] {
+          status_ = trainer->Run();
+          done_.Notify();
+        }) {}
+  ~Running() {
+    if (thread_.joinable()) thread_.join();
+  }
+  bool done() const { return done_.HasBeenNotified(); }
+  bool WaitFor(absl::Duration timeout) { return done_.WaitForNotificationWithTimeout(timeout); }
+  absl::Status Join() {
+    thread_.join();
+    return status_;
+  }
+
+ private:
+  absl::Status status_;
+  absl::Notification done_;
+  std::thread thread_;
+};
+
+std::vector<int64_t> Steps(const std::vector<StepMetrics>& metrics) {
+  std::vector<int64_t> steps;
+  for (const StepMetrics& m : metrics) steps.push_back(m.step());
+  return steps;
+}
+
+std::vector<int64_t> Range(int64_t begin, int64_t end) {
+  std::vector<int64_t> r;
+  for (int64_t i = begin; i < end; ++i) r.push_back(i);
+  return r;
+}
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUpJob(const JobParams& params) {
+    job_ = MakeJob(params);
+    fake_ = std::make_unique<FakePs>(params.num_ps);
+    chief_ = std::make_unique<FakeChief>(Registration(job_));
+    initial_ = InitialValues(job_);
+    ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, initial_).ok());
+  }
+
+  JobConfig job_;
+  std::unique_ptr<FakePs> fake_;
+  std::unique_ptr<FakeChief> chief_;
+  std::vector<std::vector<float>> initial_;
+};
+
+TEST_F(TrainerTest, TrainsToTheEndAndExitsWhenTheChiefSaysSo) {
+  SetUpJob({});
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(ExitCodeFor(status), kExitDone);
+
+  // Every step once, in order, finite, reported under this worker and job.
+  const std::vector<StepMetrics> metrics = chief_->metrics();
+  EXPECT_EQ(Steps(metrics), Range(0, 12));
+  for (const StepMetrics& m : metrics) {
+    EXPECT_TRUE(std::isfinite(m.loss()));
+    EXPECT_FALSE(m.nonfinite());
+    EXPECT_EQ(m.examples(), 8);
+  }
+  const std::vector<ReportRequest> reports = chief_->reports();
+  ASSERT_FALSE(reports.empty());
+  for (const ReportRequest& r : reports) {
+    EXPECT_EQ(r.job_id(), kJobId);
+    EXPECT_EQ(r.worker(), 0);
+  }
+  EXPECT_TRUE(reports.back().finished());
+  EXPECT_EQ(chief_->registrations(), 1);
+
+  // Each ps applied every step once: one push per step, a pull per step
+  // and the one that found the last version.
+  for (int p = 0; p < 2; ++p) {
+    const ps::Shard::Stats stats = fake_->stats(p);
+    EXPECT_EQ(stats.version, 12) << "ps " << p;
+    EXPECT_EQ(stats.applied, 12) << "ps " << p;
+    EXPECT_EQ(stats.stale + stats.duplicate, 0) << "ps " << p;
+    EXPECT_EQ(fake_->calls(p, Method::kPush), 12) << "ps " << p;
+    EXPECT_EQ(fake_->calls(p, Method::kPull), 13) << "ps " << p;
+  }
+  // The weights moved, and the loss went down.
+  EXPECT_NE(ReadWeights(*fake_, job_, kJobId), initial_);
+  double first = 0, last = 0;
+  for (int i = 0; i < 4; ++i) {
+    first += metrics[i].loss();
+    last += metrics[metrics.size() - 1 - i].loss();
+  }
+  EXPECT_LT(last, first);
+
+  // What the status service tells.
+  const TrainerStatus s = trainer.Status();
+  EXPECT_EQ(s.worker, 0);
+  EXPECT_EQ(s.job_id, kJobId);
+  EXPECT_EQ(s.step, 12);
+  EXPECT_TRUE(s.finished);
+  StatusService service(&trainer);
+  WorkerStatusRequest request;
+  WorkerStatus response;
+  ASSERT_TRUE(service.GetStatus(nullptr, &request, &response).ok());
+  EXPECT_EQ(response.job_id(), kJobId);
+  EXPECT_EQ(response.step(), 12);
+  EXPECT_TRUE(response.finished());
+}
+
+TEST_F(TrainerTest, WaitsForTheExitOrderAfterTheLastStep) {
+  SetUpJob({.train_steps = 4});
+  chief_->ExitWhenFinished(false);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  Running run(&trainer);
+  // Finished, it reports so (heartbeats) and waits for the chief.
+  ASSERT_TRUE(chief_->AwaitMetrics([](const std::vector<StepMetrics>& m) { return m.size() == 4; },
+                                   absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(run.done());
+  EXPECT_TRUE(trainer.Status().finished);
+  const std::vector<ReportRequest> reports = chief_->reports();
+  ASSERT_FALSE(reports.empty());
+  EXPECT_TRUE(reports.back().finished());
+  chief_->SetAction(ReportResponse::EXIT);
+  const absl::Status status = run.Join();
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST_F(TrainerTest, RetriesPullsAndPushesThroughUnavailable) {
+  SetUpJob({});
+  // The first two pulls of ps 0 fail; later the third push to ps 1 and its
+  // first retry run out of time.
+  fake_->FailNext(0, absl::StatusCode::kUnavailable, 2);
+  FakePs* fake = fake_.get();
+  fake_->OnCall([fake](int ps, Method method) {
+    if (ps == 1 && method == Method::kPush && fake->calls(1, Method::kPush) == 3) {
+      fake->FailNext(1, absl::StatusCode::kDeadlineExceeded, 2);
+    }
+  });
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(fake_->calls(0, Method::kPull), 13 + 2);
+  EXPECT_EQ(fake_->calls(1, Method::kPush), 12 + 2);
+  EXPECT_EQ(fake_->calls(1, Method::kPull), 13);
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(fake_->stats(p).version, 12);
+    EXPECT_EQ(fake_->stats(p).duplicate, 0);
+  }
+  EXPECT_EQ(Steps(chief_->metrics()), Range(0, 12));
+  EXPECT_EQ(chief_->registrations(), 1);  // retried in place, not registered again
+}
+
+TEST_F(TrainerTest, AsksAgainWhileThePsIsBehind) {
+  SetUpJob({.num_workers = 2, .train_steps = 6});
+  Trainer first(FastOptions(0), chief_.get(), ClientOf(*fake_));
+  Trainer second(FastOptions(1), chief_.get(), ClientOf(*fake_));
+  Running run0(&first);
+  // Worker 0 did step 0 alone; step 1 needs worker 1's push of step 0 too:
+  // its pulls of version 1 get "not yet" (after 20 ms each) and ask again.
+  ASSERT_TRUE(chief_->AwaitMetrics([](const std::vector<StepMetrics>& m) { return !m.empty(); },
+                                   absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(fake_->stats(0).version, 0);
+  EXPECT_GE(fake_->calls(0, Method::kPull), 1 + 4);
+  Running run1(&second);
+  const absl::Status s0 = run0.Join();
+  const absl::Status s1 = run1.Join();
+  EXPECT_TRUE(s0.ok()) << s0;
+  EXPECT_TRUE(s1.ok()) << s1;
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(fake_->stats(p).version, 6);
+    EXPECT_EQ(fake_->stats(p).applied, 6);
+  }
+  // Each worker did every step once; worker 0's time on "not yet" answers
+  // counts as waiting for the others.
+  std::vector<int64_t> steps[2];
+  int64_t wait_us = -1;
+  for (const ReportRequest& r : chief_->reports()) {
+    for (const StepMetrics& m : r.metrics()) {
+      steps[r.worker()].push_back(m.step());
+      if (r.worker() == 0 && m.step() == 1) wait_us = m.wait_us();
+    }
+  }
+  EXPECT_EQ(steps[0], Range(0, 6));
+  EXPECT_EQ(steps[1], Range(0, 6));
+  EXPECT_GE(wait_us, 80'000);
+}
+
+TEST_F(TrainerTest, RegistersAgainAfterAPsRestartsEmptyMidStep) {
+  SetUpJob({.train_steps = 10});
+  // The pull of step 3 finds ps 1 restarted empty (or its push does).
+  FakePs* fake = fake_.get();
+  fake_->OnCall([fake](int ps, Method method) {
+    if (ps == 0 && method == Method::kPull && fake->calls(0, Method::kPull) == 4) fake->Restart(1);
+  });
+  // The chief reloads every ps from its checkpoint of step 3 under a new job
+  // id before it lets the worker in again.
+  FakeChief* chief = chief_.get();
+  const JobConfig job = job_;
+  const std::vector<std::vector<float>> initial = initial_;
+  absl::Status reload;
+  chief_->OnRegister([&, chief, fake](int) {
+    if (chief->registrations() != 1) return;
+    reload = LoadPs(*fake, job, 2, 3, initial);
+    chief->SetRegistration(Registration(job, 2, 3));
+  });
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_TRUE(reload.ok()) << reload;
+  EXPECT_EQ(chief_->registrations(), 2);
+  EXPECT_EQ(Steps(chief_->metrics()), Range(0, 10));  // step 3 counted once, after the reload
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(fake_->stats(p).version, 10);
+    EXPECT_EQ(fake_->stats(p).applied, 7);  // steps 3..9 of the reloaded job
+    EXPECT_EQ(fake_->calls(p, Method::kInit), 2);
+  }
+  EXPECT_EQ(chief_->reports().back().job_id(), 2u);
+  EXPECT_EQ(trainer.Status().job_id, 2u);
+}
+
+TEST_F(TrainerTest, RegistersAgainWhenTheChiefSaysSo) {
+  SetUpJob({});
+  chief_->SetAction(ReportResponse::REGISTER, 1);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  // Once more at least (a report in flight as it registers may be answered
+  // REGISTER too).
+  EXPECT_GE(chief_->registrations(), 2);
+  // It trained on from where the ps were: no step twice.
+  EXPECT_EQ(Steps(chief_->metrics()), Range(0, 12));
+  EXPECT_EQ(fake_->stats(0).version, 12);
+}
+
+TEST_F(TrainerTest, AnotherJobConfigurationAtRegistrationEndsWorthARetry) {
+  SetUpJob({});
+  JobConfig other = job_;
+  other.set_train_steps(13);
+  FakeChief* chief = chief_.get();
+  chief_->OnRegister([chief, other](int) {
+    if (chief->registrations() == 1) chief->SetRegistration(Registration(other));
+  });
+  chief_->SetAction(ReportResponse::REGISTER, 1);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitRetryable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("another job configuration"));
+}
+
+// Today's exit codes: a ps that refuses a call for good (other than "not
+// this job", which means register again) ends the worker with 140, worth a
+// restart, not 1: the call names no configuration of this worker.
+TEST_F(TrainerTest, ANonRetryablePsErrorEndsTheRunWithoutRetrying) {
+  SetUpJob({});
+  fake_->FailNext(1, absl::StatusCode::kInvalidArgument, 1);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitRetryable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("ps 1"));
+  EXPECT_THAT(status.message(), HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_EQ(fake_->calls(1, Method::kPull), 1);  // not tried again
+  EXPECT_EQ(chief_->registrations(), 1);         // nor taken for a reloaded job
+  EXPECT_EQ(fake_->stats(0).version, 0);
+}
+
+TEST_F(TrainerTest, APsThatStaysDownEndsTheRunAsUnreachable) {
+  SetUpJob({});
+  fake_->SetDown(0, true);
+  TrainerOptions options = FastOptions();
+  options.startup_timeout = absl::Milliseconds(300);
+  Trainer trainer(options, chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitUnreachable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("ps 0"));
+  EXPECT_GE(fake_->calls(0, Method::kPull), 3);  // tried again with backoff
+}
+
+TEST_F(TrainerTest, StopEndsAPullWaitingForTheOtherWorkers) {
+  SetUpJob({.num_workers = 2});
+  TrainerOptions options = FastOptions();
+  options.pull_wait = absl::Seconds(5);  // the ps would hold the pull that long
+  Trainer trainer(options, chief_.get(), ClientOf(*fake_));
+  Running run(&trainer);
+  ASSERT_TRUE(chief_->AwaitMetrics([](const std::vector<StepMetrics>& m) { return !m.empty(); },
+                                   absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_FALSE(run.done());
+  const absl::Time stop = absl::Now();
+  trainer.Stop(SIGTERM);
+  trainer.Stop(SIGINT);  // the first signal wins
+  ASSERT_TRUE(run.WaitFor(absl::Seconds(5)));
+  EXPECT_LT(absl::Now() - stop, absl::Milliseconds(300));
+  const absl::Status status = run.Join();
+  EXPECT_EQ(SignalOf(status), SIGTERM) << status;
+  EXPECT_EQ(ExitCodeFor(status), 128 + SIGTERM);
+}
+
+TEST_F(TrainerTest, StopWhileTheChiefIsUnreachable) {
+  SetUpJob({});
+  chief_->FailCalls(absl::StatusCode::kUnavailable, -1);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  Running run(&trainer);
+  absl::SleepFor(absl::Milliseconds(30));
+  trainer.Stop(SIGINT);
+  const absl::Status status = run.Join();
+  EXPECT_EQ(ExitCodeFor(status), 128 + SIGINT) << status;
+}
+
+TEST_F(TrainerTest, AJobTheChiefFailsEndsWithExitCode1) {
+  SetUpJob({.train_steps = 100000});
+  chief_->SetAction(ReportResponse::FAIL);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  EXPECT_THAT(status.message(), HasSubstr("failed the job"));
+  EXPECT_LT(fake_->stats(0).version, 100000);
+}
+
+TEST_F(TrainerTest, ANonFiniteStepIsReportedAndNothingIsPushed) {
+  SetUpJob({});
+  // Weights the job diverged to.
+  std::vector<std::vector<float>> values = initial_;
+  values[2][5] = std::numeric_limits<float>::quiet_NaN();  // fc2/weights: past the relu
+  ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 4, values).ok());
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  const std::vector<StepMetrics> metrics = chief_->metrics();
+  ASSERT_EQ(metrics.size(), 1u);
+  EXPECT_TRUE(metrics[0].nonfinite());
+  EXPECT_EQ(metrics[0].step(), 4);
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(fake_->calls(p, Method::kPush), 0);
+    EXPECT_EQ(fake_->stats(p).version, 4);
+  }
+}
+
+TEST_F(TrainerTest, ANonFiniteStepEndsWithExitCode1EvenWithoutTheChiefsVerdict) {
+  SetUpJob({});
+  chief_->FailOnNonFinite(false);
+  std::vector<std::vector<float>> values = initial_;
+  values[1][0] = std::numeric_limits<float>::infinity();
+  ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, values).ok());
+  TrainerOptions options = FastOptions();
+  options.nonfinite_wait = absl::Milliseconds(100);
+  Trainer trainer(options, chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  EXPECT_THAT(status.message(), HasSubstr("not finite"));
+  EXPECT_EQ(fake_->calls(0, Method::kPush), 0);
+}
+
+TEST_F(TrainerTest, AChiefThatStaysUnreachableEndsWith138) {
+  SetUpJob({});
+  chief_->FailCalls(absl::StatusCode::kUnavailable, -1);
+  TrainerOptions options = FastOptions();
+  options.startup_timeout = absl::Milliseconds(300);
+  Trainer trainer(options, chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitUnreachable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("unreachable"));
+  EXPECT_EQ(fake_->calls(0, Method::kPull), 0);
+}
+
+TEST_F(TrainerTest, RegistersOnceTheChiefIsUp) {
+  SetUpJob({.train_steps = 3});
+  chief_->FailCalls(absl::StatusCode::kUnavailable, 2);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_EQ(chief_->registrations(), 1);
+}
+
+TEST_F(TrainerTest, ARefusedRegistrationIsPermanent) {
+  SetUpJob({});
+  chief_->FailCalls(absl::StatusCode::kInternal, 1);  // whatever the code
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  EXPECT_THAT(status.message(), HasSubstr("refused registration"));
+}
+
+TEST_F(TrainerTest, AnInconsistentJobIsPermanent) {
+  SetUpJob({});
+  Trainer trainer(FastOptions(/*worker=*/1), chief_.get(), ClientOf(*fake_));  // the job has one worker
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  EXPECT_EQ(fake_->calls(0, Method::kPull), 0);
+}
+
+}  // namespace
+}  // namespace psflow::worker

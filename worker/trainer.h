@@ -1,0 +1,162 @@
+// The logic of a training worker, behind interfaces: it talks to the chief
+// through chief::Client and to the parameter servers through ps::Client, and
+// knows no gRPC (worker/service.h serves its status, worker/main.cc wires it
+// to the network; tests drive it against the fakes of tests/fakes/).
+//
+// Run() registers with the chief (retrying with backoff while the chief is
+// not up), takes its shard of every epoch and runs synchronous steps: pull the
+// weights of step k from every ps in parallel (asking again while a ps
+// answers "not yet"), forward and backward on its batch, push the gradients to
+// every ps in parallel, and hand the step's metrics to a report loop that
+// sends them to the chief (the reports are also its heartbeat). A ps that
+// holds another job or none, drops this worker, or disagrees with its peers
+// on the version, or a chief that answers REGISTER, makes it register again
+// and train on from the step the chief names. When the ps reach the last step
+// it reports `finished` and waits for the chief's exit order.
+//
+// Thread-safety: Run() once, from one thread; Stop() and Status() from any
+// thread, at any time, also concurrently with Run().
+#ifndef PSFLOW_WORKER_TRAINER_H_
+#define PSFLOW_WORKER_TRAINER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "chief/client.h"
+#include "common/grpc_util.h"
+#include "common/tensor_chunks.h"
+#include "common/thread_pool.h"
+#include "data/mnist.h"
+#include "kernels/kernels.h"
+#include "model/network.h"
+#include "proto/chief.pb.h"
+#include "proto/job.pb.h"
+#include "ps/client.h"
+
+namespace psflow::worker {
+
+struct TrainerOptions {
+  int worker_index = 0;
+  std::string device = "cpu";  // kernels backend
+  // Only for messages: where the chief is.
+  std::string chief_address = "the chief";
+  // How long to keep trying to reach the chief or a ps before giving up
+  // (UNAVAILABLE or DEADLINE_EXCEEDED: exit code 138).
+  absl::Duration startup_timeout = absl::Minutes(5);
+  // The deadline of one registration call (a chief that is not up yet is
+  // waited for that long before the next attempt).
+  absl::Duration register_timeout = absl::Seconds(15);
+  // How long a ps may hold a pull while the other workers finish the step
+  // before answering "not yet" (the trainer then asks again).
+  absl::Duration pull_wait = absl::Seconds(5);
+  // Allowance for moving one shard's tensors, on top of any waiting.
+  absl::Duration transfer_timeout = absl::Seconds(120);
+  // Reports (and heartbeats) go to the chief at least this often.
+  absl::Duration report_every = absl::Milliseconds(250);
+  // The deadline of one report call.
+  absl::Duration report_timeout = absl::Seconds(10);
+  // After a step that was not finite, how long to wait for the chief to
+  // confirm that the job failed before exiting anyway.
+  absl::Duration nonfinite_wait = absl::Seconds(30);
+};
+
+// Makes the client of the ps at `addresses` (by ps index), once, at the first
+// registration.
+using PsClientFactory = std::function<std::unique_ptr<ps::Client>(const std::vector<std::string>& addresses)>;
+
+// What the status service reports.
+struct TrainerStatus {
+  int worker = 0;
+  uint64_t job_id = 0;  // 0 before registration
+  int64_t step = 0;     // the step being computed (or reached, once finished)
+  bool finished = false;  // saw the final version; waiting for the exit order
+};
+
+class Trainer {
+ public:
+  // `chief` is not owned and must outlive the trainer.
+  Trainer(TrainerOptions options, chief::Client* chief, PsClientFactory make_ps);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Trains until the chief says the job is over (OK). Errors, by the exit
+  // code common/exit_codes.h gives them:
+  //   1   a permanent error: the chief refused registration or sent an
+  //       inconsistent job, the device or the data does not fit, a step was
+  //       not finite, or the chief failed the job (ReportResponse::FAIL);
+  //   138 the chief or a ps stayed unreachable for startup_timeout;
+  //   140 another failure worth a retry (the chief now runs another job
+  //       configuration, a step failed, a ps refused a call for good);
+  //   StoppedBySignal(n) after Stop(n).
+  absl::Status Run();
+  // Makes Run() return StoppedBySignal(signal) after the call in flight;
+  // calls waiting on a ps are cancelled. The first signal wins.
+  void Stop(int signal);
+  TrainerStatus Status() const;
+
+ private:
+  absl::Status Register();
+  absl::Status Prepare();
+  // Trains from `start` to the last step (OK), or ends with a status that
+  // IsRegisterAgain or that ends Run.
+  absl::Status Train(int64_t start);
+  // After a step that was not finite: waits for the chief's verdict.
+  absl::Status NonFinite(int64_t step);
+  absl::Status PullAll(int64_t min_version, int64_t* version, int64_t* wait_us);
+  absl::Status PushAll(int64_t step);
+  void ReportLoop();
+  absl::Status TrainAndWait();
+  int stop_signal() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The ps client (null before the first registration); set once.
+  ps::Client* ps() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  const TrainerOptions options_;
+  chief::Client* const chief_;
+  const PsClientFactory make_ps_;
+
+  // Set at each registration by the training thread, under mu_ (with
+  // pending_, so that reported metrics carry their job); read anywhere.
+  std::atomic<uint64_t> job_id_{0};
+
+  // The training thread's own state.
+  JobConfig job_;
+  int64_t start_step_ = 0;  // from the latest registration
+  std::unique_ptr<ThreadPool> pool_;  // for parallel pulls and pushes
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<model::Network> net_;
+  data::Dataset data_;
+  // Where pulls land and pushes come from, by variable: the network's own
+  // buffers when in_place_, else staging_ copied to and from the device.
+  std::vector<float*> weights_, grads_;
+  bool in_place_ = false;
+  std::vector<std::vector<float>> staging_;
+  // By ps: the sinks of its weights and the refs of its gradients.
+  std::vector<std::vector<TensorSink>> pull_sinks_;
+  std::vector<std::vector<TensorRef>> push_refs_;
+  Backoff register_backoff_;  // between registrations that end in no step
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<ps::Client> ps_ ABSL_GUARDED_BY(mu_);
+  int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<StepMetrics> pending_ ABSL_GUARDED_BY(mu_);  // not yet reported
+  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // saw the final version
+  bool released_ ABSL_GUARDED_BY(mu_) = false;  // the chief said exit
+  absl::Status report_error_ ABSL_GUARDED_BY(mu_);  // reporting failed for good
+  bool training_failed_ ABSL_GUARDED_BY(mu_) = false;  // ends the report loop
+  bool reregister_ ABSL_GUARDED_BY(mu_) = false;  // the chief asked for a new registration
+  bool nonfinite_ ABSL_GUARDED_BY(mu_) = false;   // a step was not finite: report it at once
+  bool job_failed_ ABSL_GUARDED_BY(mu_) = false;  // the chief said the job failed
+};
+
+}  // namespace psflow::worker
+
+#endif  // PSFLOW_WORKER_TRAINER_H_
