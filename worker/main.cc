@@ -2,7 +2,6 @@
 // until the chief says the job is over.
 #include <chrono>
 #include <cstdlib>
-#include <future>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -65,22 +64,9 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
   }
-  std::promise<int> result;
-  std::future<int> done = result.get_future();
-  absl::Notification terminated;
-  psflow::TerminationWatcher watcher([&](int sig) {
-    if (!terminated.HasBeenNotified()) terminated.Notify();
-    PSLOG(INFO) << "signal " << sig << ": stopping after the call in flight";
-    trainer.Stop(sig);
-    // Calls in flight are cancelled; do not wait for more than a few seconds.
-    if (done.wait_for(std::chrono::seconds(6)) != std::future_status::ready) {
-      std::_Exit(psflow::ExitCodeForSignal(sig));
-    }
-  });
-  const absl::Status status = trainer.Run();
+  // Calls in flight are cancelled on a signal; do not wait for more than a few seconds.
+  const int code = psflow::RunRole([&] { return trainer.Run(); }, [&](int sig) { trainer.Stop(sig); },
+                                   absl::Seconds(6), "stopping after the call in flight");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  if (!status.ok() && !psflow::SignalOf(status).has_value()) PSLOG(ERROR) << status.message();
-  const int code = psflow::ExitCodeFor(status);
-  result.set_value(code);
-  return psflow::FinishOrIdle(code, terminated);
+  return code;
 }

@@ -12,7 +12,7 @@
 #include "common/fan_out.h"
 #include "common/log.h"
 #include "common/placement.h"
-#include "data/synthetic.h"
+#include "data/source.h"
 
 namespace psflow::worker {
 namespace {
@@ -145,25 +145,15 @@ absl::Status Trainer::Prepare() {
       kernels::CreateBackend(options_.device, job_.compute_threads());
   if (!backend.ok()) return Permanent(backend.status());
   backend_ = *std::move(backend);
-  const InputSpec& in = job_.model().input();
   absl::StatusOr<data::Dataset> data =
-      job_.dataset() == "synthetic"
-          ? data::MakeSynthetic({in.channels(), in.height(), in.width(), job_.model().num_classes()},
-                                job_.num_examples(), data::Split::kTrain)
-          : data::LoadMnist(job_.data_dir(), data::Split::kTrain);
+      data::LoadDataset({job_.dataset(), job_.data_dir(), job_.num_examples()}, data::ModelInputOf(job_.model()),
+                        data::Split::kTrain);
   if (!data.ok()) return Permanent(data.status());
   data_ = *std::move(data);
   if (data_.count != job_.num_examples()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "this worker sees ", data_.count, " training examples in ", job_.data_dir(), ", the chief saw ",
         job_.num_examples(), ": every process needs the same data"));
-  }
-  if (data_.channels != in.channels() || data_.height != in.height() || data_.width != in.width() ||
-      data_.num_classes != job_.model().num_classes()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "data in ", job_.data_dir(), " is ", data_.channels, "x", data_.height, "x", data_.width, " with ",
-        data_.num_classes, " classes; model ", job_.model().name(), " expects ", in.channels(), "x",
-        in.height(), "x", in.width(), " with ", job_.model().num_classes()));
   }
   absl::StatusOr<std::unique_ptr<model::Network>> net = model::Network::Create(job_.model(), backend_.get());
   if (!net.ok()) return Permanent(net.status());

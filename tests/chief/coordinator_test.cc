@@ -97,13 +97,14 @@ class CoordinatorTest : public ::testing::Test {
   // Starts Run on a thread of its own.
   void Start(CoordinatorOptions options) {
     coordinator_ = std::make_unique<Coordinator>(std::move(options), job_, ps_.get(), pool_.get());
+    returned_ = std::make_unique<absl::Notification>();
     run_ = std::thread([this] {
       result_ = coordinator_->Run();
-      returned_.Notify();
+      returned_->Notify();
     });
   }
   absl::Status Join(absl::Duration timeout = absl::Seconds(5)) {
-    if (!returned_.WaitForNotificationWithTimeout(timeout)) return absl::DeadlineExceededError("Run did not return");
+    if (!returned_->WaitForNotificationWithTimeout(timeout)) return absl::DeadlineExceededError("Run did not return");
     run_.join();
     return result_;
   }
@@ -176,7 +177,7 @@ class CoordinatorTest : public ::testing::Test {
       actions.push_back(r.ok() ? r->action() : ReportResponse::CONTINUE);
     }
     // A finished report is held until the end; ask again until it comes.
-    for (int i = 0; i < 40 && !returned_.HasBeenNotified(); ++i) {
+    for (int i = 0; i < 40 && !returned_->HasBeenNotified(); ++i) {
       for (size_t k = 0; k < workers.size(); ++k) {
         if (actions[k] != ReportResponse::CONTINUE) continue;
         absl::StatusOr<ReportResponse> r = Report(job_id, workers[k], -1, true);
@@ -209,7 +210,7 @@ class CoordinatorTest : public ::testing::Test {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Coordinator> coordinator_;
   std::thread run_;
-  absl::Notification returned_;
+  std::unique_ptr<absl::Notification> returned_;
   absl::Status result_;
 };
 
@@ -252,7 +253,7 @@ TEST_F(CoordinatorTest, PsThatComesBackEmptyIsReloadedFromTheNewestCheckpoint) {
   o.checkpoint_every_steps = 2;
   Start(o);
   const uint64_t id = Register(0).job_id();
-  Train(id, {0}, 0, 3);
+  Train(id, {0}, 0, 2);
   ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
   ps_->Restart(1);  // died and came back holding nothing
   // Every ps is reloaded at the checkpoint's step under a new job id; the
@@ -285,7 +286,6 @@ TEST_F(CoordinatorTest, RestartedChiefAdoptsTheRunningJob) {
   EXPECT_EQ(ExitCodeFor(stopped), 128 + SIGTERM);
   const int64_t inits = ps_->calls(0, FakePs::Method::kInit);
   // The next chief takes the job over as it is: no Init, same id, same step.
-  returned_ = absl::Notification();
   Start(Options());
   RegisterWorkerResponse r = Register(0);
   EXPECT_EQ(r.job_id(), id);
@@ -338,7 +338,6 @@ TEST_F(CoordinatorTest, CorruptNewestCheckpointIsSkippedForTheOneBefore) {
     f.put('\x5a');
   }
   ps_->Restart(0);
-  returned_ = absl::Notification();
   Start(o);
   id = Register(0).job_id();
   EXPECT_EQ(State(0).version(), 2);  // restored from ckpt-2

@@ -66,29 +66,33 @@ struct Tensors {
   std::vector<TensorRef> refs;
 };
 
-Tensors PulledTensors(const ps::Shard::Snapshot& pulled) {
-  Tensors t{pulled.version, pulled.waited, {}};
-  for (size_t i = 0; i < pulled.slices.size(); ++i) {
-    const SliceSpec& s = pulled.slices[i];
-    t.refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, pulled.values[i].data()});
+Tensors PulledTensors(const ps::Shard::Pulled& pulled) {
+  const ps::Shard::Weights& w = *pulled.weights;
+  Tensors t{w.version, pulled.waited, {}};
+  for (size_t i = 0; i < w.slices->size(); ++i) {
+    const SliceSpec& s = (*w.slices)[i];
+    t.refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, w.values[i].data()});
   }
   return t;
 }
 
-Tensors SnapshotTensors(const ps::Shard::SnapshotData& snap) {
-  Tensors t{snap.version, absl::ZeroDuration(), {}};
-  for (size_t i = 0; i < snap.slices.size(); ++i) {
-    const SliceSpec& s = snap.slices[i];
+Tensors SnapshotTensors(const ps::Shard::Snapshot& snap) {
+  const ps::Shard::Weights& w = *snap.weights;
+  Tensors t{w.version, absl::ZeroDuration(), {}};
+  for (size_t i = 0; i < w.slices->size(); ++i) {
+    const SliceSpec& s = (*w.slices)[i];
     std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    t.refs.push_back({s.name(), "", shape, snap.values[i].value.data()});
+    t.refs.push_back({s.name(), "", shape, w.values[i].data()});
     for (size_t k = 0; k < snap.slot_names.size(); ++k) {
-      t.refs.push_back({s.name(), snap.slot_names[k], shape, snap.values[i].slots[k].data()});
+      t.refs.push_back({s.name(), snap.slot_names[k], shape, snap.slots[i][k].data()});
     }
   }
   return t;
 }
 
-const std::vector<SliceSpec>& SliceList(const std::vector<SliceSpec>& slices) { return slices; }
+const std::vector<SliceSpec>& SliceList(const std::shared_ptr<const std::vector<SliceSpec>>& slices) {
+  return *slices;
+}
 
 }  // namespace
 
@@ -318,7 +322,7 @@ absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint
     if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
     return WithPs(ps, snap.status());
   }
-  const Tensors t = SnapshotTensors(*snap);
+  const Tensors t = SnapshotTensors(**snap);
   if (t.version != version) return WithPs(ps, absl::DataLossError("snapshot of another version"));
   absl::Status s = CopyInto(t.refs, sinks);
   return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
