@@ -36,13 +36,15 @@ int Fail(const absl::Status& s) { return Fail(std::string(s.message())); }
 }  // namespace
 
 int main(int argc, char** argv) {
-  psflow::ParseCommandLine(argc, argv, "examples/s of one worker training alone (no ps).", {"alone_worker.cc"});
+  psflow::ParseCommandLine(argc, argv, "examples/s of one worker training alone (no ps).",
+                           {"alone_worker.cc"});
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));
   if (!spec.ok()) return Fail(spec.status());
   const int batch = absl::GetFlag(FLAGS_batch_size);
   if (batch <= 0) return Fail("--batch_size must be positive");
-  auto data = psflow::data::LoadDataset({"idx", absl::GetFlag(FLAGS_data_dir), 0},
-                                        psflow::data::ModelInputOf(*spec), psflow::data::Split::kTrain);
+  auto data =
+      psflow::data::LoadDataset({"idx", absl::GetFlag(FLAGS_data_dir), 0},
+                                psflow::data::ModelInputOf(*spec), psflow::data::Split::kTrain);
   if (!data.ok()) return Fail(data.status());
   auto backend = psflow::kernels::CreateBackend("cpu", absl::GetFlag(FLAGS_threads));
   if (!backend.ok()) return Fail(backend.status());
@@ -82,15 +84,16 @@ int main(int argc, char** argv) {
   const int warmup = absl::GetFlag(FLAGS_warmup_steps), steps = absl::GetFlag(FLAGS_steps);
   const int64_t per_epoch = static_cast<int64_t>(order.size()) / batch;
   if (per_epoch == 0) {
-    return Fail(absl::StrCat("--batch_size ", batch, " exceeds the ", order.size(), " training examples in ",
-                             absl::GetFlag(FLAGS_data_dir)));
+    return Fail(absl::StrCat("--batch_size ", batch, " exceeds the ", order.size(),
+                             " training examples in ", absl::GetFlag(FLAGS_data_dir)));
   }
   absl::Time start = absl::Now();
   for (int step = 0; step < warmup + steps; ++step) {
     if (step == warmup) start = absl::Now();
     const int64_t pos = step % per_epoch;
-    absl::Status s = psflow::data::GatherBatch(
-        *data, absl::MakeConstSpan(order).subspan(pos * batch, batch), images.data(), labels.data());
+    absl::Status s =
+        psflow::data::GatherBatch(*data, absl::MakeConstSpan(order).subspan(pos * batch, batch),
+                                  images.data(), labels.data());
     if (!s.ok()) return Fail(s);
     auto r = (*net)->TrainStep(images.data(), labels.data(), batch);
     if (!r.ok()) return Fail(r.status());

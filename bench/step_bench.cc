@@ -31,21 +31,24 @@ ABSL_FLAG(int, repeats, 5, "Repeats; the median repeat is reported.");
 ABSL_FLAG(int, warmup_steps, 10, "Steps before timing.");
 ABSL_FLAG(double, learning_rate, 0.01, "SGD learning rate of the local update.");
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0 = all cores.");
-ABSL_FLAG(bool, profile, false,
-          "Also run each batch size op by op, waiting after every layer, and print the time per layer "
-          "and pass (the device idles between layers, so the sum exceeds a real step).");
+ABSL_FLAG(
+    bool, profile, false,
+    "Also run each batch size op by op, waiting after every layer, and print the time per layer "
+    "and pass (the device idles between layers, so the sum exceeds a real step).");
 
 namespace {
 
 int Fail(const std::string& what, const absl::Status& s) {
-  std::fprintf(stderr, "psflow-bench-step: %s: %s\n", what.c_str(), std::string(s.message()).c_str());
+  std::fprintf(stderr, "psflow-bench-step: %s: %s\n", what.c_str(),
+               std::string(s.message()).c_str());
   return 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  psflow::ParseCommandLine(argc, argv, "milliseconds per local training step (forward, backward, SGD).",
+  psflow::ParseCommandLine(argc, argv,
+                           "milliseconds per local training step (forward, backward, SGD).",
                            {"step_bench.cc"});
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));
   if (!spec.ok()) return Fail("--model", spec.status());
@@ -53,7 +56,8 @@ int main(int argc, char** argv) {
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes), ',')) {
     int v = 0;
     if (!absl::SimpleAtoi(b, &v) || v <= 0) {
-      std::fprintf(stderr, "psflow-bench-step: bad --batch_sizes entry '%s'\n", std::string(b).c_str());
+      std::fprintf(stderr, "psflow-bench-step: bad --batch_sizes entry '%s'\n",
+                   std::string(b).c_str());
       return 1;
     }
     batches.push_back(v);
@@ -67,7 +71,8 @@ int main(int argc, char** argv) {
   }
   const int steps = absl::GetFlag(FLAGS_steps), repeats = absl::GetFlag(FLAGS_repeats);
   if (steps <= 0 || repeats <= 0 || absl::GetFlag(FLAGS_warmup_steps) < 2) {
-    std::fprintf(stderr, "psflow-bench-step: --steps and --repeats must be positive, --warmup_steps >= 2\n");
+    std::fprintf(
+        stderr, "psflow-bench-step: --steps and --repeats must be positive, --warmup_steps >= 2\n");
     return 1;
   }
   const std::string device = absl::GetFlag(FLAGS_device);
@@ -81,8 +86,8 @@ int main(int argc, char** argv) {
   for (const auto& v : initial) initial_ptrs.push_back(v.data());
 
   for (int batch : batches) {
-    auto data = psflow::data::LoadDataset({"synthetic", "", batch}, psflow::data::ModelInputOf(*spec),
-                                          psflow::data::Split::kTrain);
+    auto data = psflow::data::LoadDataset(
+        {"synthetic", "", batch}, psflow::data::ModelInputOf(*spec), psflow::data::Split::kTrain);
     if (!data.ok()) return Fail("data", data.status());
     std::vector<std::string> runs = modes;
     if (absl::GetFlag(FLAGS_profile)) runs.push_back("profile");
@@ -102,8 +107,8 @@ int main(int argc, char** argv) {
         if (!s.ok()) return Fail("warm-up step", s);
       }
       if (mode == "graph" && !(*net)->UsesGraph(batch)) {
-        std::printf("step model=%s device=%s batch=%d mode=graph unavailable\n", spec->name().c_str(),
-                    device.c_str(), batch);
+        std::printf("step model=%s device=%s batch=%d mode=graph unavailable\n",
+                    spec->name().c_str(), device.c_str(), batch);
         continue;
       }
       if (mode == "profile") {
@@ -112,9 +117,11 @@ int main(int argc, char** argv) {
         std::vector<std::pair<std::string, double>> times = (*net)->LayerTimes();
         double total = 0;
         for (const auto& t : times) total += t.second;
-        std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+        std::sort(times.begin(), times.end(),
+                  [](const auto& a, const auto& b) { return a.second > b.second; });
         std::printf("profile model=%s batch=%d: %.3f ms per step in layers (waiting after each)\n",
-                    spec->name().c_str(), batch, total / (steps + absl::GetFlag(FLAGS_warmup_steps)));
+                    spec->name().c_str(), batch,
+                    total / (steps + absl::GetFlag(FLAGS_warmup_steps)));
         for (size_t i = 0; i < times.size() && i < 15; ++i) {
           std::printf("  %-24s %8.3f ms\n", times[i].first.c_str(),
                       times[i].second / (steps + absl::GetFlag(FLAGS_warmup_steps)));
@@ -134,9 +141,10 @@ int main(int argc, char** argv) {
       }
       std::sort(ms.begin(), ms.end());
       const double median = ms[ms.size() / 2];
-      std::printf("step model=%s device=%s batch=%d mode=%s ms=%.3f examples_per_s=%.0f loss=%.4f\n",
-                  spec->name().c_str(), device.c_str(), batch, mode.c_str(), median, batch * 1000.0 / median,
-                  loss);
+      std::printf(
+          "step model=%s device=%s batch=%d mode=%s ms=%.3f examples_per_s=%.0f loss=%.4f\n",
+          spec->name().c_str(), device.c_str(), batch, mode.c_str(), median,
+          batch * 1000.0 / median, loss);
       std::fflush(stdout);
     }
   }

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <filesystem>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/file_util.h"
@@ -27,7 +27,8 @@ std::vector<std::pair<int64_t, fs::path>> ListCheckpoints(const std::string& dir
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     int64_t step = 0;
-    if (!absl::StartsWith(name, kPrefix) || !absl::SimpleAtoi(name.substr(strlen(kPrefix)), &step)) continue;
+    if (!absl::StartsWith(name, kPrefix) || !absl::SimpleAtoi(name.substr(strlen(kPrefix)), &step))
+      continue;
     if (name != absl::StrCat(kPrefix, step) || !e.is_directory(ec)) continue;
     out.emplace_back(step, e.path());
   }
@@ -39,20 +40,23 @@ absl::StatusOr<Checkpoint> ReadOne(const fs::path& path) {
   absl::StatusOr<std::string> manifest_bytes = ReadFile((path / "manifest.pb").string());
   if (!manifest_bytes.ok()) return absl::DataLossError("no manifest");
   Checkpoint ckpt;
-  if (!ckpt.manifest.ParseFromString(*manifest_bytes)) return absl::DataLossError("manifest does not parse");
+  if (!ckpt.manifest.ParseFromString(*manifest_bytes))
+    return absl::DataLossError("manifest does not parse");
   absl::StatusOr<std::string> data = ReadFile((path / "data").string());
   if (!data.ok()) return absl::DataLossError("no data file");
   if (static_cast<int64_t>(data->size()) != ckpt.manifest.data_bytes()) {
-    return absl::DataLossError(absl::StrCat("data file has ", data->size(), " bytes, the manifest says ",
-                                            ckpt.manifest.data_bytes()));
+    return absl::DataLossError(absl::StrCat(
+        "data file has ", data->size(), " bytes, the manifest says ", ckpt.manifest.data_bytes()));
   }
   for (const CheckpointTensor& t : ckpt.manifest.tensor()) {
     absl::StatusOr<int64_t> n = CheckedNumElements(t.shape(), int64_t{1} << 32);
     if (!n.ok() || *n * 4 != t.bytes() || t.offset() < 0 ||
         t.offset() + t.bytes() > static_cast<int64_t>(data->size())) {
-      return absl::DataLossError(absl::StrCat("tensor '", t.name(), "' ", t.slot(), " does not fit the data"));
+      return absl::DataLossError(
+          absl::StrCat("tensor '", t.name(), "' ", t.slot(), " does not fit the data"));
     }
-    if (Crc32(absl::string_view(data->data() + t.offset(), static_cast<size_t>(t.bytes()))) != t.crc32()) {
+    if (Crc32(absl::string_view(data->data() + t.offset(), static_cast<size_t>(t.bytes()))) !=
+        t.crc32()) {
       return absl::DataLossError(absl::StrCat("checksum mismatch in '", t.name(), "' ", t.slot()));
     }
     CheckpointTensorData d;
@@ -70,13 +74,15 @@ absl::StatusOr<Checkpoint> ReadOne(const fs::path& path) {
 
 }  // namespace
 
-Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step, const std::vector<std::string>& slots) {
+Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step,
+                           const std::vector<std::string>& slots) {
   Checkpoint ckpt;
   for (const VariablePlacement& v : job.placement().variable()) {
     std::vector<int64_t> shape(v.shape().begin(), v.shape().end());
     const size_t n = static_cast<size_t>(NumElements(shape));
     ckpt.tensors.push_back({v.name(), "", shape, std::vector<float>(n)});
-    for (const std::string& slot : slots) ckpt.tensors.push_back({v.name(), slot, shape, std::vector<float>(n)});
+    for (const std::string& slot : slots)
+      ckpt.tensors.push_back({v.name(), slot, shape, std::vector<float>(n)});
   }
   CheckpointManifest& m = ckpt.manifest;
   m.set_step(step);
@@ -96,7 +102,9 @@ Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step, const std::vector
   return ckpt;
 }
 
-std::string CheckpointsDir(const std::string& model_dir) { return absl::StrCat(model_dir, "/checkpoints"); }
+std::string CheckpointsDir(const std::string& model_dir) {
+  return absl::StrCat(model_dir, "/checkpoints");
+}
 
 absl::Status WriteCheckpoint(const std::string& model_dir, const Checkpoint& checkpoint, int keep) {
   const std::string dir = CheckpointsDir(model_dir);
@@ -126,15 +134,20 @@ absl::Status WriteCheckpoint(const std::string& model_dir, const Checkpoint& che
   // The data first, the manifest last: a directory without a valid manifest
   // is not a checkpoint.
   PSFLOW_RETURN_IF_ERROR(WriteFileAtomically((tmp_path / "data").string(), data));
-  PSFLOW_RETURN_IF_ERROR(WriteFileAtomically((tmp_path / "manifest.pb").string(), manifest.SerializeAsString()));
+  PSFLOW_RETURN_IF_ERROR(
+      WriteFileAtomically((tmp_path / "manifest.pb").string(), manifest.SerializeAsString()));
   fs::remove_all(final_path, ec);
   fs::rename(tmp_path, final_path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot rename ", tmp_path.string(), ": ", ec.message()));
-  PSFLOW_RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(dir, "/checkpoint"), absl::StrCat(kPrefix, step, "\n")));
+  if (ec)
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", tmp_path.string(), ": ", ec.message()));
+  PSFLOW_RETURN_IF_ERROR(
+      WriteFileAtomically(absl::StrCat(dir, "/checkpoint"), absl::StrCat(kPrefix, step, "\n")));
 
   // Keep the newest `keep`; drop leftovers of interrupted writes.
   std::vector<std::pair<int64_t, fs::path>> all = ListCheckpoints(dir);
-  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i) fs::remove_all(all[i].second, ec);
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i)
+    fs::remove_all(all[i].second, ec);
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (absl::StartsWith(name, kPrefix) && absl::EndsWith(name, ".tmp") && e.path() != tmp_path) {

@@ -36,13 +36,15 @@ struct Checkpoint {
 // optimizer, data position of every worker) and, per variable in placement
 // order, a zeroed tensor for its value and one for each of `slots`
 // (tensors[i * (1 + slots.size()) + k], k = 0 the value).
-Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step, const std::vector<std::string>& slots);
+Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step,
+                           const std::vector<std::string>& slots);
 
 // An empty checkpoint of step `step` of `job`: the manifest (model,
 // optimizer, data position of every worker) and, per variable in placement
 // order, a zeroed tensor for its value and one for each of `slots`
 // (tensors[i * (1 + slots.size()) + k], k = 0 the value).
-Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step, const std::vector<std::string>& slots);
+Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step,
+                           const std::vector<std::string>& slots);
 
 // <model_dir>/checkpoints
 std::string CheckpointsDir(const std::string& model_dir);

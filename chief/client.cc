@@ -6,7 +6,8 @@
 
 namespace psflow::chief {
 
-GrpcClient::GrpcClient(const std::string& address) : stub_(ChiefService::NewStub(MakeChannel(address))) {}
+GrpcClient::GrpcClient(const std::string& address)
+    : stub_(ChiefService::NewStub(MakeChannel(address))) {}
 
 absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, absl::Time deadline) {
   grpc::ClientContext context;
@@ -20,7 +21,8 @@ absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, ab
   return response;
 }
 
-absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request, absl::Time deadline) {
+absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request,
+                                                  absl::Time deadline) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   ReportResponse response;

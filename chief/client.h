@@ -20,10 +20,12 @@ class Client {
   virtual ~Client() = default;
   // Registers worker `worker`; the chief answers once every ps holds the
   // job. Waits for a chief that is not up yet until `deadline`.
-  virtual absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) = 0;
+  virtual absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker,
+                                                                absl::Time deadline) = 0;
   // Step metrics and heartbeat; the answer says go on, exit, register again
   // or fail.
-  virtual absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) = 0;
+  virtual absl::StatusOr<ReportResponse> Report(const ReportRequest& request,
+                                                absl::Time deadline) = 0;
 };
 
 class GrpcClient final : public Client {

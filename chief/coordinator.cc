@@ -44,10 +44,12 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
                         static_cast<int>(o.cluster.cluster.ps.size()));
 }
 
-Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps, ThreadPool* pool)
+Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps,
+                         ThreadPool* pool)
     : options_(std::move(options)), job_(std::move(job)), ps_(ps), pool_(pool) {
   progress_ = std::make_unique<Progress>(
-      job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(), job_.num_ps(),
+      job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(),
+      job_.num_ps(),
       [this] {
         int n = 0;
         for (int p = 0; p < job_.num_ps(); ++p) n += ps_->Reachable(p);
@@ -141,7 +143,8 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
   return response;
 }
 
-absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request, absl::Time deadline) {
+absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
+                                                   absl::Time deadline) {
   const int w = request.worker();
   if (w < 0 || w >= job_.num_workers()) return absl::InvalidArgumentError("unknown worker");
   for (const StepMetrics& m : request.metrics()) {
@@ -156,9 +159,10 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   }
   for (const StepMetrics& m : request.metrics()) {
     if (!m.nonfinite()) continue;
-    Fail(absl::OutOfRangeError(absl::StrCat(
-        "worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
-        " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no saved model is written")));
+    Fail(absl::OutOfRangeError(
+        absl::StrCat("worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
+                     " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no "
+                     "saved model is written")));
   }
   ReportResponse response;
   {
@@ -180,7 +184,9 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   if (request.finished()) {
     finished_.insert(w);
     // Long-poll: answer when the job is over, or soon enough to serve as a heartbeat.
-    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ || Stopping() || !failure_.ok(); };
+    auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return done_ || Stopping() || !failure_.ok();
+    };
     mu_.AwaitWithDeadline(absl::Condition(&over),
                           std::min(deadline, absl::Now() + options_.timeouts.report_hold));
   }
@@ -201,7 +207,8 @@ absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
   if (!ckpt.ok()) {
     if (!absl::IsNotFound(ckpt.status())) return ckpt.status();
     std::vector<std::vector<float>> init = model::InitialValues(job_.model(), job_.seed());
-    for (size_t i = 0; i < vars.size(); ++i) w.tensors.push_back({vars[i].name, "", vars[i].shape, std::move(init[i])});
+    for (size_t i = 0; i < vars.size(); ++i)
+      w.tensors.push_back({vars[i].name, "", vars[i].shape, std::move(init[i])});
     return w;
   }
   // Every variable must be there with its shape; optimizer slots are taken
@@ -210,8 +217,9 @@ absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
   absl::flat_hash_set<std::string> wanted;
   for (const VariableShape& v : vars) wanted.insert(v.name);
   for (const VariableShape& v : vars) {
-    auto it = std::find_if(ckpt->tensors.begin(), ckpt->tensors.end(),
-                           [&](const CheckpointTensorData& t) { return t.name == v.name && t.slot.empty(); });
+    auto it = std::find_if(
+        ckpt->tensors.begin(), ckpt->tensors.end(),
+        [&](const CheckpointTensorData& t) { return t.name == v.name && t.slot.empty(); });
     if (it == ckpt->tensors.end() || it->shape != v.shape) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the newest checkpoint in ", CheckpointsDir(options_.model_dir), " does not fit model ",
@@ -219,11 +227,13 @@ absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
     }
   }
   for (CheckpointTensorData& t : ckpt->tensors) {
-    if (wanted.contains(t.name) && (t.slot.empty() || same_optimizer)) w.tensors.push_back(std::move(t));
+    if (wanted.contains(t.name) && (t.slot.empty() || same_optimizer))
+      w.tensors.push_back(std::move(t));
   }
   w.step = ckpt->manifest.step();
   PSLOG(INFO) << "restoring from the checkpoint of step " << w.step << " (saved with "
-              << ckpt->manifest.num_ps() << " ps" << (same_optimizer ? "" : ", optimizer slots reset") << ")";
+              << ckpt->manifest.num_ps() << " ps"
+              << (same_optimizer ? "" : ", optimizer slots reset") << ")";
   return w;
 }
 
@@ -255,8 +265,8 @@ bool Coordinator::TryAdopt() {
       progress_->Restart(states[0].version());
       progress_->SetLiveWorkers(live);
       last_checkpoint_step_ = states[0].version();
-      PSLOG(INFO) << "adopting the running job at step " << states[0].version() << " (" << live.size()
-                  << " live workers)";
+      PSLOG(INFO) << "adopting the running job at step " << states[0].version() << " ("
+                  << live.size() << " live workers)";
       return true;
     }
     absl::SleepFor(options_.timeouts.adopt_retry);  // a step is being applied: look again
@@ -278,13 +288,14 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
   std::vector<std::vector<const float*>> buffers(slots.size());
   for (size_t k = 0; k < slots.size(); ++k) {
     for (const VariablePlacement& v : job_.placement().variable()) {
-      auto it = std::find_if(weights.tensors.begin(), weights.tensors.end(), [&](const CheckpointTensorData& t) {
-        return t.name == v.name() && t.slot == slots[k];
-      });
+      auto it = std::find_if(
+          weights.tensors.begin(), weights.tensors.end(),
+          [&](const CheckpointTensorData& t) { return t.name == v.name() && t.slot == slots[k]; });
       buffers[k].push_back(it == weights.tensors.end() ? nullptr : it->values.data());
     }
     // A slot the weights do not hold starts at zero on the ps.
-    if (std::find(buffers[k].begin(), buffers[k].end(), nullptr) != buffers[k].end()) buffers[k].clear();
+    if (std::find(buffers[k].begin(), buffers[k].end(), nullptr) != buffers[k].end())
+      buffers[k].clear();
   }
   RetryPolicy retry;
   retry.give_up = absl::Now() + options_.timeouts.startup;
@@ -303,7 +314,8 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
     std::vector<TensorRef> tensors;
     for (size_t k = 0; k < slots.size(); ++k) {
       if (buffers[k].empty()) continue;
-      for (TensorRef& r : SliceRefs(job_.placement(), p, buffers[k], slots[k])) tensors.push_back(std::move(r));
+      for (TensorRef& r : SliceRefs(job_.placement(), p, buffers[k], slots[k]))
+        tensors.push_back(std::move(r));
     }
     // wait_for_ready covers a ps not up yet; a connection that breaks under
     // the call (a ps going down as it is asked) is tried again.
@@ -335,7 +347,8 @@ bool Coordinator::PsHealthy(int64_t* max_version) {
   absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
     absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
     if (!st.ok()) return st.status();
-    if (!st->holds_job() || st->job_id() != id) return absl::FailedPreconditionError("ps lost the job");
+    if (!st->holds_job() || st->job_id() != id)
+      return absl::FailedPreconditionError("ps lost the job");
     versions[p] = st->version();
     return absl::OkStatus();
   });
@@ -364,8 +377,9 @@ void Coordinator::CheckWorkers() {
 }
 
 absl::Status Coordinator::Recover() {
-  PSLOG(WARNING) << "a parameter server is down or lost its shard; pausing the workers and reloading "
-                    "every ps from the newest checkpoint";
+  PSLOG(WARNING)
+      << "a parameter server is down or lost its shard; pausing the workers and reloading "
+         "every ps from the newest checkpoint";
   {
     absl::MutexLock lock(&mu_);
     ready_ = false;
@@ -401,7 +415,8 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
   // Variable i's value, then its slots, are ckpt.tensors[i * per_var + k].
   const size_t per_var = slots.size() + 1;
   std::vector<std::vector<float*>> buffers(per_var);
-  for (size_t i = 0; i < ckpt.tensors.size(); ++i) buffers[i % per_var].push_back(ckpt.tensors[i].values.data());
+  for (size_t i = 0; i < ckpt.tensors.size(); ++i)
+    buffers[i % per_var].push_back(ckpt.tensors[i].values.data());
   const absl::Time deadline = absl::Now() + options_.timeouts.snapshot_call;
   PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
     std::vector<TensorSink> sinks;
@@ -413,10 +428,12 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
     return ps_->Snapshot(p, id, target, std::move(sinks), deadline);
   }));
   for (const CheckpointTensorData& t : ckpt.tensors) {
-    if (std::all_of(t.values.begin(), t.values.end(), [](float v) { return std::isfinite(v); })) continue;
-    absl::Status diverged = absl::OutOfRangeError(
-        absl::StrCat("the weights of step ", target, " are not finite (", t.name, t.slot.empty() ? "" : "/", t.slot,
-                     "): the job diverged; the checkpoints before it are kept, no saved model is written"));
+    if (std::all_of(t.values.begin(), t.values.end(), [](float v) { return std::isfinite(v); }))
+      continue;
+    absl::Status diverged = absl::OutOfRangeError(absl::StrCat(
+        "the weights of step ", target, " are not finite (", t.name, t.slot.empty() ? "" : "/",
+        t.slot,
+        "): the job diverged; the checkpoints before it are kept, no saved model is written"));
     Fail(diverged);
     return diverged;
   }
@@ -424,7 +441,8 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
   PSFLOW_RETURN_IF_ERROR(WriteCheckpoint(options_.model_dir, ckpt, options_.keep_checkpoints));
   last_checkpoint_step_ = target;
   last_checkpoint_time_ = absl::Now();
-  PSLOG(INFO) << "checkpoint of step " << target << " written to " << CheckpointsDir(options_.model_dir) << " ("
+  PSLOG(INFO) << "checkpoint of step " << target << " written to "
+              << CheckpointsDir(options_.model_dir) << " ("
               << absl::ToInt64Milliseconds(absl::Now() - start) << " ms)";
   if (taken != nullptr) *taken = std::move(ckpt);
   return absl::OkStatus();
@@ -480,7 +498,8 @@ absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
     }
     version = final_checkpoint->manifest.step();
   } else {
-    for (const VariableShape& v : model::ModelVariables(job_.model())) values.emplace_back(NumElements(v.shape));
+    for (const VariableShape& v : model::ModelVariables(job_.model()))
+      values.emplace_back(NumElements(v.shape));
     std::vector<float*> buffers;
     for (std::vector<float>& v : values) buffers.push_back(v.data());
     const absl::Time deadline = absl::Now() + options_.timeouts.final_pull;
@@ -492,12 +511,14 @@ absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
       if (r.ok()) versions[p] = r->version;
       return r.status();
     });
-    if (!s.ok()) return absl::InternalError(absl::StrCat("cannot read the final weights: ", s.message()));
+    if (!s.ok())
+      return absl::InternalError(absl::StrCat("cannot read the final weights: ", s.message()));
     version = versions.empty() ? 0 : versions[0];
   }
   const std::string dir = SavedModelDir();
   absl::Status s = model::WriteSavedModel(dir, job_.model(), version, values);
-  if (!s.ok()) return absl::InternalError(absl::StrCat("cannot write the saved model: ", s.message()));
+  if (!s.ok())
+    return absl::InternalError(absl::StrCat("cannot write the saved model: ", s.message()));
   PSLOG(INFO) << "saved model (step " << version << ") written to " << dir;
   return absl::OkStatus();
 }
@@ -539,14 +560,15 @@ absl::Status Coordinator::Run() {
   for (const VariableShape& v : model::ModelVariables(job_.model())) params += NumElements(v.shape);
   std::vector<int64_t> bytes = BytesPerPs(job_.placement());
   std::string per_ps;
-  for (size_t p = 0; p < bytes.size(); ++p) absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
+  for (size_t p = 0; p < bytes.size(); ++p)
+    absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
   PSLOG(INFO) << "job: model " << job_.model().name() << " (" << params << " parameters), "
               << job_.train_steps() << " steps (" << job_.steps_per_epoch() << " per epoch), batch "
               << job_.batch_size() << " x " << job_.num_workers() << " workers, optimizer "
-              << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr " << job_.optimizer().learning_rate()
-              << ", inputs standardized with mean " << job_.model().input().mean() << " stddev "
-              << job_.model().input().stddev() << ", variables over " << job_.num_ps() << " ps (" << per_ps
-              << ")";
+              << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr "
+              << job_.optimizer().learning_rate() << ", inputs standardized with mean "
+              << job_.model().input().mean() << " stddev " << job_.model().input().stddev()
+              << ", variables over " << job_.num_ps() << " ps (" << per_ps << ")";
 
   absl::Status status;
   if (TryAdopt()) {
@@ -556,7 +578,8 @@ absl::Status Coordinator::Run() {
     absl::StatusOr<Weights> weights = InitialWeights();
     status = weights.status();
     if (status.ok()) status = LoadParameterServers(*weights);
-    if (status.ok()) PSLOG(INFO) << "parameter servers loaded at step " << weights->step << "; training";
+    if (status.ok())
+      PSLOG(INFO) << "parameter servers loaded at step " << weights->step << "; training";
   }
   if (status.ok()) status = Supervise();
   bool trained = status.ok();
@@ -584,10 +607,11 @@ absl::Status Coordinator::Run() {
   if (trained || Failed()) ReleaseEveryone();
   if (status.ok()) {
     Progress::Summary s = progress_->summary();
-    PSLOG(INFO) << absl::StrFormat("done: %d steps, %d examples in %.1f s, %.0f ex/s after the first interval, "
-                                   "final loss %.4f acc %.3f",
-                                   job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed),
-                                   s.examples_per_sec, s.last_loss, s.last_accuracy);
+    PSLOG(INFO) << absl::StrFormat(
+        "done: %d steps, %d examples in %.1f s, %.0f ex/s after the first interval, "
+        "final loss %.4f acc %.3f",
+        job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed), s.examples_per_sec,
+        s.last_loss, s.last_accuracy);
   }
   return status;
 }

@@ -42,13 +42,18 @@ void SetPixelStats(const std::vector<Pixel>& pixels, double scale, TrainingDataS
 }
 
 absl::StatusOr<TrainingDataStats> ReadTrainingDataStats(const std::string& data_dir) {
-  absl::StatusOr<data::IdxFile> labels = data::ReadIdxFileInDir(data_dir, "train-labels-idx1-ubyte");
-  if (!labels.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", labels.status().message()));
-  absl::StatusOr<data::IdxFile> images = data::ReadIdxFileInDir(data_dir, "train-images-idx3-ubyte");
-  if (!images.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", images.status().message()));
+  absl::StatusOr<data::IdxFile> labels =
+      data::ReadIdxFileInDir(data_dir, "train-labels-idx1-ubyte");
+  if (!labels.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", labels.status().message()));
+  absl::StatusOr<data::IdxFile> images =
+      data::ReadIdxFileInDir(data_dir, "train-images-idx3-ubyte");
+  if (!images.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--data_dir: ", images.status().message()));
   if (labels->dims.size() != 1 || images->dims.size() != 3 || images->dims[0] != labels->dims[0] ||
       images->data.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("the training images and labels in ", data_dir, " do not match"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the training images and labels in ", data_dir, " do not match"));
   }
   TrainingDataStats stats;
   stats.count = labels->dims[0];
@@ -77,7 +82,8 @@ absl::StatusOr<OptimizerConfig> MakeOptimizer(const JobOptions& o) {
     config.set_kind(OptimizerConfig::MOMENTUM);
     config.set_momentum(o.momentum);
     if (!(o.momentum > 0 && o.momentum < 1)) {
-      return absl::InvalidArgumentError(absl::StrCat("--momentum must be in (0, 1), got ", o.momentum));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--momentum must be in (0, 1), got ", o.momentum));
     }
   } else if (name == "adam") {
     config.set_kind(OptimizerConfig::ADAM);
@@ -86,7 +92,8 @@ absl::StatusOr<OptimizerConfig> MakeOptimizer(const JobOptions& o) {
         absl::StrCat("--optimizer '", o.optimizer, "' is not one of sgd, momentum, adam"));
   }
   if (!(o.learning_rate > 0) || !std::isfinite(o.learning_rate)) {
-    return absl::InvalidArgumentError(absl::StrCat("--learning_rate must be positive, got ", o.learning_rate));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--learning_rate must be positive, got ", o.learning_rate));
   }
   config.set_learning_rate(o.learning_rate);
   // The ps will build the same optimizer: refuse here what they would refuse.
@@ -104,7 +111,8 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   if (o.epochs > 0 && o.train_steps > 0) {
     return absl::InvalidArgumentError("give --epochs or --train_steps, not both");
   }
-  if (o.compute_threads < 0) return absl::InvalidArgumentError("--compute_threads must not be negative");
+  if (o.compute_threads < 0)
+    return absl::InvalidArgumentError("--compute_threads must not be negative");
   if (num_workers == 0) return absl::InvalidArgumentError("the cluster has no workers");
 
   JobConfig job;
@@ -119,9 +127,10 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
     // Check that the whole set can be made, then measure the pixels of its
     // first examples (made the same way as the rest) rather than of all.
     absl::Status check = data::CheckSynthetic(shape, o.synthetic_examples);
-    if (!check.ok()) return absl::InvalidArgumentError(absl::StrCat("--synthetic_examples: ", check.message()));
-    absl::StatusOr<data::Dataset> made =
-        data::MakeSynthetic(shape, std::min<int64_t>(o.synthetic_examples, 2000), data::Split::kTrain);
+    if (!check.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--synthetic_examples: ", check.message()));
+    absl::StatusOr<data::Dataset> made = data::MakeSynthetic(
+        shape, std::min<int64_t>(o.synthetic_examples, 2000), data::Split::kTrain);
     if (!made.ok()) return made.status();
     stats = StatsOf(*made);
     stats->count = o.synthetic_examples;
@@ -129,10 +138,12 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
     stats = ReadTrainingDataStats(o.data_dir);
     if (!stats.ok()) return stats.status();
     const data::DataSource source{o.dataset, o.data_dir, o.synthetic_examples};
-    PSFLOW_RETURN_IF_ERROR(data::CheckFitsModel({1, static_cast<int>(stats->height), static_cast<int>(stats->width), 10},
-                                                data::DescribeSource(source), data::ModelInputOf(*spec)));
+    PSFLOW_RETURN_IF_ERROR(data::CheckFitsModel(
+        {1, static_cast<int>(stats->height), static_cast<int>(stats->width), 10},
+        data::DescribeSource(source), data::ModelInputOf(*spec)));
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--dataset '", o.dataset, "' is not one of idx, synthetic"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dataset '", o.dataset, "' is not one of idx, synthetic"));
   }
   if (stats->stddev > 0) {
     job.mutable_model()->mutable_input()->set_mean(static_cast<float>(stats->mean));
@@ -143,8 +154,8 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   const int64_t shard = (stats->count + num_workers - 1) / num_workers;
   const int64_t steps_per_epoch = shard / o.batch_size;
   if (steps_per_epoch == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--batch_size ", o.batch_size, " exceeds the ", shard,
-                                                   " examples each worker sees per epoch"));
+    return absl::InvalidArgumentError(absl::StrCat("--batch_size ", o.batch_size, " exceeds the ",
+                                                   shard, " examples each worker sees per epoch"));
   }
   job.set_data_dir(o.data_dir);
   job.set_dataset(o.dataset);
@@ -161,10 +172,12 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   job.set_num_ps(num_ps);
   job.set_compute_threads(o.compute_threads);
   if (o.on_nonfinite != "fail") {
-    return absl::InvalidArgumentError(absl::StrCat("--on_nonfinite '", o.on_nonfinite, "' is not fail"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--on_nonfinite '", o.on_nonfinite, "' is not fail"));
   }
   job.set_on_nonfinite(JobConfig::FAIL);
-  PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(), PlaceVariables(model::ModelVariables(*spec), num_ps));
+  PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(),
+                          PlaceVariables(model::ModelVariables(*spec), num_ps));
   return job;
 }
 

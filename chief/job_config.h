@@ -18,7 +18,7 @@ inline constexpr char kDefaultDataDir[] = "/usr/share/datasets/fashion-mnist";
 
 // The job's settings; defaults are the chief's flags' defaults.
 struct JobOptions {
-  std::string model = "cnn";           // built-in name or spec file
+  std::string model = "cnn";  // built-in name or spec file
   std::string data_dir = kDefaultDataDir;
   std::string dataset = "idx";         // idx (files in data_dir) or synthetic
   int64_t synthetic_examples = 10000;  // training examples of the synthetic dataset
@@ -29,7 +29,7 @@ struct JobOptions {
   float learning_rate = 0.01f;
   float momentum = 0.9f;
   uint64_t seed = 1;
-  int compute_threads = 0;             // per worker; 0 = library default
+  int compute_threads = 0;  // per worker; 0 = library default
   // What a step with a non-finite loss or gradients does: "fail" stops the
   // job with exit code 1, keeping the checkpoints taken before it.
   std::string on_nonfinite = "fail";

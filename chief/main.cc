@@ -7,55 +7,67 @@
 #include "absl/time/time.h"
 #include "chief/coordinator.h"
 #include "chief/service.h"
-#include "common/grpc_util.h"
-#include "common/thread_pool.h"
-#include "ps/client.h"
 #include "common/cluster_flags.h"
-#include "common/log.h"
 #include "common/exit_codes.h"
+#include "common/grpc_util.h"
+#include "common/log.h"
 #include "common/memory.h"
 #include "common/signals.h"
+#include "common/thread_pool.h"
+#include "ps/client.h"
 
-ABSL_FLAG(std::string, model, "cnn",
-          "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
-          "(784-256-256-10), resnet (ResNet-18 for 32x32x3 inputs; use it with --dataset=synthetic), or the path of a model spec in protobuf text format (see docs/models.md).");
+ABSL_FLAG(
+    std::string, model, "cnn",
+    "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
+    "(784-256-256-10), resnet (ResNet-18 for 32x32x3 inputs; use it with --dataset=synthetic), or "
+    "the path of a model spec in protobuf text format (see docs/models.md).");
 ABSL_FLAG(std::string, data_dir, psflow::chief::kDefaultDataDir,
           "Directory with MNIST-format IDX files (train-images-idx3-ubyte[.gz], ...). Every worker "
           "reads it at this path.");
-ABSL_FLAG(std::string, dataset, "idx",
-          "Where examples come from: idx (the MNIST-format files in --data_dir) or synthetic (labelled "
-          "images of the model's input shape, made in every process, for benchmarks; see "
-          "--synthetic_examples).");
+ABSL_FLAG(
+    std::string, dataset, "idx",
+    "Where examples come from: idx (the MNIST-format files in --data_dir) or synthetic (labelled "
+    "images of the model's input shape, made in every process, for benchmarks; see "
+    "--synthetic_examples).");
 ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --dataset=synthetic.");
-ABSL_FLAG(int, batch_size, 64, "Examples per step on each worker (the global batch is this times the workers).");
-ABSL_FLAG(int64_t, epochs, 0, "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
+ABSL_FLAG(int, batch_size, 64,
+          "Examples per step on each worker (the global batch is this times the workers).");
+ABSL_FLAG(int64_t, epochs, 0,
+          "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
 ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
-ABSL_FLAG(std::string, optimizer, "sgd", "sgd, momentum or adam; applied on the parameter servers.");
+ABSL_FLAG(std::string, optimizer, "sgd",
+          "sgd, momentum or adam; applied on the parameter servers.");
 ABSL_FLAG(double, learning_rate, 0.01, "Learning rate of the optimizer.");
 ABSL_FLAG(double, momentum, 0.9, "Momentum of --optimizer=momentum.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial weights and of the data order of every epoch.");
-ABSL_FLAG(std::string, model_dir, "",
-          "Directory for the job's outputs (required); the saved model goes to <model_dir>/saved_model.");
-ABSL_FLAG(std::string, saved_model_dir, "", "Where to write the saved model instead of <model_dir>/saved_model.");
+ABSL_FLAG(
+    std::string, model_dir, "",
+    "Directory for the job's outputs (required); the saved model goes to <model_dir>/saved_model.");
+ABSL_FLAG(std::string, saved_model_dir, "",
+          "Where to write the saved model instead of <model_dir>/saved_model.");
 ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
-ABSL_FLAG(int, compute_threads, 0,
-          "CPU threads each worker's kernels use; 0 = all cores. Set it when workers share a machine.");
+ABSL_FLAG(
+    int, compute_threads, 0,
+    "CPU threads each worker's kernels use; 0 = all cores. Set it when workers share a machine.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to wait for every parameter server to come up before exiting with code 138.");
 ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
           "Write a checkpoint every this many steps (0: not by steps). Checkpoints go to "
           "<model_dir>/checkpoints; a job started again with the same --model_dir resumes from the "
           "newest valid one.");
-ABSL_FLAG(int, checkpoint_every_secs, 600, "Write a checkpoint every this many seconds (0: not by time).");
+ABSL_FLAG(int, checkpoint_every_secs, 600,
+          "Write a checkpoint every this many seconds (0: not by time).");
 ABSL_FLAG(int, keep_checkpoints, 5, "How many of the newest checkpoints to keep.");
-ABSL_FLAG(int, worker_timeout, 30,
-          "Seconds without a report from a worker after which the synchronous steps go on without it; "
-          "it takes part again when it registers anew.");
+ABSL_FLAG(
+    int, worker_timeout, 30,
+    "Seconds without a report from a worker after which the synchronous steps go on without it; "
+    "it takes part again when it registers anew.");
 
-ABSL_FLAG(std::string, on_nonfinite, "fail",
-          "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
-          "job with exit code 1 and one line naming the step; the checkpoints before it are kept and "
-          "no saved model is written.");
+ABSL_FLAG(
+    std::string, on_nonfinite, "fail",
+    "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
+    "job with exit code 1 and one line naming the step; the checkpoints before it are kept and "
+    "no saved model is written.");
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -103,11 +115,12 @@ int main(int argc, char** argv) {
   }
   c.timeouts.startup = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
   c.timeouts.worker = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
-  if (c.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 || c.keep_checkpoints < 1 ||
-      absl::GetFlag(FLAGS_worker_timeout) <= 0) {
-    std::fprintf(stderr,
-                 "psflow-chief: --checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
-                 "--worker_timeout must be positive\n");
+  if (c.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 ||
+      c.keep_checkpoints < 1 || absl::GetFlag(FLAGS_worker_timeout) <= 0) {
+    std::fprintf(
+        stderr,
+        "psflow-chief: --checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
+        "--worker_timeout must be positive\n");
     return psflow::kExitPermanent;
   }
   absl::StatusOr<psflow::JobConfig> config = psflow::chief::BuildJobConfig(o);
@@ -120,15 +133,17 @@ int main(int argc, char** argv) {
   psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
   psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool);
   psflow::chief::GrpcChiefService service(&coordinator);
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(o.cluster.self_port, &service);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      psflow::StartServer(o.cluster.self_port, &service);
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << o.cluster.self_address << "; loading the parameter servers";
   // A signal makes the coordinator checkpoint first; give that time, not forever.
-  const int code = psflow::RunRole([&] { return coordinator.Run(); }, [&](int sig) { coordinator.Stop(sig); },
-                                   absl::Seconds(30), "stopping");
+  const int code =
+      psflow::RunRole([&] { return coordinator.Run(); }, [&](int sig) { coordinator.Stop(sig); },
+                      absl::Seconds(30), "stopping");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return code;
 }

@@ -8,8 +8,8 @@
 
 namespace psflow::chief {
 
-Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
-                   int num_ps, std::function<int()> reachable_ps,
+Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps,
+                   int num_workers, int num_ps, std::function<int()> reachable_ps,
                    std::function<void(const std::string&)> emit)
     : train_steps_(train_steps),
       steps_per_epoch_(std::max<int64_t>(steps_per_epoch, 1)),
@@ -35,16 +35,20 @@ absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int bat
     return absl::InvalidArgumentError(absl::StrCat("step ", m.step(), " is not in the job"));
   }
   if (m.examples() <= 0 || m.examples() > batch_size) {
-    return absl::InvalidArgumentError(absl::StrCat("examples ", m.examples(), " is not in [1, ", batch_size, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("examples ", m.examples(), " is not in [1, ", batch_size, "]"));
   }
   if (m.correct() < 0 || m.correct() > m.examples()) {
-    return absl::InvalidArgumentError(absl::StrCat("correct ", m.correct(), " is not in [0, ", m.examples(), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("correct ", m.correct(), " is not in [0, ", m.examples(), "]"));
   }
   for (int64_t us : {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()}) {
-    if (us < 0 || us > kHourUs) return absl::InvalidArgumentError(absl::StrCat("a step time of ", us, " us"));
+    if (us < 0 || us > kHourUs)
+      return absl::InvalidArgumentError(absl::StrCat("a step time of ", us, " us"));
   }
   if (!m.nonfinite() && !(std::isfinite(m.loss()) && m.loss() >= 0)) {
-    return absl::InvalidArgumentError("a loss that is negative or not finite, not flagged nonfinite");
+    return absl::InvalidArgumentError(
+        "a loss that is negative or not finite, not flagged nonfinite");
   }
   return absl::OkStatus();
 }
@@ -110,7 +114,8 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const double steps = static_cast<double>(std::max<int64_t>(end - begin, 1));
     const double n = static_cast<double>(std::max<int64_t>(in.records, 1));
     const double loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
-    const double acc = in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
+    const double acc =
+        in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
     // Rates come from the workers' own step times, not from when reports
     // happen to arrive here: a step takes as long as its slowest phase chain
     // on a worker, and all workers of a synchronous step move together.
@@ -118,10 +123,11 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const double examples_per_sec =
         step_ms > 0 ? static_cast<double>(in.examples) / (steps * step_ms / 1000.0) : 0;
     emit_(absl::StrFormat(
-        "step %d/%d epoch %.2f loss %.4f acc %.3f | %.0f ex/s | step %.1f ms (pull %.1f compute %.1f "
+        "step %d/%d epoch %.2f loss %.4f acc %.3f | %.0f ex/s | step %.1f ms (pull %.1f compute "
+        "%.1f "
         "push %.1f wait %.1f) | workers %d/%d ps %d/%d",
-        end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss, acc,
-        examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
+        end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss,
+        acc, examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
         in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()),
         reachable_ps_ ? reachable_ps_() : num_ps_, num_ps_));
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
@@ -140,8 +146,10 @@ Progress::Summary Progress::summary() const {
   Summary s;
   s.steps = logged_until_ < 0 ? 0 : logged_until_;
   s.examples = total_examples_;
-  s.elapsed = first_report_ == absl::InfinitePast() ? absl::ZeroDuration() : last_report_ - first_report_;
-  s.examples_per_sec = steady_seconds_ > 0 ? static_cast<double>(steady_examples_) / steady_seconds_ : 0;
+  s.elapsed =
+      first_report_ == absl::InfinitePast() ? absl::ZeroDuration() : last_report_ - first_report_;
+  s.examples_per_sec =
+      steady_seconds_ > 0 ? static_cast<double>(steady_examples_) / steady_seconds_ : 0;
   s.last_loss = last_loss_;
   s.last_accuracy = last_acc_;
   return s;

@@ -34,7 +34,8 @@ class Progress {
   // `emit` receives each finished line (the chief logs it); `reachable_ps`
   // counts the ps whose connection is up when a line is written.
   Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
-           int num_ps, std::function<int()> reachable_ps, std::function<void(const std::string&)> emit);
+           int num_ps, std::function<int()> reachable_ps,
+           std::function<void(const std::string&)> emit);
 
   // A worker counts as live ("workers live/total") if it reported within this.
   static constexpr absl::Duration kLiveWindow = absl::Seconds(10);
@@ -53,7 +54,7 @@ class Progress {
   struct Summary {
     int64_t steps = 0;
     int64_t examples = 0;
-    absl::Duration elapsed;  // from the first reported step to the last
+    absl::Duration elapsed;       // from the first reported step to the last
     double examples_per_sec = 0;  // over every logged interval but the first (start-up)
     double last_loss = 0, last_accuracy = 0;
   };
@@ -75,8 +76,8 @@ class Progress {
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)
-  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
-  std::vector<bool> member_ ABSL_GUARDED_BY(mu_);  // in the live set
+  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);      // per worker
+  std::vector<bool> member_ ABSL_GUARDED_BY(mu_);               // in the live set
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any
   absl::Time first_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -15,9 +15,12 @@ grpc::Status Answer(absl::StatusOr<Response> result, Response* response) {
 
 }  // namespace
 
-grpc::Status GrpcChiefService::RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
+grpc::Status GrpcChiefService::RegisterWorker(grpc::ServerContext* context,
+                                              const RegisterWorkerRequest* request,
                                               RegisterWorkerResponse* response) {
-  return Answer(coordinator_->RegisterWorker(request->worker(), absl::FromChrono(context->deadline())), response);
+  return Answer(
+      coordinator_->RegisterWorker(request->worker(), absl::FromChrono(context->deadline())),
+      response);
 }
 
 grpc::Status GrpcChiefService::Report(grpc::ServerContext* context, const ReportRequest* request,

@@ -42,9 +42,7 @@ absl::Status Invalid(absl::string_view message) {
   return absl::InvalidArgumentError(OneLine(message));
 }
 
-std::string BinaryName(Role role) {
-  return "psflow-" + RoleName(role);
-}
+std::string BinaryName(Role role) { return "psflow-" + RoleName(role); }
 
 std::vector<std::string>* MutableAddresses(ClusterSpec* spec, Role role) {
   switch (role) {

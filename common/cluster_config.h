@@ -45,8 +45,8 @@ struct ClusterConfig {
 // given explicitly as "" are also treated as unset).
 struct ClusterFlags {
   std::optional<std::string> job_name;
-  std::optional<int> task_id;     // --task_id
-  std::optional<int> task_index;  // --task_index, an alias; both given must agree
+  std::optional<int> task_id;              // --task_id
+  std::optional<int> task_index;           // --task_index, an alias; both given must agree
   std::optional<std::string> chief_hosts;  // comma-separated host:port
   std::optional<std::string> ps_hosts;
   std::optional<std::string> worker_hosts;
@@ -67,8 +67,8 @@ struct ConfigEnv {
 // configured; malformed JSON; unknown role; index out of range; an address
 // that is not host:port; the same address twice; no chief or no ps (for
 // training roles); and a task whose role is not `expected`.
-absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags,
-                                                   const ConfigEnv& env, Role expected);
+absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, const ConfigEnv& env,
+                                                   Role expected);
 
 // Splits "host:port" and validates the port (1..65535).
 absl::Status ParseHostPort(const std::string& address, std::string* host, int* port);

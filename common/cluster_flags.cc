@@ -14,10 +14,13 @@ ABSL_FLAG(std::string, job_name, "",
           "and POD_NAME.");
 ABSL_FLAG(int, task_id, -1, "This process's index among the tasks of its role (0-based).");
 ABSL_FLAG(int, task_index, -1, "Alias of --task_id.");
-ABSL_FLAG(std::string, chief_hosts, "",
-          "Comma-separated host:port of the chief (exactly one). Overrides the environment's list.");
-ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated host:port of every parameter server, in task order.");
-ABSL_FLAG(std::string, worker_hosts, "", "Comma-separated host:port of every worker, in task order.");
+ABSL_FLAG(
+    std::string, chief_hosts, "",
+    "Comma-separated host:port of the chief (exactly one). Overrides the environment's list.");
+ABSL_FLAG(std::string, ps_hosts, "",
+          "Comma-separated host:port of every parameter server, in task order.");
+ABSL_FLAG(std::string, worker_hosts, "",
+          "Comma-separated host:port of every worker, in task order.");
 ABSL_FLAG(std::string, evaluator_hosts, "",
           "Comma-separated host:port of evaluators (listed only; not training members).");
 ABSL_FLAG(bool, exit_when_done, true,

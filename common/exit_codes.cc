@@ -19,7 +19,8 @@ absl::Status StoppedBySignal(int signal) {
 std::optional<int> SignalOf(const absl::Status& status) {
   absl::optional<absl::Cord> payload = status.GetPayload(kSignalPayload);
   int signal = 0;
-  if (!payload.has_value() || !absl::SimpleAtoi(std::string(*payload), &signal)) return std::nullopt;
+  if (!payload.has_value() || !absl::SimpleAtoi(std::string(*payload), &signal))
+    return std::nullopt;
   return signal;
 }
 

@@ -79,7 +79,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 absl::Status MakeDirectories(const std::string& path) {
   std::error_code ec;
   std::filesystem::create_directories(path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create directory ", path, ": ", ec.message()));
+  if (ec)
+    return absl::InternalError(absl::StrCat("cannot create directory ", path, ": ", ec.message()));
   return absl::OkStatus();
 }
 

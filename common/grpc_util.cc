@@ -46,7 +46,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service) {
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(), &bound);
+  builder.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(),
+                           &bound);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
@@ -54,7 +55,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Servic
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || bound == 0) return absl::UnavailableError(absl::StrCat("cannot listen on port ", port));
+  if (server == nullptr || bound == 0)
+    return absl::UnavailableError(absl::StrCat("cannot listen on port ", port));
   return server;
 }
 

@@ -18,10 +18,14 @@ std::string& Tag() {
 
 char SeverityLetter(Severity s) {
   switch (s) {
-    case Severity::kInfo: return 'I';
-    case Severity::kWarning: return 'W';
-    case Severity::kError: return 'E';
-    case Severity::kFatal: return 'F';
+    case Severity::kInfo:
+      return 'I';
+    case Severity::kWarning:
+      return 'W';
+    case Severity::kError:
+      return 'E';
+    case Severity::kFatal:
+      return 'F';
   }
   return '?';
 }
@@ -36,7 +40,8 @@ LogMessage::LogMessage(Severity severity, const char* file, int line) : severity
 
 LogMessage::~LogMessage() {
   std::string when = absl::FormatTime("%Y-%m-%d %H:%M:%E3S", absl::Now(), absl::UTCTimeZone());
-  std::string line = when + " " + SeverityLetter(severity_) + " " + Tag() + "] " + stream_.str() + "\n";
+  std::string line =
+      when + " " + SeverityLetter(severity_) + " " + Tag() + "] " + stream_.str() + "\n";
   {
     absl::MutexLock lock(&log_mu);
     std::fwrite(line.data(), 1, line.size(), stderr);

@@ -23,8 +23,8 @@ absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& varia
       return absl::InvalidArgumentError(absl::StrCat("variable '", v.name, "' appears twice"));
     }
     if (v.shape.empty() || NumElements(v.shape) <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("variable '", v.name, "' has shape ",
-                                                     ShapeString(v.shape)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("variable '", v.name, "' has shape ", ShapeString(v.shape)));
     }
     VariablePlacement* vp = placement.add_variable();
     vp->set_name(v.name);
@@ -68,7 +68,8 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps) {
   for (int i = 0; i < placement.variable_size(); ++i) {
     const VariablePlacement& v = placement.variable(i);
     std::vector<int64_t> shape(v.shape().begin(), v.shape().end());
-    const int64_t row_floats = shape.empty() ? 0 : NumElements(shape) / std::max<int64_t>(shape[0], 1);
+    const int64_t row_floats =
+        shape.empty() ? 0 : NumElements(shape) / std::max<int64_t>(shape[0], 1);
     for (const VariableSlice& s : v.slice()) {
       if (s.ps() != ps) continue;
       SliceRef r;
@@ -86,17 +87,18 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps) {
   return out;
 }
 
-std::vector<TensorSink> SliceSinks(const Placement& placement, int ps, absl::Span<float* const> buffers,
-                                   const std::string& slot) {
+std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
+                                   absl::Span<float* const> buffers, const std::string& slot) {
   std::vector<TensorSink> sinks;
   for (const SliceRef& s : SlicesOnPs(placement, ps)) {
-    sinks.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true});
+    sinks.push_back(
+        {s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true});
   }
   return sinks;
 }
 
-std::vector<TensorRef> SliceRefs(const Placement& placement, int ps, absl::Span<const float* const> buffers,
-                                 const std::string& slot) {
+std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
+                                 absl::Span<const float* const> buffers, const std::string& slot) {
   std::vector<TensorRef> refs;
   for (const SliceRef& s : SlicesOnPs(placement, ps)) {
     refs.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset});

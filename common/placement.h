@@ -47,9 +47,10 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps);
 // shape floats, alive while the sinks or refs are used). The sinks receive
 // (and the refs send) ps `ps`'s slices of optimizer slot `slot` ("" for the
 // values), in SlicesOnPs order; every sink is required.
-std::vector<TensorSink> SliceSinks(const Placement& placement, int ps, absl::Span<float* const> buffers,
-                                   const std::string& slot = "");
-std::vector<TensorRef> SliceRefs(const Placement& placement, int ps, absl::Span<const float* const> buffers,
+std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
+                                   absl::Span<float* const> buffers, const std::string& slot = "");
+std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
+                                 absl::Span<const float* const> buffers,
                                  const std::string& slot = "");
 // What ps `ps` holds, as its InitHeader describes it.
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);

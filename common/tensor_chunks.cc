@@ -14,7 +14,8 @@ std::string Key(const std::string& name, const std::string& slot) {
 }
 
 std::string DisplayName(const std::string& name, const std::string& slot) {
-  return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' slot '", slot, "'");
+  return slot.empty() ? absl::StrCat("'", name, "'")
+                      : absl::StrCat("'", name, "' slot '", slot, "'");
 }
 
 }  // namespace
@@ -29,7 +30,8 @@ absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape, int6
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 1 || n > limit / d) {
-      return absl::InvalidArgumentError(absl::StrCat("shape ", ShapeString(shape), " is empty or too large"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("shape ", ShapeString(shape), " is empty or too large"));
     }
     n *= d;
   }
@@ -82,20 +84,22 @@ ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
 absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
   auto it = entries_.find(Key(chunk.name(), chunk.slot()));
   std::string what = DisplayName(chunk.name(), chunk.slot());
-  if (it == entries_.end()) return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what));
+  if (it == entries_.end())
+    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what));
   Entry& e = it->second;
   if (chunk.dtype() != DT_FLOAT) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", what, " has dtype ", DataType_Name(chunk.dtype()), ", expected DT_FLOAT"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor ", what, " has dtype ", DataType_Name(chunk.dtype()), ", expected DT_FLOAT"));
   }
-  if (!std::equal(chunk.shape().begin(), chunk.shape().end(), e.sink.shape.begin(), e.sink.shape.end())) {
+  if (!std::equal(chunk.shape().begin(), chunk.shape().end(), e.sink.shape.begin(),
+                  e.sink.shape.end())) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " has shape ",
                                                    ShapeString(chunk.shape()), ", expected ",
                                                    ShapeString(e.sink.shape)));
   }
   if (chunk.offset() != e.received) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk at byte ", chunk.offset(),
-                                                   ", expected byte ", e.received));
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk at byte ",
+                                                   chunk.offset(), ", expected byte ", e.received));
   }
   const int64_t size = static_cast<int64_t>(chunk.data().size());
   if (size > e.bytes - e.received || size % 4 != 0) {
@@ -103,7 +107,8 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
                                                    " bytes does not fit: ", e.bytes - e.received,
                                                    " bytes remain"));
   }
-  if (size > 0) std::memcpy(reinterpret_cast<char*>(e.sink.data) + e.received, chunk.data().data(), size);
+  if (size > 0)
+    std::memcpy(reinterpret_cast<char*>(e.sink.data) + e.received, chunk.data().data(), size);
   e.received += size;
   return absl::OkStatus();
 }
@@ -111,9 +116,9 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
 absl::Status ChunkAssembler::Finish() const {
   for (const auto& [key, e] : entries_) {
     if (e.sink.required && e.received != e.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(e.sink.name, e.sink.slot),
-                                                     " incomplete: ", e.received, " of ", e.bytes,
-                                                     " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", DisplayName(e.sink.name, e.sink.slot),
+                       " incomplete: ", e.received, " of ", e.bytes, " bytes"));
     }
   }
   return absl::OkStatus();

@@ -47,7 +47,7 @@ class ChunkSplitter {
  private:
   std::vector<TensorRef> tensors_;
   size_t max_bytes_;
-  size_t tensor_ = 0;  // index of the tensor being cut
+  size_t tensor_ = 0;   // index of the tensor being cut
   int64_t offset_ = 0;  // next byte of that tensor
 };
 

@@ -29,7 +29,7 @@ struct ExampleShape {
 struct Dataset {
   int64_t count = 0;
   int channels = 1, height = 0, width = 0;
-  std::vector<float> images;   // count * channels * height * width, in [0, 1]
+  std::vector<float> images;    // count * channels * height * width, in [0, 1]
   std::vector<int32_t> labels;  // count, each in [0, num_classes)
   int num_classes = 10;
   int64_t example_floats() const { return int64_t{channels} * height * width; }

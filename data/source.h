@@ -51,7 +51,8 @@ absl::StatusOr<Dataset> LoadDataset(const DataSource& source, const ModelInput& 
 // fit the model: same channels, height, width and class count. Otherwise
 // INVALID_ARGUMENT on one line, e.g. "model resnet takes 3x32x32 inputs with
 // 10 classes, but the images in /data are 1x28x28 with 10 classes".
-absl::Status CheckFitsModel(const ExampleShape& data, absl::string_view origin, const ModelInput& model);
+absl::Status CheckFitsModel(const ExampleShape& data, absl::string_view origin,
+                            const ModelInput& model);
 
 // The same for a loaded dataset; its origin is named "the data".
 absl::Status CheckFitsModel(const Dataset& data, const ModelInput& model);

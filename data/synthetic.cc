@@ -24,13 +24,15 @@ constexpr int64_t kMaxFloats = int64_t{1} << 31;
 }  // namespace
 
 absl::Status CheckSynthetic(const SyntheticShape& shape, int64_t count) {
-  if (shape.channels <= 0 || shape.height <= 0 || shape.width <= 0 || shape.num_classes < 2 || count <= 0) {
-    return absl::InvalidArgumentError("synthetic data needs positive sizes, a positive count and 2+ classes");
+  if (shape.channels <= 0 || shape.height <= 0 || shape.width <= 0 || shape.num_classes < 2 ||
+      count <= 0) {
+    return absl::InvalidArgumentError(
+        "synthetic data needs positive sizes, a positive count and 2+ classes");
   }
   const int64_t per = int64_t{shape.channels} * shape.height * shape.width;  // ints: no overflow
   if (per > kMaxFloats / (count + shape.num_classes)) {
-    return absl::InvalidArgumentError(absl::StrCat("synthetic data of ", count, " examples of ", per,
-                                                   " values is too large"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("synthetic data of ", count, " examples of ", per, " values is too large"));
   }
   return absl::OkStatus();
 }

@@ -184,7 +184,8 @@ class Backend {
   // above; no copies to or from the host) into a Graph without running them.
   // Ops must have run once before, so that their workspaces exist. Backends
   // without graphs return UNIMPLEMENTED.
-  virtual absl::StatusOr<std::unique_ptr<Graph>> Capture(const std::function<absl::Status()>& work) {
+  virtual absl::StatusOr<std::unique_ptr<Graph>> Capture(
+      const std::function<absl::Status()>& work) {
     return absl::UnimplementedError(name() + " cannot record graphs");
   }
 
@@ -194,7 +195,8 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<Dense>> CreateDense(const DenseShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
       int batch, int classes) = 0;
-  virtual absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const BatchNormShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(
+      const BatchNormShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
       const GlobalAvgPoolShape& shape) = 0;
 };

@@ -30,21 +30,22 @@ absl::StatusOr<std::string> CheckShape(const Conv2DShape& s) {
     // int64 so that a huge padding cannot overflow the check.
     why = "kernel is larger than the padded input";
   }
-  return Checked(absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)", s.batch,
-                                 s.in_channels, s.height, s.width, s.out_channels, s.kernel_h, s.kernel_w,
-                                 s.stride, s.padding),
+  return Checked(absl::StrFormat("Conv2D(N=%d C=%d H=%d W=%d K=%d R=%d S=%d stride=%d padding=%d)",
+                                 s.batch, s.in_channels, s.height, s.width, s.out_channels,
+                                 s.kernel_h, s.kernel_w, s.stride, s.padding),
                  why);
 }
 
 absl::StatusOr<std::string> CheckShape(const Pool2DShape& s) {
   const char* why = nullptr;
-  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0 || s.window <= 0 || s.stride <= 0) {
+  if (s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0 || s.window <= 0 ||
+      s.stride <= 0) {
     why = "all dimensions must be positive";
   } else if (s.window > s.height || s.window > s.width) {
     why = "window is larger than the input";
   }
-  return Checked(absl::StrFormat("MaxPool2D(N=%d C=%d H=%d W=%d window=%d stride=%d)", s.batch, s.channels,
-                                 s.height, s.width, s.window, s.stride),
+  return Checked(absl::StrFormat("MaxPool2D(N=%d C=%d H=%d W=%d window=%d stride=%d)", s.batch,
+                                 s.channels, s.height, s.width, s.window, s.stride),
                  why);
 }
 
@@ -55,25 +56,28 @@ absl::StatusOr<std::string> CheckShape(const BatchNormShape& s) {
   } else if (!(s.epsilon >= 0) || !std::isfinite(s.epsilon)) {  // NaN fails the first test
     why = "epsilon must be finite and not negative";
   }
-  return Checked(absl::StrFormat("BatchNorm(N=%d C=%d H=%d W=%d epsilon=%g)", s.batch, s.channels, s.height,
-                                 s.width, s.epsilon),
+  return Checked(absl::StrFormat("BatchNorm(N=%d C=%d H=%d W=%d epsilon=%g)", s.batch, s.channels,
+                                 s.height, s.width, s.epsilon),
                  why);
 }
 
 absl::StatusOr<std::string> CheckShape(const DenseShape& s) {
   const bool bad = s.batch <= 0 || s.in_features <= 0 || s.out_features <= 0;
-  return Checked(absl::StrFormat("Dense(N=%d in=%d out=%d)", s.batch, s.in_features, s.out_features),
-                 bad ? "all dimensions must be positive" : nullptr);
+  return Checked(
+      absl::StrFormat("Dense(N=%d in=%d out=%d)", s.batch, s.in_features, s.out_features),
+      bad ? "all dimensions must be positive" : nullptr);
 }
 
 absl::StatusOr<std::string> CheckShape(const GlobalAvgPoolShape& s) {
   const bool bad = s.batch <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0;
-  return Checked(absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", s.batch, s.channels, s.height, s.width),
-                 bad ? "all dimensions must be positive" : nullptr);
+  return Checked(
+      absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", s.batch, s.channels, s.height, s.width),
+      bad ? "all dimensions must be positive" : nullptr);
 }
 
 absl::StatusOr<std::string> CheckRelu(int64_t size) {
-  return Checked(absl::StrFormat("Relu(size=%d)", size), size <= 0 ? "size must be positive" : nullptr);
+  return Checked(absl::StrFormat("Relu(size=%d)", size),
+                 size <= 0 ? "size must be positive" : nullptr);
 }
 
 absl::StatusOr<std::string> CheckSoftmaxCrossEntropy(int batch, int classes) {

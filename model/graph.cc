@@ -30,15 +30,16 @@ absl::StatusOr<WiredLayers> WireLayers(const ModelSpec& spec) {
     if (!layer.input().empty()) {
       auto it = index.find(layer.input());
       if (it == index.end()) {
-        return LayerError(layer, absl::StrCat("input '", layer.input(), "' is not an earlier layer"));
+        return LayerError(layer,
+                          absl::StrCat("input '", layer.input(), "' is not an earlier layer"));
       }
       w.input = it->second;
     }
     if (const std::string* other = (*created)->other_input(); other != nullptr) {
       auto it = index.find(*other);
       if (it == index.end()) {
-        return LayerError(layer,
-                          absl::StrCat((*created)->other_field(), " '", *other, "' is not an earlier layer"));
+        return LayerError(layer, absl::StrCat((*created)->other_field(), " '", *other,
+                                              "' is not an earlier layer"));
       }
       w.other = it->second;
     }
@@ -64,8 +65,10 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
     return absl::InvalidArgumentError("input needs positive channels, height and width");
   }
   auto too_big = [](int64_t v) { return v > kMaxSpecDim; };
-  if (too_big(in.channels()) || too_big(in.height()) || too_big(in.width()) || too_big(spec.num_classes())) {
-    return absl::InvalidArgumentError(absl::StrCat("input sizes and num_classes must be at most ", kMaxSpecDim));
+  if (too_big(in.channels()) || too_big(in.height()) || too_big(in.width()) ||
+      too_big(spec.num_classes())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input sizes and num_classes must be at most ", kMaxSpecDim));
   }
   if (spec.num_classes() < 2) return absl::InvalidArgumentError("num_classes must be at least 2");
   if (!(in.stddev() >= 0) || !std::isfinite(in.mean()) || !std::isfinite(in.stddev())) {
@@ -88,13 +91,15 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
       return LayerError(layer, absl::StrCat("its input has more than ", kMaxParameters, " values"));
     }
     const int other = g.wiring[i].other;
-    absl::StatusOr<ActivationShape> out = kind.OutputShape(cur, other >= 0 ? &g.shapes[other] : nullptr);
+    absl::StatusOr<ActivationShape> out =
+        kind.OutputShape(cur, other >= 0 ? &g.shapes[other] : nullptr);
     if (!out.ok()) return LayerError(layer, out.status().message());
     for (LayerVariable& v : kind.Variables(cur)) {
       LayerVariables& owned = g.layer_vars[i];
       (owned.first < 0 ? owned.first : owned.second) = static_cast<int>(g.variables.size());
       params += NumElements(v.shape);
-      g.variables.push_back({{absl::StrCat(layer.name(), "/", v.suffix), std::move(v.shape)}, v.init, v.fan_in, i});
+      g.variables.push_back(
+          {{absl::StrCat(layer.name(), "/", v.suffix), std::move(v.shape)}, v.init, v.fan_in, i});
     }
     if (params > kMaxParameters) {
       return LayerError(layer, absl::StrCat("the model exceeds ", kMaxParameters, " parameters"));
@@ -103,8 +108,8 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
   }
   const LayerSpec& last = spec.layer(spec.layer_size() - 1);
   if (!last.has_dense() || last.dense().units() != spec.num_classes()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the last layer must be dense with num_classes (", spec.num_classes(), ") units"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the last layer must be dense with num_classes (", spec.num_classes(), ") units"));
   }
   return g;
 }

@@ -52,7 +52,8 @@ class Conv2DKind final : public Layer {
  public:
   static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
     const Conv2DLayer& c = spec.conv2d();
-    if (absl::Status s = CheckSizes({c.filters(), c.kernel(), c.stride(), c.padding()}); !s.ok()) return s;
+    if (absl::Status s = CheckSizes({c.filters(), c.kernel(), c.stride(), c.padding()}); !s.ok())
+      return s;
     const int stride = c.stride() == 0 ? 1 : c.stride();
     if (c.filters() <= 0 || c.kernel() <= 0 || stride <= 0 || c.padding() < 0) {
       return absl::InvalidArgumentError("conv2d needs positive filters, kernel and stride");
@@ -60,10 +61,11 @@ class Conv2DKind final : public Layer {
     return std::unique_ptr<const Layer>(new Conv2DKind(spec.name(), c, stride));
   }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                              const ActivationShape*) const override {
     if (in.height + 2 * padding_ < kernel_ || in.width + 2 * padding_ < kernel_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kernel ", kernel_, " larger than its ", in.height, "x", in.width, " input"));
+      return absl::InvalidArgumentError(absl::StrCat("kernel ", kernel_, " larger than its ",
+                                                     in.height, "x", in.width, " input"));
     }
     const kernels::Conv2DShape shape = Shape(1, in);
     return ActivationShape{filters_, shape.out_height(), shape.out_width()};
@@ -71,7 +73,8 @@ class Conv2DKind final : public Layer {
 
   std::vector<LayerVariable> Variables(const ActivationShape& in) const override {
     const int64_t k = kernel_, fan_in = in.channels * k * k;
-    std::vector<LayerVariable> vars{{"weights", {filters_, in.channels, k, k}, LayerVariable::Init::kFanIn, fan_in}};
+    std::vector<LayerVariable> vars{
+        {"weights", {filters_, in.channels, k, k}, LayerVariable::Init::kFanIn, fan_in}};
     if (bias_) vars.push_back({"bias", {filters_}, LayerVariable::Init::kFanIn, fan_in});
     return vars;
   }
@@ -81,12 +84,18 @@ class Conv2DKind final : public Layer {
     return Bind(
         backend->CreateConv2D(Shape(batch, in)),
         [](kernels::Conv2D& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
-        [](kernels::Conv2D& op, const BackwardArgs& a) { return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db); });
+        [](kernels::Conv2D& op, const BackwardArgs& a) {
+          return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db);
+        });
   }
 
  private:
   Conv2DKind(const std::string& name, const Conv2DLayer& c, int stride)
-      : Layer(name), filters_(c.filters()), kernel_(c.kernel()), stride_(stride), padding_(c.padding()),
+      : Layer(name),
+        filters_(c.filters()),
+        kernel_(c.kernel()),
+        stride_(stride),
+        padding_(c.padding()),
         bias_(!c.no_bias()) {}
 
   kernels::Conv2DShape Shape(int batch, const ActivationShape& in) const {
@@ -103,11 +112,13 @@ class MaxPoolKind final : public Layer {
     const MaxPoolLayer& p = spec.max_pool();
     if (absl::Status s = CheckSizes({p.size(), p.stride()}); !s.ok()) return s;
     const int stride = p.stride() == 0 ? p.size() : p.stride();
-    if (p.size() <= 0 || stride <= 0) return absl::InvalidArgumentError("max_pool needs a positive size");
+    if (p.size() <= 0 || stride <= 0)
+      return absl::InvalidArgumentError("max_pool needs a positive size");
     return std::unique_ptr<const Layer>(new MaxPoolKind(spec.name(), p.size(), stride));
   }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                              const ActivationShape*) const override {
     if (in.height < size_ || in.width < size_) {
       return absl::InvalidArgumentError("pool window larger than its input");
     }
@@ -126,7 +137,8 @@ class MaxPoolKind final : public Layer {
   }
 
  private:
-  MaxPoolKind(const std::string& name, int size, int stride) : Layer(name), size_(size), stride_(stride) {}
+  MaxPoolKind(const std::string& name, int size, int stride)
+      : Layer(name), size_(size), stride_(stride) {}
 
   kernels::Pool2DShape Shape(int batch, const ActivationShape& in) const {
     return {batch, in.channels, in.height, in.width, size_, stride_};
@@ -141,7 +153,8 @@ class ReluKind final : public Layer {
     return std::unique_ptr<const Layer>(new ReluKind(spec.name()));
   }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                              const ActivationShape*) const override {
     return in;
   }
 
@@ -167,7 +180,8 @@ class DenseKind final : public Layer {
     return std::unique_ptr<const Layer>(new DenseKind(spec.name(), spec.dense().units()));
   }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape&, const ActivationShape*) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape&,
+                                              const ActivationShape*) const override {
     return ActivationShape{units_, 1, 1};
   }
 
@@ -181,7 +195,9 @@ class DenseKind final : public Layer {
     return Bind(
         backend->CreateDense({batch, static_cast<int>(in.size()), units_}),
         [](kernels::Dense& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
-        [](kernels::Dense& op, const BackwardArgs& a) { return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db); });
+        [](kernels::Dense& op, const BackwardArgs& a) {
+          return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db);
+        });
   }
 
  private:
@@ -202,7 +218,8 @@ class BatchNormKind final : public Layer {
         new BatchNormKind(spec.name(), epsilon > 0 ? epsilon : kernels::BatchNormShape{}.epsilon));
   }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                              const ActivationShape*) const override {
     return in;
   }
 
@@ -238,11 +255,12 @@ class AddKind final : public Layer {
   const char* other_field() const override { return "add.other"; }
   bool passes_gradient() const override { return true; }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape* other) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                              const ActivationShape* other) const override {
     if (other->channels != in.channels || other->height != in.height || other->width != in.width) {
-      return absl::InvalidArgumentError(absl::StrCat("adds ", other->channels, "x", other->height, "x",
-                                                     other->width, " from '", other_, "' to its ", in.channels,
-                                                     "x", in.height, "x", in.width, " input"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("adds ", other->channels, "x", other->height, "x", other->width, " from '",
+                       other_, "' to its ", in.channels, "x", in.height, "x", in.width, " input"));
     }
     return in;
   }
@@ -251,7 +269,9 @@ class AddKind final : public Layer {
                                                       const ActivationShape& in) const override {
     return Bind<Sum>(
         std::make_unique<Sum>(Sum{backend, batch * in.size()}),
-        [](Sum& sum, const ForwardArgs& a) { return sum.backend->Add(a.x, a.other, a.y, sum.floats); },
+        [](Sum& sum, const ForwardArgs& a) {
+          return sum.backend->Add(a.x, a.other, a.y, sum.floats);
+        },
         // Nothing to compute: the network routes dy to both operands.
         [](Sum&, const BackwardArgs&) { return absl::OkStatus(); });
   }
@@ -273,7 +293,8 @@ class GlobalAvgPoolKind final : public Layer {
     return std::unique_ptr<const Layer>(new GlobalAvgPoolKind(spec.name()));
   }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in, const ActivationShape*) const override {
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
+                                              const ActivationShape*) const override {
     return ActivationShape{in.channels, 1, 1};
   }
 
@@ -311,7 +332,8 @@ constexpr KindEntry kKinds[] = {
 std::string KindList() {
   std::string list;
   constexpr size_t n = std::size(kKinds);
-  for (size_t i = 0; i < n; ++i) absl::StrAppend(&list, i == 0 ? "" : i + 1 == n ? " or " : ", ", kKinds[i].field);
+  for (size_t i = 0; i < n; ++i)
+    absl::StrAppend(&list, i == 0 ? "" : i + 1 == n ? " or " : ", ", kKinds[i].field);
   return list;
 }
 

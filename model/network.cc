@@ -14,8 +14,8 @@ namespace psflow::model {
 // Activation 0 is the (standardized) model input; activation i + 1 is the
 // output of layer i.
 struct Network::Node {
-  const Layer* layer = nullptr;  // owned by graph_
-  int in_act = 0, other_act = -1;      // activations read (other_act: second operand)
+  const Layer* layer = nullptr;    // owned by graph_
+  int in_act = 0, other_act = -1;  // activations read (other_act: second operand)
   ActivationShape in, out;
   int first = -1, second = -1;  // variables: weights/bias or gamma/beta
 };
@@ -41,7 +41,8 @@ Network::Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions optio
 
 Network::~Network() = default;
 
-absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec, kernels::Backend* backend,
+absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
+                                                         kernels::Backend* backend,
                                                          const NetworkOptions& options) {
   absl::StatusOr<ModelGraph> graph = BuildModelGraph(spec);
   if (!graph.ok()) return graph.status();
@@ -62,7 +63,8 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec, 
   }
   for (const VariableShape& v : net->variables_) {
     for (auto* list : {&net->weights_, &net->grads_}) {
-      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf = backend->Allocate(NumElements(v.shape));
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf =
+          backend->Allocate(NumElements(v.shape));
       if (!buf.ok()) return buf.status();
       list->push_back(*std::move(buf));
     }
@@ -91,15 +93,18 @@ std::vector<float*> Network::HostGradients() {
 }
 
 absl::Status Network::SetWeights(const std::vector<const float*>& host) {
-  if (host.size() != weights_.size()) return absl::InvalidArgumentError("wrong number of weight tensors");
+  if (host.size() != weights_.size())
+    return absl::InvalidArgumentError("wrong number of weight tensors");
   for (size_t i = 0; i < host.size(); ++i) {
-    PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(host[i], weights_[i]->size(), weights_[i]->data()));
+    PSFLOW_RETURN_IF_ERROR(
+        backend_->CopyToDevice(host[i], weights_[i]->size(), weights_[i]->data()));
   }
   return absl::OkStatus();
 }
 
 absl::Status Network::GetWeights(const std::vector<float*>& host) {
-  if (host.size() != weights_.size()) return absl::InvalidArgumentError("wrong number of weight tensors");
+  if (host.size() != weights_.size())
+    return absl::InvalidArgumentError("wrong number of weight tensors");
   for (size_t i = 0; i < host.size(); ++i) {
     PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(weights_[i]->data(), weights_[i]->size(), host[i]));
   }
@@ -107,7 +112,8 @@ absl::Status Network::GetWeights(const std::vector<float*>& host) {
 }
 
 absl::Status Network::GetGradients(const std::vector<float*>& host) {
-  if (host.size() != grads_.size()) return absl::InvalidArgumentError("wrong number of gradient tensors");
+  if (host.size() != grads_.size())
+    return absl::InvalidArgumentError("wrong number of gradient tensors");
   for (size_t i = 0; i < host.size(); ++i) {
     PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(grads_[i]->data(), grads_[i]->size(), host[i]));
   }
@@ -131,7 +137,8 @@ absl::Status Network::CreateOps(BatchState* st) {
   const size_t n = nodes_.size();
   st->ops.resize(n);
   auto alloc = [&](int64_t floats, std::unique_ptr<kernels::Buffer>* out) -> absl::Status {
-    absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf = backend_->Allocate(static_cast<size_t>(floats));
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf =
+        backend_->Allocate(static_cast<size_t>(floats));
     if (!buf.ok()) return buf.status();
     *out = *std::move(buf);
     return absl::OkStatus();
@@ -153,7 +160,8 @@ absl::Status Network::CreateOps(BatchState* st) {
   for (size_t i = 0; i < n; ++i) {
     PSFLOW_ASSIGN_OR_RETURN(st->ops[i], nodes_[i].layer->CreateOps(backend_, batch, nodes_[i].in));
   }
-  PSFLOW_ASSIGN_OR_RETURN(st->loss, backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes()));
+  PSFLOW_ASSIGN_OR_RETURN(st->loss,
+                          backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes()));
   return absl::OkStatus();
 }
 
@@ -167,8 +175,8 @@ absl::Status Network::SetInputs(const float* images, const int32_t* labels, int 
   }
   PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(images, st->images->size(), st->images->data()));
   static_assert(sizeof(int32_t) == sizeof(float));
-  PSFLOW_RETURN_IF_ERROR(
-      backend_->CopyToDevice(reinterpret_cast<const float*>(labels), static_cast<size_t>(batch), st->labels->data()));
+  PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(reinterpret_cast<const float*>(labels),
+                                                static_cast<size_t>(batch), st->labels->data()));
   st->inputs_set = true;
   return absl::OkStatus();
 }
@@ -178,8 +186,8 @@ absl::Status Network::QueueForward(BatchState* st) {
   const int64_t input_size = static_cast<int64_t>(st->images->size());
   if (in.stddev() > 0) {
     const float scale = 1.0f / in.stddev();
-    PSFLOW_RETURN_IF_ERROR(
-        backend_->Affine(st->images->data(), scale, -in.mean() * scale, st->acts[0]->data(), input_size));
+    PSFLOW_RETURN_IF_ERROR(backend_->Affine(st->images->data(), scale, -in.mean() * scale,
+                                            st->acts[0]->data(), input_size));
   } else {
     PSFLOW_RETURN_IF_ERROR(backend_->Copy(st->images->data(), st->acts[0]->data(), input_size));
   }
@@ -191,10 +199,12 @@ absl::Status Network::QueueForward(BatchState* st) {
     args.y = st->acts[i + 1]->data();
     if (l.first >= 0) args.w = weights_[l.first]->data();
     if (l.second >= 0) args.b = weights_[l.second]->data();
-    PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "forward", [&] { return st->ops[i]->Forward(args); }));
+    PSFLOW_RETURN_IF_ERROR(
+        Timed(static_cast<int>(i), "forward", [&] { return st->ops[i]->Forward(args); }));
   }
   return Timed(-1, "loss forward", [&] {
-    return st->loss->Forward(st->acts.back()->data(), reinterpret_cast<const int32_t*>(st->labels->data()),
+    return st->loss->Forward(st->acts.back()->data(),
+                             reinterpret_cast<const int32_t*>(st->labels->data()),
                              st->probs->data(), st->stats->data());
   });
 }
@@ -203,12 +213,14 @@ absl::Status Network::QueueBackward(BatchState* st) {
   const size_t n = nodes_.size();
   st->grad_written.assign(n + 1, false);
   const int32_t* labels = reinterpret_cast<const int32_t*>(st->labels->data());
-  PSFLOW_RETURN_IF_ERROR(
-      Timed(-1, "loss backward", [&] { return st->loss->Backward(st->probs->data(), labels, st->dacts[n]->data()); }));
+  PSFLOW_RETURN_IF_ERROR(Timed(-1, "loss backward", [&] {
+    return st->loss->Backward(st->probs->data(), labels, st->dacts[n]->data());
+  }));
   st->grad_written[n] = true;
   for (size_t i = n; i-- > 0;) {
     const Node& l = nodes_[i];
-    if (!st->grad_written[i + 1]) return absl::InternalError(absl::StrCat("no gradient reaches layer ", i));
+    if (!st->grad_written[i + 1])
+      return absl::InternalError(absl::StrCat("no gradient reaches layer ", i));
     const float* dy = st->dacts[i + 1]->data();
     if (l.layer->passes_gradient()) {
       // Each operand's gradient is dy: copied to the first contribution,
@@ -249,8 +261,8 @@ absl::Status Network::QueueBackward(BatchState* st) {
       if (need_dx) {
         if (acc) {
           float* d = st->dacts[l.in_act]->data();
-          PSFLOW_RETURN_IF_ERROR(
-              backend_->Add(d, st->scratch->data(), d, static_cast<int64_t>(st->dacts[l.in_act]->size())));
+          PSFLOW_RETURN_IF_ERROR(backend_->Add(d, st->scratch->data(), d,
+                                               static_cast<int64_t>(st->dacts[l.in_act]->size())));
         }
         st->grad_written[l.in_act] = true;
       }
@@ -333,7 +345,8 @@ absl::Status Network::StartTrainStep(int batch) {
 absl::StatusOr<Network::Result> Network::FinishStep(int batch) {
   auto it = states_.find(batch);
   if (it == states_.end() || !it->second->step_queued) {
-    return absl::FailedPreconditionError(absl::StrCat("FinishStep without a step of batch size ", batch));
+    return absl::FailedPreconditionError(
+        absl::StrCat("FinishStep without a step of batch size ", batch));
   }
   BatchState* st = it->second.get();
   float stats[2] = {0, 0};
@@ -346,13 +359,15 @@ bool Network::UsesGraph(int batch) const {
   return it != states_.end() && it->second->train_graph != nullptr;
 }
 
-absl::StatusOr<Network::Result> Network::TrainStep(const float* images, const int32_t* labels, int batch) {
+absl::StatusOr<Network::Result> Network::TrainStep(const float* images, const int32_t* labels,
+                                                   int batch) {
   PSFLOW_RETURN_IF_ERROR(SetInputs(images, labels, batch));
   PSFLOW_RETURN_IF_ERROR(StartTrainStep(batch));
   return FinishStep(batch);
 }
 
-absl::StatusOr<Network::Result> Network::Evaluate(const float* images, const int32_t* labels, int batch) {
+absl::StatusOr<Network::Result> Network::Evaluate(const float* images, const int32_t* labels,
+                                                  int batch) {
   PSFLOW_RETURN_IF_ERROR(SetInputs(images, labels, batch));
   PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
   st->step_queued = false;

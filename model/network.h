@@ -46,7 +46,8 @@ struct NetworkOptions {
 class Network {
  public:
   // `spec` must be valid; `backend` must outlive the network.
-  static absl::StatusOr<std::unique_ptr<Network>> Create(const ModelSpec& spec, kernels::Backend* backend,
+  static absl::StatusOr<std::unique_ptr<Network>> Create(const ModelSpec& spec,
+                                                         kernels::Backend* backend,
                                                          const NetworkOptions& options = {});
   ~Network();
 

@@ -14,8 +14,8 @@ absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int6
                              const std::vector<std::vector<float>>& values) {
   std::vector<VariableShape> vars = ModelVariables(spec);
   if (vars.size() != values.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("saved model needs ", vars.size(), " variables, got ",
-                                                   values.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("saved model needs ", vars.size(), " variables, got ", values.size()));
   }
   SavedModel saved;
   *saved.mutable_spec() = spec;
@@ -39,7 +39,8 @@ absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int6
 }
 
 absl::StatusOr<LoadedModel> ReadSavedModel(const std::string& path) {
-  std::string file = std::filesystem::is_directory(path) ? absl::StrCat(path, "/", kSavedModelFile) : path;
+  std::string file =
+      std::filesystem::is_directory(path) ? absl::StrCat(path, "/", kSavedModelFile) : path;
   absl::StatusOr<std::string> bytes = ReadFile(file);
   if (!bytes.ok()) return absl::NotFoundError(absl::StrCat("no saved model at ", file));
   SavedModel saved;
@@ -48,12 +49,13 @@ absl::StatusOr<LoadedModel> ReadSavedModel(const std::string& path) {
   }
   absl::StatusOr<std::vector<ActivationShape>> valid = ValidateModelSpec(saved.spec());
   if (!valid.ok()) {
-    return absl::DataLossError(absl::StrCat(file, ": invalid model spec: ", valid.status().message()));
+    return absl::DataLossError(
+        absl::StrCat(file, ": invalid model spec: ", valid.status().message()));
   }
   std::vector<VariableShape> vars = ModelVariables(saved.spec());
   if (static_cast<int>(vars.size()) != saved.variable_size()) {
-    return absl::DataLossError(absl::StrCat(file, ": ", saved.variable_size(), " variables, the spec has ",
-                                            vars.size()));
+    return absl::DataLossError(
+        absl::StrCat(file, ": ", saved.variable_size(), " variables, the spec has ", vars.size()));
   }
   LoadedModel loaded;
   loaded.spec = saved.spec();

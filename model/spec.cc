@@ -20,26 +20,68 @@ constexpr char kCnn[] = R"pb(
   name: "cnn"
   input { channels: 1 height: 28 width: 28 }
   num_classes: 10
-  layer { name: "conv1" conv2d { filters: 20 kernel: 5 } }
-  layer { name: "relu1" relu {} }
-  layer { name: "pool1" max_pool { size: 2 } }
-  layer { name: "conv2" conv2d { filters: 50 kernel: 5 } }
-  layer { name: "relu2" relu {} }
-  layer { name: "pool2" max_pool { size: 2 } }
-  layer { name: "fc1" dense { units: 500 } }
-  layer { name: "relu3" relu {} }
-  layer { name: "fc2" dense { units: 10 } }
+  layer {
+    name: "conv1"
+    conv2d { filters: 20 kernel: 5 }
+  }
+  layer {
+    name: "relu1"
+    relu {}
+  }
+  layer {
+    name: "pool1"
+    max_pool { size: 2 }
+  }
+  layer {
+    name: "conv2"
+    conv2d { filters: 50 kernel: 5 }
+  }
+  layer {
+    name: "relu2"
+    relu {}
+  }
+  layer {
+    name: "pool2"
+    max_pool { size: 2 }
+  }
+  layer {
+    name: "fc1"
+    dense { units: 500 }
+  }
+  layer {
+    name: "relu3"
+    relu {}
+  }
+  layer {
+    name: "fc2"
+    dense { units: 10 }
+  }
 )pb";
 
 constexpr char kMlp[] = R"pb(
   name: "mlp"
   input { channels: 1 height: 28 width: 28 }
   num_classes: 10
-  layer { name: "fc1" dense { units: 256 } }
-  layer { name: "relu1" relu {} }
-  layer { name: "fc2" dense { units: 256 } }
-  layer { name: "relu2" relu {} }
-  layer { name: "fc3" dense { units: 10 } }
+  layer {
+    name: "fc1"
+    dense { units: 256 }
+  }
+  layer {
+    name: "relu1"
+    relu {}
+  }
+  layer {
+    name: "fc2"
+    dense { units: 256 }
+  }
+  layer {
+    name: "relu2"
+    relu {}
+  }
+  layer {
+    name: "fc3"
+    dense { units: 10 }
+  }
 )pb";
 
 absl::StatusOr<ModelSpec> ParseText(const std::string& text, const std::string& source) {
@@ -70,7 +112,8 @@ ModelSpec ResnetSpec() {
   spec.mutable_input()->set_height(32);
   spec.mutable_input()->set_width(32);
   spec.set_num_classes(10);
-  auto conv = [&](const std::string& name, int filters, int kernel, int stride, const std::string& input) {
+  auto conv = [&](const std::string& name, int filters, int kernel, int stride,
+                  const std::string& input) {
     LayerSpec* l = spec.add_layer();
     l->set_name(name);
     if (!input.empty()) l->set_input(input);
@@ -139,7 +182,8 @@ absl::StatusOr<ModelSpec> ResolveModelSpec(const std::string& name_or_path) {
     absl::StatusOr<std::string> text = ReadFile(name_or_path);
     if (!text.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "model '", name_or_path, "' is neither a built-in model (cnn, mlp, resnet) nor a readable spec file"));
+          "model '", name_or_path,
+          "' is neither a built-in model (cnn, mlp, resnet) nor a readable spec file"));
     }
     spec = ParseText(*text, name_or_path);
   }
@@ -147,7 +191,8 @@ absl::StatusOr<ModelSpec> ResolveModelSpec(const std::string& name_or_path) {
   if (spec->name().empty()) spec->set_name(name_or_path);
   absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
   if (!shapes.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("model spec ", name_or_path, ": ", shapes.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model spec ", name_or_path, ": ", shapes.status().message()));
   }
   return spec;
 }

@@ -15,8 +15,8 @@
 
 namespace psflow::model {
 
-// "cnn", "mlp" and "resnet" (ResNet-18 for 32x32x3 inputs) are built in; anything else is read as a path to a spec in
-// protobuf text format. The result has passed ValidateModelSpec.
+// "cnn", "mlp" and "resnet" (ResNet-18 for 32x32x3 inputs) are built in; anything else is read as a
+// path to a spec in protobuf text format. The result has passed ValidateModelSpec.
 absl::StatusOr<ModelSpec> ResolveModelSpec(const std::string& name_or_path);
 
 // Names of the built-in models.

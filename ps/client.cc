@@ -8,7 +8,6 @@
 namespace psflow::ps {
 namespace {
 
-
 // Reads a server stream of chunked tensors into `assembler`. Returns the
 // first message (without its chunks; nothing if the stream was empty). The
 // call's own failure comes first; chunks that do not fit, or messages of
@@ -105,16 +104,18 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses) {
 }
 
 absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
-                            absl::Time deadline) {
+                              absl::Time deadline) {
   CallScope call(this, deadline);
   InitResponse response;
   return WithPs(ps, WriteHeaderAndTensors(stubs_[ps]->Init(call.context(), &response).get(), header,
                                           std::move(tensors)));
 }
 
-absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id, int64_t min_version,
-                                                    std::vector<TensorSink> sinks, absl::Time deadline,
-                                                    absl::Duration max_wait) {
+absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
+                                                        int64_t min_version,
+                                                        std::vector<TensorSink> sinks,
+                                                        absl::Time deadline,
+                                                        absl::Duration max_wait) {
   CallScope call(this, deadline);
   PullRequest request;
   request.set_job_id(job_id);
@@ -134,12 +135,12 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
   return result;
 }
 
-absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
-                                            absl::Time deadline) {
+absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
+                                              std::vector<TensorRef> grads, absl::Time deadline) {
   CallScope call(this, deadline);
   PushResponse response;
-  absl::Status s =
-      WriteHeaderAndTensors(stubs_[ps]->Push(call.context(), &response).get(), header, std::move(grads));
+  absl::Status s = WriteHeaderAndTensors(stubs_[ps]->Push(call.context(), &response).get(), header,
+                                         std::move(grads));
   if (!s.ok()) return WithPs(ps, s);
   return response;
 }
@@ -153,7 +154,7 @@ absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
 }
 
 absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
-                                      int64_t from_version, absl::Time deadline) {
+                                        int64_t from_version, absl::Time deadline) {
   CallScope call(this, deadline);
   SetLiveWorkersRequest request;
   request.set_job_id(job_id);
@@ -163,8 +164,8 @@ absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vect
   return WithPs(ps, FromGrpcStatus(stubs_[ps]->SetLiveWorkers(call.context(), request, &response)));
 }
 
-absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
-                                absl::Time deadline) {
+absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
+                                  std::vector<TensorSink> sinks, absl::Time deadline) {
   CallScope call(this, deadline);
   SnapshotRequest request;
   request.set_job_id(job_id);

@@ -45,8 +45,8 @@ class Client {
                                           std::vector<TensorSink> sinks, absl::Time deadline,
                                           absl::Duration max_wait = absl::ZeroDuration()) = 0;
 
-  virtual absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
-                                            absl::Time deadline) = 0;
+  virtual absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header,
+                                            std::vector<TensorRef> grads, absl::Time deadline) = 0;
 
   virtual absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) = 0;
 
@@ -55,8 +55,8 @@ class Client {
                                       int64_t from_version, absl::Time deadline) = 0;
   // Values and slots of ps `ps` as of exactly `version`, into `sinks` (one
   // per slice and slot: value sinks have slot ""). DATA_LOSS if incomplete.
-  virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
-                                absl::Time deadline) = 0;
+  virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version,
+                                std::vector<TensorSink> sinks, absl::Time deadline) = 0;
 
   // Whether the connection to ps `ps` is up (or idle), not failing.
   virtual bool Reachable(int ps) const = 0;
@@ -75,14 +75,15 @@ class GrpcClient final : public Client {
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                     absl::Time deadline) override;
-  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version, std::vector<TensorSink> sinks,
-                                  absl::Time deadline, absl::Duration max_wait) override;
+  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
+                                  std::vector<TensorSink> sinks, absl::Time deadline,
+                                  absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
-  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
-                              absl::Time deadline) override;
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                              int64_t from_version, absl::Time deadline) override;
   absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
                         absl::Time deadline) override;
   bool Reachable(int ps) const override;

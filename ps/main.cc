@@ -2,8 +2,8 @@
 // loads onto it, applies the optimizer, and exits 0 when the chief says the
 // job is done (or 143 on SIGTERM, after in-flight calls finish).
 #include <atomic>
-#include <mutex>
 #include <memory>
+#include <mutex>
 
 #include <grpcpp/grpcpp.h>
 
@@ -46,7 +46,8 @@ int main(int argc, char** argv) {
     request_stop();
   });
 
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(config.self_port, &service);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      psflow::StartServer(config.self_port, &service);
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;

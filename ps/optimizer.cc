@@ -16,15 +16,16 @@ PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float* w, const float* g, int64_t n) {
   for (int64_t i = 0; i < n; ++i) w[i] -= lr * g[i];
 }
 
-PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float* w, const float* g, float* buf, int64_t n) {
+PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float* w, const float* g, float* buf,
+                                     int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     buf[i] = mu * buf[i] + g[i];
     w[i] -= lr * buf[i];
   }
 }
 
-PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2, float* w,
-                                 const float* g, float* m, float* v, int64_t n) {
+PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
+                                 float* w, const float* g, float* m, float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     m[i] = b1 * m[i] + (1 - b1) * g[i];
     v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
@@ -35,8 +36,11 @@ PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size,
 class Sgd : public Optimizer {
  public:
   explicit Sgd(float lr) : lr_(lr) {}
-  std::vector<std::string> SlotNames() const override { return Optimizer::SlotNames(OptimizerConfig::SGD); }
-  void Apply(int64_t, float* w, const float* g, int64_t n, const std::vector<float*>&) const override {
+  std::vector<std::string> SlotNames() const override {
+    return Optimizer::SlotNames(OptimizerConfig::SGD);
+  }
+  void Apply(int64_t, float* w, const float* g, int64_t n,
+             const std::vector<float*>&) const override {
     SgdLoop(lr_, w, g, n);
   }
 
@@ -50,7 +54,8 @@ class Momentum : public Optimizer {
   std::vector<std::string> SlotNames() const override {
     return Optimizer::SlotNames(OptimizerConfig::MOMENTUM);
   }
-  void Apply(int64_t, float* w, const float* g, int64_t n, const std::vector<float*>& slots) const override {
+  void Apply(int64_t, float* w, const float* g, int64_t n,
+             const std::vector<float*>& slots) const override {
     MomentumLoop(lr_, mu_, w, g, slots[0], n);
   }
 
@@ -61,8 +66,11 @@ class Momentum : public Optimizer {
 class Adam : public Optimizer {
  public:
   Adam(float lr, float b1, float b2, float eps) : lr_(lr), b1_(b1), b2_(b2), eps_(eps) {}
-  std::vector<std::string> SlotNames() const override { return Optimizer::SlotNames(OptimizerConfig::ADAM); }
-  void Apply(int64_t step, float* w, const float* g, int64_t n, const std::vector<float*>& slots) const override {
+  std::vector<std::string> SlotNames() const override {
+    return Optimizer::SlotNames(OptimizerConfig::ADAM);
+  }
+  void Apply(int64_t step, float* w, const float* g, int64_t n,
+             const std::vector<float*>& slots) const override {
     // As torch.optim.Adam: w -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps).
     const double t = static_cast<double>(step + 1);
     const float step_size = static_cast<float>(lr_ / (1.0 - std::pow(b1_, t)));

@@ -21,7 +21,8 @@ constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
 // Feeds the chunks of `request` and of every later message on `reader` to
 // `assembler`, then checks that nothing is missing.
 template <typename Request>
-absl::Status ReadChunks(grpc::ServerReader<Request>* reader, Request& request, ChunkAssembler& assembler) {
+absl::Status ReadChunks(grpc::ServerReader<Request>* reader, Request& request,
+                        ChunkAssembler& assembler) {
   do {
     for (const TensorChunk& chunk : request.chunk()) {
       absl::Status s = assembler.Add(chunk);
@@ -71,8 +72,8 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
     }
     total_floats += *n * static_cast<int64_t>(1 + slot_names.size());
     if (total_floats > kMaxInitFloats) {
-      return ToGrpcStatus(absl::ResourceExhaustedError(
-          absl::StrCat("init asks for more than ", kMaxInitFloats * 4 >> 30, " GiB of slices and slots")));
+      return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+          "init asks for more than ", kMaxInitFloats * 4 >> 30, " GiB of slices and slots")));
     }
   }
   std::vector<Shard::SliceValues> values(header.slice_size());
@@ -103,10 +104,12 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
                              grpc::ServerWriter<PullResponse>* writer) {
   const absl::Time call_deadline = absl::FromChrono(context->deadline());
   const absl::Time wait_deadline =
-      request->max_wait_ms() > 0 ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()))
-                                 : call_deadline;
-  absl::StatusOr<Shard::Pulled> pulled = shard_->Pull(request->job_id(), request->min_version(), wait_deadline,
-                                                      [context] { return context->IsCancelled(); });
+      request->max_wait_ms() > 0
+          ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()))
+          : call_deadline;
+  absl::StatusOr<Shard::Pulled> pulled =
+      shard_->Pull(request->job_id(), request->min_version(), wait_deadline,
+                   [context] { return context->IsCancelled(); });
   if (absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
     PullResponse not_yet;  // the version only: the caller asks again
     not_yet.set_version(shard_->stats().version);
@@ -137,7 +140,8 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   PushRequest request;
   absl::StatusOr<PushHeader> header = ReadHeader(reader, request, "push");
   if (!header.ok()) return ToGrpcStatus(header.status());
-  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_->Slices(header->job_id());
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices =
+      shard_->Slices(header->job_id());
   if (!slices.ok()) return ToGrpcStatus(slices.status());
   const std::vector<SliceSpec>& specs = **slices;
   std::vector<std::vector<float>> grads(specs.size());
@@ -170,7 +174,8 @@ grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateReq
   return grpc::Status::OK;
 }
 
-grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context, const SetLiveWorkersRequest* request,
+grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context,
+                                       const SetLiveWorkersRequest* request,
                                        SetLiveWorkersResponse* response) {
   absl::Status s = shard_->SetLiveWorkers(
       request->job_id(), {request->live_workers().begin(), request->live_workers().end()},
@@ -182,9 +187,9 @@ grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context, const SetLi
 
 grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotRequest* request,
                                  grpc::ServerWriter<SnapshotResponse>* writer) {
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
-      shard_->SnapshotAt(request->job_id(), request->version(), absl::FromChrono(context->deadline()),
-                         [context] { return context->IsCancelled(); });
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard_->SnapshotAt(
+      request->job_id(), request->version(), absl::FromChrono(context->deadline()),
+      [context] { return context->IsCancelled(); });
   if (!snap.ok()) return ToGrpcStatus(snap.status());
   // Streamed from the shared, immutable snapshot, which `snap` keeps alive.
   const Shard::Snapshot& taken = **snap;

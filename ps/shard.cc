@@ -18,7 +18,8 @@ int FirstNonFinite(const std::vector<std::vector<float>>& grads) {
   constexpr uint32_t kExponent = 0x7f800000;
   for (size_t i = 0; i < grads.size(); ++i) {
     uint32_t max_exponent = 0;
-    for (float g : grads[i]) max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
+    for (float g : grads[i])
+      max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
     if (max_exponent == kExponent) return static_cast<int>(i);
   }
   return -1;
@@ -30,10 +31,11 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
   if (!opt.ok()) return opt.status();
   if (static_cast<int>(values.size()) != header.slice_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("init has ", values.size(), " slices of values for ",
-                                                   header.slice_size(), " slices"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "init has ", values.size(), " slices of values for ", header.slice_size(), " slices"));
   }
-  if (header.live_workers_size() == 0) return absl::InvalidArgumentError("init names no live workers");
+  if (header.live_workers_size() == 0)
+    return absl::InvalidArgumentError("init names no live workers");
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
   for (int i = 0; i < header.slice_size(); ++i) {
     const int64_t n = NumElements(header.slice(i).shape());
@@ -46,7 +48,8 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
     for (auto& slot : v.slots) {
       if (slot.empty()) slot.assign(n, 0.0f);
       if (static_cast<int64_t>(slot.size()) != n) {
-        return absl::InvalidArgumentError(absl::StrCat("slot of '", header.slice(i).name(), "' has the wrong size"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("slot of '", header.slice(i).name(), "' has the wrong size"));
       }
     }
   }
@@ -54,12 +57,14 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   if (shutdown_) return absl::UnavailableError("ps is shutting down");
   initialized_ = true;
   job_id_ = header.job_id();
-  slices_ = std::make_shared<const std::vector<SliceSpec>>(header.slice().begin(), header.slice().end());
+  slices_ =
+      std::make_shared<const std::vector<SliceSpec>>(header.slice().begin(), header.slice().end());
   values_ = std::move(values);
   weights_ = nullptr;
   job_ = header.job();
   optimizer_ = *std::move(opt);
-  live_workers_ = absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
+  live_workers_ =
+      absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
   joining_.clear();
   sum_.clear();
   for (const SliceSpec& s : *slices_) sum_.emplace_back(NumElements(s.shape()), 0.0f);
@@ -75,7 +80,8 @@ absl::Status Shard::CheckJobLocked(uint64_t job_id) const {
   if (shutdown_) return absl::UnavailableError("ps is shutting down");
   if (!initialized_) return absl::FailedPreconditionError("ps holds no job yet");
   if (job_id != job_id_) {
-    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not the job this ps holds"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is not the job this ps holds"));
   }
   return absl::OkStatus();
 }
@@ -87,13 +93,14 @@ absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> Shard::Slices(uint
 }
 
 absl::Status Shard::WaitLocked(uint64_t job_id, int64_t version, absl::Time deadline,
-                              const std::function<bool()>& cancelled, absl::string_view what,
-                              absl::FunctionRef<bool()> reached) {
+                               const std::function<bool()>& cancelled, absl::string_view what,
+                               absl::FunctionRef<bool()> reached) {
   while (!reached()) {
     if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, " cancelled"));
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("version ", version, " not reached; ps is at ", version_));
+      return absl::DeadlineExceededError(
+          absl::StrCat("version ", version, " not reached; ps is at ", version_));
     }
     // Bounded wait so that a cancelled call is noticed; progress itself is signalled.
     version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
@@ -120,8 +127,9 @@ absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, 
   const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  PSFLOW_RETURN_IF_ERROR(WaitLocked(job_id, min_version, deadline, cancelled, "pull",
-                                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= min_version; }));
+  PSFLOW_RETURN_IF_ERROR(
+      WaitLocked(job_id, min_version, deadline, cancelled, "pull",
+                 [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= min_version; }));
   Pulled pulled;
   pulled.weights = WeightsLocked();
   pulled.waited = absl::Now() - start;
@@ -138,31 +146,35 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
     const std::string name = static_cast<size_t>(non_finite) < slices_->size()
                                  ? absl::StrCat("'", (*slices_)[non_finite].name(), "'")
                                  : absl::StrCat("#", non_finite);
-    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ", name, " from worker ", worker,
-                                                   " at step ", step, ": push refused"));
+    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ", name,
+                                                   " from worker ", worker, " at step ", step,
+                                                   ": push refused"));
   }
   if (!live_workers_.contains(worker)) {
-    return absl::FailedPreconditionError(absl::StrCat("worker ", worker, " is not a live member of the job"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", worker, " is not a live member of the job"));
   }
   if (step < version_) {
     ++counters_.stale;
     return PushResponse::STALE;
   }
   if (step > version_) {
-    return absl::FailedPreconditionError(absl::StrCat("push for step ", step, " but the ps is at version ",
-                                                      version_));
+    return absl::FailedPreconditionError(
+        absl::StrCat("push for step ", step, " but the ps is at version ", version_));
   }
   if (pending_.contains(worker)) {
     ++counters_.duplicate;
     return PushResponse::DUPLICATE;
   }
   if (grads.size() != sum_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("push has ", grads.size(), " slices, the ps holds ", sum_.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("push has ", grads.size(), " slices, the ps holds ", sum_.size()));
   }
   for (size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].size() != sum_[i].size()) {
-      return absl::InvalidArgumentError(absl::StrCat("gradient of '", (*slices_)[i].name(), "' has ",
-                                                     grads[i].size(), " values, expected ", sum_[i].size()));
+      return absl::InvalidArgumentError(absl::StrCat("gradient of '", (*slices_)[i].name(),
+                                                     "' has ", grads[i].size(),
+                                                     " values, expected ", sum_[i].size()));
     }
   }
   pending_[worker] = std::move(grads);
@@ -193,7 +205,8 @@ void Shard::ApplyLocked() {
     ScaleInPlace(sum.data(), scale, static_cast<int64_t>(sum.size()));
     slots.clear();
     for (auto& slot : values_[i].slots) slots.push_back(slot.data());
-    optimizer_->Apply(version_, values_[i].value.data(), sum.data(), static_cast<int64_t>(sum.size()), slots);
+    optimizer_->Apply(version_, values_[i].value.data(), sum.data(),
+                      static_cast<int64_t>(sum.size()), slots);
   }
   pending_.clear();
   weights_ = nullptr;  // readers keep their copy of the old version
@@ -223,7 +236,8 @@ void Shard::OnVersionLocked() {
   }
 }
 
-absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version) {
+absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live,
+                                   int64_t from_version) {
   if (live.empty()) return absl::InvalidArgumentError("a job needs at least one live worker");
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
@@ -260,7 +274,8 @@ absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
     return it != snapshots_.end() && it->second.data != nullptr;
   };
   if (version_ > version && !taken()) {
-    return absl::FailedPreconditionError(absl::StrCat("the ps is at version ", version_, ", past ", version));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ps is at version ", version_, ", past ", version));
   }
   ++snapshots_[version].waiters;
   OnVersionLocked();  // takes it now if the shard is at that version

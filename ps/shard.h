@@ -53,7 +53,7 @@ class Shard {
   struct Weights {
     int64_t version = 0;
     std::shared_ptr<const std::vector<SliceSpec>> slices;  // of the job, shared
-    std::vector<std::vector<float>> values;                 // follows *slices
+    std::vector<std::vector<float>> values;                // follows *slices
   };
 
   // What Pull hands back.
@@ -74,7 +74,8 @@ class Shard {
   Shard() = default;
 
   // Loads a job, replacing any earlier one (waiting pulls of a job with
-  // another id fail with ABORTED; those of the same id see the new state). `values` follow header.slice().
+  // another id fail with ABORTED; those of the same id see the new state). `values` follow
+  // header.slice().
   absl::Status Init(const InitHeader& header, std::vector<SliceValues> values);
 
   // The slices of the current job, if `job_id` names it; FAILED_PRECONDITION
@@ -105,9 +106,9 @@ class Shard {
 
   // Values and slots as of exactly `version`, taken when the shard reaches
   // it. FAILED_PRECONDITION if already past; the other errors as for Pull.
-  absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(uint64_t job_id, int64_t version,
-                                                             absl::Time deadline,
-                                                             const std::function<bool()>& cancelled);
+  absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(
+      uint64_t job_id, int64_t version, absl::Time deadline,
+      const std::function<bool()>& cancelled);
 
   struct State {
     bool has_job = false;
@@ -158,7 +159,8 @@ class Shard {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // steps applied (from the Init header's version on)
-  std::shared_ptr<const std::vector<SliceSpec>> slices_ ABSL_GUARDED_BY(mu_);  // replaced, never changed
+  std::shared_ptr<const std::vector<SliceSpec>> slices_
+      ABSL_GUARDED_BY(mu_);                               // replaced, never changed
   std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);  // the masters the optimizer updates
   // values_ as of version_ for readers; null until first asked for after an
   // apply or Init. Never written through: an apply drops it instead.

@@ -21,9 +21,10 @@
 #include "worker/service.h"
 #include "worker/trainer.h"
 
-ABSL_FLAG(std::string, device, "cpu",
-          "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
-          "The parameter servers stay on CPUs either way.");
+ABSL_FLAG(
+    std::string, device, "cpu",
+    "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
+    "The parameter servers stay on CPUs either way.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief or a ps before exiting with code 138.");
 
@@ -59,14 +60,16 @@ int main(int argc, char** argv) {
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);
   grpc::EnableDefaultHealthCheckService(true);
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(config.self_port, &service);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      psflow::StartServer(config.self_port, &service);
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
   }
   // Calls in flight are cancelled on a signal; do not wait for more than a few seconds.
-  const int code = psflow::RunRole([&] { return trainer.Run(); }, [&](int sig) { trainer.Stop(sig); },
-                                   absl::Seconds(6), "stopping after the call in flight");
+  const int code =
+      psflow::RunRole([&] { return trainer.Run(); }, [&](int sig) { trainer.Stop(sig); },
+                      absl::Seconds(6), "stopping after the call in flight");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   return code;
 }

@@ -2,7 +2,8 @@
 
 namespace psflow::worker {
 
-grpc::Status StatusService::GetStatus(grpc::ServerContext*, const WorkerStatusRequest*, WorkerStatus* status) {
+grpc::Status StatusService::GetStatus(grpc::ServerContext*, const WorkerStatusRequest*,
+                                      WorkerStatus* status) {
   const TrainerStatus s = trainer_->Status();
   status->set_worker(s.worker);
   status->set_job_id(s.job_id);

@@ -28,18 +28,22 @@ absl::Status RegisterAgain(absl::string_view why) {
   return s;
 }
 
-bool IsRegisterAgain(const absl::Status& s) { return s.GetPayload(kRegisterAgainPayload).has_value(); }
+bool IsRegisterAgain(const absl::Status& s) {
+  return s.GetPayload(kRegisterAgainPayload).has_value();
+}
 
 // A ps that holds another job (the chief reloaded it) or none (it restarted
 // empty), drops this worker, or answers from another version than its peers
 // (mid-reload): register again.
-bool JobChanged(const absl::Status& s) { return absl::IsFailedPrecondition(s) || absl::IsAborted(s); }
+bool JobChanged(const absl::Status& s) {
+  return absl::IsFailedPrecondition(s) || absl::IsAborted(s);
+}
 
 // A failure that happens again with the same input: exit code 1 whatever
 // the code of `s`.
 absl::Status Permanent(const absl::Status& s, absl::string_view context = "") {
-  const absl::StatusCode code =
-      absl::IsInvalidArgument(s) ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kFailedPrecondition;
+  const absl::StatusCode code = absl::IsInvalidArgument(s) ? absl::StatusCode::kInvalidArgument
+                                                           : absl::StatusCode::kFailedPrecondition;
   return absl::Status(code, absl::StrCat(context, s.message()));
 }
 
@@ -110,7 +114,8 @@ absl::Status Trainer::Register() {
       start_step_ = response->start_step();
       std::unique_ptr<ps::Client> client;
       if (first) {
-        client = make_ps_(std::vector<std::string>(response->ps_address().begin(), response->ps_address().end()));
+        client = make_ps_(
+            std::vector<std::string>(response->ps_address().begin(), response->ps_address().end()));
         if (client == nullptr) return absl::InternalError("no client for the ps");
       }
       absl::MutexLock lock(&mu_);
@@ -138,7 +143,8 @@ absl::Status Trainer::Register() {
 absl::Status Trainer::Prepare() {
   const int index = options_.worker_index;
   if (job_.num_ps() < 1 || job_.num_ps() != ps()->num_ps() || job_.batch_size() < 1 ||
-      job_.steps_per_epoch() < 1 || job_.num_workers() <= index || job_.placement().num_ps() != job_.num_ps()) {
+      job_.steps_per_epoch() < 1 || job_.num_workers() <= index ||
+      job_.placement().num_ps() != job_.num_ps()) {
     return absl::FailedPreconditionError("the chief sent an inconsistent job");
   }
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
@@ -146,16 +152,17 @@ absl::Status Trainer::Prepare() {
   if (!backend.ok()) return Permanent(backend.status());
   backend_ = *std::move(backend);
   absl::StatusOr<data::Dataset> data =
-      data::LoadDataset({job_.dataset(), job_.data_dir(), job_.num_examples()}, data::ModelInputOf(job_.model()),
-                        data::Split::kTrain);
+      data::LoadDataset({job_.dataset(), job_.data_dir(), job_.num_examples()},
+                        data::ModelInputOf(job_.model()), data::Split::kTrain);
   if (!data.ok()) return Permanent(data.status());
   data_ = *std::move(data);
   if (data_.count != job_.num_examples()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "this worker sees ", data_.count, " training examples in ", job_.data_dir(), ", the chief saw ",
-        job_.num_examples(), ": every process needs the same data"));
+        "this worker sees ", data_.count, " training examples in ", job_.data_dir(),
+        ", the chief saw ", job_.num_examples(), ": every process needs the same data"));
   }
-  absl::StatusOr<std::unique_ptr<model::Network>> net = model::Network::Create(job_.model(), backend_.get());
+  absl::StatusOr<std::unique_ptr<model::Network>> net =
+      model::Network::Create(job_.model(), backend_.get());
   if (!net.ok()) return Permanent(net.status());
   net_ = *std::move(net);
   // Pull into and push from the network's own buffers when they are host
@@ -177,8 +184,8 @@ absl::Status Trainer::Prepare() {
     push_refs_.push_back(SliceRefs(job_.placement(), p, grads));
   }
   pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));
-  PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name() << ", "
-              << job_.num_ps() << " ps";
+  PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name()
+              << ", " << job_.num_ps() << " ps";
   return absl::OkStatus();
 }
 
@@ -198,7 +205,8 @@ absl::Status Trainer::PullAll(int64_t min_version, int64_t* version, int64_t* wa
       if (stop_signal() != 0) return absl::CancelledError("stopping");
       last_ask = absl::Now();
       r = client->Pull(p, job_id, min_version, pull_sinks_[p],
-                       last_ask + options_.pull_wait + options_.transfer_timeout, options_.pull_wait);
+                       last_ask + options_.pull_wait + options_.transfer_timeout,
+                       options_.pull_wait);
     } while (r.ok() && r->version < min_version);
     if (!r.ok()) {
       if (IsRetryable(r.status())) PSLOG(WARNING) << "retrying: " << r.status().message();
@@ -217,7 +225,8 @@ absl::Status Trainer::PullAll(int64_t min_version, int64_t* version, int64_t* wa
   // different ps (some applied it, the others still wait for its push). Do
   // the older step: the ps past it answer STALE, the others get their push.
   if (newest - *version > 1) {
-    return absl::AbortedError(absl::StrCat("ps disagree on the version: ", *version, " and ", newest));
+    return absl::AbortedError(
+        absl::StrCat("ps disagree on the version: ", *version, " and ", newest));
   }
   return absl::OkStatus();
 }
@@ -234,7 +243,8 @@ absl::Status Trainer::PushAll(int64_t step) {
   // A retried push that had arrived after all is answered DUPLICATE (or
   // STALE once applied): either way the ps has this worker's gradients.
   return FanOut(pool_.get(), job_.num_ps(), policy, [&](int p) -> absl::Status {
-    absl::Status s = client->Push(p, header, push_refs_[p], absl::Now() + options_.transfer_timeout).status();
+    absl::Status s =
+        client->Push(p, header, push_refs_[p], absl::Now() + options_.transfer_timeout).status();
     if (IsRetryable(s)) PSLOG(WARNING) << "retrying: " << s.message();
     return s;
   });
@@ -247,7 +257,8 @@ void Trainer::ReportLoop() {
     request.set_worker(options_.worker_index);
     {
       absl::MutexLock lock(&mu_);
-      if (released_ || job_failed_ || stop_signal_ != 0 || !report_error_.ok() || training_failed_) return;
+      if (released_ || job_failed_ || stop_signal_ != 0 || !report_error_.ok() || training_failed_)
+        return;
       // Wake early once the last step is done, so the exit order arrives promptly.
       auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return finished_ || nonfinite_ || stop_signal_ != 0;
@@ -259,7 +270,8 @@ void Trainer::ReportLoop() {
       pending_.clear();
       request.set_finished(finished_);
     }
-    absl::StatusOr<ReportResponse> response = chief_->Report(request, absl::Now() + options_.report_timeout);
+    absl::StatusOr<ReportResponse> response =
+        chief_->Report(request, absl::Now() + options_.report_timeout);
     absl::MutexLock lock(&mu_);
     if (response.ok()) {
       last_ok = absl::Now();
@@ -275,10 +287,12 @@ void Trainer::ReportLoop() {
     if (stop_signal_ != 0) return;
     const absl::Status& s = response.status();
     if (!IsRetryable(s)) {
-      report_error_ = absl::InternalError(absl::StrCat("cannot report to the chief: ", s.message(), " (",
-                                                       absl::StatusCodeToString(s.code()), ")"));
+      report_error_ =
+          absl::InternalError(absl::StrCat("cannot report to the chief: ", s.message(), " (",
+                                           absl::StatusCodeToString(s.code()), ")"));
     } else if (absl::Now() - last_ok > options_.startup_timeout) {
-      report_error_ = absl::Status(s.code(), absl::StrCat("cannot report to the chief: ", s.message()));
+      report_error_ =
+          absl::Status(s.code(), absl::StrCat("cannot report to the chief: ", s.message()));
     }
   }
 }
@@ -341,8 +355,8 @@ absl::Status Trainer::Train(int64_t start) {
       order = sampler.EpochIndices(epoch);
       order_epoch = epoch;
     }
-    s = data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch), images.data(),
-                          labels.data());
+    s = data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch),
+                          images.data(), labels.data());
     if (s.ok() && !in_place_) s = net_->SetWeights(weight_ptrs);
     absl::StatusOr<model::Network::Result> result =
         s.ok() ? net_->TrainStep(images.data(), labels.data(), batch) : s;
@@ -388,8 +402,8 @@ absl::Status Trainer::TrainAndWait() {
   while (true) {
     absl::Status s = Train(start_step_);
     if (IsRegisterAgain(s)) {
-      PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again (" << s.message()
-                  << ")";
+      PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again ("
+                  << s.message() << ")";
       // While the chief reloads the ps, registering again at once just spins.
       absl::SleepFor(register_backoff_.Next());
       s = Register();

@@ -69,13 +69,14 @@ struct TrainerOptions {
 
 // Makes the client of the ps at `addresses` (by ps index), once, at the first
 // registration.
-using PsClientFactory = std::function<std::unique_ptr<ps::Client>(const std::vector<std::string>& addresses)>;
+using PsClientFactory =
+    std::function<std::unique_ptr<ps::Client>(const std::vector<std::string>& addresses)>;
 
 // What the status service reports.
 struct TrainerStatus {
   int worker = 0;
-  uint64_t job_id = 0;  // 0 before registration
-  int64_t step = 0;     // the step being computed (or reached, once finished)
+  uint64_t job_id = 0;    // 0 before registration
+  int64_t step = 0;       // the step being computed (or reached, once finished)
   bool finished = false;  // saw the final version; waiting for the exit order
 };
 
@@ -128,7 +129,7 @@ class Trainer {
 
   // The training thread's own state.
   JobConfig job_;
-  int64_t start_step_ = 0;  // from the latest registration
+  int64_t start_step_ = 0;            // from the latest registration
   std::unique_ptr<ThreadPool> pool_;  // for parallel pulls and pushes
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
@@ -148,13 +149,13 @@ class Trainer {
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<StepMetrics> pending_ ABSL_GUARDED_BY(mu_);  // not yet reported
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // saw the final version
-  bool released_ ABSL_GUARDED_BY(mu_) = false;  // the chief said exit
-  absl::Status report_error_ ABSL_GUARDED_BY(mu_);  // reporting failed for good
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;         // saw the final version
+  bool released_ ABSL_GUARDED_BY(mu_) = false;         // the chief said exit
+  absl::Status report_error_ ABSL_GUARDED_BY(mu_);     // reporting failed for good
   bool training_failed_ ABSL_GUARDED_BY(mu_) = false;  // ends the report loop
-  bool reregister_ ABSL_GUARDED_BY(mu_) = false;  // the chief asked for a new registration
-  bool nonfinite_ ABSL_GUARDED_BY(mu_) = false;   // a step was not finite: report it at once
-  bool job_failed_ ABSL_GUARDED_BY(mu_) = false;  // the chief said the job failed
+  bool reregister_ ABSL_GUARDED_BY(mu_) = false;       // the chief asked for a new registration
+  bool nonfinite_ ABSL_GUARDED_BY(mu_) = false;        // a step was not finite: report it at once
+  bool job_failed_ ABSL_GUARDED_BY(mu_) = false;       // the chief said the job failed
 };
 
 }  // namespace psflow::worker

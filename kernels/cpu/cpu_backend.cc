@@ -11,12 +11,12 @@
 #include <unordered_map>
 #include <utility>
 
+#include <omp.h>
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include <omp.h>
 
 #include "common/status_macros.h"
 #include "kernels/shapes.h"
@@ -712,8 +712,7 @@ absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DSha
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CpuBackend::CreateMaxPool2D(const Pool2DShape& shape) {
   PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
-  return Build<MaxPool2D>(what,
-                          [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
+  return Build<MaxPool2D>(what, [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<Relu>> CpuBackend::CreateRelu(int64_t size) {
@@ -729,16 +728,14 @@ absl::StatusOr<std::unique_ptr<Dense>> CpuBackend::CreateDense(const DenseShape&
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CpuBackend::CreateSoftmaxCrossEntropy(
     int batch, int classes) {
   PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckSoftmaxCrossEntropy(batch, classes));
-  return Build<SoftmaxCrossEntropy>(what, [&] {
-    return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes);
-  });
+  return Build<SoftmaxCrossEntropy>(
+      what, [&] { return std::make_unique<DnnlSoftmaxCrossEntropy>(ctx_, batch, classes); });
 }
 
 absl::StatusOr<std::unique_ptr<BatchNorm>> CpuBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
   PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
-  return Build<BatchNorm>(what,
-                          [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
+  return Build<BatchNorm>(what, [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CpuBackend::CreateGlobalAvgPool(

@@ -338,8 +338,8 @@ void LogChoice(const std::string& what, const char* direction, const Perf* perf,
   for (int i = 0; i < count && i < 3; ++i) {
     if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
     absl::StrAppendFormat(&line, " algo %d%s %.3f ms %zu B;", static_cast<int>(perf[i].algo),
-                          perf[i].mathType == CUDNN_TENSOR_OP_MATH ? " tensor-op" : "", perf[i].time,
-                          perf[i].memory);
+                          perf[i].mathType == CUDNN_TENSOR_OP_MATH ? " tensor-op" : "",
+                          perf[i].time, perf[i].memory);
   }
   std::fprintf(stderr, "%s\n", line.c_str());
 }
@@ -428,9 +428,8 @@ class CudnnConv2D final : public Conv2D {
               return absl::OkStatus();
             },
             fwd_algo_, workspace)));
-    PSFLOW_RETURN_IF_ERROR(
-        (FindConvAlgorithm<cudnnConvolutionBwdDataAlgoPerf_t,
-                           CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
+    PSFLOW_RETURN_IF_ERROR((
+        FindConvAlgorithm<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
             what_, "backward-data", data_conv_.get(),
             [&](int requested, int* count,
                 cudnnConvolutionBwdDataAlgoPerf_t* perf) -> absl::Status {
@@ -446,24 +445,22 @@ class CudnnConv2D final : public Conv2D {
               return absl::OkStatus();
             },
             data_algo_, workspace)));
-    PSFLOW_RETURN_IF_ERROR(
-        (FindConvAlgorithm<cudnnConvolutionBwdFilterAlgoPerf_t,
-                           CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
-            what_, "backward-filter", filter_conv_.get(),
-            [&](int requested, int* count,
-                cudnnConvolutionBwdFilterAlgoPerf_t* perf) -> absl::Status {
-              PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
-                  handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(),
-                  requested, count, perf));
-              return absl::OkStatus();
-            },
-            [&](cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) -> absl::Status {
-              PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                  handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), algo,
-                  bytes));
-              return absl::OkStatus();
-            },
-            filter_algo_, workspace)));
+    PSFLOW_RETURN_IF_ERROR((FindConvAlgorithm<cudnnConvolutionBwdFilterAlgoPerf_t,
+                                              CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
+        what_, "backward-filter", filter_conv_.get(),
+        [&](int requested, int* count, cudnnConvolutionBwdFilterAlgoPerf_t* perf) -> absl::Status {
+          PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
+              handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), requested,
+              count, perf));
+          return absl::OkStatus();
+        },
+        [&](cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) -> absl::Status {
+          PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+              handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), algo,
+              bytes));
+          return absl::OkStatus();
+        },
+        filter_algo_, workspace)));
     PSFLOW_RETURN_IF_ERROR(AllocateDevice(
         ctx_, cuda_internal::ChannelPartialFloats(s.batch, s.out_channels) * sizeof(float), false,
         bias_partial_));

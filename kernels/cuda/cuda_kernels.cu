@@ -216,7 +216,6 @@ __global__ void SoftmaxCrossEntropyBackwardKernel(const float* probs, const int3
   }
 }
 
-
 // ---------------------------------------------------------------- per-channel reductions
 
 // Blocks per channel: enough channel x slice blocks to fill the GPU a few
@@ -276,7 +275,8 @@ __global__ void ChannelPartialKernel(const float* x, const float* y, float* part
 }
 
 // Adds a channel's partial sums in double, in slice order: out[c] = {a, b}.
-__device__ void ChannelTotals(const float* partial, int64_t slices, int64_t c, double& a, double& b) {
+__device__ void ChannelTotals(const float* partial, int64_t slices, int64_t c, double& a,
+                              double& b) {
   a = 0.0;
   b = 0.0;
   for (int64_t s = 0; s < slices; ++s) {
@@ -444,7 +444,8 @@ void ChannelPartial(const float* x, const float* y, float* partial, int64_t n, i
                     int64_t hw, F f, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(SlicesFor(n, channels)), static_cast<unsigned>(channels));
   if (n * channels * hw < kSmallIndex) {
-    ChannelPartialKernel<uint32_t><<<grid, kThreads, 0, stream>>>(x, y, partial, n, channels, hw, f);
+    ChannelPartialKernel<uint32_t>
+        <<<grid, kThreads, 0, stream>>>(x, y, partial, n, channels, hw, f);
   } else {
     ChannelPartialKernel<int64_t><<<grid, kThreads, 0, stream>>>(x, y, partial, n, channels, hw, f);
   }
@@ -455,9 +456,11 @@ void ChannelAffine(const float* x, const float* z, float* y, const float* a, con
   const int64_t total = n * channels * hw;
   const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65536));
   if (total < kSmallIndex) {
-    ChannelAffineKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(x, z, y, a, b, d, total, channels, hw);
+    ChannelAffineKernel<uint32_t>
+        <<<blocks, kThreads, 0, stream>>>(x, z, y, a, b, d, total, channels, hw);
   } else {
-    ChannelAffineKernel<int64_t><<<blocks, kThreads, 0, stream>>>(x, z, y, a, b, d, total, channels, hw);
+    ChannelAffineKernel<int64_t>
+        <<<blocks, kThreads, 0, stream>>>(x, z, y, a, b, d, total, channels, hw);
   }
 }
 
@@ -472,8 +475,8 @@ cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t
   if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
   const int64_t slices = SlicesFor(n, channels);
   ChannelPartial(dy, nullptr, partial, n, channels, hw, SumFn{}, stream);
-  ChannelSumFinishKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(partial, db, channels,
-                                                                                slices);
+  ChannelSumFinishKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(partial, db,
+                                                                                 channels, slices);
   return cudaGetLastError();
 }
 

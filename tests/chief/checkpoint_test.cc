@@ -17,7 +17,8 @@ namespace fs = std::filesystem;
 class CheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/ckpt_", ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = absl::StrCat(::testing::TempDir(), "/ckpt_",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -33,7 +34,9 @@ class CheckpointTest : public ::testing::Test {
     return c;
   }
 
-  std::string Ckpt(int64_t step) const { return absl::StrCat(CheckpointsDir(dir_), "/ckpt-", step); }
+  std::string Ckpt(int64_t step) const {
+    return absl::StrCat(CheckpointsDir(dir_), "/ckpt-", step);
+  }
 
   std::string dir_;
 };
@@ -88,7 +91,7 @@ TEST_F(CheckpointTest, HalfWrittenCheckpointsDoNotExist) {
   ASSERT_TRUE(WriteCheckpoint(dir_, Make(10), 5).ok());
   ASSERT_TRUE(WriteCheckpoint(dir_, Make(20), 5).ok());
   ASSERT_TRUE(WriteCheckpoint(dir_, Make(30), 5).ok());
-  fs::remove(Ckpt(30) + "/manifest.pb");  // crashed before the manifest
+  fs::remove(Ckpt(30) + "/manifest.pb");   // crashed before the manifest
   fs::resize_file(Ckpt(20) + "/data", 8);  // truncated data
   absl::StatusOr<Checkpoint> got = ReadNewestCheckpoint(dir_);
   ASSERT_TRUE(got.ok()) << got.status();

@@ -90,7 +90,8 @@ class CoordinatorTest : public ::testing::Test {
     o.log_every_steps = 1000;
     o.checkpoint_every = absl::ZeroDuration();
     o.timeouts = ShortTimeouts();
-    for (int p = 0; p < job_.num_ps(); ++p) o.ps_addresses.push_back(absl::StrCat("ps-", p, ":2222"));
+    for (int p = 0; p < job_.num_ps(); ++p)
+      o.ps_addresses.push_back(absl::StrCat("ps-", p, ":2222"));
     return o;
   }
 
@@ -104,13 +105,15 @@ class CoordinatorTest : public ::testing::Test {
     });
   }
   absl::Status Join(absl::Duration timeout = absl::Seconds(5)) {
-    if (!returned_->WaitForNotificationWithTimeout(timeout)) return absl::DeadlineExceededError("Run did not return");
+    if (!returned_->WaitForNotificationWithTimeout(timeout))
+      return absl::DeadlineExceededError("Run did not return");
     run_.join();
     return result_;
   }
 
   RegisterWorkerResponse Register(int w) {
-    absl::StatusOr<RegisterWorkerResponse> r = coordinator_->RegisterWorker(w, absl::Now() + absl::Seconds(3));
+    absl::StatusOr<RegisterWorkerResponse> r =
+        coordinator_->RegisterWorker(w, absl::Now() + absl::Seconds(3));
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : RegisterWorkerResponse();
   }
@@ -152,7 +155,8 @@ class CoordinatorTest : public ::testing::Test {
   absl::StatusOr<ReportResponse> Send(const ReportRequest& r) {
     return coordinator_->Report(r, absl::Now() + absl::Seconds(1));
   }
-  absl::StatusOr<ReportResponse> Report(uint64_t job_id, int w, int64_t step, bool finished = false) {
+  absl::StatusOr<ReportResponse> Report(uint64_t job_id, int w, int64_t step,
+                                        bool finished = false) {
     ReportRequest r = MakeReport(job_id, w, step);
     r.set_finished(finished);
     return Send(r);

@@ -15,8 +15,8 @@
 #include "data/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/data/idx_files.h"
 #include "proto/job.pb.h"
+#include "tests/data/idx_files.h"
 
 namespace psflow::chief {
 namespace {
@@ -53,7 +53,8 @@ class JobConfigTest : public ::testing::Test {
  protected:
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = (fs::path(::testing::TempDir()) / absl::StrCat("job_config_test_", info->name())).string();
+    dir_ =
+        (fs::path(::testing::TempDir()) / absl::StrCat("job_config_test_", info->name())).string();
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     options_.cluster.cluster.chief = {"chief-0:2222"};
@@ -181,7 +182,8 @@ TEST_F(JobConfigTest, PlacesEveryVariableOnThePs) {
   WriteData(kCount, 28, false);
   for (int num_ps : {1, 2, 3}) {
     options_.cluster.cluster.ps.clear();
-    for (int p = 0; p < num_ps; ++p) options_.cluster.cluster.ps.push_back(absl::StrCat("ps-", p, ":2222"));
+    for (int p = 0; p < num_ps; ++p)
+      options_.cluster.cluster.ps.push_back(absl::StrCat("ps-", p, ":2222"));
     absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
     ASSERT_TRUE(job.ok()) << num_ps << ": " << job.status();
     EXPECT_EQ(job->num_ps(), num_ps);
@@ -199,7 +201,8 @@ TEST_F(JobConfigTest, PlacesEveryVariableOnThePs) {
         used[s.ps()] = true;
       }
     }
-    for (int p = 0; p < num_ps; ++p) EXPECT_TRUE(used[p]) << "ps " << p << " of " << num_ps << " holds nothing";
+    for (int p = 0; p < num_ps; ++p)
+      EXPECT_TRUE(used[p]) << "ps " << p << " of " << num_ps << " holds nothing";
   }
 }
 
@@ -233,19 +236,26 @@ TEST_F(JobConfigTest, RejectsBadSettings) {
     change(o);
     return BuildJobConfig(o);
   };
-  ExpectInvalid(with([](ChiefOptions& o) { o.coordinator.model_dir.clear(); }), "--model_dir is required");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = 0; }), "--batch_size must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = -3; }), "--batch_size must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.coordinator.model_dir.clear(); }),
+                "--model_dir is required");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = 0; }),
+                "--batch_size must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = -3; }),
+                "--batch_size must be positive");
   ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = 51; }),
                 "--batch_size 51 exceeds the 50 examples each worker sees per epoch");
   ExpectInvalid(with([](ChiefOptions& o) { o.job.optimizer = "rmsprop"; }),
                 "--optimizer 'rmsprop' is not one of sgd, momentum, adam");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = 0; }), "--learning_rate must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = -0.1f; }), "--learning_rate must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = std::numeric_limits<float>::infinity(); }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = 0; }),
                 "--learning_rate must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = std::numeric_limits<float>::quiet_NaN(); }),
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = -0.1f; }),
                 "--learning_rate must be positive");
+  ExpectInvalid(
+      with([](ChiefOptions& o) { o.job.learning_rate = std::numeric_limits<float>::infinity(); }),
+      "--learning_rate must be positive");
+  ExpectInvalid(
+      with([](ChiefOptions& o) { o.job.learning_rate = std::numeric_limits<float>::quiet_NaN(); }),
+      "--learning_rate must be positive");
   ExpectInvalid(with([](ChiefOptions& o) {
                   o.job.optimizer = "momentum";
                   o.job.momentum = 1.5f;
@@ -256,12 +266,15 @@ TEST_F(JobConfigTest, RejectsBadSettings) {
                   o.job.momentum = 0;
                 }),
                 "--momentum must be in (0, 1)");
-  ExpectInvalid(with([&](ChiefOptions& o) { o.job.data_dir = (fs::path(dir_) / "missing").string(); }),
-                "--data_dir");
+  ExpectInvalid(
+      with([&](ChiefOptions& o) { o.job.data_dir = (fs::path(dir_) / "missing").string(); }),
+      "--data_dir");
   ExpectInvalid(with([](ChiefOptions& o) { o.job.model = "no-such-model"; }),
                 "'no-such-model' is neither a built-in model");
-  ExpectInvalid(with([](ChiefOptions& o) { o.coordinator.log_every_steps = 0; }), "--log_every_steps must be positive");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.compute_threads = -1; }), "--compute_threads must not be negative");
+  ExpectInvalid(with([](ChiefOptions& o) { o.coordinator.log_every_steps = 0; }),
+                "--log_every_steps must be positive");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.compute_threads = -1; }),
+                "--compute_threads must not be negative");
   ExpectInvalid(with([](ChiefOptions& o) { o.cluster.cluster.worker.clear(); }), "no workers");
 }
 
@@ -273,7 +286,8 @@ TEST_F(JobConfigTest, RejectsImagesOfTheWrongSize) {
 
 TEST_F(JobConfigTest, RejectsMismatchedImagesAndLabels) {
   WriteData(kCount, 28, false);
-  WritePlain((fs::path(dir_) / "train-labels-idx1-ubyte").string(), IdxBytes(0x801, {3}, {1, 2, 3}));
+  WritePlain((fs::path(dir_) / "train-labels-idx1-ubyte").string(),
+             IdxBytes(0x801, {3}, {1, 2, 3}));
   ExpectInvalid(BuildJobConfig(options_), "do not match");
 }
 
@@ -299,8 +313,8 @@ TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
 
   // The inputs are standardized with the statistics of the very examples the
   // workers will make.
-  absl::StatusOr<data::Dataset> made = data::MakeSynthetic(data::SyntheticShape{3, 32, 32, 10}, 1000,
-                                                           data::Split::kTrain);
+  absl::StatusOr<data::Dataset> made =
+      data::MakeSynthetic(data::SyntheticShape{3, 32, 32, 10}, 1000, data::Split::kTrain);
   ASSERT_TRUE(made.ok()) << made.status();
   double sum = 0, sum_sq = 0;
   for (float p : made->images) {
@@ -364,7 +378,8 @@ TEST_F(JobConfigTest, RejectsBadDatasets) {
   options_.job.synthetic_examples = -10;
   ExpectInvalid(BuildJobConfig(options_), "--synthetic_examples");
   options_.job.synthetic_examples = 10;  // 5 per worker, batches of 8
-  ExpectInvalid(BuildJobConfig(options_), "--batch_size 8 exceeds the 5 examples each worker sees per epoch");
+  ExpectInvalid(BuildJobConfig(options_),
+                "--batch_size 8 exceeds the 5 examples each worker sees per epoch");
   options_.job.synthetic_examples = 16;
   EXPECT_TRUE(BuildJobConfig(options_).ok());
 }

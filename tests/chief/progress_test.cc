@@ -87,12 +87,13 @@ struct Line {
 // Parses a progress line; fails the test if it does not have the documented form.
 Line Parse(const std::string& text) {
   Line l;
-  const int got = std::sscanf(
-      text.c_str(),
-      "step %d/%d epoch %lf loss %lf acc %lf | %lf ex/s | step %lf ms (pull %lf compute %lf push %lf "
-      "wait %lf) | workers %d/%d ps %d/%d",
-      &l.end, &l.total, &l.epoch, &l.loss, &l.acc, &l.ex_per_s, &l.step_ms, &l.pull, &l.compute, &l.push,
-      &l.wait, &l.live, &l.workers, &l.ps_up, &l.ps);
+  const int got =
+      std::sscanf(text.c_str(),
+                  "step %d/%d epoch %lf loss %lf acc %lf | %lf ex/s | step %lf ms (pull %lf "
+                  "compute %lf push %lf "
+                  "wait %lf) | workers %d/%d ps %d/%d",
+                  &l.end, &l.total, &l.epoch, &l.loss, &l.acc, &l.ex_per_s, &l.step_ms, &l.pull,
+                  &l.compute, &l.push, &l.wait, &l.live, &l.workers, &l.ps_up, &l.ps);
   EXPECT_EQ(got, 15) << "unparsable line: " << text;
   return l;
 }
@@ -112,15 +113,17 @@ void ExpectLine(const Line& l, const Expected& e, int end) {
   EXPECT_NEAR(l.ex_per_s, e.ex_per_s, 0.5 + 1e-9);
   // ex/s is the interval's examples over steps * step time (as printed, to rounding).
   const int64_t steps = end - (end == kTrainSteps ? 20 : end - kLogEvery);
-  EXPECT_NEAR(l.ex_per_s, static_cast<double>(e.examples) / (static_cast<double>(steps) * l.step_ms / 1000.0),
+  EXPECT_NEAR(l.ex_per_s,
+              static_cast<double>(e.examples) / (static_cast<double>(steps) * l.step_ms / 1000.0),
               0.01 * l.ex_per_s);
 }
 
 class ProgressTest : public ::testing::Test {
  protected:
   ProgressTest()
-      : progress_(kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [this] { return reachable_; },
-                  [this](const std::string& line) { lines_.push_back(line); }) {}
+      : progress_(
+            kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [this] { return reachable_; },
+            [this](const std::string& line) { lines_.push_back(line); }) {}
 
   const absl::Time t0_ = absl::FromUnixSeconds(1700000000);
   int reachable_ = kPs;
@@ -225,11 +228,14 @@ TEST_F(ProgressTest, SummaryLeavesTheFirstIntervalOutOfTheRate) {
     for (const StepMetrics& m : Steps(w, 10, 20, 2000)) second.push_back(m);
     for (const StepMetrics& m : Steps(w, 20, 25, 3000)) last.push_back(m);
   }
-  for (int w = 0; w < kWorkers; ++w) progress_.Record(w, Steps(w, 0, 10, 50000), t0_ + absl::Seconds(w));
+  for (int w = 0; w < kWorkers; ++w)
+    progress_.Record(w, Steps(w, 0, 10, 50000), t0_ + absl::Seconds(w));
   // After only the first line there is no steady rate yet.
   EXPECT_EQ(progress_.summary().examples_per_sec, 0);
-  for (int w = 0; w < kWorkers; ++w) progress_.Record(w, Steps(w, 10, 20, 2000), t0_ + absl::Seconds(5 + w));
-  for (int w = 0; w < kWorkers; ++w) progress_.Record(w, Steps(w, 20, 25, 3000), t0_ + absl::Seconds(8 + w));
+  for (int w = 0; w < kWorkers; ++w)
+    progress_.Record(w, Steps(w, 10, 20, 2000), t0_ + absl::Seconds(5 + w));
+  for (int w = 0; w < kWorkers; ++w)
+    progress_.Record(w, Steps(w, 20, 25, 3000), t0_ + absl::Seconds(8 + w));
   ASSERT_EQ(lines_.size(), 3u);
 
   const Expected e1 = Expect(first, 10), e2 = Expect(second, 10), e3 = Expect(last, 5);
@@ -256,7 +262,8 @@ TEST_F(ProgressTest, IgnoresOutOfRangeWorkersAndSteps) {
 
   progress_.Record(0, Steps(0, 0, 10), t0_);
   // Steps outside [0, train_steps) from a valid worker count for nothing.
-  progress_.Record(1, {Metric(1, -1), Metric(1, -100), Metric(1, kTrainSteps), Metric(1, 1000)}, t0_);
+  progress_.Record(1, {Metric(1, -1), Metric(1, -100), Metric(1, kTrainSteps), Metric(1, 1000)},
+                   t0_);
   EXPECT_TRUE(lines_.empty());
   Progress::Summary s = progress_.summary();
   EXPECT_EQ(s.steps, 0);

@@ -421,8 +421,9 @@ TEST(ErrorsTest, RoleIsNotThisBinary) {
   ExpectError(ResolveClusterConfig({}, env, Role::kChief),
               "task type 'worker' in POD_NAME 'worker-0', but this is the chief binary "
               "(psflow-chief)");
-  ExpectError(ResolveClusterConfig(FullFlags(), {}, Role::kEvaluator),
-              "task type 'worker' in --job_name, but this is the evaluator binary (psflow-evaluator)");
+  ExpectError(
+      ResolveClusterConfig(FullFlags(), {}, Role::kEvaluator),
+      "task type 'worker' in --job_name, but this is the evaluator binary (psflow-evaluator)");
 }
 
 TEST(ErrorsTest, IndexOutOfRange) {

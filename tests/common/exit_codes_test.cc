@@ -12,10 +12,12 @@ TEST(ExitCodesTest, OkIsDone) { EXPECT_EQ(ExitCodeFor(absl::OkStatus()), kExitDo
 
 TEST(ExitCodesTest, ErrorsThatHappenAgainArePermanent) {
   for (absl::StatusCode code :
-       {absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound,
-        absl::StatusCode::kOutOfRange, absl::StatusCode::kAlreadyExists, absl::StatusCode::kPermissionDenied,
+       {absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition,
+        absl::StatusCode::kNotFound, absl::StatusCode::kOutOfRange,
+        absl::StatusCode::kAlreadyExists, absl::StatusCode::kPermissionDenied,
         absl::StatusCode::kUnauthenticated, absl::StatusCode::kUnimplemented}) {
-    EXPECT_EQ(ExitCodeFor(absl::Status(code, "x")), kExitPermanent) << absl::StatusCodeToString(code);
+    EXPECT_EQ(ExitCodeFor(absl::Status(code, "x")), kExitPermanent)
+        << absl::StatusCodeToString(code);
   }
 }
 
@@ -25,10 +27,11 @@ TEST(ExitCodesTest, APeerThatStayedUnreachableIs138) {
 }
 
 TEST(ExitCodesTest, EverythingElseIsWorthARetry) {
-  for (absl::StatusCode code :
-       {absl::StatusCode::kInternal, absl::StatusCode::kAborted, absl::StatusCode::kDataLoss,
-        absl::StatusCode::kCancelled, absl::StatusCode::kUnknown, absl::StatusCode::kResourceExhausted}) {
-    EXPECT_EQ(ExitCodeFor(absl::Status(code, "x")), kExitRetryable) << absl::StatusCodeToString(code);
+  for (absl::StatusCode code : {absl::StatusCode::kInternal, absl::StatusCode::kAborted,
+                                absl::StatusCode::kDataLoss, absl::StatusCode::kCancelled,
+                                absl::StatusCode::kUnknown, absl::StatusCode::kResourceExhausted}) {
+    EXPECT_EQ(ExitCodeFor(absl::Status(code, "x")), kExitRetryable)
+        << absl::StatusCodeToString(code);
   }
 }
 

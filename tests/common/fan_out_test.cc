@@ -32,9 +32,10 @@ TEST(WithRetriesTest, RetriesRetryableErrorsUntilSuccess) {
 }
 
 TEST(WithRetriesTest, AnErrorThatIsNotRetryableEndsAtOnce) {
-  for (absl::StatusCode code : {absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition,
-                                absl::StatusCode::kCancelled, absl::StatusCode::kAborted,
-                                absl::StatusCode::kDataLoss, absl::StatusCode::kInternal}) {
+  for (absl::StatusCode code :
+       {absl::StatusCode::kInvalidArgument, absl::StatusCode::kFailedPrecondition,
+        absl::StatusCode::kCancelled, absl::StatusCode::kAborted, absl::StatusCode::kDataLoss,
+        absl::StatusCode::kInternal}) {
     int calls = 0;
     absl::Status s = WithRetries(RetryFor(absl::Seconds(10)), [&] {
       ++calls;
@@ -127,7 +128,8 @@ TEST(FanOutTest, RunsSequentiallyWithoutAPool) {
   });
   EXPECT_TRUE(s.ok());
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
-  EXPECT_TRUE(FanOut(nullptr, 0, RetryPolicy(), [](int) { return absl::InternalError("never"); }).ok());
+  EXPECT_TRUE(
+      FanOut(nullptr, 0, RetryPolicy(), [](int) { return absl::InternalError("never"); }).ok());
 }
 
 }  // namespace

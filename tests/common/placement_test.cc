@@ -17,7 +17,7 @@ using ::testing::HasSubstr;
 
 // The built-in cnn model's variables (model/spec.cc).
 std::vector<VariableShape> CnnVariables() {
-  return {{"conv1/weights", {20, 1, 5, 5}}, {"conv1/bias", {20}},
+  return {{"conv1/weights", {20, 1, 5, 5}},  {"conv1/bias", {20}},
           {"conv2/weights", {50, 20, 5, 5}}, {"conv2/bias", {50}},
           {"fc1/weights", {500, 800}},       {"fc1/bias", {500}},
           {"fc2/weights", {10, 500}},        {"fc2/bias", {10}}};
@@ -199,7 +199,8 @@ TEST(PlacementTest, TwoPsExactAssignment) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(BytesPerPs(*p), (std::vector<int64_t>{900000, 824320}));
   EXPECT_EQ(p->variable(2).slice(0).ps(), 0);  // conv2/weights
-  for (int i : {0, 1, 3, 5, 6, 7}) EXPECT_EQ(p->variable(i).slice(0).ps(), 1) << p->variable(i).name();
+  for (int i : {0, 1, 3, 5, 6, 7})
+    EXPECT_EQ(p->variable(i).slice(0).ps(), 1) << p->variable(i).name();
   const VariablePlacement& fc1 = p->variable(4);
   ASSERT_EQ(fc1.slice_size(), 2);
   EXPECT_EQ(fc1.slice(0).row_end(), 250);

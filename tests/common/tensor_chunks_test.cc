@@ -134,7 +134,8 @@ TEST(TensorChunksTest, NoTensorsNoChunks) {
 class AssemblerErrorTest : public ::testing::Test {
  protected:
   AssemblerErrorTest()
-      : w_out_(6, 0.0f), m_out_(6, 0.0f),
+      : w_out_(6, 0.0f),
+        m_out_(6, 0.0f),
         assembler_({{"w", "", {2, 3}, w_out_.data()}, {"w", "m", {2, 3}, m_out_.data()}}) {}
 
   void ExpectRejected(const TensorChunk& c, const std::string& substring) {

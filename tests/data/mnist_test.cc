@@ -1,6 +1,5 @@
 #include "data/mnist.h"
 
-
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>

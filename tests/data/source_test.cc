@@ -37,7 +37,8 @@ class DataSourceTest : public ::testing::Test {
     fs::create_directories(dir_);
     for (const char* prefix : {"train", "t10k"}) {
       std::vector<uint8_t> pixels(kCount * 6 * 5), labels(kCount);
-      for (size_t j = 0; j < pixels.size(); ++j) pixels[j] = static_cast<uint8_t>((j / 30 + j % 30) % 256);
+      for (size_t j = 0; j < pixels.size(); ++j)
+        pixels[j] = static_cast<uint8_t>((j / 30 + j % 30) % 256);
       for (uint32_t i = 0; i < kCount; ++i) labels[i] = static_cast<uint8_t>(i % 10);
       idx_testing::WritePlain(Path(absl::StrCat(prefix, "-images-idx3-ubyte")),
                               idx_testing::IdxBytes(0x803, {kCount, 6, 5}, pixels));
@@ -69,10 +70,13 @@ TEST_F(DataSourceTest, IdxLoadsTheSplitOfTheFiles) {
 }
 
 TEST_F(DataSourceTest, IdxOfAnotherShapeDoesNotFit) {
-  const absl::StatusOr<Dataset> data = LoadDataset(Idx(), {"resnet", {3, 32, 32, 10}}, Split::kTrain);
+  const absl::StatusOr<Dataset> data =
+      LoadDataset(Idx(), {"resnet", {3, 32, 32, 10}}, Split::kTrain);
   EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(data.status().message(), absl::StrCat("model resnet takes 3x32x32 inputs with 10 classes, but the "
-                                                  "images in ", dir_, " are 1x6x5 with 10 classes"));
+  EXPECT_EQ(data.status().message(),
+            absl::StrCat("model resnet takes 3x32x32 inputs with 10 classes, but the "
+                         "images in ",
+                         dir_, " are 1x6x5 with 10 classes"));
   // Height and width are not interchangeable.
   ExpectInvalid(LoadDataset(Idx(), {"t", {1, 5, 6, 10}}, Split::kTest).status(), "are 1x6x5");
 }
@@ -80,15 +84,18 @@ TEST_F(DataSourceTest, IdxOfAnotherShapeDoesNotFit) {
 TEST_F(DataSourceTest, IdxHasTenClasses) {
   ExpectInvalid(LoadDataset(Idx(), {"five", {1, 6, 5, 5}}, Split::kTrain).status(),
                 "model five takes 1x6x5 inputs with 5 classes, but the images in");
-  ExpectInvalid(LoadDataset(Idx(), {"five", {1, 6, 5, 5}}, Split::kTrain).status(), "with 10 classes");
+  ExpectInvalid(LoadDataset(Idx(), {"five", {1, 6, 5, 5}}, Split::kTrain).status(),
+                "with 10 classes");
 }
 
 TEST_F(DataSourceTest, IdxErrorsNameTheFile) {
   fs::remove(Path("t10k-images-idx3-ubyte"));
-  ExpectInvalid(LoadDataset(Idx(), {"tiny", {1, 6, 5, 10}}, Split::kTest).status(), "t10k-images-idx3-ubyte");
+  ExpectInvalid(LoadDataset(Idx(), {"tiny", {1, 6, 5, 10}}, Split::kTest).status(),
+                "t10k-images-idx3-ubyte");
   EXPECT_TRUE(LoadDataset(Idx(), {"tiny", {1, 6, 5, 10}}, Split::kTrain).ok());
-  ExpectInvalid(LoadDataset({"idx", Path("nowhere"), 0}, {"tiny", {1, 6, 5, 10}}, Split::kTrain).status(),
-                "nowhere");
+  ExpectInvalid(
+      LoadDataset({"idx", Path("nowhere"), 0}, {"tiny", {1, 6, 5, 10}}, Split::kTrain).status(),
+      "nowhere");
 }
 
 TEST(DataSourceSyntheticTest, MadeInTheModelsShape) {
@@ -108,16 +115,20 @@ TEST(DataSourceSyntheticTest, MadeInTheModelsShape) {
     EXPECT_EQ(data->labels, direct->labels);
   }
   // data_dir plays no part.
-  absl::StatusOr<Dataset> elsewhere = LoadDataset({"synthetic", "/nonexistent", 40}, model, Split::kTrain);
+  absl::StatusOr<Dataset> elsewhere =
+      LoadDataset({"synthetic", "/nonexistent", 40}, model, Split::kTrain);
   ASSERT_TRUE(elsewhere.ok()) << elsewhere.status();
 }
 
 TEST(DataSourceSyntheticTest, RefusesWhatMakeSyntheticRefuses) {
   ExpectInvalid(LoadDataset({"synthetic", "", 0}, {"m", {1, 4, 4, 10}}, Split::kTrain).status(),
                 "positive count");
-  ExpectInvalid(LoadDataset({"synthetic", "", 10}, {"m", {1, 4, 4, 1}}, Split::kTrain).status(), "2+ classes");
-  ExpectInvalid(LoadDataset({"synthetic", "", int64_t{1} << 40}, {"m", {1, 4, 4, 10}}, Split::kTrain).status(),
-                "too large");
+  ExpectInvalid(LoadDataset({"synthetic", "", 10}, {"m", {1, 4, 4, 1}}, Split::kTrain).status(),
+                "2+ classes");
+  ExpectInvalid(
+      LoadDataset({"synthetic", "", int64_t{1} << 40}, {"m", {1, 4, 4, 10}}, Split::kTrain)
+          .status(),
+      "too large");
 }
 
 TEST(DataSourceNameTest, UnknownDatasets) {
@@ -125,7 +136,8 @@ TEST(DataSourceNameTest, UnknownDatasets) {
   const absl::StatusOr<Dataset> data = LoadDataset({"imagenet", "/x", 10}, model, Split::kTrain);
   EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(data.status().message(), "dataset 'imagenet' is not one of idx, synthetic");
-  ExpectInvalid(LoadDataset({"", "/x", 10}, model, Split::kTrain).status(), "dataset '' is not one of");
+  ExpectInvalid(LoadDataset({"", "/x", 10}, model, Split::kTrain).status(),
+                "dataset '' is not one of");
   ExpectInvalid(LoadDataset({"IDX", "/x", 10}, model, Split::kTrain).status(), "dataset 'IDX'");
 }
 
@@ -136,9 +148,11 @@ TEST(CheckFitsModelTest, ComparesEveryDimensionAndTheClasses) {
   for (const ExampleShape& data : off) {
     const absl::Status s = CheckFitsModel(data, "the images in /d", model);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(s.message(), absl::StrCat("model cnn takes 1x28x28 inputs with 10 classes, but the images in /d are ",
-                                        data.channels, "x", data.height, "x", data.width, " with ",
-                                        data.num_classes, " classes"));
+    EXPECT_EQ(
+        s.message(),
+        absl::StrCat("model cnn takes 1x28x28 inputs with 10 classes, but the images in /d are ",
+                     data.channels, "x", data.height, "x", data.width, " with ", data.num_classes,
+                     " classes"));
   }
 }
 
@@ -147,7 +161,8 @@ TEST(CheckFitsModelTest, OfADataset) {
   ASSERT_TRUE(data.ok()) << data.status();
   EXPECT_TRUE(CheckFitsModel(*data, {"m", {3, 8, 8, 4}}).ok());
   const absl::Status s = CheckFitsModel(*data, {"m", {3, 8, 8, 10}});
-  EXPECT_EQ(s.message(), "model m takes 3x8x8 inputs with 10 classes, but the data are 3x8x8 with 4 classes");
+  EXPECT_EQ(s.message(),
+            "model m takes 3x8x8 inputs with 10 classes, but the data are 3x8x8 with 4 classes");
 }
 
 TEST(ModelInputOfTest, ReadsTheSpec) {

@@ -66,11 +66,13 @@ TEST(SyntheticTest, TrainAndTestDiffer) {
     }
   }
   // Examples within a split differ too.
-  EXPECT_FALSE(std::equal(train.images.begin(), train.images.begin() + per, train.images.begin() + per));
+  EXPECT_FALSE(
+      std::equal(train.images.begin(), train.images.begin() + per, train.images.begin() + per));
 }
 
 TEST(SyntheticTest, LabelsInRangeAndEveryClassPresent) {
-  for (const SyntheticShape& shape : {SyntheticShape{}, SyntheticShape{1, 4, 4, 7}, SyntheticShape{3, 2, 2, 2}}) {
+  for (const SyntheticShape& shape :
+       {SyntheticShape{}, SyntheticShape{1, 4, 4, 7}, SyntheticShape{3, 2, 2, 2}}) {
     for (Split split : {Split::kTrain, Split::kTest}) {
       const Dataset d = Make(shape, 200, split);
       std::vector<int> per_class(shape.num_classes, 0);
@@ -106,7 +108,9 @@ TEST(SyntheticTest, PixelsInUnitInterval) {
 
 TEST(SyntheticTest, BadArgumentsAreInvalid) {
   const SyntheticShape good;
-  auto code = [](const SyntheticShape& s, int64_t count) { return MakeSynthetic(s, count, Split::kTrain).status().code(); };
+  auto code = [](const SyntheticShape& s, int64_t count) {
+    return MakeSynthetic(s, count, Split::kTrain).status().code();
+  };
   EXPECT_EQ(code(good, 0), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(code(good, -5), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(code(SyntheticShape{0, 32, 32, 10}, 10), absl::StatusCode::kInvalidArgument);

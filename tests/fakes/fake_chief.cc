@@ -6,7 +6,8 @@
 
 namespace psflow::fakes {
 
-FakeChief::FakeChief(RegisterWorkerResponse registration) : registration_(std::move(registration)) {}
+FakeChief::FakeChief(RegisterWorkerResponse registration)
+    : registration_(std::move(registration)) {}
 
 absl::Status FakeChief::InjectedLocked() {
   if (fail_count_ == 0) return absl::OkStatus();
@@ -28,7 +29,8 @@ absl::StatusOr<RegisterWorkerResponse> FakeChief::RegisterWorker(int worker, abs
   return registration_;
 }
 
-absl::StatusOr<ReportResponse> FakeChief::Report(const ReportRequest& request, absl::Time deadline) {
+absl::StatusOr<ReportResponse> FakeChief::Report(const ReportRequest& request,
+                                                 absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   if (absl::Status s = InjectedLocked(); !s.ok()) return s;
   reports_.push_back(request);

@@ -53,12 +53,13 @@ class FakeChief final : public chief::Client {
   void FailCalls(absl::StatusCode code, int count);
 
   // Observation.
-  int registrations() const;  // answered successfully
+  int registrations() const;                   // answered successfully
   std::vector<ReportRequest> reports() const;  // received, in order (failed calls excluded)
   std::vector<StepMetrics> metrics() const;    // of every recorded report, in order
   // Waits until `pred(metrics())` holds or `timeout` passes; returns whether
   // it held.
-  bool AwaitMetrics(const std::function<bool(const std::vector<StepMetrics>&)>& pred, absl::Duration timeout) const;
+  bool AwaitMetrics(const std::function<bool(const std::vector<StepMetrics>&)>& pred,
+                    absl::Duration timeout) const;
 
  private:
   // Whether this call fails by injection (and with what).
@@ -72,7 +73,8 @@ class FakeChief final : public chief::Client {
   bool exit_when_finished_ ABSL_GUARDED_BY(mu_) = true;
   bool fail_on_nonfinite_ ABSL_GUARDED_BY(mu_) = true;
   bool failed_ ABSL_GUARDED_BY(mu_) = false;  // a non-finite step failed the job
-  absl::flat_hash_set<int> to_register_ ABSL_GUARDED_BY(mu_);  // answered REGISTER since they registered
+  absl::flat_hash_set<int> to_register_
+      ABSL_GUARDED_BY(mu_);  // answered REGISTER since they registered
   absl::StatusCode fail_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;
   int fail_count_ ABSL_GUARDED_BY(mu_) = 0;  // calls left to fail (< 0: all)
   int registrations_ ABSL_GUARDED_BY(mu_) = 0;

@@ -37,14 +37,18 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
   std::vector<bool> filled(sinks.size(), false);
   for (const TensorRef& t : from) {
     auto it = index.find(std::make_pair(t.name, t.slot));
-    if (it == index.end()) return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", DisplayName(t.name, t.slot)));
+    if (it == index.end())
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown tensor ", DisplayName(t.name, t.slot)));
     TensorSink& sink = sinks[it->second];
     if (t.shape != sink.shape) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot), " has shape ",
-                                                     ShapeString(t.shape), ", expected ", ShapeString(sink.shape)));
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot),
+                                                     " has shape ", ShapeString(t.shape),
+                                                     ", expected ", ShapeString(sink.shape)));
     }
     if (filled[it->second]) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot), " sent twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", DisplayName(t.name, t.slot), " sent twice"));
     }
     std::copy_n(t.data, NumElements(t.shape), sink.data);
     filled[it->second] = true;
@@ -90,7 +94,8 @@ Tensors SnapshotTensors(const ps::Shard::Snapshot& snap) {
   return t;
 }
 
-const std::vector<SliceSpec>& SliceList(const std::shared_ptr<const std::vector<SliceSpec>>& slices) {
+const std::vector<SliceSpec>& SliceList(
+    const std::shared_ptr<const std::vector<SliceSpec>>& slices) {
   return *slices;
 }
 
@@ -105,8 +110,9 @@ class FakePs::Connection final : public ps::Client {
                     absl::Time deadline) override {
     return fake_->DoInit(cancelled_, ps, header, tensors, deadline);
   }
-  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version, std::vector<TensorSink> sinks,
-                                  absl::Time deadline, absl::Duration max_wait) override {
+  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
+                                  std::vector<TensorSink> sinks, absl::Time deadline,
+                                  absl::Duration max_wait) override {
     return fake_->DoPull(cancelled_, ps, job_id, min_version, sinks, deadline, max_wait);
   }
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
@@ -119,8 +125,8 @@ class FakePs::Connection final : public ps::Client {
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override {
     return fake_->DoGetState(cancelled_, ps, deadline);
   }
-  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
-                              absl::Time deadline) override {
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                              int64_t from_version, absl::Time deadline) override {
     return fake_->DoSetLiveWorkers(cancelled_, ps, job_id, live, from_version, deadline);
   }
   absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
@@ -145,7 +151,8 @@ std::unique_ptr<ps::Client> FakePs::NewClient() { return std::make_unique<Connec
 
 absl::StatusOr<std::shared_ptr<ps::Shard>> FakePs::Enter(int ps, Method method, absl::Time deadline,
                                                          const std::atomic<bool>& cancelled) {
-  if (ps < 0 || ps >= num_ps_) return absl::InvalidArgumentError(absl::StrCat("there is no ps ", ps));
+  if (ps < 0 || ps >= num_ps_)
+    return absl::InvalidArgumentError(absl::StrCat("there is no ps ", ps));
   std::shared_ptr<const std::function<void(int, Method)>> hook;
   absl::Duration delay;
   {
@@ -179,9 +186,11 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kInit, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   if (header.ps_index() != ps) {
-    return WithPs(ps, absl::InvalidArgumentError(absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps)));
+    return WithPs(ps, absl::InvalidArgumentError(
+                          absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps)));
   }
-  absl::StatusOr<std::unique_ptr<ps::Optimizer>> opt = ps::Optimizer::Create(header.job().optimizer());
+  absl::StatusOr<std::unique_ptr<ps::Optimizer>> opt =
+      ps::Optimizer::Create(header.job().optimizer());
   if (!opt.ok()) return WithPs(ps, opt.status());
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
   absl::flat_hash_set<std::string> names;
@@ -191,8 +200,9 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
     const SliceSpec& s = header.slice(i);
     absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
     if (!n.ok() || !names.insert(s.name()).second) {
-      return WithPs(ps, absl::InvalidArgumentError(
-                            absl::StrCat("slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message())));
+      return WithPs(
+          ps, absl::InvalidArgumentError(absl::StrCat(
+                  "slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message())));
     }
     const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
     values[i].value.resize(*n);
@@ -215,12 +225,14 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
 
 absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& cancelled, int ps,
                                                       uint64_t job_id, int64_t min_version,
-                                                      std::vector<TensorSink>& sinks, absl::Time deadline,
+                                                      std::vector<TensorSink>& sinks,
+                                                      absl::Time deadline,
                                                       absl::Duration max_wait) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPull, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   const absl::Time start = absl::Now();
-  const absl::Time wait_deadline = max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
+  const absl::Time wait_deadline =
+      max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
   auto stop = [&] { return cancelled.load() || Down(ps); };
   bool first = true;
   while (true) {
@@ -256,8 +268,10 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
   }
 }
 
-absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, int ps, const PushHeader& header,
-                                            const std::vector<TensorRef>& grads, absl::Time deadline) {
+absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, int ps,
+                                            const PushHeader& header,
+                                            const std::vector<TensorRef>& grads,
+                                            absl::Time deadline) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPush, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   auto slices = (*shard)->Slices(header.job_id());
@@ -267,7 +281,11 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
   std::vector<TensorSink> sinks;
   for (size_t i = 0; i < specs.size(); ++i) {
     values[i].resize(NumElements(specs[i].shape()));
-    sinks.push_back({specs[i].name(), "", {specs[i].shape().begin(), specs[i].shape().end()}, values[i].data(), true});
+    sinks.push_back({specs[i].name(),
+                     "",
+                     {specs[i].shape().begin(), specs[i].shape().end()},
+                     values[i].data(),
+                     true});
   }
   absl::Status s = CopyInto(grads, sinks);
   if (!s.ok()) return WithPs(ps, s);
@@ -280,8 +298,10 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
   return response;
 }
 
-absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id, absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kShutdown, deadline, cancelled);
+absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                                absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
+      Enter(ps, Method::kShutdown, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   if (!(*shard)->Slices(job_id).ok()) {
     return WithPs(ps, absl::FailedPreconditionError("shutdown names another job"));
@@ -292,8 +312,10 @@ absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint
   return absl::OkStatus();
 }
 
-absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, int ps, absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kGetState, deadline, cancelled);
+absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, int ps,
+                                           absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
+      Enter(ps, Method::kGetState, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   ps::Shard::State st = (*shard)->state();
   PsState state;
@@ -307,17 +329,22 @@ absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, i
 }
 
 absl::Status FakePs::DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
-                                      const std::vector<int>& live, int64_t from_version, absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kSetLiveWorkers, deadline, cancelled);
+                                      const std::vector<int>& live, int64_t from_version,
+                                      absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
+      Enter(ps, Method::kSetLiveWorkers, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   return WithPs(ps, (*shard)->SetLiveWorkers(job_id, live, from_version));
 }
 
-absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint64_t job_id, int64_t version,
-                                std::vector<TensorSink>& sinks, absl::Time deadline) {
-  absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kSnapshot, deadline, cancelled);
+absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                                int64_t version, std::vector<TensorSink>& sinks,
+                                absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
+      Enter(ps, Method::kSnapshot, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  auto snap = (*shard)->SnapshotAt(job_id, version, deadline, [&] { return cancelled.load() || Down(ps); });
+  auto snap =
+      (*shard)->SnapshotAt(job_id, version, deadline, [&] { return cancelled.load() || Down(ps); });
   if (!snap.ok()) {
     if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
     return WithPs(ps, snap.status());
@@ -328,18 +355,19 @@ absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint
   return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
 }
 
-absl::Status FakePs::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors, absl::Time deadline) {
+absl::Status FakePs::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+                          absl::Time deadline) {
   return DoInit(cancelled_, ps, header, tensors, deadline);
 }
 
 absl::StatusOr<ps::Client::PullResult> FakePs::Pull(int ps, uint64_t job_id, int64_t min_version,
-                                                    std::vector<TensorSink> sinks, absl::Time deadline,
-                                                    absl::Duration max_wait) {
+                                                    std::vector<TensorSink> sinks,
+                                                    absl::Time deadline, absl::Duration max_wait) {
   return DoPull(cancelled_, ps, job_id, min_version, sinks, deadline, max_wait);
 }
 
-absl::StatusOr<PushResponse> FakePs::Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
-                                          absl::Time deadline) {
+absl::StatusOr<PushResponse> FakePs::Push(int ps, const PushHeader& header,
+                                          std::vector<TensorRef> grads, absl::Time deadline) {
   return DoPush(cancelled_, ps, header, grads, deadline);
 }
 
@@ -351,13 +379,13 @@ absl::StatusOr<PsState> FakePs::GetState(int ps, absl::Time deadline) {
   return DoGetState(cancelled_, ps, deadline);
 }
 
-absl::Status FakePs::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
-                                    absl::Time deadline) {
+absl::Status FakePs::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                                    int64_t from_version, absl::Time deadline) {
   return DoSetLiveWorkers(cancelled_, ps, job_id, live, from_version, deadline);
 }
 
-absl::Status FakePs::Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
-                              absl::Time deadline) {
+absl::Status FakePs::Snapshot(int ps, uint64_t job_id, int64_t version,
+                              std::vector<TensorSink> sinks, absl::Time deadline) {
   return DoSnapshot(cancelled_, ps, job_id, version, sinks, deadline);
 }
 
@@ -393,7 +421,8 @@ void FakePs::SetDelay(absl::Duration delay) {
 
 void FakePs::OnCall(std::function<void(int ps, Method method)> hook) {
   absl::MutexLock lock(&mu_);
-  hook_ = hook ? std::make_shared<const std::function<void(int, Method)>>(std::move(hook)) : nullptr;
+  hook_ =
+      hook ? std::make_shared<const std::function<void(int, Method)>>(std::move(hook)) : nullptr;
 }
 
 int64_t FakePs::calls(int ps, Method method) const {

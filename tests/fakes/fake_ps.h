@@ -59,15 +59,16 @@ class FakePs final : public ps::Client {
   int num_ps() const override { return num_ps_; }
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                     absl::Time deadline) override;
-  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version, std::vector<TensorSink> sinks,
-                                  absl::Time deadline, absl::Duration max_wait = absl::ZeroDuration()) override;
+  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
+                                  std::vector<TensorSink> sinks, absl::Time deadline,
+                                  absl::Duration max_wait = absl::ZeroDuration()) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
   // Shuts the ps's shard down (later calls are UNAVAILABLE until Restart).
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
-  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live, int64_t from_version,
-                              absl::Time deadline) override;
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                              int64_t from_version, absl::Time deadline) override;
   absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
                         absl::Time deadline) override;
   // False while the ps is down.
@@ -115,16 +116,20 @@ class FakePs final : public ps::Client {
   absl::Status DoInit(const std::atomic<bool>& cancelled, int ps, const InitHeader& header,
                       const std::vector<TensorRef>& tensors, absl::Time deadline);
   absl::StatusOr<PullResult> DoPull(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
-                                    int64_t min_version, std::vector<TensorSink>& sinks, absl::Time deadline,
-                                    absl::Duration max_wait);
-  absl::StatusOr<PushResponse> DoPush(const std::atomic<bool>& cancelled, int ps, const PushHeader& header,
-                                      const std::vector<TensorRef>& grads, absl::Time deadline);
-  absl::Status DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id, absl::Time deadline);
-  absl::StatusOr<PsState> DoGetState(const std::atomic<bool>& cancelled, int ps, absl::Time deadline);
+                                    int64_t min_version, std::vector<TensorSink>& sinks,
+                                    absl::Time deadline, absl::Duration max_wait);
+  absl::StatusOr<PushResponse> DoPush(const std::atomic<bool>& cancelled, int ps,
+                                      const PushHeader& header, const std::vector<TensorRef>& grads,
+                                      absl::Time deadline);
+  absl::Status DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                          absl::Time deadline);
+  absl::StatusOr<PsState> DoGetState(const std::atomic<bool>& cancelled, int ps,
+                                     absl::Time deadline);
   absl::Status DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
-                                const std::vector<int>& live, int64_t from_version, absl::Time deadline);
-  absl::Status DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint64_t job_id, int64_t version,
-                          std::vector<TensorSink>& sinks, absl::Time deadline);
+                                const std::vector<int>& live, int64_t from_version,
+                                absl::Time deadline);
+  absl::Status DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                          int64_t version, std::vector<TensorSink>& sinks, absl::Time deadline);
 
   struct PsEntry {
     std::shared_ptr<ps::Shard> shard;  // replaced by Restart

@@ -28,7 +28,8 @@ std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 // with `prefix`), or "" if there is none.
 std::string ChiefProgressLine(const std::string& output, int step, int total,
                               const std::string& prefix = "[chief] ") {
-  const std::string needle = "chief] step " + std::to_string(step) + "/" + std::to_string(total) + " ";
+  const std::string needle =
+      "chief] step " + std::to_string(step) + "/" + std::to_string(total) + " ";
   for (const std::string& line : Lines(output)) {
     if (line.rfind(prefix, 0) == 0 && line.find(needle) != std::string::npos) return line;
   }
@@ -49,21 +50,24 @@ class ClusterTest : public TempDirTest {
 
 TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
   const std::string model_dir = dir_ + "/model";
-  Process launch(Bin("psflow-launch"),
-                 {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=400", "--optimizer=adam",
-                  "--learning_rate=0.001", "--log_every_steps=100", "--model_dir=" + model_dir});
+  Process launch(
+      Bin("psflow-launch"),
+      {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=400", "--optimizer=adam",
+       "--learning_rate=0.001", "--log_every_steps=100", "--model_dir=" + model_dir});
   ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
   const std::string out = launch.output();
 
   for (int step : {100, 200, 300, 400}) {
     const std::string line = ChiefProgressLine(out, step, 400);
-    EXPECT_NE(line, "") << "no [chief] progress line for step " << step << "\n" << launch.Describe();
+    EXPECT_NE(line, "") << "no [chief] progress line for step " << step << "\n"
+                        << launch.Describe();
     if (step == 400) {
       EXPECT_THAT(line, HasSubstr("workers 2/2 ps 2/2")) << line;
     }
   }
   for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
-    EXPECT_THAT(out, HasSubstr(std::string("[launch] ") + name + " exited with code 0")) << launch.Describe();
+    EXPECT_THAT(out, HasSubstr(std::string("[launch] ") + name + " exited with code 0"))
+        << launch.Describe();
   }
 
   // Nothing of this cluster outlives the launcher: every member's command
@@ -73,12 +77,14 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
   ExpectNoProcessesLeft("--chief_hosts=" + chief);
   ExpectNoProcessesLeft(model_dir);
 
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"}, {}, seconds(60));
+  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
+                              {}, seconds(60));
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   ASSERT_NE(acc, "") << eval.description;
   std::smatch loss;
-  ASSERT_TRUE(std::regex_search(eval.out, loss, std::regex(R"((^|\n)loss: ([0-9.]+)\n)"))) << eval.description;
+  ASSERT_TRUE(std::regex_search(eval.out, loss, std::regex(R"((^|\n)loss: ([0-9.]+)\n)")))
+      << eval.description;
   // 400 Adam steps of the MLP reach about 0.84 on the Fashion-MNIST test set.
   EXPECT_GE(std::stod(acc), 0.78) << eval.description;
   EXPECT_LE(std::stod(acc), 1.0) << eval.description;
@@ -93,20 +99,23 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
 TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
   const std::string model_dir = dir_ + "/model";
   Process launch(Bin("psflow-launch"),
-                 {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300", "--learning_rate=50",
-                  "--checkpoint_every_steps=1", "--model_dir=" + model_dir});
+                 {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300",
+                  "--learning_rate=50", "--checkpoint_every_steps=1", "--model_dir=" + model_dir});
   ASSERT_EQ(launch.WaitOrKill(seconds(120)), 1) << launch.Describe();
   const std::string out = launch.output();
   EXPECT_THAT(out, HasSubstr("[launch] chief exited with code 1")) << launch.Describe();
   int fail_lines = 0;
   for (const std::string& line : Lines(out)) {
-    if (line.rfind("[chief] ", 0) == 0 && line.find("exiting with code 1: ") != std::string::npos) ++fail_lines;
+    if (line.rfind("[chief] ", 0) == 0 && line.find("exiting with code 1: ") != std::string::npos)
+      ++fail_lines;
     EXPECT_EQ(line.find("nan ex/s"), std::string::npos) << line;
     if (line.rfind("[chief] ", 0) == 0) EXPECT_EQ(line.find("loss nan"), std::string::npos) << line;
   }
   EXPECT_EQ(fail_lines, 1) << launch.Describe();
-  EXPECT_THAT(out, ::testing::ContainsRegex("chief\\] exiting with code 1: (worker [01] computed a non-finite loss or gradients "
-                                            "at step [0-9]+|the weights of step [0-9]+ are not finite)"));
+  EXPECT_THAT(
+      out, ::testing::ContainsRegex(
+               "chief\\] exiting with code 1: (worker [01] computed a non-finite loss or gradients "
+               "at step [0-9]+|the weights of step [0-9]+ are not finite)"));
   EXPECT_FALSE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << launch.Describe();
   for (const auto& e : std::filesystem::directory_iterator(model_dir + "/saved_model")) {
     ADD_FAILURE() << "the saved model directory holds " << e.path();
@@ -118,19 +127,21 @@ TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
   // newest and trains to the end.
   const bool checkpointed = std::filesystem::exists(model_dir + "/checkpoints/checkpoint");
   Process again(Bin("psflow-launch"),
-                {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300", "--learning_rate=0.01",
-                 "--model_dir=" + model_dir});
+                {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300",
+                 "--learning_rate=0.01", "--model_dir=" + model_dir});
   ASSERT_EQ(again.WaitOrKill(seconds(120)), 0) << again.Describe();
   if (checkpointed) {
-    EXPECT_THAT(again.output(), HasSubstr("restoring from the checkpoint of step")) << again.Describe();
+    EXPECT_THAT(again.output(), HasSubstr("restoring from the checkpoint of step"))
+        << again.Describe();
   }
   EXPECT_TRUE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << again.Describe();
 }
 
 TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   const std::string model_dir = dir_ + "/model";
-  Process launch(Bin("psflow-launch"), {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=1000000",
-                                        "--log_every_steps=50", "--model_dir=" + model_dir});
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--", "--model=mlp", "--train_steps=1000000",
+                  "--log_every_steps=50", "--model_dir=" + model_dir});
   ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
   const std::string chief = LaunchChiefAddress(launch.output());
   ASSERT_NE(chief, "") << launch.Describe();
@@ -148,7 +159,8 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   EXPECT_EQ(code, 128 + SIGTERM) << launch.Describe();
   EXPECT_THAT(launch.output(), HasSubstr("[launch] got signal 15")) << launch.Describe();
   for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
-    EXPECT_THAT(launch.output(), HasSubstr(std::string("[launch] ") + name + " exited with code 143"))
+    EXPECT_THAT(launch.output(),
+                HasSubstr(std::string("[launch] ") + name + " exited with code 143"))
         << launch.Describe();
   }
   ExpectNoProcessesLeft(marker);
@@ -178,18 +190,22 @@ void RunSeparateCluster(const std::vector<Member>& members, const std::string& m
   std::vector<std::unique_ptr<Process>> procs;
   Process* chief = nullptr;
   for (size_t i = 0; i < members.size(); ++i) {
-    if (i > 0 && members[i].binary != members[i - 1].binary) std::this_thread::sleep_for(milliseconds(300));
-    procs.push_back(std::make_unique<Process>(Bin(members[i].binary), members[i].args, members[i].env));
+    if (i > 0 && members[i].binary != members[i - 1].binary)
+      std::this_thread::sleep_for(milliseconds(300));
+    procs.push_back(
+        std::make_unique<Process>(Bin(members[i].binary), members[i].args, members[i].env));
     if (members[i].binary == "psflow-chief") chief = procs.back().get();
   }
   ASSERT_NE(chief, nullptr);
   chief->WaitOrKill(seconds(120));
   const Clock::time_point deadline = Clock::now() + seconds(30);
   for (auto& p : procs) {
-    p->WaitOrKill(std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
+    p->WaitOrKill(std::max(milliseconds(1),
+                           std::chrono::duration_cast<milliseconds>(deadline - Clock::now())));
   }
   std::string all;
-  for (size_t i = 0; i < procs.size(); ++i) all += "\n===== " + members[i].name + "\n" + procs[i]->Describe();
+  for (size_t i = 0; i < procs.size(); ++i)
+    all += "\n===== " + members[i].name + "\n" + procs[i]->Describe();
   for (size_t i = 0; i < procs.size(); ++i) {
     EXPECT_EQ(procs[i]->exit_code(), 0) << members[i].name << " failed" << all;
   }
@@ -200,8 +216,8 @@ void RunSeparateCluster(const std::vector<Member>& members, const std::string& m
 template <typename MakeMember>
 void ClusterTest::RunWorkersThenPsThenChief(const MakeMember& member) {
   const std::string model_dir = dir_ + "/model";
-  RunSeparateCluster({member("worker", 0, {}), member("worker", 1, {}), member("ps", 0, {}), member("ps", 1, {}),
-                      member("chief", 0, ChiefJobArgs(model_dir))},
+  RunSeparateCluster({member("worker", 0, {}), member("worker", 1, {}), member("ps", 0, {}),
+                      member("ps", 1, {}), member("chief", 0, ChiefJobArgs(model_dir))},
                      model_dir);
 }
 
@@ -216,29 +232,32 @@ struct Ports {
 
 // TF_CONFIG exactly as the Kubeflow training operator writes it (roles in
 // sorted order, "environment":"cloud"); `chief_key` is "chief" or "master".
-std::string TfConfig(const Ports& ports, const std::string& chief_key, const std::string& type, int index) {
+std::string TfConfig(const Ports& ports, const std::string& chief_key, const std::string& type,
+                     int index) {
   std::string c = "{\"cluster\":{";
   if (chief_key == "chief") c += "\"chief\":[\"" + ports.chief() + "\"],";
   c += "\"evaluator\":[\"" + ports.evaluator() + "\"],";
   if (chief_key == "master") c += "\"master\":[\"" + ports.chief() + "\"],";
   c += "\"ps\":[\"" + ports.ps(0) + "\",\"" + ports.ps(1) + "\"],";
   c += "\"worker\":[\"" + ports.worker(0) + "\",\"" + ports.worker(1) + "\"]},";
-  c += "\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(index) + "},\"environment\":\"cloud\"}";
+  c += "\"task\":{\"type\":\"" + type + "\",\"index\":" + std::to_string(index) +
+       "},\"environment\":\"cloud\"}";
   return c;
 }
 
 // CLUSTER_CONFIG as a Helm template renders it: trailing commas, newlines.
 std::string HelmClusterConfig(const Ports& ports) {
-  return "{\n  \"chief\": [\"" + ports.chief() + "\",],\n  \"ps\": [\"" + ports.ps(0) + "\", \"" + ports.ps(1) +
-         "\",],\n  \"worker\": [\"" + ports.worker(0) + "\", \"" + ports.worker(1) + "\",],\n}\n";
+  return "{\n  \"chief\": [\"" + ports.chief() + "\",],\n  \"ps\": [\"" + ports.ps(0) + "\", \"" +
+         ports.ps(1) + "\",],\n  \"worker\": [\"" + ports.worker(0) + "\", \"" + ports.worker(1) +
+         "\",],\n}\n";
 }
 
 TEST_F(ClusterTest, SeparateProcessesWithFlags) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
-  const std::vector<std::string> hosts = {"--chief_hosts=" + ports.chief(),
-                                          "--ps_hosts=" + ports.ps(0) + "," + ports.ps(1),
-                                          "--worker_hosts=" + ports.worker(0) + "," + ports.worker(1)};
+  const std::vector<std::string> hosts = {
+      "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0) + "," + ports.ps(1),
+      "--worker_hosts=" + ports.worker(0) + "," + ports.worker(1)};
   auto member = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
     Member m{role == "chief" ? "chief" : role + std::to_string(index), "psflow-" + role, {}, {}};
     m.args = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
@@ -257,16 +276,17 @@ TEST_F(ClusterTest, RolesIdleAfterTheJobUntilTerminated) {
   const std::string config = "{\"chief\": [\"" + ports.chief() + "\"], \"ps\": [\"" + ports.ps(0) +
                              "\"], \"worker\": [\"" + ports.worker(0) + "\"]}";
   auto env = [&](const std::string& pod) {
-    return std::map<std::string, std::string>{{"CLUSTER_CONFIG", config}, {"POD_NAME", "psflow-" + pod}};
+    return std::map<std::string, std::string>{{"CLUSTER_CONFIG", config},
+                                              {"POD_NAME", "psflow-" + pod}};
   };
   const std::string model_dir = dir_ + "/model";
   std::vector<std::string> chief_args = ChiefJobArgs(model_dir);
   chief_args.push_back("--exit_when_done=false");
   std::vector<std::unique_ptr<Process>> procs;
-  procs.push_back(std::make_unique<Process>(Bin("psflow-ps"), std::vector<std::string>{"--exit_when_done=false"},
-                                            env("ps-0")));
-  procs.push_back(std::make_unique<Process>(Bin("psflow-worker"),
-                                            std::vector<std::string>{"--exit_when_done=false"}, env("worker-0")));
+  procs.push_back(std::make_unique<Process>(
+      Bin("psflow-ps"), std::vector<std::string>{"--exit_when_done=false"}, env("ps-0")));
+  procs.push_back(std::make_unique<Process>(
+      Bin("psflow-worker"), std::vector<std::string>{"--exit_when_done=false"}, env("worker-0")));
   procs.push_back(std::make_unique<Process>(Bin("psflow-chief"), chief_args, env("chief-0")));
   for (auto& p : procs) {
     ASSERT_TRUE(p->WaitForOutput("idling until terminated", seconds(120))) << p->Describe();
@@ -284,7 +304,9 @@ TEST_F(ClusterTest, SeparateProcessesWithTfConfig) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
   auto member = [&](const std::string& role, int index, std::vector<std::string> args = {}) {
-    return Member{role == "chief" ? "chief" : role + std::to_string(index), "psflow-" + role, std::move(args),
+    return Member{role == "chief" ? "chief" : role + std::to_string(index),
+                  "psflow-" + role,
+                  std::move(args),
                   {{"TF_CONFIG", TfConfig(ports, "chief", role, index)}}};
   };
   // The evaluator is listed in the cluster but not started: it is no training member.
@@ -296,18 +318,21 @@ TEST_F(ClusterTest, SeparateProcessesWithTfConfig) {
 TEST_F(ClusterTest, SeparateProcessesWithMasterAndClusterConfig) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
-  auto tf = [&](const std::string& name, const std::string& binary, const std::string& type, int index,
-                std::vector<std::string> args = {}) {
-    return Member{name, binary, std::move(args), {{"TF_CONFIG", TfConfig(ports, "master", type, index)}}};
+  auto tf = [&](const std::string& name, const std::string& binary, const std::string& type,
+                int index, std::vector<std::string> args = {}) {
+    return Member{
+        name, binary, std::move(args), {{"TF_CONFIG", TfConfig(ports, "master", type, index)}}};
   };
   auto helm = [&](const std::string& name, const std::string& binary, const std::string& pod) {
-    return Member{name, binary, {}, {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", pod}}};
+    return Member{
+        name, binary, {}, {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", pod}}};
   };
   const std::string model_dir = dir_ + "/model";
-  RunSeparateCluster({tf("worker0", "psflow-worker", "worker", 0), helm("worker1", "psflow-worker", "worker-1"),
-                      tf("ps0", "psflow-ps", "ps", 0), helm("ps1", "psflow-ps", "mnist-ps-1"),
-                      tf("chief", "psflow-chief", "master", 0, ChiefJobArgs(model_dir))},
-                     model_dir);
+  RunSeparateCluster(
+      {tf("worker0", "psflow-worker", "worker", 0), helm("worker1", "psflow-worker", "worker-1"),
+       tf("ps0", "psflow-ps", "ps", 0), helm("ps1", "psflow-ps", "mnist-ps-1"),
+       tf("chief", "psflow-chief", "master", 0, ChiefJobArgs(model_dir))},
+      model_dir);
 }
 
 // ---------------------------------------------------------------------------
@@ -318,15 +343,16 @@ struct BadCase {
   std::string binary;
   std::vector<std::string> args;
   std::map<std::string, std::string> env;
-  std::string expect;     // a substring of the message
-  bool one_line = true;   // stdout empty, stderr exactly one line
+  std::string expect;    // a substring of the message
+  bool one_line = true;  // stdout empty, stderr exactly one line
 };
 
 TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
-  const std::vector<std::string> chief_flags = {"--job_name=chief", "--task_id=0", "--chief_hosts=" + ports.chief(),
-                                                "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0)};
+  const std::vector<std::string> chief_flags = {
+      "--job_name=chief", "--task_id=0", "--chief_hosts=" + ports.chief(),
+      "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0)};
   auto chief = [&](std::vector<std::string> extra) {
     std::vector<std::string> args = chief_flags;
     args.insert(args.end(), extra.begin(), extra.end());
@@ -334,34 +360,60 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
   };
   const std::string model_dir = ::testing::TempDir() + "/psflow_bad_config_never_created";
   const std::vector<BadCase> cases = {
-      {"malformed TF_CONFIG", "psflow-worker", {}, {{"TF_CONFIG", R"({"cluster": {"ps": ["127.0.0.1:2222")"}},
+      {"malformed TF_CONFIG",
+       "psflow-worker",
+       {},
+       {{"TF_CONFIG", R"({"cluster": {"ps": ["127.0.0.1:2222")"}},
        "TF_CONFIG is not valid JSON"},
-      {"TF_CONFIG for a worker given to psflow-ps", "psflow-ps", {},
-       {{"TF_CONFIG", TfConfig(ports, "chief", "worker", 1)}}, "task type 'worker' in TF_CONFIG, but this is the ps"},
-      {"task index out of range", "psflow-worker", {}, {{"TF_CONFIG", TfConfig(ports, "chief", "worker", 2)}},
+      {"TF_CONFIG for a worker given to psflow-ps",
+       "psflow-ps",
+       {},
+       {{"TF_CONFIG", TfConfig(ports, "chief", "worker", 1)}},
+       "task type 'worker' in TF_CONFIG, but this is the ps"},
+      {"task index out of range",
+       "psflow-worker",
+       {},
+       {{"TF_CONFIG", TfConfig(ports, "chief", "worker", 2)}},
        "task index 2 out of range"},
-      {"flag task index out of range", "psflow-ps",
-       {"--job_name=ps", "--task_id=5", "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0),
-        "--worker_hosts=" + ports.worker(0)},
+      {"flag task index out of range",
+       "psflow-ps",
+       {"--job_name=ps", "--task_id=5", "--chief_hosts=" + ports.chief(),
+        "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0)},
        {},
        "task index 5 out of range"},
       {"no configuration", "psflow-ps", {}, {}, "no cluster configuration"},
-      {"no configuration (chief)", "psflow-chief", {"--model_dir=" + model_dir}, {}, "no cluster configuration"},
-      {"bad address in --ps_hosts", "psflow-ps",
+      {"no configuration (chief)",
+       "psflow-chief",
+       {"--model_dir=" + model_dir},
+       {},
+       "no cluster configuration"},
+      {"bad address in --ps_hosts",
+       "psflow-ps",
        {"--job_name=ps", "--task_id=0", "--chief_hosts=" + ports.chief(), "--ps_hosts=nohostport",
         "--worker_hosts=" + ports.worker(0)},
        {},
        "'nohostport' is not host:port"},
-      {"POD_NAME without an index", "psflow-worker", {},
-       {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", "worker"}}, "POD_NAME 'worker'"},
+      {"POD_NAME without an index",
+       "psflow-worker",
+       {},
+       {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", "worker"}},
+       "POD_NAME 'worker'"},
       {"unknown flag", "psflow-chief", {"--bogus"}, {}, "bogus", false},
-      {"--epochs and --train_steps", "psflow-chief",
-       chief({"--model=mlp", "--epochs=1", "--train_steps=10", "--model_dir=" + model_dir}), {},
+      {"--epochs and --train_steps",
+       "psflow-chief",
+       chief({"--model=mlp", "--epochs=1", "--train_steps=10", "--model_dir=" + model_dir}),
+       {},
        "give --epochs or --train_steps, not both"},
-      {"unknown model", "psflow-chief", chief({"--model=does_not_exist", "--model_dir=" + model_dir}), {},
+      {"unknown model",
+       "psflow-chief",
+       chief({"--model=does_not_exist", "--model_dir=" + model_dir}),
+       {},
        "model 'does_not_exist'"},
-      {"unknown optimizer", "psflow-chief", chief({"--model=mlp", "--optimizer=rmsprop", "--model_dir=" + model_dir}),
-       {}, "--optimizer 'rmsprop'"},
+      {"unknown optimizer",
+       "psflow-chief",
+       chief({"--model=mlp", "--optimizer=rmsprop", "--model_dir=" + model_dir}),
+       {},
+       "--optimizer 'rmsprop'"},
       {"no --model_dir", "psflow-chief", chief({"--model=mlp"}), {}, "--model_dir is required"},
   };
   for (const BadCase& c : cases) {
@@ -386,24 +438,50 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
 const std::map<std::string, std::vector<std::string>>& OwnFlags() {
   static const auto* flags = new std::map<std::string, std::vector<std::string>>{
       {"psflow-chief",
-       {"model", "data_dir", "dataset", "synthetic_examples", "batch_size", "epochs", "train_steps", "optimizer",
-        "learning_rate", "momentum", "seed", "model_dir", "saved_model_dir", "log_every_steps", "compute_threads",
-        "startup_timeout", "checkpoint_every_steps", "checkpoint_every_secs", "keep_checkpoints", "worker_timeout",
-        "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts",
+       {"model",
+        "data_dir",
+        "dataset",
+        "synthetic_examples",
+        "batch_size",
+        "epochs",
+        "train_steps",
+        "optimizer",
+        "learning_rate",
+        "momentum",
+        "seed",
+        "model_dir",
+        "saved_model_dir",
+        "log_every_steps",
+        "compute_threads",
+        "startup_timeout",
+        "checkpoint_every_steps",
+        "checkpoint_every_secs",
+        "keep_checkpoints",
+        "worker_timeout",
+        "job_name",
+        "task_id",
+        "task_index",
+        "chief_hosts",
+        "ps_hosts",
+        "worker_hosts",
+        "evaluator_hosts",
         "exit_when_done"}},
       {"psflow-ps",
-       {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts",
-        "exit_when_done"}},
-      {"psflow-worker",
-       {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
+       {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
         "evaluator_hosts", "exit_when_done"}},
+      {"psflow-worker",
+       {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
+        "worker_hosts", "evaluator_hosts", "exit_when_done"}},
       {"psflow-launch",
-       {"ps", "workers", "host", "bin_dir", "grace_seconds", "restart", "worker_devices", "max_restarts"}},
-      {"psflow-eval", {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device"}},
+       {"ps", "workers", "host", "bin_dir", "grace_seconds", "restart", "worker_devices",
+        "max_restarts"}},
+      {"psflow-eval",
+       {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device"}},
       {"psflow-bench-step",
-       {"model", "device", "batch_sizes", "modes", "steps", "repeats", "warmup_steps", "learning_rate", "threads",
-        "profile"}},
-      {"psflow-bench-alone", {"model", "data_dir", "batch_size", "steps", "warmup_steps", "threads"}},
+       {"model", "device", "batch_sizes", "modes", "steps", "repeats", "warmup_steps",
+        "learning_rate", "threads", "profile"}},
+      {"psflow-bench-alone",
+       {"model", "data_dir", "batch_size", "steps", "warmup_steps", "threads"}},
   };
   return *flags;
 }

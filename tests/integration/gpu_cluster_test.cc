@@ -31,15 +31,17 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
                            ("psflow_gpu_cluster_" + std::to_string(::getpid())))
                               .string();
   std::filesystem::remove_all(dir);
-  Process launch(Bin("psflow-launch"),
-                 {"--ps=2", "--workers=2", "--worker_devices=cuda:0", "--", "--model=cnn", "--epochs=5",
-                  "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500",
-                  "--data_dir=" + std::string(kData), "--model_dir=" + dir});
+  Process launch(
+      Bin("psflow-launch"),
+      {"--ps=2", "--workers=2", "--worker_devices=cuda:0", "--", "--model=cnn", "--epochs=5",
+       "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500",
+       "--data_dir=" + std::string(kData), "--model_dir=" + dir});
   ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
   EXPECT_THAT(launch.output(), ::testing::HasSubstr("workers 2/2 ps 2/2")) << launch.Describe();
 
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
-                                                   "--data_dir=" + std::string(kData)},
+  RunResult eval = RunProcess(Bin("psflow-eval"),
+                              {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
+                               "--data_dir=" + std::string(kData)},
                               {}, seconds(120));
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);

@@ -12,9 +12,9 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -249,14 +249,15 @@ std::string Process::stderr_text() const {
 
 std::string Process::Describe() const {
   std::ostringstream s;
-  s << "command: " << command_ << "\nexit code: " << exit_code_ << (timed_out_ ? " (killed: timed out)" : "")
-    << " after " << elapsed_seconds() << " s\n----- output -----\n"
+  s << "command: " << command_ << "\nexit code: " << exit_code_
+    << (timed_out_ ? " (killed: timed out)" : "") << " after " << elapsed_seconds()
+    << " s\n----- output -----\n"
     << output() << "\n----- end of output -----";
   return s.str();
 }
 
 RunResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
-              const std::map<std::string, std::string>& env, milliseconds timeout) {
+                     const std::map<std::string, std::string>& env, milliseconds timeout) {
   Process p(binary, args, env);
   RunResult r;
   r.exit_code = p.WaitOrKill(timeout);
@@ -294,7 +295,8 @@ std::vector<pid_t> FindProcesses(const std::string& text) {
   std::vector<pid_t> found;
   const pid_t self = ::getpid();
   std::error_code ec;
-  for (std::filesystem::directory_iterator it("/proc", ec), end; !ec && it != end; it.increment(ec)) {
+  for (std::filesystem::directory_iterator it("/proc", ec), end; !ec && it != end;
+       it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
     const pid_t pid = static_cast<pid_t>(std::stol(name));
@@ -319,7 +321,9 @@ std::vector<std::string> Lines(const std::string& text) {
 
 std::string LaunchChiefAddress(const std::string& output) {
   std::smatch m;
-  if (!std::regex_search(output, m, std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)"))) return "";
+  if (!std::regex_search(output, m,
+                         std::regex(R"(\[launch\] cluster: chief (127\.0\.0\.1:[0-9]+),)")))
+    return "";
   return m[1].str();
 }
 
@@ -358,7 +362,8 @@ void ExpectNoProcessesLeft(const std::string& text) {
     pids += " " + std::to_string(pid);
     ::kill(pid, SIGKILL);
   }
-  ADD_FAILURE() << left.size() << " process(es) with '" << text << "' in their command line remain:" << pids;
+  ADD_FAILURE() << left.size() << " process(es) with '" << text
+                << "' in their command line remain:" << pids;
 }
 
 }  // namespace psflow::itest

@@ -26,7 +26,8 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 #ifndef PSFLOW_BIN_DIR
-#error "PSFLOW_BIN_DIR (the build's bin directory) must be defined: see psflow_test() in tests/CMakeLists.txt"
+#error \
+    "PSFLOW_BIN_DIR (the build's bin directory) must be defined: see psflow_test() in tests/CMakeLists.txt"
 #endif
 
 // The path of the built binary `name`: in $PSFLOW_BIN_DIR where that is set
@@ -103,7 +104,8 @@ struct RunResult {
 
 // Runs a process to completion (killing it after `timeout`).
 RunResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
-              const std::map<std::string, std::string>& env = {}, milliseconds timeout = seconds(30));
+                     const std::map<std::string, std::string>& env = {},
+                     milliseconds timeout = seconds(30));
 
 // `n` distinct TCP ports that were free on 127.0.0.1 a moment ago (all bound
 // at once while picking).

@@ -54,7 +54,8 @@ constexpr size_t kMaxPrinted = 4 << 20;
 
 int CountOf(const std::string& text, const std::string& what) {
   int n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size()))
+    ++n;
   return n;
 }
 
@@ -68,11 +69,12 @@ std::string ReadWholeFile(const fs::path& path) {
 class Cluster {
  public:
   // `log_path`: where the launcher's whole output goes if the test fails.
-  Cluster(int num_ps, int num_workers, bool restart_on_failure, const std::vector<std::string>& chief_args,
-          std::string log_path)
+  Cluster(int num_ps, int num_workers, bool restart_on_failure,
+          const std::vector<std::string>& chief_args, std::string log_path)
       : log_path_(std::move(log_path)) {
-    std::vector<std::string> args = {"--ps=" + std::to_string(num_ps), "--workers=" + std::to_string(num_workers),
-                                     restart_on_failure ? "--restart=on-failure" : "--restart=never", "--"};
+    std::vector<std::string> args = {
+        "--ps=" + std::to_string(num_ps), "--workers=" + std::to_string(num_workers),
+        restart_on_failure ? "--restart=on-failure" : "--restart=never", "--"};
     args.insert(args.end(), chief_args.begin(), chief_args.end());
     launch_ = std::make_unique<Process>(Bin("psflow-launch"), args);
     std::string chief;
@@ -80,7 +82,8 @@ class Cluster {
       chief = LaunchChiefAddress(line);
       return !chief.empty();
     };
-    if (WaitLine(cluster_line, 0, seconds(30)) != std::string::npos) marker_ = "--chief_hosts=" + chief;
+    if (WaitLine(cluster_line, 0, seconds(30)) != std::string::npos)
+      marker_ = "--chief_hosts=" + chief;
   }
 
   ~Cluster() {
@@ -109,8 +112,9 @@ class Cluster {
   std::string Describe() const {
     std::string d = "(the launcher's output is printed below)";
     if (livelocked_) {
-      d += "\nLIVELOCK: workers re-registered " + std::to_string(CountOf(output(), "registering again")) +
-           " times, over " + std::to_string(static_cast<int>(kLivelockRate)) + "/s for " +
+      d += "\nLIVELOCK: workers re-registered " +
+           std::to_string(CountOf(output(), "registering again")) + " times, over " +
+           std::to_string(static_cast<int>(kLivelockRate)) + "/s for " +
            std::to_string(kLivelockWindow.count() / 1000) + " s on end; the cluster was killed";
     } else if (launch_->timed_out()) {
       d += "\nthe launcher did not exit in time and was killed";
@@ -150,8 +154,9 @@ class Cluster {
 
   // The same for a line that contains `text`.
   size_t Wait(const std::string& text, size_t from, milliseconds timeout = kLineTimeout) {
-    return WaitLine([&text](const std::string& line) { return line.find(text) != std::string::npos; }, from,
-                    timeout);
+    return WaitLine(
+        [&text](const std::string& line) { return line.find(text) != std::string::npos; }, from,
+        timeout);
   }
 
   // Waits for the chief's first progress line at or past `step` after `from`.
@@ -172,7 +177,8 @@ class Cluster {
   // index (found by its command line), waiting up to 30 s for there to be
   // exactly one; -1 if not.
   pid_t FindMember(const std::string& role, int index) {
-    const std::string text = "--job_name=" + role + " --task_id=" + std::to_string(index) + " " + marker_;
+    const std::string text =
+        "--job_name=" + role + " --task_id=" + std::to_string(index) + " " + marker_;
     for (int i = 0; i < 600; ++i) {
       std::vector<pid_t> pids = FindProcesses(text);
       if (pids.size() == 1) return pids[0];
@@ -187,7 +193,8 @@ class Cluster {
     const pid_t pid = FindMember(role, index);
     if (pid <= 0) return false;
     if (sig == SIGSTOP) stopped_.push_back(pid);
-    std::printf("[recovery_test] signal %d to %s %d (pid %d)\n", sig, role.c_str(), index, static_cast<int>(pid));
+    std::printf("[recovery_test] signal %d to %s %d (pid %d)\n", sig, role.c_str(), index,
+                static_cast<int>(pid));
     std::fflush(stdout);
     return ::kill(pid, sig) == 0;
   }
@@ -197,7 +204,8 @@ class Cluster {
   // `matches` is true; returns the offset just past that line, or npos when
   // the timeout passes, the launcher exits without it, or the cluster
   // livelocks.
-  size_t WaitLine(const std::function<bool(const std::string&)>& matches, size_t from, milliseconds timeout) {
+  size_t WaitLine(const std::function<bool(const std::string&)>& matches, size_t from,
+                  milliseconds timeout) {
     const Clock::time_point deadline = Clock::now() + timeout;
     while (true) {
       const bool running = launch_->running();
@@ -234,12 +242,14 @@ class Cluster {
     }
     std::string shown = launch_->Describe();
     if (shown.size() > kMaxPrinted) {
-      shown = shown.substr(0, kMaxPrinted / 2) + "\n[... " + std::to_string(shown.size() - kMaxPrinted) +
-              " bytes left out ...]\n" + shown.substr(shown.size() - kMaxPrinted / 2);
+      shown = shown.substr(0, kMaxPrinted / 2) + "\n[... " +
+              std::to_string(shown.size() - kMaxPrinted) + " bytes left out ...]\n" +
+              shown.substr(shown.size() - kMaxPrinted / 2);
     }
     std::printf("===== launcher output (also in %s) =====\n%s\n", log_path_.c_str(), shown.c_str());
     if (livelocked_) {
-      std::printf("LIVELOCK: stopped waiting after %d re-registrations\n", CountOf(out, "registering again"));
+      std::printf("LIVELOCK: stopped waiting after %d re-registrations\n",
+                  CountOf(out, "registering again"));
     }
     std::fflush(stdout);
   }
@@ -274,7 +284,8 @@ std::vector<int64_t> CheckpointSteps(const std::string& model_dir) {
   for (const fs::directory_entry& e : fs::directory_iterator(model_dir + "/checkpoints", ec)) {
     std::smatch m;
     const std::string name = e.path().filename().string();
-    if (std::regex_match(name, m, std::regex("ckpt-([0-9]+)"))) steps.push_back(std::stoll(m[1].str()));
+    if (std::regex_match(name, m, std::regex("ckpt-([0-9]+)")))
+      steps.push_back(std::stoll(m[1].str()));
   }
   std::sort(steps.begin(), steps.end());
   return steps;
@@ -297,7 +308,8 @@ void ExpectWholeCheckpoints(const std::string& model_dir, int64_t final_step) {
     if (!std::regex_match(name, m, std::regex("ckpt-([0-9]+)"))) continue;
     ASSERT_TRUE(e.is_directory(ec)) << e.path();
     ASSERT_TRUE(fs::is_regular_file(e.path() / "data", ec)) << "no data in " << e.path();
-    ASSERT_TRUE(fs::is_regular_file(e.path() / "manifest.pb", ec)) << "no manifest.pb in " << e.path();
+    ASSERT_TRUE(fs::is_regular_file(e.path() / "manifest.pb", ec))
+        << "no manifest.pb in " << e.path();
     CheckpointManifest manifest;
     ASSERT_TRUE(manifest.ParseFromString(ReadWholeFile(e.path() / "manifest.pb"))) << e.path();
     EXPECT_EQ(manifest.step(), std::stoll(m[1].str())) << e.path();
@@ -306,8 +318,9 @@ void ExpectWholeCheckpoints(const std::string& model_dir, int64_t final_step) {
     ASSERT_GT(manifest.tensor_size(), 0) << e.path();
     for (const CheckpointTensor& t : manifest.tensor()) {
       ASSERT_LE(t.offset() + t.bytes(), static_cast<int64_t>(data.size())) << t.name();
-      const uint32_t crc = static_cast<uint32_t>(
-          crc32(0L, reinterpret_cast<const Bytef*>(data.data() + t.offset()), static_cast<uInt>(t.bytes())));
+      const uint32_t crc =
+          static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(data.data() + t.offset()),
+                                      static_cast<uInt>(t.bytes())));
       EXPECT_EQ(crc, t.crc32()) << e.path() << " tensor " << t.name() << " " << t.slot();
     }
     ++whole;
@@ -317,7 +330,8 @@ void ExpectWholeCheckpoints(const std::string& model_dir, int64_t final_step) {
   if (!steps.empty()) {
     EXPECT_EQ(steps.back(), final_step) << "the newest checkpoint is not of the final step";
     std::string pointer = ReadWholeFile(dir / "checkpoint");
-    while (!pointer.empty() && (pointer.back() == '\n' || pointer.back() == ' ')) pointer.pop_back();
+    while (!pointer.empty() && (pointer.back() == '\n' || pointer.back() == ' '))
+      pointer.pop_back();
     EXPECT_EQ(pointer, "ckpt-" + std::to_string(steps.back()));
   }
 }
@@ -325,7 +339,8 @@ void ExpectWholeCheckpoints(const std::string& model_dir, int64_t final_step) {
 // Runs psflow-eval on the saved model; checks that it is of `step` and
 // returns its accuracy (-1 on failure).
 double EvalAccuracy(const std::string& model_dir, int64_t step) {
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"}, {}, seconds(120));
+  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
+                              {}, seconds(120));
   EXPECT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   if (acc.empty()) {
@@ -354,12 +369,15 @@ const char* const kMembers[] = {"chief", "ps0", "ps1", "worker0", "worker1"};
 // Waits for the launcher and checks the whole end of a job: exit 0, done at
 // `steps`, every member's last exit 0, whole checkpoints, no process left,
 // saved-model accuracy >= `min_accuracy`.
-void ExpectCleanFinish(Cluster& cluster, const std::string& model_dir, int64_t steps, double min_accuracy,
-                       const std::vector<std::string>& members = {std::begin(kMembers), std::end(kMembers)}) {
+void ExpectCleanFinish(Cluster& cluster, const std::string& model_dir, int64_t steps,
+                       double min_accuracy,
+                       const std::vector<std::string>& members = {std::begin(kMembers),
+                                                                  std::end(kMembers)}) {
   const int code = cluster.WaitForExit(seconds(300));
   ASSERT_EQ(code, 0) << cluster.Describe();
   const std::string out = cluster.output();
-  EXPECT_THAT(out, HasSubstr("chief] done: " + std::to_string(steps) + " steps")) << cluster.Describe();
+  EXPECT_THAT(out, HasSubstr("chief] done: " + std::to_string(steps) + " steps"))
+      << cluster.Describe();
   for (const std::string& name : members) {
     EXPECT_EQ(LastExitCode(out, name), 0) << name << "'s last exit\n" << cluster.Describe();
   }
@@ -371,7 +389,8 @@ void ExpectCleanFinish(Cluster& cluster, const std::string& model_dir, int64_t s
 
 // The mlp job of the cheaper tests. Uninterrupted, 1500 steps reach 0.878 on
 // the test set (0.877-0.879 over seeds), 900 steps 0.872, 600 steps 0.849.
-std::vector<std::string> MlpArgs(const std::string& model_dir, int64_t steps, std::vector<std::string> extra = {}) {
+std::vector<std::string> MlpArgs(const std::string& model_dir, int64_t steps,
+                                 std::vector<std::string> extra = {}) {
   std::vector<std::string> args = {"--model=mlp",
                                    "--train_steps=" + std::to_string(steps),
                                    "--optimizer=adam",
@@ -422,7 +441,8 @@ std::string MemberName(const std::string& role, int index) {
 // Waits for the launcher's "<name> exited with code <code>", then its
 // "restarted <name>".
 void WaitRestarted(Cluster& cluster, const std::string& name, int code, size_t* pos) {
-  ASSERT_SEEN(*pos = cluster.Wait("[launch] " + name + " exited with code " + std::to_string(code), *pos));
+  ASSERT_SEEN(*pos = cluster.Wait("[launch] " + name + " exited with code " + std::to_string(code),
+                                  *pos));
   ASSERT_SEEN(*pos = cluster.Wait("[launch] restarted " + name, *pos));
 }
 
@@ -437,9 +457,9 @@ void KillAndWaitRestarted(Cluster& cluster, const std::string& role, int index, 
 // "worker N joins at step S" (it had been dropped; *joined_at = S).
 void WaitWorkerBack(Cluster& cluster, int index, size_t* pos, int64_t* joined_at) {
   std::smatch m;
-  ASSERT_SEEN(*pos = cluster.WaitMatch(
-                  std::regex("chief\\] worker " + std::to_string(index) + " (registered|joins at step ([0-9]+))"),
-                  *pos, &m));
+  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex("chief\\] worker " + std::to_string(index) +
+                                                  " (registered|joins at step ([0-9]+))"),
+                                       *pos, &m));
   *joined_at = m[2].matched ? std::stoll(m[2].str()) : -1;
 }
 
@@ -459,8 +479,9 @@ void KillPs0AndWaitRestore(Cluster& cluster, size_t* pos, int64_t* newest, int64
   ASSERT_SEEN(cluster.Wait("[launch] ps0 exited with code 137", killed));
   ASSERT_SEEN(*pos = cluster.Wait("a parameter server is down", killed));
   std::smatch m;
-  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), *pos,
-                                       &m));
+  ASSERT_SEEN(*pos = cluster.WaitMatch(
+                  std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), *pos,
+                  &m));
   *restored = std::stoll(m[1].str());
 }
 
@@ -469,7 +490,8 @@ void KillPs0AndWaitRestore(Cluster& cluster, size_t* pos, int64_t* newest, int64
 void KillChiefAndWaitAdopted(Cluster& cluster, size_t* pos, int64_t* adopted) {
   ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "chief", 0, pos));
   std::smatch m;
-  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] adopting the running job at step ([0-9]+))"), *pos, &m));
+  ASSERT_SEEN(*pos = cluster.WaitMatch(
+                  std::regex(R"(chief\] adopting the running job at step ([0-9]+))"), *pos, &m));
   *adopted = std::stoll(m[1].str());
 }
 
@@ -479,7 +501,8 @@ void TerminateChiefAndWaitCheckpoint(Cluster& cluster, size_t* pos, int64_t* sav
   ASSERT_TRUE(cluster.SignalMember("chief", 0, SIGTERM)) << cluster.Describe();
   ASSERT_SEEN(*pos = cluster.Wait("chief] signal 15: stopping", *pos));
   std::smatch m;
-  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] checkpoint of step ([0-9]+) written)"), *pos, &m));
+  ASSERT_SEEN(*pos = cluster.WaitMatch(std::regex(R"(chief\] checkpoint of step ([0-9]+) written)"),
+                                       *pos, &m));
   *saved = std::stoll(m[1].str());
 }
 
@@ -490,7 +513,8 @@ void WaitChiefResumed(Cluster& cluster, size_t* pos, int64_t* resumed) {
   ASSERT_NO_FATAL_FAILURE(WaitRestarted(cluster, "chief", 143, pos));
   std::smatch m;
   ASSERT_SEEN(*pos = cluster.WaitMatch(
-                  std::regex(R"(chief\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))"),
+                  std::regex(
+                      R"(chief\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))"),
                   *pos, &m));
   *resumed = std::stoll(m[2].str());
 }
@@ -500,9 +524,11 @@ void WaitChiefResumed(Cluster& cluster, size_t* pos, int64_t* resumed) {
 
 TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
   constexpr int64_t kSteps = 2340;  // 5 epochs of 468
-  Cluster cluster(2, 2, true,
-                  {"--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
-                   "--checkpoint_every_steps=100", "--log_every_steps=100", "--model_dir=" + model_dir_}, Log());
+  Cluster cluster(
+      2, 2, true,
+      {"--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
+       "--checkpoint_every_steps=100", "--log_every_steps=100", "--model_dir=" + model_dir_},
+      Log());
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
 
   // 1. kill -9 worker1; it is restarted and joins again.
@@ -520,7 +546,8 @@ TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
   int64_t newest = 0, restored = 0;
   ASSERT_NO_FATAL_FAILURE(KillPs0AndWaitRestore(cluster, &pos, &newest, &restored));
   EXPECT_GE(restored, newest) << "not the newest checkpoint\n" << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("parameter servers reloaded at step " + std::to_string(restored), pos));
+  ASSERT_SEEN(
+      pos = cluster.Wait("parameter servers reloaded at step " + std::to_string(restored), pos));
 
   // 3. kill -9 the chief: the next one adopts the running job.
   ASSERT_SEEN(pos = cluster.WaitForStep(restored + 500, pos));
@@ -529,7 +556,8 @@ TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
   EXPECT_GE(adopted, restored + 500) << cluster.Describe();
 
   // 4. SIGTERM the chief: it checkpoints, exits 143, and the next one goes on.
-  ASSERT_SEEN(pos = cluster.WaitForStep(std::min<int64_t>(std::max<int64_t>(adopted + 100, 1800), 2200), pos));
+  ASSERT_SEEN(pos = cluster.WaitForStep(
+                  std::min<int64_t>(std::max<int64_t>(adopted + 100, 1800), 2200), pos));
   int64_t term_ckpt = 0, resumed = 0;
   ASSERT_NO_FATAL_FAILURE(TerminateChiefAndWaitCheckpoint(cluster, &pos, &term_ckpt));
   ASSERT_NO_FATAL_FAILURE(WaitChiefResumed(cluster, &pos, &resumed));
@@ -594,7 +622,8 @@ TEST_F(RecoveryTest, WorkerKilledBetweenItsPushesRejoins) {
   // ps0 a step it has already applied, which ps0 drops and counts as stale
   // ("exiting at version V (stale pushes S, duplicates D)"). Recorded and
   // printed, not checked: a round may miss the case.
-  const std::regex stale_re(R"(ps0\] exiting at version [0-9]+ \(stale pushes ([0-9]+), duplicates [0-9]+\))");
+  const std::regex stale_re(
+      R"(ps0\] exiting at version [0-9]+ \(stale pushes ([0-9]+), duplicates [0-9]+\))");
   int64_t stale = -1;
   for (const std::string& line : Lines(cluster.output())) {
     std::smatch m;
@@ -619,7 +648,8 @@ TEST_F(RecoveryTest, KilledPsIsReloadedFromACheckpoint) {
   ASSERT_NO_FATAL_FAILURE(KillPs0AndWaitRestore(cluster, &pos, &newest, &restored));
   EXPECT_GT(restored, 0) << cluster.Describe();
   EXPECT_GE(restored, newest) << "not the newest checkpoint\n" << cluster.Describe();
-  ASSERT_SEEN(pos = cluster.Wait("parameter servers reloaded at step " + std::to_string(restored), pos));
+  ASSERT_SEEN(
+      pos = cluster.Wait("parameter servers reloaded at step " + std::to_string(restored), pos));
   ASSERT_SEEN(cluster.Wait("[launch] restarted ps0", 0));
   // Training goes on from there, not from 0: the next progress line is past it.
   std::smatch step;
@@ -665,7 +695,8 @@ TEST_F(RecoveryTest, CorruptNewestCheckpointFallsBackToAnOlderOne) {
     Cluster cluster(2, 2, false, MlpArgs(model_dir_, 600, {"--keep_checkpoints=3"}), Log());
     ASSERT_NE(cluster.marker(), "") << cluster.Describe();
     ExpectCleanFinish(cluster, model_dir_, 600, 0.80);
-    EXPECT_THAT(cluster.output(), Not(HasSubstr("restoring from the checkpoint"))) << cluster.Describe();
+    EXPECT_THAT(cluster.output(), Not(HasSubstr("restoring from the checkpoint")))
+        << cluster.Describe();
   }
   if (HasFailure()) return;
   const std::vector<int64_t> steps = CheckpointSteps(model_dir_);
@@ -678,7 +709,8 @@ TEST_F(RecoveryTest, CorruptNewestCheckpointFallsBackToAnOlderOne) {
   const fs::path data = fs::path(model_dir_) / "checkpoints" / "ckpt-600" / "data";
   std::string bytes = ReadWholeFile(data);
   ASSERT_GT(bytes.size(), 1000u);
-  for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 64; ++i) bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+  for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 64; ++i)
+    bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
   {
     std::ofstream out(data, std::ios::binary | std::ios::trunc);
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -687,13 +719,15 @@ TEST_F(RecoveryTest, CorruptNewestCheckpointFallsBackToAnOlderOne) {
 
   Cluster cluster(2, 2, false, MlpArgs(model_dir_, 900, {"--keep_checkpoints=3"}), Log());
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
-  size_t pos = cluster.Wait("skipping checkpoint " + (fs::path(model_dir_) / "checkpoints" / "ckpt-600").string() +
+  size_t pos = cluster.Wait("skipping checkpoint " +
+                                (fs::path(model_dir_) / "checkpoints" / "ckpt-600").string() +
                                 ": checksum mismatch",
                             0);
   ASSERT_SEEN(pos);
   std::smatch m;
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), pos,
-                                      &m));
+  ASSERT_SEEN(
+      pos = cluster.WaitMatch(
+          std::regex(R"(chief\] restoring from the checkpoint of step ([0-9]+))"), pos, &m));
   const int64_t restored = std::stoll(m[1].str());
   EXPECT_EQ(restored, older) << cluster.Describe();
   EXPECT_GT(restored, 0);
@@ -735,12 +769,14 @@ TEST_F(RecoveryTest, StalledWorkerIsDroppedAndRejoins) {
   ASSERT_SEEN(pos = cluster.Wait("worker 1 sent no heartbeat", pos));
   ASSERT_TRUE(cluster.SignalMember("worker", 1, SIGCONT)) << cluster.Describe();
   std::smatch m;
-  ASSERT_SEEN(pos = cluster.WaitMatch(std::regex(R"(chief\] worker 1 joins at step ([0-9]+))"), pos, &m));
+  ASSERT_SEEN(
+      pos = cluster.WaitMatch(std::regex(R"(chief\] worker 1 joins at step ([0-9]+))"), pos, &m));
   EXPECT_GT(std::stoll(m[1].str()), 300) << cluster.Describe();
   ExpectCleanFinish(cluster, model_dir_, kMlpSteps, kMlpFloor);
   EXPECT_EQ(cluster.output().find("[launch] worker1 exited with code 0"),
-            cluster.output().rfind("[launch] worker1 exited with code")) << "worker1 was restarted\n"
-                                                                         << cluster.Describe();
+            cluster.output().rfind("[launch] worker1 exited with code"))
+      << "worker1 was restarted\n"
+      << cluster.Describe();
 }
 
 }  // namespace

@@ -5,11 +5,11 @@
 // the GPU. Every test skips where "cuda:0" cannot be created: a machine without
 // a GPU, or a build without the CUDA backend (there "cuda:0" is an unknown
 // device, INVALID_ARGUMENT).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,12 +24,11 @@
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
-#include "tests/model/network_testing.h"
 #include "model/spec.h"
+#include "tests/model/network_testing.h"
 
 namespace psflow::model {
 namespace {
-
 
 constexpr char kGpuDevice[] = "cuda:0";
 constexpr char kFashionMnistDir[] = "/usr/share/datasets/fashion-mnist";
@@ -47,7 +46,6 @@ constexpr double kGradientTolerance = 2e-2;
 // cuBLAS read NVIDIA_TF32_OVERRIDE when their handles are created, so it is
 // set before main().
 const bool kStrictFp32 = [] { return setenv("NVIDIA_TF32_OVERRIDE", "0", 1) == 0; }();
-
 
 // ||got - want|| / ||want||; NaN anywhere in got makes it NaN, which fails
 // every comparison.
@@ -102,7 +100,8 @@ class NetworkGpuTest : public ::testing::Test {
     cpu_ = *std::move(cpu);
   }
 
-  std::unique_ptr<Network> Make(const ModelSpec& spec, kernels::Backend* backend, const NetworkOptions& options = {}) {
+  std::unique_ptr<Network> Make(const ModelSpec& spec, kernels::Backend* backend,
+                                const NetworkOptions& options = {}) {
     absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(spec, backend, options);
     EXPECT_TRUE(net.ok()) << net.status();
     return net.ok() ? *std::move(net) : nullptr;
@@ -142,11 +141,14 @@ class NetworkGpuTest : public ::testing::Test {
       EXPECT_LT(err, kGradientTolerance) << name;
     }
 
-    std::printf("%s: worst gradient relative L2 error GPU vs CPU %.2e\n", spec.name().c_str(), worst);
+    std::printf("%s: worst gradient relative L2 error GPU vs CPU %.2e\n", spec.name().c_str(),
+                worst);
     // Forward only, on other examples.
     const data::Dataset other = SyntheticBatch(spec, batch, data::Split::kTest);
-    absl::StatusOr<Network::Result> want_eval = cpu->Evaluate(other.images.data(), other.labels.data(), batch);
-    absl::StatusOr<Network::Result> got_eval = gpu->Evaluate(other.images.data(), other.labels.data(), batch);
+    absl::StatusOr<Network::Result> want_eval =
+        cpu->Evaluate(other.images.data(), other.labels.data(), batch);
+    absl::StatusOr<Network::Result> got_eval =
+        gpu->Evaluate(other.images.data(), other.labels.data(), batch);
     ASSERT_TRUE(want_eval.ok() && got_eval.ok());
     EXPECT_NEAR(got_eval->loss, want_eval->loss, kLossTolerance * want_eval->loss);
     EXPECT_EQ(got_eval->correct, want_eval->correct);
@@ -170,13 +172,16 @@ class NetworkGpuTest : public ::testing::Test {
     const data::Dataset first = SyntheticBatch(spec, batch, data::Split::kTrain);
     ASSERT_TRUE(SetNetWeights(*replayed, first_weights).ok());
     EXPECT_FALSE(replayed->UsesGraph(batch));
-    absl::StatusOr<Network::Result> step1 = replayed->TrainStep(first.images.data(), first.labels.data(), batch);
+    absl::StatusOr<Network::Result> step1 =
+        replayed->TrainStep(first.images.data(), first.labels.data(), batch);
     ASSERT_TRUE(step1.ok()) << step1.status();
     EXPECT_FALSE(replayed->UsesGraph(batch)) << "the first step of a batch size runs eagerly";
-    absl::StatusOr<Network::Result> step2 = replayed->TrainStep(first.images.data(), first.labels.data(), batch);
+    absl::StatusOr<Network::Result> step2 =
+        replayed->TrainStep(first.images.data(), first.labels.data(), batch);
     ASSERT_TRUE(step2.ok()) << step2.status();
     ASSERT_TRUE(replayed->UsesGraph(batch)) << "the second step records the graph";
-    EXPECT_NEAR(step2->loss, step1->loss, 1e-5 * step1->loss) << "recording and launching changes nothing";
+    EXPECT_NEAR(step2->loss, step1->loss, 1e-5 * step1->loss)
+        << "recording and launching changes nothing";
     const Weights stale_grads = NetGradients(*replayed);
 
     // New weights and a new batch, then a replay. (The new weights favour
@@ -193,7 +198,8 @@ class NetworkGpuTest : public ::testing::Test {
     EXPECT_TRUE(replayed->UsesGraph(batch));
 
     ASSERT_TRUE(SetNetWeights(*direct, weights).ok());
-    absl::StatusOr<Network::Result> want = direct->TrainStep(next.images.data(), next.labels.data(), batch);
+    absl::StatusOr<Network::Result> want =
+        direct->TrainStep(next.images.data(), next.labels.data(), batch);
     ASSERT_TRUE(want.ok()) << want.status();
     EXPECT_FALSE(direct->UsesGraph(batch)) << "use_graphs = false";
     EXPECT_GT(std::abs(want->loss - step1->loss), 10 * kLossTolerance * want->loss)
@@ -212,11 +218,14 @@ class NetworkGpuTest : public ::testing::Test {
     // Evaluation replays too (its own graph from its second call).
     for (int i = 0; i < 3; ++i) {
       const data::Dataset& d = i == 2 ? first : next;
-      absl::StatusOr<Network::Result> eval = replayed->Evaluate(d.images.data(), d.labels.data(), batch);
+      absl::StatusOr<Network::Result> eval =
+          replayed->Evaluate(d.images.data(), d.labels.data(), batch);
       ASSERT_TRUE(eval.ok()) << eval.status();
-      absl::StatusOr<Network::Result> eval_want = direct->Evaluate(d.images.data(), d.labels.data(), batch);
+      absl::StatusOr<Network::Result> eval_want =
+          direct->Evaluate(d.images.data(), d.labels.data(), batch);
       ASSERT_TRUE(eval_want.ok()) << eval_want.status();
-      EXPECT_NEAR(eval->loss, eval_want->loss, kLossTolerance * eval_want->loss) << "evaluation " << i;
+      EXPECT_NEAR(eval->loss, eval_want->loss, kLossTolerance * eval_want->loss)
+          << "evaluation " << i;
     }
   }
 
@@ -297,7 +306,8 @@ TEST_F(NetworkGpuTest, CnnLearnsFashionMnistWithLocalSgd) {
   }
   const double n = static_cast<double>(train->images.size());
   spec.mutable_input()->set_mean(static_cast<float>(sum / n));
-  spec.mutable_input()->set_stddev(static_cast<float>(std::sqrt(sum_sq / n - (sum / n) * (sum / n))));
+  spec.mutable_input()->set_stddev(
+      static_cast<float>(std::sqrt(sum_sq / n - (sum / n) * (sum / n))));
 
   NetworkOptions options;
   options.local_sgd_learning_rate = 0.05f;
@@ -313,8 +323,9 @@ TEST_F(NetworkGpuTest, CnnLearnsFashionMnistWithLocalSgd) {
   std::vector<int32_t> labels(kBatch);
   double first_loss = 0, last_losses = 0;
   for (int step = 0; step < kSteps; ++step) {
-    ASSERT_TRUE(data::GatherBatch(*train, absl::MakeConstSpan(order).subspan(int64_t{step} * kBatch, kBatch),
-                                  images.data(), labels.data())
+    ASSERT_TRUE(data::GatherBatch(
+                    *train, absl::MakeConstSpan(order).subspan(int64_t{step} * kBatch, kBatch),
+                    images.data(), labels.data())
                     .ok());
     // Queue the step and wait for it, as a benchmark loop would.
     ASSERT_TRUE(gpu->SetInputs(images.data(), labels.data(), kBatch).ok());

@@ -32,10 +32,22 @@ constexpr char kSmallSpec[] = R"pb(
   name: "small"
   input { channels: 1 height: 8 width: 8 }
   num_classes: 4
-  layer { name: "conv" conv2d { filters: 3 kernel: 3 } }
-  layer { name: "relu" relu {} }
-  layer { name: "pool" max_pool { size: 2 } }
-  layer { name: "fc" dense { units: 4 } }
+  layer {
+    name: "conv"
+    conv2d { filters: 3 kernel: 3 }
+  }
+  layer {
+    name: "relu"
+    relu {}
+  }
+  layer {
+    name: "pool"
+    max_pool { size: 2 }
+  }
+  layer {
+    name: "fc"
+    dense { units: 4 }
+  }
 )pb";
 
 // A residual block on a stem, in text format: r1 (the block input) is read by
@@ -48,17 +60,52 @@ constexpr char kResidualSpec[] = R"pb(
   name: "residual"
   input { channels: 2 height: 6 width: 6 }
   num_classes: 3
-  layer { name: "c1" conv2d { filters: 3 kernel: 3 padding: 1 no_bias: true } }
-  layer { name: "bn1" batch_norm {} }
-  layer { name: "r1" relu {} }
-  layer { name: "c2" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
-  layer { name: "bn2" batch_norm {} }
-  layer { name: "proj" input: "r1" conv2d { filters: 4 kernel: 1 no_bias: true } }
-  layer { name: "proj_bn" batch_norm {} }
-  layer { name: "sum" input: "bn2" add { other: "proj_bn" } }
-  layer { name: "r2" relu {} }
-  layer { name: "pool" global_avg_pool {} }
-  layer { name: "fc" dense { units: 3 } }
+  layer {
+    name: "c1"
+    conv2d { filters: 3 kernel: 3 padding: 1 no_bias: true }
+  }
+  layer {
+    name: "bn1"
+    batch_norm {}
+  }
+  layer {
+    name: "r1"
+    relu {}
+  }
+  layer {
+    name: "c2"
+    conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true }
+  }
+  layer {
+    name: "bn2"
+    batch_norm {}
+  }
+  layer {
+    name: "proj"
+    input: "r1"
+    conv2d { filters: 4 kernel: 1 no_bias: true }
+  }
+  layer {
+    name: "proj_bn"
+    batch_norm {}
+  }
+  layer {
+    name: "sum"
+    input: "bn2"
+    add { other: "proj_bn" }
+  }
+  layer {
+    name: "r2"
+    relu {}
+  }
+  layer {
+    name: "pool"
+    global_avg_pool {}
+  }
+  layer {
+    name: "fc"
+    dense { units: 3 }
+  }
 )pb";
 
 constexpr int kBatch = 8;
@@ -92,13 +139,14 @@ void RandomBatch(const ModelSpec& spec, int batch, uint32_t seed, std::vector<fl
                  std::vector<int32_t>* labels) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> pixel(0.0f, 1.0f);
-  const int64_t per = int64_t{spec.input().channels()} * spec.input().height() * spec.input().width();
+  const int64_t per =
+      int64_t{spec.input().channels()} * spec.input().height() * spec.input().width();
   images->resize(static_cast<size_t>(batch * per));
   for (float& x : *images) x = pixel(rng);
   labels->resize(static_cast<size_t>(batch));
-  for (int32_t& y : *labels) y = static_cast<int32_t>(rng() % static_cast<uint32_t>(spec.num_classes()));
+  for (int32_t& y : *labels)
+    y = static_cast<int32_t>(rng() % static_cast<uint32_t>(spec.num_classes()));
 }
-
 
 WeightsD ToDouble(const Weights& w) {
   WeightsD out;
@@ -229,7 +277,8 @@ class Reference {
             const double mean = sum / count;
             for (int n = 0; n < batch; ++n) {
               for (int h = 0; h < a.height; ++h) {
-                for (int v = 0; v < a.width; ++v) sq += (x[at(a, n, c, h, v)] - mean) * (x[at(a, n, c, h, v)] - mean);
+                for (int v = 0; v < a.width; ++v)
+                  sq += (x[at(a, n, c, h, v)] - mean) * (x[at(a, n, c, h, v)] - mean);
               }
             }
             const double inv = 1.0 / std::sqrt(sq / count + eps);
@@ -254,7 +303,8 @@ class Reference {
           for (int n = 0; n < batch; ++n) {
             for (int c = 0; c < a.channels; ++c) {
               double s = 0;
-              for (int i = 0; i < hw; ++i) s += x[(static_cast<size_t>(n) * a.channels + c) * hw + i];
+              for (int i = 0; i < hw; ++i)
+                s += x[(static_cast<size_t>(n) * a.channels + c) * hw + i];
               y[static_cast<size_t>(n) * a.channels + c] = s / hw;
             }
           }
@@ -309,8 +359,8 @@ class Reference {
 //    the first, a third, half way and the last on: an element kinked even at
 //    the smallest h gives way to the next one.
 void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, const Weights& w,
-                                           const std::vector<float>& images, const std::vector<int32_t>& labels,
-                                           int batch) {
+                                           const std::vector<float>& images,
+                                           const std::vector<int32_t>& labels, int batch) {
   ASSERT_TRUE(SetNetWeights(net, w).ok());
   absl::StatusOr<Network::Result> step = net.TrainStep(images.data(), labels.data(), batch);
   ASSERT_TRUE(step.ok()) << step.status();
@@ -330,7 +380,8 @@ void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, 
     for (int k = -4; k <= 4; ++k) {
       if (k == 0) continue;
       WeightsD p = wd;
-      p[v][i] = float_steps ? static_cast<double>(static_cast<float>(w[v][i] + h * k / 4)) : wd[v][i] + h * k / 4;
+      p[v][i] = float_steps ? static_cast<double>(static_cast<float>(w[v][i] + h * k / 4))
+                            : wd[v][i] + h * k / 4;
       std::vector<int> d;
       ref.Loss(p, images.data(), labels.data(), batch, &d);
       if (d != base) return false;
@@ -443,7 +494,9 @@ class NetworkTest : public ::testing::Test {
     ASSERT_TRUE(SetWeights(weights_).ok());
   }
 
-  absl::Status SetWeights(const std::vector<std::vector<float>>& w) { return SetNetWeights(*net_, w); }
+  absl::Status SetWeights(const std::vector<std::vector<float>>& w) {
+    return SetNetWeights(*net_, w);
+  }
 
   std::vector<std::vector<float>> Gradients() { return NetGradients(*net_); }
 
@@ -553,9 +606,9 @@ TEST_F(NetworkTest, Errors) {
 
   ModelSpec invalid = spec_;
   invalid.mutable_layer(3)->mutable_dense()->set_units(5);
-  EXPECT_EQ(Network::Create(invalid, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Network::Create(invalid, backend_.get()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
-
 
 // The residual model on the CPU backend.
 class ResidualNetworkTest : public ::testing::Test {
@@ -572,7 +625,8 @@ class ResidualNetworkTest : public ::testing::Test {
     RandomBatch(spec_, kBatch, 12, &images_, &labels_);
     // Not one class only, and not one pixel value.
     EXPECT_NE(std::count(labels_.begin(), labels_.end(), labels_[0]), kBatch);
-    EXPECT_NE(*std::min_element(images_.begin(), images_.end()), *std::max_element(images_.begin(), images_.end()));
+    EXPECT_NE(*std::min_element(images_.begin(), images_.end()),
+              *std::max_element(images_.begin(), images_.end()));
   }
 
   std::unique_ptr<Network> MakeNetwork(const NetworkOptions& options = {}) {
@@ -653,7 +707,8 @@ TEST_F(ResidualNetworkTest, TrainStepEqualsItsParts) {
   ASSERT_TRUE(parts->StartTrainStep(3).ok());
   absl::StatusOr<Network::Result> small = parts->FinishStep(3);
   ASSERT_TRUE(small.ok()) << small.status();
-  absl::StatusOr<Network::Result> small_want = net_->TrainStep(other_images.data(), other_labels.data(), 3);
+  absl::StatusOr<Network::Result> small_want =
+      net_->TrainStep(other_images.data(), other_labels.data(), 3);
   ASSERT_TRUE(small_want.ok()) << small_want.status();
   EXPECT_EQ(small->loss, small_want->loss);
 }
@@ -711,7 +766,8 @@ TEST_F(ResidualNetworkTest, LabelsOutOfRangeAreInvalid) {
   }
   // Nothing was set, so no step can start.
   EXPECT_EQ(net_->StartTrainStep(kBatch).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(net_->SetInputs(images_.data(), labels_.data(), 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(net_->SetInputs(images_.data(), labels_.data(), 0).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(net_->StartTrainStep(-1).code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -759,7 +815,8 @@ TEST_F(ResidualNetworkTest, BatchNormUsesTheStatisticsOfTheBatch) {
   ASSERT_TRUE(full2.ok()) << full2.status();
   EXPECT_EQ(full->loss, full2->loss);
   const Reference ref(spec_);
-  EXPECT_NEAR(half->loss, ref.Loss(ToDouble(weights_), images_.data(), labels_.data(), kBatch / 2), 1e-5);
+  EXPECT_NEAR(half->loss, ref.Loss(ToDouble(weights_), images_.data(), labels_.data(), kBatch / 2),
+              1e-5);
   EXPECT_GT(std::abs(half->loss - full->loss), 1e-4);
 }
 

@@ -33,7 +33,8 @@ class SavedModelTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = absl::StrCat(::testing::TempDir(), "/saved_model_test_",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name(), "/nested/dir");
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name(),
+                        "/nested/dir");
     std::filesystem::remove_all(dir_);
     absl::StatusOr<ModelSpec> spec = ResolveModelSpec("cnn");
     ASSERT_TRUE(spec.ok()) << spec.status();
@@ -123,7 +124,8 @@ TEST_F(SavedModelTest, EveryFlippedByteOfASmallModelIsCaughtOrHarmless) {
     WriteBytes(file(), bytes);
     absl::StatusOr<LoadedModel> loaded = ReadSavedModel(file());
     if (!loaded.ok()) {
-      EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss) << "byte " << i << ": " << loaded.status();
+      EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss)
+          << "byte " << i << ": " << loaded.status();
       ++caught;
     } else {
       EXPECT_EQ(loaded->values, values) << "byte " << i << " changed the weights undetected";

@@ -33,7 +33,8 @@ ModelSpec Parse(const std::string& text) {
   return spec;
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> Flatten(const std::vector<VariableShape>& vars) {
+std::vector<std::pair<std::string, std::vector<int64_t>>> Flatten(
+    const std::vector<VariableShape>& vars) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (const VariableShape& v : vars) out.emplace_back(v.name, v.shape);
   return out;
@@ -64,9 +65,15 @@ TEST(SpecTest, CnnVariablesAndShapes) {
   ASSERT_TRUE(shapes.ok());
   std::vector<std::vector<int>> got;
   for (const ActivationShape& s : *shapes) got.push_back({s.channels, s.height, s.width});
-  EXPECT_EQ(got, (std::vector<std::vector<int>>{{20, 24, 24}, {20, 24, 24}, {20, 12, 12}, {50, 8, 8},
-                                                 {50, 8, 8}, {50, 4, 4}, {500, 1, 1}, {500, 1, 1},
-                                                 {10, 1, 1}}));
+  EXPECT_EQ(got, (std::vector<std::vector<int>>{{20, 24, 24},
+                                                {20, 24, 24},
+                                                {20, 12, 12},
+                                                {50, 8, 8},
+                                                {50, 8, 8},
+                                                {50, 4, 4},
+                                                {500, 1, 1},
+                                                {500, 1, 1},
+                                                {10, 1, 1}}));
 }
 
 TEST(SpecTest, MlpVariables) {
@@ -97,8 +104,12 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
     EXPECT_TRUE(by_name.emplace(v.name, v.shape).second) << v.name << " twice";
     total += NumElements(v.shape);
     // Every convolution is followed by batch norm and has no bias.
-    EXPECT_FALSE(v.name.find("conv") != std::string::npos && v.name.find("/bias") != std::string::npos) << v.name;
-    EXPECT_FALSE(v.name.find("proj/") != std::string::npos && v.name.find("/bias") != std::string::npos) << v.name;
+    EXPECT_FALSE(v.name.find("conv") != std::string::npos &&
+                 v.name.find("/bias") != std::string::npos)
+        << v.name;
+    EXPECT_FALSE(v.name.find("proj/") != std::string::npos &&
+                 v.name.find("/bias") != std::string::npos)
+        << v.name;
   }
   EXPECT_EQ(vars.front().name, "conv1/weights");
   EXPECT_EQ(vars.back().name, "fc/bias");
@@ -164,9 +175,11 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   EXPECT_EQ(act["s4b2_relu2"], (std::vector<int>{512, 4, 4}));
   const ActivationShape& pool = (*shapes)[spec->layer_size() - 2];
   EXPECT_EQ(spec->layer(spec->layer_size() - 2).name(), "pool");
-  EXPECT_EQ((std::vector<int>{pool.channels, pool.height, pool.width}), (std::vector<int>{512, 1, 1}));
+  EXPECT_EQ((std::vector<int>{pool.channels, pool.height, pool.width}),
+            (std::vector<int>{512, 1, 1}));
   const ActivationShape& logits = shapes->back();
-  EXPECT_EQ((std::vector<int>{logits.channels, logits.height, logits.width}), (std::vector<int>{10, 1, 1}));
+  EXPECT_EQ((std::vector<int>{logits.channels, logits.height, logits.width}),
+            (std::vector<int>{10, 1, 1}));
 
   // The shortcut wiring: a projection reads the block input; each add reads
   // the main path and the shortcut.
@@ -192,16 +205,47 @@ constexpr char kResidualSpec[] = R"pb(
   name: "tiny_residual"
   input { channels: 2 height: 6 width: 6 }
   num_classes: 3
-  layer { name: "c1" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
-  layer { name: "bn1" batch_norm {} }
-  layer { name: "r1" relu {} }
-  layer { name: "c2" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
-  layer { name: "bn2" batch_norm { epsilon: 1e-3 } }
-  layer { name: "sum" add { other: "r1" } }
-  layer { name: "r2" relu {} }
-  layer { name: "down" input: "r2" conv2d { filters: 5 kernel: 1 stride: 2 } }
-  layer { name: "gap" global_avg_pool {} }
-  layer { name: "out" dense { units: 3 } }
+  layer {
+    name: "c1"
+    conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true }
+  }
+  layer {
+    name: "bn1"
+    batch_norm {}
+  }
+  layer {
+    name: "r1"
+    relu {}
+  }
+  layer {
+    name: "c2"
+    conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true }
+  }
+  layer {
+    name: "bn2"
+    batch_norm { epsilon: 1e-3 }
+  }
+  layer {
+    name: "sum"
+    add { other: "r1" }
+  }
+  layer {
+    name: "r2"
+    relu {}
+  }
+  layer {
+    name: "down"
+    input: "r2"
+    conv2d { filters: 5 kernel: 1 stride: 2 }
+  }
+  layer {
+    name: "gap"
+    global_avg_pool {}
+  }
+  layer {
+    name: "out"
+    dense { units: 3 }
+  }
 )pb";
 
 TEST(SpecTest, ResidualSpecInTextFormatLoads) {
@@ -215,23 +259,40 @@ TEST(SpecTest, ResidualSpecInTextFormatLoads) {
   EXPECT_EQ(spec->layer(5).add().other(), "r1");
   EXPECT_EQ(spec->layer(7).input(), "r2");
   EXPECT_TRUE(spec->layer(8).has_global_avg_pool());
-  EXPECT_THAT(Flatten(ModelVariables(*spec)),
-              ElementsAre(Var{"c1/weights", {4, 2, 3, 3}}, Var{"bn1/gamma", {4}}, Var{"bn1/beta", {4}},
-                          Var{"c2/weights", {4, 4, 3, 3}}, Var{"bn2/gamma", {4}}, Var{"bn2/beta", {4}},
-                          Var{"down/weights", {5, 4, 1, 1}}, Var{"down/bias", {5}},
-                          Var{"out/weights", {3, 5}}, Var{"out/bias", {3}}));
+  EXPECT_THAT(
+      Flatten(ModelVariables(*spec)),
+      ElementsAre(Var{"c1/weights", {4, 2, 3, 3}}, Var{"bn1/gamma", {4}}, Var{"bn1/beta", {4}},
+                  Var{"c2/weights", {4, 4, 3, 3}}, Var{"bn2/gamma", {4}}, Var{"bn2/beta", {4}},
+                  Var{"down/weights", {5, 4, 1, 1}}, Var{"down/bias", {5}},
+                  Var{"out/weights", {3, 5}}, Var{"out/bias", {3}}));
   absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
   ASSERT_TRUE(shapes.ok()) << shapes.status();
   std::vector<std::vector<int>> got;
   for (const ActivationShape& s : *shapes) got.push_back({s.channels, s.height, s.width});
-  EXPECT_EQ(got, (std::vector<std::vector<int>>{{4, 6, 6}, {4, 6, 6}, {4, 6, 6}, {4, 6, 6}, {4, 6, 6},
-                                                 {4, 6, 6}, {4, 6, 6}, {5, 3, 3}, {5, 1, 1}, {3, 1, 1}}));
+  EXPECT_EQ(got, (std::vector<std::vector<int>>{{4, 6, 6},
+                                                {4, 6, 6},
+                                                {4, 6, 6},
+                                                {4, 6, 6},
+                                                {4, 6, 6},
+                                                {4, 6, 6},
+                                                {4, 6, 6},
+                                                {5, 3, 3},
+                                                {5, 1, 1},
+                                                {3, 1, 1}}));
   absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(*spec);
   ASSERT_TRUE(wiring.ok()) << wiring.status();
   std::vector<std::pair<int, int>> wires;
   for (const LayerWiring& w : *wiring) wires.emplace_back(w.input, w.other);
-  EXPECT_EQ(wires, (std::vector<std::pair<int, int>>{
-                       {-1, -1}, {0, -1}, {1, -1}, {2, -1}, {3, -1}, {4, 2}, {5, -1}, {6, -1}, {7, -1}, {8, -1}}));
+  EXPECT_EQ(wires, (std::vector<std::pair<int, int>>{{-1, -1},
+                                                     {0, -1},
+                                                     {1, -1},
+                                                     {2, -1},
+                                                     {3, -1},
+                                                     {4, 2},
+                                                     {5, -1},
+                                                     {6, -1},
+                                                     {7, -1},
+                                                     {8, -1}}));
   const std::vector<LayerVariables> lv = LayerVariableIndices(*spec);
   ASSERT_EQ(lv.size(), 10u);
   EXPECT_EQ(lv[0].first, 0);
@@ -275,7 +336,8 @@ TEST(SpecTest, WiringErrorsNameTheLayer) {
        "layer { name: \"d\" dense { units: 3 } }",
        "layer 's': add.other 'd' is not an earlier layer"},
       {"add shapes differ",
-       "layer { name: \"c\" conv2d { filters: 2 kernel: 3 padding: 1 } } layer { name: \"r\" relu {} } "
+       "layer { name: \"c\" conv2d { filters: 2 kernel: 3 padding: 1 } } layer { name: \"r\" relu "
+       "{} } "
        "layer { name: \"p\" max_pool { size: 2 } } layer { name: \"s\" add { other: \"r\" } } "
        "layer { name: \"d\" dense { units: 3 } }",
        "layer 's': adds 2x8x8 from 'r' to its 2x4x4 input", true},
@@ -290,17 +352,20 @@ TEST(SpecTest, WiringErrorsNameTheLayer) {
        "layer { name: \"d\" input: \"c\" dense { units: 3 } }",
        "layer 'dead': its output is never read"},
       {"duplicate names",
-       "layer { name: \"x\" relu {} } layer { name: \"y\" relu {} } layer { name: \"x\" dense { units: 3 } }",
+       "layer { name: \"x\" relu {} } layer { name: \"y\" relu {} } layer { name: \"x\" dense { "
+       "units: 3 } }",
        "layer 'x': name used twice"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    const ModelSpec spec = Parse(absl::StrCat("input { channels: 1 height: 8 width: 8 } num_classes: 3 ", c.layers));
+    const ModelSpec spec =
+        Parse(absl::StrCat("input { channels: 1 height: 8 width: 8 } num_classes: 3 ", c.layers));
     absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
     EXPECT_EQ(shapes.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(shapes.status().message()), HasSubstr(c.message));
-    const std::string path = WriteTemp("wiring_error.pbtxt", absl::StrCat(
-        "input { channels: 1 height: 8 width: 8 } num_classes: 3 ", c.layers));
+    const std::string path = WriteTemp(
+        "wiring_error.pbtxt",
+        absl::StrCat("input { channels: 1 height: 8 width: 8 } num_classes: 3 ", c.layers));
     absl::StatusOr<ModelSpec> resolved = ResolveModelSpec(path);
     EXPECT_EQ(resolved.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(resolved.status().message()), HasSubstr(c.message));
@@ -323,10 +388,22 @@ constexpr char kUserSpec[] = R"pb(
   # A small model with stride and padding.
   input { channels: 3 height: 10 width: 10 }
   num_classes: 5
-  layer { name: "c" conv2d { filters: 4 kernel: 3 stride: 2 padding: 1 } }
-  layer { name: "r" relu {} }
-  layer { name: "p" max_pool { size: 3 stride: 1 } }
-  layer { name: "out" dense { units: 5 } }
+  layer {
+    name: "c"
+    conv2d { filters: 4 kernel: 3 stride: 2 padding: 1 }
+  }
+  layer {
+    name: "r"
+    relu {}
+  }
+  layer {
+    name: "p"
+    max_pool { size: 3 stride: 1 }
+  }
+  layer {
+    name: "out"
+    dense { units: 5 }
+  }
 )pb";
 
 TEST(SpecTest, UserSpecFileLoads) {
@@ -353,7 +430,8 @@ TEST(SpecTest, MalformedTextNamesTheLine) {
 }
 
 TEST(SpecTest, MissingFileIsAnError) {
-  absl::StatusOr<ModelSpec> spec = ResolveModelSpec(absl::StrCat(::testing::TempDir(), "/no_such_spec"));
+  absl::StatusOr<ModelSpec> spec =
+      ResolveModelSpec(absl::StrCat(::testing::TempDir(), "/no_such_spec"));
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(spec.status().message()), HasSubstr("no_such_spec"));
   // The message lists every built-in model.
@@ -403,16 +481,18 @@ INSTANTIATE_TEST_SUITE_P(
                           "layer { name: \"c\" conv2d { filters: 2 kernel: 3 } } "
                           "layer { name: \"d\" dense { units: 3 } }",
                     "layer 'c'"},
-        InvalidCase{"pool too large", INPUT "layer { name: \"p\" max_pool { size: 9 } } "
-                                            "layer { name: \"d\" dense { units: 3 } }",
+        InvalidCase{"pool too large",
+                    INPUT "layer { name: \"p\" max_pool { size: 9 } } "
+                          "layer { name: \"d\" dense { units: 3 } }",
                     "pool window"},
         InvalidCase{"last layer not dense",
                     INPUT "layer { name: \"d\" dense { units: 3 } } layer { name: \"r\" relu {} }",
                     "last layer"},
-        InvalidCase{"last dense with the wrong units", INPUT "layer { name: \"d\" dense { units: 4 } }",
-                    "num_classes (3)"},
+        InvalidCase{"last dense with the wrong units",
+                    INPUT "layer { name: \"d\" dense { units: 4 } }", "num_classes (3)"},
         InvalidCase{"no layers", INPUT, "no layers"},
-        InvalidCase{"layer without kind", INPUT "layer { name: \"x\" } layer { name: \"d\" dense { units: 3 } }",
+        InvalidCase{"layer without kind",
+                    INPUT "layer { name: \"x\" } layer { name: \"d\" dense { units: 3 } }",
                     "no layer kind"},
         InvalidCase{"unnamed layer", INPUT "layer { dense { units: 3 } }", "name"},
         InvalidCase{"slash in a name", INPUT "layer { name: \"a/b\" dense { units: 3 } }", "'/'"},

@@ -88,8 +88,9 @@ class PsServiceTest : public ::testing::Test {
   }
 
   absl::Status InitJob() {
-    return client_->Init(0, Header(), {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                         Deadline());
+    return client_->Init(
+        0, Header(), {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+        Deadline());
   }
 
   struct Pulled {
@@ -100,10 +101,9 @@ class PsServiceTest : public ::testing::Test {
     Pulled p;
     p.big.assign(NumElements(kBigShape), -1);
     p.bias.assign(NumElements(kBiasShape), -1);
-    absl::StatusOr<Client::PullResult> r =
-        client_->Pull(0, kJob, min_version,
-                      {{"big", "", kBigShape, p.big.data()}, {"bias", "", kBiasShape, p.bias.data()}},
-                      deadline);
+    absl::StatusOr<Client::PullResult> r = client_->Pull(
+        0, kJob, min_version,
+        {{"big", "", kBigShape, p.big.data()}, {"bias", "", kBiasShape, p.bias.data()}}, deadline);
     if (!r.ok()) return r.status();
     p.version = r->version;
     return p;
@@ -115,8 +115,9 @@ class PsServiceTest : public ::testing::Test {
     h.set_job_id(kJob);
     h.set_worker(worker);
     h.set_step(step);
-    return client_->Push(0, h, {{"big", "", kBigShape, gbig.data()}, {"bias", "", kBiasShape, gbias.data()}},
-                         Deadline());
+    return client_->Push(
+        0, h, {{"big", "", kBigShape, gbig.data()}, {"bias", "", kBiasShape, gbias.data()}},
+        Deadline());
   }
 
   // Sends `requests` on a raw Push stream and returns the call's status.
@@ -233,7 +234,8 @@ TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
   first.mutable_header()->set_worker(0);
   first.mutable_header()->set_step(0);
   const std::vector<float> ten(10, 1.0f);
-  auto chunk = [&](PushRequest* r, const std::string& name, std::vector<int64_t> shape, DataType dtype) {
+  auto chunk = [&](PushRequest* r, const std::string& name, std::vector<int64_t> shape,
+                   DataType dtype) {
     TensorChunk* c = r->add_chunk();
     c->set_name(name);
     c->set_dtype(dtype);
@@ -281,7 +283,8 @@ TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
   }
   for (const Case& c : cases) {
     grpc::Status s = RawPush(c.requests);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.what << ": " << s.error_message();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.what << ": " << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.what;
   }
   // Gradients of the wrong size through the client fail the same way.
@@ -348,12 +351,13 @@ TEST_F(PsServiceTest, PushForAnotherJobFails) {
 }
 
 TEST_F(PsServiceTest, InitForAnotherPsIsRefused) {
-  absl::Status s = client_->Init(0, Header(/*ps_index=*/1),
-                                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                                 Deadline());
+  absl::Status s = client_->Init(
+      0, Header(/*ps_index=*/1),
+      {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}}, Deadline());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("init for ps 1"));
-  EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition) << "nothing loaded";
+  EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "nothing loaded";
 }
 
 TEST_F(PsServiceTest, InitWithMissingValuesIsRefused) {
@@ -433,10 +437,12 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   InitHeader h = Header();
   h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
   h.mutable_job()->mutable_optimizer()->set_learning_rate(kAdamLr);
-  ASSERT_TRUE(client_
-                  ->Init(0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                         Deadline())
-                  .ok());
+  ASSERT_TRUE(
+      client_
+          ->Init(0, h,
+                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                 Deadline())
+          .ok());
   const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
   const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
   ASSERT_TRUE(PushAll(0, 0, g0_big, g0_bias).ok());
@@ -447,8 +453,9 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   struct Tensors {
     std::vector<float> value, m, v;
   };
-  auto fresh = [](int64_t n) { return Tensors{std::vector<float>(n, -1), std::vector<float>(n, -1),
-                                              std::vector<float>(n, -1)}; };
+  auto fresh = [](int64_t n) {
+    return Tensors{std::vector<float>(n, -1), std::vector<float>(n, -1), std::vector<float>(n, -1)};
+  };
   Tensors big = fresh(big_.size()), bias = fresh(bias_.size());
   absl::Status s = client_->Snapshot(0, kJob, 1,
                                      {{"big", "", kBigShape, big.value.data()},
@@ -461,7 +468,8 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   ASSERT_TRUE(s.ok()) << s;
 
   // Exactly the shard's own copy at version 1.
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref = shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref =
+      shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
   ASSERT_TRUE(ref.ok()) << ref.status();
   const Shard::Snapshot& taken = **ref;
   ASSERT_EQ(taken.slot_names, (std::vector<std::string>{"m", "v"}));
@@ -488,9 +496,11 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
       const float g = (g0[i] + g1[i]) / 2;
       const float m = (1 - 0.9f) * g, v = (1 - 0.999f) * g * g;
       nonzero += g != 0;
-      if (std::abs(t.m[i] - m) > 1e-6f * std::abs(m) || std::abs(t.v[i] - v) > 1e-6f * std::abs(v)) {
-        if (++bad <= 3) ADD_FAILURE() << what << "[" << i << "]: m " << t.m[i] << " v " << t.v[i]
-                                      << ", want " << m << " " << v;
+      if (std::abs(t.m[i] - m) > 1e-6f * std::abs(m) ||
+          std::abs(t.v[i] - v) > 1e-6f * std::abs(v)) {
+        if (++bad <= 3)
+          ADD_FAILURE() << what << "[" << i << "]: m " << t.m[i] << " v " << t.v[i] << ", want "
+                        << m << " " << v;
       }
     }
     EXPECT_EQ(bad, 0) << what;
@@ -542,7 +552,8 @@ TEST_F(PsServiceTest, SetLiveWorkersLetsAStepCompleteWithoutADroppedWorker) {
   });
   EXPECT_FALSE(pulled.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
 
-  EXPECT_EQ(client_->SetLiveWorkers(0, kJob, {}, 0, Deadline()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->SetLiveWorkers(0, kJob, {}, 0, Deadline()).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->SetLiveWorkers(0, kJob + 1, {0}, 0, Deadline()).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(shard_.stats().version, 0);
@@ -567,7 +578,8 @@ TEST_F(PsServiceTest, SetLiveWorkersLetsAStepCompleteWithoutADroppedWorker) {
 
 TEST_F(PsServiceTest, ShutdownRpc) {
   ASSERT_TRUE(InitJob().ok());
-  EXPECT_EQ(client_->Shutdown(0, kJob + 1, Deadline()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client_->Shutdown(0, kJob + 1, Deadline()).code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_FALSE(shutdown_.HasBeenNotified());
   EXPECT_TRUE(client_->Shutdown(0, kJob, Deadline()).ok());
   EXPECT_TRUE(shutdown_.HasBeenNotified());

@@ -67,7 +67,9 @@ absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
 class ShardTest : public ::testing::Test {
  protected:
-  void SetUp() override { ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok()); }
+  void SetUp() override {
+    ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  }
 
   // The values at the shard's current version.
   std::vector<std::vector<float>> Current() {
@@ -185,8 +187,10 @@ TEST_F(ShardTest, WrongJobFails) {
 TEST(ShardNoJobTest, EverythingFailsBeforeInit) {
   Shard shard;
   EXPECT_EQ(shard.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(shard.Pull(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(shard.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard.Pull(kJob, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard.Push(kJob, 0, 0, Grads(1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ShardTest, WrongGradientSizeFails) {
@@ -208,7 +212,8 @@ TEST(ShardInitTest, RejectsBadInit) {
   Shard shard;
   std::vector<Shard::SliceValues> one = Values();
   one.pop_back();
-  EXPECT_EQ(shard.Init(Header(OptimizerConfig::SGD, 0.5f), one).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard.Init(Header(OptimizerConfig::SGD, 0.5f), one).code(),
+            absl::StatusCode::kInvalidArgument);
 
   std::vector<Shard::SliceValues> short_values = Values();
   short_values[0].value.pop_back();
@@ -245,10 +250,11 @@ TEST(ShardInitTest, StartsAtTheHeaderVersion) {
 // Runs a waiting call of the shard (Pull or SnapshotAt) on another thread;
 // `done` is notified when it returns.
 template <typename T, absl::StatusOr<T> (Shard::*kCall)(uint64_t, int64_t, absl::Time,
-                                                         const std::function<bool()>&)>
+                                                        const std::function<bool()>&)>
 class Async {
  public:
-  Async(Shard* shard, uint64_t job, int64_t version, absl::Time deadline, std::function<bool()> cancelled = nullptr)
+  Async(Shard* shard, uint64_t job, int64_t version, absl::Time deadline,
+        std::function<bool()> cancelled = nullptr)
       : thread_([=, this] {
           result_ = (shard->*kCall)(job, version, deadline, cancelled);
           done_.Notify();
@@ -318,11 +324,13 @@ TEST_F(ShardTest, ShutdownWakesWaitingPull) {
   EXPECT_FALSE(pull.Done(absl::Milliseconds(50)));
   shard_.Shutdown();
   ASSERT_TRUE(pull.Done(absl::Seconds(2))) << "Shutdown must wake the pull, not its 1 s poll";
-  EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kUnavailable) << pull.result().status();
+  EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kUnavailable)
+      << pull.result().status();
   // Later calls fail the same way.
   EXPECT_EQ(shard_.Pull(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(shard_.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).code(),
+            absl::StatusCode::kUnavailable);
 }
 
 TEST_F(ShardTest, NewJobAbortsWaitingPull) {
@@ -333,7 +341,8 @@ TEST_F(ShardTest, NewJobAbortsWaitingPull) {
   ASSERT_TRUE(shard_.Init(other, Values()).ok());
   ASSERT_TRUE(pull.Done(absl::Seconds(2)));
   EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kAborted) << pull.result().status();
-  EXPECT_EQ(shard_.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shard_.Push(kJob, 0, 0, Grads(1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(shard_.Slices(kJob + 1).ok());
 }
 
@@ -370,7 +379,8 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
   EXPECT_EQ(p1->weights.get(), p2->weights.get()) << "the second pull made its own copy";
   EXPECT_EQ(p1->weights->values[0].data(), p2->weights->values[0].data());
   // A snapshot of that version reads the same copy of the values.
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
+      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ((*snap)->weights.get(), p1->weights.get());
   // So do pulls from many threads at once.
@@ -420,7 +430,8 @@ TEST_F(ShardTest, APulledVersionIsNotChangedByLaterApplies) {
   for (auto& v : zeros) std::fill(v.value.begin(), v.value.end(), 0.0f);
   ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), std::move(zeros)).ok());
   EXPECT_EQ(p0->weights->values, want0);
-  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}));
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{std::vector<float>(6, 0.0f),
+                                                        std::vector<float>(4, 0.0f)}));
 }
 
 // ---- Non-finite gradients ----
@@ -533,7 +544,8 @@ TEST_F(ShardTest, DroppingAWorkerThatPushedDiscardsItsGradient) {
   EXPECT_EQ(shard_.stats().version, 0);
   EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
   EXPECT_EQ(shard_.stats().version, 1);
-  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)})) << "worker 2's push must not count";
+  EXPECT_EQ(Current(), SgdMean({kA, kB}, 0.5f, {Grads(1), Grads(-3)}))
+      << "worker 2's push must not count";
 
   // The dropped worker's later pushes fail, for the current step and the old one.
   absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, 2, 1, Grads(1));
@@ -643,7 +655,9 @@ MomentumState MomentumStep(MomentumState s, const std::vector<std::vector<float>
   }
   return s;
 }
-MomentumState MomentumStart() { return {{kA, kB}, {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}}; }
+MomentumState MomentumStart() {
+  return {{kA, kB}, {std::vector<float>(6, 0.0f), std::vector<float>(4, 0.0f)}};
+}
 
 void ExpectSnapshotIs(const Shard::Snapshot& snap, int64_t version, const MomentumState& want) {
   ASSERT_NE(snap.weights, nullptr);
@@ -663,7 +677,8 @@ void ExpectSnapshotIs(const Shard::Snapshot& snap, int64_t version, const Moment
 
 TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
   ASSERT_TRUE(shard_.Init(MomentumHeader({0, 1}), Values()).ok());
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s0 = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s0 =
+      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(s0.ok()) << s0.status();
   ExpectSnapshotIs(**s0, 0, MomentumStart());
 
@@ -679,7 +694,8 @@ TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
   EXPECT_EQ(want.w[0][0], 0.25f);
 
   // A deadline already past does not matter: the version is there.
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s2 = shard_.SnapshotAt(kJob, 2, absl::InfinitePast(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s2 =
+      shard_.SnapshotAt(kJob, 2, absl::InfinitePast(), nullptr);
   ASSERT_TRUE(s2.ok()) << s2.status();
   ExpectSnapshotIs(**s2, 2, want);
   ASSERT_EQ((*s2)->weights->values.size(), 2u);
@@ -693,7 +709,8 @@ TEST_F(ShardTest, SnapshotKeepsInitialSlots) {
   v[0].slots = {{1, 2, 3, 4, 5, 6}};
   v[1].slots = {{-1, -2, -3, -4}};
   ASSERT_TRUE(shard_.Init(MomentumHeader({0}), v).ok());
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
+      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
   ExpectSnapshotIs(**s, 0, MomentumState{{kA, kB}, {v[0].slots[0], v[1].slots[0]}});
 }
@@ -723,17 +740,20 @@ TEST_F(ShardTest, SnapshotOfAFutureVersionWaitsAndIsExactlyThatVersion) {
 TEST_F(ShardTest, SnapshotOfAPastVersionFails) {
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
+      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
   EXPECT_EQ(shard_.SnapshotAt(kJob + 1, 1, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   Shard empty;
-  EXPECT_EQ(empty.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(empty.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ShardTest, SnapshotDeadline) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 1, start + absl::Milliseconds(50), nullptr);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
+      shard_.SnapshotAt(kJob, 1, start + absl::Milliseconds(50), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
@@ -750,9 +770,12 @@ TEST_F(ShardTest, ShutdownWakesWaitingSnapshot) {
   AsyncSnapshot snap(&shard_, kJob, 1, Soon());
   EXPECT_FALSE(snap.Done(absl::Milliseconds(50)));
   shard_.Shutdown();
-  ASSERT_TRUE(snap.Done(absl::Milliseconds(900))) << "Shutdown must wake the snapshot, not its 1 s poll";
-  EXPECT_EQ(snap.result().status().code(), absl::StatusCode::kUnavailable) << snap.result().status();
-  EXPECT_EQ(shard_.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(snap.Done(absl::Milliseconds(900)))
+      << "Shutdown must wake the snapshot, not its 1 s poll";
+  EXPECT_EQ(snap.result().status().code(), absl::StatusCode::kUnavailable)
+      << snap.result().status();
+  EXPECT_EQ(shard_.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kUnavailable);
 }
 
 TEST_F(ShardTest, TwoSnapshotsOfTheSameVersionBothGetIt) {
@@ -776,7 +799,8 @@ TEST_F(ShardTest, CancelledSnapshotDoesNotKeepACopy) {
   // shard copies every value and slot when it reaches that version and keeps
   // the copy for good, and a later request for that (by then past) version
   // is served instead of refused.
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s = shard_.SnapshotAt(kJob, 1, Soon(), [] { return true; });
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
+      shard_.SnapshotAt(kJob, 1, Soon(), [] { return true; });
   EXPECT_EQ(s.status().code(), absl::StatusCode::kCancelled) << s.status();
   for (int64_t step : {0, 1}) {
     MustPush(0, step, Grads(1));

@@ -3,8 +3,8 @@
 // with, without processes.
 #include "worker/trainer.h"
 
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <limits>
 #include <memory>
 #include <set>
@@ -39,9 +39,18 @@ constexpr char kTinyModel[] = R"pb(
   name: "tiny"
   input { channels: 1 height: 6 width: 6 }
   num_classes: 4
-  layer { name: "fc1" dense { units: 16 } }
-  layer { name: "relu1" relu {} }
-  layer { name: "fc2" dense { units: 4 } }
+  layer {
+    name: "fc1"
+    dense { units: 16 }
+  }
+  layer {
+    name: "relu1"
+    relu {}
+  }
+  layer {
+    name: "fc2"
+    dense { units: 4 }
+  }
 )pb";
 
 constexpr uint64_t kJobId = 1;
@@ -76,7 +85,8 @@ JobConfig MakeJob(const JobParams& p) {
   return job;
 }
 
-RegisterWorkerResponse Registration(const JobConfig& job, uint64_t job_id = kJobId, int64_t start_step = 0) {
+RegisterWorkerResponse Registration(const JobConfig& job, uint64_t job_id = kJobId,
+                                    int64_t start_step = 0) {
   RegisterWorkerResponse r;
   r.set_job_id(job_id);
   *r.mutable_job() = job;
@@ -98,7 +108,8 @@ absl::Status LoadPs(ps::Client& ps, const JobConfig& job, uint64_t job_id, int64
     header.set_version(version);
     for (int w = 0; w < job.num_workers(); ++w) header.add_live_workers(w);
     for (SliceSpec& s : SliceSpecs(job.placement(), p)) *header.add_slice() = std::move(s);
-    absl::Status s = ps.Init(p, header, SliceRefs(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
+    absl::Status s =
+        ps.Init(p, header, SliceRefs(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -112,11 +123,12 @@ std::vector<std::vector<float>> InitialValues(const JobConfig& job) {
 std::vector<std::vector<float>> ReadWeights(ps::Client& ps, const JobConfig& job, uint64_t job_id) {
   std::vector<std::vector<float>> values;
   std::vector<float*> buffers;
-  for (const VariableShape& v : model::ModelVariables(job.model())) values.emplace_back(NumElements(v.shape));
+  for (const VariableShape& v : model::ModelVariables(job.model()))
+    values.emplace_back(NumElements(v.shape));
   for (std::vector<float>& v : values) buffers.push_back(v.data());
   for (int p = 0; p < job.num_ps(); ++p) {
-    absl::StatusOr<ps::Client::PullResult> r =
-        ps.Pull(p, job_id, 0, SliceSinks(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
+    absl::StatusOr<ps::Client::PullResult> r = ps.Pull(
+        p, job_id, 0, SliceSinks(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
     EXPECT_TRUE(r.ok()) << r.status();
   }
   return values;
@@ -531,7 +543,8 @@ TEST_F(TrainerTest, ARefusedRegistrationIsPermanent) {
 
 TEST_F(TrainerTest, AnInconsistentJobIsPermanent) {
   SetUpJob({});
-  Trainer trainer(FastOptions(/*worker=*/1), chief_.get(), ClientOf(*fake_));  // the job has one worker
+  Trainer trainer(FastOptions(/*worker=*/1), chief_.get(),
+                  ClientOf(*fake_));  // the job has one worker
   const absl::Status status = trainer.Run();
   EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
   EXPECT_EQ(fake_->calls(0, Method::kPull), 0);

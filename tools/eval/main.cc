@@ -9,13 +9,15 @@
 #include "model/network.h"
 #include "model/saved_model.h"
 
-ABSL_FLAG(std::string, saved_model, "", "Saved-model directory (<model_dir>/saved_model) or its model.pb file.");
+ABSL_FLAG(std::string, saved_model, "",
+          "Saved-model directory (<model_dir>/saved_model) or its model.pb file.");
 ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist",
           "Directory with MNIST-format IDX files; the t10k-* (test) files are used.");
 ABSL_FLAG(int, batch_size, 500, "Examples per forward pass.");
-ABSL_FLAG(std::string, dataset, "idx",
-          "idx (the test files in --data_dir) or synthetic (the test split of the synthetic dataset "
-          "the chief's --dataset=synthetic trains on).");
+ABSL_FLAG(
+    std::string, dataset, "idx",
+    "idx (the test files in --data_dir) or synthetic (the test split of the synthetic dataset "
+    "the chief's --dataset=synthetic trains on).");
 ABSL_FLAG(int64_t, synthetic_examples, 2000, "Test examples of --dataset=synthetic.");
 ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu, or cuda:N in builds with CUDA.");
 
@@ -39,12 +41,13 @@ int main(int argc, char** argv) {
   const int batch = absl::GetFlag(FLAGS_batch_size);
   if (batch <= 0) return Fail("--batch_size must be positive");
 
-  absl::StatusOr<psflow::model::LoadedModel> loaded = psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
+  absl::StatusOr<psflow::model::LoadedModel> loaded =
+      psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
   if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
   const psflow::data::DataSource source{absl::GetFlag(FLAGS_dataset), absl::GetFlag(FLAGS_data_dir),
                                         absl::GetFlag(FLAGS_synthetic_examples)};
-  absl::StatusOr<psflow::data::Dataset> test =
-      psflow::data::LoadDataset(source, psflow::data::ModelInputOf(loaded->spec), psflow::data::Split::kTest);
+  absl::StatusOr<psflow::data::Dataset> test = psflow::data::LoadDataset(
+      source, psflow::data::ModelInputOf(loaded->spec), psflow::data::Split::kTest);
   if (!test.ok()) return Fail(std::string(test.status().message()));
   absl::StatusOr<std::unique_ptr<psflow::kernels::Backend>> backend =
       psflow::kernels::CreateBackend(absl::GetFlag(FLAGS_device));
@@ -68,7 +71,8 @@ int main(int argc, char** argv) {
     loss_sum += r->loss * n;
     correct += r->correct;
   }
-  std::printf("model: %s (step %lld)\n", loaded->spec.name().c_str(), static_cast<long long>(loaded->global_step));
+  std::printf("model: %s (step %lld)\n", loaded->spec.name().c_str(),
+              static_cast<long long>(loaded->global_step));
   std::printf("examples: %lld\n", static_cast<long long>(test->count));
   std::printf("accuracy: %.4f\n", static_cast<double>(correct) / static_cast<double>(test->count));
   std::printf("loss: %.4f\n", loss_sum / static_cast<double>(test->count));

@@ -29,7 +29,7 @@ struct Child {
   std::vector<std::string> args;
   pid_t pid = -1;
   absl::Time restart_at = absl::InfiniteFuture();
-  int out = -1;      // read end of its stdout+stderr
+  int out = -1;  // read end of its stdout+stderr
   std::string partial;
   bool exited = false;
   int code = 0;
@@ -173,7 +173,8 @@ int RunCluster(const LaunchOptions& o) {
   for (int i = 0; started && i < o.num_ps; ++i) started = start(absl::StrCat("ps", i), "ps", i, {});
   for (int i = 0; started && i < o.num_workers; ++i) {
     std::vector<std::string> extra;
-    if (i < static_cast<int>(o.worker_devices.size())) extra.push_back("--device=" + o.worker_devices[i]);
+    if (i < static_cast<int>(o.worker_devices.size()))
+      extra.push_back("--device=" + o.worker_devices[i]);
     started = start(absl::StrCat("worker", i), "worker", i, extra);
   }
   Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
@@ -184,7 +185,7 @@ int RunCluster(const LaunchOptions& o) {
       if (!c.exited) ::kill(c.pid, sig);
     }
   };
-  int result = -1;           // decided exit code
+  int result = -1;  // decided exit code
   int restarts = 0;
   absl::Time chief_exit = absl::InfiniteFuture();
   absl::Time terminated_at = absl::InfiniteFuture();
@@ -267,7 +268,8 @@ int RunCluster(const LaunchOptions& o) {
       if (c.out >= 0) ClosePipe(c);  // the old pipe's last lines
       if (Spawn(c, old_mask)) {
         c.exited = false;
-        Say(absl::StrCat("restarted ", c.name, " (restart ", restarts, " of at most ", o.max_restarts, ")"));
+        Say(absl::StrCat("restarted ", c.name, " (restart ", restarts, " of at most ",
+                         o.max_restarts, ")"));
       } else {
         Say(absl::StrCat("cannot restart ", c.name, ": ", std::strerror(errno)));
         // Its last exit is final, as if it had not been restartable.
@@ -281,7 +283,8 @@ int RunCluster(const LaunchOptions& o) {
     }
     if (all_exited && all_closed) break;
     const absl::Time now = absl::Now();
-    if (now - chief_exit > absl::Seconds(o.grace_seconds) && terminated_at == absl::InfiniteFuture()) {
+    if (now - chief_exit > absl::Seconds(o.grace_seconds) &&
+        terminated_at == absl::InfiniteFuture()) {
       Say("processes still running after the chief exited; terminating them");
       signal_all(SIGTERM);
       terminated_at = now;

@@ -6,10 +6,10 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "common/command_line.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/command_line.h"
 #include "tools/launch/launcher.h"
 
 ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
@@ -17,16 +17,19 @@ ABSL_FLAG(int, workers, 2, "Number of workers.");
 ABSL_FLAG(std::string, host, "127.0.0.1",
           "Host in the cluster addresses handed to the processes (each listens on all interfaces, "
           "on a free port picked here).");
-ABSL_FLAG(std::string, bin_dir, "",
-          "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
+ABSL_FLAG(
+    std::string, bin_dir, "",
+    "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
 ABSL_FLAG(int, grace_seconds, 15,
           "Seconds the ps and workers get to exit by themselves after the chief exits.");
-ABSL_FLAG(std::string, restart, "never",
-          "never, or on-failure: start a process again (after a second) when it exits non-zero, as a "
-          "Kubernetes restart policy would; the job then ends when the chief exits 0.");
-ABSL_FLAG(std::string, worker_devices, "",
-          "The workers' --device: one value for every worker (cuda:0) or a comma-separated list with one "
-          "per worker (cuda:0,cuda:1). Default: cpu.");
+ABSL_FLAG(
+    std::string, restart, "never",
+    "never, or on-failure: start a process again (after a second) when it exits non-zero, as a "
+    "Kubernetes restart policy would; the job then ends when the chief exits 0.");
+ABSL_FLAG(
+    std::string, worker_devices, "",
+    "The workers' --device: one value for every worker (cuda:0) or a comma-separated list with one "
+    "per worker (cuda:0,cuda:1). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
 
 int main(int argc, char** argv) {
@@ -36,7 +39,8 @@ int main(int argc, char** argv) {
       "on this machine. Everything after -- goes to the chief, e.g.\n"
       "  psflow-launch --ps=2 --workers=2 -- --model=cnn --epochs=5 --optimizer=adam \\\n"
       "                --learning_rate=0.001 --model_dir=/tmp/run\n"
-      "Each output line is prefixed with its process ([chief], [ps0], [worker1]). Ctrl-C and SIGTERM\n"
+      "Each output line is prefixed with its process ([chief], [ps0], [worker1]). Ctrl-C and "
+      "SIGTERM\n"
       "are forwarded; no process outlives the launcher. Unless the chief's arguments set\n"
       "--compute_threads, each worker gets cores / workers threads. Exits with the chief's code,\n"
       "or with the code of a ps or worker that failed first.");
@@ -47,7 +51,8 @@ int main(int argc, char** argv) {
   o.grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
   const std::string restart = absl::GetFlag(FLAGS_restart);
   if (restart != "never" && restart != "on-failure") {
-    std::fprintf(stderr, "psflow-launch: --restart must be never or on-failure, not '%s'\n", restart.c_str());
+    std::fprintf(stderr, "psflow-launch: --restart must be never or on-failure, not '%s'\n",
+                 restart.c_str());
     return 1;
   }
   o.restart_on_failure = restart == "on-failure";
@@ -62,12 +67,14 @@ int main(int argc, char** argv) {
     o.worker_devices = absl::StrSplit(devices, ',');
     if (o.worker_devices.size() == 1) o.worker_devices.resize(o.num_workers, o.worker_devices[0]);
     if (static_cast<int>(o.worker_devices.size()) != o.num_workers) {
-      std::fprintf(stderr, "psflow-launch: --worker_devices needs one device or one per worker (%d)\n",
+      std::fprintf(stderr,
+                   "psflow-launch: --worker_devices needs one device or one per worker (%d)\n",
                    o.num_workers);
       return 1;
     }
   }
-  if (o.bin_dir.empty()) o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+  if (o.bin_dir.empty())
+    o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
   bool threads_given = false;
   for (size_t i = 1; i < rest.size(); ++i) {
     o.chief_args.push_back(rest[i]);
