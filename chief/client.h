@@ -1,6 +1,6 @@
-// What a worker calls on the chief, as an interface (chief::Client) with its
-// gRPC transport (chief::GrpcClient). The trainer holds a Client and knows no
-// gRPC; tests give it a fake or an in-process coordinator. Errors keep the
+// What a worker calls on the chief, as an interface with no gRPC in it.
+// chief::GrpcClient (chief/grpc_client.h) is its transport; tests give the
+// trainer a fake (tests/fakes/fake_chief.h). Errors keep the
 // transport's status code (UNAVAILABLE while the chief is down or not up
 // yet). Thread-safe.
 #ifndef PSFLOW_CHIEF_CLIENT_H_
@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "proto/chief.grpc.pb.h"
+#include "proto/chief.pb.h"
 
 namespace psflow::chief {
 
@@ -26,16 +26,6 @@ class Client {
   // or fail.
   virtual absl::StatusOr<ReportResponse> Report(const ReportRequest& request,
                                                 absl::Time deadline) = 0;
-};
-
-class GrpcClient final : public Client {
- public:
-  explicit GrpcClient(const std::string& address);
-  absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
-  absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
-
- private:
-  std::unique_ptr<ChiefService::Stub> stub_;
 };
 
 }  // namespace psflow::chief

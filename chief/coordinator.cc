@@ -241,12 +241,15 @@ bool Coordinator::TryAdopt() {
   // After a restart of the chief alone, the ps may still hold the job, all at
   // one step: take it over as it is rather than going back to a checkpoint.
   for (int attempt = 0; attempt < options_.timeouts.adopt_attempts; ++attempt) {
-    std::vector<PsState> states;
-    for (int p = 0; p < job_.num_ps(); ++p) {
+    std::vector<PsState> states(job_.num_ps());
+    absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
       absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
-      if (!st.ok() || !st->holds_job()) return false;
-      states.push_back(*std::move(st));
-    }
+      if (!st.ok()) return st.status();
+      if (!st->holds_job()) return absl::NotFoundError("holds no job");
+      states[p] = *std::move(st);
+      return absl::OkStatus();
+    });
+    if (!s.ok()) return false;
     bool same = google::protobuf::util::MessageDifferencer::Equals(states[0].job(), job_);
     bool agree = true;
     for (const PsState& st : states) {
@@ -543,10 +546,9 @@ void Coordinator::ReleaseEveryone() {
   }
   const uint64_t id = job_id();
   const absl::Time deadline = absl::Now() + options_.timeouts.control_call;
-  for (int p = 0; p < job_.num_ps(); ++p) {
-    absl::Status s = ps_->Shutdown(p, id, deadline);
-    if (!s.ok()) PSLOG(WARNING) << "ps " << p << " did not take the exit order: " << s.message();
-  }
+  absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(),
+                          [&](int p) { return ps_->Shutdown(p, id, deadline); });
+  if (!s.ok()) PSLOG(WARNING) << "a ps did not take the exit order: " << s.message();
 }
 
 absl::Status Coordinator::Run() {

@@ -14,7 +14,7 @@
 #include "common/memory.h"
 #include "common/signals.h"
 #include "common/thread_pool.h"
-#include "ps/client.h"
+#include "ps/grpc_client.h"
 
 ABSL_FLAG(
     std::string, model, "cnn",

@@ -1,12 +1,30 @@
 #include "common/fan_out.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
-#include "common/grpc_util.h"
 
 namespace psflow {
+
+Backoff::Backoff(absl::Duration max_delay)
+    : max_delay_(max_delay),
+      current_(absl::Milliseconds(50)),
+      state_(static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) | 1) {}
+
+absl::Duration Backoff::Next() {
+  // xorshift64: jitter only, no quality needed.
+  state_ ^= state_ << 13;
+  state_ ^= state_ >> 7;
+  state_ ^= state_ << 17;
+  double jitter = 0.8 + 0.4 * static_cast<double>(state_ % 1000) / 1000.0;
+  absl::Duration delay = current_ * jitter;
+  current_ = std::min(current_ * 2, max_delay_);
+  return delay;
+}
+
+void Backoff::Reset() { current_ = absl::Milliseconds(50); }
 
 absl::Status WithRetries(const RetryPolicy& policy, const std::function<absl::Status()>& call) {
   Backoff backoff(policy.max_delay);

@@ -12,9 +12,24 @@
 
 namespace psflow {
 
+// Exponential backoff with jitter for reaching peers that are not up yet: 50 ms doubling up
+// to `max_delay`. Not thread-safe.
+class Backoff {
+ public:
+  explicit Backoff(absl::Duration max_delay = absl::Seconds(2));
+  // The delay before the next attempt.
+  absl::Duration Next();
+  void Reset();
+
+ private:
+  absl::Duration max_delay_;
+  absl::Duration current_;
+  uint64_t state_;
+};
+
 // When a failed call is tried again: only if IsRetryable(status), before
 // `give_up`, and while `stop` (if set) returns false; between attempts the
-// backoff of common/grpc_util.h (50 ms doubling to `max_delay`).
+// Backoff above (50 ms doubling to `max_delay`).
 struct RetryPolicy {
   absl::Time give_up = absl::InfinitePast();  // the default: no retries
   absl::Duration max_delay = absl::Seconds(2);

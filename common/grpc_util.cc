@@ -60,22 +60,4 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Servic
   return server;
 }
 
-Backoff::Backoff(absl::Duration max_delay)
-    : max_delay_(max_delay),
-      current_(absl::Milliseconds(50)),
-      state_(static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())) | 1) {}
-
-absl::Duration Backoff::Next() {
-  // xorshift64: jitter only, no quality needed.
-  state_ ^= state_ << 13;
-  state_ ^= state_ >> 7;
-  state_ ^= state_ << 17;
-  double jitter = 0.8 + 0.4 * static_cast<double>(state_ % 1000) / 1000.0;
-  absl::Duration delay = current_ * jitter;
-  current_ = std::min(current_ * 2, max_delay_);
-  return delay;
-}
-
-void Backoff::Reset() { current_ = absl::Milliseconds(50); }
-
 }  // namespace psflow

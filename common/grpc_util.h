@@ -1,6 +1,5 @@
 // The one edge where gRPC status and absl::Status meet, plus the channel and
-// server settings every psflow process uses and the retry backoff for
-// reaching peers that are not up yet.
+// server settings every psflow process uses.
 #ifndef PSFLOW_COMMON_GRPC_UTIL_H_
 #define PSFLOW_COMMON_GRPC_UTIL_H_
 
@@ -33,21 +32,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 // Starts a server for `service` on 0.0.0.0:port (all interfaces) with
 // psflow's limits; UNAVAILABLE naming the port if it cannot listen there.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service);
-
-// Exponential backoff with jitter for reconnecting to peers: 50 ms doubling up
-// to `max_delay`. Not thread-safe.
-class Backoff {
- public:
-  explicit Backoff(absl::Duration max_delay = absl::Seconds(2));
-  // The delay before the next attempt.
-  absl::Duration Next();
-  void Reset();
-
- private:
-  absl::Duration max_delay_;
-  absl::Duration current_;
-  uint64_t state_;
-};
 
 }  // namespace psflow
 

@@ -1,8 +1,6 @@
 // What the chief and the workers call on the parameter servers, as an
-// interface (ps::Client) with its gRPC transport (ps::GrpcClient): one
-// channel per ps, tensors streamed as chunks in both directions. Role logic
-// holds a Client and knows no gRPC; tests give it an in-memory fake
-// (tests/fakes/fake_ps.h).
+// interface with no gRPC in it. ps::GrpcClient (ps/grpc_client.h) is its
+// transport; tests give role logic an in-memory fake (tests/fakes/fake_ps.h).
 //
 // Every call names the ps by index and ends by `deadline`. Errors name the
 // ps ("ps 1: ...") and keep the status code of the transport (UNAVAILABLE for
@@ -15,12 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/tensor_chunks.h"
-#include "proto/ps.grpc.pb.h"
+#include "proto/ps.pb.h"
 
 namespace psflow::ps {
 
@@ -64,39 +60,6 @@ class Client {
   // Cancels every call in flight and makes later calls fail with CANCELLED
   // at once (for a process that is stopping).
   virtual void CancelAll() = 0;
-};
-
-// The gRPC transport. Calls wait for a ps that is not up yet (gRPC
-// wait-for-ready) until their deadline.
-class GrpcClient final : public Client {
- public:
-  explicit GrpcClient(const std::vector<std::string>& addresses);
-  int num_ps() const override { return static_cast<int>(stubs_.size()); }
-
-  absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
-                    absl::Time deadline) override;
-  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                  std::vector<TensorSink> sinks, absl::Time deadline,
-                                  absl::Duration max_wait) override;
-  absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
-                                    absl::Time deadline) override;
-  absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
-  absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
-  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
-                              int64_t from_version, absl::Time deadline) override;
-  absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
-                        absl::Time deadline) override;
-  bool Reachable(int ps) const override;
-  void CancelAll() override;
-
- private:
-  class CallScope;
-
-  std::vector<std::shared_ptr<grpc::Channel>> channels_;
-  std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
-  absl::Mutex mu_;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_set<grpc::ClientContext*> active_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace psflow::ps

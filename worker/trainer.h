@@ -30,7 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "chief/client.h"
-#include "common/grpc_util.h"
+#include "common/fan_out.h"
 #include "common/tensor_chunks.h"
 #include "common/thread_pool.h"
 #include "data/mnist.h"

@@ -22,7 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
-#include "ps/client.h"
+#include "ps/grpc_client.h"
 #include "ps/shard.h"
 
 namespace psflow::ps {

@@ -1,4 +1,4 @@
-#include "ps/client.h"
+#include "ps/grpc_client.h"
 
 #include <optional>
 

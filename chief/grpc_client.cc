@@ -1,4 +1,4 @@
-#include "chief/client.h"
+#include "chief/grpc_client.h"
 
 #include <grpcpp/grpcpp.h>
 

@@ -1,0 +1,26 @@
+// The gRPC transport of chief::Client. Registration waits for a chief that
+// is not up yet (wait-for-ready) until its deadline. Thread-safe.
+#ifndef PSFLOW_CHIEF_GRPC_CLIENT_H_
+#define PSFLOW_CHIEF_GRPC_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include "chief/client.h"
+#include "proto/chief.grpc.pb.h"
+
+namespace psflow::chief {
+
+class GrpcClient final : public Client {
+ public:
+  explicit GrpcClient(const std::string& address);
+  absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
+  absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
+
+ private:
+  std::unique_ptr<ChiefService::Stub> stub_;
+};
+
+}  // namespace psflow::chief
+
+#endif  // PSFLOW_CHIEF_GRPC_CLIENT_H_

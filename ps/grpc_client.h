@@ -1,0 +1,52 @@
+// The gRPC transport of ps::Client: one channel per ps, tensors streamed as
+// chunks in both directions. Thread-safe.
+#ifndef PSFLOW_PS_GRPC_CLIENT_H_
+#define PSFLOW_PS_GRPC_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/ps.grpc.pb.h"
+#include "ps/client.h"
+
+namespace psflow::ps {
+
+// The gRPC transport. Calls wait for a ps that is not up yet (gRPC
+// wait-for-ready) until their deadline.
+class GrpcClient final : public Client {
+ public:
+  explicit GrpcClient(const std::vector<std::string>& addresses);
+  int num_ps() const override { return static_cast<int>(stubs_.size()); }
+
+  absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
+                    absl::Time deadline) override;
+  absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
+                                  std::vector<TensorSink> sinks, absl::Time deadline,
+                                  absl::Duration max_wait) override;
+  absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
+                                    absl::Time deadline) override;
+  absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
+  absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
+  absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
+                              int64_t from_version, absl::Time deadline) override;
+  absl::Status Snapshot(int ps, uint64_t job_id, int64_t version, std::vector<TensorSink> sinks,
+                        absl::Time deadline) override;
+  bool Reachable(int ps) const override;
+  void CancelAll() override;
+
+ private:
+  class CallScope;
+
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<grpc::ClientContext*> active_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace psflow::ps
+
+#endif  // PSFLOW_PS_GRPC_CLIENT_H_
