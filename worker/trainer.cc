@@ -87,6 +87,17 @@ TrainerStatus Trainer::Status() const {
   return status;
 }
 
+bool Trainer::Stopping() const {
+  absl::MutexLock lock(&mu_);
+  return stop_signal_ != 0 || job_failed_;
+}
+
+absl::Status Trainer::FromPs(const absl::Status& s) const {
+  if (!absl::IsCancelled(s) || Stopping()) return s;
+  // Not cancelled here: the ps cancelled the call (it is going away).
+  return absl::UnavailableError(absl::StrCat(s.message(), " (by the ps)"));
+}
+
 int Trainer::stop_signal() const {
   absl::MutexLock lock(&mu_);
   return stop_signal_;
@@ -196,7 +207,7 @@ absl::Status Trainer::PullAll(int64_t min_version, int64_t* version, int64_t* wa
   std::vector<int64_t> versions(n, -1), waits(n, 0);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
-  policy.stop = [this] { return stop_signal() != 0; };
+  policy.stop = [this] { return Stopping(); };
   const absl::Time start = absl::Now();
   absl::Status s = FanOut(pool_.get(), n, policy, [&](int p) -> absl::Status {
     absl::StatusOr<ps::Client::PullResult> r;
@@ -209,8 +220,9 @@ absl::Status Trainer::PullAll(int64_t min_version, int64_t* version, int64_t* wa
                        options_.pull_wait);
     } while (r.ok() && r->version < min_version);
     if (!r.ok()) {
-      if (IsRetryable(r.status())) PSLOG(WARNING) << "retrying: " << r.status().message();
-      return r.status();
+      const absl::Status failed = FromPs(r.status());
+      if (IsRetryable(failed)) PSLOG(WARNING) << "retrying: " << failed.message();
+      return failed;
     }
     versions[p] = r->version;
     // Time spent on "not yet" answers (and retries) is waiting too.
@@ -239,12 +251,12 @@ absl::Status Trainer::PushAll(int64_t step) {
   header.set_step(step);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
-  policy.stop = [this] { return stop_signal() != 0; };
+  policy.stop = [this] { return Stopping(); };
   // A retried push that had arrived after all is answered DUPLICATE (or
   // STALE once applied): either way the ps has this worker's gradients.
   return FanOut(pool_.get(), job_.num_ps(), policy, [&](int p) -> absl::Status {
-    absl::Status s =
-        client->Push(p, header, push_refs_[p], absl::Now() + options_.transfer_timeout).status();
+    absl::Status s = FromPs(
+        client->Push(p, header, push_refs_[p], absl::Now() + options_.transfer_timeout).status());
     if (IsRetryable(s)) PSLOG(WARNING) << "retrying: " << s.message();
     return s;
   });

@@ -115,6 +115,12 @@ class Trainer {
   absl::Status PushAll(int64_t step);
   void ReportLoop();
   absl::Status TrainAndWait();
+  // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.
+  bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A ps call's status, with a cancellation this worker did not make (a ps
+  // shutting down cancels the calls it serves) turned into UNAVAILABLE: a ps
+  // going away, worth a retry.
+  absl::Status FromPs(const absl::Status& s) const ABSL_LOCKS_EXCLUDED(mu_);
   int stop_signal() const ABSL_LOCKS_EXCLUDED(mu_);
   // The ps client (null before the first registration); set once.
   ps::Client* ps() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -388,6 +388,25 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   EXPECT_TRUE(ps_->shut_down(0));
 }
 
+TEST_F(CoordinatorTest, NonFiniteWeightsAreNeverCheckpointed) {
+  MakeJob(1, 2, 10);
+  // A job restored from weights with a NaN in them (as a diverged job's ps
+  // would hold): the next checkpoint fails the job instead of keeping them.
+  Checkpoint poisoned = EmptyCheckpoint(job_, 0, {});
+  poisoned.tensors.back().values[3] = std::nan("");
+  ASSERT_TRUE(WriteCheckpoint(dir_ + "/model", poisoned, 5).ok());
+  CoordinatorOptions o = Options();
+  o.checkpoint_every_steps = 1;
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 1);
+  absl::Status s = Join();
+  EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("are not finite"));
+  EXPECT_FALSE(fs::exists(dir_ + "/model/checkpoints/ckpt-1"));
+  EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model/" + std::string(model::kSavedModelFile)));
+}
+
 TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
   MakeJob(1, 1, 10);
   Start(Options());

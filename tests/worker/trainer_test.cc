@@ -310,6 +310,25 @@ TEST_F(TrainerTest, RetriesPullsAndPushesThroughUnavailable) {
   EXPECT_EQ(chief_->registrations(), 1);  // retried in place, not registered again
 }
 
+// A ps that is shutting down cancels the calls it serves: for the worker that
+// is a ps going away (retried), not a failure of its own.
+TEST_F(TrainerTest, RetriesCallsThePsCancelled) {
+  SetUpJob({});
+  fake_->FailNext(0, absl::StatusCode::kCancelled, 1);
+  FakePs* fake = fake_.get();
+  fake_->OnCall([fake](int ps, Method method) {
+    if (ps == 1 && method == Method::kPush && fake->calls(1, Method::kPush) == 2) {
+      fake->FailNext(1, absl::StatusCode::kCancelled, 1);
+    }
+  });
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(fake_->calls(0, Method::kPull), 13 + 1);
+  EXPECT_EQ(fake_->calls(1, Method::kPush), 12 + 1);
+  EXPECT_EQ(Steps(chief_->metrics()), Range(0, 12));
+}
+
 TEST_F(TrainerTest, AsksAgainWhileThePsIsBehind) {
   SetUpJob({.num_workers = 2, .train_steps = 6});
   Trainer first(FastOptions(0), chief_.get(), ClientOf(*fake_));
