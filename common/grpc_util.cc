@@ -53,10 +53,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Servic
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // gRPC sets SO_REUSEPORT by default: a second process on a busy port would
+  // then start "listening" too and the kernel would split connections
+  // between the two. A port that is taken must be an error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound == 0)
-    return absl::UnavailableError(absl::StrCat("cannot listen on port ", port));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on port ", port, ": it is in use or not allowed"));
   return server;
 }
 

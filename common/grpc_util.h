@@ -30,7 +30,8 @@ inline constexpr size_t kChunkBytes = 1 << 20;
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 
 // Starts a server for `service` on 0.0.0.0:port (all interfaces) with
-// psflow's limits; UNAVAILABLE naming the port if it cannot listen there.
+// psflow's limits, without SO_REUSEPORT (a port another process holds is an
+// error, never shared); UNAVAILABLE naming the port if it cannot listen there.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service);
 
 }  // namespace psflow

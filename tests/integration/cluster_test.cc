@@ -21,6 +21,7 @@ namespace psflow::itest {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::SizeIs;
 
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
@@ -344,6 +345,24 @@ struct BadCase {
   std::string expect;    // a substring of the message
   bool one_line = true;  // stdout empty, stderr exactly one line
 };
+
+// Two processes on one address must not share it (gRPC's default
+// SO_REUSEPORT would let the second "listen" too and split connections).
+TEST(ClusterCliTest, SecondProcessOnABusyPortExitsOne) {
+  Ports ports;
+  const std::vector<std::string> flags = {
+      "--job_name=ps", "--task_id=0", "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0),
+      "--worker_hosts=" + ports.worker(0)};
+  Process first(Bin("psflow-ps"), flags);
+  ASSERT_TRUE(first.WaitForOutput("listening on", seconds(20))) << first.Describe();
+  Process second(Bin("psflow-ps"), flags);
+  EXPECT_EQ(second.WaitOrKill(seconds(20)), 1) << second.Describe();
+  EXPECT_LT(second.elapsed_seconds(), 10.0) << second.Describe();
+  EXPECT_THAT(second.output(), HasSubstr("cannot listen on port " + std::to_string(ports.p[1])))
+      << second.Describe();
+  EXPECT_THAT(second.output(), Not(HasSubstr("listening on"))) << second.Describe();
+  EXPECT_TRUE(first.running()) << first.Describe();
+}
 
 TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
   Ports ports;
