@@ -93,9 +93,9 @@ std::string Coordinator::SavedModelDir() const {
 
 absl::Status Coordinator::BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version) {
   const uint64_t id = job_id();
-  const absl::Time deadline = absl::Now() + options_.timeouts.control_call;
   PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
-    return ps_->SetLiveWorkers(p, id, live, from_version, deadline);
+    return ps_->SetLiveWorkers(p, id, live, from_version,
+                               absl::Now() + options_.timeouts.control_call);
   }));
   progress_->SetLiveWorkers(live);
   return absl::OkStatus();
@@ -129,7 +129,13 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
     if (!PsHealthy(&max_version)) return absl::UnavailableError("a ps is not reachable");
     start = max_version + 1;
     absl::Status s = BroadcastLiveWorkers(live, start);
-    if (!s.ok()) return absl::UnavailableError(s.message());
+    if (!s.ok()) {
+      // Not a member until every ps knows it: the worker's next try
+      // broadcasts again (some ps may already count it; that is repaired then).
+      absl::MutexLock lock(&mu_);
+      live_.erase(w);
+      return absl::UnavailableError(s.message());
+    }
     progress_->Rejoin(w, start);
     PSLOG(INFO) << "worker " << w << " joins at step " << start << " (" << live.size() << " live)";
   } else {
@@ -151,7 +157,9 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
     absl::Status valid = CheckStepMetrics(m, job_.train_steps(), job_.batch_size());
     if (valid.ok()) continue;
     absl::MutexLock lock(&mu_);
-    // Refused, never logged as progress; the first few are named.
+    // Refused, never logged as progress; the first few are named. The call
+    // still shows the worker alive.
+    if (request.job_id() == job_id_) last_seen_[w] = absl::Now();
     if (++refused_reports_ <= 10) {
       PSLOG(WARNING) << "refused a report from worker " << w << ": " << valid.message();
     }
@@ -159,6 +167,12 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   }
   for (const StepMetrics& m : request.metrics()) {
     if (!m.nonfinite()) continue;
+    {
+      // A late report of an older job (reloaded since) or of a job already
+      // trained to its end says nothing about the weights that stay.
+      absl::MutexLock lock(&mu_);
+      if (request.job_id() != job_id_ || trained_) continue;
+    }
     Fail(absl::OutOfRangeError(
         absl::StrCat("worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
                      " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no "
@@ -586,6 +600,10 @@ absl::Status Coordinator::Run() {
   if (status.ok()) status = Supervise();
   bool trained = status.ok();
   if (trained) {
+    {
+      absl::MutexLock lock(&mu_);
+      trained_ = true;
+    }
     // The last checkpoint holds the final step: a restarted job finds it done.
     Checkpoint final_checkpoint;
     absl::Status s = TakeCheckpoint(&final_checkpoint);

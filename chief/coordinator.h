@@ -155,8 +155,9 @@ class Coordinator {
   absl::Mutex mu_;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
-  bool ready_ ABSL_GUARDED_BY(mu_) = false;                 // every ps holds the job
-  bool done_ ABSL_GUARDED_BY(mu_) = false;                  // training is over: workers may exit
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;    // every ps holds the job
+  bool trained_ ABSL_GUARDED_BY(mu_) = false;  // every step applied: later reports change nothing
+  bool done_ ABSL_GUARDED_BY(mu_) = false;     // the job is over: workers may exit
   absl::flat_hash_set<int> live_ ABSL_GUARDED_BY(mu_);      // workers the steps wait for
   std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
   absl::flat_hash_set<int> finished_ ABSL_GUARDED_BY(mu_);  // saw the final version

@@ -1,6 +1,8 @@
 #include "common/thread_pool.h"
 
-#include "absl/synchronization/blocking_counter.h"
+#include <algorithm>
+#include <atomic>
+#include <memory>
 
 namespace psflow {
 
@@ -27,15 +29,33 @@ void ThreadPool::ParallelFor(int n, const std::function<void(int)>& body) {
     body(0);
     return;
   }
-  absl::BlockingCounter done(n - 1);
-  for (int i = 1; i < n; ++i) {
-    Schedule([&body, &done, i] {
-      body(i);
-      done.DecrementCount();
-    });
-  }
-  body(0);  // the caller takes a share instead of idling
-  done.Wait();
+  // Indices are claimed from a counter by the caller and by pool threads
+  // alike, so a caller never waits behind work queued before its own (a busy
+  // pool only means the caller does more of the loop itself). A pool task
+  // that starts after every index was claimed touches only the shared state,
+  // never `body`, which may be gone by then.
+  struct Loop {
+    explicit Loop(int count) : n(count) {}
+    const int n;
+    std::atomic<int> next{0};
+    absl::Mutex mu;
+    int finished ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto loop = std::make_shared<Loop>(n);
+  const std::function<void(int)>* fn = &body;
+  auto run = [loop, fn, n] {
+    for (int i = loop->next.fetch_add(1); i < n; i = loop->next.fetch_add(1)) {
+      (*fn)(i);
+      absl::MutexLock lock(&loop->mu);
+      ++loop->finished;
+    }
+  };
+  for (int k = 1; k < std::min<int>(n, static_cast<int>(threads_.size()) + 1); ++k) Schedule(run);
+  run();
+  absl::MutexLock lock(&loop->mu);
+  loop->mu.Await(absl::Condition(
+      +[](Loop* l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(l->mu) { return l->finished == l->n; },
+      loop.get()));
 }
 
 void ThreadPool::Loop() {

@@ -21,8 +21,10 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   void Schedule(std::function<void()> fn);
-  // Runs body(i) for i in [0, n) on the pool and blocks until all returned.
-  // Must not be called from a pool thread.
+  // Runs body(i) for i in [0, n) on the pool and the calling thread, and
+  // blocks until all returned. The caller claims indices too, so concurrent
+  // callers never wait for each other's work. Must not be called from a pool
+  // thread.
   void ParallelFor(int n, const std::function<void(int)>& body);
 
  private:

@@ -14,11 +14,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/tensor_chunks.h"
 #include "proto/ps.pb.h"
 
 namespace psflow::ps {
+
+// `s` with "ps <ps>: " before its message (OK stays OK): how every Client
+// names the ps in its errors.
+inline absl::Status WithPs(int ps, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
+}
 
 class Client {
  public:

@@ -54,11 +54,6 @@ absl::Status WriteHeaderAndTensors(grpc::ClientWriter<Request>* writer, const He
   return FromGrpcStatus(writer->Finish());
 }
 
-absl::Status WithPs(int ps, const absl::Status& s) {
-  if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
-}
-
 }  // namespace
 
 // Registers a call's context for CancelAll for the call's lifetime.

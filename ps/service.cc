@@ -11,12 +11,10 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/tensor_chunks.h"
+#include "ps/limits.h"
 
 namespace psflow::ps {
 namespace {
-
-// The most one ps accepts to hold (values and optimizer slots): 16 GiB.
-constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
 
 // Feeds the chunks of `request` and of every later message on `reader` to
 // `assembler`, then checks that nothing is missing.
@@ -62,20 +60,7 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   if (!opt.ok()) return ToGrpcStatus(opt.status());
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
   // Check every size before allocating anything: the header may be garbage.
-  absl::flat_hash_set<std::string> names;
-  int64_t total_floats = 0;
-  for (const SliceSpec& s : header.slice()) {
-    absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
-    if (!n.ok() || !names.insert(s.name()).second) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message())));
-    }
-    total_floats += *n * static_cast<int64_t>(1 + slot_names.size());
-    if (total_floats > kMaxInitFloats) {
-      return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
-          "init asks for more than ", kMaxInitFloats * 4 >> 30, " GiB of slices and slots")));
-    }
-  }
+  if (absl::Status s = CheckInitHeader(header, slot_names.size()); !s.ok()) return ToGrpcStatus(s);
   std::vector<Shard::SliceValues> values(header.slice_size());
   std::vector<TensorSink> sinks;
   for (int i = 0; i < header.slice_size(); ++i) {

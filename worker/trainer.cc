@@ -280,6 +280,7 @@ void Trainer::ReportLoop() {
       request.set_job_id(job_id_);
       for (StepMetrics& m : pending_) *request.add_metrics() = std::move(m);
       pending_.clear();
+      nonfinite_ = false;  // woken once for it; it travels with this report
       request.set_finished(finished_);
     }
     absl::StatusOr<ReportResponse> response =
@@ -295,9 +296,19 @@ void Trainer::ReportLoop() {
       }
       continue;
     }
-    // Metrics of a failed report are dropped: the log is best effort.
+    // Metrics of a failed report are dropped (the log is best effort), but
+    // not a non-finite step: the chief must hear of that one.
+    for (const StepMetrics& m : request.metrics()) {
+      if (m.nonfinite()) pending_.push_back(m);
+    }
     if (stop_signal_ != 0) return;
     const absl::Status& s = response.status();
+    if (absl::IsInvalidArgument(s)) {
+      // The chief refused these metrics (values it finds impossible); the
+      // heartbeat goes on with the next report.
+      PSLOG(WARNING) << "the chief refused a report: " << s.message();
+      continue;
+    }
     if (!IsRetryable(s)) {
       report_error_ =
           absl::InternalError(absl::StrCat("cannot report to the chief: ", s.message(), " (",

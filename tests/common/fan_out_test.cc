@@ -59,15 +59,17 @@ TEST(WithRetriesTest, TheDefaultPolicyNeverRetries) {
 TEST(WithRetriesTest, GivesUpWithTheLastErrorAtTheDeadline) {
   int calls = 0;
   const absl::Time start = absl::Now();
-  absl::Status s = WithRetries(RetryFor(absl::Milliseconds(300)), [&] {
+  absl::Status s = WithRetries(RetryFor(absl::Milliseconds(1000)), [&] {
     ++calls;
     return absl::UnavailableError(calls == 1 ? "first" : "later");
   });
   const absl::Duration took = absl::Now() - start;
   EXPECT_TRUE(absl::IsUnavailable(s));
   EXPECT_EQ(s.message(), "later");
-  EXPECT_GE(calls, 3);  // 50, 100 ms (+-20%) apart, then the next delay passes the deadline
-  EXPECT_LT(took, absl::Milliseconds(300));  // never sleeps past it
+  // 50, 100, 200, 400 ms (+-20%) apart: about 750 ms; the next delay (about
+  // 800 ms) would pass the deadline, so it is not slept.
+  EXPECT_GE(calls, 4);
+  EXPECT_LT(took, absl::Milliseconds(1000));  // never sleeps past it
 }
 
 TEST(WithRetriesTest, StopsRetryingWhenTold) {

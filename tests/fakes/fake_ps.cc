@@ -8,21 +8,16 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "ps/limits.h"
 #include "ps/optimizer.h"
 
 namespace psflow::fakes {
 namespace {
 
+using ps::WithPs;
+
 // How often a waiting pull looks at cancellation, SetDown and Restart.
 constexpr absl::Duration kPollEvery = absl::Milliseconds(2);
-
-// The most one ps accepts to hold, as the service (16 GiB of floats).
-constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
-
-absl::Status WithPs(int ps, const absl::Status& s) {
-  if (s.ok()) return s;
-  return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
-}
 
 std::string DisplayName(const std::string& name, const std::string& slot) {
   return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' (", slot, ")");
@@ -193,21 +188,16 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
       ps::Optimizer::Create(header.job().optimizer());
   if (!opt.ok()) return WithPs(ps, opt.status());
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
-  absl::flat_hash_set<std::string> names;
+  if (absl::Status s = ps::CheckInitHeader(header, slot_names.size()); !s.ok()) {
+    return WithPs(ps, s);
+  }
   std::vector<ps::Shard::SliceValues> values(header.slice_size());
   std::vector<TensorSink> sinks;
   for (int i = 0; i < header.slice_size(); ++i) {
-    const SliceSpec& s = header.slice(i);
-    absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
-    if (!n.ok() || !names.insert(s.name()).second) {
-      return WithPs(
-          ps, absl::InvalidArgumentError(absl::StrCat(
-                  "slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message())));
-    }
-    const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    values[i].value.resize(*n);
+    const int64_t n = NumElements(header.slice(i).shape());
+    values[i].value.resize(n);
     values[i].slots.resize(slot_names.size());
-    for (size_t k = 0; k < slot_names.size(); ++k) values[i].slots[k].assign(*n, 0.0f);
+    for (size_t k = 0; k < slot_names.size(); ++k) values[i].slots[k].assign(n, 0.0f);
   }
   // Sinks point into `values`, which no longer grows.
   for (int i = 0; i < header.slice_size(); ++i) {
