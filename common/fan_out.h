@@ -1,7 +1,7 @@
 // The one way a role calls every parameter server at once: FanOut runs a
 // call per ps on a thread pool the caller owns, retries each call under one
-// policy, and returns the error of the lowest-numbered call that failed. Thread-safe as far as
-// `call` is.
+// policy, and returns the error of the lowest-numbered call that failed.
+// Thread-safe as far as `call` is.
 #ifndef PSFLOW_COMMON_FAN_OUT_H_
 #define PSFLOW_COMMON_FAN_OUT_H_
 

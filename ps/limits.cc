@@ -14,8 +14,8 @@ absl::Status CheckInitHeader(const InitHeader& header, size_t num_slots) {
   for (const SliceSpec& s : header.slice()) {
     absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
     if (!n.ok() || !names.insert(s.name()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message()));
     }
     total_floats += *n * static_cast<int64_t>(1 + num_slots);
     if (total_floats > kMaxInitFloats) {
