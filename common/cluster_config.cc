@@ -170,6 +170,13 @@ absl::StatusOr<Partial> ParseTfConfig(const std::string& json) {
   if (!root.ok()) return root.status();
   Partial partial;
   const auto& fields = root->fields();
+  if (fields.contains("sparseCluster") && !fields.contains("cluster")) {
+    // The training operator's form for dynamic workers lists only some
+    // members; psflow needs every address of the job.
+    return Invalid(
+        "TF_CONFIG has \"sparseCluster\" (the training operator's dynamic-worker form), which "
+        "psflow does not support: set enableDynamicWorker to false in the TFJob");
+  }
   if (auto it = fields.find("cluster"); it != fields.end()) {
     if (it->second.kind_case() != Value::kStructValue) {
       return Invalid("TF_CONFIG: \"cluster\" is not an object");

@@ -159,6 +159,17 @@ TEST(TfConfigTest, IgnoresUnknownTopLevelKeys) {
   EXPECT_EQ(config->self_address, "mnist-worker-0.default.svc:2222");
 }
 
+TEST(TfConfigTest, SparseClusterIsRefusedByName) {
+  const std::string tf_config =
+      R"({"sparseCluster":{"chief":["c:1"],"ps":["p:1"],"worker":{"1":"w1:1"}},)"
+      R"("task":{"type":"worker","index":1},"environment":"cloud"})";
+  auto config = ResolveClusterConfig({}, TfConfigEnv(tf_config), Role::kWorker);
+  ASSERT_TRUE(absl::IsInvalidArgument(config.status())) << config.status();
+  EXPECT_THAT(std::string(config.status().message()), ::testing::HasSubstr("sparseCluster"));
+  EXPECT_THAT(std::string(config.status().message()),
+              ::testing::Not(::testing::HasSubstr("no cluster configuration")));
+}
+
 TEST(TfConfigTest, ToleratesTrailingCommas) {
   const std::string tf_config =
       R"({"cluster": {"chief": ["c:1",], "ps": ["p:1", ],}, "task": {"type": "ps", "index": 0,},})";
