@@ -346,6 +346,16 @@ struct BadCase {
   bool one_line = true;  // stdout empty, stderr exactly one line
 };
 
+// A chief that refuses its flags ends the local cluster at once (the
+// launcher used to wait its 15 s grace period for the others).
+TEST(ClusterCliTest, LaunchStopsAtOnceWhenTheChiefFails) {
+  Process launch(Bin("psflow-launch"), {"--ps=1", "--workers=1", "--", "--no_such_flag"});
+  EXPECT_EQ(launch.WaitOrKill(seconds(30)), 1) << launch.Describe();
+  EXPECT_LT(launch.elapsed_seconds(), 5.0) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("Unknown command line flag 'no_such_flag'"))
+      << launch.Describe();
+}
+
 // Two processes on one address must not share it (gRPC's default
 // SO_REUSEPORT would let the second "listen" too and split connections).
 TEST(ClusterCliTest, SecondProcessOnABusyPortExitsOne) {
@@ -473,6 +483,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "startup_timeout",
         "checkpoint_every_steps",
         "checkpoint_every_secs",
+        "on_nonfinite",
         "keep_checkpoints",
         "worker_timeout",
         "job_name",

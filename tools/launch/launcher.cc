@@ -200,6 +200,13 @@ int RunCluster(const LaunchOptions& o) {
     if (&c == &children[0]) {
       if (result < 0) result = c.code;
       chief_exit = absl::Now();
+      // A chief that failed releases nobody: stop the rest now rather than
+      // after the grace period meant for a job that ended well.
+      if (c.code != 0 && terminated_at == absl::InfiniteFuture()) {
+        Say("the chief failed; stopping the cluster");
+        signal_all(SIGTERM);
+        terminated_at = absl::Now();
+      }
     } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture()) {
       Say(absl::StrCat(c.name, " failed; stopping the cluster"));
       result = c.code;

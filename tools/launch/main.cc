@@ -21,7 +21,8 @@ ABSL_FLAG(
     std::string, bin_dir, "",
     "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
 ABSL_FLAG(int, grace_seconds, 15,
-          "Seconds the ps and workers get to exit by themselves after the chief exits.");
+          "Seconds the ps and workers get to exit by themselves after the chief exits with 0 (a "
+          "chief that fails stops them at once).");
 ABSL_FLAG(
     std::string, restart, "never",
     "never, or on-failure: start a process again (after a second) when it exits non-zero, as a "
