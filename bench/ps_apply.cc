@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
   std::vector<int> thread_counts;
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_threads), ',')) {
     int v = 0;
-    if (!absl::SimpleAtoi(t, &v) || v <= 0) return Fail(absl::StrCat("bad --threads entry '", t, "'"));
+    if (!absl::SimpleAtoi(t, &v) || v <= 0)
+      return Fail(absl::StrCat("bad --threads entry '", t, "'"));
     thread_counts.push_back(v);
   }
   const int64_t floats = absl::GetFlag(FLAGS_floats);

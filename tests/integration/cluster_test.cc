@@ -480,6 +480,8 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "learning_rate", "threads", "profile"}},
       {"psflow-bench-alone",
        {"model", "data_dir", "batch_size", "steps", "warmup_steps", "threads"}},
+      {"psflow-bench-apply",
+       {"threads", "floats", "slice_floats", "optimizer", "workers", "iterations"}},
   };
   return *flags;
 }
