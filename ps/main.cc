@@ -1,12 +1,16 @@
 // psflow-ps: a parameter server. Holds variable slices for the job the chief
 // loads onto it, applies the optimizer, and exits 0 when the chief says the
 // job is done (or 143 on SIGTERM, after in-flight calls finish).
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/cluster_flags.h"
@@ -15,8 +19,35 @@
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/signals.h"
+#include "common/thread_pool.h"
 #include "ps/service.h"
 #include "ps/shard.h"
+
+ABSL_FLAG(int, apply_threads, 0,
+          "Threads that average the pushes and run the optimizer of a step (1 = on the thread of "
+          "the last push only; results are the same for any value). 0 = the machine's cores "
+          "divided by the ps tasks of this ps's host, at least 1.");
+
+namespace {
+
+// --apply_threads=0: the cores shared evenly by the ps of this host (in a
+// synchronous job the workers wait while the ps apply, so the cores are free).
+int ApplyThreads(const psflow::ClusterConfig& config) {
+  const int flag = absl::GetFlag(FLAGS_apply_threads);
+  if (flag > 0) return flag;
+  std::string self_host, host;
+  int port = 0;
+  int ps_here = 0;
+  if (psflow::ParseHostPort(config.self_address, &self_host, &port).ok()) {
+    for (const std::string& address : config.cluster.ps) {
+      if (psflow::ParseHostPort(address, &host, &port).ok() && host == self_host) ++ps_here;
+    }
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ps_here));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -32,7 +63,16 @@ int main(int argc, char** argv) {
   psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kPs);
   psflow::SetLogTag(absl::StrCat("ps", config.task_index));
 
-  psflow::ps::Shard shard;
+  if (absl::GetFlag(FLAGS_apply_threads) < 0) {
+    PSLOG(ERROR) << "--apply_threads must be 0 (one share of the cores) or positive";
+    return psflow::kExitPermanent;
+  }
+  const int apply_threads = ApplyThreads(config);
+  // The thread of the push that completes a step applies too: the pool adds the others.
+  std::unique_ptr<psflow::ThreadPool> apply_pool;
+  if (apply_threads > 1) apply_pool = std::make_unique<psflow::ThreadPool>(apply_threads - 1);
+  PSLOG(INFO) << "applying each step on " << apply_threads << " thread(s)";
+  psflow::ps::Shard shard(apply_pool.get());
   absl::Notification stop;
   std::once_flag stop_once;
   std::atomic<int> exit_code{0};

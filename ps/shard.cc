@@ -1,8 +1,10 @@
 #include "ps/shard.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -25,7 +27,27 @@ int FirstNonFinite(const std::vector<std::vector<float>>& grads) {
   return -1;
 }
 
+// What an apply works on in one slice, as raw pointers into the shard's
+// members: the pool's threads use these while the applying thread holds the
+// shard's lock, and never touch the members (or the lock) themselves.
+struct SliceApply {
+  float* value = nullptr;
+  float* sum = nullptr;              // scratch for the mean
+  std::vector<float*> slots;         // Optimizer::SlotNames() order
+  std::vector<const float*> pushes;  // one per live worker, in worker-id order
+};
+
+// Elements [begin, end) of one slice.
+struct ApplyRange {
+  int slice = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
 }  // namespace
+
+Shard::Shard(ThreadPool* apply_pool, int64_t apply_range)
+    : apply_pool_(apply_pool), apply_range_(std::max<int64_t>(apply_range, 1)) {}
 
 absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> values) {
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
@@ -191,22 +213,58 @@ void Shard::MaybeApplyLocked() {
 }
 
 void Shard::ApplyLocked() {
-  // The mean over the live workers' pushes (pending_ holds no others).
-  for (auto& sum : sum_) std::fill(sum.begin(), sum.end(), 0.0f);
-  for (const auto& [worker, grads] : pending_) {
-    for (size_t i = 0; i < grads.size(); ++i) {
-      AddInto(sum_[i].data(), grads[i].data(), static_cast<int64_t>(grads[i].size()));
-    }
-  }
-  const float scale = 1.0f / static_cast<float>(pending_.size());
-  std::vector<float*> slots;
+  // The live workers' pushes (pending_ holds no others), summed in worker-id
+  // order: each element's sum is then the same however the work is split.
+  std::vector<std::pair<int, const std::vector<std::vector<float>>*>> pushes;
+  pushes.reserve(pending_.size());
+  for (const auto& [worker, grads] : pending_) pushes.emplace_back(worker, &grads);
+  std::sort(pushes.begin(), pushes.end());
+
+  std::vector<SliceApply> slices(values_.size());
+  std::vector<ApplyRange> ranges;
   for (size_t i = 0; i < values_.size(); ++i) {
-    std::vector<float>& sum = sum_[i];
-    ScaleInPlace(sum.data(), scale, static_cast<int64_t>(sum.size()));
+    SliceApply& s = slices[i];
+    s.value = values_[i].value.data();
+    s.sum = sum_[i].data();
+    for (auto& slot : values_[i].slots) s.slots.push_back(slot.data());
+    for (const auto& [worker, grads] : pushes) s.pushes.push_back((*grads)[i].data());
+    const int64_t n = static_cast<int64_t>(sum_[i].size());
+    for (int64_t begin = 0; begin < n; begin += apply_range_)
+      ranges.push_back({static_cast<int>(i), begin, std::min(n, begin + apply_range_)});
+  }
+
+  // Averaging then the optimizer, one range at a time (its sum stays in cache).
+  const float scale = 1.0f / static_cast<float>(pushes.size());
+  const Optimizer& optimizer = *optimizer_;
+  const int64_t step = version_;
+  auto apply = [&slices, &optimizer, scale, step](const ApplyRange& r, std::vector<float*>& slots) {
+    const SliceApply& s = slices[r.slice];
+    const int64_t n = r.end - r.begin;
+    float* sum = s.sum + r.begin;
+    std::fill(sum, sum + n, 0.0f);
+    for (const float* g : s.pushes) AddInto(sum, g + r.begin, n);
+    ScaleInPlace(sum, scale, n);
     slots.clear();
-    for (auto& slot : values_[i].slots) slots.push_back(slot.data());
-    optimizer_->Apply(version_, values_[i].value.data(), sum.data(),
-                      static_cast<int64_t>(sum.size()), slots);
+    for (float* slot : s.slots) slots.push_back(slot + r.begin);
+    optimizer.Apply(step, s.value + r.begin, sum, n, slots);
+  };
+  const int threads =
+      apply_pool_ == nullptr
+          ? 1
+          : static_cast<int>(std::min<size_t>(apply_pool_->threads() + 1, ranges.size()));
+  if (threads <= 1) {
+    std::vector<float*> slots;
+    for (const ApplyRange& r : ranges) apply(r, slots);
+  } else {
+    // Every thread (this one included) takes the next range until none is
+    // left. ParallelFor returns once all have finished, which orders their
+    // writes before anything this thread does next under the lock.
+    std::atomic<size_t> next{0};
+    apply_pool_->ParallelFor(threads, [&](int) {
+      std::vector<float*> slots;
+      for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < ranges.size();)
+        apply(ranges[i], slots);
+    });
   }
   pending_.clear();
   weights_ = nullptr;  // readers keep their copy of the old version

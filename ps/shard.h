@@ -15,6 +15,14 @@
 // version shares (by shared_ptr) and reads outside the shard's lock. A later
 // apply leaves it alone and works on the shard's own masters.
 //
+// The apply (averaging the pushes, then the optimizer) is elementwise: it
+// runs over ranges of at most `apply_range` elements of each slice, on the
+// thread of the push (or SetLiveWorkers) that completes the step and, given
+// an apply pool, on the pool's threads too. Each element is computed the same
+// way whatever the ranges and threads (the pushes are summed in worker-id
+// order), so the values are bit-identical to a sequential apply. The apply
+// holds the shard's lock throughout: nobody reads a version half applied.
+//
 // Thread-safe: every method may be called from any RPC thread.
 #ifndef PSFLOW_PS_SHARD_H_
 #define PSFLOW_PS_SHARD_H_
@@ -32,6 +40,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/thread_pool.h"
 #include "proto/ps.pb.h"
 #include "ps/optimizer.h"
 
@@ -71,7 +80,19 @@ class Shard {
     std::vector<std::vector<std::vector<float>>> slots;  // [slice][slot], follows slot_names
   };
 
-  Shard() = default;
+  // Ranges of 32 Ki floats: the sum and the weights and slots of one range
+  // stay in a core's L2 cache from the averaging to the optimizer, and an
+  // 11 M-float shard makes hundreds of ranges for the threads to share.
+  static constexpr int64_t kDefaultApplyRange = int64_t{1} << 15;
+
+  // `apply_pool`, if not null, lends its threads to every apply (beside the
+  // thread of the push that completes the step); it must outlive the shard
+  // and must not be a pool whose threads call into the shard (ParallelFor is
+  // not reentrant). Null: each apply runs on that one thread. `apply_range`
+  // (> 0) is the most elements of a slice that one thread applies at once.
+  explicit Shard(ThreadPool* apply_pool = nullptr, int64_t apply_range = kDefaultApplyRange);
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
 
   // Loads a job, replacing any earlier one (waiting pulls of a job with
   // another id fail with ABORTED; those of the same id see the new state). `values` follow
@@ -152,6 +173,9 @@ class Shard {
   // Moves workers whose joining version has come into the live set, and
   // takes snapshots that wait for the current version.
   void OnVersionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  ThreadPool* const apply_pool_;  // may be null; not owned
+  const int64_t apply_range_;
 
   mutable absl::Mutex mu_;
   absl::CondVar version_changed_;  // signalled on apply, Init and Shutdown

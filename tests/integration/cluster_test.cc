@@ -495,8 +495,8 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "evaluator_hosts",
         "exit_when_done"}},
       {"psflow-ps",
-       {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts", "worker_hosts",
-        "evaluator_hosts", "exit_when_done"}},
+       {"apply_threads", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
+        "worker_hosts", "evaluator_hosts", "exit_when_done"}},
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
         "worker_hosts", "evaluator_hosts", "exit_when_done"}},
@@ -510,6 +510,8 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "learning_rate", "threads", "profile"}},
       {"psflow-bench-alone",
        {"model", "data_dir", "batch_size", "steps", "warmup_steps", "threads"}},
+      {"psflow-bench-apply",
+       {"threads", "floats", "slice_floats", "optimizer", "workers", "iterations"}},
   };
   return *flags;
 }

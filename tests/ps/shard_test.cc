@@ -3,17 +3,21 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ps/optimizer.h"
@@ -978,6 +982,161 @@ TEST(OptimizerTest, RejectsInvalidConfigs) {
   EXPECT_FALSE(rejected(OptimizerConfig::SGD, 0.1f));
   EXPECT_FALSE(rejected(OptimizerConfig::MOMENTUM, 0.1f, 0.5f));
   EXPECT_FALSE(rejected(OptimizerConfig::ADAM, 0.1f, 0, 0.8f, 0.99f, 1e-7f));
+}
+
+// ---------------------------------------------------------------------------
+// Parallel apply: the same pushes give bit-identical values and slots with one
+// thread and with several, whatever the ranges.
+
+// Slices of 1, 7, 64, 1000 and 4099 elements (the larger ones split into many
+// ranges of 7, the last range short), three workers.
+InitHeader ParallelHeader(OptimizerConfig::Kind kind) {
+  InitHeader h;
+  h.set_job_id(kJob);
+  h.mutable_job()->mutable_optimizer()->set_kind(kind);
+  h.mutable_job()->mutable_optimizer()->set_learning_rate(0.03f);
+  for (int w : {0, 1, 2}) h.add_live_workers(w);
+  int index = 0;
+  for (int64_t n : {1, 7, 64, 1000, 4099}) {
+    SliceSpec* s = h.add_slice();
+    s->set_name(absl::StrCat("s", index++));
+    s->add_shape(n);
+    s->set_row_end(n);
+  }
+  return h;
+}
+
+// Values with every bit of the mantissa in play (so a sum or product taken in
+// another order or with another rounding would show), and random slots.
+std::vector<std::vector<float>> RandomPerSlice(const InitHeader& h, std::mt19937& rng,
+                                               float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<std::vector<float>> out;
+  for (const SliceSpec& s : h.slice()) {
+    out.emplace_back(s.shape(0));
+    for (float& x : out.back()) x = dist(rng);
+  }
+  return out;
+}
+
+void ExpectBitIdentical(const std::vector<float>& a, const std::vector<float>& b,
+                        const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    ASSERT_EQ(x, y) << what << " element " << i << ": " << a[i] << " vs " << b[i];
+  }
+}
+
+class ShardParallelApplyTest : public ::testing::TestWithParam<OptimizerConfig::Kind> {};
+
+TEST_P(ShardParallelApplyTest, SameValuesAndSlotsAsTheSequentialApply) {
+  const InitHeader header = ParallelHeader(GetParam());
+  std::mt19937 rng(7);
+  std::vector<Shard::SliceValues> init;
+  for (auto& v : RandomPerSlice(header, rng, 1.0f)) init.push_back({std::move(v), {}});
+  const std::vector<std::string> slot_names = Optimizer::SlotNames(GetParam());
+  for (Shard::SliceValues& v : init) {  // slots that do not start at zero
+    for (size_t k = 0; k < slot_names.size(); ++k) {
+      v.slots.emplace_back(v.value.size());
+      for (float& x : v.slots.back()) x = std::abs(std::normal_distribution<float>(0, 0.1f)(rng));
+    }
+  }
+
+  ThreadPool pool(3);
+  Shard sequential;                // one thread, one range per slice
+  Shard split_ranges(nullptr, 7);  // one thread, ranges of 7
+  Shard parallel(&pool, 7);        // four threads, ranges of 7
+  Shard parallel_big(&pool);       // four threads, one range per slice
+  Shard* shards[] = {&sequential, &split_ranges, &parallel, &parallel_big};
+  for (Shard* shard : shards) ASSERT_TRUE(shard->Init(header, init).ok());
+
+  constexpr int kSteps = 5;
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<std::vector<std::vector<float>>> grads;
+    for (int w = 0; w < 3; ++w) grads.push_back(RandomPerSlice(header, rng, 0.5f));
+    for (Shard* shard : shards) {
+      // The parallel shards see the pushes in another order: the sum must not depend on it.
+      const bool reversed = shard == &parallel || shard == &parallel_big;
+      for (int i = 0; i < 3; ++i) {
+        const int w = reversed ? 2 - i : i;
+        absl::StatusOr<PushResponse::Outcome> r = shard->Push(kJob, w, step, grads[w]);
+        ASSERT_TRUE(r.ok()) << r.status();
+        ASSERT_EQ(*r, PushResponse::ACCEPTED);
+      }
+    }
+  }
+
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> want =
+      sequential.SnapshotAt(kJob, kSteps, Soon(), nullptr);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ((*want)->slots.size(), init.size());
+  for (Shard* shard : shards) {
+    SCOPED_TRACE(shard == &sequential     ? "sequential"
+                 : shard == &split_ranges ? "split ranges"
+                 : shard == &parallel     ? "parallel, split ranges"
+                                          : "parallel");
+    EXPECT_EQ(shard->stats().version, kSteps);
+    absl::StatusOr<Shard::Pulled> pulled = shard->Pull(kJob, kSteps, Soon(), nullptr);
+    ASSERT_TRUE(pulled.ok()) << pulled.status();
+    absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> got =
+        shard->SnapshotAt(kJob, kSteps, Soon(), nullptr);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ((*got)->weights, pulled->weights) << "a pull and a snapshot share one copy";
+    for (size_t i = 0; i < init.size(); ++i) {
+      // The values moved: the steps were applied, not skipped.
+      EXPECT_NE(pulled->weights->values[i], init[i].value);
+      ExpectBitIdentical(pulled->weights->values[i], (*want)->weights->values[i],
+                         absl::StrCat("value of slice ", i));
+      ASSERT_EQ((*got)->slots[i].size(), slot_names.size());
+      for (size_t k = 0; k < slot_names.size(); ++k) {
+        ExpectBitIdentical((*got)->slots[i][k], (*want)->slots[i][k],
+                           absl::StrCat(slot_names[k], " of slice ", i));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, ShardParallelApplyTest,
+                         ::testing::Values(OptimizerConfig::SGD, OptimizerConfig::MOMENTUM,
+                                           OptimizerConfig::ADAM),
+                         [](const ::testing::TestParamInfo<OptimizerConfig::Kind>& info) {
+                           return OptimizerConfig::Kind_Name(info.param);
+                         });
+
+// Pulls waiting for the next version, on other threads, see all of a parallel
+// apply, and a version pulled before it is left alone.
+TEST(ShardParallelApplyContractTest, WaitingPullsSeeTheWholeApply) {
+  const InitHeader header = ParallelHeader(OptimizerConfig::MOMENTUM);
+  std::vector<Shard::SliceValues> init;
+  for (const SliceSpec& s : header.slice()) init.push_back({std::vector<float>(s.shape(0), 1), {}});
+  ThreadPool pool(2);
+  Shard shard(&pool, 5);
+  ASSERT_TRUE(shard.Init(header, init).ok());
+  absl::StatusOr<Shard::Pulled> before = shard.Pull(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(before.ok());
+
+  std::vector<std::thread> pullers;
+  std::vector<absl::StatusOr<Shard::Pulled>> pulled(4, absl::UnknownError("not run"));
+  for (int t = 0; t < 4; ++t)
+    pullers.emplace_back([&, t] { pulled[t] = shard.Pull(kJob, 1, Soon(), nullptr); });
+  for (int w = 0; w < 3; ++w) {
+    std::vector<std::vector<float>> g;
+    for (const SliceSpec& s : header.slice()) g.emplace_back(s.shape(0), 2.0f * (w + 1));
+    ASSERT_TRUE(shard.Push(kJob, w, 0, std::move(g)).ok());
+  }
+  for (std::thread& t : pullers) t.join();
+  // mean 4, momentum buffer 4, w = 1 - 0.03 * 4.
+  const float want = 1.0f - 0.03f * 4.0f;
+  for (const auto& p : pulled) {
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->weights->version, 1);
+    for (const auto& v : p->weights->values) EXPECT_THAT(v, ::testing::Each(::testing::Eq(want)));
+  }
+  for (const auto& v : before->weights->values)
+    EXPECT_THAT(v, ::testing::Each(::testing::Eq(1.0f)));
 }
 
 }  // namespace
