@@ -86,9 +86,14 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
     chunk->set_dtype(t.dtype);
     for (int64_t d : t.shape) chunk->add_shape(d);
     chunk->set_offset(offset_);
-    std::string* data = chunk->mutable_data();
-    data->resize(static_cast<size_t>(take));
-    EncodeFloats(t.dtype, t.data + offset_ / element, take / element, data->data());
+    const float* from = t.data + offset_ / element;
+    if (t.dtype == DT_FLOAT) {
+      chunk->set_data(reinterpret_cast<const char*>(from), static_cast<size_t>(take));
+    } else {  // encoded straight into the chunk
+      std::string* data = chunk->mutable_data();
+      data->resize(static_cast<size_t>(take));
+      EncodeFloats(t.dtype, from, take / element, data->data());
+    }
     offset_ += take;
     budget -= static_cast<size_t>(take);
     if (offset_ >= total) {
