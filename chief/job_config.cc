@@ -176,6 +176,17 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
         absl::StrCat("--on_nonfinite '", o.on_nonfinite, "' is not fail"));
   }
   job.set_on_nonfinite(JobConfig::FAIL);
+  const std::string wire = absl::AsciiStrToLower(o.wire_dtype);
+  if (wire == "fp32") {
+    job.set_wire_dtype(JobConfig::FP32);
+  } else if (wire == "bf16") {
+    job.set_wire_dtype(JobConfig::BF16);
+  } else if (wire == "fp16") {
+    job.set_wire_dtype(JobConfig::FP16);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wire_dtype '", o.wire_dtype, "' is not one of fp32, bf16, fp16"));
+  }
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(),
                           PlaceVariables(model::ModelVariables(*spec), num_ps));
   return job;

@@ -33,6 +33,9 @@ struct JobOptions {
   // What a step with a non-finite loss or gradients does: "fail" stops the
   // job with exit code 1, keeping the checkpoints taken before it.
   std::string on_nonfinite = "fail";
+  // The dtype of the weights and gradients on the wire: fp32, bf16 or fp16
+  // (JobConfig.wire_dtype); the ps keep fp32 masters either way.
+  std::string wire_dtype = "fp32";
 };
 
 // INVALID_ARGUMENT with one line naming the flag for any bad setting.

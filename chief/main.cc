@@ -69,6 +69,14 @@ ABSL_FLAG(
     "job with exit code 1 and one line naming the step; the checkpoints before it are kept and "
     "no saved model is written.");
 
+ABSL_FLAG(
+    std::string, wire_dtype, "fp32",
+    "The dtype of the weights workers pull and the gradients they push: fp32, bf16 (bfloat16: "
+    "fp32's range, 8 significant bits) or fp16 (IEEE half: 11 significant bits, finite only below "
+    "65520 in magnitude; a gradient beyond that counts as not finite). 16 bits halve the bytes on "
+    "the network; values are rounded to nearest even. The ps keep fp32 master weights and "
+    "optimizer state; checkpoints and the saved model are fp32.");
+
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
@@ -101,6 +109,7 @@ int main(int argc, char** argv) {
   job.seed = absl::GetFlag(FLAGS_seed);
   job.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
+  job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
   psflow::chief::CoordinatorOptions& c = o.coordinator;
   c.ps_addresses = o.cluster.cluster.ps;
   c.model_dir = absl::GetFlag(FLAGS_model_dir);

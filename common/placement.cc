@@ -88,22 +88,38 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps) {
 }
 
 std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
-                                   absl::Span<float* const> buffers, const std::string& slot) {
+                                   absl::Span<float* const> buffers, const std::string& slot,
+                                   DataType dtype) {
   std::vector<TensorSink> sinks;
   for (const SliceRef& s : SlicesOnPs(placement, ps)) {
     sinks.push_back(
-        {s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true});
+        {s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true, dtype});
   }
   return sinks;
 }
 
 std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
-                                 absl::Span<const float* const> buffers, const std::string& slot) {
+                                 absl::Span<const float* const> buffers, const std::string& slot,
+                                 DataType dtype) {
   std::vector<TensorRef> refs;
   for (const SliceRef& s : SlicesOnPs(placement, ps)) {
-    refs.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset});
+    refs.push_back(
+        {s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, dtype});
   }
   return refs;
+}
+
+DataType WireDtypeOf(const JobConfig& job) {
+  switch (job.wire_dtype()) {
+    case JobConfig::FP32:
+      return DT_FLOAT;
+    case JobConfig::BF16:
+      return DT_BFLOAT16;
+    case JobConfig::FP16:
+      return DT_HALF;
+    default:
+      return DT_INVALID;
+  }
 }
 
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps) {

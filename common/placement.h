@@ -46,12 +46,17 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps);
 // `buffers[i]` holds variable i of the placement in full (NumElements of its
 // shape floats, alive while the sinks or refs are used). The sinks receive
 // (and the refs send) ps `ps`'s slices of optimizer slot `slot` ("" for the
-// values), in SlicesOnPs order; every sink is required.
+// values), in SlicesOnPs order, as `dtype` on the wire; every sink is required.
 std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
-                                   absl::Span<float* const> buffers, const std::string& slot = "");
+                                   absl::Span<float* const> buffers, const std::string& slot = "",
+                                   DataType dtype = DT_FLOAT);
 std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
                                  absl::Span<const float* const> buffers,
-                                 const std::string& slot = "");
+                                 const std::string& slot = "", DataType dtype = DT_FLOAT);
+
+// The dtype of the job's pulls and pushes (JobConfig.wire_dtype); DT_INVALID
+// for a value this build does not know.
+DataType WireDtypeOf(const JobConfig& job);
 // What ps `ps` holds, as its InitHeader describes it.
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);
 

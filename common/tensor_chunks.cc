@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/float16.h"
+#include "common/log.h"
 
 namespace psflow {
 namespace {
@@ -18,7 +20,27 @@ std::string DisplayName(const std::string& name, const std::string& slot) {
                       : absl::StrCat("'", name, "' slot '", slot, "'");
 }
 
+// Bytes of one element of `dtype` on the wire; aborts for a dtype that is
+// not a wire dtype (the caller's own refs and sinks: a broken invariant).
+int64_t ElementBytes(DataType dtype) {
+  const int64_t bytes = WireBytes(dtype);
+  if (bytes == 0) PSLOG(FATAL) << "tensor of dtype " << DataType_Name(dtype) << " on the wire";
+  return bytes;
+}
+
 }  // namespace
+
+absl::StatusOr<DataType> SinksDtype(absl::Span<const TensorSink> sinks) {
+  if (sinks.empty()) return DT_FLOAT;
+  const DataType dtype = sinks[0].dtype;
+  for (const TensorSink& s : sinks) {
+    if (s.dtype != dtype || WireBytes(s.dtype) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sinks of dtype ", DataType_Name(dtype), " and ", DataType_Name(s.dtype)));
+    }
+  }
+  return dtype;
+}
 
 int64_t NumElements(absl::Span<const int64_t> shape) {
   int64_t n = 1;
@@ -43,24 +65,35 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
 }
 
 ChunkSplitter::ChunkSplitter(std::vector<TensorRef> tensors, size_t max_bytes)
-    : tensors_(std::move(tensors)), max_bytes_(std::max<size_t>(max_bytes, 4)) {}
+    : tensors_(std::move(tensors)), max_bytes_(std::max<size_t>(max_bytes, 4)) {
+  for (const TensorRef& t : tensors_) ElementBytes(t.dtype);
+}
 
 bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
   if (tensor_ >= tensors_.size()) return false;
   size_t budget = max_bytes_;
   while (tensor_ < tensors_.size() && budget > 0) {
     const TensorRef& t = tensors_[tensor_];
-    const int64_t total = NumElements(t.shape) * static_cast<int64_t>(sizeof(float));
-    // Cut on whole floats so each chunk can be applied on its own.
-    int64_t take = std::min<int64_t>(total - offset_, static_cast<int64_t>(budget / 4 * 4));
+    const int64_t element = WireBytes(t.dtype);
+    const int64_t total = NumElements(t.shape) * element;
+    // Cut on whole elements so each chunk can be applied on its own.
+    int64_t take =
+        std::min<int64_t>(total - offset_, static_cast<int64_t>(budget) / element * element);
     if (take <= 0 && total > 0) break;
     TensorChunk* chunk = out->Add();
     chunk->set_name(t.name);
     chunk->set_slot(t.slot);
-    chunk->set_dtype(DT_FLOAT);
+    chunk->set_dtype(t.dtype);
     for (int64_t d : t.shape) chunk->add_shape(d);
     chunk->set_offset(offset_);
-    chunk->set_data(reinterpret_cast<const char*>(t.data) + offset_, static_cast<size_t>(take));
+    const float* from = t.data + offset_ / element;
+    if (t.dtype == DT_FLOAT) {
+      chunk->set_data(reinterpret_cast<const char*>(from), static_cast<size_t>(take));
+    } else {  // encoded straight into the chunk
+      std::string* data = chunk->mutable_data();
+      data->resize(static_cast<size_t>(take));
+      EncodeFloats(t.dtype, from, take / element, data->data());
+    }
     offset_ += take;
     budget -= static_cast<size_t>(take);
     if (offset_ >= total) {
@@ -74,7 +107,8 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
 ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
   for (TensorSink& s : sinks) {
     Entry e;
-    e.bytes = NumElements(s.shape) * static_cast<int64_t>(sizeof(float));
+    e.element_bytes = ElementBytes(s.dtype);
+    e.bytes = NumElements(s.shape) * e.element_bytes;
     std::string key = Key(s.name, s.slot);
     e.sink = std::move(s);
     entries_[key] = std::move(e);
@@ -87,9 +121,10 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
   if (it == entries_.end())
     return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what));
   Entry& e = it->second;
-  if (chunk.dtype() != DT_FLOAT) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor ", what, " has dtype ", DataType_Name(chunk.dtype()), ", expected DT_FLOAT"));
+  if (chunk.dtype() != e.sink.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " has dtype ",
+                                                   DataType_Name(chunk.dtype()), ", expected ",
+                                                   DataType_Name(e.sink.dtype)));
   }
   if (!std::equal(chunk.shape().begin(), chunk.shape().end(), e.sink.shape.begin(),
                   e.sink.shape.end())) {
@@ -102,13 +137,13 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
                                                    chunk.offset(), ", expected byte ", e.received));
   }
   const int64_t size = static_cast<int64_t>(chunk.data().size());
-  if (size > e.bytes - e.received || size % 4 != 0) {
+  if (size > e.bytes - e.received || size % e.element_bytes != 0) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk of ", size,
                                                    " bytes does not fit: ", e.bytes - e.received,
                                                    " bytes remain"));
   }
-  if (size > 0)
-    std::memcpy(reinterpret_cast<char*>(e.sink.data) + e.received, chunk.data().data(), size);
+  DecodeFloats(e.sink.dtype, chunk.data().data(), size / e.element_bytes,
+               e.sink.data + e.received / e.element_bytes);
   e.received += size;
   return absl::OkStatus();
 }

@@ -3,12 +3,19 @@
 //
 // The sender describes its tensors with TensorRef (no copy until a chunk is
 // filled); ChunkSplitter fills groups of chunks whose data adds up to at most
-// max_bytes, cutting a larger tensor into several chunks. The receiver
-// describes where each expected tensor goes with TensorSink; ChunkAssembler
-// copies each chunk's bytes into place and refuses (INVALID_ARGUMENT) a chunk
-// with an unknown name/slot, another dtype or shape, an offset other than the
-// next expected byte, or more bytes than the tensor holds. Neither class is
-// thread-safe.
+// max_bytes, cutting a larger tensor into several chunks on whole elements.
+// The receiver describes where each expected tensor goes with TensorSink;
+// ChunkAssembler copies each chunk's bytes into place and refuses
+// (INVALID_ARGUMENT) a chunk with an unknown name/slot, another dtype than
+// the sink's or another shape, an offset other than the next expected byte,
+// or more bytes than the tensor holds.
+//
+// Tensors are fp32 in memory on both sides; on the wire they are in the
+// dtype of their ref or sink (common/float16.h): the splitter encodes each
+// chunk straight from the fp32 source as it fills it, and the assembler
+// decodes each chunk into the fp32 destination, so a 16-bit wire dtype needs
+// no full-size copy. Offsets and sizes count bytes of the wire encoding (2 an
+// element for DT_BFLOAT16 and DT_HALF). Neither class is thread-safe.
 #ifndef PSFLOW_COMMON_TENSOR_CHUNKS_H_
 #define PSFLOW_COMMON_TENSOR_CHUNKS_H_
 
@@ -35,10 +42,12 @@ struct TensorRef {
   std::string slot;
   std::vector<int64_t> shape;
   const float* data = nullptr;  // NumElements(shape) floats, alive while splitting
+  DataType dtype = DT_FLOAT;    // on the wire: DT_FLOAT, DT_BFLOAT16 or DT_HALF
 };
 
 class ChunkSplitter {
  public:
+  // Every ref's dtype must be a wire dtype (a broken invariant aborts).
   ChunkSplitter(std::vector<TensorRef> tensors, size_t max_bytes);
   // Appends the next group of chunks to `out`; returns false when every byte
   // has been handed out. A tensor with no elements yields one empty chunk.
@@ -74,12 +83,18 @@ struct TensorSink {
   std::string name;
   std::string slot;
   std::vector<int64_t> shape;
-  float* data = nullptr;  // NumElements(shape) floats
-  bool required = true;   // Finish() fails if a required sink is incomplete
+  float* data = nullptr;      // NumElements(shape) floats
+  bool required = true;       // Finish() fails if a required sink is incomplete
+  DataType dtype = DT_FLOAT;  // the chunks' dtype: DT_FLOAT, DT_BFLOAT16 or DT_HALF
 };
+
+// The one dtype of `sinks` (DT_FLOAT when there are none), which a pull asks
+// the ps for; INVALID_ARGUMENT if they differ or one is not a wire dtype.
+absl::StatusOr<DataType> SinksDtype(absl::Span<const TensorSink> sinks);
 
 class ChunkAssembler {
  public:
+  // Every sink's dtype must be a wire dtype (a broken invariant aborts).
   explicit ChunkAssembler(std::vector<TensorSink> sinks);
   absl::Status Add(const TensorChunk& chunk);
   // OK when every required sink received all its bytes.
@@ -90,8 +105,9 @@ class ChunkAssembler {
  private:
   struct Entry {
     TensorSink sink;
-    int64_t bytes = 0;     // total size
-    int64_t received = 0;  // bytes copied so far
+    int64_t element_bytes = 4;  // on the wire
+    int64_t bytes = 0;          // total size on the wire
+    int64_t received = 0;       // bytes decoded so far
   };
   absl::flat_hash_map<std::string, Entry> entries_;  // key: name + '\0' + slot
 };

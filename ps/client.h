@@ -34,7 +34,7 @@ class Client {
   virtual int num_ps() const = 0;
 
   // Loads a job onto ps `ps`: the header, then `tensors` (values, and slots
-  // named by TensorRef::slot).
+  // named by TensorRef::slot), DT_FLOAT whatever the job's wire dtype.
   virtual absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                             absl::Time deadline) = 0;
 
@@ -43,12 +43,16 @@ class Client {
     int64_t wait_us = 0;  // time the ps waited for min_version
   };
   // Pulls every slice of ps `ps` into `sinks` once it reaches min_version,
-  // waiting at most `max_wait` for that (zero: until the deadline). An answer
-  // that leaves a sink incomplete is DATA_LOSS.
+  // waiting at most `max_wait` for that (zero: until the deadline). The ps
+  // sends the values in the sinks' dtype (one for all: INVALID_ARGUMENT
+  // otherwise), converted from its fp32 masters. An answer that leaves a
+  // sink incomplete is DATA_LOSS.
   virtual absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
                                           std::vector<TensorSink> sinks, absl::Time deadline,
                                           absl::Duration max_wait = absl::ZeroDuration()) = 0;
 
+  // Pushes one worker's gradients; `grads` must be in the job's wire dtype
+  // (JobConfig.wire_dtype; the ps refuses another with INVALID_ARGUMENT).
   virtual absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header,
                                             std::vector<TensorRef> grads, absl::Time deadline) = 0;
 
@@ -58,7 +62,8 @@ class Client {
   virtual absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                                       int64_t from_version, absl::Time deadline) = 0;
   // Values and slots of ps `ps` as of exactly `version`, into `sinks` (one
-  // per slice and slot: value sinks have slot ""). DATA_LOSS if incomplete.
+  // per slice and slot: value sinks have slot ""; DT_FLOAT whatever the
+  // job's wire dtype). DATA_LOSS if incomplete.
   virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version,
                                 std::vector<TensorSink> sinks, absl::Time deadline) = 0;
 

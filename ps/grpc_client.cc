@@ -111,11 +111,14 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
                                                         std::vector<TensorSink> sinks,
                                                         absl::Time deadline,
                                                         absl::Duration max_wait) {
+  absl::StatusOr<DataType> dtype = SinksDtype(sinks);
+  if (!dtype.ok()) return WithPs(ps, dtype.status());
   CallScope call(this, deadline);
   PullRequest request;
   request.set_job_id(job_id);
   request.set_min_version(min_version);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
+  request.set_dtype(*dtype);
   ChunkAssembler assembler(std::move(sinks));
   absl::StatusOr<std::optional<PullResponse>> first =
       ReadChunks(stubs_[ps]->Pull(call.context(), request).get(), &assembler);

@@ -4,11 +4,16 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/placement.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow::ps {
 
 absl::Status CheckInitHeader(const InitHeader& header, size_t num_slots) {
+  if (WireDtypeOf(header.job()) == DT_INVALID) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("init names unknown wire dtype ", header.job().wire_dtype()));
+  }
   absl::flat_hash_set<std::string> names;
   int64_t total_floats = 0;
   for (const SliceSpec& s : header.slice()) {

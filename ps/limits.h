@@ -13,10 +13,10 @@ namespace psflow::ps {
 // The most one ps holds for a job (values and optimizer slots): 16 GiB.
 inline constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
 
-// OK when every slice of `header` has a shape of dimensions >= 1, no name
-// repeats, and the slices with `num_slots` optimizer slots each add up to at
-// most kMaxInitFloats; INVALID_ARGUMENT (bad shape, repeated name) or
-// RESOURCE_EXHAUSTED (too large) naming the first fault otherwise.
+// OK when the job's wire dtype is one psflow knows, every slice of `header` has a shape of
+// dimensions >= 1, no name repeats, and the slices with `num_slots` optimizer slots each add up to
+// at most kMaxInitFloats; INVALID_ARGUMENT (bad shape, repeated name) or RESOURCE_EXHAUSTED (too
+// large) naming the first fault otherwise.
 absl::Status CheckInitHeader(const InitHeader& header, size_t num_slots);
 
 }  // namespace psflow::ps

@@ -8,8 +8,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
+#include "common/placement.h"
 #include "common/tensor_chunks.h"
 #include "ps/limits.h"
 
@@ -87,6 +89,10 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
 
 grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* request,
                              grpc::ServerWriter<PullResponse>* writer) {
+  if (request->dtype() != DT_INVALID && WireBytes(request->dtype()) == 0) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("pull asks for dtype ", request->dtype(), ", not a wire dtype")));
+  }
   const absl::Time call_deadline = absl::FromChrono(context->deadline());
   const absl::Time wait_deadline =
       request->max_wait_ms() > 0
@@ -102,12 +108,17 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
     return grpc::Status::OK;
   }
   if (!pulled.ok()) return ToGrpcStatus(pulled.status());
-  // Streamed from the version's shared copy, which `pulled` keeps alive.
+  absl::StatusOr<DataType> dtype = request->dtype();
+  if (request->dtype() == DT_INVALID) dtype = shard_->WireDtype(request->job_id());
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+  // Streamed from the version's shared copy, which `pulled` keeps alive,
+  // converted chunk by chunk to the dtype asked for.
   const Shard::Weights& weights = *pulled->weights;
   std::vector<TensorRef> refs;
   for (size_t i = 0; i < weights.slices->size(); ++i) {
     const SliceSpec& s = (*weights.slices)[i];
-    refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, weights.values[i].data()});
+    refs.push_back(
+        {s.name(), "", {s.shape().begin(), s.shape().end()}, weights.values[i].data(), *dtype});
   }
   ChunkSplitter splitter(std::move(refs), kChunkBytes);
   PullResponse response;
@@ -128,13 +139,17 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices =
       shard_->Slices(header->job_id());
   if (!slices.ok()) return ToGrpcStatus(slices.status());
+  absl::StatusOr<DataType> dtype = shard_->WireDtype(header->job_id());
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   const std::vector<SliceSpec>& specs = **slices;
+  // The chunks come in the job's wire dtype and are decoded into fp32.
   std::vector<std::vector<float>> grads(specs.size());
   std::vector<TensorSink> sinks;
   for (size_t i = 0; i < specs.size(); ++i) {
     const SliceSpec& s = specs[i];
     grads[i].resize(NumElements(s.shape()));
-    sinks.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, grads[i].data(), true});
+    sinks.push_back(
+        {s.name(), "", {s.shape().begin(), s.shape().end()}, grads[i].data(), true, *dtype});
   }
   ChunkAssembler assembler(std::move(sinks));
   absl::Status s = ReadChunks(reader, request, assembler);

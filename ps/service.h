@@ -1,6 +1,9 @@
 // The gRPC face of a parameter server: ParameterServer::Service over a Shard.
 // Turns streams of TensorChunks into checked slices and back; every problem
-// with a request becomes an error status for that call only.
+// with a request becomes an error status for that call only. The shard holds
+// fp32 only: pulls are encoded here in the dtype the request names (the
+// job's wire dtype when it names none) and pushes, which come in the job's
+// wire dtype, decoded here; Init and Snapshot are fp32.
 #ifndef PSFLOW_PS_SERVICE_H_
 #define PSFLOW_PS_SERVICE_H_
 

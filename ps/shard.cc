@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 
@@ -359,6 +360,12 @@ Shard::State Shard::state() const {
   st.live_workers.assign(live_workers_.begin(), live_workers_.end());
   std::sort(st.live_workers.begin(), st.live_workers.end());
   return st;
+}
+
+absl::StatusOr<DataType> Shard::WireDtype(uint64_t job_id) const {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckJobLocked(job_id); !s.ok()) return s;
+  return WireDtypeOf(job_);
 }
 
 void Shard::Shutdown() {

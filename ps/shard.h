@@ -140,6 +140,11 @@ class Shard {
   };
   State state() const;
 
+  // The dtype the job's pulls and pushes travel in (JobConfig.wire_dtype) if
+  // `job_id` names the current job; FAILED_PRECONDITION otherwise. Cheap: no
+  // copy of the job.
+  absl::StatusOr<DataType> WireDtype(uint64_t job_id) const;
+
   // Wakes every waiting pull with UNAVAILABLE; later calls fail the same way.
   void Shutdown();
 

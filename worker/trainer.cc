@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
 #include "common/fan_out.h"
+#include "common/float16.h"
 #include "common/log.h"
 #include "common/placement.h"
 #include "data/source.h"
@@ -57,10 +58,12 @@ absl::Status PsFailure(const absl::Status& s, absl::string_view what) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
-bool AllFinite(const float* v, int64_t n) {
+// Whether every value stays finite on the wire: below `overflow` in
+// magnitude (WireOverflow of the wire dtype; false for NaN).
+bool AllFinite(const float* v, int64_t n, float overflow) {
   // No early exit: the loop vectorizes, and a finite job reads every value anyway.
   bool finite = true;
-  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(v[i]);
+  for (int64_t i = 0; i < n; ++i) finite &= std::abs(v[i]) < overflow;
   return finite;
 }
 
@@ -158,6 +161,11 @@ absl::Status Trainer::Prepare() {
       job_.placement().num_ps() != job_.num_ps()) {
     return absl::FailedPreconditionError("the chief sent an inconsistent job");
   }
+  const DataType wire = WireDtypeOf(job_);
+  if (wire == DT_INVALID) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the chief sent unknown wire dtype ", job_.wire_dtype()));
+  }
   absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
       kernels::CreateBackend(options_.device, job_.compute_threads());
   if (!backend.ok()) return Permanent(backend.status());
@@ -191,8 +199,8 @@ absl::Status Trainer::Prepare() {
   }
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
   for (int p = 0; p < job_.num_ps(); ++p) {
-    pull_sinks_.push_back(SliceSinks(job_.placement(), p, weights_));
-    push_refs_.push_back(SliceRefs(job_.placement(), p, grads));
+    pull_sinks_.push_back(SliceSinks(job_.placement(), p, weights_, "", wire));
+    push_refs_.push_back(SliceRefs(job_.placement(), p, grads, "", wire));
   }
   pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name()
@@ -348,6 +356,7 @@ absl::Status Trainer::Train(int64_t start) {
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
   const std::vector<const float*> weight_ptrs(weights_.begin(), weights_.end());
+  const float wire_overflow = WireOverflow(WireDtypeOf(job_));
   auto job_failed = [this] {
     absl::MutexLock lock(&mu_);
     return job_failed_;
@@ -389,13 +398,15 @@ absl::Status Trainer::Train(int64_t start) {
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
     }
     const absl::Time t2 = absl::Now();
+    // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
+    // is as diverged as one that already is.
     bool finite = std::isfinite(result->loss);
     for (size_t i = 0; finite && i < grads_.size(); ++i) {
-      finite = AllFinite(grads_[i], NumElements(net_->variables()[i].shape));
+      finite = AllFinite(grads_[i], NumElements(net_->variables()[i].shape), wire_overflow);
     }
     if (!finite) {
       PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
-                   << ") or the gradients are not finite; nothing pushed";
+                   << ") or the gradients are not finite (in the wire dtype); nothing pushed";
       return NonFinite(step);
     }
     s = PushAll(step);

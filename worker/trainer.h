@@ -7,7 +7,9 @@
 // not up), takes its shard of every epoch and runs synchronous steps: pull the
 // weights of step k from every ps in parallel (asking again while a ps
 // answers "not yet"), forward and backward on its batch, push the gradients to
-// every ps in parallel, and hand the step's metrics to a report loop that
+// every ps in parallel (both in the job's wire dtype, JobConfig.wire_dtype; a
+// gradient that dtype cannot hold as a finite number makes the step
+// non-finite), and hand the step's metrics to a report loop that
 // sends them to the chief (the reports are also its heartbeat). A ps that
 // holds another job or none, drops this worker, or disagrees with its peers
 // on the version, or a chief that answers REGISTER, makes it register again

@@ -228,6 +228,26 @@ TEST_F(JobConfigTest, Optimizers) {
   EXPECT_TRUE(BuildJobConfig(options_).ok());
 }
 
+TEST_F(JobConfigTest, WireDtype) {
+  WriteData(kCount, 28, false);
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->wire_dtype(), JobConfig::FP32) << "the default";
+  for (const auto& [flag, dtype] :
+       {std::pair{"bf16", JobConfig::BF16}, std::pair{"fp16", JobConfig::FP16},
+        std::pair{"FP32", JobConfig::FP32}}) {
+    options_.job.wire_dtype = flag;
+    job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << flag << ": " << job.status();
+    EXPECT_EQ(job->wire_dtype(), dtype) << flag;
+  }
+  for (const char* bad : {"float16", "", "int8"}) {
+    options_.job.wire_dtype = bad;
+    ExpectInvalid(BuildJobConfig(options_),
+                  absl::StrCat("--wire_dtype '", bad, "' is not one of fp32, bf16, fp16"));
+  }
+}
+
 TEST_F(JobConfigTest, RejectsBadSettings) {
   WriteData(kCount, 28, false);
   ASSERT_TRUE(BuildJobConfig(options_).ok());

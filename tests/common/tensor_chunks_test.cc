@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -229,6 +230,162 @@ TEST(TensorChunksTest, OptionalSinks) {
     EXPECT_FALSE(assembler.Add(Chunk("w", "m", {3}, 0, {1, 2})).ok());
     EXPECT_FALSE(assembler.Add(Chunk("w", "m", {2}, 0, {1, 2, 3})).ok());
   }
+}
+
+// The value `v` becomes after a trip through `dtype`.
+float OnWire(DataType dtype, float v) {
+  if (dtype == DT_BFLOAT16) return Bfloat16ToFloat(FloatToBfloat16(v));
+  if (dtype == DT_HALF) return HalfToFloat(FloatToHalf(v));
+  return v;
+}
+
+// A 16-bit chunk of `values` encoded as `dtype`.
+TensorChunk Chunk16(DataType dtype, const std::string& name, std::vector<int64_t> shape,
+                    int64_t offset, const std::vector<float>& values) {
+  TensorChunk c = Chunk(name, "", std::move(shape), offset, {});
+  c.set_dtype(dtype);
+  c.mutable_data()->resize(values.size() * 2);
+  EncodeFloats(dtype, values.data(), static_cast<int64_t>(values.size()), c.mutable_data()->data());
+  return c;
+}
+
+struct SixteenBitCase {
+  DataType dtype;
+  size_t max_bytes;
+};
+
+class SixteenBitRoundTripTest : public ::testing::TestWithParam<SixteenBitCase> {};
+
+TEST_P(SixteenBitRoundTripTest, SplitEncodesAssembleDecodes) {
+  const DataType dtype = GetParam().dtype;
+  const size_t max_bytes = GetParam().max_bytes;
+  // Values that 16 bits cannot hold exactly; an odd element count; a tensor
+  // of one element; an empty one.
+  const std::vector<int64_t> big_shape = {301, 7};
+  const std::vector<float> big = Iota(301 * 7, 0.3337f);
+  const std::vector<float> one = {1.0f / 3};
+  const std::vector<float> empty;
+  ChunkSplitter splitter({{"big", "", big_shape, big.data(), dtype},
+                          {"one", "", {1}, one.data(), dtype},
+                          {"empty", "", {0}, empty.data(), dtype}},
+                         max_bytes);
+  std::vector<float> big_out(big.size(), -1), one_out(1, -1), empty_out;
+  ChunkAssembler assembler({{"big", "", big_shape, big_out.data(), true, dtype},
+                            {"one", "", {1}, one_out.data(), true, dtype},
+                            {"empty", "", {0}, empty_out.data(), true, dtype}});
+  google::protobuf::RepeatedPtrField<TensorChunk> group;
+  int64_t big_bytes = 0, big_chunks = 0, groups = 0;
+  while (splitter.Next(&group)) {
+    ++groups;
+    size_t group_bytes = 0;
+    for (const TensorChunk& c : group) {
+      EXPECT_EQ(c.dtype(), dtype);
+      EXPECT_EQ(c.data().size() % 2, 0u) << "chunks are cut on whole 16-bit elements";
+      group_bytes += c.data().size();
+      if (c.name() == "big") {
+        // Offsets count bytes of the 16-bit encoding.
+        EXPECT_EQ(c.offset(), big_bytes);
+        big_bytes += static_cast<int64_t>(c.data().size());
+        ++big_chunks;
+        // Each chunk holds the encoding of its own elements.
+        uint16_t first;
+        std::memcpy(&first, c.data().data(), 2);
+        const float v = big[c.offset() / 2];
+        EXPECT_EQ(first, dtype == DT_HALF ? FloatToHalf(v) : FloatToBfloat16(v));
+      }
+      absl::Status added = assembler.Add(c);
+      ASSERT_TRUE(added.ok()) << added;
+    }
+    EXPECT_LE(group_bytes, max_bytes);
+    group.Clear();
+    ASSERT_LT(groups, 1'000'000);
+  }
+  EXPECT_EQ(big_bytes, 301 * 7 * 2) << "half the bytes of fp32";
+  EXPECT_GE(big_chunks, static_cast<int64_t>(301 * 7 * 2 / max_bytes));
+  absl::Status finished = assembler.Finish();
+  ASSERT_TRUE(finished.ok()) << finished;
+  for (size_t i = 0; i < big.size(); ++i) ASSERT_EQ(big_out[i], OnWire(dtype, big[i])) << i;
+  EXPECT_NE(big_out, big) << "the values went through 16 bits";
+  EXPECT_EQ(one_out[0], OnWire(dtype, one[0]));
+}
+
+// Odd budgets cut tensors at element boundaries that are not multiples of 4
+// bytes (5 and 6: two and three elements per group).
+INSTANTIATE_TEST_SUITE_P(Budgets, SixteenBitRoundTripTest,
+                         ::testing::Values(SixteenBitCase{DT_BFLOAT16, 5},
+                                           SixteenBitCase{DT_BFLOAT16, 1001},
+                                           SixteenBitCase{DT_HALF, 6}, SixteenBitCase{DT_HALF, 999},
+                                           SixteenBitCase{DT_HALF, 1 << 20}),
+                         [](const ::testing::TestParamInfo<SixteenBitCase>& info) {
+                           return DataType_Name(info.param.dtype) + "_" +
+                                  std::to_string(info.param.max_bytes);
+                         });
+
+TEST(SixteenBitTest, ChunksAtOddElementBoundaries) {
+  // A 16-bit tensor of 5 elements in chunks of 3 and 2: the second starts at
+  // byte 6 (element 3), which no fp32 chunking would produce.
+  const std::vector<float> v = {1.0f, -2.5f, 65504.0f, 0.1f, 70000.0f};
+  std::vector<float> out(5, 0.0f);
+  ChunkAssembler assembler({{"v", "", {5}, out.data(), true, DT_HALF}});
+  ASSERT_TRUE(assembler.Add(Chunk16(DT_HALF, "v", {5}, 0, {v[0], v[1], v[2]})).ok());
+  EXPECT_FALSE(assembler.Finish().ok());
+  absl::Status s = assembler.Add(Chunk16(DT_HALF, "v", {5}, 4, {v[3], v[4]}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("expected byte 6"));
+  ASSERT_TRUE(assembler.Add(Chunk16(DT_HALF, "v", {5}, 6, {v[3], v[4]})).ok());
+  ASSERT_TRUE(assembler.Finish().ok());
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], -2.5f);
+  EXPECT_EQ(out[2], 65504.0f);
+  EXPECT_EQ(out[3], HalfToFloat(FloatToHalf(0.1f)));
+  EXPECT_NE(out[3], 0.1f);
+  EXPECT_TRUE(std::isinf(out[4])) << "beyond fp16's range";
+}
+
+TEST(SixteenBitTest, WrongDtypeRefused) {
+  std::vector<float> out(4, 0.0f);
+  const std::vector<float> v = {1, 2, 3, 4};
+  {
+    // An fp32 chunk where bf16 is expected, and fp16 where bf16 is.
+    ChunkAssembler assembler({{"w", "", {4}, out.data(), true, DT_BFLOAT16}});
+    absl::Status s = assembler.Add(Chunk("w", "", {4}, 0, {1, 2}));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("DT_FLOAT, expected DT_BFLOAT16"));
+    s = assembler.Add(Chunk16(DT_HALF, "w", {4}, 0, v));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("DT_HALF, expected DT_BFLOAT16"));
+    EXPECT_EQ(out, std::vector<float>(4, 0.0f)) << "nothing written";
+  }
+  {
+    // A 16-bit chunk where fp32 is expected (a ps fed 16-bit Init data).
+    ChunkAssembler assembler({{"w", "", {4}, out.data()}});
+    absl::Status s = assembler.Add(Chunk16(DT_BFLOAT16, "w", {4}, 0, v));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("DT_BFLOAT16, expected DT_FLOAT"));
+  }
+  {
+    // A partial element, and more elements than the tensor holds.
+    ChunkAssembler assembler({{"w", "", {4}, out.data(), true, DT_HALF}});
+    TensorChunk c = Chunk16(DT_HALF, "w", {4}, 0, {1, 2});
+    c.mutable_data()->resize(3);
+    EXPECT_EQ(assembler.Add(c).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(assembler.Add(Chunk16(DT_HALF, "w", {4}, 0, {1, 2, 3, 4, 5})).code(),
+              absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(assembler.Add(Chunk16(DT_HALF, "w", {4}, 0, v)).ok());
+    EXPECT_TRUE(assembler.Finish().ok());
+    EXPECT_EQ(out, v);
+  }
+}
+
+TEST(SixteenBitTest, SinksDtype) {
+  float x = 0;
+  EXPECT_EQ(*SinksDtype({}), DT_FLOAT);
+  EXPECT_EQ(*SinksDtype({{"a", "", {1}, &x, true, DT_HALF}, {"b", "", {1}, &x, true, DT_HALF}}),
+            DT_HALF);
+  EXPECT_EQ(SinksDtype({{"a", "", {1}, &x, true, DT_HALF}, {"b", "", {1}, &x}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SinksDtype({{"a", "", {1}, &x, true, DT_INVALID}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

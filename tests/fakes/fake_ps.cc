@@ -8,6 +8,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/float16.h"
+#include "common/placement.h"
 #include "ps/limits.h"
 #include "ps/optimizer.h"
 
@@ -23,9 +25,11 @@ std::string DisplayName(const std::string& name, const std::string& slot) {
   return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' (", slot, ")");
 }
 
-// Copies each tensor of `from` into the sink of its name and slot. What a
-// ChunkAssembler would refuse is INVALID_ARGUMENT: a tensor no sink names, of
-// another shape, or sent twice, and a required sink left empty.
+// Copies each tensor of `from` into the sink of its name and slot, through
+// the tensor's wire dtype (a 16-bit dtype rounds the values as a
+// ChunkSplitter and ChunkAssembler would). What a ChunkAssembler would refuse
+// is INVALID_ARGUMENT: a tensor no sink names, of another dtype or shape, or
+// sent twice, and a required sink left empty.
 absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink>& sinks) {
   absl::flat_hash_map<std::pair<std::string, std::string>, size_t> index;
   for (size_t i = 0; i < sinks.size(); ++i) index[{sinks[i].name, sinks[i].slot}] = i;
@@ -41,11 +45,19 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
                                                      " has shape ", ShapeString(t.shape),
                                                      ", expected ", ShapeString(sink.shape)));
     }
+    if (t.dtype != sink.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot),
+                                                     " has dtype ", DataType_Name(t.dtype),
+                                                     ", expected ", DataType_Name(sink.dtype)));
+    }
     if (filled[it->second]) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", DisplayName(t.name, t.slot), " sent twice"));
     }
-    std::copy_n(t.data, NumElements(t.shape), sink.data);
+    const int64_t n = NumElements(t.shape);
+    std::string wire(static_cast<size_t>(n * WireBytes(t.dtype)), '\0');
+    EncodeFloats(t.dtype, t.data, n, wire.data());
+    DecodeFloats(t.dtype, wire.data(), n, sink.data);
     filled[it->second] = true;
   }
   for (size_t i = 0; i < sinks.size(); ++i) {
@@ -65,12 +77,14 @@ struct Tensors {
   std::vector<TensorRef> refs;
 };
 
-Tensors PulledTensors(const ps::Shard::Pulled& pulled) {
+// `dtype`: what the pull asks for.
+Tensors PulledTensors(const ps::Shard::Pulled& pulled, DataType dtype) {
   const ps::Shard::Weights& w = *pulled.weights;
   Tensors t{w.version, pulled.waited, {}};
   for (size_t i = 0; i < w.slices->size(); ++i) {
     const SliceSpec& s = (*w.slices)[i];
-    t.refs.push_back({s.name(), "", {s.shape().begin(), s.shape().end()}, w.values[i].data()});
+    t.refs.push_back(
+        {s.name(), "", {s.shape().begin(), s.shape().end()}, w.values[i].data(), dtype});
   }
   return t;
 }
@@ -220,6 +234,9 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
                                                       absl::Duration max_wait) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPull, deadline, cancelled);
   if (!shard.ok()) return shard.status();
+  // The one dtype of the sinks is what a ps::GrpcClient asks for.
+  absl::StatusOr<DataType> dtype = SinksDtype(sinks);
+  if (!dtype.ok()) return WithPs(ps, dtype.status());
   const absl::Time start = absl::Now();
   const absl::Time wait_deadline =
       max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
@@ -230,7 +247,7 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
     const absl::Time slice_end = std::min(wait_deadline, asked + kPollEvery);
     auto pulled = (*shard)->Pull(job_id, min_version, slice_end, stop);
     if (pulled.ok()) {
-      const Tensors t = PulledTensors(*pulled);
+      const Tensors t = PulledTensors(*pulled, *dtype);
       absl::Status s = CopyInto(t.refs, sinks);
       if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
       PullResult result;
@@ -266,6 +283,8 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
   if (!shard.ok()) return shard.status();
   auto slices = (*shard)->Slices(header.job_id());
   if (!slices.ok()) return WithPs(ps, slices.status());
+  absl::StatusOr<DataType> dtype = (*shard)->WireDtype(header.job_id());
+  if (!dtype.ok()) return WithPs(ps, dtype.status());
   const std::vector<SliceSpec>& specs = SliceList(*slices);
   std::vector<std::vector<float>> values(specs.size());
   std::vector<TensorSink> sinks;
@@ -275,7 +294,8 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
                      "",
                      {specs[i].shape().begin(), specs[i].shape().end()},
                      values[i].data(),
-                     true});
+                     true,
+                     *dtype});
   }
   absl::Status s = CopyInto(grads, sinks);
   if (!s.ok()) return WithPs(ps, s);

@@ -4,10 +4,12 @@
 // header, fills the slices and their optimizer slots by name and slot, answers
 // "not yet" to a pull whose max_wait passes first, reports the version after a
 // push), copying tensors straight between the caller's TensorRef/TensorSink
-// buffers and the shard. Errors name the ps ("ps 1: ...") and keep the codes
-// ps::GrpcClient would give: the shard's own, INVALID_ARGUMENT for tensors an
-// Init or a push does not fit, DATA_LOSS for a pull or snapshot answer that
-// does not fit the sinks.
+// buffers and the shard. Pulls and pushes go through their wire dtype as the
+// service's do: a pull in the sinks' dtype, a push in the job's wire dtype
+// (another is INVALID_ARGUMENT), values rounded to 16 bits and back. Errors name the ps ("ps 1:
+// ...") and keep the codes ps::GrpcClient would give: the shard's own, INVALID_ARGUMENT for tensors
+// an Init or a push does not fit, DATA_LOSS for a pull or snapshot answer that does not fit the
+// sinks.
 //
 // Faults are injected per ps: FailNext (the next calls fail with a code),
 // SetDown (every call UNAVAILABLE), Restart (the ps comes back empty, as a

@@ -17,6 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/tensor_chunks.h"
 #include "gmock/gmock.h"
@@ -583,6 +584,167 @@ TEST_F(PsServiceTest, ShutdownRpc) {
   EXPECT_FALSE(shutdown_.HasBeenNotified());
   EXPECT_TRUE(client_->Shutdown(0, kJob, Deadline()).ok());
   EXPECT_TRUE(shutdown_.HasBeenNotified());
+}
+
+std::vector<float> ThroughBfloat16(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = Bfloat16ToFloat(FloatToBfloat16(v[i]));
+  return out;
+}
+
+// A bf16 job: pulls and pushes cross in bf16, the shard keeps fp32 masters,
+// Init and Snapshot stay fp32.
+TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
+  InitHeader h = Header();
+  h.mutable_job()->set_wire_dtype(JobConfig::BF16);
+  // Values bf16 cannot hold (9 and more significant bits): 1 + 2^-10 steps.
+  std::vector<float> big = big_;
+  for (size_t i = 0; i < big.size(); ++i) big[i] += static_cast<float>(i % 3) * 0x1p-10f;
+  ASSERT_NE(ThroughBfloat16(big), big);
+  absl::Status init = client_->Init(
+      0, h, {{"big", "", kBigShape, big.data()}, {"bias", "", kBiasShape, bias_.data()}},
+      Deadline());
+  ASSERT_TRUE(init.ok()) << init;
+
+  // A pull in bf16 gives the rounded values, in half the bytes.
+  std::vector<float> big16(big.size(), -1), bias16(bias_.size(), -1);
+  absl::StatusOr<Client::PullResult> r =
+      client_->Pull(0, kJob, 0,
+                    {{"big", "", kBigShape, big16.data(), true, DT_BFLOAT16},
+                     {"bias", "", kBiasShape, bias16.data(), true, DT_BFLOAT16}},
+                    Deadline());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(big16, ThroughBfloat16(big));
+  EXPECT_EQ(bias16, ThroughBfloat16(bias_));
+
+  // Gradients pushed in bf16 arrive rounded (1 + 2^-9 becomes 1); the
+  // update is applied to the fp32 masters, which keep their low bits.
+  std::vector<float> g0 = Pattern(big.size(), 7, 0.25f), g1 = Pattern(big.size(), 5, -0.5f);
+  for (size_t i = 0; i < g0.size(); ++i) g0[i] += static_cast<float>(i % 2) * 0x1p-9f;
+  const std::vector<float> gb0 = Pattern(10, 3, 1.0f), gb1 = Pattern(10, 4, 0.5f);
+  PushHeader ph;
+  ph.set_job_id(kJob);
+  ph.set_step(0);
+  for (int w : {0, 1}) {
+    ph.set_worker(w);
+    const std::vector<float>& g = w == 0 ? g0 : g1;
+    const std::vector<float>& gb = w == 0 ? gb0 : gb1;
+    absl::StatusOr<PushResponse> pushed =
+        client_->Push(0, ph,
+                      {{"big", "", kBigShape, g.data(), DT_BFLOAT16},
+                       {"bias", "", kBiasShape, gb.data(), DT_BFLOAT16}},
+                      Deadline());
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    EXPECT_EQ(pushed->outcome(), PushResponse::ACCEPTED);
+  }
+  ASSERT_EQ(shard_.stats().version, 1);
+  const std::vector<float> masters = SgdAfter(big, ThroughBfloat16(g0), ThroughBfloat16(g1));
+  ASSERT_NE(masters, SgdAfter(big, g0, g1)) << "the rounding of the gradients shows";
+  ASSERT_NE(ThroughBfloat16(masters), masters) << "the masters have bits bf16 drops";
+
+  // DT_FLOAT (what the chief asks for the saved model) gives the masters exactly.
+  std::vector<float> big32(big.size(), -1), bias32(bias_.size(), -1);
+  r = client_->Pull(0, kJob, 1,
+                    {{"big", "", kBigShape, big32.data()}, {"bias", "", kBiasShape, bias32.data()}},
+                    Deadline());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(big32, masters);
+  EXPECT_EQ(bias32, SgdAfter(bias_, gb0, gb1));
+  // A snapshot (checkpoints) is fp32 too.
+  std::fill(big32.begin(), big32.end(), -1.0f);
+  absl::Status snap = client_->Snapshot(
+      0, kJob, 1, {{"big", "", kBigShape, big32.data()}, {"bias", "", kBiasShape, bias32.data()}},
+      Deadline());
+  ASSERT_TRUE(snap.ok()) << snap;
+  EXPECT_EQ(big32, masters);
+
+  // A pull that names no dtype gets the job's: bf16 chunks, 2 bytes a value.
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  PullRequest request;
+  request.set_job_id(kJob);
+  request.set_min_version(1);
+  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
+  PullResponse response;
+  int64_t bytes = 0;
+  std::vector<float> raw(big.size(), -1);
+  while (reader->Read(&response)) {
+    for (const TensorChunk& c : response.chunk()) {
+      EXPECT_EQ(c.dtype(), DT_BFLOAT16);
+      EXPECT_EQ(c.offset() % 2, 0);
+      if (c.name() == "big") {
+        DecodeFloats(DT_BFLOAT16, c.data().data(), static_cast<int64_t>(c.data().size()) / 2,
+                     raw.data() + c.offset() / 2);
+      }
+      bytes += static_cast<int64_t>(c.data().size());
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(bytes, (NumElements(kBigShape) + NumElements(kBiasShape)) * 2);
+  EXPECT_EQ(raw, ThroughBfloat16(masters));
+}
+
+TEST_F(PsServiceTest, PushInAnotherDtypeThanTheJobsIsRefused) {
+  InitHeader h = Header();
+  h.mutable_job()->set_wire_dtype(JobConfig::BF16);
+  ASSERT_TRUE(
+      client_
+          ->Init(0, h,
+                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                 Deadline())
+          .ok());
+  const std::vector<float> g(big_.size(), 1.0f), gb(10, 1.0f);
+  PushHeader ph;
+  ph.set_job_id(kJob);
+  ph.set_worker(0);
+  ph.set_step(0);
+  for (DataType dtype : {DT_FLOAT, DT_HALF}) {
+    absl::StatusOr<PushResponse> pushed = client_->Push(
+        0, ph,
+        {{"big", "", kBigShape, g.data(), dtype}, {"bias", "", kBiasShape, gb.data(), dtype}},
+        Deadline());
+    EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInvalidArgument) << pushed.status();
+    EXPECT_THAT(std::string(pushed.status().message()), HasSubstr("expected DT_BFLOAT16"));
+  }
+  // Nothing was kept: worker 0 may still push, and its push counts.
+  ph.set_worker(1);
+  ASSERT_TRUE(client_
+                  ->Push(0, ph,
+                         {{"big", "", kBigShape, g.data(), DT_BFLOAT16},
+                          {"bias", "", kBiasShape, gb.data(), DT_BFLOAT16}},
+                         Deadline())
+                  .ok());
+  EXPECT_EQ(shard_.stats().version, 0);
+  ph.set_worker(0);
+  absl::StatusOr<PushResponse> pushed =
+      client_->Push(0, ph,
+                    {{"big", "", kBigShape, g.data(), DT_BFLOAT16},
+                     {"bias", "", kBiasShape, gb.data(), DT_BFLOAT16}},
+                    Deadline());
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(pushed->outcome(), PushResponse::ACCEPTED);
+  EXPECT_EQ(pushed->version(), 1);
+}
+
+TEST_F(PsServiceTest, UnknownWireDtypesAreRefused) {
+  InitHeader h = Header();
+  h.mutable_job()->set_wire_dtype(static_cast<JobConfig::WireDtype>(7));
+  absl::Status init = client_->Init(
+      0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+      Deadline());
+  EXPECT_EQ(init.code(), absl::StatusCode::kInvalidArgument) << init;
+  EXPECT_THAT(std::string(init.message()), HasSubstr("wire dtype"));
+  ASSERT_TRUE(InitJob().ok());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  PullRequest request;
+  request.set_job_id(kJob);
+  request.set_dtype(static_cast<DataType>(9));
+  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
+  PullResponse response;
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 }  // namespace

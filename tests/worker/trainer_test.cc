@@ -17,6 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
+#include "common/float16.h"
 #include "common/placement.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -60,6 +61,7 @@ struct JobParams {
   int num_workers = 1;
   int64_t train_steps = 12;
   float learning_rate = 0.1f;
+  JobConfig::WireDtype wire_dtype = JobConfig::FP32;
 };
 
 // A job as the chief would make it: synthetic data, 256 examples, batch 8.
@@ -78,6 +80,7 @@ JobConfig MakeJob(const JobParams& p) {
   job.mutable_optimizer()->set_kind(OptimizerConfig::SGD);
   job.mutable_optimizer()->set_learning_rate(p.learning_rate);
   job.set_on_nonfinite(JobConfig::FAIL);
+  job.set_wire_dtype(p.wire_dtype);
   absl::StatusOr<Placement> placement =
       PlaceVariables(model::ModelVariables(job.model()), p.num_ps, /*split_bytes=*/1024);
   EXPECT_TRUE(placement.ok()) << placement.status();
@@ -264,6 +267,78 @@ TEST_F(TrainerTest, TrainsToTheEndAndExitsWhenTheChiefSaysSo) {
   EXPECT_EQ(response.job_id(), kJobId);
   EXPECT_EQ(response.step(), 12);
   EXPECT_TRUE(response.finished());
+}
+
+// Pulls and pushes in bf16 (the fake ps refuses a push in any other dtype):
+// training goes as in fp32, close but not equal, and the ps keep fp32 masters.
+TEST_F(TrainerTest, TrainsWithBfloat16OnTheWire) {
+  std::vector<std::vector<float>> fp32_weights;
+  {
+    SetUpJob({});
+    Trainer fp32(FastOptions(), chief_.get(), ClientOf(*fake_));
+    ASSERT_TRUE(fp32.Run().ok());
+    fp32_weights = ReadWeights(*fake_, job_, kJobId);
+  }
+
+  SetUpJob({.wire_dtype = JobConfig::BF16});
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  const std::vector<StepMetrics> metrics = chief_->metrics();
+  EXPECT_EQ(Steps(metrics), Range(0, 12));
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(fake_->stats(p).applied, 12) << "ps " << p;
+    EXPECT_EQ(fake_->calls(p, Method::kPush), 12) << "ps " << p;
+  }
+  double first = 0, last = 0;
+  for (int i = 0; i < 4; ++i) {
+    first += metrics[i].loss();
+    last += metrics[metrics.size() - 1 - i].loss();
+  }
+  EXPECT_LT(last, first);
+
+  const std::vector<std::vector<float>> weights = ReadWeights(*fake_, job_, kJobId);
+  ASSERT_EQ(weights.size(), fp32_weights.size());
+  bool differs = false, beyond_bf16 = false;
+  for (size_t v = 0; v < weights.size(); ++v) {
+    for (size_t i = 0; i < weights[v].size(); ++i) {
+      const float w = weights[v][i];
+      differs |= w != fp32_weights[v][i];
+      beyond_bf16 |= Bfloat16ToFloat(FloatToBfloat16(w)) != w;
+      ASSERT_NEAR(w, fp32_weights[v][i], 0.02f) << "variable " << v << " [" << i << "]";
+    }
+  }
+  EXPECT_TRUE(differs) << "the weights and gradients went through bf16";
+  EXPECT_TRUE(beyond_bf16) << "the masters are fp32";
+}
+
+// A gradient fp16 cannot hold (65520 and more) would reach the ps as an
+// infinity: the step is not finite, and nothing is pushed.
+TEST_F(TrainerTest, AGradientBeyondFp16sRangeIsANonFiniteStep) {
+  for (JobConfig::WireDtype wire : {JobConfig::FP32, JobConfig::FP16}) {
+    SCOPED_TRACE(JobConfig::WireDtype_Name(wire));
+    SetUpJob({.wire_dtype = wire});
+    chief_->FailOnNonFinite(false);
+    // fc1's weights at 60000 (fp16 holds that): hidden units of about 60000
+    // times the pixel sum, so fc2's gradients reach far past 65520 while the
+    // loss stays finite.
+    std::vector<std::vector<float>> values = initial_;
+    std::fill(values[0].begin(), values[0].end(), 60000.0f);
+    ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, values).ok());
+    TrainerOptions options = FastOptions();
+    options.nonfinite_wait = absl::Milliseconds(50);
+    Trainer trainer(options, chief_.get(), ClientOf(*fake_));
+    const absl::Status status = trainer.Run();
+    if (wire == JobConfig::FP32) {
+      // The control: in fp32 the same step is finite and pushed.
+      EXPECT_TRUE(status.ok()) << status;
+      EXPECT_GT(fake_->calls(0, Method::kPush), 0);
+    } else {
+      EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+      EXPECT_THAT(status.message(), HasSubstr("not finite"));
+      EXPECT_EQ(fake_->calls(0, Method::kPush) + fake_->calls(1, Method::kPush), 0);
+    }
+  }
 }
 
 TEST_F(TrainerTest, WaitsForTheExitOrderAfterTheLastStep) {

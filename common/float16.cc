@@ -1,0 +1,88 @@
+#include "common/float16.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace psflow {
+namespace {
+
+// Values go through a small aligned block so that the conversion loop runs
+// on plain arrays (vectorizable) and the unaligned bytes are copied once.
+constexpr int64_t kBlock = 512;
+
+template <uint16_t (*Encode)(float)>
+void EncodeBlocks(const float* in, int64_t n, char* out) {
+  uint16_t block[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t m = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < m; ++i) block[i] = Encode(in[start + i]);
+    std::memcpy(out + 2 * start, block, static_cast<size_t>(m) * 2);
+  }
+}
+
+template <float (*Decode)(uint16_t)>
+void DecodeBlocks(const char* in, int64_t n, float* out) {
+  uint16_t block[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t m = std::min(kBlock, n - start);
+    std::memcpy(block, in + 2 * start, static_cast<size_t>(m) * 2);
+    for (int64_t i = 0; i < m; ++i) out[start + i] = Decode(block[i]);
+  }
+}
+
+}  // namespace
+
+int64_t WireBytes(DataType dtype) {
+  switch (dtype) {
+    case DT_FLOAT:
+      return 4;
+    case DT_BFLOAT16:
+    case DT_HALF:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+float WireOverflow(DataType dtype) {
+  switch (dtype) {
+    case DT_BFLOAT16:
+      return FloatFromBits(0x7F7F8000u);  // halfway between bf16's largest finite value and 2^128
+    case DT_HALF:
+      return 65520.0f;  // halfway between 65504 and 2^16
+    default:
+      return std::numeric_limits<float>::infinity();
+  }
+}
+
+void EncodeFloats(DataType dtype, const float* in, int64_t n, char* out) {
+  if (n <= 0) return;
+  switch (dtype) {
+    case DT_BFLOAT16:
+      EncodeBlocks<FloatToBfloat16>(in, n, out);
+      return;
+    case DT_HALF:
+      EncodeBlocks<FloatToHalf>(in, n, out);
+      return;
+    default:
+      std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
+      return;
+  }
+}
+
+void DecodeFloats(DataType dtype, const char* in, int64_t n, float* out) {
+  if (n <= 0) return;
+  switch (dtype) {
+    case DT_BFLOAT16:
+      DecodeBlocks<Bfloat16ToFloat>(in, n, out);
+      return;
+    case DT_HALF:
+      DecodeBlocks<HalfToFloat>(in, n, out);
+      return;
+    default:
+      std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
+      return;
+  }
+}
+
+}  // namespace psflow
