@@ -26,6 +26,9 @@ class Client {
   // or fail.
   virtual absl::StatusOr<ReportResponse> Report(const ReportRequest& request,
                                                 absl::Time deadline) = 0;
+  // Cancels every call in flight and makes later calls fail with CANCELLED
+  // at once (for a worker that is stopping).
+  virtual void CancelAll() = 0;
 };
 
 }  // namespace psflow::chief

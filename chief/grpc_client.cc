@@ -10,23 +10,20 @@ GrpcClient::GrpcClient(const std::string& address)
     : stub_(ChiefService::NewStub(MakeChannel(address))) {}
 
 absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, absl::Time deadline) {
-  grpc::ClientContext context;
-  context.set_wait_for_ready(true);
-  context.set_deadline(absl::ToChronoTime(deadline));
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   RegisterWorkerRequest request;
   request.set_worker(worker);
   RegisterWorkerResponse response;
-  absl::Status s = FromGrpcStatus(stub_->RegisterWorker(&context, request, &response));
+  absl::Status s = FromGrpcStatus(stub_->RegisterWorker(call.context(), request, &response));
   if (!s.ok()) return s;
   return response;
 }
 
 absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request,
                                                   absl::Time deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/false);
   ReportResponse response;
-  absl::Status s = FromGrpcStatus(stub_->Report(&context, request, &response));
+  absl::Status s = FromGrpcStatus(stub_->Report(call.context(), request, &response));
   if (!s.ok()) return s;
   return response;
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "chief/client.h"
+#include "common/grpc_util.h"
 #include "proto/chief.grpc.pb.h"
 
 namespace psflow::chief {
@@ -16,9 +17,11 @@ class GrpcClient final : public Client {
   explicit GrpcClient(const std::string& address);
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
+  void CancelAll() override { calls_.CancelAll(); }
 
  private:
   std::unique_ptr<ChiefService::Stub> stub_;
+  ActiveCalls calls_;
 };
 
 }  // namespace psflow::chief

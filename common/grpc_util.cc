@@ -65,4 +65,27 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Servic
   return server;
 }
 
+ActiveCalls::Scope::Scope(ActiveCalls* calls, absl::Time deadline, bool wait_for_ready)
+    : calls_(calls) {
+  context_.set_deadline(absl::ToChronoTime(deadline));
+  context_.set_wait_for_ready(wait_for_ready);
+  absl::MutexLock lock(&calls_->mu_);
+  if (calls_->cancelled_) {
+    context_.TryCancel();
+  } else {
+    calls_->active_.insert(&context_);
+  }
+}
+
+ActiveCalls::Scope::~Scope() {
+  absl::MutexLock lock(&calls_->mu_);
+  calls_->active_.erase(&context_);
+}
+
+void ActiveCalls::CancelAll() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  for (grpc::ClientContext* c : active_) c->TryCancel();
+}
+
 }  // namespace psflow

@@ -8,8 +8,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace psflow {
@@ -33,6 +35,34 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 // psflow's limits, without SO_REUSEPORT (a port another process holds is an
 // error, never shared); UNAVAILABLE naming the port if it cannot listen there.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service);
+
+// The calls in flight of one client, so that CancelAll can end them: each
+// call runs inside a Scope, whose context is cancelled at once if CancelAll
+// came first. Thread-safe.
+class ActiveCalls {
+ public:
+  class Scope {
+   public:
+    // A context with `deadline` (and wait-for-ready when asked) for one call.
+    Scope(ActiveCalls* calls, absl::Time deadline, bool wait_for_ready);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    grpc::ClientContext* context() { return &context_; }
+
+   private:
+    ActiveCalls* const calls_;
+    grpc::ClientContext context_;
+  };
+
+  // Cancels every call in flight; later calls are cancelled as they start.
+  void CancelAll();
+
+ private:
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<grpc::ClientContext*> active_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace psflow
 

@@ -56,40 +56,12 @@ absl::Status WriteHeaderAndTensors(grpc::ClientWriter<Request>* writer, const He
 
 }  // namespace
 
-// Registers a call's context for CancelAll for the call's lifetime.
-class GrpcClient::CallScope {
- public:
-  CallScope(GrpcClient* client, absl::Time deadline) : client_(client) {
-    context_.set_deadline(absl::ToChronoTime(deadline));
-    context_.set_wait_for_ready(true);
-    absl::MutexLock lock(&client_->mu_);
-    if (client_->cancelled_) {
-      context_.TryCancel();
-    } else {
-      client_->active_.insert(&context_);
-    }
-  }
-  ~CallScope() {
-    absl::MutexLock lock(&client_->mu_);
-    client_->active_.erase(&context_);
-  }
-  grpc::ClientContext* context() { return &context_; }
-
- private:
-  GrpcClient* client_;
-  grpc::ClientContext context_;
-};
-
 bool GrpcClient::Reachable(int ps) const {
   const grpc_connectivity_state state = channels_[ps]->GetState(/*try_to_connect=*/false);
   return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
 }
 
-void GrpcClient::CancelAll() {
-  absl::MutexLock lock(&mu_);
-  cancelled_ = true;
-  for (grpc::ClientContext* c : active_) c->TryCancel();
-}
+void GrpcClient::CancelAll() { calls_.CancelAll(); }
 
 GrpcClient::GrpcClient(const std::vector<std::string>& addresses) {
   for (const std::string& a : addresses) {
@@ -100,7 +72,7 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses) {
 
 absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                               absl::Time deadline) {
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   InitResponse response;
   return WithPs(ps, WriteHeaderAndTensors(stubs_[ps]->Init(call.context(), &response).get(), header,
                                           std::move(tensors)));
@@ -113,7 +85,7 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
                                                         absl::Duration max_wait) {
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PullRequest request;
   request.set_job_id(job_id);
   request.set_min_version(min_version);
@@ -135,7 +107,7 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
 
 absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PushResponse response;
   absl::Status s = WriteHeaderAndTensors(stubs_[ps]->Push(call.context(), &response).get(), header,
                                          std::move(grads));
@@ -144,7 +116,7 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
 }
 
 absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PsState state;
   absl::Status s = FromGrpcStatus(stubs_[ps]->GetState(call.context(), GetStateRequest(), &state));
   if (!s.ok()) return WithPs(ps, s);
@@ -153,7 +125,7 @@ absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
 
 absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                                         int64_t from_version, absl::Time deadline) {
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   SetLiveWorkersRequest request;
   request.set_job_id(job_id);
   for (int w : live) request.add_live_workers(w);
@@ -164,7 +136,7 @@ absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vect
 
 absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
                                   std::vector<TensorSink> sinks, absl::Time deadline) {
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   SnapshotRequest request;
   request.set_job_id(job_id);
   request.set_version(version);
@@ -180,7 +152,7 @@ absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
 }
 
 absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
-  CallScope call(this, deadline);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   grpc::ClientContext& context = *call.context();
   ShutdownRequest request;
   request.set_job_id(job_id);

@@ -7,8 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
-#include "absl/synchronization/mutex.h"
+#include "common/grpc_util.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps/client.h"
 
@@ -38,13 +37,9 @@ class GrpcClient final : public Client {
   void CancelAll() override;
 
  private:
-  class CallScope;
-
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
-  absl::Mutex mu_;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_set<grpc::ClientContext*> active_ ABSL_GUARDED_BY(mu_);
+  ActiveCalls calls_;
 };
 
 }  // namespace psflow::ps

@@ -78,6 +78,7 @@ void Trainer::Stop(int signal) {
   absl::MutexLock lock(&mu_);
   if (stop_signal_ == 0) stop_signal_ = signal;
   if (ps_ != nullptr) ps_->CancelAll();  // a pull blocked on the other workers ends now
+  chief_->CancelAll();                   // so does a registration waiting for the chief
 }
 
 TrainerStatus Trainer::Status() const {

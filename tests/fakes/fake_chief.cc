@@ -9,7 +9,13 @@ namespace psflow::fakes {
 FakeChief::FakeChief(RegisterWorkerResponse registration)
     : registration_(std::move(registration)) {}
 
+void FakeChief::CancelAll() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+}
+
 absl::Status FakeChief::InjectedLocked() {
+  if (cancelled_) return absl::CancelledError("call cancelled");
   if (fail_count_ == 0) return absl::OkStatus();
   if (fail_count_ > 0) --fail_count_;
   return absl::Status(fail_code_, "injected failure of the chief");

@@ -33,6 +33,8 @@ class FakeChief final : public chief::Client {
   // chief::Client.
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
+  // Every later call fails with CANCELLED, as a transport's would.
+  void CancelAll() override;
 
   // What later registrations get.
   void SetRegistration(RegisterWorkerResponse registration);
@@ -72,6 +74,7 @@ class FakeChief final : public chief::Client {
   int action_count_ ABSL_GUARDED_BY(mu_) = 0;  // reports left to answer with action_ (< 0: all)
   bool exit_when_finished_ ABSL_GUARDED_BY(mu_) = true;
   bool fail_on_nonfinite_ ABSL_GUARDED_BY(mu_) = true;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool failed_ ABSL_GUARDED_BY(mu_) = false;  // a non-finite step failed the job
   absl::flat_hash_set<int> to_register_
       ABSL_GUARDED_BY(mu_);  // answered REGISTER since they registered
