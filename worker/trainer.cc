@@ -401,10 +401,16 @@ absl::Status Trainer::Train(int64_t start) {
     const absl::Time t2 = absl::Now();
     // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
     // is as diverged as one that already is.
-    bool finite = std::isfinite(result->loss);
-    for (size_t i = 0; finite && i < grads_.size(); ++i) {
-      finite = AllFinite(grads_[i], NumElements(net_->variables()[i].shape), wire_overflow);
-    }
+    // Each ps's slices are checked on the pool, as the pushes will go.
+    std::vector<char> finite_on(push_refs_.size(), 1);
+    FanOut(pool_.get(), static_cast<int>(push_refs_.size()), RetryPolicy(), [&](int p) {
+      for (const TensorRef& r : push_refs_[p]) {
+        if (!AllFinite(r.data, NumElements(r.shape), wire_overflow)) finite_on[p] = 0;
+      }
+      return absl::OkStatus();
+    }).IgnoreError();  // the calls cannot fail
+    const bool finite = std::isfinite(result->loss) &&
+                        std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
     if (!finite) {
       PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
                    << ") or the gradients are not finite (in the wire dtype); nothing pushed";
