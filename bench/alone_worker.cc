@@ -24,37 +24,26 @@ ABSL_FLAG(int, steps, 300, "Measured steps (after --warmup_steps).");
 ABSL_FLAG(int, warmup_steps, 20, "Steps run before measuring.");
 ABSL_FLAG(int, threads, 0, "CPU threads for the kernels; 0 = all cores.");
 
-namespace {
-
-int Fail(const std::string& message) {
-  std::fprintf(stderr, "%s\n", message.c_str());
-  return 1;
-}
-
-int Fail(const absl::Status& s) { return Fail(std::string(s.message())); }
-
-}  // namespace
-
 int main(int argc, char** argv) {
   psflow::ParseCommandLine(argc, argv, "examples/s of one worker training alone (no ps).",
                            {"alone_worker.cc"});
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));
-  if (!spec.ok()) return Fail(spec.status());
+  if (!spec.ok()) return psflow::FailWith(spec.status());
   const int batch = absl::GetFlag(FLAGS_batch_size);
-  if (batch <= 0) return Fail("--batch_size must be positive");
+  if (batch <= 0) return psflow::FailWith("--batch_size must be positive");
   auto data =
       psflow::data::LoadDataset({"idx", absl::GetFlag(FLAGS_data_dir), 0},
                                 psflow::data::ModelInputOf(*spec), psflow::data::Split::kTrain);
-  if (!data.ok()) return Fail(data.status());
+  if (!data.ok()) return psflow::FailWith(data.status());
   auto backend = psflow::kernels::CreateBackend("cpu", absl::GetFlag(FLAGS_threads));
-  if (!backend.ok()) return Fail(backend.status());
+  if (!backend.ok()) return psflow::FailWith(backend.status());
   auto net = psflow::model::Network::Create(*spec, backend->get());
-  if (!net.ok()) return Fail(net.status());
+  if (!net.ok()) return psflow::FailWith(net.status());
   psflow::OptimizerConfig oc;
   oc.set_kind(psflow::OptimizerConfig::ADAM);
   oc.set_learning_rate(0.001f);
   auto opt = psflow::ps::Optimizer::Create(oc);
-  if (!opt.ok()) return Fail(opt.status());
+  if (!opt.ok()) return psflow::FailWith(opt.status());
 
   // Like the worker, train in the network's own host buffers: the optimizer
   // updates the weights where the next step reads them.
@@ -63,12 +52,13 @@ int main(int argc, char** argv) {
     std::vector<const float*> initial_ptrs;
     for (const auto& w : initial) initial_ptrs.push_back(w.data());
     absl::Status s = (*net)->SetWeights(initial_ptrs);
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return psflow::FailWith(s);
   }
   const std::vector<float*> weights = (*net)->HostWeights();
   const std::vector<float*> grads = (*net)->HostGradients();
   if (weights.empty() || grads.size() != weights.size()) {
-    return Fail("the cpu backend does not compute in host memory: cannot train in place");
+    return psflow::FailWith(
+        "the cpu backend does not compute in host memory: cannot train in place");
   }
   std::vector<int64_t> sizes;
   std::vector<std::vector<float>> m, v;
@@ -84,8 +74,8 @@ int main(int argc, char** argv) {
   const int warmup = absl::GetFlag(FLAGS_warmup_steps), steps = absl::GetFlag(FLAGS_steps);
   const int64_t per_epoch = static_cast<int64_t>(order.size()) / batch;
   if (per_epoch == 0) {
-    return Fail(absl::StrCat("--batch_size ", batch, " exceeds the ", order.size(),
-                             " training examples in ", absl::GetFlag(FLAGS_data_dir)));
+    return psflow::FailWith(absl::StrCat("--batch_size ", batch, " exceeds the ", order.size(),
+                                         " training examples in ", absl::GetFlag(FLAGS_data_dir)));
   }
   absl::Time start = absl::Now();
   for (int step = 0; step < warmup + steps; ++step) {
@@ -94,9 +84,9 @@ int main(int argc, char** argv) {
     absl::Status s =
         psflow::data::GatherBatch(*data, absl::MakeConstSpan(order).subspan(pos * batch, batch),
                                   images.data(), labels.data());
-    if (!s.ok()) return Fail(s);
+    if (!s.ok()) return psflow::FailWith(s);
     auto r = (*net)->TrainStep(images.data(), labels.data(), batch);
-    if (!r.ok()) return Fail(r.status());
+    if (!r.ok()) return psflow::FailWith(r.status());
     for (size_t i = 0; i < weights.size(); ++i) {
       (*opt)->Apply(step, weights[i], grads[i], sizes[i], {m[i].data(), v[i].data()});
     }

@@ -29,15 +29,6 @@ ABSL_FLAG(std::string, optimizer, "adam", "sgd, momentum or adam.");
 ABSL_FLAG(int, workers, 2, "Workers whose pushes each step averages.");
 ABSL_FLAG(int, iterations, 20, "Timed applies per thread count (after 2 untimed ones).");
 
-namespace {
-
-int Fail(const std::string& what) {
-  std::fprintf(stderr, "psflow-bench-apply: %s\n", what.c_str());
-  return 1;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   psflow::ParseCommandLine(argc, argv, "milliseconds per apply of one ps shard, by apply threads.",
                            {"ps_apply.cc"});
@@ -45,7 +36,7 @@ int main(int argc, char** argv) {
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_threads), ',')) {
     int v = 0;
     if (!absl::SimpleAtoi(t, &v) || v <= 0)
-      return Fail(absl::StrCat("bad --threads entry '", t, "'"));
+      return psflow::FailWith(absl::StrCat("bad --threads entry '", t, "'"));
     thread_counts.push_back(v);
   }
   const int64_t floats = absl::GetFlag(FLAGS_floats);
@@ -53,11 +44,12 @@ int main(int argc, char** argv) {
   const int workers = absl::GetFlag(FLAGS_workers);
   const int iterations = absl::GetFlag(FLAGS_iterations);
   if (floats <= 0 || slice_floats <= 0 || workers <= 0 || iterations <= 0)
-    return Fail("--floats, --slice_floats, --workers and --iterations must be positive");
+    return psflow::FailWith(
+        "--floats, --slice_floats, --workers and --iterations must be positive");
   const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
   psflow::OptimizerConfig::Kind kind;
   if (!psflow::OptimizerConfig::Kind_Parse(absl::AsciiStrToUpper(optimizer), &kind))
-    return Fail(absl::StrCat("unknown --optimizer '", optimizer, "'"));
+    return psflow::FailWith(absl::StrCat("unknown --optimizer '", optimizer, "'"));
 
   psflow::InitHeader header;
   header.set_job_id(1);
@@ -95,22 +87,22 @@ int main(int argc, char** argv) {
     std::vector<psflow::ps::Shard::SliceValues> values(sizes.size());
     for (size_t i = 0; i < sizes.size(); ++i) values[i].value.assign(sizes[i], 0.5f);
     absl::Status s = shard.Init(header, std::move(values));
-    if (!s.ok()) return Fail(std::string(s.message()));
+    if (!s.ok()) return psflow::FailWith(s);
     absl::Duration total;
     for (int it = -2; it < iterations; ++it) {
       const int64_t step = it + 2;
       for (int w : pushing) {
         auto r = shard.Push(1, w, step, grads);
-        if (!r.ok()) return Fail(std::string(r.status().message()));
+        if (!r.ok()) return psflow::FailWith(r.status());
       }
       const absl::Time start = absl::Now();
       s = shard.SetLiveWorkers(1, pushing, step);
       const absl::Duration took = absl::Now() - start;
       if (s.ok()) s = shard.SetLiveWorkers(1, all, step + 1);
-      if (!s.ok()) return Fail(std::string(s.message()));
+      if (!s.ok()) return psflow::FailWith(s);
       if (it >= 0) total += took;
     }
-    if (shard.stats().version != iterations + 2) return Fail("a step was not applied");
+    if (shard.stats().version != iterations + 2) return psflow::FailWith("a step was not applied");
     const double ms = absl::ToDoubleMilliseconds(total) / iterations;
     if (threads == thread_counts.front()) baseline_ms = ms;
     std::printf("apply floats=%lld optimizer=%s workers=%d threads=%d ms=%.2f speedup=%.2f\n",

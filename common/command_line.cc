@@ -189,4 +189,11 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const std::string& us
   return absl::ParseCommandLine(argc, argv);
 }
 
+int FailWith(absl::string_view message) {
+  std::fprintf(stderr, "%.*s\n", static_cast<int>(message.size()), message.data());
+  return 1;
+}
+
+int FailWith(const absl::Status& status) { return FailWith(status.message()); }
+
 }  // namespace psflow

@@ -9,6 +9,7 @@
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
 namespace psflow {
@@ -33,6 +34,11 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const std::string& us
 // name), each as "--name (help); default: value;" wrapped at 80 columns.
 std::string FlagsHelp(absl::string_view program, absl::string_view usage,
                       absl::FunctionRef<bool(const absl::CommandLineFlag&)> include);
+
+// For the mains of tools: writes `message` (or the status's message) as one
+// line on stderr and returns exit code 1.
+int FailWith(absl::string_view message);
+int FailWith(const absl::Status& status);
 
 }  // namespace psflow
 

@@ -57,32 +57,16 @@ float WireOverflow(DataType dtype) {
 
 void EncodeFloats(DataType dtype, const float* in, int64_t n, char* out) {
   if (n <= 0) return;
-  switch (dtype) {
-    case DT_BFLOAT16:
-      EncodeBlocks<FloatToBfloat16>(in, n, out);
-      return;
-    case DT_HALF:
-      EncodeBlocks<FloatToHalf>(in, n, out);
-      return;
-    default:
-      std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
-      return;
-  }
+  if (dtype == DT_BFLOAT16) return EncodeBlocks<FloatToBfloat16>(in, n, out);
+  if (dtype == DT_HALF) return EncodeBlocks<FloatToHalf>(in, n, out);
+  std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
 }
 
 void DecodeFloats(DataType dtype, const char* in, int64_t n, float* out) {
   if (n <= 0) return;
-  switch (dtype) {
-    case DT_BFLOAT16:
-      DecodeBlocks<Bfloat16ToFloat>(in, n, out);
-      return;
-    case DT_HALF:
-      DecodeBlocks<HalfToFloat>(in, n, out);
-      return;
-    default:
-      std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
-      return;
-  }
+  if (dtype == DT_BFLOAT16) return DecodeBlocks<Bfloat16ToFloat>(in, n, out);
+  if (dtype == DT_HALF) return DecodeBlocks<HalfToFloat>(in, n, out);
+  std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
 }
 
 }  // namespace psflow

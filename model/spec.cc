@@ -16,73 +16,31 @@ namespace {
 
 // conv 20@5x5, ReLU, max-pool 2, conv 50@5x5, ReLU, max-pool 2, dense 500,
 // ReLU, dense 10.
-constexpr char kCnn[] = R"pb(
+constexpr char kCnn[] = R"spec(
   name: "cnn"
   input { channels: 1 height: 28 width: 28 }
   num_classes: 10
-  layer {
-    name: "conv1"
-    conv2d { filters: 20 kernel: 5 }
-  }
-  layer {
-    name: "relu1"
-    relu {}
-  }
-  layer {
-    name: "pool1"
-    max_pool { size: 2 }
-  }
-  layer {
-    name: "conv2"
-    conv2d { filters: 50 kernel: 5 }
-  }
-  layer {
-    name: "relu2"
-    relu {}
-  }
-  layer {
-    name: "pool2"
-    max_pool { size: 2 }
-  }
-  layer {
-    name: "fc1"
-    dense { units: 500 }
-  }
-  layer {
-    name: "relu3"
-    relu {}
-  }
-  layer {
-    name: "fc2"
-    dense { units: 10 }
-  }
-)pb";
+  layer { name: "conv1" conv2d { filters: 20 kernel: 5 } }
+  layer { name: "relu1" relu {} }
+  layer { name: "pool1" max_pool { size: 2 } }
+  layer { name: "conv2" conv2d { filters: 50 kernel: 5 } }
+  layer { name: "relu2" relu {} }
+  layer { name: "pool2" max_pool { size: 2 } }
+  layer { name: "fc1" dense { units: 500 } }
+  layer { name: "relu3" relu {} }
+  layer { name: "fc2" dense { units: 10 } }
+)spec";
 
-constexpr char kMlp[] = R"pb(
+constexpr char kMlp[] = R"spec(
   name: "mlp"
   input { channels: 1 height: 28 width: 28 }
   num_classes: 10
-  layer {
-    name: "fc1"
-    dense { units: 256 }
-  }
-  layer {
-    name: "relu1"
-    relu {}
-  }
-  layer {
-    name: "fc2"
-    dense { units: 256 }
-  }
-  layer {
-    name: "relu2"
-    relu {}
-  }
-  layer {
-    name: "fc3"
-    dense { units: 10 }
-  }
-)pb";
+  layer { name: "fc1" dense { units: 256 } }
+  layer { name: "relu1" relu {} }
+  layer { name: "fc2" dense { units: 256 } }
+  layer { name: "relu2" relu {} }
+  layer { name: "fc3" dense { units: 10 } }
+)spec";
 
 absl::StatusOr<ModelSpec> ParseText(const std::string& text, const std::string& source) {
   ModelSpec spec;

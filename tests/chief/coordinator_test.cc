@@ -191,6 +191,24 @@ class CoordinatorTest : public ::testing::Test {
     return actions;
   }
 
+  // Starts a job of one worker that checkpoints every 2 steps (with
+  // `options`), trains its first 2 steps and waits for that checkpoint.
+  // Returns the job id.
+  uint64_t TrainToTheFirstCheckpoint(CoordinatorOptions options) {
+    options.checkpoint_every_steps = 2;
+    Start(std::move(options));
+    const uint64_t id = Register(0).job_id();
+    Train(id, {0}, 0, 2);
+    EXPECT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+    return id;
+  }
+
+  // Every worker reports finished; each is told EXIT and Run returns OK.
+  void FinishAndJoin(uint64_t job_id, const std::vector<int>& workers) {
+    for (ReportResponse::Action a : FinishAll(job_id, workers)) EXPECT_EQ(a, ReportResponse::EXIT);
+    EXPECT_TRUE(Join().ok()) << result_;
+  }
+
   PsState State(int p) {
     absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + absl::Seconds(1));
     EXPECT_TRUE(st.ok()) << st.status();
@@ -247,18 +265,12 @@ TEST_F(CoordinatorTest, WorkerThatStopsReportingIsDroppedAndTheStepsGoOn) {
   // The steps now wait for worker 0 alone.
   Train(id, {0}, 0, 3);
   EXPECT_EQ(State(0).version(), 3);
-  EXPECT_THAT(FinishAll(id, {0}), ElementsAre(ReportResponse::EXIT));
-  EXPECT_TRUE(Join().ok()) << result_;
+  FinishAndJoin(id, {0});
 }
 
 TEST_F(CoordinatorTest, PsThatComesBackEmptyIsReloadedFromTheNewestCheckpoint) {
   MakeJob(1, 2, 10);
-  CoordinatorOptions o = Options();
-  o.checkpoint_every_steps = 2;
-  Start(o);
-  const uint64_t id = Register(0).job_id();
-  Train(id, {0}, 0, 2);
-  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+  const uint64_t id = TrainToTheFirstCheckpoint(Options());
   ps_->Restart(1);  // died and came back holding nothing
   // Every ps is reloaded at the checkpoint's step under a new job id; the
   // old id's reports are told to register again.
@@ -274,8 +286,7 @@ TEST_F(CoordinatorTest, PsThatComesBackEmptyIsReloadedFromTheNewestCheckpoint) {
   RegisterWorkerResponse again = Register(0);
   EXPECT_NE(again.job_id(), id);
   Train(again.job_id(), {0}, 2, 10);
-  EXPECT_THAT(FinishAll(again.job_id(), {0}), ElementsAre(ReportResponse::EXIT));
-  EXPECT_TRUE(Join().ok()) << result_;
+  FinishAndJoin(again.job_id(), {0});
 }
 
 TEST_F(CoordinatorTest, RestartedChiefAdoptsTheRunningJob) {
@@ -295,14 +306,12 @@ TEST_F(CoordinatorTest, RestartedChiefAdoptsTheRunningJob) {
   EXPECT_EQ(r.job_id(), id);
   EXPECT_EQ(ps_->calls(0, FakePs::Method::kInit), inits);
   Train(id, {0}, 3, 6);
-  EXPECT_THAT(FinishAll(id, {0}), ElementsAre(ReportResponse::EXIT));
-  EXPECT_TRUE(Join().ok()) << result_;
+  FinishAndJoin(id, {0});
 }
 
 TEST_F(CoordinatorTest, CheckpointWhoseStepAPsPassedIsTakenAgain) {
   MakeJob(1, 2, 4);
   CoordinatorOptions o = Options();
-  o.checkpoint_every_steps = 2;
   // The first snapshot asked of ps 1 finds it past the chosen step.
   std::atomic<bool> injected{false};
   ps_->OnCall([&](int p, FakePs::Method m) {
@@ -310,25 +319,16 @@ TEST_F(CoordinatorTest, CheckpointWhoseStepAPsPassedIsTakenAgain) {
       ps_->FailNext(1, absl::StatusCode::kFailedPrecondition);
     }
   });
-  Start(o);
-  const uint64_t id = Register(0).job_id();
-  Train(id, {0}, 0, 2);
-  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+  const uint64_t id = TrainToTheFirstCheckpoint(o);
   EXPECT_TRUE(injected);
   EXPECT_GE(ps_->calls(1, FakePs::Method::kSnapshot), 2);
   Train(id, {0}, 2, 4);
-  FinishAll(id, {0});
-  EXPECT_TRUE(Join().ok()) << result_;
+  FinishAndJoin(id, {0});
 }
 
 TEST_F(CoordinatorTest, CorruptNewestCheckpointIsSkippedForTheOneBefore) {
   MakeJob(1, 1, 8);
-  CoordinatorOptions o = Options();
-  o.checkpoint_every_steps = 2;
-  Start(o);
-  uint64_t id = Register(0).job_id();
-  Train(id, {0}, 0, 2);
-  ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
+  uint64_t id = TrainToTheFirstCheckpoint(Options());
   Train(id, {0}, 2, 4);
   ASSERT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-4"); }));
   coordinator_->Stop(SIGTERM);
@@ -342,12 +342,11 @@ TEST_F(CoordinatorTest, CorruptNewestCheckpointIsSkippedForTheOneBefore) {
     f.put('\x5a');
   }
   ps_->Restart(0);
-  Start(o);
+  Start(Options());
   id = Register(0).job_id();
   EXPECT_EQ(State(0).version(), 2);  // restored from ckpt-2
   Train(id, {0}, 2, 8);
-  FinishAll(id, {0});
-  EXPECT_TRUE(Join().ok()) << result_;
+  FinishAndJoin(id, {0});
 }
 
 TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {

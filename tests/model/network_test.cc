@@ -28,27 +28,15 @@ using ::testing::HasSubstr;
 using WeightsD = std::vector<std::vector<double>>;
 
 // input 1x8x8 -> conv 3@3x3 (3x6x6) -> relu -> max-pool 2 (3x3x3) -> dense 4.
-constexpr char kSmallSpec[] = R"pb(
+constexpr char kSmallSpec[] = R"spec(
   name: "small"
   input { channels: 1 height: 8 width: 8 }
   num_classes: 4
-  layer {
-    name: "conv"
-    conv2d { filters: 3 kernel: 3 }
-  }
-  layer {
-    name: "relu"
-    relu {}
-  }
-  layer {
-    name: "pool"
-    max_pool { size: 2 }
-  }
-  layer {
-    name: "fc"
-    dense { units: 4 }
-  }
-)pb";
+  layer { name: "conv" conv2d { filters: 3 kernel: 3 } }
+  layer { name: "relu" relu {} }
+  layer { name: "pool" max_pool { size: 2 } }
+  layer { name: "fc" dense { units: 4 } }
+)spec";
 
 // A residual block on a stem, in text format: r1 (the block input) is read by
 // both c2 and the projection shortcut, and `sum` joins the two paths.
@@ -56,57 +44,22 @@ constexpr char kSmallSpec[] = R"pb(
 //     main path: c2 conv 4@3x3 pad 1 (no bias) -> bn2
 //     shortcut:  proj conv 4@1x1 (no bias), reading r1 -> proj_bn
 //   -> sum (bn2 + proj_bn) -> r2 relu -> global average pool (4) -> fc dense 3
-constexpr char kResidualSpec[] = R"pb(
+constexpr char kResidualSpec[] = R"spec(
   name: "residual"
   input { channels: 2 height: 6 width: 6 }
   num_classes: 3
-  layer {
-    name: "c1"
-    conv2d { filters: 3 kernel: 3 padding: 1 no_bias: true }
-  }
-  layer {
-    name: "bn1"
-    batch_norm {}
-  }
-  layer {
-    name: "r1"
-    relu {}
-  }
-  layer {
-    name: "c2"
-    conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true }
-  }
-  layer {
-    name: "bn2"
-    batch_norm {}
-  }
-  layer {
-    name: "proj"
-    input: "r1"
-    conv2d { filters: 4 kernel: 1 no_bias: true }
-  }
-  layer {
-    name: "proj_bn"
-    batch_norm {}
-  }
-  layer {
-    name: "sum"
-    input: "bn2"
-    add { other: "proj_bn" }
-  }
-  layer {
-    name: "r2"
-    relu {}
-  }
-  layer {
-    name: "pool"
-    global_avg_pool {}
-  }
-  layer {
-    name: "fc"
-    dense { units: 3 }
-  }
-)pb";
+  layer { name: "c1" conv2d { filters: 3 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn1" batch_norm {} }
+  layer { name: "r1" relu {} }
+  layer { name: "c2" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn2" batch_norm {} }
+  layer { name: "proj" input: "r1" conv2d { filters: 4 kernel: 1 no_bias: true } }
+  layer { name: "proj_bn" batch_norm {} }
+  layer { name: "sum" input: "bn2" add { other: "proj_bn" } }
+  layer { name: "r2" relu {} }
+  layer { name: "pool" global_avg_pool {} }
+  layer { name: "fc" dense { units: 3 } }
+)spec";
 
 constexpr int kBatch = 8;
 

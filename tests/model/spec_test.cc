@@ -201,52 +201,21 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
 }
 
 // A residual block in text format: every new layer kind and `input`.
-constexpr char kResidualSpec[] = R"pb(
+constexpr char kResidualSpec[] = R"spec(
   name: "tiny_residual"
   input { channels: 2 height: 6 width: 6 }
   num_classes: 3
-  layer {
-    name: "c1"
-    conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true }
-  }
-  layer {
-    name: "bn1"
-    batch_norm {}
-  }
-  layer {
-    name: "r1"
-    relu {}
-  }
-  layer {
-    name: "c2"
-    conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true }
-  }
-  layer {
-    name: "bn2"
-    batch_norm { epsilon: 1e-3 }
-  }
-  layer {
-    name: "sum"
-    add { other: "r1" }
-  }
-  layer {
-    name: "r2"
-    relu {}
-  }
-  layer {
-    name: "down"
-    input: "r2"
-    conv2d { filters: 5 kernel: 1 stride: 2 }
-  }
-  layer {
-    name: "gap"
-    global_avg_pool {}
-  }
-  layer {
-    name: "out"
-    dense { units: 3 }
-  }
-)pb";
+  layer { name: "c1" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn1" batch_norm {} }
+  layer { name: "r1" relu {} }
+  layer { name: "c2" conv2d { filters: 4 kernel: 3 padding: 1 no_bias: true } }
+  layer { name: "bn2" batch_norm { epsilon: 1e-3 } }
+  layer { name: "sum" add { other: "r1" } }
+  layer { name: "r2" relu {} }
+  layer { name: "down" input: "r2" conv2d { filters: 5 kernel: 1 stride: 2 } }
+  layer { name: "gap" global_avg_pool {} }
+  layer { name: "out" dense { units: 3 } }
+)spec";
 
 TEST(SpecTest, ResidualSpecInTextFormatLoads) {
   const std::string path = WriteTemp("residual_spec.pbtxt", kResidualSpec);
@@ -384,27 +353,15 @@ TEST(SpecTest, WiringErrorsNameTheLayer) {
   EXPECT_EQ(ResolveWiring(unknown).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-constexpr char kUserSpec[] = R"pb(
+constexpr char kUserSpec[] = R"spec(
   # A small model with stride and padding.
   input { channels: 3 height: 10 width: 10 }
   num_classes: 5
-  layer {
-    name: "c"
-    conv2d { filters: 4 kernel: 3 stride: 2 padding: 1 }
-  }
-  layer {
-    name: "r"
-    relu {}
-  }
-  layer {
-    name: "p"
-    max_pool { size: 3 stride: 1 }
-  }
-  layer {
-    name: "out"
-    dense { units: 5 }
-  }
-)pb";
+  layer { name: "c" conv2d { filters: 4 kernel: 3 stride: 2 padding: 1 } }
+  layer { name: "r" relu {} }
+  layer { name: "p" max_pool { size: 3 stride: 1 } }
+  layer { name: "out" dense { units: 5 } }
+)spec";
 
 TEST(SpecTest, UserSpecFileLoads) {
   const std::string path = WriteTemp("user_spec.pbtxt", kUserSpec);

@@ -862,11 +862,15 @@ std::unique_ptr<Optimizer> MakeOptimizer(const OptimizerConfig& config) {
   return opt.ok() ? *std::move(opt) : nullptr;
 }
 
-TEST(OptimizerTest, Sgd) {
+std::unique_ptr<Optimizer> MakeOptimizer(OptimizerConfig::Kind kind, float learning_rate) {
   OptimizerConfig c;
-  c.set_kind(OptimizerConfig::SGD);
-  c.set_learning_rate(0.25f);
-  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  c.set_kind(kind);
+  c.set_learning_rate(learning_rate);
+  return MakeOptimizer(c);
+}
+
+TEST(OptimizerTest, Sgd) {
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(OptimizerConfig::SGD, 0.25f);
   ASSERT_NE(opt, nullptr);
   EXPECT_TRUE(opt->SlotNames().empty());
   std::vector<float> w = {1, 2}, g = {4, -8};
@@ -895,10 +899,7 @@ TEST(OptimizerTest, MomentumMatchesTorch) {
 }
 
 TEST(OptimizerTest, MomentumDefaultsTo09) {
-  OptimizerConfig c;
-  c.set_kind(OptimizerConfig::MOMENTUM);
-  c.set_learning_rate(0.1f);
-  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(OptimizerConfig::MOMENTUM, 0.1f);
   ASSERT_NE(opt, nullptr);
   float w = 1.0f, buf = 1.0f, g = 0.0f;
   opt->Apply(0, &w, &g, 1, {&buf});
@@ -911,10 +912,7 @@ TEST(OptimizerTest, AdamMatchesTorch) {
   // formulas in double precision:
   //   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2
   //   w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
-  OptimizerConfig c;
-  c.set_kind(OptimizerConfig::ADAM);
-  c.set_learning_rate(0.1f);
-  std::unique_ptr<Optimizer> opt = MakeOptimizer(c);
+  std::unique_ptr<Optimizer> opt = MakeOptimizer(OptimizerConfig::ADAM, 0.1f);
   ASSERT_NE(opt, nullptr);
   ASSERT_EQ(opt->SlotNames(), (std::vector<std::string>{"m", "v"}));
   float w = 1.0f, m = 0.0f, v = 0.0f;

@@ -36,23 +36,12 @@ using ::testing::HasSubstr;
 
 // Two dense layers on 6x6 images of 4 classes: a step takes well under a
 // millisecond. fc1/weights (16x36 floats) is split over the ps.
-constexpr char kTinyModel[] = R"pb(
-  name: "tiny"
-  input { channels: 1 height: 6 width: 6 }
-  num_classes: 4
-  layer {
-    name: "fc1"
-    dense { units: 16 }
-  }
-  layer {
-    name: "relu1"
-    relu {}
-  }
-  layer {
-    name: "fc2"
-    dense { units: 4 }
-  }
-)pb";
+constexpr char kTinyModel[] = R"spec(
+  name: "tiny" input { channels: 1 height: 6 width: 6 } num_classes: 4
+  layer { name: "fc1" dense { units: 16 } }
+  layer { name: "relu1" relu {} }
+  layer { name: "fc2" dense { units: 4 } }
+)spec";
 
 constexpr uint64_t kJobId = 1;
 
@@ -204,6 +193,7 @@ class TrainerTest : public ::testing::Test {
     initial_ = InitialValues(job_);
     ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, initial_).ok());
   }
+  void ExpectRetriedThrough(absl::StatusCode pull_code, absl::StatusCode push_code, int failures);
 
   JobConfig job_;
   std::unique_ptr<FakePs> fake_;
@@ -360,22 +350,24 @@ TEST_F(TrainerTest, WaitsForTheExitOrderAfterTheLastStep) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-TEST_F(TrainerTest, RetriesPullsAndPushesThroughUnavailable) {
+// The first `failures` pulls of ps 0 fail with `pull_code`; later the third
+// push to ps 1 and its first `failures - 1` retries fail with `push_code`.
+// The trainer retries in place and trains to the end.
+void TrainerTest::ExpectRetriedThrough(absl::StatusCode pull_code, absl::StatusCode push_code,
+                                       int failures) {
   SetUpJob({});
-  // The first two pulls of ps 0 fail; later the third push to ps 1 and its
-  // first retry run out of time.
-  fake_->FailNext(0, absl::StatusCode::kUnavailable, 2);
+  fake_->FailNext(0, pull_code, failures);
   FakePs* fake = fake_.get();
-  fake_->OnCall([fake](int ps, Method method) {
+  fake_->OnCall([fake, push_code, failures](int ps, Method method) {
     if (ps == 1 && method == Method::kPush && fake->calls(1, Method::kPush) == 3) {
-      fake->FailNext(1, absl::StatusCode::kDeadlineExceeded, 2);
+      fake->FailNext(1, push_code, failures);
     }
   });
   Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
   const absl::Status status = trainer.Run();
   ASSERT_TRUE(status.ok()) << status;
-  EXPECT_EQ(fake_->calls(0, Method::kPull), 13 + 2);
-  EXPECT_EQ(fake_->calls(1, Method::kPush), 12 + 2);
+  EXPECT_EQ(fake_->calls(0, Method::kPull), 13 + failures);
+  EXPECT_EQ(fake_->calls(1, Method::kPush), 12 + failures);
   EXPECT_EQ(fake_->calls(1, Method::kPull), 13);
   for (int p = 0; p < 2; ++p) {
     EXPECT_EQ(fake_->stats(p).version, 12);
@@ -385,23 +377,14 @@ TEST_F(TrainerTest, RetriesPullsAndPushesThroughUnavailable) {
   EXPECT_EQ(chief_->registrations(), 1);  // retried in place, not registered again
 }
 
+TEST_F(TrainerTest, RetriesPullsAndPushesThroughUnavailable) {
+  ExpectRetriedThrough(absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded, 2);
+}
+
 // A ps that is shutting down cancels the calls it serves: for the worker that
 // is a ps going away (retried), not a failure of its own.
 TEST_F(TrainerTest, RetriesCallsThePsCancelled) {
-  SetUpJob({});
-  fake_->FailNext(0, absl::StatusCode::kCancelled, 1);
-  FakePs* fake = fake_.get();
-  fake_->OnCall([fake](int ps, Method method) {
-    if (ps == 1 && method == Method::kPush && fake->calls(1, Method::kPush) == 2) {
-      fake->FailNext(1, absl::StatusCode::kCancelled, 1);
-    }
-  });
-  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
-  const absl::Status status = trainer.Run();
-  ASSERT_TRUE(status.ok()) << status;
-  EXPECT_EQ(fake_->calls(0, Method::kPull), 13 + 1);
-  EXPECT_EQ(fake_->calls(1, Method::kPush), 12 + 1);
-  EXPECT_EQ(Steps(chief_->metrics()), Range(0, 12));
+  ExpectRetriedThrough(absl::StatusCode::kCancelled, absl::StatusCode::kCancelled, 1);
 }
 
 TEST_F(TrainerTest, AsksAgainWhileThePsIsBehind) {

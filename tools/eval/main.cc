@@ -21,44 +21,37 @@ ABSL_FLAG(
 ABSL_FLAG(int64_t, synthetic_examples, 2000, "Test examples of --dataset=synthetic.");
 ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu, or cuda:N in builds with CUDA.");
 
-namespace {
-
-int Fail(const std::string& message) {
-  std::fprintf(stderr, "%s\n", message.c_str());
-  return 1;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
       argc, argv,
       "prints the accuracy and mean loss of a saved model on the test split.\n"
       "  psflow-eval --saved_model=/tmp/run/saved_model [--data_dir=DIR]\n"
       "Output: 'accuracy: X' and 'loss: Y', one per line.");
-  if (rest.size() > 1) return Fail(std::string("unexpected argument '") + rest[1] + "'");
-  if (absl::GetFlag(FLAGS_saved_model).empty()) return Fail("--saved_model is required");
+  if (rest.size() > 1)
+    return psflow::FailWith(std::string("unexpected argument '") + rest[1] + "'");
+  if (absl::GetFlag(FLAGS_saved_model).empty())
+    return psflow::FailWith("--saved_model is required");
   const int batch = absl::GetFlag(FLAGS_batch_size);
-  if (batch <= 0) return Fail("--batch_size must be positive");
+  if (batch <= 0) return psflow::FailWith("--batch_size must be positive");
 
   absl::StatusOr<psflow::model::LoadedModel> loaded =
       psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
-  if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+  if (!loaded.ok()) return psflow::FailWith(loaded.status());
   const psflow::data::DataSource source{absl::GetFlag(FLAGS_dataset), absl::GetFlag(FLAGS_data_dir),
                                         absl::GetFlag(FLAGS_synthetic_examples)};
   absl::StatusOr<psflow::data::Dataset> test = psflow::data::LoadDataset(
       source, psflow::data::ModelInputOf(loaded->spec), psflow::data::Split::kTest);
-  if (!test.ok()) return Fail(std::string(test.status().message()));
+  if (!test.ok()) return psflow::FailWith(test.status());
   absl::StatusOr<std::unique_ptr<psflow::kernels::Backend>> backend =
       psflow::kernels::CreateBackend(absl::GetFlag(FLAGS_device));
-  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  if (!backend.ok()) return psflow::FailWith(backend.status());
   absl::StatusOr<std::unique_ptr<psflow::model::Network>> net =
       psflow::model::Network::Create(loaded->spec, backend->get());
-  if (!net.ok()) return Fail(std::string(net.status().message()));
+  if (!net.ok()) return psflow::FailWith(net.status());
   std::vector<const float*> weights;
   for (const auto& v : loaded->values) weights.push_back(v.data());
   absl::Status s = (*net)->SetWeights(weights);
-  if (!s.ok()) return Fail(std::string(s.message()));
+  if (!s.ok()) return psflow::FailWith(s);
 
   double loss_sum = 0;
   int64_t correct = 0;
@@ -67,7 +60,7 @@ int main(int argc, char** argv) {
     const int n = static_cast<int>(std::min<int64_t>(batch, test->count - begin));
     absl::StatusOr<psflow::model::Network::Result> r =
         (*net)->Evaluate(test->images.data() + begin * example, test->labels.data() + begin, n);
-    if (!r.ok()) return Fail(std::string(r.status().message()));
+    if (!r.ok()) return psflow::FailWith(r.status());
     loss_sum += r->loss * n;
     correct += r->correct;
   }
