@@ -14,6 +14,7 @@
 #include "common/placement.h"
 #include "common/tensor_chunks.h"
 #include "ps/limits.h"
+#include "ps/tensors.h"
 
 namespace psflow::ps {
 namespace {
@@ -63,20 +64,8 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
   // Check every size before allocating anything: the header may be garbage.
   if (absl::Status s = CheckInitHeader(header, slot_names.size()); !s.ok()) return ToGrpcStatus(s);
-  std::vector<Shard::SliceValues> values(header.slice_size());
-  std::vector<TensorSink> sinks;
-  for (int i = 0; i < header.slice_size(); ++i) {
-    const SliceSpec& s = header.slice(i);
-    const int64_t n = NumElements(s.shape());
-    std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    values[i].value.resize(n);
-    sinks.push_back({s.name(), "", shape, values[i].value.data(), true});
-    values[i].slots.resize(slot_names.size());
-    for (size_t k = 0; k < slot_names.size(); ++k) {
-      values[i].slots[k].assign(n, 0.0f);
-      sinks.push_back({s.name(), slot_names[k], shape, values[i].slots[k].data(), false});
-    }
-  }
+  std::vector<Shard::SliceValues> values;
+  std::vector<TensorSink> sinks = InitSinks(header, slot_names, &values);
   ChunkAssembler assembler(std::move(sinks));
   absl::Status s = ReadChunks(reader, request, assembler);
   if (s.ok()) s = shard_->Init(header, std::move(values));
@@ -114,13 +103,7 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
   // Streamed from the version's shared copy, which `pulled` keeps alive,
   // converted chunk by chunk to the dtype asked for.
   const Shard::Weights& weights = *pulled->weights;
-  std::vector<TensorRef> refs;
-  for (size_t i = 0; i < weights.slices->size(); ++i) {
-    const SliceSpec& s = (*weights.slices)[i];
-    refs.push_back(
-        {s.name(), "", {s.shape().begin(), s.shape().end()}, weights.values[i].data(), *dtype});
-  }
-  ChunkSplitter splitter(std::move(refs), kChunkBytes);
+  ChunkSplitter splitter(WeightRefs(weights, *dtype), kChunkBytes);
   PullResponse response;
   response.set_version(weights.version);
   response.set_wait_us(absl::ToInt64Microseconds(pulled->waited));
@@ -143,14 +126,8 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   const std::vector<SliceSpec>& specs = **slices;
   // The chunks come in the job's wire dtype and are decoded into fp32.
-  std::vector<std::vector<float>> grads(specs.size());
-  std::vector<TensorSink> sinks;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const SliceSpec& s = specs[i];
-    grads[i].resize(NumElements(s.shape()));
-    sinks.push_back(
-        {s.name(), "", {s.shape().begin(), s.shape().end()}, grads[i].data(), true, *dtype});
-  }
+  std::vector<std::vector<float>> grads;
+  std::vector<TensorSink> sinks = GradientSinks(specs, *dtype, &grads);
   ChunkAssembler assembler(std::move(sinks));
   absl::Status s = ReadChunks(reader, request, assembler);
   if (!s.ok()) return ToGrpcStatus(s);
@@ -193,19 +170,9 @@ grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotReq
   if (!snap.ok()) return ToGrpcStatus(snap.status());
   // Streamed from the shared, immutable snapshot, which `snap` keeps alive.
   const Shard::Snapshot& taken = **snap;
-  const Shard::Weights& weights = *taken.weights;
-  std::vector<TensorRef> refs;
-  for (size_t i = 0; i < weights.slices->size(); ++i) {
-    const SliceSpec& s = (*weights.slices)[i];
-    std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    refs.push_back({s.name(), "", shape, weights.values[i].data()});
-    for (size_t k = 0; k < taken.slot_names.size(); ++k) {
-      refs.push_back({s.name(), taken.slot_names[k], shape, taken.slots[i][k].data()});
-    }
-  }
-  ChunkSplitter splitter(std::move(refs), kChunkBytes);
+  ChunkSplitter splitter(SnapshotRefs(taken), kChunkBytes);
   SnapshotResponse response;
-  response.set_version(weights.version);
+  response.set_version(taken.weights->version);
   if (!WriteChunked(writer, splitter, response, [](SnapshotResponse&) {})) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }

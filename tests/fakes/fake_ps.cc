@@ -12,6 +12,7 @@
 #include "common/placement.h"
 #include "ps/limits.h"
 #include "ps/optimizer.h"
+#include "ps/tensors.h"
 
 namespace psflow::fakes {
 namespace {
@@ -79,28 +80,11 @@ struct Tensors {
 
 // `dtype`: what the pull asks for.
 Tensors PulledTensors(const ps::Shard::Pulled& pulled, DataType dtype) {
-  const ps::Shard::Weights& w = *pulled.weights;
-  Tensors t{w.version, pulled.waited, {}};
-  for (size_t i = 0; i < w.slices->size(); ++i) {
-    const SliceSpec& s = (*w.slices)[i];
-    t.refs.push_back(
-        {s.name(), "", {s.shape().begin(), s.shape().end()}, w.values[i].data(), dtype});
-  }
-  return t;
+  return {pulled.weights->version, pulled.waited, ps::WeightRefs(*pulled.weights, dtype)};
 }
 
 Tensors SnapshotTensors(const ps::Shard::Snapshot& snap) {
-  const ps::Shard::Weights& w = *snap.weights;
-  Tensors t{w.version, absl::ZeroDuration(), {}};
-  for (size_t i = 0; i < w.slices->size(); ++i) {
-    const SliceSpec& s = (*w.slices)[i];
-    std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    t.refs.push_back({s.name(), "", shape, w.values[i].data()});
-    for (size_t k = 0; k < snap.slot_names.size(); ++k) {
-      t.refs.push_back({s.name(), snap.slot_names[k], shape, snap.slots[i][k].data()});
-    }
-  }
-  return t;
+  return {snap.weights->version, absl::ZeroDuration(), ps::SnapshotRefs(snap)};
 }
 
 const std::vector<SliceSpec>& SliceList(
@@ -205,23 +189,8 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
   if (absl::Status s = ps::CheckInitHeader(header, slot_names.size()); !s.ok()) {
     return WithPs(ps, s);
   }
-  std::vector<ps::Shard::SliceValues> values(header.slice_size());
-  std::vector<TensorSink> sinks;
-  for (int i = 0; i < header.slice_size(); ++i) {
-    const int64_t n = NumElements(header.slice(i).shape());
-    values[i].value.resize(n);
-    values[i].slots.resize(slot_names.size());
-    for (size_t k = 0; k < slot_names.size(); ++k) values[i].slots[k].assign(n, 0.0f);
-  }
-  // Sinks point into `values`, which no longer grows.
-  for (int i = 0; i < header.slice_size(); ++i) {
-    const SliceSpec& s = header.slice(i);
-    const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-    sinks.push_back({s.name(), "", shape, values[i].value.data(), true});
-    for (size_t k = 0; k < slot_names.size(); ++k) {
-      sinks.push_back({s.name(), slot_names[k], shape, values[i].slots[k].data(), false});
-    }
-  }
+  std::vector<ps::Shard::SliceValues> values;
+  std::vector<TensorSink> sinks = ps::InitSinks(header, slot_names, &values);
   absl::Status s = CopyInto(tensors, sinks);
   if (s.ok()) s = (*shard)->Init(header, std::move(values));
   return WithPs(ps, s);
@@ -286,17 +255,8 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
   absl::StatusOr<DataType> dtype = (*shard)->WireDtype(header.job_id());
   if (!dtype.ok()) return WithPs(ps, dtype.status());
   const std::vector<SliceSpec>& specs = SliceList(*slices);
-  std::vector<std::vector<float>> values(specs.size());
-  std::vector<TensorSink> sinks;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    values[i].resize(NumElements(specs[i].shape()));
-    sinks.push_back({specs[i].name(),
-                     "",
-                     {specs[i].shape().begin(), specs[i].shape().end()},
-                     values[i].data(),
-                     true,
-                     *dtype});
-  }
+  std::vector<std::vector<float>> values;
+  std::vector<TensorSink> sinks = ps::GradientSinks(specs, *dtype, &values);
   absl::Status s = CopyInto(grads, sinks);
   if (!s.ok()) return WithPs(ps, s);
   absl::StatusOr<PushResponse::Outcome> outcome =

@@ -1,0 +1,63 @@
+#include "ps/tensors.h"
+
+namespace psflow::ps {
+namespace {
+
+std::vector<int64_t> ShapeOf(const SliceSpec& s) { return {s.shape().begin(), s.shape().end()}; }
+
+}  // namespace
+
+std::vector<TensorSink> InitSinks(const InitHeader& header,
+                                  const std::vector<std::string>& slot_names,
+                                  std::vector<Shard::SliceValues>* values) {
+  values->assign(header.slice_size(), {});
+  for (int i = 0; i < header.slice_size(); ++i) {
+    const int64_t n = NumElements(header.slice(i).shape());
+    (*values)[i].value.resize(n);
+    (*values)[i].slots.assign(slot_names.size(), std::vector<float>(n, 0.0f));
+  }
+  std::vector<TensorSink> sinks;
+  for (int i = 0; i < header.slice_size(); ++i) {
+    const SliceSpec& s = header.slice(i);
+    sinks.push_back({s.name(), "", ShapeOf(s), (*values)[i].value.data(), true});
+    for (size_t k = 0; k < slot_names.size(); ++k) {
+      sinks.push_back({s.name(), slot_names[k], ShapeOf(s), (*values)[i].slots[k].data(), false});
+    }
+  }
+  return sinks;
+}
+
+std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices, DataType dtype,
+                                      std::vector<std::vector<float>>* grads) {
+  grads->assign(slices.size(), {});
+  std::vector<TensorSink> sinks;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    (*grads)[i].resize(NumElements(slices[i].shape()));
+    sinks.push_back({slices[i].name(), "", ShapeOf(slices[i]), (*grads)[i].data(), true, dtype});
+  }
+  return sinks;
+}
+
+std::vector<TensorRef> WeightRefs(const Shard::Weights& weights, DataType dtype) {
+  std::vector<TensorRef> refs;
+  for (size_t i = 0; i < weights.slices->size(); ++i) {
+    const SliceSpec& s = (*weights.slices)[i];
+    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i].data(), dtype});
+  }
+  return refs;
+}
+
+std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot) {
+  const Shard::Weights& weights = *snapshot.weights;
+  std::vector<TensorRef> refs;
+  for (size_t i = 0; i < weights.slices->size(); ++i) {
+    const SliceSpec& s = (*weights.slices)[i];
+    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i].data()});
+    for (size_t k = 0; k < snapshot.slot_names.size(); ++k) {
+      refs.push_back({s.name(), snapshot.slot_names[k], ShapeOf(s), snapshot.slots[i][k].data()});
+    }
+  }
+  return refs;
+}
+
+}  // namespace psflow::ps

@@ -1,0 +1,38 @@
+// The shard's tensors as chunk sinks and refs (common/tensor_chunks.h): the
+// one mapping between what travels in an RPC and the shard's per-slice
+// storage, shared by the gRPC service and the in-memory fake of tests. No
+// gRPC here. Sinks and refs point into the storage given, which must outlive
+// them and not grow.
+#ifndef PSFLOW_PS_TENSORS_H_
+#define PSFLOW_PS_TENSORS_H_
+
+#include <string>
+#include <vector>
+
+#include "common/tensor_chunks.h"
+#include "proto/ps.pb.h"
+#include "ps/shard.h"
+
+namespace psflow::ps {
+
+// Storage for an Init of `header` (a value per slice, zeroed slots named
+// `slot_names`) and fp32 sinks into it: values required, slots optional
+// (those not sent start at zero). Call CheckInitHeader first: this allocates.
+std::vector<TensorSink> InitSinks(const InitHeader& header,
+                                  const std::vector<std::string>& slot_names,
+                                  std::vector<Shard::SliceValues>* values);
+
+// Storage for one push's gradients of `slices` and sinks into it that decode
+// chunks of `dtype` (the job's wire dtype).
+std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices, DataType dtype,
+                                      std::vector<std::vector<float>>* grads);
+
+// A pulled version's values, sent as `dtype`.
+std::vector<TensorRef> WeightRefs(const Shard::Weights& weights, DataType dtype);
+
+// A snapshot's values and slots, in fp32 (checkpoints stay exact).
+std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot);
+
+}  // namespace psflow::ps
+
+#endif  // PSFLOW_PS_TENSORS_H_
