@@ -9,6 +9,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
 #include "common/fan_out.h"
@@ -194,8 +195,11 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   }
   // Outside mu_: recording may write log lines.
   progress_->Record(w, {request.metrics().begin(), request.metrics().end()}, absl::Now());
+  // A worker has finished only when the ps say the last step was applied:
+  // a report alone (a forged one, say) cannot end the job.
+  const bool finished = request.finished() && EveryPsAtTheEnd();
   absl::MutexLock lock(&mu_);
-  if (request.finished()) {
+  if (finished) {
     finished_.insert(w);
     // Long-poll: answer when the job is over, or soon enough to serve as a heartbeat.
     auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -373,6 +377,58 @@ bool Coordinator::PsHealthy(int64_t* max_version) {
   return s.ok();
 }
 
+bool Coordinator::EveryPsAtTheEnd() {
+  const uint64_t id = job_id();
+  return FanOut(
+             pool_, job_.num_ps(), RetryPolicy(),
+             [&](int p) {
+               absl::StatusOr<PsState> st =
+                   ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
+               if (!st.ok()) return st.status();
+               if (!st->holds_job() || st->job_id() != id || st->version() < job_.train_steps()) {
+                 return absl::FailedPreconditionError("not at the last step");
+               }
+               return absl::OkStatus();
+             })
+      .ok();
+}
+
+void Coordinator::RepairLiveSets() {
+  // Under membership_mu_, so no registration changes the set meanwhile.
+  absl::MutexLock membership(&membership_mu_);
+  std::vector<int> live;
+  {
+    absl::MutexLock lock(&mu_);
+    live = Sorted(live_);
+  }
+  const uint64_t id = job_id();
+  std::vector<std::vector<int>> seen(job_.num_ps());
+  std::vector<int64_t> versions(job_.num_ps(), 0);
+  absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+    absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
+    if (!st.ok()) return st.status();
+    if (!st->holds_job() || st->job_id() != id)
+      return absl::FailedPreconditionError("lost the job");
+    // Joining workers are live from a later step: they count as members.
+    seen[p].assign(st->live_workers().begin(), st->live_workers().end());
+    seen[p].insert(seen[p].end(), st->joining_workers().begin(), st->joining_workers().end());
+    std::sort(seen[p].begin(), seen[p].end());
+    versions[p] = st->version();
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return;  // the supervisor's next look deals with it
+  for (int p = 0; p < job_.num_ps(); ++p) {
+    if (seen[p] == live) continue;
+    PSLOG(WARNING) << "ps " << p << " waits for workers [" << absl::StrJoin(seen[p], ",")
+                   << "], the chief for [" << absl::StrJoin(live, ",") << "]; repairing every ps";
+    // Workers a ps lacks join from the next step, as at a registration.
+    const int64_t next = *std::max_element(versions.begin(), versions.end()) + 1;
+    absl::Status b = BroadcastLiveWorkers(live, next);
+    if (!b.ok()) PSLOG(WARNING) << "cannot repair the live workers: " << b.message();
+    return;
+  }
+}
+
 void Coordinator::CheckWorkers() {
   absl::MutexLock membership(&membership_mu_);
   std::vector<int> live;
@@ -487,6 +543,7 @@ absl::Status Coordinator::Supervise() {
       continue;
     }
     CheckWorkers();
+    RepairLiveSets();
     const bool by_steps = options_.checkpoint_every_steps > 0 &&
                           version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
     const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&

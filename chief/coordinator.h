@@ -124,6 +124,11 @@ class Coordinator {
   absl::Status LoadParameterServers(const Weights& weights);
   absl::Status Supervise();
   void CheckWorkers();
+  // Sends the chief's live set to every ps if any ps's differs from it (a
+  // broadcast that half failed, or a forged SetLiveWorkers).
+  void RepairLiveSets();
+  // Whether every ps holds this job at version train_steps or later.
+  bool EveryPsAtTheEnd();
   bool PsHealthy(int64_t* max_version);
   absl::Status Recover();
   // On success, what was written is moved into *taken when one is given.

@@ -148,6 +148,7 @@ grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateReq
   response->set_version(st.version);
   *response->mutable_job() = std::move(st.job);
   for (int w : st.live_workers) response->add_live_workers(w);
+  for (int w : st.joining_workers) response->add_joining_workers(w);
   return grpc::Status::OK;
 }
 

@@ -359,6 +359,8 @@ Shard::State Shard::state() const {
   st.job = job_;
   st.live_workers.assign(live_workers_.begin(), live_workers_.end());
   std::sort(st.live_workers.begin(), st.live_workers.end());
+  for (const auto& [w, version] : joining_) st.joining_workers.push_back(w);
+  std::sort(st.joining_workers.begin(), st.joining_workers.end());
   return st;
 }
 

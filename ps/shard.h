@@ -136,7 +136,8 @@ class Shard {
     uint64_t job_id = 0;
     int64_t version = 0;
     JobConfig job;
-    std::vector<int> live_workers;  // sorted
+    std::vector<int> live_workers;     // sorted
+    std::vector<int> joining_workers;  // live from a later version; sorted
   };
   State state() const;
 

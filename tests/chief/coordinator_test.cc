@@ -406,6 +406,42 @@ TEST_F(CoordinatorTest, NonFiniteWeightsAreNeverCheckpointed) {
   EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model/" + std::string(model::kSavedModelFile)));
 }
 
+TEST_F(CoordinatorTest, ALiveSetThatWentWrongOnAPsIsRepaired) {
+  MakeJob(2, 2, 4);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  // Someone tells ps 1 that only worker 0 counts, and ps 0 that 7 does too.
+  ASSERT_TRUE(ps_->SetLiveWorkers(1, id, {0}, 0, absl::Now() + absl::Seconds(1)).ok());
+  ASSERT_TRUE(ps_->SetLiveWorkers(0, id, {0, 1, 7}, 0, absl::Now() + absl::Seconds(1)).ok());
+  // ps 0 drops 7 at once; ps 1 takes worker 1 back from the next step.
+  ASSERT_TRUE(Eventually([&] {
+    Report(id, 0, -1);
+    Report(id, 1, -1);
+    return State(0).live_workers_size() == 2 && State(1).joining_workers_size() == 1;
+  }));
+  EXPECT_THAT(State(0).live_workers(), ElementsAre(0, 1));
+  EXPECT_THAT(State(1).live_workers(), ElementsAre(0));
+  EXPECT_THAT(State(1).joining_workers(), ElementsAre(1));
+  Train(id, {0, 1}, 0, 4);
+  EXPECT_THAT(State(1).live_workers(), ElementsAre(0, 1));
+  FinishAndJoin(id, {0, 1});
+}
+
+TEST_F(CoordinatorTest, AFinishedReportBeforeTheLastStepEndsNothing) {
+  MakeJob(1, 1, 4);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  absl::StatusOr<ReportResponse> r = Report(id, 0, -1, /*finished=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportResponse::CONTINUE);
+  EXPECT_FALSE(returned_->WaitForNotificationWithTimeout(absl::Milliseconds(200)));
+  EXPECT_FALSE(ps_->shut_down(0));
+  Train(id, {0}, 2, 4);
+  FinishAndJoin(id, {0});
+}
+
 TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
   MakeJob(1, 1, 10);
   Start(Options());

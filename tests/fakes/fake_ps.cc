@@ -295,6 +295,7 @@ absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, i
   state.set_version(st.version);
   *state.mutable_job() = std::move(st.job);
   for (int w : st.live_workers) state.add_live_workers(w);
+  for (int w : st.joining_workers) state.add_joining_workers(w);
   return state;
 }
 
