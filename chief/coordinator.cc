@@ -259,15 +259,9 @@ bool Coordinator::TryAdopt() {
   // After a restart of the chief alone, the ps may still hold the job, all at
   // one step: take it over as it is rather than going back to a checkpoint.
   for (int attempt = 0; attempt < options_.timeouts.adopt_attempts; ++attempt) {
-    std::vector<PsState> states(job_.num_ps());
-    absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
-      absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
-      if (!st.ok()) return st.status();
-      if (!st->holds_job()) return absl::NotFoundError("holds no job");
-      states[p] = *std::move(st);
-      return absl::OkStatus();
-    });
-    if (!s.ok()) return false;
+    absl::StatusOr<std::vector<PsState>> looked = States(/*job_id=*/0);
+    if (!looked.ok()) return false;
+    const std::vector<PsState>& states = *looked;
     bool same = google::protobuf::util::MessageDifferencer::Equals(states[0].job(), job_);
     bool agree = true;
     for (const PsState& st : states) {
@@ -362,68 +356,58 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
   return absl::OkStatus();
 }
 
-bool Coordinator::PsHealthy(int64_t* max_version) {
-  const uint64_t id = job_id();
-  std::vector<int64_t> versions(job_.num_ps(), 0);
-  absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+absl::StatusOr<std::vector<PsState>> Coordinator::States(uint64_t job_id) {
+  std::vector<PsState> states(job_.num_ps());
+  PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
     absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
     if (!st.ok()) return st.status();
-    if (!st->holds_job() || st->job_id() != id)
-      return absl::FailedPreconditionError("ps lost the job");
-    versions[p] = st->version();
+    if (!st->holds_job()) return absl::NotFoundError(absl::StrCat("ps ", p, " holds no job"));
+    if (job_id != 0 && st->job_id() != job_id) {
+      return absl::FailedPreconditionError(absl::StrCat("ps ", p, " holds another job"));
+    }
+    states[p] = *std::move(st);
     return absl::OkStatus();
-  });
-  *max_version = versions.empty() ? 0 : *std::max_element(versions.begin(), versions.end());
-  return s.ok();
+  }));
+  return states;
+}
+
+int64_t Coordinator::MaxVersion(const std::vector<PsState>& states) {
+  int64_t v = 0;
+  for (const PsState& st : states) v = std::max(v, st.version());
+  return v;
+}
+
+bool Coordinator::PsHealthy(int64_t* max_version) {
+  absl::StatusOr<std::vector<PsState>> states = States(job_id());
+  *max_version = states.ok() ? MaxVersion(*states) : 0;
+  return states.ok();
 }
 
 bool Coordinator::EveryPsAtTheEnd() {
-  const uint64_t id = job_id();
-  return FanOut(
-             pool_, job_.num_ps(), RetryPolicy(),
-             [&](int p) {
-               absl::StatusOr<PsState> st =
-                   ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
-               if (!st.ok()) return st.status();
-               if (!st->holds_job() || st->job_id() != id || st->version() < job_.train_steps()) {
-                 return absl::FailedPreconditionError("not at the last step");
-               }
-               return absl::OkStatus();
-             })
-      .ok();
+  absl::StatusOr<std::vector<PsState>> states = States(job_id());
+  if (!states.ok()) return false;
+  for (const PsState& st : *states) {
+    if (st.version() < job_.train_steps()) return false;
+  }
+  return true;
 }
 
-void Coordinator::RepairLiveSets() {
-  // Under membership_mu_, so no registration changes the set meanwhile.
-  absl::MutexLock membership(&membership_mu_);
+void Coordinator::RepairLiveSets(const std::vector<PsState>& states) {
   std::vector<int> live;
   {
     absl::MutexLock lock(&mu_);
     live = Sorted(live_);
   }
-  const uint64_t id = job_id();
-  std::vector<std::vector<int>> seen(job_.num_ps());
-  std::vector<int64_t> versions(job_.num_ps(), 0);
-  absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
-    absl::StatusOr<PsState> st = ps_->GetState(p, absl::Now() + options_.timeouts.state_call);
-    if (!st.ok()) return st.status();
-    if (!st->holds_job() || st->job_id() != id)
-      return absl::FailedPreconditionError("lost the job");
+  for (size_t p = 0; p < states.size(); ++p) {
     // Joining workers are live from a later step: they count as members.
-    seen[p].assign(st->live_workers().begin(), st->live_workers().end());
-    seen[p].insert(seen[p].end(), st->joining_workers().begin(), st->joining_workers().end());
-    std::sort(seen[p].begin(), seen[p].end());
-    versions[p] = st->version();
-    return absl::OkStatus();
-  });
-  if (!s.ok()) return;  // the supervisor's next look deals with it
-  for (int p = 0; p < job_.num_ps(); ++p) {
-    if (seen[p] == live) continue;
-    PSLOG(WARNING) << "ps " << p << " waits for workers [" << absl::StrJoin(seen[p], ",")
+    std::vector<int> seen(states[p].live_workers().begin(), states[p].live_workers().end());
+    seen.insert(seen.end(), states[p].joining_workers().begin(), states[p].joining_workers().end());
+    std::sort(seen.begin(), seen.end());
+    if (seen == live) continue;
+    PSLOG(WARNING) << "ps " << p << " waits for workers [" << absl::StrJoin(seen, ",")
                    << "], the chief for [" << absl::StrJoin(live, ",") << "]; repairing every ps";
     // Workers a ps lacks join from the next step, as at a registration.
-    const int64_t next = *std::max_element(versions.begin(), versions.end()) + 1;
-    absl::Status b = BroadcastLiveWorkers(live, next);
+    absl::Status b = BroadcastLiveWorkers(live, MaxVersion(states) + 1);
     if (!b.ok()) PSLOG(WARNING) << "cannot repair the live workers: " << b.message();
     return;
   }
@@ -537,13 +521,20 @@ absl::Status Coordinator::Supervise() {
       if (Stopping()) break;
       if (wake()) return absl::OkStatus();
     }
-    int64_t version = 0;
-    if (!PsHealthy(&version)) {
+    // One look at every ps per round: its health, its version, its live set
+    // (repaired under membership_mu_, so no registration changes it between).
+    absl::StatusOr<std::vector<PsState>> states;
+    {
+      absl::MutexLock membership(&membership_mu_);
+      states = States(job_id());
+      if (states.ok()) RepairLiveSets(*states);
+    }
+    if (!states.ok()) {
       PSFLOW_RETURN_IF_ERROR(Recover());
       continue;
     }
+    const int64_t version = MaxVersion(*states);
     CheckWorkers();
-    RepairLiveSets();
     const bool by_steps = options_.checkpoint_every_steps > 0 &&
                           version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
     const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&

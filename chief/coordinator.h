@@ -124,9 +124,14 @@ class Coordinator {
   absl::Status LoadParameterServers(const Weights& weights);
   absl::Status Supervise();
   void CheckWorkers();
-  // Sends the chief's live set to every ps if any ps's differs from it (a
-  // broadcast that half failed, or a forged SetLiveWorkers).
-  void RepairLiveSets();
+  // Sends the chief's live set to every ps if the set of any of `states`
+  // differs from it (a broadcast that half failed, or a forged SetLiveWorkers).
+  void RepairLiveSets(const std::vector<PsState>& states)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(membership_mu_);
+  // Every ps's state, if every ps answers and holds a job (`job_id`, unless
+  // 0); the first error otherwise. The one look at the ps.
+  absl::StatusOr<std::vector<PsState>> States(uint64_t job_id);
+  static int64_t MaxVersion(const std::vector<PsState>& states);
   // Whether every ps holds this job at version train_steps or later.
   bool EveryPsAtTheEnd();
   bool PsHealthy(int64_t* max_version);
