@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -45,6 +46,19 @@ std::vector<float> Pattern(int64_t n, int mod, float scale) {
 }
 
 absl::Time Deadline() { return absl::Now() + absl::Seconds(20); }
+
+// Every message of a raw server stream that `start` opens on a context with
+// Deadline(), and the status the stream ended with.
+template <typename Response, typename Start>
+std::pair<std::vector<Response>, grpc::Status> ReadStream(const Start& start) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  std::unique_ptr<grpc::ClientReader<Response>> reader = start(&context);
+  std::vector<Response> messages;
+  Response response;
+  while (reader->Read(&response)) messages.push_back(response);
+  return {std::move(messages), reader->Finish()};
+}
 
 class PsServiceTest : public ::testing::Test {
  protected:
@@ -203,22 +217,18 @@ TEST_F(PsServiceTest, InitPullPushPull) {
 
 TEST_F(PsServiceTest, PullIsStreamedInChunksBelowTheDefaultLimit) {
   ASSERT_TRUE(InitJob().ok());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(Deadline()));
   PullRequest request;
   request.set_job_id(kJob);
-  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
-  PullResponse response;
-  int messages = 0;
+  auto [messages, status] =
+      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, request); });
   int64_t bytes = 0;
-  while (reader->Read(&response)) {
-    ++messages;
+  for (const PullResponse& response : messages) {
     EXPECT_LT(response.ByteSizeLong(), 4u << 20);
     EXPECT_EQ(response.version(), 0);
     for (const TensorChunk& c : response.chunk()) bytes += static_cast<int64_t>(c.data().size());
   }
-  ASSERT_TRUE(reader->Finish().ok());
-  EXPECT_GE(messages, 5);  // 4.4 MB in chunks of at most 1 MB
+  ASSERT_TRUE(status.ok());
+  EXPECT_GE(messages.size(), 5u);  // 4.4 MB in chunks of at most 1 MB
   EXPECT_EQ(bytes, (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
 }
 
@@ -511,23 +521,19 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   check_slots("bias", bias, g0_bias, g1_bias);
 
   // On the wire: chunked below the default 4 MB, every message at version 1.
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(Deadline()));
   SnapshotRequest request;
   request.set_job_id(kJob);
   request.set_version(1);
-  std::unique_ptr<grpc::ClientReader<SnapshotResponse>> reader = stub_->Snapshot(&context, request);
-  SnapshotResponse response;
-  int messages = 0;
+  auto [messages, status] = ReadStream<SnapshotResponse>(
+      [&](grpc::ClientContext* c) { return stub_->Snapshot(c, request); });
   int64_t bytes = 0;
-  while (reader->Read(&response)) {
-    ++messages;
+  for (const SnapshotResponse& response : messages) {
     EXPECT_LT(response.ByteSizeLong(), 4u << 20);
     EXPECT_EQ(response.version(), 1);
     for (const TensorChunk& c : response.chunk()) bytes += static_cast<int64_t>(c.data().size());
   }
-  ASSERT_TRUE(reader->Finish().ok());
-  EXPECT_GE(messages, 13);
+  ASSERT_TRUE(status.ok());
+  EXPECT_GE(messages.size(), 13u);
   EXPECT_EQ(bytes, 3 * (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
 
   // A past version is refused; a future one waits until the deadline.
@@ -659,16 +665,14 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
   EXPECT_EQ(big32, masters);
 
   // A pull that names no dtype gets the job's: bf16 chunks, 2 bytes a value.
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(Deadline()));
   PullRequest request;
   request.set_job_id(kJob);
   request.set_min_version(1);
-  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
-  PullResponse response;
+  auto [messages, status] =
+      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, request); });
   int64_t bytes = 0;
   std::vector<float> raw(big.size(), -1);
-  while (reader->Read(&response)) {
+  for (const PullResponse& response : messages) {
     for (const TensorChunk& c : response.chunk()) {
       EXPECT_EQ(c.dtype(), DT_BFLOAT16);
       EXPECT_EQ(c.offset() % 2, 0);
@@ -679,7 +683,7 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
       bytes += static_cast<int64_t>(c.data().size());
     }
   }
-  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_TRUE(status.ok());
   EXPECT_EQ(bytes, (NumElements(kBigShape) + NumElements(kBiasShape)) * 2);
   EXPECT_EQ(raw, ThroughBfloat16(masters));
 }
@@ -735,16 +739,12 @@ TEST_F(PsServiceTest, UnknownWireDtypesAreRefused) {
   EXPECT_EQ(init.code(), absl::StatusCode::kInvalidArgument) << init;
   EXPECT_THAT(std::string(init.message()), HasSubstr("wire dtype"));
   ASSERT_TRUE(InitJob().ok());
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(Deadline()));
   PullRequest request;
   request.set_job_id(kJob);
   request.set_dtype(static_cast<DataType>(9));
-  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
-  PullResponse response;
-  while (reader->Read(&response)) {
-  }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto [messages, status] =
+      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, request); });
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 }  // namespace
