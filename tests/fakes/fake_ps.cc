@@ -70,8 +70,8 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
   return absl::OkStatus();
 }
 
-// The only places that know the shard's result types: a pull's and a
-// snapshot's tensors as refs into the result (alive while it is).
+// A pull's and a snapshot's tensors as refs into the shard's result (alive
+// while it is), with the version they belong to.
 struct Tensors {
   int64_t version = 0;
   absl::Duration waited;
@@ -85,11 +85,6 @@ Tensors PulledTensors(const ps::Shard::Pulled& pulled, DataType dtype) {
 
 Tensors SnapshotTensors(const ps::Shard::Snapshot& snap) {
   return {snap.weights->version, absl::ZeroDuration(), ps::SnapshotRefs(snap)};
-}
-
-const std::vector<SliceSpec>& SliceList(
-    const std::shared_ptr<const std::vector<SliceSpec>>& slices) {
-  return *slices;
 }
 
 }  // namespace
@@ -254,7 +249,7 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
   if (!slices.ok()) return WithPs(ps, slices.status());
   absl::StatusOr<DataType> dtype = (*shard)->WireDtype(header.job_id());
   if (!dtype.ok()) return WithPs(ps, dtype.status());
-  const std::vector<SliceSpec>& specs = SliceList(*slices);
+  const std::vector<SliceSpec>& specs = **slices;
   std::vector<std::vector<float>> values;
   std::vector<TensorSink> sinks = ps::GradientSinks(specs, *dtype, &values);
   absl::Status s = CopyInto(grads, sinks);
