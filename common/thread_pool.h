@@ -21,7 +21,6 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   // The number of threads the pool was built with.
-  int threads() const { return static_cast<int>(threads_.size()); }
 
   void Schedule(std::function<void()> fn);
   // Runs body(i) for i in [0, n) on the pool and the calling thread, and

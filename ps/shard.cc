@@ -238,34 +238,26 @@ void Shard::ApplyLocked() {
   const float scale = 1.0f / static_cast<float>(pushes.size());
   const Optimizer& optimizer = *optimizer_;
   const int64_t step = version_;
-  auto apply = [&slices, &optimizer, scale, step](const ApplyRange& r, std::vector<float*>& slots) {
+  auto apply = [&slices, &ranges, &optimizer, scale, step](int i) {
+    const ApplyRange& r = ranges[i];
     const SliceApply& s = slices[r.slice];
     const int64_t n = r.end - r.begin;
     float* sum = s.sum + r.begin;
     std::fill(sum, sum + n, 0.0f);
     for (const float* g : s.pushes) AddInto(sum, g + r.begin, n);
     ScaleInPlace(sum, scale, n);
-    slots.clear();
+    std::vector<float*> slots;
     for (float* slot : s.slots) slots.push_back(slot + r.begin);
     optimizer.Apply(step, s.value + r.begin, sum, n, slots);
   };
-  const int threads =
-      apply_pool_ == nullptr
-          ? 1
-          : static_cast<int>(std::min<size_t>(apply_pool_->threads() + 1, ranges.size()));
-  if (threads <= 1) {
-    std::vector<float*> slots;
-    for (const ApplyRange& r : ranges) apply(r, slots);
+  const int num_ranges = static_cast<int>(ranges.size());
+  if (apply_pool_ == nullptr) {
+    for (int i = 0; i < num_ranges; ++i) apply(i);
   } else {
-    // Every thread (this one included) takes the next range until none is
-    // left. ParallelFor returns once all have finished, which orders their
-    // writes before anything this thread does next under the lock.
-    std::atomic<size_t> next{0};
-    apply_pool_->ParallelFor(threads, [&](int) {
-      std::vector<float*> slots;
-      for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < ranges.size();)
-        apply(ranges[i], slots);
-    });
+    // This thread and the pool's take ranges until none is left; ParallelFor
+    // returns once all have finished, which orders their writes before
+    // anything this thread does next under the lock.
+    apply_pool_->ParallelFor(num_ranges, apply);
   }
   pending_.clear();
   weights_ = nullptr;  // readers keep their copy of the old version
