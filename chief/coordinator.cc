@@ -572,7 +572,8 @@ absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
     std::vector<int64_t> versions(job_.num_ps(), 0);
     absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
       absl::StatusOr<ps::Client::PullResult> r =
-          ps_->Pull(p, id, job_.train_steps(), SliceSinks(job_.placement(), p, buffers), deadline);
+          ps_->Pull(p, id, job_.train_steps(), {}, SliceSinks(job_.placement(), p, buffers),
+                    deadline, absl::ZeroDuration());
       if (r.ok()) versions[p] = r->version;
       return r.status();
     });

@@ -105,8 +105,10 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
 }
 
 ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
-  for (TensorSink& s : sinks) {
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    TensorSink& s = sinks[i];
     Entry e;
+    e.index = static_cast<int>(i);
     e.element_bytes = ElementBytes(s.dtype);
     e.bytes = NumElements(s.shape) * e.element_bytes;
     std::string key = Key(s.name, s.slot);
@@ -116,6 +118,12 @@ ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
 }
 
 absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
+  int completed = -1;
+  return Add(chunk, &completed);
+}
+
+absl::Status ChunkAssembler::Add(const TensorChunk& chunk, int* completed) {
+  *completed = -1;
   auto it = entries_.find(Key(chunk.name(), chunk.slot()));
   std::string what = DisplayName(chunk.name(), chunk.slot());
   if (it == entries_.end())
@@ -145,6 +153,7 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
   DecodeFloats(e.sink.dtype, chunk.data().data(), size / e.element_bytes,
                e.sink.data + e.received / e.element_bytes);
   e.received += size;
+  if (e.received == e.bytes) *completed = e.index;
   return absl::OkStatus();
 }
 

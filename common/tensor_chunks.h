@@ -97,6 +97,9 @@ class ChunkAssembler {
   // Every sink's dtype must be a wire dtype (a broken invariant aborts).
   explicit ChunkAssembler(std::vector<TensorSink> sinks);
   absl::Status Add(const TensorChunk& chunk);
+  // Add, which also sets *completed to the index (in the constructor's
+  // order) of the sink this chunk completed, or to -1.
+  absl::Status Add(const TensorChunk& chunk, int* completed);
   // OK when every required sink received all its bytes.
   absl::Status Finish() const;
   // True when the sink named (name, slot) received all its bytes.
@@ -105,6 +108,7 @@ class ChunkAssembler {
  private:
   struct Entry {
     TensorSink sink;
+    int index = 0;              // in the constructor's order
     int64_t element_bytes = 4;  // on the wire
     int64_t bytes = 0;          // total size on the wire
     int64_t received = 0;       // bytes decoded so far

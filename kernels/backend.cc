@@ -55,7 +55,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCuda(absl::string_view device) {
 }
 #endif
 
+// Host memory from the heap.
+class HeapBuffer final : public Buffer {
+ public:
+  explicit HeapBuffer(size_t floats) : data_(floats, 0.0f) {}
+  float* data() override { return data_.data(); }
+  size_t size() const override { return data_.size(); }
+
+ private:
+  std::vector<float> data_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<Buffer>> Backend::AllocateHost(size_t floats) {
+  return std::make_unique<HeapBuffer>(floats);
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device, int threads) {
   if (threads < 0) return absl::InvalidArgumentError("thread count must not be negative");

@@ -164,6 +164,12 @@ class Backend {
   virtual bool host_memory() const { return false; }
 
   virtual absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) = 0;
+  // Host memory (zero-filled) for staging copies to and from this backend's
+  // buffers: page-locked where the backend can, so that a GPU copies it at
+  // full speed and without waiting (CopyToDevice from it returns before the
+  // copy is done: leave it unchanged until Synchronize, CopyToHost or a
+  // finished step says the queued work is over). Plain memory by default.
+  virtual absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t floats);
   // Copies between host memory and a buffer of this backend.
   virtual absl::Status CopyToDevice(const float* host, size_t floats, float* device) = 0;
   virtual absl::Status CopyToHost(const float* device, size_t floats, float* host) = 0;

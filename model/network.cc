@@ -102,6 +102,12 @@ absl::Status Network::SetWeights(const std::vector<const float*>& host) {
   return absl::OkStatus();
 }
 
+absl::Status Network::SetWeight(int i, const float* host) {
+  if (i < 0 || static_cast<size_t>(i) >= weights_.size())
+    return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
+  return backend_->CopyToDevice(host, weights_[i]->size(), weights_[i]->data());
+}
+
 absl::Status Network::GetWeights(const std::vector<float*>& host) {
   if (host.size() != weights_.size())
     return absl::InvalidArgumentError("wrong number of weight tensors");

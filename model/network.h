@@ -63,6 +63,12 @@ class Network {
 
   // Copies weights in from host memory, one pointer per variable.
   absl::Status SetWeights(const std::vector<const float*>& host);
+  // Copies variable `i`'s weights in from host memory. Unlike the rest of
+  // the network, callable from several threads at once (the backend
+  // serializes its copies), while no step runs. With host memory from
+  // Backend::AllocateHost, the copy may still be under way on return: the
+  // next step waits for it.
+  absl::Status SetWeight(int i, const float* host);
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 

@@ -42,16 +42,20 @@ class Client {
     int64_t version = 0;  // below min_version: max_wait passed first, sinks untouched
     int64_t wait_us = 0;  // time the ps waited for min_version
   };
-  // Pulls every slice of ps `ps` into `sinks` once it reaches min_version,
-  // waiting at most `max_wait` for that (zero: until the deadline). The ps
-  // sends the values in the sinks' dtype (one for all: INVALID_ARGUMENT
-  // otherwise), converted from its fp32 masters. An answer that leaves a
-  // sink incomplete is DATA_LOSS.
+  // Pulls the slices `slices` of ps `ps` (indices into its slices, in the
+  // order to send them; empty: all) into `sinks` (one per slice pulled),
+  // each slice as soon as it reaches min_version, waiting at most `max_wait`
+  // for the first (zero: until the deadline). The ps sends the values in the
+  // sinks' dtype (one for all: INVALID_ARGUMENT otherwise), converted from
+  // its fp32 masters. The result's version is the lowest of the slices'
+  // (they may be one apart). An answer that leaves a sink incomplete is
+  // DATA_LOSS.
   virtual absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                          std::vector<TensorSink> sinks, absl::Time deadline,
-                                          absl::Duration max_wait = absl::ZeroDuration()) = 0;
+                                          std::vector<int> slices, std::vector<TensorSink> sinks,
+                                          absl::Time deadline, absl::Duration max_wait) = 0;
 
-  // Pushes one worker's gradients; `grads` must be in the job's wire dtype
+  // Pushes one worker's gradients of the slices header.slices() names (all
+  // when empty); `grads` must be in the job's wire dtype
   // (JobConfig.wire_dtype; the ps refuses another with INVALID_ARGUMENT).
   virtual absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header,
                                             std::vector<TensorRef> grads, absl::Time deadline) = 0;

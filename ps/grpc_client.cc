@@ -1,5 +1,6 @@
 #include "ps/grpc_client.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -9,20 +10,23 @@ namespace psflow::ps {
 namespace {
 
 // Reads a server stream of chunked tensors into `assembler`. Returns the
-// first message (without its chunks; nothing if the stream was empty). The
-// call's own failure comes first; chunks that do not fit, or messages of
-// differing versions, are DATA_LOSS. The stream is always drained, so that
+// first message (without its chunks; nothing if the stream was empty), with
+// the lowest version of all messages. The call's own failure comes first;
+// chunks that do not fit are DATA_LOSS, and so are messages of differing
+// versions unless `mixed_versions`. The stream is always drained, so that
 // Finish() returns.
 template <typename Response>
 absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>* reader,
-                                                   ChunkAssembler* assembler) {
+                                                   ChunkAssembler* assembler,
+                                                   bool mixed_versions) {
   std::optional<Response> first;
   Response response;
   absl::Status bad;
   while (reader->Read(&response)) {
     if (!bad.ok()) continue;
     if (first.has_value() && response.version() != first->version()) {
-      bad = absl::DataLossError("answer mixes versions");
+      if (!mixed_versions) bad = absl::DataLossError("answer mixes versions");
+      first->set_version(std::min(first->version(), response.version()));
     }
     for (const TensorChunk& chunk : response.chunk()) {
       if (!bad.ok()) break;
@@ -57,29 +61,40 @@ absl::Status WriteHeaderAndTensors(grpc::ClientWriter<Request>* writer, const He
 }  // namespace
 
 bool GrpcClient::Reachable(int ps) const {
-  const grpc_connectivity_state state = channels_[ps]->GetState(/*try_to_connect=*/false);
+  const grpc_connectivity_state state =
+      links_[ps]->channels[0]->GetState(/*try_to_connect=*/false);
   return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
 }
 
 void GrpcClient::CancelAll() { calls_.CancelAll(); }
 
-GrpcClient::GrpcClient(const std::vector<std::string>& addresses) {
+GrpcClient::GrpcClient(const std::vector<std::string>& addresses, int connections_per_ps) {
   for (const std::string& a : addresses) {
-    channels_.push_back(MakeChannel(a));
-    stubs_.push_back(ParameterServer::NewStub(channels_.back()));
+    auto link = std::make_unique<Link>();
+    for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
+      link->channels.push_back(MakeChannel(a, /*own_connection=*/connections_per_ps > 1));
+      link->stubs.push_back(ParameterServer::NewStub(link->channels.back()));
+    }
+    links_.push_back(std::move(link));
   }
+}
+
+ParameterServer::Stub* GrpcClient::NextStub(int ps) {
+  Link& link = *links_[ps];
+  return link.stubs[link.next.fetch_add(1, std::memory_order_relaxed) % link.stubs.size()].get();
 }
 
 absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                               absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   InitResponse response;
-  return WithPs(ps, WriteHeaderAndTensors(stubs_[ps]->Init(call.context(), &response).get(), header,
+  return WithPs(ps, WriteHeaderAndTensors(links_[ps]->stubs[0]->Init(call.context(), &response).get(), header,
                                           std::move(tensors)));
 }
 
 absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
                                                         int64_t min_version,
+                                                        std::vector<int> slices,
                                                         std::vector<TensorSink> sinks,
                                                         absl::Time deadline,
                                                         absl::Duration max_wait) {
@@ -91,9 +106,11 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
   request.set_min_version(min_version);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   request.set_dtype(*dtype);
+  for (int i : slices) request.add_slices(i);
   ChunkAssembler assembler(std::move(sinks));
   absl::StatusOr<std::optional<PullResponse>> first =
-      ReadChunks(stubs_[ps]->Pull(call.context(), request).get(), &assembler);
+      ReadChunks(NextStub(ps)->Pull(call.context(), request).get(), &assembler,
+                 /*mixed_versions=*/true);
   if (!first.ok()) return WithPs(ps, first.status());
   if (!first->has_value()) return WithPs(ps, absl::DataLossError("empty pull answer"));
   PullResult result;
@@ -109,7 +126,7 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PushResponse response;
-  absl::Status s = WriteHeaderAndTensors(stubs_[ps]->Push(call.context(), &response).get(), header,
+  absl::Status s = WriteHeaderAndTensors(NextStub(ps)->Push(call.context(), &response).get(), header,
                                          std::move(grads));
   if (!s.ok()) return WithPs(ps, s);
   return response;
@@ -118,7 +135,7 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
 absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PsState state;
-  absl::Status s = FromGrpcStatus(stubs_[ps]->GetState(call.context(), GetStateRequest(), &state));
+  absl::Status s = FromGrpcStatus(links_[ps]->stubs[0]->GetState(call.context(), GetStateRequest(), &state));
   if (!s.ok()) return WithPs(ps, s);
   return state;
 }
@@ -131,7 +148,7 @@ absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vect
   for (int w : live) request.add_live_workers(w);
   request.set_from_version(from_version);
   SetLiveWorkersResponse response;
-  return WithPs(ps, FromGrpcStatus(stubs_[ps]->SetLiveWorkers(call.context(), request, &response)));
+  return WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->SetLiveWorkers(call.context(), request, &response)));
 }
 
 absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
@@ -142,7 +159,8 @@ absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
   request.set_version(version);
   ChunkAssembler assembler(std::move(sinks));
   absl::StatusOr<std::optional<SnapshotResponse>> first =
-      ReadChunks(stubs_[ps]->Snapshot(call.context(), request).get(), &assembler);
+      ReadChunks(links_[ps]->stubs[0]->Snapshot(call.context(), request).get(), &assembler,
+                 /*mixed_versions=*/false);
   if (!first.ok()) return WithPs(ps, first.status());
   if (!first->has_value() || (*first)->version() != version) {
     return WithPs(ps, absl::DataLossError("snapshot of another version"));
@@ -157,7 +175,7 @@ absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) 
   ShutdownRequest request;
   request.set_job_id(job_id);
   ShutdownResponse response;
-  return WithPs(ps, FromGrpcStatus(stubs_[ps]->Shutdown(&context, request, &response)));
+  return WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->Shutdown(&context, request, &response)));
 }
 
 }  // namespace psflow::ps

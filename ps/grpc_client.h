@@ -1,8 +1,9 @@
-// The gRPC transport of ps::Client: one channel per ps, tensors streamed as
-// chunks in both directions. Thread-safe.
+// The gRPC transport of ps::Client: tensors streamed as chunks in both
+// directions, over one or more connections per ps. Thread-safe.
 #ifndef PSFLOW_PS_GRPC_CLIENT_H_
 #define PSFLOW_PS_GRPC_CLIENT_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,17 +15,19 @@
 namespace psflow::ps {
 
 // The gRPC transport. Calls wait for a ps that is not up yet (gRPC
-// wait-for-ready) until their deadline.
+// wait-for-ready) until their deadline. With `connections_per_ps` > 1,
+// pulls and pushes to one ps take its connections in turn (so that
+// concurrent ones spread over them); other calls use the first.
 class GrpcClient final : public Client {
  public:
-  explicit GrpcClient(const std::vector<std::string>& addresses);
-  int num_ps() const override { return static_cast<int>(stubs_.size()); }
+  explicit GrpcClient(const std::vector<std::string>& addresses, int connections_per_ps = 1);
+  int num_ps() const override { return static_cast<int>(links_.size()); }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                     absl::Time deadline) override;
   absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                  std::vector<TensorSink> sinks, absl::Time deadline,
-                                  absl::Duration max_wait) override;
+                                  std::vector<int> slices, std::vector<TensorSink> sinks,
+                                  absl::Time deadline, absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
@@ -37,8 +40,16 @@ class GrpcClient final : public Client {
   void CancelAll() override;
 
  private:
-  std::vector<std::shared_ptr<grpc::Channel>> channels_;
-  std::vector<std::unique_ptr<ParameterServer::Stub>> stubs_;
+  // The connections to one ps.
+  struct Link {
+    std::vector<std::shared_ptr<grpc::Channel>> channels;
+    std::vector<std::unique_ptr<ParameterServer::Stub>> stubs;
+    std::atomic<unsigned> next{0};  // the connection of the next pull or push
+  };
+  // The stub of the next pull or push to `ps`.
+  ParameterServer::Stub* NextStub(int ps);
+
+  std::vector<std::unique_ptr<Link>> links_;
   ActiveCalls calls_;
 };
 

@@ -82,34 +82,63 @@ grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* re
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("pull asks for dtype ", request->dtype(), ", not a wire dtype")));
   }
+  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices =
+      shard_->Slices(request->job_id());
+  if (!slices.ok()) return ToGrpcStatus(slices.status());
+  const std::vector<SliceSpec>& specs = **slices;
+  absl::StatusOr<std::vector<int>> indices =
+      SliceIndices(request->slices(), static_cast<int>(specs.size()), "pull");
+  if (!indices.ok()) return ToGrpcStatus(indices.status());
+  absl::StatusOr<DataType> dtype = request->dtype();
+  if (request->dtype() == DT_INVALID) dtype = shard_->WireDtype(request->job_id());
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   const absl::Time call_deadline = absl::FromChrono(context->deadline());
   const absl::Time wait_deadline =
       request->max_wait_ms() > 0
           ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()))
           : call_deadline;
-  absl::StatusOr<Shard::Pulled> pulled =
-      shard_->Pull(request->job_id(), request->min_version(), wait_deadline,
-                   [context] { return context->IsCancelled(); });
-  if (absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
-    PullResponse not_yet;  // the version only: the caller asks again
-    not_yet.set_version(shard_->stats().version);
-    writer->Write(not_yet);
+  auto cancelled = [context] { return context->IsCancelled(); };
+  auto not_yet = [&] {
+    PullResponse response;  // the version only: the caller asks again
+    response.set_version(shard_->stats().version);
+    writer->Write(response);
+    return grpc::Status::OK;
+  };
+  if (indices->empty()) {
+    // No slices: the answer is the version, once it is reached.
+    absl::StatusOr<Shard::Pulled> pulled =
+        shard_->Pull(request->job_id(), request->min_version(), wait_deadline, cancelled);
+    if (absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
+      return not_yet();
+    }
+    if (!pulled.ok()) return ToGrpcStatus(pulled.status());
+    PullResponse response;
+    response.set_version(pulled->weights->version);
+    response.set_wait_us(absl::ToInt64Microseconds(pulled->waited));
+    writer->Write(response);
     return grpc::Status::OK;
   }
-  if (!pulled.ok()) return ToGrpcStatus(pulled.status());
-  absl::StatusOr<DataType> dtype = request->dtype();
-  if (request->dtype() == DT_INVALID) dtype = shard_->WireDtype(request->job_id());
-  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  // Streamed from the version's shared copy, which `pulled` keeps alive,
-  // converted chunk by chunk to the dtype asked for.
-  const Shard::Weights& weights = *pulled->weights;
-  ChunkSplitter splitter(WeightRefs(weights, *dtype), kChunkBytes);
-  PullResponse response;
-  response.set_version(weights.version);
-  response.set_wait_us(absl::ToInt64Microseconds(pulled->waited));
-  // At least one message, so that a ps holding no slices still reports its version.
-  if (!WriteChunked(writer, splitter, response, [](PullResponse& r) { r.clear_wait_us(); })) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  // Slice by slice, each as soon as it is there, streamed from its published
+  // value (which `pulled` keeps alive) and converted chunk by chunk to the
+  // dtype asked for. max_wait only bounds the wait for the first slice.
+  absl::Duration waited;
+  for (size_t k = 0; k < indices->size(); ++k) {
+    const int i = (*indices)[k];
+    absl::StatusOr<Shard::PulledSlice> pulled =
+        shard_->PullSlice(request->job_id(), i, request->min_version(),
+                          k == 0 ? wait_deadline : call_deadline, cancelled);
+    if (k == 0 && absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
+      return not_yet();
+    }
+    if (!pulled.ok()) return ToGrpcStatus(pulled.status());
+    waited += pulled->waited;
+    ChunkSplitter splitter({SliceValueRef(specs[i], pulled->value, *dtype)}, kChunkBytes);
+    PullResponse response;
+    response.set_version(pulled->version);
+    if (k == 0) response.set_wait_us(absl::ToInt64Microseconds(waited));
+    if (!WriteChunked(writer, splitter, response, [](PullResponse& r) { r.clear_wait_us(); })) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    }
   }
   return grpc::Status::OK;
 }
@@ -125,16 +154,43 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   absl::StatusOr<DataType> dtype = shard_->WireDtype(header->job_id());
   if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   const std::vector<SliceSpec>& specs = **slices;
-  // The chunks come in the job's wire dtype and are decoded into fp32.
-  std::vector<std::vector<float>> grads;
-  std::vector<TensorSink> sinks = GradientSinks(specs, *dtype, &grads);
-  ChunkAssembler assembler(std::move(sinks));
-  absl::Status s = ReadChunks(reader, request, assembler);
-  if (!s.ok()) return ToGrpcStatus(s);
-  absl::StatusOr<PushResponse::Outcome> outcome =
-      shard_->Push(header->job_id(), header->worker(), header->step(), std::move(grads));
-  if (!outcome.ok()) return ToGrpcStatus(outcome.status());
-  response->set_outcome(*outcome);
+  absl::StatusOr<std::vector<int>> indices =
+      SliceIndices(header->slices(), static_cast<int>(specs.size()), "push");
+  if (!indices.ok()) return ToGrpcStatus(indices.status());
+  // The chunks come in the job's wire dtype and are decoded into fp32; each
+  // slice goes to the shard as soon as it is complete, so that it can be
+  // applied while the rest of the push is still on its way.
+  std::vector<Shard::SliceGradient> grads;
+  ChunkAssembler assembler(GradientSinks(specs, *indices, *dtype, &grads));
+  bool accepted = false, stale = false;
+  auto hand_over = [&](std::vector<Shard::SliceGradient> part) -> absl::Status {
+    absl::StatusOr<PushResponse::Outcome> outcome =
+        shard_->PushSlices(header->job_id(), header->worker(), header->step(), std::move(part));
+    if (!outcome.ok()) return outcome.status();
+    accepted |= *outcome == PushResponse::ACCEPTED;
+    stale |= *outcome == PushResponse::STALE;
+    return absl::OkStatus();
+  };
+  do {
+    for (const TensorChunk& chunk : request.chunk()) {
+      int completed = -1;
+      absl::Status s = assembler.Add(chunk, &completed);
+      if (s.ok() && completed >= 0) {
+        std::vector<Shard::SliceGradient> part;
+        part.push_back(std::move(grads[completed]));
+        s = hand_over(std::move(part));
+      }
+      if (!s.ok()) return ToGrpcStatus(s);
+    }
+  } while (reader->Read(&request));
+  if (absl::Status s = assembler.Finish(); !s.ok()) return ToGrpcStatus(s);
+  if (indices->empty()) {  // a ps without slices: the push itself counts
+    if (absl::Status s = hand_over({}); !s.ok()) return ToGrpcStatus(s);
+  }
+  const PushResponse::Outcome outcome =
+      accepted ? PushResponse::ACCEPTED : (stale ? PushResponse::STALE : PushResponse::DUPLICATE);
+  shard_->CountOutcome(outcome);
+  response->set_outcome(outcome);
   response->set_version(shard_->stats().version);
   return grpc::Status::OK;
 }

@@ -14,36 +14,15 @@
 namespace psflow::ps {
 namespace {
 
-// The index of the first gradient holding a NaN or an infinity, or -1.
-int FirstNonFinite(const std::vector<std::vector<float>>& grads) {
+// Whether `values` holds a NaN or an infinity.
+bool NonFinite(const std::vector<float>& values) {
   // A NaN or an infinity has every exponent bit set. One integer reduction
   // per slice, with no branch per value.
   constexpr uint32_t kExponent = 0x7f800000;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    uint32_t max_exponent = 0;
-    for (float g : grads[i])
-      max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
-    if (max_exponent == kExponent) return static_cast<int>(i);
-  }
-  return -1;
+  uint32_t max_exponent = 0;
+  for (float g : values) max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
+  return max_exponent == kExponent;
 }
-
-// What an apply works on in one slice, as raw pointers into the shard's
-// members: the pool's threads use these while the applying thread holds the
-// shard's lock, and never touch the members (or the lock) themselves.
-struct SliceApply {
-  float* value = nullptr;
-  float* sum = nullptr;              // scratch for the mean
-  std::vector<float*> slots;         // Optimizer::SlotNames() order
-  std::vector<const float*> pushes;  // one per live worker, in worker-id order
-};
-
-// Elements [begin, end) of one slice.
-struct ApplyRange {
-  int slice = 0;
-  int64_t begin = 0;
-  int64_t end = 0;
-};
 
 }  // namespace
 
@@ -60,6 +39,8 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   if (header.live_workers_size() == 0)
     return absl::InvalidArgumentError("init names no live workers");
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
+  std::vector<SliceState> states(values.size());
+  std::vector<std::vector<float>> sums;
   for (int i = 0; i < header.slice_size(); ++i) {
     const int64_t n = NumElements(header.slice(i).shape());
     SliceValues& v = values[i];
@@ -75,23 +56,29 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
             absl::StrCat("slot of '", header.slice(i).name(), "' has the wrong size"));
       }
     }
+    states[i].version = header.version();
+    states[i].published = std::make_shared<const std::vector<float>>(v.value);
+    sums.emplace_back(n, 0.0f);
   }
   absl::MutexLock lock(&mu_);
+  // Appliers write into the masters without the lock: let them finish.
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
+  mu_.Await(absl::Condition(&idle));
   if (shutdown_) return absl::UnavailableError("ps is shutting down");
   initialized_ = true;
   job_id_ = header.job_id();
   slices_ =
       std::make_shared<const std::vector<SliceSpec>>(header.slice().begin(), header.slice().end());
   values_ = std::move(values);
-  weights_ = nullptr;
+  slice_ = std::move(states);
+  applied_ = 0;
+  empty_pushes_.clear();
   job_ = header.job();
   optimizer_ = *std::move(opt);
   live_workers_ =
       absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
   joining_.clear();
-  sum_.clear();
-  for (const SliceSpec& s : *slices_) sum_.emplace_back(NumElements(s.shape()), 0.0f);
-  pending_.clear();
+  sum_ = std::move(sums);
   snapshots_.clear();
   counters_ = Counters{};
   version_ = header.version();
@@ -133,16 +120,14 @@ absl::Status Shard::WaitLocked(uint64_t job_id, int64_t version, absl::Time dead
   return absl::OkStatus();
 }
 
-std::shared_ptr<const Shard::Weights> Shard::WeightsLocked() {
-  if (weights_ == nullptr) {
-    auto weights = std::make_shared<Weights>();
-    weights->version = version_;
-    weights->slices = slices_;
-    weights->values.reserve(values_.size());
-    for (const SliceValues& v : values_) weights->values.push_back(v.value);
-    weights_ = std::move(weights);
-  }
-  return weights_;
+std::shared_ptr<const Shard::Weights> Shard::WeightsLocked() const {
+  auto weights = std::make_shared<Weights>();
+  weights->version = version_;
+  weights->slices = slices_;
+  weights->values.reserve(slice_.size());
+  for (const SliceState& s : slice_)
+    weights->values.push_back(s.version == version_ ? s.published : s.previous);
+  return weights;
 }
 
 absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
@@ -159,17 +144,74 @@ absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, 
   return pulled;
 }
 
-absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
-                                                  std::vector<std::vector<float>> grads) {
-  const int non_finite = FirstNonFinite(grads);  // outside the lock: it reads every value
+absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice,
+                                                    int64_t min_version, absl::Time deadline,
+                                                    const std::function<bool()>& cancelled) {
+  const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  auto in_range = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return slice >= 0 && static_cast<size_t>(slice) < slice_.size();
+  };
+  if (!in_range()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pull of slice #", slice, "; the ps holds ", slice_.size(), " slices"));
+  }
+  PSFLOW_RETURN_IF_ERROR(WaitLocked(
+      job_id, min_version, deadline, cancelled, "pull", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !in_range() || slice_[slice].version >= min_version;
+      }));
+  if (!in_range()) return absl::AbortedError("the job was reloaded while waiting");
+  PulledSlice pulled;
+  pulled.version = slice_[slice].version;
+  pulled.value = slice_[slice].published;
+  pulled.waited = absl::Now() - start;
+  return pulled;
+}
+
+absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
+                                                  std::vector<std::vector<float>> grads) {
+  {
+    absl::MutexLock lock(&mu_);
+    PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+    if (grads.size() != slice_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("push has ", grads.size(), " slices, the ps holds ", slice_.size()));
+    }
+  }
+  std::vector<SliceGradient> all;
+  all.reserve(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i)
+    all.push_back({static_cast<int>(i), std::move(grads[i])});
+  absl::StatusOr<PushResponse::Outcome> outcome = PushSlices(job_id, worker, step, std::move(all));
+  if (outcome.ok()) CountOutcome(*outcome);
+  return outcome;
+}
+
+void Shard::CountOutcome(PushResponse::Outcome outcome) {
+  absl::MutexLock lock(&mu_);
+  if (outcome == PushResponse::STALE) ++counters_.stale;
+  if (outcome == PushResponse::DUPLICATE) ++counters_.duplicate;
+}
+
+absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int worker, int64_t step,
+                                                        std::vector<SliceGradient> grads) {
+  // Outside the lock: it reads every value.
+  int non_finite = -1;
+  for (size_t k = 0; k < grads.size() && non_finite < 0; ++k) {
+    if (NonFinite(grads[k].values)) non_finite = static_cast<int>(k);
+  }
+  absl::MutexLock lock(&mu_);
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  auto name_of = [&](int slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return slice >= 0 && static_cast<size_t>(slice) < slices_->size()
+               ? absl::StrCat("'", (*slices_)[slice].name(), "'")
+               : absl::StrCat("#", slice);
+  };
   if (non_finite >= 0) {
     ++counters_.refused_pushes;
-    const std::string name = static_cast<size_t>(non_finite) < slices_->size()
-                                 ? absl::StrCat("'", (*slices_)[non_finite].name(), "'")
-                                 : absl::StrCat("#", non_finite);
-    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ", name,
+    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ",
+                                                   name_of(grads[non_finite].slice),
                                                    " from worker ", worker, " at step ", step,
                                                    ": push refused"));
   }
@@ -177,94 +219,142 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
     return absl::FailedPreconditionError(
         absl::StrCat("worker ", worker, " is not a live member of the job"));
   }
-  if (step < version_) {
-    ++counters_.stale;
-    return PushResponse::STALE;
-  }
+  if (step < version_) return PushResponse::STALE;
   if (step > version_) {
     return absl::FailedPreconditionError(
         absl::StrCat("push for step ", step, " but the ps is at version ", version_));
   }
-  if (pending_.contains(worker)) {
-    ++counters_.duplicate;
-    return PushResponse::DUPLICATE;
-  }
-  if (grads.size() != sum_.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("push has ", grads.size(), " slices, the ps holds ", sum_.size()));
-  }
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].size() != sum_[i].size()) {
-      return absl::InvalidArgumentError(absl::StrCat("gradient of '", (*slices_)[i].name(),
-                                                     "' has ", grads[i].size(),
-                                                     " values, expected ", sum_[i].size()));
+  // Every gradient is checked before any is kept.
+  std::vector<bool> named(slice_.size(), false);
+  for (const SliceGradient& g : grads) {
+    if (g.slice < 0 || static_cast<size_t>(g.slice) >= slice_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("push names slice #", g.slice, "; the ps holds ",
+                                                     slice_.size(), " slices"));
+    }
+    if (named[g.slice]) {
+      return absl::InvalidArgumentError(absl::StrCat("push names ", name_of(g.slice), " twice"));
+    }
+    named[g.slice] = true;
+    const size_t n = values_[g.slice].value.size();
+    if (g.values.size() != n) {
+      return absl::InvalidArgumentError(absl::StrCat("gradient of ", name_of(g.slice), " has ",
+                                                     g.values.size(), " values, expected ", n));
     }
   }
-  pending_[worker] = std::move(grads);
-  MaybeApplyLocked();
+  if (slice_.empty()) {
+    if (!empty_pushes_.insert(worker).second) return PushResponse::DUPLICATE;
+    MaybeApplyAllLocked();
+    return PushResponse::ACCEPTED;
+  }
+  std::vector<int> kept;
+  for (SliceGradient& g : grads) {
+    SliceState& s = slice_[g.slice];
+    if (s.version > version_ || s.applying || s.pushes.contains(worker)) continue;
+    s.pushes.emplace(worker, std::move(g.values));
+    kept.push_back(g.slice);
+  }
+  if (kept.empty()) return PushResponse::DUPLICATE;
+  for (int i : kept) MaybeApplySliceLocked(i);
   return PushResponse::ACCEPTED;
 }
 
-void Shard::MaybeApplyLocked() {
-  if (live_workers_.empty()) return;
+void Shard::MaybeApplySliceLocked(int i) {
+  // slice_ keeps its size meanwhile: Init waits for every applier.
+  SliceState& s = slice_[i];
+  if (s.applying || s.version > version_ || live_workers_.empty()) return;
   for (int w : live_workers_) {
-    if (!pending_.contains(w)) return;
+    if (!s.pushes.contains(w)) return;
   }
-  ApplyLocked();
+  // Claim the slice with its pushes (all from live workers), summed in
+  // worker-id order: each element's sum is then the same however the work is
+  // split and whoever applies it.
+  std::vector<std::pair<int, std::vector<float>>> pushes;
+  pushes.reserve(s.pushes.size());
+  for (auto& [worker, grad] : s.pushes) pushes.emplace_back(worker, std::move(grad));
+  s.pushes.clear();
+  std::sort(pushes.begin(), pushes.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  s.applying = true;
+  ++applying_;
+  const int64_t step = version_;
+  const int64_t n = static_cast<int64_t>(values_[i].value.size());
+  float* const value = values_[i].value.data();
+  float* const sum = sum_[i].data();
+  std::vector<float*> slots;
+  for (auto& slot : values_[i].slots) slots.push_back(slot.data());
+  const Optimizer& optimizer = *optimizer_;
+  std::shared_ptr<std::vector<float>> out = std::move(s.spare);
+  const int64_t range = apply_range_;
+
+  mu_.Unlock();
+  if (out == nullptr || static_cast<int64_t>(out->size()) != n) {
+    out = std::make_shared<std::vector<float>>(n);
+  }
+  float* const published = out->data();
+  const float scale = 1.0f / static_cast<float>(pushes.size());
+  // Averaging, the optimizer, then the copy readers get, one range at a
+  // time (it stays in cache throughout).
+  auto apply = [&](int r) {
+    const int64_t begin = r * range;
+    const int64_t len = std::min(n, begin + range) - begin;
+    float* const mean = sum + begin;
+    std::fill(mean, mean + len, 0.0f);
+    for (const auto& [worker, grad] : pushes) AddInto(mean, grad.data() + begin, len);
+    ScaleInPlace(mean, scale, len);
+    std::vector<float*> range_slots;
+    range_slots.reserve(slots.size());
+    for (float* slot : slots) range_slots.push_back(slot + begin);
+    optimizer.Apply(step, value + begin, mean, len, range_slots);
+    std::copy(value + begin, value + begin + len, published + begin);
+  };
+  const int ranges = static_cast<int>((n + range - 1) / range);
+  if (apply_pool_ == nullptr || ranges <= 1) {
+    for (int r = 0; r < ranges; ++r) apply(r);
+  } else {
+    // ParallelFor returns once every range is done, which orders their
+    // writes before anything this thread does next under the lock.
+    apply_pool_->ParallelFor(ranges, apply);
+  }
+  mu_.Lock();
+
+  s.applying = false;
+  --applying_;
+  s.previous = std::move(s.published);
+  s.published = std::move(out);
+  s.version = step + 1;
+  if (++applied_ == static_cast<int>(slice_.size())) AdvanceLocked();
+  version_changed_.SignalAll();
 }
 
-void Shard::ApplyLocked() {
-  // The live workers' pushes (pending_ holds no others), summed in worker-id
-  // order: each element's sum is then the same however the work is split.
-  std::vector<std::pair<int, const std::vector<std::vector<float>>*>> pushes;
-  pushes.reserve(pending_.size());
-  for (const auto& [worker, grads] : pending_) pushes.emplace_back(worker, &grads);
-  std::sort(pushes.begin(), pushes.end());
-
-  std::vector<SliceApply> slices(values_.size());
-  std::vector<ApplyRange> ranges;
-  for (size_t i = 0; i < values_.size(); ++i) {
-    SliceApply& s = slices[i];
-    s.value = values_[i].value.data();
-    s.sum = sum_[i].data();
-    for (auto& slot : values_[i].slots) s.slots.push_back(slot.data());
-    for (const auto& [worker, grads] : pushes) s.pushes.push_back((*grads)[i].data());
-    const int64_t n = static_cast<int64_t>(sum_[i].size());
-    for (int64_t begin = 0; begin < n; begin += apply_range_)
-      ranges.push_back({static_cast<int>(i), begin, std::min(n, begin + apply_range_)});
+void Shard::MaybeApplyAllLocked() {
+  if (slice_.empty()) {
+    if (live_workers_.empty()) return;
+    for (int w : live_workers_) {
+      if (!empty_pushes_.contains(w)) return;
+    }
+    AdvanceLocked();
+    version_changed_.SignalAll();
+    return;
   }
+  // The lock is let go while a slice is applied, but slice_ keeps its size.
+  for (size_t i = 0; i < slice_.size(); ++i) MaybeApplySliceLocked(static_cast<int>(i));
+}
 
-  // Averaging then the optimizer, one range at a time (its sum stays in cache).
-  const float scale = 1.0f / static_cast<float>(pushes.size());
-  const Optimizer& optimizer = *optimizer_;
-  const int64_t step = version_;
-  auto apply = [&slices, &ranges, &optimizer, scale, step](int i) {
-    const ApplyRange& r = ranges[i];
-    const SliceApply& s = slices[r.slice];
-    const int64_t n = r.end - r.begin;
-    float* sum = s.sum + r.begin;
-    std::fill(sum, sum + n, 0.0f);
-    for (const float* g : s.pushes) AddInto(sum, g + r.begin, n);
-    ScaleInPlace(sum, scale, n);
-    std::vector<float*> slots;
-    for (float* slot : s.slots) slots.push_back(slot + r.begin);
-    optimizer.Apply(step, s.value + r.begin, sum, n, slots);
-  };
-  const int num_ranges = static_cast<int>(ranges.size());
-  if (apply_pool_ == nullptr) {
-    for (int i = 0; i < num_ranges; ++i) apply(i);
-  } else {
-    // This thread and the pool's take ranges until none is left; ParallelFor
-    // returns once all have finished, which orders their writes before
-    // anything this thread does next under the lock.
-    apply_pool_->ParallelFor(num_ranges, apply);
+void Shard::AdvanceLocked() {
+  for (SliceState& s : slice_) {
+    // The value at the old version is no reader's any more: its buffer
+    // takes the next one (readers hand theirs back without the lock, but
+    // none takes a new reference to it).
+    if (s.previous != nullptr && s.previous.use_count() == 1) {
+      s.spare = std::const_pointer_cast<std::vector<float>>(std::move(s.previous));
+    }
+    s.previous = nullptr;
   }
-  pending_.clear();
-  weights_ = nullptr;  // readers keep their copy of the old version
+  applied_ = 0;
+  empty_pushes_.clear();
   ++version_;
   ++counters_.applied;
   OnVersionLocked();
-  version_changed_.SignalAll();
 }
 
 void Shard::OnVersionLocked() {
@@ -276,6 +366,8 @@ void Shard::OnVersionLocked() {
       ++it;
     }
   }
+  // Once a slice has moved on, the slots of version_ are gone.
+  if (applied_ > 0 || applying_ > 0) return;
   auto snap = snapshots_.find(version_);
   if (snap != snapshots_.end() && snap->second.data == nullptr) {
     auto data = std::make_shared<Snapshot>();
@@ -295,7 +387,9 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   const absl::flat_hash_set<int> wanted(live.begin(), live.end());
   for (auto it = live_workers_.begin(); it != live_workers_.end();) {
     if (!wanted.contains(*it)) {
-      pending_.erase(*it);  // a dropped worker's push does not count
+      // A dropped worker's pushes do not count.
+      for (SliceState& s : slice_) s.pushes.erase(*it);
+      empty_pushes_.erase(*it);
       live_workers_.erase(it++);
     } else {
       ++it;
@@ -311,7 +405,7 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
     for (auto& [w, version] : joining_) version = std::min(version, version_);
   }
   OnVersionLocked();  // joins due already
-  MaybeApplyLocked();
+  MaybeApplyAllLocked();
   version_changed_.SignalAll();
   return absl::OkStatus();
 }
@@ -324,13 +418,19 @@ absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
     auto it = snapshots_.find(version);
     return it != snapshots_.end() && it->second.data != nullptr;
   };
-  if (version_ > version && !taken()) {
+  // Past it: at a later version, or at it with some slice already applied
+  // further (the slots of `version` are gone).
+  auto past = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return version_ > version || (version_ == version && (applied_ > 0 || applying_ > 0));
+  };
+  if (past() && !taken()) {
     return absl::FailedPreconditionError(
         absl::StrCat("the ps is at version ", version_, ", past ", version));
   }
   ++snapshots_[version].waiters;
   OnVersionLocked();  // takes it now if the shard is at that version
-  absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot", taken);
+  absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot",
+                              [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return taken() || past(); });
   std::shared_ptr<const Snapshot> data;
   // Every way out drops this caller's claim on the snapshot.
   auto it = snapshots_.find(version);
@@ -339,6 +439,10 @@ absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
     if (--it->second.waiters <= 0) snapshots_.erase(it);
   }
   if (!s.ok()) return s;
+  if (data == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ps went past version ", version, " before it could be taken"));
+  }
   return data;
 }
 

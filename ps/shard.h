@@ -2,26 +2,37 @@
 // optimizer slots, the version (steps applied) and the gradients pushed for
 // the current step. No gRPC here: the service (ps/service.h) feeds it.
 //
-// Synchronous contract: the gradients of step k are summed as the live
-// workers push them; when every live worker has pushed, the mean is applied
-// once, the version becomes k+1 and every Pull waiting for k+1 is woken. A
-// push for a step below the version is stale (dropped, counted); a second
-// push of one worker for one step is a duplicate (ignored, counted); a push
-// holding a non-finite gradient is refused (counted) before anything else
-// but its job is looked at.
+// Synchronous contract, slice by slice: a push carries one worker's
+// gradients of step k for any of the shard's slices (a worker may split its
+// gradients over several pushes, sent as its backward pass produces them).
+// A slice whose gradient every live worker has pushed is applied at once
+// (the mean, then the optimizer), without waiting for the shard's other
+// slices, and moves to version k+1; a pull of that slice waiting for k+1
+// is woken. The shard's version becomes k+1 when its last slice does. A
+// push for a step below the shard's version is stale (dropped, counted); a
+// push whose every slice this worker already pushed for the step is a
+// duplicate (ignored, counted); a push holding a non-finite gradient is
+// refused (counted) before anything else but its job is looked at. A push
+// for step k is accepted only at version k, and a worker pushes step k only
+// after pulling every slice at version k; so slices are never more than one
+// version apart, and at the moment the shard's version becomes k every
+// slice is exactly at k (snapshots are taken then).
 //
-// Readers do not copy: the values of a version are copied once, on its first
-// Pull or SnapshotAt, into an immutable Weights that every reader of that
-// version shares (by shared_ptr) and reads outside the shard's lock. A later
-// apply leaves it alone and works on the shard's own masters.
+// Readers do not copy: each slice's value at each version is published once,
+// by the thread that applied it, as an immutable vector that every reader of
+// that version shares (by shared_ptr) and reads outside the shard's lock.
+// The previous version of a slice that moved ahead stays published until the
+// shard's version catches up, so a reader of the whole shard at its version
+// sees every slice at exactly that version.
 //
-// The apply (averaging the pushes, then the optimizer) is elementwise: it
-// runs over ranges of at most `apply_range` elements of each slice, on the
-// thread of the push (or SetLiveWorkers) that completes the step and, given
-// an apply pool, on the pool's threads too. Each element is computed the same
-// way whatever the ranges and threads (the pushes are summed in worker-id
-// order), so the values are bit-identical to a sequential apply. The apply
-// holds the shard's lock throughout: nobody reads a version half applied.
+// The apply (averaging the pushes, then the optimizer) is elementwise and
+// runs outside the shard's lock, on the thread of the push (or
+// SetLiveWorkers) that completed the slice, over ranges of at most
+// `apply_range` elements, and, given an apply pool, on the pool's threads
+// too. Slices completed by different pushes are applied concurrently. Each
+// element is computed the same way whatever the ranges, threads and order
+// of arrival (the pushes are summed in worker-id order), so the values are
+// bit-identical to a sequential apply of whole pushes.
 //
 // Thread-safe: every method may be called from any RPC thread.
 #ifndef PSFLOW_PS_SHARD_H_
@@ -55,14 +66,28 @@ class Shard {
     std::vector<std::vector<float>> slots;
   };
 
-  // The value of every slice at one version. Immutable once published: the
-  // shard copies its values once per version, on the first read of that
-  // version, and every reader of the version shares that copy (readers may
-  // keep it, and read it without any lock, for as long as they like).
+  // One slice's value at one version, as published (see above): readers may
+  // keep it, and read it without any lock, for as long as they like.
+  using Value = std::shared_ptr<const std::vector<float>>;
+
+  // The value of every slice at one version (the slices' published values).
   struct Weights {
     int64_t version = 0;
     std::shared_ptr<const std::vector<SliceSpec>> slices;  // of the job, shared
-    std::vector<std::vector<float>> values;                // follows *slices
+    std::vector<Value> values;                             // follows *slices; never null
+  };
+
+  // What PullSlice hands back.
+  struct PulledSlice {
+    int64_t version = 0;  // the slice's version: min_version or one more
+    Value value;          // never null
+    absl::Duration waited;
+  };
+
+  // One gradient of a push: `slice` indexes Slices().
+  struct SliceGradient {
+    int slice = 0;
+    std::vector<float> values;
   };
 
   // What Pull hands back.
@@ -103,19 +128,38 @@ class Shard {
   // otherwise (no job yet, or another one). Shared, never changed.
   absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> Slices(uint64_t job_id) const;
 
-  // Waits until the version reaches min_version, then returns the weights at
-  // the version the shard has (copied once per version, not per call).
+  // Waits until the shard's version reaches min_version, then returns every
+  // slice at the version the shard has (no copy: the published values).
   // Ends early with DEADLINE_EXCEEDED at `deadline`, CANCELLED once
   // `cancelled()` is true (checked at least once a second), ABORTED when the
   // job is replaced and UNAVAILABLE after Shutdown.
   absl::StatusOr<Pulled> Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
                               const std::function<bool()>& cancelled);
 
-  // One worker's gradients for `step`, one vector per slice in Slices() order
-  // and of the slice's size (INVALID_ARGUMENT otherwise). A gradient holding
-  // a NaN or an infinity is refused with INVALID_ARGUMENT naming its slice
-  // ("non-finite gradient"), whatever the worker and step, and counted in
-  // Counters::refused_pushes; nothing of that push is kept.
+  // Waits until slice `slice` (an index into Slices()) reaches min_version
+  // and returns its value at the version it has. Errors as for Pull, and
+  // INVALID_ARGUMENT for an index out of range.
+  absl::StatusOr<PulledSlice> PullSlice(uint64_t job_id, int slice, int64_t min_version,
+                                        absl::Time deadline,
+                                        const std::function<bool()>& cancelled);
+
+  // One worker's gradients for `step`, for any of the shard's slices, each of
+  // its slice's size and named once (INVALID_ARGUMENT otherwise, before
+  // anything is kept). A gradient holding a NaN or an infinity is refused
+  // with INVALID_ARGUMENT naming its slice ("non-finite gradient"), whatever
+  // the worker and step, and counted in Counters::refused_pushes; nothing of
+  // that push is kept. Slices this worker already pushed for the step (or
+  // that were applied without it) are ignored; the push is DUPLICATE if that
+  // is all of it. A shard with no slices counts an empty push as the
+  // worker's whole step. A push may take several calls (one per slice as
+  // its chunks arrive), so stale and duplicate outcomes are not counted
+  // here: the caller counts each push once with CountOutcome.
+  absl::StatusOr<PushResponse::Outcome> PushSlices(uint64_t job_id, int worker, int64_t step,
+                                                   std::vector<SliceGradient> grads);
+  // Counts one push's outcome in Counters (stale, duplicate).
+  void CountOutcome(PushResponse::Outcome outcome);
+  // PushSlices of every slice, counted: one vector per slice in Slices()
+  // order (INVALID_ARGUMENT for another count).
   absl::StatusOr<PushResponse::Outcome> Push(uint64_t job_id, int worker, int64_t step,
                                              std::vector<std::vector<float>> grads);
 
@@ -126,7 +170,9 @@ class Shard {
   absl::Status SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version);
 
   // Values and slots as of exactly `version`, taken when the shard reaches
-  // it. FAILED_PRECONDITION if already past; the other errors as for Pull.
+  // it. FAILED_PRECONDITION if already past, or if the shard is at that
+  // version but has begun to apply the next step to some slice (their slots
+  // of `version` are gone); the other errors as for Pull.
   absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(
       uint64_t job_id, int64_t version, absl::Time deadline,
       const std::function<bool()>& cancelled);
@@ -162,47 +208,68 @@ class Shard {
   Stats stats() const;
 
  private:
+  // A slice's progress in the current step.
+  struct SliceState {
+    int64_t version = 0;    // version_, or version_ + 1 once applied
+    bool applying = false;  // claimed by a thread that applies it outside the lock
+    // Gradients pushed for the current step and not yet applied, by worker
+    // (kept apart so that a worker dropped mid-step takes its gradient away).
+    absl::flat_hash_map<int, std::vector<float>> pushes;
+    Value published;  // the value at `version`
+    Value previous;   // once applied: the value at version_, for whole-shard readers
+    // A buffer of the slice's size that no reader holds any more, reused for
+    // the next published value (or null).
+    std::shared_ptr<std::vector<float>> spare;
+  };
+
   absl::Status CheckJobLocked(uint64_t job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The one wait of Pull and SnapshotAt: returns OK once `reached()` holds
-  // (checked first, so a reached version is served past the deadline), or the
-  // error that ends the wait (see Pull). `what` names the call in messages,
-  // `version` is the version waited for.
+  // The one wait of the pulls and SnapshotAt: returns OK once `reached()`
+  // holds (checked first, so a reached version is served past the deadline),
+  // or the error that ends the wait (see Pull). `what` names the call in
+  // messages, `version` is the version waited for.
   absl::Status WaitLocked(uint64_t job_id, int64_t version, absl::Time deadline,
                           const std::function<bool()>& cancelled, absl::string_view what,
                           absl::FunctionRef<bool()> reached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The weights at version_, published on first use and kept until the next
-  // apply or Init.
-  std::shared_ptr<const Weights> WeightsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Applies the current step if every live worker has pushed for it.
-  void MaybeApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every slice's published value at version_.
+  std::shared_ptr<const Weights> WeightsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies slice `i` if every live worker has pushed it for the current
+  // step. Releases the lock while it computes (the slice is marked applying
+  // meanwhile), so callers must look at the state afresh afterwards.
+  void MaybeApplySliceLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every slice, and for a shard without slices the empty pushes.
+  void MaybeApplyAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The current step is applied to every slice: version_ + 1.
+  void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves workers whose joining version has come into the live set, and
-  // takes snapshots that wait for the current version.
+  // takes snapshots that wait for the current version (only while no slice
+  // has moved on from it).
   void OnVersionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ThreadPool* const apply_pool_;  // may be null; not owned
   const int64_t apply_range_;
 
   mutable absl::Mutex mu_;
-  absl::CondVar version_changed_;  // signalled on apply, Init and Shutdown
+  // Signalled when a slice is applied, and on Init and Shutdown.
+  absl::CondVar version_changed_;
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // steps applied (from the Init header's version on)
   std::shared_ptr<const std::vector<SliceSpec>> slices_
-      ABSL_GUARDED_BY(mu_);                               // replaced, never changed
-  std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);  // the masters the optimizer updates
-  // values_ as of version_ for readers; null until first asked for after an
-  // apply or Init. Never written through: an apply drops it instead.
-  std::shared_ptr<const Weights> weights_ ABSL_GUARDED_BY(mu_);
+      ABSL_GUARDED_BY(mu_);  // replaced, never changed
+  // The masters the optimizer updates. A slice marked applying is written by
+  // its applier without the lock; Init waits until no slice is applying.
+  std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);
+  std::vector<SliceState> slice_ ABSL_GUARDED_BY(mu_);  // follows *slices_
+  int applied_ ABSL_GUARDED_BY(mu_) = 0;   // slices at version_ + 1
+  int applying_ ABSL_GUARDED_BY(mu_) = 0;  // slices being applied outside the lock
+  // A shard without slices: the live workers that pushed for the current step.
+  absl::flat_hash_set<int> empty_pushes_ ABSL_GUARDED_BY(mu_);
   JobConfig job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Optimizer> optimizer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int, int64_t> joining_ ABSL_GUARDED_BY(mu_);  // worker -> first version
-  // Gradients pushed for the current step, by worker (kept apart so that a
-  // worker dropped mid-step takes its gradient with it).
-  absl::flat_hash_map<int, std::vector<std::vector<float>>> pending_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);  // scratch for the mean
+  std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);  // scratch of each slice's applier
   // Snapshots asked for, by version: filled when the shard reaches it, and
   // dropped when the last caller waiting for it leaves.
   struct PendingSnapshot {

@@ -1,5 +1,7 @@
 #include "ps/tensors.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace psflow::ps {
 namespace {
 
@@ -38,13 +40,53 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices, Data
   return sinks;
 }
 
+std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
+                                      const std::vector<int>& indices, DataType dtype,
+                                      std::vector<Shard::SliceGradient>* grads) {
+  grads->assign(indices.size(), {});
+  std::vector<TensorSink> sinks;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const SliceSpec& s = slices[indices[k]];
+    Shard::SliceGradient& g = (*grads)[k];
+    g.slice = indices[k];
+    g.values.resize(NumElements(s.shape()));
+    sinks.push_back({s.name(), "", ShapeOf(s), g.values.data(), true, dtype});
+  }
+  return sinks;
+}
+
+absl::StatusOr<std::vector<int>> SliceIndices(absl::Span<const int32_t> asked, int num_slices,
+                                              absl::string_view what) {
+  std::vector<int> indices;
+  if (asked.empty()) {
+    for (int i = 0; i < num_slices; ++i) indices.push_back(i);
+    return indices;
+  }
+  std::vector<bool> named(num_slices, false);
+  for (int32_t i : asked) {
+    if (i < 0 || i >= num_slices) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " names slice #", i, "; the ps holds ", num_slices, " slices"));
+    }
+    if (named[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " names slice #", i, " twice"));
+    }
+    named[i] = true;
+    indices.push_back(i);
+  }
+  return indices;
+}
+
 std::vector<TensorRef> WeightRefs(const Shard::Weights& weights, DataType dtype) {
   std::vector<TensorRef> refs;
   for (size_t i = 0; i < weights.slices->size(); ++i) {
-    const SliceSpec& s = (*weights.slices)[i];
-    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i].data(), dtype});
+    refs.push_back(SliceValueRef((*weights.slices)[i], weights.values[i], dtype));
   }
   return refs;
+}
+
+TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataType dtype) {
+  return {slice.name(), "", ShapeOf(slice), value->data(), dtype};
 }
 
 std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot) {
@@ -52,7 +94,7 @@ std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot) {
   std::vector<TensorRef> refs;
   for (size_t i = 0; i < weights.slices->size(); ++i) {
     const SliceSpec& s = (*weights.slices)[i];
-    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i].data()});
+    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i]->data()});
     for (size_t k = 0; k < snapshot.slot_names.size(); ++k) {
       refs.push_back({s.name(), snapshot.slot_names[k], ShapeOf(s), snapshot.slots[i][k].data()});
     }

@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
 #include "common/tensor_chunks.h"
 #include "proto/ps.pb.h"
 #include "ps/shard.h"
@@ -22,13 +26,26 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
                                   const std::vector<std::string>& slot_names,
                                   std::vector<Shard::SliceValues>* values);
 
-// Storage for one push's gradients of `slices` and sinks into it that decode
-// chunks of `dtype` (the job's wire dtype).
+// Storage for one push's gradients of `slices` (every one) and sinks into it
+// that decode chunks of `dtype` (the job's wire dtype).
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices, DataType dtype,
                                       std::vector<std::vector<float>>* grads);
+// The same for the slices `indices` of `slices` only (each a valid index):
+// grads[k] is for slices[indices[k]], and so is the k-th sink.
+std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
+                                      const std::vector<int>& indices, DataType dtype,
+                                      std::vector<Shard::SliceGradient>* grads);
+
+// The slices a pull or a push names (`asked`, indices into a shard's
+// `num_slices` slices; empty: all, in order). INVALID_ARGUMENT for an index
+// out of range or named twice; `what` names the call.
+absl::StatusOr<std::vector<int>> SliceIndices(absl::Span<const int32_t> asked, int num_slices,
+                                              absl::string_view what);
 
 // A pulled version's values, sent as `dtype`.
 std::vector<TensorRef> WeightRefs(const Shard::Weights& weights, DataType dtype);
+// One pulled slice's value, sent as `dtype`.
+TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataType dtype);
 
 // A snapshot's values and slots, in fp32 (checkpoints stay exact).
 std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot);

@@ -25,6 +25,10 @@ ABSL_FLAG(
     std::string, device, "cpu",
     "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
     "The parameter servers stay on CPUs either way.");
+ABSL_FLAG(int, ps_lanes, 4,
+          "Most concurrent pulls and pushes (lanes) per ps, each over its own connection, each of "
+          "consecutive slices of at least 1 MiB: a ps holding less uses fewer. 1: one stream each "
+          "way per ps.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief or a ps before exiting with code 138.");
 
@@ -45,6 +49,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "psflow-worker: --startup_timeout must be positive\n");
     return 1;
   }
+  const int lanes = absl::GetFlag(FLAGS_ps_lanes);
+  if (lanes < 1 || lanes > 64) {
+    std::fprintf(stderr, "psflow-worker: --ps_lanes must be in [1, 64], not %d\n", lanes);
+    return 1;
+  }
   psflow::SetLogTag(absl::StrCat("worker", config.task_index));
 
   psflow::worker::TrainerOptions options;
@@ -52,10 +61,12 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  options.lanes_per_ps = lanes;
   psflow::chief::GrpcClient chief(config.cluster.chief[0]);
-  psflow::worker::Trainer trainer(options, &chief, [](const std::vector<std::string>& addresses) {
-    return std::make_unique<psflow::ps::GrpcClient>(addresses);
-  });
+  psflow::worker::Trainer trainer(options, &chief,
+                                  [lanes](const std::vector<std::string>& addresses) {
+                                    return std::make_unique<psflow::ps::GrpcClient>(addresses, lanes);
+                                  });
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);

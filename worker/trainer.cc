@@ -186,89 +186,156 @@ absl::Status Trainer::Prepare() {
   if (!net.ok()) return Permanent(net.status());
   net_ = *std::move(net);
   // Pull into and push from the network's own buffers when they are host
-  // memory; otherwise stage on the host.
+  // memory; otherwise stage on the host, in memory the device copies fast.
   weights_ = net_->HostWeights();
   grads_ = net_->HostGradients();
   in_place_ = !weights_.empty();
   if (!in_place_) {
     for (const VariableShape& v : net_->variables()) {
-      staging_.emplace_back(NumElements(v.shape));
-      weights_.push_back(staging_.back().data());
-      staging_.emplace_back(NumElements(v.shape));
-      grads_.push_back(staging_.back().data());
+      for (int k = 0; k < 2; ++k) {
+        absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
+            backend_->AllocateHost(NumElements(v.shape));
+        if (!buffer.ok()) return Permanent(buffer.status());
+        staging_.push_back(*std::move(buffer));
+        (k == 0 ? weights_ : grads_).push_back(staging_.back()->data());
+      }
     }
   }
+  // Each ps's slices, cut into lanes of consecutive slices with about the
+  // same bytes each.
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
+  slices_of_.assign(job_.placement().variable_size(), 0);
+  lanes_.clear();
   for (int p = 0; p < job_.num_ps(); ++p) {
-    pull_sinks_.push_back(SliceSinks(job_.placement(), p, weights_, "", wire));
-    push_refs_.push_back(SliceRefs(job_.placement(), p, grads, "", wire));
+    const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
+    std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
+    std::vector<TensorRef> refs = SliceRefs(job_.placement(), p, grads, "", wire);
+    int64_t bytes = 0;
+    for (const SliceRef& r : slices) bytes += NumElements(r.slice_shape) * sizeof(float);
+    const int64_t lanes = std::clamp<int64_t>(bytes / std::max<int64_t>(options_.lane_bytes, 1), 1,
+                                              std::max(options_.lanes_per_ps, 1));
+    const size_t first = lanes_.size();
+    lanes_.push_back({p});
+    int64_t so_far = 0;
+    for (size_t i = 0; i < slices.size(); ++i) {
+      // A new lane once this one holds its share (and slices remain for it).
+      const int64_t filled = static_cast<int64_t>(lanes_.size() - first);
+      if (so_far * lanes >= bytes * filled && !lanes_.back().slices.empty()) lanes_.push_back({p});
+      Lane& lane = lanes_.back();
+      lane.slices.push_back(static_cast<int>(i));
+      lane.variables.push_back(slices[i].variable_index);
+      lane.sinks.push_back(std::move(sinks[i]));
+      lane.refs.push_back(std::move(refs[i]));
+      ++slices_of_[slices[i].variable_index];
+      so_far += NumElements(slices[i].slice_shape) * sizeof(float);
+    }
   }
-  pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));
+  to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
+  // A lane's pull may wait for its own push only: every lane needs a thread.
+  pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name()
-              << ", " << job_.num_ps() << " ps";
+              << ", " << job_.num_ps() << " ps, " << lanes_.size() << " lanes";
   return absl::OkStatus();
 }
 
-absl::Status Trainer::PullAll(int64_t min_version, int64_t* version, int64_t* wait_us) {
-  const int n = job_.num_ps();
+absl::Status Trainer::PullLane(int l, int64_t min_version, absl::Time start, int64_t* version,
+                              int64_t* wait_us) {
+  const Lane& lane = lanes_[l];
   ps::Client* const client = ps();
-  const uint64_t job_id = job_id_;
-  std::vector<int64_t> versions(n, -1), waits(n, 0);
+  absl::StatusOr<ps::Client::PullResult> r;
+  absl::Time last_ask;
+  do {  // ask again while the other workers are still on the step
+    if (stop_signal() != 0) return absl::CancelledError("stopping");
+    last_ask = absl::Now();
+    r = client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks,
+                     last_ask + options_.pull_wait + options_.transfer_timeout, options_.pull_wait);
+  } while (r.ok() && r->version < min_version);
+  if (!r.ok()) {
+    const absl::Status failed = FromPs(r.status());
+    if (IsRetryable(failed)) PSLOG(WARNING) << "retrying: " << failed.message();
+    return failed;
+  }
+  *version = r->version;
+  // Time spent on "not yet" answers (and retries) is waiting too.
+  *wait_us = r->wait_us + Micros(last_ask - start);
+  if (in_place_) return absl::OkStatus();
+  // Each variable goes to the device once its last slice is in.
+  for (int v : lane.variables) {
+    if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+    absl::Status s = net_->SetWeight(v, weights_[v]);
+    if (!s.ok()) {
+      absl::MutexLock lock(&upload_mu_);
+      upload_error_.Update(s);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, Exchanged* out) {
+  const int n = static_cast<int>(lanes_.size());
+  for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
+  {
+    absl::MutexLock lock(&upload_mu_);
+    upload_error_ = absl::OkStatus();
+  }
+  PushHeader header;
+  header.set_job_id(job_id_);
+  header.set_worker(options_.worker_index);
+  header.set_step(push_step);
+  std::vector<int64_t> versions(n, -1), waits(n, 0), pushed_at(n, 0);
+  std::vector<char> pushed(n, push_step < 0);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
   policy.stop = [this] { return Stopping(); };
+  ps::Client* const client = ps();
   const absl::Time start = absl::Now();
-  absl::Status s = FanOut(pool_.get(), n, policy, [&](int p) -> absl::Status {
-    absl::StatusOr<ps::Client::PullResult> r;
-    absl::Time last_ask;
-    do {  // ask again while the other workers are still on the step
-      if (stop_signal() != 0) return absl::CancelledError("stopping");
-      last_ask = absl::Now();
-      r = client->Pull(p, job_id, min_version, pull_sinks_[p],
-                       last_ask + options_.pull_wait + options_.transfer_timeout,
-                       options_.pull_wait);
-    } while (r.ok() && r->version < min_version);
-    if (!r.ok()) {
-      const absl::Status failed = FromPs(r.status());
-      if (IsRetryable(failed)) PSLOG(WARNING) << "retrying: " << failed.message();
-      return failed;
+  absl::Status s = FanOut(pool_.get(), n, policy, [&](int l) -> absl::Status {
+    const Lane& lane = lanes_[l];
+    if (!pushed[l]) {
+      // A retried push that had arrived after all is answered DUPLICATE (or
+      // STALE once applied): either way the ps has this worker's gradients.
+      PushHeader lane_header = header;
+      for (int i : lane.slices) lane_header.add_slices(i);
+      absl::Status pushed_status = FromPs(
+          client->Push(lane.ps, lane_header, lane.refs, absl::Now() + options_.transfer_timeout)
+              .status());
+      if (!pushed_status.ok()) {
+        if (IsRetryable(pushed_status)) PSLOG(WARNING) << "retrying: " << pushed_status.message();
+        return pushed_status;
+      }
+      pushed[l] = 1;
+      pushed_at[l] = Micros(absl::Now() - start);
     }
-    versions[p] = r->version;
-    // Time spent on "not yet" answers (and retries) is waiting too.
-    waits[p] = r->wait_us + Micros(last_ask - start);
-    return absl::OkStatus();
+    return PullLane(l, min_version, start, &versions[l], &waits[l]);
   });
   if (!s.ok()) return s;
-  *version = *std::min_element(versions.begin(), versions.end());
-  *wait_us = *std::max_element(waits.begin(), waits.end());
+  {
+    absl::MutexLock lock(&upload_mu_);
+    if (!upload_error_.ok()) {
+      return absl::InternalError(
+          absl::StrCat("copying weights to the device: ", upload_error_.message()));
+    }
+  }
+  out->version = *std::min_element(versions.begin(), versions.end());
+  out->wait_us = *std::max_element(waits.begin(), waits.end());
+  out->push_us = *std::max_element(pushed_at.begin(), pushed_at.end());
   const int64_t newest = *std::max_element(versions.begin(), versions.end());
   // One step apart: a worker died between its pushes of the last step to
   // different ps (some applied it, the others still wait for its push). Do
   // the older step: the ps past it answer STALE, the others get their push.
-  if (newest - *version > 1) {
+  if (newest - out->version > 1) {
     return absl::AbortedError(
-        absl::StrCat("ps disagree on the version: ", *version, " and ", newest));
+        absl::StrCat("ps disagree on the version: ", out->version, " and ", newest));
   }
   return absl::OkStatus();
 }
 
-absl::Status Trainer::PushAll(int64_t step) {
-  ps::Client* const client = ps();
-  PushHeader header;
-  header.set_job_id(job_id_);
-  header.set_worker(options_.worker_index);
-  header.set_step(step);
-  RetryPolicy policy;
-  policy.give_up = absl::Now() + options_.startup_timeout;
-  policy.stop = [this] { return Stopping(); };
-  // A retried push that had arrived after all is answered DUPLICATE (or
-  // STALE once applied): either way the ps has this worker's gradients.
-  return FanOut(pool_.get(), job_.num_ps(), policy, [&](int p) -> absl::Status {
-    absl::Status s = FromPs(
-        client->Push(p, header, push_refs_[p], absl::Now() + options_.transfer_timeout).status());
-    if (IsRetryable(s)) PSLOG(WARNING) << "retrying: " << s.message();
-    return s;
-  });
+absl::Status Trainer::PullAll(int64_t min_version, Exchanged* out) {
+  return RunLanes(/*push_step=*/-1, min_version, out);
+}
+
+absl::Status Trainer::Exchange(int64_t step, Exchanged* out) {
+  return RunLanes(step, step + 1, out);
 }
 
 void Trainer::ReportLoop() {
@@ -356,7 +423,6 @@ absl::Status Trainer::Train(int64_t start) {
   std::vector<int32_t> labels(batch);
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
-  const std::vector<const float*> weight_ptrs(weights_.begin(), weights_.end());
   const float wire_overflow = WireOverflow(WireDtypeOf(job_));
   auto job_failed = [this] {
     absl::MutexLock lock(&mu_);
@@ -365,6 +431,9 @@ absl::Status Trainer::Train(int64_t start) {
   const absl::Status failed = absl::FailedPreconditionError("the chief failed the job");
 
   int64_t step = start;
+  // The outcome of the latest round of pulls: the weights the next step uses.
+  Exchanged got;
+  bool have_weights = false;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -373,24 +442,26 @@ absl::Status Trainer::Train(int64_t start) {
     }
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     const absl::Time t0 = absl::Now();
-    int64_t version = 0, wait_us = 0;
-    absl::Status s = PullAll(step, &version, &wait_us);
-    if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-    if (job_failed()) return failed;
-    if (JobChanged(s)) return RegisterAgain(s.message());
-    if (!s.ok()) return PsFailure(s, "pull");
+    if (!have_weights) {
+      absl::Status s = PullAll(step, &got);
+      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (job_failed()) return failed;
+      if (JobChanged(s)) return RegisterAgain(s.message());
+      if (!s.ok()) return PsFailure(s, "pull");
+      have_weights = true;
+    }
     const absl::Time t1 = absl::Now();
-    if (version >= job_.train_steps()) break;
-    step = version;
+    if (got.version >= job_.train_steps()) break;
+    step = got.version;
     const int64_t epoch = step / job_.steps_per_epoch();
     const int64_t position = step % job_.steps_per_epoch();
     if (epoch != order_epoch) {
       order = sampler.EpochIndices(epoch);
       order_epoch = epoch;
     }
-    s = data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch),
+    absl::Status s =
+        data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch),
                           images.data(), labels.data());
-    if (s.ok() && !in_place_) s = net_->SetWeights(weight_ptrs);
     absl::StatusOr<model::Network::Result> result =
         s.ok() ? net_->TrainStep(images.data(), labels.data(), batch) : s;
     if (result.ok() && !in_place_) s = net_->GetGradients(grads_);
@@ -401,11 +472,11 @@ absl::Status Trainer::Train(int64_t start) {
     const absl::Time t2 = absl::Now();
     // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
     // is as diverged as one that already is.
-    // Each ps's slices are checked on the pool, as the pushes will go.
-    std::vector<char> finite_on(push_refs_.size(), 1);
-    FanOut(pool_.get(), static_cast<int>(push_refs_.size()), RetryPolicy(), [&](int p) {
-      for (const TensorRef& r : push_refs_[p]) {
-        if (!AllFinite(r.data, NumElements(r.shape), wire_overflow)) finite_on[p] = 0;
+    // Each lane's slices are checked on the pool, as the pushes will go.
+    std::vector<char> finite_on(lanes_.size(), 1);
+    FanOut(pool_.get(), static_cast<int>(lanes_.size()), RetryPolicy(), [&](int l) {
+      for (const TensorRef& r : lanes_[l].refs) {
+        if (!AllFinite(r.data, NumElements(r.shape), wire_overflow)) finite_on[l] = 0;
       }
       return absl::OkStatus();
     }).IgnoreError();  // the calls cannot fail
@@ -416,20 +487,28 @@ absl::Status Trainer::Train(int64_t start) {
                    << ") or the gradients are not finite (in the wire dtype); nothing pushed";
       return NonFinite(step);
     }
-    s = PushAll(step);
+    const int64_t pull_wait_us = got.wait_us;
+    s = Exchange(step, &got);
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+    if (job_failed()) return failed;
     if (JobChanged(s)) return RegisterAgain(s.message());
-    if (!s.ok()) return PsFailure(s, "push");
+    if (!s.ok()) return PsFailure(s, "exchange with the ps");
     const absl::Time t3 = absl::Now();
+    // The split of the step: compute; push until the last lane's push was
+    // answered; then pull, less the time the ps waited for the version (for
+    // the other workers and its applies). The first step's pull comes first.
+    const int64_t after_push_us = std::max<int64_t>(Micros(t3 - t2) - got.push_us, 0);
+    const int64_t wait_us = std::min(got.wait_us, after_push_us);
     StepMetrics m;
     m.set_step(step);
     m.set_loss(result->loss);
     m.set_correct(result->correct);
     m.set_examples(batch);
-    m.set_wait_us(wait_us);
-    m.set_pull_us(std::max<int64_t>(Micros(t1 - t0) - wait_us, 0));
+    m.set_wait_us(wait_us + std::min(pull_wait_us, Micros(t1 - t0)));
+    m.set_pull_us(after_push_us - wait_us +
+                  std::max<int64_t>(Micros(t1 - t0) - pull_wait_us, 0));
     m.set_compute_us(Micros(t2 - t1));
-    m.set_push_us(Micros(t3 - t2));
+    m.set_push_us(got.push_us);
     ++step;
     register_backoff_.Reset();
     absl::MutexLock lock(&mu_);

@@ -4,13 +4,20 @@
 // to the network; tests drive it against the fakes of tests/fakes/).
 //
 // Run() registers with the chief (retrying with backoff while the chief is
-// not up), takes its shard of every epoch and runs synchronous steps: pull the
-// weights of step k from every ps in parallel (asking again while a ps
-// answers "not yet"), forward and backward on its batch, push the gradients to
-// every ps in parallel (both in the job's wire dtype, JobConfig.wire_dtype; a
-// gradient that dtype cannot hold as a finite number makes the step
-// non-finite), and hand the step's metrics to a report loop that
-// sends them to the chief (the reports are also its heartbeat). A ps that
+// not up), takes its shard of every epoch and runs synchronous steps:
+// forward and backward on its batch with the weights of step k, then the
+// exchange with the ps. Each ps's slices travel in "lanes" (runs of
+// consecutive slices, several per ps when it holds many bytes), all in
+// parallel: a lane pushes its gradients of step k, then at once pulls its
+// slices of step k+1, which the ps sends slice by slice as each is applied
+// (asking again while a ps answers "not yet"). So one lane's pull overlaps
+// the other lanes' pushes and the ps's applies, and on a GPU each variable
+// is copied to the device (from page-locked memory) as soon as its last
+// slice is in, while the rest still travels. Both directions use the job's
+// wire dtype (JobConfig.wire_dtype; a gradient that dtype cannot hold as a
+// finite number makes the step non-finite). The step's metrics go to a
+// report loop that sends them to the chief (the reports are also its
+// heartbeat). A ps that
 // holds another job or none, drops this worker, or disagrees with its peers
 // on the version, or a chief that answers REGISTER, makes it register again
 // and train on from the step the chief names. When the ps reach the last step
@@ -67,6 +74,11 @@ struct TrainerOptions {
   // After a step that was not finite, how long to wait for the chief to
   // confirm that the job failed before exiting anyway.
   absl::Duration nonfinite_wait = absl::Seconds(30);
+  // A ps's slices travel in at most this many lanes (concurrent pulls and
+  // pushes, each over its own connection when the ps client has as many:
+  // worker/main.cc makes them match), of at least lane_bytes each.
+  int lanes_per_ps = 4;
+  int64_t lane_bytes = int64_t{1} << 20;
 };
 
 // Makes the client of the ps at `addresses` (by ps index), once, at the first
@@ -113,8 +125,24 @@ class Trainer {
   absl::Status Train(int64_t start);
   // After a step that was not finite: waits for the chief's verdict.
   absl::Status NonFinite(int64_t step);
-  absl::Status PullAll(int64_t min_version, int64_t* version, int64_t* wait_us);
-  absl::Status PushAll(int64_t step);
+  // What a round of pulls (and pushes) gives the step that follows.
+  struct Exchanged {
+    int64_t version = 0;  // the lowest of the ps's
+    int64_t wait_us = 0;  // the longest wait for a version, of any lane
+    int64_t push_us = 0;  // until the last lane's push was answered
+  };
+  // Pulls every lane's slices of min_version (no push).
+  absl::Status PullAll(int64_t min_version, Exchanged* out);
+  // Pushes every lane's gradients of `step`, each lane then pulling its
+  // slices of step + 1.
+  absl::Status Exchange(int64_t step, Exchanged* out);
+  // Both: pushes first when `push_step` >= 0.
+  absl::Status RunLanes(int64_t push_step, int64_t min_version, Exchanged* out);
+  // Pulls lane `l`'s slices of min_version (asking again while the ps
+  // answers "not yet"), then copies to the device each variable whose last
+  // slice this was. Sets *version and *wait_us.
+  absl::Status PullLane(int l, int64_t min_version, absl::Time start, int64_t* version,
+                        int64_t* wait_us);
   void ReportLoop();
   absl::Status TrainAndWait();
   // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.
@@ -138,18 +166,31 @@ class Trainer {
   // The training thread's own state.
   JobConfig job_;
   int64_t start_step_ = 0;            // from the latest registration
-  std::unique_ptr<ThreadPool> pool_;  // for parallel pulls and pushes
+  std::unique_ptr<ThreadPool> pool_;  // for the lanes' pulls and pushes
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
   data::Dataset data_;
   // Where pulls land and pushes come from, by variable: the network's own
-  // buffers when in_place_, else staging_ copied to and from the device.
+  // buffers when in_place_, else staging_ (page-locked where the device
+  // can) copied to and from the device.
   std::vector<float*> weights_, grads_;
   bool in_place_ = false;
-  std::vector<std::vector<float>> staging_;
-  // By ps: the sinks of its weights and the refs of its gradients.
-  std::vector<std::vector<TensorSink>> pull_sinks_;
-  std::vector<std::vector<TensorRef>> push_refs_;
+  std::vector<std::unique_ptr<kernels::Buffer>> staging_;
+  // Consecutive slices of one ps that travel together.
+  struct Lane {
+    int ps = 0;
+    std::vector<int> slices;        // indices into the ps's slices
+    std::vector<int> variables;     // the variable of each slice
+    std::vector<TensorSink> sinks;  // where the slices' weights land
+    std::vector<TensorRef> refs;    // the slices' gradients
+  };
+  std::vector<Lane> lanes_;
+  // By variable: its number of slices, and during a round of pulls the
+  // number still to come (the lane that brings the last one uploads it).
+  std::vector<int> slices_of_;
+  std::unique_ptr<std::atomic<int>[]> to_come_;
+  absl::Mutex upload_mu_;
+  absl::Status upload_error_ ABSL_GUARDED_BY(upload_mu_);  // of the current round
   Backoff register_backoff_;  // between registrations that end in no step
 
   mutable absl::Mutex mu_;

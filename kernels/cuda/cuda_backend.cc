@@ -7,6 +7,7 @@
 #include <cudnn.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
@@ -950,11 +951,45 @@ absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::Allocate(size_t floats) {
   return std::make_unique<CudaBuffer>(std::move(memory), floats);
 }
 
+namespace {
+
+// Page-locked host memory.
+class PinnedBuffer final : public Buffer {
+ public:
+  PinnedBuffer(float* data, size_t size) : data_(data), size_(size) {}
+  ~PinnedBuffer() override { static_cast<void>(cudaFreeHost(data_)); }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  float* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  float* const data_;
+  const size_t size_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::AllocateHost(size_t floats) {
+  if (floats > std::numeric_limits<size_t>::max() / sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("AllocateHost: ", floats, " floats is too many"));
+  }
+  void* memory = nullptr;
+  const size_t bytes = std::max<size_t>(floats, 1) * sizeof(float);
+  PSFLOW_RETURN_IF_ERROR(RunIn(*ctx_, "AllocateHost", floats, "floats", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cudaHostAlloc(&memory, bytes, cudaHostAllocPortable));
+    return absl::OkStatus();
+  }));
+  std::memset(memory, 0, bytes);
+  return std::make_unique<PinnedBuffer>(static_cast<float*>(memory), floats);
+}
+
 absl::Status CudaBackend::CopyToDevice(const float* host, size_t floats, float* device) {
   if (floats == 0) return absl::OkStatus();
   return RunIn(*ctx_, "CopyToDevice", floats, "floats", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
-    // From pageable memory: the driver stages the data before returning.
+    // From pageable memory the driver stages the data before returning; from
+    // page-locked memory the copy is queued like any other work.
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, floats * sizeof(float), cudaMemcpyHostToDevice,
                                       ctx_->stream));
     return absl::OkStatus();

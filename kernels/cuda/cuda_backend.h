@@ -79,6 +79,8 @@ class CudaBackend final : public Backend {
 
   // Zero-filled device memory (at least 256-byte aligned).
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) override;
+  // Page-locked (cudaHostAlloc, portable to every GPU of the process).
+  absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t floats) override;
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
   absl::Status Synchronize() override;

@@ -1,6 +1,8 @@
 #include "tests/fakes/fake_ps.h"
 
 #include <algorithm>
+#include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -78,11 +80,6 @@ struct Tensors {
   std::vector<TensorRef> refs;
 };
 
-// `dtype`: what the pull asks for.
-Tensors PulledTensors(const ps::Shard::Pulled& pulled, DataType dtype) {
-  return {pulled.weights->version, pulled.waited, ps::WeightRefs(*pulled.weights, dtype)};
-}
-
 Tensors SnapshotTensors(const ps::Shard::Snapshot& snap) {
   return {snap.weights->version, absl::ZeroDuration(), ps::SnapshotRefs(snap)};
 }
@@ -99,9 +96,9 @@ class FakePs::Connection final : public ps::Client {
     return fake_->DoInit(cancelled_, ps, header, tensors, deadline);
   }
   absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                  std::vector<TensorSink> sinks, absl::Time deadline,
-                                  absl::Duration max_wait) override {
-    return fake_->DoPull(cancelled_, ps, job_id, min_version, sinks, deadline, max_wait);
+                                  std::vector<int> slices, std::vector<TensorSink> sinks,
+                                  absl::Time deadline, absl::Duration max_wait) override {
+    return fake_->DoPull(cancelled_, ps, job_id, min_version, slices, sinks, deadline, max_wait);
   }
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override {
@@ -193,6 +190,7 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
 
 absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& cancelled, int ps,
                                                       uint64_t job_id, int64_t min_version,
+                                                      const std::vector<int>& slices,
                                                       std::vector<TensorSink>& sinks,
                                                       absl::Time deadline,
                                                       absl::Duration max_wait) {
@@ -201,42 +199,79 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
   // The one dtype of the sinks is what a ps::GrpcClient asks for.
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
+  auto specs = (*shard)->Slices(job_id);
+  if (!specs.ok()) return WithPs(ps, specs.status());
+  absl::StatusOr<std::vector<int>> indices =
+      ps::SliceIndices(slices, static_cast<int>((*specs)->size()), "pull");
+  if (!indices.ok()) return WithPs(ps, indices.status());
   const absl::Time start = absl::Now();
   const absl::Time wait_deadline =
       max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
   auto stop = [&] { return cancelled.load() || Down(ps); };
+  // Waits as the service does, in short slices so that SetDown and Restart
+  // are noticed: `pull(until)` is one wait. Not-yet answers are OK with no value.
   bool first = true;
-  while (true) {
-    const absl::Time asked = absl::Now();
-    const absl::Time slice_end = std::min(wait_deadline, asked + kPollEvery);
-    auto pulled = (*shard)->Pull(job_id, min_version, slice_end, stop);
-    if (pulled.ok()) {
-      const Tensors t = PulledTensors(*pulled, *dtype);
-      absl::Status s = CopyInto(t.refs, sinks);
-      if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
-      PullResult result;
-      result.version = t.version;
-      result.wait_us = absl::ToInt64Microseconds(asked - start + t.waited);
+  auto wait = [&](auto pull, absl::Time until,
+                  bool may_answer_not_yet)
+      -> absl::StatusOr<std::optional<std::decay_t<decltype(*pull(until))>>> {
+    while (true) {
+      const absl::Time slice_end = std::min(until, absl::Now() + kPollEvery);
+      auto pulled = pull(slice_end);
+      if (pulled.ok()) return std::optional<std::decay_t<decltype(*pulled)>>(*std::move(pulled));
+      const absl::Status& s = pulled.status();
+      if (absl::IsDeadlineExceeded(s) && slice_end < until && !stop()) {
+        first = false;
+        continue;  // not there yet: wait on
+      }
+      if (absl::IsDeadlineExceeded(s) && !stop() && may_answer_not_yet && until < deadline) {
+        return std::nullopt;
+      }
+      if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
+      if (cancelled) return WithPs(ps, absl::CancelledError("call cancelled"));
+      // The job check passed before: the job was replaced between two waits.
+      if (absl::IsFailedPrecondition(s) && !first) {
+        return WithPs(ps, absl::AbortedError("the job was replaced while waiting"));
+      }
+      return WithPs(ps, s);
+    }
+  };
+  PullResult result;
+  std::vector<TensorRef> refs;
+  std::vector<ps::Shard::Value> keep;  // the values refs point into
+  if (indices->empty()) {
+    auto pulled = wait(
+        [&](absl::Time until) { return (*shard)->Pull(job_id, min_version, until, stop); },
+        wait_deadline, true);
+    if (!pulled.ok()) return pulled.status();
+    if (!pulled->has_value()) {
+      result.version = (*shard)->stats().version;  // not yet
       return result;
     }
-    const absl::Status& s = pulled.status();
-    if (absl::IsDeadlineExceeded(s) && slice_end < wait_deadline && !stop()) {
-      first = false;
-      continue;  // not there yet: wait on
+    result.version = (**pulled).weights->version;
+    result.wait_us = absl::ToInt64Microseconds(absl::Now() - start);
+  } else {
+    result.version = std::numeric_limits<int64_t>::max();
+    for (size_t k = 0; k < indices->size(); ++k) {
+      const int i = (*indices)[k];
+      auto pulled = wait(
+          [&](absl::Time until) {
+            return (*shard)->PullSlice(job_id, i, min_version, until, stop);
+          },
+          k == 0 ? wait_deadline : deadline, k == 0);
+      if (!pulled.ok()) return pulled.status();
+      if (!pulled->has_value()) {
+        result.version = (*shard)->stats().version;  // not yet
+        return result;
+      }
+      if (k == 0) result.wait_us = absl::ToInt64Microseconds(absl::Now() - start);
+      result.version = std::min(result.version, (**pulled).version);
+      keep.push_back((**pulled).value);
+      refs.push_back(ps::SliceValueRef((**specs)[i], keep.back(), *dtype));
     }
-    if (absl::IsDeadlineExceeded(s) && !stop() && wait_deadline < deadline) {
-      PullResult not_yet;  // the version only: the caller asks again
-      not_yet.version = (*shard)->stats().version;
-      return not_yet;
-    }
-    if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
-    if (cancelled) return WithPs(ps, absl::CancelledError("call cancelled"));
-    // The job check passed before: the job was replaced between two waits.
-    if (absl::IsFailedPrecondition(s) && !first) {
-      return WithPs(ps, absl::AbortedError("the job was replaced while waiting"));
-    }
-    return WithPs(ps, s);
   }
+  absl::Status s = CopyInto(refs, sinks);
+  if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
+  return result;
 }
 
 absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, int ps,
@@ -250,13 +285,17 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
   absl::StatusOr<DataType> dtype = (*shard)->WireDtype(header.job_id());
   if (!dtype.ok()) return WithPs(ps, dtype.status());
   const std::vector<SliceSpec>& specs = **slices;
-  std::vector<std::vector<float>> values;
-  std::vector<TensorSink> sinks = ps::GradientSinks(specs, *dtype, &values);
+  absl::StatusOr<std::vector<int>> indices =
+      ps::SliceIndices(header.slices(), static_cast<int>(specs.size()), "push");
+  if (!indices.ok()) return WithPs(ps, indices.status());
+  std::vector<ps::Shard::SliceGradient> values;
+  std::vector<TensorSink> sinks = ps::GradientSinks(specs, *indices, *dtype, &values);
   absl::Status s = CopyInto(grads, sinks);
   if (!s.ok()) return WithPs(ps, s);
   absl::StatusOr<PushResponse::Outcome> outcome =
-      (*shard)->Push(header.job_id(), header.worker(), header.step(), std::move(values));
+      (*shard)->PushSlices(header.job_id(), header.worker(), header.step(), std::move(values));
   if (!outcome.ok()) return WithPs(ps, outcome.status());
+  (*shard)->CountOutcome(*outcome);
   PushResponse response;
   response.set_outcome(*outcome);
   response.set_version((*shard)->stats().version);
@@ -327,9 +366,10 @@ absl::Status FakePs::Init(int ps, const InitHeader& header, std::vector<TensorRe
 }
 
 absl::StatusOr<ps::Client::PullResult> FakePs::Pull(int ps, uint64_t job_id, int64_t min_version,
+                                                    std::vector<int> slices,
                                                     std::vector<TensorSink> sinks,
                                                     absl::Time deadline, absl::Duration max_wait) {
-  return DoPull(cancelled_, ps, job_id, min_version, sinks, deadline, max_wait);
+  return DoPull(cancelled_, ps, job_id, min_version, slices, sinks, deadline, max_wait);
 }
 
 absl::StatusOr<PushResponse> FakePs::Push(int ps, const PushHeader& header,

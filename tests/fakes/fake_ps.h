@@ -62,8 +62,8 @@ class FakePs final : public ps::Client {
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                     absl::Time deadline) override;
   absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
-                                  std::vector<TensorSink> sinks, absl::Time deadline,
-                                  absl::Duration max_wait = absl::ZeroDuration()) override;
+                                  std::vector<int> slices, std::vector<TensorSink> sinks,
+                                  absl::Time deadline, absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
   // Shuts the ps's shard down (later calls are UNAVAILABLE until Restart).
@@ -118,7 +118,8 @@ class FakePs final : public ps::Client {
   absl::Status DoInit(const std::atomic<bool>& cancelled, int ps, const InitHeader& header,
                       const std::vector<TensorRef>& tensors, absl::Time deadline);
   absl::StatusOr<PullResult> DoPull(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
-                                    int64_t min_version, std::vector<TensorSink>& sinks,
+                                    int64_t min_version, const std::vector<int>& slices,
+                                    std::vector<TensorSink>& sinks,
                                     absl::Time deadline, absl::Duration max_wait);
   absl::StatusOr<PushResponse> DoPush(const std::atomic<bool>& cancelled, int ps,
                                       const PushHeader& header, const std::vector<TensorRef>& grads,

@@ -117,8 +117,9 @@ class PsServiceTest : public ::testing::Test {
     p.big.assign(NumElements(kBigShape), -1);
     p.bias.assign(NumElements(kBiasShape), -1);
     absl::StatusOr<Client::PullResult> r = client_->Pull(
-        0, kJob, min_version,
-        {{"big", "", kBigShape, p.big.data()}, {"bias", "", kBiasShape, p.bias.data()}}, deadline);
+        0, kJob, min_version, {},
+        {{"big", "", kBigShape, p.big.data()}, {"bias", "", kBiasShape, p.bias.data()}}, deadline,
+        absl::ZeroDuration());
     if (!r.ok()) return r.status();
     p.version = r->version;
     return p;
@@ -395,7 +396,7 @@ TEST_F(PsServiceTest, PullFromAPsWithoutSlicesReportsItsVersion) {
     ASSERT_TRUE(client_->Push(0, push, {}, Deadline()).ok());
   }
   EXPECT_EQ(shard_.stats().version, 1);
-  absl::StatusOr<Client::PullResult> r = client_->Pull(0, kJob, 1, {}, Deadline());
+  absl::StatusOr<Client::PullResult> r = client_->Pull(0, kJob, 1, {}, {}, Deadline(), absl::ZeroDuration());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version, 1);
 }
@@ -615,10 +616,10 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
   // A pull in bf16 gives the rounded values, in half the bytes.
   std::vector<float> big16(big.size(), -1), bias16(bias_.size(), -1);
   absl::StatusOr<Client::PullResult> r =
-      client_->Pull(0, kJob, 0,
+      client_->Pull(0, kJob, 0, {},
                     {{"big", "", kBigShape, big16.data(), true, DT_BFLOAT16},
                      {"bias", "", kBiasShape, bias16.data(), true, DT_BFLOAT16}},
-                    Deadline());
+                    Deadline(), absl::ZeroDuration());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(big16, ThroughBfloat16(big));
   EXPECT_EQ(bias16, ThroughBfloat16(bias_));
@@ -650,9 +651,9 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
 
   // DT_FLOAT (what the chief asks for the saved model) gives the masters exactly.
   std::vector<float> big32(big.size(), -1), bias32(bias_.size(), -1);
-  r = client_->Pull(0, kJob, 1,
+  r = client_->Pull(0, kJob, 1, {},
                     {{"big", "", kBigShape, big32.data()}, {"bias", "", kBiasShape, bias32.data()}},
-                    Deadline());
+                    Deadline(), absl::ZeroDuration());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(big32, masters);
   EXPECT_EQ(bias32, SgdAfter(bias_, gb0, gb1));

@@ -119,8 +119,9 @@ std::vector<std::vector<float>> ReadWeights(ps::Client& ps, const JobConfig& job
     values.emplace_back(NumElements(v.shape));
   for (std::vector<float>& v : values) buffers.push_back(v.data());
   for (int p = 0; p < job.num_ps(); ++p) {
-    absl::StatusOr<ps::Client::PullResult> r = ps.Pull(
-        p, job_id, 0, SliceSinks(job.placement(), p, buffers), absl::Now() + absl::Seconds(5));
+    absl::StatusOr<ps::Client::PullResult> r = ps.Pull(p, job_id, 0, {}, SliceSinks(job.placement(), p, buffers),
+                                                       absl::Now() + absl::Seconds(5),
+                                                       absl::ZeroDuration());
     EXPECT_TRUE(r.ok()) << r.status();
   }
   return values;
