@@ -25,6 +25,13 @@
 namespace psflow::ps {
 namespace {
 
+// Every slice's values of a published version, copied.
+std::vector<std::vector<float>> ValuesOf(const Shard::Weights& weights) {
+  std::vector<std::vector<float>> out;
+  for (const Shard::Value& v : weights.values) out.push_back(*v);
+  return out;
+}
+
 using ::testing::HasSubstr;
 
 constexpr uint64_t kJob = 0xC0FFEE;
@@ -79,7 +86,7 @@ class ShardTest : public ::testing::Test {
   std::vector<std::vector<float>> Current() {
     absl::StatusOr<Shard::Pulled> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
     EXPECT_TRUE(snap.ok()) << snap.status();
-    return snap.ok() ? snap->weights->values : std::vector<std::vector<float>>{};
+    return snap.ok() ? ValuesOf(*snap->weights) : std::vector<std::vector<float>>{};
   }
 
   PushResponse::Outcome MustPush(int worker, int64_t step, std::vector<std::vector<float>> grads) {
@@ -113,7 +120,7 @@ TEST_F(ShardTest, SlicesAndInitialPull) {
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(snap->weights->version, 0);
   ASSERT_EQ(snap->weights->slices->size(), 2u);
-  EXPECT_EQ(snap->weights->values, (std::vector<std::vector<float>>{kA, kB}));
+  EXPECT_EQ(ValuesOf(*snap->weights), (std::vector<std::vector<float>>{kA, kB}));
 }
 
 TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
@@ -248,7 +255,7 @@ TEST(ShardInitTest, StartsAtTheHeaderVersion) {
   EXPECT_EQ(shard.stats().version, 8);
   absl::StatusOr<Shard::Pulled> snap = shard.Pull(kJob, 8, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
-  EXPECT_EQ(snap->weights->values, SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+  EXPECT_EQ(ValuesOf(*snap->weights), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
 }
 
 // Runs a waiting call of the shard (Pull or SnapshotAt) on another thread;
@@ -288,7 +295,7 @@ TEST_F(ShardTest, PullBlocksUntilTheStepIsApplied) {
   ASSERT_TRUE(pull.Done(absl::Seconds(5)));
   ASSERT_TRUE(pull.result().ok()) << pull.result().status();
   EXPECT_EQ(pull.result()->weights->version, 1);
-  EXPECT_EQ(pull.result()->weights->values, SgdAfter({kA, kB}, 0.5f, Grads(0.5f), Grads(1)));
+  EXPECT_EQ(ValuesOf(*pull.result()->weights), SgdAfter({kA, kB}, 0.5f, Grads(0.5f), Grads(1)));
   // It waited for the 100 ms of pushes above (less the time its thread took to start).
   EXPECT_GE(pull.result()->waited, absl::Milliseconds(40));
 }
@@ -381,7 +388,7 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
   ASSERT_TRUE(p2.ok()) << p2.status();
   ASSERT_NE(p1->weights, nullptr);
   EXPECT_EQ(p1->weights.get(), p2->weights.get()) << "the second pull made its own copy";
-  EXPECT_EQ(p1->weights->values[0].data(), p2->weights->values[0].data());
+  EXPECT_EQ(p1->weights->values[0].get(), p2->weights->values[0].get());
   // A snapshot of that version reads the same copy of the values.
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
       shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
@@ -419,21 +426,21 @@ TEST_F(ShardTest, APulledVersionIsNotChangedByLaterApplies) {
   absl::StatusOr<Shard::Pulled> p0 = shard_.Pull(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(p0.ok()) << p0.status();
   const std::vector<std::vector<float>> want0 = {kA, kB};
-  ASSERT_EQ(p0->weights->values, want0);
+  ASSERT_EQ(ValuesOf(*p0->weights), want0);
   for (int64_t step : {0, 1}) {
     MustPush(0, step, Grads(1));
     MustPush(1, step, Grads(3));
   }
   ASSERT_EQ(shard_.stats().version, 2);
   EXPECT_EQ(p0->weights->version, 0);
-  EXPECT_EQ(p0->weights->values, want0) << "an apply wrote into a published version";
+  EXPECT_EQ(ValuesOf(*p0->weights), want0) << "an apply wrote into a published version";
   const auto want2 = SgdAfter(SgdAfter(want0, 0.5f, Grads(1), Grads(3)), 0.5f, Grads(1), Grads(3));
   EXPECT_EQ(Current(), want2);
   // A pull kept across a re-Init of the same job keeps its values too.
   std::vector<Shard::SliceValues> zeros = Values();
   for (auto& v : zeros) std::fill(v.value.begin(), v.value.end(), 0.0f);
   ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), std::move(zeros)).ok());
-  EXPECT_EQ(p0->weights->values, want0);
+  EXPECT_EQ(ValuesOf(*p0->weights), want0);
   EXPECT_EQ(Current(), (std::vector<std::vector<float>>{std::vector<float>(6, 0.0f),
                                                         std::vector<float>(4, 0.0f)}));
 }
@@ -673,7 +680,7 @@ void ExpectSnapshotIs(const Shard::Snapshot& snap, int64_t version, const Moment
   ASSERT_EQ(snap.weights->values.size(), 2u);
   ASSERT_EQ(snap.slots.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(snap.weights->values[i], want.w[i]) << "slice " << i;
+    EXPECT_EQ(*snap.weights->values[i], want.w[i]) << "slice " << i;
     ASSERT_EQ(snap.slots[i].size(), 1u);
     EXPECT_EQ(snap.slots[i][0], want.buf[i]) << "slice " << i;
   }
@@ -1135,6 +1142,163 @@ TEST(ShardParallelApplyContractTest, WaitingPullsSeeTheWholeApply) {
   }
   for (const auto& v : before->weights->values)
     EXPECT_THAT(v, ::testing::Each(::testing::Eq(1.0f)));
+}
+
+// ---------------------------------------------------------------- slice by slice
+
+// Gradient `i` of Grads(scale), as a push of that slice alone.
+std::vector<Shard::SliceGradient> SliceGrad(int i, float scale) {
+  return {{i, Grads(scale)[i]}};
+}
+
+TEST_F(ShardTest, AppliesEachSliceOnceEveryWorkerPushedIt) {
+  const std::vector<std::vector<float>> after = SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(2));
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(1, 1)).ok());
+  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(1, 2)).ok());
+  // Slice b is applied; slice a waits for its pushes, and so does the shard's version.
+  absl::StatusOr<Shard::PulledSlice> b = shard_.PullSlice(kJob, 1, 1, Soon(), nullptr);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->version, 1);
+  EXPECT_EQ(*b->value, after[1]);
+  EXPECT_EQ(shard_.stats().version, 0);
+  EXPECT_EQ(shard_.PullSlice(kJob, 0, 1, absl::Now() + absl::Milliseconds(20), nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // A reader of the whole shard still sees version 0, b included.
+  EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
+  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 2)).ok());
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(shard_.stats().applied, 1);
+  EXPECT_EQ(Current(), after) << "the same as whole pushes";
+}
+
+TEST_F(ShardTest, APullOfASliceWakesWhenThatSliceIsApplied) {
+  absl::StatusOr<Shard::PulledSlice> got;
+  std::thread puller([&] { got = shard_.PullSlice(kJob, 0, 1, Soon(), nullptr); });
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
+  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 1)).ok());
+  puller.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->version, 1);
+  EXPECT_EQ(*got->value, SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1))[0]);
+  EXPECT_EQ(shard_.stats().version, 0) << "slice b is not pushed yet";
+}
+
+TEST_F(ShardTest, RepeatedSlicesAreDuplicatesAndBadOnesRefusedWhole) {
+  ASSERT_EQ(*shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(*shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 64)), PushResponse::DUPLICATE);
+  // Partly new: accepted; the slice already pushed keeps its first gradient.
+  EXPECT_EQ(*shard_.PushSlices(kJob, 0, 0, {{0, Grads(64)[0]}, {1, Grads(1)[1]}}),
+            PushResponse::ACCEPTED);
+  // Named twice, out of range, wrong size: refused before anything is kept.
+  EXPECT_EQ(shard_.PushSlices(kJob, 1, 0, {{0, Grads(1)[0]}, {0, Grads(1)[0]}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.PushSlices(kJob, 1, 0, {{0, Grads(1)[0]}, {2, Grads(1)[1]}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.PushSlices(kJob, 1, 0, {{0, Grads(1)[0]}, {1, Grads(1)[0]}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(shard_.stats().version, 0) << "nothing of worker 1 was kept";
+  EXPECT_EQ(shard_.PullSlice(kJob, 2, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_EQ(*shard_.PushSlices(kJob, 1, 0, {{1, Grads(1)[1]}, {0, Grads(1)[0]}}),
+            PushResponse::ACCEPTED);
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+}
+
+TEST_F(ShardTest, ADroppedWorkerTakesItsSlicesAway) {
+  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 8)).ok());
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(1, 1)).ok());
+  // Dropping worker 1 completes slice b (worker 0 alone) but forgets 1's a.
+  ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0}, 0).ok());
+  absl::StatusOr<Shard::PulledSlice> b = shard_.PullSlice(kJob, 1, 1, Soon(), nullptr);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(Current(), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)))
+      << "each slice is worker 0's gradient alone";
+}
+
+TEST_F(ShardTest, NoSnapshotOfAVersionOnceASliceMovedOn) {
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(1, 1)).ok());
+  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(1, 1)).ok());
+  // Slice b's slots of version 0 are gone: the snapshot cannot be exact.
+  EXPECT_EQ(shard_.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // One asked for ahead is taken the moment the shard gets there.
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap;
+  std::thread taker([&] { snap = shard_.SnapshotAt(kJob, 1, Soon(), nullptr); });
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
+  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 1)).ok());
+  taker.join();
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(ValuesOf(*(*snap)->weights), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+}
+
+// Many workers push their slices in random orders and splits from their own
+// threads, with an apply pool, for several steps: every version equals the
+// sequential apply of whole pushes, bit for bit.
+TEST(ShardConcurrencyTest, SliceByslicePushesMatchWholePushes) {
+  constexpr int kWorkers = 4, kSteps = 20, kSlices = 12;
+  InitHeader header;
+  header.set_job_id(kJob);
+  header.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
+  header.mutable_job()->mutable_optimizer()->set_learning_rate(0.01f);
+  for (int w = 0; w < kWorkers; ++w) header.add_live_workers(w);
+  std::vector<Shard::SliceValues> init(kSlices);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1, 1);
+  for (int i = 0; i < kSlices; ++i) {
+    SliceSpec* s = header.add_slice();
+    s->set_name(absl::StrCat("v", i));
+    const int n = 1000 + 5000 * i;
+    s->add_shape(n);
+    s->set_row_end(n);
+    for (int k = 0; k < n; ++k) init[i].value.push_back(uniform(rng));
+  }
+  // grads[step][worker][slice]
+  std::vector<std::vector<std::vector<std::vector<float>>>> grads(kSteps);
+  for (auto& step : grads) {
+    step.resize(kWorkers);
+    for (auto& worker : step) {
+      for (int i = 0; i < kSlices; ++i) {
+        worker.emplace_back(init[i].value.size());
+        for (float& g : worker.back()) g = uniform(rng);
+      }
+    }
+  }
+  Shard whole;
+  ASSERT_TRUE(whole.Init(header, init).ok());
+  ThreadPool pool(3);
+  Shard sliced(&pool, /*apply_range=*/4096);
+  ASSERT_TRUE(sliced.Init(header, init).ok());
+  for (int step = 0; step < kSteps; ++step) {
+    for (int w = 0; w < kWorkers; ++w) ASSERT_TRUE(whole.Push(kJob, w, step, grads[step][w]).ok());
+    std::vector<std::thread> workers;
+    for (int w = 0; w < kWorkers; ++w) {
+      workers.emplace_back([&, w] {
+        std::mt19937 order_rng(step * 100 + w);
+        std::vector<int> order(kSlices);
+        for (int i = 0; i < kSlices; ++i) order[i] = i;
+        std::shuffle(order.begin(), order.end(), order_rng);
+        for (size_t k = 0; k < order.size();) {  // pushes of 1 to 3 slices
+          std::vector<Shard::SliceGradient> part;
+          for (size_t end = std::min(order.size(), k + 1 + order_rng() % 3); k < end; ++k)
+            part.push_back({order[k], grads[step][w][order[k]]});
+          EXPECT_TRUE(sliced.PushSlices(kJob, w, step, std::move(part)).ok());
+        }
+      });
+    }
+    for (std::thread& t : workers) t.join();
+    absl::StatusOr<Shard::Pulled> a = whole.Pull(kJob, step + 1, Soon(), nullptr);
+    absl::StatusOr<Shard::Pulled> b = sliced.Pull(kJob, step + 1, Soon(), nullptr);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(b->weights->version, step + 1);
+    ASSERT_EQ(ValuesOf(*a->weights), ValuesOf(*b->weights)) << "step " << step;
+  }
 }
 
 }  // namespace
