@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# psflow with two GPU workers against PyTorch DistributedDataParallel on the
+# same two GPUs of one host, in one run:
+#   1. PyTorch DDP over NCCL on cuda:0 and cuda:1 (bench/pytorch_ddp.py), the
+#      resnet at batch 128 per GPU and the cnn at 64, fp32, SGD, synthetic
+#      inputs that stay on the GPUs: the baseline;
+#   2. psflow jobs with 2 GPU workers (cuda:0, cuda:1) and 2, 4 and 8 ps on
+#      the host's CPUs over loopback, the same models and batches per worker
+#      (the resnet on synthetic 32x32x3 data, the cnn on Fashion-MNIST), SGD,
+#      fp32 and bf16 on the wire: the chief's examples/s after the first
+#      interval, its ratio to DDP's, and the step split (pull, compute, push,
+#      wait) of the last progress line;
+#   3. with the resnet among MODELS: one GPU worker through 2 ps (resnet b128,
+#      each wire) against the same model trained alone on cuda:0
+#      (psflow-bench-step's CUDA graph step, the kind of step a worker runs),
+#      with PyTorch on one GPU beside it.
+# Usage: bench/gpu_vs_ddp.sh [build/bin]
+#   PS_COUNTS ("2 4 8"), WIRES ("fp32 bf16"), MODELS ("resnet cnn"),
+#   RESNET_STEPS (400), CNN_STEPS (6000), ONE_WORKER_STEPS (320: the resnet
+#   jobs of part 3), DATA_DIR (the Fashion-MNIST IDX files, default Debian's
+#   package's path). The chief logs every eighth of a job's steps, so step
+#   counts that are multiples of 8 keep the last progress line a full
+#   interval. DDP runs as many timed steps as the psflow jobs, after 20 more.
+set -euo pipefail
+bin=${1:-build/bin}
+here=$(cd "$(dirname "$0")" && pwd)
+ps_counts=${PS_COUNTS:-2 4 8}
+wires=${WIRES:-fp32 bf16}
+models=${MODELS:-resnet cnn}
+resnet_steps=${RESNET_STEPS:-400}
+cnn_steps=${CNN_STEPS:-6000}
+one_steps=${ONE_WORKER_STEPS:-320}
+data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
+export NCCL_NVLS_ENABLE=0  # NCCL's NVLink multicast stays off
+
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l) || gpus=0
+[ "$gpus" -ge 2 ] || { echo "gpu_vs_ddp.sh: needs 2 GPUs, $gpus visible" >&2; exit 1; }
+for tool in psflow-launch psflow-bench-step; do
+  [ -x "$bin/$tool" ] || { echo "gpu_vs_ddp.sh: no $bin/$tool (give the binaries' directory)" >&2; exit 1; }
+done
+for model in $models; do
+  case $model in
+    resnet) ;;
+    cnn) [ -d "$data_dir" ] || { echo "gpu_vs_ddp.sh: no Fashion-MNIST at $data_dir (set DATA_DIR)" >&2; exit 1; } ;;
+    *) echo "gpu_vs_ddp.sh: unknown model '$model' in MODELS (resnet, cnn)" >&2; exit 1 ;;
+  esac
+done
+torch=$(python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null) \
+  || { echo "gpu_vs_ddp.sh: python3 cannot import torch (the DDP baseline needs it)" >&2; exit 1; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+batch_of() { if [ "$1" = resnet ]; then echo 128; else echo 64; fi; }
+steps_of() { if [ "$1" = resnet ]; then echo "$resnet_steps"; else echo "$cnn_steps"; fi; }
+
+# ddp NAME GPUS MODEL STEPS: runs bench/pytorch_ddp.py; sets $ddp_rate.
+ddp() {
+  local name=$1 n=$2 model=$3 steps=$4
+  python3 "$here/pytorch_ddp.py" --model="$model" --gpus="$n" --batch_size="$(batch_of "$model")" \
+      --warmup=20 --steps="$steps" > "$tmp/$name.log" 2>&1 \
+    || { echo "$name failed:" >&2; tail -30 "$tmp/$name.log" >&2; exit 1; }
+  grep '^ddp ' "$tmp/$name.log" || true
+  ddp_rate=$(sed -n 's/^ddp .* examples\/s=\([0-9.]*\).*/\1/p' "$tmp/$name.log")
+  [ -n "$ddp_rate" ] || { echo "$name printed no examples/s:" >&2; tail -30 "$tmp/$name.log" >&2; exit 1; }
+}
+
+# psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job;
+# sets $rate (ex/s after the first interval) and $split ("step pull compute
+# push wait", ms, of the last progress line).
+psflow() {
+  local name=$1 workers=$2 devices=$3 ps=$4 wire=$5 model=$6 steps=$7 data
+  if [ "$model" = resnet ]; then
+    data=(--dataset=synthetic --synthetic_examples=20000)
+  else
+    data=(--data_dir="$data_dir")
+  fi
+  launch_job "$name" --ps="$ps" --workers="$workers" --worker_devices="$devices" -- \
+    --model="$model" "${data[@]}" --batch_size="$(batch_of "$model")" --train_steps="$steps" \
+    --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
+    --wire_dtype="$wire"
+  rate=$(ex_per_s "$tmp/$name.log")
+  split=$( (grep -E '^\[chief\].* step [0-9]+/' "$tmp/$name.log" || true) | tail -1 | sed -n \
+    's/.*| step \([0-9.]*\) ms (pull \([0-9.]*\) compute \([0-9.]*\) push \([0-9.]*\) wait \([0-9.]*\)).*/\1 \2 \3 \4 \5/p')
+  rate=${rate:-0} split=${split:-- - - - -}
+  echo "$name: $rate ex/s, step $split (ms: step pull compute push wait)"
+}
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "-" }'; }
+
+echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - | sed 's/,/, /g');" \
+  "$(nproc) CPU cores; $torch"
+echo "== PyTorch DDP, 2 GPUs"
+declare -A ddp_of
+for model in $models; do
+  ddp "ddp_$model" 2 "$model" "$(steps_of "$model")"
+  ddp_of[$model]=$ddp_rate
+done
+
+echo "== psflow, 2 GPU workers (cuda:0, cuda:1), ps on $(nproc) CPU cores"
+rows=()
+for model in $models; do
+  for wire in $wires; do
+    for ps in $ps_counts; do
+      psflow "${model}_${wire}_${ps}ps" 2 cuda:0,cuda:1 "$ps" "$wire" "$model" "$(steps_of "$model")"
+      rows+=("$model $wire $ps $rate ${ddp_of[$model]} $(ratio "$rate" "${ddp_of[$model]}") $split")
+    done
+  done
+done
+
+one_rows=()
+if [[ " $models " == *" resnet "* ]]; then
+  echo "== one GPU (cuda:0), resnet b128: alone, and one worker through 2 ps"
+  "$bin/psflow-bench-step" --model=resnet --batch_sizes=128 --device=cuda:0 --modes=eager,graph \
+    --steps=200 --repeats=3 > "$tmp/alone.log" 2>&1 \
+    || { echo "psflow-bench-step failed:" >&2; tail -30 "$tmp/alone.log" >&2; exit 1; }
+  grep '^step ' "$tmp/alone.log" || true
+  alone=$(sed -n 's/.* mode=graph ms=[0-9.]* examples_per_s=\([0-9]*\).*/\1/p' "$tmp/alone.log")
+  alone_mode=graph
+  if [ -z "$alone" ]; then  # no graph for this model and batch: workers run eager steps then
+    alone=$(sed -n 's/.* mode=eager ms=[0-9.]* examples_per_s=\([0-9]*\).*/\1/p' "$tmp/alone.log")
+    alone_mode=eager
+  fi
+  ddp torch_1gpu 1 resnet "$resnet_steps"
+  torch_one=$ddp_rate
+  for wire in $wires; do
+    psflow "one_${wire}" 1 cuda:0 2 "$wire" resnet "$one_steps"
+    one_rows+=("$wire 2 $rate ${alone:-0} $(ratio "$rate" "${alone:-0}") $split")
+  done
+fi
+
+echo
+echo "psflow (2 GPU workers, ps on the CPUs) against PyTorch DDP (2 GPUs); batch per GPU:" \
+  "resnet 128, cnn 64; ratio = psflow / DDP"
+printf '%-7s %-5s %3s %12s %9s %6s %8s %6s %8s %6s %6s\n' \
+  model wire ps "psflow_ex/s" "ddp_ex/s" ratio step_ms pull compute push wait
+for row in "${rows[@]}"; do
+  # shellcheck disable=SC2086  # the row's fields, one argument each
+  printf '%-7s %-5s %3s %12.0f %9.0f %6s %8s %6s %8s %6s %6s\n' $row
+done
+if [ ${#one_rows[@]} -gt 0 ]; then
+  echo
+  echo "resnet b128 on cuda:0: psflow alone ${alone} ex/s ($alone_mode step), PyTorch alone" \
+    "$(printf '%.0f' "$torch_one") ex/s; PyTorch DDP on 2 GPUs" \
+    "$(ratio "${ddp_of[resnet]}" "$torch_one")x its one GPU; ratio = through the ps / psflow alone"
+  printf '%-5s %3s %12s %9s %6s %8s %6s %8s %6s %6s\n' \
+    wire ps "psflow_ex/s" "alone_ex/s" ratio step_ms pull compute push wait
+  for row in "${one_rows[@]}"; do
+    # shellcheck disable=SC2086
+    printf '%-5s %3s %12.0f %9.0f %6s %8s %6s %8s %6s %6s\n' $row
+  done
+fi
+echo "whole run: ${SECONDS} s"
