@@ -31,8 +31,7 @@ inline constexpr size_t kChunkBytes = 1 << 20;
 // keepalive settings. Channels with `own_connection` set never share their
 // TCP connection with another channel (one HTTP/2 connection carries its
 // streams on one thread of each side: several of them move more bytes).
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
-                                           bool own_connection = false);
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, bool own_connection = false);
 
 // Starts a server for `service` on 0.0.0.0:port (all interfaces) with
 // psflow's limits, without SO_REUSEPORT (a port another process holds is an

@@ -17,8 +17,7 @@ namespace {
 // Finish() returns.
 template <typename Response>
 absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>* reader,
-                                                   ChunkAssembler* assembler,
-                                                   bool mixed_versions) {
+                                                   ChunkAssembler* assembler, bool mixed_versions) {
   std::optional<Response> first;
   Response response;
   absl::Status bad;
@@ -61,8 +60,7 @@ absl::Status WriteHeaderAndTensors(grpc::ClientWriter<Request>* writer, const He
 }  // namespace
 
 bool GrpcClient::Reachable(int ps) const {
-  const grpc_connectivity_state state =
-      links_[ps]->channels[0]->GetState(/*try_to_connect=*/false);
+  const grpc_connectivity_state state = links_[ps]->channels[0]->GetState(/*try_to_connect=*/false);
   return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
 }
 
@@ -88,16 +86,14 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
                               absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   InitResponse response;
-  return WithPs(ps, WriteHeaderAndTensors(links_[ps]->stubs[0]->Init(call.context(), &response).get(), header,
-                                          std::move(tensors)));
+  return WithPs(
+      ps, WriteHeaderAndTensors(links_[ps]->stubs[0]->Init(call.context(), &response).get(), header,
+                                std::move(tensors)));
 }
 
-absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(int ps, uint64_t job_id,
-                                                        int64_t min_version,
-                                                        std::vector<int> slices,
-                                                        std::vector<TensorSink> sinks,
-                                                        absl::Time deadline,
-                                                        absl::Duration max_wait) {
+absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
+    int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
+    std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
@@ -126,8 +122,8 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PushResponse response;
-  absl::Status s = WriteHeaderAndTensors(NextStub(ps)->Push(call.context(), &response).get(), header,
-                                         std::move(grads));
+  absl::Status s = WriteHeaderAndTensors(NextStub(ps)->Push(call.context(), &response).get(),
+                                         header, std::move(grads));
   if (!s.ok()) return WithPs(ps, s);
   return response;
 }
@@ -135,7 +131,8 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
 absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PsState state;
-  absl::Status s = FromGrpcStatus(links_[ps]->stubs[0]->GetState(call.context(), GetStateRequest(), &state));
+  absl::Status s =
+      FromGrpcStatus(links_[ps]->stubs[0]->GetState(call.context(), GetStateRequest(), &state));
   if (!s.ok()) return WithPs(ps, s);
   return state;
 }
@@ -148,7 +145,8 @@ absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vect
   for (int w : live) request.add_live_workers(w);
   request.set_from_version(from_version);
   SetLiveWorkersResponse response;
-  return WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->SetLiveWorkers(call.context(), request, &response)));
+  return WithPs(
+      ps, FromGrpcStatus(links_[ps]->stubs[0]->SetLiveWorkers(call.context(), request, &response)));
 }
 
 absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,

@@ -20,7 +20,8 @@ bool NonFinite(const std::vector<float>& values) {
   // per slice, with no branch per value.
   constexpr uint32_t kExponent = 0x7f800000;
   uint32_t max_exponent = 0;
-  for (float g : values) max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
+  for (float g : values)
+    max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
   return max_exponent == kExponent;
 }
 
@@ -144,8 +145,8 @@ absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, 
   return pulled;
 }
 
-absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice,
-                                                    int64_t min_version, absl::Time deadline,
+absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice, int64_t min_version,
+                                                    absl::Time deadline,
                                                     const std::function<bool()>& cancelled) {
   const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
@@ -157,10 +158,10 @@ absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice,
     return absl::InvalidArgumentError(
         absl::StrCat("pull of slice #", slice, "; the ps holds ", slice_.size(), " slices"));
   }
-  PSFLOW_RETURN_IF_ERROR(WaitLocked(
-      job_id, min_version, deadline, cancelled, "pull", [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !in_range() || slice_[slice].version >= min_version;
-      }));
+  PSFLOW_RETURN_IF_ERROR(WaitLocked(job_id, min_version, deadline, cancelled, "pull",
+                                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                      return !in_range() || slice_[slice].version >= min_version;
+                                    }));
   if (!in_range()) return absl::AbortedError("the job was reloaded while waiting");
   PulledSlice pulled;
   pulled.version = slice_[slice].version;
@@ -210,10 +211,9 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   };
   if (non_finite >= 0) {
     ++counters_.refused_pushes;
-    return absl::InvalidArgumentError(absl::StrCat("non-finite gradient for ",
-                                                   name_of(grads[non_finite].slice),
-                                                   " from worker ", worker, " at step ", step,
-                                                   ": push refused"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("non-finite gradient for ", name_of(grads[non_finite].slice), " from worker ",
+                     worker, " at step ", step, ": push refused"));
   }
   if (!live_workers_.contains(worker)) {
     return absl::FailedPreconditionError(
@@ -228,8 +228,8 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   std::vector<bool> named(slice_.size(), false);
   for (const SliceGradient& g : grads) {
     if (g.slice < 0 || static_cast<size_t>(g.slice) >= slice_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("push names slice #", g.slice, "; the ps holds ",
-                                                     slice_.size(), " slices"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("push names slice #", g.slice, "; the ps holds ", slice_.size(), " slices"));
     }
     if (named[g.slice]) {
       return absl::InvalidArgumentError(absl::StrCat("push names ", name_of(g.slice), " twice"));
@@ -429,8 +429,9 @@ absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
   }
   ++snapshots_[version].waiters;
   OnVersionLocked();  // takes it now if the shard is at that version
-  absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot",
-                              [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return taken() || past(); });
+  absl::Status s =
+      WaitLocked(job_id, version, deadline, cancelled, "snapshot",
+                 [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return taken() || past(); });
   std::shared_ptr<const Snapshot> data;
   // Every way out drops this caller's claim on the snapshot.
   auto it = snapshots_.find(version);

@@ -261,8 +261,8 @@ class Shard {
   // its applier without the lock; Init waits until no slice is applying.
   std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);
   std::vector<SliceState> slice_ ABSL_GUARDED_BY(mu_);  // follows *slices_
-  int applied_ ABSL_GUARDED_BY(mu_) = 0;   // slices at version_ + 1
-  int applying_ ABSL_GUARDED_BY(mu_) = 0;  // slices being applied outside the lock
+  int applied_ ABSL_GUARDED_BY(mu_) = 0;                // slices at version_ + 1
+  int applying_ ABSL_GUARDED_BY(mu_) = 0;               // slices being applied outside the lock
   // A shard without slices: the live workers that pushed for the current step.
   absl::flat_hash_set<int> empty_pushes_ ABSL_GUARDED_BY(mu_);
   JobConfig job_ ABSL_GUARDED_BY(mu_);

@@ -63,10 +63,10 @@ int main(int argc, char** argv) {
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
   options.lanes_per_ps = lanes;
   psflow::chief::GrpcClient chief(config.cluster.chief[0]);
-  psflow::worker::Trainer trainer(options, &chief,
-                                  [lanes](const std::vector<std::string>& addresses) {
-                                    return std::make_unique<psflow::ps::GrpcClient>(addresses, lanes);
-                                  });
+  psflow::worker::Trainer trainer(
+      options, &chief, [lanes](const std::vector<std::string>& addresses) {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, lanes);
+      });
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);

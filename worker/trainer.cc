@@ -238,9 +238,9 @@ absl::Status Trainer::Prepare() {
   return absl::OkStatus();
 }
 
-absl::Status Trainer::PullLane(int l, int64_t min_version, absl::Time start, int64_t* version,
-                              int64_t* wait_us) {
+absl::Status Trainer::PullLane(int l, int64_t min_version, int64_t* version, int64_t* wait_us) {
   const Lane& lane = lanes_[l];
+  const absl::Time start = absl::Now();
   ps::Client* const client = ps();
   absl::StatusOr<ps::Client::PullResult> r;
   absl::Time last_ask;
@@ -271,7 +271,8 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, absl::Time start, int
   return absl::OkStatus();
 }
 
-absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, Exchanged* out) {
+absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
+                               const std::function<void()>& on_pushed, Exchanged* out) {
   const int n = static_cast<int>(lanes_.size());
   for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
   {
@@ -282,13 +283,13 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, Exchanged
   header.set_job_id(job_id_);
   header.set_worker(options_.worker_index);
   header.set_step(push_step);
-  std::vector<int64_t> versions(n, -1), waits(n, 0), pushed_at(n, 0);
+  std::vector<int64_t> versions(n, -1), waits(n, 0);
   std::vector<char> pushed(n, push_step < 0);
+  std::atomic<int> pushes_left{push_step < 0 ? 0 : n};
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
   policy.stop = [this] { return Stopping(); };
   ps::Client* const client = ps();
-  const absl::Time start = absl::Now();
   absl::Status s = FanOut(pool_.get(), n, policy, [&](int l) -> absl::Status {
     const Lane& lane = lanes_[l];
     if (!pushed[l]) {
@@ -304,9 +305,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, Exchanged
         return pushed_status;
       }
       pushed[l] = 1;
-      pushed_at[l] = Micros(absl::Now() - start);
+      if (pushes_left.fetch_sub(1, std::memory_order_acq_rel) == 1 && on_pushed) on_pushed();
     }
-    return PullLane(l, min_version, start, &versions[l], &waits[l]);
+    return PullLane(l, min_version, &versions[l], &waits[l]);
   });
   if (!s.ok()) return s;
   {
@@ -318,7 +319,6 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, Exchanged
   }
   out->version = *std::min_element(versions.begin(), versions.end());
   out->wait_us = *std::max_element(waits.begin(), waits.end());
-  out->push_us = *std::max_element(pushed_at.begin(), pushed_at.end());
   const int64_t newest = *std::max_element(versions.begin(), versions.end());
   // One step apart: a worker died between its pushes of the last step to
   // different ps (some applied it, the others still wait for its push). Do
@@ -331,11 +331,12 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, Exchanged
 }
 
 absl::Status Trainer::PullAll(int64_t min_version, Exchanged* out) {
-  return RunLanes(/*push_step=*/-1, min_version, out);
+  return RunLanes(/*push_step=*/-1, min_version, nullptr, out);
 }
 
-absl::Status Trainer::Exchange(int64_t step, Exchanged* out) {
-  return RunLanes(step, step + 1, out);
+absl::Status Trainer::Exchange(int64_t step, const std::function<void()>& on_pushed,
+                               Exchanged* out) {
+  return RunLanes(step, step + 1, on_pushed, out);
 }
 
 void Trainer::ReportLoop() {
@@ -431,9 +432,11 @@ absl::Status Trainer::Train(int64_t start) {
   const absl::Status failed = absl::FailedPreconditionError("the chief failed the job");
 
   int64_t step = start;
-  // The outcome of the latest round of pulls: the weights the next step uses.
+  // The outcome of the latest round of pulls: the weights the next step uses,
+  // and the time they took (pull and wait, reported with that step).
   Exchanged got;
   bool have_weights = false;
+  int64_t pull_us = 0, wait_us = 0;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -449,6 +452,9 @@ absl::Status Trainer::Train(int64_t start) {
       if (JobChanged(s)) return RegisterAgain(s.message());
       if (!s.ok()) return PsFailure(s, "pull");
       have_weights = true;
+      const int64_t took = Micros(absl::Now() - t0);
+      wait_us = std::min(got.wait_us, took);
+      pull_us = took - wait_us;
     }
     const absl::Time t1 = absl::Now();
     if (got.version >= job_.train_steps()) break;
@@ -487,32 +493,36 @@ absl::Status Trainer::Train(int64_t start) {
                    << ") or the gradients are not finite (in the wire dtype); nothing pushed";
       return NonFinite(step);
     }
-    const int64_t pull_wait_us = got.wait_us;
-    s = Exchange(step, &got);
+    // The step's metrics go out once every push is answered; the pull that
+    // follows belongs to the next step.
+    absl::Time pushed_at;
+    auto on_pushed = [&] {
+      pushed_at = absl::Now();
+      StepMetrics m;
+      m.set_step(step);
+      m.set_loss(result->loss);
+      m.set_correct(result->correct);
+      m.set_examples(batch);
+      m.set_wait_us(wait_us);
+      m.set_pull_us(pull_us);
+      m.set_compute_us(Micros(t2 - t1));
+      m.set_push_us(Micros(pushed_at - t2));
+      absl::MutexLock lock(&mu_);
+      pending_.push_back(std::move(m));
+    };
+    s = Exchange(step, on_pushed, &got);
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     if (job_failed()) return failed;
     if (JobChanged(s)) return RegisterAgain(s.message());
     if (!s.ok()) return PsFailure(s, "exchange with the ps");
-    const absl::Time t3 = absl::Now();
-    // The split of the step: compute; push until the last lane's push was
-    // answered; then pull, less the time the ps waited for the version (for
-    // the other workers and its applies). The first step's pull comes first.
-    const int64_t after_push_us = std::max<int64_t>(Micros(t3 - t2) - got.push_us, 0);
-    const int64_t wait_us = std::min(got.wait_us, after_push_us);
-    StepMetrics m;
-    m.set_step(step);
-    m.set_loss(result->loss);
-    m.set_correct(result->correct);
-    m.set_examples(batch);
-    m.set_wait_us(wait_us + std::min(pull_wait_us, Micros(t1 - t0)));
-    m.set_pull_us(after_push_us - wait_us +
-                  std::max<int64_t>(Micros(t1 - t0) - pull_wait_us, 0));
-    m.set_compute_us(Micros(t2 - t1));
-    m.set_push_us(got.push_us);
+    // After the pushes: waiting for the version (for the other workers and
+    // the ps's applies), and the pull itself.
+    const int64_t after_push = Micros(absl::Now() - pushed_at);
+    wait_us = std::min(got.wait_us, after_push);
+    pull_us = after_push - wait_us;
     ++step;
     register_backoff_.Reset();
     absl::MutexLock lock(&mu_);
-    pending_.push_back(std::move(m));
     step_ = step;
   }
   return absl::OkStatus();

@@ -125,24 +125,25 @@ class Trainer {
   absl::Status Train(int64_t start);
   // After a step that was not finite: waits for the chief's verdict.
   absl::Status NonFinite(int64_t step);
-  // What a round of pulls (and pushes) gives the step that follows.
+  // What a round of pulls gives the step that follows.
   struct Exchanged {
     int64_t version = 0;  // the lowest of the ps's
     int64_t wait_us = 0;  // the longest wait for a version, of any lane
-    int64_t push_us = 0;  // until the last lane's push was answered
   };
   // Pulls every lane's slices of min_version (no push).
   absl::Status PullAll(int64_t min_version, Exchanged* out);
   // Pushes every lane's gradients of `step`, each lane then pulling its
-  // slices of step + 1.
-  absl::Status Exchange(int64_t step, Exchanged* out);
-  // Both: pushes first when `push_step` >= 0.
-  absl::Status RunLanes(int64_t push_step, int64_t min_version, Exchanged* out);
+  // slices of step + 1; `on_pushed` runs once every push was answered (on
+  // one of the lanes' threads), not at all if one fails.
+  absl::Status Exchange(int64_t step, const std::function<void()>& on_pushed, Exchanged* out);
+  // Both: pushes of `push_step` first when it is >= 0.
+  absl::Status RunLanes(int64_t push_step, int64_t min_version,
+                        const std::function<void()>& on_pushed, Exchanged* out);
   // Pulls lane `l`'s slices of min_version (asking again while the ps
   // answers "not yet"), then copies to the device each variable whose last
-  // slice this was. Sets *version and *wait_us.
-  absl::Status PullLane(int l, int64_t min_version, absl::Time start, int64_t* version,
-                        int64_t* wait_us);
+  // slice this was. Sets *version and *wait_us (time on "not yet" answers
+  // and the ps's wait for the version).
+  absl::Status PullLane(int l, int64_t min_version, int64_t* version, int64_t* wait_us);
   void ReportLoop();
   absl::Status TrainAndWait();
   // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.

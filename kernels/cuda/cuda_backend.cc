@@ -7,9 +7,9 @@
 #include <cudnn.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <mutex>
@@ -972,7 +972,8 @@ class PinnedBuffer final : public Buffer {
 
 absl::StatusOr<std::unique_ptr<Buffer>> CudaBackend::AllocateHost(size_t floats) {
   if (floats > std::numeric_limits<size_t>::max() / sizeof(float)) {
-    return absl::InvalidArgumentError(absl::StrCat("AllocateHost: ", floats, " floats is too many"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("AllocateHost: ", floats, " floats is too many"));
   }
   void* memory = nullptr;
   const size_t bytes = std::max<size_t>(floats, 1) * sizeof(float);

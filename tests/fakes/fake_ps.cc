@@ -211,8 +211,7 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
   // Waits as the service does, in short slices so that SetDown and Restart
   // are noticed: `pull(until)` is one wait. Not-yet answers are OK with no value.
   bool first = true;
-  auto wait = [&](auto pull, absl::Time until,
-                  bool may_answer_not_yet)
+  auto wait = [&](auto pull, absl::Time until, bool may_answer_not_yet)
       -> absl::StatusOr<std::optional<std::decay_t<decltype(*pull(until))>>> {
     while (true) {
       const absl::Time slice_end = std::min(until, absl::Now() + kPollEvery);
@@ -239,9 +238,9 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
   std::vector<TensorRef> refs;
   std::vector<ps::Shard::Value> keep;  // the values refs point into
   if (indices->empty()) {
-    auto pulled = wait(
-        [&](absl::Time until) { return (*shard)->Pull(job_id, min_version, until, stop); },
-        wait_deadline, true);
+    auto pulled =
+        wait([&](absl::Time until) { return (*shard)->Pull(job_id, min_version, until, stop); },
+             wait_deadline, true);
     if (!pulled.ok()) return pulled.status();
     if (!pulled->has_value()) {
       result.version = (*shard)->stats().version;  // not yet

@@ -119,8 +119,8 @@ class FakePs final : public ps::Client {
                       const std::vector<TensorRef>& tensors, absl::Time deadline);
   absl::StatusOr<PullResult> DoPull(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
                                     int64_t min_version, const std::vector<int>& slices,
-                                    std::vector<TensorSink>& sinks,
-                                    absl::Time deadline, absl::Duration max_wait);
+                                    std::vector<TensorSink>& sinks, absl::Time deadline,
+                                    absl::Duration max_wait);
   absl::StatusOr<PushResponse> DoPush(const std::atomic<bool>& cancelled, int ps,
                                       const PushHeader& header, const std::vector<TensorRef>& grads,
                                       absl::Time deadline);

@@ -387,24 +387,29 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
   ASSERT_TRUE(p1.ok()) << p1.status();
   ASSERT_TRUE(p2.ok()) << p2.status();
   ASSERT_NE(p1->weights, nullptr);
-  EXPECT_EQ(p1->weights.get(), p2->weights.get()) << "the second pull made its own copy";
-  EXPECT_EQ(p1->weights->values[0].get(), p2->weights->values[0].get());
-  // A snapshot of that version reads the same copy of the values.
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(p1->weights->values[i].get(), p2->weights->values[i].get())
+        << "the second pull made its own copy";
+  }
+  // A pull of one slice, and a snapshot of that version, read the same copy.
+  absl::StatusOr<Shard::PulledSlice> one = shard_.PullSlice(kJob, 1, 0, Soon(), nullptr);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->value.get(), p1->weights->values[1].get());
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
       shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
-  EXPECT_EQ((*snap)->weights.get(), p1->weights.get());
+  EXPECT_EQ((*snap)->weights->values[0].get(), p1->weights->values[0].get());
   // So do pulls from many threads at once.
-  std::vector<const Shard::Weights*> seen(8, nullptr);
+  std::vector<const std::vector<float>*> seen(8, nullptr);
   std::vector<std::thread> pullers;
   for (size_t t = 0; t < seen.size(); ++t) {
     pullers.emplace_back([&, t] {
       absl::StatusOr<Shard::Pulled> p = shard_.Pull(kJob, 0, Soon(), nullptr);
-      if (p.ok()) seen[t] = p->weights.get();
+      if (p.ok()) seen[t] = p->weights->values[0].get();
     });
   }
   for (std::thread& t : pullers) t.join();
-  for (const Shard::Weights* w : seen) EXPECT_EQ(w, p1->weights.get());
+  for (const std::vector<float>* w : seen) EXPECT_EQ(w, p1->weights->values[0].get());
   // The slice specs are shared with the shard, not copied per version.
   absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard_.Slices(kJob);
   ASSERT_TRUE(slices.ok()) << slices.status();
@@ -417,8 +422,10 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
   absl::StatusOr<Shard::Pulled> q2 = shard_.Pull(kJob, 0, Soon(), nullptr);  // served at version 1
   ASSERT_TRUE(q1.ok()) << q1.status();
   ASSERT_TRUE(q2.ok()) << q2.status();
-  EXPECT_NE(q1->weights.get(), p1->weights.get());
-  EXPECT_EQ(q1->weights.get(), q2->weights.get());
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(q1->weights->values[i].get(), p1->weights->values[i].get());
+    EXPECT_EQ(q1->weights->values[i].get(), q2->weights->values[i].get());
+  }
   EXPECT_EQ(q2->weights->version, 1);
 }
 
@@ -711,8 +718,8 @@ TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
   ExpectSnapshotIs(**s2, 2, want);
   ASSERT_EQ((*s2)->weights->values.size(), 2u);
   const auto pulled = Current();
-  EXPECT_EQ((*s2)->weights->values[0], pulled[0]);
-  EXPECT_EQ((*s2)->weights->values[1], pulled[1]);
+  EXPECT_EQ(*(*s2)->weights->values[0], pulled[0]);
+  EXPECT_EQ(*(*s2)->weights->values[1], pulled[1]);
 }
 
 TEST_F(ShardTest, SnapshotKeepsInitialSlots) {
@@ -774,7 +781,7 @@ TEST_F(ShardTest, SnapshotDeadline) {
   s = shard_.SnapshotAt(kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ((*s)->weights->version, 1);
-  EXPECT_EQ((*s)->weights->values[0], Current()[0]);
+  EXPECT_EQ(*(*s)->weights->values[0], Current()[0]);
 }
 
 TEST_F(ShardTest, ShutdownWakesWaitingSnapshot) {
@@ -801,7 +808,7 @@ TEST_F(ShardTest, TwoSnapshotsOfTheSameVersionBothGetIt) {
   for (AsyncSnapshot* s : {&a, &b}) {
     ASSERT_TRUE(s->result().ok()) << s->result().status();
     EXPECT_EQ((*s->result())->weights->version, 1);
-    EXPECT_EQ((*s->result())->weights->values[0], want[0]);
+    EXPECT_EQ(*(*s->result())->weights->values[0], want[0]);
   }
 }
 
@@ -950,7 +957,7 @@ TEST(OptimizerTest, AdamOnShardUsesTheVersionAsStep) {
   for (size_t i = 0; i < w0.size(); ++i) {
     for (size_t j = 0; j < w0[i].size(); ++j) {
       const double sign = g[i][j] > 0 ? 1 : -1;
-      EXPECT_NEAR(snap->weights->values[i][j], w0[i][j] - 0.125 * sign, 1e-5) << i << "," << j;
+      EXPECT_NEAR((*snap->weights->values[i])[j], w0[i][j] - 0.125 * sign, 1e-5) << i << "," << j;
     }
   }
 }
@@ -1089,11 +1096,12 @@ TEST_P(ShardParallelApplyTest, SameValuesAndSlotsAsTheSequentialApply) {
     absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> got =
         shard->SnapshotAt(kJob, kSteps, Soon(), nullptr);
     ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ((*got)->weights, pulled->weights) << "a pull and a snapshot share one copy";
     for (size_t i = 0; i < init.size(); ++i) {
+      EXPECT_EQ((*got)->weights->values[i], pulled->weights->values[i])
+          << "a pull and a snapshot share one copy";
       // The values moved: the steps were applied, not skipped.
-      EXPECT_NE(pulled->weights->values[i], init[i].value);
-      ExpectBitIdentical(pulled->weights->values[i], (*want)->weights->values[i],
+      EXPECT_NE(*pulled->weights->values[i], init[i].value);
+      ExpectBitIdentical(*pulled->weights->values[i], *(*want)->weights->values[i],
                          absl::StrCat("value of slice ", i));
       ASSERT_EQ((*got)->slots[i].size(), slot_names.size());
       for (size_t k = 0; k < slot_names.size(); ++k) {
@@ -1138,18 +1146,16 @@ TEST(ShardParallelApplyContractTest, WaitingPullsSeeTheWholeApply) {
   for (const auto& p : pulled) {
     ASSERT_TRUE(p.ok()) << p.status();
     EXPECT_EQ(p->weights->version, 1);
-    for (const auto& v : p->weights->values) EXPECT_THAT(v, ::testing::Each(::testing::Eq(want)));
+    for (const auto& v : p->weights->values) EXPECT_THAT(*v, ::testing::Each(::testing::Eq(want)));
   }
   for (const auto& v : before->weights->values)
-    EXPECT_THAT(v, ::testing::Each(::testing::Eq(1.0f)));
+    EXPECT_THAT(*v, ::testing::Each(::testing::Eq(1.0f)));
 }
 
 // ---------------------------------------------------------------- slice by slice
 
 // Gradient `i` of Grads(scale), as a push of that slice alone.
-std::vector<Shard::SliceGradient> SliceGrad(int i, float scale) {
-  return {{i, Grads(scale)[i]}};
-}
+std::vector<Shard::SliceGradient> SliceGrad(int i, float scale) { return {{i, Grads(scale)[i]}}; }
 
 TEST_F(ShardTest, AppliesEachSliceOnceEveryWorkerPushedIt) {
   const std::vector<std::vector<float>> after = SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(2));
@@ -1161,10 +1167,9 @@ TEST_F(ShardTest, AppliesEachSliceOnceEveryWorkerPushedIt) {
   EXPECT_EQ(b->version, 1);
   EXPECT_EQ(*b->value, after[1]);
   EXPECT_EQ(shard_.stats().version, 0);
-  EXPECT_EQ(shard_.PullSlice(kJob, 0, 1, absl::Now() + absl::Milliseconds(20), nullptr)
-                .status()
-                .code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(
+      shard_.PullSlice(kJob, 0, 1, absl::Now() + absl::Milliseconds(20), nullptr).status().code(),
+      absl::StatusCode::kDeadlineExceeded);
   // A reader of the whole shard still sees version 0, b included.
   EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
   ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 2)).ok());

@@ -119,9 +119,9 @@ std::vector<std::vector<float>> ReadWeights(ps::Client& ps, const JobConfig& job
     values.emplace_back(NumElements(v.shape));
   for (std::vector<float>& v : values) buffers.push_back(v.data());
   for (int p = 0; p < job.num_ps(); ++p) {
-    absl::StatusOr<ps::Client::PullResult> r = ps.Pull(p, job_id, 0, {}, SliceSinks(job.placement(), p, buffers),
-                                                       absl::Now() + absl::Seconds(5),
-                                                       absl::ZeroDuration());
+    absl::StatusOr<ps::Client::PullResult> r =
+        ps.Pull(p, job_id, 0, {}, SliceSinks(job.placement(), p, buffers),
+                absl::Now() + absl::Seconds(5), absl::ZeroDuration());
     EXPECT_TRUE(r.ok()) << r.status();
   }
   return values;
@@ -258,6 +258,38 @@ TEST_F(TrainerTest, TrainsToTheEndAndExitsWhenTheChiefSaysSo) {
   EXPECT_EQ(response.job_id(), kJobId);
   EXPECT_EQ(response.step(), 12);
   EXPECT_TRUE(response.finished());
+}
+
+// Two workers whose slices travel in several lanes per ps (one slice each)
+// end with the same weights, bit for bit, as with one lane per ps: pushes
+// split and applied slice by slice change nothing of synchronous training.
+TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
+  std::vector<std::vector<float>> weights[2];
+  for (int lanes : {1, 4}) {
+    SetUpJob({.num_workers = 2, .train_steps = 10});
+    TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
+    for (TrainerOptions* o : {&o0, &o1}) {
+      o->lanes_per_ps = lanes;
+      o->lane_bytes = 1;  // as many lanes as slices, up to lanes_per_ps
+    }
+    Trainer first(o0, chief_.get(), ClientOf(*fake_));
+    Trainer second(o1, chief_.get(), ClientOf(*fake_));
+    Running run0(&first), run1(&second);
+    const absl::Status s0 = run0.Join(), s1 = run1.Join();
+    ASSERT_TRUE(s0.ok()) << s0;
+    ASSERT_TRUE(s1.ok()) << s1;
+    // Each worker pushed every step once per lane of ps 0.
+    const int lanes_on_ps0 =
+        std::min(lanes, static_cast<int>(SlicesOnPs(job_.placement(), 0).size()));
+    EXPECT_EQ(fake_->calls(0, Method::kPush), 2 * 10 * lanes_on_ps0);
+    for (int p = 0; p < 2; ++p) {
+      EXPECT_EQ(fake_->stats(p).applied, 10) << "ps " << p;
+      EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
+    }
+    weights[lanes == 1 ? 0 : 1] = ReadWeights(*fake_, job_, kJobId);
+  }
+  EXPECT_NE(weights[0], initial_);
+  EXPECT_EQ(weights[0], weights[1]);
 }
 
 // Pulls and pushes in bf16 (the fake ps refuses a push in any other dtype):
@@ -426,10 +458,10 @@ TEST_F(TrainerTest, AsksAgainWhileThePsIsBehind) {
 
 TEST_F(TrainerTest, RegistersAgainAfterAPsRestartsEmptyMidStep) {
   SetUpJob({.train_steps = 10});
-  // The pull of step 3 finds ps 1 restarted empty (or its push does).
+  // The push of step 3 finds ps 1 restarted empty.
   FakePs* fake = fake_.get();
   fake_->OnCall([fake](int ps, Method method) {
-    if (ps == 0 && method == Method::kPull && fake->calls(0, Method::kPull) == 4) fake->Restart(1);
+    if (ps == 1 && method == Method::kPush && fake->calls(1, Method::kPush) == 4) fake->Restart(1);
   });
   // The chief reloads every ps from its checkpoint of step 3 under a new job
   // id before it lets the worker in again.
