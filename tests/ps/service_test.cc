@@ -216,6 +216,69 @@ TEST_F(PsServiceTest, InitPullPushPull) {
   EXPECT_EQ(shard_.stats().stale, 1);
 }
 
+// Pushes of one slice each, over a client with several connections: a pull
+// of the slice both workers pushed is answered at once, while the other
+// slice still waits for its pushes; the shard's version moves with the last.
+TEST_F(PsServiceTest, SlicesArePushedAndPulledOneByOne) {
+  ASSERT_TRUE(InitJob().ok());
+  GrpcClient lanes(std::vector<std::string>{address_}, /*connections_per_ps=*/3);
+  const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
+  auto push = [&](int worker, int slice) {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(worker);
+    h.set_step(0);
+    h.add_slices(slice);
+    std::vector<TensorRef> refs;
+    if (slice == 0) refs.push_back({"big", "", kBigShape, gbig.data()});
+    if (slice == 1) refs.push_back({"bias", "", kBiasShape, gbias.data()});
+    return lanes.Push(0, h, refs, Deadline());
+  };
+  for (int w : {0, 1}) {
+    absl::StatusOr<PushResponse> r = push(w, 1);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
+  }
+  std::vector<float> bias(10, -1);
+  absl::StatusOr<Client::PullResult> got = lanes.Pull(
+      0, kJob, 1, {1}, {{"bias", "", kBiasShape, bias.data()}}, Deadline(), absl::ZeroDuration());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->version, 1);
+  EXPECT_EQ(bias, SgdAfter(bias_, gbias, gbias));
+  EXPECT_EQ(shard_.stats().version, 0) << "big is not pushed yet";
+  std::vector<float> big(big_.size(), -1);
+  got = lanes.Pull(0, kJob, 1, {0}, {{"big", "", kBigShape, big.data()}},
+                   absl::Now() + absl::Seconds(10), absl::Milliseconds(50));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->version, 0) << "not yet";
+  EXPECT_EQ(big[0], -1);
+  // A push naming a slice twice, or one out of range, or chunks of a slice
+  // it does not name, is refused.
+  {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(0);
+    h.set_step(0);
+    h.add_slices(0);
+    h.add_slices(0);
+    EXPECT_EQ(lanes.Push(0, h, {}, Deadline()).status().code(), absl::StatusCode::kInvalidArgument);
+    h.clear_slices();
+    h.add_slices(2);
+    EXPECT_EQ(lanes.Push(0, h, {}, Deadline()).status().code(), absl::StatusCode::kInvalidArgument);
+    h.clear_slices();
+    h.add_slices(1);
+    EXPECT_EQ(lanes.Push(0, h, {{"big", "", kBigShape, gbig.data()}}, Deadline()).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  for (int w : {0, 1}) ASSERT_TRUE(push(w, 0).ok());
+  got = lanes.Pull(0, kJob, 1, {0}, {{"big", "", kBigShape, big.data()}}, Deadline(),
+                   absl::ZeroDuration());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(big, SgdAfter(big_, gbig, gbig));
+  EXPECT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(shard_.stats().duplicate, 0);
+}
+
 TEST_F(PsServiceTest, PullIsStreamedInChunksBelowTheDefaultLimit) {
   ASSERT_TRUE(InitJob().ok());
   PullRequest request;
