@@ -1,5 +1,6 @@
 // psflow-worker: a training worker. Takes the job from the chief and trains
 // until the chief says the job is over.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <thread>
@@ -25,10 +26,10 @@ ABSL_FLAG(
     std::string, device, "cpu",
     "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
     "The parameter servers stay on CPUs either way.");
-ABSL_FLAG(int, ps_lanes, 4,
-          "Most concurrent pulls and pushes (lanes) per ps, each over its own connection, each of "
-          "consecutive slices of at least 1 MiB: a ps holding less uses fewer. 1: one stream each "
-          "way per ps.");
+ABSL_FLAG(int, ps_lanes, 0,
+          "Most concurrent pulls and pushes (lanes) per ps, each over its own connection and of "
+          "consecutive slices of at least 1 MiB (a ps holding less uses fewer). 0: 16 lanes in "
+          "all, shared by the ps (at most 8 per ps, at least 1). 1: one stream each way per ps.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief or a ps before exiting with code 138.");
 
@@ -50,8 +51,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int lanes = absl::GetFlag(FLAGS_ps_lanes);
-  if (lanes < 1 || lanes > 64) {
-    std::fprintf(stderr, "psflow-worker: --ps_lanes must be in [1, 64], not %d\n", lanes);
+  if (lanes < 0 || lanes > 64) {
+    std::fprintf(stderr, "psflow-worker: --ps_lanes must be in [0, 64], not %d\n", lanes);
     return 1;
   }
   psflow::SetLogTag(absl::StrCat("worker", config.task_index));
