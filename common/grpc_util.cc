@@ -9,9 +9,7 @@ namespace psflow {
 namespace {
 
 constexpr int kFlowWindowBytes = 16 << 20;
-// HTTP/2 frames up to a whole chunk message (the default is 16 KiB): fewer
-// frame headers and smaller reads per megabyte of tensors.
-constexpr int kMaxFrameBytes = 2 << 20;
+
 
 }  // namespace
 
@@ -42,7 +40,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, bool own_
   // Weights and gradients move in megabytes per step: open the HTTP/2 flow
   // control window wide from the start instead of growing it per stream.
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kMaxFrameBytes);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -57,7 +54,6 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Servic
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kMaxFrameBytes);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   // gRPC sets SO_REUSEPORT by default: a second process on a busy port would
