@@ -10,7 +10,6 @@ namespace {
 
 constexpr int kFlowWindowBytes = 16 << 20;
 
-
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

@@ -62,11 +62,15 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
-  options.lanes_per_ps = lanes;
+  // About 16 streams each way keep a host's loopback and the ps busy (measured
+  // with 2, 4 and 8 ps on an H100 host: docs/performance.md).
+  const int ps_count = static_cast<int>(config.cluster.ps.size());
+  options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   psflow::chief::GrpcClient chief(config.cluster.chief[0]);
   psflow::worker::Trainer trainer(
-      options, &chief, [lanes](const std::vector<std::string>& addresses) {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, lanes);
+      options, &chief,
+      [connections = options.lanes_per_ps](const std::vector<std::string>& addresses) {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, connections);
       });
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
