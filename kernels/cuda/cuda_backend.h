@@ -6,8 +6,10 @@
 // - One stream per backend (created non-blocking, so it never waits for the
 //   legacy default stream). Every op and helper only queues its work on that
 //   stream and returns; work runs in submission order. CopyToHost and
-//   Synchronize wait for the stream; CopyToDevice does not (the driver stages
-//   the pageable host memory before it returns, so the caller may reuse it).
+//   Synchronize wait for the stream; CopyToDevice does not (from pageable
+//   memory the driver stages the data before it returns, so the caller may
+//   reuse it; from AllocateHost's page-locked memory the copy is queued, and
+//   the memory must stay unchanged until the stream has done it).
 // - One cuDNN handle and one cuBLAS handle, both bound to the stream. cuBLAS
 //   gets a fixed workspace of its own at creation, so it never allocates
 //   while a graph is being captured. Dense keeps full fp32 GEMMs
