@@ -71,8 +71,11 @@ int main(int argc, char** argv) {
   // The thread of the push that completes a step applies too: the pool adds the others.
   std::unique_ptr<psflow::ThreadPool> apply_pool;
   if (apply_threads > 1) apply_pool = std::make_unique<psflow::ThreadPool>(apply_threads - 1);
+  // Slices are applied off the threads that read the pushes, so that a push
+  // stream goes on while its slices are applied; a few at once.
+  psflow::ThreadPool appliers(std::min(4, apply_threads));
   PSLOG(INFO) << "applying each step on " << apply_threads << " thread(s)";
-  psflow::ps::Shard shard(apply_pool.get());
+  psflow::ps::Shard shard(apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, &appliers);
   absl::Notification stop;
   std::once_flag stop_once;
   std::atomic<int> exit_code{0};

@@ -27,8 +27,32 @@ bool NonFinite(const std::vector<float>& values) {
 
 }  // namespace
 
-Shard::Shard(ThreadPool* apply_pool, int64_t apply_range)
-    : apply_pool_(apply_pool), apply_range_(std::max<int64_t>(apply_range, 1)) {}
+// Everything an apply of one slice works on: its pushes, taken out of the
+// shard, and raw pointers into the shard's members that nobody else touches
+// while the slice is marked applying.
+struct Shard::ApplyJob {
+  int slice = 0;
+  int64_t step = 0;
+  std::vector<std::pair<int, std::vector<float>>> pushes;  // in worker-id order
+  int64_t n = 0;
+  float* value = nullptr;
+  float* sum = nullptr;
+  std::vector<float*> slots;
+  std::vector<float*> previous_slots;  // receive the slots before the apply
+  const Optimizer* optimizer = nullptr;
+  std::shared_ptr<std::vector<float>> out;  // the next published value
+};
+
+Shard::Shard(ThreadPool* apply_pool, int64_t apply_range, ThreadPool* appliers)
+    : apply_pool_(apply_pool),
+      apply_range_(std::max<int64_t>(apply_range, 1)),
+      appliers_(appliers) {}
+
+Shard::~Shard() {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
+  mu_.Await(absl::Condition(&idle));
+}
 
 absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> values) {
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
@@ -58,7 +82,8 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
       }
     }
     states[i].version = header.version();
-    states[i].published = std::make_shared<const std::vector<float>>(v.value);
+    // Not const: once no reader holds it, it is reused for a later value.
+    states[i].published = std::make_shared<std::vector<float>>(v.value);
     sums.emplace_back(n, 0.0f);
   }
   absl::MutexLock lock(&mu_);
@@ -164,8 +189,14 @@ absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice, 
                                     }));
   if (!in_range()) return absl::AbortedError("the job was reloaded while waiting");
   PulledSlice pulled;
-  pulled.version = slice_[slice].version;
-  pulled.value = slice_[slice].published;
+  const SliceState& s = slice_[slice];
+  if (s.version > version_ && version_ >= min_version) {
+    pulled.version = version_;  // as the shard's other slices
+    pulled.value = s.previous;
+  } else {
+    pulled.version = s.version;
+    pulled.value = s.published;
+  }
   pulled.waited = absl::Now() - start;
   return pulled;
 }
@@ -259,70 +290,104 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
 }
 
 void Shard::MaybeApplySliceLocked(int i) {
-  // slice_ keeps its size meanwhile: Init waits for every applier.
-  SliceState& s = slice_[i];
-  if (s.applying || s.version > version_ || live_workers_.empty()) return;
-  for (int w : live_workers_) {
-    if (!s.pushes.contains(w)) return;
+  std::shared_ptr<ApplyJob> job = ClaimLocked(i);
+  if (job == nullptr) return;
+  if (appliers_ != nullptr) {
+    appliers_->Schedule([this, job] {
+      Compute(*job);
+      absl::MutexLock lock(&mu_);
+      FinishLocked(*job);
+    });
+    return;
   }
-  // Claim the slice with its pushes (all from live workers), summed in
-  // worker-id order: each element's sum is then the same however the work is
-  // split and whoever applies it.
-  std::vector<std::pair<int, std::vector<float>>> pushes;
-  pushes.reserve(s.pushes.size());
-  for (auto& [worker, grad] : s.pushes) pushes.emplace_back(worker, std::move(grad));
+  mu_.Unlock();
+  Compute(*job);
+  mu_.Lock();
+  FinishLocked(*job);
+}
+
+std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
+  // slice_ keeps its size while the slice is applying: Init waits for every applier.
+  SliceState& s = slice_[i];
+  if (s.applying || s.version > version_ || live_workers_.empty()) return nullptr;
+  for (int w : live_workers_) {
+    if (!s.pushes.contains(w)) return nullptr;
+  }
+  // The pushes (all from live workers), summed in worker-id order: each
+  // element's sum is then the same however the work is split and whoever
+  // applies it.
+  auto job = std::make_shared<ApplyJob>();
+  job->slice = i;
+  job->step = version_;
+  job->pushes.reserve(s.pushes.size());
+  for (auto& [worker, grad] : s.pushes) job->pushes.emplace_back(worker, std::move(grad));
   s.pushes.clear();
-  std::sort(pushes.begin(), pushes.end(),
+  std::sort(job->pushes.begin(), job->pushes.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   s.applying = true;
   ++applying_;
-  const int64_t step = version_;
-  const int64_t n = static_cast<int64_t>(values_[i].value.size());
-  float* const value = values_[i].value.data();
-  float* const sum = sum_[i].data();
-  std::vector<float*> slots;
-  for (auto& slot : values_[i].slots) slots.push_back(slot.data());
-  const Optimizer& optimizer = *optimizer_;
-  std::shared_ptr<std::vector<float>> out = std::move(s.spare);
-  const int64_t range = apply_range_;
-
-  mu_.Unlock();
-  if (out == nullptr || static_cast<int64_t>(out->size()) != n) {
-    out = std::make_shared<std::vector<float>>(n);
+  job->n = static_cast<int64_t>(values_[i].value.size());
+  job->value = values_[i].value.data();
+  job->sum = sum_[i].data();
+  for (auto& slot : values_[i].slots) job->slots.push_back(slot.data());
+  s.previous_slots.resize(values_[i].slots.size());
+  for (std::vector<float>& slot : s.previous_slots) {
+    slot.resize(job->n);
+    job->previous_slots.push_back(slot.data());
   }
-  float* const published = out->data();
-  const float scale = 1.0f / static_cast<float>(pushes.size());
+  job->optimizer = optimizer_.get();
+  job->out = std::move(s.spare);
+  return job;
+}
+
+void Shard::Compute(ApplyJob& job) const {
+  const int64_t n = job.n, range = apply_range_;
+  if (job.out == nullptr || static_cast<int64_t>(job.out->size()) != n) {
+    job.out = std::make_shared<std::vector<float>>(n);
+  }
+  float* const published = job.out->data();
+  const float scale = 1.0f / static_cast<float>(job.pushes.size());
   // Averaging, the optimizer, then the copy readers get, one range at a
   // time (it stays in cache throughout).
   auto apply = [&](int r) {
     const int64_t begin = r * range;
     const int64_t len = std::min(n, begin + range) - begin;
-    float* const mean = sum + begin;
+    float* const mean = job.sum + begin;
     std::fill(mean, mean + len, 0.0f);
-    for (const auto& [worker, grad] : pushes) AddInto(mean, grad.data() + begin, len);
+    for (const auto& [worker, grad] : job.pushes) AddInto(mean, grad.data() + begin, len);
     ScaleInPlace(mean, scale, len);
     std::vector<float*> range_slots;
-    range_slots.reserve(slots.size());
-    for (float* slot : slots) range_slots.push_back(slot + begin);
-    optimizer.Apply(step, value + begin, mean, len, range_slots);
-    std::copy(value + begin, value + begin + len, published + begin);
+    range_slots.reserve(job.slots.size());
+    for (size_t k = 0; k < job.slots.size(); ++k) {
+      float* const slot = job.slots[k] + begin;
+      std::copy(slot, slot + len, job.previous_slots[k] + begin);
+      range_slots.push_back(slot);
+    }
+    job.optimizer->Apply(job.step, job.value + begin, mean, len, range_slots);
+    std::copy(job.value + begin, job.value + begin + len, published + begin);
   };
   const int ranges = static_cast<int>((n + range - 1) / range);
   if (apply_pool_ == nullptr || ranges <= 1) {
     for (int r = 0; r < ranges; ++r) apply(r);
   } else {
     // ParallelFor returns once every range is done, which orders their
-    // writes before anything this thread does next under the lock.
+    // writes before the lock is taken again.
     apply_pool_->ParallelFor(ranges, apply);
   }
-  mu_.Lock();
+}
 
+void Shard::FinishLocked(ApplyJob& job) {
+  SliceState& s = slice_[job.slice];
   s.applying = false;
   --applying_;
   s.previous = std::move(s.published);
-  s.published = std::move(out);
-  s.version = step + 1;
-  if (++applied_ == static_cast<int>(slice_.size())) AdvanceLocked();
+  s.published = std::move(job.out);
+  s.version = job.step + 1;
+  if (++applied_ == static_cast<int>(slice_.size())) {
+    AdvanceLocked();
+  } else {
+    TakeSnapshotLocked();  // one asked for while this slice was applied
+  }
   version_changed_.SignalAll();
 }
 
@@ -346,6 +411,9 @@ void Shard::AdvanceLocked() {
     // takes the next one (readers hand theirs back without the lock, but
     // none takes a new reference to it).
     if (s.previous != nullptr && s.previous.use_count() == 1) {
+      // The readers that held it are done with it: order their reads
+      // before the writes of its next use.
+      std::atomic_thread_fence(std::memory_order_acquire);
       s.spare = std::const_pointer_cast<std::vector<float>>(std::move(s.previous));
     }
     s.previous = nullptr;
@@ -366,17 +434,23 @@ void Shard::OnVersionLocked() {
       ++it;
     }
   }
-  // Once a slice has moved on, the slots of version_ are gone.
-  if (applied_ > 0 || applying_ > 0) return;
+  TakeSnapshotLocked();
+}
+
+void Shard::TakeSnapshotLocked() {
+  if (applying_ > 0) return;  // its slots are being written
   auto snap = snapshots_.find(version_);
-  if (snap != snapshots_.end() && snap->second.data == nullptr) {
-    auto data = std::make_shared<Snapshot>();
-    data->weights = WeightsLocked();
-    data->slot_names = optimizer_->SlotNames();
-    data->slots.reserve(values_.size());
-    for (const SliceValues& v : values_) data->slots.push_back(v.slots);
-    snap->second.data = std::move(data);
+  if (snap == snapshots_.end() || snap->second.data != nullptr) return;
+  auto data = std::make_shared<Snapshot>();
+  data->weights = WeightsLocked();
+  data->slot_names = optimizer_->SlotNames();
+  data->slots.reserve(values_.size());
+  for (size_t i = 0; i < values_.size(); ++i) {
+    // A slice applied ahead of the shard kept its slots of version_.
+    const bool ahead = slice_[i].version > version_;
+    data->slots.push_back(ahead ? slice_[i].previous_slots : values_[i].slots);
   }
+  snap->second.data = std::move(data);
 }
 
 absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live,
@@ -418,11 +492,7 @@ absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
     auto it = snapshots_.find(version);
     return it != snapshots_.end() && it->second.data != nullptr;
   };
-  // Past it: at a later version, or at it with some slice already applied
-  // further (the slots of `version` are gone).
-  auto past = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return version_ > version || (version_ == version && (applied_ > 0 || applying_ > 0));
-  };
+  auto past = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ > version; };
   if (past() && !taken()) {
     return absl::FailedPreconditionError(
         absl::StrCat("the ps is at version ", version_, ", past ", version));

@@ -21,15 +21,20 @@
 // Readers do not copy: each slice's value at each version is published once,
 // by the thread that applied it, as an immutable vector that every reader of
 // that version shares (by shared_ptr) and reads outside the shard's lock.
-// The previous version of a slice that moved ahead stays published until the
-// shard's version catches up, so a reader of the whole shard at its version
-// sees every slice at exactly that version.
+// The previous version of a slice that moved ahead stays published (with a
+// copy of its optimizer slots from before the apply) until the shard's
+// version catches up, so a reader of the whole shard at its version, a pull
+// asking for it, and a snapshot of it see every slice at exactly that
+// version, even when a step stays half applied (its workers stopped or died
+// mid-push).
 //
 // The apply (averaging the pushes, then the optimizer) is elementwise and
-// runs outside the shard's lock, on the thread of the push (or
-// SetLiveWorkers) that completed the slice, over ranges of at most
-// `apply_range` elements, and, given an apply pool, on the pool's threads
-// too. Slices completed by different pushes are applied concurrently. Each
+// runs outside the shard's lock, over ranges of at most `apply_range`
+// elements: on the thread of the push (or SetLiveWorkers) that completed the
+// slice, or, given an applier pool, on one of its threads (the push then
+// goes on reading its stream at once); and, given an apply pool, on that
+// pool's threads too. Slices completed by different pushes are applied
+// concurrently. Each
 // element is computed the same way whatever the ranges, threads and order
 // of arrival (the pushes are summed in worker-id order), so the values are
 // bit-identical to a sequential apply of whole pushes.
@@ -111,11 +116,18 @@ class Shard {
   static constexpr int64_t kDefaultApplyRange = int64_t{1} << 15;
 
   // `apply_pool`, if not null, lends its threads to every apply (beside the
-  // thread of the push that completes the step); it must outlive the shard
-  // and must not be a pool whose threads call into the shard (ParallelFor is
-  // not reentrant). Null: each apply runs on that one thread. `apply_range`
-  // (> 0) is the most elements of a slice that one thread applies at once.
-  explicit Shard(ThreadPool* apply_pool = nullptr, int64_t apply_range = kDefaultApplyRange);
+  // thread that applies the slice); it must outlive the shard and must not be
+  // a pool whose threads call into the shard (ParallelFor is not reentrant).
+  // Null: each apply runs on that one thread. `apply_range` (> 0) is the most
+  // elements of a slice that one thread applies at once. `appliers`, if not
+  // null, runs each slice's apply instead of the thread that completed it
+  // (so a push or SetLiveWorkers returns before its slices are applied; a
+  // pull waits for them as ever); it must outlive the shard and differ from
+  // `apply_pool`.
+  explicit Shard(ThreadPool* apply_pool = nullptr, int64_t apply_range = kDefaultApplyRange,
+                 ThreadPool* appliers = nullptr);
+  // Waits for the applies in flight.
+  ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
 
@@ -137,8 +149,9 @@ class Shard {
                               const std::function<bool()>& cancelled);
 
   // Waits until slice `slice` (an index into Slices()) reaches min_version
-  // and returns its value at the version it has. Errors as for Pull, and
-  // INVALID_ARGUMENT for an index out of range.
+  // and returns its value: at the shard's version if that is min_version or
+  // more (so that the slices of one pull agree), else at the slice's own.
+  // Errors as for Pull, and INVALID_ARGUMENT for an index out of range.
   absl::StatusOr<PulledSlice> PullSlice(uint64_t job_id, int slice, int64_t min_version,
                                         absl::Time deadline,
                                         const std::function<bool()>& cancelled);
@@ -170,9 +183,8 @@ class Shard {
   absl::Status SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version);
 
   // Values and slots as of exactly `version`, taken when the shard reaches
-  // it. FAILED_PRECONDITION if already past, or if the shard is at that
-  // version but has begun to apply the next step to some slice (their slots
-  // of `version` are gone); the other errors as for Pull.
+  // it (and no slice is being applied). FAILED_PRECONDITION if already past;
+  // the other errors as for Pull.
   absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(
       uint64_t job_id, int64_t version, absl::Time deadline,
       const std::function<bool()>& cancelled);
@@ -217,6 +229,8 @@ class Shard {
     absl::flat_hash_map<int, std::vector<float>> pushes;
     Value published;  // the value at `version`
     Value previous;   // once applied: the value at version_, for whole-shard readers
+    // Once applied: the slots at version_ (for snapshots); kept allocated.
+    std::vector<std::vector<float>> previous_slots;
     // A buffer of the slice's size that no reader holds any more, reused for
     // the next published value (or null).
     std::shared_ptr<std::vector<float>> spare;
@@ -232,21 +246,33 @@ class Shard {
                           absl::FunctionRef<bool()> reached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every slice's published value at version_.
   std::shared_ptr<const Weights> WeightsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One slice's apply, claimed under the lock and computed without it.
+  struct ApplyJob;
   // Applies slice `i` if every live worker has pushed it for the current
-  // step. Releases the lock while it computes (the slice is marked applying
-  // meanwhile), so callers must look at the state afresh afterwards.
+  // step: hands it to the appliers, or computes it here, releasing the lock
+  // meanwhile (the slice is marked applying), so callers must look at the
+  // state afresh afterwards.
   void MaybeApplySliceLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Claims slice `i` for its apply if it is complete (null otherwise).
+  std::shared_ptr<ApplyJob> ClaimLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The arithmetic of `job`, without the lock.
+  void Compute(ApplyJob& job) const;
+  // Publishes the applied slice; the shard's version moves with the last.
+  void FinishLocked(ApplyJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every slice, and for a shard without slices the empty pushes.
   void MaybeApplyAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The current step is applied to every slice: version_ + 1.
   void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves workers whose joining version has come into the live set, and
-  // takes snapshots that wait for the current version (only while no slice
-  // has moved on from it).
+  // takes the snapshot of the current version if one waits for it.
   void OnVersionLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the snapshot of version_ if one waits for it and no slice is
+  // being applied.
+  void TakeSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ThreadPool* const apply_pool_;  // may be null; not owned
   const int64_t apply_range_;
+  ThreadPool* const appliers_;  // may be null; not owned
 
   mutable absl::Mutex mu_;
   // Signalled when a slice is applied, and on Init and Shutdown.

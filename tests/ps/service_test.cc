@@ -385,7 +385,7 @@ TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
   EXPECT_EQ(p->bias, SgdAfter(bias_, ten, gbias));
 }
 
-TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfThePushIsApplied) {
+TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfItsSliceIsKept) {
   ASSERT_TRUE(InitJob().ok());
   const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
   // A NaN past the first chunk of "big", then an infinity in "bias": the
@@ -400,14 +400,16 @@ TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfThePushIsApplied) {
 
   std::vector<float> inf_bias = gbias;
   inf_bias[4] = -std::numeric_limits<float>::infinity();
-  r = PushAll(1, 0, gbig, inf_bias);
+  const std::vector<float> other_big = Pattern(big_.size(), 5, 1.0f);
+  r = PushAll(1, 0, other_big, inf_bias);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("'bias'"));
   EXPECT_EQ(shard_.stats().refused_pushes, 2);
   EXPECT_EQ(shard_.stats().version, 0);
 
-  // Both workers' good pushes are accepted (the refused ones left no trace)
-  // and the step is theirs alone.
+  // Both workers' good pushes are accepted. The refused slices left no
+  // trace; worker 1's "big", complete and finite before its bias was
+  // refused, stayed pushed (its second push of it is ignored).
   r = PushAll(0, 0, gbig, gbias);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
@@ -416,7 +418,7 @@ TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfThePushIsApplied) {
   EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED);
   absl::StatusOr<Pulled> p = PullAll(1);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->big, SgdAfter(big_, gbig, gbig));
+  EXPECT_EQ(p->big, SgdAfter(big_, gbig, other_big));
   EXPECT_EQ(p->bias, SgdAfter(bias_, gbias, gbias));
   EXPECT_EQ(shard_.stats().refused_pushes, 2);
 }

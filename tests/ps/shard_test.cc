@@ -1226,27 +1226,59 @@ TEST_F(ShardTest, ADroppedWorkerTakesItsSlicesAway) {
       << "each slice is worker 0's gradient alone";
 }
 
-TEST_F(ShardTest, NoSnapshotOfAVersionOnceASliceMovedOn) {
-  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(1, 1)).ok());
-  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(1, 1)).ok());
-  // Slice b's slots of version 0 are gone: the snapshot cannot be exact.
-  EXPECT_EQ(shard_.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+// A step that stays half applied (its workers stopped mid-push) still has
+// an exact snapshot and a consistent pull of the version before it.
+TEST(ShardHalfAppliedTest, SnapshotsAndPullsOfTheVersionBeforeAreExact) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::MOMENTUM, 0.5f), Values()).ok());
+  // Step 0 in full, so that the momentum slots are not zero.
+  ASSERT_TRUE(shard.Push(kJob, 0, 0, Grads(1)).ok());
+  ASSERT_TRUE(shard.Push(kJob, 1, 0, Grads(1)).ok());
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> at1 =
+      shard.SnapshotAt(kJob, 1, Soon(), nullptr);
+  ASSERT_TRUE(at1.ok()) << at1.status();
+  // Step 1 applied to slice b only.
+  ASSERT_TRUE(shard.PushSlices(kJob, 0, 1, SliceGrad(1, 2)).ok());
+  ASSERT_TRUE(shard.PushSlices(kJob, 1, 1, SliceGrad(1, 2)).ok());
+  absl::StatusOr<Shard::PulledSlice> b2 = shard.PullSlice(kJob, 1, 2, Soon(), nullptr);
+  ASSERT_TRUE(b2.ok()) << b2.status();
+  EXPECT_EQ(b2->version, 2);
+  EXPECT_NE(*b2->value, *(*at1)->weights->values[1]) << "slice b moved on";
+  // Version 1 again, taken now: the same values and slots as when it was reached.
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> again =
+      shard.SnapshotAt(kJob, 1, Soon(), nullptr);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(ValuesOf(*(*again)->weights), ValuesOf(*(*at1)->weights));
+  EXPECT_EQ((*again)->slots, (*at1)->slots);
+  // A pull asking for version 1 gets every slice at 1, b included.
+  absl::StatusOr<Shard::PulledSlice> b1 = shard.PullSlice(kJob, 1, 1, Soon(), nullptr);
+  ASSERT_TRUE(b1.ok()) << b1.status();
+  EXPECT_EQ(b1->version, 1);
+  EXPECT_EQ(*b1->value, *(*at1)->weights->values[1]);
   // One asked for ahead is taken the moment the shard gets there.
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap;
-  std::thread taker([&] { snap = shard_.SnapshotAt(kJob, 1, Soon(), nullptr); });
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> at2;
+  std::thread taker([&] { at2 = shard.SnapshotAt(kJob, 2, Soon(), nullptr); });
   absl::SleepFor(absl::Milliseconds(20));
-  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
-  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 1)).ok());
+  ASSERT_TRUE(shard.PushSlices(kJob, 0, 1, SliceGrad(0, 2)).ok());
+  ASSERT_TRUE(shard.PushSlices(kJob, 1, 1, SliceGrad(0, 2)).ok());
   taker.join();
-  ASSERT_TRUE(snap.ok()) << snap.status();
-  EXPECT_EQ(ValuesOf(*(*snap)->weights), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
+  ASSERT_TRUE(at2.ok()) << at2.status();
+  absl::StatusOr<Shard::Pulled> now = shard.Pull(kJob, 2, Soon(), nullptr);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(ValuesOf(*(*at2)->weights), ValuesOf(*now->weights));
+  EXPECT_EQ(shard.SnapshotAt(kJob, 1, Soon(), nullptr).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "past it";
 }
 
 // Many workers push their slices in random orders and splits from their own
 // threads, with an apply pool, for several steps: every version equals the
 // sequential apply of whole pushes, bit for bit.
-TEST(ShardConcurrencyTest, SliceByslicePushesMatchWholePushes) {
+class ShardConcurrencyTest : public ::testing::TestWithParam<bool> {};
+
+// With the parameter, slices are applied on an applier pool, after the
+// pushes return.
+TEST_P(ShardConcurrencyTest, SliceBySlicePushesMatchWholePushes) {
   constexpr int kWorkers = 4, kSteps = 20, kSlices = 12;
   InitHeader header;
   header.set_job_id(kJob);
@@ -1277,8 +1309,8 @@ TEST(ShardConcurrencyTest, SliceByslicePushesMatchWholePushes) {
   }
   Shard whole;
   ASSERT_TRUE(whole.Init(header, init).ok());
-  ThreadPool pool(3);
-  Shard sliced(&pool, /*apply_range=*/4096);
+  ThreadPool pool(3), appliers(2);
+  Shard sliced(&pool, /*apply_range=*/4096, GetParam() ? &appliers : nullptr);
   ASSERT_TRUE(sliced.Init(header, init).ok());
   for (int step = 0; step < kSteps; ++step) {
     for (int w = 0; w < kWorkers; ++w) ASSERT_TRUE(whole.Push(kJob, w, step, grads[step][w]).ok());
@@ -1305,6 +1337,11 @@ TEST(ShardConcurrencyTest, SliceByslicePushesMatchWholePushes) {
     ASSERT_EQ(ValuesOf(*a->weights), ValuesOf(*b->weights)) << "step " << step;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Appliers, ShardConcurrencyTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "OnAnApplierPool" : "OnThePushingThreads";
+                         });
 
 }  // namespace
 }  // namespace psflow::ps
