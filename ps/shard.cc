@@ -106,6 +106,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   joining_.clear();
   sum_ = std::move(sums);
   snapshots_.clear();
+  ++generation_;
   counters_ = Counters{};
   version_ = header.version();
   version_changed_.SignalAll();
@@ -498,10 +499,16 @@ absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
         absl::StrCat("the ps is at version ", version_, ", past ", version));
   }
   ++snapshots_[version].waiters;
+  const int64_t generation = generation_;
   OnVersionLocked();  // takes it now if the shard is at that version
-  absl::Status s =
-      WaitLocked(job_id, version, deadline, cancelled, "snapshot",
-                 [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return taken() || past(); });
+  absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot",
+                              [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                return generation != generation_ || taken() || past();
+                              });
+  // An Init dropped this caller's entry: nothing of it to take or release.
+  if (generation != generation_) {
+    return s.ok() ? absl::AbortedError("the job was reloaded while waiting") : s;
+  }
   std::shared_ptr<const Snapshot> data;
   // Every way out drops this caller's claim on the snapshot.
   auto it = snapshots_.find(version);

@@ -184,7 +184,8 @@ class Shard {
 
   // Values and slots as of exactly `version`, taken when the shard reaches
   // it (and no slice is being applied). FAILED_PRECONDITION if already past;
-  // the other errors as for Pull.
+  // ABORTED if an Init comes meanwhile, even of the same job; the other
+  // errors as for Pull.
   absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(
       uint64_t job_id, int64_t version, absl::Time deadline,
       const std::function<bool()>& cancelled);
@@ -303,6 +304,9 @@ class Shard {
     int waiters = 0;
   };
   absl::flat_hash_map<int64_t, PendingSnapshot> snapshots_ ABSL_GUARDED_BY(mu_);
+  // Counts Inits: a snapshot asked for before one is abandoned (ABORTED),
+  // whatever the job id, since Init drops the waiting entries.
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   Counters counters_ ABSL_GUARDED_BY(mu_);
 };
 

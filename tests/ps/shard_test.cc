@@ -1271,6 +1271,21 @@ TEST(ShardHalfAppliedTest, SnapshotsAndPullsOfTheVersionBeforeAreExact) {
       << "past it";
 }
 
+// An Init of the same job while a snapshot waits abandons it (it never
+// waits out its deadline) and leaves later snapshots alone.
+TEST_F(ShardTest, ASnapshotWaitingAcrossAReloadIsAborted) {
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> waiting;
+  std::thread taker([&] { waiting = shard_.SnapshotAt(kJob, 2, Soon(), nullptr); });
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  taker.join();
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kAborted) << waiting.status();
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> now =
+      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(ValuesOf(*(*now)->weights), (std::vector<std::vector<float>>{kA, kB}));
+}
+
 // Many workers push their slices in random orders and splits from their own
 // threads, with an apply pool, for several steps: every version equals the
 // sequential apply of whole pushes, bit for bit.
