@@ -1,7 +1,9 @@
 #include "ps/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
 namespace psflow::ps {
@@ -9,78 +11,183 @@ namespace {
 
 // The loops below run over every weight of a shard each step. target_clones
 // compiles each for AVX2 and for the baseline, picked at load time, so one
-// binary runs everywhere and vectorizes wide where it can.
+// binary runs everywhere and vectorizes wide where it can. Weight decay is
+// always computed (as g + 0 * w when off): with finite weights the result is
+// the same to the bit, and the loops stay branch-free.
 #define PSFLOW_VECTOR_LOOP __attribute__((target_clones("avx2", "default")))
 
-PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float* w, const float* g, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) w[i] -= lr * g[i];
+PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, float* w, const float* g, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) w[i] -= lr * (g[i] + wd * w[i]);
 }
 
-PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float* w, const float* g, float* buf,
-                                     int64_t n) {
+PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float wd, float* w, const float* g,
+                                     float* buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    buf[i] = mu * buf[i] + g[i];
+    buf[i] = mu * buf[i] + (g[i] + wd * w[i]);
     w[i] -= lr * buf[i];
   }
 }
 
-PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
-                                 float* w, const float* g, float* m, float* v, int64_t n) {
+PSFLOW_VECTOR_LOOP void NesterovLoop(float lr, float mu, float wd, float* w, const float* g,
+                                     float* buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    m[i] = b1 * m[i] + (1 - b1) * g[i];
-    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
-    w[i] -= step_size * m[i] / (std::sqrt(v[i]) * inv_c2 + eps);
+    const float d = g[i] + wd * w[i];
+    buf[i] = mu * buf[i] + d;
+    w[i] -= lr * (d + mu * buf[i]);
   }
 }
 
-class Sgd : public Optimizer {
- public:
-  explicit Sgd(float lr) : lr_(lr) {}
-  std::vector<std::string> SlotNames() const override {
-    return Optimizer::SlotNames(OptimizerConfig::SGD);
+// Adam with an L2 term (l2, Adam) or decoupled decay (decay = 1 - lr * wd, AdamW).
+PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
+                                 float l2, float decay, float* w, const float* g, float* m,
+                                 float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = g[i] + l2 * w[i];
+    m[i] = b1 * m[i] + (1 - b1) * d;
+    v[i] = b2 * v[i] + (1 - b2) * d * d;
+    w[i] = w[i] * decay - step_size * m[i] / (std::sqrt(v[i]) * inv_c2 + eps);
   }
-  void Apply(int64_t, float* w, const float* g, int64_t n,
+}
+
+PSFLOW_VECTOR_LOOP void AdagradLoop(float lr, float eps, float wd, float* w, const float* g,
+                                    float* sum, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = g[i] + wd * w[i];
+    sum[i] += d * d;
+    w[i] -= lr * d / (std::sqrt(sum[i]) + eps);
+  }
+}
+
+PSFLOW_VECTOR_LOOP void RmspropLoop(float lr, float alpha, float eps, float wd, float* w,
+                                    const float* g, float* sq, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = g[i] + wd * w[i];
+    sq[i] = alpha * sq[i] + (1 - alpha) * d * d;
+    w[i] -= lr * d / (std::sqrt(sq[i]) + eps);
+  }
+}
+
+constexpr float kDefaultDecayRate = 0.1f;
+
+// config with the defaults filled in for the fields left at 0.
+OptimizerConfig WithDefaults(OptimizerConfig c) {
+  if (c.momentum() == 0) c.set_momentum(0.9f);
+  if (c.beta1() == 0) c.set_beta1(0.9f);
+  if (c.beta2() == 0) c.set_beta2(0.999f);
+  if (c.epsilon() == 0) c.set_epsilon(c.kind() == OptimizerConfig::ADAGRAD ? 1e-10f : 1e-8f);
+  if (c.alpha() == 0) c.set_alpha(0.99f);
+  if (c.lr_decay_rate() == 0) c.set_lr_decay_rate(kDefaultDecayRate);
+  return c;
+}
+
+// Holds the checked config; each kind applies its loop at the step's rate.
+class ConfiguredOptimizer : public Optimizer {
+ public:
+  explicit ConfiguredOptimizer(const OptimizerConfig& c) : c_(c) {}
+  std::vector<std::string> SlotNames() const override { return Optimizer::SlotNames(c_.kind()); }
+
+ protected:
+  float Lr(int64_t step) const { return LearningRate(c_, step); }
+  const OptimizerConfig c_;
+};
+
+class Sgd : public ConfiguredOptimizer {
+ public:
+  using ConfiguredOptimizer::ConfiguredOptimizer;
+  void Apply(int64_t step, float* w, const float* g, int64_t n,
              const std::vector<float*>&) const override {
-    SgdLoop(lr_, w, g, n);
+    SgdLoop(Lr(step), c_.weight_decay(), w, g, n);
   }
-
- private:
-  float lr_;
 };
 
-class Momentum : public Optimizer {
+class Momentum : public ConfiguredOptimizer {
  public:
-  Momentum(float lr, float mu) : lr_(lr), mu_(mu) {}
-  std::vector<std::string> SlotNames() const override {
-    return Optimizer::SlotNames(OptimizerConfig::MOMENTUM);
-  }
-  void Apply(int64_t, float* w, const float* g, int64_t n,
-             const std::vector<float*>& slots) const override {
-    MomentumLoop(lr_, mu_, w, g, slots[0], n);
-  }
-
- private:
-  float lr_, mu_;
-};
-
-class Adam : public Optimizer {
- public:
-  Adam(float lr, float b1, float b2, float eps) : lr_(lr), b1_(b1), b2_(b2), eps_(eps) {}
-  std::vector<std::string> SlotNames() const override {
-    return Optimizer::SlotNames(OptimizerConfig::ADAM);
-  }
+  using ConfiguredOptimizer::ConfiguredOptimizer;
   void Apply(int64_t step, float* w, const float* g, int64_t n,
              const std::vector<float*>& slots) const override {
-    // As torch.optim.Adam: w -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps).
-    const double t = static_cast<double>(step + 1);
-    const float step_size = static_cast<float>(lr_ / (1.0 - std::pow(b1_, t)));
-    const float inv_c2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(b2_, t)));
-    AdamLoop(b1_, b2_, eps_, step_size, inv_c2, w, g, slots[0], slots[1], n);
+    // As torch.optim.SGD (dampening 0): buf = mu buf + g; w -= lr buf, or
+    // w -= lr (g + mu buf) with nesterov; g includes weight_decay * w.
+    if (c_.nesterov()) {
+      NesterovLoop(Lr(step), c_.momentum(), c_.weight_decay(), w, g, slots[0], n);
+    } else {
+      MomentumLoop(Lr(step), c_.momentum(), c_.weight_decay(), w, g, slots[0], n);
+    }
   }
-
- private:
-  float lr_, b1_, b2_, eps_;
 };
+
+class Adam : public ConfiguredOptimizer {
+ public:
+  using ConfiguredOptimizer::ConfiguredOptimizer;
+  void Apply(int64_t step, float* w, const float* g, int64_t n,
+             const std::vector<float*>& slots) const override {
+    // As torch.optim.Adam: w -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps);
+    // AdamW first multiplies w by 1 - lr * weight_decay, Adam adds it to g.
+    const float b1 = c_.beta1(), b2 = c_.beta2();
+    const double t = static_cast<double>(step + 1);
+    const float lr = Lr(step);
+    const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+    const float inv_c2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(b2, t)));
+    const bool decoupled = c_.kind() == OptimizerConfig::ADAMW;
+    const float l2 = decoupled ? 0.0f : c_.weight_decay();
+    const float decay = decoupled ? 1.0f - lr * c_.weight_decay() : 1.0f;
+    AdamLoop(b1, b2, c_.epsilon(), step_size, inv_c2, l2, decay, w, g, slots[0], slots[1], n);
+  }
+};
+
+class Adagrad : public ConfiguredOptimizer {
+ public:
+  using ConfiguredOptimizer::ConfiguredOptimizer;
+  void Apply(int64_t step, float* w, const float* g, int64_t n,
+             const std::vector<float*>& slots) const override {
+    // As torch.optim.Adagrad (lr_decay 0, initial_accumulator_value 0):
+    // sum += g^2; w -= lr g / (sqrt(sum) + eps).
+    AdagradLoop(Lr(step), c_.epsilon(), c_.weight_decay(), w, g, slots[0], n);
+  }
+};
+
+class Rmsprop : public ConfiguredOptimizer {
+ public:
+  using ConfiguredOptimizer::ConfiguredOptimizer;
+  void Apply(int64_t step, float* w, const float* g, int64_t n,
+             const std::vector<float*>& slots) const override {
+    // As torch.optim.RMSprop (momentum 0, not centered):
+    // sq = alpha sq + (1 - alpha) g^2; w -= lr g / (sqrt(sq) + eps).
+    RmspropLoop(Lr(step), c_.alpha(), c_.epsilon(), c_.weight_decay(), w, g, slots[0], n);
+  }
+};
+
+absl::Status CheckSchedule(const OptimizerConfig& c) {
+  if (c.lr_warmup_steps() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr_warmup_steps must not be negative, got ", c.lr_warmup_steps()));
+  }
+  switch (c.lr_decay()) {
+    case OptimizerConfig::CONSTANT:
+      return absl::OkStatus();
+    case OptimizerConfig::STEP:
+    case OptimizerConfig::EXPONENTIAL:
+      if (!(c.lr_decay_rate() > 0 && c.lr_decay_rate() <= 1)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lr_decay_rate must be in (0, 1], got ", c.lr_decay_rate()));
+      }
+      break;
+    case OptimizerConfig::COSINE:
+      if (!(c.lr_min() >= 0 && c.lr_min() <= c.learning_rate())) {
+        return absl::InvalidArgumentError(absl::StrCat("lr_min must be in [0, learning_rate ",
+                                                       c.learning_rate(), "], got ", c.lr_min()));
+      }
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown lr_decay ", c.lr_decay()));
+  }
+  if (c.lr_decay_steps() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr_decay_steps must be positive for lr_decay ",
+                     absl::AsciiStrToLower(OptimizerConfig::Decay_Name(c.lr_decay())), ", got ",
+                     c.lr_decay_steps()));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -92,39 +199,84 @@ PSFLOW_VECTOR_LOOP void ScaleInPlace(float* x, float factor, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
+float LearningRate(const OptimizerConfig& config, int64_t step) {
+  const double lr = config.learning_rate();
+  step = std::max<int64_t>(step, 0);
+  const int64_t warmup = config.lr_warmup_steps();
+  if (step < warmup) {
+    return static_cast<float>(lr * static_cast<double>(step + 1) / static_cast<double>(warmup));
+  }
+  const int64_t t = step - std::max<int64_t>(warmup, 0);
+  const int64_t n = config.lr_decay_steps();
+  if (n <= 0) return static_cast<float>(lr);
+  const double r = config.lr_decay_rate() == 0 ? kDefaultDecayRate : config.lr_decay_rate();
+  switch (config.lr_decay()) {
+    case OptimizerConfig::STEP:
+      return static_cast<float>(lr * std::pow(r, static_cast<double>(t / n)));
+    case OptimizerConfig::EXPONENTIAL:
+      return static_cast<float>(lr * std::pow(r, static_cast<double>(t) / static_cast<double>(n)));
+    case OptimizerConfig::COSINE: {
+      const double lr_min = config.lr_min();
+      const double progress = static_cast<double>(std::min(t, n)) / static_cast<double>(n);
+      return static_cast<float>(lr_min + (lr - lr_min) * 0.5 * (1 + std::cos(M_PI * progress)));
+    }
+    default:  // CONSTANT
+      return static_cast<float>(lr);
+  }
+}
+
 std::vector<std::string> Optimizer::SlotNames(OptimizerConfig::Kind kind) {
   switch (kind) {
     case OptimizerConfig::MOMENTUM:
       return {"momentum"};
     case OptimizerConfig::ADAM:
+    case OptimizerConfig::ADAMW:
       return {"m", "v"};
+    case OptimizerConfig::ADAGRAD:
+      return {"sum"};
+    case OptimizerConfig::RMSPROP:
+      return {"square_avg"};
     default:  // SGD, and kinds Create refuses
       return {};
   }
 }
 
 absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConfig& config) {
-  const float lr = config.learning_rate();
+  const OptimizerConfig c = WithDefaults(config);
+  const float lr = c.learning_rate();
   if (!(lr > 0) || !std::isfinite(lr)) {
     return absl::InvalidArgumentError(absl::StrCat("learning rate must be positive, got ", lr));
   }
-  switch (config.kind()) {
+  if (!(c.weight_decay() >= 0) || !std::isfinite(c.weight_decay())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight_decay must be finite and not negative, got ", c.weight_decay()));
+  }
+  if (c.nesterov() && c.kind() != OptimizerConfig::MOMENTUM) {
+    return absl::InvalidArgumentError("nesterov needs the momentum optimizer");
+  }
+  if (absl::Status s = CheckSchedule(c); !s.ok()) return s;
+  switch (c.kind()) {
     case OptimizerConfig::SGD:
-      return std::make_unique<Sgd>(lr);
-    case OptimizerConfig::MOMENTUM: {
-      float mu = config.momentum() == 0 ? 0.9f : config.momentum();
-      if (!(mu > 0 && mu < 1)) return absl::InvalidArgumentError("momentum must be in (0, 1)");
-      return std::make_unique<Momentum>(lr, mu);
-    }
-    case OptimizerConfig::ADAM: {
-      float b1 = config.beta1() == 0 ? 0.9f : config.beta1();
-      float b2 = config.beta2() == 0 ? 0.999f : config.beta2();
-      float eps = config.epsilon() == 0 ? 1e-8f : config.epsilon();
-      if (!(b1 > 0 && b1 < 1 && b2 > 0 && b2 < 1 && eps > 0)) {
+      return std::make_unique<Sgd>(c);
+    case OptimizerConfig::MOMENTUM:
+      if (!(c.momentum() > 0 && c.momentum() < 1)) {
+        return absl::InvalidArgumentError("momentum must be in (0, 1)");
+      }
+      return std::make_unique<Momentum>(c);
+    case OptimizerConfig::ADAM:
+    case OptimizerConfig::ADAMW:
+      if (!(c.beta1() > 0 && c.beta1() < 1 && c.beta2() > 0 && c.beta2() < 1 && c.epsilon() > 0)) {
         return absl::InvalidArgumentError("adam needs beta1, beta2 in (0, 1) and epsilon > 0");
       }
-      return std::make_unique<Adam>(lr, b1, b2, eps);
-    }
+      return std::make_unique<Adam>(c);
+    case OptimizerConfig::ADAGRAD:
+      if (!(c.epsilon() > 0)) return absl::InvalidArgumentError("adagrad needs epsilon > 0");
+      return std::make_unique<Adagrad>(c);
+    case OptimizerConfig::RMSPROP:
+      if (!(c.alpha() > 0 && c.alpha() < 1 && c.epsilon() > 0)) {
+        return absl::InvalidArgumentError("rmsprop needs alpha in (0, 1) and epsilon > 0");
+      }
+      return std::make_unique<Rmsprop>(c);
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown optimizer kind ", config.kind()));
   }

@@ -1,7 +1,9 @@
 // Optimizers applied on the parameter servers, element-wise over one slice
-// at a time: SGD, momentum (heavy ball, as torch.optim.SGD) and Adam (as
-// torch.optim.Adam). Slot variables (momentum, Adam's m and v) live next to
-// the weights on the ps. Stateless apart from its config; thread-safe.
+// at a time, each as its torch.optim namesake: SGD, momentum (SGD with
+// momentum, heavy ball or Nesterov), Adam, AdamW, Adagrad and RMSprop, with
+// weight decay and a learning-rate schedule of the global step. Slot
+// variables (momentum, Adam's m and v, ...) live next to the weights on the
+// ps. Stateless apart from its config; thread-safe.
 #ifndef PSFLOW_PS_OPTIMIZER_H_
 #define PSFLOW_PS_OPTIMIZER_H_
 
@@ -15,10 +17,24 @@
 
 namespace psflow::ps {
 
+// The learning rate of the step computed from version `step` (0-based) under
+// config's schedule, for a config Create accepts (fields at 0 take Create's
+// defaults). With W = lr_warmup_steps, N = lr_decay_steps, r = lr_decay_rate:
+//   step < W:  lr * (step + 1) / W   (linear warmup; step W-1 gets lr)
+//   else, t = step - W:
+//     CONSTANT     lr
+//     STEP         lr * r^floor(t / N)
+//     EXPONENTIAL  lr * r^(t / N)
+//     COSINE       lr_min + (lr - lr_min) * (1 + cos(pi * min(t, N) / N)) / 2
+// Computed in double, rounded once to float. The chief's progress line uses
+// it too.
+float LearningRate(const OptimizerConfig& config, int64_t step);
+
 class Optimizer {
  public:
-  // Checks the config (positive learning rate, betas in [0, 1), ...) and
-  // fills the usual defaults for fields left at 0.
+  // Checks the config (positive learning rate, betas in (0, 1), a schedule
+  // with positive steps, ...) and fills the usual defaults (torch.optim's)
+  // for fields left at 0. INVALID_ARGUMENT naming the field otherwise.
   static absl::StatusOr<std::unique_ptr<Optimizer>> Create(const OptimizerConfig& config);
   virtual ~Optimizer() = default;
 

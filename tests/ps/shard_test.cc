@@ -1114,7 +1114,8 @@ TEST_P(ShardParallelApplyTest, SameValuesAndSlotsAsTheSequentialApply) {
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, ShardParallelApplyTest,
                          ::testing::Values(OptimizerConfig::SGD, OptimizerConfig::MOMENTUM,
-                                           OptimizerConfig::ADAM),
+                                           OptimizerConfig::ADAM, OptimizerConfig::ADAMW,
+                                           OptimizerConfig::ADAGRAD, OptimizerConfig::RMSPROP),
                          [](const ::testing::TestParamInfo<OptimizerConfig::Kind>& info) {
                            return OptimizerConfig::Kind_Name(info.param);
                          });
