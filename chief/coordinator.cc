@@ -56,7 +56,8 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
         for (int p = 0; p < job_.num_ps(); ++p) n += ps_->Reachable(p);
         return n;
       },
-      [](const std::string& line) { PSLOG(INFO) << line; });
+      [](const std::string& line) { PSLOG(INFO) << line; },
+      [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); });
   absl::MutexLock lock(&mu_);
   job_id_ = NewJobId();
   for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
@@ -631,7 +632,10 @@ absl::Status Coordinator::Run() {
               << job_.train_steps() << " steps (" << job_.steps_per_epoch() << " per epoch), batch "
               << job_.batch_size() << " x " << job_.num_workers() << " workers, optimizer "
               << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr "
-              << job_.optimizer().learning_rate() << ", inputs standardized with mean "
+              << job_.optimizer().learning_rate() << " ("
+              << OptimizerConfig::Decay_Name(job_.optimizer().lr_decay()) << ", warmup "
+              << job_.optimizer().lr_warmup_steps() << ") weight decay "
+              << job_.optimizer().weight_decay() << ", inputs standardized with mean "
               << job_.model().input().mean() << " stddev " << job_.model().input().stddev()
               << ", variables over " << job_.num_ps() << " ps (" << per_ps << ")";
 

@@ -73,6 +73,8 @@ TrainingDataStats StatsOf(const data::Dataset& d) {
   return stats;
 }
 
+// The optimizer of the flags, checked flag by flag; a cosine decay without
+// --lr_decay_steps is completed by FinishOptimizer once the steps are known.
 absl::StatusOr<OptimizerConfig> MakeOptimizer(const JobOptions& o) {
   OptimizerConfig config;
   const std::string name = absl::AsciiStrToLower(o.optimizer);
@@ -85,20 +87,103 @@ absl::StatusOr<OptimizerConfig> MakeOptimizer(const JobOptions& o) {
       return absl::InvalidArgumentError(
           absl::StrCat("--momentum must be in (0, 1), got ", o.momentum));
     }
-  } else if (name == "adam") {
-    config.set_kind(OptimizerConfig::ADAM);
+    config.set_nesterov(o.nesterov);
+  } else if (name == "adam" || name == "adamw") {
+    config.set_kind(name == "adam" ? OptimizerConfig::ADAM : OptimizerConfig::ADAMW);
+    if (!(o.beta1 > 0 && o.beta1 < 1 && o.beta2 > 0 && o.beta2 < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--beta1 and --beta2 must be in (0, 1), got ", o.beta1, " and ", o.beta2));
+    }
+    config.set_beta1(o.beta1);
+    config.set_beta2(o.beta2);
+  } else if (name == "adagrad") {
+    config.set_kind(OptimizerConfig::ADAGRAD);
+  } else if (name == "rmsprop") {
+    config.set_kind(OptimizerConfig::RMSPROP);
+    if (!(o.rmsprop_alpha > 0 && o.rmsprop_alpha < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--rmsprop_alpha must be in (0, 1), got ", o.rmsprop_alpha));
+    }
+    config.set_alpha(o.rmsprop_alpha);
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("--optimizer '", o.optimizer, "' is not one of sgd, momentum, adam"));
+        absl::StrCat("--optimizer '", o.optimizer,
+                     "' is not one of sgd, momentum, adam, adamw, adagrad, rmsprop"));
+  }
+  if (o.nesterov && config.kind() != OptimizerConfig::MOMENTUM) {
+    return absl::InvalidArgumentError("--nesterov needs --optimizer=momentum");
   }
   if (!(o.learning_rate > 0) || !std::isfinite(o.learning_rate)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--learning_rate must be positive, got ", o.learning_rate));
   }
   config.set_learning_rate(o.learning_rate);
-  // The ps will build the same optimizer: refuse here what they would refuse.
-  PSFLOW_RETURN_IF_ERROR(ps::Optimizer::Create(config).status());
+  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--weight_decay must be finite and not negative, got ", o.weight_decay));
+  }
+  config.set_weight_decay(o.weight_decay);
+  if (!(o.epsilon >= 0) || !std::isfinite(o.epsilon)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--epsilon must not be negative (0: the optimizer's own), got ", o.epsilon));
+  }
+  config.set_epsilon(o.epsilon);
+
+  const std::string decay = absl::AsciiStrToLower(o.lr_decay);
+  if (decay == "constant") {
+    config.set_lr_decay(OptimizerConfig::CONSTANT);
+  } else if (decay == "step") {
+    config.set_lr_decay(OptimizerConfig::STEP);
+  } else if (decay == "exponential") {
+    config.set_lr_decay(OptimizerConfig::EXPONENTIAL);
+  } else if (decay == "cosine") {
+    config.set_lr_decay(OptimizerConfig::COSINE);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lr_decay '", o.lr_decay, "' is not one of constant, step, exponential, cosine"));
+  }
+  if (o.lr_warmup_steps < 0 || o.lr_decay_steps < 0) {
+    return absl::InvalidArgumentError(
+        "--lr_warmup_steps and --lr_decay_steps must not be negative");
+  }
+  config.set_lr_warmup_steps(o.lr_warmup_steps);
+  config.set_lr_decay_steps(o.lr_decay_steps);
+  if (decay == "step" || decay == "exponential") {
+    if (o.lr_decay_steps == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--lr_decay=", decay, " needs --lr_decay_steps"));
+    }
+    if (!(o.lr_decay_rate > 0 && o.lr_decay_rate <= 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--lr_decay_rate must be in (0, 1], got ", o.lr_decay_rate));
+    }
+    config.set_lr_decay_rate(o.lr_decay_rate);
+  }
+  if (decay == "cosine") {
+    if (!(o.lr_min >= 0 && o.lr_min <= o.learning_rate)) {
+      return absl::InvalidArgumentError(absl::StrCat("--lr_min must be in [0, --learning_rate ",
+                                                     o.learning_rate, "], got ", o.lr_min));
+    }
+    config.set_lr_min(o.lr_min);
+  }
   return config;
+}
+
+// Gives a cosine decay without --lr_decay_steps the steps from the end of
+// the warmup to the job's last, then checks the optimizer as the ps will.
+absl::Status FinishOptimizer(int64_t train_steps, OptimizerConfig* config) {
+  if (config->lr_decay() == OptimizerConfig::COSINE && config->lr_decay_steps() == 0) {
+    if (config->lr_warmup_steps() >= train_steps) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--lr_warmup_steps ", config->lr_warmup_steps(), " leaves none of the job's ",
+          train_steps, " steps to the cosine decay; give --lr_decay_steps"));
+    }
+    config->set_lr_decay_steps(train_steps - config->lr_warmup_steps());
+  }
+  // The ps will build the same optimizer: refuse here what they would refuse.
+  absl::Status s = ps::Optimizer::Create(*config).status();
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("optimizer: ", s.message()));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -166,6 +251,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
     return absl::InvalidArgumentError(absl::StrCat("--epochs ", o.epochs, " is too large"));
   }
   job.set_train_steps(o.train_steps > 0 ? o.train_steps : epochs * steps_per_epoch);
+  PSFLOW_RETURN_IF_ERROR(FinishOptimizer(job.train_steps(), job.mutable_optimizer()));
   job.set_num_examples(stats->count);
   job.set_seed(o.seed);
   job.set_num_workers(num_workers);

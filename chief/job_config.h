@@ -25,9 +25,21 @@ struct JobOptions {
   int batch_size = 64;                 // per worker
   int64_t epochs = 0;                  // 0: not given
   int64_t train_steps = 0;             // 0: not given; exactly one of the two, else 1 epoch
-  std::string optimizer = "sgd";       // sgd, momentum, adam
-  float learning_rate = 0.01f;
-  float momentum = 0.9f;
+  std::string optimizer = "sgd";       // sgd, momentum, adam, adamw, adagrad, rmsprop
+  float learning_rate = 0.01f;         // the peak rate of the schedule
+  float momentum = 0.9f;               // momentum
+  bool nesterov = false;               // momentum: Nesterov's
+  float weight_decay = 0;              // L2 on the gradient; adamw: decoupled (w -= lr * wd * w)
+  float beta1 = 0.9f, beta2 = 0.999f;  // adam, adamw
+  float epsilon = 0;                   // 0: the optimizer's own (1e-8; adagrad 1e-10)
+  float rmsprop_alpha = 0.99f;         // rmsprop
+  // The learning-rate schedule (ps::LearningRate): linear warmup over
+  // lr_warmup_steps, then lr_decay: constant, step, exponential or cosine.
+  std::string lr_decay = "constant";
+  int64_t lr_warmup_steps = 0;
+  int64_t lr_decay_steps = 0;  // step, exponential: required; cosine: 0 = to the last step
+  float lr_decay_rate = 0.1f;  // step, exponential
+  float lr_min = 0;            // cosine: the final rate
   uint64_t seed = 1;
   int compute_threads = 0;  // per worker; 0 = library default
   // What a step with a non-finite loss or gradients does: "fail" stops the

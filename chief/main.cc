@@ -36,9 +36,37 @@ ABSL_FLAG(int64_t, epochs, 0,
           "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
 ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
 ABSL_FLAG(std::string, optimizer, "sgd",
-          "sgd, momentum or adam; applied on the parameter servers.");
-ABSL_FLAG(double, learning_rate, 0.01, "Learning rate of the optimizer.");
+          "sgd, momentum, adam, adamw, adagrad or rmsprop, each as its torch.optim namesake "
+          "(momentum is SGD with momentum); applied on the parameter servers.");
+ABSL_FLAG(double, learning_rate, 0.01,
+          "Learning rate of the optimizer: the peak of the schedule (see --lr_decay).");
 ABSL_FLAG(double, momentum, 0.9, "Momentum of --optimizer=momentum.");
+ABSL_FLAG(bool, nesterov, false,
+          "Nesterov momentum for --optimizer=momentum (torch.optim.SGD nesterov=True).");
+ABSL_FLAG(double, weight_decay, 0,
+          "L2 penalty added to the gradient (g + weight_decay * w), as torch.optim's "
+          "weight_decay; with --optimizer=adamw, decoupled decay (w -= lr * weight_decay * w) "
+          "instead. 0 for every optimizer, adamw included (torch.optim.AdamW's default is 0.01).");
+ABSL_FLAG(double, beta1, 0.9, "Decay of the first moment of --optimizer=adam and adamw.");
+ABSL_FLAG(double, beta2, 0.999, "Decay of the second moment of --optimizer=adam and adamw.");
+ABSL_FLAG(double, epsilon, 0,
+          "Added to the denominator of adam, adamw, adagrad and rmsprop; 0: torch.optim's "
+          "default (1e-8, 1e-10 for adagrad).");
+ABSL_FLAG(double, rmsprop_alpha, 0.99,
+          "Smoothing constant of the squared gradients of --optimizer=rmsprop.");
+ABSL_FLAG(std::string, lr_decay, "constant",
+          "Learning-rate schedule after the warmup, of t = step - --lr_warmup_steps (step "
+          "0-based): constant; step (lr * rate^floor(t / N)); exponential (lr * rate^(t / N)); "
+          "cosine (from lr to --lr_min over N steps, then --lr_min). N is --lr_decay_steps, rate "
+          "--lr_decay_rate.");
+ABSL_FLAG(int64_t, lr_warmup_steps, 0,
+          "Linear warmup: step s < this uses lr * (s + 1) / lr_warmup_steps.");
+ABSL_FLAG(int64_t, lr_decay_steps, 0,
+          "N of --lr_decay: required for step and exponential; for cosine, 0 means every step "
+          "after the warmup.");
+ABSL_FLAG(double, lr_decay_rate, 0.1,
+          "Factor per --lr_decay_steps of --lr_decay=step/exponential.");
+ABSL_FLAG(double, lr_min, 0, "The final learning rate of --lr_decay=cosine.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial weights and of the data order of every epoch.");
 ABSL_FLAG(
     std::string, model_dir, "",
@@ -106,6 +134,17 @@ int main(int argc, char** argv) {
   job.optimizer = absl::GetFlag(FLAGS_optimizer);
   job.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
   job.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
+  job.nesterov = absl::GetFlag(FLAGS_nesterov);
+  job.weight_decay = static_cast<float>(absl::GetFlag(FLAGS_weight_decay));
+  job.beta1 = static_cast<float>(absl::GetFlag(FLAGS_beta1));
+  job.beta2 = static_cast<float>(absl::GetFlag(FLAGS_beta2));
+  job.epsilon = static_cast<float>(absl::GetFlag(FLAGS_epsilon));
+  job.rmsprop_alpha = static_cast<float>(absl::GetFlag(FLAGS_rmsprop_alpha));
+  job.lr_decay = absl::GetFlag(FLAGS_lr_decay);
+  job.lr_warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
+  job.lr_decay_steps = absl::GetFlag(FLAGS_lr_decay_steps);
+  job.lr_decay_rate = static_cast<float>(absl::GetFlag(FLAGS_lr_decay_rate));
+  job.lr_min = static_cast<float>(absl::GetFlag(FLAGS_lr_min));
   job.seed = absl::GetFlag(FLAGS_seed);
   job.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);

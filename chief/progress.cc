@@ -10,13 +10,15 @@ namespace psflow::chief {
 
 Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps,
                    int num_workers, int num_ps, std::function<int()> reachable_ps,
-                   std::function<void(const std::string&)> emit)
+                   std::function<void(const std::string&)> emit,
+                   std::function<double(int64_t)> learning_rate)
     : train_steps_(train_steps),
       steps_per_epoch_(std::max<int64_t>(steps_per_epoch, 1)),
       log_every_(std::max(log_every_steps, 1)),
       num_ps_(num_ps),
       reachable_ps_(std::move(reachable_ps)),
       emit_(std::move(emit)),
+      learning_rate_(std::move(learning_rate)),
       reported_(num_workers, 0),
       last_seen_(num_workers, absl::InfinitePast()),
       member_(num_workers, true) {}
@@ -122,12 +124,14 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const double step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
     const double examples_per_sec =
         step_ms > 0 ? static_cast<double>(in.examples) / (steps * step_ms / 1000.0) : 0;
+    const std::string lr =
+        learning_rate_ ? absl::StrFormat(" lr %.4g", learning_rate_(end - 1)) : std::string();
     emit_(absl::StrFormat(
-        "step %d/%d epoch %.2f loss %.4f acc %.3f | %.0f ex/s | step %.1f ms (pull %.1f compute "
+        "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
         "%.1f "
         "push %.1f wait %.1f) | workers %d/%d ps %d/%d",
         end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss,
-        acc, examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
+        acc, lr, examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
         in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()),
         reachable_ps_ ? reachable_ps_() : num_ps_, num_ps_));
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean

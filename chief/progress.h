@@ -1,10 +1,11 @@
 // The chief's progress log. Workers report per-step metrics; once every
 // worker has reported up to the end of an interval of --log_every_steps, one
 // line sums that interval up:
-//   step 1200/2345 epoch 2.56 loss 0.3124 acc 0.887 | 9850 ex/s |
+//   step 1200/2345 epoch 2.56 loss 0.3124 acc 0.887 lr 0.00095 | 9850 ex/s |
 //   step 21.3 ms (pull 2.1 compute 15.0 push 1.8 wait 2.4) | workers 2/2 ps 2/2
-// The step time is the workers' mean of pull + compute + push + wait, and
-// ex/s is the interval's examples over its steps times that step time.
+// lr is the learning rate of the interval's last step (given a
+// `learning_rate` function of the step). The step time is the workers' mean of pull + compute +
+// push + wait, and ex/s is the interval's examples over its steps times that step time.
 // Thread-safe.
 #ifndef PSFLOW_CHIEF_PROGRESS_H_
 #define PSFLOW_CHIEF_PROGRESS_H_
@@ -32,10 +33,13 @@ absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int bat
 class Progress {
  public:
   // `emit` receives each finished line (the chief logs it); `reachable_ps`
-  // counts the ps whose connection is up when a line is written.
+  // counts the ps whose connection is up when a line is written;
+  // `learning_rate` (optional) gives the rate of a 0-based step for the
+  // line's lr field, left out without it.
   Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
            int num_ps, std::function<int()> reachable_ps,
-           std::function<void(const std::string&)> emit);
+           std::function<void(const std::string&)> emit,
+           std::function<double(int64_t)> learning_rate = nullptr);
 
   // A worker counts as live ("workers live/total") if it reported within this.
   static constexpr absl::Duration kLiveWindow = absl::Seconds(10);
@@ -73,6 +77,7 @@ class Progress {
   const int num_ps_;
   std::function<int()> reachable_ps_;
   std::function<void(const std::string&)> emit_;
+  std::function<double(int64_t)> learning_rate_;
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)

@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/job.pb.h"
+#include "ps/optimizer.h"
 #include "tests/data/idx_files.h"
 
 namespace psflow::chief {
@@ -228,6 +229,144 @@ TEST_F(JobConfigTest, Optimizers) {
   EXPECT_TRUE(BuildJobConfig(options_).ok());
 }
 
+TEST_F(JobConfigTest, NewOptimizersAndTheirFlags) {
+  WriteData(kCount, 28, false);
+  options_.job.optimizer = "momentum";
+  options_.job.nesterov = true;
+  options_.job.weight_decay = 0.01f;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE(job->optimizer().nesterov());
+  EXPECT_FLOAT_EQ(job->optimizer().weight_decay(), 0.01f);
+  options_.job.nesterov = false;
+
+  options_.job.optimizer = "AdamW";
+  options_.job.beta1 = 0.8f;
+  options_.job.beta2 = 0.99f;
+  options_.job.epsilon = 1e-6f;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::ADAMW);
+  EXPECT_FLOAT_EQ(job->optimizer().beta1(), 0.8f);
+  EXPECT_FLOAT_EQ(job->optimizer().beta2(), 0.99f);
+  EXPECT_FLOAT_EQ(job->optimizer().epsilon(), 1e-6f);
+
+  options_.job.optimizer = "adagrad";
+  options_.job.epsilon = 0;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::ADAGRAD);
+  EXPECT_EQ(job->optimizer().epsilon(), 0) << "0: the ps's default, 1e-10";
+
+  options_.job.optimizer = "rmsprop";
+  options_.job.rmsprop_alpha = 0.9f;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::RMSPROP);
+  EXPECT_FLOAT_EQ(job->optimizer().alpha(), 0.9f);
+}
+
+TEST_F(JobConfigTest, LearningRateSchedules) {
+  WriteData(kCount, 28, false);
+  options_.job.train_steps = 100;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().lr_decay(), OptimizerConfig::CONSTANT) << "the default";
+
+  options_.job.lr_decay = "Step";
+  options_.job.lr_warmup_steps = 5;
+  options_.job.lr_decay_steps = 30;
+  options_.job.lr_decay_rate = 0.5f;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().lr_decay(), OptimizerConfig::STEP);
+  EXPECT_EQ(job->optimizer().lr_warmup_steps(), 5);
+  EXPECT_EQ(job->optimizer().lr_decay_steps(), 30);
+  EXPECT_FLOAT_EQ(job->optimizer().lr_decay_rate(), 0.5f);
+
+  options_.job.lr_decay = "exponential";
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().lr_decay(), OptimizerConfig::EXPONENTIAL);
+
+  // Cosine decays over the steps after the warmup unless told otherwise.
+  options_.job.lr_decay = "cosine";
+  options_.job.lr_decay_steps = 0;
+  options_.job.lr_min = 0.001f;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().lr_decay(), OptimizerConfig::COSINE);
+  EXPECT_EQ(job->optimizer().lr_decay_steps(), 95);
+  EXPECT_FLOAT_EQ(job->optimizer().lr_min(), 0.001f);
+  // The last step (t = 94 of 95) is just above lr_min, as with torch's
+  // CosineAnnealingLR(T_max=95); lr_min is reached at t = 95.
+  EXPECT_NEAR(ps::LearningRate(job->optimizer(), 99),
+              0.001 + (0.01 - 0.001) * (1 + std::cos(M_PI * 94 / 95)) / 2, 1e-9);
+  EXPECT_FLOAT_EQ(ps::LearningRate(job->optimizer(), 100), 0.001f);
+  options_.job.lr_decay_steps = 20;
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->optimizer().lr_decay_steps(), 20);
+}
+
+TEST_F(JobConfigTest, RejectsBadOptimizerFlags) {
+  WriteData(kCount, 28, false);
+  options_.job.train_steps = 100;
+  ASSERT_TRUE(BuildJobConfig(options_).ok());
+  auto with = [&](auto change) {
+    ChiefOptions o = options_;
+    change(o.job);
+    return BuildJobConfig(o);
+  };
+  ExpectInvalid(with([](JobOptions& j) { j.optimizer = "lamb"; }),
+                "--optimizer 'lamb' is not one of sgd, momentum, adam, adamw, adagrad, rmsprop");
+  ExpectInvalid(with([](JobOptions& j) { j.nesterov = true; }),
+                "--nesterov needs --optimizer=momentum");
+  ExpectInvalid(with([](JobOptions& j) { j.weight_decay = -0.1f; }),
+                "--weight_decay must be finite and not negative");
+  ExpectInvalid(with([](JobOptions& j) { j.weight_decay = std::nanf(""); }), "--weight_decay");
+  ExpectInvalid(with([](JobOptions& j) {
+                  j.optimizer = "adamw";
+                  j.beta2 = 1;
+                }),
+                "--beta1 and --beta2 must be in (0, 1)");
+  ExpectInvalid(with([](JobOptions& j) { j.epsilon = -1e-8f; }), "--epsilon must not be negative");
+  ExpectInvalid(with([](JobOptions& j) {
+                  j.optimizer = "rmsprop";
+                  j.rmsprop_alpha = 1;
+                }),
+                "--rmsprop_alpha must be in (0, 1)");
+  ExpectInvalid(with([](JobOptions& j) { j.lr_decay = "linear"; }),
+                "--lr_decay 'linear' is not one of constant, step, exponential, cosine");
+  ExpectInvalid(with([](JobOptions& j) { j.lr_warmup_steps = -1; }),
+                "--lr_warmup_steps and --lr_decay_steps must not be negative");
+  ExpectInvalid(with([](JobOptions& j) { j.lr_decay = "step"; }),
+                "--lr_decay=step needs --lr_decay_steps");
+  ExpectInvalid(with([](JobOptions& j) {
+                  j.lr_decay = "exponential";
+                  j.lr_decay_steps = 10;
+                  j.lr_decay_rate = 2;
+                }),
+                "--lr_decay_rate must be in (0, 1]");
+  ExpectInvalid(with([](JobOptions& j) {
+                  j.lr_decay = "cosine";
+                  j.lr_min = 1;
+                }),
+                "--lr_min must be in [0, --learning_rate");
+  ExpectInvalid(with([](JobOptions& j) {
+                  j.lr_decay = "cosine";
+                  j.lr_warmup_steps = 100;
+                }),
+                "--lr_warmup_steps 100 leaves none of the job's 100 steps to the cosine decay");
+  // Flags of other optimizers or schedules are not checked.
+  EXPECT_TRUE(with([](JobOptions& j) {
+                j.beta1 = 7;
+                j.rmsprop_alpha = -1;
+                j.lr_decay_rate = 9;
+                j.lr_min = 5;
+              }).ok());
+}
+
 TEST_F(JobConfigTest, WireDtype) {
   WriteData(kCount, 28, false);
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
@@ -264,8 +403,8 @@ TEST_F(JobConfigTest, RejectsBadSettings) {
                 "--batch_size must be positive");
   ExpectInvalid(with([](ChiefOptions& o) { o.job.batch_size = 51; }),
                 "--batch_size 51 exceeds the 50 examples each worker sees per epoch");
-  ExpectInvalid(with([](ChiefOptions& o) { o.job.optimizer = "rmsprop"; }),
-                "--optimizer 'rmsprop' is not one of sgd, momentum, adam");
+  ExpectInvalid(with([](ChiefOptions& o) { o.job.optimizer = "adadelta"; }),
+                "--optimizer 'adadelta' is not one of sgd, momentum, adam");
   ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = 0; }),
                 "--learning_rate must be positive");
   ExpectInvalid(with([](ChiefOptions& o) { o.job.learning_rate = -0.1f; }),

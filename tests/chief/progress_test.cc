@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.pb.h"
+#include "ps/optimizer.h"
 
 namespace psflow::chief {
 namespace {
@@ -326,6 +327,45 @@ TEST_F(ProgressTest, NonFiniteStepsAreNotLogged) {
   progress_.Record(1, Steps(1, 0, 10), t0_);
   ASSERT_EQ(lines_.size(), 1u);
   EXPECT_THAT(lines_[0], Not(HasSubstr("nan"))) << lines_[0];
+}
+
+}  // namespace
+}  // namespace psflow::chief
+
+namespace psflow::chief {
+namespace {
+
+TEST(ProgressLearningRateTest, LinesShowTheRateOfTheIntervalsLastStep) {
+  // Warmup over 4 steps, then cosine from 0.001 to 0 over the 20 steps after it.
+  OptimizerConfig optimizer;
+  optimizer.set_learning_rate(0.001f);
+  optimizer.set_lr_warmup_steps(4);
+  optimizer.set_lr_decay(OptimizerConfig::COSINE);
+  optimizer.set_lr_decay_steps(20);
+  std::vector<std::string> lines;
+  Progress progress(
+      kTrainSteps, kStepsPerEpoch, kLogEvery, 1, kPs, nullptr,
+      [&](const std::string& line) { lines.push_back(line); },
+      [&](int64_t step) { return ps::LearningRate(optimizer, step); });
+  const absl::Time t0 = absl::FromUnixSeconds(1700000000);
+  progress.Record(0, Steps(0, 0, kTrainSteps), t0);
+  ASSERT_EQ(lines.size(), 3u);
+  // Step 9 is t = 5 of 20: 0.0005 (1 + cos(pi / 4)) = 0.00085355; step 19 is t = 15:
+  // 0.0005 (1 + cos(3 pi / 4)) = 0.00014645; step 24 (t = 20) has 0.
+  EXPECT_THAT(lines[0], HasSubstr("acc "));
+  EXPECT_THAT(lines[0], HasSubstr(" lr 0.0008536 | "));
+  EXPECT_THAT(lines[1], HasSubstr(" lr 0.0001464 | "));
+  EXPECT_THAT(lines[2], HasSubstr(" lr 0 | "));
+  // The rest of the line is unchanged.
+  Line l = Parse(lines[0].substr(0, lines[0].find(" lr ")) + lines[0].substr(lines[0].find(" | ")));
+  EXPECT_EQ(l.end, 10);
+}
+
+TEST_F(ProgressTest, NoRateWithoutALearningRateFunction) {
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  progress_.Record(1, Steps(1, 0, 10), t0_);
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], Not(HasSubstr(" lr ")));
 }
 
 }  // namespace
