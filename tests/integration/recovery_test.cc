@@ -12,10 +12,12 @@
 #include <sys/types.h>
 #include <unistd.h>
 #include <zlib.h>
+#include <cstdlib>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -76,6 +78,10 @@ class Cluster {
         "--ps=" + std::to_string(num_ps), "--workers=" + std::to_string(num_workers),
         restart_on_failure ? "--restart=on-failure" : "--restart=never", "--"};
     args.insert(args.end(), chief_args.begin(), chief_args.end());
+    // ctest runs this suite once per wire dtype (tests/integration/CMakeLists.txt).
+    if (const char* wire = std::getenv("PSFLOW_TEST_WIRE_DTYPE"); wire != nullptr && *wire != 0) {
+      args.push_back(std::string("--wire_dtype=") + wire);
+    }
     launch_ = std::make_unique<Process>(Bin("psflow-launch"), args);
     std::string chief;
     auto cluster_line = [&chief](const std::string& line) {
