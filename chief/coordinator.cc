@@ -629,10 +629,14 @@ absl::Status Coordinator::Run() {
   for (size_t p = 0; p < bytes.size(); ++p)
     absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
   PSLOG(INFO) << "job: model " << job_.model().name() << " (" << params << " parameters), "
-              << job_.train_steps() << " steps (" << job_.steps_per_epoch() << " per epoch), batch "
-              << job_.batch_size() << " x " << job_.num_workers() << " workers, optimizer "
-              << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr "
-              << job_.optimizer().learning_rate() << " ("
+              << job_.train_steps() << " steps = "
+              << absl::StrFormat("%.2f", static_cast<double>(job_.train_steps()) /
+                                             static_cast<double>(job_.steps_per_epoch()))
+              << " epochs of " << job_.steps_per_epoch()
+              << " steps = " << job_.train_steps() * job_.batch_size() * job_.num_workers()
+              << " examples, batch " << job_.batch_size() << " x " << job_.num_workers()
+              << " workers, optimizer " << OptimizerConfig::Kind_Name(job_.optimizer().kind())
+              << " lr " << job_.optimizer().learning_rate() << " ("
               << OptimizerConfig::Decay_Name(job_.optimizer().lr_decay()) << ", warmup "
               << job_.optimizer().lr_warmup_steps() << ") weight decay "
               << job_.optimizer().weight_decay() << ", inputs standardized with mean "

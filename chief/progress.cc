@@ -126,14 +126,21 @@ void Progress::EmitReadyLocked(absl::Time now) {
         step_ms > 0 ? static_cast<double>(in.examples) / (steps * step_ms / 1000.0) : 0;
     const std::string lr =
         learning_rate_ ? absl::StrFormat(" lr %.4g", learning_rate_(end - 1)) : std::string();
+    // The wall-clock pace of this interval (lines that come out together
+    // keep the previous pace).
+    const absl::Time since = logged_until_ < 0 ? first_report_ : last_line_;
+    if (now > since) step_pace_ = (now - since) / steps;
+    const absl::Duration eta = step_pace_ * static_cast<double>(train_steps_ - end);
     emit_(absl::StrFormat(
         "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
         "%.1f "
-        "push %.1f wait %.1f) | workers %d/%d ps %d/%d",
+        "push %.1f wait %.1f) | workers %d/%d ps %d/%d | elapsed %s eta %s",
         end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss,
         acc, lr, examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
         in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()),
-        reachable_ps_ ? reachable_ps_() : num_ps_, num_ps_));
+        reachable_ps_ ? reachable_ps_() : num_ps_, num_ps_, ShortDuration(now - first_report_),
+        ShortDuration(eta)));
+    last_line_ = now;
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
       steady_seconds_ += steps * step_ms / 1000.0;
@@ -143,6 +150,13 @@ void Progress::EmitReadyLocked(absl::Time now) {
     logged_until_ = end;
     intervals_.erase(it);
   }
+}
+
+std::string ShortDuration(absl::Duration d) {
+  const int64_t s = std::max<int64_t>(absl::ToInt64Seconds(d + absl::Milliseconds(500)), 0);
+  if (s < 60) return absl::StrFormat("%ds", s);
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
 }
 
 Progress::Summary Progress::summary() const {

@@ -2,10 +2,14 @@
 // worker has reported up to the end of an interval of --log_every_steps, one
 // line sums that interval up:
 //   step 1200/2345 epoch 2.56 loss 0.3124 acc 0.887 lr 0.00095 | 9850 ex/s |
-//   step 21.3 ms (pull 2.1 compute 15.0 push 1.8 wait 2.4) | workers 2/2 ps 2/2
+//   step 21.3 ms (pull 2.1 compute 15.0 push 1.8 wait 2.4) | workers 2/2 ps 2/2 |
+//   elapsed 1m52s eta 1m47s
 // lr is the learning rate of the interval's last step (given a
 // `learning_rate` function of the step). The step time is the workers' mean of pull + compute +
 // push + wait, and ex/s is the interval's examples over its steps times that step time.
+// elapsed is the wall time since the first report; eta is the steps left at
+// the wall-clock pace of the latest interval (reports included, as a user
+// waits for them), so it follows slow-downs and restarts.
 // Thread-safe.
 #ifndef PSFLOW_CHIEF_PROGRESS_H_
 #define PSFLOW_CHIEF_PROGRESS_H_
@@ -92,7 +96,12 @@ class Progress {
   int64_t steady_examples_ ABSL_GUARDED_BY(mu_) = 0;
   double steady_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double last_loss_ ABSL_GUARDED_BY(mu_) = 0, last_acc_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_line_ ABSL_GUARDED_BY(mu_);      // when the latest line was written
+  absl::Duration step_pace_ ABSL_GUARDED_BY(mu_);  // wall time per step, latest interval
 };
+
+// "45s", "3m07s", "2h05m": the precision a progress line needs.
+std::string ShortDuration(absl::Duration d);
 
 }  // namespace psflow::chief
 

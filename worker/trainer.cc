@@ -234,7 +234,8 @@ absl::Status Trainer::Prepare() {
   // A lane's pull may wait for its own push only: every lane needs a thread.
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name()
-              << ", " << job_.num_ps() << " ps, " << lanes_.size() << " lanes";
+              << ", " << job_.num_ps() << " ps, " << lanes_.size()
+              << (lanes_.size() == 1 ? " lane" : " lanes");
   return absl::OkStatus();
 }
 

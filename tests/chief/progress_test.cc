@@ -15,6 +15,7 @@
 namespace psflow::chief {
 namespace {
 
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
@@ -366,6 +367,41 @@ TEST_F(ProgressTest, NoRateWithoutALearningRateFunction) {
   progress_.Record(1, Steps(1, 0, 10), t0_);
   ASSERT_EQ(lines_.size(), 1u);
   EXPECT_THAT(lines_[0], Not(HasSubstr(" lr ")));
+}
+
+TEST_F(ProgressTest, LinesEndWithTheElapsedTimeAndAnEtaAtTheLatestPace) {
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  progress_.Record(1, Steps(1, 0, 10), t0_ + absl::Seconds(10));
+  // 10 steps in the 10 s since the first report: 15 steps left take 15 s.
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], EndsWith("| workers 2/2 ps 2/2 | elapsed 10s eta 15s"));
+  progress_.Record(0, Steps(0, 10, 20), t0_ + absl::Seconds(20));
+  progress_.Record(1, Steps(1, 10, 20), t0_ + absl::Seconds(30));
+  // The pace slowed to 2 s a step: 5 steps left take 10 s.
+  ASSERT_EQ(lines_.size(), 2u);
+  EXPECT_THAT(lines_[1], EndsWith("| elapsed 30s eta 10s"));
+  progress_.Record(0, Steps(0, 20, 25), t0_ + absl::Seconds(3700));
+  progress_.Record(1, Steps(1, 20, 25), t0_ + absl::Seconds(3700));
+  ASSERT_EQ(lines_.size(), 3u);
+  EXPECT_THAT(lines_[2], EndsWith("| elapsed 1h01m eta 0s"));
+  ExpectLine(Parse(lines_[2]),
+             Expect(
+                 [] {
+                   std::vector<StepMetrics> last = Steps(0, 20, 25);
+                   for (const StepMetrics& m : Steps(1, 20, 25)) last.push_back(m);
+                   return last;
+                 }(),
+                 5),
+             25);
+}
+
+TEST(ShortDurationTest, SecondsMinutesHours) {
+  EXPECT_EQ(ShortDuration(absl::ZeroDuration()), "0s");
+  EXPECT_EQ(ShortDuration(absl::Milliseconds(59400)), "59s");
+  EXPECT_EQ(ShortDuration(absl::Milliseconds(59600)), "1m00s");
+  EXPECT_EQ(ShortDuration(absl::Seconds(3599)), "59m59s");
+  EXPECT_EQ(ShortDuration(absl::Seconds(7260)), "2h01m");
+  EXPECT_EQ(ShortDuration(-absl::Seconds(5)), "0s");
 }
 
 }  // namespace
