@@ -428,6 +428,7 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
     return args;
   };
   const std::string model_dir = ::testing::TempDir() + "/psflow_bad_config_never_created";
+  std::filesystem::remove_all(model_dir);  // left by an earlier failing run
   const std::vector<BadCase> cases = {
       {"malformed TF_CONFIG",
        "psflow-worker",
