@@ -264,10 +264,9 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, int64_t* version, int
   for (int v : lane.variables) {
     if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
     absl::Status s = net_->SetWeight(v, weights_[v]);
-    if (!s.ok()) {
-      absl::MutexLock lock(&upload_mu_);
-      upload_error_.Update(s);
-    }
+    // INTERNAL whatever the device said: never retried (the countdown is spent).
+    if (!s.ok())
+      return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
   }
   return absl::OkStatus();
 }
@@ -276,10 +275,6 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
                                const std::function<void()>& on_pushed, Exchanged* out) {
   const int n = static_cast<int>(lanes_.size());
   for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
-  {
-    absl::MutexLock lock(&upload_mu_);
-    upload_error_ = absl::OkStatus();
-  }
   PushHeader header;
   header.set_job_id(job_id_);
   header.set_worker(options_.worker_index);
@@ -311,13 +306,6 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
     return PullLane(l, min_version, &versions[l], &waits[l]);
   });
   if (!s.ok()) return s;
-  {
-    absl::MutexLock lock(&upload_mu_);
-    if (!upload_error_.ok()) {
-      return absl::InternalError(
-          absl::StrCat("copying weights to the device: ", upload_error_.message()));
-    }
-  }
   out->version = *std::min_element(versions.begin(), versions.end());
   out->wait_us = *std::max_element(waits.begin(), waits.end());
   const int64_t newest = *std::max_element(versions.begin(), versions.end());

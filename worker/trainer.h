@@ -190,8 +190,6 @@ class Trainer {
   // number still to come (the lane that brings the last one uploads it).
   std::vector<int> slices_of_;
   std::unique_ptr<std::atomic<int>[]> to_come_;
-  absl::Mutex upload_mu_;
-  absl::Status upload_error_ ABSL_GUARDED_BY(upload_mu_);  // of the current round
   Backoff register_backoff_;  // between registrations that end in no step
 
   mutable absl::Mutex mu_;
