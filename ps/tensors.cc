@@ -29,17 +29,6 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
   return sinks;
 }
 
-std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices, DataType dtype,
-                                      std::vector<std::vector<float>>* grads) {
-  grads->assign(slices.size(), {});
-  std::vector<TensorSink> sinks;
-  for (size_t i = 0; i < slices.size(); ++i) {
-    (*grads)[i].resize(NumElements(slices[i].shape()));
-    sinks.push_back({slices[i].name(), "", ShapeOf(slices[i]), (*grads)[i].data(), true, dtype});
-  }
-  return sinks;
-}
-
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads) {
@@ -75,14 +64,6 @@ absl::StatusOr<std::vector<int>> SliceIndices(absl::Span<const int32_t> asked, i
     indices.push_back(i);
   }
   return indices;
-}
-
-std::vector<TensorRef> WeightRefs(const Shard::Weights& weights, DataType dtype) {
-  std::vector<TensorRef> refs;
-  for (size_t i = 0; i < weights.slices->size(); ++i) {
-    refs.push_back(SliceValueRef((*weights.slices)[i], weights.values[i], dtype));
-  }
-  return refs;
 }
 
 TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataType dtype) {

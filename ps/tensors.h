@@ -26,12 +26,9 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
                                   const std::vector<std::string>& slot_names,
                                   std::vector<Shard::SliceValues>* values);
 
-// Storage for one push's gradients of `slices` (every one) and sinks into it
-// that decode chunks of `dtype` (the job's wire dtype).
-std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices, DataType dtype,
-                                      std::vector<std::vector<float>>* grads);
-// The same for the slices `indices` of `slices` only (each a valid index):
-// grads[k] is for slices[indices[k]], and so is the k-th sink.
+// Storage for one push's gradients of the slices `indices` of `slices` (each
+// a valid index) and sinks into it that decode chunks of `dtype` (the job's
+// wire dtype): grads[k] is for slices[indices[k]], and so is the k-th sink.
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads);
@@ -42,8 +39,6 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
 absl::StatusOr<std::vector<int>> SliceIndices(absl::Span<const int32_t> asked, int num_slices,
                                               absl::string_view what);
 
-// A pulled version's values, sent as `dtype`.
-std::vector<TensorRef> WeightRefs(const Shard::Weights& weights, DataType dtype);
 // One pulled slice's value, sent as `dtype`.
 TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataType dtype);
 
