@@ -26,10 +26,12 @@ ABSL_FLAG(
     std::string, device, "cpu",
     "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
     "The parameter servers stay on CPUs either way.");
-ABSL_FLAG(int, ps_lanes, 0,
-          "Most concurrent pulls and pushes (lanes) per ps, each over its own connection and of "
-          "consecutive slices of at least 1 MiB (a ps holding less uses fewer). 0: 16 lanes in "
-          "all, shared by the ps (at most 8 per ps, at least 1). 1: one stream each way per ps.");
+ABSL_FLAG(
+    int, ps_lanes, 0,
+    "Most concurrent pulls and pushes (lanes) per ps, each over its own connection and of "
+    "consecutive slices of at least 1 MiB (a ps holding less, or few large slices, gives fewer). "
+    "0: up to 16 lanes in all, shared by the ps (at most 8 per ps, at least 1). 1: one "
+    "stream each way per ps.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief or a ps before exiting with code 138.");
 
