@@ -125,14 +125,16 @@ class PsServiceTest : public ::testing::Test {
     return p;
   }
 
+  // Both gradients of one worker's step, `dtype` on the wire.
   absl::StatusOr<PushResponse> PushAll(int worker, int64_t step, const std::vector<float>& gbig,
-                                       const std::vector<float>& gbias) {
+                                       const std::vector<float>& gbias, DataType dtype = DT_FLOAT) {
     PushHeader h;
     h.set_job_id(kJob);
     h.set_worker(worker);
     h.set_step(step);
     return client_->Push(
-        0, h, {{"big", "", kBigShape, gbig.data()}, {"bias", "", kBiasShape, gbias.data()}},
+        0, h,
+        {{"big", "", kBigShape, gbig.data(), dtype}, {"bias", "", kBiasShape, gbias.data(), dtype}},
         Deadline());
   }
 
@@ -699,18 +701,9 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
   std::vector<float> g0 = Pattern(big.size(), 7, 0.25f), g1 = Pattern(big.size(), 5, -0.5f);
   for (size_t i = 0; i < g0.size(); ++i) g0[i] += static_cast<float>(i % 2) * 0x1p-9f;
   const std::vector<float> gb0 = Pattern(10, 3, 1.0f), gb1 = Pattern(10, 4, 0.5f);
-  PushHeader ph;
-  ph.set_job_id(kJob);
-  ph.set_step(0);
   for (int w : {0, 1}) {
-    ph.set_worker(w);
-    const std::vector<float>& g = w == 0 ? g0 : g1;
-    const std::vector<float>& gb = w == 0 ? gb0 : gb1;
     absl::StatusOr<PushResponse> pushed =
-        client_->Push(0, ph,
-                      {{"big", "", kBigShape, g.data(), DT_BFLOAT16},
-                       {"bias", "", kBiasShape, gb.data(), DT_BFLOAT16}},
-                      Deadline());
+        PushAll(w, 0, w == 0 ? g0 : g1, w == 0 ? gb0 : gb1, DT_BFLOAT16);
     ASSERT_TRUE(pushed.ok()) << pushed.status();
     EXPECT_EQ(pushed->outcome(), PushResponse::ACCEPTED);
   }
@@ -769,33 +762,15 @@ TEST_F(PsServiceTest, PushInAnotherDtypeThanTheJobsIsRefused) {
                  Deadline())
           .ok());
   const std::vector<float> g(big_.size(), 1.0f), gb(10, 1.0f);
-  PushHeader ph;
-  ph.set_job_id(kJob);
-  ph.set_worker(0);
-  ph.set_step(0);
   for (DataType dtype : {DT_FLOAT, DT_HALF}) {
-    absl::StatusOr<PushResponse> pushed = client_->Push(
-        0, ph,
-        {{"big", "", kBigShape, g.data(), dtype}, {"bias", "", kBiasShape, gb.data(), dtype}},
-        Deadline());
+    absl::StatusOr<PushResponse> pushed = PushAll(0, 0, g, gb, dtype);
     EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInvalidArgument) << pushed.status();
     EXPECT_THAT(std::string(pushed.status().message()), HasSubstr("expected DT_BFLOAT16"));
   }
   // Nothing was kept: worker 0 may still push, and its push counts.
-  ph.set_worker(1);
-  ASSERT_TRUE(client_
-                  ->Push(0, ph,
-                         {{"big", "", kBigShape, g.data(), DT_BFLOAT16},
-                          {"bias", "", kBiasShape, gb.data(), DT_BFLOAT16}},
-                         Deadline())
-                  .ok());
+  ASSERT_TRUE(PushAll(1, 0, g, gb, DT_BFLOAT16).ok());
   EXPECT_EQ(shard_.stats().version, 0);
-  ph.set_worker(0);
-  absl::StatusOr<PushResponse> pushed =
-      client_->Push(0, ph,
-                    {{"big", "", kBigShape, g.data(), DT_BFLOAT16},
-                     {"bias", "", kBiasShape, gb.data(), DT_BFLOAT16}},
-                    Deadline());
+  absl::StatusOr<PushResponse> pushed = PushAll(0, 0, g, gb, DT_BFLOAT16);
   ASSERT_TRUE(pushed.ok()) << pushed.status();
   EXPECT_EQ(pushed->outcome(), PushResponse::ACCEPTED);
   EXPECT_EQ(pushed->version(), 1);
