@@ -26,11 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pytorch_step import Resnet, cnn  # noqa: E402  (the same models as psflow's)
+from pytorch_step import Resnet, cnn, sgd_step  # noqa: E402  (psflow's models and step)
 
 
 def free_port():
@@ -57,12 +56,7 @@ def train(rank, a):
     labels = torch.randint(0, 10, (a.batch_size,), device=dev)
 
     def step():
-        x = (images - 0.5) / 0.2
-        loss = F.cross_entropy(model(x), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss
+        return sgd_step(model, opt, images, labels)
 
     def all_done():  # every queued step on every GPU has finished
         if world > 1:

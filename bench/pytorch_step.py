@@ -63,6 +63,16 @@ class Resnet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def sgd_step(model, opt, images, labels):
+    """One step as psflow's: standardize, forward, cross-entropy, backward, SGD."""
+    x = (images - 0.5) / 0.2
+    loss = F.cross_entropy(model(x), labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["cnn", "resnet"], default="cnn")
@@ -84,12 +94,7 @@ def main():
         labels = torch.randint(0, 10, (batch,), device=dev)
 
         def step():
-            x = (images - 0.5) / 0.2
-            loss = F.cross_entropy(net(x), labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            return loss
+            return sgd_step(net, opt, images, labels)
 
         for _ in range(a.warmup_steps):
             step()
