@@ -1182,11 +1182,19 @@ TEST_F(ShardTest, AppliesEachSliceOnceEveryWorkerPushedIt) {
 
 TEST_F(ShardTest, APullOfASliceWakesWhenThatSliceIsApplied) {
   absl::StatusOr<Shard::PulledSlice> got;
-  std::thread puller([&] { got = shard_.PullSlice(kJob, 0, 1, Soon(), nullptr); });
+  absl::Time returned;
+  std::thread puller([&] {
+    got = shard_.PullSlice(kJob, 0, 1, Soon(), nullptr);
+    returned = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(50));  // the pull is waiting by now
   ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
   ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(0, 1)).ok());
+  const absl::Time applied = absl::Now();
   puller.join();
   ASSERT_TRUE(got.ok()) << got.status();
+  // Woken by the apply, not by the once-a-second look at cancellation.
+  EXPECT_LT(returned - applied, absl::Milliseconds(500));
   EXPECT_EQ(got->version, 1);
   EXPECT_EQ(*got->value, SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1))[0]);
   EXPECT_EQ(shard_.stats().version, 0) << "slice b is not pushed yet";
