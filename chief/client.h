@@ -1,4 +1,5 @@
-// What a worker calls on the chief, as an interface with no gRPC in it.
+// What a worker and an evaluator call on the chief, as interfaces with no
+// gRPC in them.
 // chief::GrpcClient (chief/grpc_client.h) is its transport; tests give the
 // trainer a fake (tests/fakes/fake_chief.h). Errors keep the
 // transport's status code (UNAVAILABLE while the chief is down or not up
@@ -28,6 +29,23 @@ class Client {
                                                 absl::Time deadline) = 0;
   // Cancels every call in flight and makes later calls fail with CANCELLED
   // at once (for a worker that is stopping).
+  virtual void CancelAll() = 0;
+};
+
+// What an evaluator calls on the chief; chief::GrpcClient is its transport
+// too. The same error conventions as Client. Thread-safe.
+class EvaluatorClient {
+ public:
+  virtual ~EvaluatorClient() = default;
+  // Registers evaluator `evaluator`: the job, the ps and when to evaluate.
+  // Waits for a chief that is not up yet until `deadline`.
+  virtual absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,
+                                                                      absl::Time deadline) = 0;
+  // A heartbeat, with a result when it has one; the answer says go on, exit,
+  // register again or fail.
+  virtual absl::StatusOr<ReportEvalResponse> ReportEval(const ReportEvalRequest& request,
+                                                        absl::Time deadline) = 0;
+  // As Client::CancelAll.
   virtual void CancelAll() = 0;
 };
 

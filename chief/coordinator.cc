@@ -34,12 +34,36 @@ std::vector<int> Sorted(const absl::flat_hash_set<int>& set) {
   return v;
 }
 
+// Whether an evaluator's result is possible for a job of `train_steps` steps:
+// a step in the job, examples in (0, 1e9], 0 <= correct <= examples, a finite
+// non-negative loss, a duration in [0, 1 day]. INVALID_ARGUMENT naming the
+// first bad field otherwise.
+absl::Status CheckEvalResult(const EvalResult& r, int64_t train_steps) {
+  auto bad = [](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("impossible evaluation result: ", what));
+  };
+  if (r.step() < 0 || r.step() > train_steps) return bad("step outside the job");
+  if (r.examples() <= 0 || r.examples() > 1'000'000'000) return bad("example count");
+  if (r.correct() < 0 || r.correct() > r.examples()) return bad("correct count");
+  if (!std::isfinite(r.loss()) || r.loss() < 0) return bad("loss");
+  if (r.duration_us() < 0 || r.duration_us() > int64_t{86400} * 1'000'000) return bad("duration");
+  return absl::OkStatus();
+}
+
+double Accuracy(const EvalResult& r) {
+  return static_cast<double>(r.correct()) / static_cast<double>(r.examples());
+}
+
 }  // namespace
 
 absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
   if (o.coordinator.model_dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
   if (o.coordinator.log_every_steps <= 0) {
     return absl::InvalidArgumentError("--log_every_steps must be positive");
+  }
+  if (o.coordinator.eval_every_steps < 0 || o.coordinator.eval_every_secs < 0) {
+    return absl::InvalidArgumentError(
+        "--eval_every_steps and --eval_every_secs must not be negative");
   }
   return BuildJobConfig(o.job, static_cast<int>(o.cluster.cluster.worker.size()),
                         static_cast<int>(o.cluster.cluster.ps.size()));
@@ -217,6 +241,113 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
     released_.insert(w);
   }
   return response;
+}
+
+absl::Status Coordinator::CheckEvaluator(int evaluator) const {
+  // The chief's cluster may leave evaluators out (the operator's minimal
+  // form): then any small index is taken.
+  const int limit = options_.num_evaluators > 0 ? options_.num_evaluators : 64;
+  if (evaluator < 0 || evaluator >= limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("evaluator ", evaluator, " is not in the cluster (", limit,
+                     options_.num_evaluators > 0 ? "" : " at most", " evaluators)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegisterEvaluatorResponse> Coordinator::RegisterEvaluator(int evaluator) {
+  PSFLOW_RETURN_IF_ERROR(CheckEvaluator(evaluator));
+  RegisterEvaluatorResponse response;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failure_.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("the job failed: ", failure_.message()));
+    }
+    evaluators_[evaluator] = absl::Now();
+    if (done_) {
+      response.set_done(true);
+      return response;
+    }
+    if (!ready_) return absl::UnavailableError("the parameter servers are not loaded yet");
+    response.set_job_id(job_id_);
+  }
+  *response.mutable_job() = job_;
+  for (const std::string& a : options_.ps_addresses) response.add_ps_address(a);
+  response.set_eval_every_steps(options_.eval_every_steps);
+  response.set_eval_every_secs(options_.eval_every_secs);
+  PSLOG(INFO) << "evaluator " << evaluator << " registered";
+  return response;
+}
+
+absl::StatusOr<ReportEvalResponse> Coordinator::ReportEval(const ReportEvalRequest& request) {
+  const int e = request.evaluator();
+  PSFLOW_RETURN_IF_ERROR(CheckEvaluator(e));
+  if (request.has_result()) {
+    absl::Status valid = CheckEvalResult(request.result(), job_.train_steps());
+    if (!valid.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (++refused_reports_ <= 10) {
+        PSLOG(WARNING) << "refused a report from evaluator " << e << ": " << valid.message();
+      }
+      return valid;
+    }
+  }
+  ReportEvalResponse response;
+  {
+    absl::MutexLock lock(&mu_);
+    evaluators_[e] = absl::Now();
+    if (!failure_.ok()) {
+      response.set_action(ReportEvalResponse::FAIL);
+      return response;
+    }
+    if (done_) {
+      response.set_action(ReportEvalResponse::EXIT);
+      return response;
+    }
+    if (request.job_id() != job_id_ || !ready_) {
+      response.set_action(ReportEvalResponse::REGISTER);  // the job was reloaded
+      return response;
+    }
+    if (!request.has_result()) return response;
+    if (request.result().step() == job_.train_steps()) {
+      final_eval_ = request.result();
+      // Its work is done: the end of the job need not wait for it any more.
+      response.set_action(ReportEvalResponse::EXIT);
+    }
+  }
+  const EvalResult& r = request.result();
+  PSLOG(INFO) << absl::StrFormat(
+      "eval: step %d/%d loss %.4f acc %.4f | %d test examples, %.1f s, evaluator %d", r.step(),
+      job_.train_steps(), r.loss(), Accuracy(r), r.examples(),
+      static_cast<double>(r.duration_us()) / 1e6, e);
+  return response;
+}
+
+void Coordinator::WaitForFinalEval() {
+  absl::MutexLock lock(&mu_);
+  if (final_eval_.has_value() || (options_.num_evaluators == 0 && evaluators_.empty())) return;
+  PSLOG(INFO) << "waiting for the evaluation of the final model (step " << job_.train_steps()
+              << ")";
+  const absl::Time start = absl::Now();
+  while (!final_eval_.has_value() && !Stopping() && failure_.ok()) {
+    absl::Time heard = start;
+    for (const auto& [e, seen] : evaluators_) heard = std::max(heard, seen);
+    const absl::Time now = absl::Now();
+    if (now - heard > options_.timeouts.evaluator) {
+      PSLOG(WARNING) << "no evaluation of the final model: no evaluator was heard from for "
+                     << options_.timeouts.evaluator;
+      return;
+    }
+    if (now - start > options_.timeouts.final_eval) {
+      PSLOG(WARNING) << "no evaluation of the final model within " << options_.timeouts.final_eval
+                     << " (--eval_final_timeout)";
+      return;
+    }
+    auto got = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return final_eval_.has_value() || Stopping();
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&got), absl::Milliseconds(200));
+  }
 }
 
 absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
@@ -672,6 +803,8 @@ absl::Status Coordinator::Run() {
       // train_steps: then they are pulled again.
       const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();
       status = SaveModel(reuse ? &final_checkpoint : nullptr);
+      // The ps still hold the final weights for an evaluator to take.
+      if (status.ok()) WaitForFinalEval();
     }
   }
   {
@@ -684,11 +817,19 @@ absl::Status Coordinator::Run() {
   if (trained || Failed()) ReleaseEveryone();
   if (status.ok()) {
     Progress::Summary s = progress_->summary();
+    std::string eval;
+    {
+      absl::MutexLock lock(&mu_);
+      if (final_eval_.has_value()) {
+        eval = absl::StrFormat(", test loss %.4f acc %.4f (evaluator)", final_eval_->loss(),
+                               Accuracy(*final_eval_));
+      }
+    }
     PSLOG(INFO) << absl::StrFormat(
         "done: %d steps, %d examples in %.1f s, %.0f ex/s after the first interval, "
-        "final loss %.4f acc %.3f",
+        "final loss %.4f acc %.3f%s",
         job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed), s.examples_per_sec,
-        s.last_loss, s.last_accuracy);
+        s.last_loss, s.last_accuracy, eval);
   }
   return status;
 }

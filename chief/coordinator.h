@@ -1,20 +1,23 @@
 // The chief's logic, with no gRPC in it: job state, worker registration and
 // supervision, loading and watching the ps, recovery, checkpoint
-// orchestration, the saved model and the end of the job. It reaches the ps
-// only through ps::Client; the chief's gRPC service (chief/service.h)
-// forwards workers' calls to RegisterWorker and Report. Tests drive it with
-// fakes (tests/fakes/).
+// orchestration, evaluators' results, the saved model and the end of the
+// job. It reaches the ps only through ps::Client; the chief's gRPC service
+// (chief/service.h) forwards workers' calls to RegisterWorker and Report, and
+// evaluators' to RegisterEvaluator and ReportEval. Tests drive it with fakes
+// (tests/fakes/).
 //
-// Thread-safe: RegisterWorker, Report and Stop may be called from any thread
-// while Run runs on one. Lock order: membership_mu_ before mu_.
+// Thread-safe: RegisterWorker, Report, RegisterEvaluator, ReportEval and Stop
+// may be called from any thread while Run runs on one. Lock order: membership_mu_ before mu_.
 #ifndef PSFLOW_CHIEF_COORDINATOR_H_
 #define PSFLOW_CHIEF_COORDINATOR_H_
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -54,6 +57,12 @@ struct Timeouts {
   absl::Duration final_pull = absl::Minutes(1);
   // How long the workers get to collect the exit (or fail) order.
   absl::Duration release_wait = absl::Seconds(30);
+  // An evaluator not heard from for this long (it beats every second) is
+  // not waited for at the end of the job.
+  absl::Duration evaluator = absl::Seconds(30);
+  // The end of the job waits at most this long for a live evaluator's
+  // evaluation of the final model (--eval_final_timeout).
+  absl::Duration final_eval = absl::Minutes(10);
   // A checkpoint whose chosen step a ps passed before snapshotting is tried
   // again this many times.
   int checkpoint_attempts = 5;
@@ -72,6 +81,13 @@ struct CoordinatorOptions {
   int64_t checkpoint_every_steps = 0;
   absl::Duration checkpoint_every = absl::Minutes(10);
   int keep_checkpoints = 5;
+  // Evaluators: when they evaluate (handed to them at registration; 0 = not
+  // by that measure; the final model always), and how many the cluster
+  // lists. The end of the job waits for an evaluation of the final model
+  // when an evaluator is listed or has registered.
+  int64_t eval_every_steps = 0;
+  int64_t eval_every_secs = 60;
+  int num_evaluators = 0;
   Timeouts timeouts;
 };
 
@@ -112,6 +128,16 @@ class Coordinator {
   // metrics (nothing recorded). A finished worker's call is held until the
   // job ends or `deadline` (at most Timeouts::report_hold).
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline);
+  // An evaluator's registration: the job and when to evaluate, once the ps
+  // hold it (UNAVAILABLE before; FAILED_PRECONDITION once the job failed;
+  // `done` once it is over). INVALID_ARGUMENT for an evaluator index the
+  // cluster does not have.
+  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator);
+  // An evaluator's heartbeat and result: logged as an `eval` line (and kept
+  // for the closing line when it is of the final step). INVALID_ARGUMENT for
+  // impossible values (nothing recorded); a result of another job (reloaded
+  // since) is dropped with REGISTER.
+  absl::StatusOr<ReportEvalResponse> ReportEval(const ReportEvalRequest& request);
 
  private:
   struct Weights {  // full tensors (values and optimizer slots) to load the ps with
@@ -142,6 +168,11 @@ class Coordinator {
   // Writes the saved model from the values of `final_checkpoint` (one of
   // step train_steps), or, without one, from the values pulled from the ps.
   absl::Status SaveModel(Checkpoint* final_checkpoint);
+  // Waits for an evaluation of the final model (while the ps still hold it)
+  // when an evaluator is expected, as long as one is heard from and at most
+  // Timeouts::final_eval.
+  void WaitForFinalEval() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CheckEvaluator(int evaluator) const;
   void ReleaseEveryone();
   absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
   // Fails the job for good (it diverged): no more checkpoints, no saved
@@ -175,6 +206,8 @@ class Coordinator {
   // Why the job failed for good (it diverged); OK while it has not.
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<int, absl::Time> evaluators_ ABSL_GUARDED_BY(mu_);  // last heard from
+  std::optional<EvalResult> final_eval_ ABSL_GUARDED_BY(mu_);             // of step train_steps
 };
 
 }  // namespace psflow::chief

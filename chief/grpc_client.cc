@@ -28,4 +28,24 @@ absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request,
   return response;
 }
 
+absl::StatusOr<RegisterEvaluatorResponse> GrpcClient::RegisterEvaluator(int evaluator,
+                                                                        absl::Time deadline) {
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
+  RegisterEvaluatorRequest request;
+  request.set_evaluator(evaluator);
+  RegisterEvaluatorResponse response;
+  absl::Status s = FromGrpcStatus(stub_->RegisterEvaluator(call.context(), request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<ReportEvalResponse> GrpcClient::ReportEval(const ReportEvalRequest& request,
+                                                          absl::Time deadline) {
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/false);
+  ReportEvalResponse response;
+  absl::Status s = FromGrpcStatus(stub_->ReportEval(call.context(), request, &response));
+  if (!s.ok()) return s;
+  return response;
+}
+
 }  // namespace psflow::chief

@@ -1,5 +1,5 @@
-// The gRPC transport of chief::Client. Registration waits for a chief that
-// is not up yet (wait-for-ready) until its deadline. Thread-safe.
+// The gRPC transport of chief::Client and chief::EvaluatorClient. Registration waits for a chief
+// that is not up yet (wait-for-ready) until its deadline. Thread-safe.
 #ifndef PSFLOW_CHIEF_GRPC_CLIENT_H_
 #define PSFLOW_CHIEF_GRPC_CLIENT_H_
 
@@ -12,11 +12,15 @@
 
 namespace psflow::chief {
 
-class GrpcClient final : public Client {
+class GrpcClient final : public Client, public EvaluatorClient {
  public:
   explicit GrpcClient(const std::string& address);
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
+  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,
+                                                              absl::Time deadline) override;
+  absl::StatusOr<ReportEvalResponse> ReportEval(const ReportEvalRequest& request,
+                                                absl::Time deadline) override;
   void CancelAll() override { calls_.CancelAll(); }
 
  private:

@@ -91,6 +91,17 @@ ABSL_FLAG(
     "Seconds without a report from a worker after which the synchronous steps go on without it; "
     "it takes part again when it registers anew.");
 
+ABSL_FLAG(int64_t, eval_every_steps, 0,
+          "An evaluator (psflow-evaluator) evaluates the weights of every step that is a multiple "
+          "of this (0: not by steps); versions that pass while it evaluates are skipped.");
+ABSL_FLAG(int64_t, eval_every_secs, 60,
+          "An evaluator evaluates the next version once this many seconds passed since its last "
+          "evaluation began (0: not by time). The final model is always evaluated.");
+ABSL_FLAG(int, eval_final_timeout, 600,
+          "Seconds the end of the job waits for an evaluator's evaluation of the final model "
+          "(when the cluster lists an evaluator or one registered). An evaluator not heard from "
+          "for 30 s is not waited for.");
+
 ABSL_FLAG(
     std::string, on_nonfinite, "fail",
     "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
@@ -157,6 +168,14 @@ int main(int argc, char** argv) {
   c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
   c.checkpoint_every = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_secs));
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  c.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);
+  c.eval_every_secs = absl::GetFlag(FLAGS_eval_every_secs);
+  c.num_evaluators = static_cast<int>(o.cluster.cluster.evaluator.size());
+  if (absl::GetFlag(FLAGS_eval_final_timeout) < 0) {
+    std::fprintf(stderr, "psflow-chief: --eval_final_timeout must not be negative\n");
+    return psflow::kExitPermanent;
+  }
+  c.timeouts.final_eval = absl::Seconds(absl::GetFlag(FLAGS_eval_final_timeout));
   if (absl::GetFlag(FLAGS_startup_timeout) <= 0) {
     std::fprintf(stderr, "psflow-chief: --startup_timeout must be positive\n");
     return psflow::kExitPermanent;

@@ -28,4 +28,16 @@ grpc::Status GrpcChiefService::Report(grpc::ServerContext* context, const Report
   return Answer(coordinator_->Report(*request, absl::FromChrono(context->deadline())), response);
 }
 
+grpc::Status GrpcChiefService::RegisterEvaluator(grpc::ServerContext* context,
+                                                 const RegisterEvaluatorRequest* request,
+                                                 RegisterEvaluatorResponse* response) {
+  return Answer(coordinator_->RegisterEvaluator(request->evaluator()), response);
+}
+
+grpc::Status GrpcChiefService::ReportEval(grpc::ServerContext* context,
+                                          const ReportEvalRequest* request,
+                                          ReportEvalResponse* response) {
+  return Answer(coordinator_->ReportEval(*request), response);
+}
+
 }  // namespace psflow::chief

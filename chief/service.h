@@ -1,5 +1,5 @@
 // The chief's gRPC service: checks nothing and decides nothing, it converts
-// workers' calls (with their deadlines) into Coordinator calls and the
+// workers' and evaluators' calls (with their deadlines) into Coordinator calls and the
 // answers back. Thread-safe as the coordinator is.
 #ifndef PSFLOW_CHIEF_SERVICE_H_
 #define PSFLOW_CHIEF_SERVICE_H_
@@ -18,6 +18,11 @@ class GrpcChiefService final : public ChiefService::Service {
                               RegisterWorkerResponse* response) override;
   grpc::Status Report(grpc::ServerContext* context, const ReportRequest* request,
                       ReportResponse* response) override;
+  grpc::Status RegisterEvaluator(grpc::ServerContext* context,
+                                 const RegisterEvaluatorRequest* request,
+                                 RegisterEvaluatorResponse* response) override;
+  grpc::Status ReportEval(grpc::ServerContext* context, const ReportEvalRequest* request,
+                          ReportEvalResponse* response) override;
 
  private:
   Coordinator* const coordinator_;

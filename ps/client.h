@@ -67,7 +67,8 @@ class Client {
                                       int64_t from_version, absl::Time deadline) = 0;
   // Values and slots of ps `ps` as of exactly `version`, into `sinks` (one
   // per slice and slot: value sinks have slot ""; DT_FLOAT whatever the
-  // job's wire dtype). DATA_LOSS if incomplete.
+  // job's wire dtype). DATA_LOSS if incomplete. Sinks of values alone (every
+  // slot "") ask the ps for no slots.
   virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version,
                                 std::vector<TensorSink> sinks, absl::Time deadline) = 0;
 

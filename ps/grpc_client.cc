@@ -155,6 +155,9 @@ absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
   SnapshotRequest request;
   request.set_job_id(job_id);
   request.set_version(version);
+  // Sinks of values alone ask for no optimizer slots.
+  request.set_values_only(
+      std::all_of(sinks.begin(), sinks.end(), [](const TensorSink& s) { return s.slot.empty(); }));
   ChunkAssembler assembler(std::move(sinks));
   absl::StatusOr<std::optional<SnapshotResponse>> first =
       ReadChunks(links_[ps]->stubs[0]->Snapshot(call.context(), request).get(), &assembler,

@@ -1,5 +1,7 @@
 #include "ps/service.h"
 
+#include <algorithm>
+
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -227,7 +229,13 @@ grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotReq
   if (!snap.ok()) return ToGrpcStatus(snap.status());
   // Streamed from the shared, immutable snapshot, which `snap` keeps alive.
   const Shard::Snapshot& taken = **snap;
-  ChunkSplitter splitter(SnapshotRefs(taken), kChunkBytes);
+  std::vector<TensorRef> refs = SnapshotRefs(taken);
+  if (request->values_only()) {
+    refs.erase(std::remove_if(refs.begin(), refs.end(),
+                              [](const TensorRef& r) { return !r.slot.empty(); }),
+               refs.end());
+  }
+  ChunkSplitter splitter(std::move(refs), kChunkBytes);
   SnapshotResponse response;
   response.set_version(taken.weights->version);
   if (!WriteChunked(writer, splitter, response, [](SnapshotResponse&) {})) {

@@ -353,8 +353,14 @@ absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint
     if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
     return WithPs(ps, snap.status());
   }
-  const Tensors t = SnapshotTensors(**snap);
+  Tensors t = SnapshotTensors(**snap);
   if (t.version != version) return WithPs(ps, absl::DataLossError("snapshot of another version"));
+  // As the real ps: sinks of values alone get no slots.
+  if (std::all_of(sinks.begin(), sinks.end(), [](const TensorSink& s) { return s.slot.empty(); })) {
+    t.refs.erase(std::remove_if(t.refs.begin(), t.refs.end(),
+                                [](const TensorRef& r) { return !r.slot.empty(); }),
+                 t.refs.end());
+  }
   absl::Status s = CopyInto(t.refs, sinks);
   return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
 }

@@ -5,6 +5,7 @@
 #include "absl/flags/flag.h"
 #include "common/command_line.h"
 #include "data/source.h"
+#include "evaluator/evaluation.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/saved_model.h"
@@ -53,21 +54,13 @@ int main(int argc, char** argv) {
   absl::Status s = (*net)->SetWeights(weights);
   if (!s.ok()) return psflow::FailWith(s);
 
-  double loss_sum = 0;
-  int64_t correct = 0;
-  const int64_t example = test->example_floats();
-  for (int64_t begin = 0; begin < test->count; begin += batch) {
-    const int n = static_cast<int>(std::min<int64_t>(batch, test->count - begin));
-    absl::StatusOr<psflow::model::Network::Result> r =
-        (*net)->Evaluate(test->images.data() + begin * example, test->labels.data() + begin, n);
-    if (!r.ok()) return psflow::FailWith(r.status());
-    loss_sum += r->loss * n;
-    correct += r->correct;
-  }
+  absl::StatusOr<psflow::evaluator::Evaluation> e =
+      psflow::evaluator::EvaluateDataset(net->get(), *test, batch);
+  if (!e.ok()) return psflow::FailWith(e.status());
   std::printf("model: %s (step %lld)\n", loaded->spec.name().c_str(),
               static_cast<long long>(loaded->global_step));
-  std::printf("examples: %lld\n", static_cast<long long>(test->count));
-  std::printf("accuracy: %.4f\n", static_cast<double>(correct) / static_cast<double>(test->count));
-  std::printf("loss: %.4f\n", loss_sum / static_cast<double>(test->count));
+  std::printf("examples: %lld\n", static_cast<long long>(e->examples));
+  std::printf("accuracy: %.4f\n", e->accuracy());
+  std::printf("loss: %.4f\n", e->loss);
   return 0;
 }

@@ -24,7 +24,8 @@ namespace psflow::launch {
 namespace {
 
 struct Child {
-  std::string name;  // "chief", "ps0", "worker1"
+  std::string name;  // "chief", "ps0", "worker1", "evaluator0"
+  bool evaluator = false;
   std::string binary;
   std::vector<std::string> args;
   pid_t pid = -1;
@@ -129,21 +130,25 @@ bool Spawn(Child& c, const sigset_t& old_mask) {
 }  // namespace
 
 int RunCluster(const LaunchOptions& o) {
-  const int total = 1 + o.num_ps + o.num_workers;
+  const int total = 1 + o.num_ps + o.num_workers + o.num_evaluators;
   std::vector<int> ports = FreePorts(o.host, total);
   if (static_cast<int>(ports.size()) != total) {
     Say(absl::StrCat("cannot find ", total, " free ports on ", o.host));
     return 1;
   }
   auto addr = [&](int i) { return absl::StrCat(o.host, ":", ports[i]); };
-  std::vector<std::string> ps_hosts, worker_hosts;
+  std::vector<std::string> ps_hosts, worker_hosts, evaluator_hosts;
   for (int i = 0; i < o.num_ps; ++i) ps_hosts.push_back(addr(1 + i));
   for (int i = 0; i < o.num_workers; ++i) worker_hosts.push_back(addr(1 + o.num_ps + i));
-  const std::vector<std::string> cluster = {
+  for (int i = 0; i < o.num_evaluators; ++i)
+    evaluator_hosts.push_back(addr(1 + o.num_ps + o.num_workers + i));
+  std::vector<std::string> cluster = {
       absl::StrCat("--chief_hosts=", addr(0)),
       absl::StrCat("--ps_hosts=", absl::StrJoin(ps_hosts, ",")),
       absl::StrCat("--worker_hosts=", absl::StrJoin(worker_hosts, ",")),
   };
+  if (!evaluator_hosts.empty())
+    cluster.push_back(absl::StrCat("--evaluator_hosts=", absl::StrJoin(evaluator_hosts, ",")));
 
   sigset_t mask, old_mask;
   sigemptyset(&mask);
@@ -162,6 +167,7 @@ int RunCluster(const LaunchOptions& o) {
     c.args.insert(c.args.end(), cluster.begin(), cluster.end());
     c.args.insert(c.args.end(), extra.begin(), extra.end());
     c.binary = absl::StrCat(o.bin_dir, "/psflow-", role);
+    c.evaluator = role == "evaluator";
     if (!Spawn(c, old_mask)) {
       Say(absl::StrCat("cannot start ", name, ": ", std::strerror(errno)));
       return false;
@@ -177,8 +183,11 @@ int RunCluster(const LaunchOptions& o) {
       extra.push_back("--device=" + o.worker_devices[i]);
     started = start(absl::StrCat("worker", i), "worker", i, extra);
   }
+  for (int i = 0; started && i < o.num_evaluators; ++i)
+    started = start(absl::StrCat("evaluator", i), "evaluator", i, {});
   Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
-                   absl::StrJoin(worker_hosts, ",")));
+                   absl::StrJoin(worker_hosts, ","), evaluator_hosts.empty() ? "" : ", evaluators ",
+                   absl::StrJoin(evaluator_hosts, ",")));
 
   auto signal_all = [&](int sig) {
     for (Child& c : children) {
@@ -207,6 +216,10 @@ int RunCluster(const LaunchOptions& o) {
         signal_all(SIGTERM);
         terminated_at = absl::Now();
       }
+    } else if (c.evaluator) {
+      // Training goes on without it.
+      if (c.code != 0 && terminated_at == absl::InfiniteFuture())
+        Say(absl::StrCat(c.name, " failed; training goes on without it"));
     } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture()) {
       Say(absl::StrCat(c.name, " failed; stopping the cluster"));
       result = c.code;

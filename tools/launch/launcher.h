@@ -1,4 +1,5 @@
-// psflow-launch's engine: starts a whole cluster (chief, ps, workers) as child
+// psflow-launch's engine: starts a whole cluster (chief, ps, workers, and
+// evaluators if asked) as child
 // processes of this one on free loopback ports, prefixes every output line
 // with its process's name, forwards SIGINT/SIGTERM, and makes sure no child
 // outlives it (children die with the launcher even if it is killed).
@@ -13,8 +14,11 @@ namespace psflow::launch {
 struct LaunchOptions {
   int num_ps = 2;
   int num_workers = 2;
+  // Evaluators (psflow-evaluator). Not training members: one that fails is
+  // reported and neither stops the cluster nor decides the exit code.
+  int num_evaluators = 0;
   std::string host = "127.0.0.1";
-  std::string bin_dir;                  // where psflow-chief, -ps and -worker are
+  std::string bin_dir;                  // where psflow-chief, -ps, -worker (-evaluator) are
   std::vector<std::string> chief_args;  // everything after "--"
   // --device of each worker (empty: the worker's default, cpu).
   std::vector<std::string> worker_devices;

@@ -14,12 +14,17 @@
 
 ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
 ABSL_FLAG(int, workers, 2, "Number of workers.");
+ABSL_FLAG(int, evaluators, 0,
+          "Number of evaluators (psflow-evaluator: they evaluate the weights on the test split as "
+          "the job trains, and the final model; see the chief's --eval_every_secs). One that "
+          "fails does not stop the cluster.");
 ABSL_FLAG(std::string, host, "127.0.0.1",
           "Host in the cluster addresses handed to the processes (each listens on all interfaces, "
           "on a free port picked here).");
 ABSL_FLAG(
     std::string, bin_dir, "",
-    "Directory holding psflow-chief, psflow-ps and psflow-worker (default: this binary's own).");
+    "Directory holding psflow-chief, psflow-ps, psflow-worker and psflow-evaluator (default: this "
+    "binary's own).");
 ABSL_FLAG(int, grace_seconds, 15,
           "Seconds the ps and workers get to exit by themselves after the chief exits with 0 (a "
           "chief that fails stops them at once).");
@@ -36,8 +41,8 @@ ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
       argc, argv,
-      "runs a psflow cluster (1 chief, --ps parameter servers, --workers workers)\n"
-      "on this machine. Everything after -- goes to the chief, e.g.\n"
+      "runs a psflow cluster (1 chief, --ps parameter servers, --workers workers,\n"
+      "--evaluators evaluators) on this machine. Everything after -- goes to the chief, e.g.\n"
       "  psflow-launch --ps=2 --workers=2 -- --model=cnn --epochs=5 --optimizer=adam \\\n"
       "                --learning_rate=0.001 --model_dir=/tmp/run\n"
       "Each output line is prefixed with its process ([chief], [ps0], [worker1]). Ctrl-C and "
@@ -48,6 +53,7 @@ int main(int argc, char** argv) {
   psflow::launch::LaunchOptions o;
   o.num_ps = absl::GetFlag(FLAGS_ps);
   o.num_workers = absl::GetFlag(FLAGS_workers);
+  o.num_evaluators = absl::GetFlag(FLAGS_evaluators);
   o.host = absl::GetFlag(FLAGS_host);
   o.grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
   const std::string restart = absl::GetFlag(FLAGS_restart);
@@ -58,8 +64,10 @@ int main(int argc, char** argv) {
   }
   o.restart_on_failure = restart == "on-failure";
   o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
-  if (o.num_ps < 1 || o.num_workers < 1) {
-    std::fprintf(stderr, "psflow-launch: --ps and --workers must be at least 1\n");
+  if (o.num_ps < 1 || o.num_workers < 1 || o.num_evaluators < 0) {
+    std::fprintf(stderr,
+                 "psflow-launch: --ps and --workers must be at least 1, --evaluators not "
+                 "negative\n");
     return 1;
   }
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);

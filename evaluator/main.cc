@@ -1,0 +1,97 @@
+// psflow-evaluator: evaluates the job's weights on the test split while it
+// trains, and the final model at its end; reports to the chief.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "chief/grpc_client.h"
+#include "common/cluster_flags.h"
+#include "common/exit_codes.h"
+#include "common/grpc_util.h"
+#include "common/log.h"
+#include "common/memory.h"
+#include "common/signals.h"
+#include "evaluator/evaluator.h"
+#include "evaluator/service.h"
+#include "ps/grpc_client.h"
+
+ABSL_FLAG(std::string, device, "cpu",
+          "Where to compute: cpu (oneDNN), or cuda:N (GPU N; in builds with CUDA).");
+ABSL_FLAG(std::string, eval_data_dir, "",
+          "Directory with the MNIST-format test files (t10k-*) to evaluate on. Default: the "
+          "job's --data_dir, as the chief hands it out.");
+ABSL_FLAG(int, batch_size, 500,
+          "Examples per forward pass (psflow-eval's default, so both give the same figures for "
+          "the same weights).");
+ABSL_FLAG(int, compute_threads, 0, "CPU threads of the kernels; 0 = all cores.");
+ABSL_FLAG(int64_t, synthetic_examples, 2000,
+          "Test examples of a job on --dataset=synthetic (psflow-eval's default).");
+ABSL_FLAG(int, startup_timeout, 300,
+          "Seconds to keep retrying to reach the chief before exiting with code 138.");
+
+int main(int argc, char** argv) {
+  psflow::KeepLargeAllocationsInHeap();
+  psflow::BlockTerminationSignals();
+  psflow::ParseFlagsOrExit(
+      argc, argv,
+      "the evaluator of a psflow job: evaluates consistent snapshots of the weights on the test\n"
+      "split while the job trains (when is the chief's --eval_every_steps/--eval_every_secs),\n"
+      "always the final model, and reports loss and accuracy to the chief, which logs them.\n"
+      "Nothing in training waits for it; the end of the job waits a while for its final\n"
+      "evaluation.\n\n"
+      "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow; the cluster may list\n"
+      "only the chief), or CLUSTER_CONFIG and POD_NAME. Example:\n"
+      "  psflow-evaluator --job_name=evaluator --task_id=0 --chief_hosts=h0:2222\n"
+      "Exit codes: 0 done, 1 permanent error (the job failed, the data does not fit), 138 chief\n"
+      "unreachable, 140 other failure worth a retry, 128+n after signal n.");
+  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kEvaluator);
+  if (absl::GetFlag(FLAGS_startup_timeout) <= 0 || absl::GetFlag(FLAGS_batch_size) <= 0 ||
+      absl::GetFlag(FLAGS_compute_threads) < 0 || absl::GetFlag(FLAGS_synthetic_examples) <= 0) {
+    std::fprintf(stderr,
+                 "psflow-evaluator: --startup_timeout, --batch_size and --synthetic_examples must "
+                 "be positive, --compute_threads not negative\n");
+    return psflow::kExitPermanent;
+  }
+  psflow::SetLogTag(absl::StrCat("evaluator", config.task_index));
+
+  psflow::evaluator::EvaluatorOptions options;
+  options.evaluator_index = config.task_index;
+  options.device = absl::GetFlag(FLAGS_device);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.data_dir = absl::GetFlag(FLAGS_eval_data_dir);
+  options.batch_size = absl::GetFlag(FLAGS_batch_size);
+  options.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
+  options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
+  options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  psflow::chief::GrpcClient chief(config.cluster.chief[0]);
+  psflow::evaluator::Evaluator evaluator(
+      options, &chief, [](const std::vector<std::string>& addresses) {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, 1);
+      });
+  // An evaluator listed in the cluster listens on its address: the standard
+  // gRPC health service answers there, for probes. One left out of the
+  // cluster (TF_CONFIG's minimal form) listens on nothing.
+  psflow::evaluator::StatusService service(&evaluator);
+  std::unique_ptr<grpc::Server> server;
+  if (config.self_port > 0) {
+    grpc::EnableDefaultHealthCheckService(true);
+    absl::StatusOr<std::unique_ptr<grpc::Server>> started =
+        psflow::StartServer(config.self_port, &service);
+    if (!started.ok()) {
+      PSLOG(ERROR) << started.status().message();
+      return psflow::kExitPermanent;
+    }
+    server = *std::move(started);
+  }
+  const int code =
+      psflow::RunRole([&] { return evaluator.Run(); }, [&](int sig) { evaluator.Stop(sig); },
+                      absl::Seconds(6), "stopping after the call in flight");
+  if (server != nullptr) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  return code;
+}
