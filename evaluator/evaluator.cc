@@ -235,7 +235,8 @@ absl::Status Evaluator::EvaluateVersion(int64_t version) {
   }));
   std::vector<const float*> weights(buffers.begin(), buffers.end());
   absl::Status set = net_->SetWeights(weights);
-  if (!set.ok()) return absl::InternalError(absl::StrCat("cannot set the weights: ", set.message()));
+  if (!set.ok())
+    return absl::InternalError(absl::StrCat("cannot set the weights: ", set.message()));
   absl::StatusOr<Evaluation> e =
       EvaluateDataset(net_.get(), test_, options_.batch_size, [this] { return MaybeHeartbeat(); });
   if (!e.ok()) {

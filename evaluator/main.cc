@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
   const int code =
       psflow::RunRole([&] { return evaluator.Run(); }, [&](int sig) { evaluator.Stop(sig); },
                       absl::Seconds(6), "stopping after the call in flight");
-  if (server != nullptr) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (server != nullptr)
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   return code;
 }

@@ -50,6 +50,8 @@ Timeouts ShortTimeouts() {
   t.final_pull = absl::Seconds(2);
   t.release_wait = absl::Milliseconds(300);
   t.adopt_retry = absl::Milliseconds(5);
+  t.evaluator = absl::Seconds(1);
+  t.final_eval = absl::Seconds(5);
   return t;
 }
 
@@ -451,6 +453,117 @@ TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
   r.set_worker(7);
   EXPECT_TRUE(absl::IsInvalidArgument(Send(r).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterWorker(3, absl::Now()).status()));
+}
+
+// ---------------------------------------------------------------------------
+// Evaluators
+
+ReportEvalRequest EvalReport(uint64_t job_id, int64_t step, double loss = 0.5, int64_t correct = 90,
+                             int64_t examples = 100) {
+  ReportEvalRequest r;
+  r.set_job_id(job_id);
+  r.set_evaluator(0);
+  if (step >= 0) {
+    EvalResult* e = r.mutable_result();
+    e->set_step(step);
+    e->set_loss(loss);
+    e->set_correct(correct);
+    e->set_examples(examples);
+    e->set_duration_us(1000);
+  }
+  return r;
+}
+
+// With an evaluator in the cluster the ps keep the final weights (no exit
+// order) until its evaluation of the final model comes; then the job ends.
+TEST_F(CoordinatorTest, TheEndWaitsForTheEvaluationOfTheFinalModel) {
+  MakeJob(1, 1, 4);
+  CoordinatorOptions o = Options();
+  o.num_evaluators = 1;
+  o.eval_every_steps = 2;
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  absl::StatusOr<RegisterEvaluatorResponse> e = coordinator_->RegisterEvaluator(0);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->job_id(), id);
+  EXPECT_EQ(e->eval_every_steps(), 2);
+  EXPECT_EQ(e->job().train_steps(), 4);
+  EXPECT_EQ(e->ps_address_size(), 1);
+  Train(id, {0}, 0, 4);
+  ASSERT_TRUE(Report(id, 0, -1, /*finished=*/true).ok());
+  EXPECT_FALSE(returned_->WaitForNotificationWithTimeout(absl::Milliseconds(300)));
+  EXPECT_FALSE(ps_->shut_down(0));
+  // A result of an earlier step changes nothing; the final one ends the wait.
+  absl::StatusOr<ReportEvalResponse> r = coordinator_->ReportEval(EvalReport(id, 2));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
+  EXPECT_FALSE(ps_->shut_down(0));
+  r = coordinator_->ReportEval(EvalReport(id, 4));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::EXIT);
+  FinishAndJoin(id, {0});
+  EXPECT_TRUE(ps_->shut_down(0));
+  // Late evaluators are told the job is over.
+  e = coordinator_->RegisterEvaluator(0);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_TRUE(e->done());
+}
+
+// An evaluator listed but never heard from (or dead) holds the end of the job
+// for Timeouts::evaluator at most.
+TEST_F(CoordinatorTest, TheEndGoesOnWithoutAnEvaluatorNotHeardFrom) {
+  MakeJob(1, 1, 3);
+  CoordinatorOptions o = Options();
+  o.num_evaluators = 1;
+  o.timeouts.evaluator = absl::Milliseconds(300);
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 3);
+  const absl::Time start = absl::Now();
+  FinishAndJoin(id, {0});
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_TRUE(ps_->shut_down(0));
+}
+
+// Without an evaluator in the cluster the end waits for none.
+TEST_F(CoordinatorTest, NoEvaluatorNoWait) {
+  MakeJob(1, 1, 2);
+  CoordinatorOptions o = Options();
+  o.timeouts.evaluator = absl::Seconds(30);
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  const absl::Time start = absl::Now();
+  FinishAndJoin(id, {0});
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+}
+
+TEST_F(CoordinatorTest, EvaluatorCallsAreCheckedAndOtherJobsResultsDropped) {
+  MakeJob(1, 1, 10);
+  CoordinatorOptions o = Options();
+  o.num_evaluators = 1;
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterEvaluator(1).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterEvaluator(-1).status()));
+  ReportEvalRequest bad_index = EvalReport(id, 2);
+  bad_index.set_evaluator(3);
+  EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->ReportEval(bad_index).status()));
+  for (const ReportEvalRequest& impossible :
+       {EvalReport(id, 11), EvalReport(id, 2, NAN), EvalReport(id, 2, -1.0),
+        EvalReport(id, 2, 0.5, 101, 100), EvalReport(id, 2, 0.5, 0, 0),
+        EvalReport(id, 2, 0.5, -1, 100)}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->ReportEval(impossible).status()))
+        << impossible.DebugString();
+  }
+  // A heartbeat goes on; a result of another job (reloaded since) is dropped
+  // with REGISTER.
+  absl::StatusOr<ReportEvalResponse> r = coordinator_->ReportEval(EvalReport(id, -1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
+  r = coordinator_->ReportEval(EvalReport(id + 1, 2));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::REGISTER);
 }
 
 }  // namespace

@@ -95,6 +95,59 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
   EXPECT_TRUE(std::isfinite(loss_value) && loss_value > 0 && loss_value < 1.0) << eval.description;
 }
 
+// psflow-eval's "accuracy: A" and "loss: L" lines of the saved model in
+// `model_dir`, as "A L" ("" when it fails).
+std::string EvalOfSavedModel(const std::string& model_dir) {
+  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
+                              {}, seconds(60));
+  std::smatch m;
+  if (eval.exit_code != 0 ||
+      !std::regex_search(eval.out, m, std::regex(R"(accuracy: ([0-9.]+)\nloss: ([0-9.]+)\n)"))) {
+    ADD_FAILURE() << eval.description;
+    return "";
+  }
+  return m[1].str() + " " + m[2].str();
+}
+
+// The chief's eval lines as step -> "acc loss", and whether the closing line
+// gave the evaluator's final figures as "acc loss".
+std::map<int, std::string> ChiefEvalLines(const std::string& output, std::string* final_eval) {
+  std::map<int, std::string> evals;
+  const std::regex eval(R"(chief\] eval: step (\d+)/\d+ loss ([0-9.]+) acc ([0-9.]+) \|)");
+  const std::regex done(R"(chief\] done: .* test loss ([0-9.]+) acc ([0-9.]+) \(evaluator\))");
+  for (const std::string& line : Lines(output)) {
+    std::smatch m;
+    if (std::regex_search(line, m, eval))
+      evals[std::stoi(m[1].str())] = m[3].str() + " " + m[2].str();
+    if (std::regex_search(line, m, done)) *final_eval = m[2].str() + " " + m[1].str();
+  }
+  return evals;
+}
+
+// An evaluator beside the job (psflow-launch --evaluators=1): the chief logs
+// its eval lines, never queued (each step at most once, in order), the final
+// model among them; the closing line gives the final figures, which are
+// exactly psflow-eval's on the saved model (same weights, batch and kernels).
+TEST_F(ClusterTest, LaunchWithEvaluatorLogsEvalLinesEndingWithTheSavedModelsAccuracy) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--evaluators=1", "--", "--model=mlp",
+                  "--train_steps=600", "--optimizer=adam", "--learning_rate=0.001",
+                  "--log_every_steps=200", "--eval_every_steps=200", "--model_dir=" + model_dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  const std::string out = launch.output();
+  std::string final_eval;
+  const std::map<int, std::string> evals = ChiefEvalLines(out, &final_eval);
+  ASSERT_TRUE(evals.count(600)) << launch.Describe();
+  for (const auto& [step, figures] : evals) {
+    EXPECT_EQ(step % 200, 0) << "evaluated step " << step << " (every 200 asked)";
+  }
+  const std::string saved = EvalOfSavedModel(model_dir);
+  EXPECT_EQ(evals.at(600), saved) << launch.Describe();
+  EXPECT_EQ(final_eval, saved) << launch.Describe();
+  EXPECT_THAT(out, HasSubstr("[launch] evaluator0 exited with code 0")) << launch.Describe();
+}
+
 // The same job with bf16 on the wire trains as well as in fp32: psflow-eval's
 // accuracy within 0.02 of the fp32 run's. The ps keep fp32 masters, so the
 // final checkpoint (and the saved model) holds values the wire could not carry.
@@ -226,11 +279,15 @@ std::vector<std::string> ChiefJobArgs(const std::string& model_dir) {
 }
 
 // Starts `members` in order (a pause whenever the binary changes), waits for
-// all, and checks that every one exits 0 and the chief trained and saved.
+// all, and checks that every one exits 0 and the chief trained and saved
+// (and, with an evaluator among them, logged its evaluation of the final
+// model).
 void RunSeparateCluster(const std::vector<Member>& members, const std::string& model_dir) {
   std::vector<std::unique_ptr<Process>> procs;
   Process* chief = nullptr;
+  bool evaluator = false;
   for (size_t i = 0; i < members.size(); ++i) {
+    evaluator |= members[i].binary == "psflow-evaluator";
     if (i > 0 && members[i].binary != members[i - 1].binary)
       std::this_thread::sleep_for(milliseconds(300));
     procs.push_back(
@@ -252,6 +309,10 @@ void RunSeparateCluster(const std::vector<Member>& members, const std::string& m
   }
   EXPECT_NE(ChiefProgressLine(chief->output(), kSteps, kSteps, ""), "") << all;
   EXPECT_TRUE(std::filesystem::exists(model_dir + "/saved_model")) << all;
+  if (evaluator) {
+    EXPECT_THAT(chief->output(), HasSubstr("eval: step " + std::to_string(kSteps) + "/")) << all;
+    EXPECT_THAT(chief->output(), HasSubstr("(evaluator)")) << all;
+  }
 }
 
 template <typename MakeMember>
@@ -350,8 +411,12 @@ TEST_F(ClusterTest, SeparateProcessesWithTfConfig) {
                   std::move(args),
                   {{"TF_CONFIG", TfConfig(ports, "chief", role, index)}}};
   };
-  // The evaluator is listed in the cluster but not started: it is no training member.
-  RunWorkersThenPsThenChief(member);
+  // With the evaluator the cluster lists, configured by the same TF_CONFIG.
+  const std::string model_dir = dir_ + "/model";
+  RunSeparateCluster(
+      {member("worker", 0), member("worker", 1), member("evaluator", 0), member("ps", 0),
+       member("ps", 1), member("chief", 0, ChiefJobArgs(model_dir))},
+      model_dir);
 }
 
 // "master" for the chief in TF_CONFIG, and one ps and one worker configured
@@ -369,11 +434,83 @@ TEST_F(ClusterTest, SeparateProcessesWithMasterAndClusterConfig) {
         name, binary, {}, {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", pod}}};
   };
   const std::string model_dir = dir_ + "/model";
+  // The evaluator's TF_CONFIG in its minimal form: a cluster of the master
+  // alone (the evaluator has no address of its own and listens on nothing).
+  const Member evaluator{
+      "evaluator0",
+      "psflow-evaluator",
+      {},
+      {{"TF_CONFIG", "{\"cluster\":{\"master\":[\"" + ports.chief() +
+                         "\"]},\"task\":{\"type\":\"evaluator\",\"index\":0}}"}}};
   RunSeparateCluster(
       {tf("worker0", "psflow-worker", "worker", 0), helm("worker1", "psflow-worker", "worker-1"),
-       tf("ps0", "psflow-ps", "ps", 0), helm("ps1", "psflow-ps", "mnist-ps-1"),
+       evaluator, tf("ps0", "psflow-ps", "ps", 0), helm("ps1", "psflow-ps", "mnist-ps-1"),
        tf("chief", "psflow-chief", "master", 0, ChiefJobArgs(model_dir))},
       model_dir);
+}
+
+// An evaluator killed with SIGKILL mid-run changes nothing for training: the
+// job runs on, and its saved model is exactly the one of the same job without
+// any evaluator. A new evaluator started in its place registers and
+// evaluates the final model, which the chief reports.
+TEST_F(ClusterTest, EvaluatorKilledMidRunChangesNothingForTraining) {
+  const std::vector<std::string> job = {"--model=mlp",           "--train_steps=1500",
+                                        "--optimizer=adam",      "--learning_rate=0.001",
+                                        "--log_every_steps=500", "--eval_every_steps=100",
+                                        "--compute_threads=1"};
+  // The same job, no evaluator.
+  const std::string alone_dir = dir_ + "/alone";
+  {
+    std::vector<std::string> args = {"--ps=2", "--workers=2", "--"};
+    args.insert(args.end(), job.begin(), job.end());
+    args.push_back("--model_dir=" + alone_dir);
+    Process launch(Bin("psflow-launch"), args);
+    ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+    EXPECT_THAT(launch.output(), Not(HasSubstr("eval:"))) << launch.Describe();
+    EXPECT_THAT(launch.output(), Not(HasSubstr("waiting for the evaluation"))) << launch.Describe();
+  }
+
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  const std::vector<std::string> hosts = {
+      "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0) + "," + ports.ps(1),
+      "--worker_hosts=" + ports.worker(0) + "," + ports.worker(1),
+      "--evaluator_hosts=" + ports.evaluator()};
+  auto start = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
+    args.insert(args.end(), hosts.begin(), hosts.end());
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<Process>(Bin("psflow-" + role), args);
+  };
+  const std::string model_dir = dir_ + "/model";
+  std::vector<std::string> chief_args = job;
+  chief_args.push_back("--model_dir=" + model_dir);
+  std::vector<std::unique_ptr<Process>> procs;
+  procs.push_back(start("ps", 0));
+  procs.push_back(start("ps", 1));
+  procs.push_back(start("worker", 0));
+  procs.push_back(start("worker", 1));
+  procs.push_back(start("chief", 0, chief_args));
+  Process& chief = *procs.back();
+  auto evaluator = start("evaluator", 0, {"--compute_threads=1"});
+  ASSERT_TRUE(chief.WaitForOutput("eval: step", seconds(60))) << chief.Describe();
+  evaluator->Signal(SIGKILL);
+  evaluator->WaitOrKill(seconds(10));
+  ASSERT_TRUE(chief.running()) << "the job ended before the evaluator was killed\n"
+                               << chief.Describe();
+  // Its replacement (as Kubernetes would start one) takes over.
+  auto replacement = start("evaluator", 0, {"--compute_threads=1"});
+  EXPECT_EQ(chief.WaitOrKill(seconds(120)), 0) << chief.Describe();
+  for (auto& p : procs) EXPECT_EQ(p->WaitOrKill(seconds(30)), 0) << p->Describe();
+  EXPECT_EQ(replacement->WaitOrKill(seconds(30)), 0) << replacement->Describe();
+
+  std::string final_eval;
+  const std::map<int, std::string> evals = ChiefEvalLines(chief.output(), &final_eval);
+  const std::string saved = EvalOfSavedModel(model_dir);
+  EXPECT_EQ(saved, EvalOfSavedModel(alone_dir)) << chief.Describe();
+  ASSERT_TRUE(evals.count(1500)) << chief.Describe();
+  EXPECT_EQ(evals.at(1500), saved) << chief.Describe();
+  EXPECT_EQ(final_eval, saved) << chief.Describe();
 }
 
 // ---------------------------------------------------------------------------
@@ -534,6 +671,9 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "on_nonfinite",
         "keep_checkpoints",
         "worker_timeout",
+        "eval_every_steps",
+        "eval_every_secs",
+        "eval_final_timeout",
         "job_name",
         "task_id",
         "task_index",
@@ -548,9 +688,13 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
         "worker_hosts", "evaluator_hosts", "exit_when_done"}},
+      {"psflow-evaluator",
+       {"device", "eval_data_dir", "batch_size", "compute_threads", "synthetic_examples",
+        "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
+        "worker_hosts", "evaluator_hosts", "exit_when_done"}},
       {"psflow-launch",
-       {"ps", "workers", "host", "bin_dir", "grace_seconds", "restart", "worker_devices",
-        "max_restarts"}},
+       {"ps", "workers", "evaluators", "host", "bin_dir", "grace_seconds", "restart",
+        "worker_devices", "max_restarts"}},
       {"psflow-eval",
        {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device"}},
       {"psflow-bench-step",
