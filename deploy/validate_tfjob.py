@@ -68,11 +68,11 @@ def psflow_problems(job):
         for c in pod.get("containers", []):
             res = c.get("resources", {})
             gpus = any("nvidia.com/gpu" in (res.get(k) or {}) for k in ("limits", "requests"))
-            if gpus and role != "Worker":
-                problems.append(f"{role}: only workers compute on GPUs (nvidia.com/gpu)")
+            if gpus and role not in ("Worker", "Evaluator"):
+                problems.append(f"{role}: only workers and evaluators compute on GPUs (nvidia.com/gpu)")
             args = c.get("args", []) or []
             if gpus and not any(str(a).startswith("--device=cuda") for a in args):
-                problems.append(f"{role}: a GPU is requested but the worker has no --device=cuda:N")
+                problems.append(f"{role}: a GPU is requested but the container has no --device=cuda:N")
     return problems
 
 

@@ -4,9 +4,10 @@
 #      and debian:bookworm-slim, both minbase) unless they exist;
 #   2. builds docker/Dockerfile with buildah (chroot isolation, vfs storage);
 #   3. runs a cluster of containers (podman, runc) on loopback — 1 chief,
-#      2 ps, 2 workers, host network, free ports — trains the mlp for a few
-#      hundred steps, requires every container to exit 0, and evaluates the
-#      saved model in a container;
+#      2 ps, 2 workers, 1 evaluator, host network, free ports — trains the mlp
+#      for a few hundred steps, requires every container to exit 0 and the
+#      chief to log the evaluator's final evaluation, and evaluates the saved
+#      model in a container;
 #   4. validates the TFJob manifests against the Kubeflow CRD schema
 #      ($PSFLOW_TFJOB_CRD, by default ../shared/schemas/kubeflow.org_tfjobs.yaml)
 #      and checks the kustomize base (rendering it where kubectl is installed).
@@ -49,7 +50,7 @@ buildah "${storage[@]}" bud --layers --isolation chroot "${limits[@]}" -f docker
 # 3. A cluster of containers.
 ports=($(python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(5)]
+socks = [socket.socket() for _ in range(6)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
@@ -57,10 +58,13 @@ PY
 chief=127.0.0.1:${ports[0]}
 ps_hosts=127.0.0.1:${ports[1]},127.0.0.1:${ports[2]}
 worker_hosts=127.0.0.1:${ports[3]},127.0.0.1:${ports[4]}
-cluster=(--chief_hosts="$chief" --ps_hosts="$ps_hosts" --worker_hosts="$worker_hosts")
+evaluator_hosts=127.0.0.1:${ports[5]}
+cluster=(--chief_hosts="$chief" --ps_hosts="$ps_hosts" --worker_hosts="$worker_hosts"
+         --evaluator_hosts="$evaluator_hosts")
 data=$(mktemp -d /var/tmp/psflow-data.XXXXXX)
 chmod 0777 "$data"
-names=(psflow-check-chief psflow-check-ps0 psflow-check-ps1 psflow-check-worker0 psflow-check-worker1)
+names=(psflow-check-chief psflow-check-ps0 psflow-check-ps1 psflow-check-worker0 psflow-check-worker1
+       psflow-check-evaluator0)
 cleanup_containers() { "${podman[@]}" rm -f "${names[@]}" > /dev/null 2>&1 || true; }
 cleanup() { cleanup_containers; rm -rf "$data"; }
 trap cleanup EXIT
@@ -72,6 +76,7 @@ run() {  # name, then the command
 echo "check-deploy: running a cluster of containers (chief $chief)"
 run psflow-check-worker0 "$image" psflow-worker --job_name=worker --task_id=0 "${cluster[@]}"
 run psflow-check-worker1 "$image" psflow-worker --job_name=worker --task_id=1 "${cluster[@]}"
+run psflow-check-evaluator0 "$image" psflow-evaluator --job_name=evaluator --task_id=0 "${cluster[@]}"
 run psflow-check-ps0 "$image" psflow-ps --job_name=ps --task_id=0 "${cluster[@]}"
 run psflow-check-ps1 "$image" psflow-ps --job_name=ps --task_id=1 "${cluster[@]}"
 run psflow-check-chief -v "$data:/data" "$image" psflow-chief --job_name=chief --task_id=0 "${cluster[@]}" \
@@ -83,7 +88,11 @@ for name in "${names[@]}"; do
   echo "check-deploy: $name exited with $code"
   [ "$code" = 0 ] || failed=1
 done
-"${podman[@]}" logs psflow-check-chief 2>&1 | grep -E "step [0-9]+/|done|saved model" || true
+"${podman[@]}" logs psflow-check-chief 2>&1 | grep -E "step [0-9]+/|eval:|done|saved model" || true
+if ! "${podman[@]}" logs psflow-check-chief 2>&1 | grep -q "eval: step 300/300"; then
+  echo "check-deploy: the chief logged no evaluation of the final model"
+  failed=1
+fi
 if [ "$failed" != 0 ]; then
   for name in "${names[@]}"; do echo "--- $name"; "${podman[@]}" logs "$name" 2>&1 | tail -20; done
   exit 1

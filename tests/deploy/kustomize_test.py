@@ -39,7 +39,7 @@ class KustomizeBaseTest(unittest.TestCase):
         cls.sets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "StatefulSet"}
 
     def test_one_statefulset_and_headless_service_per_role(self):
-        self.assertEqual(sorted(self.cluster), ["chief", "ps", "worker"])
+        self.assertEqual(sorted(self.cluster), ["chief", "evaluator", "ps", "worker"])
         for role, addresses in self.cluster.items():
             name = f"psflow-{role}"
             sts = self.sets[name]
@@ -86,8 +86,7 @@ class KustomizeBaseTest(unittest.TestCase):
         out = subprocess.run(["kubectl", "kustomize", BASE], check=True, capture_output=True, text=True).stdout
         rendered = [d for d in yaml.safe_load_all(out) if d]
         kinds = sorted(d["kind"] for d in rendered)
-        self.assertEqual(kinds, ["ConfigMap", "Service", "Service", "Service", "StatefulSet", "StatefulSet",
-                                 "StatefulSet"])
+        self.assertEqual(kinds, ["ConfigMap"] + ["Service"] * 4 + ["StatefulSet"] * 4)
         (config_map,) = [d for d in rendered if d["kind"] == "ConfigMap"]
         self.assertEqual(json.loads(config_map["data"][self.config_key]), self.cluster)
         for d in rendered:
