@@ -1,7 +1,8 @@
 // A whole cluster with GPU workers: psflow-launch runs the main job's recipe
 // (cnn on Fashion-MNIST, 2 ps, 2 workers, 5 epochs, Adam) with both workers on
-// cuda:0, and psflow-eval, also on the GPU, checks the accuracy of the saved
-// model. Skips where "cuda:0" cannot be created (no GPU, or a build without
+// cuda:0 and an evaluator on the GPU too, and psflow-eval, also on the GPU,
+// checks the accuracy of the saved model and that the evaluator's final
+// figures are its own. Skips where "cuda:0" cannot be created (no GPU, or a build without
 // the CUDA backend) or the data is missing. PSFLOW_BIN_DIR in the environment
 // overrides where the binaries are (for test binaries carried to a GPU
 // machine; see Bin() in process.h).
@@ -33,8 +34,9 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
   std::filesystem::remove_all(dir);
   Process launch(
       Bin("psflow-launch"),
-      {"--ps=2", "--workers=2", "--worker_devices=cuda:0", "--", "--model=cnn", "--epochs=5",
-       "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500",
+      {"--ps=2", "--workers=2", "--worker_devices=cuda:0", "--evaluators=1",
+       "--evaluator_device=cuda:0", "--", "--model=cnn", "--epochs=5", "--optimizer=adam",
+       "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500",
        "--data_dir=" + std::string(kData), "--model_dir=" + dir});
   ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
   EXPECT_THAT(launch.output(), ::testing::HasSubstr("workers 2/2 ps 2/2")) << launch.Describe();
@@ -48,6 +50,9 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
   ASSERT_NE(acc, "") << eval.description;
   // The same recipe on CPU workers reaches 0.90; on an H100 it reached 0.905.
   EXPECT_GE(std::stod(acc), 0.89) << eval.description;
+  // The evaluator on the GPU saw the final model as psflow-eval does.
+  EXPECT_THAT(launch.output(), ::testing::HasSubstr("acc " + acc + " (evaluator)"))
+      << launch.Describe();
   std::filesystem::remove_all(dir);
 }
 

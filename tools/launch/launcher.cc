@@ -184,7 +184,10 @@ int RunCluster(const LaunchOptions& o) {
     started = start(absl::StrCat("worker", i), "worker", i, extra);
   }
   for (int i = 0; started && i < o.num_evaluators; ++i)
-    started = start(absl::StrCat("evaluator", i), "evaluator", i, {});
+    started = start(absl::StrCat("evaluator", i), "evaluator", i,
+                    o.evaluator_device.empty()
+                        ? std::vector<std::string>{}
+                        : std::vector<std::string>{"--device=" + o.evaluator_device});
   Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
                    absl::StrJoin(worker_hosts, ","), evaluator_hosts.empty() ? "" : ", evaluators ",
                    absl::StrJoin(evaluator_hosts, ",")));

@@ -22,6 +22,8 @@ struct LaunchOptions {
   std::vector<std::string> chief_args;  // everything after "--"
   // --device of each worker (empty: the worker's default, cpu).
   std::vector<std::string> worker_devices;
+  // --device of every evaluator (empty: its default, cpu).
+  std::string evaluator_device;
   // Seconds the other processes get to exit on their own after the chief
   // has exited, before they are terminated.
   int grace_seconds = 15;

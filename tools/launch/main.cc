@@ -36,6 +36,8 @@ ABSL_FLAG(
     std::string, worker_devices, "",
     "The workers' --device: one value for every worker (cuda:0) or a comma-separated list with one "
     "per worker (cuda:0,cuda:1). Default: cpu.");
+ABSL_FLAG(std::string, evaluator_device, "",
+          "The evaluators' --device (cuda:0, say). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
 
 int main(int argc, char** argv) {
@@ -71,6 +73,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
+  o.evaluator_device = absl::GetFlag(FLAGS_evaluator_device);
   const std::string devices = absl::GetFlag(FLAGS_worker_devices);
   if (!devices.empty()) {
     o.worker_devices = absl::StrSplit(devices, ',');
