@@ -197,7 +197,23 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
       // A late report of an older job (reloaded since) or of a job already
       // trained to its end says nothing about the weights that stay.
       absl::MutexLock lock(&mu_);
-      if (request.job_id() != job_id_ || trained_) continue;
+      if (request.job_id() != job_id_ || trained_ || !failure_.ok()) continue;
+      if (job_.on_nonfinite() == JobConfig::SKIP_STEP) {
+        // Every worker of the step may say so: count the step once.
+        if (!skipped_steps_.insert(m.step()).second) continue;
+        const int64_t skipped = static_cast<int64_t>(skipped_steps_.size());
+        PSLOG(WARNING) << "step " << m.step() << " skipped: worker " << w
+                       << " computed a non-finite loss or gradients (" << skipped
+                       << " steps skipped, at most " << job_.max_skipped_steps() << ")";
+        if (skipped <= job_.max_skipped_steps()) continue;
+      }
+    }
+    if (job_.on_nonfinite() == JobConfig::SKIP_STEP) {
+      Fail(absl::OutOfRangeError(absl::StrCat(
+          "more than ", job_.max_skipped_steps(),
+          " steps were skipped for non-finite losses or gradients (the job diverged; lower "
+          "--learning_rate?); no saved model is written")));
+      break;
     }
     Fail(absl::OutOfRangeError(
         absl::StrCat("worker ", w, " computed a non-finite loss or gradients at step ", m.step(),

@@ -206,6 +206,7 @@ class Coordinator {
   // Why the job failed for good (it diverged); OK while it has not.
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);       // with SKIP_STEP
   absl::flat_hash_map<int, absl::Time> evaluators_ ABSL_GUARDED_BY(mu_);  // last heard from
   std::optional<EvalResult> final_eval_ ABSL_GUARDED_BY(mu_);             // of step train_steps
 };

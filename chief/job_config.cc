@@ -257,11 +257,18 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   job.set_num_workers(num_workers);
   job.set_num_ps(num_ps);
   job.set_compute_threads(o.compute_threads);
-  if (o.on_nonfinite != "fail") {
+  if (o.on_nonfinite == "fail") {
+    job.set_on_nonfinite(JobConfig::FAIL);
+  } else if (o.on_nonfinite == "skip_step") {
+    job.set_on_nonfinite(JobConfig::SKIP_STEP);
+  } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("--on_nonfinite '", o.on_nonfinite, "' is not fail"));
+        absl::StrCat("--on_nonfinite '", o.on_nonfinite, "' is not fail or skip_step"));
   }
-  job.set_on_nonfinite(JobConfig::FAIL);
+  if (o.max_skipped_steps < 0) {
+    return absl::InvalidArgumentError("--max_skipped_steps must not be negative");
+  }
+  job.set_max_skipped_steps(o.max_skipped_steps);
   const std::string wire = absl::AsciiStrToLower(o.wire_dtype);
   if (wire == "fp32") {
     job.set_wire_dtype(JobConfig::FP32);

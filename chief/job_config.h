@@ -43,8 +43,10 @@ struct JobOptions {
   uint64_t seed = 1;
   int compute_threads = 0;  // per worker; 0 = library default
   // What a step with a non-finite loss or gradients does: "fail" stops the
-  // job with exit code 1, keeping the checkpoints taken before it.
-  std::string on_nonfinite = "fail";
+  // job with exit code 1, keeping the checkpoints taken before it;
+  // "skip_step" skips it on every ps (JobConfig.on_nonfinite).
+  std::string on_nonfinite = "fail";  // or "skip_step"
+  int64_t max_skipped_steps = 100;    // with skip_step: more fail the job
   // The dtype of the weights and gradients on the wire: fp32, bf16 or fp16
   // (JobConfig.wire_dtype); the ps keep fp32 masters either way.
   std::string wire_dtype = "fp32";

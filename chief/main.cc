@@ -106,7 +106,11 @@ ABSL_FLAG(
     std::string, on_nonfinite, "fail",
     "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
     "job with exit code 1 and one line naming the step; the checkpoints before it are kept and "
-    "no saved model is written.");
+    "no saved model is written. skip_step skips the step on every ps (no update; the weights "
+    "and optimizer state stay, the step counts) and logs it; more than --max_skipped_steps "
+    "skipped steps fail the job as fail does.");
+ABSL_FLAG(int64_t, max_skipped_steps, 100,
+          "With --on_nonfinite=skip_step: the most steps a job may skip before it fails.");
 
 ABSL_FLAG(
     std::string, wire_dtype, "fp32",
@@ -159,6 +163,7 @@ int main(int argc, char** argv) {
   job.seed = absl::GetFlag(FLAGS_seed);
   job.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
+  job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
   psflow::chief::CoordinatorOptions& c = o.coordinator;
   c.ps_addresses = o.cluster.cluster.ps;

@@ -73,7 +73,13 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
   if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
   last_seen_[worker] = now;
   for (const StepMetrics& m : metrics) {
-    if (m.nonfinite()) continue;  // nothing of it was applied
+    if (m.nonfinite()) {
+      // Nothing of it was applied (a skipped step): it still counts as
+      // reported, so that the interval's line is not held for it.
+      if (m.step() >= 0 && m.step() < train_steps_)
+        reported_[worker] = std::max(reported_[worker], m.step() + 1);
+      continue;
+    }
     // Steps outside the job, or of an interval already logged (a late report), are dropped.
     if (m.step() < 0 || m.step() >= train_steps_ || m.step() < logged_until_) continue;
     if (first_report_ == absl::InfinitePast()) {

@@ -159,6 +159,20 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   absl::StatusOr<std::vector<int>> indices =
       SliceIndices(header->slices(), static_cast<int>(specs.size()), "push");
   if (!indices.ok()) return ToGrpcStatus(indices.status());
+  if (header->skip()) {
+    // No data: every slice named (all when none is) counts as pushed, skipped.
+    if (!request.chunk().empty() || reader->Read(&request)) {
+      return ToGrpcStatus(absl::InvalidArgumentError("a skip push carries no chunks"));
+    }
+    absl::StatusOr<PushResponse::Outcome> outcome =
+        shard_->PushSlices(header->job_id(), header->worker(), header->step(),
+                           SkipGradients(*indices, static_cast<int>(specs.size())));
+    if (!outcome.ok()) return ToGrpcStatus(outcome.status());
+    shard_->CountOutcome(*outcome);
+    response->set_outcome(*outcome);
+    response->set_version(shard_->stats().version);
+    return grpc::Status::OK;
+  }
   // The chunks come in the job's wire dtype and are decoded into fp32; each
   // slice goes to the shard as soon as it is complete, so that it can be
   // applied while the rest of the push is still on its way.

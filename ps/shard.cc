@@ -33,6 +33,7 @@ bool NonFinite(const std::vector<float>& values) {
 struct Shard::ApplyJob {
   int slice = 0;
   int64_t step = 0;
+  bool skip = false;                                       // a worker skipped the step: no update
   std::vector<std::pair<int, std::vector<float>>> pushes;  // in worker-id order
   int64_t n = 0;
   float* value = nullptr;
@@ -99,6 +100,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   slice_ = std::move(states);
   applied_ = 0;
   empty_pushes_.clear();
+  step_skipped_ = false;
   job_ = header.job();
   optimizer_ = *std::move(opt);
   live_workers_ =
@@ -232,7 +234,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   // Outside the lock: it reads every value.
   int non_finite = -1;
   for (size_t k = 0; k < grads.size() && non_finite < 0; ++k) {
-    if (NonFinite(grads[k].values)) non_finite = static_cast<int>(k);
+    if (!grads[k].skip && NonFinite(grads[k].values)) non_finite = static_cast<int>(k);
   }
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
@@ -268,7 +270,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
     }
     named[g.slice] = true;
     const size_t n = values_[g.slice].value.size();
-    if (g.values.size() != n) {
+    if (g.skip ? !g.values.empty() : g.values.size() != n) {
       return absl::InvalidArgumentError(absl::StrCat("gradient of ", name_of(g.slice), " has ",
                                                      g.values.size(), " values, expected ", n));
     }
@@ -282,7 +284,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   for (SliceGradient& g : grads) {
     SliceState& s = slice_[g.slice];
     if (s.version > version_ || s.applying || s.pushes.contains(worker)) continue;
-    s.pushes.emplace(worker, std::move(g.values));
+    s.pushes.emplace(worker, g.skip ? std::vector<float>() : std::move(g.values));
     kept.push_back(g.slice);
   }
   if (kept.empty()) return PushResponse::DUPLICATE;
@@ -321,8 +323,12 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
   job->slice = i;
   job->step = version_;
   job->pushes.reserve(s.pushes.size());
-  for (auto& [worker, grad] : s.pushes) job->pushes.emplace_back(worker, std::move(grad));
+  for (auto& [worker, grad] : s.pushes) {
+    job->skip |= grad.empty() && !values_[i].value.empty();
+    job->pushes.emplace_back(worker, std::move(grad));
+  }
   s.pushes.clear();
+  step_skipped_ |= job->skip;
   std::sort(job->pushes.begin(), job->pushes.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   s.applying = true;
@@ -347,6 +353,13 @@ void Shard::Compute(ApplyJob& job) const {
     job.out = std::make_shared<std::vector<float>>(n);
   }
   float* const published = job.out->data();
+  if (job.skip) {
+    // Skipped: the value and the slots stay as they are.
+    std::copy(job.value, job.value + n, published);
+    for (size_t k = 0; k < job.slots.size(); ++k)
+      std::copy(job.slots[k], job.slots[k] + n, job.previous_slots[k]);
+    return;
+  }
   const float scale = 1.0f / static_cast<float>(job.pushes.size());
   // Averaging, the optimizer, then the copy readers get, one range at a
   // time (it stays in cache throughout).
@@ -421,6 +434,8 @@ void Shard::AdvanceLocked() {
   }
   applied_ = 0;
   empty_pushes_.clear();
+  if (step_skipped_) ++counters_.skipped;
+  step_skipped_ = false;
   ++version_;
   ++counters_.applied;
   OnVersionLocked();

@@ -12,7 +12,11 @@
 // push for a step below the shard's version is stale (dropped, counted); a
 // push whose every slice this worker already pushed for the step is a
 // duplicate (ignored, counted); a push holding a non-finite gradient is
-// refused (counted) before anything else but its job is looked at. A push
+// refused (counted) before anything else but its job is looked at. A worker
+// whose step was not finite may push skips instead (a job with
+// on_nonfinite SKIP_STEP): a slice that any live worker skipped is "applied"
+// unchanged, value and optimizer state, and moves to the next version as
+// usual, so the step passes with no update. A push
 // for step k is accepted only at version k, and a worker pushes step k only
 // after pulling every slice at version k; so slices are never more than one
 // version apart, and at the moment the shard's version becomes k every
@@ -89,10 +93,13 @@ class Shard {
     absl::Duration waited;
   };
 
-  // One gradient of a push: `slice` indexes Slices().
+  // One gradient of a push: `slice` indexes Slices(). A skip (the worker's
+  // step was not finite, and the job skips such steps) has no values: the
+  // slice keeps its value and optimizer state through the step.
   struct SliceGradient {
     int slice = 0;
     std::vector<float> values;
+    bool skip = false;
   };
 
   // What Pull hands back.
@@ -214,6 +221,7 @@ class Shard {
     int64_t stale = 0;           // pushes for an applied step, dropped
     int64_t duplicate = 0;       // second pushes of a worker for a step, ignored
     int64_t refused_pushes = 0;  // pushes refused for a non-finite gradient
+    int64_t skipped = 0;         // steps a worker skipped (no update)
   };
   struct Stats : Counters {
     int64_t version = 0;
@@ -226,7 +234,8 @@ class Shard {
     int64_t version = 0;    // version_, or version_ + 1 once applied
     bool applying = false;  // claimed by a thread that applies it outside the lock
     // Gradients pushed for the current step and not yet applied, by worker
-    // (kept apart so that a worker dropped mid-step takes its gradient away).
+    // (kept apart so that a worker dropped mid-step takes its gradient away);
+    // a skip is an empty vector.
     absl::flat_hash_map<int, std::vector<float>> pushes;
     Value published;  // the value at `version`
     Value previous;   // once applied: the value at version_, for whole-shard readers
@@ -292,6 +301,7 @@ class Shard {
   int applying_ ABSL_GUARDED_BY(mu_) = 0;               // slices being applied outside the lock
   // A shard without slices: the live workers that pushed for the current step.
   absl::flat_hash_set<int> empty_pushes_ ABSL_GUARDED_BY(mu_);
+  bool step_skipped_ ABSL_GUARDED_BY(mu_) = false;  // a slice of the current step was skipped
   JobConfig job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Optimizer> optimizer_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);

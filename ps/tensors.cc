@@ -70,6 +70,16 @@ TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataT
   return {slice.name(), "", ShapeOf(slice), value->data(), dtype};
 }
 
+std::vector<Shard::SliceGradient> SkipGradients(const std::vector<int>& indices, int num_slices) {
+  std::vector<Shard::SliceGradient> skips;
+  if (indices.empty()) {
+    for (int i = 0; i < num_slices; ++i) skips.push_back({i, {}, true});
+  } else {
+    for (int i : indices) skips.push_back({i, {}, true});
+  }
+  return skips;
+}
+
 std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot) {
   const Shard::Weights& weights = *snapshot.weights;
   std::vector<TensorRef> refs;

@@ -33,6 +33,10 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads);
 
+// A skip push's gradients: a skip for each of `indices`, or for every one of
+// `num_slices` slices when `indices` is empty.
+std::vector<Shard::SliceGradient> SkipGradients(const std::vector<int>& indices, int num_slices);
+
 // The slices a pull or a push names (`asked`, indices into a shard's
 // `num_slices` slices; empty: all, in order). INVALID_ARGUMENT for an index
 // out of range or named twice; `what` names the call.

@@ -271,7 +271,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, int64_t* version, int
   return absl::OkStatus();
 }
 
-absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
+absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip,
                                const std::function<void()>& on_pushed, Exchanged* out) {
   const int n = static_cast<int>(lanes_.size());
   for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
@@ -279,6 +279,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
   header.set_job_id(job_id_);
   header.set_worker(options_.worker_index);
   header.set_step(push_step);
+  header.set_skip(skip);
   std::vector<int64_t> versions(n, -1), waits(n, 0);
   std::vector<char> pushed(n, push_step < 0);
   std::atomic<int> pushes_left{push_step < 0 ? 0 : n};
@@ -293,9 +294,11 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
       // STALE once applied): either way the ps has this worker's gradients.
       PushHeader lane_header = header;
       for (int i : lane.slices) lane_header.add_slices(i);
-      absl::Status pushed_status = FromPs(
-          client->Push(lane.ps, lane_header, lane.refs, absl::Now() + options_.transfer_timeout)
-              .status());
+      absl::Status pushed_status =
+          FromPs(client
+                     ->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,
+                            absl::Now() + options_.transfer_timeout)
+                     .status());
       if (!pushed_status.ok()) {
         if (IsRetryable(pushed_status)) PSLOG(WARNING) << "retrying: " << pushed_status.message();
         return pushed_status;
@@ -320,12 +323,12 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version,
 }
 
 absl::Status Trainer::PullAll(int64_t min_version, Exchanged* out) {
-  return RunLanes(/*push_step=*/-1, min_version, nullptr, out);
+  return RunLanes(/*push_step=*/-1, min_version, /*skip=*/false, nullptr, out);
 }
 
-absl::Status Trainer::Exchange(int64_t step, const std::function<void()>& on_pushed,
+absl::Status Trainer::Exchange(int64_t step, bool skip, const std::function<void()>& on_pushed,
                                Exchanged* out) {
-  return RunLanes(step, step + 1, on_pushed, out);
+  return RunLanes(step, step + 1, skip, on_pushed, out);
 }
 
 void Trainer::ReportLoop() {
@@ -477,10 +480,15 @@ absl::Status Trainer::Train(int64_t start) {
     }).IgnoreError();  // the calls cannot fail
     const bool finite = std::isfinite(result->loss) &&
                         std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
-    if (!finite) {
+    const bool skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
+    if (!finite && !skip) {
       PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
                    << ") or the gradients are not finite (in the wire dtype); nothing pushed";
       return NonFinite(step);
+    }
+    if (skip) {
+      PSLOG(WARNING) << "step " << step << ": the loss (" << result->loss
+                     << ") or the gradients are not finite (in the wire dtype); skipping the step";
     }
     // The step's metrics go out once every push is answered; the pull that
     // follows belongs to the next step.
@@ -489,7 +497,8 @@ absl::Status Trainer::Train(int64_t start) {
       pushed_at = absl::Now();
       StepMetrics m;
       m.set_step(step);
-      m.set_loss(result->loss);
+      m.set_nonfinite(skip);  // the chief counts the skipped steps
+      m.set_loss(skip ? 0 : result->loss);
       m.set_correct(result->correct);
       m.set_examples(batch);
       m.set_wait_us(wait_us);
@@ -499,7 +508,7 @@ absl::Status Trainer::Train(int64_t start) {
       absl::MutexLock lock(&mu_);
       pending_.push_back(std::move(m));
     };
-    s = Exchange(step, on_pushed, &got);
+    s = Exchange(step, skip, on_pushed, &got);
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     if (job_failed()) return failed;
     if (JobChanged(s)) return RegisterAgain(s.message());

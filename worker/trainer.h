@@ -132,12 +132,14 @@ class Trainer {
   };
   // Pulls every lane's slices of min_version (no push).
   absl::Status PullAll(int64_t min_version, Exchanged* out);
-  // Pushes every lane's gradients of `step`, each lane then pulling its
-  // slices of step + 1; `on_pushed` runs once every push was answered (on
-  // one of the lanes' threads), not at all if one fails.
-  absl::Status Exchange(int64_t step, const std::function<void()>& on_pushed, Exchanged* out);
+  // Pushes every lane's gradients of `step` (skips instead, with `skip`: the
+  // step was not finite and the job skips such steps), each lane then
+  // pulling its slices of step + 1; `on_pushed` runs once every push was
+  // answered (on one of the lanes' threads), not at all if one fails.
+  absl::Status Exchange(int64_t step, bool skip, const std::function<void()>& on_pushed,
+                        Exchanged* out);
   // Both: pushes of `push_step` first when it is >= 0.
-  absl::Status RunLanes(int64_t push_step, int64_t min_version,
+  absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
                         const std::function<void()>& on_pushed, Exchanged* out);
   // Pulls lane `l`'s slices of min_version (asking again while the ps
   // answers "not yet"), then copies to the device each variable whose last

@@ -455,6 +455,35 @@ TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterWorker(3, absl::Now()).status()));
 }
 
+// --on_nonfinite=skip_step: a skipped step (reported by each worker) counts
+// once; the job fails only past max_skipped_steps.
+TEST_F(CoordinatorTest, SkippedStepsAreCountedOnceAndTooManyFailTheJob) {
+  MakeJob(2, 1, 100);
+  job_.set_on_nonfinite(JobConfig::SKIP_STEP);
+  job_.set_max_skipped_steps(2);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  auto skip = [&](int w, int64_t step) {
+    ReportRequest r = MakeReport(id, w, step, 0.0);
+    r.mutable_metrics(0)->set_nonfinite(true);
+    absl::StatusOr<ReportResponse> answer = Send(r);
+    EXPECT_TRUE(answer.ok()) << answer.status();
+    return answer.ok() ? answer->action() : ReportResponse::CONTINUE;
+  };
+  for (int64_t step : {3, 4}) {
+    EXPECT_EQ(skip(0, step), ReportResponse::CONTINUE);
+    EXPECT_EQ(skip(1, step), ReportResponse::CONTINUE);
+  }
+  EXPECT_FALSE(returned_->HasBeenNotified());
+  EXPECT_EQ(skip(1, 5), ReportResponse::FAIL);
+  const absl::Status status = Join();
+  EXPECT_TRUE(absl::IsOutOfRange(status)) << status;
+  EXPECT_THAT(std::string(status.message()),
+              ::testing::HasSubstr("more than 2 steps were skipped"));
+  EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model/model.pb"));
+}
+
 // ---------------------------------------------------------------------------
 // Evaluators
 

@@ -288,9 +288,14 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
       ps::SliceIndices(header.slices(), static_cast<int>(specs.size()), "push");
   if (!indices.ok()) return WithPs(ps, indices.status());
   std::vector<ps::Shard::SliceGradient> values;
-  std::vector<TensorSink> sinks = ps::GradientSinks(specs, *indices, *dtype, &values);
-  absl::Status s = CopyInto(grads, sinks);
-  if (!s.ok()) return WithPs(ps, s);
+  if (header.skip()) {
+    if (!grads.empty()) return WithPs(ps, absl::InvalidArgumentError("a skip push carries data"));
+    values = ps::SkipGradients(*indices, static_cast<int>(specs.size()));
+  } else {
+    std::vector<TensorSink> sinks = ps::GradientSinks(specs, *indices, *dtype, &values);
+    absl::Status s = CopyInto(grads, sinks);
+    if (!s.ok()) return WithPs(ps, s);
+  }
   absl::StatusOr<PushResponse::Outcome> outcome =
       (*shard)->PushSlices(header.job_id(), header.worker(), header.step(), std::move(values));
   if (!outcome.ok()) return WithPs(ps, outcome.status());

@@ -231,6 +231,27 @@ TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
   }
 }
 
+// --on_nonfinite=skip_step: the diverging job skips its non-finite steps
+// (logged, no update) and fails once more than --max_skipped_steps were
+// skipped: exit 1, one line saying so, no saved model.
+TEST_F(ClusterTest, DivergingJobWithSkipStepFailsAfterTooManySkippedSteps) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(
+      Bin("psflow-launch"),
+      {"--ps=1", "--workers=2", "--", "--model=mlp", "--train_steps=300", "--learning_rate=50",
+       "--on_nonfinite=skip_step", "--max_skipped_steps=5", "--model_dir=" + model_dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(120)), 1) << launch.Describe();
+  const std::string out = launch.output();
+  EXPECT_THAT(out, ::testing::ContainsRegex("chief\\] step [0-9]+ skipped: worker [01] computed a "
+                                            "non-finite loss or gradients \\(1 steps skipped"))
+      << launch.Describe();
+  EXPECT_THAT(out, ::testing::ContainsRegex("chief\\] exiting with code 1: more than 5 steps were "
+                                            "skipped"))
+      << launch.Describe();
+  EXPECT_THAT(out, Not(HasSubstr("(7 steps skipped"))) << launch.Describe();
+  EXPECT_FALSE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << launch.Describe();
+}
+
 TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   const std::string model_dir = dir_ + "/model";
   Process launch(Bin("psflow-launch"),
@@ -669,6 +690,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "checkpoint_every_steps",
         "checkpoint_every_secs",
         "on_nonfinite",
+        "max_skipped_steps",
         "keep_checkpoints",
         "worker_timeout",
         "eval_every_steps",

@@ -145,6 +145,52 @@ TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
   EXPECT_EQ(Current(), SgdAfter(expected, 0.5f, Grads(2), Grads(2)));
 }
 
+// A worker whose step was not finite pushes skips (--on_nonfinite=skip_step):
+// the step passes with no update, optimizer state included, and the next
+// step applies as usual.
+TEST(ShardSkipTest, ASkippedStepKeepsValuesAndSlotsAndTheNextStepApplies) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::MOMENTUM, 0.5f), Values()).ok());
+  auto push = [&](int worker, int64_t step, std::vector<Shard::SliceGradient> grads) {
+    absl::StatusOr<PushResponse::Outcome> r =
+        shard.PushSlices(kJob, worker, step, std::move(grads));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : PushResponse::Outcome{};
+  };
+  auto grads = [](float scale) {
+    std::vector<std::vector<float>> g = Grads(scale);
+    return std::vector<Shard::SliceGradient>{{0, g[0]}, {1, g[1]}};
+  };
+  const std::vector<Shard::SliceGradient> skip = {{0, {}, true}, {1, {}, true}};
+  // Step 0: worker 0 has gradients, worker 1 skips.
+  EXPECT_EQ(push(0, 0, grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(push(1, 0, skip), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 1);
+  EXPECT_EQ(shard.stats().skipped, 1);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
+      shard.SnapshotAt(kJob, 1, Soon(), nullptr);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(ValuesOf(*(*snap)->weights), (std::vector<std::vector<float>>{kA, kB}));
+  for (const auto& slice : (*snap)->slots) {
+    for (const auto& slot : slice) {
+      for (float v : slot) EXPECT_EQ(v, 0.0f) << "the momentum moved in a skipped step";
+    }
+  }
+  // Step 1: both push; momentum starts from zero as if step 0 never was.
+  EXPECT_EQ(push(0, 1, grads(2)), PushResponse::ACCEPTED);
+  EXPECT_EQ(push(1, 1, grads(2)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 2);
+  EXPECT_EQ(shard.stats().skipped, 1);
+  absl::StatusOr<Shard::Pulled> pulled = shard.Pull(kJob, 2, Soon(), nullptr);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  // Momentum's first step from zero velocity is plain SGD.
+  EXPECT_EQ(ValuesOf(*pulled->weights), SgdAfter({kA, kB}, 0.5f, Grads(2), Grads(2)));
+  // A skip with data, or a gradient without, is refused.
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      shard.PushSlices(kJob, 0, 2, {{0, {1, 2, 3, 4, 5, 6}, true}}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.PushSlices(kJob, 0, 2, {{0, {}, false}}).status()));
+}
+
 TEST_F(ShardTest, StalePushIsDroppedAndCounted) {
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));

@@ -51,6 +51,7 @@ struct JobParams {
   int64_t train_steps = 12;
   float learning_rate = 0.1f;
   JobConfig::WireDtype wire_dtype = JobConfig::FP32;
+  JobConfig::NonFinitePolicy on_nonfinite = JobConfig::FAIL;
 };
 
 // A job as the chief would make it: synthetic data, 256 examples, batch 8.
@@ -68,7 +69,7 @@ JobConfig MakeJob(const JobParams& p) {
   job.set_compute_threads(1);
   job.mutable_optimizer()->set_kind(OptimizerConfig::SGD);
   job.mutable_optimizer()->set_learning_rate(p.learning_rate);
-  job.set_on_nonfinite(JobConfig::FAIL);
+  job.set_on_nonfinite(p.on_nonfinite);
   job.set_wire_dtype(p.wire_dtype);
   absl::StatusOr<Placement> placement =
       PlaceVariables(model::ModelVariables(job.model()), p.num_ps, /*split_bytes=*/1024);
@@ -603,6 +604,31 @@ TEST_F(TrainerTest, ANonFiniteStepIsReportedAndNothingIsPushed) {
   for (int p = 0; p < 2; ++p) {
     EXPECT_EQ(fake_->calls(p, Method::kPush), 0);
     EXPECT_EQ(fake_->stats(p).version, 4);
+  }
+}
+
+// With --on_nonfinite=skip_step a non-finite step is pushed as skips and
+// reported flagged: every ps passes the step with no update and the worker
+// trains on (here to the end, every step being non-finite).
+TEST_F(TrainerTest, ANonFiniteStepIsSkippedWithSkipStep) {
+  SetUpJob({.train_steps = 6, .on_nonfinite = JobConfig::SKIP_STEP});
+  chief_->FailOnNonFinite(false);
+  std::vector<std::vector<float>> values = initial_;
+  values[2][5] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 2, values).ok());
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  const absl::Status status = trainer.Run();
+  ASSERT_TRUE(status.ok()) << status;
+  const std::vector<StepMetrics> metrics = chief_->metrics();
+  ASSERT_EQ(metrics.size(), 4u);
+  for (size_t k = 0; k < metrics.size(); ++k) {
+    EXPECT_EQ(metrics[k].step(), static_cast<int64_t>(2 + k));
+    EXPECT_TRUE(metrics[k].nonfinite());
+  }
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(fake_->stats(p).version, 6);
+    EXPECT_EQ(fake_->stats(p).skipped, 4);
+    EXPECT_GT(fake_->calls(p, Method::kPush), 0);
   }
 }
 
