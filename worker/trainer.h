@@ -106,7 +106,8 @@ class Trainer {
   // code common/exit_codes.h gives them:
   //   1   a permanent error: the chief refused registration or sent an
   //       inconsistent job, the device or the data does not fit, a step was
-  //       not finite, or the chief failed the job (ReportResponse::FAIL);
+  //       not finite (with on_nonfinite FAIL), or the chief failed the job
+  //       (ReportResponse::FAIL);
   //   138 the chief or a ps stayed unreachable for startup_timeout;
   //   140 another failure worth a retry (the chief now runs another job
   //       configuration, a step failed, a ps refused a call for good);
