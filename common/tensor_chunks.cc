@@ -104,6 +104,13 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
   return true;
 }
 
+float* SinkData(TensorSink& sink, int64_t elements) {
+  if (sink.storage == nullptr) return sink.data;
+  const size_t want = static_cast<size_t>(sink.grow ? elements : NumElements(sink.shape));
+  if (sink.storage->size() < want) sink.storage->resize(want);
+  return sink.storage->data();
+}
+
 ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
   for (size_t i = 0; i < sinks.size(); ++i) {
     TensorSink& s = sinks[i];
@@ -150,8 +157,9 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk, int* completed) {
                                                    " bytes does not fit: ", e.bytes - e.received,
                                                    " bytes remain"));
   }
+  float* const data = SinkData(e.sink, (e.received + size) / e.element_bytes);
   DecodeFloats(e.sink.dtype, chunk.data().data(), size / e.element_bytes,
-               e.sink.data + e.received / e.element_bytes);
+               data + e.received / e.element_bytes);
   e.received += size;
   if (e.received == e.bytes) *completed = e.index;
   return absl::OkStatus();

@@ -83,10 +83,20 @@ struct TensorSink {
   std::string name;
   std::string slot;
   std::vector<int64_t> shape;
-  float* data = nullptr;      // NumElements(shape) floats
+  float* data = nullptr;      // NumElements(shape) floats, or null with `storage`
   bool required = true;       // Finish() fails if a required sink is incomplete
   DataType dtype = DT_FLOAT;  // the chunks' dtype: DT_FLOAT, DT_BFLOAT16 or DT_HALF
+  // Instead of `data`, memory allocated only as the tensor's data arrives
+  // (for what a peer's request declares): the whole tensor with its first
+  // chunk, or, with `grow`, no more than the chunks received so far (they
+  // come in order). The vector must be empty and outlive the assembler.
+  std::vector<float>* storage = nullptr;
+  bool grow = false;
 };
+
+// Where a sink's first `elements` floats go: `data`, or its storage,
+// allocated (or grown) to hold them.
+float* SinkData(TensorSink& sink, int64_t elements);
 
 // The one dtype of `sinks` (DT_FLOAT when there are none), which a pull asks
 // the ps for; INVALID_ARGUMENT if they differ or one is not a wire dtype.

@@ -14,9 +14,10 @@ namespace psflow::ps {
 inline constexpr int64_t kMaxInitFloats = int64_t{4} << 30;
 
 // OK when the job's wire dtype is one psflow knows, every slice of `header` has a shape of
-// dimensions >= 1, no name repeats, and the slices with `num_slots` optimizer slots each add up to
-// at most kMaxInitFloats; INVALID_ARGUMENT (bad shape, repeated name) or RESOURCE_EXHAUSTED (too
-// large) naming the first fault otherwise.
+// dimensions >= 1, no name repeats, the slices with `num_slots` optimizer slots each add up to
+// at most kMaxInitFloats, the header names a job id, and its slices are exactly those the job's
+// placement gives this ps; INVALID_ARGUMENT (bad shape, repeated name, no job id, slices not
+// the placement's) or RESOURCE_EXHAUSTED (too large) naming the first fault otherwise.
 absl::Status CheckInitHeader(const InitHeader& header, size_t num_slots);
 
 }  // namespace psflow::ps

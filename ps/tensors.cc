@@ -12,18 +12,23 @@ std::vector<int64_t> ShapeOf(const SliceSpec& s) { return {s.shape().begin(), s.
 std::vector<TensorSink> InitSinks(const InitHeader& header,
                                   const std::vector<std::string>& slot_names,
                                   std::vector<Shard::SliceValues>* values) {
+  // Nothing is allocated here: each tensor grows as its chunks arrive, so a
+  // header alone (a peer's garbage) costs nothing. Slots that never come
+  // stay empty (the shard starts them at zero).
   values->assign(header.slice_size(), {});
-  for (int i = 0; i < header.slice_size(); ++i) {
-    const int64_t n = NumElements(header.slice(i).shape());
-    (*values)[i].value.resize(n);
-    (*values)[i].slots.assign(slot_names.size(), std::vector<float>(n, 0.0f));
-  }
+  for (Shard::SliceValues& v : *values) v.slots.resize(slot_names.size());
   std::vector<TensorSink> sinks;
   for (int i = 0; i < header.slice_size(); ++i) {
     const SliceSpec& s = header.slice(i);
-    sinks.push_back({s.name(), "", ShapeOf(s), (*values)[i].value.data(), true});
+    TensorSink value{s.name(), "", ShapeOf(s), nullptr, true};
+    value.storage = &(*values)[i].value;
+    value.grow = true;
+    sinks.push_back(std::move(value));
     for (size_t k = 0; k < slot_names.size(); ++k) {
-      sinks.push_back({s.name(), slot_names[k], ShapeOf(s), (*values)[i].slots[k].data(), false});
+      TensorSink slot{s.name(), slot_names[k], ShapeOf(s), nullptr, false};
+      slot.storage = &(*values)[i].slots[k];
+      slot.grow = true;
+      sinks.push_back(std::move(slot));
     }
   }
   return sinks;
@@ -38,8 +43,10 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     const SliceSpec& s = slices[indices[k]];
     Shard::SliceGradient& g = (*grads)[k];
     g.slice = indices[k];
-    g.values.resize(NumElements(s.shape()));
-    sinks.push_back({s.name(), "", ShapeOf(s), g.values.data(), true, dtype});
+    // Allocated with the gradient's first chunk, not for the header.
+    TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
+    sink.storage = &g.values;
+    sinks.push_back(std::move(sink));
   }
   return sinks;
 }

@@ -19,9 +19,11 @@
 
 namespace psflow::ps {
 
-// Storage for an Init of `header` (a value per slice, zeroed slots named
+// Storage for an Init of `header` (a value per slice, slots named
 // `slot_names`) and fp32 sinks into it: values required, slots optional
-// (those not sent start at zero). Call CheckInitHeader first: this allocates.
+// (those not sent stay empty: the shard starts them at zero). Nothing is
+// allocated until data arrives; each tensor grows with its chunks. Call
+// CheckInitHeader first.
 std::vector<TensorSink> InitSinks(const InitHeader& header,
                                   const std::vector<std::string>& slot_names,
                                   std::vector<Shard::SliceValues>* values);
@@ -29,6 +31,7 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // Storage for one push's gradients of the slices `indices` of `slices` (each
 // a valid index) and sinks into it that decode chunks of `dtype` (the job's
 // wire dtype): grads[k] is for slices[indices[k]], and so is the k-th sink.
+// A gradient's memory is allocated with its first chunk.
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads);

@@ -60,7 +60,7 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
     const int64_t n = NumElements(t.shape);
     std::string wire(static_cast<size_t>(n * WireBytes(t.dtype)), '\0');
     EncodeFloats(t.dtype, t.data, n, wire.data());
-    DecodeFloats(t.dtype, wire.data(), n, sink.data);
+    DecodeFloats(t.dtype, wire.data(), n, SinkData(sink, n));
     filled[it->second] = true;
   }
   for (size_t i = 0; i < sinks.size(); ++i) {

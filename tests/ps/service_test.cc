@@ -2,8 +2,11 @@
 // and by hand-built streams through the generated stub.
 #include "ps/service.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <string>
@@ -93,11 +96,20 @@ class PsServiceTest : public ::testing::Test {
     h.mutable_job()->mutable_optimizer()->set_learning_rate(kLr);
     h.add_live_workers(0);
     h.add_live_workers(1);
+    // Both variables whole on ps `ps_index` (of ps_index + 1).
+    Placement* placement = h.mutable_job()->mutable_placement();
+    placement->set_num_ps(ps_index + 1);
     for (const auto& [name, shape] : {std::pair{"big", kBigShape}, std::pair{"bias", kBiasShape}}) {
       SliceSpec* s = h.add_slice();
       s->set_name(name);
       for (int64_t d : shape) s->add_shape(d);
       s->set_row_end(shape[0]);
+      VariablePlacement* v = placement->add_variable();
+      v->set_name(name);
+      for (int64_t d : shape) v->add_shape(d);
+      VariableSlice* slice = v->add_slice();
+      slice->set_ps(ps_index);
+      slice->set_row_end(shape[0]);
     }
     return h;
   }
@@ -443,6 +455,78 @@ TEST_F(PsServiceTest, InitForAnotherPsIsRefused) {
       << "nothing loaded";
 }
 
+// This process's resident memory, from /proc/self/statm.
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// A header alone allocates nothing: an Init stream that declares 1 GiB of
+// values (and 2 GiB of Adam's slots), placed by its own job, and sends no
+// data leaves the ps's memory as it was; it fails when it ends, nothing
+// loaded.
+TEST_F(PsServiceTest, AnInitHeaderAloneAllocatesNothing) {
+  const std::vector<int64_t> shape = {16384, 16384};
+  InitHeader h;
+  h.set_job_id(kJob);
+  h.set_ps_index(0);
+  h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
+  h.mutable_job()->mutable_optimizer()->set_learning_rate(kLr);
+  h.add_live_workers(0);
+  Placement* placement = h.mutable_job()->mutable_placement();
+  placement->set_num_ps(1);
+  VariablePlacement* v = placement->add_variable();
+  v->set_name("huge");
+  SliceSpec* spec = h.add_slice();
+  spec->set_name("huge");
+  for (int64_t d : shape) {
+    v->add_shape(d);
+    spec->add_shape(d);
+  }
+  v->add_slice()->set_row_end(shape[0]);
+  spec->set_row_end(shape[0]);
+  const int64_t before = ResidentBytes();
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  InitResponse response;
+  std::unique_ptr<grpc::ClientWriter<InitRequest>> writer = stub_->Init(&context, &response);
+  InitRequest request;
+  *request.mutable_header() = h;
+  ASSERT_TRUE(writer->Write(request));
+  absl::SleepFor(absl::Milliseconds(500));  // the ps has read the header and waits for data
+  EXPECT_LT(ResidentBytes() - before, int64_t{64} << 20);
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("incomplete"));
+  EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// An Init must name a job id, and its slices must be the job's placement.
+TEST_F(PsServiceTest, InitWithoutAJobIdOrOffThePlacementIsRefused) {
+  const std::vector<TensorRef> tensors = {{"big", "", kBigShape, big_.data()},
+                                          {"bias", "", kBiasShape, bias_.data()}};
+  InitHeader no_id = Header();
+  no_id.set_job_id(0);
+  absl::Status s = client_->Init(0, no_id, tensors, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("no job id"));
+  InitHeader bigger = Header();
+  bigger.mutable_slice(0)->set_shape(0, kBigShape[0] * 4);
+  s = client_->Init(0, bigger, tensors, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not the job's placement"));
+  InitHeader extra = Header();
+  *extra.add_slice() = extra.slice(0);
+  extra.mutable_slice(2)->set_name("extra");
+  s = client_->Init(0, extra, tensors, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(InitJob().ok());
+}
+
 TEST_F(PsServiceTest, InitWithMissingValuesIsRefused) {
   absl::Status s = client_->Init(0, Header(), {{"big", "", kBigShape, big_.data()}}, Deadline());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -454,11 +538,14 @@ TEST_F(PsServiceTest, InitWithMissingValuesIsRefused) {
 
 // A ps can hold no slice at all (more ps than variables to place; see
 // PlacementTest.MorePsThanVariables); workers still pull from it and compare
-// its version with the other ps'. DISABLED: PsService::Pull writes no message
-// when the ps holds no slice, so the client reports version 0 (reported bug).
+// its version with the other ps'.
 TEST_F(PsServiceTest, PullFromAPsWithoutSlicesReportsItsVersion) {
   InitHeader h = Header();
+  // Every variable on the other ps of two.
   h.clear_slice();
+  Placement* placement = h.mutable_job()->mutable_placement();
+  placement->set_num_ps(2);
+  for (VariablePlacement& v : *placement->mutable_variable()) v.mutable_slice(0)->set_ps(1);
   ASSERT_TRUE(client_->Init(0, h, {}, Deadline()).ok());
   PushHeader push;
   push.set_job_id(kJob);
