@@ -46,7 +46,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
 }
 
 Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps,
-                         ThreadPool* pool)
+                         ThreadPool* pool, ProgressListener* progress_listener)
     : options_(std::move(options)), job_(std::move(job)), ps_(ps), pool_(pool) {
   progress_ = std::make_unique<Progress>(
       job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(),
@@ -57,7 +57,8 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
         return n;
       },
       [](const std::string& line) { PSLOG(INFO) << line; },
-      [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); });
+      [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); },
+      progress_listener);
   absl::MutexLock lock(&mu_);
   job_id_ = NewJobId();
   for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);

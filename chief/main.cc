@@ -7,6 +7,7 @@
 #include "absl/time/time.h"
 #include "chief/coordinator.h"
 #include "chief/service.h"
+#include "chief/summaries.h"
 #include "common/cluster_flags.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
@@ -179,7 +180,9 @@ int main(int argc, char** argv) {
 
   psflow::ps::GrpcClient ps(o.cluster.cluster.ps);
   psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
-  psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool);
+  // TensorBoard curves under <model_dir>/train (and, later, eval).
+  psflow::chief::Summaries summaries(c.model_dir);
+  psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool, &summaries);
   psflow::chief::GrpcChiefService service(&coordinator);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
       psflow::StartServer(o.cluster.self_port, &service);
