@@ -71,7 +71,9 @@ ABSL_FLAG(double, lr_min, 0, "The final learning rate of --lr_decay=cosine.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial weights and of the data order of every epoch.");
 ABSL_FLAG(
     std::string, model_dir, "",
-    "Directory for the job's outputs (required); the saved model goes to <model_dir>/saved_model.");
+    "Directory for the job's outputs (required): the saved model goes to <model_dir>/saved_model, "
+    "checkpoints to <model_dir>/checkpoints, TensorBoard event files (the progress lines' numbers) "
+    "to <model_dir>/train.");
 ABSL_FLAG(std::string, saved_model_dir, "",
           "Where to write the saved model instead of <model_dir>/saved_model.");
 ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
