@@ -70,7 +70,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
 }
 
 Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps,
-                         ThreadPool* pool)
+                         ThreadPool* pool, ProgressListener* progress_listener)
     : options_(std::move(options)), job_(std::move(job)), ps_(ps), pool_(pool) {
   progress_ = std::make_unique<Progress>(
       job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(),
@@ -81,7 +81,8 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
         return n;
       },
       [](const std::string& line) { PSLOG(INFO) << line; },
-      [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); });
+      [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); },
+      progress_listener);
   absl::MutexLock lock(&mu_);
   job_id_ = NewJobId();
   for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
@@ -332,6 +333,7 @@ absl::StatusOr<ReportEvalResponse> Coordinator::ReportEval(const ReportEvalReque
     }
   }
   const EvalResult& r = request.result();
+  progress_->Eval(r.step(), r.loss(), Accuracy(r));
   PSLOG(INFO) << absl::StrFormat(
       "eval: step %d/%d loss %.4f acc %.4f | %d test examples, %.1f s, evaluator %d", r.step(),
       job_.train_steps(), r.loss(), Accuracy(r), r.examples(),

@@ -106,8 +106,11 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& options);
 class Coordinator {
  public:
   // `ps` (not owned) must outlive the coordinator; so must `pool`, whose
-  // threads fan calls out over the ps (at least num_ps - 1 of them help).
-  Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps, ThreadPool* pool);
+  // threads fan calls out over the ps (at least num_ps - 1 of them help),
+  // and `progress_listener` (optional), which receives the progress lines as
+  // numbers (psflow-chief's writes event files: chief/summaries.h).
+  Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps, ThreadPool* pool,
+              ProgressListener* progress_listener = nullptr);
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;

@@ -7,6 +7,7 @@
 #include "absl/time/time.h"
 #include "chief/coordinator.h"
 #include "chief/service.h"
+#include "chief/summaries.h"
 #include "common/cluster_flags.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
@@ -70,7 +71,9 @@ ABSL_FLAG(double, lr_min, 0, "The final learning rate of --lr_decay=cosine.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial weights and of the data order of every epoch.");
 ABSL_FLAG(
     std::string, model_dir, "",
-    "Directory for the job's outputs (required); the saved model goes to <model_dir>/saved_model.");
+    "Directory for the job's outputs (required): the saved model goes to <model_dir>/saved_model, "
+    "checkpoints to <model_dir>/checkpoints, TensorBoard event files (the progress lines' numbers) "
+    "to <model_dir>/train.");
 ABSL_FLAG(std::string, saved_model_dir, "",
           "Where to write the saved model instead of <model_dir>/saved_model.");
 ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
@@ -203,7 +206,9 @@ int main(int argc, char** argv) {
 
   psflow::ps::GrpcClient ps(o.cluster.cluster.ps);
   psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
-  psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool);
+  // TensorBoard curves under <model_dir>/train (and, later, eval).
+  psflow::chief::Summaries summaries(c.model_dir);
+  psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool, &summaries);
   psflow::chief::GrpcChiefService service(&coordinator);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
       psflow::StartServer(o.cluster.self_port, &service);

@@ -11,7 +11,7 @@ namespace psflow::chief {
 Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps,
                    int num_workers, int num_ps, std::function<int()> reachable_ps,
                    std::function<void(const std::string&)> emit,
-                   std::function<double(int64_t)> learning_rate)
+                   std::function<double(int64_t)> learning_rate, ProgressListener* listener)
     : train_steps_(train_steps),
       steps_per_epoch_(std::max<int64_t>(steps_per_epoch, 1)),
       log_every_(std::max(log_every_steps, 1)),
@@ -19,6 +19,7 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
       reachable_ps_(std::move(reachable_ps)),
       emit_(std::move(emit)),
       learning_rate_(std::move(learning_rate)),
+      listener_(listener),
       reported_(num_workers, 0),
       last_seen_(num_workers, absl::InfinitePast()),
       member_(num_workers, true) {}
@@ -66,6 +67,12 @@ void Progress::Restart(int64_t step) {
   intervals_.clear();
   std::fill(reported_.begin(), reported_.end(), step);
   if (step > 0 || logged_until_ >= 0) logged_until_ = step;
+  if (listener_ != nullptr) listener_->OnRestart(step);
+}
+
+void Progress::Eval(int64_t step, double loss, double accuracy) {
+  absl::MutexLock lock(&mu_);
+  if (listener_ != nullptr) listener_->OnEval(step, loss, accuracy);
 }
 
 void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now) {
@@ -121,17 +128,32 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const int64_t begin = logged_until_ < 0 ? std::max<int64_t>(first_step_, 0) : logged_until_;
     const double steps = static_cast<double>(std::max<int64_t>(end - begin, 1));
     const double n = static_cast<double>(std::max<int64_t>(in.records, 1));
-    const double loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
-    const double acc =
+    ProgressLine line;
+    line.step = end;
+    line.train_steps = train_steps_;
+    line.epoch = static_cast<double>(end) / static_cast<double>(steps_per_epoch_);
+    line.loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
+    line.accuracy =
         in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
+    if (learning_rate_) line.learning_rate = learning_rate_(end - 1);
     // Rates come from the workers' own step times, not from when reports
     // happen to arrive here: a step takes as long as its slowest phase chain
     // on a worker, and all workers of a synchronous step move together.
-    const double step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
-    const double examples_per_sec =
+    line.pull_ms = in.pull_us / n / 1000.0;
+    line.compute_ms = in.compute_us / n / 1000.0;
+    line.push_ms = in.push_us / n / 1000.0;
+    line.wait_ms = in.wait_us / n / 1000.0;
+    line.step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
+    const double step_ms = line.step_ms;
+    line.examples_per_sec =
         step_ms > 0 ? static_cast<double>(in.examples) / (steps * step_ms / 1000.0) : 0;
+    line.live_workers = live;
+    line.num_workers = static_cast<int>(reported_.size());
+    line.live_ps = reachable_ps_ ? reachable_ps_() : num_ps_;
+    line.num_ps = num_ps_;
+    line.time = now;
     const std::string lr =
-        learning_rate_ ? absl::StrFormat(" lr %.4g", learning_rate_(end - 1)) : std::string();
+        line.learning_rate ? absl::StrFormat(" lr %.4g", *line.learning_rate) : std::string();
     // The wall-clock pace of this interval (lines that come out together
     // keep the previous pace).
     const absl::Time since = logged_until_ < 0 ? first_report_ : last_line_;
@@ -141,18 +163,18 @@ void Progress::EmitReadyLocked(absl::Time now) {
         "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
         "%.1f "
         "push %.1f wait %.1f) | workers %d/%d ps %d/%d | elapsed %s eta %s",
-        end, train_steps_, static_cast<double>(end) / static_cast<double>(steps_per_epoch_), loss,
-        acc, lr, examples_per_sec, step_ms, in.pull_us / n / 1000.0, in.compute_us / n / 1000.0,
-        in.push_us / n / 1000.0, in.wait_us / n / 1000.0, live, static_cast<int>(reported_.size()),
-        reachable_ps_ ? reachable_ps_() : num_ps_, num_ps_, ShortDuration(now - first_report_),
+        end, train_steps_, line.epoch, line.loss, line.accuracy, lr, line.examples_per_sec, step_ms,
+        line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms, line.live_workers,
+        line.num_workers, line.live_ps, num_ps_, ShortDuration(now - first_report_),
         ShortDuration(eta)));
+    if (listener_ != nullptr) listener_->OnLine(line);
     last_line_ = now;
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
       steady_seconds_ += steps * step_ms / 1000.0;
     }
-    last_loss_ = loss;
-    last_acc_ = acc;
+    last_loss_ = line.loss;
+    last_acc_ = line.accuracy;
     logged_until_ = end;
     intervals_.erase(it);
   }

@@ -10,6 +10,7 @@
 // elapsed is the wall time since the first report; eta is the steps left at
 // the wall-clock pace of the latest interval (reports included, as a user
 // waits for them), so it follows slow-downs and restarts.
+// Besides the text, a ProgressListener may receive each line as numbers.
 // Thread-safe.
 #ifndef PSFLOW_CHIEF_PROGRESS_H_
 #define PSFLOW_CHIEF_PROGRESS_H_
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,16 +36,49 @@ namespace psflow::chief {
 // naming the first bad field otherwise. Reports are checked before Record.
 absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int batch_size);
 
+// One progress line as numbers, unrounded.
+struct ProgressLine {
+  int64_t step = 0;  // the interval's end step: "step <step>/<train_steps>"
+  int64_t train_steps = 0;
+  double epoch = 0;
+  double loss = 0, accuracy = 0;        // the interval's means over its examples
+  std::optional<double> learning_rate;  // of the interval's last step, when known
+  double examples_per_sec = 0;
+  double step_ms = 0;  // pull + compute + push + wait
+  double pull_ms = 0, compute_ms = 0, push_ms = 0, wait_ms = 0;
+  int live_workers = 0, num_workers = 0;
+  int live_ps = 0, num_ps = 0;
+  absl::Time time;  // when the line was written
+};
+
+// Receives the progress as numbers (chief/summaries.h writes them to event
+// files). Progress calls it with its lock held, in the order of the lines:
+// it must not call back into Progress.
+class ProgressListener {
+ public:
+  virtual ~ProgressListener() = default;
+  // The job starts, or goes back, at `step` (the steps done: every line
+  // after it is of a later step). Lines already given for steps after `step`
+  // no longer hold: their steps are trained again.
+  virtual void OnRestart(int64_t step) = 0;
+  virtual void OnLine(const ProgressLine& line) = 0;
+  // An evaluator's result for the weights of `step` (a version: steps
+  // applied); none by default.
+  virtual void OnEval(int64_t step, double loss, double accuracy) {}
+};
+
 class Progress {
  public:
   // `emit` receives each finished line (the chief logs it); `reachable_ps`
   // counts the ps whose connection is up when a line is written;
   // `learning_rate` (optional) gives the rate of a 0-based step for the
-  // line's lr field, left out without it.
+  // line's lr field, left out without it; `listener` (optional, not owned,
+  // outliving this) receives every line as numbers and every Restart.
   Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps, int num_workers,
            int num_ps, std::function<int()> reachable_ps,
            std::function<void(const std::string&)> emit,
-           std::function<double(int64_t)> learning_rate = nullptr);
+           std::function<double(int64_t)> learning_rate = nullptr,
+           ProgressListener* listener = nullptr);
 
   // A worker counts as live ("workers live/total") if it reported within this.
   static constexpr absl::Duration kLiveWindow = absl::Seconds(10);
@@ -58,6 +93,8 @@ class Progress {
   void Rejoin(int worker, int64_t step);
   // The job went back to (or started at) `step`: forget what is not logged.
   void Restart(int64_t step);
+  // An evaluator's result (the chief logs its line): to the listener.
+  void Eval(int64_t step, double loss, double accuracy);
 
   struct Summary {
     int64_t steps = 0;
@@ -82,6 +119,7 @@ class Progress {
   std::function<int()> reachable_ps_;
   std::function<void(const std::string&)> emit_;
   std::function<double(int64_t)> learning_rate_;
+  ProgressListener* const listener_;
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)

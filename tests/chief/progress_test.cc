@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -367,6 +368,96 @@ TEST_F(ProgressTest, NoRateWithoutALearningRateFunction) {
   progress_.Record(1, Steps(1, 0, 10), t0_);
   ASSERT_EQ(lines_.size(), 1u);
   EXPECT_THAT(lines_[0], Not(HasSubstr(" lr ")));
+}
+
+// Records what a ProgressListener receives, restarts as "restart <step>".
+class RecordingListener : public ProgressListener {
+ public:
+  void OnRestart(int64_t step) override { events.push_back("restart " + std::to_string(step)); }
+  void OnLine(const ProgressLine& line) override {
+    events.push_back("line " + std::to_string(line.step));
+    lines.push_back(line);
+  }
+  std::vector<std::string> events;
+  std::vector<ProgressLine> lines;
+};
+
+// The listener gets every line as the numbers the text prints, and every
+// restart, in order.
+TEST(ProgressListenerTest, GetsTheLinesNumbersAndTheRestarts) {
+  OptimizerConfig optimizer;
+  optimizer.set_learning_rate(0.001f);
+  optimizer.set_lr_decay(OptimizerConfig::EXPONENTIAL);
+  optimizer.set_lr_decay_steps(5);
+  optimizer.set_lr_decay_rate(0.5f);
+  std::vector<std::string> text;
+  RecordingListener listener;
+  int reachable = 1;
+  Progress progress(
+      kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [&] { return reachable; },
+      [&](const std::string& line) { text.push_back(line); },
+      [&](int64_t step) { return ps::LearningRate(optimizer, step); }, &listener);
+  const absl::Time t0 = absl::FromUnixSeconds(1700000000);
+  progress.Restart(0);
+  progress.Record(0, Steps(0, 0, 20), t0);
+  progress.Record(1, Steps(1, 0, 20), t0 + absl::Seconds(1));
+  ASSERT_EQ(text.size(), 2u);
+  ASSERT_EQ(listener.lines.size(), 2u);
+  // Back to step 10 (a ps restored from a checkpoint): step 20 comes again.
+  progress.Restart(10);
+  reachable = 2;
+  progress.Record(0, Steps(0, 10, 20), t0 + absl::Seconds(2));
+  progress.Record(1, Steps(1, 10, 20), t0 + absl::Seconds(3));
+  ASSERT_EQ(text.size(), 3u);
+  EXPECT_EQ(listener.events,
+            (std::vector<std::string>{"restart 0", "line 10", "line 20", "restart 10", "line 20"}));
+
+  for (size_t i = 0; i < text.size(); ++i) {
+    const ProgressLine& got = listener.lines[i];
+    SCOPED_TRACE(text[i]);
+    const Line l =
+        Parse(text[i].substr(0, text[i].find(" lr ")) + text[i].substr(text[i].find(" | ")));
+    EXPECT_EQ(got.step, l.end);
+    EXPECT_EQ(got.train_steps, kTrainSteps);
+    EXPECT_NEAR(got.epoch, l.epoch, 0.005 + 1e-9);
+    EXPECT_NEAR(got.loss, l.loss, 0.00005 + 1e-9);
+    EXPECT_NEAR(got.accuracy, l.acc, 0.0005 + 1e-9);
+    EXPECT_NEAR(got.examples_per_sec, l.ex_per_s, 0.5 + 1e-9);
+    EXPECT_NEAR(got.step_ms, l.step_ms, 0.05 + 1e-9);
+    EXPECT_NEAR(got.pull_ms, l.pull, 0.05 + 1e-9);
+    EXPECT_NEAR(got.compute_ms, l.compute, 0.05 + 1e-9);
+    EXPECT_NEAR(got.push_ms, l.push, 0.05 + 1e-9);
+    EXPECT_NEAR(got.wait_ms, l.wait, 0.05 + 1e-9);
+    EXPECT_NEAR(got.step_ms, got.pull_ms + got.compute_ms + got.push_ms + got.wait_ms, 1e-9);
+    EXPECT_EQ(got.live_workers, l.live);
+    EXPECT_EQ(got.num_workers, kWorkers);
+    EXPECT_EQ(got.live_ps, l.ps_up);
+    EXPECT_EQ(got.num_ps, kPs);
+    ASSERT_TRUE(got.learning_rate.has_value());
+    EXPECT_DOUBLE_EQ(*got.learning_rate, ps::LearningRate(optimizer, got.step - 1));
+    EXPECT_THAT(text[i], HasSubstr(absl::StrFormat(" lr %.4g | ", *got.learning_rate)));
+  }
+  // Exact values: the first interval's example-weighted means.
+  std::vector<StepMetrics> first = Steps(0, 0, 10);
+  for (const StepMetrics& m : Steps(1, 0, 10)) first.push_back(m);
+  const Expected e = Expect(first, 10);
+  EXPECT_DOUBLE_EQ(listener.lines[0].loss, e.loss);
+  EXPECT_DOUBLE_EQ(listener.lines[0].accuracy, e.acc);
+  EXPECT_NEAR(listener.lines[0].examples_per_sec, e.ex_per_s, 1e-6);
+  EXPECT_EQ(listener.lines[0].time, t0 + absl::Seconds(1));
+  EXPECT_EQ(listener.lines[2].time, t0 + absl::Seconds(3));
+  EXPECT_EQ(listener.lines[0].live_ps, 1);
+  EXPECT_EQ(listener.lines[2].live_ps, 2);
+}
+
+TEST(ProgressListenerTest, NoRateWithoutALearningRateFunction) {
+  RecordingListener listener;
+  Progress progress(
+      kTrainSteps, kStepsPerEpoch, kLogEvery, 1, kPs, nullptr, [](const std::string&) {}, nullptr,
+      &listener);
+  progress.Record(0, Steps(0, 0, 10), absl::FromUnixSeconds(1700000000));
+  ASSERT_EQ(listener.lines.size(), 1u);
+  EXPECT_FALSE(listener.lines[0].learning_rate.has_value());
 }
 
 TEST_F(ProgressTest, LinesEndWithTheElapsedTimeAndAnEtaAtTheLatestPace) {
