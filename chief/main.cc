@@ -73,7 +73,7 @@ ABSL_FLAG(
     std::string, model_dir, "",
     "Directory for the job's outputs (required): the saved model goes to <model_dir>/saved_model, "
     "checkpoints to <model_dir>/checkpoints, TensorBoard event files (the progress lines' numbers) "
-    "to <model_dir>/train.");
+    "to <model_dir>/train and (an evaluator's results) <model_dir>/eval.");
 ABSL_FLAG(std::string, saved_model_dir, "",
           "Where to write the saved model instead of <model_dir>/saved_model.");
 ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
