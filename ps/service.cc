@@ -1,19 +1,25 @@
 #include "ps/service.h"
 
 #include <algorithm>
-
+#include <atomic>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
+#include <grpcpp/alarm.h>
+
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
+#include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 #include "ps/limits.h"
 #include "ps/tensors.h"
@@ -48,11 +54,385 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 
 }  // namespace
 
-PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown)
-    : ps_index_(ps_index), shard_(shard), on_shutdown_(std::move(on_shutdown)) {}
+// ---------------------------------------------------------------------------
+// The waiting calls (callback API).
+//
+// A WaitingWriter streams chunked messages from one thread at a time: every
+// event (a write done, a cancel, a wake) takes its lock and calls Advance,
+// which writes the next message, finishes, or waits. Waiting costs no
+// thread: the shard's waiter (added once per call) and a grpc::Alarm at the
+// deadline each schedule a Poke on the service's waker pool, which advances
+// the call again. The waiter only schedules when the call armed it (just
+// before it looked at the shard), so a call is poked at most once per wait.
+// OnDone, the last event gRPC sends, unhooks the Waker before the writer is
+// deleted; a Poke that comes later finds no writer.
+
+class PsService::Waker {
+ public:
+  explicit Waker(ThreadPool* pool) : pool_(pool) {}
+  // Arms the next wake (before looking at what it waits for).
+  void Arm() { armed_.store(true, std::memory_order_release); }
+  void Disarm() { armed_.store(false, std::memory_order_release); }
+  // From the shard's waiter, under its lock: schedules a poke if armed.
+  void Wake(std::shared_ptr<Waker> self) {
+    if (armed_.exchange(false, std::memory_order_acq_rel)) Schedule(std::move(self));
+  }
+  // Schedules a poke whatever the arming (an alarm).
+  void Schedule(std::shared_ptr<Waker> self) {
+    pool_->Schedule([self = std::move(self)] { self->Poke(); });
+  }
+  void Attach(std::function<void()> advance) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    advance_ = std::move(advance);
+  }
+  void Detach() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    advance_ = nullptr;
+  }
+
+ private:
+  void Poke() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (advance_) advance_();
+  }
+
+  ThreadPool* const pool_;
+  std::atomic<bool> armed_{false};
+  absl::Mutex mu_;
+  std::function<void()> advance_ ABSL_GUARDED_BY(mu_);  // null once the call is done
+};
+
+template <typename Response>
+class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
+ public:
+  WaitingWriter(PsService* service, grpc::CallbackServerContext* context)
+      : service_(service),
+        peer_(context->peer()),
+        call_deadline_(absl::FromChrono(context->deadline())),
+        waker_(std::make_shared<Waker>(service->wakers_.get())) {}
+
+ protected:
+  // Admits the call and hooks it to the shard, then advances it; or
+  // finishes it with the refusal.
+  void Start(const absl::Status& refused) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::Status admitted = refused;
+    if (admitted.ok()) admitted = service_->Admit(peer_);
+    if (admitted.ok()) {
+      admitted_ = true;
+      // Lock order: the waker's lock, then the writer's (a poke advances
+      // the call), then the shard's.
+      waker_->Attach([this] {
+        absl::MutexLock lock(&mu_);
+        AdvanceLocked();
+      });
+      std::weak_ptr<Waker> weak = waker_;
+      waiter_ = service_->shard_->AddWaiter([weak] {
+        if (std::shared_ptr<Waker> w = weak.lock()) w->Wake(w);
+      });
+    }
+    absl::MutexLock lock(&mu_);
+    if (!admitted.ok()) {
+      FinishLocked(admitted);
+      return;
+    }
+    AdvanceLocked();
+  }
+
+  // The next message, a finish, or a wait; called under mu_ with no write in
+  // flight and the call not finished.
+  virtual void Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+
+  // For Next: look at the shard after this (a change after it wakes the call).
+  void Arm() { waker_->Arm(); }
+  void Disarm() { waker_->Disarm(); }
+  // For Next: wait until woken, or until `deadline`, when Next runs again.
+  void WaitUntil(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (alarm_ != nullptr && alarm_deadline_ == deadline) return;
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_deadline_ = deadline;
+    std::weak_ptr<Waker> weak = waker_;
+    alarm_->Set(absl::ToChronoTime(deadline), [weak](bool fired) {
+      if (!fired) return;  // cancelled
+      if (std::shared_ptr<Waker> w = weak.lock()) w->Schedule(w);
+    });
+  }
+  // For Next: writes response_ (Next runs again once it is written).
+  void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    writing_ = true;
+    this->StartWrite(&response_);
+  }
+  void FinishLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Disarm();
+    this->Finish(ToGrpcStatus(status));
+  }
+
+  PsService* const service_;
+  const std::string peer_;
+  const absl::Time call_deadline_;
+  absl::Mutex mu_;
+  Response response_ ABSL_GUARDED_BY(mu_);
+  bool finish_after_write_ ABSL_GUARDED_BY(mu_) = false;
+
+ private:
+  void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || writing_) return;
+    if (cancelled_) {
+      FinishLocked(absl::CancelledError("client went away"));
+      return;
+    }
+    if (finish_after_write_) {
+      FinishLocked(absl::OkStatus());
+      return;
+    }
+    Next();
+  }
+  void OnWriteDone(bool ok) override ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (!ok) cancelled_ = true;
+    AdvanceLocked();
+  }
+  void OnCancel() override ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    AdvanceLocked();
+  }
+  void OnDone() override {
+    waker_->Detach();  // waits for a poke in progress; later ones find nothing
+    if (waiter_ >= 0) service_->shard_->RemoveWaiter(waiter_);
+    if (admitted_) service_->LetOut(peer_);
+    Done();
+    delete this;
+  }
+  // Last words of a subclass (release what it holds), without the lock.
+  virtual void Done() {}
+
+  std::shared_ptr<Waker> waker_;
+  int64_t waiter_ = -1;
+  bool admitted_ = false;
+  std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);
+  absl::Time alarm_deadline_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Streams the slices asked for, each as soon as it reaches the version, from
+// its published value (kept alive here) converted chunk by chunk.
+class PsService::PullWriter final : public WaitingWriter<PullResponse> {
+ public:
+  PullWriter(PsService* service, grpc::CallbackServerContext* context, const PullRequest* request)
+      : WaitingWriter(service, context), request_(*request), start_(absl::Now()) {
+    Start(Prepare());
+  }
+
+ private:
+  absl::Status Prepare() {
+    if (request_.dtype() != DT_INVALID && WireBytes(request_.dtype()) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pull asks for dtype ", request_.dtype(), ", not a wire dtype"));
+    }
+    PSFLOW_ASSIGN_OR_RETURN(specs_, service_->shard_->Slices(request_.job_id()));
+    PSFLOW_ASSIGN_OR_RETURN(
+        indices_, SliceIndices(request_.slices(), static_cast<int>(specs_->size()), "pull"));
+    if (request_.dtype() == DT_INVALID) {
+      PSFLOW_ASSIGN_OR_RETURN(dtype_, service_->shard_->WireDtype(request_.job_id()));
+    } else {
+      dtype_ = request_.dtype();
+    }
+    // max_wait bounds only the wait for the first slice.
+    wait_deadline_ =
+        request_.max_wait_ms() > 0
+            ? std::min(call_deadline_, start_ + absl::Milliseconds(request_.max_wait_ms()))
+            : call_deadline_;
+    return absl::OkStatus();
+  }
+
+  void Next() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Shard* const shard = service_->shard_;
+    if (splitter_ != nullptr) {  // the current slice's next chunks
+      response_.clear_chunk();
+      response_.clear_wait_us();
+      if (splitter_->Next(response_.mutable_chunk())) {
+        WriteLocked();
+        return;
+      }
+      splitter_.reset();
+      value_ = nullptr;
+      ++k_;
+    }
+    if (k_ > 0 && k_ >= indices_.size()) {
+      FinishLocked(absl::OkStatus());
+      return;
+    }
+    const absl::Time deadline = k_ == 0 ? wait_deadline_ : call_deadline_;
+    Arm();
+    if (indices_.empty()) {
+      // No slices: the answer is the version, once it is reached.
+      absl::StatusOr<std::optional<int64_t>> v =
+          shard->TryVersion(request_.job_id(), request_.min_version());
+      if (!v.ok()) return FinishLocked(v.status());
+      if (!v->has_value()) return NotThere(deadline);
+      Disarm();
+      response_.set_version(**v);
+      response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+      finish_after_write_ = true;
+      WriteLocked();
+      return;
+    }
+    absl::StatusOr<std::optional<Shard::PulledSlice>> pulled =
+        shard->TryPullSlice(request_.job_id(), indices_[k_], request_.min_version());
+    if (!pulled.ok()) return FinishLocked(pulled.status());
+    if (!pulled->has_value()) return NotThere(deadline);
+    Disarm();
+    value_ = (*pulled)->value;
+    splitter_ = std::make_unique<ChunkSplitter>(
+        std::vector<TensorRef>{SliceValueRef((*specs_)[indices_[k_]], value_, dtype_)},
+        kChunkBytes);
+    response_.Clear();
+    response_.set_version((*pulled)->version);
+    if (k_ == 0) response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+    splitter_->Next(response_.mutable_chunk());
+    WriteLocked();  // the first message of a slice goes even without chunks
+  }
+
+  // The version is not there yet: wait, or end at the deadline.
+  void NotThere(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (absl::Now() < deadline) {
+      WaitUntil(deadline);
+      return;
+    }
+    Disarm();
+    if (k_ == 0 && deadline < call_deadline_) {
+      // max_wait passed: the version only ("not yet"); the caller asks again.
+      response_.Clear();
+      response_.set_version(service_->shard_->stats().version);
+      finish_after_write_ = true;
+      WriteLocked();
+      return;
+    }
+    FinishLocked(absl::DeadlineExceededError(absl::StrCat("version ", request_.min_version(),
+                                                          " not reached; ps is at ",
+                                                          service_->shard_->stats().version)));
+  }
+
+  const PullRequest request_;
+  const absl::Time start_;
+  std::shared_ptr<const std::vector<SliceSpec>> specs_;
+  std::vector<int> indices_;
+  DataType dtype_ = DT_FLOAT;
+  absl::Time wait_deadline_;
+  size_t k_ ABSL_GUARDED_BY(mu_) = 0;  // the slice being sent (index into indices_)
+  Shard::Value value_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
+};
+
+// Asks the shard for a snapshot of one version, waits until it is taken,
+// then streams it (values, and optimizer slots unless values_only).
+class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
+ public:
+  SnapshotWriter(PsService* service, grpc::CallbackServerContext* context,
+                 const SnapshotRequest* request)
+      : WaitingWriter(service, context), request_(*request) {
+    absl::StatusOr<Shard::SnapshotTicket> ticket =
+        service_->shard_->RequestSnapshot(request_.job_id(), request_.version());
+    if (ticket.ok()) ticket_ = *ticket;
+    Start(ticket.status());
+  }
+
+ private:
+  void Next() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (splitter_ != nullptr) {
+      response_.clear_chunk();
+      if (splitter_->Next(response_.mutable_chunk())) {
+        WriteLocked();
+      } else {
+        FinishLocked(absl::OkStatus());
+      }
+      return;
+    }
+    Arm();
+    absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> taken =
+        service_->shard_->PollSnapshot(*ticket_);
+    if (!taken.ok()) return FinishLocked(taken.status());
+    if (*taken == nullptr) {
+      if (absl::Now() < call_deadline_) return WaitUntil(call_deadline_);
+      return FinishLocked(absl::DeadlineExceededError(
+          absl::StrCat("version ", request_.version(), " not reached; ps is at ",
+                       service_->shard_->stats().version)));
+    }
+    Disarm();
+    snapshot_ = *taken;  // streamed from the shared, immutable snapshot
+    std::vector<TensorRef> refs = SnapshotRefs(*snapshot_);
+    if (request_.values_only()) {
+      refs.erase(std::remove_if(refs.begin(), refs.end(),
+                                [](const TensorRef& r) { return !r.slot.empty(); }),
+                 refs.end());
+    }
+    splitter_ = std::make_unique<ChunkSplitter>(std::move(refs), kChunkBytes);
+    response_.set_version(snapshot_->weights->version);
+    splitter_->Next(response_.mutable_chunk());
+    WriteLocked();
+  }
+  void Done() override {
+    if (ticket_.has_value()) service_->shard_->ReleaseSnapshot(*ticket_);
+  }
+
+  const SnapshotRequest request_;
+  std::optional<Shard::SnapshotTicket> ticket_;
+  std::shared_ptr<const Shard::Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
+};
+
+PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
+                     StreamLimits limits)
+    : ps_index_(ps_index),
+      shard_(shard),
+      on_shutdown_(std::move(on_shutdown)),
+      limits_(limits),
+      wakers_(std::make_unique<ThreadPool>(2)) {}
+
+PsService::~PsService() = default;
+
+absl::Status PsService::Admit(const std::string& peer) {
+  absl::MutexLock lock(&streams_mu_);
+  int& mine = streams_[peer];
+  if (mine >= limits_.per_peer || total_streams_ >= limits_.total) {
+    if (mine == 0) streams_.erase(peer);
+    ++refused_streams_;
+    if (refused_streams_ <= 10 || refused_streams_ % 1000 == 0) {
+      PSLOG(WARNING) << "refused a stream of " << peer << " (" << refused_streams_
+                     << " refused so far): over the bound of " << limits_.per_peer
+                     << " per peer and " << limits_.total << " in all";
+    }
+    return absl::ResourceExhaustedError(
+        absl::StrCat("too many streams open: at most ", limits_.per_peer,
+                     " per client connection and ", limits_.total, " in all"));
+  }
+  ++mine;
+  ++total_streams_;
+  return absl::OkStatus();
+}
+
+void PsService::LetOut(const std::string& peer) {
+  absl::MutexLock lock(&streams_mu_);
+  auto it = streams_.find(peer);
+  if (it != streams_.end() && --it->second <= 0) streams_.erase(it);
+  --total_streams_;
+}
+
+int64_t PsService::refused_streams() const {
+  absl::MutexLock lock(&streams_mu_);
+  return refused_streams_;
+}
 
 grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                              InitResponse* response) {
+  const std::string peer = context->peer();
+  if (absl::Status s = Admit(peer); !s.ok()) return ToGrpcStatus(s);
+  absl::Cleanup let_out = [&] { LetOut(peer); };
   InitRequest request;
   absl::StatusOr<InitHeader> read = ReadHeader(reader, request, "init");
   if (!read.ok()) return ToGrpcStatus(read.status());
@@ -78,75 +458,16 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   return grpc::Status::OK;
 }
 
-grpc::Status PsService::Pull(grpc::ServerContext* context, const PullRequest* request,
-                             grpc::ServerWriter<PullResponse>* writer) {
-  if (request->dtype() != DT_INVALID && WireBytes(request->dtype()) == 0) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("pull asks for dtype ", request->dtype(), ", not a wire dtype")));
-  }
-  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices =
-      shard_->Slices(request->job_id());
-  if (!slices.ok()) return ToGrpcStatus(slices.status());
-  const std::vector<SliceSpec>& specs = **slices;
-  absl::StatusOr<std::vector<int>> indices =
-      SliceIndices(request->slices(), static_cast<int>(specs.size()), "pull");
-  if (!indices.ok()) return ToGrpcStatus(indices.status());
-  absl::StatusOr<DataType> dtype = request->dtype();
-  if (request->dtype() == DT_INVALID) dtype = shard_->WireDtype(request->job_id());
-  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  const absl::Time call_deadline = absl::FromChrono(context->deadline());
-  const absl::Time wait_deadline =
-      request->max_wait_ms() > 0
-          ? std::min(call_deadline, absl::Now() + absl::Milliseconds(request->max_wait_ms()))
-          : call_deadline;
-  auto cancelled = [context] { return context->IsCancelled(); };
-  auto not_yet = [&] {
-    PullResponse response;  // the version only: the caller asks again
-    response.set_version(shard_->stats().version);
-    writer->Write(response);
-    return grpc::Status::OK;
-  };
-  if (indices->empty()) {
-    // No slices: the answer is the version, once it is reached.
-    absl::StatusOr<Shard::Pulled> pulled =
-        shard_->Pull(request->job_id(), request->min_version(), wait_deadline, cancelled);
-    if (absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
-      return not_yet();
-    }
-    if (!pulled.ok()) return ToGrpcStatus(pulled.status());
-    PullResponse response;
-    response.set_version(pulled->weights->version);
-    response.set_wait_us(absl::ToInt64Microseconds(pulled->waited));
-    writer->Write(response);
-    return grpc::Status::OK;
-  }
-  // Slice by slice, each as soon as it is there, streamed from its published
-  // value (which `pulled` keeps alive) and converted chunk by chunk to the
-  // dtype asked for. max_wait only bounds the wait for the first slice.
-  absl::Duration waited;
-  for (size_t k = 0; k < indices->size(); ++k) {
-    const int i = (*indices)[k];
-    absl::StatusOr<Shard::PulledSlice> pulled =
-        shard_->PullSlice(request->job_id(), i, request->min_version(),
-                          k == 0 ? wait_deadline : call_deadline, cancelled);
-    if (k == 0 && absl::IsDeadlineExceeded(pulled.status()) && wait_deadline < call_deadline) {
-      return not_yet();
-    }
-    if (!pulled.ok()) return ToGrpcStatus(pulled.status());
-    waited += pulled->waited;
-    ChunkSplitter splitter({SliceValueRef(specs[i], pulled->value, *dtype)}, kChunkBytes);
-    PullResponse response;
-    response.set_version(pulled->version);
-    if (k == 0) response.set_wait_us(absl::ToInt64Microseconds(waited));
-    if (!WriteChunked(writer, splitter, response, [](PullResponse& r) { r.clear_wait_us(); })) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-    }
-  }
-  return grpc::Status::OK;
+grpc::ServerWriteReactor<PullResponse>* PsService::Pull(grpc::CallbackServerContext* context,
+                                                        const PullRequest* request) {
+  return new PullWriter(this, context, request);
 }
 
 grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
                              PushResponse* response) {
+  const std::string peer = context->peer();
+  if (absl::Status s = Admit(peer); !s.ok()) return ToGrpcStatus(s);
+  absl::Cleanup let_out = [&] { LetOut(peer); };
   PushRequest request;
   absl::StatusOr<PushHeader> header = ReadHeader(reader, request, "push");
   if (!header.ok()) return ToGrpcStatus(header.status());
@@ -235,27 +556,9 @@ grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status PsService::Snapshot(grpc::ServerContext* context, const SnapshotRequest* request,
-                                 grpc::ServerWriter<SnapshotResponse>* writer) {
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard_->SnapshotAt(
-      request->job_id(), request->version(), absl::FromChrono(context->deadline()),
-      [context] { return context->IsCancelled(); });
-  if (!snap.ok()) return ToGrpcStatus(snap.status());
-  // Streamed from the shared, immutable snapshot, which `snap` keeps alive.
-  const Shard::Snapshot& taken = **snap;
-  std::vector<TensorRef> refs = SnapshotRefs(taken);
-  if (request->values_only()) {
-    refs.erase(std::remove_if(refs.begin(), refs.end(),
-                              [](const TensorRef& r) { return !r.slot.empty(); }),
-               refs.end());
-  }
-  ChunkSplitter splitter(std::move(refs), kChunkBytes);
-  SnapshotResponse response;
-  response.set_version(taken.weights->version);
-  if (!WriteChunked(writer, splitter, response, [](SnapshotResponse&) {})) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-  }
-  return grpc::Status::OK;
+grpc::ServerWriteReactor<SnapshotResponse>* PsService::Snapshot(
+    grpc::CallbackServerContext* context, const SnapshotRequest* request) {
+  return new SnapshotWriter(this, context, request);
 }
 
 grpc::Status PsService::Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,

@@ -4,27 +4,50 @@
 // fp32 only: pulls are encoded here in the dtype the request names (the
 // job's wire dtype when it names none) and pushes, which come in the job's
 // wire dtype, decoded here; Init and Snapshot are fp32.
+//
+// Pull and Snapshot, the calls that wait (for a version), use gRPC's
+// callback API: a waiting call holds no thread, only a waiter on the shard
+// that wakes it (on a small pool of this service's) when a slice is
+// applied, and an alarm for its deadline. The streams a peer may have open
+// at once (Init, Pull, Push, Snapshot; a peer is one client connection) and
+// those of every peer together are bounded: a call over a bound fails at
+// once with RESOURCE_EXHAUSTED and costs nothing else.
 #ifndef PSFLOW_PS_SERVICE_H_
 #define PSFLOW_PS_SERVICE_H_
 
 #include <functional>
+#include <memory>
+#include <string>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps/shard.h"
 
 namespace psflow::ps {
 
-class PsService final : public ParameterServer::Service {
+// Bounds on the streams open at once (Init, Pull, Push, Snapshot).
+struct StreamLimits {
+  int per_peer = 64;  // per client connection
+  int total = 1024;   // every peer together
+};
+
+class PsService final
+    : public ParameterServer::WithCallbackMethod_Pull<
+          ParameterServer::WithCallbackMethod_Snapshot<ParameterServer::Service>> {
  public:
   // `ps_index` is this server's task index: an Init for another index is
   // refused. `on_shutdown` is called for an accepted Shutdown; it
   // must only signal (the caller stops the server, letting this call finish).
-  PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown);
+  PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
+            StreamLimits limits = {});
+  ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                     InitResponse* response) override;
-  grpc::Status Pull(grpc::ServerContext* context, const PullRequest* request,
-                    grpc::ServerWriter<PullResponse>* writer) override;
+  grpc::ServerWriteReactor<PullResponse>* Pull(grpc::CallbackServerContext* context,
+                                               const PullRequest* request) override;
   grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
                     PushResponse* response) override;
   grpc::Status Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
@@ -33,13 +56,36 @@ class PsService final : public ParameterServer::Service {
                         PsState* response) override;
   grpc::Status SetLiveWorkers(grpc::ServerContext* context, const SetLiveWorkersRequest* request,
                               SetLiveWorkersResponse* response) override;
-  grpc::Status Snapshot(grpc::ServerContext* context, const SnapshotRequest* request,
-                        grpc::ServerWriter<SnapshotResponse>* writer) override;
+  grpc::ServerWriteReactor<SnapshotResponse>* Snapshot(grpc::CallbackServerContext* context,
+                                                       const SnapshotRequest* request) override;
+
+  // Streams refused for a bound so far.
+  int64_t refused_streams() const ABSL_LOCKS_EXCLUDED(streams_mu_);
+
+  // Internals of the waiting calls (service.cc).
+  class Waker;
+  template <typename Response>
+  class WaitingWriter;
+  class PullWriter;
+  class SnapshotWriter;
 
  private:
+  // Counts a stream of `peer` in, or refuses it (RESOURCE_EXHAUSTED) over a
+  // bound; every admitted stream is let out once.
+  absl::Status Admit(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
+  void LetOut(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
+
   int ps_index_;
   Shard* shard_;
   std::function<void()> on_shutdown_;
+  const StreamLimits limits_;
+  // Runs what a shard's waiter wakes (never under the shard's lock).
+  std::unique_ptr<ThreadPool> wakers_;
+
+  mutable absl::Mutex streams_mu_;
+  absl::flat_hash_map<std::string, int> streams_ ABSL_GUARDED_BY(streams_mu_);  // by peer
+  int total_streams_ ABSL_GUARDED_BY(streams_mu_) = 0;
+  int64_t refused_streams_ ABSL_GUARDED_BY(streams_mu_) = 0;
 };
 
 }  // namespace psflow::ps

@@ -111,7 +111,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   ++generation_;
   counters_ = Counters{};
   version_ = header.version();
-  version_changed_.SignalAll();
+  WakeLocked();
   return absl::OkStatus();
 }
 
@@ -402,7 +402,7 @@ void Shard::FinishLocked(ApplyJob& job) {
   } else {
     TakeSnapshotLocked();  // one asked for while this slice was applied
   }
-  version_changed_.SignalAll();
+  WakeLocked();
 }
 
 void Shard::MaybeApplyAllLocked() {
@@ -412,7 +412,7 @@ void Shard::MaybeApplyAllLocked() {
       if (!empty_pushes_.contains(w)) return;
     }
     AdvanceLocked();
-    version_changed_.SignalAll();
+    WakeLocked();
     return;
   }
   // The lock is let go while a slice is applied, but slice_ keeps its size.
@@ -496,46 +496,118 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   }
   OnVersionLocked();  // joins due already
   MaybeApplyAllLocked();
-  version_changed_.SignalAll();
+  WakeLocked();
   return absl::OkStatus();
+}
+
+void Shard::WakeLocked() {
+  version_changed_.SignalAll();
+  for (auto& [id, wake] : waiters_) wake();
+}
+
+int64_t Shard::AddWaiter(std::function<void()> wake) {
+  absl::MutexLock lock(&mu_);
+  const int64_t id = next_waiter_++;
+  waiters_.emplace(id, std::move(wake));
+  return id;
+}
+
+void Shard::RemoveWaiter(int64_t id) {
+  absl::MutexLock lock(&mu_);
+  waiters_.erase(id);
+}
+
+absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSlice(uint64_t job_id, int slice,
+                                                                      int64_t min_version) {
+  absl::MutexLock lock(&mu_);
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (slice < 0 || static_cast<size_t>(slice) >= slice_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pull of slice #", slice, "; the ps holds ", slice_.size(), " slices"));
+  }
+  const SliceState& s = slice_[slice];
+  if (s.version < min_version) return std::nullopt;
+  PulledSlice pulled;
+  if (s.version > version_ && version_ >= min_version) {
+    pulled.version = version_;  // as the shard's other slices
+    pulled.value = s.previous;
+  } else {
+    pulled.version = s.version;
+    pulled.value = s.published;
+  }
+  return pulled;
+}
+
+absl::StatusOr<std::optional<int64_t>> Shard::TryVersion(uint64_t job_id, int64_t min_version) {
+  absl::MutexLock lock(&mu_);
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (version_ < min_version) return std::nullopt;
+  return version_;
+}
+
+absl::StatusOr<Shard::SnapshotTicket> Shard::RequestSnapshotLocked(uint64_t job_id,
+                                                                   int64_t version) {
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  auto taken = snapshots_.find(version);
+  if (version_ > version && (taken == snapshots_.end() || taken->second.data == nullptr)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ps is at version ", version_, ", past ", version));
+  }
+  ++snapshots_[version].waiters;
+  OnVersionLocked();  // takes it now if the shard is at that version
+  return SnapshotTicket{job_id, version, generation_};
+}
+
+absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::PollSnapshotLocked(
+    const SnapshotTicket& ticket) {
+  if (shutdown_) return absl::UnavailableError("ps is shutting down");
+  // An Init dropped the ticket's entry: its job (even the same id) was reloaded.
+  if (ticket.generation != generation_) {
+    return absl::AbortedError("the job was reloaded while waiting");
+  }
+  auto it = snapshots_.find(ticket.version);
+  if (it != snapshots_.end() && it->second.data != nullptr) return it->second.data;
+  if (version_ > ticket.version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ps went past version ", ticket.version, " before it could be taken"));
+  }
+  return nullptr;  // not yet
+}
+
+void Shard::ReleaseSnapshotLocked(const SnapshotTicket& ticket) {
+  if (ticket.generation != generation_) return;  // Init dropped every entry
+  auto it = snapshots_.find(ticket.version);
+  if (it != snapshots_.end() && --it->second.waiters <= 0) snapshots_.erase(it);
+}
+
+absl::StatusOr<Shard::SnapshotTicket> Shard::RequestSnapshot(uint64_t job_id, int64_t version) {
+  absl::MutexLock lock(&mu_);
+  return RequestSnapshotLocked(job_id, version);
+}
+
+absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::PollSnapshot(
+    const SnapshotTicket& ticket) {
+  absl::MutexLock lock(&mu_);
+  return PollSnapshotLocked(ticket);
+}
+
+void Shard::ReleaseSnapshot(const SnapshotTicket& ticket) {
+  absl::MutexLock lock(&mu_);
+  ReleaseSnapshotLocked(ticket);
 }
 
 absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
     uint64_t job_id, int64_t version, absl::Time deadline, const std::function<bool()>& cancelled) {
   absl::MutexLock lock(&mu_);
-  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  auto taken = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = snapshots_.find(version);
-    return it != snapshots_.end() && it->second.data != nullptr;
-  };
-  auto past = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ > version; };
-  if (past() && !taken()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ps is at version ", version_, ", past ", version));
-  }
-  ++snapshots_[version].waiters;
-  const int64_t generation = generation_;
-  OnVersionLocked();  // takes it now if the shard is at that version
+  PSFLOW_ASSIGN_OR_RETURN(const SnapshotTicket ticket, RequestSnapshotLocked(job_id, version));
+  absl::StatusOr<std::shared_ptr<const Snapshot>> data;
   absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot",
                               [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                                return generation != generation_ || taken() || past();
+                                data = PollSnapshotLocked(ticket);
+                                return !data.ok() || *data != nullptr;
                               });
-  // An Init dropped this caller's entry: nothing of it to take or release.
-  if (generation != generation_) {
-    return s.ok() ? absl::AbortedError("the job was reloaded while waiting") : s;
-  }
-  std::shared_ptr<const Snapshot> data;
-  // Every way out drops this caller's claim on the snapshot.
-  auto it = snapshots_.find(version);
-  if (it != snapshots_.end()) {
-    if (s.ok()) data = it->second.data;
-    if (--it->second.waiters <= 0) snapshots_.erase(it);
-  }
+  ReleaseSnapshotLocked(ticket);
   if (!s.ok()) return s;
-  if (data == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ps went past version ", version, " before it could be taken"));
-  }
   return data;
 }
 
@@ -562,7 +634,7 @@ absl::StatusOr<DataType> Shard::WireDtype(uint64_t job_id) const {
 void Shard::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  version_changed_.SignalAll();
+  WakeLocked();
 }
 
 Shard::Stats Shard::stats() const {

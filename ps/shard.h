@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -197,6 +198,33 @@ class Shard {
       uint64_t job_id, int64_t version, absl::Time deadline,
       const std::function<bool()>& cancelled);
 
+  // The same calls without waiting, for servers whose waiting calls hold no
+  // thread: a waiter's `wake` runs at every change such a call may wait for
+  // (a slice applied, a new job, shutdown), until it is removed. `wake` runs
+  // under the shard's lock, so it must only hand work elsewhere (schedule
+  // it), never call the shard.
+  int64_t AddWaiter(std::function<void()> wake);
+  void RemoveWaiter(int64_t id);
+  // PullSlice's answer if slice `slice` reached min_version (waited zero),
+  // nullopt if not yet; PullSlice's errors otherwise.
+  absl::StatusOr<std::optional<PulledSlice>> TryPullSlice(uint64_t job_id, int slice,
+                                                          int64_t min_version);
+  // The shard's version if it reached min_version, nullopt if not yet.
+  absl::StatusOr<std::optional<int64_t>> TryVersion(uint64_t job_id, int64_t min_version);
+  // SnapshotAt in three calls: RequestSnapshot asks for `version` (taken at
+  // once if the shard is there; FAILED_PRECONDITION if past); PollSnapshot
+  // gives it once taken (null while not yet; FAILED_PRECONDITION if the
+  // shard went past it first, ABORTED after an Init); every ticket is
+  // released once, whatever happened.
+  struct SnapshotTicket {
+    uint64_t job_id = 0;
+    int64_t version = 0;
+    int64_t generation = 0;
+  };
+  absl::StatusOr<SnapshotTicket> RequestSnapshot(uint64_t job_id, int64_t version);
+  absl::StatusOr<std::shared_ptr<const Snapshot>> PollSnapshot(const SnapshotTicket& ticket);
+  void ReleaseSnapshot(const SnapshotTicket& ticket);
+
   struct State {
     bool has_job = false;
     uint64_t job_id = 0;
@@ -279,6 +307,13 @@ class Shard {
   // Takes the snapshot of version_ if one waits for it and no slice is
   // being applied.
   void TakeSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Wakes the blocked waits and every waiter.
+  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<SnapshotTicket> RequestSnapshotLocked(uint64_t job_id, int64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<const Snapshot>> PollSnapshotLocked(const SnapshotTicket& ticket)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSnapshotLocked(const SnapshotTicket& ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   ThreadPool* const apply_pool_;  // may be null; not owned
   const int64_t apply_range_;
@@ -318,6 +353,8 @@ class Shard {
   // whatever the job id, since Init drops the waiting entries.
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   Counters counters_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int64_t, std::function<void()>> waiters_ ABSL_GUARDED_BY(mu_);
+  int64_t next_waiter_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace psflow::ps
