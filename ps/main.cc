@@ -28,6 +28,13 @@ ABSL_FLAG(int, apply_threads, 0,
           "the last push only; results are the same for any value). 0 = the machine's cores "
           "divided by the ps tasks of this ps's host, at least 1.");
 
+ABSL_FLAG(int, max_streams_per_peer, 64,
+          "Most Init, Pull, Push and Snapshot streams one client connection may have open at once "
+          "(a worker's lane has one or two); more are refused with RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int, max_streams, 1024,
+          "Most Init, Pull, Push and Snapshot streams open at once from every peer together; more "
+          "are refused with RESOURCE_EXHAUSTED. Waiting pulls and snapshots hold no thread.");
+
 namespace {
 
 // --apply_threads=0: the cores shared evenly by the ps of this host (in a
@@ -67,6 +74,13 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << "--apply_threads must be 0 (one share of the cores) or positive";
     return psflow::kExitPermanent;
   }
+  psflow::ps::StreamLimits limits;
+  limits.per_peer = absl::GetFlag(FLAGS_max_streams_per_peer);
+  limits.total = absl::GetFlag(FLAGS_max_streams);
+  if (limits.per_peer < 1 || limits.total < limits.per_peer) {
+    PSLOG(ERROR) << "--max_streams_per_peer must be positive and at most --max_streams";
+    return psflow::kExitPermanent;
+  }
   const int apply_threads = ApplyThreads(config);
   // The thread of the push that completes a step applies too: the pool adds the others.
   std::unique_ptr<psflow::ThreadPool> apply_pool;
@@ -80,7 +94,7 @@ int main(int argc, char** argv) {
   std::once_flag stop_once;
   std::atomic<int> exit_code{0};
   auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
-  psflow::ps::PsService service(config.task_index, &shard, request_stop);
+  psflow::ps::PsService service(config.task_index, &shard, request_stop, limits);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
     if (!terminated.HasBeenNotified()) terminated.Notify();
@@ -102,6 +116,7 @@ int main(int argc, char** argv) {
   psflow::ps::Shard::Stats stats = shard.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
               << ", duplicates " << stats.duplicate << ", refused for non-finite gradients "
-              << stats.refused_pushes << ")";
+              << stats.refused_pushes << ", streams refused over a bound "
+              << service.refused_streams() << ")";
   return psflow::FinishOrIdle(exit_code, terminated);
 }

@@ -527,6 +527,87 @@ TEST_F(PsServiceTest, InitWithoutAJobIdOrOffThePlacementIsRefused) {
   EXPECT_TRUE(InitJob().ok());
 }
 
+// This process's thread count, from /proc/self/status.
+int Threads() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+// Pulls held open for a version that does not come hold no thread each, a
+// peer (one client connection) over its bound of streams is refused at once
+// with RESOURCE_EXHAUSTED, and another peer's step goes through meanwhile.
+TEST_F(PsServiceTest, WaitingPullsHoldNoThreadAndAPeerIsBounded) {
+  ASSERT_TRUE(InitJob().ok());
+  const int before = Threads();
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(address_, /*own_connection=*/true);
+  std::unique_ptr<ParameterServer::Stub> stub = ParameterServer::NewStub(channel);
+  struct Held {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientAsyncReader<PullResponse>> reader;
+  };
+  grpc::CompletionQueue cq;
+  const int kCalls = StreamLimits{}.per_peer + 40;
+  std::vector<std::unique_ptr<Held>> held;
+  PullRequest request;
+  request.set_job_id(kJob);
+  request.set_min_version(1000);  // never reached here
+  for (int i = 0; i < kCalls; ++i) {
+    auto h = std::make_unique<Held>();
+    h->reader = stub->AsyncPull(&h->context, request, &cq, h.get());
+    held.push_back(std::move(h));
+  }
+  // The calls past the bound end at once, with RESOURCE_EXHAUSTED.
+  int started = 0;
+  for (int i = 0; i < kCalls; ++i) {
+    void* tag = nullptr;
+    bool ok = false;
+    ASSERT_EQ(cq.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + absl::Seconds(10))),
+              grpc::CompletionQueue::GOT_EVENT);
+    ++started;
+  }
+  EXPECT_EQ(started, kCalls);
+  std::vector<grpc::Status> finished(held.size());
+  for (size_t i = 0; i < held.size(); ++i) held[i]->reader->Finish(&finished[i], &finished[i]);
+  int refused = 0;
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (refused < 40) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (cq.AsyncNext(&tag, &ok, absl::ToChronoTime(until)) != grpc::CompletionQueue::GOT_EVENT) {
+      break;
+    }
+    auto* status = static_cast<grpc::Status*>(tag);
+    EXPECT_EQ(status->error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << status->error_message();
+    ++refused;
+  }
+  EXPECT_EQ(refused, 40);
+  EXPECT_GE(service_->refused_streams(), 40);
+  // The admitted ones wait without a thread each.
+  EXPECT_LT(Threads() - before, 20) << before << " threads before";
+  // Another peer trains a step meanwhile.
+  ASSERT_TRUE(PushAll(0, 0, big_, bias_).ok());
+  ASSERT_TRUE(PushAll(1, 0, big_, bias_).ok());
+  absl::StatusOr<Pulled> pulled = PullAll(1);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->version, 1);
+  for (auto& h : held) h->context.TryCancel();
+  for (size_t i = 0; i < held.size() - 40; ++i) {
+    void* tag = nullptr;
+    bool ok = false;
+    cq.AsyncNext(&tag, &ok, absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  }
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
 TEST_F(PsServiceTest, InitWithMissingValuesIsRefused) {
   absl::Status s = client_->Init(0, Header(), {{"big", "", kBigShape, big_.data()}}, Deadline());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
