@@ -558,7 +558,9 @@ void Coordinator::RepairLiveSets(const std::vector<PsState>& states) {
                    << "], the chief for [" << absl::StrJoin(live, ",") << "]; repairing every ps";
     // Workers a ps lacks join from the next step, as at a registration.
     absl::Status b = BroadcastLiveWorkers(live, MaxVersion(states) + 1);
-    if (!b.ok()) PSLOG(WARNING) << "cannot repair the live workers: " << b.message();
+    if (!b.ok())
+      PSLOG(WARNING) << "cannot repair the live workers: " << b.message() << " ("
+                     << absl::StatusCodeToString(b.code()) << ")";
     return;
   }
 }
@@ -580,7 +582,9 @@ void Coordinator::CheckWorkers() {
   }
   if (live.empty()) return;
   absl::Status s = BroadcastLiveWorkers(live, 0);
-  if (!s.ok()) PSLOG(WARNING) << "cannot update the live workers: " << s.message();
+  if (!s.ok())
+    PSLOG(WARNING) << "cannot update the live workers: " << s.message() << " ("
+                   << absl::StatusCodeToString(s.code()) << ")";
 }
 
 absl::Status Coordinator::Recover() {
@@ -692,13 +696,17 @@ absl::Status Coordinator::Supervise() {
                          version > last_checkpoint_step_;
     if (by_steps || by_time) {
       absl::Status s = TakeCheckpoint();
-      if (!s.ok() && !Failed()) PSLOG(WARNING) << "checkpoint failed: " << s.message();
+      if (!s.ok() && !Failed())
+        PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
+                       << absl::StatusCodeToString(s.code()) << ")";
     }
   }
   // Stopped by a signal: keep what was trained, then leave ps and workers
   // running for the chief that comes next.
   absl::Status s = TakeCheckpoint();
-  if (!s.ok() && !Failed()) PSLOG(WARNING) << "no checkpoint before exiting: " << s.message();
+  if (!s.ok() && !Failed())
+    PSLOG(WARNING) << "no checkpoint before exiting: " << s.message() << " ("
+                   << absl::StatusCodeToString(s.code()) << ")";
   absl::MutexLock lock(&mu_);
   return failure_.ok() ? StoppedBySignal(stop_signal_) : failure_;
 }
@@ -761,7 +769,9 @@ void Coordinator::ReleaseEveryone() {
   const absl::Time deadline = absl::Now() + options_.timeouts.control_call;
   absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(),
                           [&](int p) { return ps_->Shutdown(p, id, deadline); });
-  if (!s.ok()) PSLOG(WARNING) << "a ps did not take the exit order: " << s.message();
+  if (!s.ok())
+    PSLOG(WARNING) << "a ps did not take the exit order: " << s.message() << " ("
+                   << absl::StatusCodeToString(s.code()) << ")";
 }
 
 absl::Status Coordinator::Run() {
@@ -816,7 +826,9 @@ absl::Status Coordinator::Run() {
     if (Failed()) {
       trained = false;
     } else {
-      if (!s.ok()) PSLOG(WARNING) << "no final checkpoint: " << s.message();
+      if (!s.ok())
+        PSLOG(WARNING) << "no final checkpoint: " << s.message() << " ("
+                       << absl::StatusCodeToString(s.code()) << ")";
       // It holds the final weights too, unless a ps had gone past
       // train_steps: then they are pulled again.
       const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();

@@ -87,7 +87,8 @@ int RunRole(const std::function<absl::Status()>& run, const std::function<void(i
   returned.Notify();
   const int code = ExitCodeFor(status);
   if (!status.ok() && !SignalOf(status).has_value()) {
-    PSLOG(ERROR) << "exiting with code " << code << ": " << status.message();
+    PSLOG(ERROR) << "exiting with code " << code << ": " << status.message() << " ("
+                 << absl::StatusCodeToString(status.code()) << ")";
   }
   return FinishOrIdle(code, terminated);
 }

@@ -253,7 +253,9 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, int64_t* version, int
   } while (r.ok() && r->version < min_version);
   if (!r.ok()) {
     const absl::Status failed = FromPs(r.status());
-    if (IsRetryable(failed)) PSLOG(WARNING) << "retrying: " << failed.message();
+    if (IsRetryable(failed))
+      PSLOG(WARNING) << "retrying: " << failed.message() << " ("
+                     << absl::StatusCodeToString(failed.code()) << ")";
     return failed;
   }
   *version = r->version;
@@ -300,7 +302,10 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
                             absl::Now() + options_.transfer_timeout)
                      .status());
       if (!pushed_status.ok()) {
-        if (IsRetryable(pushed_status)) PSLOG(WARNING) << "retrying: " << pushed_status.message();
+        if (IsRetryable(pushed_status)) {
+          PSLOG(WARNING) << "retrying: " << pushed_status.message() << " ("
+                         << absl::StatusCodeToString(pushed_status.code()) << ")";
+        }
         return pushed_status;
       }
       pushed[l] = 1;
@@ -375,7 +380,8 @@ void Trainer::ReportLoop() {
     if (absl::IsInvalidArgument(s)) {
       // The chief refused these metrics (values it finds impossible); the
       // heartbeat goes on with the next report.
-      PSLOG(WARNING) << "the chief refused a report: " << s.message();
+      PSLOG(WARNING) << "the chief refused a report: " << s.message() << " ("
+                     << absl::StatusCodeToString(s.code()) << ")";
       continue;
     }
     if (!IsRetryable(s)) {

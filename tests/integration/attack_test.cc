@@ -68,8 +68,7 @@ class AttackTest : public TempDirTest {
     ports_ = FreePorts(5);
     if (ports_.size() != 5) return false;
     const std::vector<std::string> hosts = {
-        "--chief_hosts=" + Addr(ports_[0]),
-        "--ps_hosts=" + Addr(ports_[1]) + "," + Addr(ports_[2]),
+        "--chief_hosts=" + Addr(ports_[0]), "--ps_hosts=" + Addr(ports_[1]) + "," + Addr(ports_[2]),
         "--worker_hosts=" + Addr(ports_[3]) + "," + Addr(ports_[4])};
     auto start = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
       std::vector<std::string> args = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
@@ -82,10 +81,10 @@ class AttackTest : public TempDirTest {
     procs.push_back(start("ps", 1));
     procs.push_back(start("worker", 0));
     procs.push_back(start("worker", 1));
-    procs.push_back(start("chief", 0,
-                          {"--model=mlp", "--train_steps=1500", "--optimizer=adam",
-                           "--learning_rate=0.001", "--log_every_steps=500",
-                           "--compute_threads=1", "--model_dir=" + model_dir}));
+    procs.push_back(
+        start("chief", 0,
+              {"--model=mlp", "--train_steps=1500", "--optimizer=adam", "--learning_rate=0.001",
+               "--log_every_steps=500", "--compute_threads=1", "--model_dir=" + model_dir}));
     Process& chief = *procs.back();
     if (!chief.WaitForOutput("worker 1 registered", seconds(60))) {
       ADD_FAILURE() << chief.Describe();
