@@ -6,8 +6,8 @@
 
 namespace psflow::chief {
 
-GrpcClient::GrpcClient(const std::string& address)
-    : stub_(ChiefService::NewStub(MakeChannel(address))) {}
+GrpcClient::GrpcClient(const std::string& address, const SecurityOptions& security)
+    : stub_(ChiefService::NewStub(MakeChannel(address, Role::kChief, security))) {}
 
 absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);

@@ -14,7 +14,8 @@ namespace psflow::chief {
 
 class GrpcClient final : public Client, public EvaluatorClient {
  public:
-  explicit GrpcClient(const std::string& address);
+  // Secured as `security` says (MakeChannel).
+  GrpcClient(const std::string& address, const SecurityOptions& security);
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
   absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,

@@ -204,14 +204,15 @@ int main(int argc, char** argv) {
     return psflow::ExitCodeFor(config.status());
   }
 
-  psflow::ps::GrpcClient ps(o.cluster.cluster.ps);
+  const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kChief);
+  psflow::ps::GrpcClient ps(o.cluster.cluster.ps, security);
   psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
   // TensorBoard curves under <model_dir>/train (and, later, eval).
   psflow::chief::Summaries summaries(c.model_dir);
   psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool, &summaries);
   psflow::chief::GrpcChiefService service(&coordinator);
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(o.cluster.self_port, &service);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(
+      o.cluster.self_address, &service, security, psflow::chief::ChiefCallers());
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;

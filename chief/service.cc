@@ -15,6 +15,18 @@ grpc::Status Answer(absl::StatusOr<Response> result, Response* response) {
 
 }  // namespace
 
+CallerRoles ChiefCallers() {
+  auto method = [](absl::string_view name) {
+    return MethodName(ChiefService::service_full_name(), name);
+  };
+  return {
+      {method("RegisterWorker"), {Role::kWorker}},
+      {method("Report"), {Role::kWorker}},
+      {method("RegisterEvaluator"), {Role::kEvaluator}},
+      {method("ReportEval"), {Role::kEvaluator}},
+  };
+}
+
 grpc::Status GrpcChiefService::RegisterWorker(grpc::ServerContext* context,
                                               const RegisterWorkerRequest* request,
                                               RegisterWorkerResponse* response) {

@@ -5,9 +5,15 @@
 #define PSFLOW_CHIEF_SERVICE_H_
 
 #include "chief/coordinator.h"
+#include "common/security.h"
 #include "proto/chief.grpc.pb.h"
 
 namespace psflow::chief {
+
+// Who may call what on the chief when members have certificates (mutual
+// TLS): RegisterWorker and Report only a worker, RegisterEvaluator and
+// ReportEval only an evaluator.
+CallerRoles ChiefCallers();
 
 class GrpcChiefService final : public ChiefService::Service {
  public:

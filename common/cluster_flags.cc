@@ -7,6 +7,7 @@
 #include "common/command_line.h"
 #include "common/exit_codes.h"
 #include "common/log.h"
+#include "common/security.h"
 #include "common/signals.h"
 
 ABSL_FLAG(std::string, job_name, "",
@@ -26,6 +27,24 @@ ABSL_FLAG(std::string, evaluator_hosts, "",
 ABSL_FLAG(bool, exit_when_done, true,
           "When the job is over, exit 0. false: stay up idle until SIGTERM, then exit 0 (for "
           "controllers that restart containers even after success, such as StatefulSets).");
+
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate of this process, signed by --tls_ca: its CN is this process's role "
+          "(chief, ps, worker or evaluator) and it is valid for the DNS name of the role "
+          "(subjectAltName DNS:<role>; scripts/make-certs.sh makes such ones). With --tls_key "
+          "and --tls_ca: mutual TLS on every connection. Default: plaintext.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM certificate of the CA that signs every member's certificate. Servers accept only "
+          "clients with a certificate it signed; clients accept only servers with one it signed "
+          "that is valid for the role they call, whatever host name the address has. Only the "
+          "chief may call the ps's Init, SetLiveWorkers and Shutdown, the chief or an evaluator "
+          "its Snapshot (docs/deploy.md lists every rule).");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding the job token (one line; surrounding whitespace is ignored). Every call "
+          "carries it and every server refuses calls without it, or with another, as "
+          "UNAUTHENTICATED (counted and logged). With or without TLS; without TLS it travels in "
+          "plaintext. Default: no token.");
 
 namespace psflow {
 namespace {
@@ -91,6 +110,27 @@ int RunRole(const std::function<absl::Status()>& run, const std::function<void(i
                  << absl::StatusCodeToString(status.code()) << ")";
   }
   return FinishOrIdle(code, terminated);
+}
+
+SecurityOptions LoadSecurityOrExit(Role role) {
+  SecurityFiles files;
+  files.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  files.tls_key = absl::GetFlag(FLAGS_tls_key);
+  files.tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  files.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  absl::StatusOr<SecurityOptions> security = LoadSecurityOptions(files);
+  absl::Status s = security.ok() ? CheckOwnCertificate(*security, role) : security.status();
+  if (!s.ok()) {
+    std::fprintf(stderr, "psflow-%s: %s\n", RoleName(role).c_str(),
+                 std::string(s.message()).c_str());
+    std::exit(1);
+  }
+  if (security->tls() || !security->token.empty()) {
+    PSLOG(INFO) << DescribeSecurity(*security, role);
+  } else {
+    PSLOG(WARNING) << DescribeSecurity(*security, role);
+  }
+  return *std::move(security);
 }
 
 ClusterConfig ResolveClusterOrExit(Role role) {

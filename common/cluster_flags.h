@@ -1,6 +1,7 @@
 // The command-line flags every role binary shares (--job_name, --task_id,
 // --task_index, --chief_hosts, --ps_hosts, --worker_hosts, --evaluator_hosts,
-// --exit_when_done),
+// --exit_when_done, and the security flags --tls_cert, --tls_key, --tls_ca,
+// --auth_token_file),
 // and the start-up every main.cc runs: parse flags with --help covering the
 // shared flags, then resolve the cluster configuration or exit 1 with one line.
 #ifndef PSFLOW_COMMON_CLUSTER_FLAGS_H_
@@ -14,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/cluster_config.h"
+#include "common/security.h"
 
 namespace psflow {
 
@@ -40,6 +42,12 @@ int RunRole(const std::function<absl::Status()>& run, const std::function<void(i
 // Resolves this process's cluster configuration for `role` from the flags and
 // the environment; on error prints "<binary>: <problem>" and exits 1.
 ClusterConfig ResolveClusterOrExit(Role role);
+
+// Reads the files of the security flags and checks this process's
+// certificate for `role`; on error prints "<binary>: <problem>" and exits 1.
+// Logs one line saying what protects this process (a warning when nothing
+// does). Call after SetLogTag.
+SecurityOptions LoadSecurityOrExit(Role role);
 
 }  // namespace psflow
 

@@ -1,6 +1,12 @@
 #include "common/grpc_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -26,8 +32,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, bool own_connection) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, Role peer,
+                                           const SecurityOptions& security, bool own_connection) {
   grpc::ChannelArguments args;
+  // The server proves its role, not its host name: pods are reached by
+  // addresses that no certificate could list in advance.
+  if (security.tls()) args.SetSslTargetNameOverride(RoleName(peer));
   // A subchannel pool of the channel's own: no other channel reuses its connection.
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
@@ -42,14 +52,54 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, bool own_
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
+      address, MakeChannelCredentials(security), args, MakeClientInterceptors(security));
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service) {
+std::string ListenAddress(const std::string& self_address) {
+  std::string host;
+  int port = 0;
+  if (!ParseHostPort(self_address, &host, &port).ok()) return self_address;
+  const std::string any = absl::StrCat("0.0.0.0:", port);
+  // An IP address of this machine is one a socket can bind to.
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  int family = AF_INET;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    len = sizeof(*v4);
+  } else if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    family = AF_INET6;
+    v6->sin6_family = AF_INET6;
+    len = sizeof(*v6);
+  } else {
+    return any;  // a DNS name
+  }
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return any;
+  const bool local = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0;
+  ::close(fd);
+  if (!local) return any;
+  return family == AF_INET6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& self_address,
+                                                          grpc::Service* service,
+                                                          const SecurityOptions& security,
+                                                          const CallerRoles& callers) {
+  const std::string listen = ListenAddress(self_address);
+  std::string host;
+  int port = 0;
+  if (absl::Status s = ParseHostPort(self_address, &host, &port); !s.ok()) {
+    return absl::InvalidArgumentError(s.message());
+  }
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat("0.0.0.0:", port), grpc::InsecureServerCredentials(),
-                           &bound);
+  builder.AddListeningPort(
+      listen, MakeServerCredentials(security, std::make_shared<CallGate>(security, callers)),
+      &bound);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kFlowWindowBytes);
@@ -62,8 +112,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Servic
   builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound == 0)
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on port ", port, ": it is in use or not allowed"));
+    return absl::UnavailableError(absl::StrCat("cannot listen on port ", port, " (", listen,
+                                               "): it is in use or not allowed"));
   return server;
 }
 

@@ -13,6 +13,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/cluster_config.h"
+#include "common/security.h"
 
 namespace psflow {
 
@@ -27,16 +29,32 @@ inline constexpr int kMaxMessageBytes = 64 << 20;
 // Target payload of one streamed message of tensor chunks.
 inline constexpr size_t kChunkBytes = 1 << 20;
 
-// A channel to `address` ("host:port") with psflow's message limits and
-// keepalive settings. Channels with `own_connection` set never share their
-// TCP connection with another channel (one HTTP/2 connection carries its
-// streams on one thread of each side: several of them move more bytes).
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, bool own_connection = false);
+// A channel to `address` ("host:port") of a member of role `peer`, with
+// psflow's message limits and keepalive settings, secured as `security` says
+// (with TLS the server's certificate must be valid for the name of `peer`,
+// whatever host the address names; with a token every call carries it).
+// Channels with `own_connection` set never share their TCP connection with
+// another channel (one HTTP/2 connection carries its streams on one thread
+// of each side: several of them move more bytes).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, Role peer,
+                                           const SecurityOptions& security,
+                                           bool own_connection = false);
 
-// Starts a server for `service` on 0.0.0.0:port (all interfaces) with
-// psflow's limits, without SO_REUSEPORT (a port another process holds is an
-// error, never shared); UNAVAILABLE naming the port if it cannot listen there.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(int port, grpc::Service* service);
+// Where a member whose cluster address is `self_address` listens: that
+// address itself where its host is an IP address of this machine
+// (127.0.0.1:2222 stays on loopback), all interfaces (0.0.0.0:port)
+// otherwise, as for a DNS name.
+std::string ListenAddress(const std::string& self_address);
+
+// Starts a server for `service` on ListenAddress(self_address) with psflow's
+// limits, without SO_REUSEPORT (a port another process holds is an error,
+// never shared), secured as `security` says: every call of every service
+// passes a CallGate first (the token; with TLS, `callers`). UNAVAILABLE
+// naming the port if it cannot listen there.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& self_address,
+                                                          grpc::Service* service,
+                                                          const SecurityOptions& security,
+                                                          const CallerRoles& callers = {});
 
 // The calls in flight of one client, so that CancelAll can end them: each
 // call runs inside a Scope, whose context is cancelled at once if CancelAll

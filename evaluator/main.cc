@@ -69,10 +69,11 @@ int main(int argc, char** argv) {
   options.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
   options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
-  psflow::chief::GrpcClient chief(config.cluster.chief[0]);
+  const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kEvaluator);
+  psflow::chief::GrpcClient chief(config.cluster.chief[0], security);
   psflow::evaluator::Evaluator evaluator(
-      options, &chief, [](const std::vector<std::string>& addresses) {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, 1);
+      options, &chief, [&security](const std::vector<std::string>& addresses) {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1);
       });
   // An evaluator listed in the cluster listens on its address: the standard
   // gRPC health service answers there, for probes. One left out of the
@@ -82,7 +83,7 @@ int main(int argc, char** argv) {
   if (config.self_port > 0) {
     grpc::EnableDefaultHealthCheckService(true);
     absl::StatusOr<std::unique_ptr<grpc::Server>> started =
-        psflow::StartServer(config.self_port, &service);
+        psflow::StartServer(config.self_address, &service, security);
     if (!started.ok()) {
       PSLOG(ERROR) << started.status().message();
       return psflow::kExitPermanent;

@@ -66,11 +66,13 @@ bool GrpcClient::Reachable(int ps) const {
 
 void GrpcClient::CancelAll() { calls_.CancelAll(); }
 
-GrpcClient::GrpcClient(const std::vector<std::string>& addresses, int connections_per_ps) {
+GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
+                       int connections_per_ps) {
   for (const std::string& a : addresses) {
     auto link = std::make_unique<Link>();
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
-      link->channels.push_back(MakeChannel(a, /*own_connection=*/connections_per_ps > 1));
+      link->channels.push_back(
+          MakeChannel(a, Role::kPs, security, /*own_connection=*/connections_per_ps > 1));
       link->stubs.push_back(ParameterServer::NewStub(link->channels.back()));
     }
     links_.push_back(std::move(link));

@@ -17,10 +17,12 @@ namespace psflow::ps {
 // The gRPC transport. Calls wait for a ps that is not up yet (gRPC
 // wait-for-ready) until their deadline. With `connections_per_ps` > 1,
 // pulls and pushes to one ps take its connections in turn (so that
-// concurrent ones spread over them); other calls use the first.
+// concurrent ones spread over them); other calls use the first. Channels are
+// secured as `security` says (MakeChannel).
 class GrpcClient final : public Client {
  public:
-  explicit GrpcClient(const std::vector<std::string>& addresses, int connections_per_ps = 1);
+  GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
+             int connections_per_ps = 1);
   int num_ps() const override { return static_cast<int>(links_.size()); }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,

@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << "--max_streams_per_peer must be positive and at most --max_streams";
     return psflow::kExitPermanent;
   }
+  const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kPs);
   const int apply_threads = ApplyThreads(config);
   // The thread of the push that completes a step applies too: the pool adds the others.
   std::unique_ptr<psflow::ThreadPool> apply_pool;
@@ -104,7 +105,7 @@ int main(int argc, char** argv) {
   });
 
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(config.self_port, &service);
+      psflow::StartServer(config.self_address, &service, security, psflow::ps::PsCallers());
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;

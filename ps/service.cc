@@ -54,6 +54,20 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 
 }  // namespace
 
+CallerRoles PsCallers() {
+  auto method = [](absl::string_view name) {
+    return MethodName(ParameterServer::service_full_name(), name);
+  };
+  return {
+      {method("Init"), {Role::kChief}},
+      {method("SetLiveWorkers"), {Role::kChief}},
+      {method("Shutdown"), {Role::kChief}},
+      {method("Snapshot"), {Role::kChief, Role::kEvaluator}},
+      {method("Push"), {Role::kWorker}},
+      {method("Pull"), {Role::kChief, Role::kWorker, Role::kEvaluator}},
+  };
+}
+
 // ---------------------------------------------------------------------------
 // The waiting calls (callback API).
 //

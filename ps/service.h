@@ -21,6 +21,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "common/security.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps/shard.h"
@@ -32,6 +33,12 @@ struct StreamLimits {
   int per_peer = 64;  // per client connection
   int total = 1024;   // every peer together
 };
+
+// Who may call what on a ps when members have certificates (mutual TLS; the
+// server's CallGate enforces it): Init, SetLiveWorkers and Shutdown only the
+// chief; Snapshot the chief or an evaluator; Push a worker; Pull the chief, a
+// worker or an evaluator; GetState any member.
+CallerRoles PsCallers();
 
 class PsService final
     : public ParameterServer::WithCallbackMethod_Pull<

@@ -68,18 +68,19 @@ int main(int argc, char** argv) {
   // with 2, 4 and 8 ps on an H100 host: docs/performance.md).
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
-  psflow::chief::GrpcClient chief(config.cluster.chief[0]);
+  const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
+  psflow::chief::GrpcClient chief(config.cluster.chief[0], security);
   psflow::worker::Trainer trainer(
       options, &chief,
-      [connections = options.lanes_per_ps](const std::vector<std::string>& addresses) {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, connections);
+      [&security, connections = options.lanes_per_ps](const std::vector<std::string>& addresses) {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections);
       });
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);
   grpc::EnableDefaultHealthCheckService(true);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(config.self_port, &service);
+      psflow::StartServer(config.self_address, &service, security);
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;

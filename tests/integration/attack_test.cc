@@ -115,8 +115,10 @@ TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
 
   const std::string model_dir = dir_ + "/attacked";
   ASSERT_TRUE(RunJob(model_dir, [&] {
-    auto ps = ParameterServer::NewStub(MakeChannel(Addr(ports_[1]), /*own_connection=*/true));
-    auto chief = ChiefService::NewStub(MakeChannel(Addr(ports_[0]), /*own_connection=*/true));
+    auto ps = ParameterServer::NewStub(
+        MakeChannel(Addr(ports_[1]), Role::kPs, SecurityOptions{}, /*own_connection=*/true));
+    auto chief = ChiefService::NewStub(
+        MakeChannel(Addr(ports_[0]), Role::kChief, SecurityOptions{}, /*own_connection=*/true));
     auto deadline = [] { return absl::ToChronoTime(absl::Now() + absl::Seconds(10)); };
     // GetState hands out the job id (and the version) to anyone.
     PsState state;

@@ -76,8 +76,8 @@ class PsServiceTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
     address_ = absl::StrCat("127.0.0.1:", port_);
-    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_});
-    stub_ = ParameterServer::NewStub(MakeChannel(address_));
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{});
+    stub_ = ParameterServer::NewStub(MakeChannel(address_, Role::kPs, SecurityOptions{}));
 
     big_ = Pattern(NumElements(kBigShape), 1024, 0.125f);
     bias_ = Pattern(NumElements(kBiasShape), 10, 1.0f);
@@ -235,7 +235,7 @@ TEST_F(PsServiceTest, InitPullPushPull) {
 // slice still waits for its pushes; the shard's version moves with the last.
 TEST_F(PsServiceTest, SlicesArePushedAndPulledOneByOne) {
   ASSERT_TRUE(InitJob().ok());
-  GrpcClient lanes(std::vector<std::string>{address_}, /*connections_per_ps=*/3);
+  GrpcClient lanes(std::vector<std::string>{address_}, SecurityOptions{}, /*connections_per_ps=*/3);
   const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
   auto push = [&](int worker, int slice) {
     PushHeader h;
@@ -543,7 +543,8 @@ int Threads() {
 TEST_F(PsServiceTest, WaitingPullsHoldNoThreadAndAPeerIsBounded) {
   ASSERT_TRUE(InitJob().ok());
   const int before = Threads();
-  std::shared_ptr<grpc::Channel> channel = MakeChannel(address_, /*own_connection=*/true);
+  std::shared_ptr<grpc::Channel> channel =
+      MakeChannel(address_, Role::kPs, SecurityOptions{}, /*own_connection=*/true);
   std::unique_ptr<ParameterServer::Stub> stub = ParameterServer::NewStub(channel);
   struct Held {
     grpc::ClientContext context;
@@ -676,7 +677,7 @@ TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
   builder.RegisterService(&other);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  GrpcClient other_client({absl::StrCat("127.0.0.1:", port)});
+  GrpcClient other_client({absl::StrCat("127.0.0.1:", port)}, SecurityOptions{});
   st = other_client.GetState(0, Deadline());
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->ps_index(), 3);
