@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -127,6 +128,20 @@ bool Spawn(Child& c, const sigset_t& old_mask) {
   return true;
 }
 
+// The security flags of a process of `role` ("chief", "ps", ...) for
+// `tls_dir` (none when it is empty).
+std::vector<std::string> SecurityArgs(const std::string& tls_dir, const std::string& role) {
+  if (tls_dir.empty()) return {};
+  std::vector<std::string> args = {
+      absl::StrCat("--tls_cert=", tls_dir, "/", role, ".crt"),
+      absl::StrCat("--tls_key=", tls_dir, "/", role, ".key"),
+      absl::StrCat("--tls_ca=", tls_dir, "/ca.crt"),
+  };
+  const std::string token = absl::StrCat(tls_dir, "/token");
+  if (std::filesystem::exists(token)) args.push_back(absl::StrCat("--auth_token_file=", token));
+  return args;
+}
+
 }  // namespace
 
 int RunCluster(const LaunchOptions& o) {
@@ -165,6 +180,8 @@ int RunCluster(const LaunchOptions& o) {
     c.name = name;
     c.args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
     c.args.insert(c.args.end(), cluster.begin(), cluster.end());
+    const std::vector<std::string> security = SecurityArgs(o.tls_dir, role);
+    c.args.insert(c.args.end(), security.begin(), security.end());
     c.args.insert(c.args.end(), extra.begin(), extra.end());
     c.binary = absl::StrCat(o.bin_dir, "/psflow-", role);
     c.evaluator = role == "evaluator";

@@ -24,6 +24,10 @@ struct LaunchOptions {
   std::vector<std::string> worker_devices;
   // --device of every evaluator (empty: its default, cpu).
   std::string evaluator_device;
+  // A directory as scripts/make-certs.sh makes it (empty: plaintext): each
+  // process gets its role's certificate and key, the CA, and the job token
+  // where the directory has one.
+  std::string tls_dir;
   // Seconds the other processes get to exit on their own after the chief
   // has exited, before they are terminated.
   int grace_seconds = 15;

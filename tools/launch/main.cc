@@ -19,8 +19,9 @@ ABSL_FLAG(int, evaluators, 0,
           "the job trains, and the final model; see the chief's --eval_every_secs). One that "
           "fails does not stop the cluster.");
 ABSL_FLAG(std::string, host, "127.0.0.1",
-          "Host in the cluster addresses handed to the processes (each listens on all interfaces, "
-          "on a free port picked here).");
+          "Host in the cluster addresses handed to the processes, on free ports picked here. Each "
+          "listens on that address where it is an IP address of this machine, else on all "
+          "interfaces.");
 ABSL_FLAG(
     std::string, bin_dir, "",
     "Directory holding psflow-chief, psflow-ps, psflow-worker and psflow-evaluator (default: this "
@@ -39,6 +40,11 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, evaluator_device, "",
           "The evaluators' --device (cuda:0, say). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
+ABSL_FLAG(std::string, tls_dir, "",
+          "Run the cluster with mutual TLS and the job token from a directory made by "
+          "scripts/make-certs.sh DIR: each process gets --tls_cert/--tls_key of its own role "
+          "(DIR/<role>.crt, .key), --tls_ca=DIR/ca.crt and --auth_token_file=DIR/token (when "
+          "there is one). Default: plaintext.");
 
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
@@ -71,6 +77,21 @@ int main(int argc, char** argv) {
                  "psflow-launch: --ps and --workers must be at least 1, --evaluators not "
                  "negative\n");
     return 1;
+  }
+  o.tls_dir = absl::GetFlag(FLAGS_tls_dir);
+  if (!o.tls_dir.empty()) {
+    std::vector<std::string> needed = {"ca.crt", "chief.crt",  "chief.key", "ps.crt",
+                                       "ps.key", "worker.crt", "worker.key"};
+    if (o.num_evaluators > 0) needed.insert(needed.end(), {"evaluator.crt", "evaluator.key"});
+    for (const std::string& file : needed) {
+      if (!std::filesystem::exists(o.tls_dir + "/" + file)) {
+        std::fprintf(stderr,
+                     "psflow-launch: --tls_dir: no %s in %s (make the set with "
+                     "scripts/make-certs.sh %s)\n",
+                     file.c_str(), o.tls_dir.c_str(), o.tls_dir.c_str());
+        return 1;
+      }
+    }
   }
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
   o.evaluator_device = absl::GetFlag(FLAGS_evaluator_device);
