@@ -38,8 +38,9 @@ ABSL_FLAG(std::string, tls_ca, "",
           "PEM certificate of the CA that signs every member's certificate. Servers accept only "
           "clients with a certificate it signed; clients accept only servers with one it signed "
           "that is valid for the role they call, whatever host name the address has. Only the "
-          "chief may call the ps's Init, SetLiveWorkers and Shutdown, the chief or an evaluator "
-          "its Snapshot (docs/deploy.md lists every rule).");
+          "chief may call the ps's Init, SetLiveWorkers and Shutdown, only the chief or an "
+          "evaluator its Snapshot; other callers get PERMISSION_DENIED (docs/deploy.md lists "
+          "every rule).");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File holding the job token (one line; surrounding whitespace is ignored). Every call "
           "carries it and every server refuses calls without it, or with another, as "
