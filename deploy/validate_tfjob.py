@@ -5,8 +5,11 @@ Each TFJob document is checked against the openAPIV3Schema of the Kubeflow
 TFJob CustomResourceDefinition, with unknown fields refused (as a structural
 schema would prune them), and against what psflow needs of it: the container
 named "tensorflow" (the only one the operator gives TF_CONFIG), the ExitCode
-restart policy, one chief, storage mounted on the chief alone, and GPUs
-(nvidia.com/gpu) requested by workers alone, which then run --device=cuda:N.
+restart policy, one chief, storage mounted on the chief alone (a Secret is not
+storage), GPUs (nvidia.com/gpu) requested by workers and evaluators alone,
+which then run --device=cuda:N, and the security flags (--tls_cert, --tls_key,
+--tls_ca, --auth_token_file) the same on every replica, naming files of a
+Secret mounted read-only.
 
 usage: validate_tfjob.py CRD.yaml MANIFEST.yaml...
 Exit code 0 when every manifest passes, 1 otherwise (each problem on a line).
@@ -47,6 +50,45 @@ def tfjob_schema(crd_path):
     raise SystemExit(f"{crd_path}: no v1 schema")
 
 
+# Volumes that hold no data of the job: what pods are given, not where they write.
+NOT_STORAGE = ("secret", "configMap", "projected", "downwardAPI")
+SECURITY_FLAGS = ("--tls_cert", "--tls_key", "--tls_ca", "--auth_token_file")
+TLS_FLAGS = SECURITY_FLAGS[:3]
+
+
+def flag_value(args, name):
+    """The value of --name=value in args, or None."""
+    for a in args:
+        if str(a).startswith(name + "="):
+            return str(a)[len(name) + 1:]
+    return None
+
+
+def security_problems(role, pod, container):
+    """The security flags of one container: all TLS flags or none, each file
+    on a Secret mounted read-only. Returns (flags given, problems)."""
+    args = container.get("args", []) or []
+    given = {f: flag_value(args, f) for f in SECURITY_FLAGS if flag_value(args, f)}
+    problems = []
+    tls = [f for f in TLS_FLAGS if f in given]
+    if tls and len(tls) != len(TLS_FLAGS):
+        problems.append(f"{role}: mutual TLS needs all of --tls_cert, --tls_key and --tls_ca")
+    volumes = {v.get("name"): v for v in pod.get("volumes", []) or []}
+    for flag, path in given.items():
+        mounts = [m for m in container.get("volumeMounts", []) or []
+                  if path.startswith(m.get("mountPath", "").rstrip("/") + "/")]
+        if not mounts:
+            problems.append(f"{role}: {flag}={path} is on no volume (mount the Secret)")
+            continue
+        mount = max(mounts, key=lambda m: len(m.get("mountPath", "")))
+        volume = volumes.get(mount.get("name"), {})
+        if "secret" not in volume and "projected" not in volume:
+            problems.append(f"{role}: {flag}={path} should come from a Secret")
+        if not mount.get("readOnly"):
+            problems.append(f"{role}: mount {mount.get('mountPath')} (certificates, keys, token) read-only")
+    return frozenset(given), problems
+
+
 def psflow_problems(job):
     """What psflow itself needs of a TFJob, beyond the schema."""
     problems = []
@@ -56,6 +98,7 @@ def psflow_problems(job):
     for role in ("PS", "Worker"):
         if role not in specs:
             problems.append(f"has no {role} replicas")
+    security = {}
     for role, spec in specs.items():
         if spec.get("restartPolicy") != "ExitCode":
             problems.append(f"{role}: restartPolicy should be ExitCode (psflow's exit codes say what to retry)")
@@ -63,7 +106,8 @@ def psflow_problems(job):
         names = [c.get("name") for c in pod.get("containers", [])]
         if "tensorflow" not in names:
             problems.append(f"{role}: no container named 'tensorflow' (the operator writes TF_CONFIG only there)")
-        if role != "Chief" and pod.get("volumes"):
+        storage = [v for v in pod.get("volumes", []) or [] if not any(k in v for k in NOT_STORAGE)]
+        if role != "Chief" and storage:
             problems.append(f"{role}: only the chief needs storage")
         for c in pod.get("containers", []):
             res = c.get("resources", {})
@@ -73,6 +117,12 @@ def psflow_problems(job):
             args = c.get("args", []) or []
             if gpus and not any(str(a).startswith("--device=cuda") for a in args):
                 problems.append(f"{role}: a GPU is requested but the container has no --device=cuda:N")
+            if c.get("name") == "tensorflow":
+                security[role], found = security_problems(role, pod, c)
+                problems += found
+    if len(set(security.values())) > 1:
+        problems.append("every replica needs the same security flags (" + "; ".join(
+            f"{role}: {' '.join(sorted(flags)) or 'none'}" for role, flags in sorted(security.items())) + ")")
     return problems
 
 

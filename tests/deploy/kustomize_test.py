@@ -3,8 +3,9 @@
 StatefulSets, headless Services and CLUSTER_CONFIG agree with each other and
 with what psflow reads (POD_NAME <prefix>-<role>-<index>, addresses
 <pod>.<service>:port), only the chief has storage, every role stays up after
-the job (--exit_when_done=false); and, where kubectl is installed, that
-`kubectl kustomize` renders it."""
+the job (--exit_when_done=false), every role runs with mutual TLS and the job
+token from the Secret, mounted read-only with its own role's key only; and,
+where kubectl is installed, that `kubectl kustomize` renders it."""
 import json
 import os
 import shutil
@@ -79,7 +80,29 @@ class KustomizeBaseTest(unittest.TestCase):
                 self.assertEqual(container["volumeMounts"][0]["mountPath"], "/data")
             else:
                 self.assertEqual(claims, [], role)
-                self.assertNotIn("volumes", spec["template"]["spec"], role)
+                volumes = spec["template"]["spec"].get("volumes", [])
+                self.assertEqual([v for v in volumes if "secret" not in v], [], role)
+
+    def test_every_role_has_its_own_certificate_and_the_token(self):
+        secrets = set()
+        for role in self.cluster:
+            pod = self.sets[f"psflow-{role}"]["spec"]["template"]["spec"]
+            (container,) = pod["containers"]
+            (volume,) = [v for v in pod["volumes"] if "secret" in v]
+            secrets.add(volume["secret"]["secretName"])
+            files = {item["key"]: item["path"] for item in volume["secret"]["items"]}
+            # Its own role's key and no other: a worker's pod cannot act as the chief.
+            self.assertEqual(files, {k: k for k in ("ca.crt", "token", f"{role}.crt", f"{role}.key")})
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+            self.assertTrue(mount.get("readOnly"), role)
+            where = mount["mountPath"]
+            for flag, name in (("--tls_cert", f"{role}.crt"), ("--tls_key", f"{role}.key"),
+                               ("--tls_ca", "ca.crt"), ("--auth_token_file", "token")):
+                self.assertIn(f"{flag}={where}/{name}", container["args"], role)
+            # The image's user (uid 10001) reads the files through the pod's group.
+            self.assertEqual(pod["securityContext"]["fsGroup"], 10001, role)
+            self.assertEqual(volume["secret"]["defaultMode"], 0o440, role)
+        self.assertEqual(len(secrets), 1)
 
     @unittest.skipUnless(shutil.which("kubectl"), "kubectl is not installed")
     def test_kubectl_kustomize_renders(self):

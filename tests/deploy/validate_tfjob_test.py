@@ -78,6 +78,39 @@ class ValidateTfjobTest(unittest.TestCase):
             c["args"] = []
         self.assertTrue(any("--device=cuda" in p for p in self.problems_of(gpu_without_device)))
 
+    def test_security_flags(self):
+        def pod(j, role):
+            return j["spec"]["tfReplicaSpecs"][role]["template"]["spec"]
+        # The manifests mount a Secret on every replica: that is not storage.
+        self.assertTrue(all("tls" in [v["name"] for v in pod(self.first_job(), r)["volumes"]]
+                            for r in ("PS", "Worker", "Evaluator")))
+        def worker_in_plaintext(j):
+            c = pod(j, "Worker")["containers"][0]
+            c["args"] = [a for a in c["args"] if not a.startswith(("--tls_", "--auth_token_file"))]
+        self.assertTrue(any("same security flags" in p for p in self.problems_of(worker_in_plaintext)))
+        def no_key(j):
+            c = pod(j, "PS")["containers"][0]
+            c["args"] = [a for a in c["args"] if not a.startswith("--tls_key")]
+        self.assertTrue(any("needs all of --tls_cert" in p for p in self.problems_of(no_key)))
+        def writable(j):
+            for m in pod(j, "Worker")["containers"][0]["volumeMounts"]:
+                m.pop("readOnly", None)
+        self.assertTrue(any("read-only" in p for p in self.problems_of(writable)))
+        def unmounted(j):
+            pod(j, "Evaluator")["containers"][0]["volumeMounts"] = []
+        self.assertTrue(any("is on no volume" in p for p in self.problems_of(unmounted)))
+        def from_empty_dir(j):
+            for v in pod(j, "PS")["volumes"]:
+                v.pop("secret", None)
+                v["emptyDir"] = {}
+        problems = self.problems_of(from_empty_dir)
+        self.assertTrue(any("should come from a Secret" in p for p in problems), problems)
+        self.assertTrue(any("only the chief needs storage" in p for p in problems), problems)
+
+    def first_job(self):
+        with open(MANIFESTS[0]) as f:
+            return next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "TFJob")
+
 
 if __name__ == "__main__":
     if not os.path.exists(CRD):
