@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -92,9 +91,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& sel
   const std::string listen = ListenAddress(self_address);
   std::string host;
   int port = 0;
-  if (absl::Status s = ParseHostPort(self_address, &host, &port); !s.ok()) {
-    return absl::InvalidArgumentError(s.message());
-  }
+  if (absl::Status s = ParseHostPort(self_address, &host, &port); !s.ok()) return s;
   grpc::ServerBuilder builder;
   int bound = 0;
   builder.AddListeningPort(
