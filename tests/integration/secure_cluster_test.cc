@@ -113,9 +113,11 @@ TEST_F(SecureClusterTest, TlsAndTokenJobTrainsWhileStrangersAreRefused) {
   ASSERT_TRUE(MakeCerts(certs));
   ASSERT_TRUE(MakeCerts(other));
   const std::string model_dir = dir_ + "/model";
-  Process launch(Bin("psflow-launch"), {"--ps=2", "--workers=2", "--tls_dir=" + certs, "--",
-                                        "--model=mlp", "--train_steps=1500", "--log_every_steps=50",
-                                        "--compute_threads=1", "--model_dir=" + model_dir});
+  // With an evaluator: its calls (Snapshot, RegisterEvaluator, ReportEval) are its role's.
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--evaluators=1", "--tls_dir=" + certs, "--",
+                  "--model=mlp", "--train_steps=1500", "--log_every_steps=50",
+                  "--eval_every_steps=500", "--compute_threads=1", "--model_dir=" + model_dir});
   ASSERT_TRUE(launch.WaitForOutput("chief] step 50/1500 ", seconds(120))) << launch.Describe();
   const auto [chief, ps0] = LaunchAddresses(launch.output());
   ASSERT_NE(ps0, "") << launch.Describe();
@@ -165,7 +167,9 @@ TEST_F(SecureClusterTest, TlsAndTokenJobTrainsWhileStrangersAreRefused) {
   ASSERT_EQ(launch.WaitOrKill(seconds(180)), 0) << launch.Describe();
   const std::string out = launch.output();
   EXPECT_THAT(out, HasSubstr("chief] step 1500/1500 ")) << launch.Describe();
-  for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
+  EXPECT_THAT(out, HasSubstr("chief] eval: step 1500/1500 ")) << launch.Describe();
+  EXPECT_THAT(out, HasSubstr("(evaluator)")) << launch.Describe();
+  for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1", "evaluator0"}) {
     EXPECT_THAT(out, HasSubstr(std::string("[launch] ") + name + " exited with code 0"));
   }
   EXPECT_EQ(CountLines(out, "chief] security: mutual TLS as the chief, and a job token"), 1) << out;

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include <google/protobuf/descriptor.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
@@ -61,6 +62,24 @@ std::pair<std::vector<Response>, grpc::Status> ReadStream(const Start& start) {
   Response response;
   while (reader->Read(&response)) messages.push_back(response);
   return {std::move(messages), reader->Finish()};
+}
+
+// Every method the ps's caller rules name exists: a renamed method must not
+// lose its rule silently.
+TEST(PsCallersTest, NameMethodsOfTheService) {
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          ParameterServer::service_full_name());
+  ASSERT_NE(service, nullptr);
+  const CallerRoles callers = PsCallers();
+  EXPECT_EQ(callers.size(), 6u);
+  const std::string prefix = absl::StrCat("/", ParameterServer::service_full_name(), "/");
+  for (const auto& [method, roles] : callers) {
+    ASSERT_EQ(method.rfind(prefix, 0), 0u) << method;
+    EXPECT_NE(service->FindMethodByName(method.substr(prefix.size())), nullptr) << method;
+    EXPECT_FALSE(roles.empty()) << method;
+  }
+  EXPECT_EQ(callers.at("/psflow.ParameterServer/Shutdown"), std::vector<Role>{Role::kChief});
 }
 
 class PsServiceTest : public ::testing::Test {
