@@ -89,13 +89,17 @@ class SecureServerTest : public ::testing::Test {
   }
 
   // The code of GetState (or Shutdown) called with `security`, through
-  // `host` (the server's port), expecting a server of role `peer`.
+  // `host` (the server's port), expecting a server of role `peer`. Calls
+  // wait for the connection (a loaded machine may be slow to make it) unless
+  // the handshake is expected to fail (UNAVAILABLE).
   grpc::StatusCode Call(const SecurityOptions& security, bool shutdown = false,
-                        const std::string& host = "127.0.0.1", Role peer = Role::kPs) {
+                        const std::string& host = "127.0.0.1", Role peer = Role::kPs,
+                        bool connects = true) {
     auto stub =
         ParameterServer::NewStub(MakeChannel(absl::StrCat(host, ":", port_), peer, security));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    context.set_wait_for_ready(connects);
     if (shutdown) {
       ShutdownResponse response;
       return stub->Shutdown(&context, ShutdownRequest(), &response).error_code();
@@ -109,6 +113,7 @@ class SecureServerTest : public ::testing::Test {
     grpc::GenericStub stub(MakeChannel(absl::StrCat("127.0.0.1:", port_), Role::kPs, security));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    context.set_wait_for_ready(true);
     grpc::Slice empty("");  // an empty HealthCheckRequest: the server's overall health
     grpc::ByteBuffer request(&empty, 1), response;
     grpc::CompletionQueue cq;
@@ -171,21 +176,25 @@ TEST_F(SecureServerTest, MutualTlsChecksCertificatesTokenAndRole) {
   wrong_token.token = "guess";
   EXPECT_EQ(Call(wrong_token), grpc::StatusCode::UNAUTHENTICATED);
   // Strangers do not get past the handshake.
-  EXPECT_EQ(Call(SecurityOptions{}), grpc::StatusCode::UNAVAILABLE);  // plaintext
+  const bool handshake_fails = false;
+  auto refused = [&](const SecurityOptions& o, Role peer = Role::kPs) {
+    return Call(o, false, "127.0.0.1", peer, handshake_fails);
+  };
+  EXPECT_EQ(refused(SecurityOptions{}), grpc::StatusCode::UNAVAILABLE);  // plaintext
   SecurityOptions no_cert;
   no_cert.ca_pem = worker.ca_pem;
   no_cert.token = worker.token;
-  EXPECT_EQ(Call(no_cert), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(refused(no_cert), grpc::StatusCode::UNAVAILABLE);
   SecurityOptions other_ca = Options(Other(), "worker");
   other_ca.ca_pem = worker.ca_pem;  // trusts the job's CA, holds another's certificate
   other_ca.token = worker.token;
-  EXPECT_EQ(Call(other_ca), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(refused(other_ca), grpc::StatusCode::UNAVAILABLE);
   // A client refuses a server whose certificate is not for the role it calls.
-  EXPECT_EQ(Call(chief, false, "127.0.0.1", Role::kChief), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(refused(chief, Role::kChief), grpc::StatusCode::UNAVAILABLE);
   // A client that does not trust the job's CA refuses the server.
   SecurityOptions distrust = worker;
   distrust.ca_pem = Options(Other(), "worker").ca_pem;
-  EXPECT_EQ(Call(distrust), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(refused(distrust), grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST_F(SecureServerTest, BusyPortIsAnErrorNamingIt) {
