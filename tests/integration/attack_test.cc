@@ -1,21 +1,29 @@
 // A training cluster on loopback attacked from outside by a client built
-// from psflow's own protos, as anyone who can reach its ports could, without
-// TLS or a job token: the numeric and resource guards must hold. A NaN push,
-// forged reports (impossible values, "finished" before the end), an Init
-// header that declares a gigabyte and sends nothing, and hundreds of pulls
-// held open: each is refused (or harmless), and the job ends exactly as the
-// same job without the attacks — the same saved model, to the last digit of
-// psflow-eval.
+// from psflow's own protos, as anyone who can reach its ports could:
+//   - a push of NaN gradients as live worker 0;
+//   - reports with impossible values (a NaN loss, 2^62 examples), and
+//     "finished" for every worker long before the last step;
+//   - an Init header that declares a gigabyte and sends nothing, one with no
+//     job id, and a whole Init of another job (replacing the ps's);
+//   - SetLiveWorkers [7], and Shutdown of a ps;
+//   - 600 pulls of a version that does not come, held open.
+// Without TLS or a token (plaintext) the numeric and resource guards hold:
+// each is refused or harmless (Shutdown and SetLiveWorkers need TLS: they
+// are left out there). With mutual TLS and the job token a stranger is
+// refused at the handshake, a certificate without the token is
+// UNAUTHENTICATED, and even a worker's credentials cannot call the ps's
+// control RPCs. Either way the job ends exactly as the same job without the
+// attacks: the same saved model, to the last digit of psflow-eval.
 #include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <regex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -23,16 +31,19 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_util.h"
+#include "common/security.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.grpc.pb.h"
 #include "proto/ps.grpc.pb.h"
+#include "tests/common/certs.h"
 #include "tests/integration/process.h"
 
 namespace psflow::itest {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 
@@ -59,12 +70,215 @@ std::string EvalOf(const std::string& model_dir) {
   return m[1].str() + " " + m[2].str();
 }
 
+absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
+
+// The attacks, each as one call (or stream) with the security given.
+class Attacker {
+ public:
+  Attacker(const std::string& chief, const std::string& ps0, const SecurityOptions& security)
+      : ps_(ParameterServer::NewStub(MakeChannel(ps0, Role::kPs, security, true))),
+        chief_(ChiefService::NewStub(MakeChannel(chief, Role::kChief, security, true))) {}
+
+  grpc::Status GetState(PsState* state) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    return ps_->GetState(&context, GetStateRequest(), state);
+  }
+
+  // Worker 0's NaN gradients for the first slice of ps 0.
+  grpc::Status NanPush(const PsState& state) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    PushResponse response;
+    auto writer = ps_->Push(&context, &response);
+    PushRequest header;
+    header.mutable_header()->set_job_id(state.job_id());
+    header.mutable_header()->set_worker(0);
+    header.mutable_header()->set_step(state.version());
+    header.mutable_header()->add_slices(0);
+    writer->Write(header);
+    // ps 0's first slice in the job's placement order (a made-up one when
+    // the caller could not learn the job).
+    std::string name = "fc1/weights";
+    std::vector<int64_t> shape = {4, 4};
+    for (const VariablePlacement& v : state.job().placement().variable()) {
+      const auto it = std::find_if(v.slice().begin(), v.slice().end(),
+                                   [](const VariableSlice& s) { return s.ps() == 0; });
+      if (it == v.slice().end()) continue;
+      name = v.name();
+      shape.assign(v.shape().begin(), v.shape().end());
+      shape[0] = it->row_end() - it->row_begin();
+      break;
+    }
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    PushRequest data;
+    TensorChunk* chunk = data.add_chunk();
+    chunk->set_name(name);
+    chunk->set_dtype(DT_FLOAT);
+    for (int64_t d : shape) chunk->add_shape(d);
+    std::vector<float> nan(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN());
+    chunk->set_data(reinterpret_cast<const char*>(nan.data()), nan.size() * sizeof(float));
+    writer->Write(data);
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  grpc::Status ImpossibleReport(const PsState& state) {
+    ReportRequest report;
+    report.set_job_id(state.job_id());
+    report.set_worker(0);
+    StepMetrics* m = report.add_metrics();
+    m->set_step(state.version());
+    m->set_loss(std::numeric_limits<double>::quiet_NaN());
+    m->set_examples(int64_t{1} << 62);
+    ReportResponse response;
+    return Report(report, &response);
+  }
+
+  // "Finished" for worker `w`; *action is the chief's answer.
+  grpc::Status FinishedReport(const PsState& state, int w, ReportResponse::Action* action) {
+    ReportRequest report;
+    report.set_job_id(state.job_id());
+    report.set_worker(w);
+    report.set_finished(true);
+    ReportResponse response;
+    grpc::Status s = Report(report, &response);
+    *action = response.action();
+    return s;
+  }
+
+  // An Init header declaring 1 GiB of values (and Adam's 2 GiB of slots)
+  // under its own placement; `during` runs while the stream is open, having
+  // sent nothing else. Then the stream is let go.
+  grpc::Status HeaderOnlyInit(uint64_t job_id, const std::function<void()>& during) {
+    InitHeader h;
+    h.set_job_id(job_id);
+    h.set_ps_index(0);
+    h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
+    h.mutable_job()->mutable_optimizer()->set_learning_rate(0.001f);
+    h.add_live_workers(0);
+    Placement* placement = h.mutable_job()->mutable_placement();
+    placement->set_num_ps(1);
+    VariablePlacement* v = placement->add_variable();
+    v->set_name("huge");
+    SliceSpec* spec = h.add_slice();
+    spec->set_name("huge");
+    for (int64_t d : {16384, 16384}) {
+      v->add_shape(d);
+      spec->add_shape(d);
+    }
+    v->add_slice()->set_row_end(16384);
+    spec->set_row_end(16384);
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    InitResponse response;
+    auto writer = ps_->Init(&context, &response);
+    InitRequest request;
+    *request.mutable_header() = h;
+    writer->Write(request);
+    if (job_id != 0) {
+      absl::SleepFor(absl::Milliseconds(500));  // the ps has the header
+      during();
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  // A whole Init of another job: a random id, no slices, one live worker.
+  grpc::Status ReplacingInit() {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    InitResponse response;
+    auto writer = ps_->Init(&context, &response);
+    InitRequest request;
+    request.mutable_header()->set_job_id(0x0dd5eed);
+    request.mutable_header()->set_ps_index(0);
+    request.mutable_header()->add_live_workers(0);
+    writer->Write(request);
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  grpc::Status SetLiveWorkers7(const PsState& state) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    SetLiveWorkersRequest request;
+    request.set_job_id(state.job_id());
+    request.add_live_workers(7);
+    SetLiveWorkersResponse response;
+    return ps_->SetLiveWorkers(&context, request, &response);
+  }
+
+  grpc::Status Shutdown(const PsState& state) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    ShutdownRequest request;
+    request.set_job_id(state.job_id());
+    ShutdownResponse response;
+    return ps_->Shutdown(&context, request, &response);
+  }
+
+  // 600 pulls of a version that does not come, on one connection; the codes
+  // of those that end within 5 s, counted. The rest are held for a second
+  // (the job trains on meanwhile), then cancelled.
+  std::map<grpc::StatusCode, int> HeldPulls(const PsState& state) {
+    grpc::CompletionQueue cq;
+    struct Held {
+      grpc::ClientContext context;
+      std::unique_ptr<grpc::ClientAsyncReader<PullResponse>> reader;
+      grpc::Status status;
+    };
+    std::vector<std::unique_ptr<Held>> held;
+    PullRequest pull;
+    pull.set_job_id(state.job_id());
+    pull.set_min_version(int64_t{1} << 40);
+    for (int i = 0; i < 600; ++i) {
+      auto h = std::make_unique<Held>();
+      h->reader = ps_->AsyncPull(&h->context, pull, &cq, nullptr);
+      h->reader->Finish(&h->status, h.get());
+      held.push_back(std::move(h));
+    }
+    std::map<grpc::StatusCode, int> ended;
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    int count = 0;
+    while (count < 600) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, absl::ToChronoTime(until)) != grpc::CompletionQueue::GOT_EVENT)
+        break;
+      if (tag == nullptr) continue;  // a call started
+      ++ended[static_cast<Held*>(tag)->status.error_code()];
+      ++count;
+    }
+    absl::SleepFor(absl::Seconds(1));
+    for (auto& h : held) h->context.TryCancel();
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+    return ended;
+  }
+
+ private:
+  grpc::Status Report(const ReportRequest& report, ReportResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    return chief_->Report(&context, report, response);
+  }
+
+  std::unique_ptr<ParameterServer::Stub> ps_;
+  std::unique_ptr<ChiefService::Stub> chief_;
+};
+
 class AttackTest : public TempDirTest {
  protected:
-  // Runs the job (2 ps, 2 workers) to its end, calling `attack` once the
-  // workers train; returns whether every process exited 0.
-  template <typename Attack>
-  bool RunJob(const std::string& model_dir, const Attack& attack) {
+  // Runs the job (2 ps, 2 workers, each role with `role_flags(role)`) to its
+  // end, calling `attack` once the workers train; returns whether every
+  // process exited 0. The processes' output is in outputs_.
+  template <typename RoleFlags, typename Attack>
+  bool RunJob(const std::string& model_dir, const RoleFlags& role_flags, const Attack& attack) {
     ports_ = FreePorts(5);
     if (ports_.size() != 5) return false;
     const std::vector<std::string> hosts = {
@@ -73,6 +287,7 @@ class AttackTest : public TempDirTest {
     auto start = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
       std::vector<std::string> args = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
       args.insert(args.end(), hosts.begin(), hosts.end());
+      for (const std::string& f : role_flags(role)) args.push_back(f);
       args.insert(args.end(), extra.begin(), extra.end());
       return std::make_unique<Process>(Bin("psflow-" + role), args);
     };
@@ -91,6 +306,7 @@ class AttackTest : public TempDirTest {
       return false;
     }
     attack();
+    EXPECT_TRUE(chief.running()) << "the job ended before the attacks did\n" << chief.Describe();
     bool ok = true;
     for (auto& p : procs) {
       if (p->WaitOrKill(seconds(120)) != 0) {
@@ -103,202 +319,131 @@ class AttackTest : public TempDirTest {
     return ok;
   }
 
+  std::string chief() const { return Addr(ports_[0]); }
+  std::string ps0() const { return Addr(ports_[1]); }
+
   std::vector<int> ports_;
   std::string outputs_;  // of every process of the latest job
 };
 
+std::vector<std::string> NoFlags(const std::string&) { return {}; }
+
 TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
   const std::string reference_dir = dir_ + "/reference";
-  ASSERT_TRUE(RunJob(reference_dir, [] {}));
+  ASSERT_TRUE(RunJob(reference_dir, NoFlags, [] {}));
   const std::string reference = EvalOf(reference_dir);
   ASSERT_NE(reference, "");
 
   const std::string model_dir = dir_ + "/attacked";
-  ASSERT_TRUE(RunJob(model_dir, [&] {
-    auto ps = ParameterServer::NewStub(
-        MakeChannel(Addr(ports_[1]), Role::kPs, SecurityOptions{}, /*own_connection=*/true));
-    auto chief = ChiefService::NewStub(
-        MakeChannel(Addr(ports_[0]), Role::kChief, SecurityOptions{}, /*own_connection=*/true));
-    auto deadline = [] { return absl::ToChronoTime(absl::Now() + absl::Seconds(10)); };
-    // GetState hands out the job id (and the version) to anyone.
-    PsState state;
-    {
-      grpc::ClientContext context;
-      context.set_deadline(deadline());
-      ASSERT_TRUE(ps->GetState(&context, GetStateRequest(), &state).ok());
-    }
+  ASSERT_TRUE(RunJob(model_dir, NoFlags, [&] {
+    Attacker attacker(chief(), ps0(), SecurityOptions{});
+    PsState state;  // GetState hands out the job id (and the version) to anyone
+    ASSERT_TRUE(attacker.GetState(&state).ok());
     ASSERT_TRUE(state.holds_job());
 
-    // 1. A push of NaN gradients as live worker 0: refused, counted.
-    {
-      grpc::ClientContext context;
-      context.set_deadline(deadline());
-      PushResponse response;
-      auto writer = ps->Push(&context, &response);
-      PushRequest header;
-      header.mutable_header()->set_job_id(state.job_id());
-      header.mutable_header()->set_worker(0);
-      header.mutable_header()->set_step(state.version());
-      header.mutable_header()->add_slices(0);
-      ASSERT_TRUE(writer->Write(header));
-      // ps 0's first slice (index 0 of its slices), in the job's placement order.
-      const VariablePlacement* first = nullptr;
-      int64_t rows = 0;
-      for (const VariablePlacement& p : state.job().placement().variable()) {
-        for (const VariableSlice& s : p.slice()) {
-          if (s.ps() == 0 && first == nullptr) {
-            first = &p;
-            rows = s.row_end() - s.row_begin();
-          }
-        }
-      }
-      ASSERT_NE(first, nullptr);
-      const VariablePlacement& v = *first;
-      int64_t n = rows;
-      for (int d = 1; d < v.shape_size(); ++d) n *= v.shape(d);
-      PushRequest data;
-      TensorChunk* chunk = data.add_chunk();
-      chunk->set_name(v.name());
-      chunk->set_dtype(DT_FLOAT);
-      chunk->add_shape(rows);
-      for (int d = 1; d < v.shape_size(); ++d) chunk->add_shape(v.shape(d));
-      std::vector<float> nan(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN());
-      chunk->set_data(reinterpret_cast<const char*>(nan.data()), nan.size() * sizeof(float));
-      writer->Write(data);
-      writer->WritesDone();
-      const grpc::Status s = writer->Finish();
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-      EXPECT_THAT(s.error_message(), HasSubstr("non-finite"));
-    }
+    grpc::Status s = attacker.NanPush(state);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("non-finite"));
 
-    // 2. Reports with impossible values: a NaN loss, 2^62 examples.
-    {
-      grpc::ClientContext context;
-      context.set_deadline(deadline());
-      ReportRequest report;
-      report.set_job_id(state.job_id());
-      report.set_worker(0);
-      StepMetrics* m = report.add_metrics();
-      m->set_step(state.version());
-      m->set_loss(std::numeric_limits<double>::quiet_NaN());
-      m->set_examples(int64_t{1} << 62);
-      ReportResponse response;
-      const grpc::Status s = chief->Report(&context, report, &response);
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-    }
-
-    // 3. "Finished" for every worker, long before the last step: ends nothing.
+    s = attacker.ImpossibleReport(state);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
     for (int w : {0, 1}) {
-      grpc::ClientContext context;
-      context.set_deadline(deadline());
-      ReportRequest report;
-      report.set_job_id(state.job_id());
-      report.set_worker(w);
-      report.set_finished(true);
-      ReportResponse response;
-      const grpc::Status s = chief->Report(&context, report, &response);
+      ReportResponse::Action action;
+      s = attacker.FinishedReport(state, w, &action);
       EXPECT_TRUE(s.ok()) << s.error_message();
-      EXPECT_EQ(response.action(), ReportResponse::CONTINUE);
+      EXPECT_EQ(action, ReportResponse::CONTINUE);  // the ps are not at the end
     }
 
-    // 4. An Init header that declares 1 GiB of values (and 2 GiB of Adam's
-    //    slots) under its own placement, then sends nothing: ps 0 allocates
-    //    nothing for it. One with no job id is refused at once.
     const std::vector<pid_t> ps_pids =
-        FindProcesses("--job_name=ps --task_id=0 --chief_hosts=" + Addr(ports_[0]));
+        FindProcesses("--job_name=ps --task_id=0 --chief_hosts=" + chief());
     ASSERT_EQ(ps_pids.size(), 1u);
     const int64_t rss_before = ResidentBytes(ps_pids[0]);
-    {
-      InitHeader h;
-      h.set_job_id(0x5eed);
-      h.set_ps_index(0);
-      h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
-      h.add_live_workers(0);
-      Placement* placement = h.mutable_job()->mutable_placement();
-      placement->set_num_ps(1);
-      VariablePlacement* v = placement->add_variable();
-      v->set_name("huge");
-      SliceSpec* spec = h.add_slice();
-      spec->set_name("huge");
-      for (int64_t d : {16384, 16384}) {
-        v->add_shape(d);
-        spec->add_shape(d);
-      }
-      v->add_slice()->set_row_end(16384);
-      spec->set_row_end(16384);
-      grpc::ClientContext context;
-      context.set_deadline(deadline());
-      InitResponse response;
-      auto writer = ps->Init(&context, &response);
-      InitRequest request;
-      *request.mutable_header() = h;
-      ASSERT_TRUE(writer->Write(request));
-      absl::SleepFor(absl::Milliseconds(500));
-      EXPECT_LT(ResidentBytes(ps_pids[0]) - rss_before, int64_t{100} << 20);
-      context.TryCancel();
-      writer->Finish().error_code();
+    s = attacker.HeaderOnlyInit(
+        0x5eed, [&] { EXPECT_LT(ResidentBytes(ps_pids[0]) - rss_before, int64_t{100} << 20); });
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("incomplete"));
+    s = attacker.HeaderOnlyInit(0, [] {});
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("no job id"));
+    s = attacker.ReplacingInit();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
 
-      h.set_job_id(0);
-      grpc::ClientContext context2;
-      context2.set_deadline(deadline());
-      auto writer2 = ps->Init(&context2, &response);
-      *request.mutable_header() = h;
-      writer2->Write(request);
-      writer2->WritesDone();
-      const grpc::Status s = writer2->Finish();
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-    }
-
-    // 5. 600 pulls of a version that does not come, held open on one
-    //    connection: past the bound they are refused at once; the ones held
-    //    cost the ps no thread and the workers train on.
-    {
-      grpc::CompletionQueue cq;
-      struct Held {
-        grpc::ClientContext context;
-        std::unique_ptr<grpc::ClientAsyncReader<PullResponse>> reader;
-        grpc::Status status;
-      };
-      std::vector<std::unique_ptr<Held>> held;
-      PullRequest pull;
-      pull.set_job_id(state.job_id());
-      pull.set_min_version(int64_t{1} << 40);
-      for (int i = 0; i < 600; ++i) {
-        auto h = std::make_unique<Held>();
-        h->reader = ps->AsyncPull(&h->context, pull, &cq, nullptr);
-        h->reader->Finish(&h->status, h.get());
-        held.push_back(std::move(h));
-      }
-      int refused = 0;
-      const absl::Time until = absl::Now() + absl::Seconds(5);
-      while (absl::Now() < until && refused < 600 - 64) {
-        void* tag = nullptr;
-        bool ok = false;
-        if (cq.AsyncNext(&tag, &ok, absl::ToChronoTime(until)) !=
-            grpc::CompletionQueue::GOT_EVENT) {
-          break;
-        }
-        if (tag == nullptr) continue;  // a call started
-        auto* h = static_cast<Held*>(tag);
-        EXPECT_EQ(h->status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-        ++refused;
-      }
-      EXPECT_EQ(refused, 600 - 64);
-      // Held while the job trains on for a second, then let go.
-      absl::SleepFor(absl::Seconds(1));
-      for (auto& h : held) h->context.TryCancel();
-      cq.Shutdown();
-      void* tag = nullptr;
-      bool ok = false;
-      while (cq.Next(&tag, &ok)) {
-      }
-    }
+    const std::map<grpc::StatusCode, int> pulls = attacker.HeldPulls(state);
+    EXPECT_EQ(pulls,
+              (std::map<grpc::StatusCode, int>{{grpc::StatusCode::RESOURCE_EXHAUSTED, 600 - 64}}));
   }));
   // The same model as without the attacks, and each refusal logged.
   EXPECT_EQ(EvalOf(model_dir), reference);
   EXPECT_THAT(outputs_, HasSubstr("refused a report from worker 0")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused a stream of")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused for non-finite gradients 1")) << outputs_;
+}
+
+// Every attack with mutual TLS and the job token on, from three callers: a
+// stranger without a certificate (refused at the handshake: UNAVAILABLE), one
+// with the job's worker certificate but no token (UNAUTHENTICATED), and one
+// with a worker's full credentials, whom the roles' rules and the numeric
+// and resource guards stop. The model is exactly the unattacked job's.
+TEST_F(AttackTest, EveryAttackFailsWithTlsAndToken) {
+  const std::string certs = dir_ + "/certs";
+  ASSERT_TRUE(testing_certs::MakeCerts(certs));
+  auto tls = [&](const std::string& role) {
+    return std::vector<std::string>{
+        "--tls_cert=" + certs + "/" + role + ".crt", "--tls_key=" + certs + "/" + role + ".key",
+        "--tls_ca=" + certs + "/ca.crt", "--auth_token_file=" + certs + "/token"};
+  };
+  const std::string reference_dir = dir_ + "/reference";
+  ASSERT_TRUE(RunJob(reference_dir, tls, [] {}));
+  const std::string reference = EvalOf(reference_dir);
+  ASSERT_NE(reference, "");
+
+  const SecurityOptions worker = testing_certs::Options(certs, "worker");
+  SecurityOptions stranger;  // trusts the job's CA, shows no certificate
+  stranger.ca_pem = worker.ca_pem;
+  const SecurityOptions no_token = testing_certs::Options(certs, "worker", /*token=*/false);
+  const std::string model_dir = dir_ + "/attacked";
+  ASSERT_TRUE(RunJob(model_dir, tls, [&] {
+    PsState state;
+    ASSERT_TRUE(Attacker(chief(), ps0(), worker).GetState(&state).ok());
+    ASSERT_TRUE(state.holds_job());
+    for (const auto& [who, security, code] :
+         {std::tuple{"a stranger", stranger, grpc::StatusCode::UNAVAILABLE},
+          std::tuple{"a certificate without the token", no_token,
+                     grpc::StatusCode::UNAUTHENTICATED}}) {
+      SCOPED_TRACE(who);
+      Attacker attacker(chief(), ps0(), security);
+      PsState learned;
+      EXPECT_EQ(attacker.GetState(&learned).error_code(), code);
+      EXPECT_EQ(attacker.NanPush(state).error_code(), code);
+      EXPECT_EQ(attacker.ImpossibleReport(state).error_code(), code);
+      ReportResponse::Action action;
+      EXPECT_EQ(attacker.FinishedReport(state, 0, &action).error_code(), code);
+      EXPECT_EQ(attacker.HeaderOnlyInit(0x5eed, [] {}).error_code(), code);
+      EXPECT_EQ(attacker.ReplacingInit().error_code(), code);
+      EXPECT_EQ(attacker.SetLiveWorkers7(state).error_code(), code);
+      EXPECT_EQ(attacker.Shutdown(state).error_code(), code);
+      EXPECT_EQ(attacker.HeldPulls(state), (std::map<grpc::StatusCode, int>{{code, 600}}));
+    }
+    // A worker's credentials: the control calls are the chief's alone, and
+    // the rest meet the guards.
+    Attacker insider(chief(), ps0(), worker);
+    const grpc::StatusCode denied = grpc::StatusCode::PERMISSION_DENIED;
+    EXPECT_EQ(insider.HeaderOnlyInit(0x5eed, [] {}).error_code(), denied);
+    EXPECT_EQ(insider.ReplacingInit().error_code(), denied);
+    EXPECT_EQ(insider.SetLiveWorkers7(state).error_code(), denied);
+    EXPECT_EQ(insider.Shutdown(state).error_code(), denied);
+    EXPECT_EQ(insider.NanPush(state).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(insider.ImpossibleReport(state).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    for (int w : {0, 1}) {
+      ReportResponse::Action action;
+      EXPECT_TRUE(insider.FinishedReport(state, w, &action).ok());
+      EXPECT_EQ(action, ReportResponse::CONTINUE);
+    }
+    EXPECT_EQ(insider.HeldPulls(state),
+              (std::map<grpc::StatusCode, int>{{grpc::StatusCode::RESOURCE_EXHAUSTED, 600 - 64}}));
+  }));
+  EXPECT_EQ(EvalOf(model_dir), reference);
+  EXPECT_THAT(outputs_, Not(HasSubstr("reloading every ps"))) << outputs_;
 }
 
 }  // namespace
