@@ -437,6 +437,15 @@ void PsService::LetOut(const std::string& peer) {
   --total_streams_;
 }
 
+void PsService::LogRefusedPush(const std::string& peer, const absl::Status& why) {
+  absl::MutexLock lock(&streams_mu_);
+  ++refused_pushes_;
+  if (refused_pushes_ <= 10 || refused_pushes_ % 1000 == 0) {
+    PSLOG(WARNING) << "refused a push of " << peer << " (" << refused_pushes_
+                   << " refused so far): " << why.message();
+  }
+}
+
 int64_t PsService::refused_streams() const {
   absl::MutexLock lock(&streams_mu_);
   return refused_streams_;
@@ -530,6 +539,7 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
         std::vector<Shard::SliceGradient> part;
         part.push_back(std::move(grads[completed]));
         s = hand_over(std::move(part));
+        if (absl::IsInvalidArgument(s)) LogRefusedPush(peer, s);
       }
       if (!s.ok()) return ToGrpcStatus(s);
     }

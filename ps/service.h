@@ -81,6 +81,10 @@ class PsService final
   // bound; every admitted stream is let out once.
   absl::Status Admit(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
   void LetOut(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
+  // Logs a push refused for its contents (a non-finite gradient, a bad
+  // size): the first ten, then every thousandth.
+  void LogRefusedPush(const std::string& peer, const absl::Status& why)
+      ABSL_LOCKS_EXCLUDED(streams_mu_);
 
   int ps_index_;
   Shard* shard_;
@@ -93,6 +97,7 @@ class PsService final
   absl::flat_hash_map<std::string, int> streams_ ABSL_GUARDED_BY(streams_mu_);  // by peer
   int total_streams_ ABSL_GUARDED_BY(streams_mu_) = 0;
   int64_t refused_streams_ ABSL_GUARDED_BY(streams_mu_) = 0;
+  int64_t refused_pushes_ ABSL_GUARDED_BY(streams_mu_) = 0;
 };
 
 }  // namespace psflow::ps

@@ -377,6 +377,8 @@ TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
   EXPECT_THAT(outputs_, HasSubstr("refused a report from worker 0")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused a stream of")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused for non-finite gradients 1")) << outputs_;
+  EXPECT_THAT(outputs_, ::testing::ContainsRegex("ps0\\] refused a push of .*non-finite gradient"))
+      << outputs_;
 }
 
 // Every attack with mutual TLS and the job token on, from three callers: a
