@@ -1,0 +1,48 @@
+// Serves a metrics::Registry over HTTP: GET /metrics answers the registry's
+// Render() as "text/plain; version=0.0.4" (the Prometheus text exposition
+// format), on 0.0.0.0:<port>, from two threads of its own (civetweb's). Every
+// other path is 404, every other method 405.
+//
+// Thread-safe; the registry must outlive the server. Stop (or destroy) the
+// server before anything the registry's function series read goes away.
+#ifndef PSFLOW_COMMON_METRICS_SERVER_H_
+#define PSFLOW_COMMON_METRICS_SERVER_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/metrics.h"
+
+struct mg_context;
+struct mg_connection;
+
+namespace psflow::metrics {
+
+class MetricsServer {
+ public:
+  // Listens on `port` (0: a free port the system picks; see port()).
+  // UNAVAILABLE naming the port if it cannot listen there (in use, say).
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(int port, const Registry* registry);
+  // Stops: waits for the requests being answered.
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  // The port it listens on.
+  int port() const { return port_; }
+
+ private:
+  MetricsServer(const Registry* registry) : registry_(registry) {}
+  static int Handle(mg_connection* connection, void* server);
+
+  const Registry* const registry_;
+  mg_context* context_ = nullptr;
+  int port_ = 0;
+};
+
+// The Content-Type of /metrics.
+inline constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
+
+}  // namespace psflow::metrics
+
+#endif  // PSFLOW_COMMON_METRICS_SERVER_H_
