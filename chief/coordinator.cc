@@ -71,7 +71,11 @@ absl::StatusOr<JobConfig> BuildJobConfig(const ChiefOptions& o) {
 
 Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* ps,
                          ThreadPool* pool, ProgressListener* progress_listener)
-    : options_(std::move(options)), job_(std::move(job)), ps_(ps), pool_(pool) {
+    : options_(std::move(options)),
+      job_(std::move(job)),
+      ps_(ps),
+      pool_(pool),
+      metrics_(options_.metrics) {
   progress_ = std::make_unique<Progress>(
       job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(),
       job_.num_ps(),
@@ -82,7 +86,7 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
       },
       [](const std::string& line) { PSLOG(INFO) << line; },
       [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); },
-      progress_listener);
+      progress_listener, options_.metrics);
   absl::MutexLock lock(&mu_);
   job_id_ = NewJobId();
   for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
@@ -502,6 +506,7 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
   last_checkpoint_time_ = absl::Now();
   absl::MutexLock lock(&mu_);
   ready_ = true;
+  if (options_.on_ready) options_.on_ready(true);
   for (absl::Time& t : last_seen_) t = absl::Now();  // the workers' timeouts start now
   return absl::OkStatus();
 }
@@ -594,6 +599,7 @@ absl::Status Coordinator::Recover() {
   {
     absl::MutexLock lock(&mu_);
     ready_ = false;
+    if (options_.on_ready) options_.on_ready(false);
     // A new job id: the workers' calls to the old one fail and they register again.
     job_id_ = NewJobId();
     finished_.clear();
@@ -615,6 +621,7 @@ absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
 }
 
 absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
+  const absl::Time begun = absl::Now();
   int64_t target = 0;
   if (!PsHealthy(&target)) return absl::UnavailableError("a ps is not reachable");
   const uint64_t id = job_id();
@@ -655,6 +662,9 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
   PSLOG(INFO) << "checkpoint of step " << target << " written to "
               << CheckpointsDir(options_.model_dir) << " ("
               << absl::ToInt64Milliseconds(absl::Now() - start) << " ms)";
+  int64_t bytes = 0;
+  for (const CheckpointTensorData& t : ckpt.tensors) bytes += t.values.size() * sizeof(float);
+  metrics_.Checkpointed(target, absl::Now() - begun, bytes);
   if (taken != nullptr) *taken = std::move(ckpt);
   return absl::OkStatus();
 }
@@ -688,6 +698,7 @@ absl::Status Coordinator::Supervise() {
       continue;
     }
     const int64_t version = MaxVersion(*states);
+    metrics_.SetGlobalStep(version);
     CheckWorkers();
     const bool by_steps = options_.checkpoint_every_steps > 0 &&
                           version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
@@ -806,6 +817,7 @@ absl::Status Coordinator::Run() {
   if (TryAdopt()) {
     absl::MutexLock lock(&mu_);
     ready_ = true;
+    if (options_.on_ready) options_.on_ready(true);
   } else {
     absl::StatusOr<Weights> weights = InitialWeights();
     status = weights.status();

@@ -12,6 +12,7 @@
 #define PSFLOW_CHIEF_COORDINATOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +25,7 @@
 #include "absl/time/time.h"
 #include "chief/checkpoint.h"
 #include "chief/job_config.h"
+#include "chief/metrics.h"
 #include "chief/progress.h"
 #include "common/cluster_config.h"
 #include "common/thread_pool.h"
@@ -89,6 +91,13 @@ struct CoordinatorOptions {
   int64_t eval_every_secs = 60;
   int num_evaluators = 0;
   Timeouts timeouts;
+  // Where the chief's metrics go (may be null); must outlive the coordinator
+  // and not be rendered once it is gone.
+  metrics::Registry* metrics = nullptr;
+  // Called (if set) with true once every ps holds the job and with false
+  // when the chief reloads them: the chief's readiness. Called under the
+  // coordinator's lock: it must only record the state.
+  std::function<void(bool)> on_ready;
 };
 
 // Everything psflow-chief is configured with.
@@ -191,6 +200,7 @@ class Coordinator {
   ps::Client* const ps_;
   ThreadPool* const pool_;
   std::unique_ptr<Progress> progress_;
+  ChiefMetrics metrics_;
   int64_t last_checkpoint_step_ = 0;  // Run's thread only
   absl::Time last_checkpoint_time_;   // Run's thread only
 

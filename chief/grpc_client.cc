@@ -6,15 +6,18 @@
 
 namespace psflow::chief {
 
-GrpcClient::GrpcClient(const std::string& address, const SecurityOptions& security)
-    : stub_(ChiefService::NewStub(MakeChannel(address, Role::kChief, security))) {}
+GrpcClient::GrpcClient(const std::string& address, const SecurityOptions& security,
+                       metrics::Registry* metrics)
+    : stub_(ChiefService::NewStub(MakeChannel(address, Role::kChief, security))),
+      errors_(metrics, "psflow.ChiefService") {}
 
 absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   RegisterWorkerRequest request;
   request.set_worker(worker);
   RegisterWorkerResponse response;
-  absl::Status s = FromGrpcStatus(stub_->RegisterWorker(call.context(), request, &response));
+  absl::Status s = errors_.Count(
+      "RegisterWorker", FromGrpcStatus(stub_->RegisterWorker(call.context(), request, &response)));
   if (!s.ok()) return s;
   return response;
 }
@@ -23,7 +26,8 @@ absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request,
                                                   absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/false);
   ReportResponse response;
-  absl::Status s = FromGrpcStatus(stub_->Report(call.context(), request, &response));
+  absl::Status s =
+      errors_.Count("Report", FromGrpcStatus(stub_->Report(call.context(), request, &response)));
   if (!s.ok()) return s;
   return response;
 }
@@ -34,7 +38,9 @@ absl::StatusOr<RegisterEvaluatorResponse> GrpcClient::RegisterEvaluator(int eval
   RegisterEvaluatorRequest request;
   request.set_evaluator(evaluator);
   RegisterEvaluatorResponse response;
-  absl::Status s = FromGrpcStatus(stub_->RegisterEvaluator(call.context(), request, &response));
+  absl::Status s =
+      errors_.Count("RegisterEvaluator",
+                    FromGrpcStatus(stub_->RegisterEvaluator(call.context(), request, &response)));
   if (!s.ok()) return s;
   return response;
 }
@@ -43,7 +49,8 @@ absl::StatusOr<ReportEvalResponse> GrpcClient::ReportEval(const ReportEvalReques
                                                           absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/false);
   ReportEvalResponse response;
-  absl::Status s = FromGrpcStatus(stub_->ReportEval(call.context(), request, &response));
+  absl::Status s = errors_.Count(
+      "ReportEval", FromGrpcStatus(stub_->ReportEval(call.context(), request, &response)));
   if (!s.ok()) return s;
   return response;
 }

@@ -1,5 +1,6 @@
 // The gRPC transport of chief::Client and chief::EvaluatorClient. Registration waits for a chief
-// that is not up yet (wait-for-ready) until its deadline. Thread-safe.
+// that is not up yet (wait-for-ready) until its deadline. Failed calls are counted in `metrics`
+// (psflow_rpc_errors_total; may be null, else must outlive the client). Thread-safe.
 #ifndef PSFLOW_CHIEF_GRPC_CLIENT_H_
 #define PSFLOW_CHIEF_GRPC_CLIENT_H_
 
@@ -8,6 +9,7 @@
 
 #include "chief/client.h"
 #include "common/grpc_util.h"
+#include "common/metrics.h"
 #include "proto/chief.grpc.pb.h"
 
 namespace psflow::chief {
@@ -15,7 +17,8 @@ namespace psflow::chief {
 class GrpcClient final : public Client, public EvaluatorClient {
  public:
   // Secured as `security` says (MakeChannel).
-  GrpcClient(const std::string& address, const SecurityOptions& security);
+  GrpcClient(const std::string& address, const SecurityOptions& security,
+             metrics::Registry* metrics = nullptr);
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
   absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,
@@ -27,6 +30,7 @@ class GrpcClient final : public Client, public EvaluatorClient {
  private:
   std::unique_ptr<ChiefService::Stub> stub_;
   ActiveCalls calls_;
+  RpcErrors errors_;
 };
 
 }  // namespace psflow::chief

@@ -13,6 +13,7 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "common/metrics.h"
 #include "common/signals.h"
 #include "common/thread_pool.h"
 #include "ps/grpc_client.h"
@@ -205,7 +206,13 @@ int main(int argc, char** argv) {
   }
 
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kChief);
-  psflow::ps::GrpcClient ps(o.cluster.cluster.ps, security);
+  // Metrics and readiness (the gRPC health service): made before, and
+  // served after, everything they read.
+  psflow::metrics::Registry metrics;
+  psflow::Readiness readiness;  // ready while every ps holds the job
+  c.metrics = &metrics;
+  c.on_ready = [&readiness](bool ready) { readiness.Set(ready); };
+  psflow::ps::GrpcClient ps(o.cluster.cluster.ps, security, /*connections_per_ps=*/1, &metrics);
   psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
   // TensorBoard curves under <model_dir>/train (and, later, eval).
   psflow::chief::Summaries summaries(c.model_dir);
@@ -217,11 +224,24 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
   }
+  readiness.Attach(server->get());
+  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
+      psflow::ServeMetrics(&metrics);
+  if (!metrics_server.ok()) {
+    PSLOG(ERROR) << metrics_server.status().message();
+    readiness.Detach();
+    return psflow::kExitPermanent;
+  }
   PSLOG(INFO) << "listening on " << o.cluster.self_address << "; loading the parameter servers";
   // A signal makes the coordinator checkpoint first; give that time, not forever.
-  const int code =
-      psflow::RunRole([&] { return coordinator.Run(); }, [&](int sig) { coordinator.Stop(sig); },
-                      absl::Seconds(30), "stopping");
+  const int code = psflow::RunRole(
+      [&] {
+        absl::Status s = coordinator.Run();
+        readiness.Set(false);  // the job is over: nothing left to be ready for
+        return s;
+      },
+      [&](int sig) { coordinator.Stop(sig); }, absl::Seconds(30), "stopping");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  readiness.Detach();
   return code;
 }

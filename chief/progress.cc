@@ -11,7 +11,8 @@ namespace psflow::chief {
 Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps,
                    int num_workers, int num_ps, std::function<int()> reachable_ps,
                    std::function<void(const std::string&)> emit,
-                   std::function<double(int64_t)> learning_rate, ProgressListener* listener)
+                   std::function<double(int64_t)> learning_rate, ProgressListener* listener,
+                   metrics::Registry* metrics)
     : train_steps_(train_steps),
       steps_per_epoch_(std::max<int64_t>(steps_per_epoch, 1)),
       log_every_(std::max(log_every_steps, 1)),
@@ -22,7 +23,44 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
       listener_(listener),
       reported_(num_workers, 0),
       last_seen_(num_workers, absl::InfinitePast()),
-      member_(num_workers, true) {}
+      member_(num_workers, true) {
+  metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
+  gauges_.loss = m->GetGauge("psflow_loss", "Mean training loss of the latest logged interval.");
+  gauges_.accuracy =
+      m->GetGauge("psflow_accuracy", "Training accuracy of the latest logged interval.");
+  gauges_.examples_per_sec = m->GetGauge(
+      "psflow_examples_per_second",
+      "Examples per second of the latest logged interval, from the workers' step times.");
+  const char* phases[4] = {"pull", "compute", "push", "wait"};
+  for (int i = 0; i < 4; ++i) {
+    gauges_.step_seconds[i] = m->GetGauge(
+        "psflow_step_seconds",
+        "Workers' mean time per step in each phase (pull, compute, push, wait) over the latest "
+        "logged interval.",
+        {{"phase", phases[i]}});
+    gauges_.phase_seconds_total[i] = m->GetCounter(
+        "psflow_step_phase_seconds_total",
+        "Workers' time in each phase of their steps, summed over every reported step.",
+        {{"phase", phases[i]}});
+  }
+  gauges_.examples_total = m->GetCounter("psflow_examples_total",
+                                         "Training examples of every step the workers reported.");
+  m->GetGauge("psflow_workers", "Workers in the job.")->Set(num_workers);
+  m->GetGauge("psflow_ps", "Parameter servers in the job.")->Set(num_ps);
+  m->SetGaugeFunction(
+      "psflow_live_workers",
+      "Workers the synchronous steps wait for that reported within the last 10 seconds.", [this] {
+        absl::MutexLock lock(&mu_);
+        const absl::Time now = absl::Now();
+        int live = 0;
+        for (size_t w = 0; w < member_.size(); ++w)
+          live += member_[w] && now - last_seen_[w] <= kLiveWindow;
+        return static_cast<double>(live);
+      });
+  m->SetGaugeFunction("psflow_live_ps", "Parameter servers whose connection is up.", [this] {
+    return static_cast<double>(reachable_ps_ ? reachable_ps_() : num_ps_);
+  });
+}
 
 void Progress::SetLiveWorkers(const std::vector<int>& live) {
   absl::MutexLock lock(&mu_);
@@ -107,6 +145,9 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     in.push_us += m.push_us();
     in.wait_us += m.wait_us();
     total_examples_ += m.examples();
+    gauges_.examples_total->Add(static_cast<double>(m.examples()));
+    const int64_t phase_us[4] = {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()};
+    for (int i = 0; i < 4; ++i) gauges_.phase_seconds_total[i]->Add(phase_us[i] / 1e6);
     reported_[worker] = std::max(reported_[worker], m.step() + 1);
   }
   EmitReadyLocked(now);
@@ -169,6 +210,11 @@ void Progress::EmitReadyLocked(absl::Time now) {
         ShortDuration(eta)));
     if (listener_ != nullptr) listener_->OnLine(line);
     last_line_ = now;
+    gauges_.loss->Set(line.loss);
+    gauges_.accuracy->Set(line.accuracy);
+    gauges_.examples_per_sec->Set(line.examples_per_sec);
+    const double phase_ms[4] = {line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms};
+    for (int i = 0; i < 4; ++i) gauges_.step_seconds[i]->Set(phase_ms[i] / 1000.0);
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
       steady_seconds_ += steps * step_ms / 1000.0;

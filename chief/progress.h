@@ -11,6 +11,11 @@
 // the wall-clock pace of the latest interval (reports included, as a user
 // waits for them), so it follows slow-downs and restarts.
 // Besides the text, a ProgressListener may receive each line as numbers.
+// Given a metrics registry, each line's numbers also go to gauges there
+// (psflow_loss, psflow_accuracy, psflow_examples_per_second,
+// psflow_step_seconds{phase}), each report to counters (psflow_examples_total,
+// psflow_step_phase_seconds_total{phase}), and the live workers and ps are
+// read at each scrape (psflow_live_workers, psflow_live_ps).
 // Thread-safe.
 #ifndef PSFLOW_CHIEF_PROGRESS_H_
 #define PSFLOW_CHIEF_PROGRESS_H_
@@ -18,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "proto/chief.pb.h"
 
 namespace psflow::chief {
@@ -69,6 +76,8 @@ class ProgressListener {
 
 class Progress {
  public:
+  // `metrics` (may be null) must outlive the Progress and must not be
+  // rendered once it is gone (its function series read it).
   // `emit` receives each finished line (the chief logs it); `reachable_ps`
   // counts the ps whose connection is up when a line is written;
   // `learning_rate` (optional) gives the rate of a 0-based step for the
@@ -78,7 +87,7 @@ class Progress {
            int num_ps, std::function<int()> reachable_ps,
            std::function<void(const std::string&)> emit,
            std::function<double(int64_t)> learning_rate = nullptr,
-           ProgressListener* listener = nullptr);
+           ProgressListener* listener = nullptr, metrics::Registry* metrics = nullptr);
 
   // A worker counts as live ("workers live/total") if it reported within this.
   static constexpr absl::Duration kLiveWindow = absl::Seconds(10);
@@ -120,6 +129,14 @@ class Progress {
   std::function<void(const std::string&)> emit_;
   std::function<double(int64_t)> learning_rate_;
   ProgressListener* const listener_;
+  // Where the numbers go besides the log (a private registry without one).
+  std::unique_ptr<metrics::Registry> own_metrics_;
+  struct Gauges {
+    metrics::Gauge *loss, *accuracy, *examples_per_sec;
+    metrics::Gauge* step_seconds[4];           // pull, compute, push, wait
+    metrics::Counter* phase_seconds_total[4];  // the same order
+    metrics::Counter* examples_total;
+  } gauges_;
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)

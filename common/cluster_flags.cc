@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "common/command_line.h"
 #include "common/exit_codes.h"
 #include "common/log.h"
@@ -46,6 +47,10 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "carries it and every server refuses calls without it, or with another, as "
           "UNAUTHENTICATED (counted and logged). With or without TLS; without TLS it travels in "
           "plaintext. Default: no token.");
+ABSL_FLAG(int, metrics_port, 0,
+          "Serve Prometheus metrics (text format 0.0.4) over HTTP at "
+          "http://0.0.0.0:<port>/metrics. 0: no metrics server (a local cluster runs many "
+          "processes on one machine; psflow-launch --metrics_base_port numbers them).");
 
 namespace psflow {
 namespace {
@@ -132,6 +137,20 @@ SecurityOptions LoadSecurityOrExit(Role role) {
     PSLOG(WARNING) << DescribeSecurity(*security, role);
   }
   return *std::move(security);
+}
+
+absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
+    const metrics::Registry* registry) {
+  const int port = absl::GetFlag(FLAGS_metrics_port);
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics_port must be in [0, 65535], not ", port));
+  }
+  if (port == 0) return nullptr;
+  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> server =
+      metrics::MetricsServer::Start(port, registry);
+  if (server.ok()) PSLOG(INFO) << "serving metrics on http://0.0.0.0:" << port << "/metrics";
+  return server;
 }
 
 ClusterConfig ResolveClusterOrExit(Role role) {

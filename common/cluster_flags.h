@@ -1,13 +1,14 @@
 // The command-line flags every role binary shares (--job_name, --task_id,
 // --task_index, --chief_hosts, --ps_hosts, --worker_hosts, --evaluator_hosts,
-// --exit_when_done, and the security flags --tls_cert, --tls_key, --tls_ca,
-// --auth_token_file),
+// --exit_when_done, --metrics_port, and the security flags --tls_cert,
+// --tls_key, --tls_ca, --auth_token_file),
 // and the start-up every main.cc runs: parse flags with --help covering the
 // shared flags, then resolve the cluster configuration or exit 1 with one line.
 #ifndef PSFLOW_COMMON_CLUSTER_FLAGS_H_
 #define PSFLOW_COMMON_CLUSTER_FLAGS_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@
 #include "absl/time/time.h"
 #include "common/cluster_config.h"
 #include "common/security.h"
+#include "common/metrics.h"
+#include "common/metrics_server.h"
 
 namespace psflow {
 
@@ -38,6 +41,13 @@ int FinishOrIdle(int code, absl::Notification& terminated);
 // (ExitCodeFor), through FinishOrIdle. Needs BlockTerminationSignals() first.
 int RunRole(const std::function<absl::Status()>& run, const std::function<void(int)>& stop,
             absl::Duration grace, const std::string& what);
+
+// --metrics_port: with a port, serves `registry` at
+// http://0.0.0.0:<port>/metrics; with 0 (the default), null. UNAVAILABLE if
+// it cannot listen there, INVALID_ARGUMENT for a port out of range. Start it
+// once everything the registry reads exists, and destroy it before that goes.
+absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
+    const metrics::Registry* registry);
 
 // Resolves this process's cluster configuration for `role` from the flags and
 // the environment; on error prints "<binary>: <problem>" and exits 1.

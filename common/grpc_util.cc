@@ -92,6 +92,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& sel
   std::string host;
   int port = 0;
   if (absl::Status s = ParseHostPort(self_address, &host, &port); !s.ok()) return s;
+  // A process-wide switch that servers built from now on read.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound = 0;
   builder.AddListeningPort(
@@ -111,7 +113,49 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& sel
   if (server == nullptr || bound == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on port ", port, " (", listen,
                                                "): it is in use or not allowed"));
+  // The default health service starts SERVING: not ready until the role says
+  // so (a probe in the moment between the two sees SERVING).
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  if (health != nullptr) {
+    health->SetServingStatus("", false);
+    health->SetServingStatus(kLivenessService, true);
+  }
   return server;
+}
+
+void Readiness::Set(bool ready) {
+  absl::MutexLock lock(&mu_);
+  ready_ = ready;
+  if (health_ != nullptr) health_->SetServingStatus("", ready);
+}
+
+bool Readiness::ready() const {
+  absl::MutexLock lock(&mu_);
+  return ready_;
+}
+
+void Readiness::Attach(grpc::Server* server) {
+  absl::MutexLock lock(&mu_);
+  health_ = server->GetHealthCheckService();
+  if (health_ != nullptr) health_->SetServingStatus("", ready_);
+}
+
+void Readiness::Detach() {
+  absl::MutexLock lock(&mu_);
+  health_ = nullptr;
+}
+
+absl::Status RpcErrors::Count(absl::string_view method, absl::Status status) const {
+  if (status.ok() || registry_ == nullptr) return status;
+  // absl and gRPC share the canonical codes and their upper-case names.
+  registry_
+      ->GetCounter("psflow_rpc_errors_total",
+                   "Calls of this process to its peers that failed, by the gRPC status code.",
+                   {{"service", service_},
+                    {"method", std::string(method)},
+                    {"code", absl::StatusCodeToString(status.code())}})
+      ->Add();
+  return status;
 }
 
 ActiveCalls::Scope::Scope(ActiveCalls* calls, absl::Time deadline, bool wait_for_ready)

@@ -7,6 +7,7 @@
 #include <string>
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -14,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/cluster_config.h"
+#include "common/metrics.h"
 #include "common/security.h"
 
 namespace psflow {
@@ -50,11 +52,57 @@ std::string ListenAddress(const std::string& self_address);
 // limits, without SO_REUSEPORT (a port another process holds is an error,
 // never shared), secured as `security` says: every call of every service
 // passes a CallGate first (the token; with TLS, `callers`). UNAVAILABLE
-// naming the port if it cannot listen there.
+// naming the port if it cannot listen there. The server also answers the
+// standard gRPC health service (grpc.health.v1.Health; through the gate like
+// every service): the server as a whole (service "") starts NOT_SERVING, for
+// its role to declare ready (Readiness below), and service kLivenessService
+// is SERVING for as long as the server runs.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& self_address,
                                                           grpc::Service* service,
                                                           const SecurityOptions& security,
                                                           const CallerRoles& callers = {});
+
+// The health service name that answers SERVING while the process serves at
+// all, whether or not its role is ready: for liveness probes, which must not
+// fail (and restart the process) while a role waits for its peers.
+inline constexpr char kLivenessService[] = "liveness";
+
+// A role's readiness, shown as the serving status of service "" of the
+// standard gRPC health service. Logic that knows no gRPC reports through
+// Set; the server, which starts after that logic is built, is attached once
+// it runs and takes the latest state. Thread-safe.
+class Readiness {
+ public:
+  // NOT_SERVING until Set(true).
+  void Set(bool ready);
+  bool ready() const;
+  // Shows the current state on `server` (started by StartServer) from now
+  // on. Detach before the server is destroyed.
+  void Attach(grpc::Server* server);
+  void Detach();
+
+ private:
+  mutable absl::Mutex mu_;
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::HealthCheckServiceInterface* health_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+// Counts the failed calls of one client as
+// psflow_rpc_errors_total{service, method, code} (code as gRPC names it:
+// UNAVAILABLE, DEADLINE_EXCEEDED, ...). Thread-safe.
+class RpcErrors {
+ public:
+  // `registry` (may be null: nothing is counted) must outlive this;
+  // `service` is the full name of the service called ("psflow.ChiefService").
+  RpcErrors(metrics::Registry* registry, std::string service)
+      : registry_(registry), service_(std::move(service)) {}
+  // Counts `status` against `method` if it is an error, and returns it.
+  absl::Status Count(absl::string_view method, absl::Status status) const;
+
+ private:
+  metrics::Registry* const registry_;
+  const std::string service_;
+};
 
 // The calls in flight of one client, so that CancelAll can end them: each
 // call runs inside a Scope, whose context is cancelled at once if CancelAll

@@ -66,7 +66,7 @@ class Histogram {
   void Observe(double value);
 
   struct Snapshot {
-    std::vector<double> bounds;       // as given, without +Inf
+    std::vector<double> bounds;        // as given, without +Inf
     std::vector<uint64_t> cumulative;  // per bound, then +Inf (== count)
     double sum = 0;
     uint64_t count = 0;

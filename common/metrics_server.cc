@@ -30,7 +30,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port,
   const std::string ports = absl::StrCat("0.0.0.0:", port);
   // A scrape is one short request: two threads answer it, idle
   // connections are not kept for long.
-  const char* options[] = {"listening_ports",   ports.c_str(), "num_threads", "2",
+  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "2",
                            "request_timeout_ms", "10000",       nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof(callbacks));

@@ -4,6 +4,8 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/float16.h"
 #include "common/grpc_util.h"
 
 namespace psflow::ps {
@@ -15,9 +17,11 @@ namespace {
 // chunks that do not fit are DATA_LOSS, and so are messages of differing
 // versions unless `mixed_versions`. The stream is always drained, so that
 // Finish() returns.
+// *bytes (if given) adds up the chunks' data.
 template <typename Response>
 absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>* reader,
-                                                   ChunkAssembler* assembler, bool mixed_versions) {
+                                                   ChunkAssembler* assembler, bool mixed_versions,
+                                                   int64_t* bytes = nullptr) {
   std::optional<Response> first;
   Response response;
   absl::Status bad;
@@ -29,6 +33,7 @@ absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>*
     }
     for (const TensorChunk& chunk : response.chunk()) {
       if (!bad.ok()) break;
+      if (bytes != nullptr) *bytes += static_cast<int64_t>(chunk.data().size());
       bad = assembler->Add(chunk);
     }
     if (!first.has_value()) {
@@ -57,6 +62,15 @@ absl::Status WriteHeaderAndTensors(grpc::ClientWriter<Request>* writer, const He
   return FromGrpcStatus(writer->Finish());
 }
 
+// Bytes a push sends: its gradients in their wire dtype.
+int64_t WireBytesOf(const std::vector<TensorRef>& tensors) {
+  int64_t bytes = 0;
+  for (const TensorRef& t : tensors) bytes += NumElements(t.shape) * WireBytes(t.dtype);
+  return bytes;
+}
+
+constexpr char kService[] = "psflow.ParameterServer";
+
 }  // namespace
 
 bool GrpcClient::Reachable(int ps) const {
@@ -67,7 +81,24 @@ bool GrpcClient::Reachable(int ps) const {
 void GrpcClient::CancelAll() { calls_.CancelAll(); }
 
 GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-                       int connections_per_ps) {
+                       int connections_per_ps, metrics::Registry* metrics)
+    : errors_(metrics, kService) {
+  metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
+  push_bytes_ = m->GetHistogram("psflow_push_bytes",
+                                "Gradient bytes (in the wire dtype) sent by one push call to a ps.",
+                                metrics::ByteBuckets());
+  push_seconds_ =
+      m->GetHistogram("psflow_push_seconds", "Duration of one successful push call to a ps.",
+                      metrics::LatencyBuckets());
+  pull_bytes_ = m->GetHistogram(
+      "psflow_pull_bytes",
+      "Weight bytes (in the wire dtype) received by one pull call from a ps that carried them.",
+      metrics::ByteBuckets());
+  pull_seconds_ = m->GetHistogram(
+      "psflow_pull_seconds",
+      "Duration of one pull call from a ps that carried weights, the ps's wait for the version "
+      "included.",
+      metrics::LatencyBuckets());
   for (const std::string& a : addresses) {
     auto link = std::make_unique<Link>();
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
@@ -88,9 +119,10 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
                               absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   InitResponse response;
-  return WithPs(
-      ps, WriteHeaderAndTensors(links_[ps]->stubs[0]->Init(call.context(), &response).get(), header,
-                                std::move(tensors)));
+  return errors_.Count(
+      "Init",
+      WithPs(ps, WriteHeaderAndTensors(links_[ps]->stubs[0]->Init(call.context(), &response).get(),
+                                       header, std::move(tensors))));
 }
 
 absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
@@ -106,17 +138,23 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
   request.set_dtype(*dtype);
   for (int i : slices) request.add_slices(i);
   ChunkAssembler assembler(std::move(sinks));
+  const absl::Time start = absl::Now();
+  int64_t bytes = 0;
   absl::StatusOr<std::optional<PullResponse>> first =
       ReadChunks(NextStub(ps)->Pull(call.context(), request).get(), &assembler,
-                 /*mixed_versions=*/true);
-  if (!first.ok()) return WithPs(ps, first.status());
-  if (!first->has_value()) return WithPs(ps, absl::DataLossError("empty pull answer"));
+                 /*mixed_versions=*/true, &bytes);
+  if (!first.ok()) return errors_.Count("Pull", WithPs(ps, first.status()));
+  if (!first->has_value()) {
+    return errors_.Count("Pull", WithPs(ps, absl::DataLossError("empty pull answer")));
+  }
   PullResult result;
   result.version = (*first)->version();
   result.wait_us = (*first)->wait_us();
   if (result.version < min_version) return result;  // not yet
   absl::Status s = assembler.Finish();
-  if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
+  if (!s.ok()) return errors_.Count("Pull", WithPs(ps, absl::DataLossError(s.message())));
+  pull_bytes_->Observe(static_cast<double>(bytes));
+  pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
   return result;
 }
 
@@ -124,9 +162,13 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PushResponse response;
+  const int64_t bytes = WireBytesOf(grads);
+  const absl::Time start = absl::Now();
   absl::Status s = WriteHeaderAndTensors(NextStub(ps)->Push(call.context(), &response).get(),
                                          header, std::move(grads));
-  if (!s.ok()) return WithPs(ps, s);
+  if (!s.ok()) return errors_.Count("Push", WithPs(ps, s));
+  push_bytes_->Observe(static_cast<double>(bytes));
+  push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
   return response;
 }
 
@@ -135,7 +177,7 @@ absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
   PsState state;
   absl::Status s =
       FromGrpcStatus(links_[ps]->stubs[0]->GetState(call.context(), GetStateRequest(), &state));
-  if (!s.ok()) return WithPs(ps, s);
+  if (!s.ok()) return errors_.Count("GetState", WithPs(ps, s));
   return state;
 }
 
@@ -147,8 +189,9 @@ absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vect
   for (int w : live) request.add_live_workers(w);
   request.set_from_version(from_version);
   SetLiveWorkersResponse response;
-  return WithPs(
-      ps, FromGrpcStatus(links_[ps]->stubs[0]->SetLiveWorkers(call.context(), request, &response)));
+  return errors_.Count("SetLiveWorkers",
+                       WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->SetLiveWorkers(
+                                      call.context(), request, &response))));
 }
 
 absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
@@ -164,12 +207,13 @@ absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
   absl::StatusOr<std::optional<SnapshotResponse>> first =
       ReadChunks(links_[ps]->stubs[0]->Snapshot(call.context(), request).get(), &assembler,
                  /*mixed_versions=*/false);
-  if (!first.ok()) return WithPs(ps, first.status());
+  if (!first.ok()) return errors_.Count("Snapshot", WithPs(ps, first.status()));
   if (!first->has_value() || (*first)->version() != version) {
-    return WithPs(ps, absl::DataLossError("snapshot of another version"));
+    return errors_.Count("Snapshot",
+                         WithPs(ps, absl::DataLossError("snapshot of another version")));
   }
   absl::Status s = assembler.Finish();
-  return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
+  return s.ok() ? s : errors_.Count("Snapshot", WithPs(ps, absl::DataLossError(s.message())));
 }
 
 absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
@@ -178,7 +222,9 @@ absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) 
   ShutdownRequest request;
   request.set_job_id(job_id);
   ShutdownResponse response;
-  return WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->Shutdown(&context, request, &response)));
+  return errors_.Count(
+      "Shutdown",
+      WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->Shutdown(&context, request, &response))));
 }
 
 }  // namespace psflow::ps

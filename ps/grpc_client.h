@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/grpc_util.h"
+#include "common/metrics.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps/client.h"
 
@@ -18,11 +19,13 @@ namespace psflow::ps {
 // wait-for-ready) until their deadline. With `connections_per_ps` > 1,
 // pulls and pushes to one ps take its connections in turn (so that
 // concurrent ones spread over them); other calls use the first. Channels are
-// secured as `security` says (MakeChannel).
+// secured as `security` says (MakeChannel). `metrics` (may be null; must
+// outlive the client) gets the bytes and durations of pushes and pulls and
+// the failed calls by code.
 class GrpcClient final : public Client {
  public:
   GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-             int connections_per_ps = 1);
+             int connections_per_ps = 1, metrics::Registry* metrics = nullptr);
   int num_ps() const override { return static_cast<int>(links_.size()); }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
@@ -53,6 +56,12 @@ class GrpcClient final : public Client {
 
   std::vector<std::unique_ptr<Link>> links_;
   ActiveCalls calls_;
+  std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
+  RpcErrors errors_;
+  metrics::Histogram* push_bytes_;
+  metrics::Histogram* push_seconds_;
+  metrics::Histogram* pull_bytes_;
+  metrics::Histogram* pull_seconds_;
 };
 
 }  // namespace psflow::ps

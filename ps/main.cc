@@ -18,6 +18,7 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "common/metrics.h"
 #include "common/signals.h"
 #include "common/thread_pool.h"
 #include "ps/service.h"
@@ -52,6 +53,32 @@ int ApplyThreads(const psflow::ClusterConfig& config) {
   }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::max(1, cores / std::max(1, ps_here));
+}
+
+// The shard's own counts (since its last Init, so a reload starts them again
+// at 0: a counter reset to Prometheus) and version, read at each scrape.
+void AddShardMetrics(const psflow::ps::Shard& shard, psflow::metrics::Registry& metrics) {
+  using Stats = psflow::ps::Shard::Stats;
+  auto read = [&shard](int64_t Stats::*field) {
+    return [&shard, field] { return static_cast<double>(shard.stats().*field); };
+  };
+  metrics.SetGaugeFunction("psflow_ps_version",
+                           "Steps this ps has applied to every one of its slices (its version).",
+                           read(&Stats::version));
+  metrics.SetCounterFunction("psflow_ps_applied_steps_total",
+                             "Steps applied since this ps last took a job.", read(&Stats::applied));
+  metrics.SetCounterFunction(
+      "psflow_ps_stale_pushes_total",
+      "Pushes for a step already applied, dropped, since this ps last took a job.",
+      read(&Stats::stale));
+  metrics.SetCounterFunction(
+      "psflow_ps_duplicate_pushes_total",
+      "Repeated pushes of a worker for a step (retries), ignored, since this ps last took a job.",
+      read(&Stats::duplicate));
+  metrics.SetCounterFunction(
+      "psflow_ps_refused_pushes_total",
+      "Pushes refused for a non-finite gradient since this ps last took a job.",
+      read(&Stats::refused_pushes));
 }
 
 }  // namespace
@@ -90,12 +117,19 @@ int main(int argc, char** argv) {
   // stream goes on while its slices are applied; a few at once.
   psflow::ThreadPool appliers(std::min(4, apply_threads));
   PSLOG(INFO) << "applying each step on " << apply_threads << " thread(s)";
+  // Before the shard and the service, which record into it; its function
+  // series read the shard until the metrics server stops (below).
+  psflow::metrics::Registry metrics;
+  psflow::Readiness readiness;  // ready once the ps holds a job
   psflow::ps::Shard shard(apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, &appliers);
   absl::Notification stop;
   std::once_flag stop_once;
   std::atomic<int> exit_code{0};
   auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
-  psflow::ps::PsService service(config.task_index, &shard, request_stop, limits);
+  psflow::ps::PsService service(
+      config.task_index, &shard, request_stop, &metrics,
+      [&readiness](bool ready) { readiness.Set(ready); }, limits);
+  AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
     if (!terminated.HasBeenNotified()) terminated.Notify();
@@ -110,14 +144,27 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
   }
+  readiness.Attach(server->get());
+  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
+      psflow::ServeMetrics(&metrics);
+  if (!metrics_server.ok()) {
+    PSLOG(ERROR) << metrics_server.status().message();
+    readiness.Detach();
+    return psflow::kExitPermanent;
+  }
   PSLOG(INFO) << "listening on " << config.self_address;
   stop.WaitForNotification();
-  shard.Shutdown();  // wakes waiting pulls so the server can drain
+  readiness.Set(false);  // the job is over (or the process stops): not ready
+  shard.Shutdown();      // wakes waiting pulls so the server can drain
+  // With --exit_when_done=false the server stays up while idle, so that the
+  // health service still shows the process alive.
+  const int code = psflow::FinishOrIdle(exit_code, terminated);
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  readiness.Detach();
   psflow::ps::Shard::Stats stats = shard.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
               << ", duplicates " << stats.duplicate << ", refused for non-finite gradients "
               << stats.refused_pushes << ", streams refused over a bound "
               << service.refused_streams() << ")";
-  return psflow::FinishOrIdle(exit_code, terminated);
+  return code;
 }

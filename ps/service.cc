@@ -179,8 +179,11 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
     if (finished_) return;
     finished_ = true;
     Disarm();
+    Finishing(status);
     this->Finish(ToGrpcStatus(status));
   }
+  // What a subclass records of the call's end (once, just before Finish).
+  virtual void Finishing(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
 
   PsService* const service_;
   const std::string peer_;
@@ -302,6 +305,7 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     if (!pulled->has_value()) return NotThere(deadline);
     Disarm();
     value_ = (*pulled)->value;
+    bytes_ += static_cast<int64_t>(value_->size()) * WireBytes(dtype_);
     splitter_ = std::make_unique<ChunkSplitter>(
         std::vector<TensorRef>{SliceValueRef((*specs_)[indices_[k_]], value_, dtype_)},
         kChunkBytes);
@@ -321,6 +325,7 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     Disarm();
     if (k_ == 0 && deadline < call_deadline_) {
       // max_wait passed: the version only ("not yet"); the caller asks again.
+      not_yet_ = true;
       response_.Clear();
       response_.set_version(service_->shard_->stats().version);
       finish_after_write_ = true;
@@ -332,13 +337,23 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
                                                           service_->shard_->stats().version)));
   }
 
+  // A pull that carried what it asked for (slices, or the version alone)
+  // goes to the service's metrics; a "not yet" answer or a failure does not.
+  void Finishing(const absl::Status& status) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!status.ok() || not_yet_) return;
+    service_->pull_bytes_->Observe(static_cast<double>(bytes_));
+    service_->pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+
   const PullRequest request_;
   const absl::Time start_;
   std::shared_ptr<const std::vector<SliceSpec>> specs_;
   std::vector<int> indices_;
   DataType dtype_ = DT_FLOAT;
   absl::Time wait_deadline_;
-  size_t k_ ABSL_GUARDED_BY(mu_) = 0;  // the slice being sent (index into indices_)
+  size_t k_ ABSL_GUARDED_BY(mu_) = 0;          // the slice being sent (index into indices_)
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // of the slices sent, in the wire dtype
+  bool not_yet_ ABSL_GUARDED_BY(mu_) = false;  // the answer is the version only
   Shard::Value value_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
 };
@@ -401,12 +416,32 @@ class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
 };
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
+                     metrics::Registry* metrics, std::function<void(bool)> on_job,
                      StreamLimits limits)
     : ps_index_(ps_index),
       shard_(shard),
       on_shutdown_(std::move(on_shutdown)),
-      limits_(limits),
-      wakers_(std::make_unique<ThreadPool>(2)) {}
+      on_job_(std::move(on_job)),
+      limits_(limits) {
+  metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
+  push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",
+                                "Gradient bytes (in the wire dtype) received by one push call.",
+                                metrics::ByteBuckets());
+  push_seconds_ =
+      m->GetHistogram("psflow_ps_push_seconds",
+                      "Duration of one push call on the ps, from its header to the answer.",
+                      metrics::LatencyBuckets());
+  pull_bytes_ = m->GetHistogram("psflow_ps_pull_bytes",
+                                "Weight bytes (in the wire dtype) sent by one pull call (the "
+                                "answers 'not yet' left out).",
+                                metrics::ByteBuckets());
+  pull_seconds_ = m->GetHistogram(
+      "psflow_ps_pull_seconds",
+      "Duration of one pull call on the ps, waiting for the version included (the answers "
+      "'not yet' left out).",
+      metrics::LatencyBuckets());
+  wakers_ = std::make_unique<ThreadPool>(2);
+}
 
 PsService::~PsService() = default;
 
@@ -478,6 +513,7 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   PSLOG(INFO) << "holding " << header.slice_size() << " slices of job " << header.job_id()
               << " at version " << header.version() << " for " << header.live_workers_size()
               << " workers";
+  if (on_job_) on_job_(true);
   return grpc::Status::OK;
 }
 
@@ -494,6 +530,7 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   PushRequest request;
   absl::StatusOr<PushHeader> header = ReadHeader(reader, request, "push");
   if (!header.ok()) return ToGrpcStatus(header.status());
+  const absl::Time start = absl::Now();  // an answered push goes to the metrics
   absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices =
       shard_->Slices(header->job_id());
   if (!slices.ok()) return ToGrpcStatus(slices.status());
@@ -515,6 +552,8 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
     shard_->CountOutcome(*outcome);
     response->set_outcome(*outcome);
     response->set_version(shard_->stats().version);
+    push_bytes_->Observe(0);
+    push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
     return grpc::Status::OK;
   }
   // The chunks come in the job's wire dtype and are decoded into fp32; each
@@ -531,8 +570,10 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
     stale |= *outcome == PushResponse::STALE;
     return absl::OkStatus();
   };
+  int64_t bytes = 0;
   do {
     for (const TensorChunk& chunk : request.chunk()) {
+      bytes += static_cast<int64_t>(chunk.data().size());
       int completed = -1;
       absl::Status s = assembler.Add(chunk, &completed);
       if (s.ok() && completed >= 0) {
@@ -553,6 +594,8 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   shard_->CountOutcome(outcome);
   response->set_outcome(outcome);
   response->set_version(shard_->stats().version);
+  push_bytes_->Observe(static_cast<double>(bytes));
+  push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
   return grpc::Status::OK;
 }
 

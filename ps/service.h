@@ -21,6 +21,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
 #include "common/security.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
@@ -47,7 +48,11 @@ class PsService final
   // `ps_index` is this server's task index: an Init for another index is
   // refused. `on_shutdown` is called for an accepted Shutdown; it
   // must only signal (the caller stops the server, letting this call finish).
+  // `metrics` (may be null; must outlive the service) gets the sizes and
+  // durations of pushes and pulls. `on_job` (may be null) is called with true
+  // after every accepted Init: the ps holds a job (is ready).
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
+            metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
             StreamLimits limits = {});
   ~PsService() override;
 
@@ -89,8 +94,15 @@ class PsService final
   int ps_index_;
   Shard* shard_;
   std::function<void()> on_shutdown_;
+  std::function<void(bool)> on_job_;
   const StreamLimits limits_;
-  // Runs what a shard's waiter wakes (never under the shard's lock).
+  std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
+  metrics::Histogram* push_bytes_;
+  metrics::Histogram* push_seconds_;
+  metrics::Histogram* pull_bytes_;
+  metrics::Histogram* pull_seconds_;
+  // Runs what a shard's waiter wakes (never under the shard's lock); its
+  // threads may record into the metrics, so it goes first.
   std::unique_ptr<ThreadPool> wakers_;
 
   mutable absl::Mutex streams_mu_;

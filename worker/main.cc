@@ -6,7 +6,6 @@
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -17,6 +16,7 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "common/metrics.h"
 #include "common/signals.h"
 #include "ps/grpc_client.h"
 #include "worker/service.h"
@@ -59,30 +59,46 @@ int main(int argc, char** argv) {
   }
   psflow::SetLogTag(absl::StrCat("worker", config.task_index));
 
+  // Before everything that records into it.
+  psflow::metrics::Registry metrics;
+  psflow::Readiness readiness;  // ready while registered with the chief
   psflow::worker::TrainerOptions options;
   options.worker_index = config.task_index;
   options.device = absl::GetFlag(FLAGS_device);
   options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  options.on_registered = [&readiness](bool registered) { readiness.Set(registered); };
   // About 16 streams each way keep a host's loopback and the ps busy (measured
   // with 2, 4 and 8 ps on an H100 host: docs/performance.md).
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
-  psflow::chief::GrpcClient chief(config.cluster.chief[0], security);
+  psflow::chief::GrpcClient chief(config.cluster.chief[0], security, &metrics);
   psflow::worker::Trainer trainer(
       options, &chief,
-      [&security, connections = options.lanes_per_ps](const std::vector<std::string>& addresses) {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections);
+      [&security, &metrics, connections = options.lanes_per_ps](
+          const std::vector<std::string>& addresses) -> std::unique_ptr<psflow::ps::Client> {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics);
       });
+  metrics.SetGaugeFunction(
+      "psflow_worker_step",
+      "The step this worker computes (the last one reached once finished); 0 before it joins.",
+      [&trainer] { return static_cast<double>(trainer.Status().step); });
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);
-  grpc::EnableDefaultHealthCheckService(true);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
       psflow::StartServer(config.self_address, &service, security);
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
+    return psflow::kExitPermanent;
+  }
+  readiness.Attach(server->get());
+  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
+      psflow::ServeMetrics(&metrics);
+  if (!metrics_server.ok()) {
+    PSLOG(ERROR) << metrics_server.status().message();
+    readiness.Detach();
     return psflow::kExitPermanent;
   }
   // Calls in flight are cancelled on a signal; do not wait for more than a few seconds.
@@ -90,5 +106,6 @@ int main(int argc, char** argv) {
       psflow::RunRole([&] { return trainer.Run(); }, [&](int sig) { trainer.Stop(sig); },
                       absl::Seconds(6), "stopping after the call in flight");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  readiness.Detach();
   return code;
 }

@@ -133,16 +133,19 @@ absl::Status Trainer::Register() {
             std::vector<std::string>(response->ps_address().begin(), response->ps_address().end()));
         if (client == nullptr) return absl::InternalError("no client for the ps");
       }
-      absl::MutexLock lock(&mu_);
-      // Metrics not yet reported belong to a job that is gone: its steps
-      // are done again.
-      if (job_id_ != response->job_id()) pending_.clear();
-      job_id_ = response->job_id();
-      if (first) {
-        ps_ = std::move(client);
-        if (stop_signal_ != 0) ps_->CancelAll();  // Stop came before there was a client to cancel
+      {
+        absl::MutexLock lock(&mu_);
+        // Metrics not yet reported belong to a job that is gone: its steps
+        // are done again.
+        if (job_id_ != response->job_id()) pending_.clear();
+        job_id_ = response->job_id();
+        if (first) {
+          ps_ = std::move(client);
+          if (stop_signal_ != 0) ps_->CancelAll();  // Stop came before there was a client to cancel
+        }
+        reregister_ = false;
       }
-      reregister_ = false;
+      SetRegistered(true);
       return absl::OkStatus();
     }
     last = response.status();
@@ -153,6 +156,10 @@ absl::Status Trainer::Register() {
   return absl::UnavailableError(absl::StrCat(options_.chief_address, " unreachable after ",
                                              absl::FormatDuration(options_.startup_timeout), ": ",
                                              last.message()));
+}
+
+void Trainer::SetRegistered(bool registered) const {
+  if (options_.on_registered) options_.on_registered(registered);
 }
 
 absl::Status Trainer::Prepare() {
@@ -538,6 +545,7 @@ absl::Status Trainer::TrainAndWait() {
     if (IsRegisterAgain(s)) {
       PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again ("
                   << s.message() << ")";
+      SetRegistered(false);
       // While the chief reloads the ps, registering again at once just spins.
       absl::SleepFor(register_backoff_.Next());
       s = Register();
@@ -560,6 +568,7 @@ absl::Status Trainer::TrainAndWait() {
       if (!report_error_.ok()) return report_error_;
       finished_ = false;  // the chief went back to a checkpoint: train on
     }
+    SetRegistered(false);
     absl::Status s2 = Register();
     if (!s2.ok()) {
       absl::MutexLock lock(&mu_);
@@ -571,12 +580,15 @@ absl::Status Trainer::TrainAndWait() {
 
 absl::Status Trainer::Run() {
   absl::Status s = Register();
-  if (!s.ok()) return s;
-  s = Prepare();
-  if (!s.ok()) return s;
+  if (s.ok()) s = Prepare();
+  if (!s.ok()) {
+    SetRegistered(false);
+    return s;
+  }
   std::thread reporter([this] { ReportLoop(); });
   s = TrainAndWait();
   reporter.join();
+  SetRegistered(false);
   absl::MutexLock lock(&mu_);
   // The chief's verdict wins over how training ended (a pull it cancelled).
   if (job_failed_) return absl::FailedPreconditionError("the chief failed the job; exiting");

@@ -79,6 +79,10 @@ struct TrainerOptions {
   // worker/main.cc makes them match), of at least lane_bytes each.
   int lanes_per_ps = 4;
   int64_t lane_bytes = int64_t{1} << 20;
+  // Called (if set) with true after each registration with the chief, and
+  // with false when the worker registers again or Run returns: whether it
+  // takes part in a job (its readiness). Called from Run's thread.
+  std::function<void(bool)> on_registered;
 };
 
 // Makes the client of the ps at `addresses` (by ps index), once, at the first
@@ -120,6 +124,8 @@ class Trainer {
 
  private:
   absl::Status Register();
+  // Tells options_.on_registered, if set.
+  void SetRegistered(bool registered) const;
   absl::Status Prepare();
   // Trains from `start` to the last step (OK), or ends with a status that
   // IsRegisterAgain or that ends Run.
