@@ -192,22 +192,39 @@ int RunCluster(const LaunchOptions& o) {
     children.push_back(std::move(c));
     return true;
   };
-  bool started = start("chief", "chief", 0, o.chief_args);
-  for (int i = 0; started && i < o.num_ps; ++i) started = start(absl::StrCat("ps", i), "ps", i, {});
+  // --metrics_port of the process with this index (chief 0, ps, workers,
+  // evaluators).
+  auto metrics = [&](int i) -> std::vector<std::string> {
+    if (o.metrics_base_port <= 0) return {};
+    return {absl::StrCat("--metrics_port=", o.metrics_base_port + i)};
+  };
+  std::vector<std::string> chief_extra = metrics(0);
+  chief_extra.insert(chief_extra.end(), o.chief_args.begin(), o.chief_args.end());
+  bool started = start("chief", "chief", 0, chief_extra);
+  for (int i = 0; started && i < o.num_ps; ++i)
+    started = start(absl::StrCat("ps", i), "ps", i, metrics(1 + i));
   for (int i = 0; started && i < o.num_workers; ++i) {
-    std::vector<std::string> extra;
+    std::vector<std::string> extra = metrics(1 + o.num_ps + i);
     if (i < static_cast<int>(o.worker_devices.size()))
       extra.push_back("--device=" + o.worker_devices[i]);
     started = start(absl::StrCat("worker", i), "worker", i, extra);
   }
-  for (int i = 0; started && i < o.num_evaluators; ++i)
-    started = start(absl::StrCat("evaluator", i), "evaluator", i,
-                    o.evaluator_device.empty()
-                        ? std::vector<std::string>{}
-                        : std::vector<std::string>{"--device=" + o.evaluator_device});
+  for (int i = 0; started && i < o.num_evaluators; ++i) {
+    std::vector<std::string> extra = metrics(1 + o.num_ps + o.num_workers + i);
+    if (!o.evaluator_device.empty()) extra.push_back("--device=" + o.evaluator_device);
+    started = start(absl::StrCat("evaluator", i), "evaluator", i, extra);
+  }
   Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
                    absl::StrJoin(worker_hosts, ","), evaluator_hosts.empty() ? "" : ", evaluators ",
                    absl::StrJoin(evaluator_hosts, ",")));
+  if (o.metrics_base_port > 0) {
+    const int last = o.num_ps + o.num_workers + o.num_evaluators;
+    Say(absl::StrCat("metrics: http://", o.host, ":", o.metrics_base_port,
+                     "/metrics (chief) to :", o.metrics_base_port + last, " (",
+                     o.num_evaluators > 0 ? absl::StrCat("evaluator", o.num_evaluators - 1)
+                                          : absl::StrCat("worker", o.num_workers - 1),
+                     ")"));
+  }
 
   auto signal_all = [&](int sig) {
     for (Child& c : children) {

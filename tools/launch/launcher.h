@@ -37,6 +37,10 @@ struct LaunchOptions {
   // last code.
   bool restart_on_failure = false;
   int max_restarts = 20;
+  // With a port, each process serves /metrics (--metrics_port) on the ports
+  // from it on: the chief on metrics_base_port, ps i on +1+i, worker i on
+  // +1+num_ps+i, evaluator i on +1+num_ps+num_workers+i. 0: none does.
+  int metrics_base_port = 0;
 };
 
 // Runs the cluster; returns the chief's exit code, or the code of the first

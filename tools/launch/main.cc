@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, tls_dir, "",
           "scripts/make-certs.sh DIR: each process gets --tls_cert/--tls_key of its own role "
           "(DIR/<role>.crt, .key), --tls_ca=DIR/ca.crt and --auth_token_file=DIR/token (when "
           "there is one). Default: plaintext.");
+ABSL_FLAG(int, metrics_base_port, 0,
+          "Serve each process's Prometheus metrics from this port on: --metrics_port of the chief "
+          "is this port, of ps i this + 1 + i, of worker i this + 1 + --ps + i, of evaluator i "
+          "this + 1 + --ps + --workers + i. 0: no metrics.");
 
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
@@ -72,6 +76,7 @@ int main(int argc, char** argv) {
   }
   o.restart_on_failure = restart == "on-failure";
   o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  o.metrics_base_port = absl::GetFlag(FLAGS_metrics_base_port);
   if (o.num_ps < 1 || o.num_workers < 1 || o.num_evaluators < 0) {
     std::fprintf(stderr,
                  "psflow-launch: --ps and --workers must be at least 1, --evaluators not "
@@ -92,6 +97,13 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+  }
+  if (o.metrics_base_port < 0 ||
+      o.metrics_base_port + o.num_ps + o.num_workers + o.num_evaluators > 65535) {
+    std::fprintf(stderr,
+                 "psflow-launch: --metrics_base_port must be 0 or leave a port for every process "
+                 "below 65536\n");
+    return 1;
   }
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
   o.evaluator_device = absl::GetFlag(FLAGS_evaluator_device);
