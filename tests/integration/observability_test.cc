@@ -1,0 +1,426 @@
+// Process-level tests of what operators watch: every role's Prometheus
+// /metrics (--metrics_port) scraped while a real job trains and parsed by the
+// Prometheus project's Python parser, and the standard gRPC health service,
+// whose server-wide status follows each role's readiness.
+#include <signal.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/health.grpc.pb.h"
+#include "tests/integration/process.h"
+
+#ifndef PSFLOW_SOURCE_DIR
+#error "PSFLOW_SOURCE_DIR (the source tree, for parse_metrics.py) must be defined"
+#endif
+#ifndef PSFLOW_PYTHON3
+#error "PSFLOW_PYTHON3 (Debian's python3, which has python3-prometheus-client) must be defined"
+#endif
+
+namespace psflow::itest {
+namespace {
+
+using ::grpc::health::v1::HealthCheckRequest;
+using ::grpc::health::v1::HealthCheckResponse;
+using ::testing::SizeIs;
+
+std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+// ---------------------------------------------------------------------------
+// Scraping
+
+// The body of GET http://127.0.0.1:<port><path> if the answer is 200; "" and
+// the status line (or why there is none) in *error otherwise.
+std::string HttpGet(int port, const std::string& path, std::string* error) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    *error = "cannot connect to port " + std::to_string(port);
+    return "";
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string answer;
+  char buf[8192];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  const size_t body = answer.find("\r\n\r\n");
+  const std::string status = answer.substr(0, answer.find("\r\n"));
+  if (body == std::string::npos || status.find(" 200 ") == std::string::npos) {
+    *error = "answer: " + status;
+    return "";
+  }
+  return answer.substr(body + 4);
+}
+
+// One scrape as the Prometheus parser read it.
+struct Scrape {
+  std::string text;                          // as served
+  std::map<std::string, std::string> types;  // family (the parser's name) -> type
+  std::map<std::string, double> samples;     // "name{k=v,...}" -> value
+  std::set<std::string> names;               // sample names
+  // The value of sample `name` with `labels` ("k=v,..." sorted), -1 if absent.
+  double Value(const std::string& name, const std::string& labels = "") const {
+    auto it = samples.find(name + "{" + labels + "}");
+    return it == samples.end() ? -1 : it->second;
+  }
+  // The sum over every series of sample `name`.
+  double Sum(const std::string& name) const {
+    double sum = 0;
+    for (const auto& [key, value] : samples) {
+      if (key.compare(0, name.size() + 1, name + "{") == 0) sum += value;
+    }
+    return sum;
+  }
+};
+
+class ObservabilityTest : public TempDirTest {
+ protected:
+  // Scrapes port's /metrics and parses it with parse_metrics.py; fails the
+  // test (and returns what it has) when either fails; sets skip_ when the
+  // parser is not installed.
+  Scrape ScrapeAndParse(int port, const std::string& what) {
+    Scrape s;
+    std::string error;
+    s.text = HttpGet(port, "/metrics", &error);
+    EXPECT_NE(s.text, "") << what << ": " << error;
+    const std::string file = dir_ + "/scrape" + std::to_string(++scrapes_) + ".txt";
+    std::ofstream(file) << s.text;
+    RunResult r =
+        RunProcess(PSFLOW_PYTHON3,
+                   {std::string(PSFLOW_SOURCE_DIR) + "/tests/integration/parse_metrics.py", file},
+                   {}, seconds(30));
+    if (r.exit_code == 77) {
+      skip_ = r.err;
+      return s;
+    }
+    EXPECT_EQ(r.exit_code, 0) << what << " (" << file << "):\n" << r.description;
+    for (const std::string& line : Lines(r.out)) {
+      std::vector<std::string> f;
+      size_t start = 0;
+      for (size_t tab; (tab = line.find('\t', start)) != std::string::npos; start = tab + 1)
+        f.push_back(line.substr(start, tab - start));
+      f.push_back(line.substr(start));
+      if (f[0] == "TYPE" && f.size() == 3) s.types[f[1]] = f[2];
+      if (f[0] == "SAMPLE" && f.size() == 4) {
+        s.samples[f[1] + "{" + f[2] + "}"] = std::stod(f[3]);
+        s.names.insert(f[1]);
+      }
+    }
+    return s;
+  }
+
+  // Every family of `wanted` (name -> type, the parser's family names) is
+  // there with that type and at least one sample.
+  void ExpectFamilies(const Scrape& s, const std::map<std::string, std::string>& wanted,
+                      const std::string& what) {
+    for (const auto& [family, type] : wanted) {
+      auto it = s.types.find(family);
+      if (it == s.types.end()) {
+        ADD_FAILURE() << what << " serves no " << family << "\n" << s.text;
+        continue;
+      }
+      EXPECT_EQ(it->second, type) << what << ": " << family;
+      const std::string sample = type == "counter"     ? family + "_total"
+                                 : type == "histogram" ? family + "_count"
+                                                       : family;
+      EXPECT_TRUE(s.names.count(sample)) << what << ": no sample " << sample << "\n" << s.text;
+    }
+  }
+
+  int scrapes_ = 0;
+  std::string skip_;  // why the parser could not run
+};
+
+// What each role serves (family -> type, as the parser names them).
+const std::map<std::string, std::string> kChiefFamilies = {
+    {"psflow_global_step", "gauge"},
+    {"psflow_examples_per_second", "gauge"},
+    {"psflow_step_seconds", "gauge"},
+    {"psflow_step_phase_seconds", "counter"},
+    {"psflow_examples", "counter"},
+    {"psflow_loss", "gauge"},
+    {"psflow_accuracy", "gauge"},
+    {"psflow_live_workers", "gauge"},
+    {"psflow_workers", "gauge"},
+    {"psflow_live_ps", "gauge"},
+    {"psflow_ps", "gauge"},
+    {"psflow_checkpoint_seconds", "histogram"},
+    {"psflow_checkpoint_bytes", "gauge"},
+    {"psflow_checkpoint_step", "gauge"},
+    {"psflow_rpc_errors", "counter"},
+};
+const std::map<std::string, std::string> kPsFamilies = {
+    {"psflow_ps_version", "gauge"},          {"psflow_ps_applied_steps", "counter"},
+    {"psflow_ps_stale_pushes", "counter"},   {"psflow_ps_duplicate_pushes", "counter"},
+    {"psflow_ps_refused_pushes", "counter"}, {"psflow_ps_push_bytes", "histogram"},
+    {"psflow_ps_push_seconds", "histogram"}, {"psflow_ps_pull_bytes", "histogram"},
+    {"psflow_ps_pull_seconds", "histogram"},
+};
+const std::map<std::string, std::string> kWorkerFamilies = {
+    {"psflow_push_bytes", "histogram"}, {"psflow_push_seconds", "histogram"},
+    {"psflow_pull_bytes", "histogram"}, {"psflow_pull_seconds", "histogram"},
+    {"psflow_worker_step", "gauge"},    {"psflow_rpc_errors", "counter"},
+};
+
+// A chief, one ps and two workers, each with --metrics_port, train the mlp.
+// Scraped twice while training, every counter that counts work has moved.
+// Then the ps is killed and comes back 3 s later (so the chief's look at it
+// times out and the workers' calls in flight fail): the chief reloads it from
+// the checkpoint, and every role serves every metric, the failed calls
+// counted by code.
+TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
+  const std::vector<int> p = FreePorts(8);
+  ASSERT_THAT(p, SizeIs(8));
+  // gRPC: chief, ps, worker0, worker1; metrics: the same order.
+  const std::vector<std::string> hosts = {"--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
+                                          "--worker_hosts=" + Addr(p[2]) + "," + Addr(p[3])};
+  auto args = [&](const std::string& role, int index, int metrics_port) {
+    std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index),
+                                  "--metrics_port=" + std::to_string(metrics_port)};
+    a.insert(a.end(), hosts.begin(), hosts.end());
+    return a;
+  };
+  std::vector<std::string> chief_args = args("chief", 0, p[4]);
+  for (const char* a : {"--model=mlp", "--train_steps=1000000", "--log_every_steps=20",
+                        "--checkpoint_every_steps=40", "--compute_threads=1"}) {
+    chief_args.push_back(a);
+  }
+  chief_args.push_back("--model_dir=" + dir_ + "/model");
+  auto ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[5]));
+  Process worker0(Bin("psflow-worker"), args("worker", 0, p[6]));
+  Process worker1(Bin("psflow-worker"), args("worker", 1, p[7]));
+  Process chief(Bin("psflow-chief"), chief_args);
+  auto describe = [&] {
+    return "\n===== chief\n" + chief.Describe() + "\n===== ps\n" + ps->Describe() +
+           "\n===== worker0\n" + worker0.Describe() + "\n===== worker1\n" + worker1.Describe();
+  };
+  ASSERT_TRUE(chief.WaitForOutput("checkpoint of step", seconds(120))) << describe();
+  ASSERT_TRUE(chief.WaitForOutput("chief] step 60/", seconds(60))) << describe();
+
+  const std::vector<std::pair<std::string, int>> roles = {
+      {"chief", p[4]}, {"ps", p[5]}, {"worker0", p[6]}, {"worker1", p[7]}};
+  std::map<std::string, Scrape> first, second;
+  for (const auto& [name, port] : roles) first[name] = ScrapeAndParse(port, name);
+  if (!skip_.empty()) GTEST_SKIP() << skip_;
+  std::this_thread::sleep_for(milliseconds(1500));
+  for (const auto& [name, port] : roles) second[name] = ScrapeAndParse(port, name);
+  ASSERT_FALSE(HasFailure()) << describe();
+
+  // Training moves the counters between the two scrapes.
+  EXPECT_GT(second["chief"].Value("psflow_examples_total"),
+            first["chief"].Value("psflow_examples_total"));
+  EXPECT_GT(second["chief"].Value("psflow_global_step"),
+            first["chief"].Value("psflow_global_step"));
+  EXPECT_GT(second["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"),
+            first["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"));
+  EXPECT_GT(second["ps"].Value("psflow_ps_applied_steps_total"),
+            first["ps"].Value("psflow_ps_applied_steps_total"));
+  EXPECT_GT(second["ps"].Value("psflow_ps_push_bytes_count"),
+            first["ps"].Value("psflow_ps_push_bytes_count"));
+  for (const std::string w : {"worker0", "worker1"}) {
+    EXPECT_GT(second[w].Value("psflow_push_bytes_count"), first[w].Value("psflow_push_bytes_count"))
+        << w;
+    EXPECT_GT(second[w].Value("psflow_pull_bytes_sum"), first[w].Value("psflow_pull_bytes_sum"))
+        << w;
+    EXPECT_GT(second[w].Value("psflow_worker_step"), first[w].Value("psflow_worker_step")) << w;
+  }
+  // Values that follow from the job.
+  const Scrape& c = second["chief"];
+  EXPECT_EQ(c.Value("psflow_workers"), 2);
+  EXPECT_EQ(c.Value("psflow_live_workers"), 2);
+  EXPECT_EQ(c.Value("psflow_ps"), 1);
+  EXPECT_EQ(c.Value("psflow_live_ps"), 1);
+  EXPECT_GT(c.Value("psflow_examples_per_second"), 0);
+  EXPECT_GT(c.Value("psflow_loss"), 0);
+  EXPECT_GE(c.Value("psflow_accuracy"), 0);
+  EXPECT_LE(c.Value("psflow_accuracy"), 1);
+  for (const char* phase : {"pull", "compute", "push", "wait"})
+    EXPECT_GE(c.Value("psflow_step_seconds", std::string("phase=") + phase), 0) << phase;
+  EXPECT_GE(c.Value("psflow_checkpoint_seconds_count"), 1);
+  EXPECT_GE(c.Value("psflow_checkpoint_step"), 40);
+  // The mlp's 784*256 + 256 + 256*256 + 256 + 256*10 + 10 floats, with no optimizer slots (sgd).
+  EXPECT_EQ(c.Value("psflow_checkpoint_bytes"), 4.0 * (784 * 256 + 256 + 256 * 256 + 256 + 2570));
+  // A histogram's +Inf bucket is its count.
+  EXPECT_EQ(second["ps"].Value("psflow_ps_push_seconds_bucket", "le=+Inf"),
+            second["ps"].Value("psflow_ps_push_seconds_count"));
+
+  // The ps goes away for longer than the chief's look at it may take (2 s).
+  ps->Signal(SIGKILL);
+  ps->WaitOrKill(seconds(10));
+  std::this_thread::sleep_for(milliseconds(3000));
+  ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[5]));
+  ASSERT_TRUE(chief.WaitForOutput("parameter servers reloaded", seconds(60))) << describe();
+  // Training goes on: the workers have registered again.
+  const double examples = ScrapeAndParse(p[4], "chief").Value("psflow_examples_total");
+  for (int i = 0; i < 300; ++i) {
+    if (ScrapeAndParse(p[4], "chief").Value("psflow_examples_total") > examples) break;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  std::map<std::string, Scrape> third;
+  for (const auto& [name, port] : roles) third[name] = ScrapeAndParse(port, name);
+  ExpectFamilies(third["chief"], kChiefFamilies, "chief");
+  ExpectFamilies(third["ps"], kPsFamilies, "the restarted ps");
+  ExpectFamilies(third["worker0"], kWorkerFamilies, "worker0");
+  ExpectFamilies(third["worker1"], kWorkerFamilies, "worker1");
+  EXPECT_GT(third["chief"].Value("psflow_examples_total"), examples);
+  // Failed calls, by code: the chief's look at the ps timed out.
+  EXPECT_GE(third["chief"].Value("psflow_rpc_errors_total",
+                                 "code=DEADLINE_EXCEEDED,method=GetState,service=psflow."
+                                 "ParameterServer"),
+            1)
+      << third["chief"].text;
+  for (const std::string w : {"worker0", "worker1"})
+    EXPECT_GE(third[w].Sum("psflow_rpc_errors_total"), 1) << w << "\n" << third[w].text;
+
+  chief.Signal(SIGTERM);
+  EXPECT_EQ(chief.WaitOrKill(seconds(60)), 128 + SIGTERM) << describe();
+  for (Process* other : {ps.get(), &worker0, &worker1}) other->Signal(SIGTERM);
+  for (Process* other : {ps.get(), &worker0, &worker1}) other->WaitOrKill(seconds(20));
+  if (HasFailure()) ADD_FAILURE() << describe();
+}
+
+// A metrics port another process holds is a configuration error: exit 1 at
+// once, naming the port.
+TEST(ObservabilityCliTest, ABusyMetricsPortExitsOne) {
+  const std::vector<int> p = FreePorts(4);
+  ASSERT_THAT(p, SizeIs(4));
+  const int held = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(p[3]));
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(::bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(held, 1), 0);
+  RunResult r = RunProcess(
+      Bin("psflow-ps"),
+      {"--job_name=ps", "--task_id=0", "--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
+       "--worker_hosts=" + Addr(p[2]), "--metrics_port=" + std::to_string(p[3])},
+      {}, seconds(20));
+  ::close(held);
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_LT(r.seconds, 10.0) << r.description;
+  EXPECT_THAT(r.output,
+              ::testing::HasSubstr("cannot serve metrics on port " + std::to_string(p[3])))
+      << r.description;
+}
+
+// ---------------------------------------------------------------------------
+// Health
+
+// The serving status of `service` at `address` ("SERVING", "NOT_SERVING"),
+// or the call's error code ("UNAVAILABLE", "NOT_FOUND").
+std::string Health(const std::string& address, const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  const grpc::Status s = stub->Check(&context, request, &response);
+  if (!s.ok()) {
+    switch (s.error_code()) {
+      case grpc::StatusCode::NOT_FOUND:
+        return "NOT_FOUND";
+      case grpc::StatusCode::UNAVAILABLE:
+        return "UNAVAILABLE";
+      default:
+        return "error " + std::to_string(s.error_code());
+    }
+  }
+  return HealthCheckResponse::ServingStatus_Name(response.status());
+}
+
+// Polls until `address` answers `want` for `service` (true) or `timeout`
+// passes (false).
+bool WaitForHealth(const std::string& address, const std::string& service, const std::string& want,
+                   milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (Health(address, service) == want) return true;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return Health(address, service) == want;
+}
+
+// Each role's server-wide health status is its readiness: a ps is
+// NOT_SERVING until it holds a job, the chief until every ps does, a worker
+// until it registered; the "liveness" service is SERVING all along; and a ps
+// idling after the job (--exit_when_done=false) is NOT_SERVING but alive.
+TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
+  const std::vector<int> p = FreePorts(4);
+  ASSERT_THAT(p, SizeIs(4));
+  const std::string chief = Addr(p[0]), ps0 = Addr(p[1]), ps1 = Addr(p[2]), worker = Addr(p[3]);
+  const std::vector<std::string> hosts = {"--chief_hosts=" + chief, "--ps_hosts=" + ps0 + "," + ps1,
+                                          "--worker_hosts=" + worker};
+  auto args = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
+    std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
+    a.insert(a.end(), hosts.begin(), hosts.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  Process ps0_process(Bin("psflow-ps"), args("ps", 0));
+  Process worker_process(Bin("psflow-worker"), args("worker", 0));
+  ASSERT_TRUE(ps0_process.WaitForOutput("listening on", seconds(20))) << ps0_process.Describe();
+  // Up, but no job yet.
+  EXPECT_EQ(Health(ps0, ""), "NOT_SERVING");
+  EXPECT_EQ(Health(ps0, "liveness"), "SERVING");
+  EXPECT_EQ(Health(ps0, "no.such.Service"), "NOT_FOUND");
+  // The worker serves too (its status service) and waits for the chief.
+  ASSERT_TRUE(WaitForHealth(worker, "liveness", "SERVING", seconds(20)))
+      << worker_process.Describe();
+  EXPECT_EQ(Health(worker, ""), "NOT_SERVING");
+
+  // The chief loads ps0; ps1 is not up, so the chief is not ready.
+  Process chief_process(Bin("psflow-chief"),
+                        args("chief", 0,
+                             {"--model=mlp", "--train_steps=200", "--log_every_steps=100",
+                              "--compute_threads=1", "--model_dir=" + dir_ + "/model"}));
+  EXPECT_TRUE(WaitForHealth(ps0, "", "SERVING", seconds(30))) << ps0_process.Describe();
+  EXPECT_TRUE(WaitForHealth(chief, "liveness", "SERVING", seconds(20))) << chief_process.Describe();
+  EXPECT_EQ(Health(chief, ""), "NOT_SERVING");
+  std::this_thread::sleep_for(milliseconds(500));
+  EXPECT_EQ(Health(chief, ""), "NOT_SERVING");
+  EXPECT_EQ(Health(worker, ""), "NOT_SERVING");
+
+  // ps1 comes (and stays after the job): everyone becomes ready.
+  Process ps1_process(Bin("psflow-ps"), args("ps", 1, {"--exit_when_done=false"}));
+  EXPECT_TRUE(WaitForHealth(chief, "", "SERVING", seconds(30))) << chief_process.Describe();
+  EXPECT_EQ(Health(ps1, ""), "SERVING");
+  EXPECT_TRUE(WaitForHealth(worker, "", "SERVING", seconds(30))) << worker_process.Describe();
+
+  // The job ends; ps1 idles, alive but no longer ready.
+  EXPECT_EQ(chief_process.WaitOrKill(seconds(120)), 0) << chief_process.Describe();
+  EXPECT_EQ(ps0_process.WaitOrKill(seconds(30)), 0) << ps0_process.Describe();
+  EXPECT_EQ(worker_process.WaitOrKill(seconds(30)), 0) << worker_process.Describe();
+  ASSERT_TRUE(ps1_process.WaitForOutput("idling until terminated", seconds(30)))
+      << ps1_process.Describe();
+  EXPECT_EQ(Health(ps1, ""), "NOT_SERVING");
+  EXPECT_EQ(Health(ps1, "liveness"), "SERVING");
+  ps1_process.Signal(SIGTERM);
+  EXPECT_EQ(ps1_process.WaitOrKill(seconds(20)), 0) << ps1_process.Describe();
+  EXPECT_EQ(Health(ps1, "liveness"), "UNAVAILABLE");
+}
+
+}  // namespace
+}  // namespace psflow::itest
