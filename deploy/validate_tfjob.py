@@ -7,9 +7,11 @@ schema would prune them), and against what psflow needs of it: the container
 named "tensorflow" (the only one the operator gives TF_CONFIG), the ExitCode
 restart policy, one chief, storage mounted on the chief alone (a Secret is not
 storage), GPUs (nvidia.com/gpu) requested by workers and evaluators alone,
-which then run --device=cuda:N, and the security flags (--tls_cert, --tls_key,
+which then run --device=cuda:N, the security flags (--tls_cert, --tls_key,
 --tls_ca, --auth_token_file) the same on every replica, naming files of a
-Secret mounted read-only.
+Secret mounted read-only, gRPC liveness probes that ask the "liveness" health
+service, no readiness probe on the ps, and Prometheus scrape annotations that
+name the --metrics_port the container serves.
 
 usage: validate_tfjob.py CRD.yaml MANIFEST.yaml...
 Exit code 0 when every manifest passes, 1 otherwise (each problem on a line).
@@ -120,10 +122,39 @@ def psflow_problems(job):
             if c.get("name") == "tensorflow":
                 security[role], found = security_problems(role, pod, c)
                 problems += found
+            problems += probe_problems(role, c)
+            problems += scrape_problems(role, spec.get("template", {}).get("metadata", {}), c)
     if len(set(security.values())) > 1:
         problems.append("every replica needs the same security flags (" + "; ".join(
             f"{role}: {' '.join(sorted(flags)) or 'none'}" for role, flags in sorted(security.items())) + ")")
     return problems
+
+
+def probe_problems(role, container):
+    """psflow's health service: "" is readiness (NOT_SERVING while a role waits
+    for its peers), "liveness" is SERVING while the process serves."""
+    problems = []
+    live = (container.get("livenessProbe") or {}).get("grpc")
+    if live is not None and live.get("service") != "liveness":
+        problems.append(f"{role}: the gRPC livenessProbe must ask service 'liveness' (the server as a "
+                        "whole is not ready while the role waits for its peers: the kubelet would restart it)")
+    ready = container.get("readinessProbe")
+    if role == "PS" and ready is not None:
+        problems.append("PS: no readinessProbe: the operator's headless Services publish a pod's name only "
+                        "once it is ready, and a ps is ready only after the chief reached it")
+    return problems
+
+
+def scrape_problems(role, metadata, container):
+    """prometheus.io/port must be the --metrics_port the container serves."""
+    annotations = metadata.get("annotations") or {}
+    if annotations.get("prometheus.io/scrape") != "true":
+        return []
+    port = str(annotations.get("prometheus.io/port", ""))
+    args = [str(a) for a in container.get("args", []) or []]
+    if f"--metrics_port={port}" not in args:
+        return [f"{role}: prometheus.io/port is '{port}' but the container has no --metrics_port={port}"]
+    return []
 
 
 def validate(schema, path):

@@ -5,8 +5,9 @@
 #   2. builds docker/Dockerfile with buildah (chroot isolation, vfs storage);
 #   3. runs a cluster of containers (podman, runc) on loopback — 1 chief,
 #      2 ps, 2 workers, 1 evaluator, host network, free ports — trains the mlp
-#      for a few hundred steps, requires every container to exit 0 and the
-#      chief to log the evaluator's final evaluation, and evaluates the saved
+#      for a few hundred steps, requires every container to serve /metrics
+#      (--metrics_port) while it runs and to exit 0 and the chief to log the
+#      evaluator's final evaluation, and evaluates the saved
 #      model in a container;
 #   4. validates the TFJob manifests against the Kubeflow CRD schema
 #      ($PSFLOW_TFJOB_CRD, by default ../shared/schemas/kubeflow.org_tfjobs.yaml)
@@ -50,7 +51,7 @@ buildah "${storage[@]}" bud --layers --isolation chroot "${limits[@]}" -f docker
 # 3. A cluster of containers.
 ports=($(python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(6)]
+socks = [socket.socket() for _ in range(11)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
@@ -73,13 +74,42 @@ run() {  # name, then the command
   local name=$1; shift
   "${podman[@]}" run -d --name "$name" --network host "${limits[@]}" "$@" > /dev/null
 }
-echo "check-deploy: running a cluster of containers (chief $chief)"
-run psflow-check-worker0 "$image" psflow-worker --job_name=worker --task_id=0 "${cluster[@]}"
-run psflow-check-worker1 "$image" psflow-worker --job_name=worker --task_id=1 "${cluster[@]}"
+# Metrics ports: the chief, ps0, ps1, worker0, worker1 (ports 6..10). A scraper
+# in the background notes each one that answers /metrics while the cluster runs.
+metrics=("${ports[@]:6:5}")
+scraped=$data/scraped
+python3 - "$scraped" "${metrics[@]}" <<'PY' &
+import sys, time, urllib.request
+out, ports = sys.argv[1], sys.argv[2:]
+seen = set()
+deadline = time.time() + 600
+while len(seen) < len(ports) and time.time() < deadline:
+    for port in ports:
+        if port in seen:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                if r.status == 200 and b"# TYPE psflow_" in r.read():
+                    seen.add(port)
+                    with open(out, "a") as f:
+                        f.write(port + "\n")
+        except OSError:
+            pass
+    time.sleep(0.2)
+PY
+scraper=$!
+echo "check-deploy: running a cluster of containers (chief $chief, metrics on ports ${metrics[*]})"
+run psflow-check-worker0 "$image" psflow-worker --job_name=worker --task_id=0 "${cluster[@]}" \
+  --metrics_port="${metrics[3]}"
+run psflow-check-worker1 "$image" psflow-worker --job_name=worker --task_id=1 "${cluster[@]}" \
+  --metrics_port="${metrics[4]}"
 run psflow-check-evaluator0 "$image" psflow-evaluator --job_name=evaluator --task_id=0 "${cluster[@]}"
-run psflow-check-ps0 "$image" psflow-ps --job_name=ps --task_id=0 "${cluster[@]}"
-run psflow-check-ps1 "$image" psflow-ps --job_name=ps --task_id=1 "${cluster[@]}"
+run psflow-check-ps0 "$image" psflow-ps --job_name=ps --task_id=0 "${cluster[@]}" \
+  --metrics_port="${metrics[1]}"
+run psflow-check-ps1 "$image" psflow-ps --job_name=ps --task_id=1 "${cluster[@]}" \
+  --metrics_port="${metrics[2]}"
 run psflow-check-chief -v "$data:/data" "$image" psflow-chief --job_name=chief --task_id=0 "${cluster[@]}" \
+  --metrics_port="${metrics[0]}" \
   --model=mlp --train_steps=300 --log_every_steps=100 --optimizer=adam --learning_rate=0.001 \
   --model_dir=/data/run
 failed=0
@@ -93,6 +123,14 @@ if ! "${podman[@]}" logs psflow-check-chief 2>&1 | grep -q "eval: step 300/300";
   echo "check-deploy: the chief logged no evaluation of the final model"
   failed=1
 fi
+kill "$scraper" 2>/dev/null || true  # done already, unless a port never answered
+wait "$scraper" 2>/dev/null || true
+for port in "${metrics[@]}"; do
+  if ! grep -qx "$port" "$scraped" 2>/dev/null; then
+    echo "check-deploy: nothing answered /metrics on port $port while the cluster ran"
+    failed=1
+  fi
+done
 if [ "$failed" != 0 ]; then
   for name in "${names[@]}"; do echo "--- $name"; "${podman[@]}" logs "$name" 2>&1 | tail -20; done
   exit 1

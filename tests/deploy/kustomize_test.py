@@ -4,8 +4,9 @@ StatefulSets, headless Services and CLUSTER_CONFIG agree with each other and
 with what psflow reads (POD_NAME <prefix>-<role>-<index>, addresses
 <pod>.<service>:port), only the chief has storage, every role stays up after
 the job (--exit_when_done=false), every role runs with mutual TLS and the job
-token from the Secret, mounted read-only with its own role's key only; and,
-where kubectl is installed, that `kubectl kustomize` renders it."""
+token from the Secret, mounted read-only with its own role's key only, gRPC
+readiness and liveness probes and Prometheus annotations agree with the flags;
+and, where kubectl is installed, that `kubectl kustomize` renders it."""
 import json
 import os
 import shutil
@@ -68,6 +69,26 @@ class KustomizeBaseTest(unittest.TestCase):
             self.assertEqual(env["CLUSTER_CONFIG"]["configMapKeyRef"],
                              {"name": self.config_map, "key": self.config_key})
             self.assertEqual(container["ports"][0]["containerPort"], 2222)
+
+    def test_probes_and_metrics(self):
+        for role in ("chief", "ps", "worker"):
+            template = self.sets[f"psflow-{role}"]["spec"]["template"]
+            (container,) = template["spec"]["containers"]
+            grpc_port = container["ports"][0]["containerPort"]
+            # Readiness: the server as a whole; liveness: the "liveness" service,
+            # SERVING while the role waits for its peers.
+            self.assertEqual(container["readinessProbe"]["grpc"], {"port": grpc_port}, role)
+            self.assertEqual(container["livenessProbe"]["grpc"], {"port": grpc_port, "service": "liveness"},
+                             role)
+            annotations = template["metadata"]["annotations"]
+            self.assertEqual(annotations["prometheus.io/scrape"], "true", role)
+            self.assertEqual(annotations["prometheus.io/path"], "/metrics", role)
+            port = annotations["prometheus.io/port"]
+            self.assertIn(f"--metrics_port={port}", container["args"], role)
+            self.assertIn(int(port), [p["containerPort"] for p in container["ports"]], role)
+        # Readiness must not hide a pod from its peers.
+        for service in self.services.values():
+            self.assertTrue(service["spec"].get("publishNotReadyAddresses"))
 
     def test_storage_on_the_chief_only(self):
         for role in self.cluster:

@@ -110,6 +110,23 @@ class ValidateTfjobTest(unittest.TestCase):
     def first_job(self):
         with open(MANIFESTS[0]) as f:
             return next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "TFJob")
+    def test_probes_and_scrape_annotations(self):
+        def pod(j, role):
+            return j["spec"]["tfReplicaSpecs"][role]["template"]
+        def liveness_of_whole_server(j):
+            pod(j, "Worker")["spec"]["containers"][0]["livenessProbe"]["grpc"].pop("service")
+        self.assertTrue(any("'liveness'" in p for p in self.problems_of(liveness_of_whole_server)))
+        def ps_readiness(j):
+            pod(j, "PS")["spec"]["containers"][0]["readinessProbe"] = {"grpc": {"port": 2222}}
+        self.assertTrue(any("PS: no readinessProbe" in p for p in self.problems_of(ps_readiness)))
+        def wrong_port(j):
+            pod(j, "Chief")["metadata"]["annotations"]["prometheus.io/port"] = "9999"
+        self.assertTrue(any("--metrics_port=9999" in p for p in self.problems_of(wrong_port)))
+        def no_flag(j):
+            c = pod(j, "PS")["spec"]["containers"][0]
+            c["args"] = [a for a in c["args"] if not a.startswith("--metrics_port")]
+        self.assertTrue(any(p.endswith("PS: prometheus.io/port is '9090' but the container has no "
+                                       "--metrics_port=9090") for p in self.problems_of(no_flag)))
 
 
 if __name__ == "__main__":
