@@ -17,9 +17,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
+#include "common/metrics.h"
 #include "common/placement.h"
 #include "common/tensor_chunks.h"
 #include "gmock/gmock.h"
@@ -232,6 +234,7 @@ class CoordinatorTest : public ::testing::Test {
   JobConfig job_;
   std::unique_ptr<FakePs> ps_;
   std::unique_ptr<ThreadPool> pool_;
+  metrics::Registry metrics_;  // for tests that give it to the coordinator: outlives it
   std::unique_ptr<Coordinator> coordinator_;
   std::thread run_;
   std::unique_ptr<absl::Notification> returned_;
@@ -288,6 +291,43 @@ TEST_F(CoordinatorTest, PsThatComesBackEmptyIsReloadedFromTheNewestCheckpoint) {
   RegisterWorkerResponse again = Register(0);
   EXPECT_NE(again.job_id(), id);
   Train(again.job_id(), {0}, 2, 10);
+  FinishAndJoin(again.job_id(), {0});
+}
+
+// Readiness (on_ready) follows the ps: true once loaded, false while they are
+// reloaded, true again; the metrics show the global step and checkpoints.
+TEST_F(CoordinatorTest, ReadinessAndMetricsFollowLoadsAndReloads) {
+  MakeJob(1, 2, 10);
+  absl::Mutex mu;
+  std::vector<bool> ready;
+  CoordinatorOptions options = Options();
+  options.metrics = &metrics_;
+  options.on_ready = [&](bool r) {
+    absl::MutexLock lock(&mu);
+    ready.push_back(r);
+  };
+  auto ready_calls = [&] {
+    absl::MutexLock lock(&mu);
+    return ready;
+  };
+  const uint64_t id = TrainToTheFirstCheckpoint(options);
+  EXPECT_EQ(ready_calls(), std::vector<bool>{true});
+  auto gauge = [this](const char* name) { return metrics_.GetGauge(name, "")->value(); };
+  EXPECT_TRUE(Eventually([&] { return gauge("psflow_global_step") == 2; }));
+  // Recorded just after the checkpoint's rename.
+  EXPECT_TRUE(Eventually([&] { return gauge("psflow_checkpoint_step") == 2; }));
+  // The mlp's weights and biases (sgd: no slots).
+  EXPECT_EQ(gauge("psflow_checkpoint_bytes"), 4.0 * (784 * 256 + 256 + 256 * 256 + 256 + 2570));
+  EXPECT_EQ(metrics_.GetHistogram("psflow_checkpoint_seconds", "", {})->snapshot().count, 1u);
+  EXPECT_EQ(metrics_.GetCounter("psflow_examples_total", "")->value(), 2 * kBatch);
+
+  ps_->Restart(1);  // died and came back holding nothing: reloaded
+  ASSERT_TRUE(Eventually([&] { return ready_calls().size() == 3; })) << ready_calls().size();
+  EXPECT_EQ(ready_calls(), (std::vector<bool>{true, false, true}));
+  RegisterWorkerResponse again = Register(0);
+  EXPECT_NE(again.job_id(), id);
+  Train(again.job_id(), {0}, 2, 10);
+  EXPECT_TRUE(Eventually([&] { return gauge("psflow_global_step") == 10; }));
   FinishAndJoin(again.job_id(), {0});
 }
 

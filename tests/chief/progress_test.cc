@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.pb.h"
@@ -133,6 +134,49 @@ class ProgressTest : public ::testing::Test {
   std::vector<std::string> lines_;
   Progress progress_;
 };
+
+// The metrics registry gets each line's numbers, each report's counts, and
+// the live workers and ps at each look.
+TEST(ProgressMetricsTest, LinesAndReportsGoToTheRegistry) {
+  metrics::Registry registry;
+  int reachable = 1;
+  std::vector<std::string> lines;
+  Progress progress(
+      kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [&reachable] { return reachable; },
+      [&lines](const std::string& line) { lines.push_back(line); }, nullptr,
+      /*listener=*/nullptr, &registry);
+  auto gauge = [&registry](const char* name, const metrics::Labels& labels = {}) {
+    return registry.GetGauge(name, "", labels)->value();
+  };
+  EXPECT_EQ(gauge("psflow_workers"), kWorkers);
+  EXPECT_EQ(gauge("psflow_ps"), kPs);
+  // Workers report now (real time: liveness is judged at the scrape).
+  const absl::Time now = absl::Now();
+  progress.Record(0, Steps(0, 0, 10), now);
+  EXPECT_EQ(registry.GetCounter("psflow_examples_total", "")->value(),
+            Expect(Steps(0, 0, 10), 10).examples);
+  EXPECT_THAT(registry.Render(), HasSubstr("\npsflow_live_workers 1\n"));
+  progress.Record(1, Steps(1, 0, 10), now);
+  ASSERT_EQ(lines.size(), 1u);
+  std::vector<StepMetrics> interval = Steps(0, 0, 10);
+  for (const StepMetrics& m : Steps(1, 0, 10)) interval.push_back(m);
+  const Expected e = Expect(interval, 10);
+  EXPECT_DOUBLE_EQ(gauge("psflow_loss"), e.loss);
+  EXPECT_DOUBLE_EQ(gauge("psflow_accuracy"), e.acc);
+  EXPECT_NEAR(gauge("psflow_examples_per_second"), e.ex_per_s, 1e-6 * e.ex_per_s);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "pull"}}), e.pull / 1000, 1e-12);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "compute"}}), e.compute / 1000, 1e-12);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "push"}}), e.push / 1000, 1e-12);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "wait"}}), e.wait / 1000, 1e-12);
+  EXPECT_NEAR(
+      registry.GetCounter("psflow_step_phase_seconds_total", "", {{"phase", "compute"}})->value(),
+      e.compute * 20 / 1000, 1e-9);
+  const std::string text = registry.Render();
+  EXPECT_THAT(text, HasSubstr("\npsflow_live_workers 2\n"));
+  EXPECT_THAT(text, HasSubstr("\npsflow_live_ps 1\n"));
+  reachable = 2;
+  EXPECT_THAT(registry.Render(), HasSubstr("\npsflow_live_ps 2\n"));
+}
 
 TEST_F(ProgressTest, NoLineUntilEveryWorkerFinishedTheInterval) {
   progress_.Record(0, Steps(0, 0, 10), t0_);

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
+#include "common/metrics.h"
 #include "common/tensor_chunks.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -85,7 +86,9 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
 class PsServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    service_ = std::make_unique<PsService>(0, &shard_, [this] { shutdown_.Notify(); });
+    service_ = std::make_unique<PsService>(
+        0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
+        [this](bool holds_job) { job_calls_.push_back(holds_job); });
     grpc::ServerBuilder builder;
     // No StartServer: the server keeps gRPC's default 4 MB receive limit,
     // so an Init or Push that is not chunked would fail.
@@ -95,7 +98,8 @@ class PsServiceTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
     address_ = absl::StrCat("127.0.0.1:", port_);
-    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{});
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                           /*connections_per_ps=*/1, &client_metrics_);
     stub_ = ParameterServer::NewStub(MakeChannel(address_, Role::kPs, SecurityOptions{}));
 
     big_ = Pattern(NumElements(kBigShape), 1024, 0.125f);
@@ -182,6 +186,10 @@ class PsServiceTest : public ::testing::Test {
     return writer->Finish();
   }
 
+  // Before the service and the client, which record into them.
+  metrics::Registry server_metrics_, client_metrics_;
+  std::vector<bool>
+      job_calls_;  // what the service told on_job (from its RPC threads, one at a time)
   Shard shard_;
   absl::Notification shutdown_;
   std::unique_ptr<PsService> service_;
@@ -659,6 +667,43 @@ TEST_F(PsServiceTest, PullFromAPsWithoutSlicesReportsItsVersion) {
       client_->Pull(0, kJob, 1, {}, {}, Deadline(), absl::ZeroDuration());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version, 1);
+}
+
+// The bytes and durations of pushes and pulls on both sides, the failed
+// calls by code on the client's, and on_job at each accepted Init.
+TEST_F(PsServiceTest, MetricsCountPushesPullsAndFailedCallsAndInitTellsTheJob) {
+  EXPECT_TRUE(job_calls_.empty());
+  ASSERT_TRUE(InitJob().ok());
+  EXPECT_EQ(job_calls_, std::vector<bool>{true});
+  const std::vector<float> gbig(NumElements(kBigShape), 0.5f), gbias(NumElements(kBiasShape), 1);
+  ASSERT_TRUE(PushAll(0, 0, gbig, gbias).ok());
+  ASSERT_TRUE(PushAll(1, 0, gbig, gbias).ok());
+  ASSERT_TRUE(PullAll(1).ok());
+  const double fp32_bytes = 4.0 * (NumElements(kBigShape) + NumElements(kBiasShape));
+  auto histogram = [](metrics::Registry& r, const char* name) {
+    return r.GetHistogram(name, "", {})->snapshot();
+  };
+  for (metrics::Registry* r : {&server_metrics_, &client_metrics_}) {
+    const bool server = r == &server_metrics_;
+    SCOPED_TRACE(server ? "ps side" : "client side");
+    const metrics::Histogram::Snapshot push_bytes =
+        histogram(*r, server ? "psflow_ps_push_bytes" : "psflow_push_bytes");
+    EXPECT_EQ(push_bytes.count, 2u);
+    EXPECT_EQ(push_bytes.sum, 2 * fp32_bytes);
+    EXPECT_EQ(histogram(*r, server ? "psflow_ps_push_seconds" : "psflow_push_seconds").count, 2u);
+    const metrics::Histogram::Snapshot pull_bytes =
+        histogram(*r, server ? "psflow_ps_pull_bytes" : "psflow_pull_bytes");
+    EXPECT_EQ(pull_bytes.count, 1u);
+    EXPECT_EQ(pull_bytes.sum, fp32_bytes);
+    EXPECT_EQ(histogram(*r, server ? "psflow_ps_pull_seconds" : "psflow_pull_seconds").count, 1u);
+  }
+  // A pull of another job fails: counted by method and code.
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      client_->Pull(0, kJob + 1, 0, {}, {}, Deadline(), absl::ZeroDuration()).status()));
+  EXPECT_THAT(
+      client_metrics_.Render(),
+      HasSubstr("psflow_rpc_errors_total{service=\"psflow.ParameterServer\",method=\"Pull\","
+                "code=\"FAILED_PRECONDITION\"} 1\n"));
 }
 
 TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {

@@ -475,9 +475,14 @@ TEST_F(TrainerTest, RegistersAgainAfterAPsRestartsEmptyMidStep) {
     reload = LoadPs(*fake, job, 2, 3, initial);
     chief->SetRegistration(Registration(job, 2, 3));
   });
-  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  // Readiness: registered, then not while registering again, then again.
+  std::vector<bool> registered;  // Run's thread only
+  TrainerOptions options = FastOptions();
+  options.on_registered = [&registered](bool r) { registered.push_back(r); };
+  Trainer trainer(options, chief_.get(), ClientOf(*fake_));
   const absl::Status status = trainer.Run();
   ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(registered, (std::vector<bool>{true, false, true, false}));  // false: Run returned
   EXPECT_TRUE(reload.ok()) << reload;
   EXPECT_EQ(chief_->registrations(), 2);
   EXPECT_EQ(Steps(chief_->metrics()), Range(0, 10));  // step 3 counted once, after the reload
