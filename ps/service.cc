@@ -601,6 +601,7 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
 
 grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateRequest* request,
                                  PsState* response) {
+  if (finished_) return ToGrpcStatus(absl::UnavailableError("this ps has finished its job"));
   Shard::State st = shard_->state();
   response->set_ps_index(ps_index_);
   response->set_holds_job(st.has_job);
@@ -615,6 +616,7 @@ grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateReq
 grpc::Status PsService::SetLiveWorkers(grpc::ServerContext* context,
                                        const SetLiveWorkersRequest* request,
                                        SetLiveWorkersResponse* response) {
+  if (finished_) return ToGrpcStatus(absl::UnavailableError("this ps has finished its job"));
   absl::Status s = shard_->SetLiveWorkers(
       request->job_id(), {request->live_workers().begin(), request->live_workers().end()},
       request->from_version());
@@ -633,6 +635,7 @@ grpc::Status PsService::Shutdown(grpc::ServerContext* context, const ShutdownReq
   if (!shard_->Slices(request->job_id()).ok()) {
     return ToGrpcStatus(absl::FailedPreconditionError("shutdown names another job"));
   }
+  finished_ = true;
   on_shutdown_();
   return grpc::Status::OK;
 }

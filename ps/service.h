@@ -15,6 +15,7 @@
 #ifndef PSFLOW_PS_SERVICE_H_
 #define PSFLOW_PS_SERVICE_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -47,7 +48,9 @@ class PsService final
  public:
   // `ps_index` is this server's task index: an Init for another index is
   // refused. `on_shutdown` is called for an accepted Shutdown; it
-  // must only signal (the caller stops the server, letting this call finish).
+  // must only signal (the caller stops the server, letting this call finish,
+  // or keeps it up idle: from then on GetState and SetLiveWorkers answer
+  // UNAVAILABLE, as a ps that is gone would, and the shard refuses the rest).
   // `metrics` (may be null; must outlive the service) gets the sizes and
   // durations of pushes and pulls. `on_job` (may be null) is called with true
   // after every accepted Init: the ps holds a job (is ready).
@@ -96,6 +99,7 @@ class PsService final
   std::function<void()> on_shutdown_;
   std::function<void(bool)> on_job_;
   const StreamLimits limits_;
+  std::atomic<bool> finished_{false};               // an accepted Shutdown came
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   metrics::Histogram* push_bytes_;
   metrics::Histogram* push_seconds_;

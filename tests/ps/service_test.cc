@@ -896,6 +896,10 @@ TEST_F(PsServiceTest, ShutdownRpc) {
   EXPECT_FALSE(shutdown_.HasBeenNotified());
   EXPECT_TRUE(client_->Shutdown(0, kJob, Deadline()).ok());
   EXPECT_TRUE(shutdown_.HasBeenNotified());
+  // A ps that idles after its job (its server up for the health service)
+  // looks gone to a chief that comes later: nothing to adopt.
+  EXPECT_TRUE(absl::IsUnavailable(client_->GetState(0, Deadline()).status()));
+  EXPECT_TRUE(absl::IsUnavailable(client_->SetLiveWorkers(0, kJob, {0}, 0, Deadline())));
 }
 
 std::vector<float> ThroughBfloat16(const std::vector<float>& v) {
