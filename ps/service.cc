@@ -440,6 +440,11 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "Duration of one pull call on the ps, waiting for the version included (the answers "
       "'not yet' left out).",
       metrics::LatencyBuckets());
+  m->SetCounterFunction(
+      "psflow_ps_refused_streams_total",
+      "Init, Pull, Push and Snapshot streams refused (RESOURCE_EXHAUSTED) over the bound per "
+      "client connection or in all, since this ps started.",
+      [this] { return static_cast<double>(refused_streams()); });
   wakers_ = std::make_unique<ThreadPool>(2);
 }
 

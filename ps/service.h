@@ -51,8 +51,9 @@ class PsService final
   // must only signal (the caller stops the server, letting this call finish,
   // or keeps it up idle: from then on GetState and SetLiveWorkers answer
   // UNAVAILABLE, as a ps that is gone would, and the shard refuses the rest).
-  // `metrics` (may be null; must outlive the service) gets the sizes and
-  // durations of pushes and pulls. `on_job` (may be null) is called with true
+  // `metrics` (may be null; must outlive the service and not be rendered
+  // once it is gone) gets the sizes and durations of pushes and pulls and
+  // the streams refused over a bound. `on_job` (may be null) is called with true
   // after every accepted Init: the ps holds a job (is ready).
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,

@@ -615,6 +615,9 @@ TEST_F(PsServiceTest, WaitingPullsHoldNoThreadAndAPeerIsBounded) {
   }
   EXPECT_EQ(refused, 40);
   EXPECT_GE(service_->refused_streams(), 40);
+  // ... and counted on the ps's /metrics.
+  EXPECT_THAT(server_metrics_.Render(), HasSubstr(absl::StrCat("\npsflow_ps_refused_streams_total ",
+                                                               service_->refused_streams(), "\n")));
   // The admitted ones wait without a thread each.
   EXPECT_LT(Threads() - before, 20) << before << " threads before";
   // Another peer trains a step meanwhile.
@@ -695,6 +698,20 @@ TEST_F(PsServiceTest, MetricsCountPushesPullsAndFailedCallsAndInitTellsTheJob) {
         histogram(*r, server ? "psflow_ps_pull_bytes" : "psflow_pull_bytes");
     EXPECT_EQ(pull_bytes.count, 1u);
     EXPECT_EQ(pull_bytes.sum, fp32_bytes);
+    EXPECT_EQ(histogram(*r, server ? "psflow_ps_pull_seconds" : "psflow_pull_seconds").count, 1u);
+  }
+  // A pull answered "not yet" (max_wait passed before the version came)
+  // carried nothing: neither side counts it.
+  std::vector<float> big(NumElements(kBigShape)), bias(NumElements(kBiasShape));
+  absl::StatusOr<Client::PullResult> not_yet = client_->Pull(
+      0, kJob, 5, {}, {{"big", "", kBigShape, big.data()}, {"bias", "", kBiasShape, bias.data()}},
+      Deadline(), absl::Milliseconds(50));
+  ASSERT_TRUE(not_yet.ok()) << not_yet.status();
+  EXPECT_EQ(not_yet->version, 1);
+  for (metrics::Registry* r : {&server_metrics_, &client_metrics_}) {
+    const bool server = r == &server_metrics_;
+    SCOPED_TRACE(server ? "ps side, not yet" : "client side, not yet");
+    EXPECT_EQ(histogram(*r, server ? "psflow_ps_pull_bytes" : "psflow_pull_bytes").count, 1u);
     EXPECT_EQ(histogram(*r, server ? "psflow_ps_pull_seconds" : "psflow_pull_seconds").count, 1u);
   }
   // A pull of another job fails: counted by method and code.
