@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -45,6 +46,19 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
   }
   gauges_.examples_total = m->GetCounter("psflow_examples_total",
                                          "Training examples of every step the workers reported.");
+  // NaN (and step -1) until an evaluator's first result.
+  gauges_.eval_step = m->GetGauge(
+      "psflow_eval_step",
+      "Step (version) of the weights of the latest evaluation the chief logged; -1 before any.");
+  gauges_.eval_loss =
+      m->GetGauge("psflow_eval_loss",
+                  "Test-split loss of the latest evaluation the chief logged (NaN before).");
+  gauges_.eval_accuracy =
+      m->GetGauge("psflow_eval_accuracy",
+                  "Test-split accuracy of the latest evaluation the chief logged (NaN before).");
+  gauges_.eval_step->Set(-1);
+  gauges_.eval_loss->Set(std::numeric_limits<double>::quiet_NaN());
+  gauges_.eval_accuracy->Set(std::numeric_limits<double>::quiet_NaN());
   m->GetGauge("psflow_workers", "Workers in the job.")->Set(num_workers);
   m->GetGauge("psflow_ps", "Parameter servers in the job.")->Set(num_ps);
   m->SetGaugeFunction(
@@ -110,6 +124,9 @@ void Progress::Restart(int64_t step) {
 
 void Progress::Eval(int64_t step, double loss, double accuracy) {
   absl::MutexLock lock(&mu_);
+  gauges_.eval_step->Set(static_cast<double>(step));
+  gauges_.eval_loss->Set(loss);
+  gauges_.eval_accuracy->Set(accuracy);
   if (listener_ != nullptr) listener_->OnEval(step, loss, accuracy);
 }
 

@@ -14,8 +14,9 @@
 // Given a metrics registry, each line's numbers also go to gauges there
 // (psflow_loss, psflow_accuracy, psflow_examples_per_second,
 // psflow_step_seconds{phase}), each report to counters (psflow_examples_total,
-// psflow_step_phase_seconds_total{phase}), and the live workers and ps are
-// read at each scrape (psflow_live_workers, psflow_live_ps).
+// psflow_step_phase_seconds_total{phase}), each evaluator's result to
+// psflow_eval_step, psflow_eval_loss and psflow_eval_accuracy, and the live
+// workers and ps are read at each scrape (psflow_live_workers, psflow_live_ps).
 // Thread-safe.
 #ifndef PSFLOW_CHIEF_PROGRESS_H_
 #define PSFLOW_CHIEF_PROGRESS_H_
@@ -102,7 +103,8 @@ class Progress {
   void Rejoin(int worker, int64_t step);
   // The job went back to (or started at) `step`: forget what is not logged.
   void Restart(int64_t step);
-  // An evaluator's result (the chief logs its line): to the listener.
+  // An evaluator's result (the chief logs its line): to the listener and
+  // the eval gauges.
   void Eval(int64_t step, double loss, double accuracy);
 
   struct Summary {
@@ -136,6 +138,7 @@ class Progress {
     metrics::Gauge* step_seconds[4];           // pull, compute, push, wait
     metrics::Counter* phase_seconds_total[4];  // the same order
     metrics::Counter* examples_total;
+    metrics::Gauge *eval_step, *eval_loss, *eval_accuracy;  // the latest evaluation
   } gauges_;
 
   mutable absl::Mutex mu_;

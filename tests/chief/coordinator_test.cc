@@ -545,12 +545,16 @@ ReportEvalRequest EvalReport(uint64_t job_id, int64_t step, double loss = 0.5, i
 
 // With an evaluator in the cluster the ps keep the final weights (no exit
 // order) until its evaluation of the final model comes; then the job ends.
+// Each result logged sets the chief's eval gauges.
 TEST_F(CoordinatorTest, TheEndWaitsForTheEvaluationOfTheFinalModel) {
   MakeJob(1, 1, 4);
   CoordinatorOptions o = Options();
   o.num_evaluators = 1;
   o.eval_every_steps = 2;
+  o.metrics = &metrics_;
   Start(o);
+  auto gauge = [this](const char* name) { return metrics_.GetGauge(name, "")->value(); };
+  EXPECT_EQ(gauge("psflow_eval_step"), -1);
   const uint64_t id = Register(0).job_id();
   absl::StatusOr<RegisterEvaluatorResponse> e = coordinator_->RegisterEvaluator(0);
   ASSERT_TRUE(e.ok()) << e.status();
@@ -567,9 +571,15 @@ TEST_F(CoordinatorTest, TheEndWaitsForTheEvaluationOfTheFinalModel) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
   EXPECT_FALSE(ps_->shut_down(0));
-  r = coordinator_->ReportEval(EvalReport(id, 4));
+  EXPECT_EQ(gauge("psflow_eval_step"), 2);
+  EXPECT_EQ(gauge("psflow_eval_loss"), 0.5);
+  EXPECT_EQ(gauge("psflow_eval_accuracy"), 0.9);
+  r = coordinator_->ReportEval(EvalReport(id, 4, 0.25, 95, 100));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->action(), ReportEvalResponse::EXIT);
+  EXPECT_EQ(gauge("psflow_eval_step"), 4);
+  EXPECT_EQ(gauge("psflow_eval_loss"), 0.25);
+  EXPECT_EQ(gauge("psflow_eval_accuracy"), 0.95);
   FinishAndJoin(id, {0});
   EXPECT_TRUE(ps_->shut_down(0));
   // Late evaluators are told the job is over.

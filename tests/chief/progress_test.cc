@@ -178,6 +178,25 @@ TEST(ProgressMetricsTest, LinesAndReportsGoToTheRegistry) {
   EXPECT_THAT(registry.Render(), HasSubstr("\npsflow_live_ps 2\n"));
 }
 
+// An evaluator's results set the eval gauges: none (step -1, NaN) before the
+// first, then the latest one.
+TEST(ProgressMetricsTest, EvalResultsGoToTheirGauges) {
+  metrics::Registry registry;
+  Progress progress(
+      kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [] { return kPs; },
+      [](const std::string&) {}, nullptr, /*listener=*/nullptr, &registry);
+  auto gauge = [&registry](const char* name) { return registry.GetGauge(name, "")->value(); };
+  EXPECT_EQ(gauge("psflow_eval_step"), -1);
+  EXPECT_TRUE(std::isnan(gauge("psflow_eval_loss")));
+  EXPECT_TRUE(std::isnan(gauge("psflow_eval_accuracy")));
+  EXPECT_THAT(registry.Render(), HasSubstr("\npsflow_eval_loss NaN\n"));
+  progress.Eval(10, 0.75, 0.5);
+  progress.Eval(20, 0.5, 0.625);
+  EXPECT_EQ(gauge("psflow_eval_step"), 20);
+  EXPECT_EQ(gauge("psflow_eval_loss"), 0.5);
+  EXPECT_EQ(gauge("psflow_eval_accuracy"), 0.625);
+}
+
 TEST_F(ProgressTest, NoLineUntilEveryWorkerFinishedTheInterval) {
   progress_.Record(0, Steps(0, 0, 10), t0_);
   EXPECT_TRUE(lines_.empty());
