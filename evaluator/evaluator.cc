@@ -1,6 +1,7 @@
 #include "evaluator/evaluator.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -48,6 +49,25 @@ absl::Status Permanent(const absl::Status& s, absl::string_view context) {
 Evaluator::Evaluator(EvaluatorOptions options, chief::EvaluatorClient* chief,
                      PsClientFactory make_ps)
     : options_(std::move(options)), chief_(chief), make_ps_(std::move(make_ps)) {
+  metrics::Registry* m = metrics::Registry::OrPrivate(options_.metrics, own_metrics_);
+  metrics_.step = m->GetGauge(
+      "psflow_evaluator_step",
+      "Step (version) of the weights this evaluator evaluated last; -1 before the first.");
+  metrics_.loss = m->GetGauge("psflow_evaluator_loss",
+                              "Test-split loss of this evaluator's latest evaluation (NaN before "
+                              "the first).");
+  metrics_.accuracy = m->GetGauge("psflow_evaluator_accuracy",
+                                  "Test-split accuracy of this evaluator's latest evaluation (NaN "
+                                  "before the first).");
+  metrics_.evaluations = m->GetCounter("psflow_evaluator_evaluations_total",
+                                       "Evaluations this evaluator finished (and reported).");
+  metrics_.seconds = m->GetHistogram(
+      "psflow_evaluator_seconds",
+      "Duration of one evaluation: the snapshot from every ps and the pass over the test split.",
+      {0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600});
+  metrics_.step->Set(-1);
+  metrics_.loss->Set(std::numeric_limits<double>::quiet_NaN());
+  metrics_.accuracy->Set(std::numeric_limits<double>::quiet_NaN());
   absl::MutexLock lock(&mu_);
   status_.set_evaluator(options_.evaluator_index);
   status_.set_step(-1);
@@ -71,6 +91,10 @@ void Evaluator::Stop(int signal) {
 int Evaluator::stop_signal() const {
   absl::MutexLock lock(&mu_);
   return stop_signal_;
+}
+
+void Evaluator::SetRegistered(bool registered) const {
+  if (options_.on_registered) options_.on_registered(registered);
 }
 
 absl::Status Evaluator::Register(bool* done) {
@@ -252,16 +276,21 @@ absl::Status Evaluator::EvaluateVersion(int64_t version) {
   result.set_loss(e->loss);
   result.set_correct(e->correct);
   result.set_examples(e->examples);
-  result.set_duration_us(absl::ToInt64Microseconds(absl::Now() - start));
+  const absl::Duration took = absl::Now() - start;
+  result.set_duration_us(absl::ToInt64Microseconds(took));
   {
     absl::MutexLock lock(&mu_);
     status_.set_step(version);
     status_.set_loss(e->loss);
     status_.set_accuracy(e->accuracy());
   }
+  metrics_.step->Set(static_cast<double>(version));
+  metrics_.loss->Set(e->loss);
+  metrics_.accuracy->Set(e->accuracy());
+  metrics_.evaluations->Add();
+  metrics_.seconds->Observe(absl::ToDoubleSeconds(took));
   PSLOG(INFO) << absl::StrFormat("step %d: loss %.4f acc %.4f (%d examples, %.1f s)", version,
-                                 e->loss, e->accuracy(), e->examples,
-                                 absl::ToDoubleSeconds(absl::Now() - start));
+                                 e->loss, e->accuracy(), e->examples, absl::ToDoubleSeconds(took));
   return Report(&result);
 }
 
@@ -305,7 +334,9 @@ absl::Status Evaluator::Run() {
   if (!done) PSFLOW_RETURN_IF_ERROR(Prepare());
   Backoff backoff;
   while (!done) {
+    SetRegistered(true);  // registered, the model and the test split loaded
     absl::Status s = EvaluateJob();
+    SetRegistered(false);
     if (IsJobOver(s)) break;
     if (!IsRegisterAgain(s)) return s;
     PSLOG(INFO) << "the job was reloaded; registering again (" << s.message() << ")";

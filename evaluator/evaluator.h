@@ -16,6 +16,12 @@
 // Nothing in training waits for an evaluator: a ps serves a snapshot from a
 // copy, and the chief waits only at the very end, for the final evaluation.
 //
+// Given a metrics registry, each evaluation also goes there: the step, loss
+// and accuracy of the latest (psflow_evaluator_step, psflow_evaluator_loss,
+// psflow_evaluator_accuracy), a count (psflow_evaluator_evaluations_total)
+// and its duration, snapshot and pass over the test split together
+// (psflow_evaluator_seconds).
+//
 // Thread-safety: Run() once, from one thread; Stop() and Status() from any
 // thread, at any time.
 #ifndef PSFLOW_EVALUATOR_EVALUATOR_H_
@@ -32,6 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "chief/client.h"
+#include "common/metrics.h"
 #include "common/thread_pool.h"
 #include "data/mnist.h"
 #include "kernels/kernels.h"
@@ -66,6 +73,14 @@ struct EvaluatorOptions {
   // again) and the transfer. Well under the chief's 30 s evaluator timeout,
   // as no heartbeat goes out meanwhile.
   absl::Duration snapshot_timeout = absl::Seconds(15);
+  // Where the evaluator's metrics go (may be null); must outlive the
+  // evaluator and not be rendered once it is gone.
+  metrics::Registry* metrics = nullptr;
+  // Called (if set) with true after each registration with the chief (the
+  // first once the model and the test split are loaded), and with false
+  // when it registers again and when Run returns: whether it takes part in
+  // a job (its readiness). Called from Run's thread.
+  std::function<void(bool)> on_registered;
 };
 
 // Makes the client of the ps at `addresses` (by ps index), once.
@@ -113,10 +128,18 @@ class Evaluator {
   // A heartbeat when one is due.
   absl::Status MaybeHeartbeat();
   int stop_signal() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Tells options_.on_registered, if set.
+  void SetRegistered(bool registered) const;
 
   const EvaluatorOptions options_;
   chief::EvaluatorClient* const chief_;
   const PsClientFactory make_ps_;
+  std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
+  struct Metrics {
+    metrics::Gauge *step, *loss, *accuracy;  // of the latest evaluation
+    metrics::Counter* evaluations;
+    metrics::Histogram* seconds;
+  } metrics_;
 
   // Run's thread only.
   uint64_t job_id_ = 0;

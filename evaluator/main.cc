@@ -5,7 +5,6 @@
 #include <memory>
 
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +15,7 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "common/metrics.h"
 #include "common/signals.h"
 #include "evaluator/evaluator.h"
 #include "evaluator/service.h"
@@ -70,18 +70,23 @@ int main(int argc, char** argv) {
   options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kEvaluator);
-  psflow::chief::GrpcClient chief(config.cluster.chief[0], security);
+  // Metrics and readiness: made before everything that records into them.
+  psflow::metrics::Registry metrics;
+  psflow::Readiness readiness;  // ready while registered with the chief
+  options.metrics = &metrics;
+  options.on_registered = [&readiness](bool registered) { readiness.Set(registered); };
+  psflow::chief::GrpcClient chief(config.cluster.chief[0], security, &metrics);
   psflow::evaluator::Evaluator evaluator(
-      options, &chief, [&security](const std::vector<std::string>& addresses) {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1);
+      options, &chief, [&security, &metrics](const std::vector<std::string>& addresses) {
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1, &metrics);
       });
   // An evaluator listed in the cluster listens on its address: the standard
   // gRPC health service answers there, for probes. One left out of the
-  // cluster (TF_CONFIG's minimal form) listens on nothing.
+  // cluster (TF_CONFIG's minimal form) listens on nothing, but still serves
+  // /metrics with --metrics_port.
   psflow::evaluator::StatusService service(&evaluator);
   std::unique_ptr<grpc::Server> server;
   if (config.self_port > 0) {
-    grpc::EnableDefaultHealthCheckService(true);
     absl::StatusOr<std::unique_ptr<grpc::Server>> started =
         psflow::StartServer(config.self_address, &service, security);
     if (!started.ok()) {
@@ -89,11 +94,20 @@ int main(int argc, char** argv) {
       return psflow::kExitPermanent;
     }
     server = *std::move(started);
+    readiness.Attach(server.get());
+  }
+  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
+      psflow::ServeMetrics(&metrics);
+  if (!metrics_server.ok()) {
+    PSLOG(ERROR) << metrics_server.status().message();
+    readiness.Detach();
+    return psflow::kExitPermanent;
   }
   const int code =
       psflow::RunRole([&] { return evaluator.Run(); }, [&](int sig) { evaluator.Stop(sig); },
                       absl::Seconds(6), "stopping after the call in flight");
   if (server != nullptr)
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  readiness.Detach();
   return code;
 }
