@@ -151,181 +151,6 @@ class ObservabilityTest : public TempDirTest {
   std::string skip_;  // why the parser could not run
 };
 
-// What each role serves (family -> type, as the parser names them).
-const std::map<std::string, std::string> kChiefFamilies = {
-    {"psflow_global_step", "gauge"},
-    {"psflow_examples_per_second", "gauge"},
-    {"psflow_step_seconds", "gauge"},
-    {"psflow_step_phase_seconds", "counter"},
-    {"psflow_examples", "counter"},
-    {"psflow_loss", "gauge"},
-    {"psflow_accuracy", "gauge"},
-    {"psflow_live_workers", "gauge"},
-    {"psflow_workers", "gauge"},
-    {"psflow_live_ps", "gauge"},
-    {"psflow_ps", "gauge"},
-    {"psflow_checkpoint_seconds", "histogram"},
-    {"psflow_checkpoint_bytes", "gauge"},
-    {"psflow_checkpoint_step", "gauge"},
-    {"psflow_rpc_errors", "counter"},
-};
-const std::map<std::string, std::string> kPsFamilies = {
-    {"psflow_ps_version", "gauge"},          {"psflow_ps_applied_steps", "counter"},
-    {"psflow_ps_stale_pushes", "counter"},   {"psflow_ps_duplicate_pushes", "counter"},
-    {"psflow_ps_refused_pushes", "counter"}, {"psflow_ps_push_bytes", "histogram"},
-    {"psflow_ps_push_seconds", "histogram"}, {"psflow_ps_pull_bytes", "histogram"},
-    {"psflow_ps_pull_seconds", "histogram"},
-};
-const std::map<std::string, std::string> kWorkerFamilies = {
-    {"psflow_push_bytes", "histogram"}, {"psflow_push_seconds", "histogram"},
-    {"psflow_pull_bytes", "histogram"}, {"psflow_pull_seconds", "histogram"},
-    {"psflow_worker_step", "gauge"},    {"psflow_rpc_errors", "counter"},
-};
-
-// A chief, one ps and two workers, each with --metrics_port, train the mlp.
-// Scraped twice while training, every counter that counts work has moved.
-// Then the ps is killed and comes back 3 s later (so the chief's look at it
-// fails, or times out, and the workers' calls in flight fail): the chief reloads it from
-// the checkpoint, and every role serves every metric, the failed calls
-// counted by code.
-TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
-  const std::vector<int> p = FreePorts(8);
-  ASSERT_THAT(p, SizeIs(8));
-  // gRPC: chief, ps, worker0, worker1; metrics: the same order.
-  const std::vector<std::string> hosts = {"--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
-                                          "--worker_hosts=" + Addr(p[2]) + "," + Addr(p[3])};
-  auto args = [&](const std::string& role, int index, int metrics_port) {
-    std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index),
-                                  "--metrics_port=" + std::to_string(metrics_port)};
-    a.insert(a.end(), hosts.begin(), hosts.end());
-    return a;
-  };
-  std::vector<std::string> chief_args = args("chief", 0, p[4]);
-  for (const char* a : {"--model=mlp", "--train_steps=1000000", "--log_every_steps=20",
-                        "--checkpoint_every_steps=40", "--compute_threads=1"}) {
-    chief_args.push_back(a);
-  }
-  chief_args.push_back("--model_dir=" + dir_ + "/model");
-  auto ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[5]));
-  Process worker0(Bin("psflow-worker"), args("worker", 0, p[6]));
-  Process worker1(Bin("psflow-worker"), args("worker", 1, p[7]));
-  Process chief(Bin("psflow-chief"), chief_args);
-  auto describe = [&] {
-    return "\n===== chief\n" + chief.Describe() + "\n===== ps\n" + ps->Describe() +
-           "\n===== worker0\n" + worker0.Describe() + "\n===== worker1\n" + worker1.Describe();
-  };
-  ASSERT_TRUE(chief.WaitForOutput("checkpoint of step", seconds(120))) << describe();
-  ASSERT_TRUE(chief.WaitForOutput("chief] step 60/", seconds(60))) << describe();
-
-  const std::vector<std::pair<std::string, int>> roles = {
-      {"chief", p[4]}, {"ps", p[5]}, {"worker0", p[6]}, {"worker1", p[7]}};
-  std::map<std::string, Scrape> first, second;
-  for (const auto& [name, port] : roles) first[name] = ScrapeAndParse(port, name);
-  if (!skip_.empty()) GTEST_SKIP() << skip_;
-  std::this_thread::sleep_for(milliseconds(1500));
-  for (const auto& [name, port] : roles) second[name] = ScrapeAndParse(port, name);
-  ASSERT_FALSE(HasFailure()) << describe();
-
-  // Training moves the counters between the two scrapes.
-  EXPECT_GT(second["chief"].Value("psflow_examples_total"),
-            first["chief"].Value("psflow_examples_total"));
-  EXPECT_GT(second["chief"].Value("psflow_global_step"),
-            first["chief"].Value("psflow_global_step"));
-  EXPECT_GT(second["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"),
-            first["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"));
-  EXPECT_GT(second["ps"].Value("psflow_ps_applied_steps_total"),
-            first["ps"].Value("psflow_ps_applied_steps_total"));
-  EXPECT_GT(second["ps"].Value("psflow_ps_push_bytes_count"),
-            first["ps"].Value("psflow_ps_push_bytes_count"));
-  for (const std::string w : {"worker0", "worker1"}) {
-    EXPECT_GT(second[w].Value("psflow_push_bytes_count"), first[w].Value("psflow_push_bytes_count"))
-        << w;
-    EXPECT_GT(second[w].Value("psflow_pull_bytes_sum"), first[w].Value("psflow_pull_bytes_sum"))
-        << w;
-    EXPECT_GT(second[w].Value("psflow_worker_step"), first[w].Value("psflow_worker_step")) << w;
-  }
-  // Values that follow from the job.
-  const Scrape& c = second["chief"];
-  EXPECT_EQ(c.Value("psflow_workers"), 2);
-  EXPECT_EQ(c.Value("psflow_live_workers"), 2);
-  EXPECT_EQ(c.Value("psflow_ps"), 1);
-  EXPECT_EQ(c.Value("psflow_live_ps"), 1);
-  EXPECT_GT(c.Value("psflow_examples_per_second"), 0);
-  EXPECT_GT(c.Value("psflow_loss"), 0);
-  EXPECT_GE(c.Value("psflow_accuracy"), 0);
-  EXPECT_LE(c.Value("psflow_accuracy"), 1);
-  for (const char* phase : {"pull", "compute", "push", "wait"})
-    EXPECT_GE(c.Value("psflow_step_seconds", std::string("phase=") + phase), 0) << phase;
-  EXPECT_GE(c.Value("psflow_checkpoint_seconds_count"), 1);
-  EXPECT_GE(c.Value("psflow_checkpoint_step"), 40);
-  // The mlp's 784*256 + 256 + 256*256 + 256 + 256*10 + 10 floats, with no optimizer slots (sgd).
-  EXPECT_EQ(c.Value("psflow_checkpoint_bytes"), 4.0 * (784 * 256 + 256 + 256 * 256 + 256 + 2570));
-  // A histogram's +Inf bucket is its count.
-  EXPECT_EQ(second["ps"].Value("psflow_ps_push_seconds_bucket", "le=+Inf"),
-            second["ps"].Value("psflow_ps_push_seconds_count"));
-
-  // The ps goes away for longer than the chief's look at it may take (2 s).
-  ps->Signal(SIGKILL);
-  ps->WaitOrKill(seconds(10));
-  std::this_thread::sleep_for(milliseconds(3000));
-  ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[5]));
-  ASSERT_TRUE(chief.WaitForOutput("parameter servers reloaded", seconds(60))) << describe();
-  // Training goes on: the workers have registered again.
-  const double examples = ScrapeAndParse(p[4], "chief").Value("psflow_examples_total");
-  for (int i = 0; i < 300; ++i) {
-    if (ScrapeAndParse(p[4], "chief").Value("psflow_examples_total") > examples) break;
-    std::this_thread::sleep_for(milliseconds(100));
-  }
-  std::map<std::string, Scrape> third;
-  for (const auto& [name, port] : roles) third[name] = ScrapeAndParse(port, name);
-  ExpectFamilies(third["chief"], kChiefFamilies, "chief");
-  ExpectFamilies(third["ps"], kPsFamilies, "the restarted ps");
-  ExpectFamilies(third["worker0"], kWorkerFamilies, "worker0");
-  ExpectFamilies(third["worker1"], kWorkerFamilies, "worker1");
-  EXPECT_GT(third["chief"].Value("psflow_examples_total"), examples);
-  // Failed calls, by code: the chief's look at the ps failed (UNAVAILABLE if
-  // it was under way when the ps died, else DEADLINE_EXCEEDED), and so did the
-  // workers' calls under way.
-  EXPECT_GE(third["chief"].Sum("psflow_rpc_errors_total"), 1) << third["chief"].text;
-  EXPECT_THAT(
-      third["chief"].text,
-      ::testing::ContainsRegex("psflow_rpc_errors_total\\{service=\"psflow.ParameterServer\","
-                               "method=\"GetState\",code=\"(UNAVAILABLE|DEADLINE_EXCEEDED)\"\\}"));
-  for (const std::string w : {"worker0", "worker1"})
-    EXPECT_GE(third[w].Sum("psflow_rpc_errors_total"), 1) << w << "\n" << third[w].text;
-
-  chief.Signal(SIGTERM);
-  EXPECT_EQ(chief.WaitOrKill(seconds(60)), 128 + SIGTERM) << describe();
-  for (Process* other : {ps.get(), &worker0, &worker1}) other->Signal(SIGTERM);
-  for (Process* other : {ps.get(), &worker0, &worker1}) other->WaitOrKill(seconds(20));
-  if (HasFailure()) ADD_FAILURE() << describe();
-}
-
-// A metrics port another process holds is a configuration error: exit 1 at
-// once, naming the port.
-TEST(ObservabilityCliTest, ABusyMetricsPortExitsOne) {
-  const std::vector<int> p = FreePorts(4);
-  ASSERT_THAT(p, SizeIs(4));
-  const int held = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(p[3]));
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  ASSERT_EQ(::bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(held, 1), 0);
-  RunResult r = RunProcess(
-      Bin("psflow-ps"),
-      {"--job_name=ps", "--task_id=0", "--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
-       "--worker_hosts=" + Addr(p[2]), "--metrics_port=" + std::to_string(p[3])},
-      {}, seconds(20));
-  ::close(held);
-  EXPECT_EQ(r.exit_code, 1) << r.description;
-  EXPECT_LT(r.seconds, 10.0) << r.description;
-  EXPECT_THAT(r.output,
-              ::testing::HasSubstr("cannot serve metrics on port " + std::to_string(p[3])))
-      << r.description;
-}
-
 // ---------------------------------------------------------------------------
 // Health
 
@@ -365,16 +190,296 @@ bool WaitForHealth(const std::string& address, const std::string& service, const
   return Health(address, service) == want;
 }
 
-// Each role's server-wide health status is its readiness: a ps is
-// NOT_SERVING until it holds a job, the chief until every ps does, a worker
-// until it registered; the "liveness" service is SERVING all along; and a ps
-// idling after the job (--exit_when_done=false) is NOT_SERVING but alive.
-TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
+// ---------------------------------------------------------------------------
+// Metrics
+
+// What each role serves (family -> type, as the parser names them).
+const std::map<std::string, std::string> kChiefFamilies = {
+    {"psflow_global_step", "gauge"},
+    {"psflow_examples_per_second", "gauge"},
+    {"psflow_step_seconds", "gauge"},
+    {"psflow_step_phase_seconds", "counter"},
+    {"psflow_examples", "counter"},
+    {"psflow_loss", "gauge"},
+    {"psflow_accuracy", "gauge"},
+    {"psflow_live_workers", "gauge"},
+    {"psflow_workers", "gauge"},
+    {"psflow_live_ps", "gauge"},
+    {"psflow_ps", "gauge"},
+    {"psflow_checkpoint_seconds", "histogram"},
+    {"psflow_checkpoint_bytes", "gauge"},
+    {"psflow_checkpoint_step", "gauge"},
+    {"psflow_eval_step", "gauge"},
+    {"psflow_eval_loss", "gauge"},
+    {"psflow_eval_accuracy", "gauge"},
+    {"psflow_rpc_errors", "counter"},
+};
+const std::map<std::string, std::string> kPsFamilies = {
+    {"psflow_ps_version", "gauge"},          {"psflow_ps_applied_steps", "counter"},
+    {"psflow_ps_stale_pushes", "counter"},   {"psflow_ps_duplicate_pushes", "counter"},
+    {"psflow_ps_refused_pushes", "counter"}, {"psflow_ps_push_bytes", "histogram"},
+    {"psflow_ps_push_seconds", "histogram"}, {"psflow_ps_pull_bytes", "histogram"},
+    {"psflow_ps_pull_seconds", "histogram"},
+};
+const std::map<std::string, std::string> kWorkerFamilies = {
+    {"psflow_push_bytes", "histogram"}, {"psflow_push_seconds", "histogram"},
+    {"psflow_pull_bytes", "histogram"}, {"psflow_pull_seconds", "histogram"},
+    {"psflow_worker_step", "gauge"},    {"psflow_rpc_errors", "counter"},
+};
+const std::map<std::string, std::string> kEvaluatorFamilies = {
+    {"psflow_evaluator_step", "gauge"},        {"psflow_evaluator_loss", "gauge"},
+    {"psflow_evaluator_accuracy", "gauge"},    {"psflow_evaluator_evaluations", "counter"},
+    {"psflow_evaluator_seconds", "histogram"}, {"psflow_rpc_errors", "counter"},
+};
+
+// A chief, one ps, two workers and an evaluator, each with --metrics_port,
+// train the mlp (evaluated every 100 steps). Scraped twice while training,
+// every counter that counts work has moved, and the chief's eval gauges
+// follow the evaluator's. Then the ps is killed and comes back 3 s later (so
+// the chief's look at it fails, or times out, and the workers' and the
+// evaluator's calls fail): the chief reloads it from the checkpoint, and every
+// role serves every metric, the failed calls counted by code.
+TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
+  const std::vector<int> p = FreePorts(10);
+  ASSERT_THAT(p, SizeIs(10));
+  // gRPC: chief, ps, worker0, worker1, evaluator0; metrics: the same order.
+  const std::vector<std::string> hosts = {"--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
+                                          "--worker_hosts=" + Addr(p[2]) + "," + Addr(p[3]),
+                                          "--evaluator_hosts=" + Addr(p[4])};
+  auto args = [&](const std::string& role, int index, int metrics_port) {
+    std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index),
+                                  "--metrics_port=" + std::to_string(metrics_port)};
+    a.insert(a.end(), hosts.begin(), hosts.end());
+    return a;
+  };
+  std::vector<std::string> chief_args = args("chief", 0, p[5]);
+  for (const char* a : {"--model=mlp", "--train_steps=1000000", "--log_every_steps=20",
+                        "--checkpoint_every_steps=40", "--eval_every_steps=100",
+                        "--eval_every_secs=0", "--compute_threads=1"}) {
+    chief_args.push_back(a);
+  }
+  chief_args.push_back("--model_dir=" + dir_ + "/model");
+  auto ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[6]));
+  Process worker0(Bin("psflow-worker"), args("worker", 0, p[7]));
+  Process worker1(Bin("psflow-worker"), args("worker", 1, p[8]));
+  std::vector<std::string> evaluator_args = args("evaluator", 0, p[9]);
+  evaluator_args.push_back("--compute_threads=1");
+  Process evaluator(Bin("psflow-evaluator"), evaluator_args);
+  Process chief(Bin("psflow-chief"), chief_args);
+  auto describe = [&] {
+    return "\n===== chief\n" + chief.Describe() + "\n===== ps\n" + ps->Describe() +
+           "\n===== worker0\n" + worker0.Describe() + "\n===== worker1\n" + worker1.Describe() +
+           "\n===== evaluator\n" + evaluator.Describe();
+  };
+  ASSERT_TRUE(chief.WaitForOutput("checkpoint of step", seconds(120))) << describe();
+  ASSERT_TRUE(chief.WaitForOutput("chief] step 60/", seconds(60))) << describe();
+  ASSERT_TRUE(chief.WaitForOutput("chief] eval: step ", seconds(60))) << describe();
+
+  const std::vector<std::pair<std::string, int>> roles = {
+      {"chief", p[5]}, {"ps", p[6]}, {"worker0", p[7]}, {"worker1", p[8]}, {"evaluator", p[9]}};
+  std::map<std::string, Scrape> first, second;
+  for (const auto& [name, port] : roles) first[name] = ScrapeAndParse(port, name);
+  if (!skip_.empty()) GTEST_SKIP() << skip_;
+  std::this_thread::sleep_for(milliseconds(1500));
+  for (const auto& [name, port] : roles) second[name] = ScrapeAndParse(port, name);
+  ASSERT_FALSE(HasFailure()) << describe();
+
+  // Training moves the counters between the two scrapes.
+  EXPECT_GT(second["chief"].Value("psflow_examples_total"),
+            first["chief"].Value("psflow_examples_total"));
+  EXPECT_GT(second["chief"].Value("psflow_global_step"),
+            first["chief"].Value("psflow_global_step"));
+  EXPECT_GT(second["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"),
+            first["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"));
+  EXPECT_GT(second["ps"].Value("psflow_ps_applied_steps_total"),
+            first["ps"].Value("psflow_ps_applied_steps_total"));
+  EXPECT_GT(second["ps"].Value("psflow_ps_push_bytes_count"),
+            first["ps"].Value("psflow_ps_push_bytes_count"));
+  for (const std::string w : {"worker0", "worker1"}) {
+    EXPECT_GT(second[w].Value("psflow_push_bytes_count"), first[w].Value("psflow_push_bytes_count"))
+        << w;
+    EXPECT_GT(second[w].Value("psflow_pull_bytes_sum"), first[w].Value("psflow_pull_bytes_sum"))
+        << w;
+    EXPECT_GT(second[w].Value("psflow_worker_step"), first[w].Value("psflow_worker_step")) << w;
+  }
+  // The evaluator evaluated (every 100 steps), and the chief logged what it
+  // reported: the chief, scraped first, is at most at the evaluator's step.
+  const Scrape& e = second["evaluator"];
+  EXPECT_GE(e.Value("psflow_evaluator_evaluations_total"), 1) << e.text;
+  EXPECT_EQ(e.Value("psflow_evaluator_seconds_count"),
+            e.Value("psflow_evaluator_evaluations_total"));
+  EXPECT_GE(e.Value("psflow_evaluator_step"), 100) << e.text;
+  EXPECT_EQ(static_cast<int64_t>(e.Value("psflow_evaluator_step")) % 100, 0) << e.text;
+  EXPECT_GT(e.Value("psflow_evaluator_loss"), 0);
+  EXPECT_GE(e.Value("psflow_evaluator_accuracy"), 0);
+  EXPECT_LE(e.Value("psflow_evaluator_accuracy"), 1);
+  EXPECT_GE(second["chief"].Value("psflow_eval_step"), 100) << second["chief"].text;
+  EXPECT_LE(second["chief"].Value("psflow_eval_step"), e.Value("psflow_evaluator_step"));
+  EXPECT_GT(second["chief"].Value("psflow_eval_loss"), 0);
+  EXPECT_GE(second["chief"].Value("psflow_eval_accuracy"), 0);
+  EXPECT_LE(second["chief"].Value("psflow_eval_accuracy"), 1);
+  // Registered with the chief: ready.
+  EXPECT_EQ(Health(Addr(p[4]), ""), "SERVING");
+  // Values that follow from the job.
+  const Scrape& c = second["chief"];
+  EXPECT_EQ(c.Value("psflow_workers"), 2);
+  EXPECT_EQ(c.Value("psflow_live_workers"), 2);
+  EXPECT_EQ(c.Value("psflow_ps"), 1);
+  EXPECT_EQ(c.Value("psflow_live_ps"), 1);
+  EXPECT_GT(c.Value("psflow_examples_per_second"), 0);
+  EXPECT_GT(c.Value("psflow_loss"), 0);
+  EXPECT_GE(c.Value("psflow_accuracy"), 0);
+  EXPECT_LE(c.Value("psflow_accuracy"), 1);
+  for (const char* phase : {"pull", "compute", "push", "wait"})
+    EXPECT_GE(c.Value("psflow_step_seconds", std::string("phase=") + phase), 0) << phase;
+  EXPECT_GE(c.Value("psflow_checkpoint_seconds_count"), 1);
+  EXPECT_GE(c.Value("psflow_checkpoint_step"), 40);
+  // The mlp's 784*256 + 256 + 256*256 + 256 + 256*10 + 10 floats, with no optimizer slots (sgd).
+  EXPECT_EQ(c.Value("psflow_checkpoint_bytes"), 4.0 * (784 * 256 + 256 + 256 * 256 + 256 + 2570));
+  // A histogram's +Inf bucket is its count.
+  EXPECT_EQ(second["ps"].Value("psflow_ps_push_seconds_bucket", "le=+Inf"),
+            second["ps"].Value("psflow_ps_push_seconds_count"));
+
+  // The ps goes away for longer than the chief's look at it may take (2 s).
+  ps->Signal(SIGKILL);
+  ps->WaitOrKill(seconds(10));
+  std::this_thread::sleep_for(milliseconds(3000));
+  ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[6]));
+  ASSERT_TRUE(chief.WaitForOutput("parameter servers reloaded", seconds(60))) << describe();
+  // Training goes on: the workers have registered again.
+  const double examples = ScrapeAndParse(p[5], "chief").Value("psflow_examples_total");
+  for (int i = 0; i < 300; ++i) {
+    if (ScrapeAndParse(p[5], "chief").Value("psflow_examples_total") > examples) break;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  // So has the evaluator.
+  EXPECT_TRUE(WaitForHealth(Addr(p[4]), "", "SERVING", seconds(30))) << evaluator.Describe();
+  std::map<std::string, Scrape> third;
+  for (const auto& [name, port] : roles) third[name] = ScrapeAndParse(port, name);
+  ExpectFamilies(third["chief"], kChiefFamilies, "chief");
+  ExpectFamilies(third["ps"], kPsFamilies, "the restarted ps");
+  ExpectFamilies(third["worker0"], kWorkerFamilies, "worker0");
+  ExpectFamilies(third["worker1"], kWorkerFamilies, "worker1");
+  ExpectFamilies(third["evaluator"], kEvaluatorFamilies, "the evaluator");
+  EXPECT_GT(third["chief"].Value("psflow_examples_total"), examples);
+  // Failed calls, by code: the chief's look at the ps failed (UNAVAILABLE if
+  // it was under way when the ps died, else DEADLINE_EXCEEDED), and so did the
+  // workers' calls under way.
+  EXPECT_GE(third["chief"].Sum("psflow_rpc_errors_total"), 1) << third["chief"].text;
+  EXPECT_THAT(
+      third["chief"].text,
+      ::testing::ContainsRegex("psflow_rpc_errors_total\\{service=\"psflow.ParameterServer\","
+                               "method=\"GetState\",code=\"(UNAVAILABLE|DEADLINE_EXCEEDED)\"\\}"));
+  for (const std::string w : {"worker0", "worker1", "evaluator"})
+    EXPECT_GE(third[w].Sum("psflow_rpc_errors_total"), 1) << w << "\n" << third[w].text;
+
+  chief.Signal(SIGTERM);
+  EXPECT_EQ(chief.WaitOrKill(seconds(60)), 128 + SIGTERM) << describe();
+  for (Process* other : {ps.get(), &worker0, &worker1, &evaluator}) other->Signal(SIGTERM);
+  for (Process* other : {ps.get(), &worker0, &worker1, &evaluator}) other->WaitOrKill(seconds(20));
+  if (HasFailure()) ADD_FAILURE() << describe();
+}
+
+// `n` consecutive ports that are free now (for psflow-launch
+// --metrics_base_port), or none.
+std::vector<int> ConsecutiveFreePorts(int n) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    const std::vector<int> one = FreePorts(1);
+    if (one.empty() || one[0] + n > 65536) continue;
+    std::vector<int> fds;
+    bool all = true;
+    for (int i = 0; i < n && all; ++i) {
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(one[0] + i));
+      addr.sin_addr.s_addr = htonl(INADDR_ANY);
+      all = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+      fds.push_back(fd);
+    }
+    for (int fd : fds) ::close(fd);
+    if (all) {
+      std::vector<int> ports;
+      for (int i = 0; i < n; ++i) ports.push_back(one[0] + i);
+      return ports;
+    }
+  }
+  return {};
+}
+
+// psflow-launch --metrics_base_port=P numbers every process's --metrics_port:
+// the chief P, ps i P+1+i, worker i P+1+ps+i, evaluator i P+1+ps+workers+i.
+TEST_F(ObservabilityTest, LaunchNumbersTheMetricsPortsOfEveryProcessEvaluatorsIncluded) {
+  const std::vector<int> m = ConsecutiveFreePorts(4);
+  ASSERT_THAT(m, SizeIs(4));
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=1", "--evaluators=1",
+                  "--metrics_base_port=" + std::to_string(m[0]), "--", "--model=mlp",
+                  "--train_steps=1000000", "--log_every_steps=20", "--eval_every_steps=50",
+                  "--eval_every_secs=0", "--compute_threads=1", "--model_dir=" + dir_ + "/model"});
+  ASSERT_TRUE(launch.WaitForOutput(" (evaluator0)", seconds(20))) << launch.Describe();
+  EXPECT_THAT(
+      launch.output(),
+      ::testing::HasSubstr("[launch] metrics: http://127.0.0.1:" + std::to_string(m[0]) +
+                           "/metrics (chief) to :" + std::to_string(m[3]) + " (evaluator0)"))
+      << launch.Describe();
+  ASSERT_TRUE(launch.WaitForOutput("chief] eval: step ", seconds(120))) << launch.Describe();
+  const std::vector<std::pair<std::string, std::string>> wanted = {
+      {"chief", "psflow_global_step"},
+      {"ps0", "psflow_ps_version"},
+      {"worker0", "psflow_worker_step"},
+      {"evaluator0", "psflow_evaluator_evaluations_total"}};
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    const Scrape s = ScrapeAndParse(m[i], wanted[i].first);
+    if (!skip_.empty()) break;
+    EXPECT_TRUE(s.names.count(wanted[i].second))
+        << wanted[i].first << " on port " << m[i] << " serves no " << wanted[i].second << "\n"
+        << s.text;
+  }
+  launch.Signal(SIGTERM);
+  launch.WaitOrKill(seconds(60));
+  if (!skip_.empty()) GTEST_SKIP() << skip_;
+  if (HasFailure()) ADD_FAILURE() << launch.Describe();
+}
+
+// A metrics port another process holds is a configuration error: exit 1 at
+// once, naming the port.
+TEST(ObservabilityCliTest, ABusyMetricsPortExitsOne) {
   const std::vector<int> p = FreePorts(4);
   ASSERT_THAT(p, SizeIs(4));
-  const std::string chief = Addr(p[0]), ps0 = Addr(p[1]), ps1 = Addr(p[2]), worker = Addr(p[3]);
+  const int held = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(p[3]));
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(::bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(held, 1), 0);
+  RunResult r = RunProcess(
+      Bin("psflow-ps"),
+      {"--job_name=ps", "--task_id=0", "--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
+       "--worker_hosts=" + Addr(p[2]), "--metrics_port=" + std::to_string(p[3])},
+      {}, seconds(20));
+  ::close(held);
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_LT(r.seconds, 10.0) << r.description;
+  EXPECT_THAT(r.output,
+              ::testing::HasSubstr("cannot serve metrics on port " + std::to_string(p[3])))
+      << r.description;
+}
+
+// Each role's server-wide health status is its readiness: a ps is
+// NOT_SERVING until it holds a job, the chief until every ps does, a worker
+// and an evaluator until they registered; the "liveness" service is SERVING
+// all along; and a ps or an evaluator idling after the job
+// (--exit_when_done=false) is NOT_SERVING but alive.
+TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
+  const std::vector<int> p = FreePorts(5);
+  ASSERT_THAT(p, SizeIs(5));
+  const std::string chief = Addr(p[0]), ps0 = Addr(p[1]), ps1 = Addr(p[2]), worker = Addr(p[3]),
+                    evaluator = Addr(p[4]);
   const std::vector<std::string> hosts = {"--chief_hosts=" + chief, "--ps_hosts=" + ps0 + "," + ps1,
-                                          "--worker_hosts=" + worker};
+                                          "--worker_hosts=" + worker,
+                                          "--evaluator_hosts=" + evaluator};
   auto args = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
     std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
     a.insert(a.end(), hosts.begin(), hosts.end());
@@ -392,6 +497,13 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
   ASSERT_TRUE(WaitForHealth(worker, "liveness", "SERVING", seconds(20)))
       << worker_process.Describe();
   EXPECT_EQ(Health(worker, ""), "NOT_SERVING");
+  // So does the evaluator (it stays after the job).
+  Process evaluator_process(
+      Bin("psflow-evaluator"),
+      args("evaluator", 0, {"--exit_when_done=false", "--compute_threads=1"}));
+  ASSERT_TRUE(WaitForHealth(evaluator, "liveness", "SERVING", seconds(20)))
+      << evaluator_process.Describe();
+  EXPECT_EQ(Health(evaluator, ""), "NOT_SERVING");
 
   // The chief loads ps0; ps1 is not up, so the chief is not ready.
   Process chief_process(Bin("psflow-chief"),
@@ -404,15 +516,20 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
   std::this_thread::sleep_for(milliseconds(500));
   EXPECT_EQ(Health(chief, ""), "NOT_SERVING");
   EXPECT_EQ(Health(worker, ""), "NOT_SERVING");
+  EXPECT_EQ(Health(evaluator, ""), "NOT_SERVING");
 
   // ps1 comes (and stays after the job): everyone becomes ready.
   Process ps1_process(Bin("psflow-ps"), args("ps", 1, {"--exit_when_done=false"}));
   EXPECT_TRUE(WaitForHealth(chief, "", "SERVING", seconds(30))) << chief_process.Describe();
   EXPECT_EQ(Health(ps1, ""), "SERVING");
   EXPECT_TRUE(WaitForHealth(worker, "", "SERVING", seconds(30))) << worker_process.Describe();
+  EXPECT_TRUE(WaitForHealth(evaluator, "", "SERVING", seconds(30))) << evaluator_process.Describe();
 
-  // The job ends; ps1 idles, alive but no longer ready.
+  // The job ends (after the evaluation of the final model); ps1 and the
+  // evaluator idle, alive but no longer ready.
   EXPECT_EQ(chief_process.WaitOrKill(seconds(120)), 0) << chief_process.Describe();
+  EXPECT_THAT(chief_process.output(), ::testing::HasSubstr("eval: step 200/200"))
+      << chief_process.Describe();
   EXPECT_EQ(ps0_process.WaitOrKill(seconds(30)), 0) << ps0_process.Describe();
   EXPECT_EQ(worker_process.WaitOrKill(seconds(30)), 0) << worker_process.Describe();
   ASSERT_TRUE(ps1_process.WaitForOutput("idling until terminated", seconds(30)))
@@ -422,6 +539,12 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
   ps1_process.Signal(SIGTERM);
   EXPECT_EQ(ps1_process.WaitOrKill(seconds(20)), 0) << ps1_process.Describe();
   EXPECT_EQ(Health(ps1, "liveness"), "UNAVAILABLE");
+  ASSERT_TRUE(evaluator_process.WaitForOutput("idling until terminated", seconds(30)))
+      << evaluator_process.Describe();
+  EXPECT_EQ(Health(evaluator, ""), "NOT_SERVING");
+  EXPECT_EQ(Health(evaluator, "liveness"), "SERVING");
+  evaluator_process.Signal(SIGTERM);
+  EXPECT_EQ(evaluator_process.WaitOrKill(seconds(20)), 0) << evaluator_process.Describe();
 }
 
 }  // namespace
