@@ -10,8 +10,10 @@ storage), GPUs (nvidia.com/gpu) requested by workers and evaluators alone,
 which then run --device=cuda:N, the security flags (--tls_cert, --tls_key,
 --tls_ca, --auth_token_file) the same on every replica, naming files of a
 Secret mounted read-only, gRPC liveness probes that ask the "liveness" health
-service, no readiness probe on the ps, and Prometheus scrape annotations that
-name the --metrics_port the container serves.
+service, no readiness probe on the ps, no gRPC probe on the evaluator (which
+the operator leaves out of TF_CONFIG's cluster: it listens on no gRPC port),
+and Prometheus scrape annotations that name the --metrics_port the container
+serves.
 
 usage: validate_tfjob.py CRD.yaml MANIFEST.yaml...
 Exit code 0 when every manifest passes, 1 otherwise (each problem on a line).
@@ -142,6 +144,10 @@ def probe_problems(role, container):
     if role == "PS" and ready is not None:
         problems.append("PS: no readinessProbe: the operator's headless Services publish a pod's name only "
                         "once it is ready, and a ps is ready only after the chief reached it")
+    if role == "Evaluator" and any((container.get(k) or {}).get("grpc") is not None
+                                   for k in ("readinessProbe", "livenessProbe", "startupProbe")):
+        problems.append("Evaluator: no gRPC probes: the operator leaves the evaluator out of TF_CONFIG's "
+                        "cluster, so psflow-evaluator serves no gRPC port (a liveness probe would restart it)")
     return problems
 
 

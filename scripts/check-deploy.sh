@@ -51,7 +51,7 @@ buildah "${storage[@]}" bud --layers --isolation chroot "${limits[@]}" -f docker
 # 3. A cluster of containers.
 ports=($(python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(11)]
+socks = [socket.socket() for _ in range(12)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
@@ -74,9 +74,10 @@ run() {  # name, then the command
   local name=$1; shift
   "${podman[@]}" run -d --name "$name" --network host "${limits[@]}" "$@" > /dev/null
 }
-# Metrics ports: the chief, ps0, ps1, worker0, worker1 (ports 6..10). A scraper
-# in the background notes each one that answers /metrics while the cluster runs.
-metrics=("${ports[@]:6:5}")
+# Metrics ports: the chief, ps0, ps1, worker0, worker1, evaluator0 (ports
+# 6..11). A scraper in the background notes each one that answers /metrics
+# while the cluster runs.
+metrics=("${ports[@]:6:6}")
 scraped=$data/scraped
 python3 - "$scraped" "${metrics[@]}" <<'PY' &
 import sys, time, urllib.request
@@ -103,7 +104,8 @@ run psflow-check-worker0 "$image" psflow-worker --job_name=worker --task_id=0 "$
   --metrics_port="${metrics[3]}"
 run psflow-check-worker1 "$image" psflow-worker --job_name=worker --task_id=1 "${cluster[@]}" \
   --metrics_port="${metrics[4]}"
-run psflow-check-evaluator0 "$image" psflow-evaluator --job_name=evaluator --task_id=0 "${cluster[@]}"
+run psflow-check-evaluator0 "$image" psflow-evaluator --job_name=evaluator --task_id=0 "${cluster[@]}" \
+  --metrics_port="${metrics[5]}"
 run psflow-check-ps0 "$image" psflow-ps --job_name=ps --task_id=0 "${cluster[@]}" \
   --metrics_port="${metrics[1]}"
 run psflow-check-ps1 "$image" psflow-ps --job_name=ps --task_id=1 "${cluster[@]}" \

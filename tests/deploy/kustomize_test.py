@@ -71,7 +71,7 @@ class KustomizeBaseTest(unittest.TestCase):
             self.assertEqual(container["ports"][0]["containerPort"], 2222)
 
     def test_probes_and_metrics(self):
-        for role in ("chief", "ps", "worker"):
+        for role in self.cluster:
             template = self.sets[f"psflow-{role}"]["spec"]["template"]
             (container,) = template["spec"]["containers"]
             grpc_port = container["ports"][0]["containerPort"]

@@ -127,6 +127,16 @@ class ValidateTfjobTest(unittest.TestCase):
             c["args"] = [a for a in c["args"] if not a.startswith("--metrics_port")]
         self.assertTrue(any(p.endswith("PS: prometheus.io/port is '9090' but the container has no "
                                        "--metrics_port=9090") for p in self.problems_of(no_flag)))
+        def evaluator_probed(j):
+            pod(j, "Evaluator")["spec"]["containers"][0]["livenessProbe"] = {
+                "grpc": {"port": 2222, "service": "liveness"}}
+        self.assertTrue(any("Evaluator: no gRPC probes" in p for p in self.problems_of(evaluator_probed)))
+        def evaluator_without_flag(j):
+            c = pod(j, "Evaluator")["spec"]["containers"][0]
+            c["args"] = [a for a in c["args"] if not a.startswith("--metrics_port")]
+        self.assertTrue(any(p.endswith("Evaluator: prometheus.io/port is '9090' but the container has "
+                                       "no --metrics_port=9090")
+                            for p in self.problems_of(evaluator_without_flag)))
 
 
 if __name__ == "__main__":
