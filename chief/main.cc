@@ -226,7 +226,7 @@ int main(int argc, char** argv) {
   }
   readiness.Attach(server->get());
   absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
-      psflow::ServeMetrics(&metrics);
+      psflow::ServeMetrics(&metrics, &readiness);
   if (!metrics_server.ok()) {
     PSLOG(ERROR) << metrics_server.status().message();
     readiness.Detach();

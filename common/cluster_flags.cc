@@ -140,16 +140,20 @@ SecurityOptions LoadSecurityOrExit(Role role) {
 }
 
 absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
-    const metrics::Registry* registry) {
+    const metrics::Registry* registry, const Readiness* readiness) {
   const int port = absl::GetFlag(FLAGS_metrics_port);
   if (port < 0 || port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_port must be in [0, 65535], not ", port));
   }
   if (port == 0) return nullptr;
-  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> server =
-      metrics::MetricsServer::Start(port, registry);
-  if (server.ok()) PSLOG(INFO) << "serving metrics on http://0.0.0.0:" << port << "/metrics";
+  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> server = metrics::MetricsServer::Start(
+      port, registry,
+      readiness == nullptr ? std::function<bool()>() : [readiness] { return readiness->ready(); });
+  if (server.ok()) {
+    PSLOG(INFO) << "serving metrics on http://0.0.0.0:" << port << "/metrics"
+                << (readiness != nullptr ? " (probes: /healthz, /readyz)" : " (probes: /healthz)");
+  }
   return server;
 }
 

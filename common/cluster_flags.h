@@ -16,9 +16,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/cluster_config.h"
-#include "common/security.h"
+#include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "common/metrics_server.h"
+#include "common/security.h"
 
 namespace psflow {
 
@@ -43,11 +44,13 @@ int RunRole(const std::function<absl::Status()>& run, const std::function<void(i
             absl::Duration grace, const std::string& what);
 
 // --metrics_port: with a port, serves `registry` at
-// http://0.0.0.0:<port>/metrics; with 0 (the default), null. UNAVAILABLE if
-// it cannot listen there, INVALID_ARGUMENT for a port out of range. Start it
-// once everything the registry reads exists, and destroy it before that goes.
+// http://0.0.0.0:<port>/metrics, /healthz, and /readyz from `readiness` (may
+// be null: no /readyz); with 0 (the default), null. UNAVAILABLE if it cannot
+// listen there, INVALID_ARGUMENT for a port out of range. Start it once
+// everything the registry reads exists, and destroy it before that goes (and
+// before `readiness`).
 absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
-    const metrics::Registry* registry);
+    const metrics::Registry* registry, const Readiness* readiness = nullptr);
 
 // Resolves this process's cluster configuration for `role` from the flags and
 // the environment; on error prints "<binary>: <problem>" and exits 1.

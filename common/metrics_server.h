@@ -1,14 +1,21 @@
 // Serves a metrics::Registry over HTTP: GET /metrics answers the registry's
 // Render() as "text/plain; version=0.0.4" (the Prometheus text exposition
-// format), on 0.0.0.0:<port>, from two threads of its own (civetweb's). Every
-// other path is 404, every other method 405.
+// format), on 0.0.0.0:<port>, from two threads of its own (civetweb's).
+// It also answers HTTP probes (the kubelet's httpGet, which needs no TLS and
+// no token, unlike the gRPC health service of a secured role): /healthz is
+// 200 while the server runs (liveness), /readyz 200 while `ready` says so and
+// 503 otherwise (readiness; 404 without `ready`). Every other path is 404,
+// every other method 405.
 //
 // Thread-safe; the registry must outlive the server. Stop (or destroy) the
 // server before anything the registry's function series read goes away.
 #ifndef PSFLOW_COMMON_METRICS_SERVER_H_
 #define PSFLOW_COMMON_METRICS_SERVER_H_
 
+#include <functional>
 #include <memory>
+
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
@@ -22,7 +29,10 @@ class MetricsServer {
  public:
   // Listens on `port` (0: a free port the system picks; see port()).
   // UNAVAILABLE naming the port if it cannot listen there (in use, say).
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(int port, const Registry* registry);
+  // `ready` (may be null) answers /readyz; it must be thread-safe and stay
+  // callable while the server runs.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      int port, const Registry* registry, std::function<bool()> ready = nullptr);
   // Stops: waits for the requests being answered.
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;
@@ -32,10 +42,14 @@ class MetricsServer {
   int port() const { return port_; }
 
  private:
-  MetricsServer(const Registry* registry) : registry_(registry) {}
+  MetricsServer(const Registry* registry, std::function<bool()> ready)
+      : registry_(registry), ready_(std::move(ready)) {}
   static int Handle(mg_connection* connection, void* server);
+  static int HandleHealth(mg_connection* connection, void* server);
+  static int HandleReady(mg_connection* connection, void* server);
 
   const Registry* const registry_;
+  const std::function<bool()> ready_;
   mg_context* context_ = nullptr;
   int port_ = 0;
 };

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -269,6 +270,36 @@ TEST(MetricsServerTest, ServesTheRegistryAtMetrics) {
 
   server->reset();  // stops: nothing listens any more
   EXPECT_EQ(Exchange(port, "GET /metrics HTTP/1.0\r\n\r\n"), "");
+}
+
+// /healthz answers 200 while the server runs; /readyz follows `ready` (503
+// while it says no), and is not there without it.
+TEST(MetricsServerTest, AnswersHttpProbes) {
+  Registry r;
+  std::atomic<bool> ready{false};
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start(0, &r, [&ready] { return ready.load(); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  std::string answer = Exchange(port, "GET /healthz HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(StatusCode(answer), "200") << answer;
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\nok\n"));
+  answer = Exchange(port, "GET /readyz HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(StatusCode(answer), "503") << answer;
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\nnot ready\n"));
+  ready = true;
+  answer = Exchange(port, "GET /readyz HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(StatusCode(answer), "200") << answer;
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\nready\n"));
+  EXPECT_EQ(StatusCode(Exchange(port, "HEAD /readyz HTTP/1.0\r\n\r\n")), "200");
+  EXPECT_EQ(StatusCode(Exchange(port, "POST /healthz HTTP/1.0\r\nContent-Length: 0\r\n\r\n")),
+            "405");
+  EXPECT_EQ(StatusCode(Exchange(port, "GET /readyz/x HTTP/1.0\r\n\r\n")), "404");
+
+  absl::StatusOr<std::unique_ptr<MetricsServer>> without = MetricsServer::Start(0, &r);
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_EQ(StatusCode(Exchange((*without)->port(), "GET /healthz HTTP/1.0\r\n\r\n")), "200");
+  EXPECT_EQ(StatusCode(Exchange((*without)->port(), "GET /readyz HTTP/1.0\r\n\r\n")), "404");
 }
 
 TEST(MetricsServerTest, APortInUseIsAnError) {
