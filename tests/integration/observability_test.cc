@@ -72,6 +72,40 @@ std::string HttpGet(int port, const std::string& path, std::string* error) {
   return answer.substr(body + 4);
 }
 
+// The status code of GET http://127.0.0.1:<port><path> ("200", "503"), or ""
+// when nothing answers.
+std::string HttpStatus(int port, const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string answer;
+  char buf[1024];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  const size_t space = answer.find(' ');
+  return space == std::string::npos ? "" : answer.substr(space + 1, 3);
+}
+
+// Polls until GET <path> on `port` answers `want` (true) or `timeout` passes.
+bool WaitForHttpStatus(int port, const std::string& path, const std::string& want,
+                       milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (HttpStatus(port, path) == want) return true;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return HttpStatus(port, path) == want;
+}
+
 // One scrape as the Prometheus parser read it.
 struct Scrape {
   std::string text;                          // as served
@@ -233,19 +267,21 @@ const std::map<std::string, std::string> kEvaluatorFamilies = {
 };
 
 // A chief, one ps, two workers and an evaluator, each with --metrics_port,
-// train the mlp (evaluated every 100 steps). Scraped twice while training,
-// every counter that counts work has moved, and the chief's eval gauges
-// follow the evaluator's. Then the ps is killed and comes back 3 s later (so
-// the chief's look at it fails, or times out, and the workers' and the
-// evaluator's calls fail): the chief reloads it from the checkpoint, and every
-// role serves every metric, the failed calls counted by code.
+// train the mlp (evaluated every 100 steps). The evaluator is left out of the
+// cluster, as the training operator leaves it out of TF_CONFIG: it listens on
+// no gRPC port, and its metrics port answers its probes. Scraped twice while
+// training, every counter that counts work has moved, and the chief's eval
+// gauges follow the evaluator's. Then the ps is killed and comes back 3 s
+// later (so the chief's look at it fails, or times out, and the workers' and
+// the evaluator's calls fail): the chief reloads it from the checkpoint, and
+// every role serves every metric, the failed calls counted by code.
 TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
   const std::vector<int> p = FreePorts(10);
   ASSERT_THAT(p, SizeIs(10));
-  // gRPC: chief, ps, worker0, worker1, evaluator0; metrics: the same order.
+  // gRPC: chief, ps, worker0, worker1 (p[4] unused: the evaluator listens on
+  // none); metrics: chief, ps, worker0, worker1, evaluator0.
   const std::vector<std::string> hosts = {"--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
-                                          "--worker_hosts=" + Addr(p[2]) + "," + Addr(p[3]),
-                                          "--evaluator_hosts=" + Addr(p[4])};
+                                          "--worker_hosts=" + Addr(p[2]) + "," + Addr(p[3])};
   auto args = [&](const std::string& role, int index, int metrics_port) {
     std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index),
                                   "--metrics_port=" + std::to_string(metrics_port)};
@@ -318,8 +354,13 @@ TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
   EXPECT_GT(second["chief"].Value("psflow_eval_loss"), 0);
   EXPECT_GE(second["chief"].Value("psflow_eval_accuracy"), 0);
   EXPECT_LE(second["chief"].Value("psflow_eval_accuracy"), 1);
-  // Registered with the chief: ready.
-  EXPECT_EQ(Health(Addr(p[4]), ""), "SERVING");
+  // Registered with the chief: ready, as its metrics port tells.
+  EXPECT_EQ(HttpStatus(p[9], "/readyz"), "200");
+  EXPECT_EQ(HttpStatus(p[9], "/healthz"), "200");
+  for (int port : {p[5], p[6], p[7], p[8]}) {
+    EXPECT_EQ(HttpStatus(port, "/readyz"), "200") << port;
+    EXPECT_EQ(HttpStatus(port, "/healthz"), "200") << port;
+  }
   // Values that follow from the job.
   const Scrape& c = second["chief"];
   EXPECT_EQ(c.Value("psflow_workers"), 2);
@@ -353,7 +394,7 @@ TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
     std::this_thread::sleep_for(milliseconds(100));
   }
   // So has the evaluator.
-  EXPECT_TRUE(WaitForHealth(Addr(p[4]), "", "SERVING", seconds(30))) << evaluator.Describe();
+  EXPECT_TRUE(WaitForHttpStatus(p[9], "/readyz", "200", seconds(30))) << evaluator.Describe();
   std::map<std::string, Scrape> third;
   for (const auto& [name, port] : roles) third[name] = ScrapeAndParse(port, name);
   ExpectFamilies(third["chief"], kChiefFamilies, "chief");
@@ -471,10 +512,12 @@ TEST(ObservabilityCliTest, ABusyMetricsPortExitsOne) {
 // NOT_SERVING until it holds a job, the chief until every ps does, a worker
 // and an evaluator until they registered; the "liveness" service is SERVING
 // all along; and a ps or an evaluator idling after the job
-// (--exit_when_done=false) is NOT_SERVING but alive.
+// (--exit_when_done=false) is NOT_SERVING but alive. The metrics port's
+// /readyz and /healthz say the same over HTTP (ps1 and the evaluator here).
 TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
-  const std::vector<int> p = FreePorts(5);
-  ASSERT_THAT(p, SizeIs(5));
+  const std::vector<int> p = FreePorts(7);
+  ASSERT_THAT(p, SizeIs(7));
+  const int ps1_metrics = p[5], evaluator_metrics = p[6];
   const std::string chief = Addr(p[0]), ps0 = Addr(p[1]), ps1 = Addr(p[2]), worker = Addr(p[3]),
                     evaluator = Addr(p[4]);
   const std::vector<std::string> hosts = {"--chief_hosts=" + chief, "--ps_hosts=" + ps0 + "," + ps1,
@@ -498,12 +541,15 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
       << worker_process.Describe();
   EXPECT_EQ(Health(worker, ""), "NOT_SERVING");
   // So does the evaluator (it stays after the job).
-  Process evaluator_process(
-      Bin("psflow-evaluator"),
-      args("evaluator", 0, {"--exit_when_done=false", "--compute_threads=1"}));
+  Process evaluator_process(Bin("psflow-evaluator"),
+                            args("evaluator", 0,
+                                 {"--exit_when_done=false", "--compute_threads=1",
+                                  "--metrics_port=" + std::to_string(evaluator_metrics)}));
   ASSERT_TRUE(WaitForHealth(evaluator, "liveness", "SERVING", seconds(20)))
       << evaluator_process.Describe();
   EXPECT_EQ(Health(evaluator, ""), "NOT_SERVING");
+  EXPECT_TRUE(WaitForHttpStatus(evaluator_metrics, "/healthz", "200", seconds(20)));
+  EXPECT_EQ(HttpStatus(evaluator_metrics, "/readyz"), "503");
 
   // The chief loads ps0; ps1 is not up, so the chief is not ready.
   Process chief_process(Bin("psflow-chief"),
@@ -517,13 +563,18 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
   EXPECT_EQ(Health(chief, ""), "NOT_SERVING");
   EXPECT_EQ(Health(worker, ""), "NOT_SERVING");
   EXPECT_EQ(Health(evaluator, ""), "NOT_SERVING");
+  EXPECT_EQ(HttpStatus(evaluator_metrics, "/readyz"), "503");
 
   // ps1 comes (and stays after the job): everyone becomes ready.
-  Process ps1_process(Bin("psflow-ps"), args("ps", 1, {"--exit_when_done=false"}));
+  Process ps1_process(
+      Bin("psflow-ps"),
+      args("ps", 1, {"--exit_when_done=false", "--metrics_port=" + std::to_string(ps1_metrics)}));
   EXPECT_TRUE(WaitForHealth(chief, "", "SERVING", seconds(30))) << chief_process.Describe();
   EXPECT_EQ(Health(ps1, ""), "SERVING");
   EXPECT_TRUE(WaitForHealth(worker, "", "SERVING", seconds(30))) << worker_process.Describe();
   EXPECT_TRUE(WaitForHealth(evaluator, "", "SERVING", seconds(30))) << evaluator_process.Describe();
+  EXPECT_EQ(HttpStatus(evaluator_metrics, "/readyz"), "200");
+  EXPECT_EQ(HttpStatus(ps1_metrics, "/readyz"), "200");
 
   // The job ends (after the evaluation of the final model); ps1 and the
   // evaluator idle, alive but no longer ready.
@@ -536,6 +587,8 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
       << ps1_process.Describe();
   EXPECT_EQ(Health(ps1, ""), "NOT_SERVING");
   EXPECT_EQ(Health(ps1, "liveness"), "SERVING");
+  EXPECT_EQ(HttpStatus(ps1_metrics, "/readyz"), "503");
+  EXPECT_EQ(HttpStatus(ps1_metrics, "/healthz"), "200");
   ps1_process.Signal(SIGTERM);
   EXPECT_EQ(ps1_process.WaitOrKill(seconds(20)), 0) << ps1_process.Describe();
   EXPECT_EQ(Health(ps1, "liveness"), "UNAVAILABLE");
@@ -543,6 +596,7 @@ TEST_F(ObservabilityTest, HealthFollowsEachRolesReadiness) {
       << evaluator_process.Describe();
   EXPECT_EQ(Health(evaluator, ""), "NOT_SERVING");
   EXPECT_EQ(Health(evaluator, "liveness"), "SERVING");
+  EXPECT_EQ(HttpStatus(evaluator_metrics, "/readyz"), "503");
   evaluator_process.Signal(SIGTERM);
   EXPECT_EQ(evaluator_process.WaitOrKill(seconds(20)), 0) << evaluator_process.Describe();
 }
