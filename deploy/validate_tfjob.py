@@ -9,11 +9,11 @@ restart policy, one chief, storage mounted on the chief alone (a Secret is not
 storage), GPUs (nvidia.com/gpu) requested by workers and evaluators alone,
 which then run --device=cuda:N, the security flags (--tls_cert, --tls_key,
 --tls_ca, --auth_token_file) the same on every replica, naming files of a
-Secret mounted read-only, gRPC liveness probes that ask the "liveness" health
-service, no readiness probe on the ps, no gRPC probe on the evaluator (which
-the operator leaves out of TF_CONFIG's cluster: it listens on no gRPC port),
-and Prometheus scrape annotations that name the --metrics_port the container
-serves.
+Secret mounted read-only, probes that can pass (HTTP on the --metrics_port,
+GET /readyz and /healthz, where the security flags keep the kubelet's gRPC
+probes out, and none of gRPC on the evaluator, which the operator leaves out
+of TF_CONFIG's cluster), no readiness probe on the ps, and Prometheus scrape
+annotations that name the --metrics_port the container serves.
 
 usage: validate_tfjob.py CRD.yaml MANIFEST.yaml...
 Exit code 0 when every manifest passes, 1 otherwise (each problem on a line).
@@ -133,21 +133,39 @@ def psflow_problems(job):
 
 
 def probe_problems(role, container):
-    """psflow's health service: "" is readiness (NOT_SERVING while a role waits
-    for its peers), "liveness" is SERVING while the process serves."""
+    """Probes. The kubelet's gRPC probe presents no client certificate and no
+    job token, so a secured role is probed over HTTP on its metrics port:
+    readiness GET /readyz, liveness GET /healthz (a role waiting for its peers
+    is alive but not ready). A gRPC liveness probe, where one can work, must
+    ask the "liveness" health service for the same reason."""
     problems = []
-    live = (container.get("livenessProbe") or {}).get("grpc")
-    if live is not None and live.get("service") != "liveness":
-        problems.append(f"{role}: the gRPC livenessProbe must ask service 'liveness' (the server as a "
-                        "whole is not ready while the role waits for its peers: the kubelet would restart it)")
-    ready = container.get("readinessProbe")
-    if role == "PS" and ready is not None:
+    args = [str(a) for a in container.get("args", []) or []]
+    secured = any(a.startswith(("--tls_ca=", "--auth_token_file=")) for a in args)
+    metrics_port = next((a.split("=", 1)[1] for a in args if a.startswith("--metrics_port=")), None)
+    for kind, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        probe = container.get(kind) or {}
+        grpc = probe.get("grpc")
+        if grpc is not None:
+            if secured:
+                problems.append(f"{role}: a gRPC {kind} cannot pass mutual TLS or the job token (the kubelet "
+                                f"has neither): GET {path} on the --metrics_port instead")
+            if role == "Evaluator":
+                problems.append(f"Evaluator: no gRPC {kind}: the operator leaves the evaluator out of "
+                                "TF_CONFIG's cluster, so psflow-evaluator serves no gRPC port")
+            if kind == "livenessProbe" and grpc.get("service") != "liveness":
+                problems.append(f"{role}: the gRPC livenessProbe must ask service 'liveness' (the server as a "
+                                "whole is not ready while the role waits for its peers: the kubelet would "
+                                "restart it)")
+        http = probe.get("httpGet")
+        if http is not None:
+            if http.get("path") != path:
+                problems.append(f"{role}: the httpGet {kind} must GET {path}, not {http.get('path')}")
+            if metrics_port is None or str(http.get("port")) != metrics_port:
+                problems.append(f"{role}: the httpGet {kind} asks port {http.get('port')}, but the container "
+                                f"serves its probes on --metrics_port ({metrics_port or 'none'})")
+    if role == "PS" and container.get("readinessProbe") is not None:
         problems.append("PS: no readinessProbe: the operator's headless Services publish a pod's name only "
                         "once it is ready, and a ps is ready only after the chief reached it")
-    if role == "Evaluator" and any((container.get(k) or {}).get("grpc") is not None
-                                   for k in ("readinessProbe", "livenessProbe", "startupProbe")):
-        problems.append("Evaluator: no gRPC probes: the operator leaves the evaluator out of TF_CONFIG's "
-                        "cluster, so psflow-evaluator serves no gRPC port (a liveness probe would restart it)")
     return problems
 
 

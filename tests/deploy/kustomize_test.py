@@ -4,7 +4,7 @@ StatefulSets, headless Services and CLUSTER_CONFIG agree with each other and
 with what psflow reads (POD_NAME <prefix>-<role>-<index>, addresses
 <pod>.<service>:port), only the chief has storage, every role stays up after
 the job (--exit_when_done=false), every role runs with mutual TLS and the job
-token from the Secret, mounted read-only with its own role's key only, gRPC
+token from the Secret, mounted read-only with its own role's key only, HTTP
 readiness and liveness probes and Prometheus annotations agree with the flags;
 and, where kubectl is installed, that `kubectl kustomize` renders it."""
 import json
@@ -74,13 +74,16 @@ class KustomizeBaseTest(unittest.TestCase):
         for role in self.cluster:
             template = self.sets[f"psflow-{role}"]["spec"]["template"]
             (container,) = template["spec"]["containers"]
-            grpc_port = container["ports"][0]["containerPort"]
-            # Readiness: the server as a whole; liveness: the "liveness" service,
-            # SERVING while the role waits for its peers.
-            self.assertEqual(container["readinessProbe"]["grpc"], {"port": grpc_port}, role)
-            self.assertEqual(container["livenessProbe"]["grpc"], {"port": grpc_port, "service": "liveness"},
-                             role)
             annotations = template["metadata"]["annotations"]
+            # Probes over HTTP on the metrics port (a kubelet's gRPC probe cannot
+            # pass mutual TLS): readiness /readyz, liveness /healthz, which holds
+            # while the role waits for its peers.
+            metrics_port = int(annotations["prometheus.io/port"])
+            self.assertEqual(container["readinessProbe"]["httpGet"], {"path": "/readyz", "port": metrics_port},
+                             role)
+            self.assertEqual(container["livenessProbe"]["httpGet"], {"path": "/healthz", "port": metrics_port},
+                             role)
+            self.assertNotIn("grpc", container["readinessProbe"], role)
             self.assertEqual(annotations["prometheus.io/scrape"], "true", role)
             self.assertEqual(annotations["prometheus.io/path"], "/metrics", role)
             port = annotations["prometheus.io/port"]

@@ -113,26 +113,36 @@ class ValidateTfjobTest(unittest.TestCase):
     def test_probes_and_scrape_annotations(self):
         def pod(j, role):
             return j["spec"]["tfReplicaSpecs"][role]["template"]
-        def liveness_of_whole_server(j):
-            pod(j, "Worker")["spec"]["containers"][0]["livenessProbe"]["grpc"].pop("service")
-        self.assertTrue(any("'liveness'" in p for p in self.problems_of(liveness_of_whole_server)))
+        def container(j, role):
+            return pod(j, role)["spec"]["containers"][0]
+        def grpc_liveness_with_tls(j):
+            container(j, "Worker")["livenessProbe"] = {"grpc": {"port": 2222, "service": "liveness"}}
+        self.assertTrue(any("Worker: a gRPC livenessProbe cannot pass mutual TLS" in p
+                            for p in self.problems_of(grpc_liveness_with_tls)))
+        def liveness_of_readiness(j):
+            container(j, "Chief")["livenessProbe"]["httpGet"]["path"] = "/readyz"
+        self.assertTrue(any("Chief: the httpGet livenessProbe must GET /healthz" in p
+                            for p in self.problems_of(liveness_of_readiness)))
+        def probe_on_grpc_port(j):
+            container(j, "Evaluator")["readinessProbe"]["httpGet"]["port"] = 2222
+        self.assertTrue(any("Evaluator: the httpGet readinessProbe asks port 2222" in p
+                            for p in self.problems_of(probe_on_grpc_port)))
+        def evaluator_grpc(j):
+            container(j, "Evaluator")["readinessProbe"] = {"grpc": {"port": 2222}}
+        self.assertTrue(any("Evaluator: no gRPC readinessProbe" in p for p in self.problems_of(evaluator_grpc)))
         def ps_readiness(j):
-            pod(j, "PS")["spec"]["containers"][0]["readinessProbe"] = {"grpc": {"port": 2222}}
+            container(j, "PS")["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": 9090}}
         self.assertTrue(any("PS: no readinessProbe" in p for p in self.problems_of(ps_readiness)))
         def wrong_port(j):
             pod(j, "Chief")["metadata"]["annotations"]["prometheus.io/port"] = "9999"
         self.assertTrue(any("--metrics_port=9999" in p for p in self.problems_of(wrong_port)))
         def no_flag(j):
-            c = pod(j, "PS")["spec"]["containers"][0]
+            c = container(j, "PS")
             c["args"] = [a for a in c["args"] if not a.startswith("--metrics_port")]
         self.assertTrue(any(p.endswith("PS: prometheus.io/port is '9090' but the container has no "
                                        "--metrics_port=9090") for p in self.problems_of(no_flag)))
-        def evaluator_probed(j):
-            pod(j, "Evaluator")["spec"]["containers"][0]["livenessProbe"] = {
-                "grpc": {"port": 2222, "service": "liveness"}}
-        self.assertTrue(any("Evaluator: no gRPC probes" in p for p in self.problems_of(evaluator_probed)))
         def evaluator_without_flag(j):
-            c = pod(j, "Evaluator")["spec"]["containers"][0]
+            c = container(j, "Evaluator")
             c["args"] = [a for a in c["args"] if not a.startswith("--metrics_port")]
         self.assertTrue(any(p.endswith("Evaluator: prometheus.io/port is '9090' but the container has "
                                        "no --metrics_port=9090")
