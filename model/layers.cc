@@ -232,7 +232,9 @@ class BatchNormKind final : public Layer {
                                                       const ActivationShape& in) const override {
     return Bind(
         backend->CreateBatchNorm({batch, in.channels, in.height, in.width, epsilon_}),
-        [](kernels::BatchNorm& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
+        [](kernels::BatchNorm& op, const ForwardArgs& a) {
+          return op.Forward(a.x, a.w, a.b, a.y, nullptr, nullptr);
+        },
         [](kernels::BatchNorm& op, const BackwardArgs& a) {
           // Batch norm always writes an input gradient: scratch takes an unneeded one.
           return op.Backward(a.x, a.w, a.dy, a.dx != nullptr ? a.dx : a.scratch, a.dw, a.db);
