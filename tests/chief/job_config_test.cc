@@ -387,6 +387,23 @@ TEST_F(JobConfigTest, WireDtype) {
   }
 }
 
+TEST_F(JobConfigTest, BnMomentum) {
+  WriteData(kCount, 28, false);
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_FLOAT_EQ(job->bn_momentum(), 0.1f) << "the default, PyTorch's";
+  for (float m : {0.01f, 0.5f, 1.0f}) {
+    options_.job.bn_momentum = m;
+    job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << m << ": " << job.status();
+    EXPECT_FLOAT_EQ(job->bn_momentum(), m);
+  }
+  for (float bad : {0.0f, -0.1f, 1.5f, std::nanf("")}) {
+    options_.job.bn_momentum = bad;
+    ExpectInvalid(BuildJobConfig(options_), "--bn_momentum must be in (0, 1]");
+  }
+}
+
 TEST_F(JobConfigTest, RejectsBadSettings) {
   WriteData(kCount, 28, false);
   ASSERT_TRUE(BuildJobConfig(options_).ok());

@@ -681,6 +681,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
         "optimizer",
         "learning_rate",
         "momentum",
+        "bn_momentum",
         "seed",
         "model_dir",
         "saved_model_dir",
