@@ -485,7 +485,17 @@ TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
   EXPECT_EQ(job->model().input().channels(), 3);
   EXPECT_EQ(job->model().input().height(), 32);
   EXPECT_EQ(job->model().input().width(), 32);
-  EXPECT_EQ(job->placement().variable_size(), 62) << "every resnet variable is placed";
+  EXPECT_EQ(job->placement().variable_size(), 102) << "every resnet variable is placed";
+  // Batch norm's running statistics are placed like the rest, marked not
+  // trainable; the job carries the default momentum for them.
+  int statistics = 0;
+  for (const VariablePlacement& v : job->placement().variable()) {
+    const bool running = v.name().find("/running_") != std::string::npos;
+    EXPECT_EQ(v.non_trainable(), running) << v.name();
+    statistics += running;
+  }
+  EXPECT_EQ(statistics, 40);
+  EXPECT_FLOAT_EQ(job->bn_momentum(), 0.1f);
 
   // The inputs are standardized with the statistics of the very examples the
   // workers will make.
