@@ -61,9 +61,11 @@ int main(int argc, char** argv) {
         "the cpu backend does not compute in host memory: cannot train in place");
   }
   std::vector<int64_t> sizes;
+  std::vector<bool> trainable;
   std::vector<std::vector<float>> m, v;
   for (const psflow::VariableShape& var : (*net)->variables()) {
     sizes.push_back(psflow::NumElements(var.shape));
+    trainable.push_back(var.trainable);
     m.emplace_back(sizes.back());
     v.emplace_back(sizes.back());
   }
@@ -88,7 +90,12 @@ int main(int argc, char** argv) {
     auto r = (*net)->TrainStep(images.data(), labels.data(), batch);
     if (!r.ok()) return psflow::FailWith(r.status());
     for (size_t i = 0; i < weights.size(); ++i) {
-      (*opt)->Apply(step, weights[i], grads[i], sizes[i], {m[i].data(), v[i].data()});
+      if (trainable[i]) {
+        (*opt)->Apply(step, weights[i], grads[i], sizes[i], {m[i].data(), v[i].data()});
+      } else {  // batch norm's running statistics, as the ps keep them
+        psflow::ps::MovingAverageInto(weights[i], grads[i], psflow::ps::kDefaultBnMomentum,
+                                      sizes[i]);
+      }
     }
   }
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);

@@ -393,9 +393,13 @@ absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
         ckpt->tensors.begin(), ckpt->tensors.end(),
         [&](const CheckpointTensorData& t) { return t.name == v.name && t.slot.empty(); });
     if (it == ckpt->tensors.end() || it->shape != v.shape) {
+      // Checkpoints from before batch norm kept running statistics lack them.
+      const bool old_batch_norm = it == ckpt->tensors.end() && !v.trainable;
       return absl::InvalidArgumentError(absl::StrCat(
           "the newest checkpoint in ", CheckpointsDir(options_.model_dir), " does not fit model ",
-          job_.model().name(), " (variable '", v.name, "'): use another --model_dir"));
+          job_.model().name(), " (variable '", v.name, "'",
+          old_batch_norm ? " missing: written before batch norm kept running statistics" : "",
+          "): use another --model_dir"));
     }
   }
   for (CheckpointTensorData& t : ckpt->tensors) {
@@ -792,14 +796,19 @@ absl::Status Coordinator::Run() {
     absl::Status writable = MakeDirectories(dir);
     if (!writable.ok()) return absl::FailedPreconditionError(writable.message());
   }
-  int64_t params = 0;
-  for (const VariableShape& v : model::ModelVariables(job_.model())) params += NumElements(v.shape);
+  int64_t params = 0, statistics = 0;
+  for (const VariableShape& v : model::ModelVariables(job_.model()))
+    (v.trainable ? params : statistics) += NumElements(v.shape);
   std::vector<int64_t> bytes = BytesPerPs(job_.placement());
   std::string per_ps;
   for (size_t p = 0; p < bytes.size(); ++p)
     absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
-  PSLOG(INFO) << "job: model " << job_.model().name() << " (" << params << " parameters), "
-              << job_.train_steps() << " steps = "
+  const std::string bn =
+      statistics == 0 ? ""
+                      : absl::StrCat(", ", statistics, " batch-norm running statistics, momentum ",
+                                     job_.bn_momentum());
+  PSLOG(INFO) << "job: model " << job_.model().name() << " (" << params << " parameters" << bn
+              << "), " << job_.train_steps() << " steps = "
               << absl::StrFormat("%.2f", static_cast<double>(job_.train_steps()) /
                                              static_cast<double>(job_.steps_per_epoch()))
               << " epochs of " << job_.steps_per_epoch()

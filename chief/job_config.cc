@@ -280,6 +280,11 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
     return absl::InvalidArgumentError(
         absl::StrCat("--wire_dtype '", o.wire_dtype, "' is not one of fp32, bf16, fp16"));
   }
+  if (!(o.bn_momentum > 0 && o.bn_momentum <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--bn_momentum must be in (0, 1], got ", o.bn_momentum));
+  }
+  job.set_bn_momentum(o.bn_momentum);
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(),
                           PlaceVariables(model::ModelVariables(*spec), num_ps));
   return job;

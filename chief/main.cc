@@ -106,6 +106,12 @@ ABSL_FLAG(int, eval_final_timeout, 600,
           "(when the cluster lists an evaluator or one registered). An evaluator not heard from "
           "for 30 s is not waited for.");
 
+ABSL_FLAG(double, bn_momentum, 0.1,
+          "Batch norm's running statistics, which evaluation uses: each step, r = (1 - m) * r + "
+          "m * s, s being the mean over the workers of their batches' statistic (mean, or "
+          "unbiased variance), m this flag (PyTorch's momentum convention: the weight of the new "
+          "value). In (0, 1].");
+
 ABSL_FLAG(
     std::string, on_nonfinite, "fail",
     "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
@@ -169,6 +175,7 @@ int main(int argc, char** argv) {
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
   job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
+  job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));
   psflow::chief::CoordinatorOptions& c = o.coordinator;
   c.ps_addresses = o.cluster.cluster.ps;
   c.model_dir = absl::GetFlag(FLAGS_model_dir);

@@ -29,6 +29,7 @@ absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& varia
     VariablePlacement* vp = placement.add_variable();
     vp->set_name(v.name);
     for (int64_t d : v.shape) vp->add_shape(d);
+    vp->set_non_trainable(!v.trainable);
     const int64_t bytes = NumElements(v.shape) * 4;
     const int64_t rows = v.shape[0];
     if (num_ps == 1 || bytes <= split_bytes || rows < 2) {
@@ -81,6 +82,7 @@ std::vector<SliceRef> SlicesOnPs(const Placement& placement, int ps) {
       r.row_end = s.row_end();
       r.float_offset = s.row_begin() * row_floats;
       r.variable_index = i;
+      r.trainable = !v.non_trainable();
       out.push_back(std::move(r));
     }
   }
@@ -130,6 +132,7 @@ std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps) {
     for (int64_t d : s.slice_shape) spec.add_shape(d);
     spec.set_row_begin(s.row_begin);
     spec.set_row_end(s.row_end);
+    spec.set_non_trainable(!s.trainable);
   }
   return specs;
 }

@@ -21,6 +21,10 @@ namespace psflow {
 struct VariableShape {
   std::string name;
   std::vector<int64_t> shape;  // at least one dimension
+  // False for batch norm's running statistics: the ps average the statistic
+  // workers push into them instead of applying the optimizer
+  // (VariablePlacement.non_trainable).
+  bool trainable = true;
 };
 
 // Variables above this many bytes are split over several ps by default.
@@ -37,6 +41,7 @@ struct SliceRef {
   int64_t row_begin = 0, row_end = 0;
   int64_t float_offset = 0;  // where the slice starts within the whole variable
   int variable_index = 0;    // index in placement.variable()
+  bool trainable = true;     // !VariablePlacement.non_trainable
 };
 
 // The slices that ps `ps` holds, in placement order.
@@ -57,7 +62,8 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
 // The dtype of the job's pulls and pushes (JobConfig.wire_dtype); DT_INVALID
 // for a value this build does not know.
 DataType WireDtypeOf(const JobConfig& job);
-// What ps `ps` holds, as its InitHeader describes it.
+// What ps `ps` holds, as its InitHeader describes it (non_trainable from
+// the placement).
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);
 
 // Bytes held by each ps.

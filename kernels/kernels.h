@@ -103,14 +103,23 @@ struct BatchNormShape {
   float epsilon = 1e-5f;
 };
 
-// Batch normalization with the batch's own statistics (training mode): per
-// channel c, over the N*H*W values of x, y = gamma[c] * (x - mean) /
-// sqrt(var + epsilon) + beta[c], var being the biased variance. x, y: NCHW.
+// Batch normalization: per channel c, over the M = N*H*W values of x,
+// y = gamma[c] * (x - mean[c]) / sqrt(var[c] + epsilon) + beta[c]. x, y:
+// NCHW; gamma, beta, mean, var: [C].
 class BatchNorm {
  public:
   virtual ~BatchNorm() = default;
-  // Keeps the batch mean and inverse standard deviation for Backward.
-  virtual absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) = 0;
+  // Training mode: mean and var are the batch's own (var biased, the sum
+  // of squares over M). Keeps them for Backward. Unless null, batch_mean
+  // and batch_var receive the batch's mean and its unbiased variance (the
+  // sum of squares over M - 1; over M when M = 1), the statistics running
+  // averages are made of (as PyTorch's batch norm makes them).
+  virtual absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y,
+                               float* batch_mean, float* batch_var) = 0;
+  // Inference mode: mean and var are given (running statistics). Leaves
+  // what Backward reads alone.
+  virtual absl::Status Infer(const float* x, const float* gamma, const float* beta,
+                             const float* mean, const float* var, float* y) = 0;
   // After Forward on the same x: writes (overwrites) dx, dgamma and dbeta.
   virtual absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
                                 float* dgamma, float* dbeta) = 0;

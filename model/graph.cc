@@ -96,10 +96,18 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
     if (!out.ok()) return LayerError(layer, out.status().message());
     for (LayerVariable& v : kind.Variables(cur)) {
       LayerVariables& owned = g.layer_vars[i];
-      (owned.first < 0 ? owned.first : owned.second) = static_cast<int>(g.variables.size());
+      const int index = static_cast<int>(g.variables.size());
+      if (v.trainable) {
+        (owned.first < 0 ? owned.first : owned.second) = index;
+      } else {
+        (owned.running_mean < 0 ? owned.running_mean : owned.running_var) = index;
+      }
       params += NumElements(v.shape);
       g.variables.push_back(
-          {{absl::StrCat(layer.name(), "/", v.suffix), std::move(v.shape)}, v.init, v.fan_in, i});
+          {{absl::StrCat(layer.name(), "/", v.suffix), std::move(v.shape), v.trainable},
+           v.init,
+           v.fan_in,
+           i});
     }
     if (params > kMaxParameters) {
       return LayerError(layer, absl::StrCat("the model exceeds ", kMaxParameters, " parameters"));

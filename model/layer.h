@@ -36,10 +36,13 @@ struct LayerVariable {
     kOnes,
     kZeros,
   };
-  std::string suffix;  // "weights", "bias", "gamma", "beta"
+  std::string suffix;  // "weights", "bias", "gamma", "beta", "running_mean", "running_var"
   std::vector<int64_t> shape;
   Init init = Init::kFanIn;
   int64_t fan_in = 1;  // inputs of one output unit (kFanIn only)
+  // False for running statistics: a training step gives them the batch's
+  // statistic instead of a gradient (see ForwardArgs).
+  bool trainable = true;
 };
 
 // Backend memory a layer reads and writes in one pass over a batch. The
@@ -51,6 +54,15 @@ struct ForwardArgs {
   float* y = nullptr;            // the output activation
   const float* w = nullptr;
   const float* b = nullptr;
+  // Layers with running statistics (batch norm). Training normalizes with
+  // the batch's statistics and writes them to batch_mean and batch_var
+  // (the gradient buffers of the running statistics; null: not wanted);
+  // inference normalizes with running_mean and running_var.
+  bool training = true;
+  const float* running_mean = nullptr;
+  const float* running_var = nullptr;
+  float* batch_mean = nullptr;
+  float* batch_var = nullptr;
 };
 
 struct BackwardArgs {
@@ -95,8 +107,10 @@ class Layer {
                                                       const ActivationShape* other) const = 0;
 
   // The layer's variables for an input shape OutputShape accepted: none, or
-  // two (weights and bias, gamma and beta) of which the second may be absent
-  // (a convolution without bias), in this order.
+  // two trainable ones (weights and bias, gamma and beta) of which the
+  // second may be absent (a convolution without bias), in this order; then,
+  // for a layer with running statistics, the non-trainable running mean and
+  // running variance, in this order.
   virtual std::vector<LayerVariable> Variables(const ActivationShape& in) const { return {}; }
 
   // True when the gradient of each input is the output's gradient unchanged

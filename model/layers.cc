@@ -224,15 +224,21 @@ class BatchNormKind final : public Layer {
   }
 
   std::vector<LayerVariable> Variables(const ActivationShape& in) const override {
-    return {{"gamma", {in.channels}, LayerVariable::Init::kOnes, 1},
-            {"beta", {in.channels}, LayerVariable::Init::kZeros, 1}};
+    using Init = LayerVariable::Init;
+    return {{"gamma", {in.channels}, Init::kOnes, 1},
+            {"beta", {in.channels}, Init::kZeros, 1},
+            {"running_mean", {in.channels}, Init::kZeros, 1, /*trainable=*/false},
+            {"running_var", {in.channels}, Init::kOnes, 1, /*trainable=*/false}};
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in) const override {
     return Bind(
         backend->CreateBatchNorm({batch, in.channels, in.height, in.width, epsilon_}),
-        [](kernels::BatchNorm& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
+        [](kernels::BatchNorm& op, const ForwardArgs& a) {
+          if (a.training) return op.Forward(a.x, a.w, a.b, a.y, a.batch_mean, a.batch_var);
+          return op.Infer(a.x, a.w, a.b, a.running_mean, a.running_var, a.y);
+        },
         [](kernels::BatchNorm& op, const BackwardArgs& a) {
           // Batch norm always writes an input gradient: scratch takes an unneeded one.
           return op.Backward(a.x, a.w, a.dy, a.dx != nullptr ? a.dx : a.scratch, a.dw, a.db);

@@ -18,6 +18,7 @@ struct Network::Node {
   int in_act = 0, other_act = -1;  // activations read (other_act: second operand)
   ActivationShape in, out;
   int first = -1, second = -1;  // variables: weights/bias or gamma/beta
+  int running_mean = -1, running_var = -1;
 };
 
 // Ops and buffers for one batch size. acts[i] is activation i, dacts[i] its
@@ -59,6 +60,8 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
     node.out = g.shapes[i];
     node.first = g.layer_vars[i].first;
     node.second = g.layer_vars[i].second;
+    node.running_mean = g.layer_vars[i].running_mean;
+    node.running_var = g.layer_vars[i].running_var;
     net->nodes_.push_back(node);
   }
   for (const VariableShape& v : net->variables_) {
@@ -187,7 +190,7 @@ absl::Status Network::SetInputs(const float* images, const int32_t* labels, int 
   return absl::OkStatus();
 }
 
-absl::Status Network::QueueForward(BatchState* st) {
+absl::Status Network::QueueForward(BatchState* st, bool training) {
   const InputSpec& in = spec_.input();
   const int64_t input_size = static_cast<int64_t>(st->images->size());
   if (in.stddev() > 0) {
@@ -205,6 +208,15 @@ absl::Status Network::QueueForward(BatchState* st) {
     args.y = st->acts[i + 1]->data();
     if (l.first >= 0) args.w = weights_[l.first]->data();
     if (l.second >= 0) args.b = weights_[l.second]->data();
+    args.training = training;
+    if (l.running_mean >= 0) {
+      args.running_mean = weights_[l.running_mean]->data();
+      args.batch_mean = grads_[l.running_mean]->data();
+    }
+    if (l.running_var >= 0) {
+      args.running_var = weights_[l.running_var]->data();
+      args.batch_var = grads_[l.running_var]->data();
+    }
     PSFLOW_RETURN_IF_ERROR(
         Timed(static_cast<int>(i), "forward", [&] { return st->ops[i]->Forward(args); }));
   }
@@ -279,14 +291,22 @@ absl::Status Network::QueueBackward(BatchState* st) {
 }
 
 absl::Status Network::QueueTrain(BatchState* st) {
-  PSFLOW_RETURN_IF_ERROR(QueueForward(st));
+  PSFLOW_RETURN_IF_ERROR(QueueForward(st, /*training=*/true));
   PSFLOW_RETURN_IF_ERROR(QueueBackward(st));
   if (options_.local_sgd_learning_rate > 0) {
     return Timed(-1, "sgd", [&]() -> absl::Status {
+      const float m = options_.local_bn_momentum;
       for (size_t v = 0; v < weights_.size(); ++v) {
-        PSFLOW_RETURN_IF_ERROR(backend_->Sgd(weights_[v]->data(), grads_[v]->data(),
-                                             options_.local_sgd_learning_rate,
-                                             static_cast<int64_t>(weights_[v]->size())));
+        float* w = weights_[v]->data();
+        const float* g = grads_[v]->data();
+        const int64_t n = static_cast<int64_t>(weights_[v]->size());
+        if (variables_[v].trainable) {
+          PSFLOW_RETURN_IF_ERROR(backend_->Sgd(w, g, options_.local_sgd_learning_rate, n));
+        } else {
+          // r = (1 - m) r + m s, as the ps would: r -= -m * s after scaling.
+          PSFLOW_RETURN_IF_ERROR(backend_->Affine(w, 1 - m, 0, w, n));
+          PSFLOW_RETURN_IF_ERROR(backend_->Sgd(w, g, -m, n));
+        }
       }
       return absl::OkStatus();
     });
@@ -317,7 +337,9 @@ std::vector<std::pair<std::string, double>> Network::LayerTimes() const { return
 absl::Status Network::Run(BatchState* st, bool train) {
   std::unique_ptr<kernels::Graph>& graph = train ? st->train_graph : st->eval_graph;
   bool& eager_done = train ? st->eager_train_done : st->eager_eval_done;
-  auto queue = [this, st, train]() { return train ? QueueTrain(st) : QueueForward(st); };
+  auto queue = [this, st, train]() {
+    return train ? QueueTrain(st) : QueueForward(st, /*training=*/false);
+  };
   if (graph != nullptr) return graph->Launch();
   // The first step of a batch size runs eagerly: it creates the workspaces
   // and lazily initialised library state that a recording must not.

@@ -4,6 +4,13 @@
 // Weights and gradients are exchanged through host memory, in
 // ModelVariables(spec) order.
 //
+// Batch norm: a training step normalizes with the batch's statistics and
+// leaves them, where the gradients of the non-trainable running mean and
+// running variance would be, for the caller to push (the batch's mean and
+// unbiased variance: the ps average them into the running statistics);
+// Evaluate normalizes with the running statistics, so its results do not
+// depend on how the examples are batched.
+//
 // Layers form a graph (a layer reads any earlier layer's output, `add` joins
 // two); the backward pass visits layers in reverse order and sums the
 // gradients of outputs read by more than one layer.
@@ -36,8 +43,10 @@ struct NetworkOptions {
   // Replay each batch size's step as a recorded graph where the backend can.
   bool use_graphs = true;
   // > 0: each training step ends with w -= rate * g on the device, for
-  // training without parameter servers (benchmarks).
+  // training without parameter servers (benchmarks); running statistics r
+  // become (1 - local_bn_momentum) * r + local_bn_momentum * s instead.
   float local_sgd_learning_rate = 0;
+  float local_bn_momentum = 0.1f;
   // Benchmarks: time every layer's forward and backward pass by waiting for
   // the device after each (slow; implies op-by-op steps). See LayerTimes.
   bool profile = false;
@@ -78,12 +87,15 @@ class Network {
   };
   // Forward and backward over one batch (host memory: images [batch, C, H, W]
   // in [0, 1], standardized on the device as the spec's input says; labels
-  // [batch], each in [0, num_classes)); the gradients of the mean loss stay
-  // in the network until GetGradients.
+  // [batch], each in [0, num_classes)); the gradients of the mean loss (and
+  // the batch statistics of the non-trainable variables) stay in the
+  // network until GetGradients.
   absl::StatusOr<Result> TrainStep(const float* images, const int32_t* labels, int batch);
-  // Forward only.
+  // Forward only, in inference mode (batch norm with its running statistics).
   absl::StatusOr<Result> Evaluate(const float* images, const int32_t* labels, int batch);
-  // Copies the latest gradients out to host memory, one pointer per variable.
+  // Copies the latest gradients out to host memory, one pointer per
+  // variable: for a non-trainable variable, the latest training step's
+  // statistic of the batch (mean or unbiased variance) instead.
   absl::Status GetGradients(const std::vector<float*>& host);
 
   // The same step in parts, for callers that keep a batch on the device:
@@ -109,7 +121,7 @@ class Network {
   Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options);
   absl::StatusOr<BatchState*> StateFor(int batch);
   absl::Status CreateOps(BatchState* st);
-  absl::Status QueueForward(BatchState* st);
+  absl::Status QueueForward(BatchState* st, bool training);
   absl::Status QueueBackward(BatchState* st);
   absl::Status QueueTrain(BatchState* st);
   absl::Status Run(BatchState* st, bool train);

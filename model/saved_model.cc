@@ -1,5 +1,6 @@
 #include "model/saved_model.h"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 
@@ -54,6 +55,18 @@ absl::StatusOr<LoadedModel> ReadSavedModel(const std::string& path) {
   }
   std::vector<VariableShape> vars = ModelVariables(saved.spec());
   if (static_cast<int>(vars.size()) != saved.variable_size()) {
+    // Name the first variable of the spec the file lacks: saved models
+    // written before batch norm kept running statistics lack those.
+    for (const VariableShape& v : vars) {
+      const bool present = std::any_of(saved.variable().begin(), saved.variable().end(),
+                                       [&](const TensorProto& t) { return t.name() == v.name; });
+      if (present) continue;
+      return absl::DataLossError(absl::StrCat(
+          file, ": no variable '", v.name, "'",
+          v.trainable ? ""
+                      : " (a saved model from before batch norm kept running statistics: "
+                        "train the model again)"));
+    }
     return absl::DataLossError(
         absl::StrCat(file, ": ", saved.variable_size(), " variables, the spec has ", vars.size()));
   }

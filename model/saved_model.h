@@ -29,7 +29,9 @@ absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int6
 
 // `path` is a saved-model directory or the model file itself. A missing file,
 // a corrupt one (parse or checksum failure) or one whose variables do not
-// match its spec is an error naming the path.
+// match its spec is an error naming the path (and the first variable of the
+// spec it lacks: batch norm's running statistics, for a saved model written
+// before they were kept).
 absl::StatusOr<LoadedModel> ReadSavedModel(const std::string& path);
 
 }  // namespace psflow::model

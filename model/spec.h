@@ -46,20 +46,24 @@ absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec);
 // The variables of a valid spec in layer order: conv "<layer>/weights"
 // [filters, in_channels, k, k] and "<layer>/bias" [filters] (unless no_bias);
 // dense "<layer>/weights" [units, in_features] and "<layer>/bias" [units];
-// batch_norm "<layer>/gamma" and "<layer>/beta" [channels].
+// batch_norm "<layer>/gamma", "<layer>/beta", and the non-trainable
+// (VariableShape.trainable false) "<layer>/running_mean" and
+// "<layer>/running_var", all [channels].
 std::vector<VariableShape> ModelVariables(const ModelSpec& spec);
 
 // Per layer, the indices into ModelVariables of its variables: weights and
-// bias, or gamma and beta; -1 where it has none (everywhere for an invalid
-// spec, whose ModelVariables is empty).
+// bias, or gamma and beta; a batch norm's running mean and variance; -1
+// where it has none (everywhere for an invalid spec, whose ModelVariables is
+// empty).
 struct LayerVariables {
   int first = -1, second = -1;
+  int running_mean = -1, running_var = -1;
 };
 std::vector<LayerVariables> LayerVariableIndices(const ModelSpec& spec);
 
 // Initial values, deterministic in `seed`: weights and biases uniform in
 // (-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in being the inputs of one output
-// unit; batch-norm gamma 1 and beta 0.
+// unit; batch-norm gamma 1 and beta 0, running mean 0 and running variance 1.
 std::vector<std::vector<float>> InitialValues(const ModelSpec& spec, uint64_t seed);
 
 }  // namespace psflow::model

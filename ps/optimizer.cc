@@ -199,6 +199,20 @@ PSFLOW_VECTOR_LOOP void ScaleInPlace(float* x, float factor, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
+PSFLOW_VECTOR_LOOP void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
+  const float keep = 1 - momentum;
+  for (int64_t i = 0; i < n; ++i) r[i] = keep * r[i] + momentum * x[i];
+}
+
+absl::StatusOr<float> BnMomentum(const JobConfig& job) {
+  const float m = job.bn_momentum();
+  if (m == 0) return kDefaultBnMomentum;
+  if (!(m > 0 && m <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("bn_momentum must be in (0, 1], got ", m));
+  }
+  return m;
+}
+
 float LearningRate(const OptimizerConfig& config, int64_t step) {
   const double lr = config.learning_rate();
   step = std::max<int64_t>(step, 0);

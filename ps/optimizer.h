@@ -53,6 +53,17 @@ class Optimizer {
 void AddInto(float* sum, const float* x, int64_t n);
 void ScaleInPlace(float* x, float factor, int64_t n);
 
+// Non-trainable variables (batch norm's running statistics) are no
+// optimizer's: the ps keep each as a moving average of the statistic the
+// workers push for it, PyTorch's convention, momentum being the weight of
+// the new value.
+inline constexpr float kDefaultBnMomentum = 0.1f;
+// The job's momentum: JobConfig.bn_momentum, 0 (unset) meaning
+// kDefaultBnMomentum. INVALID_ARGUMENT outside (0, 1].
+absl::StatusOr<float> BnMomentum(const JobConfig& job);
+// r = (1 - momentum) * r + momentum * x, elementwise.
+void MovingAverageInto(float* r, const float* x, float momentum, int64_t n);
+
 }  // namespace psflow::ps
 
 #endif  // PSFLOW_PS_OPTIMIZER_H_

@@ -41,6 +41,9 @@ struct Shard::ApplyJob {
   std::vector<float*> slots;
   std::vector<float*> previous_slots;  // receive the slots before the apply
   const Optimizer* optimizer = nullptr;
+  // > 0 for a non-trainable slice: the moving average's momentum, used
+  // instead of the optimizer.
+  float bn_momentum = 0;
   std::shared_ptr<std::vector<float>> out;  // the next published value
 };
 
@@ -58,6 +61,8 @@ Shard::~Shard() {
 absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> values) {
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(header.job().optimizer());
   if (!opt.ok()) return opt.status();
+  absl::StatusOr<float> bn_momentum = BnMomentum(header.job());
+  if (!bn_momentum.ok()) return bn_momentum.status();
   if (static_cast<int>(values.size()) != header.slice_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "init has ", values.size(), " slices of values for ", header.slice_size(), " slices"));
@@ -103,6 +108,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   step_skipped_ = false;
   job_ = header.job();
   optimizer_ = *std::move(opt);
+  bn_momentum_ = *bn_momentum;
   live_workers_ =
       absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
   joining_.clear();
@@ -343,6 +349,7 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
     job->previous_slots.push_back(slot.data());
   }
   job->optimizer = optimizer_.get();
+  if ((*slices_)[i].non_trainable()) job->bn_momentum = bn_momentum_;
   job->out = std::move(s.spare);
   return job;
 }
@@ -377,7 +384,11 @@ void Shard::Compute(ApplyJob& job) const {
       std::copy(slot, slot + len, job.previous_slots[k] + begin);
       range_slots.push_back(slot);
     }
-    job.optimizer->Apply(job.step, job.value + begin, mean, len, range_slots);
+    if (job.bn_momentum > 0) {
+      MovingAverageInto(job.value + begin, mean, job.bn_momentum, len);
+    } else {
+      job.optimizer->Apply(job.step, job.value + begin, mean, len, range_slots);
+    }
     std::copy(job.value + begin, job.value + begin + len, published + begin);
   };
   const int ranges = static_cast<int>((n + range - 1) / range);

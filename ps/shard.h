@@ -6,8 +6,11 @@
 // gradients of step k for any of the shard's slices (a worker may split its
 // gradients over several pushes, sent as its backward pass produces them).
 // A slice whose gradient every live worker has pushed is applied at once
-// (the mean, then the optimizer), without waiting for the shard's other
-// slices, and moves to version k+1; a pull of that slice waiting for k+1
+// (the mean, then the optimizer; for a non-trainable slice, whose pushes
+// carry a statistic instead of a gradient, the moving average
+// r = (1 - bn_momentum) * r + bn_momentum * mean, see
+// JobConfig.bn_momentum), without waiting for the shard's other slices,
+// and moves to version k+1; a pull of that slice waiting for k+1
 // is woken. The shard's version becomes k+1 when its last slice does. A
 // push for a step below the shard's version is stale (dropped, counted); a
 // push whose every slice this worker already pushed for the step is a
@@ -70,7 +73,7 @@ namespace psflow::ps {
 class Shard {
  public:
   // The values of one slice (and its slots in Optimizer::SlotNames() order;
-  // empty slots start at zero).
+  // empty slots start at zero; those of non-trainable slices stay there).
   struct SliceValues {
     std::vector<float> value;
     std::vector<std::vector<float>> slots;
@@ -339,6 +342,7 @@ class Shard {
   bool step_skipped_ ABSL_GUARDED_BY(mu_) = false;  // a slice of the current step was skipped
   JobConfig job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Optimizer> optimizer_ ABSL_GUARDED_BY(mu_);
+  float bn_momentum_ ABSL_GUARDED_BY(mu_) = kDefaultBnMomentum;  // of non-trainable slices
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int, int64_t> joining_ ABSL_GUARDED_BY(mu_);  // worker -> first version
   std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);  // scratch of each slice's applier

@@ -465,7 +465,10 @@ class DnnlSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
 
 class DnnlBatchNorm final : public BatchNorm {
  public:
-  DnnlBatchNorm(std::shared_ptr<DnnlContext> ctx, const BatchNormShape& s) : ctx_(std::move(ctx)) {
+  DnnlBatchNorm(std::shared_ptr<DnnlContext> ctx, const BatchNormShape& s)
+      : ctx_(std::move(ctx)),
+        channels_(s.channels),
+        count_(static_cast<double>(s.batch) * s.height * s.width) {
     const dnnl::engine& eng = ctx_->engine;
     const auto x_md = Md({s.batch, s.channels, s.height, s.width}, Tag::nchw);
     const auto c_md = Md({s.channels}, Tag::x);
@@ -479,8 +482,14 @@ class DnnlBatchNorm final : public BatchNorm {
     // prop_kind::backward (not backward_data): also the scale and shift diffs.
     const dnnl::batch_normalization_backward::primitive_desc bwd_pd(
         {dnnl::prop_kind::backward, x_md, x_md, s.epsilon, flags}, eng, fwd_pd);
+    // Inference: use_global_stats makes mean and variance inputs.
+    const dnnl::batch_normalization_forward::primitive_desc infer_pd(
+        {dnnl::prop_kind::forward_inference, x_md, s.epsilon,
+         flags | dnnl::normalization_flags::use_global_stats},
+        eng);
     fwd_ = dnnl::batch_normalization_forward(fwd_pd);
     bwd_ = dnnl::batch_normalization_backward(bwd_pd);
+    infer_ = dnnl::batch_normalization_forward(infer_pd);
 
     // The statistics of the latest Forward, read by Backward; owned by the op.
     mean_ = memory(fwd_pd.mean_desc(), eng);
@@ -494,6 +503,8 @@ class DnnlBatchNorm final : public BatchNorm {
     x_ = Unbound(x_md, eng), y_ = Unbound(x_md, eng), dx_ = Unbound(x_md, eng);
     dy_ = Unbound(x_md, eng), gamma_ = Unbound(c_md, eng), beta_ = Unbound(c_md, eng);
     dgamma_ = Unbound(c_md, eng), dbeta_ = Unbound(c_md, eng);
+    given_mean_ = Unbound(infer_pd.mean_desc(), eng);
+    given_variance_ = Unbound(infer_pd.variance_desc(), eng);
     fwd_args_ = {{DNNL_ARG_SRC, x_},      {DNNL_ARG_DST, y_},     {DNNL_ARG_SCALE, gamma_},
                  {DNNL_ARG_SHIFT, beta_}, {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, variance_}};
     bwd_args_ = {{DNNL_ARG_SRC, x_},           {DNNL_ARG_DIFF_DST, dy_},
@@ -501,6 +512,9 @@ class DnnlBatchNorm final : public BatchNorm {
                  {DNNL_ARG_SCALE, gamma_},     {DNNL_ARG_SHIFT, unused_shift_},
                  {DNNL_ARG_DIFF_SRC, dx_},     {DNNL_ARG_DIFF_SCALE, dgamma_},
                  {DNNL_ARG_DIFF_SHIFT, dbeta_}};
+    infer_args_ = {{DNNL_ARG_SRC, x_},           {DNNL_ARG_DST, y_},
+                   {DNNL_ARG_SCALE, gamma_},     {DNNL_ARG_SHIFT, beta_},
+                   {DNNL_ARG_MEAN, given_mean_}, {DNNL_ARG_VARIANCE, given_variance_}};
     // None without fuse_norm_relu; kept general in case an implementation wants one.
     if (fwd_pd.workspace_desc().get_size() != 0) {
       workspace_ = memory(fwd_pd.workspace_desc(), eng);
@@ -509,7 +523,8 @@ class DnnlBatchNorm final : public BatchNorm {
     }
   }
 
-  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) override {
+  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y,
+                       float* batch_mean, float* batch_var) override {
     PSFLOW_RETURN_IF_ERROR(
         CheckNonNull("BatchNorm forward", {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
     absl::Status status = ctx_->Run("BatchNorm forward", [&](dnnl::stream& stream) {
@@ -517,7 +532,29 @@ class DnnlBatchNorm final : public BatchNorm {
       fwd_.execute(stream, fwd_args_);
     });
     has_stats_ = status.ok();
-    return status;
+    if (!status.ok()) return status;
+    // oneDNN's variance is the biased one; the running statistics want the
+    // unbiased one.
+    const float* mean = static_cast<const float*>(mean_.get_data_handle());
+    const float* variance = static_cast<const float*>(variance_.get_data_handle());
+    const double unbias = count_ > 1 ? count_ / (count_ - 1) : 1.0;
+    for (int c = 0; c < channels_; ++c) {
+      if (batch_mean != nullptr) batch_mean[c] = mean[c];
+      if (batch_var != nullptr) batch_var[c] = static_cast<float>(variance[c] * unbias);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Infer(const float* x, const float* gamma, const float* beta, const float* mean,
+                     const float* var, float* y) override {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull(
+        "BatchNorm inference",
+        {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"mean", mean}, {"var", var}, {"y", y}}));
+    return ctx_->Run("BatchNorm inference", [&](dnnl::stream& stream) {
+      Bind(x_, x), Bind(gamma_, gamma), Bind(beta_, beta), Bind(y_, y);
+      Bind(given_mean_, mean), Bind(given_variance_, var);
+      infer_.execute(stream, infer_args_);
+    });
   }
 
   absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
@@ -540,11 +577,13 @@ class DnnlBatchNorm final : public BatchNorm {
 
  private:
   std::shared_ptr<DnnlContext> ctx_;
-  dnnl::batch_normalization_forward fwd_;
+  const int channels_;
+  const double count_;  // M = N*H*W
+  dnnl::batch_normalization_forward fwd_, infer_;
   dnnl::batch_normalization_backward bwd_;
   memory mean_, variance_, unused_shift_, workspace_;
-  memory x_, y_, dx_, dy_, gamma_, beta_, dgamma_, dbeta_;
-  Args fwd_args_, bwd_args_;
+  memory x_, y_, dx_, dy_, gamma_, beta_, dgamma_, dbeta_, given_mean_, given_variance_;
+  Args fwd_args_, bwd_args_, infer_args_;
   bool has_stats_ = false;
 };
 

@@ -709,6 +709,8 @@ class CublasDense final : public Dense {
 // Own kernels (cuda_kernels.h): per-channel partial sums over slices of the
 // batch, then one elementwise pass. cuDNN's legacy NCHW batch norm took
 // several times longer on the H100 for the large activations of a resnet.
+// Inference (given statistics) is the same elementwise pass after one small
+// kernel for the per-channel scale and shift: no reduction at all.
 class CudaBatchNorm final : public BatchNorm {
  public:
   CudaBatchNorm(std::shared_ptr<CudaContext> ctx, absl::string_view what, const BatchNormShape& s)
@@ -723,15 +725,31 @@ class CudaBatchNorm final : public BatchNorm {
     return AllocateDevice(ctx_, (partial_floats_ + 3 * c) * sizeof(float), false, scratch_);
   }
 
-  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y) override {
+  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y,
+                       float* batch_mean, float* batch_var) override {
     return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
       has_forward_ = false;
       float* scratch = Floats(scratch_);
       PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormForward(
-          x, gamma, beta, y, Floats(saved_), scratch + partial_floats_, scratch, shape_.batch,
-          shape_.channels, int64_t{shape_.height} * shape_.width, shape_.epsilon, ctx_->stream));
+          x, gamma, beta, y, Floats(saved_), scratch + partial_floats_, scratch, batch_mean,
+          batch_var, shape_.batch, shape_.channels, int64_t{shape_.height} * shape_.width,
+          shape_.epsilon, ctx_->stream));
       has_forward_ = true;
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Infer(const float* x, const float* gamma, const float* beta, const float* mean,
+                     const float* var, float* y) override {
+    return RunIn(*ctx_, what_, "inference", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull(
+          {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"mean", mean}, {"var", var}, {"y", y}}));
+      // The coefficients go where Backward computes its own: saved_ stays
+      // the latest Forward's.
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormInference(
+          x, gamma, beta, mean, var, y, Floats(scratch_) + partial_floats_, shape_.batch,
+          shape_.channels, int64_t{shape_.height} * shape_.width, shape_.epsilon, ctx_->stream));
       return absl::OkStatus();
     });
   }

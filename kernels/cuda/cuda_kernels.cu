@@ -309,11 +309,12 @@ struct ShiftedMomentsFn {
   }
 };
 
-// saved = [mean | inv_std]; coef = [scale | shift] for y = x * scale + shift.
+// saved = [mean | inv_std]; coef = [scale | shift] for y = x * scale + shift;
+// batch_mean and batch_var (unless null) the mean and unbiased variance.
 __global__ void BatchNormStatsKernel(const float* x, const float* gamma, const float* beta,
                                      const float* partial, float* saved, float* coef,
-                                     int64_t channels, int64_t slices, int64_t hw, double count,
-                                     float epsilon) {
+                                     float* batch_mean, float* batch_var, int64_t channels,
+                                     int64_t slices, int64_t hw, double count, float epsilon) {
   for (int64_t c = GlobalThread(); c < channels; c += GridThreads()) {
     double s1, s2;
     ChannelTotals(partial, slices, c, s1, s2);
@@ -326,6 +327,21 @@ __global__ void BatchNormStatsKernel(const float* x, const float* gamma, const f
     const double scale = gamma[c] * inv_std;
     coef[c] = static_cast<float>(scale);
     coef[channels + c] = static_cast<float>(beta[c] - mean * scale);
+    if (batch_mean != nullptr) batch_mean[c] = static_cast<float>(mean);
+    if (batch_var != nullptr) {
+      batch_var[c] = static_cast<float>(count > 1 ? var * count / (count - 1) : var);
+    }
+  }
+}
+
+// coef = [scale | shift] from given statistics.
+__global__ void BatchNormInferenceCoefKernel(const float* gamma, const float* beta,
+                                             const float* mean, const float* var, float* coef,
+                                             int64_t channels, float epsilon) {
+  for (int64_t c = GlobalThread(); c < channels; c += GridThreads()) {
+    const double scale = gamma[c] * rsqrt(static_cast<double>(var[c]) + epsilon);
+    coef[c] = static_cast<float>(scale);
+    coef[channels + c] = static_cast<float>(beta[c] - mean[c] * scale);
   }
 }
 
@@ -481,15 +497,26 @@ cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t
 }
 
 cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
-                                   float* saved, float* coef, float* partial, int64_t n,
-                                   int64_t channels, int64_t hw, float epsilon,
-                                   cudaStream_t stream) {
+                                   float* saved, float* coef, float* partial, float* batch_mean,
+                                   float* batch_var, int64_t n, int64_t channels, int64_t hw,
+                                   float epsilon, cudaStream_t stream) {
   if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
   const int64_t slices = SlicesFor(n, channels);
   ChannelPartial(x, nullptr, partial, n, channels, hw, ShiftedMomentsFn{x, hw}, stream);
   BatchNormStatsKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(
-      x, gamma, beta, partial, saved, coef, channels, slices, hw, static_cast<double>(n * hw),
-      epsilon);
+      x, gamma, beta, partial, saved, coef, batch_mean, batch_var, channels, slices, hw,
+      static_cast<double>(n * hw), epsilon);
+  ChannelAffine(x, nullptr, y, coef, nullptr, coef + channels, n, channels, hw, stream);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchBatchNormInference(const float* x, const float* gamma, const float* beta,
+                                     const float* mean, const float* var, float* y, float* coef,
+                                     int64_t n, int64_t channels, int64_t hw, float epsilon,
+                                     cudaStream_t stream) {
+  if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
+  BatchNormInferenceCoefKernel<<<BlocksFor(channels, kThreads), kThreads, 0, stream>>>(
+      gamma, beta, mean, var, coef, channels, epsilon);
   ChannelAffine(x, nullptr, y, coef, nullptr, coef + channels, n, channels, hw, stream);
   return cudaGetLastError();
 }

@@ -74,10 +74,20 @@ cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t
 // to avoid cancellation) are kept in `saved` [mean | inv_std], then
 // y = (x - mean) * inv_std * gamma + beta. `coef` holds 2*channels floats of
 // scratch (the per-channel scale and shift of y = x * scale + shift).
+// batch_mean and batch_var, unless null, receive the mean and the unbiased
+// variance (times M/(M-1), M = n*hw; the biased one when M = 1).
 cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
-                                   float* saved, float* coef, float* partial, int64_t n,
-                                   int64_t channels, int64_t hw, float epsilon,
-                                   cudaStream_t stream);
+                                   float* saved, float* coef, float* partial, float* batch_mean,
+                                   float* batch_var, int64_t n, int64_t channels, int64_t hw,
+                                   float epsilon, cudaStream_t stream);
+
+// Batch normalization with given statistics (inference):
+// y = (x - mean) / sqrt(var + epsilon) * gamma + beta, through the
+// per-channel scale and shift in `coef` (2*channels floats of scratch).
+cudaError_t LaunchBatchNormInference(const float* x, const float* gamma, const float* beta,
+                                     const float* mean, const float* var, float* y, float* coef,
+                                     int64_t n, int64_t channels, int64_t hw, float epsilon,
+                                     cudaStream_t stream);
 
 // The gradients for the Forward that filled `saved`: dbeta = sum dy, dgamma =
 // sum dy * xhat, dx = gamma * inv_std * (dy - dbeta/M - xhat * dgamma/M),

@@ -387,6 +387,23 @@ TEST_F(JobConfigTest, WireDtype) {
   }
 }
 
+TEST_F(JobConfigTest, BnMomentum) {
+  WriteData(kCount, 28, false);
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_FLOAT_EQ(job->bn_momentum(), 0.1f) << "the default, PyTorch's";
+  for (float m : {0.01f, 0.5f, 1.0f}) {
+    options_.job.bn_momentum = m;
+    job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << m << ": " << job.status();
+    EXPECT_FLOAT_EQ(job->bn_momentum(), m);
+  }
+  for (float bad : {0.0f, -0.1f, 1.5f, std::nanf("")}) {
+    options_.job.bn_momentum = bad;
+    ExpectInvalid(BuildJobConfig(options_), "--bn_momentum must be in (0, 1]");
+  }
+}
+
 TEST_F(JobConfigTest, RejectsBadSettings) {
   WriteData(kCount, 28, false);
   ASSERT_TRUE(BuildJobConfig(options_).ok());
@@ -468,7 +485,17 @@ TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
   EXPECT_EQ(job->model().input().channels(), 3);
   EXPECT_EQ(job->model().input().height(), 32);
   EXPECT_EQ(job->model().input().width(), 32);
-  EXPECT_EQ(job->placement().variable_size(), 62) << "every resnet variable is placed";
+  EXPECT_EQ(job->placement().variable_size(), 102) << "every resnet variable is placed";
+  // Batch norm's running statistics are placed like the rest, marked not
+  // trainable; the job carries the default momentum for them.
+  int statistics = 0;
+  for (const VariablePlacement& v : job->placement().variable()) {
+    const bool running = v.name().find("/running_") != std::string::npos;
+    EXPECT_EQ(v.non_trainable(), running) << v.name();
+    statistics += running;
+  }
+  EXPECT_EQ(statistics, 40);
+  EXPECT_FLOAT_EQ(job->bn_momentum(), 0.1f);
 
   // The inputs are standardized with the statistics of the very examples the
   // workers will make.

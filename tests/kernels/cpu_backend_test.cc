@@ -611,9 +611,11 @@ TEST_F(CpuBackendTest, SoftmaxCrossEntropyRejectsBadLabels) {
 
 struct BatchNormRefResult {
   Ref y, dx, dgamma, dbeta;
+  Ref mean, unbiased_var;  // the batch's statistics, for running averages
 };
 
-// Training-mode batch norm in double: per channel over N*H*W, biased variance.
+// Training-mode batch norm in double: per channel over N*H*W, biased variance
+// (and the unbiased one, over M - 1, among the statistics; over M for M = 1).
 // Backward by the standard formulas, with M = N*H*W:
 //   dbeta = sum dy, dgamma = sum dy * xhat,
 //   dx = gamma * invstd / M * (M * dy - dbeta - xhat * dgamma).
@@ -622,7 +624,8 @@ BatchNormRefResult BatchNormRef(const BatchNormShape& s, const std::vector<float
                                 const std::vector<float>& dy) {
   const size_t hw = static_cast<size_t>(s.height) * s.width;
   const double m = static_cast<double>(s.batch) * hw;
-  BatchNormRefResult r{Ref(x.size()), Ref(x.size()), Ref(s.channels), Ref(s.channels)};
+  BatchNormRefResult r{Ref(x.size()),   Ref(x.size()),   Ref(s.channels),
+                       Ref(s.channels), Ref(s.channels), Ref(s.channels)};
   for (int c = 0; c < s.channels; ++c) {
     const auto at = [&](int n, size_t i) {
       return (static_cast<size_t>(n) * s.channels + c) * hw + i;
@@ -633,6 +636,8 @@ BatchNormRefResult BatchNormRef(const BatchNormShape& s, const std::vector<float
     mean /= m;
     for (int n = 0; n < s.batch; ++n)
       for (size_t i = 0; i < hw; ++i) var += (x[at(n, i)] - mean) * (x[at(n, i)] - mean);
+    r.mean[c] = mean;
+    r.unbiased_var[c] = m > 1 ? var / (m - 1) : var;
     var /= m;
     const double invstd = 1 / std::sqrt(var + double{s.epsilon});
     double dbeta = 0, dgamma = 0;
@@ -671,10 +676,18 @@ TEST_P(BatchNormTest, ForwardAndBackwardMatchReference) {
   const BatchNormRefResult want = BatchNormRef(s, x, gamma, beta, dy);
   auto xd = Upload(x), gd = Upload(gamma), bd = Upload(beta), dyd = Upload(dy);
   auto yd = Filled(nx, 7), dxd = Filled(nx, 7), dgd = Filled(s.channels, 7),
-       dbd = Filled(s.channels, 7);
+       dbd = Filled(s.channels, 7), meand = Filled(s.channels, 7), vard = Filled(s.channels, 7);
 
-  PSFLOW_ASSERT_OK((*bn)->Forward(xd->data(), gd->data(), bd->data(), yd->data()));
+  PSFLOW_ASSERT_OK(
+      (*bn)->Forward(xd->data(), gd->data(), bd->data(), yd->data(), meand->data(), vard->data()));
   ExpectClose(Download(*yd), want.y, "y");
+  ExpectClose(Download(*meand), want.mean, "batch mean");
+  ExpectClose(Download(*vard), want.unbiased_var, "batch unbiased variance");
+  // Without the statistics' buffers, the same y.
+  auto y2 = Filled(nx, 7);
+  PSFLOW_ASSERT_OK(
+      (*bn)->Forward(xd->data(), gd->data(), bd->data(), y2->data(), nullptr, nullptr));
+  EXPECT_EQ(Download(*y2), Download(*yd));
   PSFLOW_ASSERT_OK(
       (*bn)->Backward(xd->data(), gd->data(), dyd->data(), dxd->data(), dgd->data(), dbd->data()));
   ExpectClose(Download(*dxd), want.dx, "dx");
@@ -701,16 +714,87 @@ TEST_F(CpuBackendTest, BatchNormFiniteDifferences) {
   const auto g = Random(nx, 104);  // L = sum(y * g)
   auto gd = Upload(g), y = Filled(nx, 0), dx = Filled(nx, 0), dgamma = Filled(3, 0),
        dbeta = Filled(3, 0);
-  PSFLOW_ASSERT_OK(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()));
+  PSFLOW_ASSERT_OK(
+      bn->Forward(x->data(), gamma->data(), beta->data(), y->data(), nullptr, nullptr));
   PSFLOW_ASSERT_OK(bn->Backward(x->data(), gamma->data(), gd->data(), dx->data(), dgamma->data(),
                                 dbeta->data()));
   const auto loss = [&] {
-    EXPECT_TRUE(bn->Forward(x->data(), gamma->data(), beta->data(), y->data()).ok());
+    EXPECT_TRUE(
+        bn->Forward(x->data(), gamma->data(), beta->data(), y->data(), nullptr, nullptr).ok());
     return Dot(Download(*y), g);
   };
   CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-2f, 2e-3, 1e-2);
   CheckGradient("dgamma", gamma->data(), 3, loss, Download(*dgamma), 1e-2f, 2e-3, 1e-2);
   CheckGradient("dbeta", beta->data(), 3, loss, Download(*dbeta), 1e-2f, 2e-3, 1e-2);
+}
+
+// Inference-mode batch norm in double: y = gamma * (x - mean) / sqrt(var +
+// epsilon) + beta with the given per-channel mean and var.
+Ref BatchNormInferenceRef(const BatchNormShape& s, const std::vector<float>& x,
+                          const std::vector<float>& gamma, const std::vector<float>& beta,
+                          const std::vector<float>& mean, const std::vector<float>& var) {
+  const size_t hw = static_cast<size_t>(s.height) * s.width;
+  Ref y(x.size());
+  for (int n = 0; n < s.batch; ++n) {
+    for (int c = 0; c < s.channels; ++c) {
+      const double inv = 1 / std::sqrt(double{var[c]} + double{s.epsilon});
+      for (size_t i = 0; i < hw; ++i) {
+        const size_t at = (static_cast<size_t>(n) * s.channels + c) * hw + i;
+        y[at] = gamma[c] * (x[at] - double{mean[c]}) * inv + beta[c];
+      }
+    }
+  }
+  return y;
+}
+
+// Inference normalizes with the statistics it is given, whatever the batch:
+// against the reference, for every shape of the training cases.
+TEST_P(BatchNormTest, InferenceMatchesReference) {
+  const BatchNormShape& s = GetParam().shape;
+  auto bn = backend_->CreateBatchNorm(s);
+  ASSERT_TRUE(bn.ok()) << bn.status();
+  const size_t nx = Elements(s);
+  const auto x = Random(nx, 95, -2.0f, 3.0f), gamma = Random(s.channels, 96),
+             beta = Random(s.channels, 97), mean = Random(s.channels, 98),
+             var = Random(s.channels, 99, 0.05f, 4.0f);
+  auto xd = Upload(x), gd = Upload(gamma), bd = Upload(beta), md = Upload(mean), vd = Upload(var);
+  auto yd = Filled(nx, 7);
+  PSFLOW_ASSERT_OK(
+      (*bn)->Infer(xd->data(), gd->data(), bd->data(), md->data(), vd->data(), yd->data()));
+  ExpectClose(Download(*yd), BatchNormInferenceRef(s, x, gamma, beta, mean, var), "y");
+}
+
+// Given the batch's own (biased) statistics, inference computes what
+// training does; and an inference between a Forward and its Backward leaves
+// the Backward's statistics alone.
+TEST_F(CpuBackendTest, BatchNormInferenceWithTheBatchStatisticsIsTraining) {
+  const BatchNormShape s{4, 3, 5, 3};
+  auto bn = backend_->CreateBatchNorm(s).value();
+  const size_t nx = Elements(s);
+  const double m = static_cast<double>(s.batch) * s.height * s.width;
+  const auto x = Random(nx, 131), gamma = Random(3, 132), beta = Random(3, 133),
+             dy = Random(nx, 134), other = Random(nx, 135, 2.0f, 5.0f);
+  const BatchNormRefResult want = BatchNormRef(s, x, gamma, beta, dy);
+  std::vector<float> biased(3), mean(3);
+  for (int c = 0; c < 3; ++c) {
+    mean[c] = static_cast<float>(want.mean[c]);
+    biased[c] = static_cast<float>(want.unbiased_var[c] * (m - 1) / m);
+  }
+  auto xd = Upload(x), gd = Upload(gamma), bd = Upload(beta), dyd = Upload(dy), od = Upload(other),
+       md = Upload(mean), vd = Upload(biased);
+  auto y = Filled(nx, 7), yi = Filled(nx, 7), dx = Filled(nx, 7), dg = Filled(3, 7),
+       db = Filled(3, 7);
+  PSFLOW_ASSERT_OK(bn->Forward(xd->data(), gd->data(), bd->data(), y->data(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK(
+      bn->Infer(xd->data(), gd->data(), bd->data(), md->data(), vd->data(), yi->data()));
+  ExpectClose(Download(*yi), want.y, "inference with the batch statistics");
+  // Another input through inference, then the Backward of the Forward above.
+  PSFLOW_ASSERT_OK(
+      bn->Infer(od->data(), gd->data(), bd->data(), md->data(), vd->data(), yi->data()));
+  PSFLOW_ASSERT_OK(
+      bn->Backward(xd->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
+  ExpectClose(Download(*dx), want.dx, "dx");
+  ExpectClose(Download(*dg), want.dgamma, "dgamma");
 }
 
 // Backward uses the statistics of the latest Forward, kept in the op.
@@ -729,8 +813,8 @@ TEST_F(CpuBackendTest, BatchNormBackwardUsesLatestForward) {
   const BatchNormRefResult wa = BatchNormRef(s, xa, gamma, beta, dy),
                            wb = BatchNormRef(s, xb, gamma, beta, dy);
 
-  PSFLOW_ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
-  PSFLOW_ASSERT_OK(bn->Forward(xbd->data(), gd->data(), bd->data(), yb->data()));
+  PSFLOW_ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK(bn->Forward(xbd->data(), gd->data(), bd->data(), yb->data(), nullptr, nullptr));
   ExpectClose(Download(*ya), wa.y, "ya");
   ExpectClose(Download(*yb), wb.y, "yb");
   PSFLOW_ASSERT_OK(
@@ -738,7 +822,7 @@ TEST_F(CpuBackendTest, BatchNormBackwardUsesLatestForward) {
   ExpectClose(Download(*dx), wb.dx, "dx of xb");
   ExpectClose(Download(*dg), wb.dgamma, "dgamma of xb");
   ExpectClose(Download(*db), wb.dbeta, "dbeta of xb");
-  PSFLOW_ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data()));
+  PSFLOW_ASSERT_OK(bn->Forward(xad->data(), gd->data(), bd->data(), ya->data(), nullptr, nullptr));
   PSFLOW_ASSERT_OK(
       bn->Backward(xad->data(), gd->data(), dyd->data(), dx->data(), dg->data(), db->data()));
   ExpectClose(Download(*dx), wa.dx, "dx of xa");
@@ -1074,9 +1158,19 @@ TEST_F(CpuBackendTest, MisuseIsReported) {
       bn->Backward(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data())
           .code(),
       absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(bn->Forward(buf->data(), buf->data(), nullptr, buf->data()).code(),
+  EXPECT_EQ(bn->Forward(buf->data(), buf->data(), nullptr, buf->data(), nullptr, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   // A Forward rejected for a null argument does not enable Backward.
+  EXPECT_EQ(
+      bn->Backward(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data())
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
+  // Inference needs every statistic; nor does it enable Backward.
+  EXPECT_EQ(
+      bn->Infer(buf->data(), buf->data(), buf->data(), nullptr, buf->data(), buf->data()).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(
+      bn->Infer(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data()).ok());
   EXPECT_EQ(
       bn->Backward(buf->data(), buf->data(), buf->data(), buf->data(), buf->data(), buf->data())
           .code(),

@@ -298,11 +298,47 @@ TEST_P(CudaBatchNormParityTest, ForwardAndBackward) {
   const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
   const size_t c = s.channels;
   Pair x = In(n), gamma = In(c), beta = In(c), dy = In(n);
-  Pair y = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c);
+  Pair y = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c), mean = Out(c), var = Out(c);
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), gamma.c(), beta.c(), y.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), gamma.g(), beta.g(), y.g()));
+  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), gamma.c(), beta.c(), y.c(), mean.c(), var.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), gamma.g(), beta.g(), y.g(), mean.g(), var.g()));
   ExpectMatch(y, kTol, "y");
+  ExpectMatch(mean, kTol, "batch mean");
+  ExpectMatch(var, kTol, "batch unbiased variance");
+  PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
+  ExpectMatch(dx, kTol, "dx");
+  ExpectMatch(dgamma, kTol, "dgamma");
+  ExpectMatch(dbeta, kTol, "dbeta");
+}
+
+// Inference with given statistics (running ones): the same y on both
+// backends; then the Backward of a Forward before the inference is the
+// Forward's (inference leaves the saved statistics alone).
+TEST_P(CudaBatchNormParityTest, Inference) {
+  const BatchNormShape& s = GetParam();
+  auto cpu_op = cpu_->CreateBatchNorm(s);
+  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
+  auto gpu_op = gpu_->CreateBatchNorm(s);
+  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
+  const size_t c = s.channels;
+  std::vector<float> variances = Random(c);
+  for (float& v : variances) v = 0.1f + 2 * std::abs(v);  // positive
+  Pair x = In(n), other = In(n), gamma = In(c), beta = In(c), mean = In(c), var = In(variances),
+       dy = In(n);
+  Pair y = Out(n), yi = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c);
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Infer(x.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Infer(x.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
+  ExpectMatch(yi, kTol, "inference y");
+
+  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), gamma.c(), beta.c(), y.c(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), gamma.g(), beta.g(), y.g(), nullptr, nullptr));
+  Poison(yi);
+  PSFLOW_ASSERT_OK((*cpu_op)->Infer(other.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
+  PSFLOW_ASSERT_OK((*gpu_op)->Infer(other.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
+  ExpectMatch(yi, kTol, "inference y of another input");
   PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
   PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
   ExpectMatch(dx, kTol, "dx");
@@ -488,6 +524,7 @@ TEST_F(CudaParityTest, BasicsAndErrors) {
   EXPECT_EQ(pool->Backward(p, p).code(), absl::StatusCode::kFailedPrecondition);
   auto norm = gpu_->CreateBatchNorm(BatchNormShape{2, 1, 2, 2}).value();
   EXPECT_EQ(norm->Backward(p, p, p, p, p, p).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(norm->Infer(p, p, p, nullptr, p, p).code(), invalid);
   // The backend still works after the errors.
   PSFLOW_ASSERT_OK(gpu_->Affine(p, 0.0f, 2.0f, p, 4));
   EXPECT_EQ(Download(*gpu_, p, 4), std::vector<float>(4, 2.0f));
@@ -550,7 +587,8 @@ TEST_F(CudaParityTest, CaptureOfAHostCopyFailsAndTheBackendRecovers) {
   EXPECT_EQ(Download(*gpu_, buffer->data(), 16), std::vector<float>(16, 5.0f));
 }
 
-// A small network's whole training step (conv, batch norm, relu, max pool,
+// A small network's whole training step (conv, batch norm with its batch
+// statistics written out and an inference pass with them, relu, max pool,
 // global average pooling, dense, softmax cross-entropy, their backward passes
 // and SGD) on one backend. (Parity of each op with the CPU is tested above;
 // the step compares a replayed graph with the same step run eagerly.)
@@ -565,6 +603,7 @@ class MiniNet {
     kX, kLabels, kWc, kBc, kGamma, kBeta, kWd, kBd, kInputs,  // inputs and parameters
     kY1 = kInputs, kY2, kY3, kY4, kY5, kLogits, kProbs, kStats,  // forward
     kDLogits, kD5, kD4, kD3, kD2, kD1, kDWc, kDBc, kDGamma, kDBeta, kDWd, kDBd,  // backward
+    kBatchMean, kBatchVar, kYInfer,  // batch statistics, and inference with them
     kCount
   };
   // clang-format on
@@ -574,7 +613,8 @@ class MiniNet {
     // clang-format off
     return {kN * kC * kH * kH, kN, wc, kK, kK, kK, wd, kClasses,
             act, act, act, pooled, kN * kK, logits, logits, 2,
-            logits, kN * kK, pooled, act, act, act, wc, kK, kK, kK, wd, kClasses};
+            logits, kN * kK, pooled, act, act, act, wc, kK, kK, kK, wd, kClasses,
+            kK, kK, act};
     // clang-format on
   }
 
@@ -595,7 +635,10 @@ class MiniNet {
     const int32_t* labels = Labels(at(kLabels));
     std::vector<absl::Status> s;
     s.push_back(conv_->Forward(at(kX), at(kWc), at(kBc), at(kY1)));
-    s.push_back(norm_->Forward(at(kY1), at(kGamma), at(kBeta), at(kY2)));
+    s.push_back(
+        norm_->Forward(at(kY1), at(kGamma), at(kBeta), at(kY2), at(kBatchMean), at(kBatchVar)));
+    s.push_back(
+        norm_->Infer(at(kY1), at(kGamma), at(kBeta), at(kBatchMean), at(kBatchVar), at(kYInfer)));
     s.push_back(relu_->Forward(at(kY2), at(kY3)));
     s.push_back(pool_->Forward(at(kY3), at(kY4)));
     s.push_back(gap_->Forward(at(kY4), at(kY5)));

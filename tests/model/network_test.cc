@@ -125,9 +125,13 @@ class Reference {
   }
 
   // The mean cross-entropy over the batch; appends the decisions to
-  // *decisions unless it is null.
+  // *decisions unless it is null. Batch norm: in training mode with the
+  // batch's statistics, which go to (*stats)[v] for each running-statistic
+  // variable v (batch mean, unbiased variance) unless stats is null;
+  // otherwise with the running statistics in w.
   double Loss(const WeightsD& w, const float* images, const int32_t* labels, int batch,
-              std::vector<int>* decisions = nullptr) const {
+              std::vector<int>* decisions = nullptr, bool training = true,
+              WeightsD* stats = nullptr) const {
     const InputSpec& in = spec_.input();
     const ActivationShape model_in{in.channels(), in.height(), in.width()};
     std::vector<std::vector<double>> acts(spec_.layer_size() + 1);
@@ -227,14 +231,25 @@ class Reference {
                 for (int v = 0; v < a.width; ++v) sum += x[at(a, n, c, h, v)];
               }
             }
-            const double mean = sum / count;
+            double mean = sum / count;
             for (int n = 0; n < batch; ++n) {
               for (int h = 0; h < a.height; ++h) {
                 for (int v = 0; v < a.width; ++v)
                   sq += (x[at(a, n, c, h, v)] - mean) * (x[at(a, n, c, h, v)] - mean);
               }
             }
-            const double inv = 1.0 / std::sqrt(sq / count + eps);
+            double var = sq / count;
+            if (training && stats != nullptr) {
+              (*stats)[vars_[l].running_mean].resize(a.channels);
+              (*stats)[vars_[l].running_var].resize(a.channels);
+              (*stats)[vars_[l].running_mean][c] = mean;
+              (*stats)[vars_[l].running_var][c] = count > 1 ? sq / (count - 1) : var;
+            }
+            if (!training) {
+              mean = w[vars_[l].running_mean][c];
+              var = w[vars_[l].running_var][c];
+            }
+            const double inv = 1.0 / std::sqrt(var + eps);
             for (int n = 0; n < batch; ++n) {
               for (int h = 0; h < a.height; ++h) {
                 for (int v = 0; v < a.width; ++v) {
@@ -323,9 +338,23 @@ void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, 
   const Reference ref(spec);
   const WeightsD wd = ToDouble(w);
   std::vector<int> base;
-  const double ref_loss = ref.Loss(wd, images.data(), labels.data(), batch, &base);
+  WeightsD stats(w.size());
+  const double ref_loss =
+      ref.Loss(wd, images.data(), labels.data(), batch, &base, /*training=*/true, &stats);
   ASSERT_FALSE(base.empty()) << "the model has ReLU or max-pool decisions";
   EXPECT_NEAR(step->loss, ref_loss, 1e-5 * ref_loss) << "the network computes the reference's loss";
+  // Running statistics have no gradient: the step leaves the batch's
+  // statistics in their place.
+  auto trainable = [&](size_t v) { return net.variables()[v].trainable; };
+  for (size_t v = 0; v < grads.size(); ++v) {
+    if (trainable(v)) continue;
+    const std::string& name = net.variables()[v].name;
+    ASSERT_EQ(stats[v].size(), grads[v].size()) << name;
+    for (size_t i = 0; i < grads[v].size(); ++i) {
+      EXPECT_NEAR(grads[v][i], stats[v][i], 1e-5 * (1 + std::abs(stats[v][i])))
+          << name << "[" << i << "]";
+    }
+  }
 
   // Whether the reference's decisions stay those at w for every step t*h,
   // t in [-1, 1], of element (v, i) (t = +-1/4, +-1/2, +-3/4, +-1).
@@ -353,6 +382,7 @@ void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, 
   // 1. Every element against the reference.
   int64_t checked = 0, kinked = 0;
   for (size_t v = 0; v < grads.size(); ++v) {
+    if (!trainable(v)) continue;
     const std::string& name = net.variables()[v].name;
     double largest = 0;
     for (float g : grads[v]) largest = std::max(largest, static_cast<double>(std::abs(g)));
@@ -373,14 +403,17 @@ void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, 
   // 2. Picked elements against the network's own loss.
   const float loss32 = static_cast<float>(ref_loss);
   const double ulp = std::nextafter(loss32, std::numeric_limits<float>::infinity()) - loss32;
+  // The training-mode loss (batch norm with the batch's statistics).
   auto net_loss = [&](const Weights& p) {
     EXPECT_TRUE(SetNetWeights(net, p).ok());
-    absl::StatusOr<Network::Result> r = net.Evaluate(images.data(), labels.data(), batch);
+    absl::StatusOr<Network::Result> r = net.TrainStep(images.data(), labels.data(), batch);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->loss : NAN;
   };
-  int total_done = 0;
+  int total_done = 0, trainables = 0;
   for (size_t v = 0; v < grads.size(); ++v) {
+    if (!trainable(v)) continue;
+    ++trainables;
     const std::string& name = net.variables()[v].name;
     const int64_t n = static_cast<int64_t>(grads[v].size());
     std::vector<bool> used(static_cast<size_t>(n), false);
@@ -422,7 +455,7 @@ void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, 
   }
   // Most picks find an element of their own (variables of 3 or 4 elements may
   // have fewer kink-free ones).
-  EXPECT_GE(total_done, 3 * static_cast<int>(grads.size()));
+  EXPECT_GE(total_done, 3 * trainables);
 }
 
 class NetworkTest : public ::testing::Test {
@@ -573,7 +606,9 @@ class ResidualNetworkTest : public ::testing::Test {
     backend_ = *std::move(backend);
     net_ = MakeNetwork();
     ASSERT_NE(net_, nullptr);
-    ASSERT_EQ(net_->variables().size(), 11u);
+    // conv c1, c2, proj: weights; bn1, bn2, proj_bn: gamma, beta, running
+    // mean and variance; fc: weights and bias.
+    ASSERT_EQ(net_->variables().size(), 3u + 3 * 4 + 2);
     weights_ = ResidualWeights(spec_, 5);
     RandomBatch(spec_, kBatch, 12, &images_, &labels_);
     // Not one class only, and not one pixel value.
@@ -683,11 +718,17 @@ TEST_F(ResidualNetworkTest, LocalSgdSubtractsTheScaledGradient) {
   const Weights after = NetWeights(*sgd);
   EXPECT_EQ(NetWeights(*net_), weights_) << "no update without local SGD";
   int64_t moved = 0;
+  const float m = options.local_bn_momentum;
   for (size_t v = 0; v < after.size(); ++v) {
+    const bool trainable = net_->variables()[v].trainable;
     for (size_t i = 0; i < after[v].size(); ++i) {
-      // w - lr * g in fp32, with or without a fused multiply-add.
-      const float plain = weights_[v][i] - kRate * grads[v][i];
-      const float fused = std::fma(-kRate, grads[v][i], weights_[v][i]);
+      // w - lr * g in fp32, with or without a fused multiply-add; running
+      // statistics r take (1 - m) r + m s instead, s the batch's statistic.
+      const float kept = weights_[v][i] * (1 - m);
+      const float plain =
+          trainable ? weights_[v][i] - kRate * grads[v][i] : kept - -m * grads[v][i];
+      const float fused = trainable ? std::fma(-kRate, grads[v][i], weights_[v][i])
+                                    : std::fma(m, grads[v][i], kept);
       EXPECT_TRUE(after[v][i] == plain || after[v][i] == fused)
           << net_->variables()[v].name << "[" << i << "]: " << after[v][i] << " vs " << plain;
       if (after[v][i] != weights_[v][i]) ++moved;
@@ -754,23 +795,117 @@ TEST_F(ResidualNetworkTest, NoGraphsOnTheCpu) {
   EXPECT_FALSE(net_->UsesGraph(3)) << "a batch size never run";
 }
 
-// Evaluate's loss of the residual model is the mean of its examples' losses
-// only when batch norm sees the same batch: a batch of one normalizes
-// differently. The losses of the same batch agree whatever other batch sizes
-// the network has run.
-TEST_F(ResidualNetworkTest, BatchNormUsesTheStatisticsOfTheBatch) {
-  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
-  absl::StatusOr<Network::Result> full = net_->Evaluate(images_.data(), labels_.data(), kBatch);
-  ASSERT_TRUE(full.ok()) << full.status();
-  absl::StatusOr<Network::Result> half = net_->Evaluate(images_.data(), labels_.data(), kBatch / 2);
-  ASSERT_TRUE(half.ok()) << half.status();
-  absl::StatusOr<Network::Result> full2 = net_->Evaluate(images_.data(), labels_.data(), kBatch);
-  ASSERT_TRUE(full2.ok()) << full2.status();
-  EXPECT_EQ(full->loss, full2->loss);
+// Weights with running statistics of plausible size: means around 0, variances
+// around 1 (as after some training), so that evaluation normalizes sensibly.
+Weights WithRunningStatistics(const ModelSpec& spec, Weights w, uint32_t seed) {
+  const std::vector<VariableShape> vars = ModelVariables(spec);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mean(-0.3f, 0.3f), var(0.5f, 2.0f);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    const std::string kind = vars[v].name.substr(vars[v].name.find('/') + 1);
+    if (kind == "running_mean") {
+      for (float& x : w[v]) x = mean(rng);
+    } else if (kind == "running_var") {
+      for (float& x : w[v]) x = var(rng);
+    }
+  }
+  return w;
+}
+
+// Evaluation normalizes with the running statistics, so the loss and the
+// correct count over a set of examples do not depend on how they are
+// batched: 100 examples in batches of 1, 7 (the last of 2) and 100 agree,
+// and with the double-precision reference in inference mode. (With batch
+// statistics, as evaluation had it before, a batch of one normalizes each
+// example by itself.)
+TEST_F(ResidualNetworkTest, EvaluationDoesNotDependOnTheBatchSize) {
+  constexpr int kExamples = 100;
+  std::vector<float> images;
+  std::vector<int32_t> labels;
+  RandomBatch(spec_, kExamples, 21, &images, &labels);
+  const Weights w = WithRunningStatistics(spec_, weights_, 22);
+  ASSERT_TRUE(SetNetWeights(*net_, w).ok());
+  const int64_t per = net_->input_floats();
+  struct Total {
+    double loss = 0;
+    int64_t correct = 0;
+  };
+  auto evaluate = [&](int batch) {
+    Total t;
+    for (int first = 0; first < kExamples; first += batch) {
+      const int n = std::min(batch, kExamples - first);
+      absl::StatusOr<Network::Result> r =
+          net_->Evaluate(images.data() + first * per, labels.data() + first, n);
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) return t;
+      t.loss += r->loss * n;
+      t.correct += r->correct;
+    }
+    t.loss /= kExamples;
+    return t;
+  };
+  const Total whole = evaluate(100), sevens = evaluate(7), ones = evaluate(1);
+  EXPECT_NEAR(sevens.loss, whole.loss, 1e-5 * whole.loss);
+  EXPECT_NEAR(ones.loss, whole.loss, 1e-5 * whole.loss);
+  EXPECT_EQ(sevens.correct, whole.correct);
+  EXPECT_EQ(ones.correct, whole.correct);
   const Reference ref(spec_);
-  EXPECT_NEAR(half->loss, ref.Loss(ToDouble(weights_), images_.data(), labels_.data(), kBatch / 2),
-              1e-5);
-  EXPECT_GT(std::abs(half->loss - full->loss), 1e-4);
+  const double want =
+      ref.Loss(ToDouble(w), images.data(), labels.data(), kExamples, nullptr, /*training=*/false);
+  EXPECT_NEAR(whole.loss, want, 1e-5 * want);
+  // The running statistics matter: the batch's own give another loss.
+  const double with_batch_statistics =
+      ref.Loss(ToDouble(w), images.data(), labels.data(), kExamples);
+  EXPECT_GT(std::abs(with_batch_statistics - want), 1e-3);
+}
+
+// Training steps still normalize with the batch's statistics: the running
+// statistics in the weights do not change a step's loss or gradients, and
+// the step hands out the batch's mean and unbiased variance where the
+// running statistics' gradients would be.
+TEST_F(ResidualNetworkTest, TrainingNormalizesWithTheBatch) {
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  absl::StatusOr<Network::Result> a = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const Weights grads_a = NetGradients(*net_);
+  ASSERT_TRUE(SetNetWeights(*net_, WithRunningStatistics(spec_, weights_, 23)).ok());
+  absl::StatusOr<Network::Result> b = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->loss, b->loss);
+  EXPECT_EQ(NetGradients(*net_), grads_a);
+  const Reference ref(spec_);
+  WeightsD stats(weights_.size());
+  const double want = ref.Loss(ToDouble(weights_), images_.data(), labels_.data(), kBatch, nullptr,
+                               /*training=*/true, &stats);
+  EXPECT_NEAR(a->loss, want, 1e-5 * want);
+  int checked = 0;
+  for (size_t v = 0; v < weights_.size(); ++v) {
+    if (net_->variables()[v].trainable) continue;
+    ++checked;
+    ASSERT_EQ(grads_a[v].size(), stats[v].size());
+    for (size_t i = 0; i < stats[v].size(); ++i) {
+      EXPECT_NEAR(grads_a[v][i], stats[v][i], 1e-5 * (1 + std::abs(stats[v][i])))
+          << net_->variables()[v].name << "[" << i << "]";
+    }
+  }
+  EXPECT_EQ(checked, 6) << "three batch norms, two statistics each";
+}
+
+// Evaluation and training of the same batch size keep apart: an evaluation
+// between two training steps changes neither, and vice versa.
+TEST_F(ResidualNetworkTest, EvaluationAndTrainingOfOneBatchSizeKeepApart) {
+  const Weights w = WithRunningStatistics(spec_, weights_, 24);
+  ASSERT_TRUE(SetNetWeights(*net_, w).ok());
+  absl::StatusOr<Network::Result> eval1 = net_->Evaluate(images_.data(), labels_.data(), kBatch);
+  absl::StatusOr<Network::Result> train1 = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  const Weights grads = NetGradients(*net_);
+  absl::StatusOr<Network::Result> eval2 = net_->Evaluate(images_.data(), labels_.data(), kBatch);
+  EXPECT_EQ(NetGradients(*net_), grads) << "evaluation leaves the step's gradients alone";
+  absl::StatusOr<Network::Result> train2 = net_->TrainStep(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(eval1.ok() && train1.ok() && eval2.ok() && train2.ok());
+  EXPECT_EQ(eval1->loss, eval2->loss);
+  EXPECT_EQ(train1->loss, train2->loss);
+  EXPECT_GT(std::abs(eval1->loss - train1->loss), 1e-4);
 }
 
 }  // namespace

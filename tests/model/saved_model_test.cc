@@ -155,5 +155,38 @@ TEST_F(SavedModelTest, MissingFileIsAnErrorNamingThePath) {
   EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(kSavedModelFile));
 }
 
+// A model with batch norm keeps its running statistics in the saved model,
+// as any variable. One written before they were kept (the spec's other
+// variables only) fails to load with one line naming the first missing one.
+TEST_F(SavedModelTest, RunningStatisticsAreSavedAndOlderModelsWithoutThemAreRefused) {
+  absl::StatusOr<ModelSpec> resnet = ResolveModelSpec("resnet");
+  ASSERT_TRUE(resnet.ok()) << resnet.status();
+  spec_ = *resnet;
+  values_ = InitialValues(spec_, 3);
+  const std::vector<VariableShape> vars = ModelVariables(spec_);
+  for (size_t i = 0; i < vars.size(); ++i) {
+    if (vars[i].trainable) continue;
+    for (float& x : values_[i]) x = 0.25f + static_cast<float>(i);  // trained statistics
+  }
+  ASSERT_TRUE(WriteSavedModel(dir_, spec_, 1234, values_).ok());
+  ExpectLoaded(ReadSavedModel(dir_));
+
+  // The same file without the running statistics.
+  SavedModel saved;
+  ASSERT_TRUE(saved.ParseFromString(ReadBytes(file())));
+  SavedModel old = saved;
+  old.clear_variable();
+  for (const TensorProto& t : saved.variable()) {
+    if (t.name().find("/running_") == std::string::npos) *old.add_variable() = t;
+  }
+  ASSERT_LT(old.variable_size(), saved.variable_size());
+  WriteBytes(file(), old.SerializeAsString());
+  absl::StatusOr<LoadedModel> loaded = ReadSavedModel(dir_);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss) << loaded.status();
+  EXPECT_THAT(std::string(loaded.status().message()), HasSubstr("no variable 'bn1/running_mean'"));
+  EXPECT_THAT(std::string(loaded.status().message()), HasSubstr("running statistics"));
+  EXPECT_EQ(std::string(loaded.status().message()).find('\n'), std::string::npos);
+}
+
 }  // namespace
 }  // namespace psflow::model

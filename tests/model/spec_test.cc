@@ -95,14 +95,17 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   EXPECT_EQ(spec->num_classes(), 10);
 
   const std::vector<VariableShape> vars = ModelVariables(*spec);
-  // conv1 + bn1 (3), 8 blocks of conv1, bn1, conv2, bn2 (6 each), the
-  // projections of stages 2-4 (conv + bn: 3 each), fc (2).
-  ASSERT_EQ(vars.size(), 3u + 8 * 6 + 3 * 3 + 2);
+  // conv1 + bn1 (1 + 4: gamma, beta, running mean and variance), 8 blocks of
+  // conv1, bn1, conv2, bn2 (10 each), the projections of stages 2-4 (conv +
+  // bn: 5 each), fc (2).
+  ASSERT_EQ(vars.size(), 5u + 8 * 10 + 3 * 5 + 2);
   std::map<std::string, std::vector<int64_t>> by_name;
-  int64_t total = 0;
+  int64_t total = 0, statistics = 0;
   for (const VariableShape& v : vars) {
     EXPECT_TRUE(by_name.emplace(v.name, v.shape).second) << v.name << " twice";
-    total += NumElements(v.shape);
+    const bool running = v.name.find("/running_") != std::string::npos;
+    EXPECT_EQ(v.trainable, !running) << v.name;
+    (running ? statistics : total) += NumElements(v.shape);
     // Every convolution is followed by batch norm and has no bias.
     EXPECT_FALSE(v.name.find("conv") != std::string::npos &&
                  v.name.find("/bias") != std::string::npos)
@@ -117,6 +120,9 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   EXPECT_EQ(by_name["conv1/weights"], (Shape{64, 3, 3, 3}));
   EXPECT_EQ(by_name["bn1/gamma"], (Shape{64}));
   EXPECT_EQ(by_name["bn1/beta"], (Shape{64}));
+  EXPECT_EQ(by_name["bn1/running_mean"], (Shape{64}));
+  EXPECT_EQ(by_name["bn1/running_var"], (Shape{64}));
+  EXPECT_EQ(by_name["s4b1_proj_bn/running_var"], (Shape{512}));
   EXPECT_EQ(by_name["s1b1_conv1/weights"], (Shape{64, 64, 3, 3}));
   EXPECT_EQ(by_name["s1b2_conv2/weights"], (Shape{64, 64, 3, 3}));
   EXPECT_EQ(by_name["s2b1_conv1/weights"], (Shape{128, 64, 3, 3}));
@@ -147,6 +153,9 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   //   fc:      512*10 + 10                                                =     5,130
   // = 11,173,962 (the usual figure for ResNet-18 on CIFAR-10).
   EXPECT_EQ(total, 11173962);
+  // Two running statistics per batch-norm channel: 64 (stem) + 4 * 64 +
+  // 5 * 128 + 5 * 256 + 5 * 512 = 4,800 channels.
+  EXPECT_EQ(statistics, 2 * 4800);
 
   const std::vector<LayerVariables> layer_vars = LayerVariableIndices(*spec);
   ASSERT_EQ(static_cast<int>(layer_vars.size()), spec->layer_size());
@@ -154,7 +163,11 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   EXPECT_EQ(layer_vars[0].second, -1) << "conv1 has no bias";
   EXPECT_EQ(layer_vars[1].first, 1);
   EXPECT_EQ(layer_vars[1].second, 2);
+  EXPECT_EQ(layer_vars[1].running_mean, 3);
+  EXPECT_EQ(layer_vars[1].running_var, 4);
+  EXPECT_EQ(layer_vars[0].running_mean, -1) << "conv1 has no statistics";
   EXPECT_EQ(layer_vars[2].first, -1) << "relu has no variables";
+  EXPECT_EQ(layer_vars[3].first, 5);
 
   absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
   ASSERT_TRUE(shapes.ok()) << shapes.status();
@@ -228,12 +241,13 @@ TEST(SpecTest, ResidualSpecInTextFormatLoads) {
   EXPECT_EQ(spec->layer(5).add().other(), "r1");
   EXPECT_EQ(spec->layer(7).input(), "r2");
   EXPECT_TRUE(spec->layer(8).has_global_avg_pool());
-  EXPECT_THAT(
-      Flatten(ModelVariables(*spec)),
-      ElementsAre(Var{"c1/weights", {4, 2, 3, 3}}, Var{"bn1/gamma", {4}}, Var{"bn1/beta", {4}},
-                  Var{"c2/weights", {4, 4, 3, 3}}, Var{"bn2/gamma", {4}}, Var{"bn2/beta", {4}},
-                  Var{"down/weights", {5, 4, 1, 1}}, Var{"down/bias", {5}},
-                  Var{"out/weights", {3, 5}}, Var{"out/bias", {3}}));
+  EXPECT_THAT(Flatten(ModelVariables(*spec)),
+              ElementsAre(Var{"c1/weights", {4, 2, 3, 3}}, Var{"bn1/gamma", {4}},
+                          Var{"bn1/beta", {4}}, Var{"bn1/running_mean", {4}},
+                          Var{"bn1/running_var", {4}}, Var{"c2/weights", {4, 4, 3, 3}},
+                          Var{"bn2/gamma", {4}}, Var{"bn2/beta", {4}}, Var{"bn2/running_mean", {4}},
+                          Var{"bn2/running_var", {4}}, Var{"down/weights", {5, 4, 1, 1}},
+                          Var{"down/bias", {5}}, Var{"out/weights", {3, 5}}, Var{"out/bias", {3}}));
   absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
   ASSERT_TRUE(shapes.ok()) << shapes.status();
   std::vector<std::vector<int>> got;
@@ -266,13 +280,18 @@ TEST(SpecTest, ResidualSpecInTextFormatLoads) {
   ASSERT_EQ(lv.size(), 10u);
   EXPECT_EQ(lv[0].first, 0);
   EXPECT_EQ(lv[0].second, -1);
-  EXPECT_EQ(lv[4].first, 4);
-  EXPECT_EQ(lv[4].second, 5);
+  EXPECT_EQ(lv[1].running_mean, 3);
+  EXPECT_EQ(lv[1].running_var, 4);
+  EXPECT_EQ(lv[4].first, 6);
+  EXPECT_EQ(lv[4].second, 7);
+  EXPECT_EQ(lv[4].running_mean, 8);
+  EXPECT_EQ(lv[4].running_var, 9);
   EXPECT_EQ(lv[5].first, -1) << "add has no variables";
-  EXPECT_EQ(lv[7].first, 6);
-  EXPECT_EQ(lv[7].second, 7);
-  EXPECT_EQ(lv[9].first, 8);
-  EXPECT_EQ(lv[9].second, 9);
+  EXPECT_EQ(lv[7].first, 10);
+  EXPECT_EQ(lv[7].second, 11);
+  EXPECT_EQ(lv[7].running_mean, -1);
+  EXPECT_EQ(lv[9].first, 12);
+  EXPECT_EQ(lv[9].second, 13);
 }
 
 // Wiring and add-shape mistakes: INVALID_ARGUMENT naming the layer, from
@@ -503,7 +522,7 @@ TEST(InitialValuesTest, UniformWithinFanInBound) {
     const std::vector<VariableShape> vars = ModelVariables(*spec);
     const auto values = InitialValues(*spec, 42);
     ASSERT_EQ(values.size(), vars.size());
-    int fan_in_vars = 0, norm_vars = 0;
+    int fan_in_vars = 0, norm_vars = 0, statistics_vars = 0;
     for (size_t i = 0; i < vars.size(); ++i) {
       SCOPED_TRACE(absl::StrCat(name, " ", vars[i].name));
       ASSERT_EQ(static_cast<int64_t>(values[i].size()), NumElements(vars[i].shape));
@@ -517,6 +536,15 @@ TEST(InitialValuesTest, UniformWithinFanInBound) {
         ++norm_vars;
         continue;
       }
+      if (kind == "running_mean" || kind == "running_var") {
+        // Running statistics start as PyTorch's: mean 0, variance 1.
+        EXPECT_FALSE(vars[i].trainable);
+        const float want = kind == "running_var" ? 1.0f : 0.0f;
+        for (float x : values[i]) ASSERT_EQ(x, want);
+        ++statistics_vars;
+        continue;
+      }
+      EXPECT_TRUE(vars[i].trainable);
       ASSERT_TRUE(kind == "weights" || kind == "bias") << var;
       // The fan-in of a layer's units is its weights' size per output unit;
       // a bias follows its layer's weights.
@@ -545,8 +573,10 @@ TEST(InitialValuesTest, UniformWithinFanInBound) {
     if (name == "resnet") {
       // conv1, bn1, then 8 blocks of 2 batch norms and 3 projection batch norms.
       EXPECT_EQ(norm_vars, 2 * (1 + 8 * 2 + 3));
+      EXPECT_EQ(statistics_vars, norm_vars);
     } else {
       EXPECT_EQ(norm_vars, 0);
+      EXPECT_EQ(statistics_vars, 0);
     }
   }
 }

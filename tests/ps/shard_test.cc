@@ -291,6 +291,73 @@ TEST(ShardInitTest, RejectsBadInit) {
   EXPECT_EQ(shard.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Batch norm's running statistics: a non-trainable slice takes no optimizer
+// step (no weight decay, no slots) but the moving average of the statistics
+// the live workers push for it, r = (1 - m) * r + m * mean(s_0, s_1), m
+// being JobConfig.bn_momentum (0.1 by default); its trainable neighbour is
+// stepped by the optimizer as ever.
+TEST(ShardMovingAverageTest, NonTrainableSliceAveragesTheWorkersStatistics) {
+  for (const float momentum : {0.0f, 0.1f, 0.5f}) {  // 0: unset, the default 0.1
+    SCOPED_TRACE(momentum);
+    const float m = momentum == 0 ? 0.1f : momentum;
+    InitHeader h = Header(OptimizerConfig::ADAM, 0.5f);
+    h.mutable_job()->mutable_optimizer()->set_weight_decay(0.25f);
+    h.mutable_job()->set_bn_momentum(momentum);
+    h.mutable_slice(1)->set_non_trainable(true);
+    Shard shard;
+    ASSERT_TRUE(shard.Init(h, Values()).ok());
+    // Two steps of two workers' statistics for "b" (and gradients for "a").
+    const std::vector<std::vector<std::vector<float>>> stats = {{{1.5f, 2, -4, 8}, {2.5f, 6, 4, 0}},
+                                                                {{0, 3, 1, -1}, {2, 5, 7, 1}}};
+    std::vector<float> want = kB;
+    for (int step = 0; step < 2; ++step) {
+      for (int w = 0; w < 2; ++w) {
+        absl::StatusOr<PushResponse::Outcome> r =
+            shard.Push(kJob, w, step, {Grads(1.0f + w)[0], stats[step][w]});
+        ASSERT_TRUE(r.ok()) << r.status();
+      }
+      for (size_t i = 0; i < want.size(); ++i) {
+        const float mean = (stats[step][0][i] + stats[step][1][i]) / 2;
+        want[i] = (1 - m) * want[i] + m * mean;
+      }
+    }
+    ASSERT_EQ(shard.stats().version, 2);
+    absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
+        shard.SnapshotAt(kJob, 2, Soon(), nullptr);
+    ASSERT_TRUE(snap.ok()) << snap.status();
+    const std::vector<float>& b = *(*snap)->weights->values[1];
+    ASSERT_EQ(b.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(b[i], want[i]) << "b[" << i << "]";
+    if (m == 0.1f) {
+      // By hand, in double: b[0] = 0.9 (0.9 * 10 + 0.1 * 2) + 0.1 * 1 = 8.38.
+      EXPECT_NEAR(b[0], 8.38, 1e-5);
+      EXPECT_NEAR(b[3], 0.9 * (0.9 * 40 + 0.1 * 4) + 0.1 * 0, 1e-5);
+    }
+    // Adam's slots of "b" stay at zero; "a" was stepped by Adam.
+    ASSERT_EQ((*snap)->slot_names, (std::vector<std::string>{"m", "v"}));
+    for (const std::vector<float>& slot : (*snap)->slots[1]) {
+      EXPECT_EQ(slot, std::vector<float>(4, 0.0f));
+    }
+    EXPECT_NE(*(*snap)->weights->values[0], kA);
+    EXPECT_NE((*snap)->slots[0][0], std::vector<float>(6, 0.0f));
+  }
+}
+
+TEST(ShardMovingAverageTest, RejectsAMomentumOutsideZeroToOne) {
+  for (const float bad : {-0.1f, 1.5f, std::nanf("")}) {
+    InitHeader h = Header(OptimizerConfig::SGD, 0.5f);
+    h.mutable_job()->set_bn_momentum(bad);
+    Shard shard;
+    absl::Status s = shard.Init(h, Values());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("bn_momentum")) << bad;
+  }
+  InitHeader one = Header(OptimizerConfig::SGD, 0.5f);
+  one.mutable_job()->set_bn_momentum(1);
+  Shard shard;
+  EXPECT_TRUE(shard.Init(one, Values()).ok()) << "1: the running statistic is the latest";
+}
+
 TEST(ShardInitTest, StartsAtTheHeaderVersion) {
   Shard shard;
   ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f, {3}, 7), Values()).ok());

@@ -19,6 +19,7 @@
 #include "common/exit_codes.h"
 #include "common/float16.h"
 #include "common/placement.h"
+#include "data/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/spec.h"
@@ -43,6 +44,16 @@ constexpr char kTinyModel[] = R"spec(
   layer { name: "fc2" dense { units: 4 } }
 )spec";
 
+// The same with batch norm on the input: its running statistics follow the
+// pixels' mean and variance.
+constexpr char kTinyBatchNormModel[] = R"spec(
+  name: "tiny_bn" input { channels: 1 height: 6 width: 6 } num_classes: 4
+  layer { name: "bn0" batch_norm {} }
+  layer { name: "fc1" dense { units: 16 } }
+  layer { name: "relu1" relu {} }
+  layer { name: "fc2" dense { units: 4 } }
+)spec";
+
 constexpr uint64_t kJobId = 1;
 
 struct JobParams {
@@ -52,12 +63,14 @@ struct JobParams {
   float learning_rate = 0.1f;
   JobConfig::WireDtype wire_dtype = JobConfig::FP32;
   JobConfig::NonFinitePolicy on_nonfinite = JobConfig::FAIL;
+  const char* model = kTinyModel;
+  float bn_momentum = 0;  // 0: the ps's default
 };
 
 // A job as the chief would make it: synthetic data, 256 examples, batch 8.
 JobConfig MakeJob(const JobParams& p) {
   JobConfig job;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(kTinyModel, job.mutable_model()));
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(p.model, job.mutable_model()));
   job.set_dataset("synthetic");
   job.set_num_examples(256);
   job.set_batch_size(8);
@@ -71,6 +84,7 @@ JobConfig MakeJob(const JobParams& p) {
   job.mutable_optimizer()->set_learning_rate(p.learning_rate);
   job.set_on_nonfinite(p.on_nonfinite);
   job.set_wire_dtype(p.wire_dtype);
+  job.set_bn_momentum(p.bn_momentum);
   absl::StatusOr<Placement> placement =
       PlaceVariables(model::ModelVariables(job.model()), p.num_ps, /*split_bytes=*/1024);
   EXPECT_TRUE(placement.ok()) << placement.status();
@@ -291,6 +305,49 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
   }
   EXPECT_NE(weights[0], initial_);
   EXPECT_EQ(weights[0], weights[1]);
+}
+
+// Batch norm's running statistics: each step both workers push their batch's
+// mean and unbiased variance in place of the statistics' gradients, and the
+// ps average them in (momentum 0.3 here), so a short run takes the running
+// statistics of a batch norm on the input from (0, 1) to the mean and
+// variance of the training pixels; gamma and beta train as ever.
+TEST_F(TrainerTest, RunningStatisticsMoveTowardsTheDatas) {
+  SetUpJob(
+      {.num_workers = 2, .train_steps = 24, .model = kTinyBatchNormModel, .bn_momentum = 0.3f});
+  Trainer first(FastOptions(0), chief_.get(), ClientOf(*fake_));
+  Trainer second(FastOptions(1), chief_.get(), ClientOf(*fake_));
+  Running run0(&first), run1(&second);
+  const absl::Status s0 = run0.Join(), s1 = run1.Join();
+  ASSERT_TRUE(s0.ok()) << s0;
+  ASSERT_TRUE(s1.ok()) << s1;
+
+  const std::vector<VariableShape> vars = model::ModelVariables(job_.model());
+  ASSERT_EQ(vars.size(), 8u);
+  ASSERT_EQ(vars[2].name, "bn0/running_mean");
+  ASSERT_EQ(vars[3].name, "bn0/running_var");
+  const std::vector<std::vector<float>> initial = InitialValues(job_);
+  EXPECT_EQ(initial[2], std::vector<float>{0.0f});
+  EXPECT_EQ(initial[3], std::vector<float>{1.0f});
+  const std::vector<std::vector<float>> w = ReadWeights(*fake_, job_, kJobId);
+  EXPECT_NE(w[0], initial[0]) << "gamma trains";
+
+  absl::StatusOr<data::Dataset> d =
+      data::MakeSynthetic(data::SyntheticShape{1, 6, 6, 4}, 256, data::Split::kTrain);
+  ASSERT_TRUE(d.ok()) << d.status();
+  double sum = 0, sum_sq = 0;
+  for (float p : d->images) {
+    sum += p;
+    sum_sq += double{p} * p;
+  }
+  const double n = static_cast<double>(d->images.size());
+  const double mean = sum / n, var = sum_sq / n - mean * mean;
+  ASSERT_GT(mean, 0.1);
+  ASSERT_LT(var, 0.5);
+  // Far from the start, close to the data (each batch's statistics vary with
+  // its examples, so not exactly).
+  EXPECT_NEAR(w[2][0], mean, 0.05 * mean) << "running mean";
+  EXPECT_NEAR(w[3][0], var, 0.1 * var) << "running variance";
 }
 
 // Pulls and pushes in bf16 (the fake ps refuses a push in any other dtype):
