@@ -1,9 +1,9 @@
 #include "common/metrics_server.h"
 
-#include <civetweb.h>
+#include <microhttpd.h>
 
-#include <cstring>
-#include <mutex>
+#include <cstdarg>
+#include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -13,11 +13,32 @@
 namespace psflow::metrics {
 namespace {
 
-// civetweb's own messages (a failed accept, a bad request) go to psflow's
-// log instead of stderr.
-int LogMessage(const struct mg_connection*, const char* message) {
-  PSLOG(WARNING) << "metrics server: " << message;
-  return 1;
+// The threads' own stack. A role's static TLS (cuBLAS's is near 100 KiB)
+// comes out of each thread's stack: a small fixed stack would not even start.
+constexpr size_t kThreadStack = size_t{1} << 20;
+
+// libmicrohttpd's own messages (a failed accept, a bad request) go to
+// psflow's log instead of stderr.
+void LogMessage(void*, const char* format, va_list args) {
+  char text[512];
+  std::vsnprintf(text, sizeof(text), format, args);
+  std::string line(text);
+  while (!line.empty() && line.back() == '\n') line.pop_back();
+  PSLOG(WARNING) << "metrics server: " << line;
+}
+
+// Queues a plain answer with `status`; HEAD gets the headers alone (the
+// library leaves the body out).
+MHD_Result Answer(MHD_Connection* connection, unsigned status, absl::string_view content_type,
+                  const std::string& body) {
+  MHD_Response* response = MHD_create_response_from_buffer(
+      body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return MHD_NO;
+  MHD_add_response_header(response, "Content-Type", std::string(content_type).c_str());
+  MHD_add_response_header(response, "Cache-Control", "no-store");
+  const MHD_Result queued = MHD_queue_response(connection, status, response);
+  MHD_destroy_response(response);
+  return queued;
 }
 
 }  // namespace
@@ -25,89 +46,56 @@ int LogMessage(const struct mg_connection*, const char* message) {
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port,
                                                                     const Registry* registry,
                                                                     std::function<bool()> ready) {
-  static std::once_flag init;
-  std::call_once(init, [] { mg_init_library(0); });  // once per process, never undone
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics port ", port, " is not in 0..65535"));
+  }
   std::unique_ptr<MetricsServer> server(new MetricsServer(registry, std::move(ready)));
-  const std::string ports = absl::StrCat("0.0.0.0:", port);
-  // A scrape is one short request: two threads answer it, idle
-  // connections are not kept for long.
-  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000",       nullptr};
-  mg_callbacks callbacks;
-  std::memset(&callbacks, 0, sizeof(callbacks));
-  callbacks.log_message = &LogMessage;
-  mg_init_data init_data;
-  std::memset(&init_data, 0, sizeof(init_data));
-  init_data.callbacks = &callbacks;
-  init_data.user_data = server.get();
-  init_data.configuration_options = options;
-  char error_text[256] = "";
-  unsigned error_code = 0;
-  mg_error_data error;
-  error.code = &error_code;
-  error.text = error_text;
-  error.text_buffer_size = sizeof(error_text);
-  server->context_ = mg_start2(&init_data, &error);
-  if (server->context_ == nullptr) {
+  // A scrape is one short request: two threads answer, idle connections
+  // are closed after 10 s.
+  server->daemon_ = MHD_start_daemon(
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, static_cast<uint16_t>(port), nullptr,
+      nullptr, &MetricsServer::Handle, server.get(), MHD_OPTION_THREAD_POOL_SIZE, 2u,
+      MHD_OPTION_THREAD_STACK_SIZE, kThreadStack, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
+      MHD_OPTION_EXTERNAL_LOGGER, &LogMessage, nullptr, MHD_OPTION_END);
+  if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on port ", port, ": ",
-                     error_text[0] != '\0' ? error_text : "it is in use or not allowed"));
+        absl::StrCat("cannot serve metrics on port ", port, ": it is in use or not allowed"));
   }
-  mg_server_port bound[4];
-  const int n = mg_get_server_ports(server->context_, 4, bound);
-  server->port_ = n > 0 ? bound[0].port : port;
-  mg_set_request_handler(server->context_, "/metrics$", &MetricsServer::Handle, server.get());
-  mg_set_request_handler(server->context_, "/healthz$", &MetricsServer::HandleHealth, server.get());
-  if (server->ready_) {
-    mg_set_request_handler(server->context_, "/readyz$", &MetricsServer::HandleReady, server.get());
-  }
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(server->daemon_, MHD_DAEMON_INFO_BIND_PORT);
+  server->port_ = info != nullptr && info->port != 0 ? info->port : port;
   return server;
 }
 
 MetricsServer::~MetricsServer() {
-  if (context_ != nullptr) mg_stop(context_);
+  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
 }
 
-int MetricsServer::Handle(mg_connection* connection, void* server) {
-  const mg_request_info* request = mg_get_request_info(connection);
-  const absl::string_view method = request->request_method;
-  if (method != "GET" && method != "HEAD") {
-    mg_send_http_error(connection, 405, "%s", "only GET and HEAD");
-    return 405;
+MHD_Result MetricsServer::Handle(void* self, MHD_Connection* connection, const char* url,
+                                 const char* method, const char*, const char*, size_t* upload_size,
+                                 void** request) {
+  // The first call of a request only announces it; answer on the second.
+  static int announced;
+  if (*request == nullptr) {
+    *request = &announced;
+    return MHD_YES;
   }
-  const std::string body = static_cast<MetricsServer*>(server)->registry_->Render();
-  mg_send_http_ok(connection, kContentType, static_cast<long long>(body.size()));
-  if (method == "GET") mg_write(connection, body.data(), body.size());
-  return 200;
-}
-
-namespace {
-
-// A short plain-text answer with `status` (200 or 503) to GET or HEAD.
-int Answer(mg_connection* connection, int status, absl::string_view body) {
-  const absl::string_view method = mg_get_request_info(connection)->request_method;
-  if (method != "GET" && method != "HEAD") {
-    mg_send_http_error(connection, 405, "%s", "only GET and HEAD");
-    return 405;
+  if (*upload_size != 0) {  // no request of ours has a body
+    *upload_size = 0;
+    return MHD_YES;
   }
-  mg_response_header_start(connection, status);
-  mg_response_header_add(connection, "Content-Type", "text/plain; charset=utf-8", -1);
-  mg_response_header_add(connection, "Content-Length", std::to_string(body.size()).c_str(), -1);
-  mg_response_header_add(connection, "Cache-Control", "no-store", -1);
-  mg_response_header_send(connection);
-  if (method == "GET") mg_write(connection, body.data(), body.size());
-  return status;
-}
-
-}  // namespace
-
-int MetricsServer::HandleHealth(mg_connection* connection, void*) {
-  return Answer(connection, 200, "ok\n");
-}
-
-int MetricsServer::HandleReady(mg_connection* connection, void* server) {
-  return static_cast<MetricsServer*>(server)->ready_() ? Answer(connection, 200, "ready\n")
-                                                       : Answer(connection, 503, "not ready\n");
+  const absl::string_view verb = method;
+  if (verb != "GET" && verb != "HEAD") {
+    return Answer(connection, 405, "text/plain; charset=utf-8", "only GET and HEAD\n");
+  }
+  const auto* server = static_cast<const MetricsServer*>(self);
+  const absl::string_view path = url;
+  if (path == "/metrics") return Answer(connection, 200, kContentType, server->registry_->Render());
+  if (path == "/healthz") return Answer(connection, 200, "text/plain; charset=utf-8", "ok\n");
+  if (path == "/readyz" && server->ready_) {
+    return server->ready_() ? Answer(connection, 200, "text/plain; charset=utf-8", "ready\n")
+                            : Answer(connection, 503, "text/plain; charset=utf-8", "not ready\n");
+  }
+  return Answer(connection, 404, "text/plain; charset=utf-8", "not found\n");
 }
 
 }  // namespace psflow::metrics

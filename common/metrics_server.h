@@ -1,6 +1,7 @@
 // Serves a metrics::Registry over HTTP: GET /metrics answers the registry's
 // Render() as "text/plain; version=0.0.4" (the Prometheus text exposition
-// format), on 0.0.0.0:<port>, from two threads of its own (civetweb's).
+// format), on 0.0.0.0:<port>, from two threads of its own (libmicrohttpd's,
+// with 1 MiB stacks: a role's static TLS comes out of every thread's stack).
 // It also answers HTTP probes (the kubelet's httpGet, which needs no TLS and
 // no token, unlike the gRPC health service of a secured role): /healthz is
 // 200 while the server runs (liveness), /readyz 200 while `ready` says so and
@@ -12,16 +13,14 @@
 #ifndef PSFLOW_COMMON_METRICS_SERVER_H_
 #define PSFLOW_COMMON_METRICS_SERVER_H_
 
+#include <microhttpd.h>
+
 #include <functional>
 #include <memory>
-
 #include <utility>
 
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
-
-struct mg_context;
-struct mg_connection;
 
 namespace psflow::metrics {
 
@@ -44,13 +43,14 @@ class MetricsServer {
  private:
   MetricsServer(const Registry* registry, std::function<bool()> ready)
       : registry_(registry), ready_(std::move(ready)) {}
-  static int Handle(mg_connection* connection, void* server);
-  static int HandleHealth(mg_connection* connection, void* server);
-  static int HandleReady(mg_connection* connection, void* server);
+  // libmicrohttpd's access handler: /metrics, /healthz, /readyz.
+  static MHD_Result Handle(void* self, MHD_Connection* connection, const char* url,
+                           const char* method, const char* version, const char* upload,
+                           size_t* upload_size, void** request);
 
   const Registry* const registry_;
   const std::function<bool()> ready_;
-  mg_context* context_ = nullptr;
+  MHD_Daemon* daemon_ = nullptr;
   int port_ = 0;
 };
 

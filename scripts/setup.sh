@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev
-  libgtest-dev libgmock-dev zlib1g-dev libcivetweb-dev
+  libgtest-dev libgmock-dev zlib1g-dev libmicrohttpd-dev
   python3 python3-venv python3-yaml python3-jsonschema python3-prometheus-client
   clang-14 clang-format-14
   dataset-fashion-mnist
