@@ -8,7 +8,25 @@
 namespace psflow {
 namespace {
 constexpr char kSignalPayload[] = "psflow.dev/signal";
+constexpr char kRegisterAgainPayload[] = "psflow.dev/register-again";
 }  // namespace
+
+absl::Status Permanent(const absl::Status& status, absl::string_view context) {
+  const absl::StatusCode code = absl::IsInvalidArgument(status)
+                                    ? absl::StatusCode::kInvalidArgument
+                                    : absl::StatusCode::kFailedPrecondition;
+  return absl::Status(code, absl::StrCat(context, status.message()));
+}
+
+absl::Status RegisterAgain(absl::string_view why) {
+  absl::Status s = absl::AbortedError(why);
+  s.SetPayload(kRegisterAgainPayload, absl::Cord());
+  return s;
+}
+
+bool IsRegisterAgain(const absl::Status& status) {
+  return status.GetPayload(kRegisterAgainPayload).has_value();
+}
 
 absl::Status StoppedBySignal(int signal) {
   absl::Status s = absl::CancelledError(absl::StrCat("stopped by signal ", signal));

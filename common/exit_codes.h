@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace psflow {
 
@@ -38,6 +39,17 @@ int ExitCodeFor(const absl::Status& status);
 // peer is not up yet, or the connection broke (UNAVAILABLE), or the call ran
 // out of time (DEADLINE_EXCEEDED). The one retry rule of every role.
 bool IsRetryable(const absl::Status& status);
+
+// A failure that happens again with the same input, whatever the code of
+// `status`: INVALID_ARGUMENT stays, anything else becomes FAILED_PRECONDITION
+// (exit code 1); `context` goes before the message.
+absl::Status Permanent(const absl::Status& status, absl::string_view context = "");
+
+// What a role's loop returns to itself to say "register with the chief
+// again" (the job was reloaded, this process was dropped from it): ABORTED,
+// told apart by a payload. Never a role's final status.
+absl::Status RegisterAgain(absl::string_view why);
+bool IsRegisterAgain(const absl::Status& status);
 
 }  // namespace psflow
 

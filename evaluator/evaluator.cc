@@ -20,29 +20,15 @@
 namespace psflow::evaluator {
 namespace {
 
-// Statuses that steer Run rather than end it, told apart by a payload.
-constexpr char kRegisterAgainPayload[] = "psflow.dev/register-again";
+// The chief said the job is over: Run ends well. Told apart by a payload.
 constexpr char kJobOverPayload[] = "psflow.dev/job-over";
 
-absl::Status Marked(const char* payload, absl::string_view why) {
-  absl::Status s = absl::AbortedError(why);
-  s.SetPayload(payload, absl::Cord());
+absl::Status JobOver() {
+  absl::Status s = absl::AbortedError("the job is over");
+  s.SetPayload(kJobOverPayload, absl::Cord());
   return s;
 }
-bool IsMarked(const absl::Status& s, const char* payload) {
-  return s.GetPayload(payload).has_value();
-}
-absl::Status RegisterAgain(absl::string_view why) { return Marked(kRegisterAgainPayload, why); }
-bool IsRegisterAgain(const absl::Status& s) { return IsMarked(s, kRegisterAgainPayload); }
-absl::Status JobOver() { return Marked(kJobOverPayload, "the job is over"); }
-bool IsJobOver(const absl::Status& s) { return IsMarked(s, kJobOverPayload); }
-
-// A refusal that would be refused again: exit 1.
-absl::Status Permanent(const absl::Status& s, absl::string_view context) {
-  const absl::StatusCode code = absl::IsInvalidArgument(s) ? absl::StatusCode::kInvalidArgument
-                                                           : absl::StatusCode::kFailedPrecondition;
-  return absl::Status(code, absl::StrCat(context, s.message()));
-}
+bool IsJobOver(const absl::Status& s) { return s.GetPayload(kJobOverPayload).has_value(); }
 
 }  // namespace
 

@@ -18,34 +18,11 @@
 namespace psflow::worker {
 namespace {
 
-// Marks the status of Train (and its helpers) that means "register again":
-// the job was reloaded, this worker was dropped from it, or the ps disagree
-// on the version mid-reload. Never leaves Run.
-constexpr char kRegisterAgainPayload[] = "psflow.dev/register-again";
-
-absl::Status RegisterAgain(absl::string_view why) {
-  absl::Status s = absl::AbortedError(why);
-  s.SetPayload(kRegisterAgainPayload, absl::Cord());
-  return s;
-}
-
-bool IsRegisterAgain(const absl::Status& s) {
-  return s.GetPayload(kRegisterAgainPayload).has_value();
-}
-
 // A ps that holds another job (the chief reloaded it) or none (it restarted
 // empty), drops this worker, or answers from another version than its peers
 // (mid-reload): register again.
 bool JobChanged(const absl::Status& s) {
   return absl::IsFailedPrecondition(s) || absl::IsAborted(s);
-}
-
-// A failure that happens again with the same input: exit code 1 whatever
-// the code of `s`.
-absl::Status Permanent(const absl::Status& s, absl::string_view context = "") {
-  const absl::StatusCode code = absl::IsInvalidArgument(s) ? absl::StatusCode::kInvalidArgument
-                                                           : absl::StatusCode::kFailedPrecondition;
-  return absl::Status(code, absl::StrCat(context, s.message()));
 }
 
 // A failed ps call: a peer that stayed unreachable keeps its code (exit code
