@@ -57,19 +57,6 @@ int64_t ResidentBytes(pid_t pid) {
   return -1;
 }
 
-// The saved model's "accuracy loss" as psflow-eval prints them.
-std::string EvalOf(const std::string& model_dir) {
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
-                              {}, seconds(60));
-  std::smatch m;
-  if (eval.exit_code != 0 ||
-      !std::regex_search(eval.out, m, std::regex(R"(accuracy: ([0-9.]+)\nloss: ([0-9.]+)\n)"))) {
-    ADD_FAILURE() << eval.description;
-    return "";
-  }
-  return m[1].str() + " " + m[2].str();
-}
-
 absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
 // The attacks, each as one call (or stream) with the security given.
@@ -334,7 +321,7 @@ std::vector<std::string> NoFlags(const std::string&) { return {}; }
 TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
   const std::string reference_dir = dir_ + "/reference";
   ASSERT_TRUE(RunJob(reference_dir, NoFlags, [] {}));
-  const std::string reference = EvalOf(reference_dir);
+  const std::string reference = SavedModelFigures(reference_dir);
   ASSERT_NE(reference, "");
 
   const std::string model_dir = dir_ + "/attacked";
@@ -376,7 +363,7 @@ TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
               (std::map<grpc::StatusCode, int>{{grpc::StatusCode::RESOURCE_EXHAUSTED, 600 - 64}}));
   }));
   // The same model as without the attacks, and each refusal logged.
-  EXPECT_EQ(EvalOf(model_dir), reference);
+  EXPECT_EQ(SavedModelFigures(model_dir), reference);
   EXPECT_THAT(outputs_, HasSubstr("refused a report from worker 0")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused a stream of")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused for non-finite gradients 1")) << outputs_;
@@ -399,7 +386,7 @@ TEST_F(AttackTest, EveryAttackFailsWithTlsAndToken) {
   };
   const std::string reference_dir = dir_ + "/reference";
   ASSERT_TRUE(RunJob(reference_dir, tls, [] {}));
-  const std::string reference = EvalOf(reference_dir);
+  const std::string reference = SavedModelFigures(reference_dir);
   ASSERT_NE(reference, "");
 
   const SecurityOptions worker = testing_certs::Options(certs, "worker");
@@ -447,7 +434,7 @@ TEST_F(AttackTest, EveryAttackFailsWithTlsAndToken) {
     EXPECT_EQ(insider.HeldPulls(state),
               (std::map<grpc::StatusCode, int>{{grpc::StatusCode::RESOURCE_EXHAUSTED, 600 - 64}}));
   }));
-  EXPECT_EQ(EvalOf(model_dir), reference);
+  EXPECT_EQ(SavedModelFigures(model_dir), reference);
   EXPECT_THAT(outputs_, Not(HasSubstr("reloading every ps"))) << outputs_;
 }
 

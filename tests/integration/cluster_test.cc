@@ -146,20 +146,6 @@ TEST_F(ClusterTest, BatchNormModelEvaluatesTheSameAtEveryBatchSize) {
   }
 }
 
-// psflow-eval's "accuracy: A" and "loss: L" lines of the saved model in
-// `model_dir`, as "A L" ("" when it fails).
-std::string EvalOfSavedModel(const std::string& model_dir) {
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
-                              {}, seconds(60));
-  std::smatch m;
-  if (eval.exit_code != 0 ||
-      !std::regex_search(eval.out, m, std::regex(R"(accuracy: ([0-9.]+)\nloss: ([0-9.]+)\n)"))) {
-    ADD_FAILURE() << eval.description;
-    return "";
-  }
-  return m[1].str() + " " + m[2].str();
-}
-
 // The chief's eval lines as step -> "acc loss", and whether the closing line
 // gave the evaluator's final figures as "acc loss".
 std::map<int, std::string> ChiefEvalLines(const std::string& output, std::string* final_eval) {
@@ -193,7 +179,7 @@ TEST_F(ClusterTest, LaunchWithEvaluatorLogsEvalLinesEndingWithTheSavedModelsAccu
   for (const auto& [step, figures] : evals) {
     EXPECT_EQ(step % 200, 0) << "evaluated step " << step << " (every 200 asked)";
   }
-  const std::string saved = EvalOfSavedModel(model_dir);
+  const std::string saved = SavedModelFigures(model_dir);
   EXPECT_EQ(evals.at(600), saved) << launch.Describe();
   EXPECT_EQ(final_eval, saved) << launch.Describe();
   EXPECT_THAT(out, HasSubstr("[launch] evaluator0 exited with code 0")) << launch.Describe();
@@ -578,8 +564,8 @@ TEST_F(ClusterTest, EvaluatorKilledMidRunChangesNothingForTraining) {
 
   std::string final_eval;
   const std::map<int, std::string> evals = ChiefEvalLines(chief.output(), &final_eval);
-  const std::string saved = EvalOfSavedModel(model_dir);
-  EXPECT_EQ(saved, EvalOfSavedModel(alone_dir)) << chief.Describe();
+  const std::string saved = SavedModelFigures(model_dir);
+  EXPECT_EQ(saved, SavedModelFigures(alone_dir)) << chief.Describe();
   ASSERT_TRUE(evals.count(1500)) << chief.Describe();
   EXPECT_EQ(evals.at(1500), saved) << chief.Describe();
   EXPECT_EQ(final_eval, saved) << chief.Describe();

@@ -333,6 +333,18 @@ std::string EvalAccuracyText(const std::string& eval_stdout) {
   return m[2].str();
 }
 
+std::string SavedModelFigures(const std::string& model_dir) {
+  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
+                              {}, seconds(60));
+  std::smatch m;
+  if (eval.exit_code != 0 ||
+      !std::regex_search(eval.out, m, std::regex(R"(accuracy: ([0-9.]+)\nloss: ([0-9.]+)\n)"))) {
+    ADD_FAILURE() << eval.description;
+    return "";
+  }
+  return m[1].str() + " " + m[2].str();
+}
+
 void TempDirTest::SetUp() {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
   dir_ = (std::filesystem::path(::testing::TempDir()) /

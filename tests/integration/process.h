@@ -131,6 +131,10 @@ std::string LaunchChiefAddress(const std::string& output);
 // printed; "" if there is none.
 std::string EvalAccuracyText(const std::string& eval_stdout);
 
+// psflow-eval's figures of the saved model in `model_dir` (on the CPU), as
+// printed: "<accuracy> <loss>"; "" (and a test failure) when it fails.
+std::string SavedModelFigures(const std::string& model_dir);
+
 // A fixture with a fresh directory dir_ for each test (under
 // ::testing::TempDir(), named after the test and this pid); it is removed
 // after a test that passed and kept (and named) after one that failed.
