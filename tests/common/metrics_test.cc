@@ -1,11 +1,6 @@
 // The metrics registry's text exposition (format 0.0.4) and its HTTP server.
 #include "common/metrics.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -18,6 +13,7 @@
 #include "common/metrics_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/http.h"
 
 namespace psflow::metrics {
 namespace {
@@ -206,37 +202,8 @@ TEST(MetricsTest, ConcurrentUpdatesAreAllCounted) {
 // ---------------------------------------------------------------------------
 // The HTTP server.
 
-// The whole answer (status line, headers, body) to `request` sent to
-// 127.0.0.1:port; "" if it cannot connect.
-std::string Exchange(int port, const std::string& request) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  size_t sent = 0;
-  while (sent < request.size()) {
-    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0) break;
-    sent += static_cast<size_t>(n);
-  }
-  std::string answer;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  return answer;
-}
-
-// The status code of an HTTP answer ("HTTP/1.x 200 OK" gives "200").
-std::string StatusCode(const std::string& answer) {
-  const size_t space = answer.find(' ');
-  return space == std::string::npos ? "" : answer.substr(space + 1, 3);
-}
+using testing_http::Exchange;
+using testing_http::StatusCode;
 
 TEST(MetricsServerTest, ServesTheRegistryAtMetrics) {
   Registry r;

@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/health.grpc.pb.h"
+#include "tests/common/http.h"
 #include "tests/integration/process.h"
 
 #ifndef PSFLOW_SOURCE_DIR
@@ -46,27 +47,14 @@ std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 // The body of GET http://127.0.0.1:<port><path> if the answer is 200; "" and
 // the status line (or why there is none) in *error otherwise.
 std::string HttpGet(int port, const std::string& path, std::string* error) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
+  const std::string answer = testing_http::Get(port, path);
+  if (answer.empty()) {
     *error = "cannot connect to port " + std::to_string(port);
     return "";
   }
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  (void)!::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string answer;
-  char buf[8192];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<size_t>(n));
-  ::close(fd);
   const size_t body = answer.find("\r\n\r\n");
-  const std::string status = answer.substr(0, answer.find("\r\n"));
-  if (body == std::string::npos || status.find(" 200 ") == std::string::npos) {
-    *error = "answer: " + status;
+  if (body == std::string::npos || testing_http::StatusCode(answer) != "200") {
+    *error = "answer: " + answer.substr(0, answer.find("\r\n"));
     return "";
   }
   return answer.substr(body + 4);
@@ -75,24 +63,7 @@ std::string HttpGet(int port, const std::string& path, std::string* error) {
 // The status code of GET http://127.0.0.1:<port><path> ("200", "503"), or ""
 // when nothing answers.
 std::string HttpStatus(int port, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return "";
-  }
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  (void)!::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string answer;
-  char buf[1024];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<size_t>(n));
-  ::close(fd);
-  const size_t space = answer.find(' ');
-  return space == std::string::npos ? "" : answer.substr(space + 1, 3);
+  return testing_http::StatusCode(testing_http::Get(port, path));
 }
 
 // Polls until GET <path> on `port` answers `want` (true) or `timeout` passes.
