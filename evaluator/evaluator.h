@@ -83,9 +83,8 @@ struct EvaluatorOptions {
   std::function<void(bool)> on_registered;
 };
 
-// Makes the client of the ps at `addresses` (by ps index), once.
-using PsClientFactory =
-    std::function<std::unique_ptr<ps::Client>(const std::vector<std::string>& addresses)>;
+// Makes the ps client, once.
+using PsClientFactory = ps::ClientFactory;
 
 class Evaluator {
  public:

@@ -9,6 +9,7 @@
 #ifndef PSFLOW_PS_CLIENT_H_
 #define PSFLOW_PS_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +80,11 @@ class Client {
   // at once (for a process that is stopping).
   virtual void CancelAll() = 0;
 };
+
+// Makes the client of the ps at `addresses` (by ps index): how a worker or an
+// evaluator gets its ps client once the chief has named the ps.
+using ClientFactory =
+    std::function<std::unique_ptr<Client>(const std::vector<std::string>& addresses)>;
 
 }  // namespace psflow::ps
 

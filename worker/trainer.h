@@ -85,10 +85,8 @@ struct TrainerOptions {
   std::function<void(bool)> on_registered;
 };
 
-// Makes the client of the ps at `addresses` (by ps index), once, at the first
-// registration.
-using PsClientFactory =
-    std::function<std::unique_ptr<ps::Client>(const std::vector<std::string>& addresses)>;
+// Makes the ps client, once, at the first registration.
+using PsClientFactory = ps::ClientFactory;
 
 // What the status service reports.
 struct TrainerStatus {
