@@ -120,8 +120,11 @@ for name in "${names[@]}"; do
   echo "check-deploy: $name exited with $code"
   [ "$code" = 0 ] || failed=1
 done
-"${podman[@]}" logs psflow-check-chief 2>&1 | grep -E "step [0-9]+/|eval:|done|saved model" || true
-if ! "${podman[@]}" logs psflow-check-chief 2>&1 | grep -q "eval: step 300/300"; then
+chief_log=$("${podman[@]}" logs psflow-check-chief 2>&1)
+grep -E "step [0-9]+/|eval:|done|saved model" <<<"$chief_log" || true
+# (grep -q on a pipe would stop reading at the match: with pipefail the
+# writer's SIGPIPE would fail the check.)
+if ! grep -q "eval: step 300/300" <<<"$chief_log"; then
   echo "check-deploy: the chief logged no evaluation of the final model"
   failed=1
 fi
