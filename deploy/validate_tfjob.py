@@ -203,7 +203,11 @@ def main(argv):
     if len(argv) < 3:
         print(__doc__.strip().splitlines()[-2], file=sys.stderr)
         return 2
-    schema = tfjob_schema(argv[1])
+    try:
+        schema = tfjob_schema(argv[1])
+    except OSError as e:
+        print(f"validate_tfjob: cannot read the TFJob CRD {argv[1]}: {e.strerror}", file=sys.stderr)
+        return 2
     problems = []
     for path in argv[2:]:
         found = validate(schema, path)
