@@ -25,6 +25,18 @@
 namespace psflow::chief {
 namespace {
 
+// The job's --mode as the log names it.
+std::string ModeName(const JobConfig& job) {
+  switch (job.mode()) {
+    case JobConfig::ASYNC:
+      return "async";
+    case JobConfig::SSP:
+      return absl::StrCat("ssp (staleness ", job.staleness(), ")");
+    default:
+      return "sync";
+  }
+}
+
 // A fresh random job id: calls that name an older one fail.
 uint64_t NewJobId() { return absl::Uniform<uint64_t>(absl::BitGen()); }
 
@@ -87,6 +99,7 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
       [](const std::string& line) { PSLOG(INFO) << line; },
       [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); },
       progress_listener, options_.metrics);
+  progress_->SetAsynchronous(AppliesEachGradient(job_));
   absl::MutexLock lock(&mu_);
   job_id_ = NewJobId();
   for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
@@ -244,6 +257,7 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   // A worker has finished only when the ps say the last step was applied:
   // a report alone (a forged one, say) cannot end the job.
   const bool finished = request.finished() && EveryPsAtTheEnd();
+  if (finished) progress_->Finished(w);
   absl::MutexLock lock(&mu_);
   if (finished) {
     finished_.insert(w);
@@ -416,6 +430,9 @@ absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
 bool Coordinator::TryAdopt() {
   // After a restart of the chief alone, the ps may still hold the job, all at
   // one step: take it over as it is rather than going back to a checkpoint.
+  // The ps of an asynchronous job count their versions apart (each is one
+  // consistent state of its shard): the job is adopted at the lowest.
+  const bool asynchronous = AppliesEachGradient(job_);
   for (int attempt = 0; attempt < options_.timeouts.adopt_attempts; ++attempt) {
     absl::StatusOr<std::vector<PsState>> looked = States(/*job_id=*/0);
     if (!looked.ok()) return false;
@@ -427,7 +444,9 @@ bool Coordinator::TryAdopt() {
       agree = agree && st.version() == states[0].version();
     }
     if (!same) return false;
-    if (agree) {
+    if (agree || asynchronous) {
+      int64_t version = states[0].version();
+      for (const PsState& st : states) version = std::min(version, st.version());
       std::vector<int> live(states[0].live_workers().begin(), states[0].live_workers().end());
       {
         absl::MutexLock lock(&mu_);
@@ -435,10 +454,10 @@ bool Coordinator::TryAdopt() {
         live_ = absl::flat_hash_set<int>(live.begin(), live.end());
         for (absl::Time& t : last_seen_) t = absl::Now();
       }
-      progress_->Restart(states[0].version());
+      progress_->Restart(version);
       progress_->SetLiveWorkers(live);
-      last_checkpoint_step_ = states[0].version();
-      PSLOG(INFO) << "adopting the running job at step " << states[0].version() << " ("
+      last_checkpoint_step_ = version;
+      PSLOG(INFO) << "adopting the running job at step " << version << " ("
                   << live.size() << " live workers)";
       return true;
     }
@@ -812,9 +831,11 @@ absl::Status Coordinator::Run() {
               << absl::StrFormat("%.2f", static_cast<double>(job_.train_steps()) /
                                              static_cast<double>(job_.steps_per_epoch()))
               << " epochs of " << job_.steps_per_epoch()
-              << " steps = " << job_.train_steps() * job_.batch_size() * job_.num_workers()
+              << " steps = "
+              << job_.train_steps() * job_.batch_size() *
+                     (AppliesEachGradient(job_) ? 1 : job_.num_workers())
               << " examples, batch " << job_.batch_size() << " x " << job_.num_workers()
-              << " workers, optimizer " << OptimizerConfig::Kind_Name(job_.optimizer().kind())
+              << " workers, mode " << ModeName(job_) << ", optimizer " << OptimizerConfig::Kind_Name(job_.optimizer().kind())
               << " lr " << job_.optimizer().learning_rate() << " ("
               << OptimizerConfig::Decay_Name(job_.optimizer().lr_decay()) << ", warmup "
               << job_.optimizer().lr_warmup_steps() << ") weight decay "

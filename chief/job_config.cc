@@ -242,15 +242,36 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
     return absl::InvalidArgumentError(absl::StrCat("--batch_size ", o.batch_size, " exceeds the ",
                                                    shard, " examples each worker sees per epoch"));
   }
+  const std::string mode = absl::AsciiStrToLower(o.mode);
+  if (mode == "sync") {
+    job.set_mode(JobConfig::SYNC);
+  } else if (mode == "async") {
+    job.set_mode(JobConfig::ASYNC);
+  } else if (mode == "ssp") {
+    job.set_mode(JobConfig::SSP);
+    if (o.staleness < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--staleness must not be negative, got ", o.staleness));
+    }
+    job.set_staleness(o.staleness);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--mode '", o.mode, "' is not one of sync, async, ssp"));
+  }
   job.set_data_dir(o.data_dir);
   job.set_dataset(o.dataset);
   job.set_batch_size(o.batch_size);
-  job.set_steps_per_epoch(steps_per_epoch);
+  // A global step of a job that applies each gradient alone is one worker's
+  // batch: an epoch is every worker's steps.
+  job.set_steps_per_epoch(AppliesEachGradient(job) ? steps_per_epoch * num_workers
+                                                   : steps_per_epoch);
+  const int64_t global_steps_per_epoch = job.steps_per_epoch();
   const int64_t epochs = std::max<int64_t>(o.epochs, 1);
-  if (o.train_steps == 0 && epochs > std::numeric_limits<int64_t>::max() / steps_per_epoch) {
+  if (o.train_steps == 0 &&
+      epochs > std::numeric_limits<int64_t>::max() / global_steps_per_epoch) {
     return absl::InvalidArgumentError(absl::StrCat("--epochs ", o.epochs, " is too large"));
   }
-  job.set_train_steps(o.train_steps > 0 ? o.train_steps : epochs * steps_per_epoch);
+  job.set_train_steps(o.train_steps > 0 ? o.train_steps : epochs * global_steps_per_epoch);
   PSFLOW_RETURN_IF_ERROR(FinishOptimizer(job.train_steps(), job.mutable_optimizer()));
   job.set_num_examples(stats->count);
   job.set_seed(o.seed);

@@ -53,6 +53,9 @@ struct JobOptions {
   // The weight of each step's batch statistics in batch norm's running
   // statistics (JobConfig.bn_momentum), in (0, 1].
   float bn_momentum = 0.1f;
+  // sync, async or ssp (JobConfig.mode); staleness is ssp's bound.
+  std::string mode = "sync";
+  int staleness = 2;
 };
 
 // INVALID_ARGUMENT with one line naming the flag for any bad setting.

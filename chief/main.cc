@@ -130,6 +130,19 @@ ABSL_FLAG(
     "the network; values are rounded to nearest even. The ps keep fp32 master weights and "
     "optimizer state; checkpoints and the saved model are fp32.");
 
+ABSL_FLAG(std::string, mode, "sync",
+          "How the ps apply gradients. sync: each step applies the mean of every live worker's "
+          "gradient, and step k+1 reads exactly the weights after step k (a global step is one "
+          "such update). async: each ps applies each worker's gradient alone as soon as it is "
+          "in, and a worker never waits for the others (a global step is one worker's gradient, "
+          "so an epoch takes num_workers times as many; --train_steps, --checkpoint_every_steps "
+          "and the learning-rate schedule count them). ssp: as async, but a worker may be at "
+          "most --staleness steps ahead of the slowest live worker (bounded staleness; "
+          "--staleness=0 is sync). The progress log shows the staleness seen.");
+ABSL_FLAG(int, staleness, 2,
+          "With --mode=ssp: the most steps a worker may run ahead of the slowest live worker "
+          "(>= 0; 0 runs the sync path).");
+
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
@@ -175,6 +188,8 @@ int main(int argc, char** argv) {
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
   job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
+  job.mode = absl::GetFlag(FLAGS_mode);
+  job.staleness = absl::GetFlag(FLAGS_staleness);
   job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));
   psflow::chief::CoordinatorOptions& c = o.coordinator;
   c.ps_addresses = o.cluster.cluster.ps;

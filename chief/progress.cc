@@ -76,6 +76,18 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
   });
 }
 
+void Progress::SetAsynchronous(bool asynchronous) {
+  absl::MutexLock lock(&mu_);
+  asynchronous_ = asynchronous;
+}
+
+void Progress::Finished(int worker) {
+  absl::MutexLock lock(&mu_);
+  if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
+  reported_[worker] = train_steps_;
+  EmitReadyLocked(absl::Now());
+}
+
 void Progress::SetLiveWorkers(const std::vector<int>& live) {
   absl::MutexLock lock(&mu_);
   std::fill(member_.begin(), member_.end(), false);
@@ -100,6 +112,9 @@ absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int bat
   for (int64_t us : {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()}) {
     if (us < 0 || us > kHourUs)
       return absl::InvalidArgumentError(absl::StrCat("a step time of ", us, " us"));
+  }
+  if (m.staleness() < 0 || m.staleness() > train_steps) {
+    return absl::InvalidArgumentError(absl::StrCat("a staleness of ", m.staleness()));
   }
   if (!m.nonfinite() && !(std::isfinite(m.loss()) && m.loss() >= 0)) {
     return absl::InvalidArgumentError(
@@ -161,6 +176,8 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     in.compute_us += m.compute_us();
     in.push_us += m.push_us();
     in.wait_us += m.wait_us();
+    in.staleness_sum += m.staleness();
+    in.staleness_max = std::max(in.staleness_max, m.staleness());
     total_examples_ += m.examples();
     gauges_.examples_total->Add(static_cast<double>(m.examples()));
     const int64_t phase_us[4] = {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()};
@@ -203,8 +220,16 @@ void Progress::EmitReadyLocked(absl::Time now) {
     line.wait_ms = in.wait_us / n / 1000.0;
     line.step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
     const double step_ms = line.step_ms;
-    line.examples_per_sec =
-        step_ms > 0 ? static_cast<double>(in.examples) / (steps * step_ms / 1000.0) : 0;
+    int members = 0;
+    for (bool m : member_) members += m;
+    // Asynchronous workers do not move together: each goes at its own pace.
+    const double interval_s =
+        asynchronous_ ? n * step_ms / 1000.0 / std::max(members, 1) : steps * step_ms / 1000.0;
+    line.examples_per_sec = step_ms > 0 ? static_cast<double>(in.examples) / interval_s : 0;
+    if (asynchronous_) {
+      line.staleness_mean = static_cast<double>(in.staleness_sum) / n;
+      line.staleness_max = in.staleness_max;
+    }
     line.live_workers = live;
     line.num_workers = static_cast<int>(reported_.size());
     line.live_ps = reachable_ps_ ? reachable_ps_() : num_ps_;
@@ -217,13 +242,17 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const absl::Time since = logged_until_ < 0 ? first_report_ : last_line_;
     if (now > since) step_pace_ = (now - since) / steps;
     const absl::Duration eta = step_pace_ * static_cast<double>(train_steps_ - end);
+    const std::string staleness =
+        line.staleness_mean ? absl::StrFormat(" | staleness mean %.1f max %d",
+                                              *line.staleness_mean, line.staleness_max)
+                            : std::string();
     emit_(absl::StrFormat(
         "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
         "%.1f "
-        "push %.1f wait %.1f) | workers %d/%d ps %d/%d | elapsed %s eta %s",
+        "push %.1f wait %.1f) | workers %d/%d ps %d/%d%s | elapsed %s eta %s",
         end, train_steps_, line.epoch, line.loss, line.accuracy, lr, line.examples_per_sec, step_ms,
         line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms, line.live_workers,
-        line.num_workers, line.live_ps, num_ps_, ShortDuration(now - first_report_),
+        line.num_workers, line.live_ps, num_ps_, staleness, ShortDuration(now - first_report_),
         ShortDuration(eta)));
     if (listener_ != nullptr) listener_->OnLine(line);
     last_line_ = now;
@@ -234,7 +263,7 @@ void Progress::EmitReadyLocked(absl::Time now) {
     for (int i = 0; i < 4; ++i) gauges_.step_seconds[i]->Set(phase_ms[i] / 1000.0);
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
-      steady_seconds_ += steps * step_ms / 1000.0;
+      steady_seconds_ += interval_s;
     }
     last_loss_ = line.loss;
     last_acc_ = line.accuracy;

@@ -4,6 +4,12 @@
 //   step 1200/2345 epoch 2.56 loss 0.3124 acc 0.887 lr 0.00095 | 9850 ex/s |
 //   step 21.3 ms (pull 2.1 compute 15.0 push 1.8 wait 2.4) | workers 2/2 ps 2/2 |
 //   elapsed 1m52s eta 1m47s
+// A job that applies each worker's gradient alone (--mode async or ssp) adds
+// the staleness of the interval's gradients (versions applied between the
+// one a gradient was computed from and its own apply):
+//   ... | staleness mean 1.3 max 4 | elapsed ...
+// and, as its workers do not move together, its ex/s is the workers' mean
+// examples per step times the live workers over the mean step time.
 // lr is the learning rate of the interval's last step (given a
 // `learning_rate` function of the step). The step time is the workers' mean of pull + compute +
 // push + wait, and ex/s is the interval's examples over its steps times that step time.
@@ -54,6 +60,9 @@ struct ProgressLine {
   double examples_per_sec = 0;
   double step_ms = 0;  // pull + compute + push + wait
   double pull_ms = 0, compute_ms = 0, push_ms = 0, wait_ms = 0;
+  // Jobs that apply each gradient alone: the interval's mean and max staleness.
+  std::optional<double> staleness_mean;
+  int64_t staleness_max = 0;
   int live_workers = 0, num_workers = 0;
   int live_ps = 0, num_ps = 0;
   absl::Time time;  // when the line was written
@@ -101,6 +110,11 @@ class Progress {
   void SetLiveWorkers(const std::vector<int>& live);
   // A worker that (re)joins at `step` reports nothing before it.
   void Rejoin(int worker, int64_t step);
+  // The job applies each worker's gradient alone (see above).
+  void SetAsynchronous(bool asynchronous);
+  // A worker saw the last step applied: it reports no more steps (in an
+  // asynchronous job its last step may be well before the end).
+  void Finished(int worker);
   // The job went back to (or started at) `step`: forget what is not logged.
   void Restart(int64_t step);
   // An evaluator's result (the chief logs its line): to the listener and
@@ -121,6 +135,7 @@ class Progress {
     double loss_sum = 0;  // loss * examples
     int64_t correct = 0, examples = 0, records = 0;
     int64_t pull_us = 0, compute_us = 0, push_us = 0, wait_us = 0;
+    int64_t staleness_sum = 0, staleness_max = 0;
   };
   void EmitReadyLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -145,6 +160,7 @@ class Progress {
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)
   std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);      // per worker
   std::vector<bool> member_ ABSL_GUARDED_BY(mu_);               // in the live set
+  bool asynchronous_ ABSL_GUARDED_BY(mu_) = false;
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any
   absl::Time first_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -111,6 +111,10 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
   return refs;
 }
 
+bool AppliesEachGradient(const JobConfig& job) {
+  return job.mode() == JobConfig::ASYNC || (job.mode() == JobConfig::SSP && job.staleness() > 0);
+}
+
 DataType WireDtypeOf(const JobConfig& job) {
   switch (job.wire_dtype()) {
     case JobConfig::FP32:

@@ -62,6 +62,9 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
 // The dtype of the job's pulls and pushes (JobConfig.wire_dtype); DT_INVALID
 // for a value this build does not know.
 DataType WireDtypeOf(const JobConfig& job);
+// Whether the ps apply each worker's gradient alone (JobConfig.mode ASYNC, or
+// SSP with a staleness above 0; SSP with 0 runs the synchronous path).
+bool AppliesEachGradient(const JobConfig& job);
 // What ps `ps` holds, as its InitHeader describes it (non_trainable from
 // the placement).
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);

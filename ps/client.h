@@ -55,6 +55,25 @@ class Client {
                                           std::vector<int> slices, std::vector<TensorSink> sinks,
                                           absl::Time deadline, absl::Duration max_wait) = 0;
 
+  // An asynchronous job's pull (PullRequest.by_clock): waits, at most
+  // `max_wait` (zero: until the deadline), until `worker` has had `clock`
+  // gradients applied on ps `ps` (and, in SSP, the slowest live worker is
+  // close enough), then pulls as Pull does at the version the ps had then.
+  // `ready` is false when max_wait passed first (sinks untouched).
+  struct ClockedPull {
+    bool ready = false;
+    int64_t version = 0;  // the lowest of the slices'
+    int64_t wait_us = 0;
+    int64_t clock = 0;  // the worker's gradients applied on this ps
+    int64_t lag = 0;    // the staleness of the latest of them
+  };
+  virtual absl::StatusOr<ClockedPull> PullByClock(int ps, uint64_t job_id, int worker,
+                                                  int64_t clock, std::vector<int> slices,
+                                                  std::vector<TensorSink> sinks,
+                                                  absl::Time deadline, absl::Duration max_wait) {
+    return absl::UnimplementedError("this ps client has no pull by clock");
+  }
+
   // Pushes one worker's gradients of the slices header.slices() names (all
   // when empty); `grads` must be in the job's wire dtype
   // (JobConfig.wire_dtype; the ps refuses another with INVALID_ARGUMENT).

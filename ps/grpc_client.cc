@@ -125,18 +125,13 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
                                        header, std::move(tensors))));
 }
 
-absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
-    int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
-    std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
+absl::StatusOr<PullResponse> GrpcClient::RunPull(
+    int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
+    const std::function<bool(const PullResponse&)>& ready) {
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
-  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
-  PullRequest request;
-  request.set_job_id(job_id);
-  request.set_min_version(min_version);
-  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   request.set_dtype(*dtype);
-  for (int i : slices) request.add_slices(i);
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   ChunkAssembler assembler(std::move(sinks));
   const absl::Time start = absl::Now();
   int64_t bytes = 0;
@@ -147,14 +142,52 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
   if (!first->has_value()) {
     return errors_.Count("Pull", WithPs(ps, absl::DataLossError("empty pull answer")));
   }
-  PullResult result;
-  result.version = (*first)->version();
-  result.wait_us = (*first)->wait_us();
-  if (result.version < min_version) return result;  // not yet
+  if (!ready(**first)) return **first;  // not yet: no data
   absl::Status s = assembler.Finish();
   if (!s.ok()) return errors_.Count("Pull", WithPs(ps, absl::DataLossError(s.message())));
   pull_bytes_->Observe(static_cast<double>(bytes));
   pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  return **first;
+}
+
+absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
+    int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
+    std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
+  PullRequest request;
+  request.set_job_id(job_id);
+  request.set_min_version(min_version);
+  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
+  for (int i : slices) request.add_slices(i);
+  absl::StatusOr<PullResponse> first =
+      RunPull(ps, std::move(request), std::move(sinks), deadline,
+              [&](const PullResponse& r) { return r.version() >= min_version; });
+  if (!first.ok()) return first.status();
+  PullResult result;
+  result.version = first->version();
+  result.wait_us = first->wait_us();
+  return result;
+}
+
+absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
+    int ps, uint64_t job_id, int worker, int64_t clock, std::vector<int> slices,
+    std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
+  PullRequest request;
+  request.set_job_id(job_id);
+  request.set_by_clock(true);
+  request.set_worker(worker);
+  request.set_clock(clock);
+  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
+  for (int i : slices) request.add_slices(i);
+  absl::StatusOr<PullResponse> first =
+      RunPull(ps, std::move(request), std::move(sinks), deadline,
+              [](const PullResponse& r) { return r.ready(); });
+  if (!first.ok()) return first.status();
+  ClockedPull result;
+  result.ready = first->ready();
+  result.version = first->version();
+  result.wait_us = first->wait_us();
+  result.clock = first->clock();
+  result.lag = first->lag();
   return result;
 }
 

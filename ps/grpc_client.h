@@ -4,6 +4,7 @@
 #define PSFLOW_PS_GRPC_CLIENT_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,9 @@ class GrpcClient final : public Client {
   absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
                                   std::vector<int> slices, std::vector<TensorSink> sinks,
                                   absl::Time deadline, absl::Duration max_wait) override;
+  absl::StatusOr<ClockedPull> PullByClock(int ps, uint64_t job_id, int worker, int64_t clock,
+                                          std::vector<int> slices, std::vector<TensorSink> sinks,
+                                          absl::Time deadline, absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
@@ -45,6 +49,12 @@ class GrpcClient final : public Client {
   void CancelAll() override;
 
  private:
+  // One pull: `request` (its dtype set from the sinks') answered into
+  // `sinks`; the first message of the answer, or an error. `ready` tells an
+  // answer that carries data from a "not yet" one.
+  absl::StatusOr<PullResponse> RunPull(int ps, PullRequest request, std::vector<TensorSink> sinks,
+                                       absl::Time deadline,
+                                       const std::function<bool(const PullResponse&)>& ready);
   // The connections to one ps.
   struct Link {
     std::vector<std::shared_ptr<grpc::Channel>> channels;

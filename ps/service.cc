@@ -242,6 +242,10 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
  public:
   PullWriter(PsService* service, grpc::CallbackServerContext* context, const PullRequest* request)
       : WaitingWriter(service, context), request_(*request), start_(absl::Now()) {
+    {
+      absl::MutexLock lock(&mu_);
+      min_version_ = request_.by_clock() ? 0 : request_.min_version();
+    }
     Start(Prepare());
   }
 
@@ -286,21 +290,34 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     }
     const absl::Time deadline = k_ == 0 ? wait_deadline_ : call_deadline_;
     Arm();
+    if (request_.by_clock() && !granted_) {
+      // An asynchronous job's pull: the clock's condition, then every slice
+      // at the version the shard had then (or later).
+      absl::StatusOr<std::optional<Shard::ClockGrant>> grant =
+          shard->TryClock(request_.job_id(), request_.worker(), request_.clock());
+      if (!grant.ok()) return FinishLocked(grant.status());
+      if (!grant->has_value()) return NotThere(deadline);
+      granted_ = true;
+      min_version_ = (*grant)->version;
+      clock_ = (*grant)->clock;
+      lag_ = (*grant)->lag;
+    }
     if (indices_.empty()) {
       // No slices: the answer is the version, once it is reached.
       absl::StatusOr<std::optional<int64_t>> v =
-          shard->TryVersion(request_.job_id(), request_.min_version());
+          shard->TryVersion(request_.job_id(), min_version_);
       if (!v.ok()) return FinishLocked(v.status());
       if (!v->has_value()) return NotThere(deadline);
       Disarm();
       response_.set_version(**v);
       response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+      SetFirstLocked();
       finish_after_write_ = true;
       WriteLocked();
       return;
     }
     absl::StatusOr<std::optional<Shard::PulledSlice>> pulled =
-        shard->TryPullSlice(request_.job_id(), indices_[k_], request_.min_version());
+        shard->TryPullSlice(request_.job_id(), indices_[k_], min_version_);
     if (!pulled.ok()) return FinishLocked(pulled.status());
     if (!pulled->has_value()) return NotThere(deadline);
     Disarm();
@@ -311,9 +328,19 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
         kChunkBytes);
     response_.Clear();
     response_.set_version((*pulled)->version);
-    if (k_ == 0) response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+    if (k_ == 0) {
+      response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+      SetFirstLocked();
+    }
     splitter_->Next(response_.mutable_chunk());
     WriteLocked();  // the first message of a slice goes even without chunks
+  }
+
+  // The first message of an answer that carries what was asked.
+  void SetFirstLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    response_.set_ready(true);
+    response_.set_clock(clock_);
+    response_.set_lag(lag_);
   }
 
   // The version is not there yet: wait, or end at the deadline.
@@ -332,9 +359,12 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
       WriteLocked();
       return;
     }
-    FinishLocked(absl::DeadlineExceededError(absl::StrCat("version ", request_.min_version(),
-                                                          " not reached; ps is at ",
-                                                          service_->shard_->stats().version)));
+    FinishLocked(absl::DeadlineExceededError(
+        request_.by_clock() && !granted_
+            ? absl::StrCat("clock ", request_.clock(), " of worker ", request_.worker(),
+                           " not reached; ps is at version ", service_->shard_->stats().version)
+            : absl::StrCat("version ", min_version_, " not reached; ps is at ",
+                           service_->shard_->stats().version)));
   }
 
   // A pull that carried what it asked for (slices, or the version alone)
@@ -353,6 +383,12 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
   absl::Time wait_deadline_;
   size_t k_ ABSL_GUARDED_BY(mu_) = 0;          // the slice being sent (index into indices_)
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // of the slices sent, in the wire dtype
+  // The version the slices must reach: the request's, or for a by_clock
+  // pull the shard's once the clock's condition held (granted_).
+  int64_t min_version_ ABSL_GUARDED_BY(mu_) = 0;
+  bool granted_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // a by_clock pull's answer
+  int64_t lag_ ABSL_GUARDED_BY(mu_) = 0;
   bool not_yet_ ABSL_GUARDED_BY(mu_) = false;  // the answer is the version only
   Shard::Value value_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
@@ -552,7 +588,8 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
     }
     absl::StatusOr<PushResponse::Outcome> outcome =
         shard_->PushSlices(header->job_id(), header->worker(), header->step(),
-                           SkipGradients(*indices, static_cast<int>(specs.size())));
+                           SkipGradients(*indices, static_cast<int>(specs.size())),
+                           header->read_version());
     if (!outcome.ok()) return ToGrpcStatus(outcome.status());
     shard_->CountOutcome(*outcome);
     response->set_outcome(*outcome);
@@ -569,7 +606,8 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
   bool accepted = false, stale = false;
   auto hand_over = [&](std::vector<Shard::SliceGradient> part) -> absl::Status {
     absl::StatusOr<PushResponse::Outcome> outcome =
-        shard_->PushSlices(header->job_id(), header->worker(), header->step(), std::move(part));
+        shard_->PushSlices(header->job_id(), header->worker(), header->step(), std::move(part),
+                           header->read_version());
     if (!outcome.ok()) return outcome.status();
     accepted |= *outcome == PushResponse::ACCEPTED;
     stale |= *outcome == PushResponse::STALE;
@@ -615,6 +653,11 @@ grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateReq
   *response->mutable_job() = std::move(st.job);
   for (int w : st.live_workers) response->add_live_workers(w);
   for (int w : st.joining_workers) response->add_joining_workers(w);
+  for (int64_t c : st.clocks) response->add_clocks(c);
+  response->set_lag_count(st.lag_count);
+  response->set_lag_sum(st.lag_sum);
+  response->set_lag_max(st.lag_max);
+  response->set_clock_gap_max(st.clock_gap_max);
   return grpc::Status::OK;
 }
 

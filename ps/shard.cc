@@ -117,6 +117,19 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   ++generation_;
   counters_ = Counters{};
   version_ = header.version();
+  async_ = AppliesEachGradient(job_);
+  staleness_ = job_.mode() == JobConfig::SSP ? job_.staleness() : -1;
+  pending_.clear();
+  ready_.clear();
+  round_owner_ = -1;
+  round_lag_ = 0;
+  clocks_.clear();
+  last_lag_.clear();
+  // A restored job's clocks start level: its version spread over the workers.
+  const int64_t level = version_ / std::max(job_.num_workers(), 1);
+  for (int w = 0; w < job_.num_workers(); ++w) clocks_[w] = level;
+  for (int w : live_workers_) clocks_[w] = level;
+  lag_count_ = lag_sum_ = lag_max_ = clock_gap_max_ = 0;
   WakeLocked();
   return absl::OkStatus();
 }
@@ -236,7 +249,8 @@ void Shard::CountOutcome(PushResponse::Outcome outcome) {
 }
 
 absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int worker, int64_t step,
-                                                        std::vector<SliceGradient> grads) {
+                                                        std::vector<SliceGradient> grads,
+                                                        int64_t read_version) {
   // Outside the lock: it reads every value.
   int non_finite = -1;
   for (size_t k = 0; k < grads.size() && non_finite < 0; ++k) {
@@ -259,10 +273,12 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
     return absl::FailedPreconditionError(
         absl::StrCat("worker ", worker, " is not a live member of the job"));
   }
-  if (step < version_) return PushResponse::STALE;
-  if (step > version_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("push for step ", step, " but the ps is at version ", version_));
+  if (!async_) {
+    if (step < version_) return PushResponse::STALE;
+    if (step > version_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("push for step ", step, " but the ps is at version ", version_));
+    }
   }
   // Every gradient is checked before any is kept.
   std::vector<bool> named(slice_.size(), false);
@@ -281,6 +297,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
                                                      g.values.size(), " values, expected ", n));
     }
   }
+  if (async_) return PushAsyncLocked(worker, step, read_version, std::move(grads));
   if (slice_.empty()) {
     if (!empty_pushes_.insert(worker).second) return PushResponse::DUPLICATE;
     MaybeApplyAllLocked();
@@ -296,6 +313,96 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   if (kept.empty()) return PushResponse::DUPLICATE;
   for (int i : kept) MaybeApplySliceLocked(i);
   return PushResponse::ACCEPTED;
+}
+
+absl::StatusOr<PushResponse::Outcome> Shard::PushAsyncLocked(int worker, int64_t clock,
+                                                             int64_t read_version,
+                                                             std::vector<SliceGradient> grads) {
+  // The job is over here: nothing more is applied.
+  if (version_ >= job_.train_steps()) return PushResponse::STALE;
+  const int64_t have = clocks_[worker];
+  if (clock < have) return PushResponse::STALE;
+  if (clock > have) {
+    return absl::FailedPreconditionError(absl::StrCat("push of worker ", worker, " for its step ",
+                                                      clock, " but this ps applied ", have,
+                                                      " of its gradients"));
+  }
+  if (read_version < 0 || read_version > version_) {
+    return absl::InvalidArgumentError(absl::StrCat("push computed from version ", read_version,
+                                                   "; the ps is at version ", version_));
+  }
+  AsyncPush& p = pending_[worker];
+  if (p.grads.empty() && !p.queued) {
+    p.clock = clock;
+    p.read_version = read_version;
+    p.grads.resize(slice_.size());
+  }
+  if (p.queued) return PushResponse::DUPLICATE;
+  bool kept = slice_.empty();
+  for (SliceGradient& g : grads) {
+    std::optional<std::vector<float>>& slot = p.grads[g.slice];
+    if (slot.has_value()) continue;
+    slot = g.skip ? std::vector<float>() : std::move(g.values);
+    ++p.received;
+    kept = true;
+  }
+  if (!kept) return PushResponse::DUPLICATE;
+  if (p.received == static_cast<int>(slice_.size())) {
+    p.queued = true;
+    ready_.push_back(worker);
+    StartRoundLocked();
+  }
+  return PushResponse::ACCEPTED;
+}
+
+void Shard::StartRoundLocked() {
+  while (round_owner_ < 0 && !ready_.empty()) {
+    const int w = ready_.front();
+    ready_.erase(ready_.begin());
+    auto it = pending_.find(w);
+    if (it == pending_.end() || !it->second.queued) continue;  // its worker was dropped
+    AsyncPush p = std::move(it->second);
+    pending_.erase(it);
+    if (version_ >= job_.train_steps()) {
+      // Complete, but after the last step: dropped.
+      ++clocks_[w];
+      ++counters_.stale;
+      WakeLocked();
+      continue;
+    }
+    round_owner_ = w;
+    round_lag_ = version_ - p.read_version;
+    if (slice_.empty()) {
+      AdvanceLocked();
+      WakeLocked();
+      continue;
+    }
+    for (size_t i = 0; i < slice_.size(); ++i) slice_[i].pushes.emplace(w, std::move(*p.grads[i]));
+    // Applies the slices (here, or on the appliers); the last one's
+    // FinishLocked starts the next queued gradient.
+    MaybeApplyAllLocked();
+    return;
+  }
+}
+
+std::optional<int64_t> Shard::SlowestClockLocked(int except) const {
+  std::optional<int64_t> slowest;
+  for (int w : live_workers_) {
+    if (w == except) continue;
+    auto it = clocks_.find(w);
+    const int64_t c = it == clocks_.end() ? 0 : it->second;
+    if (!slowest.has_value() || c < *slowest) slowest = c;
+  }
+  return slowest;
+}
+
+bool Shard::StepCompleteLocked(const SliceState& s) const {
+  if (async_) return round_owner_ >= 0 && s.pushes.contains(round_owner_);
+  if (live_workers_.empty()) return false;
+  for (int w : live_workers_) {
+    if (!s.pushes.contains(w)) return false;
+  }
+  return true;
 }
 
 void Shard::MaybeApplySliceLocked(int i) {
@@ -318,10 +425,7 @@ void Shard::MaybeApplySliceLocked(int i) {
 std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
   // slice_ keeps its size while the slice is applying: Init waits for every applier.
   SliceState& s = slice_[i];
-  if (s.applying || s.version > version_ || live_workers_.empty()) return nullptr;
-  for (int w : live_workers_) {
-    if (!s.pushes.contains(w)) return nullptr;
-  }
+  if (s.applying || s.version > version_ || !StepCompleteLocked(s)) return nullptr;
   // The pushes (all from live workers), summed in worker-id order: each
   // element's sum is then the same however the work is split and whoever
   // applies it.
@@ -410,6 +514,7 @@ void Shard::FinishLocked(ApplyJob& job) {
   s.version = job.step + 1;
   if (++applied_ == static_cast<int>(slice_.size())) {
     AdvanceLocked();
+    if (async_) StartRoundLocked();
   } else {
     TakeSnapshotLocked();  // one asked for while this slice was applied
   }
@@ -417,7 +522,7 @@ void Shard::FinishLocked(ApplyJob& job) {
 }
 
 void Shard::MaybeApplyAllLocked() {
-  if (slice_.empty()) {
+  if (slice_.empty() && !async_) {
     if (live_workers_.empty()) return;
     for (int w : live_workers_) {
       if (!empty_pushes_.contains(w)) return;
@@ -445,6 +550,14 @@ void Shard::AdvanceLocked() {
   }
   applied_ = 0;
   empty_pushes_.clear();
+  if (round_owner_ >= 0) {
+    ++clocks_[round_owner_];
+    last_lag_[round_owner_] = round_lag_;
+    ++lag_count_;
+    lag_sum_ += round_lag_;
+    lag_max_ = std::max(lag_max_, round_lag_);
+    round_owner_ = -1;
+  }
   if (step_skipped_) ++counters_.skipped;
   step_skipped_ = false;
   ++version_;
@@ -488,9 +601,13 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   const absl::flat_hash_set<int> wanted(live.begin(), live.end());
   for (auto it = live_workers_.begin(); it != live_workers_.end();) {
     if (!wanted.contains(*it)) {
-      // A dropped worker's pushes do not count.
-      for (SliceState& s : slice_) s.pushes.erase(*it);
+      // A dropped worker's pushes do not count (but a gradient of its that
+      // an asynchronous step is applying is applied whole).
+      if (*it != round_owner_) {
+        for (SliceState& s : slice_) s.pushes.erase(*it);
+      }
       empty_pushes_.erase(*it);
+      pending_.erase(*it);
       live_workers_.erase(it++);
     } else {
       ++it;
@@ -499,7 +616,16 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   // Joins already scheduled keep their version; new ones get from_version.
   absl::erase_if(joining_, [&](const auto& entry) { return !wanted.contains(entry.first); });
   for (int w : wanted) {
-    if (!live_workers_.contains(w)) joining_.try_emplace(w, from_version);
+    if (live_workers_.contains(w)) continue;
+    if (async_) {
+      // At once, and no slower than the slowest live worker.
+      const std::optional<int64_t> slowest = SlowestClockLocked(w);
+      int64_t& clock = clocks_[w];
+      if (slowest.has_value()) clock = std::max(clock, *slowest);
+      live_workers_.insert(w);
+      continue;
+    }
+    joining_.try_emplace(w, from_version);
   }
   // Nobody left for the current step: the joining workers take it on now.
   if (live_workers_.empty()) {
@@ -554,6 +680,53 @@ absl::StatusOr<std::optional<int64_t>> Shard::TryVersion(uint64_t job_id, int64_
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   if (version_ < min_version) return std::nullopt;
   return version_;
+}
+
+absl::StatusOr<std::optional<Shard::ClockGrant>> Shard::TryClockLocked(uint64_t job_id,
+                                                                       int worker, int64_t clock) {
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (!async_) {
+    return absl::FailedPreconditionError("a pull by clock, but the job is synchronous");
+  }
+  if (worker < 0 || worker >= job_.num_workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pull for worker ", worker, "; the job has ", job_.num_workers()));
+  }
+  auto it = clocks_.find(worker);
+  const int64_t own = it == clocks_.end() ? 0 : it->second;
+  if (version_ < job_.train_steps()) {  // the last step applied: answered at once
+    if (own < clock) return std::nullopt;
+    if (const std::optional<int64_t> slowest = SlowestClockLocked(worker)) {
+      if (staleness_ >= 0 && clock - *slowest > staleness_) return std::nullopt;
+      clock_gap_max_ = std::max(clock_gap_max_, clock - *slowest);
+    }
+  }
+  ClockGrant grant;
+  grant.version = version_;
+  grant.clock = own;
+  auto lag = last_lag_.find(worker);
+  grant.lag = lag == last_lag_.end() ? 0 : lag->second;
+  return grant;
+}
+
+absl::StatusOr<std::optional<Shard::ClockGrant>> Shard::TryClock(uint64_t job_id, int worker,
+                                                                 int64_t clock) {
+  absl::MutexLock lock(&mu_);
+  return TryClockLocked(job_id, worker, clock);
+}
+
+absl::StatusOr<Shard::ClockGrant> Shard::WaitClock(uint64_t job_id, int worker, int64_t clock,
+                                                   absl::Time deadline,
+                                                   const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::optional<ClockGrant>> grant;
+  PSFLOW_RETURN_IF_ERROR(WaitLocked(job_id, clock, deadline, cancelled, "pull",
+                                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                      grant = TryClockLocked(job_id, worker, clock);
+                                      return !grant.ok() || grant->has_value();
+                                    }));
+  if (!grant.ok()) return grant.status();
+  return **grant;
 }
 
 absl::StatusOr<Shard::SnapshotTicket> Shard::RequestSnapshotLocked(uint64_t job_id,
@@ -633,6 +806,17 @@ Shard::State Shard::state() const {
   std::sort(st.live_workers.begin(), st.live_workers.end());
   for (const auto& [w, version] : joining_) st.joining_workers.push_back(w);
   std::sort(st.joining_workers.begin(), st.joining_workers.end());
+  if (async_) {
+    for (const auto& [w, clock] : clocks_) {
+      if (w < 0) continue;
+      if (static_cast<size_t>(w) >= st.clocks.size()) st.clocks.resize(w + 1, 0);
+      st.clocks[w] = clock;
+    }
+    st.lag_count = lag_count_;
+    st.lag_sum = lag_sum_;
+    st.lag_max = lag_max_;
+    st.clock_gap_max = clock_gap_max_;
+  }
   return st;
 }
 

@@ -25,6 +25,25 @@
 // version apart, and at the moment the shard's version becomes k every
 // slice is exactly at k (snapshots are taken then).
 //
+// Asynchronous contract (JobConfig.mode ASYNC, or SSP with a staleness
+// above 0): the shard applies each worker's gradient alone, in the order the
+// workers' pushes complete, as a step of its own: a push names the worker's
+// clock (its gradients applied here so far) instead of a version, and once
+// the worker has pushed every slice of the shard for that clock the whole
+// gradient is queued; the shard applies the queue one gradient at a time
+// (slices concurrently, as above), each moving the version by one. So every
+// version is one consistent state of the shard (snapshots are taken as in
+// sync mode), version v holding exactly v gradients. A push for a clock
+// already applied is STALE; one ahead of the worker's clock is
+// FAILED_PRECONDITION. The shard stops at JobConfig.train_steps: gradients
+// that come later are dropped (STALE). Pulls wait by clock (TryClock): for
+// the puller's own last gradient, and in SSP for the slowest live worker to
+// be within `staleness` of the puller. A worker joins at once (from_version
+// does not apply), at least at the clock of the slowest live worker, so a
+// replacement does not hold the others back. Each applied gradient's
+// staleness (versions applied between the one it was computed from and its
+// own) is counted.
+//
 // Readers do not copy: each slice's value at each version is published once,
 // by the thread that applied it, as an immutable vector that every reader of
 // that version shares (by shared_ptr) and reads outside the shard's lock.
@@ -178,8 +197,11 @@ class Shard {
   // worker's whole step. A push may take several calls (one per slice as
   // its chunks arrive), so stale and duplicate outcomes are not counted
   // here: the caller counts each push once with CountOutcome.
+  // In an asynchronous job `step` is the worker's clock and `read_version`
+  // the version the gradients were computed from (see above).
   absl::StatusOr<PushResponse::Outcome> PushSlices(uint64_t job_id, int worker, int64_t step,
-                                                   std::vector<SliceGradient> grads);
+                                                   std::vector<SliceGradient> grads,
+                                                   int64_t read_version = 0);
   // Counts one push's outcome in Counters (stale, duplicate).
   void CountOutcome(PushResponse::Outcome outcome);
   // PushSlices of every slice, counted: one vector per slice in Slices()
@@ -214,6 +236,20 @@ class Shard {
                                                           int64_t min_version);
   // The shard's version if it reached min_version, nullopt if not yet.
   absl::StatusOr<std::optional<int64_t>> TryVersion(uint64_t job_id, int64_t min_version);
+  // An asynchronous job's pull condition (see above) for `worker` at
+  // `clock`: the shard's version once it holds (or once the job's last step
+  // is applied), with the worker's clock here and the staleness of its
+  // latest applied gradient; nullopt if not yet. FAILED_PRECONDITION for a
+  // synchronous job.
+  struct ClockGrant {
+    int64_t version = 0;
+    int64_t clock = 0;
+    int64_t lag = 0;
+  };
+  absl::StatusOr<std::optional<ClockGrant>> TryClock(uint64_t job_id, int worker, int64_t clock);
+  // TryClock, waiting (errors as for Pull).
+  absl::StatusOr<ClockGrant> WaitClock(uint64_t job_id, int worker, int64_t clock,
+                                       absl::Time deadline, const std::function<bool()>& cancelled);
   // SnapshotAt in three calls: RequestSnapshot asks for `version` (taken at
   // once if the shard is there; FAILED_PRECONDITION if past); PollSnapshot
   // gives it once taken (null while not yet; FAILED_PRECONDITION if the
@@ -235,6 +271,9 @@ class Shard {
     JobConfig job;
     std::vector<int> live_workers;     // sorted
     std::vector<int> joining_workers;  // live from a later version; sorted
+    // Asynchronous jobs (PsState has the meaning of each).
+    std::vector<int64_t> clocks;  // by worker index
+    int64_t lag_count = 0, lag_sum = 0, lag_max = 0, clock_gap_max = 0;
   };
   State state() const;
 
@@ -302,6 +341,21 @@ class Shard {
   void FinishLocked(ApplyJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every slice, and for a shard without slices the empty pushes.
   void MaybeApplyAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `worker` pushed slice `s` for the current step: with the live
+  // workers (sync), or the one whose gradient the step applies (async).
+  bool StepCompleteLocked(const SliceState& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Asynchronous jobs: a push, and the start of the next queued gradient's
+  // step when none is in progress.
+  absl::StatusOr<PushResponse::Outcome> PushAsyncLocked(int worker, int64_t clock,
+                                                        int64_t read_version,
+                                                        std::vector<SliceGradient> grads)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartRoundLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The lowest clock of the live workers other than `except` (nullopt: none).
+  std::optional<int64_t> SlowestClockLocked(int except) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::optional<ClockGrant>> TryClockLocked(uint64_t job_id, int worker,
+                                                           int64_t clock)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The current step is applied to every slice: version_ + 1.
   void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves workers whose joining version has come into the live set, and
@@ -357,6 +411,26 @@ class Shard {
   // whatever the job id, since Init drops the waiting entries.
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   Counters counters_ ABSL_GUARDED_BY(mu_);
+  // Asynchronous jobs.
+  bool async_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t staleness_ ABSL_GUARDED_BY(mu_) = -1;  // SSP's bound; -1: none (ASYNC)
+  struct AsyncPush {
+    int64_t clock = 0;
+    int64_t read_version = 0;
+    std::vector<std::optional<std::vector<float>>> grads;  // by slice; a skip is empty
+    int received = 0;
+    bool queued = false;  // complete, waiting in ready_
+  };
+  absl::flat_hash_map<int, AsyncPush> pending_ ABSL_GUARDED_BY(mu_);  // by worker
+  std::vector<int> ready_ ABSL_GUARDED_BY(mu_);  // complete pushes, in order of completion
+  int round_owner_ ABSL_GUARDED_BY(mu_) = -1;    // the worker whose gradient is being applied
+  int64_t round_lag_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<int, int64_t> clocks_ ABSL_GUARDED_BY(mu_);    // gradients applied, by worker
+  absl::flat_hash_map<int, int64_t> last_lag_ ABSL_GUARDED_BY(mu_);  // of the latest, by worker
+  int64_t lag_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t lag_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t lag_max_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t clock_gap_max_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<int64_t, std::function<void()>> waiters_ ABSL_GUARDED_BY(mu_);
   int64_t next_waiter_ ABSL_GUARDED_BY(mu_) = 0;
 };

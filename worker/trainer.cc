@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <thread>
 #include <utility>
 
@@ -223,18 +224,32 @@ absl::Status Trainer::Prepare() {
   return absl::OkStatus();
 }
 
-absl::Status Trainer::PullLane(int l, int64_t min_version, int64_t* version, int64_t* wait_us) {
+bool Trainer::Async() const { return AppliesEachGradient(job_); }
+
+absl::Status Trainer::PullLane(int l, int64_t min_version, LanePull* out) {
   const Lane& lane = lanes_[l];
   const absl::Time start = absl::Now();
   ps::Client* const client = ps();
-  absl::StatusOr<ps::Client::PullResult> r;
+  const bool async = Async();
+  absl::StatusOr<ps::Client::ClockedPull> r;
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
     last_ask = absl::Now();
-    r = client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks,
-                     last_ask + options_.pull_wait + options_.transfer_timeout, options_.pull_wait);
-  } while (r.ok() && r->version < min_version);
+    const absl::Time deadline = last_ask + options_.pull_wait + options_.transfer_timeout;
+    if (async) {
+      r = client->PullByClock(lane.ps, job_id_, options_.worker_index, min_version, lane.slices,
+                              lane.sinks, deadline, options_.pull_wait);
+    } else {
+      absl::StatusOr<ps::Client::PullResult> p = client->Pull(
+          lane.ps, job_id_, min_version, lane.slices, lane.sinks, deadline, options_.pull_wait);
+      if (p.ok()) {
+        r = ps::Client::ClockedPull{p->version >= min_version, p->version, p->wait_us};
+      } else {
+        r = p.status();
+      }
+    }
+  } while (r.ok() && !r->ready);
   if (!r.ok()) {
     const absl::Status failed = FromPs(r.status());
     if (IsRetryable(failed))
@@ -242,9 +257,11 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, int64_t* version, int
                      << absl::StatusCodeToString(failed.code()) << ")";
     return failed;
   }
-  *version = r->version;
+  out->version = r->version;
+  out->clock = r->clock;
+  out->lag = r->lag;
   // Time spent on "not yet" answers (and retries) is waiting too.
-  *wait_us = r->wait_us + Micros(last_ask - start);
+  out->wait_us = r->wait_us + Micros(last_ask - start);
   if (in_place_) return absl::OkStatus();
   // Each variable goes to the device once its last slice is in.
   for (int v : lane.variables) {
@@ -266,7 +283,8 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   header.set_worker(options_.worker_index);
   header.set_step(push_step);
   header.set_skip(skip);
-  std::vector<int64_t> versions(n, -1), waits(n, 0);
+  const bool async = Async();
+  std::vector<LanePull> pulls(n);
   std::vector<char> pushed(n, push_step < 0);
   std::atomic<int> pushes_left{push_step < 0 ? 0 : n};
   RetryPolicy policy;
@@ -280,6 +298,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       // STALE once applied): either way the ps has this worker's gradients.
       PushHeader lane_header = header;
       for (int i : lane.slices) lane_header.add_slices(i);
+      if (async) lane_header.set_read_version(out->ps_versions[lane.ps]);
       absl::Status pushed_status =
           FromPs(client
                      ->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,
@@ -295,11 +314,31 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       pushed[l] = 1;
       if (pushes_left.fetch_sub(1, std::memory_order_acq_rel) == 1 && on_pushed) on_pushed();
     }
-    return PullLane(l, min_version, &versions[l], &waits[l]);
+    return PullLane(l, min_version, &pulls[l]);
   });
   if (!s.ok()) return s;
+  auto by = [&](auto field) {
+    std::vector<int64_t> v;
+    for (const LanePull& p : pulls) v.push_back(p.*field);
+    return v;
+  };
+  const std::vector<int64_t> versions = by(&LanePull::version), waits = by(&LanePull::wait_us);
   out->version = *std::min_element(versions.begin(), versions.end());
   out->wait_us = *std::max_element(waits.begin(), waits.end());
+  if (async) {
+    // Each ps counts its own versions: the next push to it names the one
+    // its slices were pulled at.
+    out->ps_versions.assign(job_.num_ps(), std::numeric_limits<int64_t>::max());
+    out->clock = std::numeric_limits<int64_t>::max();
+    out->lag = 0;
+    for (int l = 0; l < n; ++l) {
+      int64_t& v = out->ps_versions[lanes_[l].ps];
+      v = std::min(v, pulls[l].version);
+      out->clock = std::min(out->clock, pulls[l].clock);
+      out->lag = std::max(out->lag, pulls[l].lag);
+    }
+    return absl::OkStatus();
+  }
   const int64_t newest = *std::max_element(versions.begin(), versions.end());
   // One step apart: a worker died between its pushes of the last step to
   // different ps (some applied it, the others still wait for its push). Do
@@ -414,6 +453,14 @@ absl::Status Trainer::Train(int64_t start) {
   const absl::Status failed = absl::FailedPreconditionError("the chief failed the job");
 
   int64_t step = start;
+  // An asynchronous job counts this worker's own steps (its clock, as the ps
+  // count its gradients); its data follow them: steps_per_epoch counts the
+  // steps of every worker there.
+  const bool async = Async();
+  const int64_t own_steps_per_epoch =
+      async ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
+            : job_.steps_per_epoch();
+  int64_t clock = 0;
   // The outcome of the latest round of pulls: the weights the next step uses,
   // and the time they took (pull and wait, reported with that step).
   Exchanged got;
@@ -428,12 +475,14 @@ absl::Status Trainer::Train(int64_t start) {
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     const absl::Time t0 = absl::Now();
     if (!have_weights) {
-      absl::Status s = PullAll(step, &got);
+      // Asynchronous: whatever this worker's clock is on the ps.
+      absl::Status s = PullAll(async ? 0 : step, &got);
       if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
       if (job_failed()) return failed;
       if (JobChanged(s)) return RegisterAgain(s.message());
       if (!s.ok()) return PsFailure(s, "pull");
       have_weights = true;
+      clock = got.clock;
       const int64_t took = Micros(absl::Now() - t0);
       wait_us = std::min(got.wait_us, took);
       pull_us = took - wait_us;
@@ -441,8 +490,9 @@ absl::Status Trainer::Train(int64_t start) {
     const absl::Time t1 = absl::Now();
     if (got.version >= job_.train_steps()) break;
     step = got.version;
-    const int64_t epoch = step / job_.steps_per_epoch();
-    const int64_t position = step % job_.steps_per_epoch();
+    const int64_t data_step = async ? clock : step;
+    const int64_t epoch = data_step / own_steps_per_epoch;
+    const int64_t position = data_step % own_steps_per_epoch;
     if (epoch != order_epoch) {
       order = sampler.EpochIndices(epoch);
       order_epoch = epoch;
@@ -483,6 +533,7 @@ absl::Status Trainer::Train(int64_t start) {
     // The step's metrics go out once every push is answered; the pull that
     // follows belongs to the next step.
     absl::Time pushed_at;
+    StepMetrics async_metrics;
     auto on_pushed = [&] {
       pushed_at = absl::Now();
       StepMetrics m;
@@ -495,10 +546,15 @@ absl::Status Trainer::Train(int64_t start) {
       m.set_pull_us(pull_us);
       m.set_compute_us(Micros(t2 - t1));
       m.set_push_us(Micros(pushed_at - t2));
+      if (async) {
+        async_metrics = std::move(m);  // reported with its staleness, once pulled
+        return;
+      }
       absl::MutexLock lock(&mu_);
       pending_.push_back(std::move(m));
     };
-    s = Exchange(step, skip, on_pushed, &got);
+    s = async ? RunLanes(clock, clock + 1, skip, on_pushed, &got)
+              : Exchange(step, skip, on_pushed, &got);
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     if (job_failed()) return failed;
     if (JobChanged(s)) return RegisterAgain(s.message());
@@ -511,6 +567,14 @@ absl::Status Trainer::Train(int64_t start) {
     ++step;
     register_backoff_.Reset();
     absl::MutexLock lock(&mu_);
+    if (async) {
+      // The pull waited for this gradient's apply (unless the job ended
+      // first): its staleness is known.
+      async_metrics.set_staleness(got.lag);
+      pending_.push_back(std::move(async_metrics));
+      clock = std::max(clock + 1, got.clock);
+      step = got.version;
+    }
     step_ = step;
   }
   return absl::OkStatus();

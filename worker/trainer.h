@@ -134,6 +134,12 @@ class Trainer {
   struct Exchanged {
     int64_t version = 0;  // the lowest of the ps's
     int64_t wait_us = 0;  // the longest wait for a version, of any lane
+    // Asynchronous jobs: the version each ps's slices were pulled at (the
+    // lowest of its lanes'), this worker's clock (the lowest of the ps's)
+    // and the staleness of its latest gradient (the highest of the ps's).
+    std::vector<int64_t> ps_versions;
+    int64_t clock = 0;
+    int64_t lag = 0;
   };
   // Pulls every lane's slices of min_version (no push).
   absl::Status PullAll(int64_t min_version, Exchanged* out);
@@ -143,14 +149,23 @@ class Trainer {
   // answered (on one of the lanes' threads), not at all if one fails.
   absl::Status Exchange(int64_t step, bool skip, const std::function<void()>& on_pushed,
                         Exchanged* out);
-  // Both: pushes of `push_step` first when it is >= 0.
+  // Both: pushes of `push_step` first when it is >= 0. In an asynchronous
+  // job push_step is this worker's clock and min_version the clock to pull
+  // at (PullLane).
   absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
                         const std::function<void()>& on_pushed, Exchanged* out);
   // Pulls lane `l`'s slices of min_version (asking again while the ps
   // answers "not yet"), then copies to the device each variable whose last
   // slice this was. Sets *version and *wait_us (time on "not yet" answers
   // and the ps's wait for the version).
-  absl::Status PullLane(int l, int64_t min_version, int64_t* version, int64_t* wait_us);
+  // In an asynchronous job min_version is this worker's clock to wait for
+  // (PullByClock), and *clock and *lag are set from the answer.
+  struct LanePull {
+    int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
+  };
+  absl::Status PullLane(int l, int64_t min_version, LanePull* out);
+  // Whether the job applies each worker's gradient alone (JobConfig.mode).
+  bool Async() const;
   void ReportLoop();
   absl::Status TrainAndWait();
   // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.
