@@ -457,8 +457,8 @@ bool Coordinator::TryAdopt() {
       progress_->Restart(version);
       progress_->SetLiveWorkers(live);
       last_checkpoint_step_ = version;
-      PSLOG(INFO) << "adopting the running job at step " << version << " ("
-                  << live.size() << " live workers)";
+      PSLOG(INFO) << "adopting the running job at step " << version << " (" << live.size()
+                  << " live workers)";
       return true;
     }
     absl::SleepFor(options_.timeouts.adopt_retry);  // a step is being applied: look again
@@ -745,6 +745,25 @@ absl::Status Coordinator::Supervise() {
   return failure_.ok() ? StoppedBySignal(stop_signal_) : failure_;
 }
 
+void Coordinator::LogStaleness() {
+  absl::StatusOr<std::vector<PsState>> states = States(job_id());
+  if (!states.ok()) return;  // best effort: the job is done either way
+  int64_t count = 0, sum = 0, max = 0, gap = 0;
+  for (const PsState& st : *states) {
+    count += st.lag_count();
+    sum += st.lag_sum();
+    max = std::max(max, st.lag_max());
+    gap = std::max(gap, st.clock_gap_max());
+  }
+  const std::string bound =
+      job_.mode() == JobConfig::SSP ? absl::StrCat(" (ssp bound ", job_.staleness(), ")") : "";
+  PSLOG(INFO) << absl::StrFormat(
+      "staleness over the job: %d gradients applied, versions behind mean %.2f max %d; "
+      "largest lead of a worker over the slowest %d steps%s",
+      count, count > 0 ? static_cast<double>(sum) / static_cast<double>(count) : 0.0, max, gap,
+      bound);
+}
+
 absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
   std::vector<std::vector<float>> values;
   int64_t version = -1;
@@ -830,13 +849,13 @@ absl::Status Coordinator::Run() {
               << "), " << job_.train_steps() << " steps = "
               << absl::StrFormat("%.2f", static_cast<double>(job_.train_steps()) /
                                              static_cast<double>(job_.steps_per_epoch()))
-              << " epochs of " << job_.steps_per_epoch()
-              << " steps = "
+              << " epochs of " << job_.steps_per_epoch() << " steps = "
               << job_.train_steps() * job_.batch_size() *
                      (AppliesEachGradient(job_) ? 1 : job_.num_workers())
               << " examples, batch " << job_.batch_size() << " x " << job_.num_workers()
-              << " workers, mode " << ModeName(job_) << ", optimizer " << OptimizerConfig::Kind_Name(job_.optimizer().kind())
-              << " lr " << job_.optimizer().learning_rate() << " ("
+              << " workers, mode " << ModeName(job_) << ", optimizer "
+              << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr "
+              << job_.optimizer().learning_rate() << " ("
               << OptimizerConfig::Decay_Name(job_.optimizer().lr_decay()) << ", warmup "
               << job_.optimizer().lr_warmup_steps() << ") weight decay "
               << job_.optimizer().weight_decay() << ", inputs standardized with mean "
@@ -884,6 +903,7 @@ absl::Status Coordinator::Run() {
     if (!failure_.ok()) status = failure_;
     if (Stopping() && status.ok()) status = StoppedBySignal(stop_signal_);
   }
+  if (trained && AppliesEachGradient(job_)) LogStaleness();
   // Once training is over (or failed), ps and workers have nothing left to
   // do, whether or not the saved model could be written.
   if (trained || Failed()) ReleaseEveryone();

@@ -177,6 +177,8 @@ class Coordinator {
   // On success, what was written is moved into *taken when one is given.
   absl::Status TakeCheckpoint(Checkpoint* taken = nullptr);
   absl::Status TakeCheckpointOnce(Checkpoint* taken);
+  // An asynchronous job's staleness as the ps counted it, in one log line.
+  void LogStaleness();
   // Writes the saved model from the values of `final_checkpoint` (one of
   // step train_steps), or, without one, from the values pulled from the ps.
   absl::Status SaveModel(Checkpoint* final_checkpoint);

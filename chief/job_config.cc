@@ -267,8 +267,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
                                                    : steps_per_epoch);
   const int64_t global_steps_per_epoch = job.steps_per_epoch();
   const int64_t epochs = std::max<int64_t>(o.epochs, 1);
-  if (o.train_steps == 0 &&
-      epochs > std::numeric_limits<int64_t>::max() / global_steps_per_epoch) {
+  if (o.train_steps == 0 && epochs > std::numeric_limits<int64_t>::max() / global_steps_per_epoch) {
     return absl::InvalidArgumentError(absl::StrCat("--epochs ", o.epochs, " is too large"));
   }
   job.set_train_steps(o.train_steps > 0 ? o.train_steps : epochs * global_steps_per_epoch);

@@ -242,10 +242,10 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const absl::Time since = logged_until_ < 0 ? first_report_ : last_line_;
     if (now > since) step_pace_ = (now - since) / steps;
     const absl::Duration eta = step_pace_ * static_cast<double>(train_steps_ - end);
-    const std::string staleness =
-        line.staleness_mean ? absl::StrFormat(" | staleness mean %.1f max %d",
-                                              *line.staleness_mean, line.staleness_max)
-                            : std::string();
+    const std::string staleness = line.staleness_mean
+                                      ? absl::StrFormat(" | staleness mean %.1f max %d",
+                                                        *line.staleness_mean, line.staleness_max)
+                                      : std::string();
     emit_(absl::StrFormat(
         "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
         "%.1f "

@@ -158,8 +158,8 @@ class Progress {
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)
-  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);      // per worker
-  std::vector<bool> member_ ABSL_GUARDED_BY(mu_);               // in the live set
+  std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
+  std::vector<bool> member_ ABSL_GUARDED_BY(mu_);           // in the live set
   bool asynchronous_ ABSL_GUARDED_BY(mu_) = false;
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any

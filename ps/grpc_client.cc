@@ -178,9 +178,8 @@ absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
   request.set_clock(clock);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   for (int i : slices) request.add_slices(i);
-  absl::StatusOr<PullResponse> first =
-      RunPull(ps, std::move(request), std::move(sinks), deadline,
-              [](const PullResponse& r) { return r.ready(); });
+  absl::StatusOr<PullResponse> first = RunPull(ps, std::move(request), std::move(sinks), deadline,
+                                               [](const PullResponse& r) { return r.ready(); });
   if (!first.ok()) return first.status();
   ClockedPull result;
   result.ready = first->ready();

@@ -304,8 +304,7 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     }
     if (indices_.empty()) {
       // No slices: the answer is the version, once it is reached.
-      absl::StatusOr<std::optional<int64_t>> v =
-          shard->TryVersion(request_.job_id(), min_version_);
+      absl::StatusOr<std::optional<int64_t>> v = shard->TryVersion(request_.job_id(), min_version_);
       if (!v.ok()) return FinishLocked(v.status());
       if (!v->has_value()) return NotThere(deadline);
       Disarm();
@@ -381,8 +380,8 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
   std::vector<int> indices_;
   DataType dtype_ = DT_FLOAT;
   absl::Time wait_deadline_;
-  size_t k_ ABSL_GUARDED_BY(mu_) = 0;          // the slice being sent (index into indices_)
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;     // of the slices sent, in the wire dtype
+  size_t k_ ABSL_GUARDED_BY(mu_) = 0;       // the slice being sent (index into indices_)
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the slices sent, in the wire dtype
   // The version the slices must reach: the request's, or for a by_clock
   // pull the shard's once the clock's condition held (granted_).
   int64_t min_version_ ABSL_GUARDED_BY(mu_) = 0;
@@ -586,10 +585,9 @@ grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<Pu
     if (!request.chunk().empty() || reader->Read(&request)) {
       return ToGrpcStatus(absl::InvalidArgumentError("a skip push carries no chunks"));
     }
-    absl::StatusOr<PushResponse::Outcome> outcome =
-        shard_->PushSlices(header->job_id(), header->worker(), header->step(),
-                           SkipGradients(*indices, static_cast<int>(specs.size())),
-                           header->read_version());
+    absl::StatusOr<PushResponse::Outcome> outcome = shard_->PushSlices(
+        header->job_id(), header->worker(), header->step(),
+        SkipGradients(*indices, static_cast<int>(specs.size())), header->read_version());
     if (!outcome.ok()) return ToGrpcStatus(outcome.status());
     shard_->CountOutcome(*outcome);
     response->set_outcome(*outcome);

@@ -682,8 +682,8 @@ absl::StatusOr<std::optional<int64_t>> Shard::TryVersion(uint64_t job_id, int64_
   return version_;
 }
 
-absl::StatusOr<std::optional<Shard::ClockGrant>> Shard::TryClockLocked(uint64_t job_id,
-                                                                       int worker, int64_t clock) {
+absl::StatusOr<std::optional<Shard::ClockGrant>> Shard::TryClockLocked(uint64_t job_id, int worker,
+                                                                       int64_t clock) {
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   if (!async_) {
     return absl::FailedPreconditionError("a pull by clock, but the job is synchronous");

@@ -4,6 +4,8 @@
 // or restored onto another ps count. Every test checks that the job still
 // ends well: launcher exit 0, the "done" line at the requested step, a saved
 // model above an accuracy floor, whole checkpoints only, nothing left running.
+// ctest runs the suite in every wire dtype, and its single-fault tests in
+// every consistency mode (PSFLOW_TEST_WIRE_DTYPE, PSFLOW_TEST_MODE).
 //
 // Waits are on log lines (with generous timeouts), never on fixed sleeps, so
 // the tests hold on a loaded 2-core machine; on any failure everything is
@@ -61,6 +63,12 @@ int CountOf(const std::string& text, const std::string& what) {
   return n;
 }
 
+// The consistency mode the suite runs in (PSFLOW_TEST_MODE): sync, async or ssp.
+std::string TestMode() {
+  const char* mode = std::getenv("PSFLOW_TEST_MODE");
+  return mode != nullptr && *mode != 0 ? mode : "sync";
+}
+
 std::string ReadWholeFile(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -81,6 +89,13 @@ class Cluster {
     // ctest runs this suite once per wire dtype (tests/integration/CMakeLists.txt).
     if (const char* wire = std::getenv("PSFLOW_TEST_WIRE_DTYPE"); wire != nullptr && *wire != 0) {
       args.push_back(std::string("--wire_dtype=") + wire);
+    }
+    // ... and its single-fault tests once per consistency mode.
+    const std::string mode = TestMode();
+    if (mode == "async") args.push_back("--mode=async");
+    if (mode == "ssp") {
+      args.push_back("--mode=ssp");
+      args.push_back("--staleness=2");
     }
     launch_ = std::make_unique<Process>(Bin("psflow-launch"), args);
     std::string chief;
@@ -390,6 +405,9 @@ void ExpectCleanFinish(Cluster& cluster, const std::string& model_dir, int64_t s
   ExpectNoProcessesLeft(cluster.marker());
   ExpectNoProcessesLeft(model_dir);
   ExpectWholeCheckpoints(model_dir, steps);
+  // A global step of an asynchronous job is one worker's batch, not every
+  // worker's: the same steps train on half the examples here.
+  if (TestMode() != "sync") min_accuracy -= 0.03;
   EXPECT_GE(EvalAccuracy(model_dir, steps), min_accuracy) << cluster.Describe();
 }
 

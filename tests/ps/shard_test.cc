@@ -1480,5 +1480,170 @@ INSTANTIATE_TEST_SUITE_P(Appliers, ShardConcurrencyTest, ::testing::Bool(),
                            return info.param ? "OnAnApplierPool" : "OnThePushingThreads";
                          });
 
+// An asynchronous (or SSP) job of two workers and `train_steps` steps over
+// the two slices of Header(), SGD with lr 0.5.
+InitHeader AsyncHeader(JobConfig::Mode mode, int staleness = 0, int64_t train_steps = 100) {
+  InitHeader h = Header(OptimizerConfig::SGD, 0.5f);
+  h.mutable_job()->set_mode(mode);
+  h.mutable_job()->set_staleness(staleness);
+  h.mutable_job()->set_train_steps(train_steps);
+  h.mutable_job()->set_num_workers(2);
+  return h;
+}
+
+// w - lr * g.
+std::vector<std::vector<float>> SgdStep(const std::vector<std::vector<float>>& w, float lr,
+                                        const std::vector<std::vector<float>>& g) {
+  std::vector<std::vector<float>> out = w;
+  for (size_t i = 0; i < w.size(); ++i) {
+    for (size_t j = 0; j < w[i].size(); ++j) out[i][j] = w[i][j] - lr * g[i][j];
+  }
+  return out;
+}
+
+// One worker's whole gradient as PushSlices takes it.
+std::vector<Shard::SliceGradient> SliceGrads(const std::vector<std::vector<float>>& g) {
+  std::vector<Shard::SliceGradient> out;
+  for (size_t i = 0; i < g.size(); ++i) out.push_back({static_cast<int>(i), g[i]});
+  return out;
+}
+
+absl::StatusOr<PushResponse::Outcome> PushAsync(Shard& shard, int worker, int64_t clock,
+                                                int64_t read_version,
+                                                const std::vector<std::vector<float>>& g) {
+  return shard.PushSlices(kJob, worker, clock, SliceGrads(g), read_version);
+}
+
+std::vector<std::vector<float>> ValuesNow(Shard& shard) {
+  absl::StatusOr<Shard::Pulled> p = shard.Pull(kJob, 0, Soon(), nullptr);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? ValuesOf(*p->weights) : std::vector<std::vector<float>>{};
+}
+
+TEST(AsyncShardTest, AppliesEachWorkersGradientAloneAndCountsStaleness) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  // Worker 0's gradient is a step of its own: no waiting for worker 1.
+  ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 1);
+  const auto after0 = SgdStep({kA, kB}, 0.5f, Grads(1));
+  EXPECT_EQ(ValuesNow(shard), after0);
+  // Worker 1 computed from version 0; applied at version 1: staleness 1.
+  ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 2);
+  const auto after1 = SgdStep(after0, 0.5f, Grads(-3));
+  EXPECT_EQ(ValuesNow(shard), after1);
+  // Worker 0 pulls for its next step at once, and pushes again.
+  absl::StatusOr<std::optional<Shard::ClockGrant>> grant = shard.TryClock(kJob, 0, 1);
+  ASSERT_TRUE(grant.ok() && grant->has_value()) << grant.status();
+  EXPECT_EQ((*grant)->version, 2);
+  EXPECT_EQ((*grant)->clock, 1);
+  EXPECT_EQ((*grant)->lag, 0);
+  ASSERT_EQ(*PushAsync(shard, 0, 1, 2, Grads(2)), PushResponse::ACCEPTED);
+  grant = shard.TryClock(kJob, 1, 1);
+  ASSERT_TRUE(grant.ok() && grant->has_value());
+  EXPECT_EQ((*grant)->lag, 1) << "worker 1's gradient was one version stale";
+  // A pull for a clock this worker has not pushed yet waits (nullopt).
+  grant = shard.TryClock(kJob, 1, 2);
+  ASSERT_TRUE(grant.ok());
+  EXPECT_FALSE(grant->has_value());
+  Shard::State st = shard.state();
+  EXPECT_EQ(st.clocks, (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(st.lag_count, 3);
+  EXPECT_EQ(st.lag_sum, 1);
+  EXPECT_EQ(st.lag_max, 1);
+  EXPECT_EQ(shard.stats().applied, 3);
+}
+
+TEST(AsyncShardTest, AWorkersGradientWaitsForAllItsSlicesAndIsCheckedByClock) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  std::vector<Shard::SliceGradient> first = {{0, Grads(1)[0]}};
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, first, 0), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 0) << "half of the gradient: nothing applied";
+  EXPECT_EQ(*shard.PushSlices(kJob, 0, 0, first, 0), PushResponse::DUPLICATE);
+  // The next step's push before this one is complete is out of order.
+  absl::StatusOr<PushResponse::Outcome> ahead = PushAsync(shard, 0, 1, 0, Grads(1));
+  EXPECT_TRUE(absl::IsFailedPrecondition(ahead.status())) << ahead.status();
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, {{1, Grads(1)[1]}}, 0), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 1);
+  EXPECT_EQ(ValuesNow(shard), SgdStep({kA, kB}, 0.5f, Grads(1)));
+  // A retry of the applied step is stale; a version from the future is refused.
+  EXPECT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::STALE);
+  EXPECT_TRUE(absl::IsInvalidArgument(PushAsync(shard, 0, 1, 7, Grads(1)).status()));
+  // A forged pull for a worker outside the job.
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.TryClock(kJob, 5, 0).status()));
+}
+
+TEST(AsyncShardTest, SspHoldsAWorkerWithinTheBoundOfTheSlowest) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::SSP, /*staleness=*/1), Values()).ok());
+  ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  // Clock 1 is one ahead of worker 1 (at 0): allowed.
+  absl::StatusOr<std::optional<Shard::ClockGrant>> grant = shard.TryClock(kJob, 0, 1);
+  ASSERT_TRUE(grant.ok() && grant->has_value());
+  ASSERT_EQ(*PushAsync(shard, 0, 1, 1, Grads(1)), PushResponse::ACCEPTED);
+  // Clock 2 would be two ahead: it waits for worker 1.
+  grant = shard.TryClock(kJob, 0, 2);
+  ASSERT_TRUE(grant.ok());
+  EXPECT_FALSE(grant->has_value());
+  absl::StatusOr<Shard::ClockGrant> waited =
+      shard.WaitClock(kJob, 0, 2, absl::Now() + absl::Milliseconds(200), nullptr);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(waited.status())) << waited.status();
+  ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(-1)), PushResponse::ACCEPTED);
+  grant = shard.TryClock(kJob, 0, 2);
+  ASSERT_TRUE(grant.ok() && grant->has_value());
+  EXPECT_EQ(shard.state().clock_gap_max, 1);
+  // A worker dropped from the job holds nobody back.
+  ASSERT_EQ(*PushAsync(shard, 0, 2, 3, Grads(1)), PushResponse::ACCEPTED);
+  grant = shard.TryClock(kJob, 0, 3);
+  ASSERT_TRUE(grant.ok());
+  EXPECT_FALSE(grant->has_value());
+  ASSERT_TRUE(shard.SetLiveWorkers(kJob, {0}, 0).ok());
+  grant = shard.TryClock(kJob, 0, 3);
+  ASSERT_TRUE(grant.ok() && grant->has_value());
+  // It comes back at once, at the clock of the slowest live worker.
+  ASSERT_TRUE(shard.SetLiveWorkers(kJob, {0, 1}, 100).ok());
+  EXPECT_EQ(shard.state().clocks, (std::vector<int64_t>{3, 3}));
+  EXPECT_EQ(shard.state().live_workers, (std::vector<int>{0, 1}));
+}
+
+TEST(AsyncShardTest, SnapshotIsOneGradientVersion) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  absl::StatusOr<Shard::SnapshotTicket> ticket = shard.RequestSnapshot(kJob, 1);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  ASSERT_TRUE(PushAsync(shard, 0, 0, 0, Grads(1)).ok());
+  ASSERT_TRUE(PushAsync(shard, 1, 0, 0, Grads(-3)).ok());
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard.PollSnapshot(*ticket);
+  ASSERT_TRUE(snap.ok() && *snap != nullptr) << snap.status();
+  EXPECT_EQ((*snap)->weights->version, 1);
+  EXPECT_EQ(ValuesOf(*(*snap)->weights), SgdStep({kA, kB}, 0.5f, Grads(1)));
+  shard.ReleaseSnapshot(*ticket);
+}
+
+TEST(AsyncShardTest, StopsAtTheLastStep) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC, 0, /*train_steps=*/2), Values()).ok());
+  ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(*PushAsync(shard, 0, 1, 2, Grads(1)), PushResponse::STALE);
+  EXPECT_EQ(shard.stats().version, 2);
+  // Every pull is answered at once: there is nothing more to wait for.
+  absl::StatusOr<std::optional<Shard::ClockGrant>> grant = shard.TryClock(kJob, 0, 5);
+  ASSERT_TRUE(grant.ok() && grant->has_value());
+  EXPECT_EQ((*grant)->version, 2);
+}
+
+TEST(AsyncShardTest, SspWithStalenessZeroIsSync) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::SSP, /*staleness=*/0), Values()).ok());
+  ASSERT_EQ(*shard.Push(kJob, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 0) << "waits for worker 1, as sync does";
+  ASSERT_EQ(*shard.Push(kJob, 1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(ValuesNow(shard), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(shard.TryClock(kJob, 0, 0).status()));
+}
+
 }  // namespace
 }  // namespace psflow::ps
