@@ -645,9 +645,19 @@ absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
 
 absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
   const absl::Time begun = absl::Now();
-  int64_t target = 0;
-  if (!PsHealthy(&target)) return absl::UnavailableError("a ps is not reachable");
   const uint64_t id = job_id();
+  absl::StatusOr<std::vector<PsState>> states = States(id);
+  if (!states.ok()) return absl::UnavailableError("a ps is not reachable");
+  int64_t target = MaxVersion(*states);
+  if (AppliesEachGradient(job_)) {
+    // The ps of an asynchronous job are never in step: one ahead may pass
+    // the newest version before the request reaches it. Unless they agree
+    // (nothing moves), ask for one a few gradients ahead, which every ps
+    // reaches soon.
+    bool agree = true;
+    for (const PsState& st : *states) agree = agree && st.version() == target;
+    if (!agree) target = std::min(target + 2 * job_.num_workers() + 2, job_.train_steps());
+  }
   // Every ps copies its slices the moment it reaches `target` (those there
   // already, at once): one consistent step across shards, taken while
   // training goes on.
