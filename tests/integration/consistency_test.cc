@@ -107,12 +107,11 @@ TEST_F(ConsistencyTest, AsyncNeverWaitsForAStoppedWorker) {
 
 TEST_F(ConsistencyTest, MainJobInAsyncModeReachesTheBar) {
   const std::string model_dir = dir_ + "/model";
-  RunResult run = RunProcess(
-      Bin("psflow-launch"),
-      {"--ps=2", "--workers=2", "--", "--model=cnn", "--epochs=5", "--optimizer=adam",
-       "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500", "--mode=async",
-       "--model_dir=" + model_dir},
-      {}, seconds(600));
+  RunResult run = RunProcess(Bin("psflow-launch"),
+                             {"--ps=2", "--workers=2", "--", "--model=cnn", "--epochs=5",
+                              "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
+                              "--log_every_steps=500", "--mode=async", "--model_dir=" + model_dir},
+                             {}, seconds(600));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   // 5 epochs are 2 x 2340 global steps: one per worker's batch.
   EXPECT_THAT(run.output, HasSubstr("chief] done: 4680 steps"));
