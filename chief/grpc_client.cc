@@ -7,8 +7,8 @@
 namespace psflow::chief {
 
 GrpcClient::GrpcClient(const std::string& address, const SecurityOptions& security,
-                       metrics::Registry* metrics)
-    : stub_(ChiefService::NewStub(MakeChannel(address, Role::kChief, security))),
+                       metrics::Registry* metrics, Role server_role)
+    : stub_(ChiefService::NewStub(MakeChannel(address, server_role, security))),
       errors_(metrics, "psflow.ChiefService") {}
 
 absl::StatusOr<RegisterWorkerResponse> GrpcClient::RegisterWorker(int worker, absl::Time deadline) {

@@ -16,9 +16,10 @@ namespace psflow::chief {
 
 class GrpcClient final : public Client, public EvaluatorClient {
  public:
-  // Secured as `security` says (MakeChannel).
+  // Secured as `security` says (MakeChannel); `server_role` is the role whose
+  // certificate the chief's address presents (ClusterSpec::ChiefHostRole).
   GrpcClient(const std::string& address, const SecurityOptions& security,
-             metrics::Registry* metrics = nullptr);
+             metrics::Registry* metrics = nullptr, Role server_role = Role::kChief);
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
   absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,

@@ -1,13 +1,13 @@
-// psflow-chief: coordinates a psflow job. Its flags are the job's single
-// source of truth; ps and workers receive the job from it.
+// psflow-chief: coordinates a psflow job. Its flags (chief/flags.h) are the
+// job's single source of truth; ps and workers receive the job from it.
+#include <chrono>
 #include <cstdio>
 #include <memory>
+#include <string>
 
-#include "absl/flags/flag.h"
 #include "absl/time/time.h"
-#include "chief/coordinator.h"
-#include "chief/service.h"
-#include "chief/summaries.h"
+#include "chief/flags.h"
+#include "chief/role.h"
 #include "common/cluster_flags.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
@@ -15,133 +15,6 @@
 #include "common/memory.h"
 #include "common/metrics.h"
 #include "common/signals.h"
-#include "common/thread_pool.h"
-#include "ps/grpc_client.h"
-
-ABSL_FLAG(
-    std::string, model, "cnn",
-    "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
-    "(784-256-256-10), resnet (ResNet-18 for 32x32x3 inputs; use it with --dataset=synthetic), or "
-    "the path of a model spec in protobuf text format (see docs/models.md).");
-ABSL_FLAG(std::string, data_dir, psflow::chief::kDefaultDataDir,
-          "Directory with MNIST-format IDX files (train-images-idx3-ubyte[.gz], ...). Every worker "
-          "reads it at this path.");
-ABSL_FLAG(
-    std::string, dataset, "idx",
-    "Where examples come from: idx (the MNIST-format files in --data_dir) or synthetic (labelled "
-    "images of the model's input shape, made in every process, for benchmarks; see "
-    "--synthetic_examples).");
-ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --dataset=synthetic.");
-ABSL_FLAG(int, batch_size, 64,
-          "Examples per step on each worker (the global batch is this times the workers).");
-ABSL_FLAG(int64_t, epochs, 0,
-          "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
-ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
-ABSL_FLAG(std::string, optimizer, "sgd",
-          "sgd, momentum, adam, adamw, adagrad or rmsprop, each as its torch.optim namesake "
-          "(momentum is SGD with momentum); applied on the parameter servers.");
-ABSL_FLAG(double, learning_rate, 0.01,
-          "Learning rate of the optimizer: the peak of the schedule (see --lr_decay).");
-ABSL_FLAG(double, momentum, 0.9, "Momentum of --optimizer=momentum.");
-ABSL_FLAG(bool, nesterov, false,
-          "Nesterov momentum for --optimizer=momentum (torch.optim.SGD nesterov=True).");
-ABSL_FLAG(double, weight_decay, 0,
-          "L2 penalty added to the gradient (g + weight_decay * w), as torch.optim's "
-          "weight_decay; with --optimizer=adamw, decoupled decay (w -= lr * weight_decay * w) "
-          "instead. 0 for every optimizer, adamw included (torch.optim.AdamW's default is 0.01).");
-ABSL_FLAG(double, beta1, 0.9, "Decay of the first moment of --optimizer=adam and adamw.");
-ABSL_FLAG(double, beta2, 0.999, "Decay of the second moment of --optimizer=adam and adamw.");
-ABSL_FLAG(double, epsilon, 0,
-          "Added to the denominator of adam, adamw, adagrad and rmsprop; 0: torch.optim's "
-          "default (1e-8, 1e-10 for adagrad).");
-ABSL_FLAG(double, rmsprop_alpha, 0.99,
-          "Smoothing constant of the squared gradients of --optimizer=rmsprop.");
-ABSL_FLAG(std::string, lr_decay, "constant",
-          "Learning-rate schedule after the warmup, of t = step - --lr_warmup_steps (step "
-          "0-based): constant; step (lr * rate^floor(t / N)); exponential (lr * rate^(t / N)); "
-          "cosine (from lr to --lr_min over N steps, then --lr_min). N is --lr_decay_steps, rate "
-          "--lr_decay_rate.");
-ABSL_FLAG(int64_t, lr_warmup_steps, 0,
-          "Linear warmup: step s < this uses lr * (s + 1) / lr_warmup_steps.");
-ABSL_FLAG(int64_t, lr_decay_steps, 0,
-          "N of --lr_decay: required for step and exponential; for cosine, 0 means every step "
-          "after the warmup.");
-ABSL_FLAG(double, lr_decay_rate, 0.1,
-          "Factor per --lr_decay_steps of --lr_decay=step/exponential.");
-ABSL_FLAG(double, lr_min, 0, "The final learning rate of --lr_decay=cosine.");
-ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial weights and of the data order of every epoch.");
-ABSL_FLAG(
-    std::string, model_dir, "",
-    "Directory for the job's outputs (required): the saved model goes to <model_dir>/saved_model, "
-    "checkpoints to <model_dir>/checkpoints, TensorBoard event files (the progress lines' numbers) "
-    "to <model_dir>/train and (an evaluator's results) <model_dir>/eval.");
-ABSL_FLAG(std::string, saved_model_dir, "",
-          "Where to write the saved model instead of <model_dir>/saved_model.");
-ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
-ABSL_FLAG(
-    int, compute_threads, 0,
-    "CPU threads each worker's kernels use; 0 = all cores. Set it when workers share a machine.");
-ABSL_FLAG(int, startup_timeout, 300,
-          "Seconds to wait for every parameter server to come up before exiting with code 138.");
-ABSL_FLAG(int64_t, checkpoint_every_steps, 0,
-          "Write a checkpoint every this many steps (0: not by steps). Checkpoints go to "
-          "<model_dir>/checkpoints; a job started again with the same --model_dir resumes from the "
-          "newest valid one.");
-ABSL_FLAG(int, checkpoint_every_secs, 600,
-          "Write a checkpoint every this many seconds (0: not by time).");
-ABSL_FLAG(int, keep_checkpoints, 5, "How many of the newest checkpoints to keep.");
-ABSL_FLAG(
-    int, worker_timeout, 30,
-    "Seconds without a report from a worker after which the synchronous steps go on without it; "
-    "it takes part again when it registers anew.");
-
-ABSL_FLAG(int64_t, eval_every_steps, 0,
-          "An evaluator (psflow-evaluator) evaluates the weights of every step that is a multiple "
-          "of this (0: not by steps); versions that pass while it evaluates are skipped.");
-ABSL_FLAG(int64_t, eval_every_secs, 60,
-          "An evaluator evaluates the next version once this many seconds passed since its last "
-          "evaluation began (0: not by time). The final model is always evaluated.");
-ABSL_FLAG(int, eval_final_timeout, 600,
-          "Seconds the end of the job waits for an evaluator's evaluation of the final model "
-          "(when the cluster lists an evaluator or one registered). An evaluator not heard from "
-          "for 30 s is not waited for.");
-
-ABSL_FLAG(double, bn_momentum, 0.1,
-          "Batch norm's running statistics, which evaluation uses: each step, r = (1 - m) * r + "
-          "m * s, s being the mean over the workers of their batches' statistic (mean, or "
-          "unbiased variance), m this flag (PyTorch's momentum convention: the weight of the new "
-          "value). In (0, 1].");
-
-ABSL_FLAG(
-    std::string, on_nonfinite, "fail",
-    "What a step whose loss or gradients are not finite (a diverging job) does: fail stops the "
-    "job with exit code 1 and one line naming the step; the checkpoints before it are kept and "
-    "no saved model is written. skip_step skips the step on every ps (no update; the weights "
-    "and optimizer state stay, the step counts) and logs it; more than --max_skipped_steps "
-    "skipped steps fail the job as fail does.");
-ABSL_FLAG(int64_t, max_skipped_steps, 100,
-          "With --on_nonfinite=skip_step: the most steps a job may skip before it fails.");
-
-ABSL_FLAG(
-    std::string, wire_dtype, "fp32",
-    "The dtype of the weights workers pull and the gradients they push: fp32, bf16 (bfloat16: "
-    "fp32's range, 8 significant bits) or fp16 (IEEE half: 11 significant bits, finite only below "
-    "65520 in magnitude; a gradient beyond that counts as not finite). 16 bits halve the bytes on "
-    "the network; values are rounded to nearest even. The ps keep fp32 master weights and "
-    "optimizer state; checkpoints and the saved model are fp32.");
-
-ABSL_FLAG(std::string, mode, "sync",
-          "How the ps apply gradients. sync: each step applies the mean of every live worker's "
-          "gradient, and step k+1 reads exactly the weights after step k (a global step is one "
-          "such update). async: each ps applies each worker's gradient alone as soon as it is "
-          "in, and a worker never waits for the others (a global step is one worker's gradient, "
-          "so an epoch takes num_workers times as many; --train_steps, --checkpoint_every_steps "
-          "and the learning-rate schedule count them). ssp: as async, but a worker may be at "
-          "most --staleness steps ahead of the slowest live worker (bounded staleness; "
-          "--staleness=0 is sync). The progress log shows the staleness seen.");
-ABSL_FLAG(int, staleness, 2,
-          "With --mode=ssp: the most steps a worker may run ahead of the slowest live worker "
-          "(>= 0; 0 runs the sync path).");
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -161,87 +34,24 @@ int main(int argc, char** argv) {
   o.cluster = psflow::ResolveClusterOrExit(psflow::Role::kChief);
   psflow::SetLogTag("chief");
 
-  psflow::chief::JobOptions& job = o.job;
-  job.model = absl::GetFlag(FLAGS_model);
-  job.data_dir = absl::GetFlag(FLAGS_data_dir);
-  job.dataset = absl::GetFlag(FLAGS_dataset);
-  job.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
-  job.batch_size = absl::GetFlag(FLAGS_batch_size);
-  job.epochs = absl::GetFlag(FLAGS_epochs);
-  job.train_steps = absl::GetFlag(FLAGS_train_steps);
-  job.optimizer = absl::GetFlag(FLAGS_optimizer);
-  job.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
-  job.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
-  job.nesterov = absl::GetFlag(FLAGS_nesterov);
-  job.weight_decay = static_cast<float>(absl::GetFlag(FLAGS_weight_decay));
-  job.beta1 = static_cast<float>(absl::GetFlag(FLAGS_beta1));
-  job.beta2 = static_cast<float>(absl::GetFlag(FLAGS_beta2));
-  job.epsilon = static_cast<float>(absl::GetFlag(FLAGS_epsilon));
-  job.rmsprop_alpha = static_cast<float>(absl::GetFlag(FLAGS_rmsprop_alpha));
-  job.lr_decay = absl::GetFlag(FLAGS_lr_decay);
-  job.lr_warmup_steps = absl::GetFlag(FLAGS_lr_warmup_steps);
-  job.lr_decay_steps = absl::GetFlag(FLAGS_lr_decay_steps);
-  job.lr_decay_rate = static_cast<float>(absl::GetFlag(FLAGS_lr_decay_rate));
-  job.lr_min = static_cast<float>(absl::GetFlag(FLAGS_lr_min));
-  job.seed = absl::GetFlag(FLAGS_seed);
-  job.compute_threads = absl::GetFlag(FLAGS_compute_threads);
-  job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
-  job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
-  job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
-  job.mode = absl::GetFlag(FLAGS_mode);
-  job.staleness = absl::GetFlag(FLAGS_staleness);
-  job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));
-  psflow::chief::CoordinatorOptions& c = o.coordinator;
-  c.ps_addresses = o.cluster.cluster.ps;
-  c.model_dir = absl::GetFlag(FLAGS_model_dir);
-  c.saved_model_dir = absl::GetFlag(FLAGS_saved_model_dir);
-  c.log_every_steps = absl::GetFlag(FLAGS_log_every_steps);
-  c.checkpoint_every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
-  c.checkpoint_every = absl::Seconds(absl::GetFlag(FLAGS_checkpoint_every_secs));
-  c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
-  c.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);
-  c.eval_every_secs = absl::GetFlag(FLAGS_eval_every_secs);
-  c.num_evaluators = static_cast<int>(o.cluster.cluster.evaluator.size());
-  if (absl::GetFlag(FLAGS_eval_final_timeout) < 0) {
-    std::fprintf(stderr, "psflow-chief: --eval_final_timeout must not be negative\n");
+  if (absl::Status s = psflow::chief::ChiefOptionsFromFlags(&o); !s.ok()) {
+    std::fprintf(stderr, "psflow-chief: %s\n", std::string(s.message()).c_str());
     return psflow::kExitPermanent;
   }
-  c.timeouts.final_eval = absl::Seconds(absl::GetFlag(FLAGS_eval_final_timeout));
-  if (absl::GetFlag(FLAGS_startup_timeout) <= 0) {
-    std::fprintf(stderr, "psflow-chief: --startup_timeout must be positive\n");
-    return psflow::kExitPermanent;
-  }
-  c.timeouts.startup = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
-  c.timeouts.worker = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
-  if (c.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 ||
-      c.keep_checkpoints < 1 || absl::GetFlag(FLAGS_worker_timeout) <= 0) {
-    std::fprintf(
-        stderr,
-        "psflow-chief: --checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
-        "--worker_timeout must be positive\n");
-    return psflow::kExitPermanent;
-  }
-  absl::StatusOr<psflow::JobConfig> config = psflow::chief::BuildJobConfig(o);
-  if (!config.ok()) {
-    PSLOG(ERROR) << config.status().message();
-    return psflow::ExitCodeFor(config.status());
-  }
-
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kChief);
   // Metrics and readiness (the gRPC health service): made before, and
   // served after, everything they read.
   psflow::metrics::Registry metrics;
   psflow::Readiness readiness;  // ready while every ps holds the job
-  c.metrics = &metrics;
-  c.on_ready = [&readiness](bool ready) { readiness.Set(ready); };
-  psflow::ps::GrpcClient ps(o.cluster.cluster.ps, security, /*connections_per_ps=*/1, &metrics);
-  psflow::ThreadPool pool(std::max(config->num_ps() - 1, 1));
-  // TensorBoard curves under <model_dir>/train (and, later, eval).
-  psflow::chief::Summaries summaries(c.model_dir);
-  psflow::chief::Coordinator coordinator(c, *std::move(config), &ps, &pool, &summaries);
-  psflow::chief::GrpcChiefService service(&coordinator);
+  o.coordinator.on_ready = [&readiness](bool ready) { readiness.Set(ready); };
+  absl::StatusOr<std::unique_ptr<psflow::chief::ChiefRole>> chief =
+      psflow::chief::ChiefRole::Create(o, security, &metrics);
+  if (!chief.ok()) {
+    PSLOG(ERROR) << chief.status().message();
+    return psflow::ExitCodeFor(chief.status());
+  }
   absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(
-      o.cluster.self_address, &service, security, psflow::chief::ChiefCallers());
+      o.cluster.self_address, (*chief)->service(), security, psflow::chief::ChiefCallers());
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
@@ -258,11 +68,11 @@ int main(int argc, char** argv) {
   // A signal makes the coordinator checkpoint first; give that time, not forever.
   const int code = psflow::RunRole(
       [&] {
-        absl::Status s = coordinator.Run();
+        absl::Status s = (*chief)->Run();
         readiness.Set(false);  // the job is over: nothing left to be ready for
         return s;
       },
-      [&](int sig) { coordinator.Stop(sig); }, absl::Seconds(30), "stopping");
+      [&](int sig) { (*chief)->Stop(sig); }, absl::Seconds(30), "stopping");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   readiness.Detach();
   return code;

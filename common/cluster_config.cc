@@ -433,7 +433,9 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
       }
     }
   }
-  if (config.cluster.chief.empty()) return Invalid("the cluster has no chief");
+  if (config.cluster.chief.empty() && config.cluster.worker.empty()) {
+    return Invalid("the cluster has neither a chief nor a worker");
+  }
   if (config.cluster.chief.size() > 1) {
     return Invalid(absl::StrFormat("the cluster has %d chief tasks; there must be exactly one",
                                    config.cluster.chief.size()));

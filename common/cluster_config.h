@@ -31,6 +31,14 @@ struct ClusterSpec {
   std::vector<std::string> worker;
   std::vector<std::string> evaluator;  // not a training member
   const std::vector<std::string>& Addresses(Role role) const;
+  // A cluster without a chief task (the Helm/Estimator shape): worker 0
+  // runs the chief's duties in-process and answers the chief's RPCs.
+  bool ChiefInWorker0() const { return chief.empty() && !worker.empty(); }
+  // Where the chief's RPCs go: the chief, or worker 0 in a cluster without one.
+  const std::string& ChiefAddress() const { return chief.empty() ? worker[0] : chief[0]; }
+  // The role whose certificate the chief's address presents (chief, or
+  // worker in a cluster without one).
+  Role ChiefHostRole() const { return chief.empty() ? Role::kWorker : Role::kChief; }
 };
 
 struct ClusterConfig {
@@ -65,8 +73,10 @@ struct ConfigEnv {
 // Flags override the environment field by field (a host-list flag replaces
 // that role's list; --job_name/--task_id replace the task). Errors: nothing
 // configured; malformed JSON; unknown role; index out of range; an address
-// that is not host:port; the same address twice; no chief or no ps (for
-// training roles); and a task whose role is not `expected`.
+// that is not host:port; the same address twice; neither a chief nor a
+// worker, or no ps (for training roles); and a task whose role is not
+// `expected`. A cluster without a chief task is valid when it has workers:
+// worker 0 is its chief (ClusterSpec::ChiefInWorker0).
 absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, const ConfigEnv& env,
                                                    Role expected);
 

@@ -88,6 +88,12 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& sel
                                                           grpc::Service* service,
                                                           const SecurityOptions& security,
                                                           const CallerRoles& callers) {
+  return StartServer(self_address, std::vector<grpc::Service*>{service}, security, callers);
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
+    const std::string& self_address, const std::vector<grpc::Service*>& services,
+    const SecurityOptions& security, const CallerRoles& callers) {
   const std::string listen = ListenAddress(self_address);
   std::string host;
   int port = 0;
@@ -108,7 +114,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& sel
   // then start "listening" too and the kernel would split connections
   // between the two. A port that is taken must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.RegisterService(service);
+  for (grpc::Service* service : services) builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || bound == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on port ", port, " (", listen,

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -61,6 +62,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& sel
                                                           grpc::Service* service,
                                                           const SecurityOptions& security,
                                                           const CallerRoles& callers = {});
+// The same for several services on one port (a worker that also runs the
+// chief's duties); `callers` holds the rules of all of them.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
+    const std::string& self_address, const std::vector<grpc::Service*>& services,
+    const SecurityOptions& security, const CallerRoles& callers = {});
 
 // The health service name that answers SERVING while the process serves at
 // all, whether or not its role is ready: for liveness probes, which must not

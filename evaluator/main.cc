@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   options.data_dir = absl::GetFlag(FLAGS_eval_data_dir);
   options.batch_size = absl::GetFlag(FLAGS_batch_size);
   options.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
-  options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
+  options.chief_address = absl::StrCat("chief ", config.cluster.ChiefAddress());
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kEvaluator);
   // Metrics and readiness: made before everything that records into them.
@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
   psflow::Readiness readiness;  // ready while registered with the chief
   options.metrics = &metrics;
   options.on_registered = [&readiness](bool registered) { readiness.Set(registered); };
-  psflow::chief::GrpcClient chief(config.cluster.chief[0], security, &metrics);
+  psflow::chief::GrpcClient chief(config.cluster.ChiefAddress(), security, &metrics,
+                                  config.cluster.ChiefHostRole());
   psflow::evaluator::Evaluator evaluator(
       options, &chief, [&security, &metrics](const std::vector<std::string>& addresses) {
         return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1, &metrics);

@@ -139,7 +139,8 @@ int main(int argc, char** argv) {
   });
 
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(config.self_address, &service, security, psflow::ps::PsCallers());
+      psflow::StartServer(config.self_address, &service, security,
+                          psflow::ps::PsCallers(config.cluster.ChiefHostRole()));
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;

@@ -54,15 +54,15 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 
 }  // namespace
 
-CallerRoles PsCallers() {
+CallerRoles PsCallers(Role chief) {
   auto method = [](absl::string_view name) {
     return MethodName(ParameterServer::service_full_name(), name);
   };
   return {
-      {method("Init"), {Role::kChief}},
-      {method("SetLiveWorkers"), {Role::kChief}},
-      {method("Shutdown"), {Role::kChief}},
-      {method("Snapshot"), {Role::kChief, Role::kEvaluator}},
+      {method("Init"), {chief}},
+      {method("SetLiveWorkers"), {chief}},
+      {method("Shutdown"), {chief}},
+      {method("Snapshot"), {chief, Role::kEvaluator}},
       {method("Push"), {Role::kWorker}},
       {method("Pull"), {Role::kChief, Role::kWorker, Role::kEvaluator}},
   };

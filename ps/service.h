@@ -39,8 +39,11 @@ struct StreamLimits {
 // Who may call what on a ps when members have certificates (mutual TLS; the
 // server's CallGate enforces it): Init, SetLiveWorkers and Shutdown only the
 // chief; Snapshot the chief or an evaluator; Push a worker; Pull the chief, a
-// worker or an evaluator; GetState any member.
-CallerRoles PsCallers();
+// worker or an evaluator; GetState any member. `chief` is the role that
+// runs the chief's duties: kChief, or kWorker in a cluster without a chief
+// (worker 0 is its chief; under TLS a worker's certificate then carries the
+// chief's rights, as the certificate names a role, not a task).
+CallerRoles PsCallers(Role chief = Role::kChief);
 
 class PsService final
     : public ParameterServer::WithCallbackMethod_Pull<

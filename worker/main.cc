@@ -1,16 +1,26 @@
 // psflow-worker: a training worker. Takes the job from the chief and trains
-// until the chief says the job is over.
+// until the chief says the job is over. In a cluster without a chief task
+// (ps and workers only), worker 0 also runs the chief's duties in-process
+// (chief/role.h), with the chief's flags, and serves the chief's RPCs on its
+// own port; the other workers call it there.
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
+#include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "chief/flags.h"
 #include "chief/grpc_client.h"
+#include "chief/role.h"
 #include "common/cluster_flags.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
@@ -32,8 +42,6 @@ ABSL_FLAG(
     "consecutive slices of at least 1 MiB (a ps holding less, or few large slices, gives fewer). "
     "0: up to 16 lanes in all, shared by the ps (at most 8 per ps, at least 1). 1: one "
     "stream each way per ps.");
-ABSL_FLAG(int, startup_timeout, 300,
-          "Seconds to keep retrying to reach the chief or a ps before exiting with code 138.");
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -45,12 +53,29 @@ int main(int argc, char** argv) {
       "POD_NAME. The job itself (model, data, batch size, steps) comes from the chief. Example:\n"
       "  psflow-worker --job_name=worker --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"
       "                --worker_hosts=h2:2222\n"
+      "In a cluster without a chief (no --chief_hosts, a TF_CONFIG or CLUSTER_CONFIG that lists\n"
+      "only ps and workers), worker 0 is the chief as well: give it the chief's flags below\n"
+      "(--model, --epochs, --model_dir, ...; the other workers may get the same ones and ignore\n"
+      "them). Example:\n"
+      "  psflow-worker --job_name=worker --task_id=0 --ps_hosts=h1:2222 \\\n"
+      "                --worker_hosts=h2:2222,h3:2222 --model=cnn --epochs=5 --model_dir=/tmp/run\n"
       "Exit codes: 0 done, 1 permanent error, 138 chief or ps unreachable, 140 other failure\n"
       "worth a retry, 128+n after signal n.");
   psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kWorker);
-  if (absl::GetFlag(FLAGS_startup_timeout) <= 0) {
+  const absl::Duration startup_timeout = psflow::chief::StartupTimeoutFromFlags();
+  if (startup_timeout <= absl::ZeroDuration()) {
     std::fprintf(stderr, "psflow-worker: --startup_timeout must be positive\n");
     return 1;
+  }
+  // Worker 0 of a cluster without a chief is its chief too.
+  const bool chief_here = config.cluster.ChiefInWorker0() && config.task_index == 0;
+  psflow::chief::ChiefOptions chief_options;
+  if (chief_here) {
+    chief_options.cluster = config;
+    if (absl::Status s = psflow::chief::ChiefOptionsFromFlags(&chief_options); !s.ok()) {
+      std::fprintf(stderr, "psflow-worker: %s\n", std::string(s.message()).c_str());
+      return psflow::kExitPermanent;
+    }
   }
   const int lanes = absl::GetFlag(FLAGS_ps_lanes);
   if (lanes < 0 || lanes > 64) {
@@ -65,15 +90,27 @@ int main(int argc, char** argv) {
   psflow::worker::TrainerOptions options;
   options.worker_index = config.task_index;
   options.device = absl::GetFlag(FLAGS_device);
-  options.chief_address = absl::StrCat("chief ", config.cluster.chief[0]);
-  options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  options.chief_address = absl::StrCat("chief ", config.cluster.ChiefAddress());
+  options.startup_timeout = startup_timeout;
   options.on_registered = [&readiness](bool registered) { readiness.Set(registered); };
   // About 16 streams each way keep a host's loopback and the ps busy (measured
   // with 2, 4 and 8 ps on an H100 host: docs/performance.md).
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
-  psflow::chief::GrpcClient chief(config.cluster.chief[0], security, &metrics);
+  std::unique_ptr<psflow::chief::ChiefRole> chief_role;
+  if (chief_here) {
+    absl::StatusOr<std::unique_ptr<psflow::chief::ChiefRole>> made =
+        psflow::chief::ChiefRole::Create(chief_options, security, &metrics);
+    if (!made.ok()) {
+      PSLOG(ERROR) << made.status().message();
+      return psflow::ExitCodeFor(made.status());
+    }
+    chief_role = *std::move(made);
+  }
+  // Worker 0 of a chiefless cluster calls its own chief through its own port.
+  psflow::chief::GrpcClient chief(config.cluster.ChiefAddress(), security, &metrics,
+                                  config.cluster.ChiefHostRole());
   psflow::worker::Trainer trainer(
       options, &chief,
       [&security, &metrics, connections = options.lanes_per_ps](
@@ -87,8 +124,11 @@ int main(int argc, char** argv) {
   // The worker listens on its own address too: the standard gRPC health
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(config.self_address, &service, security);
+  std::vector<grpc::Service*> services = {&service};
+  if (chief_role != nullptr) services.push_back(chief_role->service());
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(
+      config.self_address, services, security,
+      chief_role != nullptr ? psflow::chief::ChiefCallers() : psflow::CallerRoles());
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
@@ -101,10 +141,50 @@ int main(int argc, char** argv) {
     readiness.Detach();
     return psflow::kExitPermanent;
   }
-  // Calls in flight are cancelled on a signal; do not wait for more than a few seconds.
-  const int code =
-      psflow::RunRole([&] { return trainer.Run(); }, [&](int sig) { trainer.Stop(sig); },
-                      absl::Seconds(6), "stopping after the call in flight");
+  if (chief_role != nullptr) {
+    PSLOG(INFO) << "the cluster has no chief: worker 0 runs the chief's duties on "
+                << config.self_address;
+  }
+  // Calls in flight are cancelled on a signal; do not wait for more than a
+  // few seconds (the chief's duties: until their checkpoint is written).
+  const int code = psflow::RunRole(
+      [&]() -> absl::Status {
+        if (chief_role == nullptr) return trainer.Run();
+        // Whichever side ends with an error first decides the exit code and
+        // stops the other: a coordinator that failed (a diverged job, a ps
+        // gone) leaves nothing to train for; a trainer that failed leaves
+        // the job without this worker, so the chief's duties checkpoint and
+        // end too, and the restarted process takes both up again (adopting
+        // the running job).
+        absl::Mutex mu;
+        absl::Status first;  // the first error, of either side
+        absl::Status chief_status;
+        std::thread coordinator([&] {
+          chief_status = chief_role->Run();
+          if (chief_status.ok()) return;
+          {
+            absl::MutexLock lock(&mu);
+            if (first.ok()) first = chief_status;
+          }
+          trainer.Stop(SIGTERM);
+        });
+        absl::Status s = trainer.Run();
+        if (!s.ok()) {
+          {
+            absl::MutexLock lock(&mu);
+            if (first.ok()) first = s;
+          }
+          chief_role->Stop(SIGTERM);
+        }
+        coordinator.join();
+        absl::MutexLock lock(&mu);
+        return first;
+      },
+      [&](int sig) {
+        trainer.Stop(sig);
+        if (chief_role != nullptr) chief_role->Stop(sig);
+      },
+      absl::Seconds(chief_role != nullptr ? 30 : 6), "stopping after the call in flight");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   readiness.Detach();
   return code;

@@ -483,13 +483,57 @@ TEST(ErrorsTest, DuplicateAddress) {
   ExpectError(ResolveClusterConfig(flags, {}, Role::kWorker), "address 'a:1' appears twice");
 }
 
-TEST(ErrorsTest, NoChief) {
-  ClusterFlags flags = FullFlags();
-  flags.chief_hosts.reset();
-  ExpectError(ResolveClusterConfig(flags, {}, Role::kWorker), "the cluster has no chief");
+TEST(ErrorsTest, NeitherChiefNorWorker) {
   ConfigEnv env =
       TfConfigEnv(R"({"cluster":{"ps":["p:1"]},"task":{"type":"evaluator","index":0}})");
-  ExpectError(ResolveClusterConfig({}, env, Role::kEvaluator), "the cluster has no chief");
+  ExpectError(ResolveClusterConfig({}, env, Role::kEvaluator),
+              "the cluster has neither a chief nor a worker");
+}
+
+// The Helm chart's CLUSTER_CONFIG of a TensorFlow cluster: ps and workers
+// only, service names, port 8080, trailing commas; POD_NAME names the pod.
+constexpr char kHelmClusterConfig[] = R"({
+  "ps": ["mnist-ps-0:8080", "mnist-ps-1:8080",],
+  "worker": ["mnist-worker-0:8080", "mnist-worker-1:8080",],
+})";
+
+TEST(ChieflessTest, HelmShapeMakesWorker0TheChief) {
+  ConfigEnv env;
+  env.cluster_config = kHelmClusterConfig;
+  env.pod_name = "mnist-worker-0";
+  auto config = ResolveClusterConfig({}, env, Role::kWorker);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->cluster.chief.empty());
+  EXPECT_TRUE(config->cluster.ChiefInWorker0());
+  EXPECT_EQ(config->cluster.ChiefAddress(), "mnist-worker-0:8080");
+  EXPECT_EQ(config->cluster.ChiefHostRole(), Role::kWorker);
+  EXPECT_EQ(config->self_address, "mnist-worker-0:8080");
+  EXPECT_EQ(config->self_port, 8080);
+  env.pod_name = "mnist-ps-1";
+  config = ResolveClusterConfig({}, env, Role::kPs);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->task_index, 1);
+  EXPECT_EQ(config->cluster.ChiefAddress(), "mnist-worker-0:8080");
+}
+
+TEST(ChieflessTest, TfConfigAndFlagsWithoutAChief) {
+  auto config =
+      ResolveClusterConfig({},
+                           TfConfigEnv(R"({"cluster":{"ps":["p:1"],"worker":["w:1","w:2"]},)"
+                                       R"("task":{"type":"worker","index":1}})"),
+                           Role::kWorker);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->cluster.ChiefAddress(), "w:1");
+  ClusterFlags flags = FullFlags();
+  flags.chief_hosts.reset();
+  config = ResolveClusterConfig(flags, {}, Role::kWorker);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->cluster.ChiefInWorker0());
+  // With a chief, the chief is the chief.
+  config = ResolveClusterConfig(FullFlags(), {}, Role::kWorker);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->cluster.ChiefInWorker0());
+  EXPECT_EQ(config->cluster.ChiefHostRole(), Role::kChief);
 }
 
 TEST(ErrorsTest, TwoChiefs) {

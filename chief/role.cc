@@ -1,0 +1,25 @@
+#include "chief/role.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace psflow::chief {
+
+absl::StatusOr<std::unique_ptr<ChiefRole>> ChiefRole::Create(ChiefOptions options,
+                                                             const SecurityOptions& security,
+                                                             metrics::Registry* metrics) {
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options);
+  if (!job.ok()) return job.status();
+  options.coordinator.metrics = metrics;
+  return std::unique_ptr<ChiefRole>(new ChiefRole(options, *std::move(job), security, metrics));
+}
+
+ChiefRole::ChiefRole(const ChiefOptions& options, JobConfig job, const SecurityOptions& security,
+                     metrics::Registry* metrics)
+    : ps_(options.cluster.cluster.ps, security, /*connections_per_ps=*/1, metrics),
+      pool_(std::max(job.num_ps() - 1, 1)),
+      summaries_(options.coordinator.model_dir),
+      coordinator_(options.coordinator, std::move(job), &ps_, &pool_, &summaries_),
+      service_(&coordinator_) {}
+
+}  // namespace psflow::chief

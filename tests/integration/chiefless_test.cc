@@ -1,0 +1,121 @@
+// Clusters without a chief task, as the Helm-templated TensorFlow cluster
+// renders them: CLUSTER_CONFIG lists only ps and workers (with trailing
+// commas), every pod listens on port 8080 of its own address, and POD_NAME
+// names the pod. Worker 0 runs the chief's duties in-process. Each "pod"
+// here gets its own loopback address (127.x.y.z) with port 8080. Every
+// process is started by the test, as Kubernetes would start the pods, with
+// the same environment; the workers all get the job's flags.
+#include <signal.h>
+#include <unistd.h>
+
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/process.h"
+
+namespace psflow::itest {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ChieflessTest : public TempDirTest {
+ protected:
+  // Addresses on loopback nobody else uses: 127.<a>.<b>.<pod>, from this
+  // process's pid, all on port 8080.
+  std::string PodAddress(int pod) const {
+    const int pid = static_cast<int>(::getpid());
+    return absl::StrCat("127.", 100 + pid % 100, ".", (pid / 100) % 250 + 1, ".", pod + 1,
+                        ":8080");
+  }
+
+  // The Helm chart's CLUSTER_CONFIG for `ps` ps and `workers` workers.
+  std::string HelmClusterConfig(int ps, int workers) const {
+    std::string out = "{\n  \"ps\": [";
+    for (int i = 0; i < ps; ++i) absl::StrAppend(&out, "\"", PodAddress(i), "\",");
+    absl::StrAppend(&out, "],\n  \"worker\": [");
+    for (int i = 0; i < workers; ++i) absl::StrAppend(&out, "\"", PodAddress(ps + i), "\",");
+    absl::StrAppend(&out, "],\n}");
+    return out;
+  }
+
+  // Starts pod `role`-`index` of the Helm cluster.
+  std::unique_ptr<Process> StartPod(const std::string& role, int index,
+                                    const std::vector<std::string>& args) {
+    std::map<std::string, std::string> env = {{"CLUSTER_CONFIG", HelmClusterConfig(2, 2)},
+                                              {"POD_NAME", absl::StrCat("mnist-", role, "-", index)}};
+    return std::make_unique<Process>(Bin(role == "ps" ? "psflow-ps" : "psflow-worker"), args, env);
+  }
+
+  std::vector<std::string> JobArgs(int64_t steps) const {
+    return {"--model=mlp",
+            "--train_steps=" + std::to_string(steps),
+            "--optimizer=adam",
+            "--learning_rate=0.001",
+            "--log_every_steps=100",
+            "--checkpoint_every_steps=100",
+            "--model_dir=" + dir_ + "/model"};
+  }
+};
+
+TEST_F(ChieflessTest, HelmShapeTrainsAndEveryProcessExits0) {
+  std::vector<std::unique_ptr<Process>> pods;
+  pods.push_back(StartPod("ps", 0, {}));
+  pods.push_back(StartPod("ps", 1, {}));
+  // Every worker gets the same container args.
+  pods.push_back(StartPod("worker", 0, JobArgs(600)));
+  pods.push_back(StartPod("worker", 1, JobArgs(600)));
+  for (auto& pod : pods) {
+    EXPECT_EQ(pod->WaitOrKill(seconds(240)), 0) << pod->Describe();
+  }
+  const std::string chief = pods[2]->output();
+  EXPECT_THAT(chief, HasSubstr("the cluster has no chief: worker 0 runs the chief's duties on " +
+                               PodAddress(2)));
+  EXPECT_THAT(chief, HasSubstr("worker0] step 600/600 "));
+  EXPECT_THAT(chief, HasSubstr("done: 600 steps"));
+  EXPECT_THAT(chief, HasSubstr("saved model (step 600) written"));
+  const std::string figures = SavedModelFigures(dir_ + "/model");
+  ASSERT_NE(figures, "");
+  // 600 steps of the mlp reach 0.849 uninterrupted.
+  EXPECT_GE(std::stod(figures), 0.82) << figures;
+  ExpectNoProcessesLeft(dir_);
+}
+
+// Worker 0 killed mid-job (its chief's duties with it) and started again, as
+// a pod's restart would: it takes the chief's duties up again (adopting the
+// running job, or restoring the newest checkpoint) and the job ends well.
+TEST_F(ChieflessTest, Worker0KilledResumesTheChiefsDuties) {
+  std::vector<std::unique_ptr<Process>> pods;
+  pods.push_back(StartPod("ps", 0, {}));
+  pods.push_back(StartPod("ps", 1, {}));
+  pods.push_back(StartPod("worker", 0, JobArgs(1500)));
+  pods.push_back(StartPod("worker", 1, JobArgs(1500)));
+  ASSERT_TRUE(pods[2]->WaitForOutput("worker0] step 300/1500 ", seconds(120)))
+      << pods[2]->Describe();
+  pods[2]->Signal(SIGKILL);
+  pods[2]->WaitOrKill(seconds(10));
+  auto restarted = StartPod("worker", 0, JobArgs(1500));
+  const std::regex resumed(
+      R"(worker0\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))");
+  ASSERT_TRUE(restarted->WaitForOutput("step", seconds(60))) << restarted->Describe();
+  EXPECT_EQ(restarted->WaitOrKill(seconds(240)), 0) << restarted->Describe();
+  std::smatch m;
+  const std::string out = restarted->output();
+  ASSERT_TRUE(std::regex_search(out, m, resumed)) << out;
+  EXPECT_GE(std::stoll(m[2].str()), 300) << out;
+  EXPECT_THAT(out, HasSubstr("done: 1500 steps"));
+  for (int i : {0, 1, 3}) EXPECT_EQ(pods[i]->WaitOrKill(seconds(60)), 0) << pods[i]->Describe();
+  const std::string figures = SavedModelFigures(dir_ + "/model");
+  ASSERT_NE(figures, "");
+  EXPECT_GE(std::stod(figures), 0.85) << figures;
+  ExpectNoProcessesLeft(dir_);
+}
+
+}  // namespace
+}  // namespace psflow::itest
