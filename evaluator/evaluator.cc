@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/byte_size.h"
 #include "common/exit_codes.h"
 #include "common/fan_out.h"
 #include "common/log.h"
@@ -143,16 +144,29 @@ absl::Status Evaluator::Prepare() {
       data::LoadDataset(source, data::ModelInputOf(job_.model()), data::Split::kTest);
   if (!test.ok()) return Permanent(test.status(), "");
   test_ = *std::move(test);
+  memory_budget_ = options_.memory_limit;
+  if (memory_budget_ <= 0) {
+    absl::StatusOr<int64_t> budget = DefaultMemoryBudget(backend_.get());
+    if (!budget.ok()) return Permanent(budget.status(), "");
+    memory_budget_ = *budget;
+  }
+  model::NetworkOptions net_options;
+  net_options.forward_only = true;
   absl::StatusOr<std::unique_ptr<model::Network>> net =
-      model::Network::Create(job_.model(), backend_.get());
+      model::Network::Create(job_.model(), backend_.get(), net_options);
   if (!net.ok()) return Permanent(net.status(), "");
   net_ = *std::move(net);
+  // Refused now rather than at the first evaluation.
+  absl::StatusOr<int> batch =
+      EvaluationBatch(*net_, test_.count, options_.batch_size, memory_budget_);
+  if (!batch.ok()) return Permanent(batch.status(), "");
   values_.clear();
   for (const VariableShape& v : model::ModelVariables(job_.model()))
     values_.emplace_back(NumElements(v.shape));
   pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));
   PSLOG(INFO) << "evaluating model " << job_.model().name() << " on " << test_.count
-              << " test examples (" << options_.device << ") every "
+              << " test examples (" << options_.device << ", batches of " << *batch
+              << ", memory budget " << FormatByteSize(memory_budget_) << ") every "
               << (every_steps_ > 0 ? absl::StrCat(every_steps_, " steps") : "")
               << (every_steps_ > 0 && every_secs_ > 0 ? " or " : "")
               << (every_secs_ > 0 ? absl::StrCat(every_secs_, " s") : "")
@@ -247,8 +261,8 @@ absl::Status Evaluator::EvaluateVersion(int64_t version) {
   absl::Status set = net_->SetWeights(weights);
   if (!set.ok())
     return absl::InternalError(absl::StrCat("cannot set the weights: ", set.message()));
-  absl::StatusOr<Evaluation> e =
-      EvaluateDataset(net_.get(), test_, options_.batch_size, [this] { return MaybeHeartbeat(); });
+  absl::StatusOr<Evaluation> e = EvaluateDataset(
+      net_.get(), test_, options_.batch_size, memory_budget_, [this] { return MaybeHeartbeat(); });
   if (!e.ok()) {
     if (IsJobOver(e.status()) || IsRegisterAgain(e.status()) || SignalOf(e.status())) {
       return e.status();

@@ -59,6 +59,12 @@ struct EvaluatorOptions {
   // Test examples of a job on the synthetic dataset (as psflow-eval's).
   int64_t synthetic_examples = 2000;
   int batch_size = 500;  // examples per forward pass (psflow-eval's default)
+  // Bytes the evaluation may take on the device (the network's weights and
+  // forward buffers; see evaluator/evaluation.h); 0: DefaultMemoryBudget,
+  // taken when the job is prepared. A batch_size that does not fit is run
+  // in smaller batches; a model of which one example does not fit is a
+  // permanent error.
+  int64_t memory_limit = 0;
   // Only for messages: where the chief is.
   std::string chief_address = "the chief";
   // How long to keep trying to reach the chief before giving up (exit 138).
@@ -148,7 +154,8 @@ class Evaluator {
   std::unique_ptr<ps::Client> ps_;
   std::unique_ptr<ThreadPool> pool_;  // snapshots of every ps at once
   std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<model::Network> net_;
+  std::unique_ptr<model::Network> net_;  // forward-only
+  int64_t memory_budget_ = 0;            // options_.memory_limit or the default
   data::Dataset test_;
   std::vector<std::vector<float>> values_;  // by variable
   int64_t last_step_ = -1;                  // the latest version evaluated

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "chief/grpc_client.h"
+#include "common/byte_size.h"
 #include "common/cluster_flags.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
@@ -28,7 +29,15 @@ ABSL_FLAG(std::string, eval_data_dir, "",
           "job's --data_dir, as the chief hands it out.");
 ABSL_FLAG(int, batch_size, 500,
           "Examples per forward pass (psflow-eval's default, so both give the same figures for "
-          "the same weights).");
+          "the same weights); fewer where a pass that large would not fit --eval_memory_limit.");
+ABSL_FLAG(std::string, eval_memory_limit, "auto",
+          "Memory the evaluation may take on --device: the model's weights and the buffers of a "
+          "forward pass (the test split itself is not counted). A size such as 2GiB, 512MiB or "
+          "1073741824 (bytes), or auto: half of the memory available when the job is prepared "
+          "(MemAvailable or the cgroup's limit less its usage, whichever is smaller, for cpu; "
+          "the GPU's free memory for cuda:N). A --batch_size that does not fit is evaluated in "
+          "smaller batches; a model of which one example does not fit is refused (exit code 1), "
+          "naming the memory it needs.");
 ABSL_FLAG(int, compute_threads, 0, "CPU threads of the kernels; 0 = all cores.");
 ABSL_FLAG(int64_t, synthetic_examples, 2000,
           "Test examples of a job on --dataset=synthetic (psflow-eval's default).");
@@ -58,6 +67,17 @@ int main(int argc, char** argv) {
                  "be positive, --compute_threads not negative\n");
     return psflow::kExitPermanent;
   }
+  int64_t memory_limit = 0;  // auto
+  if (const std::string limit = absl::GetFlag(FLAGS_eval_memory_limit); limit != "auto") {
+    absl::StatusOr<int64_t> bytes = psflow::ParseByteSize(limit);
+    if (!bytes.ok() || *bytes <= 0) {
+      std::fprintf(
+          stderr, "psflow-evaluator: --eval_memory_limit: %s\n",
+          bytes.ok() ? "must be positive, or auto" : std::string(bytes.status().message()).c_str());
+      return psflow::kExitPermanent;
+    }
+    memory_limit = *bytes;
+  }
   psflow::SetLogTag(absl::StrCat("evaluator", config.task_index));
 
   psflow::evaluator::EvaluatorOptions options;
@@ -66,6 +86,7 @@ int main(int argc, char** argv) {
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.data_dir = absl::GetFlag(FLAGS_eval_data_dir);
   options.batch_size = absl::GetFlag(FLAGS_batch_size);
+  options.memory_limit = memory_limit;
   options.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
   options.chief_address = absl::StrCat("chief ", config.cluster.ChiefAddress());
   options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));

@@ -15,6 +15,12 @@
 // stream); CopyToHost and Synchronize wait for it. Backends that support it
 // can record a sequence of calls once as a Graph and replay it (CUDA graphs).
 //
+// Forward-only ops: an op created from a shape with forward_only set will only
+// run forward (inference: a batch norm's Infer). A backend may leave out
+// whatever only the other calls need (backward primitives, the pooling
+// arg-max workspace, cuDNN's backward algorithms and their workspace), and
+// those calls on such an op are FAILED_PRECONDITION.
+//
 // Thread-safety: a Backend may be shared by threads that create ops; a single
 // op object must not be executed concurrently from two threads.
 #ifndef PSFLOW_KERNELS_KERNELS_H_
@@ -44,6 +50,7 @@ struct Conv2DShape {
   int in_channels = 0, height = 0, width = 0;
   int out_channels = 0, kernel_h = 0, kernel_w = 0;
   int stride = 1, padding = 0;
+  bool forward_only = false;  // see "Forward-only ops" above
   int out_height() const { return (height + 2 * padding - kernel_h) / stride + 1; }
   int out_width() const { return (width + 2 * padding - kernel_w) / stride + 1; }
 };
@@ -62,6 +69,7 @@ class Conv2D {
 struct Pool2DShape {
   int batch = 0, channels = 0, height = 0, width = 0;
   int window = 2, stride = 2;
+  bool forward_only = false;  // see "Forward-only ops" above
   int out_height() const { return (height - window) / stride + 1; }
   int out_width() const { return (width - window) / stride + 1; }
 };
@@ -86,6 +94,7 @@ class Relu {
 
 struct DenseShape {
   int batch = 0, in_features = 0, out_features = 0;
+  bool forward_only = false;  // see "Forward-only ops" above
 };
 
 // y = x * w^T + b. x: [N,in], w: [out,in], b: [out], y: [N,out].
@@ -101,6 +110,7 @@ class Dense {
 struct BatchNormShape {
   int batch = 0, channels = 0, height = 0, width = 0;
   float epsilon = 1e-5f;
+  bool forward_only = false;  // Infer only; see "Forward-only ops" above
 };
 
 // Batch normalization: per channel c, over the M = N*H*W values of x,
@@ -184,6 +194,12 @@ class Backend {
   virtual absl::Status CopyToHost(const float* device, size_t floats, float* host) = 0;
   // Blocks until all work submitted to this backend has finished.
   virtual absl::Status Synchronize() = 0;
+  // Bytes that buffers of this backend may still take, as the system tells it
+  // now: host memory for the CPU (see kernels/host_memory.h), the device's
+  // free memory for a GPU. UNIMPLEMENTED where a backend cannot tell.
+  virtual absl::StatusOr<int64_t> AvailableMemory() {
+    return absl::UnimplementedError(name() + " cannot tell its available memory");
+  }
 
   // Elementwise helpers over n floats of backend memory; outputs may alias
   // inputs. y = a + b.

@@ -118,9 +118,12 @@ class Layer {
   // Backward with a dx.
   virtual bool passes_gradient() const { return false; }
 
-  // The kernels for batches of `batch` examples of input shape `in`.
+  // The kernels for batches of `batch` examples of input shape `in`;
+  // `forward_only`: kernels that only run Forward in inference mode
+  // (kernels.h's forward-only ops), whose Backward fails.
   virtual absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                              const ActivationShape& in) const = 0;
+                                                              const ActivationShape& in,
+                                                              bool forward_only) const = 0;
 
  protected:
   explicit Layer(std::string name) : name_(std::move(name)) {}

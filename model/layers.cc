@@ -80,9 +80,10 @@ class Conv2DKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind(
-        backend->CreateConv2D(Shape(batch, in)),
+        backend->CreateConv2D(Shape(batch, in, forward_only)),
         [](kernels::Conv2D& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
         [](kernels::Conv2D& op, const BackwardArgs& a) {
           return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db);
@@ -98,8 +99,10 @@ class Conv2DKind final : public Layer {
         padding_(c.padding()),
         bias_(!c.no_bias()) {}
 
-  kernels::Conv2DShape Shape(int batch, const ActivationShape& in) const {
-    return {batch, in.channels, in.height, in.width, filters_, kernel_, kernel_, stride_, padding_};
+  kernels::Conv2DShape Shape(int batch, const ActivationShape& in,
+                             bool forward_only = false) const {
+    return {batch,   in.channels, in.height, in.width, filters_,
+            kernel_, kernel_,     stride_,   padding_, forward_only};
   }
 
   int filters_, kernel_, stride_, padding_;
@@ -127,9 +130,10 @@ class MaxPoolKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind(
-        backend->CreateMaxPool2D(Shape(batch, in)),
+        backend->CreateMaxPool2D(Shape(batch, in, forward_only)),
         [](kernels::MaxPool2D& op, const ForwardArgs& a) { return op.Forward(a.x, a.y); },
         [](kernels::MaxPool2D& op, const BackwardArgs& a) {
           return a.dx == nullptr ? absl::OkStatus() : op.Backward(a.dy, a.dx);
@@ -140,8 +144,9 @@ class MaxPoolKind final : public Layer {
   MaxPoolKind(const std::string& name, int size, int stride)
       : Layer(name), size_(size), stride_(stride) {}
 
-  kernels::Pool2DShape Shape(int batch, const ActivationShape& in) const {
-    return {batch, in.channels, in.height, in.width, size_, stride_};
+  kernels::Pool2DShape Shape(int batch, const ActivationShape& in,
+                             bool forward_only = false) const {
+    return {batch, in.channels, in.height, in.width, size_, stride_, forward_only};
   }
 
   int size_, stride_;
@@ -159,7 +164,8 @@ class ReluKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind(
         backend->CreateRelu(batch * in.size()),
         [](kernels::Relu& op, const ForwardArgs& a) { return op.Forward(a.x, a.y); },
@@ -191,9 +197,10 @@ class DenseKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind(
-        backend->CreateDense({batch, static_cast<int>(in.size()), units_}),
+        backend->CreateDense({batch, static_cast<int>(in.size()), units_, forward_only}),
         [](kernels::Dense& op, const ForwardArgs& a) { return op.Forward(a.x, a.w, a.b, a.y); },
         [](kernels::Dense& op, const BackwardArgs& a) {
           return op.Backward(a.x, a.w, a.dy, a.dx, a.dw, a.db);
@@ -232,9 +239,10 @@ class BatchNormKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind(
-        backend->CreateBatchNorm({batch, in.channels, in.height, in.width, epsilon_}),
+        backend->CreateBatchNorm({batch, in.channels, in.height, in.width, epsilon_, forward_only}),
         [](kernels::BatchNorm& op, const ForwardArgs& a) {
           if (a.training) return op.Forward(a.x, a.w, a.b, a.y, a.batch_mean, a.batch_var);
           return op.Infer(a.x, a.w, a.b, a.running_mean, a.running_var, a.y);
@@ -272,7 +280,8 @@ class AddKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind<Sum>(
         std::make_unique<Sum>(Sum{backend, batch * in.size()}),
         [](Sum& sum, const ForwardArgs& a) {
@@ -305,7 +314,8 @@ class GlobalAvgPoolKind final : public Layer {
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                      const ActivationShape& in) const override {
+                                                      const ActivationShape& in,
+                                                      bool forward_only) const override {
     return Bind(
         backend->CreateGlobalAvgPool({batch, in.channels, in.height, in.width}),
         [](kernels::GlobalAvgPool& op, const ForwardArgs& a) { return op.Forward(a.x, a.y); },

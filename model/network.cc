@@ -10,6 +10,14 @@
 #include "common/tensor_chunks.h"
 
 namespace psflow::model {
+namespace {
+
+absl::Status ForwardOnly(absl::string_view call) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(call, " on a forward-only network (NetworkOptions.forward_only)"));
+}
+
+}  // namespace
 
 // Activation 0 is the (standardized) model input; activation i + 1 is the
 // output of layer i.
@@ -21,20 +29,24 @@ struct Network::Node {
   int running_mean = -1, running_var = -1;
 };
 
-// Ops and buffers for one batch size. acts[i] is activation i, dacts[i] its
-// gradient (none for the model input).
+// Ops and buffers for one batch size, of training steps or (forward_only) of
+// Evaluate. acts[i] is activation i, in one of `buffers` (its own in a
+// training state, a shared one in a forward-only state); dacts[i] its
+// gradient (none for the model input, none at all in a forward-only state).
 struct Network::BatchState {
   int batch = 0;
+  bool forward_only = false;
   std::vector<std::unique_ptr<LayerOps>> ops;  // per layer
   std::unique_ptr<kernels::SoftmaxCrossEntropy> loss;
   std::unique_ptr<kernels::Buffer> images, labels, probs, stats, scratch;
-  std::vector<std::unique_ptr<kernels::Buffer>> acts, dacts;
+  std::vector<std::unique_ptr<kernels::Buffer>> buffers, dacts;
+  std::vector<float*> acts;
   std::vector<bool> grad_written;  // by activation, while queueing a backward pass
   std::unique_ptr<kernels::Graph> train_graph, eval_graph;
   bool eager_train_done = false, eager_eval_done = false;
   bool graphs_off = false;  // the backend has none, or recording failed
   bool inputs_set = false;
-  bool step_queued = false;  // a step or evaluation whose stats FinishStep may read
+  bool step_queued = false;  // a training step whose stats FinishStep may read
 };
 
 Network::Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options)
@@ -64,8 +76,10 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
     node.running_var = g.layer_vars[i].running_var;
     net->nodes_.push_back(node);
   }
+  net->PlanForwardBuffers();
   for (const VariableShape& v : net->variables_) {
     for (auto* list : {&net->weights_, &net->grads_}) {
+      if (list == &net->grads_ && options.forward_only) continue;
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf =
           backend->Allocate(NumElements(v.shape));
       if (!buf.ok()) return buf.status();
@@ -73,6 +87,65 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
     }
   }
   return net;
+}
+
+// Activation a is written by layer a - 1 (the model input, a = 0, before the
+// first layer) and read last by the last layer that reads it (the logits by
+// the loss, after every layer). The output of each layer takes a buffer none
+// of the live activations is in: the smallest free one that is large enough,
+// else the largest free one, grown, else a new one. Its inputs are still
+// live, so no layer writes a buffer it reads. Then the buffers of the
+// activations it read last are free.
+void Network::PlanForwardBuffers() {
+  const int n = static_cast<int>(nodes_.size());
+  std::vector<int64_t> floats(n + 1);
+  std::vector<int> last_read(n + 1);
+  floats[0] = input_floats();
+  for (int a = 0; a <= n; ++a) last_read[a] = std::max(a - 1, 0);  // read by no layer
+  last_read[n] = n;                                                // the loss reads the logits
+  for (int i = 0; i < n; ++i) {
+    floats[i + 1] = nodes_[i].out.size();
+    for (int a : {nodes_[i].in_act, nodes_[i].other_act}) {
+      if (a >= 0) last_read[a] = std::max(last_read[a], i);
+    }
+  }
+  std::vector<std::vector<int>> released_after(n + 1);  // by layer: activations it read last
+  for (int a = 0; a < n; ++a) released_after[last_read[a]].push_back(a);
+
+  eval_buffer_of_.assign(n + 1, -1);
+  eval_buffer_floats_.clear();
+  std::vector<int> free_buffers;
+  auto take = [&](int64_t need) {
+    int fits = -1, largest = -1;
+    for (int b : free_buffers) {
+      const int64_t size = eval_buffer_floats_[b];
+      if (size >= need && (fits < 0 || size < eval_buffer_floats_[fits])) fits = b;
+      if (largest < 0 || size > eval_buffer_floats_[largest]) largest = b;
+    }
+    int b = fits >= 0 ? fits : largest;
+    if (b < 0) {
+      b = static_cast<int>(eval_buffer_floats_.size());
+      eval_buffer_floats_.push_back(need);
+      return b;
+    }
+    eval_buffer_floats_[b] = std::max(eval_buffer_floats_[b], need);
+    free_buffers.erase(std::find(free_buffers.begin(), free_buffers.end(), b));
+    return b;
+  };
+  eval_buffer_of_[0] = take(floats[0]);
+  for (int i = 0; i < n; ++i) {
+    eval_buffer_of_[i + 1] = take(floats[i + 1]);
+    for (int a : released_after[i]) free_buffers.push_back(eval_buffer_of_[a]);
+  }
+}
+
+Network::ForwardMemory Network::forward_memory() const {
+  int64_t weights = 0;
+  for (const VariableShape& v : variables_) weights += NumElements(v.shape);
+  int64_t per_example = input_floats() + 1 + spec_.num_classes();  // images, labels, probs
+  for (int64_t floats : eval_buffer_floats_) per_example += floats;
+  constexpr int64_t kFloat = sizeof(float);
+  return {weights * kFloat * (options_.forward_only ? 1 : 2), per_example * kFloat};
 }
 
 int64_t Network::input_floats() const {
@@ -89,7 +162,7 @@ std::vector<float*> Network::HostWeights() {
 
 std::vector<float*> Network::HostGradients() {
   std::vector<float*> out;
-  if (backend_->host_memory()) {
+  if (backend_->host_memory() && !options_.forward_only) {
     for (auto& g : grads_) out.push_back(g->data());
   }
   return out;
@@ -121,6 +194,7 @@ absl::Status Network::GetWeights(const std::vector<float*>& host) {
 }
 
 absl::Status Network::GetGradients(const std::vector<float*>& host) {
+  if (options_.forward_only) return ForwardOnly("GetGradients");
   if (host.size() != grads_.size())
     return absl::InvalidArgumentError("wrong number of gradient tensors");
   for (size_t i = 0; i < host.size(); ++i) {
@@ -129,15 +203,17 @@ absl::Status Network::GetGradients(const std::vector<float*>& host) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Network::BatchState*> Network::StateFor(int batch) {
+absl::StatusOr<Network::BatchState*> Network::StateFor(int batch, bool forward_only) {
   if (batch <= 0) return absl::InvalidArgumentError(absl::StrCat("batch size ", batch));
-  auto it = states_.find(batch);
-  if (it != states_.end()) return it->second.get();
+  std::map<int, std::unique_ptr<BatchState>>& states = forward_only ? eval_states_ : states_;
+  auto it = states.find(batch);
+  if (it != states.end()) return it->second.get();
   auto state = std::make_unique<BatchState>();
   state->batch = batch;
+  state->forward_only = forward_only;
   PSFLOW_RETURN_IF_ERROR(CreateOps(state.get()));
   BatchState* raw = state.get();
-  states_[batch] = std::move(state);
+  states[batch] = std::move(state);
   return raw;
 }
 
@@ -152,22 +228,34 @@ absl::Status Network::CreateOps(BatchState* st) {
     *out = *std::move(buf);
     return absl::OkStatus();
   };
-  int64_t largest = 0;
   st->acts.resize(n + 1);
-  st->dacts.resize(n + 1);
-  for (size_t i = 0; i <= n; ++i) {
-    const int64_t floats = int64_t{batch} * (i == 0 ? input_floats() : nodes_[i - 1].out.size());
-    largest = std::max(largest, floats);
-    PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->acts[i]));
-    if (i > 0) PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->dacts[i]));
+  if (st->forward_only) {
+    // What forward_memory() counts per example, times the batch.
+    st->buffers.resize(eval_buffer_floats_.size());
+    for (size_t b = 0; b < st->buffers.size(); ++b) {
+      PSFLOW_RETURN_IF_ERROR(alloc(int64_t{batch} * eval_buffer_floats_[b], &st->buffers[b]));
+    }
+    for (size_t i = 0; i <= n; ++i) st->acts[i] = st->buffers[eval_buffer_of_[i]]->data();
+  } else {
+    int64_t largest = 0;
+    st->buffers.resize(n + 1);
+    st->dacts.resize(n + 1);
+    for (size_t i = 0; i <= n; ++i) {
+      const int64_t floats = int64_t{batch} * (i == 0 ? input_floats() : nodes_[i - 1].out.size());
+      largest = std::max(largest, floats);
+      PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->buffers[i]));
+      st->acts[i] = st->buffers[i]->data();
+      if (i > 0) PSFLOW_RETURN_IF_ERROR(alloc(floats, &st->dacts[i]));
+    }
+    PSFLOW_RETURN_IF_ERROR(alloc(largest, &st->scratch));
   }
-  PSFLOW_RETURN_IF_ERROR(alloc(largest, &st->scratch));
   PSFLOW_RETURN_IF_ERROR(alloc(int64_t{batch} * input_floats(), &st->images));
   PSFLOW_RETURN_IF_ERROR(alloc(batch, &st->labels));  // int32 bits in float slots
   PSFLOW_RETURN_IF_ERROR(alloc(int64_t{batch} * spec_.num_classes(), &st->probs));
   PSFLOW_RETURN_IF_ERROR(alloc(2, &st->stats));
   for (size_t i = 0; i < n; ++i) {
-    PSFLOW_ASSIGN_OR_RETURN(st->ops[i], nodes_[i].layer->CreateOps(backend_, batch, nodes_[i].in));
+    PSFLOW_ASSIGN_OR_RETURN(
+        st->ops[i], nodes_[i].layer->CreateOps(backend_, batch, nodes_[i].in, st->forward_only));
   }
   PSFLOW_ASSIGN_OR_RETURN(st->loss,
                           backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes()));
@@ -175,7 +263,13 @@ absl::Status Network::CreateOps(BatchState* st) {
 }
 
 absl::Status Network::SetInputs(const float* images, const int32_t* labels, int batch) {
-  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  if (options_.forward_only) return ForwardOnly("SetInputs");
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch, /*forward_only=*/false));
+  return CopyInputs(st, images, labels);
+}
+
+absl::Status Network::CopyInputs(BatchState* st, const float* images, const int32_t* labels) {
+  const int batch = st->batch;
   for (int i = 0; i < batch; ++i) {
     if (labels[i] < 0 || labels[i] >= spec_.num_classes()) {
       return absl::InvalidArgumentError(absl::StrCat("label ", labels[i], " of example ", i,
@@ -195,34 +289,33 @@ absl::Status Network::QueueForward(BatchState* st, bool training) {
   const int64_t input_size = static_cast<int64_t>(st->images->size());
   if (in.stddev() > 0) {
     const float scale = 1.0f / in.stddev();
-    PSFLOW_RETURN_IF_ERROR(backend_->Affine(st->images->data(), scale, -in.mean() * scale,
-                                            st->acts[0]->data(), input_size));
+    PSFLOW_RETURN_IF_ERROR(
+        backend_->Affine(st->images->data(), scale, -in.mean() * scale, st->acts[0], input_size));
   } else {
-    PSFLOW_RETURN_IF_ERROR(backend_->Copy(st->images->data(), st->acts[0]->data(), input_size));
+    PSFLOW_RETURN_IF_ERROR(backend_->Copy(st->images->data(), st->acts[0], input_size));
   }
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const Node& l = nodes_[i];
     ForwardArgs args;
-    args.x = st->acts[l.in_act]->data();
-    if (l.other_act >= 0) args.other = st->acts[l.other_act]->data();
-    args.y = st->acts[i + 1]->data();
+    args.x = st->acts[l.in_act];
+    if (l.other_act >= 0) args.other = st->acts[l.other_act];
+    args.y = st->acts[i + 1];
     if (l.first >= 0) args.w = weights_[l.first]->data();
     if (l.second >= 0) args.b = weights_[l.second]->data();
     args.training = training;
     if (l.running_mean >= 0) {
       args.running_mean = weights_[l.running_mean]->data();
-      args.batch_mean = grads_[l.running_mean]->data();
+      if (training) args.batch_mean = grads_[l.running_mean]->data();
     }
     if (l.running_var >= 0) {
       args.running_var = weights_[l.running_var]->data();
-      args.batch_var = grads_[l.running_var]->data();
+      if (training) args.batch_var = grads_[l.running_var]->data();
     }
     PSFLOW_RETURN_IF_ERROR(
         Timed(static_cast<int>(i), "forward", [&] { return st->ops[i]->Forward(args); }));
   }
   return Timed(-1, "loss forward", [&] {
-    return st->loss->Forward(st->acts.back()->data(),
-                             reinterpret_cast<const int32_t*>(st->labels->data()),
+    return st->loss->Forward(st->acts.back(), reinterpret_cast<const int32_t*>(st->labels->data()),
                              st->probs->data(), st->stats->data());
   });
 }
@@ -265,7 +358,7 @@ absl::Status Network::QueueBackward(BatchState* st) {
     const bool need_dx = l.in_act > 0;
     const bool acc = need_dx && st->grad_written[l.in_act];
     BackwardArgs args;
-    args.x = st->acts[l.in_act]->data();
+    args.x = st->acts[l.in_act];
     args.dy = dy;
     args.dx = !need_dx ? nullptr : acc ? st->scratch->data() : st->dacts[l.in_act]->data();
     args.scratch = st->scratch->data();
@@ -362,7 +455,8 @@ absl::Status Network::Run(BatchState* st, bool train) {
 }
 
 absl::Status Network::StartTrainStep(int batch) {
-  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
+  if (options_.forward_only) return ForwardOnly("StartTrainStep");
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch, /*forward_only=*/false));
   if (!st->inputs_set) return absl::FailedPreconditionError("StartTrainStep before SetInputs");
   st->step_queued = false;
   PSFLOW_RETURN_IF_ERROR(Run(st, /*train=*/true));
@@ -376,7 +470,10 @@ absl::StatusOr<Network::Result> Network::FinishStep(int batch) {
     return absl::FailedPreconditionError(
         absl::StrCat("FinishStep without a step of batch size ", batch));
   }
-  BatchState* st = it->second.get();
+  return ReadResult(it->second.get());
+}
+
+absl::StatusOr<Network::Result> Network::ReadResult(BatchState* st) {
   float stats[2] = {0, 0};
   PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(st->stats->data(), 2, stats));
   return Result{stats[0], std::llround(stats[1])};
@@ -396,12 +493,10 @@ absl::StatusOr<Network::Result> Network::TrainStep(const float* images, const in
 
 absl::StatusOr<Network::Result> Network::Evaluate(const float* images, const int32_t* labels,
                                                   int batch) {
-  PSFLOW_RETURN_IF_ERROR(SetInputs(images, labels, batch));
-  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch));
-  st->step_queued = false;
+  PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch, /*forward_only=*/true));
+  PSFLOW_RETURN_IF_ERROR(CopyInputs(st, images, labels));
   PSFLOW_RETURN_IF_ERROR(Run(st, /*train=*/false));
-  st->step_queued = true;
-  return FinishStep(batch);
+  return ReadResult(st);
 }
 
 }  // namespace psflow::model

@@ -4,6 +4,14 @@
 // Weights and gradients are exchanged through host memory, in
 // ModelVariables(spec) order.
 //
+// Evaluation runs on buffers of its own, apart from the training step's of
+// the same batch size, and forward-only: ops without their backward state
+// (kernels.h), no gradient buffers, and activations that share buffers: once
+// the last layer that reads an output has run, its buffer takes a later
+// output. A forward pass of a resnet so holds a few activations at a time
+// instead of all of them and their gradients; ForwardMemory says how much
+// it takes.
+//
 // Batch norm: a training step normalizes with the batch's statistics and
 // leaves them, where the gradients of the non-trainable running mean and
 // running variance would be, for the caller to push (the batch's mean and
@@ -50,6 +58,10 @@ struct NetworkOptions {
   // Benchmarks: time every layer's forward and backward pass by waiting for
   // the device after each (slow; implies op-by-op steps). See LayerTimes.
   bool profile = false;
+  // For evaluation alone (psflow-eval, the evaluator): no gradient buffers
+  // are allocated, and TrainStep, SetInputs, StartTrainStep and
+  // GetGradients are FAILED_PRECONDITION.
+  bool forward_only = false;
 };
 
 class Network {
@@ -81,6 +93,19 @@ class Network {
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 
+  // The memory Evaluate takes on the backend's device, in bytes: `fixed`
+  // whatever the batch (the weights, and their gradients unless
+  // forward_only), and `per_example` for each example of a batch size it has
+  // run (the activation buffers, the input, its label and the class
+  // probabilities). Not counted: the backend's own state of the ops (small
+  // on the CPU; a cuDNN convolution's forward workspace on a GPU), and the
+  // buffers of training steps.
+  struct ForwardMemory {
+    int64_t fixed = 0;
+    int64_t per_example = 0;
+  };
+  ForwardMemory forward_memory() const;
+
   struct Result {
     double loss = 0;      // mean over the batch
     int64_t correct = 0;  // arg-max equals the label
@@ -91,7 +116,8 @@ class Network {
   // the batch statistics of the non-trainable variables) stay in the
   // network until GetGradients.
   absl::StatusOr<Result> TrainStep(const float* images, const int32_t* labels, int batch);
-  // Forward only, in inference mode (batch norm with its running statistics).
+  // Forward only, in inference mode (batch norm with its running statistics),
+  // on the forward-only buffers of this batch size (made on its first call).
   absl::StatusOr<Result> Evaluate(const float* images, const int32_t* labels, int batch);
   // Copies the latest gradients out to host memory, one pointer per
   // variable: for a non-trainable variable, the latest training step's
@@ -119,8 +145,15 @@ class Network {
   struct Node;  // a layer with the activations it reads and writes
   struct BatchState;
   Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options);
-  absl::StatusOr<BatchState*> StateFor(int batch);
+  // The training step's state of a batch size, or (forward_only) Evaluate's.
+  absl::StatusOr<BatchState*> StateFor(int batch, bool forward_only);
   absl::Status CreateOps(BatchState* st);
+  // Shares buffers among the activations of a forward pass: fills
+  // eval_buffer_of_ and eval_buffer_floats_.
+  void PlanForwardBuffers();
+  // Checks the labels and copies a batch into st's inputs.
+  absl::Status CopyInputs(BatchState* st, const float* images, const int32_t* labels);
+  absl::StatusOr<Result> ReadResult(BatchState* st);
   absl::Status QueueForward(BatchState* st, bool training);
   absl::Status QueueBackward(BatchState* st);
   absl::Status QueueTrain(BatchState* st);
@@ -136,8 +169,13 @@ class Network {
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;
   std::vector<std::unique_ptr<kernels::Buffer>> weights_;
-  std::vector<std::unique_ptr<kernels::Buffer>> grads_;
-  std::map<int, std::unique_ptr<BatchState>> states_;  // by batch size
+  std::vector<std::unique_ptr<kernels::Buffer>> grads_;     // empty when forward_only
+  std::map<int, std::unique_ptr<BatchState>> states_;       // training steps', by batch size
+  std::map<int, std::unique_ptr<BatchState>> eval_states_;  // Evaluate's, by batch size
+  // Evaluate's activation buffers: per activation, the buffer it lives in;
+  // per buffer, its floats per example.
+  std::vector<int> eval_buffer_of_;
+  std::vector<int64_t> eval_buffer_floats_;
   std::vector<std::pair<std::string, double>> layer_times_;
 };
 

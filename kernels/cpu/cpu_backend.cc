@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 
 #include "common/status_macros.h"
+#include "kernels/host_memory.h"
 #include "kernels/shapes.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -112,6 +113,11 @@ absl::Status CheckNonNull(absl::string_view op,
   return absl::OkStatus();
 }
 
+// What a forward-only op answers to the calls it was built without.
+absl::Status NotBuiltFor(absl::string_view op) {
+  return absl::FailedPreconditionError(absl::StrCat(op, ": the op was created forward-only"));
+}
+
 // Builds an op, turning oneDNN's refusal of a shape into INVALID_ARGUMENT.
 template <typename Op, typename Make>
 absl::StatusOr<std::unique_ptr<Op>> Build(absl::string_view what, Make&& make) {
@@ -128,7 +134,8 @@ absl::StatusOr<std::unique_ptr<Op>> Build(absl::string_view what, Make&& make) {
 
 class DnnlConv2D final : public Conv2D {
  public:
-  DnnlConv2D(std::shared_ptr<DnnlContext> ctx, const Conv2DShape& s) : ctx_(std::move(ctx)) {
+  DnnlConv2D(std::shared_ptr<DnnlContext> ctx, const Conv2DShape& s)
+      : ctx_(std::move(ctx)), forward_only_(s.forward_only) {
     const dnnl::engine& eng = ctx_->engine;
     const auto x_md = Md({s.batch, s.in_channels, s.height, s.width}, Tag::nchw);
     const auto w_md = Md({s.out_channels, s.in_channels, s.kernel_h, s.kernel_w}, Tag::oihw);
@@ -148,17 +155,19 @@ class DnnlConv2D final : public Conv2D {
         {train, algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng);
     const dnnl::convolution_forward::primitive_desc fwd_no_bias_pd(
         {train, algo, x_md, w_md, y_md, strides, pad, pad}, eng);
-    const dnnl::convolution_backward_data::primitive_desc bwd_data_pd(
-        {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_pd);
-    const dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd(
-        {algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng, fwd_pd);
-    const dnnl::convolution_backward_weights::primitive_desc bwd_weights_no_bias_pd(
-        {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_no_bias_pd);
     fwd_ = dnnl::convolution_forward(fwd_pd);
     fwd_no_bias_ = dnnl::convolution_forward(fwd_no_bias_pd);
-    bwd_data_ = dnnl::convolution_backward_data(bwd_data_pd);
-    bwd_weights_ = dnnl::convolution_backward_weights(bwd_weights_pd);
-    bwd_weights_no_bias_ = dnnl::convolution_backward_weights(bwd_weights_no_bias_pd);
+    if (!forward_only_) {
+      const dnnl::convolution_backward_data::primitive_desc bwd_data_pd(
+          {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_pd);
+      const dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd(
+          {algo, x_md, w_md, b_md, y_md, strides, pad, pad}, eng, fwd_pd);
+      const dnnl::convolution_backward_weights::primitive_desc bwd_weights_no_bias_pd(
+          {algo, x_md, w_md, y_md, strides, pad, pad}, eng, fwd_no_bias_pd);
+      bwd_data_ = dnnl::convolution_backward_data(bwd_data_pd);
+      bwd_weights_ = dnnl::convolution_backward_weights(bwd_weights_pd);
+      bwd_weights_no_bias_ = dnnl::convolution_backward_weights(bwd_weights_no_bias_pd);
+    }
 
     x_ = Unbound(x_md, eng), w_ = Unbound(w_md, eng), b_ = Unbound(b_md, eng);
     y_ = Unbound(y_md, eng), dx_ = Unbound(x_md, eng), dw_ = Unbound(w_md, eng);
@@ -191,6 +200,7 @@ class DnnlConv2D final : public Conv2D {
   // db == nullptr: the layer has no bias, so no bias gradient.
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
+    if (forward_only_) return NotBuiltFor("Conv2D backward");
     PSFLOW_RETURN_IF_ERROR(
         CheckNonNull("Conv2D backward", {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}}));
     return ctx_->Run("Conv2D backward", [&](dnnl::stream& stream) {
@@ -210,6 +220,7 @@ class DnnlConv2D final : public Conv2D {
 
  private:
   std::shared_ptr<DnnlContext> ctx_;
+  const bool forward_only_;  // no backward primitives
   dnnl::convolution_forward fwd_, fwd_no_bias_;
   dnnl::convolution_backward_data bwd_data_;
   dnnl::convolution_backward_weights bwd_weights_, bwd_weights_no_bias_;
@@ -221,7 +232,8 @@ class DnnlConv2D final : public Conv2D {
 
 class DnnlMaxPool2D final : public MaxPool2D {
  public:
-  DnnlMaxPool2D(std::shared_ptr<DnnlContext> ctx, const Pool2DShape& s) : ctx_(std::move(ctx)) {
+  DnnlMaxPool2D(std::shared_ptr<DnnlContext> ctx, const Pool2DShape& s)
+      : ctx_(std::move(ctx)), forward_only_(s.forward_only) {
     const dnnl::engine& eng = ctx_->engine;
     const auto x_md = Md({s.batch, s.channels, s.height, s.width}, Tag::nchw);
     const auto y_md = Md({s.batch, s.channels, s.out_height(), s.out_width()}, Tag::nchw);
@@ -229,6 +241,15 @@ class DnnlMaxPool2D final : public MaxPool2D {
     const memory::dims pad = {0, 0};
     const auto algo = dnnl::algorithm::pooling_max;
 
+    x_ = Unbound(x_md, eng), y_ = Unbound(y_md, eng);
+    if (forward_only_) {
+      // Inference: no arg-max workspace (a byte or more per output value).
+      const dnnl::pooling_forward::primitive_desc fwd_pd(
+          {dnnl::prop_kind::forward_inference, algo, x_md, y_md, strides, kernel, pad, pad}, eng);
+      fwd_ = dnnl::pooling_forward(fwd_pd);
+      fwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DST, y_}};
+      return;
+    }
     const dnnl::pooling_forward::primitive_desc fwd_pd(
         {dnnl::prop_kind::forward_training, algo, x_md, y_md, strides, kernel, pad, pad}, eng);
     const dnnl::pooling_backward::primitive_desc bwd_pd(
@@ -238,7 +259,6 @@ class DnnlMaxPool2D final : public MaxPool2D {
 
     // The arg-max positions of the latest Forward, read by Backward.
     workspace_ = memory(fwd_pd.workspace_desc(), eng);
-    x_ = Unbound(x_md, eng), y_ = Unbound(y_md, eng);
     dx_ = Unbound(x_md, eng), dy_ = Unbound(y_md, eng);
     fwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DST, y_}, {DNNL_ARG_WORKSPACE, workspace_}};
     bwd_args_ = {
@@ -256,6 +276,7 @@ class DnnlMaxPool2D final : public MaxPool2D {
   }
 
   absl::Status Backward(const float* dy, float* dx) override {
+    if (forward_only_) return NotBuiltFor("MaxPool2D backward");
     PSFLOW_RETURN_IF_ERROR(CheckNonNull("MaxPool2D backward", {{"dy", dy}, {"dx", dx}}));
     if (!has_workspace_) {
       return absl::FailedPreconditionError("MaxPool2D backward: no successful Forward before it");
@@ -268,6 +289,7 @@ class DnnlMaxPool2D final : public MaxPool2D {
 
  private:
   std::shared_ptr<DnnlContext> ctx_;
+  const bool forward_only_;  // inference primitive, no workspace, no backward
   dnnl::pooling_forward fwd_;
   dnnl::pooling_backward bwd_;
   memory workspace_, x_, y_, dx_, dy_;
@@ -323,7 +345,8 @@ class DnnlRelu final : public Relu {
 
 class DnnlDense final : public Dense {
  public:
-  DnnlDense(std::shared_ptr<DnnlContext> ctx, const DenseShape& s) : ctx_(std::move(ctx)) {
+  DnnlDense(std::shared_ptr<DnnlContext> ctx, const DenseShape& s)
+      : ctx_(std::move(ctx)), forward_only_(s.forward_only) {
     const dnnl::engine& eng = ctx_->engine;
     const auto x_md = Md({s.batch, s.in_features}, Tag::nc);
     const auto w_md = Md({s.out_features, s.in_features}, Tag::oi);
@@ -332,13 +355,15 @@ class DnnlDense final : public Dense {
 
     const dnnl::inner_product_forward::primitive_desc fwd_pd(
         {dnnl::prop_kind::forward_training, x_md, w_md, b_md, y_md}, eng);
-    const dnnl::inner_product_backward_data::primitive_desc bwd_data_pd({x_md, w_md, y_md}, eng,
-                                                                        fwd_pd);
-    const dnnl::inner_product_backward_weights::primitive_desc bwd_weights_pd(
-        {x_md, w_md, b_md, y_md}, eng, fwd_pd);
     fwd_ = dnnl::inner_product_forward(fwd_pd);
-    bwd_data_ = dnnl::inner_product_backward_data(bwd_data_pd);
-    bwd_weights_ = dnnl::inner_product_backward_weights(bwd_weights_pd);
+    if (!forward_only_) {
+      const dnnl::inner_product_backward_data::primitive_desc bwd_data_pd({x_md, w_md, y_md}, eng,
+                                                                          fwd_pd);
+      const dnnl::inner_product_backward_weights::primitive_desc bwd_weights_pd(
+          {x_md, w_md, b_md, y_md}, eng, fwd_pd);
+      bwd_data_ = dnnl::inner_product_backward_data(bwd_data_pd);
+      bwd_weights_ = dnnl::inner_product_backward_weights(bwd_weights_pd);
+    }
 
     x_ = Unbound(x_md, eng), w_ = Unbound(w_md, eng), b_ = Unbound(b_md, eng);
     y_ = Unbound(y_md, eng), dx_ = Unbound(x_md, eng), dw_ = Unbound(w_md, eng);
@@ -362,6 +387,7 @@ class DnnlDense final : public Dense {
 
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
+    if (forward_only_) return NotBuiltFor("Dense backward");
     PSFLOW_RETURN_IF_ERROR(
         CheckNonNull("Dense backward", {{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}}));
     return ctx_->Run("Dense backward", [&](dnnl::stream& stream) {
@@ -376,6 +402,7 @@ class DnnlDense final : public Dense {
 
  private:
   std::shared_ptr<DnnlContext> ctx_;
+  const bool forward_only_;  // no backward primitives
   dnnl::inner_product_forward fwd_;
   dnnl::inner_product_backward_data bwd_data_;
   dnnl::inner_product_backward_weights bwd_weights_;
@@ -468,28 +495,38 @@ class DnnlBatchNorm final : public BatchNorm {
   DnnlBatchNorm(std::shared_ptr<DnnlContext> ctx, const BatchNormShape& s)
       : ctx_(std::move(ctx)),
         channels_(s.channels),
-        count_(static_cast<double>(s.batch) * s.height * s.width) {
+        count_(static_cast<double>(s.batch) * s.height * s.width),
+        forward_only_(s.forward_only) {
     const dnnl::engine& eng = ctx_->engine;
     const auto x_md = Md({s.batch, s.channels, s.height, s.width}, Tag::nchw);
     const auto c_md = Md({s.channels}, Tag::x);
-    // Batch statistics (no use_global_stats): forward_training computes the
-    // mean and the biased variance and writes them out; gamma and beta are
-    // separate scale and shift memories (use_scale | use_shift, not the
-    // packed [2, C] weights of use_scale_shift).
+    // gamma and beta are separate scale and shift memories (use_scale |
+    // use_shift, not the packed [2, C] weights of use_scale_shift).
     const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
-    const dnnl::batch_normalization_forward::primitive_desc fwd_pd(
-        {dnnl::prop_kind::forward_training, x_md, s.epsilon, flags}, eng);
-    // prop_kind::backward (not backward_data): also the scale and shift diffs.
-    const dnnl::batch_normalization_backward::primitive_desc bwd_pd(
-        {dnnl::prop_kind::backward, x_md, x_md, s.epsilon, flags}, eng, fwd_pd);
     // Inference: use_global_stats makes mean and variance inputs.
     const dnnl::batch_normalization_forward::primitive_desc infer_pd(
         {dnnl::prop_kind::forward_inference, x_md, s.epsilon,
          flags | dnnl::normalization_flags::use_global_stats},
         eng);
+    infer_ = dnnl::batch_normalization_forward(infer_pd);
+    x_ = Unbound(x_md, eng), y_ = Unbound(x_md, eng);
+    gamma_ = Unbound(c_md, eng), beta_ = Unbound(c_md, eng);
+    given_mean_ = Unbound(infer_pd.mean_desc(), eng);
+    given_variance_ = Unbound(infer_pd.variance_desc(), eng);
+    infer_args_ = {{DNNL_ARG_SRC, x_},           {DNNL_ARG_DST, y_},
+                   {DNNL_ARG_SCALE, gamma_},     {DNNL_ARG_SHIFT, beta_},
+                   {DNNL_ARG_MEAN, given_mean_}, {DNNL_ARG_VARIANCE, given_variance_}};
+    if (forward_only_) return;
+
+    // Batch statistics (no use_global_stats): forward_training computes the
+    // mean and the biased variance and writes them out.
+    const dnnl::batch_normalization_forward::primitive_desc fwd_pd(
+        {dnnl::prop_kind::forward_training, x_md, s.epsilon, flags}, eng);
+    // prop_kind::backward (not backward_data): also the scale and shift diffs.
+    const dnnl::batch_normalization_backward::primitive_desc bwd_pd(
+        {dnnl::prop_kind::backward, x_md, x_md, s.epsilon, flags}, eng, fwd_pd);
     fwd_ = dnnl::batch_normalization_forward(fwd_pd);
     bwd_ = dnnl::batch_normalization_backward(bwd_pd);
-    infer_ = dnnl::batch_normalization_forward(infer_pd);
 
     // The statistics of the latest Forward, read by Backward; owned by the op.
     mean_ = memory(fwd_pd.mean_desc(), eng);
@@ -500,11 +537,8 @@ class DnnlBatchNorm final : public BatchNorm {
     // given it. It gets C zeros of its own.
     unused_shift_ = memory(c_md, eng);
     std::memset(unused_shift_.get_data_handle(), 0, c_md.get_size());
-    x_ = Unbound(x_md, eng), y_ = Unbound(x_md, eng), dx_ = Unbound(x_md, eng);
-    dy_ = Unbound(x_md, eng), gamma_ = Unbound(c_md, eng), beta_ = Unbound(c_md, eng);
+    dx_ = Unbound(x_md, eng), dy_ = Unbound(x_md, eng);
     dgamma_ = Unbound(c_md, eng), dbeta_ = Unbound(c_md, eng);
-    given_mean_ = Unbound(infer_pd.mean_desc(), eng);
-    given_variance_ = Unbound(infer_pd.variance_desc(), eng);
     fwd_args_ = {{DNNL_ARG_SRC, x_},      {DNNL_ARG_DST, y_},     {DNNL_ARG_SCALE, gamma_},
                  {DNNL_ARG_SHIFT, beta_}, {DNNL_ARG_MEAN, mean_}, {DNNL_ARG_VARIANCE, variance_}};
     bwd_args_ = {{DNNL_ARG_SRC, x_},           {DNNL_ARG_DIFF_DST, dy_},
@@ -512,9 +546,6 @@ class DnnlBatchNorm final : public BatchNorm {
                  {DNNL_ARG_SCALE, gamma_},     {DNNL_ARG_SHIFT, unused_shift_},
                  {DNNL_ARG_DIFF_SRC, dx_},     {DNNL_ARG_DIFF_SCALE, dgamma_},
                  {DNNL_ARG_DIFF_SHIFT, dbeta_}};
-    infer_args_ = {{DNNL_ARG_SRC, x_},           {DNNL_ARG_DST, y_},
-                   {DNNL_ARG_SCALE, gamma_},     {DNNL_ARG_SHIFT, beta_},
-                   {DNNL_ARG_MEAN, given_mean_}, {DNNL_ARG_VARIANCE, given_variance_}};
     // None without fuse_norm_relu; kept general in case an implementation wants one.
     if (fwd_pd.workspace_desc().get_size() != 0) {
       workspace_ = memory(fwd_pd.workspace_desc(), eng);
@@ -525,6 +556,7 @@ class DnnlBatchNorm final : public BatchNorm {
 
   absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y,
                        float* batch_mean, float* batch_var) override {
+    if (forward_only_) return NotBuiltFor("BatchNorm forward");
     PSFLOW_RETURN_IF_ERROR(
         CheckNonNull("BatchNorm forward", {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
     absl::Status status = ctx_->Run("BatchNorm forward", [&](dnnl::stream& stream) {
@@ -559,6 +591,7 @@ class DnnlBatchNorm final : public BatchNorm {
 
   absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
                         float* dgamma, float* dbeta) override {
+    if (forward_only_) return NotBuiltFor("BatchNorm backward");
     PSFLOW_RETURN_IF_ERROR(CheckNonNull("BatchNorm backward", {{"x", x},
                                                                {"gamma", gamma},
                                                                {"dy", dy},
@@ -578,7 +611,8 @@ class DnnlBatchNorm final : public BatchNorm {
  private:
   std::shared_ptr<DnnlContext> ctx_;
   const int channels_;
-  const double count_;  // M = N*H*W
+  const double count_;       // M = N*H*W
+  const bool forward_only_;  // only infer_ (and its memories) exist
   dnnl::batch_normalization_forward fwd_, infer_;
   dnnl::batch_normalization_backward bwd_;
   memory mean_, variance_, unused_shift_, workspace_;
@@ -682,6 +716,8 @@ absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t floats) {
   std::memset(data, 0, bytes);
   return std::make_unique<HostBuffer>(static_cast<float*>(data), floats);
 }
+
+absl::StatusOr<int64_t> CpuBackend::AvailableMemory() { return AvailableHostMemory(); }
 
 absl::Status CpuBackend::CopyToDevice(const float* host, size_t floats, float* device) {
   if (floats == 0) return absl::OkStatus();

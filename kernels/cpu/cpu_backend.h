@@ -3,7 +3,9 @@
 // Each op builds its oneDNN primitives once, for its fixed shape and the plain
 // layouts of kernels.h (nchw, oihw, nc, oi, x), and on every call only
 // re-points its dnnl::memory handles at the caller's pointers (Conv2D builds
-// both its with-bias and its bias-less primitives at creation). Work that
+// both its with-bias and its bias-less primitives at creation). Forward-only
+// ops build their forward primitives alone; max pooling's is then oneDNN's
+// inference primitive, which needs no arg-max workspace. Work that
 // oneDNN has no primitive for (global average pooling, the elementwise
 // helpers, the loss) is plain loops, OpenMP-parallel where the size pays for
 // it. Buffers are 64-byte aligned, zero-filled host memory; Copy* is memcpy
@@ -48,6 +50,8 @@ class CpuBackend final : public Backend {
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
+  // AvailableHostMemory() (kernels/host_memory.h).
+  absl::StatusOr<int64_t> AvailableMemory() override;
 
   // Elementwise helpers; n < 0 or a null pointer (for n > 0) is INVALID_ARGUMENT.
   absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;

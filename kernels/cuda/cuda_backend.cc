@@ -429,44 +429,48 @@ class CudnnConv2D final : public Conv2D {
               return absl::OkStatus();
             },
             fwd_algo_, workspace)));
-    PSFLOW_RETURN_IF_ERROR((
-        FindConvAlgorithm<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
-            what_, "backward-data", data_conv_.get(),
-            [&](int requested, int* count,
-                cudnnConvolutionBwdDataAlgoPerf_t* perf) -> absl::Status {
-              PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
-                  handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), requested,
-                  count, perf));
-              return absl::OkStatus();
-            },
-            [&](cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) -> absl::Status {
-              PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
-                  handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), algo,
-                  bytes));
-              return absl::OkStatus();
-            },
-            data_algo_, workspace)));
-    PSFLOW_RETURN_IF_ERROR((FindConvAlgorithm<cudnnConvolutionBwdFilterAlgoPerf_t,
-                                              CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
-        what_, "backward-filter", filter_conv_.get(),
-        [&](int requested, int* count, cudnnConvolutionBwdFilterAlgoPerf_t* perf) -> absl::Status {
-          PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
-              handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), requested,
-              count, perf));
-          return absl::OkStatus();
-        },
-        [&](cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) -> absl::Status {
-          PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-              handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), algo,
-              bytes));
-          return absl::OkStatus();
-        },
-        filter_algo_, workspace)));
-    PSFLOW_RETURN_IF_ERROR(AllocateDevice(
-        ctx_, cuda_internal::ChannelPartialFloats(s.batch, s.out_channels) * sizeof(float), false,
-        bias_partial_));
-    // One workspace for the three directions: they run one after another on
-    // the stream.
+    // A forward-only op searches no backward algorithm: their workspaces,
+    // often the largest, are never allocated.
+    if (!s.forward_only) {
+      PSFLOW_RETURN_IF_ERROR((FindConvAlgorithm<cudnnConvolutionBwdDataAlgoPerf_t,
+                                                CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT>(
+          what_, "backward-data", data_conv_.get(),
+          [&](int requested, int* count, cudnnConvolutionBwdDataAlgoPerf_t* perf) -> absl::Status {
+            PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithm(
+                handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), requested,
+                count, perf));
+            return absl::OkStatus();
+          },
+          [&](cudnnConvolutionBwdDataAlgo_t algo, size_t* bytes) -> absl::Status {
+            PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+                handle, w_desc_.get(), y_desc_.get(), data_conv_.get(), x_desc_.get(), algo,
+                bytes));
+            return absl::OkStatus();
+          },
+          data_algo_, workspace)));
+      PSFLOW_RETURN_IF_ERROR((FindConvAlgorithm<cudnnConvolutionBwdFilterAlgoPerf_t,
+                                                CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>(
+          what_, "backward-filter", filter_conv_.get(),
+          [&](int requested, int* count,
+              cudnnConvolutionBwdFilterAlgoPerf_t* perf) -> absl::Status {
+            PSFLOW_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithm(
+                handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), requested,
+                count, perf));
+            return absl::OkStatus();
+          },
+          [&](cudnnConvolutionBwdFilterAlgo_t algo, size_t* bytes) -> absl::Status {
+            PSFLOW_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                handle, x_desc_.get(), y_desc_.get(), filter_conv_.get(), w_desc_.get(), algo,
+                bytes));
+            return absl::OkStatus();
+          },
+          filter_algo_, workspace)));
+      PSFLOW_RETURN_IF_ERROR(AllocateDevice(
+          ctx_, cuda_internal::ChannelPartialFloats(s.batch, s.out_channels) * sizeof(float), false,
+          bias_partial_));
+    }
+    // One workspace for the three directions (the forward only, for a
+    // forward-only op): they run one after another on the stream.
     workspace_bytes_ = workspace;
     if (workspace > 0) {
       PSFLOW_RETURN_IF_ERROR(AllocateDevice(ctx_, workspace, false, workspace_));
@@ -491,6 +495,7 @@ class CudnnConv2D final : public Conv2D {
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
     return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}}));
       if (db != nullptr) {  // own reduction: cuDNN's is slow for large N*H*W
         PSFLOW_CUDA_CHECK(cuda_internal::LaunchChannelSum(
@@ -571,6 +576,7 @@ class CudnnMaxPool2D final : public MaxPool2D {
 
   absl::Status Backward(const float* dy, float* dx) override {
     return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"dy", dy}, {"dx", dx}}));
       if (last_x_ == nullptr) {
         return absl::FailedPreconditionError("no successful Forward before it");
@@ -682,6 +688,7 @@ class CublasDense final : public Dense {
   absl::Status Backward(const float* x, const float* w, const float* dy, float* dx, float* dw,
                         float* db) override {
     return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
       PSFLOW_RETURN_IF_ERROR(
           CheckNonNull({{"x", x}, {"w", w}, {"dy", dy}, {"dw", dw}, {"db", db}}));
       const int n = shape_.batch, in = shape_.in_features, out = shape_.out_features;
@@ -728,6 +735,7 @@ class CudaBatchNorm final : public BatchNorm {
   absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y,
                        float* batch_mean, float* batch_var) override {
     return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
       has_forward_ = false;
       float* scratch = Floats(scratch_);
@@ -757,6 +765,7 @@ class CudaBatchNorm final : public BatchNorm {
   absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
                         float* dgamma, float* dbeta) override {
     return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x},
                                            {"gamma", gamma},
                                            {"dy", dy},
@@ -1031,6 +1040,15 @@ absl::Status CudaBackend::Synchronize() {
     PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
     return absl::OkStatus();
   });
+}
+
+absl::StatusOr<int64_t> CudaBackend::AvailableMemory() {
+  size_t free_bytes = 0, total_bytes = 0;
+  PSFLOW_RETURN_IF_ERROR(RunIn(*ctx_, "AvailableMemory", "", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return absl::OkStatus();
+  }));
+  return static_cast<int64_t>(free_bytes);
 }
 
 absl::Status CudaBackend::Add(const float* a, const float* b, float* y, int64_t n) {

@@ -19,7 +19,8 @@
 // - Ops pick their algorithms (cuDNN's Find for convolutions) and allocate
 //   every workspace and scratch buffer when they are created, never when they
 //   run: an op's execution only queues kernels on the stream, which is what
-//   makes Capture/Graph::Launch valid.
+//   makes Capture/Graph::Launch valid. A forward-only convolution finds and
+//   sizes its forward algorithm alone (no backward workspace).
 // - Capture records what the callback queues on the stream into a CUDA graph
 //   (cudaStreamCaptureModeThreadLocal); Graph::Launch replays it on the same
 //   stream with the same pointers. Inside the callback only ops and the
@@ -86,6 +87,8 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
   absl::Status Synchronize() override;
+  // The GPU's free memory (cudaMemGetInfo).
+  absl::StatusOr<int64_t> AvailableMemory() override;
 
   absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;
   absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override;

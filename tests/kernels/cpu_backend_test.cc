@@ -1181,5 +1181,94 @@ TEST_F(CpuBackendTest, MisuseIsReported) {
   EXPECT_EQ(gap->Backward(buf->data(), nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Forward-only ops compute exactly what the full ops compute forward, and
+// refuse the calls they were built without.
+TEST_F(CpuBackendTest, ForwardOnlyOpsComputeTheSameAndRefuseTheRest) {
+  auto expect_refused = [](const absl::Status& s, const char* what) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << what << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("forward-only")) << what;
+  };
+  {
+    Conv2DShape s{3, 2, 7, 6, 4, 3, 3, 2, 1};
+    const size_t nx = 3 * 2 * 7 * 6, nw = 4 * 2 * 3 * 3;
+    const size_t ny = static_cast<size_t>(3) * 4 * s.out_height() * s.out_width();
+    auto xd = Upload(Random(nx, 201)), wd = Upload(Random(nw, 202)), bd = Upload(Random(4, 203));
+    auto full = backend_->CreateConv2D(s).value();
+    s.forward_only = true;
+    auto fwd = backend_->CreateConv2D(s).value();
+    for (Buffer* b : {bd.get(), static_cast<Buffer*>(nullptr)}) {
+      auto want = Filled(ny, 7), got = Filled(ny, 7);
+      float* bias = b == nullptr ? nullptr : b->data();
+      PSFLOW_ASSERT_OK(full->Forward(xd->data(), wd->data(), bias, want->data()));
+      PSFLOW_ASSERT_OK(fwd->Forward(xd->data(), wd->data(), bias, got->data()));
+      EXPECT_EQ(Download(*got), Download(*want)) << (b == nullptr ? "no bias" : "bias");
+    }
+    auto d = Filled(nx + nw + ny, 0);
+    expect_refused(fwd->Backward(xd->data(), wd->data(), d->data(), d->data(), d->data(), nullptr),
+                   "Conv2D");
+  }
+  {
+    Pool2DShape s{2, 3, 7, 5, 3, 2};
+    const size_t nx = 2 * 3 * 7 * 5,
+                 ny = static_cast<size_t>(2) * 3 * s.out_height() * s.out_width();
+    auto xd = Upload(Random(nx, 204));
+    auto full = backend_->CreateMaxPool2D(s).value();
+    s.forward_only = true;
+    auto fwd = backend_->CreateMaxPool2D(s).value();
+    auto want = Filled(ny, 7), got = Filled(ny, 7);
+    PSFLOW_ASSERT_OK(full->Forward(xd->data(), want->data()));
+    PSFLOW_ASSERT_OK(fwd->Forward(xd->data(), got->data()));
+    EXPECT_EQ(Download(*got), Download(*want));
+    auto dx = Filled(nx, 0);
+    expect_refused(fwd->Backward(got->data(), dx->data()), "MaxPool2D");
+  }
+  {
+    DenseShape s{5, 13, 6};
+    auto xd = Upload(Random(5 * 13, 205)), wd = Upload(Random(6 * 13, 206)),
+         bd = Upload(Random(6, 207));
+    auto full = backend_->CreateDense(s).value();
+    s.forward_only = true;
+    auto fwd = backend_->CreateDense(s).value();
+    auto want = Filled(5 * 6, 7), got = Filled(5 * 6, 7);
+    PSFLOW_ASSERT_OK(full->Forward(xd->data(), wd->data(), bd->data(), want->data()));
+    PSFLOW_ASSERT_OK(fwd->Forward(xd->data(), wd->data(), bd->data(), got->data()));
+    EXPECT_EQ(Download(*got), Download(*want));
+    auto d = Filled(6 * 13, 0);
+    expect_refused(
+        fwd->Backward(xd->data(), wd->data(), got->data(), xd->data(), d->data(), bd->data()),
+        "Dense");
+  }
+  {
+    BatchNormShape s{4, 3, 5, 3};
+    const size_t nx = Elements(s);
+    auto xd = Upload(Random(nx, 208)), gd = Upload(Random(3, 209)), bd = Upload(Random(3, 210)),
+         md = Upload(Random(3, 211)), vd = Upload(Random(3, 212, 0.1f, 2.0f));
+    auto full = backend_->CreateBatchNorm(s).value();
+    s.forward_only = true;
+    auto fwd = backend_->CreateBatchNorm(s).value();
+    auto want = Filled(nx, 7), got = Filled(nx, 7);
+    PSFLOW_ASSERT_OK(
+        full->Infer(xd->data(), gd->data(), bd->data(), md->data(), vd->data(), want->data()));
+    PSFLOW_ASSERT_OK(
+        fwd->Infer(xd->data(), gd->data(), bd->data(), md->data(), vd->data(), got->data()));
+    EXPECT_EQ(Download(*got), Download(*want));
+    expect_refused(fwd->Forward(xd->data(), gd->data(), bd->data(), got->data(), nullptr, nullptr),
+                   "BatchNorm forward");
+    auto d = Filled(nx, 0);
+    expect_refused(
+        fwd->Backward(xd->data(), gd->data(), got->data(), d->data(), md->data(), vd->data()),
+        "BatchNorm backward");
+  }
+}
+
+// The CPU's available memory is the host's: more than nothing, less than
+// a petabyte.
+TEST_F(CpuBackendTest, AvailableMemoryIsTheHosts) {
+  absl::StatusOr<int64_t> bytes = backend_->AvailableMemory();
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_GT(*bytes, 0);
+  EXPECT_LT(*bytes, int64_t{1} << 50);
+}
+
 }  // namespace
 }  // namespace psflow::kernels

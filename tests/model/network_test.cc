@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
 #include "model/spec.h"
+#include "tests/kernels/wrapped_backend.h"
 
 namespace psflow::model {
 namespace {
@@ -596,6 +597,51 @@ TEST_F(NetworkTest, Errors) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The small spec's forward buffers, by hand: the input (64 floats per
+// example) in one buffer, conv (108) in a second; relu (108) takes the
+// first, grown, once conv has read the input; pool (27) takes the second
+// and fc (4) the first. 216 floats of activations, then the image (64), its
+// label (1) and the class probabilities (4): 285 floats. The weights: conv
+// 27 + 3, fc 108 + 4.
+TEST_F(NetworkTest, ForwardMemoryOfTheSmallSpec) {
+  NetworkOptions options;
+  options.forward_only = true;
+  absl::StatusOr<std::unique_ptr<Network>> fwd = Network::Create(spec_, backend_.get(), options);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  EXPECT_EQ((*fwd)->forward_memory().fixed, 142 * 4);
+  EXPECT_EQ((*fwd)->forward_memory().per_example, 285 * 4);
+  // A training network holds the gradients too.
+  EXPECT_EQ(net_->forward_memory().fixed, 2 * 142 * 4);
+  EXPECT_EQ(net_->forward_memory().per_example, 285 * 4);
+}
+
+// A forward-only network evaluates as any other and has nothing to train
+// with: no gradients, and every training call refused.
+TEST_F(NetworkTest, ForwardOnlyNetworkOnlyEvaluates) {
+  NetworkOptions options;
+  options.forward_only = true;
+  absl::StatusOr<std::unique_ptr<Network>> fwd = Network::Create(spec_, backend_.get(), options);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  ASSERT_TRUE(SetNetWeights(**fwd, weights_).ok());
+  absl::StatusOr<Network::Result> got = (*fwd)->Evaluate(images_.data(), labels_.data(), kBatch);
+  absl::StatusOr<Network::Result> want = net_->Evaluate(images_.data(), labels_.data(), kBatch);
+  ASSERT_TRUE(got.ok() && want.ok()) << got.status() << want.status();
+  EXPECT_EQ(got->loss, want->loss);
+  EXPECT_EQ(got->correct, want->correct);
+
+  EXPECT_TRUE((*fwd)->HostGradients().empty());
+  EXPECT_FALSE((*fwd)->HostWeights().empty());
+  auto refused = [](const absl::Status& s) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("forward-only")) << s;
+  };
+  refused((*fwd)->TrainStep(images_.data(), labels_.data(), kBatch).status());
+  refused((*fwd)->SetInputs(images_.data(), labels_.data(), kBatch));
+  refused((*fwd)->StartTrainStep(kBatch));
+  std::vector<float*> none;
+  refused((*fwd)->GetGradients(none));
+}
+
 // The residual model on the CPU backend.
 class ResidualNetworkTest : public ::testing::Test {
  protected:
@@ -906,6 +952,41 @@ TEST_F(ResidualNetworkTest, EvaluationAndTrainingOfOneBatchSizeKeepApart) {
   EXPECT_EQ(eval1->loss, eval2->loss);
   EXPECT_EQ(train1->loss, train2->loss);
   EXPECT_GT(std::abs(eval1->loss - train1->loss), 1e-4);
+}
+
+// What Evaluate allocates is what forward_memory() says: the fixed bytes at
+// creation, then per_example bytes for each example of each batch size (and
+// the 2 floats of the loss's statistics). The block input r1, read by c2 and
+// by the shortcut, stays live across both paths, and the results are those
+// of a training network, whose activations have buffers of their own.
+TEST_F(ResidualNetworkTest, EvaluateAllocatesWhatForwardMemorySays) {
+  kernels::WrappedBackend counting(backend_.get());
+  NetworkOptions options;
+  options.forward_only = true;
+  absl::StatusOr<std::unique_ptr<Network>> fwd = Network::Create(spec_, &counting, options);
+  ASSERT_TRUE(fwd.ok()) << fwd.status();
+  const Network::ForwardMemory m = (*fwd)->forward_memory();
+  EXPECT_EQ(counting.floats() * 4, m.fixed);
+  const Weights w = WithRunningStatistics(spec_, weights_, 25);
+  ASSERT_TRUE(SetNetWeights(**fwd, w).ok());
+  ASSERT_TRUE(SetNetWeights(*net_, w).ok());
+  int64_t before = counting.floats();
+  for (int batch : {kBatch, 3}) {
+    absl::StatusOr<Network::Result> got = (*fwd)->Evaluate(images_.data(), labels_.data(), batch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ((counting.floats() - before) * 4, batch * m.per_example + 2 * 4) << "batch " << batch;
+    before = counting.floats();
+    absl::StatusOr<Network::Result> want = net_->Evaluate(images_.data(), labels_.data(), batch);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->loss, want->loss) << "batch " << batch;
+    EXPECT_EQ(got->correct, want->correct) << "batch " << batch;
+  }
+  // Evaluating again takes nothing more.
+  ASSERT_TRUE((*fwd)->Evaluate(images_.data(), labels_.data(), kBatch).ok());
+  EXPECT_EQ(counting.floats(), before);
+  // Shared buffers: far less than every activation of its own (1267 floats
+  // per example with the input; 508 with the image, label and probabilities).
+  EXPECT_EQ(m.per_example, 508 * 4);
 }
 
 }  // namespace

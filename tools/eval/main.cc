@@ -1,9 +1,13 @@
 // psflow-eval: loads a saved model and reports its accuracy and loss on the
 // test split of an MNIST-format dataset.
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "common/byte_size.h"
 #include "common/command_line.h"
+#include "common/log.h"
 #include "data/source.h"
 #include "evaluator/evaluation.h"
 #include "kernels/kernels.h"
@@ -14,13 +18,23 @@ ABSL_FLAG(std::string, saved_model, "",
           "Saved-model directory (<model_dir>/saved_model) or its model.pb file.");
 ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist",
           "Directory with MNIST-format IDX files; the t10k-* (test) files are used.");
-ABSL_FLAG(int, batch_size, 500, "Examples per forward pass.");
+ABSL_FLAG(int, batch_size, 500,
+          "Examples per forward pass; fewer where a pass that large would not fit "
+          "--eval_memory_limit (the figures stay the same).");
 ABSL_FLAG(
     std::string, dataset, "idx",
     "idx (the test files in --data_dir) or synthetic (the test split of the synthetic dataset "
     "the chief's --dataset=synthetic trains on).");
 ABSL_FLAG(int64_t, synthetic_examples, 2000, "Test examples of --dataset=synthetic.");
 ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu, or cuda:N in builds with CUDA.");
+ABSL_FLAG(std::string, eval_memory_limit, "auto",
+          "Memory the evaluation may take on --device: the model's weights and the buffers of a "
+          "forward pass (the dataset itself is not counted). A size such as 2GiB, 512MiB or "
+          "1073741824 (bytes), or auto: half of the memory available when it starts "
+          "(MemAvailable or the cgroup's limit less its usage, whichever is smaller, for cpu; "
+          "the GPU's free memory for cuda:N). A --batch_size that does not fit is evaluated in "
+          "smaller batches; a model of which one example does not fit is refused, naming the "
+          "memory it needs.");
 
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
@@ -34,6 +48,17 @@ int main(int argc, char** argv) {
     return psflow::FailWith("--saved_model is required");
   const int batch = absl::GetFlag(FLAGS_batch_size);
   if (batch <= 0) return psflow::FailWith("--batch_size must be positive");
+  const std::string limit = absl::GetFlag(FLAGS_eval_memory_limit);
+  int64_t budget = 0;  // 0 until resolved on the device: auto
+  if (limit != "auto") {
+    absl::StatusOr<int64_t> bytes = psflow::ParseByteSize(limit);
+    if (!bytes.ok() || *bytes <= 0) {
+      return psflow::FailWith(
+          absl::StrCat("--eval_memory_limit: ",
+                       bytes.ok() ? "must be positive, or auto" : bytes.status().message()));
+    }
+    budget = *bytes;
+  }
 
   absl::StatusOr<psflow::model::LoadedModel> loaded =
       psflow::model::ReadSavedModel(absl::GetFlag(FLAGS_saved_model));
@@ -46,16 +71,36 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<psflow::kernels::Backend>> backend =
       psflow::kernels::CreateBackend(absl::GetFlag(FLAGS_device));
   if (!backend.ok()) return psflow::FailWith(backend.status());
+  if (budget == 0) {
+    absl::StatusOr<int64_t> half = psflow::evaluator::DefaultMemoryBudget(backend->get());
+    if (!half.ok()) {
+      return psflow::FailWith(
+          absl::StrCat(half.status().message(), "; give --eval_memory_limit=SIZE"));
+    }
+    budget = *half;
+  }
+  psflow::model::NetworkOptions options;
+  options.forward_only = true;
   absl::StatusOr<std::unique_ptr<psflow::model::Network>> net =
-      psflow::model::Network::Create(loaded->spec, backend->get());
+      psflow::model::Network::Create(loaded->spec, backend->get(), options);
   if (!net.ok()) return psflow::FailWith(net.status());
+  absl::StatusOr<int> pass = psflow::evaluator::EvaluationBatch(**net, test->count, batch, budget);
+  if (!pass.ok()) {
+    return psflow::FailWith(
+        absl::StrCat(pass.status().message(), " (--eval_memory_limit=", limit, ")"));
+  }
+  if (*pass < std::min<int64_t>(batch, test->count)) {
+    PSLOG(INFO) << "evaluating in batches of " << *pass << ": --batch_size=" << batch
+                << " does not fit the memory budget of " << psflow::FormatByteSize(budget) << " ("
+                << psflow::FormatByteSize((*net)->forward_memory().per_example) << " per example)";
+  }
   std::vector<const float*> weights;
   for (const auto& v : loaded->values) weights.push_back(v.data());
   absl::Status s = (*net)->SetWeights(weights);
   if (!s.ok()) return psflow::FailWith(s);
 
   absl::StatusOr<psflow::evaluator::Evaluation> e =
-      psflow::evaluator::EvaluateDataset(net->get(), *test, batch);
+      psflow::evaluator::EvaluateDataset(net->get(), *test, batch, budget);
   if (!e.ok()) return psflow::FailWith(e.status());
   std::printf("model: %s (step %lld)\n", loaded->spec.name().c_str(),
               static_cast<long long>(loaded->global_step));
