@@ -206,7 +206,8 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   c.timeouts.worker = absl::Seconds(absl::GetFlag(FLAGS_worker_timeout));
   if (c.checkpoint_every_steps < 0 || absl::GetFlag(FLAGS_checkpoint_every_secs) < 0 ||
       c.keep_checkpoints < 1 || absl::GetFlag(FLAGS_worker_timeout) <= 0) {
-    return absl::InvalidArgumentError("--checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
+    return absl::InvalidArgumentError(
+        "--checkpoint_every_steps/secs must not be negative, --keep_checkpoints and "
         "--worker_timeout must be positive");
   }
   return absl::OkStatus();

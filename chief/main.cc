@@ -38,20 +38,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "psflow-chief: %s\n", std::string(s.message()).c_str());
     return psflow::kExitPermanent;
   }
+  absl::StatusOr<psflow::JobConfig> job = psflow::chief::BuildJobConfig(o);
+  if (!job.ok()) {
+    PSLOG(ERROR) << job.status().message();
+    return psflow::ExitCodeFor(job.status());
+  }
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kChief);
   // Metrics and readiness (the gRPC health service): made before, and
   // served after, everything they read.
   psflow::metrics::Registry metrics;
   psflow::Readiness readiness;  // ready while every ps holds the job
   o.coordinator.on_ready = [&readiness](bool ready) { readiness.Set(ready); };
-  absl::StatusOr<std::unique_ptr<psflow::chief::ChiefRole>> chief =
-      psflow::chief::ChiefRole::Create(o, security, &metrics);
-  if (!chief.ok()) {
-    PSLOG(ERROR) << chief.status().message();
-    return psflow::ExitCodeFor(chief.status());
-  }
+  std::unique_ptr<psflow::chief::ChiefRole> chief =
+      psflow::chief::ChiefRole::Create(o, *std::move(job), security, &metrics);
   absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(
-      o.cluster.self_address, (*chief)->service(), security, psflow::chief::ChiefCallers());
+      o.cluster.self_address, chief->service(), security, psflow::chief::ChiefCallers());
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;
@@ -68,11 +69,11 @@ int main(int argc, char** argv) {
   // A signal makes the coordinator checkpoint first; give that time, not forever.
   const int code = psflow::RunRole(
       [&] {
-        absl::Status s = (*chief)->Run();
+        absl::Status s = chief->Run();
         readiness.Set(false);  // the job is over: nothing left to be ready for
         return s;
       },
-      [&](int sig) { (*chief)->Stop(sig); }, absl::Seconds(30), "stopping");
+      [&](int sig) { chief->Stop(sig); }, absl::Seconds(30), "stopping");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   readiness.Detach();
   return code;

@@ -5,13 +5,11 @@
 
 namespace psflow::chief {
 
-absl::StatusOr<std::unique_ptr<ChiefRole>> ChiefRole::Create(ChiefOptions options,
-                                                             const SecurityOptions& security,
-                                                             metrics::Registry* metrics) {
-  absl::StatusOr<JobConfig> job = BuildJobConfig(options);
-  if (!job.ok()) return job.status();
+std::unique_ptr<ChiefRole> ChiefRole::Create(ChiefOptions options, JobConfig job,
+                                             const SecurityOptions& security,
+                                             metrics::Registry* metrics) {
   options.coordinator.metrics = metrics;
-  return std::unique_ptr<ChiefRole>(new ChiefRole(options, *std::move(job), security, metrics));
+  return std::unique_ptr<ChiefRole>(new ChiefRole(options, std::move(job), security, metrics));
 }
 
 ChiefRole::ChiefRole(const ChiefOptions& options, JobConfig job, const SecurityOptions& security,

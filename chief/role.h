@@ -7,7 +7,6 @@
 
 #include <memory>
 
-#include "absl/status/statusor.h"
 #include "chief/coordinator.h"
 #include "chief/service.h"
 #include "chief/summaries.h"
@@ -20,12 +19,12 @@ namespace psflow::chief {
 
 class ChiefRole {
  public:
-  // Builds the job (BuildJobConfig: INVALID_ARGUMENT with one line naming
-  // the flag) and everything the coordinator needs. The coordinator's
-  // metrics go to `metrics` (not owned, outliving the role).
-  static absl::StatusOr<std::unique_ptr<ChiefRole>> Create(ChiefOptions options,
-                                                           const SecurityOptions& security,
-                                                           metrics::Registry* metrics);
+  // Everything the coordinator of `job` (BuildJobConfig of `options`)
+  // needs. The coordinator's metrics go to `metrics` (not owned, outliving
+  // the role).
+  static std::unique_ptr<ChiefRole> Create(ChiefOptions options, JobConfig job,
+                                           const SecurityOptions& security,
+                                           metrics::Registry* metrics);
 
   // The chief's RPCs, to serve with ChiefCallers().
   grpc::Service* service() { return &service_; }

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,12 +71,20 @@ int main(int argc, char** argv) {
   // Worker 0 of a cluster without a chief is its chief too.
   const bool chief_here = config.cluster.ChiefInWorker0() && config.task_index == 0;
   psflow::chief::ChiefOptions chief_options;
+  std::optional<psflow::JobConfig> job;
   if (chief_here) {
     chief_options.cluster = config;
     if (absl::Status s = psflow::chief::ChiefOptionsFromFlags(&chief_options); !s.ok()) {
       std::fprintf(stderr, "psflow-worker: %s\n", std::string(s.message()).c_str());
       return psflow::kExitPermanent;
     }
+    absl::StatusOr<psflow::JobConfig> built = psflow::chief::BuildJobConfig(chief_options);
+    if (!built.ok()) {
+      psflow::SetLogTag("worker0");
+      PSLOG(ERROR) << built.status().message();
+      return psflow::ExitCodeFor(built.status());
+    }
+    job = *std::move(built);
   }
   const int lanes = absl::GetFlag(FLAGS_ps_lanes);
   if (lanes < 0 || lanes > 64) {
@@ -100,13 +109,8 @@ int main(int argc, char** argv) {
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
   std::unique_ptr<psflow::chief::ChiefRole> chief_role;
   if (chief_here) {
-    absl::StatusOr<std::unique_ptr<psflow::chief::ChiefRole>> made =
-        psflow::chief::ChiefRole::Create(chief_options, security, &metrics);
-    if (!made.ok()) {
-      PSLOG(ERROR) << made.status().message();
-      return psflow::ExitCodeFor(made.status());
-    }
-    chief_role = *std::move(made);
+    chief_role =
+        psflow::chief::ChiefRole::Create(chief_options, *std::move(job), security, &metrics);
   }
   // Worker 0 of a chiefless cluster calls its own chief through its own port.
   psflow::chief::GrpcClient chief(config.cluster.ChiefAddress(), security, &metrics,

@@ -31,8 +31,7 @@ class ChieflessTest : public TempDirTest {
   // process's pid, all on port 8080.
   std::string PodAddress(int pod) const {
     const int pid = static_cast<int>(::getpid());
-    return absl::StrCat("127.", 100 + pid % 100, ".", (pid / 100) % 250 + 1, ".", pod + 1,
-                        ":8080");
+    return absl::StrCat("127.", 100 + pid % 100, ".", (pid / 100) % 250 + 1, ".", pod + 1, ":8080");
   }
 
   // The Helm chart's CLUSTER_CONFIG for `ps` ps and `workers` workers.
@@ -48,8 +47,9 @@ class ChieflessTest : public TempDirTest {
   // Starts pod `role`-`index` of the Helm cluster.
   std::unique_ptr<Process> StartPod(const std::string& role, int index,
                                     const std::vector<std::string>& args) {
-    std::map<std::string, std::string> env = {{"CLUSTER_CONFIG", HelmClusterConfig(2, 2)},
-                                              {"POD_NAME", absl::StrCat("mnist-", role, "-", index)}};
+    std::map<std::string, std::string> env = {
+        {"CLUSTER_CONFIG", HelmClusterConfig(2, 2)},
+        {"POD_NAME", absl::StrCat("mnist-", role, "-", index)}};
     return std::make_unique<Process>(Bin(role == "ps" ? "psflow-ps" : "psflow-worker"), args, env);
   }
 
