@@ -225,6 +225,7 @@ absl::StatusOr<int64_t> Evaluator::Version() {
     versions[p] = st->version();
     return absl::OkStatus();
   }));
+  newest_version_ = *std::max_element(versions.begin(), versions.end());
   return *std::min_element(versions.begin(), versions.end());
 }
 
@@ -242,8 +243,15 @@ std::optional<int64_t> Evaluator::Target(int64_t v, absl::Time now) const {
     if (multiple < final_step) target = multiple;
   }
   if (every_secs_ > 0 && now - last_start_ >= absl::Seconds(every_secs_)) {
-    // The version the ps are at may pass any moment: take the next one.
-    const int64_t next = std::max(v, last_step_) + 1;
+    // The version the ps are at may pass any moment: take the next one. The
+    // ps of an asynchronous job are never in step (one may be a few
+    // gradients ahead of another): a few gradients past the newest, which
+    // every ps reaches soon.
+    int64_t next = std::max(v, last_step_) + 1;
+    if (AppliesEachGradient(job_)) {
+      next = std::max(next, newest_version_ + 2 * job_.num_workers() + 2);
+      if (next >= final_step) next = final_step;
+    }
     target = std::min(target.value_or(next), next);
   }
   return target;

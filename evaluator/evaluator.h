@@ -159,6 +159,7 @@ class Evaluator {
   data::Dataset test_;
   std::vector<std::vector<float>> values_;  // by variable
   int64_t last_step_ = -1;                  // the latest version evaluated
+  int64_t newest_version_ = 0;              // the highest of the ps's at the last Version()
   absl::Time last_start_;                   // when its evaluation began
   absl::Time last_heartbeat_ = absl::InfinitePast();
 

@@ -5,7 +5,8 @@
 // it within the bound (the ps's largest lead of a worker over the slowest,
 // in the chief's staleness line, never exceeds --staleness), in async its
 // peer must not wait at all (the lead grows far past any bound). And the
-// README's main job in async mode keeps its accuracy bar.
+// README's main job in async mode keeps its accuracy bar, with an evaluator
+// evaluating as it trains.
 #include <signal.h>
 #include <sys/types.h>
 
@@ -107,14 +108,26 @@ TEST_F(ConsistencyTest, AsyncNeverWaitsForAStoppedWorker) {
 
 TEST_F(ConsistencyTest, MainJobInAsyncModeReachesTheBar) {
   const std::string model_dir = dir_ + "/model";
-  RunResult run = RunProcess(Bin("psflow-launch"),
-                             {"--ps=2", "--workers=2", "--", "--model=cnn", "--epochs=5",
-                              "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
-                              "--log_every_steps=500", "--mode=async", "--model_dir=" + model_dir},
-                             {}, seconds(600));
+  RunResult run = RunProcess(
+      Bin("psflow-launch"),
+      {"--ps=2", "--workers=2", "--evaluators=1", "--", "--model=cnn", "--epochs=5",
+       "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64", "--log_every_steps=500",
+       "--mode=async", "--eval_every_secs=5", "--model_dir=" + model_dir},
+      {}, seconds(600));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   // 5 epochs are 2 x 2340 global steps: one per worker's batch.
   EXPECT_THAT(run.output, HasSubstr("chief] done: 4680 steps"));
+  // The evaluator takes versions while the job trains (the ps are never in
+  // step), then the final one.
+  int evaluated_while_training = 0;
+  for (const std::string& line : Lines(run.output)) {
+    if (line.find("chief] eval: step ") != std::string::npos &&
+        line.find("eval: step 4680/") == std::string::npos) {
+      ++evaluated_while_training;
+    }
+  }
+  EXPECT_GE(evaluated_while_training, 2) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("chief] eval: step 4680/4680 "));
   const std::string figures = SavedModelFigures(model_dir);
   ASSERT_NE(figures, "");
   EXPECT_GE(std::stod(figures), 0.88) << figures;
