@@ -24,6 +24,7 @@ namespace psflow::itest {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class ChieflessTest : public TempDirTest {
  protected:
@@ -114,6 +115,24 @@ TEST_F(ChieflessTest, Worker0KilledResumesTheChiefsDuties) {
   const std::string figures = SavedModelFigures(dir_ + "/model");
   ASSERT_NE(figures, "");
   EXPECT_GE(std::stod(figures), 0.85) << figures;
+  ExpectNoProcessesLeft(dir_);
+}
+
+// psflow-launch --chief=false: the same shape on one machine.
+TEST_F(ChieflessTest, LauncherRunsAClusterWithoutAChief) {
+  RunResult run =
+      RunProcess(Bin("psflow-launch"),
+                 {"--chief=false", "--ps=2", "--workers=2", "--", "--model=mlp",
+                  "--train_steps=600", "--log_every_steps=200", "--model_dir=" + dir_ + "/model"},
+                 {}, seconds(120));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("[launch] cluster: no chief (worker 0 runs its duties)"));
+  EXPECT_THAT(run.output, Not(HasSubstr("[chief]")));
+  EXPECT_THAT(run.output, HasSubstr("[worker0] "));
+  EXPECT_THAT(run.output, HasSubstr("worker0] done: 600 steps"));
+  for (const char* member : {"ps0", "ps1", "worker0", "worker1"}) {
+    EXPECT_THAT(run.output, HasSubstr(std::string("[launch] ") + member + " exited with code 0"));
+  }
   ExpectNoProcessesLeft(dir_);
 }
 

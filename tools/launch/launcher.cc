@@ -158,10 +158,10 @@ int RunCluster(const LaunchOptions& o) {
   for (int i = 0; i < o.num_evaluators; ++i)
     evaluator_hosts.push_back(addr(1 + o.num_ps + o.num_workers + i));
   std::vector<std::string> cluster = {
-      absl::StrCat("--chief_hosts=", addr(0)),
       absl::StrCat("--ps_hosts=", absl::StrJoin(ps_hosts, ",")),
       absl::StrCat("--worker_hosts=", absl::StrJoin(worker_hosts, ",")),
   };
+  if (o.with_chief) cluster.insert(cluster.begin(), absl::StrCat("--chief_hosts=", addr(0)));
   if (!evaluator_hosts.empty())
     cluster.push_back(absl::StrCat("--evaluator_hosts=", absl::StrJoin(evaluator_hosts, ",")));
 
@@ -198,29 +198,44 @@ int RunCluster(const LaunchOptions& o) {
     if (o.metrics_base_port <= 0) return {};
     return {absl::StrCat("--metrics_port=", o.metrics_base_port + i)};
   };
-  std::vector<std::string> chief_extra = metrics(0);
-  chief_extra.insert(chief_extra.end(), o.chief_args.begin(), o.chief_args.end());
-  bool started = start("chief", "chief", 0, chief_extra);
-  for (int i = 0; started && i < o.num_ps; ++i)
-    started = start(absl::StrCat("ps", i), "ps", i, metrics(1 + i));
-  for (int i = 0; started && i < o.num_workers; ++i) {
+  // children[0] is the process whose exit decides: the chief, or worker 0
+  // in a cluster without one (it takes the chief's arguments).
+  auto start_worker = [&](int i) {
     std::vector<std::string> extra = metrics(1 + o.num_ps + i);
     if (i < static_cast<int>(o.worker_devices.size()))
       extra.push_back("--device=" + o.worker_devices[i]);
-    started = start(absl::StrCat("worker", i), "worker", i, extra);
+    if (!o.with_chief && i == 0)
+      extra.insert(extra.end(), o.chief_args.begin(), o.chief_args.end());
+    return start(absl::StrCat("worker", i), "worker", i, extra);
+  };
+  bool started = true;
+  if (o.with_chief) {
+    std::vector<std::string> chief_extra = metrics(0);
+    chief_extra.insert(chief_extra.end(), o.chief_args.begin(), o.chief_args.end());
+    started = start("chief", "chief", 0, chief_extra);
+  } else {
+    started = start_worker(0);
   }
+  for (int i = 0; started && i < o.num_ps; ++i)
+    started = start(absl::StrCat("ps", i), "ps", i, metrics(1 + i));
+  for (int i = o.with_chief ? 0 : 1; started && i < o.num_workers; ++i) started = start_worker(i);
   for (int i = 0; started && i < o.num_evaluators; ++i) {
     std::vector<std::string> extra = metrics(1 + o.num_ps + o.num_workers + i);
     if (!o.evaluator_device.empty()) extra.push_back("--device=" + o.evaluator_device);
     started = start(absl::StrCat("evaluator", i), "evaluator", i, extra);
   }
-  Say(absl::StrCat("cluster: chief ", addr(0), ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
+  Say(absl::StrCat("cluster: ",
+                   o.with_chief ? absl::StrCat("chief ", addr(0))
+                                : std::string("no chief (worker 0 runs its duties)"),
+                   ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
                    absl::StrJoin(worker_hosts, ","), evaluator_hosts.empty() ? "" : ", evaluators ",
                    absl::StrJoin(evaluator_hosts, ",")));
   if (o.metrics_base_port > 0) {
     const int last = o.num_ps + o.num_workers + o.num_evaluators;
-    Say(absl::StrCat("metrics: http://", o.host, ":", o.metrics_base_port,
-                     "/metrics (chief) to :", o.metrics_base_port + last, " (",
+    const int first = o.with_chief ? 0 : 1;
+    Say(absl::StrCat("metrics: http://", o.host, ":", o.metrics_base_port + first,
+                     o.with_chief ? "/metrics (chief) to :" : "/metrics (ps0) to :",
+                     o.metrics_base_port + last, " (",
                      o.num_evaluators > 0 ? absl::StrCat("evaluator", o.num_evaluators - 1)
                                           : absl::StrCat("worker", o.num_workers - 1),
                      ")"));
@@ -249,7 +264,8 @@ int RunCluster(const LaunchOptions& o) {
       // A chief that failed releases nobody: stop the rest now rather than
       // after the grace period meant for a job that ended well.
       if (c.code != 0 && terminated_at == absl::InfiniteFuture()) {
-        Say("the chief failed; stopping the cluster");
+        Say(o.with_chief ? "the chief failed; stopping the cluster"
+                         : "worker0 (the chief's duties) failed; stopping the cluster");
         signal_all(SIGTERM);
         terminated_at = absl::Now();
       }

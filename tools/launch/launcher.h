@@ -20,6 +20,9 @@ struct LaunchOptions {
   std::string host = "127.0.0.1";
   std::string bin_dir;                  // where psflow-chief, -ps, -worker (-evaluator) are
   std::vector<std::string> chief_args;  // everything after "--"
+  // false: a cluster without a chief task (the Helm shape); worker 0 runs
+  // the chief's duties, takes chief_args, and its exit decides the result.
+  bool with_chief = true;
   // --device of each worker (empty: the worker's default, cpu).
   std::vector<std::string> worker_devices;
   // --device of every evaluator (empty: its default, cpu).
@@ -39,13 +42,15 @@ struct LaunchOptions {
   int max_restarts = 20;
   // With a port, each process serves /metrics (--metrics_port) on the ports
   // from it on: the chief on metrics_base_port, ps i on +1+i, worker i on
-  // +1+num_ps+i, evaluator i on +1+num_ps+num_workers+i. 0: none does.
+  // +1+num_ps+i, evaluator i on +1+num_ps+num_workers+i (without a chief,
+  // the base port is unused). 0: none does.
   int metrics_base_port = 0;
 };
 
-// Runs the cluster; returns the chief's exit code, or the code of the first
-// other process that failed while the chief was still running (after which
-// the whole cluster is stopped) unless failed processes are restarted.
+// Runs the cluster; returns the chief's exit code (worker 0's without a
+// chief), or the code of the first other process that failed while the
+// chief was still running (after which the whole cluster is stopped) unless
+// failed processes are restarted.
 int RunCluster(const LaunchOptions& options);
 
 }  // namespace psflow::launch

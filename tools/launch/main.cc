@@ -13,6 +13,10 @@
 #include "tools/launch/launcher.h"
 
 ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
+ABSL_FLAG(bool, chief, true,
+          "false: no chief process (a cluster of ps and workers only, as a Helm-rendered "
+          "CLUSTER_CONFIG has it): worker 0 runs the chief's duties and gets the arguments after "
+          "--; its exit is the launcher's.");
 ABSL_FLAG(int, workers, 2, "Number of workers.");
 ABSL_FLAG(int, evaluators, 0,
           "Number of evaluators (psflow-evaluator: they evaluate the weights on the test split as "
@@ -61,10 +65,16 @@ int main(int argc, char** argv) {
       "SIGTERM\n"
       "are forwarded; no process outlives the launcher. Unless the chief's arguments set\n"
       "--compute_threads, each worker gets cores / workers threads. Exits with the chief's code,\n"
-      "or with the code of a ps or worker that failed first.");
+      "or with the code of a ps or worker that failed first. With --chief=false there is no\n"
+      "chief: worker 0 runs its duties and takes the arguments after --.");
   psflow::launch::LaunchOptions o;
   o.num_ps = absl::GetFlag(FLAGS_ps);
   o.num_workers = absl::GetFlag(FLAGS_workers);
+  o.with_chief = absl::GetFlag(FLAGS_chief);
+  if (!o.with_chief && o.num_workers < 1) {
+    std::fprintf(stderr, "psflow-launch: --chief=false needs a worker to run the chief's duties\n");
+    return 1;
+  }
   o.num_evaluators = absl::GetFlag(FLAGS_evaluators);
   o.host = absl::GetFlag(FLAGS_host);
   o.grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
