@@ -43,6 +43,10 @@ void Summaries::OnLine(const ProgressLine& line) {
                                   {"live_workers", line.live_workers},
                                   {"live_ps", line.live_ps},
                               });
+  if (line.staleness_mean) {  // --mode=async or ssp
+    values.emplace_back("staleness/mean", *line.staleness_mean);
+    values.emplace_back("staleness/max", static_cast<double>(line.staleness_max));
+  }
   absl::MutexLock lock(&mu_);
   WriteLocked(train_, line.step, line.time, values);
 }

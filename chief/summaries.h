@@ -53,7 +53,8 @@ class Summaries : public ProgressListener {
   void OnRestart(int64_t step) override;
   // At the line's step, in train/, then flushed: loss, accuracy,
   // examples_per_sec, learning_rate (when known), step_ms/pull,
-  // step_ms/compute, step_ms/push, step_ms/wait, live_workers, live_ps.
+  // step_ms/compute, step_ms/push, step_ms/wait, live_workers, live_ps (and
+  // staleness/mean, staleness/max for an asynchronous job).
   void OnLine(const ProgressLine& line) override;
 
   // The evaluation of the weights of `step` (the steps applied to them):

@@ -79,6 +79,21 @@ void AddShardMetrics(const psflow::ps::Shard& shard, psflow::metrics::Registry& 
       "psflow_ps_refused_pushes_total",
       "Pushes refused for a non-finite gradient since this ps last took a job.",
       read(&Stats::refused_pushes));
+  // Jobs in --mode=async or ssp (0 in sync mode, where nothing is stale).
+  metrics.SetCounterFunction(
+      "psflow_ps_staleness_versions_total",
+      "Asynchronous jobs: the versions each applied gradient was behind (applied after the one "
+      "it was computed from), summed since this ps last took a job; over "
+      "psflow_ps_applied_steps_total, the mean staleness.",
+      read(&Stats::staleness_sum));
+  metrics.SetGaugeFunction("psflow_ps_staleness_max",
+                           "Asynchronous jobs: the most versions an applied gradient was behind.",
+                           read(&Stats::staleness_max));
+  metrics.SetGaugeFunction(
+      "psflow_ps_worker_lead_max",
+      "Asynchronous jobs: the largest lead of a worker's step over the slowest live worker's "
+      "when this ps served its pull (ssp keeps it at or below --staleness).",
+      read(&Stats::clock_lead_max));
 }
 
 }  // namespace

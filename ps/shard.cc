@@ -837,6 +837,9 @@ Shard::Stats Shard::stats() const {
   Stats st;
   static_cast<Counters&>(st) = counters_;
   st.version = version_;
+  st.staleness_sum = lag_sum_;
+  st.staleness_max = lag_max_;
+  st.clock_lead_max = clock_gap_max_;
   return st;
 }
 

@@ -295,6 +295,10 @@ class Shard {
   };
   struct Stats : Counters {
     int64_t version = 0;
+    // Asynchronous jobs (0 otherwise): the staleness of the applied
+    // gradients (sum and max of versions behind), and the largest lead of a
+    // served pull's clock over the slowest live worker.
+    int64_t staleness_sum = 0, staleness_max = 0, clock_lead_max = 0;
   };
   Stats stats() const;
 

@@ -558,5 +558,61 @@ TEST(ShortDurationTest, SecondsMinutesHours) {
   EXPECT_EQ(ShortDuration(-absl::Seconds(5)), "0s");
 }
 
+// An asynchronous job: workers report the versions they read (not in step),
+// the line shows the interval's staleness, ex/s counts the workers as going
+// at their own pace, and a worker that saw the end holds no line back.
+TEST_F(ProgressTest, AsynchronousLinesShowStalenessAndFinishedWorkersHoldNothing) {
+  progress_.SetAsynchronous(true);
+  progress_.SetLiveWorkers({0, 1});
+  std::vector<StepMetrics> w0, w1;
+  for (int64_t s = 0; s < 10; s += 2) {
+    StepMetrics a = Metric(0, s);
+    a.set_staleness(s == 4 ? 3 : 1);
+    w0.push_back(a);
+    StepMetrics b = Metric(1, s + 1);
+    b.set_staleness(0);
+    w1.push_back(b);
+  }
+  progress_.Record(0, w0, t0_);
+  progress_.Record(1, w1, t0_ + absl::Seconds(1));
+  EXPECT_TRUE(lines_.empty()) << "worker 0 has not reported past step 9 yet";
+  // Its next step read a version of the next interval: every worker is past it.
+  progress_.Record(0, {Metric(0, 10)}, t0_ + absl::Seconds(1));
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], HasSubstr("| staleness mean 0.7 max 3 |"));  // 7 over 10 records
+  std::vector<StepMetrics> all = w0;
+  all.insert(all.end(), w1.begin(), w1.end());
+  const Expected e = Expect(all, 10);
+  const Line l = Parse(lines_[0]);
+  // Each record is one worker's step; the 2 workers go side by side.
+  EXPECT_NEAR(l.ex_per_s, static_cast<double>(e.examples) / (10.0 * e.step_ms / 1000.0 / kWorkers),
+              0.01 * l.ex_per_s);
+  // Worker 0 takes the rest of the job's steps; worker 1's last read was
+  // step 9: once it says it saw the end, the last lines come out.
+  progress_.Record(0, Steps(0, 11, kTrainSteps), t0_ + absl::Seconds(2));
+  EXPECT_EQ(lines_.size(), 1u);
+  progress_.Finished(1);
+  ASSERT_EQ(lines_.size(), 3u);
+  EXPECT_THAT(lines_[2], StartsWith("step 25/25 "));
+  EXPECT_THAT(lines_[2], HasSubstr("| staleness mean 0.0 max 0 |"));
+}
+
+TEST_F(ProgressTest, SynchronousLinesHaveNoStaleness) {
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  progress_.Record(1, Steps(1, 0, 10), t0_);
+  ASSERT_EQ(lines_.size(), 1u);
+  EXPECT_THAT(lines_[0], Not(HasSubstr("staleness")));
+}
+
+TEST(StepMetricsCheckTest, StalenessOutsideTheJobIsRefused) {
+  StepMetrics m = Metric(0, 1);
+  m.set_staleness(-1);
+  EXPECT_THAT(CheckStepMetrics(m, kTrainSteps, 64).message(), HasSubstr("staleness"));
+  m.set_staleness(kTrainSteps + 1);
+  EXPECT_FALSE(CheckStepMetrics(m, kTrainSteps, 64).ok());
+  m.set_staleness(3);
+  EXPECT_TRUE(CheckStepMetrics(m, kTrainSteps, 64).ok());
+}
+
 }  // namespace
 }  // namespace psflow::chief

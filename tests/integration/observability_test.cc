@@ -220,10 +220,17 @@ const std::map<std::string, std::string> kChiefFamilies = {
     {"psflow_rpc_errors", "counter"},
 };
 const std::map<std::string, std::string> kPsFamilies = {
-    {"psflow_ps_version", "gauge"},          {"psflow_ps_applied_steps", "counter"},
-    {"psflow_ps_stale_pushes", "counter"},   {"psflow_ps_duplicate_pushes", "counter"},
-    {"psflow_ps_refused_pushes", "counter"}, {"psflow_ps_push_bytes", "histogram"},
-    {"psflow_ps_push_seconds", "histogram"}, {"psflow_ps_pull_bytes", "histogram"},
+    {"psflow_ps_version", "gauge"},
+    {"psflow_ps_applied_steps", "counter"},
+    {"psflow_ps_stale_pushes", "counter"},
+    {"psflow_ps_duplicate_pushes", "counter"},
+    {"psflow_ps_refused_pushes", "counter"},
+    {"psflow_ps_push_bytes", "histogram"},
+    {"psflow_ps_staleness_versions", "counter"},
+    {"psflow_ps_staleness_max", "gauge"},
+    {"psflow_ps_worker_lead_max", "gauge"},
+    {"psflow_ps_push_seconds", "histogram"},
+    {"psflow_ps_pull_bytes", "histogram"},
     {"psflow_ps_pull_seconds", "histogram"},
 };
 const std::map<std::string, std::string> kWorkerFamilies = {
