@@ -441,7 +441,9 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
                                    config.cluster.chief.size()));
   }
   if (expected != Role::kEvaluator && config.cluster.ps.empty()) {
-    return Invalid("the cluster has no ps");
+    return Invalid(
+        "the cluster has no ps: psflow trains through parameter servers (list at least one ps "
+        "task; workers-only all-reduce clusters are not supported)");
   }
 
   const auto& own = config.cluster.Addresses(task.role);
