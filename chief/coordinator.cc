@@ -428,25 +428,28 @@ absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
 }
 
 bool Coordinator::TryAdopt() {
-  // After a restart of the chief alone, the ps may still hold the job, all at
-  // one step: take it over as it is rather than going back to a checkpoint.
-  // The ps of an asynchronous job count their versions apart (each is one
-  // consistent state of its shard): the job is adopted at the lowest.
+  // After a restart of the chief alone, the ps may still hold the job: take
+  // it over as it is rather than going back to a checkpoint, at the lowest
+  // version of the ps. In sync mode they are at most one step apart (a step
+  // half applied: its last pushes are on their way, or a worker died, or
+  // was stopped, between its pushes to two ps and pushes the older step
+  // again once back, which the ps past it answer STALE). The ps of an
+  // asynchronous job count their versions apart (each is one consistent
+  // state of its shard).
   const bool asynchronous = AppliesEachGradient(job_);
   for (int attempt = 0; attempt < options_.timeouts.adopt_attempts; ++attempt) {
     absl::StatusOr<std::vector<PsState>> looked = States(/*job_id=*/0);
     if (!looked.ok()) return false;
     const std::vector<PsState>& states = *looked;
     bool same = google::protobuf::util::MessageDifferencer::Equals(states[0].job(), job_);
-    bool agree = true;
+    int64_t version = states[0].version(), newest = states[0].version();
     for (const PsState& st : states) {
       same = same && st.job_id() == states[0].job_id() && st.live_workers_size() > 0;
-      agree = agree && st.version() == states[0].version();
+      version = std::min(version, st.version());
+      newest = std::max(newest, st.version());
     }
     if (!same) return false;
-    if (agree || asynchronous) {
-      int64_t version = states[0].version();
-      for (const PsState& st : states) version = std::min(version, st.version());
+    if (asynchronous || newest - version <= 1) {
       std::vector<int> live(states[0].live_workers().begin(), states[0].live_workers().end());
       {
         absl::MutexLock lock(&mu_);
@@ -461,7 +464,7 @@ bool Coordinator::TryAdopt() {
                   << " live workers)";
       return true;
     }
-    absl::SleepFor(options_.timeouts.adopt_retry);  // a step is being applied: look again
+    absl::SleepFor(options_.timeouts.adopt_retry);  // look again
   }
   return false;
 }
@@ -637,29 +640,31 @@ absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
   // A ps may pass the chosen step between looking and asking: look again.
   absl::Status s;
   for (int attempt = 0; attempt < options_.timeouts.checkpoint_attempts; ++attempt) {
-    s = TakeCheckpointOnce(taken);
+    s = TakeCheckpointOnce(taken, /*ahead=*/attempt > 0);
     if (!absl::IsFailedPrecondition(s)) return s;
   }
   return s;
 }
 
-absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken) {
+absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, bool ahead) {
   const absl::Time begun = absl::Now();
   const uint64_t id = job_id();
   absl::StatusOr<std::vector<PsState>> states = States(id);
   if (!states.ok()) return absl::UnavailableError("a ps is not reachable");
   int64_t target = MaxVersion(*states);
   if (AppliesEachGradient(job_)) {
-    // The ps of an asynchronous job are never in step: one ahead may pass
-    // the newest version before the request reaches it. Unless they agree
-    // (nothing moves), ask for one a few gradients ahead, which every ps
-    // reaches soon.
+    // The ps of an asynchronous job are never in step, and each moves by
+    // every worker's gradient: one may pass the newest version before the
+    // request reaches it. Ask for a version a few gradients ahead, which
+    // every ps reaches soon, unless they agree and this is the first try
+    // (nothing may be moving: a job whose workers are away).
     bool agree = true;
     for (const PsState& st : *states) agree = agree && st.version() == target;
-    if (!agree) target = std::min(target + 2 * job_.num_workers() + 2, job_.train_steps());
+    if (!agree || ahead) target = std::min(target + 2 * job_.num_workers() + 2, job_.train_steps());
   }
   // Every ps copies its slices the moment it reaches `target` (those there
-  // already, at once): one consistent step across shards, taken while
+  // already, at once): one consistent step across shards (in an
+  // asynchronous job, one consistent version of each shard), taken while
   // training goes on.
   const std::vector<std::string> slots = ps::Optimizer::SlotNames(job_.optimizer().kind());
   Checkpoint ckpt = EmptyCheckpoint(job_, target, slots);

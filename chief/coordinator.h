@@ -176,7 +176,9 @@ class Coordinator {
   absl::Status Recover();
   // On success, what was written is moved into *taken when one is given.
   absl::Status TakeCheckpoint(Checkpoint* taken = nullptr);
-  absl::Status TakeCheckpointOnce(Checkpoint* taken);
+  // `ahead`: a retry (asynchronous jobs then ask a version a few gradients
+  // past the newest even when the ps agree).
+  absl::Status TakeCheckpointOnce(Checkpoint* taken, bool ahead);
   // An asynchronous job's staleness as the ps counted it, in one log line.
   void LogStaleness();
   // Writes the saved model from the values of `final_checkpoint` (one of

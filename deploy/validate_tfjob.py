@@ -97,8 +97,11 @@ def psflow_problems(job):
     """What psflow itself needs of a TFJob, beyond the schema."""
     problems = []
     specs = job.get("spec", {}).get("tfReplicaSpecs", {})
-    if specs.get("Chief", {}).get("replicas") != 1:
-        problems.append("needs exactly one Chief replica")
+    # Without a Chief, worker 0 runs the chief's duties (and writes the
+    # checkpoints and the saved model).
+    chief = "Chief" if "Chief" in specs else "Worker"
+    if chief == "Chief" and specs["Chief"].get("replicas") != 1:
+        problems.append("needs exactly one Chief replica (or none: worker 0 is then the chief)")
     for role in ("PS", "Worker"):
         if role not in specs:
             problems.append(f"has no {role} replicas")
@@ -111,8 +114,9 @@ def psflow_problems(job):
         if "tensorflow" not in names:
             problems.append(f"{role}: no container named 'tensorflow' (the operator writes TF_CONFIG only there)")
         storage = [v for v in pod.get("volumes", []) or [] if not any(k in v for k in NOT_STORAGE)]
-        if role != "Chief" and storage:
-            problems.append(f"{role}: only the chief needs storage")
+        if role != chief and storage:
+            problems.append(f"{role}: only the chief needs storage" +
+                            (" (worker 0 here)" if chief == "Worker" else ""))
         for c in pod.get("containers", []):
             res = c.get("resources", {})
             gpus = any("nvidia.com/gpu" in (res.get(k) or {}) for k in ("limits", "requests"))

@@ -238,7 +238,10 @@ std::optional<int64_t> Evaluator::Target(int64_t v, absl::Time now) const {
   if (every_steps_ > 0) {
     // A multiple not yet reached is asked for in advance: each ps copies it
     // the moment it gets there.
-    const int64_t from = std::max(v, last_step_ + 1);
+    // An asynchronous job's ps pass a version at different times: a
+    // multiple one of them has passed cannot be taken any more.
+    const int64_t from =
+        std::max(AppliesEachGradient(job_) ? newest_version_ + 1 : v, last_step_ + 1);
     const int64_t multiple = (from + every_steps_ - 1) / every_steps_ * every_steps_;
     if (multiple < final_step) target = multiple;
   }

@@ -69,6 +69,12 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   }
   if (header.live_workers_size() == 0)
     return absl::InvalidArgumentError("init names no live workers");
+  for (int w : header.live_workers()) {
+    if (w < 0 || (header.job().num_workers() > 0 && w >= header.job().num_workers())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("live worker ", w, " is not in the job of ", header.job().num_workers()));
+    }
+  }
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
   std::vector<SliceState> states(values.size());
   std::vector<std::vector<float>> sums;
@@ -124,11 +130,12 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   round_owner_ = -1;
   round_lag_ = 0;
   clocks_.clear();
+  accepted_.clear();
   last_lag_.clear();
   // A restored job's clocks start level: its version spread over the workers.
   const int64_t level = version_ / std::max(job_.num_workers(), 1);
-  for (int w = 0; w < job_.num_workers(); ++w) clocks_[w] = level;
-  for (int w : live_workers_) clocks_[w] = level;
+  for (int w = 0; w < job_.num_workers(); ++w) clocks_[w] = accepted_[w] = level;
+  for (int w : live_workers_) clocks_[w] = accepted_[w] = level;
   lag_count_ = lag_sum_ = lag_max_ = clock_gap_max_ = 0;
   WakeLocked();
   return absl::OkStatus();
@@ -320,11 +327,13 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushAsyncLocked(int worker, int64_t
                                                              std::vector<SliceGradient> grads) {
   // The job is over here: nothing more is applied.
   if (version_ >= job_.train_steps()) return PushResponse::STALE;
-  const int64_t have = clocks_[worker];
-  if (clock < have) return PushResponse::STALE;
+  // A retry of a gradient already whole here (queued, being applied, or
+  // applied) is answered as such, never taken again.
+  const int64_t have = accepted_[worker];
+  if (clock < have) return clock < clocks_[worker] ? PushResponse::STALE : PushResponse::DUPLICATE;
   if (clock > have) {
     return absl::FailedPreconditionError(absl::StrCat("push of worker ", worker, " for its step ",
-                                                      clock, " but this ps applied ", have,
+                                                      clock, " but this ps has ", have,
                                                       " of its gradients"));
   }
   if (read_version < 0 || read_version > version_) {
@@ -349,6 +358,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushAsyncLocked(int worker, int64_t
   if (!kept) return PushResponse::DUPLICATE;
   if (p.received == static_cast<int>(slice_.size())) {
     p.queued = true;
+    ++accepted_[worker];
     ready_.push_back(worker);
     StartRoundLocked();
   }
@@ -512,11 +522,13 @@ void Shard::FinishLocked(ApplyJob& job) {
   s.previous = std::move(s.published);
   s.published = std::move(job.out);
   s.version = job.step + 1;
+  // One asked for while slices were applied: with none applying any more,
+  // every slice's value and slots at version_ are at hand (an applied
+  // slice keeps them until the shard advances).
+  TakeSnapshotLocked();
   if (++applied_ == static_cast<int>(slice_.size())) {
     AdvanceLocked();
     if (async_) StartRoundLocked();
-  } else {
-    TakeSnapshotLocked();  // one asked for while this slice was applied
   }
   WakeLocked();
 }
@@ -598,6 +610,12 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   if (live.empty()) return absl::InvalidArgumentError("a job needs at least one live worker");
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  for (int w : live) {
+    if (w < 0 || (job_.num_workers() > 0 && w >= job_.num_workers())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("live worker ", w, " is not in the job of ", job_.num_workers()));
+    }
+  }
   const absl::flat_hash_set<int> wanted(live.begin(), live.end());
   for (auto it = live_workers_.begin(); it != live_workers_.end();) {
     if (!wanted.contains(*it)) {
@@ -607,7 +625,10 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
         for (SliceState& s : slice_) s.pushes.erase(*it);
       }
       empty_pushes_.erase(*it);
-      pending_.erase(*it);
+      if (auto p = pending_.find(*it); p != pending_.end()) {
+        if (p->second.queued) --accepted_[*it];  // its queued gradient is not applied
+        pending_.erase(p);
+      }
       live_workers_.erase(it++);
     } else {
       ++it;
@@ -622,6 +643,7 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
       const std::optional<int64_t> slowest = SlowestClockLocked(w);
       int64_t& clock = clocks_[w];
       if (slowest.has_value()) clock = std::max(clock, *slowest);
+      accepted_[w] = std::max(accepted_[w], clock);
       live_workers_.insert(w);
       continue;
     }
@@ -694,6 +716,11 @@ absl::StatusOr<std::optional<Shard::ClockGrant>> Shard::TryClockLocked(uint64_t 
   }
   auto it = clocks_.find(worker);
   const int64_t own = it == clocks_.end() ? 0 : it->second;
+  if (version_ < job_.train_steps() && !live_workers_.contains(worker)) {
+    // Dropped (its queued gradient too): it must register again, not wait.
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", worker, " is not a live member of the job"));
+  }
   if (version_ < job_.train_steps()) {  // the last step applied: answered at once
     if (own < clock) return std::nullopt;
     if (const std::optional<int64_t> slowest = SlowestClockLocked(worker)) {
@@ -807,10 +834,9 @@ Shard::State Shard::state() const {
   for (const auto& [w, version] : joining_) st.joining_workers.push_back(w);
   std::sort(st.joining_workers.begin(), st.joining_workers.end());
   if (async_) {
+    st.clocks.assign(std::max(job_.num_workers(), 0), 0);
     for (const auto& [w, clock] : clocks_) {
-      if (w < 0) continue;
-      if (static_cast<size_t>(w) >= st.clocks.size()) st.clocks.resize(w + 1, 0);
-      st.clocks[w] = clock;
+      if (w >= 0 && w < job_.num_workers()) st.clocks[w] = clock;
     }
     st.lag_count = lag_count_;
     st.lag_sum = lag_sum_;

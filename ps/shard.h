@@ -34,8 +34,11 @@
 // (slices concurrently, as above), each moving the version by one. So every
 // version is one consistent state of the shard (snapshots are taken as in
 // sync mode), version v holding exactly v gradients. A push for a clock
-// already applied is STALE; one ahead of the worker's clock is
-// FAILED_PRECONDITION. The shard stops at JobConfig.train_steps: gradients
+// whose gradient is already whole here is DUPLICATE while it waits or is
+// being applied and STALE once applied (a retry is never taken again); one
+// ahead of the worker's clock is FAILED_PRECONDITION, and so is a pull of a
+// worker that is not live (dropped, its queued gradient discarded: it must
+// register again). The shard stops at JobConfig.train_steps: gradients
 // that come later are dropped (STALE). Pulls wait by clock (TryClock): for
 // the puller's own last gradient, and in SSP for the slowest live worker to
 // be within `staleness` of the puller. A worker joins at once (from_version
@@ -429,7 +432,10 @@ class Shard {
   std::vector<int> ready_ ABSL_GUARDED_BY(mu_);  // complete pushes, in order of completion
   int round_owner_ ABSL_GUARDED_BY(mu_) = -1;    // the worker whose gradient is being applied
   int64_t round_lag_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<int, int64_t> clocks_ ABSL_GUARDED_BY(mu_);    // gradients applied, by worker
+  absl::flat_hash_map<int, int64_t> clocks_ ABSL_GUARDED_BY(mu_);  // gradients applied, by worker
+  // Gradients accepted whole (queued, being applied or applied), by worker:
+  // the clock its next push must name.
+  absl::flat_hash_map<int, int64_t> accepted_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int, int64_t> last_lag_ ABSL_GUARDED_BY(mu_);  // of the latest, by worker
   int64_t lag_count_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t lag_sum_ ABSL_GUARDED_BY(mu_) = 0;

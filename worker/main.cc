@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
             absl::MutexLock lock(&mu);
             if (first.ok()) first = chief_status;
           }
-          trainer.Stop(SIGTERM);
+          trainer.Stop(psflow::SignalOf(chief_status).value_or(SIGTERM));
         });
         absl::Status s = trainer.Run();
         if (!s.ok()) {
@@ -185,8 +185,15 @@ int main(int argc, char** argv) {
         return first;
       },
       [&](int sig) {
-        trainer.Stop(sig);
-        if (chief_role != nullptr) chief_role->Stop(sig);
+        // With the chief's duties here, the coordinator checkpoints first
+        // while this worker's trainer goes on (a stop mid-push would leave
+        // the ps a step apart and the checkpoint's version out of reach);
+        // its end stops the trainer.
+        if (chief_role != nullptr) {
+          chief_role->Stop(sig);
+        } else {
+          trainer.Stop(sig);
+        }
       },
       absl::Seconds(chief_role != nullptr ? 30 : 6), "stopping after the call in flight");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

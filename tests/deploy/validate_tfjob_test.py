@@ -68,6 +68,16 @@ class ValidateTfjobTest(unittest.TestCase):
             pod = j["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]
             pod["volumes"] = copy.deepcopy(j["spec"]["tfReplicaSpecs"]["Chief"]["template"]["spec"]["volumes"])
         self.assertTrue(any("only the chief" in p for p in self.problems_of(worker_volume)))
+        def chiefless(j):
+            # The Helm/Estimator shape: no Chief; worker 0 runs its duties
+            # and takes its storage and flags.
+            specs = j["spec"]["tfReplicaSpecs"]
+            chief = specs.pop("Chief")
+            worker = specs["Worker"]["template"]["spec"]
+            worker["volumes"] = worker.get("volumes", []) + [
+                v for v in chief["template"]["spec"].get("volumes", []) if "persistentVolumeClaim" in v]
+        self.assertFalse(any("Chief" in p or "storage" in p for p in self.problems_of(chiefless)),
+                         self.problems_of(chiefless))
         def ps_gpu(j):
             c = j["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]
             c.setdefault("resources", {})["limits"] = {"nvidia.com/gpu": 1}

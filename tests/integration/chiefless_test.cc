@@ -90,7 +90,7 @@ TEST_F(ChieflessTest, HelmShapeTrainsAndEveryProcessExits0) {
 
 // Worker 0 killed mid-job (its chief's duties with it) and started again, as
 // a pod's restart would: it takes the chief's duties up again (adopting the
-// running job, or restoring the newest checkpoint) and the job ends well.
+// running job from the ps) and the job ends well.
 TEST_F(ChieflessTest, Worker0KilledResumesTheChiefsDuties) {
   std::vector<std::unique_ptr<Process>> pods;
   pods.push_back(StartPod("ps", 0, {}));
@@ -102,8 +102,9 @@ TEST_F(ChieflessTest, Worker0KilledResumesTheChiefsDuties) {
   pods[2]->Signal(SIGKILL);
   pods[2]->WaitOrKill(seconds(10));
   auto restarted = StartPod("worker", 0, JobArgs(1500));
-  const std::regex resumed(
-      R"(worker0\] (adopting the running job at|restoring from the checkpoint of) step ([0-9]+))");
+  // The ps still hold the job (at most a step apart: worker 0 may have died
+  // between its pushes to the two): it is adopted, not restored.
+  const std::regex resumed(R"(worker0\] (adopting the running job at) step ([0-9]+))");
   ASSERT_TRUE(restarted->WaitForOutput("step", seconds(60))) << restarted->Describe();
   EXPECT_EQ(restarted->WaitOrKill(seconds(240)), 0) << restarted->Describe();
   std::smatch m;

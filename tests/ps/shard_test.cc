@@ -1645,5 +1645,94 @@ TEST(AsyncShardTest, SspWithStalenessZeroIsSync) {
   EXPECT_TRUE(absl::IsFailedPrecondition(shard.TryClock(kJob, 0, 0).status()));
 }
 
+// An applier pool whose one thread is held until `go`: a gradient the shard
+// hands it stays taken off the queue and not yet applied.
+struct HeldAppliers {
+  ThreadPool pool{1};
+  absl::Notification go;
+  HeldAppliers() {
+    pool.Schedule([this] { go.WaitForNotification(); });
+  }
+  ~HeldAppliers() {
+    if (!go.HasBeenNotified()) go.Notify();
+  }
+};
+
+// Waits until the shard reaches `version` (the appliers run on their own thread).
+void AwaitVersion(Shard& shard, int64_t version) {
+  absl::StatusOr<Shard::Pulled> p = shard.Pull(kJob, version, Soon(), nullptr);
+  ASSERT_TRUE(p.ok()) << p.status();
+}
+
+TEST(AsyncShardTest, ARetryOfAGradientBeingAppliedIsNotTakenAgain) {
+  HeldAppliers held;
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool);
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  // The answer was lost; the worker sends the push again while it is applied.
+  EXPECT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::DUPLICATE);
+  // A lane of it alone, too.
+  EXPECT_EQ(*shard.PushSlices(kJob, 0, 0, {{0, Grads(1)[0]}}, 0), PushResponse::DUPLICATE);
+  held.go.Notify();
+  AwaitVersion(shard, 1);
+  EXPECT_EQ(shard.stats().version, 1) << "one gradient, applied once";
+  EXPECT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::STALE);
+  // The next gradient is whole and only itself.
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 1, {{0, Grads(100)[0]}}, 1), PushResponse::ACCEPTED);
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 1, {{1, Grads(100)[1]}}, 1), PushResponse::ACCEPTED);
+  AwaitVersion(shard, 2);
+  EXPECT_EQ(ValuesNow(shard), SgdStep(SgdStep({kA, kB}, 0.5f, Grads(1)), 0.5f, Grads(100)));
+}
+
+TEST(AsyncShardTest, ADroppedWorkersPullFailsInsteadOfWaiting) {
+  HeldAppliers held;
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool);
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(1)), PushResponse::ACCEPTED);  // being applied
+  ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);  // queued
+  ASSERT_TRUE(shard.SetLiveWorkers(kJob, {1}, 0).ok());  // worker 0 dropped with it
+  held.go.Notify();
+  AwaitVersion(shard, 1);
+  absl::StatusOr<std::optional<Shard::ClockGrant>> grant = shard.TryClock(kJob, 0, 1);
+  EXPECT_TRUE(absl::IsFailedPrecondition(grant.status())) << grant.status();
+  EXPECT_EQ(shard.stats().version, 1) << "the dropped worker's queued gradient is not applied";
+  // Back in the job, at the slowest live worker's clock (1): its pull says
+  // so, and it pushes from there.
+  ASSERT_TRUE(shard.SetLiveWorkers(kJob, {0, 1}, 0).ok());
+  grant = shard.TryClock(kJob, 0, 0);
+  ASSERT_TRUE(grant.ok() && grant->has_value()) << grant.status();
+  EXPECT_EQ((*grant)->clock, 1);
+  EXPECT_EQ(*PushAsync(shard, 0, 0, 1, Grads(1)), PushResponse::STALE);
+  EXPECT_EQ(*PushAsync(shard, 0, 1, 1, Grads(1)), PushResponse::ACCEPTED);
+  AwaitVersion(shard, 2);
+}
+
+TEST(AsyncShardTest, ASnapshotOfTheVersionBeingLeftIsTaken) {
+  HeldAppliers held;
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool);
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);  // being applied
+  absl::StatusOr<Shard::SnapshotTicket> ticket = shard.RequestSnapshot(kJob, 0);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  held.go.Notify();
+  AwaitVersion(shard, 1);
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard.PollSnapshot(*ticket);
+  ASSERT_TRUE(snap.ok() && *snap != nullptr) << snap.status();
+  EXPECT_EQ((*snap)->weights->version, 0);
+  EXPECT_EQ(ValuesOf(*(*snap)->weights), (std::vector<std::vector<float>>{kA, kB}));
+  shard.ReleaseSnapshot(*ticket);
+}
+
+TEST(AsyncShardTest, WorkerIdsOutsideTheJobAreRefused) {
+  Shard shard;
+  InitHeader h = AsyncHeader(JobConfig::ASYNC);
+  h.add_live_workers(7);
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.Init(h, Values())));
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.SetLiveWorkers(kJob, {0, 2147483647}, 0)));
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.SetLiveWorkers(kJob, {-1}, 0)));
+  EXPECT_EQ(shard.state().clocks.size(), 2u);
+}
+
 }  // namespace
 }  // namespace psflow::ps
