@@ -453,10 +453,12 @@ TEST_F(CoordinatorTest, ALiveSetThatWentWrongOnAPsIsRepaired) {
   Start(Options());
   const uint64_t id = Register(0).job_id();
   Register(1);
-  // Someone tells ps 1 that only worker 0 counts, and ps 0 that 7 does too.
+  // Someone tells ps 1 that only worker 0 counts. (A set naming a worker
+  // outside the job, such as 7, the ps refuses outright.)
   ASSERT_TRUE(ps_->SetLiveWorkers(1, id, {0}, 0, absl::Now() + absl::Seconds(1)).ok());
-  ASSERT_TRUE(ps_->SetLiveWorkers(0, id, {0, 1, 7}, 0, absl::Now() + absl::Seconds(1)).ok());
-  // ps 0 drops 7 at once; ps 1 takes worker 1 back from the next step.
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      ps_->SetLiveWorkers(0, id, {0, 1, 7}, 0, absl::Now() + absl::Seconds(1))));
+  // ps 0 keeps both; ps 1 takes worker 1 back from the next step.
   ASSERT_TRUE(Eventually([&] {
     Report(id, 0, -1);
     Report(id, 1, -1);
