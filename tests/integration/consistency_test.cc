@@ -100,10 +100,10 @@ TEST_F(ConsistencyTest, AsyncNeverWaitsForAStoppedWorker) {
   const Staleness s = StalenessOf(out);
   ASSERT_GE(s.lead, 0) << "no staleness line\n" << out;
   // A second and a half is dozens of mlp steps on the worker that went on.
+  // (The staleness of the stopped worker's next gradient depends on where
+  // the stop caught it: computing, it is hundreds of versions old; waiting
+  // for its pull, it reads fresh weights. It is not checked.)
   EXPECT_GE(s.lead, 20) << out;
-  // The stopped worker's first gradient afterwards was computed from
-  // weights that many versions old.
-  EXPECT_GE(s.max, 20) << out;
 }
 
 TEST_F(ConsistencyTest, MainJobInAsyncModeReachesTheBar) {
