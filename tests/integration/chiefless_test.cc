@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <regex>
@@ -18,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/certs.h"
 #include "tests/integration/process.h"
 
 namespace psflow::itest {
@@ -134,6 +136,26 @@ TEST_F(ChieflessTest, LauncherRunsAClusterWithoutAChief) {
   for (const char* member : {"ps0", "ps1", "worker0", "worker1"}) {
     EXPECT_THAT(run.output, HasSubstr(std::string("[launch] ") + member + " exited with code 0"));
   }
+  ExpectNoProcessesLeft(dir_);
+}
+
+// Mutual TLS and the job token without a chief: worker 0 presents a worker
+// certificate to the other workers (as the chief) and to the ps (with the
+// chief's rights there); no chief certificate is needed at all.
+TEST_F(ChieflessTest, MutualTlsWithoutAChiefCertificate) {
+  const std::string certs = dir_ + "/certs";
+  ASSERT_TRUE(testing_certs::MakeCerts(certs));
+  std::filesystem::remove(certs + "/chief.crt");
+  std::filesystem::remove(certs + "/chief.key");
+  RunResult run = RunProcess(
+      Bin("psflow-launch"),
+      {"--chief=false", "--tls_dir=" + certs, "--ps=2", "--workers=2", "--", "--model=mlp",
+       "--train_steps=300", "--log_every_steps=100", "--model_dir=" + dir_ + "/model"},
+      {}, seconds(120));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("worker0] security: mutual TLS as the worker"));
+  EXPECT_THAT(run.output, HasSubstr("worker0] done: 300 steps"));
+  EXPECT_THAT(run.output, Not(HasSubstr("PERMISSION_DENIED")));
   ExpectNoProcessesLeft(dir_);
 }
 
