@@ -660,7 +660,7 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, bool ahead) {
     // (nothing may be moving: a job whose workers are away).
     bool agree = true;
     for (const PsState& st : *states) agree = agree && st.version() == target;
-    if (!agree || ahead) target = std::min(target + 2 * job_.num_workers() + 2, job_.train_steps());
+    if (!agree || ahead) target = VersionAhead(job_, target);
   }
   // Every ps copies its slices the moment it reaches `target` (those there
   // already, at once): one consistent step across shards (in an

@@ -115,6 +115,10 @@ bool AppliesEachGradient(const JobConfig& job) {
   return job.mode() == JobConfig::ASYNC || (job.mode() == JobConfig::SSP && job.staleness() > 0);
 }
 
+int64_t VersionAhead(const JobConfig& job, int64_t newest) {
+  return std::min<int64_t>(newest + 2 * job.num_workers() + 2, job.train_steps());
+}
+
 DataType WireDtypeOf(const JobConfig& job) {
   switch (job.wire_dtype()) {
     case JobConfig::FP32:

@@ -65,6 +65,11 @@ DataType WireDtypeOf(const JobConfig& job);
 // Whether the ps apply each worker's gradient alone (JobConfig.mode ASYNC, or
 // SSP with a staleness above 0; SSP with 0 runs the synchronous path).
 bool AppliesEachGradient(const JobConfig& job);
+// For such a job: a version a few gradients past `newest` (the highest of
+// the ps's), capped at train_steps, which every ps reaches soon. The ps are
+// never in step, so a snapshot asked for `newest` itself may be passed by
+// one of them before the request reaches it.
+int64_t VersionAhead(const JobConfig& job, int64_t newest);
 // What ps `ps` holds, as its InitHeader describes it (non_trainable from
 // the placement).
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);

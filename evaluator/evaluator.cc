@@ -252,8 +252,7 @@ std::optional<int64_t> Evaluator::Target(int64_t v, absl::Time now) const {
     // every ps reaches soon.
     int64_t next = std::max(v, last_step_) + 1;
     if (AppliesEachGradient(job_)) {
-      next = std::max(next, newest_version_ + 2 * job_.num_workers() + 2);
-      if (next >= final_step) next = final_step;
+      next = std::min(std::max(next, VersionAhead(job_, newest_version_)), final_step);
     }
     target = std::min(target.value_or(next), next);
   }
