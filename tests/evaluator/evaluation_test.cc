@@ -22,6 +22,7 @@
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/spec.h"
+#include "tests/common/trained_weights.h"
 #include "tests/kernels/wrapped_backend.h"
 
 namespace psflow::evaluator {
@@ -80,17 +81,7 @@ class EvaluationTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(spec, backend_.get(), options);
     EXPECT_TRUE(net.ok()) << net.status();
     if (!net.ok()) return nullptr;
-    std::vector<std::vector<float>> w = model::InitialValues(spec, 3);
-    const std::vector<VariableShape> vars = model::ModelVariables(spec);
-    std::mt19937 rng(4);
-    std::uniform_real_distribution<float> mean(-0.3f, 0.3f), var(0.5f, 2.0f);
-    for (size_t v = 0; v < vars.size(); ++v) {
-      if (vars[v].name.ends_with("/running_mean")) {
-        for (float& x : w[v]) x = mean(rng);
-      } else if (vars[v].name.ends_with("/running_var")) {
-        for (float& x : w[v]) x = var(rng);
-      }
-    }
+    std::vector<std::vector<float>> w = testing_weights::WithRunningStatistics(spec, 3, 4);
     std::vector<const float*> ptrs;
     for (const auto& v : w) ptrs.push_back(v.data());
     EXPECT_TRUE((*net)->SetWeights(ptrs).ok());

@@ -18,6 +18,7 @@
 #include "model/network.h"
 #include "model/saved_model.h"
 #include "model/spec.h"
+#include "tests/common/trained_weights.h"
 #include "tests/integration/process.h"
 
 namespace psflow::itest {
@@ -32,17 +33,7 @@ class EvalTest : public TempDirTest {
     TempDirTest::SetUp();
     spec_ = model::ResolveModelSpec("resnet").value();
     // Initial weights with running statistics as after some training.
-    std::vector<std::vector<float>> w = model::InitialValues(spec_, 5);
-    const std::vector<VariableShape> vars = model::ModelVariables(spec_);
-    std::mt19937 rng(6);
-    std::uniform_real_distribution<float> mean(-0.3f, 0.3f), var(0.5f, 2.0f);
-    for (size_t v = 0; v < vars.size(); ++v) {
-      if (vars[v].name.ends_with("/running_mean")) {
-        for (float& x : w[v]) x = mean(rng);
-      } else if (vars[v].name.ends_with("/running_var")) {
-        for (float& x : w[v]) x = var(rng);
-      }
-    }
+    std::vector<std::vector<float>> w = testing_weights::WithRunningStatistics(spec_, 5, 6);
     ASSERT_TRUE(model::WriteSavedModel(dir_ + "/saved_model", spec_, 42, w).ok());
     // What psflow-eval's network takes on the CPU.
     auto backend = kernels::CreateBackend("cpu", 1);
