@@ -96,6 +96,9 @@ void EncodeFloats(DataType dtype, const float* in, int64_t n, char* out);
 // Reads `n` values of `dtype` from `in` (any alignment) into `out` as fp32.
 void DecodeFloats(DataType dtype, const char* in, int64_t n, float* out);
 
+// Whether any of the `n` values at `v` is a NaN or an infinity.
+bool AnyNonFinite(const float* v, int64_t n);
+
 }  // namespace psflow
 
 #endif  // PSFLOW_COMMON_FLOAT16_H_

@@ -69,7 +69,7 @@ ChunkSplitter::ChunkSplitter(std::vector<TensorRef> tensors, size_t max_bytes)
   for (const TensorRef& t : tensors_) ElementBytes(t.dtype);
 }
 
-bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
+bool ChunkSplitter::NextPieces(std::vector<ChunkPiece>* out) {
   if (tensor_ >= tensors_.size()) return false;
   size_t budget = max_bytes_;
   while (tensor_ < tensors_.size() && budget > 0) {
@@ -80,25 +80,43 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
     int64_t take =
         std::min<int64_t>(total - offset_, static_cast<int64_t>(budget) / element * element);
     if (take <= 0 && total > 0) break;
-    TensorChunk* chunk = out->Add();
-    chunk->set_name(t.name);
-    chunk->set_slot(t.slot);
-    chunk->set_dtype(t.dtype);
-    for (int64_t d : t.shape) chunk->add_shape(d);
-    chunk->set_offset(offset_);
-    const float* from = t.data + offset_ / element;
-    if (t.dtype == DT_FLOAT) {
-      chunk->set_data(reinterpret_cast<const char*>(from), static_cast<size_t>(take));
-    } else {  // encoded straight into the chunk
-      std::string* data = chunk->mutable_data();
-      data->resize(static_cast<size_t>(take));
-      EncodeFloats(t.dtype, from, take / element, data->data());
-    }
+    out->push_back({&t, offset_, take});
     offset_ += take;
     budget -= static_cast<size_t>(take);
     if (offset_ >= total) {
       ++tensor_;
       offset_ = 0;
+    }
+  }
+  return true;
+}
+
+TensorChunk ChunkHeader(const ChunkPiece& piece) {
+  const TensorRef& t = *piece.tensor;
+  TensorChunk chunk;
+  chunk.set_name(t.name);
+  chunk.set_slot(t.slot);
+  chunk.set_dtype(t.dtype);
+  for (int64_t d : t.shape) chunk.add_shape(d);
+  chunk.set_offset(piece.offset);
+  return chunk;
+}
+
+bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
+  std::vector<ChunkPiece> pieces;
+  if (!NextPieces(&pieces)) return false;
+  for (const ChunkPiece& piece : pieces) {
+    TensorChunk* chunk = out->Add();
+    *chunk = ChunkHeader(piece);
+    const TensorRef& t = *piece.tensor;
+    const int64_t element = WireBytes(t.dtype);
+    const float* from = t.data + piece.offset / element;
+    if (t.dtype == DT_FLOAT) {
+      chunk->set_data(reinterpret_cast<const char*>(from), static_cast<size_t>(piece.bytes));
+    } else {  // encoded straight into the chunk
+      std::string* data = chunk->mutable_data();
+      data->resize(static_cast<size_t>(piece.bytes));
+      EncodeFloats(t.dtype, from, piece.bytes / element, data->data());
     }
   }
   return true;
@@ -130,36 +148,53 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
 }
 
 absl::Status ChunkAssembler::Add(const TensorChunk& chunk, int* completed) {
+  return AddFrom(
+      chunk, static_cast<int64_t>(chunk.data().size()),
+      [&](DataType dtype, int64_t elements, float* out) {
+        DecodeFloats(dtype, chunk.data().data(), elements, out);
+        return true;
+      },
+      completed);
+}
+
+absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, ChunkDecoder decode,
+                                     int* completed) {
   *completed = -1;
   auto it = entries_.find(Key(chunk.name(), chunk.slot()));
-  std::string what = DisplayName(chunk.name(), chunk.slot());
-  if (it == entries_.end())
-    return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what));
+  if (it == entries_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown tensor ", DisplayName(chunk.name(), chunk.slot())));
+  }
   Entry& e = it->second;
+  auto what = [&] { return DisplayName(chunk.name(), chunk.slot()); };
   if (chunk.dtype() != e.sink.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " has dtype ",
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has dtype ",
                                                    DataType_Name(chunk.dtype()), ", expected ",
                                                    DataType_Name(e.sink.dtype)));
   }
   if (!std::equal(chunk.shape().begin(), chunk.shape().end(), e.sink.shape.begin(),
                   e.sink.shape.end())) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " has shape ",
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has shape ",
                                                    ShapeString(chunk.shape()), ", expected ",
                                                    ShapeString(e.sink.shape)));
   }
   if (chunk.offset() != e.received) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk at byte ",
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " chunk at byte ",
                                                    chunk.offset(), ", expected byte ", e.received));
   }
-  const int64_t size = static_cast<int64_t>(chunk.data().size());
-  if (size > e.bytes - e.received || size % e.element_bytes != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", what, " chunk of ", size,
+  if (size < 0 || size > e.bytes - e.received || size % e.element_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " chunk of ", size,
                                                    " bytes does not fit: ", e.bytes - e.received,
                                                    " bytes remain"));
   }
   float* const data = SinkData(e.sink, (e.received + size) / e.element_bytes);
-  DecodeFloats(e.sink.dtype, chunk.data().data(), size / e.element_bytes,
-               data + e.received / e.element_bytes);
+  float* const out = data + e.received / e.element_bytes;
+  if (!decode(e.sink.dtype, size / e.element_bytes, out)) {
+    return absl::DataLossError(absl::StrCat("tensor ", what(), " chunk data cut short"));
+  }
+  if (e.sink.non_finite != nullptr && AnyNonFinite(out, size / e.element_bytes)) {
+    *e.sink.non_finite = true;
+  }
   e.received += size;
   if (e.received == e.bytes) *completed = e.index;
   return absl::OkStatus();

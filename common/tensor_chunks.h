@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -45,6 +46,14 @@ struct TensorRef {
   DataType dtype = DT_FLOAT;    // on the wire: DT_FLOAT, DT_BFLOAT16 or DT_HALF
 };
 
+// One chunk of a group, before anything is copied: `bytes` bytes (in the
+// ref's dtype) from byte `offset` of `tensor`.
+struct ChunkPiece {
+  const TensorRef* tensor = nullptr;  // owned by the splitter
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+
 class ChunkSplitter {
  public:
   // Every ref's dtype must be a wire dtype (a broken invariant aborts).
@@ -52,6 +61,9 @@ class ChunkSplitter {
   // Appends the next group of chunks to `out`; returns false when every byte
   // has been handed out. A tensor with no elements yields one empty chunk.
   bool Next(google::protobuf::RepeatedPtrField<TensorChunk>* out);
+  // The same groups, described rather than filled (for an encoder that
+  // writes the data where it goes: common/chunk_messages.h).
+  bool NextPieces(std::vector<ChunkPiece>* out);
 
  private:
   std::vector<TensorRef> tensors_;
@@ -92,11 +104,18 @@ struct TensorSink {
   // come in order). The vector must be empty and outlive the assembler.
   std::vector<float>* storage = nullptr;
   bool grow = false;
+  // If set: made true when a chunk brings a NaN or an infinity (checked as
+  // each chunk is decoded, while its values are in the cache).
+  bool* non_finite = nullptr;
 };
 
 // Where a sink's first `elements` floats go: `data`, or its storage,
 // allocated (or grown) to hold them.
 float* SinkData(TensorSink& sink, int64_t elements);
+
+// A chunk's fields but its data, as TensorChunk describes them: what
+// ChunkAssembler checks before any data is read.
+TensorChunk ChunkHeader(const ChunkPiece& piece);
 
 // The one dtype of `sinks` (DT_FLOAT when there are none), which a pull asks
 // the ps for; INVALID_ARGUMENT if they differ or one is not a wire dtype.
@@ -110,6 +129,14 @@ class ChunkAssembler {
   // Add, which also sets *completed to the index (in the constructor's
   // order) of the sink this chunk completed, or to -1.
   absl::Status Add(const TensorChunk& chunk, int* completed);
+  // Add for a chunk whose `size` bytes of data are not in `header` (its data
+  // field is ignored) but read by `decode` straight into their place: it is
+  // called once the header is checked, with the dtype on the wire, the
+  // number of elements and where their fp32 values go, and returns false if
+  // the data could not be read (DATA_LOSS; nothing counts as received).
+  using ChunkDecoder = absl::FunctionRef<bool(DataType dtype, int64_t elements, float* out)>;
+  absl::Status AddFrom(const TensorChunk& header, int64_t size, ChunkDecoder decode,
+                       int* completed);
   // OK when every required sink received all its bytes.
   absl::Status Finish() const;
   // True when the sink named (name, slot) received all its bytes.

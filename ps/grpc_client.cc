@@ -4,36 +4,34 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/chunk_messages.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
+#include "common/log.h"
 
 namespace psflow::ps {
 namespace {
 
-// Reads a server stream of chunked tensors into `assembler`. Returns the
-// first message (without its chunks; nothing if the stream was empty), with
-// the lowest version of all messages. The call's own failure comes first;
-// chunks that do not fit are DATA_LOSS, and so are messages of differing
-// versions unless `mixed_versions`. The stream is always drained, so that
-// Finish() returns.
-// *bytes (if given) adds up the chunks' data.
+// Reads a server stream of chunked tensors (a snapshot) into `assembler`.
+// Returns the first message (without its chunks; nothing if the stream was
+// empty). The call's own failure comes first; chunks that do not fit are
+// DATA_LOSS, and so are messages of differing versions. The stream is always
+// drained, so that Finish() returns.
 template <typename Response>
 absl::StatusOr<std::optional<Response>> ReadChunks(grpc::ClientReader<Response>* reader,
-                                                   ChunkAssembler* assembler, bool mixed_versions,
-                                                   int64_t* bytes = nullptr) {
+                                                   ChunkAssembler* assembler) {
   std::optional<Response> first;
   Response response;
   absl::Status bad;
   while (reader->Read(&response)) {
     if (!bad.ok()) continue;
     if (first.has_value() && response.version() != first->version()) {
-      if (!mixed_versions) bad = absl::DataLossError("answer mixes versions");
-      first->set_version(std::min(first->version(), response.version()));
+      bad = absl::DataLossError("answer mixes versions");
     }
     for (const TensorChunk& chunk : response.chunk()) {
       if (!bad.ok()) break;
-      if (bytes != nullptr) *bytes += static_cast<int64_t>(chunk.data().size());
       bad = assembler->Add(chunk);
     }
     if (!first.has_value()) {
@@ -70,6 +68,28 @@ int64_t WireBytesOf(const std::vector<TensorRef>& tensors) {
 }
 
 constexpr char kService[] = "psflow.ParameterServer";
+constexpr char kPushMethod[] = "/psflow.ParameterServer/Push";
+constexpr char kPullMethod[] = "/psflow.ParameterServer/Pull";
+
+// The caller's tensors lent to gRPC's slices for one call: Release waits
+// until gRPC has let go of every slice (at the latest when the call is
+// over), so that the caller may write to the memory again.
+class Lent {
+ public:
+  Lent() : keep_(nullptr, [released = released_](const void*) { released->Notify(); }) {}
+  const std::shared_ptr<const void>& keep() const { return keep_; }
+  void Release() {
+    keep_.reset();
+    if (!released_->WaitForNotificationWithTimeout(absl::Seconds(10))) {
+      PSLOG(WARNING) << "gRPC still holds pushed gradients 10 s after the push ended";
+    }
+  }
+
+ private:
+  // Shared with the last holder, which may outlive a Release that gave up.
+  std::shared_ptr<absl::Notification> released_ = std::make_shared<absl::Notification>();
+  std::shared_ptr<const void> keep_;
+};
 
 }  // namespace
 
@@ -104,15 +124,16 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
       link->channels.push_back(
           MakeChannel(a, Role::kPs, security, /*own_connection=*/connections_per_ps > 1));
-      link->stubs.push_back(ParameterServer::NewStub(link->channels.back()));
+      link->raw.push_back(std::make_unique<grpc::GenericStub>(link->channels.back()));
     }
+    link->stub = ParameterServer::NewStub(link->channels[0]);
     links_.push_back(std::move(link));
   }
 }
 
-ParameterServer::Stub* GrpcClient::NextStub(int ps) {
+grpc::GenericStub* GrpcClient::NextStub(int ps) {
   Link& link = *links_[ps];
-  return link.stubs[link.next.fetch_add(1, std::memory_order_relaxed) % link.stubs.size()].get();
+  return link.raw[link.next.fetch_add(1, std::memory_order_relaxed) % link.raw.size()].get();
 }
 
 absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
@@ -121,7 +142,7 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
   InitResponse response;
   return errors_.Count(
       "Init",
-      WithPs(ps, WriteHeaderAndTensors(links_[ps]->stubs[0]->Init(call.context(), &response).get(),
+      WithPs(ps, WriteHeaderAndTensors(links_[ps]->stub->Init(call.context(), &response).get(),
                                        header, std::move(tensors))));
 }
 
@@ -135,21 +156,49 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
   ChunkAssembler assembler(std::move(sinks));
   const absl::Time start = absl::Now();
   int64_t bytes = 0;
-  absl::StatusOr<std::optional<PullResponse>> first =
-      ReadChunks(NextStub(ps)->Pull(call.context(), request).get(), &assembler,
-                 /*mixed_versions=*/true, &bytes);
-  if (!first.ok()) return errors_.Count("Pull", WithPs(ps, first.status()));
-  if (!first->has_value()) {
+  std::optional<PullResponse> first;  // its fields, with the lowest version of all messages
+  absl::Status bad;
+  grpc::Status finished;
+  {
+    RawCall rpc(NextStub(ps), call.context(), kPullMethod);
+    grpc::ByteBuffer message;
+    bool own = false;
+    if (grpc::SerializationTraits<PullRequest>::Serialize(request, &message, &own).ok() &&
+        rpc.Write(message)) {
+      rpc.WritesDone();
+    }
+    PullResponse fields;
+    // The stream is always drained, so that Finish returns.
+    while (rpc.Read(&message)) {
+      if (!bad.ok()) continue;
+      // A slice may be one version ahead of another.
+      bad = ReadChunkMessage(
+          &message, PullResponse::kChunkFieldNumber, &fields,
+          [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+          [](int) { return absl::OkStatus(); }, &bytes);
+      if (!bad.ok()) continue;
+      if (!first.has_value()) {
+        first = std::move(fields);
+      } else {
+        first->set_version(std::min(first->version(), fields.version()));
+      }
+    }
+    finished = rpc.Finish();
+  }
+  if (absl::Status s = FromGrpcStatus(finished); !s.ok()) {
+    return errors_.Count("Pull", WithPs(ps, s));
+  }
+  if (!bad.ok()) return errors_.Count("Pull", WithPs(ps, absl::DataLossError(bad.message())));
+  if (!first.has_value()) {
     return errors_.Count("Pull", WithPs(ps, absl::DataLossError("empty pull answer")));
   }
-  if (!ready(**first)) return **first;  // not yet: no data
+  if (!ready(*first)) return *first;  // not yet: no data
   absl::Status s = assembler.Finish();
   if (!s.ok()) return errors_.Count("Pull", WithPs(ps, absl::DataLossError(s.message())));
   pull_bytes_->Observe(static_cast<double>(bytes));
   pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
-  return **first;
+  return *first;
 }
-
 absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
     int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
     std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
@@ -193,11 +242,40 @@ absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
 absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
-  PushResponse response;
   const int64_t bytes = WireBytesOf(grads);
   const absl::Time start = absl::Now();
-  absl::Status s = WriteHeaderAndTensors(NextStub(ps)->Push(call.context(), &response).get(),
-                                         header, std::move(grads));
+  PushResponse response;
+  absl::Status s;
+  Lent lent;
+  {
+    RawCall rpc(NextStub(ps), call.context(), kPushMethod);
+    // As WriteChunked: the header goes first, even with no chunks.
+    PushRequest message;
+    *message.mutable_header() = header;
+    ChunkSplitter splitter(std::move(grads), kChunkBytes);
+    std::vector<ChunkPiece> pieces;
+    bool more = splitter.NextPieces(&pieces);
+    bool written = true;
+    while (true) {
+      written = rpc.Write(
+          EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep()));
+      if (!written || !more) break;
+      message.Clear();
+      pieces.clear();
+      more = splitter.NextPieces(&pieces);
+      if (!more) break;
+    }
+    if (written) rpc.WritesDone();
+    grpc::ByteBuffer answer;
+    const bool answered = rpc.Read(&answer);
+    s = FromGrpcStatus(rpc.Finish());
+    if (s.ok() &&
+        (!answered ||
+         !grpc::SerializationTraits<PushResponse>::Deserialize(&answer, &response).ok())) {
+      s = absl::DataLossError("unreadable push answer");
+    }
+  }
+  lent.Release();
   if (!s.ok()) return errors_.Count("Push", WithPs(ps, s));
   push_bytes_->Observe(static_cast<double>(bytes));
   push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
@@ -208,7 +286,7 @@ absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   PsState state;
   absl::Status s =
-      FromGrpcStatus(links_[ps]->stubs[0]->GetState(call.context(), GetStateRequest(), &state));
+      FromGrpcStatus(links_[ps]->stub->GetState(call.context(), GetStateRequest(), &state));
   if (!s.ok()) return errors_.Count("GetState", WithPs(ps, s));
   return state;
 }
@@ -221,9 +299,8 @@ absl::Status GrpcClient::SetLiveWorkers(int ps, uint64_t job_id, const std::vect
   for (int w : live) request.add_live_workers(w);
   request.set_from_version(from_version);
   SetLiveWorkersResponse response;
-  return errors_.Count("SetLiveWorkers",
-                       WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->SetLiveWorkers(
-                                      call.context(), request, &response))));
+  return errors_.Count("SetLiveWorkers", WithPs(ps, FromGrpcStatus(links_[ps]->stub->SetLiveWorkers(
+                                                        call.context(), request, &response))));
 }
 
 absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
@@ -237,8 +314,7 @@ absl::Status GrpcClient::Snapshot(int ps, uint64_t job_id, int64_t version,
       std::all_of(sinks.begin(), sinks.end(), [](const TensorSink& s) { return s.slot.empty(); }));
   ChunkAssembler assembler(std::move(sinks));
   absl::StatusOr<std::optional<SnapshotResponse>> first =
-      ReadChunks(links_[ps]->stubs[0]->Snapshot(call.context(), request).get(), &assembler,
-                 /*mixed_versions=*/false);
+      ReadChunks(links_[ps]->stub->Snapshot(call.context(), request).get(), &assembler);
   if (!first.ok()) return errors_.Count("Snapshot", WithPs(ps, first.status()));
   if (!first->has_value() || (*first)->version() != version) {
     return errors_.Count("Snapshot",
@@ -256,7 +332,7 @@ absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) 
   ShutdownResponse response;
   return errors_.Count(
       "Shutdown",
-      WithPs(ps, FromGrpcStatus(links_[ps]->stubs[0]->Shutdown(&context, request, &response))));
+      WithPs(ps, FromGrpcStatus(links_[ps]->stub->Shutdown(&context, request, &response))));
 }
 
 }  // namespace psflow::ps

@@ -1,5 +1,8 @@
 // The gRPC transport of ps::Client: tensors streamed as chunks in both
-// directions, over one or more connections per ps. Thread-safe.
+// directions, over one or more connections per ps. Pushes and pulls, the
+// calls of every step, send and read their messages as raw byte buffers
+// (common/chunk_messages.h): gradients leave from the caller's memory and
+// pulled weights are decoded straight into the sinks. Thread-safe.
 #ifndef PSFLOW_PS_GRPC_CLIENT_H_
 #define PSFLOW_PS_GRPC_CLIENT_H_
 
@@ -8,6 +11,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <grpcpp/generic/generic_stub.h>
 
 #include "common/grpc_util.h"
 #include "common/metrics.h"
@@ -58,11 +63,14 @@ class GrpcClient final : public Client {
   // The connections to one ps.
   struct Link {
     std::vector<std::shared_ptr<grpc::Channel>> channels;
-    std::vector<std::unique_ptr<ParameterServer::Stub>> stubs;
+    std::unique_ptr<ParameterServer::Stub> stub;  // on the first connection
+    // Pulls and pushes go as raw messages (common/chunk_messages.h), one
+    // stub per connection.
+    std::vector<std::unique_ptr<grpc::GenericStub>> raw;
     std::atomic<unsigned> next{0};  // the connection of the next pull or push
   };
-  // The stub of the next pull or push to `ps`.
-  ParameterServer::Stub* NextStub(int ps);
+  // The raw stub of the next pull or push to `ps`.
+  grpc::GenericStub* NextStub(int ps);
 
   std::vector<std::unique_ptr<Link>> links_;
   ActiveCalls calls_;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "common/chunk_messages.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
@@ -238,18 +240,27 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
 
 // Streams the slices asked for, each as soon as it reaches the version, from
 // its published value (kept alive here) converted chunk by chunk.
-class PsService::PullWriter final : public WaitingWriter<PullResponse> {
+class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
  public:
-  PullWriter(PsService* service, grpc::CallbackServerContext* context, const PullRequest* request)
-      : WaitingWriter(service, context), request_(*request), start_(absl::Now()) {
+  PullWriter(PsService* service, grpc::CallbackServerContext* context,
+             const grpc::ByteBuffer* request)
+      : WaitingWriter(service, context), start_(absl::Now()) {
+    grpc::ByteBuffer copy = *request;  // shares the slices
+    const bool parsed = grpc::SerializationTraits<PullRequest>::Deserialize(&copy, &request_).ok();
     {
       absl::MutexLock lock(&mu_);
       min_version_ = request_.by_clock() ? 0 : request_.min_version();
     }
-    Start(Prepare());
+    Start(parsed ? Prepare() : absl::InvalidArgumentError("unreadable pull request"));
   }
 
  private:
+  // Writes message_ and the chunks in pieces_ as one message.
+  void SendLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    response_ = EncodeChunkMessage(message_, PullResponse::kChunkFieldNumber, pieces_, value_);
+    WriteLocked();
+  }
+
   absl::Status Prepare() {
     if (request_.dtype() != DT_INVALID && WireBytes(request_.dtype()) == 0) {
       return absl::InvalidArgumentError(
@@ -274,10 +285,10 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
   void Next() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Shard* const shard = service_->shard_;
     if (splitter_ != nullptr) {  // the current slice's next chunks
-      response_.clear_chunk();
-      response_.clear_wait_us();
-      if (splitter_->Next(response_.mutable_chunk())) {
-        WriteLocked();
+      message_.clear_wait_us();
+      pieces_.clear();
+      if (splitter_->NextPieces(&pieces_)) {
+        SendLocked();
         return;
       }
       splitter_.reset();
@@ -308,11 +319,12 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
       if (!v.ok()) return FinishLocked(v.status());
       if (!v->has_value()) return NotThere(deadline);
       Disarm();
-      response_.set_version(**v);
-      response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+      message_.set_version(**v);
+      message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
       SetFirstLocked();
       finish_after_write_ = true;
-      WriteLocked();
+      pieces_.clear();
+      SendLocked();
       return;
     }
     absl::StatusOr<std::optional<Shard::PulledSlice>> pulled =
@@ -325,21 +337,22 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     splitter_ = std::make_unique<ChunkSplitter>(
         std::vector<TensorRef>{SliceValueRef((*specs_)[indices_[k_]], value_, dtype_)},
         kChunkBytes);
-    response_.Clear();
-    response_.set_version((*pulled)->version);
+    message_.Clear();
+    message_.set_version((*pulled)->version);
     if (k_ == 0) {
-      response_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+      message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
       SetFirstLocked();
     }
-    splitter_->Next(response_.mutable_chunk());
-    WriteLocked();  // the first message of a slice goes even without chunks
+    pieces_.clear();
+    splitter_->NextPieces(&pieces_);
+    SendLocked();  // the first message of a slice goes even without chunks
   }
 
   // The first message of an answer that carries what was asked.
   void SetFirstLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    response_.set_ready(true);
-    response_.set_clock(clock_);
-    response_.set_lag(lag_);
+    message_.set_ready(true);
+    message_.set_clock(clock_);
+    message_.set_lag(lag_);
   }
 
   // The version is not there yet: wait, or end at the deadline.
@@ -352,10 +365,11 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     if (k_ == 0 && deadline < call_deadline_) {
       // max_wait passed: the version only ("not yet"); the caller asks again.
       not_yet_ = true;
-      response_.Clear();
-      response_.set_version(service_->shard_->stats().version);
+      message_.Clear();
+      message_.set_version(service_->shard_->stats().version);
       finish_after_write_ = true;
-      WriteLocked();
+      pieces_.clear();
+      SendLocked();
       return;
     }
     FinishLocked(absl::DeadlineExceededError(
@@ -374,7 +388,7 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
     service_->pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
   }
 
-  const PullRequest request_;
+  PullRequest request_;  // set once, in the constructor
   const absl::Time start_;
   std::shared_ptr<const std::vector<SliceSpec>> specs_;
   std::vector<int> indices_;
@@ -391,6 +405,8 @@ class PsService::PullWriter final : public WaitingWriter<PullResponse> {
   bool not_yet_ ABSL_GUARDED_BY(mu_) = false;  // the answer is the version only
   Shard::Value value_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
+  PullResponse message_ ABSL_GUARDED_BY(mu_);            // the fields of the next message
+  std::vector<ChunkPiece> pieces_ ABSL_GUARDED_BY(mu_);  // its chunks
 };
 
 // Asks the shard for a snapshot of one version, waits until it is taken,
@@ -481,6 +497,10 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "client connection or in all, since this ps started.",
       [this] { return static_cast<double>(refused_streams()); });
   wakers_ = std::make_unique<ThreadPool>(2);
+  // Decoding is CPU work: about as many threads as cores (a slice's apply
+  // may run on the thread that completes it, when the shard has no appliers).
+  pushers_ = std::make_unique<ThreadPool>(
+      std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
 }
 
 PsService::~PsService() = default;
@@ -557,87 +577,151 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   return grpc::Status::OK;
 }
 
-grpc::ServerWriteReactor<PullResponse>* PsService::Pull(grpc::CallbackServerContext* context,
-                                                        const PullRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* PsService::Pull(grpc::CallbackServerContext* context,
+                                                            const grpc::ByteBuffer* request) {
   return new PullWriter(this, context, request);
 }
 
-grpc::Status PsService::Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
-                             PushResponse* response) {
-  const std::string peer = context->peer();
-  if (absl::Status s = Admit(peer); !s.ok()) return ToGrpcStatus(s);
-  absl::Cleanup let_out = [&] { LetOut(peer); };
-  PushRequest request;
-  absl::StatusOr<PushHeader> header = ReadHeader(reader, request, "push");
-  if (!header.ok()) return ToGrpcStatus(header.status());
-  const absl::Time start = absl::Now();  // an answered push goes to the metrics
-  absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices =
-      shard_->Slices(header->job_id());
-  if (!slices.ok()) return ToGrpcStatus(slices.status());
-  absl::StatusOr<DataType> dtype = shard_->WireDtype(header->job_id());
-  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
-  const std::vector<SliceSpec>& specs = **slices;
-  absl::StatusOr<std::vector<int>> indices =
-      SliceIndices(header->slices(), static_cast<int>(specs.size()), "push");
-  if (!indices.ok()) return ToGrpcStatus(indices.status());
-  if (header->skip()) {
-    // No data: every slice named (all when none is) counts as pushed, skipped.
-    if (!request.chunk().empty() || reader->Read(&request)) {
-      return ToGrpcStatus(absl::InvalidArgumentError("a skip push carries no chunks"));
+// Reads a push message by message on the service's pushers pool (never on
+// gRPC's threads: a slice's apply may run on the thread that completes it):
+// each chunk is decoded from the message's slices into its slice's gradient,
+// in the job's wire dtype, and each slice goes to the shard as soon as it is
+// complete, so that it can be applied while the rest of the push is still on
+// its way. One message is read at a time, so the reader needs no lock.
+class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  PushReader(PsService* service, grpc::CallbackServerContext* context, grpc::ByteBuffer* response)
+      : service_(service), peer_(context->peer()), response_(response) {
+    if (absl::Status s = service_->Admit(peer_); !s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
     }
-    absl::StatusOr<PushResponse::Outcome> outcome = shard_->PushSlices(
-        header->job_id(), header->worker(), header->step(),
-        SkipGradients(*indices, static_cast<int>(specs.size())), header->read_version());
-    if (!outcome.ok()) return ToGrpcStatus(outcome.status());
-    shard_->CountOutcome(*outcome);
-    response->set_outcome(*outcome);
-    response->set_version(shard_->stats().version);
-    push_bytes_->Observe(0);
-    push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
-    return grpc::Status::OK;
+    admitted_ = true;
+    StartRead(&message_);
   }
-  // The chunks come in the job's wire dtype and are decoded into fp32; each
-  // slice goes to the shard as soon as it is complete, so that it can be
-  // applied while the rest of the push is still on its way.
-  std::vector<Shard::SliceGradient> grads;
-  ChunkAssembler assembler(GradientSinks(specs, *indices, *dtype, &grads));
-  bool accepted = false, stale = false;
-  auto hand_over = [&](std::vector<Shard::SliceGradient> part) -> absl::Status {
-    absl::StatusOr<PushResponse::Outcome> outcome =
-        shard_->PushSlices(header->job_id(), header->worker(), header->step(), std::move(part),
-                           header->read_version());
-    if (!outcome.ok()) return outcome.status();
-    accepted |= *outcome == PushResponse::ACCEPTED;
-    stale |= *outcome == PushResponse::STALE;
+
+ private:
+  void OnReadDone(bool ok) override {
+    service_->pushers_->Schedule([this, ok] { Process(ok); });
+  }
+  void OnDone() override {
+    if (admitted_) service_->LetOut(peer_);
+    delete this;
+  }
+
+  void Process(bool ok) {
+    absl::Status s = ok ? Take() : End();
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+    } else if (ok) {
+      StartRead(&message_);
+    }
+  }
+
+  // One message: the header (first message only) and chunks.
+  absl::Status Take() {
+    if (skip_) return absl::InvalidArgumentError("a skip push carries no chunks");
+    PushRequest fields;
+    return ReadChunkMessage(
+        &message_, PushRequest::kChunkFieldNumber, &fields,
+        [&]() -> absl::StatusOr<ChunkAssembler*> {
+          if (!started_) PSFLOW_RETURN_IF_ERROR(Begin(fields));
+          return assembler_.get();
+        },
+        [&](int completed) {
+          std::vector<Shard::SliceGradient> part;
+          part.push_back(std::move(grads_[completed]));
+          return HandOver(std::move(part));
+        },
+        &bytes_);
+  }
+
+  absl::Status Begin(const PushRequest& first) {
+    if (!first.has_header()) {
+      return absl::InvalidArgumentError("push stream must start with a header");
+    }
+    started_ = true;
+    header_ = first.header();
+    start_ = absl::Now();  // an answered push goes to the metrics
+    Shard* const shard = service_->shard_;
+    PSFLOW_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<SliceSpec>> slices,
+                            shard->Slices(header_.job_id()));
+    PSFLOW_ASSIGN_OR_RETURN(DataType dtype, shard->WireDtype(header_.job_id()));
+    num_slices_ = static_cast<int>(slices->size());
+    PSFLOW_ASSIGN_OR_RETURN(indices_, SliceIndices(header_.slices(), num_slices_, "push"));
+    skip_ = header_.skip();
+    // A skip push has no data: no assembler, so that a chunk is refused.
+    if (!skip_) {
+      assembler_ =
+          std::make_unique<ChunkAssembler>(GradientSinks(*slices, indices_, dtype, &grads_));
+    }
     return absl::OkStatus();
-  };
-  int64_t bytes = 0;
-  do {
-    for (const TensorChunk& chunk : request.chunk()) {
-      bytes += static_cast<int64_t>(chunk.data().size());
-      int completed = -1;
-      absl::Status s = assembler.Add(chunk, &completed);
-      if (s.ok() && completed >= 0) {
-        std::vector<Shard::SliceGradient> part;
-        part.push_back(std::move(grads[completed]));
-        s = hand_over(std::move(part));
-        if (absl::IsInvalidArgument(s)) LogRefusedPush(peer, s);
-      }
-      if (!s.ok()) return ToGrpcStatus(s);
-    }
-  } while (reader->Read(&request));
-  if (absl::Status s = assembler.Finish(); !s.ok()) return ToGrpcStatus(s);
-  if (indices->empty()) {  // a ps without slices: the push itself counts
-    if (absl::Status s = hand_over({}); !s.ok()) return ToGrpcStatus(s);
   }
-  const PushResponse::Outcome outcome =
-      accepted ? PushResponse::ACCEPTED : (stale ? PushResponse::STALE : PushResponse::DUPLICATE);
-  shard_->CountOutcome(outcome);
-  response->set_outcome(outcome);
-  response->set_version(shard_->stats().version);
-  push_bytes_->Observe(static_cast<double>(bytes));
-  push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
-  return grpc::Status::OK;
+
+  absl::Status HandOver(std::vector<Shard::SliceGradient> part) {
+    absl::StatusOr<PushResponse::Outcome> handed =
+        service_->shard_->PushSlices(header_.job_id(), header_.worker(), header_.step(),
+                                     std::move(part), header_.read_version());
+    if (!handed.ok()) {
+      if (absl::IsInvalidArgument(handed.status())) {
+        service_->LogRefusedPush(peer_, handed.status());
+      }
+      return handed.status();
+    }
+    const PushResponse::Outcome outcome = *handed;
+    accepted_ |= outcome == PushResponse::ACCEPTED;
+    stale_ |= outcome == PushResponse::STALE;
+    return absl::OkStatus();
+  }
+
+  // The stream ended (or broke): the answer.
+  absl::Status End() {
+    if (!started_) return absl::InvalidArgumentError("push stream must start with a header");
+    if (skip_) {
+      // Every slice named (all when none is) counts as pushed, skipped.
+      PSFLOW_RETURN_IF_ERROR(HandOver(SkipGradients(indices_, num_slices_)));
+    } else {
+      PSFLOW_RETURN_IF_ERROR(assembler_->Finish());
+      // A ps without slices: the push itself counts.
+      if (indices_.empty()) PSFLOW_RETURN_IF_ERROR(HandOver({}));
+    }
+    const PushResponse::Outcome outcome =
+        accepted_ ? PushResponse::ACCEPTED
+                  : (stale_ ? PushResponse::STALE : PushResponse::DUPLICATE);
+    service_->shard_->CountOutcome(outcome);
+    PushResponse response;
+    response.set_outcome(outcome);
+    response.set_version(service_->shard_->stats().version);
+    bool own = false;
+    if (!grpc::SerializationTraits<PushResponse>::Serialize(response, response_, &own).ok()) {
+      return absl::InternalError("could not encode the push answer");
+    }
+    service_->push_bytes_->Observe(static_cast<double>(bytes_));
+    service_->push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
+    Finish(grpc::Status::OK);
+    return absl::OkStatus();
+  }
+
+  PsService* const service_;
+  const std::string peer_;
+  grpc::ByteBuffer* const response_;
+  bool admitted_ = false;
+  grpc::ByteBuffer message_;
+  bool started_ = false;  // the header came
+  PushHeader header_;
+  absl::Time start_;
+  int num_slices_ = 0;
+  std::vector<int> indices_;
+  bool skip_ = false;
+  std::vector<Shard::SliceGradient> grads_;
+  std::unique_ptr<ChunkAssembler> assembler_;
+  int64_t bytes_ = 0;
+  bool accepted_ = false, stale_ = false;
+};
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* PsService::Push(grpc::CallbackServerContext* context,
+                                                           grpc::ByteBuffer* response) {
+  return new PushReader(this, context, response);
 }
 
 grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateRequest* request,

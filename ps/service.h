@@ -5,10 +5,11 @@
 // job's wire dtype when it names none) and pushes, which come in the job's
 // wire dtype, decoded here; Init and Snapshot are fp32.
 //
-// Pull and Snapshot, the calls that wait (for a version), use gRPC's
-// callback API: a waiting call holds no thread, only a waiter on the shard
-// that wakes it (on a small pool of this service's) when a slice is
-// applied, and an alarm for its deadline. The streams a peer may have open
+// Pull, Push and Snapshot use gRPC's callback API. In Pull and Snapshot,
+// the calls that wait (for a version), a waiting call holds no thread, only
+// a waiter on the shard that wakes it (on a small pool of this service's)
+// when a slice is applied, and an alarm for its deadline. A push's messages
+// are read on another pool of the service's. The streams a peer may have open
 // at once (Init, Pull, Push, Snapshot; a peer is one client connection) and
 // those of every peer together are bounded: a call over a bound fails at
 // once with RESOURCE_EXHAUSTED and costs nothing else.
@@ -46,8 +47,9 @@ struct StreamLimits {
 CallerRoles PsCallers(Role chief = Role::kChief);
 
 class PsService final
-    : public ParameterServer::WithCallbackMethod_Pull<
-          ParameterServer::WithCallbackMethod_Snapshot<ParameterServer::Service>> {
+    : public ParameterServer::WithRawCallbackMethod_Pull<
+          ParameterServer::WithCallbackMethod_Snapshot<
+              ParameterServer::WithRawCallbackMethod_Push<ParameterServer::Service>>> {
  public:
   // `ps_index` is this server's task index: an Init for another index is
   // refused. `on_shutdown` is called for an accepted Shutdown; it
@@ -65,10 +67,14 @@ class PsService final
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                     InitResponse* response) override;
-  grpc::ServerWriteReactor<PullResponse>* Pull(grpc::CallbackServerContext* context,
-                                               const PullRequest* request) override;
-  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
-                    PushResponse* response) override;
+  // Pull and Push send and read raw messages (common/chunk_messages.h):
+  // PullResponse and PushRequest in protobuf's encoding, whose chunks'
+  // data go out of the shard's published values and into the gradients'
+  // buffers without a copy through protobuf.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Pull(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Push(grpc::CallbackServerContext* context,
+                                                  grpc::ByteBuffer* response) override;
   grpc::Status Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
                         ShutdownResponse* response) override;
   grpc::Status GetState(grpc::ServerContext* context, const GetStateRequest* request,
@@ -87,6 +93,7 @@ class PsService final
   class WaitingWriter;
   class PullWriter;
   class SnapshotWriter;
+  class PushReader;
 
  private:
   // Counts a stream of `peer` in, or refuses it (RESOURCE_EXHAUSTED) over a
@@ -112,6 +119,9 @@ class PsService final
   // Runs what a shard's waiter wakes (never under the shard's lock); its
   // threads may record into the metrics, so it goes first.
   std::unique_ptr<ThreadPool> wakers_;
+  // Reads the pushes' messages (decodes their chunks, hands complete slices
+  // to the shard) off gRPC's threads: one message of a push at a time.
+  std::unique_ptr<ThreadPool> pushers_;
 
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_map<std::string, int> streams_ ABSL_GUARDED_BY(streams_mu_);  // by peer

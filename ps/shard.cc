@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cstdint>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/float16.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
@@ -14,15 +14,11 @@
 namespace psflow::ps {
 namespace {
 
-// Whether `values` holds a NaN or an infinity.
-bool NonFinite(const std::vector<float>& values) {
-  // A NaN or an infinity has every exponent bit set. One integer reduction
-  // per slice, with no branch per value.
-  constexpr uint32_t kExponent = 0x7f800000;
-  uint32_t max_exponent = 0;
-  for (float g : values)
-    max_exponent = std::max(max_exponent, std::bit_cast<uint32_t>(g) & kExponent);
-  return max_exponent == kExponent;
+// Whether a pushed gradient holds a NaN or an infinity (found while it was
+// decoded, or looked for now).
+bool NonFinite(const Shard::SliceGradient& g) {
+  if (g.finite_checked) return g.non_finite;
+  return AnyNonFinite(g.values.data(), static_cast<int64_t>(g.values.size()));
 }
 
 }  // namespace
@@ -261,7 +257,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   // Outside the lock: it reads every value.
   int non_finite = -1;
   for (size_t k = 0; k < grads.size() && non_finite < 0; ++k) {
-    if (!grads[k].skip && NonFinite(grads[k].values)) non_finite = static_cast<int>(k);
+    if (!grads[k].skip && NonFinite(grads[k])) non_finite = static_cast<int>(k);
   }
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));

@@ -126,6 +126,10 @@ class Shard {
     int slice = 0;
     std::vector<float> values;
     bool skip = false;
+    // Set where the values were checked as they were decoded (PushSlices
+    // then trusts non_finite instead of reading every value again).
+    bool finite_checked = false;
+    bool non_finite = false;
   };
 
   // What Pull hands back.

@@ -46,6 +46,8 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     // Allocated with the gradient's first chunk, not for the header.
     TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
     sink.storage = &g.values;
+    sink.non_finite = &g.non_finite;
+    g.finite_checked = true;
     sinks.push_back(std::move(sink));
   }
   return sinks;

@@ -31,7 +31,8 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // Storage for one push's gradients of the slices `indices` of `slices` (each
 // a valid index) and sinks into it that decode chunks of `dtype` (the job's
 // wire dtype): grads[k] is for slices[indices[k]], and so is the k-th sink.
-// A gradient's memory is allocated with its first chunk.
+// A gradient's memory is allocated with its first chunk, and its values are
+// checked for NaN and infinity as they are decoded (finite_checked).
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads);

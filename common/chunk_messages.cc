@@ -1,0 +1,326 @@
+#include "common/chunk_messages.h"
+
+#include <algorithm>
+#include <vector>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/float16.h"
+
+namespace psflow {
+namespace {
+
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::io::CodedOutputStream;
+using google::protobuf::io::StringOutputStream;
+using google::protobuf::internal::WireFormatLite;
+
+// Data this small is copied with the bytes around it: a slice of its own
+// costs more than the copy.
+constexpr int64_t kCopyBelowBytes = 4096;
+
+// TensorChunk's field numbers (proto/tensor.proto).
+enum ChunkField : int {
+  kName = 1,
+  kSlot = 2,
+  kDtype = 3,
+  kShape = 4,
+  kOffset = 5,
+  kData = 6,
+};
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+int VarintSize(uint64_t v) {
+  int n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+void AppendLengthTag(int field, std::string* out) {
+  AppendVarint(static_cast<uint64_t>(field) << 3 | WireFormatLite::WIRETYPE_LENGTH_DELIMITED, out);
+}
+
+void ReleaseKeep(void* keep) { delete static_cast<std::shared_ptr<const void>*>(keep); }
+
+absl::Status Malformed(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("malformed message: ", what));
+}
+
+// Reads `n` elements of `dtype` from `in` into `out` as fp32.
+bool ReadFloats(CodedInputStream& in, DataType dtype, int64_t n, float* out) {
+  if (dtype == DT_FLOAT) return in.ReadRaw(out, static_cast<int>(n * 4));
+  while (n > 0) {
+    const void* data = nullptr;
+    int size = 0;
+    if (!in.GetDirectBufferPointer(&data, &size)) return false;
+    const int64_t take = std::min<int64_t>(size / 2, n);
+    if (take == 0) {  // one element across two of gRPC's slices
+      char two[2];
+      if (!in.ReadRaw(two, 2)) return false;
+      DecodeFloats(dtype, two, 1, out);
+      ++out;
+      --n;
+      continue;
+    }
+    DecodeFloats(dtype, static_cast<const char*>(data), take, out);
+    in.Skip(static_cast<int>(take * 2));
+    out += take;
+    n -= take;
+  }
+  return true;
+}
+
+bool ReadString(CodedInputStream& in, uint32_t tag, std::string* out) {
+  return WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED &&
+         WireFormatLite::ReadString(&in, out);
+}
+
+// One TensorChunk, `in` limited to it.
+absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
+                       absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes) {
+  TensorChunk header;
+  bool data_seen = false;
+  auto add = [&](int64_t size, ChunkAssembler::ChunkDecoder decode) -> absl::Status {
+    int completed = -1;
+    absl::Status s = assembler->AddFrom(header, size, decode, &completed);
+    if (s.ok() && completed >= 0) s = on_complete(completed);
+    return s;
+  };
+  while (const uint32_t tag = in.ReadTag()) {
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const auto wire = WireFormatLite::GetTagWireType(tag);
+    if (data_seen && field >= kName && field <= kOffset) {
+      return absl::InvalidArgumentError("a chunk's name, shape or offset comes after its data");
+    }
+    uint64_t v = 0;
+    switch (field) {
+      case kName:
+        if (!ReadString(in, tag, header.mutable_name())) return Malformed("chunk name");
+        break;
+      case kSlot:
+        if (!ReadString(in, tag, header.mutable_slot())) return Malformed("chunk slot");
+        break;
+      case kDtype:
+        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
+          return Malformed("chunk dtype");
+        }
+        // An unknown value fits no sink: the assembler refuses DT_INVALID.
+        header.set_dtype(DataType_IsValid(static_cast<int>(v)) ? static_cast<DataType>(v)
+                                                               : DT_INVALID);
+        break;
+      case kShape:
+        if (wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {  // packed
+          uint32_t length = 0;
+          if (!in.ReadVarint32(&length)) return Malformed("chunk shape");
+          const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+          while (in.BytesUntilLimit() > 0) {
+            if (!in.ReadVarint64(&v)) return Malformed("chunk shape");
+            header.add_shape(static_cast<int64_t>(v));
+          }
+          if (in.BytesUntilLimit() != 0) return Malformed("chunk shape");
+          in.PopLimit(limit);
+        } else if (wire == WireFormatLite::WIRETYPE_VARINT && in.ReadVarint64(&v)) {
+          header.add_shape(static_cast<int64_t>(v));
+        } else {
+          return Malformed("chunk shape");
+        }
+        break;
+      case kOffset:
+        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
+          return Malformed("chunk offset");
+        }
+        header.set_offset(static_cast<int64_t>(v));
+        break;
+      case kData: {
+        uint32_t length = 0;
+        if (wire != WireFormatLite::WIRETYPE_LENGTH_DELIMITED || !in.ReadVarint32(&length) ||
+            static_cast<int64_t>(length) > in.BytesUntilLimit()) {
+          return Malformed("chunk data");
+        }
+        data_seen = true;
+        *data_bytes += length;
+        absl::Status s = add(length, [&](DataType dtype, int64_t n, float* out) {
+          return ReadFloats(in, dtype, n, out);
+        });
+        if (!s.ok()) return s;
+        break;
+      }
+      default:
+        if (!WireFormatLite::SkipField(&in, tag)) return Malformed("chunk field");
+    }
+  }
+  // A chunk that ends before its length: the message was cut short.
+  if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() > 0) return Malformed("chunk");
+  if (data_seen) return absl::OkStatus();
+  // proto3 leaves out empty bytes: a chunk of no data.
+  return add(0, [](DataType, int64_t, float*) { return true; });
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields, int chunk_field,
+                                    absl::Span<const ChunkPiece> pieces,
+                                    const std::shared_ptr<const void>& keep) {
+  std::vector<grpc::Slice> slices;
+  std::string pending = fields.SerializeAsString();
+  auto flush = [&] {
+    if (pending.empty()) return;
+    slices.emplace_back(pending);
+    pending.clear();
+  };
+  for (const ChunkPiece& piece : pieces) {
+    const TensorRef& t = *piece.tensor;
+    const std::string header = ChunkHeader(piece).SerializeAsString();
+    int64_t chunk_bytes = static_cast<int64_t>(header.size());
+    if (piece.bytes > 0) chunk_bytes += 1 + VarintSize(piece.bytes) + piece.bytes;
+    AppendLengthTag(chunk_field, &pending);
+    AppendVarint(chunk_bytes, &pending);
+    pending += header;
+    if (piece.bytes == 0) continue;
+    AppendLengthTag(kData, &pending);
+    AppendVarint(piece.bytes, &pending);
+    const int64_t element = WireBytes(t.dtype);
+    const float* from = t.data + piece.offset / element;
+    const int64_t n = piece.bytes / element;
+    if (piece.bytes < kCopyBelowBytes) {
+      const size_t at = pending.size();
+      pending.resize(at + piece.bytes);
+      if (t.dtype == DT_FLOAT) {
+        std::memcpy(pending.data() + at, from, piece.bytes);
+      } else {
+        EncodeFloats(t.dtype, from, n, pending.data() + at);
+      }
+      continue;
+    }
+    flush();
+    if (t.dtype == DT_FLOAT) {
+      grpc_slice borrowed = grpc_slice_new_with_user_data(
+          const_cast<float*>(from), static_cast<size_t>(piece.bytes), ReleaseKeep,
+          new std::shared_ptr<const void>(keep));
+      slices.emplace_back(borrowed, grpc::Slice::STEAL_REF);
+    } else {
+      grpc_slice encoded = grpc_slice_malloc(static_cast<size_t>(piece.bytes));
+      EncodeFloats(t.dtype, from, n, reinterpret_cast<char*>(GRPC_SLICE_START_PTR(encoded)));
+      slices.emplace_back(encoded, grpc::Slice::STEAL_REF);
+    }
+  }
+  flush();
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
+                              google::protobuf::MessageLite* fields,
+                              absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,
+                              absl::FunctionRef<absl::Status(int)> on_complete,
+                              int64_t* data_bytes) {
+  fields->Clear();
+  grpc::ProtoBufferReader reader(buffer);
+  if (!reader.status().ok()) return Malformed("unreadable buffer");
+  CodedInputStream in(&reader);
+  std::string others;  // every field but the chunks, as they came
+  size_t parsed = 0;   // of `others`, into `fields`
+  ChunkAssembler* target = nullptr;
+  bool asked = false;  // assembler() was called
+  auto ask = [&]() -> absl::Status {
+    if (!fields->ParseFromString(others)) return Malformed("fields");
+    parsed = others.size();
+    asked = true;
+    absl::StatusOr<ChunkAssembler*> got = assembler();
+    if (!got.ok()) return got.status();
+    target = *got;
+    return absl::OkStatus();
+  };
+  while (const uint32_t tag = in.ReadTag()) {
+    if (WireFormatLite::GetTagFieldNumber(tag) == chunk_field &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (!asked) {
+        if (absl::Status s = ask(); !s.ok()) return s;
+      }
+      if (target == nullptr) return absl::InvalidArgumentError("no chunks are expected here");
+      uint32_t length = 0;
+      if (!in.ReadVarint32(&length)) return Malformed("chunk length");
+      const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+      absl::Status s = ReadChunk(in, target, on_complete, data_bytes);
+      if (!s.ok()) return s;
+      in.PopLimit(limit);
+    } else {
+      StringOutputStream others_stream(&others);
+      CodedOutputStream out(&others_stream);
+      if (!WireFormatLite::SkipField(&in, tag, &out)) return Malformed("field");
+    }
+  }
+  if (!in.ConsumedEntireMessage()) return Malformed("message");
+  if (!asked) return ask();
+  if (others.size() > parsed &&
+      !fields->MergeFromString(others.substr(parsed))) {
+    return Malformed("fields");
+  }
+  return absl::OkStatus();
+}
+
+RawCall::RawCall(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method)
+    : context_(context) {
+  call_ = stub->PrepareCall(context, method, &cq_);
+  call_->StartCall(this);
+  started_ = Wait();
+}
+
+RawCall::~RawCall() {
+  if (!finished_) {
+    context_->TryCancel();
+    Finish();
+  }
+  cq_.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq_.Next(&tag, &ok)) {
+  }
+}
+
+bool RawCall::Wait() {
+  void* tag = nullptr;
+  bool ok = false;
+  return cq_.Next(&tag, &ok) && ok;
+}
+
+bool RawCall::Write(const grpc::ByteBuffer& message) {
+  if (!started_) return false;
+  call_->Write(message, this);
+  return Wait();
+}
+
+bool RawCall::WritesDone() {
+  if (!started_) return false;
+  call_->WritesDone(this);
+  return Wait();
+}
+
+bool RawCall::Read(grpc::ByteBuffer* message) {
+  if (!started_) return false;
+  call_->Read(message, this);
+  return Wait();
+}
+
+grpc::Status RawCall::Finish() {
+  grpc::Status status;
+  finished_ = true;
+  call_->Finish(&status, this);
+  Wait();
+  return status;
+}
+
+}  // namespace psflow

@@ -1,0 +1,94 @@
+// Messages of tensor chunks (PushRequest, PullResponse: a few small fields
+// and a repeated TensorChunk field) as gRPC byte buffers, written and read
+// without the copies that going through protobuf objects costs: a protobuf
+// bytes field is a std::string, so sending one copies the tensor into the
+// message and gRPC copies the message into its buffer, and receiving one
+// copies the buffer into the message before the data reaches its tensor.
+//
+// Here the bytes on the wire are exactly protobuf's encoding of the message
+// (either side may be a plain protobuf stub or service), but an fp32 chunk's
+// data goes out as a gRPC slice pointing at the tensor itself, and a
+// received chunk's data is decoded from gRPC's slices straight into its sink
+// (one copy, or one conversion for a 16-bit wire dtype), checked by
+// ChunkAssembler before any of it is read.
+#ifndef PSFLOW_COMMON_CHUNK_MESSAGES_H_
+#define PSFLOW_COMMON_CHUNK_MESSAGES_H_
+
+#include <memory>
+#include <string>
+
+#include <google/protobuf/message_lite.h>
+#include <grpcpp/completion_queue.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/tensor_chunks.h"
+
+namespace psflow {
+
+// `fields` (its repeated chunk field, number `chunk_field`, left empty)
+// followed by `pieces` as that field. DT_FLOAT data is not copied: the
+// buffer's slices point into the pieces' tensors, and each holds a copy of
+// `keep` until gRPC lets it go, so `keep` (a shared owner of the memory, or
+// a handle whose last release the caller waits for) says how long the
+// memory must stay unchanged. 16-bit data is encoded into the buffer.
+grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields, int chunk_field,
+                                    absl::Span<const ChunkPiece> pieces,
+                                    const std::shared_ptr<const void>& keep);
+
+// Reads one message written as above (or by protobuf itself). The fields
+// other than the chunks are parsed into `fields` (cleared first); then
+// `assembler()` is called once, when the first chunk comes (or at the end
+// if none does), with the fields before it already in `fields` (those after
+// it, which protobuf's own encoders never write, are added at the end), and
+// gives the assembler the chunks go to (null: chunks are refused) or an
+// error that ends the read. Each chunk of field `chunk_field` goes to the
+// assembler in turn, its data decoded straight from the buffer's slices into
+// its sink, and `on_complete(i)` runs for each sink `i` a chunk completed (an
+// error from it ends the read and is returned). *data_bytes adds up the
+// chunks' data bytes. INVALID_ARGUMENT for bytes that are not the message's
+// wire format, or for a chunk the assembler refuses (also one whose name,
+// shape or offset comes after its data).
+absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
+                              google::protobuf::MessageLite* fields,
+                              absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,
+                              absl::FunctionRef<absl::Status(int)> on_complete,
+                              int64_t* data_bytes);
+
+// One client call of raw messages (any of the four kinds, on a
+// grpc::GenericStub), driven step by step from the calling thread on a
+// completion queue of its own. Each step blocks until gRPC completes it; a
+// false step means the call is over, and Finish says why. Not thread-safe.
+class RawCall {
+ public:
+  // `method` is the full name, "/package.Service/Method"; `context` (its
+  // deadline, metadata) must outlive the call.
+  RawCall(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method);
+  // Finishes the call if Finish was not called (cancelling it first).
+  ~RawCall();
+  RawCall(const RawCall&) = delete;
+  RawCall& operator=(const RawCall&) = delete;
+
+  bool Write(const grpc::ByteBuffer& message);
+  bool WritesDone();
+  // False at the end of the server's messages, or when the call failed.
+  bool Read(grpc::ByteBuffer* message);
+  grpc::Status Finish();
+
+ private:
+  bool Wait();
+
+  grpc::ClientContext* context_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool started_ = false;
+  bool finished_ = false;
+};
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_CHUNK_MESSAGES_H_

@@ -1,0 +1,244 @@
+#include "common/chunk_messages.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/float16.h"
+#include "proto/ps.pb.h"
+
+namespace psflow {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::vector<float> Ramp(int64_t n, float scale = 0.25f) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = scale * static_cast<float>(i % 977) - 3.0f;
+  return v;
+}
+
+// The bytes of `buffer` in one string.
+std::string Flatten(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+// `bytes` as a buffer of slices cut every `cut` bytes (odd cuts split
+// 16-bit elements and varints across slices).
+grpc::ByteBuffer Cut(const std::string& bytes, size_t cut) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < bytes.size(); at += cut) {
+    slices.emplace_back(bytes.data() + at, std::min(cut, bytes.size() - at));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+std::vector<TensorRef> Refs(const std::vector<float>& big, const std::vector<float>& small,
+                            DataType dtype) {
+  return {{"big", "", {static_cast<int64_t>(big.size())}, big.data(), dtype},
+          {"small", "m", {3, 2}, small.data(), dtype}};
+}
+
+// Every group of `refs` as one encoded PushRequest (the first with a header).
+std::vector<grpc::ByteBuffer> EncodeAll(std::vector<TensorRef> refs, size_t chunk_bytes,
+                                        const std::shared_ptr<const void>& keep) {
+  ChunkSplitter splitter(std::move(refs), chunk_bytes);
+  std::vector<grpc::ByteBuffer> out;
+  PushRequest fields;
+  fields.mutable_header()->set_job_id(42);
+  fields.mutable_header()->set_step(7);
+  std::vector<ChunkPiece> pieces;
+  while (splitter.NextPieces(&pieces)) {
+    out.push_back(EncodeChunkMessage(fields, PushRequest::kChunkFieldNumber, pieces, keep));
+    pieces.clear();
+    fields.Clear();
+  }
+  return out;
+}
+
+class ChunkMessagesTest : public ::testing::TestWithParam<DataType> {};
+
+TEST_P(ChunkMessagesTest, TheBytesAreProtobufsOwnEncoding) {
+  const DataType dtype = GetParam();
+  const std::vector<float> big = Ramp(300000), small = Ramp(6, 1.5f);
+  std::vector<grpc::ByteBuffer> raw = EncodeAll(Refs(big, small, dtype), 1 << 18, nullptr);
+  // What protobuf makes of the same groups.
+  ChunkSplitter splitter(Refs(big, small, dtype), 1 << 18);
+  PushRequest expected;
+  expected.mutable_header()->set_job_id(42);
+  expected.mutable_header()->set_step(7);
+  size_t k = 0;
+  while (splitter.Next(expected.mutable_chunk())) {
+    ASSERT_LT(k, raw.size());
+    PushRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(Flatten(raw[k])));
+    EXPECT_EQ(parsed.SerializeAsString(), expected.SerializeAsString()) << "message " << k;
+    expected.Clear();
+    ++k;
+  }
+  EXPECT_EQ(k, raw.size());
+  EXPECT_GT(k, 2u);
+}
+
+TEST_P(ChunkMessagesTest, ReadsIntoTheSinksAcrossAnySliceCuts) {
+  const DataType dtype = GetParam();
+  const std::vector<float> big = Ramp(100001), small = Ramp(6, 1.5f);
+  for (size_t cut : {size_t{1}, size_t{3}, size_t{4097}, size_t{1} << 30}) {
+    std::vector<float> got_big(big.size(), -1.0f), got_small(6, -1.0f);
+    std::vector<TensorSink> sinks = {
+        {"big", "", {static_cast<int64_t>(big.size())}, got_big.data(), true, dtype},
+        {"small", "m", {3, 2}, got_small.data(), true, dtype}};
+    ChunkAssembler assembler(sinks);
+    std::vector<int> completed;
+    int64_t bytes = 0;
+    int headers = 0;
+    for (grpc::ByteBuffer& m : EncodeAll(Refs(big, small, dtype), 100000, nullptr)) {
+      grpc::ByteBuffer cut_up = Cut(Flatten(m), cut);
+      PushRequest fields;
+      absl::Status s = ReadChunkMessage(
+          &cut_up, PushRequest::kChunkFieldNumber, &fields,
+          [&]() -> absl::StatusOr<ChunkAssembler*> {
+            headers += fields.has_header();
+            if (fields.has_header()) EXPECT_EQ(fields.header().step(), 7);
+            return &assembler;
+          },
+          [&](int i) {
+            completed.push_back(i);
+            return absl::OkStatus();
+          },
+          &bytes);
+      ASSERT_TRUE(s.ok()) << "cut " << cut << ": " << s;
+    }
+    ASSERT_TRUE(assembler.Finish().ok());
+    EXPECT_EQ(headers, 1);
+    EXPECT_EQ(completed, (std::vector<int>{0, 1}));
+    EXPECT_EQ(bytes, (100001 + 6) * WireBytes(dtype));
+    // The values are those of the wire dtype.
+    std::vector<char> wire(big.size() * WireBytes(dtype));
+    std::vector<float> want(big.size());
+    EncodeFloats(dtype, big.data(), static_cast<int64_t>(big.size()), wire.data());
+    DecodeFloats(dtype, wire.data(), static_cast<int64_t>(big.size()), want.data());
+    EXPECT_EQ(got_big, want) << "cut " << cut;
+    EXPECT_EQ(got_small[5], small[5]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WireDtypes, ChunkMessagesTest,
+                         ::testing::Values(DT_FLOAT, DT_BFLOAT16, DT_HALF));
+
+TEST(ChunkMessages, Fp32DataIsLentUntilGrpcLetsGo) {
+  const std::vector<float> big = Ramp(50000), small = Ramp(6);
+  bool released = false;
+  {
+    std::shared_ptr<const void> keep(nullptr, [&](const void*) { released = true; });
+    std::vector<grpc::ByteBuffer> raw = EncodeAll(Refs(big, small, DT_FLOAT), 1 << 20, keep);
+    keep.reset();
+    EXPECT_FALSE(released);  // the buffer's slices point into `big`
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(raw[0].Dump(&slices).ok());
+    bool points_into_big = false;
+    for (const grpc::Slice& s : slices) {
+      points_into_big |= s.begin() == reinterpret_cast<const uint8_t*>(big.data());
+    }
+    EXPECT_TRUE(points_into_big);
+  }
+  EXPECT_TRUE(released);
+}
+
+// One message of a push for sink "t" (4 floats), as raw bytes.
+std::string OneChunk(const std::vector<float>& values, bool header = true) {
+  PushRequest r;
+  if (header) r.mutable_header()->set_job_id(1);
+  TensorChunk* c = r.add_chunk();
+  c->set_name("t");
+  c->set_dtype(DT_FLOAT);
+  c->add_shape(static_cast<int64_t>(values.size()));
+  c->set_data(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  return r.SerializeAsString();
+}
+
+absl::Status Read(const std::string& bytes, std::vector<float>* out, bool* non_finite = nullptr,
+                  bool refuse_chunks = false, PushRequest* fields_out = nullptr) {
+  TensorSink sink{"t", "", {4}, out->data(), true, DT_FLOAT};
+  sink.non_finite = non_finite;
+  ChunkAssembler assembler({sink});
+  grpc::ByteBuffer buffer = Cut(bytes, 5);
+  PushRequest fields;
+  int64_t data_bytes = 0;
+  absl::Status s = ReadChunkMessage(
+      &buffer, PushRequest::kChunkFieldNumber, &fields,
+      [&]() -> absl::StatusOr<ChunkAssembler*> {
+        return refuse_chunks ? nullptr : &assembler;
+      },
+      [](int) { return absl::OkStatus(); }, &data_bytes);
+  if (fields_out != nullptr) *fields_out = fields;
+  return s;
+}
+
+TEST(ChunkMessages, RefusesWhatIsNotTheWireFormat) {
+  std::vector<float> out(4);
+  const std::string good = OneChunk({1, 2, 3, 4});
+  ASSERT_TRUE(Read(good, &out).ok());
+  EXPECT_EQ(out, (std::vector<float>{1, 2, 3, 4}));
+  // Cut short anywhere: never read past the end, always refused.
+  const std::string chunk_only = OneChunk({1, 2, 3, 4}, /*header=*/false);
+  for (size_t n = 1; n < chunk_only.size(); ++n) {
+    absl::Status s = Read(chunk_only.substr(0, n), &out);
+    EXPECT_FALSE(s.ok()) << "first " << n << " bytes";
+  }
+  EXPECT_EQ(Read(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11), &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  // A chunk whose offset comes after its data (name, dtype, shape, data, offset).
+  std::string data_first = "\x12";  // field 2 (chunk), length-delimited
+  std::string chunk = std::string("\x0a\x01t\x18\x01\x22\x01\x04\x32\x10", 10) +
+                      std::string(16, '\0') + std::string("\x28\x00", 2);
+  data_first += static_cast<char>(chunk.size());
+  data_first += chunk;
+  absl::Status s = Read(data_first, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("after its data"));
+  // Chunks where none are expected.
+  s = Read(good, &out, nullptr, /*refuse_chunks=*/true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  // A chunk that does not fit its sink.
+  s = Read(OneChunk({1, 2, 3, 4, 5}), &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ChunkMessages, FindsNonFiniteValuesAsTheyAreDecoded) {
+  std::vector<float> out(4);
+  bool non_finite = false;
+  ASSERT_TRUE(Read(OneChunk({1, 2, 3, 4}), &out, &non_finite).ok());
+  EXPECT_FALSE(non_finite);
+  ASSERT_TRUE(
+      Read(OneChunk({1, std::numeric_limits<float>::quiet_NaN(), 3, 4}), &out, &non_finite).ok());
+  EXPECT_TRUE(non_finite);
+  non_finite = false;
+  ASSERT_TRUE(
+      Read(OneChunk({1, 2, -std::numeric_limits<float>::infinity(), 4}), &out, &non_finite).ok());
+  EXPECT_TRUE(non_finite);
+}
+
+TEST(ChunkMessages, FieldsAfterTheChunksAreKept) {
+  std::vector<float> out(4);
+  PushRequest tail;
+  tail.mutable_header()->set_step(9);
+  PushRequest fields;
+  ASSERT_TRUE(Read(OneChunk({1, 2, 3, 4}, /*header=*/false) + tail.SerializeAsString(), &out,
+                   nullptr, false, &fields)
+                  .ok());
+  EXPECT_EQ(fields.header().step(), 9);
+}
+
+}  // namespace
+}  // namespace psflow
