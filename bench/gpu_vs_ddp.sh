@@ -13,11 +13,15 @@
 #   3. with the resnet among MODELS: one GPU worker through 2 ps (resnet b128,
 #      each wire) against the same model trained alone on cuda:0
 #      (psflow-bench-step's CUDA graph step, the kind of step a worker runs),
-#      with PyTorch on one GPU beside it.
+#      with PyTorch on one GPU beside it;
+#   4. one worker driving both GPUs (--device=cuda:0,cuda:1: a replica per GPU,
+#      gradients averaged over NCCL, one push) against one worker on one GPU
+#      and two workers on one GPU each, through MULTI_PS ps, each model and
+#      wire, with the DDP figure of part 1.
 # Usage: bench/gpu_vs_ddp.sh [build/bin]
 #   PS_COUNTS ("2 4 8"), WIRES ("fp32 bf16"), MODELS ("resnet cnn"),
 #   RESNET_STEPS (400), CNN_STEPS (6000), ONE_WORKER_STEPS (320: the resnet
-#   jobs of part 3), DATA_DIR (the Fashion-MNIST IDX files, default Debian's
+#   jobs of part 3), MULTI_PS (2: the ps of part 4; "none" leaves part 4 out), DATA_DIR (the Fashion-MNIST IDX files, default Debian's
 #   package's path). The chief logs every eighth of a job's steps, so step
 #   counts that are multiples of 8 keep the last progress line a full
 #   interval. DDP runs as many timed steps as the psflow jobs, after 20 more.
@@ -30,6 +34,7 @@ models=${MODELS:-resnet cnn}
 resnet_steps=${RESNET_STEPS:-400}
 cnn_steps=${CNN_STEPS:-6000}
 one_steps=${ONE_WORKER_STEPS:-320}
+multi_ps=${MULTI_PS:-2}
 data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 export NCCL_NVLS_ENABLE=0  # NCCL's NVLink multicast stays off
 
@@ -129,6 +134,21 @@ if [[ " $models " == *" resnet "* ]]; then
   done
 fi
 
+multi_rows=()
+if [ "$multi_ps" != none ]; then
+  echo "== one worker driving both GPUs (--device=cuda:0,cuda:1) against 2 workers x 1 GPU and 1 x 1, $multi_ps ps"
+  for model in $models; do
+    for wire in $wires; do
+      psflow "multi_${model}_${wire}_1x1" 1 cuda:0 "$multi_ps" "$wire" "$model" "$(steps_of "$model")"
+      one_one=$rate
+      psflow "multi_${model}_${wire}_2x1" 2 cuda:0,cuda:1 "$multi_ps" "$wire" "$model" "$(steps_of "$model")"
+      two_one=$rate
+      psflow "multi_${model}_${wire}_1x2" 1 cuda:0,cuda:1 "$multi_ps" "$wire" "$model" "$(steps_of "$model")"
+      multi_rows+=("$model $wire $rate $one_one $(ratio "$rate" "$one_one") $two_one $(ratio "$rate" "$two_one") ${ddp_of[$model]} $(ratio "$rate" "${ddp_of[$model]}") $split")
+    done
+  done
+fi
+
 echo
 echo "psflow (2 GPU workers, ps on the CPUs) against PyTorch DDP (2 GPUs); batch per GPU:" \
   "resnet 128, cnn 64; ratio = psflow / DDP"
@@ -148,6 +168,17 @@ if [ ${#one_rows[@]} -gt 0 ]; then
   for row in "${one_rows[@]}"; do
     # shellcheck disable=SC2086
     printf '%-5s %3s %12.0f %9.0f %6s %8s %6s %8s %6s %6s\n' $row
+  done
+fi
+if [ ${#multi_rows[@]} -gt 0 ]; then
+  echo
+  echo "one worker x 2 GPUs (1x2) against one worker x 1 GPU (1x1), 2 workers x 1 GPU (2x1) and" \
+    "DDP on 2 GPUs, $multi_ps ps; batch per GPU as above; step split of the 1x2 job"
+  printf '%-7s %-5s %9s %9s %6s %9s %6s %9s %6s %8s %6s %8s %6s %6s\n' \
+    model wire "1x2_ex/s" "1x1_ex/s" "÷1x1" "2x1_ex/s" "÷2x1" "ddp_ex/s" "÷ddp" step_ms pull compute push wait
+  for row in "${multi_rows[@]}"; do
+    # shellcheck disable=SC2086
+    printf '%-7s %-5s %9.0f %9.0f %6s %9.0f %6s %9.0f %6s %8s %6s %8s %6s %6s\n' $row
   done
 fi
 echo "whole run: ${SECONDS} s"

@@ -7,12 +7,13 @@
 // every ps's slices into lanes (up to --lanes_per_ps, each its own HTTP/2
 // connection) that push their gradients of step k and at once pull their
 // slices of version k+1, as a worker's trainer does. Prints one line:
-//   wire model=resnet floats=11200000 ps=2 workers=1 lanes_per_ps=8 dtype=fp32 step_ms=9.1 push_ms=6.0
+//   wire model=resnet floats=11200000 ps=2 workers=1 lanes_per_ps=8 dtype=fp32 step_ms=9.1
+//   push_ms=6.0
 //        gbps=9.8
 // (step_ms: whole exchange; push_ms: until the last lane's push is answered;
 // gbps: bytes pushed and pulled per second by one worker, in the wire dtype).
-#include <sys/socket.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -92,8 +93,7 @@ int main(int argc, char** argv) {
   const int lanes_per_ps = absl::GetFlag(FLAGS_lanes_per_ps);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int apply_threads = absl::GetFlag(FLAGS_apply_threads);
-  if (num_ps <= 0 || workers <= 0 || lanes_per_ps <= 0 ||
-      steps <= 0 || apply_threads <= 0) {
+  if (num_ps <= 0 || workers <= 0 || lanes_per_ps <= 0 || steps <= 0 || apply_threads <= 0) {
     return psflow::FailWith("every count flag must be positive");
   }
   psflow::DataType dtype;
@@ -283,10 +283,11 @@ int main(int argc, char** argv) {
   const double push_ms = ws[0].push_ms / steps;
   const double bytes = 2.0 * static_cast<double>(floats) * psflow::WireBytes(dtype);
   std::printf(
-      "wire model=%s floats=%lld ps=%d workers=%d lanes_per_ps=%d dtype=%s step_ms=%.2f push_ms=%.2f "
+      "wire model=%s floats=%lld ps=%d workers=%d lanes_per_ps=%d dtype=%s step_ms=%.2f "
+      "push_ms=%.2f "
       "gbps=%.2f\n",
-      model_name.c_str(), static_cast<long long>(floats), num_ps, workers, lanes_per_ps, wire.c_str(), step_ms,
-      push_ms, bytes / (step_ms * 1e-3) / 1e9);
+      model_name.c_str(), static_cast<long long>(floats), num_ps, workers, lanes_per_ps,
+      wire.c_str(), step_ms, push_ms, bytes / (step_ms * 1e-3) / 1e9);
   for (Server& s : servers) {
     s.shard->Shutdown();
     s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

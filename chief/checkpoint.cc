@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/file_util.h"
 #include "common/log.h"
+#include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 
@@ -97,7 +98,7 @@ Checkpoint EmptyCheckpoint(const JobConfig& job, int64_t step,
     WorkerPosition* pos = m.add_worker();
     pos->set_worker(w);
     pos->set_epoch(step / job.steps_per_epoch());
-    pos->set_examples_done((step % job.steps_per_epoch()) * job.batch_size());
+    pos->set_examples_done((step % job.steps_per_epoch()) * WorkerBatch(job));
   }
   return ckpt;
 }

@@ -198,7 +198,7 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   const int w = request.worker();
   if (w < 0 || w >= job_.num_workers()) return absl::InvalidArgumentError("unknown worker");
   for (const StepMetrics& m : request.metrics()) {
-    absl::Status valid = CheckStepMetrics(m, job_.train_steps(), job_.batch_size());
+    absl::Status valid = CheckStepMetrics(m, job_.train_steps(), WorkerBatch(job_));
     if (valid.ok()) continue;
     absl::MutexLock lock(&mu_);
     // Refused, never logged as progress; the first few are named. The call
@@ -865,10 +865,14 @@ absl::Status Coordinator::Run() {
               << absl::StrFormat("%.2f", static_cast<double>(job_.train_steps()) /
                                              static_cast<double>(job_.steps_per_epoch()))
               << " epochs of " << job_.steps_per_epoch() << " steps = "
-              << job_.train_steps() * job_.batch_size() *
+              << job_.train_steps() * WorkerBatch(job_) *
                      (AppliesEachGradient(job_) ? 1 : job_.num_workers())
               << " examples, batch " << job_.batch_size() << " x " << job_.num_workers()
-              << " workers, mode " << ModeName(job_) << ", optimizer "
+              << " workers"
+              << (ReplicasPerWorker(job_) > 1
+                      ? absl::StrCat(" x ", ReplicasPerWorker(job_), " replicas (GPUs) each")
+                      : "")
+              << ", mode " << ModeName(job_) << ", optimizer "
               << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr "
               << job_.optimizer().learning_rate() << " ("
               << OptimizerConfig::Decay_Name(job_.optimizer().lr_decay()) << ", warmup "

@@ -24,7 +24,12 @@ ABSL_FLAG(
     "--synthetic_examples).");
 ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --dataset=synthetic.");
 ABSL_FLAG(int, batch_size, 64,
-          "Examples per step on each worker (the global batch is this times the workers).");
+          "Examples per step on each model replica: each worker, or each GPU of a worker with "
+          "several (the global batch is this times the workers times --replicas_per_worker).");
+ABSL_FLAG(int, replicas_per_worker, 1,
+          "Replicas of the model on every worker: the GPUs each worker drives (its --device "
+          "list, e.g. cuda:all on a node of 2 GPUs needs 2). A worker with another count is "
+          "refused when it joins.");
 ABSL_FLAG(int64_t, epochs, 0,
           "Passes over the training data; exclusive with --train_steps (default: 1 epoch).");
 ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
@@ -147,6 +152,7 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   job.dataset = absl::GetFlag(FLAGS_dataset);
   job.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
   job.batch_size = absl::GetFlag(FLAGS_batch_size);
+  job.replicas_per_worker = absl::GetFlag(FLAGS_replicas_per_worker);
   job.epochs = absl::GetFlag(FLAGS_epochs);
   job.train_steps = absl::GetFlag(FLAGS_train_steps);
   job.optimizer = absl::GetFlag(FLAGS_optimizer);

@@ -190,6 +190,10 @@ absl::Status FinishOptimizer(int64_t train_steps, OptimizerConfig* config) {
 
 absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, int num_ps) {
   if (o.batch_size <= 0) return absl::InvalidArgumentError("--batch_size must be positive");
+  if (o.replicas_per_worker < 1 || o.replicas_per_worker > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replicas_per_worker must be in [1, 64], got ", o.replicas_per_worker));
+  }
   if (o.epochs < 0 || o.train_steps < 0) {
     return absl::InvalidArgumentError("--epochs and --train_steps must not be negative");
   }
@@ -237,10 +241,16 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   // DistributedSampler: each worker sees ceil(count / workers) examples per
   // epoch, in full batches.
   const int64_t shard = (stats->count + num_workers - 1) / num_workers;
-  const int64_t steps_per_epoch = shard / o.batch_size;
+  // A worker's step takes a batch for each of its replicas.
+  const int64_t worker_batch = static_cast<int64_t>(o.batch_size) * o.replicas_per_worker;
+  const int64_t steps_per_epoch = shard / worker_batch;
   if (steps_per_epoch == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--batch_size ", o.batch_size, " exceeds the ",
-                                                   shard, " examples each worker sees per epoch"));
+    return absl::InvalidArgumentError(
+        o.replicas_per_worker > 1
+            ? absl::StrCat("--batch_size ", o.batch_size, " times ", o.replicas_per_worker,
+                           " replicas exceeds the ", shard, " examples each worker sees per epoch")
+            : absl::StrCat("--batch_size ", o.batch_size, " exceeds the ", shard,
+                           " examples each worker sees per epoch"));
   }
   const std::string mode = absl::AsciiStrToLower(o.mode);
   if (mode == "sync") {
@@ -261,6 +271,7 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   job.set_data_dir(o.data_dir);
   job.set_dataset(o.dataset);
   job.set_batch_size(o.batch_size);
+  job.set_replicas_per_worker(o.replicas_per_worker);
   // A global step of a job that applies each gradient alone is one worker's
   // batch: an epoch is every worker's steps.
   job.set_steps_per_epoch(AppliesEachGradient(job) ? steps_per_epoch * num_workers

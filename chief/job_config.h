@@ -22,7 +22,8 @@ struct JobOptions {
   std::string data_dir = kDefaultDataDir;
   std::string dataset = "idx";         // idx (files in data_dir) or synthetic
   int64_t synthetic_examples = 10000;  // training examples of the synthetic dataset
-  int batch_size = 64;                 // per worker
+  int batch_size = 64;                 // per replica
+  int replicas_per_worker = 1;         // GPUs each worker drives (JobConfig.replicas_per_worker)
   int64_t epochs = 0;                  // 0: not given
   int64_t train_steps = 0;             // 0: not given; exactly one of the two, else 1 epoch
   std::string optimizer = "sgd";       // sgd, momentum, adam, adamw, adagrad, rmsprop

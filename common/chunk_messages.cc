@@ -14,10 +14,10 @@
 namespace psflow {
 namespace {
 
+using google::protobuf::internal::WireFormatLite;
 using google::protobuf::io::CodedInputStream;
 using google::protobuf::io::CodedOutputStream;
 using google::protobuf::io::StringOutputStream;
-using google::protobuf::internal::WireFormatLite;
 
 // Data this small is copied with the bytes around it: a slice of its own
 // costs more than the copy.
@@ -208,9 +208,9 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
     }
     flush();
     if (t.dtype == DT_FLOAT) {
-      grpc_slice borrowed = grpc_slice_new_with_user_data(
-          const_cast<float*>(from), static_cast<size_t>(piece.bytes), ReleaseKeep,
-          new std::shared_ptr<const void>(keep));
+      grpc_slice borrowed =
+          grpc_slice_new_with_user_data(const_cast<float*>(from), static_cast<size_t>(piece.bytes),
+                                        ReleaseKeep, new std::shared_ptr<const void>(keep));
       slices.emplace_back(borrowed, grpc::Slice::STEAL_REF);
     } else {
       grpc_slice encoded = grpc_slice_malloc(static_cast<size_t>(piece.bytes));
@@ -265,8 +265,7 @@ absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
   }
   if (!in.ConsumedEntireMessage()) return Malformed("message");
   if (!asked) return ask();
-  if (others.size() > parsed &&
-      !fields->MergeFromString(others.substr(parsed))) {
+  if (others.size() > parsed && !fields->MergeFromString(others.substr(parsed))) {
     return Malformed("fields");
   }
   return absl::OkStatus();

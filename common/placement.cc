@@ -153,4 +153,10 @@ std::vector<int64_t> BytesPerPs(const Placement& placement) {
   return bytes;
 }
 
+int ReplicasPerWorker(const JobConfig& job) { return std::max(job.replicas_per_worker(), 1); }
+
+int64_t WorkerBatch(const JobConfig& job) {
+  return static_cast<int64_t>(job.batch_size()) * ReplicasPerWorker(job);
+}
+
 }  // namespace psflow

@@ -70,6 +70,10 @@ bool AppliesEachGradient(const JobConfig& job);
 // never in step, so a snapshot asked for `newest` itself may be passed by
 // one of them before the request reaches it.
 int64_t VersionAhead(const JobConfig& job, int64_t newest);
+// The model replicas on each worker (JobConfig.replicas_per_worker; at
+// least 1), and the examples of one worker's step: batch_size of each.
+int ReplicasPerWorker(const JobConfig& job);
+int64_t WorkerBatch(const JobConfig& job);
 // What ps `ps` holds, as its InitHeader describes it (non_trainable from
 // the placement).
 std::vector<SliceSpec> SliceSpecs(const Placement& placement, int ps);

@@ -7,7 +7,8 @@ schema would prune them), and against what psflow needs of it: the container
 named "tensorflow" (the only one the operator gives TF_CONFIG), the ExitCode
 restart policy, one chief, storage mounted on the chief alone (a Secret is not
 storage), GPUs (nvidia.com/gpu) requested by workers and evaluators alone,
-which then run --device=cuda:N, the security flags (--tls_cert, --tls_key,
+which then run --device=cuda:N (a worker given several drives them all:
+--device=cuda:all, with the chief's --replicas_per_worker equal to the count), the security flags (--tls_cert, --tls_key,
 --tls_ca, --auth_token_file) the same on every replica, naming files of a
 Secret mounted read-only, probes that can pass (HTTP on the --metrics_port,
 GET /readyz and /healthz, where the security flags keep the kubelet's gRPC
@@ -106,6 +107,7 @@ def psflow_problems(job):
         if role not in specs:
             problems.append(f"has no {role} replicas")
     security = {}
+    worker_gpus = set()
     for role, spec in specs.items():
         if spec.get("restartPolicy") != "ExitCode":
             problems.append(f"{role}: restartPolicy should be ExitCode (psflow's exit codes say what to retry)")
@@ -125,15 +127,55 @@ def psflow_problems(job):
             args = c.get("args", []) or []
             if gpus and not any(str(a).startswith("--device=cuda") for a in args):
                 problems.append(f"{role}: a GPU is requested but the container has no --device=cuda:N")
+            if role == "Worker" and c.get("name") == "tensorflow":
+                worker_gpus.add(gpu_count(res))
+                problems += device_problems(role, gpu_count(res), args)
             if c.get("name") == "tensorflow":
                 security[role], found = security_problems(role, pod, c)
                 problems += found
             problems += probe_problems(role, c)
             problems += scrape_problems(role, spec.get("template", {}).get("metadata", {}), c)
+    # Every worker pod drives all the GPUs it is given: the chief (worker 0
+    # without one) must run as many replicas per worker.
+    replicas = flag_value(chief_args(specs, chief), "--replicas_per_worker") or "1"
+    for n in worker_gpus:
+        if max(n, 1) != int(replicas):
+            problems.append(f"workers have {n} GPUs each but the chief runs --replicas_per_worker={replicas}"
+                            " (one model replica per GPU: give it the GPU count)")
     if len(set(security.values())) > 1:
         problems.append("every replica needs the same security flags (" + "; ".join(
             f"{role}: {' '.join(sorted(flags)) or 'none'}" for role, flags in sorted(security.items())) + ")")
     return problems
+
+
+def gpu_count(resources):
+    """The GPUs a container asks for (nvidia.com/gpu: limits, else requests)."""
+    for k in ("limits", "requests"):
+        n = (resources.get(k) or {}).get("nvidia.com/gpu")
+        if n is not None:
+            return int(n)
+    return 0
+
+
+def chief_args(specs, chief):
+    """The args of the chief's container (worker 0's without a Chief)."""
+    pod = specs.get(chief, {}).get("template", {}).get("spec", {})
+    for c in pod.get("containers", []):
+        if c.get("name") == "tensorflow":
+            return c.get("args", []) or []
+    return []
+
+
+def device_problems(role, gpus, args):
+    """A worker with several GPUs must drive them all (--device=cuda:all or a
+    list of as many)."""
+    if gpus <= 1:
+        return []
+    device = flag_value(args, "--device") or "cpu"
+    if device == "cuda:all" or len(device.split(",")) == gpus:
+        return []
+    return [f"{role}: {gpus} GPUs are requested but --device={device} drives "
+            f"{len(device.split(','))} (use --device=cuda:all)"]
 
 
 def probe_problems(role, container):

@@ -1,4 +1,6 @@
-// CreateBackend: maps a device name to the backends compiled into this build.
+// CreateBackend: maps a device name to the backends compiled into this build;
+// ExpandDevices and CreateDeviceGroup for several GPUs in one process.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -6,13 +8,16 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/kernels.h"
 #if PSFLOW_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/nccl_group.h"
 #endif
 
 namespace psflow::kernels {
@@ -85,6 +90,52 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device
 #endif
   return absl::InvalidArgumentError(absl::StrFormat("unknown device '%s' (this build supports: %s)",
                                                     device, absl::StrJoin(names, ", ")));
+}
+
+absl::StatusOr<std::vector<std::string>> ExpandDevices(const std::string& list) {
+  std::vector<std::string> devices;
+  if (list == "cuda:all") {
+#if PSFLOW_HAVE_CUDA
+    absl::StatusOr<int> count = CudaBackend::DeviceCount();
+    if (!count.ok()) return count.status();
+    for (int i = 0; i < *count; ++i) devices.push_back(absl::StrCat("cuda:", i));
+    return devices;
+#else
+    return absl::UnavailableError("cuda:all: this build has no CUDA backend");
+#endif
+  }
+  for (absl::string_view d : absl::StrSplit(list, ',')) {
+    if (d.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("device list '%s' has an empty entry", list));
+    }
+    // "cuda" is cuda:0.
+    const std::string name = d == "cuda" ? "cuda:0" : std::string(d);
+    if (std::find(devices.begin(), devices.end(), name) != devices.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("device list '%s' names %s twice", list, name));
+    }
+    devices.push_back(name);
+  }
+  return devices;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateDeviceGroup(
+    const std::vector<Backend*>& backends) {
+#if PSFLOW_HAVE_CUDA
+  std::vector<CudaBackend*> gpus;
+  for (Backend* b : backends) {
+    auto* gpu = dynamic_cast<CudaBackend*>(b);
+    if (gpu == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("device %s cannot join a group of GPUs", b->name()));
+    }
+    gpus.push_back(gpu);
+  }
+  return CreateNcclGroup(gpus);
+#else
+  return absl::UnimplementedError("several devices per process need the CUDA backend (NCCL)");
+#endif
 }
 
 }  // namespace psflow::kernels

@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -239,6 +240,39 @@ class Backend {
 // use (the CPU backend's OpenMP team); 0 keeps the library default (all
 // cores). GPU backends ignore it.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& device, int threads = 0);
+
+// The devices a device list names: "cuda:all" (every GPU this process sees,
+// in order; UNAVAILABLE when it sees none or the build has no CUDA backend),
+// or comma-separated names ("cuda:0,cuda:1"; any single name, "cpu"
+// included, is a list of one). INVALID_ARGUMENT for an empty entry or a GPU
+// named twice. Names are not checked against the machine here
+// (CreateBackend does).
+absl::StatusOr<std::vector<std::string>> ExpandDevices(const std::string& list);
+
+// Replicas of one model on several GPUs of this process, each computing on
+// its own backend (stream): their buffers are reduced and copied among the
+// GPUs directly (NCCL: NVLink or PCIe peer-to-peer), never through the host.
+// Each call queues its work on every replica's stream after the work queued
+// there before, and returns; it must not run while another thread queues
+// work on those backends.
+class DeviceGroup {
+ public:
+  virtual ~DeviceGroup() = default;
+  // For each i: replaces the sizes[i] floats at buffers[r][i] of every
+  // replica r with their mean over the replicas.
+  virtual absl::Status AllReduceMean(const std::vector<std::vector<float*>>& buffers,
+                                     const std::vector<int64_t>& sizes) = 0;
+  // For each i: copies replica 0's buffers[0][i] (sizes[i] floats) into
+  // buffers[r][i] of every other replica r.
+  virtual absl::Status Broadcast(const std::vector<std::vector<float*>>& buffers,
+                                 const std::vector<int64_t>& sizes) = 0;
+};
+
+// A group over `backends` (CUDA backends of distinct GPUs, at least two).
+// UNIMPLEMENTED in a build without the CUDA backend; INVALID_ARGUMENT for
+// other backends; INTERNAL when NCCL cannot set up its communicators.
+absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateDeviceGroup(
+    const std::vector<Backend*>& backends);
 
 }  // namespace psflow::kernels
 

@@ -168,6 +168,18 @@ std::vector<float*> Network::HostGradients() {
   return out;
 }
 
+std::vector<float*> Network::DeviceWeights() {
+  std::vector<float*> out;
+  for (auto& w : weights_) out.push_back(w->data());
+  return out;
+}
+
+std::vector<float*> Network::DeviceGradients() {
+  std::vector<float*> out;
+  for (auto& g : grads_) out.push_back(g->data());
+  return out;
+}
+
 absl::Status Network::SetWeights(const std::vector<const float*>& host) {
   if (host.size() != weights_.size())
     return absl::InvalidArgumentError("wrong number of weight tensors");

@@ -82,6 +82,13 @@ class Network {
   std::vector<float*> HostWeights();
   std::vector<float*> HostGradients();
 
+  // The weight and gradient buffers themselves, in the backend's memory (a
+  // GPU's for CUDA), one per variable (no gradients when forward_only): for
+  // reducing and copying among replicas of the network on several GPUs
+  // (kernels::DeviceGroup), in order with the backend's queued work.
+  std::vector<float*> DeviceWeights();
+  std::vector<float*> DeviceGradients();
+
   // Copies weights in from host memory, one pointer per variable.
   absl::Status SetWeights(const std::vector<const float*>& host);
   // Copies variable `i`'s weights in from host memory. Unlike the rest of

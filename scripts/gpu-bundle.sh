@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Packs psflow's executables and the shared libraries they need into one
-# tarball for a GPU machine that has an NVIDIA driver, cuDNN 9 and cuBLAS 13
-# (a CUDA 13 install, or PyTorch's nvidia-* wheels) but not psflow's other
+# tarball for a GPU machine that has an NVIDIA driver, cuDNN 9, cuBLAS 13 and
+# NCCL 2 (a CUDA 13 install, or PyTorch's nvidia-* wheels) but not psflow's other
 # dependencies (gRPC, protobuf, Abseil, oneDNN):
 #   scripts/gpu-bundle.sh [build] [out.tar.xz]
 # On the GPU machine:
 #   mkdir psflow && tar -xJf psflow-gpu.tar.xz -C psflow
-#   export LD_LIBRARY_PATH=$PWD/psflow/lib:<dirs of libcudnn.so.9 and libcublas.so.13>
+#   export LD_LIBRARY_PATH=$PWD/psflow/lib:<dirs of libcudnn.so.9, libcublas.so.13, libnccl.so.2>
 #   psflow/bin/psflow-worker --device=cuda:0 ...
 # With GPU_TESTS=1 the GPU test binaries (build/tests/*cuda*, *gpu*) come too,
 # under tests/.
-# glibc, libstdc++ and the CUDA, cuDNN and cuBLAS libraries are left out: the
+# glibc, libstdc++ and the CUDA, cuDNN, cuBLAS and NCCL libraries are left out: the
 # target machine brings its own (its glibc must be 2.36 or newer). The CUDA
 # runtime is linked statically.
 set -euo pipefail
@@ -31,7 +31,7 @@ if [ "${GPU_TESTS:-0}" = 1 ]; then
   done
 fi
 # Everything the executables load, less what the target machine provides.
-skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudnn|libcublas|libnvidia)'
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libpthread|libdl\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudnn|libcublas|libnccl|libnvidia)'
 for f in "$stage"/bin/* "$stage"/tests/*; do
   [ -f "$f" ] || continue
   ldd "$f" | awk '$3 ~ /^\// {print $1, $3}'

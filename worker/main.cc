@@ -36,7 +36,10 @@
 ABSL_FLAG(
     std::string, device, "cpu",
     "Where to compute: cpu (oneDNN), or cuda:N (GPU N with cuDNN and cuBLAS; in builds with CUDA). "
-    "The parameter servers stay on CPUs either way.");
+    "Several GPUs: cuda:all (every GPU this process sees) or a list (cuda:0,cuda:1): one model "
+    "replica per GPU, each on --batch_size examples, gradients averaged among the GPUs (NCCL) "
+    "and pushed once; the chief's --replicas_per_worker must equal the count. The parameter "
+    "servers stay on CPUs either way.");
 ABSL_FLAG(
     int, ps_lanes, 0,
     "Most concurrent pulls and pushes (lanes) per ps, each over its own connection and of "

@@ -8,12 +8,14 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
 #include "common/fan_out.h"
 #include "common/float16.h"
 #include "common/log.h"
 #include "common/placement.h"
+#include "common/status_macros.h"
 #include "data/source.h"
 
 namespace psflow::worker {
@@ -152,10 +154,7 @@ absl::Status Trainer::Prepare() {
     return absl::FailedPreconditionError(
         absl::StrCat("the chief sent unknown wire dtype ", job_.wire_dtype()));
   }
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
-      kernels::CreateBackend(options_.device, job_.compute_threads());
-  if (!backend.ok()) return Permanent(backend.status());
-  backend_ = *std::move(backend);
+  PSFLOW_RETURN_IF_ERROR(CreateReplicas());
   absl::StatusOr<data::Dataset> data =
       data::LoadDataset({job_.dataset(), job_.data_dir(), job_.num_examples()},
                         data::ModelInputOf(job_.model()), data::Split::kTrain);
@@ -166,10 +165,6 @@ absl::Status Trainer::Prepare() {
         "this worker sees ", data_.count, " training examples in ", job_.data_dir(),
         ", the chief saw ", job_.num_examples(), ": every process needs the same data"));
   }
-  absl::StatusOr<std::unique_ptr<model::Network>> net =
-      model::Network::Create(job_.model(), backend_.get());
-  if (!net.ok()) return Permanent(net.status());
-  net_ = *std::move(net);
   // Pull into and push from the network's own buffers when they are host
   // memory; otherwise stage on the host, in memory the device copies fast.
   weights_ = net_->HostWeights();
@@ -218,13 +213,99 @@ absl::Status Trainer::Prepare() {
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
   // A lane's pull may wait for its own push only: every lane needs a thread.
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
-  PSLOG(INFO) << "joined job: " << data_.count << " training examples, device " << backend_->name()
+  PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
+              << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
+                                                     absl::StrJoin(devices_, ", "))
+                                      : absl::StrCat("device ", backend_->name()))
               << ", " << job_.num_ps() << " ps, " << lanes_.size()
               << (lanes_.size() == 1 ? " lane" : " lanes");
   return absl::OkStatus();
 }
 
 bool Trainer::Async() const { return AppliesEachGradient(job_); }
+
+absl::Status Trainer::CreateReplicas() {
+  replica_nets_.clear();
+  group_.reset();
+  replica_backends_.clear();
+  net_.reset();
+  backend_.reset();
+  absl::StatusOr<std::vector<std::string>> devices = kernels::ExpandDevices(options_.device);
+  if (!devices.ok()) return Permanent(devices.status());
+  devices_ = *std::move(devices);
+  const int replicas = ReplicasPerWorker(job_);
+  if (static_cast<int>(devices_.size()) != replicas) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the job runs ", replicas, replicas == 1 ? " replica" : " replicas",
+        " of the model per worker (--replicas_per_worker on the chief), but this worker's "
+        "--device=",
+        options_.device, " names ", devices_.size(), devices_.size() == 1 ? " device" : " devices",
+        ": give every worker as many GPUs"));
+  }
+  std::vector<kernels::Backend*> all;
+  for (size_t r = 0; r < devices_.size(); ++r) {
+    absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+        kernels::CreateBackend(devices_[r], job_.compute_threads());
+    if (!backend.ok()) return Permanent(backend.status());
+    absl::StatusOr<std::unique_ptr<model::Network>> net =
+        model::Network::Create(job_.model(), backend->get());
+    if (!net.ok()) return Permanent(net.status());
+    all.push_back(backend->get());
+    if (r == 0) {
+      backend_ = *std::move(backend);
+      net_ = *std::move(net);
+    } else {
+      replica_backends_.push_back(*std::move(backend));
+      replica_nets_.push_back(*std::move(net));
+    }
+  }
+  variable_floats_.clear();
+  for (const VariableShape& v : net_->variables()) variable_floats_.push_back(NumElements(v.shape));
+  if (all.size() > 1) {
+    absl::StatusOr<std::unique_ptr<kernels::DeviceGroup>> group = kernels::CreateDeviceGroup(all);
+    if (!group.ok()) return Permanent(group.status());
+    group_ = *std::move(group);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* images,
+                                                               const int32_t* labels, int batch) {
+  std::vector<model::Network*> nets = {net_.get()};
+  for (auto& n : replica_nets_) nets.push_back(n.get());
+  // Names the GPU whose work failed: a lost GPU ends the worker with a
+  // retryable exit code (INTERNAL), to be restarted.
+  auto on = [&](size_t r, const absl::Status& s) {
+    return absl::InternalError(absl::StrCat(devices_[r], ": ", s.message()));
+  };
+  std::vector<std::vector<float*>> weights, grads;
+  for (model::Network* n : nets) {
+    weights.push_back(n->DeviceWeights());
+    grads.push_back(n->DeviceGradients());
+  }
+  // Replica 0 holds the pulled weights (queued on its stream): the others
+  // take them from it, GPU to GPU.
+  absl::Status s = group_->Broadcast(weights, variable_floats_);
+  if (!s.ok())
+    return absl::InternalError(absl::StrCat("copying weights among the GPUs: ", s.message()));
+  const int64_t example = data_.example_floats();
+  for (size_t r = 0; r < nets.size(); ++r) {
+    s = nets[r]->SetInputs(images + r * batch * example, labels + r * batch, batch);
+    if (s.ok()) s = nets[r]->StartTrainStep(batch);
+    if (!s.ok()) return on(r, s);
+  }
+  s = group_->AllReduceMean(grads, variable_floats_);
+  if (!s.ok())
+    return absl::InternalError(absl::StrCat("averaging gradients among the GPUs: ", s.message()));
+  model::Network::Result total;
+  for (size_t r = 0; r < nets.size(); ++r) {
+    absl::StatusOr<model::Network::Result> got = nets[r]->FinishStep(batch);
+    if (!got.ok()) return on(r, got.status());
+    total.loss += got->loss / static_cast<double>(nets.size());
+    total.correct += got->correct;
+  }
+  return total;
+}
 
 absl::Status Trainer::PullLane(int l, int64_t min_version, LanePull* out) {
   const Lane& lane = lanes_[l];
@@ -422,7 +503,7 @@ absl::Status Trainer::NonFinite(int64_t step) {
   // Nothing of this step is pushed; the chief decides what happens next.
   StepMetrics m;
   m.set_step(step);
-  m.set_examples(job_.batch_size());
+  m.set_examples(WorkerBatch(job_));
   m.set_nonfinite(true);
   absl::MutexLock lock(&mu_);
   pending_.push_back(std::move(m));
@@ -439,10 +520,11 @@ absl::Status Trainer::NonFinite(int64_t step) {
 absl::Status Trainer::Train(int64_t start) {
   const int index = options_.worker_index;
   data::ShardSampler sampler(data_.count, job_.num_workers(), index, job_.seed());
-  const int batch = job_.batch_size();
+  const int batch = job_.batch_size();  // per replica
+  const int64_t worker_batch = WorkerBatch(job_);
   const int64_t example = data_.example_floats();
-  std::vector<float> images(static_cast<size_t>(batch) * example);
-  std::vector<int32_t> labels(batch);
+  std::vector<float> images(static_cast<size_t>(worker_batch) * example);
+  std::vector<int32_t> labels(worker_batch);
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
   const float wire_overflow = WireOverflow(WireDtypeOf(job_));
@@ -497,11 +579,13 @@ absl::Status Trainer::Train(int64_t start) {
       order = sampler.EpochIndices(epoch);
       order_epoch = epoch;
     }
-    absl::Status s =
-        data::GatherBatch(data_, absl::MakeConstSpan(order).subspan(position * batch, batch),
-                          images.data(), labels.data());
+    absl::Status s = data::GatherBatch(
+        data_, absl::MakeConstSpan(order).subspan(position * worker_batch, worker_batch),
+        images.data(), labels.data());
     absl::StatusOr<model::Network::Result> result =
-        s.ok() ? net_->TrainStep(images.data(), labels.data(), batch) : s;
+        !s.ok()  ? s
+        : group_ ? ReplicatedStep(images.data(), labels.data(), batch)
+                 : net_->TrainStep(images.data(), labels.data(), batch);
     if (result.ok() && !in_place_) s = net_->GetGradients(grads_);
     if (!result.ok() || !s.ok()) {
       const absl::Status& e = result.ok() ? s : result.status();
@@ -541,7 +625,7 @@ absl::Status Trainer::Train(int64_t start) {
       m.set_nonfinite(skip);  // the chief counts the skipped steps
       m.set_loss(skip ? 0 : result->loss);
       m.set_correct(result->correct);
-      m.set_examples(batch);
+      m.set_examples(worker_batch);
       m.set_wait_us(wait_us);
       m.set_pull_us(pull_us);
       m.set_compute_us(Micros(t2 - t1));

@@ -164,6 +164,13 @@ class Trainer {
     int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
   };
   absl::Status PullLane(int l, int64_t min_version, LanePull* out);
+  // Creates the backends and networks of every device of options_.device.
+  absl::Status CreateReplicas();
+  // One step of every replica, each on `batch` examples of images/labels in
+  // turn (replica r on the r-th batch), then their gradients averaged among
+  // the GPUs into replica 0's; the loss is the mean over the replicas.
+  absl::StatusOr<model::Network::Result> ReplicatedStep(const float* images, const int32_t* labels,
+                                                        int batch);
   // Whether the job applies each worker's gradient alone (JobConfig.mode).
   bool Async() const;
   void ReportLoop();
@@ -192,6 +199,15 @@ class Trainer {
   std::unique_ptr<ThreadPool> pool_;  // for the lanes' pulls and pushes
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
+  // A worker with several GPUs (JobConfig.replicas_per_worker): replicas 1..
+  // of the model, each on its own GPU (net_ on backend_ is replica 0, the
+  // one that pulls and pushes), and the group that averages their gradients
+  // and copies replica 0's weights to the others.
+  std::vector<std::string> devices_;
+  std::vector<std::unique_ptr<kernels::Backend>> replica_backends_;
+  std::vector<std::unique_ptr<model::Network>> replica_nets_;
+  std::unique_ptr<kernels::DeviceGroup> group_;
+  std::vector<int64_t> variable_floats_;
   data::Dataset data_;
   // Where pulls land and pushes come from, by variable: the network's own
   // buffers when in_place_, else staging_ (page-locked where the device

@@ -1035,6 +1035,24 @@ absl::Status CudaBackend::CopyToHost(const float* device, size_t floats, float* 
   });
 }
 
+absl::StatusOr<int> CudaBackend::DeviceCount() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cuda:all: this process sees no GPU (",
+        e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found none", ")"));
+  }
+  return count;
+}
+
+int CudaBackend::device_ordinal() const { return ctx_->device; }
+
+absl::Status CudaBackend::RunOnStream(absl::string_view what,
+                                      const std::function<absl::Status(void*)>& fn) {
+  return RunIn(*ctx_, what, "", [&]() -> absl::Status { return fn(ctx_->stream); });
+}
+
 absl::Status CudaBackend::Synchronize() {
   return RunIn(*ctx_, "Synchronize", "", [&]() -> absl::Status {
     PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));

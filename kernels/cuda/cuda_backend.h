@@ -61,6 +61,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/kernels.h"
 
 namespace psflow::kernels {
@@ -76,7 +77,16 @@ class CudaBackend final : public Backend {
   // GPU, ordinal out of range); INTERNAL when creating the stream or a library
   // handle fails.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device_ordinal);
+  // The GPUs this process sees (cudaGetDeviceCount); UNAVAILABLE when there
+  // are none or no driver.
+  static absl::StatusOr<int> DeviceCount();
   ~CudaBackend() override;
+
+  int device_ordinal() const;
+  // Runs fn(stream) (the backend's cudaStream_t) inside the backend's lock,
+  // with its GPU current: for work of other CUDA libraries (NCCL) queued in
+  // order with the backend's own. Errors get the prefix "<what>: ".
+  absl::Status RunOnStream(absl::string_view what, const std::function<absl::Status(void*)>& fn);
 
   std::string name() const override;
 

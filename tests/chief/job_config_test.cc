@@ -136,6 +136,22 @@ TEST_F(JobConfigTest, StepsPerEpochIsFullBatchesOfAShard) {
   EXPECT_EQ(job->num_workers(), 3);
 }
 
+TEST_F(JobConfigTest, ReplicasPerWorkerTakeABatchEach) {
+  WriteData(kCount, 28, false);
+  options_.job.replicas_per_worker = 2;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // 50 examples per worker and epoch, 2 replicas x 8 per step: 3 steps.
+  EXPECT_EQ(job->replicas_per_worker(), 2);
+  EXPECT_EQ(job->batch_size(), 8);
+  EXPECT_EQ(job->steps_per_epoch(), 3);
+  options_.job.batch_size = 26;  // 2 x 26 > 50
+  ExpectInvalid(BuildJobConfig(options_), "times 2 replicas exceeds");
+  options_.job.batch_size = 8;
+  options_.job.replicas_per_worker = 0;
+  ExpectInvalid(BuildJobConfig(options_), "--replicas_per_worker must be in [1, 64]");
+}
+
 TEST_F(JobConfigTest, EpochsOrTrainSteps) {
   WriteData(kCount, 28, false);
   options_.job.epochs = 3;

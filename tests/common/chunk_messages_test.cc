@@ -29,7 +29,8 @@ std::string Flatten(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(buffer.Dump(&slices).ok());
   std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return out;
 }
 
@@ -177,9 +178,7 @@ absl::Status Read(const std::string& bytes, std::vector<float>* out, bool* non_f
   int64_t data_bytes = 0;
   absl::Status s = ReadChunkMessage(
       &buffer, PushRequest::kChunkFieldNumber, &fields,
-      [&]() -> absl::StatusOr<ChunkAssembler*> {
-        return refuse_chunks ? nullptr : &assembler;
-      },
+      [&]() -> absl::StatusOr<ChunkAssembler*> { return refuse_chunks ? nullptr : &assembler; },
       [](int) { return absl::OkStatus(); }, &data_bytes);
   if (fields_out != nullptr) *fields_out = fields;
   return s;

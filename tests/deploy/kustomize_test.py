@@ -6,7 +6,10 @@ with what psflow reads (POD_NAME <prefix>-<role>-<index>, addresses
 the job (--exit_when_done=false), every role runs with mutual TLS and the job
 token from the Secret, mounted read-only with its own role's key only, HTTP
 readiness and liveness probes and Prometheus annotations agree with the flags;
-and, where kubectl is installed, that `kubectl kustomize` renders it."""
+and, where kubectl is installed, that `kubectl kustomize` renders it, and
+that the GPU overlay (deploy/kubernetes-gpu) turns its one gpus-per-worker
+value into the workers' GPUs and the chief's --replicas_per_worker, leaving
+everything else of the base as it is."""
 import json
 import os
 import shutil
@@ -17,6 +20,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(ROOT, "deploy", "kubernetes")
+GPU_OVERLAY = os.path.join(ROOT, "deploy", "kubernetes-gpu")
 
 
 def load_base():
@@ -142,6 +146,32 @@ class KustomizeBaseTest(unittest.TestCase):
                 ref = [e for e in container["env"] if e["name"] == "CLUSTER_CONFIG"][0]
                 # kustomize renames the generated ConfigMap and every reference to it.
                 self.assertEqual(ref["valueFrom"]["configMapKeyRef"]["name"], config_map["metadata"]["name"])
+
+    @unittest.skipUnless(shutil.which("kubectl"), "kubectl is not installed")
+    def test_gpu_overlay_takes_one_gpus_per_worker_value(self):
+        def render(path):
+            out = subprocess.run(["kubectl", "kustomize", path], check=True, capture_output=True, text=True).stdout
+            return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+
+        base, gpu = render(BASE), render(GPU_OVERLAY)
+        with open(os.path.join(GPU_OVERLAY, "kustomization.yaml")) as f:
+            (literal,) = yaml.safe_load(f)["configMapGenerator"][0]["literals"]
+        gpus = literal.split("=")[1]
+        # The value itself is no object of the cluster.
+        self.assertEqual(set(gpu), set(base))
+
+        def container(objects, name):
+            (c,) = objects[("StatefulSet", name)]["spec"]["template"]["spec"]["containers"]
+            return c
+
+        worker = container(gpu, "psflow-worker")
+        self.assertEqual(worker["resources"]["limits"], {"nvidia.com/gpu": gpus})
+        self.assertEqual(worker["image"], "psflow-cuda:latest")
+        self.assertEqual(worker["args"], container(base, "psflow-worker")["args"] + ["--device=cuda:all"])
+        chief = container(gpu, "psflow-chief")
+        self.assertEqual(chief["args"], container(base, "psflow-chief")["args"] + [f"--replicas_per_worker={gpus}"])
+        for name in ("psflow-chief", "psflow-ps", "psflow-evaluator"):
+            self.assertNotIn("limits", container(gpu, name).get("resources", {}), name)
 
 
 if __name__ == "__main__":

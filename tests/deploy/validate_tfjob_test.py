@@ -88,6 +88,28 @@ class ValidateTfjobTest(unittest.TestCase):
             c["args"] = []
         self.assertTrue(any("--device=cuda" in p for p in self.problems_of(gpu_without_device)))
 
+    def test_gpus_per_worker_agree_with_the_chief(self):
+        def container(j, role):
+            return j["spec"]["tfReplicaSpecs"][role]["template"]["spec"]["containers"][0]
+
+        def two_gpus(device, replicas):
+            def mutate(j):
+                w = container(j, "Worker")
+                w.setdefault("resources", {})["limits"] = {"nvidia.com/gpu": 2}
+                w["args"] = [a for a in w["args"] if not a.startswith("--device")] + [f"--device={device}"]
+                chief = container(j, "Chief")
+                chief["args"] = [a for a in chief["args"] if not a.startswith("--replicas_per_worker")]
+                if replicas:
+                    chief["args"].append(f"--replicas_per_worker={replicas}")
+            return mutate
+
+        self.assertEqual(self.problems_of(two_gpus("cuda:all", 2)), [])
+        self.assertEqual(self.problems_of(two_gpus("cuda:0,cuda:1", 2)), [])
+        problems = self.problems_of(two_gpus("cuda:0", 2))
+        self.assertTrue(any("--device=cuda:0 drives 1" in p for p in problems), problems)
+        problems = self.problems_of(two_gpus("cuda:all", None))
+        self.assertTrue(any("--replicas_per_worker=1" in p for p in problems), problems)
+
     def test_security_flags(self):
         def pod(j, role):
             return j["spec"]["tfReplicaSpecs"][role]["template"]["spec"]

@@ -1272,3 +1272,34 @@ TEST_F(CpuBackendTest, AvailableMemoryIsTheHosts) {
 
 }  // namespace
 }  // namespace psflow::kernels
+
+namespace psflow::kernels {
+namespace {
+
+TEST(ExpandDevicesTest, ListsAndRefusals) {
+  absl::StatusOr<std::vector<std::string>> d = ExpandDevices("cpu");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, std::vector<std::string>{"cpu"});
+  d = ExpandDevices("cuda:0,cuda:1");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, (std::vector<std::string>{"cuda:0", "cuda:1"}));
+  d = ExpandDevices("cuda,cuda:1");  // "cuda" is cuda:0
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, (std::vector<std::string>{"cuda:0", "cuda:1"}));
+  EXPECT_EQ(ExpandDevices("cuda:0,,cuda:1").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpandDevices("cuda:1,cuda:1").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpandDevices("cuda,cuda:0").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ExpandDevicesTest, CpusFormNoDeviceGroup) {
+  absl::StatusOr<std::unique_ptr<Backend>> a = CreateBackend("cpu"), b = CreateBackend("cpu");
+  ASSERT_TRUE(a.ok() && b.ok());
+  absl::StatusOr<std::unique_ptr<DeviceGroup>> group = CreateDeviceGroup({a->get(), b->get()});
+  EXPECT_FALSE(group.ok());
+  // INVALID_ARGUMENT with the CUDA backend built in, UNIMPLEMENTED without.
+  EXPECT_TRUE(absl::IsInvalidArgument(group.status()) || absl::IsUnimplemented(group.status()))
+      << group.status();
+}
+
+}  // namespace
+}  // namespace psflow::kernels

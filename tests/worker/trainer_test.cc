@@ -64,7 +64,8 @@ struct JobParams {
   JobConfig::WireDtype wire_dtype = JobConfig::FP32;
   JobConfig::NonFinitePolicy on_nonfinite = JobConfig::FAIL;
   const char* model = kTinyModel;
-  float bn_momentum = 0;  // 0: the ps's default
+  float bn_momentum = 0;        // 0: the ps's default
+  int replicas_per_worker = 0;  // 0: unset (one)
 };
 
 // A job as the chief would make it: synthetic data, 256 examples, batch 8.
@@ -85,6 +86,7 @@ JobConfig MakeJob(const JobParams& p) {
   job.set_on_nonfinite(p.on_nonfinite);
   job.set_wire_dtype(p.wire_dtype);
   job.set_bn_momentum(p.bn_momentum);
+  job.set_replicas_per_worker(p.replicas_per_worker);
   absl::StatusOr<Placement> placement =
       PlaceVariables(model::ModelVariables(job.model()), p.num_ps, /*split_bytes=*/1024);
   EXPECT_TRUE(placement.ok()) << placement.status();
@@ -745,6 +747,18 @@ TEST_F(TrainerTest, AnInconsistentJobIsPermanent) {
                   ClientOf(*fake_));  // the job has one worker
   const absl::Status status = trainer.Run();
   EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  EXPECT_EQ(fake_->calls(0, Method::kPull), 0);
+}
+
+TEST_F(TrainerTest, AWorkerWithTooFewDevicesForTheReplicasIsPermanent) {
+  JobParams params;
+  params.replicas_per_worker = 2;
+  SetUpJob(params);
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));  // --device=cpu: one
+  const absl::Status status = trainer.Run();
+  EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("runs 2 replicas of the model per worker"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("names 1 device"));
   EXPECT_EQ(fake_->calls(0, Method::kPull), 0);
 }
 

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -143,6 +144,47 @@ std::vector<std::string> SecurityArgs(const std::string& tls_dir, const std::str
 }
 
 }  // namespace
+
+std::string ParseWorkerDevices(const std::string& flag, int num_workers,
+                               std::vector<std::string>* devices, int* replicas) {
+  devices->clear();
+  *replicas = 1;
+  if (flag.empty()) return "";
+  std::vector<std::string> entries;
+  if (flag.find(';') != std::string::npos) {
+    entries = absl::StrSplit(flag, ';');
+  } else {
+    std::vector<std::string> parts = absl::StrSplit(flag, ',');
+    if (parts.size() == 1 || num_workers == 1) {
+      entries = {flag};
+    } else if (static_cast<int>(parts.size()) == num_workers) {
+      entries = parts;  // one device per worker
+    } else {
+      return absl::StrCat("--worker_devices names ", parts.size(), " devices for ", num_workers,
+                          " workers: give one per worker, or separate the workers' device lists "
+                          "with ';' (cuda:0,cuda:1;cuda:2,cuda:3)");
+    }
+  }
+  if (entries.size() == 1) entries.resize(num_workers, entries[0]);
+  if (static_cast<int>(entries.size()) != num_workers) {
+    return absl::StrCat("--worker_devices has ", entries.size(), " device lists for ", num_workers,
+                        " workers");
+  }
+  int count = -1;
+  for (const std::string& e : entries) {
+    if (e.empty()) return "--worker_devices has an empty device list";
+    const std::vector<std::string> list = absl::StrSplit(e, ',');
+    const int n = e == "cuda:all" ? 0 : static_cast<int>(list.size());
+    if (count >= 0 && n != count) {
+      return "--worker_devices: every worker needs as many devices (--replicas_per_worker is one "
+             "count for the job)";
+    }
+    count = n;
+  }
+  *devices = std::move(entries);
+  *replicas = count;
+  return "";
+}
 
 int RunCluster(const LaunchOptions& o) {
   const int total = 1 + o.num_ps + o.num_workers + o.num_evaluators;

@@ -47,6 +47,17 @@ struct LaunchOptions {
   int metrics_base_port = 0;
 };
 
+// The workers' --device values from psflow-launch's --worker_devices:
+// workers separated by ';', each a device list ("cuda:0,cuda:1;cuda:2,cuda:3",
+// or cuda:all); without ';', one value for every worker, or a
+// comma-separated list of one device per worker (cuda:0,cuda:1 for two
+// workers), or, for a single worker, its device list. Sets *replicas to the
+// devices each worker's list names (every list must name as many; 0 when a
+// list is cuda:all, whose count only the worker's machine knows). Returns
+// the error message, or "" when the flag is good.
+std::string ParseWorkerDevices(const std::string& flag, int num_workers,
+                               std::vector<std::string>* devices, int* replicas);
+
 // Runs the cluster; returns the chief's exit code (worker 0's without a
 // chief), or the code of the first other process that failed while the
 // chief was still running (after which the whole cluster is stopped) unless

@@ -39,8 +39,11 @@ ABSL_FLAG(
     "Kubernetes restart policy would; the job then ends when the chief exits 0.");
 ABSL_FLAG(
     std::string, worker_devices, "",
-    "The workers' --device: one value for every worker (cuda:0) or a comma-separated list with one "
-    "per worker (cuda:0,cuda:1). Default: cpu.");
+    "The workers' --device: one value for every worker (cuda:0, or cuda:all), a comma-separated "
+    "list with one per worker (cuda:0,cuda:1), or device lists separated by ';' for workers "
+    "with several GPUs each (cuda:0,cuda:1;cuda:2,cuda:3; a single worker may take "
+    "cuda:0,cuda:1). Several GPUs per worker set the chief's --replicas_per_worker unless it "
+    "is given after --; with cuda:all give it yourself. Default: cpu.");
 ABSL_FLAG(std::string, evaluator_device, "",
           "The evaluators' --device (cuda:0, say). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
@@ -117,23 +120,24 @@ int main(int argc, char** argv) {
   }
   o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
   o.evaluator_device = absl::GetFlag(FLAGS_evaluator_device);
-  const std::string devices = absl::GetFlag(FLAGS_worker_devices);
-  if (!devices.empty()) {
-    o.worker_devices = absl::StrSplit(devices, ',');
-    if (o.worker_devices.size() == 1) o.worker_devices.resize(o.num_workers, o.worker_devices[0]);
-    if (static_cast<int>(o.worker_devices.size()) != o.num_workers) {
-      std::fprintf(stderr,
-                   "psflow-launch: --worker_devices needs one device or one per worker (%d)\n",
-                   o.num_workers);
-      return 1;
-    }
+  int replicas = 1;
+  const std::string bad = psflow::launch::ParseWorkerDevices(
+      absl::GetFlag(FLAGS_worker_devices), o.num_workers, &o.worker_devices, &replicas);
+  if (!bad.empty()) {
+    std::fprintf(stderr, "psflow-launch: %s\n", bad.c_str());
+    return 1;
   }
   if (o.bin_dir.empty())
     o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
-  bool threads_given = false;
+  bool threads_given = false, replicas_given = false;
   for (size_t i = 1; i < rest.size(); ++i) {
     o.chief_args.push_back(rest[i]);
     threads_given |= absl::StartsWith(rest[i], "--compute_threads");
+    replicas_given |= absl::StartsWith(rest[i], "--replicas_per_worker");
+  }
+  // Workers with several GPUs each: the job's replicas per worker follow.
+  if (replicas > 1 && !replicas_given) {
+    o.chief_args.push_back(absl::StrCat("--replicas_per_worker=", replicas));
   }
   if (!threads_given) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

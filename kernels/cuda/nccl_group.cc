@@ -1,0 +1,115 @@
+// DeviceGroup on NCCL: one communicator per GPU of this process
+// (ncclCommInitAll), every collective of a call in one NCCL group, queued on
+// each replica's backend stream while every backend's lock is held (taken in
+// replica order, so two groups never wait on each other).
+#include "kernels/cuda/nccl_group.h"
+
+#include <nccl.h>
+
+#include <functional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace psflow::kernels {
+namespace {
+
+absl::Status CheckNccl(ncclResult_t r, absl::string_view call) {
+  if (r == ncclSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(call, ": ", ncclGetErrorString(r)));
+}
+
+class NcclGroup final : public DeviceGroup {
+ public:
+  NcclGroup(std::vector<CudaBackend*> backends, std::vector<ncclComm_t> comms)
+      : backends_(std::move(backends)), comms_(std::move(comms)) {}
+  ~NcclGroup() override {
+    for (ncclComm_t c : comms_) static_cast<void>(ncclCommDestroy(c));
+  }
+
+  absl::Status AllReduceMean(const std::vector<std::vector<float*>>& buffers,
+                             const std::vector<int64_t>& sizes) override {
+    return Collective("all-reduce", buffers, sizes, [&](size_t r, size_t i, cudaStream_t stream) {
+      return ncclAllReduce(buffers[r][i], buffers[r][i], static_cast<size_t>(sizes[i]), ncclFloat,
+                           ncclAvg, comms_[r], stream);
+    });
+  }
+
+  absl::Status Broadcast(const std::vector<std::vector<float*>>& buffers,
+                         const std::vector<int64_t>& sizes) override {
+    return Collective("broadcast", buffers, sizes, [&](size_t r, size_t i, cudaStream_t stream) {
+      return ncclBroadcast(buffers[r][i], buffers[r][i], static_cast<size_t>(sizes[i]), ncclFloat,
+                           /*root=*/0, comms_[r], stream);
+    });
+  }
+
+ private:
+  // Queues op(r, i, stream) for every replica r and buffer i in one NCCL
+  // group, with every backend's lock held and its stream at hand.
+  template <typename Op>
+  absl::Status Collective(absl::string_view what, const std::vector<std::vector<float*>>& buffers,
+                          const std::vector<int64_t>& sizes, Op op) {
+    if (buffers.size() != backends_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", buffers.size(),
+                                                     " replicas' buffers for a group of ",
+                                                     backends_.size()));
+    }
+    for (const std::vector<float*>& b : buffers) {
+      if (b.size() != sizes.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": ", b.size(), " buffers for ",
+                                                       sizes.size(), " sizes"));
+      }
+    }
+    std::vector<cudaStream_t> streams(backends_.size());
+    std::function<absl::Status(size_t)> hold = [&](size_t r) -> absl::Status {
+      if (r == backends_.size()) {
+        PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
+        absl::Status queued;
+        for (size_t q = 0; q < backends_.size() && queued.ok(); ++q) {
+          for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
+            if (sizes[i] > 0) queued = CheckNccl(op(q, i, streams[q]), what);
+          }
+        }
+        // The group is closed whatever happened inside it.
+        const absl::Status ended = CheckNccl(ncclGroupEnd(), "ncclGroupEnd");
+        return queued.ok() ? ended : queued;
+      }
+      return backends_[r]->RunOnStream(
+          absl::StrCat("cuda:", backends_[r]->device_ordinal(), " ", what),
+          [&](void* stream) -> absl::Status {
+            streams[r] = static_cast<cudaStream_t>(stream);
+            return hold(r + 1);
+          });
+    };
+    return hold(0);
+  }
+
+  std::vector<CudaBackend*> backends_;
+  std::vector<ncclComm_t> comms_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(
+    const std::vector<CudaBackend*>& backends) {
+  if (backends.size() < 2) {
+    return absl::InvalidArgumentError("a device group needs at least two GPUs");
+  }
+  std::vector<int> devices;
+  for (CudaBackend* b : backends) {
+    for (int d : devices) {
+      if (d == b->device_ordinal()) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda:", d, " named twice"));
+      }
+    }
+    devices.push_back(b->device_ordinal());
+  }
+  std::vector<ncclComm_t> comms(backends.size(), nullptr);
+  PSFLOW_RETURN_IF_ERROR(CheckNccl(
+      ncclCommInitAll(comms.data(), static_cast<int>(comms.size()), devices.data()),
+      "ncclCommInitAll"));
+  return std::unique_ptr<DeviceGroup>(new NcclGroup(backends, std::move(comms)));
+}
+
+}  // namespace psflow::kernels

@@ -1,0 +1,165 @@
+// Workers with several GPUs (--device=cuda:0,cuda:1): the NCCL group's mean
+// and broadcast against the CPU, one worker on two GPUs against one GPU with
+// the batch of both, and the main job's recipe on workers of two GPUs each.
+// Skips where the process cannot create cuda:0 and cuda:1 (fewer GPUs, or a
+// build without the CUDA backend), or the data is missing. PSFLOW_BIN_DIR
+// in the environment overrides where the binaries are (Bin() in process.h).
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/kernels.h"
+#include "model/saved_model.h"
+#include "tests/integration/process.h"
+
+namespace psflow::itest {
+namespace {
+
+constexpr char kData[] = "/usr/share/datasets/fashion-mnist";
+
+// Skips the test unless this process sees two GPUs.
+#define REQUIRE_TWO_GPUS()                                                                    \
+  do {                                                                                        \
+    for (const char* d : {"cuda:0", "cuda:1"}) {                                             \
+      absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend(d);      \
+      if (!gpu.ok()) GTEST_SKIP() << "needs two GPUs: " << gpu.status().message();            \
+    }                                                                                         \
+  } while (0)
+
+std::string TempDir(const std::string& what) {
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
+                           ("psflow_multi_gpu_" + what + "_" + std::to_string(::getpid())))
+                              .string();
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+TEST(MultiGpuTest, NcclMeanAndBroadcastMatchTheCpu) {
+  REQUIRE_TWO_GPUS();
+  std::vector<std::unique_ptr<kernels::Backend>> backends;
+  for (const char* d : {"cuda:0", "cuda:1"}) {
+    absl::StatusOr<std::unique_ptr<kernels::Backend>> b = kernels::CreateBackend(d);
+    ASSERT_TRUE(b.ok()) << b.status();
+    backends.push_back(*std::move(b));
+  }
+  absl::StatusOr<std::unique_ptr<kernels::DeviceGroup>> group =
+      kernels::CreateDeviceGroup({backends[0].get(), backends[1].get()});
+  ASSERT_TRUE(group.ok()) << group.status();
+  // Buffers of the sizes a model has: large, small, a single float.
+  const std::vector<int64_t> sizes = {1 << 20, 4099, 1};
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<std::vector<float>>> host(2);  // [replica][buffer]
+  std::vector<std::vector<std::unique_ptr<kernels::Buffer>>> device(2);
+  std::vector<std::vector<float*>> pointers(2);
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t n : sizes) {
+      std::vector<float> v(n);
+      for (float& x : v) x = normal(rng);
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf = backends[r]->Allocate(n);
+      ASSERT_TRUE(buf.ok()) << buf.status();
+      ASSERT_TRUE(backends[r]->CopyToDevice(v.data(), n, (*buf)->data()).ok());
+      pointers[r].push_back((*buf)->data());
+      device[r].push_back(*std::move(buf));
+      host[r].push_back(std::move(v));
+    }
+  }
+  ASSERT_TRUE((*group)->AllReduceMean(pointers, sizes).ok());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (int r = 0; r < 2; ++r) {
+      std::vector<float> got(sizes[i]);
+      ASSERT_TRUE(backends[r]->CopyToHost(pointers[r][i], sizes[i], got.data()).ok());
+      for (int64_t k = 0; k < sizes[i]; ++k) {
+        const float want = (host[0][i][k] + host[1][i][k]) / 2;
+        ASSERT_NEAR(got[k], want, 1e-6f * (1 + std::abs(want)))
+            << "replica " << r << " buffer " << i << " element " << k;
+      }
+    }
+  }
+  // Broadcast: replica 1 takes replica 0's values (new ones on replica 0).
+  std::vector<float> fresh(sizes[0]);
+  for (float& x : fresh) x = normal(rng);
+  ASSERT_TRUE(backends[0]->CopyToDevice(fresh.data(), sizes[0], pointers[0][0]).ok());
+  ASSERT_TRUE((*group)->Broadcast(pointers, sizes).ok());
+  std::vector<float> got(sizes[0]);
+  ASSERT_TRUE(backends[1]->CopyToHost(pointers[1][0], sizes[0], got.data()).ok());
+  EXPECT_EQ(got, fresh);
+}
+
+// Trains --train_steps steps of the mlp with SGD (1 ps, 1 worker on
+// `devices`, `batch` per replica) and returns the saved model's values.
+std::vector<std::vector<float>> TrainMlp(const std::string& devices, int batch, int steps,
+                                         const std::string& dir) {
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=1", "--worker_devices=" + devices, "--", "--model=mlp",
+                  "--train_steps=" + std::to_string(steps), "--optimizer=sgd",
+                  "--learning_rate=0.1", "--batch_size=" + std::to_string(batch),
+                  "--data_dir=" + std::string(kData), "--model_dir=" + dir});
+  EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  absl::StatusOr<model::LoadedModel> saved = model::ReadSavedModel(dir + "/saved_model");
+  EXPECT_TRUE(saved.ok()) << saved.status();
+  return saved.ok() ? saved->values : std::vector<std::vector<float>>{};
+}
+
+TEST(MultiGpuTest, TwoGpusOfBatchBTakeTheStepsOfOneGpuOfBatch2B) {
+  REQUIRE_TWO_GPUS();
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
+  }
+  // The worker's step takes the same 2b examples either way: replica 0 the
+  // first b, replica 1 the next b; the mean of the two means is the mean
+  // over 2b (the mlp has no batch norm, whose statistics are per replica).
+  const std::string two_dir = TempDir("two"), one_dir = TempDir("one");
+  const std::vector<std::vector<float>> two = TrainMlp("cuda:0,cuda:1", 32, 5, two_dir);
+  const std::vector<std::vector<float>> one = TrainMlp("cuda:0", 64, 5, one_dir);
+  ASSERT_EQ(two.size(), one.size());
+  ASSERT_FALSE(one.empty());
+  double worst = 0;
+  for (size_t v = 0; v < one.size(); ++v) {
+    ASSERT_EQ(two[v].size(), one[v].size());
+    for (size_t k = 0; k < one[v].size(); ++k) {
+      worst = std::max(worst, static_cast<double>(std::abs(two[v][k] - one[v][k])) /
+                                  (1e-3 + std::abs(one[v][k])));
+    }
+  }
+  // fp32 sums in another order (and TF32-free GEMMs): agreement to ~1e-5.
+  EXPECT_LT(worst, 1e-4) << "largest relative difference of a weight";
+  std::filesystem::remove_all(two_dir);
+  std::filesystem::remove_all(one_dir);
+}
+
+TEST(MultiGpuTest, MainRecipeOnWorkersOfTwoGpusReachesTheAccuracyBar) {
+  REQUIRE_TWO_GPUS();
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
+  }
+  // The main job's global batch of 128: 2 workers x 2 GPUs x 32.
+  const std::string dir = TempDir("recipe");
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--worker_devices=cuda:0,cuda:1;cuda:0,cuda:1", "--",
+                  "--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001",
+                  "--batch_size=32", "--log_every_steps=500", "--data_dir=" + std::string(kData),
+                  "--model_dir=" + dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
+  EXPECT_THAT(launch.output(), ::testing::HasSubstr("x 2 replicas (GPUs) each"))
+      << launch.Describe();
+  RunResult eval = RunProcess(Bin("psflow-eval"),
+                              {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
+                               "--data_dir=" + std::string(kData)},
+                              {}, seconds(120));
+  ASSERT_EQ(eval.exit_code, 0) << eval.description;
+  const std::string acc = EvalAccuracyText(eval.out);
+  ASSERT_NE(acc, "") << eval.description;
+  std::printf("main recipe, 2 workers x 2 GPUs x batch 32: test accuracy %s\n", acc.c_str());
+  EXPECT_GE(std::stod(acc), 0.895) << eval.description;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace psflow::itest
