@@ -56,42 +56,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-batch_of() { if [ "$1" = resnet ]; then echo 128; else echo 64; fi; }
-steps_of() { if [ "$1" = resnet ]; then echo "$resnet_steps"; else echo "$cnn_steps"; fi; }
-
-# ddp NAME GPUS MODEL STEPS: runs bench/pytorch_ddp.py; sets $ddp_rate.
-ddp() {
-  local name=$1 n=$2 model=$3 steps=$4
-  python3 "$here/pytorch_ddp.py" --model="$model" --gpus="$n" --batch_size="$(batch_of "$model")" \
-      --warmup=20 --steps="$steps" > "$tmp/$name.log" 2>&1 \
-    || { echo "$name failed:" >&2; tail -30 "$tmp/$name.log" >&2; exit 1; }
-  grep '^ddp ' "$tmp/$name.log" || true
-  ddp_rate=$(sed -n 's/^ddp .* examples\/s=\([0-9.]*\).*/\1/p' "$tmp/$name.log")
-  [ -n "$ddp_rate" ] || { echo "$name printed no examples/s:" >&2; tail -30 "$tmp/$name.log" >&2; exit 1; }
-}
-
-# psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job;
-# sets $rate (ex/s after the first interval) and $split ("step pull compute
-# push wait", ms, of the last progress line).
-psflow() {
-  local name=$1 workers=$2 devices=$3 ps=$4 wire=$5 model=$6 steps=$7 data
-  if [ "$model" = resnet ]; then
-    data=(--dataset=synthetic --synthetic_examples=20000)
-  else
-    data=(--data_dir="$data_dir")
-  fi
-  launch_job "$name" --ps="$ps" --workers="$workers" --worker_devices="$devices" -- \
-    --model="$model" "${data[@]}" --batch_size="$(batch_of "$model")" --train_steps="$steps" \
-    --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
-    --wire_dtype="$wire"
-  rate=$(ex_per_s "$tmp/$name.log")
-  split=$( (grep -E '^\[chief\].* step [0-9]+/' "$tmp/$name.log" || true) | tail -1 | sed -n \
-    's/.*| step \([0-9.]*\) ms (pull \([0-9.]*\) compute \([0-9.]*\) push \([0-9.]*\) wait \([0-9.]*\)).*/\1 \2 \3 \4 \5/p')
-  rate=${rate:-0} split=${split:-- - - - -}
-  echo "$name: $rate ex/s, step $split (ms: step pull compute push wait)"
-}
-
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "-" }'; }
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 
 echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - | sed 's/,/, /g');" \
   "$(nproc) CPU cores; $torch"

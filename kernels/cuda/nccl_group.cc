@@ -51,14 +51,13 @@ class NcclGroup final : public DeviceGroup {
   absl::Status Collective(absl::string_view what, const std::vector<std::vector<float*>>& buffers,
                           const std::vector<int64_t>& sizes, Op op) {
     if (buffers.size() != backends_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": ", buffers.size(),
-                                                     " replicas' buffers for a group of ",
-                                                     backends_.size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", buffers.size(), " replicas' buffers for a group of ", backends_.size()));
     }
     for (const std::vector<float*>& b : buffers) {
       if (b.size() != sizes.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": ", b.size(), " buffers for ",
-                                                       sizes.size(), " sizes"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": ", b.size(), " buffers for ", sizes.size(), " sizes"));
       }
     }
     std::vector<cudaStream_t> streams(backends_.size());
@@ -106,9 +105,9 @@ absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(
     devices.push_back(b->device_ordinal());
   }
   std::vector<ncclComm_t> comms(backends.size(), nullptr);
-  PSFLOW_RETURN_IF_ERROR(CheckNccl(
-      ncclCommInitAll(comms.data(), static_cast<int>(comms.size()), devices.data()),
-      "ncclCommInitAll"));
+  PSFLOW_RETURN_IF_ERROR(
+      CheckNccl(ncclCommInitAll(comms.data(), static_cast<int>(comms.size()), devices.data()),
+                "ncclCommInitAll"));
   return std::unique_ptr<DeviceGroup>(new NcclGroup(backends, std::move(comms)));
 }
 
