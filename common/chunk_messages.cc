@@ -1,6 +1,7 @@
 #include "common/chunk_messages.h"
 
 #include <algorithm>
+#include <climits>
 #include <vector>
 
 #include <google/protobuf/io/coded_stream.h>
@@ -125,7 +126,10 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
       case kShape:
         if (wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {  // packed
           uint32_t length = 0;
-          if (!in.ReadVarint32(&length)) return Malformed("chunk shape");
+          // A limit can only shorten the chunk's: a longer one is a lie.
+          if (!in.ReadVarint32(&length) || static_cast<int64_t>(length) > in.BytesUntilLimit()) {
+            return Malformed("chunk shape");
+          }
           const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
           while (in.BytesUntilLimit() > 0) {
             if (!in.ReadVarint64(&v)) return Malformed("chunk shape");
@@ -156,6 +160,8 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
         absl::Status s = add(length, [&](DataType dtype, int64_t n, float* out) {
           return ReadFloats(in, dtype, n, out);
         });
+        // Data cut short is bytes that are not the wire format.
+        if (absl::IsDataLoss(s)) return Malformed("chunk data");
         if (!s.ok()) return s;
         break;
       }
@@ -252,7 +258,10 @@ absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
       }
       if (target == nullptr) return absl::InvalidArgumentError("no chunks are expected here");
       uint32_t length = 0;
-      if (!in.ReadVarint32(&length)) return Malformed("chunk length");
+      // protobuf ignores a negative limit: a length past INT_MAX would lift it.
+      if (!in.ReadVarint32(&length) || length > static_cast<uint32_t>(INT_MAX)) {
+        return Malformed("chunk length");
+      }
       const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
       absl::Status s = ReadChunk(in, target, on_complete, data_bytes);
       if (!s.ok()) return s;

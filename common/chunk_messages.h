@@ -43,10 +43,12 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
 // Reads one message written as above (or by protobuf itself). The fields
 // other than the chunks are parsed into `fields` (cleared first); then
 // `assembler()` is called once, when the first chunk comes (or at the end
-// if none does), with the fields before it already in `fields` (those after
-// it, which protobuf's own encoders never write, are added at the end), and
-// gives the assembler the chunks go to (null: chunks are refused) or an
-// error that ends the read. Each chunk of field `chunk_field` goes to the
+// if none does), with the fields before it already in `fields`: those
+// after it (protobuf writes fields in number order, so a field numbered
+// above the chunks', such as PullResponse's clock, lag and ready, comes
+// after them) are only added at the end. assembler() gives the assembler
+// the chunks go to (null: chunks are refused) or an error that ends the
+// read. Each chunk of field `chunk_field` goes to the
 // assembler in turn, its data decoded straight from the buffer's slices into
 // its sink, and `on_complete(i)` runs for each sink `i` a chunk completed (an
 // error from it ends the read and is returned). *data_bytes adds up the

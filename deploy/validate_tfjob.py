@@ -138,6 +138,9 @@ def psflow_problems(job):
     # Every worker pod drives all the GPUs it is given: the chief (worker 0
     # without one) must run as many replicas per worker.
     replicas = flag_value(chief_args(specs, chief), "--replicas_per_worker") or "1"
+    if not replicas.isdigit():
+        problems.append(f"--replicas_per_worker={replicas} is not a count")
+        replicas = "1"
     for n in worker_gpus:
         if max(n, 1) != int(replicas):
             problems.append(f"workers have {n} GPUs each but the chief runs --replicas_per_worker={replicas}"
@@ -153,7 +156,7 @@ def gpu_count(resources):
     for k in ("limits", "requests"):
         n = (resources.get(k) or {}).get("nvidia.com/gpu")
         if n is not None:
-            return int(n)
+            return int(n) if str(n).isdigit() else 0
     return 0
 
 

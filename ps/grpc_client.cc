@@ -241,13 +241,15 @@ absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
 
 absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
-  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   const int64_t bytes = WireBytesOf(grads);
   const absl::Time start = absl::Now();
   PushResponse response;
   absl::Status s;
   Lent lent;
   {
+    // The call (its context) ends before the memory is asked back: gRPC may
+    // hold the slices until then.
+    ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
     RawCall rpc(NextStub(ps), call.context(), kPushMethod);
     // As WriteChunked: the header goes first, even with no chunks.
     PushRequest message;

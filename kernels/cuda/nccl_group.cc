@@ -25,6 +25,8 @@ class NcclGroup final : public DeviceGroup {
   NcclGroup(std::vector<CudaBackend*> backends, std::vector<ncclComm_t> comms)
       : backends_(std::move(backends)), comms_(std::move(comms)) {}
   ~NcclGroup() override {
+    // No collective may still be queued on a communicator that goes.
+    for (CudaBackend* b : backends_) static_cast<void>(b->Synchronize());
     for (ncclComm_t c : comms_) static_cast<void>(ncclCommDestroy(c));
   }
 

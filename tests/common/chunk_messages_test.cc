@@ -193,7 +193,7 @@ TEST(ChunkMessages, RefusesWhatIsNotTheWireFormat) {
   const std::string chunk_only = OneChunk({1, 2, 3, 4}, /*header=*/false);
   for (size_t n = 1; n < chunk_only.size(); ++n) {
     absl::Status s = Read(chunk_only.substr(0, n), &out);
-    EXPECT_FALSE(s.ok()) << "first " << n << " bytes";
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "first " << n << " bytes: " << s;
   }
   EXPECT_EQ(Read(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11), &out).code(),
             absl::StatusCode::kInvalidArgument);
@@ -206,6 +206,21 @@ TEST(ChunkMessages, RefusesWhatIsNotTheWireFormat) {
   absl::Status s = Read(data_first, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("after its data"));
+  // A chunk length past INT_MAX (a negative limit to protobuf, which would
+  // ignore it) and a packed shape longer than its chunk.
+  std::string huge = "\x12\x80\x80\x80\x80\x08";  // field 2, length 2^31
+  huge += chunk_only.substr(2);
+  s = Read(huge, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  std::string long_shape = "\x12\x08\x0a\x01t\x22\x30\x04\x04\x04\x04";
+  s = Read(long_shape, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("chunk shape"));
+  // Data cut short inside its chunk: not the wire format either.
+  std::string short_data = chunk_only.substr(0, chunk_only.size() - 3);
+  short_data[1] = static_cast<char>(short_data.size() - 2);  // the chunk's length fits
+  s = Read(short_data, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   // Chunks where none are expected.
   s = Read(good, &out, nullptr, /*refuse_chunks=*/true);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

@@ -147,6 +147,19 @@ class KustomizeBaseTest(unittest.TestCase):
                 # kustomize renames the generated ConfigMap and every reference to it.
                 self.assertEqual(ref["valueFrom"]["configMapKeyRef"]["name"], config_map["metadata"]["name"])
 
+    def test_gpu_overlay_targets_the_argument_it_appends(self):
+        # The overlay's replacement names the chief's argument by position:
+        # the one its patch appends after the base's.
+        with open(os.path.join(GPU_OVERLAY, "kustomization.yaml")) as f:
+            overlay = yaml.safe_load(f)
+        (replacement,) = overlay["replacements"]
+        chief_target = [t for t in replacement["targets"] if t["select"]["name"] == "psflow-chief"][0]
+        index = int(chief_target["fieldPaths"][0].rsplit(".", 1)[1])
+        with open(os.path.join(BASE, "chief.yaml")) as f:
+            chief = yaml.safe_load(f)
+        (container,) = chief["spec"]["template"]["spec"]["containers"]
+        self.assertEqual(index, len(container["args"]))
+
     @unittest.skipUnless(shutil.which("kubectl"), "kubectl is not installed")
     def test_gpu_overlay_takes_one_gpus_per_worker_value(self):
         def render(path):

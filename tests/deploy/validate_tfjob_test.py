@@ -109,6 +109,8 @@ class ValidateTfjobTest(unittest.TestCase):
         self.assertTrue(any("--device=cuda:0 drives 1" in p for p in problems), problems)
         problems = self.problems_of(two_gpus("cuda:all", None))
         self.assertTrue(any("--replicas_per_worker=1" in p for p in problems), problems)
+        problems = self.problems_of(two_gpus("cuda:all", "two"))
+        self.assertTrue(any("is not a count" in p for p in problems), problems)
 
     def test_security_flags(self):
         def pod(j, role):
