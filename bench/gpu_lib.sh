@@ -2,6 +2,16 @@
 # (sourced after lib.sh, not run). They set $bin, $tmp, $here (the bench
 # directory), $data_dir (Fashion-MNIST), $resnet_steps and $cnn_steps first.
 
+# describe_machine SCRIPT: prints the GPUs, the CPU cores and PyTorch's
+# version; exits (naming SCRIPT) when python3 cannot import torch.
+describe_machine() {
+  local torch
+  torch=$(python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null) \
+    || { echo "$1: python3 cannot import torch (the DDP baseline needs it)" >&2; exit 1; }
+  echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - | sed 's/,/, /g');" \
+    "$(nproc) CPU cores; $torch"
+}
+
 batch_of() { if [ "$1" = resnet ]; then echo 128; else echo 64; fi; }
 steps_of() { if [ "$1" = resnet ]; then echo "$resnet_steps"; else echo "$cnn_steps"; fi; }
 

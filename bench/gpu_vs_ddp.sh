@@ -50,16 +50,12 @@ for model in $models; do
     *) echo "gpu_vs_ddp.sh: unknown model '$model' in MODELS (resnet, cnn)" >&2; exit 1 ;;
   esac
 done
-torch=$(python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null) \
-  || { echo "gpu_vs_ddp.sh: python3 cannot import torch (the DDP baseline needs it)" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 
-echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - | sed 's/,/, /g');" \
-  "$(nproc) CPU cores; $torch"
+describe_machine gpu_vs_ddp.sh
 echo "== PyTorch DDP, 2 GPUs"
 declare -A ddp_of
 for model in $models; do

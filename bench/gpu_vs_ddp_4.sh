@@ -33,15 +33,12 @@ for tool in psflow-launch psflow-eval; do
   [ -x "$bin/$tool" ] || { echo "gpu_vs_ddp_4.sh: no $bin/$tool (give the binaries' directory)" >&2; exit 1; }
 done
 [ -d "$data_dir" ] || { echo "gpu_vs_ddp_4.sh: no Fashion-MNIST at $data_dir (set DATA_DIR)" >&2; exit 1; }
-torch=$(python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null) \
-  || { echo "gpu_vs_ddp_4.sh: python3 cannot import torch (the DDP baseline needs it)" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 
-echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - | sed 's/,/, /g');" \
-  "$(nproc) CPU cores; $torch"
+describe_machine gpu_vs_ddp_4.sh
 echo "== PyTorch DDP on 1, 2 and 4 GPUs"
 declare -A ddp_of
 for model in $models; do
