@@ -641,7 +641,7 @@ absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
   absl::Status s;
   for (int attempt = 0; attempt < options_.timeouts.checkpoint_attempts; ++attempt) {
     s = TakeCheckpointOnce(taken, /*ahead=*/attempt > 0);
-    if (!absl::IsFailedPrecondition(s)) return s;
+    if (!absl::IsFailedPrecondition(s) || absl::Now() >= checkpoint_cutoff_) return s;
   }
   return s;
 }
@@ -673,7 +673,8 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, bool ahead) {
   std::vector<std::vector<float*>> buffers(per_var);
   for (size_t i = 0; i < ckpt.tensors.size(); ++i)
     buffers[i % per_var].push_back(ckpt.tensors[i].values.data());
-  const absl::Time deadline = absl::Now() + options_.timeouts.snapshot_call;
+  const absl::Time deadline =
+      std::min(absl::Now() + options_.timeouts.snapshot_call, checkpoint_cutoff_);
   PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
     std::vector<TensorSink> sinks;
     for (size_t k = 0; k < per_var; ++k) {
@@ -751,7 +752,9 @@ absl::Status Coordinator::Supervise() {
     }
   }
   // Stopped by a signal: keep what was trained, then leave ps and workers
-  // running for the chief that comes next.
+  // running for the chief that comes next; briefly, as the ps may be
+  // stopping too (a whole cluster told to stop).
+  checkpoint_cutoff_ = absl::Now() + options_.timeouts.stop_checkpoint;
   absl::Status s = TakeCheckpoint();
   if (!s.ok() && !Failed())
     PSLOG(WARNING) << "no checkpoint before exiting: " << s.message() << " ("

@@ -55,6 +55,10 @@ struct Timeouts {
   absl::Duration control_call = absl::Seconds(10);
   // Snapshot of one ps for a checkpoint.
   absl::Duration snapshot_call = absl::Seconds(20);
+  // The checkpoint a chief stopped by a signal takes before it exits: at
+  // most this long, so that it exits within a grace period (Kubernetes
+  // gives 30 s, psflow-launch 10) also when the ps are stopping too.
+  absl::Duration stop_checkpoint = absl::Seconds(5);
   // Pull of the final weights when no checkpoint holds them.
   absl::Duration final_pull = absl::Minutes(1);
   // How long the workers get to collect the exit (or fail) order.
@@ -207,6 +211,9 @@ class Coordinator {
   ChiefMetrics metrics_;
   int64_t last_checkpoint_step_ = 0;  // Run's thread only
   absl::Time last_checkpoint_time_;   // Run's thread only
+  // No snapshot call of a checkpoint lasts past this (Run's thread only;
+  // set when a signal stops the chief).
+  absl::Time checkpoint_cutoff_ = absl::InfiniteFuture();
 
   // Changes of the live set are made one at a time (they call the ps).
   absl::Mutex membership_mu_ ABSL_ACQUIRED_BEFORE(mu_);

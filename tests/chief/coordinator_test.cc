@@ -391,6 +391,27 @@ TEST_F(CoordinatorTest, CorruptNewestCheckpointIsSkippedForTheOneBefore) {
   FinishAndJoin(id, {0});
 }
 
+TEST_F(CoordinatorTest, SigtermedChiefGivesUpItsCheckpointInTime) {
+  MakeJob(1, 2, 100);
+  CoordinatorOptions o = Options();
+  o.timeouts.stop_checkpoint = absl::Seconds(1);
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  // The ps are stopping too: every snapshot is slow and finds its step
+  // passed, which would otherwise be tried checkpoint_attempts times.
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (m != FakePs::Method::kSnapshot) return;
+    absl::SleepFor(absl::Milliseconds(700));
+    ps_->FailNext(p, absl::StatusCode::kFailedPrecondition);
+  });
+  const absl::Time stopped = absl::Now();
+  coordinator_->Stop(SIGTERM);
+  absl::Status s = Join();
+  EXPECT_EQ(SignalOf(s), SIGTERM) << s;
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(3));
+}
+
 TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {
   MakeJob(1, 2, 100);
   CoordinatorOptions o = Options();
