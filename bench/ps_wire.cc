@@ -41,7 +41,9 @@
 ABSL_FLAG(std::string, model, "resnet", "Model whose variables are pushed and pulled.");
 ABSL_FLAG(int, ps, 2, "Parameter servers (each in this process, on its own port).");
 ABSL_FLAG(int, workers, 1, "Workers, each with its own connections, pushing at once.");
-ABSL_FLAG(int, lanes_per_ps, 8, "Lanes (connections) per ps of each worker.");
+ABSL_FLAG(int, lanes_per_ps, 0,
+          "Most lanes (connections) per ps of each worker; 0: a worker's default (up to 16 in "
+          "all, at most 8 per ps).");
 ABSL_FLAG(std::string, wire_dtype, "fp32", "fp32, bf16 or fp16.");
 ABSL_FLAG(int, steps, 30, "Timed steps (after 3 untimed ones).");
 ABSL_FLAG(int, apply_threads, 2, "Apply threads of each ps.");
@@ -90,11 +92,15 @@ int main(int argc, char** argv) {
   const std::string model_name = absl::GetFlag(FLAGS_model);
   const int num_ps = absl::GetFlag(FLAGS_ps);
   const int workers = absl::GetFlag(FLAGS_workers);
-  const int lanes_per_ps = absl::GetFlag(FLAGS_lanes_per_ps);
+  const int lanes_flag = absl::GetFlag(FLAGS_lanes_per_ps);
+  // As psflow-worker picks them (worker/main.cc).
+  const int lanes_per_ps = lanes_flag > 0 ? lanes_flag : std::clamp(16 / std::max(num_ps, 1), 1, 8);
   const int steps = absl::GetFlag(FLAGS_steps);
   const int apply_threads = absl::GetFlag(FLAGS_apply_threads);
-  if (num_ps <= 0 || workers <= 0 || lanes_per_ps <= 0 || steps <= 0 || apply_threads <= 0) {
-    return psflow::FailWith("every count flag must be positive");
+  if (num_ps <= 0 || workers <= 0 || lanes_flag < 0 || steps <= 0 || apply_threads <= 0) {
+    return psflow::FailWith(
+        "--ps, --workers, --steps and --apply_threads must be positive, --lanes_per_ps not "
+        "negative");
   }
   psflow::DataType dtype;
   psflow::JobConfig::WireDtype job_dtype;
