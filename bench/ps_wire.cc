@@ -12,9 +12,6 @@
 //        gbps=9.8
 // (step_ms: whole exchange; push_ms: until the last lane's push is answered;
 // gbps: bytes pushed and pulled per second by one worker, in the wire dtype).
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -51,21 +48,6 @@ ABSL_FLAG(int, apply_threads, 2, "Apply threads of each ps.");
 namespace {
 
 using psflow::ps::GrpcClient;
-
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 struct Server {
   std::unique_ptr<psflow::ThreadPool> apply_pool;
@@ -138,6 +120,8 @@ int main(int argc, char** argv) {
   const uint64_t job_id = 7;
   std::vector<Server> servers(num_ps);
   std::vector<std::string> addresses;
+  const std::vector<int> ports = psflow::FreePorts("127.0.0.1", num_ps);
+  if (static_cast<int>(ports.size()) != num_ps) return psflow::FailWith("no free loopback ports");
   for (int p = 0; p < num_ps; ++p) {
     Server& s = servers[p];
     if (apply_threads > 1) s.apply_pool = std::make_unique<psflow::ThreadPool>(apply_threads - 1);
@@ -145,9 +129,7 @@ int main(int argc, char** argv) {
     s.shard = std::make_unique<psflow::ps::Shard>(
         s.apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, s.appliers.get());
     s.service = std::make_unique<psflow::ps::PsService>(p, s.shard.get(), [] {});
-    const int port = FreePort();
-    if (port <= 0) return psflow::FailWith("no free loopback port");
-    s.address = absl::StrCat("127.0.0.1:", port);
+    s.address = absl::StrCat("127.0.0.1:", ports[p]);
     absl::StatusOr<std::unique_ptr<grpc::Server>> server =
         psflow::StartServer(s.address, s.service.get(), psflow::SecurityOptions{});
     if (!server.ok()) return psflow::FailWith(std::string(server.status().message()));

@@ -49,6 +49,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, Role peer
 // otherwise, as for a DNS name.
 std::string ListenAddress(const std::string& self_address);
 
+// `n` distinct TCP ports that were free on `host` (an IPv4 address) a moment
+// ago, bound all at once while picking; fewer if no more could be bound.
+std::vector<int> FreePorts(const std::string& host, int n);
+
 // Starts a server for `service` on ListenAddress(self_address) with psflow's
 // limits, without SO_REUSEPORT (a port another process holds is an error,
 // never shared), secured as `security` says: every call of every service

@@ -1,13 +1,10 @@
 #include "tools/launch/launcher.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_util.h"
 
 namespace psflow::launch {
 namespace {
@@ -41,28 +39,6 @@ struct Child {
 void Say(const std::string& line) {
   std::string s = absl::StrCat("[launch] ", line, "\n");
   (void)!::write(STDOUT_FILENO, s.data(), s.size());
-}
-
-// Reserves `n` distinct free TCP ports on `host` by binding them all at once.
-std::vector<int> FreePorts(const std::string& host, int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = 0;
-    ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
-    socklen_t len = sizeof(addr);
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      if (fd >= 0) ::close(fd);
-      break;
-    }
-    fds.push_back(fd);
-    ports.push_back(ntohs(addr.sin_port));
-  }
-  for (int fd : fds) ::close(fd);
-  return ports;
 }
 
 void EmitLines(Child& c, const char* data, size_t n, bool flush) {
