@@ -225,6 +225,7 @@ absl::Status Trainer::Prepare() {
 bool Trainer::Async() const { return AppliesEachGradient(job_); }
 
 absl::Status Trainer::CreateReplicas() {
+  replicas_.clear();
   replica_nets_.clear();
   group_.reset();
   replica_backends_.clear();
@@ -261,6 +262,14 @@ absl::Status Trainer::CreateReplicas() {
   }
   variable_floats_.clear();
   for (const VariableShape& v : net_->variables()) variable_floats_.push_back(NumElements(v.shape));
+  replicas_ = {net_.get()};
+  for (auto& n : replica_nets_) replicas_.push_back(n.get());
+  replica_weights_.clear();
+  replica_grads_.clear();
+  for (model::Network* n : replicas_) {
+    replica_weights_.push_back(n->DeviceWeights());
+    replica_grads_.push_back(n->DeviceGradients());
+  }
   if (all.size() > 1) {
     absl::StatusOr<std::unique_ptr<kernels::DeviceGroup>> group = kernels::CreateDeviceGroup(all);
     if (!group.ok()) return Permanent(group.status());
@@ -271,21 +280,15 @@ absl::Status Trainer::CreateReplicas() {
 
 absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* images,
                                                                const int32_t* labels, int batch) {
-  std::vector<model::Network*> nets = {net_.get()};
-  for (auto& n : replica_nets_) nets.push_back(n.get());
+  const std::vector<model::Network*>& nets = replicas_;
   // Names the GPU whose work failed: a lost GPU ends the worker with a
   // retryable exit code (INTERNAL), to be restarted.
   auto on = [&](size_t r, const absl::Status& s) {
     return absl::InternalError(absl::StrCat(devices_[r], ": ", s.message()));
   };
-  std::vector<std::vector<float*>> weights, grads;
-  for (model::Network* n : nets) {
-    weights.push_back(n->DeviceWeights());
-    grads.push_back(n->DeviceGradients());
-  }
   // Replica 0 holds the pulled weights (queued on its stream): the others
   // take them from it, GPU to GPU.
-  absl::Status s = group_->Broadcast(weights, variable_floats_);
+  absl::Status s = group_->Broadcast(replica_weights_, variable_floats_);
   if (!s.ok())
     return absl::InternalError(absl::StrCat("copying weights among the GPUs: ", s.message()));
   const int64_t example = data_.example_floats();
@@ -294,7 +297,7 @@ absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* imag
     if (s.ok()) s = nets[r]->StartTrainStep(batch);
     if (!s.ok()) return on(r, s);
   }
-  s = group_->AllReduceMean(grads, variable_floats_);
+  s = group_->AllReduceMean(replica_grads_, variable_floats_);
   if (!s.ok())
     return absl::InternalError(absl::StrCat("averaging gradients among the GPUs: ", s.message()));
   model::Network::Result total;

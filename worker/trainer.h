@@ -207,6 +207,10 @@ class Trainer {
   std::vector<std::unique_ptr<kernels::Backend>> replica_backends_;
   std::vector<std::unique_ptr<model::Network>> replica_nets_;
   std::unique_ptr<kernels::DeviceGroup> group_;
+  // Every replica's networks and their buffers on the GPU, in replica order
+  // (fixed once the networks exist), and each variable's floats.
+  std::vector<model::Network*> replicas_;
+  std::vector<std::vector<float*>> replica_weights_, replica_grads_;
   std::vector<int64_t> variable_floats_;
   data::Dataset data_;
   // Where pulls land and pushes come from, by variable: the network's own
