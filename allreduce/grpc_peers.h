@@ -1,0 +1,33 @@
+// allreduce::Peers over gRPC: the AllReduce service of every other worker,
+// at the workers' cluster addresses (one connection each, secured as the
+// cluster is: common/security.h).
+#ifndef PSFLOW_ALLREDUCE_GRPC_PEERS_H_
+#define PSFLOW_ALLREDUCE_GRPC_PEERS_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "allreduce/ring.h"
+#include "common/grpc_util.h"
+#include "common/security.h"
+#include "proto/allreduce.grpc.pb.h"
+
+namespace psflow::allreduce {
+
+class GrpcPeers final : public Peers {
+ public:
+  // `addresses`: every worker's, by index (this one's is not called).
+  GrpcPeers(const std::vector<std::string>& addresses, const SecurityOptions& security);
+  absl::Status Send(int to, const RingPiece& piece, absl::Time deadline, bool forming) override;
+  void Abort(int to, const RingAbort& abort, absl::Time deadline) override;
+  void CancelAll() override { calls_.CancelAll(); }
+
+ private:
+  std::vector<std::unique_ptr<AllReduce::Stub>> stubs_;
+  ActiveCalls calls_;
+};
+
+}  // namespace psflow::allreduce
+
+#endif  // PSFLOW_ALLREDUCE_GRPC_PEERS_H_

@@ -1,0 +1,275 @@
+#include "allreduce/ring.h"
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/float16.h"
+#include "common/log.h"
+
+namespace psflow::allreduce {
+namespace {
+
+// Pieces waiting in a mailbox at most (a peer is at most one step ahead:
+// a few buckets' rounds).
+constexpr size_t kMaxWaitingPieces = 4096;
+
+// The floats of [begin, end) of the pieces' concatenation, run by run.
+template <typename Fn>
+void ForEachRun(absl::Span<const absl::Span<float>> pieces, int64_t begin, int64_t end, Fn fn) {
+  int64_t at = 0;  // where the current piece starts
+  for (const absl::Span<float>& p : pieces) {
+    const int64_t n = static_cast<int64_t>(p.size());
+    const int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
+    if (lo < hi) fn(p.data() + (lo - at), hi - lo, lo - begin);
+    at += n;
+    if (at >= end) break;
+  }
+}
+
+bool IsWireDtype(DataType d) { return d == DT_FLOAT || d == DT_BFLOAT16 || d == DT_HALF; }
+
+}  // namespace
+
+Ring::Ring(RingOptions options, Peers* peers) : options_(std::move(options)), peers_(peers) {
+  pool_ = std::make_unique<ThreadPool>(std::max(options_.threads - 1, 1));
+}
+
+Ring::~Ring() = default;
+
+void Ring::Open(uint64_t job_id) {
+  absl::MutexLock lock(&mu_);
+  job_id_ = job_id;
+}
+
+absl::Status Ring::Left() {
+  absl::MutexLock lock(&mu_);
+  return left_;
+}
+
+void Ring::Leave(const absl::Status& why) {
+  uint64_t job_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!left_.ok()) return;
+    left_ = why;
+    job_id = job_id_;
+  }
+  if (absl::IsCancelled(why)) return;  // a stop: the others learn from the process's exit
+  RingAbort abort;
+  abort.set_job_id(job_id);
+  abort.set_from(options_.rank);
+  abort.set_reason(std::string(why.message()));
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  for (int m = 0; m < options_.size; ++m) {
+    if (m != options_.rank) peers_->Abort(m, abort, deadline);
+  }
+}
+
+void Ring::Cancel() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (left_.ok()) left_ = absl::CancelledError("stopping");
+  }
+  peers_->CancelAll();
+}
+
+absl::Status Ring::Deliver(RingPiece piece) {
+  absl::MutexLock lock(&mu_);
+  if (!left_.ok()) {
+    return absl::AbortedError(
+        absl::StrCat("worker ", options_.rank, " left the all-reduce group: ", left_.message()));
+  }
+  if (job_id_ == 0) return absl::UnavailableError("not in a job yet");
+  if (piece.job_id() != job_id_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a piece of job ", piece.job_id(), "; this worker is in job ", job_id_));
+  }
+  const int prev = (options_.rank + options_.size - 1) % options_.size;
+  const int rounds = 2 * (options_.size - 1);
+  if (piece.from() != prev || piece.round() < 0 || piece.round() >= rounds || piece.bucket() < 0 ||
+      !IsWireDtype(piece.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a piece this worker never takes: from ", piece.from(), ", round ",
+                     piece.round(), ", bucket ", piece.bucket(), ", dtype ", piece.dtype()));
+  }
+  if (step_ >= 0 && (piece.step() < step_ || piece.step() > step_ + 1)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a piece of step ", piece.step(), "; this worker is at step ", step_));
+  }
+  if (mailbox_.size() >= kMaxWaitingPieces) {
+    return absl::ResourceExhaustedError("too many pieces waiting");
+  }
+  const Key key(piece.step(), piece.bucket(), piece.round());
+  if (!mailbox_.emplace(key, std::move(piece)).second) {
+    return absl::FailedPreconditionError("this worker already has that piece");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Ring::PeerAborted(const RingAbort& abort) {
+  if (abort.from() < 0 || abort.from() >= options_.size || abort.from() == options_.rank) {
+    return absl::InvalidArgumentError(absl::StrCat("no member ", abort.from()));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (job_id_ == 0 || abort.job_id() != job_id_) {
+      return absl::FailedPreconditionError("another job");
+    }
+    if (!left_.ok()) return absl::OkStatus();
+    left_ = absl::UnavailableError(absl::StrCat("worker ", abort.from(),
+                                                " left the all-reduce group: ", abort.reason()));
+  }
+  peers_->CancelAll();  // sends in flight to a member that waits for it end now
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RingPiece> Ring::Take(const Key& key, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto here = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !left_.ok() || mailbox_.count(key) > 0;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&here), deadline);
+  if (!left_.ok()) return left_;
+  auto it = mailbox_.find(key);
+  if (it == mailbox_.end()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("step ", std::get<0>(key), ": no piece from worker ",
+                     (options_.rank + options_.size - 1) % options_.size, " for ",
+                     absl::FormatDuration(options_.round_timeout)));
+  }
+  RingPiece piece = std::move(it->second);
+  mailbox_.erase(it);
+  return piece;
+}
+
+absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
+                                absl::Span<const absl::Span<float>> pieces, DataType dtype,
+                                bool forming) {
+  const int n = options_.size, i = options_.rank;
+  const int next = (i + 1) % n;
+  const int64_t len = end - begin;
+  auto seg_begin = [&](int s) { return begin + len * s / n; };
+  auto mod = [n](int x) { return ((x % n) + n) % n; };
+  const int64_t width = WireBytes(dtype);
+  const absl::Time form_deadline = absl::Now() + options_.form_timeout;
+  auto deadline = [&] { return forming ? form_deadline : absl::Now() + options_.round_timeout; };
+  std::vector<float> incoming;
+
+  auto send = [&](int s, int round) -> absl::Status {
+    RingPiece piece;
+    piece.set_step(step);
+    piece.set_bucket(bucket);
+    piece.set_round(round);
+    piece.set_from(i);
+    piece.set_dtype(dtype);
+    {
+      absl::MutexLock lock(&mu_);
+      piece.set_job_id(job_id_);
+    }
+    std::string* data = piece.mutable_data();
+    data->resize(static_cast<size_t>((seg_begin(s + 1) - seg_begin(s)) * width));
+    ForEachRun(pieces, seg_begin(s), seg_begin(s + 1), [&](float* p, int64_t count, int64_t at) {
+      EncodeFloats(dtype, p, count, data->data() + at * width);
+    });
+    absl::Status sent = peers_->Send(next, piece, deadline(), forming);
+    if (!sent.ok()) {
+      return absl::Status(sent.code(),
+                          absl::StrCat("step ", step, ": sending to worker ", next, ": ",
+                                       sent.message()));
+    }
+    return absl::OkStatus();
+  };
+  // Takes round `round`'s piece (segment s) and adds it to, or puts it in
+  // place of, this member's floats.
+  auto receive = [&](int s, int round, bool add) -> absl::Status {
+    absl::StatusOr<RingPiece> got = Take(Key(step, bucket, round), deadline());
+    if (!got.ok()) return got.status();
+    const int64_t count = seg_begin(s + 1) - seg_begin(s);
+    if (got->dtype() != dtype || static_cast<int64_t>(got->data().size()) != count * width) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step ", step, ": worker ", got->from(), " sent ", got->data().size(), " bytes of dtype ",
+          got->dtype(), " for a segment of ", count, " floats of dtype ", dtype));
+    }
+    incoming.resize(static_cast<size_t>(count));
+    DecodeFloats(dtype, got->data().data(), count, incoming.data());
+    ForEachRun(pieces, seg_begin(s), seg_begin(s + 1), [&](float* p, int64_t c, int64_t at) {
+      const float* from = incoming.data() + at;
+      if (add) {
+        for (int64_t k = 0; k < c; ++k) p[k] += from[k];
+      } else {
+        std::copy(from, from + c, p);
+      }
+    });
+    return absl::OkStatus();
+  };
+
+  for (int r = 0; r + 1 < n; ++r) {
+    if (absl::Status s = send(mod(i - r), r); !s.ok()) return s;
+    if (absl::Status s = receive(mod(i - r - 1), r, /*add=*/true); !s.ok()) return s;
+  }
+  // This member's segment holds the sum: the mean, as the wire carries it.
+  const int own = mod(i + 1);
+  const float scale = 1.0f / static_cast<float>(n);
+  std::string rounded;
+  ForEachRun(pieces, seg_begin(own), seg_begin(own + 1), [&](float* p, int64_t c, int64_t) {
+    for (int64_t k = 0; k < c; ++k) p[k] *= scale;
+    if (dtype != DT_FLOAT) {
+      rounded.resize(static_cast<size_t>(c * width));
+      EncodeFloats(dtype, p, c, rounded.data());
+      DecodeFloats(dtype, rounded.data(), c, p);
+    }
+  });
+  for (int r = 0; r + 1 < n; ++r) {
+    if (absl::Status s = send(mod(i + 1 - r), n - 1 + r); !s.ok()) return s;
+    if (absl::Status s = receive(mod(i - r), n - 1 + r, /*add=*/false); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> pieces,
+                             DataType dtype) {
+  if (!IsWireDtype(dtype)) return absl::InvalidArgumentError("not a wire dtype");
+  bool forming = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!left_.ok()) return left_;
+    if (job_id_ == 0) return absl::FailedPreconditionError("the ring is not open");
+    forming = !formed_;
+    step_ = step;
+    // Pieces of older steps (a retry's leftovers) are of no use now.
+    mailbox_.erase(mailbox_.begin(), mailbox_.lower_bound(Key(step, 0, 0)));
+  }
+  if (options_.size == 1) return absl::OkStatus();
+  int64_t total = 0;
+  for (const absl::Span<float>& p : pieces) total += static_cast<int64_t>(p.size());
+  // Buckets of about bucket_bytes, at least one float per member each.
+  const int64_t per_bucket =
+      std::max<int64_t>(options_.bucket_bytes / static_cast<int64_t>(sizeof(float)), options_.size);
+  const int buckets = static_cast<int>(std::max<int64_t>((total + per_bucket - 1) / per_bucket, 1));
+  std::vector<absl::Status> results(buckets);
+  std::atomic<bool> failed{false};
+  pool_->ParallelFor(buckets, [&](int b) {
+    if (failed.load()) {
+      results[b] = absl::CancelledError("another bucket failed");
+      return;
+    }
+    const int64_t begin = total * b / buckets, end = total * (b + 1) / buckets;
+    results[b] = ReduceBucket(step, b, begin, end, pieces, dtype, forming);
+    if (!results[b].ok()) {
+      failed.store(true);
+      Leave(results[b]);  // ends the other buckets' waits
+    }
+  });
+  for (const absl::Status& r : results) {
+    // The first failure left the group; the others followed from it.
+    if (!r.ok()) return Left();
+  }
+  absl::MutexLock lock(&mu_);
+  formed_ = true;
+  return absl::OkStatus();
+}
+
+}  // namespace psflow::allreduce
