@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <utility>
@@ -264,9 +265,56 @@ absl::StatusOr<std::vector<std::string>> ParseHostsFlag(const std::string& value
 
 bool IsSet(const std::optional<std::string>& value) { return value.has_value() && !value->empty(); }
 
+// The first of `names`' values that is set.
+const std::optional<std::string>* FirstSet(
+    std::initializer_list<const std::optional<std::string>*> values) {
+  for (const std::optional<std::string>* v : values) {
+    if (IsSet(*v)) return v;
+  }
+  return nullptr;
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+// The cluster a PyTorchJob's environment describes: workers only.
+absl::StatusOr<Partial> ParsePyTorchEnv(const ConfigEnv& env) {
+  const bool pet = !IsSet(env.master_addr);
+  const std::string addr = pet ? *env.pet_master_addr : *env.master_addr;
+  const std::optional<std::string>* port_text = FirstSet({&env.master_port, &env.pet_master_port});
+  const std::optional<std::string>* size_text = FirstSet({&env.pet_nnodes, &env.world_size});
+  const std::optional<std::string>* rank_text = FirstSet({&env.rank, &env.pet_node_rank});
+  auto number = [](const std::optional<std::string>* text, const char* name, int lo,
+                   int hi) -> absl::StatusOr<int> {
+    int value = 0;
+    if (text == nullptr) return Invalid(absl::StrCat(name, " is not set (a PyTorchJob sets it)"));
+    if (!absl::SimpleAtoi(**text, &value) || value < lo || value > hi) {
+      return Invalid(absl::StrCat(name, " '", **text, "' is not an integer in [", lo, ", ", hi, "]"));
+    }
+    return value;
+  };
+  absl::StatusOr<int> port = number(port_text, "MASTER_PORT", 1, 65535);
+  if (!port.ok()) return port.status();
+  absl::StatusOr<int> size = number(size_text, "WORLD_SIZE (or PET_NNODES)", 1, 4096);
+  if (!size.ok()) return size.status();
+  absl::StatusOr<int> rank = number(rank_text, "RANK (or PET_NODE_RANK)", 0, 4095);
+  if (!rank.ok()) return rank.status();
+  if (*rank >= *size) {
+    return Invalid(absl::StrFormat("RANK %d out of range: WORLD_SIZE is %d", *rank, *size));
+  }
+  absl::StatusOr<std::vector<std::string>> workers = PyTorchJobWorkers(addr, *port, *size);
+  if (!workers.ok()) return workers.status();
+  Partial out;
+  out.lists[Role::kWorker] = *std::move(workers);
+  out.task = Task{Role::kWorker, *rank, "(RANK in a PyTorchJob's environment)"};
+  return out;
+}
+
 constexpr absl::string_view kNothingConfigured =
     "no cluster configuration: pass --job_name, --task_id and "
-    "--chief_hosts/--ps_hosts/--worker_hosts, or set TF_CONFIG, or CLUSTER_CONFIG and POD_NAME";
+    "--chief_hosts/--ps_hosts/--worker_hosts, or set TF_CONFIG, or CLUSTER_CONFIG and POD_NAME, "
+    "or a PyTorchJob's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK";
 
 }  // namespace
 
@@ -308,6 +356,14 @@ ConfigEnv ConfigEnv::FromProcess() {
   env.tf_config = read("TF_CONFIG");
   env.cluster_config = read("CLUSTER_CONFIG");
   env.pod_name = read("POD_NAME");
+  env.master_addr = read("MASTER_ADDR");
+  env.master_port = read("MASTER_PORT");
+  env.world_size = read("WORLD_SIZE");
+  env.rank = read("RANK");
+  env.pet_master_addr = read("PET_MASTER_ADDR");
+  env.pet_master_port = read("PET_MASTER_PORT");
+  env.pet_nnodes = read("PET_NNODES");
+  env.pet_node_rank = read("PET_NODE_RANK");
   return env;
 }
 
@@ -347,6 +403,41 @@ absl::Status ParseHostPort(const std::string& address, std::string* host, int* p
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::string>> PyTorchJobWorkers(const std::string& master_addr,
+                                                           int master_port, int world_size) {
+  auto address = [](const std::string& host, int port) {
+    return absl::StrContains(host, ':') ? absl::StrCat("[", host, "]:", port)
+                                        : absl::StrCat(host, ":", port);
+  };
+  std::vector<std::string> out;
+  if (IsLoopbackHost(master_addr)) {
+    if (master_port + world_size - 1 > 65535) {
+      return Invalid(absl::StrFormat("MASTER_PORT %d + WORLD_SIZE %d runs past port 65535",
+                                     master_port, world_size));
+    }
+    for (int r = 0; r < world_size; ++r) out.push_back(address(master_addr, master_port + r));
+    return out;
+  }
+  out.push_back(address(master_addr, master_port));
+  std::string job;
+  int first = 0;  // the worker replica index of rank 1
+  if (absl::EndsWith(master_addr, "-master-0")) {
+    job = master_addr.substr(0, master_addr.size() - std::string("-master-0").size());
+  } else if (absl::EndsWith(master_addr, "-worker-0")) {
+    job = master_addr.substr(0, master_addr.size() - std::string("-worker-0").size());
+    first = 1;
+  } else if (world_size > 1) {
+    return Invalid(absl::StrCat(
+        "MASTER_ADDR '", master_addr,
+        "' is neither a loopback address nor a PyTorchJob pod name (<job>-master-0 or "
+        "<job>-worker-0), so the other ranks' addresses are unknown: pass --worker_hosts"));
+  }
+  for (int r = 1; r < world_size; ++r) {
+    out.push_back(address(absl::StrCat(job, "-worker-", r - 1 + first), master_port));
+  }
+  return out;
+}
+
 absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, const ConfigEnv& env,
                                                    Role expected) {
   // 1. The environment: TF_CONFIG, else CLUSTER_CONFIG and/or POD_NAME.
@@ -368,6 +459,12 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
       absl::StatusOr<Task> task = ParsePodName(*env.pod_name);
       if (!task.ok()) return task.status();
       from_env.task = *std::move(task);
+    }
+    if (!IsSet(env.cluster_config) && !IsSet(env.pod_name) &&
+        (IsSet(env.master_addr) || IsSet(env.pet_master_addr))) {
+      absl::StatusOr<Partial> parsed = ParsePyTorchEnv(env);
+      if (!parsed.ok()) return parsed.status();
+      from_env = *std::move(parsed);
     }
   }
 
@@ -439,11 +536,6 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
   if (config.cluster.chief.size() > 1) {
     return Invalid(absl::StrFormat("the cluster has %d chief tasks; there must be exactly one",
                                    config.cluster.chief.size()));
-  }
-  if (expected != Role::kEvaluator && config.cluster.ps.empty()) {
-    return Invalid(
-        "the cluster has no ps: psflow trains through parameter servers (list at least one ps "
-        "task; workers-only all-reduce clusters are not supported)");
   }
 
   const auto& own = config.cluster.Addresses(task.role);

@@ -39,6 +39,11 @@ struct ClusterSpec {
   // The role whose certificate the chief's address presents (chief, or
   // worker in a cluster without one).
   Role ChiefHostRole() const { return chief.empty() ? Role::kWorker : Role::kChief; }
+  // A cluster without ps (workers only, or a chief and workers): the
+  // workers average their gradients among themselves (JobConfig.exchange
+  // ALL_REDUCE), and each keeps a replica of the weights served on its own
+  // address; worker 0's is where the chief reads the job's state.
+  bool AllReduce() const { return ps.empty(); }
 };
 
 struct ClusterConfig {
@@ -66,8 +71,27 @@ struct ConfigEnv {
   std::optional<std::string> tf_config;       // TF_CONFIG
   std::optional<std::string> cluster_config;  // CLUSTER_CONFIG
   std::optional<std::string> pod_name;        // POD_NAME, "<role>-<index>"
+  // What the training operator sets in a PyTorchJob's pods (used when
+  // neither TF_CONFIG nor CLUSTER_CONFIG is set): MASTER_ADDR, MASTER_PORT,
+  // WORLD_SIZE, RANK, or their elastic forms PET_MASTER_ADDR,
+  // PET_MASTER_PORT, PET_NNODES, PET_NODE_RANK (read where the first are
+  // unset; PET_NNODES wins over WORLD_SIZE, which then counts processes).
+  std::optional<std::string> master_addr, master_port, world_size, rank;
+  std::optional<std::string> pet_master_addr, pet_master_port, pet_nnodes, pet_node_rank;
   static ConfigEnv FromProcess();
 };
+
+// The workers of a PyTorchJob, one process (pod) per rank, as psflow
+// addresses them: rank 0 at MASTER_ADDR:MASTER_PORT; rank r at
+//  - MASTER_ADDR:(MASTER_PORT + r) when MASTER_ADDR is a loopback address
+//    (127.x.y.z, ::1 or localhost: every rank on one machine);
+//  - <job>-worker-(r-1):MASTER_PORT when MASTER_ADDR is <job>-master-0 (the
+//    operator's name for the Master pod and its service), or
+//    <job>-worker-r:MASTER_PORT when it is <job>-worker-0 (a job of Worker
+//    replicas only).
+// Any other MASTER_ADDR is INVALID_ARGUMENT (pass --worker_hosts then).
+absl::StatusOr<std::vector<std::string>> PyTorchJobWorkers(const std::string& master_addr,
+                                                           int master_port, int world_size);
 
 // Resolves the configuration of a process that must run as `expected`.
 // Flags override the environment field by field (a host-list flag replaces

@@ -543,12 +543,118 @@ TEST(ErrorsTest, TwoChiefs) {
               "the cluster has 2 chief tasks; there must be exactly one");
 }
 
-TEST(ErrorsTest, NoPs) {
+TEST(AllReduceTest, WithoutPsTheWorkersAllReduce) {
   ClusterFlags flags = FullFlags();
   flags.ps_hosts.reset();
-  ExpectError(ResolveClusterConfig(flags, {}, Role::kWorker), "the cluster has no ps");
+  absl::StatusOr<ClusterConfig> c = ResolveClusterConfig(flags, {}, Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->cluster.AllReduce());
   flags.ps_hosts = "";  // empty is unset
-  ExpectError(ResolveClusterConfig(flags, {}, Role::kWorker), "the cluster has no ps");
+  c = ResolveClusterConfig(flags, {}, Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->cluster.AllReduce());
+  // A ps binary has no task in such a cluster.
+  flags.job_name = "ps";
+  ExpectError(ResolveClusterConfig(flags, {}, Role::kPs), "the cluster has 0 ps tasks");
+}
+
+// TF_CONFIG as the operator writes it for a TFJob of workers only
+// (MultiWorkerMirroredStrategy's shape).
+TEST(AllReduceTest, TfConfigOfWorkersOnly) {
+  absl::StatusOr<ClusterConfig> c = ResolveClusterConfig(
+      {},
+      TfConfigEnv(R"({"cluster":{"worker":["mw-worker-0.default.svc:2222",)"
+                  R"("mw-worker-1.default.svc:2222"]},"task":{"type":"worker","index":1}})"),
+      Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->cluster.AllReduce());
+  EXPECT_TRUE(c->cluster.ChiefInWorker0());
+  EXPECT_EQ(c->task_index, 1);
+  EXPECT_EQ(c->cluster.ChiefAddress(), "mw-worker-0.default.svc:2222");
+}
+
+TEST(AllReduceTest, HelmClusterConfigOfWorkersOnly) {
+  ConfigEnv env;
+  env.cluster_config = R"({"worker": ["rel-worker-0:8080", "rel-worker-1:8080",],})";
+  env.pod_name = "rel-worker-0";
+  absl::StatusOr<ClusterConfig> c = ResolveClusterConfig({}, env, Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->cluster.AllReduce());
+  EXPECT_EQ(c->task_index, 0);
+  EXPECT_THAT(c->cluster.worker, ElementsAre("rel-worker-0:8080", "rel-worker-1:8080"));
+}
+
+ConfigEnv PyTorchEnv(const std::string& addr, const std::string& port, const std::string& size,
+                     const std::string& rank) {
+  ConfigEnv env;
+  env.master_addr = addr;
+  env.master_port = port;
+  env.world_size = size;
+  env.rank = rank;
+  return env;
+}
+
+TEST(PyTorchJobTest, MasterAndWorkerPods) {
+  absl::StatusOr<ClusterConfig> c =
+      ResolveClusterConfig({}, PyTorchEnv("mnist-master-0", "23456", "3", "2"), Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(c->cluster.worker,
+              ElementsAre("mnist-master-0:23456", "mnist-worker-0:23456", "mnist-worker-1:23456"));
+  EXPECT_TRUE(c->cluster.AllReduce());
+  EXPECT_EQ(c->task_index, 2);
+  EXPECT_EQ(c->self_address, "mnist-worker-1:23456");
+}
+
+TEST(PyTorchJobTest, WorkerPodsOnly) {
+  absl::StatusOr<ClusterConfig> c =
+      ResolveClusterConfig({}, PyTorchEnv("mnist-worker-0", "23456", "2", "0"), Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(c->cluster.worker, ElementsAre("mnist-worker-0:23456", "mnist-worker-1:23456"));
+}
+
+TEST(PyTorchJobTest, LoopbackMasterPutsEveryRankOnItsOwnPort) {
+  absl::StatusOr<ClusterConfig> c =
+      ResolveClusterConfig({}, PyTorchEnv("127.0.0.1", "29500", "3", "1"), Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(c->cluster.worker,
+              ElementsAre("127.0.0.1:29500", "127.0.0.1:29501", "127.0.0.1:29502"));
+  EXPECT_EQ(c->self_port, 29501);
+}
+
+TEST(PyTorchJobTest, ElasticNamesAndFlagsOverride) {
+  ConfigEnv env;
+  env.pet_master_addr = "localhost";
+  env.pet_master_port = "3000";
+  env.pet_nnodes = "2";
+  env.world_size = "16";  // processes: 2 nodes x 8; psflow runs one per node
+  env.pet_node_rank = "1";
+  absl::StatusOr<ClusterConfig> c = ResolveClusterConfig({}, env, Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(c->cluster.worker, ElementsAre("localhost:3000", "localhost:3001"));
+  EXPECT_EQ(c->task_index, 1);
+  ClusterFlags flags;
+  flags.worker_hosts = "a:1,b:2";
+  c = ResolveClusterConfig(flags, env, Role::kWorker);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->self_address, "b:2");
+}
+
+TEST(PyTorchJobTest, BadEnvironmentIsOneLine) {
+  ExpectError(ResolveClusterConfig({}, PyTorchEnv("10.0.0.5", "23456", "2", "0"), Role::kWorker),
+              "pass --worker_hosts");
+  ExpectError(ResolveClusterConfig({}, PyTorchEnv("job-master-0", "x", "2", "0"), Role::kWorker),
+              "MASTER_PORT 'x' is not an integer");
+  ExpectError(ResolveClusterConfig({}, PyTorchEnv("job-master-0", "1", "2", "2"), Role::kWorker),
+              "RANK 2 out of range");
+  ExpectError(ResolveClusterConfig({}, PyTorchEnv("job-master-0", "1", "0", "0"), Role::kWorker),
+              "WORLD_SIZE (or PET_NNODES) '0'");
+  ExpectError(ResolveClusterConfig({}, PyTorchEnv("127.0.0.1", "65535", "2", "0"), Role::kWorker),
+              "runs past port 65535");
+  ConfigEnv no_rank = PyTorchEnv("job-master-0", "1", "2", "");
+  ExpectError(ResolveClusterConfig({}, no_rank, Role::kWorker), "RANK (or PET_NODE_RANK) is not set");
+  // A one-process job needs no other addresses.
+  EXPECT_TRUE(
+      ResolveClusterConfig({}, PyTorchEnv("10.0.0.5", "23456", "1", "0"), Role::kWorker).ok());
 }
 
 TEST(ErrorsTest, JobNameWithoutTaskId) {
