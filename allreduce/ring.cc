@@ -119,8 +119,8 @@ absl::Status Ring::PeerAborted(const RingAbort& abort) {
       return absl::FailedPreconditionError("another job");
     }
     if (!left_.ok()) return absl::OkStatus();
-    left_ = absl::UnavailableError(absl::StrCat("worker ", abort.from(),
-                                                " left the all-reduce group: ", abort.reason()));
+    left_ = absl::UnavailableError(
+        absl::StrCat("worker ", abort.from(), " left the all-reduce group: ", abort.reason()));
   }
   peers_->CancelAll();  // sends in flight to a member that waits for it end now
   return absl::OkStatus();
@@ -176,9 +176,8 @@ absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t
     });
     absl::Status sent = peers_->Send(next, piece, deadline(), forming);
     if (!sent.ok()) {
-      return absl::Status(sent.code(),
-                          absl::StrCat("step ", step, ": sending to worker ", next, ": ",
-                                       sent.message()));
+      return absl::Status(sent.code(), absl::StrCat("step ", step, ": sending to worker ", next,
+                                                    ": ", sent.message()));
     }
     return absl::OkStatus();
   };

@@ -11,8 +11,7 @@ CallerRoles AllReduceCallers() {
   };
 }
 
-grpc::Status AllReduceService::Send(grpc::ServerContext*, const RingPiece* request,
-                                    RingPieceAck*) {
+grpc::Status AllReduceService::Send(grpc::ServerContext*, const RingPiece* request, RingPieceAck*) {
   return ToGrpcStatus(ring_->Deliver(*request));
 }
 

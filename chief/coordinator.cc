@@ -136,6 +136,11 @@ std::string Coordinator::SavedModelDir() const {
 }
 
 absl::Status Coordinator::BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version) {
+  if (AllReduce()) {
+    // A replica hears its own worker only: nothing to tell it.
+    progress_->SetLiveWorkers(live);
+    return absl::OkStatus();
+  }
   const uint64_t id = job_id();
   PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
     return ps_->SetLiveWorkers(p, id, live, from_version,
@@ -158,6 +163,20 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
     mu_.AwaitWithDeadline(absl::Condition(&ready),
                           std::min(deadline, absl::Now() + options_.timeouts.register_wait));
     if (!ready_) return absl::UnavailableError("the parameter servers are not loaded yet");
+    if (AllReduce()) {
+      // Every worker is in every step of an all-reduce: one that registers
+      // again after all had (it restarted) has left its group broken.
+      if (registered_.size() == static_cast<size_t>(job_.num_workers()) &&
+          registered_.contains(w) && group_broken_.ok()) {
+        group_broken_ = absl::UnavailableError(absl::StrCat(
+            "worker ", w,
+            " registered again (it restarted): the all-reduce group is broken; every worker "
+            "restarts from the newest checkpoint"));
+        PSLOG(WARNING) << group_broken_.message();
+      }
+      if (!group_broken_.ok()) return group_broken_;
+      registered_.insert(w);
+    }
     last_seen_[w] = absl::Now();
     finished_.erase(w);
     if (!live_.contains(w)) {
@@ -451,6 +470,11 @@ bool Coordinator::TryAdopt() {
     if (!same) return false;
     if (asynchronous || newest - version <= 1) {
       std::vector<int> live(states[0].live_workers().begin(), states[0].live_workers().end());
+      if (AllReduce()) {
+        // A replica's live set is its own worker; the job's is every worker.
+        live.clear();
+        for (int w = 0; w < job_.num_workers(); ++w) live.push_back(w);
+      }
       {
         absl::MutexLock lock(&mu_);
         job_id_ = states[0].job_id();
@@ -504,7 +528,12 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
     header.set_ps_index(p);
     *header.mutable_job() = job_;
     header.set_version(weights.step);
-    for (int w : live) header.add_live_workers(w);
+    if (AllReduce()) {
+      // Worker 0's replica: its own trainer pushes the all-reduced mean, as worker 0.
+      header.add_live_workers(0);
+    } else {
+      for (int w : live) header.add_live_workers(w);
+    }
     for (SliceSpec& spec : SliceSpecs(job_.placement(), p)) *header.add_slice() = std::move(spec);
     std::vector<TensorRef> tensors;
     for (size_t k = 0; k < slots.size(); ++k) {
@@ -574,6 +603,7 @@ bool Coordinator::EveryPsAtTheEnd() {
 }
 
 void Coordinator::RepairLiveSets(const std::vector<PsState>& states) {
+  if (AllReduce()) return;  // replicas wait for their own worker alone
   std::vector<int> live;
   {
     absl::MutexLock lock(&mu_);
@@ -604,6 +634,18 @@ void Coordinator::CheckWorkers() {
     const absl::Time now = absl::Now();
     for (int w : Sorted(live_)) {
       if (now - last_seen_[w] <= options_.timeouts.worker || finished_.contains(w)) continue;
+      if (AllReduce()) {
+        // The others cannot step without it.
+        if (group_broken_.ok()) {
+          group_broken_ = absl::UnavailableError(absl::StrCat(
+              "worker ", w, " sent no heartbeat for ",
+              absl::FormatDuration(options_.timeouts.worker),
+              ": the all-reduce group is broken; every worker restarts from the newest "
+              "checkpoint"));
+          PSLOG(WARNING) << group_broken_.message();
+        }
+        return;
+      }
       if (live_.size() == 1) break;  // the last one: nobody left to go on with
       live_.erase(w);
       PSLOG(WARNING) << "worker " << w << " sent no heartbeat for " << options_.timeouts.worker
@@ -713,7 +755,7 @@ absl::Status Coordinator::Supervise() {
     {
       absl::MutexLock lock(&mu_);
       auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        if (Stopping() || !failure_.ok()) return true;
+        if (Stopping() || !failure_.ok() || !group_broken_.ok()) return true;
         for (int w : live_) {
           if (!finished_.contains(w)) return false;
         }
@@ -721,7 +763,7 @@ absl::Status Coordinator::Supervise() {
       };
       mu_.AwaitWithTimeout(absl::Condition(&wake), options_.timeouts.supervise_every);
       if (!failure_.ok()) return failure_;
-      if (Stopping()) break;
+      if (Stopping() || !group_broken_.ok()) break;
       if (wake()) return absl::OkStatus();
     }
     // One look at every ps per round: its health, its version, its live set
@@ -760,7 +802,8 @@ absl::Status Coordinator::Supervise() {
     PSLOG(WARNING) << "no checkpoint before exiting: " << s.message() << " ("
                    << absl::StatusCodeToString(s.code()) << ")";
   absl::MutexLock lock(&mu_);
-  return failure_.ok() ? StoppedBySignal(stop_signal_) : failure_;
+  if (!failure_.ok()) return failure_;
+  return group_broken_.ok() ? StoppedBySignal(stop_signal_) : group_broken_;
 }
 
 void Coordinator::LogStaleness() {
@@ -882,7 +925,11 @@ absl::Status Coordinator::Run() {
               << job_.optimizer().lr_warmup_steps() << ") weight decay "
               << job_.optimizer().weight_decay() << ", inputs standardized with mean "
               << job_.model().input().mean() << " stddev " << job_.model().input().stddev()
-              << ", variables over " << job_.num_ps() << " ps (" << per_ps << ")";
+              << (AllReduce()
+                      ? absl::StrCat(", gradients all-reduced among the workers, "
+                                     "each holding a replica (",
+                                     per_ps, ")")
+                      : absl::StrCat(", variables over ", job_.num_ps(), " ps (", per_ps, ")"));
 
   absl::Status status;
   if (TryAdopt()) {

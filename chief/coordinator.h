@@ -201,6 +201,9 @@ class Coordinator {
   bool Failed() ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t job_id() ABSL_LOCKS_EXCLUDED(mu_);
   bool Stopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; }
+  // A job whose workers all-reduce their gradients (JobConfig.exchange):
+  // its one "ps" is worker 0's replica, which hears worker 0 alone.
+  bool AllReduce() const { return job_.exchange() == JobConfig::ALL_REDUCE; }
   std::string SavedModelDir() const;
 
   const CoordinatorOptions options_;
@@ -229,6 +232,11 @@ class Coordinator {
   absl::flat_hash_set<int> released_ ABSL_GUARDED_BY(mu_);  // were told to exit (or fail)
   // Why the job failed for good (it diverged); OK while it has not.
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  // All-reduce jobs: the workers registered so far, and why the group broke
+  // (a worker registered again or went silent): Run then checkpoints and
+  // returns it (UNAVAILABLE: every process restarts).
+  absl::flat_hash_set<int> registered_ ABSL_GUARDED_BY(mu_);
+  absl::Status group_broken_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);       // with SKIP_STEP
   absl::flat_hash_map<int, absl::Time> evaluators_ ABSL_GUARDED_BY(mu_);  // last heard from

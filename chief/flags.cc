@@ -4,6 +4,7 @@
 #include "chief/flags.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
@@ -26,6 +27,11 @@ ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --dataset=sy
 ABSL_FLAG(int, batch_size, 64,
           "Examples per step on each model replica: each worker, or each GPU of a worker with "
           "several (the global batch is this times the workers times --replicas_per_worker).");
+ABSL_FLAG(int64_t, global_batch_size, 0,
+          "If positive, the examples of one global step whatever the number of workers: each "
+          "replica's batch becomes this divided by workers x --replicas_per_worker, which must "
+          "divide it exactly (strong scaling; overrides --batch_size). 0: --batch_size per "
+          "replica (weak scaling).");
 ABSL_FLAG(int, replicas_per_worker, 1,
           "Replicas of the model on every worker: the GPUs each worker drives (its --device "
           "list, e.g. cuda:all on a node of 2 GPUs needs 2). A worker with another count is "
@@ -35,7 +41,8 @@ ABSL_FLAG(int64_t, epochs, 0,
 ABSL_FLAG(int64_t, train_steps, 0, "Global steps to train; exclusive with --epochs.");
 ABSL_FLAG(std::string, optimizer, "sgd",
           "sgd, momentum, adam, adamw, adagrad or rmsprop, each as its torch.optim namesake "
-          "(momentum is SGD with momentum); applied on the parameter servers.");
+          "(momentum is SGD with momentum); applied on the parameter servers (without ps: by "
+          "every worker to its own replica).");
 ABSL_FLAG(double, learning_rate, 0.01,
           "Learning rate of the optimizer: the peak of the schedule (see --lr_decay).");
 ABSL_FLAG(double, momentum, 0.9, "Momentum of --optimizer=momentum.");
@@ -153,6 +160,7 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   job.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
   job.batch_size = absl::GetFlag(FLAGS_batch_size);
   job.replicas_per_worker = absl::GetFlag(FLAGS_replicas_per_worker);
+  job.global_batch_size = absl::GetFlag(FLAGS_global_batch_size);
   job.epochs = absl::GetFlag(FLAGS_epochs);
   job.train_steps = absl::GetFlag(FLAGS_train_steps);
   job.optimizer = absl::GetFlag(FLAGS_optimizer);
@@ -191,7 +199,11 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   job.staleness = absl::GetFlag(FLAGS_staleness);
   job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));
   CoordinatorOptions& c = o->coordinator;
-  c.ps_addresses = o->cluster.cluster.ps;
+  // Without ps, worker 0's replica of the weights is the one the chief
+  // loads, watches and checkpoints (JobConfig.exchange ALL_REDUCE).
+  c.ps_addresses = o->cluster.cluster.AllReduce()
+                       ? std::vector<std::string>{o->cluster.cluster.worker.at(0)}
+                       : o->cluster.cluster.ps;
   c.model_dir = absl::GetFlag(FLAGS_model_dir);
   c.saved_model_dir = absl::GetFlag(FLAGS_saved_model_dir);
   c.log_every_steps = absl::GetFlag(FLAGS_log_every_steps);

@@ -188,12 +188,27 @@ absl::Status FinishOptimizer(int64_t train_steps, OptimizerConfig* config) {
 
 }  // namespace
 
-absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, int num_ps) {
-  if (o.batch_size <= 0) return absl::InvalidArgumentError("--batch_size must be positive");
+absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& options, int num_workers, int num_ps) {
+  JobOptions o = options;
   if (o.replicas_per_worker < 1 || o.replicas_per_worker > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("--replicas_per_worker must be in [1, 64], got ", o.replicas_per_worker));
   }
+  if (num_workers == 0) return absl::InvalidArgumentError("the cluster has no workers");
+  if (o.global_batch_size < 0) {
+    return absl::InvalidArgumentError("--global_batch_size must not be negative");
+  }
+  if (o.global_batch_size > 0) {
+    const int64_t replicas = static_cast<int64_t>(num_workers) * o.replicas_per_worker;
+    if (o.global_batch_size % replicas != 0 || o.global_batch_size / replicas > (1 << 24)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--global_batch_size ", o.global_batch_size, " is not a multiple of the ",
+                       replicas, " replicas (", num_workers, " workers x ", o.replicas_per_worker,
+                       ") or gives a batch above 2^24"));
+    }
+    o.batch_size = static_cast<int>(o.global_batch_size / replicas);
+  }
+  if (o.batch_size <= 0) return absl::InvalidArgumentError("--batch_size must be positive");
   if (o.epochs < 0 || o.train_steps < 0) {
     return absl::InvalidArgumentError("--epochs and --train_steps must not be negative");
   }
@@ -202,7 +217,6 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   }
   if (o.compute_threads < 0)
     return absl::InvalidArgumentError("--compute_threads must not be negative");
-  if (num_workers == 0) return absl::InvalidArgumentError("the cluster has no workers");
 
   JobConfig job;
   absl::StatusOr<ModelSpec> spec = model::ResolveModelSpec(o.model);
@@ -286,6 +300,16 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& o, int num_workers, i
   job.set_num_examples(stats->count);
   job.set_seed(o.seed);
   job.set_num_workers(num_workers);
+  if (num_ps == 0) {
+    // Every worker holds a replica, placed as one ps holding everything.
+    if (job.mode() != JobConfig::SYNC) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--mode ", o.mode,
+                       " needs parameter servers; a cluster without ps trains synchronously"));
+    }
+    job.set_exchange(JobConfig::ALL_REDUCE);
+    num_ps = 1;
+  }
   job.set_num_ps(num_ps);
   job.set_compute_threads(o.compute_threads);
   if (o.on_nonfinite == "fail") {

@@ -23,6 +23,11 @@ struct JobOptions {
   std::string dataset = "idx";         // idx (files in data_dir) or synthetic
   int64_t synthetic_examples = 10000;  // training examples of the synthetic dataset
   int batch_size = 64;                 // per replica
+  // When positive, the global batch of one step, whatever the number of
+  // workers: batch_size becomes global_batch_size / (workers * replicas),
+  // which must divide it exactly (strong scaling, as DDP with a fixed global
+  // batch; the gradients are averaged as ever).
+  int64_t global_batch_size = 0;
   int replicas_per_worker = 1;         // GPUs each worker drives (JobConfig.replicas_per_worker)
   int64_t epochs = 0;                  // 0: not given
   int64_t train_steps = 0;             // 0: not given; exactly one of the two, else 1 epoch
@@ -60,6 +65,9 @@ struct JobOptions {
 };
 
 // INVALID_ARGUMENT with one line naming the flag for any bad setting.
+// num_ps 0: a cluster without ps, whose workers all-reduce their gradients
+// (JobConfig.exchange ALL_REDUCE; the variables are placed as on one ps:
+// each worker's replica).
 absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& options, int num_workers, int num_ps);
 
 }  // namespace psflow::chief

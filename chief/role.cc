@@ -14,7 +14,8 @@ std::unique_ptr<ChiefRole> ChiefRole::Create(ChiefOptions options, JobConfig job
 
 ChiefRole::ChiefRole(const ChiefOptions& options, JobConfig job, const SecurityOptions& security,
                      metrics::Registry* metrics)
-    : ps_(options.cluster.cluster.ps, security, /*connections_per_ps=*/1, metrics),
+    : ps_(options.coordinator.ps_addresses, security, /*connections_per_ps=*/1, metrics,
+          options.cluster.cluster.AllReduce() ? Role::kWorker : Role::kPs),
       pool_(std::max(job.num_ps() - 1, 1)),
       summaries_(options.coordinator.model_dir),
       coordinator_(options.coordinator, std::move(job), &ps_, &pool_, &summaries_),

@@ -290,7 +290,8 @@ absl::StatusOr<Partial> ParsePyTorchEnv(const ConfigEnv& env) {
     int value = 0;
     if (text == nullptr) return Invalid(absl::StrCat(name, " is not set (a PyTorchJob sets it)"));
     if (!absl::SimpleAtoi(**text, &value) || value < lo || value > hi) {
-      return Invalid(absl::StrCat(name, " '", **text, "' is not an integer in [", lo, ", ", hi, "]"));
+      return Invalid(
+          absl::StrCat(name, " '", **text, "' is not an integer in [", lo, ", ", hi, "]"));
     }
     return value;
   };

@@ -99,8 +99,12 @@ int main(int argc, char** argv) {
   psflow::chief::GrpcClient chief(config.cluster.ChiefAddress(), security, &metrics,
                                   config.cluster.ChiefHostRole());
   psflow::evaluator::Evaluator evaluator(
-      options, &chief, [&security, &metrics](const std::vector<std::string>& addresses) {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1, &metrics);
+      options, &chief,
+      [&security, &metrics,
+       server = config.cluster.AllReduce() ? psflow::Role::kWorker : psflow::Role::kPs](
+          const std::vector<std::string>& addresses) {
+        // Without ps, the chief names worker 0, which serves its replica.
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1, &metrics, server);
       });
   // An evaluator listed in the cluster listens on its address: the standard
   // gRPC health service answers there, for probes. One left out of the

@@ -101,7 +101,7 @@ bool GrpcClient::Reachable(int ps) const {
 void GrpcClient::CancelAll() { calls_.CancelAll(); }
 
 GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-                       int connections_per_ps, metrics::Registry* metrics)
+                       int connections_per_ps, metrics::Registry* metrics, Role server_role)
     : errors_(metrics, kService) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_push_bytes",
@@ -123,7 +123,7 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
     auto link = std::make_unique<Link>();
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
       link->channels.push_back(
-          MakeChannel(a, Role::kPs, security, /*own_connection=*/connections_per_ps > 1));
+          MakeChannel(a, server_role, security, /*own_connection=*/connections_per_ps > 1));
       link->raw.push_back(std::make_unique<grpc::GenericStub>(link->channels.back()));
     }
     link->stub = ParameterServer::NewStub(link->channels[0]);

@@ -30,8 +30,11 @@ namespace psflow::ps {
 // the failed calls by code.
 class GrpcClient final : public Client {
  public:
+  // `server_role`: the role whose certificate the addresses present (a ps,
+  // or a worker serving its replica in a job without ps).
   GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-             int connections_per_ps = 1, metrics::Registry* metrics = nullptr);
+             int connections_per_ps = 1, metrics::Registry* metrics = nullptr,
+             Role server_role = Role::kPs);
   int num_ps() const override { return static_cast<int>(links_.size()); }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,

@@ -19,6 +19,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "allreduce/grpc_peers.h"
+#include "allreduce/ring.h"
+#include "allreduce/service.h"
 #include "chief/flags.h"
 #include "chief/grpc_client.h"
 #include "chief/role.h"
@@ -30,6 +33,8 @@
 #include "common/metrics.h"
 #include "common/signals.h"
 #include "ps/grpc_client.h"
+#include "ps/service.h"
+#include "ps/shard.h"
 #include "worker/service.h"
 #include "worker/trainer.h"
 
@@ -57,6 +62,10 @@ int main(int argc, char** argv) {
       "POD_NAME. The job itself (model, data, batch size, steps) comes from the chief. Example:\n"
       "  psflow-worker --job_name=worker --task_id=0 --chief_hosts=h0:2222 --ps_hosts=h1:2222 \\\n"
       "                --worker_hosts=h2:2222\n"
+      "Without ps (no --ps_hosts; a TF_CONFIG or CLUSTER_CONFIG of workers only; a PyTorchJob's\n"
+      "MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK) the workers average their gradients among\n"
+      "themselves (a ring all-reduce over gRPC) and each keeps a replica of the weights and the\n"
+      "optimizer state; worker 0 (rank 0) is then the chief too.\n"
       "In a cluster without a chief (no --chief_hosts, a TF_CONFIG or CLUSTER_CONFIG that lists\n"
       "only ps and workers), worker 0 is the chief as well: give it the chief's flags below\n"
       "(--model, --epochs, --model_dir, ...; the other workers may get the same ones and ignore\n"
@@ -110,6 +119,32 @@ int main(int argc, char** argv) {
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
+  // A cluster without ps: this worker's replica of the weights (served as
+  // ps 0 on its own address; the chief reads worker 0's) and its ring.
+  const bool all_reduce = config.cluster.AllReduce();
+  std::unique_ptr<psflow::ThreadPool> apply_pool;
+  std::unique_ptr<psflow::ps::Shard> replica;
+  std::unique_ptr<psflow::ps::PsService> replica_service;
+  std::unique_ptr<psflow::allreduce::GrpcPeers> peers;
+  std::unique_ptr<psflow::allreduce::Ring> ring;
+  std::unique_ptr<psflow::allreduce::AllReduceService> ring_service;
+  if (all_reduce) {
+    // The optimizer's apply shares the cores with the worker's own compute.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (cores >= 8) apply_pool = std::make_unique<psflow::ThreadPool>(std::min(4, cores / 4));
+    replica = std::make_unique<psflow::ps::Shard>(apply_pool.get());
+    replica_service = std::make_unique<psflow::ps::PsService>(
+        0, replica.get(), [] {}, &metrics);
+    peers = std::make_unique<psflow::allreduce::GrpcPeers>(config.cluster.worker, security);
+    psflow::allreduce::RingOptions ring_options;
+    ring_options.rank = config.task_index;
+    ring_options.size = static_cast<int>(config.cluster.worker.size());
+    ring_options.form_timeout = startup_timeout;
+    ring = std::make_unique<psflow::allreduce::Ring>(ring_options, peers.get());
+    ring_service = std::make_unique<psflow::allreduce::AllReduceService>(ring.get());
+    options.ring = ring.get();
+    options.replica_address = config.self_address;
+  }
   std::unique_ptr<psflow::chief::ChiefRole> chief_role;
   if (chief_here) {
     chief_role =
@@ -120,9 +155,11 @@ int main(int argc, char** argv) {
                                   config.cluster.ChiefHostRole());
   psflow::worker::Trainer trainer(
       options, &chief,
-      [&security, &metrics, connections = options.lanes_per_ps](
+      [&security, &metrics, connections = options.lanes_per_ps,
+       server = all_reduce ? psflow::Role::kWorker : psflow::Role::kPs](
           const std::vector<std::string>& addresses) -> std::unique_ptr<psflow::ps::Client> {
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics);
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics,
+                                                        server);
       });
   metrics.SetGaugeFunction(
       "psflow_worker_step",
@@ -132,10 +169,24 @@ int main(int argc, char** argv) {
   // service answers there, for readiness probes and peers' connectivity checks.
   psflow::worker::StatusService service(&trainer);
   std::vector<grpc::Service*> services = {&service};
-  if (chief_role != nullptr) services.push_back(chief_role->service());
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(
-      config.self_address, services, security,
-      chief_role != nullptr ? psflow::chief::ChiefCallers() : psflow::CallerRoles());
+  psflow::CallerRoles callers;
+  if (chief_role != nullptr) {
+    services.push_back(chief_role->service());
+    callers = psflow::chief::ChiefCallers();
+  }
+  if (all_reduce) {
+    services.push_back(replica_service.get());
+    services.push_back(ring_service.get());
+    // Workers load their own replicas and read worker 0's (as the chief does).
+    for (auto& [method, roles] : psflow::ps::PsCallers(psflow::Role::kWorker)) {
+      roles.push_back(psflow::Role::kChief);
+      roles.push_back(psflow::Role::kEvaluator);
+      callers[method] = roles;
+    }
+    for (auto& [method, roles] : psflow::allreduce::AllReduceCallers()) callers[method] = roles;
+  }
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      psflow::StartServer(config.self_address, services, security, callers);
   if (!server.ok()) {
     PSLOG(ERROR) << server.status().message();
     return psflow::kExitPermanent;

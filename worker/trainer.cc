@@ -8,8 +8,10 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/crc32c.h"
 #include "common/exit_codes.h"
 #include "common/fan_out.h"
 #include "common/float16.h"
@@ -17,6 +19,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "data/source.h"
+#include "ps/optimizer.h"
 
 namespace psflow::worker {
 namespace {
@@ -59,6 +62,7 @@ void Trainer::Stop(int signal) {
   if (stop_signal_ == 0) stop_signal_ = signal;
   if (ps_ != nullptr) ps_->CancelAll();  // a pull blocked on the other workers ends now
   chief_->CancelAll();                   // so does a registration waiting for the chief
+  if (options_.ring != nullptr) options_.ring->Cancel();  // and an all-reduce
 }
 
 TrainerStatus Trainer::Status() const {
@@ -154,6 +158,15 @@ absl::Status Trainer::Prepare() {
     return absl::FailedPreconditionError(
         absl::StrCat("the chief sent unknown wire dtype ", job_.wire_dtype()));
   }
+  if (AllReduce()) {
+    if (options_.ring == nullptr || options_.ring->size() != job_.num_workers()) {
+      return absl::FailedPreconditionError(
+          "the chief runs a job without ps (all-reduce), but this worker was started for a "
+          "cluster with ps: give every process the same cluster");
+    }
+    if (index != 0) PSFLOW_RETURN_IF_ERROR(LoadReplica());
+    options_.ring->Open(job_id_);
+  }
   PSFLOW_RETURN_IF_ERROR(CreateReplicas());
   absl::StatusOr<data::Dataset> data =
       data::LoadDataset({job_.dataset(), job_.data_dir(), job_.num_examples()},
@@ -223,6 +236,97 @@ absl::Status Trainer::Prepare() {
 }
 
 bool Trainer::Async() const { return AppliesEachGradient(job_); }
+
+namespace {
+
+// Whole-variable buffers of a replica's values ("") and optimizer slots.
+struct ReplicaTensors {
+  std::vector<std::string> slots;
+  std::vector<std::vector<std::vector<float>>> buffers;  // [slot][variable]
+  std::vector<std::vector<float*>> pointers;             // the same, as pointers
+
+  explicit ReplicaTensors(const JobConfig& job) {
+    slots = {""};
+    for (const std::string& s : ps::Optimizer::SlotNames(job.optimizer().kind()))
+      slots.push_back(s);
+    buffers.resize(slots.size());
+    pointers.resize(slots.size());
+    for (size_t k = 0; k < slots.size(); ++k) {
+      for (const VariablePlacement& v : job.placement().variable()) {
+        int64_t n = 1;
+        for (int64_t d : v.shape()) n *= d;
+        buffers[k].emplace_back(static_cast<size_t>(n), 0.0f);
+      }
+      for (std::vector<float>& b : buffers[k]) pointers[k].push_back(b.data());
+    }
+  }
+  std::vector<TensorSink> Sinks(const Placement& placement) {
+    std::vector<TensorSink> sinks;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      for (TensorSink& s : SliceSinks(placement, 0, pointers[k], slots[k])) {
+        sinks.push_back(std::move(s));
+      }
+    }
+    return sinks;
+  }
+};
+
+}  // namespace
+
+absl::Status Trainer::LoadReplica() {
+  // Worker 0's replica (the chief loaded it) is at the step the group
+  // starts from: it cannot move on before this worker takes part.
+  ps::Client* const source = ps();
+  const absl::Time deadline = absl::Now() + options_.transfer_timeout;
+  absl::StatusOr<PsState> state = source->GetState(0, deadline);
+  if (!state.ok()) return FromPs(state.status());
+  if (state->job_id() != job_id_) return RegisterAgain("worker 0's replica holds another job");
+  ReplicaTensors tensors(job_);
+  PSFLOW_RETURN_IF_ERROR(FromPs(
+      source->Snapshot(0, job_id_, state->version(), tensors.Sinks(job_.placement()), deadline)));
+  std::unique_ptr<ps::Client> own = make_ps_({options_.replica_address});
+  if (own == nullptr) return absl::InternalError("no client for this worker's replica");
+  InitHeader header;
+  header.set_job_id(job_id_);
+  header.set_ps_index(0);
+  *header.mutable_job() = job_;
+  header.set_version(state->version());
+  header.add_live_workers(0);  // this worker's own trainer, pushing as worker 0
+  for (SliceSpec& spec : SliceSpecs(job_.placement(), 0)) *header.add_slice() = std::move(spec);
+  std::vector<TensorRef> refs;
+  for (size_t k = 0; k < tensors.slots.size(); ++k) {
+    for (TensorRef& r : SliceRefs(job_.placement(), 0, tensors.pointers[k], tensors.slots[k])) {
+      refs.push_back(std::move(r));
+    }
+  }
+  PSFLOW_RETURN_IF_ERROR(FromPs(own->Init(0, header, std::move(refs), deadline)));
+  PSLOG(INFO) << "loaded this worker's replica from worker 0's at step " << state->version();
+  absl::MutexLock lock(&mu_);
+  ps_ = std::move(own);
+  if (stop_signal_ != 0) ps_->CancelAll();
+  return absl::OkStatus();
+}
+
+void Trainer::LogReplicaDigest() {
+  ReplicaTensors tensors(job_);
+  absl::Status s = ps()->Snapshot(0, job_id_, job_.train_steps(), tensors.Sinks(job_.placement()),
+                                  absl::Now() + options_.transfer_timeout);
+  if (!s.ok()) {
+    PSLOG(WARNING) << "cannot read this worker's replica: " << s.message();
+    return;
+  }
+  uint32_t crc = 0;
+  for (const auto& slot : tensors.buffers) {
+    for (const std::vector<float>& b : slot) {
+      crc = ExtendCrc32c(crc, absl::string_view(reinterpret_cast<const char*>(b.data()),
+                                                b.size() * sizeof(float)));
+    }
+  }
+  PSLOG(INFO) << absl::StrFormat(
+      "replica at step %d: crc32c %08x of its values and optimizer state (the same on every "
+      "worker)",
+      job_.train_steps(), crc);
+}
 
 absl::Status Trainer::CreateReplicas() {
   replicas_.clear();
@@ -364,7 +468,8 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
   PushHeader header;
   header.set_job_id(job_id_);
-  header.set_worker(options_.worker_index);
+  // A replica of an all-reduce job hears its own worker alone, as worker 0.
+  header.set_worker(AllReduce() ? 0 : options_.worker_index);
   header.set_step(push_step);
   header.set_skip(skip);
   const bool async = Async();
@@ -595,6 +700,24 @@ absl::Status Trainer::Train(int64_t start) {
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
     }
     const absl::Time t2 = absl::Now();
+    float loss_everywhere = static_cast<float>(result->loss);
+    if (AllReduce()) {
+      // The mean gradient of every worker, the same bits on each (and the
+      // mean loss, so that all of them agree on whether the step was finite).
+      std::vector<absl::Span<float>> pieces;
+      const std::vector<VariableShape>& variables = net_->variables();
+      for (size_t v = 0; v < variables.size(); ++v) {
+        pieces.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
+      }
+      pieces.push_back(absl::MakeSpan(&loss_everywhere, 1));
+      s = options_.ring->AllReduce(step, pieces, WireDtypeOf(job_));
+      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (!s.ok()) {
+        // The group is gone: every worker restarts (from the newest checkpoint).
+        return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
+                            absl::StrCat("all-reduce of step ", step, ": ", s.message()));
+      }
+    }
     // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
     // is as diverged as one that already is.
     // Each lane's slices are checked on the pool, as the pushes will go.
@@ -605,7 +728,7 @@ absl::Status Trainer::Train(int64_t start) {
       }
       return absl::OkStatus();
     }).IgnoreError();  // the calls cannot fail
-    const bool finite = std::isfinite(result->loss) &&
+    const bool finite = std::isfinite(result->loss) && std::isfinite(loss_everywhere) &&
                         std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
     const bool skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
     if (!finite && !skip) {
@@ -670,6 +793,11 @@ absl::Status Trainer::Train(int64_t start) {
 absl::Status Trainer::TrainAndWait() {
   while (true) {
     absl::Status s = Train(start_step_);
+    if (IsRegisterAgain(s) && AllReduce()) {
+      // The group formed for this job; it forms again only from the start.
+      s = absl::UnavailableError(absl::StrCat(
+          "the job changed under this worker's all-reduce group (", s.message(), "); restarting"));
+    }
     if (IsRegisterAgain(s)) {
       PSLOG(INFO) << "the job was reloaded or this worker was dropped; registering again ("
                   << s.message() << ")";
@@ -679,6 +807,8 @@ absl::Status Trainer::TrainAndWait() {
       s = Register();
       if (s.ok()) continue;
     }
+    // Before the chief hears that this worker finished (and ends the job).
+    if (s.ok() && AllReduce()) LogReplicaDigest();
     {
       absl::MutexLock lock(&mu_);
       if (!s.ok()) {
@@ -695,6 +825,11 @@ absl::Status Trainer::TrainAndWait() {
       if (stop_signal_ != 0) return StoppedBySignal(stop_signal_);
       if (!report_error_.ok()) return report_error_;
       finished_ = false;  // the chief went back to a checkpoint: train on
+      if (AllReduce()) {
+        training_failed_ = true;
+        return absl::UnavailableError(
+            "the chief went back to a checkpoint; the all-reduce group forms again from the start");
+      }
     }
     SetRegistered(false);
     absl::Status s2 = Register();

@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "allreduce/ring.h"
 #include "chief/client.h"
 #include "common/fan_out.h"
 #include "common/tensor_chunks.h"
@@ -79,6 +80,13 @@ struct TrainerOptions {
   // worker/main.cc makes them match), of at least lane_bytes each.
   int lanes_per_ps = 4;
   int64_t lane_bytes = int64_t{1} << 20;
+  // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
+  // of this worker and its peers (not owned; outliving the trainer), and
+  // the address of this worker's own replica (a ps service in this process,
+  // which the trainer loads and then pushes to and pulls from; worker 0's
+  // replica is the chief's to load).
+  allreduce::Ring* ring = nullptr;
+  std::string replica_address;
   // Called (if set) with true after each registration with the chief, and
   // with false when the worker registers again or Run returns: whether it
   // takes part in a job (its readiness). Called from Run's thread.
@@ -125,6 +133,13 @@ class Trainer {
   // Tells options_.on_registered, if set.
   void SetRegistered(bool registered) const;
   absl::Status Prepare();
+  // All-reduce jobs, workers but 0: loads this worker's replica with worker
+  // 0's (values and optimizer state, at its version) and trains on it.
+  absl::Status LoadReplica();
+  // All-reduce jobs: logs a CRC-32C of this worker's replica (values and
+  // optimizer state) at the final step; equal on every worker.
+  void LogReplicaDigest();
+  bool AllReduce() const { return job_.exchange() == JobConfig::ALL_REDUCE; }
   // Trains from `start` to the last step (OK), or ends with a status that
   // IsRegisterAgain or that ends Run.
   absl::Status Train(int64_t start);

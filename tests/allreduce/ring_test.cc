@@ -146,9 +146,7 @@ TEST(RingTest, SixteenBitWireStaysIdenticalEverywhere) {
   }
 }
 
-TEST(RingTest, MoreMembersThanFloats) {
-  ExpectMeanEverywhere(4, {2}, DT_FLOAT, 4);
-}
+TEST(RingTest, MoreMembersThanFloats) { ExpectMeanEverywhere(4, {2}, DT_FLOAT, 4); }
 
 TEST(RingTest, ANonFiniteValueReachesEveryMember) {
   Group g(3, RingOptions());
@@ -295,7 +293,8 @@ TEST(RingTest, OverGrpc) {
     rings.back()->Open(77);
   }
   // Member 2 comes up late: the forming group waits for it.
-  for (int r = 0; r < kMembers; ++r) services.push_back(std::make_unique<AllReduceService>(rings[r].get()));
+  for (int r = 0; r < kMembers; ++r)
+    services.push_back(std::make_unique<AllReduceService>(rings[r].get()));
   for (int r = 0; r < 2; ++r) {
     absl::StatusOr<std::unique_ptr<grpc::Server>> s =
         StartServer(addresses[r], services[r].get(), security, AllReduceCallers());

@@ -651,7 +651,8 @@ TEST(PyTorchJobTest, BadEnvironmentIsOneLine) {
   ExpectError(ResolveClusterConfig({}, PyTorchEnv("127.0.0.1", "65535", "2", "0"), Role::kWorker),
               "runs past port 65535");
   ConfigEnv no_rank = PyTorchEnv("job-master-0", "1", "2", "");
-  ExpectError(ResolveClusterConfig({}, no_rank, Role::kWorker), "RANK (or PET_NODE_RANK) is not set");
+  ExpectError(ResolveClusterConfig({}, no_rank, Role::kWorker),
+              "RANK (or PET_NODE_RANK) is not set");
   // A one-process job needs no other addresses.
   EXPECT_TRUE(
       ResolveClusterConfig({}, PyTorchEnv("10.0.0.5", "23456", "1", "0"), Role::kWorker).ok());
