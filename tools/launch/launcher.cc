@@ -245,8 +245,10 @@ int RunCluster(const LaunchOptions& o) {
   Say(absl::StrCat("cluster: ",
                    o.with_chief ? absl::StrCat("chief ", addr(0))
                                 : std::string("no chief (worker 0 runs its duties)"),
-                   ", ps ", absl::StrJoin(ps_hosts, ","), ", workers ",
-                   absl::StrJoin(worker_hosts, ","), evaluator_hosts.empty() ? "" : ", evaluators ",
+                   ps_hosts.empty() ? ", no ps (the workers all-reduce)"
+                                    : absl::StrCat(", ps ", absl::StrJoin(ps_hosts, ",")),
+                   ", workers ", absl::StrJoin(worker_hosts, ","),
+                   evaluator_hosts.empty() ? "" : ", evaluators ",
                    absl::StrJoin(evaluator_hosts, ",")));
   if (o.metrics_base_port > 0) {
     const int last = o.num_ps + o.num_workers + o.num_evaluators;

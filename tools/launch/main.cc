@@ -12,7 +12,10 @@
 #include "common/command_line.h"
 #include "tools/launch/launcher.h"
 
-ABSL_FLAG(int, ps, 2, "Number of parameter servers.");
+ABSL_FLAG(int, ps, 2,
+          "Number of parameter servers. 0: none; the workers average their gradients among "
+          "themselves (all-reduce), each keeping a replica of the weights, and worker 0 runs the "
+          "chief's duties unless --chief stays true.");
 ABSL_FLAG(bool, chief, true,
           "false: no chief process (a cluster of ps and workers only, as a Helm-rendered "
           "CLUSTER_CONFIG has it): worker 0 runs the chief's duties and gets the arguments after "
@@ -90,9 +93,9 @@ int main(int argc, char** argv) {
   o.restart_on_failure = restart == "on-failure";
   o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
   o.metrics_base_port = absl::GetFlag(FLAGS_metrics_base_port);
-  if (o.num_ps < 1 || o.num_workers < 1 || o.num_evaluators < 0) {
+  if (o.num_ps < 0 || o.num_workers < 1 || o.num_evaluators < 0) {
     std::fprintf(stderr,
-                 "psflow-launch: --ps and --workers must be at least 1, --evaluators not "
+                 "psflow-launch: --workers must be at least 1, --ps and --evaluators not "
                  "negative\n");
     return 1;
   }
