@@ -84,8 +84,9 @@ class CoordinatorTest : public ::testing::Test {
     absl::StatusOr<JobConfig> job = BuildJobConfig(o, workers, num_ps);
     ASSERT_TRUE(job.ok()) << job.status();
     job_ = *job;
-    ps_ = std::make_unique<FakePs>(num_ps);
-    pool_ = std::make_unique<ThreadPool>(std::max(num_ps - 1, 1));  // as psflow-chief
+    // Without ps, the one "ps" is worker 0's replica.
+    ps_ = std::make_unique<FakePs>(job_.num_ps());
+    pool_ = std::make_unique<ThreadPool>(std::max(job_.num_ps() - 1, 1));  // as psflow-chief
   }
 
   CoordinatorOptions Options() {
@@ -254,6 +255,62 @@ TEST_F(CoordinatorTest, TrainsToTheEndWritesTheSavedModelAndReleasesEveryone) {
   EXPECT_EQ(saved->global_step, 4);
   EXPECT_TRUE(ps_->shut_down(0));
   EXPECT_TRUE(ps_->shut_down(1));
+}
+
+// A job without ps: the one "ps" is worker 0's replica, which hears worker
+// 0 alone (every worker pushes the all-reduced mean to its own replica as
+// worker 0); the live set is never broadcast to it.
+TEST_F(CoordinatorTest, AllReduceJobLoadsWorker0sReplicaForOnePusher) {
+  MakeJob(2, /*num_ps=*/0, 4);
+  ASSERT_EQ(job_.exchange(), JobConfig::ALL_REDUCE);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  EXPECT_EQ(Register(1).job_id(), id);
+  EXPECT_THAT(State(0).live_workers(), ElementsAre(0));
+  Train(id, {0}, 0, 1);  // worker 0's push alone moves the replica
+  EXPECT_EQ(State(0).version(), 1);
+  for (int64_t s = 1; s < 4; ++s) {
+    ASSERT_TRUE(Push(id, 0, s).ok());
+    for (int w : {0, 1}) ASSERT_TRUE(Report(id, w, s).ok());
+  }
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kSetLiveWorkers), 0);
+  FinishAndJoin(id, {0, 1});
+}
+
+// Every worker is in every step of an all-reduce: one that registers again
+// once all had (it restarted) or goes silent breaks the group, and the
+// chief's duties end with UNAVAILABLE (a retryable exit) after a checkpoint.
+TEST_F(CoordinatorTest, AllReduceGroupBrokenByARestartedWorkerEndsRetryably) {
+  MakeJob(2, /*num_ps=*/0, 10);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Register(0);  // before the group formed: a repeat changes nothing
+  Register(1);
+  ASSERT_TRUE(Push(id, 0, 0).ok());
+  for (int w : {0, 1}) ASSERT_TRUE(Report(id, w, 0).ok());
+  absl::StatusOr<RegisterWorkerResponse> again =
+      coordinator_->RegisterWorker(1, absl::Now() + absl::Seconds(1));
+  EXPECT_TRUE(absl::IsUnavailable(again.status())) << again.status();
+  const absl::Status s = Join();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_NE(s.message().find("worker 1 registered again"), std::string::npos) << s;
+  EXPECT_TRUE(fs::exists(dir_ + "/model/checkpoints/ckpt-1"));
+}
+
+TEST_F(CoordinatorTest, AllReduceGroupBrokenByASilentWorkerEndsRetryably) {
+  MakeJob(2, /*num_ps=*/0, 10);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  // Worker 1 never reports.
+  absl::Status s;
+  ASSERT_TRUE(Eventually([&] {
+    Report(id, 0, -1).IgnoreError();
+    return returned_->HasBeenNotified();
+  }));
+  s = Join();
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_NE(s.message().find("worker 1 sent no heartbeat"), std::string::npos) << s;
 }
 
 TEST_F(CoordinatorTest, WorkerThatStopsReportingIsDroppedAndTheStepsGoOn) {

@@ -152,6 +152,43 @@ TEST_F(JobConfigTest, ReplicasPerWorkerTakeABatchEach) {
   ExpectInvalid(BuildJobConfig(options_), "--replicas_per_worker must be in [1, 64]");
 }
 
+TEST_F(JobConfigTest, GlobalBatchSizeIsSharedByEveryReplica) {
+  WriteData(kCount, 28, false);
+  options_.job.global_batch_size = 16;  // 2 workers: 8 each, whatever --batch_size says
+  options_.job.batch_size = 3;
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->batch_size(), 8);
+  EXPECT_EQ(job->steps_per_epoch(), 6);
+  options_.job.replicas_per_worker = 2;  // 4 replicas: 4 each
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->batch_size(), 4);
+  options_.job.global_batch_size = 18;
+  ExpectInvalid(BuildJobConfig(options_), "--global_batch_size 18 is not a multiple of the 4");
+  options_.job.global_batch_size = -1;
+  ExpectInvalid(BuildJobConfig(options_), "--global_batch_size must not be negative");
+}
+
+TEST_F(JobConfigTest, WithoutPsTheWorkersAllReduceIntoOneReplicaPlacement) {
+  WriteData(kCount, 28, false);
+  options_.cluster.cluster.ps.clear();
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->exchange(), JobConfig::ALL_REDUCE);
+  EXPECT_EQ(job->num_ps(), 1);
+  EXPECT_EQ(job->placement().num_ps(), 1);
+  for (const VariablePlacement& v : job->placement().variable()) {
+    for (const VariableSlice& s : v.slice()) EXPECT_EQ(s.ps(), 0);
+  }
+  options_.job.mode = "async";
+  ExpectInvalid(BuildJobConfig(options_), "--mode async needs parameter servers");
+  options_.cluster.cluster.ps = {"ps-0:2222"};
+  job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->exchange(), JobConfig::PARAMETER_SERVERS);
+}
+
 TEST_F(JobConfigTest, EpochsOrTrainSteps) {
   WriteData(kCount, 28, false);
   options_.job.epochs = 3;
