@@ -63,12 +63,12 @@ class AllReduceTest : public TempDirTest {
 // evaluator's lines as in ps mode.
 TEST_F(AllReduceTest, MainJobWithoutPsReachesTheBar) {
   const std::string model_dir = dir_ + "/model";
-  RunResult run = RunProcess(
-      Bin("psflow-launch"),
-      {"--ps=0", "--chief=false", "--workers=2", "--evaluators=1", "--", "--model=cnn",
-       "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
-       "--log_every_steps=500", "--eval_every_secs=10", "--model_dir=" + model_dir},
-      {}, seconds(600));
+  RunResult run =
+      RunProcess(Bin("psflow-launch"),
+                 {"--ps=0", "--chief=false", "--workers=2", "--evaluators=1", "--", "--model=cnn",
+                  "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
+                  "--log_every_steps=500", "--eval_every_secs=10", "--model_dir=" + model_dir},
+                 {}, seconds(600));
   ASSERT_EQ(run.exit_code, 0) << run.output;
   EXPECT_THAT(run.output, HasSubstr("[launch] cluster: no chief (worker 0 runs its duties), no ps "
                                     "(the workers all-reduce)"));
@@ -146,8 +146,7 @@ TEST_F(AllReduceTest, TfConfigOfWorkersOnlyWithAGlobalBatch) {
     workers.push_back(std::make_unique<Process>(
         Bin("psflow-worker"), args,
         std::map<std::string, std::string>{
-            {"TF_CONFIG",
-             absl::StrCat(cluster, R"("task":{"type":"worker","index":)", w, "}}")}}));
+            {"TF_CONFIG", absl::StrCat(cluster, R"("task":{"type":"worker","index":)", w, "}}")}}));
   }
   for (auto& w : workers) EXPECT_EQ(w->WaitOrKill(seconds(240)), 0) << w->Describe();
   const std::string out = workers[0]->output();
@@ -163,8 +162,8 @@ TEST_F(AllReduceTest, TfConfigOfWorkersOnlyWithAGlobalBatch) {
 TEST_F(AllReduceTest, AWorkersDeathRestartsTheGroupFromTheNewestCheckpoint) {
   const std::vector<int> ports = FreePorts(2);
   ASSERT_EQ(ports.size(), 2u);
-  const std::string hosts = absl::StrCat("--worker_hosts=127.0.0.1:", ports[0], ",127.0.0.1:",
-                                         ports[1]);
+  const std::string hosts =
+      absl::StrCat("--worker_hosts=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]);
   auto start = [&](int w) {
     std::vector<std::string> args = {"--job_name=worker", "--task_id=" + std::to_string(w), hosts};
     for (const std::string& a : MlpArgs(1500)) args.push_back(a);
@@ -185,11 +184,12 @@ TEST_F(AllReduceTest, AWorkersDeathRestartsTheGroupFromTheNewestCheckpoint) {
   EXPECT_EQ(r1->WaitOrKill(seconds(60)), 0) << r1->Describe();
   const std::string out = r0->output();
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(restoring from the checkpoint of step ([0-9]+))")))
+  ASSERT_TRUE(
+      std::regex_search(out, m, std::regex(R"(restoring from the checkpoint of step ([0-9]+))")))
       << out;
   EXPECT_GE(std::stoll(m[1].str()), 300) << out;
-  EXPECT_THAT(r1->output(), HasSubstr("loaded this worker's replica from worker 0's at step " +
-                                      m[1].str()));
+  EXPECT_THAT(r1->output(),
+              HasSubstr("loaded this worker's replica from worker 0's at step " + m[1].str()));
   EXPECT_THAT(out, HasSubstr("done: 1500 steps"));
   ExpectIdenticalReplicas(out + r1->output(), 2);
   const std::string figures = SavedModelFigures(dir_ + "/model");
