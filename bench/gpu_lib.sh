@@ -41,8 +41,7 @@ psflow() {
     --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
     --wire_dtype="$wire"
   rate=$(ex_per_s "$tmp/$name.log")
-  split=$( (grep -E '^\[chief\].* step [0-9]+/' "$tmp/$name.log" || true) | tail -1 | sed -n \
-    's/.*| step \([0-9.]*\) ms (pull \([0-9.]*\) compute \([0-9.]*\) push \([0-9.]*\) wait \([0-9.]*\)).*/\1 \2 \3 \4 \5/p')
+  split=$(step_split "$tmp/$name.log")
   rate=${rate:-0} split=${split:-- - - - -}
   echo "$name: $rate ex/s, step $split (ms: step pull compute push wait)"
 }

@@ -21,3 +21,23 @@ launch_job() {
 ex_per_s() {
   sed -n 's/.* \([0-9.]*\) ex\/s after the first interval.*/\1/p' "$1"
 }
+
+# step_split LOG: "step pull compute push wait" (ms) of the last progress line
+# of the process running the chief's duties ("[chief]", or "[worker0]" in a
+# job without a chief); "- - - - -" if the log has none.
+step_split() {
+  local split
+  split=$( (grep -E '^\[(chief|worker0)\] .*\| step [0-9.]+ ms \(pull ' "$1" || true) | tail -1 | sed -n \
+    's/.*| step \([0-9.]*\) ms (pull \([0-9.]*\) compute \([0-9.]*\) push \([0-9.]*\) wait \([0-9.]*\)).*/\1 \2 \3 \4 \5/p')
+  echo "${split:-- - - - -}"
+}
+
+# describe_cpu_host: one line on the CPU, cores, memory and load of this host.
+describe_cpu_host() {
+  local cpu mem load
+  cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -1)
+  mem=$(awk '/^MemTotal:/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo 2>/dev/null)
+  load=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
+  echo "host: ${cpu:-unknown CPU}; $(nproc) cores; ${mem:-? GiB} memory; load average ${load:-?};" \
+    "$(uname -sr)"
+}
