@@ -9,8 +9,9 @@
 #      (--metrics_port) while it runs and to exit 0 and the chief to log the
 #      evaluator's final evaluation, and evaluates the saved
 #      model in a container;
-#   4. validates the TFJob manifests against the Kubeflow CRD schema
-#      ($PSFLOW_TFJOB_CRD, by default ../shared/schemas/kubeflow.org_tfjobs.yaml)
+#   4. validates the TFJob and PyTorchJob manifests against the Kubeflow CRD
+#      schemas ($PSFLOW_TFJOB_CRD, by default ../shared/schemas/kubeflow.org_tfjobs.yaml;
+#      $PSFLOW_PYTORCHJOB_CRD, by default ../shared/schemas/kubeflow.org_pytorchjobs.yaml)
 #      and checks the kustomize base (rendering it where kubectl is installed).
 # Run as root; installs buildah, podman, debootstrap and runc when missing.
 set -euo pipefail
@@ -146,5 +147,7 @@ fi
 # 4. Manifests (the kustomize test also renders the base where kubectl is installed).
 /usr/bin/python3 deploy/validate_tfjob.py "${PSFLOW_TFJOB_CRD:-../shared/schemas/kubeflow.org_tfjobs.yaml}" \
   deploy/tfjob/*.yaml
+/usr/bin/python3 deploy/validate_pytorchjob.py \
+  "${PSFLOW_PYTORCHJOB_CRD:-../shared/schemas/kubeflow.org_pytorchjobs.yaml}" deploy/pytorchjob/*.yaml
 /usr/bin/python3 tests/deploy/kustomize_test.py
 echo "check-deploy: all checks passed"
