@@ -33,6 +33,7 @@
 #include "common/metrics.h"
 #include "common/signals.h"
 #include "ps/grpc_client.h"
+#include "ps/local_client.h"
 #include "ps/service.h"
 #include "ps/shard.h"
 #include "worker/service.h"
@@ -155,9 +156,13 @@ int main(int argc, char** argv) {
                                   config.cluster.ChiefHostRole());
   psflow::worker::Trainer trainer(
       options, &chief,
-      [&security, &metrics, connections = options.lanes_per_ps,
+      [&security, &metrics, &config, &replica, connections = options.lanes_per_ps,
        server = all_reduce ? psflow::Role::kWorker : psflow::Role::kPs](
           const std::vector<std::string>& addresses) -> std::unique_ptr<psflow::ps::Client> {
+        // This worker's own replica is in this process: no gRPC to reach it.
+        if (replica != nullptr && addresses == std::vector<std::string>{config.self_address}) {
+          return std::make_unique<psflow::ps::LocalClient>(replica.get());
+        }
         return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics,
                                                         server);
       });

@@ -12,7 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/placement.h"
-#include "ps/limits.h"
+#include "ps/local_client.h"
 #include "ps/optimizer.h"
 #include "ps/tensors.h"
 
@@ -23,66 +23,6 @@ using ps::WithPs;
 
 // How often a waiting pull looks at cancellation, SetDown and Restart.
 constexpr absl::Duration kPollEvery = absl::Milliseconds(2);
-
-std::string DisplayName(const std::string& name, const std::string& slot) {
-  return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' (", slot, ")");
-}
-
-// Copies each tensor of `from` into the sink of its name and slot, through
-// the tensor's wire dtype (a 16-bit dtype rounds the values as a
-// ChunkSplitter and ChunkAssembler would). What a ChunkAssembler would refuse
-// is INVALID_ARGUMENT: a tensor no sink names, of another dtype or shape, or
-// sent twice, and a required sink left empty.
-absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink>& sinks) {
-  absl::flat_hash_map<std::pair<std::string, std::string>, size_t> index;
-  for (size_t i = 0; i < sinks.size(); ++i) index[{sinks[i].name, sinks[i].slot}] = i;
-  std::vector<bool> filled(sinks.size(), false);
-  for (const TensorRef& t : from) {
-    auto it = index.find(std::make_pair(t.name, t.slot));
-    if (it == index.end())
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown tensor ", DisplayName(t.name, t.slot)));
-    TensorSink& sink = sinks[it->second];
-    if (t.shape != sink.shape) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot),
-                                                     " has shape ", ShapeString(t.shape),
-                                                     ", expected ", ShapeString(sink.shape)));
-    }
-    if (t.dtype != sink.dtype) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot),
-                                                     " has dtype ", DataType_Name(t.dtype),
-                                                     ", expected ", DataType_Name(sink.dtype)));
-    }
-    if (filled[it->second]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(t.name, t.slot), " sent twice"));
-    }
-    const int64_t n = NumElements(t.shape);
-    std::string wire(static_cast<size_t>(n * WireBytes(t.dtype)), '\0');
-    EncodeFloats(t.dtype, t.data, n, wire.data());
-    DecodeFloats(t.dtype, wire.data(), n, SinkData(sink, n));
-    filled[it->second] = true;
-  }
-  for (size_t i = 0; i < sinks.size(); ++i) {
-    if (sinks[i].required && !filled[i]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(sinks[i].name, sinks[i].slot), " is incomplete"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// A pull's and a snapshot's tensors as refs into the shard's result (alive
-// while it is), with the version they belong to.
-struct Tensors {
-  int64_t version = 0;
-  absl::Duration waited;
-  std::vector<TensorRef> refs;
-};
-
-Tensors SnapshotTensors(const ps::Shard::Snapshot& snap) {
-  return {snap.weights->version, absl::ZeroDuration(), ps::SnapshotRefs(snap)};
-}
 
 }  // namespace
 
@@ -161,6 +101,17 @@ absl::StatusOr<std::shared_ptr<ps::Shard>> FakePs::Enter(int ps, Method method, 
   return e.shard;
 }
 
+ps::LocalCall FakePs::Interruption(int ps, const std::atomic<bool>& cancelled) const {
+  ps::LocalCall call;
+  call.interrupted = [this, ps, &cancelled] {
+    if (Down(ps)) return absl::UnavailableError("ps is down");
+    if (cancelled) return absl::CancelledError("call cancelled");
+    return absl::OkStatus();
+  };
+  call.poll_every = kPollEvery;
+  return call;
+}
+
 bool FakePs::Down(int ps) const {
   absl::MutexLock lock(&mu_);
   return ps_[ps].down;
@@ -170,22 +121,7 @@ absl::Status FakePs::DoInit(const std::atomic<bool>& cancelled, int ps, const In
                             const std::vector<TensorRef>& tensors, absl::Time deadline) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kInit, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  if (header.ps_index() != ps) {
-    return WithPs(ps, absl::InvalidArgumentError(
-                          absl::StrCat("init for ps ", header.ps_index(), " reached ps ", ps)));
-  }
-  absl::StatusOr<std::unique_ptr<ps::Optimizer>> opt =
-      ps::Optimizer::Create(header.job().optimizer());
-  if (!opt.ok()) return WithPs(ps, opt.status());
-  const std::vector<std::string> slot_names = (*opt)->SlotNames();
-  if (absl::Status s = ps::CheckInitHeader(header, slot_names.size()); !s.ok()) {
-    return WithPs(ps, s);
-  }
-  std::vector<ps::Shard::SliceValues> values;
-  std::vector<TensorSink> sinks = ps::InitSinks(header, slot_names, &values);
-  absl::Status s = CopyInto(tensors, sinks);
-  if (s.ok()) s = (*shard)->Init(header, std::move(values));
-  return WithPs(ps, s);
+  return WithPs(ps, ps::LocalInit(**shard, ps, header, tensors));
 }
 
 absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& cancelled, int ps,
@@ -196,81 +132,10 @@ absl::StatusOr<ps::Client::PullResult> FakePs::DoPull(const std::atomic<bool>& c
                                                       absl::Duration max_wait) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPull, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  // The one dtype of the sinks is what a ps::GrpcClient asks for.
-  absl::StatusOr<DataType> dtype = SinksDtype(sinks);
-  if (!dtype.ok()) return WithPs(ps, dtype.status());
-  auto specs = (*shard)->Slices(job_id);
-  if (!specs.ok()) return WithPs(ps, specs.status());
-  absl::StatusOr<std::vector<int>> indices =
-      ps::SliceIndices(slices, static_cast<int>((*specs)->size()), "pull");
-  if (!indices.ok()) return WithPs(ps, indices.status());
-  const absl::Time start = absl::Now();
-  const absl::Time wait_deadline =
-      max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
-  auto stop = [&] { return cancelled.load() || Down(ps); };
-  // Waits as the service does, in short slices so that SetDown and Restart
-  // are noticed: `pull(until)` is one wait. Not-yet answers are OK with no value.
-  bool first = true;
-  auto wait = [&](auto pull, absl::Time until, bool may_answer_not_yet)
-      -> absl::StatusOr<std::optional<std::decay_t<decltype(*pull(until))>>> {
-    while (true) {
-      const absl::Time slice_end = std::min(until, absl::Now() + kPollEvery);
-      auto pulled = pull(slice_end);
-      if (pulled.ok()) return std::optional<std::decay_t<decltype(*pulled)>>(*std::move(pulled));
-      const absl::Status& s = pulled.status();
-      if (absl::IsDeadlineExceeded(s) && slice_end < until && !stop()) {
-        first = false;
-        continue;  // not there yet: wait on
-      }
-      if (absl::IsDeadlineExceeded(s) && !stop() && may_answer_not_yet && until < deadline) {
-        return std::nullopt;
-      }
-      if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
-      if (cancelled) return WithPs(ps, absl::CancelledError("call cancelled"));
-      // The job check passed before: the job was replaced between two waits.
-      if (absl::IsFailedPrecondition(s) && !first) {
-        return WithPs(ps, absl::AbortedError("the job was replaced while waiting"));
-      }
-      return WithPs(ps, s);
-    }
-  };
-  PullResult result;
-  std::vector<TensorRef> refs;
-  std::vector<ps::Shard::Value> keep;  // the values refs point into
-  if (indices->empty()) {
-    auto pulled =
-        wait([&](absl::Time until) { return (*shard)->Pull(job_id, min_version, until, stop); },
-             wait_deadline, true);
-    if (!pulled.ok()) return pulled.status();
-    if (!pulled->has_value()) {
-      result.version = (*shard)->stats().version;  // not yet
-      return result;
-    }
-    result.version = (**pulled).weights->version;
-    result.wait_us = absl::ToInt64Microseconds(absl::Now() - start);
-  } else {
-    result.version = std::numeric_limits<int64_t>::max();
-    for (size_t k = 0; k < indices->size(); ++k) {
-      const int i = (*indices)[k];
-      auto pulled = wait(
-          [&](absl::Time until) {
-            return (*shard)->PullSlice(job_id, i, min_version, until, stop);
-          },
-          k == 0 ? wait_deadline : deadline, k == 0);
-      if (!pulled.ok()) return pulled.status();
-      if (!pulled->has_value()) {
-        result.version = (*shard)->stats().version;  // not yet
-        return result;
-      }
-      if (k == 0) result.wait_us = absl::ToInt64Microseconds(absl::Now() - start);
-      result.version = std::min(result.version, (**pulled).version);
-      keep.push_back((**pulled).value);
-      refs.push_back(ps::SliceValueRef((**specs)[i], keep.back(), *dtype));
-    }
-  }
-  absl::Status s = CopyInto(refs, sinks);
-  if (!s.ok()) return WithPs(ps, absl::DataLossError(s.message()));
-  return result;
+  absl::StatusOr<PullResult> r = ps::LocalPull(**shard, Interruption(ps, cancelled), job_id,
+                                               min_version, slices, sinks, deadline, max_wait);
+  if (!r.ok()) return WithPs(ps, r.status());
+  return r;
 }
 
 absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, int ps,
@@ -279,31 +144,9 @@ absl::StatusOr<PushResponse> FakePs::DoPush(const std::atomic<bool>& cancelled, 
                                             absl::Time deadline) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard = Enter(ps, Method::kPush, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  auto slices = (*shard)->Slices(header.job_id());
-  if (!slices.ok()) return WithPs(ps, slices.status());
-  absl::StatusOr<DataType> dtype = (*shard)->WireDtype(header.job_id());
-  if (!dtype.ok()) return WithPs(ps, dtype.status());
-  const std::vector<SliceSpec>& specs = **slices;
-  absl::StatusOr<std::vector<int>> indices =
-      ps::SliceIndices(header.slices(), static_cast<int>(specs.size()), "push");
-  if (!indices.ok()) return WithPs(ps, indices.status());
-  std::vector<ps::Shard::SliceGradient> values;
-  if (header.skip()) {
-    if (!grads.empty()) return WithPs(ps, absl::InvalidArgumentError("a skip push carries data"));
-    values = ps::SkipGradients(*indices, static_cast<int>(specs.size()));
-  } else {
-    std::vector<TensorSink> sinks = ps::GradientSinks(specs, *indices, *dtype, &values);
-    absl::Status s = CopyInto(grads, sinks);
-    if (!s.ok()) return WithPs(ps, s);
-  }
-  absl::StatusOr<PushResponse::Outcome> outcome =
-      (*shard)->PushSlices(header.job_id(), header.worker(), header.step(), std::move(values));
-  if (!outcome.ok()) return WithPs(ps, outcome.status());
-  (*shard)->CountOutcome(*outcome);
-  PushResponse response;
-  response.set_outcome(*outcome);
-  response.set_version((*shard)->stats().version);
-  return response;
+  absl::StatusOr<PushResponse> r = ps::LocalPush(**shard, header, grads);
+  if (!r.ok()) return WithPs(ps, r.status());
+  return r;
 }
 
 absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
@@ -325,16 +168,7 @@ absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, i
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
       Enter(ps, Method::kGetState, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  ps::Shard::State st = (*shard)->state();
-  PsState state;
-  state.set_ps_index(ps);
-  state.set_holds_job(st.has_job);
-  state.set_job_id(st.job_id);
-  state.set_version(st.version);
-  *state.mutable_job() = std::move(st.job);
-  for (int w : st.live_workers) state.add_live_workers(w);
-  for (int w : st.joining_workers) state.add_joining_workers(w);
-  return state;
+  return ps::LocalState(**shard, ps);
 }
 
 absl::Status FakePs::DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
@@ -352,22 +186,10 @@ absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
       Enter(ps, Method::kSnapshot, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  auto snap =
-      (*shard)->SnapshotAt(job_id, version, deadline, [&] { return cancelled.load() || Down(ps); });
-  if (!snap.ok()) {
-    if (Down(ps)) return WithPs(ps, absl::UnavailableError("ps is down"));
-    return WithPs(ps, snap.status());
-  }
-  Tensors t = SnapshotTensors(**snap);
-  if (t.version != version) return WithPs(ps, absl::DataLossError("snapshot of another version"));
-  // As the real ps: sinks of values alone get no slots.
-  if (std::all_of(sinks.begin(), sinks.end(), [](const TensorSink& s) { return s.slot.empty(); })) {
-    t.refs.erase(std::remove_if(t.refs.begin(), t.refs.end(),
-                                [](const TensorRef& r) { return !r.slot.empty(); }),
-                 t.refs.end());
-  }
-  absl::Status s = CopyInto(t.refs, sinks);
-  return s.ok() ? s : WithPs(ps, absl::DataLossError(s.message()));
+  // Waits on the shard in one piece (within a second, as the shard checks).
+  ps::LocalCall call = Interruption(ps, cancelled);
+  call.poll_every = absl::InfiniteDuration();
+  return WithPs(ps, ps::LocalSnapshot(**shard, call, job_id, version, sinks, deadline));
 }
 
 absl::Status FakePs::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,

@@ -1,12 +1,9 @@
 // An in-memory parameter-server cluster behind the ps::Client interface, for
 // testing role logic without processes or gRPC. It holds one real ps::Shard
-// per ps and does what ps/service.cc does in front of it (checks the Init
-// header, fills the slices and their optimizer slots by name and slot, answers
-// "not yet" to a pull whose max_wait passes first, reports the version after a
-// push), copying tensors straight between the caller's TensorRef/TensorSink
-// buffers and the shard. Pulls and pushes go through their wire dtype as the
-// service's do: a pull in the sinks' dtype, a push in the job's wire dtype
-// (another is INVALID_ARGUMENT), values rounded to 16 bits and back. Errors name the ps ("ps 1:
+// per ps and makes the calls of ps/local_client.h on it (what ps/service.cc
+// does in front of a shard), with faults in front. Pulls and pushes go through their wire dtype as
+// the service's do: a pull in the sinks' dtype, a push in the job's wire dtype (another is
+// INVALID_ARGUMENT), values rounded to 16 bits and back. Errors name the ps ("ps 1:
 // ...") and keep the codes ps::GrpcClient would give: the shard's own, INVALID_ARGUMENT for tensors
 // an Init or a push does not fit, DATA_LOSS for a pull or snapshot answer that does not fit the
 // sinks.
@@ -39,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "ps/client.h"
+#include "ps/local_client.h"
 #include "ps/shard.h"
 
 namespace psflow::fakes {
@@ -113,6 +111,9 @@ class FakePs final : public ps::Client {
   absl::StatusOr<std::shared_ptr<ps::Shard>> Enter(int ps, Method method, absl::Time deadline,
                                                    const std::atomic<bool>& cancelled);
   bool Down(int ps) const;
+  // What ends a wait of a call to ps `ps`: the ps going down, then the
+  // calling client's CancelAll; looked at every kPollEvery.
+  ps::LocalCall Interruption(int ps, const std::atomic<bool>& cancelled) const;
 
   // The calls, for this client or a Connection (`cancelled`: its CancelAll).
   absl::Status DoInit(const std::atomic<bool>& cancelled, int ps, const InitHeader& header,
