@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/log.h"
+#include "common/status_macros.h"
 
 namespace psflow::allreduce {
 namespace {
@@ -269,6 +271,20 @@ absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> p
   absl::MutexLock lock(&mu_);
   formed_ = true;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Ring::Broadcast(int64_t step, const std::string& bytes) {
+  std::vector<float> values(bytes.size(), 0.0f);
+  if (options_.rank == 0) {
+    for (size_t i = 0; i < bytes.size(); ++i) values[i] = static_cast<unsigned char>(bytes[i]);
+  }
+  std::vector<absl::Span<float>> pieces = {absl::MakeSpan(values)};
+  PSFLOW_RETURN_IF_ERROR(AllReduce(step, pieces, DT_FLOAT));
+  std::string out(bytes.size(), '\0');
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = static_cast<char>(std::lrint(values[i] * static_cast<float>(options_.size)));
+  }
+  return out;
 }
 
 }  // namespace psflow::allreduce

@@ -102,6 +102,12 @@ class Ring {
   // ring is left and every later call fails.
   absl::Status AllReduce(int64_t step, absl::Span<const absl::Span<float>> pieces, DataType dtype);
 
+  // Member 0's `bytes` on every member (each passes as many bytes; only
+  // member 0's are read): an all-reduce of step `step` of the bytes as
+  // floats, the others' zero, which small integers survive exactly. For
+  // what the members must agree on before training (the GPU group's id).
+  absl::StatusOr<std::string> Broadcast(int64_t step, const std::string& bytes);
+
   // A piece from member `piece.from` (the service's side); see
   // proto/allreduce.proto for the answers.
   absl::Status Deliver(RingPiece piece);

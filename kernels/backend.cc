@@ -138,4 +138,26 @@ absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateDeviceGroup(
 #endif
 }
 
+absl::StatusOr<std::string> NewPeerGroupId() {
+#if PSFLOW_HAVE_CUDA
+  return NewNcclPeerGroupId();
+#else
+  return absl::UnimplementedError("GPU peer groups need the CUDA backend (NCCL)");
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,
+                                                         int rank, int size) {
+#if PSFLOW_HAVE_CUDA
+  auto* gpu = dynamic_cast<CudaBackend*>(backend);
+  if (gpu == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("device %s cannot join a group of GPUs", backend->name()));
+  }
+  return JoinNcclPeerGroup(gpu, id, rank, size);
+#else
+  return absl::UnimplementedError("GPU peer groups need the CUDA backend (NCCL)");
+#endif
+}
+
 }  // namespace psflow::kernels

@@ -274,6 +274,35 @@ class DeviceGroup {
 absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateDeviceGroup(
     const std::vector<Backend*>& backends);
 
+// The GPUs of several processes (one GPU each: a worker's first replica),
+// reducing device buffers among themselves: the workers of a job without ps
+// (JobConfig.exchange ALL_REDUCE). On NCCL; its own transports (NVLink,
+// PCIe, sockets) carry the data, and psflow's all-reduce ring carries the
+// group's id (PeerGroupId) from member 0 to the others.
+class PeerGroup {
+ public:
+  virtual ~PeerGroup() = default;
+  // For each i: replaces the sizes[i] floats at buffers[i] (device memory of
+  // this member's backend) with their mean over the members, queued on the
+  // backend's stream after the work queued there before. Every member calls
+  // it with the same sizes, in the same order.
+  virtual absl::Status AllReduceMean(const std::vector<float*>& buffers,
+                                     const std::vector<int64_t>& sizes) = 0;
+};
+
+// The bytes of a group's id.
+inline constexpr size_t kPeerGroupIdBytes = 128;
+// A new group's id (kPeerGroupIdBytes to hand to every member), made by
+// member 0.
+// UNIMPLEMENTED in a build without the CUDA backend.
+absl::StatusOr<std::string> NewPeerGroupId();
+// This process's membership, as member `rank` of `size`, with its GPU
+// `backend` (a CUDA backend, outliving the group). Blocks until every member
+// has joined. INVALID_ARGUMENT for another backend or an id that is not
+// one; INTERNAL when NCCL fails; UNIMPLEMENTED without the CUDA backend.
+absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,
+                                                         int rank, int size);
+
 }  // namespace psflow::kernels
 
 #endif  // PSFLOW_KERNELS_KERNELS_H_

@@ -226,6 +226,7 @@ absl::Status Trainer::Prepare() {
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
   // A lane's pull may wait for its own push only: every lane needs a thread.
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
+  if (AllReduce()) PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
               << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
                                                      absl::StrJoin(devices_, ", "))
@@ -272,6 +273,41 @@ struct ReplicaTensors {
 };
 
 }  // namespace
+
+absl::Status Trainer::FormGpuGroup() {
+  gpu_peers_.reset();
+  allreduce::Ring* const ring = options_.ring;
+  if (ring->size() < 2) return absl::OkStatus();
+  // Whether every worker is on GPUs: the mean of a flag.
+  float on_gpu = in_place_ ? 0.0f : 1.0f;
+  std::vector<absl::Span<float>> flag = {absl::MakeSpan(&on_gpu, 1)};
+  absl::Status s = ring->AllReduce(/*step=*/-2, flag, DT_FLOAT);
+  if (s.ok() && on_gpu < 1.0f) return absl::OkStatus();  // the host ring it is
+  std::string id(kernels::kPeerGroupIdBytes, '\0');
+  if (s.ok() && options_.worker_index == 0) {
+    absl::StatusOr<std::string> made = kernels::NewPeerGroupId();
+    if (!made.ok()) return Permanent(made.status());
+    id = *std::move(made);
+  }
+  if (s.ok()) {
+    absl::StatusOr<std::string> shared = ring->Broadcast(/*step=*/-1, id);
+    s = shared.status();
+    if (s.ok()) id = *std::move(shared);
+  }
+  if (!s.ok()) {
+    return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
+                        absl::StrCat("forming the workers' group: ", s.message()));
+  }
+  absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group =
+      kernels::JoinPeerGroup(backend_.get(), id, options_.worker_index, ring->size());
+  if (!group.ok()) {
+    return absl::InternalError(
+        absl::StrCat("joining the workers' GPU group: ", group.status().message()));
+  }
+  gpu_peers_ = *std::move(group);
+  PSLOG(INFO) << "the " << ring->size() << " workers average their gradients on their GPUs (NCCL)";
+  return absl::OkStatus();
+}
 
 absl::Status Trainer::LoadReplica() {
   // Worker 0's replica (the chief loaded it) is at the step the group
@@ -329,6 +365,7 @@ void Trainer::LogReplicaDigest() {
 }
 
 absl::Status Trainer::CreateReplicas() {
+  gpu_peers_.reset();  // before the backend it queues on
   replicas_.clear();
   replica_nets_.clear();
   group_.reset();
@@ -694,7 +731,12 @@ absl::Status Trainer::Train(int64_t start) {
         !s.ok()  ? s
         : group_ ? ReplicatedStep(images.data(), labels.data(), batch)
                  : net_->TrainStep(images.data(), labels.data(), batch);
-    if (result.ok() && !in_place_) s = net_->GetGradients(grads_);
+    // GPU workers of a job without ps average on their GPUs, before the
+    // gradients go to the host.
+    if (result.ok() && gpu_peers_ != nullptr) {
+      s = gpu_peers_->AllReduceMean(replica_grads_[0], variable_floats_);
+    }
+    if (result.ok() && s.ok() && !in_place_) s = net_->GetGradients(grads_);
     if (!result.ok() || !s.ok()) {
       const absl::Status& e = result.ok() ? s : result.status();
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
@@ -704,9 +746,10 @@ absl::Status Trainer::Train(int64_t start) {
     if (AllReduce()) {
       // The mean gradient of every worker, the same bits on each (and the
       // mean loss, so that all of them agree on whether the step was finite).
+      // (The GPUs averaged the gradients already: the loss alone then.)
       std::vector<absl::Span<float>> pieces;
       const std::vector<VariableShape>& variables = net_->variables();
-      for (size_t v = 0; v < variables.size(); ++v) {
+      for (size_t v = 0; gpu_peers_ == nullptr && v < variables.size(); ++v) {
         pieces.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
       }
       pieces.push_back(absl::MakeSpan(&loss_everywhere, 1));

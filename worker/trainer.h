@@ -139,6 +139,11 @@ class Trainer {
   // All-reduce jobs: logs a CRC-32C of this worker's replica (values and
   // optimizer state) at the final step; equal on every worker.
   void LogReplicaDigest();
+  // All-reduce jobs: when every worker computes on GPUs, joins them in one
+  // NCCL group (gpu_peers_), which then averages the gradients on the
+  // devices instead of the ring on the host. The workers agree through the
+  // ring (steps -2 and -1, before any training step).
+  absl::Status FormGpuGroup();
   bool AllReduce() const { return job_.exchange() == JobConfig::ALL_REDUCE; }
   // Trains from `start` to the last step (OK), or ends with a status that
   // IsRegisterAgain or that ends Run.
@@ -222,6 +227,8 @@ class Trainer {
   std::vector<std::unique_ptr<kernels::Backend>> replica_backends_;
   std::vector<std::unique_ptr<model::Network>> replica_nets_;
   std::unique_ptr<kernels::DeviceGroup> group_;
+  // All-reduce jobs of GPU workers: every worker's replica 0, in one group.
+  std::unique_ptr<kernels::PeerGroup> gpu_peers_;
   // Every replica's networks and their buffers on the GPU, in replica order
   // (fixed once the networks exist), and each variable's floats.
   std::vector<model::Network*> replicas_;

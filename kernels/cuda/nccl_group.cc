@@ -6,7 +6,9 @@
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <functional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -90,7 +92,75 @@ class NcclGroup final : public DeviceGroup {
   std::vector<ncclComm_t> comms_;
 };
 
+// One communicator of a group across processes; collectives on the
+// backend's stream, under its lock.
+class NcclPeerGroup final : public PeerGroup {
+ public:
+  NcclPeerGroup(CudaBackend* backend, ncclComm_t comm) : backend_(backend), comm_(comm) {}
+  ~NcclPeerGroup() override {
+    static_cast<void>(backend_->Synchronize());
+    static_cast<void>(ncclCommDestroy(comm_));
+  }
+
+  absl::Status AllReduceMean(const std::vector<float*>& buffers,
+                             const std::vector<int64_t>& sizes) override {
+    if (buffers.size() != sizes.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("all-reduce: ", buffers.size(), " buffers for ", sizes.size(), " sizes"));
+    }
+    return backend_->RunOnStream(
+        absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers"),
+        [&](void* stream) -> absl::Status {
+          PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
+          absl::Status queued;
+          for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
+            if (sizes[i] == 0) continue;
+            queued = CheckNccl(
+                ncclAllReduce(buffers[i], buffers[i], static_cast<size_t>(sizes[i]), ncclFloat,
+                              ncclAvg, comm_, static_cast<cudaStream_t>(stream)),
+                "ncclAllReduce");
+          }
+          const absl::Status ended = CheckNccl(ncclGroupEnd(), "ncclGroupEnd");
+          return queued.ok() ? ended : queued;
+        });
+  }
+
+ private:
+  CudaBackend* const backend_;
+  ncclComm_t comm_;
+};
+
 }  // namespace
+
+static_assert(kPeerGroupIdBytes == NCCL_UNIQUE_ID_BYTES, "a group id is an ncclUniqueId");
+
+absl::StatusOr<std::string> NewNcclPeerGroupId() {
+  ncclUniqueId id;
+  PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGetUniqueId(&id), "ncclGetUniqueId"));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backend,
+                                                             const std::string& id, int rank,
+                                                             int size) {
+  ncclUniqueId unique;
+  if (id.size() != sizeof(unique.internal)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a GPU group id of ", id.size(), " bytes, not ", sizeof(unique.internal)));
+  }
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(absl::StrCat("member ", rank, " of ", size));
+  }
+  std::copy(id.begin(), id.end(), unique.internal);
+  ncclComm_t comm = nullptr;
+  // On the backend's device (the call binds the communicator to the current one).
+  PSFLOW_RETURN_IF_ERROR(backend->RunOnStream(
+      absl::StrCat("cuda:", backend->device_ordinal(), " joining the workers' GPU group"),
+      [&](void*) {
+        return CheckNccl(ncclCommInitRank(&comm, size, unique, rank), "ncclCommInitRank");
+      }));
+  return std::unique_ptr<PeerGroup>(new NcclPeerGroup(backend, comm));
+}
 
 absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(
     const std::vector<CudaBackend*>& backends) {

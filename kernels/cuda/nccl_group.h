@@ -4,6 +4,7 @@
 #define PSFLOW_KERNELS_CUDA_NCCL_GROUP_H_
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -15,6 +16,13 @@ namespace psflow::kernels {
 // At least two backends of distinct GPUs, which must outlive the group.
 absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(
     const std::vector<CudaBackend*>& backends);
+
+// kernels::NewPeerGroupId and JoinPeerGroup on NCCL (ncclGetUniqueId,
+// ncclCommInitRank).
+absl::StatusOr<std::string> NewNcclPeerGroupId();
+absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backend,
+                                                             const std::string& id, int rank,
+                                                             int size);
 
 }  // namespace psflow::kernels
 

@@ -168,6 +168,27 @@ TEST(RingTest, ConsecutiveStepsReuseTheRing) {
   }
 }
 
+TEST(RingTest, BroadcastHandsMember0sBytesToEveryone) {
+  for (int n : {1, 2, 3, 5}) {
+    Group g(n, RingOptions());
+    for (Ring* r : g.rings) r->Open(1);
+    std::string id(128, '\0');
+    for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<char>(i * 37 + 11);
+    std::vector<absl::StatusOr<std::string>> got(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        got[r] = g.rings[r]->Broadcast(-1, r == 0 ? id : std::string(id.size(), 'x'));
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < n; ++r) {
+      ASSERT_TRUE(got[r].ok()) << got[r].status();
+      EXPECT_EQ(*got[r], id) << "member " << r << " of " << n;
+    }
+  }
+}
+
 TEST(RingTest, AMemberThatIsDownFailsTheOthersAndTheyLeave) {
   RingOptions o;
   o.round_timeout = absl::Seconds(20);

@@ -12,7 +12,9 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -189,6 +191,46 @@ TEST(MultiGpuTest, MainRecipeOnWorkersOfTwoGpusReachesTheAccuracyBar) {
     EXPECT_GE(std::stod(acc), 0.895) << workers << " workers";
     std::filesystem::remove_all(dir);
   }
+}
+
+// Two GPU workers without ps: they average their gradients on their GPUs
+// (one NCCL group across the two processes, its id handed over psflow's
+// ring), each applies the mean to its replica; the main recipe reaches the
+// bar and both replicas end bit-identical.
+TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
+  REQUIRE_TWO_GPUS();
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
+  }
+  const std::string dir = TempDir("allreduce");
+  Process launch(
+      Bin("psflow-launch"),
+      {"--ps=0", "--chief=false", "--workers=2", "--worker_devices=cuda:0;cuda:1", "--",
+       "--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
+       "--log_every_steps=500", "--data_dir=" + std::string(kData), "--model_dir=" + dir});
+  ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
+  const std::string out = launch.output();
+  EXPECT_THAT(out, ::testing::HasSubstr(
+                       "worker0] the 2 workers average their gradients on their GPUs (NCCL)"));
+  EXPECT_THAT(out, ::testing::HasSubstr(
+                       "worker1] the 2 workers average their gradients on their GPUs (NCCL)"));
+  const std::regex crc(R"(worker([01])\] replica at step 2340: crc32c ([0-9a-f]{8}))");
+  std::map<std::string, std::string> digests;
+  for (std::sregex_iterator it(out.begin(), out.end(), crc), end; it != end; ++it) {
+    digests[(*it)[1].str()] = (*it)[2].str();
+  }
+  ASSERT_EQ(digests.size(), 2u) << out;
+  EXPECT_EQ(digests["0"], digests["1"]) << out;
+  RunResult eval = RunProcess(Bin("psflow-eval"),
+                              {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
+                               "--data_dir=" + std::string(kData)},
+                              {}, seconds(120));
+  ASSERT_EQ(eval.exit_code, 0) << eval.description;
+  const std::string acc = EvalAccuracyText(eval.out);
+  ASSERT_NE(acc, "");
+  std::printf("main recipe, 2 GPU workers without ps: test accuracy %s\n", acc.c_str());
+  EXPECT_GE(std::stod(acc), 0.895);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(MultiGpuTest, AKilledWorkerOfTwoGpusIsRestartedAndTheJobEndsAtTheBar) {
