@@ -140,8 +140,9 @@ absl::StatusOr<Client::PullResult> LocalPull(Shard& shard, const LocalCall& call
   std::vector<Shard::Value> keep;  // the values refs point into
   std::shared_ptr<const Shard::Weights> whole;
   if (indices.empty()) {
-    auto pulled = wait([&](absl::Time until) { return shard.Pull(job_id, min_version, until, stop); },
-                       wait_deadline, true);
+    auto pulled =
+        wait([&](absl::Time until) { return shard.Pull(job_id, min_version, until, stop); },
+             wait_deadline, true);
     if (!pulled.ok()) return pulled.status();
     if (!pulled->has_value()) {
       result.version = shard.stats().version;  // not yet
@@ -216,8 +217,7 @@ PsState LocalState(Shard& shard, int ps) {
 
 absl::Status LocalSnapshot(Shard& shard, const LocalCall& call, uint64_t job_id, int64_t version,
                            std::vector<TensorSink>& sinks, absl::Time deadline) {
-  auto snap =
-      shard.SnapshotAt(job_id, version, deadline, [&] { return !call.interrupted().ok(); });
+  auto snap = shard.SnapshotAt(job_id, version, deadline, [&] { return !call.interrupted().ok(); });
   if (!snap.ok()) {
     if (absl::Status i = call.interrupted(); !i.ok()) return i;
     return snap.status();
@@ -261,8 +261,7 @@ absl::Status LocalClient::Init(int ps, const InitHeader& header, std::vector<Ten
 absl::StatusOr<Client::PullResult> LocalClient::Pull(int ps, uint64_t job_id, int64_t min_version,
                                                      std::vector<int> slices,
                                                      std::vector<TensorSink> sinks,
-                                                     absl::Time deadline,
-                                                     absl::Duration max_wait) {
+                                                     absl::Time deadline, absl::Duration max_wait) {
   PSFLOW_RETURN_IF_ERROR(Check(ps));
   absl::StatusOr<PullResult> r =
       LocalPull(*shard_, Call(), job_id, min_version, slices, sinks, deadline, max_wait);
