@@ -14,9 +14,12 @@
 namespace psflow::allreduce {
 namespace {
 
-// Pieces waiting in a mailbox at most (a peer is at most one step ahead:
-// a few buckets' rounds).
+// Pieces waiting in a mailbox at most, and their bytes (a peer is at most
+// one step ahead: a step's pieces for this member).
 constexpr size_t kMaxWaitingPieces = 4096;
+constexpr int64_t kMaxWaitingBytes = int64_t{1} << 30;
+// Buckets of a step at most (of 4 MiB: 4 TiB of gradients).
+constexpr int kMaxBuckets = 1 << 20;
 
 // The floats of [begin, end) of the pieces' concatenation, run by run.
 template <typename Fn>
@@ -46,9 +49,15 @@ void Ring::Open(uint64_t job_id) {
   job_id_ = job_id;
 }
 
-absl::Status Ring::Left() {
+absl::Status Ring::status() {
   absl::MutexLock lock(&mu_);
   return left_;
+}
+
+int64_t Ring::MaxPieceBytes() const {
+  const int64_t per_bucket =
+      std::max<int64_t>(options_.bucket_bytes / static_cast<int64_t>(sizeof(float)), options_.size);
+  return (per_bucket / options_.size + 2) * static_cast<int64_t>(sizeof(float));
 }
 
 void Ring::Leave(const absl::Status& why) {
@@ -59,7 +68,6 @@ void Ring::Leave(const absl::Status& why) {
     left_ = why;
     job_id = job_id_;
   }
-  if (absl::IsCancelled(why)) return;  // a stop: the others learn from the process's exit
   RingAbort abort;
   abort.set_job_id(job_id);
   abort.set_from(options_.rank);
@@ -68,15 +76,10 @@ void Ring::Leave(const absl::Status& why) {
   for (int m = 0; m < options_.size; ++m) {
     if (m != options_.rank) peers_->Abort(m, abort, deadline);
   }
+  peers_->CancelAll();  // sends still trying (a forming group's) end now
 }
 
-void Ring::Cancel() {
-  {
-    absl::MutexLock lock(&mu_);
-    if (left_.ok()) left_ = absl::CancelledError("stopping");
-  }
-  peers_->CancelAll();
-}
+void Ring::Cancel() { Leave(absl::CancelledError("stopping")); }
 
 absl::Status Ring::Deliver(RingPiece piece) {
   absl::MutexLock lock(&mu_);
@@ -92,7 +95,8 @@ absl::Status Ring::Deliver(RingPiece piece) {
   const int prev = (options_.rank + options_.size - 1) % options_.size;
   const int rounds = 2 * (options_.size - 1);
   if (piece.from() != prev || piece.round() < 0 || piece.round() >= rounds || piece.bucket() < 0 ||
-      !IsWireDtype(piece.dtype())) {
+      piece.bucket() >= kMaxBuckets || !IsWireDtype(piece.dtype()) ||
+      static_cast<int64_t>(piece.data().size()) > MaxPieceBytes()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a piece this worker never takes: from ", piece.from(), ", round ",
                      piece.round(), ", bucket ", piece.bucket(), ", dtype ", piece.dtype()));
@@ -101,13 +105,15 @@ absl::Status Ring::Deliver(RingPiece piece) {
     return absl::FailedPreconditionError(
         absl::StrCat("a piece of step ", piece.step(), "; this worker is at step ", step_));
   }
-  if (mailbox_.size() >= kMaxWaitingPieces) {
+  const int64_t bytes = static_cast<int64_t>(piece.data().size());
+  if (mailbox_.size() >= kMaxWaitingPieces || mailbox_bytes_ + bytes > kMaxWaitingBytes) {
     return absl::ResourceExhaustedError("too many pieces waiting");
   }
   const Key key(piece.step(), piece.bucket(), piece.round());
   if (!mailbox_.emplace(key, std::move(piece)).second) {
     return absl::FailedPreconditionError("this worker already has that piece");
   }
+  mailbox_bytes_ += bytes;
   return absl::OkStatus();
 }
 
@@ -139,11 +145,11 @@ absl::StatusOr<RingPiece> Ring::Take(const Key& key, absl::Time deadline) {
   if (it == mailbox_.end()) {
     return absl::DeadlineExceededError(
         absl::StrCat("step ", std::get<0>(key), ": no piece from worker ",
-                     (options_.rank + options_.size - 1) % options_.size, " for ",
-                     absl::FormatDuration(options_.round_timeout)));
+                     (options_.rank + options_.size - 1) % options_.size, " in time"));
   }
   RingPiece piece = std::move(it->second);
   mailbox_.erase(it);
+  mailbox_bytes_ -= static_cast<int64_t>(piece.data().size());
   return piece;
 }
 
@@ -241,7 +247,11 @@ absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> p
     forming = !formed_;
     step_ = step;
     // Pieces of older steps (a retry's leftovers) are of no use now.
-    mailbox_.erase(mailbox_.begin(), mailbox_.lower_bound(Key(step, 0, 0)));
+    const auto old_end = mailbox_.lower_bound(Key(step, 0, 0));
+    for (auto it = mailbox_.begin(); it != old_end; ++it) {
+      mailbox_bytes_ -= static_cast<int64_t>(it->second.data().size());
+    }
+    mailbox_.erase(mailbox_.begin(), old_end);
   }
   if (options_.size == 1) return absl::OkStatus();
   int64_t total = 0;
@@ -266,7 +276,7 @@ absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> p
   });
   for (const absl::Status& r : results) {
     // The first failure left the group; the others followed from it.
-    if (!r.ok()) return Left();
+    if (!r.ok()) return status();
   }
   absl::MutexLock lock(&mu_);
   formed_ = true;

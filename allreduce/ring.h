@@ -113,8 +113,15 @@ class Ring {
   absl::Status Deliver(RingPiece piece);
   // Member `abort.from` left the group: waits end with UNAVAILABLE.
   absl::Status PeerAborted(const RingAbort& abort);
-  // Ends the ring for this process (a stop): calls in flight end CANCELLED.
+  // Ends the ring for this process (a stop): calls in flight end
+  // CANCELLED, and the other members are told (so that none waits for this
+  // one, on the ring or on a GPU group).
   void Cancel();
+  // Leaves the group for `why` (the first reason wins): tells the others
+  // and ends the calls in flight; every later call fails.
+  void Leave(const absl::Status& why);
+  // OK while this member is in the group; why it left otherwise.
+  absl::Status status() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Key = std::tuple<int64_t, int, int>;  // step, bucket, round
@@ -123,9 +130,8 @@ class Ring {
   absl::Status ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
                             absl::Span<const absl::Span<float>> pieces, DataType dtype,
                             bool forming);
-  // Leaves the group (the first error wins) and tells the others.
-  void Leave(const absl::Status& why);
-  absl::Status Left() ABSL_LOCKS_EXCLUDED(mu_);
+  // The most bytes of one piece: a segment of a bucket, in fp32.
+  int64_t MaxPieceBytes() const;
 
   const RingOptions options_;
   Peers* const peers_;
@@ -137,6 +143,7 @@ class Ring {
   int64_t step_ ABSL_GUARDED_BY(mu_) = -1;    // of the all-reduce in progress or last done
   absl::Status left_ ABSL_GUARDED_BY(mu_);    // why this member left the group
   std::map<Key, RingPiece> mailbox_ ABSL_GUARDED_BY(mu_);
+  int64_t mailbox_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace psflow::allreduce

@@ -100,6 +100,7 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
       [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); },
       progress_listener, options_.metrics);
   progress_->SetAsynchronous(AppliesEachGradient(job_));
+  progress_->SetAllReduce(AllReduce());
   absl::MutexLock lock(&mu_);
   job_id_ = NewJobId();
   for (int w = 0; w < job_.num_workers(); ++w) live_.insert(w);
@@ -176,6 +177,7 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
       }
       if (!group_broken_.ok()) return group_broken_;
       registered_.insert(w);
+      reported_.erase(w);  // its reports start once its group formed
     }
     last_seen_[w] = absl::Now();
     finished_.erase(w);
@@ -270,6 +272,7 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
       return response;
     }
     last_seen_[w] = absl::Now();
+    reported_.insert(w);
   }
   // Outside mu_: recording may write log lines.
   progress_->Record(w, {request.metrics().begin(), request.metrics().end()}, absl::Now());
@@ -635,6 +638,9 @@ void Coordinator::CheckWorkers() {
     for (int w : Sorted(live_)) {
       if (now - last_seen_[w] <= options_.timeouts.worker || finished_.contains(w)) continue;
       if (AllReduce()) {
+        // Between its registration and its first report a worker forms its
+        // group (up to --startup_timeout, which the others' ring enforces).
+        if (!reported_.contains(w)) continue;
         // The others cannot step without it.
         if (group_broken_.ok()) {
           group_broken_ = absl::UnavailableError(absl::StrCat(

@@ -236,6 +236,7 @@ class Coordinator {
   // (a worker registered again or went silent): Run then checkpoints and
   // returns it (UNAVAILABLE: every process restarts).
   absl::flat_hash_set<int> registered_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<int> reported_ ABSL_GUARDED_BY(mu_);  // since its registration
   absl::Status group_broken_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);       // with SKIP_STEP

@@ -201,6 +201,9 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   CoordinatorOptions& c = o->coordinator;
   // Without ps, worker 0's replica of the weights is the one the chief
   // loads, watches and checkpoints (JobConfig.exchange ALL_REDUCE).
+  if (o->cluster.cluster.worker.empty()) {
+    return absl::InvalidArgumentError("the cluster has no workers");
+  }
   c.ps_addresses = o->cluster.cluster.AllReduce()
                        ? std::vector<std::string>{o->cluster.cluster.worker.at(0)}
                        : o->cluster.cluster.ps;

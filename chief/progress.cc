@@ -76,6 +76,11 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
   });
 }
 
+void Progress::SetAllReduce(bool all_reduce) {
+  absl::MutexLock lock(&mu_);
+  all_reduce_ = all_reduce;
+}
+
 void Progress::SetAsynchronous(bool asynchronous) {
   absl::MutexLock lock(&mu_);
   asynchronous_ = asynchronous;
@@ -249,11 +254,11 @@ void Progress::EmitReadyLocked(absl::Time now) {
     emit_(absl::StrFormat(
         "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
         "%.1f "
-        "push %.1f wait %.1f) | workers %d/%d ps %d/%d%s | elapsed %s eta %s",
+        "push %.1f wait %.1f) | workers %d/%d %s %d/%d%s | elapsed %s eta %s",
         end, train_steps_, line.epoch, line.loss, line.accuracy, lr, line.examples_per_sec, step_ms,
         line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms, line.live_workers,
-        line.num_workers, line.live_ps, num_ps_, staleness, ShortDuration(now - first_report_),
-        ShortDuration(eta)));
+        line.num_workers, all_reduce_ ? "replica" : "ps", line.live_ps, num_ps_, staleness,
+        ShortDuration(now - first_report_), ShortDuration(eta)));
     if (listener_ != nullptr) listener_->OnLine(line);
     last_line_ = now;
     gauges_.loss->Set(line.loss);

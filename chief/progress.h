@@ -112,6 +112,9 @@ class Progress {
   void Rejoin(int worker, int64_t step);
   // The job applies each worker's gradient alone (see above).
   void SetAsynchronous(bool asynchronous);
+  // The job has no ps (its workers all-reduce): the lines count worker 0's
+  // replica ("replica 1/1") where they would count the ps.
+  void SetAllReduce(bool all_reduce);
   // A worker saw the last step applied: it reports no more steps (in an
   // asynchronous job its last step may be well before the end).
   void Finished(int worker);
@@ -161,6 +164,7 @@ class Progress {
   std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
   std::vector<bool> member_ ABSL_GUARDED_BY(mu_);           // in the live set
   bool asynchronous_ ABSL_GUARDED_BY(mu_) = false;
+  bool all_reduce_ ABSL_GUARDED_BY(mu_) = false;
   std::map<int64_t, Interval> intervals_ ABSL_GUARDED_BY(mu_);  // by interval end step
   int64_t logged_until_ ABSL_GUARDED_BY(mu_) = -1;  // end step of the last line, -1 before any
   absl::Time first_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

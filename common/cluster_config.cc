@@ -278,8 +278,9 @@ bool IsLoopbackHost(const std::string& host) {
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
-// The cluster a PyTorchJob's environment describes: workers only.
-absl::StatusOr<Partial> ParsePyTorchEnv(const ConfigEnv& env) {
+// The cluster a PyTorchJob's environment describes: workers only (their
+// addresses left to --worker_hosts when `workers_from_flags`).
+absl::StatusOr<Partial> ParsePyTorchEnv(const ConfigEnv& env, bool workers_from_flags) {
   const bool pet = !IsSet(env.master_addr);
   const std::string addr = pet ? *env.pet_master_addr : *env.master_addr;
   const std::optional<std::string>* port_text = FirstSet({&env.master_port, &env.pet_master_port});
@@ -304,10 +305,12 @@ absl::StatusOr<Partial> ParsePyTorchEnv(const ConfigEnv& env) {
   if (*rank >= *size) {
     return Invalid(absl::StrFormat("RANK %d out of range: WORLD_SIZE is %d", *rank, *size));
   }
-  absl::StatusOr<std::vector<std::string>> workers = PyTorchJobWorkers(addr, *port, *size);
-  if (!workers.ok()) return workers.status();
   Partial out;
-  out.lists[Role::kWorker] = *std::move(workers);
+  if (!workers_from_flags) {
+    absl::StatusOr<std::vector<std::string>> workers = PyTorchJobWorkers(addr, *port, *size);
+    if (!workers.ok()) return workers.status();
+    out.lists[Role::kWorker] = *std::move(workers);
+  }
   out.task = Task{Role::kWorker, *rank, "(RANK in a PyTorchJob's environment)"};
   return out;
 }
@@ -463,7 +466,7 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
     }
     if (!IsSet(env.cluster_config) && !IsSet(env.pod_name) &&
         (IsSet(env.master_addr) || IsSet(env.pet_master_addr))) {
-      absl::StatusOr<Partial> parsed = ParsePyTorchEnv(env);
+      absl::StatusOr<Partial> parsed = ParsePyTorchEnv(env, IsSet(flags.worker_hosts));
       if (!parsed.ok()) return parsed.status();
       from_env = *std::move(parsed);
     }

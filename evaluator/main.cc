@@ -101,8 +101,12 @@ int main(int argc, char** argv) {
   psflow::evaluator::Evaluator evaluator(
       options, &chief,
       [&security, &metrics,
-       server = config.cluster.AllReduce() ? psflow::Role::kWorker : psflow::Role::kPs](
-          const std::vector<std::string>& addresses) {
+       // A cluster that lists workers and no ps has none (its evaluator
+       // reads worker 0's replica); one whose evaluator sees the chief
+       // alone has ps it does not list.
+       server = config.cluster.AllReduce() && !config.cluster.worker.empty()
+                    ? psflow::Role::kWorker
+                    : psflow::Role::kPs](const std::vector<std::string>& addresses) {
         // Without ps, the chief names worker 0, which serves its replica.
         return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1, &metrics, server);
       });

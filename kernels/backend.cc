@@ -147,14 +147,15 @@ absl::StatusOr<std::string> NewPeerGroupId() {
 }
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,
-                                                         int rank, int size) {
+                                                         int rank, int size, absl::Time deadline,
+                                                         const std::function<bool()>& abandon) {
 #if PSFLOW_HAVE_CUDA
   auto* gpu = dynamic_cast<CudaBackend*>(backend);
   if (gpu == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrFormat("device %s cannot join a group of GPUs", backend->name()));
   }
-  return JoinNcclPeerGroup(gpu, id, rank, size);
+  return JoinNcclPeerGroup(gpu, id, rank, size, deadline, abandon);
 #else
   return absl::UnimplementedError("GPU peer groups need the CUDA backend (NCCL)");
 #endif

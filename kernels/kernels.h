@@ -35,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace psflow::kernels {
 
@@ -284,10 +285,16 @@ class PeerGroup {
   virtual ~PeerGroup() = default;
   // For each i: replaces the sizes[i] floats at buffers[i] (device memory of
   // this member's backend) with their mean over the members, queued on the
-  // backend's stream after the work queued there before. Every member calls
-  // it with the same sizes, in the same order.
+  // backend's stream after the work queued there before, and waits until it
+  // is done. Every member calls it with the same sizes, in the same order.
+  // A member that fails or dies must not leave the others waiting on their
+  // GPUs: the wait ends UNAVAILABLE when the group reports a member's
+  // failure, DEADLINE_EXCEEDED at `deadline`, CANCELLED once `abandon()` is
+  // true (looked at every few microseconds); each aborts the group, and
+  // every later call fails.
   virtual absl::Status AllReduceMean(const std::vector<float*>& buffers,
-                                     const std::vector<int64_t>& sizes) = 0;
+                                     const std::vector<int64_t>& sizes, absl::Time deadline,
+                                     const std::function<bool()>& abandon) = 0;
 };
 
 // The bytes of a group's id.
@@ -297,11 +304,13 @@ inline constexpr size_t kPeerGroupIdBytes = 128;
 // UNIMPLEMENTED in a build without the CUDA backend.
 absl::StatusOr<std::string> NewPeerGroupId();
 // This process's membership, as member `rank` of `size`, with its GPU
-// `backend` (a CUDA backend, outliving the group). Blocks until every member
-// has joined. INVALID_ARGUMENT for another backend or an id that is not
-// one; INTERNAL when NCCL fails; UNIMPLEMENTED without the CUDA backend.
+// `backend` (a CUDA backend, outliving the group). Waits until every member
+// has joined, ending as AllReduceMean's wait does (`deadline`, `abandon`).
+// INVALID_ARGUMENT for another backend or an id that is not one; INTERNAL
+// when NCCL fails; UNIMPLEMENTED without the CUDA backend.
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,
-                                                         int rank, int size);
+                                                         int rank, int size, absl::Time deadline,
+                                                         const std::function<bool()>& abandon);
 
 }  // namespace psflow::kernels
 

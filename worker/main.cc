@@ -65,8 +65,8 @@ int main(int argc, char** argv) {
       "                --worker_hosts=h2:2222\n"
       "Without ps (no --ps_hosts; a TF_CONFIG or CLUSTER_CONFIG of workers only; a PyTorchJob's\n"
       "MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK) the workers average their gradients among\n"
-      "themselves (a ring all-reduce over gRPC) and each keeps a replica of the weights and the\n"
-      "optimizer state; worker 0 (rank 0) is then the chief too.\n"
+      "themselves (a ring all-reduce over gRPC; GPU workers over NCCL) and each keeps a replica\n"
+      "of the weights and the optimizer state; worker 0 (rank 0) is then the chief too.\n"
       "In a cluster without a chief (no --chief_hosts, a TF_CONFIG or CLUSTER_CONFIG that lists\n"
       "only ps and workers), worker 0 is the chief as well: give it the chief's flags below\n"
       "(--model, --epochs, --model_dir, ...; the other workers may get the same ones and ignore\n"
@@ -182,10 +182,19 @@ int main(int argc, char** argv) {
   if (all_reduce) {
     services.push_back(replica_service.get());
     services.push_back(ring_service.get());
-    // Workers load their own replicas and read worker 0's (as the chief does).
-    for (auto& [method, roles] : psflow::ps::PsCallers(psflow::Role::kWorker)) {
-      roles.push_back(psflow::Role::kChief);
-      roles.push_back(psflow::Role::kEvaluator);
+    // A replica is read over the network (the chief's checkpoints, the
+    // other workers' loads from worker 0's, an evaluator) and changed only
+    // by the chief on worker 0's (Init, Shutdown); its own worker pushes
+    // in-process, so no push comes over the network.
+    const psflow::Role chief = config.cluster.ChiefHostRole();
+    for (auto& [method, roles] : psflow::ps::PsCallers(chief)) {
+      const std::string name = method.substr(method.rfind('/') + 1);
+      if (name == "Pull" || name == "Snapshot") {
+        roles = {chief, psflow::Role::kWorker, psflow::Role::kEvaluator};
+      } else {
+        roles = {psflow::Role::kChief};  // Push, SetLiveWorkers: never over the network
+        if ((name == "Init" || name == "Shutdown") && config.task_index == 0) roles = {chief};
+      }
       callers[method] = roles;
     }
     for (auto& [method, roles] : psflow::allreduce::AllReduceCallers()) callers[method] = roles;

@@ -238,6 +238,10 @@ absl::Status Trainer::Prepare() {
 
 bool Trainer::Async() const { return AppliesEachGradient(job_); }
 
+bool Trainer::GroupAbandoned() const {
+  return Stopping() || (options_.ring != nullptr && !options_.ring->status().ok());
+}
+
 namespace {
 
 // Whole-variable buffers of a replica's values ("") and optimizer slots.
@@ -278,11 +282,13 @@ absl::Status Trainer::FormGpuGroup() {
   gpu_peers_.reset();
   allreduce::Ring* const ring = options_.ring;
   if (ring->size() < 2) return absl::OkStatus();
-  // Whether every worker is on GPUs: the mean of a flag.
+  // Whether every worker is on GPUs: the mean of a flag, times the workers.
   float on_gpu = in_place_ ? 0.0f : 1.0f;
   std::vector<absl::Span<float>> flag = {absl::MakeSpan(&on_gpu, 1)};
   absl::Status s = ring->AllReduce(/*step=*/-2, flag, DT_FLOAT);
-  if (s.ok() && on_gpu < 1.0f) return absl::OkStatus();  // the host ring it is
+  if (s.ok() && std::lrint(on_gpu * static_cast<float>(ring->size())) != ring->size()) {
+    return absl::OkStatus();  // the host ring it is
+  }
   std::string id(kernels::kPeerGroupIdBytes, '\0');
   if (s.ok() && options_.worker_index == 0) {
     absl::StatusOr<std::string> made = kernels::NewPeerGroupId();
@@ -294,15 +300,19 @@ absl::Status Trainer::FormGpuGroup() {
     s = shared.status();
     if (s.ok()) id = *std::move(shared);
   }
+  if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
   if (!s.ok()) {
     return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
                         absl::StrCat("forming the workers' group: ", s.message()));
   }
-  absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group =
-      kernels::JoinPeerGroup(backend_.get(), id, options_.worker_index, ring->size());
+  absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group = kernels::JoinPeerGroup(
+      backend_.get(), id, options_.worker_index, ring->size(),
+      absl::Now() + options_.startup_timeout, [this] { return GroupAbandoned(); });
+  if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
   if (!group.ok()) {
-    return absl::InternalError(
-        absl::StrCat("joining the workers' GPU group: ", group.status().message()));
+    const absl::Status& e = group.status();
+    return absl::Status(IsRetryable(e) ? e.code() : absl::StatusCode::kInternal,
+                        absl::StrCat("joining the workers' GPU group: ", e.message()));
   }
   gpu_peers_ = *std::move(group);
   PSLOG(INFO) << "the " << ring->size() << " workers average their gradients on their GPUs (NCCL)";
@@ -734,7 +744,16 @@ absl::Status Trainer::Train(int64_t start) {
     // GPU workers of a job without ps average on their GPUs, before the
     // gradients go to the host.
     if (result.ok() && gpu_peers_ != nullptr) {
-      s = gpu_peers_->AllReduceMean(replica_grads_[0], variable_floats_);
+      s = gpu_peers_->AllReduceMean(replica_grads_[0], variable_floats_,
+                                    absl::Now() + options_.transfer_timeout,
+                                    [this] { return GroupAbandoned(); });
+      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (!s.ok()) {
+        // As the ring's failures: the group is gone, every worker restarts.
+        options_.ring->Leave(s);
+        return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kUnavailable,
+                            absl::StrCat("all-reduce of step ", step, ": ", s.message()));
+      }
     }
     if (result.ok() && s.ok() && !in_place_) s = net_->GetGradients(grads_);
     if (!result.ok() || !s.ok()) {
@@ -889,15 +908,22 @@ absl::Status Trainer::Run() {
   if (s.ok()) s = Prepare();
   if (!s.ok()) {
     SetRegistered(false);
+    if (AllReduce() && options_.ring != nullptr) options_.ring->Leave(s);
+    if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     return s;
   }
   std::thread reporter([this] { ReportLoop(); });
   s = TrainAndWait();
   reporter.join();
   SetRegistered(false);
+  // Without ps, this worker's failure leaves its group: the others stop
+  // waiting for it (on the ring or their GPUs) at once.
+  if (!s.ok() && AllReduce() && options_.ring != nullptr) options_.ring->Leave(s);
   absl::MutexLock lock(&mu_);
   // The chief's verdict wins over how training ended (a pull it cancelled).
   if (job_failed_) return absl::FailedPreconditionError("the chief failed the job; exiting");
+  // So does a stop signal over what the stop made fail.
+  if (!s.ok() && stop_signal_ != 0) return StoppedBySignal(stop_signal_);
   if (s.ok()) PSLOG(INFO) << "released by the chief; exiting";
   return s;
 }

@@ -144,6 +144,9 @@ class Trainer {
   // devices instead of the ring on the host. The workers agree through the
   // ring (steps -2 and -1, before any training step).
   absl::Status FormGpuGroup();
+  // All-reduce jobs: whether to stop waiting for the group (a stop, or the
+  // ring's group left: a member failed).
+  bool GroupAbandoned() const;
   bool AllReduce() const { return job_.exchange() == JobConfig::ALL_REDUCE; }
   // Trains from `start` to the last step (OK), or ends with a status that
   // IsRegisterAgain or that ends Run.

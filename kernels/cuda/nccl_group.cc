@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 
 namespace psflow::kernels {
@@ -92,42 +93,91 @@ class NcclGroup final : public DeviceGroup {
   std::vector<ncclComm_t> comms_;
 };
 
-// One communicator of a group across processes; collectives on the
-// backend's stream, under its lock.
+// Polls the communicator (and `done`, if given) until NCCL has nothing in
+// progress and `done()` holds, a member failed, the deadline passed or
+// `abandon()`: OK, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED.
+absl::Status Await(ncclComm_t comm, absl::Time deadline, const std::function<bool()>& abandon,
+                   const std::function<bool()>& done, absl::string_view what) {
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t asked = ncclCommGetAsyncError(comm, &state);
+    if (asked != ncclSuccess) state = asked;
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return absl::UnavailableError(absl::StrCat(
+          what, ": the workers' GPU group failed (a worker left?): ", ncclGetErrorString(state)));
+    }
+    if (state == ncclSuccess && (!done || done())) return absl::OkStatus();
+    if (abandon && abandon()) return absl::CancelledError(absl::StrCat(what, ": abandoned"));
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, ": the workers' GPU group did not answer in time"));
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
+}
+
+// One non-blocking communicator of a group across processes; collectives
+// queued on the backend's stream, under its lock, then waited for by
+// polling the communicator and an event, so that a member that is gone
+// ends the wait (the communicator is then aborted).
 class NcclPeerGroup final : public PeerGroup {
  public:
-  NcclPeerGroup(CudaBackend* backend, ncclComm_t comm) : backend_(backend), comm_(comm) {}
+  NcclPeerGroup(CudaBackend* backend, ncclComm_t comm, cudaEvent_t done)
+      : backend_(backend), comm_(comm), done_(done) {}
   ~NcclPeerGroup() override {
-    static_cast<void>(backend_->Synchronize());
-    static_cast<void>(ncclCommDestroy(comm_));
+    if (comm_ != nullptr) {
+      static_cast<void>(backend_->Synchronize());
+      static_cast<void>(ncclCommDestroy(comm_));
+    }
+    static_cast<void>(cudaEventDestroy(done_));
   }
 
-  absl::Status AllReduceMean(const std::vector<float*>& buffers,
-                             const std::vector<int64_t>& sizes) override {
+  absl::Status AllReduceMean(const std::vector<float*>& buffers, const std::vector<int64_t>& sizes,
+                             absl::Time deadline, const std::function<bool()>& abandon) override {
     if (buffers.size() != sizes.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat("all-reduce: ", buffers.size(), " buffers for ", sizes.size(), " sizes"));
     }
-    return backend_->RunOnStream(
-        absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers"),
-        [&](void* stream) -> absl::Status {
-          PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
-          absl::Status queued;
-          for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
-            if (sizes[i] == 0) continue;
-            queued = CheckNccl(
-                ncclAllReduce(buffers[i], buffers[i], static_cast<size_t>(sizes[i]), ncclFloat,
-                              ncclAvg, comm_, static_cast<cudaStream_t>(stream)),
-                "ncclAllReduce");
-          }
-          const absl::Status ended = CheckNccl(ncclGroupEnd(), "ncclGroupEnd");
-          return queued.ok() ? ended : queued;
-        });
+    if (comm_ == nullptr) return absl::UnavailableError("the workers' GPU group was aborted");
+    const std::string what =
+        absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers");
+    absl::Status s = backend_->RunOnStream(what, [&](void* stream) -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
+      absl::Status queued;
+      for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
+        if (sizes[i] == 0) continue;
+        const ncclResult_t r =
+            ncclAllReduce(buffers[i], buffers[i], static_cast<size_t>(sizes[i]), ncclFloat, ncclAvg,
+                          comm_, static_cast<cudaStream_t>(stream));
+        if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
+      }
+      const ncclResult_t ended = ncclGroupEnd();
+      if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
+      PSFLOW_RETURN_IF_ERROR(queued);
+      // Non-blocking: the collectives are on the stream once NCCL says so.
+      PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
+      if (cudaEventRecord(done_, static_cast<cudaStream_t>(stream)) != cudaSuccess) {
+        return absl::InternalError(absl::StrCat(what, ": cudaEventRecord failed"));
+      }
+      return absl::OkStatus();
+    });
+    if (s.ok()) {
+      s = Await(
+          comm_, deadline, abandon, [&] { return cudaEventQuery(done_) != cudaErrorNotReady; },
+          what);
+    }
+    if (!s.ok() && !absl::IsInvalidArgument(s)) {
+      // Whatever is left of the collectives ends with the communicator.
+      static_cast<void>(ncclCommAbort(comm_));
+      comm_ = nullptr;
+    }
+    return s;
   }
 
  private:
   CudaBackend* const backend_;
-  ncclComm_t comm_;
+  ncclComm_t comm_;  // null once aborted
+  cudaEvent_t done_;
 };
 
 }  // namespace
@@ -142,7 +192,8 @@ absl::StatusOr<std::string> NewNcclPeerGroupId() {
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backend,
                                                              const std::string& id, int rank,
-                                                             int size) {
+                                                             int size, absl::Time deadline,
+                                                             const std::function<bool()>& abandon) {
   ncclUniqueId unique;
   if (id.size() != sizeof(unique.internal)) {
     return absl::InvalidArgumentError(
@@ -153,13 +204,28 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backen
   }
   std::copy(id.begin(), id.end(), unique.internal);
   ncclComm_t comm = nullptr;
-  // On the backend's device (the call binds the communicator to the current one).
-  PSFLOW_RETURN_IF_ERROR(backend->RunOnStream(
-      absl::StrCat("cuda:", backend->device_ordinal(), " joining the workers' GPU group"),
-      [&](void*) {
-        return CheckNccl(ncclCommInitRank(&comm, size, unique, rank), "ncclCommInitRank");
-      }));
-  return std::unique_ptr<PeerGroup>(new NcclPeerGroup(backend, comm));
+  cudaEvent_t done = nullptr;
+  const std::string what =
+      absl::StrCat("cuda:", backend->device_ordinal(), " joining the workers' GPU group");
+  // On the backend's device (the communicator binds to the current one);
+  // non-blocking, so that a member that never comes does not hang this one.
+  absl::Status s = backend->RunOnStream(what, [&](void*) -> absl::Status {
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+      return absl::InternalError("cudaEventCreate failed");
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, size, unique, rank, &config);
+    if (r != ncclInProgress) return CheckNccl(r, "ncclCommInitRankConfig");
+    return absl::OkStatus();
+  });
+  if (s.ok()) s = Await(comm, deadline, abandon, nullptr, what);
+  if (!s.ok()) {
+    if (comm != nullptr) static_cast<void>(ncclCommAbort(comm));
+    if (done != nullptr) static_cast<void>(cudaEventDestroy(done));
+    return s;
+  }
+  return std::unique_ptr<PeerGroup>(new NcclPeerGroup(backend, comm, done));
 }
 
 absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(

@@ -3,6 +3,7 @@
 #ifndef PSFLOW_KERNELS_CUDA_NCCL_GROUP_H_
 #define PSFLOW_KERNELS_CUDA_NCCL_GROUP_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,7 +23,8 @@ absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(
 absl::StatusOr<std::string> NewNcclPeerGroupId();
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backend,
                                                              const std::string& id, int rank,
-                                                             int size);
+                                                             int size, absl::Time deadline,
+                                                             const std::function<bool()>& abandon);
 
 }  // namespace psflow::kernels
 

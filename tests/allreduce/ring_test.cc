@@ -213,7 +213,8 @@ TEST(RingTest, AMemberThatIsDownFailsTheOthersAndTheyLeave) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not the round timeout
   EXPECT_TRUE(absl::IsUnavailable(results[1])) << results[1];
   EXPECT_THAT(results[1].message(), HasSubstr("worker 2"));
-  EXPECT_TRUE(absl::IsUnavailable(results[0])) << results[0];
+  // Told by member 1 (or refused by it, having left): either way, it says so.
+  EXPECT_TRUE(absl::IsUnavailable(results[0]) || absl::IsAborted(results[0])) << results[0];
   EXPECT_THAT(results[0].message(), HasSubstr("worker 1 left the all-reduce group"));
   // Left for good.
   std::vector<absl::Span<float>> spans = Spans(values[0]);
@@ -271,7 +272,8 @@ TEST(RingTest, APieceOfTheWrongSizeFailsTheStep) {
   o.round_timeout = absl::Seconds(5);
   Group g(2, o);
   for (Ring* r : g.rings) r->Open(1);
-  // Member 1's piece for member 0, of 3 floats where member 0 expects 2.
+  // Member 1's piece for member 0, of 3 floats where member 0 expects 2
+  // (member 1 itself takes no part: its piece is this one).
   RingPiece piece;
   piece.set_job_id(1);
   piece.set_from(1);
@@ -282,14 +284,64 @@ TEST(RingTest, APieceOfTheWrongSizeFailsTheStep) {
   ASSERT_TRUE(g.rings[0]->Deliver(piece).ok());
   std::vector<std::vector<float>> values = {{1.0f, 2.0f, 3.0f, 4.0f}};
   std::vector<absl::Span<float>> spans = Spans(values);
-  std::thread other([&] {
-    std::vector<std::vector<float>> v = {{0.0f, 0.0f, 0.0f, 0.0f}};
-    std::vector<absl::Span<float>> s = Spans(v);
-    g.rings[1]->AllReduce(0, s, DT_FLOAT).IgnoreError();
-  });
   absl::Status s = g.rings[0]->AllReduce(0, spans, DT_FLOAT);
-  other.join();
-  EXPECT_TRUE(absl::IsInvalidArgument(s) || absl::IsFailedPrecondition(s)) << s;
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("sent 12 bytes"));
+}
+
+TEST(RingTest, PiecesBeyondTheBoundsAreRefused) {
+  RingOptions o;
+  o.bucket_bytes = 1024;  // segments of 128 floats with 2 members
+  Group g(2, o);
+  g.rings[0]->Open(1);
+  RingPiece piece;
+  piece.set_job_id(1);
+  piece.set_from(1);
+  piece.set_step(0);
+  piece.set_round(0);
+  piece.set_dtype(DT_FLOAT);
+  piece.set_data(std::string(4 * 1000, '\0'));  // far more than a segment
+  EXPECT_TRUE(absl::IsInvalidArgument(g.rings[0]->Deliver(piece)));
+  piece.set_data(std::string(8, '\0'));
+  piece.set_bucket(1 << 20);
+  EXPECT_TRUE(absl::IsInvalidArgument(g.rings[0]->Deliver(piece)));
+  // A mailbox holds a bounded number of pieces.
+  absl::Status last;
+  for (int b = 0; b < 5000 && last.ok(); ++b) {
+    piece.set_bucket(b);
+    last = g.rings[0]->Deliver(piece);
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(last)) << last;
+}
+
+// A stop during the group's forming ends the wait at once, and the other
+// members, told, stop waiting too.
+TEST(RingTest, CancelEndsTheFormingWaitAndTellsTheOthers) {
+  RingOptions o;
+  o.form_timeout = absl::Seconds(30);
+  Group g(3, o);
+  for (Ring* r : g.rings) r->Open(1);
+  std::vector<std::vector<float>> v0 = {{1.0f, 2.0f, 3.0f}}, v1 = v0;
+  absl::Status s0, s1;
+  // Members 0 and 1 wait for member 2, which never takes part.
+  std::thread t0([&] {
+    std::vector<absl::Span<float>> spans = Spans(v0);
+    s0 = g.rings[0]->AllReduce(0, spans, DT_FLOAT);
+  });
+  std::thread t1([&] {
+    std::vector<absl::Span<float>> spans = Spans(v1);
+    s1 = g.rings[1]->AllReduce(0, spans, DT_FLOAT);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  g.rings[2]->Cancel();
+  t0.join();
+  t1.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_FALSE(s0.ok());
+  EXPECT_FALSE(s1.ok());
+  EXPECT_THAT(std::string(s0.message()) + std::string(s1.message()), HasSubstr("worker 2"));
+  EXPECT_TRUE(absl::IsCancelled(g.rings[2]->status()));
 }
 
 // Three members over real gRPC on loopback.

@@ -642,6 +642,13 @@ TEST(PyTorchJobTest, ElasticNamesAndFlagsOverride) {
 TEST(PyTorchJobTest, BadEnvironmentIsOneLine) {
   ExpectError(ResolveClusterConfig({}, PyTorchEnv("10.0.0.5", "23456", "2", "0"), Role::kWorker),
               "pass --worker_hosts");
+  // ... which then gives the addresses.
+  ClusterFlags hosts;
+  hosts.worker_hosts = "10.0.0.5:23456,10.0.0.6:23456";
+  absl::StatusOr<ClusterConfig> given =
+      ResolveClusterConfig(hosts, PyTorchEnv("10.0.0.5", "23456", "2", "1"), Role::kWorker);
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(given->self_address, "10.0.0.6:23456");
   ExpectError(ResolveClusterConfig({}, PyTorchEnv("job-master-0", "x", "2", "0"), Role::kWorker),
               "MASTER_PORT 'x' is not an integer");
   ExpectError(ResolveClusterConfig({}, PyTorchEnv("job-master-0", "1", "2", "2"), Role::kWorker),

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <regex>
@@ -19,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/certs.h"
 #include "tests/integration/process.h"
 
 namespace psflow::itest {
@@ -74,6 +76,7 @@ TEST_F(AllReduceTest, MainJobWithoutPsReachesTheBar) {
                                     "(the workers all-reduce)"));
   EXPECT_THAT(run.output, HasSubstr("gradients all-reduced among the workers, each holding a "
                                     "replica"));
+  EXPECT_THAT(run.output, HasSubstr("| workers 2/2 replica 1/1 |"));
   EXPECT_THAT(run.output, HasSubstr("worker0] done: 2340 steps"));
   EXPECT_THAT(run.output, HasSubstr("worker0] eval: step 2340/2340 "));
   for (const char* member : {"worker0", "worker1", "evaluator0"}) {
@@ -195,6 +198,30 @@ TEST_F(AllReduceTest, AWorkersDeathRestartsTheGroupFromTheNewestCheckpoint) {
   const std::string figures = SavedModelFigures(dir_ + "/model");
   ASSERT_NE(figures, "");
   EXPECT_GE(std::stod(figures), 0.83) << figures;
+  ExpectNoProcessesLeft(dir_);
+}
+
+// Mutual TLS and the job token without ps or chief: worker 0 loads its
+// replica as the chief (a worker certificate), worker 1 reads it, an
+// evaluator reads it, the ring runs between worker certificates; no
+// chief or ps certificate is needed.
+TEST_F(AllReduceTest, MutualTlsWithWorkerCertificatesOnly) {
+  const std::string certs = dir_ + "/certs";
+  ASSERT_TRUE(testing_certs::MakeCerts(certs));
+  for (const char* gone : {"chief.crt", "chief.key", "ps.crt", "ps.key"}) {
+    std::filesystem::remove(certs + "/" + gone);
+  }
+  RunResult run = RunProcess(Bin("psflow-launch"),
+                             {"--ps=0", "--chief=false", "--workers=2", "--evaluators=1",
+                              "--tls_dir=" + certs, "--", "--model=mlp", "--train_steps=200",
+                              "--log_every_steps=100", "--model_dir=" + dir_ + "/model"},
+                             {}, seconds(180));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr("worker0] security: mutual TLS as the worker"));
+  EXPECT_THAT(run.output, HasSubstr("worker0] done: 200 steps"));
+  EXPECT_THAT(run.output, HasSubstr("worker0] eval: step 200/200 "));
+  EXPECT_THAT(run.output, Not(HasSubstr("PERMISSION_DENIED")));
+  ExpectIdenticalReplicas(run.output, 2);
   ExpectNoProcessesLeft(dir_);
 }
 

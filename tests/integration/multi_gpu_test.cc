@@ -233,6 +233,33 @@ TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
   std::filesystem::remove_all(dir);
 }
 
+// A GPU worker without ps killed mid-job: its peer must not wait on its GPU
+// for the NCCL all-reduce forever; it ends with a retryable exit code once
+// the chief finds the killed worker silent (--worker_timeout).
+TEST(MultiGpuTest, GpuWorkerWithoutPsKilledLeavesNoPeerWaitingOnItsGpu) {
+  REQUIRE_TWO_GPUS();
+  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
+  }
+  const std::string dir = TempDir("allreduce_kill");
+  const std::vector<int> ports = FreePorts(2);
+  ASSERT_EQ(ports.size(), 2u);
+  const std::string hosts = "--worker_hosts=127.0.0.1:" + std::to_string(ports[0]) +
+                            ",127.0.0.1:" + std::to_string(ports[1]);
+  Process w0(Bin("psflow-worker"),
+             {"--job_name=worker", "--task_id=0", hosts, "--device=cuda:0", "--model=cnn",
+              "--epochs=50", "--batch_size=64", "--log_every_steps=200", "--worker_timeout=10",
+              "--data_dir=" + std::string(kData), "--model_dir=" + dir});
+  Process w1(Bin("psflow-worker"), {"--job_name=worker", "--task_id=1", hosts, "--device=cuda:1"});
+  ASSERT_TRUE(w0.WaitForOutput("worker0] step 400/", seconds(120))) << w0.Describe();
+  w1.Signal(SIGKILL);
+  w1.WaitOrKill(seconds(10));
+  const int code = w0.WaitOrKill(seconds(90));
+  EXPECT_TRUE(code == 138 || code == 140) << w0.Describe();
+  EXPECT_LT(w0.elapsed_seconds(), 200) << w0.Describe();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(MultiGpuTest, AKilledWorkerOfTwoGpusIsRestartedAndTheJobEndsAtTheBar) {
   REQUIRE_TWO_GPUS();
   if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {

@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
   }
   o.tls_dir = absl::GetFlag(FLAGS_tls_dir);
   if (!o.tls_dir.empty()) {
-    std::vector<std::string> needed = {"ca.crt", "ps.crt", "ps.key", "worker.crt", "worker.key"};
+    std::vector<std::string> needed = {"ca.crt", "worker.crt", "worker.key"};
+    if (o.num_ps > 0) needed.insert(needed.end(), {"ps.crt", "ps.key"});
     if (o.with_chief) needed.insert(needed.end(), {"chief.crt", "chief.key"});
     if (o.num_evaluators > 0) needed.insert(needed.end(), {"evaluator.crt", "evaluator.key"});
     for (const std::string& file : needed) {
