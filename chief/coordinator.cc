@@ -463,7 +463,8 @@ bool Coordinator::TryAdopt() {
     absl::StatusOr<std::vector<PsState>> looked = States(/*job_id=*/0);
     if (!looked.ok()) return false;
     const std::vector<PsState>& states = *looked;
-    bool same = google::protobuf::util::MessageDifferencer::Equals(states[0].job(), job_);
+    bool same = google::protobuf::util::MessageDifferencer::Equals(
+        states[0].job(), AllReduce() ? ReplicaJob(job_) : job_);
     int64_t version = states[0].version(), newest = states[0].version();
     for (const PsState& st : states) {
       same = same && st.job_id() == states[0].job_id() && st.live_workers_size() > 0;
@@ -529,7 +530,7 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
     InitHeader header;
     header.set_job_id(id);
     header.set_ps_index(p);
-    *header.mutable_job() = job_;
+    *header.mutable_job() = AllReduce() ? ReplicaJob(job_) : job_;
     header.set_version(weights.step);
     if (AllReduce()) {
       // Worker 0's replica: its own trainer pushes the all-reduced mean, as worker 0.

@@ -119,6 +119,12 @@ int64_t VersionAhead(const JobConfig& job, int64_t newest) {
   return std::min<int64_t>(newest + 2 * job.num_workers() + 2, job.train_steps());
 }
 
+JobConfig ReplicaJob(const JobConfig& job) {
+  JobConfig replica = job;
+  replica.set_wire_dtype(JobConfig::FP32);
+  return replica;
+}
+
 DataType WireDtypeOf(const JobConfig& job) {
   switch (job.wire_dtype()) {
     case JobConfig::FP32:

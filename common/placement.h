@@ -62,6 +62,10 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
 // The dtype of the job's pulls and pushes (JobConfig.wire_dtype); DT_INVALID
 // for a value this build does not know.
 DataType WireDtypeOf(const JobConfig& job);
+// The job as a replica of an all-reduce job (JobConfig.exchange ALL_REDUCE)
+// holds it: its worker pushes and pulls in-process, so in fp32 whatever the
+// wire dtype (which the all-reduce's messages use).
+JobConfig ReplicaJob(const JobConfig& job);
 // Whether the ps apply each worker's gradient alone (JobConfig.mode ASYNC, or
 // SSP with a staleness above 0; SSP with 0 runs the synchronous path).
 bool AppliesEachGradient(const JobConfig& job);

@@ -153,11 +153,12 @@ absl::Status Trainer::Prepare() {
       job_.placement().num_ps() != job_.num_ps()) {
     return absl::FailedPreconditionError("the chief sent an inconsistent job");
   }
-  const DataType wire = WireDtypeOf(job_);
-  if (wire == DT_INVALID) {
+  if (WireDtypeOf(job_) == DT_INVALID) {
     return absl::FailedPreconditionError(
         absl::StrCat("the chief sent unknown wire dtype ", job_.wire_dtype()));
   }
+  // Pulls and pushes to a replica (all-reduce) stay in this process: fp32.
+  const DataType wire = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
   if (AllReduce()) {
     if (options_.ring == nullptr || options_.ring->size() != job_.num_workers()) {
       return absl::FailedPreconditionError(
@@ -335,7 +336,7 @@ absl::Status Trainer::LoadReplica() {
   InitHeader header;
   header.set_job_id(job_id_);
   header.set_ps_index(0);
-  *header.mutable_job() = job_;
+  *header.mutable_job() = ReplicaJob(job_);
   header.set_version(state->version());
   header.add_live_workers(0);  // this worker's own trainer, pushing as worker 0
   for (SliceSpec& spec : SliceSpecs(job_.placement(), 0)) *header.add_slice() = std::move(spec);
@@ -682,7 +683,9 @@ absl::Status Trainer::Train(int64_t start) {
   std::vector<int32_t> labels(worker_batch);
   std::vector<int64_t> order;
   int64_t order_epoch = -1;
-  const float wire_overflow = WireOverflow(WireDtypeOf(job_));
+  // (An all-reduce's ring rounds its mean through the wire dtype already:
+  // an fp16 overflow is an infinity by then.)
+  const float wire_overflow = WireOverflow(AllReduce() ? DT_FLOAT : WireDtypeOf(job_));
   auto job_failed = [this] {
     absl::MutexLock lock(&mu_);
     return job_failed_;
