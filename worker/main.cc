@@ -16,6 +16,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -130,9 +131,14 @@ int main(int argc, char** argv) {
   std::unique_ptr<psflow::allreduce::Ring> ring;
   std::unique_ptr<psflow::allreduce::AllReduceService> ring_service;
   if (all_reduce) {
-    // The optimizer's apply shares the cores with the worker's own compute.
+    // The optimizer's apply to the replica: on a CPU worker it shares the
+    // cores with the worker's own compute (a quarter of them, on a machine
+    // of 8 or more); a GPU worker's cores are free for it (half of them).
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    if (cores >= 8) apply_pool = std::make_unique<psflow::ThreadPool>(std::min(4, cores / 4));
+    const bool on_gpu = absl::StartsWith(options.device, "cuda");
+    const int helpers =
+        on_gpu ? std::min(16, cores / 2) : (cores >= 8 ? std::min(4, cores / 4) : 0);
+    if (helpers > 0) apply_pool = std::make_unique<psflow::ThreadPool>(helpers);
     replica = std::make_unique<psflow::ps::Shard>(apply_pool.get());
     replica_service = std::make_unique<psflow::ps::PsService>(
         0, replica.get(), [] {}, &metrics);
