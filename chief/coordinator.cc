@@ -539,15 +539,9 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
       for (int w : live) header.add_live_workers(w);
     }
     for (SliceSpec& spec : SliceSpecs(job_.placement(), p)) *header.add_slice() = std::move(spec);
-    std::vector<TensorRef> tensors;
-    for (size_t k = 0; k < slots.size(); ++k) {
-      if (buffers[k].empty()) continue;
-      for (TensorRef& r : SliceRefs(job_.placement(), p, buffers[k], slots[k]))
-        tensors.push_back(std::move(r));
-    }
     // wait_for_ready covers a ps not up yet; a connection that breaks under
     // the call (a ps going down as it is asked) is tried again.
-    return ps_->Init(p, header, std::move(tensors), retry.give_up);
+    return ps_->Init(p, header, StateRefs(job_.placement(), p, buffers, slots), retry.give_up);
   });
   if (!s.ok()) {
     absl::MutexLock lock(&mu_);
@@ -720,18 +714,16 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, bool ahead) {
   // Variable i's value, then its slots, are ckpt.tensors[i * per_var + k].
   const size_t per_var = slots.size() + 1;
   std::vector<std::vector<float*>> buffers(per_var);
-  for (size_t i = 0; i < ckpt.tensors.size(); ++i)
+  std::vector<std::string> slot_of(per_var);
+  for (size_t i = 0; i < ckpt.tensors.size(); ++i) {
     buffers[i % per_var].push_back(ckpt.tensors[i].values.data());
+    slot_of[i % per_var] = ckpt.tensors[i].slot;
+  }
   const absl::Time deadline =
       std::min(absl::Now() + options_.timeouts.snapshot_call, checkpoint_cutoff_);
   PSFLOW_RETURN_IF_ERROR(FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
-    std::vector<TensorSink> sinks;
-    for (size_t k = 0; k < per_var; ++k) {
-      for (TensorSink& s : SliceSinks(job_.placement(), p, buffers[k], ckpt.tensors[k].slot)) {
-        sinks.push_back(std::move(s));
-      }
-    }
-    return ps_->Snapshot(p, id, target, std::move(sinks), deadline);
+    return ps_->Snapshot(p, id, target, StateSinks(job_.placement(), p, buffers, slot_of),
+                         deadline);
   }));
   for (const CheckpointTensorData& t : ckpt.tensors) {
     if (std::all_of(t.values.begin(), t.values.end(), [](float v) { return std::isfinite(v); }))

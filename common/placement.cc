@@ -111,6 +111,30 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
   return refs;
 }
 
+std::vector<TensorSink> StateSinks(const Placement& placement, int ps,
+                                   const std::vector<std::vector<float*>>& buffers,
+                                   const std::vector<std::string>& slots) {
+  std::vector<TensorSink> sinks;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    if (buffers[k].empty()) continue;
+    for (TensorSink& s : SliceSinks(placement, ps, buffers[k], slots[k]))
+      sinks.push_back(std::move(s));
+  }
+  return sinks;
+}
+
+std::vector<TensorRef> StateRefs(const Placement& placement, int ps,
+                                 const std::vector<std::vector<const float*>>& buffers,
+                                 const std::vector<std::string>& slots) {
+  std::vector<TensorRef> refs;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    if (buffers[k].empty()) continue;
+    for (TensorRef& r : SliceRefs(placement, ps, buffers[k], slots[k]))
+      refs.push_back(std::move(r));
+  }
+  return refs;
+}
+
 bool AppliesEachGradient(const JobConfig& job) {
   return job.mode() == JobConfig::ASYNC || (job.mode() == JobConfig::SSP && job.staleness() > 0);
 }

@@ -59,6 +59,17 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
                                  absl::Span<const float* const> buffers,
                                  const std::string& slot = "", DataType dtype = DT_FLOAT);
 
+// The same for a shard's whole state: ps `ps`'s slices of the values and of
+// each optimizer slot, slots[k] ("" for the values) from buffers[k] (whole
+// variables, as above; an empty buffers[k] leaves slot k out), in slot
+// order. What an Init sends and a Snapshot with slots receives.
+std::vector<TensorSink> StateSinks(const Placement& placement, int ps,
+                                   const std::vector<std::vector<float*>>& buffers,
+                                   const std::vector<std::string>& slots);
+std::vector<TensorRef> StateRefs(const Placement& placement, int ps,
+                                 const std::vector<std::vector<const float*>>& buffers,
+                                 const std::vector<std::string>& slots);
+
 // The dtype of the job's pulls and pushes (JobConfig.wire_dtype); DT_INVALID
 // for a value this build does not know.
 DataType WireDtypeOf(const JobConfig& job);

@@ -267,13 +267,13 @@ struct ReplicaTensors {
     }
   }
   std::vector<TensorSink> Sinks(const Placement& placement) {
-    std::vector<TensorSink> sinks;
-    for (size_t k = 0; k < slots.size(); ++k) {
-      for (TensorSink& s : SliceSinks(placement, 0, pointers[k], slots[k])) {
-        sinks.push_back(std::move(s));
-      }
-    }
-    return sinks;
+    return StateSinks(placement, 0, pointers, slots);
+  }
+  std::vector<TensorRef> Refs(const Placement& placement) const {
+    std::vector<std::vector<const float*>> values(pointers.size());
+    for (size_t k = 0; k < pointers.size(); ++k)
+      values[k].assign(pointers[k].begin(), pointers[k].end());
+    return StateRefs(placement, 0, values, slots);
   }
 };
 
@@ -340,13 +340,7 @@ absl::Status Trainer::LoadReplica() {
   header.set_version(state->version());
   header.add_live_workers(0);  // this worker's own trainer, pushing as worker 0
   for (SliceSpec& spec : SliceSpecs(job_.placement(), 0)) *header.add_slice() = std::move(spec);
-  std::vector<TensorRef> refs;
-  for (size_t k = 0; k < tensors.slots.size(); ++k) {
-    for (TensorRef& r : SliceRefs(job_.placement(), 0, tensors.pointers[k], tensors.slots[k])) {
-      refs.push_back(std::move(r));
-    }
-  }
-  PSFLOW_RETURN_IF_ERROR(FromPs(own->Init(0, header, std::move(refs), deadline)));
+  PSFLOW_RETURN_IF_ERROR(FromPs(own->Init(0, header, tensors.Refs(job_.placement()), deadline)));
   PSLOG(INFO) << "loaded this worker's replica from worker 0's at step " << state->version();
   absl::MutexLock lock(&mu_);
   ps_ = std::move(own);
