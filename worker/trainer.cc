@@ -158,7 +158,8 @@ absl::Status Trainer::Prepare() {
         absl::StrCat("the chief sent unknown wire dtype ", job_.wire_dtype()));
   }
   // Pulls and pushes to a replica (all-reduce) stay in this process: fp32.
-  const DataType wire = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
+  exchange_dtype_ = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
+  const DataType wire = exchange_dtype_;
   if (AllReduce()) {
     if (options_.ring == nullptr || options_.ring->size() != job_.num_workers()) {
       return absl::FailedPreconditionError(
@@ -227,7 +228,17 @@ absl::Status Trainer::Prepare() {
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
   // A lane's pull may wait for its own push only: every lane needs a thread.
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
-  if (AllReduce()) PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
+  if (AllReduce()) {
+    PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
+    // What each step's all-reduce averages: the gradients (unless the GPUs
+    // average them) and the loss, the same spans every step.
+    ring_pieces_.clear();
+    const std::vector<VariableShape>& variables = net_->variables();
+    for (size_t v = 0; gpu_peers_ == nullptr && v < variables.size(); ++v) {
+      ring_pieces_.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
+    }
+    ring_pieces_.push_back(absl::MakeSpan(&ring_loss_, 1));
+  }
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
               << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
                                                      absl::StrJoin(devices_, ", "))
@@ -679,7 +690,7 @@ absl::Status Trainer::Train(int64_t start) {
   int64_t order_epoch = -1;
   // (An all-reduce's ring rounds its mean through the wire dtype already:
   // an fp16 overflow is an infinity by then.)
-  const float wire_overflow = WireOverflow(AllReduce() ? DT_FLOAT : WireDtypeOf(job_));
+  const float wire_overflow = WireOverflow(exchange_dtype_);
   auto job_failed = [this] {
     absl::MutexLock lock(&mu_);
     return job_failed_;
@@ -758,18 +769,11 @@ absl::Status Trainer::Train(int64_t start) {
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
     }
     const absl::Time t2 = absl::Now();
-    float loss_everywhere = static_cast<float>(result->loss);
+    ring_loss_ = static_cast<float>(result->loss);
     if (AllReduce()) {
       // The mean gradient of every worker, the same bits on each (and the
       // mean loss, so that all of them agree on whether the step was finite).
-      // (The GPUs averaged the gradients already: the loss alone then.)
-      std::vector<absl::Span<float>> pieces;
-      const std::vector<VariableShape>& variables = net_->variables();
-      for (size_t v = 0; gpu_peers_ == nullptr && v < variables.size(); ++v) {
-        pieces.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
-      }
-      pieces.push_back(absl::MakeSpan(&loss_everywhere, 1));
-      s = options_.ring->AllReduce(step, pieces, WireDtypeOf(job_));
+      s = options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
       if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
       if (!s.ok()) {
         // The group is gone: every worker restarts (from the newest checkpoint).
@@ -787,7 +791,7 @@ absl::Status Trainer::Train(int64_t start) {
       }
       return absl::OkStatus();
     }).IgnoreError();  // the calls cannot fail
-    const bool finite = std::isfinite(result->loss) && std::isfinite(loss_everywhere) &&
+    const bool finite = std::isfinite(result->loss) && std::isfinite(ring_loss_) &&
                         std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
     const bool skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
     if (!finite && !skip) {

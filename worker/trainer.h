@@ -38,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "allreduce/ring.h"
 #include "chief/client.h"
 #include "common/fan_out.h"
@@ -244,6 +245,13 @@ class Trainer {
   std::vector<float*> weights_, grads_;
   bool in_place_ = false;
   std::vector<std::unique_ptr<kernels::Buffer>> staging_;
+  // The dtype of pulls and pushes: the job's wire dtype, or fp32 to a
+  // replica of an all-reduce job (in-process).
+  DataType exchange_dtype_ = DT_FLOAT;
+  // All-reduce jobs: the spans each step's all-reduce averages (grads_ by
+  // variable unless the GPUs average them, then ring_loss_, the step's loss).
+  std::vector<absl::Span<float>> ring_pieces_;
+  float ring_loss_ = 0;
   // Consecutive slices of one ps that travel together.
   struct Lane {
     int ps = 0;
