@@ -56,6 +56,22 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 
 }  // namespace
 
+CallerRoles ReplicaCallers(Role chief, bool worker0) {
+  auto method = [](absl::string_view name) {
+    return MethodName(ParameterServer::service_full_name(), name);
+  };
+  const std::vector<Role> loads =
+      worker0 ? std::vector<Role>{chief} : std::vector<Role>{Role::kChief};
+  return {
+      {method("Init"), loads},
+      {method("Shutdown"), loads},
+      {method("SetLiveWorkers"), {Role::kChief}},
+      {method("Push"), {Role::kChief}},
+      {method("Snapshot"), {chief, Role::kWorker, Role::kEvaluator}},
+      {method("Pull"), {chief, Role::kWorker, Role::kEvaluator}},
+  };
+}
+
 CallerRoles PsCallers(Role chief) {
   auto method = [](absl::string_view name) {
     return MethodName(ParameterServer::service_full_name(), name);

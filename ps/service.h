@@ -45,6 +45,13 @@ struct StreamLimits {
 // (worker 0 is its chief; under TLS a worker's certificate then carries the
 // chief's rights, as the certificate names a role, not a task).
 CallerRoles PsCallers(Role chief = Role::kChief);
+// The same for a worker's replica in a job without ps (JobConfig.exchange
+// ALL_REDUCE): it is read over the network (Pull, Snapshot) by the chief,
+// the other workers (loading theirs from worker 0's) and evaluators, and
+// changed only by the chief on worker 0's (Init, Shutdown); its own worker
+// pushes in-process, so Push and SetLiveWorkers are the chief's alone,
+// which never calls them on a replica.
+CallerRoles ReplicaCallers(Role chief, bool worker0);
 
 class PsService final
     : public ParameterServer::WithRawCallbackMethod_Pull<

@@ -188,19 +188,8 @@ int main(int argc, char** argv) {
   if (all_reduce) {
     services.push_back(replica_service.get());
     services.push_back(ring_service.get());
-    // A replica is read over the network (the chief's checkpoints, the
-    // other workers' loads from worker 0's, an evaluator) and changed only
-    // by the chief on worker 0's (Init, Shutdown); its own worker pushes
-    // in-process, so no push comes over the network.
-    const psflow::Role chief = config.cluster.ChiefHostRole();
-    for (auto& [method, roles] : psflow::ps::PsCallers(chief)) {
-      const std::string name = method.substr(method.rfind('/') + 1);
-      if (name == "Pull" || name == "Snapshot") {
-        roles = {chief, psflow::Role::kWorker, psflow::Role::kEvaluator};
-      } else {
-        roles = {psflow::Role::kChief};  // Push, SetLiveWorkers: never over the network
-        if ((name == "Init" || name == "Shutdown") && config.task_index == 0) roles = {chief};
-      }
+    for (auto& [method, roles] :
+         psflow::ps::ReplicaCallers(config.cluster.ChiefHostRole(), config.task_index == 0)) {
       callers[method] = roles;
     }
     for (auto& [method, roles] : psflow::allreduce::AllReduceCallers()) callers[method] = roles;
