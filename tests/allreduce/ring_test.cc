@@ -321,26 +321,25 @@ TEST(RingTest, CancelEndsTheFormingWaitAndTellsTheOthers) {
   o.form_timeout = absl::Seconds(30);
   Group g(3, o);
   for (Ring* r : g.rings) r->Open(1);
-  std::vector<std::vector<float>> v0 = {{1.0f, 2.0f, 3.0f}}, v1 = v0;
-  absl::Status s0, s1;
+  std::vector<std::vector<std::vector<float>>> values(2, {{1.0f, 2.0f, 3.0f}});
+  std::vector<absl::Status> results(2);
   // Members 0 and 1 wait for member 2, which never takes part.
-  std::thread t0([&] {
-    std::vector<absl::Span<float>> spans = Spans(v0);
-    s0 = g.rings[0]->AllReduce(0, spans, DT_FLOAT);
-  });
-  std::thread t1([&] {
-    std::vector<absl::Span<float>> spans = Spans(v1);
-    s1 = g.rings[1]->AllReduce(0, spans, DT_FLOAT);
-  });
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<absl::Span<float>> spans = Spans(values[r]);
+      results[r] = g.rings[r]->AllReduce(0, spans, DT_FLOAT);
+    });
+  }
   absl::SleepFor(absl::Milliseconds(100));
   const absl::Time start = absl::Now();
   g.rings[2]->Cancel();
-  t0.join();
-  t1.join();
+  for (std::thread& t : threads) t.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  EXPECT_FALSE(s0.ok());
-  EXPECT_FALSE(s1.ok());
-  EXPECT_THAT(std::string(s0.message()) + std::string(s1.message()), HasSubstr("worker 2"));
+  EXPECT_FALSE(results[0].ok());
+  EXPECT_FALSE(results[1].ok());
+  EXPECT_THAT(std::string(results[0].message()) + std::string(results[1].message()),
+              HasSubstr("worker 2"));
   EXPECT_TRUE(absl::IsCancelled(g.rings[2]->status()));
 }
 

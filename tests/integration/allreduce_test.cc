@@ -29,26 +29,18 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// Each worker's "replica at step N: crc32c X" line: X by worker tag.
-std::map<std::string, std::string> ReplicaDigests(const std::string& out) {
-  std::map<std::string, std::string> digests;
-  const std::regex line(R"((worker[0-9]+)\] replica at step [0-9]+: crc32c ([0-9a-f]{8}))");
-  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
-    digests[(*it)[1].str()] = (*it)[2].str();
-  }
-  return digests;
-}
-
-void ExpectIdenticalReplicas(const std::string& out, int workers) {
-  const std::map<std::string, std::string> digests = ReplicaDigests(out);
-  ASSERT_EQ(digests.size(), static_cast<size_t>(workers)) << out;
-  std::set<std::string> distinct;
-  for (const auto& [worker, crc] : digests) distinct.insert(crc);
-  EXPECT_EQ(distinct.size(), 1u) << "the replicas differ:\n" << out;
-}
-
 class AllReduceTest : public TempDirTest {
  protected:
+  // Worker w of a cluster of 2 workers at `hosts` (--worker_hosts=...),
+  // training the mlp for `steps`, with `extra` flags last.
+  std::unique_ptr<Process> StartWorker(int w, const std::string& hosts, int64_t steps,
+                                       const std::vector<std::string>& extra = {}) const {
+    std::vector<std::string> args = {"--job_name=worker", "--task_id=" + std::to_string(w), hosts};
+    for (const std::string& a : MlpArgs(steps)) args.push_back(a);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<Process>(Bin("psflow-worker"), args);
+  }
+
   std::vector<std::string> MlpArgs(int64_t steps) const {
     return {"--model=mlp",
             "--train_steps=" + std::to_string(steps),
@@ -167,11 +159,7 @@ TEST_F(AllReduceTest, AWorkersDeathRestartsTheGroupFromTheNewestCheckpoint) {
   ASSERT_EQ(ports.size(), 2u);
   const std::string hosts =
       absl::StrCat("--worker_hosts=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]);
-  auto start = [&](int w) {
-    std::vector<std::string> args = {"--job_name=worker", "--task_id=" + std::to_string(w), hosts};
-    for (const std::string& a : MlpArgs(1500)) args.push_back(a);
-    return std::make_unique<Process>(Bin("psflow-worker"), args);
-  };
+  auto start = [&](int w) { return StartWorker(w, hosts, 1500); };
   auto w0 = start(0);
   auto w1 = start(1);
   ASSERT_TRUE(w0->WaitForOutput("worker0] step 300/1500 ", seconds(120))) << w0->Describe();
@@ -209,12 +197,8 @@ TEST_F(AllReduceTest, SigtermedWorkersCheckpointAndResume) {
   ASSERT_EQ(ports.size(), 2u);
   const std::string hosts =
       absl::StrCat("--worker_hosts=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]);
-  auto start = [&](int w) {
-    std::vector<std::string> args = {"--job_name=worker", "--task_id=" + std::to_string(w), hosts};
-    for (const std::string& a : MlpArgs(1200)) args.push_back(a);
-    args.push_back("--checkpoint_every_steps=0");  // only the stop's checkpoint
-    return std::make_unique<Process>(Bin("psflow-worker"), args);
-  };
+  // Only the stop's checkpoint.
+  auto start = [&](int w) { return StartWorker(w, hosts, 1200, {"--checkpoint_every_steps=0"}); };
   auto w0 = start(0);
   auto w1 = start(1);
   ASSERT_TRUE(w0->WaitForOutput("worker0] step 300/1200 ", seconds(120))) << w0->Describe();

@@ -378,4 +378,16 @@ void ExpectNoProcessesLeft(const std::string& text) {
                 << "' in their command line remain:" << pids;
 }
 
+void ExpectIdenticalReplicas(const std::string& output, int workers) {
+  std::map<std::string, std::string> digests;  // by worker
+  const std::regex line(R"((worker[0-9]+)\] replica at step [0-9]+: crc32c ([0-9a-f]{8}))");
+  for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
+    digests[(*it)[1].str()] = (*it)[2].str();
+  }
+  ASSERT_EQ(digests.size(), static_cast<size_t>(workers)) << output;
+  std::set<std::string> distinct;
+  for (const auto& [worker, crc] : digests) distinct.insert(crc);
+  EXPECT_EQ(distinct.size(), 1u) << "the replicas differ:\n" << output;
+}
+
 }  // namespace psflow::itest

@@ -135,6 +135,11 @@ std::string EvalAccuracyText(const std::string& eval_stdout);
 // printed: "<accuracy> <loss>"; "" (and a test failure) when it fails.
 std::string SavedModelFigures(const std::string& model_dir);
 
+// Jobs without ps: asserts that `output` holds the line "worker<i>] replica
+// at step N: crc32c X" of each of `workers` workers, all with one X (the
+// replicas ended bit-identical).
+void ExpectIdenticalReplicas(const std::string& output, int workers);
+
 // A fixture with a fresh directory dir_ for each test (under
 // ::testing::TempDir(), named after the test and this pid); it is removed
 // after a test that passed and kept (and named) after one that failed.

@@ -254,7 +254,9 @@ int RunCluster(const LaunchOptions& o) {
     const int last = o.num_ps + o.num_workers + o.num_evaluators;
     const int first = o.with_chief ? 0 : 1;
     Say(absl::StrCat("metrics: http://", o.host, ":", o.metrics_base_port + first,
-                     o.with_chief ? "/metrics (chief) to :" : "/metrics (ps0) to :",
+                     o.with_chief   ? "/metrics (chief) to :"
+                     : o.num_ps > 0 ? "/metrics (ps0) to :"
+                                    : "/metrics (worker0) to :",
                      o.metrics_base_port + last, " (",
                      o.num_evaluators > 0 ? absl::StrCat("evaluator", o.num_evaluators - 1)
                                           : absl::StrCat("worker", o.num_workers - 1),
