@@ -77,6 +77,12 @@ DataType WireDtypeOf(const JobConfig& job);
 // holds it: its worker pushes and pulls in-process, so in fp32 whatever the
 // wire dtype (which the all-reduce's messages use).
 JobConfig ReplicaJob(const JobConfig& job);
+// In such a job, GPU workers keep their replicas on their devices; worker
+// 0's shard (which the chief and the evaluator read) is brought up to date
+// at every multiple of this many steps, at the steps a snapshot asks for
+// in advance, at a stop and at the end. Between those it reports the
+// version it was last brought to.
+inline constexpr int64_t kReplicaPublishSteps = 100;
 // Whether the ps apply each worker's gradient alone (JobConfig.mode ASYNC, or
 // SSP with a staleness above 0; SSP with 0 runs the synchronous path).
 bool AppliesEachGradient(const JobConfig& job);

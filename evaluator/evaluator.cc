@@ -251,7 +251,14 @@ std::optional<int64_t> Evaluator::Target(int64_t v, absl::Time now) const {
     // gradients ahead of another): a few gradients past the newest, which
     // every ps reaches soon.
     int64_t next = std::max(v, last_step_) + 1;
-    if (AppliesEachGradient(job_)) {
+    if (job_.exchange() == JobConfig::ALL_REDUCE) {
+      // Worker 0's replica may live on its GPU: its shard is brought up to
+      // date at the multiples of kReplicaPublishSteps (and at the steps asked
+      // for in advance); the step after the one it reports has passed.
+      next =
+          std::min((next + kReplicaPublishSteps - 1) / kReplicaPublishSteps * kReplicaPublishSteps,
+                   final_step);
+    } else if (AppliesEachGradient(job_)) {
       next = std::min(std::max(next, VersionAhead(job_, newest_version_)), final_step);
     }
     target = std::min(target.value_or(next), next);

@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/optimizer_math.h"
 
 namespace psflow::kernels {
 
@@ -212,6 +213,15 @@ class Backend {
   virtual absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) = 0;
   // dst = src, both backend memory.
   virtual absl::Status Copy(const float* src, float* dst, int64_t n) = 0;
+  // One optimizer step (kernels/optimizer_math.h, as ps::Optimizer::StepAt
+  // makes it) on n weights w with gradients g and the rule's step.slots()
+  // slot buffers s0, s1 (null where the rule has none), all backend memory:
+  // the replicas of a job without ps apply it where the weights live.
+  virtual absl::Status ApplyOptimizer(const OptimizerStep& step, float* w, const float* g,
+                                      float* s0, float* s1, int64_t n) = 0;
+  // *count (one float of backend memory) += the number of the n floats at x
+  // that are NaN or infinite.
+  virtual absl::Status CountNonFinite(const float* x, int64_t n, float* count) = 0;
 
   // Records the backend calls `work` makes (ops of this backend, the helpers
   // above; no copies to or from the host) into a Graph without running them.

@@ -5,6 +5,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/optimizer_math.h"
 
 namespace psflow::ps {
 namespace {
@@ -13,58 +14,40 @@ namespace {
 // compiles each for AVX2 and for the baseline, picked at load time, so one
 // binary runs everywhere and vectorizes wide where it can. Weight decay is
 // always computed (as g + 0 * w when off): with finite weights the result is
-// the same to the bit, and the loops stay branch-free.
+// the same to the bit, and the loops stay branch-free. Each element's update
+// is kernels/optimizer_math.h's, which the GPU replicas apply too.
 #define PSFLOW_VECTOR_LOOP __attribute__((target_clones("avx2", "default")))
 
 PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, float* w, const float* g, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) w[i] -= lr * (g[i] + wd * w[i]);
+  for (int64_t i = 0; i < n; ++i) kernels::SgdElement(lr, wd, w[i], g[i]);
 }
 
 PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float wd, float* w, const float* g,
                                      float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    buf[i] = mu * buf[i] + (g[i] + wd * w[i]);
-    w[i] -= lr * buf[i];
-  }
+  for (int64_t i = 0; i < n; ++i) kernels::MomentumElement(lr, mu, wd, w[i], g[i], buf[i]);
 }
 
 PSFLOW_VECTOR_LOOP void NesterovLoop(float lr, float mu, float wd, float* w, const float* g,
                                      float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float d = g[i] + wd * w[i];
-    buf[i] = mu * buf[i] + d;
-    w[i] -= lr * (d + mu * buf[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) kernels::NesterovElement(lr, mu, wd, w[i], g[i], buf[i]);
 }
 
-// Adam with an L2 term (l2, Adam) or decoupled decay (decay = 1 - lr * wd, AdamW).
 PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
                                  float l2, float decay, float* w, const float* g, float* m,
                                  float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float d = g[i] + l2 * w[i];
-    m[i] = b1 * m[i] + (1 - b1) * d;
-    v[i] = b2 * v[i] + (1 - b2) * d * d;
-    w[i] = w[i] * decay - step_size * m[i] / (std::sqrt(v[i]) * inv_c2 + eps);
+    kernels::AdamElement(b1, b2, eps, step_size, inv_c2, l2, decay, w[i], g[i], m[i], v[i]);
   }
 }
 
 PSFLOW_VECTOR_LOOP void AdagradLoop(float lr, float eps, float wd, float* w, const float* g,
                                     float* sum, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float d = g[i] + wd * w[i];
-    sum[i] += d * d;
-    w[i] -= lr * d / (std::sqrt(sum[i]) + eps);
-  }
+  for (int64_t i = 0; i < n; ++i) kernels::AdagradElement(lr, eps, wd, w[i], g[i], sum[i]);
 }
 
 PSFLOW_VECTOR_LOOP void RmspropLoop(float lr, float alpha, float eps, float wd, float* w,
                                     const float* g, float* sq, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float d = g[i] + wd * w[i];
-    sq[i] = alpha * sq[i] + (1 - alpha) * d * d;
-    w[i] -= lr * d / (std::sqrt(sq[i]) + eps);
-  }
+  for (int64_t i = 0; i < n; ++i) kernels::RmspropElement(lr, alpha, eps, wd, w[i], g[i], sq[i]);
 }
 
 constexpr float kDefaultDecayRate = 0.1f;
@@ -80,80 +63,65 @@ OptimizerConfig WithDefaults(OptimizerConfig c) {
   return c;
 }
 
-// Holds the checked config; each kind applies its loop at the step's rate.
+// Holds the checked config; each kind's step is its rule at the step's rate.
 class ConfiguredOptimizer : public Optimizer {
  public:
   explicit ConfiguredOptimizer(const OptimizerConfig& c) : c_(c) {}
   std::vector<std::string> SlotNames() const override { return Optimizer::SlotNames(c_.kind()); }
 
- protected:
-  float Lr(int64_t step) const { return LearningRate(c_, step); }
-  const OptimizerConfig c_;
-};
-
-class Sgd : public ConfiguredOptimizer {
- public:
-  using ConfiguredOptimizer::ConfiguredOptimizer;
-  void Apply(int64_t step, float* w, const float* g, int64_t n,
-             const std::vector<float*>&) const override {
-    SgdLoop(Lr(step), c_.weight_decay(), w, g, n);
-  }
-};
-
-class Momentum : public ConfiguredOptimizer {
- public:
-  using ConfiguredOptimizer::ConfiguredOptimizer;
-  void Apply(int64_t step, float* w, const float* g, int64_t n,
-             const std::vector<float*>& slots) const override {
-    // As torch.optim.SGD (dampening 0): buf = mu buf + g; w -= lr buf, or
-    // w -= lr (g + mu buf) with nesterov; g includes weight_decay * w.
-    if (c_.nesterov()) {
-      NesterovLoop(Lr(step), c_.momentum(), c_.weight_decay(), w, g, slots[0], n);
-    } else {
-      MomentumLoop(Lr(step), c_.momentum(), c_.weight_decay(), w, g, slots[0], n);
+  kernels::OptimizerStep StepAt(int64_t step) const override {
+    kernels::OptimizerStep s;
+    s.lr = LearningRate(c_, step);
+    s.wd = c_.weight_decay();
+    s.eps = c_.epsilon();
+    switch (c_.kind()) {
+      case OptimizerConfig::MOMENTUM:
+        // As torch.optim.SGD (dampening 0): buf = mu buf + g; w -= lr buf, or
+        // w -= lr (g + mu buf) with nesterov; g includes weight_decay * w.
+        s.rule =
+            c_.nesterov() ? kernels::OptimizerStep::kNesterov : kernels::OptimizerStep::kMomentum;
+        s.mu = c_.momentum();
+        break;
+      case OptimizerConfig::ADAM:
+      case OptimizerConfig::ADAMW: {
+        // As torch.optim.Adam: w -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps);
+        // AdamW first multiplies w by 1 - lr * weight_decay, Adam adds it to g.
+        s.rule = kernels::OptimizerStep::kAdam;
+        s.b1 = c_.beta1();
+        s.b2 = c_.beta2();
+        const double t = static_cast<double>(step + 1);
+        s.step_size = static_cast<float>(s.lr / (1.0 - std::pow(s.b1, t)));
+        s.inv_c2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(s.b2, t)));
+        const bool decoupled = c_.kind() == OptimizerConfig::ADAMW;
+        s.l2 = decoupled ? 0.0f : c_.weight_decay();
+        s.decay = decoupled ? 1.0f - s.lr * c_.weight_decay() : 1.0f;
+        break;
+      }
+      case OptimizerConfig::ADAGRAD:
+        // As torch.optim.Adagrad (lr_decay 0, initial_accumulator_value 0):
+        // sum += g^2; w -= lr g / (sqrt(sum) + eps).
+        s.rule = kernels::OptimizerStep::kAdagrad;
+        break;
+      case OptimizerConfig::RMSPROP:
+        // As torch.optim.RMSprop (momentum 0, not centered):
+        // sq = alpha sq + (1 - alpha) g^2; w -= lr g / (sqrt(sq) + eps).
+        s.rule = kernels::OptimizerStep::kRmsprop;
+        s.alpha = c_.alpha();
+        break;
+      default:  // SGD
+        s.rule = kernels::OptimizerStep::kSgd;
+        break;
     }
+    return s;
   }
-};
 
-class Adam : public ConfiguredOptimizer {
- public:
-  using ConfiguredOptimizer::ConfiguredOptimizer;
   void Apply(int64_t step, float* w, const float* g, int64_t n,
              const std::vector<float*>& slots) const override {
-    // As torch.optim.Adam: w -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps);
-    // AdamW first multiplies w by 1 - lr * weight_decay, Adam adds it to g.
-    const float b1 = c_.beta1(), b2 = c_.beta2();
-    const double t = static_cast<double>(step + 1);
-    const float lr = Lr(step);
-    const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
-    const float inv_c2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(b2, t)));
-    const bool decoupled = c_.kind() == OptimizerConfig::ADAMW;
-    const float l2 = decoupled ? 0.0f : c_.weight_decay();
-    const float decay = decoupled ? 1.0f - lr * c_.weight_decay() : 1.0f;
-    AdamLoop(b1, b2, c_.epsilon(), step_size, inv_c2, l2, decay, w, g, slots[0], slots[1], n);
+    ApplyStep(StepAt(step), w, g, n, slots);
   }
-};
 
-class Adagrad : public ConfiguredOptimizer {
- public:
-  using ConfiguredOptimizer::ConfiguredOptimizer;
-  void Apply(int64_t step, float* w, const float* g, int64_t n,
-             const std::vector<float*>& slots) const override {
-    // As torch.optim.Adagrad (lr_decay 0, initial_accumulator_value 0):
-    // sum += g^2; w -= lr g / (sqrt(sum) + eps).
-    AdagradLoop(Lr(step), c_.epsilon(), c_.weight_decay(), w, g, slots[0], n);
-  }
-};
-
-class Rmsprop : public ConfiguredOptimizer {
- public:
-  using ConfiguredOptimizer::ConfiguredOptimizer;
-  void Apply(int64_t step, float* w, const float* g, int64_t n,
-             const std::vector<float*>& slots) const override {
-    // As torch.optim.RMSprop (momentum 0, not centered):
-    // sq = alpha sq + (1 - alpha) g^2; w -= lr g / (sqrt(sq) + eps).
-    RmspropLoop(Lr(step), c_.alpha(), c_.epsilon(), c_.weight_decay(), w, g, slots[0], n);
-  }
+ private:
+  const OptimizerConfig c_;
 };
 
 absl::Status CheckSchedule(const OptimizerConfig& c) {
@@ -200,8 +168,42 @@ PSFLOW_VECTOR_LOOP void ScaleInPlace(float* x, float factor, int64_t n) {
 }
 
 PSFLOW_VECTOR_LOOP void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
-  const float keep = 1 - momentum;
-  for (int64_t i = 0; i < n; ++i) r[i] = keep * r[i] + momentum * x[i];
+  for (int64_t i = 0; i < n; ++i) kernels::MovingAverageElement(momentum, r[i], x[i]);
+}
+
+void ApplyStep(const kernels::OptimizerStep& s, float* w, const float* g, int64_t n,
+               const std::vector<float*>& slots) {
+  switch (s.rule) {
+    case kernels::OptimizerStep::kSgd:
+      SgdLoop(s.lr, s.wd, w, g, n);
+      break;
+    case kernels::OptimizerStep::kMomentum:
+      MomentumLoop(s.lr, s.mu, s.wd, w, g, slots[0], n);
+      break;
+    case kernels::OptimizerStep::kNesterov:
+      NesterovLoop(s.lr, s.mu, s.wd, w, g, slots[0], n);
+      break;
+    case kernels::OptimizerStep::kAdam:
+      AdamLoop(s.b1, s.b2, s.eps, s.step_size, s.inv_c2, s.l2, s.decay, w, g, slots[0], slots[1],
+               n);
+      break;
+    case kernels::OptimizerStep::kAdagrad:
+      AdagradLoop(s.lr, s.eps, s.wd, w, g, slots[0], n);
+      break;
+    case kernels::OptimizerStep::kRmsprop:
+      RmspropLoop(s.lr, s.alpha, s.eps, s.wd, w, g, slots[0], n);
+      break;
+    case kernels::OptimizerStep::kMovingAverage:
+      MovingAverageInto(w, g, s.mu, n);
+      break;
+  }
+}
+
+kernels::OptimizerStep MovingAverageStep(float momentum) {
+  kernels::OptimizerStep s;
+  s.rule = kernels::OptimizerStep::kMovingAverage;
+  s.mu = momentum;
+  return s;
 }
 
 absl::StatusOr<float> BnMomentum(const JobConfig& job) {
@@ -271,26 +273,26 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConf
   if (absl::Status s = CheckSchedule(c); !s.ok()) return s;
   switch (c.kind()) {
     case OptimizerConfig::SGD:
-      return std::make_unique<Sgd>(c);
+      return std::make_unique<ConfiguredOptimizer>(c);
     case OptimizerConfig::MOMENTUM:
       if (!(c.momentum() > 0 && c.momentum() < 1)) {
         return absl::InvalidArgumentError("momentum must be in (0, 1)");
       }
-      return std::make_unique<Momentum>(c);
+      return std::make_unique<ConfiguredOptimizer>(c);
     case OptimizerConfig::ADAM:
     case OptimizerConfig::ADAMW:
       if (!(c.beta1() > 0 && c.beta1() < 1 && c.beta2() > 0 && c.beta2() < 1 && c.epsilon() > 0)) {
         return absl::InvalidArgumentError("adam needs beta1, beta2 in (0, 1) and epsilon > 0");
       }
-      return std::make_unique<Adam>(c);
+      return std::make_unique<ConfiguredOptimizer>(c);
     case OptimizerConfig::ADAGRAD:
       if (!(c.epsilon() > 0)) return absl::InvalidArgumentError("adagrad needs epsilon > 0");
-      return std::make_unique<Adagrad>(c);
+      return std::make_unique<ConfiguredOptimizer>(c);
     case OptimizerConfig::RMSPROP:
       if (!(c.alpha() > 0 && c.alpha() < 1 && c.epsilon() > 0)) {
         return absl::InvalidArgumentError("rmsprop needs alpha in (0, 1) and epsilon > 0");
       }
-      return std::make_unique<Rmsprop>(c);
+      return std::make_unique<ConfiguredOptimizer>(c);
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown optimizer kind ", config.kind()));
   }

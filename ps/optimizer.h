@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/optimizer_math.h"
 #include "proto/job.pb.h"
 
 namespace psflow::ps {
@@ -43,11 +44,21 @@ class Optimizer {
   static std::vector<std::string> SlotNames(OptimizerConfig::Kind kind);
   // SlotNames(kind) for this optimizer's kind.
   virtual std::vector<std::string> SlotNames() const = 0;
-  // Applies one step computed from version `step` (0-based) to n weights.
-  // slots follow SlotNames().
+  // The rule and scalars of the step computed from version `step` (0-based):
+  // the learning rate of the schedule, Adam's bias corrections, ... What the
+  // ps apply on their CPUs (Apply) and a GPU replica on its device
+  // (kernels::Backend::ApplyOptimizer).
+  virtual kernels::OptimizerStep StepAt(int64_t step) const = 0;
+  // Applies one step computed from version `step` (0-based) to n weights:
+  // ApplyStep(StepAt(step), ...). slots follow SlotNames().
   virtual void Apply(int64_t step, float* weights, const float* grad, int64_t n,
                      const std::vector<float*>& slots) const = 0;
 };
+
+// Applies `step` to n weights on this CPU, vectorized (slots follow the
+// optimizer's SlotNames(); none for kMovingAverage).
+void ApplyStep(const kernels::OptimizerStep& step, float* w, const float* g, int64_t n,
+               const std::vector<float*>& slots);
 
 // Element-wise helpers for gradient averaging, vectorized like the optimizers.
 void AddInto(float* sum, const float* x, int64_t n);
@@ -63,6 +74,8 @@ inline constexpr float kDefaultBnMomentum = 0.1f;
 absl::StatusOr<float> BnMomentum(const JobConfig& job);
 // r = (1 - momentum) * r + momentum * x, elementwise.
 void MovingAverageInto(float* r, const float* x, float momentum, int64_t n);
+// The same as a step (kMovingAverage), for ApplyStep and ApplyOptimizer.
+kernels::OptimizerStep MovingAverageStep(float momentum);
 
 }  // namespace psflow::ps
 

@@ -601,6 +601,69 @@ void Shard::TakeSnapshotLocked() {
   snap->second.data = std::move(data);
 }
 
+absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceValues> values) {
+  std::vector<Value> published;
+  {
+    absl::MutexLock lock(&mu_);
+    PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+    if (values.size() != slice_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mirror has ", values.size(), " slices of values for ", slice_.size()));
+    }
+    const size_t slots = optimizer_->SlotNames().size();
+    for (size_t i = 0; i < values.size(); ++i) {
+      const size_t n = values_[i].value.size();
+      bool fits = values[i].value.size() == n && values[i].slots.size() == slots;
+      for (const std::vector<float>& slot : values[i].slots) fits = fits && slot.size() == n;
+      if (!fits) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("mirror of slice '", (*slices_)[i].name(), "' has the wrong size"));
+      }
+    }
+  }
+  // The copies readers get, made without the lock.
+  published.reserve(values.size());
+  for (const SliceValues& v : values)
+    published.push_back(std::make_shared<std::vector<float>>(v.value));
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
+  mu_.Await(absl::Condition(&idle));
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (values.size() != slice_.size()) return absl::AbortedError("the job was reloaded meanwhile");
+  if (version < version_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("mirror of version ", version, " behind the shard's ", version_));
+  }
+  if (applied_ > 0 || !empty_pushes_.empty() ||
+      std::any_of(slice_.begin(), slice_.end(),
+                  [](const SliceState& s) { return !s.pushes.empty(); })) {
+    return absl::FailedPreconditionError("a mirrored shard takes no pushes");
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    SliceState& s = slice_[i];
+    s.previous = nullptr;
+    s.published = std::move(published[i]);
+    s.version = version;
+    values_[i] = std::move(values[i]);
+  }
+  counters_.applied += version - version_;
+  version_ = version;
+  OnVersionLocked();
+  WakeLocked();
+  return absl::OkStatus();
+}
+
+std::optional<int64_t> Shard::WantedSnapshot(int64_t from) const {
+  absl::MutexLock lock(&mu_);
+  std::optional<int64_t> wanted;
+  for (const auto& [version, pending] : snapshots_) {
+    if (version >= from && pending.data == nullptr && (!wanted || version < *wanted)) {
+      wanted = version;
+    }
+  }
+  return wanted;
+}
+
 absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live,
                                    int64_t from_version) {
   if (live.empty()) return absl::InvalidArgumentError("a job needs at least one live worker");

@@ -230,6 +230,22 @@ class Shard {
       uint64_t job_id, int64_t version, absl::Time deadline,
       const std::function<bool()>& cancelled);
 
+  // A replica of a job without ps whose state lives elsewhere (a GPU
+  // worker's device) publishes it here as of `version`: the values and slots
+  // of every slice (SliceValues as for Init, slots in full) replace the
+  // shard's, and the shard is at `version`, as if the steps between had been
+  // applied. A snapshot asked for at `version` is taken; those of versions
+  // in between can no longer be (FAILED_PRECONDITION, as for a shard that
+  // passed them); pulls waiting for it see it. FAILED_PRECONDITION for
+  // another job, for a version behind the shard's, or while pushes are
+  // pending (a mirrored shard takes none); INVALID_ARGUMENT for values that
+  // do not fit the slices.
+  absl::Status Mirror(uint64_t job_id, int64_t version, std::vector<SliceValues> values);
+  // The lowest version at or after `from` that a snapshot still waits for
+  // (asked for and not yet taken), if any: what a mirrored shard's owner
+  // publishes next.
+  std::optional<int64_t> WantedSnapshot(int64_t from) const;
+
   // The same calls without waiting, for servers whose waiting calls hold no
   // thread: a waiter's `wake` runs at every change such a call may wait for
   // (a slice applied, a new job, shutdown), until it is removed. `wake` runs

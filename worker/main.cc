@@ -151,6 +151,7 @@ int main(int argc, char** argv) {
     ring_service = std::make_unique<psflow::allreduce::AllReduceService>(ring.get());
     options.ring = ring.get();
     options.replica_address = config.self_address;
+    options.replica = replica.get();
   }
   std::unique_ptr<psflow::chief::ChiefRole> chief_role;
   if (chief_here) {

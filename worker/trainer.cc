@@ -230,6 +230,14 @@ absl::Status Trainer::Prepare() {
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
   if (AllReduce()) {
     PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
+    // GPU workers that average on their devices (or one alone) keep the
+    // replica there too; CPU workers, and a group that mixes CPUs and GPUs,
+    // apply to the shard.
+    device_.reset();
+    if (!in_place_ && options_.replica != nullptr &&
+        (gpu_peers_ != nullptr || options_.ring->size() == 1)) {
+      PSFLOW_RETURN_IF_ERROR(PrepareDeviceReplica());
+    }
     // What each step's all-reduce averages: the gradients (unless the GPUs
     // average them) and the loss, the same spans every step.
     ring_pieces_.clear();
@@ -380,7 +388,137 @@ void Trainer::LogReplicaDigest() {
       job_.train_steps(), crc);
 }
 
+struct Trainer::DeviceReplica {
+  std::unique_ptr<ps::Optimizer> optimizer;
+  float bn_momentum = ps::kDefaultBnMomentum;
+  std::vector<char> trainable;  // by variable
+  int slots = 0;                // per variable
+  // The slots on the device, [variable * slots + k], and their host copies
+  // for publishing, [variable * (1 + slots) + k] (k = 0 the value).
+  std::vector<std::unique_ptr<kernels::Buffer>> slot_buffers, staging;
+  // The mean loss and the count of non-finite values, on the device and in
+  // page-locked memory.
+  std::unique_ptr<kernels::Buffer> flags, host_flags;
+  // What each step's NCCL all-reduce averages: the gradients, then the loss.
+  std::vector<float*> reduce;
+  std::vector<int64_t> reduce_sizes;
+  // The publish in flight (or done), its outcome and the version it holds.
+  std::thread publisher;
+  absl::Status published;
+  int64_t published_version = -1;
+
+  ~DeviceReplica() {
+    if (publisher.joinable()) publisher.join();
+  }
+  float* slot(size_t variable, int k) {
+    return k < slots ? slot_buffers[variable * slots + k]->data() : nullptr;
+  }
+};
+
+absl::Status Trainer::PrepareDeviceReplica() {
+  device_.reset();
+  auto replica = std::make_unique<DeviceReplica>();
+  absl::StatusOr<std::unique_ptr<ps::Optimizer>> optimizer =
+      ps::Optimizer::Create(job_.optimizer());
+  if (!optimizer.ok()) return Permanent(optimizer.status());
+  replica->optimizer = *std::move(optimizer);
+  absl::StatusOr<float> bn_momentum = ps::BnMomentum(job_);
+  if (!bn_momentum.ok()) return Permanent(bn_momentum.status());
+  replica->bn_momentum = *bn_momentum;
+  replica->slots = static_cast<int>(replica->optimizer->SlotNames().size());
+  auto allocate = [](kernels::Backend* b, int64_t n, bool host,
+                     std::vector<std::unique_ptr<kernels::Buffer>>* into) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
+        host ? b->AllocateHost(n) : b->Allocate(n);
+    if (!buffer.ok()) return Permanent(buffer.status());
+    into->push_back(*std::move(buffer));
+    return absl::OkStatus();
+  };
+  for (const VariableShape& v : net_->variables()) {
+    replica->trainable.push_back(v.trainable ? 1 : 0);
+    const int64_t n = NumElements(v.shape);
+    for (int k = 0; k < replica->slots; ++k) {
+      PSFLOW_RETURN_IF_ERROR(allocate(backend_.get(), n, false, &replica->slot_buffers));
+    }
+    for (int k = 0; k <= replica->slots; ++k) {
+      PSFLOW_RETURN_IF_ERROR(allocate(backend_.get(), n, true, &replica->staging));
+    }
+  }
+  std::vector<std::unique_ptr<kernels::Buffer>> flags;
+  PSFLOW_RETURN_IF_ERROR(allocate(backend_.get(), 2, false, &flags));
+  PSFLOW_RETURN_IF_ERROR(allocate(backend_.get(), 2, true, &flags));
+  replica->flags = std::move(flags[0]);
+  replica->host_flags = std::move(flags[1]);
+  replica->reduce = replica_grads_[0];
+  replica->reduce_sizes = variable_floats_;
+  replica->reduce.push_back(replica->flags->data());
+  replica->reduce_sizes.push_back(1);
+  device_ = std::move(replica);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::LoadDeviceReplica(int64_t* version) {
+  const absl::Time deadline = absl::Now() + options_.transfer_timeout;
+  absl::StatusOr<PsState> state = ps()->GetState(0, deadline);
+  if (!state.ok()) return FromPs(state.status());
+  if (state->job_id() != job_id_) return RegisterAgain("this worker's replica holds another job");
+  ReplicaTensors tensors(job_);
+  PSFLOW_RETURN_IF_ERROR(FromPs(
+      ps()->Snapshot(0, job_id_, state->version(), tensors.Sinks(job_.placement()), deadline)));
+  const std::vector<const float*> values(tensors.pointers[0].begin(), tensors.pointers[0].end());
+  absl::Status s = net_->SetWeights(values);
+  for (size_t v = 0; s.ok() && v < values.size(); ++v) {
+    for (int k = 0; s.ok() && k < device_->slots; ++k) {
+      s = backend_->CopyToDevice(tensors.pointers[1 + k][v], variable_floats_[v],
+                                 device_->slot(v, k));
+    }
+  }
+  // The host buffers go away on return: the copies must be done.
+  if (s.ok()) s = backend_->Synchronize();
+  if (!s.ok()) return absl::InternalError(absl::StrCat("loading the replica: ", s.message()));
+  device_->published_version = *version = state->version();
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::PublishReplica(int64_t version, bool wait) {
+  DeviceReplica& d = *device_;
+  if (d.publisher.joinable()) d.publisher.join();
+  if (!d.published.ok()) {
+    PSLOG(WARNING) << "publishing the replica of step " << d.published_version
+                   << " failed: " << d.published.message();
+  }
+  // Device to page-locked memory, on the step's stream (after its apply).
+  const int per_variable = 1 + d.slots;
+  for (size_t v = 0; v < variable_floats_.size(); ++v) {
+    for (int k = 0; k < per_variable; ++k) {
+      const float* from = k == 0 ? replica_weights_[0][v] : d.slot(v, k - 1);
+      PSFLOW_RETURN_IF_ERROR(
+          backend_->CopyToHost(from, variable_floats_[v], d.staging[v * per_variable + k]->data()));
+    }
+  }
+  // Cut into the shard's slices, and published, off the training thread.
+  d.published_version = version;
+  d.publisher = std::thread([&d, per_variable, version, shard = options_.replica,
+                             job_id = job_id_.load(), slices = SlicesOnPs(job_.placement(), 0)] {
+    std::vector<ps::Shard::SliceValues> values(slices.size());
+    for (size_t i = 0; i < slices.size(); ++i) {
+      const SliceRef& r = slices[i];
+      const int64_t n = NumElements(r.slice_shape);
+      for (int k = 0; k < per_variable; ++k) {
+        const float* from = d.staging[r.variable_index * per_variable + k]->data() + r.float_offset;
+        std::vector<float>& to = k == 0 ? values[i].value : values[i].slots.emplace_back();
+        to.assign(from, from + n);
+      }
+    }
+    d.published = shard->Mirror(job_id, version, std::move(values));
+  });
+  if (!wait) return absl::OkStatus();
+  d.publisher.join();
+  return d.published;
+}
+
 absl::Status Trainer::CreateReplicas() {
+  device_.reset();     // its buffers are the backend's
   gpu_peers_.reset();  // before the backend it queues on
   replicas_.clear();
   replica_nets_.clear();
@@ -853,9 +991,133 @@ absl::Status Trainer::Train(int64_t start) {
   return absl::OkStatus();
 }
 
+absl::Status Trainer::TrainOnDevice() {
+  DeviceReplica& d = *device_;
+  int64_t step = 0;
+  PSFLOW_RETURN_IF_ERROR(LoadDeviceReplica(&step));
+  const int index = options_.worker_index;
+  data::ShardSampler sampler(data_.count, job_.num_workers(), index, job_.seed());
+  const int batch = job_.batch_size();  // per replica
+  const int64_t worker_batch = WorkerBatch(job_);
+  const int64_t example = data_.example_floats();
+  std::vector<float> images(static_cast<size_t>(worker_batch) * example);
+  std::vector<int32_t> labels(worker_batch);
+  std::vector<int64_t> order;
+  int64_t order_epoch = -1;
+  float* const host_flags = d.host_flags->data();
+  const std::vector<float*>& weights = replica_weights_[0];
+  const std::vector<float*>& grads = replica_grads_[0];
+  // A stop keeps what was trained: the replica of the last whole step goes
+  // to the shard, where the chief's checkpoint at the stop finds it.
+  auto stopped = [&](int sig) {
+    absl::Status s = PublishReplica(step, /*wait=*/true);
+    if (!s.ok()) PSLOG(WARNING) << "publishing the replica at the stop: " << s.message();
+    return StoppedBySignal(sig);
+  };
+  // The group is gone (a member failed): every worker restarts.
+  auto group_failed = [&](const absl::Status& s) {
+    options_.ring->Leave(s);
+    return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kUnavailable,
+                        absl::StrCat("all-reduce of step ", step, ": ", s.message()));
+  };
+  while (step < job_.train_steps()) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (job_failed_) return absl::FailedPreconditionError("the chief failed the job");
+      if (reregister_) return RegisterAgain("the chief asked for a new registration");
+    }
+    if (const int sig = stop_signal(); sig != 0) return stopped(sig);
+    // The shard gets the replica of this step if a snapshot waits for it,
+    // and worker 0's at every multiple of kReplicaPublishSteps.
+    if (step != d.published_version && ((index == 0 && step % kReplicaPublishSteps == 0) ||
+                                        options_.replica->WantedSnapshot(step) == step)) {
+      PSFLOW_RETURN_IF_ERROR(PublishReplica(step, /*wait=*/false));
+    }
+    const absl::Time t1 = absl::Now();
+    const int64_t epoch = step / job_.steps_per_epoch();
+    const int64_t position = step % job_.steps_per_epoch();
+    if (epoch != order_epoch) {
+      order = sampler.EpochIndices(epoch);
+      order_epoch = epoch;
+    }
+    absl::Status s = data::GatherBatch(
+        data_, absl::MakeConstSpan(order).subspan(position * worker_batch, worker_batch),
+        images.data(), labels.data());
+    absl::StatusOr<model::Network::Result> result =
+        !s.ok()  ? s
+        : group_ ? ReplicatedStep(images.data(), labels.data(), batch)
+                 : net_->TrainStep(images.data(), labels.data(), batch);
+    if (!result.ok()) {
+      return absl::InternalError(
+          absl::StrCat("step ", step, " failed: ", result.status().message()));
+    }
+    const absl::Time t2 = absl::Now();
+    // The mean gradient and loss of every worker (the same bits on each), and
+    // whether any of them is not finite: one verdict for the whole group.
+    host_flags[0] = static_cast<float>(result->loss);
+    host_flags[1] = 0;
+    s = backend_->CopyToDevice(host_flags, 2, d.flags->data());
+    if (s.ok() && gpu_peers_ != nullptr) {
+      s = gpu_peers_->AllReduceMean(d.reduce, d.reduce_sizes,
+                                    absl::Now() + options_.transfer_timeout,
+                                    [this] { return GroupAbandoned(); });
+      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (!s.ok()) return group_failed(s);
+    }
+    for (size_t i = 0; s.ok() && i < d.reduce.size(); ++i) {
+      s = backend_->CountNonFinite(d.reduce[i], d.reduce_sizes[i], d.flags->data() + 1);
+    }
+    if (s.ok()) s = backend_->CopyToHost(d.flags->data(), 2, host_flags);
+    if (!s.ok()) {
+      return absl::InternalError(absl::StrCat("step ", step, " failed: ", s.message()));
+    }
+    const bool finite = host_flags[1] == 0;
+    const bool skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
+    if (!finite && !skip) {
+      PSLOG(ERROR) << "step " << step << ": the mean loss (" << host_flags[0]
+                   << ") or the mean gradients are not finite; nothing applied";
+      return NonFinite(step);
+    }
+    if (skip) {
+      PSLOG(WARNING) << "step " << step << ": the mean loss (" << host_flags[0]
+                     << ") or the mean gradients are not finite; skipping the step";
+    } else {
+      const kernels::OptimizerStep rule = d.optimizer->StepAt(step);
+      const kernels::OptimizerStep running = ps::MovingAverageStep(d.bn_momentum);
+      for (size_t v = 0; s.ok() && v < grads.size(); ++v) {
+        s = backend_->ApplyOptimizer(d.trainable[v] ? rule : running, weights[v], grads[v],
+                                     d.slot(v, 0), d.slot(v, 1), variable_floats_[v]);
+      }
+      if (!s.ok()) {
+        return absl::InternalError(
+            absl::StrCat("step ", step, ": the optimizer failed: ", s.message()));
+      }
+    }
+    StepMetrics m;
+    m.set_step(step);
+    m.set_nonfinite(skip);
+    m.set_loss(skip ? 0 : result->loss);
+    m.set_correct(result->correct);
+    m.set_examples(worker_batch);
+    m.set_compute_us(Micros(t2 - t1));
+    m.set_push_us(Micros(absl::Now() - t2));  // the all-reduce and the apply
+    ++step;
+    register_backoff_.Reset();
+    absl::MutexLock lock(&mu_);
+    pending_.push_back(std::move(m));
+    step_ = step;
+  }
+  // The final replica: the chief's final weights and every digest read it.
+  absl::Status s = PublishReplica(step, /*wait=*/true);
+  if (!s.ok()) {
+    return absl::InternalError(absl::StrCat("publishing the final replica: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::TrainAndWait() {
   while (true) {
-    absl::Status s = Train(start_step_);
+    absl::Status s = device_ != nullptr ? TrainOnDevice() : Train(start_step_);
     if (IsRegisterAgain(s) && AllReduce()) {
       // The group formed for this job; it forms again only from the start.
       s = absl::UnavailableError(absl::StrCat(

@@ -50,6 +50,7 @@
 #include "proto/chief.pb.h"
 #include "proto/job.pb.h"
 #include "ps/client.h"
+#include "ps/shard.h"
 
 namespace psflow::worker {
 
@@ -88,6 +89,13 @@ struct TrainerOptions {
   // replica is the chief's to load).
   allreduce::Ring* ring = nullptr;
   std::string replica_address;
+  // All-reduce jobs: the replica itself, the shard that service serves (not
+  // owned; outliving the trainer). A GPU worker keeps its replica's weights
+  // and optimizer state on the device and applies the optimizer there (see
+  // TrainOnDevice); the shard gets the state (Shard::Mirror) when a snapshot
+  // asks for a step, every kReplicaPublishSteps steps on worker 0 (whose
+  // replica the chief and the evaluator read), at a stop and at the end.
+  ps::Shard* replica = nullptr;
   // Called (if set) with true after each registration with the chief, and
   // with false when the worker registers again or Run returns: whether it
   // takes part in a job (its readiness). Called from Run's thread.
@@ -188,6 +196,21 @@ class Trainer {
     int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
   };
   absl::Status PullLane(int l, int64_t min_version, LanePull* out);
+  // All-reduce jobs of GPU workers (each in the NCCL group, or alone): the
+  // replica lives on the device. Allocates the optimizer's slots there.
+  absl::Status PrepareDeviceReplica();
+  // Loads the device replica with this worker's shard (its version in
+  // *version).
+  absl::Status LoadDeviceReplica(int64_t* version);
+  // Train, for a device replica: each step averages the gradients and the
+  // loss among the GPUs, counts non-finite values there, and applies the
+  // optimizer (or skips the step) on the device; no ps calls.
+  absl::Status TrainOnDevice();
+  // Copies the device replica (weights and slots) to page-locked memory and
+  // publishes it into options_.replica as of `version`: on a thread of its
+  // own, or before returning with `wait`. One publish at a time (the next
+  // waits for the one before).
+  absl::Status PublishReplica(int64_t version, bool wait);
   // Creates the backends and networks of every device of options_.device.
   absl::Status CreateReplicas();
   // One step of every replica, each on `batch` examples of images/labels in
@@ -233,6 +256,11 @@ class Trainer {
   std::unique_ptr<kernels::DeviceGroup> group_;
   // All-reduce jobs of GPU workers: every worker's replica 0, in one group.
   std::unique_ptr<kernels::PeerGroup> gpu_peers_;
+  // GPU workers of a job without ps: the device replica's optimizer state,
+  // buffers and publisher (null otherwise). Declared after the backends:
+  // destroyed before them.
+  struct DeviceReplica;
+  std::unique_ptr<DeviceReplica> device_;
   // Every replica's networks and their buffers on the GPU, in replica order
   // (fixed once the networks exist), and each variable's floats.
   std::vector<model::Network*> replicas_;

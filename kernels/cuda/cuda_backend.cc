@@ -1099,6 +1099,32 @@ absl::Status CudaBackend::Sgd(float* w, const float* g, float learning_rate, int
   });
 }
 
+absl::Status CudaBackend::ApplyOptimizer(const OptimizerStep& step, float* w, const float* g,
+                                         float* s0, float* s1, int64_t n) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "ApplyOptimizer"));
+  if (n == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "ApplyOptimizer", n, "", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"w", w}, {"g", g}}));
+    if ((step.slots() >= 1 && s0 == nullptr) || (step.slots() >= 2 && s1 == nullptr)) {
+      return absl::InvalidArgumentError("ApplyOptimizer: the rule needs its slot buffers");
+    }
+    PSFLOW_CUDA_CHECK(
+        cuda_internal::LaunchApplyOptimizer(step, w, g, step.slots() >= 1 ? s0 : nullptr,
+                                            step.slots() >= 2 ? s1 : nullptr, n, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::CountNonFinite(const float* x, int64_t n, float* count) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "CountNonFinite"));
+  if (n == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CountNonFinite", n, "", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"count", count}}));
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchCountNonFinite(x, n, count, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
 absl::Status CudaBackend::Copy(const float* src, float* dst, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Copy"));
   if (n == 0 || src == dst) return absl::OkStatus();

@@ -78,6 +78,27 @@ struct SgdFn {
   __device__ float operator()(float w, float g) const { return w - learning_rate * g; }
 };
 
+__global__ void ApplyOptimizerKernel(OptimizerStep step, float* w, const float* g, float* s0,
+                                     float* s1, int64_t n) {
+  float unused0 = 0, unused1 = 0;
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    float wi = w[i];
+    float& a = s0 != nullptr ? s0[i] : unused0;
+    float& b = s1 != nullptr ? s1[i] : unused1;
+    ApplyElement(step, wi, g[i], a, b);
+    w[i] = wi;
+  }
+}
+
+__global__ void CountNonFiniteKernel(const float* x, int64_t n, float* count) {
+  unsigned bad = 0;
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) bad += isfinite(x[i]) ? 0u : 1u;
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    bad += __shfl_xor_sync(kFullMask, bad, offset);
+  }
+  if (threadIdx.x % kWarpSize == 0 && bad > 0) atomicAdd(count, static_cast<float>(bad));
+}
+
 __global__ void AddRowBiasKernel(float* y, const float* b, int64_t n, int64_t cols) {
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) y[i] += b[i % cols];
 }
@@ -402,6 +423,19 @@ cudaError_t LaunchAffine(const float* x, float scale, float shift, float* y, int
 cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
                       cudaStream_t stream) {
   return LaunchMap2(w, g, w, n, SgdFn{learning_rate}, stream);
+}
+
+cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
+                                 float* s1, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ApplyOptimizerKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(step, w, g, s0, s1, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCountNonFinite(const float* x, int64_t n, float* count, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  CountNonFiniteKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, n, count);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,

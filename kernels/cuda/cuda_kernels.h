@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "kernels/optimizer_math.h"
+
 namespace psflow::kernels::cuda_internal {
 
 // y = a + b.
@@ -26,6 +28,14 @@ cudaError_t LaunchAffine(const float* x, float scale, float shift, float* y, int
 // w -= learning_rate * g.
 cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
                       cudaStream_t stream);
+
+// One optimizer step (kernels/optimizer_math.h's ApplyElement) on n weights
+// w, gradients g and the rule's slots s0, s1 (unused ones may be null).
+cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
+                                 float* s1, int64_t n, cudaStream_t stream);
+
+// *count += the number of values of x that are NaN or infinite.
+cudaError_t LaunchCountNonFinite(const float* x, int64_t n, float* count, cudaStream_t stream);
 
 // y[r, c] += b[c] for a row-major y of rows x cols (a bias broadcast over rows).
 cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,

@@ -498,6 +498,66 @@ TEST_F(CudaParityTest, ElementwiseHelpers) {
   }
 }
 
+// The optimizer rules a GPU replica of a job without ps applies, against the
+// CPU backend's (the ps's arithmetic, kernels/optimizer_math.h), over a few
+// steps; and the count of non-finite values the replicas agree on.
+TEST_F(CudaParityTest, OptimizerRulesAndNonFiniteCount) {
+  OptimizerStep sgd;
+  sgd.rule = OptimizerStep::kSgd;
+  sgd.lr = 0.1f;
+  sgd.wd = 0.01f;
+  OptimizerStep momentum = sgd, nesterov = sgd, adagrad = sgd, rmsprop = sgd, adam = sgd,
+                average = sgd;
+  momentum.rule = OptimizerStep::kMomentum;
+  momentum.mu = 0.9f;
+  nesterov.rule = OptimizerStep::kNesterov;
+  nesterov.mu = 0.9f;
+  adagrad.rule = OptimizerStep::kAdagrad;
+  adagrad.eps = 1e-10f;
+  rmsprop.rule = OptimizerStep::kRmsprop;
+  rmsprop.alpha = 0.99f;
+  rmsprop.eps = 1e-8f;
+  adam.rule = OptimizerStep::kAdam;
+  adam.b1 = 0.9f;
+  adam.b2 = 0.999f;
+  adam.eps = 1e-8f;
+  adam.step_size = 0.01f;
+  adam.inv_c2 = 1.5f;
+  adam.decay = 0.999f;
+  average.rule = OptimizerStep::kMovingAverage;
+  average.mu = 0.1f;
+  constexpr int64_t kN = 100003;  // the grid-stride loop's tail
+  for (const OptimizerStep& rule : {sgd, momentum, nesterov, adagrad, rmsprop, adam, average}) {
+    SCOPED_TRACE(testing::Message() << "rule " << rule.rule);
+    Pair w = In(kN);
+    const std::vector<float> zeros(kN, 0.0f);
+    Pair s0 = In(zeros), s1 = In(zeros);
+    for (int step = 0; step < 3; ++step) {
+      Pair g = In(kN);
+      for (bool gpu : {false, true}) {
+        Backend& backend = gpu ? *gpu_ : *cpu_;
+        PSFLOW_ASSERT_OK(backend.ApplyOptimizer(rule, gpu ? w.g() : w.c(), gpu ? g.g() : g.c(),
+                                                gpu ? s0.g() : s0.c(), gpu ? s1.g() : s1.c(), kN));
+      }
+    }
+    ExpectMatch(w, 1e-6, "weights");
+    if (rule.slots() > 0) ExpectMatch(s0, 1e-6, "slot 0");
+    if (rule.slots() > 1) ExpectMatch(s1, 1e-6, "slot 1");
+  }
+  std::vector<float> values = Random(kN);
+  values[0] = std::numeric_limits<float>::quiet_NaN();
+  values[kN / 2] = std::numeric_limits<float>::infinity();
+  values[kN - 1] = -std::numeric_limits<float>::infinity();
+  Pair x = In(values);
+  Pair count = In(std::vector<float>{2});
+  for (bool gpu : {false, true}) {
+    Backend& backend = gpu ? *gpu_ : *cpu_;
+    PSFLOW_ASSERT_OK(backend.CountNonFinite(gpu ? x.g() : x.c(), kN, gpu ? count.g() : count.c()));
+  }
+  EXPECT_EQ(Download(*gpu_, count.g(), 1)[0], 5.0f);
+  EXPECT_EQ(Download(*cpu_, count.c(), 1)[0], 5.0f);
+}
+
 TEST_F(CudaParityTest, BasicsAndErrors) {
   EXPECT_EQ(gpu_->name(), "cuda:0");
   EXPECT_FALSE(gpu_->host_memory());

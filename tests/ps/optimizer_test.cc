@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/kernels.h"
 
 namespace psflow::ps {
 namespace {
@@ -201,22 +202,69 @@ void ExpectMatchesReference(const OptimizerConfig& config, const OptimizerConfig
   for (auto& s : slots) slot_ptrs.push_back(s.data());
   std::vector<RefState> ref(kN);
   for (int i = 0; i < kN; ++i) ref[i].w = w[i] = weight(rng);
+  // The same steps through a kernels backend (what a GPU replica of a job
+  // without ps applies, here on the CPU backend): StepAt's rule, elementwise.
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> cpu = kernels::CreateBackend("cpu", 1);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  std::vector<float> bw = w;
+  std::vector<std::vector<float>> bslots = slots;
+  bslots.resize(2, std::vector<float>(kN, 0.0f));
   const Hyper h{defaults};
   for (int step = 0; step < steps; ++step) {
     for (int i = 0; i < kN; ++i) g[i] = gradient(rng);
     (*opt)->Apply(step, w.data(), g.data(), kN, slot_ptrs);
+    const kernels::OptimizerStep rule = (*opt)->StepAt(step);
+    ASSERT_EQ(rule.slots(), static_cast<int>(slot_names.size()));
+    ASSERT_TRUE((*cpu)
+                    ->ApplyOptimizer(rule, bw.data(), g.data(),
+                                     rule.slots() > 0 ? bslots[0].data() : nullptr,
+                                     rule.slots() > 1 ? bslots[1].data() : nullptr, kN)
+                    .ok());
     for (int i = 0; i < kN; ++i) {
       ReferenceStep(h, step, g[i], &ref[i]);
       const double want[] = {ref[i].w, ref[i].s0, ref[i].s1};
       const double got[] = {w[i], slots.size() > 0 ? slots[0][i] : 0.0,
                             slots.size() > 1 ? slots[1][i] : 0.0};
+      const double backend[] = {bw[i], slots.size() > 0 ? bslots[0][i] : 0.0,
+                                slots.size() > 1 ? bslots[1][i] : 0.0};
       for (int k = 0; k < 3; ++k) {
         ASSERT_NEAR(got[k], want[k], 1e-6 * std::max(std::abs(want[k]), 1.0))
             << config.ShortDebugString() << ": step " << step << " element " << i
             << (k == 0 ? " weight" : absl::StrCat(" slot ", k - 1));
+        ASSERT_NEAR(backend[k], want[k], 1e-6 * std::max(std::abs(want[k]), 1.0))
+            << "backend: " << config.ShortDebugString() << ": step " << step << " element " << i
+            << (k == 0 ? " weight" : absl::StrCat(" slot ", k - 1));
       }
     }
   }
+}
+
+// The running statistics' rule, and the backend's count of non-finite values.
+TEST(OptimizerBackendTest, MovingAverageAndNonFiniteCount) {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> cpu = kernels::CreateBackend("cpu", 1);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  std::vector<float> r = {1, 2, 4}, x = {2, 2, 0};
+  std::vector<float> want = r;
+  MovingAverageInto(want.data(), x.data(), 0.25f, 3);
+  ASSERT_TRUE(
+      (*cpu)
+          ->ApplyOptimizer(MovingAverageStep(0.25f), r.data(), x.data(), nullptr, nullptr, 3)
+          .ok());
+  EXPECT_EQ(r, want);
+  EXPECT_EQ(r, (std::vector<float>{1.25f, 2, 3}));
+  // A rule with slots refuses to run without them.
+  OptimizerConfig momentum;
+  momentum.set_kind(OptimizerConfig::MOMENTUM);
+  momentum.set_learning_rate(0.1f);
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(momentum);
+  ASSERT_TRUE(opt.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*cpu)->ApplyOptimizer((*opt)->StepAt(0), r.data(), x.data(), nullptr, nullptr, 3)));
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> values = {1, std::nanf(""), -inf, 0, inf, 3};
+  float count = 1;  // added to
+  ASSERT_TRUE((*cpu)->CountNonFinite(values.data(), 6, &count).ok());
+  EXPECT_EQ(count, 4);
 }
 
 OptimizerConfig Config(OptimizerConfig::Kind kind, float lr, float weight_decay = 0) {

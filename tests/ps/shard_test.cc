@@ -191,6 +191,62 @@ TEST(ShardSkipTest, ASkippedStepKeepsValuesAndSlotsAndTheNextStepApplies) {
   EXPECT_TRUE(absl::IsInvalidArgument(shard.PushSlices(kJob, 0, 2, {{0, {}, false}}).status()));
 }
 
+// A replica kept on a GPU publishes its state into its shard: the shard
+// jumps to that version with those values and slots; a snapshot asked for
+// that version in advance is taken, one of a version jumped over fails as
+// a passed one does, and WantedSnapshot names what waits.
+TEST(ShardMirrorTest, MirroredStateIsServedAtItsVersion) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::MOMENTUM, 0.5f, {0}), Values()).ok());
+  EXPECT_EQ(shard.WantedSnapshot(0), std::nullopt);
+  absl::StatusOr<Shard::SnapshotTicket> between = shard.RequestSnapshot(kJob, 3);
+  absl::StatusOr<Shard::SnapshotTicket> at = shard.RequestSnapshot(kJob, 7);
+  ASSERT_TRUE(between.ok() && at.ok());
+  EXPECT_EQ(shard.WantedSnapshot(0), 3);
+  EXPECT_EQ(shard.WantedSnapshot(4), 7);
+  EXPECT_EQ(shard.WantedSnapshot(8), std::nullopt);
+
+  std::vector<Shard::SliceValues> mirrored(2);
+  mirrored[0].value = {6, 5, 4, 3, 2, 1};
+  mirrored[0].slots = {{0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f}};
+  mirrored[1].value = {-1, -2, -3, -4};
+  mirrored[1].slots = {{1, 2, 3, 4}};
+  ASSERT_TRUE(shard.Mirror(kJob, 7, mirrored).ok());
+  EXPECT_EQ(shard.stats().version, 7);
+  absl::StatusOr<Shard::Pulled> pulled = shard.Pull(kJob, 7, Soon(), nullptr);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->weights->version, 7);
+  EXPECT_EQ(ValuesOf(*pulled->weights),
+            (std::vector<std::vector<float>>{mirrored[0].value, mirrored[1].value}));
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap = shard.PollSnapshot(*at);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  ASSERT_NE(*snap, nullptr);
+  EXPECT_EQ((*snap)->weights->version, 7);
+  EXPECT_EQ((*snap)->slots[0][0], mirrored[0].slots[0]);
+  EXPECT_EQ((*snap)->slots[1][0], mirrored[1].slots[0]);
+  EXPECT_TRUE(absl::IsFailedPrecondition(shard.PollSnapshot(*between).status()));
+  shard.ReleaseSnapshot(*between);
+  shard.ReleaseSnapshot(*at);
+  EXPECT_EQ(shard.WantedSnapshot(0), std::nullopt);
+
+  // Behind the shard, another job, or the wrong sizes: refused, nothing changes.
+  EXPECT_TRUE(absl::IsFailedPrecondition(shard.Mirror(kJob, 6, mirrored)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(shard.Mirror(kJob + 1, 8, mirrored)));
+  std::vector<Shard::SliceValues> short_slot = mirrored;
+  short_slot[1].slots[0].pop_back();
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.Mirror(kJob, 8, short_slot)));
+  std::vector<Shard::SliceValues> no_slots = mirrored;
+  no_slots[0].slots.clear();
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.Mirror(kJob, 8, no_slots)));
+  EXPECT_TRUE(absl::IsInvalidArgument(shard.Mirror(kJob, 8, {mirrored[0]})));
+  EXPECT_EQ(shard.stats().version, 7);
+
+  // A shard with a push pending is not a mirror's.
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::MOMENTUM, 0.5f, {0, 1}), Values()).ok());
+  ASSERT_TRUE(shard.Push(kJob, 0, 0, Grads(1)).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(shard.Mirror(kJob, 1, mirrored)));
+}
+
 TEST_F(ShardTest, StalePushIsDroppedAndCounted) {
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
