@@ -18,7 +18,7 @@ namespace {
 // one step ahead: a step's pieces for this member).
 constexpr size_t kMaxWaitingPieces = 4096;
 constexpr int64_t kMaxWaitingBytes = int64_t{1} << 30;
-// Buckets of a step at most (of 4 MiB: 4 TiB of gradients).
+// Buckets of a step at most (of 1 MiB: 1 TiB of gradients).
 constexpr int kMaxBuckets = 1 << 20;
 
 // The floats of [begin, end) of the pieces' concatenation, run by run.
@@ -44,9 +44,10 @@ Ring::Ring(RingOptions options, Peers* peers) : options_(std::move(options)), pe
 
 Ring::~Ring() = default;
 
-void Ring::Open(uint64_t job_id) {
+void Ring::Open(uint64_t job_id, int64_t bucket_bytes) {
   absl::MutexLock lock(&mu_);
   job_id_ = job_id;
+  bucket_bytes_ = std::max<int64_t>(bucket_bytes, 0);
 }
 
 absl::Status Ring::status() {
@@ -54,10 +55,13 @@ absl::Status Ring::status() {
   return left_;
 }
 
-int64_t Ring::MaxPieceBytes() const {
-  const int64_t per_bucket =
-      std::max<int64_t>(options_.bucket_bytes / static_cast<int64_t>(sizeof(float)), options_.size);
-  return (per_bucket / options_.size + 2) * static_cast<int64_t>(sizeof(float));
+int64_t Ring::FloatsPerBucketLocked() const {
+  const int64_t bytes = bucket_bytes_ > 0 ? bucket_bytes_ : options_.bucket_bytes;
+  return std::max<int64_t>(bytes / static_cast<int64_t>(sizeof(float)), options_.size);
+}
+
+int64_t Ring::MaxPieceBytesLocked() const {
+  return (FloatsPerBucketLocked() / options_.size + 2) * static_cast<int64_t>(sizeof(float));
 }
 
 void Ring::Leave(const absl::Status& why) {
@@ -96,7 +100,7 @@ absl::Status Ring::Deliver(RingPiece piece) {
   const int rounds = 2 * (options_.size - 1);
   if (piece.from() != prev || piece.round() < 0 || piece.round() >= rounds || piece.bucket() < 0 ||
       piece.bucket() >= kMaxBuckets || !IsWireDtype(piece.dtype()) ||
-      static_cast<int64_t>(piece.data().size()) > MaxPieceBytes()) {
+      static_cast<int64_t>(piece.data().size()) > MaxPieceBytesLocked()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a piece this worker never takes: from ", piece.from(), ", round ",
                      piece.round(), ", bucket ", piece.bucket(), ", dtype ", piece.dtype()));
@@ -155,8 +159,28 @@ absl::StatusOr<RingPiece> Ring::Take(const Key& key, absl::Time deadline) {
 
 absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
                                 absl::Span<const absl::Span<float>> pieces, DataType dtype,
-                                bool forming) {
+                                bool forming, PieceReadiness* ready) {
   const int n = options_.size, i = options_.rank;
+  if (ready != nullptr) {
+    // The pieces this bucket spans: the first whose end is past `begin`,
+    // through the one holding end - 1.
+    int first = 0, last = 0;
+    int64_t at = 0;
+    for (int p = 0; p < static_cast<int>(pieces.size()); ++p) {
+      const int64_t next_at = at + static_cast<int64_t>(pieces[p].size());
+      if (next_at <= begin) first = p + 1;
+      if (at < end) last = p;
+      at = next_at;
+    }
+    const absl::Time give_up =
+        absl::Now() + (forming ? options_.form_timeout : options_.round_timeout);
+    if (!ready->WaitReady(first, last, give_up, [this] { return !status().ok(); })) {
+      absl::Status left = status();
+      return left.ok() ? absl::DeadlineExceededError(absl::StrCat(
+                             "step ", step, ": bucket ", bucket, "'s gradients never came"))
+                       : left;
+    }
+  }
   const int next = (i + 1) % n;
   const int64_t len = end - begin;
   auto seg_begin = [&](int s) { return begin + len * s / n; };
@@ -236,8 +260,41 @@ absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t
   return absl::OkStatus();
 }
 
+void PieceReadiness::Reset(int pieces) {
+  absl::MutexLock lock(&mu_);
+  ready_.assign(static_cast<size_t>(std::max(pieces, 0)), 0);
+}
+
+void PieceReadiness::MarkReady(int piece) {
+  absl::MutexLock lock(&mu_);
+  if (piece >= 0 && piece < static_cast<int>(ready_.size())) ready_[piece] = 1;
+}
+
+void PieceReadiness::MarkAllReady() {
+  absl::MutexLock lock(&mu_);
+  std::fill(ready_.begin(), ready_.end(), 1);
+}
+
+bool PieceReadiness::WaitReady(int first, int last, absl::Time deadline,
+                               const std::function<bool()>& abandoned) {
+  absl::MutexLock lock(&mu_);
+  auto all_ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (int p = std::max(first, 0); p <= last && p < static_cast<int>(ready_.size()); ++p) {
+      if (!ready_[p]) return false;
+    }
+    return true;
+  };
+  while (!all_ready()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline || abandoned()) return false;
+    mu_.AwaitWithDeadline(absl::Condition(&all_ready),
+                          std::min(deadline, now + absl::Milliseconds(50)));
+  }
+  return true;
+}
+
 absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> pieces,
-                             DataType dtype) {
+                             DataType dtype, PieceReadiness* ready) {
   if (!IsWireDtype(dtype)) return absl::InvalidArgumentError("not a wire dtype");
   bool forming = false;
   {
@@ -256,19 +313,24 @@ absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> p
   if (options_.size == 1) return absl::OkStatus();
   int64_t total = 0;
   for (const absl::Span<float>& p : pieces) total += static_cast<int64_t>(p.size());
-  // Buckets of about bucket_bytes, at least one float per member each.
-  const int64_t per_bucket =
-      std::max<int64_t>(options_.bucket_bytes / static_cast<int64_t>(sizeof(float)), options_.size);
+  // Buckets of about the job's bucket bytes, at least one float per member each.
+  int64_t per_bucket = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    per_bucket = FloatsPerBucketLocked();
+  }
   const int buckets = static_cast<int>(std::max<int64_t>((total + per_bucket - 1) / per_bucket, 1));
   std::vector<absl::Status> results(buckets);
   std::atomic<bool> failed{false};
-  pool_->ParallelFor(buckets, [&](int b) {
+  pool_->ParallelFor(buckets, [&](int k) {
+    // Waiting for the pieces: the last bucket first.
+    const int b = ready != nullptr ? buckets - 1 - k : k;
     if (failed.load()) {
       results[b] = absl::CancelledError("another bucket failed");
       return;
     }
     const int64_t begin = total * b / buckets, end = total * (b + 1) / buckets;
-    results[b] = ReduceBucket(step, b, begin, end, pieces, dtype, forming);
+    results[b] = ReduceBucket(step, b, begin, end, pieces, dtype, forming, ready);
     if (!results[b].ok()) {
       failed.store(true);
       Leave(results[b]);  // ends the other buckets' waits

@@ -32,6 +32,7 @@
 #define PSFLOW_ALLREDUCE_RING_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -63,12 +64,35 @@ class Peers {
   virtual void CancelAll() = 0;
 };
 
+// Which pieces of an all-reduce hold their final values yet, for an
+// all-reduce started before they all do (overlapped with the backward pass
+// that computes them): each bucket waits until every piece it spans is
+// ready, and the buckets of the last pieces go first (a backward pass
+// completes the last variables first). Thread-safe.
+class PieceReadiness {
+ public:
+  // None of `pieces` is ready.
+  void Reset(int pieces) ABSL_LOCKS_EXCLUDED(mu_);
+  void MarkReady(int piece) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every piece is ready (also to release the waits after a failed step).
+  void MarkAllReady() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until pieces first..last are ready (true), or until `deadline` or
+  // `abandoned()` (false), looking at it at least every 50 ms.
+  bool WaitReady(int first, int last, absl::Time deadline,
+                 const std::function<bool()>& abandoned) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  absl::Mutex mu_;
+  std::vector<char> ready_ ABSL_GUARDED_BY(mu_);
+};
+
 struct RingOptions {
   int rank = 0;  // this member
   int size = 1;  // members
   // Gradients travel in buckets of about this many bytes (as fp32),
-  // reduced concurrently; each message carries 1/size of a bucket.
-  int64_t bucket_bytes = int64_t{4} << 20;
+  // reduced concurrently; each message carries 1/size of a bucket. A job's
+  // own size (Open) replaces it.
+  int64_t bucket_bytes = int64_t{1} << 20;
   int threads = 4;  // buckets in flight at once
   // How long a round waits for its piece once the group has formed (a
   // member that computes much slower than the others is waited for).
@@ -89,8 +113,9 @@ class Ring {
   int size() const { return options_.size; }
 
   // Takes part in job `job_id` from now on (pieces of another job are
-  // refused). Once per ring.
-  void Open(uint64_t job_id);
+  // refused), with buckets of about `bucket_bytes` (> 0; 0 keeps
+  // RingOptions::bucket_bytes), which every member must share. Once per ring.
+  void Open(uint64_t job_id, int64_t bucket_bytes = 0);
 
   // Replaces the floats of `pieces` (the same lengths, in the same order, on
   // every member) by their mean over the members, rounded through `dtype`
@@ -100,7 +125,12 @@ class Ring {
   // not come within round_timeout, CANCELLED after Cancel, INVALID_ARGUMENT
   // or FAILED_PRECONDITION for a piece that does not fit. After an error the
   // ring is left and every later call fails.
-  absl::Status AllReduce(int64_t step, absl::Span<const absl::Span<float>> pieces, DataType dtype);
+  // With `ready`, a bucket is sent once `ready` says its pieces are done,
+  // the last buckets first (the result is the same bits); the caller
+  // computes them on another thread meanwhile and must mark every piece
+  // ready in the end (MarkAllReady after a failure), or Leave the ring.
+  absl::Status AllReduce(int64_t step, absl::Span<const absl::Span<float>> pieces, DataType dtype,
+                         PieceReadiness* ready = nullptr);
 
   // Member 0's `bytes` on every member (each passes as many bytes; only
   // member 0's are read): an all-reduce of step `step` of the bytes as
@@ -129,9 +159,11 @@ class Ring {
   absl::StatusOr<RingPiece> Take(const Key& key, absl::Time deadline);
   absl::Status ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
                             absl::Span<const absl::Span<float>> pieces, DataType dtype,
-                            bool forming);
-  // The most bytes of one piece: a segment of a bucket, in fp32.
-  int64_t MaxPieceBytes() const;
+                            bool forming, PieceReadiness* ready);
+  // The floats of a bucket, and the most bytes of one piece (a segment of a
+  // bucket, in fp32).
+  int64_t FloatsPerBucketLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t MaxPieceBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RingOptions options_;
   Peers* const peers_;
@@ -139,6 +171,7 @@ class Ring {
 
   absl::Mutex mu_;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;  // 0 until Open
+  int64_t bucket_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the job's, from Open
   bool formed_ ABSL_GUARDED_BY(mu_) = false;  // an all-reduce completed
   int64_t step_ ABSL_GUARDED_BY(mu_) = -1;    // of the all-reduce in progress or last done
   absl::Status left_ ABSL_GUARDED_BY(mu_);    // why this member left the group

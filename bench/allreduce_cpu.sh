@@ -4,7 +4,10 @@
 # 64 per worker, 2 workers with one compute thread each, SGD (0.05), fp32 math:
 #   1. psflow all-reduce: psflow-launch --ps=0 --chief=false --workers=2
 #      (worker 0 runs the chief's duties; the gradients averaged in a ring over
-#      gRPC), fp32 and bf16 on the wire (--wire_dtype);
+#      gRPC, each 1 MiB bucket sent as soon as the backward pass completes
+#      it), fp32 and bf16 on the wire (--wire_dtype), and fp32 with one
+#      bucket of everything (--allreduce_bucket_mb=256: sent once the whole
+#      backward pass is done), which shows what the overlap gives;
 #   2. psflow ps mode, for reference: psflow-launch --ps=2 --workers=2 (and a
 #      chief), the same job flags, fp32 on the wire;
 #   3. PyTorch DDP over gloo, 2 processes on the CPU, torch.set_num_threads(1)
@@ -76,15 +79,18 @@ trap 'rm -rf "$tmp"' EXIT
 source "$here/lib.sh"
 job_log_tail=20
 
-# psflow NAME WIRE LAUNCHER_FLAGS...: one job of WARMUP + STEPS steps with
-# WIRE on the wire; sets $rate (ex/s after the first interval) and $split
-# ("step pull compute push wait", ms).
+# psflow NAME WIRE LAUNCHER_FLAGS... [-- JOB_FLAGS...]: one job of WARMUP +
+# STEPS steps with WIRE on the wire; sets $rate (ex/s after the first
+# interval) and $split ("step pull compute push wait", ms).
 psflow() {
-  local name=$1 wire=$2
+  local name=$1 wire=$2 launcher=() extra=()
   shift 2
-  launch_job "$name" "$@" -- --model=cnn --data_dir="$data_dir" --batch_size="$batch" \
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do launcher+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  extra=("$@")
+  launch_job "$name" "${launcher[@]}" -- --model=cnn --data_dir="$data_dir" --batch_size="$batch" \
     --train_steps=$((warmup + steps)) --log_every_steps="$warmup" --optimizer=sgd \
-    --learning_rate=0.05 --compute_threads=1 --wire_dtype="$wire"
+    --learning_rate=0.05 --compute_threads=1 --wire_dtype="$wire" "${extra[@]}"
   rate=$(ex_per_s "$tmp/$name.log")
   [ -n "$rate" ] || { echo "$me: job $name printed no examples/s:" >&2; tail -20 "$tmp/$name.log" >&2; exit 1; }
   split=$(step_split "$tmp/$name.log")
@@ -112,6 +118,7 @@ run() {
     ddp_gloo) ddp "${c}_r$r" ;;
     ar_fp32) psflow "${c}_r$r" fp32 --ps=0 --chief=false --workers="$workers" ;;
     ar_bf16) psflow "${c}_r$r" bf16 --ps=0 --chief=false --workers="$workers" ;;
+    ar_whole) psflow "${c}_r$r" fp32 --ps=0 --chief=false --workers="$workers" -- --allreduce_bucket_mb=256 ;;
     ps_fp32) psflow "${c}_r$r" fp32 --ps=2 --workers="$workers" ;;
   esac
   rate_of[$c,$r]=$rate
@@ -133,7 +140,7 @@ echo "psflow $(git -C "$here" describe --always --dirty 2>/dev/null || echo '(no
   "$("$py" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "torch ?") ($py)"
 echo "data: psflow Fashion-MNIST ($data_dir); DDP a synthetic batch per process, made once"
 
-order=(ddp_gloo ar_fp32 ar_bf16 ps_fp32)
+order=(ddp_gloo ar_fp32 ar_bf16 ar_whole ps_fp32)
 for ((r = 1; r <= rounds; ++r)); do
   echo "== round $r"
   if ((r % 2)); then
@@ -144,7 +151,8 @@ for ((r = 1; r <= rounds; ++r)); do
 done
 
 declare -A label=([ddp_gloo]="PyTorch DDP, gloo" [ar_fp32]="psflow all-reduce, fp32"
-                  [ar_bf16]="psflow all-reduce, bf16" [ps_fp32]="psflow 2 ps, fp32")
+                  [ar_bf16]="psflow all-reduce, bf16" [ar_whole]="... fp32, after backward"
+                  [ps_fp32]="psflow 2 ps, fp32")
 echo
 echo "examples/s of both workers together (mean of $rounds round(s)); step split of each round's" \
   "last progress line (DDP: its mean step)"
@@ -161,7 +169,8 @@ done
 
 echo
 echo "ratios of the means (each round's in brackets)"
-for pair in "ar_fp32 ddp_gloo" "ar_bf16 ddp_gloo" "ar_fp32 ps_fp32" "ar_bf16 ps_fp32"; do
+for pair in "ar_fp32 ddp_gloo" "ar_bf16 ddp_gloo" "ar_fp32 ar_whole" "ar_fp32 ps_fp32" \
+  "ar_bf16 ps_fp32"; do
   read -r a b <<< "$pair"
   per=""
   for ((r = 1; r <= rounds; ++r)); do per+="${per:+ }$(ratio "${rate_of[$a,$r]}" "${rate_of[$b,$r]}")"; done

@@ -137,6 +137,13 @@ ABSL_FLAG(
     "the network; values are rounded to nearest even. The ps keep fp32 master weights and "
     "optimizer state; checkpoints and the saved model are fp32.");
 
+ABSL_FLAG(double, allreduce_bucket_mb, 1,
+          "Without ps, CPU workers average their gradients in a ring over gRPC in buckets of "
+          "about this many MiB (fp32), each sent as soon as the backward pass has completed it "
+          "(the last layers' first), so that the all-reduce overlaps the rest of the backward "
+          "pass; smaller buckets start sooner, larger ones cost fewer messages. In (0, 256]. "
+          "GPU workers average over NCCL after the backward pass and ignore it.");
+
 ABSL_FLAG(std::string, mode, "sync",
           "How the ps apply gradients. sync: each step applies the mean of every live worker's "
           "gradient, and step k+1 reads exactly the weights after step k (a global step is one "
@@ -195,6 +202,7 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
   job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
+  job.allreduce_bucket_mb = absl::GetFlag(FLAGS_allreduce_bucket_mb);
   job.mode = absl::GetFlag(FLAGS_mode);
   job.staleness = absl::GetFlag(FLAGS_staleness);
   job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));

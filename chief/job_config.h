@@ -56,6 +56,9 @@ struct JobOptions {
   // The dtype of the weights and gradients on the wire: fp32, bf16 or fp16
   // (JobConfig.wire_dtype); the ps keep fp32 masters either way.
   std::string wire_dtype = "fp32";
+  // Jobs without ps, on the CPU workers' ring: the bucket size in MiB
+  // (JobConfig.allreduce_bucket_bytes), in (0, 256].
+  double allreduce_bucket_mb = 1;
   // The weight of each step's batch statistics in batch norm's running
   // statistics (JobConfig.bn_momentum), in (0, 1].
   float bn_momentum = 0.1f;

@@ -391,6 +391,14 @@ absl::Status Network::QueueBackward(BatchState* st) {
       }
       return absl::OkStatus();
     }));
+    if (gradients_ready_ && backend_->host_memory()) {
+      int done[4];
+      int count = 0;
+      for (int v : {l.first, l.second, l.running_mean, l.running_var}) {
+        if (v >= 0) done[count++] = v;
+      }
+      if (count > 0) gradients_ready_(absl::MakeConstSpan(done, count));
+    }
   }
   return absl::OkStatus();
 }

@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,6 +41,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/kernels.h"
 #include "model/graph.h"
 #include "model/spec.h"
@@ -139,6 +141,15 @@ class Network {
   absl::Status StartTrainStep(int batch);
   absl::StatusOr<Result> FinishStep(int batch);
 
+  // Called during TrainStep (and StartTrainStep), after each layer's backward
+  // pass, with the variables whose gradients (or, for running statistics,
+  // batch statistics) it completed: a caller can send them on while the rest
+  // of the backward pass runs. Only on a backend of host memory, where the
+  // work is done when the call returns (host_memory(); a GPU's queued or
+  // recorded work is not): elsewhere it is never called. Empty: none.
+  using GradientsReady = std::function<void(absl::Span<const int> variables)>;
+  void SetGradientsReady(GradientsReady hook) { gradients_ready_ = std::move(hook); }
+
   // Whether steps of this batch size replay a recorded graph (after the
   // first eager step); false on backends without graphs.
   bool UsesGraph(int batch) const;
@@ -172,6 +183,7 @@ class Network {
   ModelSpec spec_;
   kernels::Backend* backend_;
   NetworkOptions options_;
+  GradientsReady gradients_ready_;
   std::vector<VariableShape> variables_;
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;

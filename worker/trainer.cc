@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/exit_codes.h"
@@ -161,13 +162,14 @@ absl::Status Trainer::Prepare() {
   exchange_dtype_ = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
   const DataType wire = exchange_dtype_;
   if (AllReduce()) {
-    if (options_.ring == nullptr || options_.ring->size() != job_.num_workers()) {
+    if (options_.ring == nullptr || options_.ring->size() != job_.num_workers() ||
+        options_.replica == nullptr) {
       return absl::FailedPreconditionError(
           "the chief runs a job without ps (all-reduce), but this worker was started for a "
           "cluster with ps: give every process the same cluster");
     }
     if (index != 0) PSFLOW_RETURN_IF_ERROR(LoadReplica());
-    options_.ring->Open(job_id_);
+    options_.ring->Open(job_id_, job_.allreduce_bucket_bytes());
   }
   PSFLOW_RETURN_IF_ERROR(CreateReplicas());
   absl::StatusOr<data::Dataset> data =
@@ -234,18 +236,27 @@ absl::Status Trainer::Prepare() {
     // replica there too; CPU workers, and a group that mixes CPUs and GPUs,
     // apply to the shard.
     device_.reset();
-    if (!in_place_ && options_.replica != nullptr &&
-        (gpu_peers_ != nullptr || options_.ring->size() == 1)) {
+    if (!in_place_ && (gpu_peers_ != nullptr || options_.ring->size() == 1)) {
       PSFLOW_RETURN_IF_ERROR(PrepareDeviceReplica());
     }
-    // What each step's all-reduce averages: the gradients (unless the GPUs
-    // average them) and the loss, the same spans every step.
-    ring_pieces_.clear();
+    // What each step's ring all-reduce averages: the loss (so that every
+    // worker agrees whether the step was finite), then the gradients, the
+    // same spans every step. On a CPU the ring starts during the backward
+    // pass: each variable's piece is ready once its layer's backward is done
+    // (the last variables first), the loss once the step returns.
+    ring_pieces_ = {absl::MakeSpan(&ring_loss_, 1)};
     const std::vector<VariableShape>& variables = net_->variables();
-    for (size_t v = 0; gpu_peers_ == nullptr && v < variables.size(); ++v) {
+    for (size_t v = 0; v < variables.size(); ++v) {
       ring_pieces_.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
     }
-    ring_pieces_.push_back(absl::MakeSpan(&ring_loss_, 1));
+    overlap_ring_ = in_place_ && group_ == nullptr && options_.ring->size() > 1;
+    net_->SetGradientsReady(nullptr);
+    if (overlap_ring_) {
+      net_->SetGradientsReady([this](absl::Span<const int> done) {
+        for (int v : done) ring_ready_.MarkReady(v + 1);
+      });
+      if (ring_caller_ == nullptr) ring_caller_ = std::make_unique<ThreadPool>(1);
+    }
   }
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
               << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
@@ -883,23 +894,34 @@ absl::Status Trainer::Train(int64_t start) {
     absl::Status s = data::GatherBatch(
         data_, absl::MakeConstSpan(order).subspan(position * worker_batch, worker_batch),
         images.data(), labels.data());
+    // A CPU worker of a job without ps starts the ring all-reduce of the
+    // step's gradients now, on another thread: each bucket goes as soon as
+    // the backward pass has completed its gradients.
+    absl::Notification reduced;
+    absl::Status ring_status;
+    const bool overlap = s.ok() && overlap_ring_;
+    if (overlap) {
+      ring_ready_.Reset(static_cast<int>(ring_pieces_.size()));
+      ring_caller_->Schedule([&, step] {
+        ring_status =
+            options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_), &ring_ready_);
+        reduced.Notify();
+      });
+    }
     absl::StatusOr<model::Network::Result> result =
         !s.ok()  ? s
         : group_ ? ReplicatedStep(images.data(), labels.data(), batch)
                  : net_->TrainStep(images.data(), labels.data(), batch);
-    // GPU workers of a job without ps average on their GPUs, before the
-    // gradients go to the host.
-    if (result.ok() && gpu_peers_ != nullptr) {
-      s = gpu_peers_->AllReduceMean(replica_grads_[0], variable_floats_,
-                                    absl::Now() + options_.transfer_timeout,
-                                    [this] { return GroupAbandoned(); });
-      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-      if (!s.ok()) {
-        // As the ring's failures: the group is gone, every worker restarts.
-        options_.ring->Leave(s);
-        return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kUnavailable,
-                            absl::StrCat("all-reduce of step ", step, ": ", s.message()));
+    if (overlap) {
+      if (result.ok()) {
+        ring_loss_ = static_cast<float>(result->loss);
+        ring_ready_.MarkReady(0);
+      } else {
+        // The group cannot go on without this worker's gradients.
+        options_.ring->Leave(result.status());
+        ring_ready_.MarkAllReady();
       }
+      reduced.WaitForNotification();
     }
     if (result.ok() && s.ok() && !in_place_) s = net_->GetGradients(grads_);
     if (!result.ok() || !s.ok()) {
@@ -911,7 +933,8 @@ absl::Status Trainer::Train(int64_t start) {
     if (AllReduce()) {
       // The mean gradient of every worker, the same bits on each (and the
       // mean loss, so that all of them agree on whether the step was finite).
-      s = options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
+      s = overlap ? ring_status
+                  : options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
       if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
       if (!s.ok()) {
         // The group is gone: every worker restarts (from the newest checkpoint).

@@ -23,6 +23,12 @@
 // and train on from the step the chief names. When the ps reach the last step
 // it reports `finished` and waits for the chief's exit order.
 //
+// A job without ps (JobConfig.exchange ALL_REDUCE): CPU workers average
+// their gradients on the ring, started before the step and fed bucket by
+// bucket as the backward pass completes them, then push the mean to their
+// own replica in this process and pull from it; GPU workers average over
+// NCCL and keep the replica on the device (TrainOnDevice).
+//
 // Thread-safety: Run() once, from one thread; Stop() and Status() from any
 // thread, at any time, also concurrently with Run().
 #ifndef PSFLOW_WORKER_TRAINER_H_
@@ -276,10 +282,15 @@ class Trainer {
   // The dtype of pulls and pushes: the job's wire dtype, or fp32 to a
   // replica of an all-reduce job (in-process).
   DataType exchange_dtype_ = DT_FLOAT;
-  // All-reduce jobs: the spans each step's all-reduce averages (grads_ by
-  // variable unless the GPUs average them, then ring_loss_, the step's loss).
+  // All-reduce jobs on the host ring: the spans each step's all-reduce
+  // averages (ring_loss_, the step's loss, then grads_ by variable).
   std::vector<absl::Span<float>> ring_pieces_;
   float ring_loss_ = 0;
+  // CPU workers of such a job: the all-reduce runs on ring_caller_ while
+  // the backward pass marks the pieces it completes in ring_ready_.
+  bool overlap_ring_ = false;
+  allreduce::PieceReadiness ring_ready_;
+  std::unique_ptr<ThreadPool> ring_caller_;
   // Consecutive slices of one ps that travel together.
   struct Lane {
     int ps = 0;

@@ -158,6 +158,85 @@ TEST(RingTest, ANonFiniteValueReachesEveryMember) {
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(std::isnan(values[r][0][50])) << r;
 }
 
+// Started before its pieces hold their values (as a CPU worker starts it
+// before the backward pass), each member's pieces written and marked ready
+// one by one, the last first, on another thread: the same bits as the
+// all-reduce of finished pieces, and no bucket goes before its pieces.
+TEST(RingTest, AnAllReduceStartedBeforeItsPiecesAreReadyGivesTheSameBits) {
+  const std::vector<int64_t> lengths = {1, 700, 37, 1500, 3};
+  constexpr int kMembers = 3;
+  RingOptions o;
+  o.bucket_bytes = 1024;  // buckets cutting through the pieces
+  std::vector<std::vector<std::vector<float>>> want;
+  for (int r = 0; r < kMembers; ++r) want.push_back(MemberValues(r, lengths));
+  {
+    Group g(kMembers, o);
+    for (Ring* r : g.rings) r->Open(3);
+    for (absl::Status& s : RunAll(g, want, 5, DT_FLOAT)) ASSERT_TRUE(s.ok()) << s;
+  }
+  Group g(kMembers, o);
+  for (Ring* r : g.rings) r->Open(3);
+  std::vector<std::vector<std::vector<float>>> values(kMembers);
+  std::vector<PieceReadiness> ready(kMembers);
+  std::vector<absl::Status> results(kMembers);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kMembers; ++r) {
+    for (int64_t n : lengths) values[r].emplace_back(n, std::nanf(""));  // not computed yet
+    ready[r].Reset(static_cast<int>(lengths.size()));
+    threads.emplace_back([&, r] {
+      std::vector<absl::Span<float>> spans = Spans(values[r]);
+      results[r] = g.rings[r]->AllReduce(5, spans, DT_FLOAT, &ready[r]);
+    });
+  }
+  const std::vector<std::vector<std::vector<float>>> inputs = [&] {
+    std::vector<std::vector<std::vector<float>>> in;
+    for (int r = 0; r < kMembers; ++r) in.push_back(MemberValues(r, lengths));
+    return in;
+  }();
+  for (int p = static_cast<int>(lengths.size()) - 1; p >= 0; --p) {
+    absl::SleepFor(absl::Milliseconds(20));
+    for (int r = 0; r < kMembers; ++r) {
+      values[r][p] = inputs[r][p];
+      ready[r].MarkReady(p);
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kMembers; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r];
+    for (size_t p = 0; p < lengths.size(); ++p) {
+      ASSERT_EQ(std::memcmp(values[r][p].data(), want[r][p].data(), lengths[p] * sizeof(float)),
+                0)
+          << "member " << r << " piece " << p;
+    }
+  }
+}
+
+// A member whose pieces never become ready fails the step at the round
+// timeout, and the others with it.
+TEST(RingTest, PiecesThatNeverBecomeReadyEndTheStep) {
+  RingOptions o;
+  o.round_timeout = absl::Milliseconds(300);
+  o.form_timeout = absl::Milliseconds(300);
+  Group g(2, o);
+  for (Ring* r : g.rings) r->Open(3);
+  std::vector<float> a(10, 1.0f), b(10, 2.0f);
+  PieceReadiness never;
+  never.Reset(1);
+  std::vector<absl::Status> results(2);
+  std::thread t0([&] {
+    std::vector<absl::Span<float>> spans = {absl::MakeSpan(a)};
+    results[0] = g.rings[0]->AllReduce(0, spans, DT_FLOAT, &never);
+  });
+  std::thread t1([&] {
+    std::vector<absl::Span<float>> spans = {absl::MakeSpan(b)};
+    results[1] = g.rings[1]->AllReduce(0, spans, DT_FLOAT);
+  });
+  t0.join();
+  t1.join();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(results[0])) << results[0];
+  EXPECT_FALSE(results[1].ok());
+}
+
 TEST(RingTest, ConsecutiveStepsReuseTheRing) {
   Group g(2, RingOptions());
   for (Ring* r : g.rings) r->Open(1);

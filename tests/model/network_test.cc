@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -745,6 +746,41 @@ TEST_F(ResidualNetworkTest, TrainStepEqualsItsParts) {
       net_->TrainStep(other_images.data(), other_labels.data(), 3);
   ASSERT_TRUE(small_want.ok()) << small_want.status();
   EXPECT_EQ(small->loss, small_want->loss);
+}
+
+// The backward pass names each variable once, as its layer completes it,
+// with its final gradient (or batch statistic) already in place: the fc's
+// first (the last layer), the first conv's last.
+TEST_F(ResidualNetworkTest, GradientsReadyNamesEachVariableOnceWithItsFinalValue) {
+  ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  const std::vector<float*> grads = net_->HostGradients();
+  ASSERT_EQ(grads.size(), net_->variables().size());
+  std::vector<int> order;
+  Weights at_ready(grads.size());
+  net_->SetGradientsReady([&](absl::Span<const int> done) {
+    for (int v : done) {
+      order.push_back(v);
+      at_ready[v].assign(grads[v], grads[v] + NumElements(net_->variables()[v].shape));
+    }
+  });
+  ASSERT_TRUE(net_->TrainStep(images_.data(), labels_.data(), kBatch).ok());
+  std::vector<int> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<int> all(grads.size());
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(sorted, all) << "each variable once";
+  const int fc_weights = static_cast<int>(grads.size()) - 2;  // then its bias
+  EXPECT_EQ(order.front(), fc_weights);
+  EXPECT_EQ(order.back(), 0) << "the first layer's comes last";
+  const Weights final_grads = NetGradients(*net_);
+  for (size_t v = 0; v < grads.size(); ++v) {
+    EXPECT_EQ(at_ready[v], final_grads[v]) << net_->variables()[v].name;
+  }
+  // Cleared: not called again.
+  net_->SetGradientsReady(nullptr);
+  order.clear();
+  ASSERT_TRUE(net_->TrainStep(images_.data(), labels_.data(), kBatch).ok());
+  EXPECT_TRUE(order.empty());
 }
 
 TEST_F(ResidualNetworkTest, LocalSgdSubtractsTheScaledGradient) {
