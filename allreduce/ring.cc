@@ -319,12 +319,20 @@ absl::Status Ring::AllReduce(int64_t step, absl::Span<const absl::Span<float>> p
     absl::MutexLock lock(&mu_);
     per_bucket = FloatsPerBucketLocked();
   }
-  const int buckets = static_cast<int>(std::max<int64_t>((total + per_bucket - 1) / per_bucket, 1));
+  const int64_t bucket_count = std::max<int64_t>((total + per_bucket - 1) / per_bucket, 1);
+  if (bucket_count > kMaxBuckets) {
+    return absl::InvalidArgumentError(absl::StrCat(bucket_count, " buckets in a step, more than ",
+                                                   kMaxBuckets, ": make them larger"));
+  }
+  const int buckets = static_cast<int>(bucket_count);
   std::vector<absl::Status> results(buckets);
   std::atomic<bool> failed{false};
   pool_->ParallelFor(buckets, [&](int k) {
-    // Waiting for the pieces: the last bucket first.
-    const int b = ready != nullptr ? buckets - 1 - k : k;
+    // The last bucket first, on every member (those that wait for their
+    // pieces get the last ones from the backward pass first; all members
+    // must claim buckets in one order, or with more buckets than threads
+    // they would each wait for a bucket the other has not started).
+    const int b = buckets - 1 - k;
     if (failed.load()) {
       results[b] = absl::CancelledError("another bucket failed");
       return;

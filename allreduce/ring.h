@@ -78,8 +78,8 @@ class PieceReadiness {
   void MarkAllReady() ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until pieces first..last are ready (true), or until `deadline` or
   // `abandoned()` (false), looking at it at least every 50 ms.
-  bool WaitReady(int first, int last, absl::Time deadline,
-                 const std::function<bool()>& abandoned) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WaitReady(int first, int last, absl::Time deadline, const std::function<bool()>& abandoned)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   absl::Mutex mu_;
@@ -170,11 +170,11 @@ class Ring {
   std::unique_ptr<ThreadPool> pool_;
 
   absl::Mutex mu_;
-  uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;  // 0 until Open
+  uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;       // 0 until Open
   int64_t bucket_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the job's, from Open
-  bool formed_ ABSL_GUARDED_BY(mu_) = false;  // an all-reduce completed
-  int64_t step_ ABSL_GUARDED_BY(mu_) = -1;    // of the all-reduce in progress or last done
-  absl::Status left_ ABSL_GUARDED_BY(mu_);    // why this member left the group
+  bool formed_ ABSL_GUARDED_BY(mu_) = false;       // an all-reduce completed
+  int64_t step_ ABSL_GUARDED_BY(mu_) = -1;         // of the all-reduce in progress or last done
+  absl::Status left_ ABSL_GUARDED_BY(mu_);         // why this member left the group
   std::map<Key, RingPiece> mailbox_ ABSL_GUARDED_BY(mu_);
   int64_t mailbox_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -5,10 +5,11 @@
 #   1. PyTorch DDP over NCCL on cuda:0 and cuda:1 (bench/pytorch_ddp.py): the
 #      resnet at batch 128 per GPU and the cnn at 64, fp32, SGD;
 #   2. psflow, 2 GPU workers and no ps (psflow-launch --ps=0; a chief process
-#      coordinates), the same models and batches, SGD, fp32 and bf16 on the
-#      wire (the all-reduce's messages): examples/s, the ratio to DDP, and
-#      the step split of the last progress line (push = the all-reduce plus
-#      the worker's push to its own replica);
+#      coordinates), the same models and batches, SGD, fp32 and bf16 as the
+#      wire dtype (which GPU workers' NCCL average, in fp32, does not use):
+#      examples/s, the ratio to DDP, and the step split of the last progress
+#      line (compute = the step's CUDA graph; push = the NCCL average, the
+#      count of non-finite values and the optimizer on the GPU);
 #   3. psflow with the same 2 workers through REF_PS ps (fp32), for reference.
 # Usage: bench/gpu_allreduce.sh [build/bin]
 #   MODELS ("resnet cnn"), WIRES ("fp32 bf16"), RESNET_STEPS (240),

@@ -141,8 +141,9 @@ ABSL_FLAG(double, allreduce_bucket_mb, 1,
           "Without ps, CPU workers average their gradients in a ring over gRPC in buckets of "
           "about this many MiB (fp32), each sent as soon as the backward pass has completed it "
           "(the last layers' first), so that the all-reduce overlaps the rest of the backward "
-          "pass; smaller buckets start sooner, larger ones cost fewer messages. In (0, 256]. "
-          "GPU workers average over NCCL after the backward pass and ignore it.");
+          "pass; smaller buckets start sooner, larger ones cost fewer messages. From 0.0625 to "
+          "64. GPU workers average over NCCL instead, unless the job mixes CPU and GPU workers "
+          "(then all use the ring, a GPU worker after its backward pass).");
 
 ABSL_FLAG(std::string, mode, "sync",
           "How the ps apply gradients. sync: each step applies the mean of every live worker's "

@@ -340,12 +340,13 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& options, int num_work
         absl::StrCat("--bn_momentum must be in (0, 1], got ", o.bn_momentum));
   }
   job.set_bn_momentum(o.bn_momentum);
-  if (!(o.allreduce_bucket_mb > 0 && o.allreduce_bucket_mb <= 256)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--allreduce_bucket_mb must be in (0, 256], got ", o.allreduce_bucket_mb));
+  // A ring message carries at most half a bucket, within gRPC's 64 MiB.
+  if (!(o.allreduce_bucket_mb >= kMinBucketMb && o.allreduce_bucket_mb <= kMaxBucketMb)) {
+    return absl::InvalidArgumentError(absl::StrCat("--allreduce_bucket_mb must be in [",
+                                                   kMinBucketMb, ", ", kMaxBucketMb, "], got ",
+                                                   o.allreduce_bucket_mb));
   }
-  job.set_allreduce_bucket_bytes(
-      std::max<int64_t>(std::llround(o.allreduce_bucket_mb * (1 << 20)), sizeof(float)));
+  job.set_allreduce_bucket_bytes(std::llround(o.allreduce_bucket_mb * (1 << 20)));
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(),
                           PlaceVariables(model::ModelVariables(*spec), num_ps));
   return job;

@@ -16,6 +16,12 @@ namespace psflow::chief {
 
 inline constexpr char kDefaultDataDir[] = "/usr/share/datasets/fashion-mnist";
 
+// The bounds of --allreduce_bucket_mb: 64 KiB (a step's buckets stay
+// countable), and 64 MiB (half a bucket, one ring message, stays within
+// gRPC's message limit).
+inline constexpr double kMinBucketMb = 1.0 / 16;
+inline constexpr double kMaxBucketMb = 64;
+
 // The job's settings; defaults are the chief's flags' defaults.
 struct JobOptions {
   std::string model = "cnn";  // built-in name or spec file
@@ -56,8 +62,8 @@ struct JobOptions {
   // The dtype of the weights and gradients on the wire: fp32, bf16 or fp16
   // (JobConfig.wire_dtype); the ps keep fp32 masters either way.
   std::string wire_dtype = "fp32";
-  // Jobs without ps, on the CPU workers' ring: the bucket size in MiB
-  // (JobConfig.allreduce_bucket_bytes), in (0, 256].
+  // Jobs without ps, on the workers' gRPC ring: the bucket size in MiB
+  // (JobConfig.allreduce_bucket_bytes), in [kMinBucketMb, kMaxBucketMb].
   double allreduce_bucket_mb = 1;
   // The weight of each step's batch statistics in batch norm's running
   // statistics (JobConfig.bn_momentum), in (0, 1].

@@ -30,19 +30,17 @@ struct OptimizerStep {
     kMovingAverage,  // w = (1 - mu) w + mu g: running statistics, no optimizer
   };
   Rule rule = kSgd;
-  float lr = 0;       // the step's learning rate
-  float wd = 0;       // weight decay added to the gradient (L2); Adam's is l2 below
-  float mu = 0;       // momentum (kMomentum, kNesterov, kMovingAverage)
-  float b1 = 0, b2 = 0;              // Adam's betas
-  float step_size = 0, inv_c2 = 0;   // Adam: lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
-  float l2 = 0, decay = 1;           // Adam: L2 term; AdamW: 1 - lr * wd
-  float alpha = 0;                   // RMSprop's smoothing
+  float lr = 0;                     // the step's learning rate
+  float wd = 0;                     // weight decay added to the gradient (L2); Adam's is l2 below
+  float mu = 0;                     // momentum (kMomentum, kNesterov, kMovingAverage)
+  float b1 = 0, b2 = 0;             // Adam's betas
+  float step_size = 0, inv_c2 = 0;  // Adam: lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
+  float l2 = 0, decay = 1;          // Adam: L2 term; AdamW: 1 - lr * wd
+  float alpha = 0;                  // RMSprop's smoothing
   float eps = 0;
   // How many slot buffers the rule reads and writes (s0, then s1).
   PSFLOW_HOST_DEVICE int slots() const {
-    return rule == kAdam                                                      ? 2
-           : (rule == kSgd || rule == kMovingAverage)                         ? 0
-                                                                              : 1;
+    return rule == kAdam ? 2 : (rule == kSgd || rule == kMovingAverage) ? 0 : 1;
   }
 };
 

@@ -32,8 +32,8 @@
 #define PSFLOW_MODEL_NETWORK_H_
 
 #include <cstdint>
-#include <map>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>

@@ -602,34 +602,30 @@ void Shard::TakeSnapshotLocked() {
 }
 
 absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceValues> values) {
-  std::vector<Value> published;
-  {
-    absl::MutexLock lock(&mu_);
-    PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-    if (values.size() != slice_.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mirror has ", values.size(), " slices of values for ", slice_.size()));
-    }
-    const size_t slots = optimizer_->SlotNames().size();
-    for (size_t i = 0; i < values.size(); ++i) {
-      const size_t n = values_[i].value.size();
-      bool fits = values[i].value.size() == n && values[i].slots.size() == slots;
-      for (const std::vector<float>& slot : values[i].slots) fits = fits && slot.size() == n;
-      if (!fits) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("mirror of slice '", (*slices_)[i].name(), "' has the wrong size"));
-      }
-    }
-  }
   // The copies readers get, made without the lock.
+  std::vector<Value> published;
   published.reserve(values.size());
-  for (const SliceValues& v : values)
+  for (const SliceValues& v : values) {
     published.push_back(std::make_shared<std::vector<float>>(v.value));
+  }
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
   mu_.Await(absl::Condition(&idle));
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  if (values.size() != slice_.size()) return absl::AbortedError("the job was reloaded meanwhile");
+  if (values.size() != slice_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mirror has ", values.size(), " slices of values for ", slice_.size()));
+  }
+  const size_t slots = optimizer_->SlotNames().size();
+  for (size_t i = 0; i < values.size(); ++i) {
+    const size_t n = values_[i].value.size();
+    bool fits = values[i].value.size() == n && values[i].slots.size() == slots;
+    for (const std::vector<float>& slot : values[i].slots) fits = fits && slot.size() == n;
+    if (!fits) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mirror of slice '", (*slices_)[i].name(), "' has the wrong size"));
+    }
+  }
   if (version < version_) {
     return absl::FailedPreconditionError(
         absl::StrCat("mirror of version ", version, " behind the shard's ", version_));

@@ -242,7 +242,7 @@ int main(int argc, char** argv) {
             absl::MutexLock lock(&mu);
             if (first.ok()) first = s;
           }
-          chief_role->Stop(SIGTERM);
+          chief_role->Stop(psflow::SignalOf(s).value_or(SIGTERM));
         }
         coordinator.join();
         absl::MutexLock lock(&mu);
@@ -252,8 +252,11 @@ int main(int argc, char** argv) {
         // With the chief's duties here, the coordinator checkpoints first
         // while this worker's trainer goes on (a stop mid-push would leave
         // the ps a step apart and the checkpoint's version out of reach);
-        // its end stops the trainer.
-        if (chief_role != nullptr) {
+        // its end stops the trainer. Without ps it is the other way round:
+        // the trainer stops first, leaving its replica whole (a GPU worker's
+        // copied from the device into its shard), and its end stops the
+        // chief's duties, whose checkpoint then has the last step.
+        if (chief_role != nullptr && !all_reduce) {
           chief_role->Stop(sig);
         } else {
           trainer.Stop(sig);

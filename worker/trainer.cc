@@ -827,16 +827,49 @@ absl::Status Trainer::NonFinite(int64_t step) {
       absl::StrCat("step ", step, ": the loss or the gradients are not finite; nothing pushed"));
 }
 
+namespace {
+
+// A worker's batches: the examples of its step k, from its shard of the
+// epoch that step falls in (the shard's order is drawn once per epoch).
+class WorkerBatches {
+ public:
+  WorkerBatches(const data::Dataset& data, const JobConfig& job, int worker)
+      : data_(data),
+        sampler_(data.count, job.num_workers(), worker, job.seed()),
+        batch_(WorkerBatch(job)),
+        images_(static_cast<size_t>(batch_) * data.example_floats()),
+        labels_(batch_) {}
+
+  // Gathers the batch of `step` (of `steps_per_epoch` in an epoch).
+  absl::Status Gather(int64_t step, int64_t steps_per_epoch) {
+    const int64_t epoch = step / steps_per_epoch, position = step % steps_per_epoch;
+    if (epoch != epoch_) {
+      order_ = sampler_.EpochIndices(epoch);
+      epoch_ = epoch;
+    }
+    return data::GatherBatch(data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
+                             images_.data(), labels_.data());
+  }
+  const float* images() const { return images_.data(); }
+  const int32_t* labels() const { return labels_.data(); }
+  int64_t size() const { return batch_; }
+
+ private:
+  const data::Dataset& data_;
+  data::ShardSampler sampler_;
+  const int64_t batch_;
+  std::vector<float> images_;
+  std::vector<int32_t> labels_;
+  std::vector<int64_t> order_;
+  int64_t epoch_ = -1;
+};
+
+}  // namespace
+
 absl::Status Trainer::Train(int64_t start) {
-  const int index = options_.worker_index;
-  data::ShardSampler sampler(data_.count, job_.num_workers(), index, job_.seed());
+  WorkerBatches batches(data_, job_, options_.worker_index);
   const int batch = job_.batch_size();  // per replica
-  const int64_t worker_batch = WorkerBatch(job_);
-  const int64_t example = data_.example_floats();
-  std::vector<float> images(static_cast<size_t>(worker_batch) * example);
-  std::vector<int32_t> labels(worker_batch);
-  std::vector<int64_t> order;
-  int64_t order_epoch = -1;
+  const int64_t worker_batch = batches.size();
   // (An all-reduce's ring rounds its mean through the wire dtype already:
   // an fp16 overflow is an infinity by then.)
   const float wire_overflow = WireOverflow(exchange_dtype_);
@@ -884,16 +917,7 @@ absl::Status Trainer::Train(int64_t start) {
     const absl::Time t1 = absl::Now();
     if (got.version >= job_.train_steps()) break;
     step = got.version;
-    const int64_t data_step = async ? clock : step;
-    const int64_t epoch = data_step / own_steps_per_epoch;
-    const int64_t position = data_step % own_steps_per_epoch;
-    if (epoch != order_epoch) {
-      order = sampler.EpochIndices(epoch);
-      order_epoch = epoch;
-    }
-    absl::Status s = data::GatherBatch(
-        data_, absl::MakeConstSpan(order).subspan(position * worker_batch, worker_batch),
-        images.data(), labels.data());
+    absl::Status s = batches.Gather(async ? clock : step, own_steps_per_epoch);
     // A CPU worker of a job without ps starts the ring all-reduce of the
     // step's gradients now, on another thread: each bucket goes as soon as
     // the backward pass has completed its gradients.
@@ -903,15 +927,14 @@ absl::Status Trainer::Train(int64_t start) {
     if (overlap) {
       ring_ready_.Reset(static_cast<int>(ring_pieces_.size()));
       ring_caller_->Schedule([&, step] {
-        ring_status =
-            options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_), &ring_ready_);
+        ring_status = options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_), &ring_ready_);
         reduced.Notify();
       });
     }
     absl::StatusOr<model::Network::Result> result =
         !s.ok()  ? s
-        : group_ ? ReplicatedStep(images.data(), labels.data(), batch)
-                 : net_->TrainStep(images.data(), labels.data(), batch);
+        : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
+                 : net_->TrainStep(batches.images(), batches.labels(), batch);
     if (overlap) {
       if (result.ok()) {
         ring_loss_ = static_cast<float>(result->loss);
@@ -929,12 +952,12 @@ absl::Status Trainer::Train(int64_t start) {
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
     }
     const absl::Time t2 = absl::Now();
-    ring_loss_ = static_cast<float>(result->loss);
+    // (Overlapped: the ring already replaced it by the group's mean.)
+    if (!overlap) ring_loss_ = static_cast<float>(result->loss);
     if (AllReduce()) {
       // The mean gradient of every worker, the same bits on each (and the
       // mean loss, so that all of them agree on whether the step was finite).
-      s = overlap ? ring_status
-                  : options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
+      s = overlap ? ring_status : options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
       if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
       if (!s.ok()) {
         // The group is gone: every worker restarts (from the newest checkpoint).
@@ -1019,27 +1042,30 @@ absl::Status Trainer::TrainOnDevice() {
   int64_t step = 0;
   PSFLOW_RETURN_IF_ERROR(LoadDeviceReplica(&step));
   const int index = options_.worker_index;
-  data::ShardSampler sampler(data_.count, job_.num_workers(), index, job_.seed());
+  WorkerBatches batches(data_, job_, index);
   const int batch = job_.batch_size();  // per replica
-  const int64_t worker_batch = WorkerBatch(job_);
-  const int64_t example = data_.example_floats();
-  std::vector<float> images(static_cast<size_t>(worker_batch) * example);
-  std::vector<int32_t> labels(worker_batch);
-  std::vector<int64_t> order;
-  int64_t order_epoch = -1;
+  const int64_t worker_batch = batches.size();
   float* const host_flags = d.host_flags->data();
   const std::vector<float*>& weights = replica_weights_[0];
   const std::vector<float*>& grads = replica_grads_[0];
   // A stop keeps what was trained: the replica of the last whole step goes
   // to the shard, where the chief's checkpoint at the stop finds it.
-  auto stopped = [&](int sig) {
+  // Until a step's optimizer runs, the device holds the replica of `step`,
+  // whole: when this worker stops, or its group breaks, worker 0's goes to
+  // its shard first, where the chief's last checkpoint reads it (in worker
+  // 0's process, the chief's duties checkpoint once the trainer returns).
+  auto publish_last = [&](const char* why) {
     absl::Status s = PublishReplica(step, /*wait=*/true);
-    if (!s.ok()) PSLOG(WARNING) << "publishing the replica at the stop: " << s.message();
+    if (!s.ok()) PSLOG(WARNING) << "publishing the replica " << why << ": " << s.message();
+  };
+  auto stopped = [&](int sig) {
+    publish_last("at the stop");
     return StoppedBySignal(sig);
   };
   // The group is gone (a member failed): every worker restarts.
   auto group_failed = [&](const absl::Status& s) {
     options_.ring->Leave(s);
+    if (index == 0) publish_last("as the group broke");
     return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kUnavailable,
                         absl::StrCat("all-reduce of step ", step, ": ", s.message()));
   };
@@ -1057,19 +1083,11 @@ absl::Status Trainer::TrainOnDevice() {
       PSFLOW_RETURN_IF_ERROR(PublishReplica(step, /*wait=*/false));
     }
     const absl::Time t1 = absl::Now();
-    const int64_t epoch = step / job_.steps_per_epoch();
-    const int64_t position = step % job_.steps_per_epoch();
-    if (epoch != order_epoch) {
-      order = sampler.EpochIndices(epoch);
-      order_epoch = epoch;
-    }
-    absl::Status s = data::GatherBatch(
-        data_, absl::MakeConstSpan(order).subspan(position * worker_batch, worker_batch),
-        images.data(), labels.data());
+    absl::Status s = batches.Gather(step, job_.steps_per_epoch());
     absl::StatusOr<model::Network::Result> result =
         !s.ok()  ? s
-        : group_ ? ReplicatedStep(images.data(), labels.data(), batch)
-                 : net_->TrainStep(images.data(), labels.data(), batch);
+        : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
+                 : net_->TrainStep(batches.images(), batches.labels(), batch);
     if (!result.ok()) {
       return absl::InternalError(
           absl::StrCat("step ", step, " failed: ", result.status().message()));
@@ -1084,7 +1102,7 @@ absl::Status Trainer::TrainOnDevice() {
       s = gpu_peers_->AllReduceMean(d.reduce, d.reduce_sizes,
                                     absl::Now() + options_.transfer_timeout,
                                     [this] { return GroupAbandoned(); });
-      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (const int sig = stop_signal(); sig != 0) return stopped(sig);
       if (!s.ok()) return group_failed(s);
     }
     for (size_t i = 0; s.ok() && i < d.reduce.size(); ++i) {

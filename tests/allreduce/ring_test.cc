@@ -204,8 +204,7 @@ TEST(RingTest, AnAllReduceStartedBeforeItsPiecesAreReadyGivesTheSameBits) {
   for (int r = 0; r < kMembers; ++r) {
     ASSERT_TRUE(results[r].ok()) << results[r];
     for (size_t p = 0; p < lengths.size(); ++p) {
-      ASSERT_EQ(std::memcmp(values[r][p].data(), want[r][p].data(), lengths[p] * sizeof(float)),
-                0)
+      ASSERT_EQ(std::memcmp(values[r][p].data(), want[r][p].data(), lengths[p] * sizeof(float)), 0)
           << "member " << r << " piece " << p;
     }
   }
@@ -233,7 +232,9 @@ TEST(RingTest, PiecesThatNeverBecomeReadyEndTheStep) {
   });
   t0.join();
   t1.join();
-  EXPECT_TRUE(absl::IsDeadlineExceeded(results[0])) << results[0];
+  // Its own wait's deadline, or the other member's abort: whichever comes first.
+  EXPECT_TRUE(absl::IsDeadlineExceeded(results[0]) || absl::IsUnavailable(results[0]))
+      << results[0];
   EXPECT_FALSE(results[1].ok());
 }
 

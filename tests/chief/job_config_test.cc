@@ -5,6 +5,7 @@
 #include <fstream>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -454,6 +455,25 @@ TEST_F(JobConfigTest, BnMomentum) {
   for (float bad : {0.0f, -0.1f, 1.5f, std::nanf("")}) {
     options_.job.bn_momentum = bad;
     ExpectInvalid(BuildJobConfig(options_), "--bn_momentum must be in (0, 1]");
+  }
+}
+
+TEST_F(JobConfigTest, AllReduceBucketSize) {
+  WriteData(kCount, 28, false);
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->allreduce_bucket_bytes(), 1 << 20) << "1 MiB by default";
+  for (const auto& [mb, bytes] :
+       std::vector<std::pair<double, int64_t>>{{0.0625, 65536}, {2.5, 2621440}, {64, 67108864}}) {
+    options_.job.allreduce_bucket_mb = mb;
+    job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << mb << ": " << job.status();
+    EXPECT_EQ(job->allreduce_bucket_bytes(), bytes) << mb;
+  }
+  // Below 64 KiB, or a ring message (half a bucket) over gRPC's 64 MiB.
+  for (double bad : {0.0, -1.0, 0.01, 65.0, 1e9, std::nan("")}) {
+    options_.job.allreduce_bucket_mb = bad;
+    ExpectInvalid(BuildJobConfig(options_), "--allreduce_bucket_mb must be in [0.0625, 64]");
   }
 }
 

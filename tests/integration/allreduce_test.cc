@@ -198,27 +198,9 @@ TEST_F(AllReduceTest, SigtermedWorkersCheckpointAndResume) {
   const std::string hosts =
       absl::StrCat("--worker_hosts=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]);
   // Only the stop's checkpoint.
-  auto start = [&](int w) { return StartWorker(w, hosts, 1200, {"--checkpoint_every_steps=0"}); };
-  auto w0 = start(0);
-  auto w1 = start(1);
-  ASSERT_TRUE(w0->WaitForOutput("worker0] step 300/1200 ", seconds(120))) << w0->Describe();
-  w0->Signal(SIGTERM);
-  w1->Signal(SIGTERM);
-  EXPECT_EQ(w0->WaitOrKill(seconds(30)), 143) << w0->Describe();
-  EXPECT_EQ(w1->WaitOrKill(seconds(30)), 143) << w1->Describe();
-  std::smatch m;
-  const std::string first = w0->output();
-  ASSERT_TRUE(std::regex_search(first, m, std::regex(R"(checkpoint of step ([0-9]+) written)")))
-      << first;
-  const std::string step = m[1].str();
-  EXPECT_GE(std::stoll(step), 300);
-  auto r0 = start(0);
-  auto r1 = start(1);
-  EXPECT_EQ(r0->WaitOrKill(seconds(240)), 0) << r0->Describe();
-  EXPECT_EQ(r1->WaitOrKill(seconds(60)), 0) << r1->Describe();
-  EXPECT_THAT(r0->output(), HasSubstr("restoring from the checkpoint of step " + step));
-  EXPECT_THAT(r0->output(), HasSubstr("done: 1200 steps"));
-  ExpectIdenticalReplicas(r0->output() + r1->output(), 2);
+  ExpectStoppedWorkersResume(
+      [&](int w) { return StartWorker(w, hosts, 1200, {"--checkpoint_every_steps=0"}); },
+      "worker0] step 300/1200 ", 300, 1200);
   ExpectNoProcessesLeft(dir_);
 }
 

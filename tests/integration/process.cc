@@ -390,4 +390,28 @@ void ExpectIdenticalReplicas(const std::string& output, int workers) {
   EXPECT_EQ(distinct.size(), 1u) << "the replicas differ:\n" << output;
 }
 
+void ExpectStoppedWorkersResume(const std::function<std::unique_ptr<Process>(int)>& start,
+                                const std::string& at, int64_t min_step, int64_t steps) {
+  std::unique_ptr<Process> w0 = start(0), w1 = start(1);
+  ASSERT_TRUE(w0->WaitForOutput(at, seconds(120))) << w0->Describe();
+  w0->Signal(SIGTERM);
+  w1->Signal(SIGTERM);
+  EXPECT_EQ(w0->WaitOrKill(seconds(30)), 143) << w0->Describe();
+  EXPECT_EQ(w1->WaitOrKill(seconds(30)), 143) << w1->Describe();
+  std::smatch m;
+  const std::string first = w0->output();
+  ASSERT_TRUE(std::regex_search(first, m, std::regex(R"(checkpoint of step ([0-9]+) written)")))
+      << first;
+  const std::string step = m[1].str();
+  EXPECT_GE(std::stoll(step), min_step);
+  std::unique_ptr<Process> r0 = start(0), r1 = start(1);
+  EXPECT_EQ(r0->WaitOrKill(seconds(240)), 0) << r0->Describe();
+  EXPECT_EQ(r1->WaitOrKill(seconds(60)), 0) << r1->Describe();
+  EXPECT_NE(r0->output().find("restoring from the checkpoint of step " + step), std::string::npos)
+      << r0->output();
+  EXPECT_NE(r0->output().find("done: " + std::to_string(steps) + " steps"), std::string::npos)
+      << r0->output();
+  ExpectIdenticalReplicas(r0->output() + r1->output(), 2);
+}
+
 }  // namespace psflow::itest

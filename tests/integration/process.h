@@ -10,8 +10,11 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -139,6 +142,14 @@ std::string SavedModelFigures(const std::string& model_dir);
 // at step N: crc32c X" of each of `workers` workers, all with one X (the
 // replicas ended bit-identical).
 void ExpectIdenticalReplicas(const std::string& output, int workers);
+
+// Jobs without ps: both workers of a job that `start(w)` starts (w = 0, 1)
+// are told to stop (SIGTERM, as Kubernetes stops pods) once worker 0 logs
+// `at`: worker 0 checkpoints, both exit 143; started again, they resume from
+// that checkpoint (of step `min_step` or later) and reach `steps` with
+// identical replicas.
+void ExpectStoppedWorkersResume(const std::function<std::unique_ptr<Process>(int)>& start,
+                                const std::string& at, int64_t min_step, int64_t steps);
 
 // A fixture with a fresh directory dir_ for each test (under
 // ::testing::TempDir(), named after the test and this pid); it is removed
