@@ -11,8 +11,14 @@ namespace psflow::allreduce {
 
 GrpcPeers::GrpcPeers(const std::vector<std::string>& addresses, const SecurityOptions& security) {
   for (const std::string& a : addresses) {
-    stubs_.push_back(AllReduce::NewStub(MakeChannel(a, Role::kWorker, security)));
+    channels_.push_back(MakeChannel(a, Role::kWorker, security));
+    stubs_.push_back(AllReduce::NewStub(channels_.back()));
   }
+}
+
+bool GrpcPeers::Unreachable(int member) {
+  if (member < 0 || member >= static_cast<int>(channels_.size())) return false;
+  return channels_[member]->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_TRANSIENT_FAILURE;
 }
 
 absl::Status GrpcPeers::Send(int to, const RingPiece& piece, absl::Time deadline, bool forming) {

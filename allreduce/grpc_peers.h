@@ -22,8 +22,12 @@ class GrpcPeers final : public Peers {
   absl::Status Send(int to, const RingPiece& piece, absl::Time deadline, bool forming) override;
   void Abort(int to, const RingAbort& abort, absl::Time deadline) override;
   void CancelAll() override { calls_.CancelAll(); }
+  // The connection to `member` failed (TRANSIENT_FAILURE): nothing accepts
+  // connections at its address. Asks the channel to connect if it is idle.
+  bool Unreachable(int member) override;
 
  private:
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<AllReduce::Stub>> stubs_;
   ActiveCalls calls_;
 };

@@ -138,18 +138,28 @@ absl::Status Ring::PeerAborted(const RingAbort& abort) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RingPiece> Ring::Take(const Key& key, absl::Time deadline) {
+absl::StatusOr<RingPiece> Ring::Take(const Key& key, absl::Time deadline, bool forming) {
+  const int prev = (options_.rank + options_.size - 1) % options_.size;
   absl::MutexLock lock(&mu_);
   auto here = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !left_.ok() || mailbox_.count(key) > 0;
   };
-  mu_.AwaitWithDeadline(absl::Condition(&here), deadline);
+  int unreachable = 0;  // consecutive looks that found the sender gone
+  while (!mu_.AwaitWithDeadline(absl::Condition(&here),
+                                std::min(deadline, absl::Now() + absl::Seconds(1)))) {
+    if (absl::Now() >= deadline) break;
+    // (Looking is cheap and calls nothing back: the connection's state.)
+    unreachable = !forming && peers_->Unreachable(prev) ? unreachable + 1 : 0;
+    if (unreachable >= 2) {
+      return absl::UnavailableError(
+          absl::StrCat("step ", std::get<0>(key), ": worker ", prev, " cannot be reached (gone?)"));
+    }
+  }
   if (!left_.ok()) return left_;
   auto it = mailbox_.find(key);
   if (it == mailbox_.end()) {
     return absl::DeadlineExceededError(
-        absl::StrCat("step ", std::get<0>(key), ": no piece from worker ",
-                     (options_.rank + options_.size - 1) % options_.size, " in time"));
+        absl::StrCat("step ", std::get<0>(key), ": no piece from worker ", prev, " in time"));
   }
   RingPiece piece = std::move(it->second);
   mailbox_.erase(it);
@@ -216,7 +226,7 @@ absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t
   // Takes round `round`'s piece (segment s) and adds it to, or puts it in
   // place of, this member's floats.
   auto receive = [&](int s, int round, bool add) -> absl::Status {
-    absl::StatusOr<RingPiece> got = Take(Key(step, bucket, round), deadline());
+    absl::StatusOr<RingPiece> got = Take(Key(step, bucket, round), deadline(), forming);
     if (!got.ok()) return got.status();
     const int64_t count = seg_begin(s + 1) - seg_begin(s);
     if (got->dtype() != dtype || static_cast<int64_t>(got->data().size()) != count * width) {

@@ -62,6 +62,10 @@ class Peers {
   virtual void Abort(int to, const RingAbort& abort, absl::Time deadline) = 0;
   // Ends every call in flight at once (CANCELLED) and makes later ones fail.
   virtual void CancelAll() = 0;
+  // Whether member `member` cannot be reached now (its process gone: no
+  // connection to it can be made). A member waiting for a piece asks about
+  // the one that should send it every second. Default: never known.
+  virtual bool Unreachable(int member) { return false; }
 };
 
 // Which pieces of an all-reduce hold their final values yet, for an
@@ -155,8 +159,10 @@ class Ring {
 
  private:
   using Key = std::tuple<int64_t, int, int>;  // step, bucket, round
-  // Takes the piece of `key`, waiting until `deadline`.
-  absl::StatusOr<RingPiece> Take(const Key& key, absl::Time deadline);
+  // Takes the piece of `key`, waiting until `deadline`. Once the group has
+  // formed (not `forming`), a sender found unreachable twice in a row, a
+  // second apart, ends the wait at once (UNAVAILABLE).
+  absl::StatusOr<RingPiece> Take(const Key& key, absl::Time deadline, bool forming);
   absl::Status ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
                             absl::Span<const absl::Span<float>> pieces, DataType dtype,
                             bool forming, PieceReadiness* ready);

@@ -41,12 +41,16 @@ class MemoryPeers final : public Peers {
     if (!down_.count(to)) (*rings_)[to]->PeerAborted(abort).IgnoreError();
   }
   void CancelAll() override { cancelled_ = true; }
+  bool Unreachable(int member) override { return unreachable_.load() == member; }
   void SetDown(int member) { down_.insert(member); }
+  // From now on `member` counts as gone when asked (sends still reach it).
+  void SetUnreachable(int member) { unreachable_ = member; }
 
  private:
   std::vector<Ring*>* rings_;
   std::atomic<bool> cancelled_{false};
   std::set<int> down_;
+  std::atomic<int> unreachable_{-1};
 };
 
 struct Group {
@@ -299,6 +303,26 @@ TEST(RingTest, AMemberThatIsDownFailsTheOthersAndTheyLeave) {
   // Left for good.
   std::vector<absl::Span<float>> spans = Spans(values[0]);
   EXPECT_FALSE(g.rings[0]->AllReduce(2, spans, DT_FLOAT).ok());
+}
+
+// A member that took this one's piece and then died: the wait for its own
+// piece ends within seconds (its address no longer connects), not at the
+// round timeout.
+TEST(RingTest, ASenderThatIsGoneEndsTheWaitForItsPiece) {
+  RingOptions o;
+  o.round_timeout = absl::Seconds(60);
+  Group g(2, o);
+  for (Ring* r : g.rings) r->Open(5);
+  std::vector<std::vector<std::vector<float>>> values = {{{1.0f, 2.0f}}, {{3.0f, 4.0f}}};
+  for (absl::Status& s : RunAll(g, values, 0, DT_FLOAT)) ASSERT_TRUE(s.ok()) << s;  // formed
+  g.peers[0]->SetUnreachable(1);
+  std::vector<float> mine = {1.0f, 2.0f};
+  std::vector<absl::Span<float>> spans = {absl::MakeSpan(mine)};
+  const absl::Time start = absl::Now();
+  const absl::Status s = g.rings[0]->AllReduce(1, spans, DT_FLOAT);
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("worker 1 cannot be reached"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
 TEST(RingTest, APieceThatNeverComesEndsTheRoundAtItsTimeout) {
