@@ -167,6 +167,13 @@ class SoftmaxCrossEntropy {
   virtual absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) = 0;
 };
 
+// A point in a backend's queued work that other queues (a GPU group's
+// communication) can wait for: RecordEvent sets it.
+class Event {
+ public:
+  virtual ~Event() = default;
+};
+
 // A recorded sequence of backend calls, replayed with the same pointers.
 class Graph {
  public:
@@ -222,6 +229,17 @@ class Backend {
   // *count (one float of backend memory) += the number of the n floats at x
   // that are NaN or infinite.
   virtual absl::Status CountNonFinite(const float* x, int64_t n, float* count) = 0;
+
+  // Events: CreateEvent makes one; RecordEvent marks the point after the
+  // work queued so far on this backend (inside Capture too: each replay of
+  // the graph marks it again). UNIMPLEMENTED on backends that run their work
+  // at once (the CPU).
+  virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() {
+    return absl::UnimplementedError(name() + " has no events");
+  }
+  virtual absl::Status RecordEvent(Event* event) {
+    return absl::UnimplementedError(name() + " has no events");
+  }
 
   // Records the backend calls `work` makes (ops of this backend, the helpers
   // above; no copies to or from the host) into a Graph without running them.
@@ -305,6 +323,23 @@ class PeerGroup {
   virtual absl::Status AllReduceMean(const std::vector<float*>& buffers,
                                      const std::vector<int64_t>& sizes, absl::Time deadline,
                                      const std::function<bool()>& abandon) = 0;
+  // The same means, overlapped with the work that produces them: for each
+  // bucket in turn, on a stream of the group's own, once the backend has
+  // passed the bucket's event (recorded by the caller, e.g. inside the
+  // step's graph), its buffers are averaged. Returns once the means are
+  // queued, without waiting for them (nor making the backend's stream wait:
+  // a member that dies must not leave this one blocked on its GPU). The
+  // next AllReduceMean comes after them, orders the backend's later work
+  // after them, and waits for them (ending as its wait does when a member
+  // fails); call it before using the means. Every member queues the same
+  // buckets in the same order.
+  struct Bucket {
+    Event* ready = nullptr;
+    std::vector<float*> buffers;
+    std::vector<int64_t> sizes;
+  };
+  virtual absl::Status QueueAllReduceMeans(const std::vector<Bucket>& buckets, absl::Time deadline,
+                                           const std::function<bool()>& abandon) = 0;
 };
 
 // The bytes of a group's id.

@@ -391,16 +391,33 @@ absl::Status Network::QueueBackward(BatchState* st) {
       }
       return absl::OkStatus();
     }));
-    if (gradients_ready_ && backend_->host_memory()) {
-      int done[4];
-      int count = 0;
-      for (int v : {l.first, l.second, l.running_mean, l.running_var}) {
-        if (v >= 0) done[count++] = v;
+    int done[4];
+    int count = 0;
+    for (int v : {l.first, l.second, l.running_mean, l.running_var}) {
+      if (v >= 0) done[count++] = v;
+    }
+    if (gradients_ready_ && backend_->host_memory() && count > 0) {
+      gradients_ready_(absl::MakeConstSpan(done, count));
+    }
+    for (int k = 0; k < count; ++k) {
+      const size_t v = static_cast<size_t>(done[k]);
+      if (v < gradient_events_.size() && gradient_events_[v] != nullptr) {
+        PSFLOW_RETURN_IF_ERROR(backend_->RecordEvent(gradient_events_[v]));
       }
-      if (count > 0) gradients_ready_(absl::MakeConstSpan(done, count));
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<int> Network::BackwardOrder() const {
+  std::vector<int> order;
+  for (size_t i = nodes_.size(); i-- > 0;) {
+    const Node& l = nodes_[i];
+    for (int v : {l.first, l.second, l.running_mean, l.running_var}) {
+      if (v >= 0) order.push_back(v);
+    }
+  }
+  return order;
 }
 
 absl::Status Network::QueueTrain(BatchState* st) {

@@ -149,6 +149,18 @@ class Network {
   // recorded work is not): elsewhere it is never called. Empty: none.
   using GradientsReady = std::function<void(absl::Span<const int> variables)>;
   void SetGradientsReady(GradientsReady hook) { gradients_ready_ = std::move(hook); }
+  // The order in which a backward pass completes the variables (the last
+  // layer's first), each once.
+  std::vector<int> BackwardOrder() const;
+  // On a backend with events (a GPU's): after the backward pass of the layer
+  // that completes variable v, each step records `events[v]` (if not null;
+  // one per variable) on the backend, recorded steps' graphs included, so
+  // that other work can wait for v's gradient while the rest of the step
+  // runs. Set before the first step of a batch size (its graph is recorded
+  // at the second). Empty: none.
+  void SetGradientEvents(std::vector<kernels::Event*> events) {
+    gradient_events_ = std::move(events);
+  }
 
   // Whether steps of this batch size replay a recorded graph (after the
   // first eager step); false on backends without graphs.
@@ -184,6 +196,7 @@ class Network {
   kernels::Backend* backend_;
   NetworkOptions options_;
   GradientsReady gradients_ready_;
+  std::vector<kernels::Event*> gradient_events_;  // by variable; may be empty
   std::vector<VariableShape> variables_;
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;

@@ -399,6 +399,12 @@ void Trainer::LogReplicaDigest() {
       job_.train_steps(), crc);
 }
 
+namespace {
+// GPU workers without ps average their gradients over NCCL in buckets of
+// about this many bytes, each as soon as the backward pass completes it.
+constexpr int64_t kGpuBucketBytes = int64_t{4} << 20;
+}  // namespace
+
 struct Trainer::DeviceReplica {
   std::unique_ptr<ps::Optimizer> optimizer;
   float bn_momentum = ps::kDefaultBnMomentum;
@@ -410,9 +416,15 @@ struct Trainer::DeviceReplica {
   // The mean loss and the count of non-finite values, on the device and in
   // page-locked memory.
   std::unique_ptr<kernels::Buffer> flags, host_flags;
-  // What each step's NCCL all-reduce averages: the gradients, then the loss.
-  std::vector<float*> reduce;
-  std::vector<int64_t> reduce_sizes;
+  // What each step's NCCL all-reduce averages: the gradients, then the loss
+  // (or the loss alone, after the buckets' means).
+  std::vector<float*> reduce, loss_only;
+  std::vector<int64_t> reduce_sizes, loss_sizes;
+  // A group of single-GPU workers: the gradients' buckets (about
+  // kGpuBucketBytes each, in the order the backward pass completes them),
+  // averaged as the step runs, and their events.
+  std::vector<kernels::PeerGroup::Bucket> buckets;
+  std::vector<std::unique_ptr<kernels::Event>> events;
   // The publish in flight (or done), its outcome and the version it holds.
   std::thread publisher;
   absl::Status published;
@@ -464,6 +476,31 @@ absl::Status Trainer::PrepareDeviceReplica() {
   replica->reduce_sizes = variable_floats_;
   replica->reduce.push_back(replica->flags->data());
   replica->reduce_sizes.push_back(1);
+  replica->loss_only = {replica->flags->data()};
+  replica->loss_sizes = {1};
+  if (gpu_peers_ != nullptr && group_ == nullptr) {
+    // Buckets of the gradients in the order the backward pass completes
+    // them; each bucket's event goes after its last variable's layer.
+    std::vector<kernels::Event*> by_variable(variable_floats_.size(), nullptr);
+    const std::vector<int> order = net_->BackwardOrder();
+    kernels::PeerGroup::Bucket bucket;
+    int64_t bytes = 0;
+    for (size_t k = 0; k < order.size(); ++k) {
+      const int v = order[k];
+      bucket.buffers.push_back(replica_grads_[0][v]);
+      bucket.sizes.push_back(variable_floats_[v]);
+      bytes += variable_floats_[v] * static_cast<int64_t>(sizeof(float));
+      if (bytes < kGpuBucketBytes && k + 1 < order.size()) continue;
+      absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
+      if (!event.ok()) return Permanent(event.status());
+      bucket.ready = by_variable[v] = event->get();
+      replica->events.push_back(*std::move(event));
+      replica->buckets.push_back(std::move(bucket));
+      bucket = {};
+      bytes = 0;
+    }
+    net_->SetGradientEvents(std::move(by_variable));
+  }
   device_ = std::move(replica);
   return absl::OkStatus();
 }
@@ -1084,10 +1121,30 @@ absl::Status Trainer::TrainOnDevice() {
     }
     const absl::Time t1 = absl::Now();
     absl::Status s = batches.Gather(step, job_.steps_per_epoch());
-    absl::StatusOr<model::Network::Result> result =
-        !s.ok()  ? s
-        : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
-                 : net_->TrainStep(batches.images(), batches.labels(), batch);
+    absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
+    if (!s.ok()) {
+      result = s;
+    } else if (!d.buckets.empty()) {
+      // The step's graph is queued; the NCCL means of its gradients follow
+      // it bucket by bucket, each once the backward pass has passed the
+      // bucket's event, while the rest of the backward pass runs.
+      s = net_->SetInputs(batches.images(), batches.labels(), batch);
+      if (s.ok()) s = net_->StartTrainStep(batch);
+      if (s.ok()) {
+        s = gpu_peers_->QueueAllReduceMeans(d.buckets, absl::Now() + options_.transfer_timeout,
+                                            [this] { return GroupAbandoned(); });
+        if (const int sig = stop_signal(); sig != 0) return stopped(sig);
+        if (!s.ok()) return group_failed(s);
+      }
+      if (s.ok()) {
+        result = net_->FinishStep(batch);
+      } else {
+        result = s;
+      }
+    } else {
+      result = group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
+                      : net_->TrainStep(batches.images(), batches.labels(), batch);
+    }
     if (!result.ok()) {
       return absl::InternalError(
           absl::StrCat("step ", step, " failed: ", result.status().message()));
@@ -1099,9 +1156,11 @@ absl::Status Trainer::TrainOnDevice() {
     host_flags[1] = 0;
     s = backend_->CopyToDevice(host_flags, 2, d.flags->data());
     if (s.ok() && gpu_peers_ != nullptr) {
-      s = gpu_peers_->AllReduceMean(d.reduce, d.reduce_sizes,
-                                    absl::Now() + options_.transfer_timeout,
-                                    [this] { return GroupAbandoned(); });
+      // (With buckets queued: the loss alone, after them; its wait is theirs.)
+      const bool queued = !d.buckets.empty();
+      s = gpu_peers_->AllReduceMean(
+          queued ? d.loss_only : d.reduce, queued ? d.loss_sizes : d.reduce_sizes,
+          absl::Now() + options_.transfer_timeout, [this] { return GroupAbandoned(); });
       if (const int sig = stop_signal(); sig != 0) return stopped(sig);
       if (!s.ok()) return group_failed(s);
     }

@@ -1125,6 +1125,33 @@ absl::Status CudaBackend::CountNonFinite(const float* x, int64_t n, float* count
   });
 }
 
+CudaEvent::~CudaEvent() { static_cast<void>(cudaEventDestroy(static_cast<cudaEvent_t>(event_))); }
+
+absl::StatusOr<std::unique_ptr<Event>> CudaBackend::CreateEvent() {
+  cudaEvent_t event = nullptr;
+  PSFLOW_RETURN_IF_ERROR(RunIn(*ctx_, "CreateEvent", "", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }));
+  return std::unique_ptr<Event>(new CudaEvent(event));
+}
+
+absl::Status CudaBackend::RecordEvent(Event* event) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(event);
+  if (cuda_event == nullptr) return absl::InvalidArgumentError("RecordEvent: not a CUDA event");
+  const cudaEvent_t e = static_cast<cudaEvent_t>(cuda_event->raw());
+  return RunIn(*ctx_, "RecordEvent", "", [&]() -> absl::Status {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    PSFLOW_CUDA_CHECK(cudaStreamIsCapturing(ctx_->stream, &capturing));
+    if (capturing == cudaStreamCaptureStatusActive) {
+      PSFLOW_CUDA_CHECK(cudaEventRecordWithFlags(e, ctx_->stream, cudaEventRecordExternal));
+    } else {
+      PSFLOW_CUDA_CHECK(cudaEventRecord(e, ctx_->stream));
+    }
+    return absl::OkStatus();
+  });
+}
+
 absl::Status CudaBackend::Copy(const float* src, float* dst, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Copy"));
   if (n == 0 || src == dst) return absl::OkStatus();

@@ -70,6 +70,19 @@ namespace cuda_internal {
 struct CudaContext;  // device, stream, handles and their mutex; defined in cuda_backend.cc
 }  // namespace cuda_internal
 
+// A CUDA event of one backend (its device): `raw()` is the cudaEvent_t.
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(void* event) : event_(event) {}
+  ~CudaEvent() override;
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  void* raw() const { return event_; }
+
+ private:
+  void* const event_;
+};
+
 class CudaBackend final : public Backend {
  public:
   // Creates the backend for GPU `device_ordinal`. UNAVAILABLE ("cuda:N: ...")
@@ -108,6 +121,10 @@ class CudaBackend final : public Backend {
   absl::Status CountNonFinite(const float* x, int64_t n, float* count) override;
   // src and dst must be the same or not overlap.
   absl::Status Copy(const float* src, float* dst, int64_t n) override;
+  // Inside Capture, RecordEvent adds an external event node to the graph
+  // (cudaEventRecordExternal), which each launch records.
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override;
+  absl::Status RecordEvent(Event* event) override;
 
   absl::StatusOr<std::unique_ptr<Graph>> Capture(
       const std::function<absl::Status()>& work) override;

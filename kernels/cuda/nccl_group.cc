@@ -127,9 +127,64 @@ class NcclPeerGroup final : public PeerGroup {
   ~NcclPeerGroup() override {
     if (comm_ != nullptr) {
       static_cast<void>(backend_->Synchronize());
+      if (comm_stream_ != nullptr) static_cast<void>(cudaStreamSynchronize(comm_stream_));
       static_cast<void>(ncclCommDestroy(comm_));
     }
+    if (comm_stream_ != nullptr) static_cast<void>(cudaStreamDestroy(comm_stream_));
+    if (comm_done_ != nullptr) static_cast<void>(cudaEventDestroy(comm_done_));
     static_cast<void>(cudaEventDestroy(done_));
+  }
+
+  absl::Status QueueAllReduceMeans(const std::vector<Bucket>& buckets, absl::Time deadline,
+                                   const std::function<bool()>& abandon) override {
+    for (const Bucket& b : buckets) {
+      if (b.buffers.size() != b.sizes.size() || dynamic_cast<CudaEvent*>(b.ready) == nullptr) {
+        return absl::InvalidArgumentError("all-reduce: a bucket without its CUDA event or sizes");
+      }
+    }
+    if (comm_ == nullptr) return absl::UnavailableError("the workers' GPU group was aborted");
+    const std::string what =
+        absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers");
+    absl::Status s = backend_->RunOnStream(what, [&](void* stream) -> absl::Status {
+      if (comm_stream_ == nullptr) {
+        if (cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking) != cudaSuccess ||
+            cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming) != cudaSuccess) {
+          return absl::InternalError(absl::StrCat(what, ": cannot make its stream"));
+        }
+      }
+      for (const Bucket& b : buckets) {
+        const auto ready = static_cast<cudaEvent_t>(static_cast<CudaEvent*>(b.ready)->raw());
+        if (cudaStreamWaitEvent(comm_stream_, ready, 0) != cudaSuccess) {
+          return absl::InternalError(absl::StrCat(what, ": cudaStreamWaitEvent failed"));
+        }
+        PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
+        absl::Status queued;
+        for (size_t i = 0; i < b.sizes.size() && queued.ok(); ++i) {
+          if (b.sizes[i] == 0) continue;
+          const ncclResult_t r =
+              ncclAllReduce(b.buffers[i], b.buffers[i], static_cast<size_t>(b.sizes[i]), ncclFloat,
+                            ncclAvg, comm_, comm_stream_);
+          if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
+        }
+        const ncclResult_t ended = ncclGroupEnd();
+        if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
+        PSFLOW_RETURN_IF_ERROR(queued);
+        PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
+      }
+      // The next AllReduceMean orders the backend's stream after the means
+      // (not now: the step's own work must not wait for its peers, or a dead
+      // one would leave this worker blocked on its GPU instead of polling).
+      if (cudaEventRecord(comm_done_, comm_stream_) != cudaSuccess) {
+        return absl::InternalError(absl::StrCat(what, ": cudaEventRecord failed"));
+      }
+      means_pending_ = true;
+      return absl::OkStatus();
+    });
+    if (!s.ok() && !absl::IsInvalidArgument(s)) {
+      static_cast<void>(ncclCommAbort(comm_));
+      comm_ = nullptr;
+    }
+    return s;
   }
 
   absl::Status AllReduceMean(const std::vector<float*>& buffers, const std::vector<int64_t>& sizes,
@@ -142,6 +197,13 @@ class NcclPeerGroup final : public PeerGroup {
     const std::string what =
         absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers");
     absl::Status s = backend_->RunOnStream(what, [&](void* stream) -> absl::Status {
+      // After the means QueueAllReduceMeans queued: this call's wait is theirs.
+      if (means_pending_) {
+        if (cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), comm_done_, 0) != cudaSuccess) {
+          return absl::InternalError(absl::StrCat(what, ": cudaStreamWaitEvent failed"));
+        }
+        means_pending_ = false;
+      }
       PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
       absl::Status queued;
       for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
@@ -178,6 +240,11 @@ class NcclPeerGroup final : public PeerGroup {
   CudaBackend* const backend_;
   ncclComm_t comm_;  // null once aborted
   cudaEvent_t done_;
+  // QueueAllReduceMeans' stream, and the event the backend's stream waits
+  // for; made at its first call.
+  cudaStream_t comm_stream_ = nullptr;
+  cudaEvent_t comm_done_ = nullptr;
+  bool means_pending_ = false;  // queued means the backend's stream has not waited for yet
 };
 
 }  // namespace

@@ -770,6 +770,7 @@ TEST_F(ResidualNetworkTest, GradientsReadyNamesEachVariableOnceWithItsFinalValue
   std::iota(all.begin(), all.end(), 0);
   EXPECT_EQ(sorted, all) << "each variable once";
   const int fc_weights = static_cast<int>(grads.size()) - 2;  // then its bias
+  EXPECT_EQ(order, net_->BackwardOrder());
   EXPECT_EQ(order.front(), fc_weights);
   EXPECT_EQ(order.back(), 0) << "the first layer's comes last";
   const Weights final_grads = NetGradients(*net_);
