@@ -6,7 +6,7 @@
 #      (worker 0 runs the chief's duties; the gradients averaged in a ring over
 #      gRPC, each 1 MiB bucket sent as soon as the backward pass completes
 #      it), fp32 and bf16 on the wire (--wire_dtype), and fp32 with one
-#      bucket of everything (--allreduce_bucket_mb=256: sent once the whole
+#      bucket of everything (--allreduce_bucket_mb=64: sent once the whole
 #      backward pass is done), which shows what the overlap gives;
 #   2. psflow ps mode, for reference: psflow-launch --ps=2 --workers=2 (and a
 #      chief), the same job flags, fp32 on the wire;
@@ -118,7 +118,7 @@ run() {
     ddp_gloo) ddp "${c}_r$r" ;;
     ar_fp32) psflow "${c}_r$r" fp32 --ps=0 --chief=false --workers="$workers" ;;
     ar_bf16) psflow "${c}_r$r" bf16 --ps=0 --chief=false --workers="$workers" ;;
-    ar_whole) psflow "${c}_r$r" fp32 --ps=0 --chief=false --workers="$workers" -- --allreduce_bucket_mb=256 ;;
+    ar_whole) psflow "${c}_r$r" fp32 --ps=0 --chief=false --workers="$workers" -- --allreduce_bucket_mb=64 ;;
     ps_fp32) psflow "${c}_r$r" fp32 --ps=2 --workers="$workers" ;;
   esac
   rate_of[$c,$r]=$rate
