@@ -150,7 +150,6 @@ int main(int argc, char** argv) {
     ring = std::make_unique<psflow::allreduce::Ring>(ring_options, peers.get());
     ring_service = std::make_unique<psflow::allreduce::AllReduceService>(ring.get());
     options.ring = ring.get();
-    options.replica_address = config.self_address;
     options.replica = replica.get();
   }
   std::unique_ptr<psflow::chief::ChiefRole> chief_role;

@@ -20,6 +20,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "data/source.h"
+#include "ps/local_client.h"
 #include "ps/optimizer.h"
 
 namespace psflow::worker {
@@ -361,8 +362,7 @@ absl::Status Trainer::LoadReplica() {
   ReplicaTensors tensors(job_);
   PSFLOW_RETURN_IF_ERROR(FromPs(
       source->Snapshot(0, job_id_, state->version(), tensors.Sinks(job_.placement()), deadline)));
-  std::unique_ptr<ps::Client> own = make_ps_({options_.replica_address});
-  if (own == nullptr) return absl::InternalError("no client for this worker's replica");
+  std::unique_ptr<ps::Client> own = std::make_unique<ps::LocalClient>(options_.replica);
   InitHeader header;
   header.set_job_id(job_id_);
   header.set_ps_index(0);

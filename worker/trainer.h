@@ -89,18 +89,15 @@ struct TrainerOptions {
   int lanes_per_ps = 4;
   int64_t lane_bytes = int64_t{1} << 20;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
-  // of this worker and its peers (not owned; outliving the trainer), and
-  // the address of this worker's own replica (a ps service in this process,
-  // which the trainer loads and then pushes to and pulls from; worker 0's
-  // replica is the chief's to load).
-  allreduce::Ring* ring = nullptr;
-  std::string replica_address;
-  // All-reduce jobs: the replica itself, the shard that service serves (not
-  // owned; outliving the trainer). A GPU worker keeps its replica's weights
+  // of this worker and its peers, and this worker's own replica, the shard
+  // its ps service serves in this process (neither owned; both outliving
+  // the trainer). The trainer loads the replica (worker 0's is the chief's
+  // to load) and reaches it in-process (ps::LocalClient). A GPU worker keeps its replica's weights
   // and optimizer state on the device and applies the optimizer there (see
   // TrainOnDevice); the shard gets the state (Shard::Mirror) when a snapshot
   // asks for a step, every kReplicaPublishSteps steps on worker 0 (whose
   // replica the chief and the evaluator read), at a stop and at the end.
+  allreduce::Ring* ring = nullptr;
   ps::Shard* replica = nullptr;
   // Called (if set) with true after each registration with the chief, and
   // with false when the worker registers again or Run returns: whether it
