@@ -38,6 +38,15 @@ constexpr char kData[] = "/usr/share/datasets/fashion-mnist";
     }                                                                                    \
   } while (0)
 
+// ... and the Fashion-MNIST files the recipes train on.
+#define REQUIRE_TWO_GPUS_AND_DATA()                                                     \
+  do {                                                                                  \
+    REQUIRE_TWO_GPUS();                                                                 \
+    if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) { \
+      GTEST_SKIP() << "no Fashion-MNIST in " << kData;                                  \
+    }                                                                                   \
+  } while (0)
+
 std::string TempDir(const std::string& what) {
   const std::string dir = (std::filesystem::path(::testing::TempDir()) /
                            ("psflow_multi_gpu_" + what + "_" + std::to_string(::getpid())))
@@ -114,10 +123,7 @@ std::vector<std::vector<float>> TrainMlp(const std::string& devices, int batch, 
 }
 
 TEST(MultiGpuTest, TwoGpusOfBatchBTakeTheStepsOfOneGpuOfBatch2B) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   // The worker's step takes the same 2b examples either way: replica 0 the
   // first b, replica 1 the next b; the mean of the two means is the mean
   // over 2b (the mlp has no batch norm, whose statistics are per replica).
@@ -176,10 +182,7 @@ std::string MainRecipe(int workers, const std::string& dir,
 }
 
 TEST(MultiGpuTest, MainRecipeOnWorkersOfTwoGpusReachesTheAccuracyBar) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   // One worker of 2 GPUs at 32 each (a global batch of 64), and two such
   // workers (128, the main job's global batch of 64 x 2 workers).
   for (int workers : {1, 2}) {
@@ -198,10 +201,7 @@ TEST(MultiGpuTest, MainRecipeOnWorkersOfTwoGpusReachesTheAccuracyBar) {
 // ring), each applies the mean to its replica; the main recipe reaches the
 // bar and both replicas end bit-identical.
 TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   const std::string dir = TempDir("allreduce");
   Process launch(
       Bin("psflow-launch"),
@@ -235,10 +235,7 @@ TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
 // (An evaluation whose step the workers pass before the evaluator asks for
 // it is skipped, as in ps mode: which ones come depends on the speeds.)
 TEST(MultiGpuTest, GpuReplicasServeCheckpointsAndTheEvaluator) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   const std::string dir = TempDir("allreduce_eval");
   Process launch(
       Bin("psflow-launch"),
@@ -259,10 +256,7 @@ TEST(MultiGpuTest, GpuReplicasServeCheckpointsAndTheEvaluator) {
 // publishes its device replica, then the chief's duties checkpoint it;
 // started again, the group resumes from that checkpoint.
 TEST(MultiGpuTest, SigtermedGpuWorkersWithoutPsResumeFromTheirCheckpoint) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   const std::string dir = TempDir("allreduce_stop");
   const std::vector<int> ports = FreePorts(2);
   ASSERT_EQ(ports.size(), 2u);
@@ -288,10 +282,7 @@ TEST(MultiGpuTest, SigtermedGpuWorkersWithoutPsResumeFromTheirCheckpoint) {
 // for the NCCL all-reduce forever; it ends with a retryable exit code once
 // the chief finds the killed worker silent (--worker_timeout).
 TEST(MultiGpuTest, GpuWorkerWithoutPsKilledLeavesNoPeerWaitingOnItsGpu) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   const std::string dir = TempDir("allreduce_kill");
   const std::vector<int> ports = FreePorts(2);
   ASSERT_EQ(ports.size(), 2u);
@@ -312,10 +303,7 @@ TEST(MultiGpuTest, GpuWorkerWithoutPsKilledLeavesNoPeerWaitingOnItsGpu) {
 }
 
 TEST(MultiGpuTest, AKilledWorkerOfTwoGpusIsRestartedAndTheJobEndsAtTheBar) {
-  REQUIRE_TWO_GPUS();
-  if (!std::filesystem::exists(std::string(kData) + "/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "no Fashion-MNIST in " << kData;
-  }
+  REQUIRE_TWO_GPUS_AND_DATA();
   // As any worker: SIGKILLed mid-job, restarted (the launcher's on-failure
   // policy, as Kubernetes would), it registers again and trains on; the job
   // ends with every step and the accuracy of a job without the kill.
