@@ -6,7 +6,7 @@
 #      resnet at batch 128 per GPU and the cnn at 64, fp32, SGD;
 #   2. psflow, 2 GPU workers and no ps (psflow-launch --ps=0; a chief process
 #      coordinates), the same models and batches, SGD, fp32 and bf16 as the
-#      wire dtype (which GPU workers' NCCL average, in fp32, does not use):
+#      wire dtype (the dtype the gradients' NCCL average runs in):
 #      examples/s, the ratio to DDP, and the step split of the last progress
 #      line (compute = the step's CUDA graph; push = the NCCL average, the
 #      count of non-finite values and the optimizer on the GPU);

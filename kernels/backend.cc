@@ -147,7 +147,8 @@ absl::StatusOr<std::string> NewPeerGroupId() {
 }
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,
-                                                         int rank, int size, absl::Time deadline,
+                                                         int rank, int size, WireDtype wire,
+                                                         absl::Time deadline,
                                                          const std::function<bool()>& abandon) {
 #if PSFLOW_HAVE_CUDA
   auto* gpu = dynamic_cast<CudaBackend*>(backend);
@@ -155,7 +156,7 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const
     return absl::InvalidArgumentError(
         absl::StrFormat("device %s cannot join a group of GPUs", backend->name()));
   }
-  return JoinNcclPeerGroup(gpu, id, rank, size, deadline, abandon);
+  return JoinNcclPeerGroup(gpu, id, rank, size, wire, deadline, abandon);
 #else
   return absl::UnimplementedError("GPU peer groups need the CUDA backend (NCCL)");
 #endif

@@ -323,7 +323,8 @@ class PeerGroup {
   virtual absl::Status AllReduceMean(const std::vector<float*>& buffers,
                                      const std::vector<int64_t>& sizes, absl::Time deadline,
                                      const std::function<bool()>& abandon) = 0;
-  // The same means, overlapped with the work that produces them: for each
+  // The same means (in the group's wire dtype, see JoinPeerGroup),
+  // overlapped with the work that produces them: for each
   // bucket in turn, on a stream of the group's own, once the backend has
   // passed the bucket's event (recorded by the caller, e.g. inside the
   // step's graph), its buffers are averaged. Returns once the means are
@@ -342,6 +343,13 @@ class PeerGroup {
                                            const std::function<bool()>& abandon) = 0;
 };
 
+// The dtype a group's QueueAllReduceMeans sends its buckets in: fp32 as
+// they are, or each float rounded to nearest-even into bfloat16 or IEEE half
+// (a value half cannot hold becomes an infinity) and averaged in that dtype,
+// the mean written back as fp32. Every member gets the same bits.
+// AllReduceMean stays fp32.
+enum class WireDtype { kFloat32, kBfloat16, kFloat16 };
+
 // The bytes of a group's id.
 inline constexpr size_t kPeerGroupIdBytes = 128;
 // A new group's id (kPeerGroupIdBytes to hand to every member), made by
@@ -354,7 +362,8 @@ absl::StatusOr<std::string> NewPeerGroupId();
 // INVALID_ARGUMENT for another backend or an id that is not one; INTERNAL
 // when NCCL fails; UNIMPLEMENTED without the CUDA backend.
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,
-                                                         int rank, int size, absl::Time deadline,
+                                                         int rank, int size, WireDtype wire,
+                                                         absl::Time deadline,
                                                          const std::function<bool()>& abandon);
 
 }  // namespace psflow::kernels

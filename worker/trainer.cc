@@ -337,8 +337,12 @@ absl::Status Trainer::FormGpuGroup() {
     return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
                         absl::StrCat("forming the workers' group: ", s.message()));
   }
+  const DataType dtype = WireDtypeOf(job_);
+  const kernels::WireDtype wire = dtype == DT_BFLOAT16 ? kernels::WireDtype::kBfloat16
+                                  : dtype == DT_HALF   ? kernels::WireDtype::kFloat16
+                                                       : kernels::WireDtype::kFloat32;
   absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group = kernels::JoinPeerGroup(
-      backend_.get(), id, options_.worker_index, ring->size(),
+      backend_.get(), id, options_.worker_index, ring->size(), wire,
       absl::Now() + options_.startup_timeout, [this] { return GroupAbandoned(); });
   if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
   if (!group.ok()) {
@@ -347,7 +351,10 @@ absl::Status Trainer::FormGpuGroup() {
                         absl::StrCat("joining the workers' GPU group: ", e.message()));
   }
   gpu_peers_ = *std::move(group);
-  PSLOG(INFO) << "the " << ring->size() << " workers average their gradients on their GPUs (NCCL)";
+  PSLOG(INFO) << "the " << ring->size() << " workers average their gradients on their GPUs (NCCL"
+              << (wire == kernels::WireDtype::kFloat32    ? ")"
+                  : wire == kernels::WireDtype::kBfloat16 ? ", in bf16)"
+                                                          : ", in fp16)");
   return absl::OkStatus();
 }
 
@@ -416,15 +423,19 @@ struct Trainer::DeviceReplica {
   // The mean loss and the count of non-finite values, on the device and in
   // page-locked memory.
   std::unique_ptr<kernels::Buffer> flags, host_flags;
-  // What each step's NCCL all-reduce averages: the gradients, then the loss
-  // (or the loss alone, after the buckets' means).
+  // The gradients and the loss (each step counts their non-finite values),
+  // and the loss alone (averaged among the workers in fp32 after the
+  // gradients' buckets).
   std::vector<float*> reduce, loss_only;
   std::vector<int64_t> reduce_sizes, loss_sizes;
-  // A group of single-GPU workers: the gradients' buckets (about
-  // kGpuBucketBytes each, in the order the backward pass completes them),
-  // averaged as the step runs, and their events.
+  // The gradients' means among the workers, in buckets: for single-GPU
+  // workers about kGpuBucketBytes each, in the order the backward pass
+  // completes them, averaged as the step runs; for workers of several GPUs
+  // (`after_step`) one bucket, once their GPUs have averaged theirs. Their
+  // events.
   std::vector<kernels::PeerGroup::Bucket> buckets;
   std::vector<std::unique_ptr<kernels::Event>> events;
+  bool after_step = false;
   // The publish in flight (or done), its outcome and the version it holds.
   std::thread publisher;
   absl::Status published;
@@ -478,7 +489,16 @@ absl::Status Trainer::PrepareDeviceReplica() {
   replica->reduce_sizes.push_back(1);
   replica->loss_only = {replica->flags->data()};
   replica->loss_sizes = {1};
-  if (gpu_peers_ != nullptr && group_ == nullptr) {
+  if (gpu_peers_ != nullptr && group_ != nullptr) {
+    // Workers of several GPUs: the gradients their GPUs averaged, as one
+    // bucket once the step is done (its event recorded then).
+    absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
+    if (!event.ok()) return Permanent(event.status());
+    kernels::PeerGroup::Bucket bucket{event->get(), replica_grads_[0], variable_floats_};
+    replica->events.push_back(*std::move(event));
+    replica->buckets.push_back(std::move(bucket));
+    replica->after_step = true;
+  } else if (gpu_peers_ != nullptr) {
     // Buckets of the gradients in the order the backward pass completes
     // them; each bucket's event goes after its last variable's layer.
     std::vector<kernels::Event*> by_variable(variable_floats_.size(), nullptr);
@@ -1124,7 +1144,7 @@ absl::Status Trainer::TrainOnDevice() {
     absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
     if (!s.ok()) {
       result = s;
-    } else if (!d.buckets.empty()) {
+    } else if (!d.buckets.empty() && !d.after_step) {
       // The step's graph is queued; the NCCL means of its gradients follow
       // it bucket by bucket, each once the backward pass has passed the
       // bucket's event, while the rest of the backward pass runs.
@@ -1144,6 +1164,16 @@ absl::Status Trainer::TrainOnDevice() {
     } else {
       result = group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
                       : net_->TrainStep(batches.images(), batches.labels(), batch);
+      if (result.ok() && d.after_step) {
+        s = backend_->RecordEvent(d.buckets[0].ready);
+        if (!s.ok()) result = s;
+      }
+      if (result.ok() && d.after_step) {
+        s = gpu_peers_->QueueAllReduceMeans(d.buckets, absl::Now() + options_.transfer_timeout,
+                                            [this] { return GroupAbandoned(); });
+        if (const int sig = stop_signal(); sig != 0) return stopped(sig);
+        if (!s.ok()) return group_failed(s);
+      }
     }
     if (!result.ok()) {
       return absl::InternalError(
@@ -1156,11 +1186,10 @@ absl::Status Trainer::TrainOnDevice() {
     host_flags[1] = 0;
     s = backend_->CopyToDevice(host_flags, 2, d.flags->data());
     if (s.ok() && gpu_peers_ != nullptr) {
-      // (With buckets queued: the loss alone, after them; its wait is theirs.)
-      const bool queued = !d.buckets.empty();
-      s = gpu_peers_->AllReduceMean(
-          queued ? d.loss_only : d.reduce, queued ? d.loss_sizes : d.reduce_sizes,
-          absl::Now() + options_.transfer_timeout, [this] { return GroupAbandoned(); });
+      // The loss, in fp32, after the gradients' buckets: its wait is theirs.
+      s = gpu_peers_->AllReduceMean(d.loss_only, d.loss_sizes,
+                                    absl::Now() + options_.transfer_timeout,
+                                    [this] { return GroupAbandoned(); });
       if (const int sig = stop_signal(); sig != 0) return stopped(sig);
       if (!s.ok()) return group_failed(s);
     }

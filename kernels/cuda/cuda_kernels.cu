@@ -9,6 +9,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace psflow::kernels::cuda_internal {
@@ -435,6 +438,59 @@ cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, float* w, const floa
 cudaError_t LaunchCountNonFinite(const float* x, int64_t n, float* count, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   CountNonFiniteKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, n, count);
+  return cudaGetLastError();
+}
+
+namespace {
+
+// blockIdx.y picks the piece; the x blocks stride over its floats.
+__global__ void PackToWireKernel(const WirePiece* pieces, bool bf16, void* wire) {
+  const WirePiece p = pieces[blockIdx.y];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (bf16) {
+      static_cast<__nv_bfloat16*>(wire)[p.offset + i] = __float2bfloat16_rn(p.data[i]);
+    } else {
+      static_cast<__half*>(wire)[p.offset + i] = __float2half_rn(p.data[i]);
+    }
+  }
+}
+
+__global__ void UnpackFromWireKernel(const WirePiece* pieces, bool bf16, const void* wire) {
+  const WirePiece p = pieces[blockIdx.y];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    p.data[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(wire)[p.offset + i])
+                     : __half2float(static_cast<const __half*>(wire)[p.offset + i]);
+  }
+}
+
+// The grid of a pack or unpack: (blocks per piece, pieces); y is capped by
+// CUDA at 65535.
+bool WireGrid(int num_pieces, int64_t max_count, dim3* grid) {
+  if (num_pieces <= 0 || max_count <= 0) return false;
+  *grid = dim3(static_cast<unsigned>(BlocksFor(max_count, kThreads)),
+               static_cast<unsigned>(num_pieces));
+  return true;
+}
+
+}  // namespace
+
+cudaError_t LaunchPackToWire(const WirePiece* pieces, int num_pieces, int64_t max_count, bool bf16,
+                             void* wire, cudaStream_t stream) {
+  if (num_pieces > 65535) return cudaErrorInvalidValue;
+  dim3 grid;
+  if (!WireGrid(num_pieces, max_count, &grid)) return cudaSuccess;
+  PackToWireKernel<<<grid, kThreads, 0, stream>>>(pieces, bf16, wire);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_t max_count,
+                                 bool bf16, const void* wire, cudaStream_t stream) {
+  if (num_pieces > 65535) return cudaErrorInvalidValue;
+  dim3 grid;
+  if (!WireGrid(num_pieces, max_count, &grid)) return cudaSuccess;
+  UnpackFromWireKernel<<<grid, kThreads, 0, stream>>>(pieces, bf16, wire);
   return cudaGetLastError();
 }
 

@@ -37,6 +37,24 @@ cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, float* w, const floa
 // *count += the number of values of x that are NaN or infinite.
 cudaError_t LaunchCountNonFinite(const float* x, int64_t n, float* count, cudaStream_t stream);
 
+// One float buffer of a run packed into (or unpacked from) a 16-bit wire
+// buffer: `count` floats at `data`, at element `offset` of the wire buffer.
+struct WirePiece {
+  float* data;
+  int64_t offset;
+  int64_t count;
+};
+
+// For each of the `pieces` (an array in device memory) the floats rounded to
+// nearest-even into the wire buffer as bfloat16 (`bf16`) or IEEE half; NaN
+// stays NaN, a value the dtype cannot hold becomes an infinity.
+// `max_count` is the largest piece's count (it sizes the grid).
+cudaError_t LaunchPackToWire(const WirePiece* pieces, int num_pieces, int64_t max_count, bool bf16,
+                             void* wire, cudaStream_t stream);
+// The reverse: each piece's floats from the wire buffer (exact).
+cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_t max_count,
+                                 bool bf16, const void* wire, cudaStream_t stream);
+
 // y[r, c] += b[c] for a row-major y of rows x cols (a bias broadcast over rows).
 cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,
                              cudaStream_t stream);

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace psflow::kernels {
 namespace {
@@ -119,11 +120,13 @@ absl::Status Await(ncclComm_t comm, absl::Time deadline, const std::function<boo
 // One non-blocking communicator of a group across processes; collectives
 // queued on the backend's stream, under its lock, then waited for by
 // polling the communicator and an event, so that a member that is gone
-// ends the wait (the communicator is then aborted).
+// ends the wait (the communicator is then aborted). With a 16-bit wire dtype
+// each bucket is packed into one device buffer of that dtype, averaged there
+// and unpacked, all on the group's stream.
 class NcclPeerGroup final : public PeerGroup {
  public:
-  NcclPeerGroup(CudaBackend* backend, ncclComm_t comm, cudaEvent_t done)
-      : backend_(backend), comm_(comm), done_(done) {}
+  NcclPeerGroup(CudaBackend* backend, ncclComm_t comm, cudaEvent_t done, WireDtype wire)
+      : backend_(backend), comm_(comm), done_(done), wire_dtype_(wire) {}
   ~NcclPeerGroup() override {
     if (comm_ != nullptr) {
       static_cast<void>(backend_->Synchronize());
@@ -145,6 +148,7 @@ class NcclPeerGroup final : public PeerGroup {
     if (comm_ == nullptr) return absl::UnavailableError("the workers' GPU group was aborted");
     const std::string what =
         absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers");
+    if (wire_dtype_ != WireDtype::kFloat32) PSFLOW_RETURN_IF_ERROR(PrepareWire(buckets));
     absl::Status s = backend_->RunOnStream(what, [&](void* stream) -> absl::Status {
       if (comm_stream_ == nullptr) {
         if (cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking) != cudaSuccess ||
@@ -152,10 +156,16 @@ class NcclPeerGroup final : public PeerGroup {
           return absl::InternalError(absl::StrCat(what, ": cannot make its stream"));
         }
       }
-      for (const Bucket& b : buckets) {
+      for (size_t k = 0; k < buckets.size(); ++k) {
+        const Bucket& b = buckets[k];
         const auto ready = static_cast<cudaEvent_t>(static_cast<CudaEvent*>(b.ready)->raw());
         if (cudaStreamWaitEvent(comm_stream_, ready, 0) != cudaSuccess) {
           return absl::InternalError(absl::StrCat(what, ": cudaStreamWaitEvent failed"));
+        }
+        if (wire_dtype_ != WireDtype::kFloat32) {
+          PSFLOW_RETURN_IF_ERROR(QueueWireMean(&tables_[k], what));
+          PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
+          continue;
         }
         PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
         absl::Status queued;
@@ -237,9 +247,98 @@ class NcclPeerGroup final : public PeerGroup {
   }
 
  private:
+  // A bucket's pieces in the wire buffer, in device memory once uploaded.
+  struct WireTable {
+    std::vector<float*> buffers;
+    std::vector<int64_t> sizes;
+    std::vector<cuda_internal::WirePiece> pieces;  // the non-empty buffers
+    std::unique_ptr<Buffer> device;                // `pieces`, on the GPU
+    bool uploaded = false;
+    int64_t floats = 0, max_count = 0;
+  };
+
+  // Makes the tables of `buckets` (kept while the buckets stay the same,
+  // as they do from step to step) and a wire buffer that holds the largest.
+  absl::Status PrepareWire(const std::vector<Bucket>& buckets) {
+    if (tables_.size() != buckets.size()) tables_.resize(buckets.size());
+    int64_t largest = 0;
+    for (size_t k = 0; k < buckets.size(); ++k) {
+      WireTable& t = tables_[k];
+      const Bucket& b = buckets[k];
+      if (t.device != nullptr && t.buffers == b.buffers && t.sizes == b.sizes) {
+        largest = std::max(largest, t.floats);
+        continue;
+      }
+      t = WireTable{b.buffers, b.sizes};
+      for (size_t i = 0; i < b.sizes.size(); ++i) {
+        if (b.sizes[i] < 0) return absl::InvalidArgumentError("all-reduce: a negative size");
+        if (b.sizes[i] == 0) continue;
+        t.pieces.push_back({b.buffers[i], t.floats, b.sizes[i]});
+        t.floats += b.sizes[i];
+        t.max_count = std::max(t.max_count, b.sizes[i]);
+      }
+      if (t.pieces.size() > 65535) {
+        return absl::InvalidArgumentError("all-reduce: a bucket of more than 65535 buffers");
+      }
+      // WirePiece is 3 x 8 bytes: whole floats.
+      constexpr size_t kFloatsPerPiece = sizeof(cuda_internal::WirePiece) / sizeof(float);
+      static_assert(sizeof(cuda_internal::WirePiece) % sizeof(float) == 0);
+      absl::StatusOr<std::unique_ptr<Buffer>> device =
+          backend_->Allocate(std::max<size_t>(1, t.pieces.size()) * kFloatsPerPiece);
+      if (!device.ok()) return device.status();
+      t.device = *std::move(device);
+      largest = std::max(largest, t.floats);
+    }
+    // Two bytes an element: half as many floats.
+    const int64_t wire_floats = (largest + 1) / 2;
+    if (wire_ == nullptr || static_cast<int64_t>(wire_->size()) < wire_floats) {
+      wire_.reset();
+      absl::StatusOr<std::unique_ptr<Buffer>> wire =
+          backend_->Allocate(static_cast<size_t>(std::max<int64_t>(1, wire_floats)));
+      if (!wire.ok()) return wire.status();
+      wire_ = *std::move(wire);
+    }
+    return absl::OkStatus();
+  }
+
+  // On the group's stream: packs `t`'s floats into the wire buffer, averages
+  // them there and unpacks the means.
+  absl::Status QueueWireMean(WireTable* t, absl::string_view what) {
+    if (t->floats == 0) return absl::OkStatus();
+    auto* pieces = reinterpret_cast<cuda_internal::WirePiece*>(t->device->data());
+    if (!t->uploaded) {
+      if (cudaMemcpyAsync(pieces, t->pieces.data(),
+                          t->pieces.size() * sizeof(cuda_internal::WirePiece),
+                          cudaMemcpyHostToDevice, comm_stream_) != cudaSuccess) {
+        return absl::InternalError(absl::StrCat(what, ": copying the bucket's table failed"));
+      }
+      t->uploaded = true;
+    }
+    const bool bf16 = wire_dtype_ == WireDtype::kBfloat16;
+    const int n = static_cast<int>(t->pieces.size());
+    if (cuda_internal::LaunchPackToWire(pieces, n, t->max_count, bf16, wire_->data(),
+                                        comm_stream_) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat(what, ": packing the bucket failed"));
+    }
+    const ncclResult_t r =
+        ncclAllReduce(wire_->data(), wire_->data(), static_cast<size_t>(t->floats),
+                      bf16 ? ncclBfloat16 : ncclFloat16, ncclAvg, comm_, comm_stream_);
+    if (r != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(r, "ncclAllReduce"));
+    if (cuda_internal::LaunchUnpackFromWire(pieces, n, t->max_count, bf16, wire_->data(),
+                                            comm_stream_) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat(what, ": unpacking the bucket failed"));
+    }
+    return absl::OkStatus();
+  }
+
   CudaBackend* const backend_;
   ncclComm_t comm_;  // null once aborted
   cudaEvent_t done_;
+  const WireDtype wire_dtype_;
+  // 16-bit wire dtypes: each bucket's table (by position) and the one wire
+  // buffer they take turns in (in order, on the group's stream).
+  std::vector<WireTable> tables_;
+  std::unique_ptr<Buffer> wire_;
   // QueueAllReduceMeans' stream, and the event the backend's stream waits
   // for; made at its first call.
   cudaStream_t comm_stream_ = nullptr;
@@ -259,7 +358,8 @@ absl::StatusOr<std::string> NewNcclPeerGroupId() {
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backend,
                                                              const std::string& id, int rank,
-                                                             int size, absl::Time deadline,
+                                                             int size, WireDtype wire,
+                                                             absl::Time deadline,
                                                              const std::function<bool()>& abandon) {
   ncclUniqueId unique;
   if (id.size() != sizeof(unique.internal)) {
@@ -292,7 +392,7 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backen
     if (done != nullptr) static_cast<void>(cudaEventDestroy(done));
     return s;
   }
-  return std::unique_ptr<PeerGroup>(new NcclPeerGroup(backend, comm, done));
+  return std::unique_ptr<PeerGroup>(new NcclPeerGroup(backend, comm, done, wire));
 }
 
 absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(

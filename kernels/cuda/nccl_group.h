@@ -23,7 +23,8 @@ absl::StatusOr<std::unique_ptr<DeviceGroup>> CreateNcclGroup(
 absl::StatusOr<std::string> NewNcclPeerGroupId();
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinNcclPeerGroup(CudaBackend* backend,
                                                              const std::string& id, int rank,
-                                                             int size, absl::Time deadline,
+                                                             int size, WireDtype wire,
+                                                             absl::Time deadline,
                                                              const std::function<bool()>& abandon);
 
 }  // namespace psflow::kernels

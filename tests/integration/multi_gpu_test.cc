@@ -1,7 +1,10 @@
-// Workers with several GPUs (--device=cuda:0,cuda:1): the NCCL group's mean
-// and broadcast against the CPU, one worker on two GPUs against one GPU with
-// the batch of both, the main job's recipe on workers of two GPUs each, and
-// such a worker killed mid-job and restarted.
+// Two GPUs. Workers with several GPUs (--device=cuda:0,cuda:1): the NCCL
+// group's mean and broadcast against the CPU, one worker on two GPUs against
+// one GPU with the batch of both, the main job's recipe on workers of two
+// GPUs each, and such a worker killed mid-job and restarted. GPU workers
+// without ps: their group's means in each wire dtype against the host, the
+// main recipe in fp32 and bf16, checkpoints, the evaluator, SIGTERM and a
+// killed worker.
 // Skips where the process cannot create cuda:0 and cuda:1 (fewer GPUs, or a
 // build without the CUDA backend), or the data is missing. PSFLOW_BIN_DIR
 // in the environment overrides where the binaries are (Bin() in process.h).
@@ -10,14 +13,18 @@
 #include <signal.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <memory>
 #include <random>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "common/float16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
@@ -105,6 +112,121 @@ TEST(MultiGpuTest, NcclMeanAndBroadcastMatchTheCpu) {
   std::vector<float> got(sizes[0]);
   ASSERT_TRUE(backends[1]->CopyToHost(pointers[1][0], sizes[0], got.data()).ok());
   EXPECT_EQ(got, fresh);
+}
+
+// The group of single-GPU workers without ps (kernels::PeerGroup), its two
+// members on two threads of this process: the buckets' means in each wire
+// dtype, against the host. In fp32 the mean of the inputs; in bf16 and fp16
+// the mean of the inputs rounded to that dtype, rounded to it again (within
+// one unit in its last place), NaN kept, what fp16 cannot hold an infinity;
+// both members get the same bits every time.
+TEST(MultiGpuTest, PeerGroupMeansInEachWireDtype) {
+  REQUIRE_TWO_GPUS();
+  const std::vector<int64_t> sizes = {1 << 20, 4099, 1};
+  struct Case {
+    kernels::WireDtype wire;
+    DataType dtype;
+    double relative;  // one unit in the last place, relative
+  };
+  for (const Case& c : {Case{kernels::WireDtype::kFloat32, DT_FLOAT, 1e-6},
+                        Case{kernels::WireDtype::kBfloat16, DT_BFLOAT16, 0x1p-7},
+                        Case{kernels::WireDtype::kFloat16, DT_HALF, 0x1p-10}}) {
+    SCOPED_TRACE(DataType_Name(c.dtype));
+    absl::StatusOr<std::string> id = kernels::NewPeerGroupId();
+    ASSERT_TRUE(id.ok()) << id.status();
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal;
+    std::vector<std::vector<std::vector<float>>> in(2), out(2);  // [member][buffer]
+    for (int r = 0; r < 2; ++r) {
+      for (int64_t n : sizes) {
+        std::vector<float> v(n);
+        for (float& x : v) x = normal(rng);
+        in[r].push_back(std::move(v));
+      }
+    }
+    in[0][1][0] = std::nanf("");
+    in[0][1][1] = 70000.0f;  // over fp16's largest (65504)
+    std::vector<absl::Status> status(2);
+    auto member = [&](int r) {
+      auto fail = [&](const absl::Status& s) { status[r] = s; };
+      absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+          kernels::CreateBackend(r == 0 ? "cuda:0" : "cuda:1");
+      if (!backend.ok()) return fail(backend.status());
+      kernels::Backend& b = **backend;
+      const absl::Time deadline = absl::Now() + absl::Seconds(60);
+      absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group =
+          kernels::JoinPeerGroup(&b, *id, r, 2, c.wire, deadline, [] { return false; });
+      if (!group.ok()) return fail(group.status());
+      std::vector<std::unique_ptr<kernels::Buffer>> buffers;
+      for (size_t i = 0; i <= sizes.size(); ++i) {  // the last: a loss
+        absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf =
+            b.Allocate(i < sizes.size() ? sizes[i] : 1);
+        if (!buf.ok()) return fail(buf.status());
+        if (i < sizes.size()) {
+          absl::Status s = b.CopyToDevice(in[r][i].data(), sizes[i], (*buf)->data());
+          if (!s.ok()) return fail(s);
+        }
+        buffers.push_back(*std::move(buf));
+      }
+      absl::StatusOr<std::unique_ptr<kernels::Event>> event = b.CreateEvent();
+      if (!event.ok()) return fail(event.status());
+      absl::Status s = b.RecordEvent(event->get());
+      // Two buckets: the large buffer and the small one, then the single float.
+      std::vector<kernels::PeerGroup::Bucket> buckets(2);
+      buckets[0] = {event->get(), {buffers[0]->data(), buffers[1]->data()}, {sizes[0], sizes[1]}};
+      buckets[1] = {event->get(), {buffers[2]->data()}, {sizes[2]}};
+      // Twice: the second step reuses the buckets' tables.
+      for (int step = 0; step < 2 && s.ok(); ++step) {
+        if (step == 1) {
+          for (size_t i = 0; s.ok() && i < sizes.size(); ++i) {
+            s = b.CopyToDevice(in[r][i].data(), sizes[i], buffers[i]->data());
+          }
+          if (s.ok()) s = b.RecordEvent(event->get());
+        }
+        if (s.ok()) s = (*group)->QueueAllReduceMeans(buckets, deadline, [] { return false; });
+        if (s.ok()) {
+          s = (*group)->AllReduceMean({buffers[3]->data()}, {1}, deadline, [] { return false; });
+        }
+      }
+      for (size_t i = 0; s.ok() && i < sizes.size(); ++i) {
+        std::vector<float> got(sizes[i]);
+        s = b.CopyToHost(buffers[i]->data(), sizes[i], got.data());
+        out[r].push_back(std::move(got));
+      }
+      status[r] = s;
+    };
+    std::thread other(member, 1);
+    member(0);
+    other.join();
+    ASSERT_TRUE(status[0].ok()) << status[0];
+    ASSERT_TRUE(status[1].ok()) << status[1];
+    auto round = [&](float v) {
+      if (c.dtype == DT_FLOAT) return v;
+      char bytes[4];
+      EncodeFloats(c.dtype, &v, 1, bytes);
+      float back = 0;
+      DecodeFloats(c.dtype, bytes, 1, &back);
+      return back;
+    };
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      for (int64_t k = 0; k < sizes[i]; ++k) {
+        const float got = out[0][i][k];
+        ASSERT_EQ(std::memcmp(&got, &out[1][i][k], sizeof(float)), 0)
+            << "the members differ at buffer " << i << " element " << k;
+        const double want = (static_cast<double>(round(in[0][i][k])) + round(in[1][i][k])) / 2;
+        if (i == 1 && k == 0) {
+          EXPECT_TRUE(std::isnan(got)) << got;
+        } else if (i == 1 && k == 1 && c.dtype == DT_HALF) {
+          EXPECT_TRUE(std::isinf(got)) << got;
+        } else {
+          ASSERT_EQ(round(got), got)
+              << "not a value of the wire dtype, buffer " << i << " element " << k;
+          ASSERT_NEAR(got, want, c.relative * std::abs(want) + 0x1p-24)
+              << "buffer " << i << " element " << k;
+        }
+      }
+    }
+  }
 }
 
 // Trains --train_steps steps of the mlp with SGD (1 ps, 1 worker on
@@ -198,22 +320,22 @@ TEST(MultiGpuTest, MainRecipeOnWorkersOfTwoGpusReachesTheAccuracyBar) {
 
 // Two GPU workers without ps: they average their gradients on their GPUs
 // (one NCCL group across the two processes, its id handed over psflow's
-// ring), each applies the mean to its replica; the main recipe reaches the
-// bar and both replicas end bit-identical.
-TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
-  REQUIRE_TWO_GPUS_AND_DATA();
-  const std::string dir = TempDir("allreduce");
-  Process launch(
-      Bin("psflow-launch"),
-      {"--ps=0", "--chief=false", "--workers=2", "--worker_devices=cuda:0;cuda:1", "--",
-       "--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001", "--batch_size=64",
-       "--log_every_steps=500", "--data_dir=" + std::string(kData), "--model_dir=" + dir});
+// ring) in the wire dtype `wire`, each applies the mean to its replica; the
+// main recipe reaches the bar and both replicas end bit-identical.
+void GpuWorkersWithoutPsReachTheBar(const std::string& wire) {
+  const std::string dir = TempDir("allreduce_" + wire);
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=0", "--chief=false", "--workers=2", "--worker_devices=cuda:0;cuda:1", "--",
+                  "--model=cnn", "--epochs=5", "--optimizer=adam", "--learning_rate=0.001",
+                  "--batch_size=64", "--wire_dtype=" + wire, "--log_every_steps=500",
+                  "--data_dir=" + std::string(kData), "--model_dir=" + dir});
   ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
   const std::string out = launch.output();
-  EXPECT_THAT(out, ::testing::HasSubstr(
-                       "worker0] the 2 workers average their gradients on their GPUs (NCCL)"));
-  EXPECT_THAT(out, ::testing::HasSubstr(
-                       "worker1] the 2 workers average their gradients on their GPUs (NCCL)"));
+  const std::string nccl = wire == "fp32" ? "(NCCL)" : "(NCCL, in " + wire + ")";
+  for (const std::string worker : {"worker0", "worker1"}) {
+    EXPECT_THAT(out, ::testing::HasSubstr(
+                         worker + "] the 2 workers average their gradients on their GPUs " + nccl));
+  }
   EXPECT_THAT(out, ::testing::HasSubstr("worker0] replica at step 2340: crc32c"));
   ExpectIdenticalReplicas(out, 2);
   RunResult eval = RunProcess(Bin("psflow-eval"),
@@ -223,9 +345,20 @@ TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   ASSERT_NE(acc, "");
-  std::printf("main recipe, 2 GPU workers without ps: test accuracy %s\n", acc.c_str());
+  std::printf("main recipe, 2 GPU workers without ps, %s on the wire: test accuracy %s\n",
+              wire.c_str(), acc.c_str());
   EXPECT_GE(std::stod(acc), 0.895);
   std::filesystem::remove_all(dir);
+}
+
+TEST(MultiGpuTest, GpuWorkersWithoutPsAverageOverNcclAndReachTheBar) {
+  REQUIRE_TWO_GPUS_AND_DATA();
+  GpuWorkersWithoutPsReachTheBar("fp32");
+}
+
+TEST(MultiGpuTest, GpuWorkersWithoutPsAverageInBf16AndReachTheBar) {
+  REQUIRE_TWO_GPUS_AND_DATA();
+  GpuWorkersWithoutPsReachTheBar("bf16");
 }
 
 // GPU workers without ps keep their replicas on their devices: worker 0's
