@@ -135,7 +135,8 @@ ABSL_FLAG(
     "fp32's range, 8 significant bits) or fp16 (IEEE half: 11 significant bits, finite only below "
     "65520 in magnitude; a gradient beyond that counts as not finite). 16 bits halve the bytes on "
     "the network; values are rounded to nearest even. The ps keep fp32 master weights and "
-    "optimizer state; checkpoints and the saved model are fp32.");
+    "optimizer state; checkpoints and the saved model are fp32. In a job without ps: the dtype "
+    "of the gradients' all-reduce among the workers (the ring, or NCCL among GPU workers).");
 
 ABSL_FLAG(double, allreduce_bucket_mb, 1,
           "Without ps, CPU workers average their gradients in a ring over gRPC in buckets of "

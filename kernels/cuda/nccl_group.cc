@@ -163,8 +163,7 @@ class NcclPeerGroup final : public PeerGroup {
           return absl::InternalError(absl::StrCat(what, ": cudaStreamWaitEvent failed"));
         }
         if (wire_dtype_ != WireDtype::kFloat32) {
-          PSFLOW_RETURN_IF_ERROR(QueueWireMean(&tables_[k], what));
-          PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
+          PSFLOW_RETURN_IF_ERROR(QueueWireMean(&tables_[k], deadline, abandon, what));
           continue;
         }
         PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
@@ -269,7 +268,9 @@ class NcclPeerGroup final : public PeerGroup {
         largest = std::max(largest, t.floats);
         continue;
       }
-      t = WireTable{b.buffers, b.sizes};
+      t = WireTable();
+      t.buffers = b.buffers;
+      t.sizes = b.sizes;
       for (size_t i = 0; i < b.sizes.size(); ++i) {
         if (b.sizes[i] < 0) return absl::InvalidArgumentError("all-reduce: a negative size");
         if (b.sizes[i] == 0) continue;
@@ -303,7 +304,8 @@ class NcclPeerGroup final : public PeerGroup {
 
   // On the group's stream: packs `t`'s floats into the wire buffer, averages
   // them there and unpacks the means.
-  absl::Status QueueWireMean(WireTable* t, absl::string_view what) {
+  absl::Status QueueWireMean(WireTable* t, absl::Time deadline,
+                             const std::function<bool()>& abandon, absl::string_view what) {
     if (t->floats == 0) return absl::OkStatus();
     auto* pieces = reinterpret_cast<cuda_internal::WirePiece*>(t->device->data());
     if (!t->uploaded) {
@@ -324,6 +326,9 @@ class NcclPeerGroup final : public PeerGroup {
         ncclAllReduce(wire_->data(), wire_->data(), static_cast<size_t>(t->floats),
                       bf16 ? ncclBfloat16 : ncclFloat16, ncclAvg, comm_, comm_stream_);
     if (r != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(r, "ncclAllReduce"));
+    // Non-blocking: the all-reduce is on the stream only once NCCL says so,
+    // and the unpack must come after it.
+    PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
     if (cuda_internal::LaunchUnpackFromWire(pieces, n, t->max_count, bf16, wire_->data(),
                                             comm_stream_) != cudaSuccess) {
       return absl::InternalError(absl::StrCat(what, ": unpacking the bucket failed"));
