@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kernels/optimizer_math.h"
 
 namespace psflow::kernels {
@@ -46,6 +47,16 @@ class Buffer {
   virtual ~Buffer() = default;
   virtual float* data() = 0;
   virtual size_t size() const = 0;  // in floats
+};
+
+// One tensor of Backend::ApplyOptimizer: n weights w, their gradients g and
+// the rule's step.slots() slot buffers s0, s1 (null where it has none).
+struct OptimizerTensor {
+  float* w = nullptr;
+  const float* g = nullptr;
+  float* s0 = nullptr;
+  float* s1 = nullptr;
+  int64_t n = 0;
 };
 
 struct Conv2DShape {
@@ -221,14 +232,16 @@ class Backend {
   // dst = src, both backend memory.
   virtual absl::Status Copy(const float* src, float* dst, int64_t n) = 0;
   // One optimizer step (kernels/optimizer_math.h, as ps::Optimizer::StepAt
-  // makes it) on n weights w with gradients g and the rule's step.slots()
-  // slot buffers s0, s1 (null where the rule has none), all backend memory:
-  // the replicas of a job without ps apply it where the weights live.
-  virtual absl::Status ApplyOptimizer(const OptimizerStep& step, float* w, const float* g,
-                                      float* s0, float* s1, int64_t n) = 0;
-  // *count (one float of backend memory) += the number of the n floats at x
-  // that are NaN or infinite.
-  virtual absl::Status CountNonFinite(const float* x, int64_t n, float* count) = 0;
+  // makes it) on every tensor of `tensors` (backend memory; see
+  // OptimizerTensor): the replicas of a job without ps apply it where the
+  // weights live, a whole model in a few launches. Checks every tensor
+  // before touching any.
+  virtual absl::Status ApplyOptimizer(const OptimizerStep& step,
+                                      const std::vector<OptimizerTensor>& tensors) = 0;
+  // *count (one float of backend memory) += the number of floats of `xs`
+  // (backend memory) that are NaN or infinite.
+  virtual absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
+                                      float* count) = 0;
 
   // Events: CreateEvent makes one; RecordEvent marks the point after the
   // work queued so far on this backend (inside Capture too: each replay of

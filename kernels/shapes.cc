@@ -85,4 +85,35 @@ absl::StatusOr<std::string> CheckSoftmaxCrossEntropy(int batch, int classes) {
                  batch <= 0 || classes <= 0 ? "all dimensions must be positive" : nullptr);
 }
 
+absl::Status CheckOptimizerTensors(const OptimizerStep& step,
+                                   const std::vector<OptimizerTensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const OptimizerTensor& t = tensors[i];
+    const char* why = nullptr;
+    if (t.n < 0) {
+      why = "a negative count";
+    } else if (t.n > 0 && (t.w == nullptr || t.g == nullptr)) {
+      why = "null weights or gradients";
+    } else if (t.n > 0 &&
+               ((step.slots() >= 1 && t.s0 == nullptr) || (step.slots() >= 2 && t.s1 == nullptr))) {
+      why = "the rule needs its slot buffers";
+    }
+    if (why != nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat("ApplyOptimizer: tensor %d: %s", i, why));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNonFiniteCount(const std::vector<absl::Span<const float>>& xs,
+                                 const float* count) {
+  if (count == nullptr) return absl::InvalidArgumentError("CountNonFinite: count is null");
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (!xs[i].empty() && xs[i].data() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat("CountNonFinite: span %d is null", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace psflow::kernels

@@ -6,8 +6,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/kernels.h"
 
 namespace psflow::kernels {
@@ -25,6 +27,16 @@ absl::StatusOr<std::string> CheckShape(const DenseShape& s);
 absl::StatusOr<std::string> CheckShape(const GlobalAvgPoolShape& s);
 absl::StatusOr<std::string> CheckRelu(int64_t size);
 absl::StatusOr<std::string> CheckSoftmaxCrossEntropy(int batch, int classes);
+
+// Backend::ApplyOptimizer's tensors: INVALID_ARGUMENT "ApplyOptimizer:
+// tensor <i>: <why>" for a negative count, or (count > 0) a null weight or
+// gradient or a slot the rule needs.
+absl::Status CheckOptimizerTensors(const OptimizerStep& step,
+                                   const std::vector<OptimizerTensor>& tensors);
+// Backend::CountNonFinite's arguments: a null count, or a null span of
+// floats.
+absl::Status CheckNonFiniteCount(const std::vector<absl::Span<const float>>& xs,
+                                 const float* count);
 
 }  // namespace psflow::kernels
 

@@ -415,8 +415,11 @@ constexpr int64_t kGpuBucketBytes = int64_t{4} << 20;
 struct Trainer::DeviceReplica {
   std::unique_ptr<ps::Optimizer> optimizer;
   float bn_momentum = ps::kDefaultBnMomentum;
-  std::vector<char> trainable;  // by variable
-  int slots = 0;                // per variable
+  int slots = 0;  // per variable
+  // The variables the optimizer trains, and those that follow a moving
+  // average (batch norm's running statistics): each a batch of one launch
+  // or a few.
+  std::vector<kernels::OptimizerTensor> trained, averaged;
   // The slots on the device, [variable * slots + k], and their host copies
   // for publishing, [variable * (1 + slots) + k] (k = 0 the value).
   std::vector<std::unique_ptr<kernels::Buffer>> slot_buffers, staging;
@@ -426,8 +429,9 @@ struct Trainer::DeviceReplica {
   // The gradients and the loss (each step counts their non-finite values),
   // and the loss alone (averaged among the workers in fp32 after the
   // gradients' buckets).
-  std::vector<float*> reduce, loss_only;
-  std::vector<int64_t> reduce_sizes, loss_sizes;
+  std::vector<absl::Span<const float>> counted;
+  std::vector<float*> loss_only;
+  std::vector<int64_t> loss_sizes;
   // The gradients' means among the workers, in buckets: for single-GPU
   // workers about kGpuBucketBytes each, in the order the backward pass
   // completes them, averaged as the step runs; for workers of several GPUs
@@ -469,7 +473,6 @@ absl::Status Trainer::PrepareDeviceReplica() {
     return absl::OkStatus();
   };
   for (const VariableShape& v : net_->variables()) {
-    replica->trainable.push_back(v.trainable ? 1 : 0);
     const int64_t n = NumElements(v.shape);
     for (int k = 0; k < replica->slots; ++k) {
       PSFLOW_RETURN_IF_ERROR(allocate(backend_.get(), n, false, &replica->slot_buffers));
@@ -483,10 +486,15 @@ absl::Status Trainer::PrepareDeviceReplica() {
   PSFLOW_RETURN_IF_ERROR(allocate(backend_.get(), 2, true, &flags));
   replica->flags = std::move(flags[0]);
   replica->host_flags = std::move(flags[1]);
-  replica->reduce = replica_grads_[0];
-  replica->reduce_sizes = variable_floats_;
-  replica->reduce.push_back(replica->flags->data());
-  replica->reduce_sizes.push_back(1);
+  const std::vector<VariableShape>& variables = net_->variables();
+  for (size_t v = 0; v < variables.size(); ++v) {
+    const int64_t n = variable_floats_[v];
+    float* const grad = replica_grads_[0][v];
+    replica->counted.emplace_back(grad, static_cast<size_t>(n));
+    (variables[v].trainable ? replica->trained : replica->averaged)
+        .push_back({replica_weights_[0][v], grad, replica->slot(v, 0), replica->slot(v, 1), n});
+  }
+  replica->counted.emplace_back(replica->flags->data(), 1);
   replica->loss_only = {replica->flags->data()};
   replica->loss_sizes = {1};
   if (gpu_peers_ != nullptr && group_ != nullptr) {
@@ -1103,8 +1111,6 @@ absl::Status Trainer::TrainOnDevice() {
   const int batch = job_.batch_size();  // per replica
   const int64_t worker_batch = batches.size();
   float* const host_flags = d.host_flags->data();
-  const std::vector<float*>& weights = replica_weights_[0];
-  const std::vector<float*>& grads = replica_grads_[0];
   // A stop keeps what was trained: the replica of the last whole step goes
   // to the shard, where the chief's checkpoint at the stop finds it.
   // Until a step's optimizer runs, the device holds the replica of `step`,
@@ -1193,9 +1199,7 @@ absl::Status Trainer::TrainOnDevice() {
       if (const int sig = stop_signal(); sig != 0) return stopped(sig);
       if (!s.ok()) return group_failed(s);
     }
-    for (size_t i = 0; s.ok() && i < d.reduce.size(); ++i) {
-      s = backend_->CountNonFinite(d.reduce[i], d.reduce_sizes[i], d.flags->data() + 1);
-    }
+    if (s.ok()) s = backend_->CountNonFinite(d.counted, d.flags->data() + 1);
     if (s.ok()) s = backend_->CopyToHost(d.flags->data(), 2, host_flags);
     if (!s.ok()) {
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", s.message()));
@@ -1211,12 +1215,8 @@ absl::Status Trainer::TrainOnDevice() {
       PSLOG(WARNING) << "step " << step << ": the mean loss (" << host_flags[0]
                      << ") or the mean gradients are not finite; skipping the step";
     } else {
-      const kernels::OptimizerStep rule = d.optimizer->StepAt(step);
-      const kernels::OptimizerStep running = ps::MovingAverageStep(d.bn_momentum);
-      for (size_t v = 0; s.ok() && v < grads.size(); ++v) {
-        s = backend_->ApplyOptimizer(d.trainable[v] ? rule : running, weights[v], grads[v],
-                                     d.slot(v, 0), d.slot(v, 1), variable_floats_[v]);
-      }
+      s = backend_->ApplyOptimizer(d.optimizer->StepAt(step), d.trained);
+      if (s.ok()) s = backend_->ApplyOptimizer(ps::MovingAverageStep(d.bn_momentum), d.averaged);
       if (!s.ok()) {
         return absl::InternalError(
             absl::StrCat("step ", step, ": the optimizer failed: ", s.message()));

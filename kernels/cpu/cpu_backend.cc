@@ -763,33 +763,40 @@ absl::Status CpuBackend::Sgd(float* w, const float* g, float learning_rate, int6
   });
 }
 
-absl::Status CpuBackend::ApplyOptimizer(const OptimizerStep& step, float* w, const float* g,
-                                        float* s0, float* s1, int64_t n) {
-  PSFLOW_RETURN_IF_ERROR(CheckHelper("ApplyOptimizer", n, {{"w", w}, {"g", g}}));
-  if ((step.slots() >= 1 && s0 == nullptr) || (step.slots() >= 2 && s1 == nullptr)) {
-    return absl::InvalidArgumentError("ApplyOptimizer: the rule needs its slot buffers");
-  }
-  if (n == 0) return absl::OkStatus();
-  return ctx_->RunLoops([&] {
+absl::Status CpuBackend::ApplyOptimizer(const OptimizerStep& step,
+                                        const std::vector<OptimizerTensor>& tensors) {
+  PSFLOW_RETURN_IF_ERROR(CheckOptimizerTensors(step, tensors));
+  for (const OptimizerTensor& t : tensors) {
+    const int64_t n = t.n;
+    if (n == 0) continue;
+    const absl::Status applied = ctx_->RunLoops([&] {
 #pragma omp parallel for if (parallel : n >= kMinParallel)
-    for (int64_t i = 0; i < n; ++i) {
-      float unused0 = 0, unused1 = 0;
-      ApplyElement(step, w[i], g[i], step.slots() >= 1 ? s0[i] : unused0,
-                   step.slots() >= 2 ? s1[i] : unused1);
-    }
-  });
+      for (int64_t i = 0; i < n; ++i) {
+        float unused0 = 0, unused1 = 0;
+        ApplyElement(step, t.w[i], t.g[i], step.slots() >= 1 ? t.s0[i] : unused0,
+                     step.slots() >= 2 ? t.s1[i] : unused1);
+      }
+    });
+    PSFLOW_RETURN_IF_ERROR(applied);
+  }
+  return absl::OkStatus();
 }
 
-absl::Status CpuBackend::CountNonFinite(const float* x, int64_t n, float* count) {
-  PSFLOW_RETURN_IF_ERROR(CheckHelper("CountNonFinite", n, {{"x", x}, {"count", count}}));
-  if (n == 0) return absl::OkStatus();
-  int64_t bad = 0;
-  const absl::Status counted = ctx_->RunLoops([&] {
+absl::Status CpuBackend::CountNonFinite(const std::vector<absl::Span<const float>>& xs,
+                                        float* count) {
+  PSFLOW_RETURN_IF_ERROR(CheckNonFiniteCount(xs, count));
+  for (absl::Span<const float> x : xs) {
+    const int64_t n = static_cast<int64_t>(x.size());
+    if (n == 0) continue;
+    int64_t bad = 0;
+    const absl::Status counted = ctx_->RunLoops([&] {
 #pragma omp parallel for reduction(+ : bad) if (parallel : n >= kMinParallel)
-    for (int64_t i = 0; i < n; ++i) bad += std::isfinite(x[i]) ? 0 : 1;
-  });
-  if (counted.ok()) *count += static_cast<float>(bad);
-  return counted;
+      for (int64_t i = 0; i < n; ++i) bad += std::isfinite(x[i]) ? 0 : 1;
+    });
+    PSFLOW_RETURN_IF_ERROR(counted);
+    *count += static_cast<float>(bad);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CpuBackend::Copy(const float* src, float* dst, int64_t n) {

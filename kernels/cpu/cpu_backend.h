@@ -57,9 +57,10 @@ class CpuBackend final : public Backend {
   absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;
   absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override;
   absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override;
-  absl::Status ApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
-                              float* s1, int64_t n) override;
-  absl::Status CountNonFinite(const float* x, int64_t n, float* count) override;
+  absl::Status ApplyOptimizer(const OptimizerStep& step,
+                              const std::vector<OptimizerTensor>& tensors) override;
+  absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
+                              float* count) override;
   absl::Status Copy(const float* src, float* dst, int64_t n) override;
 
   absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) override;

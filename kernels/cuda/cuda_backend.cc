@@ -1099,28 +1099,38 @@ absl::Status CudaBackend::Sgd(float* w, const float* g, float learning_rate, int
   });
 }
 
-absl::Status CudaBackend::ApplyOptimizer(const OptimizerStep& step, float* w, const float* g,
-                                         float* s0, float* s1, int64_t n) {
-  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "ApplyOptimizer"));
-  if (n == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "ApplyOptimizer", n, "", [&]() -> absl::Status {
-    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"w", w}, {"g", g}}));
-    if ((step.slots() >= 1 && s0 == nullptr) || (step.slots() >= 2 && s1 == nullptr)) {
-      return absl::InvalidArgumentError("ApplyOptimizer: the rule needs its slot buffers");
-    }
-    PSFLOW_CUDA_CHECK(
-        cuda_internal::LaunchApplyOptimizer(step, w, g, step.slots() >= 1 ? s0 : nullptr,
-                                            step.slots() >= 2 ? s1 : nullptr, n, ctx_->stream));
+absl::Status CudaBackend::ApplyOptimizer(const OptimizerStep& step,
+                                         const std::vector<OptimizerTensor>& tensors) {
+  PSFLOW_RETURN_IF_ERROR(CheckOptimizerTensors(step, tensors));
+  std::vector<cuda_internal::OptimizerArgs> args;
+  args.reserve(tensors.size());
+  for (const OptimizerTensor& t : tensors) {
+    if (t.n == 0) continue;
+    args.push_back(
+        {t.w, t.g, step.slots() >= 1 ? t.s0 : nullptr, step.slots() >= 2 ? t.s1 : nullptr, t.n});
+  }
+  if (args.empty()) return absl::OkStatus();
+  return RunIn(*ctx_, "ApplyOptimizer", "", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchApplyOptimizer(
+        step, args.data(), static_cast<int>(args.size()), ctx_->stream));
     return absl::OkStatus();
   });
 }
 
-absl::Status CudaBackend::CountNonFinite(const float* x, int64_t n, float* count) {
-  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "CountNonFinite"));
-  if (n == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CountNonFinite", n, "", [&]() -> absl::Status {
-    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"count", count}}));
-    PSFLOW_CUDA_CHECK(cuda_internal::LaunchCountNonFinite(x, n, count, ctx_->stream));
+absl::Status CudaBackend::CountNonFinite(const std::vector<absl::Span<const float>>& xs,
+                                         float* count) {
+  PSFLOW_RETURN_IF_ERROR(CheckNonFiniteCount(xs, count));
+  std::vector<const float*> x;
+  std::vector<int64_t> n;
+  for (absl::Span<const float> span : xs) {
+    if (span.empty()) continue;
+    x.push_back(span.data());
+    n.push_back(static_cast<int64_t>(span.size()));
+  }
+  if (x.empty()) return absl::OkStatus();
+  return RunIn(*ctx_, "CountNonFinite", "", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchCountNonFinite(
+        x.data(), n.data(), static_cast<int>(x.size()), count, ctx_->stream));
     return absl::OkStatus();
   });
 }

@@ -116,9 +116,10 @@ class CudaBackend final : public Backend {
   absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;
   absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override;
   absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override;
-  absl::Status ApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
-                              float* s1, int64_t n) override;
-  absl::Status CountNonFinite(const float* x, int64_t n, float* count) override;
+  absl::Status ApplyOptimizer(const OptimizerStep& step,
+                              const std::vector<OptimizerTensor>& tensors) override;
+  absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
+                              float* count) override;
   // src and dst must be the same or not overlap.
   absl::Status Copy(const float* src, float* dst, int64_t n) override;
   // Inside Capture, RecordEvent adds an external event node to the graph

@@ -81,21 +81,38 @@ struct SgdFn {
   __device__ float operator()(float w, float g) const { return w - learning_rate * g; }
 };
 
-__global__ void ApplyOptimizerKernel(OptimizerStep step, float* w, const float* g, float* s0,
-                                     float* s1, int64_t n) {
+// Tensors of one launch, passed by value as the kernel's argument.
+struct OptimizerChunk {
+  OptimizerArgs t[kMaxTensorsPerLaunch];
+};
+struct CountChunk {
+  const float* x[kMaxTensorsPerLaunch];
+  int64_t n[kMaxTensorsPerLaunch];
+};
+
+// blockIdx.y picks the tensor; the x blocks stride over its elements.
+__device__ int64_t ChunkThread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ int64_t ChunkThreads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+__global__ void ApplyOptimizerKernel(OptimizerStep step, OptimizerChunk chunk) {
+  const OptimizerArgs& a = chunk.t[blockIdx.y];
   float unused0 = 0, unused1 = 0;
-  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
-    float wi = w[i];
-    float& a = s0 != nullptr ? s0[i] : unused0;
-    float& b = s1 != nullptr ? s1[i] : unused1;
-    ApplyElement(step, wi, g[i], a, b);
-    w[i] = wi;
+  for (int64_t i = ChunkThread(); i < a.n; i += ChunkThreads()) {
+    float wi = a.w[i];
+    float& s0 = a.s0 != nullptr ? a.s0[i] : unused0;
+    float& s1 = a.s1 != nullptr ? a.s1[i] : unused1;
+    ApplyElement(step, wi, a.g[i], s0, s1);
+    a.w[i] = wi;
   }
 }
 
-__global__ void CountNonFiniteKernel(const float* x, int64_t n, float* count) {
+__global__ void CountNonFiniteKernel(CountChunk chunk, float* count) {
+  const float* x = chunk.x[blockIdx.y];
+  const int64_t n = chunk.n[blockIdx.y];
   unsigned bad = 0;
-  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) bad += isfinite(x[i]) ? 0u : 1u;
+  for (int64_t i = ChunkThread(); i < n; i += ChunkThreads()) bad += isfinite(x[i]) ? 0u : 1u;
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     bad += __shfl_xor_sync(kFullMask, bad, offset);
   }
@@ -428,17 +445,49 @@ cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
   return LaunchMap2(w, g, w, n, SgdFn{learning_rate}, stream);
 }
 
-cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
-                                 float* s1, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  ApplyOptimizerKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(step, w, g, s0, s1, n);
-  return cudaGetLastError();
+// The blocks along x of a chunk's grid: enough for its largest tensor, at
+// most 512 (the y blocks of the small tensors end at once).
+constexpr int64_t kMaxChunkBlocks = 512;
+
+cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs* tensors, int count,
+                                 cudaStream_t stream) {
+  for (int first = 0; first < count; first += kMaxTensorsPerLaunch) {
+    const int in_chunk = std::min(count - first, kMaxTensorsPerLaunch);
+    OptimizerChunk chunk{};
+    int64_t largest = 0;
+    for (int k = 0; k < in_chunk; ++k) {
+      chunk.t[k] = tensors[first + k];
+      largest = std::max(largest, chunk.t[k].n);
+    }
+    if (largest <= 0) continue;
+    const dim3 grid(
+        static_cast<unsigned>(std::min<int64_t>(BlocksFor(largest, kThreads), kMaxChunkBlocks)),
+        static_cast<unsigned>(in_chunk));
+    ApplyOptimizerKernel<<<grid, kThreads, 0, stream>>>(step, chunk);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
-cudaError_t LaunchCountNonFinite(const float* x, int64_t n, float* count, cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  CountNonFiniteKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(x, n, count);
-  return cudaGetLastError();
+cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int num, float* count,
+                                 cudaStream_t stream) {
+  for (int first = 0; first < num; first += kMaxTensorsPerLaunch) {
+    const int in_chunk = std::min(num - first, kMaxTensorsPerLaunch);
+    CountChunk chunk{};
+    int64_t largest = 0;
+    for (int k = 0; k < in_chunk; ++k) {
+      chunk.x[k] = x[first + k];
+      chunk.n[k] = n[first + k];
+      largest = std::max(largest, chunk.n[k]);
+    }
+    if (largest <= 0) continue;
+    const dim3 grid(
+        static_cast<unsigned>(std::min<int64_t>(BlocksFor(largest, kThreads), kMaxChunkBlocks)),
+        static_cast<unsigned>(in_chunk));
+    CountNonFiniteKernel<<<grid, kThreads, 0, stream>>>(chunk, count);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 namespace {

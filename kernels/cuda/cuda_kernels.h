@@ -29,13 +29,28 @@ cudaError_t LaunchAffine(const float* x, float scale, float shift, float* y, int
 cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
                       cudaStream_t stream);
 
-// One optimizer step (kernels/optimizer_math.h's ApplyElement) on n weights
-// w, gradients g and the rule's slots s0, s1 (unused ones may be null).
-cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
-                                 float* s1, int64_t n, cudaStream_t stream);
+// One tensor of an optimizer step: n weights w, gradients g and the rule's
+// slots s0, s1 (unused ones may be null).
+struct OptimizerArgs {
+  float* w;
+  const float* g;
+  float* s0;
+  float* s1;
+  int64_t n;
+};
 
-// *count += the number of values of x that are NaN or infinite.
-cudaError_t LaunchCountNonFinite(const float* x, int64_t n, float* count, cudaStream_t stream);
+// One optimizer step (kernels/optimizer_math.h's ApplyElement) on each of
+// the `count` tensors of `tensors` (a host array): one launch per
+// kMaxTensorsPerLaunch of them, the tensors passed as kernel arguments.
+inline constexpr int kMaxTensorsPerLaunch = 48;
+cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs* tensors, int count,
+                                 cudaStream_t stream);
+
+// *count += the number of values that are NaN or infinite among the n[i]
+// floats at x[i] for each i < num (host arrays), in launches of up to
+// kMaxTensorsPerLaunch.
+cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int num, float* count,
+                                 cudaStream_t stream);
 
 // One float buffer of a run packed into (or unpacked from) a 16-bit wire
 // buffer: `count` floats at `data`, at element `offset` of the wire buffer.

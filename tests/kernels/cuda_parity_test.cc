@@ -500,7 +500,9 @@ TEST_F(CudaParityTest, ElementwiseHelpers) {
 
 // The optimizer rules a GPU replica of a job without ps applies, against the
 // CPU backend's (the ps's arithmetic, kernels/optimizer_math.h), over a few
-// steps; and the count of non-finite values the replicas agree on.
+// steps; and the count of non-finite values the replicas agree on. Each as
+// one batch of 60 tensors cut from one buffer (57 small, an empty one, a
+// large one: more than one launch's worth, the largest setting the grid).
 TEST_F(CudaParityTest, OptimizerRulesAndNonFiniteCount) {
   OptimizerStep sgd;
   sgd.rule = OptimizerStep::kSgd;
@@ -527,6 +529,13 @@ TEST_F(CudaParityTest, OptimizerRulesAndNonFiniteCount) {
   average.rule = OptimizerStep::kMovingAverage;
   average.mu = 0.1f;
   constexpr int64_t kN = 100003;  // the grid-stride loop's tail
+  // The tensors' [first, first + n) in a buffer of kN.
+  std::vector<std::pair<int64_t, int64_t>> cuts;
+  int64_t first = 0;
+  for (int64_t k = 1; k <= 57; first += k, ++k) cuts.emplace_back(first, k);
+  cuts.emplace_back(first, 0);
+  cuts.emplace_back(first, kN - first - 1);
+  cuts.emplace_back(kN - 1, 1);
   for (const OptimizerStep& rule : {sgd, momentum, nesterov, adagrad, rmsprop, adam, average}) {
     SCOPED_TRACE(testing::Message() << "rule " << rule.rule);
     Pair w = In(kN);
@@ -536,8 +545,12 @@ TEST_F(CudaParityTest, OptimizerRulesAndNonFiniteCount) {
       Pair g = In(kN);
       for (bool gpu : {false, true}) {
         Backend& backend = gpu ? *gpu_ : *cpu_;
-        PSFLOW_ASSERT_OK(backend.ApplyOptimizer(rule, gpu ? w.g() : w.c(), gpu ? g.g() : g.c(),
-                                                gpu ? s0.g() : s0.c(), gpu ? s1.g() : s1.c(), kN));
+        std::vector<OptimizerTensor> tensors;
+        for (const auto& [at, n] : cuts) {
+          tensors.push_back({(gpu ? w.g() : w.c()) + at, (gpu ? g.g() : g.c()) + at,
+                             (gpu ? s0.g() : s0.c()) + at, (gpu ? s1.g() : s1.c()) + at, n});
+        }
+        PSFLOW_ASSERT_OK(backend.ApplyOptimizer(rule, tensors));
       }
     }
     ExpectMatch(w, 1e-6, "weights");
@@ -552,7 +565,11 @@ TEST_F(CudaParityTest, OptimizerRulesAndNonFiniteCount) {
   Pair count = In(std::vector<float>{2});
   for (bool gpu : {false, true}) {
     Backend& backend = gpu ? *gpu_ : *cpu_;
-    PSFLOW_ASSERT_OK(backend.CountNonFinite(gpu ? x.g() : x.c(), kN, gpu ? count.g() : count.c()));
+    std::vector<absl::Span<const float>> spans;
+    for (const auto& [at, n] : cuts) {
+      spans.push_back(absl::MakeConstSpan((gpu ? x.g() : x.c()) + at, static_cast<size_t>(n)));
+    }
+    PSFLOW_ASSERT_OK(backend.CountNonFinite(spans, gpu ? count.g() : count.c()));
   }
   EXPECT_EQ(Download(*gpu_, count.g(), 1)[0], 5.0f);
   EXPECT_EQ(Download(*cpu_, count.c(), 1)[0], 5.0f);

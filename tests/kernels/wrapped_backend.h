@@ -53,12 +53,13 @@ class WrappedBackend final : public Backend {
   absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override {
     return inner_->Sgd(w, g, learning_rate, n);
   }
-  absl::Status ApplyOptimizer(const OptimizerStep& step, float* w, const float* g, float* s0,
-                              float* s1, int64_t n) override {
-    return inner_->ApplyOptimizer(step, w, g, s0, s1, n);
+  absl::Status ApplyOptimizer(const OptimizerStep& step,
+                              const std::vector<OptimizerTensor>& tensors) override {
+    return inner_->ApplyOptimizer(step, tensors);
   }
-  absl::Status CountNonFinite(const float* x, int64_t n, float* count) override {
-    return inner_->CountNonFinite(x, n, count);
+  absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
+                              float* count) override {
+    return inner_->CountNonFinite(xs, count);
   }
   absl::Status Copy(const float* src, float* dst, int64_t n) override {
     return inner_->Copy(src, dst, n);

@@ -215,11 +215,14 @@ void ExpectMatchesReference(const OptimizerConfig& config, const OptimizerConfig
     (*opt)->Apply(step, w.data(), g.data(), kN, slot_ptrs);
     const kernels::OptimizerStep rule = (*opt)->StepAt(step);
     ASSERT_EQ(rule.slots(), static_cast<int>(slot_names.size()));
-    ASSERT_TRUE((*cpu)
-                    ->ApplyOptimizer(rule, bw.data(), g.data(),
-                                     rule.slots() > 0 ? bslots[0].data() : nullptr,
-                                     rule.slots() > 1 ? bslots[1].data() : nullptr, kN)
-                    .ok());
+    // As two tensors (and an empty one): the batch applies each.
+    std::vector<kernels::OptimizerTensor> tensors;
+    for (const auto& [first, n] : {std::pair{0, 20}, std::pair{20, 0}, std::pair{20, kN - 20}}) {
+      tensors.push_back({bw.data() + first, g.data() + first,
+                         rule.slots() > 0 ? bslots[0].data() + first : nullptr,
+                         rule.slots() > 1 ? bslots[1].data() + first : nullptr, n});
+    }
+    ASSERT_TRUE((*cpu)->ApplyOptimizer(rule, tensors).ok());
     for (int i = 0; i < kN; ++i) {
       ReferenceStep(h, step, g[i], &ref[i]);
       const double want[] = {ref[i].w, ref[i].s0, ref[i].s1};
@@ -248,23 +251,38 @@ TEST(OptimizerBackendTest, MovingAverageAndNonFiniteCount) {
   MovingAverageInto(want.data(), x.data(), 0.25f, 3);
   ASSERT_TRUE(
       (*cpu)
-          ->ApplyOptimizer(MovingAverageStep(0.25f), r.data(), x.data(), nullptr, nullptr, 3)
+          ->ApplyOptimizer(MovingAverageStep(0.25f), {{r.data(), x.data(), nullptr, nullptr, 3}})
           .ok());
   EXPECT_EQ(r, want);
   EXPECT_EQ(r, (std::vector<float>{1.25f, 2, 3}));
-  // A rule with slots refuses to run without them.
+  // A rule with slots refuses to run without them, naming the tensor, and
+  // touches none of the batch.
   OptimizerConfig momentum;
   momentum.set_kind(OptimizerConfig::MOMENTUM);
   momentum.set_learning_rate(0.1f);
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(momentum);
   ASSERT_TRUE(opt.ok());
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      (*cpu)->ApplyOptimizer((*opt)->StepAt(0), r.data(), x.data(), nullptr, nullptr, 3)));
+  std::vector<float> slot(3, 0.0f);
+  const absl::Status refused = (*cpu)->ApplyOptimizer(
+      (*opt)->StepAt(0),
+      {{r.data(), x.data(), slot.data(), nullptr, 3}, {r.data(), x.data(), nullptr, nullptr, 3}});
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("tensor 1: the rule needs its slot buffers"));
+  EXPECT_EQ(r, want);
+  EXPECT_TRUE(absl::IsInvalidArgument((*cpu)->ApplyOptimizer(
+      MovingAverageStep(0.25f), {{r.data(), x.data(), nullptr, nullptr, -1}})));
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<float> values = {1, std::nanf(""), -inf, 0, inf, 3};
   float count = 1;  // added to
-  ASSERT_TRUE((*cpu)->CountNonFinite(values.data(), 6, &count).ok());
+  // Two spans and an empty one: every value counted once.
+  ASSERT_TRUE(
+      (*cpu)
+          ->CountNonFinite({absl::MakeConstSpan(values.data(), 2), absl::Span<const float>(),
+                            absl::MakeConstSpan(values.data() + 2, 4)},
+                           &count)
+          .ok());
   EXPECT_EQ(count, 4);
+  EXPECT_TRUE(absl::IsInvalidArgument((*cpu)->CountNonFinite({}, nullptr)));
 }
 
 OptimizerConfig Config(OptimizerConfig::Kind kind, float lr, float weight_decay = 0) {
