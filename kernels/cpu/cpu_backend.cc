@@ -785,6 +785,7 @@ absl::Status CpuBackend::ApplyOptimizer(const OptimizerStep& step,
 absl::Status CpuBackend::CountNonFinite(const std::vector<absl::Span<const float>>& xs,
                                         float* count) {
   PSFLOW_RETURN_IF_ERROR(CheckNonFiniteCount(xs, count));
+  int64_t total = 0;  // added once all are counted
   for (absl::Span<const float> x : xs) {
     const int64_t n = static_cast<int64_t>(x.size());
     if (n == 0) continue;
@@ -794,8 +795,9 @@ absl::Status CpuBackend::CountNonFinite(const std::vector<absl::Span<const float
       for (int64_t i = 0; i < n; ++i) bad += std::isfinite(x[i]) ? 0 : 1;
     });
     PSFLOW_RETURN_IF_ERROR(counted);
-    *count += static_cast<float>(bad);
+    total += bad;
   }
+  *count += static_cast<float>(total);
   return absl::OkStatus();
 }
 

@@ -89,6 +89,9 @@ struct CountChunk {
   const float* x[kMaxTensorsPerLaunch];
   int64_t n[kMaxTensorsPerLaunch];
 };
+// Within the 4 KB of kernel arguments every CUDA version takes.
+static_assert(sizeof(OptimizerStep) + sizeof(OptimizerChunk) <= 4096);
+static_assert(sizeof(CountChunk) + sizeof(float*) <= 4096);
 
 // blockIdx.y picks the tensor; the x blocks stride over its elements.
 __device__ int64_t ChunkThread() {
@@ -518,7 +521,9 @@ __global__ void UnpackFromWireKernel(const WirePiece* pieces, bool bf16, const v
 // CUDA at 65535.
 bool WireGrid(int num_pieces, int64_t max_count, dim3* grid) {
   if (num_pieces <= 0 || max_count <= 0) return false;
-  *grid = dim3(static_cast<unsigned>(BlocksFor(max_count, kThreads)),
+  // At most 256 blocks a piece: the small pieces' blocks end at once, and
+  // a bucket may hold a whole model's.
+  *grid = dim3(static_cast<unsigned>(std::min(BlocksFor(max_count, kThreads), 256)),
                static_cast<unsigned>(num_pieces));
   return true;
 }

@@ -118,11 +118,12 @@ absl::Status Await(ncclComm_t comm, absl::Time deadline, const std::function<boo
 }
 
 // One non-blocking communicator of a group across processes; collectives
-// queued on the backend's stream, under its lock, then waited for by
-// polling the communicator and an event, so that a member that is gone
-// ends the wait (the communicator is then aborted). With a 16-bit wire dtype
-// each bucket is packed into one device buffer of that dtype, averaged there
-// and unpacked, all on the group's stream.
+// queued under the backend's lock (AllReduceMean's on the backend's stream,
+// QueueAllReduceMeans' on the group's own), then waited for by polling the
+// communicator and an event, so that a member that is gone ends the wait
+// (the communicator is then aborted). With a 16-bit wire dtype each bucket
+// is packed into one device buffer of that dtype, averaged there and
+// unpacked, all on the group's stream.
 class NcclPeerGroup final : public PeerGroup {
  public:
   NcclPeerGroup(CudaBackend* backend, ncclComm_t comm, cudaEvent_t done, WireDtype wire)
@@ -132,6 +133,10 @@ class NcclPeerGroup final : public PeerGroup {
       static_cast<void>(backend_->Synchronize());
       if (comm_stream_ != nullptr) static_cast<void>(cudaStreamSynchronize(comm_stream_));
       static_cast<void>(ncclCommDestroy(comm_));
+    } else if (comm_stream_ != nullptr) {
+      // Aborted: NCCL has ended its kernels; what else is queued (a pack or
+      // unpack of the wire buffers freed below) ends now.
+      static_cast<void>(cudaStreamSynchronize(comm_stream_));
     }
     if (comm_stream_ != nullptr) static_cast<void>(cudaStreamDestroy(comm_stream_));
     if (comm_done_ != nullptr) static_cast<void>(cudaEventDestroy(comm_done_));
@@ -144,51 +149,56 @@ class NcclPeerGroup final : public PeerGroup {
       if (b.buffers.size() != b.sizes.size() || dynamic_cast<CudaEvent*>(b.ready) == nullptr) {
         return absl::InvalidArgumentError("all-reduce: a bucket without its CUDA event or sizes");
       }
+      for (int64_t n : b.sizes) {
+        if (n < 0) return absl::InvalidArgumentError("all-reduce: a negative size");
+      }
     }
     if (comm_ == nullptr) return absl::UnavailableError("the workers' GPU group was aborted");
     const std::string what =
         absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers");
-    if (wire_dtype_ != WireDtype::kFloat32) PSFLOW_RETURN_IF_ERROR(PrepareWire(buckets));
-    absl::Status s = backend_->RunOnStream(what, [&](void* stream) -> absl::Status {
-      if (comm_stream_ == nullptr) {
-        if (cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking) != cudaSuccess ||
-            cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming) != cudaSuccess) {
-          return absl::InternalError(absl::StrCat(what, ": cannot make its stream"));
+    absl::Status s =
+        wire_dtype_ != WireDtype::kFloat32 ? PrepareWire(buckets, what) : absl::OkStatus();
+    if (s.ok())
+      s = backend_->RunOnStream(what, [&](void* stream) -> absl::Status {
+        if (comm_stream_ == nullptr) {
+          if (cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking) != cudaSuccess ||
+              cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming) != cudaSuccess) {
+            return absl::InternalError(absl::StrCat(what, ": cannot make its stream"));
+          }
         }
-      }
-      for (size_t k = 0; k < buckets.size(); ++k) {
-        const Bucket& b = buckets[k];
-        const auto ready = static_cast<cudaEvent_t>(static_cast<CudaEvent*>(b.ready)->raw());
-        if (cudaStreamWaitEvent(comm_stream_, ready, 0) != cudaSuccess) {
-          return absl::InternalError(absl::StrCat(what, ": cudaStreamWaitEvent failed"));
+        for (size_t k = 0; k < buckets.size(); ++k) {
+          const Bucket& b = buckets[k];
+          const auto ready = static_cast<cudaEvent_t>(static_cast<CudaEvent*>(b.ready)->raw());
+          if (cudaStreamWaitEvent(comm_stream_, ready, 0) != cudaSuccess) {
+            return absl::InternalError(absl::StrCat(what, ": cudaStreamWaitEvent failed"));
+          }
+          if (wire_dtype_ != WireDtype::kFloat32) {
+            PSFLOW_RETURN_IF_ERROR(QueueWireMean(&tables_[k], deadline, abandon, what));
+            continue;
+          }
+          PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
+          absl::Status queued;
+          for (size_t i = 0; i < b.sizes.size() && queued.ok(); ++i) {
+            if (b.sizes[i] == 0) continue;
+            const ncclResult_t r =
+                ncclAllReduce(b.buffers[i], b.buffers[i], static_cast<size_t>(b.sizes[i]),
+                              ncclFloat, ncclAvg, comm_, comm_stream_);
+            if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
+          }
+          const ncclResult_t ended = ncclGroupEnd();
+          if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
+          PSFLOW_RETURN_IF_ERROR(queued);
+          PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
         }
-        if (wire_dtype_ != WireDtype::kFloat32) {
-          PSFLOW_RETURN_IF_ERROR(QueueWireMean(&tables_[k], deadline, abandon, what));
-          continue;
+        // The next AllReduceMean orders the backend's stream after the means
+        // (not now: the step's own work must not wait for its peers, or a dead
+        // one would leave this worker blocked on its GPU instead of polling).
+        if (cudaEventRecord(comm_done_, comm_stream_) != cudaSuccess) {
+          return absl::InternalError(absl::StrCat(what, ": cudaEventRecord failed"));
         }
-        PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
-        absl::Status queued;
-        for (size_t i = 0; i < b.sizes.size() && queued.ok(); ++i) {
-          if (b.sizes[i] == 0) continue;
-          const ncclResult_t r =
-              ncclAllReduce(b.buffers[i], b.buffers[i], static_cast<size_t>(b.sizes[i]), ncclFloat,
-                            ncclAvg, comm_, comm_stream_);
-          if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
-        }
-        const ncclResult_t ended = ncclGroupEnd();
-        if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
-        PSFLOW_RETURN_IF_ERROR(queued);
-        PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
-      }
-      // The next AllReduceMean orders the backend's stream after the means
-      // (not now: the step's own work must not wait for its peers, or a dead
-      // one would leave this worker blocked on its GPU instead of polling).
-      if (cudaEventRecord(comm_done_, comm_stream_) != cudaSuccess) {
-        return absl::InternalError(absl::StrCat(what, ": cudaEventRecord failed"));
-      }
-      means_pending_ = true;
-      return absl::OkStatus();
-    });
+        means_pending_ = true;
+        return absl::OkStatus();
+      });
     if (!s.ok() && !absl::IsInvalidArgument(s)) {
       static_cast<void>(ncclCommAbort(comm_));
       comm_ = nullptr;
@@ -252,14 +262,27 @@ class NcclPeerGroup final : public PeerGroup {
     std::vector<int64_t> sizes;
     std::vector<cuda_internal::WirePiece> pieces;  // the non-empty buffers
     std::unique_ptr<Buffer> device;                // `pieces`, on the GPU
-    bool uploaded = false;
     int64_t floats = 0, max_count = 0;
   };
 
   // Makes the tables of `buckets` (kept while the buckets stay the same,
   // as they do from step to step) and a wire buffer that holds the largest.
-  absl::Status PrepareWire(const std::vector<Bucket>& buckets) {
-    if (tables_.size() != buckets.size()) tables_.resize(buckets.size());
+  // What it replaces may still be in use on the group's stream: waited for
+  // first (it only happens at the first call, or when the buckets change).
+  absl::Status PrepareWire(const std::vector<Bucket>& buckets, absl::string_view what) {
+    bool waited = false;
+    auto wait_for_the_stream = [&]() -> absl::Status {
+      if (waited || comm_stream_ == nullptr) return absl::OkStatus();
+      waited = true;
+      if (cudaStreamSynchronize(comm_stream_) != cudaSuccess) {
+        return absl::InternalError(absl::StrCat(what, ": cudaStreamSynchronize failed"));
+      }
+      return absl::OkStatus();
+    };
+    if (tables_.size() != buckets.size()) {
+      PSFLOW_RETURN_IF_ERROR(wait_for_the_stream());
+      tables_.resize(buckets.size());
+    }
     int64_t largest = 0;
     for (size_t k = 0; k < buckets.size(); ++k) {
       WireTable& t = tables_[k];
@@ -268,6 +291,7 @@ class NcclPeerGroup final : public PeerGroup {
         largest = std::max(largest, t.floats);
         continue;
       }
+      PSFLOW_RETURN_IF_ERROR(wait_for_the_stream());
       t = WireTable();
       t.buffers = b.buffers;
       t.sizes = b.sizes;
@@ -284,15 +308,22 @@ class NcclPeerGroup final : public PeerGroup {
       // WirePiece is 3 x 8 bytes: whole floats.
       constexpr size_t kFloatsPerPiece = sizeof(cuda_internal::WirePiece) / sizeof(float);
       static_assert(sizeof(cuda_internal::WirePiece) % sizeof(float) == 0);
+      const size_t table_floats = t.pieces.size() * kFloatsPerPiece;
       absl::StatusOr<std::unique_ptr<Buffer>> device =
-          backend_->Allocate(std::max<size_t>(1, t.pieces.size()) * kFloatsPerPiece);
+          backend_->Allocate(std::max<size_t>(1, table_floats));
       if (!device.ok()) return device.status();
       t.device = *std::move(device);
+      // On the backend's stream, done before any pack reads it (the host
+      // memory is pageable: a synchronous upload, once).
+      PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(reinterpret_cast<const float*>(t.pieces.data()),
+                                                    table_floats, t.device->data()));
+      PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());
       largest = std::max(largest, t.floats);
     }
     // Two bytes an element: half as many floats.
     const int64_t wire_floats = (largest + 1) / 2;
     if (wire_ == nullptr || static_cast<int64_t>(wire_->size()) < wire_floats) {
+      PSFLOW_RETURN_IF_ERROR(wait_for_the_stream());
       wire_.reset();
       absl::StatusOr<std::unique_ptr<Buffer>> wire =
           backend_->Allocate(static_cast<size_t>(std::max<int64_t>(1, wire_floats)));
@@ -308,14 +339,6 @@ class NcclPeerGroup final : public PeerGroup {
                              const std::function<bool()>& abandon, absl::string_view what) {
     if (t->floats == 0) return absl::OkStatus();
     auto* pieces = reinterpret_cast<cuda_internal::WirePiece*>(t->device->data());
-    if (!t->uploaded) {
-      if (cudaMemcpyAsync(pieces, t->pieces.data(),
-                          t->pieces.size() * sizeof(cuda_internal::WirePiece),
-                          cudaMemcpyHostToDevice, comm_stream_) != cudaSuccess) {
-        return absl::InternalError(absl::StrCat(what, ": copying the bucket's table failed"));
-      }
-      t->uploaded = true;
-    }
     const bool bf16 = wire_dtype_ == WireDtype::kBfloat16;
     const int n = static_cast<int>(t->pieces.size());
     if (cuda_internal::LaunchPackToWire(pieces, n, t->max_count, bf16, wire_->data(),

@@ -171,9 +171,12 @@ TEST(MultiGpuTest, PeerGroupMeansInEachWireDtype) {
       absl::StatusOr<std::unique_ptr<kernels::Event>> event = b.CreateEvent();
       if (!event.ok()) return fail(event.status());
       absl::Status s = b.RecordEvent(event->get());
-      // Two buckets: the large buffer and the small one, then the single float.
+      // Two buckets: the large buffer, an empty one and the small one, then
+      // the single float.
+      float empty = 0;
       std::vector<kernels::PeerGroup::Bucket> buckets(2);
-      buckets[0] = {event->get(), {buffers[0]->data(), buffers[1]->data()}, {sizes[0], sizes[1]}};
+      buckets[0] = {
+          event->get(), {buffers[0]->data(), &empty, buffers[1]->data()}, {sizes[0], 0, sizes[1]}};
       buckets[1] = {event->get(), {buffers[2]->data()}, {sizes[2]}};
       // Twice: the second step reuses the buckets' tables.
       for (int step = 0; step < 2 && s.ok(); ++step) {
