@@ -253,6 +253,18 @@ class Backend {
   virtual absl::Status RecordEvent(Event* event) {
     return absl::UnimplementedError(name() + " has no events");
   }
+  // Copies `floats` floats of backend memory at `device` to `host` (memory
+  // from AllocateHost) once the backend has passed `ready` (recorded by
+  // RecordEvent, e.g. inside a step's graph), on a stream of the backend's
+  // own, and returns at once: the copy overlaps the work queued after the
+  // event. Queue it after the work that records `ready`. WaitCopies waits
+  // until every copy queued so far is done (and reports a failed one).
+  // UNIMPLEMENTED on backends without events.
+  virtual absl::Status CopyToHostAfter(Event* ready, const float* device, size_t floats,
+                                       float* host) {
+    return absl::UnimplementedError(name() + " has no events");
+  }
+  virtual absl::Status WaitCopies() { return absl::UnimplementedError(name() + " has no events"); }
 
   // Records the backend calls `work` makes (ops of this backend, the helpers
   // above; no copies to or from the host) into a Graph without running them.
@@ -336,7 +348,7 @@ class PeerGroup {
   virtual absl::Status AllReduceMean(const std::vector<float*>& buffers,
                                      const std::vector<int64_t>& sizes, absl::Time deadline,
                                      const std::function<bool()>& abandon) = 0;
-  // The same means (in the group's wire dtype, see JoinPeerGroup),
+  // The same means (in the group's WireDtype, given to JoinPeerGroup),
   // overlapped with the work that produces them: for each
   // bucket in turn, on a stream of the group's own, once the backend has
   // passed the bucket's event (recorded by the caller, e.g. inside the
@@ -370,8 +382,10 @@ inline constexpr size_t kPeerGroupIdBytes = 128;
 // UNIMPLEMENTED in a build without the CUDA backend.
 absl::StatusOr<std::string> NewPeerGroupId();
 // This process's membership, as member `rank` of `size`, with its GPU
-// `backend` (a CUDA backend, outliving the group). Waits until every member
-// has joined, ending as AllReduceMean's wait does (`deadline`, `abandon`).
+// `backend` (a CUDA backend, outliving the group); `wire` is the dtype its
+// QueueAllReduceMeans averages in (every member gives the same). Waits
+// until every member has joined, ending as AllReduceMean's wait does
+// (`deadline`, `abandon`).
 // INVALID_ARGUMENT for another backend or an id that is not one; INTERNAL
 // when NCCL fails; UNIMPLEMENTED without the CUDA backend.
 absl::StatusOr<std::unique_ptr<PeerGroup>> JoinPeerGroup(Backend* backend, const std::string& id,

@@ -199,6 +199,17 @@ absl::Status Trainer::Prepare() {
       }
     }
   }
+  // A GPU worker of a job with ps copies each bucket of gradients out as
+  // soon as the backward pass has written it.
+  host_buckets_.clear();
+  if (!in_place_ && !AllReduce() && group_ == nullptr) {
+    absl::StatusOr<std::vector<GradientBucket>> buckets = GradientBuckets();
+    if (buckets.ok()) {
+      host_buckets_ = *std::move(buckets);
+    } else if (!absl::IsUnimplemented(buckets.status())) {
+      return Permanent(buckets.status());
+    }
+  }
   // Each ps's slices, cut into lanes of consecutive slices with about the
   // same bytes each.
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
@@ -453,6 +464,55 @@ struct Trainer::DeviceReplica {
   }
 };
 
+absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() {
+  std::vector<GradientBucket> buckets;
+  std::vector<kernels::Event*> by_variable(variable_floats_.size(), nullptr);
+  GradientBucket bucket;
+  int64_t bytes = 0;
+  const std::vector<int> order = net_->BackwardOrder();
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int v = order[k];
+    bucket.variables.push_back(v);
+    bytes += variable_floats_[v] * static_cast<int64_t>(sizeof(float));
+    if (bytes < kGpuBucketBytes && k + 1 < order.size()) continue;
+    absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
+    if (!event.ok()) return event.status();
+    bucket.ready = *std::move(event);
+    by_variable[v] = bucket.ready.get();
+    buckets.push_back(std::move(bucket));
+    bucket = {};
+    bytes = 0;
+  }
+  net_->SetGradientEvents(std::move(by_variable));
+  return buckets;
+}
+
+absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float* images,
+                                                                     const int32_t* labels,
+                                                                     int batch) {
+  PSFLOW_RETURN_IF_ERROR(net_->SetInputs(images, labels, batch));
+  PSFLOW_RETURN_IF_ERROR(net_->StartTrainStep(batch));
+  // The step is queued: each bucket's copies wait on their own stream for
+  // the backward pass to reach the bucket's event.
+  const std::vector<float*> device = net_->DeviceGradients();
+  absl::Status s;
+  for (size_t b = 0; s.ok() && b < host_buckets_.size(); ++b) {
+    for (int v : host_buckets_[b].variables) {
+      s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), device[v],
+                                    static_cast<size_t>(variable_floats_[v]), grads_[v]);
+      if (!s.ok()) break;
+    }
+  }
+  absl::StatusOr<model::Network::Result> result = net_->FinishStep(batch);
+  // The copies end before the buffers are read or written again, whatever
+  // happened.
+  const absl::Status copied = backend_->WaitCopies();
+  PSFLOW_RETURN_IF_ERROR(s);
+  if (!result.ok()) return result.status();
+  PSFLOW_RETURN_IF_ERROR(copied);
+  return result;
+}
+
 absl::Status Trainer::PrepareDeviceReplica() {
   device_.reset();
   auto replica = std::make_unique<DeviceReplica>();
@@ -507,27 +567,18 @@ absl::Status Trainer::PrepareDeviceReplica() {
     replica->buckets.push_back(std::move(bucket));
     replica->after_step = true;
   } else if (gpu_peers_ != nullptr) {
-    // Buckets of the gradients in the order the backward pass completes
-    // them; each bucket's event goes after its last variable's layer.
-    std::vector<kernels::Event*> by_variable(variable_floats_.size(), nullptr);
-    const std::vector<int> order = net_->BackwardOrder();
-    kernels::PeerGroup::Bucket bucket;
-    int64_t bytes = 0;
-    for (size_t k = 0; k < order.size(); ++k) {
-      const int v = order[k];
-      bucket.buffers.push_back(replica_grads_[0][v]);
-      bucket.sizes.push_back(variable_floats_[v]);
-      bytes += variable_floats_[v] * static_cast<int64_t>(sizeof(float));
-      if (bytes < kGpuBucketBytes && k + 1 < order.size()) continue;
-      absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
-      if (!event.ok()) return Permanent(event.status());
-      bucket.ready = by_variable[v] = event->get();
-      replica->events.push_back(*std::move(event));
+    absl::StatusOr<std::vector<GradientBucket>> buckets = GradientBuckets();
+    if (!buckets.ok()) return Permanent(buckets.status());
+    for (GradientBucket& b : *buckets) {
+      kernels::PeerGroup::Bucket bucket;
+      bucket.ready = b.ready.get();
+      for (int v : b.variables) {
+        bucket.buffers.push_back(replica_grads_[0][v]);
+        bucket.sizes.push_back(variable_floats_[v]);
+      }
+      replica->events.push_back(std::move(b.ready));
       replica->buckets.push_back(std::move(bucket));
-      bucket = {};
-      bytes = 0;
     }
-    net_->SetGradientEvents(std::move(by_variable));
   }
   device_ = std::move(replica);
   return absl::OkStatus();
@@ -997,9 +1048,10 @@ absl::Status Trainer::Train(int64_t start) {
       });
     }
     absl::StatusOr<model::Network::Result> result =
-        !s.ok()  ? s
-        : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
-                 : net_->TrainStep(batches.images(), batches.labels(), batch);
+        !s.ok()                  ? s
+        : group_                 ? ReplicatedStep(batches.images(), batches.labels(), batch)
+        : !host_buckets_.empty() ? StepCopyingGradients(batches.images(), batches.labels(), batch)
+                                 : net_->TrainStep(batches.images(), batches.labels(), batch);
     if (overlap) {
       if (result.ok()) {
         ring_loss_ = static_cast<float>(result->loss);
@@ -1011,7 +1063,9 @@ absl::Status Trainer::Train(int64_t start) {
       }
       reduced.WaitForNotification();
     }
-    if (result.ok() && s.ok() && !in_place_) s = net_->GetGradients(grads_);
+    if (result.ok() && s.ok() && !in_place_ && host_buckets_.empty()) {
+      s = net_->GetGradients(grads_);
+    }
     if (!result.ok() || !s.ok()) {
       const absl::Status& e = result.ok() ? s : result.status();
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));

@@ -199,6 +199,21 @@ class Trainer {
     int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
   };
   absl::Status PullLane(int l, int64_t min_version, LanePull* out);
+  // The gradients in buckets of about kGpuBucketBytes, in the order the
+  // backward pass completes them, each with an event the network records
+  // (Network::SetGradientEvents, set here) after the layer that completes
+  // the bucket: work on another stream can take a bucket while the rest of
+  // the backward pass runs. For backends with events.
+  struct GradientBucket {
+    std::unique_ptr<kernels::Event> ready;
+    std::vector<int> variables;
+  };
+  absl::StatusOr<std::vector<GradientBucket>> GradientBuckets();
+  // A GPU worker's step in a job with ps (one replica): the step's graph,
+  // and each bucket of gradients copied to page-locked memory as soon as
+  // the backward pass has written it (host_buckets_).
+  absl::StatusOr<model::Network::Result> StepCopyingGradients(const float* images,
+                                                              const int32_t* labels, int batch);
   // All-reduce jobs of GPU workers (each in the NCCL group, or alone): the
   // replica lives on the device. Allocates the optimizer's slots there.
   absl::Status PrepareDeviceReplica();
@@ -276,6 +291,9 @@ class Trainer {
   std::vector<float*> weights_, grads_;
   bool in_place_ = false;
   std::vector<std::unique_ptr<kernels::Buffer>> staging_;
+  // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
+  // copies out (empty: the step copies them after it, GetGradients).
+  std::vector<GradientBucket> host_buckets_;
   // The dtype of pulls and pushes: the job's wire dtype, or fp32 to a
   // replica of an all-reduce job (in-process).
   DataType exchange_dtype_ = DT_FLOAT;

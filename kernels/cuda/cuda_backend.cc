@@ -103,6 +103,8 @@ struct CudaContext {
   // freeing memory takes it inside calls that hold it already.
   std::recursive_mutex mu;
   cudaStream_t stream = nullptr;
+  // CopyToHostAfter's stream, made at its first call.
+  cudaStream_t copy_stream = nullptr;
   cudnnHandle_t cudnn = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
@@ -175,6 +177,10 @@ CudaContext::~CudaContext() {
   // Nothing else refers to the context any more; errors can only be dropped.
   if (cudaSetDevice(device) != cudaSuccess) return;
   if (stream != nullptr) static_cast<void>(cudaStreamSynchronize(stream));
+  if (copy_stream != nullptr) {
+    static_cast<void>(cudaStreamSynchronize(copy_stream));
+    static_cast<void>(cudaStreamDestroy(copy_stream));
+  }
   if (cublas != nullptr) static_cast<void>(cublasDestroy(cublas));
   if (cudnn != nullptr) static_cast<void>(cudnnDestroy(cudnn));
   if (cublas_workspace != nullptr) static_cast<void>(cudaFree(cublas_workspace));
@@ -1031,6 +1037,33 @@ absl::Status CudaBackend::CopyToHost(const float* device, size_t floats, float* 
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(host, device, floats * sizeof(float), cudaMemcpyDeviceToHost,
                                       ctx_->stream));
     PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::CopyToHostAfter(Event* ready, const float* device, size_t floats,
+                                          float* host) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(ready);
+  if (cuda_event == nullptr) {
+    return absl::InvalidArgumentError("CopyToHostAfter: not a CUDA event");
+  }
+  if (floats == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CopyToHostAfter", floats, "floats", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", device}, {"host", host}}));
+    if (ctx_->copy_stream == nullptr) {
+      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->copy_stream, cudaStreamNonBlocking));
+    }
+    PSFLOW_CUDA_CHECK(
+        cudaStreamWaitEvent(ctx_->copy_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(host, device, floats * sizeof(float), cudaMemcpyDeviceToHost,
+                                      ctx_->copy_stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::WaitCopies() {
+  return RunIn(*ctx_, "WaitCopies", "", [&]() -> absl::Status {
+    if (ctx_->copy_stream != nullptr) PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->copy_stream));
     return absl::OkStatus();
   });
 }

@@ -637,6 +637,50 @@ TEST_F(CudaParityTest, CaptureRecordsWithoutRunningAndReplays) {
   }
 }
 
+// CopyToHostAfter: each copy waits for its event (recorded eagerly, or by a
+// graph's replay), not for the work queued before the copy itself; the
+// copies are done once WaitCopies returns. Buffers large enough that a copy
+// that did not wait would read the zeros the buffers start with.
+TEST_F(CudaParityTest, CopiesToTheHostWaitForTheirEvents) {
+  const int64_t n = int64_t{1} << 22;
+  auto x = gpu_->Allocate(n).value();
+  auto y = gpu_->Allocate(n).value();
+  auto hx = gpu_->AllocateHost(n).value();
+  auto hy = gpu_->AllocateHost(n).value();
+  auto first = gpu_->CreateEvent().value();
+  auto second = gpu_->CreateEvent().value();
+  PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, 1.0f, x->data(), n));
+  PSFLOW_ASSERT_OK(gpu_->RecordEvent(first.get()));
+  for (int k = 0; k < 8; ++k) PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 1.0f, 0.25f, y->data(), n));
+  PSFLOW_ASSERT_OK(gpu_->RecordEvent(second.get()));
+  // The later event's copy first: the copy of x still comes after its own.
+  PSFLOW_ASSERT_OK(gpu_->CopyToHostAfter(second.get(), y->data(), n, hy->data()));
+  PSFLOW_ASSERT_OK(gpu_->CopyToHostAfter(first.get(), x->data(), n, hx->data()));
+  PSFLOW_ASSERT_OK(gpu_->WaitCopies());
+  EXPECT_EQ(std::vector<float>(hx->data(), hx->data() + n), std::vector<float>(n, 1.0f));
+  EXPECT_EQ(std::vector<float>(hy->data(), hy->data() + n), std::vector<float>(n, 2.0f));
+  // An event inside a graph: each replay records it.
+  auto graph = gpu_->Capture([&]() -> absl::Status {
+    for (int k = 0; k < 4; ++k) {
+      if (absl::Status s = gpu_->Affine(y->data(), 1.0f, 1.0f, y->data(), n); !s.ok()) return s;
+    }
+    return gpu_->RecordEvent(second.get());
+  });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  for (float want : {6.0f, 10.0f}) {
+    PSFLOW_ASSERT_OK((*graph)->Launch());
+    PSFLOW_ASSERT_OK(gpu_->CopyToHostAfter(second.get(), y->data(), n, hy->data()));
+    PSFLOW_ASSERT_OK(gpu_->WaitCopies());
+    EXPECT_EQ(std::vector<float>(hy->data(), hy->data() + n), std::vector<float>(n, want));
+  }
+  EXPECT_EQ(gpu_->CopyToHostAfter(nullptr, x->data(), n, hx->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->CopyToHostAfter(first.get(), nullptr, n, hx->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu_->CopyToHostAfter(first.get(), x->data(), n, hx->data()).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
   auto buffer = gpu_->Allocate(16).value();
   auto graph = gpu_->Capture([&]() -> absl::Status {
