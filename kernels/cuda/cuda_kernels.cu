@@ -448,9 +448,19 @@ cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
   return LaunchMap2(w, g, w, n, SgdFn{learning_rate}, stream);
 }
 
+namespace {
+
 // The blocks along x of a chunk's grid: enough for its largest tensor, at
 // most 512 (the y blocks of the small tensors end at once).
 constexpr int64_t kMaxChunkBlocks = 512;
+
+// A launch over `tensors` tensors (blockIdx.y) of at most `largest` elements.
+dim3 ChunkGrid(int64_t largest, int tensors) {
+  const int64_t blocks = std::min<int64_t>(BlocksFor(largest, kThreads), kMaxChunkBlocks);
+  return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(tensors));
+}
+
+}  // namespace
 
 cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs* tensors, int count,
                                  cudaStream_t stream) {
@@ -463,10 +473,7 @@ cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs*
       largest = std::max(largest, chunk.t[k].n);
     }
     if (largest <= 0) continue;
-    const dim3 grid(
-        static_cast<unsigned>(std::min<int64_t>(BlocksFor(largest, kThreads), kMaxChunkBlocks)),
-        static_cast<unsigned>(in_chunk));
-    ApplyOptimizerKernel<<<grid, kThreads, 0, stream>>>(step, chunk);
+    ApplyOptimizerKernel<<<ChunkGrid(largest, in_chunk), kThreads, 0, stream>>>(step, chunk);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
@@ -484,10 +491,7 @@ cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int nu
       largest = std::max(largest, chunk.n[k]);
     }
     if (largest <= 0) continue;
-    const dim3 grid(
-        static_cast<unsigned>(std::min<int64_t>(BlocksFor(largest, kThreads), kMaxChunkBlocks)),
-        static_cast<unsigned>(in_chunk));
-    CountNonFiniteKernel<<<grid, kThreads, 0, stream>>>(chunk, count);
+    CountNonFiniteKernel<<<ChunkGrid(largest, in_chunk), kThreads, 0, stream>>>(chunk, count);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
