@@ -201,7 +201,6 @@ absl::Status Trainer::Prepare() {
   }
   // A GPU worker of a job with ps copies each bucket of gradients out as
   // soon as the backward pass has written it.
-  host_buckets_.clear();
   if (!in_place_ && !AllReduce() && group_ == nullptr) {
     absl::StatusOr<std::vector<GradientBucket>> buckets = GradientBuckets();
     if (buckets.ok()) {
@@ -645,8 +644,10 @@ absl::Status Trainer::PublishReplica(int64_t version, bool wait) {
 }
 
 absl::Status Trainer::CreateReplicas() {
-  device_.reset();     // its buffers are the backend's
-  gpu_peers_.reset();  // before the backend it queues on
+  device_.reset();        // its buffers are the backend's
+  host_buckets_.clear();  // so are their events
+  staging_.clear();       // and the page-locked buffers (Prepare makes new ones)
+  gpu_peers_.reset();     // before the backend it queues on
   replicas_.clear();
   replica_nets_.clear();
   group_.reset();
