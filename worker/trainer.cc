@@ -436,20 +436,14 @@ struct Trainer::DeviceReplica {
   // The mean loss and the count of non-finite values, on the device and in
   // page-locked memory.
   std::unique_ptr<kernels::Buffer> flags, host_flags;
-  // The gradients and the loss (each step counts their non-finite values),
-  // and the loss alone (averaged among the workers in fp32 after the
-  // gradients' buckets).
+  // The gradients and the loss: each step counts their non-finite values.
   std::vector<absl::Span<const float>> counted;
-  std::vector<float*> loss_only;
-  std::vector<int64_t> loss_sizes;
   // The gradients' means among the workers, in buckets: for single-GPU
   // workers about kGpuBucketBytes each, in the order the backward pass
   // completes them, averaged as the step runs; for workers of several GPUs
-  // (`after_step`) one bucket, once their GPUs have averaged theirs. Their
-  // events.
+  // one bucket, once their GPUs have averaged theirs. Their events.
   std::vector<kernels::PeerGroup::Bucket> buckets;
   std::vector<std::unique_ptr<kernels::Event>> events;
-  bool after_step = false;
   // The publish in flight (or done), its outcome and the version it holds.
   std::thread publisher;
   absl::Status published;
@@ -554,8 +548,6 @@ absl::Status Trainer::PrepareDeviceReplica() {
         .push_back({replica_weights_[0][v], grad, replica->slot(v, 0), replica->slot(v, 1), n});
   }
   replica->counted.emplace_back(replica->flags->data(), 1);
-  replica->loss_only = {replica->flags->data()};
-  replica->loss_sizes = {1};
   if (gpu_peers_ != nullptr && group_ != nullptr) {
     // Workers of several GPUs: the gradients their GPUs averaged, as one
     // bucket once the step is done (its event recorded then).
@@ -564,7 +556,6 @@ absl::Status Trainer::PrepareDeviceReplica() {
     kernels::PeerGroup::Bucket bucket{event->get(), replica_grads_[0], variable_floats_};
     replica->events.push_back(*std::move(event));
     replica->buckets.push_back(std::move(bucket));
-    replica->after_step = true;
   } else if (gpu_peers_ != nullptr) {
     absl::StatusOr<std::vector<GradientBucket>> buckets = GradientBuckets();
     if (!buckets.ok()) return Permanent(buckets.status());
@@ -1205,7 +1196,7 @@ absl::Status Trainer::TrainOnDevice() {
     absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
     if (!s.ok()) {
       result = s;
-    } else if (!d.buckets.empty() && !d.after_step) {
+    } else if (gpu_peers_ != nullptr && group_ == nullptr) {
       // The step's graph is queued; the NCCL means of its gradients follow
       // it bucket by bucket, each once the backward pass has passed the
       // bucket's event, while the rest of the backward pass runs.
@@ -1225,15 +1216,17 @@ absl::Status Trainer::TrainOnDevice() {
     } else {
       result = group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
                       : net_->TrainStep(batches.images(), batches.labels(), batch);
-      if (result.ok() && d.after_step) {
+      if (result.ok() && gpu_peers_ != nullptr) {
+        // Workers of several GPUs: their mean, after the step.
         s = backend_->RecordEvent(d.buckets[0].ready);
-        if (!s.ok()) result = s;
-      }
-      if (result.ok() && d.after_step) {
-        s = gpu_peers_->QueueAllReduceMeans(d.buckets, absl::Now() + options_.transfer_timeout,
-                                            [this] { return GroupAbandoned(); });
-        if (const int sig = stop_signal(); sig != 0) return stopped(sig);
-        if (!s.ok()) return group_failed(s);
+        if (!s.ok()) {
+          result = s;
+        } else {
+          s = gpu_peers_->QueueAllReduceMeans(d.buckets, absl::Now() + options_.transfer_timeout,
+                                              [this] { return GroupAbandoned(); });
+          if (const int sig = stop_signal(); sig != 0) return stopped(sig);
+          if (!s.ok()) return group_failed(s);
+        }
       }
     }
     if (!result.ok()) {
@@ -1248,8 +1241,7 @@ absl::Status Trainer::TrainOnDevice() {
     s = backend_->CopyToDevice(host_flags, 2, d.flags->data());
     if (s.ok() && gpu_peers_ != nullptr) {
       // The loss, in fp32, after the gradients' buckets: its wait is theirs.
-      s = gpu_peers_->AllReduceMean(d.loss_only, d.loss_sizes,
-                                    absl::Now() + options_.transfer_timeout,
+      s = gpu_peers_->AllReduceMean({d.flags->data()}, {1}, absl::Now() + options_.transfer_timeout,
                                     [this] { return GroupAbandoned(); });
       if (const int sig = stop_signal(); sig != 0) return stopped(sig);
       if (!s.ok()) return group_failed(s);
