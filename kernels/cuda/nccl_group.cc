@@ -176,18 +176,7 @@ class NcclPeerGroup final : public PeerGroup {
             PSFLOW_RETURN_IF_ERROR(QueueWireMean(&tables_[k], deadline, abandon, what));
             continue;
           }
-          PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
-          absl::Status queued;
-          for (size_t i = 0; i < b.sizes.size() && queued.ok(); ++i) {
-            if (b.sizes[i] == 0) continue;
-            const ncclResult_t r =
-                ncclAllReduce(b.buffers[i], b.buffers[i], static_cast<size_t>(b.sizes[i]),
-                              ncclFloat, ncclAvg, comm_, comm_stream_);
-            if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
-          }
-          const ncclResult_t ended = ncclGroupEnd();
-          if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
-          PSFLOW_RETURN_IF_ERROR(queued);
+          PSFLOW_RETURN_IF_ERROR(QueueMeans(b.buffers, b.sizes, comm_stream_));
           PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
         }
         // The next AllReduceMean orders the backend's stream after the means
@@ -223,18 +212,7 @@ class NcclPeerGroup final : public PeerGroup {
         }
         means_pending_ = false;
       }
-      PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
-      absl::Status queued;
-      for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
-        if (sizes[i] == 0) continue;
-        const ncclResult_t r =
-            ncclAllReduce(buffers[i], buffers[i], static_cast<size_t>(sizes[i]), ncclFloat, ncclAvg,
-                          comm_, static_cast<cudaStream_t>(stream));
-        if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
-      }
-      const ncclResult_t ended = ncclGroupEnd();
-      if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
-      PSFLOW_RETURN_IF_ERROR(queued);
+      PSFLOW_RETURN_IF_ERROR(QueueMeans(buffers, sizes, static_cast<cudaStream_t>(stream)));
       // Non-blocking: the collectives are on the stream once NCCL says so.
       PSFLOW_RETURN_IF_ERROR(Await(comm_, deadline, abandon, nullptr, what));
       if (cudaEventRecord(done_, static_cast<cudaStream_t>(stream)) != cudaSuccess) {
@@ -256,6 +234,24 @@ class NcclPeerGroup final : public PeerGroup {
   }
 
  private:
+  // Queues the fp32 mean of each non-empty buffer on `stream`, in one NCCL
+  // group (non-blocking: on the stream once Await says so).
+  absl::Status QueueMeans(const std::vector<float*>& buffers, const std::vector<int64_t>& sizes,
+                          cudaStream_t stream) {
+    PSFLOW_RETURN_IF_ERROR(CheckNccl(ncclGroupStart(), "ncclGroupStart"));
+    absl::Status queued;
+    for (size_t i = 0; i < sizes.size() && queued.ok(); ++i) {
+      if (sizes[i] == 0) continue;
+      const ncclResult_t r = ncclAllReduce(buffers[i], buffers[i], static_cast<size_t>(sizes[i]),
+                                           ncclFloat, ncclAvg, comm_, stream);
+      if (r != ncclInProgress) queued = CheckNccl(r, "ncclAllReduce");
+    }
+    // The group is closed whatever happened inside it.
+    const ncclResult_t ended = ncclGroupEnd();
+    if (ended != ncclInProgress) PSFLOW_RETURN_IF_ERROR(CheckNccl(ended, "ncclGroupEnd"));
+    return queued;
+  }
+
   // A bucket's pieces in the wire buffer, in device memory once uploaded.
   struct WireTable {
     std::vector<float*> buffers;
@@ -296,8 +292,7 @@ class NcclPeerGroup final : public PeerGroup {
       t.buffers = b.buffers;
       t.sizes = b.sizes;
       for (size_t i = 0; i < b.sizes.size(); ++i) {
-        if (b.sizes[i] < 0) return absl::InvalidArgumentError("all-reduce: a negative size");
-        if (b.sizes[i] == 0) continue;
+        if (b.sizes[i] == 0) continue;  // (negative ones were refused)
         t.pieces.push_back({b.buffers[i], t.floats, b.sizes[i]});
         t.floats += b.sizes[i];
         t.max_count = std::max(t.max_count, b.sizes[i]);
