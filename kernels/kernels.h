@@ -59,6 +59,14 @@ struct OptimizerTensor {
   int64_t n = 0;
 };
 
+// One copy of Backend::CopyToHostAfter: `floats` floats at `device` to
+// `host`.
+struct HostCopy {
+  const float* device = nullptr;
+  float* host = nullptr;
+  size_t floats = 0;
+};
+
 struct Conv2DShape {
   int batch = 0;
   int in_channels = 0, height = 0, width = 0;
@@ -253,15 +261,14 @@ class Backend {
   virtual absl::Status RecordEvent(Event* event) {
     return absl::UnimplementedError(name() + " has no events");
   }
-  // Copies `floats` floats of backend memory at `device` to `host` (memory
-  // from AllocateHost) once the backend has passed `ready` (recorded by
-  // RecordEvent, e.g. inside a step's graph), on a stream of the backend's
-  // own, and returns at once: the copy overlaps the work queued after the
-  // event. Queue it after the work that records `ready`. WaitCopies waits
-  // until every copy queued so far is done (and reports a failed one).
-  // UNIMPLEMENTED on backends without events.
-  virtual absl::Status CopyToHostAfter(Event* ready, const float* device, size_t floats,
-                                       float* host) {
+  // Copies each of `copies` (backend memory to memory from AllocateHost)
+  // once the backend has passed `ready` (recorded by RecordEvent, e.g.
+  // inside a step's graph), on a stream of the backend's own, and returns at
+  // once: the copies overlap the work queued after the event. Queue them
+  // after the work that records `ready`. WaitCopies waits until every copy
+  // queued so far is done (and reports a failed one). UNIMPLEMENTED on
+  // backends without events.
+  virtual absl::Status CopyToHostAfter(Event* ready, const std::vector<HostCopy>& copies) {
     return absl::UnimplementedError(name() + " has no events");
   }
   virtual absl::Status WaitCopies() { return absl::UnimplementedError(name() + " has no events"); }

@@ -489,12 +489,13 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   // the backward pass to reach the bucket's event.
   const std::vector<float*> device = net_->DeviceGradients();
   absl::Status s;
+  std::vector<kernels::HostCopy> copies;
   for (size_t b = 0; s.ok() && b < host_buckets_.size(); ++b) {
+    copies.clear();
     for (int v : host_buckets_[b].variables) {
-      s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), device[v],
-                                    static_cast<size_t>(variable_floats_[v]), grads_[v]);
-      if (!s.ok()) break;
+      copies.push_back({device[v], grads_[v], static_cast<size_t>(variable_floats_[v])});
     }
+    s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
   }
   absl::StatusOr<model::Network::Result> result = net_->FinishStep(batch);
   // The copies end before the buffers are read or written again, whatever

@@ -1041,22 +1041,26 @@ absl::Status CudaBackend::CopyToHost(const float* device, size_t floats, float* 
   });
 }
 
-absl::Status CudaBackend::CopyToHostAfter(Event* ready, const float* device, size_t floats,
-                                          float* host) {
+absl::Status CudaBackend::CopyToHostAfter(Event* ready, const std::vector<HostCopy>& copies) {
   auto* cuda_event = dynamic_cast<CudaEvent*>(ready);
   if (cuda_event == nullptr) {
     return absl::InvalidArgumentError("CopyToHostAfter: not a CUDA event");
   }
-  if (floats == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CopyToHostAfter", floats, "floats", [&]() -> absl::Status {
-    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", device}, {"host", host}}));
+  for (const HostCopy& c : copies) {
+    if (c.floats > 0)
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", c.device}, {"host", c.host}}));
+  }
+  return RunIn(*ctx_, "CopyToHostAfter", "", [&]() -> absl::Status {
     if (ctx_->copy_stream == nullptr) {
       PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->copy_stream, cudaStreamNonBlocking));
     }
     PSFLOW_CUDA_CHECK(
         cudaStreamWaitEvent(ctx_->copy_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
-    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(host, device, floats * sizeof(float), cudaMemcpyDeviceToHost,
-                                      ctx_->copy_stream));
+    for (const HostCopy& c : copies) {
+      if (c.floats == 0) continue;
+      PSFLOW_CUDA_CHECK(cudaMemcpyAsync(c.host, c.device, c.floats * sizeof(float),
+                                        cudaMemcpyDeviceToHost, ctx_->copy_stream));
+    }
     return absl::OkStatus();
   });
 }

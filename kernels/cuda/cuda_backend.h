@@ -110,8 +110,7 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
   // On a second stream of the context's, waiting for `ready` there.
-  absl::Status CopyToHostAfter(Event* ready, const float* device, size_t floats,
-                               float* host) override;
+  absl::Status CopyToHostAfter(Event* ready, const std::vector<HostCopy>& copies) override;
   absl::Status WaitCopies() override;
   absl::Status Synchronize() override;
   // The GPU's free memory (cudaMemGetInfo).

@@ -654,8 +654,10 @@ TEST_F(CudaParityTest, CopiesToTheHostWaitForTheirEvents) {
   for (int k = 0; k < 8; ++k) PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 1.0f, 0.25f, y->data(), n));
   PSFLOW_ASSERT_OK(gpu_->RecordEvent(second.get()));
   // The later event's copy first: the copy of x still comes after its own.
-  PSFLOW_ASSERT_OK(gpu_->CopyToHostAfter(second.get(), y->data(), n, hy->data()));
-  PSFLOW_ASSERT_OK(gpu_->CopyToHostAfter(first.get(), x->data(), n, hx->data()));
+  PSFLOW_ASSERT_OK(
+      gpu_->CopyToHostAfter(second.get(), {{y->data(), hy->data(), static_cast<size_t>(n)}}));
+  PSFLOW_ASSERT_OK(
+      gpu_->CopyToHostAfter(first.get(), {{x->data(), hx->data(), static_cast<size_t>(n)}}));
   PSFLOW_ASSERT_OK(gpu_->WaitCopies());
   EXPECT_EQ(std::vector<float>(hx->data(), hx->data() + n), std::vector<float>(n, 1.0f));
   EXPECT_EQ(std::vector<float>(hy->data(), hy->data() + n), std::vector<float>(n, 2.0f));
@@ -669,16 +671,20 @@ TEST_F(CudaParityTest, CopiesToTheHostWaitForTheirEvents) {
   ASSERT_TRUE(graph.ok()) << graph.status();
   for (float want : {6.0f, 10.0f}) {
     PSFLOW_ASSERT_OK((*graph)->Launch());
-    PSFLOW_ASSERT_OK(gpu_->CopyToHostAfter(second.get(), y->data(), n, hy->data()));
+    PSFLOW_ASSERT_OK(
+        gpu_->CopyToHostAfter(second.get(), {{y->data(), hy->data(), static_cast<size_t>(n)}}));
     PSFLOW_ASSERT_OK(gpu_->WaitCopies());
     EXPECT_EQ(std::vector<float>(hy->data(), hy->data() + n), std::vector<float>(n, want));
   }
-  EXPECT_EQ(gpu_->CopyToHostAfter(nullptr, x->data(), n, hx->data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(gpu_->CopyToHostAfter(first.get(), nullptr, n, hx->data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cpu_->CopyToHostAfter(first.get(), x->data(), n, hx->data()).code(),
-            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(
+      gpu_->CopyToHostAfter(nullptr, {{x->data(), hx->data(), static_cast<size_t>(n)}}).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      gpu_->CopyToHostAfter(first.get(), {{nullptr, hx->data(), static_cast<size_t>(n)}}).code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      cpu_->CopyToHostAfter(first.get(), {{x->data(), hx->data(), static_cast<size_t>(n)}}).code(),
+      absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
