@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
@@ -27,6 +28,15 @@ struct Network::Node {
   ActivationShape in, out;
   int first = -1, second = -1;  // variables: weights/bias or gamma/beta
   int running_mean = -1, running_var = -1;
+  // The variables above that the layer has, in that order: what its
+  // backward pass completes.
+  absl::InlinedVector<int, 4> variables() const {
+    absl::InlinedVector<int, 4> v;
+    for (int i : {first, second, running_mean, running_var}) {
+      if (i >= 0) v.push_back(i);
+    }
+    return v;
+  }
 };
 
 // Ops and buffers for one batch size, of training steps or (forward_only) of
@@ -391,16 +401,12 @@ absl::Status Network::QueueBackward(BatchState* st) {
       }
       return absl::OkStatus();
     }));
-    int done[4];
-    int count = 0;
-    for (int v : {l.first, l.second, l.running_mean, l.running_var}) {
-      if (v >= 0) done[count++] = v;
+    const absl::InlinedVector<int, 4> done = l.variables();
+    if (gradients_ready_ && backend_->host_memory() && !done.empty()) {
+      gradients_ready_(absl::MakeConstSpan(done));
     }
-    if (gradients_ready_ && backend_->host_memory() && count > 0) {
-      gradients_ready_(absl::MakeConstSpan(done, count));
-    }
-    for (int k = 0; k < count; ++k) {
-      const size_t v = static_cast<size_t>(done[k]);
+    for (int i : done) {
+      const size_t v = static_cast<size_t>(i);
       if (v < gradient_events_.size() && gradient_events_[v] != nullptr) {
         PSFLOW_RETURN_IF_ERROR(backend_->RecordEvent(gradient_events_[v]));
       }
@@ -412,10 +418,7 @@ absl::Status Network::QueueBackward(BatchState* st) {
 std::vector<int> Network::BackwardOrder() const {
   std::vector<int> order;
   for (size_t i = nodes_.size(); i-- > 0;) {
-    const Node& l = nodes_[i];
-    for (int v : {l.first, l.second, l.running_mean, l.running_var}) {
-      if (v >= 0) order.push_back(v);
-    }
+    for (int v : nodes_[i].variables()) order.push_back(v);
   }
   return order;
 }
