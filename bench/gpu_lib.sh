@@ -26,7 +26,8 @@ ddp() {
   [ -n "$ddp_rate" ] || { echo "$name printed no examples/s:" >&2; tail -30 "$tmp/$name.log" >&2; exit 1; }
 }
 
-# psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job;
+# psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job
+# (its workers get $WORKER_ARGS as well, if set: psflow-launch --worker_args);
 # sets $rate (ex/s after the first interval) and $split ("step pull compute
 # push wait", ms, of the last progress line).
 psflow() {
@@ -36,7 +37,8 @@ psflow() {
   else
     data=(--data_dir="$data_dir")
   fi
-  launch_job "$name" --ps="$ps" --workers="$workers" --worker_devices="$devices" -- \
+  launch_job "$name" --ps="$ps" --workers="$workers" --worker_devices="$devices" \
+    --worker_args="${WORKER_ARGS:-}" -- \
     --model="$model" "${data[@]}" --batch_size="$(batch_of "$model")" --train_steps="$steps" \
     --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
     --wire_dtype="$wire"

@@ -5,7 +5,8 @@
 #   - synchronous psflow jobs with 1 and 2 workers against 1 and 2 ps, on
 #     loopback, workers with cores/workers threads each;
 # and each job's ratio to the alone figure with as many workers.
-# Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default)
+# Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default; WORKER_ARGS:
+# more flags for the jobs' workers, e.g. "--push_during_backward=false")
 set -euo pipefail
 bin=${1:-build/bin}
 steps=${STEPS:-400}
@@ -22,7 +23,8 @@ alone() {  # threads -> ex/s
 }
 
 job() {  # workers ps -> ex/s (from the chief's closing line)
-  launch_job "$1x$2" --workers="$1" --ps="$2" -- --model=cnn --data_dir="$data_dir" \
+  launch_job "$1x$2" --workers="$1" --ps="$2" --worker_args="${WORKER_ARGS:-}" -- \
+      --model=cnn --data_dir="$data_dir" \
       --train_steps=$(( steps + 50 )) --log_every_steps=50 --batch_size=64 --optimizer=adam \
       --learning_rate=0.001
   ex_per_s "$tmp/$1x$2.log"

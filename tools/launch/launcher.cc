@@ -222,6 +222,7 @@ int RunCluster(const LaunchOptions& o) {
     std::vector<std::string> extra = metrics(1 + o.num_ps + i);
     if (i < static_cast<int>(o.worker_devices.size()))
       extra.push_back("--device=" + o.worker_devices[i]);
+    extra.insert(extra.end(), o.worker_args.begin(), o.worker_args.end());
     if (!o.with_chief && i == 0)
       extra.insert(extra.end(), o.chief_args.begin(), o.chief_args.end());
     return start(absl::StrCat("worker", i), "worker", i, extra);

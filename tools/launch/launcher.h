@@ -25,6 +25,8 @@ struct LaunchOptions {
   bool with_chief = true;
   // --device of each worker (empty: the worker's default, cpu).
   std::vector<std::string> worker_devices;
+  // More flags for every worker (psflow-worker's own, such as --ps_lanes).
+  std::vector<std::string> worker_args;
   // --device of every evaluator (empty: its default, cpu).
   std::string evaluator_device;
   // A directory as scripts/make-certs.sh makes it (empty: plaintext): each

@@ -47,6 +47,9 @@ ABSL_FLAG(
     "with several GPUs each (cuda:0,cuda:1;cuda:2,cuda:3; a single worker may take "
     "cuda:0,cuda:1). Several GPUs per worker set the chief's --replicas_per_worker unless it "
     "is given after --; with cuda:all give it yourself. Default: cpu.");
+ABSL_FLAG(std::string, worker_args, "",
+          "More flags for every worker, separated by spaces (psflow-worker's own, e.g. "
+          "\"--ps_lanes=4 --push_during_backward=false\"); each must start with --.");
 ABSL_FLAG(std::string, evaluator_device, "",
           "The evaluators' --device (cuda:0, say). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
@@ -130,6 +133,15 @@ int main(int argc, char** argv) {
   if (!bad.empty()) {
     std::fprintf(stderr, "psflow-launch: %s\n", bad.c_str());
     return 1;
+  }
+  for (absl::string_view arg :
+       absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
+    if (!absl::StartsWith(arg, "--")) {
+      std::fprintf(stderr, "psflow-launch: --worker_args: '%s' is not a flag (--name=value)\n",
+                   std::string(arg).c_str());
+      return 1;
+    }
+    o.worker_args.emplace_back(arg);
   }
   if (o.bin_dir.empty())
     o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
