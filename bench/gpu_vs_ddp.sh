@@ -22,7 +22,8 @@
 #   PS_COUNTS ("2 4 8"), WIRES ("fp32 bf16"), MODELS ("resnet cnn"),
 #   RESNET_STEPS (400), CNN_STEPS (6000), ONE_WORKER_STEPS (320: the resnet
 #   jobs of part 3), MULTI_PS (2: the ps of part 4; "none" leaves part 4 out), DATA_DIR (the Fashion-MNIST IDX files, default Debian's
-#   package's path). The chief logs every eighth of a job's steps, so step
+#   package's path), WORKER_ARGS (more flags for every psflow worker, e.g.
+#   "--push_during_backward=false" for the pushes after the step). The chief logs every eighth of a job's steps, so step
 #   counts that are multiples of 8 keep the last progress line a full
 #   interval. DDP runs as many timed steps as the psflow jobs, after 20 more.
 set -euo pipefail

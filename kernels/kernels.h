@@ -272,6 +272,20 @@ class Backend {
     return absl::UnimplementedError(name() + " has no events");
   }
   virtual absl::Status WaitCopies() { return absl::UnimplementedError(name() + " has no events"); }
+  // Records `done` after every copy CopyToHostAfter has queued so far (on
+  // their stream): WaitEvent(done) then returns once those copies are in
+  // host memory, while later ones may still run. UNIMPLEMENTED on backends
+  // without events.
+  virtual absl::Status RecordCopiesDone(Event* done) {
+    return absl::UnimplementedError(name() + " has no events");
+  }
+  // Blocks the calling thread until the work before `event`'s latest record
+  // is done. Takes none of the backend's locks: it may wait while another
+  // thread is inside a call of this backend (finishing a step). UNIMPLEMENTED
+  // on backends without events.
+  virtual absl::Status WaitEvent(Event* event) {
+    return absl::UnimplementedError(name() + " has no events");
+  }
 
   // Records the backend calls `work` makes (ops of this backend, the helpers
   // above; no copies to or from the host) into a Graph without running them.

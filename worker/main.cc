@@ -54,6 +54,13 @@ ABSL_FLAG(
     "0: up to 16 lanes in all, shared by the ps (at most 8 per ps, at least 1). 1: one "
     "stream each way per ps.");
 
+ABSL_FLAG(bool, push_during_backward, true,
+          "In a job with ps whose --on_nonfinite is fail (the default): push each lane's "
+          "gradients as soon as the backward pass has completed them (a GPU worker: once they "
+          "are copied to the host), while the rest of the step runs, and pull the next weights "
+          "once the whole step is known finite. false: push after the step. Jobs with "
+          "--on_nonfinite=skip_step and jobs without ps always push after the step.");
+
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
@@ -120,6 +127,7 @@ int main(int argc, char** argv) {
   // with 2, 4 and 8 ps on an H100 host: docs/performance.md).
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
+  options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
   // A cluster without ps: this worker's replica of the weights (served as
   // ps 0 on its own address; the chief reads worker 0's) and its ring.

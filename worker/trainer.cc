@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <thread>
 #include <utility>
 
@@ -209,8 +210,33 @@ absl::Status Trainer::Prepare() {
       return Permanent(buckets.status());
     }
   }
+  // Pushes during the backward pass: where they apply, and the order in
+  // which the backward pass completes the variables.
+  push_early_ = options_.push_during_backward && !AllReduce() && group_ == nullptr &&
+                job_.on_nonfinite() == JobConfig::FAIL && (in_place_ || !host_buckets_.empty());
+  backward_pos_.assign(net_->variables().size(), 0);
+  {
+    const std::vector<int> order = net_->BackwardOrder();
+    for (size_t k = 0; k < order.size(); ++k) backward_pos_[order[k]] = static_cast<int>(k);
+  }
+  net_->SetGradientsReady(nullptr);
+  if (push_early_) {
+    if (in_place_) {
+      net_->SetGradientsReady([this](absl::Span<const int> done) {
+        for (int v : done) grads_ready_.MarkReady(backward_pos_[v]);
+      });
+    }
+    for (GradientBucket& b : host_buckets_) {
+      absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
+      if (!event.ok()) return Permanent(event.status());
+      b.copied = *std::move(event);
+    }
+    if (exchange_caller_ == nullptr) exchange_caller_ = std::make_unique<ThreadPool>(1);
+  }
   // Each ps's slices, cut into lanes of consecutive slices with about the
-  // same bytes each.
+  // same bytes each: consecutive in the ps's order, or, pushing during the
+  // backward pass, in the order the backward pass completes them (so that
+  // each lane waits for one stretch of it).
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
   slices_of_.assign(job_.placement().variable_size(), 0);
   lanes_.clear();
@@ -218,28 +244,45 @@ absl::Status Trainer::Prepare() {
     const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
     std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
     std::vector<TensorRef> refs = SliceRefs(job_.placement(), p, grads, "", wire);
+    std::vector<int> order(slices.size());
+    std::iota(order.begin(), order.end(), 0);
+    if (push_early_) {
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return backward_pos_[slices[a].variable_index] < backward_pos_[slices[b].variable_index];
+      });
+    }
     int64_t bytes = 0;
     for (const SliceRef& r : slices) bytes += NumElements(r.slice_shape) * sizeof(float);
     const int64_t lanes = std::clamp<int64_t>(bytes / std::max<int64_t>(options_.lane_bytes, 1), 1,
                                               std::max(options_.lanes_per_ps, 1));
     const size_t first = lanes_.size();
-    lanes_.push_back({p});
+    auto new_lane = [&] {
+      lanes_.emplace_back();
+      lanes_.back().ps = p;
+    };
+    new_lane();
     int64_t so_far = 0;
-    for (size_t i = 0; i < slices.size(); ++i) {
+    for (const int i : order) {
       // A new lane once this one holds its share (and slices remain for it).
       const int64_t filled = static_cast<int64_t>(lanes_.size() - first);
-      if (so_far * lanes >= bytes * filled && !lanes_.back().slices.empty()) lanes_.push_back({p});
+      if (so_far * lanes >= bytes * filled && !lanes_.back().slices.empty()) new_lane();
       Lane& lane = lanes_.back();
-      lane.slices.push_back(static_cast<int>(i));
-      lane.variables.push_back(slices[i].variable_index);
+      const int v = slices[i].variable_index;
+      lane.first_piece =
+          lane.slices.empty() ? backward_pos_[v] : std::min(lane.first_piece, backward_pos_[v]);
+      lane.last_piece = std::max(lane.last_piece, backward_pos_[v]);
+      lane.slices.push_back(i);
+      lane.variables.push_back(v);
       lane.sinks.push_back(std::move(sinks[i]));
       lane.refs.push_back(std::move(refs[i]));
-      ++slices_of_[slices[i].variable_index];
+      ++slices_of_[v];
       so_far += NumElements(slices[i].slice_shape) * sizeof(float);
     }
   }
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
-  // A lane's pull may wait for its own push only: every lane needs a thread.
+  // A lane's pull may wait for its own push, and pushing during the backward
+  // pass for the step's verdict, which every lane's check is part of: every
+  // lane needs a thread.
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
   if (AllReduce()) {
     PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
@@ -261,7 +304,6 @@ absl::Status Trainer::Prepare() {
       ring_pieces_.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
     }
     overlap_ring_ = in_place_ && group_ == nullptr && options_.ring->size() > 1;
-    net_->SetGradientsReady(nullptr);
     if (overlap_ring_) {
       net_->SetGradientsReady([this](absl::Span<const int> done) {
         for (int v : done) ring_ready_.MarkReady(v + 1);
@@ -274,7 +316,8 @@ absl::Status Trainer::Prepare() {
                                                      absl::StrJoin(devices_, ", "))
                                       : absl::StrCat("device ", backend_->name()))
               << ", " << job_.num_ps() << " ps, " << lanes_.size()
-              << (lanes_.size() == 1 ? " lane" : " lanes");
+              << (lanes_.size() == 1 ? " lane" : " lanes")
+              << (push_early_ ? ", pushing during the backward pass" : "");
   return absl::OkStatus();
 }
 
@@ -482,7 +525,7 @@ absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() 
 
 absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float* images,
                                                                      const int32_t* labels,
-                                                                     int batch) {
+                                                                     int batch, bool mark_ready) {
   PSFLOW_RETURN_IF_ERROR(net_->SetInputs(images, labels, batch));
   PSFLOW_RETURN_IF_ERROR(net_->StartTrainStep(batch));
   // The step is queued: each bucket's copies wait on their own stream for
@@ -496,6 +539,14 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
       copies.push_back({device[v], grads_[v], static_cast<size_t>(variable_floats_[v])});
     }
     s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
+    if (s.ok() && mark_ready) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
+  }
+  // The lanes push each bucket once it is on the host, in the order the
+  // backward pass completes them.
+  for (size_t b = 0; s.ok() && mark_ready && b < host_buckets_.size(); ++b) {
+    s = backend_->WaitEvent(host_buckets_[b].copied.get());
+    if (!s.ok()) break;
+    for (int v : host_buckets_[b].variables) grads_ready_.MarkReady(backward_pos_[v]);
   }
   absl::StatusOr<model::Network::Result> result = net_->FinishStep(batch);
   // The copies end before the buffers are read or written again, whatever
@@ -773,8 +824,16 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, LanePull* out) {
   return absl::OkStatus();
 }
 
+bool Trainer::LaneFinite(int l, float overflow) const {
+  for (const TensorRef& r : lanes_[l].refs) {
+    if (!AllFinite(r.data, NumElements(r.shape), overflow)) return false;
+  }
+  return true;
+}
+
 absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip,
-                               const std::function<void()>& on_pushed, Exchanged* out) {
+                               const std::function<void()>& on_pushed, Exchanged* out,
+                               StepVerdict* verdict) {
   const int n = static_cast<int>(lanes_.size());
   for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
   PushHeader header;
@@ -786,13 +845,26 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   const bool async = Async();
   std::vector<LanePull> pulls(n);
   std::vector<char> pushed(n, push_step < 0);
+  std::vector<char> checked(n, 0);  // the lane's part of the verdict is in
   std::atomic<int> pushes_left{push_step < 0 ? 0 : n};
+  const float overflow = WireOverflow(exchange_dtype_);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
   policy.stop = [this] { return Stopping(); };
   ps::Client* const client = ps();
   absl::Status s = FanOut(pool_.get(), n, policy, [&](int l) -> absl::Status {
     const Lane& lane = lanes_[l];
+    if (!pushed[l] && verdict != nullptr && !checked[l]) {
+      // Pushing during the backward pass: once the lane's gradients are
+      // final (and on the host), check them; only finite ones leave.
+      checked[l] = 1;
+      const bool ready = grads_ready_.WaitReady(
+          lane.first_piece, lane.last_piece, absl::InfiniteFuture(), [this] { return Stopping(); });
+      const bool finite = ready && LaneFinite(l, overflow);
+      verdict->Mark(finite);
+      if (!ready) return absl::CancelledError("stopping");
+      if (!finite) return absl::OkStatus();  // the caller fails the step
+    }
     if (!pushed[l]) {
       // A retried push that had arrived after all is answered DUPLICATE (or
       // STALE once applied): either way the ps has this worker's gradients.
@@ -811,12 +883,15 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
         }
         return pushed_status;
       }
+      // No pull, nor the step's metrics, before the whole step is known finite.
+      if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();
       pushed[l] = 1;
       if (pushes_left.fetch_sub(1, std::memory_order_acq_rel) == 1 && on_pushed) on_pushed();
     }
     return PullLane(l, min_version, &pulls[l]);
   });
   if (!s.ok()) return s;
+  if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();  // nothing pulled
   auto by = [&](auto field) {
     std::vector<int64_t> v;
     for (const LanePull& p : pulls) v.push_back(p.*field);
@@ -1027,81 +1102,11 @@ absl::Status Trainer::Train(int64_t start) {
     if (got.version >= job_.train_steps()) break;
     step = got.version;
     absl::Status s = batches.Gather(async ? clock : step, own_steps_per_epoch);
-    // A CPU worker of a job without ps starts the ring all-reduce of the
-    // step's gradients now, on another thread: each bucket goes as soon as
-    // the backward pass has completed its gradients.
-    absl::Notification reduced;
-    absl::Status ring_status;
-    const bool overlap = s.ok() && overlap_ring_;
-    if (overlap) {
-      ring_ready_.Reset(static_cast<int>(ring_pieces_.size()));
-      ring_caller_->Schedule([&, step] {
-        ring_status = options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_), &ring_ready_);
-        reduced.Notify();
-      });
-    }
-    absl::StatusOr<model::Network::Result> result =
-        !s.ok()                  ? s
-        : group_                 ? ReplicatedStep(batches.images(), batches.labels(), batch)
-        : !host_buckets_.empty() ? StepCopyingGradients(batches.images(), batches.labels(), batch)
-                                 : net_->TrainStep(batches.images(), batches.labels(), batch);
-    if (overlap) {
-      if (result.ok()) {
-        ring_loss_ = static_cast<float>(result->loss);
-        ring_ready_.MarkReady(0);
-      } else {
-        // The group cannot go on without this worker's gradients.
-        options_.ring->Leave(result.status());
-        ring_ready_.MarkAllReady();
-      }
-      reduced.WaitForNotification();
-    }
-    if (result.ok() && s.ok() && !in_place_ && host_buckets_.empty()) {
-      s = net_->GetGradients(grads_);
-    }
-    if (!result.ok() || !s.ok()) {
-      const absl::Status& e = result.ok() ? s : result.status();
-      return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
-    }
-    const absl::Time t2 = absl::Now();
-    // (Overlapped: the ring already replaced it by the group's mean.)
-    if (!overlap) ring_loss_ = static_cast<float>(result->loss);
-    if (AllReduce()) {
-      // The mean gradient of every worker, the same bits on each (and the
-      // mean loss, so that all of them agree on whether the step was finite).
-      s = overlap ? ring_status : options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
-      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-      if (!s.ok()) {
-        // The group is gone: every worker restarts (from the newest checkpoint).
-        return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
-                            absl::StrCat("all-reduce of step ", step, ": ", s.message()));
-      }
-    }
-    // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
-    // is as diverged as one that already is.
-    // Each lane's slices are checked on the pool, as the pushes will go.
-    std::vector<char> finite_on(lanes_.size(), 1);
-    FanOut(pool_.get(), static_cast<int>(lanes_.size()), RetryPolicy(), [&](int l) {
-      for (const TensorRef& r : lanes_[l].refs) {
-        if (!AllFinite(r.data, NumElements(r.shape), wire_overflow)) finite_on[l] = 0;
-      }
-      return absl::OkStatus();
-    }).IgnoreError();  // the calls cannot fail
-    const bool finite = std::isfinite(result->loss) && std::isfinite(ring_loss_) &&
-                        std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
-    const bool skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
-    if (!finite && !skip) {
-      PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
-                   << ") or the gradients are not finite (in the wire dtype); nothing pushed";
-      return NonFinite(step);
-    }
-    if (skip) {
-      PSLOG(WARNING) << "step " << step << ": the loss (" << result->loss
-                     << ") or the gradients are not finite (in the wire dtype); skipping the step";
-    }
-    // The step's metrics go out once every push is answered; the pull that
-    // follows belongs to the next step.
-    absl::Time pushed_at;
+    // The step's outcome, and its metrics, which go out once every push is
+    // answered (the pull that follows belongs to the next step).
+    absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
+    absl::Time t2, pushed_at;
+    bool skip = false;
     StepMetrics async_metrics;
     auto on_pushed = [&] {
       pushed_at = absl::Now();
@@ -1122,8 +1127,117 @@ absl::Status Trainer::Train(int64_t start) {
       absl::MutexLock lock(&mu_);
       pending_.push_back(std::move(m));
     };
-    s = async ? RunLanes(clock, clock + 1, skip, on_pushed, &got)
-              : Exchange(step, skip, on_pushed, &got);
+    // Pushing during the backward pass: the lanes start now, on another
+    // thread, each pushing its gradients once the backward pass has
+    // completed them (StepCopyingGradients or the network's notifications
+    // mark them in grads_ready_); they pull once this thread has found the
+    // loss finite too (the verdict; on_pushed runs after it, so it reads
+    // the result and t2 this thread set before).
+    const bool early = s.ok() && push_early_;
+    absl::Notification exchanged;
+    absl::Status exchange_status;
+    if (early) {
+      grads_ready_.Reset(static_cast<int>(backward_pos_.size()));
+      verdict_.Reset(static_cast<int>(lanes_.size()) + 1);
+      exchange_caller_->Schedule([&, step] {
+        exchange_status = async ? RunLanes(clock, clock + 1, false, on_pushed, &got, &verdict_)
+                                : RunLanes(step, step + 1, false, on_pushed, &got, &verdict_);
+        exchanged.Notify();
+      });
+    }
+    // Every path out of the step from here waits for those lanes.
+    auto finish_lanes = [&](bool finite) {
+      if (!early) return;
+      verdict_.Mark(finite);
+      exchanged.WaitForNotification();
+    };
+    // A CPU worker of a job without ps starts the ring all-reduce of the
+    // step's gradients now, on another thread: each bucket goes as soon as
+    // the backward pass has completed its gradients.
+    absl::Notification reduced;
+    absl::Status ring_status;
+    const bool overlap = s.ok() && overlap_ring_;
+    if (overlap) {
+      ring_ready_.Reset(static_cast<int>(ring_pieces_.size()));
+      ring_caller_->Schedule([&, step] {
+        ring_status = options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_), &ring_ready_);
+        reduced.Notify();
+      });
+    }
+    result = !s.ok()  ? s
+             : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
+             : !host_buckets_.empty()
+                 ? StepCopyingGradients(batches.images(), batches.labels(), batch, early)
+                 : net_->TrainStep(batches.images(), batches.labels(), batch);
+    // (After a failed step too: no lane waits for gradients that never come.)
+    if (early) grads_ready_.MarkAllReady();
+    if (overlap) {
+      if (result.ok()) {
+        ring_loss_ = static_cast<float>(result->loss);
+        ring_ready_.MarkReady(0);
+      } else {
+        // The group cannot go on without this worker's gradients.
+        options_.ring->Leave(result.status());
+        ring_ready_.MarkAllReady();
+      }
+      reduced.WaitForNotification();
+    }
+    if (result.ok() && s.ok() && !in_place_ && host_buckets_.empty()) {
+      s = net_->GetGradients(grads_);
+    }
+    if (!result.ok() || !s.ok()) {
+      finish_lanes(false);
+      const absl::Status& e = result.ok() ? s : result.status();
+      return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
+    }
+    t2 = absl::Now();
+    // (Overlapped: the ring already replaced it by the group's mean.)
+    if (!overlap) ring_loss_ = static_cast<float>(result->loss);
+    if (AllReduce()) {
+      // The mean gradient of every worker, the same bits on each (and the
+      // mean loss, so that all of them agree on whether the step was finite).
+      s = overlap ? ring_status : options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
+      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (!s.ok()) {
+        // The group is gone: every worker restarts (from the newest checkpoint).
+        return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
+                            absl::StrCat("all-reduce of step ", step, ": ", s.message()));
+      }
+    }
+    if (early) {
+      finish_lanes(std::isfinite(result->loss));
+      if (!verdict_.Wait()) {
+        PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
+                     << ") or the gradients are not finite (in the wire dtype); lanes of finite "
+                        "gradients may have pushed them, the others did not";
+        return NonFinite(step);
+      }
+      s = exchange_status;
+    } else {
+      // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
+      // is as diverged as one that already is.
+      // Each lane's slices are checked on the pool, as the pushes will go.
+      std::vector<char> finite_on(lanes_.size(), 1);
+      FanOut(pool_.get(), static_cast<int>(lanes_.size()), RetryPolicy(), [&](int l) {
+        finite_on[l] = LaneFinite(l, wire_overflow);
+        return absl::OkStatus();
+      }).IgnoreError();  // the calls cannot fail
+      const bool finite = std::isfinite(result->loss) && std::isfinite(ring_loss_) &&
+                          std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
+      skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
+      if (!finite && !skip) {
+        PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
+                     << ") or the gradients are not finite (in the wire dtype); nothing pushed";
+        return NonFinite(step);
+      }
+      if (skip) {
+        PSLOG(WARNING) << "step " << step << ": the loss (" << result->loss
+                       << ") or the gradients are not finite (in the wire dtype); skipping the "
+                          "step";
+      }
+      s = async ? RunLanes(clock, clock + 1, skip, on_pushed, &got)
+                : Exchange(step, skip, on_pushed, &got);
+    }
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     if (job_failed()) return failed;
     if (JobChanged(s)) return RegisterAgain(s.message());

@@ -57,6 +57,7 @@
 #include "proto/job.pb.h"
 #include "ps/client.h"
 #include "ps/shard.h"
+#include "worker/step_verdict.h"
 
 namespace psflow::worker {
 
@@ -88,6 +89,15 @@ struct TrainerOptions {
   // worker/main.cc makes them match), of at least lane_bytes each.
   int lanes_per_ps = 4;
   int64_t lane_bytes = int64_t{1} << 20;
+  // Each lane checks and pushes its gradients as soon as the backward pass
+  // has completed them (and a GPU has copied them to the host), while the
+  // rest of the step runs; it pulls once the whole step is known finite.
+  // Only in jobs with ps whose on_nonfinite is FAIL: a step that is not
+  // finite fails the job, so gradients of it pushed before that was known
+  // are harmless (the ps never complete the step). SKIP_STEP needs the
+  // whole step's verdict before the first push. False: every push waits
+  // for the end of the step.
+  bool push_during_backward = true;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
   // of this worker and its peers, and this worker's own replica, the shard
   // its ps service serves in this process (neither owned; both outliving
@@ -186,9 +196,18 @@ class Trainer {
                         Exchanged* out);
   // Both: pushes of `push_step` first when it is >= 0. In an asynchronous
   // job push_step is this worker's clock and min_version the clock to pull
-  // at (PullLane).
+  // at (PullLane). With `verdict` (pushes during the backward pass), each
+  // lane first waits until grads_ready_ holds its gradients, checks them
+  // and marks the verdict, pushes them only if finite, and pulls only once
+  // the verdict says the whole step is finite; a lane that stops on a step
+  // that is not finite returns OK without pulling (the caller asks the
+  // verdict).
   absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
-                        const std::function<void()>& on_pushed, Exchanged* out);
+                        const std::function<void()>& on_pushed, Exchanged* out,
+                        StepVerdict* verdict = nullptr);
+  // Whether lane `l`'s gradients are finite in the wire dtype (at or above
+  // `overflow` in magnitude counts as infinite).
+  bool LaneFinite(int l, float overflow) const;
   // Pulls lane `l`'s slices of min_version (asking again while the ps
   // answers "not yet"), then copies to the device each variable whose last
   // slice this was. Sets *version and *wait_us (time on "not yet" answers
@@ -207,13 +226,18 @@ class Trainer {
   struct GradientBucket {
     std::unique_ptr<kernels::Event> ready;
     std::vector<int> variables;
+    // Host buckets of a worker that pushes during the backward pass:
+    // recorded after the bucket's copies to the host.
+    std::unique_ptr<kernels::Event> copied;
   };
   absl::StatusOr<std::vector<GradientBucket>> GradientBuckets();
   // A GPU worker's step in a job with ps (one replica): the step's graph,
   // and each bucket of gradients copied to page-locked memory as soon as
-  // the backward pass has written it (host_buckets_).
+  // the backward pass has written it (host_buckets_). With `mark_ready`,
+  // each bucket's variables are marked in grads_ready_ as its copies end.
   absl::StatusOr<model::Network::Result> StepCopyingGradients(const float* images,
-                                                              const int32_t* labels, int batch);
+                                                              const int32_t* labels, int batch,
+                                                              bool mark_ready);
   // All-reduce jobs of GPU workers (each in the NCCL group, or alone): the
   // replica lives on the device. Allocates the optimizer's slots there.
   absl::Status PrepareDeviceReplica();
@@ -294,6 +318,15 @@ class Trainer {
   // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
   // copies out (empty: the step copies them after it, GetGradients).
   std::vector<GradientBucket> host_buckets_;
+  // Pushes during the backward pass (TrainerOptions.push_during_backward,
+  // where it applies): each variable's position in the backward order, the
+  // positions whose gradients are on the host and final this step, the
+  // step's verdict, and the thread that runs the lanes meanwhile.
+  bool push_early_ = false;
+  std::vector<int> backward_pos_;
+  allreduce::PieceReadiness grads_ready_;
+  StepVerdict verdict_;
+  std::unique_ptr<ThreadPool> exchange_caller_;
   // The dtype of pulls and pushes: the job's wire dtype, or fp32 to a
   // replica of an all-reduce job (in-process).
   DataType exchange_dtype_ = DT_FLOAT;
@@ -313,6 +346,9 @@ class Trainer {
     std::vector<int> variables;     // the variable of each slice
     std::vector<TensorSink> sinks;  // where the slices' weights land
     std::vector<TensorRef> refs;    // the slices' gradients
+    // The first and last backward positions (backward_pos_) of its slices'
+    // variables: pushed during the backward pass, the lane waits for these.
+    int first_piece = 0, last_piece = -1;
   };
   std::vector<Lane> lanes_;
   // By variable: its number of slices, and during a round of pulls the

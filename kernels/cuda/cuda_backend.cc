@@ -1072,6 +1072,37 @@ absl::Status CudaBackend::WaitCopies() {
   });
 }
 
+absl::Status CudaBackend::RecordCopiesDone(Event* done) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(done);
+  if (cuda_event == nullptr)
+    return absl::InvalidArgumentError("RecordCopiesDone: not a CUDA event");
+  return RunIn(*ctx_, "RecordCopiesDone", "", [&]() -> absl::Status {
+    if (ctx_->copy_stream == nullptr) {
+      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->copy_stream, cudaStreamNonBlocking));
+    }
+    PSFLOW_CUDA_CHECK(
+        cudaEventRecord(static_cast<cudaEvent_t>(cuda_event->raw()), ctx_->copy_stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::WaitEvent(Event* event) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(event);
+  if (cuda_event == nullptr) return absl::InvalidArgumentError("WaitEvent: not a CUDA event");
+  // Without the context's lock (another thread may hold it while it waits
+  // for the stream): only this thread's current device is set, and then
+  // restored.
+  int current = -1;
+  absl::Status status = [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != ctx_->device) PSFLOW_CUDA_CHECK(cudaSetDevice(ctx_->device));
+    PSFLOW_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(cuda_event->raw())));
+    return absl::OkStatus();
+  }();
+  if (current >= 0 && current != ctx_->device) static_cast<void>(cudaSetDevice(current));
+  return Annotate(status, "WaitEvent");
+}
+
 absl::StatusOr<int> CudaBackend::DeviceCount() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);

@@ -112,6 +112,8 @@ class CudaBackend final : public Backend {
   // On a second stream of the context's, waiting for `ready` there.
   absl::Status CopyToHostAfter(Event* ready, const std::vector<HostCopy>& copies) override;
   absl::Status WaitCopies() override;
+  absl::Status RecordCopiesDone(Event* done) override;
+  absl::Status WaitEvent(Event* event) override;
   absl::Status Synchronize() override;
   // The GPU's free memory (cudaMemGetInfo).
   absl::StatusOr<int64_t> AvailableMemory() override;

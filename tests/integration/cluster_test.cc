@@ -593,6 +593,20 @@ TEST(ClusterCliTest, LaunchStopsAtOnceWhenTheChiefFails) {
       << launch.Describe();
 }
 
+// --worker_args reach every worker: a worker flag out of range ends the
+// cluster, with the worker's own message; an argument that is no flag is
+// refused before anything starts.
+TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
+  Process launch(Bin("psflow-launch"), {"--ps=1", "--workers=1", "--worker_args=--ps_lanes=99",
+                                        "--", "--model=mlp", "--train_steps=50"});
+  EXPECT_EQ(launch.WaitOrKill(seconds(60)), 1) << launch.Describe();
+  EXPECT_THAT(launch.output(), HasSubstr("--ps_lanes must be in [0, 64], not 99"))
+      << launch.Describe();
+  RunResult r = RunProcess(Bin("psflow-launch"), {"--worker_args=ps_lanes=4"}, {}, seconds(10));
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_THAT(r.output, HasSubstr("--worker_args: 'ps_lanes=4' is not a flag")) << r.description;
+}
+
 // Two processes on one address must not share it (gRPC's default
 // SO_REUSEPORT would let the second "listen" too and split connections).
 TEST(ClusterCliTest, SecondProcessOnABusyPortExitsOne) {
@@ -761,7 +775,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
         "worker_hosts", "evaluator_hosts", "exit_when_done", "tls_cert", "tls_key", "tls_ca",
-        "auth_token_file", "metrics_port"}},
+        "auth_token_file", "metrics_port", "ps_lanes", "push_during_backward"}},
       {"psflow-evaluator", {"device",          "eval_data_dir",
                             "batch_size",      "eval_memory_limit",
                             "compute_threads", "synthetic_examples",
@@ -774,7 +788,8 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                             "auth_token_file", "metrics_port"}},
       {"psflow-launch",
        {"ps", "workers", "evaluators", "evaluator_device", "host", "bin_dir", "grace_seconds",
-        "restart", "worker_devices", "max_restarts", "tls_dir", "metrics_base_port"}},
+        "restart", "worker_devices", "worker_args", "max_restarts", "tls_dir",
+        "metrics_base_port"}},
       {"psflow-eval",
        {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device",
         "eval_memory_limit"}},

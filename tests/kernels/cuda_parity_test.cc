@@ -15,6 +15,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -685,6 +686,46 @@ TEST_F(CudaParityTest, CopiesToTheHostWaitForTheirEvents) {
   EXPECT_EQ(
       cpu_->CopyToHostAfter(first.get(), {{x->data(), hx->data(), static_cast<size_t>(n)}}).code(),
       absl::StatusCode::kUnimplemented);
+}
+
+// A worker pushing during the backward pass waits for each bucket's copies
+// alone: an event recorded after some copies passes once they are in host
+// memory, whatever is queued after them.
+TEST_F(CudaParityTest, AnEventAfterCopiesPassesOnceTheyAreDone) {
+  const int64_t n = int64_t{1} << 22;
+  auto x = gpu_->Allocate(n).value();
+  auto y = gpu_->Allocate(n).value();
+  auto hx = gpu_->AllocateHost(n).value();
+  auto hy = gpu_->AllocateHost(n).value();
+  auto first = gpu_->CreateEvent().value();
+  auto second = gpu_->CreateEvent().value();
+  auto x_copied = gpu_->CreateEvent().value();
+  auto y_copied = gpu_->CreateEvent().value();
+  for (float want : {1.0f, 2.0f}) {  // twice: the events are recorded again
+    PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, want, x->data(), n));
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(first.get()));
+    for (int k = 0; k < 16; ++k) {
+      PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 0.0f, want + k, y->data(), n));
+    }
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(second.get()));
+    PSFLOW_ASSERT_OK(
+        gpu_->CopyToHostAfter(first.get(), {{x->data(), hx->data(), static_cast<size_t>(n)}}));
+    PSFLOW_ASSERT_OK(gpu_->RecordCopiesDone(x_copied.get()));
+    PSFLOW_ASSERT_OK(
+        gpu_->CopyToHostAfter(second.get(), {{y->data(), hy->data(), static_cast<size_t>(n)}}));
+    PSFLOW_ASSERT_OK(gpu_->RecordCopiesDone(y_copied.get()));
+    PSFLOW_ASSERT_OK(gpu_->WaitEvent(x_copied.get()));
+    EXPECT_EQ(std::vector<float>(hx->data(), hx->data() + n), std::vector<float>(n, want));
+    // From another thread, as the worker's training thread does.
+    absl::Status waited;
+    std::thread([&] { waited = gpu_->WaitEvent(y_copied.get()); }).join();
+    PSFLOW_ASSERT_OK(waited);
+    EXPECT_EQ(std::vector<float>(hy->data(), hy->data() + n), std::vector<float>(n, want + 15));
+  }
+  EXPECT_EQ(gpu_->RecordCopiesDone(nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->WaitEvent(nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu_->RecordCopiesDone(x_copied.get()).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(cpu_->WaitEvent(x_copied.get()).code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {

@@ -14,6 +14,7 @@
 
 #include <google/protobuf/text_format.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
@@ -280,14 +281,20 @@ TEST_F(TrainerTest, TrainsToTheEndAndExitsWhenTheChiefSaysSo) {
 // Two workers whose slices travel in several lanes per ps (one slice each)
 // end with the same weights, bit for bit, as with one lane per ps: pushes
 // split and applied slice by slice change nothing of synchronous training.
+// Nor do pushes during the backward pass (each lane's as soon as its
+// gradients are final), against pushes after the step.
 TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
-  std::vector<std::vector<float>> weights[2];
-  for (int lanes : {1, 4}) {
+  std::vector<std::vector<float>> weights[4];
+  for (int run = 0; run < 4; ++run) {
+    const int lanes = run % 2 == 0 ? 1 : 4;
+    const bool early = run >= 2;
+    SCOPED_TRACE(absl::StrCat(lanes, " lanes per ps, pushing during backward: ", early));
     SetUpJob({.num_workers = 2, .train_steps = 10});
     TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
     for (TrainerOptions* o : {&o0, &o1}) {
       o->lanes_per_ps = lanes;
       o->lane_bytes = 1;  // as many lanes as slices, up to lanes_per_ps
+      o->push_during_backward = early;
     }
     Trainer first(o0, chief_.get(), ClientOf(*fake_));
     Trainer second(o1, chief_.get(), ClientOf(*fake_));
@@ -295,18 +302,24 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
     const absl::Status s0 = run0.Join(), s1 = run1.Join();
     ASSERT_TRUE(s0.ok()) << s0;
     ASSERT_TRUE(s1.ok()) << s1;
-    // Each worker pushed every step once per lane of ps 0.
+    // Each worker pushed every step once per lane of ps 0 (cut in the order
+    // of the backward pass, the lanes differ: more than one per ps here).
     const int lanes_on_ps0 =
         std::min(lanes, static_cast<int>(SlicesOnPs(job_.placement(), 0).size()));
-    EXPECT_EQ(fake_->calls(0, Method::kPush), 2 * 10 * lanes_on_ps0);
+    if (!early || lanes == 1) {
+      EXPECT_EQ(fake_->calls(0, Method::kPush), 2 * 10 * lanes_on_ps0);
+    } else {
+      EXPECT_GT(fake_->calls(0, Method::kPush) + fake_->calls(1, Method::kPush), 2 * 10 * 2)
+          << fake_->calls(1, Method::kPush);
+    }
     for (int p = 0; p < 2; ++p) {
       EXPECT_EQ(fake_->stats(p).applied, 10) << "ps " << p;
       EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
     }
-    weights[lanes == 1 ? 0 : 1] = ReadWeights(*fake_, job_, kJobId);
+    weights[run] = ReadWeights(*fake_, job_, kJobId);
   }
   EXPECT_NE(weights[0], initial_);
-  EXPECT_EQ(weights[0], weights[1]);
+  for (int run = 1; run < 4; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
 }
 
 // Batch norm's running statistics: each step both workers push their batch's
@@ -396,10 +409,16 @@ TEST_F(TrainerTest, TrainsWithBfloat16OnTheWire) {
 }
 
 // A gradient fp16 cannot hold (65520 and more) would reach the ps as an
-// infinity: the step is not finite, and nothing is pushed.
+// infinity: the step is not finite, and not completed on every ps. Pushing
+// after the step, nothing is pushed; pushing during the backward pass, the
+// lanes whose gradients fp16 holds may have pushed them (a ps that got all
+// of its slices applies them), the others not.
 TEST_F(TrainerTest, AGradientBeyondFp16sRangeIsANonFiniteStep) {
-  for (JobConfig::WireDtype wire : {JobConfig::FP32, JobConfig::FP16}) {
-    SCOPED_TRACE(JobConfig::WireDtype_Name(wire));
+  for (int run = 0; run < 3; ++run) {
+    const JobConfig::WireDtype wire = run == 0 ? JobConfig::FP32 : JobConfig::FP16;
+    const bool early = run == 2;
+    SCOPED_TRACE(
+        absl::StrCat(JobConfig::WireDtype_Name(wire), ", pushing during backward: ", early));
     SetUpJob({.wire_dtype = wire});
     chief_->FailOnNonFinite(false);
     // fc1's weights at 60000 (fp16 holds that): hidden units of about 60000
@@ -410,6 +429,9 @@ TEST_F(TrainerTest, AGradientBeyondFp16sRangeIsANonFiniteStep) {
     ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, values).ok());
     TrainerOptions options = FastOptions();
     options.nonfinite_wait = absl::Milliseconds(50);
+    options.push_during_backward = early;
+    options.lanes_per_ps = 4;
+    options.lane_bytes = 1;
     Trainer trainer(options, chief_.get(), ClientOf(*fake_));
     const absl::Status status = trainer.Run();
     if (wire == JobConfig::FP32) {
@@ -417,9 +439,21 @@ TEST_F(TrainerTest, AGradientBeyondFp16sRangeIsANonFiniteStep) {
       EXPECT_TRUE(status.ok()) << status;
       EXPECT_GT(fake_->calls(0, Method::kPush), 0);
     } else {
+      // (A push of an infinity would have been refused: another error.)
       EXPECT_EQ(ExitCodeFor(status), kExitPermanent) << status;
       EXPECT_THAT(status.message(), HasSubstr("not finite"));
-      EXPECT_EQ(fake_->calls(0, Method::kPush) + fake_->calls(1, Method::kPush), 0);
+      const int pushes = fake_->calls(0, Method::kPush) + fake_->calls(1, Method::kPush);
+      if (early) {
+        EXPECT_LT(pushes, static_cast<int>(SlicesOnPs(job_.placement(), 0).size() +
+                                           SlicesOnPs(job_.placement(), 1).size()));
+      } else {
+        EXPECT_EQ(pushes, 0);
+      }
+      // A ps that got every slice (all finite) applies the step; not both.
+      EXPECT_EQ(std::min(fake_->stats(0).version, fake_->stats(1).version), 0);
+      if (!early) {
+        for (int p = 0; p < 2; ++p) EXPECT_EQ(fake_->stats(p).version, 0) << "ps " << p;
+      }
     }
   }
 }
