@@ -17,11 +17,15 @@ void StepVerdict::Mark(bool finite) {
 bool StepVerdict::Wait() {
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
-      +[](StepVerdict* v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(v->mu_) {
-        return v->missing_ == 0 || !v->finite_;
-      },
+      +[](StepVerdict* v)
+           ABSL_EXCLUSIVE_LOCKS_REQUIRED(v->mu_) { return v->missing_ == 0 || !v->finite_; },
       this));
   return finite_;
+}
+
+bool StepVerdict::Failed() {
+  absl::MutexLock lock(&mu_);
+  return !finite_;
 }
 
 }  // namespace psflow::worker

@@ -20,6 +20,8 @@ class StepVerdict {
   // Waits until every part is marked (true: all finite) or one part was
   // not finite (false, without waiting for the rest).
   bool Wait() ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a part was found not finite already (does not wait).
+  bool Failed() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   absl::Mutex mu_;

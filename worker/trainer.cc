@@ -776,7 +776,8 @@ absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* imag
   return total;
 }
 
-absl::Status Trainer::PullLane(int l, int64_t min_version, LanePull* out) {
+absl::Status Trainer::PullLane(int l, int64_t min_version, absl::Duration max_wait,
+                               const std::function<bool()>& abandoned, LanePull* out) {
   const Lane& lane = lanes_[l];
   const absl::Time start = absl::Now();
   ps::Client* const client = ps();
@@ -785,14 +786,15 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, LanePull* out) {
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
+    if (abandoned()) return absl::OkStatus();  // out->version stays -1
     last_ask = absl::Now();
-    const absl::Time deadline = last_ask + options_.pull_wait + options_.transfer_timeout;
+    const absl::Time deadline = last_ask + max_wait + options_.transfer_timeout;
     if (async) {
       r = client->PullByClock(lane.ps, job_id_, options_.worker_index, min_version, lane.slices,
-                              lane.sinks, deadline, options_.pull_wait);
+                              lane.sinks, deadline, max_wait);
     } else {
-      absl::StatusOr<ps::Client::PullResult> p = client->Pull(
-          lane.ps, job_id_, min_version, lane.slices, lane.sinks, deadline, options_.pull_wait);
+      absl::StatusOr<ps::Client::PullResult> p =
+          client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks, deadline, max_wait);
       if (p.ok()) {
         r = ps::Client::ClockedPull{p->version >= min_version, p->version, p->wait_us};
       } else {
@@ -832,7 +834,7 @@ bool Trainer::LaneFinite(int l, float overflow) const {
 }
 
 absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip,
-                               const std::function<void()>& on_pushed, Exchanged* out,
+                               const std::function<void(absl::Time)>& on_pushed, Exchanged* out,
                                StepVerdict* verdict) {
   const int n = static_cast<int>(lanes_.size());
   for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
@@ -845,8 +847,29 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   const bool async = Async();
   std::vector<LanePull> pulls(n);
   std::vector<char> pushed(n, push_step < 0);
-  std::vector<char> checked(n, 0);  // the lane's part of the verdict is in
+  std::vector<char> checked(n, 0);      // the lane's part of the verdict is in
+  std::vector<char> counted(n, 0);      // the lane's push counts for on_pushed
+  std::vector<absl::Time> answered(n);  // when each lane's push was answered
   std::atomic<int> pushes_left{push_step < 0 ? 0 : n};
+  // Once per lane whose push was answered (and, pushing during the
+  // backward pass, whose step was found finite): the last one runs
+  // on_pushed with the last answer's time.
+  auto count_push = [&](int l) {
+    counted[l] = 1;
+    if (pushes_left.fetch_sub(1, std::memory_order_acq_rel) == 1 && on_pushed) {
+      on_pushed(*std::max_element(answered.begin(), answered.end()));
+    }
+  };
+  // Pushing during the backward pass, a lane whose weights are staged on the
+  // host (a GPU's) pulls before the verdict: the copies to the device queue
+  // behind the step (and a step that is not finite ends the job anyway). It
+  // asks the ps often, so as to notice such a verdict soon.
+  const bool pull_early = verdict != nullptr && !in_place_;
+  const absl::Duration max_wait =
+      pull_early ? std::min(options_.pull_wait, absl::Milliseconds(100)) : options_.pull_wait;
+  const std::function<bool()> abandoned = [verdict] {
+    return verdict != nullptr && verdict->Failed();
+  };
   const float overflow = WireOverflow(exchange_dtype_);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
@@ -883,12 +906,19 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
         }
         return pushed_status;
       }
+      answered[l] = absl::Now();
+      pushed[l] = 1;
+    }
+    if (!pull_early) {
       // No pull, nor the step's metrics, before the whole step is known finite.
       if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();
-      pushed[l] = 1;
-      if (pushes_left.fetch_sub(1, std::memory_order_acq_rel) == 1 && on_pushed) on_pushed();
+      if (!counted[l] && push_step >= 0) count_push(l);
+      return PullLane(l, min_version, max_wait, abandoned, &pulls[l]);
     }
-    return PullLane(l, min_version, &pulls[l]);
+    PSFLOW_RETURN_IF_ERROR(PullLane(l, min_version, max_wait, abandoned, &pulls[l]));
+    if (!verdict->Wait()) return absl::OkStatus();
+    if (!counted[l]) count_push(l);
+    return absl::OkStatus();
   });
   if (!s.ok()) return s;
   if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();  // nothing pulled
@@ -929,8 +959,8 @@ absl::Status Trainer::PullAll(int64_t min_version, Exchanged* out) {
   return RunLanes(/*push_step=*/-1, min_version, /*skip=*/false, nullptr, out);
 }
 
-absl::Status Trainer::Exchange(int64_t step, bool skip, const std::function<void()>& on_pushed,
-                               Exchanged* out) {
+absl::Status Trainer::Exchange(int64_t step, bool skip,
+                               const std::function<void(absl::Time)>& on_pushed, Exchanged* out) {
   return RunLanes(step, step + 1, skip, on_pushed, out);
 }
 
@@ -1108,8 +1138,8 @@ absl::Status Trainer::Train(int64_t start) {
     absl::Time t2, pushed_at;
     bool skip = false;
     StepMetrics async_metrics;
-    auto on_pushed = [&] {
-      pushed_at = absl::Now();
+    auto on_pushed = [&](absl::Time last_answer) {
+      pushed_at = last_answer;
       StepMetrics m;
       m.set_step(step);
       m.set_nonfinite(skip);  // the chief counts the skipped steps
@@ -1130,9 +1160,10 @@ absl::Status Trainer::Train(int64_t start) {
     // Pushing during the backward pass: the lanes start now, on another
     // thread, each pushing its gradients once the backward pass has
     // completed them (StepCopyingGradients or the network's notifications
-    // mark them in grads_ready_); they pull once this thread has found the
-    // loss finite too (the verdict; on_pushed runs after it, so it reads
-    // the result and t2 this thread set before).
+    // mark them in grads_ready_); they pull (into the network's own
+    // buffers on a CPU) once this thread has found the loss finite too
+    // (the verdict; on_pushed runs after it, so it reads the result and t2
+    // this thread set before).
     const bool early = s.ok() && push_early_;
     absl::Notification exchanged;
     absl::Status exchange_status;

@@ -191,19 +191,23 @@ class Trainer {
   // Pushes every lane's gradients of `step` (skips instead, with `skip`: the
   // step was not finite and the job skips such steps), each lane then
   // pulling its slices of step + 1; `on_pushed` runs once every push was
-  // answered (on one of the lanes' threads), not at all if one fails.
-  absl::Status Exchange(int64_t step, bool skip, const std::function<void()>& on_pushed,
+  // answered (on one of the lanes' threads), with the time of the last
+  // answer, not at all if one fails.
+  absl::Status Exchange(int64_t step, bool skip, const std::function<void(absl::Time)>& on_pushed,
                         Exchanged* out);
   // Both: pushes of `push_step` first when it is >= 0. In an asynchronous
   // job push_step is this worker's clock and min_version the clock to pull
   // at (PullLane). With `verdict` (pushes during the backward pass), each
   // lane first waits until grads_ready_ holds its gradients, checks them
-  // and marks the verdict, pushes them only if finite, and pulls only once
-  // the verdict says the whole step is finite; a lane that stops on a step
-  // that is not finite returns OK without pulling (the caller asks the
-  // verdict).
+  // and marks the verdict, and pushes them only if finite. It pulls once
+  // the verdict says the whole step is finite where the pull lands in the
+  // network's own buffers (a CPU's); where weights are staged on the host
+  // (a GPU's), it pulls at once, its copies to the device queued behind
+  // the step, and gives up asking the ps once the verdict is not finite.
+  // on_pushed runs after the verdict. A lane that stops on a step that is
+  // not finite returns OK (the caller asks the verdict).
   absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
-                        const std::function<void()>& on_pushed, Exchanged* out,
+                        const std::function<void(absl::Time)>& on_pushed, Exchanged* out,
                         StepVerdict* verdict = nullptr);
   // Whether lane `l`'s gradients are finite in the wire dtype (at or above
   // `overflow` in magnitude counts as infinite).
@@ -217,7 +221,10 @@ class Trainer {
   struct LanePull {
     int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
   };
-  absl::Status PullLane(int l, int64_t min_version, LanePull* out);
+  // Each "not yet" comes after at most `max_wait`; the lane stops asking
+  // (OK, *version -1) once `abandoned` says so.
+  absl::Status PullLane(int l, int64_t min_version, absl::Duration max_wait,
+                        const std::function<bool()>& abandoned, LanePull* out);
   // The gradients in buckets of about kGpuBucketBytes, in the order the
   // backward pass completes them, each with an event the network records
   // (Network::SetGradientEvents, set here) after the layer that completes

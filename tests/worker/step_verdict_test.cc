@@ -40,7 +40,9 @@ TEST(StepVerdictTest, ANonFinitePartEndsTheWaitAtOnce) {
     });
   }
   verdict.Mark(true);
+  EXPECT_FALSE(verdict.Failed());
   verdict.Mark(false);  // two parts never come
+  EXPECT_TRUE(verdict.Failed());
   for (std::thread& t : waiters) t.join();
   EXPECT_EQ(returned.load(), 3);
   EXPECT_EQ(finite.load(), 0);
@@ -55,6 +57,7 @@ TEST(StepVerdictTest, ResetStartsANewStep) {
   verdict.Mark(false);
   EXPECT_FALSE(verdict.Wait());
   verdict.Reset(1);
+  EXPECT_FALSE(verdict.Failed());
   verdict.Mark(true);
   EXPECT_TRUE(verdict.Wait());
   verdict.Reset(0);  // nothing to wait for
