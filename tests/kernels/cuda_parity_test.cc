@@ -16,6 +16,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -642,14 +643,27 @@ TEST_F(CudaParityTest, CaptureRecordsWithoutRunningAndReplays) {
 // graph's replay), not for the work queued before the copy itself; the
 // copies are done once WaitCopies returns. Buffers large enough that a copy
 // that did not wait would read the zeros the buffers start with.
+// Two device buffers of n floats, page-locked host memory for each, and two
+// events: what the tests of copies after events share.
+struct CopyBuffers {
+  CopyBuffers(Backend& gpu, int64_t floats)
+      : n(floats),
+        x(gpu.Allocate(n).value()),
+        y(gpu.Allocate(n).value()),
+        hx(gpu.AllocateHost(n).value()),
+        hy(gpu.AllocateHost(n).value()),
+        first(gpu.CreateEvent().value()),
+        second(gpu.CreateEvent().value()) {}
+  const int64_t n;
+  std::unique_ptr<Buffer> x, y, hx, hy;
+  std::unique_ptr<Event> first, second;
+};
+
 TEST_F(CudaParityTest, CopiesToTheHostWaitForTheirEvents) {
-  const int64_t n = int64_t{1} << 22;
-  auto x = gpu_->Allocate(n).value();
-  auto y = gpu_->Allocate(n).value();
-  auto hx = gpu_->AllocateHost(n).value();
-  auto hy = gpu_->AllocateHost(n).value();
-  auto first = gpu_->CreateEvent().value();
-  auto second = gpu_->CreateEvent().value();
+  CopyBuffers b(*gpu_, int64_t{1} << 22);
+  const int64_t n = b.n;
+  auto [x, y, hx, hy] = std::tie(b.x, b.y, b.hx, b.hy);
+  auto [first, second] = std::tie(b.first, b.second);
   PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, 1.0f, x->data(), n));
   PSFLOW_ASSERT_OK(gpu_->RecordEvent(first.get()));
   for (int k = 0; k < 8; ++k) PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 1.0f, 0.25f, y->data(), n));
@@ -692,13 +706,10 @@ TEST_F(CudaParityTest, CopiesToTheHostWaitForTheirEvents) {
 // alone: an event recorded after some copies passes once they are in host
 // memory, whatever is queued after them.
 TEST_F(CudaParityTest, AnEventAfterCopiesPassesOnceTheyAreDone) {
-  const int64_t n = int64_t{1} << 22;
-  auto x = gpu_->Allocate(n).value();
-  auto y = gpu_->Allocate(n).value();
-  auto hx = gpu_->AllocateHost(n).value();
-  auto hy = gpu_->AllocateHost(n).value();
-  auto first = gpu_->CreateEvent().value();
-  auto second = gpu_->CreateEvent().value();
+  CopyBuffers b(*gpu_, int64_t{1} << 22);
+  const int64_t n = b.n;
+  auto [x, y, hx, hy] = std::tie(b.x, b.y, b.hx, b.hy);
+  auto [first, second] = std::tie(b.first, b.second);
   auto x_copied = gpu_->CreateEvent().value();
   auto y_copied = gpu_->CreateEvent().value();
   for (float want : {1.0f, 2.0f}) {  // twice: the events are recorded again
