@@ -201,6 +201,9 @@ class NcclPeerGroup final : public PeerGroup {
       return absl::InvalidArgumentError(
           absl::StrCat("all-reduce: ", buffers.size(), " buffers for ", sizes.size(), " sizes"));
     }
+    for (int64_t n : sizes) {
+      if (n < 0) return absl::InvalidArgumentError("all-reduce: a negative size");
+    }
     if (comm_ == nullptr) return absl::UnavailableError("the workers' GPU group was aborted");
     const std::string what =
         absl::StrCat("cuda:", backend_->device_ordinal(), " all-reduce among the workers");

@@ -178,6 +178,15 @@ TEST(MultiGpuTest, PeerGroupMeansInEachWireDtype) {
       buckets[0] = {
           event->get(), {buffers[0]->data(), &empty, buffers[1]->data()}, {sizes[0], 0, sizes[1]}};
       buckets[1] = {event->get(), {buffers[2]->data()}, {sizes[2]}};
+      // A negative size is refused before anything reaches NCCL: the group
+      // goes on (the steps below).
+      if (s.ok()) {
+        const absl::Status refused =
+            (*group)->AllReduceMean({buffers[3]->data()}, {-1}, deadline, [] { return false; });
+        if (!absl::IsInvalidArgument(refused)) {
+          s = absl::InternalError(absl::StrCat("a negative size gave: ", refused.ToString()));
+        }
+      }
       // Twice: the second step reuses the buckets' tables.
       for (int step = 0; step < 2 && s.ok(); ++step) {
         if (step == 1) {
