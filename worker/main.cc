@@ -58,8 +58,10 @@ ABSL_FLAG(bool, push_during_backward, true,
           "In a job with ps whose --on_nonfinite is fail (the default): push each lane's "
           "gradients as soon as the backward pass has completed them (a GPU worker: once they "
           "are copied to the host), while the rest of the step runs, and pull the next weights "
-          "once the whole step is known finite. false: push after the step. Jobs with "
-          "--on_nonfinite=skip_step and jobs without ps always push after the step.");
+          "once the whole step is known finite (a GPU worker pulls at once, its copies to the GPU "
+          "queued behind the step). false: push after the step. Jobs with "
+          "--on_nonfinite=skip_step, jobs without ps and workers of several GPUs always push "
+          "after the step.");
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();

@@ -23,6 +23,11 @@ bool StepVerdict::Wait() {
   return finite_;
 }
 
+bool StepVerdict::Decided() {
+  absl::MutexLock lock(&mu_);
+  return missing_ == 0 || !finite_;
+}
+
 bool StepVerdict::Failed() {
   absl::MutexLock lock(&mu_);
   return !finite_;

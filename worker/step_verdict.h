@@ -22,6 +22,8 @@ class StepVerdict {
   bool Wait() ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a part was found not finite already (does not wait).
   bool Failed() ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether Wait would return at once (does not wait).
+  bool Decided() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   absl::Mutex mu_;

@@ -776,8 +776,8 @@ absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* imag
   return total;
 }
 
-absl::Status Trainer::PullLane(int l, int64_t min_version, absl::Duration max_wait,
-                               const std::function<bool()>& abandoned, LanePull* out) {
+absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_verdict,
+                               LanePull* out) {
   const Lane& lane = lanes_[l];
   const absl::Time start = absl::Now();
   ps::Client* const client = ps();
@@ -786,7 +786,13 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, absl::Duration max_wa
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
-    if (abandoned()) return absl::OkStatus();  // out->version stays -1
+    // Before the step's verdict, ask often, so as to stop soon after one
+    // that is not finite (the slices this worker withheld never come).
+    absl::Duration max_wait = options_.pull_wait;
+    if (open_verdict != nullptr) {
+      if (open_verdict->Failed()) return absl::OkStatus();  // out->version stays -1
+      if (!open_verdict->Decided()) max_wait = std::min(max_wait, absl::Milliseconds(100));
+    }
     last_ask = absl::Now();
     const absl::Time deadline = last_ask + max_wait + options_.transfer_timeout;
     if (async) {
@@ -862,14 +868,8 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   };
   // Pushing during the backward pass, a lane whose weights are staged on the
   // host (a GPU's) pulls before the verdict: the copies to the device queue
-  // behind the step (and a step that is not finite ends the job anyway). It
-  // asks the ps often, so as to notice such a verdict soon.
+  // behind the step (and a step that is not finite ends the job anyway).
   const bool pull_early = verdict != nullptr && !in_place_;
-  const absl::Duration max_wait =
-      pull_early ? std::min(options_.pull_wait, absl::Milliseconds(100)) : options_.pull_wait;
-  const std::function<bool()> abandoned = [verdict] {
-    return verdict != nullptr && verdict->Failed();
-  };
   const float overflow = WireOverflow(exchange_dtype_);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
@@ -880,13 +880,16 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
     if (!pushed[l] && verdict != nullptr && !checked[l]) {
       // Pushing during the backward pass: once the lane's gradients are
       // final (and on the host), check them; only finite ones leave.
+      // A verdict that failed already (another lane, or a step that failed
+      // and released every piece without writing it) sends nothing more.
       checked[l] = 1;
-      const bool ready = grads_ready_.WaitReady(
-          lane.first_piece, lane.last_piece, absl::InfiniteFuture(), [this] { return Stopping(); });
-      const bool finite = ready && LaneFinite(l, overflow);
+      const bool ready =
+          grads_ready_.WaitReady(lane.first_piece, lane.last_piece, absl::InfiniteFuture(),
+                                 [&] { return Stopping() || verdict->Failed(); });
+      const bool finite = ready && !verdict->Failed() && LaneFinite(l, overflow);
       verdict->Mark(finite);
-      if (!ready) return absl::CancelledError("stopping");
-      if (!finite) return absl::OkStatus();  // the caller fails the step
+      if (!ready && Stopping()) return absl::CancelledError("stopping");
+      if (!finite) return absl::OkStatus();  // the caller ends the step
     }
     if (!pushed[l]) {
       // A retried push that had arrived after all is answered DUPLICATE (or
@@ -913,9 +916,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       // No pull, nor the step's metrics, before the whole step is known finite.
       if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();
       if (!counted[l] && push_step >= 0) count_push(l);
-      return PullLane(l, min_version, max_wait, abandoned, &pulls[l]);
+      return PullLane(l, min_version, nullptr, &pulls[l]);
     }
-    PSFLOW_RETURN_IF_ERROR(PullLane(l, min_version, max_wait, abandoned, &pulls[l]));
+    PSFLOW_RETURN_IF_ERROR(PullLane(l, min_version, verdict, &pulls[l]));
     if (!verdict->Wait()) return absl::OkStatus();
     if (!counted[l]) count_push(l);
     return absl::OkStatus();
@@ -1024,7 +1027,8 @@ void Trainer::ReportLoop() {
 }
 
 absl::Status Trainer::NonFinite(int64_t step) {
-  // Nothing of this step is pushed; the chief decides what happens next.
+  // No gradient that is not finite was pushed; the chief decides what
+  // happens next.
   StepMetrics m;
   m.set_step(step);
   m.set_examples(WorkerBatch(job_));
@@ -1038,7 +1042,7 @@ absl::Status Trainer::NonFinite(int64_t step) {
   };
   mu_.AwaitWithTimeout(absl::Condition(&told), options_.nonfinite_wait);
   return absl::FailedPreconditionError(
-      absl::StrCat("step ", step, ": the loss or the gradients are not finite; nothing pushed"));
+      absl::StrCat("step ", step, ": the loss or the gradients are not finite"));
 }
 
 namespace {
@@ -1139,7 +1143,9 @@ absl::Status Trainer::Train(int64_t start) {
     bool skip = false;
     StepMetrics async_metrics;
     auto on_pushed = [&](absl::Time last_answer) {
-      pushed_at = last_answer;
+      // (Pushes during the backward pass may all be answered before the
+      // step ends: then nothing of them is left to count as push time.)
+      pushed_at = std::max(last_answer, t2);
       StepMetrics m;
       m.set_step(step);
       m.set_nonfinite(skip);  // the chief counts the skipped steps
@@ -1182,6 +1188,7 @@ absl::Status Trainer::Train(int64_t start) {
       verdict_.Mark(finite);
       exchanged.WaitForNotification();
     };
+    bool verdict_marked = false;
     // A CPU worker of a job without ps starts the ring all-reduce of the
     // step's gradients now, on another thread: each bucket goes as soon as
     // the backward pass has completed its gradients.
@@ -1200,8 +1207,16 @@ absl::Status Trainer::Train(int64_t start) {
              : !host_buckets_.empty()
                  ? StepCopyingGradients(batches.images(), batches.labels(), batch, early)
                  : net_->TrainStep(batches.images(), batches.labels(), batch);
-    // (After a failed step too: no lane waits for gradients that never come.)
-    if (early) grads_ready_.MarkAllReady();
+    // After a failed step too, so that no lane waits for gradients that
+    // never come; the verdict fails first, so that none of them pushes what
+    // it then finds in its buffers.
+    if (early) {
+      if (!result.ok() || !s.ok()) {
+        verdict_.Mark(false);
+        verdict_marked = true;
+      }
+      grads_ready_.MarkAllReady();
+    }
     if (overlap) {
       if (result.ok()) {
         ring_loss_ = static_cast<float>(result->loss);
@@ -1217,7 +1232,10 @@ absl::Status Trainer::Train(int64_t start) {
       s = net_->GetGradients(grads_);
     }
     if (!result.ok() || !s.ok()) {
-      finish_lanes(false);
+      if (early) {
+        if (!verdict_marked) verdict_.Mark(false);
+        exchanged.WaitForNotification();
+      }
       const absl::Status& e = result.ok() ? s : result.status();
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
     }
@@ -1237,6 +1255,10 @@ absl::Status Trainer::Train(int64_t start) {
     }
     if (early) {
       finish_lanes(std::isfinite(result->loss));
+      // (Lanes stopped by a signal or by the chief's FAIL leave the verdict
+      // failed too: that is not this step's fault.)
+      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+      if (job_failed()) return failed;
       if (!verdict_.Wait()) {
         PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
                      << ") or the gradients are not finite (in the wire dtype); lanes of finite "

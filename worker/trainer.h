@@ -92,11 +92,12 @@ struct TrainerOptions {
   // Each lane checks and pushes its gradients as soon as the backward pass
   // has completed them (and a GPU has copied them to the host), while the
   // rest of the step runs; it pulls once the whole step is known finite.
-  // Only in jobs with ps whose on_nonfinite is FAIL: a step that is not
-  // finite fails the job, so gradients of it pushed before that was known
-  // are harmless (the ps never complete the step). SKIP_STEP needs the
-  // whole step's verdict before the first push. False: every push waits
-  // for the end of the step.
+  // Only in jobs with ps whose on_nonfinite is FAIL, for workers of one
+  // device whose backend computes in host memory or copies gradients out
+  // bucket by bucket: a step that is not finite fails the job, so finite
+  // gradients of it pushed before that was known are harmless. SKIP_STEP
+  // needs the whole step's verdict before the first push. False: every
+  // push waits for the end of the step.
   bool push_during_backward = true;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
   // of this worker and its peers, and this worker's own replica, the shard
@@ -221,10 +222,10 @@ class Trainer {
   struct LanePull {
     int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
   };
-  // Each "not yet" comes after at most `max_wait`; the lane stops asking
-  // (OK, *version -1) once `abandoned` says so.
-  absl::Status PullLane(int l, int64_t min_version, absl::Duration max_wait,
-                        const std::function<bool()>& abandoned, LanePull* out);
+  // With `open_verdict` (a pull before the step's verdict), each "not yet"
+  // comes after at most 100 ms while the verdict is open, and the lane
+  // stops asking (OK, *version -1) once it failed.
+  absl::Status PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out);
   // The gradients in buckets of about kGpuBucketBytes, in the order the
   // backward pass completes them, each with an event the network records
   // (Network::SetGradientEvents, set here) after the layer that completes

@@ -23,9 +23,12 @@ TEST(StepVerdictTest, WaitsForEveryPartAndTellsWhetherAllWereFinite) {
   verdict.Mark(true);
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(done.load(), 0) << "returned with a part missing";
+  EXPECT_FALSE(verdict.Decided());
   verdict.Mark(true);
   waiter.join();
   EXPECT_TRUE(result.load());
+  EXPECT_TRUE(verdict.Decided());
+  EXPECT_FALSE(verdict.Failed());
 }
 
 TEST(StepVerdictTest, ANonFinitePartEndsTheWaitAtOnce) {
@@ -43,6 +46,7 @@ TEST(StepVerdictTest, ANonFinitePartEndsTheWaitAtOnce) {
   EXPECT_FALSE(verdict.Failed());
   verdict.Mark(false);  // two parts never come
   EXPECT_TRUE(verdict.Failed());
+  EXPECT_TRUE(verdict.Decided());
   for (std::thread& t : waiters) t.join();
   EXPECT_EQ(returned.load(), 3);
   EXPECT_EQ(finite.load(), 0);
