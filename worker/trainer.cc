@@ -525,7 +525,7 @@ absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() 
 
 absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float* images,
                                                                      const int32_t* labels,
-                                                                     int batch, bool mark_ready) {
+                                                                     int batch) {
   PSFLOW_RETURN_IF_ERROR(net_->SetInputs(images, labels, batch));
   PSFLOW_RETURN_IF_ERROR(net_->StartTrainStep(batch));
   // The step is queued: each bucket's copies wait on their own stream for
@@ -539,11 +539,11 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
       copies.push_back({device[v], grads_[v], static_cast<size_t>(variable_floats_[v])});
     }
     s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
-    if (s.ok() && mark_ready) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
+    if (s.ok() && push_early_) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
   }
   // The lanes push each bucket once it is on the host, in the order the
   // backward pass completes them.
-  for (size_t b = 0; s.ok() && mark_ready && b < host_buckets_.size(); ++b) {
+  for (size_t b = 0; s.ok() && push_early_ && b < host_buckets_.size(); ++b) {
     s = backend_->WaitEvent(host_buckets_[b].copied.get());
     if (!s.ok()) break;
     for (int v : host_buckets_[b].variables) grads_ready_.MarkReady(backward_pos_[v]);
@@ -832,7 +832,12 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   return absl::OkStatus();
 }
 
-bool Trainer::LaneFinite(int l, float overflow) const {
+bool Trainer::LaneFinite(int l) const {
+  // A gradient the wire dtype turns into infinity (fp16 from 65520 on) is
+  // as diverged as one that already is. (To a replica of an all-reduce job
+  // the exchange is fp32: its ring rounds the mean through the wire dtype
+  // already, so an fp16 overflow is an infinity by then.)
+  const float overflow = WireOverflow(exchange_dtype_);
   for (const TensorRef& r : lanes_[l].refs) {
     if (!AllFinite(r.data, NumElements(r.shape), overflow)) return false;
   }
@@ -870,7 +875,6 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   // host (a GPU's) pulls before the verdict: the copies to the device queue
   // behind the step (and a step that is not finite ends the job anyway).
   const bool pull_early = verdict != nullptr && !in_place_;
-  const float overflow = WireOverflow(exchange_dtype_);
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
   policy.stop = [this] { return Stopping(); };
@@ -886,7 +890,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       const bool ready =
           grads_ready_.WaitReady(lane.first_piece, lane.last_piece, absl::InfiniteFuture(),
                                  [&] { return Stopping() || verdict->Failed(); });
-      const bool finite = ready && !verdict->Failed() && LaneFinite(l, overflow);
+      const bool finite = ready && !verdict->Failed() && LaneFinite(l);
       verdict->Mark(finite);
       if (!ready && Stopping()) return absl::CancelledError("stopping");
       if (!finite) return absl::OkStatus();  // the caller ends the step
@@ -1088,9 +1092,6 @@ absl::Status Trainer::Train(int64_t start) {
   WorkerBatches batches(data_, job_, options_.worker_index);
   const int batch = job_.batch_size();  // per replica
   const int64_t worker_batch = batches.size();
-  // (An all-reduce's ring rounds its mean through the wire dtype already:
-  // an fp16 overflow is an infinity by then.)
-  const float wire_overflow = WireOverflow(exchange_dtype_);
   auto job_failed = [this] {
     absl::MutexLock lock(&mu_);
     return job_failed_;
@@ -1182,13 +1183,6 @@ absl::Status Trainer::Train(int64_t start) {
         exchanged.Notify();
       });
     }
-    // Every path out of the step from here waits for those lanes.
-    auto finish_lanes = [&](bool finite) {
-      if (!early) return;
-      verdict_.Mark(finite);
-      exchanged.WaitForNotification();
-    };
-    bool verdict_marked = false;
     // A CPU worker of a job without ps starts the ring all-reduce of the
     // step's gradients now, on another thread: each bucket goes as soon as
     // the backward pass has completed its gradients.
@@ -1205,16 +1199,14 @@ absl::Status Trainer::Train(int64_t start) {
     result = !s.ok()  ? s
              : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
              : !host_buckets_.empty()
-                 ? StepCopyingGradients(batches.images(), batches.labels(), batch, early)
+                 ? StepCopyingGradients(batches.images(), batches.labels(), batch)
                  : net_->TrainStep(batches.images(), batches.labels(), batch);
     // After a failed step too, so that no lane waits for gradients that
     // never come; the verdict fails first, so that none of them pushes what
-    // it then finds in its buffers.
+    // it then finds in its buffers. (This thread's one mark of the verdict;
+    // every path out of the step from here waits for the lanes.)
     if (early) {
-      if (!result.ok() || !s.ok()) {
-        verdict_.Mark(false);
-        verdict_marked = true;
-      }
+      if (!result.ok() || !s.ok()) verdict_.Mark(false);
       grads_ready_.MarkAllReady();
     }
     if (overlap) {
@@ -1232,10 +1224,9 @@ absl::Status Trainer::Train(int64_t start) {
       s = net_->GetGradients(grads_);
     }
     if (!result.ok() || !s.ok()) {
-      if (early) {
-        if (!verdict_marked) verdict_.Mark(false);
-        exchanged.WaitForNotification();
-      }
+      // (Pushing during the backward pass, gradients are never fetched
+      // after the step: a failure here is the step's, marked above.)
+      if (early) exchanged.WaitForNotification();
       const absl::Status& e = result.ok() ? s : result.status();
       return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
     }
@@ -1254,7 +1245,8 @@ absl::Status Trainer::Train(int64_t start) {
       }
     }
     if (early) {
-      finish_lanes(std::isfinite(result->loss));
+      verdict_.Mark(std::isfinite(result->loss));
+      exchanged.WaitForNotification();
       // (Lanes stopped by a signal or by the chief's FAIL leave the verdict
       // failed too: that is not this step's fault.)
       if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
@@ -1267,12 +1259,10 @@ absl::Status Trainer::Train(int64_t start) {
       }
       s = exchange_status;
     } else {
-      // A gradient the wire dtype turns into infinity (fp16 from 65520 on)
-      // is as diverged as one that already is.
       // Each lane's slices are checked on the pool, as the pushes will go.
       std::vector<char> finite_on(lanes_.size(), 1);
       FanOut(pool_.get(), static_cast<int>(lanes_.size()), RetryPolicy(), [&](int l) {
-        finite_on[l] = LaneFinite(l, wire_overflow);
+        finite_on[l] = LaneFinite(l);
         return absl::OkStatus();
       }).IgnoreError();  // the calls cannot fail
       const bool finite = std::isfinite(result->loss) && std::isfinite(ring_loss_) &&

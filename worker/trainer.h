@@ -210,9 +210,9 @@ class Trainer {
   absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
                         const std::function<void(absl::Time)>& on_pushed, Exchanged* out,
                         StepVerdict* verdict = nullptr);
-  // Whether lane `l`'s gradients are finite in the wire dtype (at or above
-  // `overflow` in magnitude counts as infinite).
-  bool LaneFinite(int l, float overflow) const;
+  // Whether lane `l`'s gradients are finite in the exchange's dtype (what
+  // it cannot hold counts as infinite).
+  bool LaneFinite(int l) const;
   // Pulls lane `l`'s slices of min_version (asking again while the ps
   // answers "not yet"), then copies to the device each variable whose last
   // slice this was. Sets *version and *wait_us (time on "not yet" answers
@@ -241,11 +241,11 @@ class Trainer {
   absl::StatusOr<std::vector<GradientBucket>> GradientBuckets();
   // A GPU worker's step in a job with ps (one replica): the step's graph,
   // and each bucket of gradients copied to page-locked memory as soon as
-  // the backward pass has written it (host_buckets_). With `mark_ready`,
-  // each bucket's variables are marked in grads_ready_ as its copies end.
+  // the backward pass has written it (host_buckets_). Pushing during the
+  // backward pass (push_early_), each bucket's variables are marked in
+  // grads_ready_ as its copies end.
   absl::StatusOr<model::Network::Result> StepCopyingGradients(const float* images,
-                                                              const int32_t* labels, int batch,
-                                                              bool mark_ready);
+                                                              const int32_t* labels, int batch);
   // All-reduce jobs of GPU workers (each in the NCCL group, or alone): the
   // replica lives on the device. Allocates the optimizer's slots there.
   absl::Status PrepareDeviceReplica();
