@@ -460,41 +460,51 @@ dim3 ChunkGrid(int64_t largest, int tensors) {
   return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(tensors));
 }
 
-}  // namespace
-
-cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs* tensors, int count,
-                                 cudaStream_t stream) {
+// The launches over `count` tensors, kMaxTensorsPerLaunch at a time: for
+// each chunk, a fresh Chunk that fill(chunk, k, i) fills with tensor i in
+// place k (returning its elements), then launch(grid, chunk), unless every
+// tensor of the chunk is empty.
+template <typename Chunk, typename Fill, typename Launch>
+cudaError_t LaunchInChunks(int count, Fill fill, Launch launch) {
   for (int first = 0; first < count; first += kMaxTensorsPerLaunch) {
     const int in_chunk = std::min(count - first, kMaxTensorsPerLaunch);
-    OptimizerChunk chunk{};
+    Chunk chunk{};
     int64_t largest = 0;
-    for (int k = 0; k < in_chunk; ++k) {
-      chunk.t[k] = tensors[first + k];
-      largest = std::max(largest, chunk.t[k].n);
-    }
+    for (int k = 0; k < in_chunk; ++k) largest = std::max(largest, fill(chunk, k, first + k));
     if (largest <= 0) continue;
-    ApplyOptimizerKernel<<<ChunkGrid(largest, in_chunk), kThreads, 0, stream>>>(step, chunk);
+    launch(ChunkGrid(largest, in_chunk), chunk);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
 
+}  // namespace
+
+cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs* tensors, int count,
+                                 cudaStream_t stream) {
+  return LaunchInChunks<OptimizerChunk>(
+      count,
+      [&](OptimizerChunk& chunk, int k, int i) {
+        chunk.t[k] = tensors[i];
+        return chunk.t[k].n;
+      },
+      [&](dim3 grid, const OptimizerChunk& chunk) {
+        ApplyOptimizerKernel<<<grid, kThreads, 0, stream>>>(step, chunk);
+      });
+}
+
 cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int num, float* count,
                                  cudaStream_t stream) {
-  for (int first = 0; first < num; first += kMaxTensorsPerLaunch) {
-    const int in_chunk = std::min(num - first, kMaxTensorsPerLaunch);
-    CountChunk chunk{};
-    int64_t largest = 0;
-    for (int k = 0; k < in_chunk; ++k) {
-      chunk.x[k] = x[first + k];
-      chunk.n[k] = n[first + k];
-      largest = std::max(largest, chunk.n[k]);
-    }
-    if (largest <= 0) continue;
-    CountNonFiniteKernel<<<ChunkGrid(largest, in_chunk), kThreads, 0, stream>>>(chunk, count);
-    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return LaunchInChunks<CountChunk>(
+      num,
+      [&](CountChunk& chunk, int k, int i) {
+        chunk.x[k] = x[i];
+        chunk.n[k] = n[i];
+        return chunk.n[k];
+      },
+      [&](dim3 grid, const CountChunk& chunk) {
+        CountNonFiniteKernel<<<grid, kThreads, 0, stream>>>(chunk, count);
+      });
 }
 
 namespace {
