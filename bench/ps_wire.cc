@@ -7,9 +7,8 @@
 // every ps's slices into lanes (up to --lanes_per_ps, each its own HTTP/2
 // connection) that push their gradients of step k and at once pull their
 // slices of version k+1, as a worker's trainer does. Prints one line:
-//   wire model=resnet floats=11200000 ps=2 workers=1 lanes_per_ps=8 dtype=fp32 step_ms=9.1
-//   push_ms=6.0
-//        gbps=9.8
+//   wire model=resnet floats=11200000 ps=2 workers=1 lanes_per_ps=8 dtype=fp32
+//        shared_memory=1 step_ms=9.1 push_ms=6.0 gbps=9.8
 // (step_ms: whole exchange; push_ms: until the last lane's push is answered;
 // gbps: bytes pushed and pulled per second by one worker, in the wire dtype).
 
@@ -44,6 +43,9 @@ ABSL_FLAG(int, lanes_per_ps, 0,
 ABSL_FLAG(std::string, wire_dtype, "fp32", "fp32, bf16 or fp16.");
 ABSL_FLAG(int, steps, 30, "Timed steps (after 3 untimed ones).");
 ABSL_FLAG(int, apply_threads, 2, "Apply threads of each ps.");
+ABSL_FLAG(bool, shared_memory, true,
+          "Workers offer the ps shared memory for the tensors, as psflow-worker does by default "
+          "(the ps are on this host); false: the tensors go over TCP on loopback.");
 
 namespace {
 
@@ -195,7 +197,9 @@ int main(int argc, char** argv) {
   };
   std::vector<Worker> ws(workers);
   for (Worker& w : ws) {
-    w.client = std::make_unique<GrpcClient>(addresses, psflow::SecurityOptions{}, lanes_per_ps);
+    w.client = std::make_unique<GrpcClient>(addresses, psflow::SecurityOptions{}, lanes_per_ps,
+                                            nullptr, psflow::Role::kPs,
+                                            absl::GetFlag(FLAGS_shared_memory));
     w.grads.resize(num_ps);
     w.weights.resize(num_ps);
     for (int p = 0; p < num_ps; ++p) {
@@ -271,11 +275,11 @@ int main(int argc, char** argv) {
   const double push_ms = ws[0].push_ms / steps;
   const double bytes = 2.0 * static_cast<double>(floats) * psflow::WireBytes(dtype);
   std::printf(
-      "wire model=%s floats=%lld ps=%d workers=%d lanes_per_ps=%d dtype=%s step_ms=%.2f "
-      "push_ms=%.2f "
-      "gbps=%.2f\n",
+      "wire model=%s floats=%lld ps=%d workers=%d lanes_per_ps=%d dtype=%s shared_memory=%d "
+      "step_ms=%.2f push_ms=%.2f gbps=%.2f\n",
       model_name.c_str(), static_cast<long long>(floats), num_ps, workers, lanes_per_ps,
-      wire.c_str(), step_ms, push_ms, bytes / (step_ms * 1e-3) / 1e9);
+      wire.c_str(), absl::GetFlag(FLAGS_shared_memory) ? 1 : 0, step_ms, push_ms,
+      bytes / (step_ms * 1e-3) / 1e9);
   for (Server& s : servers) {
     s.shard->Shutdown();
     s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -24,6 +24,11 @@ using google::protobuf::io::StringOutputStream;
 // costs more than the copy.
 constexpr int64_t kCopyBelowBytes = 4096;
 
+// A chunk in shared memory is decoded (and checked by the assembler) in
+// blocks of this many bytes: a multiple of every element's size, small
+// enough that the check reads what the copy left in the cache.
+constexpr int64_t kSharedBlockBytes = 256 << 10;
+
 // TensorChunk's field numbers (proto/tensor.proto).
 enum ChunkField : int {
   kName = 1,
@@ -32,7 +37,10 @@ enum ChunkField : int {
   kShape = 4,
   kOffset = 5,
   kData = 6,
+  kSharedOffset = 7,
+  kSharedBytes = 8,
 };
+
 
 void AppendVarint(uint64_t v, std::string* out) {
   while (v >= 0x80) {
@@ -92,9 +100,11 @@ bool ReadString(CodedInputStream& in, uint32_t tag, std::string* out) {
 
 // One TensorChunk, `in` limited to it.
 absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
-                       absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes) {
+                       absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes,
+                       const SharedSpan* region) {
   TensorChunk header;
   bool data_seen = false;
+  bool shared = false;  // a shared offset or size came
   auto add = [&](int64_t size, ChunkAssembler::ChunkDecoder decode) -> absl::Status {
     int completed = -1;
     absl::Status s = assembler->AddFrom(header, size, decode, &completed);
@@ -104,6 +114,9 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
   while (const uint32_t tag = in.ReadTag()) {
     const int field = WireFormatLite::GetTagFieldNumber(tag);
     const auto wire = WireFormatLite::GetTagWireType(tag);
+    if (data_seen && (field == kSharedOffset || field == kSharedBytes)) {
+      return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
+    }
     if (data_seen && field >= kName && field <= kOffset) {
       return absl::InvalidArgumentError("a chunk's name, shape or offset comes after its data");
     }
@@ -149,7 +162,22 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
         }
         header.set_offset(static_cast<int64_t>(v));
         break;
+      case kSharedOffset:
+      case kSharedBytes:
+        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
+          return Malformed("chunk's shared place");
+        }
+        shared = true;
+        if (field == kSharedOffset) {
+          header.set_shared_offset(static_cast<int64_t>(v));
+        } else {
+          header.set_shared_bytes(static_cast<int64_t>(v));
+        }
+        break;
       case kData: {
+        if (shared) {
+          return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
+        }
         uint32_t length = 0;
         if (wire != WireFormatLite::WIRETYPE_LENGTH_DELIMITED || !in.ReadVarint32(&length) ||
             static_cast<int64_t>(length) > in.BytesUntilLimit()) {
@@ -172,6 +200,33 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
   // A chunk that ends before its length: the message was cut short.
   if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() > 0) return Malformed("chunk");
   if (data_seen) return absl::OkStatus();
+  if (shared) {
+    // The data lie in the call's region: within it, or the chunk is refused.
+    const int64_t at = header.shared_offset(), size = header.shared_bytes();
+    if (region == nullptr || region->data == nullptr) {
+      return absl::InvalidArgumentError("a chunk in shared memory, but the call has no region");
+    }
+    if (at < 0 || size < 0 || at > region->size || size > region->size - at) {
+      return absl::InvalidArgumentError(absl::StrCat("a chunk of ", size, " bytes at byte ", at,
+                                                     " of a shared region of ", region->size));
+    }
+    *data_bytes += size;
+    // In blocks, each checked while it is still in the cache.
+    const int64_t first = header.offset();
+    int64_t done = 0;
+    do {
+      const int64_t take = std::min(kSharedBlockBytes, size - done);
+      const char* from = region->data + at + done;
+      header.set_offset(first + done);
+      absl::Status s = add(take, [&](DataType dtype, int64_t n, float* out) {
+        DecodeFloats(dtype, from, n, out);
+        return true;
+      });
+      if (!s.ok()) return s;
+      done += take;
+    } while (done < size);
+    return absl::OkStatus();
+  }
   // proto3 leaves out empty bytes: a chunk of no data.
   return add(0, [](DataType, int64_t, float*) { return true; });
 }
@@ -228,11 +283,45 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
+    const google::protobuf::MessageLite& fields, int chunk_field,
+    absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor) {
+  std::string out = fields.SerializeAsString();
+  for (const ChunkPiece& piece : pieces) {
+    const TensorRef& t = *piece.tensor;
+    TensorChunk chunk = ChunkHeader(piece);
+    if (piece.bytes > 0) {
+      const int64_t at = (*cursor + kSharedAlign - 1) / kSharedAlign * kSharedAlign;
+      if (at > region.size || piece.bytes > region.size - at) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a shared region of ", region.size, " bytes is too small for ",
+                         t.name, ": ", piece.bytes, " bytes at byte ", at));
+      }
+      const int64_t element = WireBytes(t.dtype);
+      const float* from = t.data + piece.offset / element;
+      if (t.dtype == DT_FLOAT) {
+        std::memcpy(region.data + at, from, static_cast<size_t>(piece.bytes));
+      } else {
+        EncodeFloats(t.dtype, from, piece.bytes / element, region.data + at);
+      }
+      chunk.set_shared_offset(at);
+      chunk.set_shared_bytes(piece.bytes);
+      *cursor = at + piece.bytes;
+    }
+    const std::string header = chunk.SerializeAsString();
+    AppendLengthTag(chunk_field, &out);
+    AppendVarint(header.size(), &out);
+    out += header;
+  }
+  grpc::Slice slice(out);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
                               google::protobuf::MessageLite* fields,
                               absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,
                               absl::FunctionRef<absl::Status(int)> on_complete,
-                              int64_t* data_bytes) {
+                              int64_t* data_bytes, const SharedSpan* region) {
   fields->Clear();
   grpc::ProtoBufferReader reader(buffer);
   if (!reader.status().ok()) return Malformed("unreadable buffer");
@@ -263,7 +352,7 @@ absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
         return Malformed("chunk length");
       }
       const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
-      absl::Status s = ReadChunk(in, target, on_complete, data_bytes);
+      absl::Status s = ReadChunk(in, target, on_complete, data_bytes, region);
       if (!s.ok()) return s;
       in.PopLimit(limit);
     } else {

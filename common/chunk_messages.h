@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/shared_region.h"
 #include "common/tensor_chunks.h"
 
 namespace psflow {
@@ -39,6 +40,16 @@ namespace psflow {
 grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields, int chunk_field,
                                     absl::Span<const ChunkPiece> pieces,
                                     const std::shared_ptr<const void>& keep);
+
+// As EncodeChunkMessage, for a call with a shared region (common/
+// shared_region.h): each piece's data is written (fp32) or encoded (16-bit)
+// into `region` from *cursor on (each piece at a multiple of 64 bytes;
+// *cursor ends past the last), and its chunk carries only its place there
+// (TensorChunk.shared_offset and shared_bytes). INVALID_ARGUMENT when the
+// region is too small.
+absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
+    const google::protobuf::MessageLite& fields, int chunk_field,
+    absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor);
 
 // Reads one message written as above (or by protobuf itself). The fields
 // other than the chunks are parsed into `fields` (cleared first); then
@@ -54,12 +65,15 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
 // error from it ends the read and is returned). *data_bytes adds up the
 // chunks' data bytes. INVALID_ARGUMENT for bytes that are not the message's
 // wire format, or for a chunk the assembler refuses (also one whose name,
-// shape or offset comes after its data).
+// shape or offset comes after its data). A chunk whose data lie in shared
+// memory is decoded from `*region`, read when that chunk comes (so a
+// reader may set it on seeing the first message's fields); it is
+// INVALID_ARGUMENT without a region, or reaching outside it.
 absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
                               google::protobuf::MessageLite* fields,
                               absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,
                               absl::FunctionRef<absl::Status(int)> on_complete,
-                              int64_t* data_bytes);
+                              int64_t* data_bytes, const SharedSpan* region = nullptr);
 
 // One client call of raw messages (any of the four kinds, on a
 // grpc::GenericStub), driven step by step from the calling thread on a

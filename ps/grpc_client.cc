@@ -101,8 +101,10 @@ bool GrpcClient::Reachable(int ps) const {
 void GrpcClient::CancelAll() { calls_.CancelAll(); }
 
 GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-                       int connections_per_ps, metrics::Registry* metrics, Role server_role)
+                       int connections_per_ps, metrics::Registry* metrics, Role server_role,
+                       bool shared_memory)
     : errors_(metrics, kService) {
+  if (shared_memory) regions_ = std::make_unique<SharedRegionPool>(kMaxSharedBytes);
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_push_bytes",
                                 "Gradient bytes (in the wire dtype) sent by one push call to a ps.",
@@ -146,19 +148,68 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
                                        header, std::move(tensors))));
 }
 
+SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count) {
+  if (regions_ == nullptr || bytes == 0 || !links_[ps]->shared.load()) return {};
+  return regions_->Acquire(SharedBytesFor(bytes, count));
+}
+
+bool GrpcClient::RefusedRegion(int ps, const absl::Status& status,
+                               SharedRegionPool::Lease& region) {
+  if (status.ok()) return false;
+  region.Discard();
+  if (!IsSharedMemoryRefusal(status)) return false;
+  if (links_[ps]->shared.exchange(false)) {
+    PSLOG(WARNING) << "ps " << ps << " takes no shared memory (" << status.message()
+                   << "): its tensors go over the network";
+  }
+  return true;
+}
+
 absl::StatusOr<PullResponse> GrpcClient::RunPull(
     int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
     const std::function<bool(const PullResponse&)>& ready) {
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
   request.set_dtype(*dtype);
-  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
-  ChunkAssembler assembler(std::move(sinks));
   const absl::Time start = absl::Now();
   int64_t bytes = 0;
+  int64_t want = 0;
+  for (const TensorSink& s : sinks) want += NumElements(s.shape) * WireBytes(*dtype);
+  absl::StatusOr<PullResponse> first;
+  SharedRegionPool::Lease region = RegionFor(ps, want, static_cast<int64_t>(sinks.size()));
+  bool network = true;
+  if (region) {
+    first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes);
+    network = RefusedRegion(ps, first.status(), region);
+    region.reset();
+  }
+  if (network) {
+    first = PullCall(ps, std::move(request), std::move(sinks), deadline, ready, nullptr, &bytes);
+  }
+  if (!first.ok()) return errors_.Count("Pull", WithPs(ps, first.status()));
+  if (ready(*first)) {
+    pull_bytes_->Observe(static_cast<double>(bytes));
+    pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  return first;
+}
+
+absl::StatusOr<PullResponse> GrpcClient::PullCall(int ps, PullRequest request,
+                                                  std::vector<TensorSink> sinks,
+                                                  absl::Time deadline,
+                                                  const std::function<bool(const PullResponse&)>& ready,
+                                                  SharedRegion* region, int64_t* bytes) {
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
+  ChunkAssembler assembler(std::move(sinks));
+  SharedSpan span;
+  if (region != nullptr) {
+    *request.mutable_region() = region->ref();
+    span = region->data();
+  }
   std::optional<PullResponse> first;  // its fields, with the lowest version of all messages
   absl::Status bad;
   grpc::Status finished;
+  *bytes = 0;
   {
     RawCall rpc(NextStub(ps), call.context(), kPullMethod);
     grpc::ByteBuffer message;
@@ -175,7 +226,7 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
       bad = ReadChunkMessage(
           &message, PullResponse::kChunkFieldNumber, &fields,
           [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
-          [](int) { return absl::OkStatus(); }, &bytes);
+          [](int) { return absl::OkStatus(); }, bytes, &span);
       if (!bad.ok()) continue;
       if (!first.has_value()) {
         first = std::move(fields);
@@ -185,20 +236,14 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
     }
     finished = rpc.Finish();
   }
-  if (absl::Status s = FromGrpcStatus(finished); !s.ok()) {
-    return errors_.Count("Pull", WithPs(ps, s));
-  }
-  if (!bad.ok()) return errors_.Count("Pull", WithPs(ps, absl::DataLossError(bad.message())));
-  if (!first.has_value()) {
-    return errors_.Count("Pull", WithPs(ps, absl::DataLossError("empty pull answer")));
-  }
+  if (absl::Status s = FromGrpcStatus(finished); !s.ok()) return s;
+  if (!bad.ok()) return absl::DataLossError(bad.message());
+  if (!first.has_value()) return absl::DataLossError("empty pull answer");
   if (!ready(*first)) return *first;  // not yet: no data
-  absl::Status s = assembler.Finish();
-  if (!s.ok()) return errors_.Count("Pull", WithPs(ps, absl::DataLossError(s.message())));
-  pull_bytes_->Observe(static_cast<double>(bytes));
-  pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  if (absl::Status s = assembler.Finish(); !s.ok()) return absl::DataLossError(s.message());
   return *first;
 }
+
 absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
     int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
     std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
@@ -243,6 +288,24 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
   const int64_t bytes = WireBytesOf(grads);
   const absl::Time start = absl::Now();
+  absl::StatusOr<PushResponse> response;
+  SharedRegionPool::Lease region = RegionFor(ps, bytes, static_cast<int64_t>(grads.size()));
+  bool network = true;
+  if (region) {
+    response = PushCall(ps, header, grads, deadline, region.get());
+    network = RefusedRegion(ps, response.status(), region);
+    region.reset();
+  }
+  if (network) response = PushCall(ps, header, std::move(grads), deadline, nullptr);
+  if (!response.ok()) return errors_.Count("Push", WithPs(ps, response.status()));
+  push_bytes_->Observe(static_cast<double>(bytes));
+  push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  return response;
+}
+
+absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
+                                                  std::vector<TensorRef> grads,
+                                                  absl::Time deadline, SharedRegion* region) {
   PushResponse response;
   absl::Status s;
   Lent lent;
@@ -252,35 +315,48 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
     ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
     RawCall rpc(NextStub(ps), call.context(), kPushMethod);
     // As WriteChunked: the header goes first, even with no chunks.
+    if (region != nullptr) *header.mutable_region() = region->ref();
     PushRequest message;
-    *message.mutable_header() = header;
-    ChunkSplitter splitter(std::move(grads), kChunkBytes);
+    *message.mutable_header() = std::move(header);
+    ChunkSplitter splitter(std::move(grads), region != nullptr ? kSharedMessageBytes : kChunkBytes);
     std::vector<ChunkPiece> pieces;
     bool more = splitter.NextPieces(&pieces);
     bool written = true;
+    int64_t cursor = 0;  // in the region
     while (true) {
-      written = rpc.Write(
-          EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep()));
+      grpc::ByteBuffer buffer;
+      if (region != nullptr) {
+        absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
+            message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor);
+        if (!encoded.ok()) {
+          s = encoded.status();
+          break;
+        }
+        buffer = *std::move(encoded);
+      } else {
+        buffer = EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep());
+      }
+      written = rpc.Write(buffer);
       if (!written || !more) break;
       message.Clear();
       pieces.clear();
       more = splitter.NextPieces(&pieces);
       if (!more) break;
     }
-    if (written) rpc.WritesDone();
-    grpc::ByteBuffer answer;
-    const bool answered = rpc.Read(&answer);
-    s = FromGrpcStatus(rpc.Finish());
-    if (s.ok() &&
-        (!answered ||
-         !grpc::SerializationTraits<PushResponse>::Deserialize(&answer, &response).ok())) {
-      s = absl::DataLossError("unreadable push answer");
+    if (s.ok()) {
+      if (written) rpc.WritesDone();
+      grpc::ByteBuffer answer;
+      const bool answered = rpc.Read(&answer);
+      s = FromGrpcStatus(rpc.Finish());
+      if (s.ok() &&
+          (!answered ||
+           !grpc::SerializationTraits<PushResponse>::Deserialize(&answer, &response).ok())) {
+        s = absl::DataLossError("unreadable push answer");
+      }
     }
   }
   lent.Release();
-  if (!s.ok()) return errors_.Count("Push", WithPs(ps, s));
-  push_bytes_->Observe(static_cast<double>(bytes));
-  push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  if (!s.ok()) return s;
   return response;
 }
 

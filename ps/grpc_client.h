@@ -16,6 +16,7 @@
 
 #include "common/grpc_util.h"
 #include "common/metrics.h"
+#include "common/shared_region.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps/client.h"
 
@@ -28,13 +29,22 @@ namespace psflow::ps {
 // secured as `security` says (MakeChannel). `metrics` (may be null; must
 // outlive the client) gets the bytes and durations of pushes and pulls and
 // the failed calls by code.
+//
+// With `shared_memory`, pushes and pulls offer each ps a shared region
+// (common/shared_region.h) for their tensors, leased from a pool of at most
+// kMaxSharedBytes; a ps that refuses one (it is on another host, or in
+// another process namespace) gets that call again over the network, and
+// every later call to it goes over the network too. A region whose call
+// failed is dropped rather than reused: its ps may still be reading it.
 class GrpcClient final : public Client {
  public:
+  static constexpr int64_t kMaxSharedBytes = int64_t{8} << 30;
+
   // `server_role`: the role whose certificate the addresses present (a ps,
   // or a worker serving its replica in a job without ps).
   GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
              int connections_per_ps = 1, metrics::Registry* metrics = nullptr,
-             Role server_role = Role::kPs);
+             Role server_role = Role::kPs, bool shared_memory = false);
   int num_ps() const override { return static_cast<int>(links_.size()); }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
@@ -59,10 +69,26 @@ class GrpcClient final : public Client {
  private:
   // One pull: `request` (its dtype set from the sinks') answered into
   // `sinks`; the first message of the answer, or an error. `ready` tells an
-  // answer that carries data from a "not yet" one.
+  // answer that carries data from a "not yet" one. Through a shared region
+  // where the ps takes one.
   absl::StatusOr<PullResponse> RunPull(int ps, PullRequest request, std::vector<TensorSink> sinks,
                                        absl::Time deadline,
                                        const std::function<bool(const PullResponse&)>& ready);
+  // One pull or push call, through `region` (its tensors there) or, when
+  // it is null, over the network.
+  absl::StatusOr<PullResponse> PullCall(int ps, PullRequest request, std::vector<TensorSink> sinks,
+                                        absl::Time deadline,
+                                        const std::function<bool(const PullResponse&)>& ready,
+                                        SharedRegion* region, int64_t* bytes);
+  absl::StatusOr<PushResponse> PushCall(int ps, PushHeader header, std::vector<TensorRef> grads,
+                                        absl::Time deadline, SharedRegion* region);
+  // A region for a call that moves `bytes` bytes in `count` tensors to or
+  // from `ps`; empty where it goes over the network.
+  SharedRegionPool::Lease RegionFor(int ps, int64_t bytes, int64_t count);
+  // After a call through `region`: drops it unless the call ended cleanly;
+  // true when the ps refused shared memory (the call must go again over the
+  // network, and so will every later one to this ps).
+  bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region);
   // The connections to one ps.
   struct Link {
     std::vector<std::shared_ptr<grpc::Channel>> channels;
@@ -71,11 +97,13 @@ class GrpcClient final : public Client {
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
     std::atomic<unsigned> next{0};  // the connection of the next pull or push
+    std::atomic<bool> shared{true};  // the ps has not refused a region
   };
   // The raw stub of the next pull or push to `ps`.
   grpc::GenericStub* NextStub(int ps);
 
   std::vector<std::unique_ptr<Link>> links_;
+  std::unique_ptr<SharedRegionPool> regions_;  // with shared_memory
   ActiveCalls calls_;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   RpcErrors errors_;

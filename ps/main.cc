@@ -36,6 +36,11 @@ ABSL_FLAG(int, max_streams, 1024,
           "Most Init, Pull, Push and Snapshot streams open at once from every peer together; more "
           "are refused with RESOURCE_EXHAUSTED. Waiting pulls and snapshots hold no thread.");
 
+ABSL_FLAG(bool, shared_memory, true,
+          "Map the shared memory that workers on this host offer for their pushes and pulls "
+          "(psflow-worker --shared_memory), so that their tensors do not cross the network. "
+          "false: refuse it; those workers then send over the network.");
+
 namespace {
 
 // --apply_threads=0: the cores shared evenly by the ps of this host (in a
@@ -143,7 +148,8 @@ int main(int argc, char** argv) {
   auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
   psflow::ps::PsService service(
       config.task_index, &shard, request_stop, &metrics,
-      [&readiness](bool ready) { readiness.Set(ready); }, limits);
+      [&readiness](bool ready) { readiness.Set(ready); }, limits,
+      absl::GetFlag(FLAGS_shared_memory));
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {

@@ -271,9 +271,17 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   }
 
  private:
-  // Writes message_ and the chunks in pieces_ as one message.
+  // Writes message_ and the chunks in pieces_ as one message (their data
+  // into the call's region, when it has one).
   void SendLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    response_ = EncodeChunkMessage(message_, PullResponse::kChunkFieldNumber, pieces_, value_);
+    if (region_ != nullptr) {
+      absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
+          message_, PullResponse::kChunkFieldNumber, pieces_, region_->data, &cursor_);
+      if (!encoded.ok()) return FinishLocked(encoded.status());
+      response_ = *std::move(encoded);
+    } else {
+      response_ = EncodeChunkMessage(message_, PullResponse::kChunkFieldNumber, pieces_, value_);
+    }
     WriteLocked();
   }
 
@@ -289,6 +297,9 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
       PSFLOW_ASSIGN_OR_RETURN(dtype_, service_->shard_->WireDtype(request_.job_id()));
     } else {
       dtype_ = request_.dtype();
+    }
+    if (request_.has_region()) {
+      PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(request_.region()));
     }
     // max_wait bounds only the wait for the first slice.
     wait_deadline_ =
@@ -352,7 +363,7 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     bytes_ += static_cast<int64_t>(value_->size()) * WireBytes(dtype_);
     splitter_ = std::make_unique<ChunkSplitter>(
         std::vector<TensorRef>{SliceValueRef((*specs_)[indices_[k_]], value_, dtype_)},
-        kChunkBytes);
+        region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
     message_.Clear();
     message_.set_version((*pulled)->version);
     if (k_ == 0) {
@@ -410,6 +421,8 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   std::vector<int> indices_;
   DataType dtype_ = DT_FLOAT;
   absl::Time wait_deadline_;
+  std::shared_ptr<const SharedMapping> region_;  // the worker's, if it named one
+  int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;      // where the next chunk goes in it
   size_t k_ ABSL_GUARDED_BY(mu_) = 0;       // the slice being sent (index into indices_)
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the slices sent, in the wire dtype
   // The version the slices must reach: the request's, or for a by_clock
@@ -484,12 +497,13 @@ class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
                      metrics::Registry* metrics, std::function<void(bool)> on_job,
-                     StreamLimits limits)
+                     StreamLimits limits, bool shared_memory)
     : ps_index_(ps_index),
       shard_(shard),
       on_shutdown_(std::move(on_shutdown)),
       on_job_(std::move(on_job)),
-      limits_(limits) {
+      limits_(limits),
+      regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",
                                 "Gradient bytes (in the wire dtype) received by one push call.",
@@ -520,6 +534,12 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
 }
 
 PsService::~PsService() = default;
+
+absl::StatusOr<std::shared_ptr<const SharedMapping>> PsService::AttachRegion(
+    const SharedRegionRef& ref) {
+  if (regions_ == nullptr) return SharedMemoryRefusal("this ps runs with --shared_memory=false");
+  return regions_->Attach(ref);
+}
 
 absl::Status PsService::Admit(const std::string& peer) {
   absl::MutexLock lock(&streams_mu_);
@@ -649,7 +669,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
           part.push_back(std::move(grads_[completed]));
           return HandOver(std::move(part));
         },
-        &bytes_);
+        &bytes_, &region_span_);
   }
 
   absl::Status Begin(const PushRequest& first) {
@@ -666,6 +686,10 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     num_slices_ = static_cast<int>(slices->size());
     PSFLOW_ASSIGN_OR_RETURN(indices_, SliceIndices(header_.slices(), num_slices_, "push"));
     skip_ = header_.skip();
+    if (header_.has_region()) {
+      PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header_.region()));
+      region_span_ = region_->data;
+    }
     // A skip push has no data: no assembler, so that a chunk is refused.
     if (!skip_) {
       assembler_ =
@@ -731,6 +755,9 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   bool skip_ = false;
   std::vector<Shard::SliceGradient> grads_;
   std::unique_ptr<ChunkAssembler> assembler_;
+  // The worker's region, if the header named one: the chunks' data are there.
+  std::shared_ptr<const SharedMapping> region_;
+  SharedSpan region_span_;
   int64_t bytes_ = 0;
   bool accepted_ = false, stale_ = false;
 };

@@ -27,6 +27,7 @@
 #include "common/security.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
+#include "common/shared_region.h"
 #include "ps/shard.h"
 
 namespace psflow::ps {
@@ -67,9 +68,12 @@ class PsService final
   // once it is gone) gets the sizes and durations of pushes and pulls and
   // the streams refused over a bound. `on_job` (may be null) is called with true
   // after every accepted Init: the ps holds a job (is ready).
+  // With `shared_memory` false, pushes and pulls that name a shared region
+  // (common/shared_region.h) are refused, so their workers send over the
+  // network; otherwise the regions are mapped and used.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
-            StreamLimits limits = {});
+            StreamLimits limits = {}, bool shared_memory = true);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
@@ -107,6 +111,8 @@ class PsService final
   // bound; every admitted stream is let out once.
   absl::Status Admit(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
   void LetOut(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
+  // The region a push or pull names, mapped; a refusal without shared memory.
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> AttachRegion(const SharedRegionRef& ref);
   // Logs a push refused for its contents (a non-finite gradient, a bad
   // size): the first ten, then every thousandth.
   void LogRefusedPush(const std::string& peer, const absl::Status& why)
@@ -129,6 +135,8 @@ class PsService final
   // Reads the pushes' messages (decodes their chunks, hands complete slices
   // to the shard) off gRPC's threads: one message of a push at a time.
   std::unique_ptr<ThreadPool> pushers_;
+  // Workers' shared regions; null when this ps takes none.
+  std::unique_ptr<SharedRegionMap> regions_;
 
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_map<std::string, int> streams_ ABSL_GUARDED_BY(streams_mu_);  // by peer

@@ -54,6 +54,12 @@ ABSL_FLAG(
     "0: up to 16 lanes in all, shared by the ps (at most 8 per ps, at least 1). 1: one "
     "stream each way per ps.");
 
+ABSL_FLAG(bool, shared_memory, true,
+          "Exchange tensors with a ps on this host through shared memory: pushes and pulls offer "
+          "the ps a memory region of this process, which it maps, and their messages carry only "
+          "where each tensor lies. A ps that cannot map it (another host, another container's "
+          "process namespace, or a ps run with --shared_memory=false) gets the tensors over the "
+          "network, as with false.");
 ABSL_FLAG(bool, push_during_backward, true,
           "In a job with ps whose --on_nonfinite is fail (the default): push each lane's "
           "gradients as soon as the backward pass has completed them (a GPU worker: once they "
@@ -173,14 +179,15 @@ int main(int argc, char** argv) {
   psflow::worker::Trainer trainer(
       options, &chief,
       [&security, &metrics, &config, &replica, connections = options.lanes_per_ps,
-       server = all_reduce ? psflow::Role::kWorker : psflow::Role::kPs](
+       server = all_reduce ? psflow::Role::kWorker : psflow::Role::kPs,
+       shared = !all_reduce && absl::GetFlag(FLAGS_shared_memory)](
           const std::vector<std::string>& addresses) -> std::unique_ptr<psflow::ps::Client> {
         // This worker's own replica is in this process: no gRPC to reach it.
         if (replica != nullptr && addresses == std::vector<std::string>{config.self_address}) {
           return std::make_unique<psflow::ps::LocalClient>(replica.get());
         }
         return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics,
-                                                        server);
+                                                        server, shared);
       });
   metrics.SetGaugeFunction(
       "psflow_worker_step",

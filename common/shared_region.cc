@@ -1,0 +1,220 @@
+#include "common/shared_region.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace psflow {
+namespace {
+
+// The name every region's memory file has; /proc shows its descriptor as a
+// link to "/memfd:<name> (deleted)".
+constexpr char kMemfdName[] = "psflow-region";
+constexpr char kLinkPrefix[] = "/memfd:psflow-region";
+
+std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+}  // namespace
+
+absl::Status SharedMemoryRefusal(const std::string& why) {
+  return absl::FailedPreconditionError(absl::StrCat(kSharedMemoryRefused, ": ", why));
+}
+
+bool IsSharedMemoryRefusal(const absl::Status& status) {
+  return absl::IsFailedPrecondition(status) &&
+         absl::StartsWith(status.message(), absl::StrCat(kSharedMemoryRefused, ":"));
+}
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(int64_t bytes) {
+  if (bytes <= 0 || bytes > SharedRegionMap::kMaxBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("a shared region of ", bytes, " bytes"));
+  }
+  const int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
+  if (fd < 0) return absl::UnavailableError(Errno("memfd_create"));
+  const size_t length = static_cast<size_t>(kRegionHeaderBytes + bytes);
+  if (::ftruncate(fd, static_cast<off_t>(length)) != 0) {
+    const std::string why = Errno("ftruncate");
+    ::close(fd);
+    return absl::ResourceExhaustedError(why);
+  }
+  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    const std::string why = Errno("mmap");
+    ::close(fd);
+    return absl::ResourceExhaustedError(why);
+  }
+  char token[kRegionTokenBytes];
+  if (::getrandom(token, sizeof(token), 0) != static_cast<ssize_t>(sizeof(token))) {
+    const std::string why = Errno("getrandom");
+    ::munmap(base, length);
+    ::close(fd);
+    return absl::UnavailableError(why);
+  }
+  std::memcpy(base, token, sizeof(token));
+  SharedRegionRef ref;
+  ref.set_pid(static_cast<int32_t>(::getpid()));
+  ref.set_fd(fd);
+  ref.set_bytes(bytes);
+  ref.set_token(token, sizeof(token));
+  return std::unique_ptr<SharedRegion>(
+      new SharedRegion(fd, static_cast<char*>(base), bytes, std::move(ref)));
+}
+
+SharedRegion::~SharedRegion() {
+  ::munmap(base_, static_cast<size_t>(kRegionHeaderBytes + bytes_));
+  ::close(fd_);
+}
+
+SharedRegionPool::Lease& SharedRegionPool::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = other.pool_;
+    region_ = std::move(other.region_);
+    other.pool_ = nullptr;
+  }
+  return *this;
+}
+
+void SharedRegionPool::Lease::reset() {
+  if (region_ != nullptr) pool_->Return(std::move(region_));
+  pool_ = nullptr;
+}
+
+void SharedRegionPool::Lease::Discard() {
+  if (region_ != nullptr) pool_->Drop(std::move(region_));
+  pool_ = nullptr;
+}
+
+SharedRegionPool::Lease SharedRegionPool::Acquire(int64_t bytes) {
+  Lease lease;
+  const int64_t want = std::max<int64_t>(1, (bytes + kQuantum - 1) / kQuantum) * kQuantum;
+  absl::MutexLock lock(&mu_);
+  if (broken_) return lease;
+  // The smallest free region that fits.
+  auto best = free_.end();
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    const int64_t size = (*it)->data().size;
+    if (size >= bytes && (best == free_.end() || size < (*best)->data().size)) best = it;
+  }
+  if (best != free_.end()) {
+    lease.pool_ = this;
+    lease.region_ = std::move(*best);
+    free_.erase(best);
+    return lease;
+  }
+  // A new one, dropping free regions (too small for this call) for room.
+  while (total_ + want > max_bytes_ && !free_.empty()) {
+    total_ -= free_.back()->data().size;
+    free_.pop_back();
+  }
+  if (total_ + want > max_bytes_) return lease;
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(want);
+  if (!made.ok()) {
+    broken_ = true;
+    return lease;
+  }
+  total_ += want;
+  lease.pool_ = this;
+  lease.region_ = *std::move(made);
+  return lease;
+}
+
+int64_t SharedRegionPool::total_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return total_;
+}
+
+void SharedRegionPool::Return(std::unique_ptr<SharedRegion> region) {
+  absl::MutexLock lock(&mu_);
+  free_.push_back(std::move(region));
+}
+
+void SharedRegionPool::Drop(std::unique_ptr<SharedRegion> region) {
+  absl::MutexLock lock(&mu_);
+  total_ -= region->data().size;
+}
+
+SharedMapping::~SharedMapping() { ::munmap(base, length); }
+
+absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
+    const SharedRegionRef& ref) {
+  if (ref.token().size() != kRegionTokenBytes || ref.pid() <= 0 || ref.fd() < 0 ||
+      ref.bytes() <= 0 || ref.bytes() > kMaxBytes) {
+    return SharedMemoryRefusal("malformed region reference");
+  }
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (auto it = entries_.find(ref.token()); it != entries_.end()) {
+    if (it->second.bytes != ref.bytes()) {
+      return SharedMemoryRefusal("the region's size differs from the one it was mapped with");
+    }
+    it->second.used = now;
+    return it->second.mapping;
+  }
+  SweepLocked(now);
+  if (entries_.size() >= static_cast<size_t>(kMaxRegions)) {
+    return SharedMemoryRefusal(absl::StrCat(kMaxRegions, " regions are in use"));
+  }
+  // The descriptor must be a psflow region: nothing else of the process is
+  // opened, whatever the reference names.
+  const std::string path = absl::StrCat("/proc/", ref.pid(), "/fd/", ref.fd());
+  char link[256];
+  const ssize_t n = ::readlink(path.c_str(), link, sizeof(link) - 1);
+  if (n < 0) return SharedMemoryRefusal(Errno(path.c_str()));
+  link[n] = '\0';
+  if (!absl::StartsWith(link, kLinkPrefix)) {
+    return SharedMemoryRefusal(absl::StrCat(path, " is not a psflow region"));
+  }
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (fd < 0) return SharedMemoryRefusal(Errno(path.c_str()));
+  struct stat st {};
+  const int64_t length = kRegionHeaderBytes + ref.bytes();
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != length) {
+    ::close(fd);
+    return SharedMemoryRefusal(absl::StrCat(path, " is not a region of ", ref.bytes(), " bytes"));
+  }
+  void* base =
+      ::mmap(nullptr, static_cast<size_t>(length), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) return SharedMemoryRefusal(Errno("mmap"));
+  auto mapping =
+      std::make_shared<const SharedMapping>(static_cast<char*>(base), static_cast<size_t>(length));
+  if (std::memcmp(base, ref.token().data(), kRegionTokenBytes) != 0) {
+    return SharedMemoryRefusal(absl::StrCat(path, " holds another token"));
+  }
+  entries_[ref.token()] = Entry{mapping, ref.bytes(), now};
+  return mapping;
+}
+
+void SharedRegionMap::SweepLocked(absl::Time now) {
+  auto lru = entries_.end();
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    const bool unused = it->second.mapping.use_count() == 1;
+    if (unused && now - it->second.used > kIdle) {
+      entries_.erase(it++);
+      continue;
+    }
+    if (unused && (lru == entries_.end() || it->second.used < lru->second.used)) lru = it;
+    ++it;
+  }
+  if (entries_.size() >= static_cast<size_t>(kMaxRegions) && lru != entries_.end()) {
+    entries_.erase(lru);
+  }
+}
+
+int SharedRegionMap::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(entries_.size());
+}
+
+}  // namespace psflow

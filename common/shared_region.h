@@ -1,0 +1,182 @@
+// Tensors through shared memory between a worker and a ps of one host.
+//
+// The worker (the client) makes regions, anonymous memory files (memfd) of
+// its own, and names one in a push or a pull (SharedRegionRef). The ps opens
+// the worker's descriptor through /proc/<pid>/fd/<fd>, checks the random
+// token at the region's start and maps it, once; later calls find it by its
+// token. A push's chunks are then written into the region by the worker and
+// read out of it by the ps, a pull's the other way round, and the call's
+// messages carry only where each chunk lies (TensorChunk.shared_offset):
+// no byte of a tensor crosses the kernel's TCP stack.
+//
+// Where the ps cannot open a region (it runs on another host, or in another
+// container's process namespace, or with --shared_memory=false), it refuses
+// the call with FAILED_PRECONDITION and a message that starts with
+// kSharedMemoryRefused; the worker then sends over the network.
+#ifndef PSFLOW_COMMON_SHARED_REGION_H_
+#define PSFLOW_COMMON_SHARED_REGION_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/tensor.pb.h"
+
+namespace psflow {
+
+// The start of the message of every refusal of a region.
+inline constexpr char kSharedMemoryRefused[] = "shared memory";
+// Bytes of a region before its data: the token, then zeros.
+inline constexpr int64_t kRegionHeaderBytes = 4096;
+inline constexpr int kRegionTokenBytes = 16;
+// Each chunk's data start at a multiple of this in a region.
+inline constexpr int64_t kSharedAlign = 64;
+// Chunks per message with a region: a call's tensors go in one message (a
+// pull's slices in one message each).
+inline constexpr size_t kSharedMessageBytes = size_t{1} << 40;
+
+// Bytes of region that `count` tensors of `bytes` bytes in all may take.
+inline int64_t SharedBytesFor(int64_t bytes, int64_t count) {
+  return bytes + kSharedAlign * count;
+}
+
+// `size` bytes of mapped shared memory at `data`.
+struct SharedSpan {
+  char* data = nullptr;
+  int64_t size = 0;
+};
+
+// A status that refuses a region (FAILED_PRECONDITION, "shared memory: ...").
+absl::Status SharedMemoryRefusal(const std::string& why);
+bool IsSharedMemoryRefusal(const absl::Status& status);
+
+// A client's region: `bytes` bytes of data after the header, mapped here
+// until it is destroyed (its memory lives on while a ps still maps it).
+class SharedRegion {
+ public:
+  // An error where this process cannot make one (no memfd_create, no memory).
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(int64_t bytes);
+  ~SharedRegion();
+  SharedRegion(const SharedRegion&) = delete;
+  SharedRegion& operator=(const SharedRegion&) = delete;
+
+  SharedSpan data() const { return {base_ + kRegionHeaderBytes, bytes_}; }
+  const SharedRegionRef& ref() const { return ref_; }
+
+ private:
+  SharedRegion(int fd, char* base, int64_t bytes, SharedRegionRef ref)
+      : fd_(fd), base_(base), bytes_(bytes), ref_(std::move(ref)) {}
+
+  const int fd_;
+  char* const base_;
+  const int64_t bytes_;
+  const SharedRegionRef ref_;
+};
+
+// A client's regions, reused from call to call: each call leases one at
+// least as large as it needs and gives it back when it ends. Thread-safe.
+class SharedRegionPool {
+ public:
+  // Regions are made in multiples of this.
+  static constexpr int64_t kQuantum = 1 << 20;
+
+  // At most `max_bytes` of regions (of data) at once, leased or not.
+  explicit SharedRegionPool(int64_t max_bytes) : max_bytes_(max_bytes) {}
+  SharedRegionPool(const SharedRegionPool&) = delete;
+  SharedRegionPool& operator=(const SharedRegionPool&) = delete;
+
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept { *this = std::move(other); }
+    Lease& operator=(Lease&& other) noexcept;
+    ~Lease() { reset(); }
+    explicit operator bool() const { return region_ != nullptr; }
+    SharedRegion* get() const { return region_.get(); }
+    // Gives the region back to the pool.
+    void reset();
+    // Drops the region instead: a call that did not end cleanly may still
+    // have its ps reading or writing it.
+    void Discard();
+
+   private:
+    friend class SharedRegionPool;
+    SharedRegionPool* pool_ = nullptr;
+    std::unique_ptr<SharedRegion> region_;
+  };
+
+  // The smallest free region of at least `bytes`, or a new one; an empty
+  // lease when the bound leaves no room even after dropping free regions,
+  // or when no region can be made (the call then goes over the network).
+  Lease Acquire(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes of all regions, leased or not.
+  int64_t total_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Return(std::unique_ptr<SharedRegion> region) ABSL_LOCKS_EXCLUDED(mu_);
+  void Drop(std::unique_ptr<SharedRegion> region) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const int64_t max_bytes_;
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<SharedRegion>> free_ ABSL_GUARDED_BY(mu_);
+  int64_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // Create failed once: never again
+};
+
+// A region mapped by a ps: unmapped when the last holder lets it go.
+struct SharedMapping {
+  SharedMapping(char* base, size_t length)
+      : base(base), length(length), data{base + kRegionHeaderBytes,
+                                         static_cast<int64_t>(length) - kRegionHeaderBytes} {}
+  ~SharedMapping();
+  SharedMapping(const SharedMapping&) = delete;
+  SharedMapping& operator=(const SharedMapping&) = delete;
+
+  char* const base;
+  const size_t length;
+  const SharedSpan data;
+};
+
+// The regions a ps has mapped, by token. Thread-safe.
+class SharedRegionMap {
+ public:
+  // A region no call has used for this long is unmapped when another one is
+  // attached (its worker is most likely gone).
+  static constexpr absl::Duration kIdle = absl::Seconds(60);
+  // Most regions mapped at once; regions in use are never unmapped.
+  static constexpr int kMaxRegions = 1024;
+  // The largest region taken.
+  static constexpr int64_t kMaxBytes = int64_t{1} << 40;
+
+  // The region `ref` names, mapped (at once when its token is known here),
+  // kept mapped at least while the returned pointer lives. A refusal
+  // (SharedMemoryRefusal) when `ref` is malformed, its descriptor cannot be
+  // opened or is not a psflow region, its size or token differs, or
+  // kMaxRegions are in use.
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> Attach(const SharedRegionRef& ref)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  int size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Entry {
+    std::shared_ptr<const SharedMapping> mapping;
+    int64_t bytes = 0;
+    absl::Time used;
+  };
+  // Unmaps idle regions, and the least recently used one if the map is full.
+  void SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by token
+};
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_SHARED_REGION_H_
