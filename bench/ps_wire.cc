@@ -197,9 +197,9 @@ int main(int argc, char** argv) {
   };
   std::vector<Worker> ws(workers);
   for (Worker& w : ws) {
-    w.client = std::make_unique<GrpcClient>(addresses, psflow::SecurityOptions{}, lanes_per_ps,
-                                            nullptr, psflow::Role::kPs,
-                                            absl::GetFlag(FLAGS_shared_memory));
+    w.client =
+        std::make_unique<GrpcClient>(addresses, psflow::SecurityOptions{}, lanes_per_ps, nullptr,
+                                     psflow::Role::kPs, absl::GetFlag(FLAGS_shared_memory));
     w.grads.resize(num_ps);
     w.weights.resize(num_ps);
     for (int p = 0; p < num_ps; ++p) {

@@ -41,7 +41,6 @@ enum ChunkField : int {
   kSharedBytes = 8,
 };
 
-
 void AppendVarint(uint64_t v, std::string* out) {
   while (v >= 0x80) {
     out->push_back(static_cast<char>(v | 0x80));
@@ -293,9 +292,9 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
     if (piece.bytes > 0) {
       const int64_t at = (*cursor + kSharedAlign - 1) / kSharedAlign * kSharedAlign;
       if (at > region.size || piece.bytes > region.size - at) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("a shared region of ", region.size, " bytes is too small for ",
-                         t.name, ": ", piece.bytes, " bytes at byte ", at));
+        return absl::InvalidArgumentError(absl::StrCat("a shared region of ", region.size,
+                                                       " bytes is too small for ", t.name, ": ",
+                                                       piece.bytes, " bytes at byte ", at));
       }
       const int64_t element = WireBytes(t.dtype);
       const float* from = t.data + piece.offset / element;
@@ -320,8 +319,8 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
 absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
                               google::protobuf::MessageLite* fields,
                               absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,
-                              absl::FunctionRef<absl::Status(int)> on_complete,
-                              int64_t* data_bytes, const SharedSpan* region) {
+                              absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes,
+                              const SharedSpan* region) {
   fields->Clear();
   grpc::ProtoBufferReader reader(buffer);
   if (!reader.status().ok()) return Malformed("unreadable buffer");

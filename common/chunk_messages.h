@@ -72,8 +72,8 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
 absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
                               google::protobuf::MessageLite* fields,
                               absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,
-                              absl::FunctionRef<absl::Status(int)> on_complete,
-                              int64_t* data_bytes, const SharedSpan* region = nullptr);
+                              absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes,
+                              const SharedSpan* region = nullptr);
 
 // One client call of raw messages (any of the four kinds, on a
 // grpc::GenericStub), driven step by step from the calling thread on a

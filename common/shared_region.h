@@ -43,9 +43,7 @@ inline constexpr int64_t kSharedAlign = 64;
 inline constexpr size_t kSharedMessageBytes = size_t{1} << 40;
 
 // Bytes of region that `count` tensors of `bytes` bytes in all may take.
-inline int64_t SharedBytesFor(int64_t bytes, int64_t count) {
-  return bytes + kSharedAlign * count;
-}
+inline int64_t SharedBytesFor(int64_t bytes, int64_t count) { return bytes + kSharedAlign * count; }
 
 // `size` bytes of mapped shared memory at `data`.
 struct SharedSpan {
@@ -133,8 +131,9 @@ class SharedRegionPool {
 // A region mapped by a ps: unmapped when the last holder lets it go.
 struct SharedMapping {
   SharedMapping(char* base, size_t length)
-      : base(base), length(length), data{base + kRegionHeaderBytes,
-                                         static_cast<int64_t>(length) - kRegionHeaderBytes} {}
+      : base(base),
+        length(length),
+        data{base + kRegionHeaderBytes, static_cast<int64_t>(length) - kRegionHeaderBytes} {}
   ~SharedMapping();
   SharedMapping(const SharedMapping&) = delete;
   SharedMapping& operator=(const SharedMapping&) = delete;

@@ -155,7 +155,12 @@ SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t cou
 
 bool GrpcClient::RefusedRegion(int ps, const absl::Status& status,
                                SharedRegionPool::Lease& region) {
-  if (status.ok()) return false;
+  if (status.ok()) {
+    if (!links_[ps]->told.exchange(true)) {
+      PSLOG(INFO) << "ps " << ps << " maps this process's shared memory: tensors go through it";
+    }
+    return false;
+  }
   region.Discard();
   if (!IsSharedMemoryRefusal(status)) return false;
   if (links_[ps]->shared.exchange(false)) {
@@ -194,11 +199,9 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
   return first;
 }
 
-absl::StatusOr<PullResponse> GrpcClient::PullCall(int ps, PullRequest request,
-                                                  std::vector<TensorSink> sinks,
-                                                  absl::Time deadline,
-                                                  const std::function<bool(const PullResponse&)>& ready,
-                                                  SharedRegion* region, int64_t* bytes) {
+absl::StatusOr<PullResponse> GrpcClient::PullCall(
+    int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
+    const std::function<bool(const PullResponse&)>& ready, SharedRegion* region, int64_t* bytes) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   ChunkAssembler assembler(std::move(sinks));
   SharedSpan span;
@@ -304,8 +307,8 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
 }
 
 absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
-                                                  std::vector<TensorRef> grads,
-                                                  absl::Time deadline, SharedRegion* region) {
+                                                  std::vector<TensorRef> grads, absl::Time deadline,
+                                                  SharedRegion* region) {
   PushResponse response;
   absl::Status s;
   Lent lent;

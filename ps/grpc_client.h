@@ -96,8 +96,9 @@ class GrpcClient final : public Client {
     // Pulls and pushes go as raw messages (common/chunk_messages.h), one
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
-    std::atomic<unsigned> next{0};  // the connection of the next pull or push
+    std::atomic<unsigned> next{0};   // the connection of the next pull or push
     std::atomic<bool> shared{true};  // the ps has not refused a region
+    std::atomic<bool> told{false};   // the log said it took one
   };
   // The raw stub of the next pull or push to `ps`.
   grpc::GenericStub* NextStub(int ps);

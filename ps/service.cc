@@ -423,8 +423,8 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   absl::Time wait_deadline_;
   std::shared_ptr<const SharedMapping> region_;  // the worker's, if it named one
   int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;      // where the next chunk goes in it
-  size_t k_ ABSL_GUARDED_BY(mu_) = 0;       // the slice being sent (index into indices_)
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the slices sent, in the wire dtype
+  size_t k_ ABSL_GUARDED_BY(mu_) = 0;            // the slice being sent (index into indices_)
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;       // of the slices sent, in the wire dtype
   // The version the slices must reach: the request's, or for a by_clock
   // pull the shard's once the clock's condition held (granted_).
   int64_t min_version_ ABSL_GUARDED_BY(mu_) = 0;
@@ -526,6 +526,11 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "Init, Pull, Push and Snapshot streams refused (RESOURCE_EXHAUSTED) over the bound per "
       "client connection or in all, since this ps started.",
       [this] { return static_cast<double>(refused_streams()); });
+  m->SetGaugeFunction(
+      "psflow_ps_shared_regions",
+      "Shared memory regions of workers on this host mapped by this ps (their pushes and pulls "
+      "do not cross the network).",
+      [this] { return regions_ == nullptr ? 0.0 : static_cast<double>(regions_->size()); });
   wakers_ = std::make_unique<ThreadPool>(2);
   // Decoding is CPU work: about as many threads as cores (a slice's apply
   // may run on the thread that completes it, when the shard has no appliers).

@@ -25,9 +25,9 @@
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
 #include "common/security.h"
+#include "common/shared_region.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
-#include "common/shared_region.h"
 #include "ps/shard.h"
 
 namespace psflow::ps {

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "common/float16.h"
+#include "common/shared_region.h"
 #include "proto/ps.pb.h"
 
 namespace psflow {
@@ -252,6 +253,147 @@ TEST(ChunkMessages, FieldsAfterTheChunksAreKept) {
                    nullptr, false, &fields)
                   .ok());
   EXPECT_EQ(fields.header().step(), 9);
+}
+
+// A region's data as the decoder sees it.
+TEST_P(ChunkMessagesTest, ChunksInSharedMemoryReadIntoTheSinks) {
+  const DataType dtype = GetParam();
+  // Over a million bytes: the decoder works through it in blocks.
+  const std::vector<float> big = Ramp(300001), small = Ramp(6, 1.5f);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region =
+      SharedRegion::Create(SharedBytesFor((300001 + 6) * WireBytes(dtype), 2));
+  ASSERT_TRUE(region.ok()) << region.status();
+  const SharedSpan span = (*region)->data();
+  ChunkSplitter splitter(Refs(big, small, dtype), kSharedMessageBytes);
+  std::vector<ChunkPiece> pieces;
+  ASSERT_TRUE(splitter.NextPieces(&pieces));
+  ASSERT_EQ(pieces.size(), 2u);  // one message, one chunk per tensor
+  PushRequest header;
+  header.mutable_header()->set_step(7);
+  int64_t cursor = 0;
+  absl::StatusOr<grpc::ByteBuffer> message =
+      EncodeSharedChunkMessage(header, PushRequest::kChunkFieldNumber, pieces, span, &cursor);
+  ASSERT_TRUE(message.ok()) << message.status();
+  // The message holds where the data lie, not the data.
+  EXPECT_LT(Flatten(*message).size(), 200u);
+  EXPECT_GE(cursor, (300001 + 6) * WireBytes(dtype));
+  EXPECT_LE(cursor, span.size);
+
+  std::vector<float> got_big(big.size(), -1.0f), got_small(6, -1.0f);
+  bool non_finite = false;
+  std::vector<TensorSink> sinks = {
+      {"big", "", {static_cast<int64_t>(big.size())}, got_big.data(), true, dtype},
+      {"small", "m", {3, 2}, got_small.data(), true, dtype}};
+  sinks[0].non_finite = &non_finite;
+  ChunkAssembler assembler(sinks);
+  std::vector<int> completed;
+  int64_t bytes = 0;
+  PushRequest fields;
+  absl::Status s = ReadChunkMessage(
+      &*message, PushRequest::kChunkFieldNumber, &fields,
+      [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+      [&](int i) {
+        completed.push_back(i);
+        return absl::OkStatus();
+      },
+      &bytes, &span);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(assembler.Finish().ok());
+  EXPECT_EQ(fields.header().step(), 7);
+  EXPECT_EQ(completed, (std::vector<int>{0, 1}));
+  EXPECT_EQ(bytes, (300001 + 6) * WireBytes(dtype));
+  EXPECT_FALSE(non_finite);
+  std::vector<char> wire(big.size() * WireBytes(dtype));
+  std::vector<float> want(big.size());
+  EncodeFloats(dtype, big.data(), static_cast<int64_t>(big.size()), wire.data());
+  DecodeFloats(dtype, wire.data(), static_cast<int64_t>(big.size()), want.data());
+  EXPECT_EQ(got_big, want);
+  EXPECT_EQ(got_small[5], small[5]);
+
+  // A NaN written into the region after the message (the last block of the
+  // big tensor) is found as it is decoded.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<char> nan_wire(WireBytes(dtype));
+  EncodeFloats(dtype, &nan, 1, nan_wire.data());
+  std::vector<float> again(big.size());
+  std::vector<TensorSink> one = {
+      {"big", "", {static_cast<int64_t>(big.size())}, again.data(), true, dtype}};
+  one[0].non_finite = &non_finite;
+  ChunkAssembler check(one);
+  ChunkSplitter big_only({Refs(big, small, dtype)[0]}, kSharedMessageBytes);
+  pieces.clear();
+  ASSERT_TRUE(big_only.NextPieces(&pieces));
+  cursor = 0;
+  message = EncodeSharedChunkMessage(header, PushRequest::kChunkFieldNumber, pieces, span, &cursor);
+  ASSERT_TRUE(message.ok());
+  std::memcpy(span.data + (big.size() - 1) * WireBytes(dtype), nan_wire.data(), nan_wire.size());
+  s = ReadChunkMessage(
+      &*message, PushRequest::kChunkFieldNumber, &fields,
+      [&]() -> absl::StatusOr<ChunkAssembler*> { return &check; },
+      [](int) { return absl::OkStatus(); }, &bytes, &span);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(non_finite);
+}
+
+TEST(ChunkMessages, ChunksInSharedMemoryMustStayInsideTheRegion) {
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(64);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const SharedSpan span = (*region)->data();
+  const std::vector<float> four = {1, 2, 3, 4};
+  // A chunk of the 4 floats at `at` (16 bytes) as a PushRequest.
+  auto at = [&](int64_t offset, int64_t size) {
+    PushRequest m;
+    TensorChunk* c = m.add_chunk();
+    c->set_name("t");
+    c->set_dtype(DT_FLOAT);
+    c->add_shape(4);
+    c->set_shared_offset(offset);
+    c->set_shared_bytes(size);
+    return m.SerializeAsString();
+  };
+  auto read = [&](const std::string& bytes, const SharedSpan* region_span) {
+    std::vector<float> out(4);
+    ChunkAssembler assembler({{"t", "", {4}, out.data(), true, DT_FLOAT}});
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer buffer(&slice, 1);
+    PushRequest fields;
+    int64_t n = 0;
+    return ReadChunkMessage(
+        &buffer, PushRequest::kChunkFieldNumber, &fields,
+        [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+        [](int) { return absl::OkStatus(); }, &n, region_span);
+  };
+  std::memcpy(span.data + 48, four.data(), 16);
+  EXPECT_TRUE(read(at(48, 16), &span).ok());
+  for (const auto& [offset, size] : std::vector<std::pair<int64_t, int64_t>>{
+           {49 + span.size, 16}, {span.size - 8, 16}, {-16, 16}, {0, -4}, {span.size, 16}}) {
+    absl::Status s = read(at(offset, size), &span);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << offset << " " << size << ": " << s;
+  }
+  // Without a region, or with data as well.
+  absl::Status s = read(at(0, 16), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("has no region"));
+  PushRequest both;
+  TensorChunk* c = both.add_chunk();
+  c->set_name("t");
+  c->set_dtype(DT_FLOAT);
+  c->add_shape(4);
+  c->set_data(std::string(16, '\0'));
+  c->set_shared_bytes(16);
+  s = read(both.SerializeAsString(), &span);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("both data and a place"));
+  // Encoding into a region too small for the tensors.
+  const std::vector<float> big = Ramp(100);
+  ChunkSplitter splitter({{"big", "", {100}, big.data(), DT_FLOAT}}, kSharedMessageBytes);
+  std::vector<ChunkPiece> pieces;
+  ASSERT_TRUE(splitter.NextPieces(&pieces));
+  int64_t cursor = 0;
+  absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
+      PushRequest(), PushRequest::kChunkFieldNumber, pieces, span, &cursor);
+  EXPECT_EQ(encoded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(encoded.status().message(), HasSubstr("too small"));
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
+#include "common/shared_region.h"
 #include "common/tensor_chunks.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -36,6 +37,7 @@ namespace psflow::ps {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr uint64_t kJob = 77;
 // 4.4 MB: more than gRPC's 4 MB default message size, so it must be chunked.
@@ -424,6 +426,165 @@ TEST_F(PsServiceTest, GarbagePushesAreRejectedAndTheServerKeepsWorking) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->big, SgdAfter(big_, big_, gbig));
   EXPECT_EQ(p->bias, SgdAfter(bias_, ten, gbias));
+}
+
+// The value of an unlabelled series in `text` (Prometheus' format), or -1.
+double Series(const std::string& text, const std::string& name) {
+  const std::string key = "\n" + name + " ";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + key.size()));
+}
+
+// A client on the ps's host offers shared memory: its pushes and pulls go
+// through it, with the same results as over the network.
+TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
+                                         /*shared_memory=*/true);
+  ASSERT_TRUE(InitJob().ok());
+  absl::StatusOr<Pulled> p0 = PullAll(0);
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  EXPECT_EQ(p0->big, big_);
+  EXPECT_EQ(p0->bias, bias_);
+  EXPECT_GE(Series(server_metrics_.Render(), "psflow_ps_shared_regions"), 1);
+  const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
+  const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
+  for (int step = 0; step < 3; ++step) {
+    absl::Notification pulled;
+    absl::StatusOr<Pulled> next;
+    std::thread puller([&] {
+      next = PullAll(step + 1);
+      pulled.Notify();
+    });
+    absl::StatusOr<PushResponse> r0 = PushAll(0, step, g0_big, g0_bias);
+    ASSERT_TRUE(r0.ok()) << r0.status();
+    EXPECT_EQ(r0->outcome(), PushResponse::ACCEPTED);
+    absl::StatusOr<PushResponse> r1 = PushAll(1, step, g1_big, g1_bias);
+    ASSERT_TRUE(r1.ok()) << r1.status();
+    EXPECT_EQ(r1->version(), step + 1);
+    ASSERT_TRUE(pulled.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    puller.join();
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(next->version, step + 1);
+    p0->big = SgdAfter(p0->big, g0_big, g1_big);
+    p0->bias = SgdAfter(p0->bias, g0_bias, g1_bias);
+    EXPECT_EQ(next->big, p0->big) << "step " << step;
+    EXPECT_EQ(next->bias, p0->bias) << "step " << step;
+  }
+  // The regions are reused from call to call: a few for the whole run.
+  const double regions = Series(server_metrics_.Render(), "psflow_ps_shared_regions");
+  EXPECT_GE(regions, 1);
+  EXPECT_LE(regions, 4);
+  // Both sides count the tensors' bytes as they would over the network.
+  const double fp32_bytes = 4.0 * (NumElements(kBigShape) + NumElements(kBiasShape));
+  EXPECT_EQ(client_metrics_.GetHistogram("psflow_push_bytes", "", {})->snapshot().sum,
+            6 * fp32_bytes);
+  EXPECT_EQ(server_metrics_.GetHistogram("psflow_ps_pull_bytes", "", {})->snapshot().sum,
+            4 * fp32_bytes);
+}
+
+// A ps that takes no shared memory gets the tensors over the network: the
+// client's first call is refused, sent again without a region, and counts
+// as no failed call.
+TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
+  metrics::Registry metrics;
+  Shard shard;
+  PsService service(
+      0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
+                                         SecurityOptions{}, 1, &client_metrics_, Role::kPs,
+                                         /*shared_memory=*/true);
+  ASSERT_TRUE(InitJob().ok());
+  absl::StatusOr<Pulled> p0 = PullAll(0);
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  EXPECT_EQ(p0->big, big_);
+  const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
+  ASSERT_TRUE(PushAll(0, 0, g_big, g_bias).ok());
+  ASSERT_TRUE(PushAll(1, 0, g_big, g_bias).ok());
+  absl::StatusOr<Pulled> p1 = PullAll(1);
+  ASSERT_TRUE(p1.ok()) << p1.status();
+  EXPECT_EQ(p1->big, SgdAfter(big_, g_big, g_big));
+  EXPECT_EQ(p1->bias, SgdAfter(bias_, g_bias, g_bias));
+  EXPECT_EQ(Series(metrics.Render(), "psflow_ps_shared_regions"), 0);
+  EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("FAILED_PRECONDITION")));
+  shard.Shutdown();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+// Forged regions and chunks that reach outside their region are refused;
+// the ps keeps working.
+TEST_F(PsServiceTest, ForgedRegionsAndChunksOutsideTheirRegionAreRefused) {
+  ASSERT_TRUE(InitJob().ok());
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  PushRequest first;
+  first.mutable_header()->set_job_id(kJob);
+  first.mutable_header()->set_worker(0);
+  first.mutable_header()->set_step(0);
+  *first.mutable_header()->mutable_region() = (*region)->ref();
+  auto chunk = [](PushRequest* r, int64_t offset, int64_t bytes) {
+    TensorChunk* c = r->add_chunk();
+    c->set_name("bias");
+    c->set_dtype(DT_FLOAT);
+    c->add_shape(10);
+    c->set_shared_offset(offset);
+    c->set_shared_bytes(bytes);
+  };
+  // A descriptor of this process that is not a region; a wrong token.
+  PushRequest forged = first;
+  forged.mutable_header()->mutable_region()->set_fd(0);
+  chunk(&forged, 0, 40);
+  grpc::Status s = RawPush({forged});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("shared memory: "));
+  forged = first;
+  forged.mutable_header()->mutable_region()->set_token(std::string(kRegionTokenBytes, 'z'));
+  chunk(&forged, 0, 40);
+  s = RawPush({forged});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("another token"));
+  // Outside the region, and shared chunks in a push that names none.
+  PushRequest outside = first;
+  chunk(&outside, (1 << 20) - 8, 40);
+  s = RawPush({outside});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  PushRequest no_region = first;
+  no_region.mutable_header()->clear_region();
+  chunk(&no_region, 0, 40);
+  s = RawPush({no_region});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("has no region"));
+  // A pull into a forged region.
+  PullRequest pull;
+  pull.set_job_id(kJob);
+  *pull.mutable_region() = (*region)->ref();
+  pull.mutable_region()->set_bytes(1);
+  auto [messages, status] =
+      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, pull); });
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << status.error_message();
+  EXPECT_TRUE(messages.empty());
+  // A pull whose region is too small for its answer.
+  *pull.mutable_region() = (*region)->ref();
+  pull.add_slices(0);  // "big": 4.4 MB
+  std::tie(messages, status) =
+      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, pull); });
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("too small"));
+  // Nothing was applied, and the ps goes on.
+  EXPECT_EQ(shard_.stats().version, 0);
+  const std::vector<float> g_big = Pattern(big_.size(), 3, 1.0f), g_bias = Pattern(10, 2, 2.0f);
+  ASSERT_TRUE(PushAll(0, 0, g_big, g_bias).ok());
+  ASSERT_TRUE(PushAll(1, 0, g_big, g_bias).ok());
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->bias, SgdAfter(bias_, g_bias, g_bias));
 }
 
 TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfItsSliceIsKept) {
