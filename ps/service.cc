@@ -698,7 +698,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     // A skip push has no data: no assembler, so that a chunk is refused.
     if (!skip_) {
       assembler_ =
-          std::make_unique<ChunkAssembler>(GradientSinks(*slices, indices_, dtype, &grads_));
+          std::make_unique<ChunkAssembler>(GradientSinks(*slices, indices_, dtype, &grads_, shard));
     }
     return absl::OkStatus();
   }

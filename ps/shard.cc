@@ -511,8 +511,23 @@ void Shard::Compute(ApplyJob& job) const {
   }
 }
 
+std::vector<float> Shard::GradientBuffer(int slice, int64_t n) {
+  absl::MutexLock lock(&mu_);
+  if (slice < 0 || slice >= static_cast<int>(slice_.size())) return {};
+  std::vector<std::vector<float>>& spares = slice_[slice].spare_grads;
+  if (spares.empty() || static_cast<int64_t>(spares.back().size()) != n) return {};
+  std::vector<float> buffer = std::move(spares.back());
+  spares.pop_back();
+  return buffer;
+}
+
 void Shard::FinishLocked(ApplyJob& job) {
   SliceState& s = slice_[job.slice];
+  for (auto& [worker, grad] : job.pushes) {
+    if (static_cast<int64_t>(grad.size()) == job.n && s.spare_grads.size() < live_workers_.size()) {
+      s.spare_grads.push_back(std::move(grad));
+    }
+  }
   s.applying = false;
   --applying_;
   s.previous = std::move(s.published);

@@ -209,6 +209,11 @@ class Shard {
   absl::StatusOr<PushResponse::Outcome> PushSlices(uint64_t job_id, int worker, int64_t step,
                                                    std::vector<SliceGradient> grads,
                                                    int64_t read_version = 0);
+  // A buffer of `n` floats for a gradient of slice `slice` that will be
+  // pushed: one an earlier step's apply is done with (its contents are
+  // stale), or an empty vector if there is none of that size. Saves a push
+  // the allocation, the zeroing and the page faults of fresh memory.
+  std::vector<float> GradientBuffer(int slice, int64_t n) ABSL_LOCKS_EXCLUDED(mu_);
   // Counts one push's outcome in Counters (stale, duplicate).
   void CountOutcome(PushResponse::Outcome outcome);
   // PushSlices of every slice, counted: one vector per slice in Slices()
@@ -341,6 +346,9 @@ class Shard {
     // A buffer of the slice's size that no reader holds any more, reused for
     // the next published value (or null).
     std::shared_ptr<std::vector<float>> spare;
+    // Pushed gradients an apply is done with, for GradientBuffer (at most
+    // one per live worker).
+    std::vector<std::vector<float>> spare_grads;
   };
 
   absl::Status CheckJobLocked(uint64_t job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

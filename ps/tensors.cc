@@ -36,7 +36,7 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
-                                      std::vector<Shard::SliceGradient>* grads) {
+                                      std::vector<Shard::SliceGradient>* grads, Shard* shard) {
   grads->assign(indices.size(), {});
   std::vector<TensorSink> sinks;
   for (size_t k = 0; k < indices.size(); ++k) {
@@ -45,6 +45,7 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     g.slice = indices[k];
     // Allocated with the gradient's first chunk, not for the header.
     TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
+    if (shard != nullptr) g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
     sink.storage = &g.values;
     sink.non_finite = &g.non_finite;
     g.finite_checked = true;

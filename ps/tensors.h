@@ -31,11 +31,14 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // Storage for one push's gradients of the slices `indices` of `slices` (each
 // a valid index) and sinks into it that decode chunks of `dtype` (the job's
 // wire dtype): grads[k] is for slices[indices[k]], and so is the k-th sink.
-// A gradient's memory is allocated with its first chunk, and its values are
-// checked for NaN and infinity as they are decoded (finite_checked).
+// A gradient's memory is a buffer `shard` (if not null) has from an earlier
+// step (Shard::GradientBuffer), or else allocated with its first chunk; its
+// values are checked for NaN and infinity as they are decoded
+// (finite_checked).
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
-                                      std::vector<Shard::SliceGradient>* grads);
+                                      std::vector<Shard::SliceGradient>* grads,
+                                      Shard* shard = nullptr);
 
 // A skip push's gradients: a skip for each of `indices`, or for every one of
 // `num_slices` slices when `indices` is empty.

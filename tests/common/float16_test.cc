@@ -207,5 +207,28 @@ TEST(WireTest, EncodeDecodeBuffers) {
   EXPECT_EQ(HalfToFloat(FloatToHalf(in[6])), -kInf);
 }
 
+TEST(AnyNonFinite, FindsANanOrAnInfinityAnywhereAndNothingElse) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> v(1000);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i) - 500.0f;
+  v[1] = std::numeric_limits<float>::max();
+  v[2] = -std::numeric_limits<float>::max();
+  v[3] = std::numeric_limits<float>::denorm_min();
+  v[4] = -0.0f;
+  EXPECT_FALSE(AnyNonFinite(v.data(), static_cast<int64_t>(v.size())));
+  EXPECT_FALSE(AnyNonFinite(v.data(), 0));
+  for (float bad :
+       {inf, -inf, std::numeric_limits<float>::quiet_NaN(),
+        -std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::signaling_NaN()}) {
+    for (size_t at : {size_t{0}, size_t{17}, v.size() - 1}) {
+      std::vector<float> w = v;
+      w[at] = bad;
+      EXPECT_TRUE(AnyNonFinite(w.data(), static_cast<int64_t>(w.size()))) << bad << " at " << at;
+      // Outside the range looked at, it is not seen.
+      if (at == v.size() - 1) EXPECT_FALSE(AnyNonFinite(w.data(), static_cast<int64_t>(at)));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace psflow

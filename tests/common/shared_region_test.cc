@@ -101,7 +101,8 @@ TEST(SharedRegion, ARegionOfAProcessThatExitedCannotBeMapped) {
   if (child == 0) {
     absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(4096);
     const std::string ref = region.ok() ? (*region)->ref().SerializeAsString() : "";
-    const bool sent = write(pipe_fds[1], ref.data(), ref.size()) == static_cast<ssize_t>(ref.size());
+    const bool sent =
+        write(pipe_fds[1], ref.data(), ref.size()) == static_cast<ssize_t>(ref.size());
     _exit(sent && region.ok() ? 0 : 1);
   }
   close(pipe_fds[1]);

@@ -145,6 +145,34 @@ TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
   EXPECT_EQ(Current(), SgdAfter(expected, 0.5f, Grads(2), Grads(2)));
 }
 
+// The gradients an apply is done with are handed out again for later
+// pushes, one per live worker and slice; pushes into them give the same
+// weights as pushes of fresh memory.
+TEST_F(ShardTest, GradientBuffersOfAnAppliedStepAreReused) {
+  const int64_t a_size = static_cast<int64_t>(kA.size());
+  EXPECT_TRUE(shard_.GradientBuffer(0, a_size).empty()) << "nothing applied yet";
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(-3));
+  const auto expected = SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3));
+  std::vector<float> first = shard_.GradientBuffer(0, a_size);
+  std::vector<float> second = shard_.GradientBuffer(0, a_size);
+  EXPECT_EQ(first.size(), kA.size());
+  EXPECT_EQ(second.size(), kA.size());
+  EXPECT_TRUE(shard_.GradientBuffer(0, a_size).empty()) << "one per live worker";
+  EXPECT_TRUE(shard_.GradientBuffer(1, a_size).empty()) << "slice b's are of b's size";
+  EXPECT_EQ(shard_.GradientBuffer(1, static_cast<int64_t>(kB.size())).size(), kB.size());
+  EXPECT_TRUE(shard_.GradientBuffer(7, a_size).empty());
+  // Stale contents written over: the next step is exact.
+  std::vector<std::vector<float>> g0 = Grads(2), g1 = Grads(2);
+  std::copy(g0[0].begin(), g0[0].end(), first.begin());
+  std::copy(g1[0].begin(), g1[0].end(), second.begin());
+  g0[0] = std::move(first);
+  g1[0] = std::move(second);
+  MustPush(0, 1, std::move(g0));
+  MustPush(1, 1, std::move(g1));
+  EXPECT_EQ(Current(), SgdAfter(expected, 0.5f, Grads(2), Grads(2)));
+}
+
 // A worker whose step was not finite pushes skips (--on_nonfinite=skip_step):
 // the step passes with no update, optimizer state included, and the next
 // step applies as usual.
