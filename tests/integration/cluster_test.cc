@@ -607,6 +607,37 @@ TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
   EXPECT_THAT(r.output, HasSubstr("--worker_args: 'ps_lanes=4' is not a flag")) << r.description;
 }
 
+// Workers and ps on one host exchange tensors through shared memory by
+// default, and over the network with --shared_memory=false; both train.
+TEST(ClusterCliTest, WorkersOnThePsHostExchangeThroughSharedMemory) {
+  for (const bool shared : {true, false}) {
+    SCOPED_TRACE(shared ? "shared memory" : "network");
+    std::vector<std::string> args = {"--ps=2", "--workers=2"};
+    if (!shared) args.push_back("--worker_args=--shared_memory=false");
+    const std::string model_dir =
+        ::testing::TempDir() + "/psflow_shared_memory_" + (shared ? "on" : "off");
+    std::filesystem::remove_all(model_dir);
+    for (const std::string& a :
+         {std::string("--"), std::string("--model=mlp"), std::string("--dataset=synthetic"),
+          std::string("--train_steps=30"), "--model_dir=" + model_dir}) {
+      args.push_back(a);
+    }
+    Process launch(Bin("psflow-launch"), args);
+    ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+    for (const char* line : {"[worker0] ", "[worker1] "}) {
+      for (const char* ps : {"ps 0 maps", "ps 1 maps"}) {
+        const bool found =
+            launch.output().find(std::string(line)) != std::string::npos &&
+            std::regex_search(launch.output(),
+                              std::regex(std::string("\\") + line + ".*" + ps +
+                                         " this process's shared memory: tensors go through it"));
+        EXPECT_EQ(found, shared) << line << ps << "\n" << launch.Describe();
+      }
+    }
+    EXPECT_THAT(launch.output(), Not(HasSubstr("takes no shared memory"))) << launch.Describe();
+  }
+}
+
 // Two processes on one address must not share it (gRPC's default
 // SO_REUSEPORT would let the second "listen" too and split connections).
 TEST(ClusterCliTest, SecondProcessOnABusyPortExitsOne) {
@@ -771,11 +802,11 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-ps",
        {"apply_threads", "max_streams_per_peer", "max_streams", "job_name", "task_id", "task_index",
         "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts", "exit_when_done", "tls_cert",
-        "tls_key", "tls_ca", "auth_token_file", "metrics_port"}},
+        "tls_key", "tls_ca", "auth_token_file", "metrics_port", "shared_memory"}},
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
         "worker_hosts", "evaluator_hosts", "exit_when_done", "tls_cert", "tls_key", "tls_ca",
-        "auth_token_file", "metrics_port", "ps_lanes", "push_during_backward"}},
+        "auth_token_file", "metrics_port", "ps_lanes", "push_during_backward", "shared_memory"}},
       {"psflow-evaluator", {"device",          "eval_data_dir",
                             "batch_size",      "eval_memory_limit",
                             "compute_threads", "synthetic_examples",
