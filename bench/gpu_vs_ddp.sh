@@ -5,7 +5,9 @@
 #      resnet at batch 128 per GPU and the cnn at 64, fp32, SGD, synthetic
 #      inputs that stay on the GPUs: the baseline;
 #   2. psflow jobs with 2 GPU workers (cuda:0, cuda:1) and 2, 4 and 8 ps on
-#      the host's CPUs over loopback, the same models and batches per worker
+#      the host's CPUs (tensors through shared memory, the workers' default;
+#      WORKER_ARGS=--shared_memory=false sends them over TCP on loopback), the
+#      same models and batches per worker
 #      (the resnet on synthetic 32x32x3 data, the cnn on Fashion-MNIST), SGD,
 #      fp32 and bf16 on the wire: the chief's examples/s after the first
 #      interval, its ratio to DDP's, and the step split (pull, compute, push,
