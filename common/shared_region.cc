@@ -1,6 +1,7 @@
 #include "common/shared_region.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -36,14 +37,15 @@ bool IsSharedMemoryRefusal(const absl::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(int64_t bytes) {
-  if (bytes <= 0 || bytes > SharedRegionMap::kMaxBytes) {
+  if (bytes <= 0 || bytes > kMaxRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("a shared region of ", bytes, " bytes"));
   }
-  const int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
+  const int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return absl::UnavailableError(Errno("memfd_create"));
   const size_t length = static_cast<size_t>(kRegionHeaderBytes + bytes);
-  if (::ftruncate(fd, static_cast<off_t>(length)) != 0) {
-    const std::string why = Errno("ftruncate");
+  if (::ftruncate(fd, static_cast<off_t>(length)) != 0 ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    const std::string why = Errno("sizing the region");
     ::close(fd);
     return absl::ResourceExhaustedError(why);
   }
@@ -99,7 +101,7 @@ SharedRegionPool::Lease SharedRegionPool::Acquire(int64_t bytes) {
   Lease lease;
   const int64_t want = std::max<int64_t>(1, (bytes + kQuantum - 1) / kQuantum) * kQuantum;
   absl::MutexLock lock(&mu_);
-  if (broken_) return lease;
+  if (absl::Now() < retry_at_) return lease;
   // The smallest free region that fits.
   auto best = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it) {
@@ -112,15 +114,18 @@ SharedRegionPool::Lease SharedRegionPool::Acquire(int64_t bytes) {
     free_.erase(best);
     return lease;
   }
-  // A new one, dropping free regions (too small for this call) for room.
-  while (total_ + want > max_bytes_ && !free_.empty()) {
+  // A new one, dropping free regions (too small for this call) for room,
+  // but only if that makes enough.
+  int64_t free_bytes = 0;
+  for (const std::unique_ptr<SharedRegion>& r : free_) free_bytes += r->data().size;
+  if (total_ - free_bytes + want > max_bytes_) return lease;
+  while (total_ + want > max_bytes_) {
     total_ -= free_.back()->data().size;
     free_.pop_back();
   }
-  if (total_ + want > max_bytes_) return lease;
   absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(want);
   if (!made.ok()) {
-    broken_ = true;
+    retry_at_ = absl::Now() + kRetryAfter;
     return lease;
   }
   total_ += want;
@@ -149,11 +154,12 @@ SharedMapping::~SharedMapping() { ::munmap(base, length); }
 absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
     const SharedRegionRef& ref) {
   if (ref.token().size() != kRegionTokenBytes || ref.pid() <= 0 || ref.fd() < 0 ||
-      ref.bytes() <= 0 || ref.bytes() > kMaxBytes) {
+      ref.bytes() <= 0 || ref.bytes() > kMaxRegionBytes) {
     return SharedMemoryRefusal("malformed region reference");
   }
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
+  if (now - swept_ >= absl::Seconds(1)) SweepLocked(now);
   if (auto it = entries_.find(ref.token()); it != entries_.end()) {
     if (it->second.bytes != ref.bytes()) {
       return SharedMemoryRefusal("the region's size differs from the one it was mapped with");
@@ -161,22 +167,32 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
     it->second.used = now;
     return it->second.mapping;
   }
-  SweepLocked(now);
-  if (entries_.size() >= static_cast<size_t>(kMaxRegions)) {
-    return SharedMemoryRefusal(absl::StrCat(kMaxRegions, " regions are in use"));
+  if (!MakeRoomLocked(ref.bytes())) {
+    return SharedMemoryRefusal(absl::StrCat("no room for a region of ", ref.bytes(),
+                                            " bytes beside the ", entries_.size(), " in use"));
   }
-  // The descriptor must be a psflow region: nothing else of the process is
-  // opened, whatever the reference names.
+  // The worker's descriptor, opened with O_PATH: that opens nothing (no
+  // device's open, no FIFO's wait), and the file it names can no longer be
+  // swapped. Only a sealed psflow region is then opened for real, through
+  // this process's own descriptor.
   const std::string path = absl::StrCat("/proc/", ref.pid(), "/fd/", ref.fd());
+  const int handle = ::open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (handle < 0) return SharedMemoryRefusal(Errno(path.c_str()));
+  const std::string own = absl::StrCat("/proc/self/fd/", handle);
   char link[256];
-  const ssize_t n = ::readlink(path.c_str(), link, sizeof(link) - 1);
-  if (n < 0) return SharedMemoryRefusal(Errno(path.c_str()));
-  link[n] = '\0';
-  if (!absl::StartsWith(link, kLinkPrefix)) {
+  const ssize_t n = ::readlink(own.c_str(), link, sizeof(link) - 1);
+  if (n < 0 || !absl::StartsWith(absl::string_view(link, static_cast<size_t>(n)), kLinkPrefix)) {
+    ::close(handle);
     return SharedMemoryRefusal(absl::StrCat(path, " is not a psflow region"));
   }
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  const int fd = ::open(own.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  ::close(handle);
   if (fd < 0) return SharedMemoryRefusal(Errno(path.c_str()));
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+    ::close(fd);
+    return SharedMemoryRefusal(absl::StrCat(path, " is not sealed at its size"));
+  }
   struct stat st {};
   const int64_t length = kRegionHeaderBytes + ref.bytes();
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != length) {
@@ -192,29 +208,62 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
   if (std::memcmp(base, ref.token().data(), kRegionTokenBytes) != 0) {
     return SharedMemoryRefusal(absl::StrCat(path, " holds another token"));
   }
-  entries_[ref.token()] = Entry{mapping, ref.bytes(), now};
+  entries_[ref.token()] = Entry{mapping, ref.bytes(), ref.pid(), now};
+  mapped_ += ref.bytes();
   return mapping;
 }
 
+void SharedRegionMap::Forget(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(token);
+  if (it == entries_.end()) return;
+  mapped_ -= it->second.bytes;
+  entries_.erase(it);
+}
+
+void SharedRegionMap::Sweep(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(now);
+}
+
 void SharedRegionMap::SweepLocked(absl::Time now) {
-  auto lru = entries_.end();
+  swept_ = now;
   for (auto it = entries_.begin(); it != entries_.end();) {
-    const bool unused = it->second.mapping.use_count() == 1;
-    if (unused && now - it->second.used > kIdle) {
+    const Entry& e = it->second;
+    const bool gone = ::kill(e.pid, 0) != 0 && errno == ESRCH;
+    if (e.mapping.use_count() == 1 && (gone || now - e.used > kIdle)) {
+      mapped_ -= e.bytes;
       entries_.erase(it++);
-      continue;
+    } else {
+      ++it;
     }
-    if (unused && (lru == entries_.end() || it->second.used < lru->second.used)) lru = it;
-    ++it;
   }
-  if (entries_.size() >= static_cast<size_t>(kMaxRegions) && lru != entries_.end()) {
+}
+
+bool SharedRegionMap::MakeRoomLocked(int64_t bytes) {
+  while (entries_.size() >= static_cast<size_t>(kMaxRegions) || mapped_ + bytes > kMaxMappedBytes) {
+    auto lru = entries_.end();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->second.mapping.use_count() == 1 &&
+          (lru == entries_.end() || it->second.used < lru->second.used)) {
+        lru = it;
+      }
+    }
+    if (lru == entries_.end()) return false;
+    mapped_ -= lru->second.bytes;
     entries_.erase(lru);
   }
+  return true;
 }
 
 int SharedRegionMap::size() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(entries_.size());
+}
+
+int64_t SharedRegionMap::mapped_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return mapped_;
 }
 
 }  // namespace psflow

@@ -36,6 +36,8 @@ inline constexpr char kSharedMemoryRefused[] = "shared memory";
 // Bytes of a region before its data: the token, then zeros.
 inline constexpr int64_t kRegionHeaderBytes = 4096;
 inline constexpr int kRegionTokenBytes = 16;
+// The largest region: a worker's pool holds at most this much in all.
+inline constexpr int64_t kMaxRegionBytes = int64_t{8} << 30;
 // Each chunk's data start at a multiple of this in a region.
 inline constexpr int64_t kSharedAlign = 64;
 // Chunks per message with a region: a call's tensors go in one message (a
@@ -56,7 +58,9 @@ absl::Status SharedMemoryRefusal(const std::string& why);
 bool IsSharedMemoryRefusal(const absl::Status& status);
 
 // A client's region: `bytes` bytes of data after the header, mapped here
-// until it is destroyed (its memory lives on while a ps still maps it).
+// until it is destroyed (its memory lives on while a ps still maps it). Its
+// size is sealed (F_SEAL_SHRINK, F_SEAL_GROW): no process can shrink it under
+// a mapping, which would make the mapping's readers fault.
 class SharedRegion {
  public:
   // An error where this process cannot make one (no memfd_create, no memory).
@@ -85,6 +89,9 @@ class SharedRegionPool {
   // Regions are made in multiples of this.
   static constexpr int64_t kQuantum = 1 << 20;
 
+  // After a region could not be made, none is tried for this long.
+  static constexpr absl::Duration kRetryAfter = absl::Seconds(60);
+
   // At most `max_bytes` of regions (of data) at once, leased or not.
   explicit SharedRegionPool(int64_t max_bytes) : max_bytes_(max_bytes) {}
   SharedRegionPool(const SharedRegionPool&) = delete;
@@ -110,9 +117,10 @@ class SharedRegionPool {
     std::unique_ptr<SharedRegion> region_;
   };
 
-  // The smallest free region of at least `bytes`, or a new one; an empty
-  // lease when the bound leaves no room even after dropping free regions,
-  // or when no region can be made (the call then goes over the network).
+  // The smallest free region of at least `bytes`, or a new one (dropping
+  // free regions too small for it where the bound needs their room); an
+  // empty lease when even that leaves no room, or when no region can be
+  // made (the call then goes over the network).
   Lease Acquire(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of all regions, leased or not.
   int64_t total_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -125,7 +133,7 @@ class SharedRegionPool {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<SharedRegion>> free_ ABSL_GUARDED_BY(mu_);
   int64_t total_ ABSL_GUARDED_BY(mu_) = 0;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // Create failed once: never again
+  absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // after a failed Create
 };
 
 // A region mapped by a ps: unmapped when the last holder lets it go.
@@ -143,37 +151,57 @@ struct SharedMapping {
   const SharedSpan data;
 };
 
-// The regions a ps has mapped, by token. Thread-safe.
+// The regions a ps has mapped, by token. A region once mapped is found by
+// its token alone (the token is the secret; the pid and descriptor only say
+// where to open it the first time). Thread-safe.
 class SharedRegionMap {
  public:
-  // A region no call has used for this long is unmapped when another one is
-  // attached (its worker is most likely gone).
+  // A region no call is using is unmapped once it has been idle this long,
+  // or at once when its process is gone (checked at most once a second, on
+  // the next Attach).
   static constexpr absl::Duration kIdle = absl::Seconds(60);
-  // Most regions mapped at once; regions in use are never unmapped.
+  // Most regions and bytes mapped at once: to map another, the least
+  // recently used regions no call is using are unmapped; if that does not
+  // make room, the region is refused.
   static constexpr int kMaxRegions = 1024;
-  // The largest region taken.
-  static constexpr int64_t kMaxBytes = int64_t{1} << 40;
+  static constexpr int64_t kMaxMappedBytes = int64_t{64} << 30;
 
   // The region `ref` names, mapped (at once when its token is known here),
   // kept mapped at least while the returned pointer lives. A refusal
-  // (SharedMemoryRefusal) when `ref` is malformed, its descriptor cannot be
-  // opened or is not a psflow region, its size or token differs, or
-  // kMaxRegions are in use.
+  // (SharedMemoryRefusal) when `ref` is malformed or larger than
+  // kMaxRegionBytes, its descriptor cannot be opened or is not a sealed
+  // psflow region of that size holding that token, or the bounds leave no
+  // room. The descriptor is first opened with O_PATH (which opens nothing)
+  // and checked there, then opened again through this process's own
+  // descriptor, so a process that swaps its descriptor cannot make the ps
+  // open another file.
   absl::StatusOr<std::shared_ptr<const SharedMapping>> Attach(const SharedRegionRef& ref)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops the region of `token` (a call through it failed, so its worker
+  // drops it too); calls using it keep their mapping until they end.
+  void Forget(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  // Unmaps the regions no call is using that have been idle for kIdle at
+  // `now`, or whose process has exited.
+  void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   int size() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t mapped_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry {
     std::shared_ptr<const SharedMapping> mapping;
     int64_t bytes = 0;
+    int32_t pid = 0;
     absl::Time used;
   };
-  // Unmaps idle regions, and the least recently used one if the map is full.
   void SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unmaps least recently used regions no call is using until one more of
+  // `bytes` fits the bounds; false if it cannot.
+  bool MakeRoomLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by token
+  int64_t mapped_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time swept_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 }  // namespace psflow

@@ -101,7 +101,9 @@ struct TensorSink {
   // Instead of `data`, memory allocated only as the tensor's data arrives
   // (for what a peer's request declares): the whole tensor with its first
   // chunk, or, with `grow`, no more than the chunks received so far (they
-  // come in order). The vector must be empty and outlive the assembler.
+  // come in order). The vector must outlive the assembler; it is empty, or
+  // already of the tensor's size (a buffer reused from earlier data, written
+  // over chunk by chunk: Finish() still fails unless every byte arrived).
   std::vector<float>* storage = nullptr;
   bool grow = false;
   // If set: made true when a chunk brings a NaN or an infinity (checked as

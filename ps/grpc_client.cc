@@ -104,7 +104,7 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
                        int connections_per_ps, metrics::Registry* metrics, Role server_role,
                        bool shared_memory)
     : errors_(metrics, kService) {
-  if (shared_memory) regions_ = std::make_unique<SharedRegionPool>(kMaxSharedBytes);
+  if (shared_memory) regions_ = std::make_unique<SharedRegionPool>(kMaxRegionBytes);
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_push_bytes",
                                 "Gradient bytes (in the wire dtype) sent by one push call to a ps.",
@@ -121,6 +121,9 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
       "Duration of one pull call from a ps that carried weights, the ps's wait for the version "
       "included.",
       metrics::LatencyBuckets());
+  shared_calls_ = m->GetCounter(
+      "psflow_shared_memory_calls_total",
+      "Pushes and pulls whose tensors went through shared memory with a ps on this host.");
   for (const std::string& a : addresses) {
     auto link = std::make_unique<Link>();
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
@@ -149,23 +152,30 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
 }
 
 SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count) {
-  if (regions_ == nullptr || bytes == 0 || !links_[ps]->shared.load()) return {};
+  if (regions_ == nullptr || bytes == 0 ||
+      absl::ToUnixNanos(absl::Now()) < links_[ps]->no_region_until.load()) {
+    return {};
+  }
   return regions_->Acquire(SharedBytesFor(bytes, count));
 }
 
 bool GrpcClient::RefusedRegion(int ps, const absl::Status& status,
                                SharedRegionPool::Lease& region) {
+  Link& link = *links_[ps];
   if (status.ok()) {
-    if (!links_[ps]->told.exchange(true)) {
+    shared_calls_->Add();
+    if (!link.told_shared.exchange(true)) {
       PSLOG(INFO) << "ps " << ps << " maps this process's shared memory: tensors go through it";
     }
     return false;
   }
   region.Discard();
   if (!IsSharedMemoryRefusal(status)) return false;
-  if (links_[ps]->shared.exchange(false)) {
+  link.no_region_until = absl::ToUnixNanos(absl::Now() + kRetrySharedAfter);
+  if (!link.told_refused.exchange(true)) {
     PSLOG(WARNING) << "ps " << ps << " takes no shared memory (" << status.message()
-                   << "): its tensors go over the network";
+                   << "): its tensors go over the network (offered again every "
+                   << absl::FormatDuration(kRetrySharedAfter) << ")";
   }
   return true;
 }

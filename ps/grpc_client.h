@@ -32,13 +32,14 @@ namespace psflow::ps {
 //
 // With `shared_memory`, pushes and pulls offer each ps a shared region
 // (common/shared_region.h) for their tensors, leased from a pool of at most
-// kMaxSharedBytes; a ps that refuses one (it is on another host, or in
-// another process namespace) gets that call again over the network, and
-// every later call to it goes over the network too. A region whose call
-// failed is dropped rather than reused: its ps may still be reading it.
+// kMaxRegionBytes; a ps that refuses one (it is on another host, or in
+// another process namespace) gets that call again over the network, and so
+// do its calls of the next kRetrySharedAfter. A region whose call failed is
+// dropped rather than reused: its ps may still be reading it. `metrics`
+// also counts the calls whose tensors went through shared memory.
 class GrpcClient final : public Client {
  public:
-  static constexpr int64_t kMaxSharedBytes = int64_t{8} << 30;
+  static constexpr absl::Duration kRetrySharedAfter = absl::Seconds(60);
 
   // `server_role`: the role whose certificate the addresses present (a ps,
   // or a worker serving its replica in a job without ps).
@@ -96,9 +97,12 @@ class GrpcClient final : public Client {
     // Pulls and pushes go as raw messages (common/chunk_messages.h), one
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
-    std::atomic<unsigned> next{0};   // the connection of the next pull or push
-    std::atomic<bool> shared{true};  // the ps has not refused a region
-    std::atomic<bool> told{false};   // the log said it took one
+    std::atomic<unsigned> next{0};  // the connection of the next pull or push
+    // Until when the ps gets no region (it refused one), in absl::Time's
+    // nanoseconds since the epoch; 0: offer one.
+    std::atomic<int64_t> no_region_until{0};
+    std::atomic<bool> told_shared{false};   // the log said it takes regions
+    std::atomic<bool> told_refused{false};  // the log said it refused one
   };
   // The raw stub of the next pull or push to `ps`.
   grpc::GenericStub* NextStub(int ps);
@@ -112,6 +116,7 @@ class GrpcClient final : public Client {
   metrics::Histogram* push_seconds_;
   metrics::Histogram* pull_bytes_;
   metrics::Histogram* pull_seconds_;
+  metrics::Counter* shared_calls_;
 };
 
 }  // namespace psflow::ps

@@ -410,6 +410,8 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   // A pull that carried what it asked for (slices, or the version alone)
   // goes to the service's metrics; a "not yet" answer or a failure does not.
   void Finishing(const absl::Status& status) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Its worker drops a region whose call failed: so does the ps.
+    if (!status.ok() && region_ != nullptr) service_->ForgetRegion(request_.region());
     if (!status.ok() || not_yet_) return;
     service_->pull_bytes_->Observe(static_cast<double>(bytes_));
     service_->pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
@@ -546,6 +548,10 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> PsService::AttachRegion(
   return regions_->Attach(ref);
 }
 
+void PsService::ForgetRegion(const SharedRegionRef& ref) {
+  if (regions_ != nullptr) regions_->Forget(ref.token());
+}
+
 absl::Status PsService::Admit(const std::string& peer) {
   absl::MutexLock lock(&streams_mu_);
   int& mine = streams_[peer];
@@ -653,6 +659,8 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   void Process(bool ok) {
     absl::Status s = ok ? Take() : End();
     if (!s.ok()) {
+      // Its worker drops a region whose call failed: so does the ps.
+      if (region_ != nullptr) service_->ForgetRegion(header_.region());
       Finish(ToGrpcStatus(s));
     } else if (ok) {
       StartRead(&message_);

@@ -113,6 +113,7 @@ class PsService final
   void LetOut(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
   // The region a push or pull names, mapped; a refusal without shared memory.
   absl::StatusOr<std::shared_ptr<const SharedMapping>> AttachRegion(const SharedRegionRef& ref);
+  void ForgetRegion(const SharedRegionRef& ref);
   // Logs a push refused for its contents (a non-finite gradient, a bad
   // size): the first ten, then every thousandth.
   void LogRefusedPush(const std::string& peer, const absl::Status& why)

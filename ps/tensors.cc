@@ -43,7 +43,8 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     const SliceSpec& s = slices[indices[k]];
     Shard::SliceGradient& g = (*grads)[k];
     g.slice = indices[k];
-    // Allocated with the gradient's first chunk, not for the header.
+    // A buffer the shard has spare (taken for the header: no memory is
+    // allocated for it), or else allocated with the gradient's first chunk.
     TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
     if (shard != nullptr) g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
     sink.storage = &g.values;

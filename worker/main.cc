@@ -59,7 +59,7 @@ ABSL_FLAG(bool, shared_memory, true,
           "the ps a memory region of this process, which it maps, and their messages carry only "
           "where each tensor lies. A ps that cannot map it (another host, another container's "
           "process namespace, or a ps run with --shared_memory=false) gets the tensors over the "
-          "network, as with false.");
+          "network, as with false, and is offered memory again a minute later.");
 ABSL_FLAG(bool, push_during_backward, true,
           "In a job with ps whose --on_nonfinite is fail (the default): push each lane's "
           "gradients as soon as the backward pass has completed them (a GPU worker: once they "

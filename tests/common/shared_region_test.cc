@@ -4,6 +4,7 @@
 #include "common/shared_region.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,9 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace psflow {
 namespace {
@@ -58,6 +62,7 @@ TEST(SharedRegion, ReferencesThatDoNotNameTheRegionAreRefused) {
   SharedRegionRef ref = (*region)->ref();
   ref.set_token(std::string(kRegionTokenBytes, 'x'));
   refused(ref, "another token");
+  EXPECT_EQ(map.size(), 0);
   ref = (*region)->ref();
   ref.set_bytes(8192);
   refused(ref, "is not a region of 8192 bytes");
@@ -117,7 +122,90 @@ TEST(SharedRegion, ARegionOfAProcessThatExitedCannotBeMapped) {
   SharedRegionRef ref;
   ASSERT_TRUE(ref.ParseFromString(bytes));
   SharedRegionMap map;
-  EXPECT_TRUE(IsSharedMemoryRefusal(map.Attach(ref).status()));
+  absl::Status s = map.Attach(ref).status();
+  EXPECT_TRUE(IsSharedMemoryRefusal(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("/proc/", child, "/fd/")));
+}
+
+// A region cannot change its size under a mapping (a shrink would make the
+// ps fault on its next access), and a memory file that could is refused.
+TEST(SharedRegion, ARegionsSizeIsSealedAndAnUnsealedFileIsRefused) {
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_NE(ftruncate((*region)->ref().fd(), 0), 0);
+  EXPECT_NE(ftruncate((*region)->ref().fd(), 1 << 20), 0);
+  // The same name, size and token, without the seals.
+  const int fd = memfd_create("psflow-region", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, kRegionHeaderBytes + 4096), 0);
+  const std::string& token = (*region)->ref().token();
+  ASSERT_EQ(pwrite(fd, token.data(), token.size(), 0), static_cast<ssize_t>(token.size()));
+  SharedRegionRef ref = (*region)->ref();
+  ref.set_fd(fd);
+  SharedRegionMap map;
+  absl::Status s = map.Attach(ref).status();
+  EXPECT_TRUE(IsSharedMemoryRefusal(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not sealed"));
+  close(fd);
+}
+
+TEST(SharedRegion, UnusedRegionsAreUnmappedWhenIdleForgottenOrTheirProcessIsGone) {
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  SharedRegionMap map;
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> used = map.Attach((*region)->ref());
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_EQ(map.mapped_bytes(), 4096);
+  // In use: kept, however long idle.
+  map.Sweep(absl::Now() + SharedRegionMap::kIdle + absl::Seconds(1));
+  EXPECT_EQ(map.size(), 1);
+  used->reset();
+  map.Sweep(absl::Now());
+  EXPECT_EQ(map.size(), 1) << "not idle yet, and its process is alive";
+  map.Sweep(absl::Now() + SharedRegionMap::kIdle + absl::Seconds(1));
+  EXPECT_EQ(map.size(), 0);
+  EXPECT_EQ(map.mapped_bytes(), 0);
+  // Forgotten: gone from the map, while a call that holds it keeps reading.
+  used = map.Attach((*region)->ref());
+  ASSERT_TRUE(used.ok()) << used.status();
+  std::memcpy((*region)->data().data, "kept", 4);
+  map.Forget((*region)->ref().token());
+  EXPECT_EQ(map.size(), 0);
+  EXPECT_EQ(std::string((*used)->data.data, 4), "kept");
+
+  // A child's region, mapped while the child runs, unmapped once it exited.
+  int to_parent[2], to_child[2];
+  ASSERT_EQ(pipe(to_parent), 0);
+  ASSERT_EQ(pipe(to_child), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    absl::StatusOr<std::unique_ptr<SharedRegion>> mine = SharedRegion::Create(4096);
+    const std::string ref = mine.ok() ? (*mine)->ref().SerializeAsString() : "";
+    const uint32_t size = static_cast<uint32_t>(ref.size());
+    bool ok = write(to_parent[1], &size, 4) == 4 &&
+              write(to_parent[1], ref.data(), size) == static_cast<ssize_t>(size);
+    char go;
+    ok = read(to_child[0], &go, 1) == 1 && ok;
+    _exit(ok && mine.ok() ? 0 : 1);
+  }
+  uint32_t size = 0;
+  ASSERT_EQ(read(to_parent[0], &size, 4), 4);
+  std::string bytes(size, '\0');
+  ASSERT_EQ(read(to_parent[0], bytes.data(), size), static_cast<ssize_t>(size));
+  SharedRegionRef ref;
+  ASSERT_TRUE(ref.ParseFromString(bytes));
+  used = map.Attach(ref);
+  ASSERT_TRUE(used.ok()) << used.status();
+  used->reset();
+  ASSERT_EQ(write(to_child[1], "x", 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(map.size(), 1);
+  map.Sweep(absl::Now());
+  EXPECT_EQ(map.size(), 0);
+  for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) close(fd);
 }
 
 TEST(SharedRegionPool, LeasesAreReusedAndBounded) {

@@ -597,8 +597,11 @@ TEST(ClusterCliTest, LaunchStopsAtOnceWhenTheChiefFails) {
 // cluster, with the worker's own message; an argument that is no flag is
 // refused before anything starts.
 TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
-  Process launch(Bin("psflow-launch"), {"--ps=1", "--workers=1", "--worker_args=--ps_lanes=99",
-                                        "--", "--model=mlp", "--train_steps=50"});
+  // The chief has all it needs: the worker's refusal is what ends the job.
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=1", "--worker_args=--ps_lanes=99", "--", "--model=mlp",
+                  "--dataset=synthetic", "--train_steps=50",
+                  "--model_dir=" + ::testing::TempDir() + "/psflow_worker_args"});
   EXPECT_EQ(launch.WaitOrKill(seconds(60)), 1) << launch.Describe();
   EXPECT_THAT(launch.output(), HasSubstr("--ps_lanes must be in [0, 64], not 99"))
       << launch.Describe();

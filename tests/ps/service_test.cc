@@ -436,6 +436,41 @@ double Series(const std::string& text, const std::string& name) {
   return std::stod(text.substr(at + key.size()));
 }
 
+// A push that leaves a slice short is refused even where the ps decodes it
+// into a buffer of an earlier step (full-size, holding that step's values).
+TEST_F(PsServiceTest, AShortPushIntoAReusedBufferIsRefused) {
+  ASSERT_TRUE(InitJob().ok());
+  const std::vector<float> g_big = Pattern(big_.size(), 3, 1.0f), g_bias = Pattern(10, 2, 2.0f);
+  ASSERT_TRUE(PushAll(0, 0, g_big, g_bias).ok());
+  ASSERT_TRUE(PushAll(1, 0, g_big, g_bias).ok());
+  ASSERT_TRUE(PullAll(1).ok());
+  // Step 1: worker 0 sends half of "big" and all of "bias".
+  PushRequest r;
+  r.mutable_header()->set_job_id(kJob);
+  r.mutable_header()->set_worker(0);
+  r.mutable_header()->set_step(1);
+  TensorChunk* c = r.add_chunk();
+  c->set_name("big");
+  c->set_dtype(DT_FLOAT);
+  for (int64_t d : kBigShape) c->add_shape(d);
+  c->set_data(reinterpret_cast<const char*>(g_big.data()), g_big.size() * 2);
+  c = r.add_chunk();
+  c->set_name("bias");
+  c->set_dtype(DT_FLOAT);
+  c->add_shape(10);
+  c->set_data(reinterpret_cast<const char*>(g_bias.data()), 40);
+  grpc::Status s = RawPush({r});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("'big' incomplete"));
+  // Its "big" was not handed over: the full pushes of step 1 apply exactly.
+  const std::vector<float> h_big = Pattern(big_.size(), 5, 0.5f);
+  ASSERT_TRUE(PushAll(0, 1, h_big, g_bias).ok());
+  ASSERT_TRUE(PushAll(1, 1, h_big, g_bias).ok());
+  absl::StatusOr<Pulled> p = PullAll(2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, SgdAfter(SgdAfter(big_, g_big, g_big), h_big, h_big));
+}
+
 // A client on the ps's host offers shared memory: its pushes and pulls go
 // through it, with the same results as over the network.
 TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
@@ -472,6 +507,9 @@ TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
     EXPECT_EQ(next->big, p0->big) << "step " << step;
     EXPECT_EQ(next->bias, p0->bias) << "step " << step;
   }
+  // Every call went through shared memory: the first pull, then each step's
+  // two pushes and one pull.
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 10);
   // The regions are reused from call to call: a few for the whole run.
   const double regions = Series(server_metrics_.Render(), "psflow_ps_shared_regions");
   EXPECT_GE(regions, 1);
@@ -513,6 +551,7 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   EXPECT_EQ(p1->big, SgdAfter(big_, g_big, g_big));
   EXPECT_EQ(p1->bias, SgdAfter(bias_, g_bias, g_bias));
   EXPECT_EQ(Series(metrics.Render(), "psflow_ps_shared_regions"), 0);
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 0);
   EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("FAILED_PRECONDITION")));
   shard.Shutdown();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
@@ -555,6 +594,9 @@ TEST_F(PsServiceTest, ForgedRegionsAndChunksOutsideTheirRegionAreRefused) {
   chunk(&outside, (1 << 20) - 8, 40);
   s = RawPush({outside});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("of a shared region of"));
+  // A region whose call failed is dropped, as its worker drops it.
+  EXPECT_EQ(Series(server_metrics_.Render(), "psflow_ps_shared_regions"), 0);
   PushRequest no_region = first;
   no_region.mutable_header()->clear_region();
   chunk(&no_region, 0, 40);
@@ -577,6 +619,7 @@ TEST_F(PsServiceTest, ForgedRegionsAndChunksOutsideTheirRegionAreRefused) {
       ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, pull); });
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("too small"));
+  EXPECT_EQ(Series(server_metrics_.Render(), "psflow_ps_shared_regions"), 0);
   // Nothing was applied, and the ps goes on.
   EXPECT_EQ(shard_.stats().version, 0);
   const std::vector<float> g_big = Pattern(big_.size(), 3, 1.0f), g_bias = Pattern(10, 2, 2.0f);
