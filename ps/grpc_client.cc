@@ -123,7 +123,8 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
       metrics::LatencyBuckets());
   shared_calls_ = m->GetCounter(
       "psflow_shared_memory_calls_total",
-      "Pushes and pulls whose tensors went through shared memory with a ps on this host.");
+      "Pushes and pulls that went through shared memory with a ps on this host (pulls answered "
+      "'not yet', which carry no tensors, included).");
   for (const std::string& a : addresses) {
     auto link = std::make_unique<Link>();
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {

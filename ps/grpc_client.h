@@ -88,7 +88,7 @@ class GrpcClient final : public Client {
   SharedRegionPool::Lease RegionFor(int ps, int64_t bytes, int64_t count);
   // After a call through `region`: drops it unless the call ended cleanly;
   // true when the ps refused shared memory (the call must go again over the
-  // network, and so will every later one to this ps).
+  // network, and so do this ps's calls of the next kRetrySharedAfter).
   bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region);
   // The connections to one ps.
   struct Link {
