@@ -1,10 +1,12 @@
 #include "common/shared_region.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -151,26 +153,11 @@ void SharedRegionPool::Drop(std::unique_ptr<SharedRegion> region) {
 
 SharedMapping::~SharedMapping() { ::munmap(base, length); }
 
-absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
-    const SharedRegionRef& ref) {
-  if (ref.token().size() != kRegionTokenBytes || ref.pid() <= 0 || ref.fd() < 0 ||
-      ref.bytes() <= 0 || ref.bytes() > kMaxRegionBytes) {
-    return SharedMemoryRefusal("malformed region reference");
-  }
-  const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  if (now - swept_ >= absl::Seconds(1)) SweepLocked(now);
-  if (auto it = entries_.find(ref.token()); it != entries_.end()) {
-    if (it->second.bytes != ref.bytes()) {
-      return SharedMemoryRefusal("the region's size differs from the one it was mapped with");
-    }
-    it->second.used = now;
-    return it->second.mapping;
-  }
-  if (!MakeRoomLocked(ref.bytes())) {
-    return SharedMemoryRefusal(absl::StrCat("no room for a region of ", ref.bytes(),
-                                            " bytes beside the ", entries_.size(), " in use"));
-  }
+namespace {
+
+// Opens and maps the region `ref` names, checking all it must be (see
+// SharedRegionMap::Attach).
+absl::StatusOr<std::shared_ptr<const SharedMapping>> MapRegion(const SharedRegionRef& ref) {
   // The worker's descriptor, opened with O_PATH: that opens nothing (no
   // device's open, no FIFO's wait), and the file it names can no longer be
   // swapped. Only a sealed psflow region is then opened for real, through
@@ -179,11 +166,21 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
   const int handle = ::open(path.c_str(), O_PATH | O_CLOEXEC);
   if (handle < 0) return SharedMemoryRefusal(Errno(path.c_str()));
   const std::string own = absl::StrCat("/proc/self/fd/", handle);
+  const int64_t length = kRegionHeaderBytes + ref.bytes();
+  const std::string not_region = absl::StrCat(path, " is not a psflow region");
   char link[256];
   const ssize_t n = ::readlink(own.c_str(), link, sizeof(link) - 1);
-  if (n < 0 || !absl::StartsWith(absl::string_view(link, static_cast<size_t>(n)), kLinkPrefix)) {
+  struct stat st {};
+  struct statfs fs {};
+  if (n < 0 || !absl::StartsWith(absl::string_view(link, static_cast<size_t>(n)), kLinkPrefix) ||
+      ::fstat(handle, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 0 ||
+      ::fstatfs(handle, &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
     ::close(handle);
-    return SharedMemoryRefusal(absl::StrCat(path, " is not a psflow region"));
+    return SharedMemoryRefusal(not_region);
+  }
+  if (st.st_size != length) {
+    ::close(handle);
+    return SharedMemoryRefusal(absl::StrCat(path, " is not a region of ", ref.bytes(), " bytes"));
   }
   const int fd = ::open(own.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   ::close(handle);
@@ -193,12 +190,8 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
     ::close(fd);
     return SharedMemoryRefusal(absl::StrCat(path, " is not sealed at its size"));
   }
-  struct stat st {};
-  const int64_t length = kRegionHeaderBytes + ref.bytes();
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != length) {
-    ::close(fd);
-    return SharedMemoryRefusal(absl::StrCat(path, " is not a region of ", ref.bytes(), " bytes"));
-  }
+  // The file was checked through the handle; this descriptor is the same
+  // file, sealed, so its size cannot have changed since.
   void* base =
       ::mmap(nullptr, static_cast<size_t>(length), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
@@ -208,31 +201,104 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
   if (std::memcmp(base, ref.token().data(), kRegionTokenBytes) != 0) {
     return SharedMemoryRefusal(absl::StrCat(path, " holds another token"));
   }
-  entries_[ref.token()] = Entry{mapping, ref.bytes(), ref.pid(), now};
+  return mapping;
+}
+
+}  // namespace
+
+SharedRegionMap::SharedRegionMap(const Limits& limits) : limits_(limits) {
+  if (limits_.sweep_every < absl::InfiniteDuration()) {
+    sweeper_ = std::thread([this] { SweepEvery(limits_.sweep_every); });
+  }
+}
+
+SharedRegionMap::~SharedRegionMap() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (sweeper_.joinable()) sweeper_.join();
+}
+
+void SharedRegionMap::SweepEvery(absl::Duration period) {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) return;
+    }
+    Sweep(absl::Now());
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedRegionMap::Attach(
+    const SharedRegionRef& ref) {
+  if (ref.token().size() != kRegionTokenBytes || ref.pid() <= 0 || ref.fd() < 0 ||
+      ref.bytes() <= 0 || ref.bytes() > kMaxRegionBytes) {
+    return SharedMemoryRefusal("malformed region reference");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = entries_.find(ref.token()); it != entries_.end()) {
+      if (it->second.bytes != ref.bytes()) {
+        return SharedMemoryRefusal("the region's size differs from the one it was mapped with");
+      }
+      it->second.used = absl::Now();
+      return it->second.mapping;
+    }
+  }
+  // Opened, checked and mapped without the lock: calls through regions
+  // already mapped go on meanwhile.
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> mapping = MapRegion(ref);
+  if (!mapping.ok()) return mapping.status();
+  Unmapped unmapped;  // unmapped after the lock is let go, as is a mapping lost to a race
+  absl::MutexLock lock(&mu_);
+  if (auto it = entries_.find(ref.token()); it != entries_.end()) {
+    // Another call of the same region mapped it meanwhile.
+    unmapped.push_back(*std::move(mapping));
+    if (it->second.bytes != ref.bytes()) {
+      return SharedMemoryRefusal("the region's size differs from the one it was mapped with");
+    }
+    it->second.used = absl::Now();
+    return it->second.mapping;
+  }
+  if (!MakeRoomLocked(ref.bytes(), &unmapped)) {
+    unmapped.push_back(*std::move(mapping));
+    return SharedMemoryRefusal(absl::StrCat("no room for a region of ", ref.bytes(),
+                                            " bytes beside the ", entries_.size(), " in use"));
+  }
+  entries_[ref.token()] = Entry{*mapping, ref.bytes(), ref.pid(), absl::Now()};
   mapped_ += ref.bytes();
   return mapping;
 }
 
 void SharedRegionMap::Forget(const std::string& token) {
+  Unmapped unmapped;
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(token);
   if (it == entries_.end()) return;
   mapped_ -= it->second.bytes;
+  unmapped.push_back(std::move(it->second.mapping));
   entries_.erase(it);
 }
 
 void SharedRegionMap::Sweep(absl::Time now) {
+  Unmapped unmapped;
   absl::MutexLock lock(&mu_);
-  SweepLocked(now);
+  SweepLocked(now, &unmapped);
 }
 
-void SharedRegionMap::SweepLocked(absl::Time now) {
-  swept_ = now;
+void SharedRegionMap::SweepLocked(absl::Time now, Unmapped* unmapped) {
   for (auto it = entries_.begin(); it != entries_.end();) {
-    const Entry& e = it->second;
+    Entry& e = it->second;
+    if (e.mapping.use_count() > 1) {
+      e.used = std::max(e.used, now);  // idle time counts from the end of its last call
+      ++it;
+      continue;
+    }
     const bool gone = ::kill(e.pid, 0) != 0 && errno == ESRCH;
-    if (e.mapping.use_count() == 1 && (gone || now - e.used > kIdle)) {
+    if (gone || now - e.used > limits_.idle) {
       mapped_ -= e.bytes;
+      unmapped->push_back(std::move(e.mapping));
       entries_.erase(it++);
     } else {
       ++it;
@@ -240,8 +306,10 @@ void SharedRegionMap::SweepLocked(absl::Time now) {
   }
 }
 
-bool SharedRegionMap::MakeRoomLocked(int64_t bytes) {
-  while (entries_.size() >= static_cast<size_t>(kMaxRegions) || mapped_ + bytes > kMaxMappedBytes) {
+bool SharedRegionMap::MakeRoomLocked(int64_t bytes, Unmapped* unmapped) {
+  if (bytes > limits_.max_bytes) return false;
+  while (entries_.size() >= static_cast<size_t>(limits_.max_regions) ||
+         mapped_ + bytes > limits_.max_bytes) {
     auto lru = entries_.end();
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
       if (it->second.mapping.use_count() == 1 &&
@@ -251,6 +319,7 @@ bool SharedRegionMap::MakeRoomLocked(int64_t bytes) {
     }
     if (lru == entries_.end()) return false;
     mapped_ -= lru->second.bytes;
+    unmapped->push_back(std::move(lru->second.mapping));
     entries_.erase(lru);
   }
   return true;

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -156,15 +157,25 @@ struct SharedMapping {
 // where to open it the first time). Thread-safe.
 class SharedRegionMap {
  public:
-  // A region no call is using is unmapped once it has been idle this long,
-  // or at once when its process is gone (checked at most once a second, on
-  // the next Attach).
-  static constexpr absl::Duration kIdle = absl::Seconds(60);
-  // Most regions and bytes mapped at once: to map another, the least
-  // recently used regions no call is using are unmapped; if that does not
-  // make room, the region is refused.
-  static constexpr int kMaxRegions = 1024;
-  static constexpr int64_t kMaxMappedBytes = int64_t{64} << 30;
+  struct Limits {
+    // A region no call is using is unmapped once it has been idle this
+    // long, or soon after its process is gone.
+    absl::Duration idle = absl::Seconds(60);
+    // Most regions and bytes mapped at once: to map another, the least
+    // recently used regions no call is using are unmapped; if that does
+    // not make room, the region is refused.
+    int max_regions = 1024;
+    int64_t max_bytes = int64_t{64} << 30;
+    // How often a thread of the map unmaps idle regions and those of
+    // exited processes; InfiniteDuration: only when Sweep is called.
+    absl::Duration sweep_every = absl::Seconds(1);
+  };
+
+  SharedRegionMap() : SharedRegionMap(Limits()) {}
+  explicit SharedRegionMap(const Limits& limits);
+  ~SharedRegionMap();
+  SharedRegionMap(const SharedRegionMap&) = delete;
+  SharedRegionMap& operator=(const SharedRegionMap&) = delete;
 
   // The region `ref` names, mapped (at once when its token is known here),
   // kept mapped at least while the returned pointer lives. A refusal
@@ -172,16 +183,20 @@ class SharedRegionMap {
   // kMaxRegionBytes, its descriptor cannot be opened or is not a sealed
   // psflow region of that size holding that token, or the bounds leave no
   // room. The descriptor is first opened with O_PATH (which opens nothing)
-  // and checked there, then opened again through this process's own
-  // descriptor, so a process that swaps its descriptor cannot make the ps
-  // open another file.
+  // and checked there: an unlinked regular file of memfd's file system
+  // (tmpfs, so no huge pages that a worker could punch holes in), named as
+  // a psflow region, of the right size. Only then is it opened again
+  // through this process's own descriptor, so a process that swaps its
+  // descriptor cannot make the ps open another file. Room is made (idle
+  // regions unmapped) only for a region that passed every check.
   absl::StatusOr<std::shared_ptr<const SharedMapping>> Attach(const SharedRegionRef& ref)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the region of `token` (a call through it failed, so its worker
   // drops it too); calls using it keep their mapping until they end.
   void Forget(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
-  // Unmaps the regions no call is using that have been idle for kIdle at
-  // `now`, or whose process has exited.
+  // Unmaps the regions no call has used for `limits.idle` at `now`, and
+  // those no call is using whose process has exited. A region in use counts
+  // as used at `now`.
   void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   int size() const ABSL_LOCKS_EXCLUDED(mu_);
   int64_t mapped_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -191,17 +206,23 @@ class SharedRegionMap {
     std::shared_ptr<const SharedMapping> mapping;
     int64_t bytes = 0;
     int32_t pid = 0;
-    absl::Time used;
+    absl::Time used;  // the last attach, or the last sweep that saw it in use
   };
-  void SweepLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  using Unmapped = std::vector<std::shared_ptr<const SharedMapping>>;
+  // Moves the regions to unmap into `unmapped`, so that they are unmapped
+  // after the lock is let go.
+  void SweepLocked(absl::Time now, Unmapped* unmapped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps least recently used regions no call is using until one more of
   // `bytes` fits the bounds; false if it cannot.
-  bool MakeRoomLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool MakeRoomLocked(int64_t bytes, Unmapped* unmapped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SweepEvery(absl::Duration period) ABSL_LOCKS_EXCLUDED(mu_);
 
+  const Limits limits_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by token
   int64_t mapped_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time swept_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sweeper_;
 };
 
 }  // namespace psflow

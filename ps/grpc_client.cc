@@ -1,6 +1,7 @@
 #include "ps/grpc_client.h"
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -152,33 +153,56 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
                                        header, std::move(tensors))));
 }
 
-SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count) {
-  if (regions_ == nullptr || bytes == 0 ||
-      absl::ToUnixNanos(absl::Now()) < links_[ps]->no_region_until.load()) {
-    return {};
-  }
-  return regions_->Acquire(SharedBytesFor(bytes, count));
+namespace {
+
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
-bool GrpcClient::RefusedRegion(int ps, const absl::Status& status,
-                               SharedRegionPool::Lease& region) {
+}  // namespace
+
+SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count, bool* probe) {
+  *probe = false;
+  if (regions_ == nullptr || bytes == 0) return {};
+  Link& link = *links_[ps];
+  if (link.refused.load()) {
+    if (SteadyNanos() < link.no_region_until.load() || link.probing.exchange(true)) return {};
+    *probe = true;
+  }
+  SharedRegionPool::Lease lease = regions_->Acquire(SharedBytesFor(bytes, count));
+  if (!lease && *probe) {
+    link.probing = false;
+    *probe = false;
+  }
+  return lease;
+}
+
+bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region,
+                               bool probe) {
   Link& link = *links_[ps];
   if (status.ok()) {
     shared_calls_->Add();
+    if (probe) link.refused = false;
     if (!link.told_shared.exchange(true)) {
       PSLOG(INFO) << "ps " << ps << " maps this process's shared memory: tensors go through it";
     }
-    return false;
+  } else if (IsSharedMemoryRefusal(status)) {
+    // Refused before the ps read or wrote a byte of it: reusable.
+    region.reset();
+    link.no_region_until = SteadyNanos() + absl::ToInt64Nanoseconds(retry_shared_after_);
+    link.refused = true;
+    if (!link.told_refused.exchange(true)) {
+      PSLOG(WARNING) << "ps " << ps << " takes no shared memory (" << status.message()
+                     << "): its tensors go over the network (offered again after "
+                     << absl::FormatDuration(retry_shared_after_) << ", by one call)";
+    }
+  } else {
+    region.Discard();
   }
-  region.Discard();
-  if (!IsSharedMemoryRefusal(status)) return false;
-  link.no_region_until = absl::ToUnixNanos(absl::Now() + kRetrySharedAfter);
-  if (!link.told_refused.exchange(true)) {
-    PSLOG(WARNING) << "ps " << ps << " takes no shared memory (" << status.message()
-                   << "): its tensors go over the network (offered again every "
-                   << absl::FormatDuration(kRetrySharedAfter) << ")";
-  }
-  return true;
+  if (probe) link.probing = false;
+  return IsSharedMemoryRefusal(status);
 }
 
 absl::StatusOr<PullResponse> GrpcClient::RunPull(
@@ -192,11 +216,12 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
   int64_t want = 0;
   for (const TensorSink& s : sinks) want += NumElements(s.shape) * WireBytes(*dtype);
   absl::StatusOr<PullResponse> first;
-  SharedRegionPool::Lease region = RegionFor(ps, want, static_cast<int64_t>(sinks.size()));
+  bool probe = false;
+  SharedRegionPool::Lease region = RegionFor(ps, want, static_cast<int64_t>(sinks.size()), &probe);
   bool network = true;
   if (region) {
     first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes);
-    network = RefusedRegion(ps, first.status(), region);
+    network = RefusedRegion(ps, first.status(), region, probe);
     region.reset();
   }
   if (network) {
@@ -303,11 +328,12 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
   const int64_t bytes = WireBytesOf(grads);
   const absl::Time start = absl::Now();
   absl::StatusOr<PushResponse> response;
-  SharedRegionPool::Lease region = RegionFor(ps, bytes, static_cast<int64_t>(grads.size()));
+  bool probe = false;
+  SharedRegionPool::Lease region = RegionFor(ps, bytes, static_cast<int64_t>(grads.size()), &probe);
   bool network = true;
   if (region) {
     response = PushCall(ps, header, grads, deadline, region.get());
-    network = RefusedRegion(ps, response.status(), region);
+    network = RefusedRegion(ps, response.status(), region, probe);
     region.reset();
   }
   if (network) response = PushCall(ps, header, std::move(grads), deadline, nullptr);

@@ -32,11 +32,12 @@ namespace psflow::ps {
 //
 // With `shared_memory`, pushes and pulls offer each ps a shared region
 // (common/shared_region.h) for their tensors, leased from a pool of at most
-// kMaxRegionBytes; a ps that refuses one (it is on another host, or in
+// kMaxRegionBytes. A ps that refuses one (it is on another host, or in
 // another process namespace) gets that call again over the network, and so
-// do its calls of the next kRetrySharedAfter. A region whose call failed is
-// dropped rather than reused: its ps may still be reading it. `metrics`
-// also counts the calls whose tensors went through shared memory.
+// do its calls of the next kRetrySharedAfter; after that one call at a time
+// offers it a region again, until one is taken. A region whose call failed
+// otherwise is dropped rather than reused: its ps may still be reading it.
+// `metrics` also counts the calls whose tensors went through shared memory.
 class GrpcClient final : public Client {
  public:
   static constexpr absl::Duration kRetrySharedAfter = absl::Seconds(60);
@@ -67,6 +68,10 @@ class GrpcClient final : public Client {
   bool Reachable(int ps) const override;
   void CancelAll() override;
 
+  // How long a ps that refused a region gets none (kRetrySharedAfter unless
+  // set; tests shorten it). Set before the first call.
+  void set_retry_shared_after(absl::Duration wait) { retry_shared_after_ = wait; }
+
  private:
   // One pull: `request` (its dtype set from the sinks') answered into
   // `sinks`; the first message of the answer, or an error. `ready` tells an
@@ -84,12 +89,15 @@ class GrpcClient final : public Client {
   absl::StatusOr<PushResponse> PushCall(int ps, PushHeader header, std::vector<TensorRef> grads,
                                         absl::Time deadline, SharedRegion* region);
   // A region for a call that moves `bytes` bytes in `count` tensors to or
-  // from `ps`; empty where it goes over the network.
-  SharedRegionPool::Lease RegionFor(int ps, int64_t bytes, int64_t count);
-  // After a call through `region`: drops it unless the call ended cleanly;
-  // true when the ps refused shared memory (the call must go again over the
-  // network, and so do this ps's calls of the next kRetrySharedAfter).
-  bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region);
+  // from `ps`; empty where it goes over the network. `*probe`: the call
+  // offers a region to a ps that refused one before.
+  SharedRegionPool::Lease RegionFor(int ps, int64_t bytes, int64_t count, bool* probe);
+  // After a call through `region`: gives it back, or drops it where the call
+  // failed otherwise than by the ps's refusal. True when the ps refused
+  // shared memory: the call must go again over the network, and so do this
+  // ps's calls of the next retry_shared_after_.
+  bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region,
+                     bool probe);
   // The connections to one ps.
   struct Link {
     std::vector<std::shared_ptr<grpc::Channel>> channels;
@@ -98,9 +106,12 @@ class GrpcClient final : public Client {
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
     std::atomic<unsigned> next{0};  // the connection of the next pull or push
-    // Until when the ps gets no region (it refused one), in absl::Time's
-    // nanoseconds since the epoch; 0: offer one.
+    // Set when the ps refused a region, until a region is taken again:
+    // meanwhile it gets none before `no_region_until` (steady clock's
+    // nanoseconds), and then only through one call at a time (`probing`).
+    std::atomic<bool> refused{false};
     std::atomic<int64_t> no_region_until{0};
+    std::atomic<bool> probing{false};
     std::atomic<bool> told_shared{false};   // the log said it takes regions
     std::atomic<bool> told_refused{false};  // the log said it refused one
   };
@@ -109,6 +120,7 @@ class GrpcClient final : public Client {
 
   std::vector<std::unique_ptr<Link>> links_;
   std::unique_ptr<SharedRegionPool> regions_;  // with shared_memory
+  absl::Duration retry_shared_after_ = kRetrySharedAfter;
   ActiveCalls calls_;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   RpcErrors errors_;

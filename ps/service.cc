@@ -533,6 +533,10 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "Shared memory regions of workers on this host mapped by this ps (their pushes and pulls "
       "do not cross the network).",
       [this] { return regions_ == nullptr ? 0.0 : static_cast<double>(regions_->size()); });
+  refused_regions_ = m->GetCounter(
+      "psflow_ps_refused_regions_total",
+      "Shared memory regions this ps refused to map (its calls went again over the network), "
+      "since it started.");
   wakers_ = std::make_unique<ThreadPool>(2);
   // Decoding is CPU work: about as many threads as cores (a slice's apply
   // may run on the thread that completes it, when the shard has no appliers).
@@ -544,8 +548,11 @@ PsService::~PsService() = default;
 
 absl::StatusOr<std::shared_ptr<const SharedMapping>> PsService::AttachRegion(
     const SharedRegionRef& ref) {
-  if (regions_ == nullptr) return SharedMemoryRefusal("this ps runs with --shared_memory=false");
-  return regions_->Attach(ref);
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> mapping =
+      regions_ == nullptr ? SharedMemoryRefusal("this ps runs with --shared_memory=false")
+                          : regions_->Attach(ref);
+  if (!mapping.ok()) refused_regions_->Add();
+  return mapping;
 }
 
 void PsService::ForgetRegion(const SharedRegionRef& ref) {

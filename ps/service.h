@@ -130,6 +130,7 @@ class PsService final
   metrics::Histogram* push_seconds_;
   metrics::Histogram* pull_bytes_;
   metrics::Histogram* pull_seconds_;
+  metrics::Counter* refused_regions_;
   // Runs what a shard's waiter wakes (never under the shard's lock); its
   // threads may record into the metrics, so it goes first.
   std::unique_ptr<ThreadPool> wakers_;

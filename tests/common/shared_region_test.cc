@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -23,6 +24,64 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// Limits whose sweeps happen only where a test calls Sweep.
+SharedRegionMap::Limits Manual() {
+  SharedRegionMap::Limits limits;
+  limits.sweep_every = absl::InfiniteDuration();
+  return limits;
+}
+
+// A child process that makes a region, hands its reference over and exits
+// when told to.
+class ChildRegion {
+ public:
+  ChildRegion() {
+    int to_parent[2];
+    int to_child[2];
+    if (pipe(to_parent) != 0 || pipe(to_child) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      absl::StatusOr<std::unique_ptr<SharedRegion>> mine = SharedRegion::Create(4096);
+      const std::string ref = mine.ok() ? (*mine)->ref().SerializeAsString() : "";
+      bool ok = write(to_parent[1], ref.data(), ref.size()) == static_cast<ssize_t>(ref.size());
+      char go;
+      ok = read(to_child[0], &go, 1) == 1 && ok;
+      _exit(ok && mine.ok() ? 0 : 1);
+    }
+    char buf[256];
+    const ssize_t n = pid_ > 0 ? read(to_parent[0], buf, sizeof(buf)) : -1;
+    parsed_ = n > 0 && ref_.ParseFromArray(buf, static_cast<int>(n));
+    close(to_parent[0]);
+    close(to_parent[1]);
+    close(to_child[0]);
+    go_ = to_child[1];
+  }
+  ~ChildRegion() { Exit(); }
+
+  // False where the child could not be started or sent no reference.
+  bool ok() const { return pid_ > 0 && parsed_; }
+  pid_t pid() const { return pid_; }
+  const SharedRegionRef& ref() const { return ref_; }
+  // Lets the child exit and waits for it; true when it exited cleanly.
+  bool Exit() {
+    if (go_ < 0) return exited_;
+    const bool told = write(go_, "x", 1) == 1;
+    close(go_);
+    go_ = -1;
+    int status = 0;
+    exited_ = told && pid_ > 0 && waitpid(pid_, &status, 0) == pid_ && WIFEXITED(status) &&
+              WEXITSTATUS(status) == 0;
+    return exited_;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int go_ = -1;
+  bool parsed_ = false;
+  bool exited_ = false;
+  SharedRegionRef ref_;
+};
+
 TEST(SharedRegion, AServerMapsTheClientsRegionOnceAndSeesItsBytes) {
   absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(10000);
   ASSERT_TRUE(region.ok()) << region.status();
@@ -31,7 +90,7 @@ TEST(SharedRegion, AServerMapsTheClientsRegionOnceAndSeesItsBytes) {
   EXPECT_EQ((*region)->ref().pid(), getpid());
   EXPECT_EQ((*region)->ref().token().size(), static_cast<size_t>(kRegionTokenBytes));
 
-  SharedRegionMap map;
+  SharedRegionMap map(Manual());
   absl::StatusOr<std::shared_ptr<const SharedMapping>> theirs = map.Attach((*region)->ref());
   ASSERT_TRUE(theirs.ok()) << theirs.status();
   ASSERT_EQ((*theirs)->data.size, 10000);
@@ -53,7 +112,7 @@ TEST(SharedRegion, AServerMapsTheClientsRegionOnceAndSeesItsBytes) {
 TEST(SharedRegion, ReferencesThatDoNotNameTheRegionAreRefused) {
   absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(4096);
   ASSERT_TRUE(region.ok()) << region.status();
-  SharedRegionMap map;
+  SharedRegionMap map(Manual());
   auto refused = [&](const SharedRegionRef& ref, const std::string& why) {
     absl::StatusOr<std::shared_ptr<const SharedMapping>> got = map.Attach(ref);
     EXPECT_TRUE(IsSharedMemoryRefusal(got.status())) << got.status();
@@ -98,33 +157,13 @@ TEST(SharedRegion, ReferencesThatDoNotNameTheRegionAreRefused) {
 }
 
 TEST(SharedRegion, ARegionOfAProcessThatExitedCannotBeMapped) {
-  // A child makes a region and reports its reference, then exits.
-  int pipe_fds[2];
-  ASSERT_EQ(pipe(pipe_fds), 0);
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(4096);
-    const std::string ref = region.ok() ? (*region)->ref().SerializeAsString() : "";
-    const bool sent =
-        write(pipe_fds[1], ref.data(), ref.size()) == static_cast<ssize_t>(ref.size());
-    _exit(sent && region.ok() ? 0 : 1);
-  }
-  close(pipe_fds[1]);
-  std::string bytes;
-  char buf[256];
-  ssize_t n;
-  while ((n = read(pipe_fds[0], buf, sizeof(buf))) > 0) bytes.append(buf, n);
-  close(pipe_fds[0]);
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  SharedRegionRef ref;
-  ASSERT_TRUE(ref.ParseFromString(bytes));
-  SharedRegionMap map;
-  absl::Status s = map.Attach(ref).status();
+  ChildRegion child;
+  ASSERT_TRUE(child.ok());
+  ASSERT_TRUE(child.Exit());
+  SharedRegionMap map(Manual());
+  absl::Status s = map.Attach(child.ref()).status();
   EXPECT_TRUE(IsSharedMemoryRefusal(s)) << s;
-  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("/proc/", child, "/fd/")));
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("/proc/", child.pid(), "/fd/")));
 }
 
 // A region cannot change its size under a mapping (a shrink would make the
@@ -142,7 +181,7 @@ TEST(SharedRegion, ARegionsSizeIsSealedAndAnUnsealedFileIsRefused) {
   ASSERT_EQ(pwrite(fd, token.data(), token.size(), 0), static_cast<ssize_t>(token.size()));
   SharedRegionRef ref = (*region)->ref();
   ref.set_fd(fd);
-  SharedRegionMap map;
+  SharedRegionMap map(Manual());
   absl::Status s = map.Attach(ref).status();
   EXPECT_TRUE(IsSharedMemoryRefusal(s)) << s;
   EXPECT_THAT(s.message(), HasSubstr("not sealed"));
@@ -152,17 +191,19 @@ TEST(SharedRegion, ARegionsSizeIsSealedAndAnUnsealedFileIsRefused) {
 TEST(SharedRegion, UnusedRegionsAreUnmappedWhenIdleForgottenOrTheirProcessIsGone) {
   absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(4096);
   ASSERT_TRUE(region.ok()) << region.status();
-  SharedRegionMap map;
+  SharedRegionMap map(Manual());
+  const absl::Duration idle = Manual().idle;
   absl::StatusOr<std::shared_ptr<const SharedMapping>> used = map.Attach((*region)->ref());
   ASSERT_TRUE(used.ok()) << used.status();
   EXPECT_EQ(map.mapped_bytes(), 4096);
-  // In use: kept, however long idle.
-  map.Sweep(absl::Now() + SharedRegionMap::kIdle + absl::Seconds(1));
+  // In use: kept, however long, and its idle time counts from its release.
+  const absl::Time t = absl::Now() + idle + absl::Seconds(1);
+  map.Sweep(t);
   EXPECT_EQ(map.size(), 1);
   used->reset();
-  map.Sweep(absl::Now());
-  EXPECT_EQ(map.size(), 1) << "not idle yet, and its process is alive";
-  map.Sweep(absl::Now() + SharedRegionMap::kIdle + absl::Seconds(1));
+  map.Sweep(t + idle / 2);
+  EXPECT_EQ(map.size(), 1) << "not idle long enough since its release, and its process is alive";
+  map.Sweep(t + idle + absl::Seconds(1));
   EXPECT_EQ(map.size(), 0);
   EXPECT_EQ(map.mapped_bytes(), 0);
   // Forgotten: gone from the map, while a call that holds it keeps reading.
@@ -174,38 +215,81 @@ TEST(SharedRegion, UnusedRegionsAreUnmappedWhenIdleForgottenOrTheirProcessIsGone
   EXPECT_EQ(std::string((*used)->data.data, 4), "kept");
 
   // A child's region, mapped while the child runs, unmapped once it exited.
-  int to_parent[2], to_child[2];
-  ASSERT_EQ(pipe(to_parent), 0);
-  ASSERT_EQ(pipe(to_child), 0);
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    absl::StatusOr<std::unique_ptr<SharedRegion>> mine = SharedRegion::Create(4096);
-    const std::string ref = mine.ok() ? (*mine)->ref().SerializeAsString() : "";
-    const uint32_t size = static_cast<uint32_t>(ref.size());
-    bool ok = write(to_parent[1], &size, 4) == 4 &&
-              write(to_parent[1], ref.data(), size) == static_cast<ssize_t>(size);
-    char go;
-    ok = read(to_child[0], &go, 1) == 1 && ok;
-    _exit(ok && mine.ok() ? 0 : 1);
-  }
-  uint32_t size = 0;
-  ASSERT_EQ(read(to_parent[0], &size, 4), 4);
-  std::string bytes(size, '\0');
-  ASSERT_EQ(read(to_parent[0], bytes.data(), size), static_cast<ssize_t>(size));
-  SharedRegionRef ref;
-  ASSERT_TRUE(ref.ParseFromString(bytes));
-  used = map.Attach(ref);
+  ChildRegion child;
+  ASSERT_TRUE(child.ok());
+  used = map.Attach(child.ref());
   ASSERT_TRUE(used.ok()) << used.status();
   used->reset();
-  ASSERT_EQ(write(to_child[1], "x", 1), 1);
-  int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_TRUE(child.Exit());
   EXPECT_EQ(map.size(), 1);
   map.Sweep(absl::Now());
   EXPECT_EQ(map.size(), 0);
-  for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) close(fd);
+}
+
+// The map's own thread unmaps, without a call, the regions of a process
+// that exited.
+TEST(SharedRegion, TheSweeperUnmapsRegionsOfExitedProcessesByItself) {
+  SharedRegionMap::Limits limits;
+  limits.sweep_every = absl::Milliseconds(20);
+  SharedRegionMap map(limits);
+  ChildRegion child;
+  ASSERT_TRUE(child.ok());
+  ASSERT_TRUE(map.Attach(child.ref()).ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(map.size(), 1) << "its process is alive";
+  ASSERT_TRUE(child.Exit());
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (map.size() > 0 && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(map.size(), 0);
+}
+
+// At most so many regions and bytes are mapped: the least recently used
+// idle ones make room, regions in use never do, and a reference that fails
+// its checks unmaps nothing.
+TEST(SharedRegion, TheMapsBoundsUnmapIdleRegionsOnlyForRealOnes) {
+  SharedRegionMap::Limits limits = Manual();
+  limits.max_regions = 2;
+  limits.max_bytes = 3 * 4096;
+  SharedRegionMap map(limits);
+  std::vector<std::unique_ptr<SharedRegion>> regions;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<std::unique_ptr<SharedRegion>> r = SharedRegion::Create(4096);
+    ASSERT_TRUE(r.ok()) << r.status();
+    regions.push_back(*std::move(r));
+  }
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> a = map.Attach(regions[0]->ref());
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(map.Attach(regions[1]->ref()).ok());  // idle at once
+  // A forged reference (a real region's descriptor, another token) is
+  // refused without unmapping the idle region.
+  SharedRegionRef forged = regions[2]->ref();
+  forged.set_token(std::string(kRegionTokenBytes, 'f'));
+  EXPECT_TRUE(IsSharedMemoryRefusal(map.Attach(forged).status()));
+  EXPECT_EQ(map.size(), 2);
+  // A third real one takes the idle region's place, not the one in use.
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> c = map.Attach(regions[2]->ref());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(map.size(), 2);
+  // Both in use: a fourth is refused.
+  absl::Status full = map.Attach(regions[3]->ref()).status();
+  EXPECT_TRUE(IsSharedMemoryRefusal(full)) << full;
+  EXPECT_THAT(full.message(), HasSubstr("no room"));
+  // The mapped ones still are the first and the third.
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> again = map.Attach(regions[0]->ref());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), a->get());
+  again = map.Attach(regions[2]->ref());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), c->get());
+  // Bytes: a region larger than the bound is refused outright.
+  absl::StatusOr<std::unique_ptr<SharedRegion>> big = SharedRegion::Create(4 * 4096);
+  ASSERT_TRUE(big.ok()) << big.status();
+  a->reset();
+  c->reset();
+  again->reset();
+  EXPECT_TRUE(IsSharedMemoryRefusal(map.Attach((*big)->ref()).status()));
+  EXPECT_EQ(map.size(), 2);
+  EXPECT_EQ(map.mapped_bytes(), 2 * 4096);
 }
 
 TEST(SharedRegionPool, LeasesAreReusedAndBounded) {
@@ -234,6 +318,24 @@ TEST(SharedRegionPool, LeasesAreReusedAndBounded) {
   ASSERT_TRUE(d);
   EXPECT_EQ(pool.total_bytes(), 4 * kMiB);
   EXPECT_FALSE(pool.Acquire(5 * kMiB));
+}
+
+// A call the bound leaves no room for, even with the free regions dropped,
+// gets none and drops none.
+TEST(SharedRegionPool, FreeRegionsAreKeptWhenDroppingThemWouldNotMakeRoom) {
+  constexpr int64_t kMiB = SharedRegionPool::kQuantum;
+  SharedRegionPool pool(4 * kMiB);
+  SharedRegionPool::Lease held = pool.Acquire(2 * kMiB);
+  ASSERT_TRUE(held);
+  SharedRegionPool::Lease spare = pool.Acquire(kMiB);
+  ASSERT_TRUE(spare);
+  const char* spare_data = spare.get()->data().data;
+  spare.reset();
+  EXPECT_FALSE(pool.Acquire(3 * kMiB));
+  EXPECT_EQ(pool.total_bytes(), 3 * kMiB);
+  SharedRegionPool::Lease again = pool.Acquire(kMiB);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again.get()->data().data, spare_data);
 }
 
 }  // namespace

@@ -524,7 +524,8 @@ TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
 
 // A ps that takes no shared memory gets the tensors over the network: the
 // client's first call is refused, sent again without a region, and counts
-// as no failed call.
+// as no failed call; the calls after it offer no region until the retry
+// window has passed, and then one call does.
 TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   metrics::Registry metrics;
   Shard shard;
@@ -536,10 +537,14 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
-                                         SecurityOptions{}, 1, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+  auto client = std::make_unique<GrpcClient>(
+      std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, SecurityOptions{}, 1,
+      &client_metrics_, Role::kPs, /*shared_memory=*/true);
+  constexpr absl::Duration kRetry = absl::Milliseconds(500);
+  client->set_retry_shared_after(kRetry);
+  client_ = std::move(client);
   ASSERT_TRUE(InitJob().ok());
+  const absl::Time first = absl::Now();
   absl::StatusOr<Pulled> p0 = PullAll(0);
   ASSERT_TRUE(p0.ok()) << p0.status();
   EXPECT_EQ(p0->big, big_);
@@ -550,6 +555,16 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   ASSERT_TRUE(p1.ok()) << p1.status();
   EXPECT_EQ(p1->big, SgdAfter(big_, g_big, g_big));
   EXPECT_EQ(p1->bias, SgdAfter(bias_, g_bias, g_bias));
+  if (absl::Now() - first < kRetry) {
+    EXPECT_EQ(Series(metrics.Render(), "psflow_ps_refused_regions_total"), 1);
+  }
+  // Past the window: the next call offers a region again, refused again.
+  absl::SleepFor(kRetry + absl::Milliseconds(100));
+  ASSERT_TRUE(PullAll(1).ok());
+  const double refused = Series(metrics.Render(), "psflow_ps_refused_regions_total");
+  EXPECT_GE(refused, 2);
+  ASSERT_TRUE(PullAll(1).ok());
+  EXPECT_EQ(Series(metrics.Render(), "psflow_ps_refused_regions_total"), refused);
   EXPECT_EQ(Series(metrics.Render(), "psflow_ps_shared_regions"), 0);
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 0);
   EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("FAILED_PRECONDITION")));
