@@ -80,6 +80,28 @@ class Client {
   virtual absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header,
                                             std::vector<TensorRef> grads, absl::Time deadline) = 0;
 
+  // Gradients that become final while their push runs (a worker pushing
+  // during its backward pass), in runs: run g is grads[starts[g]] up to the
+  // next run's start. `wait(g)` returns once run g's memory is final (OK),
+  // or with the error that ends the push.
+  struct PushRuns {
+    std::vector<size_t> starts;  // ascending, from 0
+    std::function<absl::Status(int run)> wait;
+  };
+  // As Push, but reads each run only after its wait returned, and sends
+  // what it has read before waiting for the next. What the ps received
+  // complete before a failing wait stays received there (as with any push
+  // that fails half-way). This default waits for every run, then pushes.
+  virtual absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
+                                                  std::vector<TensorRef> grads,
+                                                  const PushRuns& runs, absl::Time deadline) {
+    for (int g = 0; g < static_cast<int>(runs.starts.size()); ++g) {
+      absl::Status s = runs.wait(g);
+      if (!s.ok()) return s;
+    }
+    return Push(ps, header, std::move(grads), deadline);
+  }
+
   virtual absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) = 0;
 
   virtual absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) = 0;

@@ -325,18 +325,33 @@ absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
 
 absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
                                               std::vector<TensorRef> grads, absl::Time deadline) {
+  return RunPush(ps, header, std::move(grads), nullptr, deadline);
+}
+
+absl::StatusOr<PushResponse> GrpcClient::PushInRuns(int ps, const PushHeader& header,
+                                                    std::vector<TensorRef> grads,
+                                                    const PushRuns& runs, absl::Time deadline) {
+  return RunPush(ps, header, std::move(grads), &runs, deadline);
+}
+
+absl::StatusOr<PushResponse> GrpcClient::RunPush(int ps, const PushHeader& header,
+                                                 std::vector<TensorRef> grads, const PushRuns* runs,
+                                                 absl::Time deadline) {
   const int64_t bytes = WireBytesOf(grads);
   const absl::Time start = absl::Now();
   absl::StatusOr<PushResponse> response;
   bool probe = false;
   SharedRegionPool::Lease region = RegionFor(ps, bytes, static_cast<int64_t>(grads.size()), &probe);
   bool network = true;
+  bool waited = false;  // a run's wait ended the push: the caller's error, not the call's
   if (region) {
-    response = PushCall(ps, header, grads, deadline, region.get());
-    network = RefusedRegion(ps, response.status(), region, probe);
+    response = PushCall(ps, header, grads, runs, deadline, region.get(), &waited);
+    network = !waited && RefusedRegion(ps, response.status(), region, probe);
+    if (waited) region.Discard();
     region.reset();
   }
-  if (network) response = PushCall(ps, header, std::move(grads), deadline, nullptr);
+  if (network) response = PushCall(ps, header, std::move(grads), runs, deadline, nullptr, &waited);
+  if (waited) return response.status();
   if (!response.ok()) return errors_.Count("Push", WithPs(ps, response.status()));
   push_bytes_->Observe(static_cast<double>(bytes));
   push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start));
@@ -344,8 +359,10 @@ absl::StatusOr<PushResponse> GrpcClient::Push(int ps, const PushHeader& header,
 }
 
 absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
-                                                  std::vector<TensorRef> grads, absl::Time deadline,
-                                                  SharedRegion* region) {
+                                                  std::vector<TensorRef> grads,
+                                                  const PushRuns* runs, absl::Time deadline,
+                                                  SharedRegion* region, bool* waited) {
+  *waited = false;
   PushResponse response;
   absl::Status s;
   Lent lent;
@@ -354,34 +371,58 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
     // hold the slices until then.
     ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
     RawCall rpc(NextStub(ps), call.context(), kPushMethod);
-    // As WriteChunked: the header goes first, even with no chunks.
+    // As WriteChunked: the header goes first, even with no chunks. In runs,
+    // it goes alone and at once (the ps maps the region meanwhile), then
+    // each run's chunks once it is final.
     if (region != nullptr) *header.mutable_region() = region->ref();
     PushRequest message;
     *message.mutable_header() = std::move(header);
-    ChunkSplitter splitter(std::move(grads), region != nullptr ? kSharedMessageBytes : kChunkBytes);
-    std::vector<ChunkPiece> pieces;
-    bool more = splitter.NextPieces(&pieces);
+    const size_t max_bytes = region != nullptr ? kSharedMessageBytes : kChunkBytes;
+    std::vector<size_t> starts = {0};
+    if (runs != nullptr) starts = runs->starts;
     bool written = true;
+    if (runs != nullptr) {
+      written = rpc.Write(EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, {}, nullptr));
+      message.Clear();
+    }
     int64_t cursor = 0;  // in the region
-    while (true) {
-      grpc::ByteBuffer buffer;
-      if (region != nullptr) {
-        absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
-            message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor);
-        if (!encoded.ok()) {
-          s = encoded.status();
+    bool sent_any = runs != nullptr;
+    for (size_t g = 0; g < starts.size() && written && s.ok(); ++g) {
+      if (runs != nullptr) {
+        s = runs->wait(static_cast<int>(g));
+        if (!s.ok()) {
+          *waited = true;
           break;
         }
-        buffer = *std::move(encoded);
-      } else {
-        buffer = EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep());
       }
-      written = rpc.Write(buffer);
-      if (!written || !more) break;
-      message.Clear();
-      pieces.clear();
-      more = splitter.NextPieces(&pieces);
-      if (!more) break;
+      const size_t end = g + 1 < starts.size() ? starts[g + 1] : grads.size();
+      std::vector<TensorRef> part(grads.begin() + static_cast<std::ptrdiff_t>(starts[g]),
+                                  grads.begin() + static_cast<std::ptrdiff_t>(end));
+      if (part.empty() && sent_any) continue;
+      ChunkSplitter splitter(std::move(part), max_bytes);
+      std::vector<ChunkPiece> pieces;
+      bool more = splitter.NextPieces(&pieces);
+      while (true) {
+        grpc::ByteBuffer buffer;
+        if (region != nullptr) {
+          absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
+              message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor);
+          if (!encoded.ok()) {
+            s = encoded.status();
+            break;
+          }
+          buffer = *std::move(encoded);
+        } else {
+          buffer = EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep());
+        }
+        written = rpc.Write(buffer);
+        sent_any = true;
+        message.Clear();
+        if (!written || !more) break;
+        pieces.clear();
+        more = splitter.NextPieces(&pieces);
+        if (!more) break;
+      }
     }
     if (s.ok()) {
       if (written) rpc.WritesDone();

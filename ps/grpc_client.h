@@ -59,6 +59,11 @@ class GrpcClient final : public Client {
                                           absl::Time deadline, absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
+  // One call: the header at once, then each run's chunks as its wait
+  // returns (through shared memory, one message per run).
+  absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
+                                          std::vector<TensorRef> grads, const PushRuns& runs,
+                                          absl::Time deadline) override;
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
@@ -86,8 +91,15 @@ class GrpcClient final : public Client {
                                         absl::Time deadline,
                                         const std::function<bool(const PullResponse&)>& ready,
                                         SharedRegion* region, int64_t* bytes);
+  // A push, in `runs` where not null: through a region where the ps takes
+  // one, else over the network.
+  absl::StatusOr<PushResponse> RunPush(int ps, const PushHeader& header,
+                                       std::vector<TensorRef> grads, const PushRuns* runs,
+                                       absl::Time deadline);
+  // `*waited`: a run's wait ended the call (its error is returned).
   absl::StatusOr<PushResponse> PushCall(int ps, PushHeader header, std::vector<TensorRef> grads,
-                                        absl::Time deadline, SharedRegion* region);
+                                        const PushRuns* runs, absl::Time deadline,
+                                        SharedRegion* region, bool* waited);
   // A region for a call that moves `bytes` bytes in `count` tensors to or
   // from `ps`; empty where it goes over the network. `*probe`: the call
   // offers a region to a ps that refused one before.

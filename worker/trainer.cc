@@ -240,6 +240,12 @@ absl::Status Trainer::Prepare() {
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
   slices_of_.assign(job_.placement().variable_size(), 0);
   lanes_.clear();
+  // Variables whose gradients become final together: a host bucket's (a
+  // GPU's), else each alone (a CPU's, marked as its layer's backward ends).
+  std::vector<int> ready_group(backward_pos_);
+  for (size_t b = 0; b < host_buckets_.size(); ++b) {
+    for (int v : host_buckets_[b].variables) ready_group[v] = -1 - static_cast<int>(b);
+  }
   for (int p = 0; p < job_.num_ps(); ++p) {
     const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
     std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
@@ -268,6 +274,14 @@ absl::Status Trainer::Prepare() {
       if (so_far * lanes >= bytes * filled && !lanes_.back().slices.empty()) new_lane();
       Lane& lane = lanes_.back();
       const int v = slices[i].variable_index;
+      // A new run where the slice becomes final apart from the one before.
+      if (lane.slices.empty() || ready_group[v] != ready_group[lane.variables.back()]) {
+        lane.run_starts.push_back(lane.slices.size());
+        lane.run_pieces.emplace_back(backward_pos_[v], backward_pos_[v]);
+      }
+      auto& [run_first, run_last] = lane.run_pieces.back();
+      run_first = std::min(run_first, backward_pos_[v]);
+      run_last = std::max(run_last, backward_pos_[v]);
       lane.first_piece =
           lane.slices.empty() ? backward_pos_[v] : std::min(lane.first_piece, backward_pos_[v]);
       lane.last_piece = std::max(lane.last_piece, backward_pos_[v]);
@@ -284,6 +298,12 @@ absl::Status Trainer::Prepare() {
   // pass for the step's verdict, which every lane's check is part of: every
   // lane needs a thread.
   pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
+  // Where weights are staged on the host and gradients pushed during the
+  // backward pass, each lane's pull runs beside its push.
+  pullers_.reset();
+  if (push_early_ && !in_place_) {
+    pullers_ = std::make_unique<ThreadPool>(static_cast<int>(lanes_.size()));
+  }
   if (AllReduce()) {
     PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
     // GPU workers that average on their devices (or one alone) keep the
@@ -463,6 +483,9 @@ namespace {
 // GPU workers without ps average their gradients over NCCL in buckets of
 // about this many bytes, each as soon as the backward pass completes it.
 constexpr int64_t kGpuBucketBytes = int64_t{4} << 20;
+// A GPU worker with ps copies its gradients to the host in buckets of at
+// most kGpuBucketBytes, the last one (of the first layers) about this.
+constexpr int64_t kGpuLastBucketBytes = int64_t{256} << 10;
 }  // namespace
 
 struct Trainer::DeviceReplica {
@@ -501,23 +524,38 @@ struct Trainer::DeviceReplica {
 };
 
 absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() {
+  // Cut from the end of the backward order: the last bucket is the smallest
+  // (kGpuLastBucketBytes), each earlier one up to twice the next, up to
+  // kGpuBucketBytes. What the backward pass completes last is then little,
+  // and so is what the exchange still has to do once the pass is over.
+  const std::vector<int> order = net_->BackwardOrder();
+  if (order.empty()) return std::vector<GradientBucket>();
+  std::vector<size_t> ends;  // into `order`, from the last bucket's
+  int64_t bytes = 0;
+  int64_t cap = kGpuLastBucketBytes;
+  for (size_t k = order.size(); k-- > 0;) {
+    if (bytes >= cap) {
+      ends.push_back(k + 1);
+      bytes = 0;
+      cap = std::min(cap * 2, kGpuBucketBytes);
+    }
+    bytes += variable_floats_[order[k]] * static_cast<int64_t>(sizeof(float));
+  }
+  std::reverse(ends.begin(), ends.end());
+  ends.push_back(order.size());
   std::vector<GradientBucket> buckets;
   std::vector<kernels::Event*> by_variable(variable_floats_.size(), nullptr);
-  GradientBucket bucket;
-  int64_t bytes = 0;
-  const std::vector<int> order = net_->BackwardOrder();
-  for (size_t k = 0; k < order.size(); ++k) {
-    const int v = order[k];
-    bucket.variables.push_back(v);
-    bytes += variable_floats_[v] * static_cast<int64_t>(sizeof(float));
-    if (bytes < kGpuBucketBytes && k + 1 < order.size()) continue;
+  size_t begin = 0;
+  for (size_t end : ends) {
+    GradientBucket bucket;
+    bucket.variables.assign(order.begin() + static_cast<std::ptrdiff_t>(begin),
+                            order.begin() + static_cast<std::ptrdiff_t>(end));
     absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
     if (!event.ok()) return event.status();
     bucket.ready = *std::move(event);
-    by_variable[v] = bucket.ready.get();
+    by_variable[order[end - 1]] = bucket.ready.get();
     buckets.push_back(std::move(bucket));
-    bucket = {};
-    bytes = 0;
+    begin = end;
   }
   net_->SetGradientEvents(std::move(by_variable));
   return buckets;
@@ -776,8 +814,8 @@ absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* imag
   return total;
 }
 
-absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_verdict,
-                               LanePull* out) {
+absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out,
+                               const std::atomic<bool>* give_up) {
   const Lane& lane = lanes_[l];
   const absl::Time start = absl::Now();
   ps::Client* const client = ps();
@@ -786,6 +824,8 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
+    if (give_up != nullptr && give_up->load())
+      return absl::CancelledError("the lane's push failed");
     // Before the step's verdict, ask often, so as to stop soon after one
     // that is not finite (the slices this worker withheld never come).
     absl::Duration max_wait = options_.pull_wait;
@@ -832,13 +872,15 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   return absl::OkStatus();
 }
 
-bool Trainer::LaneFinite(int l) const {
+bool Trainer::LaneFinite(int l) const { return RefsFinite(lanes_[l].refs); }
+
+bool Trainer::RefsFinite(absl::Span<const TensorRef> refs) const {
   // A gradient the wire dtype turns into infinity (fp16 from 65520 on) is
   // as diverged as one that already is. (To a replica of an all-reduce job
   // the exchange is fp32: its ring rounds the mean through the wire dtype
   // already, so an fp16 overflow is an infinity by then.)
   const float overflow = WireOverflow(exchange_dtype_);
-  for (const TensorRef& r : lanes_[l].refs) {
+  for (const TensorRef& r : refs) {
     if (!AllFinite(r.data, NumElements(r.shape), overflow)) return false;
   }
   return true;
@@ -879,9 +921,45 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   policy.give_up = absl::Now() + options_.startup_timeout;
   policy.stop = [this] { return Stopping(); };
   ps::Client* const client = ps();
+  // Pushing during the backward pass, a lane's push reads its gradients in
+  // runs (ps::Client::PushInRuns), each once the backward pass has made it
+  // final and it is checked: only finite ones leave. The lane marks the
+  // verdict with its last run, or at its first run that is not finite; a
+  // verdict that failed already (another lane, or a step that failed and
+  // released every piece without writing it) ends the push. `stopped[l]`:
+  // the lane's push ended so, rather than by the ps.
+  const bool in_runs = verdict != nullptr && !skip;
+  std::unique_ptr<std::atomic<bool>[]> stopped(new std::atomic<bool>[n]);
+  for (int l = 0; l < n; ++l) stopped[l] = false;
+  auto wait_run = [&](int l, int g) -> absl::Status {
+    const Lane& lane = lanes_[l];
+    const auto [first, last] = lane.run_pieces[g];
+    const bool ready = grads_ready_.WaitReady(first, last, absl::InfiniteFuture(),
+                                              [&] { return Stopping() || verdict->Failed(); });
+    bool finite = ready && !verdict->Failed();
+    if (finite) {
+      const size_t end = g + 1 < static_cast<int>(lane.run_starts.size()) ? lane.run_starts[g + 1]
+                                                                          : lane.refs.size();
+      finite = RefsFinite(
+          absl::MakeConstSpan(lane.refs).subspan(lane.run_starts[g], end - lane.run_starts[g]));
+    }
+    if (!checked[l] && (!finite || g + 1 == static_cast<int>(lane.run_starts.size()))) {
+      checked[l] = 1;
+      verdict->Mark(finite);
+    }
+    if (finite) return absl::OkStatus();
+    stopped[l] = true;
+    return absl::CancelledError(ready ? "the step is not finite" : "stopping");
+  };
+  // Where weights are staged on the host, the lane's pull runs beside its
+  // push from the start: each slice comes as soon as the ps applied it.
+  // `give_up[l]` stops a pull whose push failed (it asks again at least
+  // every 100 ms while the verdict is open).
+  std::unique_ptr<std::atomic<bool>[]> give_up(new std::atomic<bool>[n]);
+  std::vector<char> pulled(n, 0);
   absl::Status s = FanOut(pool_.get(), n, policy, [&](int l) -> absl::Status {
     const Lane& lane = lanes_[l];
-    if (!pushed[l] && verdict != nullptr && !checked[l]) {
+    if (!pushed[l] && verdict != nullptr && !in_runs && !checked[l]) {
       // Pushing during the backward pass: once the lane's gradients are
       // final (and on the host), check them; only finite ones leave.
       // A verdict that failed already (another lane, or a step that failed
@@ -896,16 +974,49 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       if (!finite) return absl::OkStatus();  // the caller ends the step
     }
     if (!pushed[l]) {
+      absl::Notification pull_done;
+      absl::Status pull_status;
+      const bool beside = pull_early && in_runs && pullers_ != nullptr;
+      if (beside) {
+        give_up[l] = false;
+        pullers_->Schedule([&, l] {
+          pull_status = PullLane(l, min_version, verdict, &pulls[l], &give_up[l]);
+          pull_done.Notify();
+        });
+      }
       // A retried push that had arrived after all is answered DUPLICATE (or
       // STALE once applied): either way the ps has this worker's gradients.
       PushHeader lane_header = header;
       for (int i : lane.slices) lane_header.add_slices(i);
       if (async) lane_header.set_read_version(out->ps_versions[lane.ps]);
-      absl::Status pushed_status =
-          FromPs(client
-                     ->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,
-                            absl::Now() + options_.transfer_timeout)
-                     .status());
+      const absl::Time deadline = absl::Now() + options_.transfer_timeout;
+      absl::StatusOr<PushResponse> response;
+      if (in_runs) {
+        ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); }};
+        response = client->PushInRuns(lane.ps, lane_header, lane.refs, runs, deadline);
+      } else {
+        response = client->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,
+                                deadline);
+      }
+      const absl::Status pushed_status = FromPs(response.status());
+      if (in_runs && !checked[l]) {
+        // The push ended before its last run (the ps answered first): the
+        // lane's part of the verdict is still owed, or the step would wait
+        // for it.
+        checked[l] = 1;
+        const bool ready =
+            grads_ready_.WaitReady(lane.first_piece, lane.last_piece, absl::InfiniteFuture(),
+                                   [&] { return Stopping() || verdict->Failed(); });
+        verdict->Mark(ready && !verdict->Failed() && LaneFinite(l));
+      }
+      if (!pushed_status.ok() && beside) {
+        give_up[l] = true;
+        pull_done.WaitForNotification();
+      }
+      if (stopped[l]) {
+        if (Stopping()) return absl::CancelledError("stopping");
+        return absl::OkStatus();  // not finite: the caller ends the step
+      }
       if (!pushed_status.ok()) {
         if (IsRetryable(pushed_status)) {
           PSLOG(WARNING) << "retrying: " << pushed_status.message() << " ("
@@ -915,6 +1026,11 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       }
       answered[l] = absl::Now();
       pushed[l] = 1;
+      if (beside) {
+        pull_done.WaitForNotification();
+        PSFLOW_RETURN_IF_ERROR(pull_status);
+        pulled[l] = 1;
+      }
     }
     if (!pull_early) {
       // No pull, nor the step's metrics, before the whole step is known finite.
@@ -922,7 +1038,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       if (!counted[l] && push_step >= 0) count_push(l);
       return PullLane(l, min_version, nullptr, &pulls[l]);
     }
-    PSFLOW_RETURN_IF_ERROR(PullLane(l, min_version, verdict, &pulls[l]));
+    if (!pulled[l]) PSFLOW_RETURN_IF_ERROR(PullLane(l, min_version, verdict, &pulls[l]));
     if (!verdict->Wait()) return absl::OkStatus();
     if (!counted[l]) count_push(l);
     return absl::OkStatus();

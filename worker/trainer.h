@@ -210,9 +210,10 @@ class Trainer {
   absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
                         const std::function<void(absl::Time)>& on_pushed, Exchanged* out,
                         StepVerdict* verdict = nullptr);
-  // Whether lane `l`'s gradients are finite in the exchange's dtype (what
-  // it cannot hold counts as infinite).
+  // Whether lane `l`'s gradients, or `refs`, are finite in the exchange's
+  // dtype (what it cannot hold counts as infinite).
   bool LaneFinite(int l) const;
+  bool RefsFinite(absl::Span<const TensorRef> refs) const;
   // Pulls lane `l`'s slices of min_version (asking again while the ps
   // answers "not yet"), then copies to the device each variable whose last
   // slice this was. Sets *version and *wait_us (time on "not yet" answers
@@ -224,8 +225,10 @@ class Trainer {
   };
   // With `open_verdict` (a pull before the step's verdict), each "not yet"
   // comes after at most 100 ms while the verdict is open, and the lane
-  // stops asking (OK, *version -1) once it failed.
-  absl::Status PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out);
+  // stops asking (OK, *version -1) once it failed. Once `give_up` holds, it
+  // stops asking (CANCELLED).
+  absl::Status PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out,
+                        const std::atomic<bool>* give_up = nullptr);
   // The gradients in buckets of about kGpuBucketBytes, in the order the
   // backward pass completes them, each with an event the network records
   // (Network::SetGradientEvents, set here) after the layer that completes
@@ -294,6 +297,8 @@ class Trainer {
   JobConfig job_;
   int64_t start_step_ = 0;            // from the latest registration
   std::unique_ptr<ThreadPool> pool_;  // for the lanes' pulls and pushes
+  // The lanes' pulls that run beside their pushes (RunLanes).
+  std::unique_ptr<ThreadPool> pullers_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
   // A worker with several GPUs (JobConfig.replicas_per_worker): replicas 1..
@@ -357,6 +362,12 @@ class Trainer {
     // The first and last backward positions (backward_pos_) of its slices'
     // variables: pushed during the backward pass, the lane waits for these.
     int first_piece = 0, last_piece = -1;
+    // Its runs of slices whose gradients become final together (a host
+    // bucket's, or one variable's): where each starts in `slices`, and the
+    // first and last backward positions of its variables. Pushed during
+    // the backward pass, each run leaves once it is final.
+    std::vector<size_t> run_starts;
+    std::vector<std::pair<int, int>> run_pieces;
   };
   std::vector<Lane> lanes_;
   // By variable: its number of slices, and during a round of pulls the

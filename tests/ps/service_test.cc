@@ -522,6 +522,75 @@ TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
             4 * fp32_bytes);
 }
 
+// A push in runs sends each run once its wait returns: the ps applies a
+// slice whose run has arrived (from every worker) while the push's later
+// runs are still to come. A wait that fails ends the push with its error,
+// which is not counted as a failed call. Over the network and through
+// shared memory alike.
+class PushInRunsTest : public PsServiceTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
+  {
+    const bool shared = GetParam();
+    client_ =
+        std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                     /*connections_per_ps=*/2, &client_metrics_, Role::kPs, shared);
+    ASSERT_TRUE(InitJob().ok());
+    const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
+    ASSERT_TRUE(PushAll(1, 0, g_big, g_bias).ok());
+    // Worker 0: "big", then "bias" once the test lets it go.
+    absl::Notification release, waited_for_bias;
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(0);
+    h.set_step(0);
+    Client::PushRuns runs{{0, 1}, [&](int run) {
+                            if (run == 1) {
+                              waited_for_bias.Notify();
+                              release.WaitForNotification();
+                            }
+                            return absl::OkStatus();
+                          }};
+    absl::StatusOr<PushResponse> pushed;
+    std::thread pusher([&] {
+      pushed = client_->PushInRuns(
+          0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, g_bias.data()}},
+          runs, Deadline());
+    });
+    ASSERT_TRUE(waited_for_bias.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    // "big" is applied while the push waits for "bias".
+    std::vector<float> big(big_.size(), -1);
+    absl::StatusOr<Client::PullResult> first = client_->Pull(
+        0, kJob, 1, {0}, {{"big", "", kBigShape, big.data()}}, Deadline(), absl::Seconds(10));
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(big, SgdAfter(big_, g_big, g_big));
+    EXPECT_EQ(shard_.stats().version, 0) << "bias is still to come";
+    release.Notify();
+    pusher.join();
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    absl::StatusOr<Pulled> p = PullAll(1);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->big, SgdAfter(big_, g_big, g_big));
+    EXPECT_EQ(p->bias, SgdAfter(bias_, g_bias, g_bias));
+    EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total") > 0, shared);
+
+    // Step 1: the second run's wait fails; the push ends with its error.
+    h.set_step(1);
+    Client::PushRuns failing{{0, 1}, [](int run) {
+                               return run == 1 ? absl::CancelledError("the step is not finite")
+                                               : absl::OkStatus();
+                             }};
+    absl::StatusOr<PushResponse> cut = client_->PushInRuns(
+        0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, g_bias.data()}},
+        failing, Deadline());
+    EXPECT_EQ(cut.status(), absl::CancelledError("the step is not finite"));
+    EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("CANCELLED")));
+    EXPECT_EQ(shard_.stats().version, 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(NetworkAndSharedMemory, PushInRunsTest, ::testing::Bool());
+
 // A ps that takes no shared memory gets the tensors over the network: the
 // client's first call is refused, sent again without a region, and counts
 // as no failed call; the calls after it offer no region until the retry
