@@ -1,6 +1,7 @@
 #include "common/chunk_messages.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <vector>
 
@@ -390,7 +391,22 @@ RawCall::~RawCall() {
 bool RawCall::Wait() {
   void* tag = nullptr;
   bool ok = false;
-  return cq_.Next(&tag, &ok) && ok;
+  if (cancel_when_ == nullptr) return cq_.Next(&tag, &ok) && ok;
+  while (true) {
+    switch (cq_.AsyncNext(&tag, &ok,
+                          std::chrono::system_clock::now() + std::chrono::milliseconds(50))) {
+      case grpc::CompletionQueue::GOT_EVENT:
+        return ok;
+      case grpc::CompletionQueue::SHUTDOWN:
+        return false;
+      case grpc::CompletionQueue::TIMEOUT:
+        if (!cancelled_ && cancel_when_->load()) {
+          cancelled_ = true;
+          context_->TryCancel();  // the operation then ends, not ok
+        }
+        break;
+    }
+  }
 }
 
 bool RawCall::Write(const grpc::ByteBuffer& message) {

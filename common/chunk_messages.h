@@ -14,6 +14,7 @@
 #ifndef PSFLOW_COMMON_CHUNK_MESSAGES_H_
 #define PSFLOW_COMMON_CHUNK_MESSAGES_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -89,6 +90,10 @@ class RawCall {
   RawCall(const RawCall&) = delete;
   RawCall& operator=(const RawCall&) = delete;
 
+  // From now on the call is cancelled, within about 50 ms, once `*flag`
+  // holds (it must outlive the call).
+  void CancelWhen(const std::atomic<bool>* flag) { cancel_when_ = flag; }
+
   bool Write(const grpc::ByteBuffer& message);
   bool WritesDone();
   // False at the end of the server's messages, or when the call failed.
@@ -103,6 +108,8 @@ class RawCall {
   std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
   bool started_ = false;
   bool finished_ = false;
+  const std::atomic<bool>* cancel_when_ = nullptr;
+  bool cancelled_ = false;
 };
 
 }  // namespace psflow

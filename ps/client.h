@@ -9,6 +9,7 @@
 #ifndef PSFLOW_PS_CLIENT_H_
 #define PSFLOW_PS_CLIENT_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -54,6 +55,15 @@ class Client {
   virtual absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
                                           std::vector<int> slices, std::vector<TensorSink> sinks,
                                           absl::Time deadline, absl::Duration max_wait) = 0;
+  // As Pull, but given up (CANCELLED, soon, even while the ps waits for a
+  // later slice) once `give_up` holds. This default does not look at it.
+  virtual absl::StatusOr<PullResult> PullUnlessGivenUp(int ps, uint64_t job_id, int64_t min_version,
+                                                       std::vector<int> slices,
+                                                       std::vector<TensorSink> sinks,
+                                                       absl::Time deadline, absl::Duration max_wait,
+                                                       const std::atomic<bool>& give_up) {
+    return Pull(ps, job_id, min_version, std::move(slices), std::move(sinks), deadline, max_wait);
+  }
 
   // An asynchronous job's pull (PullRequest.by_clock): waits, at most
   // `max_wait` (zero: until the deadline), until `worker` has had `clock`

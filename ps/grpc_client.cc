@@ -111,7 +111,9 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
                                 "Gradient bytes (in the wire dtype) sent by one push call to a ps.",
                                 metrics::ByteBuckets());
   push_seconds_ =
-      m->GetHistogram("psflow_push_seconds", "Duration of one successful push call to a ps.",
+      m->GetHistogram("psflow_push_seconds",
+                      "Duration of one successful push call to a ps (a push during the backward "
+                      "pass opens with the step: the pass is included).",
                       metrics::LatencyBuckets());
   pull_bytes_ = m->GetHistogram(
       "psflow_pull_bytes",
@@ -207,7 +209,7 @@ bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionP
 
 absl::StatusOr<PullResponse> GrpcClient::RunPull(
     int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
-    const std::function<bool(const PullResponse&)>& ready) {
+    const std::function<bool(const PullResponse&)>& ready, const std::atomic<bool>* give_up) {
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
   request.set_dtype(*dtype);
@@ -220,12 +222,16 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
   SharedRegionPool::Lease region = RegionFor(ps, want, static_cast<int64_t>(sinks.size()), &probe);
   bool network = true;
   if (region) {
-    first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes);
+    first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes, give_up);
     network = RefusedRegion(ps, first.status(), region, probe);
     region.reset();
   }
   if (network) {
-    first = PullCall(ps, std::move(request), std::move(sinks), deadline, ready, nullptr, &bytes);
+    first = PullCall(ps, std::move(request), std::move(sinks), deadline, ready, nullptr, &bytes,
+                     give_up);
+  }
+  if (!first.ok() && give_up != nullptr && give_up->load()) {
+    return WithPs(ps, absl::CancelledError("pull given up"));
   }
   if (!first.ok()) return errors_.Count("Pull", WithPs(ps, first.status()));
   if (ready(*first)) {
@@ -237,7 +243,8 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
 
 absl::StatusOr<PullResponse> GrpcClient::PullCall(
     int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
-    const std::function<bool(const PullResponse&)>& ready, SharedRegion* region, int64_t* bytes) {
+    const std::function<bool(const PullResponse&)>& ready, SharedRegion* region, int64_t* bytes,
+    const std::atomic<bool>* give_up) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   ChunkAssembler assembler(std::move(sinks));
   SharedSpan span;
@@ -251,6 +258,7 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
   *bytes = 0;
   {
     RawCall rpc(NextStub(ps), call.context(), kPullMethod);
+    if (give_up != nullptr) rpc.CancelWhen(give_up);
     grpc::ByteBuffer message;
     bool own = false;
     if (grpc::SerializationTraits<PullRequest>::Serialize(request, &message, &own).ok() &&
@@ -286,14 +294,30 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
 absl::StatusOr<GrpcClient::PullResult> GrpcClient::Pull(
     int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
     std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
+  return PullVersion(ps, job_id, min_version, std::move(slices), std::move(sinks), deadline,
+                     max_wait, nullptr);
+}
+
+absl::StatusOr<GrpcClient::PullResult> GrpcClient::PullUnlessGivenUp(
+    int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
+    std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait,
+    const std::atomic<bool>& give_up) {
+  return PullVersion(ps, job_id, min_version, std::move(slices), std::move(sinks), deadline,
+                     max_wait, &give_up);
+}
+
+absl::StatusOr<GrpcClient::PullResult> GrpcClient::PullVersion(
+    int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
+    std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait,
+    const std::atomic<bool>* give_up) {
   PullRequest request;
   request.set_job_id(job_id);
   request.set_min_version(min_version);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   for (int i : slices) request.add_slices(i);
-  absl::StatusOr<PullResponse> first =
-      RunPull(ps, std::move(request), std::move(sinks), deadline,
-              [&](const PullResponse& r) { return r.version() >= min_version; });
+  absl::StatusOr<PullResponse> first = RunPull(
+      ps, std::move(request), std::move(sinks), deadline,
+      [&](const PullResponse& r) { return r.version() >= min_version; }, give_up);
   if (!first.ok()) return first.status();
   PullResult result;
   result.version = first->version();
@@ -347,7 +371,10 @@ absl::StatusOr<PushResponse> GrpcClient::RunPush(int ps, const PushHeader& heade
   if (region) {
     response = PushCall(ps, header, grads, runs, deadline, region.get(), &waited);
     network = !waited && RefusedRegion(ps, response.status(), region, probe);
-    if (waited) region.Discard();
+    if (waited) {
+      region.Discard();
+      if (probe) links_[ps]->probing = false;  // nothing learnt: the next call probes
+    }
     region.reset();
   }
   if (network) response = PushCall(ps, header, std::move(grads), runs, deadline, nullptr, &waited);

@@ -54,6 +54,11 @@ class GrpcClient final : public Client {
   absl::StatusOr<PullResult> Pull(int ps, uint64_t job_id, int64_t min_version,
                                   std::vector<int> slices, std::vector<TensorSink> sinks,
                                   absl::Time deadline, absl::Duration max_wait) override;
+  absl::StatusOr<PullResult> PullUnlessGivenUp(int ps, uint64_t job_id, int64_t min_version,
+                                               std::vector<int> slices,
+                                               std::vector<TensorSink> sinks, absl::Time deadline,
+                                               absl::Duration max_wait,
+                                               const std::atomic<bool>& give_up) override;
   absl::StatusOr<ClockedPull> PullByClock(int ps, uint64_t job_id, int worker, int64_t clock,
                                           std::vector<int> slices, std::vector<TensorSink> sinks,
                                           absl::Time deadline, absl::Duration max_wait) override;
@@ -82,15 +87,24 @@ class GrpcClient final : public Client {
   // `sinks`; the first message of the answer, or an error. `ready` tells an
   // answer that carries data from a "not yet" one. Through a shared region
   // where the ps takes one.
+  // Pull and PullUnlessGivenUp (`give_up` may be null).
+  absl::StatusOr<PullResult> PullVersion(int ps, uint64_t job_id, int64_t min_version,
+                                         std::vector<int> slices, std::vector<TensorSink> sinks,
+                                         absl::Time deadline, absl::Duration max_wait,
+                                         const std::atomic<bool>* give_up);
+  // Given up (CANCELLED, not counted as a failed call) once `give_up`
+  // holds, where it is not null.
   absl::StatusOr<PullResponse> RunPull(int ps, PullRequest request, std::vector<TensorSink> sinks,
                                        absl::Time deadline,
-                                       const std::function<bool(const PullResponse&)>& ready);
+                                       const std::function<bool(const PullResponse&)>& ready,
+                                       const std::atomic<bool>* give_up = nullptr);
   // One pull or push call, through `region` (its tensors there) or, when
   // it is null, over the network.
   absl::StatusOr<PullResponse> PullCall(int ps, PullRequest request, std::vector<TensorSink> sinks,
                                         absl::Time deadline,
                                         const std::function<bool(const PullResponse&)>& ready,
-                                        SharedRegion* region, int64_t* bytes);
+                                        SharedRegion* region, int64_t* bytes,
+                                        const std::atomic<bool>* give_up);
   // A push, in `runs` where not null: through a region where the ps takes
   // one, else over the network.
   absl::StatusOr<PushResponse> RunPush(int ps, const PushHeader& header,

@@ -512,7 +512,8 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
                                 metrics::ByteBuckets());
   push_seconds_ =
       m->GetHistogram("psflow_ps_push_seconds",
-                      "Duration of one push call on the ps, from its header to the answer.",
+                      "Duration of one push call on the ps, from its header to the answer (a "
+                      "push during the worker's backward pass opens with its step).",
                       metrics::LatencyBuckets());
   pull_bytes_ = m->GetHistogram("psflow_ps_pull_bytes",
                                 "Weight bytes (in the wire dtype) sent by one pull call (the "

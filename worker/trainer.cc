@@ -483,8 +483,9 @@ namespace {
 // GPU workers without ps average their gradients over NCCL in buckets of
 // about this many bytes, each as soon as the backward pass completes it.
 constexpr int64_t kGpuBucketBytes = int64_t{4} << 20;
-// A GPU worker with ps copies its gradients to the host in buckets of at
-// most kGpuBucketBytes, the last one (of the first layers) about this.
+// A GPU worker with ps copies its gradients to the host in buckets of about
+// kGpuBucketBytes, the last ones (of the first layers) smaller, down to
+// about this.
 constexpr int64_t kGpuLastBucketBytes = int64_t{256} << 10;
 }  // namespace
 
@@ -524,10 +525,11 @@ struct Trainer::DeviceReplica {
 };
 
 absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() {
-  // Cut from the end of the backward order: the last bucket is the smallest
-  // (kGpuLastBucketBytes), each earlier one up to twice the next, up to
-  // kGpuBucketBytes. What the backward pass completes last is then little,
-  // and so is what the exchange still has to do once the pass is over.
+  // Cut from the end of the backward order: the last bucket closes once it
+  // holds kGpuLastBucketBytes, each earlier one at twice the next one's
+  // size, up to kGpuBucketBytes (each overshoots by at most one variable;
+  // the first takes what is left). What the backward pass completes last
+  // is then little, and so is what the exchange still has to do after it.
   const std::vector<int> order = net_->BackwardOrder();
   if (order.empty()) return std::vector<GradientBucket>();
   std::vector<size_t> ends;  // into `order`, from the last bucket's
@@ -840,7 +842,10 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
                               lane.sinks, deadline, max_wait);
     } else {
       absl::StatusOr<ps::Client::PullResult> p =
-          client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks, deadline, max_wait);
+          give_up != nullptr ? client->PullUnlessGivenUp(lane.ps, job_id_, min_version, lane.slices,
+                                                         lane.sinks, deadline, max_wait, *give_up)
+                             : client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks,
+                                            deadline, max_wait);
       if (p.ok()) {
         r = ps::Client::ClockedPull{p->version >= min_version, p->version, p->wait_us};
       } else {
@@ -976,7 +981,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
     if (!pushed[l]) {
       absl::Notification pull_done;
       absl::Status pull_status;
-      const bool beside = pull_early && in_runs && pullers_ != nullptr;
+      const bool beside = pull_early && in_runs && pullers_ != nullptr && !pulled[l];
       if (beside) {
         give_up[l] = false;
         pullers_->Schedule([&, l] {
@@ -989,7 +994,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       PushHeader lane_header = header;
       for (int i : lane.slices) lane_header.add_slices(i);
       if (async) lane_header.set_read_version(out->ps_versions[lane.ps]);
-      const absl::Time deadline = absl::Now() + options_.transfer_timeout;
+      // A push in runs opens with the step: transfer_timeout for the step
+      // itself too.
+      const absl::Time deadline = absl::Now() + (in_runs ? 2 : 1) * options_.transfer_timeout;
       absl::StatusOr<PushResponse> response;
       if (in_runs) {
         ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); }};
@@ -1012,6 +1019,10 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       if (!pushed_status.ok() && beside) {
         give_up[l] = true;
         pull_done.WaitForNotification();
+        // A pull that ended first needed this push: it arrived after all
+        // (its answer was lost), and the pull's copies to the device are
+        // done; the retry's push is a duplicate and pulls nothing again.
+        if (pull_status.ok() && pulls[l].version >= 0) pulled[l] = 1;
       }
       if (stopped[l]) {
         if (Stopping()) return absl::CancelledError("stopping");

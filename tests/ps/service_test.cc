@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -565,6 +566,23 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
     ASSERT_TRUE(first.ok()) << first.status();
     EXPECT_EQ(big, SgdAfter(big_, g_big, g_big));
     EXPECT_EQ(shard_.stats().version, 0) << "bias is still to come";
+    // A pull of both, given up while the ps waits for "bias", ends at once
+    // (not at its deadline) and counts as no failed call.
+    std::atomic<bool> give_up{false};
+    std::vector<float> bias(10, -1);
+    const absl::Time asked = absl::Now();
+    std::thread giver([&] {
+      absl::SleepFor(absl::Milliseconds(200));
+      give_up = true;
+    });
+    absl::StatusOr<Client::PullResult> given_up = client_->PullUnlessGivenUp(
+        0, kJob, 1, {0, 1},
+        {{"big", "", kBigShape, big.data()}, {"bias", "", kBiasShape, bias.data()}}, Deadline(),
+        absl::Seconds(10), give_up);
+    giver.join();
+    EXPECT_EQ(given_up.status().code(), absl::StatusCode::kCancelled) << given_up.status();
+    EXPECT_LT(absl::Now() - asked, absl::Seconds(5));
+    EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("CANCELLED")));
     release.Notify();
     pusher.join();
     ASSERT_TRUE(pushed.ok()) << pushed.status();
