@@ -102,11 +102,21 @@ CallerRoles PsCallers(Role chief) {
 class PsService::Waker {
  public:
   explicit Waker(ThreadPool* pool) : pool_(pool) {}
-  // Arms the next wake (before looking at what it waits for).
-  void Arm() { armed_.store(true, std::memory_order_release); }
+  // Arms the next wake (before looking at what it waits for): by any change
+  // of the shard, or with `slice` >= 0 only by that slice's apply or a
+  // change that is not a slice's apply.
+  void Arm(int slice = -1) {
+    slice_.store(slice, std::memory_order_relaxed);
+    armed_.store(true, std::memory_order_release);
+  }
   void Disarm() { armed_.store(false, std::memory_order_release); }
-  // From the shard's waiter, under its lock: schedules a poke if armed.
-  void Wake(std::shared_ptr<Waker> self) {
+  // From the shard's waiter, under its lock (so after the Arm that came
+  // before the call looked at the shard): schedules a poke if armed for
+  // `slice` (the slice applied, or -1: any change).
+  void Wake(std::shared_ptr<Waker> self, int slice) {
+    if (!armed_.load(std::memory_order_acquire)) return;
+    const int wanted = slice_.load(std::memory_order_relaxed);
+    if (slice >= 0 && wanted >= 0 && slice != wanted) return;
     if (armed_.exchange(false, std::memory_order_acq_rel)) Schedule(std::move(self));
   }
   // Schedules a poke whatever the arming (an alarm).
@@ -130,6 +140,7 @@ class PsService::Waker {
 
   ThreadPool* const pool_;
   std::atomic<bool> armed_{false};
+  std::atomic<int> slice_{-1};  // the slice the armed wake waits for; -1: any
   absl::Mutex mu_;
   std::function<void()> advance_ ABSL_GUARDED_BY(mu_);  // null once the call is done
 };
@@ -158,8 +169,8 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
         AdvanceLocked();
       });
       std::weak_ptr<Waker> weak = waker_;
-      waiter_ = service_->shard_->AddWaiter([weak] {
-        if (std::shared_ptr<Waker> w = weak.lock()) w->Wake(w);
+      waiter_ = service_->shard_->AddWaiter([weak](int slice) {
+        if (std::shared_ptr<Waker> w = weak.lock()) w->Wake(w, slice);
       });
     }
     absl::MutexLock lock(&mu_);
@@ -175,7 +186,7 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
   virtual void Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
 
   // For Next: look at the shard after this (a change after it wakes the call).
-  void Arm() { waker_->Arm(); }
+  void Arm(int slice = -1) { waker_->Arm(slice); }
   void Disarm() { waker_->Disarm(); }
   // For Next: wait until woken, or until `deadline`, when Next runs again.
   void WaitUntil(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -327,7 +338,10 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
       return;
     }
     const absl::Time deadline = k_ == 0 ? wait_deadline_ : call_deadline_;
-    Arm();
+    // Woken only by the apply of the slice it waits for (or a change that
+    // is not a slice's apply): workers pulling beside their pushes keep
+    // many pulls waiting on each ps.
+    Arm((request_.by_clock() && !granted_) || indices_.empty() ? -1 : indices_[k_]);
     if (request_.by_clock() && !granted_) {
       // An asynchronous job's pull: the clock's condition, then every slice
       // at the version the shard had then (or later).
@@ -538,7 +552,11 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "psflow_ps_refused_regions_total",
       "Shared memory regions this ps refused to map (its calls went again over the network), "
       "since it started.");
-  wakers_ = std::make_unique<ThreadPool>(2);
+  // A woken pull encodes its next slice (into a worker's shared region, or
+  // a message) on this pool: a few threads, as pulls beside pushes wait for
+  // most slices.
+  wakers_ = std::make_unique<ThreadPool>(
+      std::max(2, static_cast<int>(std::thread::hardware_concurrency()) / 4));
   // Decoding is CPU work: about as many threads as cores (a slice's apply
   // may run on the thread that completes it, when the shard has no appliers).
   pushers_ = std::make_unique<ThreadPool>(

@@ -540,8 +540,10 @@ void Shard::FinishLocked(ApplyJob& job) {
   if (++applied_ == static_cast<int>(slice_.size())) {
     AdvanceLocked();
     if (async_) StartRoundLocked();
+    WakeLocked();
+    return;
   }
-  WakeLocked();
+  WakeLocked(job.slice);
 }
 
 void Shard::MaybeApplyAllLocked() {
@@ -729,12 +731,12 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
   return absl::OkStatus();
 }
 
-void Shard::WakeLocked() {
+void Shard::WakeLocked(int slice) {
   version_changed_.SignalAll();
-  for (auto& [id, wake] : waiters_) wake();
+  for (auto& [id, wake] : waiters_) wake(slice);
 }
 
-int64_t Shard::AddWaiter(std::function<void()> wake) {
+int64_t Shard::AddWaiter(std::function<void(int)> wake) {
   absl::MutexLock lock(&mu_);
   const int64_t id = next_waiter_++;
   waiters_.emplace(id, std::move(wake));

@@ -253,10 +253,12 @@ class Shard {
 
   // The same calls without waiting, for servers whose waiting calls hold no
   // thread: a waiter's `wake` runs at every change such a call may wait for
-  // (a slice applied, a new job, shutdown), until it is removed. `wake` runs
+  // (a slice applied, a new version, a new job, shutdown), until it is
+  // removed, with the index of the slice applied, or -1 for any other
+  // change (a call that waits for another slice may sleep on). `wake` runs
   // under the shard's lock, so it must only hand work elsewhere (schedule
   // it), never call the shard.
-  int64_t AddWaiter(std::function<void()> wake);
+  int64_t AddWaiter(std::function<void(int slice)> wake);
   void RemoveWaiter(int64_t id);
   // PullSlice's answer if slice `slice` reached min_version (waited zero),
   // nullopt if not yet; PullSlice's errors otherwise.
@@ -399,8 +401,9 @@ class Shard {
   // Takes the snapshot of version_ if one waits for it and no slice is
   // being applied.
   void TakeSnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Wakes the blocked waits and every waiter.
-  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Wakes the blocked waits and every waiter (telling them `slice`: the one
+  // applied, or -1).
+  void WakeLocked(int slice = -1) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SnapshotTicket> RequestSnapshotLocked(uint64_t job_id, int64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const Snapshot>> PollSnapshotLocked(const SnapshotTicket& ticket)
@@ -469,7 +472,7 @@ class Shard {
   int64_t lag_sum_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t lag_max_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t clock_gap_max_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<int64_t, std::function<void()>> waiters_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<int64_t, std::function<void(int)>> waiters_ ABSL_GUARDED_BY(mu_);
   int64_t next_waiter_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -145,6 +145,19 @@ TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
   EXPECT_EQ(Current(), SgdAfter(expected, 0.5f, Grads(2), Grads(2)));
 }
 
+// A waiter hears which slice was applied, so that a pull waiting for
+// another slice may sleep on; the apply that completes the version (and so
+// changes what a pull of the version alone waits for) wakes everyone (-1).
+TEST_F(ShardTest, WaitersHearTheSliceApplied) {
+  std::vector<int> heard;  // under the shard's lock
+  const int64_t id = shard_.AddWaiter([&](int slice) { heard.push_back(slice); });
+  EXPECT_EQ(MustPush(0, 0, Grads(1)), PushResponse::ACCEPTED);
+  EXPECT_TRUE(heard.empty()) << "nothing applied yet";
+  EXPECT_EQ(MustPush(1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  EXPECT_EQ(heard, (std::vector<int>{0, -1}));
+  shard_.RemoveWaiter(id);
+}
+
 // The gradients an apply is done with are handed out again for later
 // pushes, one per live worker and slice; pushes into them give the same
 // weights as pushes of fresh memory.
