@@ -61,11 +61,13 @@ ABSL_FLAG(bool, shared_memory, true,
           "process namespace, or a ps run with --shared_memory=false) gets the tensors over the "
           "network, as with false, and is offered memory again a minute later.");
 ABSL_FLAG(bool, push_during_backward, true,
-          "In a job with ps whose --on_nonfinite is fail (the default): push each lane's "
-          "gradients as soon as the backward pass has completed them (a GPU worker: once they "
-          "are copied to the host), while the rest of the step runs, and pull the next weights "
-          "once the whole step is known finite (a GPU worker pulls at once, its copies to the GPU "
-          "queued behind the step). false: push after the step. Jobs with "
+          "In a job with ps whose --on_nonfinite is fail (the default): each lane's push opens "
+          "with the step and sends its gradients run by run, each as soon as the backward pass "
+          "has completed it (a GPU worker: once its bucket is copied to the host), while the "
+          "rest of the step runs; the next weights are pulled once the whole step is known "
+          "finite (a GPU worker pulls beside its pushes from the step's start, each slice as "
+          "the ps applies it, its copies to the GPU queued behind the step). false: push after "
+          "the step. Jobs with "
           "--on_nonfinite=skip_step, jobs without ps and workers of several GPUs always push "
           "after the step.");
 
