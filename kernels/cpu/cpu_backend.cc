@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -10,6 +11,7 @@
 #include <limits>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include <omp.h>
 #include "absl/base/thread_annotations.h"
@@ -230,70 +232,92 @@ class DnnlConv2D final : public Conv2D {
 
 // ---------------------------------------------------------------- MaxPool2D
 
-class DnnlMaxPool2D final : public MaxPool2D {
+// Plain loops, one (n, c) plane per iteration, OpenMP-parallel over the N*C
+// planes when the input is large enough. oneDNN 2.6 has no fast max pooling
+// on plain NCHW tensors: it picks its reference implementation
+// (simple_nchw), which took 9.1 ms for the cnn's first pooling (64x20x24x24,
+// forward_training, one thread of an AVX2 server) where this loop takes
+// about 0.3 ms; its JIT pooling wants blocked layouts, and the reorders
+// there and back cost more than this whole loop.
+//
+// The arg-max of each window is the first of its largest values in
+// row-major window order; a NaN anywhere in a window is its maximum (so a
+// diverged activation reaches the loss instead of being dropped here).
+class LoopMaxPool2D final : public MaxPool2D {
  public:
-  DnnlMaxPool2D(std::shared_ptr<DnnlContext> ctx, const Pool2DShape& s)
-      : ctx_(std::move(ctx)), forward_only_(s.forward_only) {
-    const dnnl::engine& eng = ctx_->engine;
-    const auto x_md = Md({s.batch, s.channels, s.height, s.width}, Tag::nchw);
-    const auto y_md = Md({s.batch, s.channels, s.out_height(), s.out_width()}, Tag::nchw);
-    const memory::dims strides = {s.stride, s.stride}, kernel = {s.window, s.window};
-    const memory::dims pad = {0, 0};
-    const auto algo = dnnl::algorithm::pooling_max;
-
-    x_ = Unbound(x_md, eng), y_ = Unbound(y_md, eng);
-    if (forward_only_) {
-      // Inference: no arg-max workspace (a byte or more per output value).
-      const dnnl::pooling_forward::primitive_desc fwd_pd(
-          {dnnl::prop_kind::forward_inference, algo, x_md, y_md, strides, kernel, pad, pad}, eng);
-      fwd_ = dnnl::pooling_forward(fwd_pd);
-      fwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DST, y_}};
-      return;
-    }
-    const dnnl::pooling_forward::primitive_desc fwd_pd(
-        {dnnl::prop_kind::forward_training, algo, x_md, y_md, strides, kernel, pad, pad}, eng);
-    const dnnl::pooling_backward::primitive_desc bwd_pd(
-        {algo, x_md, y_md, strides, kernel, pad, pad}, eng, fwd_pd);
-    fwd_ = dnnl::pooling_forward(fwd_pd);
-    bwd_ = dnnl::pooling_backward(bwd_pd);
-
-    // The arg-max positions of the latest Forward, read by Backward.
-    workspace_ = memory(fwd_pd.workspace_desc(), eng);
-    dx_ = Unbound(x_md, eng), dy_ = Unbound(y_md, eng);
-    fwd_args_ = {{DNNL_ARG_SRC, x_}, {DNNL_ARG_DST, y_}, {DNNL_ARG_WORKSPACE, workspace_}};
-    bwd_args_ = {
-        {DNNL_ARG_DIFF_DST, dy_}, {DNNL_ARG_DIFF_SRC, dx_}, {DNNL_ARG_WORKSPACE, workspace_}};
+  LoopMaxPool2D(std::shared_ptr<DnnlContext> ctx, const Pool2DShape& s)
+      : ctx_(std::move(ctx)),
+        shape_(s),
+        planes_(int64_t{s.batch} * s.channels),
+        in_size_(int64_t{s.height} * s.width),
+        out_size_(int64_t{s.out_height()} * s.out_width()) {
+    // Forward-only: no arg-max positions kept (Backward is refused).
+    if (!s.forward_only) argmax_.resize(static_cast<size_t>(planes_ * out_size_));
   }
 
   absl::Status Forward(const float* x, float* y) override {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull("MaxPool2D forward", {{"x", x}, {"y", y}}));
-    absl::Status status = ctx_->Run("MaxPool2D forward", [&](dnnl::stream& stream) {
-      Bind(x_, x), Bind(y_, y);
-      fwd_.execute(stream, fwd_args_);
+    const int window = shape_.window, stride = shape_.stride, width = shape_.width;
+    const int out_h = shape_.out_height(), out_w = shape_.out_width();
+    const int64_t in_size = in_size_, out_size = out_size_;
+    int32_t* const argmax = argmax_.empty() ? nullptr : argmax_.data();
+    const bool parallel = planes_ > 1 && planes_ * in_size >= kMinParallel;
+    absl::Status status = ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel)
+      for (int64_t p = 0; p < planes_; ++p) {
+        const float* in = x + p * in_size;
+        float* out = y + p * out_size;
+        int32_t* arg = argmax != nullptr ? argmax + p * out_size : nullptr;
+        for (int oh = 0; oh < out_h; ++oh) {
+          for (int ow = 0; ow < out_w; ++ow) {
+            int32_t best = oh * stride * width + ow * stride;
+            float m = in[best];
+            for (int kh = 0; kh < window; ++kh) {
+              const int32_t row = (oh * stride + kh) * width + ow * stride;
+              for (int kw = 0; kw < window; ++kw) {
+                const float v = in[row + kw];
+                if (v > m || (std::isnan(v) && !std::isnan(m))) m = v, best = row + kw;
+              }
+            }
+            out[oh * out_w + ow] = m;
+            if (arg != nullptr) arg[oh * out_w + ow] = best;
+          }
+        }
+      }
     });
-    has_workspace_ = status.ok();
+    has_workspace_ = status.ok() && argmax != nullptr;
     return status;
   }
 
   absl::Status Backward(const float* dy, float* dx) override {
-    if (forward_only_) return NotBuiltFor("MaxPool2D backward");
+    if (shape_.forward_only) return NotBuiltFor("MaxPool2D backward");
     PSFLOW_RETURN_IF_ERROR(CheckNonNull("MaxPool2D backward", {{"dy", dy}, {"dx", dx}}));
     if (!has_workspace_) {
       return absl::FailedPreconditionError("MaxPool2D backward: no successful Forward before it");
     }
-    return ctx_->Run("MaxPool2D backward", [&](dnnl::stream& stream) {
-      Bind(dy_, dy), Bind(dx_, dx);
-      bwd_.execute(stream, bwd_args_);
+    const int64_t in_size = in_size_, out_size = out_size_;
+    const int32_t* const argmax = argmax_.data();
+    const bool parallel = planes_ > 1 && planes_ * in_size >= kMinParallel;
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel)
+      for (int64_t p = 0; p < planes_; ++p) {
+        float* plane = dx + p * in_size;
+        std::fill(plane, plane + in_size, 0.0f);
+        const float* g = dy + p * out_size;
+        const int32_t* arg = argmax + p * out_size;
+        // Overlapping windows (stride < window) may share an arg-max.
+        for (int64_t o = 0; o < out_size; ++o) plane[arg[o]] += g[o];
+      }
     });
   }
 
  private:
   std::shared_ptr<DnnlContext> ctx_;
-  const bool forward_only_;  // inference primitive, no workspace, no backward
-  dnnl::pooling_forward fwd_;
-  dnnl::pooling_backward bwd_;
-  memory workspace_, x_, y_, dx_, dy_;
-  Args fwd_args_, bwd_args_;
+  const Pool2DShape shape_;
+  const int64_t planes_, in_size_, out_size_;
+  // The arg-max of every output of the latest Forward (its offset in the
+  // input plane), read by Backward.
+  std::vector<int32_t> argmax_;
   bool has_workspace_ = false;
 };
 
@@ -825,7 +849,7 @@ absl::StatusOr<std::unique_ptr<Conv2D>> CpuBackend::CreateConv2D(const Conv2DSha
 
 absl::StatusOr<std::unique_ptr<MaxPool2D>> CpuBackend::CreateMaxPool2D(const Pool2DShape& shape) {
   PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
-  return Build<MaxPool2D>(what, [&] { return std::make_unique<DnnlMaxPool2D>(ctx_, shape); });
+  return Build<MaxPool2D>(what, [&] { return std::make_unique<LoopMaxPool2D>(ctx_, shape); });
 }
 
 absl::StatusOr<std::unique_ptr<Relu>> CpuBackend::CreateRelu(int64_t size) {
