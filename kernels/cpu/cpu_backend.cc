@@ -283,7 +283,8 @@ class LoopMaxPool2D final : public MaxPool2D {
         shape_(s),
         planes_(int64_t{s.batch} * s.channels),
         in_size_(int64_t{s.height} * s.width),
-        out_size_(int64_t{s.out_height()} * s.out_width()) {
+        out_size_(int64_t{s.out_height()} * s.out_width()),
+        parallel_(planes_ > 1 && planes_ * in_size_ >= kMinParallel) {
     // Forward-only: no arg-max positions kept (Backward is refused).
     if (!s.forward_only) argmax_.resize(static_cast<size_t>(planes_ * out_size_));
   }
@@ -294,9 +295,8 @@ class LoopMaxPool2D final : public MaxPool2D {
     const int out_h = shape_.out_height(), out_w = shape_.out_width();
     const int64_t in_size = in_size_, out_size = out_size_;
     int32_t* const argmax = argmax_.empty() ? nullptr : argmax_.data();
-    const bool parallel = planes_ > 1 && planes_ * in_size >= kMinParallel;
     absl::Status status = ctx_->RunLoops([&] {
-#pragma omp parallel for if (parallel)
+#pragma omp parallel for if (parallel_)
       for (int64_t p = 0; p < planes_; ++p) {
         const float* in = x + p * in_size;
         float* out = y + p * out_size;
@@ -307,21 +307,20 @@ class LoopMaxPool2D final : public MaxPool2D {
         }
       }
     });
-    has_workspace_ = status.ok() && argmax != nullptr;
+    has_argmax_ = status.ok() && argmax != nullptr;
     return status;
   }
 
   absl::Status Backward(const float* dy, float* dx) override {
     if (shape_.forward_only) return NotBuiltFor("MaxPool2D backward");
     PSFLOW_RETURN_IF_ERROR(CheckNonNull("MaxPool2D backward", {{"dy", dy}, {"dx", dx}}));
-    if (!has_workspace_) {
+    if (!has_argmax_) {
       return absl::FailedPreconditionError("MaxPool2D backward: no successful Forward before it");
     }
     const int64_t in_size = in_size_, out_size = out_size_;
     const int32_t* const argmax = argmax_.data();
-    const bool parallel = planes_ > 1 && planes_ * in_size >= kMinParallel;
     return ctx_->RunLoops([&] {
-#pragma omp parallel for if (parallel)
+#pragma omp parallel for if (parallel_)
       for (int64_t p = 0; p < planes_; ++p) {
         float* plane = dx + p * in_size;
         std::fill(plane, plane + in_size, 0.0f);
@@ -337,10 +336,11 @@ class LoopMaxPool2D final : public MaxPool2D {
   std::shared_ptr<DnnlContext> ctx_;
   const Pool2DShape shape_;
   const int64_t planes_, in_size_, out_size_;
+  const bool parallel_;  // large enough for OpenMP's team
   // The arg-max of every output of the latest Forward (its offset in the
   // input plane), read by Backward.
   std::vector<int32_t> argmax_;
-  bool has_workspace_ = false;
+  bool has_argmax_ = false;
 };
 
 // ---------------------------------------------------------------- Relu

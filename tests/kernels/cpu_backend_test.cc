@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <ostream>
@@ -422,6 +423,24 @@ TEST_F(CpuBackendTest, PoolFiniteDifferences) {
     return Dot(Download(*y), g);
   };
   CheckGradient("dx", x->data(), nx, loss, Download(*dx), 1e-3f);
+}
+
+// Ties go to the first largest value in row-major window order, for the
+// values and for the gradient; a NaN is its window's maximum.
+TEST_F(CpuBackendTest, PoolTiesGoToTheFirstAndNanWins) {
+  const Pool2DShape s{1, 1, 2, 4, 2, 2};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Window 0: 1 1 / 1 0 (a three-way tie); window 1: 2 nan / 3 nan.
+  auto x = Upload({1, 1, 2, nan, 1, 0, 3, nan});
+  auto y = Filled(2, 7), dy = Upload({10, 20}), dx = Filled(8, 7);
+  auto pool = backend_->CreateMaxPool2D(s).value();
+  ASSERT_TRUE(pool->Forward(x->data(), y->data()).ok());
+  const std::vector<float> got = Download(*y);
+  EXPECT_EQ(got[0], 1.0f);
+  EXPECT_TRUE(std::isnan(got[1]));
+  ASSERT_TRUE(pool->Backward(dy->data(), dx->data()).ok());
+  const std::vector<float> want_dx = {10, 0, 0, 20, 0, 0, 0, 0};
+  EXPECT_EQ(Download(*dx), want_dx);
 }
 
 // ------------------------------------------------------------ Relu
