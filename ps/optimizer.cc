@@ -159,12 +159,35 @@ absl::Status CheckSchedule(const OptimizerConfig& c) {
 
 }  // namespace
 
-PSFLOW_VECTOR_LOOP void AddInto(float* sum, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) sum[i] += x[i];
+namespace {
+
+// The passes of MeanInto. Adding to 0.0f is kept (it makes -0 into +0, as
+// the sum into a zeroed buffer did); a scale of 1 changes nothing.
+PSFLOW_VECTOR_LOOP void SumOneScaled(float* y, const float* a, float scale, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = (0.0f + a[i]) * scale;
 }
 
-PSFLOW_VECTOR_LOOP void ScaleInPlace(float* x, float factor, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+PSFLOW_VECTOR_LOOP void SumTwoScaled(float* y, const float* a, const float* b, float scale,
+                                     int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = ((0.0f + a[i]) + b[i]) * scale;
+}
+
+PSFLOW_VECTOR_LOOP void AddScaled(float* y, const float* x, float scale, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = (y[i] + x[i]) * scale;
+}
+
+}  // namespace
+
+void MeanInto(float* mean, absl::Span<const float* const> xs, float scale, int64_t n) {
+  const size_t k = xs.size();
+  if (k == 0) {
+    std::fill(mean, mean + n, 0.0f * scale);
+  } else if (k == 1) {
+    SumOneScaled(mean, xs[0], scale, n);
+  } else {
+    SumTwoScaled(mean, xs[0], xs[1], k == 2 ? scale : 1.0f, n);
+    for (size_t j = 2; j < k; ++j) AddScaled(mean, xs[j], j + 1 == k ? scale : 1.0f, n);
+  }
 }
 
 PSFLOW_VECTOR_LOOP void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {

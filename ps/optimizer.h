@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/optimizer_math.h"
 #include "proto/job.pb.h"
 
@@ -60,9 +61,12 @@ class Optimizer {
 void ApplyStep(const kernels::OptimizerStep& step, float* w, const float* g, int64_t n,
                const std::vector<float*>& slots);
 
-// Element-wise helpers for gradient averaging, vectorized like the optimizers.
-void AddInto(float* sum, const float* x, int64_t n);
-void ScaleInPlace(float* x, float factor, int64_t n);
+// The workers' mean gradient, vectorized like the optimizers: mean =
+// (0 + xs[0] + xs[1] + ...) * scale elementwise, summed in the order of xs,
+// bit for bit what filling with zeros, adding each in turn and scaling give;
+// one pass over memory for one or two gradients (each further one adds a
+// pass). n elements each.
+void MeanInto(float* mean, absl::Span<const float* const> xs, float scale, int64_t n);
 
 // Non-trainable variables (batch norm's running statistics) are no
 // optimizer's: the ps keep each as a moving average of the statistic the

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
 #include "common/placement.h"
@@ -484,9 +485,9 @@ void Shard::Compute(ApplyJob& job) const {
     const int64_t begin = r * range;
     const int64_t len = std::min(n, begin + range) - begin;
     float* const mean = job.sum + begin;
-    std::fill(mean, mean + len, 0.0f);
-    for (const auto& [worker, grad] : job.pushes) AddInto(mean, grad.data() + begin, len);
-    ScaleInPlace(mean, scale, len);
+    absl::InlinedVector<const float*, 4> grads;
+    for (const auto& [worker, grad] : job.pushes) grads.push_back(grad.data() + begin);
+    MeanInto(mean, grads, scale, len);
     std::vector<float*> range_slots;
     range_slots.reserve(job.slots.size());
     for (size_t k = 0; k < job.slots.size(); ++k) {

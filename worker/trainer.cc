@@ -44,15 +44,6 @@ absl::Status PsFailure(const absl::Status& s, absl::string_view what) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
-// Whether every value stays finite on the wire: below `overflow` in
-// magnitude (WireOverflow of the wire dtype; false for NaN).
-bool AllFinite(const float* v, int64_t n, float overflow) {
-  // No early exit: the loop vectorizes, and a finite job reads every value anyway.
-  bool finite = true;
-  for (int64_t i = 0; i < n; ++i) finite &= std::abs(v[i]) < overflow;
-  return finite;
-}
-
 }  // namespace
 
 Trainer::Trainer(TrainerOptions options, chief::Client* chief, PsClientFactory make_ps)
@@ -886,7 +877,7 @@ bool Trainer::RefsFinite(absl::Span<const TensorRef> refs) const {
   // already, so an fp16 overflow is an infinity by then.)
   const float overflow = WireOverflow(exchange_dtype_);
   for (const TensorRef& r : refs) {
-    if (!AllFinite(r.data, NumElements(r.shape), overflow)) return false;
+    if (!AllBelow(r.data, NumElements(r.shape), overflow)) return false;
   }
   return true;
 }

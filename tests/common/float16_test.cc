@@ -230,5 +230,42 @@ TEST(AnyNonFinite, FindsANanOrAnInfinityAnywhereAndNothingElse) {
   }
 }
 
+// AllBelow(v, n, WireOverflow(dtype)) is the worker's check that a gradient
+// survives the wire: every value's magnitude strictly below the limit, a NaN
+// never, the sign ignored; each limit's edge, anywhere in a vectorized run.
+TEST(AllBelow, TakesMagnitudesStrictlyBelowTheLimitAndNoNan) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (DataType dtype : {DT_FLOAT, DT_BFLOAT16, DT_HALF}) {
+    const float limit = WireOverflow(dtype);
+    SCOPED_TRACE(limit);
+    std::vector<float> v(1000);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = (static_cast<float>(i) - 500.0f) * 100.0f;
+    v[3] = std::numeric_limits<float>::denorm_min();
+    v[4] = -0.0f;
+    v[5] = std::nextafter(limit, 0.0f);
+    v[6] = -std::nextafter(limit, 0.0f);
+    EXPECT_TRUE(AllBelow(v.data(), static_cast<int64_t>(v.size()), limit));
+    EXPECT_TRUE(AllBelow(v.data(), 0, limit));
+    std::vector<float> bad_values = {nan, -nan, std::numeric_limits<float>::signaling_NaN(), inf,
+                                     -inf};
+    if (limit != inf) {
+      bad_values.insert(bad_values.end(), {limit, -limit, std::nextafter(limit, inf),
+                                           std::numeric_limits<float>::max()});
+    }
+    for (float bad : bad_values) {
+      for (size_t at : {size_t{0}, size_t{17}, v.size() - 1}) {
+        std::vector<float> w = v;
+        w[at] = bad;
+        EXPECT_FALSE(AllBelow(w.data(), static_cast<int64_t>(w.size()), limit))
+            << bad << " at " << at;
+        if (at == v.size() - 1) {
+          EXPECT_TRUE(AllBelow(w.data(), static_cast<int64_t>(at), limit));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace psflow

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
@@ -238,6 +240,46 @@ void ExpectMatchesReference(const OptimizerConfig& config, const OptimizerConfig
             << "backend: " << config.ShortDebugString() << ": step " << step << " element " << i
             << (k == 0 ? " weight" : absl::StrCat(" slot ", k - 1));
       }
+    }
+  }
+}
+
+// The mean of the workers' gradients is bit for bit what a buffer filled
+// with zeros, each gradient added in turn and then scaled gives (the order a
+// determinism test of the whole job relies on), for any number of them, with
+// signed zeros, NaNs, infinities and values whose sum depends on the order.
+TEST(MeanIntoTest, MatchesZeroFillAddEachThenScaleBitForBit) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1e3f, 1e3f);
+  const int64_t n = 1037;  // not a multiple of any vector width
+  for (int k = 0; k <= 5; ++k) {
+    SCOPED_TRACE(absl::StrCat(k, " gradients"));
+    std::vector<std::vector<float>> grads(k, std::vector<float>(n));
+    for (auto& g : grads) {
+      for (float& x : g) x = uniform(rng) * std::pow(10.0f, static_cast<float>(rng() % 12) - 6);
+      g[0] = -0.0f;
+      g[1] = 1e30f;
+      g[2] = -1e30f;
+    }
+    if (k > 0) {
+      grads[0][3] = std::numeric_limits<float>::quiet_NaN();
+      grads[k - 1][4] = std::numeric_limits<float>::infinity();
+    }
+    const float scale = k == 0 ? 1.0f : 1.0f / static_cast<float>(k);
+    std::vector<float> want(n, 0.0f);
+    for (const auto& g : grads) {
+      for (int64_t i = 0; i < n; ++i) want[i] += g[i];
+    }
+    for (float& x : want) x *= scale;
+    std::vector<const float*> xs;
+    for (const auto& g : grads) xs.push_back(g.data());
+    std::vector<float> got(n, 123.0f);
+    MeanInto(got.data(), xs, scale, n);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t a, b;
+      std::memcpy(&a, &got[i], 4);
+      std::memcpy(&b, &want[i], 4);
+      ASSERT_EQ(a, b) << "element " << i << ": " << got[i] << " against " << want[i];
     }
   }
 }
