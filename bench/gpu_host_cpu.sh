@@ -60,14 +60,26 @@ members() {
   done
 }
 members > "$tmp/members"
-# "pid tid ticks switches comm" for every thread of those processes.
+# utime + stime (clock ticks) in a /proc stat file; fails if it is gone.
+ticks_of() {
+  local stat
+  stat=$(cat "$1" 2>/dev/null) || return 1
+  stat=${stat##*) }  # the fields after the command name: state is the first
+  # shellcheck disable=SC2086  # one field each
+  set -- $stat
+  echo $(( ${12} + ${13} ))
+}
+# "P pid ticks" for each process (its threads that exited included), and
+# "T pid tid ticks switches comm" for each of its threads alive now.
 snapshot() {
-  local role index pid t
+  local role index pid t ticks switches comm
   while read -r role index pid; do
+    ticks=$(ticks_of /proc/"$pid"/stat) && echo "P $pid $ticks"
     for t in /proc/"$pid"/task/*; do
-      echo "$pid ${t##*/} $(cut -d' ' -f14,15 "$t"/stat 2>/dev/null | awk '{print $1 + $2}')" \
-        "$(awk '/^(non)?voluntary_ctxt_switches/ {s += $2} END {print s}' "$t"/status 2>/dev/null)" \
-        "$(tr ' ' _ < "$t"/comm 2>/dev/null)"
+      ticks=$(ticks_of "$t"/stat) || continue
+      switches=$(awk '/^(non)?voluntary_ctxt_switches/ {s += $2} END {print s + 0}' "$t"/status 2>/dev/null) || continue
+      comm=$(cat "$t"/comm 2>/dev/null) || continue
+      echo "T $pid ${t##*/} $ticks $switches ${comm// /_}"
     done
   done < "$tmp/members"
 }
@@ -79,15 +91,21 @@ t1=$(date +%s%N)
 hz=$(getconf CLK_TCK)
 awk -v hz="$hz" -v secs="$(( (t1 - t0) / 1000000 ))" -v members="$tmp/members" '
   BEGIN { secs /= 1000; while ((getline line < members) > 0) { split(line, m, " "); name[m[3]] = m[1] m[2] } }
-  FNR == NR { ticks[$1 " " $2] = $3; sw[$1 " " $2] = $4; next }
-  ($1 " " $2) in ticks {
-    c = ($3 - ticks[$1 " " $2]) / hz / secs; s = ($4 - sw[$1 " " $2]) / secs
-    cores[$1] += c; switches[$1] += s
-    if (c >= 0.05) printf "thread %s %s %s %.2f cores %.0f switches/s\n", name[$1], $2, $5, c, s > "/dev/stderr"
+  FNR == NR && $1 == "P" { proc[$2] = $3; next }
+  FNR == NR { ticks[$2 " " $3] = $4; sw[$2 " " $3] = $5; next }
+  $1 == "P" && ($2 in proc) { cores[$2] = ($3 - proc[$2]) / hz / secs; next }
+  $1 == "T" && !(($2 " " $3) in ticks) { started[$2]++; next }
+  $1 == "T" {
+    c = ($4 - ticks[$2 " " $3]) / hz / secs; s = ($5 - sw[$2 " " $3]) / secs
+    switches[$2] += s
+    if (c >= 0.05) printf "thread %s %s %s %.2f cores %.0f switches/s\n", name[$2], $3, $6, c, s > "/dev/stderr"
   }
   END {
-    printf "over %.1f s:\n", secs
-    for (p in cores) { printf "  %-8s %5.2f cores, %7.0f context switches/s\n", name[p], cores[p], switches[p]; total += cores[p] }
+    printf "over %.1f s (context switches: of the threads alive at both ends):\n", secs
+    for (p in cores) {
+      printf "  %-8s %5.2f cores, %7.0f context switches/s, %d threads started\n", name[p], cores[p], switches[p], started[p]
+      total += cores[p]
+    }
     printf "  all      %5.2f cores\n", total
   }' "$tmp/before" "$tmp/after" 2> "$tmp/threads"
 echo "busiest threads:"
