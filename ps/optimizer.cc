@@ -18,36 +18,61 @@ namespace {
 // is kernels/optimizer_math.h's, which the GPU replicas apply too.
 #define PSFLOW_VECTOR_LOOP __attribute__((target_clones("avx2", "default")))
 
-PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, float* w, const float* g, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) kernels::SgdElement(lr, wd, w[i], g[i]);
+PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, float* w, const float* g, float* out,
+                                int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    kernels::SgdElement(lr, wd, w[i], g[i]);
+    out[i] = w[i];
+  }
 }
 
 PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float wd, float* w, const float* g,
-                                     float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) kernels::MomentumElement(lr, mu, wd, w[i], g[i], buf[i]);
+                                     float* buf, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    kernels::MomentumElement(lr, mu, wd, w[i], g[i], buf[i]);
+    out[i] = w[i];
+  }
 }
 
 PSFLOW_VECTOR_LOOP void NesterovLoop(float lr, float mu, float wd, float* w, const float* g,
-                                     float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) kernels::NesterovElement(lr, mu, wd, w[i], g[i], buf[i]);
+                                     float* buf, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    kernels::NesterovElement(lr, mu, wd, w[i], g[i], buf[i]);
+    out[i] = w[i];
+  }
 }
 
 PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
                                  float l2, float decay, float* w, const float* g, float* m,
-                                 float* v, int64_t n) {
+                                 float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     kernels::AdamElement(b1, b2, eps, step_size, inv_c2, l2, decay, w[i], g[i], m[i], v[i]);
+    out[i] = w[i];
   }
 }
 
 PSFLOW_VECTOR_LOOP void AdagradLoop(float lr, float eps, float wd, float* w, const float* g,
-                                    float* sum, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) kernels::AdagradElement(lr, eps, wd, w[i], g[i], sum[i]);
+                                    float* sum, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    kernels::AdagradElement(lr, eps, wd, w[i], g[i], sum[i]);
+    out[i] = w[i];
+  }
 }
 
 PSFLOW_VECTOR_LOOP void RmspropLoop(float lr, float alpha, float eps, float wd, float* w,
-                                    const float* g, float* sq, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) kernels::RmspropElement(lr, alpha, eps, wd, w[i], g[i], sq[i]);
+                                    const float* g, float* sq, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    kernels::RmspropElement(lr, alpha, eps, wd, w[i], g[i], sq[i]);
+    out[i] = w[i];
+  }
+}
+
+PSFLOW_VECTOR_LOOP void MovingAverageLoop(float momentum, float* r, const float* x, float* out,
+                                          int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    kernels::MovingAverageElement(momentum, r[i], x[i]);
+    out[i] = r[i];
+  }
 }
 
 constexpr float kDefaultDecayRate = 0.1f;
@@ -190,34 +215,37 @@ void MeanInto(float* mean, absl::Span<const float* const> xs, float scale, int64
   }
 }
 
-PSFLOW_VECTOR_LOOP void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) kernels::MovingAverageElement(momentum, r[i], x[i]);
+void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
+  MovingAverageLoop(momentum, r, x, r, n);
 }
 
 void ApplyStep(const kernels::OptimizerStep& s, float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots) {
+               const std::vector<float*>& slots, float* out) {
+  // Without `out`, each weight is stored again where it is (the line is in
+  // the cache already): one loop per rule either way.
+  float* const o = out != nullptr ? out : w;
   switch (s.rule) {
     case kernels::OptimizerStep::kSgd:
-      SgdLoop(s.lr, s.wd, w, g, n);
+      SgdLoop(s.lr, s.wd, w, g, o, n);
       break;
     case kernels::OptimizerStep::kMomentum:
-      MomentumLoop(s.lr, s.mu, s.wd, w, g, slots[0], n);
+      MomentumLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, n);
       break;
     case kernels::OptimizerStep::kNesterov:
-      NesterovLoop(s.lr, s.mu, s.wd, w, g, slots[0], n);
+      NesterovLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, n);
       break;
     case kernels::OptimizerStep::kAdam:
       AdamLoop(s.b1, s.b2, s.eps, s.step_size, s.inv_c2, s.l2, s.decay, w, g, slots[0], slots[1],
-               n);
+               o, n);
       break;
     case kernels::OptimizerStep::kAdagrad:
-      AdagradLoop(s.lr, s.eps, s.wd, w, g, slots[0], n);
+      AdagradLoop(s.lr, s.eps, s.wd, w, g, slots[0], o, n);
       break;
     case kernels::OptimizerStep::kRmsprop:
-      RmspropLoop(s.lr, s.alpha, s.eps, s.wd, w, g, slots[0], n);
+      RmspropLoop(s.lr, s.alpha, s.eps, s.wd, w, g, slots[0], o, n);
       break;
     case kernels::OptimizerStep::kMovingAverage:
-      MovingAverageInto(w, g, s.mu, n);
+      MovingAverageLoop(s.mu, w, g, o, n);
       break;
   }
 }

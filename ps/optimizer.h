@@ -57,9 +57,11 @@ class Optimizer {
 };
 
 // Applies `step` to n weights on this CPU, vectorized (slots follow the
-// optimizer's SlotNames(); none for kMovingAverage).
+// optimizer's SlotNames(); none for kMovingAverage). With `out` (n floats
+// apart from the others), each updated weight is written there too, in the
+// same pass: the ps's copy for pulls.
 void ApplyStep(const kernels::OptimizerStep& step, float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots);
+               const std::vector<float*>& slots, float* out = nullptr);
 
 // The workers' mean gradient, vectorized like the optimizers: mean =
 // (0 + xs[0] + xs[1] + ...) * scale elementwise, summed in the order of xs,

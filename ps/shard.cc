@@ -479,8 +479,11 @@ void Shard::Compute(ApplyJob& job) const {
     return;
   }
   const float scale = 1.0f / static_cast<float>(job.pushes.size());
-  // Averaging, the optimizer, then the copy readers get, one range at a
-  // time (it stays in cache throughout).
+  // Averaging, then the optimizer writing the copy readers get as it goes,
+  // one range at a time (it stays in cache throughout). The rule and scalars
+  // of this version's step, once for every range:
+  const kernels::OptimizerStep step = job.bn_momentum > 0 ? MovingAverageStep(job.bn_momentum)
+                                                          : job.optimizer->StepAt(job.step);
   auto apply = [&](int r) {
     const int64_t begin = r * range;
     const int64_t len = std::min(n, begin + range) - begin;
@@ -495,12 +498,8 @@ void Shard::Compute(ApplyJob& job) const {
       std::copy(slot, slot + len, job.previous_slots[k] + begin);
       range_slots.push_back(slot);
     }
-    if (job.bn_momentum > 0) {
-      MovingAverageInto(job.value + begin, mean, job.bn_momentum, len);
-    } else {
-      job.optimizer->Apply(job.step, job.value + begin, mean, len, range_slots);
-    }
-    std::copy(job.value + begin, job.value + begin + len, published + begin);
+    // The optimizer writes the copy readers get as it updates the values.
+    ApplyStep(step, job.value + begin, mean, len, range_slots, published + begin);
   };
   const int ranges = static_cast<int>((n + range - 1) / range);
   if (apply_pool_ == nullptr || ranges <= 1) {

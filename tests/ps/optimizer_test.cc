@@ -284,6 +284,55 @@ TEST(MeanIntoTest, MatchesZeroFillAddEachThenScaleBitForBit) {
   }
 }
 
+// With `out`, every rule writes each updated weight there as well, and
+// leaves the weights and slots exactly as it does without (what the ps's
+// apply relies on to skip a copy for pulls).
+TEST(ApplyStepTest, OutGetsTheUpdatedWeightsAndNothingElseChanges) {
+  std::vector<kernels::OptimizerStep> rules;
+  for (OptimizerConfig::Kind kind :
+       {OptimizerConfig::SGD, OptimizerConfig::MOMENTUM, OptimizerConfig::ADAM,
+        OptimizerConfig::ADAMW, OptimizerConfig::ADAGRAD, OptimizerConfig::RMSPROP}) {
+    for (bool nesterov : {false, true}) {
+      if (nesterov && kind != OptimizerConfig::MOMENTUM) continue;
+      OptimizerConfig c;
+      c.set_kind(kind);
+      c.set_learning_rate(0.01f);
+      c.set_weight_decay(0.001f);
+      c.set_nesterov(nesterov);
+      absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(c);
+      ASSERT_TRUE(opt.ok()) << opt.status();
+      rules.push_back((*opt)->StepAt(3));
+    }
+  }
+  rules.push_back(MovingAverageStep(0.3f));
+  constexpr int64_t kN = 37;  // a vector body and a tail
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint32_t> b(v.size());
+    std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+    return b;
+  };
+  for (const kernels::OptimizerStep& rule : rules) {
+    SCOPED_TRACE(static_cast<int>(rule.rule));
+    std::vector<float> w(kN), g(kN);
+    for (float& x : w) x = uniform(rng);
+    for (float& x : g) x = uniform(rng);
+    std::vector<std::vector<float>> slots(2, std::vector<float>(kN));
+    for (auto& s : slots) {
+      for (float& x : s) x = std::abs(uniform(rng));
+    }
+    std::vector<float> w2 = w, out(kN, -123.0f);
+    std::vector<std::vector<float>> slots2 = slots;
+    ApplyStep(rule, w.data(), g.data(), kN, {slots[0].data(), slots[1].data()});
+    ApplyStep(rule, w2.data(), g.data(), kN, {slots2[0].data(), slots2[1].data()}, out.data());
+    EXPECT_EQ(bits(w2), bits(w));
+    EXPECT_EQ(bits(out), bits(w));
+    EXPECT_EQ(bits(slots2[0]), bits(slots[0]));
+    EXPECT_EQ(bits(slots2[1]), bits(slots[1]));
+  }
+}
+
 // The running statistics' rule, and the backend's count of non-finite values.
 TEST(OptimizerBackendTest, MovingAverageAndNonFiniteCount) {
   absl::StatusOr<std::unique_ptr<kernels::Backend>> cpu = kernels::CreateBackend("cpu", 1);
