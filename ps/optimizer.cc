@@ -235,8 +235,8 @@ void ApplyStep(const kernels::OptimizerStep& s, float* w, const float* g, int64_
       NesterovLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, n);
       break;
     case kernels::OptimizerStep::kAdam:
-      AdamLoop(s.b1, s.b2, s.eps, s.step_size, s.inv_c2, s.l2, s.decay, w, g, slots[0], slots[1],
-               o, n);
+      AdamLoop(s.b1, s.b2, s.eps, s.step_size, s.inv_c2, s.l2, s.decay, w, g, slots[0], slots[1], o,
+               n);
       break;
     case kernels::OptimizerStep::kAdagrad:
       AdagradLoop(s.lr, s.eps, s.wd, w, g, slots[0], o, n);

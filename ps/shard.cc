@@ -482,8 +482,8 @@ void Shard::Compute(ApplyJob& job) const {
   // Averaging, then the optimizer writing the copy readers get as it goes,
   // one range at a time (it stays in cache throughout). The rule and scalars
   // of this version's step, once for every range:
-  const kernels::OptimizerStep step = job.bn_momentum > 0 ? MovingAverageStep(job.bn_momentum)
-                                                          : job.optimizer->StepAt(job.step);
+  const kernels::OptimizerStep step =
+      job.bn_momentum > 0 ? MovingAverageStep(job.bn_momentum) : job.optimizer->StepAt(job.step);
   auto apply = [&](int r) {
     const int64_t begin = r * range;
     const int64_t len = std::min(n, begin + range) - begin;
