@@ -31,7 +31,10 @@ tmp=$(mktemp -d)
 launcher=
 cleanup() {
   local code=$?
-  if [ -n "$launcher" ]; then kill "$launcher" 2>/dev/null; wait "$launcher" 2>/dev/null || true; fi
+  if [ -n "$launcher" ]; then
+    kill "$launcher" 2>/dev/null || true
+    wait "$launcher" 2>/dev/null || true
+  fi
   rm -rf "$tmp"
   exit "$code"
 }
@@ -54,12 +57,16 @@ marker=$(sed -n 's/^\[launch\] cluster: chief \([^,]*\),.*/--chief_hosts=\1/p' "
 members() {
   local pid cmd
   for pid in $(pgrep -f -- "--job_name=(ps|worker) "); do
-    cmd=$(tr '\0' ' ' < /proc/"$pid"/cmdline 2>/dev/null) || continue
-    [ -z "$marker" ] || [[ $cmd == *"$marker"* ]] || continue
-    [[ $cmd =~ --job_name=([a-z]+)\ --task_id=([0-9]+) ]] && echo "${BASH_REMATCH[1]} ${BASH_REMATCH[2]} $pid"
+    cmd=$(tr '\0' ' ' 2>/dev/null < /proc/"$pid"/cmdline) || continue
+    [ -z "$marker" ] || [[ "$cmd " == *"$marker "* ]] || continue
+    if [[ $cmd =~ --job_name=([a-z]+)\ --task_id=([0-9]+) ]]; then
+      echo "${BASH_REMATCH[1]} ${BASH_REMATCH[2]} $pid"
+    fi
   done
+  return 0
 }
 members > "$tmp/members"
+[ -s "$tmp/members" ] || { echo "gpu_host_cpu.sh: found none of the job's ps and workers" >&2; exit 1; }
 # utime + stime (clock ticks) in a /proc stat file; fails if it is gone.
 ticks_of() {
   local stat
@@ -116,8 +123,9 @@ if command -v perf >/dev/null 2>&1; then
     [ -n "$pid" ] || continue
     echo "perf, ${role/ /}:"
     if perf record -F 999 -p "$pid" -o "$tmp/perf.data" -- sleep 3 > /dev/null 2>&1; then
-      perf report -i "$tmp/perf.data" --no-children --sort dso,sym --stdio 2> /dev/null \
-        | grep -E '^ +[0-9]' | head -15 || echo "  no samples"
+      report=$(perf report -i "$tmp/perf.data" --no-children --sort dso,sym --stdio 2> /dev/null \
+        | grep -E '^ +[0-9]' | head -15 || true)
+      echo "${report:-  no samples}"
     else
       echo "  perf could not attach (perf_event_paranoid?)"
     fi
