@@ -286,6 +286,22 @@ class Backend {
   virtual absl::Status WaitEvent(Event* event) {
     return absl::UnimplementedError(name() + " has no events");
   }
+  // Copies `floats` floats from `host` (memory from AllocateHost) to
+  // `device` once the backend has passed `after` (recorded by RecordEvent;
+  // null: no wait), on a stream of uploads of the backend's own, and returns
+  // at once: unlike CopyToDevice's, the copy waits for `after` alone, not
+  // for all the work queued before it (a step's graph may still run while
+  // the weights its backward pass has finished with are replaced). The work
+  // queued on the backend afterwards does not wait for the copy until
+  // JoinUploads; Synchronize does. Leave `host` unchanged until then.
+  // Thread-safe. Backends that run their work at once just copy.
+  virtual absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats,
+                                         float* device) {
+    return CopyToDevice(host, floats, device);
+  }
+  // The work queued on this backend from now on waits for every copy that
+  // CopyToDeviceAfter has queued so far. Nothing to do where copies run at once.
+  virtual absl::Status JoinUploads() { return absl::OkStatus(); }
 
   // Records the backend calls `work` makes (ops of this backend, the helpers
   // above; no copies to or from the host) into a Graph without running them.

@@ -193,6 +193,7 @@ std::vector<float*> Network::DeviceGradients() {
 absl::Status Network::SetWeights(const std::vector<const float*>& host) {
   if (host.size() != weights_.size())
     return absl::InvalidArgumentError("wrong number of weight tensors");
+  PSFLOW_RETURN_IF_ERROR(JoinUploads());
   for (size_t i = 0; i < host.size(); ++i) {
     PSFLOW_RETURN_IF_ERROR(
         backend_->CopyToDevice(host[i], weights_[i]->size(), weights_[i]->data()));
@@ -203,12 +204,29 @@ absl::Status Network::SetWeights(const std::vector<const float*>& host) {
 absl::Status Network::SetWeight(int i, const float* host) {
   if (i < 0 || static_cast<size_t>(i) >= weights_.size())
     return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
+  PSFLOW_RETURN_IF_ERROR(JoinUploads());
   return backend_->CopyToDevice(host, weights_[i]->size(), weights_[i]->data());
+}
+
+absl::Status Network::SetWeightAfter(int i, const float* host, kernels::Event* after) {
+  if (options_.local_sgd_learning_rate > 0) return SetWeight(i, host);
+  if (i < 0 || static_cast<size_t>(i) >= weights_.size())
+    return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
+  PSFLOW_RETURN_IF_ERROR(
+      backend_->CopyToDeviceAfter(after, host, weights_[i]->size(), weights_[i]->data()));
+  uploads_pending_.store(true, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::Status Network::JoinUploads() {
+  if (!uploads_pending_.exchange(false, std::memory_order_acq_rel)) return absl::OkStatus();
+  return backend_->JoinUploads();
 }
 
 absl::Status Network::GetWeights(const std::vector<float*>& host) {
   if (host.size() != weights_.size())
     return absl::InvalidArgumentError("wrong number of weight tensors");
+  PSFLOW_RETURN_IF_ERROR(JoinUploads());
   for (size_t i = 0; i < host.size(); ++i) {
     PSFLOW_RETURN_IF_ERROR(backend_->CopyToHost(weights_[i]->data(), weights_[i]->size(), host[i]));
   }
@@ -473,6 +491,8 @@ absl::Status Network::Run(BatchState* st, bool train) {
   auto queue = [this, st, train]() {
     return train ? QueueTrain(st) : QueueForward(st, /*training=*/false);
   };
+  // The step reads the weights: after their uploads.
+  PSFLOW_RETURN_IF_ERROR(JoinUploads());
   if (graph != nullptr) return graph->Launch();
   // The first step of a batch size runs eagerly: it creates the workspaces
   // and lazily initialised library state that a recording must not.

@@ -31,6 +31,7 @@
 #ifndef PSFLOW_MODEL_NETWORK_H_
 #define PSFLOW_MODEL_NETWORK_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -99,6 +100,15 @@ class Network {
   // Backend::AllocateHost, the copy may still be under way on return: the
   // next step waits for it.
   absl::Status SetWeight(int i, const float* host);
+  // As SetWeight, but the copy waits only for `after` (an event of the
+  // backend, or null), not for the work queued before it
+  // (Backend::CopyToDeviceAfter): pass the event SetGradientEvents gave
+  // variable i, and the copy of the next step's weight overlaps the rest of
+  // the running step's backward pass, which is done with that weight by
+  // then. The next step, evaluation, SetWeight(s) or GetWeights waits for
+  // it. With NetworkOptions.local_sgd_learning_rate (the step then writes
+  // every weight after its backward pass) it is SetWeight.
+  absl::Status SetWeightAfter(int i, const float* host, kernels::Event* after);
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 
@@ -188,6 +198,8 @@ class Network {
   absl::Status QueueBackward(BatchState* st);
   absl::Status QueueTrain(BatchState* st);
   absl::Status Run(BatchState* st, bool train);
+  // Makes the work queued from now on wait for the copies of SetWeightAfter.
+  absl::Status JoinUploads();
   // Runs fn; with options_.profile, waits for the device and adds the time to
   // layer_times_ under "<layer name> <pass>" (just `pass` for layer -1).
   absl::Status Timed(int layer, const char* pass, absl::FunctionRef<absl::Status()> fn);
@@ -197,6 +209,7 @@ class Network {
   NetworkOptions options_;
   GradientsReady gradients_ready_;
   std::vector<kernels::Event*> gradient_events_;  // by variable; may be empty
+  std::atomic<bool> uploads_pending_{false};      // SetWeightAfter since JoinUploads
   std::vector<VariableShape> variables_;
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;

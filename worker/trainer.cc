@@ -197,6 +197,13 @@ absl::Status Trainer::Prepare() {
     absl::StatusOr<std::vector<GradientBucket>> buckets = GradientBuckets();
     if (buckets.ok()) {
       host_buckets_ = *std::move(buckets);
+      // Each variable's next weights may go to the device once the step's
+      // backward pass is past its layer (its bucket's event), while the
+      // rest of the pass runs.
+      upload_after_.assign(net_->variables().size(), nullptr);
+      for (GradientBucket& b : host_buckets_) {
+        for (int v : b.variables) upload_after_[v] = b.ready.get();
+      }
     } else if (!absl::IsUnimplemented(buckets.status())) {
       return Permanent(buckets.status());
     }
@@ -718,7 +725,11 @@ absl::Status Trainer::PublishReplica(int64_t version, bool wait) {
 }
 
 absl::Status Trainer::CreateReplicas() {
-  device_.reset();        // its buffers are the backend's
+  // No copy of the last registration may still read a buffer freed below
+  // (an upload of a lane that failed while others were still pulling).
+  if (backend_ != nullptr) static_cast<void>(backend_->Synchronize());
+  device_.reset();  // its buffers are the backend's
+  upload_after_.clear();
   host_buckets_.clear();  // so are their events
   staging_.clear();       // and the page-locked buffers (Prepare makes new ones)
   gpu_peers_.reset();     // before the backend it queues on
@@ -860,7 +871,8 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   // Each variable goes to the device once its last slice is in.
   for (int v : lane.variables) {
     if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
-    absl::Status s = net_->SetWeight(v, weights_[v]);
+    absl::Status s = upload_after_.empty() ? net_->SetWeight(v, weights_[v])
+                                           : net_->SetWeightAfter(v, weights_[v], upload_after_[v]);
     // INTERNAL whatever the device said: never retried (the countdown is spent).
     if (!s.ok())
       return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));

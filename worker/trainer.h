@@ -13,7 +13,8 @@
 // (asking again while a ps answers "not yet"). So one lane's pull overlaps
 // the other lanes' pushes and the ps's applies, and on a GPU each variable
 // is copied to the device (from page-locked memory) as soon as its last
-// slice is in, while the rest still travels. Both directions use the job's
+// slice is in, while the rest still travels, and while the step's backward
+// pass still runs once it is past the variable's layer. Both directions use the job's
 // wire dtype (JobConfig.wire_dtype; a gradient that dtype cannot hold as a
 // finite number makes the step non-finite). The step's metrics go to a
 // report loop that sends them to the chief (the reports are also its
@@ -331,6 +332,12 @@ class Trainer {
   // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
   // copies out (empty: the step copies them after it, GetGradients).
   std::vector<GradientBucket> host_buckets_;
+  // With host buckets: by variable, the event its pulled weights wait for
+  // on their way to the device (its bucket's `ready`: the running step's
+  // backward pass is done with the weight), so that they overlap the rest
+  // of the pass (Network::SetWeightAfter). Empty: uploads queue behind the
+  // step.
+  std::vector<kernels::Event*> upload_after_;
   // Pushes during the backward pass (TrainerOptions.push_during_backward,
   // where it applies): each variable's position in the backward order, the
   // positions whose gradients are on the host and final this step, the

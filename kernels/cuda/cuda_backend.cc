@@ -105,6 +105,12 @@ struct CudaContext {
   cudaStream_t stream = nullptr;
   // CopyToHostAfter's stream, made at its first call.
   cudaStream_t copy_stream = nullptr;
+  // CopyToDeviceAfter's stream, made at its first call; `uploads_joined`
+  // marks the point JoinUploads makes `stream` wait for, and
+  // `uploads_pending` says whether an upload was queued since the last join.
+  cudaStream_t upload_stream = nullptr;
+  cudaEvent_t uploads_joined = nullptr;
+  bool uploads_pending = false;
   cudnnHandle_t cudnn = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
@@ -181,6 +187,11 @@ CudaContext::~CudaContext() {
     static_cast<void>(cudaStreamSynchronize(copy_stream));
     static_cast<void>(cudaStreamDestroy(copy_stream));
   }
+  if (upload_stream != nullptr) {
+    static_cast<void>(cudaStreamSynchronize(upload_stream));
+    static_cast<void>(cudaStreamDestroy(upload_stream));
+  }
+  if (uploads_joined != nullptr) static_cast<void>(cudaEventDestroy(uploads_joined));
   if (cublas != nullptr) static_cast<void>(cublasDestroy(cublas));
   if (cudnn != nullptr) static_cast<void>(cudnnDestroy(cudnn));
   if (cublas_workspace != nullptr) static_cast<void>(cudaFree(cublas_workspace));
@@ -214,6 +225,8 @@ struct DeviceDeleter {
     Scope scope(*ctx);
     if (!scope.status().ok()) return;
     static_cast<void>(cudaStreamSynchronize(ctx->stream));
+    // An upload may still be writing it.
+    if (ctx->upload_stream != nullptr) static_cast<void>(cudaStreamSynchronize(ctx->upload_stream));
     static_cast<void>(cudaFree(p));
   }
 };
@@ -1103,6 +1116,45 @@ absl::Status CudaBackend::WaitEvent(Event* event) {
   return Annotate(status, "WaitEvent");
 }
 
+absl::Status CudaBackend::CopyToDeviceAfter(Event* after, const float* host, size_t floats,
+                                            float* device) {
+  CudaEvent* cuda_event = nullptr;
+  if (after != nullptr) {
+    cuda_event = dynamic_cast<CudaEvent*>(after);
+    if (cuda_event == nullptr) {
+      return absl::InvalidArgumentError("CopyToDeviceAfter: not a CUDA event");
+    }
+  }
+  if (floats == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CopyToDeviceAfter", floats, "floats", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
+    if (ctx_->upload_stream == nullptr) {
+      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->upload_stream, cudaStreamNonBlocking));
+    }
+    if (cuda_event != nullptr) {
+      PSFLOW_CUDA_CHECK(
+          cudaStreamWaitEvent(ctx_->upload_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
+    }
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, floats * sizeof(float), cudaMemcpyHostToDevice,
+                                      ctx_->upload_stream));
+    ctx_->uploads_pending = true;
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::JoinUploads() {
+  return RunIn(*ctx_, "JoinUploads", "", [&]() -> absl::Status {
+    if (!ctx_->uploads_pending) return absl::OkStatus();
+    if (ctx_->uploads_joined == nullptr) {
+      PSFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&ctx_->uploads_joined, cudaEventDisableTiming));
+    }
+    PSFLOW_CUDA_CHECK(cudaEventRecord(ctx_->uploads_joined, ctx_->upload_stream));
+    PSFLOW_CUDA_CHECK(cudaStreamWaitEvent(ctx_->stream, ctx_->uploads_joined, 0));
+    ctx_->uploads_pending = false;
+    return absl::OkStatus();
+  });
+}
+
 absl::StatusOr<int> CudaBackend::DeviceCount() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
@@ -1124,6 +1176,8 @@ absl::Status CudaBackend::RunOnStream(absl::string_view what,
 absl::Status CudaBackend::Synchronize() {
   return RunIn(*ctx_, "Synchronize", "", [&]() -> absl::Status {
     PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->stream));
+    if (ctx_->upload_stream != nullptr)
+      PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->upload_stream));
     return absl::OkStatus();
   });
 }

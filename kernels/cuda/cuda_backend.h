@@ -10,6 +10,13 @@
 //   memory the driver stages the data before it returns, so the caller may
 //   reuse it; from AllocateHost's page-locked memory the copy is queued, and
 //   the memory must stay unchanged until the stream has done it).
+// - Two more streams, each made at its first use, for copies that must not
+//   wait for everything queued before them: CopyToHostAfter's (gradients
+//   leaving during the backward pass, each copy after its event) and
+//   CopyToDeviceAfter's (weights arriving while a step still runs, each
+//   after the event that says the step is done with them). The backend's
+//   stream waits for the uploads only at JoinUploads; Synchronize and the
+//   freeing of device memory wait for them too.
 // - One cuDNN handle and one cuBLAS handle, both bound to the stream. cuBLAS
 //   gets a fixed workspace of its own at creation, so it never allocates
 //   while a graph is being captured. Dense keeps full fp32 GEMMs
@@ -114,6 +121,13 @@ class CudaBackend final : public Backend {
   absl::Status WaitCopies() override;
   absl::Status RecordCopiesDone(Event* done) override;
   absl::Status WaitEvent(Event* event) override;
+  // On a third stream of the context's (made at the first call), waiting
+  // for `after` there; JoinUploads makes the backend's stream wait for an
+  // event recorded on it.
+  absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats,
+                                 float* device) override;
+  absl::Status JoinUploads() override;
+  // Waits for the backend's stream and for the uploads of CopyToDeviceAfter.
   absl::Status Synchronize() override;
   // The GPU's free memory (cudaMemGetInfo).
   absl::StatusOr<int64_t> AvailableMemory() override;

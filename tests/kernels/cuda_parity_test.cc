@@ -739,6 +739,61 @@ TEST_F(CudaParityTest, AnEventAfterCopiesPassesOnceTheyAreDone) {
   EXPECT_EQ(cpu_->WaitEvent(x_copied.get()).code(), absl::StatusCode::kUnimplemented);
 }
 
+// Weights pulled during a step go to the device on a stream of their own:
+// each copy waits for its event (not for the rest of the queued work), and
+// the backend's stream waits for the copies only from JoinUploads on;
+// Synchronize waits for them too.
+TEST_F(CudaParityTest, UploadsWaitForTheirEventAndJoinTheStreamOnRequest) {
+  CopyBuffers b(*gpu_, int64_t{1} << 22);
+  const int64_t n = b.n;
+  auto [x, y, hx, hy] = std::tie(b.x, b.y, b.hx, b.hy);
+  const size_t count = static_cast<size_t>(n);
+  for (float want : {2.0f, 5.0f}) {  // twice: the event is recorded again
+    std::fill(hx->data(), hx->data() + n, want);
+    // x is rewritten many times before the event: the upload lands after.
+    for (int k = 0; k < 16; ++k)
+      PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, -1.0f - k, x->data(), n));
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(b.first.get()));
+    PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(b.first.get(), hx->data(), count, x->data()));
+    // Work queued after the join reads what the upload wrote.
+    PSFLOW_ASSERT_OK(gpu_->JoinUploads());
+    PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 1.0f, 1.0f, y->data(), n));
+    EXPECT_EQ(Download(*gpu_, y->data(), n), std::vector<float>(n, want + 1));
+  }
+  // Inside a graph: each launch records the event, and the upload after it
+  // lands after the graph's writes before the event.
+  auto graph = gpu_->Capture([&]() -> absl::Status {
+    for (int k = 0; k < 8; ++k) {
+      if (absl::Status s = gpu_->Affine(x->data(), 0.0f, 7.0f + k, x->data(), n); !s.ok()) return s;
+    }
+    return gpu_->RecordEvent(b.second.get());
+  });
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  for (float want : {-3.0f, 11.0f}) {
+    std::fill(hy->data(), hy->data() + n, want);
+    PSFLOW_ASSERT_OK((*graph)->Launch());
+    PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(b.second.get(), hy->data(), count, x->data()));
+    // Synchronize waits for the upload as well.
+    PSFLOW_ASSERT_OK(gpu_->Synchronize());
+    std::fill(hx->data(), hx->data() + n, 0.0f);
+    PSFLOW_ASSERT_OK(gpu_->CopyToHost(x->data(), count, hx->data()));
+    EXPECT_EQ(std::vector<float>(hx->data(), hx->data() + n), std::vector<float>(n, want));
+  }
+  // No event: at once; joined, then read on the backend's stream.
+  std::fill(hx->data(), hx->data() + n, 4.0f);
+  PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(nullptr, hx->data(), count, y->data()));
+  PSFLOW_ASSERT_OK(gpu_->JoinUploads());
+  EXPECT_EQ(Download(*gpu_, y->data(), n), std::vector<float>(n, 4.0f));
+  PSFLOW_ASSERT_OK(gpu_->JoinUploads());  // nothing to join: a no-op
+  EXPECT_EQ(gpu_->CopyToDeviceAfter(b.first.get(), nullptr, count, x->data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The CPU runs its work at once: the copy is a plain one, whatever the event.
+  std::vector<float> from(16, 9.0f), to(16, 0.0f);
+  PSFLOW_ASSERT_OK(cpu_->CopyToDeviceAfter(nullptr, from.data(), 16, to.data()));
+  PSFLOW_ASSERT_OK(cpu_->JoinUploads());
+  EXPECT_EQ(to, from);
+}
+
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
   auto buffer = gpu_->Allocate(16).value();
   auto graph = gpu_->Capture([&]() -> absl::Status {

@@ -256,6 +256,100 @@ TEST_F(NetworkGpuTest, ResnetGraphReplaysReadCurrentInputsAndWeights) {
   ExpectGraphReplaysReadCurrentInputs(Standardized("resnet"), 8);
 }
 
+// A worker's next weights go to the GPU while the step's graph still runs,
+// each once the backward pass is past its layer (SetWeightAfter with the
+// event SetGradientEvents gave the variable): the running step still
+// computes with the weights it started with, and the next step reads the
+// new ones. Checked against an eager network stepping on each set of
+// weights alone; an upload that overwrote a weight the pass still needed
+// would move the gradients far outside the tolerance, which is checked too.
+TEST_F(NetworkGpuTest, UploadsDuringTheBackwardPassLeaveTheRunningStepAlone) {
+  const ModelSpec spec = Standardized("resnet");
+  constexpr int kBatch = 32;
+  NetworkOptions graphs;
+  graphs.use_graphs = true;
+  NetworkOptions eager;
+  eager.use_graphs = false;
+  std::unique_ptr<Network> net = Make(spec, gpu_.get(), graphs);
+  std::unique_ptr<Network> direct = Make(spec, gpu_.get(), eager);
+  ASSERT_TRUE(net != nullptr && direct != nullptr);
+  const size_t n = net->variables().size();
+  std::vector<std::unique_ptr<kernels::Event>> events;
+  std::vector<kernels::Event*> by_variable;
+  for (size_t v = 0; v < n; ++v) {
+    absl::StatusOr<std::unique_ptr<kernels::Event>> e = gpu_->CreateEvent();
+    ASSERT_TRUE(e.ok()) << e.status();
+    events.push_back(*std::move(e));
+    by_variable.push_back(events.back().get());
+  }
+  net->SetGradientEvents(by_variable);
+  const Weights first = InitialValues(spec, 1);
+  Weights second = InitialValues(spec, 2);
+  second.back()[0] += 3.0f;  // the last bias: the loss moves well away from ln 10
+  const data::Dataset d = SyntheticBatch(spec, kBatch, data::Split::kTrain);
+  ASSERT_TRUE(SetNetWeights(*net, first).ok());
+  for (int i = 0; i < 2; ++i) {  // the second step records the graph
+    ASSERT_TRUE(net->TrainStep(d.images.data(), d.labels.data(), kBatch).ok());
+  }
+  ASSERT_TRUE(net->UsesGraph(kBatch));
+  // The second weights in page-locked memory, as a worker stages them.
+  std::vector<std::unique_ptr<kernels::Buffer>> staged;
+  for (size_t v = 0; v < n; ++v) {
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> b = gpu_->AllocateHost(second[v].size());
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::copy(second[v].begin(), second[v].end(), (*b)->data());
+    staged.push_back(*std::move(b));
+  }
+  // What each set of weights gives alone.
+  Weights want_grads[2];
+  double want_loss[2];
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(SetNetWeights(*direct, k == 0 ? first : second).ok());
+    absl::StatusOr<Network::Result> r = direct->TrainStep(d.images.data(), d.labels.data(), kBatch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    want_loss[k] = r->loss;
+    want_grads[k] = NetGradients(*direct);
+  }
+  ASSERT_GT(std::abs(want_loss[1] - want_loss[0]), 10 * kLossTolerance * want_loss[0])
+      << "the two sets of weights must give different steps for this test to mean anything";
+
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(SetNetWeights(*net, first).ok());
+    ASSERT_TRUE(net->SetInputs(d.images.data(), d.labels.data(), kBatch).ok());
+    ASSERT_TRUE(net->StartTrainStep(kBatch).ok());
+    // Queued while the graph runs, in the order the backward pass frees them.
+    for (int v : net->BackwardOrder()) {
+      ASSERT_TRUE(net->SetWeightAfter(v, staged[v]->data(), by_variable[v]).ok());
+    }
+    absl::StatusOr<Network::Result> got = net->FinishStep(kBatch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_NEAR(got->loss, want_loss[0], kLossTolerance * want_loss[0]) << "round " << round;
+    const Weights grads = NetGradients(*net);
+    for (size_t v = 0; v < n; ++v) {
+      const std::string& name = net->variables()[v].name;
+      EXPECT_LT(RelativeL2(grads[v], want_grads[0][v]), kGradientTolerance) << name;
+      if (net->variables()[v].trainable) {
+        EXPECT_GT(RelativeL2(want_grads[1][v], want_grads[0][v]), 10 * kGradientTolerance) << name;
+      }
+    }
+    // The next step reads the uploaded weights, and so does GetWeights.
+    EXPECT_EQ(NetWeights(*net), second) << "round " << round;
+    absl::StatusOr<Network::Result> next = net->TrainStep(d.images.data(), d.labels.data(), kBatch);
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_NEAR(next->loss, want_loss[1], kLossTolerance * want_loss[1]) << "round " << round;
+  }
+  // Uploads of a network that steps with local SGD (which writes every weight
+  // after the backward pass) queue behind the step instead.
+  NetworkOptions local;
+  local.local_sgd_learning_rate = 0.05f;
+  std::unique_ptr<Network> sgd = Make(spec, gpu_.get(), local);
+  ASSERT_NE(sgd, nullptr);
+  ASSERT_TRUE(sgd->SetWeightAfter(0, staged[0]->data(), by_variable[0]).ok());
+  EXPECT_EQ(NetWeights(*sgd)[0], second[0]);
+  EXPECT_EQ(net->SetWeightAfter(static_cast<int>(n), staged[0]->data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // Local SGD inside a replayed graph: each step moves the weights by
 // -lr * gradient on the GPU, as a CPU network stepping the same way.
 TEST_F(NetworkGpuTest, LocalSgdStepsMatchTheCpu) {
