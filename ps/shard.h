@@ -147,10 +147,12 @@ class Shard {
     std::vector<std::vector<std::vector<float>>> slots;  // [slice][slot], follows slot_names
   };
 
-  // Ranges of 32 Ki floats: the sum and the weights and slots of one range
-  // stay in a core's L2 cache from the averaging to the optimizer, and an
-  // 11 M-float shard makes hundreds of ranges for the threads to share.
+  // Ranges of 32 Ki floats: an 11 M-float shard makes hundreds of ranges for
+  // the threads to share.
   static constexpr int64_t kDefaultApplyRange = int64_t{1} << 15;
+  // Within a range, the workers' mean is taken and applied in blocks of this
+  // many floats (16 KiB), whose mean never leaves the core's L1 cache.
+  static constexpr int64_t kMeanBlock = 4096;
 
   // `apply_pool`, if not null, lends its threads to every apply (beside the
   // thread that applies the slice); it must outlive the shard and must not be
@@ -437,7 +439,6 @@ class Shard {
   float bn_momentum_ ABSL_GUARDED_BY(mu_) = kDefaultBnMomentum;  // of non-trainable slices
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int, int64_t> joining_ ABSL_GUARDED_BY(mu_);  // worker -> first version
-  std::vector<std::vector<float>> sum_ ABSL_GUARDED_BY(mu_);  // scratch of each slice's applier
   // Snapshots asked for, by version: filled when the shard reaches it, and
   // dropped when the last caller waiting for it leaves.
   struct PendingSnapshot {
