@@ -105,8 +105,10 @@ class Network {
   // (Backend::CopyToDeviceAfter): pass the event SetGradientEvents gave
   // variable i, and the copy of the next step's weight overlaps the rest of
   // the running step's backward pass, which is done with that weight by
-  // then. The next step, evaluation, SetWeight(s) or GetWeights waits for
-  // it. With NetworkOptions.local_sgd_learning_rate (the step then writes
+  // then (call it once that step is queued: an event stands for its latest
+  // record, so before the step is queued the copy would wait only for the
+  // step before). The next step, evaluation, SetWeight(s) or GetWeights
+  // waits for it. With NetworkOptions.local_sgd_learning_rate (the step then writes
   // every weight after its backward pass) it is SetWeight.
   absl::Status SetWeightAfter(int i, const float* host, kernels::Event* after);
   // Copies the weights out to host memory, one pointer per variable.

@@ -566,8 +566,10 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
                                                                      int batch) {
   PSFLOW_RETURN_IF_ERROR(net_->SetInputs(images, labels, batch));
   PSFLOW_RETURN_IF_ERROR(net_->StartTrainStep(batch));
-  // The step is queued: each bucket's copies wait on their own stream for
-  // the backward pass to reach the bucket's event.
+  // The step is queued: from now on the lanes' uploads wait for its
+  // events, and each bucket's copies wait on their own stream for the
+  // backward pass to reach the bucket's event.
+  SetStepQueued(true);
   const std::vector<float*> device = net_->DeviceGradients();
   absl::Status s;
   std::vector<kernels::HostCopy> copies;
@@ -868,6 +870,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   // Time spent on "not yet" answers (and retries) is waiting too.
   out->wait_us = r->wait_us + Micros(last_ask - start);
   if (in_place_) return absl::OkStatus();
+  if (!upload_after_.empty()) WaitStepQueued();
   // Each variable goes to the device once its last slice is in.
   for (int v : lane.variables) {
     if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
@@ -878,6 +881,16 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
       return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+void Trainer::SetStepQueued(bool queued) {
+  absl::MutexLock lock(&queued_mu_);
+  step_queued_ = queued;
+}
+
+void Trainer::WaitStepQueued() {
+  absl::MutexLock lock(&queued_mu_);
+  queued_mu_.Await(absl::Condition(&step_queued_));
 }
 
 bool Trainer::LaneFinite(int l) const { return RefsFinite(lanes_[l].refs); }
@@ -1305,6 +1318,7 @@ absl::Status Trainer::Train(int64_t start) {
     absl::Notification exchanged;
     absl::Status exchange_status;
     if (early) {
+      SetStepQueued(false);
       grads_ready_.Reset(static_cast<int>(backward_pos_.size()));
       verdict_.Reset(static_cast<int>(lanes_.size()) + 1);
       exchange_caller_->Schedule([&, step] {
@@ -1331,6 +1345,7 @@ absl::Status Trainer::Train(int64_t start) {
              : !host_buckets_.empty()
                  ? StepCopyingGradients(batches.images(), batches.labels(), batch)
                  : net_->TrainStep(batches.images(), batches.labels(), batch);
+    SetStepQueued(true);  // (if StepCopyingGradients did not: the step failed or ran otherwise)
     // After a failed step too, so that no lane waits for gradients that
     // never come; the verdict fails first, so that none of them pushes what
     // it then finds in its buffers. (This thread's one mark of the verdict;

@@ -338,6 +338,15 @@ class Trainer {
   // of the pass (Network::SetWeightAfter). Empty: uploads queue behind the
   // step.
   std::vector<kernels::Event*> upload_after_;
+  // Whether the step the lanes exchange beside has been queued (pushing
+  // during the backward pass, the lanes start before it): a lane queues its
+  // uploads only after that, so that each waits for this step's record of
+  // its event, not the step's before (which would let it overwrite weights
+  // the queued step still reads). True outside such an exchange.
+  void SetStepQueued(bool queued) ABSL_LOCKS_EXCLUDED(queued_mu_);
+  void WaitStepQueued() ABSL_LOCKS_EXCLUDED(queued_mu_);
+  absl::Mutex queued_mu_;
+  bool step_queued_ ABSL_GUARDED_BY(queued_mu_) = true;
   // Pushes during the backward pass (TrainerOptions.push_during_backward,
   // where it applies): each variable's position in the backward order, the
   // positions whose gradients are on the host and final this step, the
