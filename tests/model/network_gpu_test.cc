@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -107,6 +108,17 @@ class NetworkGpuTest : public ::testing::Test {
     return net.ok() ? *std::move(net) : nullptr;
   }
 
+  // Two networks of `spec` on the GPU: one that replays each batch size's
+  // step as a graph (after its first), and one that always runs op by op.
+  std::pair<std::unique_ptr<Network>, std::unique_ptr<Network>> GraphAndEager(
+      const ModelSpec& spec) {
+    NetworkOptions graphs;
+    graphs.use_graphs = true;
+    NetworkOptions eager;
+    eager.use_graphs = false;
+    return {Make(spec, gpu_.get(), graphs), Make(spec, gpu_.get(), eager)};
+  }
+
   // One training step of `spec` on both backends from the same weights and
   // batch: losses, accuracies and every gradient agree.
   void ExpectParity(const ModelSpec& spec, int batch) {
@@ -170,12 +182,7 @@ class NetworkGpuTest : public ::testing::Test {
   // cuDNN algorithms, found by timing, hence the TF32 tolerances; what a stale
   // replay would give lies far outside them, which is checked.)
   void ExpectGraphReplaysReadCurrentInputs(const ModelSpec& spec, int batch) {
-    NetworkOptions graphs;
-    graphs.use_graphs = true;
-    NetworkOptions eager;
-    eager.use_graphs = false;
-    std::unique_ptr<Network> replayed = Make(spec, gpu_.get(), graphs);
-    std::unique_ptr<Network> direct = Make(spec, gpu_.get(), eager);
+    auto [replayed, direct] = GraphAndEager(spec);
     ASSERT_TRUE(replayed != nullptr && direct != nullptr);
     const Weights first_weights = InitialValues(spec, 1);
     const data::Dataset first = SyntheticBatch(spec, batch, data::Split::kTrain);
@@ -266,12 +273,7 @@ TEST_F(NetworkGpuTest, ResnetGraphReplaysReadCurrentInputsAndWeights) {
 TEST_F(NetworkGpuTest, UploadsDuringTheBackwardPassLeaveTheRunningStepAlone) {
   const ModelSpec spec = Standardized("resnet");
   constexpr int kBatch = 32;
-  NetworkOptions graphs;
-  graphs.use_graphs = true;
-  NetworkOptions eager;
-  eager.use_graphs = false;
-  std::unique_ptr<Network> net = Make(spec, gpu_.get(), graphs);
-  std::unique_ptr<Network> direct = Make(spec, gpu_.get(), eager);
+  auto [net, direct] = GraphAndEager(spec);
   ASSERT_TRUE(net != nullptr && direct != nullptr);
   const size_t n = net->variables().size();
   std::vector<std::unique_ptr<kernels::Event>> events;
