@@ -212,16 +212,10 @@ absl::Status Network::SetWeightAfter(int i, const float* host, kernels::Event* a
   if (options_.local_sgd_learning_rate > 0) return SetWeight(i, host);
   if (i < 0 || static_cast<size_t>(i) >= weights_.size())
     return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
-  PSFLOW_RETURN_IF_ERROR(
-      backend_->CopyToDeviceAfter(after, host, weights_[i]->size(), weights_[i]->data()));
-  uploads_pending_.store(true, std::memory_order_release);
-  return absl::OkStatus();
+  return backend_->CopyToDeviceAfter(after, host, weights_[i]->size(), weights_[i]->data());
 }
 
-absl::Status Network::JoinUploads() {
-  if (!uploads_pending_.exchange(false, std::memory_order_acq_rel)) return absl::OkStatus();
-  return backend_->JoinUploads();
-}
+absl::Status Network::JoinUploads() { return backend_->JoinUploads(); }
 
 absl::Status Network::GetWeights(const std::vector<float*>& host) {
   if (host.size() != weights_.size())

@@ -31,7 +31,6 @@
 #ifndef PSFLOW_MODEL_NETWORK_H_
 #define PSFLOW_MODEL_NETWORK_H_
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -200,7 +199,8 @@ class Network {
   absl::Status QueueBackward(BatchState* st);
   absl::Status QueueTrain(BatchState* st);
   absl::Status Run(BatchState* st, bool train);
-  // Makes the work queued from now on wait for the copies of SetWeightAfter.
+  // Makes the work queued from now on wait for the copies of SetWeightAfter
+  // (the backend knows whether any is pending: nothing to do otherwise).
   absl::Status JoinUploads();
   // Runs fn; with options_.profile, waits for the device and adds the time to
   // layer_times_ under "<layer name> <pass>" (just `pass` for layer -1).
@@ -211,7 +211,6 @@ class Network {
   NetworkOptions options_;
   GradientsReady gradients_ready_;
   std::vector<kernels::Event*> gradient_events_;  // by variable; may be empty
-  std::atomic<bool> uploads_pending_{false};      // SetWeightAfter since JoinUploads
   std::vector<VariableShape> variables_;
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;
