@@ -27,7 +27,8 @@ ddp() {
 }
 
 # psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job
-# (its workers get $WORKER_ARGS as well, if set: psflow-launch --worker_args);
+# (its workers get $WORKER_ARGS as well, if set: psflow-launch --worker_args;
+# its chief $CHIEF_ARGS, e.g. "--slice_mb=0");
 # sets $rate (ex/s after the first interval) and $split ("step pull compute
 # push wait", ms, of the last progress line).
 psflow() {
@@ -41,7 +42,7 @@ psflow() {
     --worker_args="${WORKER_ARGS:-}" -- \
     --model="$model" "${data[@]}" --batch_size="$(batch_of "$model")" --train_steps="$steps" \
     --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
-    --wire_dtype="$wire"
+    --wire_dtype="$wire" ${CHIEF_ARGS:-}
   rate=$(ex_per_s "$tmp/$name.log")
   split=$(step_split "$tmp/$name.log")
   rate=${rate:-0} split=${split:-- - - - -}

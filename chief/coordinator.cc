@@ -898,6 +898,8 @@ absl::Status Coordinator::Run() {
   for (const VariableShape& v : model::ModelVariables(job_.model()))
     (v.trainable ? params : statistics) += NumElements(v.shape);
   std::vector<int64_t> bytes = BytesPerPs(job_.placement());
+  int slices = 0;
+  for (const VariablePlacement& v : job_.placement().variable()) slices += v.slice_size();
   std::string per_ps;
   for (size_t p = 0; p < bytes.size(); ++p)
     absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
@@ -924,11 +926,11 @@ absl::Status Coordinator::Run() {
               << job_.optimizer().lr_warmup_steps() << ") weight decay "
               << job_.optimizer().weight_decay() << ", inputs standardized with mean "
               << job_.model().input().mean() << " stddev " << job_.model().input().stddev()
-              << (AllReduce()
-                      ? absl::StrCat(", gradients all-reduced among the workers, "
-                                     "each holding a replica (",
-                                     per_ps, ")")
-                      : absl::StrCat(", variables over ", job_.num_ps(), " ps (", per_ps, ")"));
+              << (AllReduce() ? absl::StrCat(", gradients all-reduced among the workers, "
+                                             "each holding a replica (",
+                                             per_ps, ")")
+                              : absl::StrCat(", variables over ", job_.num_ps(), " ps in ", slices,
+                                             " slices (", per_ps, ")"));
 
   absl::Status status;
   if (TryAdopt()) {

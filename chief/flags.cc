@@ -146,6 +146,13 @@ ABSL_FLAG(double, allreduce_bucket_mb, 1,
           "64. GPU workers average over NCCL instead, unless the job mixes CPU and GPU workers "
           "(then all use the ring, a GPU worker after its backward pass).");
 
+ABSL_FLAG(double, slice_mb, 1,
+          "The ps hold each variable above 256 KiB in slices cut by rows, at least one per ps; "
+          "a variable above this many MiB per ps is cut into more (each at most this size, dealt "
+          "to the ps in turn), because a ps applies and sends back each slice as soon as its "
+          "gradients are in: a large variable then moves through the ps piece by piece. 0: one "
+          "slice per ps whatever its size. From 0.0625 to 1024, or 0.");
+
 ABSL_FLAG(std::string, mode, "sync",
           "How the ps apply gradients. sync: each step applies the mean of every live worker's "
           "gradient, and step k+1 reads exactly the weights after step k (a global step is one "
@@ -205,6 +212,7 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
   job.allreduce_bucket_mb = absl::GetFlag(FLAGS_allreduce_bucket_mb);
+  job.slice_mb = absl::GetFlag(FLAGS_slice_mb);
   job.mode = absl::GetFlag(FLAGS_mode);
   job.staleness = absl::GetFlag(FLAGS_staleness);
   job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));

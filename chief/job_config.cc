@@ -347,8 +347,13 @@ absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& options, int num_work
                                                    o.allreduce_bucket_mb));
   }
   job.set_allreduce_bucket_bytes(std::llround(o.allreduce_bucket_mb * (1 << 20)));
+  if (o.slice_mb != 0 && !(o.slice_mb >= kMinSliceMb && o.slice_mb <= kMaxSliceMb)) {
+    return absl::InvalidArgumentError(absl::StrCat("--slice_mb must be 0 or in [", kMinSliceMb,
+                                                   ", ", kMaxSliceMb, "], got ", o.slice_mb));
+  }
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(),
-                          PlaceVariables(model::ModelVariables(*spec), num_ps));
+                          PlaceVariables(model::ModelVariables(*spec), num_ps, kDefaultSplitBytes,
+                                         std::llround(o.slice_mb * (1 << 20))));
   return job;
 }
 

@@ -21,6 +21,9 @@ inline constexpr char kDefaultDataDir[] = "/usr/share/datasets/fashion-mnist";
 // gRPC's message limit).
 inline constexpr double kMinBucketMb = 1.0 / 16;
 inline constexpr double kMaxBucketMb = 64;
+// The bounds of --slice_mb (besides 0, no limit): 64 KiB and 1 GiB.
+inline constexpr double kMinSliceMb = 1.0 / 16;
+inline constexpr double kMaxSliceMb = 1024;
 
 // The job's settings; defaults are the chief's flags' defaults.
 struct JobOptions {
@@ -65,6 +68,10 @@ struct JobOptions {
   // Jobs without ps, on the workers' gRPC ring: the bucket size in MiB
   // (JobConfig.allreduce_bucket_bytes), in [kMinBucketMb, kMaxBucketMb].
   double allreduce_bucket_mb = 1;
+  // With ps: the largest slice of a variable split over them, in MiB
+  // (PlaceVariables' slice_bytes): 0 (one slice per ps) or in
+  // [kMinSliceMb, kMaxSliceMb].
+  double slice_mb = 1;
   // The weight of each step's batch statistics in batch norm's running
   // statistics (JobConfig.bn_momentum), in (0, 1].
   float bn_momentum = 0.1f;

@@ -40,6 +40,7 @@ enum ChunkField : int {
   kData = 6,
   kSharedOffset = 7,
   kSharedBytes = 8,
+  kRowBegin = 9,
 };
 
 void AppendVarint(uint64_t v, std::string* out) {
@@ -117,7 +118,7 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
     if (data_seen && (field == kSharedOffset || field == kSharedBytes)) {
       return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
     }
-    if (data_seen && field >= kName && field <= kOffset) {
+    if (data_seen && ((field >= kName && field <= kOffset) || field == kRowBegin)) {
       return absl::InvalidArgumentError("a chunk's name, shape or offset comes after its data");
     }
     uint64_t v = 0;
@@ -161,6 +162,12 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
           return Malformed("chunk offset");
         }
         header.set_offset(static_cast<int64_t>(v));
+        break;
+      case kRowBegin:
+        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
+          return Malformed("chunk row");
+        }
+        header.set_row_begin(static_cast<int64_t>(v));
         break;
       case kSharedOffset:
       case kSharedBytes:

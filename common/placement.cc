@@ -10,7 +10,7 @@
 namespace psflow {
 
 absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& variables, int num_ps,
-                                         int64_t split_bytes) {
+                                         int64_t split_bytes, int64_t slice_bytes) {
   if (num_ps < 1) return absl::InvalidArgumentError("placement needs at least one ps");
   Placement placement;
   placement.set_num_ps(num_ps);
@@ -32,20 +32,30 @@ absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& varia
     vp->set_non_trainable(!v.trainable);
     const int64_t bytes = NumElements(v.shape) * 4;
     const int64_t rows = v.shape[0];
-    if (num_ps == 1 || bytes <= split_bytes || rows < 2) {
+    if (bytes <= split_bytes || rows < 2) {
       whole.push_back(static_cast<int>(i));
       continue;
     }
-    const int parts = static_cast<int>(std::min<int64_t>(num_ps, rows));
+    // Slices per ps: enough that none is above slice_bytes.
+    int64_t per_ps = 1;
+    if (slice_bytes > 0) {
+      const int64_t most = std::max<int64_t>(slice_bytes, 1) * num_ps;
+      per_ps = (bytes + most - 1) / most;
+    }
+    const int64_t parts = std::min<int64_t>(per_ps * num_ps, rows);
+    if (parts < 2) {
+      whole.push_back(static_cast<int>(i));
+      continue;
+    }
     const int64_t row_bytes = bytes / rows;
     int64_t begin = 0;
-    for (int p = 0; p < parts; ++p) {
+    for (int64_t p = 0; p < parts; ++p) {
       int64_t end = begin + rows / parts + (p < rows % parts ? 1 : 0);
       VariableSlice* s = vp->add_slice();
-      s->set_ps(p);
+      s->set_ps(static_cast<int>(p % num_ps));
       s->set_row_begin(begin);
       s->set_row_end(end);
-      load[p] += (end - begin) * row_bytes;
+      load[p % num_ps] += (end - begin) * row_bytes;
       begin = end;
     }
   }
@@ -94,8 +104,9 @@ std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
                                    DataType dtype) {
   std::vector<TensorSink> sinks;
   for (const SliceRef& s : SlicesOnPs(placement, ps)) {
-    sinks.push_back(
-        {s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true, dtype});
+    TensorSink& sink = sinks.emplace_back(TensorSink{
+        s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, true, dtype});
+    sink.row_begin = s.row_begin;
   }
   return sinks;
 }
@@ -105,8 +116,8 @@ std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
                                  DataType dtype) {
   std::vector<TensorRef> refs;
   for (const SliceRef& s : SlicesOnPs(placement, ps)) {
-    refs.push_back(
-        {s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, dtype});
+    refs.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, dtype,
+                    s.row_begin});
   }
   return refs;
 }

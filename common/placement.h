@@ -1,8 +1,17 @@
 // Placing a model's variables over the parameter servers. Variables larger
 // than `split_bytes` are cut along their first dimension into contiguous row
-// ranges, one per ps (fewer when there are fewer rows than ps); the others go
-// whole, largest first, onto the ps holding the fewest bytes so far (ties to
-// the lowest index). The result depends only on its inputs.
+// ranges of nearly equal size: as many as there are ps, or a multiple of
+// that, the smallest for which each range holds at most `slice_bytes` (0: no
+// limit), never more than the variable's rows; range k goes to ps k mod
+// num_ps, so a ps may hold several slices of one variable (told apart by
+// their first row). The others go whole, largest first, onto the ps holding
+// the fewest bytes so far (ties to the lowest index). The result depends
+// only on its inputs.
+//
+// Why several slices of one variable on a ps: a slice is the unit a ps
+// applies and sends back, each as soon as its gradients are in, so a large
+// variable in pieces flows through the ps piece by piece (copied in, applied
+// on several threads, sent back) instead of as one long copy-apply-copy.
 #ifndef PSFLOW_COMMON_PLACEMENT_H_
 #define PSFLOW_COMMON_PLACEMENT_H_
 
@@ -29,9 +38,12 @@ struct VariableShape {
 
 // Variables above this many bytes are split over several ps by default.
 inline constexpr int64_t kDefaultSplitBytes = 256 << 10;
+// The largest slice of a split variable by default (the chief's --slice_mb).
+inline constexpr int64_t kDefaultSliceBytes = 1 << 20;
 
 absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& variables, int num_ps,
-                                         int64_t split_bytes = kDefaultSplitBytes);
+                                         int64_t split_bytes = kDefaultSplitBytes,
+                                         int64_t slice_bytes = kDefaultSliceBytes);
 
 // One slice of a variable as held by one ps.
 struct SliceRef {

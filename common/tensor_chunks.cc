@@ -11,13 +11,16 @@
 namespace psflow {
 namespace {
 
-std::string Key(const std::string& name, const std::string& slot) {
-  return absl::StrCat(name, std::string(1, '\0'), slot);
+std::string Key(const std::string& name, const std::string& slot, int64_t row_begin) {
+  const std::string nul(1, '\0');
+  return absl::StrCat(name, nul, slot, nul, row_begin);
 }
 
-std::string DisplayName(const std::string& name, const std::string& slot) {
-  return slot.empty() ? absl::StrCat("'", name, "'")
-                      : absl::StrCat("'", name, "' slot '", slot, "'");
+std::string DisplayName(const std::string& name, const std::string& slot, int64_t row_begin) {
+  std::string out = absl::StrCat("'", name, "'");
+  if (row_begin != 0) absl::StrAppend(&out, " from row ", row_begin);
+  if (!slot.empty()) absl::StrAppend(&out, " slot '", slot, "'");
+  return out;
 }
 
 // Bytes of one element of `dtype` on the wire; aborts for a dtype that is
@@ -99,6 +102,7 @@ TensorChunk ChunkHeader(const ChunkPiece& piece) {
   chunk.set_dtype(t.dtype);
   for (int64_t d : t.shape) chunk.add_shape(d);
   chunk.set_offset(piece.offset);
+  chunk.set_row_begin(t.row_begin);
   return chunk;
 }
 
@@ -136,7 +140,7 @@ ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
     e.index = static_cast<int>(i);
     e.element_bytes = ElementBytes(s.dtype);
     e.bytes = NumElements(s.shape) * e.element_bytes;
-    std::string key = Key(s.name, s.slot);
+    std::string key = Key(s.name, s.slot, s.row_begin);
     e.sink = std::move(s);
     entries_[key] = std::move(e);
   }
@@ -160,13 +164,13 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk, int* completed) {
 absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, ChunkDecoder decode,
                                      int* completed) {
   *completed = -1;
-  auto it = entries_.find(Key(chunk.name(), chunk.slot()));
+  auto it = entries_.find(Key(chunk.name(), chunk.slot(), chunk.row_begin()));
   if (it == entries_.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown tensor ", DisplayName(chunk.name(), chunk.slot())));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown tensor ", DisplayName(chunk.name(), chunk.slot(), chunk.row_begin())));
   }
   Entry& e = it->second;
-  auto what = [&] { return DisplayName(chunk.name(), chunk.slot()); };
+  auto what = [&] { return DisplayName(chunk.name(), chunk.slot(), chunk.row_begin()); };
   if (chunk.dtype() != e.sink.dtype) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has dtype ",
                                                    DataType_Name(chunk.dtype()), ", expected ",
@@ -204,15 +208,16 @@ absl::Status ChunkAssembler::Finish() const {
   for (const auto& [key, e] : entries_) {
     if (e.sink.required && e.received != e.bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(e.sink.name, e.sink.slot),
+          absl::StrCat("tensor ", DisplayName(e.sink.name, e.sink.slot, e.sink.row_begin),
                        " incomplete: ", e.received, " of ", e.bytes, " bytes"));
     }
   }
   return absl::OkStatus();
 }
 
-bool ChunkAssembler::Complete(const std::string& name, const std::string& slot) const {
-  auto it = entries_.find(Key(name, slot));
+bool ChunkAssembler::Complete(const std::string& name, const std::string& slot,
+                              int64_t row_begin) const {
+  auto it = entries_.find(Key(name, slot, row_begin));
   return it != entries_.end() && it->second.received == it->second.bytes;
 }
 

@@ -8,7 +8,8 @@
 // ChunkAssembler copies each chunk's bytes into place and refuses
 // (INVALID_ARGUMENT) a chunk with an unknown name/slot, another dtype than
 // the sink's or another shape, an offset other than the next expected byte,
-// or more bytes than the tensor holds.
+// or more bytes than the tensor holds. Tensors are told apart by name, slot
+// and first row (two slices of one variable differ only there).
 //
 // Tensors are fp32 in memory on both sides; on the wire they are in the
 // dtype of their ref or sink (common/float16.h): the splitter encodes each
@@ -44,6 +45,7 @@ struct TensorRef {
   std::vector<int64_t> shape;
   const float* data = nullptr;  // NumElements(shape) floats, alive while splitting
   DataType dtype = DT_FLOAT;    // on the wire: DT_FLOAT, DT_BFLOAT16 or DT_HALF
+  int64_t row_begin = 0;        // of a slice within its variable (TensorChunk.row_begin)
 };
 
 // One chunk of a group, before anything is copied: `bytes` bytes (in the
@@ -109,6 +111,9 @@ struct TensorSink {
   // If set: made true when a chunk brings a NaN or an infinity (checked as
   // each chunk is decoded, while its values are in the cache).
   bool* non_finite = nullptr;
+  // Of a slice, its first row within the variable: chunks are matched on
+  // name, slot and this (TensorChunk.row_begin).
+  int64_t row_begin = 0;
 };
 
 // Where a sink's first `elements` floats go: `data`, or its storage,
@@ -141,8 +146,8 @@ class ChunkAssembler {
                        int* completed);
   // OK when every required sink received all its bytes.
   absl::Status Finish() const;
-  // True when the sink named (name, slot) received all its bytes.
-  bool Complete(const std::string& name, const std::string& slot) const;
+  // True when the sink named (name, slot, row_begin) received all its bytes.
+  bool Complete(const std::string& name, const std::string& slot, int64_t row_begin = 0) const;
 
  private:
   struct Entry {
@@ -152,7 +157,7 @@ class ChunkAssembler {
     int64_t bytes = 0;          // total size on the wire
     int64_t received = 0;       // bytes decoded so far
   };
-  absl::flat_hash_map<std::string, Entry> entries_;  // key: name + '\0' + slot
+  absl::flat_hash_map<std::string, Entry> entries_;  // key: name, slot and first row
 };
 
 }  // namespace psflow

@@ -1,6 +1,7 @@
 #include "ps/limits.h"
 
 #include <string>
+#include <utility>
 
 #include <google/protobuf/util/message_differencer.h>
 
@@ -16,11 +17,11 @@ absl::Status CheckInitHeader(const InitHeader& header, size_t num_slots) {
     return absl::InvalidArgumentError(
         absl::StrCat("init names unknown wire dtype ", header.job().wire_dtype()));
   }
-  absl::flat_hash_set<std::string> names;
+  absl::flat_hash_set<std::pair<std::string, int64_t>> names;  // name, first row
   int64_t total_floats = 0;
   for (const SliceSpec& s : header.slice()) {
     absl::StatusOr<int64_t> n = CheckedNumElements(s.shape(), kMaxInitFloats);
-    if (!n.ok() || !names.insert(s.name()).second) {
+    if (!n.ok() || !names.insert({s.name(), s.row_begin()}).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("slice '", s.name(), "' ", n.ok() ? "appears twice" : n.status().message()));
     }

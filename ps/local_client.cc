@@ -4,6 +4,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -18,8 +19,11 @@
 namespace psflow::ps {
 namespace {
 
-std::string DisplayName(const std::string& name, const std::string& slot) {
-  return slot.empty() ? absl::StrCat("'", name, "'") : absl::StrCat("'", name, "' (", slot, ")");
+std::string DisplayName(const std::string& name, const std::string& slot, int64_t row_begin) {
+  std::string out = absl::StrCat("'", name, "'");
+  if (row_begin != 0) absl::StrAppend(&out, " from row ", row_begin);
+  if (!slot.empty()) absl::StrAppend(&out, " (", slot, ")");
+  return out;
 }
 
 // n floats from `from` to `to` through `dtype`: a 16-bit dtype rounds them
@@ -38,33 +42,35 @@ void CopyThrough(DataType dtype, const float* from, int64_t n, float* to) {
   }
 }
 
-// Copies each tensor of `from` into the sink of its name and slot, through
+// Copies each tensor of `from` into the sink of its name, slot and first
+// row, through
 // the tensor's wire dtype. What a ChunkAssembler would refuse is
 // INVALID_ARGUMENT: a tensor no sink names, of another dtype or shape, or
 // sent twice, and a required sink left empty.
 absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink>& sinks) {
-  absl::flat_hash_map<std::pair<std::string, std::string>, size_t> index;
-  for (size_t i = 0; i < sinks.size(); ++i) index[{sinks[i].name, sinks[i].slot}] = i;
+  absl::flat_hash_map<std::tuple<std::string, std::string, int64_t>, size_t> index;
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    index[{sinks[i].name, sinks[i].slot, sinks[i].row_begin}] = i;
+  }
   std::vector<bool> filled(sinks.size(), false);
   for (const TensorRef& t : from) {
-    auto it = index.find(std::make_pair(t.name, t.slot));
+    auto what = [&t] { return DisplayName(t.name, t.slot, t.row_begin); };
+    auto it = index.find(std::make_tuple(t.name, t.slot, t.row_begin));
     if (it == index.end())
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown tensor ", DisplayName(t.name, t.slot)));
+      return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what()));
     TensorSink& sink = sinks[it->second];
     if (t.shape != sink.shape) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot),
-                                                     " has shape ", ShapeString(t.shape),
-                                                     ", expected ", ShapeString(sink.shape)));
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has shape ",
+                                                     ShapeString(t.shape), ", expected ",
+                                                     ShapeString(sink.shape)));
     }
     if (t.dtype != sink.dtype) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", DisplayName(t.name, t.slot),
-                                                     " has dtype ", DataType_Name(t.dtype),
-                                                     ", expected ", DataType_Name(sink.dtype)));
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has dtype ",
+                                                     DataType_Name(t.dtype), ", expected ",
+                                                     DataType_Name(sink.dtype)));
     }
     if (filled[it->second]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(t.name, t.slot), " sent twice"));
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " sent twice"));
     }
     const int64_t n = NumElements(t.shape);
     CopyThrough(t.dtype, t.data, n, SinkData(sink, n));
@@ -73,7 +79,8 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
   for (size_t i = 0; i < sinks.size(); ++i) {
     if (sinks[i].required && !filled[i]) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(sinks[i].name, sinks[i].slot), " is incomplete"));
+          absl::StrCat("tensor ", DisplayName(sinks[i].name, sinks[i].slot, sinks[i].row_begin),
+                       " is incomplete"));
     }
   }
   return absl::OkStatus();

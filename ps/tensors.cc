@@ -23,11 +23,13 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
     TensorSink value{s.name(), "", ShapeOf(s), nullptr, true};
     value.storage = &(*values)[i].value;
     value.grow = true;
+    value.row_begin = s.row_begin();
     sinks.push_back(std::move(value));
     for (size_t k = 0; k < slot_names.size(); ++k) {
       TensorSink slot{s.name(), slot_names[k], ShapeOf(s), nullptr, false};
       slot.storage = &(*values)[i].slots[k];
       slot.grow = true;
+      slot.row_begin = s.row_begin();
       sinks.push_back(std::move(slot));
     }
   }
@@ -49,6 +51,7 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     if (shard != nullptr) g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
     sink.storage = &g.values;
     sink.non_finite = &g.non_finite;
+    sink.row_begin = s.row_begin();
     g.finite_checked = true;
     sinks.push_back(std::move(sink));
   }
@@ -78,7 +81,7 @@ absl::StatusOr<std::vector<int>> SliceIndices(absl::Span<const int32_t> asked, i
 }
 
 TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataType dtype) {
-  return {slice.name(), "", ShapeOf(slice), value->data(), dtype};
+  return {slice.name(), "", ShapeOf(slice), value->data(), dtype, slice.row_begin()};
 }
 
 std::vector<Shard::SliceGradient> SkipGradients(const std::vector<int>& indices, int num_slices) {
@@ -96,9 +99,10 @@ std::vector<TensorRef> SnapshotRefs(const Shard::Snapshot& snapshot) {
   std::vector<TensorRef> refs;
   for (size_t i = 0; i < weights.slices->size(); ++i) {
     const SliceSpec& s = (*weights.slices)[i];
-    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i]->data()});
+    refs.push_back({s.name(), "", ShapeOf(s), weights.values[i]->data(), DT_FLOAT, s.row_begin()});
     for (size_t k = 0; k < snapshot.slot_names.size(); ++k) {
-      refs.push_back({s.name(), snapshot.slot_names[k], ShapeOf(s), snapshot.slots[i][k].data()});
+      refs.push_back({s.name(), snapshot.slot_names[k], ShapeOf(s), snapshot.slots[i][k].data(),
+                      DT_FLOAT, s.row_begin()});
     }
   }
   return refs;

@@ -477,6 +477,29 @@ TEST_F(JobConfigTest, AllReduceBucketSize) {
   }
 }
 
+// --slice_mb cuts the cnn's fc1/weights (1.6 MB, over the test's 2 ps) into
+// slices of at most that size, as many on each ps.
+TEST_F(JobConfigTest, SliceSize) {
+  WriteData(kCount, 28, false);
+  auto fc1_slices = [](const JobConfig& job) {
+    for (const VariablePlacement& v : job.placement().variable()) {
+      if (v.name() == "fc1/weights") return v.slice_size();
+    }
+    return -1;
+  };
+  for (const auto& [mb, slices] :
+       std::vector<std::pair<double, int>>{{1, 2}, {0.25, 8}, {0.0625, 26}, {0, 2}, {1024, 2}}) {
+    options_.job.slice_mb = mb;
+    absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+    ASSERT_TRUE(job.ok()) << mb << ": " << job.status();
+    EXPECT_EQ(fc1_slices(*job), slices) << mb;
+  }
+  for (double bad : {-1.0, 0.01, 1025.0, 1e12, std::nan("")}) {
+    options_.job.slice_mb = bad;
+    ExpectInvalid(BuildJobConfig(options_), "--slice_mb must be 0 or in [0.0625, 1024]");
+  }
+}
+
 TEST_F(JobConfigTest, RejectsBadSettings) {
   WriteData(kCount, 28, false);
   ASSERT_TRUE(BuildJobConfig(options_).ok());

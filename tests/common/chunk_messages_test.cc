@@ -8,6 +8,9 @@
 #include <vector>
 
 #include <gmock/gmock.h>
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
 #include <gtest/gtest.h>
 
 #include "common/float16.h"
@@ -333,6 +336,92 @@ TEST_P(ChunkMessagesTest, ChunksInSharedMemoryReadIntoTheSinks) {
       [](int) { return absl::OkStatus(); }, &bytes, &span);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_TRUE(non_finite);
+}
+
+// A ps may hold several slices of one variable: they share name and slot
+// and are told apart by their first row, which the raw messages carry.
+TEST(ChunkMessages, SlicesOfOneVariableAreToldApartByTheirFirstRow) {
+  const std::vector<float> top = Ramp(4 * 300), bottom = Ramp(2 * 300, 2.0f);
+  std::vector<TensorRef> refs = {{"w", "", {4, 300}, top.data(), DT_FLOAT, 0},
+                                 {"w", "", {2, 300}, bottom.data(), DT_FLOAT, 6},
+                                 {"w", "m", {2, 300}, bottom.data(), DT_FLOAT, 6}};
+  std::vector<float> got_top(top.size()), got_bottom(bottom.size()), got_slot(bottom.size());
+  std::vector<TensorSink> sinks = {{"w", "", {4, 300}, got_top.data()},
+                                   {"w", "", {2, 300}, got_bottom.data()},
+                                   {"w", "m", {2, 300}, got_slot.data()}};
+  sinks[1].row_begin = sinks[2].row_begin = 6;
+  ChunkAssembler assembler(sinks);
+  std::vector<int> completed;
+  int64_t bytes = 0;
+  for (grpc::ByteBuffer& m : EncodeAll(refs, 1000, nullptr)) {
+    // protobuf reads the same row.
+    PushRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(Flatten(m)));
+    for (const TensorChunk& c : parsed.chunk()) {
+      EXPECT_EQ(c.row_begin(), c.shape(0) == 4 ? 0 : 6) << c.ShortDebugString();
+    }
+    PushRequest fields;
+    absl::Status s = ReadChunkMessage(
+        &m, PushRequest::kChunkFieldNumber, &fields,
+        [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+        [&](int i) {
+          completed.push_back(i);
+          return absl::OkStatus();
+        },
+        &bytes);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  ASSERT_TRUE(assembler.Finish().ok()) << assembler.Finish();
+  EXPECT_EQ(completed, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(got_top, top);
+  EXPECT_EQ(got_bottom, bottom);
+  EXPECT_EQ(got_slot, bottom);
+  EXPECT_TRUE(assembler.Complete("w", "", 6));
+  EXPECT_FALSE(assembler.Complete("w", "", 5));
+
+  // A slice the receiver does not hold (another first row) is refused,
+  // naming the row.
+  std::vector<float> scratch(top.size());
+  std::vector<TensorSink> other = {{"w", "", {2, 300}, scratch.data()}};
+  other[0].row_begin = 4;
+  ChunkAssembler refusing(other);
+  std::vector<grpc::ByteBuffer> messages = EncodeAll({refs[1]}, 1 << 20, nullptr);
+  PushRequest fields;
+  absl::Status s = ReadChunkMessage(
+      &messages[0], PushRequest::kChunkFieldNumber, &fields,
+      [&]() -> absl::StatusOr<ChunkAssembler*> { return &refusing; },
+      [](int) { return absl::OkStatus(); }, &bytes);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("unknown tensor 'w' from row 6"));
+
+  // A row after the chunk's data (field 9 behind field 6) is refused like
+  // a name or shape there: the data may already be in the wrong place.
+  TensorChunk late;
+  late.set_name("w");
+  late.set_dtype(DT_FLOAT);
+  late.add_shape(2);
+  late.add_shape(300);
+  late.set_data(std::string(2 * 300 * 4, '\0'));
+  const std::string chunk_bytes = late.SerializeAsString() + std::string("\x48\x06", 2);
+  std::string message;
+  {
+    google::protobuf::io::StringOutputStream out(&message);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.WriteTag(google::protobuf::internal::WireFormatLite::MakeTag(
+        PushRequest::kChunkFieldNumber,
+        google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    coded.WriteVarint32(static_cast<uint32_t>(chunk_bytes.size()));
+    coded.WriteRaw(chunk_bytes.data(), static_cast<int>(chunk_bytes.size()));
+  }
+  grpc::ByteBuffer buffer = Cut(message, 1 << 20);
+  std::vector<TensorSink> plain = {{"w", "", {2, 300}, scratch.data()}};
+  ChunkAssembler after(plain);
+  s = ReadChunkMessage(
+      &buffer, PushRequest::kChunkFieldNumber, &fields,
+      [&]() -> absl::StatusOr<ChunkAssembler*> { return &after; },
+      [](int) { return absl::OkStatus(); }, &bytes);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("comes after its data"));
 }
 
 TEST(ChunkMessages, ChunksInSharedMemoryMustStayInsideTheRegion) {

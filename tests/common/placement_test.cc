@@ -44,19 +44,23 @@ void ExpectWellFormed(const Placement& p, const std::vector<VariableShape>& vars
     EXPECT_EQ(std::vector<int64_t>(v.shape().begin(), v.shape().end()), vars[i].shape);
     ASSERT_GE(v.slice_size(), 1);
     int64_t next_row = 0;
-    std::vector<int> used_ps;
-    for (const VariableSlice& s : v.slice()) {
+    for (int k = 0; k < v.slice_size(); ++k) {
+      const VariableSlice& s = v.slice(k);
       EXPECT_EQ(s.row_begin(), next_row) << "slices must be contiguous and ordered";
       EXPECT_LT(s.row_begin(), s.row_end()) << "no empty slices";
       EXPECT_GE(s.ps(), 0);
       EXPECT_LT(s.ps(), num_ps);
-      used_ps.push_back(s.ps());
+      // A split variable's slices are dealt to the ps in turn.
+      if (v.slice_size() > 1) {
+        EXPECT_EQ(s.ps(), k % num_ps) << "slice " << k;
+      }
       next_row = s.row_end();
     }
     EXPECT_EQ(next_row, vars[i].shape[0]) << "slices must cover every row";
-    std::sort(used_ps.begin(), used_ps.end());
-    EXPECT_EQ(std::adjacent_find(used_ps.begin(), used_ps.end()), used_ps.end())
-        << "a variable has at most one slice per ps";
+    if (v.slice_size() > 1) {
+      EXPECT_GE(v.slice_size(), std::min<int64_t>(num_ps, vars[i].shape[0]))
+          << "a split variable has a slice on every ps (rows allowing)";
+    }
   }
 
   // Reassemble every variable from SlicesOnPs: each float covered exactly once.
@@ -121,15 +125,18 @@ TEST_P(CnnPlacementTest, DefaultSplitIsWellFormedAndBalanced) {
   for (size_t i = 0; i < vars.size(); ++i) {
     const VariablePlacement& v = p->variable(static_cast<int>(i));
     SCOPED_TRACE(v.name());
-    if (num_ps > 1 && Bytes(vars[i]) > kDefaultSplitBytes) {
-      // Only fc1/weights (1.6 MB) is above 256 KiB: one slice per ps.
+    if (Bytes(vars[i]) > kDefaultSplitBytes) {
+      // Only fc1/weights (1.6 MB) is above 256 KiB: one slice per ps, or
+      // two on one ps (a slice is at most 1 MiB).
       EXPECT_EQ(v.name(), "fc1/weights");
-      EXPECT_EQ(v.slice_size(), num_ps);
+      const int parts = num_ps == 1 ? 2 : num_ps;
+      EXPECT_EQ(v.slice_size(), parts);
       for (const VariableSlice& s : v.slice()) {
         // Rows differ by at most one between slices.
         const int64_t rows = s.row_end() - s.row_begin();
-        EXPECT_GE(rows, 500 / num_ps);
-        EXPECT_LE(rows, 500 / num_ps + 1);
+        EXPECT_GE(rows, 500 / parts);
+        EXPECT_LE(rows, 500 / parts + 1);
+        EXPECT_LE(rows * 800 * 4, kDefaultSliceBytes);
       }
     } else {
       EXPECT_EQ(v.slice_size(), 1);
@@ -151,7 +158,7 @@ TEST_P(CnnPlacementTest, SmallSplitThresholdSplitsEveryLargeVariable) {
   const int num_ps = GetParam();
   const std::vector<VariableShape> vars = CnnVariables();
   const int64_t split_bytes = 10000;  // conv2/weights, fc1/weights and fc2/weights are above
-  absl::StatusOr<Placement> p = PlaceVariables(vars, num_ps, split_bytes);
+  absl::StatusOr<Placement> p = PlaceVariables(vars, num_ps, split_bytes, /*slice_bytes=*/0);
   ASSERT_TRUE(p.ok()) << p.status();
   ExpectWellFormed(*p, vars, num_ps);
   int split = 0;
@@ -180,8 +187,9 @@ TEST_P(CnnPlacementTest, Deterministic) {
 
 INSTANTIATE_TEST_SUITE_P(Ps, CnnPlacementTest, ::testing::Values(1, 2, 3));
 
-TEST(PlacementTest, OnePsHoldsEverythingWhole) {
-  absl::StatusOr<Placement> p = PlaceVariables(CnnVariables(), 1, /*split_bytes=*/4);
+TEST(PlacementTest, OnePsHoldsEverythingWholeWithoutASliceLimit) {
+  absl::StatusOr<Placement> p =
+      PlaceVariables(CnnVariables(), 1, /*split_bytes=*/4, /*slice_bytes=*/0);
   ASSERT_TRUE(p.ok()) << p.status();
   for (const VariablePlacement& v : p->variable()) {
     ASSERT_EQ(v.slice_size(), 1) << v.name();
@@ -204,6 +212,57 @@ TEST(PlacementTest, TwoPsExactAssignment) {
   const VariablePlacement& fc1 = p->variable(4);
   ASSERT_EQ(fc1.slice_size(), 2);
   EXPECT_EQ(fc1.slice(0).row_end(), 250);
+}
+
+TEST(PlacementTest, LargeVariablesAreDealtInSlicesOfAtMostSliceBytes) {
+  // 4 MiB over 2 ps in slices of at most 1 MiB: four of 128 rows, dealt to
+  // ps 0, 1, 0, 1; the small one goes whole to the least loaded (ps 0 on a
+  // tie).
+  std::vector<VariableShape> vars = {{"big", {512, 2048}}, {"small", {10}}};
+  absl::StatusOr<Placement> p = PlaceVariables(vars, 2, kDefaultSplitBytes, 1 << 20);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ExpectWellFormed(*p, vars, 2);
+  const VariablePlacement& big = p->variable(0);
+  ASSERT_EQ(big.slice_size(), 4);
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(big.slice(k).row_begin(), 128 * k);
+    EXPECT_EQ(big.slice(k).ps(), k % 2);
+  }
+  // Ps 0 holds two slices of "big", told apart by their first row.
+  const std::vector<SliceRef> on0 = SlicesOnPs(*p, 0);
+  ASSERT_EQ(on0.size(), 3u);
+  EXPECT_EQ(on0[0].row_begin, 0);
+  EXPECT_EQ(on0[1].row_begin, 256);
+  EXPECT_EQ(on0[1].float_offset, 256 * 2048);
+  EXPECT_EQ(BytesPerPs(*p), (std::vector<int64_t>{(2 << 20) + 40, 2 << 20}));
+  std::vector<float> whole(512 * 2048), small(10);
+  const std::vector<TensorSink> sinks = SliceSinks(*p, 0, {whole.data(), small.data()});
+  ASSERT_EQ(sinks.size(), 3u);
+  EXPECT_EQ(sinks[1].row_begin, 256);
+  EXPECT_EQ(sinks[1].data, whole.data() + 256 * 2048);
+  EXPECT_EQ(SliceRefs(*p, 0, {whole.data(), small.data()})[1].row_begin, 256);
+
+  // Three ps: two slices each (six of 85 or 86 rows, each below 1 MiB).
+  p = PlaceVariables(vars, 3, kDefaultSplitBytes, 1 << 20);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ExpectWellFormed(*p, vars, 3);
+  EXPECT_EQ(p->variable(0).slice_size(), 6);
+  // One ps: four slices, all on it.
+  p = PlaceVariables(vars, 1, kDefaultSplitBytes, 1 << 20);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ExpectWellFormed(*p, vars, 1);
+  EXPECT_EQ(p->variable(0).slice_size(), 4);
+  EXPECT_EQ(SlicesOnPs(*p, 0).size(), 5u);
+  // No limit: one slice per ps.
+  p = PlaceVariables(vars, 2, kDefaultSplitBytes, 0);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->variable(0).slice_size(), 2);
+  // Never more slices than rows: 3 rows of 4 MiB each over 2 ps.
+  std::vector<VariableShape> tall = {{"tall", {3, 1 << 20}}};
+  p = PlaceVariables(tall, 2, kDefaultSplitBytes, 1 << 20);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ExpectWellFormed(*p, tall, 2);
+  EXPECT_EQ(p->variable(0).slice_size(), 3);
 }
 
 TEST(PlacementTest, FewerRowsThanPs) {

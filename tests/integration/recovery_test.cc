@@ -768,19 +768,25 @@ TEST_F(RecoveryTest, CorruptNewestCheckpointFallsBackToAnOlderOne) {
   ExpectCleanFinish(cluster, model_dir_, 900, kMlpFloor900);
 }
 
+// Checkpoints hold whole variables, whatever the placement: a job saved
+// with 2 ps, fc1/weights (784 x 256, 784 KiB) in 64 KiB slices (seven on
+// each ps), resumes on 3 ps with 256 KiB slices (two on each).
 TEST_F(RecoveryTest, RestoresOntoADifferentNumberOfPs) {
   {
-    Cluster cluster(2, 2, false, MlpArgs(model_dir_, 600), Log());
+    Cluster cluster(2, 2, false, MlpArgs(model_dir_, 600, {"--slice_mb=0.0625"}), Log());
     ASSERT_NE(cluster.marker(), "") << cluster.Describe();
     ExpectCleanFinish(cluster, model_dir_, 600, 0.80);
+    EXPECT_THAT(cluster.output(), HasSubstr("variables over 2 ps in 19 slices"))
+        << cluster.Describe();
   }
   if (HasFailure()) return;
-  Cluster cluster(3, 2, false, MlpArgs(model_dir_, 900), Log());
+  Cluster cluster(3, 2, false, MlpArgs(model_dir_, 900, {"--slice_mb=0.25"}), Log());
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
   size_t pos = cluster.Wait("restoring from the checkpoint of step 600 (saved with 2 ps", 0);
   ASSERT_SEEN(pos);
   ASSERT_SEEN(pos = cluster.Wait("parameter servers loaded at step 600", pos));
-  EXPECT_THAT(cluster.output(), HasSubstr("variables over 3 ps")) << cluster.Describe();
+  EXPECT_THAT(cluster.output(), HasSubstr("variables over 3 ps in 11 slices"))
+      << cluster.Describe();
   std::vector<std::string> members(std::begin(kMembers), std::end(kMembers));
   members.push_back("ps2");
   ExpectCleanFinish(cluster, model_dir_, 900, kMlpFloor900, members);

@@ -3,6 +3,7 @@
 // with, without processes.
 #include "worker/trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <limits>
@@ -65,8 +66,9 @@ struct JobParams {
   JobConfig::WireDtype wire_dtype = JobConfig::FP32;
   JobConfig::NonFinitePolicy on_nonfinite = JobConfig::FAIL;
   const char* model = kTinyModel;
-  float bn_momentum = 0;        // 0: the ps's default
-  int replicas_per_worker = 0;  // 0: unset (one)
+  float bn_momentum = 0;                     // 0: the ps's default
+  int replicas_per_worker = 0;               // 0: unset (one)
+  int64_t slice_bytes = kDefaultSliceBytes;  // PlaceVariables'
 };
 
 // A job as the chief would make it: synthetic data, 256 examples, batch 8.
@@ -88,8 +90,8 @@ JobConfig MakeJob(const JobParams& p) {
   job.set_wire_dtype(p.wire_dtype);
   job.set_bn_momentum(p.bn_momentum);
   job.set_replicas_per_worker(p.replicas_per_worker);
-  absl::StatusOr<Placement> placement =
-      PlaceVariables(model::ModelVariables(job.model()), p.num_ps, /*split_bytes=*/1024);
+  absl::StatusOr<Placement> placement = PlaceVariables(model::ModelVariables(job.model()), p.num_ps,
+                                                       /*split_bytes=*/1024, p.slice_bytes);
   EXPECT_TRUE(placement.ok()) << placement.status();
   if (placement.ok()) *job.mutable_placement() = *placement;
   return job;
@@ -320,6 +322,43 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
   }
   EXPECT_NE(weights[0], initial_);
   for (int run = 1; run < 4; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
+}
+
+// A variable cut into several slices per ps (each ps holds five of
+// fc1/weights' ten, told apart by their first row) trains to the same
+// weights, bit for bit, as with one slice per ps: with one lane per ps and
+// with a lane per slice, pushing during the backward pass.
+TEST_F(TrainerTest, SeveralSlicesOfAVariableOnAPsGiveTheSameWeights) {
+  std::vector<std::vector<float>> weights[3];
+  for (int run = 0; run < 3; ++run) {
+    const int64_t slice_bytes = run == 0 ? 0 : 256;
+    const int lanes = run == 2 ? 8 : 1;
+    SCOPED_TRACE(absl::StrCat("slice_bytes ", slice_bytes, ", ", lanes, " lanes per ps"));
+    SetUpJob({.num_workers = 2, .train_steps = 10, .slice_bytes = slice_bytes});
+    const std::vector<SliceRef> on_ps0 = SlicesOnPs(job_.placement(), 0);
+    const int64_t fc1_on_ps0 = std::count_if(
+        on_ps0.begin(), on_ps0.end(), [](const SliceRef& s) { return s.name == "fc1/weights"; });
+    EXPECT_EQ(fc1_on_ps0, run == 0 ? 1 : 5);
+    TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
+    for (TrainerOptions* o : {&o0, &o1}) {
+      o->lanes_per_ps = lanes;
+      o->lane_bytes = 1;
+      o->push_during_backward = true;
+    }
+    Trainer first(o0, chief_.get(), ClientOf(*fake_));
+    Trainer second(o1, chief_.get(), ClientOf(*fake_));
+    Running run0(&first), run1(&second);
+    const absl::Status s0 = run0.Join(), s1 = run1.Join();
+    ASSERT_TRUE(s0.ok()) << s0;
+    ASSERT_TRUE(s1.ok()) << s1;
+    for (int p = 0; p < 2; ++p) {
+      EXPECT_EQ(fake_->stats(p).applied, 10) << "ps " << p;
+      EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
+    }
+    weights[run] = ReadWeights(*fake_, job_, kJobId);
+  }
+  EXPECT_NE(weights[0], initial_);
+  for (int run = 1; run < 3; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
 }
 
 // Batch norm's running statistics: each step both workers push their batch's
