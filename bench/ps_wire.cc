@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
       for (const psflow::SliceSpec& s : h.slice()) {
         const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
         zeros.emplace_back(psflow::NumElements(shape), 0.0f);
-        refs.push_back({s.name(), "", shape, zeros.back().data(), psflow::DT_FLOAT});
+        refs.push_back({s.name(), "", shape, zeros.back().data(), psflow::DT_FLOAT, s.row_begin()});
       }
       absl::Status st = chief.Init(p, h, std::move(refs), absl::Now() + absl::Seconds(60));
       if (!st.ok()) return psflow::FailWith(absl::StrCat("init: ", st.message()));
@@ -228,12 +228,14 @@ int main(int argc, char** argv) {
           header.add_slices(k);
           const psflow::SliceSpec& spec = headers[lane.ps].slice(k);
           const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
-          refs.push_back({spec.name(), "", shape, w.grads[lane.ps][k].data(), dtype});
+          refs.push_back(
+              {spec.name(), "", shape, w.grads[lane.ps][k].data(), dtype, spec.row_begin()});
           psflow::TensorSink sink;
           sink.name = spec.name();
           sink.shape = shape;
           sink.data = w.weights[lane.ps][k].data();
           sink.dtype = dtype;
+          sink.row_begin = spec.row_begin();
           sinks.push_back(std::move(sink));
         }
         absl::StatusOr<psflow::PushResponse> pushed_ok =

@@ -39,7 +39,7 @@ absl::StatusOr<Placement> PlaceVariables(const std::vector<VariableShape>& varia
     // Slices per ps: enough that none is above slice_bytes.
     int64_t per_ps = 1;
     if (slice_bytes > 0) {
-      const int64_t most = std::max<int64_t>(slice_bytes, 1) * num_ps;
+      const int64_t most = slice_bytes * num_ps;
       per_ps = (bytes + most - 1) / most;
     }
     const int64_t parts = std::min<int64_t>(per_ps * num_ps, rows);

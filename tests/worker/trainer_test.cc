@@ -215,6 +215,27 @@ class TrainerTest : public ::testing::Test {
     ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, initial_).ok());
   }
   void ExpectRetriedThrough(absl::StatusCode pull_code, absl::StatusCode push_code, int failures);
+  // Runs workers 0 and 1 of the job to its end with up to `lanes` lanes per
+  // ps (as many as slices), pushing during the backward pass or after the
+  // step: both end OK, and every ps applied each of the `steps` steps once.
+  void RunTwoWorkers(int lanes, bool push_during_backward, int64_t steps) {
+    TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
+    for (TrainerOptions* o : {&o0, &o1}) {
+      o->lanes_per_ps = lanes;
+      o->lane_bytes = 1;  // as many lanes as slices, up to lanes_per_ps
+      o->push_during_backward = push_during_backward;
+    }
+    Trainer first(o0, chief_.get(), ClientOf(*fake_));
+    Trainer second(o1, chief_.get(), ClientOf(*fake_));
+    Running run0(&first), run1(&second);
+    const absl::Status s0 = run0.Join(), s1 = run1.Join();
+    ASSERT_TRUE(s0.ok()) << s0;
+    ASSERT_TRUE(s1.ok()) << s1;
+    for (int p = 0; p < job_.num_ps(); ++p) {
+      EXPECT_EQ(fake_->stats(p).applied, steps) << "ps " << p;
+      EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
+    }
+  }
 
   JobConfig job_;
   std::unique_ptr<FakePs> fake_;
@@ -292,18 +313,7 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
     const bool early = run >= 2;
     SCOPED_TRACE(absl::StrCat(lanes, " lanes per ps, pushing during backward: ", early));
     SetUpJob({.num_workers = 2, .train_steps = 10});
-    TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
-    for (TrainerOptions* o : {&o0, &o1}) {
-      o->lanes_per_ps = lanes;
-      o->lane_bytes = 1;  // as many lanes as slices, up to lanes_per_ps
-      o->push_during_backward = early;
-    }
-    Trainer first(o0, chief_.get(), ClientOf(*fake_));
-    Trainer second(o1, chief_.get(), ClientOf(*fake_));
-    Running run0(&first), run1(&second);
-    const absl::Status s0 = run0.Join(), s1 = run1.Join();
-    ASSERT_TRUE(s0.ok()) << s0;
-    ASSERT_TRUE(s1.ok()) << s1;
+    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(lanes, early, 10));
     // Each worker pushed every step once per lane of ps 0 (cut in the order
     // of the backward pass, the lanes differ: more than one per ps here).
     const int lanes_on_ps0 =
@@ -313,10 +323,6 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
     } else {
       EXPECT_GT(fake_->calls(0, Method::kPush) + fake_->calls(1, Method::kPush), 2 * 10 * 2)
           << fake_->calls(1, Method::kPush);
-    }
-    for (int p = 0; p < 2; ++p) {
-      EXPECT_EQ(fake_->stats(p).applied, 10) << "ps " << p;
-      EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
     }
     weights[run] = ReadWeights(*fake_, job_, kJobId);
   }
@@ -339,22 +345,7 @@ TEST_F(TrainerTest, SeveralSlicesOfAVariableOnAPsGiveTheSameWeights) {
     const int64_t fc1_on_ps0 = std::count_if(
         on_ps0.begin(), on_ps0.end(), [](const SliceRef& s) { return s.name == "fc1/weights"; });
     EXPECT_EQ(fc1_on_ps0, run == 0 ? 1 : 5);
-    TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
-    for (TrainerOptions* o : {&o0, &o1}) {
-      o->lanes_per_ps = lanes;
-      o->lane_bytes = 1;
-      o->push_during_backward = true;
-    }
-    Trainer first(o0, chief_.get(), ClientOf(*fake_));
-    Trainer second(o1, chief_.get(), ClientOf(*fake_));
-    Running run0(&first), run1(&second);
-    const absl::Status s0 = run0.Join(), s1 = run1.Join();
-    ASSERT_TRUE(s0.ok()) << s0;
-    ASSERT_TRUE(s1.ok()) << s1;
-    for (int p = 0; p < 2; ++p) {
-      EXPECT_EQ(fake_->stats(p).applied, 10) << "ps " << p;
-      EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
-    }
+    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(lanes, /*push_during_backward=*/true, 10));
     weights[run] = ReadWeights(*fake_, job_, kJobId);
   }
   EXPECT_NE(weights[0], initial_);
