@@ -12,7 +12,4 @@ if ! build/venv/bin/python -c "import tensorboard" 2>/dev/null; then
   build/venv/bin/pip install --quiet --disable-pip-version-check tensorboard
 fi
 cd build
-# Two at a time: the tests that start clusters (or compile the tree) hold one
-# lock (RESOURCE_LOCK psflow_cluster) and run one after another, while the
-# unit tests run beside them. CTEST_JOBS=1 runs everything in turn.
-ctest --output-on-failure -j"${CTEST_JOBS:-2}" --timeout 600
+ctest --output-on-failure -j"${CTEST_JOBS:-1}" --timeout 600
