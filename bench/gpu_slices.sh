@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The chief's --slice_mb on one GPU worker: resnet (batch 128, synthetic
-# data, SGD) through PS parameter servers with each --slice_mb of MBS, the
+# The chief's --slice_mb on GPU workers: resnet (batch 128 per worker,
+# synthetic data, SGD), WORKERS workers (worker i on cuda:i), through PS
+# parameter servers with each --slice_mb of MBS, the
 # first (0: one slice per ps, the baseline) against the others, in ROUNDS
 # rounds that alternate them on the same warm machine; then each setting's
 # mean examples/s and its ratio to the baseline, and the GPU's own step.
 # Usage: bench/gpu_slices.sh [build/bin]
-#   PS (default "2": several, e.g. "2 4 8"), MBS ("0 1"), WIRE ("fp32"),
-#   ROUNDS (3), STEPS (400)
+#   WORKERS (1), PS (default "2": several, e.g. "2 4 8"), MBS ("0 1"),
+#   WIRE ("fp32"), ROUNDS (3), STEPS (400)
 set -euo pipefail
 bin=${1:-build/bin}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -16,7 +17,11 @@ data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 resnet_steps=${STEPS:-400} cnn_steps=0
 source "$here/lib.sh"
 source "$here/gpu_lib.sh"
-pses=${PS:-2} mbs=${MBS:-0 1} wire=${WIRE:-fp32} rounds=${ROUNDS:-3}
+pses=${PS:-2} mbs=${MBS:-0 1} wire=${WIRE:-fp32} rounds=${ROUNDS:-3} workers=${WORKERS:-1}
+devices=$(seq -s, -f 'cuda:%g' 0 $((workers - 1)))
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l) || gpus=0
+[ "$gpus" -ge "$workers" ] \
+  || { echo "gpu_slices.sh: WORKERS=$workers needs $workers GPUs, $gpus visible" >&2; exit 1; }
 base_mb=${mbs%% *}
 
 echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - | sed 's/,/, /g'); $(nproc) CPU cores"
@@ -25,8 +30,8 @@ echo "GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | paste -sd, - |
 for ((round = 1; round <= rounds; ++round)); do
   for ps in $pses; do
     for mb in $mbs; do
-      CHIEF_ARGS="--slice_mb=$mb" psflow "r${round}_${ps}ps_mb$mb" 1 cuda:0 "$ps" "$wire" resnet \
-        "$resnet_steps"
+      CHIEF_ARGS="--slice_mb=$mb" psflow "r${round}_${ps}ps_mb$mb" "$workers" "$devices" "$ps" \
+        "$wire" resnet "$resnet_steps"
       echo "$ps $mb $rate" >> "$tmp/rates"
     done
   done
