@@ -119,7 +119,8 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
       return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
     }
     if (data_seen && ((field >= kName && field <= kOffset) || field == kRowBegin)) {
-      return absl::InvalidArgumentError("a chunk's name, shape or offset comes after its data");
+      return absl::InvalidArgumentError(
+          "a chunk's name, shape, offset or row comes after its data");
     }
     uint64_t v = 0;
     switch (field) {

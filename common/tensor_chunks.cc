@@ -16,13 +16,6 @@ std::string Key(const std::string& name, const std::string& slot, int64_t row_be
   return absl::StrCat(name, nul, slot, nul, row_begin);
 }
 
-std::string DisplayName(const std::string& name, const std::string& slot, int64_t row_begin) {
-  std::string out = absl::StrCat("'", name, "'");
-  if (row_begin != 0) absl::StrAppend(&out, " from row ", row_begin);
-  if (!slot.empty()) absl::StrAppend(&out, " slot '", slot, "'");
-  return out;
-}
-
 // Bytes of one element of `dtype` on the wire; aborts for a dtype that is
 // not a wire dtype (the caller's own refs and sinks: a broken invariant).
 int64_t ElementBytes(DataType dtype) {
@@ -126,6 +119,13 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
   return true;
 }
 
+std::string TensorDisplayName(const std::string& name, const std::string& slot, int64_t row_begin) {
+  std::string out = absl::StrCat("'", name, "'");
+  if (row_begin != 0) absl::StrAppend(&out, " from row ", row_begin);
+  if (!slot.empty()) absl::StrAppend(&out, " slot '", slot, "'");
+  return out;
+}
+
 float* SinkData(TensorSink& sink, int64_t elements) {
   if (sink.storage == nullptr) return sink.data;
   const size_t want = static_cast<size_t>(sink.grow ? elements : NumElements(sink.shape));
@@ -167,10 +167,10 @@ absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, Chu
   auto it = entries_.find(Key(chunk.name(), chunk.slot(), chunk.row_begin()));
   if (it == entries_.end()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "unknown tensor ", DisplayName(chunk.name(), chunk.slot(), chunk.row_begin())));
+        "unknown tensor ", TensorDisplayName(chunk.name(), chunk.slot(), chunk.row_begin())));
   }
   Entry& e = it->second;
-  auto what = [&] { return DisplayName(chunk.name(), chunk.slot(), chunk.row_begin()); };
+  auto what = [&] { return TensorDisplayName(chunk.name(), chunk.slot(), chunk.row_begin()); };
   if (chunk.dtype() != e.sink.dtype) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has dtype ",
                                                    DataType_Name(chunk.dtype()), ", expected ",
@@ -208,7 +208,7 @@ absl::Status ChunkAssembler::Finish() const {
   for (const auto& [key, e] : entries_) {
     if (e.sink.required && e.received != e.bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(e.sink.name, e.sink.slot, e.sink.row_begin),
+          absl::StrCat("tensor ", TensorDisplayName(e.sink.name, e.sink.slot, e.sink.row_begin),
                        " incomplete: ", e.received, " of ", e.bytes, " bytes"));
     }
   }

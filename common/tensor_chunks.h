@@ -120,6 +120,10 @@ struct TensorSink {
 // allocated (or grown) to hold them.
 float* SinkData(TensorSink& sink, int64_t elements);
 
+// How errors name a tensor: 'name', then " from row R" for a slice that
+// does not start at row 0, then " slot 'S'" for an optimizer slot.
+std::string TensorDisplayName(const std::string& name, const std::string& slot, int64_t row_begin);
+
 // A chunk's fields but its data, as TensorChunk describes them: what
 // ChunkAssembler checks before any data is read.
 TensorChunk ChunkHeader(const ChunkPiece& piece);

@@ -19,13 +19,6 @@
 namespace psflow::ps {
 namespace {
 
-std::string DisplayName(const std::string& name, const std::string& slot, int64_t row_begin) {
-  std::string out = absl::StrCat("'", name, "'");
-  if (row_begin != 0) absl::StrAppend(&out, " from row ", row_begin);
-  if (!slot.empty()) absl::StrAppend(&out, " (", slot, ")");
-  return out;
-}
-
 // n floats from `from` to `to` through `dtype`: a 16-bit dtype rounds them
 // as a ChunkSplitter and a ChunkAssembler would, fp32 copies them.
 void CopyThrough(DataType dtype, const float* from, int64_t n, float* to) {
@@ -43,8 +36,7 @@ void CopyThrough(DataType dtype, const float* from, int64_t n, float* to) {
 }
 
 // Copies each tensor of `from` into the sink of its name, slot and first
-// row, through
-// the tensor's wire dtype. What a ChunkAssembler would refuse is
+// row, through the tensor's wire dtype. What a ChunkAssembler would refuse is
 // INVALID_ARGUMENT: a tensor no sink names, of another dtype or shape, or
 // sent twice, and a required sink left empty.
 absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink>& sinks) {
@@ -54,7 +46,7 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
   }
   std::vector<bool> filled(sinks.size(), false);
   for (const TensorRef& t : from) {
-    auto what = [&t] { return DisplayName(t.name, t.slot, t.row_begin); };
+    auto what = [&t] { return TensorDisplayName(t.name, t.slot, t.row_begin); };
     auto it = index.find(std::make_tuple(t.name, t.slot, t.row_begin));
     if (it == index.end())
       return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what()));
@@ -78,9 +70,9 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
   }
   for (size_t i = 0; i < sinks.size(); ++i) {
     if (sinks[i].required && !filled[i]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tensor ", DisplayName(sinks[i].name, sinks[i].slot, sinks[i].row_begin),
-                       " is incomplete"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", TensorDisplayName(sinks[i].name, sinks[i].slot, sinks[i].row_begin),
+          " is incomplete"));
     }
   }
   return absl::OkStatus();
