@@ -217,8 +217,8 @@ class TrainerTest : public ::testing::Test {
   void ExpectRetriedThrough(absl::StatusCode pull_code, absl::StatusCode push_code, int failures);
   // Runs workers 0 and 1 of the job to its end with up to `lanes` lanes per
   // ps (as many as slices), pushing during the backward pass or after the
-  // step: both end OK, and every ps applied each of the `steps` steps once.
-  void RunTwoWorkers(int lanes, bool push_during_backward, int64_t steps) {
+  // step: both end OK, and every ps applied each of the job's steps once.
+  void RunTwoWorkers(int lanes, bool push_during_backward) {
     TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
     for (TrainerOptions* o : {&o0, &o1}) {
       o->lanes_per_ps = lanes;
@@ -232,7 +232,7 @@ class TrainerTest : public ::testing::Test {
     ASSERT_TRUE(s0.ok()) << s0;
     ASSERT_TRUE(s1.ok()) << s1;
     for (int p = 0; p < job_.num_ps(); ++p) {
-      EXPECT_EQ(fake_->stats(p).applied, steps) << "ps " << p;
+      EXPECT_EQ(fake_->stats(p).applied, job_.train_steps()) << "ps " << p;
       EXPECT_EQ(fake_->stats(p).stale + fake_->stats(p).duplicate, 0) << "ps " << p;
     }
   }
@@ -313,7 +313,7 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
     const bool early = run >= 2;
     SCOPED_TRACE(absl::StrCat(lanes, " lanes per ps, pushing during backward: ", early));
     SetUpJob({.num_workers = 2, .train_steps = 10});
-    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(lanes, early, 10));
+    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(lanes, early));
     // Each worker pushed every step once per lane of ps 0 (cut in the order
     // of the backward pass, the lanes differ: more than one per ps here).
     const int lanes_on_ps0 =
@@ -345,7 +345,7 @@ TEST_F(TrainerTest, SeveralSlicesOfAVariableOnAPsGiveTheSameWeights) {
     const int64_t fc1_on_ps0 = std::count_if(
         on_ps0.begin(), on_ps0.end(), [](const SliceRef& s) { return s.name == "fc1/weights"; });
     EXPECT_EQ(fc1_on_ps0, run == 0 ? 1 : 5);
-    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(lanes, /*push_during_backward=*/true, 10));
+    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(lanes, /*push_during_backward=*/true));
     weights[run] = ReadWeights(*fake_, job_, kJobId);
   }
   EXPECT_NE(weights[0], initial_);
