@@ -662,11 +662,14 @@ void Coordinator::CheckWorkers() {
 }
 
 absl::Status Coordinator::Recover() {
-  PSLOG(WARNING)
-      << "a parameter server is down or lost its shard; pausing the workers and reloading "
-         "every ps from the newest checkpoint";
   {
     absl::MutexLock lock(&mu_);
+    // Decided with ready_ under one lock: a stop from here on cancels the
+    // reload's calls (Stop).
+    if (Stopping()) return StoppedBySignal(stop_signal_);
+    PSLOG(WARNING)
+        << "a parameter server is down or lost its shard; pausing the workers and reloading "
+           "every ps from the newest checkpoint";
     ready_ = false;
     if (options_.on_ready) options_.on_ready(false);
     // A new job id: the workers' calls to the old one fail and they register again.
@@ -774,6 +777,12 @@ absl::Status Coordinator::Supervise() {
       if (states.ok()) RepairLiveSets(*states);
     }
     if (!states.ok()) {
+      {
+        // A ps that went down as the chief was told to stop (a whole
+        // cluster stopping): no reload, the stop's checkpoint below.
+        absl::MutexLock lock(&mu_);
+        if (Stopping()) break;
+      }
       PSFLOW_RETURN_IF_ERROR(Recover());
       continue;
     }

@@ -497,6 +497,27 @@ TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {
   EXPECT_FALSE(ps_->shut_down(0));  // left running for the next chief
 }
 
+// A ps that goes down as the chief is told to stop (the whole cluster
+// stopping) is not reloaded: the chief ends with the signal, and the ps that
+// is still up keeps the job it had.
+TEST_F(CoordinatorTest, APsDownAtASigtermIsNotReloaded) {
+  MakeJob(1, 2, 100);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  std::atomic<bool> armed{true};
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (m != FakePs::Method::kGetState || p != 1 || !armed.exchange(false)) return;
+    coordinator_->Stop(SIGTERM);
+    ps_->SetDown(1, true);
+  });
+  absl::Status s = Join();
+  EXPECT_EQ(SignalOf(s), SIGTERM) << s;
+  EXPECT_FALSE(armed.load()) << "the supervisor never looked at ps 1";
+  EXPECT_EQ(State(0).job_id(), id) << "ps 0 was reloaded under a new job";
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kInit), 1);
+}
+
 TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   MakeJob(2, 1, 10);
   Start(Options());
