@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <limits>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PSFLOW_HAVE_F16C_PATH 1
+#endif
+
 namespace psflow {
 namespace {
 
@@ -29,6 +34,41 @@ void DecodeBlocks(const char* in, int64_t n, float* out) {
     for (int64_t i = 0; i < m; ++i) out[start + i] = Decode(block[i]);
   }
 }
+
+#ifdef PSFLOW_HAVE_F16C_PATH
+// The same conversions with the F16C instructions (x86 CPUs since 2012): eight
+// values an instruction, rounding to nearest even like FloatToHalf. Chosen
+// at run time, so the binaries still run on CPUs without them.
+__attribute__((target("avx,f16c"))) void EncodeHalfF16c(const float* in, int64_t n, char* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), h);
+  }
+  for (; i < n; ++i) {
+    const uint16_t h = FloatToHalf(in[i]);
+    std::memcpy(out + 2 * i, &h, 2);
+  }
+}
+
+__attribute__((target("avx,f16c"))) void DecodeHalfF16c(const char* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, 2);
+    out[i] = HalfToFloat(h);
+  }
+}
+
+bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
 
 }  // namespace
 
@@ -58,14 +98,24 @@ float WireOverflow(DataType dtype) {
 void EncodeFloats(DataType dtype, const float* in, int64_t n, char* out) {
   if (n <= 0) return;
   if (dtype == DT_BFLOAT16) return EncodeBlocks<FloatToBfloat16>(in, n, out);
-  if (dtype == DT_HALF) return EncodeBlocks<FloatToHalf>(in, n, out);
+  if (dtype == DT_HALF) {
+#ifdef PSFLOW_HAVE_F16C_PATH
+    if (HasF16c()) return EncodeHalfF16c(in, n, out);
+#endif
+    return EncodeBlocks<FloatToHalf>(in, n, out);
+  }
   std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
 }
 
 void DecodeFloats(DataType dtype, const char* in, int64_t n, float* out) {
   if (n <= 0) return;
   if (dtype == DT_BFLOAT16) return DecodeBlocks<Bfloat16ToFloat>(in, n, out);
-  if (dtype == DT_HALF) return DecodeBlocks<HalfToFloat>(in, n, out);
+  if (dtype == DT_HALF) {
+#ifdef PSFLOW_HAVE_F16C_PATH
+    if (HasF16c()) return DecodeHalfF16c(in, n, out);
+#endif
+    return DecodeBlocks<HalfToFloat>(in, n, out);
+  }
   std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
 }
 

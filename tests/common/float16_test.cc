@@ -113,6 +113,53 @@ TEST(HalfTest, EveryValueAndEveryBoundary) {
   }
 }
 
+// The buffer conversions (F16C instructions where the CPU has them) give
+// the bits of FloatToHalf for every kind of value: each half value, each
+// rounding boundary and the floats next to it, subnormals, overflow, NaNs
+// with every payload pattern that survives, and a sweep over all 2^32 bit
+// patterns; and decode every half value as HalfToFloat does (a NaN as a NaN
+// of the same sign).
+TEST(HalfTest, BuffersMatchTheScalarConversionEverywhere) {
+  std::vector<float> in;
+  for (uint32_t h = 0; h < 0x10000; ++h) in.push_back(HalfToFloat(static_cast<uint16_t>(h)));
+  for (uint32_t h = 0; h < 0x7BFF; ++h) {
+    const float lo = HalfToFloat(static_cast<uint16_t>(h));
+    const float mid = lo + (HalfToFloat(static_cast<uint16_t>(h + 1)) - lo) / 2;
+    for (const float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, kInf)}) {
+      in.push_back(v);
+      in.push_back(-v);
+    }
+  }
+  for (uint32_t payload = 1; payload < (1u << 23); payload = payload * 3 + 1) {
+    in.push_back(FloatFromBits(0x7F800000u | payload));  // signalling and quiet NaNs
+    in.push_back(FloatFromBits(0xFF800000u | payload));
+    in.push_back(FloatFromBits(payload));  // fp32 subnormals
+  }
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65537) {
+    in.push_back(FloatFromBits(static_cast<uint32_t>(u)));
+  }
+  const int64_t n = static_cast<int64_t>(in.size());
+  std::vector<uint16_t> wire(in.size());
+  EncodeFloats(DT_HALF, in.data(), n, reinterpret_cast<char*>(wire.data()));
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(wire[i], FloatToHalf(in[i])) << i << " " << std::hex << FloatBits(in[i]);
+  }
+
+  std::vector<uint16_t> all(0x10000);
+  for (uint32_t h = 0; h < 0x10000; ++h) all[h] = static_cast<uint16_t>(h);
+  std::vector<float> out(all.size());
+  DecodeFloats(DT_HALF, reinterpret_cast<const char*>(all.data()), 0x10000, out.data());
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float expected = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(expected)) {
+      ASSERT_TRUE(std::isnan(out[h])) << std::hex << h;
+      ASSERT_EQ(std::signbit(out[h]), std::signbit(expected)) << std::hex << h;
+    } else {
+      ASSERT_EQ(FloatBits(out[h]), FloatBits(expected)) << std::hex << h;
+    }
+  }
+}
+
 TEST(Bfloat16Test, ExactValuesAndRounding) {
   EXPECT_EQ(FloatToBfloat16(1.0f), 0x3F80);
   EXPECT_EQ(FloatToBfloat16(-2.0f), 0xC000);
@@ -200,8 +247,12 @@ TEST(WireTest, EncodeDecodeBuffers) {
       ASSERT_EQ(out[i], expected) << i;
       uint16_t wire;
       std::memcpy(&wire, bytes.data() + 1 + 2 * i, 2);
-      if (dtype == DT_BFLOAT16) ASSERT_EQ(wire, FloatToBfloat16(in[i])) << i;
-      if (dtype == DT_HALF) ASSERT_EQ(wire, FloatToHalf(in[i])) << i;
+      if (dtype == DT_BFLOAT16) {
+        ASSERT_EQ(wire, FloatToBfloat16(in[i])) << i;
+      }
+      if (dtype == DT_HALF) {
+        ASSERT_EQ(wire, FloatToHalf(in[i])) << i;
+      }
     }
   }
   EXPECT_EQ(HalfToFloat(FloatToHalf(in[6])), -kInf);
@@ -225,7 +276,9 @@ TEST(AnyNonFinite, FindsANanOrAnInfinityAnywhereAndNothingElse) {
       w[at] = bad;
       EXPECT_TRUE(AnyNonFinite(w.data(), static_cast<int64_t>(w.size()))) << bad << " at " << at;
       // Outside the range looked at, it is not seen.
-      if (at == v.size() - 1) EXPECT_FALSE(AnyNonFinite(w.data(), static_cast<int64_t>(at)));
+      if (at == v.size() - 1) {
+        EXPECT_FALSE(AnyNonFinite(w.data(), static_cast<int64_t>(at)));
+      }
     }
   }
 }
