@@ -159,10 +159,10 @@ TEST_F(AllReduceTest, AWorkersDeathRestartsTheGroupFromTheNewestCheckpoint) {
   ASSERT_EQ(ports.size(), 2u);
   const std::string hosts =
       absl::StrCat("--worker_hosts=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]);
-  auto start = [&](int w) { return StartWorker(w, hosts, 1500); };
+  auto start = [&](int w) { return StartWorker(w, hosts, 900); };
   auto w0 = start(0);
   auto w1 = start(1);
-  ASSERT_TRUE(w0->WaitForOutput("worker0] step 300/1500 ", seconds(120))) << w0->Describe();
+  ASSERT_TRUE(w0->WaitForOutput("worker0] step 300/900 ", seconds(120))) << w0->Describe();
   w1->Signal(SIGKILL);
   w1->WaitOrKill(seconds(10));
   const int code = w0->WaitOrKill(seconds(60));
@@ -181,7 +181,7 @@ TEST_F(AllReduceTest, AWorkersDeathRestartsTheGroupFromTheNewestCheckpoint) {
   EXPECT_GE(std::stoll(m[1].str()), 300) << out;
   EXPECT_THAT(r1->output(),
               HasSubstr("loaded this worker's replica from worker 0's at step " + m[1].str()));
-  EXPECT_THAT(out, HasSubstr("done: 1500 steps"));
+  EXPECT_THAT(out, HasSubstr("done: 900 steps"));
   ExpectIdenticalReplicas(out + r1->output(), 2);
   const std::string figures = SavedModelFigures(dir_ + "/model");
   ASSERT_NE(figures, "");

@@ -408,8 +408,10 @@ void ExpectCleanFinish(Cluster& cluster, const std::string& model_dir, int64_t s
   EXPECT_GE(EvalAccuracy(model_dir, steps), min_accuracy) << cluster.Describe();
 }
 
-// The mlp job of the cheaper tests. Uninterrupted, 1500 steps reach 0.878 on
-// the test set (0.877-0.879 over seeds), 900 steps 0.872, 600 steps 0.849.
+// The mlp job of the cheaper tests. Uninterrupted (2 workers, 2 ps), it
+// reaches on the test set: 0.849 at 600 steps, 0.873 at 900, 0.863 at 1000,
+// 0.874 at 1200, 0.878 at 1500 (one run each; Adam's last steps move it by
+// about a point either way).
 std::vector<std::string> MlpArgs(const std::string& model_dir, int64_t steps,
                                  std::vector<std::string> extra = {}) {
   std::vector<std::string> args = {"--model=mlp",
@@ -422,13 +424,12 @@ std::vector<std::string> MlpArgs(const std::string& model_dir, int64_t steps,
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }
-constexpr int64_t kMlpSteps = 1500;
+constexpr int64_t kMlpSteps = 900;
 // The steps of the single-fault tests: in async and ssp modes a global step
 // is one worker's gradient and nobody waits, so steps go by several times
 // faster; four times as many keep the job running through each fault.
 int64_t MlpSteps() { return TestMode() == "sync" ? kMlpSteps : 4 * kMlpSteps; }
-constexpr double kMlpFloor = 0.85;     // 1500 steps
-constexpr double kMlpFloor900 = 0.84;  // 900 steps
+constexpr double kMlpFloor = 0.84;  // 900 steps, with a fault or a restore
 
 class RecoveryTest : public TempDirTest {
  protected:
@@ -639,7 +640,7 @@ TEST_F(RecoveryTest, WorkerKilledBetweenItsPushesRejoins) {
   size_t pos = 0;
   for (int round = 0; round < 6; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
-    ASSERT_SEEN(pos = cluster.WaitForStep(sync ? 200 + 200 * round : 200, pos));
+    ASSERT_SEEN(pos = cluster.WaitForStep(sync ? 150 + 120 * round : 200, pos));
     ASSERT_TRUE(cluster.SignalMember("ps", 1, SIGSTOP)) << cluster.Describe();
     std::this_thread::sleep_for(milliseconds(300));  // the fault's length, not a wait for something
     ASSERT_TRUE(cluster.SignalMember("worker", 1, SIGKILL)) << cluster.Describe();
@@ -765,7 +766,7 @@ TEST_F(RecoveryTest, CorruptNewestCheckpointFallsBackToAnOlderOne) {
   EXPECT_GT(restored, 0);
   EXPECT_LT(restored, 600);
   ASSERT_SEEN(cluster.Wait("parameter servers loaded at step " + std::to_string(restored), pos));
-  ExpectCleanFinish(cluster, model_dir_, 900, kMlpFloor900);
+  ExpectCleanFinish(cluster, model_dir_, 900, kMlpFloor);
 }
 
 // Checkpoints hold whole variables, whatever the placement: a job saved
@@ -789,7 +790,7 @@ TEST_F(RecoveryTest, RestoresOntoADifferentNumberOfPs) {
       << cluster.Describe();
   std::vector<std::string> members(std::begin(kMembers), std::end(kMembers));
   members.push_back("ps2");
-  ExpectCleanFinish(cluster, model_dir_, 900, kMlpFloor900, members);
+  ExpectCleanFinish(cluster, model_dir_, 900, kMlpFloor, members);
   // The run went on from 600: its first progress line is 700, not 100.
   EXPECT_THAT(cluster.output(), Not(HasSubstr("chief] step 100/900 "))) << cluster.Describe();
   EXPECT_THAT(cluster.output(), HasSubstr("chief] step 700/900 ")) << cluster.Describe();
