@@ -5,7 +5,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define PSFLOW_HAVE_F16C_PATH 1
+#define PSFLOW_HAVE_X86_PATHS 1
 #endif
 
 namespace psflow {
@@ -35,7 +35,7 @@ void DecodeBlocks(const char* in, int64_t n, float* out) {
   }
 }
 
-#ifdef PSFLOW_HAVE_F16C_PATH
+#ifdef PSFLOW_HAVE_X86_PATHS
 // The same conversions with the F16C instructions (x86 CPUs since 2012): eight
 // values an instruction, rounding to nearest even like FloatToHalf. Chosen
 // at run time, so the binaries still run on CPUs without them.
@@ -68,6 +68,49 @@ bool HasF16c() {
   static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   return has;
 }
+
+// bfloat16 with AVX2, eight values at a time: FloatToBfloat16's rounding and
+// NaN rule on 32-bit lanes, then the lanes' low halves packed together.
+__attribute__((target("avx2"))) void EncodeBfloat16Avx2(const float* in, int64_t n, char* out) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+  const __m256i quiet = _mm256_set1_epi32(0x0040);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+    const __m256i quieted = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+    const __m256i h = _mm256_blendv_epi8(rounded, quieted, nan);  // each lane in [0, 0xFFFF]
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), packed);
+  }
+  for (; i < n; ++i) {
+    const uint16_t h = FloatToBfloat16(in[i]);
+    std::memcpy(out + 2 * i, &h, 2);
+  }
+}
+
+__attribute__((target("avx2"))) void DecodeBfloat16Avx2(const char* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i));
+    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), u);
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, 2);
+    out[i] = Bfloat16ToFloat(h);
+  }
+}
+
+bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
 #endif
 
 }  // namespace
@@ -97,9 +140,14 @@ float WireOverflow(DataType dtype) {
 
 void EncodeFloats(DataType dtype, const float* in, int64_t n, char* out) {
   if (n <= 0) return;
-  if (dtype == DT_BFLOAT16) return EncodeBlocks<FloatToBfloat16>(in, n, out);
+  if (dtype == DT_BFLOAT16) {
+#ifdef PSFLOW_HAVE_X86_PATHS
+    if (HasAvx2()) return EncodeBfloat16Avx2(in, n, out);
+#endif
+    return EncodeBlocks<FloatToBfloat16>(in, n, out);
+  }
   if (dtype == DT_HALF) {
-#ifdef PSFLOW_HAVE_F16C_PATH
+#ifdef PSFLOW_HAVE_X86_PATHS
     if (HasF16c()) return EncodeHalfF16c(in, n, out);
 #endif
     return EncodeBlocks<FloatToHalf>(in, n, out);
@@ -109,9 +157,14 @@ void EncodeFloats(DataType dtype, const float* in, int64_t n, char* out) {
 
 void DecodeFloats(DataType dtype, const char* in, int64_t n, float* out) {
   if (n <= 0) return;
-  if (dtype == DT_BFLOAT16) return DecodeBlocks<Bfloat16ToFloat>(in, n, out);
+  if (dtype == DT_BFLOAT16) {
+#ifdef PSFLOW_HAVE_X86_PATHS
+    if (HasAvx2()) return DecodeBfloat16Avx2(in, n, out);
+#endif
+    return DecodeBlocks<Bfloat16ToFloat>(in, n, out);
+  }
   if (dtype == DT_HALF) {
-#ifdef PSFLOW_HAVE_F16C_PATH
+#ifdef PSFLOW_HAVE_X86_PATHS
     if (HasF16c()) return DecodeHalfF16c(in, n, out);
 #endif
     return DecodeBlocks<HalfToFloat>(in, n, out);

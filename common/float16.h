@@ -8,9 +8,10 @@
 // smaller magnitudes round to (signed) zero. A NaN stays a NaN (quiet, sign
 // and leading payload bits kept) and an infinity stays infinite. 16 bit ->
 // fp32 is exact. The functions are pure and thread-safe. The buffer versions
-// give the same bits: for half they use the CPU's F16C instructions where it
-// has them (chosen at run time; a decoded NaN may come back with its quiet
-// bit set), otherwise branch-free loops the compiler can vectorize.
+// give the same bits, with the CPU's F16C (half) or AVX2 (bfloat16)
+// instructions where it has them (chosen at run time; a half NaN decoded by
+// F16C may come back with its quiet bit set), otherwise with branch-free
+// loops the compiler can vectorize.
 #ifndef PSFLOW_COMMON_FLOAT16_H_
 #define PSFLOW_COMMON_FLOAT16_H_
 

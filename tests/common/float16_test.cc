@@ -113,21 +113,26 @@ TEST(HalfTest, EveryValueAndEveryBoundary) {
   }
 }
 
-// The buffer conversions (F16C instructions where the CPU has them) give
-// the bits of FloatToHalf for every kind of value: each half value, each
-// rounding boundary and the floats next to it, subnormals, overflow, NaNs
-// with every payload pattern that survives, and a sweep over all 2^32 bit
-// patterns; and decode every half value as HalfToFloat does (a NaN as a NaN
-// of the same sign).
-TEST(HalfTest, BuffersMatchTheScalarConversionEverywhere) {
+// The buffer conversions (F16C or AVX2 instructions where the CPU has them)
+// give the bits of the one-value functions for every kind of value: each
+// 16-bit value, each rounding boundary and the floats next to it, fp32
+// subnormals, overflow, NaNs with many payload patterns, and a sweep over all
+// 2^32 bit patterns; and they decode every 16-bit value as the one-value
+// function does (a NaN as a NaN of the same sign).
+void ExpectBuffersMatchOneValueConversions(DataType dtype, uint16_t (*encode)(float),
+                                           float (*decode)(uint16_t)) {
+  SCOPED_TRACE(DataType_Name(dtype));
   std::vector<float> in;
-  for (uint32_t h = 0; h < 0x10000; ++h) in.push_back(HalfToFloat(static_cast<uint16_t>(h)));
-  for (uint32_t h = 0; h < 0x7BFF; ++h) {
-    const float lo = HalfToFloat(static_cast<uint16_t>(h));
-    const float mid = lo + (HalfToFloat(static_cast<uint16_t>(h + 1)) - lo) / 2;
-    for (const float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, kInf)}) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float lo = decode(static_cast<uint16_t>(h));
+    in.push_back(lo);
+    const float hi = decode(static_cast<uint16_t>(h + 1));
+    if ((h & 0x7FFFu) == 0x7FFFu || !std::isfinite(lo) || !std::isfinite(hi)) continue;
+    // Halfway to the next value (exact in fp32), and the floats next to it.
+    const float mid = lo + (hi - lo) / 2;
+    for (const float v :
+         {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, kInf), std::nextafter(mid, -kInf)}) {
       in.push_back(v);
-      in.push_back(-v);
     }
   }
   for (uint32_t payload = 1; payload < (1u << 23); payload = payload * 3 + 1) {
@@ -140,17 +145,17 @@ TEST(HalfTest, BuffersMatchTheScalarConversionEverywhere) {
   }
   const int64_t n = static_cast<int64_t>(in.size());
   std::vector<uint16_t> wire(in.size());
-  EncodeFloats(DT_HALF, in.data(), n, reinterpret_cast<char*>(wire.data()));
+  EncodeFloats(dtype, in.data(), n, reinterpret_cast<char*>(wire.data()));
   for (int64_t i = 0; i < n; ++i) {
-    ASSERT_EQ(wire[i], FloatToHalf(in[i])) << i << " " << std::hex << FloatBits(in[i]);
+    ASSERT_EQ(wire[i], encode(in[i])) << i << " " << std::hex << FloatBits(in[i]);
   }
 
   std::vector<uint16_t> all(0x10000);
   for (uint32_t h = 0; h < 0x10000; ++h) all[h] = static_cast<uint16_t>(h);
   std::vector<float> out(all.size());
-  DecodeFloats(DT_HALF, reinterpret_cast<const char*>(all.data()), 0x10000, out.data());
+  DecodeFloats(dtype, reinterpret_cast<const char*>(all.data()), 0x10000, out.data());
   for (uint32_t h = 0; h < 0x10000; ++h) {
-    const float expected = HalfToFloat(static_cast<uint16_t>(h));
+    const float expected = decode(static_cast<uint16_t>(h));
     if (std::isnan(expected)) {
       ASSERT_TRUE(std::isnan(out[h])) << std::hex << h;
       ASSERT_EQ(std::signbit(out[h]), std::signbit(expected)) << std::hex << h;
@@ -158,6 +163,14 @@ TEST(HalfTest, BuffersMatchTheScalarConversionEverywhere) {
       ASSERT_EQ(FloatBits(out[h]), FloatBits(expected)) << std::hex << h;
     }
   }
+}
+
+TEST(HalfTest, BuffersMatchTheOneValueConversionEverywhere) {
+  ExpectBuffersMatchOneValueConversions(DT_HALF, FloatToHalf, HalfToFloat);
+}
+
+TEST(Bfloat16Test, BuffersMatchTheOneValueConversionEverywhere) {
+  ExpectBuffersMatchOneValueConversions(DT_BFLOAT16, FloatToBfloat16, Bfloat16ToFloat);
 }
 
 TEST(Bfloat16Test, ExactValuesAndRounding) {
