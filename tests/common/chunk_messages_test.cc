@@ -114,7 +114,9 @@ TEST_P(ChunkMessagesTest, ReadsIntoTheSinksAcrossAnySliceCuts) {
           &cut_up, PushRequest::kChunkFieldNumber, &fields,
           [&]() -> absl::StatusOr<ChunkAssembler*> {
             headers += fields.has_header();
-            if (fields.has_header()) EXPECT_EQ(fields.header().step(), 7);
+            if (fields.has_header()) {
+              EXPECT_EQ(fields.header().step(), 7);
+            }
             return &assembler;
           },
           [&](int i) {
