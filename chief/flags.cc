@@ -86,7 +86,9 @@ ABSL_FLAG(std::string, saved_model_dir, "",
 ABSL_FLAG(int, log_every_steps, 100, "Write a progress line every this many global steps.");
 ABSL_FLAG(
     int, compute_threads, 0,
-    "CPU threads each worker's kernels use; 0 = all cores. Set it when workers share a machine.");
+    "CPU threads each worker's kernels use; 0 = the cores the worker may use (its CPU affinity, "
+    "lowered to its container's CPU limit, i.e. its cgroup's quota). Set it when workers share "
+    "a machine.");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach a peer (every ps; a worker also the chief) before "
           "exiting with code 138.");

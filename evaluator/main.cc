@@ -38,7 +38,9 @@ ABSL_FLAG(std::string, eval_memory_limit, "auto",
           "the GPU's free memory for cuda:N). A --batch_size that does not fit is evaluated in "
           "smaller batches; a model of which one example does not fit is refused (exit code 1), "
           "naming the memory it needs.");
-ABSL_FLAG(int, compute_threads, 0, "CPU threads of the kernels; 0 = all cores.");
+ABSL_FLAG(int, compute_threads, 0,
+          "CPU threads of the kernels; 0 = the cores this process may use (its CPU affinity, "
+          "lowered to its cgroup's CPU quota).");
 ABSL_FLAG(int64_t, synthetic_examples, 2000,
           "Test examples of a job on --dataset=synthetic (psflow-eval's default).");
 ABSL_FLAG(int, startup_timeout, 300,

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/cluster_flags.h"
+#include "common/cpu_count.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
@@ -24,10 +25,12 @@
 #include "ps/service.h"
 #include "ps/shard.h"
 
-ABSL_FLAG(int, apply_threads, 0,
-          "Threads that average the pushes and run the optimizer of a step (1 = on the thread of "
-          "the last push only; results are the same for any value). 0 = the machine's cores "
-          "divided by the ps tasks of this ps's host, at least 1.");
+ABSL_FLAG(
+    int, apply_threads, 0,
+    "Threads that average the pushes and run the optimizer of a step (1 = on the thread of "
+    "the last push only; results are the same for any value). 0 = the cores this process may use "
+    "(its CPU affinity, lowered to its cgroup's CPU quota) divided by the ps tasks of this "
+    "ps's host, at least 1.");
 
 ABSL_FLAG(int, max_streams_per_peer, 64,
           "Most Init, Pull, Push and Snapshot streams one client connection may have open at once "
@@ -56,8 +59,7 @@ int ApplyThreads(const psflow::ClusterConfig& config) {
       if (psflow::ParseHostPort(address, &host, &port).ok() && host == self_host) ++ps_here;
     }
   }
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, ps_here));
+  return std::max(1, psflow::UsableCores() / std::max(1, ps_here));
 }
 
 // The shard's own counts (since its last Init, so a reload starts them again

@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "common/chunk_messages.h"
+#include "common/cpu_count.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
@@ -555,12 +556,10 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
   // A woken pull encodes its next slice (into a worker's shared region, or
   // a message) on this pool: a few threads, as pulls beside pushes wait for
   // most slices.
-  wakers_ = std::make_unique<ThreadPool>(
-      std::max(2, static_cast<int>(std::thread::hardware_concurrency()) / 4));
+  wakers_ = std::make_unique<ThreadPool>(std::max(2, UsableCores() / 4));
   // Decoding is CPU work: about as many threads as cores (a slice's apply
   // may run on the thread that completes it, when the shard has no appliers).
-  pushers_ = std::make_unique<ThreadPool>(
-      std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
+  pushers_ = std::make_unique<ThreadPool>(std::max(4, UsableCores()));
 }
 
 PsService::~PsService() = default;

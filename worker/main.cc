@@ -27,6 +27,7 @@
 #include "chief/grpc_client.h"
 #include "chief/role.h"
 #include "common/cluster_flags.h"
+#include "common/cpu_count.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
@@ -152,7 +153,7 @@ int main(int argc, char** argv) {
     // The optimizer's apply to the replica: on a CPU worker it shares the
     // cores with the worker's own compute (a quarter of them, on a machine
     // of 8 or more); a GPU worker's cores are free for it (half of them).
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int cores = psflow::UsableCores();
     const bool on_gpu = absl::StartsWith(options.device, "cuda");
     const int helpers =
         on_gpu ? std::min(16, cores / 2) : (cores >= 8 ? std::min(4, cores / 4) : 0);

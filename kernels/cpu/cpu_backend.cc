@@ -20,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 
+#include "common/cpu_count.h"
 #include "common/status_macros.h"
 #include "kernels/host_memory.h"
 #include "kernels/shapes.h"
@@ -732,7 +733,7 @@ absl::Status CheckHelper(absl::string_view op, int64_t n,
 // ---------------------------------------------------------------- CpuBackend
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(int threads) {
-  if (threads > 0) omp_set_num_threads(threads);
+  omp_set_num_threads(threads > 0 ? threads : UsableCores());
   try {
     auto ctx = std::make_shared<DnnlContext>(dnnl::engine(dnnl::engine::kind::cpu, 0));
     return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(ctx)));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
+#include "common/cpu_count.h"
 #include "tools/launch/launcher.h"
 
 ABSL_FLAG(int, ps, 2,
@@ -156,7 +157,7 @@ int main(int argc, char** argv) {
     o.chief_args.push_back(absl::StrCat("--replicas_per_worker=", replicas));
   }
   if (!threads_given) {
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int cores = psflow::UsableCores();
     o.chief_args.push_back(absl::StrCat("--compute_threads=", std::max(1, cores / o.num_workers)));
   }
   return psflow::launch::RunCluster(o);
