@@ -41,8 +41,13 @@ class AllReduceTest : public TempDirTest {
     return std::make_unique<Process>(Bin("psflow-worker"), args);
   }
 
+  // Two or three workers started by hand share the machine's cores here, so
+  // one kernel thread each (psflow-launch divides the cores the same way; a
+  // worker's default, every core it may use, would have their OpenMP
+  // threads spin against each other: 300 steps took 20 s instead of 3).
   std::vector<std::string> MlpArgs(int64_t steps) const {
     return {"--model=mlp",
+            "--compute_threads=1",
             "--train_steps=" + std::to_string(steps),
             "--optimizer=adam",
             "--learning_rate=0.001",

@@ -56,8 +56,11 @@ class ChieflessTest : public TempDirTest {
     return std::make_unique<Process>(Bin(role == "ps" ? "psflow-ps" : "psflow-worker"), args, env);
   }
 
+  // Two workers and two ps started by hand share the machine's cores here:
+  // one kernel thread per worker, as psflow-launch would give them.
   std::vector<std::string> JobArgs(int64_t steps) const {
     return {"--model=mlp",
+            "--compute_threads=1",
             "--train_steps=" + std::to_string(steps),
             "--optimizer=adam",
             "--learning_rate=0.001",
