@@ -207,6 +207,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // name() and what a log line should say with it (a CPU backend: how many
+  // kernel threads it runs).
+  virtual std::string Description() const { return name(); }
   // True when buffers of this backend are plain host memory that the caller
   // may read and write directly (so host copies can be skipped).
   virtual bool host_memory() const { return false; }

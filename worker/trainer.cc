@@ -8,13 +8,11 @@
 #include <utility>
 
 #include "absl/strings/cord.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/cpu_count.h"
 #include "common/crc32c.h"
 #include "common/exit_codes.h"
 #include "common/fan_out.h"
@@ -331,17 +329,10 @@ absl::Status Trainer::Prepare() {
       if (ring_caller_ == nullptr) ring_caller_ = std::make_unique<ThreadPool>(1);
     }
   }
-  // A CPU backend's kernel threads: the job's --compute_threads, or the
-  // cores this process may use (common/cpu_count.h).
-  const int threads = job_.compute_threads() > 0 ? job_.compute_threads() : UsableCores();
-  const std::string cpu_threads =
-      absl::StartsWith(backend_->name(), "cpu")
-          ? absl::StrCat(" (", threads, threads == 1 ? " kernel thread)" : " kernel threads)")
-          : "";
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
               << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
                                                      absl::StrJoin(devices_, ", "))
-                                      : absl::StrCat("device ", backend_->name(), cpu_threads))
+                                      : absl::StrCat("device ", backend_->Description()))
               << ", " << job_.num_ps() << " ps, " << lanes_.size()
               << (lanes_.size() == 1 ? " lane" : " lanes")
               << (push_early_ ? ", pushing during the backward pass" : "");

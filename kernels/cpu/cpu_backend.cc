@@ -733,10 +733,11 @@ absl::Status CheckHelper(absl::string_view op, int64_t n,
 // ---------------------------------------------------------------- CpuBackend
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(int threads) {
-  omp_set_num_threads(threads > 0 ? threads : UsableCores());
+  if (threads <= 0) threads = UsableCores();
+  omp_set_num_threads(threads);
   try {
     auto ctx = std::make_shared<DnnlContext>(dnnl::engine(dnnl::engine::kind::cpu, 0));
-    return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(ctx)));
+    return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(ctx), threads));
   } catch (const dnnl::error& e) {
     return absl::InternalError(absl::StrCat("cannot create the oneDNN CPU engine: ", e.what()));
   } catch (const std::exception& e) {
@@ -744,7 +745,12 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(int threads) {
   }
 }
 
-CpuBackend::CpuBackend(std::shared_ptr<DnnlContext> ctx) : ctx_(std::move(ctx)) {}
+CpuBackend::CpuBackend(std::shared_ptr<DnnlContext> ctx, int threads)
+    : ctx_(std::move(ctx)), threads_(threads) {}
+
+std::string CpuBackend::Description() const {
+  return absl::StrCat("cpu (", threads_, threads_ == 1 ? " kernel thread)" : " kernel threads)");
+}
 CpuBackend::~CpuBackend() = default;
 
 absl::StatusOr<std::unique_ptr<Buffer>> CpuBackend::Allocate(size_t floats) {

@@ -38,12 +38,15 @@ struct DnnlContext;  // engine + stream + its mutex; defined in cpu_backend.cc
 
 class CpuBackend final : public Backend {
  public:
-  // Fails (INTERNAL) only if oneDNN cannot create a CPU engine. `threads` > 0
-  // sets the OpenMP team size of the calling thread, which runs the ops.
+  // Fails (INTERNAL) only if oneDNN cannot create a CPU engine. Sets the
+  // OpenMP team size of the calling thread, which runs the ops, to `threads`,
+  // or with 0 to the cores this process may use (common/cpu_count.h).
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(int threads = 0);
   ~CpuBackend() override;
 
   std::string name() const override { return "cpu"; }
+  // "cpu (N kernel threads)".
+  std::string Description() const override;
   bool host_memory() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<Buffer>> Allocate(size_t floats) override;
@@ -74,9 +77,10 @@ class CpuBackend final : public Backend {
       const GlobalAvgPoolShape& shape) override;
 
  private:
-  explicit CpuBackend(std::shared_ptr<cpu_internal::DnnlContext> ctx);
+  CpuBackend(std::shared_ptr<cpu_internal::DnnlContext> ctx, int threads);
 
   std::shared_ptr<cpu_internal::DnnlContext> ctx_;
+  int threads_;  // the OpenMP team size Create set
 };
 
 }  // namespace psflow::kernels

@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/cpu_count.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
@@ -223,6 +225,20 @@ double Dot(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // ------------------------------------------------------------ backend basics
+
+// The description names the kernel threads the backend set: the ones asked
+// for, or the cores this process may use.
+TEST_F(CpuBackendTest, DescriptionGivesTheKernelThreads) {
+  for (const auto& [threads, text] :
+       {std::pair{3, std::string("cpu (3 kernel threads)")},
+        std::pair{1, std::string("cpu (1 kernel thread)")},
+        std::pair{0, absl::StrCat("cpu (", UsableCores(),
+                                  UsableCores() == 1 ? " kernel thread)" : " kernel threads)")}}) {
+    auto backend = CpuBackend::Create(threads);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    EXPECT_EQ((*backend)->Description(), text) << threads;
+  }
+}
 
 TEST_F(CpuBackendTest, NameAndUnknownDevice) {
   EXPECT_EQ(backend_->name(), "cpu");
