@@ -15,11 +15,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory under the temp dir, removed with everything in it.
+// A fresh directory under gtest's temp dir (as the other tests use),
+// removed with everything in it.
 class TempDir {
  public:
   TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "psflow_cpu_count_XXXXXX").string();
+    std::string pattern = (fs::path(::testing::TempDir()) / "psflow_cpu_count_XXXXXX").string();
     if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
   }
   ~TempDir() {
