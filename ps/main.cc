@@ -21,6 +21,7 @@
 #include "common/memory.h"
 #include "common/metrics.h"
 #include "common/signals.h"
+#include "common/step_trace.h"
 #include "common/thread_pool.h"
 #include "ps/service.h"
 #include "ps/shard.h"
@@ -105,6 +106,9 @@ void AddShardMetrics(const psflow::ps::Shard& shard, psflow::metrics::Registry& 
 
 }  // namespace
 
+ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
+ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
+
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
   psflow::BlockTerminationSignals();
@@ -130,6 +134,12 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << "--max_streams_per_peer must be positive and at most --max_streams";
     return psflow::kExitPermanent;
   }
+  absl::StatusOr<std::unique_ptr<psflow::StepTrace>> trace = psflow::StepTrace::FromFlags(
+      absl::GetFlag(FLAGS_trace_dir), absl::GetFlag(FLAGS_trace_steps), "ps", config.task_index);
+  if (!trace.ok()) {
+    PSLOG(ERROR) << "--trace_dir/--trace_steps: " << trace.status().message();
+    return psflow::kExitPermanent;
+  }
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kPs);
   const int apply_threads = ApplyThreads(config);
   // The thread of the push that completes a step applies too: the pool adds the others.
@@ -143,7 +153,8 @@ int main(int argc, char** argv) {
   // series read the shard until the metrics server stops (below).
   psflow::metrics::Registry metrics;
   psflow::Readiness readiness;  // ready once the ps holds a job
-  psflow::ps::Shard shard(apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, &appliers);
+  psflow::ps::Shard shard(apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, &appliers,
+                          trace->get());
   absl::Notification stop;
   std::once_flag stop_once;
   std::atomic<int> exit_code{0};
@@ -151,7 +162,7 @@ int main(int argc, char** argv) {
   psflow::ps::PsService service(
       config.task_index, &shard, request_stop, &metrics,
       [&readiness](bool ready) { readiness.Set(ready); }, limits,
-      absl::GetFlag(FLAGS_shared_memory));
+      absl::GetFlag(FLAGS_shared_memory), trace->get());
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {

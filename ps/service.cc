@@ -387,6 +387,10 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     }
     pieces_.clear();
     splitter_->NextPieces(&pieces_);
+    // (The version a step's pushes make: traced as that step.)
+    TraceSpan span(service_->trace_, "pull slice", (*pulled)->version - 1);
+    span.Arg("slice", absl::StrCat(indices_[k_]));
+    span.Arg("bytes", absl::StrCat(static_cast<int64_t>(value_->size()) * WireBytes(dtype_)));
     SendLocked();  // the first message of a slice goes even without chunks
   }
 
@@ -514,12 +518,13 @@ class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
                      metrics::Registry* metrics, std::function<void(bool)> on_job,
-                     StreamLimits limits, bool shared_memory)
+                     StreamLimits limits, bool shared_memory, StepTrace* trace)
     : ps_index_(ps_index),
       shard_(shard),
       on_shutdown_(std::move(on_shutdown)),
       on_job_(std::move(on_job)),
       limits_(limits),
+      trace_(trace),
       regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",
@@ -682,7 +687,16 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   }
 
   void Process(bool ok) {
+    const int64_t start_us = service_->trace_ != nullptr ? StepTrace::NowMicros() : 0;
+    const int64_t bytes_before = bytes_;
     absl::Status s = ok ? Take() : End();
+    if (service_->trace_ != nullptr && started_) {
+      std::vector<std::pair<std::string, std::string>> args = {
+          {"worker", absl::StrCat(header_.worker())}};
+      if (ok) args.emplace_back("bytes", absl::StrCat(bytes_ - bytes_before));
+      service_->trace_->Record(ok ? "push message" : "push answered", header_.step(), start_us,
+                               StepTrace::NowMicros(), std::move(args));
+    }
     if (!s.ok()) {
       // Its worker drops a region whose call failed: so does the ps.
       if (region_ != nullptr) service_->ForgetRegion(header_.region());
@@ -717,6 +731,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     started_ = true;
     header_ = first.header();
     start_ = absl::Now();  // an answered push goes to the metrics
+    if (service_->trace_ != nullptr) service_->trace_->Reached(header_.step());
     Shard* const shard = service_->shard_;
     PSFLOW_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<SliceSpec>> slices,
                             shard->Slices(header_.job_id()));

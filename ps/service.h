@@ -70,10 +70,12 @@ class PsService final
   // after every accepted Init: the ps holds a job (is ready).
   // With `shared_memory` false, pushes and pulls that name a shared region
   // (common/shared_region.h) are refused, so their workers send over the
-  // network; otherwise the regions are mapped and used.
+  // network; otherwise the regions are mapped and used. `trace` (may be
+  // null; must outlive the service) gets the spans of push messages and
+  // answers and of the slices of pull answers.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
-            StreamLimits limits = {}, bool shared_memory = true);
+            StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
@@ -124,6 +126,7 @@ class PsService final
   std::function<void()> on_shutdown_;
   std::function<void(bool)> on_job_;
   const StreamLimits limits_;
+  StepTrace* const trace_;                          // may be null
   std::atomic<bool> finished_{false};               // an accepted Shutdown came
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   metrics::Histogram* push_bytes_;

@@ -43,10 +43,11 @@ struct Shard::ApplyJob {
   std::shared_ptr<std::vector<float>> out;  // the next published value
 };
 
-Shard::Shard(ThreadPool* apply_pool, int64_t apply_range, ThreadPool* appliers)
+Shard::Shard(ThreadPool* apply_pool, int64_t apply_range, ThreadPool* appliers, StepTrace* trace)
     : apply_pool_(apply_pool),
       apply_range_(std::max<int64_t>(apply_range, 1)),
-      appliers_(appliers) {}
+      appliers_(appliers),
+      trace_(trace) {}
 
 Shard::~Shard() {
   absl::MutexLock lock(&mu_);
@@ -462,6 +463,10 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
 
 void Shard::Compute(ApplyJob& job) const {
   const int64_t n = job.n, range = apply_range_;
+  TraceSpan span(trace_, "apply", job.step);
+  span.Arg("slice", absl::StrCat(job.slice));
+  span.Arg("floats", absl::StrCat(n));
+  span.Arg("workers", absl::StrCat(job.pushes.size()));
   if (job.out == nullptr || static_cast<int64_t>(job.out->size()) != n) {
     job.out = std::make_shared<std::vector<float>>(n);
   }

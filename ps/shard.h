@@ -86,6 +86,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/step_trace.h"
 #include "common/thread_pool.h"
 #include "proto/ps.pb.h"
 #include "ps/optimizer.h"
@@ -162,9 +163,10 @@ class Shard {
   // null, runs each slice's apply instead of the thread that completed it
   // (so a push or SetLiveWorkers returns before its slices are applied; a
   // pull waits for them as ever); it must outlive the shard and differ from
-  // `apply_pool`.
+  // `apply_pool`. `trace` (may be null; must outlive the shard) gets a span
+  // of each slice's apply.
   explicit Shard(ThreadPool* apply_pool = nullptr, int64_t apply_range = kDefaultApplyRange,
-                 ThreadPool* appliers = nullptr);
+                 ThreadPool* appliers = nullptr, StepTrace* trace = nullptr);
   // Waits for the applies in flight.
   ~Shard();
   Shard(const Shard&) = delete;
@@ -415,6 +417,7 @@ class Shard {
   ThreadPool* const apply_pool_;  // may be null; not owned
   const int64_t apply_range_;
   ThreadPool* const appliers_;  // may be null; not owned
+  StepTrace* const trace_;      // may be null; not owned
 
   mutable absl::Mutex mu_;
   // Signalled when a slice is applied, and on Init and Shutdown.

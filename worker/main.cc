@@ -34,6 +34,7 @@
 #include "common/memory.h"
 #include "common/metrics.h"
 #include "common/signals.h"
+#include "common/step_trace.h"
 #include "ps/grpc_client.h"
 #include "ps/local_client.h"
 #include "ps/service.h"
@@ -71,6 +72,9 @@ ABSL_FLAG(bool, push_during_backward, true,
           "the step. Jobs with "
           "--on_nonfinite=skip_step, jobs without ps and workers of several GPUs always push "
           "after the step.");
+
+ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
+ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
 int main(int argc, char** argv) {
   psflow::KeepLargeAllocationsInHeap();
@@ -124,6 +128,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   psflow::SetLogTag(absl::StrCat("worker", config.task_index));
+  absl::StatusOr<std::unique_ptr<psflow::StepTrace>> trace =
+      psflow::StepTrace::FromFlags(absl::GetFlag(FLAGS_trace_dir), absl::GetFlag(FLAGS_trace_steps),
+                                   "worker", config.task_index);
+  if (!trace.ok()) {
+    std::fprintf(stderr, "psflow-worker: --trace_dir/--trace_steps: %s\n",
+                 std::string(trace.status().message()).c_str());
+    return psflow::kExitPermanent;
+  }
 
   // Before everything that records into it.
   psflow::metrics::Registry metrics;
@@ -139,6 +151,7 @@ int main(int argc, char** argv) {
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
+  options.trace = trace->get();
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
   // A cluster without ps: this worker's replica of the weights (served as
   // ps 0 on its own address; the chief reads worker 0's) and its ring.

@@ -584,11 +584,16 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   // The lanes push each bucket once it is on the host, in the order the
   // backward pass completes them.
   for (size_t b = 0; s.ok() && push_early_ && b < host_buckets_.size(); ++b) {
+    TraceSpan span(options_.trace, "bucket to the host", trace_step_);
+    span.Arg("bucket", absl::StrCat(b));
     s = backend_->WaitEvent(host_buckets_[b].copied.get());
+    span.End();
     if (!s.ok()) break;
     for (int v : host_buckets_[b].variables) grads_ready_.MarkReady(backward_pos_[v]);
   }
+  TraceSpan finish_span(options_.trace, "finish step", trace_step_);
   absl::StatusOr<model::Network::Result> result = net_->FinishStep(batch);
+  finish_span.End();
   // The copies end before the buffers are read or written again, whatever
   // happened.
   const absl::Status copied = backend_->WaitCopies();
@@ -827,6 +832,10 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   ps::Client* const client = ps();
   const bool async = Async();
   absl::StatusOr<ps::Client::ClockedPull> r;
+  TraceSpan pull_span(options_.trace, "pull", trace_step_);
+  pull_span.Arg("lane", absl::StrCat(l));
+  pull_span.Arg("ps", absl::StrCat(lane.ps));
+  pull_span.Arg("slices", absl::StrCat(lane.slices.size()));
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
@@ -869,7 +878,10 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   out->lag = r->lag;
   // Time spent on "not yet" answers (and retries) is waiting too.
   out->wait_us = r->wait_us + Micros(last_ask - start);
+  pull_span.End();
   if (in_place_) return absl::OkStatus();
+  TraceSpan upload_span(options_.trace, "queue uploads", trace_step_);
+  upload_span.Arg("lane", absl::StrCat(l));
   if (!upload_after_.empty()) WaitStepQueued();
   // Each variable goes to the device once its last slice is in.
   for (int v : lane.variables) {
@@ -955,12 +967,20 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   auto wait_run = [&](int l, int g) -> absl::Status {
     const Lane& lane = lanes_[l];
     const auto [first, last] = lane.run_pieces[g];
+    TraceSpan wait_span(options_.trace, "run waits for its gradients", trace_step_);
+    wait_span.Arg("lane", absl::StrCat(l));
+    wait_span.Arg("run", absl::StrCat(g));
     const bool ready = grads_ready_.WaitReady(first, last, absl::InfiniteFuture(),
                                               [&] { return Stopping() || verdict->Failed(); });
+    wait_span.End();
     bool finite = ready && !verdict->Failed();
     if (finite) {
       const size_t end = g + 1 < static_cast<int>(lane.run_starts.size()) ? lane.run_starts[g + 1]
                                                                           : lane.refs.size();
+      TraceSpan check_span(options_.trace, "run check", trace_step_);
+      check_span.Arg("lane", absl::StrCat(l));
+      check_span.Arg("run", absl::StrCat(g));
+      check_span.Arg("slices", absl::StrCat(end - lane.run_starts[g]));
       finite = RefsFinite(
           absl::MakeConstSpan(lane.refs).subspan(lane.run_starts[g], end - lane.run_starts[g]));
     }
@@ -1014,6 +1034,10 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       // itself too.
       const absl::Time deadline = absl::Now() + (in_runs ? 2 : 1) * options_.transfer_timeout;
       absl::StatusOr<PushResponse> response;
+      TraceSpan push_span(options_.trace, in_runs ? "push in runs" : "push", trace_step_);
+      push_span.Arg("lane", absl::StrCat(l));
+      push_span.Arg("ps", absl::StrCat(lane.ps));
+      push_span.Arg("slices", absl::StrCat(lane.slices.size()));
       if (in_runs) {
         ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); }};
         response = client->PushInRuns(lane.ps, lane_header, lane.refs, runs, deadline);
@@ -1021,6 +1045,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
         response = client->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,
                                 deadline);
       }
+      push_span.End();
       const absl::Status pushed_status = FromPs(response.status());
       if (in_runs && !checked[l]) {
         // The push ended before its last run (the ps answered first): the
@@ -1279,7 +1304,13 @@ absl::Status Trainer::Train(int64_t start) {
     const absl::Time t1 = absl::Now();
     if (got.version >= job_.train_steps()) break;
     step = got.version;
+    trace_step_ = step;
+    if (options_.trace != nullptr) options_.trace->Reached(step);
+    // Until the step's exchange is over (the next weights are in).
+    TraceSpan step_span(options_.trace, "step", step);
+    TraceSpan input_span(options_.trace, "input", step);
     absl::Status s = batches.Gather(async ? clock : step, own_steps_per_epoch);
+    input_span.End();
     // The step's outcome, and its metrics, which go out once every push is
     // answered (the pull that follows belongs to the next step).
     absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
@@ -1340,11 +1371,13 @@ absl::Status Trainer::Train(int64_t start) {
         reduced.Notify();
       });
     }
+    TraceSpan compute_span(options_.trace, "compute", step);
     result = !s.ok()  ? s
              : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
              : !host_buckets_.empty()
                  ? StepCopyingGradients(batches.images(), batches.labels(), batch)
                  : net_->TrainStep(batches.images(), batches.labels(), batch);
+    compute_span.End();
     SetStepQueued(true);  // (if StepCopyingGradients did not: the step failed or ran otherwise)
     // After a failed step too, so that no lane waits for gradients that
     // never come; the verdict fails first, so that none of them pushes what
@@ -1391,7 +1424,9 @@ absl::Status Trainer::Train(int64_t start) {
     }
     if (early) {
       verdict_.Mark(std::isfinite(result->loss));
+      TraceSpan after_span(options_.trace, "exchange after the pass", step);
       exchanged.WaitForNotification();
+      after_span.End();
       // (Lanes stopped by a signal or by the chief's FAIL leave the verdict
       // failed too: that is not this step's fault.)
       if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);

@@ -49,6 +49,7 @@
 #include "allreduce/ring.h"
 #include "chief/client.h"
 #include "common/fan_out.h"
+#include "common/step_trace.h"
 #include "common/tensor_chunks.h"
 #include "common/thread_pool.h"
 #include "data/mnist.h"
@@ -115,6 +116,10 @@ struct TrainerOptions {
   // with false when the worker registers again or Run returns: whether it
   // takes part in a job (its readiness). Called from Run's thread.
   std::function<void(bool)> on_registered;
+  // Where set (not owned; outliving the trainer), the steps it wants are
+  // traced: each step, its input, compute and wait after the pass, the
+  // buckets' arrival on the host, each lane's push, runs and pull.
+  StepTrace* trace = nullptr;
 };
 
 // Makes the ps client, once, at the first registration.
@@ -287,6 +292,9 @@ class Trainer {
   ps::Client* ps() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const TrainerOptions options_;
+  // The step the training thread is on, for the spans of the lanes' threads
+  // (options_.trace).
+  std::atomic<int64_t> trace_step_{-1};
   chief::Client* const chief_;
   const PsClientFactory make_ps_;
 

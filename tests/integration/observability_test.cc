@@ -1,7 +1,8 @@
 // Process-level tests of what operators watch: every role's Prometheus
 // /metrics (--metrics_port) scraped while a real job trains and parsed by the
 // Prometheus project's Python parser, and the standard gRPC health service,
-// whose server-wide status follows each role's readiness.
+// whose server-wide status follows each role's readiness; and the step
+// trace (--trace_dir) every ps and worker writes, on one clock.
 #include <signal.h>
 
 #include <arpa/inet.h>
@@ -17,11 +18,13 @@
 #include <thread>
 #include <vector>
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/health.grpc.pb.h"
+#include "proto/trace.pb.h"
 #include "tests/common/http.h"
 #include "tests/integration/process.h"
 
@@ -459,6 +462,124 @@ TEST_F(ObservabilityTest, LaunchNumbersTheMetricsPortsOfEveryProcessEvaluatorsIn
   launch.WaitOrKill(seconds(60));
   if (!skip_.empty()) GTEST_SKIP() << skip_;
   if (HasFailure()) ADD_FAILURE() << launch.Describe();
+}
+
+// The spans of one process's step trace (file `path`), by name; fails the
+// test when the file is missing or not a trace.
+std::multimap<std::string, TraceEvent> TraceSpans(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << "no trace at " << path;
+  const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TraceFile file;
+  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(json, &file).ok()) << path;
+  std::multimap<std::string, TraceEvent> spans;
+  for (const TraceEvent& e : file.trace_events()) {
+    if (e.ph() == "X") spans.emplace(e.name(), e);
+  }
+  return spans;
+}
+
+// The steps of the spans named `name`.
+std::set<std::string> StepsOf(const std::multimap<std::string, TraceEvent>& spans,
+                              const std::string& name) {
+  std::set<std::string> steps;
+  auto [begin, end] = spans.equal_range(name);
+  for (auto it = begin; it != end; ++it) steps.insert(it->second.args().at("step"));
+  return steps;
+}
+
+// psflow-launch --trace_dir: each ps and worker writes the steps asked for,
+// and nothing else; the processes' clocks agree (a synchronous step's applies
+// on the ps come after both workers began computing it and before either
+// worker's step ended, since each waits for the weights they make); the
+// summary script lists the step across processes.
+TEST_F(ObservabilityTest, EachPsAndWorkerTracesTheStepsAskedForOnOneClock) {
+  const std::string trace_dir = dir_ + "/trace";
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--trace_dir=" + trace_dir, "--trace_steps=20:21", "--",
+                  "--model=mlp", "--train_steps=40", "--log_every_steps=20", "--compute_threads=1",
+                  "--model_dir=" + dir_ + "/model"});
+  ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  const std::set<std::string> both = {"20", "21"};
+  std::vector<std::multimap<std::string, TraceEvent>> workers, ps;
+  for (int i = 0; i < 2; ++i) {
+    workers.push_back(TraceSpans(trace_dir + "/worker" + std::to_string(i) + ".json"));
+    ps.push_back(TraceSpans(trace_dir + "/ps" + std::to_string(i) + ".json"));
+  }
+  if (HasFailure()) return;
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE("worker " + std::to_string(i));
+    const auto& w = workers[i];
+    EXPECT_EQ(StepsOf(w, "step"), both);
+    EXPECT_EQ(StepsOf(w, "compute"), both);
+    EXPECT_EQ(StepsOf(w, "pull"), both);
+    // A CPU worker pushes during the backward pass: one push per lane and
+    // step, its runs checked.
+    EXPECT_EQ(StepsOf(w, "push in runs"), both);
+    EXPECT_EQ(StepsOf(w, "run check"), both);
+    EXPECT_EQ(w.count("step"), 2u);
+  }
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE("ps " + std::to_string(i));
+    EXPECT_EQ(StepsOf(ps[i], "apply"), both);
+    EXPECT_EQ(StepsOf(ps[i], "push message"), both);
+    EXPECT_EQ(StepsOf(ps[i], "pull slice"), both);
+    std::set<std::string> pushers;
+    auto [begin, end] = ps[i].equal_range("push message");
+    for (auto it = begin; it != end; ++it) pushers.insert(it->second.args().at("worker"));
+    EXPECT_EQ(pushers, (std::set<std::string>{"0", "1"}));
+  }
+  // Step 20 on one clock.
+  auto span_of = [](const std::multimap<std::string, TraceEvent>& spans, const std::string& name) {
+    auto [begin, end] = spans.equal_range(name);
+    for (auto it = begin; it != end; ++it) {
+      if (it->second.args().at("step") == "20") return it->second;
+    }
+    return TraceEvent();
+  };
+  for (int p = 0; p < 2; ++p) {
+    auto [begin, end] = ps[p].equal_range("apply");
+    for (auto it = begin; it != end; ++it) {
+      const TraceEvent& apply = it->second;
+      if (apply.args().at("step") != "20") continue;
+      for (int w = 0; w < 2; ++w) {
+        const TraceEvent compute = span_of(workers[w], "compute");
+        const TraceEvent step = span_of(workers[w], "step");
+        EXPECT_GT(apply.ts(), compute.ts())
+            << "ps " << p << " applied step 20 before worker " << w << " began computing it";
+        EXPECT_LT(apply.ts() + apply.dur(), step.ts() + step.dur())
+            << "worker " << w << " ended step 20 before ps " << p << " applied it";
+      }
+    }
+  }
+  RunResult summary = RunProcess(PSFLOW_PYTHON3,
+                                 {std::string(PSFLOW_SOURCE_DIR) + "/scripts/trace-summary.py",
+                                  trace_dir, "--step=20", "--merge=" + dir_ + "/merged.json"},
+                                 {}, seconds(30));
+  ASSERT_EQ(summary.exit_code, 0) << summary.description;
+  for (const char* want :
+       {"step 20:", "worker 0", "worker 1", "ps 0", "ps 1", "apply", "pull slice"})
+    EXPECT_THAT(summary.out, ::testing::HasSubstr(want)) << summary.out;
+  EXPECT_THAT(summary.out, ::testing::Not(::testing::HasSubstr("(step 21"))) << summary.out;
+  EXPECT_EQ(TraceSpans(dir_ + "/merged.json").size(),
+            workers[0].size() + workers[1].size() + ps[0].size() + ps[1].size());
+}
+
+// A malformed --trace_steps is a configuration error of every role that
+// takes it: exit 1 at once, saying what the flag wants.
+TEST(ObservabilityCliTest, AMalformedTraceRangeExitsOne) {
+  const std::vector<std::string> trace = {"--trace_dir=/tmp/psflow-no-trace", "--trace_steps=9:1"};
+  for (const std::string role : {"worker", "ps", "launch"}) {
+    std::vector<std::string> args;
+    if (role != "launch") {
+      args = {"--job_name=" + role, "--task_id=0", "--chief_hosts=127.0.0.1:1",
+              "--ps_hosts=127.0.0.1:2", "--worker_hosts=127.0.0.1:3"};
+    }
+    args.insert(args.end(), trace.begin(), trace.end());
+    RunResult r = RunProcess(Bin("psflow-" + role), args, {}, seconds(30));
+    EXPECT_EQ(r.exit_code, 1) << role << ": " << r.description;
+    EXPECT_THAT(r.output, ::testing::HasSubstr("FIRST:LAST")) << role << ": " << r.description;
+  }
 }
 
 // A metrics port another process holds is a configuration error: exit 1 at

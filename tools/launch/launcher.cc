@@ -222,6 +222,7 @@ int RunCluster(const LaunchOptions& o) {
     std::vector<std::string> extra = metrics(1 + o.num_ps + i);
     if (i < static_cast<int>(o.worker_devices.size()))
       extra.push_back("--device=" + o.worker_devices[i]);
+    extra.insert(extra.end(), o.trace_args.begin(), o.trace_args.end());
     extra.insert(extra.end(), o.worker_args.begin(), o.worker_args.end());
     if (!o.with_chief && i == 0)
       extra.insert(extra.end(), o.chief_args.begin(), o.chief_args.end());
@@ -235,8 +236,11 @@ int RunCluster(const LaunchOptions& o) {
   } else {
     started = start_worker(0);
   }
-  for (int i = 0; started && i < o.num_ps; ++i)
-    started = start(absl::StrCat("ps", i), "ps", i, metrics(1 + i));
+  for (int i = 0; started && i < o.num_ps; ++i) {
+    std::vector<std::string> extra = metrics(1 + i);
+    extra.insert(extra.end(), o.trace_args.begin(), o.trace_args.end());
+    started = start(absl::StrCat("ps", i), "ps", i, extra);
+  }
   for (int i = o.with_chief ? 0 : 1; started && i < o.num_workers; ++i) started = start_worker(i);
   for (int i = 0; started && i < o.num_evaluators; ++i) {
     std::vector<std::string> extra = metrics(1 + o.num_ps + o.num_workers + i);

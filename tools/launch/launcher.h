@@ -27,6 +27,9 @@ struct LaunchOptions {
   std::vector<std::string> worker_devices;
   // More flags for every worker (psflow-worker's own, such as --ps_lanes).
   std::vector<std::string> worker_args;
+  // More flags for every ps and worker: the step trace's (--trace_dir,
+  // --trace_steps).
+  std::vector<std::string> trace_args;
   // --device of every evaluator (empty: its default, cpu).
   std::string evaluator_device;
   // A directory as scripts/make-certs.sh makes it (empty: plaintext): each

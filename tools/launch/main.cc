@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
 #include "common/cpu_count.h"
+#include "common/step_trace.h"
 #include "tools/launch/launcher.h"
 
 ABSL_FLAG(int, ps, 2,
@@ -51,6 +52,12 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, worker_args, "",
           "More flags for every worker, separated by spaces (psflow-worker's own, e.g. "
           "\"--ps_lanes=4 --push_during_backward=false\"); each must start with --.");
+ABSL_FLAG(std::string, trace_dir, "",
+          "Give every ps and worker --trace_dir=DIR (and --trace_steps): each writes a timeline "
+          "of those steps to DIR/<role><index>.json; scripts/trace-summary.py DIR lists one step "
+          "of the whole job. Empty: no trace.");
+ABSL_FLAG(std::string, trace_steps, "100:101",
+          "With --trace_dir: the steps to trace, FIRST:LAST (both included) or one step.");
 ABSL_FLAG(std::string, evaluator_device, "",
           "The evaluators' --device (cuda:0, say). Default: cpu.");
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
@@ -143,6 +150,15 @@ int main(int argc, char** argv) {
       return 1;
     }
     o.worker_args.emplace_back(arg);
+  }
+  if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
+    int64_t first = 0, last = 0;
+    const std::string steps = absl::GetFlag(FLAGS_trace_steps);
+    if (absl::Status s = psflow::StepTrace::ParseSteps(steps, &first, &last); !s.ok()) {
+      std::fprintf(stderr, "psflow-launch: --trace_steps: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    o.trace_args = {"--trace_dir=" + dir, "--trace_steps=" + steps};
   }
   if (o.bin_dir.empty())
     o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
