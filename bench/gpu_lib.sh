@@ -28,7 +28,8 @@ ddp() {
 
 # psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job
 # (its workers get $WORKER_ARGS as well, if set: psflow-launch --worker_args;
-# its chief $CHIEF_ARGS, e.g. "--slice_mb=0");
+# its chief $CHIEF_ARGS, e.g. "--slice_mb=0"; psflow-launch itself
+# $LAUNCH_ARGS, e.g. "--trace_dir=DIR --trace_steps=200:201");
 # sets $rate (ex/s after the first interval) and $split ("step pull compute
 # push wait", ms, of the last progress line).
 psflow() {
@@ -39,7 +40,7 @@ psflow() {
     data=(--data_dir="$data_dir")
   fi
   launch_job "$name" --ps="$ps" --workers="$workers" --worker_devices="$devices" \
-    --worker_args="${WORKER_ARGS:-}" -- \
+    --worker_args="${WORKER_ARGS:-}" ${LAUNCH_ARGS:-} -- \
     --model="$model" "${data[@]}" --batch_size="$(batch_of "$model")" --train_steps="$steps" \
     --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
     --wire_dtype="$wire" ${CHIEF_ARGS:-}

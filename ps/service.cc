@@ -266,6 +266,10 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// Slices that are ready together go in one pull message up to this many
+// bytes (in the wire dtype); a larger slice goes alone.
+constexpr int64_t kPullBatchBytes = 256 << 10;
+
 // Streams the slices asked for, each as soon as it reaches the version, from
 // its published value (kept alive here) converted chunk by chunk.
 class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
@@ -374,23 +378,49 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     if (!pulled.ok()) return FinishLocked(pulled.status());
     if (!pulled->has_value()) return NotThere(deadline);
     Disarm();
-    value_ = (*pulled)->value;
-    bytes_ += static_cast<int64_t>(value_->size()) * WireBytes(dtype_);
+    // The next slices that are at the same version now go with it, in one
+    // message, up to kPullBatchBytes: the first layers' many small slices,
+    // applied together at the end of a step, would each wait for the write
+    // of the one before. (Larger slices go one by one, so that the worker
+    // reads one while the next is written.)
+    const int64_t version = (*pulled)->version;
+    auto values = std::make_shared<std::vector<Shard::Value>>();
+    std::vector<TensorRef> refs;
+    const size_t first = k_;
+    int64_t message_bytes = 0;
+    auto add = [&](Shard::Value value) {
+      message_bytes += static_cast<int64_t>(value->size()) * WireBytes(dtype_);
+      refs.push_back(SliceValueRef((*specs_)[indices_[k_]], value, dtype_));
+      values->push_back(std::move(value));
+    };
+    add((*pulled)->value);
+    while (k_ + 1 < indices_.size()) {
+      absl::StatusOr<std::optional<Shard::PulledSlice>> next =
+          shard->TryPullSlice(request_.job_id(), indices_[k_ + 1], min_version_);
+      if (!next.ok() || !next->has_value() || (*next)->version != version ||
+          message_bytes + static_cast<int64_t>((*next)->value->size()) * WireBytes(dtype_) >
+              kPullBatchBytes) {
+        break;
+      }
+      ++k_;
+      add((*next)->value);
+    }
+    bytes_ += message_bytes;
+    // (The version a step's pushes make: traced as that step.)
+    TraceSpan span(service_->trace_, "pull slices", version - 1);
+    span.Arg("slices", absl::StrCat(k_ + 1 - first, " from ", indices_[first]));
+    span.Arg("bytes", absl::StrCat(message_bytes));
+    value_ = std::move(values);
     splitter_ = std::make_unique<ChunkSplitter>(
-        std::vector<TensorRef>{SliceValueRef((*specs_)[indices_[k_]], value_, dtype_)},
-        region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
+        std::move(refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
     message_.Clear();
-    message_.set_version((*pulled)->version);
-    if (k_ == 0) {
+    message_.set_version(version);
+    if (first == 0) {
       message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
       SetFirstLocked();
     }
     pieces_.clear();
     splitter_->NextPieces(&pieces_);
-    // (The version a step's pushes make: traced as that step.)
-    TraceSpan span(service_->trace_, "pull slice", (*pulled)->version - 1);
-    span.Arg("slice", absl::StrCat(indices_[k_]));
-    span.Arg("bytes", absl::StrCat(static_cast<int64_t>(value_->size()) * WireBytes(dtype_)));
     SendLocked();  // the first message of a slice goes even without chunks
   }
 
@@ -444,8 +474,8 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   absl::Time wait_deadline_;
   std::shared_ptr<const SharedMapping> region_;  // the worker's, if it named one
   int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;      // where the next chunk goes in it
-  size_t k_ ABSL_GUARDED_BY(mu_) = 0;            // the slice being sent (index into indices_)
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;       // of the slices sent, in the wire dtype
+  size_t k_ ABSL_GUARDED_BY(mu_) = 0;       // the (last) slice being sent (index into indices_)
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the slices sent, in the wire dtype
   // The version the slices must reach: the request's, or for a by_clock
   // pull the shard's once the clock's condition held (granted_).
   int64_t min_version_ ABSL_GUARDED_BY(mu_) = 0;
@@ -453,7 +483,8 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   int64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // a by_clock pull's answer
   int64_t lag_ ABSL_GUARDED_BY(mu_) = 0;
   bool not_yet_ ABSL_GUARDED_BY(mu_) = false;  // the answer is the version only
-  Shard::Value value_ ABSL_GUARDED_BY(mu_);
+  // The values of the slices being sent (kept alive while gRPC holds them).
+  std::shared_ptr<const void> value_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
   PullResponse message_ ABSL_GUARDED_BY(mu_);            // the fields of the next message
   std::vector<ChunkPiece> pieces_ ABSL_GUARDED_BY(mu_);  // its chunks
@@ -687,23 +718,41 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   }
 
   void Process(bool ok) {
-    const int64_t start_us = service_->trace_ != nullptr ? StepTrace::NowMicros() : 0;
+    StepTrace* const trace = service_->trace_;
+    const int64_t start_us = trace != nullptr ? StepTrace::NowMicros() : 0;
+    if (!ok) {
+      // An End that answers finishes the call, after which gRPC may delete
+      // this reader at any moment: what the trace needs is taken first.
+      const bool traced = trace != nullptr && started_;
+      const int64_t step = header_.step();
+      std::string worker = absl::StrCat(header_.worker());
+      absl::Status s = End();
+      if (traced) {
+        trace->Record("push answered", step, start_us, StepTrace::NowMicros(),
+                      {{"worker", std::move(worker)}});
+      }
+      if (!s.ok()) Fail(s);
+      return;
+    }
     const int64_t bytes_before = bytes_;
-    absl::Status s = ok ? Take() : End();
-    if (service_->trace_ != nullptr && started_) {
-      std::vector<std::pair<std::string, std::string>> args = {
-          {"worker", absl::StrCat(header_.worker())}};
-      if (ok) args.emplace_back("bytes", absl::StrCat(bytes_ - bytes_before));
-      service_->trace_->Record(ok ? "push message" : "push answered", header_.step(), start_us,
-                               StepTrace::NowMicros(), std::move(args));
+    absl::Status s = Take();
+    if (trace != nullptr && started_) {
+      trace->Record("push message", header_.step(), start_us, StepTrace::NowMicros(),
+                    {{"worker", absl::StrCat(header_.worker())},
+                     {"bytes", absl::StrCat(bytes_ - bytes_before)}});
     }
     if (!s.ok()) {
-      // Its worker drops a region whose call failed: so does the ps.
-      if (region_ != nullptr) service_->ForgetRegion(header_.region());
-      Finish(ToGrpcStatus(s));
-    } else if (ok) {
+      Fail(s);
+    } else {
       StartRead(&message_);
     }
+  }
+
+  // Ends the call with `s` (not OK).
+  void Fail(const absl::Status& s) {
+    // Its worker drops a region whose call failed: so does the ps.
+    if (region_ != nullptr) service_->ForgetRegion(header_.region());
+    Finish(ToGrpcStatus(s));
   }
 
   // One message: the header (first message only) and chunks.

@@ -523,7 +523,7 @@ TEST_F(ObservabilityTest, EachPsAndWorkerTracesTheStepsAskedForOnOneClock) {
     SCOPED_TRACE("ps " + std::to_string(i));
     EXPECT_EQ(StepsOf(ps[i], "apply"), both);
     EXPECT_EQ(StepsOf(ps[i], "push message"), both);
-    EXPECT_EQ(StepsOf(ps[i], "pull slice"), both);
+    EXPECT_EQ(StepsOf(ps[i], "pull slices"), both);
     std::set<std::string> pushers;
     auto [begin, end] = ps[i].equal_range("push message");
     for (auto it = begin; it != end; ++it) pushers.insert(it->second.args().at("worker"));
@@ -558,7 +558,7 @@ TEST_F(ObservabilityTest, EachPsAndWorkerTracesTheStepsAskedForOnOneClock) {
                                  {}, seconds(30));
   ASSERT_EQ(summary.exit_code, 0) << summary.description;
   for (const char* want :
-       {"step 20:", "worker 0", "worker 1", "ps 0", "ps 1", "apply", "pull slice"})
+       {"step 20:", "worker 0", "worker 1", "ps 0", "ps 1", "apply", "pull slices"})
     EXPECT_THAT(summary.out, ::testing::HasSubstr(want)) << summary.out;
   EXPECT_THAT(summary.out, ::testing::Not(::testing::HasSubstr("(step 21"))) << summary.out;
   EXPECT_EQ(TraceSpans(dir_ + "/merged.json").size(),

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -338,6 +339,92 @@ TEST_F(PsServiceTest, PullIsStreamedInChunksBelowTheDefaultLimit) {
   ASSERT_TRUE(status.ok());
   EXPECT_GE(messages.size(), 5u);  // 4.4 MB in chunks of at most 1 MB
   EXPECT_EQ(bytes, (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
+}
+
+// Slices that are ready together go in one pull message up to 256 KiB; a
+// larger one goes alone, and a slice that is not ready yet is not waited for
+// by those before it.
+TEST_F(PsServiceTest, ReadySmallSlicesShareAPullMessageLargerOnesGoAlone) {
+  // s0 s1 b0 s2 s3 b1 s4 s5: small ones of 4 KB, large ones of 400 KB.
+  const std::vector<std::pair<std::string, int64_t>> vars = {
+      {"s0", 1000}, {"s1", 1000},   {"b0", 100000}, {"s2", 1000},
+      {"s3", 1000}, {"b1", 100000}, {"s4", 1000},   {"s5", 1000}};
+  InitHeader h;
+  h.set_job_id(kJob);
+  h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::SGD);
+  h.mutable_job()->mutable_optimizer()->set_learning_rate(kLr);
+  h.add_live_workers(0);
+  Placement* placement = h.mutable_job()->mutable_placement();
+  placement->set_num_ps(1);
+  std::vector<std::vector<float>> values;
+  std::vector<TensorRef> refs;
+  for (const auto& [name, n] : vars) {
+    SliceSpec* spec = h.add_slice();
+    spec->set_name(name);
+    spec->add_shape(n);
+    spec->set_row_end(n);
+    VariablePlacement* v = placement->add_variable();
+    v->set_name(name);
+    v->add_shape(n);
+    v->add_slice()->set_row_end(n);
+    values.push_back(Pattern(n, 16, 0.5f));
+  }
+  for (size_t i = 0; i < vars.size(); ++i) {
+    refs.push_back({vars[i].first, "", {vars[i].second}, values[i].data()});
+  }
+  ASSERT_TRUE(client_->Init(0, h, refs, Deadline()).ok());
+
+  PullRequest request;
+  request.set_job_id(kJob);
+  auto [messages, status] =
+      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, request); });
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<std::vector<std::string>> names;
+  for (const PullResponse& m : messages) {
+    names.emplace_back();
+    for (const TensorChunk& c : m.chunk()) {
+      names.back().push_back(c.name());
+      // Each chunk's data are its slice's values.
+      const size_t i = std::find_if(vars.begin(), vars.end(),
+                                    [&](const auto& v) { return v.first == c.name(); }) -
+                       vars.begin();
+      ASSERT_LT(i, vars.size());
+      EXPECT_EQ(c.data(), std::string(reinterpret_cast<const char*>(values[i].data()),
+                                      values[i].size() * sizeof(float)));
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::vector<std::string>>{
+                       {"s0", "s1"}, {"b0"}, {"s2", "s3"}, {"b1"}, {"s4", "s5"}}));
+
+  // Version 1 of s0 and s1 only: they come together, and the pull then
+  // waits for s2 (here until its deadline).
+  const std::vector<float> grad(1000, 1.0f);
+  PushHeader ph;
+  ph.set_job_id(kJob);
+  ph.set_worker(0);
+  ph.set_step(0);
+  ph.add_slices(0);
+  ph.add_slices(1);
+  ASSERT_TRUE(client_
+                  ->Push(0, ph, {{"s0", "", {1000}, grad.data()}, {"s1", "", {1000}, grad.data()}},
+                         Deadline())
+                  .ok());
+  request.set_min_version(1);
+  request.add_slices(0);
+  request.add_slices(1);
+  request.add_slices(3);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+  std::unique_ptr<grpc::ClientReader<PullResponse>> reader = stub_->Pull(&context, request);
+  PullResponse first;
+  ASSERT_TRUE(reader->Read(&first));
+  EXPECT_EQ(first.version(), 1);
+  ASSERT_EQ(first.chunk_size(), 2);
+  EXPECT_EQ(first.chunk(0).name(), "s0");
+  EXPECT_EQ(first.chunk(1).name(), "s1");
+  PullResponse more;
+  EXPECT_FALSE(reader->Read(&more)) << "s2 is not at version 1";
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
 }
 
 TEST_F(PsServiceTest, PullDeadline) {
