@@ -21,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/trace.pb.h"
@@ -122,9 +123,11 @@ class TraceSpan {
   TraceSpan& operator=(const TraceSpan&) = delete;
 
   bool active() const { return trace_ != nullptr; }
-  // A detail of the span (where active).
-  void Arg(std::string key, std::string value) {
-    if (trace_ != nullptr) args_.emplace_back(std::move(key), std::move(value));
+  // A detail of the span: `parts` joined by absl::StrCat, only where the
+  // span is active (a span of a step outside the range formats nothing).
+  template <typename... Parts>
+  void Arg(const char* key, const Parts&... parts) {
+    if (trace_ != nullptr) args_.emplace_back(key, absl::StrCat(parts...));
   }
   // Records the span now rather than at destruction (once).
   void End() {

@@ -388,12 +388,13 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     std::vector<TensorRef> refs;
     const size_t first = k_;
     int64_t message_bytes = 0;
-    auto add = [&](Shard::Value value) {
+    // (`k` is k_, passed in: the lock the caller holds is not seen in here.)
+    auto add = [&](size_t k, Shard::Value value) {
       message_bytes += static_cast<int64_t>(value->size()) * WireBytes(dtype_);
-      refs.push_back(SliceValueRef((*specs_)[indices_[k_]], value, dtype_));
+      refs.push_back(SliceValueRef((*specs_)[indices_[k]], value, dtype_));
       values->push_back(std::move(value));
     };
-    add((*pulled)->value);
+    add(k_, (*pulled)->value);
     while (k_ + 1 < indices_.size()) {
       absl::StatusOr<std::optional<Shard::PulledSlice>> next =
           shard->TryPullSlice(request_.job_id(), indices_[k_ + 1], min_version_);
@@ -403,13 +404,13 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
         break;
       }
       ++k_;
-      add((*next)->value);
+      add(k_, (*next)->value);
     }
     bytes_ += message_bytes;
     // (The version a step's pushes make: traced as that step.)
     TraceSpan span(service_->trace_, "pull slices", version - 1);
-    span.Arg("slices", absl::StrCat(k_ + 1 - first, " from ", indices_[first]));
-    span.Arg("bytes", absl::StrCat(message_bytes));
+    span.Arg("slices", k_ + 1 - first, " from ", indices_[first]);
+    span.Arg("bytes", message_bytes);
     value_ = std::move(values);
     splitter_ = std::make_unique<ChunkSplitter>(
         std::move(refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
@@ -723,7 +724,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     if (!ok) {
       // An End that answers finishes the call, after which gRPC may delete
       // this reader at any moment: what the trace needs is taken first.
-      const bool traced = trace != nullptr && started_;
+      const bool traced = trace != nullptr && started_ && trace->Wants(header_.step());
       const int64_t step = header_.step();
       std::string worker = absl::StrCat(header_.worker());
       absl::Status s = End();
@@ -736,7 +737,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     }
     const int64_t bytes_before = bytes_;
     absl::Status s = Take();
-    if (trace != nullptr && started_) {
+    if (trace != nullptr && started_ && trace->Wants(header_.step())) {
       trace->Record("push message", header_.step(), start_us, StepTrace::NowMicros(),
                     {{"worker", absl::StrCat(header_.worker())},
                      {"bytes", absl::StrCat(bytes_ - bytes_before)}});

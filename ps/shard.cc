@@ -464,9 +464,9 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
 void Shard::Compute(ApplyJob& job) const {
   const int64_t n = job.n, range = apply_range_;
   TraceSpan span(trace_, "apply", job.step);
-  span.Arg("slice", absl::StrCat(job.slice));
-  span.Arg("floats", absl::StrCat(n));
-  span.Arg("workers", absl::StrCat(job.pushes.size()));
+  span.Arg("slice", job.slice);
+  span.Arg("floats", n);
+  span.Arg("workers", job.pushes.size());
   if (job.out == nullptr || static_cast<int64_t>(job.out->size()) != n) {
     job.out = std::make_shared<std::vector<float>>(n);
   }

@@ -585,7 +585,7 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   // backward pass completes them.
   for (size_t b = 0; s.ok() && push_early_ && b < host_buckets_.size(); ++b) {
     TraceSpan span(options_.trace, "bucket to the host", trace_step_);
-    span.Arg("bucket", absl::StrCat(b));
+    span.Arg("bucket", b);
     s = backend_->WaitEvent(host_buckets_[b].copied.get());
     span.End();
     if (!s.ok()) break;
@@ -833,9 +833,9 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   const bool async = Async();
   absl::StatusOr<ps::Client::ClockedPull> r;
   TraceSpan pull_span(options_.trace, "pull", trace_step_);
-  pull_span.Arg("lane", absl::StrCat(l));
-  pull_span.Arg("ps", absl::StrCat(lane.ps));
-  pull_span.Arg("slices", absl::StrCat(lane.slices.size()));
+  pull_span.Arg("lane", l);
+  pull_span.Arg("ps", lane.ps);
+  pull_span.Arg("slices", lane.slices.size());
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
@@ -881,7 +881,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   pull_span.End();
   if (in_place_) return absl::OkStatus();
   TraceSpan upload_span(options_.trace, "queue uploads", trace_step_);
-  upload_span.Arg("lane", absl::StrCat(l));
+  upload_span.Arg("lane", l);
   if (!upload_after_.empty()) WaitStepQueued();
   // Each variable goes to the device once its last slice is in.
   for (int v : lane.variables) {
@@ -968,8 +968,8 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
     const Lane& lane = lanes_[l];
     const auto [first, last] = lane.run_pieces[g];
     TraceSpan wait_span(options_.trace, "run waits for its gradients", trace_step_);
-    wait_span.Arg("lane", absl::StrCat(l));
-    wait_span.Arg("run", absl::StrCat(g));
+    wait_span.Arg("lane", l);
+    wait_span.Arg("run", g);
     const bool ready = grads_ready_.WaitReady(first, last, absl::InfiniteFuture(),
                                               [&] { return Stopping() || verdict->Failed(); });
     wait_span.End();
@@ -978,9 +978,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       const size_t end = g + 1 < static_cast<int>(lane.run_starts.size()) ? lane.run_starts[g + 1]
                                                                           : lane.refs.size();
       TraceSpan check_span(options_.trace, "run check", trace_step_);
-      check_span.Arg("lane", absl::StrCat(l));
-      check_span.Arg("run", absl::StrCat(g));
-      check_span.Arg("slices", absl::StrCat(end - lane.run_starts[g]));
+      check_span.Arg("lane", l);
+      check_span.Arg("run", g);
+      check_span.Arg("slices", end - lane.run_starts[g]);
       finite = RefsFinite(
           absl::MakeConstSpan(lane.refs).subspan(lane.run_starts[g], end - lane.run_starts[g]));
     }
@@ -1035,9 +1035,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       const absl::Time deadline = absl::Now() + (in_runs ? 2 : 1) * options_.transfer_timeout;
       absl::StatusOr<PushResponse> response;
       TraceSpan push_span(options_.trace, in_runs ? "push in runs" : "push", trace_step_);
-      push_span.Arg("lane", absl::StrCat(l));
-      push_span.Arg("ps", absl::StrCat(lane.ps));
-      push_span.Arg("slices", absl::StrCat(lane.slices.size()));
+      push_span.Arg("lane", l);
+      push_span.Arg("ps", lane.ps);
+      push_span.Arg("slices", lane.slices.size());
       if (in_runs) {
         ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); }};
         response = client->PushInRuns(lane.ps, lane_header, lane.refs, runs, deadline);

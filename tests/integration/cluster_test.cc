@@ -243,7 +243,9 @@ TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
     if (line.rfind("[chief] ", 0) == 0 && line.find("exiting with code 1: ") != std::string::npos)
       ++fail_lines;
     EXPECT_EQ(line.find("nan ex/s"), std::string::npos) << line;
-    if (line.rfind("[chief] ", 0) == 0) EXPECT_EQ(line.find("loss nan"), std::string::npos) << line;
+    if (line.rfind("[chief] ", 0) == 0) {
+      EXPECT_EQ(line.find("loss nan"), std::string::npos) << line;
+    }
   }
   EXPECT_EQ(fail_lines, 1) << launch.Describe();
   EXPECT_THAT(
