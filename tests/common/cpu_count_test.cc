@@ -9,29 +9,12 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "tests/common/scratch_dir.h"
 
 namespace psflow {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A fresh directory under gtest's temp dir (as the other tests use),
-// removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::path(::testing::TempDir()) / "psflow_cpu_count_XXXXXX").string();
-    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 void Write(const fs::path& path, const std::string& text) {
   fs::create_directories(path.parent_path());
@@ -51,7 +34,7 @@ TEST(CpuCountTest, ParsesCgroup2CpuMax) {
 
 // cgroup v2: the lowest quota of the process's cgroup and its ancestors.
 TEST(CpuCountTest, Cgroup2TakesTheLowestQuotaUpToTheRoot) {
-  TempDir dir;
+  ScratchDir dir("cpu_count");
   ASSERT_FALSE(dir.path().empty());
   const fs::path root = dir.path();
   Write(root / "cpu.max", "max 100000\n");
@@ -75,7 +58,7 @@ TEST(CpuCountTest, Cgroup2TakesTheLowestQuotaUpToTheRoot) {
 
 // cgroup v1: the cpu controller's hierarchy, mounted as cpu or cpu,cpuacct.
 TEST(CpuCountTest, Cgroup1ReadsTheCfsQuotaOfTheCpuController) {
-  TempDir dir;
+  ScratchDir dir("cpu_count");
   ASSERT_FALSE(dir.path().empty());
   const fs::path root = dir.path();
   const fs::path cpu = root / "cpu,cpuacct";

@@ -13,27 +13,12 @@
 
 #include "common/file_util.h"
 #include "gtest/gtest.h"
+#include "tests/common/scratch_dir.h"
 
 namespace psflow {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::path(::testing::TempDir()) / "psflow_step_trace_XXXXXX").string();
-    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // The file at `path`, parsed back (as a viewer would read it).
 TraceFile ReadTrace(const std::string& path) {
@@ -69,7 +54,7 @@ TEST(StepTraceTest, ParsesRangesAndOneStep) {
 }
 
 TEST(StepTraceTest, KeepsTheRangesSpansWithTheirThreadsAndWritesValidJson) {
-  TempDir dir;
+  ScratchDir dir("step_trace");
   absl::StatusOr<std::unique_ptr<StepTrace>> trace =
       StepTrace::FromFlags(dir.path() + "/sub", "5:6", "worker", 3);
   ASSERT_TRUE(trace.ok()) << trace.status();
@@ -129,7 +114,7 @@ TEST(StepTraceTest, KeepsTheRangesSpansWithTheirThreadsAndWritesValidJson) {
 }
 
 TEST(StepTraceTest, WritesOnceTheRangeIsOverAndAtTheEnd) {
-  TempDir dir;
+  ScratchDir dir("step_trace");
   const std::string path = dir.path() + "/ps1.json";
   {
     absl::StatusOr<std::unique_ptr<StepTrace>> trace =
@@ -164,7 +149,7 @@ TEST(StepTraceTest, NoDirectoryMeansNoTraceAndBadOnesFailAtOnce) {
   absl::StatusOr<std::unique_ptr<StepTrace>> none = StepTrace::FromFlags("", "garbage", "ps", 0);
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(*none, nullptr);
-  TempDir dir;
+  ScratchDir dir("step_trace");
   EXPECT_TRUE(absl::IsInvalidArgument(StepTrace::FromFlags(dir.path(), "9:1", "ps", 0).status()));
   // A file where the directory should be.
   const std::string file = dir.path() + "/file";
@@ -182,7 +167,7 @@ TEST(StepTraceTest, NoDirectoryMeansNoTraceAndBadOnesFailAtOnce) {
 }
 
 TEST(StepTraceTest, DropsSpansOverTheBound) {
-  TempDir dir;
+  ScratchDir dir("step_trace");
   absl::StatusOr<std::unique_ptr<StepTrace>> trace =
       StepTrace::Create(dir.path(), "t.json", "ps 0", 0, 0, /*max_spans=*/100);
   ASSERT_TRUE(trace.ok());
