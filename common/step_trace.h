@@ -33,8 +33,8 @@ inline constexpr char kTraceDirHelp[] =
     "Write a timeline of the steps --trace_steps names to DIR/<role><index>.json (made where "
     "missing): what each thread of this process did in those steps, in the trace event format "
     "that Perfetto (ui.perfetto.dev) and chrome://tracing open; scripts/trace-summary.py merges "
-    "the files of a job and lists one step. Written once the steps are over, and at exit. Empty: "
-    "no trace.";
+    "the files of a job and lists one step. Written once the steps are over (or at exit, for a "
+    "process that stops first). Empty: no trace.";
 inline constexpr char kTraceStepsHelp[] =
     "With --trace_dir: the steps to trace, FIRST:LAST (both included) or one step. A ps counts "
     "a step by the pushes of it, their applies and the pulls of the weights they made.";
