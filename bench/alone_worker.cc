@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/command_line.h"
+#include "common/process_setup.h"
 #include "common/tensor_chunks.h"
 #include "data/source.h"
 #include "kernels/kernels.h"
@@ -25,6 +26,8 @@ ABSL_FLAG(int, warmup_steps, 20, "Steps run before measuring.");
 ABSL_FLAG(int, threads, 0, "CPU threads for the kernels; 0 = all cores.");
 
 int main(int argc, char** argv) {
+  // The same process settings as the role binaries, so that the figures compare.
+  psflow::SetUpRoleProcess();
   psflow::ParseCommandLine(argc, argv, "examples/s of one worker training alone (no ps).",
                            {"alone_worker.cc"});
   auto spec = psflow::model::ResolveModelSpec(absl::GetFlag(FLAGS_model));

@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/command_line.h"
+#include "common/process_setup.h"
 #include "common/thread_pool.h"
 #include "ps/shard.h"
 
@@ -30,6 +31,8 @@ ABSL_FLAG(int, workers, 2, "Workers whose pushes each step averages.");
 ABSL_FLAG(int, iterations, 20, "Timed applies per thread count (after 2 untimed ones).");
 
 int main(int argc, char** argv) {
+  // The same process settings as the role binaries, so that the figures compare.
+  psflow::SetUpRoleProcess();
   psflow::ParseCommandLine(argc, argv, "milliseconds per apply of one ps shard, by apply threads.",
                            {"ps_apply.cc"});
   std::vector<int> thread_counts;

@@ -26,7 +26,7 @@
 #include "common/command_line.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
-#include "common/memory.h"
+#include "common/process_setup.h"
 #include "common/placement.h"
 #include "common/thread_pool.h"
 #include "model/spec.h"
@@ -68,7 +68,7 @@ struct Lane {
 }  // namespace
 
 int main(int argc, char** argv) {
-  psflow::KeepLargeAllocationsInHeap();
+  psflow::SetUpRoleProcess();
   psflow::ParseCommandLine(argc, argv,
                            "milliseconds per synchronous exchange (push, then pull) through "
                            "parameter servers on loopback, without a model.",

@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/command_line.h"
+#include "common/process_setup.h"
 #include "data/source.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
@@ -47,6 +48,8 @@ int Fail(const std::string& what, const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The same process settings as the role binaries, so that the figures compare.
+  psflow::SetUpRoleProcess();
   psflow::ParseCommandLine(argc, argv,
                            "milliseconds per local training step (forward, backward, SGD).",
                            {"step_bench.cc"});

@@ -12,12 +12,12 @@
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
-#include "common/memory.h"
+#include "common/process_setup.h"
 #include "common/metrics.h"
 #include "common/signals.h"
 
 int main(int argc, char** argv) {
-  psflow::KeepLargeAllocationsInHeap();
+  psflow::SetUpRoleProcess();
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,

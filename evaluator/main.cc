@@ -15,7 +15,7 @@
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
-#include "common/memory.h"
+#include "common/process_setup.h"
 #include "common/metrics.h"
 #include "common/signals.h"
 #include "evaluator/evaluator.h"
@@ -47,7 +47,7 @@ ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief before exiting with code 138.");
 
 int main(int argc, char** argv) {
-  psflow::KeepLargeAllocationsInHeap();
+  psflow::SetUpRoleProcess();
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,

@@ -18,7 +18,7 @@
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
-#include "common/memory.h"
+#include "common/process_setup.h"
 #include "common/metrics.h"
 #include "common/signals.h"
 #include "common/step_trace.h"
@@ -110,7 +110,7 @@ ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
 int main(int argc, char** argv) {
-  psflow::KeepLargeAllocationsInHeap();
+  psflow::SetUpRoleProcess();
   psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,

@@ -1,0 +1,27 @@
+// Process-wide settings of the role binaries (psflow-ps, psflow-worker,
+// psflow-chief, psflow-evaluator), made once at the start of main.
+#ifndef PSFLOW_COMMON_PROCESS_SETUP_H_
+#define PSFLOW_COMMON_PROCESS_SETUP_H_
+
+namespace psflow {
+
+// Makes both settings below. Call once at the start of main, before any
+// thread starts.
+void SetUpRoleProcess();
+
+// Every step moves megabytes of tensors through freshly allocated buffers
+// (messages, gradients). By default glibc serves such blocks with mmap and
+// returns them on free, so each step pays page faults on new memory. This
+// keeps freed blocks of up to 32 MiB in the heap for reuse instead.
+void KeepLargeAllocationsInHeap();
+
+// Abseil built without NDEBUG (Debian's packages are) checks every
+// absl::Mutex acquisition for lock-order cycles: each Lock takes one
+// process-wide spin lock and updates a graph of the locks held, which gRPC's
+// own locks (absl::Mutex underneath) pay too. This turns the check off. Unit
+// tests, which do not call it, keep the check.
+void SkipMutexDeadlockDetection();
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_PROCESS_SETUP_H_
