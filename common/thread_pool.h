@@ -20,8 +20,6 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  // The number of threads the pool was built with.
-
   void Schedule(std::function<void()> fn);
   // Runs body(i) for i in [0, n) on the pool and the calling thread, and
   // blocks until all returned. The caller claims indices too, so concurrent

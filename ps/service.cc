@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "common/chunk_messages.h"
 #include "common/cpu_count.h"
+#include "common/deferred_work.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
@@ -120,9 +121,13 @@ class PsService::Waker {
     if (slice >= 0 && wanted >= 0 && slice != wanted) return;
     if (armed_.exchange(false, std::memory_order_acq_rel)) Schedule(std::move(self));
   }
-  // Schedules a poke whatever the arming (an alarm).
+  // Schedules a poke whatever the arming (an alarm): on the thread's
+  // DeferredWork scope if it has one open (a shard's applier, a push that
+  // completed a slice), which runs it once it lets go of the shard's lock,
+  // else on the pool.
   void Schedule(std::shared_ptr<Waker> self) {
-    pool_->Schedule([self = std::move(self)] { self->Poke(); });
+    std::function<void()> poke = [self = std::move(self)] { self->Poke(); };
+    if (!DeferredWork::Defer(poke)) pool_->Schedule(std::move(poke));
   }
   void Attach(std::function<void()> advance) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -691,9 +696,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* PsService::Pull(grpc::CallbackServer
   return new PullWriter(this, context, request);
 }
 
-// Reads a push message by message on the service's pushers pool (never on
-// gRPC's threads: a slice's apply may run on the thread that completes it):
-// each chunk is decoded from the message's slices into its slice's gradient,
+// A push's message that can carry at most this many bytes of data still to
+// come is read on gRPC's thread that received it, not handed to a pusher.
+constexpr int64_t kInlineReadBytes = 64 << 10;
+
+// Reads a push message by message on the service's pushers pool (gRPC's
+// threads stay free for the network), but for the stream's end and for
+// messages that can carry at most kInlineReadBytes more (the last small
+// slices of a push): for those a hand-off would cost more than the read.
+// Each chunk is decoded from the message's slices into its slice's gradient,
 // in the job's wire dtype, and each slice goes to the shard as soon as it is
 // complete, so that it can be applied while the rest of the push is still on
 // its way. One message is read at a time, so the reader needs no lock.
@@ -711,6 +722,10 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
 
  private:
   void OnReadDone(bool ok) override {
+    if (!ok || (started_ && !skip_ && expected_bytes_ - bytes_ <= kInlineReadBytes)) {
+      Process(ok);
+      return;
+    }
     service_->pushers_->Schedule([this, ok] { Process(ok); });
   }
   void OnDone() override {
@@ -793,6 +808,13 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header_.region()));
       region_span_ = region_->data;
     }
+    const int64_t wire_bytes = WireBytes(dtype);
+    if (indices_.empty()) {
+      for (const SliceSpec& spec : *slices)
+        expected_bytes_ += NumElements(spec.shape()) * wire_bytes;
+    } else {
+      for (int i : indices_) expected_bytes_ += NumElements((*slices)[i].shape()) * wire_bytes;
+    }
     // A skip push has no data: no assembler, so that a chunk is refused.
     if (!skip_) {
       assembler_ =
@@ -802,6 +824,9 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   }
 
   absl::Status HandOver(std::vector<Shard::SliceGradient> part) {
+    // A pull that a small slice's apply here wakes is answered on this
+    // thread, once the shard's lock is let go.
+    DeferredWork wakes;
     absl::StatusOr<PushResponse::Outcome> handed =
         service_->shard_->PushSlices(header_.job_id(), header_.worker(), header_.step(),
                                      std::move(part), header_.read_version());
@@ -862,6 +887,9 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   std::shared_ptr<const SharedMapping> region_;
   SharedSpan region_span_;
   int64_t bytes_ = 0;
+  // The data bytes of the slices the header names (a guide to where a
+  // message is read: a peer that sends more is refused by the assembler).
+  int64_t expected_bytes_ = 0;
   bool accepted_ = false, stale_ = false;
 };
 

@@ -7,6 +7,7 @@
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
+#include "common/deferred_work.h"
 #include "common/float16.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
@@ -43,10 +44,12 @@ struct Shard::ApplyJob {
   std::shared_ptr<std::vector<float>> out;  // the next published value
 };
 
-Shard::Shard(ThreadPool* apply_pool, int64_t apply_range, ThreadPool* appliers, StepTrace* trace)
+Shard::Shard(ThreadPool* apply_pool, int64_t apply_range, ThreadPool* appliers, StepTrace* trace,
+             int64_t inline_apply_floats)
     : apply_pool_(apply_pool),
       apply_range_(std::max<int64_t>(apply_range, 1)),
       appliers_(appliers),
+      inline_apply_floats_(inline_apply_floats),
       trace_(trace) {}
 
 Shard::~Shard() {
@@ -412,8 +415,10 @@ bool Shard::StepCompleteLocked(const SliceState& s) const {
 void Shard::MaybeApplySliceLocked(int i) {
   std::shared_ptr<ApplyJob> job = ClaimLocked(i);
   if (job == nullptr) return;
-  if (appliers_ != nullptr) {
+  if (appliers_ != nullptr && job->n > inline_apply_floats_) {
     appliers_->Schedule([this, job] {
+      // The wakes FinishLocked finds run here once the lock is let go.
+      DeferredWork wakes;
       Compute(*job);
       absl::MutexLock lock(&mu_);
       FinishLocked(*job);

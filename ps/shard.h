@@ -61,7 +61,7 @@
 // runs outside the shard's lock, over ranges of at most `apply_range`
 // elements: on the thread of the push (or SetLiveWorkers) that completed the
 // slice, or, given an applier pool, on one of its threads (the push then
-// goes on reading its stream at once); and, given an apply pool, on that
+// goes on reading its stream at once) unless the slice is small; and, given an apply pool, on that
 // pool's threads too. Slices completed by different pushes are applied
 // concurrently. Each
 // element is computed the same way whatever the ranges, threads and order
@@ -155,6 +155,11 @@ class Shard {
   // many floats (16 KiB), whose mean never leaves the core's L1 cache.
   static constexpr int64_t kMeanBlock = 4096;
 
+  // The default of `inline_apply_floats` below: a hand-off would cost more
+  // than the apply of such a slice (a few microseconds), on the path of the
+  // step's last slices (the first layers' small ones).
+  static constexpr int64_t kInlineApplyFloats = 16 << 10;
+
   // `apply_pool`, if not null, lends its threads to every apply (beside the
   // thread that applies the slice); it must outlive the shard and must not be
   // a pool whose threads call into the shard (ParallelFor is not reentrant).
@@ -162,11 +167,14 @@ class Shard {
   // elements of a slice that one thread applies at once. `appliers`, if not
   // null, runs each slice's apply instead of the thread that completed it
   // (so a push or SetLiveWorkers returns before its slices are applied; a
-  // pull waits for them as ever); it must outlive the shard and differ from
-  // `apply_pool`. `trace` (may be null; must outlive the shard) gets a span
-  // of each slice's apply.
+  // pull waits for them as ever), but for slices of at most
+  // `inline_apply_floats` elements; it must outlive the shard and differ
+  // from `apply_pool`. An applier runs the work the waiters deferred
+  // (common/deferred_work.h) once it has let go of the shard's lock. `trace` (may be null; must
+  // outlive the shard) gets a span of each slice's apply.
   explicit Shard(ThreadPool* apply_pool = nullptr, int64_t apply_range = kDefaultApplyRange,
-                 ThreadPool* appliers = nullptr, StepTrace* trace = nullptr);
+                 ThreadPool* appliers = nullptr, StepTrace* trace = nullptr,
+                 int64_t inline_apply_floats = kInlineApplyFloats);
   // Waits for the applies in flight.
   ~Shard();
   Shard(const Shard&) = delete;
@@ -261,7 +269,8 @@ class Shard {
   // removed, with the index of the slice applied, or -1 for any other
   // change (a call that waits for another slice may sleep on). `wake` runs
   // under the shard's lock, so it must only hand work elsewhere (schedule
-  // it), never call the shard.
+  // it, or defer it to the thread's DeferredWork scope: an applier has one
+  // open), never call the shard.
   int64_t AddWaiter(std::function<void(int slice)> wake);
   void RemoveWaiter(int64_t id);
   // PullSlice's answer if slice `slice` reached min_version (waited zero),
@@ -417,7 +426,8 @@ class Shard {
   ThreadPool* const apply_pool_;  // may be null; not owned
   const int64_t apply_range_;
   ThreadPool* const appliers_;  // may be null; not owned
-  StepTrace* const trace_;      // may be null; not owned
+  const int64_t inline_apply_floats_;
+  StepTrace* const trace_;  // may be null; not owned
 
   mutable absl::Mutex mu_;
   // Signalled when a slice is applied, and on Init and Shutdown.

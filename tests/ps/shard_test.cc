@@ -17,6 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/deferred_work.h"
 #include "common/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -1763,7 +1764,7 @@ void AwaitVersion(Shard& shard, int64_t version) {
 
 TEST(AsyncShardTest, ARetryOfAGradientBeingAppliedIsNotTakenAgain) {
   HeldAppliers held;
-  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool);
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool, nullptr, /*inline_apply_floats=*/0);
   ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
   ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);
   // The answer was lost; the worker sends the push again while it is applied.
@@ -1783,7 +1784,7 @@ TEST(AsyncShardTest, ARetryOfAGradientBeingAppliedIsNotTakenAgain) {
 
 TEST(AsyncShardTest, ADroppedWorkersPullFailsInsteadOfWaiting) {
   HeldAppliers held;
-  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool);
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool, nullptr, /*inline_apply_floats=*/0);
   ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
   ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(1)), PushResponse::ACCEPTED);  // being applied
   ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);  // queued
@@ -1806,7 +1807,7 @@ TEST(AsyncShardTest, ADroppedWorkersPullFailsInsteadOfWaiting) {
 
 TEST(AsyncShardTest, ASnapshotOfTheVersionBeingLeftIsTaken) {
   HeldAppliers held;
-  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool);
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool, nullptr, /*inline_apply_floats=*/0);
   ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
   ASSERT_EQ(*PushAsync(shard, 0, 0, 0, Grads(1)), PushResponse::ACCEPTED);  // being applied
   absl::StatusOr<Shard::SnapshotTicket> ticket = shard.RequestSnapshot(kJob, 0);
@@ -1818,6 +1819,58 @@ TEST(AsyncShardTest, ASnapshotOfTheVersionBeingLeftIsTaken) {
   EXPECT_EQ((*snap)->weights->version, 0);
   EXPECT_EQ(ValuesOf(*(*snap)->weights), (std::vector<std::vector<float>>{kA, kB}));
   shard.ReleaseSnapshot(*ticket);
+}
+
+// With an applier pool, a slice of at most inline_apply_floats elements is
+// applied on the thread of the push that completes it; a larger one waits
+// for an applier.
+TEST(ShardAppliersTest, SmallSlicesAreAppliedOnThePushersThread) {
+  HeldAppliers held;
+  // Slice "a" has 6 elements, "b" 4.
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &held.pool, nullptr, /*inline_apply_floats=*/4);
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  ASSERT_EQ(*shard.Push(kJob, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  ASSERT_EQ(*shard.Push(kJob, 1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  // The applier is held: "b" is applied all the same, "a" is not yet.
+  absl::StatusOr<std::optional<Shard::PulledSlice>> b = shard.TryPullSlice(kJob, 1, 1);
+  ASSERT_TRUE(b.ok() && b->has_value()) << "the small slice was applied by the push";
+  EXPECT_EQ((*b)->version, 1);
+  absl::StatusOr<std::optional<Shard::PulledSlice>> a = shard.TryPullSlice(kJob, 0, 1);
+  ASSERT_TRUE(a.ok());
+  EXPECT_FALSE(a->has_value()) << "the larger slice waits for the held applier";
+  held.go.Notify();
+  AwaitVersion(shard, 1);
+  EXPECT_EQ(ValuesNow(shard), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3)));
+}
+
+// A waiter's wake may defer its work (common/deferred_work.h): the applier
+// that applied the slice runs it once it has let go of the shard's lock, so
+// the work may call the shard (under the lock it would deadlock).
+TEST(ShardAppliersTest, WorkAWaiterDefersRunsOnTheApplierAfterTheLock) {
+  ThreadPool appliers(1);
+  Shard shard(nullptr, Shard::kDefaultApplyRange, &appliers, nullptr, /*inline_apply_floats=*/0);
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  absl::Notification ran;
+  std::atomic<bool> deferred{false};
+  std::thread::id ran_on;
+  absl::StatusOr<std::optional<Shard::PulledSlice>> pulled = absl::UnknownError("not run");
+  const int64_t waiter = shard.AddWaiter([&](int slice) {
+    if (slice != 0 || deferred) return;
+    std::function<void()> work = [&] {
+      pulled = shard.TryPullSlice(kJob, 0, 1);
+      ran_on = std::this_thread::get_id();
+      ran.Notify();
+    };
+    deferred = DeferredWork::Defer(work);
+  });
+  ASSERT_EQ(*shard.Push(kJob, 0, 0, Grads(1)), PushResponse::ACCEPTED);
+  ASSERT_EQ(*shard.Push(kJob, 1, 0, Grads(-3)), PushResponse::ACCEPTED);
+  ASSERT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  shard.RemoveWaiter(waiter);
+  EXPECT_TRUE(deferred);
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  ASSERT_TRUE(pulled.ok() && pulled->has_value()) << pulled.status();
+  EXPECT_EQ((*pulled)->version, 1);
 }
 
 TEST(AsyncShardTest, WorkerIdsOutsideTheJobAreRefused) {

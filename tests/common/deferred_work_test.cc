@@ -1,0 +1,45 @@
+#include "common/deferred_work.h"
+
+#include <functional>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace psflow {
+namespace {
+
+TEST(DeferredWorkTest, WithoutAScopeWorkIsRefusedAndLeftToTheCaller) {
+  bool ran = false;
+  std::function<void()> fn = [&] { ran = true; };
+  EXPECT_FALSE(DeferredWork::Defer(fn));
+  ASSERT_TRUE(fn) << "a refused function stays with the caller";
+  fn();
+  EXPECT_TRUE(ran);
+}
+
+TEST(DeferredWorkTest, TheOutermostScopeRunsEverythingInOrderWhenItCloses) {
+  std::string log;
+  {
+    DeferredWork outer;
+    std::function<void()> a = [&] { log += "a"; };
+    ASSERT_TRUE(DeferredWork::Defer(a));
+    {
+      DeferredWork inner;
+      std::function<void()> b = [&] {
+        log += "b";
+        // Work deferred while deferred work runs runs too, after it.
+        std::function<void()> c = [&] { log += "c"; };
+        EXPECT_TRUE(DeferredWork::Defer(c));
+      };
+      ASSERT_TRUE(DeferredWork::Defer(b));
+    }
+    EXPECT_EQ(log, "") << "an inner scope leaves its work to the outer one";
+  }
+  EXPECT_EQ(log, "abc");
+  // Closed: nothing is kept any more.
+  std::function<void()> d = [&] { log += "d"; };
+  EXPECT_FALSE(DeferredWork::Defer(d));
+}
+
+}  // namespace
+}  // namespace psflow
