@@ -12,8 +12,8 @@
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
-#include "common/process_setup.h"
 #include "common/metrics.h"
+#include "common/process_setup.h"
 #include "common/signals.h"
 
 int main(int argc, char** argv) {
