@@ -4,7 +4,9 @@
 #   - two alone workers at the same time, cores/2 threads each (their sum);
 #   - synchronous psflow jobs with 1 and 2 workers against 1 and 2 ps, on
 #     loopback, workers with cores/workers threads each;
-# and each job's ratio to the alone figure with as many workers.
+# and each job's ratio to the alone figure with as many workers, and the
+# context switches of all its processes per step (from the lines each logs
+# at exit: every hand-off between threads costs one or two).
 # Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default; WORKER_ARGS:
 # more flags for the jobs' workers, e.g. "--push_during_backward=false")
 set -euo pipefail
@@ -30,6 +32,11 @@ job() {  # workers ps -> ex/s (from the chief's closing line)
   ex_per_s "$tmp/$1x$2.log"
 }
 
+switches_per_step() {  # workers ps -> context switches per step, all processes of the job
+  sed -n 's/.*context switches: \([0-9]*\) voluntary, \([0-9]*\) involuntary.*/\1 \2/p' \
+    "$tmp/$1x$2.log" | awk -v steps=$(( steps + 50 )) '{s += $1 + $2} END {printf "%.0f", s / steps}'
+}
+
 echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"
 alone1=$(alone "$cores")
 alone "$half" > "$tmp/a0" & p0=$!
@@ -37,14 +44,15 @@ alone "$half" > "$tmp/a1" & p1=$!
 wait $p0 $p1
 alone2=$(awk '{s += $1} END {printf "%.1f", s}' "$tmp/a0" "$tmp/a1")
 
-printf '%-34s %10s %8s\n' "configuration" "ex/s" "ratio"
-printf '%-34s %10.0f %8s\n' "1 worker alone (in-process)" "$alone1" "1.00"
-printf '%-34s %10.0f %8s\n' "2 workers alone, concurrently (sum)" "$alone2" "1.00"
+printf '%-34s %10s %8s %15s\n' "configuration" "ex/s" "ratio" "switches/step"
+printf '%-34s %10.0f %8s %15s\n' "1 worker alone (in-process)" "$alone1" "1.00" "-"
+printf '%-34s %10.0f %8s %15s\n' "2 workers alone, concurrently (sum)" "$alone2" "1.00" "-"
 for w in 1 2; do
   for p in 1 2; do
     rate=$(job "$w" "$p")
     base=$([ "$w" = 1 ] && echo "$alone1" || echo "$alone2")
     ratio=$(awk -v r="$rate" -v b="$base" 'BEGIN {printf "%.2f", r / b}')
-    printf '%-34s %10.0f %8s\n' "$w worker(s), $p ps, synchronous" "$rate" "$ratio"
+    printf '%-34s %10.0f %8s %15s\n' "$w worker(s), $p ps, synchronous" "$rate" "$ratio" \
+      "$(switches_per_step "$w" "$p")"
   done
 done

@@ -76,5 +76,6 @@ int main(int argc, char** argv) {
       [&](int sig) { chief->Stop(sig); }, absl::Seconds(30), "stopping");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   readiness.Detach();
+  psflow::LogResourceUsage();
   return code;
 }

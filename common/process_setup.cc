@@ -1,8 +1,11 @@
 #include "common/process_setup.h"
 
 #include <malloc.h>
+#include <sys/resource.h>
 
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/log.h"
 
 namespace psflow {
 
@@ -18,6 +21,16 @@ void KeepLargeAllocationsInHeap() {
 
 void SkipMutexDeadlockDetection() {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+}
+
+void LogResourceUsage() {
+  rusage usage{};
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return;
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+  PSLOG(INFO) << absl::StrFormat(
+      "used %.2f s of CPU (user %.2f, system %.2f); context switches: %d voluntary, %d involuntary",
+      seconds(usage.ru_utime) + seconds(usage.ru_stime), seconds(usage.ru_utime),
+      seconds(usage.ru_stime), usage.ru_nvcsw, usage.ru_nivcsw);
 }
 
 }  // namespace psflow

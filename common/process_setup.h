@@ -22,6 +22,12 @@ void KeepLargeAllocationsInHeap();
 // tests, which do not call it, keep the check.
 void SkipMutexDeadlockDetection();
 
+// Logs what the process used so far, all its threads together: CPU time
+// (user and system) and context switches (voluntary: a thread blocked;
+// involuntary: a thread was preempted). The role binaries log it as they
+// exit; bench/throughput.sh adds up a job's context switches per step.
+void LogResourceUsage();
+
 }  // namespace psflow
 
 #endif  // PSFLOW_COMMON_PROCESS_SETUP_H_

@@ -141,5 +141,6 @@ int main(int argc, char** argv) {
   if (server != nullptr)
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   readiness.Detach();
+  psflow::LogResourceUsage();
   return code;
 }

@@ -201,5 +201,6 @@ int main(int argc, char** argv) {
               << ", duplicates " << stats.duplicate << ", refused for non-finite gradients "
               << stats.refused_pushes << ", streams refused over a bound "
               << service.refused_streams() << ")";
+  psflow::LogResourceUsage();
   return code;
 }

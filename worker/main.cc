@@ -297,5 +297,6 @@ int main(int argc, char** argv) {
       absl::Seconds(chief_role != nullptr ? 30 : 6), "stopping after the call in flight");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   readiness.Detach();
+  psflow::LogResourceUsage();
   return code;
 }

@@ -569,8 +569,9 @@ TEST_F(CoordinatorTest, ALiveSetThatWentWrongOnAPsIsRepaired) {
       ps_->SetLiveWorkers(0, id, {0, 1, 7}, 0, absl::Now() + absl::Seconds(1))));
   // ps 0 keeps both; ps 1 takes worker 1 back from the next step.
   ASSERT_TRUE(Eventually([&] {
-    Report(id, 0, -1);
-    Report(id, 1, -1);
+    // Heartbeats only: what they lead to is checked in the ps's state.
+    static_cast<void>(Report(id, 0, -1));
+    static_cast<void>(Report(id, 1, -1));
     return State(0).live_workers_size() == 2 && State(1).joining_workers_size() == 1;
   }));
   EXPECT_THAT(State(0).live_workers(), ElementsAre(0, 1));

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <regex>
 #include <set>
 #include <string>
 #include <thread>
@@ -500,6 +501,22 @@ TEST_F(ObservabilityTest, EachPsAndWorkerTracesTheStepsAskedForOnOneClock) {
                   "--model=mlp", "--train_steps=40", "--log_every_steps=20", "--compute_threads=1",
                   "--model_dir=" + dir_ + "/model"});
   ASSERT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  // Each process logs what it used as it exits: some CPU, and context
+  // switches (its threads hand work to one another every step).
+  const std::string output = launch.output();
+  const std::regex usage(
+      R"(\[(\w+)\] .* used ([0-9.]+) s of CPU \(user [0-9.]+, system [0-9.]+\); )"
+      R"(context switches: ([0-9]+) voluntary, [0-9]+ involuntary)");
+  std::set<std::string> reported;
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), usage);
+       it != std::sregex_iterator(); ++it) {
+    const std::smatch& m = *it;
+    reported.insert(m[1]);
+    EXPECT_GT(std::stod(m[2]), 0.0) << m[0];
+    EXPECT_GT(std::stoll(m[3]), 40) << m[0] << ": 40 steps of a job";
+  }
+  EXPECT_EQ(reported, (std::set<std::string>{"chief", "ps0", "ps1", "worker0", "worker1"}))
+      << output;
   const std::set<std::string> both = {"20", "21"};
   std::vector<std::multimap<std::string, TraceEvent>> workers, ps;
   for (int i = 0; i < 2; ++i) {
