@@ -24,17 +24,19 @@ alone() {  # threads -> ex/s
   "$bin/psflow-bench-alone" --data_dir="$data_dir" --threads="$1" --steps="$steps" | awk '/^alone/ {print $2}'
 }
 
+job_steps=$(( steps + 50 ))  # the first interval (50 steps) is not measured
+
 job() {  # workers ps -> ex/s (from the chief's closing line)
   launch_job "$1x$2" --workers="$1" --ps="$2" --worker_args="${WORKER_ARGS:-}" -- \
       --model=cnn --data_dir="$data_dir" \
-      --train_steps=$(( steps + 50 )) --log_every_steps=50 --batch_size=64 --optimizer=adam \
+      --train_steps="$job_steps" --log_every_steps=50 --batch_size=64 --optimizer=adam \
       --learning_rate=0.001
   ex_per_s "$tmp/$1x$2.log"
 }
 
 switches_per_step() {  # workers ps -> context switches per step, all processes of the job
   sed -n 's/.*context switches: \([0-9]*\) voluntary, \([0-9]*\) involuntary.*/\1 \2/p' \
-    "$tmp/$1x$2.log" | awk -v steps=$(( steps + 50 )) '{s += $1 + $2} END {printf "%.0f", s / steps}'
+    "$tmp/$1x$2.log" | awk -v steps="$job_steps" '{s += $1 + $2} END {printf "%.0f", s / steps}'
 }
 
 echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"

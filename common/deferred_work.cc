@@ -10,12 +10,12 @@ thread_local DeferredWork* open_scope = nullptr;
 
 }  // namespace
 
-DeferredWork::DeferredWork() : outer_(open_scope) {
-  if (outer_ == nullptr) open_scope = this;
+DeferredWork::DeferredWork() : outermost_(open_scope == nullptr) {
+  if (outermost_) open_scope = this;
 }
 
 DeferredWork::~DeferredWork() {
-  if (outer_ != nullptr) return;  // the outermost scope runs it all
+  if (!outermost_) return;  // the outermost scope runs it all
   // Work may defer more while it runs: it joins the end of the list.
   for (size_t i = 0; i < work_.size(); ++i) {
     std::function<void()> fn = std::move(work_[i]);

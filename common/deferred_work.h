@@ -33,7 +33,7 @@ class DeferredWork {
   static bool Defer(std::function<void()>& fn);
 
  private:
-  DeferredWork* const outer_;
+  const bool outermost_;  // the scope that runs the work
   std::vector<std::function<void()>> work_;
 };
 

@@ -24,8 +24,8 @@ void SkipMutexDeadlockDetection();
 
 // Logs what the process used so far, all its threads together: CPU time
 // (user and system) and context switches (voluntary: a thread blocked;
-// involuntary: a thread was preempted). The role binaries log it as they
-// exit; bench/throughput.sh adds up a job's context switches per step.
+// involuntary: a thread was preempted). The role binaries log it once their
+// run is over; bench/throughput.sh adds up a job's context switches per step.
 void LogResourceUsage();
 
 }  // namespace psflow

@@ -144,6 +144,7 @@ ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
     e.sink = std::move(s);
     entries_[key] = std::move(e);
   }
+  for (const auto& [key, e] : entries_) remaining_bytes_ += e.bytes;
 }
 
 absl::Status ChunkAssembler::Add(const TensorChunk& chunk) {
@@ -200,6 +201,7 @@ absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, Chu
     *e.sink.non_finite = true;
   }
   e.received += size;
+  remaining_bytes_ -= size;
   if (e.received == e.bytes) *completed = e.index;
   return absl::OkStatus();
 }

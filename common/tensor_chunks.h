@@ -152,6 +152,8 @@ class ChunkAssembler {
   absl::Status Finish() const;
   // True when the sink named (name, slot, row_begin) received all its bytes.
   bool Complete(const std::string& name, const std::string& slot, int64_t row_begin = 0) const;
+  // Bytes (on the wire) that the sinks still wait for.
+  int64_t remaining_bytes() const { return remaining_bytes_; }
 
  private:
   struct Entry {
@@ -162,6 +164,7 @@ class ChunkAssembler {
     int64_t received = 0;       // bytes decoded so far
   };
   absl::flat_hash_map<std::string, Entry> entries_;  // key: name, slot and first row
+  int64_t remaining_bytes_ = 0;
 };
 
 }  // namespace psflow

@@ -722,7 +722,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
 
  private:
   void OnReadDone(bool ok) override {
-    if (!ok || (started_ && !skip_ && expected_bytes_ - bytes_ <= kInlineReadBytes)) {
+    if (!ok || (assembler_ != nullptr && assembler_->remaining_bytes() <= kInlineReadBytes)) {
       Process(ok);
       return;
     }
@@ -808,13 +808,6 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header_.region()));
       region_span_ = region_->data;
     }
-    const int64_t wire_bytes = WireBytes(dtype);
-    if (indices_.empty()) {
-      for (const SliceSpec& spec : *slices)
-        expected_bytes_ += NumElements(spec.shape()) * wire_bytes;
-    } else {
-      for (int i : indices_) expected_bytes_ += NumElements((*slices)[i].shape()) * wire_bytes;
-    }
     // A skip push has no data: no assembler, so that a chunk is refused.
     if (!skip_) {
       assembler_ =
@@ -887,9 +880,6 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   std::shared_ptr<const SharedMapping> region_;
   SharedSpan region_span_;
   int64_t bytes_ = 0;
-  // The data bytes of the slices the header names (a guide to where a
-  // message is read: a peer that sends more is refused by the assembler).
-  int64_t expected_bytes_ = 0;
   bool accepted_ = false, stale_ = false;
 };
 

@@ -26,7 +26,8 @@ namespace {
   a.Lock();
   a.Unlock();
   b.Unlock();
-  std::exit(0);
+  // _exit: a forked child must not flush the parent's buffered output again.
+  _exit(0);
 }
 
 // A child that only inverts the lock order: whether this build of Abseil

@@ -232,6 +232,20 @@ TEST(TensorChunksTest, OptionalSinks) {
   }
 }
 
+TEST(TensorChunksTest, RemainingBytesCountWhatTheSinksStillWaitFor) {
+  std::vector<float> w(4, 0.0f), b(2, 0.0f);
+  ChunkAssembler assembler({{"w", "", {4}, w.data(), true}, {"b", "", {2}, b.data(), true}});
+  EXPECT_EQ(assembler.remaining_bytes(), 6 * 4);
+  ASSERT_TRUE(assembler.Add(Chunk("w", "", {4}, 0, {1, 2})).ok());
+  EXPECT_EQ(assembler.remaining_bytes(), 4 * 4);
+  // A refused chunk (at the wrong offset) counts for nothing.
+  EXPECT_FALSE(assembler.Add(Chunk("b", "", {2}, 4, {1})).ok());
+  EXPECT_EQ(assembler.remaining_bytes(), 4 * 4);
+  ASSERT_TRUE(assembler.Add(Chunk("w", "", {4}, 8, {3, 4})).ok());
+  ASSERT_TRUE(assembler.Add(Chunk("b", "", {2}, 0, {5, 6})).ok());
+  EXPECT_EQ(assembler.remaining_bytes(), 0);
+}
+
 // The value `v` becomes after a trip through `dtype`.
 float OnWire(DataType dtype, float v) {
   if (dtype == DT_BFLOAT16) return Bfloat16ToFloat(FloatToBfloat16(v));
