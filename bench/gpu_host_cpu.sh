@@ -13,7 +13,8 @@
 # The chief's last progress lines (examples/s, step split) close the output.
 # Usage: bench/gpu_host_cpu.sh [build/bin]
 #   PS (2), WIRE (fp32), STEPS (4000), WARMUP (20), SECONDS_MEASURED (5),
-#   WORKER_ARGS (more worker flags, e.g. --ps_lanes=4), DEVICE (cuda:0; cpu
+#   WORKER_ARGS (more worker flags, e.g. --ps_lanes=4), PS_ARGS (more ps
+#   flags, e.g. --apply_threads=4), DEVICE (cuda:0; cpu
 #   works too, slowly: set fewer STEPS)
 set -euo pipefail
 bin=${1:-build/bin}
@@ -42,9 +43,9 @@ trap cleanup EXIT
 
 gpu=$( [ "$device" = cpu ] || nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "worker on $device${gpu:+ ($gpu)}; $(nproc) CPU cores; $ps ps, wire $wire," \
-  "${WORKER_ARGS:+worker args $WORKER_ARGS, }resnet b128"
+  "${WORKER_ARGS:+worker args $WORKER_ARGS, }${PS_ARGS:+ps args $PS_ARGS, }resnet b128"
 "$bin/psflow-launch" --ps="$ps" --workers=1 --worker_devices="$device" \
-  --worker_args="${WORKER_ARGS:-}" -- --model_dir="$tmp/model" \
+  --worker_args="${WORKER_ARGS:-}" --ps_args="${PS_ARGS:-}" -- --model_dir="$tmp/model" \
   --model=resnet --dataset=synthetic --synthetic_examples=20000 --batch_size=128 \
   --train_steps="$steps" --log_every_steps=$((steps / 8)) --optimizer=sgd --learning_rate=0.05 \
   --wire_dtype="$wire" > "$tmp/job.log" 2>&1 &

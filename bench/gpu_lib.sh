@@ -28,6 +28,7 @@ ddp() {
 
 # psflow NAME WORKERS DEVICES PS WIRE MODEL STEPS: one psflow-launch job
 # (its workers get $WORKER_ARGS as well, if set: psflow-launch --worker_args;
+# its ps $PS_ARGS, e.g. "--apply_threads=4": --ps_args;
 # its chief $CHIEF_ARGS, e.g. "--slice_mb=0"; psflow-launch itself
 # $LAUNCH_ARGS, e.g. "--trace_dir=DIR --trace_steps=200:201");
 # sets $rate (ex/s after the first interval) and $split ("step pull compute
@@ -40,7 +41,7 @@ psflow() {
     data=(--data_dir="$data_dir")
   fi
   launch_job "$name" --ps="$ps" --workers="$workers" --worker_devices="$devices" \
-    --worker_args="${WORKER_ARGS:-}" ${LAUNCH_ARGS:-} -- \
+    --worker_args="${WORKER_ARGS:-}" --ps_args="${PS_ARGS:-}" ${LAUNCH_ARGS:-} -- \
     --model="$model" "${data[@]}" --batch_size="$(batch_of "$model")" --train_steps="$steps" \
     --log_every_steps=$((steps >= 8 ? steps / 8 : 1)) --optimizer=sgd --learning_rate=0.05 \
     --wire_dtype="$wire" ${CHIEF_ARGS:-}

@@ -8,7 +8,8 @@
 # context switches of all its processes per step (from the lines each logs
 # at exit: every hand-off between threads costs one or two).
 # Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default; WORKER_ARGS:
-# more flags for the jobs' workers, e.g. "--push_during_backward=false")
+# more flags for the jobs' workers, e.g. "--push_during_backward=false";
+# PS_ARGS: for their ps, e.g. "--apply_threads=1")
 set -euo pipefail
 bin=${1:-build/bin}
 steps=${STEPS:-400}
@@ -27,7 +28,8 @@ alone() {  # threads -> ex/s
 job_steps=$(( steps + 50 ))  # the first interval (50 steps) is not measured
 
 job() {  # workers ps -> ex/s (from the chief's closing line)
-  launch_job "$1x$2" --workers="$1" --ps="$2" --worker_args="${WORKER_ARGS:-}" -- \
+  launch_job "$1x$2" --workers="$1" --ps="$2" --worker_args="${WORKER_ARGS:-}" \
+      --ps_args="${PS_ARGS:-}" -- \
       --model=cnn --data_dir="$data_dir" \
       --train_steps="$job_steps" --log_every_steps=50 --batch_size=64 --optimizer=adam \
       --learning_rate=0.001

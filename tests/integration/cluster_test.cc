@@ -612,6 +612,24 @@ TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
   EXPECT_THAT(r.output, HasSubstr("--worker_args: 'ps_lanes=4' is not a flag")) << r.description;
 }
 
+// --ps_args reach every ps (each logs the apply threads it was given), and
+// an argument that is no flag is refused before anything starts.
+TEST(ClusterCliTest, LaunchPassesPsArgsToThePs) {
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=1", "--ps_args=--apply_threads=3", "--", "--model=mlp",
+                  "--dataset=synthetic", "--train_steps=20",
+                  "--model_dir=" + ::testing::TempDir() + "/psflow_ps_args"});
+  EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  for (const char* ps : {"[ps0]", "[ps1]"}) {
+    EXPECT_THAT(launch.output(), ::testing::ContainsRegex(
+                                     absl::StrCat("\\", ps, ".*applying each step on 3 thread")))
+        << launch.Describe();
+  }
+  RunResult r = RunProcess(Bin("psflow-launch"), {"--ps_args=apply_threads=4"}, {}, seconds(10));
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_THAT(r.output, HasSubstr("--ps_args: 'apply_threads=4' is not a flag")) << r.description;
+}
+
 // Workers and ps on one host exchange tensors through shared memory by
 // default, and over the network with --shared_memory=false; both train.
 TEST(ClusterCliTest, WorkersOnThePsHostExchangeThroughSharedMemory) {
@@ -824,7 +842,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                             "auth_token_file", "metrics_port"}},
       {"psflow-launch",
        {"ps", "workers", "evaluators", "evaluator_device", "host", "bin_dir", "grace_seconds",
-        "restart", "worker_devices", "worker_args", "max_restarts", "tls_dir",
+        "restart", "worker_devices", "worker_args", "ps_args", "max_restarts", "tls_dir",
         "metrics_base_port"}},
       {"psflow-eval",
        {"saved_model", "data_dir", "dataset", "synthetic_examples", "batch_size", "device",

@@ -239,6 +239,7 @@ int RunCluster(const LaunchOptions& o) {
   for (int i = 0; started && i < o.num_ps; ++i) {
     std::vector<std::string> extra = metrics(1 + i);
     extra.insert(extra.end(), o.trace_args.begin(), o.trace_args.end());
+    extra.insert(extra.end(), o.ps_args.begin(), o.ps_args.end());
     started = start(absl::StrCat("ps", i), "ps", i, extra);
   }
   for (int i = o.with_chief ? 0 : 1; started && i < o.num_workers; ++i) started = start_worker(i);

@@ -27,6 +27,8 @@ struct LaunchOptions {
   std::vector<std::string> worker_devices;
   // More flags for every worker (psflow-worker's own, such as --ps_lanes).
   std::vector<std::string> worker_args;
+  // More flags for every ps (psflow-ps's own, such as --apply_threads).
+  std::vector<std::string> ps_args;
   // More flags for every ps and worker: the step trace's (--trace_dir,
   // --trace_steps).
   std::vector<std::string> trace_args;

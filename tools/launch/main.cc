@@ -52,6 +52,9 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, worker_args, "",
           "More flags for every worker, separated by spaces (psflow-worker's own, e.g. "
           "\"--ps_lanes=4 --push_during_backward=false\"); each must start with --.");
+ABSL_FLAG(std::string, ps_args, "",
+          "More flags for every ps, separated by spaces (psflow-ps's own, e.g. "
+          "\"--apply_threads=4\"); each must start with --.");
 ABSL_FLAG(std::string, trace_dir, "",
           "Give every ps and worker --trace_dir=DIR (and --trace_steps): each writes a timeline "
           "of those steps to DIR/<role><index>.json; scripts/trace-summary.py DIR lists one step "
@@ -142,14 +145,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "psflow-launch: %s\n", bad.c_str());
     return 1;
   }
-  for (absl::string_view arg :
-       absl::StrSplit(absl::GetFlag(FLAGS_worker_args), ' ', absl::SkipEmpty())) {
-    if (!absl::StartsWith(arg, "--")) {
-      std::fprintf(stderr, "psflow-launch: --worker_args: '%s' is not a flag (--name=value)\n",
-                   std::string(arg).c_str());
-      return 1;
+  // --worker_args and --ps_args: flags separated by spaces, each "--...".
+  auto split_flags = [](const char* name, const std::string& text, std::vector<std::string>* out) {
+    for (absl::string_view arg : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+      if (!absl::StartsWith(arg, "--")) {
+        std::fprintf(stderr, "psflow-launch: --%s: '%s' is not a flag (--name=value)\n", name,
+                     std::string(arg).c_str());
+        return false;
+      }
+      out->emplace_back(arg);
     }
-    o.worker_args.emplace_back(arg);
+    return true;
+  };
+  if (!split_flags("worker_args", absl::GetFlag(FLAGS_worker_args), &o.worker_args) ||
+      !split_flags("ps_args", absl::GetFlag(FLAGS_ps_args), &o.ps_args)) {
+    return 1;
   }
   if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
     int64_t first = 0, last = 0;
