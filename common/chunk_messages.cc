@@ -25,11 +25,6 @@ using google::protobuf::io::StringOutputStream;
 // costs more than the copy.
 constexpr int64_t kCopyBelowBytes = 4096;
 
-// A chunk in shared memory is decoded (and checked by the assembler) in
-// blocks of this many bytes: a multiple of every element's size, small
-// enough that the check reads what the copy left in the cache.
-constexpr int64_t kSharedBlockBytes = 256 << 10;
-
 // TensorChunk's field numbers (proto/tensor.proto).
 enum ChunkField : int {
   kName = 1,
@@ -219,21 +214,10 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
                                                      " of a shared region of ", region->size));
     }
     *data_bytes += size;
-    // In blocks, each checked while it is still in the cache.
-    const int64_t first = header.offset();
-    int64_t done = 0;
-    do {
-      const int64_t take = std::min(kSharedBlockBytes, size - done);
-      const char* from = region->data + at + done;
-      header.set_offset(first + done);
-      absl::Status s = add(take, [&](DataType dtype, int64_t n, float* out) {
-        DecodeFloats(dtype, from, n, out);
-        return true;
-      });
-      if (!s.ok()) return s;
-      done += take;
-    } while (done < size);
-    return absl::OkStatus();
+    int completed = -1;
+    absl::Status s = assembler->AddInPlace(header, size, region->data + at, &completed);
+    if (s.ok() && completed >= 0) s = on_complete(completed);
+    return s;
   }
   // proto3 leaves out empty bytes: a chunk of no data.
   return add(0, [](DataType, int64_t, float*) { return true; });

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "common/float16.h"
 #include "common/log.h"
+#include "common/status_macros.h"
 
 namespace psflow {
 namespace {
@@ -141,6 +142,7 @@ ChunkAssembler::ChunkAssembler(std::vector<TensorSink> sinks) {
     e.element_bytes = ElementBytes(s.dtype);
     e.bytes = NumElements(s.shape) * e.element_bytes;
     std::string key = Key(s.name, s.slot, s.row_begin);
+    if (s.borrow != nullptr) *s.borrow = nullptr;
     e.sink = std::move(s);
     entries_[key] = std::move(e);
   }
@@ -162,9 +164,8 @@ absl::Status ChunkAssembler::Add(const TensorChunk& chunk, int* completed) {
       completed);
 }
 
-absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, ChunkDecoder decode,
-                                     int* completed) {
-  *completed = -1;
+absl::StatusOr<ChunkAssembler::Entry*> ChunkAssembler::Check(const TensorChunk& chunk,
+                                                             int64_t size) {
   auto it = entries_.find(Key(chunk.name(), chunk.slot(), chunk.row_begin()));
   if (it == entries_.end()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -192,17 +193,76 @@ absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, Chu
                                                    " bytes does not fit: ", e.bytes - e.received,
                                                    " bytes remain"));
   }
-  float* const data = SinkData(e.sink, (e.received + size) / e.element_bytes);
-  float* const out = data + e.received / e.element_bytes;
-  if (!decode(e.sink.dtype, size / e.element_bytes, out)) {
-    return absl::DataLossError(absl::StrCat("tensor ", what(), " chunk data cut short"));
-  }
-  if (e.sink.non_finite != nullptr && AnyNonFinite(out, size / e.element_bytes)) {
+  return &e;
+}
+
+void ChunkAssembler::Received(Entry& e, int64_t size, const float* values, int* completed) {
+  if (e.sink.non_finite != nullptr && AnyNonFinite(values, size / e.element_bytes)) {
     *e.sink.non_finite = true;
   }
   e.received += size;
   remaining_bytes_ -= size;
-  if (e.received == e.bytes) *completed = e.index;
+  if (e.received == e.bytes) {
+    *completed = e.index;
+    if (e.in_place != nullptr) {
+      *e.sink.borrow = reinterpret_cast<const float*>(e.in_place);
+      ++borrowed_;
+    }
+  }
+}
+
+void ChunkAssembler::StopBorrowing(Entry& e) {
+  if (e.in_place != nullptr) {
+    // fp32 (the only dtype left in place): the bytes are the values.
+    std::memcpy(SinkData(e.sink, e.received / e.element_bytes), e.in_place,
+                static_cast<size_t>(e.received));
+    e.in_place = nullptr;
+  }
+  e.sink.borrow = nullptr;
+}
+
+absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, ChunkDecoder decode,
+                                     int* completed) {
+  *completed = -1;
+  PSFLOW_ASSIGN_OR_RETURN(Entry * e, Check(chunk, size));
+  StopBorrowing(*e);
+  float* const data = SinkData(e->sink, (e->received + size) / e->element_bytes);
+  float* const out = data + e->received / e->element_bytes;
+  if (!decode(e->sink.dtype, size / e->element_bytes, out)) {
+    return absl::DataLossError(
+        absl::StrCat("tensor ", TensorDisplayName(chunk.name(), chunk.slot(), chunk.row_begin()),
+                     " chunk data cut short"));
+  }
+  Received(*e, size, out, completed);
+  return absl::OkStatus();
+}
+
+absl::Status ChunkAssembler::AddInPlace(const TensorChunk& chunk, int64_t size, const char* from,
+                                        int* completed) {
+  *completed = -1;
+  PSFLOW_ASSIGN_OR_RETURN(Entry * e, Check(chunk, size));
+  const bool follows = e->received == 0 ? reinterpret_cast<uintptr_t>(from) % alignof(float) == 0
+                                        : e->in_place + e->received == from;
+  if (e->sink.borrow == nullptr || e->sink.dtype != DT_FLOAT || !follows) {
+    StopBorrowing(*e);
+    int64_t done = 0;
+    TensorChunk block = chunk;
+    do {
+      const int64_t take = std::min(kInPlaceBlockBytes, size - done);
+      block.set_offset(chunk.offset() + done);
+      PSFLOW_RETURN_IF_ERROR(AddFrom(
+          block, take,
+          [&](DataType dtype, int64_t n, float* out) {
+            DecodeFloats(dtype, from + done, n, out);
+            return true;
+          },
+          completed));
+      done += take;
+    } while (done < size);
+    return absl::OkStatus();
+  }
+  if (e->received == 0) e->in_place = from;
+  Received(*e, size, reinterpret_cast<const float*>(from), completed);
   return absl::OkStatus();
 }
 

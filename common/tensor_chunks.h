@@ -114,6 +114,12 @@ struct TensorSink {
   // Of a slice, its first row within the variable: chunks are matched on
   // name, slot and this (TensorChunk.row_begin).
   int64_t row_begin = 0;
+  // If set: where fp32 chunks come in memory that stays the caller's after
+  // the assembler (a shared region, ChunkAssembler::AddInPlace) and lie
+  // there one after another, the values are left there and *borrow points at
+  // them once the sink is complete, instead of being copied into `data`.
+  // Null otherwise (set so by the assembler first): the values are in `data`.
+  const float** borrow = nullptr;
 };
 
 // Where a sink's first `elements` floats go: `data`, or its storage,
@@ -148,6 +154,19 @@ class ChunkAssembler {
   using ChunkDecoder = absl::FunctionRef<bool(DataType dtype, int64_t elements, float* out)>;
   absl::Status AddFrom(const TensorChunk& header, int64_t size, ChunkDecoder decode,
                        int* completed);
+  // AddInPlace decodes what it does not leave in place in blocks of this
+  // many bytes (a multiple of every element's size), each checked for NaN
+  // while the copy has left it in the cache.
+  static constexpr int64_t kInPlaceBlockBytes = 256 << 10;
+  // AddFrom for a chunk whose `size` bytes lie at `from`, in memory that
+  // outlives the assembler's caller's use of the sinks: a sink with `borrow`
+  // takes fp32 values where they lie while its chunks follow one another
+  // there (otherwise, and for other sinks, they are decoded into the sink,
+  // with what was left in place before).
+  absl::Status AddInPlace(const TensorChunk& header, int64_t size, const char* from,
+                          int* completed);
+  // Sinks whose values were left in place (their *borrow set).
+  int borrowed() const { return borrowed_; }
   // OK when every required sink received all its bytes.
   absl::Status Finish() const;
   // True when the sink named (name, slot, row_begin) received all its bytes.
@@ -158,13 +177,23 @@ class ChunkAssembler {
  private:
   struct Entry {
     TensorSink sink;
-    int index = 0;              // in the constructor's order
-    int64_t element_bytes = 4;  // on the wire
-    int64_t bytes = 0;          // total size on the wire
-    int64_t received = 0;       // bytes decoded so far
+    int index = 0;                   // in the constructor's order
+    int64_t element_bytes = 4;       // on the wire
+    int64_t bytes = 0;               // total size on the wire
+    int64_t received = 0;            // bytes decoded so far
+    const char* in_place = nullptr;  // where the bytes received lie, if left in place
   };
+  // The entry a chunk of `size` bytes is for, once its fields are checked
+  // against it.
+  absl::StatusOr<Entry*> Check(const TensorChunk& chunk, int64_t size);
+  // Records `size` bytes of `e` received (their values at `values`, for
+  // the NaN check).
+  void Received(Entry& e, int64_t size, const float* values, int* completed);
+  // Copies what `e` left in place into its sink: it takes no more in place.
+  void StopBorrowing(Entry& e);
   absl::flat_hash_map<std::string, Entry> entries_;  // key: name, slot and first row
   int64_t remaining_bytes_ = 0;
+  int borrowed_ = 0;
 };
 
 }  // namespace psflow

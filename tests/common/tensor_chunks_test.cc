@@ -1,5 +1,6 @@
 #include "common/tensor_chunks.h"
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 namespace psflow {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 std::vector<float> Iota(int64_t n, float scale) {
@@ -244,6 +246,103 @@ TEST(TensorChunksTest, RemainingBytesCountWhatTheSinksStillWaitFor) {
   ASSERT_TRUE(assembler.Add(Chunk("w", "", {4}, 8, {3, 4})).ok());
   ASSERT_TRUE(assembler.Add(Chunk("b", "", {2}, 0, {5, 6})).ok());
   EXPECT_EQ(assembler.remaining_bytes(), 0);
+}
+
+// Chunks in memory that stays the caller's (a shared region): a sink that
+// borrows is left pointing at its fp32 values where they lie while its
+// chunks follow one another there; one whose chunks do not follow, a
+// network chunk among them, or a sink without `borrow` gets its values
+// copied, the part left in place before included.
+TEST(TensorChunksTest, InPlaceChunksAreBorrowedWhileTheyFollowOneAnother) {
+  std::vector<float> region = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const char* base = reinterpret_cast<const char*>(region.data());
+  auto header = [](const std::string& name, int64_t floats, int64_t offset) {
+    return Chunk(name, "", {floats}, offset, {});
+  };
+  std::vector<float> a(4, 0.0f), b(3, 0.0f), c(2, 0.0f), d(3, 0.0f);
+  const float *borrow_a = &a[0], *borrow_b = &b[0], *borrow_d = &d[0];
+  bool nan_in_a = false;
+  TensorSink sink_a{"a", "", {4}, a.data()};
+  sink_a.borrow = &borrow_a;
+  sink_a.non_finite = &nan_in_a;
+  TensorSink sink_b{"b", "", {3}, b.data()};
+  sink_b.borrow = &borrow_b;
+  TensorSink sink_d{"d", "", {3}, d.data()};
+  sink_d.borrow = &borrow_d;
+  ChunkAssembler assembler({sink_a, sink_b, {"c", "", {2}, c.data()}, sink_d});
+  // The constructor clears every borrow.
+  EXPECT_EQ(borrow_a, nullptr);
+  EXPECT_EQ(borrow_b, nullptr);
+  EXPECT_EQ(borrow_d, nullptr);
+  int completed = -1;
+  // a: two chunks one after the other: borrowed, nothing copied.
+  ASSERT_TRUE(assembler.AddInPlace(header("a", 4, 0), 8, base, &completed).ok());
+  EXPECT_EQ(completed, -1);
+  EXPECT_EQ(borrow_a, nullptr) << "set only once the sink is complete";
+  ASSERT_TRUE(assembler.AddInPlace(header("a", 4, 8), 8, base + 8, &completed).ok());
+  EXPECT_EQ(completed, 0);
+  EXPECT_EQ(borrow_a, region.data());
+  EXPECT_THAT(a, ElementsAre(0, 0, 0, 0));
+  EXPECT_FALSE(nan_in_a);
+  // b: its second chunk lies elsewhere: copied, the first one too.
+  ASSERT_TRUE(assembler.AddInPlace(header("b", 3, 0), 4, base + 16, &completed).ok());
+  ASSERT_TRUE(assembler.AddInPlace(header("b", 3, 4), 8, base + 36, &completed).ok());
+  EXPECT_EQ(completed, 1);
+  EXPECT_EQ(borrow_b, nullptr);
+  EXPECT_THAT(b, ElementsAre(5, 10, 11));
+  // c does not borrow: copied.
+  ASSERT_TRUE(assembler.AddInPlace(header("c", 2, 0), 8, base + 24, &completed).ok());
+  EXPECT_THAT(c, ElementsAre(7, 8));
+  // d: in place, then a chunk from the network: all copied.
+  ASSERT_TRUE(assembler.AddInPlace(header("d", 3, 0), 8, base, &completed).ok());
+  ASSERT_TRUE(assembler.Add(Chunk("d", "", {3}, 8, {42}), &completed).ok());
+  EXPECT_EQ(borrow_d, nullptr);
+  EXPECT_THAT(d, ElementsAre(1, 2, 42));
+  EXPECT_TRUE(assembler.Finish().ok());
+  EXPECT_EQ(assembler.borrowed(), 1);
+  // A chunk that does not fit is refused in place as anywhere.
+  std::vector<float> e(2, 0.0f);
+  const float* borrow_e = nullptr;
+  TensorSink sink_e{"e", "", {2}, e.data()};
+  sink_e.borrow = &borrow_e;
+  ChunkAssembler small({sink_e});
+  EXPECT_FALSE(small.AddInPlace(header("e", 2, 0), 12, base, &completed).ok());
+  EXPECT_EQ(borrow_e, nullptr);
+}
+
+// Values left in place are checked for NaN like copied ones; 16-bit chunks
+// are never left in place (they are decoded to fp32).
+TEST(TensorChunksTest, InPlaceChunksAreCheckedAndOnlyFp32IsBorrowed) {
+  std::vector<float> region = {1, std::nanf(""), 3, 4};
+  bool nan_seen = false;
+  std::vector<float> a(4, 0.0f);
+  const float* borrow = nullptr;
+  TensorSink sink{"a", "", {4}, a.data()};
+  sink.borrow = &borrow;
+  sink.non_finite = &nan_seen;
+  ChunkAssembler assembler({sink});
+  int completed = -1;
+  ASSERT_TRUE(assembler
+                  .AddInPlace(Chunk("a", "", {4}, 0, {}), 16,
+                              reinterpret_cast<const char*>(region.data()), &completed)
+                  .ok());
+  EXPECT_TRUE(nan_seen);
+  EXPECT_EQ(borrow, region.data());
+
+  std::vector<uint16_t> halves(2);
+  const std::vector<float> values = {1.5f, -2.0f};
+  EncodeFloats(DT_BFLOAT16, values.data(), 2, reinterpret_cast<char*>(halves.data()));
+  std::vector<float> h(2, 0.0f);
+  const float* borrow_h = nullptr;
+  TensorSink sink_h{"h", "", {2}, h.data(), true, DT_BFLOAT16};
+  sink_h.borrow = &borrow_h;
+  ChunkAssembler sixteen({sink_h});
+  TensorChunk c = Chunk("h", "", {2}, 0, {});
+  c.set_dtype(DT_BFLOAT16);
+  ASSERT_TRUE(
+      sixteen.AddInPlace(c, 4, reinterpret_cast<const char*>(halves.data()), &completed).ok());
+  EXPECT_EQ(borrow_h, nullptr);
+  EXPECT_THAT(h, ElementsAre(1.5f, -2.0f));
 }
 
 // The value `v` becomes after a trip through `dtype`.
