@@ -75,6 +75,7 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(int64_t bytes
 }
 
 SharedRegion::~SharedRegion() {
+  if (unpin_ != nullptr) unpin_(base_ + kRegionHeaderBytes);
   ::munmap(base_, static_cast<size_t>(kRegionHeaderBytes + bytes_));
   ::close(fd_);
 }
@@ -99,7 +100,33 @@ void SharedRegionPool::Lease::Discard() {
   pool_ = nullptr;
 }
 
+void SharedRegionPool::SetPinning(std::function<bool(void*, size_t)> pin,
+                                  std::function<void(void*)> unpin) {
+  absl::MutexLock lock(&mu_);
+  pin_ = std::move(pin);
+  unpin_ = std::move(unpin);
+}
+
 SharedRegionPool::Lease SharedRegionPool::Acquire(int64_t bytes) {
+  Lease lease = Take(bytes);
+  if (!lease || lease.region_->pin_tried_) return lease;
+  std::function<bool(void*, size_t)> pin;
+  std::function<void(void*)> unpin;
+  {
+    absl::MutexLock lock(&mu_);
+    pin = pin_;
+    unpin = unpin_;
+  }
+  if (pin == nullptr) return lease;
+  // Outside the pool's lock: registering takes a while, and the region is
+  // this lease's alone.
+  SharedRegion& region = *lease.region_;
+  region.pin_tried_ = true;
+  if (pin(region.data().data, static_cast<size_t>(region.data().size))) region.unpin_ = unpin;
+  return lease;
+}
+
+SharedRegionPool::Lease SharedRegionPool::Take(int64_t bytes) {
   Lease lease;
   const int64_t want = std::max<int64_t>(1, (bytes + kQuantum - 1) / kQuantum) * kQuantum;
   absl::MutexLock lock(&mu_);

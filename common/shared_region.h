@@ -17,6 +17,7 @@
 #define PSFLOW_COMMON_SHARED_REGION_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -72,10 +73,16 @@ class SharedRegion {
 
   SharedSpan data() const { return {base_ + kRegionHeaderBytes, bytes_}; }
   const SharedRegionRef& ref() const { return ref_; }
+  // Whether its data are registered with a device (SharedRegionPool::SetPinning).
+  bool pinned() const { return unpin_ != nullptr; }
 
  private:
+  friend class SharedRegionPool;
   SharedRegion(int fd, char* base, int64_t bytes, SharedRegionRef ref)
       : fd_(fd), base_(base), bytes_(bytes), ref_(std::move(ref)) {}
+
+  bool pin_tried_ = false;            // by the pool that leases it
+  std::function<void(void*)> unpin_;  // called on the data before they are unmapped
 
   const int fd_;
   char* const base_;
@@ -126,7 +133,17 @@ class SharedRegionPool {
   // Bytes of all regions, leased or not.
   int64_t total_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Registers each region with a device as it is first leased, so that the
+  // device copies from and to it at full speed (a GPU worker uploads pulled
+  // weights straight from a pull's region): `pin(data, bytes)` returns
+  // whether it did (SharedRegion::pinned), and `unpin(data)` is called on a
+  // pinned region's data before it is unmapped. Both must stay callable
+  // until the pool and every lease are gone; call before leasing.
+  void SetPinning(std::function<bool(void*, size_t)> pin, std::function<void(void*)> unpin)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
+  Lease Take(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void Return(std::unique_ptr<SharedRegion> region) ABSL_LOCKS_EXCLUDED(mu_);
   void Drop(std::unique_ptr<SharedRegion> region) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -135,6 +152,8 @@ class SharedRegionPool {
   std::vector<std::unique_ptr<SharedRegion>> free_ ABSL_GUARDED_BY(mu_);
   int64_t total_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // after a failed Create
+  std::function<bool(void*, size_t)> pin_ ABSL_GUARDED_BY(mu_);
+  std::function<void(void*)> unpin_ ABSL_GUARDED_BY(mu_);
 };
 
 // A region mapped by a ps: unmapped when the last holder lets it go.

@@ -43,6 +43,10 @@ class Client {
   struct PullResult {
     int64_t version = 0;  // below min_version: max_wait passed first, sinks untouched
     int64_t wait_us = 0;  // time the ps waited for min_version
+    // Where sinks borrowed (TensorSink::borrow: fp32 values left where the
+    // transport put them, in a shared region): keeps that memory for the
+    // caller until it drops this. Null when no sink borrowed.
+    std::shared_ptr<const void> hold;
   };
   // Pulls the slices `slices` of ps `ps` (indices into its slices, in the
   // order to send them; empty: all) into `sinks` (one per slice pulled),
@@ -74,8 +78,9 @@ class Client {
     bool ready = false;
     int64_t version = 0;  // the lowest of the slices'
     int64_t wait_us = 0;
-    int64_t clock = 0;  // the worker's gradients applied on this ps
-    int64_t lag = 0;    // the staleness of the latest of them
+    int64_t clock = 0;                 // the worker's gradients applied on this ps
+    int64_t lag = 0;                   // the staleness of the latest of them
+    std::shared_ptr<const void> hold;  // as PullResult's
   };
   virtual absl::StatusOr<ClockedPull> PullByClock(int ps, uint64_t job_id, int worker,
                                                   int64_t clock, std::vector<int> slices,
@@ -123,6 +128,13 @@ class Client {
   // slot "") ask the ps for no slots.
   virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version,
                                 std::vector<TensorSink> sinks, absl::Time deadline) = 0;
+
+  // Registers the memory pulls may leave values in (TensorSink::borrow)
+  // with a device: `pin(data, bytes)` (true: pinned) before a pull first
+  // uses it, `unpin(data)` before it goes. Sinks borrow only from pinned
+  // memory. This default keeps no such memory: sinks never borrow.
+  virtual void SetRegionPinning(std::function<bool(void*, size_t)> pin,
+                                std::function<void(void*)> unpin) {}
 
   // Whether the connection to ps `ps` is up (or idle), not failing.
   virtual bool Reachable(int ps) const = 0;

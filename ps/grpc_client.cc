@@ -105,7 +105,7 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
                        int connections_per_ps, metrics::Registry* metrics, Role server_role,
                        bool shared_memory)
     : errors_(metrics, kService) {
-  if (shared_memory) regions_ = std::make_unique<SharedRegionPool>(kMaxRegionBytes);
+  if (shared_memory) regions_ = std::make_shared<SharedRegionPool>(kMaxRegionBytes);
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_push_bytes",
                                 "Gradient bytes (in the wire dtype) sent by one push call to a ps.",
@@ -207,9 +207,15 @@ bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionP
   return IsSharedMemoryRefusal(status);
 }
 
+void GrpcClient::SetRegionPinning(std::function<bool(void*, size_t)> pin,
+                                  std::function<void(void*)> unpin) {
+  if (regions_ != nullptr) regions_->SetPinning(std::move(pin), std::move(unpin));
+}
+
 absl::StatusOr<PullResponse> GrpcClient::RunPull(
     int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
-    const std::function<bool(const PullResponse&)>& ready, const std::atomic<bool>* give_up) {
+    const std::function<bool(const PullResponse&)>& ready, std::shared_ptr<const void>* hold,
+    const std::atomic<bool>* give_up) {
   absl::StatusOr<DataType> dtype = SinksDtype(sinks);
   if (!dtype.ok()) return WithPs(ps, dtype.status());
   request.set_dtype(*dtype);
@@ -221,14 +227,23 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
   bool probe = false;
   SharedRegionPool::Lease region = RegionFor(ps, want, static_cast<int64_t>(sinks.size()), &probe);
   bool network = true;
+  int borrowed = 0;
   if (region) {
-    first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes, give_up);
+    first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes, &borrowed, give_up);
     network = RefusedRegion(ps, first.status(), region, probe);
+    if (first.ok() && borrowed > 0) {
+      // The sinks' values stay in the region until the caller lets go (the
+      // pool lives as long as the hold).
+      *hold = std::shared_ptr<const void>(
+          new SharedRegionPool::Lease(std::move(region)), [pool = regions_](const void* lease) {
+            delete static_cast<const SharedRegionPool::Lease*>(lease);
+          });
+    }
     region.reset();
   }
   if (network) {
     first = PullCall(ps, std::move(request), std::move(sinks), deadline, ready, nullptr, &bytes,
-                     give_up);
+                     &borrowed, give_up);
   }
   if (!first.ok() && give_up != nullptr && give_up->load()) {
     return WithPs(ps, absl::CancelledError("pull given up"));
@@ -244,9 +259,15 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
 absl::StatusOr<PullResponse> GrpcClient::PullCall(
     int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
     const std::function<bool(const PullResponse&)>& ready, SharedRegion* region, int64_t* bytes,
-    const std::atomic<bool>* give_up) {
+    int* borrowed, const std::atomic<bool>* give_up) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
+  for (TensorSink& sink : sinks) {
+    if (sink.borrow == nullptr) continue;
+    *sink.borrow = nullptr;
+    if (region == nullptr || !region->pinned()) sink.borrow = nullptr;
+  }
   ChunkAssembler assembler(std::move(sinks));
+  *borrowed = 0;
   SharedSpan span;
   if (region != nullptr) {
     *request.mutable_region() = region->ref();
@@ -288,6 +309,7 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
   if (!first.has_value()) return absl::DataLossError("empty pull answer");
   if (!ready(*first)) return *first;  // not yet: no data
   if (absl::Status s = assembler.Finish(); !s.ok()) return absl::DataLossError(s.message());
+  *borrowed = assembler.borrowed();
   return *first;
 }
 
@@ -315,11 +337,11 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::PullVersion(
   request.set_min_version(min_version);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   for (int i : slices) request.add_slices(i);
+  PullResult result;
   absl::StatusOr<PullResponse> first = RunPull(
       ps, std::move(request), std::move(sinks), deadline,
-      [&](const PullResponse& r) { return r.version() >= min_version; }, give_up);
+      [&](const PullResponse& r) { return r.version() >= min_version; }, &result.hold, give_up);
   if (!first.ok()) return first.status();
-  PullResult result;
   result.version = first->version();
   result.wait_us = first->wait_us();
   return result;
@@ -335,10 +357,11 @@ absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
   request.set_clock(clock);
   request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
   for (int i : slices) request.add_slices(i);
-  absl::StatusOr<PullResponse> first = RunPull(ps, std::move(request), std::move(sinks), deadline,
-                                               [](const PullResponse& r) { return r.ready(); });
-  if (!first.ok()) return first.status();
   ClockedPull result;
+  absl::StatusOr<PullResponse> first = RunPull(
+      ps, std::move(request), std::move(sinks), deadline,
+      [](const PullResponse& r) { return r.ready(); }, &result.hold);
+  if (!first.ok()) return first.status();
   result.ready = first->ready();
   result.version = first->version();
   result.wait_us = first->wait_us();

@@ -70,6 +70,8 @@ class GrpcClient final : public Client {
                                           std::vector<TensorRef> grads, const PushRuns& runs,
                                           absl::Time deadline) override;
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
+  void SetRegionPinning(std::function<bool(void*, size_t)> pin,
+                        std::function<void(void*)> unpin) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;
@@ -94,16 +96,19 @@ class GrpcClient final : public Client {
                                          const std::atomic<bool>* give_up);
   // Given up (CANCELLED, not counted as a failed call) once `give_up`
   // holds, where it is not null.
+  // Sets *hold where sinks borrowed from the call's region.
   absl::StatusOr<PullResponse> RunPull(int ps, PullRequest request, std::vector<TensorSink> sinks,
                                        absl::Time deadline,
                                        const std::function<bool(const PullResponse&)>& ready,
+                                       std::shared_ptr<const void>* hold,
                                        const std::atomic<bool>* give_up = nullptr);
   // One pull or push call, through `region` (its tensors there) or, when
-  // it is null, over the network.
+  // it is null, over the network. A pull's sinks borrow only from a pinned
+  // region; *borrowed counts those that did.
   absl::StatusOr<PullResponse> PullCall(int ps, PullRequest request, std::vector<TensorSink> sinks,
                                         absl::Time deadline,
                                         const std::function<bool(const PullResponse&)>& ready,
-                                        SharedRegion* region, int64_t* bytes,
+                                        SharedRegion* region, int64_t* bytes, int* borrowed,
                                         const std::atomic<bool>* give_up);
   // A push, in `runs` where not null: through a region where the ps takes
   // one, else over the network.
@@ -145,7 +150,8 @@ class GrpcClient final : public Client {
   grpc::GenericStub* NextStub(int ps);
 
   std::vector<std::unique_ptr<Link>> links_;
-  std::unique_ptr<SharedRegionPool> regions_;  // with shared_memory
+  // With shared_memory; shared with the holds of pulls' borrowed values.
+  std::shared_ptr<SharedRegionPool> regions_;
   absl::Duration retry_shared_after_ = kRetrySharedAfter;
   ActiveCalls calls_;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given

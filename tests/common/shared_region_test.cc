@@ -338,5 +338,53 @@ TEST(SharedRegionPool, FreeRegionsAreKeptWhenDroppingThemWouldNotMakeRoom) {
   EXPECT_EQ(again.get()->data().data, spare_data);
 }
 
+// With pinning set, each region is pinned once, when first leased (not
+// again when leased again), and unpinned as it is dropped; one the pin
+// refused is not pinned and is not unpinned.
+TEST(SharedRegionPool, RegionsArePinnedOnceAndUnpinnedWhenDropped) {
+  constexpr int64_t kMiB = SharedRegionPool::kQuantum;
+  std::vector<std::pair<void*, size_t>> pinned;
+  std::vector<void*> unpinned;
+  bool refuse = false;
+  {
+    SharedRegionPool pool(8 * kMiB);
+    pool.SetPinning(
+        [&](void* data, size_t bytes) {
+          if (refuse) return false;
+          pinned.emplace_back(data, bytes);
+          return true;
+        },
+        [&](void* data) { unpinned.push_back(data); });
+    SharedRegionPool::Lease a = pool.Acquire(kMiB);
+    ASSERT_TRUE(a);
+    EXPECT_TRUE(a.get()->pinned());
+    char* const a_data = a.get()->data().data;
+    ASSERT_EQ(pinned.size(), 1u);
+    EXPECT_EQ(pinned[0].first, a_data);
+    EXPECT_EQ(pinned[0].second, static_cast<size_t>(kMiB));
+    a.reset();
+    SharedRegionPool::Lease again = pool.Acquire(kMiB);
+    EXPECT_EQ(again.get()->data().data, a_data);
+    EXPECT_TRUE(again.get()->pinned());
+    EXPECT_EQ(pinned.size(), 1u);
+    refuse = true;
+    SharedRegionPool::Lease b = pool.Acquire(2 * kMiB);
+    ASSERT_TRUE(b);
+    EXPECT_FALSE(b.get()->pinned());
+    b.Discard();
+    EXPECT_TRUE(unpinned.empty());
+    again.Discard();
+    ASSERT_EQ(unpinned.size(), 1u);
+    EXPECT_EQ(unpinned[0], a_data);
+    refuse = false;
+    SharedRegionPool::Lease c = pool.Acquire(kMiB);
+    ASSERT_TRUE(c);
+    EXPECT_TRUE(c.get()->pinned());
+    c.reset();  // free in the pool: unpinned as the pool goes
+  }
+  EXPECT_EQ(pinned.size(), 2u);
+  EXPECT_EQ(unpinned.size(), 2u);
+}
+
 }  // namespace
 }  // namespace psflow

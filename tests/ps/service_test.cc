@@ -610,6 +610,85 @@ TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
             4 * fp32_bytes);
 }
 
+// Pulled fp32 values may be left in the call's region where it is pinned
+// (a GPU worker uploads them from there): each sink that borrows points at
+// its values there, its own memory untouched, and the result's hold keeps
+// the region from later calls until it is dropped. Unpinned regions, and
+// the network, copy into the sinks as before.
+TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
+  for (const bool pin : {true, false}) {
+    SCOPED_TRACE(pin ? "pinned" : "not pinned");
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                           /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
+                                           /*shared_memory=*/true);
+    int pinned = 0, unpinned = 0;
+    client_->SetRegionPinning(
+        [&](void*, size_t) {
+          pinned += pin;
+          return pin;
+        },
+        [&](void*) { ++unpinned; });
+    ASSERT_TRUE(InitJob().ok());
+    auto pull = [&](int64_t version, std::vector<float>* big, std::vector<float>* bias,
+                    const float** big_at, const float** bias_at) {
+      big->assign(NumElements(kBigShape), -1);
+      bias->assign(NumElements(kBiasShape), -1);
+      TensorSink big_sink{"big", "", kBigShape, big->data()};
+      big_sink.borrow = big_at;
+      TensorSink bias_sink{"bias", "", kBiasShape, bias->data()};
+      bias_sink.borrow = bias_at;
+      return client_->Pull(0, kJob, version, {}, {big_sink, bias_sink}, Deadline(),
+                           absl::ZeroDuration());
+    };
+    std::vector<float> big0, bias0;
+    const float *big0_at = big_.data(), *bias0_at = bias_.data();
+    absl::StatusOr<Client::PullResult> p0 = pull(0, &big0, &bias0, &big0_at, &bias0_at);
+    ASSERT_TRUE(p0.ok()) << p0.status();
+    if (!pin) {
+      EXPECT_EQ(p0->hold, nullptr);
+      EXPECT_EQ(big0_at, nullptr);
+      EXPECT_EQ(bias0_at, nullptr);
+      EXPECT_EQ(big0, big_);
+      EXPECT_EQ(bias0, bias_);
+      continue;
+    }
+    EXPECT_EQ(pinned, 1);
+    ASSERT_NE(p0->hold, nullptr);
+    ASSERT_NE(big0_at, nullptr);
+    ASSERT_NE(bias0_at, nullptr);
+    EXPECT_EQ(std::vector<float>(big0_at, big0_at + big_.size()), big_);
+    EXPECT_EQ(std::vector<float>(bias0_at, bias0_at + 10), bias_);
+    EXPECT_EQ(big0, std::vector<float>(big_.size(), -1)) << "the sink's memory is untouched";
+    // A step later, the held values are still version 0's: the next pull
+    // went to another region.
+    const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
+    ASSERT_TRUE(PushAll(0, 0, g_big, g_bias).ok());
+    ASSERT_TRUE(PushAll(1, 0, g_big, g_bias).ok());
+    std::vector<float> big1, bias1;
+    const float *big1_at = nullptr, *bias1_at = nullptr;
+    absl::StatusOr<Client::PullResult> p1 = pull(1, &big1, &bias1, &big1_at, &bias1_at);
+    ASSERT_TRUE(p1.ok()) << p1.status();
+    ASSERT_NE(big1_at, nullptr);
+    EXPECT_NE(big1_at, big0_at);
+    EXPECT_EQ(std::vector<float>(big1_at, big1_at + big_.size()), SgdAfter(big_, g_big, g_big));
+    EXPECT_EQ(std::vector<float>(big0_at, big0_at + big_.size()), big_);
+    // Let go, a region is leased again (the pool keeps it; nothing unpinned).
+    const float* const freed = big0_at;
+    p0->hold.reset();
+    p1->hold.reset();
+    std::vector<float> big2, bias2;
+    const float *big2_at = nullptr, *bias2_at = nullptr;
+    absl::StatusOr<Client::PullResult> p2 = pull(1, &big2, &bias2, &big2_at, &bias2_at);
+    ASSERT_TRUE(p2.ok()) << p2.status();
+    EXPECT_TRUE(big2_at == freed || big2_at == big1_at);
+    EXPECT_EQ(pinned, 2);
+    EXPECT_EQ(unpinned, 0);
+    p2->hold.reset();
+    client_.reset();  // the pool goes, and its pinned regions are unpinned
+    EXPECT_EQ(unpinned, 2);
+  }
+}
+
 // A push in runs sends each run once its wait returns: the ps applies a
 // slice whose run has arrived (from every worker) while the push's later
 // runs are still to come. A wait that fails ends the push with its error,
