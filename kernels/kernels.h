@@ -305,6 +305,23 @@ class Backend {
   // The work queued on this backend from now on waits for every copy that
   // CopyToDeviceAfter has queued so far. Nothing to do where copies run at once.
   virtual absl::Status JoinUploads() { return absl::OkStatus(); }
+  // Records `done` after every copy CopyToDeviceAfter has queued so far (on
+  // their stream): WaitEvent(done) then returns once their host memory may
+  // change. UNIMPLEMENTED on backends without events.
+  virtual absl::Status RecordUploadsDone(Event* done) {
+    return absl::UnimplementedError(name() + " has no events");
+  }
+  // Registration of host memory this backend did not allocate (a shared
+  // region) for its copies, page-locked as AllocateHost's: `pin(data,
+  // bytes)` returns whether it registered the memory, `unpin(data)` undoes
+  // it before the memory goes. Both are callable from any thread for as long
+  // as the process runs (they hold nothing of the backend). Empty where the
+  // backend has nothing to register.
+  struct HostPinning {
+    std::function<bool(void*, size_t)> pin;
+    std::function<void(void*)> unpin;
+  };
+  virtual HostPinning host_pinning() const { return {}; }
 
   // Records the backend calls `work` makes (ops of this backend, the helpers
   // above; no copies to or from the host) into a Graph without running them.

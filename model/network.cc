@@ -209,10 +209,26 @@ absl::Status Network::SetWeight(int i, const float* host) {
 }
 
 absl::Status Network::SetWeightAfter(int i, const float* host, kernels::Event* after) {
-  if (options_.local_sgd_learning_rate > 0) return SetWeight(i, host);
   if (i < 0 || static_cast<size_t>(i) >= weights_.size())
     return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
-  return backend_->CopyToDeviceAfter(after, host, weights_[i]->size(), weights_[i]->data());
+  return SetWeightRangeAfter(i, 0, static_cast<int64_t>(weights_[i]->size()), host, after);
+}
+
+absl::Status Network::SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
+                                          kernels::Event* after) {
+  if (i < 0 || static_cast<size_t>(i) >= weights_.size())
+    return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
+  const int64_t size = static_cast<int64_t>(weights_[i]->size());
+  if (first < 0 || count < 0 || count > size - first) {
+    return absl::InvalidArgumentError(absl::StrCat("floats ", first, " to ", first + count,
+                                                   " of weight tensor ", i, " of ", size));
+  }
+  float* const device = weights_[i]->data() + first;
+  if (options_.local_sgd_learning_rate > 0) {
+    PSFLOW_RETURN_IF_ERROR(JoinUploads());
+    return backend_->CopyToDevice(host, static_cast<size_t>(count), device);
+  }
+  return backend_->CopyToDeviceAfter(after, host, static_cast<size_t>(count), device);
 }
 
 absl::Status Network::JoinUploads() { return backend_->JoinUploads(); }

@@ -110,6 +110,10 @@ class Network {
   // waits for it. With NetworkOptions.local_sgd_learning_rate (the step then writes
   // every weight after its backward pass) it is SetWeight.
   absl::Status SetWeightAfter(int i, const float* host, kernels::Event* after);
+  // As SetWeightAfter, for `count` floats of variable i from its float
+  // `first` on (a slice of its rows), from `host` (their values only).
+  absl::Status SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
+                                   kernels::Event* after);
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 

@@ -62,6 +62,11 @@ ABSL_FLAG(bool, shared_memory, true,
           "where each tensor lies. A ps that cannot map it (another host, another container's "
           "process namespace, or a ps run with --shared_memory=false) gets the tensors over the "
           "network, as with false, and is offered memory again a minute later.");
+ABSL_FLAG(bool, upload_from_shared_memory, true,
+          "A GPU worker with fp32 on the wire whose pulls go through shared memory (see "
+          "--shared_memory): copy the pulled weights to the GPU straight from the memory the ps "
+          "wrote them into, registered with the GPU (cudaHostRegister), instead of copying them "
+          "into the worker's page-locked buffers first. false: always through those buffers.");
 ABSL_FLAG(bool, push_during_backward, true,
           "In a job with ps whose --on_nonfinite is fail (the default): each lane's push opens "
           "with the step and sends its gradients run by run, each as soon as the backward pass "
@@ -151,6 +156,7 @@ int main(int argc, char** argv) {
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
+  options.upload_from_shared_memory = absl::GetFlag(FLAGS_upload_from_shared_memory);
   options.trace = trace->get();
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
   // A cluster without ps: this worker's replica of the weights (served as

@@ -49,7 +49,10 @@ int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 Trainer::Trainer(TrainerOptions options, chief::Client* chief, PsClientFactory make_ps)
     : options_(std::move(options)), chief_(chief), make_ps_(std::move(make_ps)) {}
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  // No upload may still read a region as the regions go.
+  for (Lane& lane : lanes_) static_cast<void>(ReleaseHold(lane));
+}
 
 void Trainer::Stop(int signal) {
   absl::MutexLock lock(&mu_);
@@ -292,6 +295,26 @@ absl::Status Trainer::Prepare() {
     }
   }
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
+  // The pulls' regions are pinned for the GPU, and its uploads read them.
+  const kernels::Backend::HostPinning pinning =
+      in_place_ ? kernels::Backend::HostPinning{} : backend_->host_pinning();
+  borrow_pulls_ = options_.upload_from_shared_memory && pinning.pin != nullptr &&
+                  wire == DT_FLOAT && !upload_after_.empty();
+  if (borrow_pulls_) ps()->SetRegionPinning(pinning.pin, pinning.unpin);
+  const std::vector<VariableShape>& variable_shapes = net_->variables();
+  for (Lane& lane : lanes_) {
+    for (size_t i = 0; i < lane.sinks.size(); ++i) {
+      const std::vector<int64_t>& shape = variable_shapes[lane.variables[i]].shape;
+      const int64_t row = shape.empty() ? 1 : NumElements(shape) / std::max<int64_t>(shape[0], 1);
+      lane.first_float.push_back(lane.sinks[i].row_begin * row);
+    }
+    if (!borrow_pulls_) continue;
+    lane.borrowed.assign(lane.sinks.size(), nullptr);
+    for (size_t i = 0; i < lane.sinks.size(); ++i) lane.sinks[i].borrow = &lane.borrowed[i];
+    absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
+    if (!event.ok()) return Permanent(event.status());
+    lane.uploaded = *std::move(event);
+  }
   // A lane's pull may wait for its own push, and pushing during the backward
   // pass for the step's verdict, which every lane's check is part of: every
   // lane needs a thread.
@@ -735,6 +758,7 @@ absl::Status Trainer::CreateReplicas() {
   // No copy of the last registration may still read a buffer freed below
   // (an upload of a lane that failed while others were still pulling).
   if (backend_ != nullptr) static_cast<void>(backend_->Synchronize());
+  lanes_.clear();   // their events are the backend's; their regions' uploads are done
   device_.reset();  // its buffers are the backend's
   upload_after_.clear();
   host_buckets_.clear();  // so are their events
@@ -827,11 +851,14 @@ absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* imag
 
 absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out,
                                const std::atomic<bool>* give_up) {
-  const Lane& lane = lanes_[l];
+  Lane& lane = lanes_[l];  // its pull's fields are this thread's alone
   const absl::Time start = absl::Now();
   ps::Client* const client = ps();
   const bool async = Async();
   absl::StatusOr<ps::Client::ClockedPull> r;
+  // The lane's last pull's region, once its uploads are done, goes back for
+  // this pull to use.
+  PSFLOW_RETURN_IF_ERROR(ReleaseHold(lane));
   TraceSpan pull_span(options_.trace, "pull", trace_step_);
   pull_span.Arg("lane", l);
   pull_span.Arg("ps", lane.ps);
@@ -860,7 +887,12 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
                              : client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks,
                                             deadline, max_wait);
       if (p.ok()) {
-        r = ps::Client::ClockedPull{p->version >= min_version, p->version, p->wait_us};
+        ps::Client::ClockedPull pulled;
+        pulled.ready = p->version >= min_version;
+        pulled.version = p->version;
+        pulled.wait_us = p->wait_us;
+        pulled.hold = std::move(p->hold);
+        r = std::move(pulled);
       } else {
         r = p.status();
       }
@@ -883,6 +915,33 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   TraceSpan upload_span(options_.trace, "queue uploads", trace_step_);
   upload_span.Arg("lane", l);
   if (!upload_after_.empty()) WaitStepQueued();
+  if (borrow_pulls_) {
+    // Slice by slice, each from where the pull left it: the region (kept
+    // until the copies are done), or its sink.
+    for (size_t i = 0; i < lane.sinks.size(); ++i) {
+      const int v = lane.variables[i];
+      const float* from =
+          lane.borrowed[i] != nullptr ? lane.borrowed[i] : weights_[v] + lane.first_float[i];
+      absl::Status s = net_->SetWeightRangeAfter(
+          v, lane.first_float[i], NumElements(lane.sinks[i].shape), from, upload_after_[v]);
+      if (!s.ok())
+        return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
+    }
+    if (r->hold != nullptr) {
+      if (!told_borrow_.exchange(true)) {
+        PSLOG(INFO) << "pulled weights go to the GPU straight from the shared memory the ps "
+                       "wrote them into";
+      }
+      lane.hold = std::move(r->hold);
+      if (absl::Status s = backend_->RecordUploadsDone(lane.uploaded.get()); !s.ok()) {
+        // The copies may still read the region: wait for all of them.
+        static_cast<void>(backend_->Synchronize());
+        lane.hold.reset();
+        return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
+      }
+    }
+    return absl::OkStatus();
+  }
   // Each variable goes to the device once its last slice is in.
   for (int v : lane.variables) {
     if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
@@ -893,6 +952,17 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
       return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+absl::Status Trainer::ReleaseHold(Lane& lane) {
+  if (lane.hold == nullptr) return absl::OkStatus();
+  absl::Status s = backend_->WaitEvent(lane.uploaded.get());
+  if (!s.ok()) {
+    static_cast<void>(backend_->Synchronize());
+    s = absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
+  }
+  lane.hold.reset();
+  return s;
 }
 
 void Trainer::SetStepQueued(bool queued) {

@@ -1155,6 +1155,55 @@ absl::Status CudaBackend::JoinUploads() {
   });
 }
 
+absl::Status CudaBackend::RecordUploadsDone(Event* done) {
+  auto* cuda_event = dynamic_cast<CudaEvent*>(done);
+  if (cuda_event == nullptr)
+    return absl::InvalidArgumentError("RecordUploadsDone: not a CUDA event");
+  return RunIn(*ctx_, "RecordUploadsDone", "", [&]() -> absl::Status {
+    if (ctx_->upload_stream == nullptr) {
+      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->upload_stream, cudaStreamNonBlocking));
+    }
+    PSFLOW_CUDA_CHECK(
+        cudaEventRecord(static_cast<cudaEvent_t>(cuda_event->raw()), ctx_->upload_stream));
+    return absl::OkStatus();
+  });
+}
+
+namespace {
+
+// Runs `f` with `device` current on this thread (the device it had before
+// is current again after).
+template <typename F>
+auto OnDevice(int device, F f) {
+  int current = -1;
+  const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  auto result = f();
+  if (switched) static_cast<void>(cudaSetDevice(current));
+  return result;
+}
+
+}  // namespace
+
+Backend::HostPinning CudaBackend::host_pinning() const {
+  const int device = ctx_->device;
+  HostPinning pinning;
+  pinning.pin = [device](void* data, size_t bytes) {
+    return OnDevice(device, [&] {
+      const bool ok = cudaHostRegister(data, bytes, cudaHostRegisterPortable) == cudaSuccess;
+      if (!ok) cuda_internal::ClearLastError();
+      return ok;
+    });
+  };
+  pinning.unpin = [device](void* data) {
+    OnDevice(device, [&] {
+      if (cudaHostUnregister(data) != cudaSuccess) cuda_internal::ClearLastError();
+      return 0;
+    });
+  };
+  return pinning;
+}
+
 absl::StatusOr<int> CudaBackend::DeviceCount() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);

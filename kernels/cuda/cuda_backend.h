@@ -127,6 +127,10 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats,
                                  float* device) override;
   absl::Status JoinUploads() override;
+  absl::Status RecordUploadsDone(Event* done) override;
+  // cudaHostRegister (portable) and cudaHostUnregister, with this backend's
+  // GPU current.
+  HostPinning host_pinning() const override;
   // Waits for the backend's stream and for the uploads of CopyToDeviceAfter.
   absl::Status Synchronize() override;
   // The GPU's free memory (cudaMemGetInfo).

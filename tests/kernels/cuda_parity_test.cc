@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/shared_region.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
@@ -792,6 +793,43 @@ TEST_F(CudaParityTest, UploadsWaitForTheirEventAndJoinTheStreamOnRequest) {
   PSFLOW_ASSERT_OK(cpu_->CopyToDeviceAfter(nullptr, from.data(), 16, to.data()));
   PSFLOW_ASSERT_OK(cpu_->JoinUploads());
   EXPECT_EQ(to, from);
+}
+
+// Memory the backend did not allocate (a shared region, where a worker's
+// pulls leave weights) is registered for its copies: an upload from it
+// waits for its event like any other, and RecordUploadsDone marks when the
+// region may change again. Twice, then unregistered.
+TEST_F(CudaParityTest, UploadsFromARegisteredSharedRegion) {
+  const Backend::HostPinning pinning = gpu_->host_pinning();
+  ASSERT_NE(pinning.pin, nullptr);
+  ASSERT_NE(pinning.unpin, nullptr);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(int64_t{16} << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const SharedSpan span = (*region)->data();
+  ASSERT_TRUE(pinning.pin(span.data, static_cast<size_t>(span.size)));
+  const int64_t n = span.size / static_cast<int64_t>(sizeof(float));
+  float* const host = reinterpret_cast<float*>(span.data);
+  auto x = gpu_->Allocate(static_cast<size_t>(n)).value();
+  auto ready = gpu_->CreateEvent().value();
+  auto done = gpu_->CreateEvent().value();
+  for (float want : {3.0f, -1.0f}) {
+    std::fill(host, host + n, want);
+    for (int k = 0; k < 8; ++k)
+      PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, -1.0f - k, x->data(), n));
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(ready.get()));
+    PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(ready.get(), host, static_cast<size_t>(n), x->data()));
+    PSFLOW_ASSERT_OK(gpu_->RecordUploadsDone(done.get()));
+    PSFLOW_ASSERT_OK(gpu_->WaitEvent(done.get()));
+    std::fill(host, host + n, 0.0f);  // the upload is done: the region may change
+    PSFLOW_ASSERT_OK(gpu_->JoinUploads());
+    EXPECT_EQ(Download(*gpu_, x->data(), static_cast<size_t>(n)),
+              std::vector<float>(static_cast<size_t>(n), want));
+  }
+  pinning.unpin(span.data);
+  EXPECT_EQ(gpu_->RecordUploadsDone(nullptr).code(), absl::StatusCode::kInvalidArgument);
+  // The CPU has nothing to register, and no events.
+  EXPECT_EQ(cpu_->host_pinning().pin, nullptr);
+  EXPECT_EQ(cpu_->RecordUploadsDone(done.get()).code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {

@@ -598,6 +598,31 @@ TEST_F(NetworkTest, Errors) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// SetWeightRangeAfter writes a range of one variable's floats (a slice's
+// rows) and nothing else; a range outside the variable is refused.
+TEST_F(NetworkTest, SetWeightRangeAfterWritesOnlyItsRange) {
+  // Variable 2 is fc's kernel: 108 floats (27 rows of 4).
+  const std::vector<float> rows = {1.5f, -2.5f, 3.5f, -4.5f, 5.5f, -6.5f, 7.5f, -8.5f};
+  ASSERT_TRUE(net_->SetWeightRangeAfter(2, 8, 8, rows.data(), nullptr).ok());
+  std::vector<std::vector<float>> got(4);
+  std::vector<float*> out;
+  for (size_t v = 0; v < 4; ++v) {
+    got[v].resize(weights_[v].size());
+    out.push_back(got[v].data());
+  }
+  ASSERT_TRUE(net_->GetWeights(out).ok());
+  std::vector<float> want = weights_[2];
+  std::copy(rows.begin(), rows.end(), want.begin() + 8);
+  EXPECT_EQ(got[2], want);
+  for (int v : {0, 1, 3}) EXPECT_EQ(got[v], weights_[v]) << "variable " << v;
+  EXPECT_EQ(net_->SetWeightRangeAfter(2, 104, 8, rows.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(net_->SetWeightRangeAfter(2, -1, 1, rows.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(net_->SetWeightRangeAfter(4, 0, 1, rows.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The small spec's forward buffers, by hand: the input (64 floats per
 // example) in one buffer, conv (108) in a second; relu (108) takes the
 // first, grown, once conv has read the input; pool (27) takes the second
