@@ -205,7 +205,7 @@ void ChunkAssembler::Received(Entry& e, int64_t size, const float* values, int* 
   if (e.received == e.bytes) {
     *completed = e.index;
     if (e.in_place != nullptr) {
-      *e.sink.borrow = reinterpret_cast<const float*>(e.in_place);
+      *e.sink.borrow = e.in_place;
       ++borrowed_;
     }
   }
@@ -213,9 +213,8 @@ void ChunkAssembler::Received(Entry& e, int64_t size, const float* values, int* 
 
 void ChunkAssembler::StopBorrowing(Entry& e) {
   if (e.in_place != nullptr) {
-    // fp32 (the only dtype left in place): the bytes are the values.
-    std::memcpy(SinkData(e.sink, e.received / e.element_bytes), e.in_place,
-                static_cast<size_t>(e.received));
+    DecodeFloats(e.sink.dtype, e.in_place, e.received / e.element_bytes,
+                 SinkData(e.sink, e.received / e.element_bytes));
     e.in_place = nullptr;
   }
   e.sink.borrow = nullptr;
@@ -241,9 +240,13 @@ absl::Status ChunkAssembler::AddInPlace(const TensorChunk& chunk, int64_t size, 
                                         int* completed) {
   *completed = -1;
   PSFLOW_ASSIGN_OR_RETURN(Entry * e, Check(chunk, size));
-  const bool follows = e->received == 0 ? reinterpret_cast<uintptr_t>(from) % alignof(float) == 0
-                                        : e->in_place + e->received == from;
-  if (e->sink.borrow == nullptr || e->sink.dtype != DT_FLOAT || !follows) {
+  const bool follows =
+      e->received == 0
+          ? reinterpret_cast<uintptr_t>(from) % static_cast<uintptr_t>(e->element_bytes) == 0
+          : e->in_place + e->received == from;
+  // The NaN check reads fp32 values only.
+  const bool checkable = e->sink.dtype == DT_FLOAT || e->sink.non_finite == nullptr;
+  if (e->sink.borrow == nullptr || !checkable || !follows) {
     StopBorrowing(*e);
     int64_t done = 0;
     TensorChunk block = chunk;
@@ -262,6 +265,7 @@ absl::Status ChunkAssembler::AddInPlace(const TensorChunk& chunk, int64_t size, 
     return absl::OkStatus();
   }
   if (e->received == 0) e->in_place = from;
+  // (Received reads `from` as floats only for a sink with non_finite: fp32.)
   Received(*e, size, reinterpret_cast<const float*>(from), completed);
   return absl::OkStatus();
 }

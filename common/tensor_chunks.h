@@ -114,12 +114,13 @@ struct TensorSink {
   // Of a slice, its first row within the variable: chunks are matched on
   // name, slot and this (TensorChunk.row_begin).
   int64_t row_begin = 0;
-  // If set: where fp32 chunks come in memory that stays the caller's after
+  // If set: where the chunks come in memory that stays the caller's after
   // the assembler (a shared region, ChunkAssembler::AddInPlace) and lie
-  // there one after another, the values are left there and *borrow points at
-  // them once the sink is complete, instead of being copied into `data`.
+  // there one after another, the values are left there, in `dtype`, and
+  // *borrow points at them once the sink is complete, instead of being
+  // decoded into `data` (16-bit chunks only for sinks without `non_finite`).
   // Null otherwise (set so by the assembler first): the values are in `data`.
-  const float** borrow = nullptr;
+  const void** borrow = nullptr;
 };
 
 // Where a sink's first `elements` floats go: `data`, or its storage,
@@ -160,7 +161,7 @@ class ChunkAssembler {
   static constexpr int64_t kInPlaceBlockBytes = 256 << 10;
   // AddFrom for a chunk whose `size` bytes lie at `from`, in memory that
   // outlives the assembler's caller's use of the sinks: a sink with `borrow`
-  // takes fp32 values where they lie while its chunks follow one another
+  // takes the values where they lie while its chunks follow one another
   // there (otherwise, and for other sinks, they are decoded into the sink,
   // with what was left in place before).
   absl::Status AddInPlace(const TensorChunk& header, int64_t size, const char* from,

@@ -305,6 +305,14 @@ class Backend {
   // The work queued on this backend from now on waits for every copy that
   // CopyToDeviceAfter has queued so far. Nothing to do where copies run at once.
   virtual absl::Status JoinUploads() { return absl::OkStatus(); }
+  // As CopyToDeviceAfter, for `elements` 16-bit values at `host` (bfloat16
+  // with `bf16`, else IEEE half): they cross in 16 bits, and the device
+  // widens them to floats into `device` (exact). UNIMPLEMENTED where the
+  // backend has no such copies (the CPU's run at once: decode on the host).
+  virtual absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
+                                               size_t elements, float* device) {
+    return absl::UnimplementedError(name() + " has no copies of 16-bit values");
+  }
   // Records `done` after every copy CopyToDeviceAfter has queued so far (on
   // their stream): WaitEvent(done) then returns once their host memory may
   // change. UNIMPLEMENTED on backends without events.

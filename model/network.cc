@@ -216,6 +216,29 @@ absl::Status Network::SetWeightAfter(int i, const float* host, kernels::Event* a
 
 absl::Status Network::SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
                                           kernels::Event* after) {
+  PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(i, first, count));
+  if (options_.local_sgd_learning_rate > 0) {
+    PSFLOW_RETURN_IF_ERROR(JoinUploads());
+    return backend_->CopyToDevice(host, static_cast<size_t>(count), device);
+  }
+  return backend_->CopyToDeviceAfter(after, host, static_cast<size_t>(count), device);
+}
+
+absl::Status Network::SetWeightRangeFromHalvesAfter(int i, int64_t first, int64_t count,
+                                                    const uint16_t* host, bool bf16,
+                                                    kernels::Event* after) {
+  PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(i, first, count));
+  if (options_.local_sgd_learning_rate > 0) {
+    // As SetWeight: the next work waits for the copy.
+    PSFLOW_RETURN_IF_ERROR(JoinUploads());
+    PSFLOW_RETURN_IF_ERROR(
+        backend_->CopyHalvesToDeviceAfter(nullptr, host, bf16, static_cast<size_t>(count), device));
+    return JoinUploads();
+  }
+  return backend_->CopyHalvesToDeviceAfter(after, host, bf16, static_cast<size_t>(count), device);
+}
+
+absl::StatusOr<float*> Network::WeightRange(int i, int64_t first, int64_t count) {
   if (i < 0 || static_cast<size_t>(i) >= weights_.size())
     return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));
   const int64_t size = static_cast<int64_t>(weights_[i]->size());
@@ -223,12 +246,7 @@ absl::Status Network::SetWeightRangeAfter(int i, int64_t first, int64_t count, c
     return absl::InvalidArgumentError(absl::StrCat("floats ", first, " to ", first + count,
                                                    " of weight tensor ", i, " of ", size));
   }
-  float* const device = weights_[i]->data() + first;
-  if (options_.local_sgd_learning_rate > 0) {
-    PSFLOW_RETURN_IF_ERROR(JoinUploads());
-    return backend_->CopyToDevice(host, static_cast<size_t>(count), device);
-  }
-  return backend_->CopyToDeviceAfter(after, host, static_cast<size_t>(count), device);
+  return weights_[i]->data() + first;
 }
 
 absl::Status Network::JoinUploads() { return backend_->JoinUploads(); }

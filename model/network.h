@@ -114,6 +114,12 @@ class Network {
   // `first` on (a slice of its rows), from `host` (their values only).
   absl::Status SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
                                    kernels::Event* after);
+  // As SetWeightRangeAfter, from `count` 16-bit values (bfloat16 with
+  // `bf16`, else IEEE half) that cross as they are and are widened on the
+  // device (Backend::CopyHalvesToDeviceAfter; UNIMPLEMENTED on the CPU).
+  absl::Status SetWeightRangeFromHalvesAfter(int i, int64_t first, int64_t count,
+                                             const uint16_t* host, bool bf16,
+                                             kernels::Event* after);
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 
@@ -187,6 +193,9 @@ class Network {
   std::vector<std::pair<std::string, double>> LayerTimes() const;
 
  private:
+  // The device memory of `count` floats of variable i from float `first`
+  // on; INVALID_ARGUMENT for a range outside the variable.
+  absl::StatusOr<float*> WeightRange(int i, int64_t first, int64_t count);
   struct Node;  // a layer with the activations it reads and writes
   struct BatchState;
   Network(ModelSpec spec, kernels::Backend* backend, NetworkOptions options);

@@ -63,10 +63,11 @@ ABSL_FLAG(bool, shared_memory, true,
           "process namespace, or a ps run with --shared_memory=false) gets the tensors over the "
           "network, as with false, and is offered memory again a minute later.");
 ABSL_FLAG(bool, upload_from_shared_memory, true,
-          "A GPU worker with fp32 on the wire whose pulls go through shared memory (see "
-          "--shared_memory): copy the pulled weights to the GPU straight from the memory the ps "
-          "wrote them into, registered with the GPU (cudaHostRegister), instead of copying them "
-          "into the worker's page-locked buffers first. false: always through those buffers.");
+          "A GPU worker whose pulls go through shared memory (see --shared_memory): copy the "
+          "pulled weights to the GPU straight from the memory the ps wrote them into, registered "
+          "with the GPU (cudaHostRegister), in the wire dtype (16-bit values are widened to fp32 "
+          "on the GPU), instead of decoding them into the worker's page-locked buffers first. "
+          "false: always through those buffers.");
 ABSL_FLAG(bool, push_during_backward, true,
           "In a job with ps whose --on_nonfinite is fail (the default): each lane's push opens "
           "with the step and sends its gradients run by run, each as soon as the backward pass "

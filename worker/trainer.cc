@@ -298,8 +298,8 @@ absl::Status Trainer::Prepare() {
   // The pulls' regions are pinned for the GPU, and its uploads read them.
   const kernels::Backend::HostPinning pinning =
       in_place_ ? kernels::Backend::HostPinning{} : backend_->host_pinning();
-  borrow_pulls_ = options_.upload_from_shared_memory && pinning.pin != nullptr &&
-                  wire == DT_FLOAT && !upload_after_.empty();
+  borrow_pulls_ =
+      options_.upload_from_shared_memory && pinning.pin != nullptr && !upload_after_.empty();
   if (borrow_pulls_) ps()->SetRegionPinning(pinning.pin, pinning.unpin);
   const std::vector<VariableShape>& variable_shapes = net_->variables();
   for (Lane& lane : lanes_) {
@@ -920,10 +920,18 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
     // until the copies are done), or its sink.
     for (size_t i = 0; i < lane.sinks.size(); ++i) {
       const int v = lane.variables[i];
-      const float* from =
-          lane.borrowed[i] != nullptr ? lane.borrowed[i] : weights_[v] + lane.first_float[i];
-      absl::Status s = net_->SetWeightRangeAfter(
-          v, lane.first_float[i], NumElements(lane.sinks[i].shape), from, upload_after_[v]);
+      const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
+      const void* const borrowed = lane.borrowed[i];
+      const DataType dtype = lane.sinks[i].dtype;
+      absl::Status s =
+          borrowed == nullptr
+              ? net_->SetWeightRangeAfter(v, first, count, weights_[v] + first, upload_after_[v])
+          : dtype == DT_FLOAT
+              ? net_->SetWeightRangeAfter(v, first, count, static_cast<const float*>(borrowed),
+                                          upload_after_[v])
+              : net_->SetWeightRangeFromHalvesAfter(v, first, count,
+                                                    static_cast<const uint16_t*>(borrowed),
+                                                    dtype == DT_BFLOAT16, upload_after_[v]);
       if (!s.ok())
         return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
     }

@@ -101,10 +101,10 @@ struct TrainerOptions {
   // needs the whole step's verdict before the first push. False: every
   // push waits for the end of the step.
   bool push_during_backward = true;
-  // A GPU worker with fp32 on the wire uploads pulled weights straight from
-  // the shared memory the ps wrote them into (registered with the GPU),
-  // instead of copying them into its page-locked buffers first. False:
-  // always through those buffers.
+  // A GPU worker uploads pulled weights straight from the shared memory the
+  // ps wrote them into (registered with the GPU; 16-bit values widened on
+  // the GPU), instead of decoding them into its page-locked buffers first.
+  // False: always through those buffers.
   bool upload_from_shared_memory = true;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
   // of this worker and its peers, and this worker's own replica, the shard
@@ -402,16 +402,17 @@ class Trainer {
     // Pulls that leave weights in the pull's shared region (borrow_pulls_):
     // where each slice's values are after a pull (null: in its sink), the
     // region's hold until the uploads from it are done, and their event.
-    std::vector<const float*> borrowed;
+    std::vector<const void*> borrowed;
     std::shared_ptr<const void> hold;
     std::unique_ptr<kernels::Event> uploaded;
   };
   // Lets go of the lane's region once the uploads from it are done.
   absl::Status ReleaseHold(Lane& lane);
   std::vector<Lane> lanes_;
-  // GPU workers with fp32 on the wire: pulled weights are uploaded straight
-  // from the pulls' shared regions (pinned for the GPU) where the ps writes
-  // them, not copied into the staging buffers first.
+  // GPU workers: pulled weights are uploaded straight from the pulls' shared
+  // regions (pinned for the GPU) where the ps writes them, in the wire
+  // dtype (16-bit values widened on the GPU), not decoded into the staging
+  // buffers first.
   bool borrow_pulls_ = false;
   std::atomic<bool> told_borrow_{false};  // the log said a pull's weights were borrowed
   // By variable: its number of slices, and during a round of pulls the

@@ -111,6 +111,10 @@ struct CudaContext {
   cudaStream_t upload_stream = nullptr;
   cudaEvent_t uploads_joined = nullptr;
   bool uploads_pending = false;
+  // CopyHalvesToDeviceAfter's 16-bit values on the device, before they are
+  // widened (used in order on upload_stream).
+  void* upload_halves = nullptr;
+  size_t upload_halves_bytes = 0;
   cudnnHandle_t cudnn = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
@@ -192,6 +196,7 @@ CudaContext::~CudaContext() {
     static_cast<void>(cudaStreamDestroy(upload_stream));
   }
   if (uploads_joined != nullptr) static_cast<void>(cudaEventDestroy(uploads_joined));
+  if (upload_halves != nullptr) static_cast<void>(cudaFree(upload_halves));
   if (cublas != nullptr) static_cast<void>(cublasDestroy(cublas));
   if (cudnn != nullptr) static_cast<void>(cudnnDestroy(cudnn));
   if (cublas_workspace != nullptr) static_cast<void>(cudaFree(cublas_workspace));
@@ -1151,6 +1156,44 @@ absl::Status CudaBackend::JoinUploads() {
     PSFLOW_CUDA_CHECK(cudaEventRecord(ctx_->uploads_joined, ctx_->upload_stream));
     PSFLOW_CUDA_CHECK(cudaStreamWaitEvent(ctx_->stream, ctx_->uploads_joined, 0));
     ctx_->uploads_pending = false;
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
+                                                  size_t elements, float* device) {
+  CudaEvent* cuda_event = nullptr;
+  if (after != nullptr) {
+    cuda_event = dynamic_cast<CudaEvent*>(after);
+    if (cuda_event == nullptr) {
+      return absl::InvalidArgumentError("CopyHalvesToDeviceAfter: not a CUDA event");
+    }
+  }
+  if (elements == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CopyHalvesToDeviceAfter", elements, "values", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
+    if (ctx_->upload_stream == nullptr) {
+      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->upload_stream, cudaStreamNonBlocking));
+    }
+    const size_t bytes = elements * sizeof(uint16_t);
+    if (ctx_->upload_halves_bytes < bytes) {
+      // The old buffer may still be read by a queued widening.
+      PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->upload_stream));
+      if (ctx_->upload_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx_->upload_halves));
+      ctx_->upload_halves = nullptr;
+      ctx_->upload_halves_bytes = 0;
+      PSFLOW_CUDA_CHECK(cudaMalloc(&ctx_->upload_halves, bytes));
+      ctx_->upload_halves_bytes = bytes;
+    }
+    if (cuda_event != nullptr) {
+      PSFLOW_CUDA_CHECK(
+          cudaStreamWaitEvent(ctx_->upload_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
+    }
+    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(ctx_->upload_halves, host, bytes, cudaMemcpyHostToDevice,
+                                      ctx_->upload_stream));
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchWidenToFloat(
+        ctx_->upload_halves, bf16, device, static_cast<int64_t>(elements), ctx_->upload_stream));
+    ctx_->uploads_pending = true;
     return absl::OkStatus();
   });
 }

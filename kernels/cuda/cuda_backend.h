@@ -127,6 +127,10 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats,
                                  float* device) override;
   absl::Status JoinUploads() override;
+  // The 16-bit values go through a buffer of the context's (grown to the
+  // largest copy), in order on the stream of uploads.
+  absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
+                                       size_t elements, float* device) override;
   absl::Status RecordUploadsDone(Event* done) override;
   // cudaHostRegister (portable) and cudaHostUnregister, with this backend's
   // GPU current.

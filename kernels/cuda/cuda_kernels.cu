@@ -531,6 +531,14 @@ __global__ void UnpackFromWireKernel(const WirePiece* pieces, bool bf16, const v
   }
 }
 
+__global__ void WidenToFloatKernel(const void* wire, bool bf16, float* out, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(wire)[i])
+                  : __half2float(static_cast<const __half*>(wire)[i]);
+  }
+}
+
 // The grid of a pack or unpack: (blocks per piece, pieces); y is capped by
 // CUDA at 65535.
 bool WireGrid(int num_pieces, int64_t max_count, dim3* grid) {
@@ -559,6 +567,14 @@ cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_
   dim3 grid;
   if (!WireGrid(num_pieces, max_count, &grid)) return cudaSuccess;
   UnpackFromWireKernel<<<grid, kThreads, 0, stream>>>(pieces, bf16, wire);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t n,
+                               cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  WidenToFloatKernel<<<std::min(BlocksFor(n, kThreads), 1024), kThreads, 0, stream>>>(wire, bf16,
+                                                                                      out, n);
   return cudaGetLastError();
 }
 

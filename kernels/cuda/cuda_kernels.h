@@ -70,6 +70,11 @@ cudaError_t LaunchPackToWire(const WirePiece* pieces, int num_pieces, int64_t ma
 cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_t max_count,
                                  bool bf16, const void* wire, cudaStream_t stream);
 
+// out[i] = the `n` 16-bit values at `wire` (bfloat16 with `bf16`, else IEEE
+// half) as floats (exact).
+cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t n,
+                               cudaStream_t stream);
+
 // y[r, c] += b[c] for a row-major y of rows x cols (a bias broadcast over rows).
 cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,
                              cudaStream_t stream);

@@ -249,7 +249,7 @@ TEST(TensorChunksTest, RemainingBytesCountWhatTheSinksStillWaitFor) {
 }
 
 // Chunks in memory that stays the caller's (a shared region): a sink that
-// borrows is left pointing at its fp32 values where they lie while its
+// borrows is left pointing at its values where they lie while its
 // chunks follow one another there; one whose chunks do not follow, a
 // network chunk among them, or a sink without `borrow` gets its values
 // copied, the part left in place before included.
@@ -260,7 +260,7 @@ TEST(TensorChunksTest, InPlaceChunksAreBorrowedWhileTheyFollowOneAnother) {
     return Chunk(name, "", {floats}, offset, {});
   };
   std::vector<float> a(4, 0.0f), b(3, 0.0f), c(2, 0.0f), d(3, 0.0f);
-  const float *borrow_a = &a[0], *borrow_b = &b[0], *borrow_d = &d[0];
+  const void *borrow_a = &a[0], *borrow_b = &b[0], *borrow_d = &d[0];
   bool nan_in_a = false;
   TensorSink sink_a{"a", "", {4}, a.data()};
   sink_a.borrow = &borrow_a;
@@ -302,7 +302,7 @@ TEST(TensorChunksTest, InPlaceChunksAreBorrowedWhileTheyFollowOneAnother) {
   EXPECT_EQ(assembler.borrowed(), 1);
   // A chunk that does not fit is refused in place as anywhere.
   std::vector<float> e(2, 0.0f);
-  const float* borrow_e = nullptr;
+  const void* borrow_e = nullptr;
   TensorSink sink_e{"e", "", {2}, e.data()};
   sink_e.borrow = &borrow_e;
   ChunkAssembler small({sink_e});
@@ -310,13 +310,14 @@ TEST(TensorChunksTest, InPlaceChunksAreBorrowedWhileTheyFollowOneAnother) {
   EXPECT_EQ(borrow_e, nullptr);
 }
 
-// Values left in place are checked for NaN like copied ones; 16-bit chunks
-// are never left in place (they are decoded to fp32).
-TEST(TensorChunksTest, InPlaceChunksAreCheckedAndOnlyFp32IsBorrowed) {
+// Values left in place are checked for NaN like copied ones. 16-bit chunks
+// are left in place too, as 16-bit values, for a sink without the NaN check
+// (which reads fp32); with it, they are decoded.
+TEST(TensorChunksTest, InPlaceChunksAreCheckedAnd16BitOnesBorrowedWithoutTheCheck) {
   std::vector<float> region = {1, std::nanf(""), 3, 4};
   bool nan_seen = false;
   std::vector<float> a(4, 0.0f);
-  const float* borrow = nullptr;
+  const void* borrow = nullptr;
   TensorSink sink{"a", "", {4}, a.data()};
   sink.borrow = &borrow;
   sink.non_finite = &nan_seen;
@@ -329,20 +330,50 @@ TEST(TensorChunksTest, InPlaceChunksAreCheckedAndOnlyFp32IsBorrowed) {
   EXPECT_TRUE(nan_seen);
   EXPECT_EQ(borrow, region.data());
 
-  std::vector<uint16_t> halves(2);
-  const std::vector<float> values = {1.5f, -2.0f};
-  EncodeFloats(DT_BFLOAT16, values.data(), 2, reinterpret_cast<char*>(halves.data()));
-  std::vector<float> h(2, 0.0f);
-  const float* borrow_h = nullptr;
-  TensorSink sink_h{"h", "", {2}, h.data(), true, DT_BFLOAT16};
-  sink_h.borrow = &borrow_h;
-  ChunkAssembler sixteen({sink_h});
-  TensorChunk c = Chunk("h", "", {2}, 0, {});
+  std::vector<uint16_t> halves(3);
+  const std::vector<float> values = {1.5f, -2.0f, 0.25f};
+  EncodeFloats(DT_BFLOAT16, values.data(), 3, reinterpret_cast<char*>(halves.data()));
+  TensorChunk c = Chunk("h", "", {3}, 0, {});
   c.set_dtype(DT_BFLOAT16);
+  for (const bool checked : {false, true}) {
+    std::vector<float> h(3, 0.0f);
+    const void* borrow_h = nullptr;
+    bool nan_h = false;
+    TensorSink sink_h{"h", "", {3}, h.data(), true, DT_BFLOAT16};
+    sink_h.borrow = &borrow_h;
+    if (checked) sink_h.non_finite = &nan_h;
+    ChunkAssembler sixteen({sink_h});
+    // Two chunks one after the other (2 and 1 values).
+    c.set_offset(0);
+    ASSERT_TRUE(
+        sixteen.AddInPlace(c, 4, reinterpret_cast<const char*>(halves.data()), &completed).ok());
+    c.set_offset(4);
+    ASSERT_TRUE(
+        sixteen.AddInPlace(c, 2, reinterpret_cast<const char*>(halves.data() + 2), &completed)
+            .ok());
+    if (checked) {
+      EXPECT_EQ(borrow_h, nullptr);
+      EXPECT_THAT(h, ElementsAre(1.5f, -2.0f, 0.25f));
+    } else {
+      EXPECT_EQ(borrow_h, halves.data());
+      EXPECT_THAT(h, ElementsAre(0, 0, 0));
+    }
+  }
+  // One left in place, then one that does not follow: the first is decoded too.
+  std::vector<uint16_t> elsewhere = {halves[2]};
+  std::vector<float> h(3, 0.0f);
+  const void* borrow_h = nullptr;
+  TensorSink sink_h{"h", "", {3}, h.data(), true, DT_BFLOAT16};
+  sink_h.borrow = &borrow_h;
+  ChunkAssembler split({sink_h});
+  c.set_offset(0);
   ASSERT_TRUE(
-      sixteen.AddInPlace(c, 4, reinterpret_cast<const char*>(halves.data()), &completed).ok());
+      split.AddInPlace(c, 4, reinterpret_cast<const char*>(halves.data()), &completed).ok());
+  c.set_offset(4);
+  ASSERT_TRUE(
+      split.AddInPlace(c, 2, reinterpret_cast<const char*>(elsewhere.data()), &completed).ok());
   EXPECT_EQ(borrow_h, nullptr);
-  EXPECT_THAT(h, ElementsAre(1.5f, -2.0f));
+  EXPECT_THAT(h, ElementsAre(1.5f, -2.0f, 0.25f));
 }
 
 // The value `v` becomes after a trip through `dtype`.

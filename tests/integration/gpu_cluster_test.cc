@@ -59,10 +59,12 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
 }
 
 // A GPU worker whose pulls go through shared memory copies the pulled
-// weights to the GPU straight from there (and says so once), and trains
-// exactly the weights it trains when they go through its own page-locked
-// buffers (--upload_from_shared_memory=false): one worker, 2 ps, the mlp on
-// synthetic data, fp32 on the wire; the saved models are equal byte for byte.
+// weights to the GPU straight from there (16-bit ones widened on the GPU),
+// and says so once; it trains exactly the weights it trains when they are
+// decoded into its own page-locked buffers first
+// (--upload_from_shared_memory=false): one worker, 2 ps, the mlp on
+// synthetic data, fp32 and bf16 on the wire; the saved models are equal
+// byte for byte.
 TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
   absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
   if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
@@ -71,26 +73,29 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
                            ("psflow_gpu_uploads_" + std::to_string(::getpid())))
                               .string();
   std::filesystem::remove_all(dir);
-  std::string model[2];
-  for (const bool from_shared : {true, false}) {
-    const std::string model_dir = dir + (from_shared ? "/shared" : "/staged");
-    Process launch(Bin("psflow-launch"),
-                   {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
-                    std::string("--worker_args=--upload_from_shared_memory=") +
-                        (from_shared ? "true" : "false"),
-                    "--", "--model=mlp", "--dataset=synthetic", "--train_steps=300",
-                    "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
-                    "--log_every_steps=100", "--model_dir=" + model_dir});
-    ASSERT_EQ(launch.WaitOrKill(seconds(180)), 0) << launch.Describe();
-    EXPECT_EQ(launch.output().find("straight from the shared memory") != std::string::npos,
-              from_shared)
-        << launch.Describe();
-    std::ifstream in(model_dir + "/saved_model/model.pb", std::ios::binary);
-    model[from_shared ? 0 : 1].assign(std::istreambuf_iterator<char>(in),
-                                      std::istreambuf_iterator<char>());
-    ASSERT_FALSE(model[from_shared ? 0 : 1].empty()) << launch.Describe();
+  for (const std::string wire : {"fp32", "bf16"}) {
+    SCOPED_TRACE(wire);
+    std::string model[2];
+    for (const bool from_shared : {true, false}) {
+      const std::string model_dir = dir + "/" + wire + (from_shared ? "_shared" : "_staged");
+      Process launch(Bin("psflow-launch"),
+                     {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
+                      std::string("--worker_args=--upload_from_shared_memory=") +
+                          (from_shared ? "true" : "false"),
+                      "--", "--model=mlp", "--dataset=synthetic", "--train_steps=300",
+                      "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
+                      "--log_every_steps=100", "--wire_dtype=" + wire, "--model_dir=" + model_dir});
+      ASSERT_EQ(launch.WaitOrKill(seconds(180)), 0) << launch.Describe();
+      EXPECT_EQ(launch.output().find("straight from the shared memory") != std::string::npos,
+                from_shared)
+          << launch.Describe();
+      std::ifstream in(model_dir + "/saved_model/model.pb", std::ios::binary);
+      std::string& bytes = model[from_shared ? 0 : 1];
+      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      ASSERT_FALSE(bytes.empty()) << launch.Describe();
+    }
+    EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
   }
-  EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
   std::filesystem::remove_all(dir);
 }
 

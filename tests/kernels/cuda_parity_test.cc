@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/float16.h"
 #include "common/shared_region.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -830,6 +831,41 @@ TEST_F(CudaParityTest, UploadsFromARegisteredSharedRegion) {
   // The CPU has nothing to register, and no events.
   EXPECT_EQ(cpu_->host_pinning().pin, nullptr);
   EXPECT_EQ(cpu_->RecordUploadsDone(done.get()).code(), absl::StatusCode::kUnimplemented);
+}
+
+// 16-bit values cross as they are and are widened on the device, exactly
+// as the host decodes them (common/float16.h), after their event; a larger
+// copy after a smaller one grows the device buffer they pass through.
+TEST_F(CudaParityTest, HalvesCopiedToTheDeviceAreWidenedExactly) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  auto ready = gpu_->CreateEvent().value();
+  for (const bool bf16 : {true, false}) {
+    const DataType dtype = bf16 ? DT_BFLOAT16 : DT_HALF;
+    for (const size_t n : {size_t{1000}, size_t{300000}, size_t{7}}) {
+      std::vector<float> values(n);
+      for (float& v : values) v = normal(rng);
+      values[0] = std::numeric_limits<float>::infinity();
+      auto host = gpu_->AllocateHost((n + 1) / 2).value();  // n 16-bit values
+      auto* halves = reinterpret_cast<uint16_t*>(host->data());
+      EncodeFloats(dtype, values.data(), static_cast<int64_t>(n), reinterpret_cast<char*>(halves));
+      std::vector<float> want(n);
+      DecodeFloats(dtype, reinterpret_cast<const char*>(halves), static_cast<int64_t>(n),
+                   want.data());
+      auto x = gpu_->Allocate(n).value();
+      PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, 42.0f, x->data(), static_cast<int64_t>(n)));
+      PSFLOW_ASSERT_OK(gpu_->RecordEvent(ready.get()));
+      PSFLOW_ASSERT_OK(gpu_->CopyHalvesToDeviceAfter(ready.get(), halves, bf16, n, x->data()));
+      PSFLOW_ASSERT_OK(gpu_->JoinUploads());
+      EXPECT_EQ(Download(*gpu_, x->data(), n), want) << (bf16 ? "bf16 " : "fp16 ") << n;
+    }
+  }
+  EXPECT_EQ(gpu_->CopyHalvesToDeviceAfter(nullptr, nullptr, true, 4, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<uint16_t> some(4);
+  std::vector<float> out(4);
+  EXPECT_EQ(cpu_->CopyHalvesToDeviceAfter(nullptr, some.data(), true, 4, out.data()).code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {

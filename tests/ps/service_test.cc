@@ -629,8 +629,12 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
         },
         [&](void*) { ++unpinned; });
     ASSERT_TRUE(InitJob().ok());
+    auto floats = [](const void* at, size_t n) {
+      const float* f = static_cast<const float*>(at);
+      return std::vector<float>(f, f + n);
+    };
     auto pull = [&](int64_t version, std::vector<float>* big, std::vector<float>* bias,
-                    const float** big_at, const float** bias_at) {
+                    const void** big_at, const void** bias_at) {
       big->assign(NumElements(kBigShape), -1);
       bias->assign(NumElements(kBiasShape), -1);
       TensorSink big_sink{"big", "", kBigShape, big->data()};
@@ -641,7 +645,7 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
                            absl::ZeroDuration());
     };
     std::vector<float> big0, bias0;
-    const float *big0_at = big_.data(), *bias0_at = bias_.data();
+    const void *big0_at = big_.data(), *bias0_at = bias_.data();
     absl::StatusOr<Client::PullResult> p0 = pull(0, &big0, &bias0, &big0_at, &bias0_at);
     ASSERT_TRUE(p0.ok()) << p0.status();
     if (!pin) {
@@ -656,8 +660,8 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
     ASSERT_NE(p0->hold, nullptr);
     ASSERT_NE(big0_at, nullptr);
     ASSERT_NE(bias0_at, nullptr);
-    EXPECT_EQ(std::vector<float>(big0_at, big0_at + big_.size()), big_);
-    EXPECT_EQ(std::vector<float>(bias0_at, bias0_at + 10), bias_);
+    EXPECT_EQ(floats(big0_at, big_.size()), big_);
+    EXPECT_EQ(floats(bias0_at, 10), bias_);
     EXPECT_EQ(big0, std::vector<float>(big_.size(), -1)) << "the sink's memory is untouched";
     // A step later, the held values are still version 0's: the next pull
     // went to another region.
@@ -665,19 +669,19 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
     ASSERT_TRUE(PushAll(0, 0, g_big, g_bias).ok());
     ASSERT_TRUE(PushAll(1, 0, g_big, g_bias).ok());
     std::vector<float> big1, bias1;
-    const float *big1_at = nullptr, *bias1_at = nullptr;
+    const void *big1_at = nullptr, *bias1_at = nullptr;
     absl::StatusOr<Client::PullResult> p1 = pull(1, &big1, &bias1, &big1_at, &bias1_at);
     ASSERT_TRUE(p1.ok()) << p1.status();
     ASSERT_NE(big1_at, nullptr);
     EXPECT_NE(big1_at, big0_at);
-    EXPECT_EQ(std::vector<float>(big1_at, big1_at + big_.size()), SgdAfter(big_, g_big, g_big));
-    EXPECT_EQ(std::vector<float>(big0_at, big0_at + big_.size()), big_);
+    EXPECT_EQ(floats(big1_at, big_.size()), SgdAfter(big_, g_big, g_big));
+    EXPECT_EQ(floats(big0_at, big_.size()), big_);
     // Let go, a region is leased again (the pool keeps it; nothing unpinned).
-    const float* const freed = big0_at;
+    const void* const freed = big0_at;
     p0->hold.reset();
     p1->hold.reset();
     std::vector<float> big2, bias2;
-    const float *big2_at = nullptr, *bias2_at = nullptr;
+    const void *big2_at = nullptr, *bias2_at = nullptr;
     absl::StatusOr<Client::PullResult> p2 = pull(1, &big2, &bias2, &big2_at, &bias2_at);
     ASSERT_TRUE(p2.ok()) << p2.status();
     EXPECT_TRUE(big2_at == freed || big2_at == big1_at);
