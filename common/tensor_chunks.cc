@@ -248,18 +248,15 @@ absl::Status ChunkAssembler::AddInPlace(const TensorChunk& chunk, int64_t size, 
   const bool checkable = e->sink.dtype == DT_FLOAT || e->sink.non_finite == nullptr;
   if (e->sink.borrow == nullptr || !checkable || !follows) {
     StopBorrowing(*e);
+    // The whole chunk fits (Check): decoded block by block, each checked
+    // while it is in the cache.
+    float* const data = SinkData(e->sink, (e->received + size) / e->element_bytes);
     int64_t done = 0;
-    TensorChunk block = chunk;
     do {
       const int64_t take = std::min(kInPlaceBlockBytes, size - done);
-      block.set_offset(chunk.offset() + done);
-      PSFLOW_RETURN_IF_ERROR(AddFrom(
-          block, take,
-          [&](DataType dtype, int64_t n, float* out) {
-            DecodeFloats(dtype, from + done, n, out);
-            return true;
-          },
-          completed));
+      float* const out = data + e->received / e->element_bytes;
+      DecodeFloats(e->sink.dtype, from + done, take / e->element_bytes, out);
+      Received(*e, take, out, completed);
       done += take;
     } while (done < size);
     return absl::OkStatus();
