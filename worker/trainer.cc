@@ -918,13 +918,14 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   if (borrow_pulls_) {
     // Slice by slice, each from where the pull left it: the region (kept
     // until the copies are done), or its sink.
-    for (size_t i = 0; i < lane.sinks.size(); ++i) {
+    lane.hold = std::move(r->hold);
+    absl::Status s;
+    for (size_t i = 0; s.ok() && i < lane.sinks.size(); ++i) {
       const int v = lane.variables[i];
       const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
       const void* const borrowed = lane.borrowed[i];
       const DataType dtype = lane.sinks[i].dtype;
-      absl::Status s =
-          borrowed == nullptr
+      s = borrowed == nullptr
               ? net_->SetWeightRangeAfter(v, first, count, weights_[v] + first, upload_after_[v])
           : dtype == DT_FLOAT
               ? net_->SetWeightRangeAfter(v, first, count, static_cast<const float*>(borrowed),
@@ -932,21 +933,20 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
               : net_->SetWeightRangeFromHalvesAfter(v, first, count,
                                                     static_cast<const uint16_t*>(borrowed),
                                                     dtype == DT_BFLOAT16, upload_after_[v]);
-      if (!s.ok())
-        return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
     }
-    if (r->hold != nullptr) {
+    if (s.ok() && lane.hold != nullptr) {
       if (!told_borrow_.exchange(true)) {
         PSLOG(INFO) << "pulled weights go to the GPU straight from the shared memory the ps "
                        "wrote them into";
       }
-      lane.hold = std::move(r->hold);
-      if (absl::Status s = backend_->RecordUploadsDone(lane.uploaded.get()); !s.ok()) {
-        // The copies may still read the region: wait for all of them.
-        static_cast<void>(backend_->Synchronize());
-        lane.hold.reset();
-        return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
-      }
+      s = backend_->RecordUploadsDone(lane.uploaded.get());
+    }
+    if (!s.ok()) {
+      // Copies queued before the failure may still read the region: wait
+      // for all of them before it goes. INTERNAL whatever the device said.
+      if (lane.hold != nullptr) static_cast<void>(backend_->Synchronize());
+      lane.hold.reset();
+      return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
     }
     return absl::OkStatus();
   }
