@@ -25,6 +25,10 @@ using google::protobuf::io::StringOutputStream;
 // costs more than the copy.
 constexpr int64_t kCopyBelowBytes = 4096;
 
+// EncodeSharedChunkMessage checks and copies values in blocks of this many
+// (64 KiB of fp32).
+constexpr int64_t kCheckBlockFloats = 16 << 10;
+
 // TensorChunk's field numbers (proto/tensor.proto).
 enum ChunkField : int {
   kName = 1,
@@ -277,7 +281,8 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
 
 absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
     const google::protobuf::MessageLite& fields, int chunk_field,
-    absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor) {
+    absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor, bool* all_below,
+    float below) {
   std::string out = fields.SerializeAsString();
   for (const ChunkPiece& piece : pieces) {
     const TensorRef& t = *piece.tensor;
@@ -291,10 +296,19 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
       }
       const int64_t element = WireBytes(t.dtype);
       const float* from = t.data + piece.offset / element;
-      if (t.dtype == DT_FLOAT) {
-        std::memcpy(region.data + at, from, static_cast<size_t>(piece.bytes));
-      } else {
-        EncodeFloats(t.dtype, from, piece.bytes / element, region.data + at);
+      const int64_t n = piece.bytes / element;
+      // In blocks that stay in the cache between the check and the copy.
+      for (int64_t b = 0; b < n; b += kCheckBlockFloats) {
+        const int64_t len = std::min(kCheckBlockFloats, n - b);
+        if (all_below != nullptr && *all_below && !AllBelow(from + b, len, below)) {
+          *all_below = false;
+        }
+        char* const to = region.data + at + b * element;
+        if (t.dtype == DT_FLOAT) {
+          std::memcpy(to, from + b, static_cast<size_t>(len) * sizeof(float));
+        } else {
+          EncodeFloats(t.dtype, from + b, len, to);
+        }
       }
       chunk.set_shared_offset(at);
       chunk.set_shared_bytes(piece.bytes);

@@ -15,6 +15,7 @@
 #define PSFLOW_COMMON_CHUNK_MESSAGES_H_
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -47,10 +48,13 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
 // into `region` from *cursor on (each piece at a multiple of 64 bytes;
 // *cursor ends past the last), and its chunk carries only its place there
 // (TensorChunk.shared_offset and shared_bytes). INVALID_ARGUMENT when the
-// region is too small.
+// region is too small. With `all_below`, each block of the values is also
+// checked (AllBelow) as it is copied, and *all_below made false for one
+// that is not below `below` in magnitude.
 absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
     const google::protobuf::MessageLite& fields, int chunk_field,
-    absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor);
+    absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor,
+    bool* all_below = nullptr, float below = std::numeric_limits<float>::infinity());
 
 // Reads one message written as above (or by protobuf itself). The fields
 // other than the chunks are parsed into `fields` (cleared first); then

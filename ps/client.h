@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/float16.h"
 #include "common/tensor_chunks.h"
 #include "proto/ps.pb.h"
 
@@ -98,20 +100,40 @@ class Client {
   // Gradients that become final while their push runs (a worker pushing
   // during its backward pass), in runs: run g is grads[starts[g]] up to the
   // next run's start. `wait(g)` returns once run g's memory is final (OK),
-  // or with the error that ends the push.
+  // or with the error that ends the push. If `checked` is set, the client
+  // checks each run after its wait, before any of it leaves: whether every
+  // value is below `below` in magnitude (finite, and within the wire
+  // dtype's range: common/float16.h's AllBelow), and passes the answer to
+  // checked(g, ok), whose error ends the push as a wait's does. (A client
+  // that copies the values, into shared memory, checks them as it copies,
+  // while they are in the cache.)
   struct PushRuns {
     std::vector<size_t> starts;  // ascending, from 0
     std::function<absl::Status(int run)> wait;
+    std::function<absl::Status(int run, bool ok)> checked;
+    float below = std::numeric_limits<float>::infinity();
   };
-  // As Push, but reads each run only after its wait returned, and sends
-  // what it has read before waiting for the next. What the ps received
-  // complete before a failing wait stays received there (as with any push
-  // that fails half-way). This default waits for every run, then pushes.
+  // Whether run g of `grads` is below `runs.below` throughout (a separate
+  // pass over it).
+  static bool RunBelow(const std::vector<TensorRef>& grads, const PushRuns& runs, int g) {
+    const size_t end =
+        g + 1 < static_cast<int>(runs.starts.size()) ? runs.starts[g + 1] : grads.size();
+    for (size_t i = runs.starts[g]; i < end; ++i) {
+      if (!AllBelow(grads[i].data, NumElements(grads[i].shape), runs.below)) return false;
+    }
+    return true;
+  }
+  // As Push, but reads each run only after its wait returned (and checked
+  // it), and sends what it has read before waiting for the next. What the ps
+  // received complete before a failing wait stays received there (as with
+  // any push that fails half-way). This default waits for (and checks)
+  // every run, then pushes.
   virtual absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
                                                   std::vector<TensorRef> grads,
                                                   const PushRuns& runs, absl::Time deadline) {
     for (int g = 0; g < static_cast<int>(runs.starts.size()); ++g) {
       absl::Status s = runs.wait(g);
+      if (s.ok() && runs.checked) s = runs.checked(g, RunBelow(grads, runs, g));
       if (!s.ok()) return s;
     }
     return Push(ps, header, std::move(grads), deadline);

@@ -446,20 +446,45 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
         }
       }
       const size_t end = g + 1 < starts.size() ? starts[g + 1] : grads.size();
+      // The run is checked before any of it leaves: as it is copied into
+      // the region (one message a run there), else in a pass of its own.
+      const bool check = runs != nullptr && runs->checked != nullptr;
+      if (check && region == nullptr) {
+        s = runs->checked(static_cast<int>(g), Client::RunBelow(grads, *runs, static_cast<int>(g)));
+        if (!s.ok()) {
+          *waited = true;
+          break;
+        }
+      }
       std::vector<TensorRef> part(grads.begin() + static_cast<std::ptrdiff_t>(starts[g]),
                                   grads.begin() + static_cast<std::ptrdiff_t>(end));
-      if (part.empty() && sent_any) continue;
+      if (part.empty() && sent_any) {
+        if (check && region != nullptr) {
+          s = runs->checked(static_cast<int>(g), true);
+          if (!s.ok()) *waited = true;
+        }
+        continue;
+      }
       ChunkSplitter splitter(std::move(part), max_bytes);
       std::vector<ChunkPiece> pieces;
       bool more = splitter.NextPieces(&pieces);
       while (true) {
         grpc::ByteBuffer buffer;
         if (region != nullptr) {
+          bool below = true;
           absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
-              message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor);
+              message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor,
+              check ? &below : nullptr, check ? runs->below : 0.0f);
           if (!encoded.ok()) {
             s = encoded.status();
             break;
+          }
+          if (check) {
+            s = runs->checked(static_cast<int>(g), below);
+            if (!s.ok()) {
+              *waited = true;
+              break;
+            }
           }
           buffer = *std::move(encoded);
         } else {

@@ -1042,6 +1042,17 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   const bool in_runs = verdict != nullptr && !skip;
   std::unique_ptr<std::atomic<bool>[]> stopped(new std::atomic<bool>[n]);
   for (int l = 0; l < n; ++l) stopped[l] = false;
+  // The lane's part of the verdict, from run g's check (`finite`): marked at
+  // its first run that is not finite, or with its last.
+  auto mark = [&](int l, int g, bool finite) -> absl::Status {
+    if (!checked[l] && (!finite || g + 1 == static_cast<int>(lanes_[l].run_starts.size()))) {
+      checked[l] = 1;
+      verdict->Mark(finite);
+    }
+    if (finite) return absl::OkStatus();
+    stopped[l] = true;
+    return absl::CancelledError("the step is not finite");
+  };
   auto wait_run = [&](int l, int g) -> absl::Status {
     const Lane& lane = lanes_[l];
     const auto [first, last] = lane.run_pieces[g];
@@ -1051,25 +1062,16 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
     const bool ready = grads_ready_.WaitReady(first, last, absl::InfiniteFuture(),
                                               [&] { return Stopping() || verdict->Failed(); });
     wait_span.End();
-    bool finite = ready && !verdict->Failed();
-    if (finite) {
-      const size_t end = g + 1 < static_cast<int>(lane.run_starts.size()) ? lane.run_starts[g + 1]
-                                                                          : lane.refs.size();
-      TraceSpan check_span(options_.trace, "run check", trace_step_);
-      check_span.Arg("lane", l);
-      check_span.Arg("run", g);
-      check_span.Arg("slices", end - lane.run_starts[g]);
-      finite = RefsFinite(
-          absl::MakeConstSpan(lane.refs).subspan(lane.run_starts[g], end - lane.run_starts[g]));
-    }
-    if (!checked[l] && (!finite || g + 1 == static_cast<int>(lane.run_starts.size()))) {
-      checked[l] = 1;
-      verdict->Mark(finite);
-    }
-    if (finite) return absl::OkStatus();
-    stopped[l] = true;
-    return absl::CancelledError(ready ? "the step is not finite" : "stopping");
+    if (ready && !verdict->Failed()) return absl::OkStatus();
+    // Stopping, or the step failed already: the lane's part fails too.
+    const absl::Status s = mark(l, g, false);
+    return ready ? s : absl::CancelledError("stopping");
   };
+  // The client checks each run (ps::Client::PushRuns::checked) as it reads
+  // it: finite, and within the wire dtype's range. A gradient the wire
+  // dtype turns into infinity (fp16 from 65520 on) is as diverged as one
+  // that already is.
+  const float overflow = WireOverflow(exchange_dtype_);
   // Where weights are staged on the host, the lane's pull runs beside its
   // push from the start: each slice comes as soon as the ps applied it.
   // `give_up[l]` stops a pull whose push failed (it asks again at least
@@ -1117,7 +1119,8 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       push_span.Arg("ps", lane.ps);
       push_span.Arg("slices", lane.slices.size());
       if (in_runs) {
-        ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); }};
+        ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); },
+                                  [&](int g, bool ok) { return mark(l, g, ok); }, overflow};
         response = client->PushInRuns(lane.ps, lane_header, lane.refs, runs, deadline);
       } else {
         response = client->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,

@@ -715,13 +715,21 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
     h.set_job_id(kJob);
     h.set_worker(0);
     h.set_step(0);
-    Client::PushRuns runs{{0, 1}, [&](int run) {
+    // The client checks each run before it leaves (both within range here).
+    std::vector<std::pair<int, bool>> checks;
+    Client::PushRuns runs{{0, 1},
+                          [&](int run) {
                             if (run == 1) {
                               waited_for_bias.Notify();
                               release.WaitForNotification();
                             }
                             return absl::OkStatus();
-                          }};
+                          },
+                          [&](int run, bool ok) {
+                            checks.emplace_back(run, ok);
+                            return absl::OkStatus();
+                          },
+                          65520.0f};
     absl::StatusOr<PushResponse> pushed;
     std::thread pusher([&] {
       pushed = client_->PushInRuns(
@@ -756,6 +764,7 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
     release.Notify();
     pusher.join();
     ASSERT_TRUE(pushed.ok()) << pushed.status();
+    EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, true)));
     absl::StatusOr<Pulled> p = PullAll(1);
     ASSERT_TRUE(p.ok()) << p.status();
     EXPECT_EQ(p->big, SgdAfter(big_, g_big, g_big));
@@ -764,15 +773,39 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
 
     // Step 1: the second run's wait fails; the push ends with its error.
     h.set_step(1);
-    Client::PushRuns failing{{0, 1}, [](int run) {
+    Client::PushRuns failing{{0, 1},
+                             [](int run) {
                                return run == 1 ? absl::CancelledError("the step is not finite")
                                                : absl::OkStatus();
-                             }};
+                             },
+                             nullptr};
     absl::StatusOr<PushResponse> cut = client_->PushInRuns(
         0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, g_bias.data()}},
         failing, Deadline());
     EXPECT_EQ(cut.status(), absl::CancelledError("the step is not finite"));
     EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("CANCELLED")));
+    EXPECT_EQ(shard_.stats().version, 1);
+
+    // Worker 1, step 1: "big" is below fp16's limit and leaves; "bias"
+    // holds 70000, beyond it: checked(1, false) ends the push before any of
+    // it leaves, and the step is not applied.
+    h.set_worker(1);
+    std::vector<float> big_bias = g_bias;
+    big_bias[3] = 70000.0f;
+    checks.clear();
+    Client::PushRuns refusing{{0, 1},
+                              [](int) { return absl::OkStatus(); },
+                              [&](int run, bool ok) {
+                                checks.emplace_back(run, ok);
+                                return ok ? absl::OkStatus()
+                                          : absl::CancelledError("the step is not finite");
+                              },
+                              65520.0f};
+    absl::StatusOr<PushResponse> refused = client_->PushInRuns(
+        0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, big_bias.data()}},
+        refusing, Deadline());
+    EXPECT_EQ(refused.status(), absl::CancelledError("the step is not finite"));
+    EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, false)));
     EXPECT_EQ(shard_.stats().version, 1);
   }
 }
