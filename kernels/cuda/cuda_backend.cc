@@ -181,6 +181,15 @@ absl::Status RunIn(CudaContext& ctx, absl::string_view what, Count count, absl::
                   unit.empty() ? absl::StrCat(count) : absl::StrCat(count, " ", unit));
 }
 
+// Makes one of the context's side streams (copies, uploads) at its first
+// use. Call inside RunIn.
+absl::Status EnsureStream(cudaStream_t* stream) {
+  if (*stream == nullptr) {
+    PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 CudaContext::~CudaContext() {
@@ -1069,9 +1078,7 @@ absl::Status CudaBackend::CopyToHostAfter(Event* ready, const std::vector<HostCo
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", c.device}, {"host", c.host}}));
   }
   return RunIn(*ctx_, "CopyToHostAfter", "", [&]() -> absl::Status {
-    if (ctx_->copy_stream == nullptr) {
-      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->copy_stream, cudaStreamNonBlocking));
-    }
+    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->copy_stream));
     PSFLOW_CUDA_CHECK(
         cudaStreamWaitEvent(ctx_->copy_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
     for (const HostCopy& c : copies) {
@@ -1090,18 +1097,27 @@ absl::Status CudaBackend::WaitCopies() {
   });
 }
 
-absl::Status CudaBackend::RecordCopiesDone(Event* done) {
+namespace {
+
+// Records `done` on the side stream `*stream` of `ctx` (made at its first
+// use): RecordCopiesDone, RecordUploadsDone.
+absl::Status RecordOnSideStream(CudaContext& ctx, cudaStream_t* stream, Event* done,
+                                absl::string_view what) {
   auto* cuda_event = dynamic_cast<CudaEvent*>(done);
-  if (cuda_event == nullptr)
-    return absl::InvalidArgumentError("RecordCopiesDone: not a CUDA event");
-  return RunIn(*ctx_, "RecordCopiesDone", "", [&]() -> absl::Status {
-    if (ctx_->copy_stream == nullptr) {
-      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->copy_stream, cudaStreamNonBlocking));
-    }
-    PSFLOW_CUDA_CHECK(
-        cudaEventRecord(static_cast<cudaEvent_t>(cuda_event->raw()), ctx_->copy_stream));
+  if (cuda_event == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a CUDA event"));
+  }
+  return RunIn(ctx, what, "", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(stream));
+    PSFLOW_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(cuda_event->raw()), *stream));
     return absl::OkStatus();
   });
+}
+
+}  // namespace
+
+absl::Status CudaBackend::RecordCopiesDone(Event* done) {
+  return RecordOnSideStream(*ctx_, &ctx_->copy_stream, done, "RecordCopiesDone");
 }
 
 absl::Status CudaBackend::WaitEvent(Event* event) {
@@ -1133,9 +1149,7 @@ absl::Status CudaBackend::CopyToDeviceAfter(Event* after, const float* host, siz
   if (floats == 0) return absl::OkStatus();
   return RunIn(*ctx_, "CopyToDeviceAfter", floats, "floats", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
-    if (ctx_->upload_stream == nullptr) {
-      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->upload_stream, cudaStreamNonBlocking));
-    }
+    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
     if (cuda_event != nullptr) {
       PSFLOW_CUDA_CHECK(
           cudaStreamWaitEvent(ctx_->upload_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
@@ -1172,9 +1186,7 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* 
   if (elements == 0) return absl::OkStatus();
   return RunIn(*ctx_, "CopyHalvesToDeviceAfter", elements, "values", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
-    if (ctx_->upload_stream == nullptr) {
-      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->upload_stream, cudaStreamNonBlocking));
-    }
+    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
     const size_t bytes = elements * sizeof(uint16_t);
     if (ctx_->upload_halves_bytes < bytes) {
       // The old buffer may still be read by a queued widening.
@@ -1199,17 +1211,7 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* 
 }
 
 absl::Status CudaBackend::RecordUploadsDone(Event* done) {
-  auto* cuda_event = dynamic_cast<CudaEvent*>(done);
-  if (cuda_event == nullptr)
-    return absl::InvalidArgumentError("RecordUploadsDone: not a CUDA event");
-  return RunIn(*ctx_, "RecordUploadsDone", "", [&]() -> absl::Status {
-    if (ctx_->upload_stream == nullptr) {
-      PSFLOW_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_->upload_stream, cudaStreamNonBlocking));
-    }
-    PSFLOW_CUDA_CHECK(
-        cudaEventRecord(static_cast<cudaEvent_t>(cuda_event->raw()), ctx_->upload_stream));
-    return absl::OkStatus();
-  });
+  return RecordOnSideStream(*ctx_, &ctx_->upload_stream, done, "RecordUploadsDone");
 }
 
 namespace {
