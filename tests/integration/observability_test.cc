@@ -531,9 +531,10 @@ TEST_F(ObservabilityTest, EachPsAndWorkerTracesTheStepsAskedForOnOneClock) {
     EXPECT_EQ(StepsOf(w, "compute"), both);
     EXPECT_EQ(StepsOf(w, "pull"), both);
     // A CPU worker pushes during the backward pass: one push per lane and
-    // step, its runs checked.
+    // step, each run once the backward pass has made it (the client checks
+    // it as it copies it, within the push's span).
     EXPECT_EQ(StepsOf(w, "push in runs"), both);
-    EXPECT_EQ(StepsOf(w, "run check"), both);
+    EXPECT_EQ(StepsOf(w, "run waits for its gradients"), both);
     EXPECT_EQ(w.count("step"), 2u);
   }
   for (int i = 0; i < 2; ++i) {
