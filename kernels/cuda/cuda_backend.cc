@@ -1137,23 +1137,39 @@ absl::Status CudaBackend::WaitEvent(Event* event) {
   return Annotate(status, "WaitEvent");
 }
 
+namespace {
+
+// The CUDA event an upload waits for: null for none; INVALID_ARGUMENT
+// (naming `what`) for an event of another backend.
+absl::StatusOr<CudaEvent*> UploadEvent(Event* after, absl::string_view what) {
+  if (after == nullptr) return nullptr;
+  auto* cuda_event = dynamic_cast<CudaEvent*>(after);
+  if (cuda_event == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a CUDA event"));
+  }
+  return cuda_event;
+}
+
+// Makes the context's stream of uploads wait for `after` (if any), making
+// the stream at its first use. Call inside RunIn.
+absl::Status UploadStreamWaitsFor(CudaContext& ctx, CudaEvent* after) {
+  PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx.upload_stream));
+  if (after != nullptr) {
+    PSFLOW_CUDA_CHECK(
+        cudaStreamWaitEvent(ctx.upload_stream, static_cast<cudaEvent_t>(after->raw()), 0));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CudaBackend::CopyToDeviceAfter(Event* after, const float* host, size_t floats,
                                             float* device) {
-  CudaEvent* cuda_event = nullptr;
-  if (after != nullptr) {
-    cuda_event = dynamic_cast<CudaEvent*>(after);
-    if (cuda_event == nullptr) {
-      return absl::InvalidArgumentError("CopyToDeviceAfter: not a CUDA event");
-    }
-  }
+  PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const cuda_event, UploadEvent(after, "CopyToDeviceAfter"));
   if (floats == 0) return absl::OkStatus();
   return RunIn(*ctx_, "CopyToDeviceAfter", floats, "floats", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
-    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
-    if (cuda_event != nullptr) {
-      PSFLOW_CUDA_CHECK(
-          cudaStreamWaitEvent(ctx_->upload_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
-    }
+    PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, cuda_event));
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, floats * sizeof(float), cudaMemcpyHostToDevice,
                                       ctx_->upload_stream));
     ctx_->uploads_pending = true;
@@ -1176,13 +1192,8 @@ absl::Status CudaBackend::JoinUploads() {
 
 absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
                                                   size_t elements, float* device) {
-  CudaEvent* cuda_event = nullptr;
-  if (after != nullptr) {
-    cuda_event = dynamic_cast<CudaEvent*>(after);
-    if (cuda_event == nullptr) {
-      return absl::InvalidArgumentError("CopyHalvesToDeviceAfter: not a CUDA event");
-    }
-  }
+  PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const cuda_event,
+                          UploadEvent(after, "CopyHalvesToDeviceAfter"));
   if (elements == 0) return absl::OkStatus();
   return RunIn(*ctx_, "CopyHalvesToDeviceAfter", elements, "values", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
@@ -1197,10 +1208,7 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* 
       PSFLOW_CUDA_CHECK(cudaMalloc(&ctx_->upload_halves, bytes));
       ctx_->upload_halves_bytes = bytes;
     }
-    if (cuda_event != nullptr) {
-      PSFLOW_CUDA_CHECK(
-          cudaStreamWaitEvent(ctx_->upload_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
-    }
+    PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, cuda_event));
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(ctx_->upload_halves, host, bytes, cudaMemcpyHostToDevice,
                                       ctx_->upload_stream));
     PSFLOW_CUDA_CHECK(cuda_internal::LaunchWidenToFloat(
