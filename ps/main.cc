@@ -45,6 +45,14 @@ ABSL_FLAG(bool, shared_memory, true,
           "(psflow-worker --shared_memory), so that their tensors do not cross the network. "
           "false: refuse it; those workers then send over the network.");
 
+ABSL_FLAG(bool, apply_in_place, true,
+          "In a synchronous job, apply the fp32 gradients that workers on this host push through "
+          "shared memory where they lie, without copying them out first; such a push is answered "
+          "once its gradients are applied (the worker reuses that memory only then), and each "
+          "block is checked for NaN and infinity again as it is averaged. false: copy them out as "
+          "they arrive and answer the push at once. 16-bit gradients, and asynchronous jobs, are "
+          "always copied.");
+
 namespace {
 
 // --apply_threads=0: the cores shared evenly by the ps of this host (in a
@@ -87,6 +95,12 @@ void AddShardMetrics(const psflow::ps::Shard& shard, psflow::metrics::Registry& 
       "psflow_ps_refused_pushes_total",
       "Pushes refused for a non-finite gradient since this ps last took a job.",
       read(&Stats::refused_pushes));
+  metrics.SetCounterFunction(
+      "psflow_ps_gradients_changed_after_check_total",
+      "Applies that found a NaN or an infinity in gradients left in a worker's shared memory "
+      "after they had been checked finite (the worker changed them; those values counted as 0), "
+      "since this ps last took a job.",
+      read(&Stats::changed_after_check));
   // Jobs in --mode=async or ssp (0 in sync mode, where nothing is stale).
   metrics.SetCounterFunction(
       "psflow_ps_staleness_versions_total",
@@ -162,7 +176,7 @@ int main(int argc, char** argv) {
   psflow::ps::PsService service(
       config.task_index, &shard, request_stop, &metrics,
       [&readiness](bool ready) { readiness.Set(ready); }, limits,
-      absl::GetFlag(FLAGS_shared_memory), trace->get());
+      absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place));
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {

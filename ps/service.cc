@@ -105,10 +105,11 @@ class PsService::Waker {
  public:
   explicit Waker(ThreadPool* pool) : pool_(pool) {}
   // Arms the next wake (before looking at what it waits for): by any change
-  // of the shard, or with `slice` >= 0 only by that slice's apply or a
-  // change that is not a slice's apply.
-  void Arm(int slice = -1) {
-    slice_.store(slice, std::memory_order_relaxed);
+  // of the shard, or with `first` >= 0 only by the apply of a slice from
+  // `first` to `last` or a change that is not a slice's apply.
+  void Arm(int first = -1, int last = -1) {
+    first_.store(first, std::memory_order_relaxed);
+    last_.store(std::max(first, last), std::memory_order_relaxed);
     armed_.store(true, std::memory_order_release);
   }
   void Disarm() { armed_.store(false, std::memory_order_release); }
@@ -117,8 +118,11 @@ class PsService::Waker {
   // `slice` (the slice applied, or -1: any change).
   void Wake(std::shared_ptr<Waker> self, int slice) {
     if (!armed_.load(std::memory_order_acquire)) return;
-    const int wanted = slice_.load(std::memory_order_relaxed);
-    if (slice >= 0 && wanted >= 0 && slice != wanted) return;
+    const int first = first_.load(std::memory_order_relaxed);
+    if (slice >= 0 && first >= 0 &&
+        (slice < first || slice > last_.load(std::memory_order_relaxed))) {
+      return;
+    }
     if (armed_.exchange(false, std::memory_order_acq_rel)) Schedule(std::move(self));
   }
   // Schedules a poke whatever the arming (an alarm): on the thread's
@@ -146,7 +150,8 @@ class PsService::Waker {
 
   ThreadPool* const pool_;
   std::atomic<bool> armed_{false};
-  std::atomic<int> slice_{-1};  // the slice the armed wake waits for; -1: any
+  // The slices whose applies the armed wake waits for; -1: any change.
+  std::atomic<int> first_{-1}, last_{-1};
   absl::Mutex mu_;
   std::function<void()> advance_ ABSL_GUARDED_BY(mu_);  // null once the call is done
 };
@@ -192,7 +197,7 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
   virtual void Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
 
   // For Next: look at the shard after this (a change after it wakes the call).
-  void Arm(int slice = -1) { waker_->Arm(slice); }
+  void Arm(int first = -1, int last = -1) { waker_->Arm(first, last); }
   void Disarm() { waker_->Disarm(); }
   // For Next: wait until woken, or until `deadline`, when Next runs again.
   void WaitUntil(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -314,6 +319,10 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     PSFLOW_ASSIGN_OR_RETURN(specs_, service_->shard_->Slices(request_.job_id()));
     PSFLOW_ASSIGN_OR_RETURN(
         indices_, SliceIndices(request_.slices(), static_cast<int>(specs_->size()), "pull"));
+    {
+      absl::MutexLock lock(&mu_);
+      pending_ = indices_;
+    }
     if (request_.dtype() == DT_INVALID) {
       PSFLOW_ASSIGN_OR_RETURN(dtype_, service_->shard_->WireDtype(request_.job_id()));
     } else {
@@ -341,17 +350,21 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
       }
       splitter_.reset();
       value_ = nullptr;
-      ++k_;
     }
-    if (k_ > 0 && k_ >= indices_.size()) {
+    if (sent_any_ && pending_.empty()) {
       FinishLocked(absl::OkStatus());
       return;
     }
-    const absl::Time deadline = k_ == 0 ? wait_deadline_ : call_deadline_;
-    // Woken only by the apply of the slice it waits for (or a change that
-    // is not a slice's apply): workers pulling beside their pushes keep
-    // many pulls waiting on each ps.
-    Arm((request_.by_clock() && !granted_) || indices_.empty() ? -1 : indices_[k_]);
+    const absl::Time deadline = !sent_any_ ? wait_deadline_ : call_deadline_;
+    // Woken only by the apply of a slice it waits for (or a change that is
+    // not a slice's apply): workers pulling beside their pushes keep many
+    // pulls waiting on each ps.
+    if ((request_.by_clock() && !granted_) || pending_.empty()) {
+      Arm();
+    } else {
+      const auto [lo, hi] = std::minmax_element(pending_.begin(), pending_.end());
+      Arm(*lo, *hi);
+    }
     if (request_.by_clock() && !granted_) {
       // An asynchronous job's pull: the clock's condition, then every slice
       // at the version the shard had then (or later).
@@ -378,8 +391,11 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
       SendLocked();
       return;
     }
-    absl::StatusOr<std::optional<Shard::PulledSlice>> pulled =
-        shard->TryPullSlice(request_.job_id(), indices_[k_], min_version_);
+    // The slices go in the order they are ready (the worker takes them in
+    // any order): one whose apply is late holds back no other. In the
+    // order asked for among those ready at once.
+    absl::StatusOr<std::optional<std::pair<size_t, Shard::PulledSlice>>> pulled =
+        shard->TryPullFirstReady(request_.job_id(), pending_, min_version_);
     if (!pulled.ok()) return FinishLocked(pulled.status());
     if (!pulled->has_value()) return NotThere(deadline);
     Disarm();
@@ -388,40 +404,44 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     // applied together at the end of a step, would each wait for the write
     // of the one before. (Larger slices go one by one, so that the worker
     // reads one while the next is written.)
-    const int64_t version = (*pulled)->version;
+    const auto& [at, slice] = **pulled;
+    const int64_t version = slice.version;
     auto values = std::make_shared<std::vector<Shard::Value>>();
     std::vector<TensorRef> refs;
-    const size_t first = k_;
+    const int first = pending_[at];
     int64_t message_bytes = 0;
-    // (`k` is k_, passed in: the lock the caller holds is not seen in here.)
-    auto add = [&](size_t k, Shard::Value value) {
+    auto add = [&](int index, Shard::Value value) {
       message_bytes += static_cast<int64_t>(value->size()) * WireBytes(dtype_);
-      refs.push_back(SliceValueRef((*specs_)[indices_[k]], value, dtype_));
+      refs.push_back(SliceValueRef((*specs_)[index], value, dtype_));
       values->push_back(std::move(value));
     };
-    add(k_, (*pulled)->value);
-    while (k_ + 1 < indices_.size()) {
+    add(first, slice.value);
+    size_t end = at + 1;  // pending_[at, end) go in this message
+    for (; end < pending_.size(); ++end) {
       absl::StatusOr<std::optional<Shard::PulledSlice>> next =
-          shard->TryPullSlice(request_.job_id(), indices_[k_ + 1], min_version_);
+          shard->TryPullSlice(request_.job_id(), pending_[end], min_version_);
       if (!next.ok() || !next->has_value() || (*next)->version != version ||
           message_bytes + static_cast<int64_t>((*next)->value->size()) * WireBytes(dtype_) >
               kPullBatchBytes) {
         break;
       }
-      ++k_;
-      add(k_, (*next)->value);
+      add(pending_[end], (*next)->value);
     }
+    const size_t count = end - at;
+    pending_.erase(pending_.begin() + static_cast<ptrdiff_t>(at),
+                   pending_.begin() + static_cast<ptrdiff_t>(end));
     bytes_ += message_bytes;
     // (The version a step's pushes make: traced as that step.)
     TraceSpan span(service_->trace_, "pull slices", version - 1);
-    span.Arg("slices", k_ + 1 - first, " from ", indices_[first]);
+    span.Arg("slices", count, " from ", first);
     span.Arg("bytes", message_bytes);
     value_ = std::move(values);
     splitter_ = std::make_unique<ChunkSplitter>(
         std::move(refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
     message_.Clear();
     message_.set_version(version);
-    if (first == 0) {
+    if (!sent_any_) {
+      sent_any_ = true;
       message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
       SetFirstLocked();
     }
@@ -444,7 +464,7 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
       return;
     }
     Disarm();
-    if (k_ == 0 && deadline < call_deadline_) {
+    if (!sent_any_ && deadline < call_deadline_) {
       // max_wait passed: the version only ("not yet"); the caller asks again.
       not_yet_ = true;
       message_.Clear();
@@ -480,8 +500,10 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   absl::Time wait_deadline_;
   std::shared_ptr<const SharedMapping> region_;  // the worker's, if it named one
   int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;      // where the next chunk goes in it
-  size_t k_ ABSL_GUARDED_BY(mu_) = 0;       // the (last) slice being sent (index into indices_)
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the slices sent, in the wire dtype
+  // The slices asked for that are still to be sent, in the order asked.
+  std::vector<int> pending_ ABSL_GUARDED_BY(mu_);
+  bool sent_any_ ABSL_GUARDED_BY(mu_) = false;  // the answer's first message went
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;      // of the slices sent, in the wire dtype
   // The version the slices must reach: the request's, or for a by_clock
   // pull the shard's once the clock's condition held (granted_).
   int64_t min_version_ ABSL_GUARDED_BY(mu_) = 0;
@@ -555,13 +577,14 @@ class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
                      metrics::Registry* metrics, std::function<void(bool)> on_job,
-                     StreamLimits limits, bool shared_memory, StepTrace* trace)
+                     StreamLimits limits, bool shared_memory, StepTrace* trace, bool apply_in_place)
     : ps_index_(ps_index),
       shard_(shard),
       on_shutdown_(std::move(on_shutdown)),
       on_job_(std::move(on_job)),
       limits_(limits),
       trace_(trace),
+      apply_in_place_(apply_in_place),
       regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",
@@ -708,12 +731,21 @@ constexpr int64_t kInlineReadBytes = 64 << 10;
 // in the job's wire dtype, and each slice goes to the shard as soon as it is
 // complete, so that it can be applied while the rest of the push is still on
 // its way. One message is read at a time, so the reader needs no lock.
+//
+// Gradients the shard applies where they lie in the worker's region
+// (PsService's apply_in_place) each hold the push's Hold: the push is
+// answered once the stream has ended and the shard has let go of the last
+// of them (the worker reuses the region after the answer), or at once when
+// the call fails or is cancelled.
 class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   PushReader(PsService* service, grpc::CallbackServerContext* context, grpc::ByteBuffer* response)
-      : service_(service), peer_(context->peer()), response_(response) {
+      : service_(service),
+        peer_(context->peer()),
+        response_(response),
+        gate_(std::make_shared<Gate>(this)) {
     if (absl::Status s = service_->Admit(peer_); !s.ok()) {
-      Finish(ToGrpcStatus(s));
+      gate_->Answer(ToGrpcStatus(s));
       return;
     }
     admitted_ = true;
@@ -721,6 +753,40 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   }
 
  private:
+  // Finishes the call once, whoever asks first. It outlives the reader
+  // (holds keep it), which it does not touch once the call is finished.
+  struct Gate {
+    explicit Gate(PushReader* r) : reader(r) {}
+    void Answer(const grpc::Status& status) {
+      if (!answered.exchange(true)) reader->Finish(status);
+    }
+    PushReader* const reader;
+    std::atomic<bool> answered{false};
+    std::atomic<bool> ended{false};      // End() has prepared the answer
+    std::atomic<bool> cancelled{false};  // OnCancel came
+  };
+  // What each borrowed gradient keeps alive: the region's mapping, and
+  // the answer, given (OK) when the last hold goes, where the shard's
+  // thread lets go of its lock if it deferred work, else at once.
+  struct Hold {
+    Hold(std::shared_ptr<const SharedMapping> r, std::shared_ptr<Gate> g)
+        : region(std::move(r)), gate(std::move(g)) {}
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+    ~Hold() {
+      std::function<void()> answer = [gate = gate] { gate->Answer(grpc::Status::OK); };
+      if (!DeferredWork::Defer(answer)) answer();
+    }
+    const std::shared_ptr<const SharedMapping> region;
+    const std::shared_ptr<Gate> gate;
+  };
+
+  void OnCancel() override {
+    gate_->cancelled = true;
+    // Before End() the read in flight fails, and End() answers.
+    if (gate_->ended) gate_->Answer(grpc::Status::CANCELLED);
+  }
+
   void OnReadDone(bool ok) override {
     if (!ok || (assembler_ != nullptr && assembler_->remaining_bytes() <= kInlineReadBytes)) {
       Process(ok);
@@ -768,7 +834,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   void Fail(const absl::Status& s) {
     // Its worker drops a region whose call failed: so does the ps.
     if (region_ != nullptr) service_->ForgetRegion(header_.region());
-    Finish(ToGrpcStatus(s));
+    gate_->Answer(ToGrpcStatus(s));
   }
 
   // One message: the header (first message only) and chunks.
@@ -784,6 +850,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
         [&](int completed) {
           std::vector<Shard::SliceGradient> part;
           part.push_back(std::move(grads_[completed]));
+          if (part.back().borrowed != nullptr) part.back().hold = hold_;
           return HandOver(std::move(part));
         },
         &bytes_, &region_span_);
@@ -808,10 +875,16 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header_.region()));
       region_span_ = region_->data;
     }
+    // fp32 gradients in a region are applied where they lie, in a
+    // synchronous job (an asynchronous one would hold the push until its
+    // round: the shard copies them there).
+    const bool borrow = region_ != nullptr && dtype == DT_FLOAT && service_->apply_in_place_ &&
+                        !skip_ && shard->KeepsBorrowedGradients();
+    if (borrow) hold_ = std::make_shared<Hold>(region_, gate_);
     // A skip push has no data: no assembler, so that a chunk is refused.
     if (!skip_) {
-      assembler_ =
-          std::make_unique<ChunkAssembler>(GradientSinks(*slices, indices_, dtype, &grads_, shard));
+      assembler_ = std::make_unique<ChunkAssembler>(
+          GradientSinks(*slices, indices_, dtype, &grads_, shard, borrow));
     }
     return absl::OkStatus();
   }
@@ -859,7 +932,14 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     }
     service_->push_bytes_->Observe(static_cast<double>(bytes_));
     service_->push_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
-    Finish(grpc::Status::OK);
+    gate_->ended = true;
+    if (gate_->cancelled) {
+      gate_->Answer(grpc::Status::CANCELLED);
+    } else if (hold_ != nullptr) {
+      hold_.reset();  // the answer goes with the shard's last hold (maybe this one)
+    } else {
+      gate_->Answer(grpc::Status::OK);
+    }
     return absl::OkStatus();
   }
 
@@ -881,6 +961,8 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   SharedSpan region_span_;
   int64_t bytes_ = 0;
   bool accepted_ = false, stale_ = false;
+  const std::shared_ptr<Gate> gate_;
+  std::shared_ptr<Hold> hold_;  // while gradients are borrowed, until End()
 };
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* PsService::Push(grpc::CallbackServerContext* context,

@@ -72,10 +72,15 @@ class PsService final
   // (common/shared_region.h) are refused, so their workers send over the
   // network; otherwise the regions are mapped and used. `trace` (may be
   // null; must outlive the service) gets the spans of push messages and
-  // answers and of the slices of pull answers.
+  // answers and of the slices of pull answers. With `apply_in_place`, a
+  // synchronous job's fp32 gradients pushed through a region are applied
+  // where they lie (Shard::SliceGradient::borrowed) instead of being copied
+  // out first, and such a push is answered once the shard has let go of
+  // all of them: its worker reuses the region only after the answer.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
-            StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr);
+            StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr,
+            bool apply_in_place = true);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
@@ -126,7 +131,8 @@ class PsService final
   std::function<void()> on_shutdown_;
   std::function<void(bool)> on_job_;
   const StreamLimits limits_;
-  StepTrace* const trace_;                          // may be null
+  StepTrace* const trace_;  // may be null
+  const bool apply_in_place_;
   std::atomic<bool> finished_{false};               // an accepted Shutdown came
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   metrics::Histogram* push_bytes_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 
@@ -9,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/deferred_work.h"
 #include "common/float16.h"
+#include "common/log.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
@@ -20,7 +22,38 @@ namespace {
 // decoded, or looked for now).
 bool NonFinite(const Shard::SliceGradient& g) {
   if (g.finite_checked) return g.non_finite;
+  if (g.borrowed != nullptr) return AnyNonFinite(static_cast<const float*>(g.borrowed), g.count());
   return AnyNonFinite(g.values.data(), static_cast<int64_t>(g.values.size()));
+}
+
+// The values of a pushed gradient for the shard to keep (a skip's are
+// empty): borrowed ones stay where they are with their hold.
+Shard::Gradient Kept(Shard::SliceGradient& g) {
+  Shard::Gradient kept;
+  if (g.skip) return kept;
+  kept.values = std::move(g.values);
+  kept.borrowed = static_cast<const float*>(g.borrowed);
+  kept.hold = std::move(g.hold);
+  return kept;
+}
+
+// A pushed gradient's values in memory of the shard's own (a copy of
+// borrowed ones, whose hold is let go).
+std::vector<float> Owned(Shard::SliceGradient& g) {
+  if (g.skip) return {};
+  if (g.borrowed == nullptr) return std::move(g.values);
+  const float* const from = static_cast<const float*>(g.borrowed);
+  std::vector<float> values(from, from + g.count());
+  g.borrowed = nullptr;
+  g.hold.reset();
+  return values;
+}
+
+// Sets the NaNs and infinities of `x` to 0; whether there were any.
+bool ZeroNonFinite(float* x, int64_t n) {
+  if (!AnyNonFinite(x, n)) return false;
+  for (int64_t i = 0; i < n; ++i) x[i] = std::isfinite(x[i]) ? x[i] : 0.0f;
+  return true;
 }
 
 }  // namespace
@@ -31,8 +64,11 @@ bool NonFinite(const Shard::SliceGradient& g) {
 struct Shard::ApplyJob {
   int slice = 0;
   int64_t step = 0;
-  bool skip = false;                                       // a worker skipped the step: no update
-  std::vector<std::pair<int, std::vector<float>>> pushes;  // in worker-id order
+  bool skip = false;                             // a worker skipped the step: no update
+  std::vector<std::pair<int, Gradient>> pushes;  // in worker-id order
+  // The first worker whose borrowed values had a NaN or an infinity at the
+  // apply (changed after the push was checked), or -1.
+  std::atomic<int> changed_by{-1};
   int64_t n = 0;
   float* value = nullptr;
   std::vector<float*> slots;
@@ -239,8 +275,11 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
   }
   std::vector<SliceGradient> all;
   all.reserve(grads.size());
-  for (size_t i = 0; i < grads.size(); ++i)
-    all.push_back({static_cast<int>(i), std::move(grads[i])});
+  for (size_t i = 0; i < grads.size(); ++i) {
+    SliceGradient& g = all.emplace_back();
+    g.slice = static_cast<int>(i);
+    g.values = std::move(grads[i]);
+  }
   absl::StatusOr<PushResponse::Outcome> outcome = PushSlices(job_id, worker, step, std::move(all));
   if (outcome.ok()) CountOutcome(*outcome);
   return outcome;
@@ -295,10 +334,10 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
       return absl::InvalidArgumentError(absl::StrCat("push names ", name_of(g.slice), " twice"));
     }
     named[g.slice] = true;
-    const size_t n = values_[g.slice].value.size();
-    if (g.skip ? !g.values.empty() : g.values.size() != n) {
+    const int64_t n = static_cast<int64_t>(values_[g.slice].value.size());
+    if (g.skip ? g.count() != 0 : g.count() != n) {
       return absl::InvalidArgumentError(absl::StrCat("gradient of ", name_of(g.slice), " has ",
-                                                     g.values.size(), " values, expected ", n));
+                                                     g.count(), " values, expected ", n));
     }
   }
   if (async_) return PushAsyncLocked(worker, step, read_version, std::move(grads));
@@ -311,7 +350,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   for (SliceGradient& g : grads) {
     SliceState& s = slice_[g.slice];
     if (s.version > version_ || s.applying || s.pushes.contains(worker)) continue;
-    s.pushes.emplace(worker, g.skip ? std::vector<float>() : std::move(g.values));
+    s.pushes.emplace(worker, Kept(g));
     kept.push_back(g.slice);
   }
   if (kept.empty()) return PushResponse::DUPLICATE;
@@ -348,7 +387,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushAsyncLocked(int worker, int64_t
   for (SliceGradient& g : grads) {
     std::optional<std::vector<float>>& slot = p.grads[g.slice];
     if (slot.has_value()) continue;
-    slot = g.skip ? std::vector<float>() : std::move(g.values);
+    slot = Owned(g);
     ++p.received;
     kept = true;
   }
@@ -384,7 +423,10 @@ void Shard::StartRoundLocked() {
       WakeLocked();
       continue;
     }
-    for (size_t i = 0; i < slice_.size(); ++i) slice_[i].pushes.emplace(w, std::move(*p.grads[i]));
+    for (size_t i = 0; i < slice_.size(); ++i) {
+      Gradient& g = slice_[i].pushes[w];
+      g.values = std::move(*p.grads[i]);
+    }
     // Applies the slices (here, or on the appliers); the last one's
     // FinishLocked starts the next queued gradient.
     MaybeApplyAllLocked();
@@ -484,6 +526,8 @@ void Shard::Compute(ApplyJob& job) const {
     return;
   }
   const float scale = 1.0f / static_cast<float>(job.pushes.size());
+  const bool borrowed = std::any_of(job.pushes.begin(), job.pushes.end(),
+                                    [](const auto& p) { return p.second.borrowed != nullptr; });
   // Averaging, then the optimizer writing the copy readers get as it goes,
   // one range at a time (it stays in cache throughout). The rule and scalars
   // of this version's step, once for every range:
@@ -504,6 +548,22 @@ void Shard::Compute(ApplyJob& job) const {
       const int64_t len = std::min(end - b, kMeanBlock);
       for (size_t w = 0; w < job.pushes.size(); ++w) grads[w] = job.pushes[w].second.data() + b;
       MeanInto(mean, grads, scale, len);
+      // Borrowed values were checked as they arrived, but lie in a worker's
+      // memory: read again now, they must still be finite (the mean of
+      // finite ones is, unless it overflows, which the check catches too).
+      if (borrowed && ZeroNonFinite(mean, len)) {
+        for (size_t w = 0; w < job.pushes.size(); ++w) {
+          if (AnyNonFinite(grads[w], len)) {
+            int none = -1;
+            job.changed_by.compare_exchange_strong(none, job.pushes[w].first);
+            break;
+          }
+        }
+        if (job.changed_by.load() < 0) {
+          int none = -1;
+          job.changed_by.compare_exchange_strong(none, job.pushes[0].first);
+        }
+      }
       for (size_t k = 0; k < job.slots.size(); ++k) {
         float* const slot = job.slots[k] + b;
         std::copy(slot, slot + len, job.previous_slots[k] + b);
@@ -536,9 +596,19 @@ std::vector<float> Shard::GradientBuffer(int slice, int64_t n) {
 void Shard::FinishLocked(ApplyJob& job) {
   SliceState& s = slice_[job.slice];
   for (auto& [worker, grad] : job.pushes) {
-    if (static_cast<int64_t>(grad.size()) == job.n && s.spare_grads.size() < live_workers_.size()) {
-      s.spare_grads.push_back(std::move(grad));
+    if (grad.borrowed == nullptr && static_cast<int64_t>(grad.values.size()) == job.n &&
+        s.spare_grads.size() < live_workers_.size()) {
+      s.spare_grads.push_back(std::move(grad.values));
     }
+  }
+  // Borrowed values are let go now (their pushes may be answered).
+  job.pushes.clear();
+  if (const int w = job.changed_by.load(); w >= 0) {
+    ++counters_.changed_after_check;
+    PSLOG(ERROR) << "worker " << w << " changed its gradient of '" << (*slices_)[job.slice].name()
+                 << "' in shared memory after its push was checked (a NaN or an infinity at "
+                    "step "
+                 << job.step << "); those values counted as 0";
   }
   s.applying = false;
   --applying_;
@@ -763,6 +833,24 @@ void Shard::RemoveWaiter(int64_t id) {
 absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSlice(uint64_t job_id, int slice,
                                                                       int64_t min_version) {
   absl::MutexLock lock(&mu_);
+  return TryPullSliceLocked(job_id, slice, min_version);
+}
+
+absl::StatusOr<std::optional<std::pair<size_t, Shard::PulledSlice>>> Shard::TryPullFirstReady(
+    uint64_t job_id, absl::Span<const int> slices, int64_t min_version) {
+  absl::MutexLock lock(&mu_);
+  for (size_t k = 0; k < slices.size(); ++k) {
+    absl::StatusOr<std::optional<PulledSlice>> pulled =
+        TryPullSliceLocked(job_id, slices[k], min_version);
+    if (!pulled.ok()) return pulled.status();
+    if (pulled->has_value()) return std::make_pair(k, **std::move(pulled));
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSliceLocked(uint64_t job_id,
+                                                                            int slice,
+                                                                            int64_t min_version) {
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
   if (slice < 0 || static_cast<size_t>(slice) >= slice_.size()) {
     return absl::InvalidArgumentError(
@@ -934,6 +1022,11 @@ absl::StatusOr<DataType> Shard::WireDtype(uint64_t job_id) const {
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckJobLocked(job_id); !s.ok()) return s;
   return WireDtypeOf(job_);
+}
+
+bool Shard::KeepsBorrowedGradients() const {
+  absl::MutexLock lock(&mu_);
+  return !async_;
 }
 
 void Shard::Shutdown() {

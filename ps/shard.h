@@ -68,6 +68,14 @@
 // of arrival (the pushes are summed in worker-id order), so the values are
 // bit-identical to a sequential apply of whole pushes.
 //
+// A synchronous shard keeps a borrowed gradient (SliceGradient::borrowed:
+// values in memory the pusher may still write, a worker's shared region)
+// where it lies until the apply, and lets go of its hold then (or when the
+// gradient is dropped); each block of the mean is checked for NaN and
+// infinity again as it is averaged, so values changed after the push's
+// check count as 0 (Counters::changed_after_check) instead of reaching the
+// weights. An asynchronous shard copies borrowed values as they come.
+//
 // Thread-safe: every method may be called from any RPC thread.
 #ifndef PSFLOW_PS_SHARD_H_
 #define PSFLOW_PS_SHARD_H_
@@ -77,6 +85,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -86,6 +95,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/step_trace.h"
 #include "common/thread_pool.h"
 #include "proto/ps.pb.h"
@@ -131,6 +141,31 @@ class Shard {
     // then trusts non_finite instead of reading every value again).
     bool finite_checked = false;
     bool non_finite = false;
+    // Instead of `values`: `borrowed_count` floats left where the push put
+    // them (a worker's shared region), readable while `hold` lives. A
+    // synchronous shard applies them there and drops `hold` once it has
+    // (or once it drops the gradient); an asynchronous one copies them. The
+    // apply checks each block it averages again, so values changed to a NaN
+    // or an infinity after the push was checked never reach the weights.
+    const void* borrowed = nullptr;
+    int64_t borrowed_count = 0;
+    std::shared_ptr<const void> hold = nullptr;
+
+    int64_t count() const {
+      return borrowed != nullptr ? borrowed_count : static_cast<int64_t>(values.size());
+    }
+  };
+
+  // A worker's gradient of one slice while the shard keeps it: its own
+  // values, or borrowed ones (SliceGradient::borrowed) and their hold. A
+  // skip has neither.
+  struct Gradient {
+    std::vector<float> values;
+    const float* borrowed = nullptr;
+    std::shared_ptr<const void> hold = nullptr;
+
+    const float* data() const { return borrowed != nullptr ? borrowed : values.data(); }
+    bool empty() const { return borrowed == nullptr && values.empty(); }
   };
 
   // What Pull hands back.
@@ -277,6 +312,10 @@ class Shard {
   // nullopt if not yet; PullSlice's errors otherwise.
   absl::StatusOr<std::optional<PulledSlice>> TryPullSlice(uint64_t job_id, int slice,
                                                           int64_t min_version);
+  // TryPullSlice of the first of `slices` (in their order) that reached
+  // min_version, with its position in `slices`; nullopt if none has yet.
+  absl::StatusOr<std::optional<std::pair<size_t, PulledSlice>>> TryPullFirstReady(
+      uint64_t job_id, absl::Span<const int> slices, int64_t min_version);
   // The shard's version if it reached min_version, nullopt if not yet.
   absl::StatusOr<std::optional<int64_t>> TryVersion(uint64_t job_id, int64_t min_version);
   // An asynchronous job's pull condition (see above) for `worker` at
@@ -324,6 +363,9 @@ class Shard {
   // `job_id` names the current job; FAILED_PRECONDITION otherwise. Cheap: no
   // copy of the job.
   absl::StatusOr<DataType> WireDtype(uint64_t job_id) const;
+  // Whether borrowed gradients (SliceGradient::borrowed) stay where they lie
+  // until applied: in a synchronous job. An asynchronous one copies them.
+  bool KeepsBorrowedGradients() const;
 
   // Wakes every waiting pull with UNAVAILABLE; later calls fail the same way.
   void Shutdown();
@@ -334,7 +376,11 @@ class Shard {
     int64_t stale = 0;           // pushes for an applied step, dropped
     int64_t duplicate = 0;       // second pushes of a worker for a step, ignored
     int64_t refused_pushes = 0;  // pushes refused for a non-finite gradient
-    int64_t skipped = 0;         // steps a worker skipped (no update)
+    // Applies that found a NaN or an infinity in borrowed gradients that had
+    // been checked finite (the worker changed its region after the push):
+    // those values counted as 0.
+    int64_t changed_after_check = 0;
+    int64_t skipped = 0;  // steps a worker skipped (no update)
   };
   struct Stats : Counters {
     int64_t version = 0;
@@ -352,8 +398,8 @@ class Shard {
     bool applying = false;  // claimed by a thread that applies it outside the lock
     // Gradients pushed for the current step and not yet applied, by worker
     // (kept apart so that a worker dropped mid-step takes its gradient away);
-    // a skip is an empty vector.
-    absl::flat_hash_map<int, std::vector<float>> pushes;
+    // a skip is empty.
+    absl::flat_hash_map<int, Gradient> pushes;
     Value published;  // the value at `version`
     Value previous;   // once applied: the value at version_, for whole-shard readers
     // Once applied: the slots at version_ (for snapshots); kept allocated.
@@ -417,6 +463,9 @@ class Shard {
   // Wakes the blocked waits and every waiter (telling them `slice`: the one
   // applied, or -1).
   void WakeLocked(int slice = -1) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::optional<PulledSlice>> TryPullSliceLocked(uint64_t job_id, int slice,
+                                                                int64_t min_version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SnapshotTicket> RequestSnapshotLocked(uint64_t job_id, int64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<const Snapshot>> PollSnapshotLocked(const SnapshotTicket& ticket)

@@ -38,7 +38,8 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
-                                      std::vector<Shard::SliceGradient>* grads, Shard* shard) {
+                                      std::vector<Shard::SliceGradient>* grads, Shard* shard,
+                                      bool borrow) {
   grads->assign(indices.size(), {});
   std::vector<TensorSink> sinks;
   for (size_t k = 0; k < indices.size(); ++k) {
@@ -48,7 +49,13 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     // A buffer the shard has spare (taken for the header: no memory is
     // allocated for it), or else allocated with the gradient's first chunk.
     TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
-    if (shard != nullptr) g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
+    if (borrow && dtype == DT_FLOAT) {
+      // Decoded into `values` only where the chunks do not follow one another.
+      sink.borrow = &g.borrowed;
+      g.borrowed_count = NumElements(sink.shape);
+    } else if (shard != nullptr) {
+      g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
+    }
     sink.storage = &g.values;
     sink.non_finite = &g.non_finite;
     sink.row_begin = s.row_begin();
@@ -86,10 +93,15 @@ TensorRef SliceValueRef(const SliceSpec& slice, const Shard::Value& value, DataT
 
 std::vector<Shard::SliceGradient> SkipGradients(const std::vector<int>& indices, int num_slices) {
   std::vector<Shard::SliceGradient> skips;
+  auto skip = [&](int i) {
+    Shard::SliceGradient& g = skips.emplace_back();
+    g.slice = i;
+    g.skip = true;
+  };
   if (indices.empty()) {
-    for (int i = 0; i < num_slices; ++i) skips.push_back({i, {}, true});
+    for (int i = 0; i < num_slices; ++i) skip(i);
   } else {
-    for (int i : indices) skips.push_back({i, {}, true});
+    for (int i : indices) skip(i);
   }
   return skips;
 }

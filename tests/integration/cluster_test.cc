@@ -825,7 +825,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-ps",
        {"apply_threads", "max_streams_per_peer", "max_streams", "job_name", "task_id", "task_index",
         "chief_hosts", "ps_hosts", "worker_hosts", "evaluator_hosts", "exit_when_done", "tls_cert",
-        "tls_key", "tls_ca", "auth_token_file", "metrics_port", "shared_memory"}},
+        "tls_key", "tls_ca", "auth_token_file", "metrics_port", "shared_memory", "apply_in_place"}},
       {"psflow-worker",
        {"device", "startup_timeout", "job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
         "worker_hosts", "evaluator_hosts", "exit_when_done", "tls_cert", "tls_key", "tls_ca",

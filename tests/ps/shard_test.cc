@@ -1618,6 +1618,109 @@ std::vector<std::vector<float>> ValuesNow(Shard& shard) {
   return p.ok() ? ValuesOf(*p->weights) : std::vector<std::vector<float>>{};
 }
 
+// Gradients borrowed from memory the pusher keeps (SliceGradient::borrowed,
+// as the ps's service does with a worker's shared region): each is `g`'s
+// values in `memory` (which must outlive the push), held by a token whose
+// release is counted in `*released`.
+std::vector<Shard::SliceGradient> Borrowed(const std::vector<std::vector<float>>& g,
+                                           std::vector<std::vector<float>>* memory,
+                                           std::shared_ptr<int>* released) {
+  *memory = g;
+  *released = std::make_shared<int>(0);
+  std::vector<Shard::SliceGradient> out;
+  for (size_t i = 0; i < g.size(); ++i) {
+    Shard::SliceGradient& s = out.emplace_back();
+    s.slice = static_cast<int>(i);
+    s.borrowed = (*memory)[i].data();
+    s.borrowed_count = static_cast<int64_t>((*memory)[i].size());
+    s.hold = std::shared_ptr<const void>(nullptr, [r = *released](const void*) { ++*r; });
+  }
+  return out;
+}
+
+// A synchronous shard applies borrowed gradients where they lie, with the
+// same result as its own copies, and lets go of them (their holds) only
+// once they are applied.
+TEST(BorrowedGradientsTest, AreAppliedWhereTheyLieAndLetGoOnceApplied) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  EXPECT_TRUE(shard.KeepsBorrowedGradients());
+  std::vector<std::vector<float>> memory;
+  std::shared_ptr<int> released;
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, Borrowed(Grads(1), &memory, &released)),
+            PushResponse::ACCEPTED);
+  EXPECT_EQ(*released, 0) << "kept until applied";
+  ASSERT_EQ(*shard.PushSlices(kJob, 1, 0, SliceGrads(Grads(-3))), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 1);
+  EXPECT_EQ(*released, 2) << "one hold per slice, each let go at its apply";
+  EXPECT_EQ(ValuesNow(shard), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3)));
+  EXPECT_EQ(shard.stats().changed_after_check, 0);
+
+  // Refused (a duplicate, a worker not in the job): let go at once.
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 1, Borrowed(Grads(2), &memory, &released)),
+            PushResponse::ACCEPTED);
+  std::vector<std::vector<float>> again;
+  std::shared_ptr<int> released_again;
+  EXPECT_EQ(*shard.PushSlices(kJob, 0, 1, Borrowed(Grads(2), &again, &released_again)),
+            PushResponse::DUPLICATE);
+  EXPECT_EQ(*released_again, 2);
+  EXPECT_FALSE(shard.PushSlices(kJob, 7, 1, Borrowed(Grads(2), &again, &released_again)).ok());
+  EXPECT_EQ(*released_again, 2);
+  // A worker dropped mid-step: its kept gradients are let go with it.
+  EXPECT_EQ(*released, 0);
+  ASSERT_TRUE(shard.SetLiveWorkers(kJob, {1}, 1).ok());
+  EXPECT_EQ(*released, 2);
+}
+
+// Borrowed values changed to a NaN (or an infinity) after the push was
+// checked, as a worker writing into its region after sending it would:
+// the apply reads them again, counts them as 0, and says so; the weights
+// stay finite.
+TEST(BorrowedGradientsTest, ValuesChangedAfterTheCheckNeverReachTheWeights) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  std::vector<std::vector<float>> memory;
+  std::shared_ptr<int> released;
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, Borrowed(Grads(1), &memory, &released)),
+            PushResponse::ACCEPTED);
+  memory[0][2] = std::numeric_limits<float>::quiet_NaN();
+  memory[1][1] = std::numeric_limits<float>::infinity();
+  ASSERT_EQ(*shard.PushSlices(kJob, 1, 0, SliceGrads(Grads(1))), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 1);
+  EXPECT_EQ(shard.stats().changed_after_check, 2) << "one per slice";
+  std::vector<std::vector<float>> expected = SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1));
+  expected[0][2] = kA[2];  // a mean of 0: no update
+  expected[1][1] = kB[1];
+  EXPECT_EQ(ValuesNow(shard), expected);
+  // A borrowed gradient that is not finite when pushed is refused as ever.
+  std::shared_ptr<int> released_bad;
+  std::vector<std::vector<float>> bad_memory;
+  std::vector<Shard::SliceGradient> bad = Borrowed(Grads(1), &bad_memory, &released_bad);
+  bad_memory[1][3] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(shard.PushSlices(kJob, 0, 1, std::move(bad)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*released_bad, 2);
+}
+
+// An asynchronous shard would keep a gradient until its round: it copies
+// borrowed values at once and lets them go.
+TEST(BorrowedGradientsTest, AnAsynchronousShardCopiesThem) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+  EXPECT_FALSE(shard.KeepsBorrowedGradients());
+  ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(4)), PushResponse::ACCEPTED);
+  std::vector<std::vector<float>> memory;
+  std::shared_ptr<int> released;
+  std::vector<Shard::SliceGradient> first = Borrowed(Grads(1), &memory, &released);
+  first.pop_back();
+  // Worker 0's slice a waits for its slice b, copied.
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, std::move(first), 0), PushResponse::ACCEPTED);
+  EXPECT_EQ(*released, 2);
+  memory[0].assign(memory[0].size(), 1000.0f);
+  ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, {SliceGrads(Grads(1))[1]}, 0), PushResponse::ACCEPTED);
+  EXPECT_EQ(ValuesNow(shard), SgdStep(SgdStep({kA, kB}, 0.5f, Grads(4)), 0.5f, Grads(1)));
+}
+
 TEST(AsyncShardTest, AppliesEachWorkersGradientAloneAndCountsStaleness) {
   Shard shard;
   ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
