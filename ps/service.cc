@@ -727,10 +727,12 @@ constexpr int64_t kInlineReadBytes = 64 << 10;
 // threads stay free for the network), but for the stream's end and for
 // messages that can carry at most kInlineReadBytes more (the last small
 // slices of a push): for those a hand-off would cost more than the read.
-// Each chunk is decoded from the message's slices into its slice's gradient,
-// in the job's wire dtype, and each slice goes to the shard as soon as it is
-// complete, so that it can be applied while the rest of the push is still on
-// its way. One message is read at a time, so the reader needs no lock.
+// Each chunk is decoded from the message's slices (or the worker's region)
+// into its slice's gradient, in the job's wire dtype, or left and checked
+// where it lies in the region (below), and each slice goes to the shard as
+// soon as it is complete, so that it can be applied while the rest of the
+// push is still on its way. One message is read at a time, so the reader
+// needs no lock.
 //
 // Gradients the shard applies where they lie in the worker's region
 // (PsService's apply_in_place) each hold the push's Hold: the push is
