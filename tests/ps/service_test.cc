@@ -177,6 +177,22 @@ class PsServiceTest : public ::testing::Test {
         Deadline());
   }
 
+  // Worker `worker`'s push of step 0 for slice `slice` alone (0: "big",
+  // 1: "bias").
+  static absl::StatusOr<PushResponse> PushOneSlice(Client& client, int worker, int slice,
+                                                   const std::vector<float>& gbig,
+                                                   const std::vector<float>& gbias) {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(worker);
+    h.set_step(0);
+    h.add_slices(slice);
+    std::vector<TensorRef> refs;
+    if (slice == 0) refs.push_back({"big", "", kBigShape, gbig.data()});
+    if (slice == 1) refs.push_back({"bias", "", kBiasShape, gbias.data()});
+    return client.Push(0, h, refs, Deadline());
+  }
+
   // Workers 0 and 1 push step `step` at once (through shared memory, the
   // ps answers a push only once its gradients are applied, which needs both).
   std::pair<absl::StatusOr<PushResponse>, absl::StatusOr<PushResponse>> PushBoth(
@@ -282,15 +298,7 @@ TEST_F(PsServiceTest, APullSendsEachSliceAsSoonAsItIsApplied) {
   ASSERT_TRUE(InitJob().ok());
   const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
   auto push = [&](int worker, int slice) {
-    PushHeader h;
-    h.set_job_id(kJob);
-    h.set_worker(worker);
-    h.set_step(0);
-    h.add_slices(slice);
-    std::vector<TensorRef> refs;
-    if (slice == 0) refs.push_back({"big", "", kBigShape, gbig.data()});
-    if (slice == 1) refs.push_back({"bias", "", kBiasShape, gbias.data()});
-    return client_->Push(0, h, refs, Deadline());
+    return PushOneSlice(*client_, worker, slice, gbig, gbias);
   };
   for (int w : {0, 1}) ASSERT_TRUE(push(w, 1).ok());
   grpc::ClientContext context;
@@ -322,15 +330,7 @@ TEST_F(PsServiceTest, SlicesArePushedAndPulledOneByOne) {
   GrpcClient lanes(std::vector<std::string>{address_}, SecurityOptions{}, /*connections_per_ps=*/3);
   const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
   auto push = [&](int worker, int slice) {
-    PushHeader h;
-    h.set_job_id(kJob);
-    h.set_worker(worker);
-    h.set_step(0);
-    h.add_slices(slice);
-    std::vector<TensorRef> refs;
-    if (slice == 0) refs.push_back({"big", "", kBigShape, gbig.data()});
-    if (slice == 1) refs.push_back({"bias", "", kBiasShape, gbias.data()});
-    return lanes.Push(0, h, refs, Deadline());
+    return PushOneSlice(lanes, worker, slice, gbig, gbias);
   };
   for (int w : {0, 1}) {
     absl::StatusOr<PushResponse> r = push(w, 1);
