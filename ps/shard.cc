@@ -552,17 +552,17 @@ void Shard::Compute(ApplyJob& job) const {
       // memory: read again now, they must still be finite (the mean of
       // finite ones is, unless it overflows, which the check catches too).
       if (borrowed && ZeroNonFinite(mean, len)) {
+        // Named: the first worker whose block is not finite (else the
+        // first: a mean that overflowed).
+        int changed_by = job.pushes[0].first;
         for (size_t w = 0; w < job.pushes.size(); ++w) {
           if (AnyNonFinite(grads[w], len)) {
-            int none = -1;
-            job.changed_by.compare_exchange_strong(none, job.pushes[w].first);
+            changed_by = job.pushes[w].first;
             break;
           }
         }
-        if (job.changed_by.load() < 0) {
-          int none = -1;
-          job.changed_by.compare_exchange_strong(none, job.pushes[0].first);
-        }
+        int none = -1;
+        job.changed_by.compare_exchange_strong(none, changed_by);
       }
       for (size_t k = 0; k < job.slots.size(); ++k) {
         float* const slot = job.slots[k] + b;
