@@ -113,7 +113,10 @@ void Coordinator::Stop(int signal) {
   absl::MutexLock lock(&mu_);
   if (stop_signal_ == 0) stop_signal_ = signal;
   // Before the ps are loaded nothing needs saving: stop waiting for them.
-  if (!ready_) ps_->CancelAll();
+  // Once the job is over, the exit orders still on their way are given up:
+  // a ps stopping with the cluster would hold each for its whole deadline
+  // (the calls wait for a ps to be ready), past the grace the chief has.
+  if (!ready_ || done_) ps_->CancelAll();
 }
 
 void Coordinator::Fail(const absl::Status& why) {
@@ -779,8 +782,10 @@ absl::Status Coordinator::Supervise() {
     if (!states.ok()) {
       {
         // A ps that went down as the chief was told to stop (a whole
-        // cluster stopping): no reload, the stop's checkpoint below.
+        // cluster stopping): no reload, the stop's checkpoint below. A job
+        // that failed meanwhile is not reloaded either.
         absl::MutexLock lock(&mu_);
+        if (!failure_.ok()) return failure_;
         if (Stopping()) break;
       }
       PSFLOW_RETURN_IF_ERROR(Recover());
@@ -885,6 +890,12 @@ void Coordinator::ReleaseEveryone() {
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&all_released), options_.timeouts.release_wait)) {
       PSLOG(WARNING) << "not every worker collected its exit order";
+    }
+    if (Stopping()) {
+      // Told to stop (as Stop does from here on): the ps are left to the
+      // signal, which stops them too or leaves them for the next chief.
+      ps_->CancelAll();
+      return;
     }
   }
   const uint64_t id = job_id();

@@ -538,6 +538,69 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   EXPECT_TRUE(ps_->shut_down(0));
 }
 
+// The cluster stopping as the chief of a failed job releases everyone (as
+// psflow-launch does once a worker exits for the fail order): the exit order
+// to a ps that went away is given up at the stop, so that the chief exits
+// with the job's failure within its grace instead of being killed first.
+TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure) {
+  MakeJob(2, 2, 10);
+  CoordinatorOptions o = Options();
+  o.timeouts.control_call = absl::Seconds(20);
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  std::atomic<bool> armed{true};
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (m != FakePs::Method::kShutdown || p != 1 || !armed.exchange(false)) return;
+    ps_->SetGone(1, true);
+    coordinator_->Stop(SIGTERM);
+  });
+  ReportRequest r = MakeReport(id, 1, 0, std::nan(""));
+  r.mutable_metrics(0)->set_nonfinite(true);
+  absl::StatusOr<ReportResponse> answer = Send(r);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->action(), ReportResponse::FAIL);
+  absl::StatusOr<ReportResponse> other = Report(id, 0, -1);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->action(), ReportResponse::FAIL);
+  const absl::Time released = absl::Now();
+  absl::Status s = Join(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - released, absl::Seconds(3));
+  EXPECT_FALSE(armed.load()) << "no exit order reached ps 1";
+  EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
+  EXPECT_EQ(ExitCodeFor(s), 1);
+  EXPECT_FALSE(ps_->shut_down(1));
+}
+
+// A chief told to stop before it releases a failed job's ps does not wait
+// for them at all: the signal stops them too, or leaves them to the next
+// chief.
+TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersEndsWithItsFailureAtOnce) {
+  MakeJob(2, 2, 10);
+  CoordinatorOptions o = Options();
+  o.timeouts.control_call = absl::Seconds(20);
+  o.timeouts.release_wait = absl::Seconds(20);
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Register(1);
+  ReportRequest r = MakeReport(id, 1, 0, std::nan(""));
+  r.mutable_metrics(0)->set_nonfinite(true);
+  absl::StatusOr<ReportResponse> answer = Send(r);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->action(), ReportResponse::FAIL);
+  ps_->SetGone(0, true);
+  ps_->SetGone(1, true);
+  // Worker 0 never collects its order: the release waits for it until the stop.
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time stopped = absl::Now();
+  coordinator_->Stop(SIGTERM);
+  absl::Status s = Join(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(3));
+  EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kShutdown), 0);
+  EXPECT_EQ(ps_->calls(1, FakePs::Method::kShutdown), 0);
+}
+
 TEST_F(CoordinatorTest, NonFiniteWeightsAreNeverCheckpointed) {
   MakeJob(1, 2, 10);
   // A job restored from weights with a NaN in them (as a diverged job's ps

@@ -88,6 +88,11 @@ absl::StatusOr<std::shared_ptr<ps::Shard>> FakePs::Enter(int ps, Method method, 
   }
   if (hook != nullptr) (*hook)(ps, method);
   if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
+  auto gone = [&] {
+    absl::MutexLock lock(&mu_);
+    return ps_[ps].gone;
+  };
+  while (!cancelled && absl::Now() < deadline && gone()) absl::SleepFor(kPollEvery);
   if (cancelled) return WithPs(ps, absl::CancelledError("call cancelled"));
   if (absl::Now() >= deadline) return WithPs(ps, absl::DeadlineExceededError("deadline exceeded"));
   absl::MutexLock lock(&mu_);
@@ -240,6 +245,11 @@ void FakePs::FailNext(int ps, absl::StatusCode code, int count) {
 void FakePs::SetDown(int ps, bool down) {
   absl::MutexLock lock(&mu_);
   ps_[ps].down = down;
+}
+
+void FakePs::SetGone(int ps, bool gone) {
+  absl::MutexLock lock(&mu_);
+  ps_[ps].gone = gone;
 }
 
 void FakePs::Restart(int ps) {

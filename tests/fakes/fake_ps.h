@@ -9,10 +9,11 @@
 // sinks.
 //
 // Faults are injected per ps: FailNext (the next calls fail with a code),
-// SetDown (every call UNAVAILABLE), Restart (the ps comes back empty, as a
-// process that died and was started again), SetDelay (every call starts
-// late), and OnCall (a hook at the start of every call, to inject a fault at
-// an exact point). Calls are counted per ps and method.
+// SetDown (every call UNAVAILABLE), SetGone (every call waits for the ps, as
+// gRPC's wait-for-ready calls wait for a process that is not there), Restart (the ps comes back
+// empty, as a process that died and was started again), SetDelay (every call starts late), and
+// OnCall (a hook at the start of every call, to inject a fault at an exact point). Calls are
+// counted per ps and method.
 //
 // Pulls wait on the shard in short slices, so that CancelAll, SetDown and
 // Restart end a waiting pull within a few milliseconds; a Snapshot waits on
@@ -83,6 +84,10 @@ class FakePs final : public ps::Client {
   void FailNext(int ps, absl::StatusCode code, int count = 1);
   // While down, every call to ps `ps` fails UNAVAILABLE and Reachable is false.
   void SetDown(int ps, bool down);
+  // While gone, every call to ps `ps` waits until its deadline
+  // (DEADLINE_EXCEEDED) or the client's CancelAll (CANCELLED), as the
+  // clients' wait-for-ready calls to a ps process that went away do.
+  void SetGone(int ps, bool gone);
   // Replaces ps `ps`'s shard by a fresh one holding no job; pulls waiting on
   // the old one fail UNAVAILABLE (the connection broke).
   void Restart(int ps);
@@ -138,6 +143,7 @@ class FakePs final : public ps::Client {
   struct PsEntry {
     std::shared_ptr<ps::Shard> shard;  // replaced by Restart
     bool down = false;
+    bool gone = false;
     bool shut_down = false;
     absl::StatusCode fail_code = absl::StatusCode::kOk;
     int fail_count = 0;
