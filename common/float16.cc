@@ -177,6 +177,29 @@ bool AnyNonFinite(const float* v, int64_t n) {
   return !AllBelow(v, n, std::numeric_limits<float>::infinity());
 }
 
+namespace {
+
+// Whether any of the `n` 16-bit values at `v` has every bit of `exponent`
+// set (a NaN or an infinity in the format whose exponent field that is).
+bool AnyExponentAllOnes(const uint16_t* v, int64_t n, uint16_t exponent) {
+  uint32_t any = 0;
+  for (int64_t i = 0; i < n; ++i) any |= (v[i] & exponent) == exponent;
+  return any != 0;
+}
+
+}  // namespace
+
+bool AnyNonFiniteIn(DataType dtype, const char* in, int64_t n) {
+  switch (dtype) {
+    case DT_BFLOAT16:
+      return AnyExponentAllOnes(reinterpret_cast<const uint16_t*>(in), n, 0x7f80);
+    case DT_HALF:
+      return AnyExponentAllOnes(reinterpret_cast<const uint16_t*>(in), n, 0x7c00);
+    default:
+      return AnyNonFinite(reinterpret_cast<const float*>(in), n);
+  }
+}
+
 bool AllBelow(const float* v, int64_t n, float limit) {
   // Positive floats (and NaNs, above infinity) order as their bits do: with
   // the sign cleared, |v| < limit is a compare of non-negative 32-bit

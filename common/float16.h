@@ -101,6 +101,10 @@ void DecodeFloats(DataType dtype, const char* in, int64_t n, float* out);
 
 // Whether any of the `n` values at `v` is a NaN or an infinity.
 bool AnyNonFinite(const float* v, int64_t n);
+// Whether any of the `n` values of `dtype` (DT_FLOAT, DT_BFLOAT16 or
+// DT_HALF) at `in` is a NaN or an infinity, read as they lie (no decoding;
+// `in` aligned to the element's size).
+bool AnyNonFiniteIn(DataType dtype, const char* in, int64_t n);
 // Whether every one of the `n` values at `v` is below `limit` in magnitude
 // (false for a NaN): with limit = WireOverflow(dtype), whether each survives
 // encoding as a finite number. `limit` must be positive (infinity included).

@@ -196,8 +196,9 @@ absl::StatusOr<ChunkAssembler::Entry*> ChunkAssembler::Check(const TensorChunk& 
   return &e;
 }
 
-void ChunkAssembler::Received(Entry& e, int64_t size, const float* values, int* completed) {
-  if (e.sink.non_finite != nullptr && AnyNonFinite(values, size / e.element_bytes)) {
+void ChunkAssembler::Received(Entry& e, int64_t size, DataType dtype, const char* values,
+                              int* completed) {
+  if (e.sink.non_finite != nullptr && AnyNonFiniteIn(dtype, values, size / e.element_bytes)) {
     *e.sink.non_finite = true;
   }
   e.received += size;
@@ -232,7 +233,7 @@ absl::Status ChunkAssembler::AddFrom(const TensorChunk& chunk, int64_t size, Chu
         absl::StrCat("tensor ", TensorDisplayName(chunk.name(), chunk.slot(), chunk.row_begin()),
                      " chunk data cut short"));
   }
-  Received(*e, size, out, completed);
+  Received(*e, size, DT_FLOAT, reinterpret_cast<const char*>(out), completed);
   return absl::OkStatus();
 }
 
@@ -244,9 +245,7 @@ absl::Status ChunkAssembler::AddInPlace(const TensorChunk& chunk, int64_t size, 
       e->received == 0
           ? reinterpret_cast<uintptr_t>(from) % static_cast<uintptr_t>(e->element_bytes) == 0
           : e->in_place + e->received == from;
-  // The NaN check reads fp32 values only.
-  const bool checkable = e->sink.dtype == DT_FLOAT || e->sink.non_finite == nullptr;
-  if (e->sink.borrow == nullptr || !checkable || !follows) {
+  if (e->sink.borrow == nullptr || !follows) {
     StopBorrowing(*e);
     // The whole chunk fits (Check): decoded block by block, each checked
     // while it is in the cache.
@@ -256,14 +255,14 @@ absl::Status ChunkAssembler::AddInPlace(const TensorChunk& chunk, int64_t size, 
       const int64_t take = std::min(kInPlaceBlockBytes, size - done);
       float* const out = data + e->received / e->element_bytes;
       DecodeFloats(e->sink.dtype, from + done, take / e->element_bytes, out);
-      Received(*e, take, out, completed);
+      Received(*e, take, DT_FLOAT, reinterpret_cast<const char*>(out), completed);
       done += take;
     } while (done < size);
     return absl::OkStatus();
   }
   if (e->received == 0) e->in_place = from;
-  // (Received reads `from` as floats only for a sink with non_finite: fp32.)
-  Received(*e, size, reinterpret_cast<const float*>(from), completed);
+  // (Checked for NaN and infinity in the wire dtype, where the values lie.)
+  Received(*e, size, e->sink.dtype, from, completed);
   return absl::OkStatus();
 }
 

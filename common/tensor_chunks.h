@@ -118,7 +118,7 @@ struct TensorSink {
   // the assembler (a shared region, ChunkAssembler::AddInPlace) and lie
   // there one after another, the values are left there, in `dtype`, and
   // *borrow points at them once the sink is complete, instead of being
-  // decoded into `data` (16-bit chunks only for sinks without `non_finite`).
+  // decoded into `data` (`non_finite` is then found in `dtype`, as they lie).
   // Null otherwise (set so by the assembler first): the values are in `data`.
   const void** borrow = nullptr;
 };
@@ -187,9 +187,10 @@ class ChunkAssembler {
   // The entry a chunk of `size` bytes is for, once its fields are checked
   // against it.
   absl::StatusOr<Entry*> Check(const TensorChunk& chunk, int64_t size);
-  // Records `size` bytes of `e` received (their values at `values`, for
-  // the NaN check).
-  void Received(Entry& e, int64_t size, const float* values, int* completed);
+  // Records `size` bytes of `e` received (their values at `values`, in
+  // `dtype`: DT_FLOAT once decoded, the sink's dtype where left in place;
+  // for the NaN check).
+  void Received(Entry& e, int64_t size, DataType dtype, const char* values, int* completed);
   // Copies what `e` left in place into its sink: it takes no more in place.
   void StopBorrowing(Entry& e);
   absl::flat_hash_map<std::string, Entry> entries_;  // key: name, slot and first row

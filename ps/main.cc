@@ -46,12 +46,12 @@ ABSL_FLAG(bool, shared_memory, true,
           "false: refuse it; those workers then send over the network.");
 
 ABSL_FLAG(bool, apply_in_place, true,
-          "In a synchronous job, apply the fp32 gradients that workers on this host push through "
-          "shared memory where they lie, without copying them out first; such a push is answered "
-          "once its gradients are applied (the worker reuses that memory only then), and each "
-          "block is checked for NaN and infinity again as it is averaged. false: copy them out as "
-          "they arrive and answer the push at once. 16-bit gradients, and asynchronous jobs, are "
-          "always copied.");
+          "In a synchronous job, apply the gradients that workers on this host push through "
+          "shared memory where they lie, without copying them out first (16-bit ones are widened "
+          "to fp32 block by block as they are averaged); such a push is answered once its "
+          "gradients are applied (the worker reuses that memory only then), and each block is "
+          "checked for NaN and infinity again as it is averaged. false: copy (or widen) them out "
+          "as they arrive and answer the push at once. Asynchronous jobs always copy.");
 
 namespace {
 

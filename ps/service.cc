@@ -877,11 +877,11 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header_.region()));
       region_span_ = region_->data;
     }
-    // fp32 gradients in a region are applied where they lie, in a
-    // synchronous job (an asynchronous one would hold the push until its
-    // round: the shard copies them there).
-    const bool borrow = region_ != nullptr && dtype == DT_FLOAT && service_->apply_in_place_ &&
-                        !skip_ && shard->KeepsBorrowedGradients();
+    // Gradients in a region are applied where they lie (16-bit ones widened
+    // as the apply reads them), in a synchronous job (an asynchronous one
+    // would hold the push until its round: the shard copies them there).
+    const bool borrow = region_ != nullptr && service_->apply_in_place_ && !skip_ &&
+                        shard->KeepsBorrowedGradients();
     if (borrow) hold_ = std::make_shared<Hold>(region_, gate_);
     // A skip push has no data: no assembler, so that a chunk is refused.
     if (!skip_) {

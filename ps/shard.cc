@@ -22,7 +22,9 @@ namespace {
 // decoded, or looked for now).
 bool NonFinite(const Shard::SliceGradient& g) {
   if (g.finite_checked) return g.non_finite;
-  if (g.borrowed != nullptr) return AnyNonFinite(static_cast<const float*>(g.borrowed), g.count());
+  if (g.borrowed != nullptr) {
+    return AnyNonFiniteIn(g.borrowed_dtype, static_cast<const char*>(g.borrowed), g.count());
+  }
   return AnyNonFinite(g.values.data(), static_cast<int64_t>(g.values.size()));
 }
 
@@ -32,7 +34,8 @@ Shard::Gradient Kept(Shard::SliceGradient& g) {
   Shard::Gradient kept;
   if (g.skip) return kept;
   kept.values = std::move(g.values);
-  kept.borrowed = static_cast<const float*>(g.borrowed);
+  kept.borrowed = g.borrowed;
+  kept.borrowed_dtype = g.borrowed_dtype;
   kept.hold = std::move(g.hold);
   return kept;
 }
@@ -42,8 +45,8 @@ Shard::Gradient Kept(Shard::SliceGradient& g) {
 std::vector<float> Owned(Shard::SliceGradient& g) {
   if (g.skip) return {};
   if (g.borrowed == nullptr) return std::move(g.values);
-  const float* const from = static_cast<const float*>(g.borrowed);
-  std::vector<float> values(from, from + g.count());
+  std::vector<float> values(g.count());
+  DecodeFloats(g.borrowed_dtype, static_cast<const char*>(g.borrowed), g.count(), values.data());
   g.borrowed = nullptr;
   g.hold.reset();
   return values;
@@ -57,6 +60,14 @@ bool ZeroNonFinite(float* x, int64_t n) {
 }
 
 }  // namespace
+
+const float* Shard::Gradient::Floats(int64_t begin, int64_t n, float* scratch) const {
+  if (borrowed == nullptr) return values.data() + begin;
+  const char* const from = static_cast<const char*>(borrowed);
+  if (borrowed_dtype == DT_FLOAT) return reinterpret_cast<const float*>(from) + begin;
+  DecodeFloats(borrowed_dtype, from + begin * WireBytes(borrowed_dtype), n, scratch);
+  return scratch;
+}
 
 // Everything an apply of one slice works on: its pushes, taken out of the
 // shard, and raw pointers into the shard's members that nobody else touches
@@ -528,6 +539,11 @@ void Shard::Compute(ApplyJob& job) const {
   const float scale = 1.0f / static_cast<float>(job.pushes.size());
   const bool borrowed = std::any_of(job.pushes.begin(), job.pushes.end(),
                                     [](const auto& p) { return p.second.borrowed != nullptr; });
+  // Borrowed 16-bit values are widened one block at a time, into memory of
+  // the applying thread's that stays in its cache.
+  const bool widens = std::any_of(job.pushes.begin(), job.pushes.end(), [](const auto& p) {
+    return p.second.borrowed != nullptr && p.second.borrowed_dtype != DT_FLOAT;
+  });
   // Averaging, then the optimizer writing the copy readers get as it goes,
   // one range at a time (it stays in cache throughout). The rule and scalars
   // of this version's step, once for every range:
@@ -544,9 +560,14 @@ void Shard::Compute(ApplyJob& job) const {
     alignas(64) float mean[kMeanBlock];
     absl::InlinedVector<const float*, 4> grads(job.pushes.size());
     std::vector<float*> block_slots(job.slots.size());
+    thread_local std::vector<float> widened;
+    if (widens && widened.size() < job.pushes.size() * kMeanBlock)
+      widened.resize(job.pushes.size() * kMeanBlock);
     for (int64_t b = begin; b < end; b += kMeanBlock) {
       const int64_t len = std::min(end - b, kMeanBlock);
-      for (size_t w = 0; w < job.pushes.size(); ++w) grads[w] = job.pushes[w].second.data() + b;
+      for (size_t w = 0; w < job.pushes.size(); ++w) {
+        grads[w] = job.pushes[w].second.Floats(b, len, widens ? &widened[w * kMeanBlock] : nullptr);
+      }
       MeanInto(mean, grads, scale, len);
       // Borrowed values were checked as they arrived, but lie in a worker's
       // memory: read again now, they must still be finite (the mean of

@@ -147,8 +147,11 @@ class Shard {
     // (or once it drops the gradient); an asynchronous one copies them. The
     // apply checks each block it averages again, so values changed to a NaN
     // or an infinity after the push was checked never reach the weights.
+    // 16-bit values (`borrowed_dtype`) are widened to fp32 block by block as
+    // the apply reads them.
     const void* borrowed = nullptr;
     int64_t borrowed_count = 0;
+    DataType borrowed_dtype = DT_FLOAT;
     std::shared_ptr<const void> hold = nullptr;
 
     int64_t count() const {
@@ -161,10 +164,13 @@ class Shard {
   // skip has neither.
   struct Gradient {
     std::vector<float> values;
-    const float* borrowed = nullptr;
+    const void* borrowed = nullptr;
+    DataType borrowed_dtype = DT_FLOAT;
     std::shared_ptr<const void> hold = nullptr;
 
-    const float* data() const { return borrowed != nullptr ? borrowed : values.data(); }
+    // Its values [begin, begin + n) in fp32: where they lie, or (borrowed
+    // 16-bit ones) widened into `scratch`, which holds n floats.
+    const float* Floats(int64_t begin, int64_t n, float* scratch) const;
     bool empty() const { return borrowed == nullptr && values.empty(); }
   };
 

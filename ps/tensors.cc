@@ -49,10 +49,11 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     // A buffer the shard has spare (taken for the header: no memory is
     // allocated for it), or else allocated with the gradient's first chunk.
     TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
-    if (borrow && dtype == DT_FLOAT) {
+    if (borrow) {
       // Decoded into `values` only where the chunks do not follow one another.
       sink.borrow = &g.borrowed;
       g.borrowed_count = NumElements(sink.shape);
+      g.borrowed_dtype = dtype;
     } else if (shard != nullptr) {
       g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
     }

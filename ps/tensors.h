@@ -34,9 +34,9 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // A gradient's memory is a buffer `shard` (if not null) has from an earlier
 // step (Shard::GradientBuffer), or else allocated with its first chunk; its
 // values are checked for NaN and infinity as they are decoded
-// (finite_checked). With `borrow`, fp32 values that come in place (a shared
+// (finite_checked). With `borrow`, values that come in place (a shared
 // region, ChunkAssembler::AddInPlace) one chunk after another are left
-// there, checked where they lie: grads[k].borrowed points at them.
+// there in `dtype`, checked where they lie: grads[k].borrowed points at them.
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads,

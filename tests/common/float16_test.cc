@@ -296,6 +296,43 @@ TEST(AnyNonFinite, FindsANanOrAnInfinityAnywhereAndNothingElse) {
   }
 }
 
+// AnyNonFiniteIn reads 16-bit values as they lie: for every bit pattern of
+// either format, it agrees with the decoded value's isfinite, alone and
+// anywhere in a run of finite values; for fp32 it is AnyNonFinite.
+TEST(AnyNonFiniteIn, AgreesWithTheDecodedValueForEvery16BitPattern) {
+  for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
+    std::vector<uint16_t> run(100);
+    const std::vector<float> ones(run.size(), 1.0f);
+    EncodeFloats(dtype, ones.data(), static_cast<int64_t>(ones.size()),
+                 reinterpret_cast<char*>(run.data()));
+    ASSERT_FALSE(AnyNonFiniteIn(dtype, reinterpret_cast<const char*>(run.data()),
+                                static_cast<int64_t>(run.size())));
+    int bad_patterns = 0;
+    for (uint32_t bits = 0; bits <= 0xffff; ++bits) {
+      const uint16_t h = static_cast<uint16_t>(bits);
+      float decoded = 0;
+      DecodeFloats(dtype, reinterpret_cast<const char*>(&h), 1, &decoded);
+      const bool bad = !std::isfinite(decoded);
+      bad_patterns += bad;
+      ASSERT_EQ(AnyNonFiniteIn(dtype, reinterpret_cast<const char*>(&h), 1), bad)
+          << DataType_Name(dtype) << " 0x" << std::hex << bits;
+      if (bits % 97 == 0) {
+        std::vector<uint16_t> w = run;
+        w[bits % w.size()] = h;
+        ASSERT_EQ(AnyNonFiniteIn(dtype, reinterpret_cast<const char*>(w.data()),
+                                 static_cast<int64_t>(w.size())),
+                  bad)
+            << DataType_Name(dtype) << " 0x" << std::hex << bits;
+      }
+    }
+    // Both signs of the exponent-all-ones patterns: 2 x (1 infinity + NaNs).
+    EXPECT_EQ(bad_patterns, dtype == DT_BFLOAT16 ? 2 * 128 : 2 * 1024) << DataType_Name(dtype);
+  }
+  const std::vector<float> f = {1.0f, std::numeric_limits<float>::infinity()};
+  EXPECT_TRUE(AnyNonFiniteIn(DT_FLOAT, reinterpret_cast<const char*>(f.data()), 2));
+  EXPECT_FALSE(AnyNonFiniteIn(DT_FLOAT, reinterpret_cast<const char*>(f.data()), 1));
+}
+
 // AllBelow(v, n, WireOverflow(dtype)) is the worker's check that a gradient
 // survives the wire: every value's magnitude strictly below the limit, a NaN
 // never, the sign ignored; each limit's edge, anywhere in a vectorized run.

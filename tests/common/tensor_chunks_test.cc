@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -310,10 +311,10 @@ TEST(TensorChunksTest, InPlaceChunksAreBorrowedWhileTheyFollowOneAnother) {
   EXPECT_EQ(borrow_e, nullptr);
 }
 
-// Values left in place are checked for NaN like copied ones. 16-bit chunks
-// are left in place too, as 16-bit values, for a sink without the NaN check
-// (which reads fp32); with it, they are decoded.
-TEST(TensorChunksTest, InPlaceChunksAreCheckedAnd16BitOnesBorrowedWithoutTheCheck) {
+// Values left in place are checked for NaN like copied ones, in the dtype
+// they lie in: 16-bit chunks are left in place as 16-bit values, checked
+// there too.
+TEST(TensorChunksTest, InPlaceChunksAreCheckedWhereTheyLieInEveryDtype) {
   std::vector<float> region = {1, std::nanf(""), 3, 4};
   bool nan_seen = false;
   std::vector<float> a(4, 0.0f);
@@ -351,12 +352,37 @@ TEST(TensorChunksTest, InPlaceChunksAreCheckedAnd16BitOnesBorrowedWithoutTheChec
     ASSERT_TRUE(
         sixteen.AddInPlace(c, 2, reinterpret_cast<const char*>(halves.data() + 2), &completed)
             .ok());
-    if (checked) {
-      EXPECT_EQ(borrow_h, nullptr);
-      EXPECT_THAT(h, ElementsAre(1.5f, -2.0f, 0.25f));
-    } else {
-      EXPECT_EQ(borrow_h, halves.data());
-      EXPECT_THAT(h, ElementsAre(0, 0, 0));
+    EXPECT_EQ(borrow_h, halves.data());
+    EXPECT_THAT(h, ElementsAre(0, 0, 0));
+    EXPECT_FALSE(nan_h);
+  }
+  // A 16-bit NaN or infinity left in place is seen, in either format, in
+  // either chunk.
+  for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
+    for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+      for (int at = 0; at < 3; ++at) {
+        std::vector<float> with_bad = values;
+        with_bad[at] = bad;
+        std::vector<uint16_t> wire(3);
+        EncodeFloats(dtype, with_bad.data(), 3, reinterpret_cast<char*>(wire.data()));
+        std::vector<float> h(3, 0.0f);
+        const void* borrow_h = nullptr;
+        bool nan_h = false;
+        TensorSink sink_h{"h", "", {3}, h.data(), true, dtype};
+        sink_h.borrow = &borrow_h;
+        sink_h.non_finite = &nan_h;
+        ChunkAssembler sixteen({sink_h});
+        TensorChunk d = Chunk("h", "", {3}, 0, {});
+        d.set_dtype(dtype);
+        ASSERT_TRUE(
+            sixteen.AddInPlace(d, 4, reinterpret_cast<const char*>(wire.data()), &completed).ok());
+        d.set_offset(4);
+        ASSERT_TRUE(
+            sixteen.AddInPlace(d, 2, reinterpret_cast<const char*>(wire.data() + 2), &completed)
+                .ok());
+        EXPECT_TRUE(nan_h) << DataType_Name(dtype) << " " << bad << " at " << at;
+        EXPECT_EQ(borrow_h, wire.data());
+      }
     }
   }
   // One left in place, then one that does not follow: the first is decoded too.

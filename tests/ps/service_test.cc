@@ -1648,6 +1648,49 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
   EXPECT_EQ(raw, ThroughBfloat16(masters));
 }
 
+// bf16 gradients pushed through shared memory are applied where they lie,
+// widened as the apply reads them: the push is answered once the step is
+// applied, and the masters are exactly those of the decoded gradients.
+TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
+                                         /*shared_memory=*/true);
+  InitHeader h = Header();
+  h.mutable_job()->set_wire_dtype(JobConfig::BF16);
+  absl::Status init = client_->Init(
+      0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+      Deadline());
+  ASSERT_TRUE(init.ok()) << init;
+  std::vector<float> g0 = Pattern(big_.size(), 7, 0.25f), g1 = Pattern(big_.size(), 5, -0.5f);
+  for (size_t i = 0; i < g0.size(); ++i) g0[i] += static_cast<float>(i % 2) * 0x1p-9f;
+  const std::vector<float> gb0 = Pattern(10, 3, 1.0f), gb1 = Pattern(10, 4, 0.5f);
+  std::atomic<bool> second_sent{false};
+  bool answered_after_second = false;
+  absl::StatusOr<PushResponse> r0;
+  std::thread first([&] {
+    r0 = PushAll(0, 0, g0, gb0, DT_BFLOAT16);
+    answered_after_second = second_sent.load();
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  second_sent = true;
+  absl::StatusOr<PushResponse> r1 = PushAll(1, 0, g1, gb1, DT_BFLOAT16);
+  first.join();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_TRUE(answered_after_second) << "the ps copied the gradients out";
+  ASSERT_EQ(shard_.stats().version, 1);
+  EXPECT_EQ(shard_.stats().changed_after_check, 0);
+  std::vector<float> big32(big_.size(), -1), bias32(bias_.size(), -1);
+  absl::StatusOr<Client::PullResult> r =
+      client_->Pull(0, kJob, 1, {},
+                    {{"big", "", kBigShape, big32.data()}, {"bias", "", kBiasShape, bias32.data()}},
+                    Deadline(), absl::ZeroDuration());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(big32, SgdAfter(big_, ThroughBfloat16(g0), ThroughBfloat16(g1)));
+  EXPECT_EQ(bias32, SgdAfter(bias_, ThroughBfloat16(gb0), ThroughBfloat16(gb1)));
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 3);
+}
+
 TEST_F(PsServiceTest, PushInAnotherDtypeThanTheJobsIsRefused) {
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);

@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/deferred_work.h"
+#include "common/float16.h"
 #include "common/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -1719,6 +1720,96 @@ TEST(BorrowedGradientsTest, AnAsynchronousShardCopiesThem) {
   memory[0].assign(memory[0].size(), 1000.0f);
   ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, {SliceGrads(Grads(1))[1]}, 0), PushResponse::ACCEPTED);
   EXPECT_EQ(ValuesNow(shard), SgdStep(SgdStep({kA, kB}, 0.5f, Grads(4)), 0.5f, Grads(1)));
+}
+
+// `g` through `dtype`: each value as the wire gives it back.
+std::vector<std::vector<float>> Through(DataType dtype, const std::vector<std::vector<float>>& g) {
+  std::vector<std::vector<float>> out;
+  for (const std::vector<float>& v : g) {
+    std::vector<uint16_t> wire(v.size());
+    std::vector<float>& back = out.emplace_back(v.size());
+    EncodeFloats(dtype, v.data(), static_cast<int64_t>(v.size()),
+                 reinterpret_cast<char*>(wire.data()));
+    DecodeFloats(dtype, reinterpret_cast<const char*>(wire.data()), static_cast<int64_t>(v.size()),
+                 back.data());
+  }
+  return out;
+}
+
+// Borrowed 16-bit gradients (a bf16 or fp16 job's pushes in a shared
+// region): `g` encoded in `dtype` into `memory`, as Borrowed does for fp32.
+std::vector<Shard::SliceGradient> Borrowed16(DataType dtype,
+                                             const std::vector<std::vector<float>>& g,
+                                             std::vector<std::vector<uint16_t>>* memory,
+                                             std::shared_ptr<int>* released) {
+  memory->clear();
+  *released = std::make_shared<int>(0);
+  std::vector<Shard::SliceGradient> out;
+  for (size_t i = 0; i < g.size(); ++i) {
+    std::vector<uint16_t>& m = memory->emplace_back(g[i].size());
+    EncodeFloats(dtype, g[i].data(), static_cast<int64_t>(g[i].size()),
+                 reinterpret_cast<char*>(m.data()));
+    Shard::SliceGradient& s = out.emplace_back();
+    s.slice = static_cast<int>(i);
+    s.borrowed = m.data();
+    s.borrowed_count = static_cast<int64_t>(m.size());
+    s.borrowed_dtype = dtype;
+    s.hold = std::shared_ptr<const void>(nullptr, [r = *released](const void*) { ++*r; });
+  }
+  return out;
+}
+
+// 16-bit gradients borrowed where they lie are widened as the apply reads
+// them: the same weights as their decoded values, with fp32 and with other
+// 16-bit pushes beside them; a value changed to an infinity after the check
+// counts as 0; an asynchronous shard widens them into a copy at once.
+TEST(BorrowedGradientsTest, SixteenBitOnesAreWidenedAsTheyAreApplied) {
+  for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
+    SCOPED_TRACE(DataType_Name(dtype));
+    // Values the format rounds: the widening must give what decoding gives.
+    const std::vector<std::vector<float>> g0 = {{1.001f, 2, -3.3f, 0.5f, 4.07f, -1},
+                                                {-2, 0.2501f, 6.1f, 1}};
+    Shard shard;
+    ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+    std::vector<std::vector<uint16_t>> memory0, memory1;
+    std::shared_ptr<int> released0, released1;
+    ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, Borrowed16(dtype, g0, &memory0, &released0)),
+              PushResponse::ACCEPTED);
+    ASSERT_EQ(*shard.PushSlices(kJob, 1, 0, SliceGrads(Grads(-3))), PushResponse::ACCEPTED);
+    EXPECT_EQ(*released0, 2);
+    EXPECT_EQ(ValuesNow(shard), SgdAfter({kA, kB}, 0.5f, Through(dtype, g0), Grads(-3)));
+    // Both workers borrowed; one value made infinite after the check.
+    ASSERT_EQ(*shard.PushSlices(kJob, 0, 1, Borrowed16(dtype, g0, &memory0, &released0)),
+              PushResponse::ACCEPTED);
+    memory0[1][2] = dtype == DT_BFLOAT16 ? 0x7f80 : 0x7c00;
+    ASSERT_EQ(*shard.PushSlices(kJob, 1, 1, Borrowed16(dtype, Grads(2), &memory1, &released1)),
+              PushResponse::ACCEPTED);
+    EXPECT_EQ(*released0 + *released1, 4);
+    EXPECT_EQ(shard.stats().changed_after_check, 1);
+    std::vector<std::vector<float>> expected =
+        SgdAfter(SgdAfter({kA, kB}, 0.5f, Through(dtype, g0), Grads(-3)), 0.5f, Through(dtype, g0),
+                 Through(dtype, Grads(2)));
+    const std::vector<std::vector<float>> before = ValuesNow(shard);
+    expected[1][2] = SgdAfter({kA, kB}, 0.5f, Through(dtype, g0), Grads(-3))[1][2];
+    EXPECT_EQ(before, expected);
+    // A 16-bit gradient that is not finite when pushed is refused.
+    std::vector<Shard::SliceGradient> bad = Borrowed16(dtype, g0, &memory0, &released0);
+    memory0[0][5] = dtype == DT_BFLOAT16 ? 0x7fc0 : 0x7e00;  // a NaN
+    EXPECT_EQ(shard.PushSlices(kJob, 0, 2, std::move(bad)).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(*released0, 2);
+
+    Shard async;
+    ASSERT_TRUE(async.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
+    std::vector<Shard::SliceGradient> first = Borrowed16(dtype, g0, &memory0, &released0);
+    first.pop_back();
+    ASSERT_EQ(*async.PushSlices(kJob, 0, 0, std::move(first), 0), PushResponse::ACCEPTED);
+    EXPECT_EQ(*released0, 2) << "copied and let go at once";
+    memory0[0].assign(memory0[0].size(), 0);
+    ASSERT_EQ(*async.PushSlices(kJob, 0, 0, {SliceGrads(Through(dtype, g0))[1]}, 0),
+              PushResponse::ACCEPTED);
+    EXPECT_EQ(ValuesNow(async), SgdStep({kA, kB}, 0.5f, Through(dtype, g0)));
+  }
 }
 
 TEST(AsyncShardTest, AppliesEachWorkersGradientAloneAndCountsStaleness) {
