@@ -9,7 +9,8 @@
 # at exit: every hand-off between threads costs one or two).
 # Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default; WORKER_ARGS:
 # more flags for the jobs' workers, e.g. "--push_during_backward=false";
-# PS_ARGS: for their ps, e.g. "--apply_threads=1")
+# PS_ARGS: for their ps, e.g. "--apply_threads=1"; CHIEF_ARGS: more job flags,
+# e.g. "--wire_dtype=bf16")
 set -euo pipefail
 bin=${1:-build/bin}
 steps=${STEPS:-400}
@@ -32,7 +33,7 @@ job() {  # workers ps -> ex/s (from the chief's closing line)
       --ps_args="${PS_ARGS:-}" -- \
       --model=cnn --data_dir="$data_dir" \
       --train_steps="$job_steps" --log_every_steps=50 --batch_size=64 --optimizer=adam \
-      --learning_rate=0.001
+      --learning_rate=0.001 ${CHIEF_ARGS:-}
   ex_per_s "$tmp/$1x$2.log"
 }
 
