@@ -113,10 +113,10 @@ void Coordinator::Stop(int signal) {
   absl::MutexLock lock(&mu_);
   if (stop_signal_ == 0) stop_signal_ = signal;
   // Before the ps are loaded nothing needs saving: stop waiting for them.
-  // Once the job is over, the exit orders still on their way are given up:
-  // a ps stopping with the cluster would hold each for its whole deadline
-  // (the calls wait for a ps to be ready), past the grace the chief has.
-  if (!ready_ || done_) ps_->CancelAll();
+  // Exit orders on their way are given up: a ps stopping with the cluster
+  // would hold each for its whole deadline (the calls wait for a ps to be
+  // ready), past the grace the chief has.
+  if (!ready_ || exit_orders_out_) ps_->CancelAll();
 }
 
 void Coordinator::Fail(const absl::Status& why) {
@@ -875,6 +875,7 @@ absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
 }
 
 void Coordinator::ReleaseEveryone() {
+  bool stopping = false;
   {
     absl::MutexLock lock(&mu_);
     done_ = true;
@@ -891,15 +892,16 @@ void Coordinator::ReleaseEveryone() {
     if (!mu_.AwaitWithTimeout(absl::Condition(&all_released), options_.timeouts.release_wait)) {
       PSLOG(WARNING) << "not every worker collected its exit order";
     }
-    if (Stopping()) {
-      // Told to stop (as Stop does from here on): the ps are left to the
-      // signal, which stops them too or leaves them for the next chief.
-      ps_->CancelAll();
-      return;
-    }
+    stopping = Stopping();
+    exit_orders_out_ = true;  // a stop from here on cancels them (Stop)
   }
   const uint64_t id = job_id();
-  const absl::Time deadline = absl::Now() + options_.timeouts.control_call;
+  // A chief told to stop has its grace period left, no more: the ps still
+  // up take the order at once, and one gone with the cluster must not hold
+  // the chief up.
+  const absl::Time deadline = absl::Now() + (stopping ? std::min(options_.timeouts.control_call,
+                                                                 options_.timeouts.stop_release)
+                                                      : options_.timeouts.control_call);
   absl::Status s = FanOut(pool_, job_.num_ps(), RetryPolicy(),
                           [&](int p) { return ps_->Shutdown(p, id, deadline); });
   if (!s.ok())

@@ -59,6 +59,10 @@ struct Timeouts {
   // most this long, so that it exits within a grace period (Kubernetes
   // gives 30 s, psflow-launch 10) also when the ps are stopping too.
   absl::Duration stop_checkpoint = absl::Seconds(5);
+  // The exit orders of a chief told to stop before it released a failed or
+  // finished job: the ps still up take them at once, and one that is gone
+  // (stopping with the cluster) is waited for no longer than this.
+  absl::Duration stop_release = absl::Seconds(2);
   // Pull of the final weights when no checkpoint holds them.
   absl::Duration final_pull = absl::Minutes(1);
   // How long the workers get to collect the exit (or fail) order.
@@ -226,6 +230,7 @@ class Coordinator {
   bool ready_ ABSL_GUARDED_BY(mu_) = false;    // every ps holds the job
   bool trained_ ABSL_GUARDED_BY(mu_) = false;  // every step applied: later reports change nothing
   bool done_ ABSL_GUARDED_BY(mu_) = false;     // the job is over: workers may exit
+  bool exit_orders_out_ ABSL_GUARDED_BY(mu_) = false;       // ReleaseEveryone is telling the ps
   absl::flat_hash_set<int> live_ ABSL_GUARDED_BY(mu_);      // workers the steps wait for
   std::vector<absl::Time> last_seen_ ABSL_GUARDED_BY(mu_);  // per worker
   absl::flat_hash_set<int> finished_ ABSL_GUARDED_BY(mu_);  // saw the final version

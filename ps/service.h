@@ -73,10 +73,11 @@ class PsService final
   // network; otherwise the regions are mapped and used. `trace` (may be
   // null; must outlive the service) gets the spans of push messages and
   // answers and of the slices of pull answers. With `apply_in_place`, a
-  // synchronous job's gradients pushed through a region are applied
-  // where they lie (16-bit ones widened as they are read) (Shard::SliceGradient::borrowed) instead
-  // of being copied out first, and such a push is answered once the shard has let go of all of
-  // them: its worker reuses the region only after the answer.
+  // synchronous job's gradients pushed through a region are applied where
+  // they lie (Shard::SliceGradient::borrowed; 16-bit ones widened as they
+  // are read) instead of being copied out first, and such a push is
+  // answered once the shard has let go of all of them: its worker reuses
+  // the region only after the answer.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
             StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr,

@@ -538,9 +538,9 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   EXPECT_TRUE(ps_->shut_down(0));
 }
 
-// The cluster stopping as the chief of a failed job releases everyone (as
-// psflow-launch does once a worker exits for the fail order): the exit order
-// to a ps that went away is given up at the stop, so that the chief exits
+// The cluster stopping as the chief of a failed job sends the ps their exit
+// orders (psflow-launch stops it once a worker exits for the fail order):
+// the order to a ps that went away is given up at the stop, so that the chief exits
 // with the job's failure within its grace instead of being killed first.
 TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure) {
   MakeJob(2, 2, 10);
@@ -572,14 +572,17 @@ TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure
   EXPECT_FALSE(ps_->shut_down(1));
 }
 
-// A chief told to stop before it releases a failed job's ps does not wait
-// for them at all: the signal stops them too, or leaves them to the next
-// chief.
-TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersEndsWithItsFailureAtOnce) {
+// A chief told to stop before it sends a failed job's ps their exit orders
+// (here while it waits for a worker to collect its own) still sends them,
+// but waits for a ps that is gone no longer than
+// Timeouts::stop_release: the ps still up exits, and so does the chief,
+// with the job's failure, within its grace.
+TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersWaitsBrieflyForAPsThatIsGone) {
   MakeJob(2, 2, 10);
   CoordinatorOptions o = Options();
   o.timeouts.control_call = absl::Seconds(20);
   o.timeouts.release_wait = absl::Seconds(20);
+  o.timeouts.stop_release = absl::Milliseconds(300);
   Start(o);
   const uint64_t id = Register(0).job_id();
   Register(1);
@@ -589,7 +592,6 @@ TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersEndsWithItsFailureAt
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_EQ(answer->action(), ReportResponse::FAIL);
   ps_->SetGone(0, true);
-  ps_->SetGone(1, true);
   // Worker 0 never collects its order: the release waits for it until the stop.
   absl::SleepFor(absl::Milliseconds(100));
   const absl::Time stopped = absl::Now();
@@ -597,8 +599,9 @@ TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersEndsWithItsFailureAt
   absl::Status s = Join(absl::Seconds(30));
   EXPECT_LT(absl::Now() - stopped, absl::Seconds(3));
   EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
-  EXPECT_EQ(ps_->calls(0, FakePs::Method::kShutdown), 0);
-  EXPECT_EQ(ps_->calls(1, FakePs::Method::kShutdown), 0);
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kShutdown), 1);
+  EXPECT_FALSE(ps_->shut_down(0));
+  EXPECT_TRUE(ps_->shut_down(1));
 }
 
 TEST_F(CoordinatorTest, NonFiniteWeightsAreNeverCheckpointed) {
