@@ -166,6 +166,15 @@ class CoordinatorTest : public ::testing::Test {
     r.set_finished(finished);
     return Send(r);
   }
+  // Worker w reports step 0 not finite (the job's default policy fails it);
+  // whether the chief answered FAIL.
+  bool ReportNonFinite(uint64_t job_id, int w) {
+    ReportRequest r = MakeReport(job_id, w, 0, std::nan(""));
+    r.mutable_metrics(0)->set_nonfinite(true);
+    absl::StatusOr<ReportResponse> answer = Send(r);
+    EXPECT_TRUE(answer.ok()) << answer.status();
+    return answer.ok() && answer->action() == ReportResponse::FAIL;
+  }
 
   // Every worker in `workers` trains steps [from, to) and reports them.
   void Train(uint64_t job_id, const std::vector<int>& workers, int64_t from, int64_t to) {
@@ -523,11 +532,7 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   Start(Options());
   const uint64_t id = Register(0).job_id();
   Register(1);
-  ReportRequest r = MakeReport(id, 1, 0, std::nan(""));
-  r.mutable_metrics(0)->set_nonfinite(true);
-  absl::StatusOr<ReportResponse> answer = Send(r);
-  ASSERT_TRUE(answer.ok()) << answer.status();
-  EXPECT_EQ(answer->action(), ReportResponse::FAIL);
+  ASSERT_TRUE(ReportNonFinite(id, 1));
   absl::StatusOr<ReportResponse> other = Report(id, 0, -1);
   ASSERT_TRUE(other.ok());
   EXPECT_EQ(other->action(), ReportResponse::FAIL);
@@ -540,8 +545,9 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
 
 // The cluster stopping as the chief of a failed job sends the ps their exit
 // orders (psflow-launch stops it once a worker exits for the fail order):
-// the order to a ps that went away is given up at the stop, so that the chief exits
-// with the job's failure within its grace instead of being killed first.
+// the order to a ps that went away is given up at the stop, so that the
+// chief exits with the job's failure within its grace instead of being
+// killed first.
 TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure) {
   MakeJob(2, 2, 10);
   CoordinatorOptions o = Options();
@@ -555,11 +561,7 @@ TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure
     ps_->SetGone(1, true);
     coordinator_->Stop(SIGTERM);
   });
-  ReportRequest r = MakeReport(id, 1, 0, std::nan(""));
-  r.mutable_metrics(0)->set_nonfinite(true);
-  absl::StatusOr<ReportResponse> answer = Send(r);
-  ASSERT_TRUE(answer.ok()) << answer.status();
-  EXPECT_EQ(answer->action(), ReportResponse::FAIL);
+  ASSERT_TRUE(ReportNonFinite(id, 1));
   absl::StatusOr<ReportResponse> other = Report(id, 0, -1);
   ASSERT_TRUE(other.ok());
   EXPECT_EQ(other->action(), ReportResponse::FAIL);
@@ -574,9 +576,9 @@ TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure
 
 // A chief told to stop before it sends a failed job's ps their exit orders
 // (here while it waits for a worker to collect its own) still sends them,
-// but waits for a ps that is gone no longer than
-// Timeouts::stop_release: the ps still up exits, and so does the chief,
-// with the job's failure, within its grace.
+// but waits for a ps that is gone no longer than Timeouts::stop_release:
+// the ps still up exits, and so does the chief, with the job's failure,
+// within its grace.
 TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersWaitsBrieflyForAPsThatIsGone) {
   MakeJob(2, 2, 10);
   CoordinatorOptions o = Options();
@@ -586,11 +588,7 @@ TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersWaitsBrieflyForAPsTh
   Start(o);
   const uint64_t id = Register(0).job_id();
   Register(1);
-  ReportRequest r = MakeReport(id, 1, 0, std::nan(""));
-  r.mutable_metrics(0)->set_nonfinite(true);
-  absl::StatusOr<ReportResponse> answer = Send(r);
-  ASSERT_TRUE(answer.ok()) << answer.status();
-  EXPECT_EQ(answer->action(), ReportResponse::FAIL);
+  ASSERT_TRUE(ReportNonFinite(id, 1));
   ps_->SetGone(0, true);
   // Worker 0 never collects its order: the release waits for it until the stop.
   absl::SleepFor(absl::Milliseconds(100));
