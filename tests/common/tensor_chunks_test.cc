@@ -336,23 +336,30 @@ TEST(TensorChunksTest, InPlaceChunksAreCheckedWhereTheyLieInEveryDtype) {
   EncodeFloats(DT_BFLOAT16, values.data(), 3, reinterpret_cast<char*>(halves.data()));
   TensorChunk c = Chunk("h", "", {3}, 0, {});
   c.set_dtype(DT_BFLOAT16);
-  for (const bool checked : {false, true}) {
-    std::vector<float> h(3, 0.0f);
+  // A sink of 3 values of `dtype` (zeros in `h`), checked for NaN into
+  // *nan_h unless that is null, given `wire` in place as two chunks one
+  // after the other (2 and 1 values); where it borrowed (or null).
+  auto borrow_in_two = [&](DataType dtype, const std::vector<uint16_t>& wire, std::vector<float>* h,
+                           bool* nan_h) -> const void* {
+    h->assign(3, 0.0f);
     const void* borrow_h = nullptr;
-    bool nan_h = false;
-    TensorSink sink_h{"h", "", {3}, h.data(), true, DT_BFLOAT16};
+    TensorSink sink_h{"h", "", {3}, h->data(), true, dtype};
     sink_h.borrow = &borrow_h;
-    if (checked) sink_h.non_finite = &nan_h;
+    sink_h.non_finite = nan_h;
     ChunkAssembler sixteen({sink_h});
-    // Two chunks one after the other (2 and 1 values).
-    c.set_offset(0);
-    ASSERT_TRUE(
-        sixteen.AddInPlace(c, 4, reinterpret_cast<const char*>(halves.data()), &completed).ok());
-    c.set_offset(4);
-    ASSERT_TRUE(
-        sixteen.AddInPlace(c, 2, reinterpret_cast<const char*>(halves.data() + 2), &completed)
-            .ok());
-    EXPECT_EQ(borrow_h, halves.data());
+    TensorChunk d = Chunk("h", "", {3}, 0, {});
+    d.set_dtype(dtype);
+    EXPECT_TRUE(
+        sixteen.AddInPlace(d, 4, reinterpret_cast<const char*>(wire.data()), &completed).ok());
+    d.set_offset(4);
+    EXPECT_TRUE(
+        sixteen.AddInPlace(d, 2, reinterpret_cast<const char*>(wire.data() + 2), &completed).ok());
+    return borrow_h;
+  };
+  for (const bool checked : {false, true}) {
+    std::vector<float> h;
+    bool nan_h = false;
+    EXPECT_EQ(borrow_in_two(DT_BFLOAT16, halves, &h, checked ? &nan_h : nullptr), halves.data());
     EXPECT_THAT(h, ElementsAre(0, 0, 0));
     EXPECT_FALSE(nan_h);
   }
@@ -365,23 +372,10 @@ TEST(TensorChunksTest, InPlaceChunksAreCheckedWhereTheyLieInEveryDtype) {
         with_bad[at] = bad;
         std::vector<uint16_t> wire(3);
         EncodeFloats(dtype, with_bad.data(), 3, reinterpret_cast<char*>(wire.data()));
-        std::vector<float> h(3, 0.0f);
-        const void* borrow_h = nullptr;
+        std::vector<float> h;
         bool nan_h = false;
-        TensorSink sink_h{"h", "", {3}, h.data(), true, dtype};
-        sink_h.borrow = &borrow_h;
-        sink_h.non_finite = &nan_h;
-        ChunkAssembler sixteen({sink_h});
-        TensorChunk d = Chunk("h", "", {3}, 0, {});
-        d.set_dtype(dtype);
-        ASSERT_TRUE(
-            sixteen.AddInPlace(d, 4, reinterpret_cast<const char*>(wire.data()), &completed).ok());
-        d.set_offset(4);
-        ASSERT_TRUE(
-            sixteen.AddInPlace(d, 2, reinterpret_cast<const char*>(wire.data() + 2), &completed)
-                .ok());
+        EXPECT_EQ(borrow_in_two(dtype, wire, &h, &nan_h), wire.data());
         EXPECT_TRUE(nan_h) << DataType_Name(dtype) << " " << bad << " at " << at;
-        EXPECT_EQ(borrow_h, wire.data());
       }
     }
   }
