@@ -251,27 +251,23 @@ grpc::ByteBuffer EncodeChunkMessage(const google::protobuf::MessageLite& fields,
     AppendLengthTag(kData, &pending);
     AppendVarint(piece.bytes, &pending);
     const int64_t element = WireBytes(t.dtype);
-    const float* from = t.data + piece.offset / element;
+    const int64_t first = piece.offset / element;
     const int64_t n = piece.bytes / element;
     if (piece.bytes < kCopyBelowBytes) {
       const size_t at = pending.size();
       pending.resize(at + piece.bytes);
-      if (t.dtype == DT_FLOAT) {
-        std::memcpy(pending.data() + at, from, piece.bytes);
-      } else {
-        EncodeFloats(t.dtype, from, n, pending.data() + at);
-      }
+      WriteWireValues(t, first, n, pending.data() + at);
       continue;
     }
     flush();
-    if (t.dtype == DT_FLOAT) {
+    if (const char* lying = WireValuesAt(t, first); lying != nullptr) {
       grpc_slice borrowed =
-          grpc_slice_new_with_user_data(const_cast<float*>(from), static_cast<size_t>(piece.bytes),
+          grpc_slice_new_with_user_data(const_cast<char*>(lying), static_cast<size_t>(piece.bytes),
                                         ReleaseKeep, new std::shared_ptr<const void>(keep));
       slices.emplace_back(borrowed, grpc::Slice::STEAL_REF);
     } else {
       grpc_slice encoded = grpc_slice_malloc(static_cast<size_t>(piece.bytes));
-      EncodeFloats(t.dtype, from, n, reinterpret_cast<char*>(GRPC_SLICE_START_PTR(encoded)));
+      WriteWireValues(t, first, n, reinterpret_cast<char*>(GRPC_SLICE_START_PTR(encoded)));
       slices.emplace_back(encoded, grpc::Slice::STEAL_REF);
     }
   }
@@ -295,20 +291,15 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
                                                        piece.bytes, " bytes at byte ", at));
       }
       const int64_t element = WireBytes(t.dtype);
-      const float* from = t.data + piece.offset / element;
+      const int64_t first = piece.offset / element;
       const int64_t n = piece.bytes / element;
       // In blocks that stay in the cache between the check and the copy.
       for (int64_t b = 0; b < n; b += kCheckBlockFloats) {
         const int64_t len = std::min(kCheckBlockFloats, n - b);
-        if (all_below != nullptr && *all_below && !AllBelow(from + b, len, below)) {
+        if (all_below != nullptr && *all_below && !WireValuesBelow(t, first + b, len, below)) {
           *all_below = false;
         }
-        char* const to = region.data + at + b * element;
-        if (t.dtype == DT_FLOAT) {
-          std::memcpy(to, from + b, static_cast<size_t>(len) * sizeof(float));
-        } else {
-          EncodeFloats(t.dtype, from + b, len, to);
-        }
+        WriteWireValues(t, first + b, len, region.data + at + b * element);
       }
       chunk.set_shared_offset(at);
       chunk.set_shared_bytes(piece.bytes);

@@ -27,6 +27,39 @@ int64_t ElementBytes(DataType dtype) {
 
 }  // namespace
 
+void WriteWireValues(const TensorRef& ref, int64_t begin, int64_t n, char* out) {
+  if (n <= 0) return;
+  const int64_t element = ElementBytes(ref.dtype);
+  if (const char* at = WireValuesAt(ref, begin); at != nullptr) {
+    std::memcpy(out, at, static_cast<size_t>(n * element));
+  } else {
+    EncodeFloats(ref.dtype, ref.data + begin, n, out);
+  }
+}
+
+const char* WireValuesAt(const TensorRef& ref, int64_t begin) {
+  if (ref.encoded != nullptr) {
+    return static_cast<const char*>(ref.encoded) + begin * ElementBytes(ref.dtype);
+  }
+  if (ref.dtype == DT_FLOAT) return reinterpret_cast<const char*>(ref.data + begin);
+  return nullptr;
+}
+
+bool WireValuesBelow(const TensorRef& ref, int64_t begin, int64_t n, float limit) {
+  if (ref.encoded == nullptr) return AllBelow(ref.data + begin, n, limit);
+  const char* const at = WireValuesAt(ref, begin);
+  if (limit >= WireOverflow(ref.dtype)) return !AnyNonFiniteIn(ref.dtype, at, n);
+  constexpr int64_t kBlock = 4096;
+  float decoded[kBlock];
+  const int64_t element = ElementBytes(ref.dtype);
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    DecodeFloats(ref.dtype, at + b * element, len, decoded);
+    if (!AllBelow(decoded, len, limit)) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<DataType> SinksDtype(absl::Span<const TensorSink> sinks) {
   if (sinks.empty()) return DT_FLOAT;
   const DataType dtype = sinks[0].dtype;
@@ -108,14 +141,10 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
     *chunk = ChunkHeader(piece);
     const TensorRef& t = *piece.tensor;
     const int64_t element = WireBytes(t.dtype);
-    const float* from = t.data + piece.offset / element;
-    if (t.dtype == DT_FLOAT) {
-      chunk->set_data(reinterpret_cast<const char*>(from), static_cast<size_t>(piece.bytes));
-    } else {  // encoded straight into the chunk
-      std::string* data = chunk->mutable_data();
-      data->resize(static_cast<size_t>(piece.bytes));
-      EncodeFloats(t.dtype, from, piece.bytes / element, data->data());
-    }
+    // Encoded straight into the chunk where it is not in the wire dtype yet.
+    std::string* data = chunk->mutable_data();
+    data->resize(static_cast<size_t>(piece.bytes));
+    WriteWireValues(t, piece.offset / element, piece.bytes / element, data->data());
   }
   return true;
 }

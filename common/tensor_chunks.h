@@ -15,8 +15,11 @@
 // dtype of their ref or sink (common/float16.h): the splitter encodes each
 // chunk straight from the fp32 source as it fills it, and the assembler
 // decodes each chunk into the fp32 destination, so a 16-bit wire dtype needs
-// no full-size copy. Offsets and sizes count bytes of the wire encoding (2 an
-// element for DT_BFLOAT16 and DT_HALF). Neither class is thread-safe.
+// no full-size copy. A sender whose values are in the wire dtype already (a
+// GPU worker's gradients, rounded to 16 bits on the device) names them with
+// TensorRef::encoded instead, and they are sent as they lie. Offsets and
+// sizes count bytes of the wire encoding (2 an element for DT_BFLOAT16 and
+// DT_HALF). Neither class is thread-safe.
 #ifndef PSFLOW_COMMON_TENSOR_CHUNKS_H_
 #define PSFLOW_COMMON_TENSOR_CHUNKS_H_
 
@@ -46,7 +49,25 @@ struct TensorRef {
   const float* data = nullptr;  // NumElements(shape) floats, alive while splitting
   DataType dtype = DT_FLOAT;    // on the wire: DT_FLOAT, DT_BFLOAT16 or DT_HALF
   int64_t row_begin = 0;        // of a slice within its variable (TensorChunk.row_begin)
+  // Set instead of `data`: the values already in `dtype` (NumElements(shape)
+  // elements of WireBytes(dtype) bytes, little-endian, aligned to the
+  // element), sent as they lie.
+  const void* encoded = nullptr;
 };
+
+// Writes elements [begin, begin + n) of `ref` in its dtype to `out`
+// (n * WireBytes(ref.dtype) bytes, any alignment): encoded from `data`, or
+// copied from `encoded`.
+void WriteWireValues(const TensorRef& ref, int64_t begin, int64_t n, char* out);
+// The bytes of elements [begin, ...) of `ref` as they go on the wire, when
+// they lie in memory so (`encoded`, or fp32 `data`); null when they must be
+// encoded first.
+const char* WireValuesAt(const TensorRef& ref, int64_t begin);
+// Whether elements [begin, begin + n) of `ref` are all below `limit` in
+// magnitude (common/float16.h's AllBelow; false for a NaN). For `encoded`
+// values, read as they lie when `limit` is at least WireOverflow(ref.dtype)
+// (then: whether each is finite), else decoded block by block.
+bool WireValuesBelow(const TensorRef& ref, int64_t begin, int64_t n, float limit);
 
 // One chunk of a group, before anything is copied: `bytes` bytes (in the
 // ref's dtype) from byte `offset` of `tensor`.

@@ -59,12 +59,19 @@ struct OptimizerTensor {
   int64_t n = 0;
 };
 
+// How Backend::CopyToHostAfter writes a copy's values on the host: as the
+// floats they are, or rounded on the device to 16 bits (to nearest even, as
+// common/float16.h's encoders; a value the dtype cannot hold becomes an
+// infinity, NaN stays NaN) so that half the bytes cross.
+enum class HostFormat { kFloat, kBfloat16, kHalf };
+
 // One copy of Backend::CopyToHostAfter: `floats` floats at `device` to
-// `host`.
+// `host` (4 or, 16-bit, 2 bytes a value).
 struct HostCopy {
   const float* device = nullptr;
-  float* host = nullptr;
+  void* host = nullptr;
   size_t floats = 0;
+  HostFormat format = HostFormat::kFloat;
 };
 
 struct Conv2DShape {
@@ -264,8 +271,8 @@ class Backend {
   virtual absl::Status RecordEvent(Event* event) {
     return absl::UnimplementedError(name() + " has no events");
   }
-  // Copies each of `copies` (backend memory to memory from AllocateHost)
-  // once the backend has passed `ready` (recorded by RecordEvent, e.g.
+  // Copies each of `copies` (backend memory to memory from AllocateHost, in
+  // the copy's HostFormat) once the backend has passed `ready` (recorded by RecordEvent, e.g.
   // inside a step's graph), on a stream of the backend's own, and returns at
   // once: the copies overlap the work queued after the event. Queue them
   // after the work that records `ready`. WaitCopies waits until every copy

@@ -119,7 +119,7 @@ class Client {
     const size_t end =
         g + 1 < static_cast<int>(runs.starts.size()) ? runs.starts[g + 1] : grads.size();
     for (size_t i = runs.starts[g]; i < end; ++i) {
-      if (!AllBelow(grads[i].data, NumElements(grads[i].shape), runs.below)) return false;
+      if (!WireValuesBelow(grads[i], 0, NumElements(grads[i].shape), runs.below)) return false;
     }
     return true;
   }

@@ -19,19 +19,19 @@
 namespace psflow::ps {
 namespace {
 
-// n floats from `from` to `to` through `dtype`: a 16-bit dtype rounds them
-// as a ChunkSplitter and a ChunkAssembler would, fp32 copies them.
-void CopyThrough(DataType dtype, const float* from, int64_t n, float* to) {
-  if (dtype == DT_FLOAT) {
-    std::copy(from, from + n, to);
+// The n values of `from` to `to` through its dtype: a 16-bit dtype rounds
+// them as a ChunkSplitter and a ChunkAssembler would, fp32 copies them.
+void CopyThrough(const TensorRef& from, int64_t n, float* to) {
+  if (const char* lying = WireValuesAt(from, 0); lying != nullptr) {
+    DecodeFloats(from.dtype, lying, n, to);
     return;
   }
   constexpr int64_t kPiece = 1 << 14;
   char wire[kPiece * 2];
   for (int64_t at = 0; at < n; at += kPiece) {
     const int64_t count = std::min(kPiece, n - at);
-    EncodeFloats(dtype, from + at, count, wire);
-    DecodeFloats(dtype, wire, count, to + at);
+    WriteWireValues(from, at, count, wire);
+    DecodeFloats(from.dtype, wire, count, to + at);
   }
 }
 
@@ -65,7 +65,7 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
       return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " sent twice"));
     }
     const int64_t n = NumElements(t.shape);
-    CopyThrough(t.dtype, t.data, n, SinkData(sink, n));
+    CopyThrough(t, n, SinkData(sink, n));
     filled[it->second] = true;
   }
   for (size_t i = 0; i < sinks.size(); ++i) {

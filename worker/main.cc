@@ -68,6 +68,12 @@ ABSL_FLAG(bool, upload_from_shared_memory, true,
           "with the GPU (cudaHostRegister), in the wire dtype (16-bit values are widened to fp32 "
           "on the GPU), instead of decoding them into the worker's page-locked buffers first. "
           "false: always through those buffers.");
+ABSL_FLAG(bool, narrow_on_gpu, true,
+          "A GPU worker (one GPU) of a job whose wire dtype (the chief's --wire_dtype) is bf16 or "
+          "fp16: round each gradient to that dtype on the GPU as the backward pass completes it, "
+          "so that half the bytes cross to the host and pushes send them as they lie (the same "
+          "values, rounded to nearest even). false: copy fp32 gradients to the host and round "
+          "them there as they are pushed.");
 ABSL_FLAG(bool, push_during_backward, true,
           "In a job with ps whose --on_nonfinite is fail (the default): each lane's push opens "
           "with the step and sends its gradients run by run, each as soon as the backward pass "
@@ -158,6 +164,7 @@ int main(int argc, char** argv) {
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
   options.upload_from_shared_memory = absl::GetFlag(FLAGS_upload_from_shared_memory);
+  options.narrow_on_device = absl::GetFlag(FLAGS_narrow_on_gpu);
   options.trace = trace->get();
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
   // A cluster without ps: this worker's replica of the weights (served as

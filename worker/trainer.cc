@@ -211,6 +211,22 @@ absl::Status Trainer::Prepare() {
       return Permanent(buckets.status());
     }
   }
+  // Those buckets' gradients cross in the wire dtype, rounded on the device.
+  if (!host_buckets_.empty() && wire != DT_FLOAT && options_.narrow_on_device) {
+    for (const VariableShape& v : net_->variables()) {
+      // Whole floats that hold the 16-bit values.
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
+          backend_->AllocateHost(static_cast<size_t>(NumElements(v.shape) + 1) / 2);
+      if (!buffer.ok()) return Permanent(buffer.status());
+      narrowed_grads_.push_back(reinterpret_cast<uint16_t*>((*buffer)->data()));
+      narrowed_staging_.push_back(*std::move(buffer));
+    }
+    if (!told_narrowed_) {
+      told_narrowed_ = true;
+      PSLOG(INFO) << "gradients are rounded to " << (wire == DT_HALF ? "fp16" : "bf16")
+                  << " on the GPU before they cross to the host";
+    }
+  }
   // Pushes during the backward pass: where they apply, and the order in
   // which the backward pass completes the variables.
   push_early_ = options_.push_during_backward && !AllReduce() && group_ == nullptr &&
@@ -251,6 +267,13 @@ absl::Status Trainer::Prepare() {
     const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
     std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
     std::vector<TensorRef> refs = SliceRefs(job_.placement(), p, grads, "", wire);
+    if (!narrowed_grads_.empty()) {
+      for (size_t i = 0; i < refs.size(); ++i) {
+        const int v = slices[i].variable_index;
+        refs[i].encoded = narrowed_grads_[v] + (refs[i].data - grads[v]);
+        refs[i].data = nullptr;
+      }
+    }
     std::vector<int> order(slices.size());
     std::iota(order.begin(), order.end(), 0);
     if (push_early_) {
@@ -596,10 +619,15 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   const std::vector<float*> device = net_->DeviceGradients();
   absl::Status s;
   std::vector<kernels::HostCopy> copies;
+  const kernels::HostFormat format = narrowed_grads_.empty()      ? kernels::HostFormat::kFloat
+                                     : exchange_dtype_ == DT_HALF ? kernels::HostFormat::kHalf
+                                                                  : kernels::HostFormat::kBfloat16;
   for (size_t b = 0; s.ok() && b < host_buckets_.size(); ++b) {
     copies.clear();
     for (int v : host_buckets_[b].variables) {
-      copies.push_back({device[v], grads_[v], static_cast<size_t>(variable_floats_[v])});
+      void* const host = narrowed_grads_.empty() ? static_cast<void*>(grads_[v])
+                                                 : static_cast<void*>(narrowed_grads_[v]);
+      copies.push_back({device[v], host, static_cast<size_t>(variable_floats_[v]), format});
     }
     s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
     if (s.ok() && push_early_) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
@@ -763,7 +791,9 @@ absl::Status Trainer::CreateReplicas() {
   upload_after_.clear();
   host_buckets_.clear();  // so are their events
   staging_.clear();       // and the page-locked buffers (Prepare makes new ones)
-  gpu_peers_.reset();     // before the backend it queues on
+  narrowed_grads_.clear();
+  narrowed_staging_.clear();
+  gpu_peers_.reset();  // before the backend it queues on
   replicas_.clear();
   replica_nets_.clear();
   group_.reset();
@@ -992,7 +1022,7 @@ bool Trainer::RefsFinite(absl::Span<const TensorRef> refs) const {
   // already, so an fp16 overflow is an infinity by then.)
   const float overflow = WireOverflow(exchange_dtype_);
   for (const TensorRef& r : refs) {
-    if (!AllBelow(r.data, NumElements(r.shape), overflow)) return false;
+    if (!WireValuesBelow(r, 0, NumElements(r.shape), overflow)) return false;
   }
   return true;
 }

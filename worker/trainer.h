@@ -106,6 +106,12 @@ struct TrainerOptions {
   // the GPU), instead of decoding them into its page-locked buffers first.
   // False: always through those buffers.
   bool upload_from_shared_memory = true;
+  // A GPU worker of a job with ps and a 16-bit wire dtype, copying its
+  // gradients out during the step (one GPU): rounds them to the wire dtype
+  // on the GPU, so that half the bytes cross to the host and its pushes send
+  // them as they lie. False: copies the fp32 gradients and encodes them on
+  // the host as they are pushed.
+  bool narrow_on_device = true;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
   // of this worker and its peers, and this worker's own replica, the shard
   // its ps service serves in this process (neither owned; both outliving
@@ -345,6 +351,12 @@ class Trainer {
   // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
   // copies out (empty: the step copies them after it, GetGradients).
   std::vector<GradientBucket> host_buckets_;
+  // With options_.narrow_on_device and a 16-bit wire dtype: where
+  // StepCopyingGradients leaves each variable's gradient, rounded on the
+  // device (page-locked, in narrowed_staging_); the lanes' refs point there
+  // (TensorRef::encoded). Empty otherwise.
+  std::vector<uint16_t*> narrowed_grads_;
+  std::vector<std::unique_ptr<kernels::Buffer>> narrowed_staging_;
   // With host buckets: by variable, the event its pulled weights wait for
   // on their way to the device (its bucket's `ready`: the running step's
   // backward pass is done with the weight), so that they overlap the rest
@@ -415,6 +427,7 @@ class Trainer {
   // buffers first.
   bool borrow_pulls_ = false;
   std::atomic<bool> told_borrow_{false};  // the log said a pull's weights were borrowed
+  bool told_narrowed_ = false;            // the log said gradients are rounded on the GPU
   // By variable: its number of slices, and during a round of pulls the
   // number still to come (the lane that brings the last one uploads it).
   std::vector<int> slices_of_;

@@ -116,7 +116,9 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t floats) override;
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
-  // On a second stream of the context's, waiting for `ready` there.
+  // On a second stream of the context's, waiting for `ready` there; 16-bit
+  // copies are rounded there first, into a buffer of the context's (grown
+  // to the largest call's 16-bit values).
   absl::Status CopyToHostAfter(Event* ready, const std::vector<HostCopy>& copies) override;
   absl::Status WaitCopies() override;
   absl::Status RecordCopiesDone(Event* done) override;

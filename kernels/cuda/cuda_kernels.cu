@@ -539,6 +539,17 @@ __global__ void WidenToFloatKernel(const void* wire, bool bf16, float* out, int6
   }
 }
 
+__global__ void NarrowFromFloatKernel(const float* in, bool bf16, void* out, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (bf16) {
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(in[i]);
+    } else {
+      static_cast<__half*>(out)[i] = __float2half_rn(in[i]);
+    }
+  }
+}
+
 // The grid of a pack or unpack: (blocks per piece, pieces); y is capped by
 // CUDA at 65535.
 bool WireGrid(int num_pieces, int64_t max_count, dim3* grid) {
@@ -575,6 +586,14 @@ cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t 
   if (n <= 0) return cudaSuccess;
   WidenToFloatKernel<<<std::min(BlocksFor(n, kThreads), 1024), kThreads, 0, stream>>>(wire, bf16,
                                                                                       out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchNarrowFromFloat(const float* in, bool bf16, void* out, int64_t n,
+                                  cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  NarrowFromFloatKernel<<<std::min(BlocksFor(n, kThreads), 1024), kThreads, 0, stream>>>(in, bf16,
+                                                                                         out, n);
   return cudaGetLastError();
 }
 

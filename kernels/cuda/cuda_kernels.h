@@ -75,6 +75,11 @@ cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_
 cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t n,
                                cudaStream_t stream);
 
+// The reverse: the `n` floats at `in` rounded to nearest-even into `out` as
+// bfloat16 (`bf16`) or IEEE half, as LaunchPackToWire rounds them.
+cudaError_t LaunchNarrowFromFloat(const float* in, bool bf16, void* out, int64_t n,
+                                  cudaStream_t stream);
+
 // y[r, c] += b[c] for a row-major y of rows x cols (a bias broadcast over rows).
 cudaError_t LaunchAddRowBias(float* y, const float* b, int64_t rows, int64_t cols,
                              cudaStream_t stream);

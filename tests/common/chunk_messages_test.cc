@@ -340,6 +340,125 @@ TEST_P(ChunkMessagesTest, ChunksInSharedMemoryReadIntoTheSinks) {
   EXPECT_TRUE(non_finite);
 }
 
+// `values` in `dtype`, as the wire carries them.
+std::vector<char> Encoded(DataType dtype, const std::vector<float>& values) {
+  std::vector<char> out(values.size() * WireBytes(dtype));
+  EncodeFloats(dtype, values.data(), static_cast<int64_t>(values.size()), out.data());
+  return out;
+}
+
+// Refs(big, small, dtype), but of the same values in the wire dtype already
+// (TensorRef::encoded).
+std::vector<TensorRef> EncodedRefs(const std::vector<char>& big, const std::vector<char>& small,
+                                   DataType dtype) {
+  std::vector<TensorRef> refs = Refs({}, {}, dtype);
+  refs[0].shape = {static_cast<int64_t>(big.size()) / WireBytes(dtype)};
+  refs[0].encoded = big.data();
+  refs[1].encoded = small.data();
+  for (TensorRef& r : refs) r.data = nullptr;
+  return refs;
+}
+
+// Values already in the wire dtype make the same messages as the floats
+// they were encoded from, over the network (borrowed where large, copied
+// where small) and into a shared region; the region's check reads them as
+// they lie.
+TEST_P(ChunkMessagesTest, ValuesInTheWireDtypeAlreadyGoAsTheyLie) {
+  const DataType dtype = GetParam();
+  const std::vector<float> big = Ramp(300001), small = Ramp(6, 1.5f);
+  std::vector<char> big_wire = Encoded(dtype, big);
+  const std::vector<char> small_wire = Encoded(dtype, small);
+  bool released = false;
+  {
+    std::shared_ptr<const void> keep(nullptr, [&](const void*) { released = true; });
+    std::vector<grpc::ByteBuffer> from_floats =
+        EncodeAll(Refs(big, small, dtype), 1 << 18, nullptr);
+    std::vector<grpc::ByteBuffer> as_they_lie =
+        EncodeAll(EncodedRefs(big_wire, small_wire, dtype), 1 << 18, keep);
+    keep.reset();
+    ASSERT_EQ(as_they_lie.size(), from_floats.size());
+    for (size_t k = 0; k < from_floats.size(); ++k) {
+      EXPECT_EQ(Flatten(as_they_lie[k]), Flatten(from_floats[k])) << "message " << k;
+    }
+    // The large chunks point into the encoded values: no copy.
+    EXPECT_FALSE(released);
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(as_they_lie[0].Dump(&slices).ok());
+    bool points_into_big = false;
+    for (const grpc::Slice& s : slices) {
+      points_into_big |= s.begin() == reinterpret_cast<const uint8_t*>(big_wire.data());
+    }
+    EXPECT_TRUE(points_into_big);
+    // protobuf's chunks (ChunkSplitter::Next) are the same too.
+    ChunkSplitter floats(Refs(big, small, dtype), 1 << 18);
+    ChunkSplitter lying(EncodedRefs(big_wire, small_wire, dtype), 1 << 18);
+    PushRequest a, b;
+    while (floats.Next(a.mutable_chunk())) {
+      ASSERT_TRUE(lying.Next(b.mutable_chunk()));
+      EXPECT_EQ(b.SerializeAsString(), a.SerializeAsString());
+      a.Clear();
+      b.Clear();
+    }
+    EXPECT_FALSE(lying.Next(b.mutable_chunk()));
+  }
+  EXPECT_TRUE(released);
+
+  const int64_t bytes = SharedBytesFor((300001 + 6) * WireBytes(dtype), 2);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> r0 = SharedRegion::Create(bytes);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> r1 = SharedRegion::Create(bytes);
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  const float limit = WireOverflow(dtype);
+  // Into a region: the message and the region's bytes are those of the
+  // floats, and the check passes (then fails with one infinity among the
+  // encoded values).
+  auto shared = [&](std::vector<TensorRef> refs, const SharedSpan& span, bool* below) {
+    ChunkSplitter splitter(std::move(refs), kSharedMessageBytes);
+    std::vector<ChunkPiece> pieces;
+    EXPECT_TRUE(splitter.NextPieces(&pieces));
+    PushRequest header;
+    int64_t cursor = 0;
+    *below = true;
+    absl::StatusOr<grpc::ByteBuffer> m = EncodeSharedChunkMessage(
+        header, PushRequest::kChunkFieldNumber, pieces, span, &cursor, below, limit);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? Flatten(*m) : std::string();
+  };
+  bool below_floats = false, below_lying = false;
+  const SharedSpan s0 = (*r0)->data(), s1 = (*r1)->data();
+  EXPECT_EQ(shared(EncodedRefs(big_wire, small_wire, dtype), s1, &below_lying),
+            shared(Refs(big, small, dtype), s0, &below_floats));
+  EXPECT_TRUE(below_floats);
+  EXPECT_TRUE(below_lying);
+  EXPECT_EQ(std::memcmp(s0.data, s1.data, static_cast<size_t>(bytes)), 0);
+  const float inf = std::numeric_limits<float>::infinity();
+  EncodeFloats(dtype, &inf, 1, big_wire.data() + 200000 * WireBytes(dtype));
+  shared(EncodedRefs(big_wire, small_wire, dtype), s1, &below_lying);
+  EXPECT_FALSE(below_lying);
+}
+
+// Whether encoded values are below a limit: read as they lie at the wire
+// dtype's overflow and above (whether each is finite), decoded below it.
+TEST(ChunkMessages, EncodedValuesAreBelowALimitAsTheirDecodedValuesAre) {
+  for (const DataType dtype : {DT_FLOAT, DT_BFLOAT16, DT_HALF}) {
+    SCOPED_TRACE(DataType_Name(dtype));
+    std::vector<float> values = Ramp(10000);  // up to 241
+    const std::vector<char> wire = Encoded(dtype, values);
+    TensorRef ref{"t", "", {10000}, nullptr, dtype};
+    ref.encoded = wire.data();
+    EXPECT_TRUE(WireValuesBelow(ref, 0, 10000, WireOverflow(dtype)));
+    EXPECT_TRUE(WireValuesBelow(ref, 0, 10000, std::numeric_limits<float>::infinity()));
+    EXPECT_TRUE(WireValuesBelow(ref, 0, 10000, 250.0f));
+    EXPECT_FALSE(WireValuesBelow(ref, 0, 10000, 200.0f));
+    EXPECT_TRUE(WireValuesBelow(ref, 0, 800, 200.0f));  // the first 800 stay below 197
+    values[9999] = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<char> with_nan = Encoded(dtype, values);
+    ref.encoded = with_nan.data();
+    EXPECT_FALSE(WireValuesBelow(ref, 0, 10000, WireOverflow(dtype)));
+    EXPECT_TRUE(WireValuesBelow(ref, 0, 9999, WireOverflow(dtype)));
+    EXPECT_FALSE(WireValuesBelow(ref, 9990, 10, 1e30f));
+  }
+}
+
 // A ps may hold several slices of one variable: they share name and slot
 // and are told apart by their first row, which the raw messages carry.
 TEST(ChunkMessages, SlicesOfOneVariableAreToldApartByTheirFirstRow) {

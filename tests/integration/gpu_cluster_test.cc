@@ -99,5 +99,48 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
   std::filesystem::remove_all(dir);
 }
 
+// A GPU worker of a 16-bit job rounds its gradients on the GPU
+// (--narrow_on_gpu, the default), says so once, and trains exactly the
+// weights it trains when it rounds them on the host as it pushes them
+// (--narrow_on_gpu=false): one worker, 2 ps, the mlp on synthetic data,
+// bf16 and fp16 on the wire, through shared memory and (bf16) over the
+// network; the saved models are equal byte for byte.
+TEST(GpuClusterTest, GradientsRoundedOnTheGpuTrainTheSameWeights) {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
+  gpu->reset();
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
+                           ("psflow_gpu_narrowed_" + std::to_string(::getpid())))
+                              .string();
+  std::filesystem::remove_all(dir);
+  auto train = [&](const std::string& wire, bool on_gpu, bool shared) {
+    const std::string model_dir =
+        dir + "/" + wire + (on_gpu ? "_gpu" : "_host") + (shared ? "_shared" : "_network");
+    Process launch(Bin("psflow-launch"),
+                   {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
+                    std::string("--worker_args=--narrow_on_gpu=") + (on_gpu ? "true" : "false") +
+                        " --shared_memory=" + (shared ? "true" : "false"),
+                    "--", "--model=mlp", "--dataset=synthetic", "--train_steps=300",
+                    "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
+                    "--log_every_steps=100", "--wire_dtype=" + wire, "--model_dir=" + model_dir});
+    EXPECT_EQ(launch.WaitOrKill(seconds(180)), 0) << launch.Describe();
+    EXPECT_EQ(launch.output().find("on the GPU before they cross") != std::string::npos, on_gpu)
+        << launch.Describe();
+    std::ifstream in(model_dir + "/saved_model/model.pb", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_FALSE(bytes.empty()) << launch.Describe();
+    return bytes;
+  };
+  for (const std::string wire : {"bf16", "fp16"}) {
+    SCOPED_TRACE(wire);
+    const std::string on_host = train(wire, false, true);
+    EXPECT_TRUE(train(wire, true, true) == on_host) << "the saved models differ";
+    if (wire == "bf16") {
+      EXPECT_TRUE(train(wire, true, false) == on_host) << "the saved models differ (network)";
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace psflow::itest

@@ -872,6 +872,63 @@ TEST_F(CudaParityTest, HalvesCopiedToTheDeviceAreWidenedExactly) {
             absl::StatusCode::kUnimplemented);
 }
 
+// Copies to the host in 16 bits are rounded on the device exactly as the
+// host encodes (common/float16.h): to nearest even, halfway cases, values
+// too small for the format (zero or subnormal) and too large for it
+// (infinity) alike; fp32 copies of the same call stay fp32; a larger call
+// after a smaller one grows the device buffer the values pass through.
+TEST_F(CudaParityTest, CopiesToTheHostIn16BitsAreRoundedAsTheHostEncodes) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-40, 40);
+  auto ready = gpu_->CreateEvent().value();
+  for (const size_t n : {size_t{1000}, size_t{300001}}) {
+    std::vector<float> values(n);
+    for (float& v : values) v = std::ldexp(normal(rng), exponent(rng));
+    // Exactly halfway between two bf16 values (odd and even below), and
+    // between two fp16 ones; fp16's overflow boundary; infinities; tiny.
+    const float specials[] = {1.0f + 0x1p-8f,
+                              1.0f + 3 * 0x1p-8f,
+                              1.0f + 0x1p-11f,
+                              65519.0f,
+                              65520.0f,
+                              -70000.0f,
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity(),
+                              0x1p-25f,
+                              0x1p-24f * 1.5f,
+                              -0.0f,
+                              std::numeric_limits<float>::max(),
+                              1e-40f};
+    std::copy(std::begin(specials), std::end(specials), values.begin());
+    auto x = Upload(*gpu_, values);
+    auto fp32 = gpu_->AllocateHost(n).value();
+    auto bf16 = gpu_->AllocateHost((n + 1) / 2).value();
+    auto fp16 = gpu_->AllocateHost((n + 1) / 2).value();
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(ready.get()));
+    PSFLOW_ASSERT_OK(
+        gpu_->CopyToHostAfter(ready.get(), {{x->data(), bf16->data(), n, HostFormat::kBfloat16},
+                                            {x->data(), fp32->data(), n, HostFormat::kFloat},
+                                            {x->data(), fp16->data(), n, HostFormat::kHalf}}));
+    PSFLOW_ASSERT_OK(gpu_->WaitCopies());
+    EXPECT_EQ(std::vector<float>(fp32->data(), fp32->data() + n), values);
+    for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
+      std::vector<char> want(n * 2);
+      EncodeFloats(dtype, values.data(), static_cast<int64_t>(n), want.data());
+      const char* got = reinterpret_cast<const char*>((dtype == DT_BFLOAT16 ? bf16 : fp16)->data());
+      size_t differ = 0, first = n;
+      for (size_t i = 0; i < n; ++i) {
+        if (std::memcmp(got + 2 * i, want.data() + 2 * i, 2) != 0) {
+          ++differ;
+          first = std::min(first, i);
+        }
+      }
+      EXPECT_EQ(differ, 0u) << DataType_Name(dtype) << " n " << n << ", first at " << first << " ("
+                            << (first < n ? values[first] : 0.0f) << ")";
+    }
+  }
+}
+
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
   auto buffer = gpu_->Allocate(16).value();
   auto graph = gpu_->Capture([&]() -> absl::Status {

@@ -1691,6 +1691,74 @@ TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 3);
 }
 
+// A push of gradients in the wire dtype already (TensorRef::encoded: a GPU
+// worker's, rounded on the device) is applied as the same values rounded on
+// the host are; a run whose encoded values hold an infinity is checked as
+// not finite and leaves nothing.
+TEST_P(PushInRunsTest, ValuesInTheWireDtypeAlreadyArePushedAsTheyLie) {
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
+                                         /*shared_memory=*/GetParam());
+  InitHeader init = Header();
+  init.mutable_job()->set_wire_dtype(JobConfig::BF16);
+  ASSERT_TRUE(
+      client_
+          ->Init(0, init,
+                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                 Deadline())
+          .ok());
+  const std::vector<float> g0 = Pattern(big_.size(), 7, 0.3f), gb0 = Pattern(10, 3, 1.1f);
+  std::vector<float> g1 = Pattern(big_.size(), 5, -0.7f), gb1 = Pattern(10, 4, 0.9f);
+  auto encode = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    EncodeFloats(DT_BFLOAT16, v.data(), static_cast<int64_t>(v.size()),
+                 reinterpret_cast<char*>(out.data()));
+    return out;
+  };
+  std::vector<uint16_t> e1 = encode(g1), eb1 = encode(gb1);
+  auto encoded_refs = [&] {
+    std::vector<TensorRef> refs = {{"big", "", kBigShape, nullptr, DT_BFLOAT16},
+                                   {"bias", "", kBiasShape, nullptr, DT_BFLOAT16}};
+    refs[0].encoded = e1.data();
+    refs[1].encoded = eb1.data();
+    return refs;
+  };
+  std::vector<std::pair<int, bool>> checks;
+  Client::PushRuns runs{{0, 1},
+                        [](int) { return absl::OkStatus(); },
+                        [&](int run, bool ok) {
+                          checks.emplace_back(run, ok);
+                          return ok ? absl::OkStatus()
+                                    : absl::CancelledError("the step is not finite");
+                        },
+                        WireOverflow(DT_BFLOAT16)};
+  PushHeader h;
+  h.set_job_id(kJob);
+  h.set_worker(1);
+  h.set_step(0);
+  absl::StatusOr<PushResponse> r1;
+  std::thread second([&] { r1 = client_->PushInRuns(0, h, encoded_refs(), runs, Deadline()); });
+  absl::StatusOr<PushResponse> r0 = PushAll(0, 0, g0, gb0, DT_BFLOAT16);
+  second.join();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, true)));
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, SgdAfter(big_, ThroughBfloat16(g0), ThroughBfloat16(g1)));
+  EXPECT_EQ(p->bias, SgdAfter(bias_, ThroughBfloat16(gb0), ThroughBfloat16(gb1)));
+
+  // Step 1: an infinity among the encoded bias values.
+  gb1[2] = std::numeric_limits<float>::infinity();
+  eb1 = encode(gb1);
+  checks.clear();
+  h.set_step(1);
+  r1 = client_->PushInRuns(0, h, encoded_refs(), runs, Deadline());
+  EXPECT_EQ(r1.status(), absl::CancelledError("the step is not finite"));
+  EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, false)));
+  EXPECT_EQ(shard_.stats().version, 1);
+}
+
 TEST_F(PsServiceTest, PushInAnotherDtypeThanTheJobsIsRefused) {
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);
