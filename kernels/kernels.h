@@ -59,19 +59,12 @@ struct OptimizerTensor {
   int64_t n = 0;
 };
 
-// How Backend::CopyToHostAfter writes a copy's values on the host: as the
-// floats they are, or rounded on the device to 16 bits (to nearest even, as
-// common/float16.h's encoders; a value the dtype cannot hold becomes an
-// infinity, NaN stays NaN) so that half the bytes cross.
-enum class HostFormat { kFloat, kBfloat16, kHalf };
-
 // One copy of Backend::CopyToHostAfter: `floats` floats at `device` to
-// `host` (4 or, 16-bit, 2 bytes a value).
+// `host`.
 struct HostCopy {
   const float* device = nullptr;
-  void* host = nullptr;
+  float* host = nullptr;
   size_t floats = 0;
-  HostFormat format = HostFormat::kFloat;
 };
 
 struct Conv2DShape {
@@ -249,6 +242,16 @@ class Backend {
   virtual absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) = 0;
   // dst = src, both backend memory.
   virtual absl::Status Copy(const float* src, float* dst, int64_t n) = 0;
+  // y = the `n` floats at `x` rounded to 16 bits (bfloat16 with `bf16`,
+  // else IEEE half; to nearest even as common/float16.h's encoders: a value
+  // the format cannot hold becomes an infinity, NaN stays NaN), both backend
+  // memory, queued on the backend's stream (inside Capture too): a GPU
+  // worker's gradients, rounded before they cross to the host.
+  // UNIMPLEMENTED where the values are host memory already (the CPU: encode
+  // them there).
+  virtual absl::Status NarrowToHalves(const float* x, int64_t n, bool bf16, uint16_t* y) {
+    return absl::UnimplementedError(name() + " has no 16-bit rounding");
+  }
   // One optimizer step (kernels/optimizer_math.h, as ps::Optimizer::StepAt
   // makes it) on every tensor of `tensors` (backend memory; see
   // OptimizerTensor): the replicas of a job without ps apply it where the
@@ -271,8 +274,8 @@ class Backend {
   virtual absl::Status RecordEvent(Event* event) {
     return absl::UnimplementedError(name() + " has no events");
   }
-  // Copies each of `copies` (backend memory to memory from AllocateHost, in
-  // the copy's HostFormat) once the backend has passed `ready` (recorded by RecordEvent, e.g.
+  // Copies each of `copies` (backend memory to memory from AllocateHost)
+  // once the backend has passed `ready` (recorded by RecordEvent, e.g.
   // inside a step's graph), on a stream of the backend's own, and returns at
   // once: the copies overlap the work queued after the event. Queue them
   // after the work that records `ready`. WaitCopies waits until every copy

@@ -453,6 +453,11 @@ absl::Status Network::QueueBackward(BatchState* st) {
     }
     for (int i : done) {
       const size_t v = static_cast<size_t>(i);
+      if (v < gradient_halves_.size() && gradient_halves_[v] != nullptr) {
+        PSFLOW_RETURN_IF_ERROR(backend_->NarrowToHalves(grads_[v]->data(),
+                                                        static_cast<int64_t>(grads_[v]->size()),
+                                                        halves_bf16_, gradient_halves_[v]));
+      }
       if (v < gradient_events_.size() && gradient_events_[v] != nullptr) {
         PSFLOW_RETURN_IF_ERROR(backend_->RecordEvent(gradient_events_[v]));
       }

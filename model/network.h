@@ -182,6 +182,16 @@ class Network {
   void SetGradientEvents(std::vector<kernels::Event*> events) {
     gradient_events_ = std::move(events);
   }
+  // On a backend with 16-bit rounding (a GPU's, Backend::NarrowToHalves):
+  // after the backward pass of the layer that completes variable v, and
+  // before v's event, each step rounds v's gradient into `halves[v]` (if
+  // not null; backend memory of that many 16-bit values), bfloat16 with
+  // `bf16`, else IEEE half, recorded steps' graphs included. Set before the
+  // first step of a batch size, as the events. Empty: none.
+  void SetGradientHalves(std::vector<uint16_t*> halves, bool bf16) {
+    gradient_halves_ = std::move(halves);
+    halves_bf16_ = bf16;
+  }
 
   // Whether steps of this batch size replay a recorded graph (after the
   // first eager step); false on backends without graphs.
@@ -224,6 +234,8 @@ class Network {
   NetworkOptions options_;
   GradientsReady gradients_ready_;
   std::vector<kernels::Event*> gradient_events_;  // by variable; may be empty
+  std::vector<uint16_t*> gradient_halves_;        // by variable; may be empty
+  bool halves_bf16_ = true;
   std::vector<VariableShape> variables_;
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;

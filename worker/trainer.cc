@@ -211,16 +211,24 @@ absl::Status Trainer::Prepare() {
       return Permanent(buckets.status());
     }
   }
-  // Those buckets' gradients cross in the wire dtype, rounded on the device.
+  // Those buckets' gradients cross in the wire dtype, rounded by the step
+  // on the device (in its graph, before each bucket's event).
+  net_->SetGradientHalves({}, true);
   if (!host_buckets_.empty() && wire != DT_FLOAT && options_.narrow_on_device) {
+    std::vector<uint16_t*> on_device;
     for (const VariableShape& v : net_->variables()) {
-      // Whole floats that hold the 16-bit values.
-      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
-          backend_->AllocateHost(static_cast<size_t>(NumElements(v.shape) + 1) / 2);
-      if (!buffer.ok()) return Permanent(buffer.status());
-      narrowed_grads_.push_back(reinterpret_cast<uint16_t*>((*buffer)->data()));
-      narrowed_staging_.push_back(*std::move(buffer));
+      // Whole floats that hold the 16-bit values, on the device and the host.
+      const size_t floats = static_cast<size_t>(NumElements(v.shape) + 1) / 2;
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> device = backend_->Allocate(floats);
+      if (!device.ok()) return Permanent(device.status());
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> host = backend_->AllocateHost(floats);
+      if (!host.ok()) return Permanent(host.status());
+      on_device.push_back(reinterpret_cast<uint16_t*>((*device)->data()));
+      narrowed_grads_.push_back(reinterpret_cast<uint16_t*>((*host)->data()));
+      narrowed_staging_.push_back(*std::move(device));
+      narrowed_staging_.push_back(*std::move(host));
     }
+    net_->SetGradientHalves(std::move(on_device), wire == DT_BFLOAT16);
     if (!told_narrowed_) {
       told_narrowed_ = true;
       PSLOG(INFO) << "gradients are rounded to " << (wire == DT_HALF ? "fp16" : "bf16")
@@ -619,15 +627,17 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   const std::vector<float*> device = net_->DeviceGradients();
   absl::Status s;
   std::vector<kernels::HostCopy> copies;
-  const kernels::HostFormat format = narrowed_grads_.empty()      ? kernels::HostFormat::kFloat
-                                     : exchange_dtype_ == DT_HALF ? kernels::HostFormat::kHalf
-                                                                  : kernels::HostFormat::kBfloat16;
   for (size_t b = 0; s.ok() && b < host_buckets_.size(); ++b) {
     copies.clear();
     for (int v : host_buckets_[b].variables) {
-      void* const host = narrowed_grads_.empty() ? static_cast<void*>(grads_[v])
-                                                 : static_cast<void*>(narrowed_grads_[v]);
-      copies.push_back({device[v], host, static_cast<size_t>(variable_floats_[v]), format});
+      if (narrowed_grads_.empty()) {
+        copies.push_back({device[v], grads_[v], static_cast<size_t>(variable_floats_[v])});
+        continue;
+      }
+      // The 16-bit values the step rounded, in whole floats (narrowed_staging_:
+      // the device's buffer, then the host's).
+      copies.push_back({narrowed_staging_[2 * v]->data(), narrowed_staging_[2 * v + 1]->data(),
+                        static_cast<size_t>(variable_floats_[v] + 1) / 2});
     }
     s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
     if (s.ok() && push_early_) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());

@@ -352,9 +352,11 @@ class Trainer {
   // copies out (empty: the step copies them after it, GetGradients).
   std::vector<GradientBucket> host_buckets_;
   // With options_.narrow_on_device and a 16-bit wire dtype: where
-  // StepCopyingGradients leaves each variable's gradient, rounded on the
-  // device (page-locked, in narrowed_staging_); the lanes' refs point there
-  // (TensorRef::encoded). Empty otherwise.
+  // StepCopyingGradients leaves each variable's gradient, rounded by the
+  // step on the device (Network::SetGradientHalves); the lanes' refs point
+  // there (TensorRef::encoded). narrowed_staging_ holds, by variable, the
+  // device's buffer of those values and the host's (page-locked). Empty
+  // otherwise.
   std::vector<uint16_t*> narrowed_grads_;
   std::vector<std::unique_ptr<kernels::Buffer>> narrowed_staging_;
   // With host buckets: by variable, the event its pulled weights wait for

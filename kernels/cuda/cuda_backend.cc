@@ -115,10 +115,6 @@ struct CudaContext {
   // widened (used in order on upload_stream).
   void* upload_halves = nullptr;
   size_t upload_halves_bytes = 0;
-  // CopyToHostAfter's 16-bit values, rounded on the GPU (grown to the
-  // largest call's).
-  void* download_halves = nullptr;
-  size_t download_halves_bytes = 0;
   cudnnHandle_t cudnn = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
@@ -210,7 +206,6 @@ CudaContext::~CudaContext() {
   }
   if (uploads_joined != nullptr) static_cast<void>(cudaEventDestroy(uploads_joined));
   if (upload_halves != nullptr) static_cast<void>(cudaFree(upload_halves));
-  if (download_halves != nullptr) static_cast<void>(cudaFree(download_halves));
   if (cublas != nullptr) static_cast<void>(cublasDestroy(cublas));
   if (cudnn != nullptr) static_cast<void>(cudnnDestroy(cudnn));
   if (cublas_workspace != nullptr) static_cast<void>(cudaFree(cublas_workspace));
@@ -1082,40 +1077,14 @@ absl::Status CudaBackend::CopyToHostAfter(Event* ready, const std::vector<HostCo
     if (c.floats > 0)
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"device", c.device}, {"host", c.host}}));
   }
-  // 16-bit copies are rounded into a buffer of the context's first, at
-  // their place among the call's: a later call's rounding waits on the
-  // stream for this call's copies out of it.
-  size_t narrowed_bytes = 0;
-  for (const HostCopy& c : copies) {
-    if (c.format != HostFormat::kFloat) narrowed_bytes += c.floats * sizeof(uint16_t);
-  }
   return RunIn(*ctx_, "CopyToHostAfter", "", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->copy_stream));
-    if (ctx_->download_halves_bytes < narrowed_bytes) {
-      // The old buffer may still be read by a queued copy.
-      PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->copy_stream));
-      if (ctx_->download_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx_->download_halves));
-      ctx_->download_halves = nullptr;
-      ctx_->download_halves_bytes = 0;
-      PSFLOW_CUDA_CHECK(cudaMalloc(&ctx_->download_halves, narrowed_bytes));
-      ctx_->download_halves_bytes = narrowed_bytes;
-    }
     PSFLOW_CUDA_CHECK(
         cudaStreamWaitEvent(ctx_->copy_stream, static_cast<cudaEvent_t>(cuda_event->raw()), 0));
-    auto* narrowed = static_cast<uint16_t*>(ctx_->download_halves);
     for (const HostCopy& c : copies) {
       if (c.floats == 0) continue;
-      if (c.format == HostFormat::kFloat) {
-        PSFLOW_CUDA_CHECK(cudaMemcpyAsync(c.host, c.device, c.floats * sizeof(float),
-                                          cudaMemcpyDeviceToHost, ctx_->copy_stream));
-        continue;
-      }
-      PSFLOW_CUDA_CHECK(cuda_internal::LaunchNarrowFromFloat(
-          c.device, c.format == HostFormat::kBfloat16, narrowed, static_cast<int64_t>(c.floats),
-          ctx_->copy_stream));
-      PSFLOW_CUDA_CHECK(cudaMemcpyAsync(c.host, narrowed, c.floats * sizeof(uint16_t),
+      PSFLOW_CUDA_CHECK(cudaMemcpyAsync(c.host, c.device, c.floats * sizeof(float),
                                         cudaMemcpyDeviceToHost, ctx_->copy_stream));
-      narrowed += c.floats;
     }
     return absl::OkStatus();
   });
@@ -1424,6 +1393,16 @@ absl::Status CudaBackend::Copy(const float* src, float* dst, int64_t n) {
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"src", src}, {"dst", dst}}));
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * sizeof(float),
                                       cudaMemcpyDeviceToDevice, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::NarrowToHalves(const float* x, int64_t n, bool bf16, uint16_t* y) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n, "NarrowToHalves"));
+  if (n == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "NarrowToHalves", n, "", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
+    PSFLOW_CUDA_CHECK(cuda_internal::LaunchNarrowFromFloat(x, bf16, y, n, ctx_->stream));
     return absl::OkStatus();
   });
 }

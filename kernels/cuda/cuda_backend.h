@@ -116,9 +116,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<Buffer>> AllocateHost(size_t floats) override;
   absl::Status CopyToDevice(const float* host, size_t floats, float* device) override;
   absl::Status CopyToHost(const float* device, size_t floats, float* host) override;
-  // On a second stream of the context's, waiting for `ready` there; 16-bit
-  // copies are rounded there first, into a buffer of the context's (grown
-  // to the largest call's 16-bit values).
+  // On a second stream of the context's, waiting for `ready` there.
   absl::Status CopyToHostAfter(Event* ready, const std::vector<HostCopy>& copies) override;
   absl::Status WaitCopies() override;
   absl::Status RecordCopiesDone(Event* done) override;
@@ -151,6 +149,7 @@ class CudaBackend final : public Backend {
                               float* count) override;
   // src and dst must be the same or not overlap.
   absl::Status Copy(const float* src, float* dst, int64_t n) override;
+  absl::Status NarrowToHalves(const float* x, int64_t n, bool bf16, uint16_t* y) override;
   // Inside Capture, RecordEvent adds an external event node to the graph
   // (cudaEventRecordExternal), which each launch records.
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override;

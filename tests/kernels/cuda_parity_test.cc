@@ -872,20 +872,18 @@ TEST_F(CudaParityTest, HalvesCopiedToTheDeviceAreWidenedExactly) {
             absl::StatusCode::kUnimplemented);
 }
 
-// Copies to the host in 16 bits are rounded on the device exactly as the
-// host encodes (common/float16.h): to nearest even, halfway cases, values
-// too small for the format (zero or subnormal) and too large for it
-// (infinity) alike; fp32 copies of the same call stay fp32; a larger call
-// after a smaller one grows the device buffer the values pass through.
-TEST_F(CudaParityTest, CopiesToTheHostIn16BitsAreRoundedAsTheHostEncodes) {
+// Gradients rounded to 16 bits on the device (NarrowToHalves) are the bits
+// the host encodes (common/float16.h): to nearest even, halfway cases,
+// values too small for the format (zero or subnormal) and too large for it
+// (infinity) alike; eagerly and in a recorded graph.
+TEST_F(CudaParityTest, ValuesNarrowedOnTheDeviceAreTheHostsEncoding) {
   std::mt19937 rng(9);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> exponent(-40, 40);
-  auto ready = gpu_->CreateEvent().value();
-  for (const size_t n : {size_t{1000}, size_t{300001}}) {
+  for (const size_t n : {size_t{1001}, size_t{300000}}) {
     std::vector<float> values(n);
     for (float& v : values) v = std::ldexp(normal(rng), exponent(rng));
-    // Exactly halfway between two bf16 values (odd and even below), and
+    // Exactly halfway between two bf16 values (even below, then odd), and
     // between two fp16 ones; fp16's overflow boundary; infinities; tiny.
     const float specials[] = {1.0f + 0x1p-8f,
                               1.0f + 3 * 0x1p-8f,
@@ -902,31 +900,44 @@ TEST_F(CudaParityTest, CopiesToTheHostIn16BitsAreRoundedAsTheHostEncodes) {
                               1e-40f};
     std::copy(std::begin(specials), std::end(specials), values.begin());
     auto x = Upload(*gpu_, values);
-    auto fp32 = gpu_->AllocateHost(n).value();
-    auto bf16 = gpu_->AllocateHost((n + 1) / 2).value();
-    auto fp16 = gpu_->AllocateHost((n + 1) / 2).value();
-    PSFLOW_ASSERT_OK(gpu_->RecordEvent(ready.get()));
-    PSFLOW_ASSERT_OK(
-        gpu_->CopyToHostAfter(ready.get(), {{x->data(), bf16->data(), n, HostFormat::kBfloat16},
-                                            {x->data(), fp32->data(), n, HostFormat::kFloat},
-                                            {x->data(), fp16->data(), n, HostFormat::kHalf}}));
-    PSFLOW_ASSERT_OK(gpu_->WaitCopies());
-    EXPECT_EQ(std::vector<float>(fp32->data(), fp32->data() + n), values);
+    const size_t floats = (n + 1) / 2;  // that hold the n 16-bit values
     for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
       std::vector<char> want(n * 2);
       EncodeFloats(dtype, values.data(), static_cast<int64_t>(n), want.data());
-      const char* got = reinterpret_cast<const char*>((dtype == DT_BFLOAT16 ? bf16 : fp16)->data());
-      size_t differ = 0, first = n;
-      for (size_t i = 0; i < n; ++i) {
-        if (std::memcmp(got + 2 * i, want.data() + 2 * i, 2) != 0) {
-          ++differ;
-          first = std::min(first, i);
+      for (const bool in_graph : {false, true}) {
+        auto y = gpu_->Allocate(floats).value();
+        auto* halves = reinterpret_cast<uint16_t*>(y->data());
+        const bool bf16 = dtype == DT_BFLOAT16;
+        if (in_graph) {
+          auto graph = gpu_->Capture([&] {
+            return gpu_->NarrowToHalves(x->data(), static_cast<int64_t>(n), bf16, halves);
+          });
+          ASSERT_TRUE(graph.ok()) << graph.status();
+          PSFLOW_ASSERT_OK((*graph)->Launch());
+        } else {
+          PSFLOW_ASSERT_OK(gpu_->NarrowToHalves(x->data(), static_cast<int64_t>(n), bf16, halves));
         }
+        const std::vector<float> got_floats = Download(*gpu_, y->data(), floats);
+        const char* got = reinterpret_cast<const char*>(got_floats.data());
+        size_t differ = 0, first = n;
+        for (size_t i = 0; i < n; ++i) {
+          if (std::memcmp(got + 2 * i, want.data() + 2 * i, 2) != 0) {
+            ++differ;
+            first = std::min(first, i);
+          }
+        }
+        EXPECT_EQ(differ, 0u) << DataType_Name(dtype) << (in_graph ? " in a graph" : "") << ", n "
+                              << n << ", first at " << first << " ("
+                              << (first < n ? values[first] : 0.0f) << ")";
       }
-      EXPECT_EQ(differ, 0u) << DataType_Name(dtype) << " n " << n << ", first at " << first << " ("
-                            << (first < n ? values[first] : 0.0f) << ")";
     }
   }
+  std::vector<uint16_t> out(4);
+  EXPECT_EQ(gpu_->NarrowToHalves(nullptr, 4, true, out.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<float> in(4);
+  EXPECT_EQ(cpu_->NarrowToHalves(in.data(), 4, true, out.data()).code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
