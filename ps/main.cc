@@ -53,6 +53,13 @@ ABSL_FLAG(bool, apply_in_place, true,
           "checked for NaN and infinity again as it is averaged. false: copy (or widen) them out "
           "as they arrive and answer the push at once. Asynchronous jobs always copy.");
 
+ABSL_FLAG(bool, wire_copies, true,
+          "In a job whose wire dtype (the chief's --wire_dtype) is bf16 or fp16: keep each "
+          "slice's weights in that dtype too, written once a step by the apply as it writes "
+          "the new weights, so that pulls send those bytes as they lie instead of encoding the "
+          "weights for each worker that pulls them (memory: 2 more bytes a weight, twice over). "
+          "false: each pull encodes the fp32 weights as it sends them.");
+
 namespace {
 
 // --apply_threads=0: the cores shared evenly by the ps of this host (in a
@@ -169,6 +176,7 @@ int main(int argc, char** argv) {
   psflow::Readiness readiness;  // ready once the ps holds a job
   psflow::ps::Shard shard(apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, &appliers,
                           trace->get());
+  shard.SetWireCopies(absl::GetFlag(FLAGS_wire_copies));
   absl::Notification stop;
   std::once_flag stop_once;
   std::atomic<int> exit_code{0};

@@ -406,16 +406,28 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     // reads one while the next is written.)
     const auto& [at, slice] = **pulled;
     const int64_t version = slice.version;
-    auto values = std::make_shared<std::vector<Shard::Value>>();
+    // What the message's chunks point into, kept until gRPC lets go of them.
+    struct Kept {
+      std::vector<Shard::Value> values;
+      std::vector<Shard::Halves> halves;
+    };
+    auto kept = std::make_shared<Kept>();
     std::vector<TensorRef> refs;
     const int first = pending_[at];
     int64_t message_bytes = 0;
-    auto add = [&](int index, Shard::Value value) {
-      message_bytes += static_cast<int64_t>(value->size()) * WireBytes(dtype_);
-      refs.push_back(SliceValueRef((*specs_)[index], value, dtype_));
-      values->push_back(std::move(value));
+    auto add = [&](int index, const Shard::PulledSlice& pulled) {
+      message_bytes += static_cast<int64_t>(pulled.value->size()) * WireBytes(dtype_);
+      refs.push_back(SliceValueRef((*specs_)[index], pulled.value, dtype_));
+      kept->values.push_back(pulled.value);
+      // The value in the wire dtype already (the shard's wire copies): sent
+      // as it lies.
+      if (pulled.halves != nullptr && pulled.halves_dtype == dtype_) {
+        refs.back().encoded = pulled.halves->data();
+        refs.back().data = nullptr;
+        kept->halves.push_back(pulled.halves);
+      }
     };
-    add(first, slice.value);
+    add(first, slice);
     size_t end = at + 1;  // pending_[at, end) go in this message
     for (; end < pending_.size(); ++end) {
       absl::StatusOr<std::optional<Shard::PulledSlice>> next =
@@ -425,7 +437,7 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
               kPullBatchBytes) {
         break;
       }
-      add(pending_[end], (*next)->value);
+      add(pending_[end], **next);
     }
     const size_t count = end - at;
     pending_.erase(pending_.begin() + static_cast<ptrdiff_t>(at),
@@ -435,7 +447,7 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     TraceSpan span(service_->trace_, "pull slices", version - 1);
     span.Arg("slices", count, " from ", first);
     span.Arg("bytes", message_bytes);
-    value_ = std::move(values);
+    value_ = std::move(kept);
     splitter_ = std::make_unique<ChunkSplitter>(
         std::move(refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
     message_.Clear();

@@ -89,7 +89,28 @@ struct Shard::ApplyJob {
   // instead of the optimizer.
   float bn_momentum = 0;
   std::shared_ptr<std::vector<float>> out;  // the next published value
+  // With wire copies (halves_dtype 16-bit): `out` in that dtype.
+  DataType halves_dtype = DT_FLOAT;
+  std::shared_ptr<std::vector<uint16_t>> halves_out;
 };
+
+namespace {
+
+// `value` in the 16-bit `dtype`, into `*out` (made, or resized, as needed).
+void EncodeHalves(DataType dtype, const std::vector<float>& value,
+                  std::shared_ptr<std::vector<uint16_t>>* out) {
+  if (*out == nullptr) *out = std::make_shared<std::vector<uint16_t>>();
+  (*out)->resize(value.size());
+  EncodeFloats(dtype, value.data(), static_cast<int64_t>(value.size()),
+               reinterpret_cast<char*>((*out)->data()));
+}
+
+}  // namespace
+
+void Shard::SetWireCopies(bool on) {
+  absl::MutexLock lock(&mu_);
+  wire_copies_ = on;
+}
 
 Shard::Shard(ThreadPool* apply_pool, int64_t apply_range, ThreadPool* appliers, StepTrace* trace,
              int64_t inline_apply_floats)
@@ -158,6 +179,14 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   empty_pushes_.clear();
   step_skipped_ = false;
   job_ = header.job();
+  halves_dtype_ = wire_copies_ && WireDtypeOf(job_) != DT_FLOAT ? WireDtypeOf(job_) : DT_FLOAT;
+  if (halves_dtype_ != DT_FLOAT) {
+    for (SliceState& s : slice_) {
+      std::shared_ptr<std::vector<uint16_t>> halves;
+      EncodeHalves(halves_dtype_, *s.published, &halves);
+      s.published_halves = std::move(halves);
+    }
+  }
   optimizer_ = *std::move(opt);
   bn_momentum_ = *bn_momentum;
   live_workers_ =
@@ -266,10 +295,13 @@ absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice, 
   if (s.version > version_ && version_ >= min_version) {
     pulled.version = version_;  // as the shard's other slices
     pulled.value = s.previous;
+    pulled.halves = s.previous_halves;
   } else {
     pulled.version = s.version;
     pulled.value = s.published;
+    pulled.halves = s.published_halves;
   }
+  if (pulled.halves != nullptr) pulled.halves_dtype = halves_dtype_;
   pulled.waited = absl::Now() - start;
   return pulled;
 }
@@ -516,6 +548,8 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
   job->optimizer = optimizer_.get();
   if ((*slices_)[i].non_trainable()) job->bn_momentum = bn_momentum_;
   job->out = std::move(s.spare);
+  job->halves_dtype = halves_dtype_;
+  if (halves_dtype_ != DT_FLOAT) job->halves_out = std::move(s.spare_halves);
   return job;
 }
 
@@ -529,9 +563,15 @@ void Shard::Compute(ApplyJob& job) const {
     job.out = std::make_shared<std::vector<float>>(n);
   }
   float* const published = job.out->data();
+  const bool halves = job.halves_dtype != DT_FLOAT;
+  if (halves && (job.halves_out == nullptr || static_cast<int64_t>(job.halves_out->size()) != n)) {
+    job.halves_out = std::make_shared<std::vector<uint16_t>>(n);
+  }
+  char* const published_halves = halves ? reinterpret_cast<char*>(job.halves_out->data()) : nullptr;
   if (job.skip) {
     // Skipped: the value and the slots stay as they are.
     std::copy(job.value, job.value + n, published);
+    if (halves) EncodeFloats(job.halves_dtype, published, n, published_halves);
     for (size_t k = 0; k < job.slots.size(); ++k)
       std::copy(job.slots[k], job.slots[k] + n, job.previous_slots[k]);
     return;
@@ -590,8 +630,13 @@ void Shard::Compute(ApplyJob& job) const {
         std::copy(slot, slot + len, job.previous_slots[k] + b);
         block_slots[k] = slot;
       }
-      // The optimizer writes the copy readers get as it updates the values.
+      // The optimizer writes the copy readers get as it updates the values
+      // (and, with wire copies, that copy is encoded while in the cache).
       ApplyStep(step, job.value + b, mean, len, block_slots, published + b);
+      if (halves) {
+        EncodeFloats(job.halves_dtype, published + b, len,
+                     published_halves + b * static_cast<int64_t>(sizeof(uint16_t)));
+      }
     }
   };
   const int ranges = static_cast<int>((n + range - 1) / range);
@@ -635,6 +680,8 @@ void Shard::FinishLocked(ApplyJob& job) {
   --applying_;
   s.previous = std::move(s.published);
   s.published = std::move(job.out);
+  s.previous_halves = std::move(s.published_halves);
+  s.published_halves = std::move(job.halves_out);
   s.version = job.step + 1;
   // One asked for while slices were applied: with none applying any more,
   // every slice's value and slots at version_ are at hand (an applied
@@ -675,6 +722,11 @@ void Shard::AdvanceLocked() {
       s.spare = std::const_pointer_cast<std::vector<float>>(std::move(s.previous));
     }
     s.previous = nullptr;
+    if (s.previous_halves != nullptr && s.previous_halves.use_count() == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      s.spare_halves = std::const_pointer_cast<std::vector<uint16_t>>(std::move(s.previous_halves));
+    }
+    s.previous_halves = nullptr;
   }
   applied_ = 0;
   empty_pushes_.clear();
@@ -759,6 +811,8 @@ absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceVa
     SliceState& s = slice_[i];
     s.previous = nullptr;
     s.published = std::move(published[i]);
+    // (A mirror is a replica's, which has no wire copies.)
+    s.previous_halves = s.published_halves = nullptr;
     s.version = version;
     values_[i] = std::move(values[i]);
   }
@@ -883,10 +937,13 @@ absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSliceLocked(uint
   if (s.version > version_ && version_ >= min_version) {
     pulled.version = version_;  // as the shard's other slices
     pulled.value = s.previous;
+    pulled.halves = s.previous_halves;
   } else {
     pulled.version = s.version;
     pulled.value = s.published;
+    pulled.halves = s.published_halves;
   }
+  if (pulled.halves != nullptr) pulled.halves_dtype = halves_dtype_;
   return pulled;
 }
 

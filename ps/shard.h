@@ -115,6 +115,9 @@ class Shard {
   // One slice's value at one version, as published (see above): readers may
   // keep it, and read it without any lock, for as long as they like.
   using Value = std::shared_ptr<const std::vector<float>>;
+  // The same value in the job's 16-bit wire dtype (see SetWireCopies), as
+  // published with it.
+  using Halves = std::shared_ptr<const std::vector<uint16_t>>;
 
   // The value of every slice at one version (the slices' published values).
   struct Weights {
@@ -127,6 +130,10 @@ class Shard {
   struct PulledSlice {
     int64_t version = 0;  // the slice's version: min_version or one more
     Value value;          // never null
+    // `value` in `halves_dtype` (the job's wire dtype), or null: a shard
+    // with wire copies (SetWireCopies) and a 16-bit job.
+    Halves halves;
+    DataType halves_dtype = DT_FLOAT;
     absl::Duration waited;
   };
 
@@ -220,6 +227,13 @@ class Shard {
   ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
+
+  // With `on` (off by default; set before Init), a job whose wire dtype is
+  // bf16 or fp16 gets each published value in that dtype too
+  // (PulledSlice::halves): written once per version, by the apply as it
+  // writes the value (from Init for the first), so that its pulls send
+  // those bytes as they lie instead of encoding the value for each worker.
+  void SetWireCopies(bool on);
 
   // Loads a job, replacing any earlier one (waiting pulls of a job with
   // another id fail with ABORTED; those of the same id see the new state). `values` follow
@@ -408,6 +422,10 @@ class Shard {
     absl::flat_hash_map<int, Gradient> pushes;
     Value published;  // the value at `version`
     Value previous;   // once applied: the value at version_, for whole-shard readers
+    // Their copies in the wire dtype (with wire copies, else null), and a
+    // buffer for the next one that no reader holds any more (or null).
+    Halves published_halves, previous_halves;
+    std::shared_ptr<std::vector<uint16_t>> spare_halves;
     // Once applied: the slots at version_ (for snapshots); kept allocated.
     std::vector<std::vector<float>> previous_slots;
     // A buffer of the slice's size that no reader holds any more, reused for
@@ -503,6 +521,10 @@ class Shard {
   absl::flat_hash_set<int> empty_pushes_ ABSL_GUARDED_BY(mu_);
   bool step_skipped_ ABSL_GUARDED_BY(mu_) = false;  // a slice of the current step was skipped
   JobConfig job_ ABSL_GUARDED_BY(mu_);
+  bool wire_copies_ ABSL_GUARDED_BY(mu_) = false;
+  // The dtype of the published values' copies: the job's 16-bit wire dtype
+  // with wire copies, else DT_FLOAT (none).
+  DataType halves_dtype_ ABSL_GUARDED_BY(mu_) = DT_FLOAT;
   std::unique_ptr<Optimizer> optimizer_ ABSL_GUARDED_BY(mu_);
   float bn_momentum_ ABSL_GUARDED_BY(mu_) = kDefaultBnMomentum;  // of non-trainable slices
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);

@@ -1569,7 +1569,13 @@ std::vector<float> ThroughBfloat16(const std::vector<float>& v) {
 
 // A bf16 job: pulls and pushes cross in bf16, the shard keeps fp32 masters,
 // Init and Snapshot stay fp32.
-TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
+// With the shard's wire copies (psflow-ps --wire_copies) and without: the
+// bf16 pulls send the copy the apply wrote, or encode the masters as they
+// go; the same bytes either way.
+class WireCopiesTest : public PsServiceTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(WireCopiesTest, Bfloat16PullAndPushKeepFp32Masters) {
+  shard_.SetWireCopies(GetParam());
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);
   // Values bf16 cannot hold (9 and more significant bits): 1 + 2^-10 steps.
@@ -1647,6 +1653,8 @@ TEST_F(PsServiceTest, Bfloat16PullAndPushKeepFp32Masters) {
   EXPECT_EQ(bytes, (NumElements(kBigShape) + NumElements(kBiasShape)) * 2);
   EXPECT_EQ(raw, ThroughBfloat16(masters));
 }
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithout, WireCopiesTest, ::testing::Bool());
 
 // bf16 gradients pushed through shared memory are applied where they lie,
 // widened as the apply reads them: the push is answered once the step is

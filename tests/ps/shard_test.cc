@@ -2078,5 +2078,71 @@ TEST(AsyncShardTest, WorkerIdsOutsideTheJobAreRefused) {
   EXPECT_EQ(shard.state().clocks.size(), 2u);
 }
 
+// `values` encoded as `dtype` (16-bit), as the wire carries them.
+std::vector<uint16_t> Halves(DataType dtype, const std::vector<float>& values) {
+  std::vector<uint16_t> out(values.size());
+  EncodeFloats(dtype, values.data(), static_cast<int64_t>(values.size()),
+               reinterpret_cast<char*>(out.data()));
+  return out;
+}
+
+// With wire copies, a 16-bit job's published values come in its wire dtype
+// too: from Init, then written by each apply (with a pool of ranges and
+// without), equal to the value encoded; a reader keeps its copy while later
+// versions reuse the buffers of older ones. Without them, or in an fp32
+// job, there is none.
+TEST(ShardWireCopiesTest, SixteenBitJobsPublishEachValueInTheWireDtypeToo) {
+  ThreadPool pool(2);
+  for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
+    for (ThreadPool* apply_pool : {static_cast<ThreadPool*>(nullptr), &pool}) {
+      SCOPED_TRACE(DataType_Name(dtype));
+      Shard shard(apply_pool, /*apply_range=*/2);
+      shard.SetWireCopies(true);
+      InitHeader h = Header(OptimizerConfig::SGD, 0.3f);
+      h.mutable_job()->set_wire_dtype(dtype == DT_BFLOAT16 ? JobConfig::BF16 : JobConfig::FP16);
+      ASSERT_TRUE(shard.Init(h, Values()).ok());
+      std::vector<Shard::PulledSlice> held;
+      for (int64_t version = 0; version < 4; ++version) {
+        if (version > 0) {
+          for (int w : {0, 1}) {
+            ASSERT_TRUE(shard.Push(kJob, w, version - 1, Grads(0.37f * (w + version))).ok());
+          }
+        }
+        for (int slice : {0, 1}) {
+          absl::StatusOr<Shard::PulledSlice> p =
+              shard.PullSlice(kJob, slice, version, Soon(), nullptr);
+          ASSERT_TRUE(p.ok()) << p.status();
+          ASSERT_EQ(p->version, version);
+          ASSERT_NE(p->halves, nullptr) << "slice " << slice << " version " << version;
+          EXPECT_EQ(p->halves_dtype, dtype);
+          EXPECT_EQ(*p->halves, Halves(dtype, *p->value)) << "slice " << slice << " v" << version;
+          held.push_back(*std::move(p));
+        }
+      }
+      // What readers kept is what they were given.
+      for (const Shard::PulledSlice& p : held) EXPECT_EQ(*p.halves, Halves(dtype, *p.value));
+      held.clear();
+      // Once let go, the buffers are reused: still equal afterwards.
+      for (int64_t version = 4; version < 7; ++version) {
+        for (int w : {0, 1}) ASSERT_TRUE(shard.Push(kJob, w, version - 1, Grads(0.5f)).ok());
+        absl::StatusOr<Shard::PulledSlice> p = shard.PullSlice(kJob, 0, version, Soon(), nullptr);
+        ASSERT_TRUE(p.ok()) << p.status();
+        EXPECT_EQ(*p->halves, Halves(dtype, *p->value)) << "version " << version;
+      }
+    }
+  }
+  for (const bool copies : {false, true}) {
+    Shard shard;
+    shard.SetWireCopies(copies);
+    InitHeader h = Header(OptimizerConfig::SGD, 0.5f);
+    if (!copies) h.mutable_job()->set_wire_dtype(JobConfig::BF16);
+    ASSERT_TRUE(shard.Init(h, Values()).ok());
+    for (int w : {0, 1}) ASSERT_TRUE(shard.Push(kJob, w, 0, Grads(1)).ok());
+    absl::StatusOr<Shard::PulledSlice> p = shard.PullSlice(kJob, 0, 1, Soon(), nullptr);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->halves, nullptr) << (copies ? "an fp32 job" : "a bf16 job without copies");
+  }
+}
+
 }  // namespace
 }  // namespace psflow::ps
