@@ -323,6 +323,25 @@ class Backend {
                                                size_t elements, float* device) {
     return absl::UnimplementedError(name() + " has no copies of 16-bit values");
   }
+  // One copy of the batched CopyHalvesToDeviceAfter below.
+  struct HalvesUpload {
+    Event* after = nullptr;  // null: no wait
+    const uint16_t* host = nullptr;
+    size_t elements = 0;
+    float* device = nullptr;
+  };
+  // CopyHalvesToDeviceAfter of each of `uploads`, queued in one call: host
+  // ranges that lie close together cross in one copy, and one kernel widens
+  // up to 64 of them, once every event of the batch has passed. This
+  // default queues them one by one.
+  virtual absl::Status CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
+                                               bool bf16) {
+    for (const HalvesUpload& u : uploads) {
+      absl::Status s = CopyHalvesToDeviceAfter(u.after, u.host, bf16, u.elements, u.device);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // Records `done` after every copy CopyToDeviceAfter has queued so far (on
   // their stream): WaitEvent(done) then returns once their host memory may
   // change. UNIMPLEMENTED on backends without events.

@@ -238,6 +238,24 @@ absl::Status Network::SetWeightRangeFromHalvesAfter(int i, int64_t first, int64_
   return backend_->CopyHalvesToDeviceAfter(after, host, bf16, static_cast<size_t>(count), device);
 }
 
+absl::Status Network::SetWeightRangesFromHalvesAfter(const std::vector<HalvesRange>& ranges,
+                                                     bool bf16) {
+  if (options_.local_sgd_learning_rate > 0) {
+    for (const HalvesRange& r : ranges) {
+      PSFLOW_RETURN_IF_ERROR(
+          SetWeightRangeFromHalvesAfter(r.variable, r.first, r.count, r.host, bf16, r.after));
+    }
+    return absl::OkStatus();
+  }
+  std::vector<kernels::Backend::HalvesUpload> uploads;
+  uploads.reserve(ranges.size());
+  for (const HalvesRange& r : ranges) {
+    PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(r.variable, r.first, r.count));
+    uploads.push_back({r.after, r.host, static_cast<size_t>(r.count), device});
+  }
+  return backend_->CopyHalvesToDeviceAfter(uploads, bf16);
+}
+
 absl::StatusOr<float*> Network::WeightRange(int i, int64_t first, int64_t count) {
   if (i < 0 || static_cast<size_t>(i) >= weights_.size())
     return absl::InvalidArgumentError(absl::StrCat("no weight tensor ", i));

@@ -120,6 +120,15 @@ class Network {
   absl::Status SetWeightRangeFromHalvesAfter(int i, int64_t first, int64_t count,
                                              const uint16_t* host, bool bf16,
                                              kernels::Event* after);
+  // SetWeightRangeFromHalvesAfter of each of `ranges`, queued at once
+  // (Backend's batched CopyHalvesToDeviceAfter: fewer calls, one widening).
+  struct HalvesRange {
+    int variable = 0;
+    int64_t first = 0, count = 0;
+    const uint16_t* host = nullptr;
+    kernels::Event* after = nullptr;
+  };
+  absl::Status SetWeightRangesFromHalvesAfter(const std::vector<HalvesRange>& ranges, bool bf16);
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 

@@ -1218,6 +1218,93 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* 
   });
 }
 
+absl::Status CudaBackend::CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
+                                                  bool bf16) {
+  // Host ranges at most this far apart (in ascending order, as a pull lays
+  // its slices out in a region) cross in one copy, the gap with them.
+  constexpr size_t kGapBytes = 4096;
+  constexpr size_t kAlign = 256;
+  std::vector<CudaEvent*> events;
+  for (const HalvesUpload& u : uploads) {
+    PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const e, UploadEvent(u.after, "CopyHalvesToDeviceAfter"));
+    if (e != nullptr && std::find(events.begin(), events.end(), e) == events.end()) {
+      events.push_back(e);
+    }
+    if (u.elements > 0) {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", u.host}, {"device", u.device}}));
+    }
+  }
+  // The copies: [begin, end) of host memory to byte `at` of the buffer.
+  struct Span {
+    const char* begin;
+    const char* end;
+    size_t at;
+  };
+  std::vector<Span> spans;
+  std::vector<size_t> source;  // by upload: its byte in the buffer
+  size_t bytes = 0;
+  for (const HalvesUpload& u : uploads) {
+    const char* const begin = reinterpret_cast<const char*>(u.host);
+    const char* const end = begin + u.elements * sizeof(uint16_t);
+    if (u.elements == 0) {
+      source.push_back(0);
+      continue;
+    }
+    if (spans.empty() || begin < spans.back().end ||
+        static_cast<size_t>(begin - spans.back().end) > kGapBytes) {
+      bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+      spans.push_back({begin, end, bytes});
+    } else {
+      spans.back().end = end;
+    }
+    source.push_back(spans.back().at + static_cast<size_t>(begin - spans.back().begin));
+    bytes = spans.back().at + static_cast<size_t>(spans.back().end - spans.back().begin);
+  }
+  if (bytes == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "CopyHalvesToDeviceAfter", uploads.size(), "copies", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
+    if (ctx_->upload_halves_bytes < bytes) {
+      // The old buffer may still be read by a queued widening.
+      PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->upload_stream));
+      if (ctx_->upload_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx_->upload_halves));
+      ctx_->upload_halves = nullptr;
+      ctx_->upload_halves_bytes = 0;
+      PSFLOW_CUDA_CHECK(cudaMalloc(&ctx_->upload_halves, bytes));
+      ctx_->upload_halves_bytes = bytes;
+    }
+    char* const buffer = static_cast<char*>(ctx_->upload_halves);
+    // The copies into the buffer need no wait (they write no weight); the
+    // widening does.
+    for (const Span& s : spans) {
+      PSFLOW_CUDA_CHECK(cudaMemcpyAsync(buffer + s.at, s.begin,
+                                        static_cast<size_t>(s.end - s.begin),
+                                        cudaMemcpyHostToDevice, ctx_->upload_stream));
+    }
+    for (CudaEvent* e : events) PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, e));
+    cuda_internal::WidenPieces pieces;
+    int num = 0;
+    int64_t max_count = 0;
+    auto launch = [&]() -> absl::Status {
+      PSFLOW_CUDA_CHECK(
+          cuda_internal::LaunchWidenPieces(pieces, num, max_count, bf16, ctx_->upload_stream));
+      num = 0;
+      max_count = 0;
+      return absl::OkStatus();
+    };
+    for (size_t i = 0; i < uploads.size(); ++i) {
+      if (uploads[i].elements == 0) continue;
+      pieces.src[num] = buffer + source[i];
+      pieces.dst[num] = uploads[i].device;
+      pieces.count[num] = static_cast<int64_t>(uploads[i].elements);
+      max_count = std::max(max_count, pieces.count[num]);
+      if (++num == cuda_internal::kMaxWidenPieces) PSFLOW_RETURN_IF_ERROR(launch());
+    }
+    if (num > 0) PSFLOW_RETURN_IF_ERROR(launch());
+    ctx_->uploads_pending = true;
+    return absl::OkStatus();
+  });
+}
+
 absl::Status CudaBackend::RecordUploadsDone(Event* done) {
   return RecordOnSideStream(*ctx_, &ctx_->upload_stream, done, "RecordUploadsDone");
 }

@@ -131,6 +131,8 @@ class CudaBackend final : public Backend {
   // largest copy), in order on the stream of uploads.
   absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
                                        size_t elements, float* device) override;
+  absl::Status CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
+                                       bool bf16) override;
   absl::Status RecordUploadsDone(Event* done) override;
   // cudaHostRegister (portable) and cudaHostUnregister, with this backend's
   // GPU current.

@@ -539,6 +539,18 @@ __global__ void WidenToFloatKernel(const void* wire, bool bf16, float* out, int6
   }
 }
 
+__global__ void WidenPiecesKernel(WidenPieces pieces, bool bf16) {
+  const int k = blockIdx.y;
+  const void* const src = pieces.src[k];
+  float* const dst = pieces.dst[k];
+  const int64_t count = pieces.count[k];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(src)[i])
+                  : __half2float(static_cast<const __half*>(src)[i]);
+  }
+}
+
 __global__ void NarrowFromFloatKernel(const float* in, bool bf16, void* out, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -586,6 +598,15 @@ cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t 
   if (n <= 0) return cudaSuccess;
   WidenToFloatKernel<<<std::min(BlocksFor(n, kThreads), 1024), kThreads, 0, stream>>>(wire, bf16,
                                                                                       out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWidenPieces(const WidenPieces& pieces, int num, int64_t max_count, bool bf16,
+                              cudaStream_t stream) {
+  if (num > kMaxWidenPieces) return cudaErrorInvalidValue;
+  dim3 grid;
+  if (!WireGrid(num, max_count, &grid)) return cudaSuccess;
+  WidenPiecesKernel<<<grid, kThreads, 0, stream>>>(pieces, bf16);
   return cudaGetLastError();
 }
 

@@ -75,6 +75,20 @@ cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_
 cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t n,
                                cudaStream_t stream);
 
+// Up to kMaxWidenPieces runs of 16-bit values widened in one launch, the
+// table passed by value (no copy of it to the device first): piece k's
+// count[k] values at src[k] (device memory) to floats at dst[k].
+inline constexpr int kMaxWidenPieces = 64;
+struct WidenPieces {
+  const void* src[kMaxWidenPieces];
+  float* dst[kMaxWidenPieces];
+  int64_t count[kMaxWidenPieces];
+};
+// Pieces [0, num) of `pieces`; `max_count` is the largest count (it sizes
+// the grid).
+cudaError_t LaunchWidenPieces(const WidenPieces& pieces, int num, int64_t max_count, bool bf16,
+                              cudaStream_t stream);
+
 // The reverse: the `n` floats at `in` rounded to nearest-even into `out` as
 // bfloat16 (`bf16`) or IEEE half, as LaunchPackToWire rounds them.
 cudaError_t LaunchNarrowFromFloat(const float* in, bool bf16, void* out, int64_t n,

@@ -940,6 +940,65 @@ TEST_F(CudaParityTest, ValuesNarrowedOnTheDeviceAreTheHostsEncoding) {
             absl::StatusCode::kUnimplemented);
 }
 
+// A batch of 16-bit uploads (the slices of one pull) is widened exactly as
+// the host decodes them, each into its own place, after the events of the
+// batch: ranges close together in host memory, one far away, one before
+// the others, an empty one, and more than one kernel's worth of them.
+TEST_F(CudaParityTest, BatchedHalvesCopiedToTheDeviceAreWidenedExactly) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  constexpr size_t kHalves = 600000;
+  auto host = gpu_->AllocateHost(kHalves / 2).value();
+  auto* halves = reinterpret_cast<uint16_t*>(host->data());
+  std::vector<float> values(kHalves);
+  for (float& v : values) v = normal(rng);
+  constexpr int kPieces = 70;
+  constexpr size_t kStride = 30000;  // floats of the device buffer per piece
+  auto y = gpu_->Allocate(kPieces * kStride).value();
+  auto first = gpu_->CreateEvent().value();
+  auto second = gpu_->CreateEvent().value();
+  for (const bool bf16 : {true, false}) {
+    const DataType dtype = bf16 ? DT_BFLOAT16 : DT_HALF;
+    EncodeFloats(dtype, values.data(), kHalves, reinterpret_cast<char*>(halves));
+    std::vector<float> decoded(kHalves);
+    DecodeFloats(dtype, reinterpret_cast<const char*>(halves), kHalves, decoded.data());
+    std::vector<Backend::HalvesUpload> uploads;
+    std::vector<size_t> at(kPieces), count(kPieces);
+    for (int k = 0; k < kPieces; ++k) {
+      at[k] = static_cast<size_t>(k) * 5000 + (k % 3) * 7;
+      count[k] = 1000 + static_cast<size_t>(k) * 13;
+    }
+    at[68] = 100;     // before the others
+    at[69] = 500000;  // far from them
+    count[69] = 20000;
+    count[67] = 0;
+    // The destination is overwritten by work queued before the events: a
+    // widening that did not wait for them would be overwritten too.
+    PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 0.0f, 42.0f, y->data(), kPieces * kStride));
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(first.get()));
+    for (int k = 0; k < 8; ++k) {
+      PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 1.0f, 0.0f, y->data(), kPieces * kStride));
+    }
+    PSFLOW_ASSERT_OK(gpu_->RecordEvent(second.get()));
+    for (int k = 0; k < kPieces; ++k) {
+      uploads.push_back({k % 2 == 0 ? first.get() : second.get(), halves + at[k], count[k],
+                         y->data() + k * kStride});
+    }
+    PSFLOW_ASSERT_OK(gpu_->CopyHalvesToDeviceAfter(uploads, bf16));
+    PSFLOW_ASSERT_OK(gpu_->JoinUploads());
+    const std::vector<float> got = Download(*gpu_, y->data(), kPieces * kStride);
+    for (int k = 0; k < kPieces; ++k) {
+      const float* g = got.data() + k * kStride;
+      EXPECT_EQ(std::vector<float>(g, g + count[k]),
+                std::vector<float>(decoded.begin() + at[k], decoded.begin() + at[k] + count[k]))
+          << (bf16 ? "bf16" : "fp16") << " piece " << k;
+      EXPECT_EQ(g[count[k]], 42.0f) << "piece " << k << " wrote past its end";
+    }
+  }
+  EXPECT_EQ(gpu_->CopyHalvesToDeviceAfter({{nullptr, nullptr, 4, y->data()}}, true).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CudaParityTest, CaptureReturnsTheWorksError) {
   auto buffer = gpu_->Allocate(16).value();
   auto graph = gpu_->Capture([&]() -> absl::Status {
