@@ -1161,6 +1161,20 @@ absl::Status UploadStreamWaitsFor(CudaContext& ctx, CudaEvent* after) {
   return absl::OkStatus();
 }
 
+// Makes the context's buffer of 16-bit uploads hold at least `bytes`
+// (once its stream is past every queued widening that reads the old one).
+// Call inside RunIn, with the stream of uploads made.
+absl::Status GrowUploadHalves(CudaContext& ctx, size_t bytes) {
+  if (ctx.upload_halves_bytes >= bytes) return absl::OkStatus();
+  PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx.upload_stream));
+  if (ctx.upload_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx.upload_halves));
+  ctx.upload_halves = nullptr;
+  ctx.upload_halves_bytes = 0;
+  PSFLOW_CUDA_CHECK(cudaMalloc(&ctx.upload_halves, bytes));
+  ctx.upload_halves_bytes = bytes;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CudaBackend::CopyToDeviceAfter(Event* after, const float* host, size_t floats,
@@ -1199,15 +1213,7 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* 
     PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
     PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
     const size_t bytes = elements * sizeof(uint16_t);
-    if (ctx_->upload_halves_bytes < bytes) {
-      // The old buffer may still be read by a queued widening.
-      PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->upload_stream));
-      if (ctx_->upload_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx_->upload_halves));
-      ctx_->upload_halves = nullptr;
-      ctx_->upload_halves_bytes = 0;
-      PSFLOW_CUDA_CHECK(cudaMalloc(&ctx_->upload_halves, bytes));
-      ctx_->upload_halves_bytes = bytes;
-    }
+    PSFLOW_RETURN_IF_ERROR(GrowUploadHalves(*ctx_, bytes));
     PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, cuda_event));
     PSFLOW_CUDA_CHECK(cudaMemcpyAsync(ctx_->upload_halves, host, bytes, cudaMemcpyHostToDevice,
                                       ctx_->upload_stream));
@@ -1263,15 +1269,7 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(const std::vector<HalvesUpload
   if (bytes == 0) return absl::OkStatus();
   return RunIn(*ctx_, "CopyHalvesToDeviceAfter", uploads.size(), "copies", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
-    if (ctx_->upload_halves_bytes < bytes) {
-      // The old buffer may still be read by a queued widening.
-      PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx_->upload_stream));
-      if (ctx_->upload_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx_->upload_halves));
-      ctx_->upload_halves = nullptr;
-      ctx_->upload_halves_bytes = 0;
-      PSFLOW_CUDA_CHECK(cudaMalloc(&ctx_->upload_halves, bytes));
-      ctx_->upload_halves_bytes = bytes;
-    }
+    PSFLOW_RETURN_IF_ERROR(GrowUploadHalves(*ctx_, bytes));
     char* const buffer = static_cast<char*>(ctx_->upload_halves);
     // The copies into the buffer need no wait (they write no weight); the
     // widening does.
