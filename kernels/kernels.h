@@ -315,32 +315,28 @@ class Backend {
   // The work queued on this backend from now on waits for every copy that
   // CopyToDeviceAfter has queued so far. Nothing to do where copies run at once.
   virtual absl::Status JoinUploads() { return absl::OkStatus(); }
-  // As CopyToDeviceAfter, for `elements` 16-bit values at `host` (bfloat16
-  // with `bf16`, else IEEE half): they cross in 16 bits, and the device
-  // widens them to floats into `device` (exact). UNIMPLEMENTED where the
-  // backend has no such copies (the CPU's run at once: decode on the host).
-  virtual absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
-                                               size_t elements, float* device) {
-    return absl::UnimplementedError(name() + " has no copies of 16-bit values");
-  }
-  // One copy of the batched CopyHalvesToDeviceAfter below.
+  // One copy of CopyHalvesToDeviceAfter: as CopyToDeviceAfter, for
+  // `elements` 16-bit values at `host` (bfloat16 or IEEE half): they cross
+  // in 16 bits, and the device widens them to floats into `device` (exact).
   struct HalvesUpload {
     Event* after = nullptr;  // null: no wait
     const uint16_t* host = nullptr;
     size_t elements = 0;
     float* device = nullptr;
   };
-  // CopyHalvesToDeviceAfter of each of `uploads`, queued in one call: host
-  // ranges that lie close together cross in one copy, and one kernel widens
-  // up to 64 of them, once every event of the batch has passed. This
-  // default queues them one by one.
+  // Each of `uploads` (bfloat16 with `bf16`, else IEEE half), queued in one
+  // call: host ranges that lie close together cross in one copy, and one
+  // kernel widens up to 64 of them, once every event of the batch has
+  // passed. UNIMPLEMENTED where the backend has no such copies (the CPU's
+  // run at once: decode on the host).
   virtual absl::Status CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
                                                bool bf16) {
-    for (const HalvesUpload& u : uploads) {
-      absl::Status s = CopyHalvesToDeviceAfter(u.after, u.host, bf16, u.elements, u.device);
-      if (!s.ok()) return s;
-    }
-    return absl::OkStatus();
+    return absl::UnimplementedError(name() + " has no copies of 16-bit values");
+  }
+  // One upload alone.
+  absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
+                                       size_t elements, float* device) {
+    return CopyHalvesToDeviceAfter({{after, host, elements, device}}, bf16);
   }
   // Records `done` after every copy CopyToDeviceAfter has queued so far (on
   // their stream): WaitEvent(done) then returns once their host memory may

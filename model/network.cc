@@ -224,36 +224,21 @@ absl::Status Network::SetWeightRangeAfter(int i, int64_t first, int64_t count, c
   return backend_->CopyToDeviceAfter(after, host, static_cast<size_t>(count), device);
 }
 
-absl::Status Network::SetWeightRangeFromHalvesAfter(int i, int64_t first, int64_t count,
-                                                    const uint16_t* host, bool bf16,
-                                                    kernels::Event* after) {
-  PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(i, first, count));
-  if (options_.local_sgd_learning_rate > 0) {
-    // As SetWeight: the next work waits for the copy.
-    PSFLOW_RETURN_IF_ERROR(JoinUploads());
-    PSFLOW_RETURN_IF_ERROR(
-        backend_->CopyHalvesToDeviceAfter(nullptr, host, bf16, static_cast<size_t>(count), device));
-    return JoinUploads();
-  }
-  return backend_->CopyHalvesToDeviceAfter(after, host, bf16, static_cast<size_t>(count), device);
-}
-
 absl::Status Network::SetWeightRangesFromHalvesAfter(const std::vector<HalvesRange>& ranges,
                                                      bool bf16) {
-  if (options_.local_sgd_learning_rate > 0) {
-    for (const HalvesRange& r : ranges) {
-      PSFLOW_RETURN_IF_ERROR(
-          SetWeightRangeFromHalvesAfter(r.variable, r.first, r.count, r.host, bf16, r.after));
-    }
-    return absl::OkStatus();
-  }
+  // With local SGD, as SetWeight: the next work waits for the copies.
+  const bool local_sgd = options_.local_sgd_learning_rate > 0;
   std::vector<kernels::Backend::HalvesUpload> uploads;
   uploads.reserve(ranges.size());
   for (const HalvesRange& r : ranges) {
     PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(r.variable, r.first, r.count));
-    uploads.push_back({r.after, r.host, static_cast<size_t>(r.count), device});
+    uploads.push_back(
+        {local_sgd ? nullptr : r.after, r.host, static_cast<size_t>(r.count), device});
   }
-  return backend_->CopyHalvesToDeviceAfter(uploads, bf16);
+  if (!local_sgd) return backend_->CopyHalvesToDeviceAfter(uploads, bf16);
+  PSFLOW_RETURN_IF_ERROR(JoinUploads());
+  PSFLOW_RETURN_IF_ERROR(backend_->CopyHalvesToDeviceAfter(uploads, bf16));
+  return JoinUploads();
 }
 
 absl::StatusOr<float*> Network::WeightRange(int i, int64_t first, int64_t count) {

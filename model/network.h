@@ -114,14 +114,11 @@ class Network {
   // `first` on (a slice of its rows), from `host` (their values only).
   absl::Status SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
                                    kernels::Event* after);
-  // As SetWeightRangeAfter, from `count` 16-bit values (bfloat16 with
-  // `bf16`, else IEEE half) that cross as they are and are widened on the
-  // device (Backend::CopyHalvesToDeviceAfter; UNIMPLEMENTED on the CPU).
-  absl::Status SetWeightRangeFromHalvesAfter(int i, int64_t first, int64_t count,
-                                             const uint16_t* host, bool bf16,
-                                             kernels::Event* after);
-  // SetWeightRangeFromHalvesAfter of each of `ranges`, queued at once
-  // (Backend's batched CopyHalvesToDeviceAfter: fewer calls, one widening).
+  // As SetWeightRangeAfter for each of `ranges`, from `count` 16-bit values
+  // each (bfloat16 with `bf16`, else IEEE half) that cross as they are and
+  // are widened on the device, queued at once (Backend::
+  // CopyHalvesToDeviceAfter: fewer calls, one widening; UNIMPLEMENTED on
+  // the CPU).
   struct HalvesRange {
     int variable = 0;
     int64_t first = 0, count = 0;

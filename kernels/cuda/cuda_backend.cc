@@ -1204,26 +1204,6 @@ absl::Status CudaBackend::JoinUploads() {
   });
 }
 
-absl::Status CudaBackend::CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
-                                                  size_t elements, float* device) {
-  PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const cuda_event,
-                          UploadEvent(after, "CopyHalvesToDeviceAfter"));
-  if (elements == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CopyHalvesToDeviceAfter", elements, "values", [&]() -> absl::Status {
-    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
-    PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
-    const size_t bytes = elements * sizeof(uint16_t);
-    PSFLOW_RETURN_IF_ERROR(GrowUploadHalves(*ctx_, bytes));
-    PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, cuda_event));
-    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(ctx_->upload_halves, host, bytes, cudaMemcpyHostToDevice,
-                                      ctx_->upload_stream));
-    PSFLOW_CUDA_CHECK(cuda_internal::LaunchWidenToFloat(
-        ctx_->upload_halves, bf16, device, static_cast<int64_t>(elements), ctx_->upload_stream));
-    ctx_->uploads_pending = true;
-    return absl::OkStatus();
-  });
-}
-
 absl::Status CudaBackend::CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
                                                   bool bf16) {
   // Host ranges at most this far apart (in ascending order, as a pull lays

@@ -128,9 +128,8 @@ class CudaBackend final : public Backend {
                                  float* device) override;
   absl::Status JoinUploads() override;
   // The 16-bit values go through a buffer of the context's (grown to the
-  // largest copy), in order on the stream of uploads.
-  absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
-                                       size_t elements, float* device) override;
+  // largest batch), in order on the stream of uploads.
+  using Backend::CopyHalvesToDeviceAfter;  // the one-upload form
   absl::Status CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
                                        bool bf16) override;
   absl::Status RecordUploadsDone(Event* done) override;

@@ -509,6 +509,13 @@ cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int nu
 
 namespace {
 
+// Element i of the 16-bit values at `wire` (bfloat16 with `bf16`, else IEEE
+// half) as a float (exact).
+__device__ inline float Widened(const void* wire, int64_t i, bool bf16) {
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(wire)[i])
+              : __half2float(static_cast<const __half*>(wire)[i]);
+}
+
 // blockIdx.y picks the piece; the x blocks stride over its floats.
 __global__ void PackToWireKernel(const WirePiece* pieces, bool bf16, void* wire) {
   const WirePiece p = pieces[blockIdx.y];
@@ -526,16 +533,7 @@ __global__ void UnpackFromWireKernel(const WirePiece* pieces, bool bf16, const v
   const WirePiece p = pieces[blockIdx.y];
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    p.data[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(wire)[p.offset + i])
-                     : __half2float(static_cast<const __half*>(wire)[p.offset + i]);
-  }
-}
-
-__global__ void WidenToFloatKernel(const void* wire, bool bf16, float* out, int64_t n) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(wire)[i])
-                  : __half2float(static_cast<const __half*>(wire)[i]);
+    p.data[i] = Widened(wire, p.offset + i, bf16);
   }
 }
 
@@ -546,8 +544,7 @@ __global__ void WidenPiecesKernel(WidenPieces pieces, bool bf16) {
   const int64_t count = pieces.count[k];
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(src)[i])
-                  : __half2float(static_cast<const __half*>(src)[i]);
+    dst[i] = Widened(src, i, bf16);
   }
 }
 
@@ -590,14 +587,6 @@ cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_
   dim3 grid;
   if (!WireGrid(num_pieces, max_count, &grid)) return cudaSuccess;
   UnpackFromWireKernel<<<grid, kThreads, 0, stream>>>(pieces, bf16, wire);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t n,
-                               cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  WidenToFloatKernel<<<std::min(BlocksFor(n, kThreads), 1024), kThreads, 0, stream>>>(wire, bf16,
-                                                                                      out, n);
   return cudaGetLastError();
 }
 

@@ -70,11 +70,6 @@ cudaError_t LaunchPackToWire(const WirePiece* pieces, int num_pieces, int64_t ma
 cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_t max_count,
                                  bool bf16, const void* wire, cudaStream_t stream);
 
-// out[i] = the `n` 16-bit values at `wire` (bfloat16 with `bf16`, else IEEE
-// half) as floats (exact).
-cudaError_t LaunchWidenToFloat(const void* wire, bool bf16, float* out, int64_t n,
-                               cudaStream_t stream);
-
 // Up to kMaxWidenPieces runs of 16-bit values widened in one launch, the
 // table passed by value (no copy of it to the device first): piece k's
 // count[k] values at src[k] (device memory) to floats at dst[k].
@@ -89,8 +84,8 @@ struct WidenPieces {
 cudaError_t LaunchWidenPieces(const WidenPieces& pieces, int num, int64_t max_count, bool bf16,
                               cudaStream_t stream);
 
-// The reverse: the `n` floats at `in` rounded to nearest-even into `out` as
-// bfloat16 (`bf16`) or IEEE half, as LaunchPackToWire rounds them.
+// The `n` floats at `in` rounded to nearest-even into `out` as bfloat16
+// (`bf16`) or IEEE half, as LaunchPackToWire rounds them.
 cudaError_t LaunchNarrowFromFloat(const float* in, bool bf16, void* out, int64_t n,
                                   cudaStream_t stream);
 
