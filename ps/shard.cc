@@ -290,18 +290,7 @@ absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice, 
                                       return !in_range() || slice_[slice].version >= min_version;
                                     }));
   if (!in_range()) return absl::AbortedError("the job was reloaded while waiting");
-  PulledSlice pulled;
-  const SliceState& s = slice_[slice];
-  if (s.version > version_ && version_ >= min_version) {
-    pulled.version = version_;  // as the shard's other slices
-    pulled.value = s.previous;
-    pulled.halves = s.previous_halves;
-  } else {
-    pulled.version = s.version;
-    pulled.value = s.published;
-    pulled.halves = s.published_halves;
-  }
-  if (pulled.halves != nullptr) pulled.halves_dtype = halves_dtype_;
+  PulledSlice pulled = SliceAtLocked(slice_[slice], min_version);
   pulled.waited = absl::Now() - start;
   return pulled;
 }
@@ -923,16 +912,7 @@ absl::StatusOr<std::optional<std::pair<size_t, Shard::PulledSlice>>> Shard::TryP
   return std::nullopt;
 }
 
-absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSliceLocked(uint64_t job_id,
-                                                                            int slice,
-                                                                            int64_t min_version) {
-  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  if (slice < 0 || static_cast<size_t>(slice) >= slice_.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pull of slice #", slice, "; the ps holds ", slice_.size(), " slices"));
-  }
-  const SliceState& s = slice_[slice];
-  if (s.version < min_version) return std::nullopt;
+Shard::PulledSlice Shard::SliceAtLocked(const SliceState& s, int64_t min_version) const {
   PulledSlice pulled;
   if (s.version > version_ && version_ >= min_version) {
     pulled.version = version_;  // as the shard's other slices
@@ -945,6 +925,19 @@ absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSliceLocked(uint
   }
   if (pulled.halves != nullptr) pulled.halves_dtype = halves_dtype_;
   return pulled;
+}
+
+absl::StatusOr<std::optional<Shard::PulledSlice>> Shard::TryPullSliceLocked(uint64_t job_id,
+                                                                            int slice,
+                                                                            int64_t min_version) {
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (slice < 0 || static_cast<size_t>(slice) >= slice_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pull of slice #", slice, "; the ps holds ", slice_.size(), " slices"));
+  }
+  const SliceState& s = slice_[slice];
+  if (s.version < min_version) return std::nullopt;
+  return SliceAtLocked(s, min_version);
 }
 
 absl::StatusOr<std::optional<int64_t>> Shard::TryVersion(uint64_t job_id, int64_t min_version) {

@@ -487,6 +487,10 @@ class Shard {
   // Wakes the blocked waits and every waiter (telling them `slice`: the one
   // applied, or -1).
   void WakeLocked(int slice = -1) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Slice `s` (at min_version or more) as a pull gets it: at the shard's
+  // version if that is min_version or more, else at the slice's own.
+  PulledSlice SliceAtLocked(const SliceState& s, int64_t min_version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::optional<PulledSlice>> TryPullSliceLocked(uint64_t job_id, int slice,
                                                                 int64_t min_version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
