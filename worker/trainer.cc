@@ -213,20 +213,16 @@ absl::Status Trainer::Prepare() {
   }
   // Those buckets' gradients cross in the wire dtype, rounded by the step
   // on the device (in its graph, before each bucket's event).
-  net_->SetGradientHalves({}, true);
   if (!host_buckets_.empty() && wire != DT_FLOAT && options_.narrow_on_device) {
     std::vector<uint16_t*> on_device;
     for (const VariableShape& v : net_->variables()) {
-      // Whole floats that hold the 16-bit values, on the device and the host.
       const size_t floats = static_cast<size_t>(NumElements(v.shape) + 1) / 2;
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> device = backend_->Allocate(floats);
       if (!device.ok()) return Permanent(device.status());
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> host = backend_->AllocateHost(floats);
       if (!host.ok()) return Permanent(host.status());
       on_device.push_back(reinterpret_cast<uint16_t*>((*device)->data()));
-      narrowed_grads_.push_back(reinterpret_cast<uint16_t*>((*host)->data()));
-      narrowed_staging_.push_back(*std::move(device));
-      narrowed_staging_.push_back(*std::move(host));
+      narrowed_.push_back({*std::move(device), *std::move(host)});
     }
     net_->SetGradientHalves(std::move(on_device), wire == DT_BFLOAT16);
     if (!told_narrowed_) {
@@ -275,10 +271,10 @@ absl::Status Trainer::Prepare() {
     const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
     std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
     std::vector<TensorRef> refs = SliceRefs(job_.placement(), p, grads, "", wire);
-    if (!narrowed_grads_.empty()) {
+    if (!narrowed_.empty()) {
       for (size_t i = 0; i < refs.size(); ++i) {
         const int v = slices[i].variable_index;
-        refs[i].encoded = narrowed_grads_[v] + (refs[i].data - grads[v]);
+        refs[i].encoded = narrowed_[v].host_values() + (refs[i].data - grads[v]);
         refs[i].data = nullptr;
       }
     }
@@ -630,14 +626,12 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   for (size_t b = 0; s.ok() && b < host_buckets_.size(); ++b) {
     copies.clear();
     for (int v : host_buckets_[b].variables) {
-      if (narrowed_grads_.empty()) {
+      if (narrowed_.empty()) {
         copies.push_back({device[v], grads_[v], static_cast<size_t>(variable_floats_[v])});
-        continue;
+      } else {  // the 16-bit values the step rounded, in whole floats
+        copies.push_back(
+            {narrowed_[v].device->data(), narrowed_[v].host->data(), narrowed_[v].host->size()});
       }
-      // The 16-bit values the step rounded, in whole floats (narrowed_staging_:
-      // the device's buffer, then the host's).
-      copies.push_back({narrowed_staging_[2 * v]->data(), narrowed_staging_[2 * v + 1]->data(),
-                        static_cast<size_t>(variable_floats_[v] + 1) / 2});
     }
     s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
     if (s.ok() && push_early_) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
@@ -801,8 +795,7 @@ absl::Status Trainer::CreateReplicas() {
   upload_after_.clear();
   host_buckets_.clear();  // so are their events
   staging_.clear();       // and the page-locked buffers (Prepare makes new ones)
-  narrowed_grads_.clear();
-  narrowed_staging_.clear();
+  narrowed_.clear();
   gpu_peers_.reset();  // before the backend it queues on
   replicas_.clear();
   replica_nets_.clear();

@@ -351,14 +351,16 @@ class Trainer {
   // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
   // copies out (empty: the step copies them after it, GetGradients).
   std::vector<GradientBucket> host_buckets_;
-  // With options_.narrow_on_device and a 16-bit wire dtype: where
-  // StepCopyingGradients leaves each variable's gradient, rounded by the
-  // step on the device (Network::SetGradientHalves); the lanes' refs point
-  // there (TensorRef::encoded). narrowed_staging_ holds, by variable, the
-  // device's buffer of those values and the host's (page-locked). Empty
-  // otherwise.
-  std::vector<uint16_t*> narrowed_grads_;
-  std::vector<std::unique_ptr<kernels::Buffer>> narrowed_staging_;
+  // With options_.narrow_on_device and a 16-bit wire dtype, by variable:
+  // its gradient rounded by the step on the device
+  // (Network::SetGradientHalves), and where StepCopyingGradients copies it
+  // (page-locked; the lanes' refs point there: TensorRef::encoded). Each
+  // buffer is in whole floats that hold the 16-bit values. Empty otherwise.
+  struct NarrowedGradient {
+    std::unique_ptr<kernels::Buffer> device, host;
+    uint16_t* host_values() const { return reinterpret_cast<uint16_t*>(host->data()); }
+  };
+  std::vector<NarrowedGradient> narrowed_;
   // With host buckets: by variable, the event its pulled weights wait for
   // on their way to the device (its bucket's `ready`: the running step's
   // backward pass is done with the weight), so that they overlap the rest
