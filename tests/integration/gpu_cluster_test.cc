@@ -58,6 +58,30 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
   std::filesystem::remove_all(dir);
 }
 
+// One job of the two tests below: one GPU worker with `worker_args`, 2 ps,
+// the mlp on synthetic data, 300 steps of SGD, `wire` on the wire, its
+// model in `model_dir`.
+struct MlpJob {
+  int exit_code = -1;
+  std::string output, description;
+  std::string model;  // the saved model's bytes (empty if none)
+};
+MlpJob TrainMlp(const std::string& model_dir, const std::string& wire,
+                const std::string& worker_args) {
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
+                  "--worker_args=" + worker_args, "--", "--model=mlp", "--dataset=synthetic",
+                  "--train_steps=300", "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
+                  "--log_every_steps=100", "--wire_dtype=" + wire, "--model_dir=" + model_dir});
+  MlpJob job;
+  job.exit_code = launch.WaitOrKill(seconds(180));
+  job.output = launch.output();
+  job.description = launch.Describe();
+  std::ifstream in(model_dir + "/saved_model/model.pb", std::ios::binary);
+  job.model.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return job;
+}
+
 // A GPU worker whose pulls go through shared memory copies the pulled
 // weights to the GPU straight from there (16-bit ones widened on the GPU),
 // and says so once; it trains exactly the weights it trains when they are
@@ -77,22 +101,15 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
     SCOPED_TRACE(wire);
     std::string model[2];
     for (const bool from_shared : {true, false}) {
-      const std::string model_dir = dir + "/" + wire + (from_shared ? "_shared" : "_staged");
-      Process launch(Bin("psflow-launch"),
-                     {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
-                      std::string("--worker_args=--upload_from_shared_memory=") +
-                          (from_shared ? "true" : "false"),
-                      "--", "--model=mlp", "--dataset=synthetic", "--train_steps=300",
-                      "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
-                      "--log_every_steps=100", "--wire_dtype=" + wire, "--model_dir=" + model_dir});
-      ASSERT_EQ(launch.WaitOrKill(seconds(180)), 0) << launch.Describe();
-      EXPECT_EQ(launch.output().find("straight from the shared memory") != std::string::npos,
+      const MlpJob job =
+          TrainMlp(dir + "/" + wire + (from_shared ? "_shared" : "_staged"), wire,
+                   std::string("--upload_from_shared_memory=") + (from_shared ? "true" : "false"));
+      ASSERT_EQ(job.exit_code, 0) << job.description;
+      EXPECT_EQ(job.output.find("straight from the shared memory") != std::string::npos,
                 from_shared)
-          << launch.Describe();
-      std::ifstream in(model_dir + "/saved_model/model.pb", std::ios::binary);
-      std::string& bytes = model[from_shared ? 0 : 1];
-      bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-      ASSERT_FALSE(bytes.empty()) << launch.Describe();
+          << job.description;
+      model[from_shared ? 0 : 1] = job.model;
+      ASSERT_FALSE(job.model.empty()) << job.description;
     }
     EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
   }
@@ -114,22 +131,15 @@ TEST(GpuClusterTest, GradientsRoundedOnTheGpuTrainTheSameWeights) {
                               .string();
   std::filesystem::remove_all(dir);
   auto train = [&](const std::string& wire, bool on_gpu, bool shared) {
-    const std::string model_dir =
-        dir + "/" + wire + (on_gpu ? "_gpu" : "_host") + (shared ? "_shared" : "_network");
-    Process launch(Bin("psflow-launch"),
-                   {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
-                    std::string("--worker_args=--narrow_on_gpu=") + (on_gpu ? "true" : "false") +
-                        " --shared_memory=" + (shared ? "true" : "false"),
-                    "--", "--model=mlp", "--dataset=synthetic", "--train_steps=300",
-                    "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
-                    "--log_every_steps=100", "--wire_dtype=" + wire, "--model_dir=" + model_dir});
-    EXPECT_EQ(launch.WaitOrKill(seconds(180)), 0) << launch.Describe();
-    EXPECT_EQ(launch.output().find("on the GPU before they cross") != std::string::npos, on_gpu)
-        << launch.Describe();
-    std::ifstream in(model_dir + "/saved_model/model.pb", std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    EXPECT_FALSE(bytes.empty()) << launch.Describe();
-    return bytes;
+    const MlpJob job = TrainMlp(
+        dir + "/" + wire + (on_gpu ? "_gpu" : "_host") + (shared ? "_shared" : "_network"), wire,
+        std::string("--narrow_on_gpu=") + (on_gpu ? "true" : "false") +
+            " --shared_memory=" + (shared ? "true" : "false"));
+    EXPECT_EQ(job.exit_code, 0) << job.description;
+    EXPECT_EQ(job.output.find("on the GPU before they cross") != std::string::npos, on_gpu)
+        << job.description;
+    EXPECT_FALSE(job.model.empty()) << job.description;
+    return job.model;
   };
   for (const std::string wire : {"bf16", "fp16"}) {
     SCOPED_TRACE(wire);
