@@ -299,45 +299,49 @@ class Backend {
   virtual absl::Status WaitEvent(Event* event) {
     return absl::UnimplementedError(name() + " has no events");
   }
-  // Copies `floats` floats from `host` (memory from AllocateHost) to
-  // `device` once the backend has passed `after` (recorded by RecordEvent;
-  // null: no wait), on a stream of uploads of the backend's own, and returns
-  // at once: unlike CopyToDevice's, the copy waits for `after` alone, not
-  // for all the work queued before it (a step's graph may still run while
-  // the weights its backward pass has finished with are replaced). The work
-  // queued on the backend afterwards does not wait for the copy until
-  // JoinUploads; Synchronize does. Leave `host` unchanged until then.
-  // Thread-safe. Backends that run their work at once just copy.
-  virtual absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats,
-                                         float* device) {
-    return CopyToDevice(host, floats, device);
+  // What an upload's host memory holds: floats, or 16-bit values (bfloat16
+  // or IEEE half) that cross as they are and are widened to floats on the
+  // device (exact).
+  enum class HostValues { kFloat, kBfloat16, kHalf };
+  // One copy of CopyToDeviceAfter: `elements` values at `host` (memory
+  // from AllocateHost, or registered through host_pinning) to the floats at
+  // `device`, once the backend has passed `after`.
+  struct Upload {
+    Event* after = nullptr;  // null: no wait
+    const void* host = nullptr;
+    size_t elements = 0;
+    float* device = nullptr;
+  };
+  // Queues each of `uploads` on a stream of uploads of the backend's own
+  // and returns at once: unlike CopyToDevice's, each copy waits for its
+  // `after` (an event of RecordEvent) alone, not for all the work queued
+  // before it (a step's graph may still run while the weights its backward
+  // pass has finished with are replaced). The work queued on the backend
+  // afterwards does not wait for the copies until JoinUploads; Synchronize
+  // does. Leave the host memory unchanged until then (or RecordUploadsDone).
+  // One call for many uploads costs less than one call each: host ranges
+  // that lie close together cross in one copy, and one kernel places up to
+  // 64 of them, once every event of the batch has passed. Thread-safe.
+  // Backends that run their work at once just copy floats, and return
+  // UNIMPLEMENTED for 16-bit values (the CPU: decode them on the host).
+  virtual absl::Status CopyToDeviceAfter(const std::vector<Upload>& uploads, HostValues values) {
+    if (values != HostValues::kFloat) {
+      return absl::UnimplementedError(name() + " has no copies of 16-bit values");
+    }
+    for (const Upload& u : uploads) {
+      if (u.elements == 0) continue;
+      absl::Status s = CopyToDevice(static_cast<const float*>(u.host), u.elements, u.device);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  // One upload of `floats` floats alone.
+  absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats, float* device) {
+    return CopyToDeviceAfter({{after, host, floats, device}}, HostValues::kFloat);
   }
   // The work queued on this backend from now on waits for every copy that
   // CopyToDeviceAfter has queued so far. Nothing to do where copies run at once.
   virtual absl::Status JoinUploads() { return absl::OkStatus(); }
-  // One copy of CopyHalvesToDeviceAfter: as CopyToDeviceAfter, for
-  // `elements` 16-bit values at `host` (bfloat16 or IEEE half): they cross
-  // in 16 bits, and the device widens them to floats into `device` (exact).
-  struct HalvesUpload {
-    Event* after = nullptr;  // null: no wait
-    const uint16_t* host = nullptr;
-    size_t elements = 0;
-    float* device = nullptr;
-  };
-  // Each of `uploads` (bfloat16 with `bf16`, else IEEE half), queued in one
-  // call: host ranges that lie close together cross in one copy, and one
-  // kernel widens up to 64 of them, once every event of the batch has
-  // passed. UNIMPLEMENTED where the backend has no such copies (the CPU's
-  // run at once: decode on the host).
-  virtual absl::Status CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
-                                               bool bf16) {
-    return absl::UnimplementedError(name() + " has no copies of 16-bit values");
-  }
-  // One upload alone.
-  absl::Status CopyHalvesToDeviceAfter(Event* after, const uint16_t* host, bool bf16,
-                                       size_t elements, float* device) {
-    return CopyHalvesToDeviceAfter({{after, host, elements, device}}, bf16);
-  }
   // Records `done` after every copy CopyToDeviceAfter has queued so far (on
   // their stream): WaitEvent(done) then returns once their host memory may
   // change. UNIMPLEMENTED on backends without events.

@@ -216,28 +216,26 @@ absl::Status Network::SetWeightAfter(int i, const float* host, kernels::Event* a
 
 absl::Status Network::SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
                                           kernels::Event* after) {
-  PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(i, first, count));
-  if (options_.local_sgd_learning_rate > 0) {
-    PSFLOW_RETURN_IF_ERROR(JoinUploads());
-    return backend_->CopyToDevice(host, static_cast<size_t>(count), device);
-  }
-  return backend_->CopyToDeviceAfter(after, host, static_cast<size_t>(count), device);
+  return SetWeightRangesAfter({{i, first, count, host, after}},
+                              kernels::Backend::HostValues::kFloat);
 }
 
-absl::Status Network::SetWeightRangesFromHalvesAfter(const std::vector<HalvesRange>& ranges,
-                                                     bool bf16) {
-  // With local SGD, as SetWeight: the next work waits for the copies.
+absl::Status Network::SetWeightRangesAfter(const std::vector<HostRange>& ranges,
+                                           kernels::Backend::HostValues values) {
+  // With local SGD, as SetWeight: the copies wait for the work queued
+  // before them (the step writes every weight), and the next work waits for
+  // the copies.
   const bool local_sgd = options_.local_sgd_learning_rate > 0;
-  std::vector<kernels::Backend::HalvesUpload> uploads;
+  std::vector<kernels::Backend::Upload> uploads;
   uploads.reserve(ranges.size());
-  for (const HalvesRange& r : ranges) {
+  for (const HostRange& r : ranges) {
     PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(r.variable, r.first, r.count));
     uploads.push_back(
         {local_sgd ? nullptr : r.after, r.host, static_cast<size_t>(r.count), device});
   }
-  if (!local_sgd) return backend_->CopyHalvesToDeviceAfter(uploads, bf16);
-  PSFLOW_RETURN_IF_ERROR(JoinUploads());
-  PSFLOW_RETURN_IF_ERROR(backend_->CopyHalvesToDeviceAfter(uploads, bf16));
+  if (!local_sgd) return backend_->CopyToDeviceAfter(uploads, values);
+  PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());
+  PSFLOW_RETURN_IF_ERROR(backend_->CopyToDeviceAfter(uploads, values));
   return JoinUploads();
 }
 

@@ -114,18 +114,19 @@ class Network {
   // `first` on (a slice of its rows), from `host` (their values only).
   absl::Status SetWeightRangeAfter(int i, int64_t first, int64_t count, const float* host,
                                    kernels::Event* after);
-  // As SetWeightRangeAfter for each of `ranges`, from `count` 16-bit values
-  // each (bfloat16 with `bf16`, else IEEE half) that cross as they are and
-  // are widened on the device, queued at once (Backend::
-  // CopyHalvesToDeviceAfter: fewer calls, one widening; UNIMPLEMENTED on
-  // the CPU).
-  struct HalvesRange {
+  // As SetWeightRangeAfter for each of `ranges`, queued at once
+  // (Backend::CopyToDeviceAfter: fewer calls, one kernel placing many
+  // ranges): `count` values at `host` each, floats, or 16-bit values
+  // (bfloat16 or IEEE half) that cross as they are and are widened on the
+  // device (UNIMPLEMENTED on the CPU).
+  struct HostRange {
     int variable = 0;
     int64_t first = 0, count = 0;
-    const uint16_t* host = nullptr;
+    const void* host = nullptr;
     kernels::Event* after = nullptr;
   };
-  absl::Status SetWeightRangesFromHalvesAfter(const std::vector<HalvesRange>& ranges, bool bf16);
+  absl::Status SetWeightRangesAfter(const std::vector<HostRange>& ranges,
+                                    kernels::Backend::HostValues values);
   // Copies the weights out to host memory, one pointer per variable.
   absl::Status GetWeights(const std::vector<float*>& host);
 

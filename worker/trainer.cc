@@ -953,27 +953,29 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
     // until the copies are done), or its sink.
     lane.hold = std::move(r->hold);
     absl::Status s;
-    // 16-bit slices go together, in one call (each alone costs a copy and
-    // a kernel, under the backend's lock).
-    std::vector<model::Network::HalvesRange> halves;
-    bool bf16 = true;
-    for (size_t i = 0; s.ok() && i < lane.sinks.size(); ++i) {
+    // The lane's slices go to the backend in one call for each kind of
+    // values (each alone costs a copy, and a kernel for 16-bit values,
+    // under the backend's lock).
+    std::vector<model::Network::HostRange> floats, halves;
+    auto halves_values = kernels::Backend::HostValues::kBfloat16;
+    for (size_t i = 0; i < lane.sinks.size(); ++i) {
       const int v = lane.variables[i];
       const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
       const void* const borrowed = lane.borrowed[i];
       const DataType dtype = lane.sinks[i].dtype;
       if (borrowed != nullptr && dtype != DT_FLOAT) {
-        halves.push_back(
-            {v, first, count, static_cast<const uint16_t*>(borrowed), upload_after_[v]});
-        bf16 = dtype == DT_BFLOAT16;
+        halves.push_back({v, first, count, borrowed, upload_after_[v]});
+        halves_values = dtype == DT_BFLOAT16 ? kernels::Backend::HostValues::kBfloat16
+                                             : kernels::Backend::HostValues::kHalf;
         continue;
       }
-      s = net_->SetWeightRangeAfter(
-          v, first, count,
-          borrowed == nullptr ? weights_[v] + first : static_cast<const float*>(borrowed),
-          upload_after_[v]);
+      floats.push_back({v, first, count, borrowed == nullptr ? weights_[v] + first : borrowed,
+                        upload_after_[v]});
     }
-    if (s.ok() && !halves.empty()) s = net_->SetWeightRangesFromHalvesAfter(halves, bf16);
+    if (!floats.empty()) {
+      s = net_->SetWeightRangesAfter(floats, kernels::Backend::HostValues::kFloat);
+    }
+    if (s.ok() && !halves.empty()) s = net_->SetWeightRangesAfter(halves, halves_values);
     if (s.ok() && lane.hold != nullptr) {
       if (!told_borrow_.exchange(true)) {
         PSLOG(INFO) << "pulled weights go to the GPU straight from the shared memory the ps "

@@ -111,10 +111,10 @@ struct CudaContext {
   cudaStream_t upload_stream = nullptr;
   cudaEvent_t uploads_joined = nullptr;
   bool uploads_pending = false;
-  // CopyHalvesToDeviceAfter's 16-bit values on the device, before they are
-  // widened (used in order on upload_stream).
-  void* upload_halves = nullptr;
-  size_t upload_halves_bytes = 0;
+  // CopyToDeviceAfter's uploads on the device, before a kernel places (and
+  // widens) them (used in order on upload_stream).
+  void* upload_buffer = nullptr;
+  size_t upload_buffer_bytes = 0;
   cudnnHandle_t cudnn = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
@@ -205,7 +205,7 @@ CudaContext::~CudaContext() {
     static_cast<void>(cudaStreamDestroy(upload_stream));
   }
   if (uploads_joined != nullptr) static_cast<void>(cudaEventDestroy(uploads_joined));
-  if (upload_halves != nullptr) static_cast<void>(cudaFree(upload_halves));
+  if (upload_buffer != nullptr) static_cast<void>(cudaFree(upload_buffer));
   if (cublas != nullptr) static_cast<void>(cublasDestroy(cublas));
   if (cudnn != nullptr) static_cast<void>(cudnnDestroy(cudnn));
   if (cublas_workspace != nullptr) static_cast<void>(cudaFree(cublas_workspace));
@@ -1161,35 +1161,21 @@ absl::Status UploadStreamWaitsFor(CudaContext& ctx, CudaEvent* after) {
   return absl::OkStatus();
 }
 
-// Makes the context's buffer of 16-bit uploads hold at least `bytes`
-// (once its stream is past every queued widening that reads the old one).
-// Call inside RunIn, with the stream of uploads made.
-absl::Status GrowUploadHalves(CudaContext& ctx, size_t bytes) {
-  if (ctx.upload_halves_bytes >= bytes) return absl::OkStatus();
+// Makes the context's buffer of uploads hold at least `bytes` (once its
+// stream is past every queued kernel that reads the old one). Call inside
+// RunIn, with the stream of uploads made.
+absl::Status GrowUploadBuffer(CudaContext& ctx, size_t bytes) {
+  if (ctx.upload_buffer_bytes >= bytes) return absl::OkStatus();
   PSFLOW_CUDA_CHECK(cudaStreamSynchronize(ctx.upload_stream));
-  if (ctx.upload_halves != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx.upload_halves));
-  ctx.upload_halves = nullptr;
-  ctx.upload_halves_bytes = 0;
-  PSFLOW_CUDA_CHECK(cudaMalloc(&ctx.upload_halves, bytes));
-  ctx.upload_halves_bytes = bytes;
+  if (ctx.upload_buffer != nullptr) PSFLOW_CUDA_CHECK(cudaFree(ctx.upload_buffer));
+  ctx.upload_buffer = nullptr;
+  ctx.upload_buffer_bytes = 0;
+  PSFLOW_CUDA_CHECK(cudaMalloc(&ctx.upload_buffer, bytes));
+  ctx.upload_buffer_bytes = bytes;
   return absl::OkStatus();
 }
 
 }  // namespace
-
-absl::Status CudaBackend::CopyToDeviceAfter(Event* after, const float* host, size_t floats,
-                                            float* device) {
-  PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const cuda_event, UploadEvent(after, "CopyToDeviceAfter"));
-  if (floats == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CopyToDeviceAfter", floats, "floats", [&]() -> absl::Status {
-    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", host}, {"device", device}}));
-    PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, cuda_event));
-    PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, floats * sizeof(float), cudaMemcpyHostToDevice,
-                                      ctx_->upload_stream));
-    ctx_->uploads_pending = true;
-    return absl::OkStatus();
-  });
-}
 
 absl::Status CudaBackend::JoinUploads() {
   return RunIn(*ctx_, "JoinUploads", "", [&]() -> absl::Status {
@@ -1204,15 +1190,15 @@ absl::Status CudaBackend::JoinUploads() {
   });
 }
 
-absl::Status CudaBackend::CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
-                                                  bool bf16) {
+absl::Status CudaBackend::CopyToDeviceAfter(const std::vector<Upload>& uploads, HostValues values) {
   // Host ranges at most this far apart (in ascending order, as a pull lays
   // its slices out in a region) cross in one copy, the gap with them.
   constexpr size_t kGapBytes = 4096;
   constexpr size_t kAlign = 256;
+  const size_t value_bytes = values == HostValues::kFloat ? sizeof(float) : sizeof(uint16_t);
   std::vector<CudaEvent*> events;
-  for (const HalvesUpload& u : uploads) {
-    PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const e, UploadEvent(u.after, "CopyHalvesToDeviceAfter"));
+  for (const Upload& u : uploads) {
+    PSFLOW_ASSIGN_OR_RETURN(CudaEvent* const e, UploadEvent(u.after, "CopyToDeviceAfter"));
     if (e != nullptr && std::find(events.begin(), events.end(), e) == events.end()) {
       events.push_back(e);
     }
@@ -1220,62 +1206,83 @@ absl::Status CudaBackend::CopyHalvesToDeviceAfter(const std::vector<HalvesUpload
       PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"host", u.host}, {"device", u.device}}));
     }
   }
-  // The copies: [begin, end) of host memory to byte `at` of the buffer.
+  // The copies: [begin, end) of host memory, holding `uploads` uploads
+  // from upload `first` on; to byte `at` of the buffer, or (`direct`: one
+  // upload of floats) straight to its place.
   struct Span {
     const char* begin;
     const char* end;
-    size_t at;
+    size_t first;
+    int uploads = 0;
+    size_t at = 0;
+    bool direct = false;
   };
   std::vector<Span> spans;
-  std::vector<size_t> source;  // by upload: its byte in the buffer
-  size_t bytes = 0;
-  for (const HalvesUpload& u : uploads) {
-    const char* const begin = reinterpret_cast<const char*>(u.host);
-    const char* const end = begin + u.elements * sizeof(uint16_t);
-    if (u.elements == 0) {
-      source.push_back(0);
-      continue;
-    }
+  std::vector<size_t> span_of(uploads.size(), 0);  // by non-empty upload
+  for (size_t i = 0; i < uploads.size(); ++i) {
+    const Upload& u = uploads[i];
+    if (u.elements == 0) continue;
+    const char* const begin = static_cast<const char*>(u.host);
+    const char* const end = begin + u.elements * value_bytes;
     if (spans.empty() || begin < spans.back().end ||
         static_cast<size_t>(begin - spans.back().end) > kGapBytes) {
-      bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-      spans.push_back({begin, end, bytes});
+      spans.push_back({begin, end, i});
     } else {
       spans.back().end = end;
     }
-    source.push_back(spans.back().at + static_cast<size_t>(begin - spans.back().begin));
-    bytes = spans.back().at + static_cast<size_t>(spans.back().end - spans.back().begin);
+    ++spans.back().uploads;
+    span_of[i] = spans.size() - 1;
   }
-  if (bytes == 0) return absl::OkStatus();
-  return RunIn(*ctx_, "CopyHalvesToDeviceAfter", uploads.size(), "copies", [&]() -> absl::Status {
+  if (spans.empty()) return absl::OkStatus();
+  size_t bytes = 0;
+  for (Span& s : spans) {
+    s.direct = values == HostValues::kFloat && s.uploads == 1;
+    if (s.direct) continue;
+    s.at = (bytes + kAlign - 1) / kAlign * kAlign;
+    bytes = s.at + static_cast<size_t>(s.end - s.begin);
+  }
+  const cuda_internal::PieceValues piece_values =
+      values == HostValues::kFloat      ? cuda_internal::PieceValues::kFloat
+      : values == HostValues::kBfloat16 ? cuda_internal::PieceValues::kBfloat16
+                                        : cuda_internal::PieceValues::kHalf;
+  return RunIn(*ctx_, "CopyToDeviceAfter", uploads.size(), "copies", [&]() -> absl::Status {
     PSFLOW_RETURN_IF_ERROR(cuda_internal::EnsureStream(&ctx_->upload_stream));
-    PSFLOW_RETURN_IF_ERROR(GrowUploadHalves(*ctx_, bytes));
-    char* const buffer = static_cast<char*>(ctx_->upload_halves);
+    PSFLOW_RETURN_IF_ERROR(GrowUploadBuffer(*ctx_, bytes));
+    char* const buffer = static_cast<char*>(ctx_->upload_buffer);
     // The copies into the buffer need no wait (they write no weight); the
-    // widening does.
+    // direct copies and the placing do.
     for (const Span& s : spans) {
+      if (s.direct) continue;
       PSFLOW_CUDA_CHECK(cudaMemcpyAsync(buffer + s.at, s.begin,
                                         static_cast<size_t>(s.end - s.begin),
                                         cudaMemcpyHostToDevice, ctx_->upload_stream));
     }
     for (CudaEvent* e : events) PSFLOW_RETURN_IF_ERROR(UploadStreamWaitsFor(*ctx_, e));
-    cuda_internal::WidenPieces pieces;
+    for (const Span& s : spans) {
+      if (!s.direct) continue;
+      PSFLOW_CUDA_CHECK(cudaMemcpyAsync(uploads[s.first].device, s.begin,
+                                        static_cast<size_t>(s.end - s.begin),
+                                        cudaMemcpyHostToDevice, ctx_->upload_stream));
+    }
+    cuda_internal::UploadPieces pieces;
     int num = 0;
     int64_t max_count = 0;
     auto launch = [&]() -> absl::Status {
-      PSFLOW_CUDA_CHECK(
-          cuda_internal::LaunchWidenPieces(pieces, num, max_count, bf16, ctx_->upload_stream));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchUploadPieces(pieces, num, max_count, piece_values,
+                                                          ctx_->upload_stream));
       num = 0;
       max_count = 0;
       return absl::OkStatus();
     };
     for (size_t i = 0; i < uploads.size(); ++i) {
       if (uploads[i].elements == 0) continue;
-      pieces.src[num] = buffer + source[i];
+      const Span& s = spans[span_of[i]];
+      if (s.direct) continue;
+      pieces.src[num] = buffer + s.at + (static_cast<const char*>(uploads[i].host) - s.begin);
       pieces.dst[num] = uploads[i].device;
       pieces.count[num] = static_cast<int64_t>(uploads[i].elements);
       max_count = std::max(max_count, pieces.count[num]);
-      if (++num == cuda_internal::kMaxWidenPieces) PSFLOW_RETURN_IF_ERROR(launch());
+      if (++num == cuda_internal::kMaxUploadPieces) PSFLOW_RETURN_IF_ERROR(launch());
     }
     if (num > 0) PSFLOW_RETURN_IF_ERROR(launch());
     ctx_->uploads_pending = true;

@@ -122,16 +122,14 @@ class CudaBackend final : public Backend {
   absl::Status RecordCopiesDone(Event* done) override;
   absl::Status WaitEvent(Event* event) override;
   // On a third stream of the context's (made at the first call), waiting
-  // for `after` there; JoinUploads makes the backend's stream wait for an
-  // event recorded on it.
-  absl::Status CopyToDeviceAfter(Event* after, const float* host, size_t floats,
-                                 float* device) override;
+  // there for the batch's events; JoinUploads makes the backend's stream
+  // wait for an event recorded on it. A float upload that lies apart from
+  // the others is copied straight to its place; the rest go through a
+  // buffer of the context's (grown to the largest batch) and a kernel
+  // places (and widens) them.
+  using Backend::CopyToDeviceAfter;  // the one-upload form
+  absl::Status CopyToDeviceAfter(const std::vector<Upload>& uploads, HostValues values) override;
   absl::Status JoinUploads() override;
-  // The 16-bit values go through a buffer of the context's (grown to the
-  // largest batch), in order on the stream of uploads.
-  using Backend::CopyHalvesToDeviceAfter;  // the one-upload form
-  absl::Status CopyHalvesToDeviceAfter(const std::vector<HalvesUpload>& uploads,
-                                       bool bf16) override;
   absl::Status RecordUploadsDone(Event* done) override;
   // cudaHostRegister (portable) and cudaHostUnregister, with this backend's
   // GPU current.

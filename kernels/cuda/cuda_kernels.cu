@@ -537,14 +537,16 @@ __global__ void UnpackFromWireKernel(const WirePiece* pieces, bool bf16, const v
   }
 }
 
-__global__ void WidenPiecesKernel(WidenPieces pieces, bool bf16) {
+__global__ void UploadPiecesKernel(UploadPieces pieces, PieceValues values) {
   const int k = blockIdx.y;
   const void* const src = pieces.src[k];
   float* const dst = pieces.dst[k];
   const int64_t count = pieces.count[k];
+  const bool bf16 = values == PieceValues::kBfloat16;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = Widened(src, i, bf16);
+    dst[i] =
+        values == PieceValues::kFloat ? static_cast<const float*>(src)[i] : Widened(src, i, bf16);
   }
 }
 
@@ -590,12 +592,12 @@ cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_
   return cudaGetLastError();
 }
 
-cudaError_t LaunchWidenPieces(const WidenPieces& pieces, int num, int64_t max_count, bool bf16,
-                              cudaStream_t stream) {
-  if (num > kMaxWidenPieces) return cudaErrorInvalidValue;
+cudaError_t LaunchUploadPieces(const UploadPieces& pieces, int num, int64_t max_count,
+                               PieceValues values, cudaStream_t stream) {
+  if (num > kMaxUploadPieces) return cudaErrorInvalidValue;
   dim3 grid;
   if (!WireGrid(num, max_count, &grid)) return cudaSuccess;
-  WidenPiecesKernel<<<grid, kThreads, 0, stream>>>(pieces, bf16);
+  UploadPiecesKernel<<<grid, kThreads, 0, stream>>>(pieces, values);
   return cudaGetLastError();
 }
 

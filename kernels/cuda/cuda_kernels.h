@@ -70,19 +70,21 @@ cudaError_t LaunchPackToWire(const WirePiece* pieces, int num_pieces, int64_t ma
 cudaError_t LaunchUnpackFromWire(const WirePiece* pieces, int num_pieces, int64_t max_count,
                                  bool bf16, const void* wire, cudaStream_t stream);
 
-// Up to kMaxWidenPieces runs of 16-bit values widened in one launch, the
+// Up to kMaxUploadPieces uploaded runs of values placed in one launch, the
 // table passed by value (no copy of it to the device first): piece k's
-// count[k] values at src[k] (device memory) to floats at dst[k].
-inline constexpr int kMaxWidenPieces = 64;
-struct WidenPieces {
-  const void* src[kMaxWidenPieces];
-  float* dst[kMaxWidenPieces];
-  int64_t count[kMaxWidenPieces];
+// count[k] values at src[k] (device memory: floats, or 16-bit values that
+// are widened) to the floats at dst[k].
+inline constexpr int kMaxUploadPieces = 64;
+enum class PieceValues { kFloat, kBfloat16, kHalf };
+struct UploadPieces {
+  const void* src[kMaxUploadPieces];
+  float* dst[kMaxUploadPieces];
+  int64_t count[kMaxUploadPieces];
 };
 // Pieces [0, num) of `pieces`; `max_count` is the largest count (it sizes
 // the grid).
-cudaError_t LaunchWidenPieces(const WidenPieces& pieces, int num, int64_t max_count, bool bf16,
-                              cudaStream_t stream);
+cudaError_t LaunchUploadPieces(const UploadPieces& pieces, int num, int64_t max_count,
+                               PieceValues values, cudaStream_t stream);
 
 // The `n` floats at `in` rounded to nearest-even into `out` as bfloat16
 // (`bf16`) or IEEE half, as LaunchPackToWire rounds them.

@@ -859,17 +859,23 @@ TEST_F(CudaParityTest, HalvesCopiedToTheDeviceAreWidenedExactly) {
       auto x = gpu_->Allocate(n).value();
       PSFLOW_ASSERT_OK(gpu_->Affine(x->data(), 0.0f, 42.0f, x->data(), static_cast<int64_t>(n)));
       PSFLOW_ASSERT_OK(gpu_->RecordEvent(ready.get()));
-      PSFLOW_ASSERT_OK(gpu_->CopyHalvesToDeviceAfter(ready.get(), halves, bf16, n, x->data()));
+      PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(
+          {{ready.get(), halves, n, x->data()}},
+          bf16 ? Backend::HostValues::kBfloat16 : Backend::HostValues::kHalf));
       PSFLOW_ASSERT_OK(gpu_->JoinUploads());
       EXPECT_EQ(Download(*gpu_, x->data(), n), want) << (bf16 ? "bf16 " : "fp16 ") << n;
     }
   }
-  EXPECT_EQ(gpu_->CopyHalvesToDeviceAfter(nullptr, nullptr, true, 4, nullptr).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      gpu_->CopyToDeviceAfter({{nullptr, nullptr, 4, nullptr}}, Backend::HostValues::kBfloat16)
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   std::vector<uint16_t> some(4);
   std::vector<float> out(4);
-  EXPECT_EQ(cpu_->CopyHalvesToDeviceAfter(nullptr, some.data(), true, 4, out.data()).code(),
-            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(
+      cpu_->CopyToDeviceAfter({{nullptr, some.data(), 4, out.data()}}, Backend::HostValues::kHalf)
+          .code(),
+      absl::StatusCode::kUnimplemented);
 }
 
 // Gradients rounded to 16 bits on the device (NarrowToHalves) are the bits
@@ -940,29 +946,41 @@ TEST_F(CudaParityTest, ValuesNarrowedOnTheDeviceAreTheHostsEncoding) {
             absl::StatusCode::kUnimplemented);
 }
 
-// A batch of 16-bit uploads (the slices of one pull) is widened exactly as
-// the host decodes them, each into its own place, after the events of the
-// batch: ranges close together in host memory, one far away, one before
-// the others, an empty one, and more than one kernel's worth of them.
-TEST_F(CudaParityTest, BatchedHalvesCopiedToTheDeviceAreWidenedExactly) {
+// A batch of uploads (the slices of one pull) lands each in its own place,
+// floats as they are and 16-bit values widened exactly as the host decodes
+// them, after the events of the batch: ranges close together in host
+// memory, one far away (floats: copied straight to their place), one
+// before the others, an empty one, and more than one kernel's worth.
+TEST_F(CudaParityTest, BatchedUploadsLandInTheirPlacesAfterTheirEvents) {
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 3.0f);
-  constexpr size_t kHalves = 600000;
-  auto host = gpu_->AllocateHost(kHalves / 2).value();
-  auto* halves = reinterpret_cast<uint16_t*>(host->data());
-  std::vector<float> values(kHalves);
+  constexpr size_t kValues = 600000;
+  auto host = gpu_->AllocateHost(kValues).value();
+  std::vector<float> values(kValues);
   for (float& v : values) v = normal(rng);
   constexpr int kPieces = 70;
   constexpr size_t kStride = 30000;  // floats of the device buffer per piece
   auto y = gpu_->Allocate(kPieces * kStride).value();
   auto first = gpu_->CreateEvent().value();
   auto second = gpu_->CreateEvent().value();
-  for (const bool bf16 : {true, false}) {
-    const DataType dtype = bf16 ? DT_BFLOAT16 : DT_HALF;
-    EncodeFloats(dtype, values.data(), kHalves, reinterpret_cast<char*>(halves));
-    std::vector<float> decoded(kHalves);
-    DecodeFloats(dtype, reinterpret_cast<const char*>(halves), kHalves, decoded.data());
-    std::vector<Backend::HalvesUpload> uploads;
+  using Values = Backend::HostValues;
+  for (const Values kind : {Values::kFloat, Values::kBfloat16, Values::kHalf}) {
+    const char* const name = kind == Values::kFloat      ? "fp32"
+                             : kind == Values::kBfloat16 ? "bf16"
+                                                         : "fp16";
+    // What each value should become on the device, and the host's bytes.
+    std::vector<float> expected = values;
+    size_t value_bytes = sizeof(float);
+    if (kind == Values::kFloat) {
+      std::copy(values.begin(), values.end(), host->data());
+    } else {
+      const DataType dtype = kind == Values::kBfloat16 ? DT_BFLOAT16 : DT_HALF;
+      EncodeFloats(dtype, values.data(), kValues, reinterpret_cast<char*>(host->data()));
+      DecodeFloats(dtype, reinterpret_cast<const char*>(host->data()), kValues, expected.data());
+      value_bytes = sizeof(uint16_t);
+    }
+    const char* const bytes = reinterpret_cast<const char*>(host->data());
+    std::vector<Backend::Upload> uploads;
     std::vector<size_t> at(kPieces), count(kPieces);
     for (int k = 0; k < kPieces; ++k) {
       at[k] = static_cast<size_t>(k) * 5000 + (k % 3) * 7;
@@ -973,7 +991,7 @@ TEST_F(CudaParityTest, BatchedHalvesCopiedToTheDeviceAreWidenedExactly) {
     count[69] = 20000;
     count[67] = 0;
     // The destination is overwritten by work queued before the events: a
-    // widening that did not wait for them would be overwritten too.
+    // copy or kernel that did not wait for them would be overwritten too.
     PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 0.0f, 42.0f, y->data(), kPieces * kStride));
     PSFLOW_ASSERT_OK(gpu_->RecordEvent(first.get()));
     for (int k = 0; k < 8; ++k) {
@@ -981,21 +999,23 @@ TEST_F(CudaParityTest, BatchedHalvesCopiedToTheDeviceAreWidenedExactly) {
     }
     PSFLOW_ASSERT_OK(gpu_->RecordEvent(second.get()));
     for (int k = 0; k < kPieces; ++k) {
-      uploads.push_back({k % 2 == 0 ? first.get() : second.get(), halves + at[k], count[k],
-                         y->data() + k * kStride});
+      uploads.push_back({k % 2 == 0 ? first.get() : second.get(), bytes + at[k] * value_bytes,
+                         count[k], y->data() + k * kStride});
     }
-    PSFLOW_ASSERT_OK(gpu_->CopyHalvesToDeviceAfter(uploads, bf16));
+    PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(uploads, kind));
     PSFLOW_ASSERT_OK(gpu_->JoinUploads());
     const std::vector<float> got = Download(*gpu_, y->data(), kPieces * kStride);
     for (int k = 0; k < kPieces; ++k) {
       const float* g = got.data() + k * kStride;
       EXPECT_EQ(std::vector<float>(g, g + count[k]),
-                std::vector<float>(decoded.begin() + at[k], decoded.begin() + at[k] + count[k]))
-          << (bf16 ? "bf16" : "fp16") << " piece " << k;
-      EXPECT_EQ(g[count[k]], 42.0f) << "piece " << k << " wrote past its end";
+                std::vector<float>(expected.begin() + at[k], expected.begin() + at[k] + count[k]))
+          << name << " piece " << k;
+      EXPECT_EQ(g[count[k]], 42.0f) << name << " piece " << k << " wrote past its end";
     }
   }
-  EXPECT_EQ(gpu_->CopyHalvesToDeviceAfter({{nullptr, nullptr, 4, y->data()}}, true).code(),
+  EXPECT_EQ(gpu_->CopyToDeviceAfter({{nullptr, nullptr, 4, y->data()}}, Values::kBfloat16).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->CopyToDeviceAfter({{nullptr, host->data(), 4, nullptr}}, Values::kFloat).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
