@@ -111,15 +111,36 @@ std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
   return sinks;
 }
 
+namespace {
+
+// Ps `ps`'s slices as refs of `slot` in `dtype`, each given its values by
+// `point(slice, &ref)`.
+template <typename Point>
+std::vector<TensorRef> RefsOnPs(const Placement& placement, int ps, const std::string& slot,
+                                DataType dtype, Point point) {
+  std::vector<TensorRef> refs;
+  for (const SliceRef& s : SlicesOnPs(placement, ps)) {
+    refs.push_back({s.name, slot, s.slice_shape, nullptr, dtype, s.row_begin});
+    point(s, &refs.back());
+  }
+  return refs;
+}
+
+}  // namespace
+
 std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
                                  absl::Span<const float* const> buffers, const std::string& slot,
                                  DataType dtype) {
-  std::vector<TensorRef> refs;
-  for (const SliceRef& s : SlicesOnPs(placement, ps)) {
-    refs.push_back({s.name, slot, s.slice_shape, buffers[s.variable_index] + s.float_offset, dtype,
-                    s.row_begin});
-  }
-  return refs;
+  return RefsOnPs(placement, ps, slot, dtype, [&](const SliceRef& s, TensorRef* r) {
+    r->data = buffers[s.variable_index] + s.float_offset;
+  });
+}
+
+std::vector<TensorRef> EncodedSliceRefs(const Placement& placement, int ps,
+                                        absl::Span<const uint16_t* const> values, DataType dtype) {
+  return RefsOnPs(placement, ps, "", dtype, [&](const SliceRef& s, TensorRef* r) {
+    r->encoded = values[s.variable_index] + s.float_offset;
+  });
 }
 
 std::vector<TensorSink> StateSinks(const Placement& placement, int ps,

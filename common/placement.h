@@ -70,6 +70,12 @@ std::vector<TensorSink> SliceSinks(const Placement& placement, int ps,
 std::vector<TensorRef> SliceRefs(const Placement& placement, int ps,
                                  absl::Span<const float* const> buffers,
                                  const std::string& slot = "", DataType dtype = DT_FLOAT);
+// As SliceRefs for the values, from whole variables whose values lie in
+// `dtype` already (bfloat16 or IEEE half: `values[i]` holds variable i's
+// NumElements 16-bit values): the refs send them as they lie
+// (TensorRef::encoded).
+std::vector<TensorRef> EncodedSliceRefs(const Placement& placement, int ps,
+                                        absl::Span<const uint16_t* const> values, DataType dtype);
 
 // The same for a shard's whole state: ps `ps`'s slices of the values and of
 // each optimizer slot, slots[k] ("" for the values) from buffers[k] (whole

@@ -183,17 +183,19 @@ absl::Status Trainer::Prepare() {
   weights_ = net_->HostWeights();
   grads_ = net_->HostGradients();
   in_place_ = !weights_.empty();
-  if (!in_place_) {
+  // (The gradients' staging comes below, once it is known whether the step
+  // rounds them on the device: then they go to the host in 16 bits alone.)
+  auto stage = [&](std::vector<float*>* into) -> absl::Status {
     for (const VariableShape& v : net_->variables()) {
-      for (int k = 0; k < 2; ++k) {
-        absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
-            backend_->AllocateHost(NumElements(v.shape));
-        if (!buffer.ok()) return Permanent(buffer.status());
-        staging_.push_back(*std::move(buffer));
-        (k == 0 ? weights_ : grads_).push_back(staging_.back()->data());
-      }
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
+          backend_->AllocateHost(NumElements(v.shape));
+      if (!buffer.ok()) return Permanent(buffer.status());
+      staging_.push_back(*std::move(buffer));
+      into->push_back(staging_.back()->data());
     }
-  }
+    return absl::OkStatus();
+  };
+  if (!in_place_) PSFLOW_RETURN_IF_ERROR(stage(&weights_));
   // A GPU worker of a job with ps copies each bucket of gradients out as
   // soon as the backward pass has written it.
   if (!in_place_ && !AllReduce() && group_ == nullptr) {
@@ -231,6 +233,7 @@ absl::Status Trainer::Prepare() {
                   << " on the GPU before they cross to the host";
     }
   }
+  if (!in_place_ && narrowed_.empty()) PSFLOW_RETURN_IF_ERROR(stage(&grads_));
   // Pushes during the backward pass: where they apply, and the order in
   // which the backward pass completes the variables.
   push_early_ = options_.push_during_backward && !AllReduce() && group_ == nullptr &&
@@ -259,6 +262,8 @@ absl::Status Trainer::Prepare() {
   // backward pass, in the order the backward pass completes them (so that
   // each lane waits for one stretch of it).
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
+  std::vector<const uint16_t*> narrowed;
+  for (const NarrowedGradient& n : narrowed_) narrowed.push_back(n.host_values());
   slices_of_.assign(job_.placement().variable_size(), 0);
   lanes_.clear();
   // Variables whose gradients become final together: a host bucket's (a
@@ -270,14 +275,9 @@ absl::Status Trainer::Prepare() {
   for (int p = 0; p < job_.num_ps(); ++p) {
     const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
     std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
-    std::vector<TensorRef> refs = SliceRefs(job_.placement(), p, grads, "", wire);
-    if (!narrowed_.empty()) {
-      for (size_t i = 0; i < refs.size(); ++i) {
-        const int v = slices[i].variable_index;
-        refs[i].encoded = narrowed_[v].host_values() + (refs[i].data - grads[v]);
-        refs[i].data = nullptr;
-      }
-    }
+    std::vector<TensorRef> refs = narrowed_.empty()
+                                      ? SliceRefs(job_.placement(), p, grads, "", wire)
+                                      : EncodedSliceRefs(job_.placement(), p, narrowed, wire);
     std::vector<int> order(slices.size());
     std::iota(order.begin(), order.end(), 0);
     if (push_early_) {

@@ -344,7 +344,8 @@ class Trainer {
   data::Dataset data_;
   // Where pulls land and pushes come from, by variable: the network's own
   // buffers when in_place_, else staging_ (page-locked where the device
-  // can) copied to and from the device.
+  // can) copied to and from the device. No grads_ where the step rounds
+  // them on the device (narrowed_ holds them then).
   std::vector<float*> weights_, grads_;
   bool in_place_ = false;
   std::vector<std::unique_ptr<kernels::Buffer>> staging_;

@@ -241,6 +241,25 @@ TEST(PlacementTest, LargeVariablesAreDealtInSlicesOfAtMostSliceBytes) {
   EXPECT_EQ(sinks[1].row_begin, 256);
   EXPECT_EQ(sinks[1].data, whole.data() + 256 * 2048);
   EXPECT_EQ(SliceRefs(*p, 0, {whole.data(), small.data()})[1].row_begin, 256);
+  // The same slices from 16-bit values that lie in the wire dtype already:
+  // each ref points at its first element there, and at no float.
+  std::vector<uint16_t> whole16(512 * 2048), small16(10);
+  const std::vector<TensorRef> encoded =
+      EncodedSliceRefs(*p, 0, {whole16.data(), small16.data()}, DT_BFLOAT16);
+  const std::vector<TensorRef> refs =
+      SliceRefs(*p, 0, {whole.data(), small.data()}, "", DT_BFLOAT16);
+  ASSERT_EQ(encoded.size(), refs.size());
+  for (size_t i = 0; i < refs.size(); ++i) {
+    EXPECT_EQ(encoded[i].name, refs[i].name);
+    EXPECT_EQ(encoded[i].shape, refs[i].shape);
+    EXPECT_EQ(encoded[i].row_begin, refs[i].row_begin);
+    EXPECT_EQ(encoded[i].dtype, DT_BFLOAT16);
+    EXPECT_EQ(encoded[i].slot, "");
+    EXPECT_EQ(encoded[i].data, nullptr);
+  }
+  EXPECT_EQ(encoded[0].encoded, whole16.data());
+  EXPECT_EQ(encoded[1].encoded, whole16.data() + 256 * 2048);
+  EXPECT_EQ(encoded[2].encoded, small16.data());
 
   // Three ps: two slices each (six of 85 or 86 rows, each below 1 MiB).
   p = PlaceVariables(vars, 3, kDefaultSplitBytes, 1 << 20);
