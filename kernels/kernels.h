@@ -311,6 +311,10 @@ class Backend {
     const void* host = nullptr;
     size_t elements = 0;
     float* device = nullptr;
+    // The block of host memory (one allocation, or one region) `host` lies
+    // in, as a key: uploads of one block may cross in one copy with the
+    // bytes between them. Null: it crosses on its own.
+    const void* block = nullptr;
   };
   // Queues each of `uploads` on a stream of uploads of the backend's own
   // and returns at once: unlike CopyToDevice's, each copy waits for its
@@ -320,7 +324,7 @@ class Backend {
   // afterwards does not wait for the copies until JoinUploads; Synchronize
   // does. Leave the host memory unchanged until then (or RecordUploadsDone).
   // One call for many uploads costs less than one call each: host ranges
-  // that lie close together cross in one copy, and one kernel places up to
+  // of one block that lie close together cross in one copy, and one kernel places up to
   // 64 of them, once every event of the batch has passed. Thread-safe.
   // Backends that run their work at once just copy floats, and return
   // UNIMPLEMENTED for 16-bit values (the CPU: decode them on the host).

@@ -231,7 +231,7 @@ absl::Status Network::SetWeightRangesAfter(const std::vector<HostRange>& ranges,
   for (const HostRange& r : ranges) {
     PSFLOW_ASSIGN_OR_RETURN(float* const device, WeightRange(r.variable, r.first, r.count));
     uploads.push_back(
-        {local_sgd ? nullptr : r.after, r.host, static_cast<size_t>(r.count), device});
+        {local_sgd ? nullptr : r.after, r.host, static_cast<size_t>(r.count), device, r.block});
   }
   if (!local_sgd) return backend_->CopyToDeviceAfter(uploads, values);
   PSFLOW_RETURN_IF_ERROR(backend_->Synchronize());

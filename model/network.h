@@ -124,6 +124,7 @@ class Network {
     int64_t first = 0, count = 0;
     const void* host = nullptr;
     kernels::Event* after = nullptr;
+    const void* block = nullptr;  // Backend::Upload::block
   };
   absl::Status SetWeightRangesAfter(const std::vector<HostRange>& ranges,
                                     kernels::Backend::HostValues values);

@@ -963,14 +963,19 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
       const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
       const void* const borrowed = lane.borrowed[i];
       const DataType dtype = lane.sinks[i].dtype;
+      // Borrowed slices lie in the pull's region, one block; staged ones
+      // each in their variable's buffer.
       if (borrowed != nullptr && dtype != DT_FLOAT) {
-        halves.push_back({v, first, count, borrowed, upload_after_[v]});
+        halves.push_back({v, first, count, borrowed, upload_after_[v], lane.hold.get()});
         halves_values = dtype == DT_BFLOAT16 ? kernels::Backend::HostValues::kBfloat16
                                              : kernels::Backend::HostValues::kHalf;
         continue;
       }
-      floats.push_back({v, first, count, borrowed == nullptr ? weights_[v] + first : borrowed,
-                        upload_after_[v]});
+      if (borrowed != nullptr) {
+        floats.push_back({v, first, count, borrowed, upload_after_[v], lane.hold.get()});
+      } else {
+        floats.push_back({v, first, count, weights_[v] + first, upload_after_[v]});
+      }
     }
     if (!floats.empty()) {
       s = net_->SetWeightRangesAfter(floats, kernels::Backend::HostValues::kFloat);

@@ -1191,8 +1191,10 @@ absl::Status CudaBackend::JoinUploads() {
 }
 
 absl::Status CudaBackend::CopyToDeviceAfter(const std::vector<Upload>& uploads, HostValues values) {
-  // Host ranges at most this far apart (in ascending order, as a pull lays
-  // its slices out in a region) cross in one copy, the gap with them.
+  // Host ranges of one block at most this far apart (in ascending order, as
+  // a pull lays its slices out in a region) cross in one copy, the gap with
+  // them. (Never two blocks: the bytes between may not be mapped, and one
+  // copy from two page-locked allocations is refused.)
   constexpr size_t kGapBytes = 4096;
   constexpr size_t kAlign = 256;
   const size_t value_bytes = values == HostValues::kFloat ? sizeof(float) : sizeof(uint16_t);
@@ -1224,8 +1226,8 @@ absl::Status CudaBackend::CopyToDeviceAfter(const std::vector<Upload>& uploads, 
     if (u.elements == 0) continue;
     const char* const begin = static_cast<const char*>(u.host);
     const char* const end = begin + u.elements * value_bytes;
-    if (spans.empty() || begin < spans.back().end ||
-        static_cast<size_t>(begin - spans.back().end) > kGapBytes) {
+    if (spans.empty() || u.block == nullptr || u.block != uploads[spans.back().first].block ||
+        begin < spans.back().end || static_cast<size_t>(begin - spans.back().end) > kGapBytes) {
       spans.push_back({begin, end, i});
     } else {
       spans.back().end = end;

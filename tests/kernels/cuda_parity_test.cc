@@ -1000,7 +1000,7 @@ TEST_F(CudaParityTest, BatchedUploadsLandInTheirPlacesAfterTheirEvents) {
     PSFLOW_ASSERT_OK(gpu_->RecordEvent(second.get()));
     for (int k = 0; k < kPieces; ++k) {
       uploads.push_back({k % 2 == 0 ? first.get() : second.get(), bytes + at[k] * value_bytes,
-                         count[k], y->data() + k * kStride});
+                         count[k], y->data() + k * kStride, host.get()});
     }
     PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(uploads, kind));
     PSFLOW_ASSERT_OK(gpu_->JoinUploads());
@@ -1011,6 +1011,30 @@ TEST_F(CudaParityTest, BatchedUploadsLandInTheirPlacesAfterTheirEvents) {
                 std::vector<float>(expected.begin() + at[k], expected.begin() + at[k] + count[k]))
           << name << " piece " << k;
       EXPECT_EQ(g[count[k]], 42.0f) << name << " piece " << k << " wrote past its end";
+    }
+  }
+  // Uploads of separate allocations (made one after another, as a worker's
+  // staging buffers are: they may lie next to each other) each cross on
+  // their own: one copy over two of them would be refused.
+  constexpr size_t kApart = 70000;  // floats of each
+  std::vector<std::unique_ptr<Buffer>> apart;
+  std::vector<Backend::Upload> uploads;
+  for (int k = 0; k < 8; ++k) {
+    apart.push_back(gpu_->AllocateHost(kApart).value());
+    std::fill(apart.back()->data(), apart.back()->data() + kApart, static_cast<float>(k + 1));
+    uploads.push_back({nullptr, apart.back()->data(), kApart, y->data() + k * kApart});
+  }
+  for (const bool joined : {false, true}) {
+    // Whether or not each is named its own block.
+    for (int k = 0; k < 8; ++k) uploads[k].block = joined ? apart[k].get() : nullptr;
+    PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 0.0f, 42.0f, y->data(), kPieces * kStride));
+    PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(uploads, Values::kFloat));
+    PSFLOW_ASSERT_OK(gpu_->JoinUploads());
+    const std::vector<float> got = Download(*gpu_, y->data(), 8 * kApart);
+    for (int k = 0; k < 8; ++k) {
+      EXPECT_EQ(std::vector<float>(got.begin() + k * kApart, got.begin() + (k + 1) * kApart),
+                std::vector<float>(kApart, static_cast<float>(k + 1)))
+          << "allocation " << k;
     }
   }
   EXPECT_EQ(gpu_->CopyToDeviceAfter({{nullptr, nullptr, 4, y->data()}}, Values::kBfloat16).code(),
