@@ -864,7 +864,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
         [&](int completed) {
           std::vector<Shard::SliceGradient> part;
           part.push_back(std::move(grads_[completed]));
-          if (part.back().borrowed != nullptr) part.back().hold = hold_;
+          if (!part.back().borrowed.empty()) part.back().borrowed.hold = hold_;
           return HandOver(std::move(part));
         },
         &bytes_, &region_span_);

@@ -22,8 +22,8 @@ namespace {
 // decoded, or looked for now).
 bool NonFinite(const Shard::SliceGradient& g) {
   if (g.finite_checked) return g.non_finite;
-  if (g.borrowed != nullptr) {
-    return AnyNonFiniteIn(g.borrowed_dtype, static_cast<const char*>(g.borrowed), g.count());
+  if (!g.borrowed.empty()) {
+    return AnyNonFiniteIn(g.borrowed.dtype, static_cast<const char*>(g.borrowed.data), g.count());
   }
   return AnyNonFinite(g.values.data(), static_cast<int64_t>(g.values.size()));
 }
@@ -34,9 +34,7 @@ Shard::Gradient Kept(Shard::SliceGradient& g) {
   Shard::Gradient kept;
   if (g.skip) return kept;
   kept.values = std::move(g.values);
-  kept.borrowed = g.borrowed;
-  kept.borrowed_dtype = g.borrowed_dtype;
-  kept.hold = std::move(g.hold);
+  kept.borrowed = std::move(g.borrowed);
   return kept;
 }
 
@@ -44,11 +42,11 @@ Shard::Gradient Kept(Shard::SliceGradient& g) {
 // borrowed ones, whose hold is let go).
 std::vector<float> Owned(Shard::SliceGradient& g) {
   if (g.skip) return {};
-  if (g.borrowed == nullptr) return std::move(g.values);
+  if (g.borrowed.empty()) return std::move(g.values);
   std::vector<float> values(g.count());
-  DecodeFloats(g.borrowed_dtype, static_cast<const char*>(g.borrowed), g.count(), values.data());
-  g.borrowed = nullptr;
-  g.hold.reset();
+  DecodeFloats(g.borrowed.dtype, static_cast<const char*>(g.borrowed.data), g.count(),
+               values.data());
+  g.borrowed = {};
   return values;
 }
 
@@ -61,11 +59,10 @@ bool ZeroNonFinite(float* x, int64_t n) {
 
 }  // namespace
 
-const float* Shard::Gradient::Floats(int64_t begin, int64_t n, float* scratch) const {
-  if (borrowed == nullptr) return values.data() + begin;
-  const char* const from = static_cast<const char*>(borrowed);
-  if (borrowed_dtype == DT_FLOAT) return reinterpret_cast<const float*>(from) + begin;
-  DecodeFloats(borrowed_dtype, from + begin * WireBytes(borrowed_dtype), n, scratch);
+const float* Shard::Borrowed::Floats(int64_t begin, int64_t n, float* scratch) const {
+  const char* const from = static_cast<const char*>(data);
+  if (dtype == DT_FLOAT) return reinterpret_cast<const float*>(from) + begin;
+  DecodeFloats(dtype, from + begin * WireBytes(dtype), n, scratch);
   return scratch;
 }
 
@@ -567,11 +564,11 @@ void Shard::Compute(ApplyJob& job) const {
   }
   const float scale = 1.0f / static_cast<float>(job.pushes.size());
   const bool borrowed = std::any_of(job.pushes.begin(), job.pushes.end(),
-                                    [](const auto& p) { return p.second.borrowed != nullptr; });
+                                    [](const auto& p) { return !p.second.borrowed.empty(); });
   // Borrowed 16-bit values are widened one block at a time, into memory of
   // the applying thread's that stays in its cache.
   const bool widens = std::any_of(job.pushes.begin(), job.pushes.end(), [](const auto& p) {
-    return p.second.borrowed != nullptr && p.second.borrowed_dtype != DT_FLOAT;
+    return !p.second.borrowed.empty() && p.second.borrowed.dtype != DT_FLOAT;
   });
   // Averaging, then the optimizer writing the copy readers get as it goes,
   // one range at a time (it stays in cache throughout). The rule and scalars
@@ -651,7 +648,7 @@ std::vector<float> Shard::GradientBuffer(int slice, int64_t n) {
 void Shard::FinishLocked(ApplyJob& job) {
   SliceState& s = slice_[job.slice];
   for (auto& [worker, grad] : job.pushes) {
-    if (grad.borrowed == nullptr && static_cast<int64_t>(grad.values.size()) == job.n &&
+    if (grad.borrowed.empty() && static_cast<int64_t>(grad.values.size()) == job.n &&
         s.spare_grads.size() < live_workers_.size()) {
       s.spare_grads.push_back(std::move(grad.values));
     }

@@ -137,6 +137,21 @@ class Shard {
     absl::Duration waited;
   };
 
+  // A gradient's values left where a push put them (a worker's shared
+  // region), readable while `hold` lives: `count` of them in `dtype`
+  // (16-bit ones are widened to fp32 block by block as they are read).
+  struct Borrowed {
+    const void* data = nullptr;
+    int64_t count = 0;
+    DataType dtype = DT_FLOAT;
+    std::shared_ptr<const void> hold = nullptr;
+
+    bool empty() const { return data == nullptr; }
+    // Values [begin, begin + n) in fp32: where they lie, or widened into
+    // `scratch`, which holds n floats.
+    const float* Floats(int64_t begin, int64_t n, float* scratch) const;
+  };
+
   // One gradient of a push: `slice` indexes Slices(). A skip (the worker's
   // step was not finite, and the job skips such steps) has no values: the
   // slice keeps its value and optimizer state through the step.
@@ -148,37 +163,29 @@ class Shard {
     // then trusts non_finite instead of reading every value again).
     bool finite_checked = false;
     bool non_finite = false;
-    // Instead of `values`: `borrowed_count` floats left where the push put
-    // them (a worker's shared region), readable while `hold` lives. A
-    // synchronous shard applies them there and drops `hold` once it has
-    // (or once it drops the gradient); an asynchronous one copies them. The
-    // apply checks each block it averages again, so values changed to a NaN
-    // or an infinity after the push was checked never reach the weights.
-    // 16-bit values (`borrowed_dtype`) are widened to fp32 block by block as
-    // the apply reads them.
-    const void* borrowed = nullptr;
-    int64_t borrowed_count = 0;
-    DataType borrowed_dtype = DT_FLOAT;
-    std::shared_ptr<const void> hold = nullptr;
+    // Instead of `values`, where borrowed.data is set. A synchronous shard
+    // applies them there and drops the hold once it has (or once it drops
+    // the gradient); an asynchronous one copies them. The apply checks each
+    // block it averages again, so values changed to a NaN or an infinity
+    // after the push was checked never reach the weights.
+    Borrowed borrowed;
 
     int64_t count() const {
-      return borrowed != nullptr ? borrowed_count : static_cast<int64_t>(values.size());
+      return borrowed.empty() ? static_cast<int64_t>(values.size()) : borrowed.count;
     }
   };
 
   // A worker's gradient of one slice while the shard keeps it: its own
-  // values, or borrowed ones (SliceGradient::borrowed) and their hold. A
-  // skip has neither.
+  // values, or borrowed ones. A skip has neither.
   struct Gradient {
     std::vector<float> values;
-    const void* borrowed = nullptr;
-    DataType borrowed_dtype = DT_FLOAT;
-    std::shared_ptr<const void> hold = nullptr;
+    Borrowed borrowed;
 
-    // Its values [begin, begin + n) in fp32: where they lie, or (borrowed
-    // 16-bit ones) widened into `scratch`, which holds n floats.
-    const float* Floats(int64_t begin, int64_t n, float* scratch) const;
-    bool empty() const { return borrowed == nullptr && values.empty(); }
+    // Its values [begin, begin + n) in fp32 (see Borrowed::Floats).
+    const float* Floats(int64_t begin, int64_t n, float* scratch) const {
+      return borrowed.empty() ? values.data() + begin : borrowed.Floats(begin, n, scratch);
+    }
+    bool empty() const { return borrowed.empty() && values.empty(); }
   };
 
   // What Pull hands back.

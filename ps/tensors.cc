@@ -51,9 +51,9 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     TensorSink sink{s.name(), "", ShapeOf(s), nullptr, true, dtype};
     if (borrow) {
       // Decoded into `values` only where the chunks do not follow one another.
-      sink.borrow = &g.borrowed;
-      g.borrowed_count = NumElements(sink.shape);
-      g.borrowed_dtype = dtype;
+      sink.borrow = &g.borrowed.data;
+      g.borrowed.count = NumElements(sink.shape);
+      g.borrowed.dtype = dtype;
     } else if (shard != nullptr) {
       g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
     }

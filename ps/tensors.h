@@ -36,7 +36,7 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // values are checked for NaN and infinity as they are decoded
 // (finite_checked). With `borrow`, values that come in place (a shared
 // region, ChunkAssembler::AddInPlace) one chunk after another are left
-// there in `dtype`, checked where they lie: grads[k].borrowed points at them.
+// there in `dtype`, checked where they lie: grads[k].borrowed.data points at them.
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads,

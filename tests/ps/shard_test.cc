@@ -1632,9 +1632,9 @@ std::vector<Shard::SliceGradient> Borrowed(const std::vector<std::vector<float>>
   for (size_t i = 0; i < g.size(); ++i) {
     Shard::SliceGradient& s = out.emplace_back();
     s.slice = static_cast<int>(i);
-    s.borrowed = (*memory)[i].data();
-    s.borrowed_count = static_cast<int64_t>((*memory)[i].size());
-    s.hold = std::shared_ptr<const void>(nullptr, [r = *released](const void*) { ++*r; });
+    s.borrowed.data = (*memory)[i].data();
+    s.borrowed.count = static_cast<int64_t>((*memory)[i].size());
+    s.borrowed.hold = std::shared_ptr<const void>(nullptr, [r = *released](const void*) { ++*r; });
   }
   return out;
 }
@@ -1751,10 +1751,10 @@ std::vector<Shard::SliceGradient> Borrowed16(DataType dtype,
                  reinterpret_cast<char*>(m.data()));
     Shard::SliceGradient& s = out.emplace_back();
     s.slice = static_cast<int>(i);
-    s.borrowed = m.data();
-    s.borrowed_count = static_cast<int64_t>(m.size());
-    s.borrowed_dtype = dtype;
-    s.hold = std::shared_ptr<const void>(nullptr, [r = *released](const void*) { ++*r; });
+    s.borrowed.data = m.data();
+    s.borrowed.count = static_cast<int64_t>(m.size());
+    s.borrowed.dtype = dtype;
+    s.borrowed.hold = std::shared_ptr<const void>(nullptr, [r = *released](const void*) { ++*r; });
   }
   return out;
 }
