@@ -949,38 +949,37 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   upload_span.Arg("lane", l);
   if (!upload_after_.empty()) WaitStepQueued();
   if (borrow_pulls_) {
-    // Slice by slice, each from where the pull left it: the region (kept
-    // until the copies are done), or its sink.
+    // Each slice from where the pull left it: the region (kept until the
+    // copies are done), or its sink.
     lane.hold = std::move(r->hold);
     absl::Status s;
     // The lane's slices go to the backend in one call for each kind of
     // values (each alone costs a copy, and a kernel for 16-bit values,
     // under the backend's lock).
     std::vector<model::Network::HostRange> floats, halves;
-    auto halves_values = kernels::Backend::HostValues::kBfloat16;
+    DataType halves_dtype = DT_BFLOAT16;
     for (size_t i = 0; i < lane.sinks.size(); ++i) {
       const int v = lane.variables[i];
       const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
       const void* const borrowed = lane.borrowed[i];
-      const DataType dtype = lane.sinks[i].dtype;
-      // Borrowed slices lie in the pull's region, one block; staged ones
-      // each in their variable's buffer.
-      if (borrowed != nullptr && dtype != DT_FLOAT) {
-        halves.push_back({v, first, count, borrowed, upload_after_[v], lane.hold.get()});
-        halves_values = dtype == DT_BFLOAT16 ? kernels::Backend::HostValues::kBfloat16
-                                             : kernels::Backend::HostValues::kHalf;
+      if (borrowed == nullptr) {  // in the variable's staging buffer, floats
+        floats.push_back({v, first, count, weights_[v] + first, upload_after_[v]});
         continue;
       }
-      if (borrowed != nullptr) {
-        floats.push_back({v, first, count, borrowed, upload_after_[v], lane.hold.get()});
-      } else {
-        floats.push_back({v, first, count, weights_[v] + first, upload_after_[v]});
-      }
+      // In the pull's region (one block), in the wire dtype.
+      const DataType dtype = lane.sinks[i].dtype;
+      (dtype == DT_FLOAT ? floats : halves)
+          .push_back({v, first, count, borrowed, upload_after_[v], lane.hold.get()});
+      if (dtype != DT_FLOAT) halves_dtype = dtype;
     }
     if (!floats.empty()) {
       s = net_->SetWeightRangesAfter(floats, kernels::Backend::HostValues::kFloat);
     }
-    if (s.ok() && !halves.empty()) s = net_->SetWeightRangesAfter(halves, halves_values);
+    if (s.ok() && !halves.empty()) {
+      s = net_->SetWeightRangesAfter(halves, halves_dtype == DT_BFLOAT16
+                                                 ? kernels::Backend::HostValues::kBfloat16
+                                                 : kernels::Backend::HostValues::kHalf);
+    }
     if (s.ok() && lane.hold != nullptr) {
       if (!told_borrow_.exchange(true)) {
         PSLOG(INFO) << "pulled weights go to the GPU straight from the shared memory the ps "

@@ -1024,9 +1024,9 @@ TEST_F(CudaParityTest, BatchedUploadsLandInTheirPlacesAfterTheirEvents) {
     std::fill(apart.back()->data(), apart.back()->data() + kApart, static_cast<float>(k + 1));
     uploads.push_back({nullptr, apart.back()->data(), kApart, y->data() + k * kApart});
   }
-  for (const bool joined : {false, true}) {
-    // Whether or not each is named its own block.
-    for (int k = 0; k < 8; ++k) uploads[k].block = joined ? apart[k].get() : nullptr;
+  for (const bool named : {false, true}) {
+    // No block named, or each allocation named as its own block.
+    for (int k = 0; k < 8; ++k) uploads[k].block = named ? apart[k].get() : nullptr;
     PSFLOW_ASSERT_OK(gpu_->Affine(y->data(), 0.0f, 42.0f, y->data(), kPieces * kStride));
     PSFLOW_ASSERT_OK(gpu_->CopyToDeviceAfter(uploads, Values::kFloat));
     PSFLOW_ASSERT_OK(gpu_->JoinUploads());
