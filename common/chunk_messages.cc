@@ -366,24 +366,6 @@ absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
   return absl::OkStatus();
 }
 
-std::string ByteBufferBytes(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (!buffer.Dump(&slices).ok()) return bytes;
-  size_t size = 0;
-  for (const grpc::Slice& s : slices) size += s.size();
-  bytes.reserve(size);
-  for (const grpc::Slice& s : slices) {
-    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return bytes;
-}
-
-grpc::ByteBuffer BytesByteBuffer(const std::string& bytes) {
-  grpc::Slice slice(bytes);
-  return grpc::ByteBuffer(&slice, 1);
-}
-
 RawCall::RawCall(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method)
     : context_(context) {
   call_ = stub->PrepareCall(context, method, &cq_);
@@ -440,33 +422,6 @@ bool RawCall::Read(grpc::ByteBuffer* message) {
   if (!started_) return false;
   call_->Read(message, this);
   return Wait();
-}
-
-void RawCall::StartRead(grpc::ByteBuffer* message) {
-  if (started_) call_->Read(message, this);
-}
-
-std::optional<bool> RawCall::Poll(absl::Duration timeout) {
-  if (!started_) return false;
-  const auto until = std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
-  while (true) {
-    const auto now = std::chrono::system_clock::now();
-    void* tag = nullptr;
-    bool ok = false;
-    switch (cq_.AsyncNext(&tag, &ok, std::min(until, now + std::chrono::milliseconds(50)))) {
-      case grpc::CompletionQueue::GOT_EVENT:
-        return ok;
-      case grpc::CompletionQueue::SHUTDOWN:
-        return false;
-      case grpc::CompletionQueue::TIMEOUT:
-        if (cancel_when_ != nullptr && !cancelled_ && cancel_when_->load()) {
-          cancelled_ = true;
-          context_->TryCancel();  // the read then ends, not ok
-        }
-        if (std::chrono::system_clock::now() >= until) return std::nullopt;
-        break;
-    }
-  }
 }
 
 grpc::Status RawCall::Finish() {

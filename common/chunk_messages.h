@@ -17,7 +17,6 @@
 #include <atomic>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include <google/protobuf/message_lite.h>
@@ -28,7 +27,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/shared_region.h"
 #include "common/tensor_chunks.h"
@@ -57,11 +55,6 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
     const google::protobuf::MessageLite& fields, int chunk_field,
     absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor,
     bool* all_below = nullptr, float below = std::numeric_limits<float>::infinity());
-
-// A message's bytes in one string, and back: for a message that goes
-// through a pull's mailbox (common/region_mailbox.h) instead of gRPC.
-std::string ByteBufferBytes(const grpc::ByteBuffer& buffer);
-grpc::ByteBuffer BytesByteBuffer(const std::string& bytes);
 
 // Reads one message written as above (or by protobuf itself). The fields
 // other than the chunks are parsed into `fields` (cleared first); then
@@ -109,12 +102,6 @@ class RawCall {
   bool WritesDone();
   // False at the end of the server's messages, or when the call failed.
   bool Read(grpc::ByteBuffer* message);
-  // Read in two steps, for a caller that also waits for something else:
-  // StartRead begins it (no other step may be in flight meanwhile), and
-  // Poll waits up to `timeout` for its end: nullopt while it is still in
-  // flight, else what Read would have returned.
-  void StartRead(grpc::ByteBuffer* message);
-  std::optional<bool> Poll(absl::Duration timeout);
   grpc::Status Finish();
 
  private:

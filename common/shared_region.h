@@ -35,9 +35,8 @@ namespace psflow {
 
 // The start of the message of every refusal of a region.
 inline constexpr char kSharedMemoryRefused[] = "shared memory";
-// Bytes of a region before its data: the token in the first page, then a
-// pull's mailbox (common/region_mailbox.h).
-inline constexpr int64_t kRegionHeaderBytes = 64 << 10;
+// Bytes of a region before its data: the token, then zeros.
+inline constexpr int64_t kRegionHeaderBytes = 4096;
 inline constexpr int kRegionTokenBytes = 16;
 // The largest region: a worker's pool holds at most this much in all.
 inline constexpr int64_t kMaxRegionBytes = int64_t{8} << 30;
@@ -73,8 +72,6 @@ class SharedRegion {
   SharedRegion& operator=(const SharedRegion&) = delete;
 
   SharedSpan data() const { return {base_ + kRegionHeaderBytes, bytes_}; }
-  // The header, before the data: the token's page, then the mailbox.
-  char* header() const { return base_; }
   const SharedRegionRef& ref() const { return ref_; }
   // Whether its data are registered with a device (SharedRegionPool::SetPinning).
   bool pinned() const { return unpin_ != nullptr; }

@@ -2,19 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <optional>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/chunk_messages.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
-#include "common/region_mailbox.h"
 
 namespace psflow::ps {
 namespace {
@@ -108,7 +104,7 @@ void GrpcClient::CancelAll() { calls_.CancelAll(); }
 GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
                        int connections_per_ps, metrics::Registry* metrics, Role server_role,
                        bool shared_memory)
-    : errors_(metrics, kService), finisher_(std::make_unique<Finisher>()) {
+    : errors_(metrics, kService) {
   if (shared_memory) regions_ = std::make_shared<SharedRegionPool>(kMaxRegionBytes);
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_push_bytes",
@@ -143,79 +139,6 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
     links_.push_back(std::move(link));
   }
 }
-
-struct GrpcClient::OpenPull {
-  OpenPull(ActiveCalls* calls, absl::Time deadline, grpc::GenericStub* stub)
-      : scope(calls, deadline, /*wait_for_ready=*/true), rpc(stub, scope.context(), kPullMethod) {}
-
-  // Reads the stream to its end (the read in flight first, if any), then
-  // finishes the call.
-  grpc::Status End() {
-    while (!ended) {
-      if (!reading) rpc.StartRead(&message);
-      reading = true;
-      std::optional<bool> got = rpc.Poll(absl::Seconds(1));
-      if (!got.has_value()) continue;
-      reading = false;
-      ended = !*got;
-    }
-    return rpc.Finish();
-  }
-
-  ActiveCalls::Scope scope;
-  RawCall rpc;
-  grpc::ByteBuffer message;  // the read in flight's
-  bool reading = false;      // a read is in flight
-  bool ended = false;        // a read found the stream's end
-};
-
-class GrpcClient::Finisher {
- public:
-  Finisher() : thread_([this] { Run(); }) {}
-  // Ends the calls still handed over first.
-  ~Finisher() {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    thread_.join();
-  }
-  Finisher(const Finisher&) = delete;
-  Finisher& operator=(const Finisher&) = delete;
-
-  void Add(std::unique_ptr<OpenPull> call) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    calls_.push_back(std::move(call));
-  }
-
- private:
-  void Run() ABSL_LOCKS_EXCLUDED(mu_) {
-    while (true) {
-      std::unique_ptr<OpenPull> call;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](Finisher* f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(f->mu_) {
-              return f->stopping_ || !f->calls_.empty();
-            },
-            this));
-        if (calls_.empty()) return;
-        call = std::move(calls_.front());
-        calls_.pop_front();
-      }
-      // The answer was whole and checked; what the stream still says (its
-      // end, normally) changes nothing.
-      static_cast<void>(call->End());
-    }
-  }
-
-  absl::Mutex mu_;
-  std::deque<std::unique_ptr<OpenPull>> calls_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
-};
-
-GrpcClient::~GrpcClient() = default;
 
 grpc::GenericStub* GrpcClient::NextStub(int ps) {
   Link& link = *links_[ps];
@@ -337,6 +260,7 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
     int ps, PullRequest request, std::vector<TensorSink> sinks, absl::Time deadline,
     const std::function<bool(const PullResponse&)>& ready, SharedRegion* region, int64_t* bytes,
     int* borrowed, const std::atomic<bool>* give_up) {
+  ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
   for (TensorSink& sink : sinks) {
     if (sink.borrow == nullptr) continue;
     *sink.borrow = nullptr;
@@ -345,106 +269,42 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
   ChunkAssembler assembler(std::move(sinks));
   *borrowed = 0;
   SharedSpan span;
-  std::optional<MailboxReader> mailbox;
   if (region != nullptr) {
     *request.mutable_region() = region->ref();
     span = region->data();
-    if (pull_mailbox_) {
-      request.set_mailbox(true);
-      mailbox.emplace(region->header());
-      mailbox->Reset();
-    }
   }
   std::optional<PullResponse> first;  // its fields, with the lowest version of all messages
   absl::Status bad;
   grpc::Status finished;
   *bytes = 0;
-  auto open = std::make_unique<OpenPull>(&calls_, deadline, NextStub(ps));
-  RawCall& rpc = open->rpc;
-  if (give_up != nullptr) rpc.CancelWhen(give_up);
-  grpc::ByteBuffer message;
-  bool own = false;
-  if (grpc::SerializationTraits<PullRequest>::Serialize(request, &message, &own).ok() &&
-      rpc.Write(message)) {
-    rpc.WritesDone();
-  }
-  PullResponse fields;
-  auto take = [&](grpc::ByteBuffer* m) {
-    if (!bad.ok()) return;
-    // A slice may be one version ahead of another.
-    bad = ReadChunkMessage(
-        m, PullResponse::kChunkFieldNumber, &fields,
-        [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
-        [](int) { return absl::OkStatus(); }, bytes, &span);
-    if (!bad.ok()) return;
-    if (!first.has_value()) {
-      first = std::move(fields);
-    } else {
-      first->set_version(std::min(first->version(), fields.version()));
+  {
+    RawCall rpc(NextStub(ps), call.context(), kPullMethod);
+    if (give_up != nullptr) rpc.CancelWhen(give_up);
+    grpc::ByteBuffer message;
+    bool own = false;
+    if (grpc::SerializationTraits<PullRequest>::Serialize(request, &message, &own).ok() &&
+        rpc.Write(message)) {
+      rpc.WritesDone();
     }
-  };
-  bool whole = false;  // the answer came whole before the stream ended
-  if (!mailbox.has_value()) {
+    PullResponse fields;
     // The stream is always drained, so that Finish returns.
-    while (rpc.Read(&message)) take(&message);
-    open->ended = true;
-  } else {
-    // Messages come through the mailbox, and on the stream where the ps
-    // announced them (or where the call failed): the stream is looked at
-    // after each wait on the mailbox (50 ms at most), and waited on once
-    // the ps announced something there.
-    int64_t stream_events = 0;
-    std::string posted;
-    open->reading = true;
-    rpc.StartRead(&open->message);
-    auto take_posted = [&] {
-      while (bad.ok()) {
-        absl::StatusOr<bool> got = mailbox->Take(&posted);
-        if (!got.ok()) bad = got.status();
-        if (!got.ok() || !*got) break;
-        grpc::ByteBuffer m = BytesByteBuffer(posted);
-        take(&m);
+    while (rpc.Read(&message)) {
+      if (!bad.ok()) continue;
+      // A slice may be one version ahead of another.
+      bad = ReadChunkMessage(
+          &message, PullResponse::kChunkFieldNumber, &fields,
+          [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+          [](int) { return absl::OkStatus(); }, bytes, &span);
+      if (!bad.ok()) continue;
+      if (!first.has_value()) {
+        first = std::move(fields);
+      } else {
+        first->set_version(std::min(first->version(), fields.version()));
       }
-    };
-    while (true) {
-      take_posted();
-      if (bad.ok() && first.has_value() &&
-          (!ready(*first) || assembler.remaining_bytes() == 0)) {
-        whole = true;
-        break;
-      }
-      if (!bad.ok()) {
-        open->scope.context()->TryCancel();
-        break;
-      }
-      const bool on_stream = stream_events < mailbox->announced();
-      std::optional<bool> got =
-          rpc.Poll(on_stream ? absl::Milliseconds(50) : absl::ZeroDuration());
-      if (!got.has_value()) {
-        if (!on_stream) mailbox->Wait(absl::Milliseconds(50));
-        continue;
-      }
-      open->reading = false;
-      open->ended = !*got;
-      if (open->ended) {
-        // The call failed, or ended: what the ps posted before its end.
-        take_posted();
-        break;
-      }
-      ++stream_events;
-      take(&open->message);
-      open->message.Clear();
-      open->reading = true;
-      rpc.StartRead(&open->message);
     }
+    finished = rpc.Finish();
   }
-  if (whole) {
-    finisher_->Add(std::move(open));
-  } else {
-    finished = open->End();
-    open.reset();
-    if (absl::Status s = FromGrpcStatus(finished); !s.ok()) return s;
-  }
+  if (absl::Status s = FromGrpcStatus(finished); !s.ok()) return s;
   if (!bad.ok()) return absl::DataLossError(bad.message());
   if (!first.has_value()) return absl::DataLossError("empty pull answer");
   if (!ready(*first)) return *first;  // not yet: no data

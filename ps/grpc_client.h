@@ -38,10 +38,6 @@ namespace psflow::ps {
 // offers it a region again, until one is taken. A region whose call failed
 // otherwise is dropped rather than reused: its ps may still be reading it.
 // `metrics` also counts the calls whose tensors went through shared memory.
-// A pull through a region asks for its answer in the region's mailbox
-// (common/region_mailbox.h): the lane waits on a futex there instead of on
-// a gRPC message, and goes on as soon as the answer is whole; its call is
-// then ended on a thread of the client's.
 class GrpcClient final : public Client {
  public:
   static constexpr absl::Duration kRetrySharedAfter = absl::Seconds(60);
@@ -51,7 +47,6 @@ class GrpcClient final : public Client {
   GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
              int connections_per_ps = 1, metrics::Registry* metrics = nullptr,
              Role server_role = Role::kPs, bool shared_memory = false);
-  ~GrpcClient() override;
   int num_ps() const override { return static_cast<int>(links_.size()); }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
@@ -88,9 +83,6 @@ class GrpcClient final : public Client {
   // How long a ps that refused a region gets none (kRetrySharedAfter unless
   // set; tests shorten it). Set before the first call.
   void set_retry_shared_after(absl::Duration wait) { retry_shared_after_ = wait; }
-  // Whether pulls through a region take their answers from its mailbox
-  // (true unless set); false: as gRPC messages. Set before the first call.
-  void set_pull_mailbox(bool on) { pull_mailbox_ = on; }
 
  private:
   // One pull: `request` (its dtype set from the sinks') answered into
@@ -157,18 +149,10 @@ class GrpcClient final : public Client {
   // The raw stub of the next pull or push to `ps`.
   grpc::GenericStub* NextStub(int ps);
 
-  // A pull call that may outlive PullCall: its answer came whole through the
-  // region's mailbox before the stream's end did.
-  struct OpenPull;
-  // Reads such calls to their end and finishes them, on a thread of its
-  // own, so that the caller goes on with its answer at once.
-  class Finisher;
-
   std::vector<std::unique_ptr<Link>> links_;
   // With shared_memory; shared with the holds of pulls' borrowed values.
   std::shared_ptr<SharedRegionPool> regions_;
   absl::Duration retry_shared_after_ = kRetrySharedAfter;
-  bool pull_mailbox_ = true;
   ActiveCalls calls_;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   RpcErrors errors_;
@@ -177,8 +161,6 @@ class GrpcClient final : public Client {
   metrics::Histogram* pull_bytes_;
   metrics::Histogram* pull_seconds_;
   metrics::Counter* shared_calls_;
-  // Last: stopped (its calls finished) before the links and calls_ go.
-  std::unique_ptr<Finisher> finisher_;
 };
 
 }  // namespace psflow::ps

@@ -23,7 +23,6 @@
 #include "common/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
-#include "common/region_mailbox.h"
 #include "common/status_macros.h"
 #include "common/tensor_chunks.h"
 #include "ps/limits.h"
@@ -216,9 +215,6 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
     writing_ = true;
     this->StartWrite(&response_);
   }
-  // For Next: the message went another way than the stream (a pull's
-  // mailbox); Next runs again at once.
-  void PostedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { posted_ = true; }
   void FinishLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return;
     finished_ = true;
@@ -238,20 +234,16 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
 
  private:
   void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    while (true) {
-      if (finished_ || writing_) return;
-      if (cancelled_) {
-        FinishLocked(absl::CancelledError("client went away"));
-        return;
-      }
-      if (finish_after_write_) {
-        FinishLocked(absl::OkStatus());
-        return;
-      }
-      posted_ = false;
-      Next();
-      if (!posted_) return;
+    if (finished_ || writing_) return;
+    if (cancelled_) {
+      FinishLocked(absl::CancelledError("client went away"));
+      return;
     }
+    if (finish_after_write_) {
+      FinishLocked(absl::OkStatus());
+      return;
+    }
+    Next();
   }
   void OnWriteDone(bool ok) override ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -280,7 +272,6 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
   std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);
   absl::Time alarm_deadline_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool posted_ ABSL_GUARDED_BY(mu_) = false;  // Next's message went without a write
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -317,16 +308,6 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     } else {
       response_ = EncodeChunkMessage(message_, PullResponse::kChunkFieldNumber, pieces_, value_);
     }
-    if (mailbox_.has_value()) {
-      // Into the mailbox where it fits (its chunks' data are in the region
-      // already), else on the stream, announced.
-      if (mailbox_->Post(ByteBufferBytes(response_))) {
-        response_.Clear();
-        PostedLocked();
-        return;
-      }
-      mailbox_->Announce();
-    }
     WriteLocked();
   }
 
@@ -349,10 +330,6 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     }
     if (request_.has_region()) {
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(request_.region()));
-      if (request_.mailbox()) {
-        absl::MutexLock lock(&mu_);
-        mailbox_.emplace(region_->base);
-      }
     }
     // max_wait bounds only the wait for the first slice.
     wait_deadline_ =
@@ -522,9 +499,6 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   void Finishing(const absl::Status& status) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // Its worker drops a region whose call failed: so does the ps.
     if (!status.ok() && region_ != nullptr) service_->ForgetRegion(request_.region());
-    // A worker waiting at its mailbox reads the error on the stream. (A call
-    // that ends well carried a whole answer first: its worker has gone on.)
-    if (!status.ok() && mailbox_.has_value()) mailbox_->Announce();
     if (!status.ok() || not_yet_) return;
     service_->pull_bytes_->Observe(static_cast<double>(bytes_));
     service_->pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
@@ -537,8 +511,6 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
   DataType dtype_ = DT_FLOAT;
   absl::Time wait_deadline_;
   std::shared_ptr<const SharedMapping> region_;  // the worker's, if it named one
-  // Its header's mailbox, if the worker asked for one.
-  std::optional<MailboxWriter> mailbox_ ABSL_GUARDED_BY(mu_);
   int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;      // where the next chunk goes in it
   // The slices asked for that are still to be sent, in the order asked.
   std::vector<int> pending_ ABSL_GUARDED_BY(mu_);

@@ -68,12 +68,6 @@ ABSL_FLAG(bool, upload_from_shared_memory, true,
           "with the GPU (cudaHostRegister), in the wire dtype (16-bit values are widened to fp32 "
           "on the GPU), instead of decoding them into the worker's page-locked buffers first. "
           "false: always through those buffers.");
-ABSL_FLAG(bool, pull_mailbox, true,
-          "Pulls through shared memory (see --shared_memory): the ps writes each answer message "
-          "into a mailbox in the region and wakes the pulling thread through a futex there, "
-          "instead of sending it as a gRPC message over loopback (gRPC still carries the call, "
-          "its errors, and any message the mailbox has no room for). false: every answer "
-          "message comes over gRPC.");
 ABSL_FLAG(bool, narrow_on_gpu, true,
           "A GPU worker (one GPU) of a job whose wire dtype (the chief's --wire_dtype) is bf16 or "
           "fp16: round each gradient to that dtype on the GPU as the backward pass completes it, "
@@ -216,17 +210,14 @@ int main(int argc, char** argv) {
       options, &chief,
       [&security, &metrics, &config, &replica, connections = options.lanes_per_ps,
        server = all_reduce ? psflow::Role::kWorker : psflow::Role::kPs,
-       shared = !all_reduce && absl::GetFlag(FLAGS_shared_memory),
-       mailbox = absl::GetFlag(FLAGS_pull_mailbox)](
+       shared = !all_reduce && absl::GetFlag(FLAGS_shared_memory)](
           const std::vector<std::string>& addresses) -> std::unique_ptr<psflow::ps::Client> {
         // This worker's own replica is in this process: no gRPC to reach it.
         if (replica != nullptr && addresses == std::vector<std::string>{config.self_address}) {
           return std::make_unique<psflow::ps::LocalClient>(replica.get());
         }
-        auto client = std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections,
-                                                               &metrics, server, shared);
-        client->set_pull_mailbox(mailbox);
-        return client;
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics,
+                                                        server, shared);
       });
   metrics.SetGaugeFunction(
       "psflow_worker_step",

@@ -27,7 +27,6 @@
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
-#include "common/region_mailbox.h"
 #include "common/shared_region.h"
 #include "common/tensor_chunks.h"
 #include "gmock/gmock.h"
@@ -1067,74 +1066,6 @@ TEST_F(PsServiceTest, ForgedRegionsAndChunksOutsideTheirRegionAreRefused) {
   absl::StatusOr<Pulled> p = PullAll(1);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->bias, SgdAfter(bias_, g_bias, g_bias));
-}
-
-TEST_F(PsServiceTest, APullsAnswerGoesThroughTheMailboxOrOnTheStreamAnnounced) {
-  ASSERT_TRUE(InitJob().ok());
-  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(8 << 20);
-  ASSERT_TRUE(region.ok()) << region.status();
-  MailboxReader mailbox((*region)->header());
-  PullRequest pull;
-  pull.set_job_id(kJob);
-  *pull.mutable_region() = (*region)->ref();
-  pull.set_mailbox(true);
-  const int64_t all_bytes = static_cast<int64_t>(big_.size() + bias_.size()) * 4;
-  // The chunks' data bytes of `messages`, and that each chunk lies in the region.
-  auto shared_bytes = [&](const std::vector<PullResponse>& messages) {
-    int64_t bytes = 0;
-    for (const PullResponse& m : messages) {
-      for (const TensorChunk& c : m.chunk()) {
-        EXPECT_TRUE(c.data().empty());
-        EXPECT_LE(c.shared_offset() + c.shared_bytes(), (*region)->data().size);
-        bytes += c.shared_bytes();
-      }
-    }
-    return bytes;
-  };
-  // Every message in the mailbox; the stream carries only the call's end.
-  mailbox.Reset();
-  auto [streamed, status] =
-      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, pull); });
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_TRUE(streamed.empty());
-  EXPECT_EQ(mailbox.announced(), 0);
-  std::vector<PullResponse> posted;
-  std::string bytes;
-  while (*mailbox.Take(&bytes)) {
-    posted.emplace_back();
-    ASSERT_TRUE(posted.back().ParseFromString(bytes));
-  }
-  ASSERT_FALSE(posted.empty());
-  EXPECT_TRUE(posted.front().ready());
-  EXPECT_EQ(shared_bytes(posted), all_bytes);
-  // A mailbox without room (its reader's position forged far ahead): every
-  // message goes on the stream, each announced, and the answer is the same.
-  mailbox.Reset();
-  int64_t* const tail =
-      reinterpret_cast<int64_t*>((*region)->header() + kMailboxOffset + 16);
-  *tail = int64_t{1} << 40;
-  std::tie(streamed, status) =
-      ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, pull); });
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  ASSERT_FALSE(streamed.empty());
-  EXPECT_EQ(mailbox.announced(), static_cast<int64_t>(streamed.size()));
-  EXPECT_EQ(shared_bytes(streamed), all_bytes);
-  // A call that ends in an error announces it: the worker waiting at the
-  // mailbox reads it on the stream.
-  mailbox.Reset();
-  pull.set_min_version(5);
-  std::tie(streamed, status) = ReadStream<PullResponse>([&](grpc::ClientContext* c) {
-    c->set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
-    return stub_->Pull(c, pull);
-  });
-  EXPECT_FALSE(status.ok());
-  EXPECT_TRUE(streamed.empty());
-  EXPECT_FALSE(*mailbox.Take(&bytes));
-  // The ps announces its end (unless it saw the cancellation only after
-  // the client's deadline ended the call here: then a moment later).
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (mailbox.announced() == 0 && absl::Now() < until) mailbox.Wait(absl::Milliseconds(100));
-  EXPECT_EQ(mailbox.announced(), 1);
 }
 
 TEST_F(PsServiceTest, NonFiniteGradientIsRefusedAndNothingOfItsSliceIsKept) {
