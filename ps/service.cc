@@ -308,6 +308,8 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
     } else {
       response_ = EncodeChunkMessage(message_, PullResponse::kChunkFieldNumber, pieces_, value_);
     }
+    // (gRPC may send the message on this thread.)
+    TraceSpan span(service_->trace_, "pull message write", message_.version() - 1);
     WriteLocked();
   }
 

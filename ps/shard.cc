@@ -491,6 +491,8 @@ void Shard::MaybeApplySliceLocked(int i) {
       // The wakes FinishLocked finds run here once the lock is let go.
       DeferredWork wakes;
       Compute(*job);
+      TraceSpan span(trace_, "publish", job->step);  // the wait for the lock too
+      span.Arg("slice", job->slice);
       absl::MutexLock lock(&mu_);
       FinishLocked(*job);
     });
@@ -498,6 +500,8 @@ void Shard::MaybeApplySliceLocked(int i) {
   }
   mu_.Unlock();
   Compute(*job);
+  TraceSpan span(trace_, "publish", job->step);
+  span.Arg("slice", job->slice);
   mu_.Lock();
   FinishLocked(*job);
 }
