@@ -491,19 +491,21 @@ void Shard::MaybeApplySliceLocked(int i) {
       // The wakes FinishLocked finds run here once the lock is let go.
       DeferredWork wakes;
       Compute(*job);
-      TraceSpan span(trace_, "publish", job->step);  // the wait for the lock too
-      span.Arg("slice", job->slice);
-      absl::MutexLock lock(&mu_);
-      FinishLocked(*job);
+      Publish(*job);
     });
     return;
   }
   mu_.Unlock();
   Compute(*job);
-  TraceSpan span(trace_, "publish", job->step);
-  span.Arg("slice", job->slice);
+  Publish(*job);
   mu_.Lock();
-  FinishLocked(*job);
+}
+
+void Shard::Publish(ApplyJob& job) {
+  TraceSpan span(trace_, "publish", job.step);  // the wait for the lock too
+  span.Arg("slice", job.slice);
+  absl::MutexLock lock(&mu_);
+  FinishLocked(job);
 }
 
 std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {

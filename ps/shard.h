@@ -466,6 +466,9 @@ class Shard {
   void Compute(ApplyJob& job) const;
   // Publishes the applied slice; the shard's version moves with the last.
   void FinishLocked(ApplyJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FinishLocked under the lock, taken here; traced as "publish", with the
+  // wait for the lock.
+  void Publish(ApplyJob& job) ABSL_LOCKS_EXCLUDED(mu_);
   // Every slice, and for a shard without slices the empty pushes.
   void MaybeApplyAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `worker` pushed slice `s` for the current step: with the live
