@@ -3,6 +3,8 @@
 #include <malloc.h>
 #include <sys/resource.h>
 
+#include <grpc/grpc.h>
+
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
@@ -12,6 +14,16 @@ namespace psflow {
 void SetUpRoleProcess() {
   KeepLargeAllocationsInHeap();
   SkipMutexDeadlockDetection();
+  KeepGrpcUntilExit();
+}
+
+void KeepGrpcUntilExit() {
+  // grpc_init counts references: this one is never given back.
+  static const bool initialized = [] {
+    grpc_init();
+    return true;
+  }();
+  static_cast<void>(initialized);
 }
 
 void KeepLargeAllocationsInHeap() {

@@ -5,9 +5,18 @@
 
 namespace psflow {
 
-// Makes both settings below. Call once at the start of main, before any
-// thread starts.
+// Makes the three settings below. Call once at the start of main, before
+// any thread starts.
 void SetUpRoleProcess();
+
+// gRPC shuts its library down when the process's last gRPC object (a server,
+// a channel) is destroyed, and that joins gRPC's executor threads. One of them
+// may be in TCP's backup poller, which gRPC 1.51 starts when a socket's send
+// buffer fills and which waits up to 10 s for events: so a process whose work
+// was done could stall for 10 s before exiting, at random, more often on a
+// loaded machine. This holds one reference to the library until the process
+// exits, so that no destructor shuts it down; exit ends its threads. Idempotent.
+void KeepGrpcUntilExit();
 
 // Every step moves megabytes of tensors through freshly allocated buffers
 // (messages, gradients). By default glibc serves such blocks with mmap and

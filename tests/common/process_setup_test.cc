@@ -6,6 +6,9 @@
 
 #include <cstdlib>
 
+#include <grpc/grpc.h>
+#include <grpcpp/grpcpp.h>
+
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 
@@ -64,6 +67,19 @@ TEST(ProcessSetupTest, LargeFreedBlocksStayInTheHeap) {
   ASSERT_NE(block, nullptr);
   EXPECT_EQ(mallinfo2().hblkhd, mapped_before);
   std::free(block);
+}
+
+// The process's only gRPC object, a channel, is made and destroyed: the
+// library stays initialized, so that destructor did not shut gRPC down (which
+// joins gRPC's threads, and can wait 10 s on one of them).
+TEST(ProcessSetupTest, GrpcOutlivesTheLastChannel) {
+  KeepGrpcUntilExit();
+  KeepGrpcUntilExit();  // a second call changes nothing
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials());
+  ASSERT_NE(channel, nullptr);
+  channel.reset();
+  EXPECT_NE(grpc_is_initialized(), 0);
 }
 
 }  // namespace
