@@ -30,4 +30,10 @@ bool DeferredWork::Defer(std::function<void()>& fn) {
   return true;
 }
 
+bool DeferredWork::DeferFirst(std::function<void()>& fn) {
+  if (open_scope == nullptr || !open_scope->work_.empty()) return false;
+  open_scope->work_.push_back(std::move(fn));
+  return true;
+}
+
 }  // namespace psflow

@@ -31,6 +31,10 @@ class DeferredWork {
   // Keeps `fn` (moved from) for the scope open on this thread; false, with
   // `fn` untouched, when none is.
   static bool Defer(std::function<void()>& fn);
+  // As Defer, but keeps `fn` only where the open scope holds no work yet:
+  // the thread then does one piece of such work, and the caller hands the
+  // rest elsewhere, to run in parallel.
+  static bool DeferFirst(std::function<void()>& fn);
 
  private:
   const bool outermost_;  // the scope that runs the work

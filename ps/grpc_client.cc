@@ -287,8 +287,12 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
       rpc.WritesDone();
     }
     PullResponse fields;
+    // (The version a step's pushes make: traced as that step.)
+    const int64_t step = request.by_clock() ? request.clock() : request.min_version() - 1;
     // The stream is always drained, so that Finish returns.
     while (rpc.Read(&message)) {
+      TraceSpan read_span(trace_, "pull message read", step);
+      read_span.Arg("ps", ps);
       if (!bad.ok()) continue;
       // A slice may be one version ahead of another.
       bad = ReadChunkMessage(
@@ -302,6 +306,8 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
         first->set_version(std::min(first->version(), fields.version()));
       }
     }
+    // From the stream's end (its status has come) to the call's.
+    TraceSpan finish_span(trace_, "pull finish", step);
     finished = rpc.Finish();
   }
   if (absl::Status s = FromGrpcStatus(finished); !s.ok()) return s;
@@ -425,6 +431,7 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
     // it goes alone and at once (the ps maps the region meanwhile), then
     // each run's chunks once it is final.
     if (region != nullptr) *header.mutable_region() = region->ref();
+    const int64_t message_step = header.step();  // the trace's step
     PushRequest message;
     *message.mutable_header() = std::move(header);
     const size_t max_bytes = region != nullptr ? kSharedMessageBytes : kChunkBytes;
@@ -472,6 +479,9 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
         grpc::ByteBuffer buffer;
         if (region != nullptr) {
           bool below = true;
+          TraceSpan copy_span(trace_, "push run copy", message_step);
+          copy_span.Arg("ps", ps);
+          copy_span.Arg("run", g);
           absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
               message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor,
               check ? &below : nullptr, check ? runs->below : 0.0f);
@@ -490,7 +500,11 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
         } else {
           buffer = EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep());
         }
+        TraceSpan write_span(trace_, "push run write", message_step);
+        write_span.Arg("ps", ps);
+        write_span.Arg("run", g);
         written = rpc.Write(buffer);
+        write_span.End();
         sent_any = true;
         message.Clear();
         if (!written || !more) break;
@@ -500,6 +514,8 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
       }
     }
     if (s.ok()) {
+      TraceSpan answer_span(trace_, "push answer wait", message_step);
+      answer_span.Arg("ps", ps);
       if (written) rpc.WritesDone();
       grpc::ByteBuffer answer;
       const bool answered = rpc.Read(&answer);

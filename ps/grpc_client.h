@@ -17,6 +17,7 @@
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "common/shared_region.h"
+#include "common/step_trace.h"
 #include "proto/ps.grpc.pb.h"
 #include "ps/client.h"
 
@@ -48,6 +49,11 @@ class GrpcClient final : public Client {
              int connections_per_ps = 1, metrics::Registry* metrics = nullptr,
              Role server_role = Role::kPs, bool shared_memory = false);
   int num_ps() const override { return static_cast<int>(links_.size()); }
+  // Records spans of the pushes' and pulls' calls into `trace` (null: none;
+  // it must outlive the client): each push run's copy into the region and
+  // its write, the wait for a push's answer, each pull message's reading and
+  // the end of a pull's stream. Call before the first push or pull.
+  void SetTrace(StepTrace* trace) { trace_ = trace; }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                     absl::Time deadline) override;
@@ -161,6 +167,7 @@ class GrpcClient final : public Client {
   metrics::Histogram* pull_bytes_;
   metrics::Histogram* pull_seconds_;
   metrics::Counter* shared_calls_;
+  StepTrace* trace_ = nullptr;
 };
 
 }  // namespace psflow::ps

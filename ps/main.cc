@@ -53,6 +53,11 @@ ABSL_FLAG(bool, apply_in_place, true,
           "checked for NaN and infinity again as it is averaged. false: copy (or widen) them out "
           "as they arrive and answer the push at once. Asynchronous jobs always copy.");
 
+ABSL_FLAG(bool, parallel_pull_answers, true,
+          "Answer the pulls that one apply wakes (every worker's pull of the slice it applied) on "
+          "several threads at once: the applying thread answers one and the ps's waker threads "
+          "the others. false: the applying thread answers them one after the other.");
+
 ABSL_FLAG(bool, wire_copies, true,
           "In a job whose wire dtype (the chief's --wire_dtype) is bf16 or fp16: keep each "
           "slice's weights in that dtype too, written once a step by the apply as it writes "
@@ -184,7 +189,8 @@ int main(int argc, char** argv) {
   psflow::ps::PsService service(
       config.task_index, &shard, request_stop, &metrics,
       [&readiness](bool ready) { readiness.Set(ready); }, limits,
-      absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place));
+      absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place),
+      absl::GetFlag(FLAGS_parallel_pull_answers));
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {

@@ -103,7 +103,8 @@ CallerRoles PsCallers(Role chief) {
 
 class PsService::Waker {
  public:
-  explicit Waker(ThreadPool* pool) : pool_(pool) {}
+  // `spread`: see Schedule.
+  Waker(ThreadPool* pool, bool spread) : pool_(pool), spread_(spread) {}
   // Arms the next wake (before looking at what it waits for): by any change
   // of the shard, or with `first` >= 0 only by the apply of a slice from
   // `first` to `last` or a change that is not a slice's apply.
@@ -128,10 +129,14 @@ class PsService::Waker {
   // Schedules a poke whatever the arming (an alarm): on the thread's
   // DeferredWork scope if it has one open (a shard's applier, a push that
   // completed a slice), which runs it once it lets go of the shard's lock,
-  // else on the pool.
+  // else on the pool. With `spread_`, the scope keeps only the first work
+  // it is given and later pokes go to the pool: the calls that one apply
+  // wakes (every worker's pull of the slice) are answered in parallel, not
+  // one after the other on the applying thread.
   void Schedule(std::shared_ptr<Waker> self) {
     std::function<void()> poke = [self = std::move(self)] { self->Poke(); };
-    if (!DeferredWork::Defer(poke)) pool_->Schedule(std::move(poke));
+    const bool deferred = spread_ ? DeferredWork::DeferFirst(poke) : DeferredWork::Defer(poke);
+    if (!deferred) pool_->Schedule(std::move(poke));
   }
   void Attach(std::function<void()> advance) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -149,6 +154,7 @@ class PsService::Waker {
   }
 
   ThreadPool* const pool_;
+  const bool spread_;
   std::atomic<bool> armed_{false};
   // The slices whose applies the armed wake waits for; -1: any change.
   std::atomic<int> first_{-1}, last_{-1};
@@ -163,7 +169,7 @@ class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
       : service_(service),
         peer_(context->peer()),
         call_deadline_(absl::FromChrono(context->deadline())),
-        waker_(std::make_shared<Waker>(service->wakers_.get())) {}
+        waker_(std::make_shared<Waker>(service->wakers_.get(), service->spread_wakes_)) {}
 
  protected:
   // Admits the call and hooks it to the shard, then advances it; or
@@ -591,7 +597,8 @@ class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
 
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
                      metrics::Registry* metrics, std::function<void(bool)> on_job,
-                     StreamLimits limits, bool shared_memory, StepTrace* trace, bool apply_in_place)
+                     StreamLimits limits, bool shared_memory, StepTrace* trace, bool apply_in_place,
+                     bool spread_wakes)
     : ps_index_(ps_index),
       shard_(shard),
       on_shutdown_(std::move(on_shutdown)),
@@ -599,6 +606,7 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       limits_(limits),
       trace_(trace),
       apply_in_place_(apply_in_place),
+      spread_wakes_(spread_wakes),
       regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",

@@ -77,11 +77,14 @@ class PsService final
   // they lie (Shard::SliceGradient::borrowed; 16-bit ones widened as they
   // are read) instead of being copied out first, and such a push is
   // answered once the shard has let go of all of them: its worker reuses
-  // the region only after the answer.
+  // the region only after the answer. With `spread_wakes`, the pulls that
+  // one apply wakes are answered on several threads at once (the applying
+  // thread answers the first; the service's waker threads the others)
+  // instead of one after the other on the applying thread.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
             StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr,
-            bool apply_in_place = true);
+            bool apply_in_place = true, bool spread_wakes = true);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
@@ -134,6 +137,7 @@ class PsService final
   const StreamLimits limits_;
   StepTrace* const trace_;  // may be null
   const bool apply_in_place_;
+  const bool spread_wakes_;
   std::atomic<bool> finished_{false};               // an accepted Shutdown came
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   metrics::Histogram* push_bytes_;

@@ -210,14 +210,16 @@ int main(int argc, char** argv) {
       options, &chief,
       [&security, &metrics, &config, &replica, connections = options.lanes_per_ps,
        server = all_reduce ? psflow::Role::kWorker : psflow::Role::kPs,
-       shared = !all_reduce && absl::GetFlag(FLAGS_shared_memory)](
+       shared = !all_reduce && absl::GetFlag(FLAGS_shared_memory), trace = trace->get()](
           const std::vector<std::string>& addresses) -> std::unique_ptr<psflow::ps::Client> {
         // This worker's own replica is in this process: no gRPC to reach it.
         if (replica != nullptr && addresses == std::vector<std::string>{config.self_address}) {
           return std::make_unique<psflow::ps::LocalClient>(replica.get());
         }
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections, &metrics,
-                                                        server, shared);
+        auto client = std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections,
+                                                               &metrics, server, shared);
+        client->SetTrace(trace);
+        return client;
       });
   metrics.SetGaugeFunction(
       "psflow_worker_step",

@@ -41,5 +41,32 @@ TEST(DeferredWorkTest, TheOutermostScopeRunsEverythingInOrderWhenItCloses) {
   EXPECT_FALSE(DeferredWork::Defer(d));
 }
 
+TEST(DeferredWorkTest, DeferFirstKeepsOnlyTheScopesFirstWork) {
+  std::string log;
+  std::function<void()> none = [&] { log += "x"; };
+  EXPECT_FALSE(DeferredWork::DeferFirst(none)) << "no scope is open";
+  ASSERT_TRUE(none);
+  {
+    DeferredWork scope;
+    std::function<void()> a = [&] { log += "a"; };
+    std::function<void()> b = [&] { log += "b"; };
+    ASSERT_TRUE(DeferredWork::DeferFirst(a));
+    EXPECT_FALSE(DeferredWork::DeferFirst(b)) << "the scope holds work already";
+    ASSERT_TRUE(b) << "a refused function stays with the caller";
+    b();
+    EXPECT_EQ(log, "b");
+  }
+  EXPECT_EQ(log, "ba");
+  // Any work held counts, whatever deferred it.
+  {
+    DeferredWork scope;
+    std::function<void()> c = [&] { log += "c"; };
+    std::function<void()> d = [&] { log += "d"; };
+    ASSERT_TRUE(DeferredWork::Defer(c));
+    EXPECT_FALSE(DeferredWork::DeferFirst(d));
+  }
+  EXPECT_EQ(log, "bac");
+}
+
 }  // namespace
 }  // namespace psflow

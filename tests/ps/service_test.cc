@@ -945,6 +945,81 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
 
 INSTANTIATE_TEST_SUITE_P(NetworkAndSharedMemory, PushInRunsTest, ::testing::Bool());
 
+// Pulls waiting for the same step (each worker's, through shared memory and
+// over the network) are all answered with its weights, whether the thread
+// whose apply wakes them answers them one after the other or hands all but
+// the first to the service's waker threads (PsService's spread_wakes).
+class SpreadWakesTest : public PsServiceTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
+  Shard shard;
+  PsService service(
+      0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
+      /*apply_in_place=*/true, /*spread_wakes=*/GetParam());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::vector<std::string> address = {absl::StrCat("127.0.0.1:", port)};
+  auto shared = std::make_unique<GrpcClient>(address, SecurityOptions{}, 2, nullptr, Role::kPs,
+                                             /*shared_memory=*/true);
+  auto network = std::make_unique<GrpcClient>(address, SecurityOptions{}, 2, nullptr, Role::kPs,
+                                              /*shared_memory=*/false);
+  ASSERT_TRUE(
+      shared
+          ->Init(0, Header(),
+                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+                 Deadline())
+          .ok());
+  constexpr int kPulls = 6;
+  std::vector<std::vector<float>> big(kPulls, std::vector<float>(big_.size(), -1));
+  std::vector<std::vector<float>> bias(kPulls, std::vector<float>(bias_.size(), -1));
+  std::vector<absl::StatusOr<Client::PullResult>> pulled(kPulls, absl::UnknownError("not run"));
+  std::vector<std::thread> pullers;
+  for (int i = 0; i < kPulls; ++i) {
+    pullers.emplace_back([&, i] {
+      Client& client = i % 2 == 0 ? *shared : *network;
+      pulled[i] = client.Pull(
+          0, kJob, 1, {},
+          {{"big", "", kBigShape, big[i].data()}, {"bias", "", kBiasShape, bias[i].data()}},
+          Deadline(), absl::Seconds(10));
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // the pulls wait for version 1
+  const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
+  const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
+  auto push = [&](int worker, const std::vector<float>& gbig, const std::vector<float>& gbias) {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(worker);
+    h.set_step(0);
+    return shared->Push(
+        0, h, {{"big", "", kBigShape, gbig.data()}, {"bias", "", kBiasShape, gbias.data()}},
+        Deadline());
+  };
+  absl::StatusOr<PushResponse> r0 = absl::UnknownError("not run");
+  std::thread first([&] { r0 = push(0, g0_big, g0_bias); });
+  absl::StatusOr<PushResponse> r1 = push(1, g1_big, g1_bias);
+  first.join();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  for (std::thread& t : pullers) t.join();
+  const std::vector<float> want_big = SgdAfter(big_, g0_big, g1_big);
+  const std::vector<float> want_bias = SgdAfter(bias_, g0_bias, g1_bias);
+  for (int i = 0; i < kPulls; ++i) {
+    ASSERT_TRUE(pulled[i].ok()) << "pull " << i << ": " << pulled[i].status();
+    EXPECT_EQ(pulled[i]->version, 1) << "pull " << i;
+    EXPECT_EQ(big[i], want_big) << "pull " << i;
+    EXPECT_EQ(bias[i], want_bias) << "pull " << i;
+  }
+  shard.Shutdown();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+INSTANTIATE_TEST_SUITE_P(OnAndOff, SpreadWakesTest, ::testing::Bool());
+
 // A ps that takes no shared memory gets the tensors over the network: the
 // client's first call is refused, sent again without a region, and counts
 // as no failed call; the calls after it offer no region until the retry
