@@ -1,6 +1,8 @@
 #include "common/process_setup.h"
 
 #include <malloc.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/resource.h>
 
 #include <grpc/grpc.h>
@@ -20,7 +22,12 @@ void SetUpRoleProcess() {
 void KeepGrpcUntilExit() {
   // grpc_init counts references: this one is never given back.
   static const bool initialized = [] {
+    // grpc_init starts gRPC's threads, which inherit this thread's mask.
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
     grpc_init();
+    pthread_sigmask(SIG_SETMASK, &previous, nullptr);
     return true;
   }();
   static_cast<void>(initialized);

@@ -5,8 +5,9 @@
 
 namespace psflow {
 
-// Makes the three settings below. Call once at the start of main, before
-// any thread starts.
+// Makes the three settings below. Call once at the start of main, after
+// BlockTerminationSignals (common/signals.h) where the process watches
+// signals: it starts gRPC's threads.
 void SetUpRoleProcess();
 
 // gRPC shuts its library down when the process's last gRPC object (a server,
@@ -15,7 +16,10 @@ void SetUpRoleProcess();
 // buffer fills and which waits up to 10 s for events: so a process whose work
 // was done could stall for 10 s before exiting, at random, more often on a
 // loaded machine. This holds one reference to the library until the process
-// exits, so that no destructor shuts it down; exit ends its threads. Idempotent.
+// exits, so that no destructor shuts it down; exit ends its threads. The
+// threads gRPC starts here block every signal, so that a termination signal
+// never lands on one of them (where its default action would end the
+// process) but on a thread of the process's own. Idempotent.
 void KeepGrpcUntilExit();
 
 // Every step moves megabytes of tensors through freshly allocated buffers

@@ -9,7 +9,11 @@
 #include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 
+#include <csignal>
+
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/signals.h"
 #include "gtest/gtest.h"
 
 namespace psflow {
@@ -80,6 +84,24 @@ TEST(ProcessSetupTest, GrpcOutlivesTheLastChannel) {
   ASSERT_NE(channel, nullptr);
   channel.reset();
   EXPECT_NE(grpc_is_initialized(), 0);
+}
+
+// The order a role's main had: gRPC's threads started (by the test main's
+// KeepGrpcUntilExit, in the child that runs the statement), then the
+// termination signals blocked and watched. A SIGTERM must reach the watcher,
+// not end the process on a gRPC thread that takes it by default.
+TEST(ProcessSetupDeathTest, GrpcThreadsLeaveTerminationSignalsToTheWatcher) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        KeepGrpcUntilExit();
+        BlockTerminationSignals();
+        TerminationWatcher watcher([](int sig) { _exit(sig == SIGTERM ? 7 : 8); });
+        kill(getpid(), SIGTERM);
+        absl::SleepFor(absl::Seconds(10));
+        _exit(1);
+      },
+      testing::ExitedWithCode(7), "");
 }
 
 }  // namespace
