@@ -17,8 +17,8 @@
 #include "common/signals.h"
 
 int main(int argc, char** argv) {
-  psflow::BlockTerminationSignals();  // before any thread starts (SetUpRoleProcess starts gRPC's)
   psflow::SetUpRoleProcess();
+  psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,
       "the chief of a psflow job.\n\n"

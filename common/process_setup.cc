@@ -16,7 +16,6 @@ namespace psflow {
 void SetUpRoleProcess() {
   KeepLargeAllocationsInHeap();
   SkipMutexDeadlockDetection();
-  KeepGrpcUntilExit();
 }
 
 void KeepGrpcUntilExit() {

@@ -5,21 +5,23 @@
 
 namespace psflow {
 
-// Makes the three settings below. Call once at the start of main, after
-// BlockTerminationSignals (common/signals.h) where the process watches
-// signals: it starts gRPC's threads.
+// Makes the two settings below. Call once at the start of main, before any
+// thread starts.
 void SetUpRoleProcess();
 
-// gRPC shuts its library down when the process's last gRPC object (a server,
-// a channel) is destroyed, and that joins gRPC's executor threads. One of them
-// may be in TCP's backup poller, which gRPC 1.51 starts when a socket's send
-// buffer fills and which waits up to 10 s for events: so a process whose work
-// was done could stall for 10 s before exiting, at random, more often on a
-// loaded machine. This holds one reference to the library until the process
-// exits, so that no destructor shuts it down; exit ends its threads. The
-// threads gRPC starts here block every signal, so that a termination signal
-// never lands on one of them (where its default action would end the
-// process) but on a thread of the process's own. Idempotent.
+// For the test executables (tests/test_main.cc), not the roles. gRPC shuts
+// its library down when the process's last gRPC object (a server, a channel)
+// is destroyed, and that joins gRPC's executor threads. One of them may be in
+// TCP's backup poller, which gRPC 1.51 starts when a socket's send buffer
+// fills and which waits up to 10 s for events: a test that destroyed its
+// server stalled 10 s at random (7 of 30 runs of one PsServiceTest under
+// load). This holds one reference to the library until the process exits,
+// so that no destructor shuts it down; exit ends its threads. The threads
+// gRPC starts here block every signal, so that a termination signal never
+// lands on one of them (where its default action would end the process) but
+// on a thread of the process's own. Idempotent. (The roles do not call it: a
+// GPU worker of a job without ps, stopped by SIGTERM, then hung at exit
+// after its checkpoint; the cause is not known yet.)
 void KeepGrpcUntilExit();
 
 // Every step moves megabytes of tensors through freshly allocated buffers

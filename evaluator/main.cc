@@ -47,8 +47,8 @@ ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief before exiting with code 138.");
 
 int main(int argc, char** argv) {
-  psflow::BlockTerminationSignals();  // before any thread starts (SetUpRoleProcess starts gRPC's)
   psflow::SetUpRoleProcess();
+  psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,
       "the evaluator of a psflow job: evaluates consistent snapshots of the weights on the test\n"

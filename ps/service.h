@@ -77,14 +77,16 @@ class PsService final
   // they lie (Shard::SliceGradient::borrowed; 16-bit ones widened as they
   // are read) instead of being copied out first, and such a push is
   // answered once the shard has let go of all of them: its worker reuses
-  // the region only after the answer. With `spread_wakes`, the pulls that
-  // one apply wakes are answered on several threads at once (the applying
-  // thread answers the first; the service's waker threads the others)
-  // instead of one after the other on the applying thread.
+  // the region only after the answer. With `spread_wakes` (psflow-ps
+  // --parallel_pull_answers, on there by default; a worker's replica keeps
+  // it off), the pulls that one apply wakes are answered on several threads
+  // at once (the applying thread answers the first; the service's waker
+  // threads the others) instead of one after the other on the applying
+  // thread.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
             StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr,
-            bool apply_in_place = true, bool spread_wakes = true);
+            bool apply_in_place = true, bool spread_wakes = false);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,

@@ -89,8 +89,8 @@ ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
 int main(int argc, char** argv) {
-  psflow::BlockTerminationSignals();  // before any thread starts (SetUpRoleProcess starts gRPC's)
   psflow::SetUpRoleProcess();
+  psflow::BlockTerminationSignals();
   psflow::ParseFlagsOrExit(
       argc, argv,
       "a training worker of a psflow job.\n\n"

@@ -86,7 +86,7 @@ TEST(ProcessSetupTest, GrpcOutlivesTheLastChannel) {
   EXPECT_NE(grpc_is_initialized(), 0);
 }
 
-// The order a role's main had: gRPC's threads started (by the test main's
+// gRPC's threads started first (by the test main's
 // KeepGrpcUntilExit, in the child that runs the statement), then the
 // termination signals blocked and watched. A SIGTERM must reach the watcher,
 // not end the process on a gRPC thread that takes it by default.
