@@ -5,7 +5,8 @@
 
 namespace psflow {
 
-// Makes the two settings below. Call once at the start of main, before any
+// Makes two of the settings below: KeepLargeAllocationsInHeap and
+// SkipMutexDeadlockDetection. Call once at the start of main, before any
 // thread starts.
 void SetUpRoleProcess();
 

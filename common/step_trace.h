@@ -1,8 +1,9 @@
 // A timeline of chosen steps of one process (--trace_dir, --trace_steps of
 // psflow-worker and psflow-ps): spans of what each thread did in those
 // steps (a worker's step, input, compute, each lane's pushes and pulls, its
-// runs' waits and checks; a ps's push messages, slice applies and pull
-// answers), written as one JSON file per process in the trace event format,
+// runs' waits and checks, its ps client's copies, writes and reads; a ps's
+// push messages, slice applies and pull answers), written as one JSON file
+// per process in the trace event format,
 // which Perfetto and chrome://tracing open (scripts/trace-summary.py merges
 // the files of a job and prints one step's events in order). Timestamps are
 // the host's steady clock, so the processes of one host line up; across

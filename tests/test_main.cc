@@ -1,7 +1,7 @@
 // main() of every psflow GoogleTest executable: GoogleTest's own, after
-// holding gRPC's library until exit as the role binaries do, so that a test
-// that destroys its last server or channel does not stall at random in
-// gRPC's shutdown (common/process_setup.h says why).
+// holding gRPC's library until exit, so that a test that destroys its last
+// server or channel does not stall at random in gRPC's shutdown
+// (common/process_setup.h says why).
 #include "common/process_setup.h"
 #include "gtest/gtest.h"
 
