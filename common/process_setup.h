@@ -10,7 +10,8 @@ namespace psflow {
 // thread starts.
 void SetUpRoleProcess();
 
-// For the test executables (tests/test_main.cc), not the roles. gRPC shuts
+// For tests that build gRPC servers in their process (PsServiceTest), not
+// the roles. gRPC shuts
 // its library down when the process's last gRPC object (a server, a channel)
 // is destroyed, and that joins gRPC's executor threads. One of them may be in
 // TCP's backup poller, which gRPC 1.51 starts when a socket's send buffer
@@ -20,9 +21,11 @@ void SetUpRoleProcess();
 // so that no destructor shuts it down; exit ends its threads. The threads
 // gRPC starts here block every signal, so that a termination signal never
 // lands on one of them (where its default action would end the process) but
-// on a thread of the process's own. Idempotent. (The roles do not call it: a
-// GPU worker of a job without ps, stopped by SIGTERM, then hung at exit
-// after its checkpoint; the cause is not known yet.)
+// on a thread of the process's own. Idempotent. Not for a process that
+// forks without exec afterwards (a fast death test: its child deadlocked
+// on exit), nor, for now, for the roles: a GPU worker of a job without ps,
+// stopped by SIGTERM, hung at exit after its checkpoint with it (the cause
+// is not known yet).
 void KeepGrpcUntilExit();
 
 // Every step moves megabytes of tensors through freshly allocated buffers

@@ -86,10 +86,9 @@ TEST(ProcessSetupTest, GrpcOutlivesTheLastChannel) {
   EXPECT_NE(grpc_is_initialized(), 0);
 }
 
-// gRPC's threads started first (by the test main's
-// KeepGrpcUntilExit, in the child that runs the statement), then the
-// termination signals blocked and watched. A SIGTERM must reach the watcher,
-// not end the process on a gRPC thread that takes it by default.
+// gRPC's threads started first (by KeepGrpcUntilExit, in the child that
+// runs the statement), then the termination signals blocked and watched. A SIGTERM must reach the
+// watcher, not end the process on a gRPC thread that takes it by default.
 TEST(ProcessSetupDeathTest, GrpcThreadsLeaveTerminationSignalsToTheWatcher) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(

@@ -27,6 +27,7 @@
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
+#include "common/process_setup.h"
 #include "common/shared_region.h"
 #include "common/tensor_chunks.h"
 #include "gmock/gmock.h"
@@ -90,6 +91,9 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
 class PsServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // Without it, the last server's destructor shuts gRPC down and can wait
+    // 10 s on its backup poller (common/process_setup.h).
+    KeepGrpcUntilExit();
     service_ = std::make_unique<PsService>(
         0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
         [this](bool holds_job) { job_calls_.push_back(holds_job); });
