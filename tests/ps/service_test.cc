@@ -70,6 +70,15 @@ std::pair<std::vector<Response>, grpc::Status> ReadStream(const Start& start) {
   return {std::move(messages), reader->Finish()};
 }
 
+// A server of `service` on a free loopback port (in `*port`); null if it
+// could not start.
+std::unique_ptr<grpc::Server> ServeOnLoopback(grpc::Service* service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
 // Every method the ps's caller rules name exists: a renamed method must not
 // lose its rule silently.
 TEST(PsCallersTest, NameMethodsOfTheService) {
@@ -716,11 +725,8 @@ TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
   PsService copying(
       0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
       /*apply_in_place=*/false);
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&copying);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&copying, &port);
   ASSERT_NE(server, nullptr);
   client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
                                          SecurityOptions{}, 1, &client_metrics_, Role::kPs,
@@ -960,11 +966,8 @@ TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
   PsService service(
       0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
       /*apply_in_place=*/true, /*spread_wakes=*/GetParam());
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
   ASSERT_NE(server, nullptr);
   const std::vector<std::string> address = {absl::StrCat("127.0.0.1:", port)};
   auto shared = std::make_unique<GrpcClient>(address, SecurityOptions{}, 2, nullptr, Role::kPs,
@@ -1033,11 +1036,8 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   Shard shard;
   PsService service(
       0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false);
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
   ASSERT_NE(server, nullptr);
   auto client = std::make_unique<GrpcClient>(
       std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, SecurityOptions{}, 1,
@@ -1473,11 +1473,8 @@ TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
   // A ps with another index reports it (0 is also the proto default).
   Shard other_shard;
   PsService other(3, &other_shard, [] {});
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&other);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&other, &port);
   ASSERT_NE(server, nullptr);
   GrpcClient other_client({absl::StrCat("127.0.0.1:", port)}, SecurityOptions{});
   st = other_client.GetState(0, Deadline());
