@@ -11,9 +11,8 @@ namespace psflow {
 void SetUpRoleProcess();
 
 // For tests that build gRPC servers in their process (PsServiceTest), not
-// the roles. gRPC shuts
-// its library down when the process's last gRPC object (a server, a channel)
-// is destroyed, and that joins gRPC's executor threads. One of them may be in
+// the roles. gRPC shuts its library down when the process's last gRPC object
+// (a server, a channel) is destroyed, and that joins gRPC's executor threads. One of them may be in
 // TCP's backup poller, which gRPC 1.51 starts when a socket's send buffer
 // fills and which waits up to 10 s for events: a test that destroyed its
 // server stalled 10 s at random (7 of 30 runs of one PsServiceTest under

@@ -4,12 +4,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 
 #include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
-
-#include <csignal>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -87,8 +86,9 @@ TEST(ProcessSetupTest, GrpcOutlivesTheLastChannel) {
 }
 
 // gRPC's threads started first (by KeepGrpcUntilExit, in the child that
-// runs the statement), then the termination signals blocked and watched. A SIGTERM must reach the
-// watcher, not end the process on a gRPC thread that takes it by default.
+// runs the statement), then the termination signals blocked and watched. A
+// SIGTERM must reach the watcher, not end the process on a gRPC thread that
+// takes it by default.
 TEST(ProcessSetupDeathTest, GrpcThreadsLeaveTerminationSignalsToTheWatcher) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(

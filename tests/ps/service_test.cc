@@ -71,7 +71,8 @@ std::pair<std::vector<Response>, grpc::Status> ReadStream(const Start& start) {
 }
 
 // A server of `service` on a free loopback port (in `*port`); null if it
-// could not start.
+// could not start. No StartServer: the server keeps gRPC's default 4 MB
+// receive limit, so an Init or Push that is not chunked would fail.
 std::unique_ptr<grpc::Server> ServeOnLoopback(grpc::Service* service, int* port) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
@@ -106,12 +107,7 @@ class PsServiceTest : public ::testing::Test {
     service_ = std::make_unique<PsService>(
         0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
         [this](bool holds_job) { job_calls_.push_back(holds_job); });
-    grpc::ServerBuilder builder;
-    // No StartServer: the server keeps gRPC's default 4 MB receive limit,
-    // so an Init or Push that is not chunked would fail.
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    server_ = ServeOnLoopback(service_.get(), &port_);
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
     address_ = absl::StrCat("127.0.0.1:", port_);
