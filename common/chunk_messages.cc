@@ -314,6 +314,59 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
   return grpc::ByteBuffer(&slice, 1);
 }
 
+namespace {
+
+// Where `bytes` bytes at `at` lie in `region` (-1: not wholly inside it).
+int64_t OffsetIn(SharedSpan region, const char* at, int64_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(region.data);
+  const auto p = reinterpret_cast<uintptr_t>(at);
+  if (at == nullptr || p < begin || p - begin > static_cast<uintptr_t>(region.size)) return -1;
+  const auto offset = static_cast<int64_t>(p - begin);
+  return bytes <= region.size - offset ? offset : -1;
+}
+
+}  // namespace
+
+absl::StatusOr<grpc::ByteBuffer> EncodeInPlaceChunkMessage(
+    const google::protobuf::MessageLite& fields, int chunk_field,
+    absl::Span<const ChunkPiece> pieces, SharedSpan region, bool* all_below, float below) {
+  std::string out = fields.SerializeAsString();
+  for (const ChunkPiece& piece : pieces) {
+    const TensorRef& t = *piece.tensor;
+    TensorChunk chunk = ChunkHeader(piece);
+    if (piece.bytes > 0) {
+      const int64_t element = WireBytes(t.dtype);
+      const int64_t first = piece.offset / element;
+      const int64_t at = OffsetIn(region, WireValuesAt(t, first), piece.bytes);
+      if (at < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("bytes ", piece.offset, " to ", piece.offset + piece.bytes, " of ", t.name,
+                         " do not lie in the shared region they are to be sent from"));
+      }
+      if (all_below != nullptr && *all_below &&
+          !WireValuesBelow(t, first, piece.bytes / element, below)) {
+        *all_below = false;
+      }
+      chunk.set_shared_offset(at);
+      chunk.set_shared_bytes(piece.bytes);
+    }
+    const std::string header = chunk.SerializeAsString();
+    AppendLengthTag(chunk_field, &out);
+    AppendVarint(header.size(), &out);
+    out += header;
+  }
+  grpc::Slice slice(out);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+bool AllLieIn(absl::Span<const TensorRef> refs, SharedSpan region) {
+  for (const TensorRef& t : refs) {
+    const int64_t n = NumElements(t.shape);
+    if (n > 0 && OffsetIn(region, WireValuesAt(t, 0), n * WireBytes(t.dtype)) < 0) return false;
+  }
+  return true;
+}
+
 absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
                               google::protobuf::MessageLite* fields,
                               absl::FunctionRef<absl::StatusOr<ChunkAssembler*>()> assembler,

@@ -56,6 +56,21 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
     absl::Span<const ChunkPiece> pieces, SharedSpan region, int64_t* cursor,
     bool* all_below = nullptr, float below = std::numeric_limits<float>::infinity());
 
+// As EncodeSharedChunkMessage, for pieces whose bytes already lie in
+// `region` as they go on the wire (TensorRef data or encoded values placed
+// there by their producer): each chunk names where its piece lies, and no
+// byte is copied. INVALID_ARGUMENT for a piece that does not lie wholly in
+// the region. With `all_below`, every value is checked (AllBelow) where it
+// lies, and *all_below made false for one that is not below `below`.
+absl::StatusOr<grpc::ByteBuffer> EncodeInPlaceChunkMessage(
+    const google::protobuf::MessageLite& fields, int chunk_field,
+    absl::Span<const ChunkPiece> pieces, SharedSpan region, bool* all_below = nullptr,
+    float below = std::numeric_limits<float>::infinity());
+
+// Whether the wire bytes of every tensor of `refs` lie wholly in `region`
+// (WireValuesAt), so that EncodeInPlaceChunkMessage takes all their pieces.
+bool AllLieIn(absl::Span<const TensorRef> refs, SharedSpan region);
+
 // Reads one message written as above (or by protobuf itself). The fields
 // other than the chunks are parsed into `fields` (cleared first); then
 // `assembler()` is called once, when the first chunk comes (or at the end

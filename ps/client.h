@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/float16.h"
+#include "common/shared_region.h"
 #include "common/tensor_chunks.h"
 #include "proto/ps.pb.h"
 
@@ -157,6 +158,16 @@ class Client {
   // memory. This default keeps no such memory: sinks never borrow.
   virtual void SetRegionPinning(std::function<bool(void*, size_t)> pin,
                                 std::function<void(void*)> unpin) {}
+
+  // Shared memory (common/shared_region.h) that the caller's gradients lie
+  // in (a GPU worker's copies from the device land there): a push whose
+  // tensors all lie in it offers it to the ps and names each tensor where
+  // it lies, with no copy (the check of PushRuns reads the values there).
+  // The caller leaves those tensors unchanged until the push is answered.
+  // Null: no such memory. Returns whether pushes may send from it (false
+  // for a client without shared memory, which keeps none). This default
+  // keeps none: pushes copy as before.
+  virtual bool SetPushRegion(std::shared_ptr<const SharedRegion> region) { return false; }
 
   // Whether the connection to ps `ps` is up (or idle), not failing.
   virtual bool Reachable(int ps) const = 0;

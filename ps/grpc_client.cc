@@ -165,23 +165,29 @@ int64_t SteadyNanos() {
 
 }  // namespace
 
-SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count, bool* probe) {
+bool GrpcClient::OfferRegion(int ps, bool* probe) {
   *probe = false;
-  if (regions_ == nullptr || bytes == 0) return {};
+  if (regions_ == nullptr) return false;
   Link& link = *links_[ps];
   if (link.refused.load()) {
-    if (SteadyNanos() < link.no_region_until.load() || link.probing.exchange(true)) return {};
+    if (SteadyNanos() < link.no_region_until.load() || link.probing.exchange(true)) return false;
     *probe = true;
   }
+  return true;
+}
+
+SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count, bool* probe) {
+  *probe = false;
+  if (bytes == 0 || !OfferRegion(ps, probe)) return {};
   SharedRegionPool::Lease lease = regions_->Acquire(SharedBytesFor(bytes, count));
   if (!lease && *probe) {
-    link.probing = false;
+    links_[ps]->probing = false;
     *probe = false;
   }
   return lease;
 }
 
-bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region,
+bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease* lease,
                                bool probe) {
   Link& link = *links_[ps];
   if (status.ok()) {
@@ -192,7 +198,7 @@ bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionP
     }
   } else if (IsSharedMemoryRefusal(status)) {
     // Refused before the ps read or wrote a byte of it: reusable.
-    region.reset();
+    if (lease != nullptr) lease->reset();
     link.no_region_until = SteadyNanos() + absl::ToInt64Nanoseconds(retry_shared_after_);
     link.refused = true;
     if (!link.told_refused.exchange(true)) {
@@ -200,9 +206,11 @@ bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionP
                      << "): its tensors go over the network (offered again after "
                      << absl::FormatDuration(retry_shared_after_) << ", by one call)";
     }
-  } else {
-    region.Discard();
+  } else if (lease != nullptr) {
+    lease->Discard();
   }
+  // (The push region is not another call's afterwards: its owner writes it
+  // again only after this push, or a retry of it, was answered.)
   if (probe) link.probing = false;
   return IsSharedMemoryRefusal(status);
 }
@@ -210,6 +218,12 @@ bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionP
 void GrpcClient::SetRegionPinning(std::function<bool(void*, size_t)> pin,
                                   std::function<void(void*)> unpin) {
   if (regions_ != nullptr) regions_->SetPinning(std::move(pin), std::move(unpin));
+}
+
+bool GrpcClient::SetPushRegion(std::shared_ptr<const SharedRegion> region) {
+  absl::MutexLock lock(&push_region_mu_);
+  push_region_ = regions_ != nullptr ? std::move(region) : nullptr;
+  return push_region_ != nullptr;
 }
 
 absl::StatusOr<PullResponse> GrpcClient::RunPull(
@@ -230,7 +244,7 @@ absl::StatusOr<PullResponse> GrpcClient::RunPull(
   int borrowed = 0;
   if (region) {
     first = PullCall(ps, request, sinks, deadline, ready, region.get(), &bytes, &borrowed, give_up);
-    network = RefusedRegion(ps, first.status(), region, probe);
+    network = RefusedRegion(ps, first.status(), &region, probe);
     if (first.ok() && borrowed > 0) {
       // The sinks' values stay in the region until the caller lets go (the
       // pool lives as long as the hold).
@@ -394,19 +408,36 @@ absl::StatusOr<PushResponse> GrpcClient::RunPush(int ps, const PushHeader& heade
   const absl::Time start = absl::Now();
   absl::StatusOr<PushResponse> response;
   bool probe = false;
-  SharedRegionPool::Lease region = RegionFor(ps, bytes, static_cast<int64_t>(grads.size()), &probe);
+  // Gradients that lie in the push region go from there as they lie;
+  // others are copied into a region of the pool.
+  std::shared_ptr<const SharedRegion> own;
+  {
+    absl::MutexLock lock(&push_region_mu_);
+    own = push_region_;
+  }
+  const bool in_place = own != nullptr && bytes > 0 && AllLieIn(grads, own->data());
+  SharedRegionPool::Lease lease;
+  const SharedRegion* region = nullptr;
+  if (in_place) {
+    if (OfferRegion(ps, &probe)) region = own.get();
+  } else {
+    lease = RegionFor(ps, bytes, static_cast<int64_t>(grads.size()), &probe);
+    region = lease.get();
+  }
   bool network = true;
   bool waited = false;  // a run's wait ended the push: the caller's error, not the call's
-  if (region) {
-    response = PushCall(ps, header, grads, runs, deadline, region.get(), &waited);
-    network = !waited && RefusedRegion(ps, response.status(), region, probe);
+  if (region != nullptr) {
+    response = PushCall(ps, header, grads, runs, deadline, region, in_place, &waited);
+    network = !waited && RefusedRegion(ps, response.status(), in_place ? nullptr : &lease, probe);
     if (waited) {
-      region.Discard();
+      if (!in_place) lease.Discard();
       if (probe) links_[ps]->probing = false;  // nothing learnt: the next call probes
     }
-    region.reset();
+    lease.reset();
   }
-  if (network) response = PushCall(ps, header, std::move(grads), runs, deadline, nullptr, &waited);
+  if (network) {
+    response = PushCall(ps, header, std::move(grads), runs, deadline, nullptr, false, &waited);
+  }
   if (waited) return response.status();
   if (!response.ok()) return errors_.Count("Push", WithPs(ps, response.status()));
   push_bytes_->Observe(static_cast<double>(bytes));
@@ -417,7 +448,8 @@ absl::StatusOr<PushResponse> GrpcClient::RunPush(int ps, const PushHeader& heade
 absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
                                                   std::vector<TensorRef> grads,
                                                   const PushRuns* runs, absl::Time deadline,
-                                                  SharedRegion* region, bool* waited) {
+                                                  const SharedRegion* region, bool in_place,
+                                                  bool* waited) {
   *waited = false;
   PushResponse response;
   absl::Status s;
@@ -479,12 +511,16 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
         grpc::ByteBuffer buffer;
         if (region != nullptr) {
           bool below = true;
-          TraceSpan copy_span(trace_, "push run copy", message_step);
+          TraceSpan copy_span(trace_, in_place ? "push run check" : "push run copy", message_step);
           copy_span.Arg("ps", ps);
           copy_span.Arg("run", g);
-          absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
-              message, PushRequest::kChunkFieldNumber, pieces, region->data(), &cursor,
-              check ? &below : nullptr, check ? runs->below : 0.0f);
+          absl::StatusOr<grpc::ByteBuffer> encoded =
+              in_place ? EncodeInPlaceChunkMessage(message, PushRequest::kChunkFieldNumber, pieces,
+                                                   region->data(), check ? &below : nullptr,
+                                                   check ? runs->below : 0.0f)
+                       : EncodeSharedChunkMessage(message, PushRequest::kChunkFieldNumber, pieces,
+                                                  region->data(), &cursor, check ? &below : nullptr,
+                                                  check ? runs->below : 0.0f);
           if (!encoded.ok()) {
             s = encoded.status();
             break;

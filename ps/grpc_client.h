@@ -78,6 +78,8 @@ class GrpcClient final : public Client {
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   void SetRegionPinning(std::function<bool(void*, size_t)> pin,
                         std::function<void(void*)> unpin) override;
+  bool SetPushRegion(std::shared_ptr<const SharedRegion> region) override
+      ABSL_LOCKS_EXCLUDED(push_region_mu_);
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;
@@ -121,19 +123,25 @@ class GrpcClient final : public Client {
   absl::StatusOr<PushResponse> RunPush(int ps, const PushHeader& header,
                                        std::vector<TensorRef> grads, const PushRuns* runs,
                                        absl::Time deadline);
-  // `*waited`: a run's wait ended the call (its error is returned).
+  // `*waited`: a run's wait ended the call (its error is returned). With
+  // `in_place`, the tensors lie in `region` already (the push region) and
+  // are named there, not copied.
   absl::StatusOr<PushResponse> PushCall(int ps, PushHeader header, std::vector<TensorRef> grads,
                                         const PushRuns* runs, absl::Time deadline,
-                                        SharedRegion* region, bool* waited);
+                                        const SharedRegion* region, bool in_place, bool* waited);
+  // Whether a call to `ps` may offer it a region now (not where it refused
+  // one lately). `*probe`: the call offers one to a ps that refused one
+  // before (then no other call does until RefusedRegion).
+  bool OfferRegion(int ps, bool* probe);
   // A region for a call that moves `bytes` bytes in `count` tensors to or
-  // from `ps`; empty where it goes over the network. `*probe`: the call
-  // offers a region to a ps that refused one before.
+  // from `ps`; empty where it goes over the network. `*probe` as above.
   SharedRegionPool::Lease RegionFor(int ps, int64_t bytes, int64_t count, bool* probe);
-  // After a call through `region`: gives it back, or drops it where the call
-  // failed otherwise than by the ps's refusal. True when the ps refused
-  // shared memory: the call must go again over the network, and so do this
-  // ps's calls of the next retry_shared_after_.
-  bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease& region,
+  // After a call through a region (`lease`, or the push region where it is
+  // null): gives the lease back, or drops it where the call failed otherwise
+  // than by the ps's refusal. True when the ps refused shared memory: the
+  // call must go again over the network, and so do this ps's calls of the
+  // next retry_shared_after_.
+  bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease* lease,
                      bool probe);
   // The connections to one ps.
   struct Link {
@@ -159,6 +167,9 @@ class GrpcClient final : public Client {
   // With shared_memory; shared with the holds of pulls' borrowed values.
   std::shared_ptr<SharedRegionPool> regions_;
   absl::Duration retry_shared_after_ = kRetrySharedAfter;
+  // SetPushRegion's (null: none); set between steps, read by every push.
+  absl::Mutex push_region_mu_;
+  std::shared_ptr<const SharedRegion> push_region_ ABSL_GUARDED_BY(push_region_mu_);
   ActiveCalls calls_;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   RpcErrors errors_;

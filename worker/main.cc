@@ -68,6 +68,14 @@ ABSL_FLAG(bool, upload_from_shared_memory, true,
           "with the GPU (cudaHostRegister), in the wire dtype (16-bit values are widened to fp32 "
           "on the GPU), instead of decoding them into the worker's page-locked buffers first. "
           "false: always through those buffers.");
+ABSL_FLAG(bool, gradients_to_shared_memory, true,
+          "A GPU worker of a job with ps, with fp32 on the wire or its gradients rounded on the "
+          "GPU (--narrow_on_gpu): copy the gradients from the GPU into one region of shared "
+          "memory registered with the GPU, and let each push name them where they lie (a ps on "
+          "this host reads them there; the worker only checks them, it does not copy them). "
+          "false: copy them into page-locked buffers of the worker's, then into a region of "
+          "each push. A ps that takes no shared memory (see --shared_memory) gets them over the "
+          "network either way.");
 ABSL_FLAG(bool, narrow_on_gpu, true,
           "A GPU worker (one GPU) of a job whose wire dtype (the chief's --wire_dtype) is bf16 or "
           "fp16: round each gradient to that dtype on the GPU as the backward pass completes it, "
@@ -164,6 +172,7 @@ int main(int argc, char** argv) {
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
   options.upload_from_shared_memory = absl::GetFlag(FLAGS_upload_from_shared_memory);
+  options.gradients_to_shared_memory = absl::GetFlag(FLAGS_gradients_to_shared_memory);
   options.narrow_on_device = absl::GetFlag(FLAGS_narrow_on_gpu);
   options.trace = trace->get();
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);

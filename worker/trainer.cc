@@ -27,6 +27,24 @@
 namespace psflow::worker {
 namespace {
 
+// Floats of page-locked memory that another owner keeps (the push region).
+class BorrowedBuffer final : public kernels::Buffer {
+ public:
+  BorrowedBuffer(float* data, size_t size) : data_(data), size_(size) {}
+  float* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  float* const data_;
+  const size_t size_;
+};
+
+// Bytes of the push region for a buffer of `floats` floats.
+int64_t PushRegionBytes(int64_t floats) {
+  return (floats * static_cast<int64_t>(sizeof(float)) + kSharedAlign - 1) / kSharedAlign *
+         kSharedAlign;
+}
+
 // A ps that holds another job (the chief reloaded it) or none (it restarted
 // empty), drops this worker, or answers from another version than its peers
 // (mid-reload): register again.
@@ -185,17 +203,34 @@ absl::Status Trainer::Prepare() {
   in_place_ = !weights_.empty();
   // (The gradients' staging comes below, once it is known whether the step
   // rounds them on the device: then they go to the host in 16 bits alone.)
-  auto stage = [&](std::vector<float*>* into) -> absl::Status {
+  // Host buffers of `floats` floats: the gradients' from the push region
+  // while it has room (MakePushRegion sized it for them), else page-locked
+  // memory of the backend's.
+  int64_t region_used = 0;
+  auto host_buffer = [&](int64_t floats,
+                         bool gradient) -> absl::StatusOr<std::unique_ptr<kernels::Buffer>> {
+    if (gradient && push_region_ != nullptr) {
+      const SharedSpan span = push_region_->data();
+      const int64_t bytes = PushRegionBytes(floats);
+      if (bytes <= span.size - region_used) {
+        auto* at = reinterpret_cast<float*>(span.data + region_used);
+        region_used += bytes;
+        return std::make_unique<BorrowedBuffer>(at, static_cast<size_t>(floats));
+      }
+    }
+    return backend_->AllocateHost(floats);
+  };
+  auto stage = [&](std::vector<float*>* into, bool gradients) -> absl::Status {
     for (const VariableShape& v : net_->variables()) {
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> buffer =
-          backend_->AllocateHost(NumElements(v.shape));
+          host_buffer(NumElements(v.shape), gradients);
       if (!buffer.ok()) return Permanent(buffer.status());
       staging_.push_back(*std::move(buffer));
       into->push_back(staging_.back()->data());
     }
     return absl::OkStatus();
   };
-  if (!in_place_) PSFLOW_RETURN_IF_ERROR(stage(&weights_));
+  if (!in_place_) PSFLOW_RETURN_IF_ERROR(stage(&weights_, false));
   // A GPU worker of a job with ps copies each bucket of gradients out as
   // soon as the backward pass has written it.
   if (!in_place_ && !AllReduce() && group_ == nullptr) {
@@ -215,13 +250,23 @@ absl::Status Trainer::Prepare() {
   }
   // Those buckets' gradients cross in the wire dtype, rounded by the step
   // on the device (in its graph, before each bucket's event).
-  if (!host_buckets_.empty() && wire != DT_FLOAT && options_.narrow_on_device) {
+  const bool narrow = !host_buckets_.empty() && wire != DT_FLOAT && options_.narrow_on_device;
+  // Their host buffers lie in the push region where the pushes send them as
+  // they lie (in the wire dtype already).
+  if (ps() != nullptr) ps()->SetPushRegion(nullptr);
+  push_region_.reset();
+  if (!host_buckets_.empty() && options_.gradients_to_shared_memory &&
+      (wire == DT_FLOAT || narrow)) {
+    MakePushRegion(narrow);
+  }
+  if (narrow) {
     std::vector<uint16_t*> on_device;
     for (const VariableShape& v : net_->variables()) {
       const size_t floats = static_cast<size_t>(NumElements(v.shape) + 1) / 2;
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> device = backend_->Allocate(floats);
       if (!device.ok()) return Permanent(device.status());
-      absl::StatusOr<std::unique_ptr<kernels::Buffer>> host = backend_->AllocateHost(floats);
+      absl::StatusOr<std::unique_ptr<kernels::Buffer>> host =
+          host_buffer(static_cast<int64_t>(floats), true);
       if (!host.ok()) return Permanent(host.status());
       on_device.push_back(reinterpret_cast<uint16_t*>((*device)->data()));
       narrowed_.push_back({*std::move(device), *std::move(host)});
@@ -233,7 +278,7 @@ absl::Status Trainer::Prepare() {
                   << " on the GPU before they cross to the host";
     }
   }
-  if (!in_place_ && narrowed_.empty()) PSFLOW_RETURN_IF_ERROR(stage(&grads_));
+  if (!in_place_ && narrowed_.empty()) PSFLOW_RETURN_IF_ERROR(stage(&grads_, true));
   // Pushes during the backward pass: where they apply, and the order in
   // which the backward pass completes the variables.
   push_early_ = options_.push_during_backward && !AllReduce() && group_ == nullptr &&
@@ -611,6 +656,44 @@ absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() 
   return buckets;
 }
 
+void Trainer::MakePushRegion(bool narrow) {
+  const kernels::Backend::HostPinning pinning = backend_->host_pinning();
+  if (pinning.pin == nullptr) return;
+  int64_t bytes = 0;
+  for (const VariableShape& v : net_->variables()) {
+    const int64_t n = NumElements(v.shape);
+    bytes += PushRegionBytes(narrow ? (n + 1) / 2 : n);
+  }
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(bytes);
+  std::string why;
+  if (!made.ok()) {
+    why = std::string(made.status().message());
+  } else if (!pinning.pin((*made)->data().data, static_cast<size_t>((*made)->data().size))) {
+    why = "the GPU did not register it";
+  } else {
+    push_region_ = std::shared_ptr<const SharedRegion>(
+        made->release(), [unpin = pinning.unpin](const SharedRegion* region) {
+          unpin(region->data().data);
+          delete region;
+        });
+    // A client without shared memory (--shared_memory=false) sends from
+    // anywhere over the network: the backend's buffers do then.
+    if (ps() == nullptr || !ps()->SetPushRegion(push_region_)) {
+      push_region_.reset();
+      return;
+    }
+  }
+  if (told_push_region_) return;
+  told_push_region_ = true;
+  if (push_region_ != nullptr) {
+    PSLOG(INFO) << "gradients are copied from the GPU into shared memory (" << bytes
+                << " bytes), and pushes send them from there";
+  } else {
+    PSLOG(WARNING) << "no shared memory for the gradients (" << why
+                   << "): each push copies them into a region of its own";
+  }
+}
+
 absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float* images,
                                                                      const int32_t* labels,
                                                                      int batch) {
@@ -796,6 +879,10 @@ absl::Status Trainer::CreateReplicas() {
   host_buckets_.clear();  // so are their events
   staging_.clear();       // and the page-locked buffers (Prepare makes new ones)
   narrowed_.clear();
+  // The push region's buffers are gone: no push may name it, and it is
+  // unregistered before the backend goes.
+  if (ps() != nullptr) ps()->SetPushRegion(nullptr);
+  push_region_.reset();
   gpu_peers_.reset();  // before the backend it queues on
   replicas_.clear();
   replica_nets_.clear();

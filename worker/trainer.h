@@ -49,6 +49,7 @@
 #include "allreduce/ring.h"
 #include "chief/client.h"
 #include "common/fan_out.h"
+#include "common/shared_region.h"
 #include "common/step_trace.h"
 #include "common/tensor_chunks.h"
 #include "common/thread_pool.h"
@@ -106,6 +107,13 @@ struct TrainerOptions {
   // the GPU), instead of decoding them into its page-locked buffers first.
   // False: always through those buffers.
   bool upload_from_shared_memory = true;
+  // A GPU worker of a job with ps, copying its gradients out during the
+  // step (one GPU), with fp32 on the wire or gradients rounded on the GPU:
+  // the copies land in one shared region registered with the GPU, which
+  // pushes offer to the ps and name the gradients in where they lie (the
+  // check reads them there, nothing copies them). False: in page-locked
+  // buffers of its own, copied into a region of the ps client by each push.
+  bool gradients_to_shared_memory = true;
   // A GPU worker of a job with ps and a 16-bit wire dtype, copying its
   // gradients out during the step (one GPU): rounds them to the wire dtype
   // on the GPU, so that half the bytes cross to the host and its pushes send
@@ -349,6 +357,17 @@ class Trainer {
   std::vector<float*> weights_, grads_;
   bool in_place_ = false;
   std::vector<std::unique_ptr<kernels::Buffer>> staging_;
+  // With TrainerOptions.gradients_to_shared_memory where it applies: the
+  // region that the gradients' host buffers (staging_ or narrowed_'s host)
+  // lie in, registered with the GPU and given to the ps client
+  // (SetPushRegion); null otherwise. Unregistered as it goes (before the
+  // backend).
+  std::shared_ptr<const SharedRegion> push_region_;
+  bool told_push_region_ = false;  // the log said where the gradients go
+  // Makes push_region_ for every variable's gradient host buffer (16-bit
+  // ones with `narrow`), and gives it to the ps client; leaves it null,
+  // saying why once, where no region can be made or registered.
+  void MakePushRegion(bool narrow);
   // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
   // copies out (empty: the step copies them after it, GetGradients).
   std::vector<GradientBucket> host_buckets_;

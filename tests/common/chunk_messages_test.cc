@@ -434,6 +434,100 @@ TEST_P(ChunkMessagesTest, ValuesInTheWireDtypeAlreadyGoAsTheyLie) {
   EXPECT_FALSE(below_lying);
 }
 
+// Tensors that lie in a region already (fp32 values, or values in the wire
+// dtype) are named where they lie: nothing in the region changes, the
+// reader finds them there, and the check reads them as they lie. A tensor
+// outside the region, or reaching past its end, is refused.
+TEST_P(ChunkMessagesTest, TensorsInTheRegionAlreadyAreNamedWhereTheyLie) {
+  const DataType dtype = GetParam();
+  const int64_t element = WireBytes(dtype);
+  const std::vector<float> big = Ramp(300001), small = Ramp(6, 1.5f);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region =
+      SharedRegion::Create(8192 + SharedBytesFor((300001 + 6) * element, 2));
+  ASSERT_TRUE(region.ok()) << region.status();
+  const SharedSpan span = (*region)->data();
+  std::memset(span.data, 0x5a, static_cast<size_t>(span.size));
+  // Not where a copy into the region would put them (from byte 0 on).
+  char* const at_big = span.data + 8192;
+  char* const at_small = at_big + (300001 * element + 63) / 64 * 64;
+  std::vector<TensorRef> refs = Refs(big, small, dtype);
+  auto place = [&](TensorRef& ref, const std::vector<float>& values, char* at) {
+    EncodeFloats(dtype, values.data(), static_cast<int64_t>(values.size()), at);
+    if (dtype == DT_FLOAT) {
+      ref.data = reinterpret_cast<const float*>(at);
+    } else {
+      ref.data = nullptr;
+      ref.encoded = at;
+    }
+  };
+  place(refs[0], big, at_big);
+  place(refs[1], small, at_small);
+  ASSERT_TRUE(AllLieIn(refs, span));
+  auto encode = [&](const std::vector<TensorRef>& tensors, bool* below) {
+    ChunkSplitter splitter(tensors, kSharedMessageBytes);
+    std::vector<ChunkPiece> pieces;
+    EXPECT_TRUE(splitter.NextPieces(&pieces));
+    PushRequest header;
+    header.mutable_header()->set_step(3);
+    *below = true;
+    return EncodeInPlaceChunkMessage(header, PushRequest::kChunkFieldNumber, pieces, span, below,
+                                     WireOverflow(dtype));
+  };
+  const std::string before(span.data, static_cast<size_t>(span.size));
+  bool below = false;
+  absl::StatusOr<grpc::ByteBuffer> message = encode(refs, &below);
+  ASSERT_TRUE(message.ok()) << message.status();
+  EXPECT_TRUE(below);
+  EXPECT_LT(Flatten(*message).size(), 200u);
+  EXPECT_TRUE(std::string(span.data, static_cast<size_t>(span.size)) == before)
+      << "the region was written";
+
+  std::vector<float> got_big(big.size(), -1.0f), got_small(6, -1.0f);
+  ChunkAssembler assembler(
+      {{"big", "", {static_cast<int64_t>(big.size())}, got_big.data(), true, dtype},
+       {"small", "m", {3, 2}, got_small.data(), true, dtype}});
+  PushRequest fields;
+  int64_t bytes = 0;
+  absl::Status s = ReadChunkMessage(
+      &*message, PushRequest::kChunkFieldNumber, &fields,
+      [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+      [](int) { return absl::OkStatus(); }, &bytes, &span);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(assembler.Finish().ok());
+  EXPECT_EQ(fields.header().step(), 3);
+  EXPECT_EQ(bytes, (300001 + 6) * element);
+  std::vector<float> want_big(big.size()), want_small(6);
+  DecodeFloats(dtype, at_big, static_cast<int64_t>(big.size()), want_big.data());
+  DecodeFloats(dtype, at_small, 6, want_small.data());
+  EXPECT_EQ(got_big, want_big);
+  EXPECT_EQ(got_small, want_small);
+  if (dtype == DT_FLOAT) EXPECT_EQ(got_big, big);
+
+  // The check reads the values where they lie.
+  const float inf = std::numeric_limits<float>::infinity();
+  EncodeFloats(dtype, &inf, 1, at_small + 4 * element);
+  ASSERT_TRUE(encode(refs, &below).ok());
+  EXPECT_FALSE(below);
+
+  // Outside the region, or past its end: refused.
+  std::vector<char> elsewhere(6 * element);
+  std::vector<TensorRef> outside = refs;
+  place(outside[1], small, elsewhere.data());
+  EXPECT_FALSE(AllLieIn(outside, span));
+  EXPECT_EQ(encode(outside, &below).status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<TensorRef> past = refs;  // its last 2 values beyond the end (only named)
+  char* const near_end = span.data + span.size - 4 * element;
+  if (dtype == DT_FLOAT) {
+    past[1].data = reinterpret_cast<const float*>(near_end);
+  } else {
+    past[1].encoded = near_end;
+  }
+  EXPECT_FALSE(AllLieIn(past, span));
+  absl::StatusOr<grpc::ByteBuffer> refused = encode(past, &below);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("do not lie in the shared region"));
+}
+
 // Whether encoded values are below a limit: read as they lie at the wire
 // dtype's overflow and above (whether each is finite), decoded below it.
 TEST(ChunkMessages, EncodedValuesAreBelowALimitAsTheirDecodedValuesAre) {

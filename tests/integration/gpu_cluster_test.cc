@@ -116,6 +116,39 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
   std::filesystem::remove_all(dir);
 }
 
+// A GPU worker whose pushes go through shared memory copies its gradients
+// from the GPU into one region of it, which its pushes name (no copy on the
+// host), and says so once; it trains exactly the weights it trains when it
+// copies them into buffers of its own and each push copies them on
+// (--gradients_to_shared_memory=false): one worker, 2 ps, the mlp on
+// synthetic data, fp32 and bf16 (rounded on the GPU) on the wire; the saved
+// models are equal byte for byte.
+TEST(GpuClusterTest, GradientsCopiedIntoSharedMemoryTrainTheSameWeights) {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
+  gpu->reset();
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
+                           ("psflow_gpu_push_region_" + std::to_string(::getpid())))
+                              .string();
+  std::filesystem::remove_all(dir);
+  for (const std::string wire : {"fp32", "bf16"}) {
+    SCOPED_TRACE(wire);
+    std::string model[2];
+    for (const bool in_region : {true, false}) {
+      const MlpJob job =
+          TrainMlp(dir + "/" + wire + (in_region ? "_region" : "_own"), wire,
+                   std::string("--gradients_to_shared_memory=") + (in_region ? "true" : "false"));
+      ASSERT_EQ(job.exit_code, 0) << job.description;
+      EXPECT_EQ(job.output.find("pushes send them from there") != std::string::npos, in_region)
+          << job.description;
+      model[in_region ? 0 : 1] = job.model;
+      ASSERT_FALSE(job.model.empty()) << job.description;
+    }
+    EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // A GPU worker of a 16-bit job rounds its gradients on the GPU
 // (--narrow_on_gpu, the default), says so once, and trains exactly the
 // weights it trains when it rounds them on the host as it pushes them

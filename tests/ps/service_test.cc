@@ -1771,6 +1771,76 @@ TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 3);
 }
 
+// Gradients that lie in the client's push region (where a GPU worker's
+// copies from the device land) go as they lie: the push names them there,
+// so the ps applies what the region holds when it applies, which a change
+// made after the run was sent shows. Gradients elsewhere are still copied
+// into a region of the pool as the push sends them.
+TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
+                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
+                                         /*shared_memory=*/true);
+  ASSERT_TRUE(InitJob().ok());
+  const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made =
+      SharedRegion::Create(SharedBytesFor((big_n + bias_n) * 4, 2));
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::shared_ptr<const SharedRegion> region = *std::move(made);
+  ASSERT_TRUE(client_->SetPushRegion(region));
+  // A client without shared memory sends nothing from it.
+  EXPECT_FALSE(GrpcClient({address_}, SecurityOptions{}).SetPushRegion(region));
+  float* const in_big = reinterpret_cast<float*>(region->data().data);
+  float* const in_bias = in_big + big_n;
+  const std::vector<float> g0 = Pattern(big_n, 7, 0.25f), gb0 = Pattern(bias_n, 3, 1.0f);
+  const std::vector<float> g1 = Pattern(big_n, 5, -0.5f), gb1 = Pattern(bias_n, 4, 0.5f);
+  const std::vector<float> later = Pattern(big_n, 9, 0.75f);
+  std::vector<float> want_big = big_, want_bias = bias_;
+  for (const bool from_region : {true, false}) {
+    SCOPED_TRACE(from_region ? "from the push region" : "from other memory");
+    const int64_t step = from_region ? 0 : 1;
+    std::vector<float> own_big(big_n), own_bias(bias_n);
+    float* const at_big = from_region ? in_big : own_big.data();
+    float* const at_bias = from_region ? in_bias : own_bias.data();
+    std::copy(g1.begin(), g1.end(), at_big);
+    std::copy(gb1.begin(), gb1.end(), at_bias);
+    // Worker 1 sends "big" in run 0 and changes it when run 1 is asked for;
+    // worker 0 pushes only then, so that neither slice is applied before.
+    absl::Notification changed;
+    Client::PushRuns runs{{0, 1},
+                          [&](int run) {
+                            if (run == 1) {
+                              std::copy(later.begin(), later.end(), at_big);
+                              changed.Notify();
+                            }
+                            return absl::OkStatus();
+                          },
+                          nullptr};
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(1);
+    h.set_step(step);
+    absl::StatusOr<PushResponse> r1;
+    std::thread second([&] {
+      r1 = client_->PushInRuns(0, h,
+                               {{"big", "", kBigShape, at_big}, {"bias", "", kBiasShape, at_bias}},
+                               runs, Deadline());
+    });
+    ASSERT_TRUE(changed.WaitForNotificationWithTimeout(absl::Seconds(20)));
+    absl::StatusOr<PushResponse> r0 = PushAll(0, step, g0, gb0);
+    second.join();
+    ASSERT_TRUE(r0.ok()) << r0.status();
+    ASSERT_TRUE(r1.ok()) << r1.status();
+    absl::StatusOr<Pulled> p = PullAll(step + 1);
+    ASSERT_TRUE(p.ok()) << p.status();
+    want_big = SgdAfter(want_big, g0, from_region ? later : g1);
+    want_bias = SgdAfter(want_bias, gb0, gb1);
+    EXPECT_EQ(p->big, want_big);
+    EXPECT_EQ(p->bias, want_bias);
+  }
+  // Every push and pull went through shared memory.
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 6);
+}
+
 // A push of gradients in the wire dtype already (TensorRef::encoded: a GPU
 // worker's, rounded on the device) is applied as the same values rounded on
 // the host are; a run whose encoded values hold an infinity is checked as
