@@ -63,6 +63,21 @@ void AppendLengthTag(int field, std::string* out) {
   AppendVarint(static_cast<uint64_t>(field) << 3 | WireFormatLite::WIRETYPE_LENGTH_DELIMITED, out);
 }
 
+// Appends `chunk`, a whole TensorChunk with no data bytes (its data lie in
+// a shared region), as field `chunk_field`.
+void AppendPlacedChunk(int chunk_field, const TensorChunk& chunk, std::string* out) {
+  const std::string header = chunk.SerializeAsString();
+  AppendLengthTag(chunk_field, out);
+  AppendVarint(header.size(), out);
+  *out += header;
+}
+
+// `bytes` as a byte buffer of one slice.
+grpc::ByteBuffer OneSlice(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 void ReleaseKeep(void* keep) { delete static_cast<std::shared_ptr<const void>*>(keep); }
 
 absl::Status Malformed(absl::string_view what) {
@@ -305,13 +320,9 @@ absl::StatusOr<grpc::ByteBuffer> EncodeSharedChunkMessage(
       chunk.set_shared_bytes(piece.bytes);
       *cursor = at + piece.bytes;
     }
-    const std::string header = chunk.SerializeAsString();
-    AppendLengthTag(chunk_field, &out);
-    AppendVarint(header.size(), &out);
-    out += header;
+    AppendPlacedChunk(chunk_field, chunk, &out);
   }
-  grpc::Slice slice(out);
-  return grpc::ByteBuffer(&slice, 1);
+  return OneSlice(out);
 }
 
 namespace {
@@ -350,13 +361,9 @@ absl::StatusOr<grpc::ByteBuffer> EncodeInPlaceChunkMessage(
       chunk.set_shared_offset(at);
       chunk.set_shared_bytes(piece.bytes);
     }
-    const std::string header = chunk.SerializeAsString();
-    AppendLengthTag(chunk_field, &out);
-    AppendVarint(header.size(), &out);
-    out += header;
+    AppendPlacedChunk(chunk_field, chunk, &out);
   }
-  grpc::Slice slice(out);
-  return grpc::ByteBuffer(&slice, 1);
+  return OneSlice(out);
 }
 
 bool AllLieIn(absl::Span<const TensorRef> refs, SharedSpan region) {

@@ -82,6 +82,30 @@ MlpJob TrainMlp(const std::string& model_dir, const std::string& wire,
   return job;
 }
 
+// For fp32 and bf16 on the wire, an mlp job (TrainMlp) with the worker flag
+// `--<flag>=true` and one with `--<flag>=false`: both end, only the first
+// says `says`, and their saved models are equal byte for byte.
+void ExpectAWorkerFlagTrainsTheSameWeights(const std::string& flag, const std::string& says) {
+  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
+                           ("psflow_gpu_" + flag + "_" + std::to_string(::getpid())))
+                              .string();
+  std::filesystem::remove_all(dir);
+  for (const std::string wire : {"fp32", "bf16"}) {
+    SCOPED_TRACE(wire);
+    std::string model[2];
+    for (const bool on : {true, false}) {
+      const std::string value = on ? "true" : "false";
+      const MlpJob job = TrainMlp(dir + "/" + wire + "_" + value, wire, "--" + flag + "=" + value);
+      ASSERT_EQ(job.exit_code, 0) << job.description;
+      EXPECT_EQ(job.output.find(says) != std::string::npos, on) << job.description;
+      model[on ? 0 : 1] = job.model;
+      ASSERT_FALSE(job.model.empty()) << job.description;
+    }
+    EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // A GPU worker whose pulls go through shared memory copies the pulled
 // weights to the GPU straight from there (16-bit ones widened on the GPU),
 // and says so once; it trains exactly the weights it trains when they are
@@ -93,27 +117,8 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
   absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
   if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
   gpu->reset();
-  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
-                           ("psflow_gpu_uploads_" + std::to_string(::getpid())))
-                              .string();
-  std::filesystem::remove_all(dir);
-  for (const std::string wire : {"fp32", "bf16"}) {
-    SCOPED_TRACE(wire);
-    std::string model[2];
-    for (const bool from_shared : {true, false}) {
-      const MlpJob job =
-          TrainMlp(dir + "/" + wire + (from_shared ? "_shared" : "_staged"), wire,
-                   std::string("--upload_from_shared_memory=") + (from_shared ? "true" : "false"));
-      ASSERT_EQ(job.exit_code, 0) << job.description;
-      EXPECT_EQ(job.output.find("straight from the shared memory") != std::string::npos,
-                from_shared)
-          << job.description;
-      model[from_shared ? 0 : 1] = job.model;
-      ASSERT_FALSE(job.model.empty()) << job.description;
-    }
-    EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
-  }
-  std::filesystem::remove_all(dir);
+  ExpectAWorkerFlagTrainsTheSameWeights("upload_from_shared_memory",
+                                        "straight from the shared memory");
 }
 
 // A GPU worker whose pushes go through shared memory copies its gradients
@@ -127,26 +132,8 @@ TEST(GpuClusterTest, GradientsCopiedIntoSharedMemoryTrainTheSameWeights) {
   absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
   if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
   gpu->reset();
-  const std::string dir = (std::filesystem::path(::testing::TempDir()) /
-                           ("psflow_gpu_push_region_" + std::to_string(::getpid())))
-                              .string();
-  std::filesystem::remove_all(dir);
-  for (const std::string wire : {"fp32", "bf16"}) {
-    SCOPED_TRACE(wire);
-    std::string model[2];
-    for (const bool in_region : {true, false}) {
-      const MlpJob job =
-          TrainMlp(dir + "/" + wire + (in_region ? "_region" : "_own"), wire,
-                   std::string("--gradients_to_shared_memory=") + (in_region ? "true" : "false"));
-      ASSERT_EQ(job.exit_code, 0) << job.description;
-      EXPECT_EQ(job.output.find("pushes send them from there") != std::string::npos, in_region)
-          << job.description;
-      model[in_region ? 0 : 1] = job.model;
-      ASSERT_FALSE(job.model.empty()) << job.description;
-    }
-    EXPECT_TRUE(model[0] == model[1]) << "the saved models differ";
-  }
-  std::filesystem::remove_all(dir);
+  ExpectAWorkerFlagTrainsTheSameWeights("gradients_to_shared_memory",
+                                        "pushes send them from there");
 }
 
 // A GPU worker of a 16-bit job rounds its gradients on the GPU
