@@ -252,9 +252,8 @@ absl::Status Trainer::Prepare() {
   // on the device (in its graph, before each bucket's event).
   const bool narrow = !host_buckets_.empty() && wire != DT_FLOAT && options_.narrow_on_device;
   // Their host buffers lie in the push region where the pushes send them as
-  // they lie (in the wire dtype already).
-  if (ps() != nullptr) ps()->SetPushRegion(nullptr);
-  push_region_.reset();
+  // they lie (in the wire dtype already). (CreateReplicas dropped the last
+  // registration's region.)
   if (!host_buckets_.empty() && options_.gradients_to_shared_memory &&
       (wire == DT_FLOAT || narrow)) {
     MakePushRegion(narrow);
