@@ -1070,6 +1070,51 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
+// Gradients in the push region reach a ps that takes no shared memory over
+// the network: the region is offered, refused, and the push goes again
+// from the same memory.
+TEST_F(PsServiceTest, GradientsInThePushRegionReachAPsWithoutSharedMemory) {
+  metrics::Registry metrics;
+  Shard shard;
+  PsService service(
+      0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false);
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
+  ASSERT_NE(server, nullptr);
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
+                                         SecurityOptions{}, 1, &client_metrics_, Role::kPs,
+                                         /*shared_memory=*/true);
+  const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made =
+      SharedRegion::Create(SharedBytesFor((big_n + bias_n) * 4, 2));
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::shared_ptr<const SharedRegion> region = *std::move(made);
+  ASSERT_TRUE(client_->SetPushRegion(region));
+  ASSERT_TRUE(InitJob().ok());
+  const std::vector<float> g0 = Pattern(big_n, 7, 0.25f), gb0 = Pattern(bias_n, 3, 1.0f);
+  const std::vector<float> g1 = Pattern(big_n, 5, -0.5f), gb1 = Pattern(bias_n, 4, 0.5f);
+  float* const in_big = reinterpret_cast<float*>(region->data().data);
+  float* const in_bias = in_big + big_n;
+  std::copy(g1.begin(), g1.end(), in_big);
+  std::copy(gb1.begin(), gb1.end(), in_bias);
+  PushHeader h;
+  h.set_job_id(kJob);
+  h.set_worker(1);
+  h.set_step(0);
+  absl::StatusOr<PushResponse> r1 = client_->Push(
+      0, h, {{"big", "", kBigShape, in_big}, {"bias", "", kBiasShape, in_bias}}, Deadline());
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  ASSERT_TRUE(PushAll(0, 0, g0, gb0).ok());
+  absl::StatusOr<Pulled> p = PullAll(1);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, SgdAfter(big_, g0, g1));
+  EXPECT_EQ(p->bias, SgdAfter(bias_, gb0, gb1));
+  EXPECT_GE(Series(metrics.Render(), "psflow_ps_refused_regions_total"), 1);
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 0);
+  shard.Shutdown();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
 // Forged regions and chunks that reach outside their region are refused;
 // the ps keeps working.
 TEST_F(PsServiceTest, ForgedRegionsAndChunksOutsideTheirRegionAreRefused) {
