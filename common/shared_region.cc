@@ -80,6 +80,13 @@ SharedRegion::~SharedRegion() {
   ::close(fd_);
 }
 
+bool SharedRegion::Pin(const std::function<bool(void*, size_t)>& pin,
+                       std::function<void(void*)> unpin) {
+  if (!pin(data().data, static_cast<size_t>(data().size))) return false;
+  unpin_ = std::move(unpin);
+  return true;
+}
+
 SharedRegionPool::Lease& SharedRegionPool::Lease::operator=(Lease&& other) noexcept {
   if (this != &other) {
     reset();
@@ -120,9 +127,8 @@ SharedRegionPool::Lease SharedRegionPool::Acquire(int64_t bytes) {
   if (pin == nullptr) return lease;
   // Outside the pool's lock: registering takes a while, and the region is
   // this lease's alone.
-  SharedRegion& region = *lease.region_;
-  region.pin_tried_ = true;
-  if (pin(region.data().data, static_cast<size_t>(region.data().size))) region.unpin_ = unpin;
+  lease.region_->pin_tried_ = true;
+  lease.region_->Pin(pin, std::move(unpin));
   return lease;
 }
 

@@ -73,7 +73,12 @@ class SharedRegion {
 
   SharedSpan data() const { return {base_ + kRegionHeaderBytes, bytes_}; }
   const SharedRegionRef& ref() const { return ref_; }
-  // Whether its data are registered with a device (SharedRegionPool::SetPinning).
+  // Registers its data with a device: `pin(data, bytes)` returns whether it
+  // did, and then `unpin(data)` is called before the data are unmapped. At
+  // most once, before the region is shared with other threads.
+  bool Pin(const std::function<bool(void*, size_t)>& pin, std::function<void(void*)> unpin);
+  // Whether its data are registered with a device (Pin, or
+  // SharedRegionPool::SetPinning).
   bool pinned() const { return unpin_ != nullptr; }
 
  private:

@@ -39,6 +39,10 @@ class BorrowedBuffer final : public kernels::Buffer {
   const size_t size_;
 };
 
+// Floats of a variable's gradient buffer on the host, for `n` values: 16-bit
+// ones (rounded on the device, `narrow`) two to a float.
+int64_t HostGradientFloats(int64_t n, bool narrow) { return narrow ? (n + 1) / 2 : n; }
+
 // Bytes of the push region for a buffer of `floats` floats.
 int64_t PushRegionBytes(int64_t floats) {
   return (floats * static_cast<int64_t>(sizeof(float)) + kSharedAlign - 1) / kSharedAlign *
@@ -261,7 +265,7 @@ absl::Status Trainer::Prepare() {
   if (narrow) {
     std::vector<uint16_t*> on_device;
     for (const VariableShape& v : net_->variables()) {
-      const size_t floats = static_cast<size_t>(NumElements(v.shape) + 1) / 2;
+      const auto floats = static_cast<size_t>(HostGradientFloats(NumElements(v.shape), true));
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> device = backend_->Allocate(floats);
       if (!device.ok()) return Permanent(device.status());
       absl::StatusOr<std::unique_ptr<kernels::Buffer>> host =
@@ -660,21 +664,16 @@ void Trainer::MakePushRegion(bool narrow) {
   if (pinning.pin == nullptr) return;
   int64_t bytes = 0;
   for (const VariableShape& v : net_->variables()) {
-    const int64_t n = NumElements(v.shape);
-    bytes += PushRegionBytes(narrow ? (n + 1) / 2 : n);
+    bytes += PushRegionBytes(HostGradientFloats(NumElements(v.shape), narrow));
   }
   absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(bytes);
   std::string why;
   if (!made.ok()) {
     why = std::string(made.status().message());
-  } else if (!pinning.pin((*made)->data().data, static_cast<size_t>((*made)->data().size))) {
+  } else if (!(*made)->Pin(pinning.pin, pinning.unpin)) {
     why = "the GPU did not register it";
   } else {
-    push_region_ = std::shared_ptr<const SharedRegion>(
-        made->release(), [unpin = pinning.unpin](const SharedRegion* region) {
-          unpin(region->data().data);
-          delete region;
-        });
+    push_region_ = *std::move(made);
     // A client without shared memory (--shared_memory=false) sends from
     // anywhere over the network: the backend's buffers do then.
     if (ps() == nullptr || !ps()->SetPushRegion(push_region_)) {

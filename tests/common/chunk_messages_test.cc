@@ -501,7 +501,9 @@ TEST_P(ChunkMessagesTest, TensorsInTheRegionAlreadyAreNamedWhereTheyLie) {
   DecodeFloats(dtype, at_small, 6, want_small.data());
   EXPECT_EQ(got_big, want_big);
   EXPECT_EQ(got_small, want_small);
-  if (dtype == DT_FLOAT) EXPECT_EQ(got_big, big);
+  if (dtype == DT_FLOAT) {
+    EXPECT_EQ(got_big, big);
+  }
 
   // The check reads the values where they lie.
   const float inf = std::numeric_limits<float>::infinity();

@@ -84,8 +84,12 @@ MlpJob TrainMlp(const std::string& model_dir, const std::string& wire,
 
 // For fp32 and bf16 on the wire, an mlp job (TrainMlp) with the worker flag
 // `--<flag>=true` and one with `--<flag>=false`: both end, only the first
-// says `says`, and their saved models are equal byte for byte.
+// says `says`, and their saved models are equal byte for byte. Skips the
+// calling test where there is no CUDA device.
 void ExpectAWorkerFlagTrainsTheSameWeights(const std::string& flag, const std::string& says) {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
+  if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
+  gpu->reset();
   const std::string dir = (std::filesystem::path(::testing::TempDir()) /
                            ("psflow_gpu_" + flag + "_" + std::to_string(::getpid())))
                               .string();
@@ -114,9 +118,6 @@ void ExpectAWorkerFlagTrainsTheSameWeights(const std::string& flag, const std::s
 // synthetic data, fp32 and bf16 on the wire; the saved models are equal
 // byte for byte.
 TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
-  if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
-  gpu->reset();
   ExpectAWorkerFlagTrainsTheSameWeights("upload_from_shared_memory",
                                         "straight from the shared memory");
 }
@@ -129,9 +130,6 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
 // synthetic data, fp32 and bf16 (rounded on the GPU) on the wire; the saved
 // models are equal byte for byte.
 TEST(GpuClusterTest, GradientsCopiedIntoSharedMemoryTrainTheSameWeights) {
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> gpu = kernels::CreateBackend("cuda:0");
-  if (!gpu.ok()) GTEST_SKIP() << "no CUDA device: " << gpu.status().message();
-  gpu->reset();
   ExpectAWorkerFlagTrainsTheSameWeights("gradients_to_shared_memory",
                                         "pushes send them from there");
 }

@@ -1023,21 +1023,49 @@ TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
 
 INSTANTIATE_TEST_SUITE_P(OnAndOff, SpreadWakesTest, ::testing::Bool());
 
+// A push region (Client::SetPushRegion) with room for both variables' fp32
+// gradients, "big" from its start and "bias" right after it.
+absl::StatusOr<std::shared_ptr<const SharedRegion>> PushRegionForBoth() {
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(
+      SharedBytesFor((NumElements(kBigShape) + NumElements(kBiasShape)) * 4, 2));
+  if (!made.ok()) return made.status();
+  return std::shared_ptr<const SharedRegion>(*std::move(made));
+}
+
+// A ps of its own on loopback that takes no shared memory (beside the
+// fixture's), shut down as it goes.
+struct PsWithoutSharedMemory {
+  PsWithoutSharedMemory()
+      : service(
+            0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false),
+        server(ServeOnLoopback(&service, &port)) {}
+  ~PsWithoutSharedMemory() {
+    shard.Shutdown();
+    if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  }
+  // A client of it that offers shared memory.
+  std::unique_ptr<GrpcClient> SharedMemoryClient(metrics::Registry* client_metrics) const {
+    return std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
+                                        SecurityOptions{}, 1, client_metrics, Role::kPs,
+                                        /*shared_memory=*/true);
+  }
+
+  metrics::Registry metrics;
+  Shard shard;
+  PsService service;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
 // A ps that takes no shared memory gets the tensors over the network: the
 // client's first call is refused, sent again without a region, and counts
 // as no failed call; the calls after it offer no region until the retry
 // window has passed, and then one call does.
 TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
-  metrics::Registry metrics;
-  Shard shard;
-  PsService service(
-      0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false);
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
-  ASSERT_NE(server, nullptr);
-  auto client = std::make_unique<GrpcClient>(
-      std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, SecurityOptions{}, 1,
-      &client_metrics_, Role::kPs, /*shared_memory=*/true);
+  PsWithoutSharedMemory ps;
+  ASSERT_NE(ps.server, nullptr);
+  metrics::Registry& metrics = ps.metrics;
+  std::unique_ptr<GrpcClient> client = ps.SharedMemoryClient(&client_metrics_);
   constexpr absl::Duration kRetry = absl::Milliseconds(500);
   client->set_retry_shared_after(kRetry);
   client_ = std::move(client);
@@ -1066,27 +1094,17 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   EXPECT_EQ(Series(metrics.Render(), "psflow_ps_shared_regions"), 0);
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 0);
   EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("FAILED_PRECONDITION")));
-  shard.Shutdown();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
 // Gradients in the push region reach a ps that takes no shared memory over
 // the network: the region is offered, refused, and the push goes again
 // from the same memory.
 TEST_F(PsServiceTest, GradientsInThePushRegionReachAPsWithoutSharedMemory) {
-  metrics::Registry metrics;
-  Shard shard;
-  PsService service(
-      0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false);
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
-  ASSERT_NE(server, nullptr);
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
-                                         SecurityOptions{}, 1, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+  PsWithoutSharedMemory ps;
+  ASSERT_NE(ps.server, nullptr);
+  client_ = ps.SharedMemoryClient(&client_metrics_);
   const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
-  absl::StatusOr<std::unique_ptr<SharedRegion>> made =
-      SharedRegion::Create(SharedBytesFor((big_n + bias_n) * 4, 2));
+  absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
   ASSERT_TRUE(made.ok()) << made.status();
   const std::shared_ptr<const SharedRegion> region = *std::move(made);
   ASSERT_TRUE(client_->SetPushRegion(region));
@@ -1109,10 +1127,8 @@ TEST_F(PsServiceTest, GradientsInThePushRegionReachAPsWithoutSharedMemory) {
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->big, SgdAfter(big_, g0, g1));
   EXPECT_EQ(p->bias, SgdAfter(bias_, gb0, gb1));
-  EXPECT_GE(Series(metrics.Render(), "psflow_ps_refused_regions_total"), 1);
+  EXPECT_GE(Series(ps.metrics.Render(), "psflow_ps_refused_regions_total"), 1);
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 0);
-  shard.Shutdown();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
 // Forged regions and chunks that reach outside their region are refused;
@@ -1827,8 +1843,7 @@ TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
                                          /*shared_memory=*/true);
   ASSERT_TRUE(InitJob().ok());
   const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
-  absl::StatusOr<std::unique_ptr<SharedRegion>> made =
-      SharedRegion::Create(SharedBytesFor((big_n + bias_n) * 4, 2));
+  absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
   ASSERT_TRUE(made.ok()) << made.status();
   const std::shared_ptr<const SharedRegion> region = *std::move(made);
   ASSERT_TRUE(client_->SetPushRegion(region));
