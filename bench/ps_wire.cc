@@ -10,7 +10,11 @@
 //   wire model=resnet floats=11200000 ps=2 workers=1 lanes_per_ps=8 dtype=fp32
 //        shared_memory=1 step_ms=9.1 push_ms=6.0 gbps=9.8
 // (step_ms: whole exchange; push_ms: until the last lane's push is answered;
-// gbps: bytes pushed and pulled per second by one worker, in the wire dtype).
+// gbps: bytes pushed and pulled per second by one worker, in the wire dtype;
+// then cpu_ms: the CPU this process, workers and ps together, used per
+// exchange, user and system; switches: its threads' context switches per
+// exchange, voluntary and not — on a machine whose cores the workers also
+// compute on, this is what the exchange takes from them).
 
 #include <algorithm>
 #include <cstdio>
@@ -269,7 +273,9 @@ int main(int argc, char** argv) {
   };
   run_all(0, 3);  // warm-up: connections, allocations
   for (Worker& w : ws) w.push_ms = w.step_ms = 0;
+  const psflow::ResourceUsage before = psflow::ProcessResourceUsage();
   run_all(3, steps);
+  const psflow::ResourceUsage after = psflow::ProcessResourceUsage();
   for (const Worker& w : ws) {
     if (!w.status.ok()) return psflow::FailWith(std::string(w.status.message()));
   }
@@ -278,10 +284,11 @@ int main(int argc, char** argv) {
   const double bytes = 2.0 * static_cast<double>(floats) * psflow::WireBytes(dtype);
   std::printf(
       "wire model=%s floats=%lld ps=%d workers=%d lanes_per_ps=%d dtype=%s shared_memory=%d "
-      "step_ms=%.2f push_ms=%.2f gbps=%.2f\n",
+      "step_ms=%.2f push_ms=%.2f gbps=%.2f cpu_ms=%.2f switches=%.0f\n",
       model_name.c_str(), static_cast<long long>(floats), num_ps, workers, lanes_per_ps,
       wire.c_str(), absl::GetFlag(FLAGS_shared_memory) ? 1 : 0, step_ms, push_ms,
-      bytes / (step_ms * 1e-3) / 1e9);
+      bytes / (step_ms * 1e-3) / 1e9, (after.cpu_s() - before.cpu_s()) * 1e3 / steps,
+      static_cast<double>(after.switches() - before.switches()) / steps);
   for (Server& s : servers) {
     s.shard->Shutdown();
     s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

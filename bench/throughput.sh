@@ -4,9 +4,12 @@
 #   - two alone workers at the same time, cores/2 threads each (their sum);
 #   - synchronous psflow jobs with 1 and 2 workers against 1 and 2 ps, on
 #     loopback, workers with cores/workers threads each;
-# and each job's ratio to the alone figure with as many workers, and the
-# context switches of all its processes per step (from the lines each logs
-# at exit: every hand-off between threads costs one or two).
+# and each job's ratio to the alone figure with as many workers, the context
+# switches of all its processes per step, and the CPU its workers (each) and
+# its ps (all together) used per step (from the lines each process logs at
+# exit, start and end of the job included: every hand-off between threads
+# costs a switch or two, and the ps' CPU and the workers' beyond an alone
+# step's are what the exchange takes from the cores).
 # Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default; WORKER_ARGS:
 # more flags for the jobs' workers, e.g. "--push_during_backward=false";
 # PS_ARGS: for their ps, e.g. "--apply_threads=1"; CHIEF_ARGS: more job flags,
@@ -42,6 +45,14 @@ switches_per_step() {  # workers ps -> context switches per step, all processes 
     "$tmp/$1x$2.log" | awk -v steps="$job_steps" '{s += $1 + $2} END {printf "%.0f", s / steps}'
 }
 
+# cpu_per_step WORKERS PS ROLE EACH: ms of CPU per step of the job's ROLE
+# processes (worker or ps), each on average (EACH=1) or all together (0)
+cpu_per_step() {
+  sed -n "s/^\[$3[0-9]*\] .* used \([0-9.]*\) s of CPU.*/\1/p" "$tmp/$1x$2.log" |
+    awk -v steps="$job_steps" -v each="$4" '{s += $1; n++}
+      END {if (n == 0) printf "-"; else printf "%.1f", 1000 * s / steps / (each ? n : 1)}'
+}
+
 echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"
 alone1=$(alone "$cores")
 alone "$half" > "$tmp/a0" & p0=$!
@@ -49,15 +60,20 @@ alone "$half" > "$tmp/a1" & p1=$!
 wait $p0 $p1
 alone2=$(awk '{s += $1} END {printf "%.1f", s}' "$tmp/a0" "$tmp/a1")
 
-printf '%-34s %10s %8s %15s\n' "configuration" "ex/s" "ratio" "switches/step"
-printf '%-34s %10.0f %8s %15s\n' "1 worker alone (in-process)" "$alone1" "1.00" "-"
-printf '%-34s %10.0f %8s %15s\n' "2 workers alone, concurrently (sum)" "$alone2" "1.00" "-"
+fmt='%-34s %10s %8s %15s %13s %10s\n'
+printf "$fmt" "configuration" "ex/s" "ratio" "switches/step" "worker CPU ms" "ps CPU ms"
+# Each of two alone workers' CPU per step: its step's time on its threads
+# (busy throughout).
+printf "$fmt" "1 worker alone (in-process)" "$(printf %.0f "$alone1")" "1.00" "-" "-" "-"
+printf "$fmt" "2 workers alone, concurrently (sum)" "$(printf %.0f "$alone2")" "1.00" "-" \
+  "$(awk -v r="$alone2" -v t="$half" 'BEGIN {printf "%.1f", 1000 * 64 * 2 * t / r}')" "-"
 for w in 1 2; do
   for p in 1 2; do
     rate=$(job "$w" "$p")
     base=$([ "$w" = 1 ] && echo "$alone1" || echo "$alone2")
     ratio=$(awk -v r="$rate" -v b="$base" 'BEGIN {printf "%.2f", r / b}')
-    printf '%-34s %10.0f %8s %15s\n' "$w worker(s), $p ps, synchronous" "$rate" "$ratio" \
-      "$(switches_per_step "$w" "$p")"
+    printf "$fmt" "$w worker(s), $p ps, synchronous" "$(printf %.0f "$rate")" "$ratio" \
+      "$(switches_per_step "$w" "$p")" "$(cpu_per_step "$w" "$p" worker 1)" \
+      "$(cpu_per_step "$w" "$p" ps 0)"
   done
 done

@@ -41,14 +41,23 @@ void SkipMutexDeadlockDetection() {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 }
 
-void LogResourceUsage() {
+ResourceUsage ProcessResourceUsage() {
   rusage usage{};
-  if (getrusage(RUSAGE_SELF, &usage) != 0) return;
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return {};
   auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; };
+  ResourceUsage u;
+  u.user_s = seconds(usage.ru_utime);
+  u.system_s = seconds(usage.ru_stime);
+  u.voluntary_switches = usage.ru_nvcsw;
+  u.involuntary_switches = usage.ru_nivcsw;
+  return u;
+}
+
+void LogResourceUsage() {
+  const ResourceUsage u = ProcessResourceUsage();
   PSLOG(INFO) << absl::StrFormat(
       "used %.2f s of CPU (user %.2f, system %.2f); context switches: %d voluntary, %d involuntary",
-      seconds(usage.ru_utime) + seconds(usage.ru_stime), seconds(usage.ru_utime),
-      seconds(usage.ru_stime), usage.ru_nvcsw, usage.ru_nivcsw);
+      u.cpu_s(), u.user_s, u.system_s, u.voluntary_switches, u.involuntary_switches);
 }
 
 }  // namespace psflow

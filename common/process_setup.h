@@ -3,6 +3,8 @@
 #ifndef PSFLOW_COMMON_PROCESS_SETUP_H_
 #define PSFLOW_COMMON_PROCESS_SETUP_H_
 
+#include <cstdint>
+
 namespace psflow {
 
 // Makes two of the settings below: KeepLargeAllocationsInHeap and
@@ -40,10 +42,21 @@ void KeepLargeAllocationsInHeap();
 // tests, which do not call it, keep the check.
 void SkipMutexDeadlockDetection();
 
-// Logs what the process used so far, all its threads together: CPU time
-// (user and system) and context switches (voluntary: a thread blocked;
-// involuntary: a thread was preempted). The role binaries log it once their
-// run is over; bench/throughput.sh adds up a job's context switches per step.
+// What the process used so far, all its threads together: CPU time (user
+// and system) and context switches (voluntary: a thread blocked;
+// involuntary: a thread was preempted). Zeros if the kernel does not say.
+struct ResourceUsage {
+  double user_s = 0;
+  double system_s = 0;
+  int64_t voluntary_switches = 0;
+  int64_t involuntary_switches = 0;
+  double cpu_s() const { return user_s + system_s; }
+  int64_t switches() const { return voluntary_switches + involuntary_switches; }
+};
+ResourceUsage ProcessResourceUsage();
+
+// Logs ProcessResourceUsage. The role binaries log it once their run is
+// over; bench/throughput.sh adds up a job's CPU and context switches per step.
 void LogResourceUsage();
 
 }  // namespace psflow
