@@ -75,7 +75,7 @@ ABSL_FLAG(bool, gradients_to_shared_memory, true,
           "this host reads them there; the worker only checks them, it does not copy them). "
           "false: copy them into page-locked buffers of the worker's, then into a region of "
           "each push. A ps that takes no shared memory (see --shared_memory) gets them over the "
-          "network either way.");
+          "network either way; with --shared_memory=false the worker makes no such region.");
 ABSL_FLAG(bool, narrow_on_gpu, true,
           "A GPU worker (one GPU) of a job whose wire dtype (the chief's --wire_dtype) is bf16 or "
           "fp16: round each gradient to that dtype on the GPU as the backward pass completes it, "
@@ -172,7 +172,9 @@ int main(int argc, char** argv) {
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
   options.upload_from_shared_memory = absl::GetFlag(FLAGS_upload_from_shared_memory);
-  options.gradients_to_shared_memory = absl::GetFlag(FLAGS_gradients_to_shared_memory);
+  // (Without shared memory the ps client would refuse the region.)
+  options.gradients_to_shared_memory =
+      absl::GetFlag(FLAGS_gradients_to_shared_memory) && absl::GetFlag(FLAGS_shared_memory);
   options.narrow_on_device = absl::GetFlag(FLAGS_narrow_on_gpu);
   options.trace = trace->get();
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);
