@@ -164,10 +164,12 @@ class Client {
   // tensors all lie in it offers it to the ps and names each tensor where
   // it lies, with no copy (the check of PushRuns reads the values there).
   // The caller leaves those tensors unchanged until the push is answered.
-  // Null: no such memory. Returns whether pushes may send from it (false
-  // for a client without shared memory, which keeps none). This default
-  // keeps none: pushes copy as before.
+  // Null: no such memory. Returns whether pushes may send from it
+  // (TakesPushRegion: otherwise it keeps none).
   virtual bool SetPushRegion(std::shared_ptr<const SharedRegion> region) { return false; }
+  // Whether SetPushRegion would keep a region: a client that offers the ps
+  // shared memory. This default takes none: pushes copy as before.
+  virtual bool TakesPushRegion() const { return false; }
 
   // Whether the connection to ps `ps` is up (or idle), not failing.
   virtual bool Reachable(int ps) const = 0;

@@ -80,6 +80,7 @@ class GrpcClient final : public Client {
                         std::function<void(void*)> unpin) override;
   bool SetPushRegion(std::shared_ptr<const SharedRegion> region) override
       ABSL_LOCKS_EXCLUDED(push_region_mu_);
+  bool TakesPushRegion() const override { return regions_ != nullptr; }
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;

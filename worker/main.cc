@@ -172,9 +172,7 @@ int main(int argc, char** argv) {
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
   options.upload_from_shared_memory = absl::GetFlag(FLAGS_upload_from_shared_memory);
-  // (Without shared memory the ps client would refuse the region.)
-  options.gradients_to_shared_memory =
-      absl::GetFlag(FLAGS_gradients_to_shared_memory) && absl::GetFlag(FLAGS_shared_memory);
+  options.gradients_to_shared_memory = absl::GetFlag(FLAGS_gradients_to_shared_memory);
   options.narrow_on_device = absl::GetFlag(FLAGS_narrow_on_gpu);
   options.trace = trace->get();
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kWorker);

@@ -660,6 +660,9 @@ absl::StatusOr<std::vector<Trainer::GradientBucket>> Trainer::GradientBuckets() 
 }
 
 void Trainer::MakePushRegion(bool narrow) {
+  // A client without shared memory (--shared_memory=false) sends from
+  // anywhere over the network: the backend's buffers do then.
+  if (ps() == nullptr || !ps()->TakesPushRegion()) return;
   const kernels::Backend::HostPinning pinning = backend_->host_pinning();
   if (pinning.pin == nullptr) return;
   int64_t bytes = 0;
@@ -674,12 +677,7 @@ void Trainer::MakePushRegion(bool narrow) {
     why = "the GPU did not register it";
   } else {
     push_region_ = *std::move(made);
-    // A client without shared memory (--shared_memory=false) sends from
-    // anywhere over the network: the backend's buffers do then.
-    if (ps() == nullptr || !ps()->SetPushRegion(push_region_)) {
-      push_region_.reset();
-      return;
-    }
+    ps()->SetPushRegion(push_region_);  // (it takes one: above)
   }
   if (told_push_region_) return;
   told_push_region_ = true;

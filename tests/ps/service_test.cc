@@ -1846,9 +1846,12 @@ TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
   absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
   ASSERT_TRUE(made.ok()) << made.status();
   const std::shared_ptr<const SharedRegion> region = *std::move(made);
+  ASSERT_TRUE(client_->TakesPushRegion());
   ASSERT_TRUE(client_->SetPushRegion(region));
-  // A client without shared memory sends nothing from it.
-  EXPECT_FALSE(GrpcClient({address_}, SecurityOptions{}).SetPushRegion(region));
+  // A client without shared memory takes no region and sends nothing from it.
+  GrpcClient without({address_}, SecurityOptions{});
+  EXPECT_FALSE(without.TakesPushRegion());
+  EXPECT_FALSE(without.SetPushRegion(region));
   float* const in_big = reinterpret_cast<float*>(region->data().data);
   float* const in_bias = in_big + big_n;
   const std::vector<float> g0 = Pattern(big_n, 7, 0.25f), gb0 = Pattern(bias_n, 3, 1.0f);
