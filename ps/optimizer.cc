@@ -18,60 +18,67 @@ namespace {
 // is kernels/optimizer_math.h's, which the GPU replicas apply too.
 #define PSFLOW_VECTOR_LOOP __attribute__((target_clones("avx2", "default")))
 
-PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, float* w, const float* g, float* out,
+PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, const float* w, const float* g, float* out,
                                 int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::SgdElement(lr, wd, w[i], g[i]);
-    out[i] = w[i];
+    float x = w[i];
+    kernels::SgdElement(lr, wd, x, g[i]);
+    out[i] = x;
   }
 }
 
-PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float wd, float* w, const float* g,
+PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float wd, const float* w, const float* g,
                                      float* buf, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::MomentumElement(lr, mu, wd, w[i], g[i], buf[i]);
-    out[i] = w[i];
+    float x = w[i];
+    kernels::MomentumElement(lr, mu, wd, x, g[i], buf[i]);
+    out[i] = x;
   }
 }
 
-PSFLOW_VECTOR_LOOP void NesterovLoop(float lr, float mu, float wd, float* w, const float* g,
+PSFLOW_VECTOR_LOOP void NesterovLoop(float lr, float mu, float wd, const float* w, const float* g,
                                      float* buf, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::NesterovElement(lr, mu, wd, w[i], g[i], buf[i]);
-    out[i] = w[i];
+    float x = w[i];
+    kernels::NesterovElement(lr, mu, wd, x, g[i], buf[i]);
+    out[i] = x;
   }
 }
 
 PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
-                                 float l2, float decay, float* w, const float* g, float* m,
+                                 float l2, float decay, const float* w, const float* g, float* m,
                                  float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::AdamElement(b1, b2, eps, step_size, inv_c2, l2, decay, w[i], g[i], m[i], v[i]);
-    out[i] = w[i];
+    float x = w[i];
+    kernels::AdamElement(b1, b2, eps, step_size, inv_c2, l2, decay, x, g[i], m[i], v[i]);
+    out[i] = x;
   }
 }
 
-PSFLOW_VECTOR_LOOP void AdagradLoop(float lr, float eps, float wd, float* w, const float* g,
+PSFLOW_VECTOR_LOOP void AdagradLoop(float lr, float eps, float wd, const float* w, const float* g,
                                     float* sum, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::AdagradElement(lr, eps, wd, w[i], g[i], sum[i]);
-    out[i] = w[i];
+    float x = w[i];
+    kernels::AdagradElement(lr, eps, wd, x, g[i], sum[i]);
+    out[i] = x;
   }
 }
 
-PSFLOW_VECTOR_LOOP void RmspropLoop(float lr, float alpha, float eps, float wd, float* w,
+PSFLOW_VECTOR_LOOP void RmspropLoop(float lr, float alpha, float eps, float wd, const float* w,
                                     const float* g, float* sq, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::RmspropElement(lr, alpha, eps, wd, w[i], g[i], sq[i]);
-    out[i] = w[i];
+    float x = w[i];
+    kernels::RmspropElement(lr, alpha, eps, wd, x, g[i], sq[i]);
+    out[i] = x;
   }
 }
 
-PSFLOW_VECTOR_LOOP void MovingAverageLoop(float momentum, float* r, const float* x, float* out,
-                                          int64_t n) {
+PSFLOW_VECTOR_LOOP void MovingAverageLoop(float momentum, const float* r, const float* x,
+                                          float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    kernels::MovingAverageElement(momentum, r[i], x[i]);
-    out[i] = r[i];
+    float y = r[i];
+    kernels::MovingAverageElement(momentum, y, x[i]);
+    out[i] = y;
   }
 }
 
@@ -142,7 +149,7 @@ class ConfiguredOptimizer : public Optimizer {
 
   void Apply(int64_t step, float* w, const float* g, int64_t n,
              const std::vector<float*>& slots) const override {
-    ApplyStep(StepAt(step), w, g, n, slots);
+    ApplyStep(StepAt(step), w, g, n, slots, w);
   }
 
  private:
@@ -219,11 +226,9 @@ void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
   MovingAverageLoop(momentum, r, x, r, n);
 }
 
-void ApplyStep(const kernels::OptimizerStep& s, float* w, const float* g, int64_t n,
+void ApplyStep(const kernels::OptimizerStep& s, const float* w, const float* g, int64_t n,
                const std::vector<float*>& slots, float* out) {
-  // Without `out`, each weight is stored again where it is (the line is in
-  // the cache already): one loop per rule either way.
-  float* const o = out != nullptr ? out : w;
+  float* const o = out;
   switch (s.rule) {
     case kernels::OptimizerStep::kSgd:
       SgdLoop(s.lr, s.wd, w, g, o, n);

@@ -50,18 +50,20 @@ class Optimizer {
   // ps apply on their CPUs (Apply) and a GPU replica on its device
   // (kernels::Backend::ApplyOptimizer).
   virtual kernels::OptimizerStep StepAt(int64_t step) const = 0;
-  // Applies one step computed from version `step` (0-based) to n weights:
-  // ApplyStep(StepAt(step), ...). slots follow SlotNames().
+  // Applies one step computed from version `step` (0-based) to n weights in
+  // place: ApplyStep(StepAt(step), weights, ..., weights). slots follow
+  // SlotNames().
   virtual void Apply(int64_t step, float* weights, const float* grad, int64_t n,
                      const std::vector<float*>& slots) const = 0;
 };
 
 // Applies `step` to n weights on this CPU, vectorized (slots follow the
-// optimizer's SlotNames(); none for kMovingAverage). With `out` (n floats
-// apart from the others), each updated weight is written there too, in the
-// same pass: the ps's copy for pulls.
-void ApplyStep(const kernels::OptimizerStep& step, float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots, float* out = nullptr);
+// optimizer's SlotNames(); none for kMovingAverage, and they are updated in
+// place): reads the weights from `w` and writes the updated ones to `out`,
+// which is either `w` itself (in place) or n floats apart from every other
+// argument (the ps reads one version's weights and writes the next's).
+void ApplyStep(const kernels::OptimizerStep& step, const float* w, const float* g, int64_t n,
+               const std::vector<float*>& slots, float* out);
 
 // The workers' mean gradient, vectorized like the optimizers: mean =
 // (0 + xs[0] + xs[1] + ...) * scale elementwise, summed in the order of xs,

@@ -78,7 +78,7 @@ struct Shard::ApplyJob {
   // apply (changed after the push was checked), or -1.
   std::atomic<int> changed_by{-1};
   int64_t n = 0;
-  float* value = nullptr;
+  Value current;  // the slice's published value, which the apply reads
   std::vector<float*> slots;
   std::vector<float*> previous_slots;  // receive the slots before the apply
   const Optimizer* optimizer = nullptr;
@@ -159,10 +159,12 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
     }
     states[i].version = header.version();
     // Not const: once no reader holds it, it is reused for a later value.
-    states[i].published = std::make_shared<std::vector<float>>(v.value);
+    states[i].published = std::make_shared<std::vector<float>>(std::move(v.value));
   }
+  std::vector<std::vector<std::vector<float>>> slots(values.size());
+  for (size_t i = 0; i < values.size(); ++i) slots[i] = std::move(values[i].slots);
   absl::MutexLock lock(&mu_);
-  // Appliers write into the masters without the lock: let them finish.
+  // Appliers write into the slots without the lock: let them finish.
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
   mu_.Await(absl::Condition(&idle));
   if (shutdown_) return absl::UnavailableError("ps is shutting down");
@@ -170,7 +172,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   job_id_ = header.job_id();
   slices_ =
       std::make_shared<const std::vector<SliceSpec>>(header.slice().begin(), header.slice().end());
-  values_ = std::move(values);
+  slots_ = std::move(slots);
   slice_ = std::move(states);
   applied_ = 0;
   empty_pushes_.clear();
@@ -363,7 +365,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
       return absl::InvalidArgumentError(absl::StrCat("push names ", name_of(g.slice), " twice"));
     }
     named[g.slice] = true;
-    const int64_t n = static_cast<int64_t>(values_[g.slice].value.size());
+    const int64_t n = static_cast<int64_t>(slice_[g.slice].published->size());
     if (g.skip ? g.count() != 0 : g.count() != n) {
       return absl::InvalidArgumentError(absl::StrCat("gradient of ", name_of(g.slice), " has ",
                                                      g.count(), " values, expected ", n));
@@ -520,7 +522,7 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
   job->step = version_;
   job->pushes.reserve(s.pushes.size());
   for (auto& [worker, grad] : s.pushes) {
-    job->skip |= grad.empty() && !values_[i].value.empty();
+    job->skip |= grad.empty() && !s.published->empty();
     job->pushes.emplace_back(worker, std::move(grad));
   }
   s.pushes.clear();
@@ -529,10 +531,10 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
             [](const auto& a, const auto& b) { return a.first < b.first; });
   s.applying = true;
   ++applying_;
-  job->n = static_cast<int64_t>(values_[i].value.size());
-  job->value = values_[i].value.data();
-  for (auto& slot : values_[i].slots) job->slots.push_back(slot.data());
-  s.previous_slots.resize(values_[i].slots.size());
+  job->current = s.published;
+  job->n = static_cast<int64_t>(job->current->size());
+  for (auto& slot : slots_[i]) job->slots.push_back(slot.data());
+  s.previous_slots.resize(slots_[i].size());
   for (std::vector<float>& slot : s.previous_slots) {
     slot.resize(job->n);
     job->previous_slots.push_back(slot.data());
@@ -554,6 +556,7 @@ void Shard::Compute(ApplyJob& job) const {
   if (job.out == nullptr || static_cast<int64_t>(job.out->size()) != n) {
     job.out = std::make_shared<std::vector<float>>(n);
   }
+  const float* const value = job.current->data();
   float* const published = job.out->data();
   const bool halves = job.halves_dtype != DT_FLOAT;
   if (halves && (job.halves_out == nullptr || static_cast<int64_t>(job.halves_out->size()) != n)) {
@@ -562,7 +565,7 @@ void Shard::Compute(ApplyJob& job) const {
   char* const published_halves = halves ? reinterpret_cast<char*>(job.halves_out->data()) : nullptr;
   if (job.skip) {
     // Skipped: the value and the slots stay as they are.
-    std::copy(job.value, job.value + n, published);
+    std::copy(value, value + n, published);
     if (halves) EncodeFloats(job.halves_dtype, published, n, published_halves);
     for (size_t k = 0; k < job.slots.size(); ++k)
       std::copy(job.slots[k], job.slots[k] + n, job.previous_slots[k]);
@@ -622,9 +625,10 @@ void Shard::Compute(ApplyJob& job) const {
         std::copy(slot, slot + len, job.previous_slots[k] + b);
         block_slots[k] = slot;
       }
-      // The optimizer writes the copy readers get as it updates the values
-      // (and, with wire copies, that copy is encoded while in the cache).
-      ApplyStep(step, job.value + b, mean, len, block_slots, published + b);
+      // The optimizer reads this version's values and writes the next
+      // version's, which readers get (and, with wire copies, encoded while in
+      // the cache).
+      ApplyStep(step, value + b, mean, len, block_slots, published + b);
       if (halves) {
         EncodeFloats(job.halves_dtype, published + b, len,
                      published_halves + b * static_cast<int64_t>(sizeof(uint16_t)));
@@ -653,6 +657,8 @@ std::vector<float> Shard::GradientBuffer(int slice, int64_t n) {
 
 void Shard::FinishLocked(ApplyJob& job) {
   SliceState& s = slice_[job.slice];
+  // Read: let go of it, so that the buffer is reused once no reader holds it.
+  job.current = nullptr;
   for (auto& [worker, grad] : job.pushes) {
     if (grad.borrowed.empty() && static_cast<int64_t>(grad.values.size()) == job.n &&
         s.spare_grads.size() < live_workers_.size()) {
@@ -756,21 +762,21 @@ void Shard::TakeSnapshotLocked() {
   auto data = std::make_shared<Snapshot>();
   data->weights = WeightsLocked();
   data->slot_names = optimizer_->SlotNames();
-  data->slots.reserve(values_.size());
-  for (size_t i = 0; i < values_.size(); ++i) {
+  data->slots.reserve(slots_.size());
+  for (size_t i = 0; i < slots_.size(); ++i) {
     // A slice applied ahead of the shard kept its slots of version_.
     const bool ahead = slice_[i].version > version_;
-    data->slots.push_back(ahead ? slice_[i].previous_slots : values_[i].slots);
+    data->slots.push_back(ahead ? slice_[i].previous_slots : slots_[i]);
   }
   snap->second.data = std::move(data);
 }
 
 absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceValues> values) {
-  // The copies readers get, made without the lock.
+  // The values readers get, made without the lock.
   std::vector<Value> published;
   published.reserve(values.size());
-  for (const SliceValues& v : values) {
-    published.push_back(std::make_shared<std::vector<float>>(v.value));
+  for (SliceValues& v : values) {
+    published.push_back(std::make_shared<std::vector<float>>(std::move(v.value)));
   }
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
@@ -782,8 +788,8 @@ absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceVa
   }
   const size_t slots = optimizer_->SlotNames().size();
   for (size_t i = 0; i < values.size(); ++i) {
-    const size_t n = values_[i].value.size();
-    bool fits = values[i].value.size() == n && values[i].slots.size() == slots;
+    const size_t n = slice_[i].published->size();
+    bool fits = published[i]->size() == n && values[i].slots.size() == slots;
     for (const std::vector<float>& slot : values[i].slots) fits = fits && slot.size() == n;
     if (!fits) {
       return absl::InvalidArgumentError(
@@ -806,7 +812,7 @@ absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceVa
     // (A mirror is a replica's, which has no wire copies.)
     s.previous_halves = s.published_halves = nullptr;
     s.version = version;
-    values_[i] = std::move(values[i]);
+    slots_[i] = std::move(values[i].slots);
   }
   counters_.applied += version - version_;
   version_ = version;

@@ -50,6 +50,9 @@
 // Readers do not copy: each slice's value at each version is published once,
 // by the thread that applied it, as an immutable vector that every reader of
 // that version shares (by shared_ptr) and reads outside the shard's lock.
+// The shard keeps no other copy of its weights: the apply of a step reads
+// the published value of the version before and writes the next one into a
+// buffer of its own (one no reader holds any more, when there is one).
 // The previous version of a slice that moved ahead stays published (with a
 // copy of its optimizer slots from before the apply) until the shard's
 // version catches up, so a reader of the whole shard at its version, a pull
@@ -525,9 +528,12 @@ class Shard {
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // steps applied (from the Init header's version on)
   std::shared_ptr<const std::vector<SliceSpec>> slices_
       ABSL_GUARDED_BY(mu_);  // replaced, never changed
-  // The masters the optimizer updates. A slice marked applying is written by
-  // its applier without the lock; Init waits until no slice is applying.
-  std::vector<SliceValues> values_ ABSL_GUARDED_BY(mu_);
+  // Each slice's optimizer slots (SliceValues::slots), which the optimizer
+  // updates in place. A slice marked applying has them written by its
+  // applier without the lock; Init and Mirror wait until no slice is
+  // applying. (The weights themselves are the published values: an apply
+  // reads one version's and writes the next one's into another buffer.)
+  std::vector<std::vector<std::vector<float>>> slots_ ABSL_GUARDED_BY(mu_);
   std::vector<SliceState> slice_ ABSL_GUARDED_BY(mu_);  // follows *slices_
   int applied_ ABSL_GUARDED_BY(mu_) = 0;                // slices at version_ + 1
   int applying_ ABSL_GUARDED_BY(mu_) = 0;               // slices being applied outside the lock

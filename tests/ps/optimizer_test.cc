@@ -284,10 +284,11 @@ TEST(MeanIntoTest, MatchesZeroFillAddEachThenScaleBitForBit) {
   }
 }
 
-// With `out`, every rule writes each updated weight there as well, and
-// leaves the weights and slots exactly as it does without (what the ps's
-// apply relies on to skip a copy for pulls).
-TEST(ApplyStepTest, OutGetsTheUpdatedWeightsAndNothingElseChanges) {
+// With `out` apart from the weights, every rule writes there exactly the
+// weights and slots an update in place gives, and leaves the weights it read
+// as they were (the ps reads one version's published weights and writes the
+// next version's elsewhere).
+TEST(ApplyStepTest, OutGetsTheUpdatedWeightsAndTheWeightsReadStay) {
   std::vector<kernels::OptimizerStep> rules;
   for (OptimizerConfig::Kind kind :
        {OptimizerConfig::SGD, OptimizerConfig::MOMENTUM, OptimizerConfig::ADAM,
@@ -322,11 +323,13 @@ TEST(ApplyStepTest, OutGetsTheUpdatedWeightsAndNothingElseChanges) {
     for (auto& s : slots) {
       for (float& x : s) x = std::abs(uniform(rng));
     }
+    const std::vector<float> before = w;
     std::vector<float> w2 = w, out(kN, -123.0f);
     std::vector<std::vector<float>> slots2 = slots;
-    ApplyStep(rule, w.data(), g.data(), kN, {slots[0].data(), slots[1].data()});
+    ApplyStep(rule, w.data(), g.data(), kN, {slots[0].data(), slots[1].data()}, w.data());
     ApplyStep(rule, w2.data(), g.data(), kN, {slots2[0].data(), slots2[1].data()}, out.data());
-    EXPECT_EQ(bits(w2), bits(w));
+    EXPECT_NE(bits(w), bits(before));
+    EXPECT_EQ(bits(w2), bits(before));
     EXPECT_EQ(bits(out), bits(w));
     EXPECT_EQ(bits(slots2[0]), bits(slots[0]));
     EXPECT_EQ(bits(slots2[1]), bits(slots[1]));

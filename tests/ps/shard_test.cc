@@ -188,6 +188,58 @@ TEST_F(ShardTest, GradientBuffersOfAnAppliedStepAreReused) {
   EXPECT_EQ(Current(), SgdAfter(expected, 0.5f, Grads(2), Grads(2)));
 }
 
+// The shard keeps no copy of its weights beside the values it publishes:
+// each apply reads one version's and writes the next into the buffer of the
+// version before that, once no reader holds it, so a slice's weights take
+// two buffers however many steps run; a buffer a reader holds stays as it
+// was and a new one is made instead.
+TEST_F(ShardTest, EachApplyWritesIntoTheBufferOfTwoVersionsBefore) {
+  // Weak references keep each value's memory from being allocated again, so
+  // that equal addresses mean the same buffer, reused.
+  std::vector<std::weak_ptr<const std::vector<float>>> seen;
+  auto buffer_of = [&](int slice, int64_t version) -> const void* {
+    absl::StatusOr<Shard::PulledSlice> p = shard_.PullSlice(kJob, slice, version, Soon(), nullptr);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return nullptr;
+    seen.push_back(p->value);
+    return p->value.get();
+  };
+  std::vector<std::vector<float>> w = {kA, kB};
+  std::vector<std::vector<const void*>> buffers(2);  // [slice][version]
+  for (int64_t version = 0; version < 5; ++version) {
+    if (version > 0) {
+      MustPush(0, version - 1, Grads(static_cast<float>(version)));
+      MustPush(1, version - 1, Grads(-0.5f));
+      w = SgdAfter(w, 0.5f, Grads(static_cast<float>(version)), Grads(-0.5f));
+    }
+    ASSERT_EQ(Current(), w) << "version " << version;
+    for (int slice : {0, 1}) buffers[slice].push_back(buffer_of(slice, version));
+  }
+  for (int slice : {0, 1}) {
+    SCOPED_TRACE(slice);
+    EXPECT_NE(buffers[slice][1], buffers[slice][0]);
+    for (int64_t version = 2; version < 5; ++version) {
+      EXPECT_EQ(buffers[slice][version], buffers[slice][version - 2]) << "version " << version;
+    }
+  }
+  // A reader holds version 5 through three more steps.
+  MustPush(0, 4, Grads(1));
+  MustPush(1, 4, Grads(1));
+  w = SgdAfter(w, 0.5f, Grads(1), Grads(1));
+  absl::StatusOr<Shard::Pulled> held = shard_.Pull(kJob, 5, Soon(), nullptr);
+  ASSERT_TRUE(held.ok()) << held.status();
+  const void* held_a = held->weights->values[0].get();
+  EXPECT_EQ(held_a, buffers[0][3]);
+  for (int64_t step = 5; step < 8; ++step) {
+    MustPush(0, step, Grads(2));
+    MustPush(1, step, Grads(-1));
+    EXPECT_NE(buffer_of(0, step + 1), held_a) << "version " << step + 1;
+  }
+  EXPECT_EQ(ValuesOf(*held->weights), w) << "a held version changed";
+  for (int64_t step = 5; step < 8; ++step) w = SgdAfter(w, 0.5f, Grads(2), Grads(-1));
+  EXPECT_EQ(Current(), w);
+}
+
 // A worker whose step was not finite pushes skips (--on_nonfinite=skip_step):
 // the step passes with no update, optimizer state included, and the next
 // step applies as usual.
