@@ -17,9 +17,20 @@ namespace {
 // the same to the bit, and the loops stay branch-free. Each element's update
 // is kernels/optimizer_math.h's, which the GPU replicas apply too.
 #define PSFLOW_VECTOR_LOOP __attribute__((target_clones("avx2", "default")))
+// Each output of these loops is its input itself or apart from every other
+// array (ApplyStep's contract), so no iteration reads what another writes:
+// the compiler may vectorize without checking how the arrays overlap (a
+// rule with several slots has more pairs than it would check at run time,
+// and an update in place would fail such a check and run scalar).
+#if defined(__clang__)
+#define PSFLOW_NO_LOOP_CARRIED _Pragma("clang loop vectorize(assume_safety)")
+#else
+#define PSFLOW_NO_LOOP_CARRIED _Pragma("GCC ivdep")
+#endif
 
 PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, const float* w, const float* g, float* out,
                                 int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
     float x = w[i];
     kernels::SgdElement(lr, wd, x, g[i]);
@@ -28,53 +39,67 @@ PSFLOW_VECTOR_LOOP void SgdLoop(float lr, float wd, const float* w, const float*
 }
 
 PSFLOW_VECTOR_LOOP void MomentumLoop(float lr, float mu, float wd, const float* w, const float* g,
-                                     float* buf, float* out, int64_t n) {
+                                     const float* buf, float* out, float* buf_out, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
-    float x = w[i];
-    kernels::MomentumElement(lr, mu, wd, x, g[i], buf[i]);
+    float x = w[i], b = buf[i];
+    kernels::MomentumElement(lr, mu, wd, x, g[i], b);
     out[i] = x;
+    buf_out[i] = b;
   }
 }
 
 PSFLOW_VECTOR_LOOP void NesterovLoop(float lr, float mu, float wd, const float* w, const float* g,
-                                     float* buf, float* out, int64_t n) {
+                                     const float* buf, float* out, float* buf_out, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
-    float x = w[i];
-    kernels::NesterovElement(lr, mu, wd, x, g[i], buf[i]);
+    float x = w[i], b = buf[i];
+    kernels::NesterovElement(lr, mu, wd, x, g[i], b);
     out[i] = x;
+    buf_out[i] = b;
   }
 }
 
 PSFLOW_VECTOR_LOOP void AdamLoop(float b1, float b2, float eps, float step_size, float inv_c2,
-                                 float l2, float decay, const float* w, const float* g, float* m,
-                                 float* v, float* out, int64_t n) {
+                                 float l2, float decay, const float* w, const float* g,
+                                 const float* m, const float* v, float* out, float* m_out,
+                                 float* v_out, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
-    float x = w[i];
-    kernels::AdamElement(b1, b2, eps, step_size, inv_c2, l2, decay, x, g[i], m[i], v[i]);
+    float x = w[i], a = m[i], b = v[i];
+    kernels::AdamElement(b1, b2, eps, step_size, inv_c2, l2, decay, x, g[i], a, b);
     out[i] = x;
+    m_out[i] = a;
+    v_out[i] = b;
   }
 }
 
 PSFLOW_VECTOR_LOOP void AdagradLoop(float lr, float eps, float wd, const float* w, const float* g,
-                                    float* sum, float* out, int64_t n) {
+                                    const float* sum, float* out, float* sum_out, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
-    float x = w[i];
-    kernels::AdagradElement(lr, eps, wd, x, g[i], sum[i]);
+    float x = w[i], s = sum[i];
+    kernels::AdagradElement(lr, eps, wd, x, g[i], s);
     out[i] = x;
+    sum_out[i] = s;
   }
 }
 
 PSFLOW_VECTOR_LOOP void RmspropLoop(float lr, float alpha, float eps, float wd, const float* w,
-                                    const float* g, float* sq, float* out, int64_t n) {
+                                    const float* g, const float* sq, float* out, float* sq_out,
+                                    int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
-    float x = w[i];
-    kernels::RmspropElement(lr, alpha, eps, wd, x, g[i], sq[i]);
+    float x = w[i], s = sq[i];
+    kernels::RmspropElement(lr, alpha, eps, wd, x, g[i], s);
     out[i] = x;
+    sq_out[i] = s;
   }
 }
 
 PSFLOW_VECTOR_LOOP void MovingAverageLoop(float momentum, const float* r, const float* x,
                                           float* out, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) {
     float y = r[i];
     kernels::MovingAverageElement(momentum, y, x[i]);
@@ -149,7 +174,7 @@ class ConfiguredOptimizer : public Optimizer {
 
   void Apply(int64_t step, float* w, const float* g, int64_t n,
              const std::vector<float*>& slots) const override {
-    ApplyStep(StepAt(step), w, g, n, slots, w);
+    ApplyStep(StepAt(step), w, g, n, slots, w, slots);
   }
 
  private:
@@ -196,15 +221,18 @@ namespace {
 // The passes of MeanInto. Adding to 0.0f is kept (it makes -0 into +0, as
 // the sum into a zeroed buffer did); a scale of 1 changes nothing.
 PSFLOW_VECTOR_LOOP void SumOneScaled(float* y, const float* a, float scale, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) y[i] = (0.0f + a[i]) * scale;
 }
 
 PSFLOW_VECTOR_LOOP void SumTwoScaled(float* y, const float* a, const float* b, float scale,
                                      int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) y[i] = ((0.0f + a[i]) + b[i]) * scale;
 }
 
 PSFLOW_VECTOR_LOOP void AddScaled(float* y, const float* x, float scale, int64_t n) {
+  PSFLOW_NO_LOOP_CARRIED
   for (int64_t i = 0; i < n; ++i) y[i] = (y[i] + x[i]) * scale;
 }
 
@@ -227,27 +255,28 @@ void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
 }
 
 void ApplyStep(const kernels::OptimizerStep& s, const float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots, float* out) {
+               const std::vector<float*>& slots, float* out, const std::vector<float*>& slots_out) {
   float* const o = out;
+  const std::vector<float*>& so = slots_out;
   switch (s.rule) {
     case kernels::OptimizerStep::kSgd:
       SgdLoop(s.lr, s.wd, w, g, o, n);
       break;
     case kernels::OptimizerStep::kMomentum:
-      MomentumLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, n);
+      MomentumLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, so[0], n);
       break;
     case kernels::OptimizerStep::kNesterov:
-      NesterovLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, n);
+      NesterovLoop(s.lr, s.mu, s.wd, w, g, slots[0], o, so[0], n);
       break;
     case kernels::OptimizerStep::kAdam:
       AdamLoop(s.b1, s.b2, s.eps, s.step_size, s.inv_c2, s.l2, s.decay, w, g, slots[0], slots[1], o,
-               n);
+               so[0], so[1], n);
       break;
     case kernels::OptimizerStep::kAdagrad:
-      AdagradLoop(s.lr, s.eps, s.wd, w, g, slots[0], o, n);
+      AdagradLoop(s.lr, s.eps, s.wd, w, g, slots[0], o, so[0], n);
       break;
     case kernels::OptimizerStep::kRmsprop:
-      RmspropLoop(s.lr, s.alpha, s.eps, s.wd, w, g, slots[0], o, n);
+      RmspropLoop(s.lr, s.alpha, s.eps, s.wd, w, g, slots[0], o, so[0], n);
       break;
     case kernels::OptimizerStep::kMovingAverage:
       MovingAverageLoop(s.mu, w, g, o, n);

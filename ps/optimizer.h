@@ -50,20 +50,21 @@ class Optimizer {
   // ps apply on their CPUs (Apply) and a GPU replica on its device
   // (kernels::Backend::ApplyOptimizer).
   virtual kernels::OptimizerStep StepAt(int64_t step) const = 0;
-  // Applies one step computed from version `step` (0-based) to n weights in
-  // place: ApplyStep(StepAt(step), weights, ..., weights). slots follow
-  // SlotNames().
+  // Applies one step computed from version `step` (0-based) to n weights and
+  // their slots (which follow SlotNames()) in place:
+  // ApplyStep(StepAt(step), weights, grad, n, slots, weights, slots).
   virtual void Apply(int64_t step, float* weights, const float* grad, int64_t n,
                      const std::vector<float*>& slots) const = 0;
 };
 
-// Applies `step` to n weights on this CPU, vectorized (slots follow the
-// optimizer's SlotNames(); none for kMovingAverage, and they are updated in
-// place): reads the weights from `w` and writes the updated ones to `out`,
-// which is either `w` itself (in place) or n floats apart from every other
-// argument (the ps reads one version's weights and writes the next's).
+// Applies `step` to n weights on this CPU, vectorized: reads the weights
+// from `w` and their slots from `slots` (the optimizer's SlotNames(); none
+// for kMovingAverage) and writes the updated ones to `out` and `slots_out`
+// (as many as `slots`). Each output is either its input itself (in place)
+// or n floats apart from every other argument: the ps reads one version's
+// weights and slots and writes the next version's into other buffers.
 void ApplyStep(const kernels::OptimizerStep& step, const float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots, float* out);
+               const std::vector<float*>& slots, float* out, const std::vector<float*>& slots_out);
 
 // The workers' mean gradient, vectorized like the optimizers: mean =
 // (0 + xs[0] + xs[1] + ...) * scale elementwise, summed in the order of xs,

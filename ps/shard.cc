@@ -78,9 +78,9 @@ struct Shard::ApplyJob {
   // apply (changed after the push was checked), or -1.
   std::atomic<int> changed_by{-1};
   int64_t n = 0;
-  Value current;  // the slice's published value, which the apply reads
-  std::vector<float*> slots;
-  std::vector<float*> previous_slots;  // receive the slots before the apply
+  Value current;                  // the slice's published value, which the apply reads
+  std::vector<float*> slots;      // at the slice's version, which the apply reads
+  std::vector<float*> slots_out;  // receive the slots after the apply
   const Optimizer* optimizer = nullptr;
   // > 0 for a non-trainable slice: the moving average's momentum, used
   // instead of the optimizer.
@@ -534,10 +534,12 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
   job->current = s.published;
   job->n = static_cast<int64_t>(job->current->size());
   for (auto& slot : slots_[i]) job->slots.push_back(slot.data());
+  // The slots of the version before this one (no snapshot needs them any
+  // more) take the slots after the apply.
   s.previous_slots.resize(slots_[i].size());
   for (std::vector<float>& slot : s.previous_slots) {
     slot.resize(job->n);
-    job->previous_slots.push_back(slot.data());
+    job->slots_out.push_back(slot.data());
   }
   job->optimizer = optimizer_.get();
   if ((*slices_)[i].non_trainable()) job->bn_momentum = bn_momentum_;
@@ -568,7 +570,7 @@ void Shard::Compute(ApplyJob& job) const {
     std::copy(value, value + n, published);
     if (halves) EncodeFloats(job.halves_dtype, published, n, published_halves);
     for (size_t k = 0; k < job.slots.size(); ++k)
-      std::copy(job.slots[k], job.slots[k] + n, job.previous_slots[k]);
+      std::copy(job.slots[k], job.slots[k] + n, job.slots_out[k]);
     return;
   }
   const float scale = 1.0f / static_cast<float>(job.pushes.size());
@@ -594,7 +596,7 @@ void Shard::Compute(ApplyJob& job) const {
     // bytes for a value that is used once.)
     alignas(64) float mean[kMeanBlock];
     absl::InlinedVector<const float*, 4> grads(job.pushes.size());
-    std::vector<float*> block_slots(job.slots.size());
+    std::vector<float*> block_slots(job.slots.size()), block_slots_out(job.slots.size());
     thread_local std::vector<float> widened;
     if (widens && widened.size() < job.pushes.size() * kMeanBlock)
       widened.resize(job.pushes.size() * kMeanBlock);
@@ -621,14 +623,13 @@ void Shard::Compute(ApplyJob& job) const {
         job.changed_by.compare_exchange_strong(none, changed_by);
       }
       for (size_t k = 0; k < job.slots.size(); ++k) {
-        float* const slot = job.slots[k] + b;
-        std::copy(slot, slot + len, job.previous_slots[k] + b);
-        block_slots[k] = slot;
+        block_slots[k] = job.slots[k] + b;
+        block_slots_out[k] = job.slots_out[k] + b;
       }
-      // The optimizer reads this version's values and writes the next
-      // version's, which readers get (and, with wire copies, encoded while in
-      // the cache).
-      ApplyStep(step, value + b, mean, len, block_slots, published + b);
+      // The optimizer reads this version's values and slots and writes the
+      // next version's: the values readers get (and, with wire copies,
+      // encoded while in the cache) and the slots into the other buffers.
+      ApplyStep(step, value + b, mean, len, block_slots, published + b, block_slots_out);
       if (halves) {
         EncodeFloats(job.halves_dtype, published + b, len,
                      published_halves + b * static_cast<int64_t>(sizeof(uint16_t)));
@@ -676,6 +677,9 @@ void Shard::FinishLocked(ApplyJob& job) {
   }
   s.applying = false;
   --applying_;
+  // The slots after the apply become the slice's; those it read are kept
+  // as the slots at version_ until the shard advances.
+  slots_[job.slice].swap(s.previous_slots);
   s.previous = std::move(s.published);
   s.published = std::move(job.out);
   s.previous_halves = std::move(s.published_halves);

@@ -436,7 +436,9 @@ class Shard {
     // buffer for the next one that no reader holds any more (or null).
     Halves published_halves, previous_halves;
     std::shared_ptr<std::vector<uint16_t>> spare_halves;
-    // Once applied: the slots at version_ (for snapshots); kept allocated.
+    // Once applied: the slots at version_ (for snapshots). Before: buffers
+    // the slice's next apply writes its new slots into (no copy of the old
+    // ones is made; FinishLocked swaps these with the slice's slots).
     std::vector<std::vector<float>> previous_slots;
     // A buffer of the slice's size that no reader holds any more, reused for
     // the next published value (or null).
@@ -528,11 +530,12 @@ class Shard {
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // steps applied (from the Init header's version on)
   std::shared_ptr<const std::vector<SliceSpec>> slices_
       ABSL_GUARDED_BY(mu_);  // replaced, never changed
-  // Each slice's optimizer slots (SliceValues::slots), which the optimizer
-  // updates in place. A slice marked applying has them written by its
-  // applier without the lock; Init and Mirror wait until no slice is
-  // applying. (The weights themselves are the published values: an apply
-  // reads one version's and writes the next one's into another buffer.)
+  // Each slice's optimizer slots (SliceValues::slots) at its version. A
+  // slice marked applying has them read by its applier without the lock
+  // (which writes the next ones into SliceState::previous_slots); Init and
+  // Mirror wait until no slice is applying. (The weights themselves are the
+  // published values: an apply reads one version's and writes the next
+  // one's into another buffer.)
   std::vector<std::vector<std::vector<float>>> slots_ ABSL_GUARDED_BY(mu_);
   std::vector<SliceState> slice_ ABSL_GUARDED_BY(mu_);  // follows *slices_
   int applied_ ABSL_GUARDED_BY(mu_) = 0;                // slices at version_ + 1

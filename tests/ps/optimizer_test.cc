@@ -284,11 +284,11 @@ TEST(MeanIntoTest, MatchesZeroFillAddEachThenScaleBitForBit) {
   }
 }
 
-// With `out` apart from the weights, every rule writes there exactly the
-// weights and slots an update in place gives, and leaves the weights it read
-// as they were (the ps reads one version's published weights and writes the
-// next version's elsewhere).
-TEST(ApplyStepTest, OutGetsTheUpdatedWeightsAndTheWeightsReadStay) {
+// With outputs apart from the inputs, every rule writes there exactly the
+// weights and slots an update in place gives, and leaves the weights and
+// slots it read as they were (the ps reads one version's published weights
+// and slots and writes the next version's elsewhere).
+TEST(ApplyStepTest, OutputsGetTheUpdatedWeightsAndSlotsAndTheInputsStay) {
   std::vector<kernels::OptimizerStep> rules;
   for (OptimizerConfig::Kind kind :
        {OptimizerConfig::SGD, OptimizerConfig::MOMENTUM, OptimizerConfig::ADAM,
@@ -326,13 +326,32 @@ TEST(ApplyStepTest, OutGetsTheUpdatedWeightsAndTheWeightsReadStay) {
     const std::vector<float> before = w;
     std::vector<float> w2 = w, out(kN, -123.0f);
     std::vector<std::vector<float>> slots2 = slots;
-    ApplyStep(rule, w.data(), g.data(), kN, {slots[0].data(), slots[1].data()}, w.data());
-    ApplyStep(rule, w2.data(), g.data(), kN, {slots2[0].data(), slots2[1].data()}, out.data());
+    const std::vector<std::vector<float>> slots_before = slots;
+    std::vector<std::vector<float>> slots_out(2, std::vector<float>(kN, -123.0f));
+    ApplyStep(rule, w.data(), g.data(), kN, {slots[0].data(), slots[1].data()}, w.data(),
+              {slots[0].data(), slots[1].data()});
+    ApplyStep(rule, w2.data(), g.data(), kN, {slots2[0].data(), slots2[1].data()}, out.data(),
+              {slots_out[0].data(), slots_out[1].data()});
     EXPECT_NE(bits(w), bits(before));
     EXPECT_EQ(bits(w2), bits(before));
     EXPECT_EQ(bits(out), bits(w));
-    EXPECT_EQ(bits(slots2[0]), bits(slots[0]));
-    EXPECT_EQ(bits(slots2[1]), bits(slots[1]));
+    // Slots the rule has are written out; those it has not stay untouched.
+    const size_t used = rule.rule == kernels::OptimizerStep::kAdam ? 2
+                        : rule.rule == kernels::OptimizerStep::kSgd ||
+                                rule.rule == kernels::OptimizerStep::kMovingAverage
+                            ? 0
+                            : 1;
+    for (size_t k = 0; k < 2; ++k) {
+      SCOPED_TRACE(k);
+      EXPECT_EQ(bits(slots2[k]), bits(slots_before[k])) << "slots read were written";
+      if (k < used) {
+        EXPECT_NE(bits(slots[k]), bits(slots_before[k]));
+        EXPECT_EQ(bits(slots_out[k]), bits(slots[k]));
+      } else {
+        EXPECT_EQ(bits(slots[k]), bits(slots_before[k]));
+        EXPECT_EQ(slots_out[k], std::vector<float>(kN, -123.0f));
+      }
+    }
   }
 }
 
