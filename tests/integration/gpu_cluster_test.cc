@@ -58,7 +58,7 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
   std::filesystem::remove_all(dir);
 }
 
-// One job of the two tests below: one GPU worker with `worker_args`, 2 ps,
+// One job of the tests below: one GPU worker with `worker_args`, 2 ps,
 // the mlp on synthetic data, 300 steps of SGD, `wire` on the wire, its
 // model in `model_dir`.
 struct MlpJob {
@@ -132,6 +132,16 @@ TEST(GpuClusterTest, UploadsStraightFromSharedMemoryTrainTheSameWeights) {
 TEST(GpuClusterTest, GradientsCopiedIntoSharedMemoryTrainTheSameWeights) {
   ExpectAWorkerFlagTrainsTheSameWeights("gradients_to_shared_memory",
                                         "pushes send them from there");
+}
+
+// A GPU worker of a job whose ps share its host sends its tensors through
+// shared memory (the default) and says so; with --shared_memory=false it
+// makes no shared region for its gradients (and does not say it does),
+// sends everything over the network, and trains exactly the same weights:
+// one worker, 2 ps, the mlp on synthetic data, fp32 and bf16 on the wire;
+// the saved models are equal byte for byte.
+TEST(GpuClusterTest, GpuWorkersWithoutSharedMemoryTrainTheSameWeights) {
+  ExpectAWorkerFlagTrainsTheSameWeights("shared_memory", "pushes send them from there");
 }
 
 // A GPU worker of a 16-bit job rounds its gradients on the GPU
