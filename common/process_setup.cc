@@ -2,11 +2,19 @@
 
 #include <malloc.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
 #include <grpc/grpc.h>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
@@ -39,6 +47,29 @@ void KeepLargeAllocationsInHeap() {
 
 void SkipMutexDeadlockDetection() {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+}
+
+absl::Status RunOnlyOnIdleCores() {
+  sched_param param{};
+  param.sched_priority = 0;  // the only one SCHED_IDLE takes
+  // This thread first, so that a thread started meanwhile inherits it.
+  if (sched_setscheduler(0, SCHED_IDLE, &param) != 0) {
+    return absl::InternalError(absl::StrCat("SCHED_IDLE: ", std::strerror(errno)));
+  }
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task", error)) {
+    pid_t tid = 0;
+    if (!absl::SimpleAtoi(entry.path().filename().string(), &tid)) continue;
+    // A thread that ended since the listing (ESRCH) needs nothing.
+    if (sched_setscheduler(tid, SCHED_IDLE, &param) != 0 && errno != ESRCH) {
+      return absl::InternalError(
+          absl::StrCat("SCHED_IDLE for thread ", tid, ": ", std::strerror(errno)));
+    }
+  }
+  if (error) {
+    return absl::InternalError(absl::StrCat("listing /proc/self/task: ", error.message()));
+  }
+  return absl::OkStatus();
 }
 
 ResourceUsage ProcessResourceUsage() {

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
+
 namespace psflow {
 
 // Makes two of the settings below: KeepLargeAllocationsInHeap and
@@ -41,6 +43,14 @@ void KeepLargeAllocationsInHeap();
 // own locks (absl::Mutex underneath) pay too. This turns the check off. Unit
 // tests, which do not call it, keep the check.
 void SkipMutexDeadlockDetection();
+
+// Puts every thread of this process under Linux's SCHED_IDLE policy, and so
+// every thread it starts afterwards (they inherit the policy of the thread
+// that starts them). Such threads never preempt other threads (of any other
+// policy) and get a core while no other thread wants it. Errors name the
+// thread whose policy could not be set. For a ps sharing cores with busy
+// workers (psflow-ps --sched_idle).
+absl::Status RunOnlyOnIdleCores();
 
 // What the process used so far, all its threads together: CPU time (user
 // and system) and context switches (voluntary: a thread blocked;

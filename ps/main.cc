@@ -33,6 +33,13 @@ ABSL_FLAG(
     "(its CPU affinity, lowered to its cgroup's CPU quota) divided by the ps tasks of this "
     "ps's host, at least 1.");
 
+ABSL_FLAG(bool, sched_idle, false,
+          "Run every thread of this ps under Linux's SCHED_IDLE scheduling policy: they never "
+          "preempt another process's threads and get a core while nothing else wants it. For ps "
+          "that share their cores with busy workers (a local cluster on a few cores), whose "
+          "compute the ps's wake-ups then no longer interrupt. Nothing changes for a ps that has "
+          "cores of its own; on a host that other processes keep busy, such a ps waits for them.");
+
 ABSL_FLAG(int, max_streams_per_peer, 64,
           "Most Init, Pull, Push and Snapshot streams one client connection may have open at once "
           "(a worker's lane has one or two); more are refused with RESOURCE_EXHAUSTED.");
@@ -152,6 +159,14 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_apply_threads) < 0) {
     PSLOG(ERROR) << "--apply_threads must be 0 (one share of the cores) or positive";
     return psflow::kExitPermanent;
+  }
+  // Before the ps starts its threads (they inherit the policy).
+  if (absl::GetFlag(FLAGS_sched_idle)) {
+    if (absl::Status s = psflow::RunOnlyOnIdleCores(); !s.ok()) {
+      PSLOG(ERROR) << "--sched_idle: " << s.message();
+      return psflow::kExitPermanent;
+    }
+    PSLOG(INFO) << "threads run under SCHED_IDLE (--sched_idle)";
   }
   psflow::ps::StreamLimits limits;
   limits.per_peer = absl::GetFlag(FLAGS_max_streams_per_peer);

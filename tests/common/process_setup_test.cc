@@ -1,16 +1,20 @@
 #include "common/process_setup.h"
 
 #include <malloc.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <thread>
 
 #include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/signals.h"
 #include "gtest/gtest.h"
@@ -59,6 +63,36 @@ TEST(ProcessSetupDeathTest, RoleProcessesSkipTheLockOrderCheck) {
   // Without the setup, the same inversion ends the process: the check the
   // setup turns off is really there.
   EXPECT_DEATH(InvertLockOrder(false), "deadlock");
+}
+
+// In a child (the policy cannot be taken back without privileges): a
+// thread started before and one started after both run under SCHED_IDLE,
+// and so does the calling thread. Exits 0 when all three do.
+[[noreturn]] void IdleEveryThread() {
+  absl::Notification go, checked;
+  std::atomic<int> before{-1};
+  std::thread early([&] {
+    go.WaitForNotification();
+    before = sched_getscheduler(0);
+    checked.Notify();
+  });
+  const bool ok = RunOnlyOnIdleCores().ok();
+  go.Notify();
+  checked.WaitForNotification();
+  int after = -1;
+  std::thread late([&] { after = sched_getscheduler(0); });
+  late.join();
+  early.join();
+  _exit(ok && sched_getscheduler(0) == SCHED_IDLE && before == SCHED_IDLE && after == SCHED_IDLE
+            ? 0
+            : 1);
+}
+
+TEST(ProcessSetupDeathTest, EveryThreadRunsOnlyOnIdleCores) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  ASSERT_NE(sched_getscheduler(0), SCHED_IDLE) << "the test's own process is not idle";
+  EXPECT_EXIT(IdleEveryThread(), testing::ExitedWithCode(0), "");
+  EXPECT_NE(sched_getscheduler(0), SCHED_IDLE) << "only the child changed";
 }
 
 TEST(ProcessSetupTest, LargeFreedBlocksStayInTheHeap) {
