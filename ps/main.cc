@@ -33,12 +33,14 @@ ABSL_FLAG(
     "(its CPU affinity, lowered to its cgroup's CPU quota) divided by the ps tasks of this "
     "ps's host, at least 1.");
 
-ABSL_FLAG(bool, sched_idle, false,
-          "Run every thread of this ps under Linux's SCHED_IDLE scheduling policy: they never "
-          "preempt another process's threads and get a core while nothing else wants it. For ps "
-          "that share their cores with busy workers (a local cluster on a few cores), whose "
-          "compute the ps's wake-ups then no longer interrupt. Nothing changes for a ps that has "
-          "cores of its own; on a host that other processes keep busy, such a ps waits for them.");
+ABSL_FLAG(
+    bool, sched_idle, false,
+    "Run every thread of this ps under Linux's SCHED_IDLE scheduling policy: they never "
+    "preempt another process's threads and get a core while nothing else wants it. For ps "
+    "that share their cores with busy CPU workers (a local cluster on a few cores), whose "
+    "compute the ps's wake-ups then no longer interrupt. Nothing changes for a ps that has "
+    "cores of its own; on a host that other processes keep busy, such a ps waits for them, "
+    "and beside a GPU worker it slows the job (the worker's host threads delay its applies).");
 
 ABSL_FLAG(int, max_streams_per_peer, 64,
           "Most Init, Pull, Push and Snapshot streams one client connection may have open at once "
