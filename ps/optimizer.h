@@ -70,7 +70,7 @@ void ApplyStep(const kernels::OptimizerStep& step, const float* w, const float* 
 // (0 + xs[0] + xs[1] + ...) * scale elementwise, summed in the order of xs,
 // bit for bit what filling with zeros, adding each in turn and scaling give;
 // one pass over memory for one or two gradients (each further one adds a
-// pass). n elements each.
+// pass). n elements each; `mean` lies apart from every xs[j].
 void MeanInto(float* mean, absl::Span<const float* const> xs, float scale, int64_t n);
 
 // Non-trainable variables (batch norm's running statistics) are no
@@ -81,7 +81,7 @@ inline constexpr float kDefaultBnMomentum = 0.1f;
 // The job's momentum: JobConfig.bn_momentum, 0 (unset) meaning
 // kDefaultBnMomentum. INVALID_ARGUMENT outside (0, 1].
 absl::StatusOr<float> BnMomentum(const JobConfig& job);
-// r = (1 - momentum) * r + momentum * x, elementwise.
+// r = (1 - momentum) * r + momentum * x, elementwise (r apart from x).
 void MovingAverageInto(float* r, const float* x, float momentum, int64_t n);
 // The same as a step (kMovingAverage), for ApplyStep and ApplyOptimizer.
 kernels::OptimizerStep MovingAverageStep(float momentum);

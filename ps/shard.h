@@ -53,8 +53,8 @@
 // The shard keeps no other copy of its weights: the apply of a step reads
 // the published value of the version before and writes the next one into a
 // buffer of its own (one no reader holds any more, when there is one).
-// The previous version of a slice that moved ahead stays published (with a
-// copy of its optimizer slots from before the apply) until the shard's
+// The previous version of a slice that moved ahead stays published (with
+// its optimizer slots from before the apply) until the shard's
 // version catches up, so a reader of the whole shard at its version, a pull
 // asking for it, and a snapshot of it see every slice at exactly that
 // version, even when a step stays half applied (its workers stopped or died
