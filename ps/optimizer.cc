@@ -255,9 +255,9 @@ void MovingAverageInto(float* r, const float* x, float momentum, int64_t n) {
 }
 
 void ApplyStep(const kernels::OptimizerStep& s, const float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots, float* out, const std::vector<float*>& slots_out) {
+               absl::Span<float* const> slots, float* out, absl::Span<float* const> slots_out) {
   float* const o = out;
-  const std::vector<float*>& so = slots_out;
+  const absl::Span<float* const> so = slots_out;
   switch (s.rule) {
     case kernels::OptimizerStep::kSgd:
       SgdLoop(s.lr, s.wd, w, g, o, n);

@@ -64,7 +64,7 @@ class Optimizer {
 // or n floats apart from every other argument: the ps reads one version's
 // weights and slots and writes the next version's into other buffers.
 void ApplyStep(const kernels::OptimizerStep& step, const float* w, const float* g, int64_t n,
-               const std::vector<float*>& slots, float* out, const std::vector<float*>& slots_out);
+               absl::Span<float* const> slots, float* out, absl::Span<float* const> slots_out);
 
 // The workers' mean gradient, vectorized like the optimizers: mean =
 // (0 + xs[0] + xs[1] + ...) * scale elementwise, summed in the order of xs,

@@ -160,9 +160,8 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
     states[i].version = header.version();
     // Not const: once no reader holds it, it is reused for a later value.
     states[i].published = std::make_shared<std::vector<float>>(std::move(v.value));
+    states[i].slots = std::move(v.slots);
   }
-  std::vector<std::vector<std::vector<float>>> slots(values.size());
-  for (size_t i = 0; i < values.size(); ++i) slots[i] = std::move(values[i].slots);
   absl::MutexLock lock(&mu_);
   // Appliers write into the slots without the lock: let them finish.
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return applying_ == 0; };
@@ -172,7 +171,6 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   job_id_ = header.job_id();
   slices_ =
       std::make_shared<const std::vector<SliceSpec>>(header.slice().begin(), header.slice().end());
-  slots_ = std::move(slots);
   slice_ = std::move(states);
   applied_ = 0;
   empty_pushes_.clear();
@@ -533,10 +531,10 @@ std::shared_ptr<Shard::ApplyJob> Shard::ClaimLocked(int i) {
   ++applying_;
   job->current = s.published;
   job->n = static_cast<int64_t>(job->current->size());
-  for (auto& slot : slots_[i]) job->slots.push_back(slot.data());
+  for (auto& slot : s.slots) job->slots.push_back(slot.data());
   // The slots of the version before this one (no snapshot needs them any
   // more) take the slots after the apply.
-  s.previous_slots.resize(slots_[i].size());
+  s.previous_slots.resize(s.slots.size());
   for (std::vector<float>& slot : s.previous_slots) {
     slot.resize(job->n);
     job->slots_out.push_back(slot.data());
@@ -596,7 +594,7 @@ void Shard::Compute(ApplyJob& job) const {
     // bytes for a value that is used once.)
     alignas(64) float mean[kMeanBlock];
     absl::InlinedVector<const float*, 4> grads(job.pushes.size());
-    std::vector<float*> block_slots(job.slots.size()), block_slots_out(job.slots.size());
+    absl::InlinedVector<float*, 2> block_slots(job.slots.size()), block_slots_out(job.slots.size());
     thread_local std::vector<float> widened;
     if (widens && widened.size() < job.pushes.size() * kMeanBlock)
       widened.resize(job.pushes.size() * kMeanBlock);
@@ -679,7 +677,7 @@ void Shard::FinishLocked(ApplyJob& job) {
   --applying_;
   // The slots after the apply become the slice's; those it read are kept
   // as the slots at version_ until the shard advances.
-  slots_[job.slice].swap(s.previous_slots);
+  s.slots.swap(s.previous_slots);
   s.previous = std::move(s.published);
   s.published = std::move(job.out);
   s.previous_halves = std::move(s.published_halves);
@@ -766,11 +764,10 @@ void Shard::TakeSnapshotLocked() {
   auto data = std::make_shared<Snapshot>();
   data->weights = WeightsLocked();
   data->slot_names = optimizer_->SlotNames();
-  data->slots.reserve(slots_.size());
-  for (size_t i = 0; i < slots_.size(); ++i) {
+  data->slots.reserve(slice_.size());
+  for (const SliceState& s : slice_) {
     // A slice applied ahead of the shard kept its slots of version_.
-    const bool ahead = slice_[i].version > version_;
-    data->slots.push_back(ahead ? slice_[i].previous_slots : slots_[i]);
+    data->slots.push_back(s.version > version_ ? s.previous_slots : s.slots);
   }
   snap->second.data = std::move(data);
 }
@@ -816,7 +813,7 @@ absl::Status Shard::Mirror(uint64_t job_id, int64_t version, std::vector<SliceVa
     // (A mirror is a replica's, which has no wire copies.)
     s.previous_halves = s.published_halves = nullptr;
     s.version = version;
-    slots_[i] = std::move(values[i].slots);
+    s.slots = std::move(values[i].slots);
   }
   counters_.applied += version - version_;
   version_ = version;

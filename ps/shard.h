@@ -436,6 +436,13 @@ class Shard {
     // buffer for the next one that no reader holds any more (or null).
     Halves published_halves, previous_halves;
     std::shared_ptr<std::vector<uint16_t>> spare_halves;
+    // The optimizer slots (SliceValues::slots) at `version`. While the slice
+    // is applying, its applier reads them without the lock (and writes the
+    // next ones into previous_slots); Init and Mirror wait until no slice
+    // is applying. (The weights themselves are the published values: an
+    // apply reads one version's and writes the next one's into another
+    // buffer.)
+    std::vector<std::vector<float>> slots;
     // Once applied: the slots at version_ (for snapshots). Before: buffers
     // the slice's next apply writes its new slots into (no copy of the old
     // ones is made; FinishLocked swaps these with the slice's slots).
@@ -529,14 +536,7 @@ class Shard {
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t version_ ABSL_GUARDED_BY(mu_) = 0;  // steps applied (from the Init header's version on)
   std::shared_ptr<const std::vector<SliceSpec>> slices_
-      ABSL_GUARDED_BY(mu_);  // replaced, never changed
-  // Each slice's optimizer slots (SliceValues::slots) at its version. A
-  // slice marked applying has them read by its applier without the lock
-  // (which writes the next ones into SliceState::previous_slots); Init and
-  // Mirror wait until no slice is applying. (The weights themselves are the
-  // published values: an apply reads one version's and writes the next
-  // one's into another buffer.)
-  std::vector<std::vector<std::vector<float>>> slots_ ABSL_GUARDED_BY(mu_);
+      ABSL_GUARDED_BY(mu_);                             // replaced, never changed
   std::vector<SliceState> slice_ ABSL_GUARDED_BY(mu_);  // follows *slices_
   int applied_ ABSL_GUARDED_BY(mu_) = 0;                // slices at version_ + 1
   int applying_ ABSL_GUARDED_BY(mu_) = 0;               // slices being applied outside the lock
