@@ -93,6 +93,14 @@ ABSL_FLAG(bool, push_during_backward, true,
           "--on_nonfinite=skip_step, jobs without ps and workers of several GPUs always push "
           "after the step.");
 
+ABSL_FLAG(int64_t, min_push_run_bytes, int64_t{256} << 10,
+          "A CPU worker pushing during the backward pass (see --push_during_backward): the "
+          "smallest run of gradients sent as a message of its own. A variable's gradient smaller "
+          "than this waits for the next ones its layer-by-layer backward pass completes for the "
+          "same ps and leaves with them, so that biases and small layers do not each cost a "
+          "message (every message wakes a few threads on the worker and the ps, which costs "
+          "most where the cores are all busy). 0: each variable's gradient leaves alone, as "
+          "soon as it is final. GPU workers push the buckets their copies to the host make.");
 ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
@@ -171,6 +179,12 @@ int main(int argc, char** argv) {
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options.lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options.push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
+  options.min_run_bytes = absl::GetFlag(FLAGS_min_push_run_bytes);
+  if (options.min_run_bytes < 0) {
+    std::fprintf(stderr, "psflow-worker: --min_push_run_bytes must not be negative, got %lld\n",
+                 static_cast<long long>(options.min_run_bytes));
+    return 1;
+  }
   options.upload_from_shared_memory = absl::GetFlag(FLAGS_upload_from_shared_memory);
   options.gradients_to_shared_memory = absl::GetFlag(FLAGS_gradients_to_shared_memory);
   options.narrow_on_device = absl::GetFlag(FLAGS_narrow_on_gpu);

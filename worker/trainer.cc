@@ -344,17 +344,25 @@ absl::Status Trainer::Prepare() {
     };
     new_lane();
     int64_t so_far = 0;
+    int64_t run_bytes = 0;  // in the lane's last run
     for (const int i : order) {
       // A new lane once this one holds its share (and slices remain for it).
       const int64_t filled = static_cast<int64_t>(lanes_.size() - first);
       if (so_far * lanes >= bytes * filled && !lanes_.back().slices.empty()) new_lane();
       Lane& lane = lanes_.back();
       const int v = slices[i].variable_index;
-      // A new run where the slice becomes final apart from the one before.
-      if (lane.slices.empty() || ready_group[v] != ready_group[lane.variables.back()]) {
+      // A new run where the slice becomes final apart from the one before,
+      // unless the run so far is a CPU's and smaller than min_run_bytes.
+      const int64_t slice_bytes = NumElements(slices[i].slice_shape) * sizeof(float);
+      const int before = lane.variables.empty() ? -1 : lane.variables.back();
+      if (lane.slices.empty() || (ready_group[v] != ready_group[before] &&
+                                  (ready_group[v] < 0 || ready_group[before] < 0 ||
+                                   run_bytes >= options_.min_run_bytes))) {
         lane.run_starts.push_back(lane.slices.size());
         lane.run_pieces.emplace_back(backward_pos_[v], backward_pos_[v]);
+        run_bytes = 0;
       }
+      run_bytes += slice_bytes;
       auto& [run_first, run_last] = lane.run_pieces.back();
       run_first = std::min(run_first, backward_pos_[v]);
       run_last = std::max(run_last, backward_pos_[v]);
@@ -366,7 +374,7 @@ absl::Status Trainer::Prepare() {
       lane.sinks.push_back(std::move(sinks[i]));
       lane.refs.push_back(std::move(refs[i]));
       ++slices_of_[v];
-      so_far += NumElements(slices[i].slice_shape) * sizeof(float);
+      so_far += slice_bytes;
     }
   }
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());

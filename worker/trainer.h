@@ -102,6 +102,13 @@ struct TrainerOptions {
   // needs the whole step's verdict before the first push. False: every
   // push waits for the end of the step.
   bool push_during_backward = true;
+  // Pushing during the backward pass on a CPU (whose variables each become
+  // final alone), a run of a lane's slices goes on to the next variable's
+  // while it holds fewer than this many bytes: small gradients (biases,
+  // small layers) travel with the next ones instead of as messages of their
+  // own, each of which costs the worker and the ps a few thread wake-ups.
+  // 0: a run per variable. GPU buckets are runs of their own either way.
+  int64_t min_run_bytes = int64_t{256} << 10;
   // A GPU worker uploads pulled weights straight from the shared memory the
   // ps wrote them into (registered with the GPU; 16-bit values widened on
   // the GPU), instead of decoding them into its page-locked buffers first.

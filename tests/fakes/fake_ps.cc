@@ -44,6 +44,12 @@ class FakePs::Connection final : public ps::Client {
                                     absl::Time deadline) override {
     return fake_->DoPush(cancelled_, ps, header, grads, deadline);
   }
+  absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
+                                          std::vector<TensorRef> grads, const PushRuns& runs,
+                                          absl::Time deadline) override {
+    fake_->CountRuns(ps, runs);
+    return ps::Client::PushInRuns(ps, header, std::move(grads), runs, deadline);
+  }
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override {
     return fake_->DoShutdown(cancelled_, ps, job_id, deadline);
   }
@@ -214,6 +220,19 @@ absl::StatusOr<PushResponse> FakePs::Push(int ps, const PushHeader& header,
   return DoPush(cancelled_, ps, header, grads, deadline);
 }
 
+absl::StatusOr<PushResponse> FakePs::PushInRuns(int ps, const PushHeader& header,
+                                                std::vector<TensorRef> grads, const PushRuns& runs,
+                                                absl::Time deadline) {
+  CountRuns(ps, runs);
+  return ps::Client::PushInRuns(ps, header, std::move(grads), runs, deadline);
+}
+
+void FakePs::CountRuns(int ps, const PushRuns& runs) {
+  if (ps < 0 || ps >= num_ps_) return;  // Push says so
+  absl::MutexLock lock(&mu_);
+  ps_[ps].runs += static_cast<int64_t>(runs.starts.size());
+}
+
 absl::Status FakePs::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
   return DoShutdown(cancelled_, ps, job_id, deadline);
 }
@@ -276,6 +295,11 @@ void FakePs::OnCall(std::function<void(int ps, Method method)> hook) {
 int64_t FakePs::calls(int ps, Method method) const {
   absl::MutexLock lock(&mu_);
   return ps_[ps].calls[static_cast<int>(method)];
+}
+
+int64_t FakePs::runs(int ps) const {
+  absl::MutexLock lock(&mu_);
+  return ps_[ps].runs;
 }
 
 ps::Shard::Stats FakePs::stats(int ps) const {

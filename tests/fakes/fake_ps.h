@@ -65,6 +65,10 @@ class FakePs final : public ps::Client {
                                   absl::Time deadline, absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
+  // ps::Client's (waits for every run, then pushes), counting the runs.
+  absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
+                                          std::vector<TensorRef> grads, const PushRuns& runs,
+                                          absl::Time deadline) override;
   // Shuts the ps's shard down (later calls are UNAVAILABLE until Restart).
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
@@ -102,6 +106,8 @@ class FakePs final : public ps::Client {
   // Observation.
   // Calls to ps `ps` of `method` so far, failed ones included.
   int64_t calls(int ps, Method method) const;
+  // Runs of the pushes in runs to ps `ps` so far (their PushRuns::starts).
+  int64_t runs(int ps) const;
   // The counters of ps `ps`'s current shard.
   ps::Shard::Stats stats(int ps) const;
   // Whether a Shutdown of ps `ps` was accepted (and no Restart since).
@@ -127,6 +133,8 @@ class FakePs final : public ps::Client {
                                     int64_t min_version, const std::vector<int>& slices,
                                     std::vector<TensorSink>& sinks, absl::Time deadline,
                                     absl::Duration max_wait);
+  // Counts the runs of a push in runs to ps `ps` (one in range).
+  void CountRuns(int ps, const PushRuns& runs);
   absl::StatusOr<PushResponse> DoPush(const std::atomic<bool>& cancelled, int ps,
                                       const PushHeader& header, const std::vector<TensorRef>& grads,
                                       absl::Time deadline);
@@ -148,6 +156,7 @@ class FakePs final : public ps::Client {
     absl::StatusCode fail_code = absl::StatusCode::kOk;
     int fail_count = 0;
     std::array<int64_t, kNumMethods> calls{};
+    int64_t runs = 0;
   };
 
   const int num_ps_;

@@ -218,12 +218,13 @@ class TrainerTest : public ::testing::Test {
   // Runs workers 0 and 1 of the job to its end with up to `lanes` lanes per
   // ps (as many as slices), pushing during the backward pass or after the
   // step: both end OK, and every ps applied each of the job's steps once.
-  void RunTwoWorkers(int lanes, bool push_during_backward) {
+  void RunTwoWorkers(int lanes, bool push_during_backward, int64_t min_run_bytes = 0) {
     TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
     for (TrainerOptions* o : {&o0, &o1}) {
       o->lanes_per_ps = lanes;
       o->lane_bytes = 1;  // as many lanes as slices, up to lanes_per_ps
       o->push_during_backward = push_during_backward;
+      o->min_run_bytes = min_run_bytes;
     }
     Trainer first(o0, chief_.get(), ClientOf(*fake_));
     Trainer second(o1, chief_.get(), ClientOf(*fake_));
@@ -328,6 +329,29 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
   }
   EXPECT_NE(weights[0], initial_);
   for (int run = 1; run < 4; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
+}
+
+// Pushing during the backward pass on a CPU, a run of gradients smaller
+// than min_run_bytes goes on to the next variable's: the tiny model's four
+// variables on one ps (fc2's weights 256 bytes and bias 16, fc1's bias 64
+// and weights 2,304, in the order the backward pass completes them) travel
+// in four runs a push with 0, in two with 300 (fc2's two and fc1's bias
+// make 336 bytes, then fc1's weights), in one with more than they hold. The
+// weights come out the same, bit for bit.
+TEST_F(TrainerTest, SmallRunsTravelWithTheNextOnesAndGiveTheSameWeights) {
+  const int64_t min_bytes[] = {0, 300, 1 << 20};
+  const int64_t runs_per_push[] = {4, 2, 1};
+  std::vector<std::vector<float>> weights[3];
+  for (int run = 0; run < 3; ++run) {
+    SCOPED_TRACE(absl::StrCat("min_run_bytes ", min_bytes[run]));
+    SetUpJob({.num_ps = 1, .num_workers = 2, .train_steps = 10});
+    ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(1, /*push_during_backward=*/true, min_bytes[run]));
+    EXPECT_EQ(fake_->calls(0, Method::kPush), 2 * 10);
+    EXPECT_EQ(fake_->runs(0), 2 * 10 * runs_per_push[run]);
+    weights[run] = ReadWeights(*fake_, job_, kJobId);
+  }
+  EXPECT_NE(weights[0], initial_);
+  for (int run = 1; run < 3; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
 }
 
 // A variable cut into several slices per ps (each ps holds five of
