@@ -171,7 +171,7 @@ class Shard {
     // the gradient); an asynchronous one copies them. The apply checks each
     // block it averages again, so values changed to a NaN or an infinity
     // after the push was checked never reach the weights.
-    Borrowed borrowed;
+    Borrowed borrowed{};
 
     int64_t count() const {
       return borrowed.empty() ? static_cast<int64_t>(values.size()) : borrowed.count;
