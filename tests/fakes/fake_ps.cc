@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/placement.h"
+#include "common/tensor_chunks.h"
 #include "ps/local_client.h"
 #include "ps/optimizer.h"
 #include "ps/tensors.h"
@@ -47,8 +48,7 @@ class FakePs::Connection final : public ps::Client {
   absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
                                           std::vector<TensorRef> grads, const PushRuns& runs,
                                           absl::Time deadline) override {
-    fake_->CountRuns(ps, runs);
-    return ps::Client::PushInRuns(ps, header, std::move(grads), runs, deadline);
+    return fake_->DoPushInRuns(cancelled_, ps, header, std::move(grads), runs, deadline);
   }
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override {
     return fake_->DoShutdown(cancelled_, ps, job_id, deadline);
@@ -223,14 +223,35 @@ absl::StatusOr<PushResponse> FakePs::Push(int ps, const PushHeader& header,
 absl::StatusOr<PushResponse> FakePs::PushInRuns(int ps, const PushHeader& header,
                                                 std::vector<TensorRef> grads, const PushRuns& runs,
                                                 absl::Time deadline) {
-  CountRuns(ps, runs);
-  return ps::Client::PushInRuns(ps, header, std::move(grads), runs, deadline);
+  return DoPushInRuns(cancelled_, ps, header, std::move(grads), runs, deadline);
 }
 
-void FakePs::CountRuns(int ps, const PushRuns& runs) {
-  if (ps < 0 || ps >= num_ps_) return;  // Push says so
-  absl::MutexLock lock(&mu_);
-  ps_[ps].runs += static_cast<int64_t>(runs.starts.size());
+absl::StatusOr<PushResponse> FakePs::DoPushInRuns(const std::atomic<bool>& cancelled, int ps,
+                                                  const PushHeader& header,
+                                                  std::vector<TensorRef> grads,
+                                                  const PushRuns& runs, absl::Time deadline) {
+  if (ps >= 0 && ps < num_ps_) {  // (else DoPush says so)
+    absl::MutexLock lock(&mu_);
+    ps_[ps].runs += static_cast<int64_t>(runs.starts.size());
+  }
+  // Each run is read once its wait returned, as ps::GrpcClient reads it:
+  // values the caller changes afterwards are not what was pushed.
+  std::vector<std::vector<char>> read(grads.size());
+  for (int g = 0; g < static_cast<int>(runs.starts.size()); ++g) {
+    absl::Status s = runs.wait(g);
+    if (s.ok() && runs.checked) s = runs.checked(g, RunBelow(grads, runs, g));
+    if (!s.ok()) return s;
+    const size_t end =
+        g + 1 < static_cast<int>(runs.starts.size()) ? runs.starts[g + 1] : grads.size();
+    for (size_t i = runs.starts[g]; i < end; ++i) {
+      const int64_t n = NumElements(grads[i].shape);
+      read[i].resize(static_cast<size_t>(n * WireBytes(grads[i].dtype)));
+      WriteWireValues(grads[i], 0, n, read[i].data());
+      grads[i].encoded = read[i].data();
+      grads[i].data = nullptr;
+    }
+  }
+  return DoPush(cancelled, ps, header, grads, deadline);
 }
 
 absl::Status FakePs::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {

@@ -65,7 +65,8 @@ class FakePs final : public ps::Client {
                                   absl::Time deadline, absl::Duration max_wait) override;
   absl::StatusOr<PushResponse> Push(int ps, const PushHeader& header, std::vector<TensorRef> grads,
                                     absl::Time deadline) override;
-  // ps::Client's (waits for every run, then pushes), counting the runs.
+  // Reads each run once its wait returned (and it was checked), then pushes
+  // what it read; counts the runs.
   absl::StatusOr<PushResponse> PushInRuns(int ps, const PushHeader& header,
                                           std::vector<TensorRef> grads, const PushRuns& runs,
                                           absl::Time deadline) override;
@@ -133,8 +134,9 @@ class FakePs final : public ps::Client {
                                     int64_t min_version, const std::vector<int>& slices,
                                     std::vector<TensorSink>& sinks, absl::Time deadline,
                                     absl::Duration max_wait);
-  // Counts the runs of a push in runs to ps `ps` (one in range).
-  void CountRuns(int ps, const PushRuns& runs);
+  absl::StatusOr<PushResponse> DoPushInRuns(const std::atomic<bool>& cancelled, int ps,
+                                            const PushHeader& header, std::vector<TensorRef> grads,
+                                            const PushRuns& runs, absl::Time deadline);
   absl::StatusOr<PushResponse> DoPush(const std::atomic<bool>& cancelled, int ps,
                                       const PushHeader& header, const std::vector<TensorRef>& grads,
                                       absl::Time deadline);

@@ -331,18 +331,21 @@ TEST_F(TrainerTest, LanesGiveTheSameWeightsAsOneStreamPerPs) {
   for (int run = 1; run < 4; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
 }
 
-// Pushing during the backward pass on a CPU, a run of gradients smaller
-// than min_run_bytes goes on to the next variable's: the tiny model's four
-// variables on one ps (fc2's weights 256 bytes and bias 16, fc1's bias 64
-// and weights 2,304, in the order the backward pass completes them) travel
-// in four runs a push with 0, in two with 300 (fc2's two and fc1's bias
-// make 336 bytes, then fc1's weights), in one with more than they hold. The
-// weights come out the same, bit for bit.
+// Pushing during the backward pass on a CPU, a run goes on to the next
+// variable's while it holds fewer than min_run_bytes: the tiny model's four
+// variables on one ps complete in the order fc2/weights (256 bytes),
+// fc2/bias (16), fc1/weights (2,304), fc1/bias (64), and travel in four runs
+// a push with 0; in three with 272 (fc2's two make 272 and end a run, then
+// fc1's weights end one); in two with 273 (fc2's two and fc1's weights,
+// then fc1's bias); in one with more than they hold. The fake reads each
+// run as soon as its wait returns, as the real client does, so a run that
+// left before the backward pass had completed it would push other values:
+// the weights come out the same, bit for bit.
 TEST_F(TrainerTest, SmallRunsTravelWithTheNextOnesAndGiveTheSameWeights) {
-  const int64_t min_bytes[] = {0, 300, 1 << 20};
-  const int64_t runs_per_push[] = {4, 2, 1};
-  std::vector<std::vector<float>> weights[3];
-  for (int run = 0; run < 3; ++run) {
+  const int64_t min_bytes[] = {0, 272, 273, 1 << 20};
+  const int64_t runs_per_push[] = {4, 3, 2, 1};
+  std::vector<std::vector<float>> weights[4];
+  for (int run = 0; run < 4; ++run) {
     SCOPED_TRACE(absl::StrCat("min_run_bytes ", min_bytes[run]));
     SetUpJob({.num_ps = 1, .num_workers = 2, .train_steps = 10});
     ASSERT_NO_FATAL_FAILURE(RunTwoWorkers(1, /*push_during_backward=*/true, min_bytes[run]));
@@ -351,7 +354,7 @@ TEST_F(TrainerTest, SmallRunsTravelWithTheNextOnesAndGiveTheSameWeights) {
     weights[run] = ReadWeights(*fake_, job_, kJobId);
   }
   EXPECT_NE(weights[0], initial_);
-  for (int run = 1; run < 3; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
+  for (int run = 1; run < 4; ++run) EXPECT_EQ(weights[0], weights[run]) << "run " << run;
 }
 
 // A variable cut into several slices per ps (each ps holds five of
