@@ -94,13 +94,14 @@ ABSL_FLAG(bool, push_during_backward, true,
           "after the step.");
 
 ABSL_FLAG(int64_t, min_push_run_bytes, int64_t{256} << 10,
-          "A CPU worker pushing during the backward pass (see --push_during_backward): the "
-          "smallest run of gradients sent as a message of its own. A variable's gradient smaller "
-          "than this waits for the next ones its layer-by-layer backward pass completes for the "
-          "same ps and leaves with them, so that biases and small layers do not each cost a "
-          "message (every message wakes a few threads on the worker and the ps, which costs "
-          "most where the cores are all busy). 0: each variable's gradient leaves alone, as "
-          "soon as it is final. GPU workers push the buckets their copies to the host make.");
+          "A CPU worker pushing during the backward pass (see --push_during_backward) sends each "
+          "lane's gradients in runs: a run takes in the lane's next variables, in the order the "
+          "backward pass completes them, until it holds at least this many bytes (counted as "
+          "fp32), and leaves once its last variable is final. So biases and small layers do not "
+          "each cost a message (every message wakes a few threads on the worker and the ps, "
+          "which costs most where the cores are all busy); a lane's last run may be smaller. 0: "
+          "each variable's gradient leaves alone, as soon as it is final. GPU workers push the "
+          "buckets their copies to the host make.");
 ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 

@@ -103,11 +103,12 @@ struct TrainerOptions {
   // push waits for the end of the step.
   bool push_during_backward = true;
   // Pushing during the backward pass on a CPU (whose variables each become
-  // final alone), a run of a lane's slices goes on to the next variable's
-  // while it holds fewer than this many bytes: small gradients (biases,
-  // small layers) travel with the next ones instead of as messages of their
-  // own, each of which costs the worker and the ps a few thread wake-ups.
-  // 0: a run per variable. GPU buckets are runs of their own either way.
+  // final alone), a run of a lane's slices goes on to the lane's next
+  // variable while it holds fewer than this many bytes (counted as fp32):
+  // small gradients (biases, small layers) travel with the next ones instead
+  // of as messages of their own, each of which costs the worker and the ps a
+  // few thread wake-ups. A lane's last run may be smaller. 0: a run per
+  // variable. GPU buckets are runs of their own either way.
   int64_t min_run_bytes = int64_t{256} << 10;
   // A GPU worker uploads pulled weights straight from the shared memory the
   // ps wrote them into (registered with the GPU; 16-bit values widened on
@@ -435,7 +436,8 @@ class Trainer {
     // variables: pushed during the backward pass, the lane waits for these.
     int first_piece = 0, last_piece = -1;
     // Its runs of slices whose gradients become final together (a host
-    // bucket's, or one variable's): where each starts in `slices`, and the
+    // bucket's; on a CPU one variable's, or consecutive variables' up to
+    // TrainerOptions::min_run_bytes): where each starts in `slices`, and the
     // first and last backward positions of its variables. Pushed during
     // the backward pass, each run leaves once it is final.
     std::vector<size_t> run_starts;
