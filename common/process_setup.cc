@@ -5,14 +5,19 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include <grpc/grpc.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -70,6 +75,47 @@ absl::Status RunOnlyOnIdleCores() {
     return absl::InternalError(absl::StrCat("listing /proc/self/task: ", error.message()));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<KernelThreadWait> ParseKernelThreadWait(absl::string_view text) {
+  if (text == "auto") return KernelThreadWait::kAuto;
+  if (text == "keep") return KernelThreadWait::kKeep;
+  if (text == "passive") return KernelThreadWait::kPassive;
+  return absl::InvalidArgumentError(absl::StrCat("'", text, "' is not one of auto, keep, passive"));
+}
+
+std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, const char* now) {
+  switch (wait) {
+    case KernelThreadWait::kKeep:
+      return "";
+    case KernelThreadWait::kPassive:
+      return "passive";
+    case KernelThreadWait::kAuto:
+      // (After its restart a worker finds its own choice in the environment.)
+      if (now != nullptr && !absl::EqualsIgnoreCase(now, "passive")) return "";
+      return usable_cores >= kPassiveFromCores ? "passive" : "";
+  }
+  return "";
+}
+
+absl::Status RestartWithOmpWaitPolicy(const std::string& policy, char** argv, const char* program) {
+  const char* value = std::getenv("OMP_WAIT_POLICY");
+  if (value != nullptr && absl::EqualsIgnoreCase(value, policy)) return absl::OkStatus();
+  const std::optional<std::string> now =
+      value != nullptr ? std::optional<std::string>(value) : std::nullopt;
+  if (setenv("OMP_WAIT_POLICY", policy.c_str(), /*overwrite=*/1) != 0) {
+    return absl::InternalError(absl::StrCat("setenv OMP_WAIT_POLICY: ", std::strerror(errno)));
+  }
+  execv(program, argv);
+  const int error = errno;
+  // Gone on: its libgomp keeps what it read at load.
+  if (now.has_value()) {
+    setenv("OMP_WAIT_POLICY", now->c_str(), 1);
+  } else {
+    unsetenv("OMP_WAIT_POLICY");
+  }
+  return absl::InternalError(
+      absl::StrCat("could not execute ", program, " again: ", std::strerror(error)));
 }
 
 ResourceUsage ProcessResourceUsage() {

@@ -5,7 +5,11 @@
 
 #include <cstdint>
 
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace psflow {
 
@@ -51,6 +55,35 @@ void SkipMutexDeadlockDetection();
 // thread whose policy could not be set. For a ps sharing cores with busy
 // workers (psflow-ps --sched_idle).
 absl::Status RunOnlyOnIdleCores();
+
+// How a CPU worker's kernel threads (oneDNN's, on libgomp) wait between
+// parallel regions. libgomp's own default spins a while, then sleeps: where
+// the worker's threads fill the host's cores and the exchange (the lanes,
+// the ps on the same host) needs cores between the passes, the spinning
+// threads take them; sleeping at once (OMP_WAIT_POLICY=passive) costs a
+// wake-up per region, which a host of few cores pays dearly
+// (docs/performance.md, the eighteenth session).
+enum class KernelThreadWait {
+  kAuto,     // passive with at least kPassiveFromCores usable cores, unless
+             // OMP_WAIT_POLICY says another policy; else as the environment says
+  kKeep,     // as the environment says (libgomp's default where unset)
+  kPassive,  // OMP_WAIT_POLICY=passive
+};
+inline constexpr int kPassiveFromCores = 8;
+// "auto", "keep" or "passive"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<KernelThreadWait> ParseKernelThreadWait(absl::string_view text);
+// The OMP_WAIT_POLICY the process should run with, given the flag, its
+// usable cores and the variable's value now (null: unset); empty: leave the
+// environment as it is.
+std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, const char* now);
+// libgomp reads OMP_WAIT_POLICY once, as it loads, before main. So this
+// sets it to `policy` and executes `program` (this one by default) with
+// `argv` (null-terminated) in the same process, unless the variable already
+// says `policy` (case aside), in which case it returns OK at once. Returns
+// only then, or with the error of a failed exec (the environment is then as
+// it was, and the process goes on as it is). Call before any thread starts.
+absl::Status RestartWithOmpWaitPolicy(const std::string& policy, char** argv,
+                                      const char* program = "/proc/self/exe");
 
 // What the process used so far, all its threads together: CPU time (user
 // and system) and context switches (voluntary: a thread blocked;

@@ -7,7 +7,10 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include <grpc/grpc.h>
@@ -135,6 +138,63 @@ TEST(ProcessSetupDeathTest, GrpcThreadsLeaveTerminationSignalsToTheWatcher) {
         _exit(1);
       },
       testing::ExitedWithCode(7), "");
+}
+
+TEST(KernelThreadWaitTest, FlagValues) {
+  EXPECT_EQ(*ParseKernelThreadWait("auto"), KernelThreadWait::kAuto);
+  EXPECT_EQ(*ParseKernelThreadWait("keep"), KernelThreadWait::kKeep);
+  EXPECT_EQ(*ParseKernelThreadWait("passive"), KernelThreadWait::kPassive);
+  const absl::StatusOr<KernelThreadWait> bad = ParseKernelThreadWait("active");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(), "'active' is not one of auto, keep, passive");
+}
+
+// auto: passive from kPassiveFromCores usable cores on, unless the
+// environment says another policy; keep never changes it; passive always.
+TEST(KernelThreadWaitTest, WhichPolicyEachChoiceWants) {
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, kPassiveFromCores, nullptr), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 64, nullptr), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, kPassiveFromCores - 1, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 2, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 64, "active"), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 64, "PASSIVE"), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 2, "passive"), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kKeep, 64, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kPassive, 2, nullptr), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kPassive, 2, "active"), "passive");
+}
+
+// Asks for passive waits and executes a shell that writes what
+// OMP_WAIT_POLICY held as it started, and its parent's process id, to `report`.
+void RestartAShellWithPassiveWaits(const std::string& report) {
+  unsetenv("OMP_WAIT_POLICY");
+  std::string sh = "sh", c = "-c";
+  std::string script = "printf '%s %s' \"$OMP_WAIT_POLICY\" \"$PPID\" > " + report;
+  char* argv[] = {sh.data(), c.data(), script.data(), nullptr};
+  const absl::Status s = RestartWithOmpWaitPolicy("passive", argv, "/bin/sh");
+  _exit(s.ok() ? 3 : 4);  // returned: not executed again
+}
+
+// A child process asks for passive waits: the program (here a shell, in
+// the roles /proc/self/exe) runs in its place, the same process, with
+// OMP_WAIT_POLICY=passive in the environment it starts with. Asked for what
+// the environment holds already (in any case), nothing is executed again.
+TEST(KernelThreadWaitDeathTest, RestartSetsThePolicyBeforeTheProgramLoads) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string report = ::testing::TempDir() + "/psflow_omp_report";
+  std::remove(report.c_str());
+  EXPECT_EXIT(RestartAShellWithPassiveWaits(report), testing::ExitedWithCode(0), "");
+  std::ifstream in(report);
+  std::string policy;
+  pid_t parent = 0;
+  in >> policy >> parent;
+  EXPECT_EQ(policy, "passive");
+  EXPECT_EQ(parent, getpid()) << "the shell is the child itself";
+
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  char* none[] = {nullptr};
+  EXPECT_TRUE(RestartWithOmpWaitPolicy("passive", none, "/bin/false").ok());
+  unsetenv("OMP_WAIT_POLICY");
 }
 
 }  // namespace

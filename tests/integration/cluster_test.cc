@@ -612,6 +612,22 @@ TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
   EXPECT_THAT(r.output, HasSubstr("--worker_args: 'ps_lanes=4' is not a flag")) << r.description;
 }
 
+// A CPU worker asked for passive kernel-thread waits runs again with
+// OMP_WAIT_POLICY=passive before it starts anything, says so, and trains.
+TEST(ClusterCliTest, WorkersSetTheirKernelThreadsWaitBeforeTheyStart) {
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=2", "--worker_args=--kernel_threads_wait=passive", "--",
+                  "--model=mlp", "--dataset=synthetic", "--train_steps=20",
+                  "--model_dir=" + ::testing::TempDir() + "/psflow_kernel_threads_wait"});
+  EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+  for (const char* worker : {"[worker0]", "[worker1]"}) {
+    EXPECT_THAT(launch.output(),
+                ::testing::ContainsRegex(absl::StrCat(
+                    "\\", worker, ".*kernel threads wait with OMP_WAIT_POLICY=passive")))
+        << launch.Describe();
+  }
+}
+
 // --ps_args reach every ps (each logs the apply threads it was given), and
 // an argument that is no flag is refused before anything starts.
 TEST(ClusterCliTest, LaunchPassesPsArgsToThePs) {
@@ -760,6 +776,13 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
         "--min_push_run_bytes=-1"},
        {},
        "--min_push_run_bytes must not be negative, got -1"},
+      {"unknown --kernel_threads_wait",
+       "psflow-worker",
+       {"--job_name=worker", "--task_id=0", "--chief_hosts=" + ports.chief(),
+        "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0),
+        "--kernel_threads_wait=spin"},
+       {},
+       "--kernel_threads_wait: 'spin' is not one of auto, keep, passive"},
       {"--metrics_port out of range",
        "psflow-ps",
        {"--job_name=ps", "--task_id=0", "--chief_hosts=" + ports.chief(),
@@ -826,9 +849,10 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                              "eval_final_timeout"})},
       {"psflow-ps", role({"apply_threads", "max_streams_per_peer", "max_streams", "shared_memory",
                           "apply_in_place", "wire_copies"})},
-      {"psflow-worker", role({"device", "startup_timeout", "ps_lanes", "push_during_backward",
-                              "min_push_run_bytes", "shared_memory", "upload_from_shared_memory",
-                              "narrow_on_gpu", "gradients_to_shared_memory"})},
+      {"psflow-worker",
+       role({"device", "startup_timeout", "ps_lanes", "push_during_backward", "min_push_run_bytes",
+             "shared_memory", "upload_from_shared_memory", "narrow_on_gpu",
+             "gradients_to_shared_memory", "kernel_threads_wait"})},
       {"psflow-evaluator", role({"device", "eval_data_dir", "batch_size", "eval_memory_limit",
                                  "compute_threads", "synthetic_examples", "startup_timeout"})},
       {"psflow-launch",
