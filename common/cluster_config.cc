@@ -564,4 +564,19 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
   return config;
 }
 
+bool PsOnThisHost(const ClusterConfig& config) {
+  std::string self_host;
+  int port = 0;
+  if (!ParseHostPort(config.self_address, &self_host, &port).ok()) self_host.clear();
+  for (const std::string& address : config.cluster.ps) {
+    std::string host;
+    if (!ParseHostPort(address, &host, &port).ok()) continue;
+    if (host == "localhost" || absl::StartsWith(host, "127.") || host == "::1" ||
+        (!self_host.empty() && host == self_host)) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace psflow

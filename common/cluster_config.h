@@ -107,6 +107,11 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
 // Splits "host:port" and validates the port (1..65535).
 absl::Status ParseHostPort(const std::string& address, std::string* host, int* port);
 
+// Whether a ps of the cluster listens on this process's host, as far as the
+// addresses tell: a loopback host (localhost, 127.x.x.x, ::1) or the host
+// of self_address.
+bool PsOnThisHost(const ClusterConfig& config);
+
 }  // namespace psflow
 
 #endif  // PSFLOW_COMMON_CLUSTER_CONFIG_H_

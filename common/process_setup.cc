@@ -84,7 +84,8 @@ absl::StatusOr<KernelThreadWait> ParseKernelThreadWait(absl::string_view text) {
   return absl::InvalidArgumentError(absl::StrCat("'", text, "' is not one of auto, keep, passive"));
 }
 
-std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, const char* now) {
+std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, bool ps_on_host,
+                                const char* now) {
   switch (wait) {
     case KernelThreadWait::kKeep:
       return "";
@@ -93,7 +94,7 @@ std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, const c
     case KernelThreadWait::kAuto:
       // (After its restart a worker finds its own choice in the environment.)
       if (now != nullptr && !absl::EqualsIgnoreCase(now, "passive")) return "";
-      return usable_cores >= kPassiveFromCores ? "passive" : "";
+      return usable_cores >= kPassiveFromCores && ps_on_host ? "passive" : "";
   }
   return "";
 }

@@ -64,8 +64,9 @@ absl::Status RunOnlyOnIdleCores();
 // wake-up per region, which a host of few cores pays dearly
 // (docs/performance.md, the eighteenth session).
 enum class KernelThreadWait {
-  kAuto,     // passive with at least kPassiveFromCores usable cores, unless
-             // OMP_WAIT_POLICY says another policy; else as the environment says
+  kAuto,     // passive with at least kPassiveFromCores usable cores and a ps
+             // on the same host, unless OMP_WAIT_POLICY says another policy;
+             // else as the environment says
   kKeep,     // as the environment says (libgomp's default where unset)
   kPassive,  // OMP_WAIT_POLICY=passive
 };
@@ -73,9 +74,10 @@ inline constexpr int kPassiveFromCores = 8;
 // "auto", "keep" or "passive"; INVALID_ARGUMENT otherwise.
 absl::StatusOr<KernelThreadWait> ParseKernelThreadWait(absl::string_view text);
 // The OMP_WAIT_POLICY the process should run with, given the flag, its
-// usable cores and the variable's value now (null: unset); empty: leave the
-// environment as it is.
-std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, const char* now);
+// usable cores, whether a ps shares its host and the variable's value now
+// (null: unset); empty: leave the environment as it is.
+std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, bool ps_on_host,
+                                const char* now);
 // libgomp reads OMP_WAIT_POLICY once, as it loads, before main. So this
 // sets it to `policy` and executes `program` (this one by default) with
 // `argv` (null-terminated) in the same process, unless the variable already

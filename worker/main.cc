@@ -3,6 +3,8 @@
 // (ps and workers only), worker 0 also runs the chief's duties in-process
 // (chief/role.h), with the chief's flags, and serves the chief's RPCs on its
 // own port; the other workers call it there.
+#include <sys/prctl.h>
+
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -102,17 +104,20 @@ ABSL_FLAG(int64_t, min_push_run_bytes, int64_t{256} << 10,
           "which costs most where the cores are all busy); a lane's last run may be smaller. 0: "
           "each variable's gradient leaves alone, as soon as it is final. GPU workers push the "
           "buckets their copies to the host make.");
-ABSL_FLAG(std::string, kernel_threads_wait, "auto",
-          "A CPU worker: how its kernel threads (oneDNN's, on libgomp's OpenMP) wait between "
-          "parallel regions. passive: they sleep at once (OMP_WAIT_POLICY=passive), which "
-          "leaves the cores to the exchange between the passes (the lanes, and ps on the same "
-          "host) but costs a wake-up per region. keep: as the environment says (libgomp's "
-          "default, where OMP_WAIT_POLICY is unset, spins a while before sleeping). auto: "
-          "passive where the worker may use at least 8 cores (its affinity mask and cgroup CPU "
-          "quota) and OMP_WAIT_POLICY is unset, else keep. Measured: CPU jobs of 1-2 workers and "
-          "1-2 ps on one 16-core host trained 7-23 % faster passive; a 2-thread worker on 2 cores "
-          "25 % slower. libgomp reads the policy as it loads, so a worker that changes it executes "
-          "itself again at once (the same process). GPU workers ignore it.");
+ABSL_FLAG(
+    std::string, kernel_threads_wait, "auto",
+    "A CPU worker: how its kernel threads (oneDNN's, on libgomp's OpenMP) wait between "
+    "parallel regions. passive: they sleep at once (OMP_WAIT_POLICY=passive), which "
+    "leaves the cores to the exchange between the passes (the lanes, and ps on the same "
+    "host) but costs a wake-up per region. keep: as the environment says (libgomp's "
+    "default, where OMP_WAIT_POLICY is unset, spins a while before sleeping). auto: "
+    "passive where the worker may use at least 8 cores (its affinity mask and cgroup CPU "
+    "quota) and a ps listens on its host (a loopback address, or its own address's host), "
+    "unless OMP_WAIT_POLICY names another policy; else keep. Measured: CPU jobs of 1-2 workers and "
+    "1-2 ps on one 16-core host trained 7-23 % faster passive; a 2-thread worker on 2 cores "
+    "25 % slower, and a worker training alone on 16 cores 25 % slower. libgomp reads the policy as "
+    "it loads, so a worker that changes it executes "
+    "itself again at once (the same process). GPU workers ignore it.");
 ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
@@ -138,24 +143,30 @@ int main(int argc, char** argv) {
       "                --worker_hosts=h2:2222,h3:2222 --model=cnn --epochs=5 --model_dir=/tmp/run\n"
       "Exit codes: 0 done, 1 permanent error, 138 chief or ps unreachable, 140 other failure\n"
       "worth a retry, 128+n after signal n.");
-  // Before anything else starts: a new wait policy for the kernel threads
-  // takes executing this program again.
+  // Executed again below (for a kernel-thread wait policy), Linux would name
+  // the process after /proc/self/exe: keep the name ps and top show.
+  prctl(PR_SET_NAME, "psflow-worker");
+  absl::StatusOr<psflow::KernelThreadWait> kernel_threads_wait =
+      psflow::ParseKernelThreadWait(absl::GetFlag(FLAGS_kernel_threads_wait));
+  if (!kernel_threads_wait.ok()) {
+    std::fprintf(stderr, "psflow-worker: --kernel_threads_wait: %s\n",
+                 std::string(kernel_threads_wait.status().message()).c_str());
+    return 1;
+  }
+  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kWorker);
+  // Before anything else starts (the cluster above only read the flags and
+  // the environment): a new wait policy for the kernel threads takes
+  // executing this program again.
   std::string kernel_threads_note;
   bool kernel_threads_failed = false;
   if (!absl::StartsWith(absl::GetFlag(FLAGS_device), "cuda")) {
-    absl::StatusOr<psflow::KernelThreadWait> wait =
-        psflow::ParseKernelThreadWait(absl::GetFlag(FLAGS_kernel_threads_wait));
-    if (!wait.ok()) {
-      std::fprintf(stderr, "psflow-worker: --kernel_threads_wait: %s\n",
-                   std::string(wait.status().message()).c_str());
-      return 1;
-    }
     const int cores = psflow::UsableCores();
-    const std::string policy =
-        psflow::WantedOmpWaitPolicy(*wait, cores, std::getenv("OMP_WAIT_POLICY"));
-    const std::string flag =
-        absl::StrCat("--kernel_threads_wait=", absl::GetFlag(FLAGS_kernel_threads_wait), ", ",
-                     cores, " usable cores");
+    const bool ps_here = psflow::PsOnThisHost(config);
+    const std::string policy = psflow::WantedOmpWaitPolicy(*kernel_threads_wait, cores, ps_here,
+                                                           std::getenv("OMP_WAIT_POLICY"));
+    const std::string flag = absl::StrCat(
+        "--kernel_threads_wait=", absl::GetFlag(FLAGS_kernel_threads_wait), ", ", cores,
+        " usable cores, ", ps_here ? "a ps on this host" : "no ps on this host");
     // Returns once the environment holds the policy (after the exec), or
     // with the exec's error.
     const absl::Status s =
@@ -172,7 +183,6 @@ int main(int argc, char** argv) {
           absl::StrCat("kernel threads wait as libgomp's default, spinning a while (", flag, ")");
     }
   }
-  psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kWorker);
   const absl::Duration startup_timeout = psflow::chief::StartupTimeoutFromFlags();
   if (startup_timeout <= absl::ZeroDuration()) {
     std::fprintf(stderr, "psflow-worker: --startup_timeout must be positive\n");

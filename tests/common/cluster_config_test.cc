@@ -689,5 +689,24 @@ TEST(ErrorsTest, NewlinesInInputStayOut) {
   ExpectError(ResolveClusterConfig(flags, {}, Role::kWorker), "--ps_hosts: entry 1");
 }
 
+// A ps shares the host where its address is a loopback one or names the
+// host of the process's own address.
+TEST(PsOnThisHostTest, LoopbackOrTheProcesssOwnHost) {
+  ClusterConfig c;
+  c.self_address = "node-a:2222";
+  c.cluster.ps = {"job-ps-0:2222", "job-ps-1:2222"};
+  EXPECT_FALSE(PsOnThisHost(c));
+  c.cluster.ps = {"job-ps-0:2222", "node-a:2223"};
+  EXPECT_TRUE(PsOnThisHost(c));
+  for (const char* ps : {"127.0.0.1:40000", "localhost:2222", "[::1]:2222", "127.0.1.1:9"}) {
+    c.cluster.ps = {ps};
+    EXPECT_TRUE(PsOnThisHost(c)) << ps;
+  }
+  c.cluster.ps = {};
+  EXPECT_FALSE(PsOnThisHost(c)) << "no ps (all-reduce)";
+  c.cluster.ps = {"not an address"};
+  EXPECT_FALSE(PsOnThisHost(c));
+}
+
 }  // namespace
 }  // namespace psflow

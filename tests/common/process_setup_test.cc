@@ -16,6 +16,7 @@
 #include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -149,19 +150,22 @@ TEST(KernelThreadWaitTest, FlagValues) {
   EXPECT_EQ(bad.status().message(), "'active' is not one of auto, keep, passive");
 }
 
-// auto: passive from kPassiveFromCores usable cores on, unless the
-// environment says another policy; keep never changes it; passive always.
+// auto: passive from kPassiveFromCores usable cores on where a ps shares
+// the host, unless the environment says another policy; keep never changes
+// it; passive always.
 TEST(KernelThreadWaitTest, WhichPolicyEachChoiceWants) {
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, kPassiveFromCores, nullptr), "passive");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 64, nullptr), "passive");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, kPassiveFromCores - 1, nullptr), "");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 2, nullptr), "");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 64, "active"), "");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 64, "PASSIVE"), "passive");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kAuto, 2, "passive"), "");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kKeep, 64, nullptr), "");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kPassive, 2, nullptr), "passive");
-  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kPassive, 2, "active"), "passive");
+  const KernelThreadWait kAuto = KernelThreadWait::kAuto;
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, kPassiveFromCores, true, nullptr), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, 64, true, nullptr), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, 64, false, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, kPassiveFromCores - 1, true, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, 2, true, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, 64, true, "active"), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, 64, true, "PASSIVE"), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(kAuto, 2, true, "passive"), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kKeep, 64, true, nullptr), "");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kPassive, 2, false, nullptr), "passive");
+  EXPECT_EQ(WantedOmpWaitPolicy(KernelThreadWait::kPassive, 2, false, "active"), "passive");
 }
 
 // Asks for passive waits and executes a shell that writes what
@@ -169,7 +173,7 @@ TEST(KernelThreadWaitTest, WhichPolicyEachChoiceWants) {
 void RestartAShellWithPassiveWaits(const std::string& report) {
   unsetenv("OMP_WAIT_POLICY");
   std::string sh = "sh", c = "-c";
-  std::string script = "printf '%s %s' \"$OMP_WAIT_POLICY\" \"$PPID\" > " + report;
+  std::string script = "printf '%s %s' \"$OMP_WAIT_POLICY\" \"$PPID\" > '" + report + "'";
   char* argv[] = {sh.data(), c.data(), script.data(), nullptr};
   const absl::Status s = RestartWithOmpWaitPolicy("passive", argv, "/bin/sh");
   _exit(s.ok() ? 3 : 4);  // returned: not executed again
@@ -191,9 +195,17 @@ TEST(KernelThreadWaitDeathTest, RestartSetsThePolicyBeforeTheProgramLoads) {
   EXPECT_EQ(policy, "passive");
   EXPECT_EQ(parent, getpid()) << "the shell is the child itself";
 
+  // (A program that is not there: were it executed, the error says so.)
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
   char* none[] = {nullptr};
-  EXPECT_TRUE(RestartWithOmpWaitPolicy("passive", none, "/bin/false").ok());
+  EXPECT_TRUE(RestartWithOmpWaitPolicy("passive", none, "/nonexistent/psflow").ok());
+  // An exec that fails leaves the environment as it was.
+  setenv("OMP_WAIT_POLICY", "active", 1);
+  const absl::Status failed = RestartWithOmpWaitPolicy("passive", none, "/nonexistent/psflow");
+  EXPECT_FALSE(failed.ok());
+  EXPECT_TRUE(absl::StrContains(failed.message(), "could not execute /nonexistent/psflow"))
+      << failed;
+  EXPECT_STREQ(std::getenv("OMP_WAIT_POLICY"), "active");
   unsetenv("OMP_WAIT_POLICY");
 }
 
