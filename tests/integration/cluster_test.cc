@@ -700,14 +700,15 @@ TEST(ClusterCliTest, SecondProcessOnABusyPortExitsOne) {
 TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
   Ports ports;
   ASSERT_THAT(ports.p, SizeIs(6));
-  const std::vector<std::string> chief_flags = {
-      "--job_name=chief", "--task_id=0", "--chief_hosts=" + ports.chief(),
-      "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0)};
-  auto chief = [&](std::vector<std::string> extra) {
-    std::vector<std::string> args = chief_flags;
+  // Task 0 of `job` in a cluster of one chief, ps and worker, and `extra`.
+  auto task0 = [&](const std::string& job, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--job_name=" + job, "--task_id=0",
+                                     "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0),
+                                     "--worker_hosts=" + ports.worker(0)};
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
+  auto chief = [&](std::vector<std::string> extra) { return task0("chief", std::move(extra)); };
   const std::string model_dir = ::testing::TempDir() + "/psflow_bad_config_never_created";
   std::filesystem::remove_all(model_dir);  // left by an earlier failing run
   const std::vector<BadCase> cases = {
@@ -773,22 +774,17 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
        "--wire_dtype 'int8' is not one of fp32, bf16, fp16"},
       {"negative --min_push_run_bytes",
        "psflow-worker",
-       {"--job_name=worker", "--task_id=0", "--chief_hosts=" + ports.chief(),
-        "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0),
-        "--min_push_run_bytes=-1"},
+       task0("worker", {"--min_push_run_bytes=-1"}),
        {},
        "--min_push_run_bytes must not be negative, got -1"},
       {"unknown --kernel_threads_wait",
        "psflow-worker",
-       {"--job_name=worker", "--task_id=0", "--chief_hosts=" + ports.chief(),
-        "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0),
-        "--kernel_threads_wait=spin"},
+       task0("worker", {"--kernel_threads_wait=spin"}),
        {},
        "--kernel_threads_wait: 'spin' is not one of auto, keep, passive"},
       {"--metrics_port out of range",
        "psflow-ps",
-       {"--job_name=ps", "--task_id=0", "--chief_hosts=" + ports.chief(),
-        "--ps_hosts=" + ports.ps(0), "--worker_hosts=" + ports.worker(0), "--metrics_port=70000"},
+       task0("ps", {"--metrics_port=70000"}),
        {},
        "--metrics_port must be in [0, 65535], not 70000",
        false},
