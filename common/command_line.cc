@@ -189,6 +189,21 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const std::string& us
   return absl::ParseCommandLine(argc, argv);
 }
 
+std::vector<std::string> CommandLineOfFlagsNow(absl::string_view program) {
+  std::vector<std::string> args = {std::string(program)};
+  std::map<absl::string_view, const absl::CommandLineFlag*> sorted;
+  for (const auto& [name, flag] : absl::GetAllFlags()) sorted.emplace(name, flag);
+  for (const auto& [name, flag] : sorted) {
+    if (flag->IsRetired() || name == "flagfile" || name == "fromenv" || name == "tryfromenv" ||
+        name == "undefok") {
+      continue;
+    }
+    const std::string value = flag->CurrentValue();
+    if (value != flag->DefaultValue()) args.push_back(absl::StrCat("--", name, "=", value));
+  }
+  return args;
+}
+
 int FailWith(absl::string_view message) {
   std::fprintf(stderr, "%.*s\n", static_cast<int>(message.size()), message.data());
   return 1;

@@ -35,6 +35,15 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const std::string& us
 std::string FlagsHelp(absl::string_view program, absl::string_view usage,
                       absl::FunctionRef<bool(const absl::CommandLineFlag&)> include);
 
+// The command line that gives this program's flags the values they hold
+// now: `program`, then --name=value for each flag whose value differs from
+// its default, sorted by name. The flags that read other sources
+// (--flagfile, --fromenv, --tryfromenv) and --undefok are left out: what
+// they read is in the values already. For a process that executes itself
+// again: its original arguments may name a flag file it cannot read the
+// same way twice (a pipe, /dev/stdin, a file changed or removed since).
+std::vector<std::string> CommandLineOfFlagsNow(absl::string_view program);
+
 // For the mains of tools: writes `message` (or the status's message) as one
 // line on stderr and returns exit code 1.
 int FailWith(absl::string_view message);

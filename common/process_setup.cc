@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <grpc/grpc.h>
 
@@ -99,7 +100,8 @@ std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, bool ps
   return "";
 }
 
-absl::Status RestartWithOmpWaitPolicy(const std::string& policy, char** argv, const char* program) {
+absl::Status RestartWithOmpWaitPolicy(const std::string& policy,
+                                      const std::vector<std::string>& args, const char* program) {
   const char* value = std::getenv("OMP_WAIT_POLICY");
   if (value != nullptr && absl::EqualsIgnoreCase(value, policy)) return absl::OkStatus();
   const std::optional<std::string> now =
@@ -107,7 +109,11 @@ absl::Status RestartWithOmpWaitPolicy(const std::string& policy, char** argv, co
   if (setenv("OMP_WAIT_POLICY", policy.c_str(), /*overwrite=*/1) != 0) {
     return absl::InternalError(absl::StrCat("setenv OMP_WAIT_POLICY: ", std::strerror(errno)));
   }
-  execv(program, argv);
+  std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  execv(program, argv.data());
   const int error = errno;
   // Gone on: its libgomp keeps what it read at load.
   if (now.has_value()) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -79,12 +80,15 @@ absl::StatusOr<KernelThreadWait> ParseKernelThreadWait(absl::string_view text);
 std::string WantedOmpWaitPolicy(KernelThreadWait wait, int usable_cores, bool ps_on_host,
                                 const char* now);
 // libgomp reads OMP_WAIT_POLICY once, as it loads, before main. So this
-// sets it to `policy` and executes `program` (this one by default) with
-// `argv` (null-terminated) in the same process, unless the variable already
-// says `policy` (case aside), in which case it returns OK at once. Returns
-// only then, or with the error of a failed exec (the environment is then as
-// it was, and the process goes on as it is). Call before any thread starts.
-absl::Status RestartWithOmpWaitPolicy(const std::string& policy, char** argv,
+// sets it to `policy` and executes `program` (this one by default) with the
+// arguments `args` (argv[0] first; a role passes CommandLineOfFlagsNow, in
+// common/command_line.h, so that flags read from a pipe are not lost) in
+// the same process, unless the variable already says `policy` (case
+// aside), in which case it returns OK at once. Returns only then, or with
+// the error of a failed exec (the environment is then as it was, and the
+// process goes on as it is). Call before any thread starts.
+absl::Status RestartWithOmpWaitPolicy(const std::string& policy,
+                                      const std::vector<std::string>& args,
                                       const char* program = "/proc/self/exe");
 
 // What the process used so far, all its threads together: CPU time (user

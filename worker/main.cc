@@ -29,6 +29,7 @@
 #include "chief/grpc_client.h"
 #include "chief/role.h"
 #include "common/cluster_flags.h"
+#include "common/command_line.h"
 #include "common/cpu_count.h"
 #include "common/exit_codes.h"
 #include "common/grpc_util.h"
@@ -168,9 +169,11 @@ int main(int argc, char** argv) {
         "--kernel_threads_wait=", absl::GetFlag(FLAGS_kernel_threads_wait), ", ", cores,
         " usable cores, ", ps_here ? "a ps on this host" : "no ps on this host");
     // Returns once the environment holds the policy (after the exec), or
-    // with the exec's error.
-    const absl::Status s =
-        policy.empty() ? absl::OkStatus() : psflow::RestartWithOmpWaitPolicy(policy, argv);
+    // with the exec's error. The restarted worker gets its flags' values
+    // rather than its arguments: a --flagfile read from a pipe is used up.
+    const absl::Status s = policy.empty() ? absl::OkStatus()
+                                          : psflow::RestartWithOmpWaitPolicy(
+                                                policy, psflow::CommandLineOfFlagsNow(argv[0]));
     const char* now = std::getenv("OMP_WAIT_POLICY");
     if (!s.ok()) {
       kernel_threads_failed = true;

@@ -2,11 +2,15 @@
 // file defines.
 #include "common/command_line.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -89,6 +93,35 @@ TEST(ParseCommandLineDeathTest, UnknownFlagOrBadValueExitsOne) {
               "Unknown command line flag 'bogus'");
   EXPECT_EXIT(Parse({"prog", "--cl_test_count=abc"}), ::testing::ExitedWithCode(1),
               "Illegal value 'abc' specified for flag 'cl_test_count'");
+}
+
+// Parses a flag file, removes it, and checks the command line of the
+// flags' values now: each flag away from its default, by name, as it is
+// (spaces and commas included); one set to its default, and absl's flags
+// that read files or the environment, left out. Exits 0 when it holds.
+void ParseAFlagFileThenRemoveIt(const std::string& path) {
+  {
+    std::ofstream out(path);
+    out << "--cl_test_switch\n--cl_test_name=a b,c\n--cl_test_count=3\n";
+  }
+  std::vector<std::string> args = {"prog", "--flagfile=" + path, "--undefok=nothing"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ParseCommandLine(static_cast<int>(argv.size()), argv.data(), "usage", {"command_line_test.cc"});
+  std::remove(path.c_str());
+  const std::vector<std::string> now = CommandLineOfFlagsNow("/bin/prog");
+  const std::vector<std::string> want = {"/bin/prog", "--cl_test_name=a b,c",
+                                         "--cl_test_switch=true"};
+  if (now != want) {
+    std::fprintf(stderr, "got: %s\n", absl::StrJoin(now, " | ").c_str());
+    std::exit(1);
+  }
+  std::exit(0);
+}
+
+TEST(ParseCommandLineDeathTest, CommandLineOfFlagsNowNeedsNoFlagFile) {
+  const std::string path = ::testing::TempDir() + "/psflow_command_line_flags";
+  EXPECT_EXIT(ParseAFlagFileThenRemoveIt(path), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

@@ -172,10 +172,8 @@ TEST(KernelThreadWaitTest, WhichPolicyEachChoiceWants) {
 // OMP_WAIT_POLICY held as it started, and its parent's process id, to `report`.
 void RestartAShellWithPassiveWaits(const std::string& report) {
   unsetenv("OMP_WAIT_POLICY");
-  std::string sh = "sh", c = "-c";
-  std::string script = "printf '%s %s' \"$OMP_WAIT_POLICY\" \"$PPID\" > '" + report + "'";
-  char* argv[] = {sh.data(), c.data(), script.data(), nullptr};
-  const absl::Status s = RestartWithOmpWaitPolicy("passive", argv, "/bin/sh");
+  const std::string script = "printf '%s %s' \"$OMP_WAIT_POLICY\" \"$PPID\" > '" + report + "'";
+  const absl::Status s = RestartWithOmpWaitPolicy("passive", {"sh", "-c", script}, "/bin/sh");
   _exit(s.ok() ? 3 : 4);  // returned: not executed again
 }
 
@@ -197,7 +195,7 @@ TEST(KernelThreadWaitDeathTest, RestartSetsThePolicyBeforeTheProgramLoads) {
 
   // (A program that is not there: were it executed, the error says so.)
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-  char* none[] = {nullptr};
+  const std::vector<std::string> none = {"psflow"};
   EXPECT_TRUE(RestartWithOmpWaitPolicy("passive", none, "/nonexistent/psflow").ok());
   // An exec that fails leaves the environment as it was.
   setenv("OMP_WAIT_POLICY", "active", 1);

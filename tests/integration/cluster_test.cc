@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "chief/checkpoint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -628,6 +630,32 @@ TEST(ClusterCliTest, WorkersSetTheirKernelThreadsWaitBeforeTheyStart) {
                     "\\", worker, "[^\n]*kernel threads wait with OMP_WAIT_POLICY=passive")))
         << launch.Describe();
   }
+}
+
+// A worker that reads its flags from a pipe (--flagfile=/dev/stdin) and
+// executes itself again for its kernel threads' wait policy keeps those
+// flags: the pipe is used up by then, so the restarted worker gets their
+// values instead. No chief answers here: it logs its task and policy, then
+// gives up after its startup timeout with code 138 (without its flags it
+// would exit 1, naming no cluster).
+TEST(ClusterCliTest, AWorkerRestartedForItsWaitPolicyKeepsFlagsReadFromAPipe) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  const std::string flags = absl::StrJoin(
+      std::vector<std::string>{"--job_name=worker", "--task_id=1", "--chief_hosts=" + ports.chief(),
+                               "--ps_hosts=" + ports.ps(0),
+                               "--worker_hosts=" + ports.worker(0) + "," + ports.worker(1),
+                               "--kernel_threads_wait=passive", "--startup_timeout=2"},
+      " ");
+  RunResult r = RunProcess("/bin/sh",
+                           {"-c", absl::StrCat("printf '%s\\n' ", flags, " | exec '",
+                                               Bin("psflow-worker"), "' --flagfile=/dev/stdin")},
+                           {}, seconds(60));
+  EXPECT_EQ(r.exit_code, 138) << r.description;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex(
+                            "worker1\\][^\n]*kernel threads wait with OMP_WAIT_POLICY=passive"))
+      << r.description;
+  EXPECT_THAT(r.output, HasSubstr("chief " + ports.chief() + " unreachable")) << r.description;
 }
 
 // --ps_args reach every ps (each logs the apply threads it was given), and
