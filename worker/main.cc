@@ -115,8 +115,9 @@ ABSL_FLAG(
     "passive where the worker may use at least 8 cores (its affinity mask and cgroup CPU "
     "quota) and a ps listens on its host (a loopback address, or its own address's host), "
     "unless OMP_WAIT_POLICY names another policy; else keep. Measured: CPU jobs of 1-2 workers and "
-    "1-2 ps on one 16-core host trained 7-23 % faster passive; a 2-thread worker on 2 cores "
-    "25 % slower, and a worker training alone on 16 cores 25 % slower. libgomp reads the policy as "
+    "1-2 ps on one 16-core host trained 7-23 % faster passive, held to 8 or 12 of its cores 10-33 "
+    "% faster, to 4 or 6 of them 2-10 % slower; a 2-thread worker on 2 cores 25 % slower, and a "
+    "worker training alone on 16 cores 25 % slower. libgomp reads the policy as "
     "it loads, so a worker that changes it executes "
     "itself again at once (the same process). GPU workers ignore it.");
 ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
