@@ -114,11 +114,15 @@ class Client {
     std::function<absl::Status(int run, bool ok)> checked;
     float below = std::numeric_limits<float>::infinity();
   };
+  // Where run g of `count` tensors in runs from `starts` ends (one past its
+  // last tensor): the next run's start, or `count` for the last run.
+  static size_t RunEnd(const std::vector<size_t>& starts, size_t count, size_t g) {
+    return g + 1 < starts.size() ? starts[g + 1] : count;
+  }
   // Whether run g of `grads` is below `runs.below` throughout (a separate
   // pass over it).
   static bool RunBelow(const std::vector<TensorRef>& grads, const PushRuns& runs, int g) {
-    const size_t end =
-        g + 1 < static_cast<int>(runs.starts.size()) ? runs.starts[g + 1] : grads.size();
+    const size_t end = RunEnd(runs.starts, grads.size(), static_cast<size_t>(g));
     for (size_t i = runs.starts[g]; i < end; ++i) {
       if (!WireValuesBelow(grads[i], 0, NumElements(grads[i].shape), runs.below)) return false;
     }

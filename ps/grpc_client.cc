@@ -484,7 +484,7 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
           break;
         }
       }
-      const size_t end = g + 1 < starts.size() ? starts[g + 1] : grads.size();
+      const size_t end = RunEnd(starts, grads.size(), g);
       // The run is checked before any of it leaves: as it is copied into
       // the region (one message a run there), else in a pass of its own.
       const bool check = runs != nullptr && runs->checked != nullptr;

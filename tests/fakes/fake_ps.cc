@@ -241,8 +241,7 @@ absl::StatusOr<PushResponse> FakePs::DoPushInRuns(const std::atomic<bool>& cance
     absl::Status s = runs.wait(g);
     if (s.ok() && runs.checked) s = runs.checked(g, RunBelow(grads, runs, g));
     if (!s.ok()) return s;
-    const size_t end =
-        g + 1 < static_cast<int>(runs.starts.size()) ? runs.starts[g + 1] : grads.size();
+    const size_t end = RunEnd(runs.starts, grads.size(), static_cast<size_t>(g));
     for (size_t i = runs.starts[g]; i < end; ++i) {
       const int64_t n = NumElements(grads[i].shape);
       read[i].resize(static_cast<size_t>(n * WireBytes(grads[i].dtype)));
