@@ -13,7 +13,9 @@
 # Usage: bench/throughput.sh [build/bin]   (STEPS=400 by default; WORKER_ARGS:
 # more flags for the jobs' workers, e.g. "--push_during_backward=false";
 # PS_ARGS: for their ps, e.g. "--apply_threads=1"; CHIEF_ARGS: more job flags,
-# e.g. "--wire_dtype=bf16")
+# e.g. "--wire_dtype=bf16"; ROUNDS=n: the whole table n times, one after the
+# other, then each job's ratios of every round and their median: on a
+# machine whose load moves, one round's ratio can be a tenth off)
 set -euo pipefail
 bin=${1:-build/bin}
 steps=${STEPS:-400}
@@ -32,6 +34,7 @@ alone() {  # threads -> ex/s
 job_steps=$(( steps + 50 ))  # the first interval (50 steps) is not measured
 
 job() {  # workers ps -> ex/s (from the chief's closing line)
+  rm -rf "${tmp:?}/$1x$2"  # an earlier round's checkpoints would end the job at once
   launch_job "$1x$2" --workers="$1" --ps="$2" --worker_args="${WORKER_ARGS:-}" \
       --ps_args="${PS_ARGS:-}" -- \
       --model=cnn --data_dir="$data_dir" \
@@ -53,27 +56,46 @@ cpu_per_step() {
       END {if (n == 0) printf "-"; else printf "%.1f", 1000 * s / steps / (each ? n : 1)}'
 }
 
-echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"
-alone1=$(alone "$cores")
-alone "$half" > "$tmp/a0" & p0=$!
-alone "$half" > "$tmp/a1" & p1=$!
-wait $p0 $p1
-alone2=$(awk '{s += $1} END {printf "%.1f", s}' "$tmp/a0" "$tmp/a1")
-
+rounds=${ROUNDS:-1}
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, not '$rounds'" >&2; exit 1; }
 fmt='%-34s %10s %8s %15s %13s %10s\n'
-printf "$fmt" "configuration" "ex/s" "ratio" "switches/step" "worker CPU ms" "ps CPU ms"
-# Each of two alone workers' CPU per step: its step's time on its threads
-# (busy throughout).
-printf "$fmt" "1 worker alone (in-process)" "$(printf %.0f "$alone1")" "1.00" "-" "-" "-"
-printf "$fmt" "2 workers alone, concurrently (sum)" "$(printf %.0f "$alone2")" "1.00" "-" \
-  "$(awk -v r="$alone2" -v t="$half" 'BEGIN {printf "%.1f", 1000 * 64 * 2 * t / r}')" "-"
-for w in 1 2; do
-  for p in 1 2; do
-    rate=$(job "$w" "$p")
-    base=$([ "$w" = 1 ] && echo "$alone1" || echo "$alone2")
-    ratio=$(awk -v r="$rate" -v b="$base" 'BEGIN {printf "%.2f", r / b}')
-    printf "$fmt" "$w worker(s), $p ps, synchronous" "$(printf %.0f "$rate")" "$ratio" \
-      "$(switches_per_step "$w" "$p")" "$(cpu_per_step "$w" "$p" worker 1)" \
-      "$(cpu_per_step "$w" "$p" ps 0)"
+
+one_round() {  # round: prints its table; appends "configuration<TAB>ratio" lines to $tmp/ratios
+  local alone1 alone2 p0 p1 w p rate base ratio name
+  alone1=$(alone "$cores")
+  alone "$half" > "$tmp/a0" & p0=$!
+  alone "$half" > "$tmp/a1" & p1=$!
+  wait $p0 $p1
+  alone2=$(awk '{s += $1} END {printf "%.1f", s}' "$tmp/a0" "$tmp/a1")
+  [ "$rounds" = 1 ] || echo "round $1 of $rounds"
+  printf "$fmt" "configuration" "ex/s" "ratio" "switches/step" "worker CPU ms" "ps CPU ms"
+  # Each of two alone workers' CPU per step: its step's time on its threads
+  # (busy throughout).
+  printf "$fmt" "1 worker alone (in-process)" "$(printf %.0f "$alone1")" "1.00" "-" "-" "-"
+  printf "$fmt" "2 workers alone, concurrently (sum)" "$(printf %.0f "$alone2")" "1.00" "-" \
+    "$(awk -v r="$alone2" -v t="$half" 'BEGIN {printf "%.1f", 1000 * 64 * 2 * t / r}')" "-"
+  for w in 1 2; do
+    for p in 1 2; do
+      rate=$(job "$w" "$p")
+      base=$([ "$w" = 1 ] && echo "$alone1" || echo "$alone2")
+      ratio=$(awk -v r="$rate" -v b="$base" 'BEGIN {printf "%.2f", r / b}')
+      name="$w worker(s), $p ps, synchronous"
+      printf "$fmt" "$name" "$(printf %.0f "$rate")" "$ratio" \
+        "$(switches_per_step "$w" "$p")" "$(cpu_per_step "$w" "$p" worker 1)" \
+        "$(cpu_per_step "$w" "$p" ps 0)"
+      printf '%s\t%s\n' "$name" "$ratio" >> "$tmp/ratios"
+    done
   done
-done
+}
+
+echo "cnn, batch 64 per worker, $steps measured steps, $cores cores"
+for r in $(seq "$rounds"); do one_round "$r"; done
+if [ "$rounds" -gt 1 ]; then
+  echo "ratios to the alone workers, round by round, and their median"
+  awk -F '\t' '{if (!($1 in seen)) {seen[$1] = 1; order[++n] = $1}; v[$1] = v[$1] " " $2}
+    END {for (i = 1; i <= n; i++) {
+      k = split(substr(v[order[i]], 2), a, " ")
+      for (x = 1; x <= k; x++) for (y = x + 1; y <= k; y++) if (a[y] < a[x]) {t = a[x]; a[x] = a[y]; a[y] = t}
+      m = k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+      printf "%-34s %s   median %.2f\n", order[i], substr(v[order[i]], 2), m}}' "$tmp/ratios"
+fi
