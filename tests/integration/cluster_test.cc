@@ -632,6 +632,40 @@ TEST(ClusterCliTest, WorkersSetTheirKernelThreadsWaitBeforeTheyStart) {
   }
 }
 
+// The chief's closing line says what a run trained: a job of one logged
+// interval gives no rate (the first interval counts start-up), and the same
+// job run again on its model directory, whose checkpoint holds the last
+// step, trained nothing in that run and gives no loss or accuracy either.
+TEST(ClusterCliTest, TheClosingLineSaysWhatThisRunTrained) {
+  const std::string model_dir = ::testing::TempDir() + "/psflow_closing_line";
+  std::filesystem::remove_all(model_dir);
+  const std::vector<std::string> args = {"--ps=1",
+                                         "--workers=1",
+                                         "--",
+                                         "--model=mlp",
+                                         "--dataset=synthetic",
+                                         "--train_steps=40",
+                                         "--log_every_steps=40",
+                                         "--model_dir=" + model_dir};
+  Process first(Bin("psflow-launch"), args);
+  ASSERT_EQ(first.WaitOrKill(seconds(120)), 0) << first.Describe();
+  EXPECT_THAT(first.output(), HasSubstr("chief] done: 40 steps, 2560 examples in "))
+      << first.Describe();
+  EXPECT_THAT(first.output(), HasSubstr("(too few logged intervals for a rate after the first)"))
+      << first.Describe();
+  EXPECT_THAT(first.output(), Not(HasSubstr("ex/s after the first interval"))) << first.Describe();
+  Process again(Bin("psflow-launch"), args);
+  ASSERT_EQ(again.WaitOrKill(seconds(120)), 0) << again.Describe();
+  EXPECT_THAT(again.output(), HasSubstr("restoring from the checkpoint of step 40"))
+      << again.Describe();
+  EXPECT_THAT(again.output(),
+              HasSubstr("chief] done: 40 steps, all trained before this run (it started at the "
+                        "last step)"))
+      << again.Describe();
+  EXPECT_THAT(again.output(), Not(HasSubstr("final loss"))) << again.Describe();
+  std::filesystem::remove_all(model_dir);
+}
+
 // A worker that reads its flags from a pipe (--flagfile=/dev/stdin) and
 // executes itself again for its kernel threads' wait policy keeps those
 // flags: the pipe is used up by then, so the restarted worker gets their
