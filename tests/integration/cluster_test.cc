@@ -293,6 +293,8 @@ TEST_F(ClusterTest, DivergingJobWithSkipStepFailsAfterTooManySkippedSteps) {
   EXPECT_FALSE(std::filesystem::exists(model_dir + "/saved_model/model.pb")) << launch.Describe();
 }
 
+// SIGTERM to the launcher reaches the chief first, which checkpoints, and
+// then every other process; none outlives the launcher.
 TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   const std::string model_dir = dir_ + "/model";
   Process launch(Bin("psflow-launch"),
@@ -313,7 +315,21 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   EXPECT_LT(took, 15.0) << launch.Describe();
   // The launcher exits with the chief's code: 128 + SIGTERM.
   EXPECT_EQ(code, 128 + SIGTERM) << launch.Describe();
-  EXPECT_THAT(launch.output(), HasSubstr("[launch] got signal 15")) << launch.Describe();
+  // The chief gets the signal first and checkpoints while the ps still
+  // answer; the rest get it once the chief has exited.
+  const std::string out = launch.output();
+  const size_t got = out.find("[launch] got signal 15; forwarding it to chief first");
+  ASSERT_NE(got, std::string::npos) << launch.Describe();
+  EXPECT_THAT(out.substr(got),
+              ::testing::ContainsRegex("chief\\] checkpoint of step [0-9]+ written"))
+      << launch.Describe();
+  EXPECT_THAT(out, Not(HasSubstr("no checkpoint before exiting"))) << launch.Describe();
+  const size_t chief_exit = out.find("[launch] chief exited with code 143");
+  ASSERT_NE(chief_exit, std::string::npos) << launch.Describe();
+  for (const char* name : {"ps0", "ps1", "worker0", "worker1"}) {
+    const size_t exit = out.find(std::string("[launch] ") + name + " exited with code 143");
+    EXPECT_GT(exit, chief_exit) << name << " exited before the chief\n" << launch.Describe();
+  }
   for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
     EXPECT_THAT(launch.output(),
                 HasSubstr(std::string("[launch] ") + name + " exited with code 143"))

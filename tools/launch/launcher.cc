@@ -278,6 +278,21 @@ int RunCluster(const LaunchOptions& o) {
   int restarts = 0;
   absl::Time chief_exit = absl::InfiniteFuture();
   absl::Time terminated_at = absl::InfiniteFuture();
+  // A signal for the cluster goes to the chief (children[0]: the chief, or
+  // worker 0 with its duties) first, which checkpoints before it exits
+  // (within Timeouts::stop_checkpoint, 5 s); the rest get it once the chief
+  // has exited, or after kChiefStopWait, so that the ps still answer the
+  // checkpoint's snapshot. `stop_signal`: the signal they are owed.
+  constexpr absl::Duration kChiefStopWait = absl::Seconds(10);
+  int stop_signal = 0;
+  absl::Time chief_signalled = absl::InfiniteFuture();
+  auto signal_rest = [&] {
+    for (size_t i = 1; i < children.size(); ++i) {
+      if (!children[i].exited) ::kill(children[i].pid, stop_signal);
+    }
+    chief_signalled = absl::InfiniteFuture();
+    if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
+  };
   if (!started) {
     result = 1;
     signal_all(SIGTERM);
@@ -289,6 +304,11 @@ int RunCluster(const LaunchOptions& o) {
     if (&c == &children[0]) {
       if (result < 0) result = c.code;
       chief_exit = absl::Now();
+      if (chief_signalled != absl::InfiniteFuture()) {
+        // Stopped by a signal, its checkpoint written (or given up): now the rest.
+        signal_rest();
+        return;
+      }
       // A chief that failed releases nobody: stop the rest now rather than
       // after the grace period meant for a job that ended well.
       if (c.code != 0 && terminated_at == absl::InfiniteFuture()) {
@@ -324,9 +344,20 @@ int RunCluster(const LaunchOptions& o) {
       signalfd_siginfo info;
       if (::read(sig_fd, &info, sizeof(info)) == sizeof(info)) {
         const int sig = static_cast<int>(info.ssi_signo);
-        Say(absl::StrCat("got signal ", sig, "; forwarding it to the cluster"));
-        signal_all(sig == SIGHUP ? SIGTERM : sig);
-        if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
+        Child& chief = children[0];
+        if (stop_signal == 0 && terminated_at == absl::InfiniteFuture() && !chief.exited) {
+          Say(absl::StrCat("got signal ", sig, "; forwarding it to ", chief.name,
+                           " first (it checkpoints), then to the rest of the cluster"));
+          stop_signal = sig == SIGHUP ? SIGTERM : sig;
+          ::kill(chief.pid, stop_signal);
+          chief_signalled = absl::Now();
+        } else {
+          // A second signal, or one while the cluster stops already: everyone now.
+          Say(absl::StrCat("got signal ", sig, "; forwarding it to the cluster"));
+          signal_all(sig == SIGHUP ? SIGTERM : sig);
+          chief_signalled = absl::InfiniteFuture();
+          if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
+        }
       }
     }
     for (size_t i = 1; i < fds.size(); ++i) {
@@ -350,7 +381,7 @@ int RunCluster(const LaunchOptions& o) {
         c.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         Say(absl::StrCat(c.name, " exited with code ", c.code));
         if (c.code != 0 && o.restart_on_failure && terminated_at == absl::InfiniteFuture() &&
-            restarts < o.max_restarts) {
+            stop_signal == 0 && restarts < o.max_restarts) {
           c.restart_at = absl::Now() + absl::Seconds(1);
           ++restarts;
           continue;
@@ -360,7 +391,7 @@ int RunCluster(const LaunchOptions& o) {
     }
     for (Child& c : children) {
       if (c.restart_at == absl::InfiniteFuture()) continue;
-      if (terminated_at != absl::InfiniteFuture()) {  // stopping: no more restarts
+      if (terminated_at != absl::InfiniteFuture() || stop_signal != 0) {  // stopping: no restarts
         c.restart_at = absl::InfiniteFuture();
         continue;
       }
@@ -384,6 +415,11 @@ int RunCluster(const LaunchOptions& o) {
     }
     if (all_exited && all_closed) break;
     const absl::Time now = absl::Now();
+    if (now - chief_signalled > kChiefStopWait) {
+      Say(absl::StrCat(children[0].name, " still running ", absl::ToInt64Seconds(kChiefStopWait),
+                       " s after the signal; forwarding it to the rest of the cluster"));
+      signal_rest();
+    }
     if (now - chief_exit > absl::Seconds(o.grace_seconds) &&
         terminated_at == absl::InfiniteFuture()) {
       Say("processes still running after the chief exited; terminating them");

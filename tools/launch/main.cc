@@ -81,12 +81,13 @@ int main(int argc, char** argv) {
       "--evaluators evaluators) on this machine. Everything after -- goes to the chief, e.g.\n"
       "  psflow-launch --ps=2 --workers=2 -- --model=cnn --epochs=5 --optimizer=adam \\\n"
       "                --learning_rate=0.001 --model_dir=/tmp/run\n"
-      "Each output line is prefixed with its process ([chief], [ps0], [worker1]). Ctrl-C and "
-      "SIGTERM\n"
-      "are forwarded; no process outlives the launcher. Unless the chief's arguments set\n"
-      "--compute_threads, each worker gets cores / workers threads. Exits with the chief's code,\n"
-      "or with the code of a ps or worker that failed first. With --chief=false there is no\n"
-      "chief: worker 0 runs its duties and takes the arguments after --.");
+      "Each output line is prefixed with its process ([chief], [ps0], [worker1]).\n"
+      "Ctrl-C and SIGTERM are forwarded: to the chief first (worker 0 with --chief=false),\n"
+      "which checkpoints, then, once it has exited or 10 s later, to the rest; a second one\n"
+      "goes to all at once. No process outlives the launcher. Unless the chief's arguments\n"
+      "set --compute_threads, each worker gets cores / workers threads. Exits with the chief's\n"
+      "code, or with the code of a ps or worker that failed first. With --chief=false there is\n"
+      "no chief: worker 0 runs its duties and takes the arguments after --.");
   psflow::launch::LaunchOptions o;
   o.num_ps = absl::GetFlag(FLAGS_ps);
   o.num_workers = absl::GetFlag(FLAGS_workers);
