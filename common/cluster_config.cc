@@ -571,10 +571,7 @@ bool PsOnThisHost(const ClusterConfig& config) {
   for (const std::string& address : config.cluster.ps) {
     std::string host;
     if (!ParseHostPort(address, &host, &port).ok()) continue;
-    if (host == "localhost" || absl::StartsWith(host, "127.") || host == "::1" ||
-        (!self_host.empty() && host == self_host)) {
-      return true;
-    }
+    if (IsLoopbackHost(host) || (!self_host.empty() && host == self_host)) return true;
   }
   return false;
 }
