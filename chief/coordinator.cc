@@ -1009,25 +1009,20 @@ absl::Status Coordinator::Run() {
                                Accuracy(*final_eval_));
       }
     }
+    std::string line = absl::StrFormat("done: %d steps", job_.train_steps());
     if (s.examples == 0) {
       // Restored (or adopted) at the last step: no loss or accuracy to give.
-      PSLOG(INFO) << absl::StrFormat(
-          "done: %d steps, all trained before this run (it started at the last step)%s",
-          job_.train_steps(), eval);
-    } else if (s.examples_per_sec <= 0) {
-      // One logged interval, the first, which counts start-up: no rate.
-      PSLOG(INFO) << absl::StrFormat(
-          "done: %d steps, %d examples in %.1f s (too few logged intervals for a rate after the "
-          "first), final loss %.4f acc %.3f%s",
-          job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed), s.last_loss,
-          s.last_accuracy, eval);
+      line += ", all trained before this run (it started at the last step)";
     } else {
-      PSLOG(INFO) << absl::StrFormat(
-          "done: %d steps, %d examples in %.1f s, %.0f ex/s after the first interval, "
-          "final loss %.4f acc %.3f%s",
-          job_.train_steps(), s.examples, absl::ToDoubleSeconds(s.elapsed), s.examples_per_sec,
-          s.last_loss, s.last_accuracy, eval);
+      absl::StrAppendFormat(&line, ", %d examples in %.1f s", s.examples,
+                            absl::ToDoubleSeconds(s.elapsed));
+      // One logged interval, the first, counts start-up: no rate then.
+      line += s.examples_per_sec > 0
+                  ? absl::StrFormat(", %.0f ex/s after the first interval", s.examples_per_sec)
+                  : " (too few logged intervals for a rate after the first)";
+      absl::StrAppendFormat(&line, ", final loss %.4f acc %.3f", s.last_loss, s.last_accuracy);
     }
+    PSLOG(INFO) << line << eval;
   }
   return status;
 }
