@@ -39,14 +39,6 @@ for setting in "$@"; do
   names+=("$name")
 done
 
-# cpu_per_step LOG ROLE EACH: ms of CPU per step of the job's ROLE processes,
-# each on average (EACH=1) or all together (0)
-cpu_per_step() {
-  sed -n "s/^\[$2[0-9]*\] .* used \([0-9.]*\) s of CPU.*/\1/p" "$1" |
-    awk -v steps="$job_steps" -v each="$3" '{s += $1; n++}
-      END {if (n == 0) printf "-"; else printf "%.1f", 1000 * s / steps / (each ? n : 1)}'
-}
-
 describe_cpu_host
 echo "cnn, batch 64 per worker, $workers worker(s), $ps ps, $steps measured steps, $rounds round(s)"
 fmt='%-6s %-16s %9s %14s %13s %10s  %s\n'
@@ -61,11 +53,9 @@ for r in $(seq "$rounds"); do
       --batch_size=64 --optimizer=adam --learning_rate=0.001 ${CHIEF_ARGS:-}
     log="$tmp/$name.log"
     rate=$(ex_per_s "$log")
-    switches=$(sed -n 's/.*context switches: \([0-9]*\) voluntary, \([0-9]*\) involuntary.*/\1 \2/p' "$log" |
-      awk -v steps="$job_steps" '{s += $1 + $2} END {printf "%.0f", s / steps}')
     read -r step pull compute push wait <<< "$(step_split "$log")"
-    printf "$fmt" "$r" "$name" "$(printf %.0f "${rate:-0}")" "$switches" "$(cpu_per_step "$log" worker 1)" \
-      "$(cpu_per_step "$log" ps 0)" "$step ($pull $compute $push $wait)"
+    printf "$fmt" "$r" "$name" "$(printf %.0f "${rate:-0}")" "$(switches_per_step "$log" "$job_steps")" \
+      "$(cpu_per_step "$log" "$job_steps" worker 1)" "$(cpu_per_step "$log" "$job_steps" ps 0)" "$step ($pull $compute $push $wait)"
     printf '%s %s %s\n' "$r" "$name" "${rate:-0}" >> "$tmp/rates"
   done
 done

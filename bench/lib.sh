@@ -22,6 +22,22 @@ ex_per_s() {
   sed -n 's/.* \([0-9.]*\) ex\/s after the first interval.*/\1/p' "$1"
 }
 
+# switches_per_step LOG STEPS: the context switches of all the job's
+# processes per step (from the lines each logs at exit).
+switches_per_step() {
+  sed -n 's/.*context switches: \([0-9]*\) voluntary, \([0-9]*\) involuntary.*/\1 \2/p' "$1" |
+    awk -v steps="$2" '{s += $1 + $2} END {printf "%.0f", s / steps}'
+}
+
+# cpu_per_step LOG STEPS ROLE EACH: ms of CPU per step of the job's ROLE
+# processes (worker or ps), each on average (EACH=1) or all together (0);
+# "-" if none logged it.
+cpu_per_step() {
+  sed -n "s/^\[$3[0-9]*\] .* used \([0-9.]*\) s of CPU.*/\1/p" "$1" |
+    awk -v steps="$2" -v each="$4" '{s += $1; n++}
+      END {if (n == 0) printf "-"; else printf "%.1f", 1000 * s / steps / (each ? n : 1)}'
+}
+
 # step_split LOG: "step pull compute push wait" (ms) of the last progress line
 # of the process running the chief's duties ("[chief]", or "[worker0]" in a
 # job without a chief); "- - - - -" if the log has none.

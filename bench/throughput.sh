@@ -43,19 +43,6 @@ job() {  # workers ps -> ex/s (from the chief's closing line)
   ex_per_s "$tmp/$1x$2.log"
 }
 
-switches_per_step() {  # workers ps -> context switches per step, all processes of the job
-  sed -n 's/.*context switches: \([0-9]*\) voluntary, \([0-9]*\) involuntary.*/\1 \2/p' \
-    "$tmp/$1x$2.log" | awk -v steps="$job_steps" '{s += $1 + $2} END {printf "%.0f", s / steps}'
-}
-
-# cpu_per_step WORKERS PS ROLE EACH: ms of CPU per step of the job's ROLE
-# processes (worker or ps), each on average (EACH=1) or all together (0)
-cpu_per_step() {
-  sed -n "s/^\[$3[0-9]*\] .* used \([0-9.]*\) s of CPU.*/\1/p" "$tmp/$1x$2.log" |
-    awk -v steps="$job_steps" -v each="$4" '{s += $1; n++}
-      END {if (n == 0) printf "-"; else printf "%.1f", 1000 * s / steps / (each ? n : 1)}'
-}
-
 rounds=${ROUNDS:-1}
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, not '$rounds'" >&2; exit 1; }
 fmt='%-34s %10s %8s %15s %13s %10s\n'
@@ -81,8 +68,9 @@ one_round() {  # round: prints its table; appends "configuration<TAB>ratio" line
       ratio=$(awk -v r="$rate" -v b="$base" 'BEGIN {printf "%.2f", r / b}')
       name="$w worker(s), $p ps, synchronous"
       printf "$fmt" "$name" "$(printf %.0f "$rate")" "$ratio" \
-        "$(switches_per_step "$w" "$p")" "$(cpu_per_step "$w" "$p" worker 1)" \
-        "$(cpu_per_step "$w" "$p" ps 0)"
+        "$(switches_per_step "$tmp/${w}x$p.log" "$job_steps")" \
+        "$(cpu_per_step "$tmp/${w}x$p.log" "$job_steps" worker 1)" \
+        "$(cpu_per_step "$tmp/${w}x$p.log" "$job_steps" ps 0)"
       printf '%s\t%s\n' "$name" "$ratio" >> "$tmp/ratios"
     done
   done
