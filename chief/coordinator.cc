@@ -814,6 +814,7 @@ absl::Status Coordinator::Supervise() {
   if (!s.ok() && !Failed())
     PSLOG(WARNING) << "no checkpoint before exiting: " << s.message() << " ("
                    << absl::StatusCodeToString(s.code()) << ")";
+  if (!Failed()) SayLeaving();
   absl::MutexLock lock(&mu_);
   if (!failure_.ok()) return failure_;
   return group_broken_.ok() ? StoppedBySignal(stop_signal_) : group_broken_;
@@ -872,6 +873,21 @@ absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
     return absl::InternalError(absl::StrCat("cannot write the saved model: ", s.message()));
   PSLOG(INFO) << "saved model (step " << version << ") written to " << dir;
   return absl::OkStatus();
+}
+
+void Coordinator::SayLeaving() {
+  const uint64_t id = job_id();
+  const absl::Time deadline =
+      absl::Now() + std::min(options_.timeouts.control_call, options_.timeouts.stop_release);
+  // Once each (no retries): a ps that is down or gone waits for no one.
+  std::vector<char> told_ps(job_.num_ps(), 0);
+  FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
+    told_ps[p] = ps_->ChiefLeaving(p, id, deadline).ok();
+    return absl::OkStatus();
+  }).IgnoreError();  // the calls report through told_ps
+  const int told = static_cast<int>(std::count(told_ps.begin(), told_ps.end(), 1));
+  PSLOG(INFO) << "told " << told << " of " << job_.num_ps()
+              << " ps that this chief is leaving (a ps stopping too exits now)";
 }
 
 void Coordinator::ReleaseEveryone() {

@@ -198,6 +198,10 @@ class Coordinator {
   void WaitForFinalEval() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckEvaluator(int evaluator) const;
   void ReleaseEveryone();
+  // A chief stopped by a signal, its stop checkpoint written or given up,
+  // tells every ps it is leaving (each once, within stop_release): a ps
+  // stopping with it waited for that checkpoint and exits now.
+  void SayLeaving();
   absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
   // Fails the job for good (it diverged): no more checkpoints, no saved
   // model, FAIL to every worker; Run returns `why`.

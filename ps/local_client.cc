@@ -285,6 +285,14 @@ absl::Status LocalClient::Shutdown(int ps, uint64_t job_id, absl::Time) {
   return absl::OkStatus();
 }
 
+absl::Status LocalClient::ChiefLeaving(int ps, uint64_t job_id, absl::Time) {
+  PSFLOW_RETURN_IF_ERROR(Check(ps));
+  if (!shard_->Slices(job_id).ok()) {
+    return WithPs(ps, absl::FailedPreconditionError("the leaving chief names another job"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PsState> LocalClient::GetState(int ps, absl::Time) {
   PSFLOW_RETURN_IF_ERROR(Check(ps));
   return LocalState(*shard_, ps);

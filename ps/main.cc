@@ -1,10 +1,11 @@
 // psflow-ps: a parameter server. Holds variable slices for the job the chief
 // loads onto it, applies the optimizer, and exits 0 when the chief says the
-// job is done (or 143 on SIGTERM, after in-flight calls finish).
+// job is done (or 143 on SIGTERM: holding a job, once the chief's stop
+// checkpoint is done or --stop_grace passed; then after in-flight calls).
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
@@ -12,7 +13,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/cluster_flags.h"
 #include "common/cpu_count.h"
 #include "common/exit_codes.h"
@@ -74,7 +77,87 @@ ABSL_FLAG(bool, wire_copies, true,
           "weights for each worker that pulls them (memory: 2 more bytes a weight, twice over). "
           "false: each pull encodes the fp32 weights as it sends them.");
 
+ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
+          "How long a ps that holds a job and is told to stop (SIGTERM, SIGINT) goes on serving "
+          "while it waits for the chief's stop checkpoint: it exits as soon as the chief says "
+          "that checkpoint is done (or given up), or as soon as the job is over, and at once if "
+          "the chief said so within this long before the signal (psflow-launch signals the "
+          "chief first). So when a whole cluster is told to stop at once (Kubernetes deleting or "
+          "draining it), the chief's checkpoint still finds the ps up. A ps told to stop alone "
+          "waits this long. Keep it below the pod's termination grace period (30 s by default); "
+          "0 = exit at once. A second signal ends the wait.");
+
 namespace {
+
+// Why and when the ps stops: the job is over (the chief's Shutdown), or a
+// signal came; when the chief last said it was leaving (ChiefLeaving).
+class StopState {
+ public:
+  // The job is over, or a second signal: stop now.
+  void Request() {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  // A signal: the first is noted, a second stops now. Returns whether it
+  // was the first.
+  bool Signal(int sig) {
+    absl::MutexLock lock(&mu_);
+    if (signal_ != 0) {
+      stop_ = true;
+      return false;
+    }
+    signal_ = sig;
+    signalled_at_ = absl::Now();
+    return true;
+  }
+  void ChiefLeft() {
+    absl::MutexLock lock(&mu_);
+    chief_left_at_ = absl::Now();
+  }
+  // Blocks until the ps should stop: at once when the job is over or on a
+  // second signal; after the first signal, if `wait_for_chief`, once the
+  // chief said it was leaving (since `grace` before the signal) or `grace`
+  // after the signal, otherwise at once. Logs what it waits for and why
+  // the wait ended.
+  void Wait(absl::Duration grace, const std::function<bool()>& wait_for_chief) {
+    absl::MutexLock lock(&mu_);
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || signal_ != 0; };
+    mu_.Await(absl::Condition(&stopping));
+    if (stop_) return;
+    auto chief_left = [this, grace]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return chief_left_at_ >= signalled_at_ - grace;
+    };
+    if (grace <= absl::ZeroDuration() || !wait_for_chief()) {
+      PSLOG(INFO) << "signal " << signal_ << ": finishing in-flight calls and exiting";
+      return;
+    }
+    if (chief_left()) {
+      PSLOG(INFO) << "signal " << signal_ << ": the chief left "
+                  << absl::FormatDuration(
+                         absl::Trunc(signalled_at_ - chief_left_at_, absl::Milliseconds(1)))
+                  << " before it; finishing in-flight calls and exiting";
+      return;
+    }
+    PSLOG(INFO) << "signal " << signal_ << ": serving on for the chief's stop checkpoint, for at "
+                << "most " << absl::FormatDuration(grace) << " (a second signal: exit now)";
+    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || chief_left(); };
+    mu_.AwaitWithDeadline(absl::Condition(&done), signalled_at_ + grace);
+    if (chief_left()) {
+      PSLOG(INFO) << "the chief's stop checkpoint is done (it is leaving): finishing in-flight "
+                     "calls and exiting";
+    } else if (!stop_) {
+      PSLOG(WARNING) << "no word from the chief within " << absl::FormatDuration(grace)
+                     << ": finishing in-flight calls and exiting";
+    }
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time signalled_at_ ABSL_GUARDED_BY(mu_);
+  absl::Time chief_left_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
 
 // --apply_threads=0: the cores shared evenly by the ps of this host (in a
 // synchronous job the workers wait while the ps apply, so the cores are free).
@@ -162,6 +245,11 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << "--apply_threads must be 0 (one share of the cores) or positive";
     return psflow::kExitPermanent;
   }
+  if (absl::GetFlag(FLAGS_stop_grace) < absl::ZeroDuration()) {
+    PSLOG(ERROR) << "--stop_grace must be 0 (exit at once on a signal) or positive, not "
+                 << absl::FormatDuration(absl::GetFlag(FLAGS_stop_grace));
+    return psflow::kExitPermanent;
+  }
   // Before the ps starts its threads (they inherit the policy).
   if (absl::GetFlag(FLAGS_sched_idle)) {
     if (absl::Status s = psflow::RunOnlyOnIdleCores(); !s.ok()) {
@@ -199,22 +287,21 @@ int main(int argc, char** argv) {
   psflow::ps::Shard shard(apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, &appliers,
                           trace->get());
   shard.SetWireCopies(absl::GetFlag(FLAGS_wire_copies));
-  absl::Notification stop;
-  std::once_flag stop_once;
+  StopState stop;
   std::atomic<int> exit_code{0};
-  auto request_stop = [&] { std::call_once(stop_once, [&] { stop.Notify(); }); };
+  auto request_stop = [&] { stop.Request(); };
   psflow::ps::PsService service(
       config.task_index, &shard, request_stop, &metrics,
       [&readiness](bool ready) { readiness.Set(ready); }, limits,
       absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place),
       absl::GetFlag(FLAGS_parallel_pull_answers));
+  service.OnChiefLeaving([&stop] { stop.ChiefLeft(); });
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
     if (!terminated.HasBeenNotified()) terminated.Notify();
-    PSLOG(INFO) << "signal " << sig << ": finishing in-flight calls and exiting";
     exit_code = psflow::ExitCodeForSignal(sig);
-    request_stop();
+    if (!stop.Signal(sig)) PSLOG(INFO) << "signal " << sig << ": exiting now";
   });
 
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
@@ -233,7 +320,7 @@ int main(int argc, char** argv) {
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << config.self_address;
-  stop.WaitForNotification();
+  stop.Wait(absl::GetFlag(FLAGS_stop_grace), [&shard] { return shard.state().has_job; });
   readiness.Set(false);  // the job is over (or the process stops): not ready
   shard.Shutdown();      // wakes waiting pulls so the server can drain
   // With --exit_when_done=false the server stays up while idle, so that the

@@ -67,6 +67,7 @@ CallerRoles ReplicaCallers(Role chief, bool worker0) {
   return {
       {method("Init"), loads},
       {method("Shutdown"), loads},
+      {method("ChiefLeaving"), loads},
       {method("SetLiveWorkers"), {Role::kChief}},
       {method("Push"), {Role::kChief}},
       {method("Snapshot"), {chief, Role::kWorker, Role::kEvaluator}},
@@ -82,6 +83,7 @@ CallerRoles PsCallers(Role chief) {
       {method("Init"), {chief}},
       {method("SetLiveWorkers"), {chief}},
       {method("Shutdown"), {chief}},
+      {method("ChiefLeaving"), {chief}},
       {method("Snapshot"), {chief, Role::kEvaluator}},
       {method("Push"), {Role::kWorker}},
       {method("Pull"), {Role::kChief, Role::kWorker, Role::kEvaluator}},
@@ -1037,6 +1039,16 @@ grpc::Status PsService::Shutdown(grpc::ServerContext* context, const ShutdownReq
   }
   finished_ = true;
   on_shutdown_();
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::ChiefLeaving(grpc::ServerContext* context,
+                                     const ChiefLeavingRequest* request,
+                                     ChiefLeavingResponse* response) {
+  if (!shard_->Slices(request->job_id()).ok()) {
+    return ToGrpcStatus(absl::FailedPreconditionError("the leaving chief names another job"));
+  }
+  if (on_chief_leaving_) on_chief_leaving_();
   return grpc::Status::OK;
 }
 

@@ -101,6 +101,16 @@ class PsService final
                                                   grpc::ByteBuffer* response) override;
   grpc::Status Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
                         ShutdownResponse* response) override;
+  // Checks the job id (FAILED_PRECONDITION for another) and calls the
+  // function OnChiefLeaving gave.
+  grpc::Status ChiefLeaving(grpc::ServerContext* context, const ChiefLeavingRequest* request,
+                            ChiefLeavingResponse* response) override;
+  // What an accepted ChiefLeaving calls (it must only record it): psflow-ps
+  // ends its wait for the chief's stop checkpoint. Set before the server
+  // starts; none by default.
+  void OnChiefLeaving(std::function<void()> on_leaving) {
+    on_chief_leaving_ = std::move(on_leaving);
+  }
   grpc::Status GetState(grpc::ServerContext* context, const GetStateRequest* request,
                         PsState* response) override;
   grpc::Status SetLiveWorkers(grpc::ServerContext* context, const SetLiveWorkersRequest* request,
@@ -136,6 +146,7 @@ class PsService final
   Shard* shard_;
   std::function<void()> on_shutdown_;
   std::function<void(bool)> on_job_;
+  std::function<void()> on_chief_leaving_;
   const StreamLimits limits_;
   StepTrace* const trace_;  // may be null
   const bool apply_in_place_;

@@ -123,6 +123,15 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
+namespace {
+
+// A worker told to stop waits this long at most for the pushes of its step
+// in flight to be answered (they wait for the other workers' pushes of the
+// step, and those workers are stopping too).
+constexpr absl::Duration kStopPushWait = absl::Seconds(3);
+
+}  // namespace
+
 int main(int argc, char** argv) {
   psflow::SetUpRoleProcess();
   psflow::BlockTerminationSignals();
@@ -392,14 +401,22 @@ int main(int argc, char** argv) {
         // its end stops the trainer. Without ps it is the other way round:
         // the trainer stops first, leaving its replica whole (a GPU worker's
         // copied from the device into its shard), and its end stops the
-        // chief's duties, whose checkpoint then has the last step.
+        // chief's duties, whose checkpoint then has the last step. Any
+        // other worker stops once the pushes of its step in flight are
+        // answered, for the same reason: the whole cluster may be stopping,
+        // the chief's checkpoint with it.
         if (chief_role != nullptr && !all_reduce) {
           chief_role->Stop(sig);
+        } else if (!all_reduce) {
+          trainer.StopAfterPushes(sig, kStopPushWait);
         } else {
           trainer.Stop(sig);
         }
       },
-      absl::Seconds(chief_role != nullptr ? 30 : 6), "stopping after the call in flight");
+      absl::Seconds(chief_role != nullptr ? 30 : 6),
+      chief_role != nullptr || all_reduce
+          ? "stopping after the call in flight"
+          : "stopping once the pushes of the step in flight are answered");
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   readiness.Detach();
   psflow::LogResourceUsage();

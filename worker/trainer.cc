@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -82,6 +83,42 @@ void Trainer::Stop(int signal) {
   if (ps_ != nullptr) ps_->CancelAll();  // a pull blocked on the other workers ends now
   chief_->CancelAll();                   // so does a registration waiting for the chief
   if (options_.ring != nullptr) options_.ring->Cancel();  // and an all-reduce
+}
+
+void Trainer::StopAfterPushes(int signal, absl::Duration max_wait) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_signal_ != 0) return;
+    if (pushes_open_) {
+      if (stop_after_pushes_ == 0) stop_after_pushes_ = signal;
+      PSLOG(INFO) << "stopping once the pushes of step " << step_ << " are answered";
+      auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopped), max_wait)) return;
+      PSLOG(WARNING) << "the pushes of step " << step_ << " were not answered within "
+                     << absl::FormatDuration(max_wait) << ": stopping without them";
+    }
+  }
+  Stop(signal);
+}
+
+bool Trainer::StopPending() const {
+  absl::MutexLock lock(&mu_);
+  return stop_after_pushes_ != 0;
+}
+
+void Trainer::OpenPushes() {
+  absl::MutexLock lock(&mu_);
+  pushes_open_ = true;
+}
+
+void Trainer::ClosePushes() {
+  int signal = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    pushes_open_ = false;
+    std::swap(signal, stop_after_pushes_);
+  }
+  if (signal != 0) Stop(signal);
 }
 
 TrainerStatus Trainer::Status() const {
@@ -1024,7 +1061,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   } while (r.ok() && !r->ready);
   if (!r.ok()) {
     const absl::Status failed = FromPs(r.status());
-    if (IsRetryable(failed))
+    if (IsRetryable(failed) && !StopPending())
       PSLOG(WARNING) << "retrying: " << failed.message() << " ("
                      << absl::StatusCodeToString(failed.code()) << ")";
     return failed;
@@ -1146,6 +1183,13 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   header.set_step(push_step);
   header.set_skip(skip);
   const bool async = Async();
+  // Until every lane's push is answered (or this returns): a stop waits
+  // for them (StopAfterPushes).
+  std::atomic<int> lanes_pushed{0};
+  if (push_step >= 0) OpenPushes();
+  absl::Cleanup close_pushes = [&] {
+    if (push_step >= 0 && lanes_pushed.load() < n) ClosePushes();
+  };
   std::vector<LanePull> pulls(n);
   std::vector<char> pushed(n, push_step < 0);
   std::vector<char> checked(n, 0);      // the lane's part of the verdict is in
@@ -1167,7 +1211,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   const bool pull_early = verdict != nullptr && !in_place_;
   RetryPolicy policy;
   policy.give_up = absl::Now() + options_.startup_timeout;
-  policy.stop = [this] { return Stopping(); };
+  // Told to stop once the pushes are answered: a push that failed (its ps
+  // stopped) is not tried again.
+  policy.stop = [this] { return Stopping() || StopPending(); };
   ps::Client* const client = ps();
   // Pushing during the backward pass, a lane's push reads its gradients in
   // runs (ps::Client::PushInRuns), each once the backward pass has made it
@@ -1288,7 +1334,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
         return absl::OkStatus();  // not finite: the caller ends the step
       }
       if (!pushed_status.ok()) {
-        if (IsRetryable(pushed_status)) {
+        if (IsRetryable(pushed_status) && !StopPending()) {
           PSLOG(WARNING) << "retrying: " << pushed_status.message() << " ("
                          << absl::StatusCodeToString(pushed_status.code()) << ")";
         }
@@ -1296,6 +1342,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       }
       answered[l] = absl::Now();
       pushed[l] = 1;
+      if (lanes_pushed.fetch_add(1) + 1 == n) ClosePushes();
       if (beside) {
         pull_done.WaitForNotification();
         PSFLOW_RETURN_IF_ERROR(pull_status);

@@ -182,6 +182,13 @@ class Trainer {
   // Makes Run() return StoppedBySignal(signal) after the call in flight;
   // calls waiting on a ps are cancelled. The first signal wins.
   void Stop(int signal);
+  // Stop(signal) once the pushes of the step in flight are answered (at
+  // once if none is in flight), waiting at most `max_wait` for them (then
+  // Stop all the same): a worker told to stop with the whole cluster leaves
+  // every ps at the same step, whole, for the chief's stop checkpoint
+  // (otherwise the ps its pushes reached may apply a step the others never
+  // get). Blocks until then.
+  void StopAfterPushes(int signal, absl::Duration max_wait);
   TrainerStatus Status() const;
 
  private:
@@ -189,6 +196,12 @@ class Trainer {
   // Tells options_.on_registered, if set.
   void SetRegistered(bool registered) const;
   absl::Status Prepare();
+  // RunLanes's pushes start, and end (all answered, or given up): the end
+  // carries out a StopAfterPushes that waits for it.
+  void OpenPushes();
+  void ClosePushes();
+  // A StopAfterPushes waits for the pushes in flight.
+  bool StopPending() const;
   // All-reduce jobs, workers but 0: loads this worker's replica with worker
   // 0's (values and optimizer state, at its version) and trains on it.
   absl::Status LoadReplica();
@@ -470,6 +483,11 @@ class Trainer {
   mutable absl::Mutex mu_;
   std::unique_ptr<ps::Client> ps_ ABSL_GUARDED_BY(mu_);
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
+  // A step's pushes are in flight (RunLanes, from its start until every
+  // lane's push is answered or it returns), and the signal to stop with
+  // once they are (StopAfterPushes).
+  bool pushes_open_ ABSL_GUARDED_BY(mu_) = false;
+  int stop_after_pushes_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<StepMetrics> pending_ ABSL_GUARDED_BY(mu_);  // not yet reported
   int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;         // saw the final version

@@ -486,6 +486,35 @@ TEST_F(CoordinatorTest, SigtermedChiefGivesUpItsCheckpointInTime) {
   absl::Status s = Join();
   EXPECT_EQ(SignalOf(s), SIGTERM) << s;
   EXPECT_LT(absl::Now() - stopped, absl::Seconds(3));
+  // Given up or not, the ps waiting for that checkpoint hear that it is over.
+  for (int p = 0; p < 2; ++p) EXPECT_EQ(ps_->calls(p, FakePs::Method::kChiefLeaving), 1);
+}
+
+// A chief stopped by a signal tells each ps it is leaving once its stop
+// checkpoint is written (ps stopping with it wait for that), and leaves
+// them running.
+TEST_F(CoordinatorTest, SigtermedChiefSaysItIsLeavingAfterItsCheckpoint) {
+  MakeJob(1, 2, 100);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  absl::Mutex mu;
+  std::vector<std::string> calls;  // "snapshot" or "leaving", in order
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (m != FakePs::Method::kSnapshot && m != FakePs::Method::kChiefLeaving) return;
+    absl::MutexLock lock(&mu);
+    calls.push_back(m == FakePs::Method::kSnapshot ? "snapshot" : "leaving");
+  });
+  coordinator_->Stop(SIGTERM);
+  absl::Status s = Join();
+  EXPECT_EQ(SignalOf(s), SIGTERM) << s;
+  EXPECT_TRUE(fs::exists(dir_ + "/model/checkpoints/checkpoint"));
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(calls, ElementsAre("snapshot", "snapshot", "leaving", "leaving"));
+  for (int p = 0; p < 2; ++p) {
+    EXPECT_EQ(ps_->calls(p, FakePs::Method::kChiefLeaving), 1);
+    EXPECT_FALSE(ps_->shut_down(p));  // left running for the next chief
+  }
 }
 
 TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {

@@ -53,6 +53,9 @@ class FakePs::Connection final : public ps::Client {
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override {
     return fake_->DoShutdown(cancelled_, ps, job_id, deadline);
   }
+  absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) override {
+    return fake_->DoChiefLeaving(cancelled_, ps, job_id, deadline);
+  }
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override {
     return fake_->DoGetState(cancelled_, ps, deadline);
   }
@@ -174,6 +177,17 @@ absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint
   return absl::OkStatus();
 }
 
+absl::Status FakePs::DoChiefLeaving(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                                    absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
+      Enter(ps, Method::kChiefLeaving, deadline, cancelled);
+  if (!shard.ok()) return shard.status();
+  if (!(*shard)->Slices(job_id).ok()) {
+    return WithPs(ps, absl::FailedPreconditionError("the leaving chief names another job"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, int ps,
                                            absl::Time deadline) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
@@ -255,6 +269,10 @@ absl::StatusOr<PushResponse> FakePs::DoPushInRuns(const std::atomic<bool>& cance
 
 absl::Status FakePs::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
   return DoShutdown(cancelled_, ps, job_id, deadline);
+}
+
+absl::Status FakePs::ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) {
+  return DoChiefLeaving(cancelled_, ps, job_id, deadline);
 }
 
 absl::StatusOr<PsState> FakePs::GetState(int ps, absl::Time deadline) {

@@ -44,8 +44,17 @@ namespace psflow::fakes {
 
 class FakePs final : public ps::Client {
  public:
-  enum class Method { kInit, kPull, kPush, kShutdown, kGetState, kSetLiveWorkers, kSnapshot };
-  static constexpr int kNumMethods = 7;
+  enum class Method {
+    kInit,
+    kPull,
+    kPush,
+    kShutdown,
+    kGetState,
+    kSetLiveWorkers,
+    kSnapshot,
+    kChiefLeaving
+  };
+  static constexpr int kNumMethods = 8;
 
   // `num_ps` empty ps (holding no job).
   explicit FakePs(int num_ps);
@@ -72,6 +81,8 @@ class FakePs final : public ps::Client {
                                           absl::Time deadline) override;
   // Shuts the ps's shard down (later calls are UNAVAILABLE until Restart).
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
+  // Checks the job id, as a ps does (the fake has no process to stop).
+  absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;
@@ -142,6 +153,8 @@ class FakePs final : public ps::Client {
                                       absl::Time deadline);
   absl::Status DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
                           absl::Time deadline);
+  absl::Status DoChiefLeaving(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                              absl::Time deadline);
   absl::StatusOr<PsState> DoGetState(const std::atomic<bool>& cancelled, int ps,
                                      absl::Time deadline);
   absl::Status DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,

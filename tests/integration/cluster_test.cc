@@ -338,6 +338,98 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   ExpectNoProcessesLeft(marker);
 }
 
+// SIGTERM to every member at once, as Kubernetes stops a job's pods: the ps
+// serve on until the chief's stop checkpoint is written and the chief says
+// it is leaving, and the workers stop once their step's pushes are
+// answered, so that the checkpoint is taken; the next run restores it.
+TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
+  const std::string model_dir = dir_ + "/model";
+  std::string marker;
+  int64_t saved = -1;
+  {
+    Process launch(Bin("psflow-launch"),
+                   {"--ps=2", "--workers=2", "--restart=never", "--", "--model=mlp",
+                    "--train_steps=1000000", "--log_every_steps=50", "--model_dir=" + model_dir});
+    ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120)))
+        << launch.Describe();
+    const std::string chief = LaunchChiefAddress(launch.output());
+    ASSERT_NE(chief, "") << launch.Describe();
+    marker = "--chief_hosts=" + chief;
+    const std::vector<pid_t> members = FindProcesses(marker);
+    ASSERT_THAT(members, SizeIs(5)) << launch.Describe();
+    for (pid_t pid : members) ::kill(pid, SIGTERM);
+    const Clock::time_point signalled = Clock::now();
+    launch.WaitOrKill(seconds(30));
+    const double took = std::chrono::duration<double>(Clock::now() - signalled).count();
+    EXPECT_FALSE(launch.timed_out()) << launch.Describe();
+    // No ps waited out its 10 s (nor a worker its 3 s: the line below).
+    EXPECT_LT(took, 8.0) << launch.Describe();
+    const std::string out = launch.output();
+    std::smatch m;
+    ASSERT_TRUE(
+        std::regex_search(out, m, std::regex(R"(chief\] checkpoint of step ([0-9]+) written)")))
+        << launch.Describe();
+    saved = std::stoll(m[1].str());
+    EXPECT_GE(saved, 100) << launch.Describe();
+    EXPECT_THAT(out, Not(HasSubstr("no checkpoint before exiting"))) << launch.Describe();
+    EXPECT_THAT(out, HasSubstr("chief] told 2 of 2 ps that this chief is leaving"))
+        << launch.Describe();
+    for (const char* ps : {"ps0", "ps1"}) {
+      // Unless the chief had already told it when its own signal was read.
+      EXPECT_THAT(out, ::testing::ContainsRegex(std::string(ps) +
+                                                "\\] (the chief's stop checkpoint is done|signal "
+                                                "15: the chief left)"))
+          << launch.Describe();
+    }
+    EXPECT_THAT(out, Not(HasSubstr("were not answered within"))) << launch.Describe();
+    EXPECT_THAT(out, Not(HasSubstr("no word from the chief"))) << launch.Describe();
+    for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
+      EXPECT_THAT(out, HasSubstr(std::string("[launch] ") + name + " exited with code 143"))
+          << launch.Describe();
+    }
+  }
+  ExpectNoProcessesLeft(marker);
+  // The next run starts from that checkpoint and finishes.
+  Process again(Bin("psflow-launch"), {"--ps=2", "--workers=2", "--restart=never", "--",
+                                       "--model=mlp", "--train_steps=" + std::to_string(saved + 50),
+                                       "--log_every_steps=50", "--model_dir=" + model_dir});
+  EXPECT_EQ(again.WaitOrKill(seconds(120)), 0) << again.Describe();
+  EXPECT_THAT(again.output(),
+              HasSubstr("restoring from the checkpoint of step " + std::to_string(saved)))
+      << again.Describe();
+}
+
+// A ps told to stop alone goes on serving for --stop_grace (the chief may
+// take a checkpoint meanwhile), then exits 143.
+TEST_F(ClusterTest, PsSigtermedAloneServesOnForItsGraceThenExits) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(
+      Bin("psflow-launch"),
+      {"--ps=2", "--workers=2", "--restart=never", "--ps_args=--stop_grace=3s", "--", "--model=mlp",
+       "--train_steps=1000000", "--log_every_steps=50", "--model_dir=" + model_dir});
+  ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
+  const std::string chief = LaunchChiefAddress(launch.output());
+  ASSERT_NE(chief, "") << launch.Describe();
+  const std::vector<pid_t> ps1 = FindProcesses("--job_name=ps --task_id=1 --chief_hosts=" + chief);
+  ASSERT_THAT(ps1, SizeIs(1)) << launch.Describe();
+  ::kill(ps1[0], SIGTERM);
+  ASSERT_TRUE(launch.WaitForOutput(
+      "ps1] signal 15: serving on for the chief's stop checkpoint, for at most 3s", seconds(30)))
+      << launch.Describe();
+  const size_t serving = launch.output().find("ps1] signal 15: serving on");
+  ASSERT_TRUE(launch.WaitForOutput("ps1] no word from the chief within 3s", seconds(30)))
+      << launch.Describe();
+  ASSERT_TRUE(launch.WaitForOutput("[launch] ps1 exited with code 143", seconds(30)))
+      << launch.Describe();
+  // Training went on while it served: a progress line between the two.
+  const std::string out = launch.output();
+  const size_t gone = out.find("ps1] no word from the chief");
+  EXPECT_THAT(out.substr(serving, gone - serving),
+              ::testing::ContainsRegex("chief\\] step [0-9]+/"))
+      << launch.Describe();
+  launch.WaitOrKill(seconds(30));
+}
+
 // ---------------------------------------------------------------------------
 // One process per role, started in the "wrong" order: workers, then ps, then
 // the chief (pods start in any order).
@@ -866,6 +958,11 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
        {},
        "--metrics_port must be in [0, 65535], not 70000",
        false},
+      {"negative --stop_grace",
+       "psflow-ps",
+       task0("ps", {"--stop_grace=-1s"}),
+       {},
+       "--stop_grace must be 0 (exit at once on a signal) or positive, not -1s"},
   };
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.what);
@@ -924,7 +1021,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                              "eval_every_secs",
                              "eval_final_timeout"})},
       {"psflow-ps", role({"apply_threads", "max_streams_per_peer", "max_streams", "shared_memory",
-                          "apply_in_place", "wire_copies"})},
+                          "apply_in_place", "wire_copies", "stop_grace"})},
       {"psflow-worker",
        role({"device", "startup_timeout", "ps_lanes", "push_during_backward", "min_push_run_bytes",
              "shared_memory", "upload_from_shared_memory", "narrow_on_gpu",

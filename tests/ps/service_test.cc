@@ -88,7 +88,7 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
           ParameterServer::service_full_name());
   ASSERT_NE(service, nullptr);
   const CallerRoles callers = PsCallers();
-  EXPECT_EQ(callers.size(), 6u);
+  EXPECT_EQ(callers.size(), 7u);
   const std::string prefix = absl::StrCat("/", ParameterServer::service_full_name(), "/");
   for (const auto& [method, roles] : callers) {
     ASSERT_EQ(method.rfind(prefix, 0), 0u) << method;
@@ -96,6 +96,7 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
     EXPECT_FALSE(roles.empty()) << method;
   }
   EXPECT_EQ(callers.at("/psflow.ParameterServer/Shutdown"), std::vector<Role>{Role::kChief});
+  EXPECT_EQ(callers.at("/psflow.ParameterServer/ChiefLeaving"), std::vector<Role>{Role::kChief});
 }
 
 class PsServiceTest : public ::testing::Test {
@@ -107,6 +108,7 @@ class PsServiceTest : public ::testing::Test {
     service_ = std::make_unique<PsService>(
         0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
         [this](bool holds_job) { job_calls_.push_back(holds_job); });
+    service_->OnChiefLeaving([this] { ++chief_leaving_; });
     server_ = ServeOnLoopback(service_.get(), &port_);
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
@@ -233,6 +235,7 @@ class PsServiceTest : public ::testing::Test {
       job_calls_;  // what the service told on_job (from its RPC threads, one at a time)
   Shard shard_;
   absl::Notification shutdown_;
+  std::atomic<int> chief_leaving_{0};  // ChiefLeaving calls accepted
   std::unique_ptr<PsService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
@@ -1679,6 +1682,20 @@ TEST_F(PsServiceTest, SetLiveWorkersLetsAStepCompleteWithoutADroppedWorker) {
   r = PushAll(0, 1, g0_big, g0_bias);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version(), 2);
+}
+
+TEST_F(PsServiceTest, ChiefLeavingRpc) {
+  EXPECT_EQ(client_->ChiefLeaving(0, kJob, Deadline()).code(),
+            absl::StatusCode::kFailedPrecondition);  // no job yet
+  ASSERT_TRUE(InitJob().ok());
+  EXPECT_EQ(client_->ChiefLeaving(0, kJob + 1, Deadline()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(chief_leaving_.load(), 0);
+  EXPECT_TRUE(client_->ChiefLeaving(0, kJob, Deadline()).ok());
+  EXPECT_EQ(chief_leaving_.load(), 1);
+  // It stops nothing by itself: the job is still there.
+  EXPECT_FALSE(shutdown_.HasBeenNotified());
+  EXPECT_TRUE(client_->GetState(0, Deadline()).ok());
 }
 
 TEST_F(PsServiceTest, ShutdownRpc) {

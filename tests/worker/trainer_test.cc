@@ -215,6 +215,27 @@ class TrainerTest : public ::testing::Test {
     ASSERT_TRUE(LoadPs(*fake_, job_, kJobId, 0, initial_).ok());
   }
   void ExpectRetriedThrough(absl::StatusCode pull_code, absl::StatusCode push_code, int failures);
+  // Worker 0 of a two-worker job, waiting in its pull for worker 1 (which
+  // never comes), is stopped by `stop`: it ends with SIGTERM (exit 143)
+  // within 300 ms.
+  void ExpectStoppedWhilePulling(const std::function<void(Trainer&)>& stop) {
+    SetUpJob({.num_workers = 2});
+    TrainerOptions options = FastOptions();
+    options.pull_wait = absl::Seconds(5);  // the ps would hold the pull that long
+    Trainer trainer(options, chief_.get(), ClientOf(*fake_));
+    Running run(&trainer);
+    ASSERT_TRUE(chief_->AwaitMetrics([](const std::vector<StepMetrics>& m) { return !m.empty(); },
+                                     absl::Seconds(5)));
+    absl::SleepFor(absl::Milliseconds(20));
+    ASSERT_FALSE(run.done());
+    const absl::Time stopped = absl::Now();
+    stop(trainer);
+    ASSERT_TRUE(run.WaitFor(absl::Seconds(5)));
+    EXPECT_LT(absl::Now() - stopped, absl::Milliseconds(300));
+    const absl::Status status = run.Join();
+    EXPECT_EQ(SignalOf(status), SIGTERM) << status;
+    EXPECT_EQ(ExitCodeFor(status), 128 + SIGTERM);
+  }
   // Runs workers 0 and 1 of the job to its end with up to `lanes` lanes per
   // ps (as many as slices), pushing during the backward pass or after the
   // step: both end OK, and every ps applied each of the job's steps once.
@@ -703,23 +724,66 @@ TEST_F(TrainerTest, APsThatStaysDownEndsTheRunAsUnreachable) {
 }
 
 TEST_F(TrainerTest, StopEndsAPullWaitingForTheOtherWorkers) {
-  SetUpJob({.num_workers = 2});
+  ExpectStoppedWhilePulling([](Trainer& trainer) {
+    trainer.Stop(SIGTERM);
+    trainer.Stop(SIGINT);  // the first signal wins
+  });
+}
+
+// A worker told to stop with the cluster stops once its step's pushes are
+// answered: at once when they are (it waits for the other workers' pushes),
+// after them when they are in flight, and after max_wait without them.
+TEST_F(TrainerTest, StopAfterPushesStopsAtOnceOnceTheStepIsPushed) {
+  ExpectStoppedWhilePulling(
+      [](Trainer& trainer) { trainer.StopAfterPushes(SIGTERM, absl::Seconds(5)); });
+}
+
+TEST_F(TrainerTest, StopAfterPushesWaitsForThePushInFlight) {
+  SetUpJob({.num_ps = 1});
+  absl::Notification pushing, release;
+  std::atomic<int> held{0};
+  fake_->OnCall([&](int, Method m) {
+    if (m != Method::kPush || held.fetch_add(1) != 3) return;
+    pushing.Notify();  // the fourth push (step 3's, one lane): hold it
+    release.WaitForNotification();
+  });
   TrainerOptions options = FastOptions();
-  options.pull_wait = absl::Seconds(5);  // the ps would hold the pull that long
+  options.lanes_per_ps = 1;
   Trainer trainer(options, chief_.get(), ClientOf(*fake_));
   Running run(&trainer);
-  ASSERT_TRUE(chief_->AwaitMetrics([](const std::vector<StepMetrics>& m) { return !m.empty(); },
-                                   absl::Seconds(5)));
-  absl::SleepFor(absl::Milliseconds(20));
-  ASSERT_FALSE(run.done());
-  const absl::Time stop = absl::Now();
-  trainer.Stop(SIGTERM);
-  trainer.Stop(SIGINT);  // the first signal wins
+  ASSERT_TRUE(pushing.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  std::thread stopper([&] { trainer.StopAfterPushes(SIGTERM, absl::Seconds(30)); });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(run.done());  // still pushing
+  EXPECT_EQ(fake_->stats(0).version, 3);
+  release.Notify();
   ASSERT_TRUE(run.WaitFor(absl::Seconds(5)));
-  EXPECT_LT(absl::Now() - stop, absl::Milliseconds(300));
-  const absl::Status status = run.Join();
-  EXPECT_EQ(SignalOf(status), SIGTERM) << status;
-  EXPECT_EQ(ExitCodeFor(status), 128 + SIGTERM);
+  stopper.join();
+  EXPECT_EQ(SignalOf(run.Join()), SIGTERM);
+  // The held push went through and its step was applied; none came after.
+  EXPECT_EQ(fake_->stats(0).version, 4);
+  EXPECT_EQ(fake_->calls(0, Method::kPush), 4);
+}
+
+TEST_F(TrainerTest, StopAfterPushesGivesUpAPushThatIsNotAnswered) {
+  SetUpJob({.num_ps = 1});
+  absl::Notification pushing, release;
+  fake_->OnCall([&](int, Method m) {
+    if (m != Method::kPush || pushing.HasBeenNotified()) return;
+    pushing.Notify();
+    release.WaitForNotification();
+  });
+  Trainer trainer(FastOptions(), chief_.get(), ClientOf(*fake_));
+  Running run(&trainer);
+  ASSERT_TRUE(pushing.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  const absl::Time stop = absl::Now();
+  trainer.StopAfterPushes(SIGTERM, absl::Milliseconds(300));
+  // It returned once it gave up and stopped the trainer (whose held push
+  // the fake cannot cancel: let it go).
+  EXPECT_GE(absl::Now() - stop, absl::Milliseconds(300));
+  release.Notify();
+  ASSERT_TRUE(run.WaitFor(absl::Seconds(5)));
+  EXPECT_EQ(SignalOf(run.Join()), SIGTERM);
 }
 
 TEST_F(TrainerTest, StopWhileTheChiefIsUnreachable) {
