@@ -116,10 +116,12 @@ class StopState {
   }
   // Blocks until the ps should stop: at once when the job is over or on a
   // second signal; after the first signal, if `wait_for_chief`, once the
-  // chief said it was leaving (since `grace` before the signal) or `grace`
-  // after the signal, otherwise at once. Logs what it waits for and why
-  // the wait ended.
-  void Wait(absl::Duration grace, const std::function<bool()>& wait_for_chief) {
+  // chief said it was leaving (since `grace` before the signal) and no push
+  // is open (`open_pushes`: the workers' steps in flight end with their
+  // pushes), or `grace` after the signal; otherwise at once. Logs what it
+  // waits for and why the wait ended.
+  void Wait(absl::Duration grace, const std::function<bool()>& wait_for_chief,
+            const std::function<int()>& open_pushes) {
     absl::MutexLock lock(&mu_);
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || signal_ != 0; };
     mu_.Await(absl::Condition(&stopping));
@@ -131,23 +133,35 @@ class StopState {
       PSLOG(INFO) << "signal " << signal_ << ": finishing in-flight calls and exiting";
       return;
     }
+    const absl::Time until = signalled_at_ + grace;
     if (chief_left()) {
       PSLOG(INFO) << "signal " << signal_ << ": the chief left "
                   << absl::FormatDuration(
                          absl::Trunc(signalled_at_ - chief_left_at_, absl::Milliseconds(1)))
-                  << " before it; finishing in-flight calls and exiting";
-      return;
+                  << " before it; exiting once the pushes in progress end";
+    } else {
+      PSLOG(INFO) << "signal " << signal_ << ": serving on for the chief's stop checkpoint, for "
+                  << "at most " << absl::FormatDuration(grace) << " (a second signal: exit now)";
+      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || chief_left(); };
+      mu_.AwaitWithDeadline(absl::Condition(&done), until);
+      if (!chief_left()) {
+        if (!stop_) {
+          PSLOG(WARNING) << "no word from the chief within " << absl::FormatDuration(grace)
+                         << ": finishing in-flight calls and exiting";
+        }
+        return;
+      }
+      PSLOG(INFO) << "the chief's stop checkpoint is done (it is leaving): exiting once the "
+                     "pushes in progress end";
     }
-    PSLOG(INFO) << "signal " << signal_ << ": serving on for the chief's stop checkpoint, for at "
-                << "most " << absl::FormatDuration(grace) << " (a second signal: exit now)";
-    auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || chief_left(); };
-    mu_.AwaitWithDeadline(absl::Condition(&done), signalled_at_ + grace);
-    if (chief_left()) {
-      PSLOG(INFO) << "the chief's stop checkpoint is done (it is leaving): finishing in-flight "
-                     "calls and exiting";
-    } else if (!stop_) {
-      PSLOG(WARNING) << "no word from the chief within " << absl::FormatDuration(grace)
-                     << ": finishing in-flight calls and exiting";
+    // The workers stop once their step's pushes are answered: let those
+    // end, rather than fail them (each would wait for this ps to come back).
+    while (!stop_ && open_pushes() > 0 && absl::Now() < until) {
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(5));
+    }
+    if (const int open = open_pushes(); open > 0 && !stop_) {
+      PSLOG(WARNING) << open << " push(es) still in progress after " << absl::FormatDuration(grace)
+                     << ": exiting";
     }
   }
 
@@ -320,7 +334,9 @@ int main(int argc, char** argv) {
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << config.self_address;
-  stop.Wait(absl::GetFlag(FLAGS_stop_grace), [&shard] { return shard.state().has_job; });
+  stop.Wait(
+      absl::GetFlag(FLAGS_stop_grace), [&shard] { return shard.state().has_job; },
+      [&service] { return service.open_pushes(); });
   readiness.Set(false);  // the job is over (or the process stops): not ready
   shard.Shutdown();      // wakes waiting pulls so the server can drain
   // With --exit_when_done=false the server stays up while idle, so that the

@@ -775,6 +775,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       return;
     }
     admitted_ = true;
+    service_->open_pushes_.fetch_add(1);
     StartRead(&message_);
   }
 
@@ -821,7 +822,10 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     service_->pushers_->Schedule([this, ok] { Process(ok); });
   }
   void OnDone() override {
-    if (admitted_) service_->LetOut(peer_);
+    if (admitted_) {
+      service_->open_pushes_.fetch_sub(1);
+      service_->LetOut(peer_);
+    }
     delete this;
   }
 

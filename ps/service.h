@@ -120,6 +120,9 @@ class PsService final
 
   // Streams refused for a bound so far.
   int64_t refused_streams() const ABSL_LOCKS_EXCLUDED(streams_mu_);
+  // Push streams admitted and not yet done: a ps that is stopping lets the
+  // pushes of the workers' steps in flight end before it goes.
+  int open_pushes() const { return open_pushes_.load(); }
 
   // Internals of the waiting calls (service.cc).
   class Waker;
@@ -151,7 +154,8 @@ class PsService final
   StepTrace* const trace_;  // may be null
   const bool apply_in_place_;
   const bool spread_wakes_;
-  std::atomic<bool> finished_{false};               // an accepted Shutdown came
+  std::atomic<bool> finished_{false};  // an accepted Shutdown came
+  std::atomic<int> open_pushes_{0};
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   metrics::Histogram* push_bytes_;
   metrics::Histogram* push_seconds_;

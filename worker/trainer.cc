@@ -94,8 +94,13 @@ void Trainer::StopAfterPushes(int signal, absl::Duration max_wait) {
       PSLOG(INFO) << "stopping once the pushes of step " << step_ << " are answered";
       auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; };
       if (mu_.AwaitWithTimeout(absl::Condition(&stopped), max_wait)) return;
-      PSLOG(WARNING) << "the pushes of step " << step_ << " were not answered within "
-                     << absl::FormatDuration(max_wait) << ": stopping without them";
+      // (In a synchronous job a push is answered once every worker pushed
+      // the step: one that was between steps when it was told stopped at
+      // once.)
+      PSLOG(INFO) << "the pushes of step " << step_ << " were not answered within "
+                  << absl::FormatDuration(max_wait)
+                  << " (another worker may have stopped before pushing it): stopping without "
+                     "them";
     }
   }
   Stop(signal);

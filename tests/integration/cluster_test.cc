@@ -362,7 +362,9 @@ TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
     launch.WaitOrKill(seconds(30));
     const double took = std::chrono::duration<double>(Clock::now() - signalled).count();
     EXPECT_FALSE(launch.timed_out()) << launch.Describe();
-    // No ps waited out its 10 s (nor a worker its 3 s: the line below).
+    // No ps waited out its 10 s. (A worker may wait its 3 s: its push of
+    // the step in flight is answered only once every worker pushed it, and
+    // one that was between steps stopped at once.)
     EXPECT_LT(took, 8.0) << launch.Describe();
     const std::string out = launch.output();
     std::smatch m;
@@ -381,7 +383,6 @@ TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
                                                 "15: the chief left)"))
           << launch.Describe();
     }
-    EXPECT_THAT(out, Not(HasSubstr("were not answered within"))) << launch.Describe();
     EXPECT_THAT(out, Not(HasSubstr("no word from the chief"))) << launch.Describe();
     for (const char* name : {"chief", "ps0", "ps1", "worker0", "worker1"}) {
       EXPECT_THAT(out, HasSubstr(std::string("[launch] ") + name + " exited with code 143"))
@@ -397,6 +398,36 @@ TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
   EXPECT_THAT(again.output(),
               HasSubstr("restoring from the checkpoint of step " + std::to_string(saved)))
       << again.Describe();
+}
+
+// A worker that fails (without --restart) stops the cluster as a signal to
+// the launcher does: the chief first, which checkpoints while the ps answer.
+TEST_F(ClusterTest, AFailedWorkerStopsTheClusterChiefFirst) {
+  const std::string model_dir = dir_ + "/model";
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=2", "--workers=2", "--restart=never", "--", "--model=mlp",
+                  "--train_steps=1000000", "--log_every_steps=50", "--model_dir=" + model_dir});
+  ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
+  const std::string chief = LaunchChiefAddress(launch.output());
+  ASSERT_NE(chief, "") << launch.Describe();
+  const std::vector<pid_t> worker1 =
+      FindProcesses("--job_name=worker --task_id=1 --chief_hosts=" + chief);
+  ASSERT_THAT(worker1, SizeIs(1)) << launch.Describe();
+  ::kill(worker1[0], SIGKILL);
+  EXPECT_EQ(launch.WaitOrKill(seconds(30)), 137) << launch.Describe();
+  const std::string out = launch.output();
+  const size_t failed = out.find("[launch] worker1 failed; stopping the cluster, chief first");
+  ASSERT_NE(failed, std::string::npos) << launch.Describe();
+  EXPECT_THAT(out.substr(failed),
+              ::testing::ContainsRegex("chief\\] checkpoint of step [0-9]+ written"))
+      << launch.Describe();
+  const size_t chief_exit = out.find("[launch] chief exited with code 143");
+  ASSERT_NE(chief_exit, std::string::npos) << launch.Describe();
+  for (const char* name : {"ps0", "ps1", "worker0"}) {
+    const size_t exit = out.find(std::string("[launch] ") + name + " exited with code 143");
+    EXPECT_GT(exit, chief_exit) << name << " exited before the chief\n" << launch.Describe();
+    EXPECT_NE(exit, std::string::npos) << name << launch.Describe();
+  }
 }
 
 // A ps told to stop alone goes on serving for --stop_grace (the chief may

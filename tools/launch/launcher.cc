@@ -293,6 +293,13 @@ int RunCluster(const LaunchOptions& o) {
     chief_signalled = absl::InfiniteFuture();
     if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
   };
+  // Stops the cluster as a signal to the launcher does: the chief first
+  // (it checkpoints while the ps answer), the rest after it.
+  auto stop_chief_first = [&](int sig) {
+    stop_signal = sig;
+    ::kill(children[0].pid, sig);
+    chief_signalled = absl::Now();
+  };
   if (!started) {
     result = 1;
     signal_all(SIGTERM);
@@ -321,11 +328,21 @@ int RunCluster(const LaunchOptions& o) {
       // Training goes on without it.
       if (c.code != 0 && terminated_at == absl::InfiniteFuture())
         Say(absl::StrCat(c.name, " failed; training goes on without it"));
-    } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture()) {
-      Say(absl::StrCat(c.name, " failed; stopping the cluster"));
+    } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture() &&
+               stop_signal == 0) {
       result = c.code;
-      signal_all(SIGTERM);
-      terminated_at = absl::Now();
+      if (children[0].exited) {
+        Say(absl::StrCat(c.name, " failed; stopping the cluster"));
+        signal_all(SIGTERM);
+        terminated_at = absl::Now();
+      } else {
+        // (Also a member that a signal from elsewhere stopped, as when the
+        // whole cluster is told to stop: the chief's checkpoint then finds
+        // the ps still serving.)
+        Say(absl::StrCat(c.name, " failed; stopping the cluster, ", children[0].name,
+                         " first (it checkpoints)"));
+        stop_chief_first(SIGTERM);
+      }
     }
   };
 
@@ -348,9 +365,7 @@ int RunCluster(const LaunchOptions& o) {
         if (stop_signal == 0 && terminated_at == absl::InfiniteFuture() && !chief.exited) {
           Say(absl::StrCat("got signal ", sig, "; forwarding it to ", chief.name,
                            " first (it checkpoints), then to the rest of the cluster"));
-          stop_signal = sig == SIGHUP ? SIGTERM : sig;
-          ::kill(chief.pid, stop_signal);
-          chief_signalled = absl::Now();
+          stop_chief_first(sig == SIGHUP ? SIGTERM : sig);
         } else {
           // A second signal, or one while the cluster stops already: everyone now.
           Say(absl::StrCat("got signal ", sig, "; forwarding it to the cluster"));

@@ -84,10 +84,12 @@ int main(int argc, char** argv) {
       "Each output line is prefixed with its process ([chief], [ps0], [worker1]).\n"
       "Ctrl-C and SIGTERM are forwarded: to the chief first (worker 0 with --chief=false),\n"
       "which checkpoints, then, once it has exited or 10 s later, to the rest; a second one\n"
-      "goes to all at once. No process outlives the launcher. Unless the chief's arguments\n"
-      "set --compute_threads, each worker gets cores / workers threads. Exits with the chief's\n"
-      "code, or with the code of a ps or worker that failed first. With --chief=false there is\n"
-      "no chief: worker 0 runs its duties and takes the arguments after --.");
+      "goes to all at once. A ps or worker that fails (without --restart=on-failure) stops the\n"
+      "cluster the same way, the chief first. No process outlives the launcher. Unless the\n"
+      "chief's arguments set --compute_threads, each worker gets cores / workers threads.\n"
+      "Exits with the chief's code, or with the code of a ps or worker that failed first.\n"
+      "With --chief=false there is no chief: worker 0 runs its duties and takes the arguments\n"
+      "after --.");
   psflow::launch::LaunchOptions o;
   o.num_ps = absl::GetFlag(FLAGS_ps);
   o.num_workers = absl::GetFlag(FLAGS_workers);
