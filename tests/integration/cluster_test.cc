@@ -3,6 +3,7 @@
 // POD_NAME), bad configurations, signals and --help.
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -338,6 +339,23 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   ExpectNoProcessesLeft(marker);
 }
 
+// The pids of the members of the cluster of chief `chief` (its address)
+// with that role and task index. Each flag is looked for alone: a worker
+// that executes itself again (for its kernel threads' wait policy) passes
+// its flags in another order.
+std::vector<pid_t> FindMember(const std::string& chief, const std::string& role, int index) {
+  std::vector<pid_t> found;
+  const std::vector<pid_t> of_role = FindProcesses("--job_name=" + role);
+  const std::vector<pid_t> of_index = FindProcesses("--task_id=" + std::to_string(index));
+  for (pid_t pid : FindProcesses("--chief_hosts=" + chief)) {
+    if (std::count(of_role.begin(), of_role.end(), pid) > 0 &&
+        std::count(of_index.begin(), of_index.end(), pid) > 0) {
+      found.push_back(pid);
+    }
+  }
+  return found;
+}
+
 // SIGTERM to every member at once, as Kubernetes stops a job's pods: the ps
 // serve on until the chief's stop checkpoint is written and the chief says
 // it is leaving, and the workers stop once their step's pushes are
@@ -410,8 +428,7 @@ TEST_F(ClusterTest, AFailedWorkerStopsTheClusterChiefFirst) {
   ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
   const std::string chief = LaunchChiefAddress(launch.output());
   ASSERT_NE(chief, "") << launch.Describe();
-  const std::vector<pid_t> worker1 =
-      FindProcesses("--job_name=worker --task_id=1 --chief_hosts=" + chief);
+  const std::vector<pid_t> worker1 = FindMember(chief, "worker", 1);
   ASSERT_THAT(worker1, SizeIs(1)) << launch.Describe();
   ::kill(worker1[0], SIGKILL);
   EXPECT_EQ(launch.WaitOrKill(seconds(30)), 137) << launch.Describe();
@@ -441,7 +458,7 @@ TEST_F(ClusterTest, PsSigtermedAloneServesOnForItsGraceThenExits) {
   ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
   const std::string chief = LaunchChiefAddress(launch.output());
   ASSERT_NE(chief, "") << launch.Describe();
-  const std::vector<pid_t> ps1 = FindProcesses("--job_name=ps --task_id=1 --chief_hosts=" + chief);
+  const std::vector<pid_t> ps1 = FindMember(chief, "ps", 1);
   ASSERT_THAT(ps1, SizeIs(1)) << launch.Describe();
   ::kill(ps1[0], SIGTERM);
   ASSERT_TRUE(launch.WaitForOutput(
