@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include <google/protobuf/util/message_differencer.h>
 
@@ -681,6 +682,7 @@ absl::Status Coordinator::Recover() {
   }
   PSFLOW_ASSIGN_OR_RETURN(Weights weights, InitialWeights());
   PSFLOW_RETURN_IF_ERROR(LoadParameterServers(weights));
+  told_stopping_.clear();  // those were restarted
   PSLOG(INFO) << "parameter servers reloaded at step " << weights.step << "; training";
   return absl::OkStatus();
 }
@@ -794,6 +796,31 @@ absl::Status Coordinator::Supervise() {
     const int64_t version = MaxVersion(*states);
     metrics_.SetGlobalStep(version);
     CheckWorkers();
+    // A ps told to stop (a signal: its pod evicted, say) serves on until
+    // this chief has checkpointed what it holds, and exits then: take that
+    // checkpoint now (unless the last one is of this step), and say so.
+    // Its reload from that checkpoint follows, as for any ps that goes.
+    std::vector<int> stopping;
+    for (int p = 0; p < static_cast<int>(states->size()); ++p) {
+      if ((*states)[p].stopping() && !told_stopping_.contains(p)) stopping.push_back(p);
+    }
+    if (!stopping.empty()) {
+      PSLOG(INFO) << "ps " << absl::StrJoin(stopping, ", ")
+                  << " told to stop: checkpointing before it goes";
+      absl::Status s = version > last_checkpoint_step_ ? TakeCheckpoint() : absl::OkStatus();
+      if (Failed()) continue;  // the next round ends the job
+      if (!s.ok()) {
+        PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
+                       << absl::StatusCodeToString(s.code()) << ")";
+      }
+      const int told = TellCheckpointTaken(stopping);
+      PSLOG(INFO) << "told " << told << " of " << stopping.size() << " stopping ps that "
+                  << (s.ok() ? absl::StrCat("the checkpoint of step ", last_checkpoint_step_,
+                                            " holds what they had")
+                             : std::string("no checkpoint is coming"))
+                  << " (they exit now)";
+      told_stopping_.insert(stopping.begin(), stopping.end());
+    }
     const bool by_steps = options_.checkpoint_every_steps > 0 &&
                           version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
     const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&
@@ -814,7 +841,12 @@ absl::Status Coordinator::Supervise() {
   if (!s.ok() && !Failed())
     PSLOG(WARNING) << "no checkpoint before exiting: " << s.message() << " ("
                    << absl::StatusCodeToString(s.code()) << ")";
-  if (!Failed()) SayLeaving();
+  if (!Failed()) {
+    std::vector<int> all(job_.num_ps());
+    std::iota(all.begin(), all.end(), 0);
+    PSLOG(INFO) << "told " << TellCheckpointTaken(all) << " of " << job_.num_ps()
+                << " ps that the stop checkpoint is done (a ps stopping too exits now)";
+  }
   absl::MutexLock lock(&mu_);
   if (!failure_.ok()) return failure_;
   return group_broken_.ok() ? StoppedBySignal(stop_signal_) : group_broken_;
@@ -875,19 +907,17 @@ absl::Status Coordinator::SaveModel(Checkpoint* final_checkpoint) {
   return absl::OkStatus();
 }
 
-void Coordinator::SayLeaving() {
+int Coordinator::TellCheckpointTaken(const std::vector<int>& ps) {
   const uint64_t id = job_id();
   const absl::Time deadline =
       absl::Now() + std::min(options_.timeouts.control_call, options_.timeouts.stop_release);
   // Once each (no retries): a ps that is down or gone waits for no one.
-  std::vector<char> told_ps(job_.num_ps(), 0);
-  FanOut(pool_, job_.num_ps(), RetryPolicy(), [&](int p) {
-    told_ps[p] = ps_->ChiefLeaving(p, id, deadline).ok();
+  std::vector<char> told(ps.size(), 0);
+  FanOut(pool_, static_cast<int>(ps.size()), RetryPolicy(), [&](int i) {
+    told[i] = ps_->CheckpointTaken(ps[i], id, deadline).ok();
     return absl::OkStatus();
-  }).IgnoreError();  // the calls report through told_ps
-  const int told = static_cast<int>(std::count(told_ps.begin(), told_ps.end(), 1));
-  PSLOG(INFO) << "told " << told << " of " << job_.num_ps()
-              << " ps that this chief is leaving (a ps stopping too exits now)";
+  }).IgnoreError();  // the calls report through `told`
+  return static_cast<int>(std::count(told.begin(), told.end(), 1));
 }
 
 void Coordinator::ReleaseEveryone() {

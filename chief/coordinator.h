@@ -198,10 +198,10 @@ class Coordinator {
   void WaitForFinalEval() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckEvaluator(int evaluator) const;
   void ReleaseEveryone();
-  // A chief stopped by a signal, its stop checkpoint written or given up,
-  // tells every ps it is leaving (each once, within stop_release): a ps
-  // stopping with it waited for that checkpoint and exits now.
-  void SayLeaving();
+  // Tells the ps `ps` that the checkpoint a stopping ps waits for is
+  // written or given up (each once, within stop_release): one that was
+  // told to stop exits now. Returns how many took it.
+  int TellCheckpointTaken(const std::vector<int>& ps);
   absl::Status BroadcastLiveWorkers(const std::vector<int>& live, int64_t from_version);
   // Fails the job for good (it diverged): no more checkpoints, no saved
   // model, FAIL to every worker; Run returns `why`.
@@ -221,7 +221,9 @@ class Coordinator {
   std::unique_ptr<Progress> progress_;
   ChiefMetrics metrics_;
   int64_t last_checkpoint_step_ = 0;  // Run's thread only
-  absl::Time last_checkpoint_time_;   // Run's thread only
+  // The stopping ps told so (Run's thread only; cleared by a reload).
+  absl::flat_hash_set<int> told_stopping_;
+  absl::Time last_checkpoint_time_;  // Run's thread only
   // No snapshot call of a checkpoint lasts past this (Run's thread only;
   // set when a signal stops the chief).
   absl::Time checkpoint_cutoff_ = absl::InfiniteFuture();

@@ -147,8 +147,8 @@ class Client {
   virtual absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) = 0;
   // Tells ps `ps` that the chief stops and leaves the job running, its
   // stop checkpoint written or given up: a ps that was told to stop too,
-  // and waits for that checkpoint, exits now (ParameterServer.ChiefLeaving).
-  virtual absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) = 0;
+  // and waits for that checkpoint, exits now (ParameterServer.CheckpointTaken).
+  virtual absl::Status CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) = 0;
 
   virtual absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) = 0;
   virtual absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,

@@ -621,14 +621,15 @@ absl::Status GrpcClient::Shutdown(int ps, uint64_t job_id, absl::Time deadline) 
       WithPs(ps, FromGrpcStatus(links_[ps]->stub->Shutdown(&context, request, &response))));
 }
 
-absl::Status GrpcClient::ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) {
+absl::Status GrpcClient::CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) {
   // Not wait-for-ready: a ps that is down is not waiting for anyone.
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/false);
-  ChiefLeavingRequest request;
+  CheckpointTakenRequest request;
   request.set_job_id(job_id);
-  ChiefLeavingResponse response;
-  return errors_.Count("ChiefLeaving", WithPs(ps, FromGrpcStatus(links_[ps]->stub->ChiefLeaving(
-                                                      call.context(), request, &response))));
+  CheckpointTakenResponse response;
+  return errors_.Count("CheckpointTaken",
+                       WithPs(ps, FromGrpcStatus(links_[ps]->stub->CheckpointTaken(
+                                      call.context(), request, &response))));
 }
 
 }  // namespace psflow::ps

@@ -76,7 +76,7 @@ class GrpcClient final : public Client {
                                           std::vector<TensorRef> grads, const PushRuns& runs,
                                           absl::Time deadline) override;
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
-  absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) override;
+  absl::Status CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) override;
   void SetRegionPinning(std::function<bool(void*, size_t)> pin,
                         std::function<void(void*)> unpin) override;
   bool SetPushRegion(std::shared_ptr<const SharedRegion> region) override

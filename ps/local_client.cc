@@ -285,10 +285,10 @@ absl::Status LocalClient::Shutdown(int ps, uint64_t job_id, absl::Time) {
   return absl::OkStatus();
 }
 
-absl::Status LocalClient::ChiefLeaving(int ps, uint64_t job_id, absl::Time) {
+absl::Status LocalClient::CheckpointTaken(int ps, uint64_t job_id, absl::Time) {
   PSFLOW_RETURN_IF_ERROR(Check(ps));
   if (!shard_->Slices(job_id).ok()) {
-    return WithPs(ps, absl::FailedPreconditionError("the leaving chief names another job"));
+    return WithPs(ps, absl::FailedPreconditionError("the checkpoint taken is of another job"));
   }
   return absl::OkStatus();
 }

@@ -63,7 +63,7 @@ class LocalClient final : public Client {
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   // A shard in this process stops with it: nothing waits for the chief.
   // FAILED_PRECONDITION for another job, as a ps answers.
-  absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) override;
+  absl::Status CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;

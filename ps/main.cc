@@ -78,19 +78,30 @@ ABSL_FLAG(bool, wire_copies, true,
           "false: each pull encodes the fp32 weights as it sends them.");
 
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
-          "How long a ps that holds a job and is told to stop (SIGTERM, SIGINT) goes on serving "
-          "while it waits for the chief's stop checkpoint: it exits as soon as the chief says "
-          "that checkpoint is done (or given up), or as soon as the job is over, and at once if "
-          "the chief said so within this long before the signal (psflow-launch signals the "
-          "chief first). So when a whole cluster is told to stop at once (Kubernetes deleting or "
-          "draining it), the chief's checkpoint still finds the ps up. A ps told to stop alone "
-          "waits this long. Keep it below the pod's termination grace period (30 s by default); "
-          "0 = exit at once. A second signal ends the wait.");
+          "How long at most a ps that holds a job and is told to stop (SIGTERM, SIGINT) goes on "
+          "serving while it waits for a checkpoint of the chief's. It says it is stopping (in "
+          "GetState), and the chief checkpoints at once; a chief that is stopping too takes its "
+          "stop checkpoint. Once the chief says the checkpoint is written (or given up), or at "
+          "once if it said so within this long before the signal (psflow-launch signals the "
+          "chief first), the ps lets the pushes in progress end and exits; it also exits when "
+          "the job is over. So neither a ps evicted alone nor a whole cluster told to stop at "
+          "once (Kubernetes deleting or draining it) loses the steps since the last periodic "
+          "checkpoint. Keep it below the pod's termination grace period (30 s by default); 0 = "
+          "exit at once. A second signal ends the wait.");
 
 namespace {
 
+// What the ps's wait for the chief's checkpoint looks at and tells.
+struct StopHooks {
+  std::function<bool()> holds_job;
+  std::function<void()> stopping;                  // the wait for the chief begins
+  std::function<int64_t()> pushes_admitted;        // PsService::pushes_admitted
+  std::function<bool(int64_t)> pushes_open_up_to;  // PsService::pushes_open_up_to
+};
+
 // Why and when the ps stops: the job is over (the chief's Shutdown), or a
-// signal came; when the chief last said it was leaving (ChiefLeaving).
+// signal came; when the chief last said a checkpoint was taken
+// (CheckpointTaken).
 class StopState {
  public:
   // The job is over, or a second signal: stop now.
@@ -110,57 +121,62 @@ class StopState {
     signalled_at_ = absl::Now();
     return true;
   }
-  void ChiefLeft() {
+  void CheckpointTaken() {
     absl::MutexLock lock(&mu_);
-    chief_left_at_ = absl::Now();
+    taken_at_ = absl::Now();
   }
   // Blocks until the ps should stop: at once when the job is over or on a
-  // second signal; after the first signal, if `wait_for_chief`, once the
-  // chief said it was leaving (since `grace` before the signal) and no push
-  // is open (`open_pushes`: the workers' steps in flight end with their
-  // pushes), or `grace` after the signal; otherwise at once. Logs what it
-  // waits for and why the wait ended.
-  void Wait(absl::Duration grace, const std::function<bool()>& wait_for_chief,
-            const std::function<int()>& open_pushes) {
+  // second signal. After the first signal, if the ps holds a job (and
+  // `grace` is not zero): once the chief said its checkpoint was taken
+  // (since `grace` before the signal) and the pushes in progress then
+  // have ended (the workers' steps in flight), or `grace` after the
+  // signal; otherwise at once. Logs what it waits for and why the wait
+  // ended.
+  void Wait(absl::Duration grace, const StopHooks& hooks) {
     absl::MutexLock lock(&mu_);
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || signal_ != 0; };
     mu_.Await(absl::Condition(&stopping));
     if (stop_) return;
-    auto chief_left = [this, grace]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return chief_left_at_ >= signalled_at_ - grace;
+    auto taken = [this, grace]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return taken_at_ >= signalled_at_ - grace;
     };
-    if (grace <= absl::ZeroDuration() || !wait_for_chief()) {
+    if (grace <= absl::ZeroDuration() || !hooks.holds_job()) {
       PSLOG(INFO) << "signal " << signal_ << ": finishing in-flight calls and exiting";
       return;
     }
     const absl::Time until = signalled_at_ + grace;
-    if (chief_left()) {
-      PSLOG(INFO) << "signal " << signal_ << ": the chief left "
+    if (taken()) {
+      PSLOG(INFO) << "signal " << signal_ << ": the chief took its checkpoint "
                   << absl::FormatDuration(
-                         absl::Trunc(signalled_at_ - chief_left_at_, absl::Milliseconds(1)))
+                         absl::Trunc(signalled_at_ - taken_at_, absl::Milliseconds(1)))
                   << " before it; exiting once the pushes in progress end";
     } else {
-      PSLOG(INFO) << "signal " << signal_ << ": serving on for the chief's stop checkpoint, for "
-                  << "at most " << absl::FormatDuration(grace) << " (a second signal: exit now)";
-      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || chief_left(); };
+      hooks.stopping();
+      PSLOG(INFO) << "signal " << signal_ << ": serving on until the chief has taken a "
+                  << "checkpoint, for at most " << absl::FormatDuration(grace)
+                  << " (a second signal: exit now)";
+      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || taken(); };
       mu_.AwaitWithDeadline(absl::Condition(&done), until);
-      if (!chief_left()) {
+      if (!taken()) {
         if (!stop_) {
           PSLOG(WARNING) << "no word from the chief within " << absl::FormatDuration(grace)
                          << ": finishing in-flight calls and exiting";
         }
         return;
       }
-      PSLOG(INFO) << "the chief's stop checkpoint is done (it is leaving): exiting once the "
-                     "pushes in progress end";
+      PSLOG(INFO) << "the chief has taken its checkpoint: exiting once the pushes in progress "
+                     "end";
     }
-    // The workers stop once their step's pushes are answered: let those
-    // end, rather than fail them (each would wait for this ps to come back).
-    while (!stop_ && open_pushes() > 0 && absl::Now() < until) {
+    // Workers that are stopping too stop once their step's pushes are
+    // answered: let those end, rather than fail them (each would wait for
+    // this ps to come back). Pushes that start later are not waited for
+    // (workers that go on training).
+    const int64_t in_progress = hooks.pushes_admitted();
+    while (!stop_ && hooks.pushes_open_up_to(in_progress) && absl::Now() < until) {
       mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(5));
     }
-    if (const int open = open_pushes(); open > 0 && !stop_) {
-      PSLOG(WARNING) << open << " push(es) still in progress after " << absl::FormatDuration(grace)
+    if (!stop_ && hooks.pushes_open_up_to(in_progress)) {
+      PSLOG(WARNING) << "pushes still in progress after " << absl::FormatDuration(grace)
                      << ": exiting";
     }
   }
@@ -170,7 +186,7 @@ class StopState {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int signal_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time signalled_at_ ABSL_GUARDED_BY(mu_);
-  absl::Time chief_left_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Time taken_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 // --apply_threads=0: the cores shared evenly by the ps of this host (in a
@@ -309,7 +325,7 @@ int main(int argc, char** argv) {
       [&readiness](bool ready) { readiness.Set(ready); }, limits,
       absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place),
       absl::GetFlag(FLAGS_parallel_pull_answers));
-  service.OnChiefLeaving([&stop] { stop.ChiefLeft(); });
+  service.OnCheckpointTaken([&stop] { stop.CheckpointTaken(); });
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
   psflow::TerminationWatcher watcher([&](int sig) {
@@ -334,9 +350,10 @@ int main(int argc, char** argv) {
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << config.self_address;
-  stop.Wait(
-      absl::GetFlag(FLAGS_stop_grace), [&shard] { return shard.state().has_job; },
-      [&service] { return service.open_pushes(); });
+  stop.Wait(absl::GetFlag(FLAGS_stop_grace),
+            {[&shard] { return shard.state().has_job; }, [&service] { service.SetStopping(); },
+             [&service] { return service.pushes_admitted(); },
+             [&service](int64_t seq) { return service.pushes_open_up_to(seq); }});
   readiness.Set(false);  // the job is over (or the process stops): not ready
   shard.Shutdown();      // wakes waiting pulls so the server can drain
   // With --exit_when_done=false the server stays up while idle, so that the

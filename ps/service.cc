@@ -67,7 +67,7 @@ CallerRoles ReplicaCallers(Role chief, bool worker0) {
   return {
       {method("Init"), loads},
       {method("Shutdown"), loads},
-      {method("ChiefLeaving"), loads},
+      {method("CheckpointTaken"), loads},
       {method("SetLiveWorkers"), {Role::kChief}},
       {method("Push"), {Role::kChief}},
       {method("Snapshot"), {chief, Role::kWorker, Role::kEvaluator}},
@@ -83,7 +83,7 @@ CallerRoles PsCallers(Role chief) {
       {method("Init"), {chief}},
       {method("SetLiveWorkers"), {chief}},
       {method("Shutdown"), {chief}},
-      {method("ChiefLeaving"), {chief}},
+      {method("CheckpointTaken"), {chief}},
       {method("Snapshot"), {chief, Role::kEvaluator}},
       {method("Push"), {Role::kWorker}},
       {method("Pull"), {Role::kChief, Role::kWorker, Role::kEvaluator}},
@@ -702,6 +702,16 @@ void PsService::LogRefusedPush(const std::string& peer, const absl::Status& why)
   }
 }
 
+int64_t PsService::pushes_admitted() const {
+  absl::MutexLock lock(&pushes_mu_);
+  return pushes_admitted_;
+}
+
+bool PsService::pushes_open_up_to(int64_t seq) const {
+  absl::MutexLock lock(&pushes_mu_);
+  return !open_pushes_.empty() && *open_pushes_.begin() <= seq;
+}
+
 int64_t PsService::refused_streams() const {
   absl::MutexLock lock(&streams_mu_);
   return refused_streams_;
@@ -775,7 +785,11 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       return;
     }
     admitted_ = true;
-    service_->open_pushes_.fetch_add(1);
+    {
+      absl::MutexLock lock(&service_->pushes_mu_);
+      seq_ = ++service_->pushes_admitted_;
+      service_->open_pushes_.insert(seq_);
+    }
     StartRead(&message_);
   }
 
@@ -823,7 +837,10 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   }
   void OnDone() override {
     if (admitted_) {
-      service_->open_pushes_.fetch_sub(1);
+      {
+        absl::MutexLock lock(&service_->pushes_mu_);
+        service_->open_pushes_.erase(seq_);
+      }
       service_->LetOut(peer_);
     }
     delete this;
@@ -976,6 +993,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   PsService* const service_;
   const std::string peer_;
   grpc::ByteBuffer* const response_;
+  int64_t seq_ = 0;  // its number among the pushes admitted (pushes_admitted)
   bool admitted_ = false;
   grpc::ByteBuffer message_;
   bool started_ = false;  // the header came
@@ -1016,6 +1034,7 @@ grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateReq
   response->set_lag_sum(st.lag_sum);
   response->set_lag_max(st.lag_max);
   response->set_clock_gap_max(st.clock_gap_max);
+  response->set_stopping(stopping_.load());
   return grpc::Status::OK;
 }
 
@@ -1046,13 +1065,13 @@ grpc::Status PsService::Shutdown(grpc::ServerContext* context, const ShutdownReq
   return grpc::Status::OK;
 }
 
-grpc::Status PsService::ChiefLeaving(grpc::ServerContext* context,
-                                     const ChiefLeavingRequest* request,
-                                     ChiefLeavingResponse* response) {
+grpc::Status PsService::CheckpointTaken(grpc::ServerContext* context,
+                                        const CheckpointTakenRequest* request,
+                                        CheckpointTakenResponse* response) {
   if (!shard_->Slices(request->job_id()).ok()) {
-    return ToGrpcStatus(absl::FailedPreconditionError("the leaving chief names another job"));
+    return ToGrpcStatus(absl::FailedPreconditionError("the checkpoint taken is of another job"));
   }
-  if (on_chief_leaving_) on_chief_leaving_();
+  if (on_checkpoint_taken_) on_checkpoint_taken_();
   return grpc::Status::OK;
 }
 

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -102,14 +103,14 @@ class PsService final
   grpc::Status Shutdown(grpc::ServerContext* context, const ShutdownRequest* request,
                         ShutdownResponse* response) override;
   // Checks the job id (FAILED_PRECONDITION for another) and calls the
-  // function OnChiefLeaving gave.
-  grpc::Status ChiefLeaving(grpc::ServerContext* context, const ChiefLeavingRequest* request,
-                            ChiefLeavingResponse* response) override;
-  // What an accepted ChiefLeaving calls (it must only record it): psflow-ps
-  // ends its wait for the chief's stop checkpoint. Set before the server
-  // starts; none by default.
-  void OnChiefLeaving(std::function<void()> on_leaving) {
-    on_chief_leaving_ = std::move(on_leaving);
+  // function OnCheckpointTaken gave.
+  grpc::Status CheckpointTaken(grpc::ServerContext* context, const CheckpointTakenRequest* request,
+                               CheckpointTakenResponse* response) override;
+  // What an accepted CheckpointTaken calls (it must only record it): psflow-ps
+  // ends its wait for the chief's checkpoint. Set before the server starts;
+  // none by default.
+  void OnCheckpointTaken(std::function<void()> on_taken) {
+    on_checkpoint_taken_ = std::move(on_taken);
   }
   grpc::Status GetState(grpc::ServerContext* context, const GetStateRequest* request,
                         PsState* response) override;
@@ -120,9 +121,15 @@ class PsService final
 
   // Streams refused for a bound so far.
   int64_t refused_streams() const ABSL_LOCKS_EXCLUDED(streams_mu_);
-  // Push streams admitted and not yet done: a ps that is stopping lets the
-  // pushes of the workers' steps in flight end before it goes.
-  int open_pushes() const { return open_pushes_.load(); }
+  // Push streams are numbered as they are admitted (from 1): the number of
+  // the latest, and whether any up to `seq` is still open. A ps that is
+  // stopping lets the pushes of the workers' steps in flight end before it
+  // goes.
+  int64_t pushes_admitted() const ABSL_LOCKS_EXCLUDED(pushes_mu_);
+  bool pushes_open_up_to(int64_t seq) const ABSL_LOCKS_EXCLUDED(pushes_mu_);
+  // From now on GetState says this ps is stopping (PsState.stopping): it
+  // was told to stop and waits for the chief's checkpoint.
+  void SetStopping() { stopping_ = true; }
 
   // Internals of the waiting calls (service.cc).
   class Waker;
@@ -149,13 +156,16 @@ class PsService final
   Shard* shard_;
   std::function<void()> on_shutdown_;
   std::function<void(bool)> on_job_;
-  std::function<void()> on_chief_leaving_;
+  std::function<void()> on_checkpoint_taken_;
   const StreamLimits limits_;
   StepTrace* const trace_;  // may be null
   const bool apply_in_place_;
   const bool spread_wakes_;
   std::atomic<bool> finished_{false};  // an accepted Shutdown came
-  std::atomic<int> open_pushes_{0};
+  mutable absl::Mutex pushes_mu_;
+  int64_t pushes_admitted_ ABSL_GUARDED_BY(pushes_mu_) = 0;
+  std::set<int64_t> open_pushes_ ABSL_GUARDED_BY(pushes_mu_);
+  std::atomic<bool> stopping_{false};
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   metrics::Histogram* push_bytes_;
   metrics::Histogram* push_seconds_;

@@ -487,34 +487,56 @@ TEST_F(CoordinatorTest, SigtermedChiefGivesUpItsCheckpointInTime) {
   EXPECT_EQ(SignalOf(s), SIGTERM) << s;
   EXPECT_LT(absl::Now() - stopped, absl::Seconds(3));
   // Given up or not, the ps waiting for that checkpoint hear that it is over.
-  for (int p = 0; p < 2; ++p) EXPECT_EQ(ps_->calls(p, FakePs::Method::kChiefLeaving), 1);
+  for (int p = 0; p < 2; ++p) EXPECT_EQ(ps_->calls(p, FakePs::Method::kCheckpointTaken), 1);
 }
 
-// A chief stopped by a signal tells each ps it is leaving once its stop
-// checkpoint is written (ps stopping with it wait for that), and leaves
-// them running.
-TEST_F(CoordinatorTest, SigtermedChiefSaysItIsLeavingAfterItsCheckpoint) {
+// A chief stopped by a signal tells each ps once its stop checkpoint is
+// written (ps stopping with it wait for that), and leaves them running.
+TEST_F(CoordinatorTest, SigtermedChiefTellsThePsItsCheckpointIsTaken) {
   MakeJob(1, 2, 100);
   Start(Options());
   const uint64_t id = Register(0).job_id();
   Train(id, {0}, 0, 2);
   absl::Mutex mu;
-  std::vector<std::string> calls;  // "snapshot" or "leaving", in order
+  std::vector<std::string> calls;  // "snapshot" or "taken", in order
   ps_->OnCall([&](int p, FakePs::Method m) {
-    if (m != FakePs::Method::kSnapshot && m != FakePs::Method::kChiefLeaving) return;
+    if (m != FakePs::Method::kSnapshot && m != FakePs::Method::kCheckpointTaken) return;
     absl::MutexLock lock(&mu);
-    calls.push_back(m == FakePs::Method::kSnapshot ? "snapshot" : "leaving");
+    calls.push_back(m == FakePs::Method::kSnapshot ? "snapshot" : "taken");
   });
   coordinator_->Stop(SIGTERM);
   absl::Status s = Join();
   EXPECT_EQ(SignalOf(s), SIGTERM) << s;
   EXPECT_TRUE(fs::exists(dir_ + "/model/checkpoints/checkpoint"));
   absl::MutexLock lock(&mu);
-  EXPECT_THAT(calls, ElementsAre("snapshot", "snapshot", "leaving", "leaving"));
+  EXPECT_THAT(calls, ElementsAre("snapshot", "snapshot", "taken", "taken"));
   for (int p = 0; p < 2; ++p) {
-    EXPECT_EQ(ps_->calls(p, FakePs::Method::kChiefLeaving), 1);
+    EXPECT_EQ(ps_->calls(p, FakePs::Method::kCheckpointTaken), 1);
     EXPECT_FALSE(ps_->shut_down(p));  // left running for the next chief
   }
+}
+
+// A ps that says it is stopping (told so by a signal) gets a checkpoint of
+// the current step at once, and is told, once; the other ps is not.
+TEST_F(CoordinatorTest, AStoppingPsIsCheckpointedAndTold) {
+  MakeJob(1, 2, 100);
+  Start(Options());  // no checkpoints by steps or time
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 3);
+  ps_->SetStopping(1, true);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (ps_->calls(1, FakePs::Method::kCheckpointTaken) == 0 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(ps_->calls(1, FakePs::Method::kCheckpointTaken), 1);
+  absl::StatusOr<Checkpoint> ckpt = ReadNewestCheckpoint(dir_ + "/model");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(ckpt->manifest.step(), 3);
+  // Rounds later, still stopping: neither taken nor told again.
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(ps_->calls(1, FakePs::Method::kCheckpointTaken), 1);
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kCheckpointTaken), 0);
+  coordinator_->Stop(SIGTERM);
+  EXPECT_EQ(SignalOf(Join()), SIGTERM);
 }
 
 TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {

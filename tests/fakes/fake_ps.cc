@@ -53,8 +53,8 @@ class FakePs::Connection final : public ps::Client {
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override {
     return fake_->DoShutdown(cancelled_, ps, job_id, deadline);
   }
-  absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) override {
-    return fake_->DoChiefLeaving(cancelled_, ps, job_id, deadline);
+  absl::Status CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) override {
+    return fake_->DoCheckpointTaken(cancelled_, ps, job_id, deadline);
   }
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override {
     return fake_->DoGetState(cancelled_, ps, deadline);
@@ -177,13 +177,13 @@ absl::Status FakePs::DoShutdown(const std::atomic<bool>& cancelled, int ps, uint
   return absl::OkStatus();
 }
 
-absl::Status FakePs::DoChiefLeaving(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
-                                    absl::Time deadline) {
+absl::Status FakePs::DoCheckpointTaken(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                                       absl::Time deadline) {
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
-      Enter(ps, Method::kChiefLeaving, deadline, cancelled);
+      Enter(ps, Method::kCheckpointTaken, deadline, cancelled);
   if (!shard.ok()) return shard.status();
   if (!(*shard)->Slices(job_id).ok()) {
-    return WithPs(ps, absl::FailedPreconditionError("the leaving chief names another job"));
+    return WithPs(ps, absl::FailedPreconditionError("the checkpoint taken is of another job"));
   }
   return absl::OkStatus();
 }
@@ -193,7 +193,15 @@ absl::StatusOr<PsState> FakePs::DoGetState(const std::atomic<bool>& cancelled, i
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
       Enter(ps, Method::kGetState, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  return ps::LocalState(**shard, ps);
+  PsState state = ps::LocalState(**shard, ps);
+  absl::MutexLock lock(&mu_);
+  state.set_stopping(ps_[ps].stopping);
+  return state;
+}
+
+void FakePs::SetStopping(int ps, bool stopping) {
+  absl::MutexLock lock(&mu_);
+  ps_[ps].stopping = stopping;
 }
 
 absl::Status FakePs::DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
@@ -271,8 +279,8 @@ absl::Status FakePs::Shutdown(int ps, uint64_t job_id, absl::Time deadline) {
   return DoShutdown(cancelled_, ps, job_id, deadline);
 }
 
-absl::Status FakePs::ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) {
-  return DoChiefLeaving(cancelled_, ps, job_id, deadline);
+absl::Status FakePs::CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) {
+  return DoCheckpointTaken(cancelled_, ps, job_id, deadline);
 }
 
 absl::StatusOr<PsState> FakePs::GetState(int ps, absl::Time deadline) {

@@ -52,7 +52,7 @@ class FakePs final : public ps::Client {
     kGetState,
     kSetLiveWorkers,
     kSnapshot,
-    kChiefLeaving
+    kCheckpointTaken
   };
   static constexpr int kNumMethods = 8;
 
@@ -82,7 +82,7 @@ class FakePs final : public ps::Client {
   // Shuts the ps's shard down (later calls are UNAVAILABLE until Restart).
   absl::Status Shutdown(int ps, uint64_t job_id, absl::Time deadline) override;
   // Checks the job id, as a ps does (the fake has no process to stop).
-  absl::Status ChiefLeaving(int ps, uint64_t job_id, absl::Time deadline) override;
+  absl::Status CheckpointTaken(int ps, uint64_t job_id, absl::Time deadline) override;
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;
@@ -107,6 +107,9 @@ class FakePs final : public ps::Client {
   // Replaces ps `ps`'s shard by a fresh one holding no job; pulls waiting on
   // the old one fail UNAVAILABLE (the connection broke).
   void Restart(int ps);
+  // While set, GetState of ps `ps` says it is stopping (PsState.stopping),
+  // as a ps told to stop that waits for the chief's checkpoint.
+  void SetStopping(int ps, bool stopping);
   // Every later call sleeps `delay` before doing anything.
   void SetDelay(absl::Duration delay);
   // Runs `hook(ps, method)` at the start of every call, after counting it and
@@ -153,8 +156,8 @@ class FakePs final : public ps::Client {
                                       absl::Time deadline);
   absl::Status DoShutdown(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
                           absl::Time deadline);
-  absl::Status DoChiefLeaving(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
-                              absl::Time deadline);
+  absl::Status DoCheckpointTaken(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
+                                 absl::Time deadline);
   absl::StatusOr<PsState> DoGetState(const std::atomic<bool>& cancelled, int ps,
                                      absl::Time deadline);
   absl::Status DoSetLiveWorkers(const std::atomic<bool>& cancelled, int ps, uint64_t job_id,
@@ -168,6 +171,7 @@ class FakePs final : public ps::Client {
     bool down = false;
     bool gone = false;
     bool shut_down = false;
+    bool stopping = false;
     absl::StatusCode fail_code = absl::StatusCode::kOk;
     int fail_count = 0;
     std::array<int64_t, kNumMethods> calls{};

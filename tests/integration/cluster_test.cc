@@ -356,22 +356,39 @@ std::vector<pid_t> FindMember(const std::string& chief, const std::string& role,
   return found;
 }
 
+// Starts psflow-launch with `launch_args`, then after "--" an mlp job of
+// `steps` steps that logs every 50 into `model_dir` (and `job_args`), and
+// waits for the chief's line of step 100: *launch, and the chief's address
+// in *chief.
+void LaunchMlpToStep100(std::vector<std::string> launch_args, int64_t steps,
+                        const std::string& model_dir, const std::vector<std::string>& job_args,
+                        std::unique_ptr<Process>* launch, std::string* chief) {
+  launch_args.insert(launch_args.end(),
+                     {"--", "--model=mlp", "--train_steps=" + std::to_string(steps),
+                      "--log_every_steps=50", "--model_dir=" + model_dir});
+  launch_args.insert(launch_args.end(), job_args.begin(), job_args.end());
+  *launch = std::make_unique<Process>(Bin("psflow-launch"), launch_args);
+  ASSERT_TRUE(
+      (*launch)->WaitForOutput("chief] step 100/" + std::to_string(steps) + " ", seconds(120)))
+      << (*launch)->Describe();
+  *chief = LaunchChiefAddress((*launch)->output());
+  ASSERT_NE(*chief, "") << (*launch)->Describe();
+}
+
 // SIGTERM to every member at once, as Kubernetes stops a job's pods: the ps
 // serve on until the chief's stop checkpoint is written and the chief says
-// it is leaving, and the workers stop once their step's pushes are
+// so, and the workers stop once their step's pushes are
 // answered, so that the checkpoint is taken; the next run restores it.
 TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
   const std::string model_dir = dir_ + "/model";
   std::string marker;
   int64_t saved = -1;
   {
-    Process launch(Bin("psflow-launch"),
-                   {"--ps=2", "--workers=2", "--restart=never", "--", "--model=mlp",
-                    "--train_steps=1000000", "--log_every_steps=50", "--model_dir=" + model_dir});
-    ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120)))
-        << launch.Describe();
-    const std::string chief = LaunchChiefAddress(launch.output());
-    ASSERT_NE(chief, "") << launch.Describe();
+    std::unique_ptr<Process> started;
+    std::string chief;
+    ASSERT_NO_FATAL_FAILURE(LaunchMlpToStep100({"--ps=2", "--workers=2", "--restart=never"},
+                                               1000000, model_dir, {}, &started, &chief));
+    Process& launch = *started;
     marker = "--chief_hosts=" + chief;
     const std::vector<pid_t> members = FindProcesses(marker);
     ASSERT_THAT(members, SizeIs(5)) << launch.Describe();
@@ -392,13 +409,13 @@ TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
     saved = std::stoll(m[1].str());
     EXPECT_GE(saved, 100) << launch.Describe();
     EXPECT_THAT(out, Not(HasSubstr("no checkpoint before exiting"))) << launch.Describe();
-    EXPECT_THAT(out, HasSubstr("chief] told 2 of 2 ps that this chief is leaving"))
+    EXPECT_THAT(out, HasSubstr("chief] told 2 of 2 ps that the stop checkpoint is done"))
         << launch.Describe();
     for (const char* ps : {"ps0", "ps1"}) {
       // Unless the chief had already told it when its own signal was read.
       EXPECT_THAT(out, ::testing::ContainsRegex(std::string(ps) +
-                                                "\\] (the chief's stop checkpoint is done|signal "
-                                                "15: the chief left)"))
+                                                "\\] (the chief has taken its checkpoint|signal "
+                                                "15: the chief took its checkpoint)"))
           << launch.Describe();
     }
     EXPECT_THAT(out, Not(HasSubstr("no word from the chief"))) << launch.Describe();
@@ -422,12 +439,11 @@ TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
 // the launcher does: the chief first, which checkpoints while the ps answer.
 TEST_F(ClusterTest, AFailedWorkerStopsTheClusterChiefFirst) {
   const std::string model_dir = dir_ + "/model";
-  Process launch(Bin("psflow-launch"),
-                 {"--ps=2", "--workers=2", "--restart=never", "--", "--model=mlp",
-                  "--train_steps=1000000", "--log_every_steps=50", "--model_dir=" + model_dir});
-  ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
-  const std::string chief = LaunchChiefAddress(launch.output());
-  ASSERT_NE(chief, "") << launch.Describe();
+  std::unique_ptr<Process> started;
+  std::string chief;
+  ASSERT_NO_FATAL_FAILURE(LaunchMlpToStep100({"--ps=2", "--workers=2", "--restart=never"}, 1000000,
+                                             model_dir, {}, &started, &chief));
+  Process& launch = *started;
   const std::vector<pid_t> worker1 = FindMember(chief, "worker", 1);
   ASSERT_THAT(worker1, SizeIs(1)) << launch.Describe();
   ::kill(worker1[0], SIGKILL);
@@ -447,35 +463,65 @@ TEST_F(ClusterTest, AFailedWorkerStopsTheClusterChiefFirst) {
   }
 }
 
-// A ps told to stop alone goes on serving for --stop_grace (the chief may
-// take a checkpoint meanwhile), then exits 143.
-TEST_F(ClusterTest, PsSigtermedAloneServesOnForItsGraceThenExits) {
+// A ps told to stop alone (its pod evicted, say) says so to the chief,
+// which checkpoints at once and tells it; the ps exits, is restarted, and
+// the job goes on from that checkpoint instead of an older one.
+TEST_F(ClusterTest, PsSigtermedAloneIsCheckpointedBeforeItGoes) {
   const std::string model_dir = dir_ + "/model";
-  Process launch(
-      Bin("psflow-launch"),
-      {"--ps=2", "--workers=2", "--restart=never", "--ps_args=--stop_grace=3s", "--", "--model=mlp",
-       "--train_steps=1000000", "--log_every_steps=50", "--model_dir=" + model_dir});
-  ASSERT_TRUE(launch.WaitForOutput("chief] step 100/1000000 ", seconds(120))) << launch.Describe();
-  const std::string chief = LaunchChiefAddress(launch.output());
-  ASSERT_NE(chief, "") << launch.Describe();
+  std::unique_ptr<Process> started;
+  std::string chief;
+  ASSERT_NO_FATAL_FAILURE(LaunchMlpToStep100({"--ps=2", "--workers=2", "--restart=on-failure"}, 300,
+                                             model_dir, {"--checkpoint_every_steps=100000"},
+                                             &started, &chief));
+  Process& launch = *started;
   const std::vector<pid_t> ps1 = FindMember(chief, "ps", 1);
   ASSERT_THAT(ps1, SizeIs(1)) << launch.Describe();
   ::kill(ps1[0], SIGTERM);
-  ASSERT_TRUE(launch.WaitForOutput(
-      "ps1] signal 15: serving on for the chief's stop checkpoint, for at most 3s", seconds(30)))
-      << launch.Describe();
-  const size_t serving = launch.output().find("ps1] signal 15: serving on");
-  ASSERT_TRUE(launch.WaitForOutput("ps1] no word from the chief within 3s", seconds(30)))
-      << launch.Describe();
-  ASSERT_TRUE(launch.WaitForOutput("[launch] ps1 exited with code 143", seconds(30)))
-      << launch.Describe();
-  // Training went on while it served: a progress line between the two.
+  EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
   const std::string out = launch.output();
-  const size_t gone = out.find("ps1] no word from the chief");
-  EXPECT_THAT(out.substr(serving, gone - serving),
-              ::testing::ContainsRegex("chief\\] step [0-9]+/"))
+  const size_t told = out.find("chief] ps 1 told to stop: checkpointing before it goes");
+  ASSERT_NE(told, std::string::npos) << launch.Describe();
+  std::smatch m;
+  const std::string after = out.substr(told);
+  ASSERT_TRUE(
+      std::regex_search(after, m, std::regex(R"(chief\] checkpoint of step ([0-9]+) written)")))
       << launch.Describe();
-  launch.WaitOrKill(seconds(30));
+  const int64_t saved = std::stoll(m[1].str());
+  EXPECT_GE(saved, 100) << launch.Describe();
+  EXPECT_THAT(after, HasSubstr("ps1] the chief has taken its checkpoint")) << launch.Describe();
+  EXPECT_THAT(after, HasSubstr("[launch] ps1 exited with code 143")) << launch.Describe();
+  EXPECT_THAT(after, Not(HasSubstr("no word from the chief"))) << launch.Describe();
+  EXPECT_THAT(after, HasSubstr("restoring from the checkpoint of step " + std::to_string(saved)))
+      << launch.Describe();
+  EXPECT_THAT(out, HasSubstr("chief] done: 300 steps")) << launch.Describe();
+}
+
+// With no chief to answer (stopped here), a ps told to stop serves on for
+// --stop_grace, then exits 143.
+TEST_F(ClusterTest, PsSigtermedWithoutAChiefServesOnForItsGraceThenExits) {
+  const std::string model_dir = dir_ + "/model";
+  std::unique_ptr<Process> started;
+  std::string chief;
+  ASSERT_NO_FATAL_FAILURE(
+      LaunchMlpToStep100({"--ps=2", "--workers=2", "--restart=never", "--ps_args=--stop_grace=2s"},
+                         1000000, model_dir, {}, &started, &chief));
+  Process& launch = *started;
+  const std::vector<pid_t> chief_pid = FindMember(chief, "chief", 0);
+  const std::vector<pid_t> ps1 = FindMember(chief, "ps", 1);
+  ASSERT_THAT(chief_pid, SizeIs(1)) << launch.Describe();
+  ASSERT_THAT(ps1, SizeIs(1)) << launch.Describe();
+  ::kill(chief_pid[0], SIGSTOP);
+  ::kill(ps1[0], SIGTERM);
+  const bool served = launch.WaitForOutput(
+      "ps1] signal 15: serving on until the chief has taken a checkpoint, for at most 2s",
+      seconds(30));
+  const bool gave_up = launch.WaitForOutput("ps1] no word from the chief within 2s", seconds(30));
+  const bool exited = launch.WaitForOutput("[launch] ps1 exited with code 143", seconds(30));
+  ::kill(chief_pid[0], SIGCONT);
+  EXPECT_TRUE(served) << launch.Describe();
+  EXPECT_TRUE(gave_up) << launch.Describe();
+  EXPECT_TRUE(exited) << launch.Describe();
+  launch.WaitOrKill(milliseconds(0));  // the rest dies with the launcher
 }
 
 // ---------------------------------------------------------------------------

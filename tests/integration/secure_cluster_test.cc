@@ -65,11 +65,11 @@ class PsProbe {
     ShutdownResponse response;
     return stub_->Shutdown(&context, ShutdownRequest(), &response);
   }
-  grpc::Status ChiefLeaving() {
+  grpc::Status CheckpointTaken() {
     grpc::ClientContext context;
     Prepare(&context);
-    ChiefLeavingResponse response;
-    return stub_->ChiefLeaving(&context, ChiefLeavingRequest(), &response);
+    CheckpointTakenResponse response;
+    return stub_->CheckpointTaken(&context, CheckpointTakenRequest(), &response);
   }
   grpc::Status SetLiveWorkers() {
     grpc::ClientContext context;
@@ -177,7 +177,7 @@ TEST_F(SecureClusterTest, TlsAndTokenJobTrainsWhileStrangersAreRefused) {
   EXPECT_TRUE(HasCode(s, grpc::StatusCode::PERMISSION_DENIED));
   EXPECT_THAT(s.error_message(), HasSubstr("only the chief may call"));
   EXPECT_TRUE(HasCode(as_worker.SetLiveWorkers(), grpc::StatusCode::PERMISSION_DENIED));
-  EXPECT_TRUE(HasCode(as_worker.ChiefLeaving(), grpc::StatusCode::PERMISSION_DENIED));
+  EXPECT_TRUE(HasCode(as_worker.CheckpointTaken(), grpc::StatusCode::PERMISSION_DENIED));
   EXPECT_TRUE(HasCode(as_worker.Init(), grpc::StatusCode::PERMISSION_DENIED));
   EXPECT_TRUE(HasCode(PsProbe(ps0, evaluator).Shutdown(), grpc::StatusCode::PERMISSION_DENIED));
 

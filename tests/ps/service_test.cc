@@ -96,7 +96,7 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
     EXPECT_FALSE(roles.empty()) << method;
   }
   EXPECT_EQ(callers.at("/psflow.ParameterServer/Shutdown"), std::vector<Role>{Role::kChief});
-  EXPECT_EQ(callers.at("/psflow.ParameterServer/ChiefLeaving"), std::vector<Role>{Role::kChief});
+  EXPECT_EQ(callers.at("/psflow.ParameterServer/CheckpointTaken"), std::vector<Role>{Role::kChief});
 }
 
 class PsServiceTest : public ::testing::Test {
@@ -108,7 +108,7 @@ class PsServiceTest : public ::testing::Test {
     service_ = std::make_unique<PsService>(
         0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
         [this](bool holds_job) { job_calls_.push_back(holds_job); });
-    service_->OnChiefLeaving([this] { ++chief_leaving_; });
+    service_->OnCheckpointTaken([this] { ++checkpoints_taken_; });
     server_ = ServeOnLoopback(service_.get(), &port_);
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
@@ -235,7 +235,7 @@ class PsServiceTest : public ::testing::Test {
       job_calls_;  // what the service told on_job (from its RPC threads, one at a time)
   Shard shard_;
   absl::Notification shutdown_;
-  std::atomic<int> chief_leaving_{0};  // ChiefLeaving calls accepted
+  std::atomic<int> checkpoints_taken_{0};  // CheckpointTaken calls accepted
   std::unique_ptr<PsService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
@@ -1684,18 +1684,25 @@ TEST_F(PsServiceTest, SetLiveWorkersLetsAStepCompleteWithoutADroppedWorker) {
   EXPECT_EQ(r->version(), 2);
 }
 
-TEST_F(PsServiceTest, ChiefLeavingRpc) {
-  EXPECT_EQ(client_->ChiefLeaving(0, kJob, Deadline()).code(),
+TEST_F(PsServiceTest, CheckpointTakenRpc) {
+  EXPECT_EQ(client_->CheckpointTaken(0, kJob, Deadline()).code(),
             absl::StatusCode::kFailedPrecondition);  // no job yet
   ASSERT_TRUE(InitJob().ok());
-  EXPECT_EQ(client_->ChiefLeaving(0, kJob + 1, Deadline()).code(),
+  EXPECT_EQ(client_->CheckpointTaken(0, kJob + 1, Deadline()).code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(chief_leaving_.load(), 0);
-  EXPECT_TRUE(client_->ChiefLeaving(0, kJob, Deadline()).ok());
-  EXPECT_EQ(chief_leaving_.load(), 1);
+  EXPECT_EQ(checkpoints_taken_.load(), 0);
+  EXPECT_TRUE(client_->CheckpointTaken(0, kJob, Deadline()).ok());
+  EXPECT_EQ(checkpoints_taken_.load(), 1);
   // It stops nothing by itself: the job is still there.
   EXPECT_FALSE(shutdown_.HasBeenNotified());
-  EXPECT_TRUE(client_->GetState(0, Deadline()).ok());
+  absl::StatusOr<PsState> state = client_->GetState(0, Deadline());
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_FALSE(state->stopping());
+  // A ps that waits for the chief's checkpoint says so.
+  service_->SetStopping();
+  state = client_->GetState(0, Deadline());
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_TRUE(state->stopping());
 }
 
 TEST_F(PsServiceTest, ShutdownRpc) {
