@@ -339,23 +339,6 @@ TEST_F(ClusterTest, LaunchForwardsSigtermAndLeavesNothingBehind) {
   ExpectNoProcessesLeft(marker);
 }
 
-// The pids of the members of the cluster of chief `chief` (its address)
-// with that role and task index. Each flag is looked for alone: a worker
-// that executes itself again (for its kernel threads' wait policy) passes
-// its flags in another order.
-std::vector<pid_t> FindMember(const std::string& chief, const std::string& role, int index) {
-  std::vector<pid_t> found;
-  const std::vector<pid_t> of_role = FindProcesses("--job_name=" + role);
-  const std::vector<pid_t> of_index = FindProcesses("--task_id=" + std::to_string(index));
-  for (pid_t pid : FindProcesses("--chief_hosts=" + chief)) {
-    if (std::count(of_role.begin(), of_role.end(), pid) > 0 &&
-        std::count(of_index.begin(), of_index.end(), pid) > 0) {
-      found.push_back(pid);
-    }
-  }
-  return found;
-}
-
 // Starts psflow-launch with `launch_args`, then after "--" an mlp job of
 // `steps` steps that logs every 50 into `model_dir` (and `job_args`), and
 // waits for the chief's line of step 100: *launch, and the chief's address

@@ -47,8 +47,7 @@ class ConsistencyTest : public TempDirTest {
     EXPECT_TRUE(launch.WaitForOutput("chief] step 200/", seconds(120))) << launch.Describe();
     const std::string chief = LaunchChiefAddress(launch.output());
     EXPECT_NE(chief, "") << launch.Describe();
-    std::vector<pid_t> worker1 =
-        FindProcesses("--job_name=worker --task_id=1 --chief_hosts=" + chief);
+    std::vector<pid_t> worker1 = FindMember(chief, "worker", 1);
     EXPECT_EQ(worker1.size(), 1u) << launch.Describe();
     if (worker1.size() == 1) {
       ::kill(worker1[0], SIGSTOP);

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -291,7 +292,11 @@ std::vector<int> FreePorts(int n) {
   return ports;
 }
 
-std::vector<pid_t> FindProcesses(const std::string& text) {
+namespace {
+
+// Pids of the live processes other than this one whose command line
+// (arguments separated by NULs) `match` accepts.
+std::vector<pid_t> FindByCommandLine(const std::function<bool(const std::string&)>& match) {
   std::vector<pid_t> found;
   const pid_t self = ::getpid();
   std::error_code ec;
@@ -304,12 +309,34 @@ std::vector<pid_t> FindProcesses(const std::string& text) {
     std::ifstream in(it->path() / "cmdline", std::ios::binary);
     std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (cmdline.empty()) continue;  // a zombie or a kernel thread
+    if (match(cmdline)) found.push_back(pid);
+  }
+  return found;
+}
+
+}  // namespace
+
+std::vector<pid_t> FindProcesses(const std::string& text) {
+  return FindByCommandLine([&text](std::string cmdline) {
     for (char& c : cmdline) {
       if (c == '\0') c = ' ';
     }
-    if (cmdline.find(text) != std::string::npos) found.push_back(pid);
-  }
-  return found;
+    return cmdline.find(text) != std::string::npos;
+  });
+}
+
+std::vector<pid_t> FindMember(const std::string& chief, const std::string& role, int index) {
+  const std::vector<std::string> wanted = {"--chief_hosts=" + chief, "--job_name=" + role,
+                                           "--task_id=" + std::to_string(index)};
+  return FindByCommandLine([&wanted](const std::string& cmdline) {
+    // Whole arguments: --task_id=1 is not --task_id=10.
+    const std::string args = std::string(1, '\0') + cmdline;
+    for (const std::string& w : wanted) {
+      if (args.find(std::string(1, '\0') + w + std::string(1, '\0')) == std::string::npos)
+        return false;
+    }
+    return true;
+  });
 }
 
 std::vector<std::string> Lines(const std::string& text) {

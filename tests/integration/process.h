@@ -118,6 +118,13 @@ std::vector<int> FreePorts(int n);
 // (arguments joined by spaces) contains `text`.
 std::vector<pid_t> FindProcesses(const std::string& text);
 
+// Pids of the live members of the cluster whose chief is at `chief`
+// (host:port) with that role ("chief", "ps", "worker") and task index,
+// found by each of those three arguments alone: a worker that executes
+// itself again (for its kernel threads' wait policy, on hosts of 8 cores
+// or more) passes its flags in another order.
+std::vector<pid_t> FindMember(const std::string& chief, const std::string& role, int index);
+
 // Waits up to 3 s for every process whose command line contains `text` to
 // be gone; kills (by pid) the ones that remain and fails the current test.
 void ExpectNoProcessesLeft(const std::string& text);

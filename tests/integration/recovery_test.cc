@@ -198,10 +198,9 @@ class Cluster {
   // index (found by its command line), waiting up to 30 s for there to be
   // exactly one; -1 if not.
   pid_t FindMember(const std::string& role, int index) {
-    const std::string text =
-        "--job_name=" + role + " --task_id=" + std::to_string(index) + " " + marker_;
+    const std::string chief = marker_.substr(marker_.find('=') + 1);
     for (int i = 0; i < 600; ++i) {
-      std::vector<pid_t> pids = FindProcesses(text);
+      std::vector<pid_t> pids = itest::FindMember(chief, role, index);
       if (pids.size() == 1) return pids[0];
       std::this_thread::sleep_for(milliseconds(50));
     }
