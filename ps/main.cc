@@ -4,7 +4,6 @@
 // checkpoint is done or --stop_grace passed; then after in-flight calls).
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -91,14 +90,6 @@ ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
 
 namespace {
 
-// What the ps's wait for the chief's checkpoint looks at and tells.
-struct StopHooks {
-  std::function<bool()> holds_job;
-  std::function<void()> stopping;                  // the wait for the chief begins
-  std::function<int64_t()> pushes_admitted;        // PsService::pushes_admitted
-  std::function<bool(int64_t)> pushes_open_up_to;  // PsService::pushes_open_up_to
-};
-
 // Why and when the ps stops: the job is over (the chief's Shutdown), or a
 // signal came; when the chief last said a checkpoint was taken
 // (CheckpointTaken).
@@ -126,13 +117,13 @@ class StopState {
     taken_at_ = absl::Now();
   }
   // Blocks until the ps should stop: at once when the job is over or on a
-  // second signal. After the first signal, if the ps holds a job (and
+  // second signal. After the first signal, if `shard` holds a job (and
   // `grace` is not zero): once the chief said its checkpoint was taken
-  // (since `grace` before the signal) and the pushes in progress then
-  // have ended (the workers' steps in flight), or `grace` after the
-  // signal; otherwise at once. Logs what it waits for and why the wait
-  // ended.
-  void Wait(absl::Duration grace, const StopHooks& hooks) {
+  // (since `grace` before the signal; `service` says meanwhile that the ps
+  // is stopping) and the pushes in progress then have ended (the workers'
+  // steps in flight), or `grace` after the signal; otherwise at once. Logs
+  // what it waits for and why the wait ended.
+  void Wait(absl::Duration grace, const psflow::ps::Shard& shard, psflow::ps::PsService& service) {
     absl::MutexLock lock(&mu_);
     auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || signal_ != 0; };
     mu_.Await(absl::Condition(&stopping));
@@ -140,7 +131,7 @@ class StopState {
     auto taken = [this, grace]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return taken_at_ >= signalled_at_ - grace;
     };
-    if (grace <= absl::ZeroDuration() || !hooks.holds_job()) {
+    if (grace <= absl::ZeroDuration() || !shard.state().has_job) {
       PSLOG(INFO) << "signal " << signal_ << ": finishing in-flight calls and exiting";
       return;
     }
@@ -151,7 +142,7 @@ class StopState {
                          absl::Trunc(signalled_at_ - taken_at_, absl::Milliseconds(1)))
                   << " before it; exiting once the pushes in progress end";
     } else {
-      hooks.stopping();
+      service.SetStopping();
       PSLOG(INFO) << "signal " << signal_ << ": serving on until the chief has taken a "
                   << "checkpoint, for at most " << absl::FormatDuration(grace)
                   << " (a second signal: exit now)";
@@ -171,11 +162,11 @@ class StopState {
     // answered: let those end, rather than fail them (each would wait for
     // this ps to come back). Pushes that start later are not waited for
     // (workers that go on training).
-    const int64_t in_progress = hooks.pushes_admitted();
-    while (!stop_ && hooks.pushes_open_up_to(in_progress) && absl::Now() < until) {
+    const int64_t in_progress = service.pushes_admitted();
+    while (!stop_ && service.pushes_open_up_to(in_progress) && absl::Now() < until) {
       mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(5));
     }
-    if (!stop_ && hooks.pushes_open_up_to(in_progress)) {
+    if (!stop_ && service.pushes_open_up_to(in_progress)) {
       PSLOG(WARNING) << "pushes still in progress after " << absl::FormatDuration(grace)
                      << ": exiting";
     }
@@ -350,10 +341,7 @@ int main(int argc, char** argv) {
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << config.self_address;
-  stop.Wait(absl::GetFlag(FLAGS_stop_grace),
-            {[&shard] { return shard.state().has_job; }, [&service] { service.SetStopping(); },
-             [&service] { return service.pushes_admitted(); },
-             [&service](int64_t seq) { return service.pushes_open_up_to(seq); }});
+  stop.Wait(absl::GetFlag(FLAGS_stop_grace), shard, service);
   readiness.Set(false);  // the job is over (or the process stops): not ready
   shard.Shutdown();      // wakes waiting pulls so the server can drain
   // With --exit_when_done=false the server stays up while idle, so that the
