@@ -418,8 +418,11 @@ TEST_F(ClusterTest, ClusterSigtermedAllAtOnceKeepsTheChiefsCheckpoint) {
       << again.Describe();
 }
 
-// A worker that fails (without --restart) stops the cluster as a signal to
-// the launcher does: the chief first, which checkpoints while the ps answer.
+// A worker that exits non-zero (without --restart) stops the cluster as a
+// signal to the launcher does: the chief first, which checkpoints while the
+// ps answer. (SIGTERM, so that the worker exits between its pushes of a
+// step; one killed half-way through them would leave the ps a step apart,
+// and no checkpoint of one step could be taken until the chief dropped it.)
 TEST_F(ClusterTest, AFailedWorkerStopsTheClusterChiefFirst) {
   const std::string model_dir = dir_ + "/model";
   std::unique_ptr<Process> started;
@@ -429,8 +432,8 @@ TEST_F(ClusterTest, AFailedWorkerStopsTheClusterChiefFirst) {
   Process& launch = *started;
   const std::vector<pid_t> worker1 = FindMember(chief, "worker", 1);
   ASSERT_THAT(worker1, SizeIs(1)) << launch.Describe();
-  ::kill(worker1[0], SIGKILL);
-  EXPECT_EQ(launch.WaitOrKill(seconds(30)), 137) << launch.Describe();
+  ::kill(worker1[0], SIGTERM);
+  EXPECT_EQ(launch.WaitOrKill(seconds(30)), 143) << launch.Describe();
   const std::string out = launch.output();
   const size_t failed = out.find("[launch] worker1 failed; stopping the cluster, chief first");
   ASSERT_NE(failed, std::string::npos) << launch.Describe();
