@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/message_call.h"
 #include "common/shared_region.h"
 #include "common/tensor_chunks.h"
 
@@ -95,29 +96,24 @@ absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
                               absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes,
                               const SharedSpan* region = nullptr);
 
-// One client call of raw messages (any of the four kinds, on a
-// grpc::GenericStub), driven step by step from the calling thread on a
-// completion queue of its own. Each step blocks until gRPC completes it; a
-// false step means the call is over, and Finish says why. Not thread-safe.
-class RawCall {
+// One client call of raw messages over gRPC (any of the four kinds, on a
+// grpc::GenericStub), driven from the calling thread on a completion queue
+// of its own (see MessageCall).
+class RawCall final : public MessageCall {
  public:
   // `method` is the full name, "/package.Service/Method"; `context` (its
   // deadline, metadata) must outlive the call.
   RawCall(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method);
   // Finishes the call if Finish was not called (cancelling it first).
-  ~RawCall();
+  ~RawCall() override;
   RawCall(const RawCall&) = delete;
   RawCall& operator=(const RawCall&) = delete;
 
-  // From now on the call is cancelled, within about 50 ms, once `*flag`
-  // holds (it must outlive the call).
-  void CancelWhen(const std::atomic<bool>* flag) { cancel_when_ = flag; }
-
-  bool Write(const grpc::ByteBuffer& message);
-  bool WritesDone();
-  // False at the end of the server's messages, or when the call failed.
-  bool Read(grpc::ByteBuffer* message);
-  grpc::Status Finish();
+  void CancelWhen(const std::atomic<bool>* flag) override { cancel_when_ = flag; }
+  bool Write(const grpc::ByteBuffer& message) override;
+  bool WritesDone() override;
+  bool Read(grpc::ByteBuffer* message) override;
+  grpc::Status Finish() override;
 
  private:
   bool Wait();

@@ -7,10 +7,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/call_channel.h"
 #include "common/chunk_messages.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/log.h"
+#include "common/status_macros.h"
+#include "ps/channel_server.h"
 
 namespace psflow::ps {
 namespace {
@@ -99,7 +102,10 @@ bool GrpcClient::Reachable(int ps) const {
   return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
 }
 
-void GrpcClient::CancelAll() { calls_.CancelAll(); }
+void GrpcClient::CancelAll() {
+  cancelled_ = true;
+  calls_.CancelAll();
+}
 
 GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
                        int connections_per_ps, metrics::Registry* metrics, Role server_role,
@@ -128,6 +134,10 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
       "psflow_shared_memory_calls_total",
       "Pushes and pulls that went through shared memory with a ps on this host (pulls answered "
       "'not yet', which carry no tensors, included).");
+  channel_calls_ = m->GetCounter(
+      "psflow_channel_calls_total",
+      "Pushes and pulls that went through a same-host channel with a ps on this host (no gRPC "
+      "thread on either side).");
   for (const std::string& a : addresses) {
     auto link = std::make_unique<Link>();
     for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
@@ -291,20 +301,23 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
   absl::Status bad;
   grpc::Status finished;
   *bytes = 0;
+  std::unique_ptr<ClientChannel> channel = region != nullptr ? TakeChannel(ps) : nullptr;
+  bool clean = false;  // the channel's call ended with the ps's status
   {
-    RawCall rpc(NextStub(ps), call.context(), kPullMethod);
-    if (give_up != nullptr) rpc.CancelWhen(give_up);
+    std::unique_ptr<MessageCall> rpc =
+        OpenCall(ps, ChannelMethod::kPull, kPullMethod, call.context(), deadline, channel.get());
+    if (give_up != nullptr) rpc->CancelWhen(give_up);
     grpc::ByteBuffer message;
     bool own = false;
     if (grpc::SerializationTraits<PullRequest>::Serialize(request, &message, &own).ok() &&
-        rpc.Write(message)) {
-      rpc.WritesDone();
+        rpc->Write(message)) {
+      rpc->WritesDone();
     }
     PullResponse fields;
     // (The version a step's pushes make: traced as that step.)
     const int64_t step = request.by_clock() ? request.clock() : request.min_version() - 1;
     // The stream is always drained, so that Finish returns.
-    while (rpc.Read(&message)) {
+    while (rpc->Read(&message)) {
       TraceSpan read_span(trace_, "pull message read", step);
       read_span.Arg("ps", ps);
       if (!bad.ok()) continue;
@@ -322,8 +335,10 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
     }
     // From the stream's end (its status has come) to the call's.
     TraceSpan finish_span(trace_, "pull finish", step);
-    finished = rpc.Finish();
+    finished = rpc->Finish();
+    clean = channel != nullptr && static_cast<ChannelCall*>(rpc.get())->clean();
   }
+  if (channel != nullptr) GiveChannel(ps, std::move(channel), clean);
   if (absl::Status s = FromGrpcStatus(finished); !s.ok()) return s;
   if (!bad.ok()) return absl::DataLossError(bad.message());
   if (!first.has_value()) return absl::DataLossError("empty pull answer");
@@ -454,11 +469,15 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
   PushResponse response;
   absl::Status s;
   Lent lent;
+  std::unique_ptr<ClientChannel> channel;
+  bool clean = false;  // the channel's call ended with the ps's status
   {
     // The call (its context) ends before the memory is asked back: gRPC may
     // hold the slices until then.
     ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
-    RawCall rpc(NextStub(ps), call.context(), kPushMethod);
+    channel = region != nullptr ? TakeChannel(ps) : nullptr;
+    std::unique_ptr<MessageCall> rpc =
+        OpenCall(ps, ChannelMethod::kPush, kPushMethod, call.context(), deadline, channel.get());
     // As WriteChunked: the header goes first, even with no chunks. In runs,
     // it goes alone and at once (the ps maps the region meanwhile), then
     // each run's chunks once it is final.
@@ -471,7 +490,8 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
     if (runs != nullptr) starts = runs->starts;
     bool written = true;
     if (runs != nullptr) {
-      written = rpc.Write(EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, {}, nullptr));
+      written =
+          rpc->Write(EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, {}, nullptr));
       message.Clear();
     }
     int64_t cursor = 0;  // in the region
@@ -539,7 +559,7 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
         TraceSpan write_span(trace_, "push run write", message_step);
         write_span.Arg("ps", ps);
         write_span.Arg("run", g);
-        written = rpc.Write(buffer);
+        written = rpc->Write(buffer);
         write_span.End();
         sent_any = true;
         message.Clear();
@@ -552,10 +572,11 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
     if (s.ok()) {
       TraceSpan answer_span(trace_, "push answer wait", message_step);
       answer_span.Arg("ps", ps);
-      if (written) rpc.WritesDone();
+      if (written) rpc->WritesDone();
       grpc::ByteBuffer answer;
-      const bool answered = rpc.Read(&answer);
-      s = FromGrpcStatus(rpc.Finish());
+      const bool answered = rpc->Read(&answer);
+      s = FromGrpcStatus(rpc->Finish());
+      clean = channel != nullptr && static_cast<ChannelCall*>(rpc.get())->clean();
       if (s.ok() &&
           (!answered ||
            !grpc::SerializationTraits<PushResponse>::Deserialize(&answer, &response).ok())) {
@@ -563,9 +584,96 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
       }
     }
   }
+  if (channel != nullptr) GiveChannel(ps, std::move(channel), clean);
   lent.Release();
   if (!s.ok()) return s;
   return response;
+}
+
+GrpcClient::ClientChannel::~ClientChannel() {
+  if (end != nullptr) end->Close();  // the ps's thread of it ends
+}
+
+std::unique_ptr<MessageCall> GrpcClient::OpenCall(int ps, ChannelMethod method,
+                                                  const char* grpc_method,
+                                                  grpc::ClientContext* context,
+                                                  absl::Time deadline, ClientChannel* channel) {
+  if (channel == nullptr) return std::make_unique<RawCall>(NextStub(ps), context, grpc_method);
+  channel_calls_->Add();
+  return std::make_unique<ChannelCall>(channel->end.get(), channel->next_call++,
+                                       static_cast<uint8_t>(method), deadline, &cancelled_);
+}
+
+std::unique_ptr<GrpcClient::ClientChannel> GrpcClient::TakeChannel(int ps) {
+  if (!use_channels_ || regions_ == nullptr) return nullptr;
+  Link& link = *links_[ps];
+  {
+    absl::MutexLock lock(&link.channels_mu);
+    if (!link.idle_channels.empty()) {
+      std::unique_ptr<ClientChannel> channel = std::move(link.idle_channels.back());
+      link.idle_channels.pop_back();
+      return channel;
+    }
+    if (link.channels_open >= kMaxChannelsPerPs || absl::Now() < link.no_channel_until) {
+      return nullptr;
+    }
+    ++link.channels_open;
+  }
+  absl::StatusOr<std::unique_ptr<ClientChannel>> opened = OpenChannel(ps);
+  if (opened.ok()) return *std::move(opened);
+  absl::MutexLock lock(&link.channels_mu);
+  --link.channels_open;
+  // A ps that refuses channels (an older one, another host's, one without
+  // shared memory, over its bound) is asked again after a while; any other
+  // failure (it is not up) by the next call.
+  const absl::Status& s = opened.status();
+  if (IsSharedMemoryRefusal(s) || absl::IsUnimplemented(s) || absl::IsResourceExhausted(s) ||
+      absl::IsPermissionDenied(s) || absl::IsInternal(s)) {
+    link.no_channel_until = absl::Now() + retry_shared_after_;
+    if (!link.told_no_channels) {
+      link.told_no_channels = true;
+      PSLOG(WARNING) << "ps " << ps << " opens no same-host channel (" << s.message()
+                     << "): its pushes and pulls go through gRPC (asked again after "
+                     << absl::FormatDuration(retry_shared_after_) << ")";
+    }
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<GrpcClient::ClientChannel>> GrpcClient::OpenChannel(int ps) {
+  auto channel = std::make_unique<ClientChannel>();
+  PSFLOW_ASSIGN_OR_RETURN(channel->region, SharedRegion::Create(ChannelRegionBytes()));
+  PSFLOW_RETURN_IF_ERROR(ChannelEnd::Format(channel->region->data()));
+  OpenChannelRequest request;
+  *request.mutable_region() = channel->region->ref();
+  OpenChannelResponse response;
+  {
+    // The ps took this process's regions: it is up, and answers at once.
+    ActiveCalls::Scope call(&calls_, absl::Now() + absl::Seconds(10), /*wait_for_ready=*/false);
+    PSFLOW_RETURN_IF_ERROR(
+        FromGrpcStatus(links_[ps]->stub->OpenChannel(call.context(), request, &response)));
+  }
+  const int32_t pid = response.pid();
+  PSFLOW_ASSIGN_OR_RETURN(channel->end,
+                          ChannelEnd::Open(channel->region->data(), ChannelEnd::Side::kClient,
+                                           [pid] { return ProcessAlive(pid); }));
+  Link& link = *links_[ps];
+  if (!link.told_channels.exchange(true)) {
+    PSLOG(INFO) << "ps " << ps << " (process " << pid
+                << ") serves this process's pushes and pulls through same-host channels";
+  }
+  return channel;
+}
+
+void GrpcClient::GiveChannel(int ps, std::unique_ptr<ClientChannel> channel, bool clean) {
+  Link& link = *links_[ps];
+  absl::MutexLock lock(&link.channels_mu);
+  if (clean) {
+    link.idle_channels.push_back(std::move(channel));
+    return;
+  }
+  --link.channels_open;
+  channel.reset();  // closed: a call that did not end cleanly may have left records in it
 }
 
 absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {

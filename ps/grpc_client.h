@@ -14,11 +14,13 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include "common/call_channel.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "common/shared_region.h"
 #include "common/step_trace.h"
 #include "proto/ps.grpc.pb.h"
+#include "ps/channel_server.h"
 #include "ps/client.h"
 
 namespace psflow::ps {
@@ -94,6 +96,15 @@ class GrpcClient final : public Client {
   // set; tests shorten it). Set before the first call.
   void set_retry_shared_after(absl::Duration wait) { retry_shared_after_ = wait; }
 
+  // With shared memory, pushes and pulls through a region go through a
+  // same-host channel to their ps (common/call_channel.h) where it opens
+  // one: the same messages, without gRPC's threads on either side. At most
+  // kMaxChannelsPerPs per ps (one per call in flight; a call finds none
+  // free goes through gRPC). A ps that refuses to open one is asked again
+  // after retry_shared_after. Off by default; set before the first call.
+  static constexpr int kMaxChannelsPerPs = 16;
+  void UseChannels(bool on) { use_channels_ = on; }
+
  private:
   // One pull: `request` (its dtype set from the sinks') answered into
   // `sinks`; the first message of the answer, or an error. `ready` tells an
@@ -145,6 +156,25 @@ class GrpcClient final : public Client {
   // next retry_shared_after_.
   bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease* lease,
                      bool probe);
+  // A same-host channel: its region and this end of it, with the number of
+  // its next call. Closed when dropped.
+  struct ClientChannel {
+    ~ClientChannel();
+    std::unique_ptr<SharedRegion> region;
+    std::unique_ptr<ChannelEnd> end;
+    uint64_t next_call = 1;
+  };
+  // A free channel to `ps`, or a new one; null where none may be had (the
+  // call goes through gRPC).
+  std::unique_ptr<ClientChannel> TakeChannel(int ps);
+  absl::StatusOr<std::unique_ptr<ClientChannel>> OpenChannel(int ps);
+  // After a call on it: kept for the next, or closed (`clean` false).
+  void GiveChannel(int ps, std::unique_ptr<ClientChannel> channel, bool clean);
+  // The call: on `channel` where it is not null, else over gRPC.
+  std::unique_ptr<MessageCall> OpenCall(int ps, ChannelMethod method, const char* grpc_method,
+                                        grpc::ClientContext* context, absl::Time deadline,
+                                        ClientChannel* channel);
+
   // The connections to one ps.
   struct Link {
     std::vector<std::shared_ptr<grpc::Channel>> channels;
@@ -161,6 +191,12 @@ class GrpcClient final : public Client {
     std::atomic<bool> probing{false};
     std::atomic<bool> told_shared{false};   // the log said it takes regions
     std::atomic<bool> told_refused{false};  // the log said it refused one
+    std::atomic<bool> told_channels{false};  // the log said it opened a channel
+    absl::Mutex channels_mu;
+    std::vector<std::unique_ptr<ClientChannel>> idle_channels ABSL_GUARDED_BY(channels_mu);
+    int channels_open ABSL_GUARDED_BY(channels_mu) = 0;  // idle or in a call
+    absl::Time no_channel_until ABSL_GUARDED_BY(channels_mu);  // after a refusal
+    bool told_no_channels ABSL_GUARDED_BY(channels_mu) = false;
   };
   // The raw stub of the next pull or push to `ps`.
   grpc::GenericStub* NextStub(int ps);
@@ -173,6 +209,8 @@ class GrpcClient final : public Client {
   absl::Mutex push_region_mu_;
   std::shared_ptr<const SharedRegion> push_region_ ABSL_GUARDED_BY(push_region_mu_);
   ActiveCalls calls_;
+  std::atomic<bool> cancelled_{false};  // CancelAll came: a channel's calls end too
+  bool use_channels_ = false;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   RpcErrors errors_;
   metrics::Histogram* push_bytes_;
@@ -180,6 +218,7 @@ class GrpcClient final : public Client {
   metrics::Histogram* pull_bytes_;
   metrics::Histogram* pull_seconds_;
   metrics::Counter* shared_calls_;
+  metrics::Counter* channel_calls_;
   StepTrace* trace_ = nullptr;
 };
 

@@ -56,6 +56,12 @@ ABSL_FLAG(bool, shared_memory, true,
           "(psflow-worker --shared_memory), so that their tensors do not cross the network. "
           "false: refuse it; those workers then send over the network.");
 
+ABSL_FLAG(bool, same_host_channels, true,
+          "With --shared_memory, let workers on this host open channels in shared memory "
+          "(psflow-worker --same_host_channels) and serve their pushes and pulls there: each "
+          "channel has a thread of its own here that sleeps on a futex until its worker rings, "
+          "instead of gRPC's threads. false: refuse them; those workers use gRPC.");
+
 ABSL_FLAG(bool, apply_in_place, true,
           "In a synchronous job, apply the gradients that workers on this host push through "
           "shared memory where they lie, without copying them out first (16-bit ones are widened "
@@ -315,7 +321,7 @@ int main(int argc, char** argv) {
       config.task_index, &shard, request_stop, &metrics,
       [&readiness](bool ready) { readiness.Set(ready); }, limits,
       absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place),
-      absl::GetFlag(FLAGS_parallel_pull_answers));
+      absl::GetFlag(FLAGS_parallel_pull_answers), absl::GetFlag(FLAGS_same_host_channels));
   service.OnCheckpointTaken([&stop] { stop.CheckpointTaken(); });
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;

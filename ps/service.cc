@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <thread>
 #include <type_traits>
 #include <utility>
+
+#include <unistd.h>
 
 #include <grpcpp/alarm.h>
 
@@ -16,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "common/call_channel.h"
 #include "common/chunk_messages.h"
 #include "common/cpu_count.h"
 #include "common/deferred_work.h"
@@ -70,6 +74,8 @@ CallerRoles ReplicaCallers(Role chief, bool worker0) {
       {method("CheckpointTaken"), loads},
       {method("SetLiveWorkers"), {Role::kChief}},
       {method("Push"), {Role::kChief}},
+      // A replica serves no channels (they carry pushes).
+      {method("OpenChannel"), {Role::kChief}},
       {method("Snapshot"), {chief, Role::kWorker, Role::kEvaluator}},
       {method("Pull"), {chief, Role::kWorker, Role::kEvaluator}},
   };
@@ -85,6 +91,8 @@ CallerRoles PsCallers(Role chief) {
       {method("Shutdown"), {chief}},
       {method("CheckpointTaken"), {chief}},
       {method("Snapshot"), {chief, Role::kEvaluator}},
+      // A channel carries its worker's pushes and pulls.
+      {method("OpenChannel"), {Role::kWorker}},
       {method("Push"), {Role::kWorker}},
       {method("Pull"), {Role::kChief, Role::kWorker, Role::kEvaluator}},
   };
@@ -164,13 +172,16 @@ class PsService::Waker {
   std::function<void()> advance_ ABSL_GUARDED_BY(mu_);  // null once the call is done
 };
 
-template <typename Response>
-class PsService::WaitingWriter : public grpc::ServerWriteReactor<Response> {
+template <typename Response, typename Base>
+class PsService::WaitingWriter : public Base {
  public:
-  WaitingWriter(PsService* service, grpc::CallbackServerContext* context)
-      : service_(service),
-        peer_(context->peer()),
-        call_deadline_(absl::FromChrono(context->deadline())),
+  // `base_args` go to the base: none for gRPC's, the host for a channel's.
+  template <typename... BaseArgs>
+  WaitingWriter(PsService* service, std::string peer, absl::Time deadline, BaseArgs... base_args)
+      : Base(base_args...),
+        service_(service),
+        peer_(std::move(peer)),
+        call_deadline_(deadline),
         waker_(std::make_shared<Waker>(service->wakers_.get(), service->spread_wakes_)) {}
 
  protected:
@@ -290,11 +301,26 @@ constexpr int64_t kPullBatchBytes = 256 << 10;
 
 // Streams the slices asked for, each as soon as it reaches the version, from
 // its published value (kept alive here) converted chunk by chunk.
-class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
+template <typename Base>
+class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base> {
+  using Writer = WaitingWriter<grpc::ByteBuffer, Base>;
+  using Writer::Arm;
+  using Writer::call_deadline_;
+  using Writer::Disarm;
+  using Writer::finish_after_write_;
+  using Writer::FinishLocked;
+  using Writer::mu_;
+  using Writer::response_;
+  using Writer::service_;
+  using Writer::Start;
+  using Writer::WaitUntil;
+  using Writer::WriteLocked;
+
  public:
-  PullWriter(PsService* service, grpc::CallbackServerContext* context,
-             const grpc::ByteBuffer* request)
-      : WaitingWriter(service, context), start_(absl::Now()) {
+  template <typename... BaseArgs>
+  PullWriter(PsService* service, std::string peer, absl::Time deadline,
+             const grpc::ByteBuffer* request, BaseArgs... base_args)
+      : Writer(service, std::move(peer), deadline, base_args...), start_(absl::Now()) {
     grpc::ByteBuffer copy = *request;  // shares the slices
     const bool parsed = grpc::SerializationTraits<PullRequest>::Deserialize(&copy, &request_).ok();
     {
@@ -542,11 +568,13 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer> {
 
 // Asks the shard for a snapshot of one version, waits until it is taken,
 // then streams it (values, and optimizer slots unless values_only).
-class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
+class PsService::SnapshotWriter final
+    : public WaitingWriter<SnapshotResponse, grpc::ServerWriteReactor<SnapshotResponse>> {
  public:
   SnapshotWriter(PsService* service, grpc::CallbackServerContext* context,
                  const SnapshotRequest* request)
-      : WaitingWriter(service, context), request_(*request) {
+      : WaitingWriter(service, context->peer(), absl::FromChrono(context->deadline())),
+        request_(*request) {
     absl::StatusOr<Shard::SnapshotTicket> ticket =
         service_->shard_->RequestSnapshot(request_.job_id(), request_.version());
     if (ticket.ok()) ticket_ = *ticket;
@@ -600,7 +628,7 @@ class PsService::SnapshotWriter final : public WaitingWriter<SnapshotResponse> {
 PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
                      metrics::Registry* metrics, std::function<void(bool)> on_job,
                      StreamLimits limits, bool shared_memory, StepTrace* trace, bool apply_in_place,
-                     bool spread_wakes)
+                     bool spread_wakes, bool channels)
     : ps_index_(ps_index),
       shard_(shard),
       on_shutdown_(std::move(on_shutdown)),
@@ -609,7 +637,8 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       trace_(trace),
       apply_in_place_(apply_in_place),
       spread_wakes_(spread_wakes),
-      regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr) {
+      regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr),
+      channels_(channels && shared_memory) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",
                                 "Gradient bytes (in the wire dtype) received by one push call.",
@@ -638,6 +667,10 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "Shared memory regions of workers on this host mapped by this ps (their pushes and pulls "
       "do not cross the network).",
       [this] { return regions_ == nullptr ? 0.0 : static_cast<double>(regions_->size()); });
+  m->SetGaugeFunction("psflow_ps_channels",
+                       "Same-host channels of workers open on this ps (their pushes and pulls "
+                       "pass no gRPC thread).",
+                       [this] { return static_cast<double>(open_channels()); });
   refused_regions_ = m->GetCounter(
       "psflow_ps_refused_regions_total",
       "Shared memory regions this ps refused to map (its calls went again over the network), "
@@ -651,7 +684,24 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
   pushers_ = std::make_unique<ThreadPool>(std::max(4, UsableCores()));
 }
 
-PsService::~PsService() = default;
+PsService::~PsService() {
+  // The channels' calls end (cancelled) while everything they use is here.
+  std::vector<std::unique_ptr<ChannelServer>> servers;
+  {
+    absl::MutexLock lock(&channels_mu_);
+    servers.swap(channel_servers_);
+  }
+  for (auto& server : servers) server->Stop();
+  servers.clear();
+}
+
+int PsService::open_channels() const {
+  absl::MutexLock lock(&channels_mu_);
+  int open = 0;
+  for (const auto& server : channel_servers_) open += server->ended() ? 0 : 1;
+  return open;
+}
+
 
 absl::StatusOr<std::shared_ptr<const SharedMapping>> PsService::AttachRegion(
     const SharedRegionRef& ref) {
@@ -750,7 +800,8 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* PsService::Pull(grpc::CallbackServerContext* context,
                                                             const grpc::ByteBuffer* request) {
-  return new PullWriter(this, context, request);
+  return new PullWriter<grpc::ServerWriteReactor<grpc::ByteBuffer>>(
+      this, context->peer(), absl::FromChrono(context->deadline()), request);
 }
 
 // A push's message that can carry at most this many bytes of data still to
@@ -773,13 +824,20 @@ constexpr int64_t kInlineReadBytes = 64 << 10;
 // answered once the stream has ended and the shard has let go of the last
 // of them (the worker reuses the region after the answer), or at once when
 // the call fails or is cancelled.
-class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+template <typename Base>
+class PsService::PushReader final : public Base {
  public:
-  PushReader(PsService* service, grpc::CallbackServerContext* context, grpc::ByteBuffer* response)
-      : service_(service),
-        peer_(context->peer()),
-        response_(response),
+  // The answer goes into `response` (gRPC's), or one of the reader's own
+  // (null) that the base (a channel's, given `base_args`) sends.
+  template <typename... BaseArgs>
+  PushReader(PsService* service, std::string peer, grpc::ByteBuffer* response,
+             BaseArgs... base_args)
+      : Base(base_args...),
+        service_(service),
+        peer_(std::move(peer)),
+        response_(response != nullptr ? response : &own_response_),
         gate_(std::make_shared<Gate>(this)) {
+    if constexpr (std::is_base_of_v<ChannelReadReactor, Base>) this->SetResponse(response_);
     if (absl::Status s = service_->Admit(peer_); !s.ok()) {
       gate_->Answer(ToGrpcStatus(s));
       return;
@@ -790,7 +848,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
       seq_ = ++service_->pushes_admitted_;
       service_->open_pushes_.insert(seq_);
     }
-    StartRead(&message_);
+    this->StartRead(&message_);
   }
 
  private:
@@ -829,7 +887,9 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok || (assembler_ != nullptr && assembler_->remaining_bytes() <= kInlineReadBytes)) {
+    // A channel's thread is its worker's own: it reads every message.
+    if (std::is_base_of_v<ChannelReadReactor, Base> || !ok ||
+        (assembler_ != nullptr && assembler_->remaining_bytes() <= kInlineReadBytes)) {
       Process(ok);
       return;
     }
@@ -873,7 +933,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
     if (!s.ok()) {
       Fail(s);
     } else {
-      StartRead(&message_);
+      this->StartRead(&message_);
     }
   }
 
@@ -992,6 +1052,7 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
 
   PsService* const service_;
   const std::string peer_;
+  grpc::ByteBuffer own_response_;  // a channel's call's answer
   grpc::ByteBuffer* const response_;
   int64_t seq_ = 0;  // its number among the pushes admitted (pushes_admitted)
   bool admitted_ = false;
@@ -1015,7 +1076,8 @@ class PsService::PushReader final : public grpc::ServerReadReactor<grpc::ByteBuf
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* PsService::Push(grpc::CallbackServerContext* context,
                                                            grpc::ByteBuffer* response) {
-  return new PushReader(this, context, response);
+  return new PushReader<grpc::ServerReadReactor<grpc::ByteBuffer>>(this, context->peer(),
+                                                                    response);
 }
 
 grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateRequest* request,
@@ -1072,6 +1134,58 @@ grpc::Status PsService::CheckpointTaken(grpc::ServerContext* context,
     return ToGrpcStatus(absl::FailedPreconditionError("the checkpoint taken is of another job"));
   }
   if (on_checkpoint_taken_) on_checkpoint_taken_();
+  return grpc::Status::OK;
+}
+
+grpc::Status PsService::OpenChannel(grpc::ServerContext* context,
+                                    const OpenChannelRequest* request,
+                                    OpenChannelResponse* response) {
+  if (!channels_) {
+    return ToGrpcStatus(SharedMemoryRefusal(regions_ == nullptr
+                                                ? "this ps runs with --shared_memory=false"
+                                                : "this ps serves no same-host channels"));
+  }
+  const SharedRegionRef& ref = request->region();
+  if (ref.bytes() < ChannelRegionBytes()) {
+    return ToGrpcStatus(SharedMemoryRefusal("the region is too small for a channel"));
+  }
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> mapping = AttachRegion(ref);
+  if (!mapping.ok()) return ToGrpcStatus(mapping.status());
+  const int32_t pid = ref.pid();
+  absl::StatusOr<std::unique_ptr<ChannelEnd>> end =
+      ChannelEnd::Open((*mapping)->data, ChannelEnd::Side::kServer,
+                       [pid] { return ProcessAlive(pid); });
+  if (!end.ok()) return ToGrpcStatus(SharedMemoryRefusal(std::string(end.status().message())));
+  const std::string peer = absl::StrCat("channel:pid=", pid);
+  std::vector<std::unique_ptr<ChannelServer>> ended;  // joined outside the lock
+  {
+    absl::MutexLock lock(&channels_mu_);
+    auto split = std::stable_partition(channel_servers_.begin(), channel_servers_.end(),
+                                       [](const auto& c) { return !c->ended(); });
+    std::move(split, channel_servers_.end(), std::back_inserter(ended));
+    channel_servers_.erase(split, channel_servers_.end());
+    const int of_peer = static_cast<int>(
+        std::count_if(channel_servers_.begin(), channel_servers_.end(),
+                      [&](const auto& c) { return c->peer() == peer; }));
+    if (of_peer >= limits_.per_peer ||
+        static_cast<int>(channel_servers_.size()) >= limits_.total) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat("too many same-host channels open (", of_peer, " of this worker, ",
+                       channel_servers_.size(), " in all)")));
+    }
+    channel_servers_.push_back(std::make_unique<ChannelServer>(
+        *std::move(end), *std::move(mapping), peer,
+        [this](ChannelServer* host, ChannelMethod method, const std::string& peer,
+               absl::Time deadline, const grpc::ByteBuffer* request) -> absl::Status {
+          if (method == ChannelMethod::kPush) {
+            new PushReader<ChannelReadReactor>(this, peer, nullptr, host);
+          } else {
+            new PullWriter<ChannelWriteReactor>(this, peer, deadline, request, host);
+          }
+          return absl::OkStatus();
+        }));
+  }
+  response->set_pid(getpid());
   return grpc::Status::OK;
 }
 

@@ -21,6 +21,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
@@ -29,6 +30,7 @@
 #include "common/shared_region.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
+#include "ps/channel_server.h"
 #include "ps/shard.h"
 
 namespace psflow::ps {
@@ -84,10 +86,12 @@ class PsService final
   // at once (the applying thread answers the first; the service's waker
   // threads the others) instead of one after the other on the applying
   // thread.
+  // With `channels` (and `shared_memory`), workers of this host may open
+  // same-host channels (OpenChannel) and push and pull through them.
   PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
             metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
             StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr,
-            bool apply_in_place = true, bool spread_wakes = false);
+            bool apply_in_place = true, bool spread_wakes = false, bool channels = false);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
@@ -118,6 +122,12 @@ class PsService final
                               SetLiveWorkersResponse* response) override;
   grpc::ServerWriteReactor<SnapshotResponse>* Snapshot(grpc::CallbackServerContext* context,
                                                        const SnapshotRequest* request) override;
+  // Maps the worker's channel region and serves its calls on a thread of
+  // the channel's (ps/channel_server.h), through the same reactors as
+  // Push and Pull. At most StreamLimits::per_peer channels per worker
+  // process and `total` in all (RESOURCE_EXHAUSTED over them).
+  grpc::Status OpenChannel(grpc::ServerContext* context, const OpenChannelRequest* request,
+                           OpenChannelResponse* response) override;
 
   // Streams refused for a bound so far.
   int64_t refused_streams() const ABSL_LOCKS_EXCLUDED(streams_mu_);
@@ -131,12 +141,19 @@ class PsService final
   // was told to stop and waits for the chief's checkpoint.
   void SetStopping() { stopping_ = true; }
 
-  // Internals of the waiting calls (service.cc).
+  // Same-host channels open now (those whose thread ended are dropped as
+  // the next one opens).
+  int open_channels() const ABSL_LOCKS_EXCLUDED(channels_mu_);
+
+  // Internals of the waiting calls (service.cc). Push and Pull reactors are
+  // templates over their base: gRPC's, or a channel's.
   class Waker;
-  template <typename Response>
+  template <typename Response, typename Base>
   class WaitingWriter;
+  template <typename Base>
   class PullWriter;
   class SnapshotWriter;
+  template <typename Base>
   class PushReader;
 
  private:
@@ -180,6 +197,10 @@ class PsService final
   std::unique_ptr<ThreadPool> pushers_;
   // Workers' shared regions; null when this ps takes none.
   std::unique_ptr<SharedRegionMap> regions_;
+  const bool channels_;
+  // Stopped (their calls cancelled and done) before anything above goes.
+  mutable absl::Mutex channels_mu_;
+  std::vector<std::unique_ptr<ChannelServer>> channel_servers_ ABSL_GUARDED_BY(channels_mu_);
 
   mutable absl::Mutex streams_mu_;
   absl::flat_hash_map<std::string, int> streams_ ABSL_GUARDED_BY(streams_mu_);  // by peer

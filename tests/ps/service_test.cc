@@ -2,12 +2,14 @@
 // and by hand-built streams through the generated stub.
 #include "ps/service.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -24,6 +26,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/call_channel.h"
 #include "common/float16.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
@@ -33,6 +36,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
+#include "ps/channel_server.h"
 #include "ps/grpc_client.h"
 #include "ps/shard.h"
 
@@ -88,7 +92,7 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
           ParameterServer::service_full_name());
   ASSERT_NE(service, nullptr);
   const CallerRoles callers = PsCallers();
-  EXPECT_EQ(callers.size(), 7u);
+  EXPECT_EQ(callers.size(), 8u);
   const std::string prefix = absl::StrCat("/", ParameterServer::service_full_name(), "/");
   for (const auto& [method, roles] : callers) {
     ASSERT_EQ(method.rfind(prefix, 0), 0u) << method;
@@ -97,6 +101,8 @@ TEST(PsCallersTest, NameMethodsOfTheService) {
   }
   EXPECT_EQ(callers.at("/psflow.ParameterServer/Shutdown"), std::vector<Role>{Role::kChief});
   EXPECT_EQ(callers.at("/psflow.ParameterServer/CheckpointTaken"), std::vector<Role>{Role::kChief});
+  // A channel carries pushes: only a worker opens one.
+  EXPECT_EQ(callers.at("/psflow.ParameterServer/OpenChannel"), std::vector<Role>{Role::kWorker});
 }
 
 class PsServiceTest : public ::testing::Test {
@@ -107,7 +113,9 @@ class PsServiceTest : public ::testing::Test {
     KeepGrpcUntilExit();
     service_ = std::make_unique<PsService>(
         0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
-        [this](bool holds_job) { job_calls_.push_back(holds_job); });
+        [this](bool holds_job) { job_calls_.push_back(holds_job); }, StreamLimits{},
+        /*shared_memory=*/true, /*trace=*/nullptr, /*apply_in_place=*/true,
+        /*spread_wakes=*/false, /*channels=*/true);
     service_->OnCheckpointTaken([this] { ++checkpoints_taken_; });
     server_ = ServeOnLoopback(service_.get(), &port_);
     ASSERT_NE(server_, nullptr);
@@ -150,6 +158,16 @@ class PsServiceTest : public ::testing::Test {
       slice->set_row_end(shape[0]);
     }
     return h;
+  }
+
+  // A client of the service through shared memory, and through same-host
+  // channels with `channels`.
+  std::unique_ptr<GrpcClient> SharedClient(bool channels, int connections = 2) {
+    auto client = std::make_unique<GrpcClient>(std::vector<std::string>{address_},
+                                               SecurityOptions{}, connections, &client_metrics_,
+                                               Role::kPs, /*shared_memory=*/true);
+    client->UseChannels(channels);
+    return client;
   }
 
   absl::Status InitJob() {
@@ -625,11 +643,13 @@ TEST_F(PsServiceTest, AShortPushIntoAReusedBufferIsRefused) {
 }
 
 // A client on the ps's host offers shared memory: its pushes and pulls go
-// through it, with the same results as over the network.
-TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+// through it, with the same results as over the network; with channels,
+// their messages go through same-host channels too.
+class SharedPathTest : public PsServiceTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(SharedPathTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
+  const bool channels = GetParam();
+  client_ = SharedClient(channels);
   ASSERT_TRUE(InitJob().ok());
   absl::StatusOr<Pulled> p0 = PullAll(0);
   ASSERT_TRUE(p0.ok()) << p0.status();
@@ -677,12 +697,23 @@ TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
     EXPECT_EQ(next->bias, p0->bias) << "step " << step;
   }
   // Every call went through shared memory: the first pull, then each step's
-  // two pushes and one pull.
+  // two pushes and one pull; with channels, through them.
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 10);
-  // The regions are reused from call to call: a few for the whole run.
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_channel_calls_total"), channels ? 10 : 0);
+  // One channel per call in flight at once (two pushes and a pull), reused.
+  const int open = service_->open_channels();
+  EXPECT_EQ(Series(server_metrics_.Render(), "psflow_ps_channels"), open);
+  if (channels) {
+    EXPECT_GE(open, 1);
+    EXPECT_LE(open, 3);
+  } else {
+    EXPECT_EQ(open, 0);
+  }
+  // The regions are reused from call to call: a few for the whole run (and
+  // one per channel).
   const double regions = Series(server_metrics_.Render(), "psflow_ps_shared_regions");
-  EXPECT_GE(regions, 1);
-  EXPECT_LE(regions, 4);
+  EXPECT_GE(regions, 1 + open);
+  EXPECT_LE(regions, 4 + open);
   // Both sides count the tensors' bytes as they would over the network.
   const double fp32_bytes = 4.0 * (NumElements(kBigShape) + NumElements(kBiasShape));
   EXPECT_EQ(client_metrics_.GetHistogram("psflow_push_bytes", "", {})->snapshot().sum,
@@ -690,6 +721,8 @@ TEST_F(PsServiceTest, PushesAndPullsThroughSharedMemoryGiveTheSameWeights) {
   EXPECT_EQ(server_metrics_.GetHistogram("psflow_ps_pull_bytes", "", {})->snapshot().sum,
             4 * fp32_bytes);
 }
+
+INSTANTIATE_TEST_SUITE_P(GrpcAndChannels, SharedPathTest, ::testing::Bool());
 
 // A push whose gradients the ps applies in the worker's region waits for
 // the step; at its deadline it ends (the worker drops that region), and the
@@ -835,14 +868,17 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
 // runs are still to come. A wait that fails ends the push with its error,
 // which is not counted as a failed call. Over the network and through
 // shared memory alike.
-class PushInRunsTest : public PsServiceTest, public ::testing::WithParamInterface<bool> {};
+class PushInRunsTest : public PsServiceTest, public ::testing::WithParamInterface<int> {};
 
 TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
   {
-    const bool shared = GetParam();
-    client_ =
+    // 0: over the network; 1: through shared memory; 2: and channels.
+    const bool shared = GetParam() >= 1;
+    auto client =
         std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
                                      /*connections_per_ps=*/2, &client_metrics_, Role::kPs, shared);
+    client->UseChannels(GetParam() == 2);
+    client_ = std::move(client);
     ASSERT_TRUE(InitJob().ok());
     const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
     // (Through shared memory, worker 1's push is answered once the step is
@@ -912,6 +948,7 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
     EXPECT_EQ(p->big, SgdAfter(big_, g_big, g_big));
     EXPECT_EQ(p->bias, SgdAfter(bias_, g_bias, g_bias));
     EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total") > 0, shared);
+    EXPECT_EQ(Series(client_metrics_.Render(), "psflow_channel_calls_total") > 0, GetParam() == 2);
 
     // Step 1: the second run's wait fails; the push ends with its error.
     h.set_step(1);
@@ -952,7 +989,8 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(NetworkAndSharedMemory, PushInRunsTest, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(NetworkSharedMemoryAndChannels, PushInRunsTest,
+                         ::testing::Values(0, 1, 2));
 
 // Pulls waiting for the same step (each worker's, through shared memory and
 // over the network) are all answered with its weights, whether the thread
@@ -2035,6 +2073,216 @@ TEST_F(PsServiceTest, UnknownWireDtypesAreRefused) {
   auto [messages, status] =
       ReadStream<PullResponse>([&](grpc::ClientContext* c) { return stub_->Pull(c, request); });
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+
+// ---------------------------------------------------------------------------
+// Same-host channels (common/call_channel.h, ps/channel_server.h).
+
+// A channel region of this process, formatted, and the ps's answer to
+// opening it through the raw stub. `ref` may be altered first (`edit`).
+struct OpenedChannel {
+  std::unique_ptr<SharedRegion> region;
+  grpc::Status status;
+  int32_t ps_pid = 0;
+};
+OpenedChannel OpenRawChannel(ParameterServer::Stub* stub,
+                             const std::function<void(SharedRegionRef*)>& edit = nullptr) {
+  OpenedChannel opened;
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(ChannelRegionBytes());
+  EXPECT_TRUE(made.ok()) << made.status();
+  if (!made.ok()) return opened;
+  opened.region = *std::move(made);
+  EXPECT_TRUE(ChannelEnd::Format(opened.region->data()).ok());
+  OpenChannelRequest request;
+  *request.mutable_region() = opened.region->ref();
+  if (edit) edit(request.mutable_region());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  OpenChannelResponse response;
+  opened.status = stub->OpenChannel(&context, request, &response);
+  opened.ps_pid = response.pid();
+  return opened;
+}
+
+bool WaitFor(const std::function<bool()>& done, absl::Duration timeout = absl::Seconds(10)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (!done()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+TEST_F(PsServiceTest, ForgedOrMisfitChannelsAreRefused) {
+  // Too small for a channel.
+  OpenedChannel small = OpenRawChannel(stub_.get(), [](SharedRegionRef* r) { r->set_bytes(4096); });
+  EXPECT_EQ(small.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(small.status.error_message(), HasSubstr("shared memory"));
+  // A wrong token.
+  OpenedChannel forged =
+      OpenRawChannel(stub_.get(), [](SharedRegionRef* r) { r->set_token(std::string(16, 'x')); });
+  EXPECT_EQ(forged.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  // A region that holds no channel (never formatted).
+  absl::StatusOr<std::unique_ptr<SharedRegion>> blank = SharedRegion::Create(ChannelRegionBytes());
+  ASSERT_TRUE(blank.ok());
+  OpenChannelRequest request;
+  *request.mutable_region() = (*blank)->ref();
+  grpc::ClientContext context;
+  OpenChannelResponse response;
+  const grpc::Status unformatted = stub_->OpenChannel(&context, request, &response);
+  EXPECT_EQ(unformatted.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(unformatted.error_message(), HasSubstr("channel"));
+  EXPECT_EQ(service_->open_channels(), 0);
+  // A good one opens, and the ps says who it is.
+  OpenedChannel good = OpenRawChannel(stub_.get());
+  EXPECT_TRUE(good.status.ok()) << good.status.error_message();
+  EXPECT_EQ(good.ps_pid, getpid());
+  EXPECT_EQ(service_->open_channels(), 1);
+}
+
+// Garbage written into a channel closes it; the ps serves on.
+TEST_F(PsServiceTest, GarbageInAChannelClosesItAndThePsServesOn) {
+  ASSERT_TRUE(InitJob().ok());
+  for (int garbage = 0; garbage < 3; ++garbage) {
+    SCOPED_TRACE(garbage);
+    OpenedChannel opened = OpenRawChannel(stub_.get());
+    ASSERT_TRUE(opened.status.ok()) << opened.status.error_message();
+    absl::StatusOr<std::unique_ptr<ChannelEnd>> end =
+        ChannelEnd::Open(opened.region->data(), ChannelEnd::Side::kClient, nullptr);
+    ASSERT_TRUE(end.ok());
+    const absl::Time later = absl::Now() + absl::Seconds(5);
+    if (garbage == 0) {
+      // A start record of the wrong size.
+      ASSERT_TRUE((*end)->Write(ChannelEnd::kStart, 1, "xy", {}, later).ok());
+    } else if (garbage == 1) {
+      // A server's record.
+      ASSERT_TRUE((*end)->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::OK), {}, later)
+                      .ok());
+    } else {
+      // A pull whose request is not a PullRequest: the call fails, the
+      // channel stays; then a ring position past the ring breaks it.
+      ChannelCall call(end->get(), 1, static_cast<uint8_t>(ChannelMethod::kPull), later);
+      EXPECT_TRUE(call.Write(MessageBuffer("\xff\xff\xff")));
+      EXPECT_TRUE(call.WritesDone());
+      const grpc::Status status = call.Finish();
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+      EXPECT_FALSE((*end)->closed());
+      auto* up_head = reinterpret_cast<std::atomic<uint64_t>*>(opened.region->data().data + 256);
+      up_head->store(uint64_t{1} << 40);
+      (*end)->RingSelf();
+    }
+    EXPECT_TRUE(WaitFor([&] { return (*end)->closed(); }));
+    EXPECT_TRUE(WaitFor([&] { return service_->open_channels() == 0; }));
+  }
+  absl::StatusOr<Pulled> p = PullAll(0);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->big, big_);
+}
+
+// A worker that opened a channel and went away: the ps's thread of it sees
+// its process gone, cancels the pull it left waiting, and ends.
+TEST_F(PsServiceTest, AChannelWhoseWorkerIsGoneEnds) {
+  ASSERT_TRUE(InitJob().ok());
+  absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(ChannelRegionBytes());
+  ASSERT_TRUE(made.ok());
+  std::unique_ptr<SharedRegion> region = *std::move(made);
+  ASSERT_TRUE(ChannelEnd::Format(region->data()).ok());
+  // A child holds the region's descriptor (inherited) and only waits: the
+  // channel is opened in its name.
+  int go[2];
+  ASSERT_EQ(pipe(go), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    char c;
+    (void)!read(go[0], &c, 1);
+    _exit(0);
+  }
+  close(go[0]);
+  OpenedChannel opened = OpenRawChannel(stub_.get(), [&](SharedRegionRef* r) {
+    *r = region->ref();
+    r->set_pid(child);
+  });
+  ASSERT_TRUE(opened.status.ok()) << opened.status.error_message();
+  EXPECT_EQ(service_->open_channels(), 1);
+  // A pull of version 5 waits on the channel.
+  std::unique_ptr<ChannelEnd> end =
+      *ChannelEnd::Open(region->data(), ChannelEnd::Side::kClient, nullptr);
+  PullRequest request;
+  request.set_job_id(kJob);
+  request.set_min_version(5);
+  const absl::Time later = absl::Now() + absl::Seconds(30);
+  ASSERT_TRUE(end->Write(ChannelEnd::kStart, 1,
+                         EncodeStart(static_cast<uint8_t>(ChannelMethod::kPull), later), {}, later)
+                  .ok());
+  ASSERT_TRUE(end->Write(ChannelEnd::kMessage, 1, request.SerializeAsString(), {}, later).ok());
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(service_->open_channels(), 1);
+  ASSERT_EQ(write(go[1], "x", 1), 1);
+  close(go[1]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  const absl::Time gone = absl::Now();
+  EXPECT_TRUE(WaitFor([&] { return service_->open_channels() == 0; }));
+  EXPECT_LT(absl::Now() - gone, absl::Seconds(2));
+  // The thread ended once the pull it held was cancelled and done; the
+  // channel is closed.
+  EXPECT_TRUE(end->closed());
+}
+
+// A ps that serves no channels (an older one, or --same_host_channels=false
+// there): the client's calls go through gRPC, still through shared memory.
+TEST_F(PsServiceTest, APsWithoutChannelsGetsTheCallsThroughGrpc) {
+  Shard shard;
+  PsService plain(
+      0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
+      /*apply_in_place=*/true, /*spread_wakes=*/false, /*channels=*/false);
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&plain, &port);
+  ASSERT_NE(server, nullptr);
+  auto client = std::make_unique<GrpcClient>(
+      std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, SecurityOptions{}, 1,
+      &client_metrics_, Role::kPs, /*shared_memory=*/true);
+  client->UseChannels(true);
+  client_ = std::move(client);
+  ASSERT_TRUE(InitJob().ok());
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<Pulled> p = PullAll(0);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->big, big_);
+  }
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 3);
+  EXPECT_EQ(Series(client_metrics_.Render(), "psflow_channel_calls_total"), 0);
+  EXPECT_EQ(plain.open_channels(), 0);
+  shard.Shutdown();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+// A worker may open at most per_peer channels.
+TEST_F(PsServiceTest, ChannelsOfOneWorkerAreBounded) {
+  Shard shard;
+  PsService bounded(
+      0, &shard, [] {}, nullptr, nullptr, StreamLimits{/*per_peer=*/2, /*total=*/10},
+      /*shared_memory=*/true, nullptr, true, false, /*channels=*/true);
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&bounded, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = ParameterServer::NewStub(
+      MakeChannel(absl::StrCat("127.0.0.1:", port), Role::kPs, SecurityOptions{}));
+  OpenedChannel a = OpenRawChannel(stub.get()), b = OpenRawChannel(stub.get()),
+                c = OpenRawChannel(stub.get());
+  EXPECT_TRUE(a.status.ok());
+  EXPECT_TRUE(b.status.ok());
+  EXPECT_EQ(c.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(bounded.open_channels(), 2);
+  // A closed one makes room.
+  (*ChannelEnd::Open(a.region->data(), ChannelEnd::Side::kClient, nullptr))->Close();
+  EXPECT_TRUE(WaitFor([&] { return bounded.open_channels() == 1; }));
+  OpenedChannel d = OpenRawChannel(stub.get());
+  EXPECT_TRUE(d.status.ok()) << d.status.error_message();
+  shard.Shutdown();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
 }  // namespace
