@@ -217,10 +217,10 @@ absl::Status ChannelEnd::WriteMessage(uint64_t call, const grpc::ByteBuffer& mes
   std::vector<grpc::Slice> slices;
   if (!message.Dump(&slices).ok()) return absl::InternalError("unreadable message");
   if (slices.size() == 1) {
-    return Write(kMessage, call,
-                 absl::string_view(reinterpret_cast<const char*>(slices[0].begin()),
-                                   slices[0].size()),
-                 {}, deadline);
+    return Write(
+        kMessage, call,
+        absl::string_view(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()), {},
+        deadline);
   }
   std::string flat;
   flat.reserve(message.Length());
@@ -283,8 +283,8 @@ absl::Status DecodeStart(absl::string_view payload, uint8_t* method, absl::Time*
   if (payload.size() != 1 + sizeof(ns)) return absl::DataLossError("a start record of wrong size");
   *method = static_cast<uint8_t>(payload[0]);
   std::memcpy(&ns, payload.data() + 1, sizeof(ns));
-  *deadline = ns == std::numeric_limits<int64_t>::max() ? absl::InfiniteFuture()
-                                                         : absl::FromUnixNanos(ns);
+  *deadline =
+      ns == std::numeric_limits<int64_t>::max() ? absl::InfiniteFuture() : absl::FromUnixNanos(ns);
   return absl::OkStatus();
 }
 
@@ -298,9 +298,10 @@ ChannelCall::ChannelCall(ChannelEnd* channel, uint64_t call, uint8_t method, abs
     : channel_(channel), call_(call), deadline_(deadline), cancelled_(cancelled) {
   absl::Status s =
       channel_->Write(ChannelEnd::kStart, call_, EncodeStart(method, deadline_), {}, deadline_);
-  if (!s.ok()) Fail(absl::IsDeadlineExceeded(s) ? grpc::StatusCode::DEADLINE_EXCEEDED
-                                                : grpc::StatusCode::UNAVAILABLE,
-                    std::string(s.message()));
+  if (!s.ok())
+    Fail(absl::IsDeadlineExceeded(s) ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                     : grpc::StatusCode::UNAVAILABLE,
+         std::string(s.message()));
 }
 
 ChannelCall::~ChannelCall() {

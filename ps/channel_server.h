@@ -110,9 +110,9 @@ class ChannelServer {
   // host through its base's constructor): `request` is a Pull's request,
   // null for a Push. `peer` names the caller, as gRPC's peer does. An error
   // ends the call with it, as does a factory that makes no reactor.
-  using StartCall = std::function<absl::Status(ChannelServer* host, ChannelMethod method,
-                                               const std::string& peer, absl::Time deadline,
-                                               const grpc::ByteBuffer* request)>;
+  using StartCall =
+      std::function<absl::Status(ChannelServer* host, ChannelMethod method, const std::string& peer,
+                                 absl::Time deadline, const grpc::ByteBuffer* request)>;
 
   // Serves `end` (mapped by `mapping`, kept until the thread ends) on a
   // thread of its own: a channel is a connection, which waits on its
@@ -169,12 +169,12 @@ class ChannelServer {
   ChannelReactor* active_ ABSL_GUARDED_BY(mu_) = nullptr;
   grpc::ByteBuffer* read_into_ ABSL_GUARDED_BY(mu_) = nullptr;  // a read in flight
   // The rest is the thread's own.
-  uint64_t call_ = 0;          // the number of the call in flight (or last)
-  absl::Time deadline_;        // its deadline
-  bool cancelled_ = false;     // it was cancelled
-  bool writes_done_ = false;   // its worker half-closed
-  bool is_writer_ = false;     // it is a Pull (reads only its request)
-  bool awaiting_request_ = false;  // a Pull started, its request not yet in
+  uint64_t call_ = 0;                             // the number of the call in flight (or last)
+  absl::Time deadline_;                           // its deadline
+  bool cancelled_ = false;                        // it was cancelled
+  bool writes_done_ = false;                      // its worker half-closed
+  bool is_writer_ = false;                        // it is a Pull (reads only its request)
+  bool awaiting_request_ = false;                 // a Pull started, its request not yet in
   std::optional<ChannelEnd::Record> next_start_;  // came before the last call was done
   std::thread thread_;
 };

@@ -596,8 +596,8 @@ GrpcClient::ClientChannel::~ClientChannel() {
 
 std::unique_ptr<MessageCall> GrpcClient::OpenCall(int ps, ChannelMethod method,
                                                   const char* grpc_method,
-                                                  grpc::ClientContext* context,
-                                                  absl::Time deadline, ClientChannel* channel) {
+                                                  grpc::ClientContext* context, absl::Time deadline,
+                                                  ClientChannel* channel) {
   if (channel == nullptr) return std::make_unique<RawCall>(NextStub(ps), context, grpc_method);
   channel_calls_->Add();
   return std::make_unique<ChannelCall>(channel->end.get(), channel->next_call++,
@@ -673,6 +673,12 @@ void GrpcClient::GiveChannel(int ps, std::unique_ptr<ClientChannel> channel, boo
     return;
   }
   --link.channels_open;
+  // A ps that is gone (or a channel it broke) leaves every channel to it
+  // useless: the next calls open new ones (to the ps that replaced it).
+  if (channel->end->peer_gone() || channel->end->closed()) {
+    link.channels_open -= static_cast<int>(link.idle_channels.size());
+    link.idle_channels.clear();
+  }
   channel.reset();  // closed: a call that did not end cleanly may have left records in it
 }
 

@@ -189,12 +189,12 @@ class GrpcClient final : public Client {
     std::atomic<bool> refused{false};
     std::atomic<int64_t> no_region_until{0};
     std::atomic<bool> probing{false};
-    std::atomic<bool> told_shared{false};   // the log said it takes regions
-    std::atomic<bool> told_refused{false};  // the log said it refused one
+    std::atomic<bool> told_shared{false};    // the log said it takes regions
+    std::atomic<bool> told_refused{false};   // the log said it refused one
     std::atomic<bool> told_channels{false};  // the log said it opened a channel
     absl::Mutex channels_mu;
     std::vector<std::unique_ptr<ClientChannel>> idle_channels ABSL_GUARDED_BY(channels_mu);
-    int channels_open ABSL_GUARDED_BY(channels_mu) = 0;  // idle or in a call
+    int channels_open ABSL_GUARDED_BY(channels_mu) = 0;        // idle or in a call
     absl::Time no_channel_until ABSL_GUARDED_BY(channels_mu);  // after a refusal
     bool told_no_channels ABSL_GUARDED_BY(channels_mu) = false;
   };

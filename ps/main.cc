@@ -46,10 +46,12 @@ ABSL_FLAG(
 
 ABSL_FLAG(int, max_streams_per_peer, 64,
           "Most Init, Pull, Push and Snapshot streams one client connection may have open at once "
-          "(a worker's lane has one or two); more are refused with RESOURCE_EXHAUSTED.");
+          "(a worker's lane has one or two); more are refused with RESOURCE_EXHAUSTED. Also the "
+          "most same-host channels (--same_host_channels) one worker process may have open.");
 ABSL_FLAG(int, max_streams, 1024,
           "Most Init, Pull, Push and Snapshot streams open at once from every peer together; more "
-          "are refused with RESOURCE_EXHAUSTED. Waiting pulls and snapshots hold no thread.");
+          "are refused with RESOURCE_EXHAUSTED. Waiting pulls and snapshots hold no thread. Also "
+          "the most same-host channels open at once (each holds a thread while it is open).");
 
 ABSL_FLAG(bool, shared_memory, true,
           "Map the shared memory that workers on this host offer for their pushes and pulls "

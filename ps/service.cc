@@ -668,9 +668,9 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
       "do not cross the network).",
       [this] { return regions_ == nullptr ? 0.0 : static_cast<double>(regions_->size()); });
   m->SetGaugeFunction("psflow_ps_channels",
-                       "Same-host channels of workers open on this ps (their pushes and pulls "
-                       "pass no gRPC thread).",
-                       [this] { return static_cast<double>(open_channels()); });
+                      "Same-host channels of workers open on this ps (their pushes and pulls "
+                      "pass no gRPC thread).",
+                      [this] { return static_cast<double>(open_channels()); });
   refused_regions_ = m->GetCounter(
       "psflow_ps_refused_regions_total",
       "Shared memory regions this ps refused to map (its calls went again over the network), "
@@ -701,7 +701,6 @@ int PsService::open_channels() const {
   for (const auto& server : channel_servers_) open += server->ended() ? 0 : 1;
   return open;
 }
-
 
 absl::StatusOr<std::shared_ptr<const SharedMapping>> PsService::AttachRegion(
     const SharedRegionRef& ref) {
@@ -1076,8 +1075,7 @@ class PsService::PushReader final : public Base {
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* PsService::Push(grpc::CallbackServerContext* context,
                                                            grpc::ByteBuffer* response) {
-  return new PushReader<grpc::ServerReadReactor<grpc::ByteBuffer>>(this, context->peer(),
-                                                                    response);
+  return new PushReader<grpc::ServerReadReactor<grpc::ByteBuffer>>(this, context->peer(), response);
 }
 
 grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateRequest* request,
@@ -1137,8 +1135,7 @@ grpc::Status PsService::CheckpointTaken(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status PsService::OpenChannel(grpc::ServerContext* context,
-                                    const OpenChannelRequest* request,
+grpc::Status PsService::OpenChannel(grpc::ServerContext* context, const OpenChannelRequest* request,
                                     OpenChannelResponse* response) {
   if (!channels_) {
     return ToGrpcStatus(SharedMemoryRefusal(regions_ == nullptr
@@ -1152,9 +1149,8 @@ grpc::Status PsService::OpenChannel(grpc::ServerContext* context,
   absl::StatusOr<std::shared_ptr<const SharedMapping>> mapping = AttachRegion(ref);
   if (!mapping.ok()) return ToGrpcStatus(mapping.status());
   const int32_t pid = ref.pid();
-  absl::StatusOr<std::unique_ptr<ChannelEnd>> end =
-      ChannelEnd::Open((*mapping)->data, ChannelEnd::Side::kServer,
-                       [pid] { return ProcessAlive(pid); });
+  absl::StatusOr<std::unique_ptr<ChannelEnd>> end = ChannelEnd::Open(
+      (*mapping)->data, ChannelEnd::Side::kServer, [pid] { return ProcessAlive(pid); });
   if (!end.ok()) return ToGrpcStatus(SharedMemoryRefusal(std::string(end.status().message())));
   const std::string peer = absl::StrCat("channel:pid=", pid);
   std::vector<std::unique_ptr<ChannelServer>> ended;  // joined outside the lock
@@ -1164,11 +1160,10 @@ grpc::Status PsService::OpenChannel(grpc::ServerContext* context,
                                        [](const auto& c) { return !c->ended(); });
     std::move(split, channel_servers_.end(), std::back_inserter(ended));
     channel_servers_.erase(split, channel_servers_.end());
-    const int of_peer = static_cast<int>(
-        std::count_if(channel_servers_.begin(), channel_servers_.end(),
-                      [&](const auto& c) { return c->peer() == peer; }));
-    if (of_peer >= limits_.per_peer ||
-        static_cast<int>(channel_servers_.size()) >= limits_.total) {
+    const int of_peer =
+        static_cast<int>(std::count_if(channel_servers_.begin(), channel_servers_.end(),
+                                       [&](const auto& c) { return c->peer() == peer; }));
+    if (of_peer >= limits_.per_peer || static_cast<int>(channel_servers_.size()) >= limits_.total) {
       return ToGrpcStatus(absl::ResourceExhaustedError(
           absl::StrCat("too many same-host channels open (", of_peer, " of this worker, ",
                        channel_servers_.size(), " in all)")));

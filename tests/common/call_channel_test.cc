@@ -26,7 +26,8 @@ std::string Text(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(buffer.Dump(&slices).ok());
   std::string out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return out;
 }
 
@@ -80,9 +81,10 @@ TEST(CallChannelTest, ACallGoesBothWays) {
     const absl::Time later = absl::Now() + absl::Seconds(5);
     ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, start->call, "ans", "wer", later).ok());
     ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, start->call, "", "", later).ok());
-    ASSERT_TRUE(p.server->Write(ChannelEnd::kFinish, start->call,
-                                EncodeFinish(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such")),
-                                {}, later)
+    ASSERT_TRUE(p.server
+                    ->Write(ChannelEnd::kFinish, start->call,
+                            EncodeFinish(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such")), {},
+                            later)
                     .ok());
   });
   ChannelCall call(p.client.get(), 1, 7, absl::Now() + absl::Seconds(10));
@@ -118,8 +120,8 @@ TEST(CallChannelTest, LargeRecordsWrapAndWaitForRoom) {
   });
   for (int i = 0; i < kRecords; ++i) {
     const std::string body(300000 + i, static_cast<char>('a' + i % 26));
-    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, body, {}, absl::Now() + absl::Seconds(10))
-                    .ok());
+    ASSERT_TRUE(
+        p.client->Write(ChannelEnd::kMessage, 1, body, {}, absl::Now() + absl::Seconds(10)).ok());
   }
   server.join();
 }
@@ -193,12 +195,12 @@ TEST(CallChannelTest, WhatIsLeftOfAnEarlierCallIsSkipped) {
   const absl::Time later = absl::Now() + absl::Seconds(5);
   // The server's late answers to call 1, then call 2's.
   ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, 1, "old", {}, later).ok());
-  ASSERT_TRUE(p.server->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::CANCELLED), {},
-                              later)
-                  .ok());
+  ASSERT_TRUE(
+      p.server->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::CANCELLED), {}, later)
+          .ok());
   ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, 2, "new", {}, later).ok());
-  ASSERT_TRUE(p.server->Write(ChannelEnd::kFinish, 2, EncodeFinish(grpc::Status::OK), {}, later)
-                  .ok());
+  ASSERT_TRUE(
+      p.server->Write(ChannelEnd::kFinish, 2, EncodeFinish(grpc::Status::OK), {}, later).ok());
   ChannelCall call(p.client.get(), 2, 1, later);
   grpc::ByteBuffer answer;
   ASSERT_TRUE(call.Read(&answer));
@@ -244,8 +246,7 @@ TEST(CallChannelTest, GarbageBreaksTheChannel) {
 }
 
 TEST(CallChannelTest, AnotherLayoutIsRefused) {
-  absl::StatusOr<std::unique_ptr<SharedRegion>> region =
-      SharedRegion::Create(ChannelRegionBytes());
+  absl::StatusOr<std::unique_ptr<SharedRegion>> region = SharedRegion::Create(ChannelRegionBytes());
   ASSERT_TRUE(region.ok());
   // Never formatted: zeros.
   absl::StatusOr<std::unique_ptr<ChannelEnd>> end =
@@ -297,8 +298,8 @@ TEST(CallChannelTest, AServerProcessThatExitsIsSeenGone) {
     }
     _exit(5);
   }
-  std::unique_ptr<ChannelEnd> client = *ChannelEnd::Open(
-      region->data(), ChannelEnd::Side::kClient, [child] { return ProcessAlive(child); });
+  std::unique_ptr<ChannelEnd> client = *ChannelEnd::Open(region->data(), ChannelEnd::Side::kClient,
+                                                         [child] { return ProcessAlive(child); });
   {
     ChannelCall call(client.get(), 1, 1, absl::Now() + absl::Seconds(10));
     EXPECT_TRUE(call.WritesDone());

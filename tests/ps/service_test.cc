@@ -9,8 +9,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -2075,7 +2075,6 @@ TEST_F(PsServiceTest, UnknownWireDtypesAreRefused) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
-
 // ---------------------------------------------------------------------------
 // Same-host channels (common/call_channel.h, ps/channel_server.h).
 
@@ -2157,8 +2156,8 @@ TEST_F(PsServiceTest, GarbageInAChannelClosesItAndThePsServesOn) {
       ASSERT_TRUE((*end)->Write(ChannelEnd::kStart, 1, "xy", {}, later).ok());
     } else if (garbage == 1) {
       // A server's record.
-      ASSERT_TRUE((*end)->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::OK), {}, later)
-                      .ok());
+      ASSERT_TRUE(
+          (*end)->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::OK), {}, later).ok());
     } else {
       // A pull whose request is not a PullRequest: the call fails, the
       // channel stays; then a ring position past the ring breaks it.
