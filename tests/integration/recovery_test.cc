@@ -637,8 +637,9 @@ TEST_F(RecoveryTest, WorkerKilledBetweenItsPushesRejoins) {
   // asynchronous job trains on alone at full speed, some 700 steps a round
   // here: the job must outlast the six rounds with room to spare (at
   // MlpSteps() a faster build finished it in round 5). A synchronous job
-  // goes on too, a step every 12 ms or so, about 180 steps a round on
-  // two cores: with same-host channels its 900 steps ended in round 5.
+  // goes on too while worker1 is away, a step every 12 ms or so: some 200
+  // steps a round, so 900 steps left no room (with same-host channels the
+  // job ended in round 5).
   // (In ssp mode worker0 cannot lead by more than the staleness.)
   const int64_t steps = TestMode() == "async" ? 3 * MlpSteps() : 2 * MlpSteps();
   Cluster cluster(2, 2, true, MlpArgs(model_dir_, steps), Log());
