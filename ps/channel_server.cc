@@ -1,5 +1,7 @@
 #include "ps/channel_server.h"
 
+#include <pthread.h>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -188,6 +190,7 @@ bool ChannelServer::Handle(ChannelEnd::Record record) {
 }
 
 void ChannelServer::Loop() {
+  pthread_setname_np(pthread_self(), "ps-channel");  // (not the opener's gRPC name)
   bool closing = false;  // the channel ends once the call in flight is done
   while (true) {
     const uint32_t seen = end_->bell();
