@@ -222,12 +222,7 @@ absl::Status ChannelEnd::WriteMessage(uint64_t call, const grpc::ByteBuffer& mes
         absl::string_view(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()), {},
         deadline);
   }
-  std::string flat;
-  flat.reserve(message.Length());
-  for (const grpc::Slice& s : slices) {
-    flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return Write(kMessage, call, flat, {}, deadline);
+  return Write(kMessage, call, MessageBytes(message), {}, deadline);
 }
 
 absl::StatusOr<std::optional<ChannelEnd::Record>> ChannelEnd::TryRead() {
@@ -286,6 +281,17 @@ absl::Status DecodeStart(absl::string_view payload, uint8_t* method, absl::Time*
   *deadline =
       ns == std::numeric_limits<int64_t>::max() ? absl::InfiniteFuture() : absl::FromUnixNanos(ns);
   return absl::OkStatus();
+}
+
+std::string MessageBytes(const grpc::ByteBuffer& message) {
+  std::vector<grpc::Slice> slices;
+  std::string flat;
+  if (!message.Dump(&slices).ok()) return flat;
+  flat.reserve(message.Length());
+  for (const grpc::Slice& s : slices) {
+    flat.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return flat;
 }
 
 grpc::ByteBuffer MessageBuffer(const std::string& payload) {

@@ -141,8 +141,10 @@ absl::StatusOr<grpc::Status> DecodeFinish(absl::string_view payload);
 // back.
 std::string EncodeStart(uint8_t method, absl::Time deadline);
 absl::Status DecodeStart(absl::string_view payload, uint8_t* method, absl::Time* deadline);
-// A kMessage payload as a byte buffer (one copy).
+// A kMessage payload as a byte buffer (one copy), and a buffer's bytes in
+// one string.
 grpc::ByteBuffer MessageBuffer(const std::string& payload);
+std::string MessageBytes(const grpc::ByteBuffer& message);
 
 // The client's side of one call on a channel (see MessageCall). The
 // channel must be idle (no other call of this client on it) and outlive

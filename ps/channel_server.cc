@@ -242,12 +242,12 @@ void ChannelServer::Loop() {
       absl::StatusOr<std::optional<ChannelEnd::Record>> record = end_->TryRead();
       if (!record.ok()) {
         if (!absl::IsUnavailable(record.status())) {
-          PSLOG(WARNING) << "channel of " << peer_ << ": " << record.status().message();
+          PSLOG(WARNING) << peer_ << ": " << record.status().message();
         }
         closing = true;
       } else if (record->has_value()) {
         if (!Handle(**std::move(record))) {
-          PSLOG(WARNING) << "channel of " << peer_ << " broke the protocol: closing it";
+          PSLOG(WARNING) << peer_ << " broke the channel's protocol: closing it";
           closing = true;
         }
         continue;

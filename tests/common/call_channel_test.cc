@@ -22,15 +22,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string Text(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices)
-    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
-}
-
 grpc::ByteBuffer Buffer(const std::string& text) { return MessageBuffer(text); }
 
 // One region with a formatted channel and both its ends.
@@ -92,9 +83,9 @@ TEST(CallChannelTest, ACallGoesBothWays) {
   EXPECT_TRUE(call.WritesDone());
   grpc::ByteBuffer answer;
   ASSERT_TRUE(call.Read(&answer));
-  EXPECT_EQ(Text(answer), "answer");
+  EXPECT_EQ(MessageBytes(answer), "answer");
   ASSERT_TRUE(call.Read(&answer));
-  EXPECT_EQ(Text(answer), "");
+  EXPECT_EQ(MessageBytes(answer), "");
   EXPECT_FALSE(call.Read(&answer));
   const grpc::Status status = call.Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
@@ -204,7 +195,7 @@ TEST(CallChannelTest, WhatIsLeftOfAnEarlierCallIsSkipped) {
   ChannelCall call(p.client.get(), 2, 1, later);
   grpc::ByteBuffer answer;
   ASSERT_TRUE(call.Read(&answer));
-  EXPECT_EQ(Text(answer), "new");
+  EXPECT_EQ(MessageBytes(answer), "new");
   EXPECT_TRUE(call.Finish().ok());
   EXPECT_TRUE(call.clean());
 }
@@ -305,7 +296,7 @@ TEST(CallChannelTest, AServerProcessThatExitsIsSeenGone) {
     EXPECT_TRUE(call.WritesDone());
     grpc::ByteBuffer answer;
     ASSERT_TRUE(call.Read(&answer));
-    EXPECT_EQ(Text(answer), "from the child");
+    EXPECT_EQ(MessageBytes(answer), "from the child");
     EXPECT_TRUE(call.Finish().ok());
   }
   int status = 0;

@@ -13,6 +13,7 @@
 #include <google/protobuf/wire_format_lite.h>
 #include <gtest/gtest.h>
 
+#include "common/call_channel.h"
 #include "common/float16.h"
 #include "common/shared_region.h"
 #include "proto/ps.pb.h"
@@ -26,16 +27,6 @@ std::vector<float> Ramp(int64_t n, float scale = 0.25f) {
   std::vector<float> v(n);
   for (int64_t i = 0; i < n; ++i) v[i] = scale * static_cast<float>(i % 977) - 3.0f;
   return v;
-}
-
-// The bytes of `buffer` in one string.
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& s : slices)
-    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
 }
 
 // `bytes` as a buffer of slices cut every `cut` bytes (odd cuts split
@@ -86,7 +77,7 @@ TEST_P(ChunkMessagesTest, TheBytesAreProtobufsOwnEncoding) {
   while (splitter.Next(expected.mutable_chunk())) {
     ASSERT_LT(k, raw.size());
     PushRequest parsed;
-    ASSERT_TRUE(parsed.ParseFromString(Flatten(raw[k])));
+    ASSERT_TRUE(parsed.ParseFromString(MessageBytes(raw[k])));
     EXPECT_EQ(parsed.SerializeAsString(), expected.SerializeAsString()) << "message " << k;
     expected.Clear();
     ++k;
@@ -108,7 +99,7 @@ TEST_P(ChunkMessagesTest, ReadsIntoTheSinksAcrossAnySliceCuts) {
     int64_t bytes = 0;
     int headers = 0;
     for (grpc::ByteBuffer& m : EncodeAll(Refs(big, small, dtype), 100000, nullptr)) {
-      grpc::ByteBuffer cut_up = Cut(Flatten(m), cut);
+      grpc::ByteBuffer cut_up = Cut(MessageBytes(m), cut);
       PushRequest fields;
       absl::Status s = ReadChunkMessage(
           &cut_up, PushRequest::kChunkFieldNumber, &fields,
@@ -284,7 +275,7 @@ TEST_P(ChunkMessagesTest, ChunksInSharedMemoryReadIntoTheSinks) {
       EncodeSharedChunkMessage(header, PushRequest::kChunkFieldNumber, pieces, span, &cursor);
   ASSERT_TRUE(message.ok()) << message.status();
   // The message holds where the data lie, not the data.
-  EXPECT_LT(Flatten(*message).size(), 200u);
+  EXPECT_LT(MessageBytes(*message).size(), 200u);
   EXPECT_GE(cursor, (300001 + 6) * WireBytes(dtype));
   EXPECT_LE(cursor, span.size);
 
@@ -382,7 +373,7 @@ TEST_P(ChunkMessagesTest, ValuesInTheWireDtypeAlreadyGoAsTheyLie) {
     keep.reset();
     ASSERT_EQ(as_they_lie.size(), from_floats.size());
     for (size_t k = 0; k < from_floats.size(); ++k) {
-      EXPECT_EQ(Flatten(as_they_lie[k]), Flatten(from_floats[k])) << "message " << k;
+      EXPECT_EQ(MessageBytes(as_they_lie[k]), MessageBytes(from_floats[k])) << "message " << k;
     }
     // The large chunks point into the encoded values: no copy.
     EXPECT_FALSE(released);
@@ -419,7 +410,7 @@ TEST_P(ChunkMessagesTest, ValuesInTheWireDtypeAlreadyGoAsTheyLie) {
     absl::StatusOr<grpc::ByteBuffer> m = EncodeSharedChunkMessage(
         header, PushRequest::kChunkFieldNumber, pieces, span, &cursor, below, limit);
     EXPECT_TRUE(m.ok()) << m.status();
-    return m.ok() ? Flatten(*m) : std::string();
+    return m.ok() ? MessageBytes(*m) : std::string();
   };
   bool below_floats = false, below_lying = false;
   const SharedSpan s0 = (*r0)->data(), s1 = (*r1)->data();
@@ -478,7 +469,7 @@ TEST_P(ChunkMessagesTest, TensorsInTheRegionAlreadyAreNamedWhereTheyLie) {
   absl::StatusOr<grpc::ByteBuffer> message = encode(refs, &below);
   ASSERT_TRUE(message.ok()) << message.status();
   EXPECT_TRUE(below);
-  EXPECT_LT(Flatten(*message).size(), 200u);
+  EXPECT_LT(MessageBytes(*message).size(), 200u);
   EXPECT_TRUE(std::string(span.data, static_cast<size_t>(span.size)) == before)
       << "the region was written";
 
@@ -571,7 +562,7 @@ TEST(ChunkMessages, SlicesOfOneVariableAreToldApartByTheirFirstRow) {
   for (grpc::ByteBuffer& m : EncodeAll(refs, 1000, nullptr)) {
     // protobuf reads the same row.
     PushRequest parsed;
-    ASSERT_TRUE(parsed.ParseFromString(Flatten(m)));
+    ASSERT_TRUE(parsed.ParseFromString(MessageBytes(m)));
     for (const TensorChunk& c : parsed.chunk()) {
       EXPECT_EQ(c.row_begin(), c.shape(0) == 4 ? 0 : 6) << c.ShortDebugString();
     }
