@@ -691,13 +691,13 @@ absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
   // A ps may pass the chosen step between looking and asking: look again.
   absl::Status s;
   for (int attempt = 0; attempt < options_.timeouts.checkpoint_attempts; ++attempt) {
-    s = TakeCheckpointOnce(taken, /*ahead=*/attempt > 0);
+    s = TakeCheckpointOnce(taken, attempt);
     if (!absl::IsFailedPrecondition(s) || absl::Now() >= checkpoint_cutoff_) return s;
   }
   return s;
 }
 
-absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, bool ahead) {
+absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, int attempt) {
   const absl::Time begun = absl::Now();
   const uint64_t id = job_id();
   absl::StatusOr<std::vector<PsState>> states = States(id);
@@ -711,7 +711,12 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, bool ahead) {
     // (nothing may be moving: a job whose workers are away).
     bool agree = true;
     for (const PsState& st : *states) agree = agree && st.version() == target;
-    if (!agree || ahead) target = VersionAhead(job_, target);
+    if (!agree || attempt > 0) target = VersionAhead(job_, target);
+  } else if (attempt > 1) {
+    // A synchronous job whose steps take a few milliseconds passed the
+    // newest step twice between the look and the request: ask for two
+    // steps on, which every ps reaches soon, at once with the others.
+    target = std::min<int64_t>(target + 2, job_.train_steps());
   }
   // Every ps copies its slices the moment it reaches `target` (those there
   // already, at once): one consistent step across shards (in an

@@ -184,9 +184,11 @@ class Coordinator {
   absl::Status Recover();
   // On success, what was written is moved into *taken when one is given.
   absl::Status TakeCheckpoint(Checkpoint* taken = nullptr);
-  // `ahead`: a retry (asynchronous jobs then ask a version a few gradients
-  // past the newest even when the ps agree).
-  absl::Status TakeCheckpointOnce(Checkpoint* taken, bool ahead);
+  // `attempt` counts from 0. A retry of an asynchronous job asks for a
+  // version a few gradients past the newest even when the ps agree; from
+  // the third attempt on, a synchronous job asks for two steps past it (it
+  // moves faster than the chief can look and ask).
+  absl::Status TakeCheckpointOnce(Checkpoint* taken, int attempt);
   // An asynchronous job's staleness as the ps counted it, in one log line.
   void LogStaleness();
   // Writes the saved model from the values of `final_checkpoint` (one of

@@ -444,6 +444,34 @@ TEST_F(CoordinatorTest, CheckpointWhoseStepAPsPassedIsTakenAgain) {
   FinishAndJoin(id, {0});
 }
 
+// A synchronous job that moves on between the chief's look and its request
+// twice in a row: the third try asks for two steps on and waits for them.
+TEST_F(CoordinatorTest, CheckpointPassedTwiceAsksForALaterStep) {
+  MakeJob(1, 2, 8);
+  CoordinatorOptions o = Options();
+  o.checkpoint_every_steps = 2;
+  std::atomic<int> injected{0};
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (p == 1 && m == FakePs::Method::kSnapshot && injected.load() < 2) {
+      ++injected;
+      ps_->FailNext(1, absl::StatusCode::kFailedPrecondition);
+    }
+  });
+  Start(o);
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 2);
+  // The third snapshot of ps 1 waits for step 4: no checkpoint of step 2.
+  ASSERT_TRUE(Eventually([&] { return ps_->calls(1, FakePs::Method::kSnapshot) >= 3; }));
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(fs::exists(dir_ + "/model/checkpoints/ckpt-2"));
+  EXPECT_FALSE(fs::exists(dir_ + "/model/checkpoints/ckpt-4"));
+  Train(id, {0}, 2, 4);
+  EXPECT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-4"); }));
+  EXPECT_EQ(injected, 2);
+  Train(id, {0}, 4, 8);
+  FinishAndJoin(id, {0});
+}
+
 TEST_F(CoordinatorTest, CorruptNewestCheckpointIsSkippedForTheOneBefore) {
   MakeJob(1, 1, 8);
   uint64_t id = TrainToTheFirstCheckpoint(Options());
