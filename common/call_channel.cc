@@ -20,7 +20,6 @@ namespace {
 
 constexpr uint64_t kMagic = 0x6c6e6e6168637370;  // "pschannl", little-endian
 constexpr uint32_t kLayout = 1;
-constexpr int64_t kControlBytes = 4096;
 // A record: kind, payload length, call number, then the payload padded to 8.
 struct RecordHeader {
   uint32_t kind;
@@ -58,36 +57,11 @@ void CopyOut(const char* ring, uint64_t size, uint64_t at, char* to, uint64_t n)
 
 }  // namespace
 
-// Each ring's positions are byte counts that only grow: `head` is written by
-// its producer, `tail` by its consumer. Every side keeps its own positions in
-// its own memory too and reads only the peer's from the control block.
-// Invariant (checked on every read of the peer's position): 0 <= head - tail
-// <= ring bytes.
-struct ChannelEnd::Ring {
-  alignas(64) std::atomic<uint64_t> head;
-  alignas(64) std::atomic<uint64_t> tail;
-  // The producer waits for room: the consumer rings it after taking a record.
-  alignas(64) std::atomic<uint32_t> room_wanted;
-};
-
-struct ChannelEnd::Control {
-  uint64_t magic;
-  uint32_t layout;
-  uint32_t ring_bytes;
-  alignas(64) std::atomic<uint32_t> closed;
-  // Each side's bell and whether it sleeps on it (then a ring must wake it).
-  alignas(64) std::atomic<uint32_t> client_bell;
-  std::atomic<uint32_t> client_sleeping;
-  alignas(64) std::atomic<uint32_t> server_bell;
-  std::atomic<uint32_t> server_sleeping;
-  Ring up;    // client to server
-  Ring down;  // server to client
-};
-static_assert(sizeof(ChannelEnd::Control) <= kControlBytes);
+static_assert(sizeof(ChannelEnd::Control) <= kChannelControlBytes);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
-int64_t ChannelRegionBytes() { return kControlBytes + 2 * kChannelRingBytes; }
+int64_t ChannelRegionBytes() { return kChannelControlBytes + 2 * kChannelRingBytes; }
 
 bool ProcessAlive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
@@ -118,8 +92,8 @@ absl::StatusOr<std::unique_ptr<ChannelEnd>> ChannelEnd::Open(SharedSpan span, Si
 
 ChannelEnd::ChannelEnd(SharedSpan span, Side side, std::function<bool()> peer_alive)
     : control_(reinterpret_cast<Control*>(span.data)),
-      out_data_(span.data + kControlBytes + (side == Side::kClient ? 0 : kChannelRingBytes)),
-      in_data_(span.data + kControlBytes + (side == Side::kClient ? kChannelRingBytes : 0)),
+      out_data_(span.data + kChannelControlBytes + (side == Side::kClient ? 0 : kChannelRingBytes)),
+      in_data_(span.data + kChannelControlBytes + (side == Side::kClient ? kChannelRingBytes : 0)),
       out_(side == Side::kClient ? &control_->up : &control_->down),
       in_(side == Side::kClient ? &control_->down : &control_->up),
       own_bell_(side == Side::kClient ? &control_->client_bell : &control_->server_bell),
@@ -176,10 +150,10 @@ void ChannelEnd::Wait(uint32_t seen, absl::Duration timeout) {
   own_sleeping_->store(0, std::memory_order_seq_cst);
 }
 
-absl::Status ChannelEnd::Write(Kind kind, uint64_t call, absl::string_view head,
-                               absl::string_view body, absl::Time deadline) {
+absl::Status ChannelEnd::Write(Kind kind, uint64_t call, absl::string_view payload,
+                               absl::Time deadline) {
   const uint64_t ring = kChannelRingBytes;
-  const uint64_t length = head.size() + body.size();
+  const uint64_t length = payload.size();
   const uint64_t total = sizeof(RecordHeader) + Padded(length);
   if (total > ring) {
     return absl::InvalidArgumentError(
@@ -194,8 +168,7 @@ absl::Status ChannelEnd::Write(Kind kind, uint64_t call, absl::string_view head,
       out_->room_wanted.store(0, std::memory_order_relaxed);
       RecordHeader header{static_cast<uint32_t>(kind), static_cast<uint32_t>(length), call};
       CopyIn(out_data_, ring, out_head_, reinterpret_cast<const char*>(&header), sizeof(header));
-      CopyIn(out_data_, ring, out_head_ + sizeof(header), head.data(), head.size());
-      CopyIn(out_data_, ring, out_head_ + sizeof(header) + head.size(), body.data(), body.size());
+      CopyIn(out_data_, ring, out_head_ + sizeof(header), payload.data(), payload.size());
       out_head_ += total;
       out_->head.store(out_head_, std::memory_order_seq_cst);
       RingPeer();
@@ -219,10 +192,10 @@ absl::Status ChannelEnd::WriteMessage(uint64_t call, const grpc::ByteBuffer& mes
   if (slices.size() == 1) {
     return Write(
         kMessage, call,
-        absl::string_view(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()), {},
+        absl::string_view(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()),
         deadline);
   }
-  return Write(kMessage, call, MessageBytes(message), {}, deadline);
+  return Write(kMessage, call, MessageBytes(message), deadline);
 }
 
 absl::StatusOr<std::optional<ChannelEnd::Record>> ChannelEnd::TryRead() {
@@ -302,12 +275,7 @@ grpc::ByteBuffer MessageBuffer(const std::string& payload) {
 ChannelCall::ChannelCall(ChannelEnd* channel, uint64_t call, uint8_t method, absl::Time deadline,
                          const std::atomic<bool>* cancelled)
     : channel_(channel), call_(call), deadline_(deadline), cancelled_(cancelled) {
-  absl::Status s =
-      channel_->Write(ChannelEnd::kStart, call_, EncodeStart(method, deadline_), {}, deadline_);
-  if (!s.ok())
-    Fail(absl::IsDeadlineExceeded(s) ? grpc::StatusCode::DEADLINE_EXCEEDED
-                                     : grpc::StatusCode::UNAVAILABLE,
-         std::string(s.message()));
+  Written(channel_->Write(ChannelEnd::kStart, call_, EncodeStart(method, deadline_), deadline_));
 }
 
 ChannelCall::~ChannelCall() {
@@ -325,29 +293,23 @@ void ChannelCall::Fail(grpc::StatusCode code, const std::string& why) {
   clean_ = false;
   status_ = grpc::Status(code, why);
   // Tells the server (if there is room at once): it ends its side.
-  (void)channel_->Write(ChannelEnd::kCancel, call_, {}, {}, absl::InfinitePast());
+  (void)channel_->Write(ChannelEnd::kCancel, call_, {}, absl::InfinitePast());
+}
+
+bool ChannelCall::Written(const absl::Status& s) {
+  if (s.ok()) return true;
+  Fail(absl::IsDeadlineExceeded(s) ? grpc::StatusCode::DEADLINE_EXCEEDED
+                                   : grpc::StatusCode::UNAVAILABLE,
+       std::string(s.message()));
+  return false;
 }
 
 bool ChannelCall::Write(const grpc::ByteBuffer& message) {
-  if (over_) return false;
-  absl::Status s = channel_->WriteMessage(call_, message, deadline_);
-  if (!s.ok()) {
-    Fail(absl::IsDeadlineExceeded(s) ? grpc::StatusCode::DEADLINE_EXCEEDED
-                                     : grpc::StatusCode::UNAVAILABLE,
-         std::string(s.message()));
-    return false;
-  }
-  return true;
+  return !over_ && Written(channel_->WriteMessage(call_, message, deadline_));
 }
 
 bool ChannelCall::WritesDone() {
-  if (over_) return false;
-  absl::Status s = channel_->Write(ChannelEnd::kWritesDone, call_, {}, {}, deadline_);
-  if (!s.ok()) {
-    Fail(grpc::StatusCode::UNAVAILABLE, std::string(s.message()));
-    return false;
-  }
-  return true;
+  return !over_ && Written(channel_->Write(ChannelEnd::kWritesDone, call_, {}, deadline_));
 }
 
 bool ChannelCall::Next(std::string* payload) {

@@ -43,7 +43,9 @@
 
 namespace psflow {
 
-// Bytes of each ring of a channel, and of the region that holds both.
+// Bytes of a channel's control block, of each of its rings, and of the
+// region that holds them.
+inline constexpr int64_t kChannelControlBytes = 4096;
 inline constexpr int64_t kChannelRingBytes = int64_t{1} << 20;
 int64_t ChannelRegionBytes();
 // How often a waiting side looks whether its peer is still there.
@@ -58,8 +60,34 @@ bool ProcessAlive(int32_t pid);
 // time.
 class ChannelEnd {
  public:
-  struct Control;  // the layout in shared memory (call_channel.cc)
-  struct Ring;
+  // The layout in shared memory: the control block at the region's start,
+  // then the rings' bytes (kChannelControlBytes on: up, then down).
+  // Each ring's positions are byte counts that only grow: `head` is written by
+  // its producer, `tail` by its consumer. Every side keeps its own positions in
+  // its own memory too and reads only the peer's from the control block.
+  // Invariant (checked on every read of the peer's position): 0 <= head - tail
+  // <= ring bytes.
+  struct Ring {
+    alignas(64) std::atomic<uint64_t> head;
+    alignas(64) std::atomic<uint64_t> tail;
+    // The producer waits for room: the consumer rings it after taking a record.
+    alignas(64) std::atomic<uint32_t> room_wanted;
+  };
+
+  struct Control {
+    uint64_t magic;
+    uint32_t layout;
+    uint32_t ring_bytes;
+    alignas(64) std::atomic<uint32_t> closed;
+    // Each side's bell and whether it sleeps on it (then a ring must wake it).
+    alignas(64) std::atomic<uint32_t> client_bell;
+    std::atomic<uint32_t> client_sleeping;
+    alignas(64) std::atomic<uint32_t> server_bell;
+    std::atomic<uint32_t> server_sleeping;
+    Ring up;    // client to server
+    Ring down;  // server to client
+  };
+
   enum class Side { kClient, kServer };
   enum Kind : uint32_t {
     kStart = 1,       // client: a call's method (its first byte) and deadline
@@ -84,12 +112,10 @@ class ChannelEnd {
   static absl::StatusOr<std::unique_ptr<ChannelEnd>> Open(SharedSpan span, Side side,
                                                           std::function<bool()> peer_alive);
 
-  // Writes one record whose payload is `head` then `body`, waiting for room
-  // until `deadline`: DEADLINE_EXCEEDED then, UNAVAILABLE once the peer is
-  // gone or the channel is broken, INVALID_ARGUMENT for a record that can
-  // never fit. Rings the peer's bell.
-  absl::Status Write(Kind kind, uint64_t call, absl::string_view head, absl::string_view body,
-                     absl::Time deadline);
+  // Writes one record of `payload`, waiting for room until `deadline`: DEADLINE_EXCEEDED then,
+  // UNAVAILABLE once the peer is gone or the channel is broken, INVALID_ARGUMENT for a record that
+  // can never fit. Rings the peer's bell.
+  absl::Status Write(Kind kind, uint64_t call, absl::string_view payload, absl::Time deadline);
   // Writes `message` (a gRPC byte buffer's bytes) as one kMessage.
   absl::Status WriteMessage(uint64_t call, const grpc::ByteBuffer& message, absl::Time deadline);
   // The next record toward this side, if one is there (and rings the peer's
@@ -177,6 +203,9 @@ class ChannelCall final : public MessageCall {
   bool Next(std::string* payload);
   bool Cancelled() const;
   void Fail(grpc::StatusCode code, const std::string& why);
+  // True for a write that went; else the call fails (DEADLINE_EXCEEDED at
+  // the deadline, UNAVAILABLE otherwise).
+  bool Written(const absl::Status& s);
 
   ChannelEnd* const channel_;
   const uint64_t call_;

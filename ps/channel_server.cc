@@ -71,7 +71,7 @@ void ChannelServer::WantRead(grpc::ByteBuffer* into) {
 
 bool ChannelServer::WriteRecord(ChannelEnd::Kind kind, absl::string_view payload) {
   absl::MutexLock lock(&write_mu_);
-  return end_->Write(kind, call_, payload, {}, absl::Now() + kFinishWrite).ok();
+  return end_->Write(kind, call_, payload, absl::Now() + kFinishWrite).ok();
 }
 
 bool ChannelServer::WriteMessage(const grpc::ByteBuffer& message) {

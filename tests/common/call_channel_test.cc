@@ -70,11 +70,11 @@ TEST(CallChannelTest, ACallGoesBothWays) {
     EXPECT_EQ(message->payload, "question");
     EXPECT_EQ(p.ServerRead()->kind, ChannelEnd::kWritesDone);
     const absl::Time later = absl::Now() + absl::Seconds(5);
-    ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, start->call, "ans", "wer", later).ok());
-    ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, start->call, "", "", later).ok());
+    ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, start->call, "answer", later).ok());
+    ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, start->call, "", later).ok());
     ASSERT_TRUE(p.server
                     ->Write(ChannelEnd::kFinish, start->call,
-                            EncodeFinish(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such")), {},
+                            EncodeFinish(grpc::Status(grpc::StatusCode::NOT_FOUND, "no such")),
                             later)
                     .ok());
   });
@@ -112,7 +112,7 @@ TEST(CallChannelTest, LargeRecordsWrapAndWaitForRoom) {
   for (int i = 0; i < kRecords; ++i) {
     const std::string body(300000 + i, static_cast<char>('a' + i % 26));
     ASSERT_TRUE(
-        p.client->Write(ChannelEnd::kMessage, 1, body, {}, absl::Now() + absl::Seconds(10)).ok());
+        p.client->Write(ChannelEnd::kMessage, 1, body, absl::Now() + absl::Seconds(10)).ok());
   }
   server.join();
 }
@@ -120,17 +120,16 @@ TEST(CallChannelTest, LargeRecordsWrapAndWaitForRoom) {
 TEST(CallChannelTest, ARecordLargerThanTheRingIsRefused) {
   Pair p;
   const std::string body(kChannelRingBytes, 'x');
-  absl::Status s = p.client->Write(ChannelEnd::kMessage, 1, body, {}, absl::InfiniteFuture());
+  absl::Status s = p.client->Write(ChannelEnd::kMessage, 1, body, absl::InfiniteFuture());
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
 }
 
 TEST(CallChannelTest, NoRoomUntilTheDeadline) {
   Pair p;
   const std::string body(kChannelRingBytes / 2, 'x');
-  ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, body, {}, absl::InfiniteFuture()).ok());
+  ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, body, absl::InfiniteFuture()).ok());
   const absl::Time start = absl::Now();
-  absl::Status s =
-      p.client->Write(ChannelEnd::kMessage, 1, body, {}, start + absl::Milliseconds(200));
+  absl::Status s = p.client->Write(ChannelEnd::kMessage, 1, body, start + absl::Milliseconds(200));
   EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(190));
 }
@@ -185,13 +184,11 @@ TEST(CallChannelTest, WhatIsLeftOfAnEarlierCallIsSkipped) {
   Pair p;
   const absl::Time later = absl::Now() + absl::Seconds(5);
   // The server's late answers to call 1, then call 2's.
-  ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, 1, "old", {}, later).ok());
+  ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, 1, "old", later).ok());
   ASSERT_TRUE(
-      p.server->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::CANCELLED), {}, later)
-          .ok());
-  ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, 2, "new", {}, later).ok());
-  ASSERT_TRUE(
-      p.server->Write(ChannelEnd::kFinish, 2, EncodeFinish(grpc::Status::OK), {}, later).ok());
+      p.server->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::CANCELLED), later).ok());
+  ASSERT_TRUE(p.server->Write(ChannelEnd::kMessage, 2, "new", later).ok());
+  ASSERT_TRUE(p.server->Write(ChannelEnd::kFinish, 2, EncodeFinish(grpc::Status::OK), later).ok());
   ChannelCall call(p.client.get(), 2, 1, later);
   grpc::ByteBuffer answer;
   ASSERT_TRUE(call.Read(&answer));
@@ -205,10 +202,10 @@ TEST(CallChannelTest, WhatIsLeftOfAnEarlierCallIsSkipped) {
 TEST(CallChannelTest, GarbageBreaksTheChannel) {
   {
     Pair p;
-    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, "fine", {}, absl::InfiniteFuture()).ok());
+    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, "fine", absl::InfiniteFuture()).ok());
     // The client claims to have written more than the ring holds.
-    std::atomic<uint64_t>* up_head = reinterpret_cast<std::atomic<uint64_t>*>(
-        p.region->data().data + 64 * 4);  // Control::up.head (see the layout)
+    auto* control = reinterpret_cast<ChannelEnd::Control*>(p.region->data().data);
+    std::atomic<uint64_t>* up_head = &control->up.head;
     up_head->store(uint64_t{1} << 40);
     absl::StatusOr<std::optional<ChannelEnd::Record>> r = p.server->TryRead();
     EXPECT_TRUE(absl::IsDataLoss(r.status())) << r.status();
@@ -218,19 +215,20 @@ TEST(CallChannelTest, GarbageBreaksTheChannel) {
   }
   {
     Pair p;
-    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, "fine", {}, absl::InfiniteFuture()).ok());
+    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, "fine", absl::InfiniteFuture()).ok());
     // The record's kind, overwritten.
     const uint32_t bad_kind = 99;
-    std::memcpy(p.region->data().data + 4096, &bad_kind, sizeof(bad_kind));
+    std::memcpy(p.region->data().data + kChannelControlBytes, &bad_kind, sizeof(bad_kind));
     absl::StatusOr<std::optional<ChannelEnd::Record>> r = p.server->TryRead();
     EXPECT_TRUE(absl::IsDataLoss(r.status())) << r.status();
   }
   {
     Pair p;
-    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, "fine", {}, absl::InfiniteFuture()).ok());
+    ASSERT_TRUE(p.client->Write(ChannelEnd::kMessage, 1, "fine", absl::InfiniteFuture()).ok());
     // The record's length, past what was written.
     const uint32_t long_length = 4000;
-    std::memcpy(p.region->data().data + 4096 + 4, &long_length, sizeof(long_length));
+    std::memcpy(p.region->data().data + kChannelControlBytes + 4, &long_length,
+                sizeof(long_length));
     absl::StatusOr<std::optional<ChannelEnd::Record>> r = p.server->TryRead();
     EXPECT_TRUE(absl::IsDataLoss(r.status())) << r.status();
   }
@@ -278,9 +276,8 @@ TEST(CallChannelTest, AServerProcessThatExitsIsSeenGone) {
       if (!r.ok()) _exit(2);
       if (r->has_value() && (*r)->kind == ChannelEnd::kWritesDone) {
         const uint64_t call = (*r)->call;
-        if (!server->Write(ChannelEnd::kMessage, call, "from the child", {}, end).ok()) _exit(3);
-        if (!server->Write(ChannelEnd::kFinish, call, EncodeFinish(grpc::Status::OK), {}, end)
-                 .ok()) {
+        if (!server->Write(ChannelEnd::kMessage, call, "from the child", end).ok()) _exit(3);
+        if (!server->Write(ChannelEnd::kFinish, call, EncodeFinish(grpc::Status::OK), end).ok()) {
           _exit(4);
         }
         _exit(0);

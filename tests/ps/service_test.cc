@@ -2153,11 +2153,11 @@ TEST_F(PsServiceTest, GarbageInAChannelClosesItAndThePsServesOn) {
     const absl::Time later = absl::Now() + absl::Seconds(5);
     if (garbage == 0) {
       // A start record of the wrong size.
-      ASSERT_TRUE((*end)->Write(ChannelEnd::kStart, 1, "xy", {}, later).ok());
+      ASSERT_TRUE((*end)->Write(ChannelEnd::kStart, 1, "xy", later).ok());
     } else if (garbage == 1) {
       // A server's record.
       ASSERT_TRUE(
-          (*end)->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::OK), {}, later).ok());
+          (*end)->Write(ChannelEnd::kFinish, 1, EncodeFinish(grpc::Status::OK), later).ok());
     } else {
       // A pull whose request is not a PullRequest: the call fails, the
       // channel stays; then a ring position past the ring breaks it.
@@ -2167,7 +2167,8 @@ TEST_F(PsServiceTest, GarbageInAChannelClosesItAndThePsServesOn) {
       const grpc::Status status = call.Finish();
       EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
       EXPECT_FALSE((*end)->closed());
-      auto* up_head = reinterpret_cast<std::atomic<uint64_t>*>(opened.region->data().data + 256);
+      auto* control = reinterpret_cast<ChannelEnd::Control*>(opened.region->data().data);
+      std::atomic<uint64_t>* up_head = &control->up.head;
       up_head->store(uint64_t{1} << 40);
       (*end)->RingSelf();
     }
@@ -2213,9 +2214,9 @@ TEST_F(PsServiceTest, AChannelWhoseWorkerIsGoneEnds) {
   request.set_min_version(5);
   const absl::Time later = absl::Now() + absl::Seconds(30);
   ASSERT_TRUE(end->Write(ChannelEnd::kStart, 1,
-                         EncodeStart(static_cast<uint8_t>(ChannelMethod::kPull), later), {}, later)
+                         EncodeStart(static_cast<uint8_t>(ChannelMethod::kPull), later), later)
                   .ok());
-  ASSERT_TRUE(end->Write(ChannelEnd::kMessage, 1, request.SerializeAsString(), {}, later).ok());
+  ASSERT_TRUE(end->Write(ChannelEnd::kMessage, 1, request.SerializeAsString(), later).ok());
   absl::SleepFor(absl::Milliseconds(200));
   EXPECT_EQ(service_->open_channels(), 1);
   ASSERT_EQ(write(go[1], "x", 1), 1);
