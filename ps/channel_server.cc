@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/grpc_util.h"
 #include "common/log.h"
 
 namespace psflow::ps {
@@ -95,21 +94,11 @@ void ChannelServer::Cancel() {
     absl::MutexLock lock(&mu_);
     active = active_;
   }
-  if (active != nullptr) active->DeliverCancel();
+  if (active != nullptr) active->OnCancel();
 }
 
-void ChannelServer::Begin(ChannelMethod method, uint64_t call, absl::Time deadline,
-                          const grpc::ByteBuffer* request) {
-  absl::Status s = start_(this, method, peer_, deadline, request);
-  bool made;
-  {
-    absl::MutexLock lock(&mu_);
-    made = active_ != nullptr;
-  }
-  if (!made) {
-    if (s.ok()) s = absl::InternalError("no reactor for the call");
-    WriteRecord(ChannelEnd::kFinish, EncodeFinish(ToGrpcStatus(s)));
-  }
+void ChannelServer::Begin(ChannelMethod method, const grpc::ByteBuffer* request) {
+  start_(this, method, peer_, deadline_, request);
 }
 
 bool ChannelServer::Handle(ChannelEnd::Record record) {
@@ -134,7 +123,7 @@ bool ChannelServer::Handle(ChannelEnd::Record record) {
       awaiting_request_ = false;
       if (method == static_cast<uint8_t>(ChannelMethod::kPush)) {
         is_writer_ = false;
-        Begin(ChannelMethod::kPush, call_, deadline_, nullptr);
+        Begin(ChannelMethod::kPush, nullptr);
       } else if (method == static_cast<uint8_t>(ChannelMethod::kPull)) {
         is_writer_ = true;
         awaiting_request_ = true;
@@ -150,7 +139,7 @@ bool ChannelServer::Handle(ChannelEnd::Record record) {
       if (awaiting_request_) {
         awaiting_request_ = false;
         const grpc::ByteBuffer request = MessageBuffer(record.payload);
-        Begin(ChannelMethod::kPull, call_, deadline_, &request);
+        Begin(ChannelMethod::kPull, &request);
         return true;
       }
       ChannelReactor* active;
@@ -169,7 +158,7 @@ bool ChannelServer::Handle(ChannelEnd::Record record) {
       // the worker's error.
       if (into == nullptr || writes_done_) return false;
       *into = MessageBuffer(record.payload);
-      active->DeliverRead(true);
+      active->OnReadDone(true);
       return true;
     }
     case ChannelEnd::kWritesDone: {
@@ -195,27 +184,27 @@ void ChannelServer::Loop() {
   while (true) {
     const uint32_t seen = end_->bell();
     bool progressed = false;
-    std::deque<Event> events;
     ChannelReactor* active;
     bool read_wanted;
+    taken_.clear();
     {
       absl::MutexLock lock(&mu_);
-      events.swap(events_);
+      taken_.swap(events_);
       active = active_;
       read_wanted = read_into_ != nullptr;
     }
-    for (const Event& e : events) {
+    for (const Event& e : taken_) {
       progressed = true;
       if (active == nullptr) continue;
       if (e.kind == Event::kWriteDone) {
-        active->DeliverWriteDone(e.ok && !cancelled_);
+        active->OnWriteDone(e.ok && !cancelled_);
       } else {
         {
           absl::MutexLock lock(&mu_);
           active_ = nullptr;
           read_into_ = nullptr;
         }
-        active->DeliverDone();  // the reactor deletes itself
+        active->OnDone();  // the reactor deletes itself
         active = nullptr;
         read_wanted = false;
       }
@@ -233,7 +222,7 @@ void ChannelServer::Loop() {
         absl::MutexLock lock(&mu_);
         read_into_ = nullptr;
       }
-      active->DeliverRead(false);
+      active->OnReadDone(false);
       continue;
     }
     // The worker's records are taken while a call can use them: none in

@@ -16,12 +16,12 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/status.h>
@@ -40,12 +40,18 @@ enum class ChannelMethod : uint8_t { kPush = 1, kPull = 2 };
 
 class ChannelServer;
 
-// What the channel's thread calls on a call's reactor.
+// A call's reactor: the reactions the channel's thread calls, as gRPC's
+// reactors name them (a read reactor's writes and a write reactor's reads
+// never complete, so those stay empty).
 class ChannelReactor {
  public:
   virtual ~ChannelReactor() = default;
   ChannelReactor(const ChannelReactor&) = delete;
   ChannelReactor& operator=(const ChannelReactor&) = delete;
+  virtual void OnReadDone(bool ok) {}
+  virtual void OnWriteDone(bool ok) {}
+  virtual void OnCancel() {}
+  virtual void OnDone() = 0;
 
  protected:
   // Becomes the host's call in flight.
@@ -57,12 +63,6 @@ class ChannelReactor {
   ChannelServer* const host_;
 
  private:
-  friend class ChannelServer;
-  virtual void DeliverRead(bool ok) {}
-  virtual void DeliverWriteDone(bool ok) {}
-  virtual void DeliverCancel() = 0;
-  virtual void DeliverDone() = 0;
-
   std::atomic<bool> finished_{false};
 };
 
@@ -75,15 +75,8 @@ class ChannelReadReactor : public ChannelReactor {
   void SetResponse(const grpc::ByteBuffer* response) { response_ = response; }
   void StartRead(grpc::ByteBuffer* message);
   void Finish(const grpc::Status& status) { FinishCall(status, response_); }
-  virtual void OnReadDone(bool ok) = 0;
-  virtual void OnCancel() {}
-  virtual void OnDone() = 0;
 
  private:
-  void DeliverRead(bool ok) override { OnReadDone(ok); }
-  void DeliverCancel() override { OnCancel(); }
-  void DeliverDone() override { OnDone(); }
-
   const grpc::ByteBuffer* response_ = nullptr;
 };
 
@@ -94,25 +87,17 @@ class ChannelWriteReactor : public ChannelReactor {
   explicit ChannelWriteReactor(ChannelServer* host) : ChannelReactor(host) {}
   void StartWrite(const grpc::ByteBuffer* message);
   void Finish(const grpc::Status& status) { FinishCall(status, nullptr); }
-  virtual void OnWriteDone(bool ok) {}
-  virtual void OnCancel() {}
-  virtual void OnDone() = 0;
-
- private:
-  void DeliverWriteDone(bool ok) override { OnWriteDone(ok); }
-  void DeliverCancel() override { OnCancel(); }
-  void DeliverDone() override { OnDone(); }
 };
 
 class ChannelServer {
  public:
-  // Makes the reactor of a call that starts (it registers itself with the
-  // host through its base's constructor): `request` is a Pull's request,
-  // null for a Push. `peer` names the caller, as gRPC's peer does. An error
-  // ends the call with it, as does a factory that makes no reactor.
+  // Makes the reactor of a call that starts, which it must (the reactor
+  // registers itself with the host through its base's constructor; it
+  // ends the call itself where the request is bad): `request` is a Pull's
+  // request, null for a Push. `peer` names the caller, as gRPC's peer does.
   using StartCall =
-      std::function<absl::Status(ChannelServer* host, ChannelMethod method, const std::string& peer,
-                                 absl::Time deadline, const grpc::ByteBuffer* request)>;
+      std::function<void(ChannelServer* host, ChannelMethod method, const std::string& peer,
+                         absl::Time deadline, const grpc::ByteBuffer* request)>;
 
   // Serves `end` (mapped by `mapping`, kept until the thread ends) on a
   // thread of its own: a channel is a connection, which waits on its
@@ -151,8 +136,8 @@ class ChannelServer {
   void Loop();
   // Handles one record of the worker's; false when the channel must close.
   bool Handle(ChannelEnd::Record record);
-  void Begin(ChannelMethod method, uint64_t call, absl::Time deadline,
-             const grpc::ByteBuffer* request);
+  // Starts the call in call_ (until deadline_) through start_.
+  void Begin(ChannelMethod method, const grpc::ByteBuffer* request);
   // Cancels the call in flight, once.
   void Cancel();
 
@@ -165,10 +150,11 @@ class ChannelServer {
 
   absl::Mutex write_mu_;  // one writer of the channel at a time
   absl::Mutex mu_;
-  std::deque<Event> events_ ABSL_GUARDED_BY(mu_);
+  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
   ChannelReactor* active_ ABSL_GUARDED_BY(mu_) = nullptr;
   grpc::ByteBuffer* read_into_ ABSL_GUARDED_BY(mu_) = nullptr;  // a read in flight
   // The rest is the thread's own.
+  std::vector<Event> taken_;                      // events_ swapped out (keeps its capacity)
   uint64_t call_ = 0;                             // the number of the call in flight (or last)
   absl::Time deadline_;                           // its deadline
   bool cancelled_ = false;                        // it was cancelled

@@ -1171,13 +1171,12 @@ grpc::Status PsService::OpenChannel(grpc::ServerContext* context, const OpenChan
     channel_servers_.push_back(std::make_unique<ChannelServer>(
         *std::move(end), *std::move(mapping), peer,
         [this](ChannelServer* host, ChannelMethod method, const std::string& peer,
-               absl::Time deadline, const grpc::ByteBuffer* request) -> absl::Status {
+               absl::Time deadline, const grpc::ByteBuffer* request) {
           if (method == ChannelMethod::kPush) {
             new PushReader<ChannelReadReactor>(this, peer, nullptr, host);
           } else {
             new PullWriter<ChannelWriteReactor>(this, peer, deadline, request, host);
           }
-          return absl::OkStatus();
         }));
   }
   response->set_pid(getpid());
