@@ -1073,22 +1073,27 @@ absl::StatusOr<std::shared_ptr<const SharedRegion>> PushRegionForBoth() {
   return std::shared_ptr<const SharedRegion>(*std::move(made));
 }
 
-// A ps of its own on loopback that takes no shared memory (beside the
-// fixture's), shut down as it goes.
-struct PsWithoutSharedMemory {
-  PsWithoutSharedMemory()
+// A ps of its own on loopback beside the fixture's, taking shared memory
+// and serving channels as asked, shut down as it goes.
+struct OtherPs {
+  explicit OtherPs(bool shared_memory, bool channels = false, StreamLimits limits = {})
       : service(
-            0, &shard, [] {}, &metrics, nullptr, StreamLimits{}, /*shared_memory=*/false),
+            0, &shard, [] {}, &metrics, nullptr, limits, shared_memory, /*trace=*/nullptr,
+            /*apply_in_place=*/true, /*spread_wakes=*/false, channels),
         server(ServeOnLoopback(&service, &port)) {}
-  ~PsWithoutSharedMemory() {
+  ~OtherPs() {
     shard.Shutdown();
     if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   }
-  // A client of it that offers shared memory.
-  std::unique_ptr<GrpcClient> SharedMemoryClient(metrics::Registry* client_metrics) const {
-    return std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
-                                        SecurityOptions{}, 1, client_metrics, Role::kPs,
-                                        /*shared_memory=*/true);
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+  // A client of it that offers shared memory (and channels with `channels`).
+  std::unique_ptr<GrpcClient> SharedMemoryClient(metrics::Registry* client_metrics,
+                                                 bool channels = false) const {
+    auto client =
+        std::make_unique<GrpcClient>(std::vector<std::string>{address()}, SecurityOptions{}, 1,
+                                     client_metrics, Role::kPs, /*shared_memory=*/true);
+    client->UseChannels(channels);
+    return client;
   }
 
   metrics::Registry metrics;
@@ -1103,7 +1108,7 @@ struct PsWithoutSharedMemory {
 // as no failed call; the calls after it offer no region until the retry
 // window has passed, and then one call does.
 TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
-  PsWithoutSharedMemory ps;
+  OtherPs ps(/*shared_memory=*/false);
   ASSERT_NE(ps.server, nullptr);
   metrics::Registry& metrics = ps.metrics;
   std::unique_ptr<GrpcClient> client = ps.SharedMemoryClient(&client_metrics_);
@@ -1141,7 +1146,7 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
 // the network: the region is offered, refused, and the push goes again
 // from the same memory.
 TEST_F(PsServiceTest, GradientsInThePushRegionReachAPsWithoutSharedMemory) {
-  PsWithoutSharedMemory ps;
+  OtherPs ps(/*shared_memory=*/false);
   ASSERT_NE(ps.server, nullptr);
   client_ = ps.SharedMemoryClient(&client_metrics_);
   const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
@@ -2234,18 +2239,9 @@ TEST_F(PsServiceTest, AChannelWhoseWorkerIsGoneEnds) {
 // A ps that serves no channels (an older one, or --same_host_channels=false
 // there): the client's calls go through gRPC, still through shared memory.
 TEST_F(PsServiceTest, APsWithoutChannelsGetsTheCallsThroughGrpc) {
-  Shard shard;
-  PsService plain(
-      0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
-      /*apply_in_place=*/true, /*spread_wakes=*/false, /*channels=*/false);
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&plain, &port);
-  ASSERT_NE(server, nullptr);
-  auto client = std::make_unique<GrpcClient>(
-      std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, SecurityOptions{}, 1,
-      &client_metrics_, Role::kPs, /*shared_memory=*/true);
-  client->UseChannels(true);
-  client_ = std::move(client);
+  OtherPs plain(/*shared_memory=*/true, /*channels=*/false);
+  ASSERT_NE(plain.server, nullptr);
+  client_ = plain.SharedMemoryClient(&client_metrics_, /*channels=*/true);
   ASSERT_TRUE(InitJob().ok());
   for (int i = 0; i < 3; ++i) {
     absl::StatusOr<Pulled> p = PullAll(0);
@@ -2254,35 +2250,27 @@ TEST_F(PsServiceTest, APsWithoutChannelsGetsTheCallsThroughGrpc) {
   }
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total"), 3);
   EXPECT_EQ(Series(client_metrics_.Render(), "psflow_channel_calls_total"), 0);
-  EXPECT_EQ(plain.open_channels(), 0);
-  shard.Shutdown();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(plain.service.open_channels(), 0);
 }
 
 // A worker may open at most per_peer channels.
 TEST_F(PsServiceTest, ChannelsOfOneWorkerAreBounded) {
-  Shard shard;
-  PsService bounded(
-      0, &shard, [] {}, nullptr, nullptr, StreamLimits{/*per_peer=*/2, /*total=*/10},
-      /*shared_memory=*/true, nullptr, true, false, /*channels=*/true);
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&bounded, &port);
-  ASSERT_NE(server, nullptr);
-  auto stub = ParameterServer::NewStub(
-      MakeChannel(absl::StrCat("127.0.0.1:", port), Role::kPs, SecurityOptions{}));
+  OtherPs bounded(/*shared_memory=*/true, /*channels=*/true,
+                  StreamLimits{/*per_peer=*/2, /*total=*/10});
+  ASSERT_NE(bounded.server, nullptr);
+  auto stub =
+      ParameterServer::NewStub(MakeChannel(bounded.address(), Role::kPs, SecurityOptions{}));
   OpenedChannel a = OpenRawChannel(stub.get()), b = OpenRawChannel(stub.get()),
                 c = OpenRawChannel(stub.get());
   EXPECT_TRUE(a.status.ok());
   EXPECT_TRUE(b.status.ok());
   EXPECT_EQ(c.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(bounded.open_channels(), 2);
+  EXPECT_EQ(bounded.service.open_channels(), 2);
   // A closed one makes room.
   (*ChannelEnd::Open(a.region->data(), ChannelEnd::Side::kClient, nullptr))->Close();
-  EXPECT_TRUE(WaitFor([&] { return bounded.open_channels() == 1; }));
+  EXPECT_TRUE(WaitFor([&] { return bounded.service.open_channels() == 1; }));
   OpenedChannel d = OpenRawChannel(stub.get());
   EXPECT_TRUE(d.status.ok()) << d.status.error_message();
-  shard.Shutdown();
-  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
 }  // namespace
