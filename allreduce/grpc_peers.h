@@ -1,6 +1,6 @@
 // allreduce::Peers over gRPC: the AllReduce service of every other worker,
 // at the workers' cluster addresses (one connection each, secured as the
-// cluster is: common/security.h).
+// cluster is: transport/security.h).
 #ifndef PSFLOW_ALLREDUCE_GRPC_PEERS_H_
 #define PSFLOW_ALLREDUCE_GRPC_PEERS_H_
 
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "allreduce/ring.h"
-#include "common/grpc_util.h"
-#include "common/security.h"
+#include "transport/grpc_util.h"
+#include "transport/security.h"
 #include "proto/allreduce.grpc.pb.h"
 
 namespace psflow::allreduce {

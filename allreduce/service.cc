@@ -1,6 +1,6 @@
 #include "allreduce/service.h"
 
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::allreduce {
 

@@ -3,7 +3,7 @@
 #define PSFLOW_ALLREDUCE_SERVICE_H_
 
 #include "allreduce/ring.h"
-#include "common/security.h"
+#include "transport/security.h"
 #include "proto/allreduce.grpc.pb.h"
 
 namespace psflow::allreduce {

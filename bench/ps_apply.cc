@@ -18,8 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "common/command_line.h"
-#include "common/process_setup.h"
+#include "role/command_line.h"
+#include "role/process_setup.h"
 #include "common/thread_pool.h"
 #include "ps/shard.h"
 

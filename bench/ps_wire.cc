@@ -27,11 +27,11 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "common/command_line.h"
+#include "role/command_line.h"
 #include "common/float16.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/placement.h"
-#include "common/process_setup.h"
+#include "role/process_setup.h"
 #include "common/thread_pool.h"
 #include "model/spec.h"
 #include "ps/grpc_client.h"
@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
     s.appliers = std::make_unique<psflow::ThreadPool>(std::min(4, apply_threads));
     s.shard = std::make_unique<psflow::ps::Shard>(
         s.apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, s.appliers.get());
-    s.service = std::make_unique<psflow::ps::PsService>(p, s.shard.get(), [] {});
+    s.service = std::make_unique<psflow::ps::PsService>(
+        s.shard.get(), psflow::ps::PsServiceOptions{.ps_index = p});
     s.address = absl::StrCat("127.0.0.1:", ports[p]);
     absl::StatusOr<std::unique_ptr<grpc::Server>> server =
         psflow::StartServer(s.address, s.service.get(), psflow::SecurityOptions{});

@@ -18,7 +18,7 @@
 #include "common/log.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "model/saved_model.h"
 #include "model/spec.h"
 #include "ps/optimizer.h"

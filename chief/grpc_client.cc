@@ -2,7 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::chief {
 

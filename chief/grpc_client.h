@@ -8,7 +8,7 @@
 #include <string>
 
 #include "chief/client.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/metrics.h"
 #include "proto/chief.grpc.pb.h"
 

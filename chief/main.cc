@@ -8,13 +8,14 @@
 #include "absl/time/time.h"
 #include "chief/flags.h"
 #include "chief/role.h"
-#include "common/cluster_flags.h"
+#include "role/cluster_flags.h"
 #include "common/exit_codes.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/metrics.h"
-#include "common/process_setup.h"
-#include "common/signals.h"
+#include "role/process_setup.h"
+#include "role/serve_role.h"
+#include "role/signals.h"
 
 int main(int argc, char** argv) {
   psflow::SetUpRoleProcess();
@@ -51,18 +52,15 @@ int main(int argc, char** argv) {
   o.coordinator.on_ready = [&readiness](bool ready) { readiness.Set(ready); };
   std::unique_ptr<psflow::chief::ChiefRole> chief =
       psflow::chief::ChiefRole::Create(o, *std::move(job), security, &metrics);
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server = psflow::StartServer(
-      o.cluster.self_address, chief->service(), security, psflow::chief::ChiefCallers());
-  if (!server.ok()) {
-    PSLOG(ERROR) << server.status().message();
-    return psflow::kExitPermanent;
-  }
-  readiness.Attach(server->get());
-  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
-      psflow::ServeMetrics(&metrics, &readiness);
-  if (!metrics_server.ok()) {
-    PSLOG(ERROR) << metrics_server.status().message();
-    readiness.Detach();
+  absl::StatusOr<std::unique_ptr<psflow::RoleServers>> servers =
+      psflow::ServeRole({.address = o.cluster.self_address,
+                         .services = {chief->service()},
+                         .callers = psflow::chief::ChiefCallers(),
+                         .security = security,
+                         .metrics = &metrics,
+                         .readiness = &readiness});
+  if (!servers.ok()) {
+    PSLOG(ERROR) << servers.status().message();
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << o.cluster.self_address << "; loading the parameter servers";
@@ -74,8 +72,7 @@ int main(int argc, char** argv) {
         return s;
       },
       [&](int sig) { chief->Stop(sig); }, absl::Seconds(30), "stopping");
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  readiness.Detach();
+  (*servers)->Stop(absl::Seconds(2));
   psflow::LogResourceUsage();
   return code;
 }

@@ -11,7 +11,7 @@
 #include "chief/service.h"
 #include "chief/summaries.h"
 #include "common/metrics.h"
-#include "common/security.h"
+#include "transport/security.h"
 #include "common/thread_pool.h"
 #include "ps/grpc_client.h"
 

@@ -1,6 +1,6 @@
 #include "chief/service.h"
 
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::chief {
 namespace {

@@ -5,7 +5,7 @@
 #define PSFLOW_CHIEF_SERVICE_H_
 
 #include "chief/coordinator.h"
-#include "common/security.h"
+#include "transport/security.h"
 #include "proto/chief.grpc.pb.h"
 
 namespace psflow::chief {

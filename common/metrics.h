@@ -1,7 +1,7 @@
 // A small registry of Prometheus metrics: counters, gauges and histograms
 // with fixed buckets, each family optionally split into series by labels,
 // rendered in the Prometheus text exposition format (version 0.0.4) for
-// /metrics (common/metrics_server.h serves it over HTTP).
+// /metrics (role/metrics_server.h serves it over HTTP).
 //
 // A role's main creates one Registry and hands a pointer to whatever records
 // metrics; there is no global registry. Classes that tests build without one

@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "proto/job.pb.h"
 #include "proto/ps.pb.h"
 

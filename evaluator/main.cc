@@ -11,13 +11,14 @@
 #include "absl/time/time.h"
 #include "chief/grpc_client.h"
 #include "common/byte_size.h"
-#include "common/cluster_flags.h"
+#include "role/cluster_flags.h"
 #include "common/exit_codes.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/metrics.h"
-#include "common/process_setup.h"
-#include "common/signals.h"
+#include "role/process_setup.h"
+#include "role/serve_role.h"
+#include "role/signals.h"
 #include "evaluator/evaluator.h"
 #include "evaluator/service.h"
 #include "ps/grpc_client.h"
@@ -117,30 +118,20 @@ int main(int argc, char** argv) {
   // cluster (TF_CONFIG's minimal form) listens on nothing, but still serves
   // /metrics with --metrics_port.
   psflow::evaluator::StatusService service(&evaluator);
-  std::unique_ptr<grpc::Server> server;
-  if (config.self_port > 0) {
-    absl::StatusOr<std::unique_ptr<grpc::Server>> started =
-        psflow::StartServer(config.self_address, &service, security);
-    if (!started.ok()) {
-      PSLOG(ERROR) << started.status().message();
-      return psflow::kExitPermanent;
-    }
-    server = *std::move(started);
-    readiness.Attach(server.get());
-  }
-  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
-      psflow::ServeMetrics(&metrics, &readiness);
-  if (!metrics_server.ok()) {
-    PSLOG(ERROR) << metrics_server.status().message();
-    readiness.Detach();
+  absl::StatusOr<std::unique_ptr<psflow::RoleServers>> servers =
+      psflow::ServeRole({.address = config.self_port > 0 ? config.self_address : "",
+                         .services = {&service},
+                         .security = security,
+                         .metrics = &metrics,
+                         .readiness = &readiness});
+  if (!servers.ok()) {
+    PSLOG(ERROR) << servers.status().message();
     return psflow::kExitPermanent;
   }
   const int code =
       psflow::RunRole([&] { return evaluator.Run(); }, [&](int sig) { evaluator.Stop(sig); },
                       absl::Seconds(6), "stopping after the call in flight");
-  if (server != nullptr)
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  readiness.Detach();
+  (*servers)->Stop(absl::Seconds(1));
   psflow::LogResourceUsage();
   return code;
 }

@@ -5,7 +5,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 
 namespace psflow::model {
 namespace {

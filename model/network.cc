@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status_macros.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 
 namespace psflow::model {
 namespace {

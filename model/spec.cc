@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "model/graph.h"
 
 namespace psflow::model {

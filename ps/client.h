@@ -20,8 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/float16.h"
-#include "common/shared_region.h"
-#include "common/tensor_chunks.h"
+#include "transport/shared_region.h"
+#include "transport/tensor_chunks.h"
 #include "proto/ps.pb.h"
 
 namespace psflow::ps {
@@ -167,7 +167,7 @@ class Client {
   virtual void SetRegionPinning(std::function<bool(void*, size_t)> pin,
                                 std::function<void(void*)> unpin) {}
 
-  // Shared memory (common/shared_region.h) that the caller's gradients lie
+  // Shared memory (transport/shared_region.h) that the caller's gradients lie
   // in (a GPU worker's copies from the device land there): a push whose
   // tensors all lie in it offers it to the ps and names each tensor where
   // it lies, with no copy (the check of PushRuns reads the values there).

@@ -7,13 +7,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/call_channel.h"
-#include "common/chunk_messages.h"
+#include "transport/call_channel.h"
+#include "transport/chunk_messages.h"
 #include "common/float16.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/status_macros.h"
-#include "ps/channel_server.h"
+#include "transport/channel_server.h"
 
 namespace psflow::ps {
 namespace {

@@ -1,7 +1,7 @@
 // The gRPC transport of ps::Client: tensors streamed as chunks in both
 // directions, over one or more connections per ps. Pushes and pulls, the
 // calls of every step, send and read their messages as raw byte buffers
-// (common/chunk_messages.h): gradients leave from the caller's memory and
+// (transport/chunk_messages.h): gradients leave from the caller's memory and
 // pulled weights are decoded straight into the sinks. Thread-safe.
 #ifndef PSFLOW_PS_GRPC_CLIENT_H_
 #define PSFLOW_PS_GRPC_CLIENT_H_
@@ -14,13 +14,13 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
-#include "common/call_channel.h"
-#include "common/grpc_util.h"
+#include "transport/call_channel.h"
+#include "transport/grpc_util.h"
 #include "common/metrics.h"
-#include "common/shared_region.h"
+#include "transport/shared_region.h"
 #include "common/step_trace.h"
 #include "proto/ps.grpc.pb.h"
-#include "ps/channel_server.h"
+#include "transport/channel_server.h"
 #include "ps/client.h"
 
 namespace psflow::ps {
@@ -34,7 +34,7 @@ namespace psflow::ps {
 // the failed calls by code.
 //
 // With `shared_memory`, pushes and pulls offer each ps a shared region
-// (common/shared_region.h) for their tensors, leased from a pool of at most
+// (transport/shared_region.h) for their tensors, leased from a pool of at most
 // kMaxRegionBytes. A ps that refuses one (it is on another host, or in
 // another process namespace) gets that call again over the network, and so
 // do its calls of the next kRetrySharedAfter; after that one call at a time
@@ -97,7 +97,7 @@ class GrpcClient final : public Client {
   void set_retry_shared_after(absl::Duration wait) { retry_shared_after_ = wait; }
 
   // With shared memory, pushes and pulls through a region go through a
-  // same-host channel to their ps (common/call_channel.h) where it opens
+  // same-host channel to their ps (transport/call_channel.h) where it opens
   // one: the same messages, without gRPC's threads on either side. At most
   // kMaxChannelsPerPs per ps (one per call in flight; a call finds none
   // free goes through gRPC). A ps that refuses to open one is asked again
@@ -179,7 +179,7 @@ class GrpcClient final : public Client {
   struct Link {
     std::vector<std::shared_ptr<grpc::Channel>> channels;
     std::unique_ptr<ParameterServer::Stub> stub;  // on the first connection
-    // Pulls and pushes go as raw messages (common/chunk_messages.h), one
+    // Pulls and pushes go as raw messages (transport/chunk_messages.h), one
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
     std::atomic<unsigned> next{0};  // the connection of the next pull or push

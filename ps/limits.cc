@@ -8,7 +8,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/placement.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 
 namespace psflow::ps {
 

@@ -15,14 +15,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "common/cluster_flags.h"
+#include "role/cluster_flags.h"
 #include "common/cpu_count.h"
 #include "common/exit_codes.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/metrics.h"
-#include "common/process_setup.h"
-#include "common/signals.h"
+#include "role/process_setup.h"
+#include "role/serve_role.h"
+#include "role/signals.h"
 #include "common/step_trace.h"
 #include "common/thread_pool.h"
 #include "ps/service.h"
@@ -319,11 +320,24 @@ int main(int argc, char** argv) {
   StopState stop;
   std::atomic<int> exit_code{0};
   auto request_stop = [&] { stop.Request(); };
+  // A woken pull encodes its next slice on the wakers (a few threads: pulls
+  // beside pushes wait for most slices); push messages are decoded on the
+  // pushers (CPU work: about as many threads as cores).
+  psflow::ThreadPool wakers(std::max(2, psflow::UsableCores() / 4));
+  psflow::ThreadPool pushers(std::max(4, psflow::UsableCores()));
   psflow::ps::PsService service(
-      config.task_index, &shard, request_stop, &metrics,
-      [&readiness](bool ready) { readiness.Set(ready); }, limits,
-      absl::GetFlag(FLAGS_shared_memory), trace->get(), absl::GetFlag(FLAGS_apply_in_place),
-      absl::GetFlag(FLAGS_parallel_pull_answers), absl::GetFlag(FLAGS_same_host_channels));
+      &shard, {.ps_index = config.task_index,
+               .on_shutdown = request_stop,
+               .on_job = [&readiness](bool ready) { readiness.Set(ready); },
+               .metrics = &metrics,
+               .limits = limits,
+               .shared_memory = absl::GetFlag(FLAGS_shared_memory),
+               .trace = trace->get(),
+               .apply_in_place = absl::GetFlag(FLAGS_apply_in_place),
+               .spread_wakes = absl::GetFlag(FLAGS_parallel_pull_answers),
+               .channels = absl::GetFlag(FLAGS_same_host_channels),
+               .wakers = &wakers,
+               .pushers = &pushers});
   service.OnCheckpointTaken([&stop] { stop.CheckpointTaken(); });
   AddShardMetrics(shard, metrics);
   absl::Notification terminated;
@@ -333,19 +347,15 @@ int main(int argc, char** argv) {
     if (!stop.Signal(sig)) PSLOG(INFO) << "signal " << sig << ": exiting now";
   });
 
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(config.self_address, &service, security,
-                          psflow::ps::PsCallers(config.cluster.ChiefHostRole()));
-  if (!server.ok()) {
-    PSLOG(ERROR) << server.status().message();
-    return psflow::kExitPermanent;
-  }
-  readiness.Attach(server->get());
-  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
-      psflow::ServeMetrics(&metrics, &readiness);
-  if (!metrics_server.ok()) {
-    PSLOG(ERROR) << metrics_server.status().message();
-    readiness.Detach();
+  absl::StatusOr<std::unique_ptr<psflow::RoleServers>> servers =
+      psflow::ServeRole({.address = config.self_address,
+                         .services = {&service},
+                         .callers = psflow::ps::PsCallers(config.cluster.ChiefHostRole()),
+                         .security = security,
+                         .metrics = &metrics,
+                         .readiness = &readiness});
+  if (!servers.ok()) {
+    PSLOG(ERROR) << servers.status().message();
     return psflow::kExitPermanent;
   }
   PSLOG(INFO) << "listening on " << config.self_address;
@@ -355,8 +365,7 @@ int main(int argc, char** argv) {
   // With --exit_when_done=false the server stays up while idle, so that the
   // health service still shows the process alive.
   const int code = psflow::FinishOrIdle(exit_code, terminated);
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  readiness.Detach();
+  (*servers)->Stop(absl::Seconds(5));
   psflow::ps::Shard::Stats stats = shard.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
               << ", duplicates " << stats.duplicate << ", refused for non-finite gradients "

@@ -19,16 +19,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
-#include "common/call_channel.h"
-#include "common/chunk_messages.h"
+#include "transport/call_channel.h"
+#include "transport/chunk_messages.h"
 #include "common/cpu_count.h"
 #include "common/deferred_work.h"
 #include "common/float16.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
-#include "common/tensor_chunks.h"
+#include "transport/tensor_chunks.h"
 #include "ps/limits.h"
 #include "ps/tensors.h"
 
@@ -182,7 +182,7 @@ class PsService::WaitingWriter : public Base {
         service_(service),
         peer_(std::move(peer)),
         call_deadline_(deadline),
-        waker_(std::make_shared<Waker>(service->wakers_.get(), service->spread_wakes_)) {}
+        waker_(std::make_shared<Waker>(service->wakers_, service->spread_wakes_)) {}
 
  protected:
   // Admits the call and hooks it to the shard, then advances it; or
@@ -625,21 +625,20 @@ class PsService::SnapshotWriter final
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
 };
 
-PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
-                     metrics::Registry* metrics, std::function<void(bool)> on_job,
-                     StreamLimits limits, bool shared_memory, StepTrace* trace, bool apply_in_place,
-                     bool spread_wakes, bool channels)
-    : ps_index_(ps_index),
+PsService::PsService(Shard* shard, PsServiceOptions options)
+    : ps_index_(options.ps_index),
       shard_(shard),
-      on_shutdown_(std::move(on_shutdown)),
-      on_job_(std::move(on_job)),
-      limits_(limits),
-      trace_(trace),
-      apply_in_place_(apply_in_place),
-      spread_wakes_(spread_wakes),
-      regions_(shared_memory ? std::make_unique<SharedRegionMap>() : nullptr),
-      channels_(channels && shared_memory) {
-  metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
+      on_shutdown_(options.on_shutdown ? std::move(options.on_shutdown) : [] {}),
+      on_job_(std::move(options.on_job)),
+      limits_(options.limits),
+      trace_(options.trace),
+      apply_in_place_(options.apply_in_place),
+      spread_wakes_(options.spread_wakes),
+      wakers_(options.wakers),
+      pushers_(options.pushers),
+      regions_(options.shared_memory ? std::make_unique<SharedRegionMap>() : nullptr),
+      channels_(options.channels && options.shared_memory) {
+  metrics::Registry* m = metrics::Registry::OrPrivate(options.metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_ps_push_bytes",
                                 "Gradient bytes (in the wire dtype) received by one push call.",
                                 metrics::ByteBuckets());
@@ -678,10 +677,16 @@ PsService::PsService(int ps_index, Shard* shard, std::function<void()> on_shutdo
   // A woken pull encodes its next slice (into a worker's shared region, or
   // a message) on this pool: a few threads, as pulls beside pushes wait for
   // most slices.
-  wakers_ = std::make_unique<ThreadPool>(std::max(2, UsableCores() / 4));
+  if (wakers_ == nullptr) {
+    own_wakers_ = std::make_unique<ThreadPool>(std::max(2, UsableCores() / 4));
+    wakers_ = own_wakers_.get();
+  }
   // Decoding is CPU work: about as many threads as cores (a slice's apply
   // may run on the thread that completes it, when the shard has no appliers).
-  pushers_ = std::make_unique<ThreadPool>(std::max(4, UsableCores()));
+  if (pushers_ == nullptr) {
+    own_pushers_ = std::make_unique<ThreadPool>(std::max(4, UsableCores()));
+    pushers_ = own_pushers_.get();
+  }
 }
 
 PsService::~PsService() {

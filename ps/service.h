@@ -26,11 +26,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
-#include "common/security.h"
-#include "common/shared_region.h"
+#include "transport/security.h"
+#include "transport/shared_region.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
-#include "ps/channel_server.h"
+#include "transport/channel_server.h"
 #include "ps/shard.h"
 
 namespace psflow::ps {
@@ -57,46 +57,64 @@ CallerRoles PsCallers(Role chief = Role::kChief);
 // which never calls them on a replica.
 CallerRoles ReplicaCallers(Role chief, bool worker0);
 
+// How a PsService serves; every field has its default.
+struct PsServiceOptions {
+  // This server's task index: an Init for another index is refused.
+  int ps_index = 0;
+  // Called for an accepted Shutdown; it must only signal (the caller stops
+  // the server, letting this call finish, or keeps it up idle: from then on
+  // GetState and SetLiveWorkers answer UNAVAILABLE, as a ps that is gone
+  // would, and the shard refuses the rest). None: nothing is called.
+  std::function<void()> on_shutdown;
+  // Called with true after every accepted Init: the ps holds a job (is
+  // ready). May be empty.
+  std::function<void(bool)> on_job;
+  // Gets the sizes and durations of pushes and pulls and the streams refused
+  // over a bound. May be null; must outlive the service and not be rendered
+  // once it is gone.
+  metrics::Registry* metrics = nullptr;
+  StreamLimits limits;
+  // False: pushes and pulls that name a shared region
+  // (transport/shared_region.h) are refused, so their workers send over the
+  // network; true: the regions are mapped and used.
+  bool shared_memory = true;
+  // Gets the spans of push messages and answers and of the slices of pull
+  // answers. May be null; must outlive the service.
+  StepTrace* trace = nullptr;
+  // A synchronous job's gradients pushed through a region are applied where
+  // they lie (Shard::SliceGradient::borrowed; 16-bit ones widened as they
+  // are read) instead of being copied out first, and such a push is answered
+  // once the shard has let go of all of them: its worker reuses the region
+  // only after the answer.
+  bool apply_in_place = true;
+  // The pulls that one apply wakes are answered on several threads at once
+  // (the applying thread answers the first; the waker threads the others)
+  // instead of one after the other on the applying thread. psflow-ps
+  // --parallel_pull_answers turns it on; a worker's replica keeps it off.
+  bool spread_wakes = false;
+  // With `shared_memory`: workers of this host may open same-host channels
+  // (OpenChannel) and push and pull through them.
+  bool channels = false;
+  // Where woken pulls encode their next slice, and where push messages are
+  // decoded. Not owned; must outlive the service. Null: the service makes a
+  // pool of its own (wakers: a quarter of the usable cores, at least 2;
+  // pushers: the usable cores, at least 4).
+  ThreadPool* wakers = nullptr;
+  ThreadPool* pushers = nullptr;
+};
+
 class PsService final
     : public ParameterServer::WithRawCallbackMethod_Pull<
           ParameterServer::WithCallbackMethod_Snapshot<
               ParameterServer::WithRawCallbackMethod_Push<ParameterServer::Service>>> {
  public:
-  // `ps_index` is this server's task index: an Init for another index is
-  // refused. `on_shutdown` is called for an accepted Shutdown; it
-  // must only signal (the caller stops the server, letting this call finish,
-  // or keeps it up idle: from then on GetState and SetLiveWorkers answer
-  // UNAVAILABLE, as a ps that is gone would, and the shard refuses the rest).
-  // `metrics` (may be null; must outlive the service and not be rendered
-  // once it is gone) gets the sizes and durations of pushes and pulls and
-  // the streams refused over a bound. `on_job` (may be null) is called with true
-  // after every accepted Init: the ps holds a job (is ready).
-  // With `shared_memory` false, pushes and pulls that name a shared region
-  // (common/shared_region.h) are refused, so their workers send over the
-  // network; otherwise the regions are mapped and used. `trace` (may be
-  // null; must outlive the service) gets the spans of push messages and
-  // answers and of the slices of pull answers. With `apply_in_place`, a
-  // synchronous job's gradients pushed through a region are applied where
-  // they lie (Shard::SliceGradient::borrowed; 16-bit ones widened as they
-  // are read) instead of being copied out first, and such a push is
-  // answered once the shard has let go of all of them: its worker reuses
-  // the region only after the answer. With `spread_wakes` (psflow-ps
-  // --parallel_pull_answers, on there by default; a worker's replica keeps
-  // it off), the pulls that one apply wakes are answered on several threads
-  // at once (the applying thread answers the first; the service's waker
-  // threads the others) instead of one after the other on the applying
-  // thread.
-  // With `channels` (and `shared_memory`), workers of this host may open
-  // same-host channels (OpenChannel) and push and pull through them.
-  PsService(int ps_index, Shard* shard, std::function<void()> on_shutdown,
-            metrics::Registry* metrics = nullptr, std::function<void(bool)> on_job = nullptr,
-            StreamLimits limits = {}, bool shared_memory = true, StepTrace* trace = nullptr,
-            bool apply_in_place = true, bool spread_wakes = false, bool channels = false);
+  // `shard` (not owned) outlives the service.
+  PsService(Shard* shard, PsServiceOptions options);
   ~PsService() override;
 
   grpc::Status Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                     InitResponse* response) override;
-  // Pull and Push send and read raw messages (common/chunk_messages.h):
+  // Pull and Push send and read raw messages (transport/chunk_messages.h):
   // PullResponse and PushRequest in protobuf's encoding, whose chunks'
   // data go out of the shard's published values and into the gradients'
   // buffers without a copy through protobuf.
@@ -123,7 +141,7 @@ class PsService final
   grpc::ServerWriteReactor<SnapshotResponse>* Snapshot(grpc::CallbackServerContext* context,
                                                        const SnapshotRequest* request) override;
   // Maps the worker's channel region and serves its calls on a thread of
-  // the channel's (ps/channel_server.h), through the same reactors as
+  // the channel's (transport/channel_server.h), through the same reactors as
   // Push and Pull. At most StreamLimits::per_peer channels per worker
   // process and `total` in all (RESOURCE_EXHAUSTED over them).
   grpc::Status OpenChannel(grpc::ServerContext* context, const OpenChannelRequest* request,
@@ -191,10 +209,12 @@ class PsService final
   metrics::Counter* refused_regions_;
   // Runs what a shard's waiter wakes (never under the shard's lock); its
   // threads may record into the metrics, so it goes first.
-  std::unique_ptr<ThreadPool> wakers_;
+  ThreadPool* wakers_;
+  std::unique_ptr<ThreadPool> own_wakers_;  // when the options gave none
   // Reads the pushes' messages (decodes their chunks, hands complete slices
   // to the shard) off gRPC's threads: one message of a push at a time.
-  std::unique_ptr<ThreadPool> pushers_;
+  ThreadPool* pushers_;
+  std::unique_ptr<ThreadPool> own_pushers_;  // when the options gave none
   // Workers' shared regions; null when this ps takes none.
   std::unique_ptr<SharedRegionMap> regions_;
   const bool channels_;

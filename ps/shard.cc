@@ -13,7 +13,7 @@
 #include "common/log.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 
 namespace psflow::ps {
 namespace {

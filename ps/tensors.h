@@ -1,4 +1,4 @@
-// The shard's tensors as chunk sinks and refs (common/tensor_chunks.h): the
+// The shard's tensors as chunk sinks and refs (transport/tensor_chunks.h): the
 // one mapping between what travels in an RPC and the shard's per-slice
 // storage, shared by the gRPC service and the in-memory fake of tests. No
 // gRPC here. Sinks and refs point into the storage given, which must outlive
@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
-#include "common/tensor_chunks.h"
+#include "transport/tensor_chunks.h"
 #include "proto/ps.pb.h"
 #include "ps/shard.h"
 

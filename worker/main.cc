@@ -28,15 +28,16 @@
 #include "chief/flags.h"
 #include "chief/grpc_client.h"
 #include "chief/role.h"
-#include "common/cluster_flags.h"
-#include "common/command_line.h"
+#include "role/cluster_flags.h"
+#include "role/command_line.h"
 #include "common/cpu_count.h"
 #include "common/exit_codes.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/metrics.h"
-#include "common/process_setup.h"
-#include "common/signals.h"
+#include "role/process_setup.h"
+#include "role/serve_role.h"
+#include "role/signals.h"
 #include "common/step_trace.h"
 #include "ps/grpc_client.h"
 #include "ps/local_client.h"
@@ -292,7 +293,7 @@ int main(int argc, char** argv) {
     if (helpers > 0) apply_pool = std::make_unique<psflow::ThreadPool>(helpers);
     replica = std::make_unique<psflow::ps::Shard>(apply_pool.get());
     replica_service = std::make_unique<psflow::ps::PsService>(
-        0, replica.get(), [] {}, &metrics);
+        replica.get(), psflow::ps::PsServiceOptions{.metrics = &metrics});
     peers = std::make_unique<psflow::allreduce::GrpcPeers>(config.cluster.worker, security);
     psflow::allreduce::RingOptions ring_options;
     ring_options.rank = config.task_index;
@@ -350,18 +351,15 @@ int main(int argc, char** argv) {
     }
     for (auto& [method, roles] : psflow::allreduce::AllReduceCallers()) callers[method] = roles;
   }
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      psflow::StartServer(config.self_address, services, security, callers);
-  if (!server.ok()) {
-    PSLOG(ERROR) << server.status().message();
-    return psflow::kExitPermanent;
-  }
-  readiness.Attach(server->get());
-  absl::StatusOr<std::unique_ptr<psflow::metrics::MetricsServer>> metrics_server =
-      psflow::ServeMetrics(&metrics, &readiness);
-  if (!metrics_server.ok()) {
-    PSLOG(ERROR) << metrics_server.status().message();
-    readiness.Detach();
+  absl::StatusOr<std::unique_ptr<psflow::RoleServers>> servers =
+      psflow::ServeRole({.address = config.self_address,
+                         .services = services,
+                         .callers = callers,
+                         .security = security,
+                         .metrics = &metrics,
+                         .readiness = &readiness});
+  if (!servers.ok()) {
+    PSLOG(ERROR) << servers.status().message();
     return psflow::kExitPermanent;
   }
   if (chief_role != nullptr) {
@@ -426,8 +424,7 @@ int main(int argc, char** argv) {
       chief_role != nullptr || all_reduce
           ? "stopping after the call in flight"
           : "stopping once the pushes of the step in flight are answered");
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  readiness.Detach();
+  (*servers)->Stop(absl::Seconds(1));
   psflow::LogResourceUsage();
   return code;
 }

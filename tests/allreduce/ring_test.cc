@@ -15,7 +15,7 @@
 #include "allreduce/grpc_peers.h"
 #include "allreduce/service.h"
 #include "common/float16.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -23,7 +23,7 @@
 #include "common/exit_codes.h"
 #include "common/metrics.h"
 #include "common/placement.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/saved_model.h"

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
-#include "common/security.h"
+#include "transport/security.h"
 
 namespace psflow::testing_certs {
 

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/metrics_server.h"
+#include "role/metrics_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/http.h"

@@ -15,7 +15,7 @@
 
 #include "absl/status/status.h"
 #include "common/byte_size.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "data/synthetic.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

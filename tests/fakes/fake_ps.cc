@@ -12,7 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/placement.h"
-#include "common/tensor_chunks.h"
+#include "transport/tensor_chunks.h"
 #include "ps/local_client.h"
 #include "ps/optimizer.h"
 #include "ps/tensors.h"

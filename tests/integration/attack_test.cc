@@ -30,8 +30,8 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
-#include "common/security.h"
+#include "transport/grpc_util.h"
+#include "transport/security.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.grpc.pb.h"

@@ -20,8 +20,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/grpc_util.h"
-#include "common/security.h"
+#include "transport/grpc_util.h"
+#include "transport/security.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.grpc.pb.h"

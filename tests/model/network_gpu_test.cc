@@ -19,7 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "data/mnist.h"
 #include "data/synthetic.h"
 #include "gtest/gtest.h"

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/tensor_chunks.h"
+#include "common/tensor_view.h"
 #include "gtest/gtest.h"
 #include "model/network.h"
 

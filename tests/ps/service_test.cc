@@ -26,17 +26,17 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/call_channel.h"
+#include "transport/call_channel.h"
 #include "common/float16.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 #include "common/metrics.h"
-#include "common/process_setup.h"
-#include "common/shared_region.h"
-#include "common/tensor_chunks.h"
+#include "role/process_setup.h"
+#include "transport/shared_region.h"
+#include "common/tensor_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
-#include "ps/channel_server.h"
+#include "transport/channel_server.h"
 #include "ps/grpc_client.h"
 #include "ps/shard.h"
 
@@ -109,13 +109,14 @@ class PsServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     // Without it, the last server's destructor shuts gRPC down and can wait
-    // 10 s on its backup poller (common/process_setup.h).
+    // 10 s on its backup poller (role/process_setup.h).
     KeepGrpcUntilExit();
     service_ = std::make_unique<PsService>(
-        0, &shard_, [this] { shutdown_.Notify(); }, &server_metrics_,
-        [this](bool holds_job) { job_calls_.push_back(holds_job); }, StreamLimits{},
-        /*shared_memory=*/true, /*trace=*/nullptr, /*apply_in_place=*/true,
-        /*spread_wakes=*/false, /*channels=*/true);
+        &shard_,
+        PsServiceOptions{.on_shutdown = [this] { shutdown_.Notify(); },
+                         .on_job = [this](bool holds_job) { job_calls_.push_back(holds_job); },
+                         .metrics = &server_metrics_,
+                         .channels = true});
     service_->OnCheckpointTaken([this] { ++checkpoints_taken_; });
     server_ = ServeOnLoopback(service_.get(), &port_);
     ASSERT_NE(server_, nullptr);
@@ -754,9 +755,7 @@ TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
   EXPECT_EQ(p1->bias, SgdAfter(bias_, g0_bias, g1_bias));
 
   Shard shard;
-  PsService copying(
-      0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
-      /*apply_in_place=*/false);
+  PsService copying(&shard, {.apply_in_place = false});
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&copying, &port);
   ASSERT_NE(server, nullptr);
@@ -1000,9 +999,7 @@ class SpreadWakesTest : public PsServiceTest, public ::testing::WithParamInterfa
 
 TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
   Shard shard;
-  PsService service(
-      0, &shard, [] {}, nullptr, nullptr, StreamLimits{}, /*shared_memory=*/true, nullptr,
-      /*apply_in_place=*/true, /*spread_wakes=*/GetParam());
+  PsService service(&shard, {.spread_wakes = GetParam()});
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
   ASSERT_NE(server, nullptr);
@@ -1077,9 +1074,10 @@ absl::StatusOr<std::shared_ptr<const SharedRegion>> PushRegionForBoth() {
 // and serving channels as asked, shut down as it goes.
 struct OtherPs {
   explicit OtherPs(bool shared_memory, bool channels = false, StreamLimits limits = {})
-      : service(
-            0, &shard, [] {}, &metrics, nullptr, limits, shared_memory, /*trace=*/nullptr,
-            /*apply_in_place=*/true, /*spread_wakes=*/false, channels),
+      : service(&shard, {.metrics = &metrics,
+                         .limits = limits,
+                         .shared_memory = shared_memory,
+                         .channels = channels}),
         server(ServeOnLoopback(&service, &port)) {}
   ~OtherPs() {
     shard.Shutdown();
@@ -1575,7 +1573,7 @@ TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
 
   // A ps with another index reports it (0 is also the proto default).
   Shard other_shard;
-  PsService other(3, &other_shard, [] {});
+  PsService other(&other_shard, {.ps_index = 3});
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&other, &port);
   ASSERT_NE(server, nullptr);
@@ -2081,7 +2079,7 @@ TEST_F(PsServiceTest, UnknownWireDtypesAreRefused) {
 }
 
 // ---------------------------------------------------------------------------
-// Same-host channels (common/call_channel.h, ps/channel_server.h).
+// Same-host channels (transport/call_channel.h, transport/channel_server.h).
 
 // A channel region of this process, formatted, and the ps's answer to
 // opening it through the raw stub. `ref` may be altered first (`edit`).

@@ -6,7 +6,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/byte_size.h"
-#include "common/command_line.h"
+#include "role/command_line.h"
 #include "common/log.h"
 #include "data/source.h"
 #include "evaluator/evaluation.h"

@@ -18,7 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/grpc_util.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::launch {
 namespace {

@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/command_line.h"
+#include "role/command_line.h"
 #include "common/cpu_count.h"
 #include "common/step_trace.h"
 #include "tools/launch/launcher.h"
