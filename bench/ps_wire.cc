@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
 
   // Init: SGD, every worker live, values zero.
   {
-    GrpcClient chief(addresses, psflow::SecurityOptions{});
+    GrpcClient chief(addresses);
     for (int p = 0; p < num_ps; ++p) {
       psflow::InitHeader& h = headers[p];
       h.set_job_id(job_id);
@@ -203,8 +203,7 @@ int main(int argc, char** argv) {
   std::vector<Worker> ws(workers);
   for (Worker& w : ws) {
     w.client =
-        std::make_unique<GrpcClient>(addresses, psflow::SecurityOptions{}, lanes_per_ps, nullptr,
-                                     psflow::Role::kPs, absl::GetFlag(FLAGS_shared_memory));
+        std::make_unique<GrpcClient>(addresses, psflow::ps::GrpcClientOptions{.connections_per_ps = lanes_per_ps, .shared_memory = absl::GetFlag(FLAGS_shared_memory)});
     w.grads.resize(num_ps);
     w.weights.resize(num_ps);
     for (int p = 0; p < num_ps; ++p) {

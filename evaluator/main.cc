@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
                     ? psflow::Role::kWorker
                     : psflow::Role::kPs](const std::vector<std::string>& addresses) {
         // Without ps, the chief names worker 0, which serves its replica.
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, security, 1, &metrics, server);
+        return std::make_unique<psflow::ps::GrpcClient>(addresses, psflow::ps::GrpcClientOptions{.security = security, .metrics = &metrics, .server_role = server});
       });
   // An evaluator listed in the cluster listens on its address: the standard
   // gRPC health service answers there, for probes. One left out of the

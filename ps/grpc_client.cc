@@ -107,12 +107,13 @@ void GrpcClient::CancelAll() {
   calls_.CancelAll();
 }
 
-GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-                       int connections_per_ps, metrics::Registry* metrics, Role server_role,
-                       bool shared_memory)
-    : errors_(metrics, kService) {
-  if (shared_memory) regions_ = std::make_shared<SharedRegionPool>(kMaxRegionBytes);
-  metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
+GrpcClient::GrpcClient(const std::vector<std::string>& addresses, GrpcClientOptions options)
+    : retry_shared_after_(options.retry_shared_after),
+      use_channels_(options.channels),
+      errors_(options.metrics, kService),
+      trace_(options.trace) {
+  if (options.shared_memory) regions_ = std::make_shared<SharedRegionPool>(kMaxRegionBytes);
+  metrics::Registry* m = metrics::Registry::OrPrivate(options.metrics, own_metrics_);
   push_bytes_ = m->GetHistogram("psflow_push_bytes",
                                 "Gradient bytes (in the wire dtype) sent by one push call to a ps.",
                                 metrics::ByteBuckets());
@@ -140,9 +141,9 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, const Security
       "thread on either side).");
   for (const std::string& a : addresses) {
     auto link = std::make_unique<Link>();
-    for (int c = 0; c < std::max(connections_per_ps, 1); ++c) {
-      link->channels.push_back(
-          MakeChannel(a, server_role, security, /*own_connection=*/connections_per_ps > 1));
+    for (int c = 0; c < std::max(options.connections_per_ps, 1); ++c) {
+      link->channels.push_back(MakeChannel(a, options.server_role, options.security,
+                                           /*own_connection=*/options.connections_per_ps > 1));
       link->raw.push_back(std::make_unique<grpc::GenericStub>(link->channels.back()));
     }
     link->stub = ParameterServer::NewStub(link->channels[0]);

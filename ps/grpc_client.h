@@ -37,25 +37,44 @@ namespace psflow::ps {
 // (transport/shared_region.h) for their tensors, leased from a pool of at most
 // kMaxRegionBytes. A ps that refuses one (it is on another host, or in
 // another process namespace) gets that call again over the network, and so
-// do its calls of the next kRetrySharedAfter; after that one call at a time
+// do its calls of the next GrpcClientOptions::retry_shared_after; after that one call at a time
 // offers it a region again, until one is taken. A region whose call failed
 // otherwise is dropped rather than reused: its ps may still be reading it.
 // `metrics` also counts the calls whose tensors went through shared memory.
+// How a GrpcClient reaches its ps; every field has its default.
+struct GrpcClientOptions {
+  SecurityOptions security;
+  // Connections to each ps; pulls and pushes take them in turn.
+  int connections_per_ps = 1;
+  // May be null; must outlive the client.
+  metrics::Registry* metrics = nullptr;
+  // The role whose certificate the addresses present (a ps, or a worker
+  // serving its replica in a job without ps).
+  Role server_role = Role::kPs;
+  // Offer each ps a shared region for the tensors of pushes and pulls.
+  bool shared_memory = false;
+  // With shared memory, pushes and pulls through a region go through a
+  // same-host channel to their ps (transport/call_channel.h) where it opens
+  // one: the same messages, without gRPC's threads on either side. At most
+  // GrpcClient::kMaxChannelsPerPs per ps (one per call in flight; a call
+  // that finds none free goes through gRPC). A ps that refuses to open one
+  // is asked again after `retry_shared_after`.
+  bool channels = false;
+  // How long a ps that refused a region (or a channel) gets none.
+  absl::Duration retry_shared_after = absl::Seconds(60);
+  // Records spans of the pushes' and pulls' calls (null: none; it must
+  // outlive the client): each push run's copy into the region and its
+  // write, the wait for a push's answer, each pull message's reading and the
+  // end of a pull's stream.
+  StepTrace* trace = nullptr;
+};
+
 class GrpcClient final : public Client {
  public:
-  static constexpr absl::Duration kRetrySharedAfter = absl::Seconds(60);
+  static constexpr int kMaxChannelsPerPs = 16;
 
-  // `server_role`: the role whose certificate the addresses present (a ps,
-  // or a worker serving its replica in a job without ps).
-  GrpcClient(const std::vector<std::string>& addresses, const SecurityOptions& security,
-             int connections_per_ps = 1, metrics::Registry* metrics = nullptr,
-             Role server_role = Role::kPs, bool shared_memory = false);
+  GrpcClient(const std::vector<std::string>& addresses, GrpcClientOptions options = {});
   int num_ps() const override { return static_cast<int>(links_.size()); }
-  // Records spans of the pushes' and pulls' calls into `trace` (null: none;
-  // it must outlive the client): each push run's copy into the region and
-  // its write, the wait for a push's answer, each pull message's reading and
-  // the end of a pull's stream. Call before the first push or pull.
-  void SetTrace(StepTrace* trace) { trace_ = trace; }
 
   absl::Status Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
                     absl::Time deadline) override;
@@ -92,18 +111,6 @@ class GrpcClient final : public Client {
   bool Reachable(int ps) const override;
   void CancelAll() override;
 
-  // How long a ps that refused a region gets none (kRetrySharedAfter unless
-  // set; tests shorten it). Set before the first call.
-  void set_retry_shared_after(absl::Duration wait) { retry_shared_after_ = wait; }
-
-  // With shared memory, pushes and pulls through a region go through a
-  // same-host channel to their ps (transport/call_channel.h) where it opens
-  // one: the same messages, without gRPC's threads on either side. At most
-  // kMaxChannelsPerPs per ps (one per call in flight; a call finds none
-  // free goes through gRPC). A ps that refuses to open one is asked again
-  // after retry_shared_after. Off by default; set before the first call.
-  static constexpr int kMaxChannelsPerPs = 16;
-  void UseChannels(bool on) { use_channels_ = on; }
 
  private:
   // One pull: `request` (its dtype set from the sinks') answered into
@@ -204,13 +211,13 @@ class GrpcClient final : public Client {
   std::vector<std::unique_ptr<Link>> links_;
   // With shared_memory; shared with the holds of pulls' borrowed values.
   std::shared_ptr<SharedRegionPool> regions_;
-  absl::Duration retry_shared_after_ = kRetrySharedAfter;
+  const absl::Duration retry_shared_after_;
   // SetPushRegion's (null: none); set between steps, read by every push.
   absl::Mutex push_region_mu_;
   std::shared_ptr<const SharedRegion> push_region_ ABSL_GUARDED_BY(push_region_mu_);
   ActiveCalls calls_;
   std::atomic<bool> cancelled_{false};  // CancelAll came: a channel's calls end too
-  bool use_channels_ = false;
+  const bool use_channels_;
   std::unique_ptr<metrics::Registry> own_metrics_;  // when none is given
   RpcErrors errors_;
   metrics::Histogram* push_bytes_;
@@ -219,7 +226,7 @@ class GrpcClient final : public Client {
   metrics::Histogram* pull_seconds_;
   metrics::Counter* shared_calls_;
   metrics::Counter* channel_calls_;
-  StepTrace* trace_ = nullptr;
+  StepTrace* const trace_;
 };
 
 }  // namespace psflow::ps

@@ -323,11 +323,14 @@ int main(int argc, char** argv) {
         if (replica != nullptr && addresses == std::vector<std::string>{config.self_address}) {
           return std::make_unique<psflow::ps::LocalClient>(replica.get());
         }
-        auto client = std::make_unique<psflow::ps::GrpcClient>(addresses, security, connections,
-                                                               &metrics, server, shared);
-        client->SetTrace(trace);
-        client->UseChannels(channels);
-        return client;
+        return std::make_unique<psflow::ps::GrpcClient>(
+            addresses, psflow::ps::GrpcClientOptions{.security = security,
+                                                     .connections_per_ps = connections,
+                                                     .metrics = &metrics,
+                                                     .server_role = server,
+                                                     .shared_memory = shared,
+                                                     .channels = channels,
+                                                     .trace = trace});
       });
   metrics.SetGaugeFunction(
       "psflow_worker_step",

@@ -122,8 +122,7 @@ class PsServiceTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
     address_ = absl::StrCat("127.0.0.1:", port_);
-    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                           /*connections_per_ps=*/1, &client_metrics_);
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.metrics = &client_metrics_});
     stub_ = ParameterServer::NewStub(MakeChannel(address_, Role::kPs, SecurityOptions{}));
 
     big_ = Pattern(NumElements(kBigShape), 1024, 0.125f);
@@ -164,11 +163,11 @@ class PsServiceTest : public ::testing::Test {
   // A client of the service through shared memory, and through same-host
   // channels with `channels`.
   std::unique_ptr<GrpcClient> SharedClient(bool channels, int connections = 2) {
-    auto client = std::make_unique<GrpcClient>(std::vector<std::string>{address_},
-                                               SecurityOptions{}, connections, &client_metrics_,
-                                               Role::kPs, /*shared_memory=*/true);
-    client->UseChannels(channels);
-    return client;
+    return std::make_unique<GrpcClient>(std::vector<std::string>{address_},
+                                        GrpcClientOptions{.connections_per_ps = connections,
+                                                          .metrics = &client_metrics_,
+                                                          .shared_memory = true,
+                                                          .channels = channels});
   }
 
   absl::Status InitJob() {
@@ -358,7 +357,7 @@ TEST_F(PsServiceTest, APullSendsEachSliceAsSoonAsItIsApplied) {
 
 TEST_F(PsServiceTest, SlicesArePushedAndPulledOneByOne) {
   ASSERT_TRUE(InitJob().ok());
-  GrpcClient lanes(std::vector<std::string>{address_}, SecurityOptions{}, /*connections_per_ps=*/3);
+  GrpcClient lanes(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 3});
   const std::vector<float> gbig = Pattern(big_.size(), 3, 1.0f), gbias = Pattern(10, 2, 2.0f);
   auto push = [&](int worker, int slice) {
     return PushOneSlice(lanes, worker, slice, gbig, gbias);
@@ -730,9 +729,7 @@ INSTANTIATE_TEST_SUITE_P(GrpcAndChannels, SharedPathTest, ::testing::Bool());
 // ps, whose mapping keeps the memory, still applies what it took. A ps with
 // apply_in_place off copies them out and answers at once.
 TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                         /*connections_per_ps=*/1, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.metrics = &client_metrics_, .shared_memory = true});
   ASSERT_TRUE(InitJob().ok());
   const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
   const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
@@ -759,9 +756,7 @@ TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&copying, &port);
   ASSERT_NE(server, nullptr);
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
-                                         SecurityOptions{}, 1, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, GrpcClientOptions{.metrics = &client_metrics_, .shared_memory = true});
   ASSERT_TRUE(InitJob().ok());
   absl::StatusOr<PushResponse> r0 = PushAll(0, 0, g0_big, g0_bias);
   ASSERT_TRUE(r0.ok()) << r0.status();
@@ -784,9 +779,7 @@ TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
 TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
   for (const bool pin : {true, false}) {
     SCOPED_TRACE(pin ? "pinned" : "not pinned");
-    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                           /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
-                                           /*shared_memory=*/true);
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
     int pinned = 0, unpinned = 0;
     client_->SetRegionPinning(
         [&](void*, size_t) {
@@ -874,9 +867,11 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
     // 0: over the network; 1: through shared memory; 2: and channels.
     const bool shared = GetParam() >= 1;
     auto client =
-        std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                     /*connections_per_ps=*/2, &client_metrics_, Role::kPs, shared);
-    client->UseChannels(GetParam() == 2);
+        std::make_unique<GrpcClient>(std::vector<std::string>{address_},
+                                     GrpcClientOptions{.connections_per_ps = 2,
+                                                       .metrics = &client_metrics_,
+                                                       .shared_memory = shared,
+                                                       .channels = GetParam() == 2});
     client_ = std::move(client);
     ASSERT_TRUE(InitJob().ok());
     const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
@@ -1004,10 +999,8 @@ TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
   ASSERT_NE(server, nullptr);
   const std::vector<std::string> address = {absl::StrCat("127.0.0.1:", port)};
-  auto shared = std::make_unique<GrpcClient>(address, SecurityOptions{}, 2, nullptr, Role::kPs,
-                                             /*shared_memory=*/true);
-  auto network = std::make_unique<GrpcClient>(address, SecurityOptions{}, 2, nullptr, Role::kPs,
-                                              /*shared_memory=*/false);
+  auto shared = std::make_unique<GrpcClient>(address, GrpcClientOptions{.connections_per_ps = 2, .shared_memory = true});
+  auto network = std::make_unique<GrpcClient>(address, GrpcClientOptions{.connections_per_ps = 2});
   ASSERT_TRUE(
       shared
           ->Init(0, Header(),
@@ -1085,13 +1078,15 @@ struct OtherPs {
   }
   std::string address() const { return absl::StrCat("127.0.0.1:", port); }
   // A client of it that offers shared memory (and channels with `channels`).
-  std::unique_ptr<GrpcClient> SharedMemoryClient(metrics::Registry* client_metrics,
-                                                 bool channels = false) const {
-    auto client =
-        std::make_unique<GrpcClient>(std::vector<std::string>{address()}, SecurityOptions{}, 1,
-                                     client_metrics, Role::kPs, /*shared_memory=*/true);
-    client->UseChannels(channels);
-    return client;
+  std::unique_ptr<GrpcClient> SharedMemoryClient(
+      metrics::Registry* client_metrics, bool channels = false,
+      absl::Duration retry_shared_after = absl::Seconds(60)) const {
+    return std::make_unique<GrpcClient>(
+        std::vector<std::string>{address()},
+        GrpcClientOptions{.metrics = client_metrics,
+                          .shared_memory = true,
+                          .channels = channels,
+                          .retry_shared_after = retry_shared_after});
   }
 
   metrics::Registry metrics;
@@ -1109,9 +1104,9 @@ TEST_F(PsServiceTest, APsWithoutSharedMemoryGetsTheTensorsOverTheNetwork) {
   OtherPs ps(/*shared_memory=*/false);
   ASSERT_NE(ps.server, nullptr);
   metrics::Registry& metrics = ps.metrics;
-  std::unique_ptr<GrpcClient> client = ps.SharedMemoryClient(&client_metrics_);
   constexpr absl::Duration kRetry = absl::Milliseconds(500);
-  client->set_retry_shared_after(kRetry);
+  std::unique_ptr<GrpcClient> client =
+      ps.SharedMemoryClient(&client_metrics_, /*channels=*/false, kRetry);
   client_ = std::move(client);
   ASSERT_TRUE(InitJob().ok());
   const absl::Time first = absl::Now();
@@ -1577,7 +1572,7 @@ TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&other, &port);
   ASSERT_NE(server, nullptr);
-  GrpcClient other_client({absl::StrCat("127.0.0.1:", port)}, SecurityOptions{});
+  GrpcClient other_client({absl::StrCat("127.0.0.1:", port)});
   st = other_client.GetState(0, Deadline());
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->ps_index(), 3);
@@ -1858,9 +1853,7 @@ INSTANTIATE_TEST_SUITE_P(WithAndWithout, WireCopiesTest, ::testing::Bool());
 // widened as the apply reads them: the push is answered once the step is
 // applied, and the masters are exactly those of the decoded gradients.
 TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);
   absl::Status init = client_->Init(
@@ -1903,9 +1896,7 @@ TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
 // made after the run was sent shows. Gradients elsewhere are still copied
 // into a region of the pool as the push sends them.
 TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/true);
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
   ASSERT_TRUE(InitJob().ok());
   const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
   absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
@@ -1914,7 +1905,7 @@ TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
   ASSERT_TRUE(client_->TakesPushRegion());
   ASSERT_TRUE(client_->SetPushRegion(region));
   // A client without shared memory takes no region and sends nothing from it.
-  GrpcClient without({address_}, SecurityOptions{});
+  GrpcClient without({address_});
   EXPECT_FALSE(without.TakesPushRegion());
   EXPECT_FALSE(without.SetPushRegion(region));
   float* const in_big = reinterpret_cast<float*>(region->data().data);
@@ -1974,9 +1965,7 @@ TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
 // the host are; a run whose encoded values hold an infinity is checked as
 // not finite and leaves nothing.
 TEST_P(PushInRunsTest, ValuesInTheWireDtypeAlreadyArePushedAsTheyLie) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, SecurityOptions{},
-                                         /*connections_per_ps=*/2, &client_metrics_, Role::kPs,
-                                         /*shared_memory=*/GetParam());
+  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = GetParam()});
   InitHeader init = Header();
   init.mutable_job()->set_wire_dtype(JobConfig::BF16);
   ASSERT_TRUE(
