@@ -147,6 +147,19 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, GrpcClientOpti
       link->raw.push_back(std::make_unique<grpc::GenericStub>(link->channels.back()));
     }
     link->stub = ParameterServer::NewStub(link->channels[0]);
+    const std::string name = absl::StrCat("ps ", links_.size());
+    if (regions_ != nullptr) {
+      link->offers = std::make_unique<RegionOffers>(name, retry_shared_after_);
+    }
+    if (regions_ != nullptr && use_channels_) {
+      link->channel_pool = std::make_unique<ChannelPool>(
+          ChannelPool::Options{.max_open = kMaxChannelsPerPs,
+                               .retry_after = retry_shared_after_,
+                               .server_name = name},
+          [this, stub = link->stub.get()](const SharedRegionRef& region) {
+            return OpenChannel(stub, region);
+          });
+    }
     links_.push_back(std::move(link));
   }
 }
@@ -166,25 +179,9 @@ absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<Tens
                                        header, std::move(tensors))));
 }
 
-namespace {
-
-int64_t SteadyNanos() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
-
 bool GrpcClient::OfferRegion(int ps, bool* probe) {
   *probe = false;
-  if (regions_ == nullptr) return false;
-  Link& link = *links_[ps];
-  if (link.refused.load()) {
-    if (SteadyNanos() < link.no_region_until.load() || link.probing.exchange(true)) return false;
-    *probe = true;
-  }
-  return true;
+  return regions_ != nullptr && links_[ps]->offers->Offer(probe);
 }
 
 SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t count, bool* probe) {
@@ -192,7 +189,7 @@ SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t cou
   if (bytes == 0 || !OfferRegion(ps, probe)) return {};
   SharedRegionPool::Lease lease = regions_->Acquire(SharedBytesFor(bytes, count));
   if (!lease && *probe) {
-    links_[ps]->probing = false;
+    links_[ps]->offers->ProbeDropped();
     *probe = false;
   }
   return lease;
@@ -200,30 +197,10 @@ SharedRegionPool::Lease GrpcClient::RegionFor(int ps, int64_t bytes, int64_t cou
 
 bool GrpcClient::RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease* lease,
                                bool probe) {
-  Link& link = *links_[ps];
-  if (status.ok()) {
-    shared_calls_->Add();
-    if (probe) link.refused = false;
-    if (!link.told_shared.exchange(true)) {
-      PSLOG(INFO) << "ps " << ps << " maps this process's shared memory: tensors go through it";
-    }
-  } else if (IsSharedMemoryRefusal(status)) {
-    // Refused before the ps read or wrote a byte of it: reusable.
-    if (lease != nullptr) lease->reset();
-    link.no_region_until = SteadyNanos() + absl::ToInt64Nanoseconds(retry_shared_after_);
-    link.refused = true;
-    if (!link.told_refused.exchange(true)) {
-      PSLOG(WARNING) << "ps " << ps << " takes no shared memory (" << status.message()
-                     << "): its tensors go over the network (offered again after "
-                     << absl::FormatDuration(retry_shared_after_) << ", by one call)";
-    }
-  } else if (lease != nullptr) {
-    lease->Discard();
-  }
+  if (status.ok()) shared_calls_->Add();
   // (The push region is not another call's afterwards: its owner writes it
   // again only after this push, or a retry of it, was answered.)
-  if (probe) link.probing = false;
-  return IsSharedMemoryRefusal(status);
+  return links_[ps]->offers->Answered(status, lease, probe);
 }
 
 void GrpcClient::SetRegionPinning(std::function<bool(void*, size_t)> pin,
@@ -302,7 +279,7 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
   absl::Status bad;
   grpc::Status finished;
   *bytes = 0;
-  std::unique_ptr<ClientChannel> channel = region != nullptr ? TakeChannel(ps) : nullptr;
+  std::unique_ptr<ChannelPool::Channel> channel = region != nullptr ? TakeChannel(ps) : nullptr;
   bool clean = false;  // the channel's call ended with the ps's status
   {
     std::unique_ptr<MessageCall> rpc =
@@ -339,7 +316,7 @@ absl::StatusOr<PullResponse> GrpcClient::PullCall(
     finished = rpc->Finish();
     clean = channel != nullptr && static_cast<ChannelCall*>(rpc.get())->clean();
   }
-  if (channel != nullptr) GiveChannel(ps, std::move(channel), clean);
+  if (channel != nullptr) links_[ps]->channel_pool->Give(std::move(channel), clean);
   if (absl::Status s = FromGrpcStatus(finished); !s.ok()) return s;
   if (!bad.ok()) return absl::DataLossError(bad.message());
   if (!first.has_value()) return absl::DataLossError("empty pull answer");
@@ -447,7 +424,7 @@ absl::StatusOr<PushResponse> GrpcClient::RunPush(int ps, const PushHeader& heade
     network = !waited && RefusedRegion(ps, response.status(), in_place ? nullptr : &lease, probe);
     if (waited) {
       if (!in_place) lease.Discard();
-      if (probe) links_[ps]->probing = false;  // nothing learnt: the next call probes
+      if (probe) links_[ps]->offers->ProbeDropped();  // nothing learnt: the next call probes
     }
     lease.reset();
   }
@@ -470,7 +447,7 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
   PushResponse response;
   absl::Status s;
   Lent lent;
-  std::unique_ptr<ClientChannel> channel;
+  std::unique_ptr<ChannelPool::Channel> channel;
   bool clean = false;  // the channel's call ended with the ps's status
   {
     // The call (its context) ends before the memory is asked back: gRPC may
@@ -585,102 +562,36 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
       }
     }
   }
-  if (channel != nullptr) GiveChannel(ps, std::move(channel), clean);
+  if (channel != nullptr) links_[ps]->channel_pool->Give(std::move(channel), clean);
   lent.Release();
   if (!s.ok()) return s;
   return response;
 }
 
-GrpcClient::ClientChannel::~ClientChannel() {
-  if (end != nullptr) end->Close();  // the ps's thread of it ends
-}
-
 std::unique_ptr<MessageCall> GrpcClient::OpenCall(int ps, ChannelMethod method,
                                                   const char* grpc_method,
                                                   grpc::ClientContext* context, absl::Time deadline,
-                                                  ClientChannel* channel) {
+                                                  ChannelPool::Channel* channel) {
   if (channel == nullptr) return std::make_unique<RawCall>(NextStub(ps), context, grpc_method);
   channel_calls_->Add();
   return std::make_unique<ChannelCall>(channel->end.get(), channel->next_call++,
                                        static_cast<uint8_t>(method), deadline, &cancelled_);
 }
 
-std::unique_ptr<GrpcClient::ClientChannel> GrpcClient::TakeChannel(int ps) {
-  if (!use_channels_ || regions_ == nullptr) return nullptr;
-  Link& link = *links_[ps];
-  {
-    absl::MutexLock lock(&link.channels_mu);
-    if (!link.idle_channels.empty()) {
-      std::unique_ptr<ClientChannel> channel = std::move(link.idle_channels.back());
-      link.idle_channels.pop_back();
-      return channel;
-    }
-    if (link.channels_open >= kMaxChannelsPerPs || absl::Now() < link.no_channel_until) {
-      return nullptr;
-    }
-    ++link.channels_open;
-  }
-  absl::StatusOr<std::unique_ptr<ClientChannel>> opened = OpenChannel(ps);
-  if (opened.ok()) return *std::move(opened);
-  absl::MutexLock lock(&link.channels_mu);
-  --link.channels_open;
-  // A ps that refuses channels (an older one, another host's, one without
-  // shared memory, over its bound) is asked again after a while; any other
-  // failure (it is not up) by the next call.
-  const absl::Status& s = opened.status();
-  if (IsSharedMemoryRefusal(s) || absl::IsUnimplemented(s) || absl::IsResourceExhausted(s) ||
-      absl::IsPermissionDenied(s) || absl::IsInternal(s)) {
-    link.no_channel_until = absl::Now() + retry_shared_after_;
-    if (!link.told_no_channels) {
-      link.told_no_channels = true;
-      PSLOG(WARNING) << "ps " << ps << " opens no same-host channel (" << s.message()
-                     << "): its pushes and pulls go through gRPC (asked again after "
-                     << absl::FormatDuration(retry_shared_after_) << ")";
-    }
-  }
-  return nullptr;
+std::unique_ptr<ChannelPool::Channel> GrpcClient::TakeChannel(int ps) {
+  ChannelPool* pool = links_[ps]->channel_pool.get();
+  return pool == nullptr ? nullptr : pool->Take();
 }
 
-absl::StatusOr<std::unique_ptr<GrpcClient::ClientChannel>> GrpcClient::OpenChannel(int ps) {
-  auto channel = std::make_unique<ClientChannel>();
-  PSFLOW_ASSIGN_OR_RETURN(channel->region, SharedRegion::Create(ChannelRegionBytes()));
-  PSFLOW_RETURN_IF_ERROR(ChannelEnd::Format(channel->region->data()));
+absl::StatusOr<int32_t> GrpcClient::OpenChannel(ParameterServer::Stub* stub,
+                                                const SharedRegionRef& region) {
   OpenChannelRequest request;
-  *request.mutable_region() = channel->region->ref();
+  *request.mutable_region() = region;
   OpenChannelResponse response;
-  {
-    // The ps took this process's regions: it is up, and answers at once.
-    ActiveCalls::Scope call(&calls_, absl::Now() + absl::Seconds(10), /*wait_for_ready=*/false);
-    PSFLOW_RETURN_IF_ERROR(
-        FromGrpcStatus(links_[ps]->stub->OpenChannel(call.context(), request, &response)));
-  }
-  const int32_t pid = response.pid();
-  PSFLOW_ASSIGN_OR_RETURN(channel->end,
-                          ChannelEnd::Open(channel->region->data(), ChannelEnd::Side::kClient,
-                                           [pid] { return ProcessAlive(pid); }));
-  Link& link = *links_[ps];
-  if (!link.told_channels.exchange(true)) {
-    PSLOG(INFO) << "ps " << ps << " (process " << pid
-                << ") serves this process's pushes and pulls through same-host channels";
-  }
-  return channel;
-}
-
-void GrpcClient::GiveChannel(int ps, std::unique_ptr<ClientChannel> channel, bool clean) {
-  Link& link = *links_[ps];
-  absl::MutexLock lock(&link.channels_mu);
-  if (clean) {
-    link.idle_channels.push_back(std::move(channel));
-    return;
-  }
-  --link.channels_open;
-  // A ps that is gone (or a channel it broke) leaves every channel to it
-  // useless: the next calls open new ones (to the ps that replaced it).
-  if (channel->end->peer_gone() || channel->end->closed()) {
-    link.channels_open -= static_cast<int>(link.idle_channels.size());
-    link.idle_channels.clear();
-  }
-  channel.reset();  // closed: a call that did not end cleanly may have left records in it
+  // The ps took this process's regions: it is up, and answers at once.
+  ActiveCalls::Scope call(&calls_, absl::Now() + absl::Seconds(10), /*wait_for_ready=*/false);
+  PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(stub->OpenChannel(call.context(), request, &response)));
+  return response.pid();
 }
 
 absl::StatusOr<PsState> GrpcClient::GetState(int ps, absl::Time deadline) {

@@ -20,7 +20,8 @@
 #include "transport/shared_region.h"
 #include "common/step_trace.h"
 #include "proto/ps.grpc.pb.h"
-#include "transport/channel_server.h"
+#include "transport/channel_pool.h"
+#include "transport/region_offers.h"
 #include "ps/client.h"
 
 namespace psflow::ps {
@@ -149,38 +150,25 @@ class GrpcClient final : public Client {
   absl::StatusOr<PushResponse> PushCall(int ps, PushHeader header, std::vector<TensorRef> grads,
                                         const PushRuns* runs, absl::Time deadline,
                                         const SharedRegion* region, bool in_place, bool* waited);
-  // Whether a call to `ps` may offer it a region now (not where it refused
-  // one lately). `*probe`: the call offers one to a ps that refused one
-  // before (then no other call does until RefusedRegion).
+  // Whether a call to `ps` may offer it a region now (RegionOffers::Offer).
   bool OfferRegion(int ps, bool* probe);
   // A region for a call that moves `bytes` bytes in `count` tensors to or
   // from `ps`; empty where it goes over the network. `*probe` as above.
   SharedRegionPool::Lease RegionFor(int ps, int64_t bytes, int64_t count, bool* probe);
-  // After a call through a region (`lease`, or the push region where it is
-  // null): gives the lease back, or drops it where the call failed otherwise
-  // than by the ps's refusal. True when the ps refused shared memory: the
-  // call must go again over the network, and so do this ps's calls of the
-  // next retry_shared_after_.
+  // After a call through a region (RegionOffers::Answered, counted): true
+  // when the ps refused shared memory and the call must go again over the
+  // network.
   bool RefusedRegion(int ps, const absl::Status& status, SharedRegionPool::Lease* lease,
                      bool probe);
-  // A same-host channel: its region and this end of it, with the number of
-  // its next call. Closed when dropped.
-  struct ClientChannel {
-    ~ClientChannel();
-    std::unique_ptr<SharedRegion> region;
-    std::unique_ptr<ChannelEnd> end;
-    uint64_t next_call = 1;
-  };
-  // A free channel to `ps`, or a new one; null where none may be had (the
-  // call goes through gRPC).
-  std::unique_ptr<ClientChannel> TakeChannel(int ps);
-  absl::StatusOr<std::unique_ptr<ClientChannel>> OpenChannel(int ps);
-  // After a call on it: kept for the next, or closed (`clean` false).
-  void GiveChannel(int ps, std::unique_ptr<ClientChannel> channel, bool clean);
+  // A channel to `ps` for a call through a region, where channels are used
+  // and one may be had (ChannelPool::Take); null otherwise.
+  std::unique_ptr<ChannelPool::Channel> TakeChannel(int ps);
+  // Asks a ps (through its stub) to open a channel in `region`: its pid.
+  absl::StatusOr<int32_t> OpenChannel(ParameterServer::Stub* stub, const SharedRegionRef& region);
   // The call: on `channel` where it is not null, else over gRPC.
   std::unique_ptr<MessageCall> OpenCall(int ps, ChannelMethod method, const char* grpc_method,
                                         grpc::ClientContext* context, absl::Time deadline,
-                                        ClientChannel* channel);
+                                        ChannelPool::Channel* channel);
 
   // The connections to one ps.
   struct Link {
@@ -190,20 +178,8 @@ class GrpcClient final : public Client {
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
     std::atomic<unsigned> next{0};  // the connection of the next pull or push
-    // Set when the ps refused a region, until a region is taken again:
-    // meanwhile it gets none before `no_region_until` (steady clock's
-    // nanoseconds), and then only through one call at a time (`probing`).
-    std::atomic<bool> refused{false};
-    std::atomic<int64_t> no_region_until{0};
-    std::atomic<bool> probing{false};
-    std::atomic<bool> told_shared{false};    // the log said it takes regions
-    std::atomic<bool> told_refused{false};   // the log said it refused one
-    std::atomic<bool> told_channels{false};  // the log said it opened a channel
-    absl::Mutex channels_mu;
-    std::vector<std::unique_ptr<ClientChannel>> idle_channels ABSL_GUARDED_BY(channels_mu);
-    int channels_open ABSL_GUARDED_BY(channels_mu) = 0;        // idle or in a call
-    absl::Time no_channel_until ABSL_GUARDED_BY(channels_mu);  // after a refusal
-    bool told_no_channels ABSL_GUARDED_BY(channels_mu) = false;
+    std::unique_ptr<RegionOffers> offers;  // with shared memory
+    std::unique_ptr<ChannelPool> channel_pool;  // with shared memory and channels
   };
   // The raw stub of the next pull or push to `ps`.
   grpc::GenericStub* NextStub(int ps);

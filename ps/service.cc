@@ -29,6 +29,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "transport/tensor_chunks.h"
+#include "transport/waiting_writer.h"
 #include "ps/limits.h"
 #include "ps/tensors.h"
 
@@ -98,203 +99,6 @@ CallerRoles PsCallers(Role chief) {
   };
 }
 
-// ---------------------------------------------------------------------------
-// The waiting calls (callback API).
-//
-// A WaitingWriter streams chunked messages from one thread at a time: every
-// event (a write done, a cancel, a wake) takes its lock and calls Advance,
-// which writes the next message, finishes, or waits. Waiting costs no
-// thread: the shard's waiter (added once per call) and a grpc::Alarm at the
-// deadline each schedule a Poke on the service's waker pool, which advances
-// the call again. The waiter only schedules when the call armed it (just
-// before it looked at the shard), so a call is poked at most once per wait.
-// OnDone, the last event gRPC sends, unhooks the Waker before the writer is
-// deleted; a Poke that comes later finds no writer.
-
-class PsService::Waker {
- public:
-  // `spread`: see Schedule.
-  Waker(ThreadPool* pool, bool spread) : pool_(pool), spread_(spread) {}
-  // Arms the next wake (before looking at what it waits for): by any change
-  // of the shard, or with `first` >= 0 only by the apply of a slice from
-  // `first` to `last` or a change that is not a slice's apply.
-  void Arm(int first = -1, int last = -1) {
-    first_.store(first, std::memory_order_relaxed);
-    last_.store(std::max(first, last), std::memory_order_relaxed);
-    armed_.store(true, std::memory_order_release);
-  }
-  void Disarm() { armed_.store(false, std::memory_order_release); }
-  // From the shard's waiter, under its lock (so after the Arm that came
-  // before the call looked at the shard): schedules a poke if armed for
-  // `slice` (the slice applied, or -1: any change).
-  void Wake(std::shared_ptr<Waker> self, int slice) {
-    if (!armed_.load(std::memory_order_acquire)) return;
-    const int first = first_.load(std::memory_order_relaxed);
-    if (slice >= 0 && first >= 0 &&
-        (slice < first || slice > last_.load(std::memory_order_relaxed))) {
-      return;
-    }
-    if (armed_.exchange(false, std::memory_order_acq_rel)) Schedule(std::move(self));
-  }
-  // Schedules a poke whatever the arming (an alarm): on the thread's
-  // DeferredWork scope if it has one open (a shard's applier, a push that
-  // completed a slice), which runs it once it lets go of the shard's lock,
-  // else on the pool. With `spread_`, the scope keeps only the first work
-  // it is given and later pokes go to the pool: the calls that one apply
-  // wakes (every worker's pull of the slice) are answered in parallel, not
-  // one after the other on the applying thread.
-  void Schedule(std::shared_ptr<Waker> self) {
-    std::function<void()> poke = [self = std::move(self)] { self->Poke(); };
-    const bool deferred = spread_ ? DeferredWork::DeferFirst(poke) : DeferredWork::Defer(poke);
-    if (!deferred) pool_->Schedule(std::move(poke));
-  }
-  void Attach(std::function<void()> advance) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    advance_ = std::move(advance);
-  }
-  void Detach() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    advance_ = nullptr;
-  }
-
- private:
-  void Poke() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    if (advance_) advance_();
-  }
-
-  ThreadPool* const pool_;
-  const bool spread_;
-  std::atomic<bool> armed_{false};
-  // The slices whose applies the armed wake waits for; -1: any change.
-  std::atomic<int> first_{-1}, last_{-1};
-  absl::Mutex mu_;
-  std::function<void()> advance_ ABSL_GUARDED_BY(mu_);  // null once the call is done
-};
-
-template <typename Response, typename Base>
-class PsService::WaitingWriter : public Base {
- public:
-  // `base_args` go to the base: none for gRPC's, the host for a channel's.
-  template <typename... BaseArgs>
-  WaitingWriter(PsService* service, std::string peer, absl::Time deadline, BaseArgs... base_args)
-      : Base(base_args...),
-        service_(service),
-        peer_(std::move(peer)),
-        call_deadline_(deadline),
-        waker_(std::make_shared<Waker>(service->wakers_, service->spread_wakes_)) {}
-
- protected:
-  // Admits the call and hooks it to the shard, then advances it; or
-  // finishes it with the refusal.
-  void Start(const absl::Status& refused) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::Status admitted = refused;
-    if (admitted.ok()) admitted = service_->Admit(peer_);
-    if (admitted.ok()) {
-      admitted_ = true;
-      // Lock order: the waker's lock, then the writer's (a poke advances
-      // the call), then the shard's.
-      waker_->Attach([this] {
-        absl::MutexLock lock(&mu_);
-        AdvanceLocked();
-      });
-      std::weak_ptr<Waker> weak = waker_;
-      waiter_ = service_->shard_->AddWaiter([weak](int slice) {
-        if (std::shared_ptr<Waker> w = weak.lock()) w->Wake(w, slice);
-      });
-    }
-    absl::MutexLock lock(&mu_);
-    if (!admitted.ok()) {
-      FinishLocked(admitted);
-      return;
-    }
-    AdvanceLocked();
-  }
-
-  // The next message, a finish, or a wait; called under mu_ with no write in
-  // flight and the call not finished.
-  virtual void Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
-
-  // For Next: look at the shard after this (a change after it wakes the call).
-  void Arm(int first = -1, int last = -1) { waker_->Arm(first, last); }
-  void Disarm() { waker_->Disarm(); }
-  // For Next: wait until woken, or until `deadline`, when Next runs again.
-  void WaitUntil(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (alarm_ != nullptr && alarm_deadline_ == deadline) return;
-    alarm_ = std::make_unique<grpc::Alarm>();
-    alarm_deadline_ = deadline;
-    std::weak_ptr<Waker> weak = waker_;
-    alarm_->Set(absl::ToChronoTime(deadline), [weak](bool fired) {
-      if (!fired) return;  // cancelled
-      if (std::shared_ptr<Waker> w = weak.lock()) w->Schedule(w);
-    });
-  }
-  // For Next: writes response_ (Next runs again once it is written).
-  void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    writing_ = true;
-    this->StartWrite(&response_);
-  }
-  void FinishLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_) return;
-    finished_ = true;
-    Disarm();
-    Finishing(status);
-    this->Finish(ToGrpcStatus(status));
-  }
-  // What a subclass records of the call's end (once, just before Finish).
-  virtual void Finishing(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
-
-  PsService* const service_;
-  const std::string peer_;
-  const absl::Time call_deadline_;
-  absl::Mutex mu_;
-  Response response_ ABSL_GUARDED_BY(mu_);
-  bool finish_after_write_ ABSL_GUARDED_BY(mu_) = false;
-
- private:
-  void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || writing_) return;
-    if (cancelled_) {
-      FinishLocked(absl::CancelledError("client went away"));
-      return;
-    }
-    if (finish_after_write_) {
-      FinishLocked(absl::OkStatus());
-      return;
-    }
-    Next();
-  }
-  void OnWriteDone(bool ok) override ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    if (!ok) cancelled_ = true;
-    AdvanceLocked();
-  }
-  void OnCancel() override ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
-    AdvanceLocked();
-  }
-  void OnDone() override {
-    waker_->Detach();  // waits for a poke in progress; later ones find nothing
-    if (waiter_ >= 0) service_->shard_->RemoveWaiter(waiter_);
-    if (admitted_) service_->LetOut(peer_);
-    Done();
-    delete this;
-  }
-  // Last words of a subclass (release what it holds), without the lock.
-  virtual void Done() {}
-
-  std::shared_ptr<Waker> waker_;
-  int64_t waiter_ = -1;
-  bool admitted_ = false;
-  std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);
-  absl::Time alarm_deadline_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-};
-
 // Slices that are ready together go in one pull message up to this many
 // bytes (in the wire dtype); a larger slice goes alone.
 constexpr int64_t kPullBatchBytes = 256 << 10;
@@ -311,7 +115,6 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   using Writer::FinishLocked;
   using Writer::mu_;
   using Writer::response_;
-  using Writer::service_;
   using Writer::Start;
   using Writer::WaitUntil;
   using Writer::WriteLocked;
@@ -320,7 +123,9 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   template <typename... BaseArgs>
   PullWriter(PsService* service, std::string peer, absl::Time deadline,
              const grpc::ByteBuffer* request, BaseArgs... base_args)
-      : Writer(service, std::move(peer), deadline, base_args...), start_(absl::Now()) {
+      : Writer(service, std::move(peer), deadline, base_args...),
+        service_(service),
+        start_(absl::Now()) {
     grpc::ByteBuffer copy = *request;  // shares the slices
     const bool parsed = grpc::SerializationTraits<PullRequest>::Deserialize(&copy, &request_).ok();
     {
@@ -540,6 +345,7 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
     service_->pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
   }
 
+  PsService* const service_;
   PullRequest request_;  // set once, in the constructor
   const absl::Time start_;
   std::shared_ptr<const std::vector<SliceSpec>> specs_;
@@ -574,6 +380,7 @@ class PsService::SnapshotWriter final
   SnapshotWriter(PsService* service, grpc::CallbackServerContext* context,
                  const SnapshotRequest* request)
       : WaitingWriter(service, context->peer(), absl::FromChrono(context->deadline())),
+        service_(service),
         request_(*request) {
     absl::StatusOr<Shard::SnapshotTicket> ticket =
         service_->shard_->RequestSnapshot(request_.job_id(), request_.version());
@@ -619,6 +426,7 @@ class PsService::SnapshotWriter final
     if (ticket_.has_value()) service_->shard_->ReleaseSnapshot(*ticket_);
   }
 
+  PsService* const service_;
   const SnapshotRequest request_;
   std::optional<Shard::SnapshotTicket> ticket_;
   std::shared_ptr<const Shard::Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);

@@ -28,6 +28,7 @@
 #include "common/metrics.h"
 #include "transport/security.h"
 #include "transport/shared_region.h"
+#include "transport/waiting_writer.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
 #include "transport/channel_server.h"
@@ -106,7 +107,8 @@ struct PsServiceOptions {
 class PsService final
     : public ParameterServer::WithRawCallbackMethod_Pull<
           ParameterServer::WithCallbackMethod_Snapshot<
-              ParameterServer::WithRawCallbackMethod_Push<ParameterServer::Service>>> {
+              ParameterServer::WithRawCallbackMethod_Push<ParameterServer::Service>>>,
+      private WaitingCallHost {
  public:
   // `shard` (not owned) outlives the service.
   PsService(Shard* shard, PsServiceOptions options);
@@ -163,11 +165,9 @@ class PsService final
   // the next one opens).
   int open_channels() const ABSL_LOCKS_EXCLUDED(channels_mu_);
 
-  // Internals of the waiting calls (service.cc). Push and Pull reactors are
-  // templates over their base: gRPC's, or a channel's.
-  class Waker;
-  template <typename Response, typename Base>
-  class WaitingWriter;
+  // Internals of the calls (service.cc). Push and Pull reactors are
+  // templates over their base: gRPC's, or a channel's; Pull and Snapshot
+  // wait as transport/waiting_writer.h says, this service their host.
   template <typename Base>
   class PullWriter;
   class SnapshotWriter;
@@ -177,8 +177,15 @@ class PsService final
  private:
   // Counts a stream of `peer` in, or refuses it (RESOURCE_EXHAUSTED) over a
   // bound; every admitted stream is let out once.
-  absl::Status Admit(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
-  void LetOut(const std::string& peer) ABSL_LOCKS_EXCLUDED(streams_mu_);
+  absl::Status Admit(const std::string& peer) override ABSL_LOCKS_EXCLUDED(streams_mu_);
+  void LetOut(const std::string& peer) override ABSL_LOCKS_EXCLUDED(streams_mu_);
+  // The shard's changes wake the waiting calls.
+  int64_t AddWaiter(std::function<void(int slice)> wake) override {
+    return shard_->AddWaiter(std::move(wake));
+  }
+  void RemoveWaiter(int64_t id) override { shard_->RemoveWaiter(id); }
+  ThreadPool* wake_pool() override { return wakers_; }
+  bool spread_wakes() const override { return spread_wakes_; }
   // The region a push or pull names, mapped; a refusal without shared memory.
   absl::StatusOr<std::shared_ptr<const SharedMapping>> AttachRegion(const SharedRegionRef& ref);
   void ForgetRegion(const SharedRegionRef& ref);

@@ -43,6 +43,9 @@
 
 namespace psflow {
 
+// The methods a channel carries (the first byte of a start record).
+enum class ChannelMethod : uint8_t { kPush = 1, kPull = 2 };
+
 // Bytes of a channel's control block, of each of its rings, and of the
 // region that holds them.
 inline constexpr int64_t kChannelControlBytes = 4096;

@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 
-namespace psflow::ps {
+namespace psflow {
 namespace {
 
 // How long after its deadline a call in flight is cancelled here (the
@@ -256,4 +256,4 @@ void ChannelServer::Loop() {
   ended_ = true;
 }
 
-}  // namespace psflow::ps
+}  // namespace psflow

@@ -33,10 +33,7 @@
 #include "transport/call_channel.h"
 #include "transport/shared_region.h"
 
-namespace psflow::ps {
-
-// The methods a channel carries (the first byte of a start record).
-enum class ChannelMethod : uint8_t { kPush = 1, kPull = 2 };
+namespace psflow {
 
 class ChannelServer;
 
@@ -165,6 +162,6 @@ class ChannelServer {
   std::thread thread_;
 };
 
-}  // namespace psflow::ps
+}  // namespace psflow
 
 #endif  // PSFLOW_TRANSPORT_CHANNEL_SERVER_H_
