@@ -106,6 +106,10 @@
 
 namespace psflow::ps {
 
+// One slice's apply, claimed under the shard's lock and computed without
+// it (ps/slice_apply.h).
+struct SliceApply;
+
 class Shard {
  public:
   // The values of one slice (and its slots in Optimizer::SlotNames() order;
@@ -465,22 +469,18 @@ class Shard {
                           absl::FunctionRef<bool()> reached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every slice's published value at version_.
   std::shared_ptr<const Weights> WeightsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One slice's apply, claimed under the lock and computed without it.
-  struct ApplyJob;
   // Applies slice `i` if every live worker has pushed it for the current
   // step: hands it to the appliers, or computes it here, releasing the lock
   // meanwhile (the slice is marked applying), so callers must look at the
   // state afresh afterwards.
   void MaybeApplySliceLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Claims slice `i` for its apply if it is complete (null otherwise).
-  std::shared_ptr<ApplyJob> ClaimLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The arithmetic of `job`, without the lock.
-  void Compute(ApplyJob& job) const;
+  std::shared_ptr<SliceApply> ClaimLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the applied slice; the shard's version moves with the last.
-  void FinishLocked(ApplyJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishLocked(SliceApply& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FinishLocked under the lock, taken here; traced as "publish", with the
   // wait for the lock.
-  void Publish(ApplyJob& job) ABSL_LOCKS_EXCLUDED(mu_);
+  void Publish(SliceApply& job) ABSL_LOCKS_EXCLUDED(mu_);
   // Every slice, and for a shard without slices the empty pushes.
   void MaybeApplyAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `worker` pushed slice `s` for the current step: with the live
