@@ -7,13 +7,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "transport/call_channel.h"
-#include "transport/chunk_messages.h"
 #include "common/float16.h"
-#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "transport/call_channel.h"
 #include "transport/channel_server.h"
+#include "transport/chunk_messages.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::ps {
 namespace {
@@ -438,12 +438,28 @@ absl::StatusOr<PushResponse> GrpcClient::RunPush(int ps, const PushHeader& heade
   return response;
 }
 
+// One push call's writes, as they go.
+struct GrpcClient::PushWrite {
+  int ps = 0;
+  MessageCall* rpc = nullptr;
+  const PushRuns* runs = nullptr;        // null: one run of every gradient
+  const SharedRegion* region = nullptr;  // null: over the network
+  bool in_place = false;                 // the gradients lie in `region` already
+  bool check = false;                    // each run is checked (PushRuns::checked) before it leaves
+  int64_t step = 0;                      // the trace's
+  const std::shared_ptr<const void>* keep = nullptr;  // lends the gradients to gRPC
+  PushRequest message;  // the fields of the next message (the header first)
+  int64_t cursor = 0;   // where the next chunk goes in a region of the pool
+  bool sent_any = false;
+  bool written = true;  // false once a write failed (the call's status says why)
+  bool waited = false;  // a run's wait or check ended the push
+};
+
 absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
                                                   std::vector<TensorRef> grads,
                                                   const PushRuns* runs, absl::Time deadline,
                                                   const SharedRegion* region, bool in_place,
                                                   bool* waited) {
-  *waited = false;
   PushResponse response;
   absl::Status s;
   Lent lent;
@@ -456,116 +472,128 @@ absl::StatusOr<PushResponse> GrpcClient::PushCall(int ps, PushHeader header,
     channel = region != nullptr ? TakeChannel(ps) : nullptr;
     std::unique_ptr<MessageCall> rpc =
         OpenCall(ps, ChannelMethod::kPush, kPushMethod, call.context(), deadline, channel.get());
-    // As WriteChunked: the header goes first, even with no chunks. In runs,
-    // it goes alone and at once (the ps maps the region meanwhile), then
-    // each run's chunks once it is final.
     if (region != nullptr) *header.mutable_region() = region->ref();
-    const int64_t message_step = header.step();  // the trace's step
-    PushRequest message;
-    *message.mutable_header() = std::move(header);
-    const size_t max_bytes = region != nullptr ? kSharedMessageBytes : kChunkBytes;
-    std::vector<size_t> starts = {0};
-    if (runs != nullptr) starts = runs->starts;
-    bool written = true;
-    if (runs != nullptr) {
-      written =
-          rpc->Write(EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, {}, nullptr));
-      message.Clear();
-    }
-    int64_t cursor = 0;  // in the region
-    bool sent_any = runs != nullptr;
-    for (size_t g = 0; g < starts.size() && written && s.ok(); ++g) {
-      if (runs != nullptr) {
-        s = runs->wait(static_cast<int>(g));
-        if (!s.ok()) {
-          *waited = true;
-          break;
-        }
-      }
-      const size_t end = RunEnd(starts, grads.size(), g);
-      // The run is checked before any of it leaves: as it is copied into
-      // the region (one message a run there), else in a pass of its own.
-      const bool check = runs != nullptr && runs->checked != nullptr;
-      if (check && region == nullptr) {
-        s = runs->checked(static_cast<int>(g), Client::RunBelow(grads, *runs, static_cast<int>(g)));
-        if (!s.ok()) {
-          *waited = true;
-          break;
-        }
-      }
-      std::vector<TensorRef> part(grads.begin() + static_cast<std::ptrdiff_t>(starts[g]),
-                                  grads.begin() + static_cast<std::ptrdiff_t>(end));
-      if (part.empty() && sent_any) {
-        if (check && region != nullptr) {
-          s = runs->checked(static_cast<int>(g), true);
-          if (!s.ok()) *waited = true;
-        }
-        continue;
-      }
-      ChunkSplitter splitter(std::move(part), max_bytes);
-      std::vector<ChunkPiece> pieces;
-      bool more = splitter.NextPieces(&pieces);
-      while (true) {
-        grpc::ByteBuffer buffer;
-        if (region != nullptr) {
-          bool below = true;
-          TraceSpan copy_span(trace_, in_place ? "push run check" : "push run copy", message_step);
-          copy_span.Arg("ps", ps);
-          copy_span.Arg("run", g);
-          absl::StatusOr<grpc::ByteBuffer> encoded =
-              in_place ? EncodeInPlaceChunkMessage(message, PushRequest::kChunkFieldNumber, pieces,
-                                                   region->data(), check ? &below : nullptr,
-                                                   check ? runs->below : 0.0f)
-                       : EncodeSharedChunkMessage(message, PushRequest::kChunkFieldNumber, pieces,
-                                                  region->data(), &cursor, check ? &below : nullptr,
-                                                  check ? runs->below : 0.0f);
-          if (!encoded.ok()) {
-            s = encoded.status();
-            break;
-          }
-          if (check) {
-            s = runs->checked(static_cast<int>(g), below);
-            if (!s.ok()) {
-              *waited = true;
-              break;
-            }
-          }
-          buffer = *std::move(encoded);
-        } else {
-          buffer = EncodeChunkMessage(message, PushRequest::kChunkFieldNumber, pieces, lent.keep());
-        }
-        TraceSpan write_span(trace_, "push run write", message_step);
-        write_span.Arg("ps", ps);
-        write_span.Arg("run", g);
-        written = rpc->Write(buffer);
-        write_span.End();
-        sent_any = true;
-        message.Clear();
-        if (!written || !more) break;
-        pieces.clear();
-        more = splitter.NextPieces(&pieces);
-        if (!more) break;
-      }
-    }
-    if (s.ok()) {
-      TraceSpan answer_span(trace_, "push answer wait", message_step);
-      answer_span.Arg("ps", ps);
-      if (written) rpc->WritesDone();
-      grpc::ByteBuffer answer;
-      const bool answered = rpc->Read(&answer);
-      s = FromGrpcStatus(rpc->Finish());
-      clean = channel != nullptr && static_cast<ChannelCall*>(rpc.get())->clean();
-      if (s.ok() &&
-          (!answered ||
-           !grpc::SerializationTraits<PushResponse>::Deserialize(&answer, &response).ok())) {
-        s = absl::DataLossError("unreadable push answer");
-      }
-    }
+    PushWrite w{.ps = ps,
+                .rpc = rpc.get(),
+                .runs = runs,
+                .region = region,
+                .in_place = in_place,
+                .check = runs != nullptr && runs->checked != nullptr,
+                .step = header.step(),
+                .keep = &lent.keep()};
+    *w.message.mutable_header() = std::move(header);
+    s = WritePushRuns(w, grads);
+    *waited = w.waited;
+    if (s.ok()) s = AwaitPushAnswer(w, channel != nullptr, &response, &clean);
   }
   if (channel != nullptr) links_[ps]->channel_pool->Give(std::move(channel), clean);
   lent.Release();
   if (!s.ok()) return s;
   return response;
+}
+
+absl::Status GrpcClient::WritePushRuns(PushWrite& w, const std::vector<TensorRef>& grads) {
+  auto waited = [&w](absl::Status s) {
+    w.waited = true;
+    return s;
+  };
+  // As WriteChunked: the header goes first, even with no chunks. In runs,
+  // it goes alone and at once (the ps maps the region meanwhile), then each
+  // run's chunks once it is final.
+  std::vector<size_t> starts = {0};
+  if (w.runs != nullptr) {
+    starts = w.runs->starts;
+    w.written =
+        w.rpc->Write(EncodeChunkMessage(w.message, PushRequest::kChunkFieldNumber, {}, nullptr));
+    w.message.Clear();
+    w.sent_any = true;
+  }
+  for (size_t g = 0; g < starts.size() && w.written; ++g) {
+    const int run = static_cast<int>(g);
+    if (w.runs != nullptr) {
+      if (absl::Status s = w.runs->wait(run); !s.ok()) return waited(s);
+    }
+    const size_t end = RunEnd(starts, grads.size(), g);
+    // The run is checked before any of it leaves: as it is copied into the
+    // region (one message a run there), else in a pass of its own.
+    if (w.check && w.region == nullptr) {
+      absl::Status s = w.runs->checked(run, Client::RunBelow(grads, *w.runs, run));
+      if (!s.ok()) return waited(s);
+    }
+    std::vector<TensorRef> part(grads.begin() + static_cast<std::ptrdiff_t>(starts[g]),
+                                grads.begin() + static_cast<std::ptrdiff_t>(end));
+    if (part.empty() && w.sent_any) {
+      if (w.check && w.region != nullptr) {
+        if (absl::Status s = w.runs->checked(run, true); !s.ok()) return waited(s);
+      }
+      continue;
+    }
+    PSFLOW_RETURN_IF_ERROR(WritePushRun(w, run, std::move(part)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GrpcClient::WritePushRun(PushWrite& w, int run, std::vector<TensorRef> part) {
+  ChunkSplitter splitter(std::move(part), w.region != nullptr ? kSharedMessageBytes : kChunkBytes);
+  std::vector<ChunkPiece> pieces;
+  bool more = splitter.NextPieces(&pieces);
+  while (true) {
+    grpc::ByteBuffer buffer;
+    if (w.region != nullptr) {
+      PSFLOW_ASSIGN_OR_RETURN(buffer, EncodeInRegion(w, run, pieces));
+    } else {
+      buffer = EncodeChunkMessage(w.message, PushRequest::kChunkFieldNumber, pieces, *w.keep);
+    }
+    TraceSpan write_span(trace_, "push run write", w.step);
+    write_span.Arg("ps", w.ps);
+    write_span.Arg("run", run);
+    w.written = w.rpc->Write(buffer);
+    write_span.End();
+    w.sent_any = true;
+    w.message.Clear();
+    if (!w.written || !more) break;
+    pieces.clear();
+    more = splitter.NextPieces(&pieces);
+    if (!more) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<grpc::ByteBuffer> GrpcClient::EncodeInRegion(PushWrite& w, int run,
+                                                            const std::vector<ChunkPiece>& pieces) {
+  bool below = true;
+  TraceSpan copy_span(trace_, w.in_place ? "push run check" : "push run copy", w.step);
+  copy_span.Arg("ps", w.ps);
+  copy_span.Arg("run", run);
+  bool* const check = w.check ? &below : nullptr;
+  const float limit = w.check ? w.runs->below : 0.0f;
+  absl::StatusOr<grpc::ByteBuffer> encoded =
+      w.in_place ? EncodeInPlaceChunkMessage(w.message, PushRequest::kChunkFieldNumber, pieces,
+                                             w.region->data(), check, limit)
+                 : EncodeSharedChunkMessage(w.message, PushRequest::kChunkFieldNumber, pieces,
+                                            w.region->data(), &w.cursor, check, limit);
+  if (!encoded.ok() || !w.check) return encoded;
+  if (absl::Status s = w.runs->checked(run, below); !s.ok()) {
+    w.waited = true;
+    return s;
+  }
+  return encoded;
+}
+
+absl::Status GrpcClient::AwaitPushAnswer(PushWrite& w, bool on_channel, PushResponse* response,
+                                         bool* clean) {
+  TraceSpan answer_span(trace_, "push answer wait", w.step);
+  answer_span.Arg("ps", w.ps);
+  if (w.written) w.rpc->WritesDone();
+  grpc::ByteBuffer answer;
+  const bool answered = w.rpc->Read(&answer);
+  absl::Status s = FromGrpcStatus(w.rpc->Finish());
+  *clean = on_channel && static_cast<ChannelCall*>(w.rpc)->clean();
+  if (s.ok() && (!answered ||
+                 !grpc::SerializationTraits<PushResponse>::Deserialize(&answer, response).ok())) {
+    s = absl::DataLossError("unreadable push answer");
+  }
+  return s;
 }
 
 std::unique_ptr<MessageCall> GrpcClient::OpenCall(int ps, ChannelMethod method,

@@ -14,15 +14,15 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
-#include "transport/call_channel.h"
-#include "transport/grpc_util.h"
 #include "common/metrics.h"
-#include "transport/shared_region.h"
 #include "common/step_trace.h"
 #include "proto/ps.grpc.pb.h"
-#include "transport/channel_pool.h"
-#include "transport/region_offers.h"
 #include "ps/client.h"
+#include "transport/call_channel.h"
+#include "transport/channel_pool.h"
+#include "transport/grpc_util.h"
+#include "transport/region_offers.h"
+#include "transport/shared_region.h"
 
 namespace psflow::ps {
 
@@ -112,7 +112,6 @@ class GrpcClient final : public Client {
   bool Reachable(int ps) const override;
   void CancelAll() override;
 
-
  private:
   // One pull: `request` (its dtype set from the sinks') answered into
   // `sinks`; the first message of the answer, or an error. `ready` tells an
@@ -150,6 +149,14 @@ class GrpcClient final : public Client {
   absl::StatusOr<PushResponse> PushCall(int ps, PushHeader header, std::vector<TensorRef> grads,
                                         const PushRuns* runs, absl::Time deadline,
                                         const SharedRegion* region, bool in_place, bool* waited);
+  // PushCall's parts: the runs' messages (each run waited for and checked
+  // first), one run's, one message's encoding into the region, the answer.
+  struct PushWrite;
+  absl::Status WritePushRuns(PushWrite& w, const std::vector<TensorRef>& grads);
+  absl::Status WritePushRun(PushWrite& w, int run, std::vector<TensorRef> part);
+  absl::StatusOr<grpc::ByteBuffer> EncodeInRegion(PushWrite& w, int run,
+                                                  const std::vector<ChunkPiece>& pieces);
+  absl::Status AwaitPushAnswer(PushWrite& w, bool on_channel, PushResponse* response, bool* clean);
   // Whether a call to `ps` may offer it a region now (RegionOffers::Offer).
   bool OfferRegion(int ps, bool* probe);
   // A region for a call that moves `bytes` bytes in `count` tensors to or
@@ -177,8 +184,8 @@ class GrpcClient final : public Client {
     // Pulls and pushes go as raw messages (transport/chunk_messages.h), one
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
-    std::atomic<unsigned> next{0};  // the connection of the next pull or push
-    std::unique_ptr<RegionOffers> offers;  // with shared memory
+    std::atomic<unsigned> next{0};              // the connection of the next pull or push
+    std::unique_ptr<RegionOffers> offers;       // with shared memory
     std::unique_ptr<ChannelPool> channel_pool;  // with shared memory and channels
   };
   // The raw stub of the next pull or push to `ps`.
