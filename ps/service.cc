@@ -19,19 +19,19 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
-#include "transport/call_channel.h"
-#include "transport/chunk_messages.h"
 #include "common/cpu_count.h"
 #include "common/deferred_work.h"
 #include "common/float16.h"
-#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
-#include "transport/tensor_chunks.h"
-#include "transport/waiting_writer.h"
 #include "ps/limits.h"
 #include "ps/tensors.h"
+#include "transport/call_channel.h"
+#include "transport/chunk_messages.h"
+#include "transport/grpc_util.h"
+#include "transport/tensor_chunks.h"
+#include "transport/waiting_writer.h"
 
 namespace psflow::ps {
 namespace {
@@ -62,42 +62,6 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 }
 
 }  // namespace
-
-CallerRoles ReplicaCallers(Role chief, bool worker0) {
-  auto method = [](absl::string_view name) {
-    return MethodName(ParameterServer::service_full_name(), name);
-  };
-  const std::vector<Role> loads =
-      worker0 ? std::vector<Role>{chief} : std::vector<Role>{Role::kChief};
-  return {
-      {method("Init"), loads},
-      {method("Shutdown"), loads},
-      {method("CheckpointTaken"), loads},
-      {method("SetLiveWorkers"), {Role::kChief}},
-      {method("Push"), {Role::kChief}},
-      // A replica serves no channels (they carry pushes).
-      {method("OpenChannel"), {Role::kChief}},
-      {method("Snapshot"), {chief, Role::kWorker, Role::kEvaluator}},
-      {method("Pull"), {chief, Role::kWorker, Role::kEvaluator}},
-  };
-}
-
-CallerRoles PsCallers(Role chief) {
-  auto method = [](absl::string_view name) {
-    return MethodName(ParameterServer::service_full_name(), name);
-  };
-  return {
-      {method("Init"), {chief}},
-      {method("SetLiveWorkers"), {chief}},
-      {method("Shutdown"), {chief}},
-      {method("CheckpointTaken"), {chief}},
-      {method("Snapshot"), {chief, Role::kEvaluator}},
-      // A channel carries its worker's pushes and pulls.
-      {method("OpenChannel"), {Role::kWorker}},
-      {method("Push"), {Role::kWorker}},
-      {method("Pull"), {Role::kChief, Role::kWorker, Role::kEvaluator}},
-  };
-}
 
 // Slices that are ready together go in one pull message up to this many
 // bytes (in the wire dtype); a larger slice goes alone.
@@ -181,116 +145,119 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   }
 
   void Next() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Shard* const shard = service_->shard_;
-    if (splitter_ != nullptr) {  // the current slice's next chunks
-      message_.clear_wait_us();
-      pieces_.clear();
-      if (splitter_->NextPieces(&pieces_)) {
-        SendLocked();
-        return;
-      }
-      splitter_.reset();
-      value_ = nullptr;
-    }
+    if (splitter_ != nullptr && NextPiecesLocked()) return;
     if (sent_any_ && pending_.empty()) {
       FinishLocked(absl::OkStatus());
       return;
     }
     const absl::Time deadline = !sent_any_ ? wait_deadline_ : call_deadline_;
-    // Woken only by the apply of a slice it waits for (or a change that is
-    // not a slice's apply): workers pulling beside their pushes keep many
-    // pulls waiting on each ps.
+    ArmLocked();
+    if (request_.by_clock() && !granted_ && !GrantedLocked(deadline)) return;
+    if (indices_.empty()) {
+      SendVersionLocked(deadline);
+    } else {
+      SendReadySlicesLocked(deadline);
+    }
+  }
+
+  // The current slice's next chunks: true when a message went.
+  bool NextPiecesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    message_.clear_wait_us();
+    pieces_.clear();
+    if (splitter_->NextPieces(&pieces_)) {
+      SendLocked();
+      return true;
+    }
+    splitter_.reset();
+    value_ = nullptr;
+    return false;
+  }
+
+  // Woken only by the apply of a slice it waits for (or a change that is
+  // not a slice's apply): workers pulling beside their pushes keep many
+  // pulls waiting on each ps.
+  void ArmLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if ((request_.by_clock() && !granted_) || pending_.empty()) {
       Arm();
-    } else {
-      const auto [lo, hi] = std::minmax_element(pending_.begin(), pending_.end());
-      Arm(*lo, *hi);
-    }
-    if (request_.by_clock() && !granted_) {
-      // An asynchronous job's pull: the clock's condition, then every slice
-      // at the version the shard had then (or later).
-      absl::StatusOr<std::optional<Shard::ClockGrant>> grant =
-          shard->TryClock(request_.job_id(), request_.worker(), request_.clock());
-      if (!grant.ok()) return FinishLocked(grant.status());
-      if (!grant->has_value()) return NotThere(deadline);
-      granted_ = true;
-      min_version_ = (*grant)->version;
-      clock_ = (*grant)->clock;
-      lag_ = (*grant)->lag;
-    }
-    if (indices_.empty()) {
-      // No slices: the answer is the version, once it is reached.
-      absl::StatusOr<std::optional<int64_t>> v = shard->TryVersion(request_.job_id(), min_version_);
-      if (!v.ok()) return FinishLocked(v.status());
-      if (!v->has_value()) return NotThere(deadline);
-      Disarm();
-      message_.set_version(**v);
-      message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
-      SetFirstLocked();
-      finish_after_write_ = true;
-      pieces_.clear();
-      SendLocked();
       return;
     }
-    // The slices go in the order they are ready (the worker takes them in
-    // any order): one whose apply is late holds back no other. In the
-    // order asked for among those ready at once.
+    const auto [lo, hi] = std::minmax_element(pending_.begin(), pending_.end());
+    Arm(*lo, *hi);
+  }
+
+  // An asynchronous job's pull: the clock's condition, then every slice at
+  // the version the shard had then (or later). False while it does not
+  // hold (the call waits, or has finished).
+  bool GrantedLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<std::optional<Shard::ClockGrant>> grant =
+        service_->shard_->TryClock(request_.job_id(), request_.worker(), request_.clock());
+    if (!grant.ok()) {
+      FinishLocked(grant.status());
+      return false;
+    }
+    if (!grant->has_value()) {
+      NotThere(deadline);
+      return false;
+    }
+    granted_ = true;
+    min_version_ = (*grant)->version;
+    clock_ = (*grant)->clock;
+    lag_ = (*grant)->lag;
+    return true;
+  }
+
+  // No slices: the answer is the version, once it is reached.
+  void SendVersionLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<std::optional<int64_t>> v =
+        service_->shard_->TryVersion(request_.job_id(), min_version_);
+    if (!v.ok()) return FinishLocked(v.status());
+    if (!v->has_value()) return NotThere(deadline);
+    Disarm();
+    message_.set_version(**v);
+    message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
+    SetFirstLocked();
+    finish_after_write_ = true;
+    pieces_.clear();
+    SendLocked();
+  }
+
+  // What a message's chunks point into, kept until gRPC lets go of them.
+  struct Kept {
+    std::vector<Shard::Value> values;
+    std::vector<Shard::Halves> halves;
+  };
+  // The slices of one message: pending_[at, end).
+  struct Batch {
+    std::shared_ptr<Kept> kept = std::make_shared<Kept>();
+    std::vector<TensorRef> refs;
+    int64_t bytes = 0;  // in the wire dtype
+    size_t end = 0;
+  };
+
+  // The slices go in the order they are ready (the worker takes them in
+  // any order): one whose apply is late holds back no other. In the order
+  // asked for among those ready at once.
+  void SendReadySlicesLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::StatusOr<std::optional<std::pair<size_t, Shard::PulledSlice>>> pulled =
-        shard->TryPullFirstReady(request_.job_id(), pending_, min_version_);
+        service_->shard_->TryPullFirstReady(request_.job_id(), pending_, min_version_);
     if (!pulled.ok()) return FinishLocked(pulled.status());
     if (!pulled->has_value()) return NotThere(deadline);
     Disarm();
-    // The next slices that are at the same version now go with it, in one
-    // message, up to kPullBatchBytes: the first layers' many small slices,
-    // applied together at the end of a step, would each wait for the write
-    // of the one before. (Larger slices go one by one, so that the worker
-    // reads one while the next is written.)
     const auto& [at, slice] = **pulled;
     const int64_t version = slice.version;
-    // What the message's chunks point into, kept until gRPC lets go of them.
-    struct Kept {
-      std::vector<Shard::Value> values;
-      std::vector<Shard::Halves> halves;
-    };
-    auto kept = std::make_shared<Kept>();
-    std::vector<TensorRef> refs;
     const int first = pending_[at];
-    int64_t message_bytes = 0;
-    auto add = [&](int index, const Shard::PulledSlice& pulled) {
-      message_bytes += static_cast<int64_t>(pulled.value->size()) * WireBytes(dtype_);
-      refs.push_back(SliceValueRef((*specs_)[index], pulled.value, dtype_));
-      kept->values.push_back(pulled.value);
-      // The value in the wire dtype already (the shard's wire copies): sent
-      // as it lies.
-      if (pulled.halves != nullptr && pulled.halves_dtype == dtype_) {
-        refs.back().encoded = pulled.halves->data();
-        refs.back().data = nullptr;
-        kept->halves.push_back(pulled.halves);
-      }
-    };
-    add(first, slice);
-    size_t end = at + 1;  // pending_[at, end) go in this message
-    for (; end < pending_.size(); ++end) {
-      absl::StatusOr<std::optional<Shard::PulledSlice>> next =
-          shard->TryPullSlice(request_.job_id(), pending_[end], min_version_);
-      if (!next.ok() || !next->has_value() || (*next)->version != version ||
-          message_bytes + static_cast<int64_t>((*next)->value->size()) * WireBytes(dtype_) >
-              kPullBatchBytes) {
-        break;
-      }
-      add(pending_[end], **next);
-    }
-    const size_t count = end - at;
+    Batch batch = BatchLocked(at, slice);
+    const size_t count = batch.end - at;
     pending_.erase(pending_.begin() + static_cast<ptrdiff_t>(at),
-                   pending_.begin() + static_cast<ptrdiff_t>(end));
-    bytes_ += message_bytes;
+                   pending_.begin() + static_cast<ptrdiff_t>(batch.end));
+    bytes_ += batch.bytes;
     // (The version a step's pushes make: traced as that step.)
     TraceSpan span(service_->trace_, "pull slices", version - 1);
     span.Arg("slices", count, " from ", first);
-    span.Arg("bytes", message_bytes);
-    value_ = std::move(kept);
+    span.Arg("bytes", batch.bytes);
+    value_ = std::move(batch.kept);
     splitter_ = std::make_unique<ChunkSplitter>(
-        std::move(refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
+        std::move(batch.refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
     message_.Clear();
     message_.set_version(version);
     if (!sent_any_) {
@@ -301,6 +268,39 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
     pieces_.clear();
     splitter_->NextPieces(&pieces_);
     SendLocked();  // the first message of a slice goes even without chunks
+  }
+
+  // pending_[at] (pulled as `slice`) and the next slices that are at the
+  // same version now, up to kPullBatchBytes: the first layers' many small
+  // slices, applied together at the end of a step, would each wait for the
+  // write of the one before. (Larger slices go one by one, so that the
+  // worker reads one while the next is written.)
+  Batch BatchLocked(size_t at, const Shard::PulledSlice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Batch batch;
+    auto add = [&](int index, const Shard::PulledSlice& pulled) {
+      batch.bytes += static_cast<int64_t>(pulled.value->size()) * WireBytes(dtype_);
+      batch.refs.push_back(SliceValueRef((*specs_)[index], pulled.value, dtype_));
+      batch.kept->values.push_back(pulled.value);
+      // The value in the wire dtype already (the shard's wire copies): sent
+      // as it lies.
+      if (pulled.halves != nullptr && pulled.halves_dtype == dtype_) {
+        batch.refs.back().encoded = pulled.halves->data();
+        batch.refs.back().data = nullptr;
+        batch.kept->halves.push_back(pulled.halves);
+      }
+    };
+    add(pending_[at], slice);
+    for (batch.end = at + 1; batch.end < pending_.size(); ++batch.end) {
+      absl::StatusOr<std::optional<Shard::PulledSlice>> next =
+          service_->shard_->TryPullSlice(request_.job_id(), pending_[batch.end], min_version_);
+      if (!next.ok() || !next->has_value() || (*next)->version != slice.version ||
+          batch.bytes + static_cast<int64_t>((*next)->value->size()) * WireBytes(dtype_) >
+              kPullBatchBytes) {
+        break;
+      }
+      add(pending_[batch.end], **next);
+    }
+    return batch;
   }
 
   // The first message of an answer that carries what was asked.
@@ -438,7 +438,7 @@ PsService::PsService(Shard* shard, PsServiceOptions options)
       shard_(shard),
       on_shutdown_(options.on_shutdown ? std::move(options.on_shutdown) : [] {}),
       on_job_(std::move(options.on_job)),
-      limits_(options.limits),
+      streams_(options.limits),
       trace_(options.trace),
       apply_in_place_(options.apply_in_place),
       spread_wakes_(options.spread_wakes),
@@ -528,38 +528,14 @@ void PsService::ForgetRegion(const SharedRegionRef& ref) {
   if (regions_ != nullptr) regions_->Forget(ref.token());
 }
 
-absl::Status PsService::Admit(const std::string& peer) {
-  absl::MutexLock lock(&streams_mu_);
-  int& mine = streams_[peer];
-  if (mine >= limits_.per_peer || total_streams_ >= limits_.total) {
-    if (mine == 0) streams_.erase(peer);
-    ++refused_streams_;
-    if (refused_streams_ <= 10 || refused_streams_ % 1000 == 0) {
-      PSLOG(WARNING) << "refused a stream of " << peer << " (" << refused_streams_
-                     << " refused so far): over the bound of " << limits_.per_peer
-                     << " per peer and " << limits_.total << " in all";
-    }
-    return absl::ResourceExhaustedError(
-        absl::StrCat("too many streams open: at most ", limits_.per_peer,
-                     " per client connection and ", limits_.total, " in all"));
-  }
-  ++mine;
-  ++total_streams_;
-  return absl::OkStatus();
-}
+absl::Status PsService::Admit(const std::string& peer) { return streams_.Admit(peer); }
 
-void PsService::LetOut(const std::string& peer) {
-  absl::MutexLock lock(&streams_mu_);
-  auto it = streams_.find(peer);
-  if (it != streams_.end() && --it->second <= 0) streams_.erase(it);
-  --total_streams_;
-}
+void PsService::LetOut(const std::string& peer) { streams_.LetOut(peer); }
 
 void PsService::LogRefusedPush(const std::string& peer, const absl::Status& why) {
-  absl::MutexLock lock(&streams_mu_);
-  ++refused_pushes_;
-  if (refused_pushes_ <= 10 || refused_pushes_ % 1000 == 0) {
-    PSLOG(WARNING) << "refused a push of " << peer << " (" << refused_pushes_
+  const int64_t refused = ++refused_pushes_;
+  if (refused <= 10 || refused % 1000 == 0) {
+    PSLOG(WARNING) << "refused a push of " << peer << " (" << refused
                    << " refused so far): " << why.message();
   }
 }
@@ -574,10 +550,7 @@ bool PsService::pushes_open_up_to(int64_t seq) const {
   return !open_pushes_.empty() && *open_pushes_.begin() <= seq;
 }
 
-int64_t PsService::refused_streams() const {
-  absl::MutexLock lock(&streams_mu_);
-  return refused_streams_;
-}
+int64_t PsService::refused_streams() const { return streams_.refused(); }
 
 grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                              InitResponse* response) {
@@ -976,7 +949,8 @@ grpc::Status PsService::OpenChannel(grpc::ServerContext* context, const OpenChan
     const int of_peer =
         static_cast<int>(std::count_if(channel_servers_.begin(), channel_servers_.end(),
                                        [&](const auto& c) { return c->peer() == peer; }));
-    if (of_peer >= limits_.per_peer || static_cast<int>(channel_servers_.size()) >= limits_.total) {
+    if (of_peer >= streams_.limits().per_peer ||
+        static_cast<int>(channel_servers_.size()) >= streams_.limits().total) {
       return ToGrpcStatus(absl::ResourceExhaustedError(
           absl::StrCat("too many same-host channels open (", of_peer, " of this worker, ",
                        channel_servers_.size(), " in all)")));

@@ -26,37 +26,20 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
-#include "transport/security.h"
-#include "transport/shared_region.h"
-#include "transport/waiting_writer.h"
 #include "common/thread_pool.h"
 #include "proto/ps.grpc.pb.h"
-#include "transport/channel_server.h"
+#include "ps/callers.h"
 #include "ps/shard.h"
+#include "transport/channel_server.h"
+#include "transport/security.h"
+#include "transport/shared_region.h"
+#include "transport/stream_budget.h"
+#include "transport/waiting_writer.h"
 
 namespace psflow::ps {
 
 // Bounds on the streams open at once (Init, Pull, Push, Snapshot).
-struct StreamLimits {
-  int per_peer = 64;  // per client connection
-  int total = 1024;   // every peer together
-};
-
-// Who may call what on a ps when members have certificates (mutual TLS; the
-// server's CallGate enforces it): Init, SetLiveWorkers and Shutdown only the
-// chief; Snapshot the chief or an evaluator; Push a worker; Pull the chief, a
-// worker or an evaluator; GetState any member. `chief` is the role that
-// runs the chief's duties: kChief, or kWorker in a cluster without a chief
-// (worker 0 is its chief; under TLS a worker's certificate then carries the
-// chief's rights, as the certificate names a role, not a task).
-CallerRoles PsCallers(Role chief = Role::kChief);
-// The same for a worker's replica in a job without ps (JobConfig.exchange
-// ALL_REDUCE): it is read over the network (Pull, Snapshot) by the chief,
-// the other workers (loading theirs from worker 0's) and evaluators, and
-// changed only by the chief on worker 0's (Init, Shutdown); its own worker
-// pushes in-process, so Push and SetLiveWorkers are the chief's alone,
-// which never calls them on a replica.
-CallerRoles ReplicaCallers(Role chief, bool worker0);
+using StreamLimits = ::psflow::StreamLimits;
 
 // How a PsService serves; every field has its default.
 struct PsServiceOptions {
@@ -150,7 +133,7 @@ class PsService final
                            OpenChannelResponse* response) override;
 
   // Streams refused for a bound so far.
-  int64_t refused_streams() const ABSL_LOCKS_EXCLUDED(streams_mu_);
+  int64_t refused_streams() const;
   // Push streams are numbered as they are admitted (from 1): the number of
   // the latest, and whether any up to `seq` is still open. A ps that is
   // stopping lets the pushes of the workers' steps in flight end before it
@@ -177,8 +160,8 @@ class PsService final
  private:
   // Counts a stream of `peer` in, or refuses it (RESOURCE_EXHAUSTED) over a
   // bound; every admitted stream is let out once.
-  absl::Status Admit(const std::string& peer) override ABSL_LOCKS_EXCLUDED(streams_mu_);
-  void LetOut(const std::string& peer) override ABSL_LOCKS_EXCLUDED(streams_mu_);
+  absl::Status Admit(const std::string& peer) override;
+  void LetOut(const std::string& peer) override;
   // The shard's changes wake the waiting calls.
   int64_t AddWaiter(std::function<void(int slice)> wake) override {
     return shard_->AddWaiter(std::move(wake));
@@ -191,15 +174,14 @@ class PsService final
   void ForgetRegion(const SharedRegionRef& ref);
   // Logs a push refused for its contents (a non-finite gradient, a bad
   // size): the first ten, then every thousandth.
-  void LogRefusedPush(const std::string& peer, const absl::Status& why)
-      ABSL_LOCKS_EXCLUDED(streams_mu_);
+  void LogRefusedPush(const std::string& peer, const absl::Status& why);
 
   int ps_index_;
   Shard* shard_;
   std::function<void()> on_shutdown_;
   std::function<void(bool)> on_job_;
   std::function<void()> on_checkpoint_taken_;
-  const StreamLimits limits_;
+  StreamBudget streams_;
   StepTrace* const trace_;  // may be null
   const bool apply_in_place_;
   const bool spread_wakes_;
@@ -229,11 +211,7 @@ class PsService final
   mutable absl::Mutex channels_mu_;
   std::vector<std::unique_ptr<ChannelServer>> channel_servers_ ABSL_GUARDED_BY(channels_mu_);
 
-  mutable absl::Mutex streams_mu_;
-  absl::flat_hash_map<std::string, int> streams_ ABSL_GUARDED_BY(streams_mu_);  // by peer
-  int total_streams_ ABSL_GUARDED_BY(streams_mu_) = 0;
-  int64_t refused_streams_ ABSL_GUARDED_BY(streams_mu_) = 0;
-  int64_t refused_pushes_ ABSL_GUARDED_BY(streams_mu_) = 0;
+  std::atomic<int64_t> refused_pushes_{0};
 };
 
 }  // namespace psflow::ps

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
+#include "common/status_macros.h"
 
 namespace psflow {
 namespace {
@@ -113,6 +114,104 @@ bool ReadString(CodedInputStream& in, uint32_t tag, std::string* out) {
          WireFormatLite::ReadString(&in, out);
 }
 
+// A varint field's value; false where the field is not a varint or is cut
+// short.
+bool ReadVarint(CodedInputStream& in, uint32_t tag, uint64_t* v) {
+  return WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_VARINT &&
+         in.ReadVarint64(v);
+}
+
+// The shape field: packed, or one dimension.
+bool ReadShape(CodedInputStream& in, uint32_t tag, TensorChunk* header) {
+  uint64_t v = 0;
+  const auto wire = WireFormatLite::GetTagWireType(tag);
+  if (wire == WireFormatLite::WIRETYPE_VARINT) {
+    if (!in.ReadVarint64(&v)) return false;
+    header->add_shape(static_cast<int64_t>(v));
+    return true;
+  }
+  uint32_t length = 0;
+  // A limit can only shorten the chunk's: a longer one is a lie.
+  if (wire != WireFormatLite::WIRETYPE_LENGTH_DELIMITED || !in.ReadVarint32(&length) ||
+      static_cast<int64_t>(length) > in.BytesUntilLimit()) {
+    return false;
+  }
+  const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+  while (in.BytesUntilLimit() > 0) {
+    if (!in.ReadVarint64(&v)) return false;
+    header->add_shape(static_cast<int64_t>(v));
+  }
+  in.PopLimit(limit);
+  return true;
+}
+
+// One field of a chunk other than its data, into `header` (an unknown one
+// skipped); `*shared` set by a place in shared memory.
+absl::Status ReadChunkField(CodedInputStream& in, uint32_t tag, TensorChunk* header, bool* shared) {
+  uint64_t v = 0;
+  switch (WireFormatLite::GetTagFieldNumber(tag)) {
+    case kName:
+      return ReadString(in, tag, header->mutable_name()) ? absl::OkStatus()
+                                                         : Malformed("chunk name");
+    case kSlot:
+      return ReadString(in, tag, header->mutable_slot()) ? absl::OkStatus()
+                                                         : Malformed("chunk slot");
+    case kDtype:
+      if (!ReadVarint(in, tag, &v)) return Malformed("chunk dtype");
+      // An unknown value fits no sink: the assembler refuses DT_INVALID.
+      header->set_dtype(DataType_IsValid(static_cast<int>(v)) ? static_cast<DataType>(v)
+                                                              : DT_INVALID);
+      return absl::OkStatus();
+    case kShape:
+      return ReadShape(in, tag, header) ? absl::OkStatus() : Malformed("chunk shape");
+    case kOffset:
+      if (!ReadVarint(in, tag, &v)) return Malformed("chunk offset");
+      header->set_offset(static_cast<int64_t>(v));
+      return absl::OkStatus();
+    case kRowBegin:
+      if (!ReadVarint(in, tag, &v)) return Malformed("chunk row");
+      header->set_row_begin(static_cast<int64_t>(v));
+      return absl::OkStatus();
+    case kSharedOffset:
+      if (!ReadVarint(in, tag, &v)) return Malformed("chunk's shared place");
+      *shared = true;
+      header->set_shared_offset(static_cast<int64_t>(v));
+      return absl::OkStatus();
+    case kSharedBytes:
+      if (!ReadVarint(in, tag, &v)) return Malformed("chunk's shared place");
+      *shared = true;
+      header->set_shared_bytes(static_cast<int64_t>(v));
+      return absl::OkStatus();
+    default:
+      return WireFormatLite::SkipField(&in, tag) ? absl::OkStatus() : Malformed("chunk field");
+  }
+}
+
+// What ReadChunk hands a chunk's data to.
+struct ChunkTarget {
+  ChunkAssembler* assembler;
+  absl::FunctionRef<absl::Status(int)> on_complete;
+  int64_t* data_bytes;
+};
+
+// A chunk whose data lie in the call's region (within it, or the chunk is
+// refused), left there.
+absl::Status AddShared(const TensorChunk& header, const SharedSpan* region, ChunkTarget target) {
+  const int64_t at = header.shared_offset(), size = header.shared_bytes();
+  if (region == nullptr || region->data == nullptr) {
+    return absl::InvalidArgumentError("a chunk in shared memory, but the call has no region");
+  }
+  if (at < 0 || size < 0 || at > region->size || size > region->size - at) {
+    return absl::InvalidArgumentError(absl::StrCat("a chunk of ", size, " bytes at byte ", at,
+                                                   " of a shared region of ", region->size));
+  }
+  *target.data_bytes += size;
+  int completed = -1;
+  absl::Status s = target.assembler->AddInPlace(header, size, region->data + at, &completed);
+  if (s.ok() && completed >= 0) s = target.on_complete(completed);
+  return s;
+}
+
 // One TensorChunk, `in` limited to it.
 absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
                        absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes,
@@ -128,116 +227,36 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
   };
   while (const uint32_t tag = in.ReadTag()) {
     const int field = WireFormatLite::GetTagFieldNumber(tag);
-    const auto wire = WireFormatLite::GetTagWireType(tag);
-    if (data_seen && (field == kSharedOffset || field == kSharedBytes)) {
+    if ((data_seen && (field == kSharedOffset || field == kSharedBytes)) ||
+        (field == kData && shared)) {
       return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
     }
     if (data_seen && ((field >= kName && field <= kOffset) || field == kRowBegin)) {
       return absl::InvalidArgumentError(
           "a chunk's name, shape, offset or row comes after its data");
     }
-    uint64_t v = 0;
-    switch (field) {
-      case kName:
-        if (!ReadString(in, tag, header.mutable_name())) return Malformed("chunk name");
-        break;
-      case kSlot:
-        if (!ReadString(in, tag, header.mutable_slot())) return Malformed("chunk slot");
-        break;
-      case kDtype:
-        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
-          return Malformed("chunk dtype");
-        }
-        // An unknown value fits no sink: the assembler refuses DT_INVALID.
-        header.set_dtype(DataType_IsValid(static_cast<int>(v)) ? static_cast<DataType>(v)
-                                                               : DT_INVALID);
-        break;
-      case kShape:
-        if (wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {  // packed
-          uint32_t length = 0;
-          // A limit can only shorten the chunk's: a longer one is a lie.
-          if (!in.ReadVarint32(&length) || static_cast<int64_t>(length) > in.BytesUntilLimit()) {
-            return Malformed("chunk shape");
-          }
-          const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
-          while (in.BytesUntilLimit() > 0) {
-            if (!in.ReadVarint64(&v)) return Malformed("chunk shape");
-            header.add_shape(static_cast<int64_t>(v));
-          }
-          if (in.BytesUntilLimit() != 0) return Malformed("chunk shape");
-          in.PopLimit(limit);
-        } else if (wire == WireFormatLite::WIRETYPE_VARINT && in.ReadVarint64(&v)) {
-          header.add_shape(static_cast<int64_t>(v));
-        } else {
-          return Malformed("chunk shape");
-        }
-        break;
-      case kOffset:
-        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
-          return Malformed("chunk offset");
-        }
-        header.set_offset(static_cast<int64_t>(v));
-        break;
-      case kRowBegin:
-        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
-          return Malformed("chunk row");
-        }
-        header.set_row_begin(static_cast<int64_t>(v));
-        break;
-      case kSharedOffset:
-      case kSharedBytes:
-        if (wire != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&v)) {
-          return Malformed("chunk's shared place");
-        }
-        shared = true;
-        if (field == kSharedOffset) {
-          header.set_shared_offset(static_cast<int64_t>(v));
-        } else {
-          header.set_shared_bytes(static_cast<int64_t>(v));
-        }
-        break;
-      case kData: {
-        if (shared) {
-          return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
-        }
-        uint32_t length = 0;
-        if (wire != WireFormatLite::WIRETYPE_LENGTH_DELIMITED || !in.ReadVarint32(&length) ||
-            static_cast<int64_t>(length) > in.BytesUntilLimit()) {
-          return Malformed("chunk data");
-        }
-        data_seen = true;
-        *data_bytes += length;
-        absl::Status s = add(length, [&](DataType dtype, int64_t n, float* out) {
-          return ReadFloats(in, dtype, n, out);
-        });
-        // Data cut short is bytes that are not the wire format.
-        if (absl::IsDataLoss(s)) return Malformed("chunk data");
-        if (!s.ok()) return s;
-        break;
-      }
-      default:
-        if (!WireFormatLite::SkipField(&in, tag)) return Malformed("chunk field");
+    if (field != kData) {
+      PSFLOW_RETURN_IF_ERROR(ReadChunkField(in, tag, &header, &shared));
+      continue;
     }
+    uint32_t length = 0;
+    if (WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED ||
+        !in.ReadVarint32(&length) || static_cast<int64_t>(length) > in.BytesUntilLimit()) {
+      return Malformed("chunk data");
+    }
+    data_seen = true;
+    *data_bytes += length;
+    absl::Status s = add(length, [&](DataType dtype, int64_t n, float* out) {
+      return ReadFloats(in, dtype, n, out);
+    });
+    // Data cut short is bytes that are not the wire format.
+    if (absl::IsDataLoss(s)) return Malformed("chunk data");
+    if (!s.ok()) return s;
   }
   // A chunk that ends before its length: the message was cut short.
   if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() > 0) return Malformed("chunk");
   if (data_seen) return absl::OkStatus();
-  if (shared) {
-    // The data lie in the call's region: within it, or the chunk is refused.
-    const int64_t at = header.shared_offset(), size = header.shared_bytes();
-    if (region == nullptr || region->data == nullptr) {
-      return absl::InvalidArgumentError("a chunk in shared memory, but the call has no region");
-    }
-    if (at < 0 || size < 0 || at > region->size || size > region->size - at) {
-      return absl::InvalidArgumentError(absl::StrCat("a chunk of ", size, " bytes at byte ", at,
-                                                     " of a shared region of ", region->size));
-    }
-    *data_bytes += size;
-    int completed = -1;
-    absl::Status s = assembler->AddInPlace(header, size, region->data + at, &completed);
-    if (s.ok() && completed >= 0) s = on_complete(completed);
-    return s;
-  }
+  if (shared) return AddShared(header, region, {assembler, on_complete, data_bytes});
   // proto3 leaves out empty bytes: a chunk of no data.
   return add(0, [](DataType, int64_t, float*) { return true; });
 }
