@@ -167,29 +167,37 @@ absl::StatusOr<RingPiece> Ring::Take(const Key& key, absl::Time deadline, bool f
   return piece;
 }
 
+absl::Status Ring::WaitForPieces(int64_t step, int bucket, int64_t begin, int64_t end,
+                                 absl::Span<const absl::Span<float>> pieces, bool forming,
+                                 PieceReadiness* ready) {
+  // The pieces this bucket spans: the first whose end is past `begin`,
+  // through the one holding end - 1.
+  int first = 0, last = 0;
+  int64_t at = 0;
+  for (int p = 0; p < static_cast<int>(pieces.size()); ++p) {
+    const int64_t next_at = at + static_cast<int64_t>(pieces[p].size());
+    if (next_at <= begin) first = p + 1;
+    if (at < end) last = p;
+    at = next_at;
+  }
+  const absl::Time give_up =
+      absl::Now() + (forming ? options_.form_timeout : options_.round_timeout);
+  if (ready->WaitReady(first, last, give_up, [this] { return !status().ok(); })) {
+    return absl::OkStatus();
+  }
+  absl::Status left = status();
+  return left.ok() ? absl::DeadlineExceededError(absl::StrCat("step ", step, ": bucket ", bucket,
+                                                              "'s gradients never came"))
+                   : left;
+}
+
 absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
                                 absl::Span<const absl::Span<float>> pieces, DataType dtype,
                                 bool forming, PieceReadiness* ready) {
   const int n = options_.size, i = options_.rank;
   if (ready != nullptr) {
-    // The pieces this bucket spans: the first whose end is past `begin`,
-    // through the one holding end - 1.
-    int first = 0, last = 0;
-    int64_t at = 0;
-    for (int p = 0; p < static_cast<int>(pieces.size()); ++p) {
-      const int64_t next_at = at + static_cast<int64_t>(pieces[p].size());
-      if (next_at <= begin) first = p + 1;
-      if (at < end) last = p;
-      at = next_at;
-    }
-    const absl::Time give_up =
-        absl::Now() + (forming ? options_.form_timeout : options_.round_timeout);
-    if (!ready->WaitReady(first, last, give_up, [this] { return !status().ok(); })) {
-      absl::Status left = status();
-      return left.ok() ? absl::DeadlineExceededError(absl::StrCat(
-                             "step ", step, ": bucket ", bucket, "'s gradients never came"))
-                       : left;
-    }
+    absl::Status s = WaitForPieces(step, bucket, begin, end, pieces, forming, ready);
+    if (!s.ok()) return s;
   }
   const int next = (i + 1) % n;
   const int64_t len = end - begin;

@@ -166,6 +166,11 @@ class Ring {
   absl::Status ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t end,
                             absl::Span<const absl::Span<float>> pieces, DataType dtype,
                             bool forming, PieceReadiness* ready);
+  // ReduceBucket's wait until `ready` has every piece that floats [begin,
+  // end) of the bucket span (a give-up or the ring's failure ends it).
+  absl::Status WaitForPieces(int64_t step, int bucket, int64_t begin, int64_t end,
+                             absl::Span<const absl::Span<float>> pieces, bool forming,
+                             PieceReadiness* ready);
   // The floats of a bucket, and the most bytes of one piece (a segment of a
   // bucket, in fp32).
   int64_t FloatsPerBucketLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

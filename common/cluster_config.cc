@@ -442,37 +442,35 @@ absl::StatusOr<std::vector<std::string>> PyTorchJobWorkers(const std::string& ma
   return out;
 }
 
-absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, const ConfigEnv& env,
-                                                   Role expected) {
-  // 1. The environment: TF_CONFIG, else CLUSTER_CONFIG and/or POD_NAME.
+namespace {
+
+// Step 1 of ResolveClusterConfig: the environment's cluster and task
+// (TF_CONFIG, else CLUSTER_CONFIG and/or POD_NAME, else PyTorch's).
+absl::StatusOr<Partial> FromEnvironment(const ClusterFlags& flags, const ConfigEnv& env) {
   Partial from_env;
-  if (IsSet(env.tf_config)) {
-    absl::StatusOr<Partial> parsed = ParseTfConfig(StripTrailingCommas(*env.tf_config));
-    if (!parsed.ok()) return parsed.status();
-    from_env = *std::move(parsed);
-  } else {
-    if (IsSet(env.cluster_config)) {
-      absl::StatusOr<Struct> root =
-          ParseJsonObject(StripTrailingCommas(*env.cluster_config), "CLUSTER_CONFIG");
-      if (!root.ok()) return root.status();
-      if (absl::Status s = ParseClusterObject(*root, "CLUSTER_CONFIG", "", &from_env); !s.ok()) {
-        return s;
-      }
-    }
-    if (IsSet(env.pod_name)) {
-      absl::StatusOr<Task> task = ParsePodName(*env.pod_name);
-      if (!task.ok()) return task.status();
-      from_env.task = *std::move(task);
-    }
-    if (!IsSet(env.cluster_config) && !IsSet(env.pod_name) &&
-        (IsSet(env.master_addr) || IsSet(env.pet_master_addr))) {
-      absl::StatusOr<Partial> parsed = ParsePyTorchEnv(env, IsSet(flags.worker_hosts));
-      if (!parsed.ok()) return parsed.status();
-      from_env = *std::move(parsed);
+  if (IsSet(env.tf_config)) return ParseTfConfig(StripTrailingCommas(*env.tf_config));
+  if (IsSet(env.cluster_config)) {
+    absl::StatusOr<Struct> root =
+        ParseJsonObject(StripTrailingCommas(*env.cluster_config), "CLUSTER_CONFIG");
+    if (!root.ok()) return root.status();
+    if (absl::Status s = ParseClusterObject(*root, "CLUSTER_CONFIG", "", &from_env); !s.ok()) {
+      return s;
     }
   }
+  if (IsSet(env.pod_name)) {
+    absl::StatusOr<Task> task = ParsePodName(*env.pod_name);
+    if (!task.ok()) return task.status();
+    from_env.task = *std::move(task);
+  }
+  if (!IsSet(env.cluster_config) && !IsSet(env.pod_name) &&
+      (IsSet(env.master_addr) || IsSet(env.pet_master_addr))) {
+    return ParsePyTorchEnv(env, IsSet(flags.worker_hosts));
+  }
+  return from_env;
+}
 
-  // 2. Flags replace whole lists and the task.
+// Step 2: flags replace whole lists and the task.
+absl::Status ApplyFlags(const ClusterFlags& flags, Role expected, Partial* merged) {
   const std::pair<Role, const std::optional<std::string>*> host_flags[] = {
       {Role::kChief, &flags.chief_hosts},
       {Role::kPs, &flags.ps_hosts},
@@ -482,9 +480,8 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
     if (!IsSet(*value)) continue;
     absl::StatusOr<std::vector<std::string>> list = ParseHostsFlag(**value, role);
     if (!list.ok()) return list.status();
-    from_env.lists[role] = *std::move(list);
+    merged->lists[role] = *std::move(list);
   }
-
   if (flags.task_id && flags.task_index && *flags.task_id != *flags.task_index) {
     return Invalid(absl::StrFormat("--task_id %d and --task_index %d disagree", *flags.task_id,
                                    *flags.task_index));
@@ -494,37 +491,24 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
     if (!flag_index) return Invalid("--job_name given without --task_id");
     absl::StatusOr<Role> role = ParseRole(*flags.job_name);
     if (!role.ok()) return Invalid(absl::StrCat("--job_name: ", role.status().message()));
-    from_env.task = Task{*role, *flag_index, "in --job_name"};
+    merged->task = Task{*role, *flag_index, "in --job_name"};
   } else if (flag_index) {
     // --task_id alone: the role stays as the environment says, or is this binary's.
-    if (from_env.task) {
-      from_env.task->index = *flag_index;
+    if (merged->task) {
+      merged->task->index = *flag_index;
     } else {
-      from_env.task = Task{expected, *flag_index, "(this binary's role)"};
+      merged->task = Task{expected, *flag_index, "(this binary's role)"};
     }
   }
+  return absl::OkStatus();
+}
 
-  bool any_address = false;
-  for (const auto& [role, list] : from_env.lists) any_address |= !list.empty();
-  if (!any_address) return Invalid(kNothingConfigured);
-  if (!from_env.task) {
-    return Invalid(
-        "no task: pass --job_name and --task_id, or set the task in TF_CONFIG, or set POD_NAME");
-  }
-
-  ClusterConfig config;
-  for (auto& [role, list] : from_env.lists) *MutableAddresses(&config.cluster, role) = list;
-  const Task& task = *from_env.task;
-
-  // 3. Checks on the merged result.
-  if (task.role != expected) {
-    return Invalid(absl::StrFormat("task type '%s' %s, but this is the %s binary (%s)",
-                                   RoleName(task.role), task.origin, RoleName(expected),
-                                   BinaryName(expected)));
-  }
+// Step 3: the merged cluster's own checks (each address once, one chief at
+// most, a chief or a worker).
+absl::Status CheckCluster(const ClusterSpec& cluster) {
   std::map<std::string, std::string> seen;  // address -> "role[i]"
   for (Role role : kAllRoles) {
-    const auto& list = config.cluster.Addresses(role);
+    const auto& list = cluster.Addresses(role);
     for (size_t i = 0; i < list.size(); ++i) {
       const std::string where = absl::StrFormat("%s[%d]", RoleName(role), i);
       auto [it, inserted] = seen.emplace(list[i], where);
@@ -534,33 +518,62 @@ absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, co
       }
     }
   }
-  if (config.cluster.chief.empty() && config.cluster.worker.empty()) {
+  if (cluster.chief.empty() && cluster.worker.empty()) {
     return Invalid("the cluster has neither a chief nor a worker");
   }
-  if (config.cluster.chief.size() > 1) {
+  if (cluster.chief.size() > 1) {
     return Invalid(absl::StrFormat("the cluster has %d chief tasks; there must be exactly one",
-                                   config.cluster.chief.size()));
+                                   cluster.chief.size()));
   }
+  return absl::OkStatus();
+}
 
-  const auto& own = config.cluster.Addresses(task.role);
-  config.role = task.role;
-  config.task_index = task.index;
+// The task's own address and port in `config`.
+absl::Status PlaceTask(const Task& task, ClusterConfig* config) {
+  const auto& own = config->cluster.Addresses(task.role);
+  config->role = task.role;
+  config->task_index = task.index;
   // An evaluator's TF_CONFIG may leave the evaluator out of the cluster; it
   // then has no address of its own (it listens on nothing).
   const bool unlisted_evaluator = task.role == Role::kEvaluator && own.empty();
-  if (!unlisted_evaluator) {
-    if (task.index < 0 || static_cast<size_t>(task.index) >= own.size()) {
-      return Invalid(absl::StrFormat("task index %d out of range: the cluster has %d %s tasks",
-                                     task.index, own.size(), RoleName(task.role)));
-    }
-    config.self_address = own[task.index];
-    std::string host;
-    if (absl::Status s = ParseHostPort(config.self_address, &host, &config.self_port); !s.ok()) {
-      return s;  // validated above; kept for safety
-    }
-  } else if (task.index < 0) {
-    return Invalid(absl::StrFormat("task index %d out of range", task.index));
+  if (unlisted_evaluator) {
+    if (task.index < 0) return Invalid(absl::StrFormat("task index %d out of range", task.index));
+    return absl::OkStatus();
   }
+  if (task.index < 0 || static_cast<size_t>(task.index) >= own.size()) {
+    return Invalid(absl::StrFormat("task index %d out of range: the cluster has %d %s tasks",
+                                   task.index, own.size(), RoleName(task.role)));
+  }
+  config->self_address = own[task.index];
+  std::string host;
+  // Validated with the lists; kept for safety.
+  return ParseHostPort(config->self_address, &host, &config->self_port);
+}
+
+}  // namespace
+
+absl::StatusOr<ClusterConfig> ResolveClusterConfig(const ClusterFlags& flags, const ConfigEnv& env,
+                                                   Role expected) {
+  absl::StatusOr<Partial> from_env = FromEnvironment(flags, env);
+  if (!from_env.ok()) return from_env.status();
+  if (absl::Status s = ApplyFlags(flags, expected, &*from_env); !s.ok()) return s;
+  bool any_address = false;
+  for (const auto& [role, list] : from_env->lists) any_address |= !list.empty();
+  if (!any_address) return Invalid(kNothingConfigured);
+  if (!from_env->task) {
+    return Invalid(
+        "no task: pass --job_name and --task_id, or set the task in TF_CONFIG, or set POD_NAME");
+  }
+  ClusterConfig config;
+  for (auto& [role, list] : from_env->lists) *MutableAddresses(&config.cluster, role) = list;
+  const Task& task = *from_env->task;
+  if (task.role != expected) {
+    return Invalid(absl::StrFormat("task type '%s' %s, but this is the %s binary (%s)",
+                                   RoleName(task.role), task.origin, RoleName(expected),
+                                   BinaryName(expected)));
+  }
+  if (absl::Status s = CheckCluster(config.cluster); !s.ok()) return s;
+  if (absl::Status s = PlaceTask(task, &config); !s.ok()) return s;
   return config;
 }
 
