@@ -24,19 +24,21 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "role/command_line.h"
 #include "common/float16.h"
-#include "transport/grpc_util.h"
 #include "common/placement.h"
-#include "role/process_setup.h"
 #include "common/thread_pool.h"
 #include "model/spec.h"
 #include "ps/grpc_client.h"
 #include "ps/service.h"
 #include "ps/shard.h"
+#include "role/command_line.h"
+#include "role/process_setup.h"
+#include "transport/grpc_util.h"
 
 ABSL_FLAG(std::string, model, "resnet", "Model whose variables are pushed and pulled.");
 ABSL_FLAG(int, ps, 2, "Parameter servers (each in this process, on its own port).");
@@ -55,6 +57,88 @@ namespace {
 
 using psflow::ps::GrpcClient;
 
+constexpr uint64_t kJobId = 7;
+constexpr absl::Duration kTimeout = absl::Seconds(60);
+
+// The flags, checked.
+struct WireOptions {
+  std::string model;
+  int num_ps = 0;
+  int workers = 0;
+  int lanes_per_ps = 0;  // resolved: never 0
+  int steps = 0;
+  int apply_threads = 0;
+  bool shared_memory = true;
+  std::string wire;  // the --wire_dtype as printed
+  psflow::DataType dtype = psflow::DT_FLOAT;
+  psflow::JobConfig::WireDtype job_dtype = psflow::JobConfig::FP32;
+};
+
+absl::Status ParseWireDtype(WireOptions& o) {
+  o.wire = absl::AsciiStrToLower(absl::GetFlag(FLAGS_wire_dtype));
+  if (o.wire == "fp32") {
+    o.dtype = psflow::DT_FLOAT;
+    o.job_dtype = psflow::JobConfig::FP32;
+  } else if (o.wire == "bf16") {
+    o.dtype = psflow::DT_BFLOAT16;
+    o.job_dtype = psflow::JobConfig::BF16;
+  } else if (o.wire == "fp16") {
+    o.dtype = psflow::DT_HALF;
+    o.job_dtype = psflow::JobConfig::FP16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown --wire_dtype '", o.wire, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<WireOptions> WireOptionsFromFlags() {
+  WireOptions o;
+  o.model = absl::GetFlag(FLAGS_model);
+  o.num_ps = absl::GetFlag(FLAGS_ps);
+  o.workers = absl::GetFlag(FLAGS_workers);
+  const int lanes_flag = absl::GetFlag(FLAGS_lanes_per_ps);
+  // As psflow-worker picks them (worker/main.cc).
+  o.lanes_per_ps = lanes_flag > 0 ? lanes_flag : std::clamp(16 / std::max(o.num_ps, 1), 1, 8);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.apply_threads = absl::GetFlag(FLAGS_apply_threads);
+  o.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  if (o.num_ps <= 0 || o.workers <= 0 || lanes_flag < 0 || o.steps <= 0 || o.apply_threads <= 0) {
+    return absl::InvalidArgumentError(
+        "--ps, --workers, --steps and --apply_threads must be positive, --lanes_per_ps not "
+        "negative");
+  }
+  if (absl::Status s = ParseWireDtype(o); !s.ok()) return s;
+  return o;
+}
+
+// The model's variables placed over the ps as the chief places them.
+struct ModelLayout {
+  std::vector<psflow::InitHeader> headers;        // [ps]: its slices and the placement
+  std::vector<std::vector<int64_t>> slice_sizes;  // [ps][slice]: floats
+  int64_t floats = 0;
+};
+
+absl::StatusOr<ModelLayout> PlaceModel(const WireOptions& o) {
+  absl::StatusOr<psflow::ModelSpec> spec = psflow::model::ResolveModelSpec(o.model);
+  if (!spec.ok()) return spec.status();
+  absl::StatusOr<psflow::Placement> placement =
+      psflow::PlaceVariables(psflow::model::ModelVariables(*spec), o.num_ps);
+  if (!placement.ok()) return placement.status();
+  ModelLayout layout;
+  layout.headers.resize(o.num_ps);
+  layout.slice_sizes.resize(o.num_ps);
+  for (int p = 0; p < o.num_ps; ++p) {
+    for (psflow::SliceSpec& s : psflow::SliceSpecs(*placement, p)) {
+      layout.slice_sizes[p].push_back(psflow::NumElements(s.shape()));
+      layout.floats += layout.slice_sizes[p].back();
+      *layout.headers[p].add_slice() = std::move(s);
+    }
+    *layout.headers[p].mutable_job()->mutable_placement() = *placement;
+  }
+  return layout;
+}
+
+// One parameter server in this process, as psflow-ps sets it up.
 struct Server {
   std::unique_ptr<psflow::ThreadPool> apply_pool;
   std::unique_ptr<psflow::ThreadPool> appliers;
@@ -64,117 +148,88 @@ struct Server {
   std::string address;
 };
 
+absl::Status StartServer(int p, int port, int apply_threads, Server& s) {
+  if (apply_threads > 1) s.apply_pool = std::make_unique<psflow::ThreadPool>(apply_threads - 1);
+  s.appliers = std::make_unique<psflow::ThreadPool>(std::min(4, apply_threads));
+  s.shard = std::make_unique<psflow::ps::Shard>(
+      s.apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, s.appliers.get());
+  s.service = std::make_unique<psflow::ps::PsService>(s.shard.get(),
+                                                      psflow::ps::PsServiceOptions{.ps_index = p});
+  s.address = absl::StrCat("127.0.0.1:", port);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      psflow::StartServer(s.address, s.service.get(), psflow::SecurityOptions{});
+  if (!server.ok()) return server.status();
+  s.server = std::move(*server);
+  return absl::OkStatus();
+}
+
+// Starts --ps servers into `servers` and returns their addresses.
+absl::StatusOr<std::vector<std::string>> StartServers(const WireOptions& o,
+                                                      std::vector<Server>& servers) {
+  servers.resize(o.num_ps);
+  const std::vector<int> ports = psflow::FreePorts("127.0.0.1", o.num_ps);
+  if (static_cast<int>(ports.size()) != o.num_ps) {
+    return absl::UnavailableError("no free loopback ports");
+  }
+  std::vector<std::string> addresses;
+  for (int p = 0; p < o.num_ps; ++p) {
+    if (absl::Status s = StartServer(p, ports[p], o.apply_threads, servers[p]); !s.ok()) return s;
+    addresses.push_back(servers[p].address);
+  }
+  return addresses;
+}
+
+void StopServers(std::vector<Server>& servers) {
+  for (Server& s : servers) {
+    s.shard->Shutdown();
+    s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
+}
+
+// Fills ps `p`'s header for the job: SGD, every worker live.
+void FillInitHeader(const WireOptions& o, int p, psflow::InitHeader& h) {
+  h.set_job_id(kJobId);
+  h.set_ps_index(p);
+  h.set_version(0);
+  psflow::JobConfig* job = h.mutable_job();
+  job->mutable_optimizer()->set_kind(psflow::OptimizerConfig::SGD);
+  job->mutable_optimizer()->set_learning_rate(1e-6f);
+  job->set_wire_dtype(o.job_dtype);
+  job->set_num_workers(o.workers);
+  job->set_num_ps(o.num_ps);
+  for (int w = 0; w < o.workers; ++w) h.add_live_workers(w);
+}
+
+// Inits every ps, as the chief would, with values zero.
+absl::Status InitServers(const WireOptions& o, const std::vector<std::string>& addresses,
+                         std::vector<psflow::InitHeader>& headers) {
+  GrpcClient chief(addresses);
+  for (int p = 0; p < o.num_ps; ++p) {
+    psflow::InitHeader& h = headers[p];
+    FillInitHeader(o, p, h);
+    std::vector<std::vector<float>> zeros;
+    std::vector<psflow::TensorRef> refs;
+    zeros.reserve(h.slice_size());
+    for (const psflow::SliceSpec& s : h.slice()) {
+      const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
+      zeros.emplace_back(psflow::NumElements(shape), 0.0f);
+      refs.push_back({s.name(), "", shape, zeros.back().data(), psflow::DT_FLOAT, s.row_begin()});
+    }
+    absl::Status st = chief.Init(p, h, std::move(refs), absl::Now() + kTimeout);
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat("init: ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
 struct Lane {
   int ps = 0;
   std::vector<int> slices;  // indices into the ps's slices
 };
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  psflow::SetUpRoleProcess();
-  psflow::ParseCommandLine(argc, argv,
-                           "milliseconds per synchronous exchange (push, then pull) through "
-                           "parameter servers on loopback, without a model.",
-                           {"ps_wire.cc"});
-  const std::string model_name = absl::GetFlag(FLAGS_model);
-  const int num_ps = absl::GetFlag(FLAGS_ps);
-  const int workers = absl::GetFlag(FLAGS_workers);
-  const int lanes_flag = absl::GetFlag(FLAGS_lanes_per_ps);
-  // As psflow-worker picks them (worker/main.cc).
-  const int lanes_per_ps = lanes_flag > 0 ? lanes_flag : std::clamp(16 / std::max(num_ps, 1), 1, 8);
-  const int steps = absl::GetFlag(FLAGS_steps);
-  const int apply_threads = absl::GetFlag(FLAGS_apply_threads);
-  if (num_ps <= 0 || workers <= 0 || lanes_flag < 0 || steps <= 0 || apply_threads <= 0) {
-    return psflow::FailWith(
-        "--ps, --workers, --steps and --apply_threads must be positive, --lanes_per_ps not "
-        "negative");
-  }
-  psflow::DataType dtype;
-  psflow::JobConfig::WireDtype job_dtype;
-  const std::string wire = absl::AsciiStrToLower(absl::GetFlag(FLAGS_wire_dtype));
-  if (wire == "fp32") {
-    dtype = psflow::DT_FLOAT;
-    job_dtype = psflow::JobConfig::FP32;
-  } else if (wire == "bf16") {
-    dtype = psflow::DT_BFLOAT16;
-    job_dtype = psflow::JobConfig::BF16;
-  } else if (wire == "fp16") {
-    dtype = psflow::DT_HALF;
-    job_dtype = psflow::JobConfig::FP16;
-  } else {
-    return psflow::FailWith(absl::StrCat("unknown --wire_dtype '", wire, "'"));
-  }
-
-  // The model's variables placed over the ps as the chief places them.
-  absl::StatusOr<psflow::ModelSpec> spec = psflow::model::ResolveModelSpec(model_name);
-  if (!spec.ok()) return psflow::FailWith(spec.status());
-  absl::StatusOr<psflow::Placement> placement =
-      psflow::PlaceVariables(psflow::model::ModelVariables(*spec), num_ps);
-  if (!placement.ok()) return psflow::FailWith(placement.status());
-  std::vector<psflow::InitHeader> headers(num_ps);
-  std::vector<std::vector<int64_t>> slice_sizes(num_ps);
-  int64_t floats = 0;
-  for (int p = 0; p < num_ps; ++p) {
-    for (psflow::SliceSpec& s : psflow::SliceSpecs(*placement, p)) {
-      slice_sizes[p].push_back(psflow::NumElements(s.shape()));
-      floats += slice_sizes[p].back();
-      *headers[p].add_slice() = std::move(s);
-    }
-    *headers[p].mutable_job()->mutable_placement() = *placement;
-  }
-  const uint64_t job_id = 7;
-  std::vector<Server> servers(num_ps);
-  std::vector<std::string> addresses;
-  const std::vector<int> ports = psflow::FreePorts("127.0.0.1", num_ps);
-  if (static_cast<int>(ports.size()) != num_ps) return psflow::FailWith("no free loopback ports");
-  for (int p = 0; p < num_ps; ++p) {
-    Server& s = servers[p];
-    if (apply_threads > 1) s.apply_pool = std::make_unique<psflow::ThreadPool>(apply_threads - 1);
-    s.appliers = std::make_unique<psflow::ThreadPool>(std::min(4, apply_threads));
-    s.shard = std::make_unique<psflow::ps::Shard>(
-        s.apply_pool.get(), psflow::ps::Shard::kDefaultApplyRange, s.appliers.get());
-    s.service = std::make_unique<psflow::ps::PsService>(
-        s.shard.get(), psflow::ps::PsServiceOptions{.ps_index = p});
-    s.address = absl::StrCat("127.0.0.1:", ports[p]);
-    absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-        psflow::StartServer(s.address, s.service.get(), psflow::SecurityOptions{});
-    if (!server.ok()) return psflow::FailWith(std::string(server.status().message()));
-    s.server = std::move(*server);
-    addresses.push_back(s.address);
-  }
-
-  // Init: SGD, every worker live, values zero.
-  {
-    GrpcClient chief(addresses);
-    for (int p = 0; p < num_ps; ++p) {
-      psflow::InitHeader& h = headers[p];
-      h.set_job_id(job_id);
-      h.set_ps_index(p);
-      h.set_version(0);
-      psflow::JobConfig* job = h.mutable_job();
-      job->mutable_optimizer()->set_kind(psflow::OptimizerConfig::SGD);
-      job->mutable_optimizer()->set_learning_rate(1e-6f);
-      job->set_wire_dtype(job_dtype);
-      job->set_num_workers(workers);
-      job->set_num_ps(num_ps);
-      for (int w = 0; w < workers; ++w) h.add_live_workers(w);
-      std::vector<std::vector<float>> zeros;
-      std::vector<psflow::TensorRef> refs;
-      zeros.reserve(h.slice_size());
-      for (const psflow::SliceSpec& s : h.slice()) {
-        const std::vector<int64_t> shape(s.shape().begin(), s.shape().end());
-        zeros.emplace_back(psflow::NumElements(shape), 0.0f);
-        refs.push_back({s.name(), "", shape, zeros.back().data(), psflow::DT_FLOAT, s.row_begin()});
-      }
-      absl::Status st = chief.Init(p, h, std::move(refs), absl::Now() + absl::Seconds(60));
-      if (!st.ok()) return psflow::FailWith(absl::StrCat("init: ", st.message()));
-    }
-  }
-
-  // Lanes: runs of consecutive slices of one ps, about equal in floats.
+// Lanes: runs of consecutive slices of one ps, about equal in floats.
+std::vector<Lane> CutLanes(const std::vector<std::vector<int64_t>>& slice_sizes, int lanes_per_ps) {
   std::vector<Lane> lanes;
-  for (int p = 0; p < num_ps; ++p) {
+  for (int p = 0; p < static_cast<int>(slice_sizes.size()); ++p) {
     int64_t total = 0;
     for (int64_t n : slice_sizes[p]) total += n;
     const int count = std::min<int>(lanes_per_ps, static_cast<int>(slice_sizes[p].size()));
@@ -192,67 +247,62 @@ int main(int argc, char** argv) {
     }
     if (!lane.slices.empty()) lanes.push_back(lane);
   }
+  return lanes;
+}
 
-  struct Worker {
-    std::unique_ptr<GrpcClient> client;
-    std::vector<std::vector<std::vector<float>>> grads;    // [ps][slice]
-    std::vector<std::vector<std::vector<float>>> weights;  // [ps][slice]
-    double push_ms = 0, step_ms = 0;
-    absl::Status status;
-  };
-  std::vector<Worker> ws(workers);
+// One worker: its connections, gradients to push and weights to pull into.
+struct Worker {
+  std::unique_ptr<GrpcClient> client;
+  std::vector<std::vector<std::vector<float>>> grads;    // [ps][slice]
+  std::vector<std::vector<std::vector<float>>> weights;  // [ps][slice]
+  double push_ms = 0, step_ms = 0;
+  absl::Status status;
+};
+
+std::vector<Worker> MakeWorkers(const WireOptions& o, const std::vector<std::string>& addresses,
+                                const std::vector<std::vector<int64_t>>& slice_sizes) {
+  std::vector<Worker> ws(o.workers);
   for (Worker& w : ws) {
-    w.client =
-        std::make_unique<GrpcClient>(addresses, psflow::ps::GrpcClientOptions{.connections_per_ps = lanes_per_ps, .shared_memory = absl::GetFlag(FLAGS_shared_memory)});
-    w.grads.resize(num_ps);
-    w.weights.resize(num_ps);
-    for (int p = 0; p < num_ps; ++p) {
+    w.client = std::make_unique<GrpcClient>(
+        addresses, psflow::ps::GrpcClientOptions{.connections_per_ps = o.lanes_per_ps,
+                                                 .shared_memory = o.shared_memory});
+    w.grads.resize(o.num_ps);
+    w.weights.resize(o.num_ps);
+    for (int p = 0; p < o.num_ps; ++p) {
       for (int64_t n : slice_sizes[p]) {
         w.grads[p].emplace_back(n, 1e-3f);
         w.weights[p].emplace_back(n, 0.0f);
       }
     }
   }
-  const absl::Duration timeout = absl::Seconds(60);
-  auto run_worker = [&](int id, Worker& w, int first_step, int count) {
-    psflow::ThreadPool pool(static_cast<int>(lanes.size()));
+  return ws;
+}
+
+// The workers' synchronous steps over the lanes, each worker on its own thread.
+class Exchange {
+ public:
+  Exchange(const WireOptions& o, const std::vector<psflow::InitHeader>& headers,
+           std::vector<Lane> lanes, std::vector<Worker>& workers)
+      : o_(o), headers_(headers), lanes_(std::move(lanes)), workers_(workers) {}
+
+  // Steps [first_step, first_step + count) of every worker, at once.
+  void RunAll(int first_step, int count) {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < o_.workers; ++w) {
+      threads.emplace_back([&, w] { RunWorker(w, workers_[w], first_step, count); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+
+ private:
+  void RunWorker(int id, Worker& w, int first_step, int count) {
+    psflow::ThreadPool pool(static_cast<int>(lanes_.size()));
     for (int step = first_step; step < first_step + count && w.status.ok(); ++step) {
       const absl::Time start = absl::Now();
-      std::vector<absl::Time> pushed(lanes.size());
-      std::vector<absl::Status> results(lanes.size());
-      pool.ParallelFor(static_cast<int>(lanes.size()), [&](int l) {
-        const Lane& lane = lanes[l];
-        psflow::PushHeader header;
-        header.set_job_id(job_id);
-        header.set_worker(id);
-        header.set_step(step);
-        std::vector<psflow::TensorRef> refs;
-        std::vector<psflow::TensorSink> sinks;
-        for (int k : lane.slices) {
-          header.add_slices(k);
-          const psflow::SliceSpec& spec = headers[lane.ps].slice(k);
-          const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
-          refs.push_back(
-              {spec.name(), "", shape, w.grads[lane.ps][k].data(), dtype, spec.row_begin()});
-          psflow::TensorSink sink;
-          sink.name = spec.name();
-          sink.shape = shape;
-          sink.data = w.weights[lane.ps][k].data();
-          sink.dtype = dtype;
-          sink.row_begin = spec.row_begin();
-          sinks.push_back(std::move(sink));
-        }
-        absl::StatusOr<psflow::PushResponse> pushed_ok =
-            w.client->Push(lane.ps, header, std::move(refs), absl::Now() + timeout);
-        pushed[l] = absl::Now();
-        if (!pushed_ok.ok()) {
-          results[l] = pushed_ok.status();
-          return;
-        }
-        absl::StatusOr<GrpcClient::PullResult> pulled =
-            w.client->Pull(lane.ps, job_id, step + 1, lane.slices, std::move(sinks),
-                           absl::Now() + timeout, absl::ZeroDuration());
-        if (!pulled.ok()) results[l] = pulled.status();
+      std::vector<absl::Time> pushed(lanes_.size());
+      std::vector<absl::Status> results(lanes_.size());
+      pool.ParallelFor(static_cast<int>(lanes_.size()), [&](int l) {
+        results[l] = ExchangeLane(lanes_[l], id, step, w, pushed[l]);
       });
       for (const absl::Status& s : results) {
         if (!s.ok() && w.status.ok()) w.status = s;
@@ -263,35 +313,104 @@ int main(int argc, char** argv) {
             absl::ToDoubleMilliseconds(*std::max_element(pushed.begin(), pushed.end()) - start);
       }
     }
-  };
-  auto run_all = [&](int first_step, int count) {
-    std::vector<std::thread> threads;
-    for (int w = 0; w < workers; ++w) {
-      threads.emplace_back([&, w] { run_worker(w, ws[w], first_step, count); });
-    }
-    for (std::thread& t : threads) t.join();
-  };
-  run_all(0, 3);  // warm-up: connections, allocations
-  for (Worker& w : ws) w.push_ms = w.step_ms = 0;
-  const psflow::ResourceUsage before = psflow::ProcessResourceUsage();
-  run_all(3, steps);
-  const psflow::ResourceUsage after = psflow::ProcessResourceUsage();
-  for (const Worker& w : ws) {
-    if (!w.status.ok()) return psflow::FailWith(std::string(w.status.message()));
   }
-  const double step_ms = ws[0].step_ms / steps;
-  const double push_ms = ws[0].push_ms / steps;
-  const double bytes = 2.0 * static_cast<double>(floats) * psflow::WireBytes(dtype);
+
+  // One lane of one step: pushes its gradients of `step` (noting in `pushed`
+  // when the push is answered), then pulls its slices of version step + 1.
+  absl::Status ExchangeLane(const Lane& lane, int id, int step, Worker& w, absl::Time& pushed) {
+    psflow::PushHeader header;
+    header.set_job_id(kJobId);
+    header.set_worker(id);
+    header.set_step(step);
+    std::vector<psflow::TensorRef> refs;
+    std::vector<psflow::TensorSink> sinks;
+    for (int k : lane.slices) {
+      header.add_slices(k);
+      const psflow::SliceSpec& spec = headers_[lane.ps].slice(k);
+      const std::vector<int64_t> shape(spec.shape().begin(), spec.shape().end());
+      refs.push_back(
+          {spec.name(), "", shape, w.grads[lane.ps][k].data(), o_.dtype, spec.row_begin()});
+      psflow::TensorSink sink;
+      sink.name = spec.name();
+      sink.shape = shape;
+      sink.data = w.weights[lane.ps][k].data();
+      sink.dtype = o_.dtype;
+      sink.row_begin = spec.row_begin();
+      sinks.push_back(std::move(sink));
+    }
+    absl::StatusOr<psflow::PushResponse> pushed_ok =
+        w.client->Push(lane.ps, header, std::move(refs), absl::Now() + kTimeout);
+    pushed = absl::Now();
+    if (!pushed_ok.ok()) return pushed_ok.status();
+    absl::StatusOr<GrpcClient::PullResult> pulled =
+        w.client->Pull(lane.ps, kJobId, step + 1, lane.slices, std::move(sinks),
+                       absl::Now() + kTimeout, absl::ZeroDuration());
+    return pulled.status();
+  }
+
+  const WireOptions& o_;
+  const std::vector<psflow::InitHeader>& headers_;
+  const std::vector<Lane> lanes_;
+  std::vector<Worker>& workers_;
+};
+
+// The process's resource usage around the timed steps.
+struct Usage {
+  psflow::ResourceUsage before, after;
+};
+
+// Warm-up, then the timed steps; the workers' statuses and times are in `ws`.
+Usage Measure(const WireOptions& o, const ModelLayout& layout, std::vector<Worker>& ws) {
+  Exchange exchange(o, layout.headers, CutLanes(layout.slice_sizes, o.lanes_per_ps), ws);
+  exchange.RunAll(0, 3);  // warm-up: connections, allocations
+  for (Worker& w : ws) w.push_ms = w.step_ms = 0;
+  Usage usage;
+  usage.before = psflow::ProcessResourceUsage();
+  exchange.RunAll(3, o.steps);
+  usage.after = psflow::ProcessResourceUsage();
+  return usage;
+}
+
+void PrintResult(const WireOptions& o, int64_t floats, const Worker& w, const Usage& usage) {
+  const psflow::ResourceUsage& before = usage.before;
+  const psflow::ResourceUsage& after = usage.after;
+  const double step_ms = w.step_ms / o.steps;
+  const double push_ms = w.push_ms / o.steps;
+  const double bytes = 2.0 * static_cast<double>(floats) * psflow::WireBytes(o.dtype);
   std::printf(
       "wire model=%s floats=%lld ps=%d workers=%d lanes_per_ps=%d dtype=%s shared_memory=%d "
       "step_ms=%.2f push_ms=%.2f gbps=%.2f cpu_ms=%.2f switches=%.0f\n",
-      model_name.c_str(), static_cast<long long>(floats), num_ps, workers, lanes_per_ps,
-      wire.c_str(), absl::GetFlag(FLAGS_shared_memory) ? 1 : 0, step_ms, push_ms,
-      bytes / (step_ms * 1e-3) / 1e9, (after.cpu_s() - before.cpu_s()) * 1e3 / steps,
-      static_cast<double>(after.switches() - before.switches()) / steps);
-  for (Server& s : servers) {
-    s.shard->Shutdown();
-    s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      o.model.c_str(), static_cast<long long>(floats), o.num_ps, o.workers, o.lanes_per_ps,
+      o.wire.c_str(), o.shared_memory ? 1 : 0, step_ms, push_ms, bytes / (step_ms * 1e-3) / 1e9,
+      (after.cpu_s() - before.cpu_s()) * 1e3 / o.steps,
+      static_cast<double>(after.switches() - before.switches()) / o.steps);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  psflow::SetUpRoleProcess();
+  psflow::ParseCommandLine(argc, argv,
+                           "milliseconds per synchronous exchange (push, then pull) through "
+                           "parameter servers on loopback, without a model.",
+                           {"ps_wire.cc"});
+  absl::StatusOr<WireOptions> options = WireOptionsFromFlags();
+  if (!options.ok()) return psflow::FailWith(options.status());
+  const WireOptions& o = *options;
+  absl::StatusOr<ModelLayout> layout = PlaceModel(o);
+  if (!layout.ok()) return psflow::FailWith(layout.status());
+  std::vector<Server> servers;
+  absl::StatusOr<std::vector<std::string>> addresses = StartServers(o, servers);
+  if (!addresses.ok()) return psflow::FailWith(addresses.status());
+  if (absl::Status s = InitServers(o, *addresses, layout->headers); !s.ok()) {
+    return psflow::FailWith(s);
   }
+  std::vector<Worker> ws = MakeWorkers(o, *addresses, layout->slice_sizes);
+  const Usage usage = Measure(o, *layout, ws);
+  for (const Worker& w : ws) {
+    if (!w.status.ok()) return psflow::FailWith(w.status);
+  }
+  PrintResult(o, layout->floats, ws[0], usage);
+  StopServers(servers);
   return 0;
 }
