@@ -134,158 +134,224 @@ class Reference {
   double Loss(const WeightsD& w, const float* images, const int32_t* labels, int batch,
               std::vector<int>* decisions = nullptr, bool training = true,
               WeightsD* stats = nullptr) const {
-    const InputSpec& in = spec_.input();
-    const ActivationShape model_in{in.channels(), in.height(), in.width()};
     std::vector<std::vector<double>> acts(spec_.layer_size() + 1);
-    acts[0].resize(static_cast<size_t>(model_in.size() * batch));
-    for (size_t i = 0; i < acts[0].size(); ++i) {
-      acts[0][i] = in.stddev() > 0 ? (images[i] - double{in.mean()}) / in.stddev() : images[i];
-    }
+    acts[0] = StandardizedInput(images, batch);
     for (int l = 0; l < spec_.layer_size(); ++l) {
-      const LayerSpec& layer = spec_.layer(l);
-      const int src = wiring_[l].input + 1;
-      const ActivationShape a = src == 0 ? model_in : shapes_[src - 1];
-      const ActivationShape o = shapes_[l];
-      const std::vector<double>& x = acts[src];
-      std::vector<double>& y = acts[l + 1];
-      y.assign(static_cast<size_t>(o.size() * batch), 0.0);
-      const std::vector<double>* w1 = vars_[l].first >= 0 ? &w[vars_[l].first] : nullptr;
-      const std::vector<double>* w2 = vars_[l].second >= 0 ? &w[vars_[l].second] : nullptr;
-      auto at = [](const ActivationShape& s, int n, int c, int h, int v) {
-        return ((static_cast<size_t>(n) * s.channels + c) * s.height + h) * s.width + v;
-      };
-      switch (layer.kind_case()) {
-        case LayerSpec::kConv2D: {
-          const Conv2DLayer& c = layer.conv2d();
-          const int k = c.kernel(), stride = c.stride() == 0 ? 1 : c.stride(), pad = c.padding();
-          for (int n = 0; n < batch; ++n) {
-            for (int f = 0; f < o.channels; ++f) {
-              for (int p = 0; p < o.height; ++p) {
-                for (int q = 0; q < o.width; ++q) {
-                  double s = w2 != nullptr ? (*w2)[f] : 0.0;
-                  for (int ch = 0; ch < a.channels; ++ch) {
-                    for (int r = 0; r < k; ++r) {
-                      for (int t = 0; t < k; ++t) {
-                        const int hh = p * stride + r - pad, ww = q * stride + t - pad;
-                        if (hh < 0 || hh >= a.height || ww < 0 || ww >= a.width) continue;
-                        s += (*w1)[((static_cast<size_t>(f) * a.channels + ch) * k + r) * k + t] *
-                             x[at(a, n, ch, hh, ww)];
-                      }
-                    }
-                  }
-                  y[at(o, n, f, p, q)] = s;
+      if (!Forward(l, w, batch, acts, decisions, training, stats)) return NAN;
+    }
+    return CrossEntropy(acts.back(), labels, batch);
+  }
+
+ private:
+  // One layer's forward pass: its input x of shape a, its output y of shape o
+  // (zeroed), and its variables (null where it has none).
+  struct Pass {
+    ActivationShape a, o;
+    const std::vector<double>& x;
+    std::vector<double>& y;
+    const std::vector<double>* w1;
+    const std::vector<double>* w2;
+    int batch;
+  };
+
+  static size_t At(const ActivationShape& s, int n, int c, int h, int v) {
+    return ((static_cast<size_t>(n) * s.channels + c) * s.height + h) * s.width + v;
+  }
+
+  ActivationShape ModelInputShape() const {
+    const InputSpec& in = spec_.input();
+    return {in.channels(), in.height(), in.width()};
+  }
+
+  std::vector<double> StandardizedInput(const float* images, int batch) const {
+    const InputSpec& in = spec_.input();
+    std::vector<double> x(static_cast<size_t>(ModelInputShape().size() * batch));
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = in.stddev() > 0 ? (images[i] - double{in.mean()}) / in.stddev() : images[i];
+    }
+    return x;
+  }
+
+  // Layer l's output into acts[l + 1]; false (and a failure) for a layer
+  // without kind.
+  bool Forward(int l, const WeightsD& w, int batch, std::vector<std::vector<double>>& acts,
+               std::vector<int>* decisions, bool training, WeightsD* stats) const {
+    const LayerSpec& layer = spec_.layer(l);
+    const int src = wiring_[l].input + 1;
+    const ActivationShape o = shapes_[l];
+    std::vector<double>& y = acts[l + 1];
+    y.assign(static_cast<size_t>(o.size() * batch), 0.0);
+    const Pass pass{src == 0 ? ModelInputShape() : shapes_[src - 1],
+                    o,
+                    acts[src],
+                    y,
+                    vars_[l].first >= 0 ? &w[vars_[l].first] : nullptr,
+                    vars_[l].second >= 0 ? &w[vars_[l].second] : nullptr,
+                    batch};
+    switch (layer.kind_case()) {
+      case LayerSpec::kConv2D:
+        Conv(layer.conv2d(), pass);
+        break;
+      case LayerSpec::kMaxPool:
+        MaxPool(layer.max_pool(), pass, decisions);
+        break;
+      case LayerSpec::kRelu:
+        for (size_t i = 0; i < y.size(); ++i) {
+          y[i] = std::max(pass.x[i], 0.0);
+          if (decisions != nullptr) decisions->push_back(pass.x[i] > 0);
+        }
+        break;
+      case LayerSpec::kDense:
+        Dense(pass);
+        break;
+      case LayerSpec::kBatchNorm:
+        BatchNorm(layer.batch_norm(), vars_[l], w, pass, training, stats);
+        break;
+      case LayerSpec::kAdd: {
+        const std::vector<double>& other = acts[wiring_[l].other + 1];
+        for (size_t i = 0; i < y.size(); ++i) y[i] = pass.x[i] + other[i];
+        break;
+      }
+      case LayerSpec::kGlobalAvgPool:
+        GlobalAvgPool(pass);
+        break;
+      case LayerSpec::KIND_NOT_SET:
+        ADD_FAILURE() << "layer without kind";
+        return false;
+    }
+    return true;
+  }
+
+  static void Conv(const Conv2DLayer& c, const Pass& pass) {
+    const ActivationShape &a = pass.a, &o = pass.o;
+    const int k = c.kernel(), stride = c.stride() == 0 ? 1 : c.stride(), pad = c.padding();
+    for (int n = 0; n < pass.batch; ++n) {
+      for (int f = 0; f < o.channels; ++f) {
+        for (int p = 0; p < o.height; ++p) {
+          for (int q = 0; q < o.width; ++q) {
+            double s = pass.w2 != nullptr ? (*pass.w2)[f] : 0.0;
+            for (int ch = 0; ch < a.channels; ++ch) {
+              for (int r = 0; r < k; ++r) {
+                for (int t = 0; t < k; ++t) {
+                  const int hh = p * stride + r - pad, ww = q * stride + t - pad;
+                  if (hh < 0 || hh >= a.height || ww < 0 || ww >= a.width) continue;
+                  s += (*pass.w1)[((static_cast<size_t>(f) * a.channels + ch) * k + r) * k + t] *
+                       pass.x[At(a, n, ch, hh, ww)];
                 }
               }
             }
+            pass.y[At(o, n, f, p, q)] = s;
           }
-          break;
         }
-        case LayerSpec::kMaxPool: {
-          const int size = layer.max_pool().size();
-          const int stride = layer.max_pool().stride() == 0 ? size : layer.max_pool().stride();
-          for (int n = 0; n < batch; ++n) {
-            for (int c = 0; c < o.channels; ++c) {
-              for (int p = 0; p < o.height; ++p) {
-                for (int q = 0; q < o.width; ++q) {
-                  double best = -std::numeric_limits<double>::infinity();
-                  int arg = 0;
-                  for (int r = 0; r < size; ++r) {
-                    for (int t = 0; t < size; ++t) {
-                      const double v = x[at(a, n, c, p * stride + r, q * stride + t)];
-                      if (v > best) {
-                        best = v;
-                        arg = r * size + t;
-                      }
-                    }
-                  }
-                  y[at(o, n, c, p, q)] = best;
-                  if (decisions != nullptr) decisions->push_back(arg);
-                }
-              }
-            }
-          }
-          break;
-        }
-        case LayerSpec::kRelu:
-          for (size_t i = 0; i < y.size(); ++i) {
-            y[i] = std::max(x[i], 0.0);
-            if (decisions != nullptr) decisions->push_back(x[i] > 0);
-          }
-          break;
-        case LayerSpec::kDense: {
-          const int64_t in_f = a.size();
-          for (int n = 0; n < batch; ++n) {
-            for (int u = 0; u < o.channels; ++u) {
-              double s = (*w2)[u];
-              for (int64_t i = 0; i < in_f; ++i) s += (*w1)[u * in_f + i] * x[n * in_f + i];
-              y[static_cast<size_t>(n) * o.channels + u] = s;
-            }
-          }
-          break;
-        }
-        case LayerSpec::kBatchNorm: {
-          const double eps = layer.batch_norm().epsilon() > 0 ? layer.batch_norm().epsilon() : 1e-5;
-          const double count = static_cast<double>(batch) * a.height * a.width;
-          for (int c = 0; c < a.channels; ++c) {
-            double sum = 0, sq = 0;
-            for (int n = 0; n < batch; ++n) {
-              for (int h = 0; h < a.height; ++h) {
-                for (int v = 0; v < a.width; ++v) sum += x[at(a, n, c, h, v)];
-              }
-            }
-            double mean = sum / count;
-            for (int n = 0; n < batch; ++n) {
-              for (int h = 0; h < a.height; ++h) {
-                for (int v = 0; v < a.width; ++v)
-                  sq += (x[at(a, n, c, h, v)] - mean) * (x[at(a, n, c, h, v)] - mean);
-              }
-            }
-            double var = sq / count;
-            if (training && stats != nullptr) {
-              (*stats)[vars_[l].running_mean].resize(a.channels);
-              (*stats)[vars_[l].running_var].resize(a.channels);
-              (*stats)[vars_[l].running_mean][c] = mean;
-              (*stats)[vars_[l].running_var][c] = count > 1 ? sq / (count - 1) : var;
-            }
-            if (!training) {
-              mean = w[vars_[l].running_mean][c];
-              var = w[vars_[l].running_var][c];
-            }
-            const double inv = 1.0 / std::sqrt(var + eps);
-            for (int n = 0; n < batch; ++n) {
-              for (int h = 0; h < a.height; ++h) {
-                for (int v = 0; v < a.width; ++v) {
-                  const size_t i = at(a, n, c, h, v);
-                  y[i] = (*w1)[c] * (x[i] - mean) * inv + (*w2)[c];
-                }
-              }
-            }
-          }
-          break;
-        }
-        case LayerSpec::kAdd: {
-          const std::vector<double>& other = acts[wiring_[l].other + 1];
-          for (size_t i = 0; i < y.size(); ++i) y[i] = x[i] + other[i];
-          break;
-        }
-        case LayerSpec::kGlobalAvgPool: {
-          const int hw = a.height * a.width;
-          for (int n = 0; n < batch; ++n) {
-            for (int c = 0; c < a.channels; ++c) {
-              double s = 0;
-              for (int i = 0; i < hw; ++i)
-                s += x[(static_cast<size_t>(n) * a.channels + c) * hw + i];
-              y[static_cast<size_t>(n) * a.channels + c] = s / hw;
-            }
-          }
-          break;
-        }
-        case LayerSpec::KIND_NOT_SET:
-          ADD_FAILURE() << "layer without kind";
-          return NAN;
       }
     }
-    const std::vector<double>& logits = acts.back();
+  }
+
+  static void MaxPool(const MaxPoolLayer& m, const Pass& pass, std::vector<int>* decisions) {
+    const ActivationShape &a = pass.a, &o = pass.o;
+    const int size = m.size();
+    const int stride = m.stride() == 0 ? size : m.stride();
+    for (int n = 0; n < pass.batch; ++n) {
+      for (int c = 0; c < o.channels; ++c) {
+        for (int p = 0; p < o.height; ++p) {
+          for (int q = 0; q < o.width; ++q) {
+            double best = -std::numeric_limits<double>::infinity();
+            int arg = 0;
+            for (int r = 0; r < size; ++r) {
+              for (int t = 0; t < size; ++t) {
+                const double v = pass.x[At(a, n, c, p * stride + r, q * stride + t)];
+                if (v > best) {
+                  best = v;
+                  arg = r * size + t;
+                }
+              }
+            }
+            pass.y[At(o, n, c, p, q)] = best;
+            if (decisions != nullptr) decisions->push_back(arg);
+          }
+        }
+      }
+    }
+  }
+
+  static void Dense(const Pass& pass) {
+    const int64_t in_f = pass.a.size();
+    for (int n = 0; n < pass.batch; ++n) {
+      for (int u = 0; u < pass.o.channels; ++u) {
+        double s = (*pass.w2)[u];
+        for (int64_t i = 0; i < in_f; ++i) s += (*pass.w1)[u * in_f + i] * pass.x[n * in_f + i];
+        pass.y[static_cast<size_t>(n) * pass.o.channels + u] = s;
+      }
+    }
+  }
+
+  // Channel c's sum of x, and its sum of squared deviations from `mean`.
+  static double ChannelSum(const Pass& pass, int c) {
+    double sum = 0;
+    for (int n = 0; n < pass.batch; ++n) {
+      for (int h = 0; h < pass.a.height; ++h) {
+        for (int v = 0; v < pass.a.width; ++v) sum += pass.x[At(pass.a, n, c, h, v)];
+      }
+    }
+    return sum;
+  }
+  static double ChannelSquares(const Pass& pass, int c, double mean) {
+    const ActivationShape& a = pass.a;
+    double sq = 0;
+    for (int n = 0; n < pass.batch; ++n) {
+      for (int h = 0; h < a.height; ++h) {
+        for (int v = 0; v < a.width; ++v)
+          sq += (pass.x[At(a, n, c, h, v)] - mean) * (pass.x[At(a, n, c, h, v)] - mean);
+      }
+    }
+    return sq;
+  }
+
+  static void BatchNorm(const BatchNormLayer& bn, const LayerVariables& vars, const WeightsD& w,
+                        const Pass& pass, bool training, WeightsD* stats) {
+    const ActivationShape& a = pass.a;
+    const double eps = bn.epsilon() > 0 ? bn.epsilon() : 1e-5;
+    const double count = static_cast<double>(pass.batch) * a.height * a.width;
+    for (int c = 0; c < a.channels; ++c) {
+      double mean = ChannelSum(pass, c) / count;
+      const double sq = ChannelSquares(pass, c, mean);
+      double var = sq / count;
+      if (training && stats != nullptr) {
+        (*stats)[vars.running_mean].resize(a.channels);
+        (*stats)[vars.running_var].resize(a.channels);
+        (*stats)[vars.running_mean][c] = mean;
+        (*stats)[vars.running_var][c] = count > 1 ? sq / (count - 1) : var;
+      }
+      if (!training) {
+        mean = w[vars.running_mean][c];
+        var = w[vars.running_var][c];
+      }
+      const double inv = 1.0 / std::sqrt(var + eps);
+      for (int n = 0; n < pass.batch; ++n) {
+        for (int h = 0; h < a.height; ++h) {
+          for (int v = 0; v < a.width; ++v) {
+            const size_t i = At(a, n, c, h, v);
+            pass.y[i] = (*pass.w1)[c] * (pass.x[i] - mean) * inv + (*pass.w2)[c];
+          }
+        }
+      }
+    }
+  }
+
+  static void GlobalAvgPool(const Pass& pass) {
+    const ActivationShape& a = pass.a;
+    const int hw = a.height * a.width;
+    for (int n = 0; n < pass.batch; ++n) {
+      for (int c = 0; c < a.channels; ++c) {
+        double s = 0;
+        for (int i = 0; i < hw; ++i)
+          s += pass.x[(static_cast<size_t>(n) * a.channels + c) * hw + i];
+        pass.y[static_cast<size_t>(n) * a.channels + c] = s / hw;
+      }
+    }
+  }
+
+  double CrossEntropy(const std::vector<double>& logits, const int32_t* labels, int batch) const {
     const int classes = spec_.num_classes();
     double total = 0;
     for (int n = 0; n < batch; ++n) {
@@ -298,11 +364,192 @@ class Reference {
     return total / batch;
   }
 
- private:
   ModelSpec spec_;
   std::vector<ActivationShape> shapes_;
   std::vector<LayerWiring> wiring_;
   std::vector<LayerVariables> vars_;
+};
+
+// The gradients a network computes on one batch at weights w, against finite
+// differences (ExpectGradientsMatchFiniteDifferences says how).
+class GradientCheck {
+ public:
+  GradientCheck(const ModelSpec& spec, Network& net, const Weights& w,
+                const std::vector<float>& images, const std::vector<int32_t>& labels, int batch)
+      : net_(net),
+        w_(w),
+        images_(images),
+        labels_(labels),
+        batch_(batch),
+        ref_(spec),
+        wd_(ToDouble(w)) {}
+
+  // The network's step at w: its loss is the reference's, and its running
+  // statistics' "gradients" the batch's statistics.
+  void Step() {
+    ASSERT_TRUE(SetNetWeights(net_, w_).ok());
+    absl::StatusOr<Network::Result> step = net_.TrainStep(images_.data(), labels_.data(), batch_);
+    ASSERT_TRUE(step.ok()) << step.status();
+    grads_ = NetGradients(net_);
+    ASSERT_EQ(grads_.size(), w_.size());
+    WeightsD stats(w_.size());
+    ref_loss_ =
+        ref_.Loss(wd_, images_.data(), labels_.data(), batch_, &base_, /*training=*/true, &stats);
+    ASSERT_FALSE(base_.empty()) << "the model has ReLU or max-pool decisions";
+    EXPECT_NEAR(step->loss, ref_loss_, 1e-5 * ref_loss_)
+        << "the network computes the reference's loss";
+    ASSERT_NO_FATAL_FAILURE(ExpectBatchStatistics(stats));
+  }
+
+  // 1. Every element against the reference.
+  void ExpectEveryElementMatchesTheReference() {
+    int64_t checked = 0, kinked = 0;
+    for (size_t v = 0; v < grads_.size(); ++v) {
+      if (!trainable(v)) continue;
+      const std::string& name = net_.variables()[v].name;
+      double largest = 0;
+      for (float g : grads_[v]) largest = std::max(largest, static_cast<double>(std::abs(g)));
+      EXPECT_GT(largest, 1e-5) << name << " has no gradient";
+      constexpr double h = 1e-6;
+      for (int64_t i = 0; i < static_cast<int64_t>(grads_[v].size()); ++i) {
+        if (!SmoothWithin(v, i, h, /*float_steps=*/false)) {
+          ++kinked;
+          continue;
+        }
+        ++checked;
+        const double fd = RefDifference(v, i, wd_[v][i] + h, wd_[v][i] - h);
+        EXPECT_NEAR(grads_[v][i], fd, 1e-3 * std::abs(fd) + 1e-4 * largest)
+            << name << "[" << i << "]";
+      }
+    }
+    EXPECT_LE(kinked, checked / 50) << "kinks within 1e-6 of the weights should be rare";
+  }
+
+  // 2. Picked elements against the network's own loss.
+  void ExpectPickedElementsMatchTheNetworkLoss() {
+    const float loss32 = static_cast<float>(ref_loss_);
+    const double ulp = std::nextafter(loss32, std::numeric_limits<float>::infinity()) - loss32;
+    int total_done = 0, trainables = 0;
+    for (size_t v = 0; v < grads_.size(); ++v) {
+      if (!trainable(v)) continue;
+      ++trainables;
+      const int done = ExpectPicksOf(v, ulp);
+      EXPECT_GE(done, 1) << net_.variables()[v].name
+                         << ": no element without a kink within +-1.5e-4";
+      total_done += done;
+    }
+    // Most picks find an element of their own (variables of 3 or 4 elements may
+    // have fewer kink-free ones).
+    EXPECT_GE(total_done, 3 * trainables);
+  }
+
+ private:
+  bool trainable(size_t v) const { return net_.variables()[v].trainable; }
+
+  // Running statistics have no gradient: the step leaves the batch's
+  // statistics in their place.
+  void ExpectBatchStatistics(const WeightsD& stats) {
+    for (size_t v = 0; v < grads_.size(); ++v) {
+      if (trainable(v)) continue;
+      const std::string& name = net_.variables()[v].name;
+      ASSERT_EQ(stats[v].size(), grads_[v].size()) << name;
+      for (size_t i = 0; i < grads_[v].size(); ++i) {
+        EXPECT_NEAR(grads_[v][i], stats[v][i], 1e-5 * (1 + std::abs(stats[v][i])))
+            << name << "[" << i << "]";
+      }
+    }
+  }
+
+  // Whether the reference's decisions stay those at w for every step t*h,
+  // t in [-1, 1], of element (v, i) (t = +-1/4, +-1/2, +-3/4, +-1).
+  bool SmoothWithin(size_t v, int64_t i, double h, bool float_steps) const {
+    for (int k = -4; k <= 4; ++k) {
+      if (k == 0) continue;
+      WeightsD p = wd_;
+      p[v][i] = float_steps ? static_cast<double>(static_cast<float>(w_[v][i] + h * k / 4))
+                            : wd_[v][i] + h * k / 4;
+      std::vector<int> d;
+      ref_.Loss(p, images_.data(), labels_.data(), batch_, &d);
+      if (d != base_) return false;
+    }
+    return true;
+  }
+
+  double RefDifference(size_t v, int64_t i, double up_value, double down_value) const {
+    WeightsD p = wd_;
+    p[v][i] = up_value;
+    const double up = ref_.Loss(p, images_.data(), labels_.data(), batch_);
+    p[v][i] = down_value;
+    const double down = ref_.Loss(p, images_.data(), labels_.data(), batch_);
+    return (up - down) / (up_value - down_value);
+  }
+
+  // The training-mode loss (batch norm with the batch's statistics).
+  double NetLoss(const Weights& p) {
+    EXPECT_TRUE(SetNetWeights(net_, p).ok());
+    absl::StatusOr<Network::Result> r = net_.TrainStep(images_.data(), labels_.data(), batch_);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->loss : NAN;
+  }
+
+  // The largest candidate step with no decision change within +-h at (v, i);
+  // 0 if none.
+  double KinkFreeStep(size_t v, int64_t i) const {
+    for (double candidate : {5e-3, 2.5e-3, 1.25e-3, 6.25e-4, 3.125e-4, 1.5625e-4}) {
+      if (SmoothWithin(v, i, candidate, /*float_steps=*/true)) return candidate;
+    }
+    return 0;
+  }
+
+  // Up to 4 elements of variable v against the network's loss; returns how
+  // many were checked.
+  int ExpectPicksOf(size_t v, double ulp) {
+    const int64_t n = static_cast<int64_t>(grads_[v].size());
+    std::vector<bool> used(static_cast<size_t>(n), false);
+    int done = 0;
+    for (int64_t pick : {int64_t{0}, n / 3, n / 2, n - 1}) {
+      // The first element from `pick` on, not checked yet, with a kink-free
+      // step.
+      for (int64_t tries = 0; tries < n; ++tries) {
+        const int64_t i = (pick + tries) % n;
+        if (used[i]) continue;
+        const double h = KinkFreeStep(v, i);
+        if (h == 0) continue;
+        used[i] = true;
+        ExpectElementMatchesTheNetworkLoss(v, i, h, ulp);
+        ++done;
+        break;
+      }
+    }
+    return done;
+  }
+
+  void ExpectElementMatchesTheNetworkLoss(size_t v, int64_t i, double h, double ulp) {
+    Weights p = w_;
+    p[v][i] = static_cast<float>(w_[v][i] + h);
+    const double up_value = p[v][i];
+    const double up = NetLoss(p);
+    p[v][i] = static_cast<float>(w_[v][i] - h);
+    const double down_value = p[v][i];
+    const double down = NetLoss(p);
+    const double fd = (up - down) / (up_value - down_value);
+    const double truncation = std::abs(RefDifference(v, i, up_value, down_value) -
+                                       RefDifference(v, i, wd_[v][i] + 1e-6, wd_[v][i] - 1e-6));
+    const double an = grads_[v][i];
+    EXPECT_NEAR(an, fd, 1e-2 * std::max(std::abs(fd), std::abs(an)) + 2 * ulp / h + truncation)
+        << net_.variables()[v].name << "[" << i << "], h = " << h;
+  }
+
+  Network& net_;
+  const Weights& w_;
+  const std::vector<float>& images_;
+  const std::vector<int32_t>& labels_;
+  const int batch_;
+  const Reference ref_;
+  const WeightsD wd_;
+  Weights grads_;
+  std::vector<int> base_;  // the reference's decisions at w
+  double ref_loss_ = 0;
 };
 
 // Checks the gradients a network computes on one batch at weights w, for
@@ -331,133 +578,10 @@ class Reference {
 void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, const Weights& w,
                                            const std::vector<float>& images,
                                            const std::vector<int32_t>& labels, int batch) {
-  ASSERT_TRUE(SetNetWeights(net, w).ok());
-  absl::StatusOr<Network::Result> step = net.TrainStep(images.data(), labels.data(), batch);
-  ASSERT_TRUE(step.ok()) << step.status();
-  const Weights grads = NetGradients(net);
-  ASSERT_EQ(grads.size(), w.size());
-
-  const Reference ref(spec);
-  const WeightsD wd = ToDouble(w);
-  std::vector<int> base;
-  WeightsD stats(w.size());
-  const double ref_loss =
-      ref.Loss(wd, images.data(), labels.data(), batch, &base, /*training=*/true, &stats);
-  ASSERT_FALSE(base.empty()) << "the model has ReLU or max-pool decisions";
-  EXPECT_NEAR(step->loss, ref_loss, 1e-5 * ref_loss) << "the network computes the reference's loss";
-  // Running statistics have no gradient: the step leaves the batch's
-  // statistics in their place.
-  auto trainable = [&](size_t v) { return net.variables()[v].trainable; };
-  for (size_t v = 0; v < grads.size(); ++v) {
-    if (trainable(v)) continue;
-    const std::string& name = net.variables()[v].name;
-    ASSERT_EQ(stats[v].size(), grads[v].size()) << name;
-    for (size_t i = 0; i < grads[v].size(); ++i) {
-      EXPECT_NEAR(grads[v][i], stats[v][i], 1e-5 * (1 + std::abs(stats[v][i])))
-          << name << "[" << i << "]";
-    }
-  }
-
-  // Whether the reference's decisions stay those at w for every step t*h,
-  // t in [-1, 1], of element (v, i) (t = +-1/4, +-1/2, +-3/4, +-1).
-  auto smooth_within = [&](size_t v, int64_t i, double h, bool float_steps) {
-    for (int k = -4; k <= 4; ++k) {
-      if (k == 0) continue;
-      WeightsD p = wd;
-      p[v][i] = float_steps ? static_cast<double>(static_cast<float>(w[v][i] + h * k / 4))
-                            : wd[v][i] + h * k / 4;
-      std::vector<int> d;
-      ref.Loss(p, images.data(), labels.data(), batch, &d);
-      if (d != base) return false;
-    }
-    return true;
-  };
-  auto ref_difference = [&](size_t v, int64_t i, double up_value, double down_value) {
-    WeightsD p = wd;
-    p[v][i] = up_value;
-    const double up = ref.Loss(p, images.data(), labels.data(), batch);
-    p[v][i] = down_value;
-    const double down = ref.Loss(p, images.data(), labels.data(), batch);
-    return (up - down) / (up_value - down_value);
-  };
-
-  // 1. Every element against the reference.
-  int64_t checked = 0, kinked = 0;
-  for (size_t v = 0; v < grads.size(); ++v) {
-    if (!trainable(v)) continue;
-    const std::string& name = net.variables()[v].name;
-    double largest = 0;
-    for (float g : grads[v]) largest = std::max(largest, static_cast<double>(std::abs(g)));
-    EXPECT_GT(largest, 1e-5) << name << " has no gradient";
-    constexpr double h = 1e-6;
-    for (int64_t i = 0; i < static_cast<int64_t>(grads[v].size()); ++i) {
-      if (!smooth_within(v, i, h, /*float_steps=*/false)) {
-        ++kinked;
-        continue;
-      }
-      ++checked;
-      const double fd = ref_difference(v, i, wd[v][i] + h, wd[v][i] - h);
-      EXPECT_NEAR(grads[v][i], fd, 1e-3 * std::abs(fd) + 1e-4 * largest) << name << "[" << i << "]";
-    }
-  }
-  EXPECT_LE(kinked, checked / 50) << "kinks within 1e-6 of the weights should be rare";
-
-  // 2. Picked elements against the network's own loss.
-  const float loss32 = static_cast<float>(ref_loss);
-  const double ulp = std::nextafter(loss32, std::numeric_limits<float>::infinity()) - loss32;
-  // The training-mode loss (batch norm with the batch's statistics).
-  auto net_loss = [&](const Weights& p) {
-    EXPECT_TRUE(SetNetWeights(net, p).ok());
-    absl::StatusOr<Network::Result> r = net.TrainStep(images.data(), labels.data(), batch);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? r->loss : NAN;
-  };
-  int total_done = 0, trainables = 0;
-  for (size_t v = 0; v < grads.size(); ++v) {
-    if (!trainable(v)) continue;
-    ++trainables;
-    const std::string& name = net.variables()[v].name;
-    const int64_t n = static_cast<int64_t>(grads[v].size());
-    std::vector<bool> used(static_cast<size_t>(n), false);
-    int done = 0;
-    for (int64_t pick : {int64_t{0}, n / 3, n / 2, n - 1}) {
-      // The first element from `pick` on, not checked yet, with a kink-free
-      // step.
-      for (int64_t tries = 0; tries < n; ++tries) {
-        const int64_t i = (pick + tries) % n;
-        if (used[i]) continue;
-        double h = 0;
-        for (double candidate : {5e-3, 2.5e-3, 1.25e-3, 6.25e-4, 3.125e-4, 1.5625e-4}) {
-          if (smooth_within(v, i, candidate, /*float_steps=*/true)) {
-            h = candidate;
-            break;
-          }
-        }
-        if (h == 0) continue;
-        used[i] = true;
-        Weights p = w;
-        p[v][i] = static_cast<float>(w[v][i] + h);
-        const double up_value = p[v][i];
-        const double up = net_loss(p);
-        p[v][i] = static_cast<float>(w[v][i] - h);
-        const double down_value = p[v][i];
-        const double down = net_loss(p);
-        const double fd = (up - down) / (up_value - down_value);
-        const double truncation = std::abs(ref_difference(v, i, up_value, down_value) -
-                                           ref_difference(v, i, wd[v][i] + 1e-6, wd[v][i] - 1e-6));
-        const double an = grads[v][i];
-        EXPECT_NEAR(an, fd, 1e-2 * std::max(std::abs(fd), std::abs(an)) + 2 * ulp / h + truncation)
-            << name << "[" << i << "], h = " << h;
-        ++done;
-        break;
-      }
-    }
-    EXPECT_GE(done, 1) << name << ": no element without a kink within +-1.5e-4";
-    total_done += done;
-  }
-  // Most picks find an element of their own (variables of 3 or 4 elements may
-  // have fewer kink-free ones).
-  EXPECT_GE(total_done, 3 * trainables);
+  GradientCheck check(spec, net, w, images, labels, batch);
+  ASSERT_NO_FATAL_FAILURE(check.Step());
+  check.ExpectEveryElementMatchesTheReference();
+  check.ExpectPickedElementsMatchTheNetworkLoss();
 }
 
 class NetworkTest : public ::testing::Test {
