@@ -70,7 +70,12 @@ int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 }  // namespace
 
 Trainer::Trainer(TrainerOptions options, chief::Client* chief, PsClientFactory make_ps)
-    : options_(std::move(options)), chief_(chief), make_ps_(std::move(make_ps)) {}
+    : options_(std::move(options)),
+      chief_(chief),
+      make_ps_(std::move(make_ps)),
+      reporter_({options_.worker_index, options_.report_every, options_.report_timeout,
+                 options_.startup_timeout, options_.nonfinite_wait},
+                chief, [this] { CancelPs(); }) {}
 
 Trainer::~Trainer() {
   // No upload may still read a region as the regions go.
@@ -78,11 +83,19 @@ Trainer::~Trainer() {
 }
 
 void Trainer::Stop(int signal) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_signal_ == 0) stop_signal_ = signal;
+    if (ps_ != nullptr) ps_->CancelAll();  // a pull blocked on the other workers ends now
+    chief_->CancelAll();                   // so does a registration waiting for the chief
+    if (options_.ring != nullptr) options_.ring->Cancel();  // and an all-reduce
+  }
+  reporter_.Stop();  // and the waits for the chief
+}
+
+void Trainer::CancelPs() {
   absl::MutexLock lock(&mu_);
-  if (stop_signal_ == 0) stop_signal_ = signal;
-  if (ps_ != nullptr) ps_->CancelAll();  // a pull blocked on the other workers ends now
-  chief_->CancelAll();                   // so does a registration waiting for the chief
-  if (options_.ring != nullptr) options_.ring->Cancel();  // and an all-reduce
+  if (ps_ != nullptr) ps_->CancelAll();
 }
 
 void Trainer::StopAfterPushes(int signal, absl::Duration max_wait) {
@@ -91,13 +104,13 @@ void Trainer::StopAfterPushes(int signal, absl::Duration max_wait) {
     if (stop_signal_ != 0) return;
     if (pushes_open_) {
       if (stop_after_pushes_ == 0) stop_after_pushes_ = signal;
-      PSLOG(INFO) << "stopping once the pushes of step " << step_ << " are answered";
+      PSLOG(INFO) << "stopping once the pushes of step " << reporter_.step() << " are answered";
       auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; };
       if (mu_.AwaitWithTimeout(absl::Condition(&stopped), max_wait)) return;
       // (In a synchronous job a push is answered once every worker pushed
       // the step: one that was between steps when it was told stopped at
       // once.)
-      PSLOG(INFO) << "the pushes of step " << step_ << " were not answered within "
+      PSLOG(INFO) << "the pushes of step " << reporter_.step() << " were not answered within "
                   << absl::FormatDuration(max_wait)
                   << " (another worker may have stopped before pushing it): stopping without "
                      "them";
@@ -127,19 +140,15 @@ void Trainer::ClosePushes() {
 }
 
 TrainerStatus Trainer::Status() const {
-  absl::MutexLock lock(&mu_);
   TrainerStatus status;
   status.worker = options_.worker_index;
   status.job_id = job_id_;
-  status.step = step_;
-  status.finished = finished_;
+  status.step = reporter_.step();
+  status.finished = reporter_.finished();
   return status;
 }
 
-bool Trainer::Stopping() const {
-  absl::MutexLock lock(&mu_);
-  return stop_signal_ != 0 || job_failed_;
-}
+bool Trainer::Stopping() const { return stop_signal() != 0 || reporter_.job_failed(); }
 
 absl::Status Trainer::FromPs(const absl::Status& s) const {
   if (!absl::IsCancelled(s) || Stopping()) return s;
@@ -178,17 +187,14 @@ absl::Status Trainer::Register() {
             std::vector<std::string>(response->ps_address().begin(), response->ps_address().end()));
         if (client == nullptr) return absl::InternalError("no client for the ps");
       }
-      {
+      // Metrics not yet reported belong to a job that is gone: its steps
+      // are done again.
+      reporter_.Registered(response->job_id());
+      job_id_ = response->job_id();
+      if (first) {
         absl::MutexLock lock(&mu_);
-        // Metrics not yet reported belong to a job that is gone: its steps
-        // are done again.
-        if (job_id_ != response->job_id()) pending_.clear();
-        job_id_ = response->job_id();
-        if (first) {
-          ps_ = std::move(client);
-          if (stop_signal_ != 0) ps_->CancelAll();  // Stop came before there was a client to cancel
-        }
-        reregister_ = false;
+        ps_ = std::move(client);
+        if (stop_signal_ != 0) ps_->CancelAll();  // Stop came before there was a client to cancel
       }
       SetRegistered(true);
       return absl::OkStatus();
@@ -351,72 +357,37 @@ absl::Status Trainer::Prepare() {
   // same bytes each: consecutive in the ps's order, or, pushing during the
   // backward pass, in the order the backward pass completes them (so that
   // each lane waits for one stretch of it).
+  LanePlanOptions plan_options;
+  plan_options.lanes_per_ps = options_.lanes_per_ps;
+  plan_options.lane_bytes = options_.lane_bytes;
+  plan_options.min_run_bytes = options_.min_run_bytes;
+  plan_options.backward_pos = backward_pos_;
+  plan_options.backward_order = push_early_;
+  // Variables whose gradients become final together: a host bucket's (a
+  // GPU's), else each alone (a CPU's, marked as its layer's backward ends).
+  plan_options.bucket.assign(backward_pos_.size(), -1);
+  for (size_t b = 0; b < host_buckets_.size(); ++b) {
+    for (int v : host_buckets_[b].variables) plan_options.bucket[v] = static_cast<int>(b);
+  }
+  LanePlan plan = PlanLanes(job_.placement(), plan_options);
   const std::vector<const float*> grads(grads_.begin(), grads_.end());
   std::vector<const uint16_t*> narrowed;
   for (const NarrowedGradient& n : narrowed_) narrowed.push_back(n.host_values());
-  slices_of_.assign(job_.placement().variable_size(), 0);
+  slices_of_ = std::move(plan.slices_of);
   lanes_.clear();
-  // Variables whose gradients become final together: a host bucket's (a
-  // GPU's), else each alone (a CPU's, marked as its layer's backward ends).
-  std::vector<int> ready_group(backward_pos_);
-  for (size_t b = 0; b < host_buckets_.size(); ++b) {
-    for (int v : host_buckets_[b].variables) ready_group[v] = -1 - static_cast<int>(b);
-  }
   for (int p = 0; p < job_.num_ps(); ++p) {
-    const std::vector<SliceRef> slices = SlicesOnPs(job_.placement(), p);
     std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
     std::vector<TensorRef> refs = narrowed_.empty()
                                       ? SliceRefs(job_.placement(), p, grads, "", wire)
                                       : EncodedSliceRefs(job_.placement(), p, narrowed, wire);
-    std::vector<int> order(slices.size());
-    std::iota(order.begin(), order.end(), 0);
-    if (push_early_) {
-      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-        return backward_pos_[slices[a].variable_index] < backward_pos_[slices[b].variable_index];
-      });
-    }
-    int64_t bytes = 0;
-    for (const SliceRef& r : slices) bytes += NumElements(r.slice_shape) * sizeof(float);
-    const int64_t lanes = std::clamp<int64_t>(bytes / std::max<int64_t>(options_.lane_bytes, 1), 1,
-                                              std::max(options_.lanes_per_ps, 1));
-    const size_t first = lanes_.size();
-    auto new_lane = [&] {
-      lanes_.emplace_back();
-      lanes_.back().ps = p;
-    };
-    new_lane();
-    int64_t so_far = 0;
-    int64_t run_bytes = 0;  // in the lane's last run
-    for (const int i : order) {
-      // A new lane once this one holds its share (and slices remain for it).
-      const int64_t filled = static_cast<int64_t>(lanes_.size() - first);
-      if (so_far * lanes >= bytes * filled && !lanes_.back().slices.empty()) new_lane();
-      Lane& lane = lanes_.back();
-      const int v = slices[i].variable_index;
-      // A new run where the slice becomes final apart from the one before,
-      // unless the run so far is a CPU's and smaller than min_run_bytes.
-      const int64_t slice_bytes = NumElements(slices[i].slice_shape) * sizeof(float);
-      const int before = lane.variables.empty() ? -1 : lane.variables.back();
-      if (lane.slices.empty() || (ready_group[v] != ready_group[before] &&
-                                  (ready_group[v] < 0 || ready_group[before] < 0 ||
-                                   run_bytes >= options_.min_run_bytes))) {
-        lane.run_starts.push_back(lane.slices.size());
-        lane.run_pieces.emplace_back(backward_pos_[v], backward_pos_[v]);
-        run_bytes = 0;
+    for (LaneSpec& spec : plan.lanes) {
+      if (spec.ps != p) continue;
+      Lane& lane = lanes_.emplace_back();
+      for (int i : spec.slices) {
+        lane.sinks.push_back(std::move(sinks[i]));
+        lane.refs.push_back(std::move(refs[i]));
       }
-      run_bytes += slice_bytes;
-      auto& [run_first, run_last] = lane.run_pieces.back();
-      run_first = std::min(run_first, backward_pos_[v]);
-      run_last = std::max(run_last, backward_pos_[v]);
-      lane.first_piece =
-          lane.slices.empty() ? backward_pos_[v] : std::min(lane.first_piece, backward_pos_[v]);
-      lane.last_piece = std::max(lane.last_piece, backward_pos_[v]);
-      lane.slices.push_back(i);
-      lane.variables.push_back(v);
-      lane.sinks.push_back(std::move(sinks[i]));
-      lane.refs.push_back(std::move(refs[i]));
-      ++slices_of_[v];
-      so_far += slice_bytes;
+      lane.spec = std::move(spec);
     }
   }
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
@@ -429,7 +400,7 @@ absl::Status Trainer::Prepare() {
   const std::vector<VariableShape>& variable_shapes = net_->variables();
   for (Lane& lane : lanes_) {
     for (size_t i = 0; i < lane.sinks.size(); ++i) {
-      const std::vector<int64_t>& shape = variable_shapes[lane.variables[i]].shape;
+      const std::vector<int64_t>& shape = variable_shapes[lane.spec.variables[i]].shape;
       const int64_t row = shape.empty() ? 1 : NumElements(shape) / std::max<int64_t>(shape[0], 1);
       lane.first_float.push_back(lane.sinks[i].row_begin * row);
     }
@@ -1027,8 +998,8 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   PSFLOW_RETURN_IF_ERROR(ReleaseHold(lane));
   TraceSpan pull_span(options_.trace, "pull", trace_step_);
   pull_span.Arg("lane", l);
-  pull_span.Arg("ps", lane.ps);
-  pull_span.Arg("slices", lane.slices.size());
+  pull_span.Arg("ps", lane.spec.ps);
+  pull_span.Arg("slices", lane.spec.slices.size());
   absl::Time last_ask;
   do {  // ask again while the other workers are still on the step
     if (stop_signal() != 0) return absl::CancelledError("stopping");
@@ -1044,14 +1015,15 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
     last_ask = absl::Now();
     const absl::Time deadline = last_ask + max_wait + options_.transfer_timeout;
     if (async) {
-      r = client->PullByClock(lane.ps, job_id_, options_.worker_index, min_version, lane.slices,
-                              lane.sinks, deadline, max_wait);
+      r = client->PullByClock(lane.spec.ps, job_id_, options_.worker_index, min_version,
+                              lane.spec.slices, lane.sinks, deadline, max_wait);
     } else {
       absl::StatusOr<ps::Client::PullResult> p =
-          give_up != nullptr ? client->PullUnlessGivenUp(lane.ps, job_id_, min_version, lane.slices,
-                                                         lane.sinks, deadline, max_wait, *give_up)
-                             : client->Pull(lane.ps, job_id_, min_version, lane.slices, lane.sinks,
-                                            deadline, max_wait);
+          give_up != nullptr
+              ? client->PullUnlessGivenUp(lane.spec.ps, job_id_, min_version, lane.spec.slices,
+                                          lane.sinks, deadline, max_wait, *give_up)
+              : client->Pull(lane.spec.ps, job_id_, min_version, lane.spec.slices, lane.sinks,
+                             deadline, max_wait);
       if (p.ok()) {
         ps::Client::ClockedPull pulled;
         pulled.ready = p->version >= min_version;
@@ -1082,8 +1054,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
   upload_span.Arg("lane", l);
   if (!upload_after_.empty()) WaitStepQueued();
   if (borrow_pulls_) {
-    // Each slice from where the pull left it: the region (kept until the
-    // copies are done), or its sink.
+    // Each slice from where the pull left it: the region (kept), or its sink.
     lane.hold = std::move(r->hold);
     absl::Status s;
     // The lane's slices go to the backend in one call for each kind of
@@ -1092,7 +1063,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
     std::vector<model::Network::HostRange> floats, halves;
     DataType halves_dtype = DT_BFLOAT16;
     for (size_t i = 0; i < lane.sinks.size(); ++i) {
-      const int v = lane.variables[i];
+      const int v = lane.spec.variables[i];
       const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
       const void* const borrowed = lane.borrowed[i];
       if (borrowed == nullptr) {  // in the variable's staging buffer, floats
@@ -1130,7 +1101,7 @@ absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_ver
     return absl::OkStatus();
   }
   // Each variable goes to the device once its last slice is in.
-  for (int v : lane.variables) {
+  for (int v : lane.spec.variables) {
     if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
     absl::Status s = upload_after_.empty() ? net_->SetWeight(v, weights_[v])
                                            : net_->SetWeightAfter(v, weights_[v], upload_after_[v]);
@@ -1233,7 +1204,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   // The lane's part of the verdict, from run g's check (`finite`): marked at
   // its first run that is not finite, or with its last.
   auto mark = [&](int l, int g, bool finite) -> absl::Status {
-    if (!checked[l] && (!finite || g + 1 == static_cast<int>(lanes_[l].run_starts.size()))) {
+    if (!checked[l] && (!finite || g + 1 == static_cast<int>(lanes_[l].spec.run_starts.size()))) {
       checked[l] = 1;
       verdict->Mark(finite);
     }
@@ -1243,7 +1214,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
   };
   auto wait_run = [&](int l, int g) -> absl::Status {
     const Lane& lane = lanes_[l];
-    const auto [first, last] = lane.run_pieces[g];
+    const auto [first, last] = lane.spec.run_pieces[g];
     TraceSpan wait_span(options_.trace, "run waits for its gradients", trace_step_);
     wait_span.Arg("lane", l);
     wait_span.Arg("run", g);
@@ -1274,9 +1245,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       // A verdict that failed already (another lane, or a step that failed
       // and released every piece without writing it) sends nothing more.
       checked[l] = 1;
-      const bool ready =
-          grads_ready_.WaitReady(lane.first_piece, lane.last_piece, absl::InfiniteFuture(),
-                                 [&] { return Stopping() || verdict->Failed(); });
+      const bool ready = grads_ready_.WaitReady(lane.spec.first_piece, lane.spec.last_piece,
+                                                absl::InfiniteFuture(),
+                                                [&] { return Stopping() || verdict->Failed(); });
       const bool finite = ready && !verdict->Failed() && LaneFinite(l);
       verdict->Mark(finite);
       if (!ready && Stopping()) return absl::CancelledError("stopping");
@@ -1296,23 +1267,23 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
       // A retried push that had arrived after all is answered DUPLICATE (or
       // STALE once applied): either way the ps has this worker's gradients.
       PushHeader lane_header = header;
-      for (int i : lane.slices) lane_header.add_slices(i);
-      if (async) lane_header.set_read_version(out->ps_versions[lane.ps]);
+      for (int i : lane.spec.slices) lane_header.add_slices(i);
+      if (async) lane_header.set_read_version(out->ps_versions[lane.spec.ps]);
       // A push in runs opens with the step: transfer_timeout for the step
       // itself too.
       const absl::Time deadline = absl::Now() + (in_runs ? 2 : 1) * options_.transfer_timeout;
       absl::StatusOr<PushResponse> response;
       TraceSpan push_span(options_.trace, in_runs ? "push in runs" : "push", trace_step_);
       push_span.Arg("lane", l);
-      push_span.Arg("ps", lane.ps);
-      push_span.Arg("slices", lane.slices.size());
+      push_span.Arg("ps", lane.spec.ps);
+      push_span.Arg("slices", lane.spec.slices.size());
       if (in_runs) {
-        ps::Client::PushRuns runs{lane.run_starts, [&](int g) { return wait_run(l, g); },
+        ps::Client::PushRuns runs{lane.spec.run_starts, [&](int g) { return wait_run(l, g); },
                                   [&](int g, bool ok) { return mark(l, g, ok); }, overflow};
-        response = client->PushInRuns(lane.ps, lane_header, lane.refs, runs, deadline);
+        response = client->PushInRuns(lane.spec.ps, lane_header, lane.refs, runs, deadline);
       } else {
-        response = client->Push(lane.ps, lane_header, skip ? std::vector<TensorRef>() : lane.refs,
-                                deadline);
+        response = client->Push(lane.spec.ps, lane_header,
+                                skip ? std::vector<TensorRef>() : lane.refs, deadline);
       }
       push_span.End();
       const absl::Status pushed_status = FromPs(response.status());
@@ -1321,9 +1292,9 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
         // lane's part of the verdict is still owed, or the step would wait
         // for it.
         checked[l] = 1;
-        const bool ready =
-            grads_ready_.WaitReady(lane.first_piece, lane.last_piece, absl::InfiniteFuture(),
-                                   [&] { return Stopping() || verdict->Failed(); });
+        const bool ready = grads_ready_.WaitReady(lane.spec.first_piece, lane.spec.last_piece,
+                                                  absl::InfiniteFuture(),
+                                                  [&] { return Stopping() || verdict->Failed(); });
         verdict->Mark(ready && !verdict->Failed() && LaneFinite(l));
       }
       if (!pushed_status.ok() && beside) {
@@ -1382,7 +1353,7 @@ absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip
     out->clock = std::numeric_limits<int64_t>::max();
     out->lag = 0;
     for (int l = 0; l < n; ++l) {
-      int64_t& v = out->ps_versions[lanes_[l].ps];
+      int64_t& v = out->ps_versions[lanes_[l].spec.ps];
       v = std::min(v, pulls[l].version);
       out->clock = std::min(out->clock, pulls[l].clock);
       out->lag = std::max(out->lag, pulls[l].lag);
@@ -1409,65 +1380,6 @@ absl::Status Trainer::Exchange(int64_t step, bool skip,
   return RunLanes(step, step + 1, skip, on_pushed, out);
 }
 
-void Trainer::ReportLoop() {
-  absl::Time last_ok = absl::Now();
-  while (true) {
-    ReportRequest request;
-    request.set_worker(options_.worker_index);
-    {
-      absl::MutexLock lock(&mu_);
-      if (released_ || job_failed_ || stop_signal_ != 0 || !report_error_.ok() || training_failed_)
-        return;
-      // Wake early once the last step is done, so the exit order arrives promptly.
-      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return finished_ || nonfinite_ || stop_signal_ != 0;
-      };
-      mu_.AwaitWithTimeout(absl::Condition(&wake), options_.report_every);
-      // The job the metrics belong to: a registration changes both under mu_.
-      request.set_job_id(job_id_);
-      for (StepMetrics& m : pending_) *request.add_metrics() = std::move(m);
-      pending_.clear();
-      nonfinite_ = false;  // woken once for it; it travels with this report
-      request.set_finished(finished_);
-    }
-    absl::StatusOr<ReportResponse> response =
-        chief_->Report(request, absl::Now() + options_.report_timeout);
-    absl::MutexLock lock(&mu_);
-    if (response.ok()) {
-      last_ok = absl::Now();
-      if (response->action() == ReportResponse::EXIT) released_ = true;
-      if (response->action() == ReportResponse::REGISTER) reregister_ = true;
-      if (response->action() == ReportResponse::FAIL) {
-        job_failed_ = true;
-        if (ps_ != nullptr) ps_->CancelAll();  // a pull waiting for the failed step ends now
-      }
-      continue;
-    }
-    // Metrics of a failed report are dropped (the log is best effort), but
-    // not a non-finite step: the chief must hear of that one.
-    for (const StepMetrics& m : request.metrics()) {
-      if (m.nonfinite()) pending_.push_back(m);
-    }
-    if (stop_signal_ != 0) return;
-    const absl::Status& s = response.status();
-    if (absl::IsInvalidArgument(s)) {
-      // The chief refused these metrics (values it finds impossible); the
-      // heartbeat goes on with the next report.
-      PSLOG(WARNING) << "the chief refused a report: " << s.message() << " ("
-                     << absl::StatusCodeToString(s.code()) << ")";
-      continue;
-    }
-    if (!IsRetryable(s)) {
-      report_error_ =
-          absl::InternalError(absl::StrCat("cannot report to the chief: ", s.message(), " (",
-                                           absl::StatusCodeToString(s.code()), ")"));
-    } else if (absl::Now() - last_ok > options_.startup_timeout) {
-      report_error_ =
-          absl::Status(s.code(), absl::StrCat("cannot report to the chief: ", s.message()));
-    }
-  }
-}
-
 absl::Status Trainer::NonFinite(int64_t step) {
   // No gradient that is not finite was pushed; the chief decides what
   // happens next.
@@ -1475,14 +1387,8 @@ absl::Status Trainer::NonFinite(int64_t step) {
   m.set_step(step);
   m.set_examples(WorkerBatch(job_));
   m.set_nonfinite(true);
-  absl::MutexLock lock(&mu_);
-  pending_.push_back(std::move(m));
-  nonfinite_ = true;
   // The job's policy is to fail: wait (a little) for the chief to confirm.
-  auto told = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return job_failed_ || stop_signal_ != 0 || !report_error_.ok();
-  };
-  mu_.AwaitWithTimeout(absl::Condition(&told), options_.nonfinite_wait);
+  reporter_.NonFinite(std::move(m));
   return absl::FailedPreconditionError(
       absl::StrCat("step ", step, ": the loss or the gradients are not finite"));
 }
@@ -1530,10 +1436,7 @@ absl::Status Trainer::Train(int64_t start) {
   WorkerBatches batches(data_, job_, options_.worker_index);
   const int batch = job_.batch_size();  // per replica
   const int64_t worker_batch = batches.size();
-  auto job_failed = [this] {
-    absl::MutexLock lock(&mu_);
-    return job_failed_;
-  };
+  auto job_failed = [this] { return reporter_.job_failed(); };
   const absl::Status failed = absl::FailedPreconditionError("the chief failed the job");
 
   int64_t step = start;
@@ -1551,11 +1454,8 @@ absl::Status Trainer::Train(int64_t start) {
   bool have_weights = false;
   int64_t pull_us = 0, wait_us = 0;
   while (true) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (job_failed_) return failed;
-      if (reregister_) return RegisterAgain("the chief asked for a new registration");
-    }
+    if (reporter_.job_failed()) return failed;
+    if (reporter_.reregister()) return RegisterAgain("the chief asked for a new registration");
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     const absl::Time t0 = absl::Now();
     if (!have_weights) {
@@ -1605,8 +1505,7 @@ absl::Status Trainer::Train(int64_t start) {
         async_metrics = std::move(m);  // reported with its staleness, once pulled
         return;
       }
-      absl::MutexLock lock(&mu_);
-      pending_.push_back(std::move(m));
+      reporter_.Add(std::move(m));
     };
     // Pushing during the backward pass: the lanes start now, on another
     // thread, each pushing its gradients once the backward pass has
@@ -1742,16 +1641,15 @@ absl::Status Trainer::Train(int64_t start) {
     pull_us = after_push - wait_us;
     ++step;
     register_backoff_.Reset();
-    absl::MutexLock lock(&mu_);
     if (async) {
       // The pull waited for this gradient's apply (unless the job ended
       // first): its staleness is known.
       async_metrics.set_staleness(got.lag);
-      pending_.push_back(std::move(async_metrics));
+      reporter_.Add(std::move(async_metrics));
       clock = std::max(clock + 1, got.clock);
       step = got.version;
     }
-    step_ = step;
+    reporter_.SetStep(step);
   }
   return absl::OkStatus();
 }
@@ -1787,11 +1685,8 @@ absl::Status Trainer::TrainOnDevice() {
                         absl::StrCat("all-reduce of step ", step, ": ", s.message()));
   };
   while (step < job_.train_steps()) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (job_failed_) return absl::FailedPreconditionError("the chief failed the job");
-      if (reregister_) return RegisterAgain("the chief asked for a new registration");
-    }
+    if (reporter_.job_failed()) return absl::FailedPreconditionError("the chief failed the job");
+    if (reporter_.reregister()) return RegisterAgain("the chief asked for a new registration");
     if (const int sig = stop_signal(); sig != 0) return stopped(sig);
     // The shard gets the replica of this step if a snapshot waits for it,
     // and worker 0's at every multiple of kReplicaPublishSteps.
@@ -1887,9 +1782,8 @@ absl::Status Trainer::TrainOnDevice() {
     m.set_push_us(Micros(absl::Now() - t2));  // the all-reduce and the apply
     ++step;
     register_backoff_.Reset();
-    absl::MutexLock lock(&mu_);
-    pending_.push_back(std::move(m));
-    step_ = step;
+    reporter_.Add(std::move(m));
+    reporter_.SetStep(step);
   }
   // The final replica: the chief's final weights and every digest read it.
   absl::Status s = PublishReplica(step, /*wait=*/true);
@@ -1918,33 +1812,29 @@ absl::Status Trainer::TrainAndWait() {
     }
     // Before the chief hears that this worker finished (and ends the job).
     if (s.ok() && AllReduce()) LogReplicaDigest();
-    {
-      absl::MutexLock lock(&mu_);
-      if (!s.ok()) {
-        training_failed_ = true;  // ends the report loop
-        return s;
-      }
-      finished_ = true;
-      PSLOG(INFO) << "reached the last step; waiting for the chief's exit order";
-      auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return released_ || job_failed_ || stop_signal_ != 0 || !report_error_.ok() || reregister_;
-      };
-      mu_.Await(absl::Condition(&over));
-      if (released_ || job_failed_) return absl::OkStatus();  // Run tells the two apart
-      if (stop_signal_ != 0) return StoppedBySignal(stop_signal_);
-      if (!report_error_.ok()) return report_error_;
-      finished_ = false;  // the chief went back to a checkpoint: train on
-      if (AllReduce()) {
-        training_failed_ = true;
-        return absl::UnavailableError(
-            "the chief went back to a checkpoint; the all-reduce group forms again from the start");
-      }
+    if (!s.ok()) {
+      reporter_.EndLoop();
+      return s;
+    }
+    switch (reporter_.FinishAndWait()) {
+      case Reporter::Order::kExit:
+        return absl::OkStatus();  // Run tells EXIT and FAIL apart
+      case Reporter::Order::kStopped:
+        return StoppedBySignal(stop_signal());
+      case Reporter::Order::kReportFailed:
+        return reporter_.report_error();
+      case Reporter::Order::kRegisterAgain:
+        break;  // the chief went back to a checkpoint: train on
+    }
+    if (AllReduce()) {
+      reporter_.EndLoop();
+      return absl::UnavailableError(
+          "the chief went back to a checkpoint; the all-reduce group forms again from the start");
     }
     SetRegistered(false);
     absl::Status s2 = Register();
     if (!s2.ok()) {
-      absl::MutexLock lock(&mu_);
-      training_failed_ = true;
+      reporter_.EndLoop();
       return s2;
     }
   }
@@ -1959,18 +1849,19 @@ absl::Status Trainer::Run() {
     if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
     return s;
   }
-  std::thread reporter([this] { ReportLoop(); });
+  std::thread reporter([this] { reporter_.Loop(); });
   s = TrainAndWait();
   reporter.join();
   SetRegistered(false);
   // Without ps, this worker's failure leaves its group: the others stop
   // waiting for it (on the ring or their GPUs) at once.
   if (!s.ok() && AllReduce() && options_.ring != nullptr) options_.ring->Leave(s);
-  absl::MutexLock lock(&mu_);
   // The chief's verdict wins over how training ended (a pull it cancelled).
-  if (job_failed_) return absl::FailedPreconditionError("the chief failed the job; exiting");
+  if (reporter_.job_failed()) {
+    return absl::FailedPreconditionError("the chief failed the job; exiting");
+  }
   // So does a stop signal over what the stop made fail.
-  if (!s.ok() && stop_signal_ != 0) return StoppedBySignal(stop_signal_);
+  if (const int sig = stop_signal(); !s.ok() && sig != 0) return StoppedBySignal(sig);
   if (s.ok()) PSLOG(INFO) << "released by the chief; exiting";
   return s;
 }

@@ -49,7 +49,6 @@
 #include "allreduce/ring.h"
 #include "chief/client.h"
 #include "common/fan_out.h"
-#include "transport/shared_region.h"
 #include "common/step_trace.h"
 #include "common/tensor_view.h"
 #include "common/thread_pool.h"
@@ -60,6 +59,9 @@
 #include "proto/job.pb.h"
 #include "ps/client.h"
 #include "ps/shard.h"
+#include "transport/shared_region.h"
+#include "worker/lane_plan.h"
+#include "worker/reporter.h"
 #include "worker/step_verdict.h"
 
 namespace psflow::worker {
@@ -319,7 +321,6 @@ class Trainer {
                                                         int batch);
   // Whether the job applies each worker's gradient alone (JobConfig.mode).
   bool Async() const;
-  void ReportLoop();
   absl::Status TrainAndWait();
   // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.
   bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -328,6 +329,8 @@ class Trainer {
   // going away, worth a retry.
   absl::Status FromPs(const absl::Status& s) const ABSL_LOCKS_EXCLUDED(mu_);
   int stop_signal() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancels the ps calls in flight (the chief failed the job).
+  void CancelPs() ABSL_LOCKS_EXCLUDED(mu_);
   // The ps client (null before the first registration); set once.
   ps::Client* ps() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -338,9 +341,10 @@ class Trainer {
   chief::Client* const chief_;
   const PsClientFactory make_ps_;
 
-  // Set at each registration by the training thread, under mu_ (with
-  // pending_, so that reported metrics carry their job); read anywhere.
+  // Set at each registration by the training thread; read anywhere.
   std::atomic<uint64_t> job_id_{0};
+  // The report loop, and what the chief answers it.
+  Reporter reporter_;
 
   // The training thread's own state.
   JobConfig job_;
@@ -440,21 +444,9 @@ class Trainer {
   std::unique_ptr<ThreadPool> ring_caller_;
   // Consecutive slices of one ps that travel together.
   struct Lane {
-    int ps = 0;
-    std::vector<int> slices;        // indices into the ps's slices
-    std::vector<int> variables;     // the variable of each slice
+    LaneSpec spec;                  // its ps, slices and runs
     std::vector<TensorSink> sinks;  // where the slices' weights land
     std::vector<TensorRef> refs;    // the slices' gradients
-    // The first and last backward positions (backward_pos_) of its slices'
-    // variables: pushed during the backward pass, the lane waits for these.
-    int first_piece = 0, last_piece = -1;
-    // Its runs of slices whose gradients become final together (a host
-    // bucket's; on a CPU one variable's, or consecutive variables' up to
-    // TrainerOptions::min_run_bytes): where each starts in `slices`, and the
-    // first and last backward positions of its variables. Pushed during
-    // the backward pass, each run leaves once it is final.
-    std::vector<size_t> run_starts;
-    std::vector<std::pair<int, int>> run_pieces;
     // Each slice's first float within its variable (its rows' start).
     std::vector<int64_t> first_float;
     // Pulls that leave weights in the pull's shared region (borrow_pulls_):
@@ -488,15 +480,6 @@ class Trainer {
   // once they are (StopAfterPushes).
   bool pushes_open_ ABSL_GUARDED_BY(mu_) = false;
   int stop_after_pushes_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<StepMetrics> pending_ ABSL_GUARDED_BY(mu_);  // not yet reported
-  int64_t step_ ABSL_GUARDED_BY(mu_) = 0;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;         // saw the final version
-  bool released_ ABSL_GUARDED_BY(mu_) = false;         // the chief said exit
-  absl::Status report_error_ ABSL_GUARDED_BY(mu_);     // reporting failed for good
-  bool training_failed_ ABSL_GUARDED_BY(mu_) = false;  // ends the report loop
-  bool reregister_ ABSL_GUARDED_BY(mu_) = false;       // the chief asked for a new registration
-  bool nonfinite_ ABSL_GUARDED_BY(mu_) = false;        // a step was not finite: report it at once
-  bool job_failed_ ABSL_GUARDED_BY(mu_) = false;       // the chief said the job failed
 };
 
 }  // namespace psflow::worker
