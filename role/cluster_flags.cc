@@ -5,11 +5,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "role/command_line.h"
 #include "common/exit_codes.h"
 #include "common/log.h"
-#include "transport/security.h"
+#include "role/command_line.h"
+#include "role/flag_checks.h"
 #include "role/signals.h"
+#include "transport/security.h"
 
 ABSL_FLAG(std::string, job_name, "",
           "This process's role: chief (or master), ps, worker or evaluator. Overrides TF_CONFIG "
@@ -127,11 +128,7 @@ SecurityOptions LoadSecurityOrExit(Role role) {
   files.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   absl::StatusOr<SecurityOptions> security = LoadSecurityOptions(files);
   absl::Status s = security.ok() ? CheckOwnCertificate(*security, role) : security.status();
-  if (!s.ok()) {
-    std::fprintf(stderr, "psflow-%s: %s\n", RoleName(role).c_str(),
-                 std::string(s.message()).c_str());
-    std::exit(1);
-  }
+  if (!s.ok()) std::exit(FlagError(role, s.message()));
   if (security->tls() || !security->token.empty()) {
     PSLOG(INFO) << DescribeSecurity(*security, role);
   } else {
@@ -161,11 +158,7 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
 ClusterConfig ResolveClusterOrExit(Role role) {
   absl::StatusOr<ClusterConfig> config =
       ResolveClusterConfig(GetClusterFlags(), ConfigEnv::FromProcess(), role);
-  if (!config.ok()) {
-    std::fprintf(stderr, "psflow-%s: %s\n", RoleName(role).c_str(),
-                 std::string(config.status().message()).c_str());
-    std::exit(1);
-  }
+  if (!config.ok()) std::exit(FlagError(role, config.status().message()));
   return *std::move(config);
 }
 
