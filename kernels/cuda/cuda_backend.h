@@ -74,7 +74,7 @@
 namespace psflow::kernels {
 
 namespace cuda_internal {
-struct CudaContext;  // device, stream, handles and their mutex; defined in cuda_backend.cc
+struct CudaContext;  // device, streams, handles and their mutex (cuda_ops_internal.h)
 }  // namespace cuda_internal
 
 // A CUDA event of one backend (its device): `raw()` is the cudaEvent_t.

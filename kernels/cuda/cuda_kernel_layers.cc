@@ -1,0 +1,200 @@
+// The ops on psflow's own kernels (cuda_kernels.cu): BatchNorm,
+// GlobalAvgPool and SoftmaxCrossEntropy, each owning its scratch memory. See
+// cuda_backend.h for the contract.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/shapes.h"
+
+namespace psflow::kernels::cuda_internal {
+namespace {
+
+// ---------------------------------------------------------------- BatchNorm
+
+// Own kernels (cuda_kernels.h): per-channel partial sums over slices of the
+// batch, then one elementwise pass. cuDNN's legacy NCHW batch norm took
+// several times longer on the H100 for the large activations of a resnet.
+// Inference (given statistics) is the same elementwise pass after one small
+// kernel for the per-channel scale and shift: no reduction at all.
+class CudaBatchNorm final : public BatchNorm {
+ public:
+  CudaBatchNorm(std::shared_ptr<CudaContext> ctx, absl::string_view what, const BatchNormShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(what) {}
+
+  absl::Status Init() {
+    const int64_t c = shape_.channels;
+    partial_floats_ = cuda_internal::ChannelPartialFloats(shape_.batch, c);
+    // saved: [mean | inv_std]; scratch: partial sums, then 3 floats of
+    // coefficients per channel.
+    PSFLOW_RETURN_IF_ERROR(AllocateDevice(ctx_, 2 * c * sizeof(float), true, saved_));
+    return AllocateDevice(ctx_, (partial_floats_ + 3 * c) * sizeof(float), false, scratch_);
+  }
+
+  absl::Status Forward(const float* x, const float* gamma, const float* beta, float* y,
+                       float* batch_mean, float* batch_var) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"gamma", gamma}, {"beta", beta}, {"y", y}}));
+      has_forward_ = false;
+      float* scratch = Floats(scratch_);
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormForward(
+          x, gamma, beta, y, Floats(saved_), scratch + partial_floats_, scratch, batch_mean,
+          batch_var, shape_.batch, shape_.channels, int64_t{shape_.height} * shape_.width,
+          shape_.epsilon, ctx_->stream));
+      has_forward_ = true;
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Infer(const float* x, const float* gamma, const float* beta, const float* mean,
+                     const float* var, float* y) override {
+    return RunIn(*ctx_, what_, "inference", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull(
+          {{"x", x}, {"gamma", gamma}, {"beta", beta}, {"mean", mean}, {"var", var}, {"y", y}}));
+      // The coefficients go where Backward computes its own: saved_ stays
+      // the latest Forward's.
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormInference(
+          x, gamma, beta, mean, var, y, Floats(scratch_) + partial_floats_, shape_.batch,
+          shape_.channels, int64_t{shape_.height} * shape_.width, shape_.epsilon, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* x, const float* gamma, const float* dy, float* dx,
+                        float* dgamma, float* dbeta) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      if (shape_.forward_only) return absl::FailedPreconditionError("the op is forward-only");
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x},
+                                           {"gamma", gamma},
+                                           {"dy", dy},
+                                           {"dx", dx},
+                                           {"dgamma", dgamma},
+                                           {"dbeta", dbeta}}));
+      if (!has_forward_) return absl::FailedPreconditionError("no successful Forward before it");
+      float* scratch = Floats(scratch_);
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchBatchNormBackward(
+          x, gamma, dy, dx, dgamma, dbeta, Floats(saved_), scratch + partial_floats_, scratch,
+          shape_.batch, shape_.channels, int64_t{shape_.height} * shape_.width, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const BatchNormShape shape_;
+  const std::string what_;
+  int64_t partial_floats_ = 0;
+  DevicePtr saved_, scratch_;
+  bool has_forward_ = false;
+};
+
+// ---------------------------------------------------------------- GlobalAvgPool
+
+class CudaGlobalAvgPool final : public GlobalAvgPool {
+ public:
+  CudaGlobalAvgPool(std::shared_ptr<CudaContext> ctx, absl::string_view what,
+                    const GlobalAvgPoolShape& s)
+      : ctx_(std::move(ctx)),
+        rows_(int64_t{s.batch} * s.channels),
+        hw_(int64_t{s.height} * s.width),
+        what_(what) {}
+
+  absl::Status Init() { return absl::OkStatus(); }  // nothing to prepare
+
+  absl::Status Forward(const float* x, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}}));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchGlobalAvgPoolForward(x, y, rows_, hw_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* dy, float* dx) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"dy", dy}, {"dx", dx}}));
+      PSFLOW_CUDA_CHECK(
+          cuda_internal::LaunchGlobalAvgPoolBackward(dy, dx, rows_, hw_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const int64_t rows_, hw_;
+  const std::string what_;
+};
+
+// ---------------------------------------------------------------- SoftmaxCrossEntropy
+
+class CudaSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
+ public:
+  CudaSoftmaxCrossEntropy(std::shared_ptr<CudaContext> ctx, absl::string_view what, int batch,
+                          int classes)
+      : ctx_(std::move(ctx)), batch_(batch), classes_(classes), what_(what) {}
+
+  absl::Status Init() {
+    // Per-example loss and correct flag, reduced by a second kernel.
+    return AllocateDevice(ctx_, 2 * static_cast<size_t>(batch_) * sizeof(float), false, scratch_);
+  }
+
+  absl::Status Forward(const float* logits, const int32_t* labels, float* probs,
+                       float* stats) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull(
+          {{"logits", logits}, {"labels", labels}, {"probs", probs}, {"stats", stats}}));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchSoftmaxCrossEntropyForward(
+          logits, labels, probs, Floats(scratch_), stats, batch_, classes_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(
+          CheckNonNull({{"probs", probs}, {"labels", labels}, {"dlogits", dlogits}}));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchSoftmaxCrossEntropyBackward(
+          probs, labels, dlogits, batch_, classes_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const int batch_, classes_;
+  const std::string what_;
+  DevicePtr scratch_;
+};
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const std::shared_ptr<CudaContext>& ctx,
+                                                           const BatchNormShape& shape) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(
+      what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
+  return Build<BatchNorm, CudaBatchNorm>(ctx, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
+    const std::shared_ptr<CudaContext>& ctx, const GlobalAvgPoolShape& shape) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(
+      what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
+  return Build<GlobalAvgPool, CudaGlobalAvgPool>(ctx, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
+    const std::shared_ptr<CudaContext>& ctx, int batch, int classes) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckSoftmaxCrossEntropy(batch, classes));
+  PSFLOW_RETURN_IF_ERROR(CheckElementCount(what, {{"logits", int64_t{batch} * classes}}));
+  return Build<SoftmaxCrossEntropy, CudaSoftmaxCrossEntropy>(ctx, what, batch, classes);
+}
+
+}  // namespace psflow::kernels::cuda_internal
