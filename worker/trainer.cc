@@ -24,6 +24,8 @@
 #include "data/source.h"
 #include "ps/local_client.h"
 #include "ps/optimizer.h"
+#include "worker/ps_exchange.h"
+#include "worker/ring_exchange.h"
 
 namespace psflow::worker {
 namespace {
@@ -78,8 +80,8 @@ Trainer::Trainer(TrainerOptions options, chief::Client* chief, PsClientFactory m
                 chief, [this] { CancelPs(); }) {}
 
 Trainer::~Trainer() {
-  // No upload may still read a region as the regions go.
-  for (Lane& lane : lanes_) static_cast<void>(ReleaseHold(lane));
+  // The lanes' uploads end before the buffers they read go.
+  exchange_.reset();
 }
 
 void Trainer::Stop(int signal) {
@@ -151,9 +153,8 @@ TrainerStatus Trainer::Status() const {
 bool Trainer::Stopping() const { return stop_signal() != 0 || reporter_.job_failed(); }
 
 absl::Status Trainer::FromPs(const absl::Status& s) const {
-  if (!absl::IsCancelled(s) || Stopping()) return s;
-  // Not cancelled here: the ps cancelled the call (it is going away).
-  return absl::UnavailableError(absl::StrCat(s.message(), " (by the ps)"));
+  if (!absl::IsCancelled(s)) return s;
+  return worker::FromPs(s, Stopping());
 }
 
 int Trainer::stop_signal() const {
@@ -224,9 +225,7 @@ absl::Status Trainer::Prepare() {
     return absl::FailedPreconditionError(
         absl::StrCat("the chief sent unknown wire dtype ", job_.wire_dtype()));
   }
-  // Pulls and pushes to a replica (all-reduce) stay in this process: fp32.
-  exchange_dtype_ = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
-  const DataType wire = exchange_dtype_;
+  const DataType wire = WireDtypeOf(job_);
   if (AllReduce()) {
     if (options_.ring == nullptr || options_.ring->size() != job_.num_workers() ||
         options_.replica == nullptr) {
@@ -330,132 +329,92 @@ absl::Status Trainer::Prepare() {
     }
   }
   if (!in_place_ && narrowed_.empty()) PSFLOW_RETURN_IF_ERROR(stage(&grads_, true));
-  // Pushes during the backward pass: where they apply, and the order in
-  // which the backward pass completes the variables.
-  push_early_ = options_.push_during_backward && !AllReduce() && group_ == nullptr &&
-                job_.on_nonfinite() == JobConfig::FAIL && (in_place_ || !host_buckets_.empty());
-  backward_pos_.assign(net_->variables().size(), 0);
-  {
-    const std::vector<int> order = net_->BackwardOrder();
-    for (size_t k = 0; k < order.size(); ++k) backward_pos_[order[k]] = static_cast<int>(k);
-  }
   net_->SetGradientsReady(nullptr);
-  if (push_early_) {
-    if (in_place_) {
-      net_->SetGradientsReady([this](absl::Span<const int> done) {
-        for (int v : done) grads_ready_.MarkReady(backward_pos_[v]);
-      });
-    }
-    for (GradientBucket& b : host_buckets_) {
-      absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
-      if (!event.ok()) return Permanent(event.status());
-      b.copied = *std::move(event);
-    }
-    if (exchange_caller_ == nullptr) exchange_caller_ = std::make_unique<ThreadPool>(1);
-  }
-  // Each ps's slices, cut into lanes of consecutive slices with about the
-  // same bytes each: consecutive in the ps's order, or, pushing during the
-  // backward pass, in the order the backward pass completes them (so that
-  // each lane waits for one stretch of it).
-  LanePlanOptions plan_options;
-  plan_options.lanes_per_ps = options_.lanes_per_ps;
-  plan_options.lane_bytes = options_.lane_bytes;
-  plan_options.min_run_bytes = options_.min_run_bytes;
-  plan_options.backward_pos = backward_pos_;
-  plan_options.backward_order = push_early_;
-  // Variables whose gradients become final together: a host bucket's (a
-  // GPU's), else each alone (a CPU's, marked as its layer's backward ends).
-  plan_options.bucket.assign(backward_pos_.size(), -1);
-  for (size_t b = 0; b < host_buckets_.size(); ++b) {
-    for (int v : host_buckets_[b].variables) plan_options.bucket[v] = static_cast<int>(b);
-  }
-  LanePlan plan = PlanLanes(job_.placement(), plan_options);
-  const std::vector<const float*> grads(grads_.begin(), grads_.end());
-  std::vector<const uint16_t*> narrowed;
-  for (const NarrowedGradient& n : narrowed_) narrowed.push_back(n.host_values());
-  slices_of_ = std::move(plan.slices_of);
-  lanes_.clear();
-  for (int p = 0; p < job_.num_ps(); ++p) {
-    std::vector<TensorSink> sinks = SliceSinks(job_.placement(), p, weights_, "", wire);
-    std::vector<TensorRef> refs = narrowed_.empty()
-                                      ? SliceRefs(job_.placement(), p, grads, "", wire)
-                                      : EncodedSliceRefs(job_.placement(), p, narrowed, wire);
-    for (LaneSpec& spec : plan.lanes) {
-      if (spec.ps != p) continue;
-      Lane& lane = lanes_.emplace_back();
-      for (int i : spec.slices) {
-        lane.sinks.push_back(std::move(sinks[i]));
-        lane.refs.push_back(std::move(refs[i]));
-      }
-      lane.spec = std::move(spec);
-    }
-  }
-  to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
-  // The pulls' regions are pinned for the GPU, and its uploads read them.
-  const kernels::Backend::HostPinning pinning =
-      in_place_ ? kernels::Backend::HostPinning{} : backend_->host_pinning();
-  borrow_pulls_ =
-      options_.upload_from_shared_memory && pinning.pin != nullptr && !upload_after_.empty();
-  if (borrow_pulls_) ps()->SetRegionPinning(pinning.pin, pinning.unpin);
-  const std::vector<VariableShape>& variable_shapes = net_->variables();
-  for (Lane& lane : lanes_) {
-    for (size_t i = 0; i < lane.sinks.size(); ++i) {
-      const std::vector<int64_t>& shape = variable_shapes[lane.spec.variables[i]].shape;
-      const int64_t row = shape.empty() ? 1 : NumElements(shape) / std::max<int64_t>(shape[0], 1);
-      lane.first_float.push_back(lane.sinks[i].row_begin * row);
-    }
-    if (!borrow_pulls_) continue;
-    lane.borrowed.assign(lane.sinks.size(), nullptr);
-    for (size_t i = 0; i < lane.sinks.size(); ++i) lane.sinks[i].borrow = &lane.borrowed[i];
+  PSFLOW_RETURN_IF_ERROR(MakeExchange());
+  return absl::OkStatus();
+}
+
+ExchangeHooks Trainer::Hooks() {
+  ExchangeHooks hooks;
+  hooks.stop_signal = [this] { return stop_signal(); };
+  hooks.stopping = [this] { return Stopping(); };
+  hooks.stop_pending = [this] { return StopPending(); };
+  hooks.open_pushes = [this] { OpenPushes(); };
+  hooks.close_pushes = [this] { ClosePushes(); };
+  return hooks;
+}
+
+absl::Status Trainer::MakeExchange() {
+  PsExchangeOptions o;
+  o.worker_index = options_.worker_index;
+  // A replica of an all-reduce job hears its own worker alone, as worker 0.
+  o.push_worker = AllReduce() ? 0 : options_.worker_index;
+  o.pull_wait = options_.pull_wait;
+  o.transfer_timeout = options_.transfer_timeout;
+  o.startup_timeout = options_.startup_timeout;
+  o.upload_from_shared_memory = options_.upload_from_shared_memory;
+  o.plan.lanes_per_ps = options_.lanes_per_ps;
+  o.plan.lane_bytes = options_.lane_bytes;
+  o.plan.min_run_bytes = options_.min_run_bytes;
+  o.async = Async();
+  o.skip_nonfinite = job_.on_nonfinite() == JobConfig::SKIP_STEP;
+  o.push_during_backward = options_.push_during_backward && !AllReduce() && group_ == nullptr &&
+                           job_.on_nonfinite() == JobConfig::FAIL;
+  // Pulls and pushes to a replica (all-reduce) stay in this process: fp32.
+  o.dtype = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
+  o.trace = options_.trace;
+  o.trace_step = &trace_step_;
+  o.job_id = &job_id_;
+  PsExchangeBuffers b;
+  b.net = net_.get();
+  b.backend = backend_.get();
+  b.in_place = in_place_;
+  b.weights = weights_;
+  b.grads.assign(grads_.begin(), grads_.end());
+  for (const NarrowedGradient& n : narrowed_) b.narrowed.push_back(n.host_values());
+  b.upload_after = upload_after_;
+  for (const GradientBucket& bucket : host_buckets_) b.buckets.push_back(bucket.variables);
+  absl::StatusOr<std::unique_ptr<PsExchange>> lanes =
+      PsExchange::Create(o, Hooks(), ps(), job_.placement(), std::move(b));
+  if (!lanes.ok()) return lanes.status();
+  // Pushing during the backward pass, each bucket's copies to the host
+  // record an event that the step waits for before it marks the bucket.
+  copy_events_ = (*lanes)->pushes_during_step();
+  for (GradientBucket& bucket : host_buckets_) {
+    if (!copy_events_) break;
     absl::StatusOr<std::unique_ptr<kernels::Event>> event = backend_->CreateEvent();
     if (!event.ok()) return Permanent(event.status());
-    lane.uploaded = *std::move(event);
+    bucket.copied = *std::move(event);
   }
-  // A lane's pull may wait for its own push, and pushing during the backward
-  // pass for the step's verdict, which every lane's check is part of: every
-  // lane needs a thread.
-  pool_ = std::make_unique<ThreadPool>(std::max<int>(lanes_.size() - 1, 1));
-  // Where weights are staged on the host and gradients pushed during the
-  // backward pass, each lane's pull runs beside its push.
-  pullers_.reset();
-  if (push_early_ && !in_place_) {
-    pullers_ = std::make_unique<ThreadPool>(static_cast<int>(lanes_.size()));
+  const int count = (*lanes)->lanes();
+  auto joined = [&] {
+    PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
+                << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
+                                                       absl::StrJoin(devices_, ", "))
+                                        : absl::StrCat("device ", backend_->Description()))
+                << ", " << job_.num_ps() << " ps, " << count << (count == 1 ? " lane" : " lanes")
+                << (copy_events_ ? ", pushing during the backward pass" : "");
+    return absl::OkStatus();
+  };
+  if (!AllReduce()) {
+    exchange_ = *std::move(lanes);
+    return joined();
   }
-  if (AllReduce()) {
-    PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
-    // GPU workers that average on their devices (or one alone) keep the
-    // replica there too; CPU workers, and a group that mixes CPUs and GPUs,
-    // apply to the shard.
-    device_.reset();
-    if (!in_place_ && (gpu_peers_ != nullptr || options_.ring->size() == 1)) {
-      PSFLOW_RETURN_IF_ERROR(PrepareDeviceReplica());
-    }
-    // What each step's ring all-reduce averages: the loss (so that every
-    // worker agrees whether the step was finite), then the gradients, the
-    // same spans every step. On a CPU the ring starts during the backward
-    // pass: each variable's piece is ready once its layer's backward is done
-    // (the last variables first), the loss once the step returns.
-    ring_pieces_ = {absl::MakeSpan(&ring_loss_, 1)};
-    const std::vector<VariableShape>& variables = net_->variables();
-    for (size_t v = 0; v < variables.size(); ++v) {
-      ring_pieces_.push_back(absl::MakeSpan(grads_[v], NumElements(variables[v].shape)));
-    }
-    overlap_ring_ = in_place_ && group_ == nullptr && options_.ring->size() > 1;
-    if (overlap_ring_) {
-      net_->SetGradientsReady([this](absl::Span<const int> done) {
-        for (int v : done) ring_ready_.MarkReady(v + 1);
-      });
-      if (ring_caller_ == nullptr) ring_caller_ = std::make_unique<ThreadPool>(1);
-    }
+  PSFLOW_RETURN_IF_ERROR(FormGpuGroup());
+  // GPU workers that average on their devices (or one alone) keep the
+  // replica there too; CPU workers, and a group that mixes CPUs and GPUs,
+  // apply to the shard.
+  device_.reset();
+  if (!in_place_ && (gpu_peers_ != nullptr || options_.ring->size() == 1)) {
+    PSFLOW_RETURN_IF_ERROR(PrepareDeviceReplica());
   }
-  PSLOG(INFO) << "joined job: " << data_.count << " training examples, "
-              << (devices_.size() > 1 ? absl::StrCat(devices_.size(), " replicas on ",
-                                                     absl::StrJoin(devices_, ", "))
-                                      : absl::StrCat("device ", backend_->Description()))
-              << ", " << job_.num_ps() << " ps, " << lanes_.size()
-              << (lanes_.size() == 1 ? " lane" : " lanes")
-              << (push_early_ ? ", pushing during the backward pass" : "");
-  return absl::OkStatus();
+  // On a CPU the ring starts during the backward pass: each variable's
+  // piece is ready once its layer's backward is done (the last variables
+  // first), the loss once the step returns.
+  const bool overlap = in_place_ && group_ == nullptr && options_.ring->size() > 1;
+  exchange_ = std::make_unique<RingExchange>(options_.ring, WireDtypeOf(job_), *std::move(lanes),
+                                             net_.get(), grads_, overlap, Hooks());
+  return joined();
 }
 
 bool Trainer::Async() const { return AppliesEachGradient(job_); }
@@ -719,7 +678,7 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
   // The step is queued: from now on the lanes' uploads wait for its
   // events, and each bucket's copies wait on their own stream for the
   // backward pass to reach the bucket's event.
-  SetStepQueued(true);
+  exchange_->StepQueued();
   const std::vector<float*> device = net_->DeviceGradients();
   absl::Status s;
   std::vector<kernels::HostCopy> copies;
@@ -734,17 +693,17 @@ absl::StatusOr<model::Network::Result> Trainer::StepCopyingGradients(const float
       }
     }
     s = backend_->CopyToHostAfter(host_buckets_[b].ready.get(), copies);
-    if (s.ok() && push_early_) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
+    if (s.ok() && copy_events_) s = backend_->RecordCopiesDone(host_buckets_[b].copied.get());
   }
   // The lanes push each bucket once it is on the host, in the order the
   // backward pass completes them.
-  for (size_t b = 0; s.ok() && push_early_ && b < host_buckets_.size(); ++b) {
+  for (size_t b = 0; s.ok() && copy_events_ && b < host_buckets_.size(); ++b) {
     TraceSpan span(options_.trace, "bucket to the host", trace_step_);
     span.Arg("bucket", b);
     s = backend_->WaitEvent(host_buckets_[b].copied.get());
     span.End();
     if (!s.ok()) break;
-    for (int v : host_buckets_[b].variables) grads_ready_.MarkReady(backward_pos_[v]);
+    exchange_->GradientsOnHost(host_buckets_[b].variables);
   }
   TraceSpan finish_span(options_.trace, "finish step", trace_step_);
   absl::StatusOr<model::Network::Result> result = net_->FinishStep(batch);
@@ -890,8 +849,8 @@ absl::Status Trainer::CreateReplicas() {
   // No copy of the last registration may still read a buffer freed below
   // (an upload of a lane that failed while others were still pulling).
   if (backend_ != nullptr) static_cast<void>(backend_->Synchronize());
-  lanes_.clear();   // their events are the backend's; their regions' uploads are done
-  device_.reset();  // its buffers are the backend's
+  exchange_.reset();  // the lanes' events are the backend's; their regions' uploads are done
+  device_.reset();    // its buffers are the backend's
   upload_after_.clear();
   host_buckets_.clear();  // so are their events
   staging_.clear();       // and the page-locked buffers (Prepare makes new ones)
@@ -986,400 +945,6 @@ absl::StatusOr<model::Network::Result> Trainer::ReplicatedStep(const float* imag
   return total;
 }
 
-absl::Status Trainer::PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out,
-                               const std::atomic<bool>* give_up) {
-  Lane& lane = lanes_[l];  // its pull's fields are this thread's alone
-  const absl::Time start = absl::Now();
-  ps::Client* const client = ps();
-  const bool async = Async();
-  absl::StatusOr<ps::Client::ClockedPull> r;
-  // The lane's last pull's region, once its uploads are done, goes back for
-  // this pull to use.
-  PSFLOW_RETURN_IF_ERROR(ReleaseHold(lane));
-  TraceSpan pull_span(options_.trace, "pull", trace_step_);
-  pull_span.Arg("lane", l);
-  pull_span.Arg("ps", lane.spec.ps);
-  pull_span.Arg("slices", lane.spec.slices.size());
-  absl::Time last_ask;
-  do {  // ask again while the other workers are still on the step
-    if (stop_signal() != 0) return absl::CancelledError("stopping");
-    if (give_up != nullptr && give_up->load())
-      return absl::CancelledError("the lane's push failed");
-    // Before the step's verdict, ask often, so as to stop soon after one
-    // that is not finite (the slices this worker withheld never come).
-    absl::Duration max_wait = options_.pull_wait;
-    if (open_verdict != nullptr) {
-      if (open_verdict->Failed()) return absl::OkStatus();  // out->version stays -1
-      if (!open_verdict->Decided()) max_wait = std::min(max_wait, absl::Milliseconds(100));
-    }
-    last_ask = absl::Now();
-    const absl::Time deadline = last_ask + max_wait + options_.transfer_timeout;
-    if (async) {
-      r = client->PullByClock(lane.spec.ps, job_id_, options_.worker_index, min_version,
-                              lane.spec.slices, lane.sinks, deadline, max_wait);
-    } else {
-      absl::StatusOr<ps::Client::PullResult> p =
-          give_up != nullptr
-              ? client->PullUnlessGivenUp(lane.spec.ps, job_id_, min_version, lane.spec.slices,
-                                          lane.sinks, deadline, max_wait, *give_up)
-              : client->Pull(lane.spec.ps, job_id_, min_version, lane.spec.slices, lane.sinks,
-                             deadline, max_wait);
-      if (p.ok()) {
-        ps::Client::ClockedPull pulled;
-        pulled.ready = p->version >= min_version;
-        pulled.version = p->version;
-        pulled.wait_us = p->wait_us;
-        pulled.hold = std::move(p->hold);
-        r = std::move(pulled);
-      } else {
-        r = p.status();
-      }
-    }
-  } while (r.ok() && !r->ready);
-  if (!r.ok()) {
-    const absl::Status failed = FromPs(r.status());
-    if (IsRetryable(failed) && !StopPending())
-      PSLOG(WARNING) << "retrying: " << failed.message() << " ("
-                     << absl::StatusCodeToString(failed.code()) << ")";
-    return failed;
-  }
-  out->version = r->version;
-  out->clock = r->clock;
-  out->lag = r->lag;
-  // Time spent on "not yet" answers (and retries) is waiting too.
-  out->wait_us = r->wait_us + Micros(last_ask - start);
-  pull_span.End();
-  if (in_place_) return absl::OkStatus();
-  TraceSpan upload_span(options_.trace, "queue uploads", trace_step_);
-  upload_span.Arg("lane", l);
-  if (!upload_after_.empty()) WaitStepQueued();
-  if (borrow_pulls_) {
-    // Each slice from where the pull left it: the region (kept), or its sink.
-    lane.hold = std::move(r->hold);
-    absl::Status s;
-    // The lane's slices go to the backend in one call for each kind of
-    // values (each alone costs a copy, and a kernel for 16-bit values,
-    // under the backend's lock).
-    std::vector<model::Network::HostRange> floats, halves;
-    DataType halves_dtype = DT_BFLOAT16;
-    for (size_t i = 0; i < lane.sinks.size(); ++i) {
-      const int v = lane.spec.variables[i];
-      const int64_t first = lane.first_float[i], count = NumElements(lane.sinks[i].shape);
-      const void* const borrowed = lane.borrowed[i];
-      if (borrowed == nullptr) {  // in the variable's staging buffer, floats
-        floats.push_back({v, first, count, weights_[v] + first, upload_after_[v]});
-        continue;
-      }
-      // In the pull's region (one block), in the wire dtype.
-      const DataType dtype = lane.sinks[i].dtype;
-      (dtype == DT_FLOAT ? floats : halves)
-          .push_back({v, first, count, borrowed, upload_after_[v], lane.hold.get()});
-      if (dtype != DT_FLOAT) halves_dtype = dtype;
-    }
-    if (!floats.empty()) {
-      s = net_->SetWeightRangesAfter(floats, kernels::Backend::HostValues::kFloat);
-    }
-    if (s.ok() && !halves.empty()) {
-      s = net_->SetWeightRangesAfter(halves, halves_dtype == DT_BFLOAT16
-                                                 ? kernels::Backend::HostValues::kBfloat16
-                                                 : kernels::Backend::HostValues::kHalf);
-    }
-    if (s.ok() && lane.hold != nullptr) {
-      if (!told_borrow_.exchange(true)) {
-        PSLOG(INFO) << "pulled weights go to the GPU straight from the shared memory the ps "
-                       "wrote them into";
-      }
-      s = backend_->RecordUploadsDone(lane.uploaded.get());
-    }
-    if (!s.ok()) {
-      // Copies queued before the failure may still read the region: wait
-      // for all of them before it goes. INTERNAL whatever the device said.
-      if (lane.hold != nullptr) static_cast<void>(backend_->Synchronize());
-      lane.hold.reset();
-      return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
-    }
-    return absl::OkStatus();
-  }
-  // Each variable goes to the device once its last slice is in.
-  for (int v : lane.spec.variables) {
-    if (to_come_[v].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
-    absl::Status s = upload_after_.empty() ? net_->SetWeight(v, weights_[v])
-                                           : net_->SetWeightAfter(v, weights_[v], upload_after_[v]);
-    // INTERNAL whatever the device said: never retried (the countdown is spent).
-    if (!s.ok())
-      return absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Trainer::ReleaseHold(Lane& lane) {
-  if (lane.hold == nullptr) return absl::OkStatus();
-  absl::Status s = backend_->WaitEvent(lane.uploaded.get());
-  if (!s.ok()) {
-    static_cast<void>(backend_->Synchronize());
-    s = absl::InternalError(absl::StrCat("copying weights to the device: ", s.message()));
-  }
-  lane.hold.reset();
-  return s;
-}
-
-void Trainer::SetStepQueued(bool queued) {
-  absl::MutexLock lock(&queued_mu_);
-  step_queued_ = queued;
-}
-
-void Trainer::WaitStepQueued() {
-  absl::MutexLock lock(&queued_mu_);
-  queued_mu_.Await(absl::Condition(&step_queued_));
-}
-
-bool Trainer::LaneFinite(int l) const { return RefsFinite(lanes_[l].refs); }
-
-bool Trainer::RefsFinite(absl::Span<const TensorRef> refs) const {
-  // A gradient the wire dtype turns into infinity (fp16 from 65520 on) is
-  // as diverged as one that already is. (To a replica of an all-reduce job
-  // the exchange is fp32: its ring rounds the mean through the wire dtype
-  // already, so an fp16 overflow is an infinity by then.)
-  const float overflow = WireOverflow(exchange_dtype_);
-  for (const TensorRef& r : refs) {
-    if (!WireValuesBelow(r, 0, NumElements(r.shape), overflow)) return false;
-  }
-  return true;
-}
-
-absl::Status Trainer::RunLanes(int64_t push_step, int64_t min_version, bool skip,
-                               const std::function<void(absl::Time)>& on_pushed, Exchanged* out,
-                               StepVerdict* verdict) {
-  const int n = static_cast<int>(lanes_.size());
-  for (size_t v = 0; v < slices_of_.size(); ++v) to_come_[v].store(slices_of_[v]);
-  PushHeader header;
-  header.set_job_id(job_id_);
-  // A replica of an all-reduce job hears its own worker alone, as worker 0.
-  header.set_worker(AllReduce() ? 0 : options_.worker_index);
-  header.set_step(push_step);
-  header.set_skip(skip);
-  const bool async = Async();
-  // Until every lane's push is answered (or this returns): a stop waits
-  // for them (StopAfterPushes).
-  std::atomic<int> lanes_pushed{0};
-  if (push_step >= 0) OpenPushes();
-  absl::Cleanup close_pushes = [&] {
-    if (push_step >= 0 && lanes_pushed.load() < n) ClosePushes();
-  };
-  std::vector<LanePull> pulls(n);
-  std::vector<char> pushed(n, push_step < 0);
-  std::vector<char> checked(n, 0);      // the lane's part of the verdict is in
-  std::vector<char> counted(n, 0);      // the lane's push counts for on_pushed
-  std::vector<absl::Time> answered(n);  // when each lane's push was answered
-  std::atomic<int> pushes_left{push_step < 0 ? 0 : n};
-  // Once per lane whose push was answered (and, pushing during the
-  // backward pass, whose step was found finite): the last one runs
-  // on_pushed with the last answer's time.
-  auto count_push = [&](int l) {
-    counted[l] = 1;
-    if (pushes_left.fetch_sub(1, std::memory_order_acq_rel) == 1 && on_pushed) {
-      on_pushed(*std::max_element(answered.begin(), answered.end()));
-    }
-  };
-  // Pushing during the backward pass, a lane whose weights are staged on the
-  // host (a GPU's) pulls before the verdict: the copies to the device queue
-  // behind the step (and a step that is not finite ends the job anyway).
-  const bool pull_early = verdict != nullptr && !in_place_;
-  RetryPolicy policy;
-  policy.give_up = absl::Now() + options_.startup_timeout;
-  // Told to stop once the pushes are answered: a push that failed (its ps
-  // stopped) is not tried again.
-  policy.stop = [this] { return Stopping() || StopPending(); };
-  ps::Client* const client = ps();
-  // Pushing during the backward pass, a lane's push reads its gradients in
-  // runs (ps::Client::PushInRuns), each once the backward pass has made it
-  // final and it is checked: only finite ones leave. The lane marks the
-  // verdict with its last run, or at its first run that is not finite; a
-  // verdict that failed already (another lane, or a step that failed and
-  // released every piece without writing it) ends the push. `stopped[l]`:
-  // the lane's push ended so, rather than by the ps.
-  const bool in_runs = verdict != nullptr && !skip;
-  std::unique_ptr<std::atomic<bool>[]> stopped(new std::atomic<bool>[n]);
-  for (int l = 0; l < n; ++l) stopped[l] = false;
-  // The lane's part of the verdict, from run g's check (`finite`): marked at
-  // its first run that is not finite, or with its last.
-  auto mark = [&](int l, int g, bool finite) -> absl::Status {
-    if (!checked[l] && (!finite || g + 1 == static_cast<int>(lanes_[l].spec.run_starts.size()))) {
-      checked[l] = 1;
-      verdict->Mark(finite);
-    }
-    if (finite) return absl::OkStatus();
-    stopped[l] = true;
-    return absl::CancelledError("the step is not finite");
-  };
-  auto wait_run = [&](int l, int g) -> absl::Status {
-    const Lane& lane = lanes_[l];
-    const auto [first, last] = lane.spec.run_pieces[g];
-    TraceSpan wait_span(options_.trace, "run waits for its gradients", trace_step_);
-    wait_span.Arg("lane", l);
-    wait_span.Arg("run", g);
-    const bool ready = grads_ready_.WaitReady(first, last, absl::InfiniteFuture(),
-                                              [&] { return Stopping() || verdict->Failed(); });
-    wait_span.End();
-    if (ready && !verdict->Failed()) return absl::OkStatus();
-    // Stopping, or the step failed already: the lane's part fails too.
-    const absl::Status s = mark(l, g, false);
-    return ready ? s : absl::CancelledError("stopping");
-  };
-  // The client checks each run (ps::Client::PushRuns::checked) as it reads
-  // it: finite, and within the wire dtype's range. A gradient the wire
-  // dtype turns into infinity (fp16 from 65520 on) is as diverged as one
-  // that already is.
-  const float overflow = WireOverflow(exchange_dtype_);
-  // Where weights are staged on the host, the lane's pull runs beside its
-  // push from the start: each slice comes as soon as the ps applied it.
-  // `give_up[l]` stops a pull whose push failed (it asks again at least
-  // every 100 ms while the verdict is open).
-  std::unique_ptr<std::atomic<bool>[]> give_up(new std::atomic<bool>[n]);
-  std::vector<char> pulled(n, 0);
-  absl::Status s = FanOut(pool_.get(), n, policy, [&](int l) -> absl::Status {
-    const Lane& lane = lanes_[l];
-    if (!pushed[l] && verdict != nullptr && !in_runs && !checked[l]) {
-      // Pushing during the backward pass: once the lane's gradients are
-      // final (and on the host), check them; only finite ones leave.
-      // A verdict that failed already (another lane, or a step that failed
-      // and released every piece without writing it) sends nothing more.
-      checked[l] = 1;
-      const bool ready = grads_ready_.WaitReady(lane.spec.first_piece, lane.spec.last_piece,
-                                                absl::InfiniteFuture(),
-                                                [&] { return Stopping() || verdict->Failed(); });
-      const bool finite = ready && !verdict->Failed() && LaneFinite(l);
-      verdict->Mark(finite);
-      if (!ready && Stopping()) return absl::CancelledError("stopping");
-      if (!finite) return absl::OkStatus();  // the caller ends the step
-    }
-    if (!pushed[l]) {
-      absl::Notification pull_done;
-      absl::Status pull_status;
-      const bool beside = pull_early && in_runs && pullers_ != nullptr && !pulled[l];
-      if (beside) {
-        give_up[l] = false;
-        pullers_->Schedule([&, l] {
-          pull_status = PullLane(l, min_version, verdict, &pulls[l], &give_up[l]);
-          pull_done.Notify();
-        });
-      }
-      // A retried push that had arrived after all is answered DUPLICATE (or
-      // STALE once applied): either way the ps has this worker's gradients.
-      PushHeader lane_header = header;
-      for (int i : lane.spec.slices) lane_header.add_slices(i);
-      if (async) lane_header.set_read_version(out->ps_versions[lane.spec.ps]);
-      // A push in runs opens with the step: transfer_timeout for the step
-      // itself too.
-      const absl::Time deadline = absl::Now() + (in_runs ? 2 : 1) * options_.transfer_timeout;
-      absl::StatusOr<PushResponse> response;
-      TraceSpan push_span(options_.trace, in_runs ? "push in runs" : "push", trace_step_);
-      push_span.Arg("lane", l);
-      push_span.Arg("ps", lane.spec.ps);
-      push_span.Arg("slices", lane.spec.slices.size());
-      if (in_runs) {
-        ps::Client::PushRuns runs{lane.spec.run_starts, [&](int g) { return wait_run(l, g); },
-                                  [&](int g, bool ok) { return mark(l, g, ok); }, overflow};
-        response = client->PushInRuns(lane.spec.ps, lane_header, lane.refs, runs, deadline);
-      } else {
-        response = client->Push(lane.spec.ps, lane_header,
-                                skip ? std::vector<TensorRef>() : lane.refs, deadline);
-      }
-      push_span.End();
-      const absl::Status pushed_status = FromPs(response.status());
-      if (in_runs && !checked[l]) {
-        // The push ended before its last run (the ps answered first): the
-        // lane's part of the verdict is still owed, or the step would wait
-        // for it.
-        checked[l] = 1;
-        const bool ready = grads_ready_.WaitReady(lane.spec.first_piece, lane.spec.last_piece,
-                                                  absl::InfiniteFuture(),
-                                                  [&] { return Stopping() || verdict->Failed(); });
-        verdict->Mark(ready && !verdict->Failed() && LaneFinite(l));
-      }
-      if (!pushed_status.ok() && beside) {
-        give_up[l] = true;
-        pull_done.WaitForNotification();
-        // A pull that ended first needed this push: it arrived after all
-        // (its answer was lost), and the pull's copies to the device are
-        // done; the retry's push is a duplicate and pulls nothing again.
-        if (pull_status.ok() && pulls[l].version >= 0) pulled[l] = 1;
-      }
-      if (stopped[l]) {
-        if (Stopping()) return absl::CancelledError("stopping");
-        return absl::OkStatus();  // not finite: the caller ends the step
-      }
-      if (!pushed_status.ok()) {
-        if (IsRetryable(pushed_status) && !StopPending()) {
-          PSLOG(WARNING) << "retrying: " << pushed_status.message() << " ("
-                         << absl::StatusCodeToString(pushed_status.code()) << ")";
-        }
-        return pushed_status;
-      }
-      answered[l] = absl::Now();
-      pushed[l] = 1;
-      if (lanes_pushed.fetch_add(1) + 1 == n) ClosePushes();
-      if (beside) {
-        pull_done.WaitForNotification();
-        PSFLOW_RETURN_IF_ERROR(pull_status);
-        pulled[l] = 1;
-      }
-    }
-    if (!pull_early) {
-      // No pull, nor the step's metrics, before the whole step is known finite.
-      if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();
-      if (!counted[l] && push_step >= 0) count_push(l);
-      return PullLane(l, min_version, nullptr, &pulls[l]);
-    }
-    if (!pulled[l]) PSFLOW_RETURN_IF_ERROR(PullLane(l, min_version, verdict, &pulls[l]));
-    if (!verdict->Wait()) return absl::OkStatus();
-    if (!counted[l]) count_push(l);
-    return absl::OkStatus();
-  });
-  if (!s.ok()) return s;
-  if (verdict != nullptr && !verdict->Wait()) return absl::OkStatus();  // nothing pulled
-  auto by = [&](auto field) {
-    std::vector<int64_t> v;
-    for (const LanePull& p : pulls) v.push_back(p.*field);
-    return v;
-  };
-  const std::vector<int64_t> versions = by(&LanePull::version), waits = by(&LanePull::wait_us);
-  out->version = *std::min_element(versions.begin(), versions.end());
-  out->wait_us = *std::max_element(waits.begin(), waits.end());
-  if (async) {
-    // Each ps counts its own versions: the next push to it names the one
-    // its slices were pulled at.
-    out->ps_versions.assign(job_.num_ps(), std::numeric_limits<int64_t>::max());
-    out->clock = std::numeric_limits<int64_t>::max();
-    out->lag = 0;
-    for (int l = 0; l < n; ++l) {
-      int64_t& v = out->ps_versions[lanes_[l].spec.ps];
-      v = std::min(v, pulls[l].version);
-      out->clock = std::min(out->clock, pulls[l].clock);
-      out->lag = std::max(out->lag, pulls[l].lag);
-    }
-    return absl::OkStatus();
-  }
-  const int64_t newest = *std::max_element(versions.begin(), versions.end());
-  // One step apart: a worker died between its pushes of the last step to
-  // different ps (some applied it, the others still wait for its push). Do
-  // the older step: the ps past it answer STALE, the others get their push.
-  if (newest - out->version > 1) {
-    return absl::AbortedError(
-        absl::StrCat("ps disagree on the version: ", out->version, " and ", newest));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Trainer::PullAll(int64_t min_version, Exchanged* out) {
-  return RunLanes(/*push_step=*/-1, min_version, /*skip=*/false, nullptr, out);
-}
-
-absl::Status Trainer::Exchange(int64_t step, bool skip,
-                               const std::function<void(absl::Time)>& on_pushed, Exchanged* out) {
-  return RunLanes(step, step + 1, skip, on_pushed, out);
-}
-
 absl::Status Trainer::NonFinite(int64_t step) {
   // No gradient that is not finite was pushed; the chief decides what
   // happens next.
@@ -1393,265 +958,171 @@ absl::Status Trainer::NonFinite(int64_t step) {
       absl::StrCat("step ", step, ": the loss or the gradients are not finite"));
 }
 
-namespace {
-
-// A worker's batches: the examples of its step k, from its shard of the
-// epoch that step falls in (the shard's order is drawn once per epoch).
-class WorkerBatches {
- public:
-  WorkerBatches(const data::Dataset& data, const JobConfig& job, int worker)
-      : data_(data),
-        sampler_(data.count, job.num_workers(), worker, job.seed()),
-        batch_(WorkerBatch(job)),
-        images_(static_cast<size_t>(batch_) * data.example_floats()),
-        labels_(batch_) {}
-
-  // Gathers the batch of `step` (of `steps_per_epoch` in an epoch).
-  absl::Status Gather(int64_t step, int64_t steps_per_epoch) {
-    const int64_t epoch = step / steps_per_epoch, position = step % steps_per_epoch;
-    if (epoch != epoch_) {
-      order_ = sampler_.EpochIndices(epoch);
-      epoch_ = epoch;
-    }
-    return data::GatherBatch(data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
-                             images_.data(), labels_.data());
-  }
-  const float* images() const { return images_.data(); }
-  const int32_t* labels() const { return labels_.data(); }
-  int64_t size() const { return batch_; }
-
- private:
-  const data::Dataset& data_;
-  data::ShardSampler sampler_;
-  const int64_t batch_;
-  std::vector<float> images_;
-  std::vector<int32_t> labels_;
-  std::vector<int64_t> order_;
-  int64_t epoch_ = -1;
+// Where Train's loop is between steps.
+struct Trainer::Position {
+  int64_t step = 0;
+  // An asynchronous job counts this worker's own steps (its clock, as the
+  // ps count its gradients); its data follow them.
+  int64_t clock = 0;
+  // The outcome of the latest round of pulls: the weights the next step
+  // uses, and the time they took (pull and wait, reported with that step).
+  ExchangeRound got;
+  bool have_weights = false;
+  int64_t pull_us = 0, wait_us = 0;
 };
-
-}  // namespace
 
 absl::Status Trainer::Train(int64_t start) {
   WorkerBatches batches(data_, job_, options_.worker_index);
-  const int batch = job_.batch_size();  // per replica
-  const int64_t worker_batch = batches.size();
-  auto job_failed = [this] { return reporter_.job_failed(); };
-  const absl::Status failed = absl::FailedPreconditionError("the chief failed the job");
-
-  int64_t step = start;
-  // An asynchronous job counts this worker's own steps (its clock, as the ps
-  // count its gradients); its data follow them: steps_per_epoch counts the
-  // steps of every worker there.
-  const bool async = Async();
-  const int64_t own_steps_per_epoch =
-      async ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
-            : job_.steps_per_epoch();
-  int64_t clock = 0;
-  // The outcome of the latest round of pulls: the weights the next step uses,
-  // and the time they took (pull and wait, reported with that step).
-  Exchanged got;
-  bool have_weights = false;
-  int64_t pull_us = 0, wait_us = 0;
+  Position at;
+  at.step = start;
   while (true) {
-    if (reporter_.job_failed()) return failed;
-    if (reporter_.reregister()) return RegisterAgain("the chief asked for a new registration");
-    if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-    const absl::Time t0 = absl::Now();
-    if (!have_weights) {
-      // Asynchronous: whatever this worker's clock is on the ps.
-      absl::Status s = PullAll(async ? 0 : step, &got);
-      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-      if (job_failed()) return failed;
-      if (JobChanged(s)) return RegisterAgain(s.message());
-      if (!s.ok()) return PsFailure(s, "pull");
-      have_weights = true;
-      clock = got.clock;
-      const int64_t took = Micros(absl::Now() - t0);
-      wait_us = std::min(got.wait_us, took);
-      pull_us = took - wait_us;
-    }
-    const absl::Time t1 = absl::Now();
-    if (got.version >= job_.train_steps()) break;
-    step = got.version;
-    trace_step_ = step;
-    if (options_.trace != nullptr) options_.trace->Reached(step);
-    // Until the step's exchange is over (the next weights are in).
-    TraceSpan step_span(options_.trace, "step", step);
-    TraceSpan input_span(options_.trace, "input", step);
-    absl::Status s = batches.Gather(async ? clock : step, own_steps_per_epoch);
-    input_span.End();
-    // The step's outcome, and its metrics, which go out once every push is
-    // answered (the pull that follows belongs to the next step).
-    absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
-    absl::Time t2, pushed_at;
-    bool skip = false;
-    StepMetrics async_metrics;
-    auto on_pushed = [&](absl::Time last_answer) {
-      // (Pushes during the backward pass may all be answered before the
-      // step ends: then nothing of them is left to count as push time.)
-      pushed_at = std::max(last_answer, t2);
-      StepMetrics m;
-      m.set_step(step);
-      m.set_nonfinite(skip);  // the chief counts the skipped steps
-      m.set_loss(skip ? 0 : result->loss);
-      m.set_correct(result->correct);
-      m.set_examples(worker_batch);
-      m.set_wait_us(wait_us);
-      m.set_pull_us(pull_us);
-      m.set_compute_us(Micros(t2 - t1));
-      m.set_push_us(Micros(pushed_at - t2));
-      if (async) {
-        async_metrics = std::move(m);  // reported with its staleness, once pulled
-        return;
-      }
-      reporter_.Add(std::move(m));
-    };
-    // Pushing during the backward pass: the lanes start now, on another
-    // thread, each pushing its gradients once the backward pass has
-    // completed them (StepCopyingGradients or the network's notifications
-    // mark them in grads_ready_); they pull (into the network's own
-    // buffers on a CPU) once this thread has found the loss finite too
-    // (the verdict; on_pushed runs after it, so it reads the result and t2
-    // this thread set before).
-    const bool early = s.ok() && push_early_;
-    absl::Notification exchanged;
-    absl::Status exchange_status;
-    if (early) {
-      SetStepQueued(false);
-      grads_ready_.Reset(static_cast<int>(backward_pos_.size()));
-      verdict_.Reset(static_cast<int>(lanes_.size()) + 1);
-      exchange_caller_->Schedule([&, step] {
-        exchange_status = async ? RunLanes(clock, clock + 1, false, on_pushed, &got, &verdict_)
-                                : RunLanes(step, step + 1, false, on_pushed, &got, &verdict_);
-        exchanged.Notify();
-      });
-    }
-    // A CPU worker of a job without ps starts the ring all-reduce of the
-    // step's gradients now, on another thread: each bucket goes as soon as
-    // the backward pass has completed its gradients.
-    absl::Notification reduced;
-    absl::Status ring_status;
-    const bool overlap = s.ok() && overlap_ring_;
-    if (overlap) {
-      ring_ready_.Reset(static_cast<int>(ring_pieces_.size()));
-      ring_caller_->Schedule([&, step] {
-        ring_status = options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_), &ring_ready_);
-        reduced.Notify();
-      });
-    }
-    TraceSpan compute_span(options_.trace, "compute", step);
-    result = !s.ok()  ? s
-             : group_ ? ReplicatedStep(batches.images(), batches.labels(), batch)
-             : !host_buckets_.empty()
-                 ? StepCopyingGradients(batches.images(), batches.labels(), batch)
-                 : net_->TrainStep(batches.images(), batches.labels(), batch);
-    compute_span.End();
-    SetStepQueued(true);  // (if StepCopyingGradients did not: the step failed or ran otherwise)
-    // After a failed step too, so that no lane waits for gradients that
-    // never come; the verdict fails first, so that none of them pushes what
-    // it then finds in its buffers. (This thread's one mark of the verdict;
-    // every path out of the step from here waits for the lanes.)
-    if (early) {
-      if (!result.ok() || !s.ok()) verdict_.Mark(false);
-      grads_ready_.MarkAllReady();
-    }
-    if (overlap) {
-      if (result.ok()) {
-        ring_loss_ = static_cast<float>(result->loss);
-        ring_ready_.MarkReady(0);
-      } else {
-        // The group cannot go on without this worker's gradients.
-        options_.ring->Leave(result.status());
-        ring_ready_.MarkAllReady();
-      }
-      reduced.WaitForNotification();
-    }
-    if (result.ok() && s.ok() && !in_place_ && host_buckets_.empty()) {
-      s = net_->GetGradients(grads_);
-    }
-    if (!result.ok() || !s.ok()) {
-      // (Pushing during the backward pass, gradients are never fetched
-      // after the step: a failure here is the step's, marked above.)
-      if (early) exchanged.WaitForNotification();
-      const absl::Status& e = result.ok() ? s : result.status();
-      return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
-    }
-    t2 = absl::Now();
-    // (Overlapped: the ring already replaced it by the group's mean.)
-    if (!overlap) ring_loss_ = static_cast<float>(result->loss);
-    if (AllReduce()) {
-      // The mean gradient of every worker, the same bits on each (and the
-      // mean loss, so that all of them agree on whether the step was finite).
-      s = overlap ? ring_status : options_.ring->AllReduce(step, ring_pieces_, WireDtypeOf(job_));
-      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-      if (!s.ok()) {
-        // The group is gone: every worker restarts (from the newest checkpoint).
-        return absl::Status(IsRetryable(s) ? s.code() : absl::StatusCode::kInternal,
-                            absl::StrCat("all-reduce of step ", step, ": ", s.message()));
-      }
-    }
-    if (early) {
-      verdict_.Mark(std::isfinite(result->loss));
-      TraceSpan after_span(options_.trace, "exchange after the pass", step);
-      exchanged.WaitForNotification();
-      after_span.End();
-      // (Lanes stopped by a signal or by the chief's FAIL leave the verdict
-      // failed too: that is not this step's fault.)
-      if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-      if (job_failed()) return failed;
-      if (!verdict_.Wait()) {
-        PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
-                     << ") or the gradients are not finite (in the wire dtype); lanes of finite "
-                        "gradients may have pushed them, the others did not";
-        return NonFinite(step);
-      }
-      s = exchange_status;
-    } else {
-      // Each lane's slices are checked on the pool, as the pushes will go.
-      std::vector<char> finite_on(lanes_.size(), 1);
-      FanOut(pool_.get(), static_cast<int>(lanes_.size()), RetryPolicy(), [&](int l) {
-        finite_on[l] = LaneFinite(l);
-        return absl::OkStatus();
-      }).IgnoreError();  // the calls cannot fail
-      const bool finite = std::isfinite(result->loss) && std::isfinite(ring_loss_) &&
-                          std::all_of(finite_on.begin(), finite_on.end(), [](char f) { return f; });
-      skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
-      if (!finite && !skip) {
-        PSLOG(ERROR) << "step " << step << ": the loss (" << result->loss
-                     << ") or the gradients are not finite (in the wire dtype); nothing pushed";
-        return NonFinite(step);
-      }
-      if (skip) {
-        PSLOG(WARNING) << "step " << step << ": the loss (" << result->loss
-                       << ") or the gradients are not finite (in the wire dtype); skipping the "
-                          "step";
-      }
-      s = async ? RunLanes(clock, clock + 1, skip, on_pushed, &got)
-                : Exchange(step, skip, on_pushed, &got);
-    }
-    if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
-    if (job_failed()) return failed;
-    if (JobChanged(s)) return RegisterAgain(s.message());
-    if (!s.ok()) return PsFailure(s, "exchange with the ps");
-    // After the pushes: waiting for the version (for the other workers and
-    // the ps's applies), and the pull itself.
-    const int64_t after_push = Micros(absl::Now() - pushed_at);
-    wait_us = std::min(got.wait_us, after_push);
-    pull_us = after_push - wait_us;
-    ++step;
-    register_backoff_.Reset();
-    if (async) {
-      // The pull waited for this gradient's apply (unless the job ended
-      // first): its staleness is known.
-      async_metrics.set_staleness(got.lag);
-      reporter_.Add(std::move(async_metrics));
-      clock = std::max(clock + 1, got.clock);
-      step = got.version;
-    }
-    reporter_.SetStep(step);
+    PSFLOW_RETURN_IF_ERROR(Interrupted());
+    if (!at.have_weights) PSFLOW_RETURN_IF_ERROR(FirstPull(&at));
+    if (at.got.version >= job_.train_steps()) break;
+    PSFLOW_RETURN_IF_ERROR(TrainStep(batches, &at));
   }
   return absl::OkStatus();
+}
+
+absl::Status Trainer::Interrupted() const {
+  if (reporter_.job_failed()) return absl::FailedPreconditionError("the chief failed the job");
+  if (reporter_.reregister()) return RegisterAgain("the chief asked for a new registration");
+  if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::ExchangeFailure(const absl::Status& s, absl::string_view what) const {
+  if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+  if (reporter_.job_failed()) return absl::FailedPreconditionError("the chief failed the job");
+  if (JobChanged(s)) return RegisterAgain(s.message());
+  if (!s.ok()) return PsFailure(s, what);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::FirstPull(Position* at) {
+  const absl::Time t0 = absl::Now();
+  // Asynchronous: whatever this worker's clock is on the ps.
+  PSFLOW_RETURN_IF_ERROR(
+      ExchangeFailure(exchange_->Pull(Async() ? 0 : at->step, &at->got), "pull"));
+  at->have_weights = true;
+  at->clock = at->got.clock;
+  const int64_t took = Micros(absl::Now() - t0);
+  at->wait_us = std::min(at->got.wait_us, took);
+  at->pull_us = took - at->wait_us;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<model::Network::Result> Trainer::Compute(const WorkerBatches& batches) {
+  const int batch = job_.batch_size();  // per replica
+  if (group_ != nullptr) return ReplicatedStep(batches.images(), batches.labels(), batch);
+  if (!host_buckets_.empty())
+    return StepCopyingGradients(batches.images(), batches.labels(), batch);
+  return net_->TrainStep(batches.images(), batches.labels(), batch);
+}
+
+absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
+  const absl::Time t1 = absl::Now();
+  const bool async = Async();
+  const int64_t step = at->got.version;
+  trace_step_ = step;
+  if (options_.trace != nullptr) options_.trace->Reached(step);
+  // Until the step's exchange is over (the next weights are in).
+  TraceSpan step_span(options_.trace, "step", step);
+  TraceSpan input_span(options_.trace, "input", step);
+  // An asynchronous job's data follow this worker's own steps:
+  // steps_per_epoch counts the steps of every worker there.
+  const int64_t steps_per_epoch =
+      async ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
+            : job_.steps_per_epoch();
+  absl::Status s = batches.Gather(async ? at->clock : step, steps_per_epoch);
+  input_span.End();
+  // The step's outcome, and its metrics, which go out once every push is
+  // answered (the pull that follows belongs to the next step).
+  absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
+  absl::Time t2, pushed_at;
+  StepMetrics async_metrics;
+  StepPush push;
+  push.step = step;
+  push.push_step = async ? at->clock : step;
+  push.min_version = push.push_step + 1;
+  push.on_pushed = [&](absl::Time last_answer, bool skip) {
+    // (Pushes during the backward pass may all be answered before the
+    // step ends: then nothing of them is left to count as push time.)
+    pushed_at = std::max(last_answer, t2);
+    StepMetrics m;
+    m.set_step(step);
+    m.set_nonfinite(skip);  // the chief counts the skipped steps
+    m.set_loss(skip ? 0 : result->loss);
+    m.set_correct(result->correct);
+    m.set_examples(batches.size());
+    m.set_wait_us(at->wait_us);
+    m.set_pull_us(at->pull_us);
+    m.set_compute_us(Micros(t2 - t1));
+    m.set_push_us(Micros(pushed_at - t2));
+    if (async) {
+      async_metrics = std::move(m);  // reported with its staleness, once pulled
+      return;
+    }
+    reporter_.Add(std::move(m));
+  };
+  // An exchange that overlaps the step starts now (the step's result and t2
+  // are set before on_pushed runs).
+  if (s.ok()) exchange_->BeginStep(push, &at->got);
+  TraceSpan compute_span(options_.trace, "compute", step);
+  result = s.ok() ? Compute(batches) : absl::StatusOr<model::Network::Result>(s);
+  compute_span.End();
+  exchange_->EndCompute(result.ok() ? absl::StatusOr<double>(result->loss) : result.status());
+  if (result.ok() && !in_place_ && host_buckets_.empty()) s = net_->GetGradients(grads_);
+  if (!result.ok() || !s.ok()) {
+    // (Pushing during the backward pass, gradients are never fetched after
+    // the step: a failure here is the step's.)
+    exchange_->Abandon();
+    const absl::Status& e = result.ok() ? s : result.status();
+    return absl::InternalError(absl::StrCat("step ", step, " failed: ", e.message()));
+  }
+  t2 = absl::Now();
+  push.loss = result->loss;
+  push.mean_loss = static_cast<float>(result->loss);
+  PSFLOW_RETURN_IF_ERROR(exchange_->Reduce(step, &push.mean_loss));
+  PSFLOW_RETURN_IF_ERROR(PushStep(push, &at->got));
+  // After the pushes: waiting for the version (for the other workers and
+  // the ps's applies), and the pull itself.
+  const int64_t after_push = Micros(absl::Now() - pushed_at);
+  at->wait_us = std::min(at->got.wait_us, after_push);
+  at->pull_us = after_push - at->wait_us;
+  at->step = step + 1;
+  register_backoff_.Reset();
+  if (async) {
+    // The pull waited for this gradient's apply (unless the job ended
+    // first): its staleness is known.
+    async_metrics.set_staleness(at->got.lag);
+    reporter_.Add(std::move(async_metrics));
+    at->clock = std::max(at->clock + 1, at->got.clock);
+    at->step = at->got.version;
+  }
+  reporter_.SetStep(at->step);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::PushStep(const StepPush& push, ExchangeRound* got) {
+  StepVerdictKind verdict = StepVerdictKind::kFinite;
+  const absl::Status s = exchange_->PushStep(push, &verdict, got);
+  if (verdict == StepVerdictKind::kNotFinite) {
+    PSLOG(ERROR) << "step " << push.step << ": the loss (" << push.loss
+                 << ") or the gradients are not finite (in the wire dtype); nothing pushed";
+    return NonFinite(push.step);
+  }
+  // (Lanes stopped by a signal or by the chief's FAIL leave the verdict
+  // failed too: that is not this step's fault.)
+  if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
+  if (reporter_.job_failed()) return absl::FailedPreconditionError("the chief failed the job");
+  if (verdict == StepVerdictKind::kNotFiniteAfterPushes) {
+    PSLOG(ERROR) << "step " << push.step << ": the loss (" << push.loss
+                 << ") or the gradients are not finite (in the wire dtype); lanes of finite "
+                    "gradients may have pushed them, the others did not";
+    return NonFinite(push.step);
+  }
+  return ExchangeFailure(s, "exchange with the ps");
 }
 
 absl::Status Trainer::TrainOnDevice() {

@@ -6,29 +6,17 @@
 // Run() registers with the chief (retrying with backoff while the chief is
 // not up), takes its shard of every epoch and runs synchronous steps:
 // forward and backward on its batch with the weights of step k, then the
-// exchange with the ps. Each ps's slices travel in "lanes" (runs of
-// consecutive slices, several per ps when it holds many bytes), all in
-// parallel: a lane pushes its gradients of step k, then at once pulls its
-// slices of step k+1, which the ps sends slice by slice as each is applied
-// (asking again while a ps answers "not yet"). So one lane's pull overlaps
-// the other lanes' pushes and the ps's applies, and on a GPU each variable
-// is copied to the device (from page-locked memory) as soon as its last
-// slice is in, while the rest still travels, and while the step's backward
-// pass still runs once it is past the variable's layer. Both directions use the job's
-// wire dtype (JobConfig.wire_dtype; a gradient that dtype cannot hold as a
-// finite number makes the step non-finite). The step's metrics go to a
-// report loop that sends them to the chief (the reports are also its
-// heartbeat). A ps that
-// holds another job or none, drops this worker, or disagrees with its peers
-// on the version, or a chief that answers REGISTER, makes it register again
-// and train on from the step the chief names. When the ps reach the last step
-// it reports `finished` and waits for the chief's exit order.
-//
-// A job without ps (JobConfig.exchange ALL_REDUCE): CPU workers average
-// their gradients on the ring, started before the step and fed bucket by
-// bucket as the backward pass completes them, then push the mean to their
-// own replica in this process and pull from it; GPU workers average over
-// NCCL and keep the replica on the device (TrainOnDevice).
+// exchange of the job's strategy (worker/exchange.h): with the ps in lanes
+// (worker/ps_exchange.h), or, in a job without ps (JobConfig.exchange
+// ALL_REDUCE), on the host ring in front of this worker's own replica
+// (worker/ring_exchange.h); GPU workers of such a job average over NCCL and
+// keep the replica on the device (TrainOnDevice). The step's metrics go to
+// the report loop (worker/reporter.h), which sends them to the chief (the
+// reports are also its heartbeat). A ps that holds another job or none,
+// drops this worker, or disagrees with its peers on the version, or a chief
+// that answers REGISTER, makes it register again and train on from the step
+// the chief names. When the ps reach the last step it reports `finished`
+// and waits for the chief's exit order.
 //
 // Thread-safety: Run() once, from one thread; Stop() and Status() from any
 // thread, at any time, also concurrently with Run().
@@ -60,7 +48,8 @@
 #include "ps/client.h"
 #include "ps/shard.h"
 #include "transport/shared_region.h"
-#include "worker/lane_plan.h"
+#include "worker/batches.h"
+#include "worker/exchange.h"
 #include "worker/reporter.h"
 #include "worker/step_verdict.h"
 
@@ -198,7 +187,7 @@ class Trainer {
   // Tells options_.on_registered, if set.
   void SetRegistered(bool registered) const;
   absl::Status Prepare();
-  // RunLanes's pushes start, and end (all answered, or given up): the end
+  // A step's pushes start, and end (all answered, or given up): the end
   // carries out a StopAfterPushes that waits for it.
   void OpenPushes();
   void ClosePushes();
@@ -222,61 +211,24 @@ class Trainer {
   // Trains from `start` to the last step (OK), or ends with a status that
   // IsRegisterAgain or that ends Run.
   absl::Status Train(int64_t start);
+  struct Position;
+  // The chief failed the job or asks for a registration, or a stop: the
+  // status that ends Train (else OK).
+  absl::Status Interrupted() const;
+  // The status Train ends with after an exchange that returned `s` (OK: go
+  // on); `what` names the exchange.
+  absl::Status ExchangeFailure(const absl::Status& s, absl::string_view what) const;
+  // The first pull of a Train, and one step with its exchange.
+  absl::Status FirstPull(Position* at);
+  absl::Status TrainStep(WorkerBatches& batches, Position* at);
+  absl::StatusOr<model::Network::Result> Compute(const WorkerBatches& batches);
+  // The step's push and the pull that follows, with the step's verdict.
+  absl::Status PushStep(const StepPush& push, ExchangeRound* got);
+  // The exchange of the job's strategy (after Prepare).
+  absl::Status MakeExchange();
+  ExchangeHooks Hooks();
   // After a step that was not finite: waits for the chief's verdict.
   absl::Status NonFinite(int64_t step);
-  // What a round of pulls gives the step that follows.
-  struct Exchanged {
-    int64_t version = 0;  // the lowest of the ps's
-    int64_t wait_us = 0;  // the longest wait for a version, of any lane
-    // Asynchronous jobs: the version each ps's slices were pulled at (the
-    // lowest of its lanes'), this worker's clock (the lowest of the ps's)
-    // and the staleness of its latest gradient (the highest of the ps's).
-    std::vector<int64_t> ps_versions;
-    int64_t clock = 0;
-    int64_t lag = 0;
-  };
-  // Pulls every lane's slices of min_version (no push).
-  absl::Status PullAll(int64_t min_version, Exchanged* out);
-  // Pushes every lane's gradients of `step` (skips instead, with `skip`: the
-  // step was not finite and the job skips such steps), each lane then
-  // pulling its slices of step + 1; `on_pushed` runs once every push was
-  // answered (on one of the lanes' threads), with the time of the last
-  // answer, not at all if one fails.
-  absl::Status Exchange(int64_t step, bool skip, const std::function<void(absl::Time)>& on_pushed,
-                        Exchanged* out);
-  // Both: pushes of `push_step` first when it is >= 0. In an asynchronous
-  // job push_step is this worker's clock and min_version the clock to pull
-  // at (PullLane). With `verdict` (pushes during the backward pass), each
-  // lane first waits until grads_ready_ holds its gradients, checks them
-  // and marks the verdict, and pushes them only if finite. It pulls once
-  // the verdict says the whole step is finite where the pull lands in the
-  // network's own buffers (a CPU's); where weights are staged on the host
-  // (a GPU's), it pulls at once, its copies to the device queued behind
-  // the step, and gives up asking the ps once the verdict is not finite.
-  // on_pushed runs after the verdict. A lane that stops on a step that is
-  // not finite returns OK (the caller asks the verdict).
-  absl::Status RunLanes(int64_t push_step, int64_t min_version, bool skip,
-                        const std::function<void(absl::Time)>& on_pushed, Exchanged* out,
-                        StepVerdict* verdict = nullptr);
-  // Whether lane `l`'s gradients, or `refs`, are finite in the exchange's
-  // dtype (what it cannot hold counts as infinite).
-  bool LaneFinite(int l) const;
-  bool RefsFinite(absl::Span<const TensorRef> refs) const;
-  // Pulls lane `l`'s slices of min_version (asking again while the ps
-  // answers "not yet"), then copies to the device each variable whose last
-  // slice this was. Sets *version and *wait_us (time on "not yet" answers
-  // and the ps's wait for the version).
-  // In an asynchronous job min_version is this worker's clock to wait for
-  // (PullByClock), and *clock and *lag are set from the answer.
-  struct LanePull {
-    int64_t version = -1, wait_us = 0, clock = 0, lag = 0;
-  };
-  // With `open_verdict` (a pull before the step's verdict), each "not yet"
-  // comes after at most 100 ms while the verdict is open, and the lane
-  // stops asking (OK, *version -1) once it failed. Once `give_up` holds, it
-  // stops asking (CANCELLED).
-  absl::Status PullLane(int l, int64_t min_version, StepVerdict* open_verdict, LanePull* out,
-                        const std::atomic<bool>* give_up = nullptr);
   // The gradients in buckets of about kGpuBucketBytes, in the order the
   // backward pass completes them, each with an event the network records
   // (Network::SetGradientEvents, set here) after the layer that completes
@@ -324,9 +276,7 @@ class Trainer {
   absl::Status TrainAndWait();
   // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.
   bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
-  // A ps call's status, with a cancellation this worker did not make (a ps
-  // shutting down cancels the calls it serves) turned into UNAVAILABLE: a ps
-  // going away, worth a retry.
+  // worker::FromPs, with this worker's Stopping.
   absl::Status FromPs(const absl::Status& s) const ABSL_LOCKS_EXCLUDED(mu_);
   int stop_signal() const ABSL_LOCKS_EXCLUDED(mu_);
   // Cancels the ps calls in flight (the chief failed the job).
@@ -348,10 +298,7 @@ class Trainer {
 
   // The training thread's own state.
   JobConfig job_;
-  int64_t start_step_ = 0;            // from the latest registration
-  std::unique_ptr<ThreadPool> pool_;  // for the lanes' pulls and pushes
-  // The lanes' pulls that run beside their pushes (RunLanes).
-  std::unique_ptr<ThreadPool> pullers_;
+  int64_t start_step_ = 0;  // from the latest registration
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Network> net_;
   // A worker with several GPUs (JobConfig.replicas_per_worker): replicas 1..
@@ -412,64 +359,13 @@ class Trainer {
   // of the pass (Network::SetWeightAfter). Empty: uploads queue behind the
   // step.
   std::vector<kernels::Event*> upload_after_;
-  // Whether the step the lanes exchange beside has been queued (pushing
-  // during the backward pass, the lanes start before it): a lane queues its
-  // uploads only after that, so that each waits for this step's record of
-  // its event, not the step's before (which would let it overwrite weights
-  // the queued step still reads). True outside such an exchange.
-  void SetStepQueued(bool queued) ABSL_LOCKS_EXCLUDED(queued_mu_);
-  void WaitStepQueued() ABSL_LOCKS_EXCLUDED(queued_mu_);
-  absl::Mutex queued_mu_;
-  bool step_queued_ ABSL_GUARDED_BY(queued_mu_) = true;
-  // Pushes during the backward pass (TrainerOptions.push_during_backward,
-  // where it applies): each variable's position in the backward order, the
-  // positions whose gradients are on the host and final this step, the
-  // step's verdict, and the thread that runs the lanes meanwhile.
-  bool push_early_ = false;
-  std::vector<int> backward_pos_;
-  allreduce::PieceReadiness grads_ready_;
-  StepVerdict verdict_;
-  std::unique_ptr<ThreadPool> exchange_caller_;
-  // The dtype of pulls and pushes: the job's wire dtype, or fp32 to a
-  // replica of an all-reduce job (in-process).
-  DataType exchange_dtype_ = DT_FLOAT;
-  // All-reduce jobs on the host ring: the spans each step's all-reduce
-  // averages (ring_loss_, the step's loss, then grads_ by variable).
-  std::vector<absl::Span<float>> ring_pieces_;
-  float ring_loss_ = 0;
-  // CPU workers of such a job: the all-reduce runs on ring_caller_ while
-  // the backward pass marks the pieces it completes in ring_ready_.
-  bool overlap_ring_ = false;
-  allreduce::PieceReadiness ring_ready_;
-  std::unique_ptr<ThreadPool> ring_caller_;
-  // Consecutive slices of one ps that travel together.
-  struct Lane {
-    LaneSpec spec;                  // its ps, slices and runs
-    std::vector<TensorSink> sinks;  // where the slices' weights land
-    std::vector<TensorRef> refs;    // the slices' gradients
-    // Each slice's first float within its variable (its rows' start).
-    std::vector<int64_t> first_float;
-    // Pulls that leave weights in the pull's shared region (borrow_pulls_):
-    // where each slice's values are after a pull (null: in its sink), the
-    // region's hold until the uploads from it are done, and their event.
-    std::vector<const void*> borrowed;
-    std::shared_ptr<const void> hold;
-    std::unique_ptr<kernels::Event> uploaded;
-  };
-  // Lets go of the lane's region once the uploads from it are done.
-  absl::Status ReleaseHold(Lane& lane);
-  std::vector<Lane> lanes_;
-  // GPU workers: pulled weights are uploaded straight from the pulls' shared
-  // regions (pinned for the GPU) where the ps writes them, in the wire
-  // dtype (16-bit values widened on the GPU), not decoded into the staging
-  // buffers first.
-  bool borrow_pulls_ = false;
-  std::atomic<bool> told_borrow_{false};  // the log said a pull's weights were borrowed
-  bool told_narrowed_ = false;            // the log said gradients are rounded on the GPU
-  // By variable: its number of slices, and during a round of pulls the
-  // number still to come (the lane that brings the last one uploads it).
-  std::vector<int> slices_of_;
-  std::unique_ptr<std::atomic<int>[]> to_come_;
+  bool told_narrowed_ = false;  // the log said gradients are rounded on the GPU
+  // Pushing during the backward pass: the host buckets' copies record
+  // events, and StepCopyingGradients tells the exchange of each.
+  bool copy_events_ = false;
+  // The exchange of the job's strategy (ps lanes, or the host ring).
+  // Declared after the buffers it reads: destroyed before them.
+  std::unique_ptr<Exchange> exchange_;
   Backoff register_backoff_;  // between registrations that end in no step
 
   mutable absl::Mutex mu_;
