@@ -947,21 +947,19 @@ TEST(ClusterCliTest, SecondProcessOnABusyPortExitsOne) {
   EXPECT_TRUE(first.running()) << first.Describe();
 }
 
-TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
-  Ports ports;
-  ASSERT_THAT(ports.p, SizeIs(6));
-  // Task 0 of `job` in a cluster of one chief, ps and worker, and `extra`.
-  auto task0 = [&](const std::string& job, std::vector<std::string> extra) {
-    std::vector<std::string> args = {"--job_name=" + job, "--task_id=0",
-                                     "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0),
-                                     "--worker_hosts=" + ports.worker(0)};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
-  };
-  auto chief = [&](std::vector<std::string> extra) { return task0("chief", std::move(extra)); };
-  const std::string model_dir = ::testing::TempDir() + "/psflow_bad_config_never_created";
-  std::filesystem::remove_all(model_dir);  // left by an earlier failing run
-  const std::vector<BadCase> cases = {
+// Task 0 of `job` in a cluster of one chief, ps and worker, and `extra`.
+std::vector<std::string> Task0Args(const Ports& ports, const std::string& job,
+                                   std::vector<std::string> extra) {
+  std::vector<std::string> args = {"--job_name=" + job, "--task_id=0",
+                                   "--chief_hosts=" + ports.chief(), "--ps_hosts=" + ports.ps(0),
+                                   "--worker_hosts=" + ports.worker(0)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// Cluster configurations a role cannot resolve.
+std::vector<BadCase> BadClusterConfigurations(const Ports& ports, const std::string& model_dir) {
+  return {
       {"malformed TF_CONFIG",
        "psflow-worker",
        {},
@@ -1000,6 +998,15 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
        {},
        {{"CLUSTER_CONFIG", HelmClusterConfig(ports)}, {"POD_NAME", "worker"}},
        "POD_NAME 'worker'"},
+  };
+}
+
+// Flags a role refuses, in a cluster it can resolve.
+std::vector<BadCase> BadFlags(const Ports& ports, const std::string& model_dir) {
+  auto chief = [&](std::vector<std::string> extra) {
+    return Task0Args(ports, "chief", std::move(extra));
+  };
+  return {
       {"unknown flag", "psflow-chief", {"--bogus"}, {}, "bogus", false},
       {"--epochs and --train_steps",
        "psflow-chief",
@@ -1024,39 +1031,51 @@ TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
        "--wire_dtype 'int8' is not one of fp32, bf16, fp16"},
       {"negative --min_push_run_bytes",
        "psflow-worker",
-       task0("worker", {"--min_push_run_bytes=-1"}),
+       Task0Args(ports, "worker", {"--min_push_run_bytes=-1"}),
        {},
        "--min_push_run_bytes must not be negative, got -1"},
       {"unknown --kernel_threads_wait",
        "psflow-worker",
-       task0("worker", {"--kernel_threads_wait=spin"}),
+       Task0Args(ports, "worker", {"--kernel_threads_wait=spin"}),
        {},
        "--kernel_threads_wait: 'spin' is not one of auto, keep, passive"},
       {"--metrics_port out of range",
        "psflow-ps",
-       task0("ps", {"--metrics_port=70000"}),
+       Task0Args(ports, "ps", {"--metrics_port=70000"}),
        {},
        "--metrics_port must be in [0, 65535], not 70000",
        false},
       {"negative --stop_grace",
        "psflow-ps",
-       task0("ps", {"--stop_grace=-1s"}),
+       Task0Args(ports, "ps", {"--stop_grace=-1s"}),
        {},
        "--stop_grace must be 0 (exit at once on a signal) or positive, not -1s"},
   };
-  for (const BadCase& c : cases) {
-    SCOPED_TRACE(c.what);
-    RunResult r = RunProcess(Bin(c.binary), c.args, c.env, seconds(10));
-    EXPECT_FALSE(r.timed_out) << r.description;
-    EXPECT_EQ(r.exit_code, 1) << r.description;
-    EXPECT_LT(r.seconds, 5.0) << r.description;
-    EXPECT_THAT(r.output, HasSubstr(c.expect)) << r.description;
-    if (c.one_line) {
-      EXPECT_EQ(r.out, "") << r.description;
-      EXPECT_THAT(Lines(r.err), SizeIs(1)) << r.description;
-      EXPECT_TRUE(!r.err.empty() && r.err.back() == '\n') << r.description;
-    }
+}
+
+// Runs `c`: it exits 1 within 5 s with its message (alone, as one line on
+// stderr, where c.one_line).
+void ExpectExitsOneQuickly(const BadCase& c) {
+  SCOPED_TRACE(c.what);
+  RunResult r = RunProcess(Bin(c.binary), c.args, c.env, seconds(10));
+  EXPECT_FALSE(r.timed_out) << r.description;
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_LT(r.seconds, 5.0) << r.description;
+  EXPECT_THAT(r.output, HasSubstr(c.expect)) << r.description;
+  if (c.one_line) {
+    EXPECT_EQ(r.out, "") << r.description;
+    EXPECT_THAT(Lines(r.err), SizeIs(1)) << r.description;
+    EXPECT_TRUE(!r.err.empty() && r.err.back() == '\n') << r.description;
   }
+}
+
+TEST(ClusterCliTest, BadConfigurationsExitOneQuickly) {
+  Ports ports;
+  ASSERT_THAT(ports.p, SizeIs(6));
+  const std::string model_dir = ::testing::TempDir() + "/psflow_bad_config_never_created";
+  std::filesystem::remove_all(model_dir);  // left by an earlier failing run
+  for (const BadCase& c : BadClusterConfigurations(ports, model_dir)) ExpectExitsOneQuickly(c);
+  for (const BadCase& c : BadFlags(ports, model_dir)) ExpectExitsOneQuickly(c);
   EXPECT_FALSE(std::filesystem::exists(model_dir));
 }
 

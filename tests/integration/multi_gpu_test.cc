@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "gmock/gmock.h"
@@ -114,6 +116,143 @@ TEST(MultiGpuTest, NcclMeanAndBroadcastMatchTheCpu) {
   EXPECT_EQ(got, fresh);
 }
 
+// One wire dtype of the peer group's means.
+struct PeerWireCase {
+  kernels::WireDtype wire;
+  DataType dtype;
+  double relative;  // one unit in the last place, relative
+};
+
+using MemberBuffers = std::vector<std::vector<float>>;  // [buffer]
+
+// Random inputs of the two members; member 0's buffer 1 opens with a NaN and
+// a value over fp16's largest (65504).
+std::vector<MemberBuffers> PeerGroupInputs(const std::vector<int64_t>& sizes) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<MemberBuffers> in(2);
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t n : sizes) {
+      std::vector<float> v(n);
+      for (float& x : v) x = normal(rng);
+      in[r].push_back(std::move(v));
+    }
+  }
+  in[0][1][0] = std::nanf("");
+  in[0][1][1] = 70000.0f;  // over fp16's largest (65504)
+  return in;
+}
+
+// A device buffer for each of `in`, holding it, and a last one of one float
+// (a loss).
+absl::StatusOr<std::vector<std::unique_ptr<kernels::Buffer>>> UploadBuffers(
+    kernels::Backend& b, const std::vector<int64_t>& sizes, const MemberBuffers& in) {
+  std::vector<std::unique_ptr<kernels::Buffer>> buffers;
+  for (size_t i = 0; i <= sizes.size(); ++i) {  // the last: a loss
+    absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf =
+        b.Allocate(i < sizes.size() ? sizes[i] : 1);
+    if (!buf.ok()) return buf.status();
+    if (i < sizes.size()) {
+      absl::Status s = b.CopyToDevice(in[i].data(), sizes[i], (*buf)->data());
+      if (!s.ok()) return s;
+    }
+    buffers.push_back(*std::move(buf));
+  }
+  return buffers;
+}
+
+// A negative size is refused before anything reaches NCCL: the group goes on.
+absl::Status CheckNegativeSizeRefused(kernels::PeerGroup& group, float* loss, absl::Time deadline) {
+  const absl::Status refused = group.AllReduceMean({loss}, {-1}, deadline, [] { return false; });
+  if (!absl::IsInvalidArgument(refused)) {
+    return absl::InternalError(absl::StrCat("a negative size gave: ", refused.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+// Member `r` of peer group `id` on cuda:r: two steps of the buckets' means
+// and a loss's, then its buffers as they end.
+absl::StatusOr<MemberBuffers> RunPeerMember(int r, const std::string& id, const PeerWireCase& c,
+                                            const std::vector<int64_t>& sizes,
+                                            const MemberBuffers& in) {
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+      kernels::CreateBackend(r == 0 ? "cuda:0" : "cuda:1");
+  if (!backend.ok()) return backend.status();
+  kernels::Backend& b = **backend;
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group =
+      kernels::JoinPeerGroup(&b, id, r, 2, c.wire, deadline, [] { return false; });
+  if (!group.ok()) return group.status();
+  absl::StatusOr<std::vector<std::unique_ptr<kernels::Buffer>>> buffers =
+      UploadBuffers(b, sizes, in);
+  if (!buffers.ok()) return buffers.status();
+  std::vector<std::unique_ptr<kernels::Buffer>>& bufs = *buffers;
+  absl::StatusOr<std::unique_ptr<kernels::Event>> event = b.CreateEvent();
+  if (!event.ok()) return event.status();
+  absl::Status s = b.RecordEvent(event->get());
+  // Two buckets: the large buffer, an empty one and the small one, then
+  // the single float.
+  float empty = 0;
+  std::vector<kernels::PeerGroup::Bucket> buckets(2);
+  buckets[0] = {event->get(), {bufs[0]->data(), &empty, bufs[1]->data()}, {sizes[0], 0, sizes[1]}};
+  buckets[1] = {event->get(), {bufs[2]->data()}, {sizes[2]}};
+  if (s.ok()) s = CheckNegativeSizeRefused(**group, bufs[3]->data(), deadline);
+  // Twice: the second step reuses the buckets' tables.
+  for (int step = 0; step < 2 && s.ok(); ++step) {
+    if (step == 1) {
+      for (size_t i = 0; s.ok() && i < sizes.size(); ++i) {
+        s = b.CopyToDevice(in[i].data(), sizes[i], bufs[i]->data());
+      }
+      if (s.ok()) s = b.RecordEvent(event->get());
+    }
+    if (s.ok()) s = (*group)->QueueAllReduceMeans(buckets, deadline, [] { return false; });
+    if (s.ok()) s = (*group)->AllReduceMean({bufs[3]->data()}, {1}, deadline, [] { return false; });
+  }
+  MemberBuffers out;
+  for (size_t i = 0; s.ok() && i < sizes.size(); ++i) {
+    std::vector<float> got(sizes[i]);
+    s = b.CopyToHost(bufs[i]->data(), sizes[i], got.data());
+    out.push_back(std::move(got));
+  }
+  if (!s.ok()) return s;
+  return out;
+}
+
+// `v` rounded to the wire dtype of `c` and back.
+float RoundToWire(const PeerWireCase& c, float v) {
+  if (c.dtype == DT_FLOAT) return v;
+  char bytes[4];
+  EncodeFloats(c.dtype, &v, 1, bytes);
+  float back = 0;
+  DecodeFloats(c.dtype, bytes, 1, &back);
+  return back;
+}
+
+// Both members hold the same bits: the mean of the inputs rounded to the
+// wire dtype, rounded again; NaN kept, what fp16 cannot hold an infinity.
+void ExpectPeerMeans(const PeerWireCase& c, const std::vector<int64_t>& sizes,
+                     const std::vector<MemberBuffers>& in, const std::vector<MemberBuffers>& out) {
+  auto round = [&](float v) { return RoundToWire(c, v); };
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (int64_t k = 0; k < sizes[i]; ++k) {
+      const float got = out[0][i][k];
+      ASSERT_EQ(std::memcmp(&got, &out[1][i][k], sizeof(float)), 0)
+          << "the members differ at buffer " << i << " element " << k;
+      const double want = (static_cast<double>(round(in[0][i][k])) + round(in[1][i][k])) / 2;
+      if (i == 1 && k == 0) {
+        EXPECT_TRUE(std::isnan(got)) << got;
+      } else if (i == 1 && k == 1 && c.dtype == DT_HALF) {
+        EXPECT_TRUE(std::isinf(got)) << got;
+      } else {
+        ASSERT_EQ(round(got), got)
+            << "not a value of the wire dtype, buffer " << i << " element " << k;
+        ASSERT_NEAR(got, want, c.relative * std::abs(want) + 0x1p-24)
+            << "buffer " << i << " element " << k;
+      }
+    }
+  }
+}
+
 // The group of single-GPU workers without ps (kernels::PeerGroup), its two
 // members on two threads of this process: the buckets' means in each wire
 // dtype, against the host. In fp32 the mean of the inputs; in bf16 and fp16
@@ -123,121 +262,20 @@ TEST(MultiGpuTest, NcclMeanAndBroadcastMatchTheCpu) {
 TEST(MultiGpuTest, PeerGroupMeansInEachWireDtype) {
   REQUIRE_TWO_GPUS();
   const std::vector<int64_t> sizes = {1 << 20, 4099, 1};
-  struct Case {
-    kernels::WireDtype wire;
-    DataType dtype;
-    double relative;  // one unit in the last place, relative
-  };
-  for (const Case& c : {Case{kernels::WireDtype::kFloat32, DT_FLOAT, 1e-6},
-                        Case{kernels::WireDtype::kBfloat16, DT_BFLOAT16, 0x1p-7},
-                        Case{kernels::WireDtype::kFloat16, DT_HALF, 0x1p-10}}) {
+  for (const PeerWireCase& c : {PeerWireCase{kernels::WireDtype::kFloat32, DT_FLOAT, 1e-6},
+                                PeerWireCase{kernels::WireDtype::kBfloat16, DT_BFLOAT16, 0x1p-7},
+                                PeerWireCase{kernels::WireDtype::kFloat16, DT_HALF, 0x1p-10}}) {
     SCOPED_TRACE(DataType_Name(c.dtype));
     absl::StatusOr<std::string> id = kernels::NewPeerGroupId();
     ASSERT_TRUE(id.ok()) << id.status();
-    std::mt19937 rng(11);
-    std::normal_distribution<float> normal;
-    std::vector<std::vector<std::vector<float>>> in(2), out(2);  // [member][buffer]
-    for (int r = 0; r < 2; ++r) {
-      for (int64_t n : sizes) {
-        std::vector<float> v(n);
-        for (float& x : v) x = normal(rng);
-        in[r].push_back(std::move(v));
-      }
-    }
-    in[0][1][0] = std::nanf("");
-    in[0][1][1] = 70000.0f;  // over fp16's largest (65504)
-    std::vector<absl::Status> status(2);
-    auto member = [&](int r) {
-      auto fail = [&](const absl::Status& s) { status[r] = s; };
-      absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
-          kernels::CreateBackend(r == 0 ? "cuda:0" : "cuda:1");
-      if (!backend.ok()) return fail(backend.status());
-      kernels::Backend& b = **backend;
-      const absl::Time deadline = absl::Now() + absl::Seconds(60);
-      absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> group =
-          kernels::JoinPeerGroup(&b, *id, r, 2, c.wire, deadline, [] { return false; });
-      if (!group.ok()) return fail(group.status());
-      std::vector<std::unique_ptr<kernels::Buffer>> buffers;
-      for (size_t i = 0; i <= sizes.size(); ++i) {  // the last: a loss
-        absl::StatusOr<std::unique_ptr<kernels::Buffer>> buf =
-            b.Allocate(i < sizes.size() ? sizes[i] : 1);
-        if (!buf.ok()) return fail(buf.status());
-        if (i < sizes.size()) {
-          absl::Status s = b.CopyToDevice(in[r][i].data(), sizes[i], (*buf)->data());
-          if (!s.ok()) return fail(s);
-        }
-        buffers.push_back(*std::move(buf));
-      }
-      absl::StatusOr<std::unique_ptr<kernels::Event>> event = b.CreateEvent();
-      if (!event.ok()) return fail(event.status());
-      absl::Status s = b.RecordEvent(event->get());
-      // Two buckets: the large buffer, an empty one and the small one, then
-      // the single float.
-      float empty = 0;
-      std::vector<kernels::PeerGroup::Bucket> buckets(2);
-      buckets[0] = {
-          event->get(), {buffers[0]->data(), &empty, buffers[1]->data()}, {sizes[0], 0, sizes[1]}};
-      buckets[1] = {event->get(), {buffers[2]->data()}, {sizes[2]}};
-      // A negative size is refused before anything reaches NCCL: the group
-      // goes on (the steps below).
-      if (s.ok()) {
-        const absl::Status refused =
-            (*group)->AllReduceMean({buffers[3]->data()}, {-1}, deadline, [] { return false; });
-        if (!absl::IsInvalidArgument(refused)) {
-          s = absl::InternalError(absl::StrCat("a negative size gave: ", refused.ToString()));
-        }
-      }
-      // Twice: the second step reuses the buckets' tables.
-      for (int step = 0; step < 2 && s.ok(); ++step) {
-        if (step == 1) {
-          for (size_t i = 0; s.ok() && i < sizes.size(); ++i) {
-            s = b.CopyToDevice(in[r][i].data(), sizes[i], buffers[i]->data());
-          }
-          if (s.ok()) s = b.RecordEvent(event->get());
-        }
-        if (s.ok()) s = (*group)->QueueAllReduceMeans(buckets, deadline, [] { return false; });
-        if (s.ok()) {
-          s = (*group)->AllReduceMean({buffers[3]->data()}, {1}, deadline, [] { return false; });
-        }
-      }
-      for (size_t i = 0; s.ok() && i < sizes.size(); ++i) {
-        std::vector<float> got(sizes[i]);
-        s = b.CopyToHost(buffers[i]->data(), sizes[i], got.data());
-        out[r].push_back(std::move(got));
-      }
-      status[r] = s;
-    };
-    std::thread other(member, 1);
-    member(0);
+    const std::vector<MemberBuffers> in = PeerGroupInputs(sizes);
+    std::vector<absl::StatusOr<MemberBuffers>> result(2);
+    std::thread other([&] { result[1] = RunPeerMember(1, *id, c, sizes, in[1]); });
+    result[0] = RunPeerMember(0, *id, c, sizes, in[0]);
     other.join();
-    ASSERT_TRUE(status[0].ok()) << status[0];
-    ASSERT_TRUE(status[1].ok()) << status[1];
-    auto round = [&](float v) {
-      if (c.dtype == DT_FLOAT) return v;
-      char bytes[4];
-      EncodeFloats(c.dtype, &v, 1, bytes);
-      float back = 0;
-      DecodeFloats(c.dtype, bytes, 1, &back);
-      return back;
-    };
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      for (int64_t k = 0; k < sizes[i]; ++k) {
-        const float got = out[0][i][k];
-        ASSERT_EQ(std::memcmp(&got, &out[1][i][k], sizeof(float)), 0)
-            << "the members differ at buffer " << i << " element " << k;
-        const double want = (static_cast<double>(round(in[0][i][k])) + round(in[1][i][k])) / 2;
-        if (i == 1 && k == 0) {
-          EXPECT_TRUE(std::isnan(got)) << got;
-        } else if (i == 1 && k == 1 && c.dtype == DT_HALF) {
-          EXPECT_TRUE(std::isinf(got)) << got;
-        } else {
-          ASSERT_EQ(round(got), got)
-              << "not a value of the wire dtype, buffer " << i << " element " << k;
-          ASSERT_NEAR(got, want, c.relative * std::abs(want) + 0x1p-24)
-              << "buffer " << i << " element " << k;
-        }
-      }
-    }
+    ASSERT_TRUE(result[0].ok()) << result[0].status();
+    ASSERT_TRUE(result[1].ok()) << result[1].status();
+    ASSERT_NO_FATAL_FAILURE(ExpectPeerMeans(c, sizes, in, {*result[0], *result[1]}));
   }
 }
 
