@@ -156,6 +156,24 @@ class ObservabilityTest : public TempDirTest {
     }
   }
 
+  // ScrapeAndParse of each (name, metrics port) of `roles`, by name.
+  std::map<std::string, Scrape> ScrapeAll(const std::vector<std::pair<std::string, int>>& roles) {
+    std::map<std::string, Scrape> scrapes;
+    for (const auto& [name, port] : roles) scrapes[name] = ScrapeAndParse(port, name);
+    return scrapes;
+  }
+
+  // The examples the chief at metrics port `port` has counted; then waits (up
+  // to about 30 s) for it to count more.
+  double ExamplesThenWaitForMore(int port) {
+    const double examples = ScrapeAndParse(port, "chief").Value("psflow_examples_total");
+    for (int i = 0; i < 300; ++i) {
+      if (ScrapeAndParse(port, "chief").Value("psflow_examples_total") > examples) break;
+      std::this_thread::sleep_for(milliseconds(100));
+    }
+    return examples;
+  }
+
   int scrapes_ = 0;
   std::string skip_;  // why the parser could not run
 };
@@ -249,80 +267,116 @@ const std::map<std::string, std::string> kEvaluatorFamilies = {
 };
 
 // A chief, one ps, two workers and an evaluator, each with --metrics_port,
-// train the mlp (evaluated every 100 steps). The evaluator is left out of the
-// cluster, as the training operator leaves it out of TF_CONFIG: it listens on
-// no gRPC port, and its metrics port answers its probes. Scraped twice while
-// training, every counter that counts work has moved, and the chief's eval
-// gauges follow the evaluator's. Then the ps is killed and comes back 3 s
-// later (so the chief's look at it fails, or times out, and the workers' and
-// the evaluator's calls fail): the chief reloads it from the checkpoint, and
-// every role serves every metric, the failed calls counted by code.
-TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
-  const std::vector<int> p = FreePorts(10);
-  ASSERT_THAT(p, SizeIs(10));
-  // gRPC: chief, ps, worker0, worker1 (p[4] unused: the evaluator listens on
-  // none); metrics: chief, ps, worker0, worker1, evaluator0.
-  const std::vector<std::string> hosts = {"--chief_hosts=" + Addr(p[0]), "--ps_hosts=" + Addr(p[1]),
-                                          "--worker_hosts=" + Addr(p[2]) + "," + Addr(p[3])};
-  auto args = [&](const std::string& role, int index, int metrics_port) {
+// training the mlp (evaluated every 100 steps), started on construction,
+// killed (SIGKILL) on destruction if still running. Ports `p`: gRPC chief,
+// ps, worker0, worker1 (p[4] unused: the evaluator listens on none); metrics
+// chief, ps, worker0, worker1, evaluator0.
+class MetricsCluster {
+ public:
+  MetricsCluster(std::vector<int> p, const std::string& model_dir)
+      : p_(std::move(p)),
+        hosts_({"--chief_hosts=" + Addr(p_[0]), "--ps_hosts=" + Addr(p_[1]),
+                "--worker_hosts=" + Addr(p_[2]) + "," + Addr(p_[3])}),
+        ps_(std::make_unique<Process>(Bin("psflow-ps"), Args("ps", 0, p_[6]))),
+        worker0_(Bin("psflow-worker"), Args("worker", 0, p_[7])),
+        worker1_(Bin("psflow-worker"), Args("worker", 1, p_[8])),
+        evaluator_(Bin("psflow-evaluator"), EvaluatorArgs()),
+        chief_(Bin("psflow-chief"), ChiefArgs(model_dir)) {}
+
+  Process& chief() { return chief_; }
+  Process& evaluator() { return evaluator_; }
+  // Each role's name and metrics port.
+  std::vector<std::pair<std::string, int>> MetricsPorts() const {
+    return {{"chief", p_[5]},
+            {"ps", p_[6]},
+            {"worker0", p_[7]},
+            {"worker1", p_[8]},
+            {"evaluator", p_[9]}};
+  }
+
+  // For failure messages: every process's.
+  std::string Describe() const {
+    return "\n===== chief\n" + chief_.Describe() + "\n===== ps\n" + ps_->Describe() +
+           "\n===== worker0\n" + worker0_.Describe() + "\n===== worker1\n" + worker1_.Describe() +
+           "\n===== evaluator\n" + evaluator_.Describe();
+  }
+
+  // The ps goes away for longer than the chief's look at it may take (2 s),
+  // then a new one starts on the same ports.
+  void KillAndRestartPs() {
+    ps_->Signal(SIGKILL);
+    ps_->WaitOrKill(seconds(10));
+    std::this_thread::sleep_for(milliseconds(3000));
+    ps_ = std::make_unique<Process>(Bin("psflow-ps"), Args("ps", 0, p_[6]));
+  }
+
+  // SIGTERM to the chief (which exits 128 + SIGTERM), then to the others.
+  void Stop() {
+    chief_.Signal(SIGTERM);
+    EXPECT_EQ(chief_.WaitOrKill(seconds(60)), 128 + SIGTERM) << Describe();
+    for (Process* other : {ps_.get(), &worker0_, &worker1_, &evaluator_}) other->Signal(SIGTERM);
+    for (Process* other : {ps_.get(), &worker0_, &worker1_, &evaluator_}) {
+      other->WaitOrKill(seconds(20));
+    }
+  }
+
+ private:
+  std::vector<std::string> Args(const std::string& role, int index, int metrics_port) const {
     std::vector<std::string> a = {"--job_name=" + role, "--task_id=" + std::to_string(index),
                                   "--metrics_port=" + std::to_string(metrics_port)};
-    a.insert(a.end(), hosts.begin(), hosts.end());
+    a.insert(a.end(), hosts_.begin(), hosts_.end());
     return a;
-  };
-  std::vector<std::string> chief_args = args("chief", 0, p[5]);
-  for (const char* a : {"--model=mlp", "--train_steps=1000000", "--log_every_steps=20",
-                        "--checkpoint_every_steps=40", "--eval_every_steps=100",
-                        "--eval_every_secs=0", "--compute_threads=1"}) {
-    chief_args.push_back(a);
   }
-  chief_args.push_back("--model_dir=" + dir_ + "/model");
-  auto ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[6]));
-  Process worker0(Bin("psflow-worker"), args("worker", 0, p[7]));
-  Process worker1(Bin("psflow-worker"), args("worker", 1, p[8]));
-  std::vector<std::string> evaluator_args = args("evaluator", 0, p[9]);
-  evaluator_args.push_back("--compute_threads=1");
-  Process evaluator(Bin("psflow-evaluator"), evaluator_args);
-  Process chief(Bin("psflow-chief"), chief_args);
-  auto describe = [&] {
-    return "\n===== chief\n" + chief.Describe() + "\n===== ps\n" + ps->Describe() +
-           "\n===== worker0\n" + worker0.Describe() + "\n===== worker1\n" + worker1.Describe() +
-           "\n===== evaluator\n" + evaluator.Describe();
-  };
-  ASSERT_TRUE(chief.WaitForOutput("checkpoint of step", seconds(120))) << describe();
-  ASSERT_TRUE(chief.WaitForOutput("chief] step 60/", seconds(60))) << describe();
-  ASSERT_TRUE(chief.WaitForOutput("chief] eval: step ", seconds(60))) << describe();
+  std::vector<std::string> EvaluatorArgs() const {
+    std::vector<std::string> a = Args("evaluator", 0, p_[9]);
+    a.push_back("--compute_threads=1");
+    return a;
+  }
+  std::vector<std::string> ChiefArgs(const std::string& model_dir) const {
+    std::vector<std::string> a = Args("chief", 0, p_[5]);
+    for (const char* flag : {"--model=mlp", "--train_steps=1000000", "--log_every_steps=20",
+                             "--checkpoint_every_steps=40", "--eval_every_steps=100",
+                             "--eval_every_secs=0", "--compute_threads=1"}) {
+      a.push_back(flag);
+    }
+    a.push_back("--model_dir=" + model_dir);
+    return a;
+  }
 
-  const std::vector<std::pair<std::string, int>> roles = {
-      {"chief", p[5]}, {"ps", p[6]}, {"worker0", p[7]}, {"worker1", p[8]}, {"evaluator", p[9]}};
-  std::map<std::string, Scrape> first, second;
-  for (const auto& [name, port] : roles) first[name] = ScrapeAndParse(port, name);
-  if (!skip_.empty()) GTEST_SKIP() << skip_;
-  std::this_thread::sleep_for(milliseconds(1500));
-  for (const auto& [name, port] : roles) second[name] = ScrapeAndParse(port, name);
-  ASSERT_FALSE(HasFailure()) << describe();
+  const std::vector<int> p_;
+  const std::vector<std::string> hosts_;
+  std::unique_ptr<Process> ps_;  // replaced when restarted
+  Process worker0_, worker1_, evaluator_, chief_;
+};
 
-  // Training moves the counters between the two scrapes.
-  EXPECT_GT(second["chief"].Value("psflow_examples_total"),
-            first["chief"].Value("psflow_examples_total"));
-  EXPECT_GT(second["chief"].Value("psflow_global_step"),
-            first["chief"].Value("psflow_global_step"));
-  EXPECT_GT(second["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"),
-            first["chief"].Value("psflow_step_phase_seconds_total", "phase=compute"));
-  EXPECT_GT(second["ps"].Value("psflow_ps_applied_steps_total"),
-            first["ps"].Value("psflow_ps_applied_steps_total"));
-  EXPECT_GT(second["ps"].Value("psflow_ps_push_bytes_count"),
-            first["ps"].Value("psflow_ps_push_bytes_count"));
+// Training moves the counters between the two scrapes.
+void ExpectCountersMoved(const std::map<std::string, Scrape>& first,
+                         const std::map<std::string, Scrape>& second) {
+  EXPECT_GT(second.at("chief").Value("psflow_examples_total"),
+            first.at("chief").Value("psflow_examples_total"));
+  EXPECT_GT(second.at("chief").Value("psflow_global_step"),
+            first.at("chief").Value("psflow_global_step"));
+  EXPECT_GT(second.at("chief").Value("psflow_step_phase_seconds_total", "phase=compute"),
+            first.at("chief").Value("psflow_step_phase_seconds_total", "phase=compute"));
+  EXPECT_GT(second.at("ps").Value("psflow_ps_applied_steps_total"),
+            first.at("ps").Value("psflow_ps_applied_steps_total"));
+  EXPECT_GT(second.at("ps").Value("psflow_ps_push_bytes_count"),
+            first.at("ps").Value("psflow_ps_push_bytes_count"));
   for (const std::string w : {"worker0", "worker1"}) {
-    EXPECT_GT(second[w].Value("psflow_push_bytes_count"), first[w].Value("psflow_push_bytes_count"))
+    EXPECT_GT(second.at(w).Value("psflow_push_bytes_count"),
+              first.at(w).Value("psflow_push_bytes_count"))
         << w;
-    EXPECT_GT(second[w].Value("psflow_pull_bytes_sum"), first[w].Value("psflow_pull_bytes_sum"))
+    EXPECT_GT(second.at(w).Value("psflow_pull_bytes_sum"),
+              first.at(w).Value("psflow_pull_bytes_sum"))
         << w;
-    EXPECT_GT(second[w].Value("psflow_worker_step"), first[w].Value("psflow_worker_step")) << w;
+    EXPECT_GT(second.at(w).Value("psflow_worker_step"), first.at(w).Value("psflow_worker_step"))
+        << w;
   }
-  // The evaluator evaluated (every 100 steps), and the chief logged what it
-  // reported: the chief, scraped first, is at most at the evaluator's step.
-  const Scrape& e = second["evaluator"];
+}
+
+// The evaluator evaluated (every 100 steps), and the chief logged what it
+// reported: the chief, scraped first, is at most at the evaluator's step.
+void ExpectEvaluationsReported(const Scrape& e, const Scrape& chief) {
   EXPECT_GE(e.Value("psflow_evaluator_evaluations_total"), 1) << e.text;
   EXPECT_EQ(e.Value("psflow_evaluator_seconds_count"),
             e.Value("psflow_evaluator_evaluations_total"));
@@ -331,20 +385,15 @@ TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
   EXPECT_GT(e.Value("psflow_evaluator_loss"), 0);
   EXPECT_GE(e.Value("psflow_evaluator_accuracy"), 0);
   EXPECT_LE(e.Value("psflow_evaluator_accuracy"), 1);
-  EXPECT_GE(second["chief"].Value("psflow_eval_step"), 100) << second["chief"].text;
-  EXPECT_LE(second["chief"].Value("psflow_eval_step"), e.Value("psflow_evaluator_step"));
-  EXPECT_GT(second["chief"].Value("psflow_eval_loss"), 0);
-  EXPECT_GE(second["chief"].Value("psflow_eval_accuracy"), 0);
-  EXPECT_LE(second["chief"].Value("psflow_eval_accuracy"), 1);
-  // Registered with the chief: ready, as its metrics port tells.
-  EXPECT_EQ(HttpStatus(p[9], "/readyz"), "200");
-  EXPECT_EQ(HttpStatus(p[9], "/healthz"), "200");
-  for (int port : {p[5], p[6], p[7], p[8]}) {
-    EXPECT_EQ(HttpStatus(port, "/readyz"), "200") << port;
-    EXPECT_EQ(HttpStatus(port, "/healthz"), "200") << port;
-  }
-  // Values that follow from the job.
-  const Scrape& c = second["chief"];
+  EXPECT_GE(chief.Value("psflow_eval_step"), 100) << chief.text;
+  EXPECT_LE(chief.Value("psflow_eval_step"), e.Value("psflow_evaluator_step"));
+  EXPECT_GT(chief.Value("psflow_eval_loss"), 0);
+  EXPECT_GE(chief.Value("psflow_eval_accuracy"), 0);
+  EXPECT_LE(chief.Value("psflow_eval_accuracy"), 1);
+}
+
+// Values of the chief's (`c`) and the ps's metrics that follow from the job.
+void ExpectJobValues(const Scrape& c, const Scrape& ps) {
   EXPECT_EQ(c.Value("psflow_workers"), 2);
   EXPECT_EQ(c.Value("psflow_live_workers"), 2);
   EXPECT_EQ(c.Value("psflow_ps"), 1);
@@ -360,47 +409,78 @@ TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
   // The mlp's 784*256 + 256 + 256*256 + 256 + 256*10 + 10 floats, with no optimizer slots (sgd).
   EXPECT_EQ(c.Value("psflow_checkpoint_bytes"), 4.0 * (784 * 256 + 256 + 256 * 256 + 256 + 2570));
   // A histogram's +Inf bucket is its count.
-  EXPECT_EQ(second["ps"].Value("psflow_ps_push_seconds_bucket", "le=+Inf"),
-            second["ps"].Value("psflow_ps_push_seconds_count"));
+  EXPECT_EQ(ps.Value("psflow_ps_push_seconds_bucket", "le=+Inf"),
+            ps.Value("psflow_ps_push_seconds_count"));
+}
 
-  // The ps goes away for longer than the chief's look at it may take (2 s).
-  ps->Signal(SIGKILL);
-  ps->WaitOrKill(seconds(10));
-  std::this_thread::sleep_for(milliseconds(3000));
-  ps = std::make_unique<Process>(Bin("psflow-ps"), args("ps", 0, p[6]));
-  ASSERT_TRUE(chief.WaitForOutput("parameter servers reloaded", seconds(60))) << describe();
-  // Training goes on: the workers have registered again.
-  const double examples = ScrapeAndParse(p[5], "chief").Value("psflow_examples_total");
-  for (int i = 0; i < 300; ++i) {
-    if (ScrapeAndParse(p[5], "chief").Value("psflow_examples_total") > examples) break;
-    std::this_thread::sleep_for(milliseconds(100));
+// Failed calls, by code: the chief's look at the ps failed (UNAVAILABLE if
+// it was under way when the ps died, else DEADLINE_EXCEEDED), and so did the
+// workers' calls under way.
+void ExpectFailedCallsCounted(const std::map<std::string, Scrape>& scrapes) {
+  const Scrape& chief = scrapes.at("chief");
+  EXPECT_GE(chief.Sum("psflow_rpc_errors_total"), 1) << chief.text;
+  EXPECT_THAT(chief.text, ::testing::ContainsRegex(
+                              "psflow_rpc_errors_total\\{service=\"psflow.ParameterServer\","
+                              "method=\"GetState\",code=\"(UNAVAILABLE|DEADLINE_EXCEEDED)\"\\}"));
+  for (const std::string w : {"worker0", "worker1", "evaluator"}) {
+    EXPECT_GE(scrapes.at(w).Sum("psflow_rpc_errors_total"), 1) << w << "\n" << scrapes.at(w).text;
   }
-  // So has the evaluator.
-  EXPECT_TRUE(WaitForHttpStatus(p[9], "/readyz", "200", seconds(30))) << evaluator.Describe();
-  std::map<std::string, Scrape> third;
-  for (const auto& [name, port] : roles) third[name] = ScrapeAndParse(port, name);
-  ExpectFamilies(third["chief"], kChiefFamilies, "chief");
-  ExpectFamilies(third["ps"], kPsFamilies, "the restarted ps");
-  ExpectFamilies(third["worker0"], kWorkerFamilies, "worker0");
-  ExpectFamilies(third["worker1"], kWorkerFamilies, "worker1");
-  ExpectFamilies(third["evaluator"], kEvaluatorFamilies, "the evaluator");
-  EXPECT_GT(third["chief"].Value("psflow_examples_total"), examples);
-  // Failed calls, by code: the chief's look at the ps failed (UNAVAILABLE if
-  // it was under way when the ps died, else DEADLINE_EXCEEDED), and so did the
-  // workers' calls under way.
-  EXPECT_GE(third["chief"].Sum("psflow_rpc_errors_total"), 1) << third["chief"].text;
-  EXPECT_THAT(
-      third["chief"].text,
-      ::testing::ContainsRegex("psflow_rpc_errors_total\\{service=\"psflow.ParameterServer\","
-                               "method=\"GetState\",code=\"(UNAVAILABLE|DEADLINE_EXCEEDED)\"\\}"));
-  for (const std::string w : {"worker0", "worker1", "evaluator"})
-    EXPECT_GE(third[w].Sum("psflow_rpc_errors_total"), 1) << w << "\n" << third[w].text;
+}
 
-  chief.Signal(SIGTERM);
-  EXPECT_EQ(chief.WaitOrKill(seconds(60)), 128 + SIGTERM) << describe();
-  for (Process* other : {ps.get(), &worker0, &worker1, &evaluator}) other->Signal(SIGTERM);
-  for (Process* other : {ps.get(), &worker0, &worker1, &evaluator}) other->WaitOrKill(seconds(20));
-  if (HasFailure()) ADD_FAILURE() << describe();
+// A chief, one ps, two workers and an evaluator, each with --metrics_port,
+// train the mlp (evaluated every 100 steps). The evaluator is left out of the
+// cluster, as the training operator leaves it out of TF_CONFIG: it listens on
+// no gRPC port, and its metrics port answers its probes. Scraped twice while
+// training, every counter that counts work has moved, and the chief's eval
+// gauges follow the evaluator's. Then the ps is killed and comes back 3 s
+// later (so the chief's look at it fails, or times out, and the workers' and
+// the evaluator's calls fail): the chief reloads it from the checkpoint, and
+// every role serves every metric, the failed calls counted by code.
+TEST_F(ObservabilityTest, EveryRoleServesMetricsWhileTraining) {
+  const std::vector<int> p = FreePorts(10);
+  ASSERT_THAT(p, SizeIs(10));
+  MetricsCluster cluster(p, dir_ + "/model");
+  Process& chief = cluster.chief();
+  ASSERT_TRUE(chief.WaitForOutput("checkpoint of step", seconds(120))) << cluster.Describe();
+  ASSERT_TRUE(chief.WaitForOutput("chief] step 60/", seconds(60))) << cluster.Describe();
+  ASSERT_TRUE(chief.WaitForOutput("chief] eval: step ", seconds(60))) << cluster.Describe();
+
+  const std::vector<std::pair<std::string, int>> roles = cluster.MetricsPorts();
+  const std::map<std::string, Scrape> first = ScrapeAll(roles);
+  if (!skip_.empty()) GTEST_SKIP() << skip_;
+  std::this_thread::sleep_for(milliseconds(1500));
+  const std::map<std::string, Scrape> second = ScrapeAll(roles);
+  ASSERT_FALSE(HasFailure()) << cluster.Describe();
+
+  ExpectCountersMoved(first, second);
+  ExpectEvaluationsReported(second.at("evaluator"), second.at("chief"));
+  // Registered with the chief: ready, as its metrics port tells.
+  EXPECT_EQ(HttpStatus(p[9], "/readyz"), "200");
+  EXPECT_EQ(HttpStatus(p[9], "/healthz"), "200");
+  for (int port : {p[5], p[6], p[7], p[8]}) {
+    EXPECT_EQ(HttpStatus(port, "/readyz"), "200") << port;
+    EXPECT_EQ(HttpStatus(port, "/healthz"), "200") << port;
+  }
+  ExpectJobValues(second.at("chief"), second.at("ps"));
+
+  cluster.KillAndRestartPs();
+  ASSERT_TRUE(chief.WaitForOutput("parameter servers reloaded", seconds(60))) << cluster.Describe();
+  // Training goes on: the workers have registered again.
+  const double examples = ExamplesThenWaitForMore(p[5]);
+  // So has the evaluator.
+  EXPECT_TRUE(WaitForHttpStatus(p[9], "/readyz", "200", seconds(30)))
+      << cluster.evaluator().Describe();
+  const std::map<std::string, Scrape> third = ScrapeAll(roles);
+  ExpectFamilies(third.at("chief"), kChiefFamilies, "chief");
+  ExpectFamilies(third.at("ps"), kPsFamilies, "the restarted ps");
+  ExpectFamilies(third.at("worker0"), kWorkerFamilies, "worker0");
+  ExpectFamilies(third.at("worker1"), kWorkerFamilies, "worker1");
+  ExpectFamilies(third.at("evaluator"), kEvaluatorFamilies, "the evaluator");
+  EXPECT_GT(third.at("chief").Value("psflow_examples_total"), examples);
+  ExpectFailedCallsCounted(third);
+
+  cluster.Stop();
+  if (HasFailure()) ADD_FAILURE() << cluster.Describe();
 }
 
 // `n` consecutive ports that are free now (for psflow-launch
