@@ -85,16 +85,37 @@ TEST(SpecTest, MlpVariables) {
                           Var{"fc3/weights", {10, 256}}, Var{"fc3/bias", {10}}));
 }
 
-TEST(SpecTest, ResnetVariablesAndShapes) {
-  absl::StatusOr<ModelSpec> spec = ResolveModelSpec("resnet");
-  ASSERT_TRUE(spec.ok()) << spec.status();
-  EXPECT_EQ(spec->name(), "resnet");
-  EXPECT_EQ(spec->input().channels(), 3);
-  EXPECT_EQ(spec->input().height(), 32);
-  EXPECT_EQ(spec->input().width(), 32);
-  EXPECT_EQ(spec->num_classes(), 10);
+// A sample of ResNet-18's variables and their shapes.
+std::vector<std::pair<std::string, std::vector<int64_t>>> ResnetSampleShapes() {
+  return {
+      {"conv1/weights", {64, 3, 3, 3}},
+      {"bn1/gamma", {64}},
+      {"bn1/beta", {64}},
+      {"bn1/running_mean", {64}},
+      {"bn1/running_var", {64}},
+      {"s4b1_proj_bn/running_var", {512}},
+      {"s1b1_conv1/weights", {64, 64, 3, 3}},
+      {"s1b2_conv2/weights", {64, 64, 3, 3}},
+      {"s2b1_conv1/weights", {128, 64, 3, 3}},
+      {"s2b1_conv2/weights", {128, 128, 3, 3}},
+      {"s2b1_bn2/gamma", {128}},
+      {"s2b1_proj/weights", {128, 64, 1, 1}},
+      {"s2b1_proj_bn/gamma", {128}},
+      {"s2b1_proj_bn/beta", {128}},
+      {"s3b1_proj/weights", {256, 128, 1, 1}},
+      {"s4b1_proj/weights", {512, 256, 1, 1}},
+      {"s4b2_conv2/weights", {512, 512, 3, 3}},
+      {"s4b2_bn2/beta", {512}},
+      {"fc/weights", {10, 512}},
+      {"fc/bias", {10}},
+  };
+}
 
-  const std::vector<VariableShape> vars = ModelVariables(*spec);
+// Each of ResNet-18's variables once, only the running statistics not
+// trainable, no convolution with a bias; the shapes of a sample of them, and
+// the number of trainable floats and of running statistics.
+void ExpectResnetVariables(const ModelSpec& spec) {
+  const std::vector<VariableShape> vars = ModelVariables(spec);
   // conv1 + bn1 (1 + 4: gamma, beta, running mean and variance), 8 blocks of
   // conv1, bn1, conv2, bn2 (10 each), the projections of stages 2-4 (conv +
   // bn: 5 each), fc (2).
@@ -116,27 +137,8 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   }
   EXPECT_EQ(vars.front().name, "conv1/weights");
   EXPECT_EQ(vars.back().name, "fc/bias");
-  using Shape = std::vector<int64_t>;
-  EXPECT_EQ(by_name["conv1/weights"], (Shape{64, 3, 3, 3}));
-  EXPECT_EQ(by_name["bn1/gamma"], (Shape{64}));
-  EXPECT_EQ(by_name["bn1/beta"], (Shape{64}));
-  EXPECT_EQ(by_name["bn1/running_mean"], (Shape{64}));
-  EXPECT_EQ(by_name["bn1/running_var"], (Shape{64}));
-  EXPECT_EQ(by_name["s4b1_proj_bn/running_var"], (Shape{512}));
-  EXPECT_EQ(by_name["s1b1_conv1/weights"], (Shape{64, 64, 3, 3}));
-  EXPECT_EQ(by_name["s1b2_conv2/weights"], (Shape{64, 64, 3, 3}));
-  EXPECT_EQ(by_name["s2b1_conv1/weights"], (Shape{128, 64, 3, 3}));
-  EXPECT_EQ(by_name["s2b1_conv2/weights"], (Shape{128, 128, 3, 3}));
-  EXPECT_EQ(by_name["s2b1_bn2/gamma"], (Shape{128}));
-  EXPECT_EQ(by_name["s2b1_proj/weights"], (Shape{128, 64, 1, 1}));
-  EXPECT_EQ(by_name["s2b1_proj_bn/gamma"], (Shape{128}));
-  EXPECT_EQ(by_name["s2b1_proj_bn/beta"], (Shape{128}));
-  EXPECT_EQ(by_name["s3b1_proj/weights"], (Shape{256, 128, 1, 1}));
-  EXPECT_EQ(by_name["s4b1_proj/weights"], (Shape{512, 256, 1, 1}));
-  EXPECT_EQ(by_name["s4b2_conv2/weights"], (Shape{512, 512, 3, 3}));
-  EXPECT_EQ(by_name["s4b2_bn2/beta"], (Shape{512}));
-  EXPECT_EQ(by_name["fc/weights"], (Shape{10, 512}));
-  EXPECT_EQ(by_name["fc/bias"], (Shape{10}));
+  for (const auto& [name, shape] : ResnetSampleShapes()) EXPECT_EQ(by_name[name], shape) << name;
+
   // Stage 1 keeps 64 channels at stride 1: identity shortcuts, no projection.
   EXPECT_EQ(by_name.count("s1b1_proj/weights"), 0u);
   EXPECT_EQ(by_name.count("s2b2_proj/weights"), 0u);
@@ -156,9 +158,12 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   // Two running statistics per batch-norm channel: 64 (stem) + 4 * 64 +
   // 5 * 128 + 5 * 256 + 5 * 512 = 4,800 channels.
   EXPECT_EQ(statistics, 2 * 4800);
+}
 
-  const std::vector<LayerVariables> layer_vars = LayerVariableIndices(*spec);
-  ASSERT_EQ(static_cast<int>(layer_vars.size()), spec->layer_size());
+// Which variables the first layers of ResNet-18 own.
+void ExpectResnetLayerVariables(const ModelSpec& spec) {
+  const std::vector<LayerVariables> layer_vars = LayerVariableIndices(spec);
+  ASSERT_EQ(static_cast<int>(layer_vars.size()), spec.layer_size());
   EXPECT_EQ(layer_vars[0].first, 0);
   EXPECT_EQ(layer_vars[0].second, -1) << "conv1 has no bias";
   EXPECT_EQ(layer_vars[1].first, 1);
@@ -168,38 +173,43 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   EXPECT_EQ(layer_vars[0].running_mean, -1) << "conv1 has no statistics";
   EXPECT_EQ(layer_vars[2].first, -1) << "relu has no variables";
   EXPECT_EQ(layer_vars[3].first, 5);
+}
 
-  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(*spec);
+// ResNet-18's layers and a sample of their output shapes: each stage halves
+// the height and width and doubles the channels.
+void ExpectResnetActivationShapes(const ModelSpec& spec) {
+  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
   ASSERT_TRUE(shapes.ok()) << shapes.status();
-  ASSERT_EQ(static_cast<int>(shapes->size()), spec->layer_size());
+  ASSERT_EQ(static_cast<int>(shapes->size()), spec.layer_size());
   // Stem, 8 blocks of 7 layers, 3 projections of 2 more, pool, fc.
-  EXPECT_EQ(spec->layer_size(), 3 + 8 * 7 + 3 * 2 + 2);
+  EXPECT_EQ(spec.layer_size(), 3 + 8 * 7 + 3 * 2 + 2);
   std::map<std::string, std::vector<int>> act;
-  for (int i = 0; i < spec->layer_size(); ++i) {
+  for (int i = 0; i < spec.layer_size(); ++i) {
     const ActivationShape& s = (*shapes)[i];
-    act[spec->layer(i).name()] = {s.channels, s.height, s.width};
+    act[spec.layer(i).name()] = {s.channels, s.height, s.width};
   }
-  EXPECT_EQ(act["relu1"], (std::vector<int>{64, 32, 32}));
-  EXPECT_EQ(act["s1b2_relu2"], (std::vector<int>{64, 32, 32}));
-  EXPECT_EQ(act["s2b1_conv1"], (std::vector<int>{128, 16, 16}));
-  EXPECT_EQ(act["s2b1_proj"], (std::vector<int>{128, 16, 16}));
-  EXPECT_EQ(act["s2b2_relu2"], (std::vector<int>{128, 16, 16}));
-  EXPECT_EQ(act["s3b2_relu2"], (std::vector<int>{256, 8, 8}));
-  EXPECT_EQ(act["s4b2_relu2"], (std::vector<int>{512, 4, 4}));
-  const ActivationShape& pool = (*shapes)[spec->layer_size() - 2];
-  EXPECT_EQ(spec->layer(spec->layer_size() - 2).name(), "pool");
+  const std::vector<std::pair<std::string, std::vector<int>>> want = {
+      {"relu1", {64, 32, 32}},      {"s1b2_relu2", {64, 32, 32}},  {"s2b1_conv1", {128, 16, 16}},
+      {"s2b1_proj", {128, 16, 16}}, {"s2b2_relu2", {128, 16, 16}}, {"s3b2_relu2", {256, 8, 8}},
+      {"s4b2_relu2", {512, 4, 4}},
+  };
+  for (const auto& [name, shape] : want) EXPECT_EQ(act[name], shape) << name;
+  const ActivationShape& pool = (*shapes)[spec.layer_size() - 2];
+  EXPECT_EQ(spec.layer(spec.layer_size() - 2).name(), "pool");
   EXPECT_EQ((std::vector<int>{pool.channels, pool.height, pool.width}),
             (std::vector<int>{512, 1, 1}));
   const ActivationShape& logits = shapes->back();
   EXPECT_EQ((std::vector<int>{logits.channels, logits.height, logits.width}),
             (std::vector<int>{10, 1, 1}));
+}
 
-  // The shortcut wiring: a projection reads the block input; each add reads
-  // the main path and the shortcut.
-  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(*spec);
+// The shortcut wiring: a projection reads the block input; each add reads
+// the main path and the shortcut.
+void ExpectResnetWiring(const ModelSpec& spec) {
+  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
   ASSERT_TRUE(wiring.ok()) << wiring.status();
   std::map<std::string, int> index;
-  for (int i = 0; i < spec->layer_size(); ++i) index[spec->layer(i).name()] = i;
+  for (int i = 0; i < spec.layer_size(); ++i) index[spec.layer(i).name()] = i;
   auto wire = [&](const std::string& name) { return (*wiring)[index.at(name)]; };
   EXPECT_EQ(wire("conv1").input, -1) << "reads the model input";
   EXPECT_EQ(wire("s1b1_add").input, index["s1b1_bn2"]);
@@ -211,6 +221,20 @@ TEST(SpecTest, ResnetVariablesAndShapes) {
   EXPECT_EQ(wire("s2b1_conv1").input, index["s1b2_relu2"]);
   EXPECT_EQ(wire("s2b1_relu2").input, index["s2b1_add"]);
   EXPECT_EQ(wire("fc").other, -1);
+}
+
+TEST(SpecTest, ResnetVariablesAndShapes) {
+  absl::StatusOr<ModelSpec> spec = ResolveModelSpec("resnet");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->name(), "resnet");
+  EXPECT_EQ(spec->input().channels(), 3);
+  EXPECT_EQ(spec->input().height(), 32);
+  EXPECT_EQ(spec->input().width(), 32);
+  EXPECT_EQ(spec->num_classes(), 10);
+  ASSERT_NO_FATAL_FAILURE(ExpectResnetVariables(*spec));
+  ASSERT_NO_FATAL_FAILURE(ExpectResnetLayerVariables(*spec));
+  ASSERT_NO_FATAL_FAILURE(ExpectResnetActivationShapes(*spec));
+  ExpectResnetWiring(*spec);
 }
 
 // A residual block in text format: every new layer kind and `input`.
