@@ -860,31 +860,45 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
 // runs are still to come. A wait that fails ends the push with its error,
 // which is not counted as a failed call. Over the network and through
 // shared memory alike.
-class PushInRunsTest : public PsServiceTest, public ::testing::WithParamInterface<int> {};
+class PushInRunsTest : public PsServiceTest, public ::testing::WithParamInterface<int> {
+ protected:
+  // 0: over the network; 1: through shared memory; 2: and channels.
+  bool shared() const { return GetParam() >= 1; }
+  bool channels() const { return GetParam() == 2; }
 
-TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
-  {
-    // 0: over the network; 1: through shared memory; 2: and channels.
-    const bool shared = GetParam() >= 1;
-    auto client =
-        std::make_unique<GrpcClient>(std::vector<std::string>{address_},
-                                     GrpcClientOptions{.connections_per_ps = 2,
-                                                       .metrics = &client_metrics_,
-                                                       .shared_memory = shared,
-                                                       .channels = GetParam() == 2});
-    client_ = std::move(client);
-    ASSERT_TRUE(InitJob().ok());
-    const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
+  void UseClientOfParam() {
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_},
+                                           GrpcClientOptions{.connections_per_ps = 2,
+                                                             .metrics = &client_metrics_,
+                                                             .shared_memory = shared(),
+                                                             .channels = channels()});
+  }
+
+  static PushHeader StepHeader(int worker, int64_t step) {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(worker);
+    h.set_step(step);
+    return h;
+  }
+
+  absl::StatusOr<PushResponse> PushInRuns(const PushHeader& h, const std::vector<float>& g_big,
+                                          const std::vector<float>& g_bias,
+                                          const Client::PushRuns& runs) {
+    return client_->PushInRuns(
+        0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, g_bias.data()}}, runs,
+        Deadline());
+  }
+
+  // Step 0: worker 0 pushes in runs, "big", then "bias" once the test lets
+  // it go; meanwhile "big" is applied, and a pull given up ends at once.
+  // Worker 1 pushes both at once.
+  void PushStepZeroInRuns(const std::vector<float>& g_big, const std::vector<float>& g_bias) {
     // (Through shared memory, worker 1's push is answered once the step is
     // applied: after worker 0's below.)
     absl::StatusOr<PushResponse> pushed1;
     std::thread pusher1([&] { pushed1 = PushAll(1, 0, g_big, g_bias); });
-    // Worker 0: "big", then "bias" once the test lets it go.
     absl::Notification release, waited_for_bias;
-    PushHeader h;
-    h.set_job_id(kJob);
-    h.set_worker(0);
-    h.set_step(0);
     // The client checks each run before it leaves (both within range here).
     std::vector<std::pair<int, bool>> checks;
     Client::PushRuns runs{{0, 1},
@@ -901,23 +915,33 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
                           },
                           65520.0f};
     absl::StatusOr<PushResponse> pushed;
-    std::thread pusher([&] {
-      pushed = client_->PushInRuns(
-          0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, g_bias.data()}},
-          runs, Deadline());
-    });
+    std::thread pusher([&] { pushed = PushInRuns(StepHeader(0, 0), g_big, g_bias, runs); });
     ASSERT_TRUE(waited_for_bias.WaitForNotificationWithTimeout(absl::Seconds(10)));
-    // "big" is applied while the push waits for "bias".
+    ASSERT_NO_FATAL_FAILURE(ExpectBigAppliedWhileBiasWaits(g_big));
+    ExpectAPullGivenUpEndsAtOnce();
+    release.Notify();
+    pusher.join();
+    pusher1.join();
+    ASSERT_TRUE(pushed.ok()) << pushed.status();
+    ASSERT_TRUE(pushed1.ok()) << pushed1.status();
+    EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, true)));
+  }
+
+  // "big" is applied while the push waits for "bias".
+  void ExpectBigAppliedWhileBiasWaits(const std::vector<float>& g_big) {
     std::vector<float> big(big_.size(), -1);
     absl::StatusOr<Client::PullResult> first = client_->Pull(
         0, kJob, 1, {0}, {{"big", "", kBigShape, big.data()}}, Deadline(), absl::Seconds(10));
     ASSERT_TRUE(first.ok()) << first.status();
     EXPECT_EQ(big, SgdAfter(big_, g_big, g_big));
     EXPECT_EQ(shard_.stats().version, 0) << "bias is still to come";
-    // A pull of both, given up while the ps waits for "bias", ends at once
-    // (not at its deadline) and counts as no failed call.
+  }
+
+  // A pull of both, given up while the ps waits for "bias", ends at once
+  // (not at its deadline) and counts as no failed call.
+  void ExpectAPullGivenUpEndsAtOnce() {
     std::atomic<bool> give_up{false};
-    std::vector<float> bias(10, -1);
+    std::vector<float> big(big_.size(), -1), bias(10, -1);
     const absl::Time asked = absl::Now();
     std::thread giver([&] {
       absl::SleepFor(absl::Milliseconds(200));
@@ -931,41 +955,41 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
     EXPECT_EQ(given_up.status().code(), absl::StatusCode::kCancelled) << given_up.status();
     EXPECT_LT(absl::Now() - asked, absl::Seconds(5));
     EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("CANCELLED")));
-    release.Notify();
-    pusher.join();
-    pusher1.join();
-    ASSERT_TRUE(pushed.ok()) << pushed.status();
-    ASSERT_TRUE(pushed1.ok()) << pushed1.status();
-    EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, true)));
+  }
+
+  // Step 0 applied, through shared memory and channels as the parameter says.
+  void ExpectStepZeroApplied(const std::vector<float>& g_big, const std::vector<float>& g_bias) {
     absl::StatusOr<Pulled> p = PullAll(1);
     ASSERT_TRUE(p.ok()) << p.status();
     EXPECT_EQ(p->big, SgdAfter(big_, g_big, g_big));
     EXPECT_EQ(p->bias, SgdAfter(bias_, g_bias, g_bias));
-    EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total") > 0, shared);
-    EXPECT_EQ(Series(client_metrics_.Render(), "psflow_channel_calls_total") > 0, GetParam() == 2);
+    EXPECT_EQ(Series(client_metrics_.Render(), "psflow_shared_memory_calls_total") > 0, shared());
+    EXPECT_EQ(Series(client_metrics_.Render(), "psflow_channel_calls_total") > 0, channels());
+  }
 
-    // Step 1: the second run's wait fails; the push ends with its error.
-    h.set_step(1);
+  // Step 1: the second run's wait fails; the push ends with its error.
+  void ExpectAFailingWaitEndsThePush(const std::vector<float>& g_big,
+                                     const std::vector<float>& g_bias) {
     Client::PushRuns failing{{0, 1},
                              [](int run) {
                                return run == 1 ? absl::CancelledError("the step is not finite")
                                                : absl::OkStatus();
                              },
                              nullptr};
-    absl::StatusOr<PushResponse> cut = client_->PushInRuns(
-        0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, g_bias.data()}},
-        failing, Deadline());
+    absl::StatusOr<PushResponse> cut = PushInRuns(StepHeader(0, 1), g_big, g_bias, failing);
     EXPECT_EQ(cut.status(), absl::CancelledError("the step is not finite"));
     EXPECT_THAT(client_metrics_.Render(), Not(HasSubstr("CANCELLED")));
     EXPECT_EQ(shard_.stats().version, 1);
+  }
 
-    // Worker 1, step 1: "big" is below fp16's limit and leaves; "bias"
-    // holds 70000, beyond it: checked(1, false) ends the push before any of
-    // it leaves, and the step is not applied.
-    h.set_worker(1);
+  // Worker 1, step 1: "big" is below fp16's limit and leaves; "bias"
+  // holds 70000, beyond it: checked(1, false) ends the push before any of
+  // it leaves, and the step is not applied.
+  void ExpectARefusedRunEndsThePush(const std::vector<float>& g_big,
+                                    const std::vector<float>& g_bias) {
     std::vector<float> big_bias = g_bias;
     big_bias[3] = 70000.0f;
-    checks.clear();
+    std::vector<std::pair<int, bool>> checks;
     Client::PushRuns refusing{{0, 1},
                               [](int) { return absl::OkStatus(); },
                               [&](int run, bool ok) {
@@ -974,12 +998,22 @@ TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
                                           : absl::CancelledError("the step is not finite");
                               },
                               65520.0f};
-    absl::StatusOr<PushResponse> refused = client_->PushInRuns(
-        0, h, {{"big", "", kBigShape, g_big.data()}, {"bias", "", kBiasShape, big_bias.data()}},
-        refusing, Deadline());
+    absl::StatusOr<PushResponse> refused = PushInRuns(StepHeader(1, 1), g_big, big_bias, refusing);
     EXPECT_EQ(refused.status(), absl::CancelledError("the step is not finite"));
     EXPECT_THAT(checks, ::testing::ElementsAre(std::pair(0, true), std::pair(1, false)));
     EXPECT_EQ(shard_.stats().version, 1);
+  }
+};
+
+TEST_P(PushInRunsTest, APushInRunsIsAppliedRunByRun) {
+  {
+    UseClientOfParam();
+    ASSERT_TRUE(InitJob().ok());
+    const std::vector<float> g_big = Pattern(big_.size(), 7, 0.25f), g_bias = Pattern(10, 3, 1.0f);
+    ASSERT_NO_FATAL_FAILURE(PushStepZeroInRuns(g_big, g_bias));
+    ASSERT_NO_FATAL_FAILURE(ExpectStepZeroApplied(g_big, g_bias));
+    ExpectAFailingWaitEndsThePush(g_big, g_bias);
+    ExpectARefusedRunEndsThePush(g_big, g_bias);
   }
 }
 
@@ -1580,6 +1614,81 @@ TEST_F(PsServiceTest, GetStateReportsIndexJobVersionAndWorkers) {
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
+// A snapshot's tensors of one variable: its value and Adam's m and v.
+struct SnapshotTensors {
+  std::vector<float> value, m, v;
+};
+
+SnapshotTensors FreshSnapshotTensors(int64_t n) {
+  return SnapshotTensors{std::vector<float>(n, -1), std::vector<float>(n, -1),
+                         std::vector<float>(n, -1)};
+}
+
+// The snapshot is exactly the shard's own copy at version 1.
+void ExpectTheShardsSnapshot(Shard& shard, const SnapshotTensors& big,
+                             const SnapshotTensors& bias) {
+  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref =
+      shard.SnapshotAt(kJob, 1, Deadline(), nullptr);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  const Shard::Snapshot& taken = **ref;
+  ASSERT_EQ(taken.slot_names, (std::vector<std::string>{"m", "v"}));
+  ASSERT_EQ(taken.weights->values.size(), 2u);
+  ASSERT_EQ(taken.slots.size(), 2u);
+  EXPECT_TRUE(big.value == *taken.weights->values[0]);
+  EXPECT_TRUE(big.m == taken.slots[0][0]);
+  EXPECT_TRUE(big.v == taken.slots[0][1]);
+  EXPECT_EQ(bias.value, *taken.weights->values[1]);
+  EXPECT_EQ(bias.m, taken.slots[1][0]);
+  EXPECT_EQ(bias.v, taken.slots[1][1]);
+}
+
+// Slots by hand: m = (1 - b1) g, v = (1 - b2) g^2, g the mean of both pushes.
+void ExpectAdamSlotsAfterOneStep(const std::string& what, const SnapshotTensors& t,
+                                 const std::vector<float>& g0, const std::vector<float>& g1) {
+  int bad = 0, nonzero = 0;
+  for (size_t i = 0; i < g0.size(); ++i) {
+    const float g = (g0[i] + g1[i]) / 2;
+    const float m = (1 - 0.9f) * g, v = (1 - 0.999f) * g * g;
+    nonzero += g != 0;
+    if (std::abs(t.m[i] - m) > 1e-6f * std::abs(m) || std::abs(t.v[i] - v) > 1e-6f * std::abs(v)) {
+      if (++bad <= 3)
+        ADD_FAILURE() << what << "[" << i << "]: m " << t.m[i] << " v " << t.v[i] << ", want " << m
+                      << " " << v;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+  EXPECT_GT(nonzero, static_cast<int>(g0.size() / 2)) << what;
+}
+
+// On the wire: chunked below the default 4 MB, every message at version 1.
+void ExpectSnapshotStreamChunked(ParameterServer::Stub& stub) {
+  SnapshotRequest request;
+  request.set_job_id(kJob);
+  request.set_version(1);
+  auto [messages, status] = ReadStream<SnapshotResponse>(
+      [&](grpc::ClientContext* c) { return stub.Snapshot(c, request); });
+  int64_t bytes = 0;
+  for (const SnapshotResponse& response : messages) {
+    EXPECT_LT(response.ByteSizeLong(), 4u << 20);
+    EXPECT_EQ(response.version(), 1);
+    for (const TensorChunk& c : response.chunk()) bytes += static_cast<int64_t>(c.data().size());
+  }
+  ASSERT_TRUE(status.ok());
+  EXPECT_GE(messages.size(), 13u);
+  EXPECT_EQ(bytes, 3 * (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
+}
+
+// A past version is refused; a future one waits until the deadline; another
+// job is refused.
+void ExpectSnapshotsOfOtherVersionsRefused(Client& client) {
+  absl::Status s = client.Snapshot(0, kJob, 0, {}, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  s = client.Snapshot(0, kJob, 2, {}, absl::Now() + absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  s = client.Snapshot(0, kJob + 1, 1, {}, Deadline());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+}
+
 TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   constexpr float kAdamLr = 0.125f;
   InitHeader h = Header();
@@ -1598,13 +1707,8 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   ASSERT_EQ(shard_.stats().version, 1);
 
   // Over gRPC: 3 x 4.4 MB for "big" (value, m, v), well over one message.
-  struct Tensors {
-    std::vector<float> value, m, v;
-  };
-  auto fresh = [](int64_t n) {
-    return Tensors{std::vector<float>(n, -1), std::vector<float>(n, -1), std::vector<float>(n, -1)};
-  };
-  Tensors big = fresh(big_.size()), bias = fresh(bias_.size());
+  SnapshotTensors big = FreshSnapshotTensors(big_.size()),
+                  bias = FreshSnapshotTensors(bias_.size());
   absl::Status s = client_->Snapshot(0, kJob, 1,
                                      {{"big", "", kBigShape, big.value.data()},
                                       {"big", "m", kBigShape, big.m.data()},
@@ -1614,72 +1718,17 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
                                       {"bias", "v", kBiasShape, bias.v.data()}},
                                      Deadline());
   ASSERT_TRUE(s.ok()) << s;
-
-  // Exactly the shard's own copy at version 1.
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref =
-      shard_.SnapshotAt(kJob, 1, Deadline(), nullptr);
-  ASSERT_TRUE(ref.ok()) << ref.status();
-  const Shard::Snapshot& taken = **ref;
-  ASSERT_EQ(taken.slot_names, (std::vector<std::string>{"m", "v"}));
-  ASSERT_EQ(taken.weights->values.size(), 2u);
-  ASSERT_EQ(taken.slots.size(), 2u);
-  EXPECT_TRUE(big.value == *taken.weights->values[0]);
-  EXPECT_TRUE(big.m == taken.slots[0][0]);
-  EXPECT_TRUE(big.v == taken.slots[0][1]);
-  EXPECT_EQ(bias.value, *taken.weights->values[1]);
-  EXPECT_EQ(bias.m, taken.slots[1][0]);
-  EXPECT_EQ(bias.v, taken.slots[1][1]);
+  ASSERT_NO_FATAL_FAILURE(ExpectTheShardsSnapshot(shard_, big, bias));
   // Values equal what a Pull gives.
   absl::StatusOr<Pulled> p = PullAll(1);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(big.value == p->big);
   EXPECT_EQ(bias.value, p->bias);
   EXPECT_FALSE(big.value == big_) << "the step moved the weights";
-
-  // Slots by hand: m = (1 - b1) g, v = (1 - b2) g^2, g the mean of both pushes.
-  auto check_slots = [](const std::string& what, const Tensors& t, const std::vector<float>& g0,
-                        const std::vector<float>& g1) {
-    int bad = 0, nonzero = 0;
-    for (size_t i = 0; i < g0.size(); ++i) {
-      const float g = (g0[i] + g1[i]) / 2;
-      const float m = (1 - 0.9f) * g, v = (1 - 0.999f) * g * g;
-      nonzero += g != 0;
-      if (std::abs(t.m[i] - m) > 1e-6f * std::abs(m) ||
-          std::abs(t.v[i] - v) > 1e-6f * std::abs(v)) {
-        if (++bad <= 3)
-          ADD_FAILURE() << what << "[" << i << "]: m " << t.m[i] << " v " << t.v[i] << ", want "
-                        << m << " " << v;
-      }
-    }
-    EXPECT_EQ(bad, 0) << what;
-    EXPECT_GT(nonzero, static_cast<int>(g0.size() / 2)) << what;
-  };
-  check_slots("big", big, g0_big, g1_big);
-  check_slots("bias", bias, g0_bias, g1_bias);
-
-  // On the wire: chunked below the default 4 MB, every message at version 1.
-  SnapshotRequest request;
-  request.set_job_id(kJob);
-  request.set_version(1);
-  auto [messages, status] = ReadStream<SnapshotResponse>(
-      [&](grpc::ClientContext* c) { return stub_->Snapshot(c, request); });
-  int64_t bytes = 0;
-  for (const SnapshotResponse& response : messages) {
-    EXPECT_LT(response.ByteSizeLong(), 4u << 20);
-    EXPECT_EQ(response.version(), 1);
-    for (const TensorChunk& c : response.chunk()) bytes += static_cast<int64_t>(c.data().size());
-  }
-  ASSERT_TRUE(status.ok());
-  EXPECT_GE(messages.size(), 13u);
-  EXPECT_EQ(bytes, 3 * (NumElements(kBigShape) + NumElements(kBiasShape)) * 4);
-
-  // A past version is refused; a future one waits until the deadline.
-  s = client_->Snapshot(0, kJob, 0, {}, Deadline());
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  s = client_->Snapshot(0, kJob, 2, {}, absl::Now() + absl::Milliseconds(100));
-  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  s = client_->Snapshot(0, kJob + 1, 1, {}, Deadline());
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  ExpectAdamSlotsAfterOneStep("big", big, g0_big, g1_big);
+  ExpectAdamSlotsAfterOneStep("bias", bias, g0_bias, g1_bias);
+  ASSERT_NO_FATAL_FAILURE(ExpectSnapshotStreamChunked(*stub_));
+  ExpectSnapshotsOfOtherVersionsRefused(*client_);
 }
 
 TEST_F(PsServiceTest, SetLiveWorkersLetsAStepCompleteWithoutADroppedWorker) {
