@@ -1,8 +1,9 @@
 // The job configuration the chief hands to every ps and worker, built from
-// the chief's flags: the model resolved, the training data measured (its size
-// and pixel statistics, with which the model's inputs are standardized), steps
-// per epoch and in all, the optimizer checked, the variables placed over the
-// ps. A pure function of its inputs and the data files.
+// the chief's flags: the flags checked, then the model resolved, the training
+// data measured (its size and pixel statistics, with which the model's inputs
+// are standardized), steps per epoch and in all, the optimizer completed, the
+// variables placed over the ps. A pure function of its inputs and the data
+// files; also the job's description for the log.
 #ifndef PSFLOW_CHIEF_JOB_CONFIG_H_
 #define PSFLOW_CHIEF_JOB_CONFIG_H_
 
@@ -80,11 +81,17 @@ struct JobOptions {
   int staleness = 2;
 };
 
-// INVALID_ARGUMENT with one line naming the flag for any bad setting.
+// INVALID_ARGUMENT with one line naming the flag for any bad setting; the
+// settings are checked before the model and the data files are read.
 // num_ps 0: a cluster without ps, whose workers all-reduce their gradients
 // (JobConfig.exchange ALL_REDUCE; the variables are placed as on one ps:
 // each worker's replica).
 absl::StatusOr<JobConfig> BuildJobConfig(const JobOptions& options, int num_workers, int num_ps);
+
+// The job in the one line the chief logs at its start: the model and its
+// sizes, steps, epochs and examples, batch, mode, optimizer, input
+// statistics, and where the variables are.
+std::string DescribeJob(const JobConfig& job);
 
 }  // namespace psflow::chief
 
