@@ -26,16 +26,24 @@
 namespace psflow::chief {
 namespace {
 
-// The job's --mode as the log names it.
-std::string ModeName(const JobConfig& job) {
-  switch (job.mode()) {
-    case JobConfig::ASYNC:
-      return "async";
-    case JobConfig::SSP:
-      return absl::StrCat("ssp (staleness ", job.staleness(), ")");
-    default:
-      return "sync";
+// The tensors of each of `slots` ("" the values) as whole-variable buffers,
+// in placement order; empty for a slot the tensors lack (it starts at zero
+// on the ps).
+std::vector<std::vector<const float*>> SlotBuffers(const std::vector<CheckpointTensorData>& tensors,
+                                                   const Placement& placement,
+                                                   const std::vector<std::string>& slots) {
+  std::vector<std::vector<const float*>> buffers(slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    for (const VariablePlacement& v : placement.variable()) {
+      auto it = std::find_if(tensors.begin(), tensors.end(), [&](const CheckpointTensorData& t) {
+        return t.name == v.name() && t.slot == slots[k];
+      });
+      buffers[k].push_back(it == tensors.end() ? nullptr : it->values.data());
+    }
+    if (std::find(buffers[k].begin(), buffers[k].end(), nullptr) != buffers[k].end())
+      buffers[k].clear();
   }
+  return buffers;
 }
 
 // A fresh random job id: calls that name an older one fail.
@@ -45,26 +53,6 @@ std::vector<int> Sorted(const absl::flat_hash_set<int>& set) {
   std::vector<int> v(set.begin(), set.end());
   std::sort(v.begin(), v.end());
   return v;
-}
-
-// Whether an evaluator's result is possible for a job of `train_steps` steps:
-// a step in the job, examples in (0, 1e9], 0 <= correct <= examples, a finite
-// non-negative loss, a duration in [0, 1 day]. INVALID_ARGUMENT naming the
-// first bad field otherwise.
-absl::Status CheckEvalResult(const EvalResult& r, int64_t train_steps) {
-  auto bad = [](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("impossible evaluation result: ", what));
-  };
-  if (r.step() < 0 || r.step() > train_steps) return bad("step outside the job");
-  if (r.examples() <= 0 || r.examples() > 1'000'000'000) return bad("example count");
-  if (r.correct() < 0 || r.correct() > r.examples()) return bad("correct count");
-  if (!std::isfinite(r.loss()) || r.loss() < 0) return bad("loss");
-  if (r.duration_us() < 0 || r.duration_us() > int64_t{86400} * 1'000'000) return bad("duration");
-  return absl::OkStatus();
-}
-
-double Accuracy(const EvalResult& r) {
-  return static_cast<double>(r.correct()) / static_cast<double>(r.examples());
 }
 
 }  // namespace
@@ -88,18 +76,27 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
       job_(std::move(job)),
       ps_(ps),
       pool_(pool),
+      progress_(std::make_unique<Progress>(
+          job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(),
+          job_.num_ps(),
+          [this] {
+            int n = 0;
+            for (int p = 0; p < job_.num_ps(); ++p) n += ps_->Reachable(p);
+            return n;
+          },
+          [](const std::string& line) { PSLOG(INFO) << line; },
+          [optimizer = job_.optimizer()](int64_t step) {
+            return ps::LearningRate(optimizer, step);
+          },
+          progress_listener, options_.metrics)),
+      evaluators_({.num_evaluators = options_.num_evaluators,
+                   .train_steps = job_.train_steps(),
+                   .eval_every_steps = options_.eval_every_steps,
+                   .eval_every_secs = options_.eval_every_secs,
+                   .silence = options_.timeouts.evaluator,
+                   .final_wait = options_.timeouts.final_eval},
+                  progress_.get()),
       metrics_(options_.metrics) {
-  progress_ = std::make_unique<Progress>(
-      job_.train_steps(), job_.steps_per_epoch(), options_.log_every_steps, job_.num_workers(),
-      job_.num_ps(),
-      [this] {
-        int n = 0;
-        for (int p = 0; p < job_.num_ps(); ++p) n += ps_->Reachable(p);
-        return n;
-      },
-      [](const std::string& line) { PSLOG(INFO) << line; },
-      [optimizer = job_.optimizer()](int64_t step) { return ps::LearningRate(optimizer, step); },
-      progress_listener, options_.metrics);
   progress_->SetAsynchronous(AppliesEachGradient(job_));
   progress_->SetAllReduce(AllReduce());
   absl::MutexLock lock(&mu_);
@@ -111,18 +108,24 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
 Coordinator::~Coordinator() = default;
 
 void Coordinator::Stop(int signal) {
-  absl::MutexLock lock(&mu_);
-  if (stop_signal_ == 0) stop_signal_ = signal;
-  // Before the ps are loaded nothing needs saving: stop waiting for them.
-  // Exit orders on their way are given up: a ps stopping with the cluster
-  // would hold each for its whole deadline (the calls wait for a ps to be
-  // ready), past the grace the chief has.
-  if (!ready_ || exit_orders_out_) ps_->CancelAll();
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_signal_ == 0) stop_signal_ = signal;
+    // Before the ps are loaded nothing needs saving: stop waiting for them.
+    // Exit orders on their way are given up: a ps stopping with the cluster
+    // would hold each for its whole deadline (the calls wait for a ps to be
+    // ready), past the grace the chief has.
+    if (!ready_ || exit_orders_out_) ps_->CancelAll();
+  }
+  evaluators_.Cancel();  // no waiting for the final evaluation either
 }
 
 void Coordinator::Fail(const absl::Status& why) {
-  absl::MutexLock lock(&mu_);
-  if (failure_.ok()) failure_ = why;  // the first failure is the one kept
+  {
+    absl::MutexLock lock(&mu_);
+    if (failure_.ok()) failure_ = why;  // the first failure is the one kept
+  }
+  evaluators_.Cancel();
 }
 
 bool Coordinator::Failed() {
@@ -155,6 +158,23 @@ absl::Status Coordinator::BroadcastLiveWorkers(const std::vector<int>& live, int
   return absl::OkStatus();
 }
 
+absl::Status Coordinator::JoinGroup(int w) {
+  // Every worker is in every step of an all-reduce: one that registers
+  // again after all had (it restarted) has left its group broken.
+  if (registered_.size() == static_cast<size_t>(job_.num_workers()) && registered_.contains(w) &&
+      group_broken_.ok()) {
+    group_broken_ = absl::UnavailableError(absl::StrCat(
+        "worker ", w,
+        " registered again (it restarted): the all-reduce group is broken; every worker "
+        "restarts from the newest checkpoint"));
+    PSLOG(WARNING) << group_broken_.message();
+  }
+  if (!group_broken_.ok()) return group_broken_;
+  registered_.insert(w);
+  reported_.erase(w);  // its reports start once its group formed
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::Time deadline) {
   if (w < 0 || w >= job_.num_workers()) {
     return absl::InvalidArgumentError(
@@ -168,21 +188,7 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
     mu_.AwaitWithDeadline(absl::Condition(&ready),
                           std::min(deadline, absl::Now() + options_.timeouts.register_wait));
     if (!ready_) return absl::UnavailableError("the parameter servers are not loaded yet");
-    if (AllReduce()) {
-      // Every worker is in every step of an all-reduce: one that registers
-      // again after all had (it restarted) has left its group broken.
-      if (registered_.size() == static_cast<size_t>(job_.num_workers()) &&
-          registered_.contains(w) && group_broken_.ok()) {
-        group_broken_ = absl::UnavailableError(absl::StrCat(
-            "worker ", w,
-            " registered again (it restarted): the all-reduce group is broken; every worker "
-            "restarts from the newest checkpoint"));
-        PSLOG(WARNING) << group_broken_.message();
-      }
-      if (!group_broken_.ok()) return group_broken_;
-      registered_.insert(w);
-      reported_.erase(w);  // its reports start once its group formed
-    }
+    if (AllReduce()) PSFLOW_RETURN_IF_ERROR(JoinGroup(w));
     last_seen_[w] = absl::Now();
     finished_.erase(w);
     if (!live_.contains(w)) {
@@ -218,22 +224,8 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
   return response;
 }
 
-absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
-                                                   absl::Time deadline) {
+void Coordinator::HandleNonfinite(const ReportRequest& request) {
   const int w = request.worker();
-  if (w < 0 || w >= job_.num_workers()) return absl::InvalidArgumentError("unknown worker");
-  for (const StepMetrics& m : request.metrics()) {
-    absl::Status valid = CheckStepMetrics(m, job_.train_steps(), WorkerBatch(job_));
-    if (valid.ok()) continue;
-    absl::MutexLock lock(&mu_);
-    // Refused, never logged as progress; the first few are named. The call
-    // still shows the worker alive.
-    if (request.job_id() == job_id_) last_seen_[w] = absl::Now();
-    if (++refused_reports_ <= 10) {
-      PSLOG(WARNING) << "refused a report from worker " << w << ": " << valid.message();
-    }
-    return valid;
-  }
   for (const StepMetrics& m : request.metrics()) {
     if (!m.nonfinite()) continue;
     {
@@ -256,13 +248,32 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
           "more than ", job_.max_skipped_steps(),
           " steps were skipped for non-finite losses or gradients (the job diverged; lower "
           "--learning_rate?); no saved model is written")));
-      break;
+      return;
     }
     Fail(absl::OutOfRangeError(
         absl::StrCat("worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
                      " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no "
                      "saved model is written")));
   }
+}
+
+absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
+                                                   absl::Time deadline) {
+  const int w = request.worker();
+  if (w < 0 || w >= job_.num_workers()) return absl::InvalidArgumentError("unknown worker");
+  for (const StepMetrics& m : request.metrics()) {
+    absl::Status valid = CheckStepMetrics(m, job_.train_steps(), WorkerBatch(job_));
+    if (valid.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    // Refused, never logged as progress; the first few are named. The call
+    // still shows the worker alive.
+    if (request.job_id() == job_id_) last_seen_[w] = absl::Now();
+    if (++refused_reports_ <= 10) {
+      PSLOG(WARNING) << "refused a report from worker " << w << ": " << valid.message();
+    }
+    return valid;
+  }
+  HandleNonfinite(request);
   ReportResponse response;
   {
     absl::MutexLock lock(&mu_);
@@ -304,112 +315,22 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
   return response;
 }
 
-absl::Status Coordinator::CheckEvaluator(int evaluator) const {
-  // The chief's cluster may leave evaluators out (the operator's minimal
-  // form): then any small index is taken.
-  const int limit = options_.num_evaluators > 0 ? options_.num_evaluators : 64;
-  if (evaluator < 0 || evaluator >= limit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("evaluator ", evaluator, " is not in the cluster (", limit,
-                     options_.num_evaluators > 0 ? "" : " at most", " evaluators)"));
-  }
-  return absl::OkStatus();
+JobState Coordinator::StateForEvaluators() {
+  absl::MutexLock lock(&mu_);
+  return {.failure = failure_, .done = done_, .ready = ready_, .job_id = job_id_};
 }
 
 absl::StatusOr<RegisterEvaluatorResponse> Coordinator::RegisterEvaluator(int evaluator) {
-  PSFLOW_RETURN_IF_ERROR(CheckEvaluator(evaluator));
-  RegisterEvaluatorResponse response;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!failure_.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat("the job failed: ", failure_.message()));
-    }
-    evaluators_[evaluator] = absl::Now();
-    if (done_) {
-      response.set_done(true);
-      return response;
-    }
-    if (!ready_) return absl::UnavailableError("the parameter servers are not loaded yet");
-    response.set_job_id(job_id_);
-  }
+  PSFLOW_ASSIGN_OR_RETURN(RegisterEvaluatorResponse response,
+                          evaluators_.Register(evaluator, StateForEvaluators()));
+  if (response.done()) return response;
   *response.mutable_job() = job_;
   for (const std::string& a : options_.ps_addresses) response.add_ps_address(a);
-  response.set_eval_every_steps(options_.eval_every_steps);
-  response.set_eval_every_secs(options_.eval_every_secs);
-  PSLOG(INFO) << "evaluator " << evaluator << " registered";
   return response;
 }
 
 absl::StatusOr<ReportEvalResponse> Coordinator::ReportEval(const ReportEvalRequest& request) {
-  const int e = request.evaluator();
-  PSFLOW_RETURN_IF_ERROR(CheckEvaluator(e));
-  if (request.has_result()) {
-    absl::Status valid = CheckEvalResult(request.result(), job_.train_steps());
-    if (!valid.ok()) {
-      absl::MutexLock lock(&mu_);
-      if (++refused_reports_ <= 10) {
-        PSLOG(WARNING) << "refused a report from evaluator " << e << ": " << valid.message();
-      }
-      return valid;
-    }
-  }
-  ReportEvalResponse response;
-  {
-    absl::MutexLock lock(&mu_);
-    evaluators_[e] = absl::Now();
-    if (!failure_.ok()) {
-      response.set_action(ReportEvalResponse::FAIL);
-      return response;
-    }
-    if (done_) {
-      response.set_action(ReportEvalResponse::EXIT);
-      return response;
-    }
-    if (request.job_id() != job_id_ || !ready_) {
-      response.set_action(ReportEvalResponse::REGISTER);  // the job was reloaded
-      return response;
-    }
-    if (!request.has_result()) return response;
-    if (request.result().step() == job_.train_steps()) {
-      final_eval_ = request.result();
-      // Its work is done: the end of the job need not wait for it any more.
-      response.set_action(ReportEvalResponse::EXIT);
-    }
-  }
-  const EvalResult& r = request.result();
-  progress_->Eval(r.step(), r.loss(), Accuracy(r));
-  PSLOG(INFO) << absl::StrFormat(
-      "eval: step %d/%d loss %.4f acc %.4f | %d test examples, %.1f s, evaluator %d", r.step(),
-      job_.train_steps(), r.loss(), Accuracy(r), r.examples(),
-      static_cast<double>(r.duration_us()) / 1e6, e);
-  return response;
-}
-
-void Coordinator::WaitForFinalEval() {
-  absl::MutexLock lock(&mu_);
-  if (final_eval_.has_value() || (options_.num_evaluators == 0 && evaluators_.empty())) return;
-  PSLOG(INFO) << "waiting for the evaluation of the final model (step " << job_.train_steps()
-              << ")";
-  const absl::Time start = absl::Now();
-  while (!final_eval_.has_value() && !Stopping() && failure_.ok()) {
-    absl::Time heard = start;
-    for (const auto& [e, seen] : evaluators_) heard = std::max(heard, seen);
-    const absl::Time now = absl::Now();
-    if (now - heard > options_.timeouts.evaluator) {
-      PSLOG(WARNING) << "no evaluation of the final model: no evaluator was heard from for "
-                     << options_.timeouts.evaluator;
-      return;
-    }
-    if (now - start > options_.timeouts.final_eval) {
-      PSLOG(WARNING) << "no evaluation of the final model within " << options_.timeouts.final_eval
-                     << " (--eval_final_timeout)";
-      return;
-    }
-    auto got = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return final_eval_.has_value() || Stopping();
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&got), absl::Milliseconds(200));
-  }
+  return evaluators_.Report(request, StateForEvaluators());
 }
 
 absl::StatusOr<Coordinator::Weights> Coordinator::InitialWeights() {
@@ -509,21 +430,10 @@ absl::Status Coordinator::LoadParameterServers(const Weights& weights) {
     live = Sorted(live_);
     id = job_id_;
   }
-  // The tensors of each slot as whole-variable buffers, in placement order.
   std::vector<std::string> slots = {""};
   for (const std::string& s : ps::Optimizer::SlotNames(job_.optimizer().kind())) slots.push_back(s);
-  std::vector<std::vector<const float*>> buffers(slots.size());
-  for (size_t k = 0; k < slots.size(); ++k) {
-    for (const VariablePlacement& v : job_.placement().variable()) {
-      auto it = std::find_if(
-          weights.tensors.begin(), weights.tensors.end(),
-          [&](const CheckpointTensorData& t) { return t.name == v.name() && t.slot == slots[k]; });
-      buffers[k].push_back(it == weights.tensors.end() ? nullptr : it->values.data());
-    }
-    // A slot the weights do not hold starts at zero on the ps.
-    if (std::find(buffers[k].begin(), buffers[k].end(), nullptr) != buffers[k].end())
-      buffers[k].clear();
-  }
+  const std::vector<std::vector<const float*>> buffers =
+      SlotBuffers(weights.tensors, job_.placement(), slots);
   RetryPolicy retry;
   retry.give_up = absl::Now() + options_.timeouts.startup;
   retry.stop = [this] {
@@ -697,12 +607,8 @@ absl::Status Coordinator::TakeCheckpoint(Checkpoint* taken) {
   return s;
 }
 
-absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, int attempt) {
-  const absl::Time begun = absl::Now();
-  const uint64_t id = job_id();
-  absl::StatusOr<std::vector<PsState>> states = States(id);
-  if (!states.ok()) return absl::UnavailableError("a ps is not reachable");
-  int64_t target = MaxVersion(*states);
+int64_t Coordinator::CheckpointTarget(const std::vector<PsState>& states, int attempt) const {
+  const int64_t newest = MaxVersion(states);
   if (AppliesEachGradient(job_)) {
     // The ps of an asynchronous job are never in step, and each moves by
     // every worker's gradient: one may pass the newest version before the
@@ -710,14 +616,21 @@ absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, int attempt) {
     // every ps reaches soon, unless they agree and this is the first try
     // (nothing may be moving: a job whose workers are away).
     bool agree = true;
-    for (const PsState& st : *states) agree = agree && st.version() == target;
-    if (!agree || attempt > 0) target = VersionAhead(job_, target);
-  } else if (attempt > 1) {
-    // A synchronous job whose steps take a few milliseconds passed the
-    // newest step twice between the look and the request: ask for two
-    // steps on, which every ps reaches soon, at once with the others.
-    target = std::min<int64_t>(target + 2, job_.train_steps());
+    for (const PsState& st : states) agree = agree && st.version() == newest;
+    return !agree || attempt > 0 ? VersionAhead(job_, newest) : newest;
   }
+  // A synchronous job whose steps take a few milliseconds passed the
+  // newest step twice between the look and the request: ask for two
+  // steps on, which every ps reaches soon, at once with the others.
+  return attempt > 1 ? std::min<int64_t>(newest + 2, job_.train_steps()) : newest;
+}
+
+absl::Status Coordinator::TakeCheckpointOnce(Checkpoint* taken, int attempt) {
+  const absl::Time begun = absl::Now();
+  const uint64_t id = job_id();
+  absl::StatusOr<std::vector<PsState>> states = States(id);
+  if (!states.ok()) return absl::UnavailableError("a ps is not reachable");
+  const int64_t target = CheckpointTarget(*states, attempt);
   // Every ps copies its slices the moment it reaches `target` (those there
   // already, at once): one consistent step across shards (in an
   // asynchronous job, one consistent version of each shard), taken while
@@ -801,43 +714,54 @@ absl::Status Coordinator::Supervise() {
     const int64_t version = MaxVersion(*states);
     metrics_.SetGlobalStep(version);
     CheckWorkers();
-    // A ps told to stop (a signal: its pod evicted, say) serves on until
-    // this chief has checkpointed what it holds, and exits then: take that
-    // checkpoint now (unless the last one is of this step), and say so.
-    // Its reload from that checkpoint follows, as for any ps that goes.
-    std::vector<int> stopping;
-    for (int p = 0; p < static_cast<int>(states->size()); ++p) {
-      if ((*states)[p].stopping() && !told_stopping_.contains(p)) stopping.push_back(p);
-    }
-    if (!stopping.empty()) {
-      PSLOG(INFO) << "ps " << absl::StrJoin(stopping, ", ")
-                  << " told to stop: checkpointing before it goes";
-      absl::Status s = version > last_checkpoint_step_ ? TakeCheckpoint() : absl::OkStatus();
-      if (Failed()) continue;  // the next round ends the job
-      if (!s.ok()) {
-        PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
-                       << absl::StatusCodeToString(s.code()) << ")";
-      }
-      const int told = TellCheckpointTaken(stopping);
-      PSLOG(INFO) << "told " << told << " of " << stopping.size() << " stopping ps that "
-                  << (s.ok() ? absl::StrCat("the checkpoint of step ", last_checkpoint_step_,
-                                            " holds what they had")
-                             : std::string("no checkpoint is coming"))
-                  << " (they exit now)";
-      told_stopping_.insert(stopping.begin(), stopping.end());
-    }
-    const bool by_steps = options_.checkpoint_every_steps > 0 &&
-                          version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
-    const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&
-                         absl::Now() - last_checkpoint_time_ >= options_.checkpoint_every &&
-                         version > last_checkpoint_step_;
-    if (by_steps || by_time) {
-      absl::Status s = TakeCheckpoint();
-      if (!s.ok() && !Failed())
-        PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
-                       << absl::StatusCodeToString(s.code()) << ")";
-    }
+    if (!CheckpointForStoppingPs(*states, version)) continue;  // failed: the next round ends it
+    CheckpointIfDue(version);
   }
+  return CheckpointAndStop();
+}
+
+bool Coordinator::CheckpointForStoppingPs(const std::vector<PsState>& states, int64_t version) {
+  // A ps told to stop (a signal: its pod evicted, say) serves on until
+  // this chief has checkpointed what it holds, and exits then: take that
+  // checkpoint now (unless the last one is of this step), and say so.
+  // Its reload from that checkpoint follows, as for any ps that goes.
+  std::vector<int> stopping;
+  for (int p = 0; p < static_cast<int>(states.size()); ++p) {
+    if (states[p].stopping() && !told_stopping_.contains(p)) stopping.push_back(p);
+  }
+  if (stopping.empty()) return true;
+  PSLOG(INFO) << "ps " << absl::StrJoin(stopping, ", ")
+              << " told to stop: checkpointing before it goes";
+  absl::Status s = version > last_checkpoint_step_ ? TakeCheckpoint() : absl::OkStatus();
+  if (Failed()) return false;
+  if (!s.ok()) {
+    PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
+                   << absl::StatusCodeToString(s.code()) << ")";
+  }
+  const int told = TellCheckpointTaken(stopping);
+  PSLOG(INFO) << "told " << told << " of " << stopping.size() << " stopping ps that "
+              << (s.ok() ? absl::StrCat("the checkpoint of step ", last_checkpoint_step_,
+                                        " holds what they had")
+                         : std::string("no checkpoint is coming"))
+              << " (they exit now)";
+  told_stopping_.insert(stopping.begin(), stopping.end());
+  return true;
+}
+
+void Coordinator::CheckpointIfDue(int64_t version) {
+  const bool by_steps = options_.checkpoint_every_steps > 0 &&
+                        version >= last_checkpoint_step_ + options_.checkpoint_every_steps;
+  const bool by_time = options_.checkpoint_every > absl::ZeroDuration() &&
+                       absl::Now() - last_checkpoint_time_ >= options_.checkpoint_every &&
+                       version > last_checkpoint_step_;
+  if (!by_steps && !by_time) return;
+  absl::Status s = TakeCheckpoint();
+  if (!s.ok() && !Failed())
+    PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
+                   << absl::StatusCodeToString(s.code()) << ")";
+}
+
+absl::Status Coordinator::CheckpointAndStop() {
   // Stopped by a signal: keep what was trained, then leave ps and workers
   // running for the chief that comes next; briefly, as the ps may be
   // stopping too (a whole cluster told to stop).
@@ -960,6 +884,63 @@ void Coordinator::ReleaseEveryone() {
                    << absl::StatusCodeToString(s.code()) << ")";
 }
 
+absl::Status Coordinator::StartJob() {
+  if (TryAdopt()) {
+    absl::MutexLock lock(&mu_);
+    ready_ = true;
+    if (options_.on_ready) options_.on_ready(true);
+    return absl::OkStatus();
+  }
+  PSFLOW_ASSIGN_OR_RETURN(const Weights weights, InitialWeights());
+  PSFLOW_RETURN_IF_ERROR(LoadParameterServers(weights));
+  PSLOG(INFO) << "parameter servers loaded at step " << weights.step << "; training";
+  return absl::OkStatus();
+}
+
+bool Coordinator::Conclude(absl::Status* status) {
+  {
+    absl::MutexLock lock(&mu_);
+    trained_ = true;
+  }
+  // The last checkpoint holds the final step: a restarted job finds it done.
+  Checkpoint final_checkpoint;
+  absl::Status s = TakeCheckpoint(&final_checkpoint);
+  if (Failed()) return false;
+  if (!s.ok())
+    PSLOG(WARNING) << "no final checkpoint: " << s.message() << " ("
+                   << absl::StatusCodeToString(s.code()) << ")";
+  // It holds the final weights too, unless a ps had gone past
+  // train_steps: then they are pulled again.
+  const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();
+  *status = SaveModel(reuse ? &final_checkpoint : nullptr);
+  // The ps still hold the final weights for an evaluator to take.
+  if (status->ok()) evaluators_.WaitForFinal();
+  return true;
+}
+
+void Coordinator::LogDone() {
+  const Progress::Summary s = progress_->summary();
+  std::string eval;
+  if (const std::optional<EvalResult> r = evaluators_.final_result(); r.has_value()) {
+    eval = absl::StrFormat(", test loss %.4f acc %.4f (evaluator)", r->loss(),
+                           static_cast<double>(r->correct()) / static_cast<double>(r->examples()));
+  }
+  std::string line = absl::StrFormat("done: %d steps", job_.train_steps());
+  if (s.examples == 0) {
+    // Restored (or adopted) at the last step: no loss or accuracy to give.
+    line += ", all trained before this run (it started at the last step)";
+  } else {
+    absl::StrAppendFormat(&line, ", %d examples in %.1f s", s.examples,
+                          absl::ToDoubleSeconds(s.elapsed));
+    // One logged interval, the first, counts start-up: no rate then.
+    line += s.examples_per_sec > 0
+                ? absl::StrFormat(", %.0f ex/s after the first interval", s.examples_per_sec)
+                : " (too few logged intervals for a rate after the first)";
+    absl::StrAppendFormat(&line, ", final loss %.4f acc %.3f", s.last_loss, s.last_accuracy);
+  }
+  PSLOG(INFO) << line << eval;
+}
+
 absl::Status Coordinator::Run() {
   // Find out now, not after training, that the outputs cannot be written.
   // That is a matter of configuration: permanent.
@@ -967,80 +948,11 @@ absl::Status Coordinator::Run() {
     absl::Status writable = MakeDirectories(dir);
     if (!writable.ok()) return absl::FailedPreconditionError(writable.message());
   }
-  int64_t params = 0, statistics = 0;
-  for (const VariableShape& v : model::ModelVariables(job_.model()))
-    (v.trainable ? params : statistics) += NumElements(v.shape);
-  std::vector<int64_t> bytes = BytesPerPs(job_.placement());
-  int slices = 0;
-  for (const VariablePlacement& v : job_.placement().variable()) slices += v.slice_size();
-  std::string per_ps;
-  for (size_t p = 0; p < bytes.size(); ++p)
-    absl::StrAppend(&per_ps, p ? ", " : "", bytes[p] / 1024, " KiB");
-  const std::string bn =
-      statistics == 0 ? ""
-                      : absl::StrCat(", ", statistics, " batch-norm running statistics, momentum ",
-                                     job_.bn_momentum());
-  PSLOG(INFO) << "job: model " << job_.model().name() << " (" << params << " parameters" << bn
-              << "), " << job_.train_steps() << " steps = "
-              << absl::StrFormat("%.2f", static_cast<double>(job_.train_steps()) /
-                                             static_cast<double>(job_.steps_per_epoch()))
-              << " epochs of " << job_.steps_per_epoch() << " steps = "
-              << job_.train_steps() * WorkerBatch(job_) *
-                     (AppliesEachGradient(job_) ? 1 : job_.num_workers())
-              << " examples, batch " << job_.batch_size() << " x " << job_.num_workers()
-              << " workers"
-              << (ReplicasPerWorker(job_) > 1
-                      ? absl::StrCat(" x ", ReplicasPerWorker(job_), " replicas (GPUs) each")
-                      : "")
-              << ", mode " << ModeName(job_) << ", optimizer "
-              << OptimizerConfig::Kind_Name(job_.optimizer().kind()) << " lr "
-              << job_.optimizer().learning_rate() << " ("
-              << OptimizerConfig::Decay_Name(job_.optimizer().lr_decay()) << ", warmup "
-              << job_.optimizer().lr_warmup_steps() << ") weight decay "
-              << job_.optimizer().weight_decay() << ", inputs standardized with mean "
-              << job_.model().input().mean() << " stddev " << job_.model().input().stddev()
-              << (AllReduce() ? absl::StrCat(", gradients all-reduced among the workers, "
-                                             "each holding a replica (",
-                                             per_ps, ")")
-                              : absl::StrCat(", variables over ", job_.num_ps(), " ps in ", slices,
-                                             " slices (", per_ps, ")"));
-
-  absl::Status status;
-  if (TryAdopt()) {
-    absl::MutexLock lock(&mu_);
-    ready_ = true;
-    if (options_.on_ready) options_.on_ready(true);
-  } else {
-    absl::StatusOr<Weights> weights = InitialWeights();
-    status = weights.status();
-    if (status.ok()) status = LoadParameterServers(*weights);
-    if (status.ok())
-      PSLOG(INFO) << "parameter servers loaded at step " << weights->step << "; training";
-  }
+  PSLOG(INFO) << DescribeJob(job_);
+  absl::Status status = StartJob();
   if (status.ok()) status = Supervise();
   bool trained = status.ok();
-  if (trained) {
-    {
-      absl::MutexLock lock(&mu_);
-      trained_ = true;
-    }
-    // The last checkpoint holds the final step: a restarted job finds it done.
-    Checkpoint final_checkpoint;
-    absl::Status s = TakeCheckpoint(&final_checkpoint);
-    if (Failed()) {
-      trained = false;
-    } else {
-      if (!s.ok())
-        PSLOG(WARNING) << "no final checkpoint: " << s.message() << " ("
-                       << absl::StatusCodeToString(s.code()) << ")";
-      // It holds the final weights too, unless a ps had gone past
-      // train_steps: then they are pulled again.
-      const bool reuse = s.ok() && final_checkpoint.manifest.step() == job_.train_steps();
-      status = SaveModel(reuse ? &final_checkpoint : nullptr);
-      // The ps still hold the final weights for an evaluator to take.
-      if (status.ok()) WaitForFinalEval();
-    }
-  }
+  if (trained) trained = Conclude(&status);
   {
     absl::MutexLock lock(&mu_);
     if (!failure_.ok()) status = failure_;
@@ -1050,31 +962,7 @@ absl::Status Coordinator::Run() {
   // Once training is over (or failed), ps and workers have nothing left to
   // do, whether or not the saved model could be written.
   if (trained || Failed()) ReleaseEveryone();
-  if (status.ok()) {
-    Progress::Summary s = progress_->summary();
-    std::string eval;
-    {
-      absl::MutexLock lock(&mu_);
-      if (final_eval_.has_value()) {
-        eval = absl::StrFormat(", test loss %.4f acc %.4f (evaluator)", final_eval_->loss(),
-                               Accuracy(*final_eval_));
-      }
-    }
-    std::string line = absl::StrFormat("done: %d steps", job_.train_steps());
-    if (s.examples == 0) {
-      // Restored (or adopted) at the last step: no loss or accuracy to give.
-      line += ", all trained before this run (it started at the last step)";
-    } else {
-      absl::StrAppendFormat(&line, ", %d examples in %.1f s", s.examples,
-                            absl::ToDoubleSeconds(s.elapsed));
-      // One logged interval, the first, counts start-up: no rate then.
-      line += s.examples_per_sec > 0
-                  ? absl::StrFormat(", %.0f ex/s after the first interval", s.examples_per_sec)
-                  : " (too few logged intervals for a rate after the first)";
-      absl::StrAppendFormat(&line, ", final loss %.4f acc %.3f", s.last_loss, s.last_accuracy);
-    }
-    PSLOG(INFO) << line << eval;
-  }
+  if (status.ok()) LogDone();
   return status;
 }
 

@@ -1,29 +1,30 @@
 // The chief's logic, with no gRPC in it: job state, worker registration and
 // supervision, loading and watching the ps, recovery, checkpoint
-// orchestration, evaluators' results, the saved model and the end of the
-// job. It reaches the ps only through ps::Client; the chief's gRPC service
+// orchestration, the saved model and the end of the job; evaluators are
+// answered by its Evaluators (chief/evaluators.h) with the job's state. It
+// reaches the ps only through ps::Client; the chief's gRPC service
 // (chief/service.h) forwards workers' calls to RegisterWorker and Report, and
 // evaluators' to RegisterEvaluator and ReportEval. Tests drive it with fakes
 // (tests/fakes/).
 //
 // Thread-safe: RegisterWorker, Report, RegisterEvaluator, ReportEval and Stop
-// may be called from any thread while Run runs on one. Lock order: membership_mu_ before mu_.
+// may be called from any thread while Run runs on one. Lock order:
+// membership_mu_ before mu_; the Evaluators' lock is never held with either.
 #ifndef PSFLOW_CHIEF_COORDINATOR_H_
 #define PSFLOW_CHIEF_COORDINATOR_H_
 
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "chief/checkpoint.h"
+#include "chief/evaluators.h"
 #include "chief/job_config.h"
 #include "chief/metrics.h"
 #include "chief/progress.h"
@@ -165,11 +166,26 @@ class Coordinator {
     std::vector<CheckpointTensorData> tensors;
   };
 
+  // Adopts the job the ps still hold, or loads them with InitialWeights.
+  absl::Status StartJob();
   absl::StatusOr<Weights> InitialWeights();
   bool TryAdopt();
   absl::Status LoadParameterServers(const Weights& weights);
   absl::Status Supervise();
+  // A ps told to stop serves on until this chief has checkpointed what it
+  // holds: checkpoints (unless the last one is of `version`) and tells it.
+  // False when the job failed meanwhile.
+  bool CheckpointForStoppingPs(const std::vector<PsState>& states, int64_t version);
+  // The checkpoint --checkpoint_every_steps or --checkpoint_every asks for.
+  void CheckpointIfDue(int64_t version);
+  // Stopped by a signal: the stop checkpoint, then what Supervise returns.
+  absl::Status CheckpointAndStop();
   void CheckWorkers();
+  // An all-reduce job's registration of worker `w`: one registering again
+  // after all had breaks the group. The group's error once it is broken.
+  absl::Status JoinGroup(int w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the job for a report's non-finite steps, per --on_nonfinite.
+  void HandleNonfinite(const ReportRequest& request);
   // Sends the chief's live set to every ps if the set of any of `states`
   // differs from it (a broadcast that half failed, or a forged SetLiveWorkers).
   void RepairLiveSets(const std::vector<PsState>& states)
@@ -189,16 +205,21 @@ class Coordinator {
   // the third attempt on, a synchronous job asks for two steps past it (it
   // moves faster than the chief can look and ask).
   absl::Status TakeCheckpointOnce(Checkpoint* taken, int attempt);
+  // The version the ps are asked to snapshot, given their `states`.
+  int64_t CheckpointTarget(const std::vector<PsState>& states, int attempt) const;
   // An asynchronous job's staleness as the ps counted it, in one log line.
   void LogStaleness();
   // Writes the saved model from the values of `final_checkpoint` (one of
   // step train_steps), or, without one, from the values pulled from the ps.
   absl::Status SaveModel(Checkpoint* final_checkpoint);
-  // Waits for an evaluation of the final model (while the ps still hold it)
-  // when an evaluator is expected, as long as one is heard from and at most
-  // Timeouts::final_eval.
-  void WaitForFinalEval() ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status CheckEvaluator(int evaluator) const;
+  // The end of a job trained to its last step: the final checkpoint, the
+  // saved model (into *status), the evaluation of the final model while the
+  // ps still hold it. False when the job failed meanwhile.
+  bool Conclude(absl::Status* status);
+  // The closing line of a job that ended well.
+  void LogDone();
+  // The job's state for the evaluators' calls.
+  JobState StateForEvaluators() ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseEveryone();
   // Tells the ps `ps` that the checkpoint a stopping ps waits for is
   // written or given up (each once, within stop_release): one that was
@@ -221,6 +242,7 @@ class Coordinator {
   ps::Client* const ps_;
   ThreadPool* const pool_;
   std::unique_ptr<Progress> progress_;
+  Evaluators evaluators_;
   ChiefMetrics metrics_;
   int64_t last_checkpoint_step_ = 0;  // Run's thread only
   // The stopping ps told so (Run's thread only; cleared by a reload).
@@ -252,9 +274,7 @@ class Coordinator {
   absl::flat_hash_set<int> reported_ ABSL_GUARDED_BY(mu_);  // since its registration
   absl::Status group_broken_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);       // with SKIP_STEP
-  absl::flat_hash_map<int, absl::Time> evaluators_ ABSL_GUARDED_BY(mu_);  // last heard from
-  std::optional<EvalResult> final_eval_ ABSL_GUARDED_BY(mu_);             // of step train_steps
+  absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // with SKIP_STEP
 };
 
 }  // namespace psflow::chief

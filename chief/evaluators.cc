@@ -1,0 +1,153 @@
+#include "chief/evaluators.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace psflow::chief {
+namespace {
+
+double Accuracy(const EvalResult& r) {
+  return static_cast<double>(r.correct()) / static_cast<double>(r.examples());
+}
+
+}  // namespace
+
+absl::Status CheckEvalResult(const EvalResult& r, int64_t train_steps) {
+  auto bad = [](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("impossible evaluation result: ", what));
+  };
+  if (r.step() < 0 || r.step() > train_steps) return bad("step outside the job");
+  if (r.examples() <= 0 || r.examples() > 1'000'000'000) return bad("example count");
+  if (r.correct() < 0 || r.correct() > r.examples()) return bad("correct count");
+  if (!std::isfinite(r.loss()) || r.loss() < 0) return bad("loss");
+  if (r.duration_us() < 0 || r.duration_us() > int64_t{86400} * 1'000'000) return bad("duration");
+  return absl::OkStatus();
+}
+
+Evaluators::Evaluators(EvaluatorsOptions options, Progress* progress)
+    : options_(std::move(options)), progress_(progress) {}
+
+absl::Status Evaluators::CheckIndex(int evaluator) const {
+  // The chief's cluster may leave evaluators out (the operator's minimal
+  // form): then any small index is taken.
+  const int limit = options_.num_evaluators > 0 ? options_.num_evaluators : 64;
+  if (evaluator < 0 || evaluator >= limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("evaluator ", evaluator, " is not in the cluster (", limit,
+                     options_.num_evaluators > 0 ? "" : " at most", " evaluators)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegisterEvaluatorResponse> Evaluators::Register(int evaluator, const JobState& job) {
+  PSFLOW_RETURN_IF_ERROR(CheckIndex(evaluator));
+  RegisterEvaluatorResponse response;
+  if (!job.failure.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("the job failed: ", job.failure.message()));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    last_heard_[evaluator] = absl::Now();
+  }
+  if (job.done) {
+    response.set_done(true);
+    return response;
+  }
+  if (!job.ready) return absl::UnavailableError("the parameter servers are not loaded yet");
+  response.set_job_id(job.job_id);
+  response.set_eval_every_steps(options_.eval_every_steps);
+  response.set_eval_every_secs(options_.eval_every_secs);
+  PSLOG(INFO) << "evaluator " << evaluator << " registered";
+  return response;
+}
+
+absl::StatusOr<ReportEvalResponse> Evaluators::Report(const ReportEvalRequest& request,
+                                                      const JobState& job) {
+  const int e = request.evaluator();
+  PSFLOW_RETURN_IF_ERROR(CheckIndex(e));
+  if (request.has_result()) {
+    absl::Status valid = CheckEvalResult(request.result(), options_.train_steps);
+    if (!valid.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (++refused_ <= 10) {
+        PSLOG(WARNING) << "refused a report from evaluator " << e << ": " << valid.message();
+      }
+      return valid;
+    }
+  }
+  ReportEvalResponse response;
+  {
+    absl::MutexLock lock(&mu_);
+    last_heard_[e] = absl::Now();
+    if (!job.failure.ok()) {
+      response.set_action(ReportEvalResponse::FAIL);
+      return response;
+    }
+    if (job.done) {
+      response.set_action(ReportEvalResponse::EXIT);
+      return response;
+    }
+    if (request.job_id() != job.job_id || !job.ready) {
+      response.set_action(ReportEvalResponse::REGISTER);  // the job was reloaded
+      return response;
+    }
+    if (!request.has_result()) return response;
+    if (request.result().step() == options_.train_steps) {
+      final_ = request.result();
+      // Its work is done: the end of the job need not wait for it any more.
+      response.set_action(ReportEvalResponse::EXIT);
+    }
+  }
+  const EvalResult& r = request.result();
+  if (progress_ != nullptr) progress_->Eval(r.step(), r.loss(), Accuracy(r));
+  PSLOG(INFO) << absl::StrFormat(
+      "eval: step %d/%d loss %.4f acc %.4f | %d test examples, %.1f s, evaluator %d", r.step(),
+      options_.train_steps, r.loss(), Accuracy(r), r.examples(),
+      static_cast<double>(r.duration_us()) / 1e6, e);
+  return response;
+}
+
+void Evaluators::WaitForFinal() {
+  absl::MutexLock lock(&mu_);
+  if (final_.has_value() || (options_.num_evaluators == 0 && last_heard_.empty())) return;
+  PSLOG(INFO) << "waiting for the evaluation of the final model (step " << options_.train_steps
+              << ")";
+  const absl::Time start = absl::Now();
+  auto got = [this]()
+                 ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return final_.has_value() || cancelled_; };
+  while (!got()) {
+    absl::Time heard = start;
+    for (const auto& [e, seen] : last_heard_) heard = std::max(heard, seen);
+    const absl::Time now = absl::Now();
+    if (now - heard > options_.silence) {
+      PSLOG(WARNING) << "no evaluation of the final model: no evaluator was heard from for "
+                     << options_.silence;
+      return;
+    }
+    if (now - start > options_.final_wait) {
+      PSLOG(WARNING) << "no evaluation of the final model within " << options_.final_wait
+                     << " (--eval_final_timeout)";
+      return;
+    }
+    mu_.AwaitWithTimeout(absl::Condition(&got), absl::Milliseconds(200));
+  }
+}
+
+void Evaluators::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+}
+
+std::optional<EvalResult> Evaluators::final_result() const {
+  absl::MutexLock lock(&mu_);
+  return final_;
+}
+
+}  // namespace psflow::chief

@@ -1,0 +1,192 @@
+// The chief's bookkeeping of evaluators (chief/evaluators.h) on its own: the
+// answers to their calls for each state of the job, the results it keeps,
+// and the wait for the final model's evaluation.
+#include "chief/evaluators.h"
+
+#include <atomic>
+#include <cmath>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace psflow::chief {
+namespace {
+
+constexpr int64_t kSteps = 10;
+
+EvaluatorsOptions Options(int num_evaluators) {
+  EvaluatorsOptions o;
+  o.num_evaluators = num_evaluators;
+  o.train_steps = kSteps;
+  o.eval_every_steps = 3;
+  o.eval_every_secs = 7;
+  o.silence = absl::Seconds(5);
+  o.final_wait = absl::Seconds(5);
+  return o;
+}
+
+JobState Ready(uint64_t job_id) {
+  JobState s;
+  s.ready = true;
+  s.job_id = job_id;
+  return s;
+}
+
+// A report of evaluator `e` for job `job_id`, with a result of `step` unless
+// it is negative.
+ReportEvalRequest Result(uint64_t job_id, int64_t step, int e = 0, double loss = 0.5) {
+  ReportEvalRequest r;
+  r.set_job_id(job_id);
+  r.set_evaluator(e);
+  if (step >= 0) {
+    EvalResult* result = r.mutable_result();
+    result->set_step(step);
+    result->set_loss(loss);
+    result->set_correct(90);
+    result->set_examples(100);
+    result->set_duration_us(1000);
+  }
+  return r;
+}
+
+TEST(EvaluatorsTest, RegistrationFollowsTheJobsState) {
+  Evaluators evaluators(Options(2), nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Register(2, Ready(7)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Register(-1, Ready(7)).status()));
+  EXPECT_TRUE(absl::IsUnavailable(evaluators.Register(0, JobState{}).status()));
+  JobState failed = Ready(7);
+  failed.failure = absl::OutOfRangeError("diverged");
+  absl::Status refused = evaluators.Register(0, failed).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_NE(refused.message().find("diverged"), absl::string_view::npos);
+
+  absl::StatusOr<RegisterEvaluatorResponse> r = evaluators.Register(1, Ready(7));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->done());
+  EXPECT_EQ(r->job_id(), 7u);
+  EXPECT_EQ(r->eval_every_steps(), 3);
+  EXPECT_EQ(r->eval_every_secs(), 7);
+
+  JobState done = Ready(7);
+  done.done = true;
+  r = evaluators.Register(1, done);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->done());
+}
+
+// A cluster that leaves its evaluators out takes any index below 64.
+TEST(EvaluatorsTest, AClusterWithoutEvaluatorsTakesSmallIndices) {
+  Evaluators evaluators(Options(0), nullptr);
+  EXPECT_TRUE(evaluators.Register(63, Ready(1)).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Register(64, Ready(1)).status()));
+}
+
+TEST(EvaluatorsTest, ReportsAreCheckedAnsweredAndTheFinalResultKept) {
+  Evaluators evaluators(Options(1), nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Report(Result(1, 2, 1), Ready(1)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Report(Result(1, kSteps + 1), Ready(1)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Report(Result(1, 2, 0, NAN), Ready(1)).status()));
+
+  absl::StatusOr<ReportEvalResponse> r = evaluators.Report(Result(1, -1), Ready(1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
+  r = evaluators.Report(Result(2, 4), Ready(1));  // another job's
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::REGISTER);
+  r = evaluators.Report(Result(1, 4), JobState{.job_id = 1});  // the ps not loaded
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::REGISTER);
+  r = evaluators.Report(Result(1, 4), Ready(1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
+  EXPECT_FALSE(evaluators.final_result().has_value());
+
+  r = evaluators.Report(Result(1, kSteps, 0, 0.25), Ready(1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::EXIT);
+  ASSERT_TRUE(evaluators.final_result().has_value());
+  EXPECT_EQ(evaluators.final_result()->loss(), 0.25);
+
+  JobState failed = Ready(1);
+  failed.failure = absl::OutOfRangeError("diverged");
+  r = evaluators.Report(Result(1, -1), failed);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::FAIL);
+  JobState done = Ready(1);
+  done.done = true;
+  r = evaluators.Report(Result(1, -1), done);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->action(), ReportEvalResponse::EXIT);
+}
+
+TEST(EvaluatorsTest, NoEvaluatorNoWait) {
+  Evaluators evaluators(Options(0), nullptr);
+  const absl::Time start = absl::Now();
+  evaluators.WaitForFinal();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST(EvaluatorsTest, TheWaitEndsWithTheFinalResult) {
+  Evaluators evaluators(Options(1), nullptr);
+  std::thread evaluator([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    ASSERT_TRUE(evaluators.Report(Result(1, kSteps), Ready(1)).ok());
+  });
+  const absl::Time start = absl::Now();
+  evaluators.WaitForFinal();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_TRUE(evaluators.final_result().has_value());
+  evaluator.join();
+}
+
+// A registered evaluator that goes silent is waited for no longer than
+// options.silence; a listed one that never came, likewise.
+TEST(EvaluatorsTest, TheWaitEndsWhenNoEvaluatorIsHeardFrom) {
+  EvaluatorsOptions o = Options(0);
+  o.silence = absl::Milliseconds(300);
+  Evaluators evaluators(o, nullptr);
+  ASSERT_TRUE(evaluators.Register(0, Ready(1)).ok());
+  const absl::Time start = absl::Now();
+  evaluators.WaitForFinal();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_FALSE(evaluators.final_result().has_value());
+}
+
+TEST(EvaluatorsTest, TheWaitEndsAfterFinalWait) {
+  EvaluatorsOptions o = Options(1);
+  o.final_wait = absl::Milliseconds(300);
+  Evaluators evaluators(o, nullptr);
+  std::atomic<bool> stop{false};
+  std::thread heartbeats([&] {
+    while (!stop) {
+      ASSERT_TRUE(evaluators.Report(Result(1, -1), Ready(1)).ok());
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  const absl::Time start = absl::Now();
+  evaluators.WaitForFinal();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  stop = true;
+  heartbeats.join();
+}
+
+TEST(EvaluatorsTest, CancelEndsTheWait) {
+  Evaluators evaluators(Options(1), nullptr);
+  std::thread stopper([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    evaluators.Cancel();
+  });
+  const absl::Time start = absl::Now();
+  evaluators.WaitForFinal();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  stopper.join();
+  // For good: a later wait returns at once.
+  evaluators.WaitForFinal();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+}
+
+}  // namespace
+}  // namespace psflow::chief
