@@ -162,289 +162,398 @@ std::string ParseWorkerDevices(const std::string& flag, int num_workers,
   return "";
 }
 
-int RunCluster(const LaunchOptions& o) {
-  const int total = 1 + o.num_ps + o.num_workers + o.num_evaluators;
-  std::vector<int> ports = FreePorts(o.host, total);
-  if (static_cast<int>(ports.size()) != total) {
-    Say(absl::StrCat("cannot find ", total, " free ports on ", o.host));
-    return 1;
-  }
-  auto addr = [&](int i) { return absl::StrCat(o.host, ":", ports[i]); };
-  std::vector<std::string> ps_hosts, worker_hosts, evaluator_hosts;
-  for (int i = 0; i < o.num_ps; ++i) ps_hosts.push_back(addr(1 + i));
-  for (int i = 0; i < o.num_workers; ++i) worker_hosts.push_back(addr(1 + o.num_ps + i));
-  for (int i = 0; i < o.num_evaluators; ++i)
-    evaluator_hosts.push_back(addr(1 + o.num_ps + o.num_workers + i));
-  std::vector<std::string> cluster = {
-      absl::StrCat("--ps_hosts=", absl::StrJoin(ps_hosts, ",")),
-      absl::StrCat("--worker_hosts=", absl::StrJoin(worker_hosts, ",")),
-  };
-  if (o.with_chief) cluster.insert(cluster.begin(), absl::StrCat("--chief_hosts=", addr(0)));
-  if (!evaluator_hosts.empty())
-    cluster.push_back(absl::StrCat("--evaluator_hosts=", absl::StrJoin(evaluator_hosts, ",")));
+namespace {
 
-  sigset_t mask, old_mask;
+// A signal for the cluster goes to the chief (children_[0]: the chief, or
+// worker 0 with its duties) first, which checkpoints before it exits
+// (within Timeouts::stop_checkpoint, 5 s); the rest get it once the chief has
+// exited, or after this long, so that the ps still answer the checkpoint's
+// snapshot.
+constexpr absl::Duration kChiefStopWait = absl::Seconds(10);
+// Processes still running this long after they were told to terminate are
+// killed.
+constexpr absl::Duration kKillAfter = absl::Seconds(10);
+
+// One run of the cluster: starts the children, then, until every one has
+// exited and its output is drained, forwards their output, signals and
+// reaps them, restarts those that failed (when asked) and decides the exit
+// code. Single-threaded; the signals arrive through a signalfd.
+class ClusterRun {
+ public:
+  explicit ClusterRun(const LaunchOptions& options) : o_(options) {}
+  ~ClusterRun() {
+    if (sig_fd_ >= 0) ::close(sig_fd_);
+  }
+  ClusterRun(const ClusterRun&) = delete;
+  ClusterRun& operator=(const ClusterRun&) = delete;
+
+  // RunCluster's exit code.
+  int Run();
+
+ private:
+  // Picks the ports and makes the cluster flags; false (said) without ports.
+  bool LayOut();
+  std::string Address(int i) const { return absl::StrCat(o_.host, ":", ports_[i]); }
+  // Blocks SIGINT, SIGTERM and SIGHUP, which come through sig_fd_ instead.
+  void TakeSignals();
+  // Starts every process, children_[0] first: the process whose exit
+  // decides (the chief, or worker 0 in a cluster without one). False when
+  // one cannot be started.
+  bool StartAll();
+  bool Start(const std::string& name, const std::string& role, int index,
+             const std::vector<std::string>& extra);
+  bool StartWorker(int i);
+  // --metrics_port of the process with this index (chief 0, ps, workers,
+  // evaluators).
+  std::vector<std::string> MetricsArgs(int i) const;
+  void SayLayout() const;
+
+  // Waits for output or a signal (200 ms at most) and handles what came.
+  void Poll();
+  void HandleSignal(int sig);
+  // Collects the children that exited; each is restarted later or has
+  // exited for good.
+  void Reap();
+  void RestartDue();
+  // c has exited with c.code and will not run again: the chief's exit
+  // decides the result; another process failing first stops the cluster.
+  void ExitedForGood(Child& c);
+  bool AllDone() const;
+  // The deadlines: the rest after kChiefStopWait, the grace after the chief
+  // exited, SIGKILL after kKillAfter.
+  void EnforceDeadlines();
+
+  // Sends `sig` to every child still running, and marks the cluster as
+  // terminating (no more restarts) if it was not yet.
+  void Terminate(int sig);
+  void SignalAll(int sig);
+  // Sends the stop signal to all but the chief.
+  void SignalRest();
+  // Stops the cluster as a signal to the launcher does: the chief first (it
+  // checkpoints while the ps answer), the rest after it.
+  void StopChiefFirst(int sig);
+  bool Terminating() const { return terminated_at_ != absl::InfiniteFuture(); }
+
+  const LaunchOptions& o_;
+  std::vector<int> ports_;
+  std::vector<std::string> ps_hosts_, worker_hosts_, evaluator_hosts_;
+  std::vector<std::string> cluster_args_;  // --chief_hosts, --ps_hosts, ...
+  sigset_t old_mask_;                      // the children's signal mask
+  int sig_fd_ = -1;
+  std::vector<Child> children_;
+  int result_ = -1;  // decided exit code
+  int restarts_ = 0;
+  absl::Time chief_exit_ = absl::InfiniteFuture();
+  absl::Time terminated_at_ = absl::InfiniteFuture();
+  int stop_signal_ = 0;  // the signal the rest are owed after the chief
+  absl::Time chief_signalled_ = absl::InfiniteFuture();
+};
+
+int ClusterRun::Run() {
+  if (!LayOut()) return 1;
+  TakeSignals();
+  const bool started = StartAll();
+  SayLayout();
+  if (!started) {
+    result_ = 1;
+    Terminate(SIGTERM);
+  }
+  while (true) {
+    Poll();
+    Reap();
+    RestartDue();
+    if (AllDone()) break;
+    EnforceDeadlines();
+  }
+  return result_ < 0 ? 1 : result_;
+}
+
+bool ClusterRun::LayOut() {
+  const int total = 1 + o_.num_ps + o_.num_workers + o_.num_evaluators;
+  ports_ = FreePorts(o_.host, total);
+  if (static_cast<int>(ports_.size()) != total) {
+    Say(absl::StrCat("cannot find ", total, " free ports on ", o_.host));
+    return false;
+  }
+  for (int i = 0; i < o_.num_ps; ++i) ps_hosts_.push_back(Address(1 + i));
+  for (int i = 0; i < o_.num_workers; ++i) worker_hosts_.push_back(Address(1 + o_.num_ps + i));
+  for (int i = 0; i < o_.num_evaluators; ++i)
+    evaluator_hosts_.push_back(Address(1 + o_.num_ps + o_.num_workers + i));
+  cluster_args_ = {
+      absl::StrCat("--ps_hosts=", absl::StrJoin(ps_hosts_, ",")),
+      absl::StrCat("--worker_hosts=", absl::StrJoin(worker_hosts_, ",")),
+  };
+  if (o_.with_chief)
+    cluster_args_.insert(cluster_args_.begin(), absl::StrCat("--chief_hosts=", Address(0)));
+  if (!evaluator_hosts_.empty())
+    cluster_args_.push_back(
+        absl::StrCat("--evaluator_hosts=", absl::StrJoin(evaluator_hosts_, ",")));
+  return true;
+}
+
+void ClusterRun::TakeSignals() {
+  sigset_t mask;
   sigemptyset(&mask);
   sigaddset(&mask, SIGINT);
   sigaddset(&mask, SIGTERM);
   sigaddset(&mask, SIGHUP);
-  ::sigprocmask(SIG_BLOCK, &mask, &old_mask);
-  int sig_fd = ::signalfd(-1, &mask, SFD_CLOEXEC);
+  ::sigprocmask(SIG_BLOCK, &mask, &old_mask_);
+  sig_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC);
+}
 
-  std::vector<Child> children;
-  auto start = [&](const std::string& name, const std::string& role, int index,
-                   const std::vector<std::string>& extra) {
-    Child c;
-    c.name = name;
-    c.args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
-    c.args.insert(c.args.end(), cluster.begin(), cluster.end());
-    const std::vector<std::string> security = SecurityArgs(o.tls_dir, role);
-    c.args.insert(c.args.end(), security.begin(), security.end());
-    c.args.insert(c.args.end(), extra.begin(), extra.end());
-    c.binary = absl::StrCat(o.bin_dir, "/psflow-", role);
-    c.evaluator = role == "evaluator";
-    if (!Spawn(c, old_mask)) {
-      Say(absl::StrCat("cannot start ", name, ": ", std::strerror(errno)));
-      return false;
-    }
-    children.push_back(std::move(c));
-    return true;
-  };
-  // --metrics_port of the process with this index (chief 0, ps, workers,
-  // evaluators).
-  auto metrics = [&](int i) -> std::vector<std::string> {
-    if (o.metrics_base_port <= 0) return {};
-    return {absl::StrCat("--metrics_port=", o.metrics_base_port + i)};
-  };
-  // children[0] is the process whose exit decides: the chief, or worker 0
-  // in a cluster without one (it takes the chief's arguments).
-  auto start_worker = [&](int i) {
-    std::vector<std::string> extra = metrics(1 + o.num_ps + i);
-    if (i < static_cast<int>(o.worker_devices.size()))
-      extra.push_back("--device=" + o.worker_devices[i]);
-    extra.insert(extra.end(), o.trace_args.begin(), o.trace_args.end());
-    extra.insert(extra.end(), o.worker_args.begin(), o.worker_args.end());
-    if (!o.with_chief && i == 0)
-      extra.insert(extra.end(), o.chief_args.begin(), o.chief_args.end());
-    return start(absl::StrCat("worker", i), "worker", i, extra);
-  };
+bool ClusterRun::Start(const std::string& name, const std::string& role, int index,
+                       const std::vector<std::string>& extra) {
+  Child c;
+  c.name = name;
+  c.args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
+  c.args.insert(c.args.end(), cluster_args_.begin(), cluster_args_.end());
+  const std::vector<std::string> security = SecurityArgs(o_.tls_dir, role);
+  c.args.insert(c.args.end(), security.begin(), security.end());
+  c.args.insert(c.args.end(), extra.begin(), extra.end());
+  c.binary = absl::StrCat(o_.bin_dir, "/psflow-", role);
+  c.evaluator = role == "evaluator";
+  if (!Spawn(c, old_mask_)) {
+    Say(absl::StrCat("cannot start ", name, ": ", std::strerror(errno)));
+    return false;
+  }
+  children_.push_back(std::move(c));
+  return true;
+}
+
+std::vector<std::string> ClusterRun::MetricsArgs(int i) const {
+  if (o_.metrics_base_port <= 0) return {};
+  return {absl::StrCat("--metrics_port=", o_.metrics_base_port + i)};
+}
+
+bool ClusterRun::StartWorker(int i) {
+  std::vector<std::string> extra = MetricsArgs(1 + o_.num_ps + i);
+  if (i < static_cast<int>(o_.worker_devices.size()))
+    extra.push_back("--device=" + o_.worker_devices[i]);
+  extra.insert(extra.end(), o_.trace_args.begin(), o_.trace_args.end());
+  extra.insert(extra.end(), o_.worker_args.begin(), o_.worker_args.end());
+  // Without a chief, worker 0 takes the chief's arguments.
+  if (!o_.with_chief && i == 0)
+    extra.insert(extra.end(), o_.chief_args.begin(), o_.chief_args.end());
+  return Start(absl::StrCat("worker", i), "worker", i, extra);
+}
+
+bool ClusterRun::StartAll() {
   bool started = true;
-  if (o.with_chief) {
-    std::vector<std::string> chief_extra = metrics(0);
-    chief_extra.insert(chief_extra.end(), o.chief_args.begin(), o.chief_args.end());
-    started = start("chief", "chief", 0, chief_extra);
+  if (o_.with_chief) {
+    std::vector<std::string> chief_extra = MetricsArgs(0);
+    chief_extra.insert(chief_extra.end(), o_.chief_args.begin(), o_.chief_args.end());
+    started = Start("chief", "chief", 0, chief_extra);
   } else {
-    started = start_worker(0);
+    started = StartWorker(0);
   }
-  for (int i = 0; started && i < o.num_ps; ++i) {
-    std::vector<std::string> extra = metrics(1 + i);
-    extra.insert(extra.end(), o.trace_args.begin(), o.trace_args.end());
-    extra.insert(extra.end(), o.ps_args.begin(), o.ps_args.end());
-    started = start(absl::StrCat("ps", i), "ps", i, extra);
+  for (int i = 0; started && i < o_.num_ps; ++i) {
+    std::vector<std::string> extra = MetricsArgs(1 + i);
+    extra.insert(extra.end(), o_.trace_args.begin(), o_.trace_args.end());
+    extra.insert(extra.end(), o_.ps_args.begin(), o_.ps_args.end());
+    started = Start(absl::StrCat("ps", i), "ps", i, extra);
   }
-  for (int i = o.with_chief ? 0 : 1; started && i < o.num_workers; ++i) started = start_worker(i);
-  for (int i = 0; started && i < o.num_evaluators; ++i) {
-    std::vector<std::string> extra = metrics(1 + o.num_ps + o.num_workers + i);
-    if (!o.evaluator_device.empty()) extra.push_back("--device=" + o.evaluator_device);
-    started = start(absl::StrCat("evaluator", i), "evaluator", i, extra);
+  for (int i = o_.with_chief ? 0 : 1; started && i < o_.num_workers; ++i) started = StartWorker(i);
+  for (int i = 0; started && i < o_.num_evaluators; ++i) {
+    std::vector<std::string> extra = MetricsArgs(1 + o_.num_ps + o_.num_workers + i);
+    if (!o_.evaluator_device.empty()) extra.push_back("--device=" + o_.evaluator_device);
+    started = Start(absl::StrCat("evaluator", i), "evaluator", i, extra);
   }
+  return started;
+}
+
+void ClusterRun::SayLayout() const {
   Say(absl::StrCat("cluster: ",
-                   o.with_chief ? absl::StrCat("chief ", addr(0))
-                                : std::string("no chief (worker 0 runs its duties)"),
-                   ps_hosts.empty() ? ", no ps (the workers all-reduce)"
-                                    : absl::StrCat(", ps ", absl::StrJoin(ps_hosts, ",")),
-                   ", workers ", absl::StrJoin(worker_hosts, ","),
-                   evaluator_hosts.empty() ? "" : ", evaluators ",
-                   absl::StrJoin(evaluator_hosts, ",")));
-  if (o.metrics_base_port > 0) {
-    const int last = o.num_ps + o.num_workers + o.num_evaluators;
-    const int first = o.with_chief ? 0 : 1;
-    Say(absl::StrCat("metrics: http://", o.host, ":", o.metrics_base_port + first,
-                     o.with_chief   ? "/metrics (chief) to :"
-                     : o.num_ps > 0 ? "/metrics (ps0) to :"
-                                    : "/metrics (worker0) to :",
-                     o.metrics_base_port + last, " (",
-                     o.num_evaluators > 0 ? absl::StrCat("evaluator", o.num_evaluators - 1)
-                                          : absl::StrCat("worker", o.num_workers - 1),
-                     ")"));
-  }
+                   o_.with_chief ? absl::StrCat("chief ", Address(0))
+                                 : std::string("no chief (worker 0 runs its duties)"),
+                   ps_hosts_.empty() ? ", no ps (the workers all-reduce)"
+                                     : absl::StrCat(", ps ", absl::StrJoin(ps_hosts_, ",")),
+                   ", workers ", absl::StrJoin(worker_hosts_, ","),
+                   evaluator_hosts_.empty() ? "" : ", evaluators ",
+                   absl::StrJoin(evaluator_hosts_, ",")));
+  if (o_.metrics_base_port <= 0) return;
+  const int last = o_.num_ps + o_.num_workers + o_.num_evaluators;
+  const int first = o_.with_chief ? 0 : 1;
+  Say(absl::StrCat("metrics: http://", o_.host, ":", o_.metrics_base_port + first,
+                   o_.with_chief   ? "/metrics (chief) to :"
+                   : o_.num_ps > 0 ? "/metrics (ps0) to :"
+                                   : "/metrics (worker0) to :",
+                   o_.metrics_base_port + last, " (",
+                   o_.num_evaluators > 0 ? absl::StrCat("evaluator", o_.num_evaluators - 1)
+                                         : absl::StrCat("worker", o_.num_workers - 1),
+                   ")"));
+}
 
-  auto signal_all = [&](int sig) {
-    for (Child& c : children) {
-      if (!c.exited) ::kill(c.pid, sig);
+void ClusterRun::Poll() {
+  std::vector<pollfd> fds;
+  fds.push_back({sig_fd_, POLLIN, 0});
+  std::vector<Child*> polled;
+  for (Child& c : children_) {
+    if (c.out >= 0) {
+      fds.push_back({c.out, POLLIN, 0});
+      polled.push_back(&c);
     }
-  };
-  int result = -1;  // decided exit code
-  int restarts = 0;
-  absl::Time chief_exit = absl::InfiniteFuture();
-  absl::Time terminated_at = absl::InfiniteFuture();
-  // A signal for the cluster goes to the chief (children[0]: the chief, or
-  // worker 0 with its duties) first, which checkpoints before it exits
-  // (within Timeouts::stop_checkpoint, 5 s); the rest get it once the chief
-  // has exited, or after kChiefStopWait, so that the ps still answer the
-  // checkpoint's snapshot. `stop_signal`: the signal they are owed.
-  constexpr absl::Duration kChiefStopWait = absl::Seconds(10);
-  int stop_signal = 0;
-  absl::Time chief_signalled = absl::InfiniteFuture();
-  auto signal_rest = [&] {
-    for (size_t i = 1; i < children.size(); ++i) {
-      if (!children[i].exited) ::kill(children[i].pid, stop_signal);
-    }
-    chief_signalled = absl::InfiniteFuture();
-    if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
-  };
-  // Stops the cluster as a signal to the launcher does: the chief first
-  // (it checkpoints while the ps answer), the rest after it.
-  auto stop_chief_first = [&](int sig) {
-    stop_signal = sig;
-    ::kill(children[0].pid, sig);
-    chief_signalled = absl::Now();
-  };
-  if (!started) {
-    result = 1;
-    signal_all(SIGTERM);
-    terminated_at = absl::Now();
   }
-  // c has exited with c.code and will not run again: the chief's exit decides
-  // the result; another process failing first stops the cluster.
-  auto exited_for_good = [&](Child& c) {
-    if (&c == &children[0]) {
-      if (result < 0) result = c.code;
-      chief_exit = absl::Now();
-      if (chief_signalled != absl::InfiniteFuture()) {
-        // Stopped by a signal, its checkpoint written (or given up): now the rest.
-        signal_rest();
-        return;
-      }
-      // A chief that failed releases nobody: stop the rest now rather than
-      // after the grace period meant for a job that ended well.
-      if (c.code != 0 && terminated_at == absl::InfiniteFuture()) {
-        Say(o.with_chief ? "the chief failed; stopping the cluster"
-                         : "worker0 (the chief's duties) failed; stopping the cluster");
-        signal_all(SIGTERM);
-        terminated_at = absl::Now();
-      }
-    } else if (c.evaluator) {
-      // Training goes on without it.
-      if (c.code != 0 && terminated_at == absl::InfiniteFuture())
-        Say(absl::StrCat(c.name, " failed; training goes on without it"));
-    } else if (c.code != 0 && result < 0 && terminated_at == absl::InfiniteFuture() &&
-               stop_signal == 0) {
-      result = c.code;
-      if (children[0].exited) {
-        Say(absl::StrCat(c.name, " failed; stopping the cluster"));
-        signal_all(SIGTERM);
-        terminated_at = absl::Now();
-      } else {
-        // (Also a member that a signal from elsewhere stopped, as when the
-        // whole cluster is told to stop: the chief's checkpoint then finds
-        // the ps still serving.)
-        Say(absl::StrCat(c.name, " failed; stopping the cluster, ", children[0].name,
-                         " first (it checkpoints)"));
-        stop_chief_first(SIGTERM);
-      }
+  ::poll(fds.data(), fds.size(), 200);
+  if (fds[0].revents & POLLIN) {
+    signalfd_siginfo info;
+    if (::read(sig_fd_, &info, sizeof(info)) == sizeof(info))
+      HandleSignal(static_cast<int>(info.ssi_signo));
+  }
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    Child& c = *polled[i - 1];
+    char buf[8192];
+    ssize_t n = ::read(c.out, buf, sizeof(buf));
+    if (n > 0) {
+      EmitLines(c, buf, static_cast<size_t>(n), false);
+    } else if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
+      ClosePipe(c);
     }
-  };
+  }
+}
 
-  while (true) {
-    std::vector<pollfd> fds;
-    fds.push_back({sig_fd, POLLIN, 0});
-    std::vector<Child*> polled;
-    for (Child& c : children) {
-      if (c.out >= 0) {
-        fds.push_back({c.out, POLLIN, 0});
-        polled.push_back(&c);
-      }
-    }
-    ::poll(fds.data(), fds.size(), 200);
-    if (fds[0].revents & POLLIN) {
-      signalfd_siginfo info;
-      if (::read(sig_fd, &info, sizeof(info)) == sizeof(info)) {
-        const int sig = static_cast<int>(info.ssi_signo);
-        Child& chief = children[0];
-        if (stop_signal == 0 && terminated_at == absl::InfiniteFuture() && !chief.exited) {
-          Say(absl::StrCat("got signal ", sig, "; forwarding it to ", chief.name,
-                           " first (it checkpoints), then to the rest of the cluster"));
-          stop_chief_first(sig == SIGHUP ? SIGTERM : sig);
-        } else {
-          // A second signal, or one while the cluster stops already: everyone now.
-          Say(absl::StrCat("got signal ", sig, "; forwarding it to the cluster"));
-          signal_all(sig == SIGHUP ? SIGTERM : sig);
-          chief_signalled = absl::InfiniteFuture();
-          if (terminated_at == absl::InfiniteFuture()) terminated_at = absl::Now();
-        }
-      }
-    }
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      Child& c = *polled[i - 1];
-      char buf[8192];
-      ssize_t n = ::read(c.out, buf, sizeof(buf));
-      if (n > 0) {
-        EmitLines(c, buf, static_cast<size_t>(n), false);
-      } else if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
-        ClosePipe(c);
-      }
-    }
-    // Reap.
-    int status = 0;
-    pid_t pid;
-    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
-      for (Child& c : children) {
-        if (c.pid != pid) continue;
-        c.exited = true;
-        c.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        Say(absl::StrCat(c.name, " exited with code ", c.code));
-        if (c.code != 0 && o.restart_on_failure && terminated_at == absl::InfiniteFuture() &&
-            stop_signal == 0 && restarts < o.max_restarts) {
-          c.restart_at = absl::Now() + absl::Seconds(1);
-          ++restarts;
-          continue;
-        }
-        exited_for_good(c);
-      }
-    }
-    for (Child& c : children) {
-      if (c.restart_at == absl::InfiniteFuture()) continue;
-      if (terminated_at != absl::InfiniteFuture() || stop_signal != 0) {  // stopping: no restarts
-        c.restart_at = absl::InfiniteFuture();
+void ClusterRun::HandleSignal(int sig) {
+  Child& chief = children_[0];
+  if (stop_signal_ == 0 && !Terminating() && !chief.exited) {
+    Say(absl::StrCat("got signal ", sig, "; forwarding it to ", chief.name,
+                     " first (it checkpoints), then to the rest of the cluster"));
+    StopChiefFirst(sig == SIGHUP ? SIGTERM : sig);
+  } else {
+    // A second signal, or one while the cluster stops already: everyone now.
+    Say(absl::StrCat("got signal ", sig, "; forwarding it to the cluster"));
+    chief_signalled_ = absl::InfiniteFuture();
+    Terminate(sig == SIGHUP ? SIGTERM : sig);
+  }
+}
+
+void ClusterRun::Reap() {
+  int status = 0;
+  pid_t pid;
+  while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+    for (Child& c : children_) {
+      if (c.pid != pid) continue;
+      c.exited = true;
+      c.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      Say(absl::StrCat(c.name, " exited with code ", c.code));
+      if (c.code != 0 && o_.restart_on_failure && !Terminating() && stop_signal_ == 0 &&
+          restarts_ < o_.max_restarts) {
+        c.restart_at = absl::Now() + absl::Seconds(1);
+        ++restarts_;
         continue;
       }
-      if (c.restart_at > absl::Now()) continue;
-      c.restart_at = absl::InfiniteFuture();
-      if (c.out >= 0) ClosePipe(c);  // the old pipe's last lines
-      if (Spawn(c, old_mask)) {
-        c.exited = false;
-        Say(absl::StrCat("restarted ", c.name, " (restart ", restarts, " of at most ",
-                         o.max_restarts, ")"));
-      } else {
-        Say(absl::StrCat("cannot restart ", c.name, ": ", std::strerror(errno)));
-        // Its last exit is final, as if it had not been restartable.
-        exited_for_good(c);
-      }
+      ExitedForGood(c);
     }
-    bool all_exited = true, all_closed = true;
-    for (const Child& c : children) {
-      all_exited &= c.exited && c.restart_at == absl::InfiniteFuture();
-      all_closed &= c.out < 0;
-    }
-    if (all_exited && all_closed) break;
-    const absl::Time now = absl::Now();
-    if (now - chief_signalled > kChiefStopWait) {
-      Say(absl::StrCat(children[0].name, " still running ", absl::ToInt64Seconds(kChiefStopWait),
-                       " s after the signal; forwarding it to the rest of the cluster"));
-      signal_rest();
-    }
-    if (now - chief_exit > absl::Seconds(o.grace_seconds) &&
-        terminated_at == absl::InfiniteFuture()) {
-      Say("processes still running after the chief exited; terminating them");
-      signal_all(SIGTERM);
-      terminated_at = now;
-    }
-    if (now - terminated_at > absl::Seconds(10)) signal_all(SIGKILL);
   }
-  ::close(sig_fd);
-  return result < 0 ? 1 : result;
 }
+
+void ClusterRun::RestartDue() {
+  for (Child& c : children_) {
+    if (c.restart_at == absl::InfiniteFuture()) continue;
+    if (Terminating() || stop_signal_ != 0) {  // stopping: no restarts
+      c.restart_at = absl::InfiniteFuture();
+      continue;
+    }
+    if (c.restart_at > absl::Now()) continue;
+    c.restart_at = absl::InfiniteFuture();
+    if (c.out >= 0) ClosePipe(c);  // the old pipe's last lines
+    if (Spawn(c, old_mask_)) {
+      c.exited = false;
+      Say(absl::StrCat("restarted ", c.name, " (restart ", restarts_, " of at most ",
+                       o_.max_restarts, ")"));
+    } else {
+      Say(absl::StrCat("cannot restart ", c.name, ": ", std::strerror(errno)));
+      // Its last exit is final, as if it had not been restartable.
+      ExitedForGood(c);
+    }
+  }
+}
+
+void ClusterRun::ExitedForGood(Child& c) {
+  if (&c == &children_[0]) {
+    if (result_ < 0) result_ = c.code;
+    chief_exit_ = absl::Now();
+    if (chief_signalled_ != absl::InfiniteFuture()) {
+      // Stopped by a signal, its checkpoint written (or given up): now the rest.
+      SignalRest();
+      return;
+    }
+    // A chief that failed releases nobody: stop the rest now rather than
+    // after the grace period meant for a job that ended well.
+    if (c.code != 0 && !Terminating()) {
+      Say(o_.with_chief ? "the chief failed; stopping the cluster"
+                        : "worker0 (the chief's duties) failed; stopping the cluster");
+      Terminate(SIGTERM);
+    }
+  } else if (c.evaluator) {
+    // Training goes on without it.
+    if (c.code != 0 && !Terminating())
+      Say(absl::StrCat(c.name, " failed; training goes on without it"));
+  } else if (c.code != 0 && result_ < 0 && !Terminating() && stop_signal_ == 0) {
+    result_ = c.code;
+    if (children_[0].exited) {
+      Say(absl::StrCat(c.name, " failed; stopping the cluster"));
+      Terminate(SIGTERM);
+    } else {
+      // (Also a member that a signal from elsewhere stopped, as when the
+      // whole cluster is told to stop: the chief's checkpoint then finds
+      // the ps still serving.)
+      Say(absl::StrCat(c.name, " failed; stopping the cluster, ", children_[0].name,
+                       " first (it checkpoints)"));
+      StopChiefFirst(SIGTERM);
+    }
+  }
+}
+
+bool ClusterRun::AllDone() const {
+  bool all_exited = true, all_closed = true;
+  for (const Child& c : children_) {
+    all_exited &= c.exited && c.restart_at == absl::InfiniteFuture();
+    all_closed &= c.out < 0;
+  }
+  return all_exited && all_closed;
+}
+
+void ClusterRun::EnforceDeadlines() {
+  const absl::Time now = absl::Now();
+  if (now - chief_signalled_ > kChiefStopWait) {
+    Say(absl::StrCat(children_[0].name, " still running ", absl::ToInt64Seconds(kChiefStopWait),
+                     " s after the signal; forwarding it to the rest of the cluster"));
+    SignalRest();
+  }
+  if (now - chief_exit_ > absl::Seconds(o_.grace_seconds) && !Terminating()) {
+    Say("processes still running after the chief exited; terminating them");
+    Terminate(SIGTERM);
+  }
+  if (now - terminated_at_ > kKillAfter) SignalAll(SIGKILL);
+}
+
+void ClusterRun::SignalAll(int sig) {
+  for (Child& c : children_) {
+    if (!c.exited) ::kill(c.pid, sig);
+  }
+}
+
+void ClusterRun::Terminate(int sig) {
+  SignalAll(sig);
+  if (!Terminating()) terminated_at_ = absl::Now();
+}
+
+void ClusterRun::SignalRest() {
+  for (size_t i = 1; i < children_.size(); ++i) {
+    if (!children_[i].exited) ::kill(children_[i].pid, stop_signal_);
+  }
+  chief_signalled_ = absl::InfiniteFuture();
+  if (!Terminating()) terminated_at_ = absl::Now();
+}
+
+void ClusterRun::StopChiefFirst(int sig) {
+  stop_signal_ = sig;
+  ::kill(children_[0].pid, sig);
+  chief_signalled_ = absl::Now();
+}
+
+}  // namespace
+
+int RunCluster(const LaunchOptions& o) { return ClusterRun(o).Run(); }
 
 }  // namespace psflow::launch

@@ -1,17 +1,20 @@
 // psflow-launch: runs a whole psflow cluster on this machine.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "role/command_line.h"
 #include "common/cpu_count.h"
 #include "common/step_trace.h"
+#include "role/command_line.h"
 #include "tools/launch/launcher.h"
 
 ABSL_FLAG(int, ps, 2,
@@ -74,6 +77,130 @@ ABSL_FLAG(int, metrics_base_port, 0,
           "is this port, of ps i this + 1 + i, of worker i this + 1 + --ps + i, of evaluator i "
           "this + 1 + --ps + --workers + i. 0: no metrics.");
 
+namespace {
+
+using psflow::launch::LaunchOptions;
+
+// Each of the checks below says what is wrong on stderr and returns false.
+
+// The files --tls_dir must hold for the processes this cluster has.
+bool CheckTlsDir(const LaunchOptions& o) {
+  std::vector<std::string> needed = {"ca.crt", "worker.crt", "worker.key"};
+  if (o.num_ps > 0) needed.insert(needed.end(), {"ps.crt", "ps.key"});
+  if (o.with_chief) needed.insert(needed.end(), {"chief.crt", "chief.key"});
+  if (o.num_evaluators > 0) needed.insert(needed.end(), {"evaluator.crt", "evaluator.key"});
+  for (const std::string& file : needed) {
+    if (!std::filesystem::exists(o.tls_dir + "/" + file)) {
+      std::fprintf(stderr,
+                   "psflow-launch: --tls_dir: no %s in %s (make the set with "
+                   "scripts/make-certs.sh %s)\n",
+                   file.c_str(), o.tls_dir.c_str(), o.tls_dir.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+// The cluster's shape, restarts, TLS and metrics ports.
+bool ClusterFromFlags(LaunchOptions* o) {
+  o->num_ps = absl::GetFlag(FLAGS_ps);
+  o->num_workers = absl::GetFlag(FLAGS_workers);
+  o->with_chief = absl::GetFlag(FLAGS_chief);
+  if (!o->with_chief && o->num_workers < 1) {
+    std::fprintf(stderr, "psflow-launch: --chief=false needs a worker to run the chief's duties\n");
+    return false;
+  }
+  o->num_evaluators = absl::GetFlag(FLAGS_evaluators);
+  o->host = absl::GetFlag(FLAGS_host);
+  o->grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
+  const std::string restart = absl::GetFlag(FLAGS_restart);
+  if (restart != "never" && restart != "on-failure") {
+    std::fprintf(stderr, "psflow-launch: --restart must be never or on-failure, not '%s'\n",
+                 restart.c_str());
+    return false;
+  }
+  o->restart_on_failure = restart == "on-failure";
+  o->max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  o->metrics_base_port = absl::GetFlag(FLAGS_metrics_base_port);
+  if (o->num_ps < 0 || o->num_workers < 1 || o->num_evaluators < 0) {
+    std::fprintf(stderr,
+                 "psflow-launch: --workers must be at least 1, --ps and --evaluators not "
+                 "negative\n");
+    return false;
+  }
+  o->tls_dir = absl::GetFlag(FLAGS_tls_dir);
+  if (!o->tls_dir.empty() && !CheckTlsDir(*o)) return false;
+  if (o->metrics_base_port < 0 ||
+      o->metrics_base_port + o->num_ps + o->num_workers + o->num_evaluators > 65535) {
+    std::fprintf(stderr,
+                 "psflow-launch: --metrics_base_port must be 0 or leave a port for every process "
+                 "below 65536\n");
+    return false;
+  }
+  return true;
+}
+
+// --worker_args and --ps_args: flags separated by spaces, each "--...".
+bool SplitFlags(const char* name, const std::string& text, std::vector<std::string>* out) {
+  for (absl::string_view arg : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (!absl::StartsWith(arg, "--")) {
+      std::fprintf(stderr, "psflow-launch: --%s: '%s' is not a flag (--name=value)\n", name,
+                   std::string(arg).c_str());
+      return false;
+    }
+    out->emplace_back(arg);
+  }
+  return true;
+}
+
+// What each process is given: devices, the flags for workers and ps, the
+// trace's, and the chief's (`rest`: the command line after --, rest[0] the
+// program).
+bool ProcessArgsFromFlags(const std::vector<char*>& rest, LaunchOptions* o) {
+  o->bin_dir = absl::GetFlag(FLAGS_bin_dir);
+  o->evaluator_device = absl::GetFlag(FLAGS_evaluator_device);
+  int replicas = 1;
+  const std::string bad = psflow::launch::ParseWorkerDevices(
+      absl::GetFlag(FLAGS_worker_devices), o->num_workers, &o->worker_devices, &replicas);
+  if (!bad.empty()) {
+    std::fprintf(stderr, "psflow-launch: %s\n", bad.c_str());
+    return false;
+  }
+  if (!SplitFlags("worker_args", absl::GetFlag(FLAGS_worker_args), &o->worker_args) ||
+      !SplitFlags("ps_args", absl::GetFlag(FLAGS_ps_args), &o->ps_args)) {
+    return false;
+  }
+  if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
+    int64_t first = 0, last = 0;
+    const std::string steps = absl::GetFlag(FLAGS_trace_steps);
+    if (absl::Status s = psflow::StepTrace::ParseSteps(steps, &first, &last); !s.ok()) {
+      std::fprintf(stderr, "psflow-launch: --trace_steps: %s\n", std::string(s.message()).c_str());
+      return false;
+    }
+    o->trace_args = {"--trace_dir=" + dir, "--trace_steps=" + steps};
+  }
+  if (o->bin_dir.empty())
+    o->bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+  bool threads_given = false, replicas_given = false;
+  for (size_t i = 1; i < rest.size(); ++i) {
+    o->chief_args.push_back(rest[i]);
+    threads_given |= absl::StartsWith(rest[i], "--compute_threads");
+    replicas_given |= absl::StartsWith(rest[i], "--replicas_per_worker");
+  }
+  // Workers with several GPUs each: the job's replicas per worker follow.
+  if (replicas > 1 && !replicas_given) {
+    o->chief_args.push_back(absl::StrCat("--replicas_per_worker=", replicas));
+  }
+  if (!threads_given) {
+    const int cores = psflow::UsableCores();
+    o->chief_args.push_back(
+        absl::StrCat("--compute_threads=", std::max(1, cores / o->num_workers)));
+  }
+  return true;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   std::vector<char*> rest = psflow::ParseCommandLine(
       argc, argv,
@@ -90,104 +217,7 @@ int main(int argc, char** argv) {
       "Exits with the chief's code, or with the code of a ps or worker that failed first.\n"
       "With --chief=false there is no chief: worker 0 runs its duties and takes the arguments\n"
       "after --.");
-  psflow::launch::LaunchOptions o;
-  o.num_ps = absl::GetFlag(FLAGS_ps);
-  o.num_workers = absl::GetFlag(FLAGS_workers);
-  o.with_chief = absl::GetFlag(FLAGS_chief);
-  if (!o.with_chief && o.num_workers < 1) {
-    std::fprintf(stderr, "psflow-launch: --chief=false needs a worker to run the chief's duties\n");
-    return 1;
-  }
-  o.num_evaluators = absl::GetFlag(FLAGS_evaluators);
-  o.host = absl::GetFlag(FLAGS_host);
-  o.grace_seconds = absl::GetFlag(FLAGS_grace_seconds);
-  const std::string restart = absl::GetFlag(FLAGS_restart);
-  if (restart != "never" && restart != "on-failure") {
-    std::fprintf(stderr, "psflow-launch: --restart must be never or on-failure, not '%s'\n",
-                 restart.c_str());
-    return 1;
-  }
-  o.restart_on_failure = restart == "on-failure";
-  o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
-  o.metrics_base_port = absl::GetFlag(FLAGS_metrics_base_port);
-  if (o.num_ps < 0 || o.num_workers < 1 || o.num_evaluators < 0) {
-    std::fprintf(stderr,
-                 "psflow-launch: --workers must be at least 1, --ps and --evaluators not "
-                 "negative\n");
-    return 1;
-  }
-  o.tls_dir = absl::GetFlag(FLAGS_tls_dir);
-  if (!o.tls_dir.empty()) {
-    std::vector<std::string> needed = {"ca.crt", "worker.crt", "worker.key"};
-    if (o.num_ps > 0) needed.insert(needed.end(), {"ps.crt", "ps.key"});
-    if (o.with_chief) needed.insert(needed.end(), {"chief.crt", "chief.key"});
-    if (o.num_evaluators > 0) needed.insert(needed.end(), {"evaluator.crt", "evaluator.key"});
-    for (const std::string& file : needed) {
-      if (!std::filesystem::exists(o.tls_dir + "/" + file)) {
-        std::fprintf(stderr,
-                     "psflow-launch: --tls_dir: no %s in %s (make the set with "
-                     "scripts/make-certs.sh %s)\n",
-                     file.c_str(), o.tls_dir.c_str(), o.tls_dir.c_str());
-        return 1;
-      }
-    }
-  }
-  if (o.metrics_base_port < 0 ||
-      o.metrics_base_port + o.num_ps + o.num_workers + o.num_evaluators > 65535) {
-    std::fprintf(stderr,
-                 "psflow-launch: --metrics_base_port must be 0 or leave a port for every process "
-                 "below 65536\n");
-    return 1;
-  }
-  o.bin_dir = absl::GetFlag(FLAGS_bin_dir);
-  o.evaluator_device = absl::GetFlag(FLAGS_evaluator_device);
-  int replicas = 1;
-  const std::string bad = psflow::launch::ParseWorkerDevices(
-      absl::GetFlag(FLAGS_worker_devices), o.num_workers, &o.worker_devices, &replicas);
-  if (!bad.empty()) {
-    std::fprintf(stderr, "psflow-launch: %s\n", bad.c_str());
-    return 1;
-  }
-  // --worker_args and --ps_args: flags separated by spaces, each "--...".
-  auto split_flags = [](const char* name, const std::string& text, std::vector<std::string>* out) {
-    for (absl::string_view arg : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
-      if (!absl::StartsWith(arg, "--")) {
-        std::fprintf(stderr, "psflow-launch: --%s: '%s' is not a flag (--name=value)\n", name,
-                     std::string(arg).c_str());
-        return false;
-      }
-      out->emplace_back(arg);
-    }
-    return true;
-  };
-  if (!split_flags("worker_args", absl::GetFlag(FLAGS_worker_args), &o.worker_args) ||
-      !split_flags("ps_args", absl::GetFlag(FLAGS_ps_args), &o.ps_args)) {
-    return 1;
-  }
-  if (const std::string dir = absl::GetFlag(FLAGS_trace_dir); !dir.empty()) {
-    int64_t first = 0, last = 0;
-    const std::string steps = absl::GetFlag(FLAGS_trace_steps);
-    if (absl::Status s = psflow::StepTrace::ParseSteps(steps, &first, &last); !s.ok()) {
-      std::fprintf(stderr, "psflow-launch: --trace_steps: %s\n", std::string(s.message()).c_str());
-      return 1;
-    }
-    o.trace_args = {"--trace_dir=" + dir, "--trace_steps=" + steps};
-  }
-  if (o.bin_dir.empty())
-    o.bin_dir = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
-  bool threads_given = false, replicas_given = false;
-  for (size_t i = 1; i < rest.size(); ++i) {
-    o.chief_args.push_back(rest[i]);
-    threads_given |= absl::StartsWith(rest[i], "--compute_threads");
-    replicas_given |= absl::StartsWith(rest[i], "--replicas_per_worker");
-  }
-  // Workers with several GPUs each: the job's replicas per worker follow.
-  if (replicas > 1 && !replicas_given) {
-    o.chief_args.push_back(absl::StrCat("--replicas_per_worker=", replicas));
-  }
-  if (!threads_given) {
-    const int cores = psflow::UsableCores();
-    o.chief_args.push_back(absl::StrCat("--compute_threads=", std::max(1, cores / o.num_workers)));
-  }
+  LaunchOptions o;
+  if (!ClusterFromFlags(&o) || !ProcessArgsFromFlags(rest, &o)) return 1;
   return psflow::launch::RunCluster(o);
 }
