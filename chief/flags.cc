@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 
 ABSL_FLAG(
     std::string, model, "cnn",
@@ -169,9 +170,10 @@ ABSL_FLAG(int, staleness, 2,
           "(>= 0; 0 runs the sync path).");
 
 namespace psflow::chief {
+namespace {
 
-absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
-  JobOptions& job = o->job;
+absl::Status JobOptionsFromFlags(JobOptions* o) {
+  JobOptions& job = *o;
   job.model = absl::GetFlag(FLAGS_model);
   job.data_dir = absl::GetFlag(FLAGS_data_dir);
   job.dataset = absl::GetFlag(FLAGS_dataset);
@@ -218,15 +220,19 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   job.mode = absl::GetFlag(FLAGS_mode);
   job.staleness = absl::GetFlag(FLAGS_staleness);
   job.bn_momentum = static_cast<float>(absl::GetFlag(FLAGS_bn_momentum));
-  CoordinatorOptions& c = o->coordinator;
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorOptionsFromFlags(const ClusterConfig& cluster, CoordinatorOptions* o) {
+  CoordinatorOptions& c = *o;
   // Without ps, worker 0's replica of the weights is the one the chief
   // loads, watches and checkpoints (JobConfig.exchange ALL_REDUCE).
-  if (o->cluster.cluster.worker.empty()) {
+  if (cluster.cluster.worker.empty()) {
     return absl::InvalidArgumentError("the cluster has no workers");
   }
-  c.ps_addresses = o->cluster.cluster.AllReduce()
-                       ? std::vector<std::string>{o->cluster.cluster.worker.at(0)}
-                       : o->cluster.cluster.ps;
+  c.ps_addresses = cluster.cluster.AllReduce()
+                       ? std::vector<std::string>{cluster.cluster.worker.at(0)}
+                       : cluster.cluster.ps;
   c.model_dir = absl::GetFlag(FLAGS_model_dir);
   c.saved_model_dir = absl::GetFlag(FLAGS_saved_model_dir);
   c.log_every_steps = absl::GetFlag(FLAGS_log_every_steps);
@@ -235,7 +241,7 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
   c.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
   c.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);
   c.eval_every_secs = absl::GetFlag(FLAGS_eval_every_secs);
-  c.num_evaluators = static_cast<int>(o->cluster.cluster.evaluator.size());
+  c.num_evaluators = static_cast<int>(cluster.cluster.evaluator.size());
   if (absl::GetFlag(FLAGS_eval_final_timeout) < 0) {
     return absl::InvalidArgumentError("--eval_final_timeout must not be negative");
   }
@@ -252,6 +258,13 @@ absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
         "--worker_timeout must be positive");
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ChiefOptionsFromFlags(ChiefOptions* o) {
+  PSFLOW_RETURN_IF_ERROR(JobOptionsFromFlags(&o->job));
+  return CoordinatorOptionsFromFlags(o->cluster, &o->coordinator);
 }
 
 absl::Duration StartupTimeoutFromFlags() {

@@ -8,6 +8,28 @@
 #include "absl/strings/str_format.h"
 
 namespace psflow::chief {
+namespace {
+
+// A progress line's text (see progress.h); `all_reduce` names the replica
+// where the ps would be.
+std::string LineText(const ProgressLine& line, bool all_reduce, absl::Duration elapsed,
+                     absl::Duration eta) {
+  const std::string lr =
+      line.learning_rate ? absl::StrFormat(" lr %.4g", *line.learning_rate) : std::string();
+  const std::string staleness = line.staleness_mean
+                                    ? absl::StrFormat(" | staleness mean %.1f max %d",
+                                                      *line.staleness_mean, line.staleness_max)
+                                    : std::string();
+  return absl::StrFormat(
+      "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
+      "%.1f push %.1f wait %.1f) | workers %d/%d %s %d/%d%s | elapsed %s eta %s",
+      line.step, line.train_steps, line.epoch, line.loss, line.accuracy, lr, line.examples_per_sec,
+      line.step_ms, line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms, line.live_workers,
+      line.num_workers, all_reduce ? "replica" : "ps", line.live_ps, line.num_ps, staleness,
+      ShortDuration(elapsed), ShortDuration(eta));
+}
+
+}  // namespace
 
 Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_steps,
                    int num_workers, int num_ps, std::function<int()> reachable_ps,
@@ -26,36 +48,7 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
       last_seen_(num_workers, absl::InfinitePast()),
       member_(num_workers, true) {
   metrics::Registry* m = metrics::Registry::OrPrivate(metrics, own_metrics_);
-  gauges_.loss = m->GetGauge("psflow_loss", "Mean training loss of the latest logged interval.");
-  gauges_.accuracy =
-      m->GetGauge("psflow_accuracy", "Training accuracy of the latest logged interval.");
-  gauges_.examples_per_sec = m->GetGauge(
-      "psflow_examples_per_second",
-      "Examples per second of the latest logged interval, from the workers' step times.");
-  const char* phases[4] = {"pull", "compute", "push", "wait"};
-  for (int i = 0; i < 4; ++i) {
-    gauges_.step_seconds[i] = m->GetGauge(
-        "psflow_step_seconds",
-        "Workers' mean time per step in each phase (pull, compute, push, wait) over the latest "
-        "logged interval.",
-        {{"phase", phases[i]}});
-    gauges_.phase_seconds_total[i] = m->GetCounter(
-        "psflow_step_phase_seconds_total",
-        "Workers' time in each phase of their steps, summed over every reported step.",
-        {{"phase", phases[i]}});
-  }
-  gauges_.examples_total = m->GetCounter("psflow_examples_total",
-                                         "Training examples of every step the workers reported.");
-  // NaN (and step -1) until an evaluator's first result.
-  gauges_.eval_step = m->GetGauge(
-      "psflow_eval_step",
-      "Step (version) of the weights of the latest evaluation the chief logged; -1 before any.");
-  gauges_.eval_loss =
-      m->GetGauge("psflow_eval_loss",
-                  "Test-split loss of the latest evaluation the chief logged (NaN before).");
-  gauges_.eval_accuracy =
-      m->GetGauge("psflow_eval_accuracy",
-                  "Test-split accuracy of the latest evaluation the chief logged (NaN before).");
+  gauges_ = MakeGauges(m);
   gauges_.eval_step->Set(-1);
   gauges_.eval_loss->Set(std::numeric_limits<double>::quiet_NaN());
   gauges_.eval_accuracy->Set(std::numeric_limits<double>::quiet_NaN());
@@ -74,6 +67,40 @@ Progress::Progress(int64_t train_steps, int64_t steps_per_epoch, int log_every_s
   m->SetGaugeFunction("psflow_live_ps", "Parameter servers whose connection is up.", [this] {
     return static_cast<double>(reachable_ps_ ? reachable_ps_() : num_ps_);
   });
+}
+
+Progress::Gauges Progress::MakeGauges(metrics::Registry* m) {
+  Gauges g;
+  g.loss = m->GetGauge("psflow_loss", "Mean training loss of the latest logged interval.");
+  g.accuracy = m->GetGauge("psflow_accuracy", "Training accuracy of the latest logged interval.");
+  g.examples_per_sec = m->GetGauge(
+      "psflow_examples_per_second",
+      "Examples per second of the latest logged interval, from the workers' step times.");
+  const char* phases[4] = {"pull", "compute", "push", "wait"};
+  for (int i = 0; i < 4; ++i) {
+    g.step_seconds[i] = m->GetGauge(
+        "psflow_step_seconds",
+        "Workers' mean time per step in each phase (pull, compute, push, wait) over the latest "
+        "logged interval.",
+        {{"phase", phases[i]}});
+    g.phase_seconds_total[i] = m->GetCounter(
+        "psflow_step_phase_seconds_total",
+        "Workers' time in each phase of their steps, summed over every reported step.",
+        {{"phase", phases[i]}});
+  }
+  g.examples_total = m->GetCounter("psflow_examples_total",
+                                   "Training examples of every step the workers reported.");
+  // NaN (and step -1) until an evaluator's first result.
+  g.eval_step = m->GetGauge(
+      "psflow_eval_step",
+      "Step (version) of the weights of the latest evaluation the chief logged; -1 before any.");
+  g.eval_loss =
+      m->GetGauge("psflow_eval_loss",
+                  "Test-split loss of the latest evaluation the chief logged (NaN before).");
+  g.eval_accuracy =
+      m->GetGauge("psflow_eval_accuracy",
+                  "Test-split accuracy of the latest evaluation the chief logged (NaN before).");
+  return g;
 }
 
 void Progress::SetAllReduce(bool all_reduce) {
@@ -207,58 +234,14 @@ void Progress::EmitReadyLocked(absl::Time now) {
     const Interval& in = it->second;
     const int64_t begin = logged_until_ < 0 ? std::max<int64_t>(first_step_, 0) : logged_until_;
     const double steps = static_cast<double>(std::max<int64_t>(end - begin, 1));
-    const double n = static_cast<double>(std::max<int64_t>(in.records, 1));
-    ProgressLine line;
-    line.step = end;
-    line.train_steps = train_steps_;
-    line.epoch = static_cast<double>(end) / static_cast<double>(steps_per_epoch_);
-    line.loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
-    line.accuracy =
-        in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
-    if (learning_rate_) line.learning_rate = learning_rate_(end - 1);
-    // Rates come from the workers' own step times, not from when reports
-    // happen to arrive here: a step takes as long as its slowest phase chain
-    // on a worker, and all workers of a synchronous step move together.
-    line.pull_ms = in.pull_us / n / 1000.0;
-    line.compute_ms = in.compute_us / n / 1000.0;
-    line.push_ms = in.push_us / n / 1000.0;
-    line.wait_ms = in.wait_us / n / 1000.0;
-    line.step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
-    const double step_ms = line.step_ms;
-    int members = 0;
-    for (bool m : member_) members += m;
-    // Asynchronous workers do not move together: each goes at its own pace.
-    const double interval_s =
-        asynchronous_ ? n * step_ms / 1000.0 / std::max(members, 1) : steps * step_ms / 1000.0;
-    line.examples_per_sec = step_ms > 0 ? static_cast<double>(in.examples) / interval_s : 0;
-    if (asynchronous_) {
-      line.staleness_mean = static_cast<double>(in.staleness_sum) / n;
-      line.staleness_max = in.staleness_max;
-    }
-    line.live_workers = live;
-    line.num_workers = static_cast<int>(reported_.size());
-    line.live_ps = reachable_ps_ ? reachable_ps_() : num_ps_;
-    line.num_ps = num_ps_;
-    line.time = now;
-    const std::string lr =
-        line.learning_rate ? absl::StrFormat(" lr %.4g", *line.learning_rate) : std::string();
+    double interval_s = 0;
+    const ProgressLine line = MakeLineLocked(end, in, steps, live, now, &interval_s);
     // The wall-clock pace of this interval (lines that come out together
     // keep the previous pace).
     const absl::Time since = logged_until_ < 0 ? first_report_ : last_line_;
     if (now > since) step_pace_ = (now - since) / steps;
     const absl::Duration eta = step_pace_ * static_cast<double>(train_steps_ - end);
-    const std::string staleness = line.staleness_mean
-                                      ? absl::StrFormat(" | staleness mean %.1f max %d",
-                                                        *line.staleness_mean, line.staleness_max)
-                                      : std::string();
-    emit_(absl::StrFormat(
-        "step %d/%d epoch %.2f loss %.4f acc %.3f%s | %.0f ex/s | step %.1f ms (pull %.1f compute "
-        "%.1f "
-        "push %.1f wait %.1f) | workers %d/%d %s %d/%d%s | elapsed %s eta %s",
-        end, train_steps_, line.epoch, line.loss, line.accuracy, lr, line.examples_per_sec, step_ms,
-        line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms, line.live_workers,
-        line.num_workers, all_reduce_ ? "replica" : "ps", line.live_ps, num_ps_, staleness,
-        ShortDuration(now - first_report_), ShortDuration(eta)));
+    emit_(LineText(line, all_reduce_, now - first_report_, eta));
     if (listener_ != nullptr) listener_->OnLine(line);
     last_line_ = now;
     gauges_.loss->Set(line.loss);
@@ -275,6 +258,43 @@ void Progress::EmitReadyLocked(absl::Time now) {
     logged_until_ = end;
     intervals_.erase(it);
   }
+}
+
+ProgressLine Progress::MakeLineLocked(int64_t end, const Interval& in, double steps, int live,
+                                      absl::Time now, double* interval_s) const {
+  const double n = static_cast<double>(std::max<int64_t>(in.records, 1));
+  ProgressLine line;
+  line.step = end;
+  line.train_steps = train_steps_;
+  line.epoch = static_cast<double>(end) / static_cast<double>(steps_per_epoch_);
+  line.loss = in.examples > 0 ? in.loss_sum / static_cast<double>(in.examples) : 0;
+  line.accuracy =
+      in.examples > 0 ? static_cast<double>(in.correct) / static_cast<double>(in.examples) : 0;
+  if (learning_rate_) line.learning_rate = learning_rate_(end - 1);
+  // Rates come from the workers' own step times, not from when reports
+  // happen to arrive here: a step takes as long as its slowest phase chain
+  // on a worker, and all workers of a synchronous step move together.
+  line.pull_ms = in.pull_us / n / 1000.0;
+  line.compute_ms = in.compute_us / n / 1000.0;
+  line.push_ms = in.push_us / n / 1000.0;
+  line.wait_ms = in.wait_us / n / 1000.0;
+  line.step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
+  int members = 0;
+  for (bool m : member_) members += m;
+  // Asynchronous workers do not move together: each goes at its own pace.
+  *interval_s = asynchronous_ ? n * line.step_ms / 1000.0 / std::max(members, 1)
+                              : steps * line.step_ms / 1000.0;
+  line.examples_per_sec = line.step_ms > 0 ? static_cast<double>(in.examples) / *interval_s : 0;
+  if (asynchronous_) {
+    line.staleness_mean = static_cast<double>(in.staleness_sum) / n;
+    line.staleness_max = in.staleness_max;
+  }
+  line.live_workers = live;
+  line.num_workers = static_cast<int>(reported_.size());
+  line.live_ps = reachable_ps_ ? reachable_ps_() : num_ps_;
+  line.num_ps = num_ps_;
+  line.time = now;
+  return line;
 }
 
 std::string ShortDuration(absl::Duration d) {

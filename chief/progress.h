@@ -141,6 +141,11 @@ class Progress {
     int64_t staleness_sum = 0, staleness_max = 0;
   };
   void EmitReadyLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The line of interval `in`, ending at `end` after `steps` steps;
+  // *interval_s: its duration by the workers' step times.
+  ProgressLine MakeLineLocked(int64_t end, const Interval& in, double steps, int live,
+                              absl::Time now, double* interval_s) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t train_steps_, steps_per_epoch_;
   const int log_every_;
@@ -158,6 +163,7 @@ class Progress {
     metrics::Counter* examples_total;
     metrics::Gauge *eval_step, *eval_loss, *eval_accuracy;  // the latest evaluation
   } gauges_;
+  static Gauges MakeGauges(metrics::Registry* m);
 
   mutable absl::Mutex mu_;
   std::vector<int64_t> reported_ ABSL_GUARDED_BY(mu_);  // per worker: steps reported (next step)

@@ -445,6 +445,32 @@ class RecordingListener : public ProgressListener {
   std::vector<ProgressLine> lines;
 };
 
+// `got` holds the numbers `text` prints, to the text's precision, and the
+// learning rate of its step.
+void ExpectNumbersOfText(const ProgressLine& got, const std::string& text,
+                         const OptimizerConfig& optimizer) {
+  const Line l = Parse(text.substr(0, text.find(" lr ")) + text.substr(text.find(" | ")));
+  EXPECT_EQ(got.step, l.end);
+  EXPECT_EQ(got.train_steps, kTrainSteps);
+  EXPECT_NEAR(got.epoch, l.epoch, 0.005 + 1e-9);
+  EXPECT_NEAR(got.loss, l.loss, 0.00005 + 1e-9);
+  EXPECT_NEAR(got.accuracy, l.acc, 0.0005 + 1e-9);
+  EXPECT_NEAR(got.examples_per_sec, l.ex_per_s, 0.5 + 1e-9);
+  EXPECT_NEAR(got.step_ms, l.step_ms, 0.05 + 1e-9);
+  EXPECT_NEAR(got.pull_ms, l.pull, 0.05 + 1e-9);
+  EXPECT_NEAR(got.compute_ms, l.compute, 0.05 + 1e-9);
+  EXPECT_NEAR(got.push_ms, l.push, 0.05 + 1e-9);
+  EXPECT_NEAR(got.wait_ms, l.wait, 0.05 + 1e-9);
+  EXPECT_NEAR(got.step_ms, got.pull_ms + got.compute_ms + got.push_ms + got.wait_ms, 1e-9);
+  EXPECT_EQ(got.live_workers, l.live);
+  EXPECT_EQ(got.num_workers, kWorkers);
+  EXPECT_EQ(got.live_ps, l.ps_up);
+  EXPECT_EQ(got.num_ps, kPs);
+  ASSERT_TRUE(got.learning_rate.has_value());
+  EXPECT_DOUBLE_EQ(*got.learning_rate, ps::LearningRate(optimizer, got.step - 1));
+  EXPECT_THAT(text, HasSubstr(absl::StrFormat(" lr %.4g | ", *got.learning_rate)));
+}
+
 // The listener gets every line as the numbers the text prints, and every
 // restart, in order.
 TEST(ProgressListenerTest, GetsTheLinesNumbersAndTheRestarts) {
@@ -476,29 +502,8 @@ TEST(ProgressListenerTest, GetsTheLinesNumbersAndTheRestarts) {
             (std::vector<std::string>{"restart 0", "line 10", "line 20", "restart 10", "line 20"}));
 
   for (size_t i = 0; i < text.size(); ++i) {
-    const ProgressLine& got = listener.lines[i];
     SCOPED_TRACE(text[i]);
-    const Line l =
-        Parse(text[i].substr(0, text[i].find(" lr ")) + text[i].substr(text[i].find(" | ")));
-    EXPECT_EQ(got.step, l.end);
-    EXPECT_EQ(got.train_steps, kTrainSteps);
-    EXPECT_NEAR(got.epoch, l.epoch, 0.005 + 1e-9);
-    EXPECT_NEAR(got.loss, l.loss, 0.00005 + 1e-9);
-    EXPECT_NEAR(got.accuracy, l.acc, 0.0005 + 1e-9);
-    EXPECT_NEAR(got.examples_per_sec, l.ex_per_s, 0.5 + 1e-9);
-    EXPECT_NEAR(got.step_ms, l.step_ms, 0.05 + 1e-9);
-    EXPECT_NEAR(got.pull_ms, l.pull, 0.05 + 1e-9);
-    EXPECT_NEAR(got.compute_ms, l.compute, 0.05 + 1e-9);
-    EXPECT_NEAR(got.push_ms, l.push, 0.05 + 1e-9);
-    EXPECT_NEAR(got.wait_ms, l.wait, 0.05 + 1e-9);
-    EXPECT_NEAR(got.step_ms, got.pull_ms + got.compute_ms + got.push_ms + got.wait_ms, 1e-9);
-    EXPECT_EQ(got.live_workers, l.live);
-    EXPECT_EQ(got.num_workers, kWorkers);
-    EXPECT_EQ(got.live_ps, l.ps_up);
-    EXPECT_EQ(got.num_ps, kPs);
-    ASSERT_TRUE(got.learning_rate.has_value());
-    EXPECT_DOUBLE_EQ(*got.learning_rate, ps::LearningRate(optimizer, got.step - 1));
-    EXPECT_THAT(text[i], HasSubstr(absl::StrFormat(" lr %.4g | ", *got.learning_rate)));
+    ASSERT_NO_FATAL_FAILURE(ExpectNumbersOfText(listener.lines[i], text[i], optimizer));
   }
   // Exact values: the first interval's example-weighted means.
   std::vector<StepMetrics> first = Steps(0, 0, 10);
