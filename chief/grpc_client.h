@@ -8,9 +8,9 @@
 #include <string>
 
 #include "chief/client.h"
-#include "transport/grpc_util.h"
 #include "common/metrics.h"
 #include "proto/chief.grpc.pb.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::chief {
 

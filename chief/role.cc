@@ -14,8 +14,11 @@ std::unique_ptr<ChiefRole> ChiefRole::Create(ChiefOptions options, JobConfig job
 
 ChiefRole::ChiefRole(const ChiefOptions& options, JobConfig job, const SecurityOptions& security,
                      metrics::Registry* metrics)
-    : ps_(options.coordinator.ps_addresses, security, /*connections_per_ps=*/1, metrics,
-          options.cluster.cluster.AllReduce() ? Role::kWorker : Role::kPs),
+    : ps_(options.coordinator.ps_addresses,
+          ps::GrpcClientOptions{
+              .security = security,
+              .metrics = metrics,
+              .server_role = options.cluster.cluster.AllReduce() ? Role::kWorker : Role::kPs}),
       pool_(std::max(job.num_ps() - 1, 1)),
       summaries_(options.coordinator.model_dir),
       coordinator_(options.coordinator, std::move(job), &ps_, &pool_, &summaries_),

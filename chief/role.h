@@ -11,9 +11,9 @@
 #include "chief/service.h"
 #include "chief/summaries.h"
 #include "common/metrics.h"
-#include "transport/security.h"
 #include "common/thread_pool.h"
 #include "ps/grpc_client.h"
+#include "transport/security.h"
 
 namespace psflow::chief {
 

@@ -5,8 +5,8 @@
 #define PSFLOW_CHIEF_SERVICE_H_
 
 #include "chief/coordinator.h"
-#include "transport/security.h"
 #include "proto/chief.grpc.pb.h"
+#include "transport/security.h"
 
 namespace psflow::chief {
 
