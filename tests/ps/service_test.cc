@@ -26,19 +26,19 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "transport/call_channel.h"
 #include "common/float16.h"
-#include "transport/grpc_util.h"
 #include "common/metrics.h"
-#include "role/process_setup.h"
-#include "transport/shared_region.h"
 #include "common/tensor_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/ps.grpc.pb.h"
-#include "transport/channel_server.h"
 #include "ps/grpc_client.h"
 #include "ps/shard.h"
+#include "role/process_setup.h"
+#include "transport/call_channel.h"
+#include "transport/channel_server.h"
+#include "transport/grpc_util.h"
+#include "transport/shared_region.h"
 
 namespace psflow::ps {
 namespace {
@@ -122,7 +122,8 @@ class PsServiceTest : public ::testing::Test {
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port_, 0);
     address_ = absl::StrCat("127.0.0.1:", port_);
-    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.metrics = &client_metrics_});
+    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_},
+                                           GrpcClientOptions{.metrics = &client_metrics_});
     stub_ = ParameterServer::NewStub(MakeChannel(address_, Role::kPs, SecurityOptions{}));
 
     big_ = Pattern(NumElements(kBigShape), 1024, 0.125f);
@@ -729,7 +730,9 @@ INSTANTIATE_TEST_SUITE_P(GrpcAndChannels, SharedPathTest, ::testing::Bool());
 // ps, whose mapping keeps the memory, still applies what it took. A ps with
 // apply_in_place off copies them out and answers at once.
 TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.metrics = &client_metrics_, .shared_memory = true});
+  client_ = std::make_unique<GrpcClient>(
+      std::vector<std::string>{address_},
+      GrpcClientOptions{.metrics = &client_metrics_, .shared_memory = true});
   ASSERT_TRUE(InitJob().ok());
   const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
   const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
@@ -756,7 +759,9 @@ TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&copying, &port);
   ASSERT_NE(server, nullptr);
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, GrpcClientOptions{.metrics = &client_metrics_, .shared_memory = true});
+  client_ = std::make_unique<GrpcClient>(
+      std::vector<std::string>{absl::StrCat("127.0.0.1:", port)},
+      GrpcClientOptions{.metrics = &client_metrics_, .shared_memory = true});
   ASSERT_TRUE(InitJob().ok());
   absl::StatusOr<PushResponse> r0 = PushAll(0, 0, g0_big, g0_bias);
   ASSERT_TRUE(r0.ok()) << r0.status();
@@ -779,7 +784,10 @@ TEST_F(PsServiceTest, AHeldPushEndsAtItsDeadlineAndACopyingPsAnswersAtOnce) {
 TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
   for (const bool pin : {true, false}) {
     SCOPED_TRACE(pin ? "pinned" : "not pinned");
-    client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
+    client_ = std::make_unique<GrpcClient>(
+        std::vector<std::string>{address_},
+        GrpcClientOptions{
+            .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
     int pinned = 0, unpinned = 0;
     client_->SetRegionPinning(
         [&](void*, size_t) {
@@ -1033,7 +1041,8 @@ TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&service, &port);
   ASSERT_NE(server, nullptr);
   const std::vector<std::string> address = {absl::StrCat("127.0.0.1:", port)};
-  auto shared = std::make_unique<GrpcClient>(address, GrpcClientOptions{.connections_per_ps = 2, .shared_memory = true});
+  auto shared = std::make_unique<GrpcClient>(
+      address, GrpcClientOptions{.connections_per_ps = 2, .shared_memory = true});
   auto network = std::make_unique<GrpcClient>(address, GrpcClientOptions{.connections_per_ps = 2});
   ASSERT_TRUE(
       shared
@@ -1902,7 +1911,10 @@ INSTANTIATE_TEST_SUITE_P(WithAndWithout, WireCopiesTest, ::testing::Bool());
 // widened as the apply reads them: the push is answered once the step is
 // applied, and the masters are exactly those of the decoded gradients.
 TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
+  client_ = std::make_unique<GrpcClient>(
+      std::vector<std::string>{address_},
+      GrpcClientOptions{
+          .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);
   absl::Status init = client_->Init(
@@ -1945,7 +1957,10 @@ TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
 // made after the run was sent shows. Gradients elsewhere are still copied
 // into a region of the pool as the push sends them.
 TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
+  client_ = std::make_unique<GrpcClient>(
+      std::vector<std::string>{address_},
+      GrpcClientOptions{
+          .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
   ASSERT_TRUE(InitJob().ok());
   const int64_t big_n = NumElements(kBigShape), bias_n = NumElements(kBiasShape);
   absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
@@ -2014,7 +2029,10 @@ TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
 // the host are; a run whose encoded values hold an infinity is checked as
 // not finite and leaves nothing.
 TEST_P(PushInRunsTest, ValuesInTheWireDtypeAlreadyArePushedAsTheyLie) {
-  client_ = std::make_unique<GrpcClient>(std::vector<std::string>{address_}, GrpcClientOptions{.connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = GetParam()});
+  client_ = std::make_unique<GrpcClient>(
+      std::vector<std::string>{address_},
+      GrpcClientOptions{
+          .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = GetParam() != 0});
   InitHeader init = Header();
   init.mutable_job()->set_wire_dtype(JobConfig::BF16);
   ASSERT_TRUE(
