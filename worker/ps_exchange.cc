@@ -137,6 +137,10 @@ absl::Status PsExchange::MakeLanes(const Placement& placement) {
       lane.spec = std::move(spec);
     }
   }
+  return PrepareUploads();
+}
+
+absl::Status PsExchange::PrepareUploads() {
   to_come_ = std::make_unique<std::atomic<int>[]>(slices_of_.size());
   // The pulls' regions are pinned for the GPU, and its uploads read them.
   const kernels::Backend::HostPinning pinning =
@@ -144,7 +148,7 @@ absl::Status PsExchange::MakeLanes(const Placement& placement) {
   borrow_pulls_ = options_.upload_from_shared_memory && pinning.pin != nullptr &&
                   !buffers_.upload_after.empty();
   if (borrow_pulls_) client_->SetRegionPinning(pinning.pin, pinning.unpin);
-  const std::vector<VariableShape>& variable_shapes = net->variables();
+  const std::vector<VariableShape>& variable_shapes = buffers_.net->variables();
   for (Lane& lane : lanes_) {
     for (size_t i = 0; i < lane.sinks.size(); ++i) {
       const std::vector<int64_t>& shape = variable_shapes[lane.spec.variables[i]].shape;

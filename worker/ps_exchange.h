@@ -136,6 +136,9 @@ class PsExchange final : public Exchange {
              PsExchangeBuffers buffers);
   // Lanes from the plan, with their sinks and refs; the pools.
   absl::Status MakeLanes(const Placement& placement);
+  // Where pulled weights go to the device: each slice's offset, the pulls'
+  // regions borrowed (pinned for the GPU) and their events.
+  absl::Status PrepareUploads();
   // Pushes every lane's gradients of `push_step` when it is >= 0 (skips
   // instead, with `skip`), each lane then pulling its slices of
   // min_version. With `verdict` (pushes during the backward pass), each

@@ -10,7 +10,7 @@
 // (worker/ps_exchange.h), or, in a job without ps (JobConfig.exchange
 // ALL_REDUCE), on the host ring in front of this worker's own replica
 // (worker/ring_exchange.h); GPU workers of such a job average over NCCL and
-// keep the replica on the device (TrainOnDevice). The step's metrics go to
+// keep the replica on the device (worker/device_replica.h). The step's metrics go to
 // the report loop (worker/reporter.h), which sends them to the chief (the
 // reports are also its heartbeat). A ps that holds another job or none,
 // drops this worker, or disagrees with its peers on the version, or a chief
@@ -31,27 +31,27 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "absl/types/span.h"
 #include "allreduce/ring.h"
 #include "chief/client.h"
 #include "common/fan_out.h"
 #include "common/step_trace.h"
-#include "common/tensor_view.h"
-#include "common/thread_pool.h"
 #include "data/mnist.h"
-#include "kernels/kernels.h"
 #include "model/network.h"
 #include "proto/chief.pb.h"
 #include "proto/job.pb.h"
 #include "ps/client.h"
 #include "ps/shard.h"
-#include "transport/shared_region.h"
 #include "worker/batches.h"
+#include "worker/device_replica.h"
 #include "worker/exchange.h"
+#include "worker/model_replicas.h"
+#include "worker/ps_exchange.h"
 #include "worker/reporter.h"
-#include "worker/step_verdict.h"
+#include "worker/staging.h"
 
 namespace psflow::worker {
 
@@ -125,7 +125,7 @@ struct TrainerOptions {
   // the trainer). The trainer loads the replica (worker 0's is the chief's
   // to load) and reaches it in-process (ps::LocalClient). A GPU worker keeps its replica's weights
   // and optimizer state on the device and applies the optimizer there (see
-  // TrainOnDevice); the shard gets the state (Shard::Mirror) when a snapshot
+  // worker/device_replica.h); the shard gets the state (Shard::Mirror) when a snapshot
   // asks for a step, every kReplicaPublishSteps steps on worker 0 (whose
   // replica the chief and the evaluator read), at a stop and at the end.
   allreduce::Ring* ring = nullptr;
@@ -186,7 +186,18 @@ class Trainer {
   absl::Status Register();
   // Tells options_.on_registered, if set.
   void SetRegistered(bool registered) const;
+  // Checks the job, loads the data, and makes the model's replicas, their
+  // staging on the host and the exchange of the job's strategy.
   absl::Status Prepare();
+  absl::Status CheckJob() const;
+  absl::Status LoadData();
+  // The exchange of the job's strategy (after the staging), and a device
+  // replica where the job keeps one.
+  absl::Status MakeExchange();
+  absl::StatusOr<std::unique_ptr<PsExchange>> MakeLanes();
+  absl::Status MakeDeviceReplica();
+  ExchangeHooks Hooks();
+  DeviceReplicaHooks DeviceHooks();
   // A step's pushes start, and end (all answered, or given up): the end
   // carries out a StopAfterPushes that waits for it.
   void OpenPushes();
@@ -199,80 +210,38 @@ class Trainer {
   // All-reduce jobs: logs a CRC-32C of this worker's replica (values and
   // optimizer state) at the final step; equal on every worker.
   void LogReplicaDigest();
-  // All-reduce jobs: when every worker computes on GPUs, joins them in one
-  // NCCL group (gpu_peers_), which then averages the gradients on the
-  // devices instead of the ring on the host. The workers agree through the
-  // ring (steps -2 and -1, before any training step).
-  absl::Status FormGpuGroup();
   // All-reduce jobs: whether to stop waiting for the group (a stop, or the
   // ring's group left: a member failed).
   bool GroupAbandoned() const;
   bool AllReduce() const { return job_.exchange() == JobConfig::ALL_REDUCE; }
+  // Whether the job applies each worker's gradient alone (JobConfig.mode).
+  bool Async() const;
   // Trains from `start` to the last step (OK), or ends with a status that
   // IsRegisterAgain or that ends Run.
   absl::Status Train(int64_t start);
   struct Position;
-  // The chief failed the job or asks for a registration, or a stop: the
-  // status that ends Train (else OK).
-  absl::Status Interrupted() const;
+  // The chief failed the job or asks for a registration (or, with
+  // `stop`, a stop): the status that ends Train (else OK).
+  absl::Status Interrupted(bool stop) const;
   // The status Train ends with after an exchange that returned `s` (OK: go
   // on); `what` names the exchange.
   absl::Status ExchangeFailure(const absl::Status& s, absl::string_view what) const;
   // The first pull of a Train, and one step with its exchange.
   absl::Status FirstPull(Position* at);
   absl::Status TrainStep(WorkerBatches& batches, Position* at);
+  // The step's forward and backward pass on the model's replicas.
   absl::StatusOr<model::Network::Result> Compute(const WorkerBatches& batches);
   // The step's push and the pull that follows, with the step's verdict.
   absl::Status PushStep(const StepPush& push, ExchangeRound* got);
-  // The exchange of the job's strategy (after Prepare).
-  absl::Status MakeExchange();
-  ExchangeHooks Hooks();
+  // The times of a step's metrics: its wait and pull (before it), compute
+  // (t1 to t2) and push (to pushed_at).
+  static void SetTimes(const Position& at, absl::Time t1, absl::Time t2, absl::Time pushed_at,
+                       StepMetrics* m);
+  // After step `step`'s exchange: the next position, and the metrics of
+  // an asynchronous job's step (else null) reported with their staleness.
+  void Advance(int64_t step, absl::Time pushed_at, StepMetrics* async_metrics, Position* at);
   // After a step that was not finite: waits for the chief's verdict.
   absl::Status NonFinite(int64_t step);
-  // The gradients in buckets of about kGpuBucketBytes, in the order the
-  // backward pass completes them, each with an event the network records
-  // (Network::SetGradientEvents, set here) after the layer that completes
-  // the bucket: work on another stream can take a bucket while the rest of
-  // the backward pass runs. For backends with events.
-  struct GradientBucket {
-    std::unique_ptr<kernels::Event> ready;
-    std::vector<int> variables;
-    // Host buckets of a worker that pushes during the backward pass:
-    // recorded after the bucket's copies to the host.
-    std::unique_ptr<kernels::Event> copied;
-  };
-  absl::StatusOr<std::vector<GradientBucket>> GradientBuckets();
-  // A GPU worker's step in a job with ps (one replica): the step's graph,
-  // and each bucket of gradients copied to page-locked memory as soon as
-  // the backward pass has written it (host_buckets_). Pushing during the
-  // backward pass (push_early_), each bucket's variables are marked in
-  // grads_ready_ as its copies end.
-  absl::StatusOr<model::Network::Result> StepCopyingGradients(const float* images,
-                                                              const int32_t* labels, int batch);
-  // All-reduce jobs of GPU workers (each in the NCCL group, or alone): the
-  // replica lives on the device. Allocates the optimizer's slots there.
-  absl::Status PrepareDeviceReplica();
-  // Loads the device replica with this worker's shard (its version in
-  // *version).
-  absl::Status LoadDeviceReplica(int64_t* version);
-  // Train, for a device replica: each step averages the gradients and the
-  // loss among the GPUs, counts non-finite values there, and applies the
-  // optimizer (or skips the step) on the device; no ps calls.
-  absl::Status TrainOnDevice();
-  // Copies the device replica (weights and slots) to page-locked memory and
-  // publishes it into options_.replica as of `version`: on a thread of its
-  // own, or before returning with `wait`. One publish at a time (the next
-  // waits for the one before).
-  absl::Status PublishReplica(int64_t version, bool wait);
-  // Creates the backends and networks of every device of options_.device.
-  absl::Status CreateReplicas();
-  // One step of every replica, each on `batch` examples of images/labels in
-  // turn (replica r on the r-th batch), then their gradients averaged among
-  // the GPUs into replica 0's; the loss is the mean over the replicas.
-  absl::StatusOr<model::Network::Result> ReplicatedStep(const float* images, const int32_t* labels,
-                                                        int batch);
-  // Whether the job applies each worker's gradient alone (JobConfig.mode).
-  bool Async() const;
   absl::Status TrainAndWait();
   // Whether calls in flight were cancelled on purpose: Stop, or the chief's FAIL.
   bool Stopping() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -296,84 +265,26 @@ class Trainer {
   // The report loop, and what the chief answers it.
   Reporter reporter_;
 
-  // The training thread's own state.
+  // The training thread's own state, made by Prepare. Each is declared
+  // after what it uses: destroyed before it.
   JobConfig job_;
   int64_t start_step_ = 0;  // from the latest registration
-  std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<model::Network> net_;
-  // A worker with several GPUs (JobConfig.replicas_per_worker): replicas 1..
-  // of the model, each on its own GPU (net_ on backend_ is replica 0, the
-  // one that pulls and pushes), and the group that averages their gradients
-  // and copies replica 0's weights to the others.
-  std::vector<std::string> devices_;
-  std::vector<std::unique_ptr<kernels::Backend>> replica_backends_;
-  std::vector<std::unique_ptr<model::Network>> replica_nets_;
-  std::unique_ptr<kernels::DeviceGroup> group_;
-  // All-reduce jobs of GPU workers: every worker's replica 0, in one group.
-  std::unique_ptr<kernels::PeerGroup> gpu_peers_;
-  // GPU workers of a job without ps: the device replica's optimizer state,
-  // buffers and publisher (null otherwise). Declared after the backends:
-  // destroyed before them.
-  struct DeviceReplica;
-  std::unique_ptr<DeviceReplica> device_;
-  // Every replica's networks and their buffers on the GPU, in replica order
-  // (fixed once the networks exist), and each variable's floats.
-  std::vector<model::Network*> replicas_;
-  std::vector<std::vector<float*>> replica_weights_, replica_grads_;
-  std::vector<int64_t> variable_floats_;
   data::Dataset data_;
-  // Where pulls land and pushes come from, by variable: the network's own
-  // buffers when in_place_, else staging_ (page-locked where the device
-  // can) copied to and from the device. No grads_ where the step rounds
-  // them on the device (narrowed_ holds them then).
-  std::vector<float*> weights_, grads_;
-  bool in_place_ = false;
-  std::vector<std::unique_ptr<kernels::Buffer>> staging_;
-  // With TrainerOptions.gradients_to_shared_memory where it applies: the
-  // region that the gradients' host buffers (staging_ or narrowed_'s host)
-  // lie in, registered with the GPU and given to the ps client
-  // (SetPushRegion); null otherwise. Unregistered as it goes (before the
-  // backend).
-  std::shared_ptr<const SharedRegion> push_region_;
-  bool told_push_region_ = false;  // the log said where the gradients go
-  // Makes push_region_ for every variable's gradient host buffer (16-bit
-  // ones with `narrow`), and gives it to the ps client; leaves it null,
-  // saying why once, where no region can be made or registered.
-  void MakePushRegion(bool narrow);
-  // Jobs with ps, one GPU: the gradients' buckets StepCopyingGradients
-  // copies out (empty: the step copies them after it, GetGradients).
-  std::vector<GradientBucket> host_buckets_;
-  // With options_.narrow_on_device and a 16-bit wire dtype, by variable:
-  // its gradient rounded by the step on the device
-  // (Network::SetGradientHalves), and where StepCopyingGradients copies it
-  // (page-locked; the lanes' refs point there: TensorRef::encoded). Each
-  // buffer is in whole floats that hold the 16-bit values. Empty otherwise.
-  struct NarrowedGradient {
-    std::unique_ptr<kernels::Buffer> device, host;
-    uint16_t* host_values() const { return reinterpret_cast<uint16_t*>(host->data()); }
-  };
-  std::vector<NarrowedGradient> narrowed_;
-  // With host buckets: by variable, the event its pulled weights wait for
-  // on their way to the device (its bucket's `ready`: the running step's
-  // backward pass is done with the weight), so that they overlap the rest
-  // of the pass (Network::SetWeightAfter). Empty: uploads queue behind the
-  // step.
-  std::vector<kernels::Event*> upload_after_;
-  bool told_narrowed_ = false;  // the log said gradients are rounded on the GPU
-  // Pushing during the backward pass: the host buckets' copies record
-  // events, and StepCopyingGradients tells the exchange of each.
-  bool copy_events_ = false;
+  std::unique_ptr<ModelReplicas> model_;
+  std::unique_ptr<HostStaging> staging_;
+  // GPU workers of a job without ps: the replica on the device (null
+  // otherwise; then exchange_ trains).
+  std::unique_ptr<DeviceReplica> device_;
   // The exchange of the job's strategy (ps lanes, or the host ring).
-  // Declared after the buffers it reads: destroyed before them.
   std::unique_ptr<Exchange> exchange_;
   Backoff register_backoff_;  // between registrations that end in no step
 
   mutable absl::Mutex mu_;
   std::unique_ptr<ps::Client> ps_ ABSL_GUARDED_BY(mu_);
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
-  // A step's pushes are in flight (RunLanes, from its start until every
-  // lane's push is answered or it returns), and the signal to stop with
-  // once they are (StopAfterPushes).
+  // A step's pushes are in flight (from the start of the exchange until
+  // every lane's push is answered or it returns), and the signal to stop
+  // with once they are (StopAfterPushes).
   bool pushes_open_ ABSL_GUARDED_BY(mu_) = false;
   int stop_after_pushes_ ABSL_GUARDED_BY(mu_) = 0;
 };
