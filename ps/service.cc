@@ -26,6 +26,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "ps/limits.h"
+#include "ps/pull_session.h"
 #include "ps/tensors.h"
 #include "transport/call_channel.h"
 #include "transport/chunk_messages.h"
@@ -63,17 +64,13 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 
 }  // namespace
 
-// Slices that are ready together go in one pull message up to this many
-// bytes (in the wire dtype); a larger slice goes alone.
-constexpr int64_t kPullBatchBytes = 256 << 10;
-
-// Streams the slices asked for, each as soon as it reaches the version, from
-// its published value (kept alive here) converted chunk by chunk.
+// Drives a PullSession: its messages as chunk messages (their data into the
+// call's region, when it names one), its waits on the shard's waiter and an
+// alarm. Keeps the values it sends alive until written.
 template <typename Base>
 class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base> {
   using Writer = WaitingWriter<grpc::ByteBuffer, Base>;
   using Writer::Arm;
-  using Writer::call_deadline_;
   using Writer::Disarm;
   using Writer::finish_after_write_;
   using Writer::FinishLocked;
@@ -89,80 +86,67 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
              const grpc::ByteBuffer* request, BaseArgs... base_args)
       : Writer(service, std::move(peer), deadline, base_args...),
         service_(service),
-        start_(absl::Now()) {
-    grpc::ByteBuffer copy = *request;  // shares the slices
-    const bool parsed = grpc::SerializationTraits<PullRequest>::Deserialize(&copy, &request_).ok();
-    {
-      absl::MutexLock lock(&mu_);
-      min_version_ = request_.by_clock() ? 0 : request_.min_version();
-    }
-    Start(parsed ? Prepare() : absl::InvalidArgumentError("unreadable pull request"));
+        start_(absl::Now()),
+        parsed_(Parse(*request, &request_)),
+        session_(service->shard_, request_, start_, deadline) {
+    Start(parsed_ ? Prepare() : absl::InvalidArgumentError("unreadable pull request"));
   }
 
  private:
-  // Writes message_ and the chunks in pieces_ as one message (their data
-  // into the call's region, when it has one).
-  void SendLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (region_ != nullptr) {
-      absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
-          message_, PullResponse::kChunkFieldNumber, pieces_, region_->data, &cursor_);
-      if (!encoded.ok()) return FinishLocked(encoded.status());
-      response_ = *std::move(encoded);
-    } else {
-      response_ = EncodeChunkMessage(message_, PullResponse::kChunkFieldNumber, pieces_, value_);
-    }
-    // (gRPC may send the message on this thread.)
-    TraceSpan span(service_->trace_, "pull message write", message_.version() - 1);
-    WriteLocked();
+  static bool Parse(const grpc::ByteBuffer& request, PullRequest* parsed) {
+    grpc::ByteBuffer copy = request;  // shares the slices
+    return grpc::SerializationTraits<PullRequest>::Deserialize(&copy, parsed).ok();
   }
 
-  absl::Status Prepare() {
-    if (request_.dtype() != DT_INVALID && WireBytes(request_.dtype()) == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pull asks for dtype ", request_.dtype(), ", not a wire dtype"));
-    }
-    PSFLOW_ASSIGN_OR_RETURN(specs_, service_->shard_->Slices(request_.job_id()));
-    PSFLOW_ASSIGN_OR_RETURN(
-        indices_, SliceIndices(request_.slices(), static_cast<int>(specs_->size()), "pull"));
+  absl::Status Prepare() ABSL_LOCKS_EXCLUDED(mu_) {
     {
       absl::MutexLock lock(&mu_);
-      pending_ = indices_;
-    }
-    if (request_.dtype() == DT_INVALID) {
-      PSFLOW_ASSIGN_OR_RETURN(dtype_, service_->shard_->WireDtype(request_.job_id()));
-    } else {
-      dtype_ = request_.dtype();
+      PSFLOW_RETURN_IF_ERROR(session_.Prepare());
     }
     if (request_.has_region()) {
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(request_.region()));
     }
-    // max_wait bounds only the wait for the first slice.
-    wait_deadline_ =
-        request_.max_wait_ms() > 0
-            ? std::min(call_deadline_, start_ + absl::Milliseconds(request_.max_wait_ms()))
-            : call_deadline_;
     return absl::OkStatus();
   }
 
   void Next() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (splitter_ != nullptr && NextPiecesLocked()) return;
-    if (sent_any_ && pending_.empty()) {
-      FinishLocked(absl::OkStatus());
-      return;
-    }
-    const absl::Time deadline = !sent_any_ ? wait_deadline_ : call_deadline_;
-    ArmLocked();
-    if (request_.by_clock() && !granted_ && !GrantedLocked(deadline)) return;
-    if (indices_.empty()) {
-      SendVersionLocked(deadline);
-    } else {
-      SendReadySlicesLocked(deadline);
+    const PullSession::Step step =
+        session_.Next([this](int first, int last) { Arm(first, last); }, &message_);
+    switch (step.action) {
+      case PullSession::Action::kWait:
+        return WaitUntil(step.until);
+      case PullSession::Action::kFinish:
+        return FinishLocked(step.status);
+      case PullSession::Action::kSend:
+        Disarm();
+        return StartMessageLocked();
     }
   }
 
-  // The current slice's next chunks: true when a message went.
+  // The session's message: its first chunks (or none, for the version
+  // alone) in the call's first message of it.
+  void StartMessageLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    pieces_.clear();
+    if (message_.slices == 0) {
+      finish_after_write_ = message_.last;
+      SendLocked();
+      return;
+    }
+    // (The version a step's pushes make: traced as that step.)
+    TraceSpan span(service_->trace_, "pull slices", message_.fields.version() - 1);
+    span.Arg("slices", message_.slices, " from ", message_.first_slice);
+    span.Arg("bytes", message_.bytes);
+    value_ = std::move(message_.keep);
+    splitter_ = std::make_unique<ChunkSplitter>(
+        std::move(message_.refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
+    splitter_->NextPieces(&pieces_);
+    SendLocked();  // the first message of a slice goes even without chunks
+  }
+
+  // The current slices' next chunks: true when a message went.
   bool NextPiecesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    message_.clear_wait_us();
+    message_.fields.clear_wait_us();
     pieces_.clear();
     if (splitter_->NextPieces(&pieces_)) {
       SendLocked();
@@ -173,166 +157,21 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
     return false;
   }
 
-  // Woken only by the apply of a slice it waits for (or a change that is
-  // not a slice's apply): workers pulling beside their pushes keep many
-  // pulls waiting on each ps.
-  void ArmLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if ((request_.by_clock() && !granted_) || pending_.empty()) {
-      Arm();
-      return;
+  // Writes message_'s fields and the chunks in pieces_ as one message
+  // (their data into the call's region, when it has one).
+  void SendLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (region_ != nullptr) {
+      absl::StatusOr<grpc::ByteBuffer> encoded = EncodeSharedChunkMessage(
+          message_.fields, PullResponse::kChunkFieldNumber, pieces_, region_->data, &cursor_);
+      if (!encoded.ok()) return FinishLocked(encoded.status());
+      response_ = *std::move(encoded);
+    } else {
+      response_ =
+          EncodeChunkMessage(message_.fields, PullResponse::kChunkFieldNumber, pieces_, value_);
     }
-    const auto [lo, hi] = std::minmax_element(pending_.begin(), pending_.end());
-    Arm(*lo, *hi);
-  }
-
-  // An asynchronous job's pull: the clock's condition, then every slice at
-  // the version the shard had then (or later). False while it does not
-  // hold (the call waits, or has finished).
-  bool GrantedLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<std::optional<Shard::ClockGrant>> grant =
-        service_->shard_->TryClock(request_.job_id(), request_.worker(), request_.clock());
-    if (!grant.ok()) {
-      FinishLocked(grant.status());
-      return false;
-    }
-    if (!grant->has_value()) {
-      NotThere(deadline);
-      return false;
-    }
-    granted_ = true;
-    min_version_ = (*grant)->version;
-    clock_ = (*grant)->clock;
-    lag_ = (*grant)->lag;
-    return true;
-  }
-
-  // No slices: the answer is the version, once it is reached.
-  void SendVersionLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<std::optional<int64_t>> v =
-        service_->shard_->TryVersion(request_.job_id(), min_version_);
-    if (!v.ok()) return FinishLocked(v.status());
-    if (!v->has_value()) return NotThere(deadline);
-    Disarm();
-    message_.set_version(**v);
-    message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
-    SetFirstLocked();
-    finish_after_write_ = true;
-    pieces_.clear();
-    SendLocked();
-  }
-
-  // What a message's chunks point into, kept until gRPC lets go of them.
-  struct Kept {
-    std::vector<Shard::Value> values;
-    std::vector<Shard::Halves> halves;
-  };
-  // The slices of one message: pending_[at, end).
-  struct Batch {
-    std::shared_ptr<Kept> kept = std::make_shared<Kept>();
-    std::vector<TensorRef> refs;
-    int64_t bytes = 0;  // in the wire dtype
-    size_t end = 0;
-  };
-
-  // The slices go in the order they are ready (the worker takes them in
-  // any order): one whose apply is late holds back no other. In the order
-  // asked for among those ready at once.
-  void SendReadySlicesLocked(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<std::optional<std::pair<size_t, Shard::PulledSlice>>> pulled =
-        service_->shard_->TryPullFirstReady(request_.job_id(), pending_, min_version_);
-    if (!pulled.ok()) return FinishLocked(pulled.status());
-    if (!pulled->has_value()) return NotThere(deadline);
-    Disarm();
-    const auto& [at, slice] = **pulled;
-    const int64_t version = slice.version;
-    const int first = pending_[at];
-    Batch batch = BatchLocked(at, slice);
-    const size_t count = batch.end - at;
-    pending_.erase(pending_.begin() + static_cast<ptrdiff_t>(at),
-                   pending_.begin() + static_cast<ptrdiff_t>(batch.end));
-    bytes_ += batch.bytes;
-    // (The version a step's pushes make: traced as that step.)
-    TraceSpan span(service_->trace_, "pull slices", version - 1);
-    span.Arg("slices", count, " from ", first);
-    span.Arg("bytes", batch.bytes);
-    value_ = std::move(batch.kept);
-    splitter_ = std::make_unique<ChunkSplitter>(
-        std::move(batch.refs), region_ != nullptr ? kSharedMessageBytes : kChunkBytes);
-    message_.Clear();
-    message_.set_version(version);
-    if (!sent_any_) {
-      sent_any_ = true;
-      message_.set_wait_us(absl::ToInt64Microseconds(absl::Now() - start_));
-      SetFirstLocked();
-    }
-    pieces_.clear();
-    splitter_->NextPieces(&pieces_);
-    SendLocked();  // the first message of a slice goes even without chunks
-  }
-
-  // pending_[at] (pulled as `slice`) and the next slices that are at the
-  // same version now, up to kPullBatchBytes: the first layers' many small
-  // slices, applied together at the end of a step, would each wait for the
-  // write of the one before. (Larger slices go one by one, so that the
-  // worker reads one while the next is written.)
-  Batch BatchLocked(size_t at, const Shard::PulledSlice& slice) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Batch batch;
-    auto add = [&](int index, const Shard::PulledSlice& pulled) {
-      batch.bytes += static_cast<int64_t>(pulled.value->size()) * WireBytes(dtype_);
-      batch.refs.push_back(SliceValueRef((*specs_)[index], pulled.value, dtype_));
-      batch.kept->values.push_back(pulled.value);
-      // The value in the wire dtype already (the shard's wire copies): sent
-      // as it lies.
-      if (pulled.halves != nullptr && pulled.halves_dtype == dtype_) {
-        batch.refs.back().encoded = pulled.halves->data();
-        batch.refs.back().data = nullptr;
-        batch.kept->halves.push_back(pulled.halves);
-      }
-    };
-    add(pending_[at], slice);
-    for (batch.end = at + 1; batch.end < pending_.size(); ++batch.end) {
-      absl::StatusOr<std::optional<Shard::PulledSlice>> next =
-          service_->shard_->TryPullSlice(request_.job_id(), pending_[batch.end], min_version_);
-      if (!next.ok() || !next->has_value() || (*next)->version != slice.version ||
-          batch.bytes + static_cast<int64_t>((*next)->value->size()) * WireBytes(dtype_) >
-              kPullBatchBytes) {
-        break;
-      }
-      add(pending_[batch.end], **next);
-    }
-    return batch;
-  }
-
-  // The first message of an answer that carries what was asked.
-  void SetFirstLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    message_.set_ready(true);
-    message_.set_clock(clock_);
-    message_.set_lag(lag_);
-  }
-
-  // The version is not there yet: wait, or end at the deadline.
-  void NotThere(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (absl::Now() < deadline) {
-      WaitUntil(deadline);
-      return;
-    }
-    Disarm();
-    if (!sent_any_ && deadline < call_deadline_) {
-      // max_wait passed: the version only ("not yet"); the caller asks again.
-      not_yet_ = true;
-      message_.Clear();
-      message_.set_version(service_->shard_->stats().version);
-      finish_after_write_ = true;
-      pieces_.clear();
-      SendLocked();
-      return;
-    }
-    FinishLocked(absl::DeadlineExceededError(
-        request_.by_clock() && !granted_
-            ? absl::StrCat("clock ", request_.clock(), " of worker ", request_.worker(),
-                           " not reached; ps is at version ", service_->shard_->stats().version)
-            : absl::StrCat("version ", min_version_, " not reached; ps is at ",
-                           service_->shard_->stats().version)));
+    // (gRPC may send the message on this thread.)
+    TraceSpan span(service_->trace_, "pull message write", message_.fields.version() - 1);
+    WriteLocked();
   }
 
   // A pull that carried what it asked for (slices, or the version alone)
@@ -340,36 +179,23 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   void Finishing(const absl::Status& status) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // Its worker drops a region whose call failed: so does the ps.
     if (!status.ok() && region_ != nullptr) service_->ForgetRegion(request_.region());
-    if (!status.ok() || not_yet_) return;
-    service_->pull_bytes_->Observe(static_cast<double>(bytes_));
+    if (!status.ok() || session_.not_yet()) return;
+    service_->pull_bytes_->Observe(static_cast<double>(session_.bytes()));
     service_->pull_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - start_));
   }
 
   PsService* const service_;
-  PullRequest request_;  // set once, in the constructor
   const absl::Time start_;
-  std::shared_ptr<const std::vector<SliceSpec>> specs_;
-  std::vector<int> indices_;
-  DataType dtype_ = DT_FLOAT;
-  absl::Time wait_deadline_;
-  std::shared_ptr<const SharedMapping> region_;  // the worker's, if it named one
-  int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;      // where the next chunk goes in it
-  // The slices asked for that are still to be sent, in the order asked.
-  std::vector<int> pending_ ABSL_GUARDED_BY(mu_);
-  bool sent_any_ ABSL_GUARDED_BY(mu_) = false;  // the answer's first message went
-  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;      // of the slices sent, in the wire dtype
-  // The version the slices must reach: the request's, or for a by_clock
-  // pull the shard's once the clock's condition held (granted_).
-  int64_t min_version_ ABSL_GUARDED_BY(mu_) = 0;
-  bool granted_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // a by_clock pull's answer
-  int64_t lag_ ABSL_GUARDED_BY(mu_) = 0;
-  bool not_yet_ ABSL_GUARDED_BY(mu_) = false;  // the answer is the version only
+  PullRequest request_;  // set once, in the constructor
+  const bool parsed_;
+  PullSession session_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const SharedMapping> region_;        // the worker's, if it named one
+  int64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;            // where the next chunk goes in it
+  PullSession::Message message_ ABSL_GUARDED_BY(mu_);  // what the session hands out
   // The values of the slices being sent (kept alive while gRPC holds them).
   std::shared_ptr<const void> value_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
-  PullResponse message_ ABSL_GUARDED_BY(mu_);            // the fields of the next message
-  std::vector<ChunkPiece> pieces_ ABSL_GUARDED_BY(mu_);  // its chunks
+  std::vector<ChunkPiece> pieces_ ABSL_GUARDED_BY(mu_);  // the next message's chunks
 };
 
 // Asks the shard for a snapshot of one version, waits until it is taken,
