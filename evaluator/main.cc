@@ -1,27 +1,26 @@
 // psflow-evaluator: evaluates the job's weights on the test split while it
 // trains, and the final model at its end; reports to the chief.
-#include <chrono>
-#include <cstdio>
+#include <cstdint>
 #include <memory>
-
-#include <grpcpp/grpcpp.h>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "chief/grpc_client.h"
-#include "common/byte_size.h"
-#include "role/cluster_flags.h"
 #include "common/exit_codes.h"
-#include "transport/grpc_util.h"
 #include "common/log.h"
 #include "common/metrics.h"
-#include "role/process_setup.h"
-#include "role/serve_role.h"
-#include "role/signals.h"
 #include "evaluator/evaluator.h"
 #include "evaluator/service.h"
 #include "ps/grpc_client.h"
+#include "role/cluster_flags.h"
+#include "role/flag_checks.h"
+#include "role/process_setup.h"
+#include "role/serve_role.h"
+#include "role/signals.h"
+#include "transport/grpc_util.h"
 
 ABSL_FLAG(std::string, device, "cpu",
           "Where to compute: cpu (oneDNN), or cuda:N (GPU N; in builds with CUDA).");
@@ -47,52 +46,72 @@ ABSL_FLAG(int64_t, synthetic_examples, 2000,
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief before exiting with code 138.");
 
+namespace {
+
+constexpr char kUsage[] =
+    "the evaluator of a psflow job: evaluates consistent snapshots of the weights on the test\n"
+    "split while the job trains (when is the chief's --eval_every_steps/--eval_every_secs),\n"
+    "always the final model, and reports loss and accuracy to the chief, which logs them.\n"
+    "Nothing in training waits for it; the end of the job waits a while for its final\n"
+    "evaluation.\n\n"
+    "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow; the cluster may list\n"
+    "only the chief), or CLUSTER_CONFIG and POD_NAME. Example:\n"
+    "  psflow-evaluator --job_name=evaluator --task_id=0 --chief_hosts=h0:2222\n"
+    "Exit codes: 0 done, 1 permanent error (the job failed, the data does not fit), 138 chief\n"
+    "unreachable, 140 other failure worth a retry, 128+n after signal n.";
+
+// The flags into `options`, checked. 0, or the exit code.
+int OptionsFromFlags(const psflow::ClusterConfig& config,
+                     psflow::evaluator::EvaluatorOptions* options) {
+  if (absl::GetFlag(FLAGS_startup_timeout) <= 0 || absl::GetFlag(FLAGS_batch_size) <= 0 ||
+      absl::GetFlag(FLAGS_compute_threads) < 0 || absl::GetFlag(FLAGS_synthetic_examples) <= 0) {
+    return psflow::FlagError(psflow::Role::kEvaluator,
+                             "--startup_timeout, --batch_size and --synthetic_examples must be "
+                             "positive, --compute_threads not negative");
+  }
+  absl::StatusOr<int64_t> memory_limit =
+      psflow::MemoryLimitFlag("--eval_memory_limit", absl::GetFlag(FLAGS_eval_memory_limit));
+  if (!memory_limit.ok()) {
+    return psflow::FlagError(psflow::Role::kEvaluator, memory_limit.status().message());
+  }
+  options->evaluator_index = config.task_index;
+  options->device = absl::GetFlag(FLAGS_device);
+  options->compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options->data_dir = absl::GetFlag(FLAGS_eval_data_dir);
+  options->batch_size = absl::GetFlag(FLAGS_batch_size);
+  options->memory_limit = *memory_limit;  // 0: auto
+  options->synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
+  options->chief_address = absl::StrCat("chief ", config.cluster.ChiefAddress());
+  options->startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  return 0;
+}
+
+// The clients of the ps the chief names. A cluster that lists workers and no
+// ps has none (its evaluator reads worker 0's replica, which the chief names
+// then); one whose evaluator sees the chief alone has ps it does not list.
+psflow::evaluator::PsClientFactory PsClients(const psflow::ClusterConfig& config,
+                                             const psflow::SecurityOptions* security,
+                                             psflow::metrics::Registry* metrics) {
+  const psflow::Role server = config.cluster.AllReduce() && !config.cluster.worker.empty()
+                                  ? psflow::Role::kWorker
+                                  : psflow::Role::kPs;
+  return [security, metrics, server](const std::vector<std::string>& addresses) {
+    return std::make_unique<psflow::ps::GrpcClient>(
+        addresses, psflow::ps::GrpcClientOptions{
+                       .security = *security, .metrics = metrics, .server_role = server});
+  };
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   psflow::SetUpRoleProcess();
   psflow::BlockTerminationSignals();
-  psflow::ParseFlagsOrExit(
-      argc, argv,
-      "the evaluator of a psflow job: evaluates consistent snapshots of the weights on the test\n"
-      "split while the job trains (when is the chief's --eval_every_steps/--eval_every_secs),\n"
-      "always the final model, and reports loss and accuracy to the chief, which logs them.\n"
-      "Nothing in training waits for it; the end of the job waits a while for its final\n"
-      "evaluation.\n\n"
-      "Configure the cluster with the flags below, or TF_CONFIG (Kubeflow; the cluster may list\n"
-      "only the chief), or CLUSTER_CONFIG and POD_NAME. Example:\n"
-      "  psflow-evaluator --job_name=evaluator --task_id=0 --chief_hosts=h0:2222\n"
-      "Exit codes: 0 done, 1 permanent error (the job failed, the data does not fit), 138 chief\n"
-      "unreachable, 140 other failure worth a retry, 128+n after signal n.");
+  psflow::ParseFlagsOrExit(argc, argv, kUsage);
   psflow::ClusterConfig config = psflow::ResolveClusterOrExit(psflow::Role::kEvaluator);
-  if (absl::GetFlag(FLAGS_startup_timeout) <= 0 || absl::GetFlag(FLAGS_batch_size) <= 0 ||
-      absl::GetFlag(FLAGS_compute_threads) < 0 || absl::GetFlag(FLAGS_synthetic_examples) <= 0) {
-    std::fprintf(stderr,
-                 "psflow-evaluator: --startup_timeout, --batch_size and --synthetic_examples must "
-                 "be positive, --compute_threads not negative\n");
-    return psflow::kExitPermanent;
-  }
-  int64_t memory_limit = 0;  // auto
-  if (const std::string limit = absl::GetFlag(FLAGS_eval_memory_limit); limit != "auto") {
-    absl::StatusOr<int64_t> bytes = psflow::ParseByteSize(limit);
-    if (!bytes.ok() || *bytes <= 0) {
-      std::fprintf(
-          stderr, "psflow-evaluator: --eval_memory_limit: %s\n",
-          bytes.ok() ? "must be positive, or auto" : std::string(bytes.status().message()).c_str());
-      return psflow::kExitPermanent;
-    }
-    memory_limit = *bytes;
-  }
-  psflow::SetLogTag(absl::StrCat("evaluator", config.task_index));
-
   psflow::evaluator::EvaluatorOptions options;
-  options.evaluator_index = config.task_index;
-  options.device = absl::GetFlag(FLAGS_device);
-  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
-  options.data_dir = absl::GetFlag(FLAGS_eval_data_dir);
-  options.batch_size = absl::GetFlag(FLAGS_batch_size);
-  options.memory_limit = memory_limit;
-  options.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
-  options.chief_address = absl::StrCat("chief ", config.cluster.ChiefAddress());
-  options.startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
+  if (const int code = OptionsFromFlags(config, &options); code != 0) return code;
+  psflow::SetLogTag(absl::StrCat("evaluator", config.task_index));
   const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(psflow::Role::kEvaluator);
   // Metrics and readiness: made before everything that records into them.
   psflow::metrics::Registry metrics;
@@ -101,18 +120,7 @@ int main(int argc, char** argv) {
   options.on_registered = [&readiness](bool registered) { readiness.Set(registered); };
   psflow::chief::GrpcClient chief(config.cluster.ChiefAddress(), security, &metrics,
                                   config.cluster.ChiefHostRole());
-  psflow::evaluator::Evaluator evaluator(
-      options, &chief,
-      [&security, &metrics,
-       // A cluster that lists workers and no ps has none (its evaluator
-       // reads worker 0's replica); one whose evaluator sees the chief
-       // alone has ps it does not list.
-       server = config.cluster.AllReduce() && !config.cluster.worker.empty()
-                    ? psflow::Role::kWorker
-                    : psflow::Role::kPs](const std::vector<std::string>& addresses) {
-        // Without ps, the chief names worker 0, which serves its replica.
-        return std::make_unique<psflow::ps::GrpcClient>(addresses, psflow::ps::GrpcClientOptions{.security = security, .metrics = &metrics, .server_role = server});
-      });
+  psflow::evaluator::Evaluator evaluator(options, &chief, PsClients(config, &security, &metrics));
   // An evaluator listed in the cluster listens on its address: the standard
   // gRPC health service answers there, for probes. One left out of the
   // cluster (TF_CONFIG's minimal form) listens on nothing, but still serves
