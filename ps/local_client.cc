@@ -1,19 +1,19 @@
 #include "ps/local_client.h"
 
 #include <algorithm>
-#include <limits>
-#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/status_macros.h"
 #include "ps/limits.h"
 #include "ps/optimizer.h"
+#include "ps/pull_session.h"
 #include "ps/tensors.h"
 
 namespace psflow::ps {
@@ -35,47 +35,183 @@ void CopyThrough(const TensorRef& from, int64_t n, float* to) {
   }
 }
 
-// Copies each tensor of `from` into the sink of its name, slot and first
-// row, through the tensor's wire dtype. What a ChunkAssembler would refuse is
-// INVALID_ARGUMENT: a tensor no sink names, of another dtype or shape, or
-// sent twice, and a required sink left empty.
+// Copies tensors into the sinks of their name, slot and first row, through
+// each tensor's wire dtype, over one or more calls of Copy. What a
+// ChunkAssembler would refuse is INVALID_ARGUMENT: a tensor no sink names,
+// of another dtype or shape, or sent twice, and (Finish) a required sink
+// left empty.
+class SinkFiller {
+ public:
+  explicit SinkFiller(std::vector<TensorSink>& sinks)
+      : sinks_(sinks), filled_(sinks.size(), false) {
+    for (size_t i = 0; i < sinks.size(); ++i) {
+      index_[{sinks[i].name, sinks[i].slot, sinks[i].row_begin}] = i;
+    }
+  }
+
+  absl::Status Copy(const std::vector<TensorRef>& from) {
+    for (const TensorRef& t : from) {
+      auto what = [&t] { return TensorDisplayName(t.name, t.slot, t.row_begin); };
+      auto it = index_.find(std::make_tuple(t.name, t.slot, t.row_begin));
+      if (it == index_.end())
+        return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what()));
+      TensorSink& sink = sinks_[it->second];
+      if (t.shape != sink.shape) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has shape ",
+                                                       ShapeString(t.shape), ", expected ",
+                                                       ShapeString(sink.shape)));
+      }
+      if (t.dtype != sink.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has dtype ",
+                                                       DataType_Name(t.dtype), ", expected ",
+                                                       DataType_Name(sink.dtype)));
+      }
+      if (filled_[it->second]) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " sent twice"));
+      }
+      const int64_t n = NumElements(t.shape);
+      CopyThrough(t, n, SinkData(sink, n));
+      filled_[it->second] = true;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Finish() const {
+    for (size_t i = 0; i < sinks_.size(); ++i) {
+      if (sinks_[i].required && !filled_[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", TensorDisplayName(sinks_[i].name, sinks_[i].slot, sinks_[i].row_begin),
+            " is incomplete"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<TensorSink>& sinks_;
+  absl::flat_hash_map<std::tuple<std::string, std::string, int64_t>, size_t> index_;
+  std::vector<bool> filled_;
+};
+
+// Every tensor of `from` into `sinks` at once (see SinkFiller).
 absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink>& sinks) {
-  absl::flat_hash_map<std::tuple<std::string, std::string, int64_t>, size_t> index;
-  for (size_t i = 0; i < sinks.size(); ++i) {
-    index[{sinks[i].name, sinks[i].slot, sinks[i].row_begin}] = i;
+  SinkFiller filler(sinks);
+  PSFLOW_RETURN_IF_ERROR(filler.Copy(from));
+  return filler.Finish();
+}
+
+// Wakes a LocalPull waiting on its shard: a waiter of the shard's, armed
+// (PullSession::Arm) before each look at the shard, as the service's
+// Waker is, so a change after the look ends the wait. Its lock is taken
+// under the shard's (in Wake) and never held while calling the shard.
+class ShardWakeup {
+ public:
+  explicit ShardWakeup(Shard& shard)
+      : shard_(shard), id_(shard.AddWaiter([this](int slice) { Wake(slice); })) {}
+  ~ShardWakeup() { shard_.RemoveWaiter(id_); }  // no Wake runs after it
+  ShardWakeup(const ShardWakeup&) = delete;
+  ShardWakeup& operator=(const ShardWakeup&) = delete;
+
+  void Arm(int first, int last) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    armed_ = true;
+    woken_ = false;
+    first_ = first;
+    last_ = std::max(first, last);
   }
-  std::vector<bool> filled(sinks.size(), false);
-  for (const TensorRef& t : from) {
-    auto what = [&t] { return TensorDisplayName(t.name, t.slot, t.row_begin); };
-    auto it = index.find(std::make_tuple(t.name, t.slot, t.row_begin));
-    if (it == index.end())
-      return absl::InvalidArgumentError(absl::StrCat("unknown tensor ", what()));
-    TensorSink& sink = sinks[it->second];
-    if (t.shape != sink.shape) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has shape ",
-                                                     ShapeString(t.shape), ", expected ",
-                                                     ShapeString(sink.shape)));
-    }
-    if (t.dtype != sink.dtype) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " has dtype ",
-                                                     DataType_Name(t.dtype), ", expected ",
-                                                     DataType_Name(sink.dtype)));
-    }
-    if (filled[it->second]) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " sent twice"));
-    }
-    const int64_t n = NumElements(t.shape);
-    CopyThrough(t, n, SinkData(sink, n));
-    filled[it->second] = true;
+  // Until a change it was armed for came (since the Arm), or `until`.
+  void Wait(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithDeadline(absl::Condition(&woken_), until);
   }
-  for (size_t i = 0; i < sinks.size(); ++i) {
-    if (sinks[i].required && !filled[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", TensorDisplayName(sinks[i].name, sinks[i].slot, sinks[i].row_begin),
-          " is incomplete"));
-    }
+
+ private:
+  // Under the shard's lock: `slice` applied, or -1 for another change.
+  void Wake(int slice) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!armed_ || (slice >= 0 && first_ >= 0 && (slice < first_ || slice > last_))) return;
+    armed_ = false;
+    woken_ = true;
   }
-  return absl::OkStatus();
+
+  Shard& shard_;
+  absl::Mutex mu_;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;
+  bool woken_ ABSL_GUARDED_BY(mu_) = false;
+  int first_ ABSL_GUARDED_BY(mu_) = -1;  // the slices it waits for; -1: any change
+  int last_ ABSL_GUARDED_BY(mu_) = -1;
+  const int64_t id_;  // last: Wake may run as soon as it is added
+};
+
+// LocalPull's request, as ps::GrpcClient builds it. max_wait in whole
+// milliseconds, rounded up: a positive one stays positive.
+PullRequest LocalPullRequest(uint64_t job_id, int64_t min_version, const std::vector<int>& slices,
+                             DataType dtype, absl::Duration max_wait) {
+  PullRequest request;
+  request.set_job_id(job_id);
+  request.set_min_version(min_version);
+  for (int i : slices) request.add_slices(i);
+  request.set_dtype(dtype);
+  if (max_wait > absl::ZeroDuration()) {
+    request.set_max_wait_ms(absl::ToInt64Milliseconds(absl::Ceil(max_wait, absl::Milliseconds(1))));
+  }
+  return request;
+}
+
+// A failed pull's status: the interruption first, if any; a job replaced
+// (or reloaded with fewer slices) while the pull waited is ABORTED.
+absl::Status LocalPullError(const absl::Status& s, const LocalCall& call, bool waited) {
+  if (absl::Status i = call.interrupted(); !i.ok()) return i;
+  if (waited && absl::IsFailedPrecondition(s)) {
+    return absl::AbortedError("the job was replaced while waiting");
+  }
+  if (waited && absl::IsInvalidArgument(s)) {
+    return absl::AbortedError("the job was reloaded while waiting");
+  }
+  return s;
+}
+
+// Drives `session` to its end: waits on the shard (looking at the
+// interruption before each wait, at least once a second and every
+// poll_every), copies each message's slices into `sinks`.
+absl::StatusOr<Client::PullResult> DriveLocalPull(PullSession& session, Shard& shard,
+                                                  const LocalCall& call,
+                                                  std::vector<TensorSink>& sinks) {
+  ShardWakeup wakeup(shard);
+  SinkFiller filler(sinks);
+  PullSession::Message message;
+  Client::PullResult result;
+  bool first = true, waited = false;
+  const absl::Duration poll = std::min(call.poll_every, absl::Seconds(1));
+  while (true) {
+    const PullSession::Step step =
+        session.Next([&](int from, int to) { wakeup.Arm(from, to); }, &message);
+    if (step.action == PullSession::Action::kWait) {
+      if (absl::Status i = call.interrupted(); !i.ok()) return i;
+      wakeup.Wait(std::min(step.until, absl::Now() + poll));
+      waited = true;
+      continue;
+    }
+    if (step.action == PullSession::Action::kFinish) {
+      if (!step.status.ok()) return LocalPullError(step.status, call, waited);
+      break;
+    }
+    if (session.not_yet()) {  // sinks untouched
+      if (absl::Status i = call.interrupted(); !i.ok()) return i;
+      result.version = message.fields.version();
+      return result;
+    }
+    if (first) result.wait_us = message.fields.wait_us();
+    result.version =
+        first ? message.fields.version() : std::min(result.version, message.fields.version());
+    first = false;
+    absl::Status s = filler.Copy(message.refs);
+    if (!s.ok()) return absl::DataLossError(s.message());
+    if (message.last) break;
+  }
+  absl::Status s = filler.Finish();
+  if (!s.ok()) return absl::DataLossError(s.message());
+  return result;
 }
 
 }  // namespace
@@ -102,78 +238,10 @@ absl::StatusOr<Client::PullResult> LocalPull(Shard& shard, const LocalCall& call
                                              absl::Duration max_wait) {
   // The one dtype of the sinks is what a ps::GrpcClient asks for.
   PSFLOW_ASSIGN_OR_RETURN(const DataType dtype, SinksDtype(sinks));
-  PSFLOW_ASSIGN_OR_RETURN(auto specs, shard.Slices(job_id));
-  PSFLOW_ASSIGN_OR_RETURN(std::vector<int> indices,
-                          SliceIndices(slices, static_cast<int>(specs->size()), "pull"));
-  const absl::Time start = absl::Now();
-  const absl::Time wait_deadline =
-      max_wait > absl::ZeroDuration() ? std::min(deadline, start + max_wait) : deadline;
-  auto stop = [&] { return !call.interrupted().ok(); };
-  // Waits as the service does, in slices of poll_every: `pull(until)` is
-  // one wait. Not-yet answers are OK with no value.
-  bool first = true;
-  auto wait = [&](auto pull, absl::Time until, bool may_answer_not_yet)
-      -> absl::StatusOr<std::optional<std::decay_t<decltype(*pull(until))>>> {
-    while (true) {
-      const absl::Time slice_end = std::min(until, absl::Now() + call.poll_every);
-      auto pulled = pull(slice_end);
-      if (pulled.ok()) return std::optional<std::decay_t<decltype(*pulled)>>(*std::move(pulled));
-      const absl::Status& s = pulled.status();
-      if (absl::IsDeadlineExceeded(s) && slice_end < until && !stop()) {
-        first = false;
-        continue;  // not there yet: wait on
-      }
-      if (absl::IsDeadlineExceeded(s) && !stop() && may_answer_not_yet && until < deadline) {
-        return std::nullopt;
-      }
-      if (absl::Status i = call.interrupted(); !i.ok()) return i;
-      // The job check passed before: the job was replaced between two waits.
-      if (absl::IsFailedPrecondition(s) && !first) {
-        return absl::AbortedError("the job was replaced while waiting");
-      }
-      return s;
-    }
-  };
-  Client::PullResult result;
-  std::vector<TensorRef> refs;
-  std::vector<Shard::Value> keep;  // the values refs point into
-  std::shared_ptr<const Shard::Weights> whole;
-  if (indices.empty()) {
-    auto pulled =
-        wait([&](absl::Time until) { return shard.Pull(job_id, min_version, until, stop); },
-             wait_deadline, true);
-    if (!pulled.ok()) return pulled.status();
-    if (!pulled->has_value()) {
-      result.version = shard.stats().version;  // not yet
-      return result;
-    }
-    whole = (**pulled).weights;
-    result.version = whole->version;
-    result.wait_us = absl::ToInt64Microseconds(absl::Now() - start);
-    for (size_t i = 0; i < whole->values.size(); ++i) {
-      refs.push_back(SliceValueRef((*whole->slices)[i], whole->values[i], dtype));
-    }
-  } else {
-    result.version = std::numeric_limits<int64_t>::max();
-    for (size_t k = 0; k < indices.size(); ++k) {
-      const int i = indices[k];
-      auto pulled = wait(
-          [&](absl::Time until) { return shard.PullSlice(job_id, i, min_version, until, stop); },
-          k == 0 ? wait_deadline : deadline, k == 0);
-      if (!pulled.ok()) return pulled.status();
-      if (!pulled->has_value()) {
-        result.version = shard.stats().version;  // not yet
-        return result;
-      }
-      if (k == 0) result.wait_us = absl::ToInt64Microseconds(absl::Now() - start);
-      result.version = std::min(result.version, (**pulled).version);
-      keep.push_back((**pulled).value);
-      refs.push_back(SliceValueRef((*specs)[i], keep.back(), dtype));
-    }
-  }
-  absl::Status s = CopyInto(refs, sinks);
-  if (!s.ok()) return absl::DataLossError(s.message());
-  return result;
+  const PullRequest request = LocalPullRequest(job_id, min_version, slices, dtype, max_wait);
+  PullSession session(&shard, request, absl::Now(), deadline);
+  PSFLOW_RETURN_IF_ERROR(session.Prepare());
+  return DriveLocalPull(session, shard, call, sinks);
 }
 
 absl::StatusOr<PushResponse> LocalPush(Shard& shard, const PushHeader& header,

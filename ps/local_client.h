@@ -1,9 +1,11 @@
 // The ps calls on a shard in this process: what the service (ps/service.cc)
 // does in front of a Shard (checks the Init header, fills slices and their
-// optimizer slots by name and slot, converts through the wire dtype, answers
-// "not yet" to a pull whose max_wait passes first, reports the version after
-// a push), copying tensors straight between the caller's TensorRef/TensorSink
-// buffers and the shard, with no gRPC. ps::LocalClient serves a worker's
+// optimizer slots by name and slot, converts through the wire dtype, reports
+// the version after a push), copying tensors straight between the caller's
+// TensorRef/TensorSink buffers and the shard, with no gRPC. A pull is the
+// service's own protocol (ps/pull_session.h), driven here on the calling
+// thread: it blocks on a waiter of the shard's and copies each message into
+// the sinks. ps::LocalClient serves a worker's
 // own replica in a job without ps (JobConfig.exchange ALL_REDUCE); the test
 // fake (tests/fakes/fake_ps.h) puts its faults in front of the same calls.
 //
@@ -37,6 +39,7 @@ struct LocalCall {
 
 absl::Status LocalInit(Shard& shard, int ps, const InitHeader& header,
                        const std::vector<TensorRef>& tensors);
+// max_wait counts in whole milliseconds (rounded up), as a PullRequest's.
 absl::StatusOr<Client::PullResult> LocalPull(Shard& shard, const LocalCall& call, uint64_t job_id,
                                              int64_t min_version, const std::vector<int>& slices,
                                              std::vector<TensorSink>& sinks, absl::Time deadline,
