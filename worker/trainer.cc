@@ -37,6 +37,16 @@ absl::Status PsFailure(const absl::Status& s, absl::string_view what) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
+// The exchange of step `step`: the gradients of `push_step` (in an
+// asynchronous job this worker's clock), then the weights of the next.
+StepPush PushOf(int64_t step, int64_t push_step) {
+  StepPush push;
+  push.step = step;
+  push.push_step = push_step;
+  push.min_version = push_step + 1;
+  return push;
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainerOptions options, chief::Client* chief, PsClientFactory make_ps)
@@ -426,12 +436,17 @@ struct Trainer::Position {
   ExchangeRound got;
   bool have_weights = false;
   int64_t pull_us = 0, wait_us = 0;
+  // Steps in an epoch of this worker's data: in an asynchronous job
+  // steps_per_epoch counts the steps of every worker.
+  int64_t steps_per_epoch = 0;
 };
 
 absl::Status Trainer::Train(int64_t start) {
   WorkerBatches batches(data_, job_, options_.worker_index);
   Position at;
   at.step = start;
+  at.steps_per_epoch = Async() ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
+                               : job_.steps_per_epoch();
   while (true) {
     PSFLOW_RETURN_IF_ERROR(Interrupted(/*stop=*/true));
     if (!at.have_weights) PSFLOW_RETURN_IF_ERROR(FirstPull(&at));
@@ -490,22 +505,14 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
   // Until the step's exchange is over (the next weights are in).
   TraceSpan step_span(options_.trace, "step", step);
   TraceSpan input_span(options_.trace, "input", step);
-  // An asynchronous job's data follow this worker's own steps:
-  // steps_per_epoch counts the steps of every worker there.
-  const int64_t steps_per_epoch =
-      async ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
-            : job_.steps_per_epoch();
-  absl::Status s = batches.Gather(async ? at->clock : step, steps_per_epoch);
+  absl::Status s = batches.Gather(async ? at->clock : step, at->steps_per_epoch);
   input_span.End();
   // The step's outcome, and its metrics, which go out once every push is
   // answered (the pull that follows belongs to the next step).
   absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
   absl::Time t2, pushed_at;
   StepMetrics async_metrics;
-  StepPush push;
-  push.step = step;
-  push.push_step = async ? at->clock : step;
-  push.min_version = push.push_step + 1;
+  StepPush push = PushOf(step, async ? at->clock : step);
   push.on_pushed = [&](absl::Time last_answer, bool skip) {
     // (Pushes during the backward pass may all be answered before the
     // step ends: then nothing of them is left to count as push time.)
