@@ -34,7 +34,7 @@ bool InThisFile(const absl::CommandLineFlag& flag) {
 TEST(FlagsHelpTest, ListsTheIncludedFlagsUnderTheirFile) {
   const std::string help = FlagsHelp("prog", "does things.", InThisFile);
   EXPECT_THAT(help, ::testing::StartsWith(
-                        "prog: does things.\n\n  Flags from common/command_line_test.cc:\n"));
+                        "prog: does things.\n\n  Flags from role/command_line_test.cc:\n"));
   EXPECT_THAT(help, HasSubstr("    --cl_test_name (A string flag.); default: \"x\";\n"));
   EXPECT_THAT(help, HasSubstr("    --cl_test_switch (A bool flag.); default: false;\n"));
   // Sorted by name: count before name before switch.

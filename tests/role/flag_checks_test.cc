@@ -29,7 +29,7 @@ TEST(MemoryLimitFlagTest, ZeroAndNoSizeAreRefusedNamingTheFlag) {
   absl::StatusOr<int64_t> zero = MemoryLimitFlag("--eval_memory_limit", "0");
   ASSERT_FALSE(zero.ok());
   EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(zero.status().message(), "--eval_memory_limit: must be positive, or auto");
+  EXPECT_EQ(std::string(zero.status().message()), "--eval_memory_limit: must be positive, or auto");
   absl::StatusOr<int64_t> word = MemoryLimitFlag("--eval_memory_limit", "abc");
   ASSERT_FALSE(word.ok());
   EXPECT_THAT(std::string(word.status().message()),
