@@ -27,9 +27,9 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/tensor_view.h"
 #include "proto/ps.pb.h"
 #include "ps/shard.h"
-#include "transport/tensor_chunks.h"
 
 namespace psflow::ps {
 
