@@ -1,8 +1,8 @@
 // Which slices of which ps travel together in a lane (a run of consecutive
 // slices of one ps, pulled and pushed on its own connection), and how each
 // lane's slices are cut into runs that become final together during the
-// backward pass. A pure function of the placement and the options: the
-// trainer attaches the buffers (worker/ps_exchange.h).
+// backward pass. A pure function of the placement and the options:
+// PsExchange::MakeLanes attaches the buffers (worker/ps_exchange.h).
 //
 // Thread-safety: no state. Errors: none (every input gives a plan).
 #ifndef PSFLOW_WORKER_LANE_PLAN_H_

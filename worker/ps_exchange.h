@@ -70,7 +70,7 @@ struct PsExchangeOptions {
 };
 
 // Where pulled weights land and pushed gradients lie, by variable
-// (worker/gpu_staging.h).
+// (worker/staging.h).
 struct PsExchangeBuffers {
   model::Network* net = nullptr;
   kernels::Backend* backend = nullptr;
