@@ -23,11 +23,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "common/float16.h"
-#include "transport/shared_region.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/kernels.h"
 #include "tests/kernels/status_testing.h"
+#include "transport/shared_region.h"
 
 namespace psflow::kernels {
 namespace {
