@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "allreduce/ring.h"
+#include "proto/allreduce.grpc.pb.h"
 #include "transport/grpc_util.h"
 #include "transport/security.h"
-#include "proto/allreduce.grpc.pb.h"
 
 namespace psflow::allreduce {
 

@@ -3,8 +3,8 @@
 #define PSFLOW_ALLREDUCE_SERVICE_H_
 
 #include "allreduce/ring.h"
-#include "transport/security.h"
 #include "proto/allreduce.grpc.pb.h"
+#include "transport/security.h"
 
 namespace psflow::allreduce {
 

@@ -9,14 +9,14 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "role/command_line.h"
-#include "role/process_setup.h"
 #include "common/tensor_view.h"
 #include "data/source.h"
 #include "kernels/kernels.h"
 #include "model/network.h"
 #include "model/spec.h"
 #include "ps/optimizer.h"
+#include "role/command_line.h"
+#include "role/process_setup.h"
 
 ABSL_FLAG(std::string, model, "cnn", "Model name or spec file.");
 ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist", "MNIST-format data.");

@@ -18,10 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "role/command_line.h"
-#include "role/process_setup.h"
 #include "common/thread_pool.h"
 #include "ps/shard.h"
+#include "role/command_line.h"
+#include "role/process_setup.h"
 
 ABSL_FLAG(std::string, threads, "1,2", "Comma-separated apply thread counts; 1 is the baseline.");
 ABSL_FLAG(int64_t, floats, 11200000, "Floats on the shard (the resnet's 11.2M over one ps).");

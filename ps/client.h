@@ -20,9 +20,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/float16.h"
+#include "proto/ps.pb.h"
 #include "transport/shared_region.h"
 #include "transport/tensor_chunks.h"
-#include "proto/ps.pb.h"
 
 namespace psflow::ps {
 

@@ -13,9 +13,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
-#include "transport/tensor_chunks.h"
 #include "proto/ps.pb.h"
 #include "ps/shard.h"
+#include "transport/tensor_chunks.h"
 
 namespace psflow::ps {
 

@@ -16,9 +16,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/cluster_config.h"
-#include "transport/grpc_util.h"
 #include "common/metrics.h"
 #include "role/metrics_server.h"
+#include "transport/grpc_util.h"
 #include "transport/security.h"
 
 namespace psflow {

@@ -60,7 +60,7 @@ class ChannelPool {
   std::atomic<bool> told_open_{false};  // the log said a channel opened
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Channel>> idle_ ABSL_GUARDED_BY(mu_);
-  int open_count_ ABSL_GUARDED_BY(mu_) = 0;  // idle or in a call
+  int open_count_ ABSL_GUARDED_BY(mu_) = 0;           // idle or in a call
   absl::Time no_channel_until_ ABSL_GUARDED_BY(mu_);  // after a refusal
   bool told_refused_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -72,7 +72,6 @@ absl::StatusOr<DataType> SinksDtype(absl::Span<const TensorSink> sinks) {
   return dtype;
 }
 
-
 ChunkSplitter::ChunkSplitter(std::vector<TensorRef> tensors, size_t max_bytes)
     : tensors_(std::move(tensors)), max_bytes_(std::max<size_t>(max_bytes, 4)) {
   for (const TensorRef& t : tensors_) ElementBytes(t.dtype);
@@ -127,7 +126,6 @@ bool ChunkSplitter::Next(google::protobuf::RepeatedPtrField<TensorChunk>* out) {
   }
   return true;
 }
-
 
 float* SinkData(TensorSink& sink, int64_t elements) {
   if (sink.storage == nullptr) return sink.data;

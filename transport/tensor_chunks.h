@@ -37,8 +37,6 @@
 
 namespace psflow {
 
-
-
 // Writes elements [begin, begin + n) of `ref` in its dtype to `out`
 // (n * WireBytes(ref.dtype) bytes, any alignment): encoded from `data`, or
 // copied from `encoded`.
@@ -98,11 +96,9 @@ bool WriteChunked(Writer* writer, ChunkSplitter& splitter, Message& message, Str
   }
 }
 
-
 // Where a sink's first `elements` floats go: `data`, or its storage,
 // allocated (or grown) to hold them.
 float* SinkData(TensorSink& sink, int64_t elements);
-
 
 // A chunk's fields but its data, as TensorChunk describes them: what
 // ChunkAssembler checks before any data is read.

@@ -123,8 +123,7 @@ class WaitingWriter : public Base {
   // `host` (not owned) outlives the call; `base_args` go to the base: none
   // for gRPC's, the host for a channel's.
   template <typename... BaseArgs>
-  WaitingWriter(WaitingCallHost* host, std::string peer, absl::Time deadline,
-                BaseArgs... base_args)
+  WaitingWriter(WaitingCallHost* host, std::string peer, absl::Time deadline, BaseArgs... base_args)
       : Base(base_args...),
         host_(host),
         peer_(std::move(peer)),

@@ -15,9 +15,9 @@
 #include "allreduce/grpc_peers.h"
 #include "allreduce/service.h"
 #include "common/float16.h"
-#include "transport/grpc_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport/grpc_util.h"
 
 namespace psflow::allreduce {
 namespace {

@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
-#include "role/metrics_server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "role/metrics_server.h"
 #include "tests/common/http.h"
 
 namespace psflow::metrics {

@@ -12,10 +12,10 @@
 #include "absl/time/clock.h"
 #include "common/float16.h"
 #include "common/placement.h"
-#include "transport/tensor_chunks.h"
 #include "ps/local_client.h"
 #include "ps/optimizer.h"
 #include "ps/tensors.h"
+#include "transport/tensor_chunks.h"
 
 namespace psflow::fakes {
 namespace {

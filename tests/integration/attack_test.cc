@@ -30,14 +30,14 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "transport/grpc_util.h"
-#include "transport/security.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.grpc.pb.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/common/certs.h"
 #include "tests/integration/process.h"
+#include "transport/grpc_util.h"
+#include "transport/security.h"
 
 namespace psflow::itest {
 namespace {

@@ -20,14 +20,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "transport/grpc_util.h"
-#include "transport/security.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/chief.grpc.pb.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/common/certs.h"
 #include "tests/integration/process.h"
+#include "transport/grpc_util.h"
+#include "transport/security.h"
 
 namespace psflow::itest {
 namespace {

@@ -20,8 +20,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "role/signals.h"
 #include "gtest/gtest.h"
+#include "role/signals.h"
 
 namespace psflow {
 namespace {

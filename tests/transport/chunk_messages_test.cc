@@ -13,10 +13,10 @@
 #include <google/protobuf/wire_format_lite.h>
 #include <gtest/gtest.h>
 
-#include "transport/call_channel.h"
 #include "common/float16.h"
-#include "transport/shared_region.h"
 #include "proto/ps.pb.h"
+#include "transport/call_channel.h"
+#include "transport/shared_region.h"
 
 namespace psflow {
 namespace {
