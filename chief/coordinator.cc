@@ -720,16 +720,24 @@ absl::Status Coordinator::Supervise() {
   return CheckpointAndStop();
 }
 
+bool Coordinator::StopRequested() {
+  absl::MutexLock lock(&mu_);
+  return Stopping();
+}
+
 bool Coordinator::CheckpointForStoppingPs(const std::vector<PsState>& states, int64_t version) {
   // A ps told to stop (a signal: its pod evicted, say) serves on until
   // this chief has checkpointed what it holds, and exits then: take that
   // checkpoint now (unless the last one is of this step), and say so.
   // Its reload from that checkpoint follows, as for any ps that goes.
+  // A chief told to stop meanwhile (a whole cluster stopping at once) takes
+  // the stop's checkpoint instead and tells every ps then: a ps told now
+  // would exit before that checkpoint could reach it.
   std::vector<int> stopping;
   for (int p = 0; p < static_cast<int>(states.size()); ++p) {
     if (states[p].stopping() && !told_stopping_.contains(p)) stopping.push_back(p);
   }
-  if (stopping.empty()) return true;
+  if (stopping.empty() || StopRequested()) return true;
   PSLOG(INFO) << "ps " << absl::StrJoin(stopping, ", ")
               << " told to stop: checkpointing before it goes";
   absl::Status s = version > last_checkpoint_step_ ? TakeCheckpoint() : absl::OkStatus();
@@ -738,6 +746,7 @@ bool Coordinator::CheckpointForStoppingPs(const std::vector<PsState>& states, in
     PSLOG(WARNING) << "checkpoint failed: " << s.message() << " ("
                    << absl::StatusCodeToString(s.code()) << ")";
   }
+  if (StopRequested()) return true;
   const int told = TellCheckpointTaken(stopping);
   PSLOG(INFO) << "told " << told << " of " << stopping.size() << " stopping ps that "
               << (s.ok() ? absl::StrCat("the checkpoint of step ", last_checkpoint_step_,

@@ -232,6 +232,8 @@ class Coordinator {
   bool Failed() ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t job_id() ABSL_LOCKS_EXCLUDED(mu_);
   bool Stopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_signal_ != 0; }
+  // Stopping, under the lock taken here.
+  bool StopRequested() ABSL_LOCKS_EXCLUDED(mu_);
   // A job whose workers all-reduce their gradients (JobConfig.exchange):
   // its one "ps" is worker 0's replica, which hears worker 0 alone.
   bool AllReduce() const { return job_.exchange() == JobConfig::ALL_REDUCE; }

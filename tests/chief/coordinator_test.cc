@@ -567,6 +567,30 @@ TEST_F(CoordinatorTest, AStoppingPsIsCheckpointedAndTold) {
   EXPECT_EQ(SignalOf(Join()), SIGTERM);
 }
 
+// A ps found stopping in the round in which the chief is told to stop too
+// (a whole cluster stopping at once) is not told on its own, which would
+// make it exit before the stop's checkpoint: every ps is told once, after
+// that checkpoint.
+TEST_F(CoordinatorTest, AStoppingPsOfAStoppingChiefIsToldOnceAfterTheStopCheckpoint) {
+  MakeJob(1, 2, 100);
+  Start(Options());
+  const uint64_t id = Register(0).job_id();
+  Train(id, {0}, 0, 3);
+  std::atomic<bool> armed{true};
+  ps_->OnCall([&](int p, FakePs::Method m) {
+    if (m != FakePs::Method::kGetState || p != 1 || !armed.exchange(false)) return;
+    ps_->SetStopping(1, true);
+    coordinator_->Stop(SIGTERM);
+  });
+  EXPECT_EQ(SignalOf(Join()), SIGTERM);
+  EXPECT_FALSE(armed.load()) << "the supervisor never looked at ps 1";
+  EXPECT_EQ(ps_->calls(1, FakePs::Method::kCheckpointTaken), 1);
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kCheckpointTaken), 1);
+  absl::StatusOr<Checkpoint> ckpt = ReadNewestCheckpoint(dir_ + "/model");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(ckpt->manifest.step(), 3);
+}
+
 TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {
   MakeJob(1, 2, 100);
   CoordinatorOptions o = Options();
