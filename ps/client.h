@@ -33,6 +33,27 @@ inline absl::Status WithPs(int ps, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat("ps ", ps, ": ", s.message()));
 }
 
+// What a ps client that moves tensors through shared memory
+// (transport/shared_region.h) with its ps lets its caller set: a GPU
+// worker's pinned memory. Thread-safe.
+class SharedMemoryClient {
+ public:
+  virtual ~SharedMemoryClient() = default;
+  // Registers the memory pulls may leave values in (TensorSink::borrow)
+  // with a device: `pin(data, bytes)` (true: pinned) before a pull first
+  // uses it, `unpin(data)` before it goes. Sinks borrow only from pinned
+  // memory.
+  virtual void SetRegionPinning(std::function<bool(void*, size_t)> pin,
+                                std::function<void(void*)> unpin) = 0;
+  // Shared memory that the caller's gradients lie in (a GPU worker's copies
+  // from the device land there): a push whose tensors all lie in it offers
+  // it to the ps and names each tensor where it lies, with no copy (the
+  // check of PushRuns reads the values there). The caller leaves those
+  // tensors unchanged until the push is answered. Null: no such memory.
+  // Returns whether pushes may send from it.
+  virtual bool SetPushRegion(std::shared_ptr<const SharedRegion> region) = 0;
+};
+
 class Client {
  public:
   virtual ~Client() = default;
@@ -160,24 +181,10 @@ class Client {
   virtual absl::Status Snapshot(int ps, uint64_t job_id, int64_t version,
                                 std::vector<TensorSink> sinks, absl::Time deadline) = 0;
 
-  // Registers the memory pulls may leave values in (TensorSink::borrow)
-  // with a device: `pin(data, bytes)` (true: pinned) before a pull first
-  // uses it, `unpin(data)` before it goes. Sinks borrow only from pinned
-  // memory. This default keeps no such memory: sinks never borrow.
-  virtual void SetRegionPinning(std::function<bool(void*, size_t)> pin,
-                                std::function<void(void*)> unpin) {}
-
-  // Shared memory (transport/shared_region.h) that the caller's gradients lie
-  // in (a GPU worker's copies from the device land there): a push whose
-  // tensors all lie in it offers it to the ps and names each tensor where
-  // it lies, with no copy (the check of PushRuns reads the values there).
-  // The caller leaves those tensors unchanged until the push is answered.
-  // Null: no such memory. Returns whether pushes may send from it
-  // (TakesPushRegion: otherwise it keeps none).
-  virtual bool SetPushRegion(std::shared_ptr<const SharedRegion> region) { return false; }
-  // Whether SetPushRegion would keep a region: a client that offers the ps
-  // shared memory. This default takes none: pushes copy as before.
-  virtual bool TakesPushRegion() const { return false; }
+  // The settings of a client that moves tensors through shared memory with
+  // its ps (SharedMemoryClient, below); null for one that does not, whose
+  // pushes copy and whose pulls' sinks never borrow (this default).
+  virtual SharedMemoryClient* shared_memory() { return nullptr; }
 
   // Whether the connection to ps `ps` is up (or idle), not failing.
   virtual bool Reachable(int ps) const = 0;

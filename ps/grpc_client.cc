@@ -210,7 +210,7 @@ void GrpcClient::SetRegionPinning(std::function<bool(void*, size_t)> pin,
 
 bool GrpcClient::SetPushRegion(std::shared_ptr<const SharedRegion> region) {
   absl::MutexLock lock(&push_region_mu_);
-  push_region_ = TakesPushRegion() ? std::move(region) : nullptr;
+  push_region_ = regions_ != nullptr ? std::move(region) : nullptr;
   return push_region_ != nullptr;
 }
 

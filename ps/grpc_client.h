@@ -70,7 +70,7 @@ struct GrpcClientOptions {
   StepTrace* trace = nullptr;
 };
 
-class GrpcClient final : public Client {
+class GrpcClient final : public Client, public SharedMemoryClient {
  public:
   static constexpr int kMaxChannelsPerPs = 16;
 
@@ -103,7 +103,8 @@ class GrpcClient final : public Client {
                         std::function<void(void*)> unpin) override;
   bool SetPushRegion(std::shared_ptr<const SharedRegion> region) override
       ABSL_LOCKS_EXCLUDED(push_region_mu_);
-  bool TakesPushRegion() const override { return regions_ != nullptr; }
+  // This client where it was made with shared memory, else null.
+  SharedMemoryClient* shared_memory() override { return regions_ != nullptr ? this : nullptr; }
   absl::StatusOr<PsState> GetState(int ps, absl::Time deadline) override;
   absl::Status SetLiveWorkers(int ps, uint64_t job_id, const std::vector<int>& live,
                               int64_t from_version, absl::Time deadline) override;

@@ -147,7 +147,9 @@ absl::Status PsExchange::PrepareUploads() {
       buffers_.in_place ? kernels::Backend::HostPinning{} : buffers_.backend->host_pinning();
   borrow_pulls_ = options_.upload_from_shared_memory && pinning.pin != nullptr &&
                   !buffers_.upload_after.empty();
-  if (borrow_pulls_) client_->SetRegionPinning(pinning.pin, pinning.unpin);
+  if (ps::SharedMemoryClient* shared = client_->shared_memory(); borrow_pulls_ && shared) {
+    shared->SetRegionPinning(pinning.pin, pinning.unpin);
+  }
   const std::vector<VariableShape>& variable_shapes = buffers_.net->variables();
   for (Lane& lane : lanes_) {
     for (size_t i = 0; i < lane.sinks.size(); ++i) {

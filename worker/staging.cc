@@ -184,7 +184,8 @@ absl::Status HostStaging::Narrow() {
 void HostStaging::MakePushRegion(ps::Client* client, bool narrow) {
   // A client without shared memory (--shared_memory=false) sends from
   // anywhere over the network: the backend's buffers do then.
-  if (client == nullptr || !client->TakesPushRegion()) return;
+  ps::SharedMemoryClient* const shared = client != nullptr ? client->shared_memory() : nullptr;
+  if (shared == nullptr) return;
   const kernels::Backend::HostPinning pinning = backend_->host_pinning();
   if (pinning.pin == nullptr) return;
   int64_t bytes = 0;
@@ -197,7 +198,7 @@ void HostStaging::MakePushRegion(ps::Client* client, bool narrow) {
     why = "the GPU did not register it";
   } else {
     push_region_ = *std::move(made);
-    client->SetPushRegion(push_region_);  // (it takes one: above)
+    shared->SetPushRegion(push_region_);  // (it takes one: above)
   }
   if (push_region_ != nullptr) {
     PSLOG(INFO) << "gradients are copied from the GPU into shared memory (" << bytes

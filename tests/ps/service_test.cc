@@ -789,7 +789,7 @@ TEST_F(PsServiceTest, PulledValuesAreLeftInPinnedRegionsWhileHeld) {
         GrpcClientOptions{
             .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
     int pinned = 0, unpinned = 0;
-    client_->SetRegionPinning(
+    client_->shared_memory()->SetRegionPinning(
         [&](void*, size_t) {
           pinned += pin;
           return pin;
@@ -1097,7 +1097,7 @@ TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
 
 INSTANTIATE_TEST_SUITE_P(OnAndOff, SpreadWakesTest, ::testing::Bool());
 
-// A push region (Client::SetPushRegion) with room for both variables' fp32
+// A push region (SharedMemoryClient::SetPushRegion) with room for both variables' fp32
 // gradients, "big" from its start and "bias" right after it.
 absl::StatusOr<std::shared_ptr<const SharedRegion>> PushRegionForBoth() {
   absl::StatusOr<std::unique_ptr<SharedRegion>> made = SharedRegion::Create(
@@ -1189,7 +1189,7 @@ TEST_F(PsServiceTest, GradientsInThePushRegionReachAPsWithoutSharedMemory) {
   absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
   ASSERT_TRUE(made.ok()) << made.status();
   const std::shared_ptr<const SharedRegion> region = *std::move(made);
-  ASSERT_TRUE(client_->SetPushRegion(region));
+  ASSERT_TRUE(client_->shared_memory()->SetPushRegion(region));
   ASSERT_TRUE(InitJob().ok());
   const std::vector<float> g0 = Pattern(big_n, 7, 0.25f), gb0 = Pattern(bias_n, 3, 1.0f);
   const std::vector<float> g1 = Pattern(big_n, 5, -0.5f), gb1 = Pattern(bias_n, 4, 0.5f);
@@ -1966,11 +1966,11 @@ TEST_F(PsServiceTest, GradientsInThePushRegionAreSentWhereTheyLie) {
   absl::StatusOr<std::shared_ptr<const SharedRegion>> made = PushRegionForBoth();
   ASSERT_TRUE(made.ok()) << made.status();
   const std::shared_ptr<const SharedRegion> region = *std::move(made);
-  ASSERT_TRUE(client_->TakesPushRegion());
-  ASSERT_TRUE(client_->SetPushRegion(region));
+  ASSERT_NE(client_->shared_memory(), nullptr);
+  ASSERT_TRUE(client_->shared_memory()->SetPushRegion(region));
   // A client without shared memory takes no region and sends nothing from it.
   GrpcClient without({address_});
-  EXPECT_FALSE(without.TakesPushRegion());
+  EXPECT_EQ(without.shared_memory(), nullptr);
   EXPECT_FALSE(without.SetPushRegion(region));
   float* const in_big = reinterpret_cast<float*>(region->data().data);
   float* const in_bias = in_big + big_n;
