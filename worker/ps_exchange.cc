@@ -332,15 +332,21 @@ absl::StatusOr<bool> PsExchange::CheckBeforePush(Round& round, int l) {
   // (and on the host), check them; only finite ones leave. A verdict that
   // failed already (another lane, or a step that failed and released every
   // piece without writing it) sends nothing more.
+  bool ready = false;
+  const bool finite = WaitAndMark(round, l, &ready);
+  if (!ready && hooks_.stopping()) return absl::CancelledError("stopping");
+  return finite;
+}
+
+bool PsExchange::WaitAndMark(Round& round, int l, bool* ready) {
   const Lane& lane = lanes_[l];
   StepVerdict* const verdict = round.verdict;
   round.lanes[l].checked = true;
-  const bool ready =
+  *ready =
       grads_ready_.WaitReady(lane.spec.first_piece, lane.spec.last_piece, absl::InfiniteFuture(),
                              [&] { return hooks_.stopping() || verdict->Failed(); });
-  const bool finite = ready && !verdict->Failed() && LaneFinite(l);
+  const bool finite = *ready && !verdict->Failed() && LaneFinite(l);
   verdict->Mark(finite);
-  if (!ready && hooks_.stopping()) return absl::CancelledError("stopping");
   return finite;
 }
 
@@ -449,13 +455,8 @@ absl::Status PsExchange::WaitRun(Round& round, int l, int g) {
 }
 
 void PsExchange::MarkOwed(Round& round, int l) {
-  const Lane& lane = lanes_[l];
-  StepVerdict* const verdict = round.verdict;
-  round.lanes[l].checked = true;
-  const bool ready =
-      grads_ready_.WaitReady(lane.spec.first_piece, lane.spec.last_piece, absl::InfiniteFuture(),
-                             [&] { return hooks_.stopping() || verdict->Failed(); });
-  verdict->Mark(ready && !verdict->Failed() && LaneFinite(l));
+  bool ready = false;
+  WaitAndMark(round, l, &ready);
 }
 
 void PsExchange::CountPush(Round& round, int l) {

@@ -168,6 +168,10 @@ class PsExchange final : public Exchange {
   // The lane's part of the verdict, still owed after a push that ended
   // before its last run.
   void MarkOwed(Round& round, int l);
+  // What both do: waits until lane `l`'s gradients are final (or a stop or
+  // a failed verdict ends the wait: *ready false), marks the verdict with
+  // whether they are finite, and returns that.
+  bool WaitAndMark(Round& round, int l, bool* ready);
   // Once per lane whose push was answered (and found finite): the last one
   // runs on_pushed.
   void CountPush(Round& round, int l);
@@ -235,12 +239,14 @@ class PsExchange final : public Exchange {
   std::vector<int> backward_pos_;
   allreduce::PieceReadiness grads_ready_;
   StepVerdict verdict_;
-  std::unique_ptr<ThreadPool> exchange_caller_;
   bool early_ = false;  // BeginStep started the lanes
   std::unique_ptr<absl::Notification> exchanged_;
   absl::Status exchange_status_;
   absl::Mutex queued_mu_;
   bool step_queued_ ABSL_GUARDED_BY(queued_mu_) = true;
+  // Runs a step's lanes beside its compute; declared last, so that its
+  // thread is joined before the state above that a round uses goes.
+  std::unique_ptr<ThreadPool> exchange_caller_;
 };
 
 }  // namespace psflow::worker
