@@ -103,6 +103,7 @@
 #include "common/thread_pool.h"
 #include "proto/ps.pb.h"
 #include "ps/optimizer.h"
+#include "ps/slice_values.h"
 
 namespace psflow::ps {
 
@@ -112,12 +113,8 @@ struct SliceApply;
 
 class Shard {
  public:
-  // The values of one slice (and its slots in Optimizer::SlotNames() order;
-  // empty slots start at zero; those of non-trainable slices stay there).
-  struct SliceValues {
-    std::vector<float> value;
-    std::vector<std::vector<float>> slots;
-  };
+  // The values of one slice with its slots (ps/slice_values.h).
+  using SliceValues = ps::SliceValues;
 
   // One slice's value at one version, as published (see above): readers may
   // keep it, and read it without any lock, for as long as they like.
