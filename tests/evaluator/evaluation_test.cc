@@ -11,8 +11,6 @@
 #include <string>
 #include <vector>
 
-#include <google/protobuf/text_format.h>
-
 #include "absl/status/status.h"
 #include "common/byte_size.h"
 #include "common/tensor_view.h"
@@ -24,45 +22,16 @@
 #include "model/spec.h"
 #include "tests/common/trained_weights.h"
 #include "tests/kernels/wrapped_backend.h"
+#include "tests/model/test_specs.h"
 
 namespace psflow::evaluator {
 namespace {
 
+using model::kBatchNormSpec;
+using model::kSmallSpec;
 using model::Network;
+using model::ParseSpec;
 using ::testing::HasSubstr;
-
-// input 1x8x8 -> conv 3@3x3 -> relu -> max-pool 2 -> dense 4: 142 floats of
-// weights and 285 floats per example (tests/model/network_test.cc).
-constexpr char kSmallSpec[] = R"spec(
-  name: "small"
-  input { channels: 1 height: 8 width: 8 }
-  num_classes: 4
-  layer { name: "conv" conv2d { filters: 3 kernel: 3 } }
-  layer { name: "relu" relu {} }
-  layer { name: "pool" max_pool { size: 2 } }
-  layer { name: "fc" dense { units: 4 } }
-)spec";
-
-// Batch norm, so that evaluation depends on the running statistics.
-constexpr char kBatchNormSpec[] = R"spec(
-  name: "small_bn"
-  input { channels: 3 height: 8 width: 8 }
-  num_classes: 10
-  layer { name: "conv1" conv2d { filters: 8 kernel: 3 padding: 1 no_bias: true } }
-  layer { name: "bn1" batch_norm {} }
-  layer { name: "relu1" relu {} }
-  layer { name: "conv2" conv2d { filters: 16 kernel: 3 padding: 1 stride: 2 no_bias: true } }
-  layer { name: "bn2" batch_norm {} }
-  layer { name: "relu2" relu {} }
-  layer { name: "pool" global_avg_pool {} }
-  layer { name: "fc" dense { units: 10 } }
-)spec";
-
-ModelSpec Parse(const char* text) {
-  ModelSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec));
-  return spec;
-}
 
 class EvaluationTest : public ::testing::Test {
  protected:
@@ -117,7 +86,7 @@ TEST_F(EvaluationTest, DefaultMemoryBudgetIsHalfOfWhatIsAvailable) {
 }
 
 TEST_F(EvaluationTest, BatchThatFitsTheBudget) {
-  std::unique_ptr<Network> net = MakeNetwork(Parse(kSmallSpec));
+  std::unique_ptr<Network> net = MakeNetwork(ParseSpec(kSmallSpec));
   ASSERT_NE(net, nullptr);
   const Network::ForwardMemory m = net->forward_memory();
   ASSERT_EQ(m.fixed, 142 * 4);
@@ -143,7 +112,7 @@ TEST_F(EvaluationTest, BatchThatFitsTheBudget) {
 
 // Not even one example fits: one line with what it needs and the budget.
 TEST_F(EvaluationTest, BudgetBelowOneExampleIsRefusedOnOneLine) {
-  const ModelSpec spec = Parse(kBatchNormSpec);
+  const ModelSpec spec = ParseSpec(kBatchNormSpec);
   std::unique_ptr<Network> net = MakeNetwork(spec);
   ASSERT_NE(net, nullptr);
   const Network::ForwardMemory m = net->forward_memory();
@@ -164,7 +133,7 @@ TEST_F(EvaluationTest, BudgetBelowOneExampleIsRefusedOnOneLine) {
 
 // A budget that splits the batch changes nothing but the number of passes.
 TEST_F(EvaluationTest, PiecesGiveTheFiguresOfOneBatch) {
-  const ModelSpec spec = Parse(kBatchNormSpec);
+  const ModelSpec spec = ParseSpec(kBatchNormSpec);
   std::unique_ptr<Network> net = MakeNetwork(spec);
   ASSERT_NE(net, nullptr);
   const data::Dataset data = Synthetic(spec, 103);

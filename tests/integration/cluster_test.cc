@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/process.h"
+#include "tests/model/test_specs.h"
 
 namespace psflow::itest {
 namespace {
@@ -105,19 +106,7 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
 // would normalize every example by itself).
 TEST_F(ClusterTest, BatchNormModelEvaluatesTheSameAtEveryBatchSize) {
   const std::string spec = dir_ + "/bn_spec.pbtxt";
-  std::ofstream(spec) << R"(
-    name: "small_bn"
-    input { channels: 3 height: 8 width: 8 }
-    num_classes: 10
-    layer { name: "conv1" conv2d { filters: 8 kernel: 3 padding: 1 no_bias: true } }
-    layer { name: "bn1" batch_norm {} }
-    layer { name: "relu1" relu {} }
-    layer { name: "conv2" conv2d { filters: 16 kernel: 3 padding: 1 stride: 2 no_bias: true } }
-    layer { name: "bn2" batch_norm {} }
-    layer { name: "relu2" relu {} }
-    layer { name: "pool" global_avg_pool {} }
-    layer { name: "fc" dense { units: 10 } }
-  )";
+  std::ofstream(spec) << model::kBatchNormSpec;
   const std::string model_dir = dir_ + "/model";
   Process launch(Bin("psflow-launch"),
                  {"--ps=2", "--workers=2", "--", "--model=" + spec, "--dataset=synthetic",

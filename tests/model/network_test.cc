@@ -11,8 +11,6 @@
 #include <string>
 #include <vector>
 
-#include <google/protobuf/text_format.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/tensor_view.h"
@@ -21,6 +19,7 @@
 #include "kernels/kernels.h"
 #include "model/spec.h"
 #include "tests/kernels/wrapped_backend.h"
+#include "tests/model/test_specs.h"
 
 namespace psflow::model {
 namespace {
@@ -28,17 +27,6 @@ namespace {
 using ::testing::HasSubstr;
 
 using WeightsD = std::vector<std::vector<double>>;
-
-// input 1x8x8 -> conv 3@3x3 (3x6x6) -> relu -> max-pool 2 (3x3x3) -> dense 4.
-constexpr char kSmallSpec[] = R"spec(
-  name: "small"
-  input { channels: 1 height: 8 width: 8 }
-  num_classes: 4
-  layer { name: "conv" conv2d { filters: 3 kernel: 3 } }
-  layer { name: "relu" relu {} }
-  layer { name: "pool" max_pool { size: 2 } }
-  layer { name: "fc" dense { units: 4 } }
-)spec";
 
 // A residual block on a stem, in text format: r1 (the block input) is read by
 // both c2 and the projection shortcut, and `sum` joins the two paths.
@@ -64,12 +52,6 @@ constexpr char kResidualSpec[] = R"spec(
 )spec";
 
 constexpr int kBatch = 8;
-
-ModelSpec ParseSpec(const char* text) {
-  ModelSpec spec;
-  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec));
-  return spec;
-}
 
 // InitialValues, with batch-norm gamma and beta moved off 1 and 0 so that
 // their gradients are generic.
@@ -587,7 +569,7 @@ void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, 
 class NetworkTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(kSmallSpec, &spec_));
+    spec_ = ParseSpec(kSmallSpec);
     absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::CreateBackend("cpu", 1);
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = *std::move(backend);
