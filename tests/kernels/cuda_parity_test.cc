@@ -99,6 +99,19 @@ class CudaParityTest : public ::testing::Test {
     return host;
   }
 
+  // The op `create` makes on the CPU backend and on the CUDA one; one that
+  // fails fails the test and comes back null.
+  template <typename Create>
+  auto CreateOnBoth(Create create) {
+    auto cpu = create(*cpu_);
+    EXPECT_TRUE(cpu.ok()) << cpu.status();
+    auto gpu = create(*gpu_);
+    EXPECT_TRUE(gpu.ok()) << gpu.status();
+    using OpPtr = typename decltype(cpu)::value_type;
+    return std::pair<OpPtr, OpPtr>(cpu.ok() ? *std::move(cpu) : nullptr,
+                                   gpu.ok() ? *std::move(gpu) : nullptr);
+  }
+
   // The same values on both backends.
   Pair In(const std::vector<float>& host) { return {Upload(*cpu_, host), Upload(*gpu_, host)}; }
   Pair In(size_t n) { return In(Random(n)); }
@@ -139,6 +152,10 @@ class CudaParityTest : public ::testing::Test {
   std::mt19937 gen_;
 };
 
+// The fixture of the tests over a list of shapes (or cases) of one op.
+template <typename Param>
+class CudaParamParityTest : public CudaParityTest, public ::testing::WithParamInterface<Param> {};
+
 // ------------------------------------------------------------ Conv2D
 
 struct ConvCase {
@@ -148,15 +165,13 @@ struct ConvCase {
   bool dx = true;
 };
 
-class CudaConvParityTest : public CudaParityTest, public ::testing::WithParamInterface<ConvCase> {};
+using CudaConvParityTest = CudaParamParityTest<ConvCase>;
 
 TEST_P(CudaConvParityTest, ForwardAndBackward) {
   const ConvCase& tc = GetParam();
   const Conv2DShape& s = tc.shape;
-  auto cpu_op = cpu_->CreateConv2D(s);
-  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-  auto gpu_op = gpu_->CreateConv2D(s);
-  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  auto [cpu_op, gpu_op] = CreateOnBoth([&](Backend& backend) { return backend.CreateConv2D(s); });
+  ASSERT_TRUE(cpu_op && gpu_op);
 
   const size_t nx = size_t{1} * s.batch * s.in_channels * s.height * s.width;
   const size_t nw = size_t{1} * s.out_channels * s.in_channels * s.kernel_h * s.kernel_w;
@@ -164,14 +179,14 @@ TEST_P(CudaConvParityTest, ForwardAndBackward) {
   Pair x = In(nx), w = In(nw), b = In(s.out_channels), dy = In(ny);
   Pair y = Out(ny), dx = Out(nx), dw = Out(nw), db = Out(s.out_channels);
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), w.c(), tc.bias ? b.c() : nullptr, y.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), w.g(), tc.bias ? b.g() : nullptr, y.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), w.c(), tc.bias ? b.c() : nullptr, y.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), w.g(), tc.bias ? b.g() : nullptr, y.g()));
   ExpectMatch(y, kConvTol, "y");
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), w.c(), dy.c(), tc.dx ? dx.c() : nullptr, dw.c(),
-                                       tc.bias ? db.c() : nullptr));
-  PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), w.g(), dy.g(), tc.dx ? dx.g() : nullptr, dw.g(),
-                                       tc.bias ? db.g() : nullptr));
+  PSFLOW_ASSERT_OK(cpu_op->Backward(x.c(), w.c(), dy.c(), tc.dx ? dx.c() : nullptr, dw.c(),
+                                    tc.bias ? db.c() : nullptr));
+  PSFLOW_ASSERT_OK(gpu_op->Backward(x.g(), w.g(), dy.g(), tc.dx ? dx.g() : nullptr, dw.g(),
+                                    tc.bias ? db.g() : nullptr));
   ExpectMatch(dw, kConvTol, "dw");
   if (tc.bias) ExpectMatch(db, kConvTol, "db");
   if (tc.dx) ExpectMatch(dx, kConvTol, "dx");
@@ -193,24 +208,22 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ------------------------------------------------------------ MaxPool2D
 
-class CudaPoolParityTest : public CudaParityTest,
-                           public ::testing::WithParamInterface<Pool2DShape> {};
+using CudaPoolParityTest = CudaParamParityTest<Pool2DShape>;
 
 TEST_P(CudaPoolParityTest, ForwardAndBackward) {
   const Pool2DShape& s = GetParam();
-  auto cpu_op = cpu_->CreateMaxPool2D(s);
-  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-  auto gpu_op = gpu_->CreateMaxPool2D(s);
-  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  auto [cpu_op, gpu_op] =
+      CreateOnBoth([&](Backend& backend) { return backend.CreateMaxPool2D(s); });
+  ASSERT_TRUE(cpu_op && gpu_op);
   const size_t nx = size_t{1} * s.batch * s.channels * s.height * s.width;
   const size_t ny = size_t{1} * s.batch * s.channels * s.out_height() * s.out_width();
   Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), y.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), y.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), y.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), y.g()));
   ExpectMatch(y, kTol, "y");
-  PSFLOW_ASSERT_OK((*cpu_op)->Backward(dy.c(), dx.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Backward(dy.g(), dx.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Backward(dy.c(), dx.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Backward(dy.g(), dx.g()));
   ExpectMatch(dx, kTol, "dx");
 }
 
@@ -227,17 +240,16 @@ TEST_F(CudaParityTest, Relu) {
   // The second size is beyond 65535 elements in the descriptor's N.
   for (const int64_t size : {int64_t{1000}, int64_t{131075}}) {
     SCOPED_TRACE(size);
-    auto cpu_op = cpu_->CreateRelu(size);
-    ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-    auto gpu_op = gpu_->CreateRelu(size);
-    ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+    auto [cpu_op, gpu_op] =
+        CreateOnBoth([&](Backend& backend) { return backend.CreateRelu(size); });
+    ASSERT_TRUE(cpu_op && gpu_op);
     const size_t n = static_cast<size_t>(size);
     Pair x = In(n), dy = In(n), y = Out(n), dx = Out(n);
-    PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), y.c()));
-    PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), y.g()));
+    PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), y.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), y.g()));
     ExpectMatch(y, kTol, "y");
-    PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), dy.c(), dx.c()));
-    PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), dy.g(), dx.g()));
+    PSFLOW_ASSERT_OK(cpu_op->Backward(x.c(), dy.c(), dx.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Backward(x.g(), dy.g(), dx.g()));
     ExpectMatch(dx, kTol, "dx");
   }
 }
@@ -250,29 +262,26 @@ struct DenseCase {
   bool dx = true;
 };
 
-class CudaDenseParityTest : public CudaParityTest,
-                            public ::testing::WithParamInterface<DenseCase> {};
+using CudaDenseParityTest = CudaParamParityTest<DenseCase>;
 
 TEST_P(CudaDenseParityTest, ForwardAndBackward) {
   const DenseCase& tc = GetParam();
   const DenseShape& s = tc.shape;
-  auto cpu_op = cpu_->CreateDense(s);
-  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-  auto gpu_op = gpu_->CreateDense(s);
-  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  auto [cpu_op, gpu_op] = CreateOnBoth([&](Backend& backend) { return backend.CreateDense(s); });
+  ASSERT_TRUE(cpu_op && gpu_op);
   const size_t nx = size_t{1} * s.batch * s.in_features;
   const size_t nw = size_t{1} * s.out_features * s.in_features;
   const size_t ny = size_t{1} * s.batch * s.out_features;
   Pair x = In(nx), w = In(nw), b = In(s.out_features), dy = In(ny);
   Pair y = Out(ny), dx = Out(nx), dw = Out(nw), db = Out(s.out_features);
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), w.c(), b.c(), y.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), w.g(), b.g(), y.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), w.c(), b.c(), y.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), w.g(), b.g(), y.g()));
   ExpectMatch(y, kTol, "y");
   PSFLOW_ASSERT_OK(
-      (*cpu_op)->Backward(x.c(), w.c(), dy.c(), tc.dx ? dx.c() : nullptr, dw.c(), db.c()));
+      cpu_op->Backward(x.c(), w.c(), dy.c(), tc.dx ? dx.c() : nullptr, dw.c(), db.c()));
   PSFLOW_ASSERT_OK(
-      (*gpu_op)->Backward(x.g(), w.g(), dy.g(), tc.dx ? dx.g() : nullptr, dw.g(), db.g()));
+      gpu_op->Backward(x.g(), w.g(), dy.g(), tc.dx ? dx.g() : nullptr, dw.g(), db.g()));
   ExpectMatch(dw, kTol, "dw");
   ExpectMatch(db, kTol, "db");
   if (tc.dx) ExpectMatch(dx, kTol, "dx");
@@ -290,27 +299,25 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaDenseParityTest,
 
 // ------------------------------------------------------------ BatchNorm
 
-class CudaBatchNormParityTest : public CudaParityTest,
-                                public ::testing::WithParamInterface<BatchNormShape> {};
+using CudaBatchNormParityTest = CudaParamParityTest<BatchNormShape>;
 
 TEST_P(CudaBatchNormParityTest, ForwardAndBackward) {
   const BatchNormShape& s = GetParam();
-  auto cpu_op = cpu_->CreateBatchNorm(s);
-  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-  auto gpu_op = gpu_->CreateBatchNorm(s);
-  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  auto [cpu_op, gpu_op] =
+      CreateOnBoth([&](Backend& backend) { return backend.CreateBatchNorm(s); });
+  ASSERT_TRUE(cpu_op && gpu_op);
   const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
   const size_t c = s.channels;
   Pair x = In(n), gamma = In(c), beta = In(c), dy = In(n);
   Pair y = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c), mean = Out(c), var = Out(c);
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), gamma.c(), beta.c(), y.c(), mean.c(), var.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), gamma.g(), beta.g(), y.g(), mean.g(), var.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), gamma.c(), beta.c(), y.c(), mean.c(), var.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), gamma.g(), beta.g(), y.g(), mean.g(), var.g()));
   ExpectMatch(y, kTol, "y");
   ExpectMatch(mean, kTol, "batch mean");
   ExpectMatch(var, kTol, "batch unbiased variance");
-  PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
   ExpectMatch(dx, kTol, "dx");
   ExpectMatch(dgamma, kTol, "dgamma");
   ExpectMatch(dbeta, kTol, "dbeta");
@@ -321,10 +328,9 @@ TEST_P(CudaBatchNormParityTest, ForwardAndBackward) {
 // Forward's (inference leaves the saved statistics alone).
 TEST_P(CudaBatchNormParityTest, Inference) {
   const BatchNormShape& s = GetParam();
-  auto cpu_op = cpu_->CreateBatchNorm(s);
-  ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-  auto gpu_op = gpu_->CreateBatchNorm(s);
-  ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+  auto [cpu_op, gpu_op] =
+      CreateOnBoth([&](Backend& backend) { return backend.CreateBatchNorm(s); });
+  ASSERT_TRUE(cpu_op && gpu_op);
   const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
   const size_t c = s.channels;
   std::vector<float> variances = Random(c);
@@ -333,18 +339,18 @@ TEST_P(CudaBatchNormParityTest, Inference) {
        dy = In(n);
   Pair y = Out(n), yi = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c);
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Infer(x.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Infer(x.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Infer(x.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Infer(x.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
   ExpectMatch(yi, kTol, "inference y");
 
-  PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), gamma.c(), beta.c(), y.c(), nullptr, nullptr));
-  PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), gamma.g(), beta.g(), y.g(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), gamma.c(), beta.c(), y.c(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), gamma.g(), beta.g(), y.g(), nullptr, nullptr));
   Poison(yi);
-  PSFLOW_ASSERT_OK((*cpu_op)->Infer(other.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Infer(other.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Infer(other.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Infer(other.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
   ExpectMatch(yi, kTol, "inference y of another input");
-  PSFLOW_ASSERT_OK((*cpu_op)->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
-  PSFLOW_ASSERT_OK((*gpu_op)->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
+  PSFLOW_ASSERT_OK(cpu_op->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
+  PSFLOW_ASSERT_OK(gpu_op->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
   ExpectMatch(dx, kTol, "dx");
   ExpectMatch(dgamma, kTol, "dgamma");
   ExpectMatch(dbeta, kTol, "dbeta");
@@ -365,18 +371,17 @@ TEST_F(CudaParityTest, GlobalAvgPool) {
         GlobalAvgPoolShape{3, 64, 8, 8}}) {
     SCOPED_TRACE(testing::Message()
                  << s.batch << "x" << s.channels << "x" << s.height << "x" << s.width);
-    auto cpu_op = cpu_->CreateGlobalAvgPool(s);
-    ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-    auto gpu_op = gpu_->CreateGlobalAvgPool(s);
-    ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+    auto [cpu_op, gpu_op] =
+        CreateOnBoth([&](Backend& backend) { return backend.CreateGlobalAvgPool(s); });
+    ASSERT_TRUE(cpu_op && gpu_op);
     const size_t nx = size_t{1} * s.batch * s.channels * s.height * s.width;
     const size_t ny = size_t{1} * s.batch * s.channels;
     Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
-    PSFLOW_ASSERT_OK((*cpu_op)->Forward(x.c(), y.c()));
-    PSFLOW_ASSERT_OK((*gpu_op)->Forward(x.g(), y.g()));
+    PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), y.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), y.g()));
     ExpectMatch(y, kTol, "y");
-    PSFLOW_ASSERT_OK((*cpu_op)->Backward(dy.c(), dx.c()));
-    PSFLOW_ASSERT_OK((*gpu_op)->Backward(dy.g(), dx.g()));
+    PSFLOW_ASSERT_OK(cpu_op->Backward(dy.c(), dx.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Backward(dy.g(), dx.g()));
     ExpectMatch(dx, kTol, "dx");
   }
 }
@@ -389,10 +394,9 @@ TEST_F(CudaParityTest, SoftmaxCrossEntropy) {
   for (const auto& [batch, classes] :
        std::vector<std::pair<int, int>>{{64, 10}, {5, 1000}, {300, 3}, {1, 1}}) {
     SCOPED_TRACE(testing::Message() << "batch " << batch << ", classes " << classes);
-    auto cpu_op = cpu_->CreateSoftmaxCrossEntropy(batch, classes);
-    ASSERT_TRUE(cpu_op.ok()) << cpu_op.status();
-    auto gpu_op = gpu_->CreateSoftmaxCrossEntropy(batch, classes);
-    ASSERT_TRUE(gpu_op.ok()) << gpu_op.status();
+    auto [cpu_op, gpu_op] = CreateOnBoth(
+        [&](Backend& backend) { return backend.CreateSoftmaxCrossEntropy(batch, classes); });
+    ASSERT_TRUE(cpu_op && gpu_op);
     const size_t n = size_t{1} * batch * classes;
     const std::vector<float> logits_host = Random(n);
     // Half the labels at the arg-max, so that some examples count as correct.
@@ -405,16 +409,16 @@ TEST_F(CudaParityTest, SoftmaxCrossEntropy) {
     Pair logits = In(logits_host), labels = InLabels(labels_host);
     Pair probs = Out(n), stats = Out(2), dlogits = Out(n);
 
-    PSFLOW_ASSERT_OK((*cpu_op)->Forward(logits.c(), Labels(labels.c()), probs.c(), stats.c()));
-    PSFLOW_ASSERT_OK((*gpu_op)->Forward(logits.g(), Labels(labels.g()), probs.g(), stats.g()));
+    PSFLOW_ASSERT_OK(cpu_op->Forward(logits.c(), Labels(labels.c()), probs.c(), stats.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Forward(logits.g(), Labels(labels.g()), probs.g(), stats.g()));
     ExpectMatch(probs, kTol, "probs");
     const std::vector<float> cpu_stats = Download(*cpu_, stats.c(), 2);
     const std::vector<float> gpu_stats = Download(*gpu_, stats.g(), 2);
     EXPECT_NEAR(gpu_stats[0], cpu_stats[0], kTol * std::abs(cpu_stats[0])) << "mean loss";
     EXPECT_EQ(gpu_stats[1], cpu_stats[1]) << "correct";
 
-    PSFLOW_ASSERT_OK((*cpu_op)->Backward(probs.c(), Labels(labels.c()), dlogits.c()));
-    PSFLOW_ASSERT_OK((*gpu_op)->Backward(probs.g(), Labels(labels.g()), dlogits.g()));
+    PSFLOW_ASSERT_OK(cpu_op->Backward(probs.c(), Labels(labels.c()), dlogits.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Backward(probs.g(), Labels(labels.g()), dlogits.g()));
     ExpectMatch(dlogits, kTol, "dlogits");
   }
 }
