@@ -49,9 +49,16 @@ std::vector<StepMetrics> Steps(int worker, int64_t begin, int64_t end, int64_t c
   return out;
 }
 
-// What a line should say about the records `ms` of an interval of `steps` global steps.
-struct Expected {
-  double loss = 0, acc = 0, step_ms = 0, pull = 0, compute = 0, push = 0, wait = 0, ex_per_s = 0;
+// The numbers of a progress line.
+struct Line {
+  int end = 0, total = 0, live = 0, workers = 0, ps_up = 0, ps = 0;
+  double epoch = 0, loss = 0, acc = 0, ex_per_s = 0, step_ms = 0, pull = 0, compute = 0, push = 0,
+         wait = 0;
+};
+
+// What a line should say about the records `ms` of an interval of `steps`
+// global steps (its step, epoch and counts aside), and the interval's size.
+struct Expected : Line {
   int64_t examples = 0;
   double seconds = 0;  // steps * step_ms
 };
@@ -82,12 +89,6 @@ Expected Expect(const std::vector<StepMetrics>& ms, int64_t steps) {
   return e;
 }
 
-struct Line {
-  int end = 0, total = 0, live = 0, workers = 0, ps_up = 0, ps = 0;
-  double epoch = 0, loss = 0, acc = 0, ex_per_s = 0, step_ms = 0, pull = 0, compute = 0, push = 0,
-         wait = 0;
-};
-
 // Parses a progress line; fails the test if it does not have the documented form.
 Line Parse(const std::string& text) {
   Line l;
@@ -102,19 +103,26 @@ Line Parse(const std::string& text) {
   return l;
 }
 
+// Checks the numbers a line prints, to the precision it prints them with.
+void ExpectPrintedNumbers(const Line& got, const Line& want) {
+  EXPECT_NEAR(got.epoch, want.epoch, 0.005 + 1e-9);
+  EXPECT_NEAR(got.loss, want.loss, 0.00005 + 1e-9);
+  EXPECT_NEAR(got.acc, want.acc, 0.0005 + 1e-9);
+  EXPECT_NEAR(got.ex_per_s, want.ex_per_s, 0.5 + 1e-9);
+  EXPECT_NEAR(got.step_ms, want.step_ms, 0.05 + 1e-9);
+  EXPECT_NEAR(got.pull, want.pull, 0.05 + 1e-9);
+  EXPECT_NEAR(got.compute, want.compute, 0.05 + 1e-9);
+  EXPECT_NEAR(got.push, want.push, 0.05 + 1e-9);
+  EXPECT_NEAR(got.wait, want.wait, 0.05 + 1e-9);
+}
+
 // Checks a parsed line against expectations, within the printed precision.
 void ExpectLine(const Line& l, const Expected& e, int end) {
   EXPECT_EQ(l.end, end);
   EXPECT_EQ(l.total, kTrainSteps);
-  EXPECT_NEAR(l.epoch, static_cast<double>(end) / kStepsPerEpoch, 0.005 + 1e-9);
-  EXPECT_NEAR(l.loss, e.loss, 0.00005 + 1e-9);
-  EXPECT_NEAR(l.acc, e.acc, 0.0005 + 1e-9);
-  EXPECT_NEAR(l.step_ms, e.step_ms, 0.05 + 1e-9);
-  EXPECT_NEAR(l.pull, e.pull, 0.05 + 1e-9);
-  EXPECT_NEAR(l.compute, e.compute, 0.05 + 1e-9);
-  EXPECT_NEAR(l.push, e.push, 0.05 + 1e-9);
-  EXPECT_NEAR(l.wait, e.wait, 0.05 + 1e-9);
-  EXPECT_NEAR(l.ex_per_s, e.ex_per_s, 0.5 + 1e-9);
+  Line want = e;
+  want.epoch = static_cast<double>(end) / kStepsPerEpoch;
+  ExpectPrintedNumbers(l, want);
   // ex/s is the interval's examples over steps * step time (as printed, to rounding).
   const int64_t steps = end - (end == kTrainSteps ? 20 : end - kLogEvery);
   EXPECT_NEAR(l.ex_per_s,
@@ -452,15 +460,16 @@ void ExpectNumbersOfText(const ProgressLine& got, const std::string& text,
   const Line l = Parse(text.substr(0, text.find(" lr ")) + text.substr(text.find(" | ")));
   EXPECT_EQ(got.step, l.end);
   EXPECT_EQ(got.train_steps, kTrainSteps);
-  EXPECT_NEAR(got.epoch, l.epoch, 0.005 + 1e-9);
-  EXPECT_NEAR(got.loss, l.loss, 0.00005 + 1e-9);
-  EXPECT_NEAR(got.accuracy, l.acc, 0.0005 + 1e-9);
-  EXPECT_NEAR(got.examples_per_sec, l.ex_per_s, 0.5 + 1e-9);
-  EXPECT_NEAR(got.step_ms, l.step_ms, 0.05 + 1e-9);
-  EXPECT_NEAR(got.pull_ms, l.pull, 0.05 + 1e-9);
-  EXPECT_NEAR(got.compute_ms, l.compute, 0.05 + 1e-9);
-  EXPECT_NEAR(got.push_ms, l.push, 0.05 + 1e-9);
-  EXPECT_NEAR(got.wait_ms, l.wait, 0.05 + 1e-9);
+  ExpectPrintedNumbers({.epoch = got.epoch,
+                        .loss = got.loss,
+                        .acc = got.accuracy,
+                        .ex_per_s = got.examples_per_sec,
+                        .step_ms = got.step_ms,
+                        .pull = got.pull_ms,
+                        .compute = got.compute_ms,
+                        .push = got.push_ms,
+                        .wait = got.wait_ms},
+                       l);
   EXPECT_NEAR(got.step_ms, got.pull_ms + got.compute_ms + got.push_ms + got.wait_ms, 1e-9);
   EXPECT_EQ(got.live_workers, l.live);
   EXPECT_EQ(got.num_workers, kWorkers);
