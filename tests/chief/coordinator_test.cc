@@ -123,6 +123,25 @@ class CoordinatorTest : public ::testing::Test {
     return r.ok() ? *r : RegisterWorkerResponse();
   }
 
+  // Starts Run and registers `workers` in order; returns the job's id as the
+  // first was told it.
+  uint64_t StartAndRegister(CoordinatorOptions options, const std::vector<int>& workers = {0}) {
+    Start(std::move(options));
+    const uint64_t id = Register(workers[0]).job_id();
+    for (size_t i = 1; i < workers.size(); ++i) Register(workers[i]);
+    return id;
+  }
+
+  // Worker 0 trains the job's `steps` steps under `options`; returns how long
+  // the end took, from the last reports to Run's return.
+  absl::Duration TrainAndTimeTheEnd(CoordinatorOptions options, int64_t steps) {
+    const uint64_t id = StartAndRegister(std::move(options));
+    Train(id, {0}, 0, steps);
+    const absl::Time start = absl::Now();
+    FinishAndJoin(id, {0});
+    return absl::Now() - start;
+  }
+
   // Worker w's (zero) gradients of `step` to every ps, as a worker pushes them.
   absl::Status Push(uint64_t job_id, int w, int64_t step) {
     std::vector<std::vector<float>> zeros;
@@ -210,8 +229,7 @@ class CoordinatorTest : public ::testing::Test {
   // Returns the job id.
   uint64_t TrainToTheFirstCheckpoint(CoordinatorOptions options) {
     options.checkpoint_every_steps = 2;
-    Start(std::move(options));
-    const uint64_t id = Register(0).job_id();
+    const uint64_t id = StartAndRegister(std::move(options));
     Train(id, {0}, 0, 2);
     EXPECT_TRUE(Eventually([&] { return fs::exists(dir_ + "/model/checkpoints/ckpt-2"); }));
     return id;
@@ -253,8 +271,7 @@ class CoordinatorTest : public ::testing::Test {
 
 TEST_F(CoordinatorTest, TrainsToTheEndWritesTheSavedModelAndReleasesEveryone) {
   MakeJob(2, 2, 4);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   EXPECT_EQ(Register(1).job_id(), id);
   Train(id, {0, 1}, 0, 4);
   EXPECT_THAT(FinishAll(id, {0, 1}), ElementsAre(ReportResponse::EXIT, ReportResponse::EXIT));
@@ -272,8 +289,7 @@ TEST_F(CoordinatorTest, TrainsToTheEndWritesTheSavedModelAndReleasesEveryone) {
 TEST_F(CoordinatorTest, AllReduceJobLoadsWorker0sReplicaForOnePusher) {
   MakeJob(2, /*num_ps=*/0, 4);
   ASSERT_EQ(job_.exchange(), JobConfig::ALL_REDUCE);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   EXPECT_EQ(Register(1).job_id(), id);
   EXPECT_THAT(State(0).live_workers(), ElementsAre(0));
   Train(id, {0}, 0, 1);  // worker 0's push alone moves the replica
@@ -291,8 +307,7 @@ TEST_F(CoordinatorTest, AllReduceJobLoadsWorker0sReplicaForOnePusher) {
 // chief's duties end with UNAVAILABLE (a retryable exit) after a checkpoint.
 TEST_F(CoordinatorTest, AllReduceGroupBrokenByARestartedWorkerEndsRetryably) {
   MakeJob(2, /*num_ps=*/0, 10);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   Register(0);  // before the group formed: a repeat changes nothing
   Register(1);
   ASSERT_TRUE(Push(id, 0, 0).ok());
@@ -311,9 +326,7 @@ TEST_F(CoordinatorTest, AllReduceGroupBrokenByARestartedWorkerEndsRetryably) {
 // ring bounds), however long that takes.
 TEST_F(CoordinatorTest, AllReduceGroupBrokenByASilentWorkerEndsRetryably) {
   MakeJob(2, /*num_ps=*/0, 10);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(Options(), {0, 1});
   // Worker 1 forms its group for over 3 worker timeouts: nothing breaks.
   const absl::Time forming_until = absl::Now() + 3 * ShortTimeouts().worker;
   while (absl::Now() < forming_until) {
@@ -334,9 +347,7 @@ TEST_F(CoordinatorTest, AllReduceGroupBrokenByASilentWorkerEndsRetryably) {
 
 TEST_F(CoordinatorTest, WorkerThatStopsReportingIsDroppedAndTheStepsGoOn) {
   MakeJob(2, 2, 3);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(Options(), {0, 1});
   // Worker 1 never reports; worker 0 does, more often than the timeout.
   ASSERT_TRUE(Eventually([&] {
     EXPECT_TRUE(Report(id, 0, -1).ok());
@@ -409,8 +420,7 @@ TEST_F(CoordinatorTest, ReadinessAndMetricsFollowLoadsAndReloads) {
 
 TEST_F(CoordinatorTest, RestartedChiefAdoptsTheRunningJob) {
   MakeJob(1, 2, 6);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   Train(id, {0}, 0, 3);
   // The chief goes away (SIGTERM: a checkpoint, ps and workers left running).
   coordinator_->Stop(SIGTERM);
@@ -457,8 +467,7 @@ TEST_F(CoordinatorTest, CheckpointPassedTwiceAsksForALaterStep) {
       ps_->FailNext(1, absl::StatusCode::kFailedPrecondition);
     }
   });
-  Start(o);
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(o);
   Train(id, {0}, 0, 2);
   // The third snapshot of ps 1 waits for step 4: no checkpoint of step 2.
   ASSERT_TRUE(Eventually([&] { return ps_->calls(1, FakePs::Method::kSnapshot) >= 3; }));
@@ -499,8 +508,7 @@ TEST_F(CoordinatorTest, SigtermedChiefGivesUpItsCheckpointInTime) {
   MakeJob(1, 2, 100);
   CoordinatorOptions o = Options();
   o.timeouts.stop_checkpoint = absl::Seconds(1);
-  Start(o);
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(o);
   Train(id, {0}, 0, 2);
   // The ps are stopping too: every snapshot is slow and finds its step
   // passed, which would otherwise be tried checkpoint_attempts times.
@@ -522,8 +530,7 @@ TEST_F(CoordinatorTest, SigtermedChiefGivesUpItsCheckpointInTime) {
 // written (ps stopping with it wait for that), and leaves them running.
 TEST_F(CoordinatorTest, SigtermedChiefTellsThePsItsCheckpointIsTaken) {
   MakeJob(1, 2, 100);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   Train(id, {0}, 0, 2);
   absl::Mutex mu;
   std::vector<std::string> calls;  // "snapshot" or "taken", in order
@@ -548,8 +555,7 @@ TEST_F(CoordinatorTest, SigtermedChiefTellsThePsItsCheckpointIsTaken) {
 // the current step at once, and is told, once; the other ps is not.
 TEST_F(CoordinatorTest, AStoppingPsIsCheckpointedAndTold) {
   MakeJob(1, 2, 100);
-  Start(Options());  // no checkpoints by steps or time
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());  // no checkpoints by steps or time
   Train(id, {0}, 0, 3);
   ps_->SetStopping(1, true);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -573,8 +579,7 @@ TEST_F(CoordinatorTest, AStoppingPsIsCheckpointedAndTold) {
 // that checkpoint.
 TEST_F(CoordinatorTest, AStoppingPsOfAStoppingChiefIsToldOnceAfterTheStopCheckpoint) {
   MakeJob(1, 2, 100);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   Train(id, {0}, 0, 3);
   std::atomic<bool> armed{true};
   ps_->OnCall([&](int p, FakePs::Method m) {
@@ -598,8 +603,7 @@ TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {
   ps_->OnCall([&](int p, FakePs::Method m) {
     if (m == FakePs::Method::kSnapshot && p == 0) coordinator_->Stop(SIGTERM);
   });
-  Start(o);
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(o);
   Train(id, {0}, 0, 1);
   absl::Status s = Join();
   EXPECT_EQ(SignalOf(s), SIGTERM) << s;
@@ -614,8 +618,7 @@ TEST_F(CoordinatorTest, SigtermDuringACheckpointEndsWithTheSignal) {
 // is still up keeps the job it had.
 TEST_F(CoordinatorTest, APsDownAtASigtermIsNotReloaded) {
   MakeJob(1, 2, 100);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   Train(id, {0}, 0, 2);
   std::atomic<bool> armed{true};
   ps_->OnCall([&](int p, FakePs::Method m) {
@@ -632,9 +635,7 @@ TEST_F(CoordinatorTest, APsDownAtASigtermIsNotReloaded) {
 
 TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   MakeJob(2, 1, 10);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(Options(), {0, 1});
   ASSERT_TRUE(ReportNonFinite(id, 1));
   absl::StatusOr<ReportResponse> other = Report(id, 0, -1);
   ASSERT_TRUE(other.ok());
@@ -655,9 +656,7 @@ TEST_F(CoordinatorTest, AStopDuringTheExitOrdersEndsThemAndTheJobKeepsItsFailure
   MakeJob(2, 2, 10);
   CoordinatorOptions o = Options();
   o.timeouts.control_call = absl::Seconds(20);
-  Start(o);
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(o, {0, 1});
   std::atomic<bool> armed{true};
   ps_->OnCall([&](int p, FakePs::Method m) {
     if (m != FakePs::Method::kShutdown || p != 1 || !armed.exchange(false)) return;
@@ -688,9 +687,7 @@ TEST_F(CoordinatorTest, AFailedJobStoppedBeforeItsExitOrdersWaitsBrieflyForAPsTh
   o.timeouts.control_call = absl::Seconds(20);
   o.timeouts.release_wait = absl::Seconds(20);
   o.timeouts.stop_release = absl::Milliseconds(300);
-  Start(o);
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(o, {0, 1});
   ASSERT_TRUE(ReportNonFinite(id, 1));
   ps_->SetGone(0, true);
   // Worker 0 never collects its order: the release waits for it until the stop.
@@ -714,8 +711,7 @@ TEST_F(CoordinatorTest, NonFiniteWeightsAreNeverCheckpointed) {
   ASSERT_TRUE(WriteCheckpoint(dir_ + "/model", poisoned, 5).ok());
   CoordinatorOptions o = Options();
   o.checkpoint_every_steps = 1;
-  Start(o);
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(o);
   Train(id, {0}, 0, 1);
   absl::Status s = Join();
   EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
@@ -726,9 +722,7 @@ TEST_F(CoordinatorTest, NonFiniteWeightsAreNeverCheckpointed) {
 
 TEST_F(CoordinatorTest, ALiveSetThatWentWrongOnAPsIsRepaired) {
   MakeJob(2, 2, 4);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(Options(), {0, 1});
   // Someone tells ps 1 that only worker 0 counts. (A set naming a worker
   // outside the job, such as 7, the ps refuses outright.)
   ASSERT_TRUE(ps_->SetLiveWorkers(1, id, {0}, 0, absl::Now() + absl::Seconds(1)).ok());
@@ -751,8 +745,7 @@ TEST_F(CoordinatorTest, ALiveSetThatWentWrongOnAPsIsRepaired) {
 
 TEST_F(CoordinatorTest, AFinishedReportBeforeTheLastStepEndsNothing) {
   MakeJob(1, 1, 4);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   Train(id, {0}, 0, 2);
   absl::StatusOr<ReportResponse> r = Report(id, 0, -1, /*finished=*/true);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -765,8 +758,7 @@ TEST_F(CoordinatorTest, AFinishedReportBeforeTheLastStepEndsNothing) {
 
 TEST_F(CoordinatorTest, ImpossibleReportsAreRefused) {
   MakeJob(1, 1, 10);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(Options());
   ReportRequest r = MakeReport(id, 0, 0, 0.5, int64_t{1} << 62);
   EXPECT_TRUE(absl::IsInvalidArgument(Send(r).status()));
   r.set_worker(7);
@@ -780,9 +772,7 @@ TEST_F(CoordinatorTest, SkippedStepsAreCountedOnceAndTooManyFailTheJob) {
   MakeJob(2, 1, 100);
   job_.set_on_nonfinite(JobConfig::SKIP_STEP);
   job_.set_max_skipped_steps(2);
-  Start(Options());
-  const uint64_t id = Register(0).job_id();
-  Register(1);
+  const uint64_t id = StartAndRegister(Options(), {0, 1});
   auto skip = [&](int w, int64_t step) {
     ReportRequest r = MakeReport(id, w, step, 0.0);
     r.mutable_metrics(0)->set_nonfinite(true);
@@ -874,12 +864,7 @@ TEST_F(CoordinatorTest, TheEndGoesOnWithoutAnEvaluatorNotHeardFrom) {
   CoordinatorOptions o = Options();
   o.num_evaluators = 1;
   o.timeouts.evaluator = absl::Milliseconds(300);
-  Start(o);
-  const uint64_t id = Register(0).job_id();
-  Train(id, {0}, 0, 3);
-  const absl::Time start = absl::Now();
-  FinishAndJoin(id, {0});
-  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_LT(TrainAndTimeTheEnd(o, 3), absl::Seconds(3));
   EXPECT_TRUE(ps_->shut_down(0));
 }
 
@@ -888,20 +873,14 @@ TEST_F(CoordinatorTest, NoEvaluatorNoWait) {
   MakeJob(1, 1, 2);
   CoordinatorOptions o = Options();
   o.timeouts.evaluator = absl::Seconds(30);
-  Start(o);
-  const uint64_t id = Register(0).job_id();
-  Train(id, {0}, 0, 2);
-  const absl::Time start = absl::Now();
-  FinishAndJoin(id, {0});
-  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_LT(TrainAndTimeTheEnd(o, 2), absl::Seconds(3));
 }
 
 TEST_F(CoordinatorTest, EvaluatorCallsAreCheckedAndOtherJobsResultsDropped) {
   MakeJob(1, 1, 10);
   CoordinatorOptions o = Options();
   o.num_evaluators = 1;
-  Start(o);
-  const uint64_t id = Register(0).job_id();
+  const uint64_t id = StartAndRegister(o);
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterEvaluator(1).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterEvaluator(-1).status()));
   ReportEvalRequest bad_index = EvalReport(id, 2);
