@@ -186,10 +186,10 @@ absl::Status DeviceReplica::Train(ps::Client* client, const data::Dataset& data,
   while (step_ < job_.train_steps()) {
     PSFLOW_RETURN_IF_ERROR(hooks.interrupted());
     if (const int sig = hooks.stop_signal(); sig != 0) return Stopped(sig);
-    // The shard gets the replica of this step if a snapshot waits for it,
+    // The served replica gets this step's if a snapshot waits for it,
     // and worker 0's at every multiple of kReplicaPublishSteps.
     if (step_ != published_version_ && ((index == 0 && step_ % kReplicaPublishSteps == 0) ||
-                                        options_.shard->WantedSnapshot(step_) == step_)) {
+                                        options_.replica->WantedSnapshot(step_) == step_)) {
       PSFLOW_RETURN_IF_ERROR(Publish(step_, /*wait=*/false));
     }
     const absl::Time t1 = absl::Now();
@@ -320,8 +320,9 @@ absl::Status DeviceReplica::AfterGroupCall(const absl::Status& s) {
 void DeviceReplica::PublishLast(const char* why) {
   // Until a step's optimizer runs, the device holds the replica of step_,
   // whole: when this worker stops, or its group breaks, worker 0's goes to
-  // its shard first, where the chief's last checkpoint reads it (in worker
-  // 0's process, the chief's duties checkpoint once the trainer returns).
+  // the replica it serves first, where the chief's last checkpoint reads it
+  // (in worker 0's process, the chief's duties checkpoint once the trainer
+  // returns).
   absl::Status s = Publish(step_, /*wait=*/true);
   if (!s.ok()) PSLOG(WARNING) << "publishing the replica " << why << ": " << s.message();
 }
@@ -358,7 +359,7 @@ absl::Status DeviceReplica::Publish(int64_t version, bool wait) {
   published_version_ = version;
   publisher_ = std::thread([this, per_variable, version, job_id = options_.job_id->load(),
                             slices = SlicesOnPs(job_.placement(), 0)] {
-    std::vector<ps::Shard::SliceValues> values(slices.size());
+    std::vector<ps::SliceValues> values(slices.size());
     for (size_t i = 0; i < slices.size(); ++i) {
       const SliceRef& r = slices[i];
       const int64_t n = NumElements(r.slice_shape);
@@ -368,7 +369,7 @@ absl::Status DeviceReplica::Publish(int64_t version, bool wait) {
         to.assign(from, from + n);
       }
     }
-    published_ = options_.shard->Mirror(job_id, version, std::move(values));
+    published_ = options_.replica->Mirror(job_id, version, std::move(values));
   });
   if (!wait) return absl::OkStatus();
   publisher_.join();

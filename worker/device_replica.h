@@ -3,13 +3,13 @@
 // live there, each step's gradients and loss are averaged among the
 // workers' GPUs over NCCL (kernels::PeerGroup; a worker alone has none),
 // their non-finite values counted there, and the optimizer applied there:
-// no ps calls. The shard this worker's ps service serves (the replica the
-// chief and the evaluator read) gets the state (Shard::Mirror) when a
+// no ps calls. The replica this worker's ps service serves (the one the
+// chief and the evaluator read) gets the state (ps::Replica::Mirror) when a
 // snapshot asks for a step, every kReplicaPublishSteps steps on worker 0,
 // at a stop, as the group breaks (worker 0) and at the end.
 //
 // Thread-safety: the training thread's, but for a publish, which runs on a
-// thread of its own (one at a time). Ownership: the model, shard and ring
+// thread of its own (one at a time). Ownership: the model, replica and ring
 // are not owned and outlive the replica; it owns the GPU group.
 #ifndef PSFLOW_WORKER_DEVICE_REPLICA_H_
 #define PSFLOW_WORKER_DEVICE_REPLICA_H_
@@ -32,7 +32,7 @@
 #include "proto/job.pb.h"
 #include "ps/client.h"
 #include "ps/optimizer.h"
-#include "ps/shard.h"
+#include "ps/replica.h"
 #include "worker/batches.h"
 #include "worker/model_replicas.h"
 
@@ -41,7 +41,7 @@ namespace psflow::worker {
 struct DeviceReplicaOptions {
   int worker_index = 0;
   absl::Duration transfer_timeout = absl::Seconds(120);
-  ps::Shard* shard = nullptr;                     // this worker's replica (not owned)
+  ps::Replica* replica = nullptr;                 // the one this worker serves (not owned)
   allreduce::Ring* ring = nullptr;                // the workers' ring (not owned)
   const std::atomic<uint64_t>* job_id = nullptr;  // the registration's (not owned)
 };
@@ -79,8 +79,9 @@ class DeviceReplica {
       std::unique_ptr<kernels::PeerGroup> peers);
   ~DeviceReplica();
 
-  // Loads the replica from this worker's shard through `client` and trains
-  // it to the last step (OK), publishing it to the shard at the end.
+  // Loads the replica from the one this worker serves (options.replica)
+  // through `client` and trains it to the last step (OK), publishing it
+  // there at the end.
   absl::Status Train(ps::Client* client, const data::Dataset& data,
                      const DeviceReplicaHooks& hooks);
 
@@ -92,7 +93,7 @@ class DeviceReplica {
   float* slot(size_t variable, int k) {
     return k < slots_ ? slot_buffers_[variable * slots_ + k]->data() : nullptr;
   }
-  // Loads the device replica with the shard's state (step_ its version).
+  // Loads the device replica with the served one's state (step_ its version).
   absl::Status Load(ps::Client* client);
   // The step's compute, with the NCCL means of its gradients queued; a
   // status that ends the training (a stop, the group gone), else OK with
@@ -104,8 +105,9 @@ class DeviceReplica {
   absl::Status Verdict(double loss, bool* finite);
   absl::Status Apply(int64_t step);
   // Copies the replica (weights and slots) to page-locked memory and
-  // publishes it into the shard as of `version`: on a thread of its own, or
-  // before returning with `wait`. The next waits for the one before.
+  // publishes it into the served replica as of `version`: on a thread of
+  // its own, or before returning with `wait`. The next waits for the one
+  // before.
   absl::Status Publish(int64_t version, bool wait);
   // Publishes the replica of step_ (logged on failure): a stop keeps what
   // was trained.

@@ -15,7 +15,6 @@
 #include "common/log.h"
 #include "ps/callers.h"
 #include "ps/grpc_client.h"
-#include "ps/local_client.h"
 #include "role/cluster_flags.h"
 #include "role/command_line.h"
 #include "role/serve_role.h"
@@ -40,7 +39,7 @@ WorkerProcess::WorkerProcess(WorkerProcessOptions options)
   if (all_reduce_) {
     MakeReplicaAndRing();
     trainer.ring = ring_.get();
-    trainer.replica = replica_.get();
+    trainer.replica = local_replica_.get();
   }
   if (options_.chief.has_value()) {
     chief_role_ =
@@ -75,6 +74,7 @@ void WorkerProcess::MakeReplicaAndRing() {
   const int helpers = on_gpu ? std::min(16, cores / 2) : (cores >= 8 ? std::min(4, cores / 4) : 0);
   if (helpers > 0) apply_pool_ = std::make_unique<ThreadPool>(helpers);
   replica_ = std::make_unique<ps::Shard>(apply_pool_.get());
+  local_replica_ = std::make_unique<ps::LocalReplica>(replica_.get());
   replica_service_ =
       std::make_unique<ps::PsService>(replica_.get(), ps::PsServiceOptions{.metrics = &metrics_});
   peers_ = std::make_unique<allreduce::GrpcPeers>(config.cluster.worker, options_.security);
@@ -89,7 +89,7 @@ void WorkerProcess::MakeReplicaAndRing() {
 std::unique_ptr<ps::Client> WorkerProcess::MakePsClient(const std::vector<std::string>& addresses) {
   // This worker's own replica is in this process: no gRPC to reach it.
   if (replica_ != nullptr && addresses == std::vector<std::string>{options_.cluster.self_address}) {
-    return std::make_unique<ps::LocalClient>(replica_.get());
+    return local_replica_->Connect();
   }
   return std::make_unique<ps::GrpcClient>(
       addresses, ps::GrpcClientOptions{.security = options_.security,

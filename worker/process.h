@@ -27,6 +27,7 @@
 #include "common/metrics.h"
 #include "common/thread_pool.h"
 #include "ps/client.h"
+#include "ps/local_replica.h"
 #include "ps/service.h"
 #include "ps/shard.h"
 #include "role/process_setup.h"
@@ -81,6 +82,7 @@ class WorkerProcess {
   Readiness readiness_;  // ready while registered with the chief
   std::unique_ptr<ThreadPool> apply_pool_;
   std::unique_ptr<ps::Shard> replica_;
+  std::unique_ptr<ps::LocalReplica> local_replica_;  // replica_, as the trainer reaches it
   std::unique_ptr<ps::PsService> replica_service_;
   std::unique_ptr<allreduce::GrpcPeers> peers_;
   std::unique_ptr<allreduce::Ring> ring_;

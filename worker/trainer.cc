@@ -13,7 +13,6 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "data/source.h"
-#include "ps/local_client.h"
 #include "worker/replica_tensors.h"
 #include "worker/ring_exchange.h"
 
@@ -334,7 +333,7 @@ absl::Status Trainer::MakeDeviceReplica() {
   DeviceReplicaOptions o;
   o.worker_index = options_.worker_index;
   o.transfer_timeout = options_.transfer_timeout;
-  o.shard = options_.replica;
+  o.replica = options_.replica;
   o.ring = options_.ring;
   o.job_id = &job_id_;
   absl::StatusOr<std::unique_ptr<DeviceReplica>> device =
@@ -375,7 +374,7 @@ absl::Status Trainer::LoadReplica() {
   ReplicaTensors tensors(job_);
   PSFLOW_RETURN_IF_ERROR(FromPs(
       source->Snapshot(0, job_id_, state->version(), tensors.Sinks(job_.placement()), deadline)));
-  std::unique_ptr<ps::Client> own = std::make_unique<ps::LocalClient>(options_.replica);
+  std::unique_ptr<ps::Client> own = options_.replica->Connect();
   InitHeader header;
   header.set_job_id(job_id_);
   header.set_ps_index(0);

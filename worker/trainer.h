@@ -44,7 +44,7 @@
 #include "proto/chief.pb.h"
 #include "proto/job.pb.h"
 #include "ps/client.h"
-#include "ps/shard.h"
+#include "ps/replica.h"
 #include "worker/batches.h"
 #include "worker/device_replica.h"
 #include "worker/exchange.h"
@@ -120,16 +120,17 @@ struct TrainerOptions {
   // the host as they are pushed.
   bool narrow_on_device = true;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
-  // of this worker and its peers, and this worker's own replica, the shard
+  // of this worker and its peers, and this worker's own replica, the one
   // its ps service serves in this process (neither owned; both outliving
   // the trainer). The trainer loads the replica (worker 0's is the chief's
-  // to load) and reaches it in-process (ps::LocalClient). A GPU worker keeps its replica's weights
-  // and optimizer state on the device and applies the optimizer there (see
-  // worker/device_replica.h); the shard gets the state (Shard::Mirror) when a snapshot
-  // asks for a step, every kReplicaPublishSteps steps on worker 0 (whose
-  // replica the chief and the evaluator read), at a stop and at the end.
+  // to load) and reaches it in-process (ps::Replica::Connect). A GPU worker
+  // keeps its replica's weights and optimizer state on the device and
+  // applies the optimizer there (see worker/device_replica.h); the served
+  // replica gets the state (ps::Replica::Mirror) when a snapshot asks for a
+  // step, every kReplicaPublishSteps steps on worker 0 (whose replica the
+  // chief and the evaluator read), at a stop and at the end.
   allreduce::Ring* ring = nullptr;
-  ps::Shard* replica = nullptr;
+  ps::Replica* replica = nullptr;
   // Called (if set) with true after each registration with the chief, and
   // with false when the worker registers again or Run returns: whether it
   // takes part in a job (its readiness). Called from Run's thread.
