@@ -180,25 +180,28 @@ class TensorBoardTest(unittest.TestCase):
     def check_accumulated(self, expected):
         """TensorBoard's view of the whole train directory (restarts applied):
         every tag at exactly the steps of `expected` ({step: {tag: text}})."""
+        self.check_scalars(self.train_dir, TAGS, expected)
+
+    def check_scalars(self, directory, tags, expected, what=""):
+        """TensorBoard's view of `directory`: exactly `tags`, each at exactly the
+        steps of `expected` ({step: {tag: text}}) with the printed values."""
         from tensorboard.backend.event_processing import event_accumulator as ea
 
-        acc = ea.EventAccumulator(self.train_dir, size_guidance={ea.SCALARS: 0})
+        acc = ea.EventAccumulator(directory, size_guidance={ea.SCALARS: 0})
         acc.Reload()
-        self.assertEqual(sorted(acc.Tags()["scalars"]), sorted(TAGS))
-        for tag in TAGS:
+        self.assertEqual(sorted(acc.Tags()["scalars"]), sorted(tags))
+        for tag in tags:
             points = acc.Scalars(tag)
             self.assertEqual([p.step for p in points], sorted(expected), tag)
             for p in points:
                 printed = expected[p.step][tag]
                 self.assertLessEqual(abs(p.value - float(printed)), tolerance(tag, printed),
-                                     f"step {p.step} {tag}: {p.value} vs the log's {printed}")
+                                     f"{what}step {p.step} {tag}: {p.value} vs the log's {printed}")
 
     def test_eval_event_files(self):
         """An evaluator's results: loss and accuracy in <model_dir>/eval at the
         steps of the chief's eval lines, with the logged values, beside the
         training curves in <model_dir>/train."""
-        from tensorboard.backend.event_processing import event_accumulator as ea
-
         out, lines, _, _ = self.train(300, extra=("--evaluators=1",))
         evals = {}
         for text in out.splitlines():
@@ -207,17 +210,8 @@ class TensorBoardTest(unittest.TestCase):
                 evals[int(m["step"])] = {"loss": m["loss"], "accuracy": m["accuracy"]}
         self.assertIn(300, evals, out)
         self.check_accumulated(lines)
-        acc = ea.EventAccumulator(os.path.join(self.model_dir, "eval"),
-                                  size_guidance={ea.SCALARS: 0})
-        acc.Reload()
-        self.assertEqual(sorted(acc.Tags()["scalars"]), ["accuracy", "loss"])
-        for tag in ("loss", "accuracy"):
-            points = acc.Scalars(tag)
-            self.assertEqual([p.step for p in points], sorted(evals), tag)
-            for p in points:
-                printed = evals[p.step][tag]
-                self.assertLessEqual(abs(p.value - float(printed)), tolerance(tag, printed),
-                                     f"eval step {p.step} {tag}: {p.value} vs the log's {printed}")
+        self.check_scalars(os.path.join(self.model_dir, "eval"), ("loss", "accuracy"), evals,
+                           "eval ")
         self.passed = True
 
     def test_event_files(self):
