@@ -25,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/spec.h"
+#include "ps/local_replica.h"
 #include "tests/fakes/fake_chief.h"
 #include "tests/fakes/fake_ps.h"
 #include "worker/service.h"
@@ -915,6 +916,84 @@ TEST_F(TrainerTest, AWorkerWithTooFewDevicesForTheReplicasIsPermanent) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("runs 2 replicas of the model per worker"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("names 1 device"));
   EXPECT_EQ(fake_->calls(0, Method::kPull), 0);
+}
+
+// The members of a ring in one process: a send is the receiver's Deliver.
+class MemoryPeers final : public allreduce::Peers {
+ public:
+  explicit MemoryPeers(std::vector<allreduce::Ring*>* rings) : rings_(rings) {}
+  absl::Status Send(int to, const RingPiece& piece, absl::Time deadline, bool forming) override {
+    while (true) {
+      if (cancelled_) return absl::CancelledError("cancelled");
+      absl::Status s = (*rings_)[to]->Deliver(piece);
+      if (!forming || !absl::IsUnavailable(s) || absl::Now() > deadline) return s;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+  void Abort(int to, const RingAbort& abort, absl::Time) override {
+    (*rings_)[to]->PeerAborted(abort).IgnoreError();
+  }
+  void CancelAll() override { cancelled_ = true; }
+
+ private:
+  std::vector<allreduce::Ring*>* rings_;
+  std::atomic<bool> cancelled_{false};
+};
+
+// A job without ps on two CPU workers, each with its own replica
+// (ps::Replica over a shard, as the worker process makes it): worker 1
+// loads its replica from worker 0's (which the chief loaded), both train on
+// the host ring to the end, and the two replicas end at the last step with
+// the same weights, moved from the initial ones.
+TEST(TrainerAllReduceTest, EachWorkerTrainsItsOwnReplica) {
+  JobConfig job = MakeJob({.num_ps = 1, .num_workers = 2});
+  job.set_exchange(JobConfig::ALL_REDUCE);
+  ps::Shard shard0, shard1;
+  ps::LocalReplica replica0(&shard0), replica1(&shard1);
+  // The chief loads worker 0's replica, as pushed to by worker 0 alone.
+  const std::vector<std::vector<float>> initial = InitialValues(job);
+  std::unique_ptr<ps::Client> chief_ps = replica0.Connect();
+  std::vector<const float*> buffers;
+  for (const std::vector<float>& v : initial) buffers.push_back(v.data());
+  InitHeader header;
+  header.set_job_id(kJobId);
+  *header.mutable_job() = ReplicaJob(job);
+  header.add_live_workers(0);
+  for (SliceSpec& s : SliceSpecs(job.placement(), 0)) *header.add_slice() = std::move(s);
+  ASSERT_TRUE(
+      chief_ps
+          ->Init(0, header, SliceRefs(job.placement(), 0, buffers), absl::Now() + absl::Seconds(5))
+          .ok());
+
+  std::vector<allreduce::Ring*> rings;
+  MemoryPeers peers(&rings);
+  allreduce::Ring ring0({.rank = 0, .size = 2, .form_timeout = absl::Seconds(5)}, &peers);
+  allreduce::Ring ring1({.rank = 1, .size = 2, .form_timeout = absl::Seconds(5)}, &peers);
+  rings = {&ring0, &ring1};
+  FakeChief chief(Registration(job));  // "ps 0" is worker 0's replica
+  TrainerOptions o0 = FastOptions(0), o1 = FastOptions(1);
+  o0.ring = &ring0;
+  o0.replica = &replica0;
+  o1.ring = &ring1;
+  o1.replica = &replica1;
+  // Both reach worker 0's replica as ps 0 (over gRPC in a real cluster);
+  // worker 1 then trains on its own.
+  auto worker0s = [&replica0](const std::vector<std::string>& addresses) {
+    EXPECT_EQ(addresses.size(), 1u);
+    return replica0.Connect();
+  };
+  Trainer first(o0, &chief, worker0s), second(o1, &chief, worker0s);
+  Running run0(&first), run1(&second);
+  const absl::Status s0 = run0.Join(), s1 = run1.Join();
+  ASSERT_TRUE(s0.ok()) << s0;
+  ASSERT_TRUE(s1.ok()) << s1;
+
+  EXPECT_EQ(shard0.stats().version, job.train_steps());
+  EXPECT_EQ(shard1.stats().version, job.train_steps());
+  std::unique_ptr<ps::Client> read0 = replica0.Connect(), read1 = replica1.Connect();
+  const std::vector<std::vector<float>> w0 = ReadWeights(*read0, job, kJobId);
+  EXPECT_EQ(w0, ReadWeights(*read1, job, kJobId));
+  EXPECT_NE(w0, initial);
 }
 
 }  // namespace
