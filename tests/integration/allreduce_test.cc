@@ -36,24 +36,9 @@ class AllReduceTest : public TempDirTest {
   std::unique_ptr<Process> StartWorker(int w, const std::string& hosts, int64_t steps,
                                        const std::vector<std::string>& extra = {}) const {
     std::vector<std::string> args = {"--job_name=worker", "--task_id=" + std::to_string(w), hosts};
-    for (const std::string& a : MlpArgs(steps)) args.push_back(a);
+    for (const std::string& a : HandStartedMlpArgs(steps)) args.push_back(a);
     args.insert(args.end(), extra.begin(), extra.end());
     return std::make_unique<Process>(Bin("psflow-worker"), args);
-  }
-
-  // Two or three workers started by hand share the machine's cores here, so
-  // one kernel thread each (psflow-launch divides the cores the same way; a
-  // worker's default, every core it may use, would have their OpenMP
-  // threads spin against each other: 300 steps took 20 s instead of 3).
-  std::vector<std::string> MlpArgs(int64_t steps) const {
-    return {"--model=mlp",
-            "--compute_threads=1",
-            "--train_steps=" + std::to_string(steps),
-            "--optimizer=adam",
-            "--learning_rate=0.001",
-            "--log_every_steps=100",
-            "--checkpoint_every_steps=100",
-            "--model_dir=" + dir_ + "/model"};
   }
 };
 
@@ -115,7 +100,7 @@ TEST_F(AllReduceTest, PyTorchJobEnvironmentAloneTrains) {
                                               {"WORLD_SIZE", "3"},
                                               {"RANK", std::to_string(rank)}};
     // As a PyTorchJob's template gives every pod the same args.
-    ranks.push_back(std::make_unique<Process>(Bin("psflow-worker"), MlpArgs(300), env));
+    ranks.push_back(std::make_unique<Process>(Bin("psflow-worker"), HandStartedMlpArgs(300), env));
   }
   std::string all;
   for (auto& r : ranks) {
@@ -138,7 +123,7 @@ TEST_F(AllReduceTest, TfConfigOfWorkersOnlyWithAGlobalBatch) {
   ASSERT_EQ(ports.size(), 2u);
   const std::string cluster = absl::StrCat(R"({"cluster":{"worker":["127.0.0.1:)", ports[0],
                                            R"(","127.0.0.1:)", ports[1], R"("]},)");
-  std::vector<std::string> args = MlpArgs(200);
+  std::vector<std::string> args = HandStartedMlpArgs(200);
   args.push_back("--global_batch_size=128");
   args.push_back("--batch_size=7");  // overridden
   std::vector<std::unique_ptr<Process>> workers;

@@ -55,19 +55,6 @@ class ChieflessTest : public TempDirTest {
         {"POD_NAME", absl::StrCat("mnist-", role, "-", index)}};
     return std::make_unique<Process>(Bin(role == "ps" ? "psflow-ps" : "psflow-worker"), args, env);
   }
-
-  // Two workers and two ps started by hand share the machine's cores here:
-  // one kernel thread per worker, as psflow-launch would give them.
-  std::vector<std::string> JobArgs(int64_t steps) const {
-    return {"--model=mlp",
-            "--compute_threads=1",
-            "--train_steps=" + std::to_string(steps),
-            "--optimizer=adam",
-            "--learning_rate=0.001",
-            "--log_every_steps=100",
-            "--checkpoint_every_steps=100",
-            "--model_dir=" + dir_ + "/model"};
-  }
 };
 
 TEST_F(ChieflessTest, HelmShapeTrainsAndEveryProcessExits0) {
@@ -75,8 +62,8 @@ TEST_F(ChieflessTest, HelmShapeTrainsAndEveryProcessExits0) {
   pods.push_back(StartPod("ps", 0, {}));
   pods.push_back(StartPod("ps", 1, {}));
   // Every worker gets the same container args.
-  pods.push_back(StartPod("worker", 0, JobArgs(600)));
-  pods.push_back(StartPod("worker", 1, JobArgs(600)));
+  pods.push_back(StartPod("worker", 0, HandStartedMlpArgs(600)));
+  pods.push_back(StartPod("worker", 1, HandStartedMlpArgs(600)));
   for (auto& pod : pods) {
     EXPECT_EQ(pod->WaitOrKill(seconds(240)), 0) << pod->Describe();
   }
@@ -100,13 +87,13 @@ TEST_F(ChieflessTest, Worker0KilledResumesTheChiefsDuties) {
   std::vector<std::unique_ptr<Process>> pods;
   pods.push_back(StartPod("ps", 0, {}));
   pods.push_back(StartPod("ps", 1, {}));
-  pods.push_back(StartPod("worker", 0, JobArgs(900)));
-  pods.push_back(StartPod("worker", 1, JobArgs(900)));
+  pods.push_back(StartPod("worker", 0, HandStartedMlpArgs(900)));
+  pods.push_back(StartPod("worker", 1, HandStartedMlpArgs(900)));
   ASSERT_TRUE(pods[2]->WaitForOutput("worker0] step 300/900 ", seconds(120)))
       << pods[2]->Describe();
   pods[2]->Signal(SIGKILL);
   pods[2]->WaitOrKill(seconds(10));
-  auto restarted = StartPod("worker", 0, JobArgs(900));
+  auto restarted = StartPod("worker", 0, HandStartedMlpArgs(900));
   // The ps still hold the job (at most a step apart: worker 0 may have died
   // between its pushes to the two): it is adopted, not restored.
   const std::regex resumed(R"(worker0\] (adopting the running job at) step ([0-9]+))");

@@ -389,6 +389,17 @@ void TempDirTest::TearDown() {
   }
 }
 
+std::vector<std::string> TempDirTest::HandStartedMlpArgs(int64_t steps) const {
+  return {"--model=mlp",
+          "--compute_threads=1",
+          "--train_steps=" + std::to_string(steps),
+          "--optimizer=adam",
+          "--learning_rate=0.001",
+          "--log_every_steps=100",
+          "--checkpoint_every_steps=100",
+          "--model_dir=" + dir_ + "/model"};
+}
+
 void ExpectNoProcessesLeft(const std::string& text) {
   std::vector<pid_t> left;
   for (int i = 0; i < 300; ++i) {

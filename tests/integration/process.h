@@ -165,6 +165,15 @@ class TempDirTest : public ::testing::Test {
  protected:
   void SetUp() override;
   void TearDown() override;
+
+  // The job's flags for processes started by hand (not by psflow-launch):
+  // the mlp for `steps` steps with adam, logging and checkpointing every 100
+  // steps, into dir_/model. One kernel thread each, as psflow-launch divides
+  // the cores: they share the machine's, and a worker's default (every core
+  // it may use) would have their OpenMP threads spin against each other (300
+  // steps took 20 s instead of 3).
+  std::vector<std::string> HandStartedMlpArgs(int64_t steps) const;
+
   std::string dir_;
 };
 
