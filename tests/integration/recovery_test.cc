@@ -488,6 +488,14 @@ void WaitWorkerBack(Cluster& cluster, int index, size_t* pos, int64_t* joined_at
   *joined_at = m[2].matched ? std::stoll(m[2].str()) : -1;
 }
 
+// Once the job passes step 300, kill -9 worker1 and wait for the chief to
+// take the restarted one back (WaitWorkerBack's *joined_at).
+void KillWorker1AndWaitBack(Cluster& cluster, size_t* pos, int64_t* joined_at) {
+  ASSERT_SEEN(*pos = cluster.WaitForStep(300, *pos));
+  ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "worker", 1, pos));
+  ASSERT_NO_FATAL_FAILURE(WaitWorkerBack(cluster, 1, pos, joined_at));
+}
+
 // kill -9 ps0, after the chief has written checkpoints: the launcher sees it
 // exit 137 and the chief finds "a parameter server is down" (in either
 // order); then the chief is "restoring from the checkpoint of step S".
@@ -556,14 +564,12 @@ TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
       Log());
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
 
-  // 1. kill -9 worker1; it is restarted and joins again.
-  size_t pos = cluster.WaitForStep(300, 0);
-  ASSERT_SEEN(pos);
-  ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "worker", 1, &pos));
-  // Back within --worker_timeout it is still a member ("registered"); later
-  // it would have been dropped and "joins at step N" (N > 0).
+  // 1. kill -9 worker1; it is restarted and joins again. Back within
+  // --worker_timeout it is still a member ("registered"); later it would
+  // have been dropped and "joins at step N" (N > 0).
+  size_t pos = 0;
   int64_t joined_at = -1;
-  ASSERT_NO_FATAL_FAILURE(WaitWorkerBack(cluster, 1, &pos, &joined_at));
+  ASSERT_NO_FATAL_FAILURE(KillWorker1AndWaitBack(cluster, &pos, &joined_at));
   EXPECT_NE(joined_at, 0) << cluster.Describe();
 
   // 2. kill -9 ps0: every ps is reloaded from the newest checkpoint.
@@ -597,13 +603,11 @@ TEST_F(RecoveryTest, ChaosCnnKeepsTheAccuracyBar) {
 TEST_F(RecoveryTest, KilledWorkerRejoins) {
   Cluster cluster(2, 2, true, MlpArgs(model_dir_, MlpSteps()), Log());
   ASSERT_NE(cluster.marker(), "") << cluster.Describe();
-  size_t pos = cluster.WaitForStep(300, 0);
-  ASSERT_SEEN(pos);
-  ASSERT_NO_FATAL_FAILURE(KillAndWaitRestarted(cluster, "worker", 1, &pos));
   // Back within --worker_timeout (30 s) it is still a member: "registered"
   // (it would "join at step N" had it been dropped).
+  size_t pos = 0;
   int64_t joined_at = -1;
-  ASSERT_NO_FATAL_FAILURE(WaitWorkerBack(cluster, 1, &pos, &joined_at));
+  ASSERT_NO_FATAL_FAILURE(KillWorker1AndWaitBack(cluster, &pos, &joined_at));
   if (joined_at >= 0) {
     EXPECT_GE(joined_at, 300) << cluster.Describe();
   }
