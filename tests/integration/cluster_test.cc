@@ -85,8 +85,7 @@ TEST_F(ClusterTest, LaunchTrainsAndEvalReportsAccuracy) {
   ExpectNoProcessesLeft("--chief_hosts=" + chief);
   ExpectNoProcessesLeft(model_dir);
 
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
-                              {}, seconds(60));
+  RunResult eval = RunEval(model_dir);
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   ASSERT_NE(acc, "") << eval.description;
@@ -118,11 +117,8 @@ TEST_F(ClusterTest, BatchNormModelEvaluatesTheSameAtEveryBatchSize) {
       << launch.Describe();
   std::string first;
   for (const char* batch : {"500", "7", "1"}) {
-    RunResult eval =
-        RunProcess(Bin("psflow-eval"),
-                   {"--saved_model=" + model_dir + "/saved_model", "--dataset=synthetic",
-                    "--synthetic_examples=500", std::string("--batch_size=") + batch},
-                   {}, seconds(60));
+    RunResult eval = RunEval(model_dir, {"--dataset=synthetic", "--synthetic_examples=500",
+                                         std::string("--batch_size=") + batch});
     std::smatch m;
     ASSERT_EQ(eval.exit_code, 0) << eval.description;
     ASSERT_TRUE(
@@ -190,8 +186,7 @@ TEST_F(ClusterTest, LaunchWithBfloat16OnTheWireTrainsAsWellAsFp32) {
                     "--wire_dtype=" + wire, "--model_dir=" + model_dir});
     EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
     EXPECT_NE(ChiefProgressLine(launch.output(), 400, 400), "") << launch.Describe();
-    RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
-                                {}, seconds(60));
+    RunResult eval = RunEval(model_dir);
     EXPECT_EQ(eval.exit_code, 0) << eval.description;
     const std::string acc = EvalAccuracyText(eval.out);
     EXPECT_NE(acc, "") << eval.description;

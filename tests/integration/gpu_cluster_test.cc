@@ -43,10 +43,8 @@ TEST(GpuClusterTest, CnnOnGpuWorkersReachesTheAccuracyBar) {
   ASSERT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
   EXPECT_THAT(launch.output(), ::testing::HasSubstr("workers 2/2 ps 2/2")) << launch.Describe();
 
-  RunResult eval = RunProcess(Bin("psflow-eval"),
-                              {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
-                               "--data_dir=" + std::string(kData)},
-                              {}, seconds(120));
+  RunResult eval =
+      RunEval(dir, {"--device=cuda:0", "--data_dir=" + std::string(kData)}, seconds(120));
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   ASSERT_NE(acc, "") << eval.description;

@@ -345,10 +345,8 @@ std::string MainRecipe(int workers, const std::string& dir,
   EXPECT_EQ(launch.WaitOrKill(seconds(300)), 0) << launch.Describe();
   EXPECT_THAT(launch.output(), ::testing::HasSubstr("x 2 replicas (GPUs) each"))
       << launch.Describe();
-  RunResult eval = RunProcess(Bin("psflow-eval"),
-                              {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
-                               "--data_dir=" + std::string(kData)},
-                              {}, seconds(120));
+  RunResult eval =
+      RunEval(dir, {"--device=cuda:0", "--data_dir=" + std::string(kData)}, seconds(120));
   EXPECT_EQ(eval.exit_code, 0) << eval.description;
   return EvalAccuracyText(eval.out);
 }
@@ -388,10 +386,8 @@ void GpuWorkersWithoutPsReachTheBar(const std::string& wire) {
   }
   EXPECT_THAT(out, ::testing::HasSubstr("worker0] replica at step 2340: crc32c"));
   ExpectIdenticalReplicas(out, 2);
-  RunResult eval = RunProcess(Bin("psflow-eval"),
-                              {"--saved_model=" + dir + "/saved_model", "--device=cuda:0",
-                               "--data_dir=" + std::string(kData)},
-                              {}, seconds(120));
+  RunResult eval =
+      RunEval(dir, {"--device=cuda:0", "--data_dir=" + std::string(kData)}, seconds(120));
   ASSERT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   ASSERT_NE(acc, "");

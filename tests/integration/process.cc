@@ -360,9 +360,15 @@ std::string EvalAccuracyText(const std::string& eval_stdout) {
   return m[2].str();
 }
 
+RunResult RunEval(const std::string& model_dir, const std::vector<std::string>& flags,
+                  milliseconds timeout) {
+  std::vector<std::string> args = {"--saved_model=" + model_dir + "/saved_model"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return RunProcess(Bin("psflow-eval"), args, {}, timeout);
+}
+
 std::string SavedModelFigures(const std::string& model_dir) {
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
-                              {}, seconds(60));
+  RunResult eval = RunEval(model_dir);
   std::smatch m;
   if (eval.exit_code != 0 ||
       !std::regex_search(eval.out, m, std::regex(R"(accuracy: ([0-9.]+)\nloss: ([0-9.]+)\n)"))) {

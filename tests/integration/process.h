@@ -137,6 +137,11 @@ std::vector<std::string> Lines(const std::string& text);
 // `output`; "" if there is none.
 std::string LaunchChiefAddress(const std::string& output);
 
+// Runs psflow-eval to completion on the saved model of the job whose
+// --model_dir is `model_dir`, with `flags` after --saved_model.
+RunResult RunEval(const std::string& model_dir, const std::vector<std::string>& flags = {},
+                  milliseconds timeout = seconds(60));
+
 // The accuracy in psflow-eval's "accuracy: <a>" line of `eval_stdout`, as
 // printed; "" if there is none.
 std::string EvalAccuracyText(const std::string& eval_stdout);

@@ -359,8 +359,7 @@ void ExpectWholeCheckpoints(const std::string& model_dir, int64_t final_step) {
 // Runs psflow-eval on the saved model; checks that it is of `step` and
 // returns its accuracy (-1 on failure).
 double EvalAccuracy(const std::string& model_dir, int64_t step) {
-  RunResult eval = RunProcess(Bin("psflow-eval"), {"--saved_model=" + model_dir + "/saved_model"},
-                              {}, seconds(120));
+  RunResult eval = RunEval(model_dir, {}, seconds(120));
   EXPECT_EQ(eval.exit_code, 0) << eval.description;
   const std::string acc = EvalAccuracyText(eval.out);
   if (acc.empty()) {
