@@ -1,14 +1,19 @@
 // Test certificates: scripts/make-certs.sh run into a directory, read back
-// as SecurityOptions per role. Needs openssl and PSFLOW_SOURCE_DIR (the
-// repository root, defined by tests/common/CMakeLists.txt).
+// as SecurityOptions per role, and a fixture with two such directories. Needs
+// openssl and PSFLOW_SOURCE_DIR (the repository root, defined by
+// tests/common/CMakeLists.txt).
 #ifndef PSFLOW_TESTS_COMMON_CERTS_H_
 #define PSFLOW_TESTS_COMMON_CERTS_H_
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
+#include "gtest/gtest.h"
 #include "transport/security.h"
 
 namespace psflow::testing_certs {
@@ -31,6 +36,29 @@ inline SecurityOptions Options(const std::string& dir, const std::string& role, 
   absl::StatusOr<SecurityOptions> o = LoadSecurityOptions(files);
   return o.ok() ? *o : SecurityOptions{};
 }
+
+// A fixture with two sets of make-certs.sh files (two CAs), Job() and
+// Other(), made once for the suite in a directory of its own, dir_.
+class TwoCasTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(absl::StrCat(
+        ::testing::TempDir(), "/psflow_",
+        ::testing::UnitTest::GetInstance()->current_test_suite()->name(), "_", ::getpid()));
+    std::filesystem::remove_all(*dir_);
+    ASSERT_TRUE(MakeCerts(Job()));
+    ASSERT_TRUE(MakeCerts(Other()));
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string Job() { return *dir_ + "/job"; }
+  static std::string Other() { return *dir_ + "/other"; }
+
+  inline static std::string* dir_ = nullptr;
+};
 
 }  // namespace psflow::testing_certs
 

@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -26,7 +25,6 @@
 namespace psflow {
 namespace {
 
-using testing_certs::MakeCerts;
 using testing_certs::Options;
 
 // A TCP port that was free on 127.0.0.1 a moment ago.
@@ -59,19 +57,11 @@ TEST(ListenAddressTest, OwnAddressWhereLocalElseAllInterfaces) {
 constexpr char kShutdown[] = "/psflow.ParameterServer/Shutdown";
 
 // Calls on one server through channels made with MakeChannel.
-class SecureServerTest : public ::testing::Test {
+class SecureServerTest : public testing_certs::TwoCasTest {
  protected:
   static void SetUpTestSuite() {
     grpc::EnableDefaultHealthCheckService(true);
-    dir_ =
-        new std::string(absl::StrCat(::testing::TempDir(), "/psflow_grpc_util_test_", ::getpid()));
-    std::filesystem::remove_all(*dir_);
-    ASSERT_TRUE(MakeCerts(*dir_ + "/job"));
-    ASSERT_TRUE(MakeCerts(*dir_ + "/other"));
-  }
-  static void TearDownTestSuite() {
-    std::filesystem::remove_all(*dir_);
-    delete dir_;
+    TwoCasTest::SetUpTestSuite();
   }
 
   // Starts the server on a free loopback port as `security` says; only the
@@ -127,15 +117,10 @@ class SecureServerTest : public ::testing::Test {
     return status.error_code();
   }
 
-  static std::string Job() { return *dir_ + "/job"; }
-  static std::string Other() { return *dir_ + "/other"; }
-  static std::string* dir_;
-
   ParameterServer::Service service_;  // every method UNIMPLEMENTED
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
 };
-std::string* SecureServerTest::dir_ = nullptr;
 
 TEST_F(SecureServerTest, PlaintextServesEveryone) {
   Start(SecurityOptions{});

@@ -1,7 +1,5 @@
 #include "transport/security.h"
 
-#include <unistd.h>
-#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -14,33 +12,17 @@ namespace psflow {
 namespace {
 
 using ::testing::HasSubstr;
-using testing_certs::MakeCerts;
 using testing_certs::Options;
 
 // Two sets of make-certs.sh files (two CAs), made once for the suite.
-class SecurityTest : public ::testing::Test {
+class SecurityTest : public testing_certs::TwoCasTest {
  protected:
-  static void SetUpTestSuite() {
-    dir_ =
-        new std::string(absl::StrCat(::testing::TempDir(), "/psflow_security_test_", ::getpid()));
-    std::filesystem::remove_all(*dir_);
-    ASSERT_TRUE(MakeCerts(*dir_ + "/job"));
-    ASSERT_TRUE(MakeCerts(*dir_ + "/other"));
-  }
-  static void TearDownTestSuite() {
-    std::filesystem::remove_all(*dir_);
-    delete dir_;
-  }
-  static std::string Job() { return *dir_ + "/job"; }
-  static std::string Other() { return *dir_ + "/other"; }
   static std::string Write(const std::string& name, const std::string& text) {
     const std::string path = *dir_ + "/" + name;
     std::ofstream(path) << text;
     return path;
   }
-  static std::string* dir_;
 };
-std::string* SecurityTest::dir_ = nullptr;
 
 TEST_F(SecurityTest, NoFilesIsPlaintextWithoutToken) {
   absl::StatusOr<SecurityOptions> o = LoadSecurityOptions({});
