@@ -3,7 +3,6 @@
 #include <fstream>
 #include <string>
 
-#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/certs.h"
