@@ -67,7 +67,19 @@ struct Group {
       rings.push_back(owned.back().get());
     }
   }
+  // Every member takes part in job `job_id`.
+  void Open(uint64_t job_id) {
+    for (Ring* r : rings) r->Open(job_id);
+  }
 };
+
+// Options of a ring whose rounds and forming both give up after `timeout`.
+RingOptions Timeouts(absl::Duration timeout) {
+  RingOptions o;
+  o.round_timeout = timeout;
+  o.form_timeout = timeout;
+  return o;
+}
 
 // Each member's buffers: pieces of odd lengths (a variable each).
 std::vector<std::vector<float>> MemberValues(int member, const std::vector<int64_t>& lengths) {
@@ -88,19 +100,42 @@ std::vector<absl::Span<float>> Spans(std::vector<std::vector<float>>& values) {
   return s;
 }
 
+// A float piece of job `job_id` from member `from` for round 0 of step 0,
+// of `bytes` bytes of zeros.
+RingPiece Piece(uint64_t job_id, int from, size_t bytes) {
+  RingPiece piece;
+  piece.set_job_id(job_id);
+  piece.set_from(from);
+  piece.set_step(0);
+  piece.set_round(0);
+  piece.set_dtype(DT_FLOAT);
+  piece.set_data(std::string(bytes, '\0'));
+  return piece;
+}
+
+// Starts an all-reduce of `values[r]` by each member r < `members`, on a
+// thread of its own; member r's status goes to (*results)[r].
+std::vector<std::thread> StartMembers(Group& g,
+                                      std::vector<std::vector<std::vector<float>>>& values,
+                                      int members, int64_t step, DataType dtype,
+                                      std::vector<absl::Status>* results) {
+  results->resize(members);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < members; ++r) {
+    threads.emplace_back([&g, &values, results, r, step, dtype] {
+      std::vector<absl::Span<float>> spans = Spans(values[r]);
+      (*results)[r] = g.rings[r]->AllReduce(step, spans, dtype);
+    });
+  }
+  return threads;
+}
+
 // Runs one all-reduce of every member at once; the members' statuses.
 std::vector<absl::Status> RunAll(Group& g, std::vector<std::vector<std::vector<float>>>& values,
                                  int64_t step, DataType dtype) {
+  std::vector<absl::Status> results;
   const int n = static_cast<int>(g.rings.size());
-  std::vector<absl::Status> results(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<absl::Span<float>> spans = Spans(values[r]);
-      results[r] = g.rings[r]->AllReduce(step, spans, dtype);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  for (std::thread& t : StartMembers(g, values, n, step, dtype, &results)) t.join();
   return results;
 }
 
@@ -109,7 +144,7 @@ void ExpectMeanEverywhere(int n, const std::vector<int64_t>& lengths, DataType d
   RingOptions o;
   o.bucket_bytes = bucket_bytes;
   Group g(n, o);
-  for (Ring* r : g.rings) r->Open(42);
+  g.Open(42);
   std::vector<std::vector<std::vector<float>>> values;
   for (int r = 0; r < n; ++r) values.push_back(MemberValues(r, lengths));
   const auto original = values;
@@ -154,7 +189,7 @@ TEST(RingTest, MoreMembersThanFloats) { ExpectMeanEverywhere(4, {2}, DT_FLOAT, 4
 
 TEST(RingTest, ANonFiniteValueReachesEveryMember) {
   Group g(3, RingOptions());
-  for (Ring* r : g.rings) r->Open(1);
+  g.Open(1);
   std::vector<std::vector<std::vector<float>>> values;
   for (int r = 0; r < 3; ++r) values.push_back(MemberValues(r, {100}));
   values[1][0][50] = std::nanf("");
@@ -175,11 +210,11 @@ TEST(RingTest, AnAllReduceStartedBeforeItsPiecesAreReadyGivesTheSameBits) {
   for (int r = 0; r < kMembers; ++r) want.push_back(MemberValues(r, lengths));
   {
     Group g(kMembers, o);
-    for (Ring* r : g.rings) r->Open(3);
+    g.Open(3);
     for (absl::Status& s : RunAll(g, want, 5, DT_FLOAT)) ASSERT_TRUE(s.ok()) << s;
   }
   Group g(kMembers, o);
-  for (Ring* r : g.rings) r->Open(3);
+  g.Open(3);
   std::vector<std::vector<std::vector<float>>> values(kMembers);
   std::vector<PieceReadiness> ready(kMembers);
   std::vector<absl::Status> results(kMembers);
@@ -217,11 +252,8 @@ TEST(RingTest, AnAllReduceStartedBeforeItsPiecesAreReadyGivesTheSameBits) {
 // A member whose pieces never become ready fails the step at the round
 // timeout, and the others with it.
 TEST(RingTest, PiecesThatNeverBecomeReadyEndTheStep) {
-  RingOptions o;
-  o.round_timeout = absl::Milliseconds(300);
-  o.form_timeout = absl::Milliseconds(300);
-  Group g(2, o);
-  for (Ring* r : g.rings) r->Open(3);
+  Group g(2, Timeouts(absl::Milliseconds(300)));
+  g.Open(3);
   std::vector<float> a(10, 1.0f), b(10, 2.0f);
   PieceReadiness never;
   never.Reset(1);
@@ -244,7 +276,7 @@ TEST(RingTest, PiecesThatNeverBecomeReadyEndTheStep) {
 
 TEST(RingTest, ConsecutiveStepsReuseTheRing) {
   Group g(2, RingOptions());
-  for (Ring* r : g.rings) r->Open(1);
+  g.Open(1);
   for (int64_t step = 0; step < 20; ++step) {
     std::vector<std::vector<std::vector<float>>> values = {{{1.0f, 2.0f}}, {{3.0f, 4.0f}}};
     for (absl::Status& s : RunAll(g, values, step, DT_FLOAT)) ASSERT_TRUE(s.ok()) << s;
@@ -255,7 +287,7 @@ TEST(RingTest, ConsecutiveStepsReuseTheRing) {
 TEST(RingTest, BroadcastHandsMember0sBytesToEveryone) {
   for (int n : {1, 2, 3, 5}) {
     Group g(n, RingOptions());
-    for (Ring* r : g.rings) r->Open(1);
+    g.Open(1);
     std::string id(128, '\0');
     for (size_t i = 0; i < id.size(); ++i) id[i] = static_cast<char>(i * 37 + 11);
     std::vector<absl::StatusOr<std::string>> got(n);
@@ -277,7 +309,7 @@ TEST(RingTest, AMemberThatIsDownFailsTheOthersAndTheyLeave) {
   RingOptions o;
   o.round_timeout = absl::Seconds(20);
   Group g(3, o);
-  for (Ring* r : g.rings) r->Open(1);
+  g.Open(1);
   // Form the group first: afterwards a member that does not answer fails at once.
   std::vector<std::vector<std::vector<float>>> values;
   for (int r = 0; r < 3; ++r) values.push_back(MemberValues(r, {64}));
@@ -286,13 +318,7 @@ TEST(RingTest, AMemberThatIsDownFailsTheOthersAndTheyLeave) {
   for (auto& p : g.peers) p->SetDown(2);
   const absl::Time start = absl::Now();
   std::vector<absl::Status> results(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<absl::Span<float>> spans = Spans(values[r]);
-      results[r] = g.rings[r]->AllReduce(1, spans, DT_FLOAT);
-    });
-  }
+  std::vector<std::thread> threads = StartMembers(g, values, 2, 1, DT_FLOAT, &results);
   for (std::thread& t : threads) t.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not the round timeout
   EXPECT_TRUE(absl::IsUnavailable(results[1])) << results[1];
@@ -312,7 +338,7 @@ TEST(RingTest, ASenderThatIsGoneEndsTheWaitForItsPiece) {
   RingOptions o;
   o.round_timeout = absl::Seconds(60);
   Group g(2, o);
-  for (Ring* r : g.rings) r->Open(5);
+  g.Open(5);
   std::vector<std::vector<std::vector<float>>> values = {{{1.0f, 2.0f}}, {{3.0f, 4.0f}}};
   for (absl::Status& s : RunAll(g, values, 0, DT_FLOAT)) ASSERT_TRUE(s.ok()) << s;  // formed
   g.peers[0]->SetUnreachable(1);
@@ -326,11 +352,8 @@ TEST(RingTest, ASenderThatIsGoneEndsTheWaitForItsPiece) {
 }
 
 TEST(RingTest, APieceThatNeverComesEndsTheRoundAtItsTimeout) {
-  RingOptions o;
-  o.round_timeout = absl::Milliseconds(200);
-  o.form_timeout = absl::Milliseconds(200);
-  Group g(2, o);
-  for (Ring* r : g.rings) r->Open(1);
+  Group g(2, Timeouts(absl::Milliseconds(200)));
+  g.Open(1);
   std::vector<std::vector<float>> values = {{1.0f, 2.0f, 3.0f}};
   std::vector<absl::Span<float>> spans = Spans(values);
   // Member 1 never takes part.
@@ -341,13 +364,7 @@ TEST(RingTest, APieceThatNeverComesEndsTheRoundAtItsTimeout) {
 
 TEST(RingTest, DeliverRefusesWhatItNeverTakes) {
   Group g(3, RingOptions());
-  RingPiece piece;
-  piece.set_job_id(5);
-  piece.set_from(2);  // member 0's predecessor
-  piece.set_step(0);
-  piece.set_round(0);
-  piece.set_dtype(DT_FLOAT);
-  piece.set_data(std::string(8, '\0'));
+  RingPiece piece = Piece(5, 2, 8);  // from member 0's predecessor
   // Not in a job yet: the sender asks again later.
   EXPECT_TRUE(absl::IsUnavailable(g.rings[0]->Deliver(piece)));
   g.rings[0]->Open(5);
@@ -375,17 +392,10 @@ TEST(RingTest, APieceOfTheWrongSizeFailsTheStep) {
   RingOptions o;
   o.round_timeout = absl::Seconds(5);
   Group g(2, o);
-  for (Ring* r : g.rings) r->Open(1);
+  g.Open(1);
   // Member 1's piece for member 0, of 3 floats where member 0 expects 2
   // (member 1 itself takes no part: its piece is this one).
-  RingPiece piece;
-  piece.set_job_id(1);
-  piece.set_from(1);
-  piece.set_step(0);
-  piece.set_round(0);
-  piece.set_dtype(DT_FLOAT);
-  piece.set_data(std::string(12, '\0'));
-  ASSERT_TRUE(g.rings[0]->Deliver(piece).ok());
+  ASSERT_TRUE(g.rings[0]->Deliver(Piece(1, 1, 12)).ok());
   std::vector<std::vector<float>> values = {{1.0f, 2.0f, 3.0f, 4.0f}};
   std::vector<absl::Span<float>> spans = Spans(values);
   absl::Status s = g.rings[0]->AllReduce(0, spans, DT_FLOAT);
@@ -398,13 +408,7 @@ TEST(RingTest, PiecesBeyondTheBoundsAreRefused) {
   o.bucket_bytes = 1024;  // segments of 128 floats with 2 members
   Group g(2, o);
   g.rings[0]->Open(1);
-  RingPiece piece;
-  piece.set_job_id(1);
-  piece.set_from(1);
-  piece.set_step(0);
-  piece.set_round(0);
-  piece.set_dtype(DT_FLOAT);
-  piece.set_data(std::string(4 * 1000, '\0'));  // far more than a segment
+  RingPiece piece = Piece(1, 1, 4 * 1000);  // far more than a segment
   EXPECT_TRUE(absl::IsInvalidArgument(g.rings[0]->Deliver(piece)));
   piece.set_data(std::string(8, '\0'));
   piece.set_bucket(1 << 20);
@@ -424,17 +428,11 @@ TEST(RingTest, CancelEndsTheFormingWaitAndTellsTheOthers) {
   RingOptions o;
   o.form_timeout = absl::Seconds(30);
   Group g(3, o);
-  for (Ring* r : g.rings) r->Open(1);
+  g.Open(1);
   std::vector<std::vector<std::vector<float>>> values(2, {{1.0f, 2.0f, 3.0f}});
   std::vector<absl::Status> results(2);
   // Members 0 and 1 wait for member 2, which never takes part.
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<absl::Span<float>> spans = Spans(values[r]);
-      results[r] = g.rings[r]->AllReduce(0, spans, DT_FLOAT);
-    });
-  }
+  std::vector<std::thread> threads = StartMembers(g, values, 2, 0, DT_FLOAT, &results);
   absl::SleepFor(absl::Milliseconds(100));
   const absl::Time start = absl::Now();
   g.rings[2]->Cancel();
