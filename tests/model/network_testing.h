@@ -24,22 +24,17 @@ inline Weights Zeros(const Network& net) {
   for (const VariableShape& v : net.variables()) out.emplace_back(NumElements(v.shape), 0.0f);
   return out;
 }
-inline Weights NetGradients(Network& net) {
-  Weights g = Zeros(net);
+// Zeros(net) filled by `get` (GetWeights or GetGradients); a failure fails the test.
+inline Weights CopyOut(Network& net, absl::Status (Network::*get)(const std::vector<float*>&)) {
+  Weights out = Zeros(net);
   std::vector<float*> ptrs;
-  for (auto& v : g) ptrs.push_back(v.data());
-  absl::Status s = net.GetGradients(ptrs);
+  for (auto& v : out) ptrs.push_back(v.data());
+  absl::Status s = (net.*get)(ptrs);
   EXPECT_TRUE(s.ok()) << s;
-  return g;
+  return out;
 }
-inline Weights NetWeights(Network& net) {
-  Weights w = Zeros(net);
-  std::vector<float*> ptrs;
-  for (auto& v : w) ptrs.push_back(v.data());
-  absl::Status s = net.GetWeights(ptrs);
-  EXPECT_TRUE(s.ok()) << s;
-  return w;
-}
+inline Weights NetGradients(Network& net) { return CopyOut(net, &Network::GetGradients); }
+inline Weights NetWeights(Network& net) { return CopyOut(net, &Network::GetWeights); }
 
 }  // namespace psflow::model
 
