@@ -14,6 +14,8 @@
 #include "ps/limits.h"
 #include "ps/optimizer.h"
 #include "ps/pull_session.h"
+#include "ps/push_session.h"
+#include "ps/snapshot_session.h"
 #include "ps/tensors.h"
 
 namespace psflow::ps {
@@ -70,7 +72,10 @@ class SinkFiller {
         return absl::InvalidArgumentError(absl::StrCat("tensor ", what(), " sent twice"));
       }
       const int64_t n = NumElements(t.shape);
-      CopyThrough(t, n, SinkData(sink, n));
+      float* to = SinkData(sink, n);
+      CopyThrough(t, n, to);
+      // As a ChunkAssembler: a gradient's sink learns of NaN and infinity here.
+      if (sink.non_finite != nullptr && AnyNonFinite(to, n)) *sink.non_finite = true;
       filled_[it->second] = true;
     }
     return absl::OkStatus();
@@ -246,27 +251,16 @@ absl::StatusOr<Client::PullResult> LocalPull(Shard& shard, const LocalCall& call
 
 absl::StatusOr<PushResponse> LocalPush(Shard& shard, const PushHeader& header,
                                        const std::vector<TensorRef>& grads) {
-  PSFLOW_ASSIGN_OR_RETURN(auto slices, shard.Slices(header.job_id()));
-  PSFLOW_ASSIGN_OR_RETURN(const DataType dtype, shard.WireDtype(header.job_id()));
-  const std::vector<SliceSpec>& specs = *slices;
-  PSFLOW_ASSIGN_OR_RETURN(std::vector<int> indices,
-                          SliceIndices(header.slices(), static_cast<int>(specs.size()), "push"));
-  std::vector<Shard::SliceGradient> values;
+  PushSession session(&shard);
+  PSFLOW_RETURN_IF_ERROR(session.Begin(header, /*in_place=*/false));
   if (header.skip()) {
     if (!grads.empty()) return absl::InvalidArgumentError("a skip push carries data");
-    values = SkipGradients(indices, static_cast<int>(specs.size()));
   } else {
-    std::vector<TensorSink> sinks = GradientSinks(specs, indices, dtype, &values);
+    std::vector<TensorSink> sinks = session.TakeSinks();
     PSFLOW_RETURN_IF_ERROR(CopyInto(grads, sinks));
+    PSFLOW_RETURN_IF_ERROR(session.HandOverAll());
   }
-  PSFLOW_ASSIGN_OR_RETURN(
-      const PushResponse::Outcome outcome,
-      shard.PushSlices(header.job_id(), header.worker(), header.step(), std::move(values)));
-  shard.CountOutcome(outcome);
-  PushResponse response;
-  response.set_outcome(outcome);
-  response.set_version(shard.stats().version);
-  return response;
+  return session.End();
 }
 
 PsState LocalState(Shard& shard, int ps) {
@@ -284,22 +278,27 @@ PsState LocalState(Shard& shard, int ps) {
 
 absl::Status LocalSnapshot(Shard& shard, const LocalCall& call, uint64_t job_id, int64_t version,
                            std::vector<TensorSink>& sinks, absl::Time deadline) {
-  auto snap = shard.SnapshotAt(job_id, version, deadline, [&] { return !call.interrupted().ok(); });
-  if (!snap.ok()) {
+  SnapshotRequest request;
+  request.set_job_id(job_id);
+  request.set_version(version);
+  // As the real ps: sinks of values alone get no slots.
+  request.set_values_only(
+      std::all_of(sinks.begin(), sinks.end(), [](const TensorSink& s) { return s.slot.empty(); }));
+  SnapshotSession session(&shard, request, deadline);
+  PSFLOW_RETURN_IF_ERROR(session.Request());
+  ShardWakeup wakeup(shard);
+  const absl::Duration poll = std::min(call.poll_every, absl::Seconds(1));
+  while (true) {
+    const SnapshotSession::Step step = session.Next([&] { wakeup.Arm(-1, -1); });
+    if (step.action == SnapshotSession::Action::kSend) break;
     if (absl::Status i = call.interrupted(); !i.ok()) return i;
-    return snap.status();
+    if (step.action == SnapshotSession::Action::kFinish) return step.status;
+    wakeup.Wait(std::min(step.until, absl::Now() + poll));
   }
-  if ((*snap)->weights->version != version) {
+  if (session.snapshot()->weights->version != version) {
     return absl::DataLossError("snapshot of another version");
   }
-  std::vector<TensorRef> refs = SnapshotRefs(**snap);
-  // As the real ps: sinks of values alone get no slots.
-  if (std::all_of(sinks.begin(), sinks.end(), [](const TensorSink& s) { return s.slot.empty(); })) {
-    refs.erase(std::remove_if(refs.begin(), refs.end(),
-                              [](const TensorRef& r) { return !r.slot.empty(); }),
-               refs.end());
-  }
-  absl::Status s = CopyInto(refs, sinks);
+  absl::Status s = CopyInto(session.Refs(), sinks);
   return s.ok() ? s : absl::DataLossError(s.message());
 }
 

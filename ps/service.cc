@@ -27,6 +27,8 @@
 #include "common/status_macros.h"
 #include "ps/limits.h"
 #include "ps/pull_session.h"
+#include "ps/push_session.h"
+#include "ps/snapshot_session.h"
 #include "ps/tensors.h"
 #include "transport/call_channel.h"
 #include "transport/chunk_messages.h"
@@ -198,20 +200,22 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   std::vector<ChunkPiece> pieces_ ABSL_GUARDED_BY(mu_);  // the next message's chunks
 };
 
-// Asks the shard for a snapshot of one version, waits until it is taken,
-// then streams it (values, and optimizer slots unless values_only).
+// Drives a SnapshotSession: waits on the shard's waiter and an alarm until
+// the snapshot is taken, then streams it (values, and optimizer slots
+// unless values_only) in chunk messages.
 class PsService::SnapshotWriter final
     : public WaitingWriter<SnapshotResponse, grpc::ServerWriteReactor<SnapshotResponse>> {
  public:
   SnapshotWriter(PsService* service, grpc::CallbackServerContext* context,
                  const SnapshotRequest* request)
       : WaitingWriter(service, context->peer(), absl::FromChrono(context->deadline())),
-        service_(service),
-        request_(*request) {
-    absl::StatusOr<Shard::SnapshotTicket> ticket =
-        service_->shard_->RequestSnapshot(request_.job_id(), request_.version());
-    if (ticket.ok()) ticket_ = *ticket;
-    Start(ticket.status());
+        session_(service->shard_, *request, call_deadline_) {
+    absl::Status asked;
+    {
+      absl::MutexLock lock(&mu_);
+      asked = session_.Request();
+    }
+    Start(asked);
   }
 
  private:
@@ -225,37 +229,27 @@ class PsService::SnapshotWriter final
       }
       return;
     }
-    Arm();
-    absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> taken =
-        service_->shard_->PollSnapshot(*ticket_);
-    if (!taken.ok()) return FinishLocked(taken.status());
-    if (*taken == nullptr) {
-      if (absl::Now() < call_deadline_) return WaitUntil(call_deadline_);
-      return FinishLocked(absl::DeadlineExceededError(
-          absl::StrCat("version ", request_.version(), " not reached; ps is at ",
-                       service_->shard_->stats().version)));
+    const SnapshotSession::Step step = session_.Next([this] { Arm(); });
+    switch (step.action) {
+      case SnapshotSession::Action::kWait:
+        return WaitUntil(step.until);
+      case SnapshotSession::Action::kFinish:
+        return FinishLocked(step.status);
+      case SnapshotSession::Action::kSend:
+        break;
     }
     Disarm();
-    snapshot_ = *taken;  // streamed from the shared, immutable snapshot
-    std::vector<TensorRef> refs = SnapshotRefs(*snapshot_);
-    if (request_.values_only()) {
-      refs.erase(std::remove_if(refs.begin(), refs.end(),
-                                [](const TensorRef& r) { return !r.slot.empty(); }),
-                 refs.end());
-    }
-    splitter_ = std::make_unique<ChunkSplitter>(std::move(refs), kChunkBytes);
-    response_.set_version(snapshot_->weights->version);
+    splitter_ = std::make_unique<ChunkSplitter>(session_.Refs(), kChunkBytes);
+    response_.set_version(session_.snapshot()->weights->version);
     splitter_->Next(response_.mutable_chunk());
     WriteLocked();
   }
   void Done() override {
-    if (ticket_.has_value()) service_->shard_->ReleaseSnapshot(*ticket_);
+    absl::MutexLock lock(&mu_);
+    session_.Release();
   }
 
-  PsService* const service_;
-  const SnapshotRequest request_;
-  std::optional<Shard::SnapshotTicket> ticket_;
-  std::shared_ptr<const Shard::Snapshot> snapshot_ ABSL_GUARDED_BY(mu_);
+  SnapshotSession session_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ChunkSplitter> splitter_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -447,6 +441,7 @@ class PsService::PushReader final : public Base {
         service_(service),
         peer_(std::move(peer)),
         response_(response != nullptr ? response : &own_response_),
+        session_(service->shard_),
         gate_(std::make_shared<Gate>(this)) {
     if constexpr (std::is_base_of_v<ChannelReadReactor, Base>) this->SetResponse(response_);
     if (absl::Status s = service_->Admit(peer_); !s.ok()) {
@@ -523,9 +518,9 @@ class PsService::PushReader final : public Base {
     if (!ok) {
       // An End that answers finishes the call, after which gRPC may delete
       // this reader at any moment: what the trace needs is taken first.
-      const bool traced = trace != nullptr && started_ && trace->Wants(header_.step());
-      const int64_t step = header_.step();
-      std::string worker = absl::StrCat(header_.worker());
+      const bool traced = trace != nullptr && started_ && trace->Wants(session_.header().step());
+      const int64_t step = session_.header().step();
+      std::string worker = absl::StrCat(session_.header().worker());
       absl::Status s = End();
       if (traced) {
         trace->Record("push answered", step, start_us, StepTrace::NowMicros(),
@@ -536,9 +531,9 @@ class PsService::PushReader final : public Base {
     }
     const int64_t bytes_before = bytes_;
     absl::Status s = Take();
-    if (trace != nullptr && started_ && trace->Wants(header_.step())) {
-      trace->Record("push message", header_.step(), start_us, StepTrace::NowMicros(),
-                    {{"worker", absl::StrCat(header_.worker())},
+    if (trace != nullptr && started_ && trace->Wants(session_.header().step())) {
+      trace->Record("push message", session_.header().step(), start_us, StepTrace::NowMicros(),
+                    {{"worker", absl::StrCat(session_.header().worker())},
                      {"bytes", absl::StrCat(bytes_ - bytes_before)}});
     }
     if (!s.ok()) {
@@ -551,13 +546,13 @@ class PsService::PushReader final : public Base {
   // Ends the call with `s` (not OK).
   void Fail(const absl::Status& s) {
     // Its worker drops a region whose call failed: so does the ps.
-    if (region_ != nullptr) service_->ForgetRegion(header_.region());
+    if (region_ != nullptr) service_->ForgetRegion(session_.header().region());
     gate_->Answer(ToGrpcStatus(s));
   }
 
   // One message: the header (first message only) and chunks.
   absl::Status Take() {
-    if (skip_) return absl::InvalidArgumentError("a skip push carries no chunks");
+    if (session_.skip()) return absl::InvalidArgumentError("a skip push carries no chunks");
     PushRequest fields;
     return ReadChunkMessage(
         &message_, PushRequest::kChunkFieldNumber, &fields,
@@ -566,10 +561,10 @@ class PsService::PushReader final : public Base {
           return assembler_.get();
         },
         [&](int completed) {
-          std::vector<Shard::SliceGradient> part;
-          part.push_back(std::move(grads_[completed]));
-          if (!part.back().borrowed.empty()) part.back().borrowed.hold = hold_;
-          return HandOver(std::move(part));
+          // A pull that a small slice's apply here wakes is answered on
+          // this thread, once the shard's lock is let go.
+          DeferredWork wakes;
+          return Refused(session_.HandOver({completed}, hold_));
         },
         &bytes_, &region_span_);
   }
@@ -579,73 +574,41 @@ class PsService::PushReader final : public Base {
       return absl::InvalidArgumentError("push stream must start with a header");
     }
     started_ = true;
-    header_ = first.header();
+    const PushHeader& header = first.header();
     start_ = absl::Now();  // an answered push goes to the metrics
-    if (service_->trace_ != nullptr) service_->trace_->Reached(header_.step());
-    Shard* const shard = service_->shard_;
-    PSFLOW_ASSIGN_OR_RETURN(std::shared_ptr<const std::vector<SliceSpec>> slices,
-                            shard->Slices(header_.job_id()));
-    PSFLOW_ASSIGN_OR_RETURN(DataType dtype, shard->WireDtype(header_.job_id()));
-    num_slices_ = static_cast<int>(slices->size());
-    PSFLOW_ASSIGN_OR_RETURN(indices_, SliceIndices(header_.slices(), num_slices_, "push"));
-    skip_ = header_.skip();
-    if (header_.has_region()) {
-      PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header_.region()));
+    if (service_->trace_ != nullptr) service_->trace_->Reached(header.step());
+    // Gradients in a region are applied where they lie (16-bit ones widened
+    // as the apply reads them), in a synchronous job.
+    PSFLOW_RETURN_IF_ERROR(
+        session_.Begin(header, header.has_region() && service_->apply_in_place_));
+    if (header.has_region()) {
+      PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header.region()));
       region_span_ = region_->data;
     }
-    // Gradients in a region are applied where they lie (16-bit ones widened
-    // as the apply reads them), in a synchronous job (an asynchronous one
-    // would hold the push until its round: the shard copies them there).
-    const bool borrow = region_ != nullptr && service_->apply_in_place_ && !skip_ &&
-                        shard->KeepsBorrowedGradients();
-    if (borrow) hold_ = std::make_shared<Hold>(region_, gate_);
+    if (session_.borrows()) hold_ = std::make_shared<Hold>(region_, gate_);
     // A skip push has no data: no assembler, so that a chunk is refused.
-    if (!skip_) {
-      assembler_ = std::make_unique<ChunkAssembler>(
-          GradientSinks(*slices, indices_, dtype, &grads_, shard, borrow));
-    }
+    if (!session_.skip()) assembler_ = std::make_unique<ChunkAssembler>(session_.TakeSinks());
     return absl::OkStatus();
   }
 
-  absl::Status HandOver(std::vector<Shard::SliceGradient> part) {
-    // A pull that a small slice's apply here wakes is answered on this
-    // thread, once the shard's lock is let go.
-    DeferredWork wakes;
-    absl::StatusOr<PushResponse::Outcome> handed =
-        service_->shard_->PushSlices(header_.job_id(), header_.worker(), header_.step(),
-                                     std::move(part), header_.read_version());
-    if (!handed.ok()) {
-      if (absl::IsInvalidArgument(handed.status())) {
-        service_->LogRefusedPush(peer_, handed.status());
-      }
-      return handed.status();
-    }
-    const PushResponse::Outcome outcome = *handed;
-    accepted_ |= outcome == PushResponse::ACCEPTED;
-    stale_ |= outcome == PushResponse::STALE;
-    return absl::OkStatus();
+  // A push refused for its contents is logged.
+  absl::Status Refused(absl::Status s) {
+    if (absl::IsInvalidArgument(s)) service_->LogRefusedPush(peer_, s);
+    return s;
   }
 
   // The stream ended (or broke): the answer.
   absl::Status End() {
     if (!started_) return absl::InvalidArgumentError("push stream must start with a header");
-    if (skip_) {
-      // Every slice named (all when none is) counts as pushed, skipped.
-      PSFLOW_RETURN_IF_ERROR(HandOver(SkipGradients(indices_, num_slices_)));
-    } else {
-      PSFLOW_RETURN_IF_ERROR(assembler_->Finish());
-      // A ps without slices: the push itself counts.
-      if (indices_.empty()) PSFLOW_RETURN_IF_ERROR(HandOver({}));
+    if (!session_.skip()) PSFLOW_RETURN_IF_ERROR(assembler_->Finish());
+    absl::StatusOr<PushResponse> response;
+    {
+      DeferredWork wakes;  // as in a HandOver
+      response = session_.End();
     }
-    const PushResponse::Outcome outcome =
-        accepted_ ? PushResponse::ACCEPTED
-                  : (stale_ ? PushResponse::STALE : PushResponse::DUPLICATE);
-    service_->shard_->CountOutcome(outcome);
-    PushResponse response;
-    response.set_outcome(outcome);
-    response.set_version(service_->shard_->stats().version);
+    if (!response.ok()) return Refused(response.status());
     bool own = false;
-    if (!grpc::SerializationTraits<PushResponse>::Serialize(response, response_, &own).ok()) {
+    if (!grpc::SerializationTraits<PushResponse>::Serialize(*response, response_, &own).ok()) {
       return absl::InternalError("could not encode the push answer");
     }
     service_->push_bytes_->Observe(static_cast<double>(bytes_));
@@ -669,18 +632,13 @@ class PsService::PushReader final : public Base {
   bool admitted_ = false;
   grpc::ByteBuffer message_;
   bool started_ = false;  // the header came
-  PushHeader header_;
   absl::Time start_;
-  int num_slices_ = 0;
-  std::vector<int> indices_;
-  bool skip_ = false;
-  std::vector<Shard::SliceGradient> grads_;
-  std::unique_ptr<ChunkAssembler> assembler_;
+  PushSession session_;
+  std::unique_ptr<ChunkAssembler> assembler_;  // into the session's sinks
   // The worker's region, if the header named one: the chunks' data are there.
   std::shared_ptr<const SharedMapping> region_;
   SharedSpan region_span_;
   int64_t bytes_ = 0;
-  bool accepted_ = false, stale_ = false;
   const std::shared_ptr<Gate> gate_;
   std::shared_ptr<Hold> hold_;  // while gradients are borrowed, until End()
 };

@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "common/tensor_view.h"
 #include "ps/slice_apply.h"
+#include "ps/tensors.h"
 
 namespace psflow::ps {
 namespace {
@@ -189,24 +190,6 @@ absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> Shard::Slices(uint
   return slices_;
 }
 
-absl::Status Shard::WaitLocked(uint64_t job_id, int64_t version, absl::Time deadline,
-                               const std::function<bool()>& cancelled, absl::string_view what,
-                               absl::FunctionRef<bool()> reached) {
-  while (!reached()) {
-    if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, " cancelled"));
-    const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("version ", version, " not reached; ps is at ", version_));
-    }
-    // Bounded wait so that a cancelled call is noticed; progress itself is signalled.
-    version_changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Seconds(1)));
-    if (shutdown_) return absl::UnavailableError("ps is shutting down");
-    if (job_id != job_id_) return absl::AbortedError("the job was replaced while waiting");
-  }
-  return absl::OkStatus();
-}
-
 std::shared_ptr<const Shard::Weights> Shard::WeightsLocked() const {
   auto weights = std::make_shared<Weights>();
   weights->version = version_;
@@ -215,43 +198,6 @@ std::shared_ptr<const Shard::Weights> Shard::WeightsLocked() const {
   for (const SliceState& s : slice_)
     weights->values.push_back(s.version == version_ ? s.published : s.previous);
   return weights;
-}
-
-absl::StatusOr<Shard::Pulled> Shard::Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
-                                          const std::function<bool()>& cancelled) {
-  const absl::Time start = absl::Now();
-  absl::MutexLock lock(&mu_);
-  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  PSFLOW_RETURN_IF_ERROR(
-      WaitLocked(job_id, min_version, deadline, cancelled, "pull",
-                 [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return version_ >= min_version; }));
-  Pulled pulled;
-  pulled.weights = WeightsLocked();
-  pulled.waited = absl::Now() - start;
-  return pulled;
-}
-
-absl::StatusOr<Shard::PulledSlice> Shard::PullSlice(uint64_t job_id, int slice, int64_t min_version,
-                                                    absl::Time deadline,
-                                                    const std::function<bool()>& cancelled) {
-  const absl::Time start = absl::Now();
-  absl::MutexLock lock(&mu_);
-  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
-  auto in_range = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return slice >= 0 && static_cast<size_t>(slice) < slice_.size();
-  };
-  if (!in_range()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pull of slice #", slice, "; the ps holds ", slice_.size(), " slices"));
-  }
-  PSFLOW_RETURN_IF_ERROR(WaitLocked(job_id, min_version, deadline, cancelled, "pull",
-                                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                                      return !in_range() || slice_[slice].version >= min_version;
-                                    }));
-  if (!in_range()) return absl::AbortedError("the job was reloaded while waiting");
-  PulledSlice pulled = SliceAtLocked(slice_[slice], min_version);
-  pulled.waited = absl::Now() - start;
-  return pulled;
 }
 
 absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, int64_t step,
@@ -272,14 +218,36 @@ absl::StatusOr<PushResponse::Outcome> Shard::Push(uint64_t job_id, int worker, i
     g.values = std::move(grads[i]);
   }
   absl::StatusOr<PushResponse::Outcome> outcome = PushSlices(job_id, worker, step, std::move(all));
-  if (outcome.ok()) CountOutcome(*outcome);
+  if (outcome.ok()) FinishPush(*outcome);
   return outcome;
 }
 
-void Shard::CountOutcome(PushResponse::Outcome outcome) {
+absl::StatusOr<Shard::PushStart> Shard::BeginPush(uint64_t job_id, absl::Span<const int32_t> asked,
+                                                  bool skip, bool borrow) {
+  absl::MutexLock lock(&mu_);
+  PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  PushStart start;
+  start.slices = slices_;
+  PSFLOW_ASSIGN_OR_RETURN(start.indices,
+                          SliceIndices(asked, static_cast<int>(slices_->size()), "push"));
+  start.dtype = WireDtypeOf(job_);
+  // An asynchronous shard would hold the push until its gradient's round:
+  // it copies borrowed values as they come.
+  start.borrow = borrow && !skip && !async_;
+  if (!start.borrow && !skip) {
+    start.buffers.reserve(start.indices.size());
+    for (int i : start.indices) {
+      start.buffers.push_back(GradientBufferLocked(i, NumElements((*slices_)[i].shape())));
+    }
+  }
+  return start;
+}
+
+int64_t Shard::FinishPush(PushResponse::Outcome outcome) {
   absl::MutexLock lock(&mu_);
   if (outcome == PushResponse::STALE) ++counters_.stale;
   if (outcome == PushResponse::DUPLICATE) ++counters_.duplicate;
+  return version_;
 }
 
 absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int worker, int64_t step,
@@ -509,8 +477,7 @@ std::shared_ptr<SliceApply> Shard::ClaimLocked(int i) {
   return job;
 }
 
-std::vector<float> Shard::GradientBuffer(int slice, int64_t n) {
-  absl::MutexLock lock(&mu_);
+std::vector<float> Shard::GradientBufferLocked(int slice, int64_t n) {
   if (slice < 0 || slice >= static_cast<int>(slice_.size())) return {};
   std::vector<std::vector<float>>& spares = slice_[slice].spare_grads;
   if (spares.empty() || static_cast<int64_t>(spares.back().size()) != n) return {};
@@ -753,7 +720,6 @@ absl::Status Shard::SetLiveWorkers(uint64_t job_id, const std::vector<int>& live
 }
 
 void Shard::WakeLocked(int slice) {
-  version_changed_.SignalAll();
   for (auto& [id, wake] : waiters_) wake(slice);
 }
 
@@ -860,20 +826,6 @@ absl::StatusOr<std::optional<Shard::ClockGrant>> Shard::TryClock(uint64_t job_id
   return TryClockLocked(job_id, worker, clock);
 }
 
-absl::StatusOr<Shard::ClockGrant> Shard::WaitClock(uint64_t job_id, int worker, int64_t clock,
-                                                   absl::Time deadline,
-                                                   const std::function<bool()>& cancelled) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<std::optional<ClockGrant>> grant;
-  PSFLOW_RETURN_IF_ERROR(WaitLocked(job_id, clock, deadline, cancelled, "pull",
-                                    [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                                      grant = TryClockLocked(job_id, worker, clock);
-                                      return !grant.ok() || grant->has_value();
-                                    }));
-  if (!grant.ok()) return grant.status();
-  return **grant;
-}
-
 absl::StatusOr<Shard::SnapshotTicket> Shard::RequestSnapshotLocked(uint64_t job_id,
                                                                    int64_t version) {
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
@@ -925,21 +877,6 @@ void Shard::ReleaseSnapshot(const SnapshotTicket& ticket) {
   ReleaseSnapshotLocked(ticket);
 }
 
-absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> Shard::SnapshotAt(
-    uint64_t job_id, int64_t version, absl::Time deadline, const std::function<bool()>& cancelled) {
-  absl::MutexLock lock(&mu_);
-  PSFLOW_ASSIGN_OR_RETURN(const SnapshotTicket ticket, RequestSnapshotLocked(job_id, version));
-  absl::StatusOr<std::shared_ptr<const Snapshot>> data;
-  absl::Status s = WaitLocked(job_id, version, deadline, cancelled, "snapshot",
-                              [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                                data = PollSnapshotLocked(ticket);
-                                return !data.ok() || *data != nullptr;
-                              });
-  ReleaseSnapshotLocked(ticket);
-  if (!s.ok()) return s;
-  return data;
-}
-
 Shard::State Shard::state() const {
   absl::MutexLock lock(&mu_);
   State st;
@@ -968,11 +905,6 @@ absl::StatusOr<DataType> Shard::WireDtype(uint64_t job_id) const {
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckJobLocked(job_id); !s.ok()) return s;
   return WireDtypeOf(job_);
-}
-
-bool Shard::KeepsBorrowedGradients() const {
-  absl::MutexLock lock(&mu_);
-  return !async_;
 }
 
 void Shard::Shutdown() {

@@ -93,11 +93,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/step_trace.h"
 #include "common/thread_pool.h"
@@ -130,7 +127,7 @@ class Shard {
     std::vector<Value> values;                             // follows *slices; never null
   };
 
-  // What PullSlice hands back.
+  // One slice as a pull gets it (TryPullSlice).
   struct PulledSlice {
     int64_t version = 0;  // the slice's version: min_version or one more
     Value value;          // never null
@@ -138,7 +135,6 @@ class Shard {
     // with wire copies (SetWireCopies) and a 16-bit job.
     Halves halves;
     DataType halves_dtype = DT_FLOAT;
-    absl::Duration waited;
   };
 
   // A gradient's values left where a push put them (a worker's shared
@@ -192,14 +188,8 @@ class Shard {
     bool empty() const { return borrowed.empty() && values.empty(); }
   };
 
-  // What Pull hands back.
-  struct Pulled {
-    std::shared_ptr<const Weights> weights;  // never null
-    absl::Duration waited;                   // time spent waiting for the version
-  };
-
   // Everything a checkpoint needs of exactly one version: values and
-  // optimizer slots. Immutable; shared by the SnapshotAt calls that wait for
+  // optimizer slots. Immutable; shared by the snapshot tickets that wait for
   // that version together (the slots are copied once for them).
   struct Snapshot {
     std::shared_ptr<const Weights> weights;  // never null; the values pulls of the version see
@@ -255,21 +245,31 @@ class Shard {
   // otherwise (no job yet, or another one). Shared, never changed.
   absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> Slices(uint64_t job_id) const;
 
-  // Waits until the shard's version reaches min_version, then returns every
-  // slice at the version the shard has (no copy: the published values).
-  // Ends early with DEADLINE_EXCEEDED at `deadline`, CANCELLED once
-  // `cancelled()` is true (checked at least once a second), ABORTED when the
-  // job is replaced and UNAVAILABLE after Shutdown.
-  absl::StatusOr<Pulled> Pull(uint64_t job_id, int64_t min_version, absl::Time deadline,
-                              const std::function<bool()>& cancelled);
-
-  // Waits until slice `slice` (an index into Slices()) reaches min_version
-  // and returns its value: at the shard's version if that is min_version or
-  // more (so that the slices of one pull agree), else at the slice's own.
-  // Errors as for Pull, and INVALID_ARGUMENT for an index out of range.
-  absl::StatusOr<PulledSlice> PullSlice(uint64_t job_id, int slice, int64_t min_version,
-                                        absl::Time deadline,
-                                        const std::function<bool()>& cancelled);
+  // A push in 2 + n calls, each under the lock once (n: the PushSlices
+  // calls of its parts; ps/push_session.h drives them): BeginPush, then
+  // PushSlices per part, then FinishPush.
+  //
+  // BeginPush: what the push's header needs of the shard, if `job_id` names
+  // the current job (FAILED_PRECONDITION otherwise, UNAVAILABLE after
+  // Shutdown): the slices, the indices `asked` names (SliceIndices' errors),
+  // the job's wire dtype, whether the gradients stay borrowed (`borrow`
+  // asked, in a synchronous job: an asynchronous one copies borrowed values
+  // as they come) and, for a push that neither borrows nor skips, a buffer
+  // per index an earlier step's apply is done with (stale contents; empty
+  // where there is none of the slice's size): it saves the push the
+  // allocation, the zeroing and the page faults of fresh memory.
+  struct PushStart {
+    std::shared_ptr<const std::vector<SliceSpec>> slices;  // of the job, shared
+    std::vector<int> indices;
+    DataType dtype = DT_FLOAT;
+    bool borrow = false;
+    std::vector<std::vector<float>> buffers;  // follows indices, or empty
+  };
+  absl::StatusOr<PushStart> BeginPush(uint64_t job_id, absl::Span<const int32_t> asked, bool skip,
+                                      bool borrow);
+  // FinishPush: counts the push's outcome in Counters (stale, duplicate)
+  // and returns the shard's version, for the answer.
+  int64_t FinishPush(PushResponse::Outcome outcome);
 
   // One worker's gradients for `step`, for any of the shard's slices, each of
   // its slice's size and named once (INVALID_ARGUMENT otherwise, before
@@ -281,19 +281,12 @@ class Shard {
   // is all of it. A shard with no slices counts an empty push as the
   // worker's whole step. A push may take several calls (one per slice as
   // its chunks arrive), so stale and duplicate outcomes are not counted
-  // here: the caller counts each push once with CountOutcome.
+  // here: the caller counts each push once with FinishPush.
   // In an asynchronous job `step` is the worker's clock and `read_version`
   // the version the gradients were computed from (see above).
   absl::StatusOr<PushResponse::Outcome> PushSlices(uint64_t job_id, int worker, int64_t step,
                                                    std::vector<SliceGradient> grads,
                                                    int64_t read_version = 0);
-  // A buffer of `n` floats for a gradient of slice `slice` that will be
-  // pushed: one an earlier step's apply is done with (its contents are
-  // stale), or an empty vector if there is none of that size. Saves a push
-  // the allocation, the zeroing and the page faults of fresh memory.
-  std::vector<float> GradientBuffer(int slice, int64_t n) ABSL_LOCKS_EXCLUDED(mu_);
-  // Counts one push's outcome in Counters (stale, duplicate).
-  void CountOutcome(PushResponse::Outcome outcome);
   // PushSlices of every slice, counted: one vector per slice in Slices()
   // order (INVALID_ARGUMENT for another count).
   absl::StatusOr<PushResponse::Outcome> Push(uint64_t job_id, int worker, int64_t step,
@@ -304,14 +297,6 @@ class Shard {
   // shard is there). Applies the current step if every remaining live worker
   // has pushed. An empty set is INVALID_ARGUMENT.
   absl::Status SetLiveWorkers(uint64_t job_id, const std::vector<int>& live, int64_t from_version);
-
-  // Values and slots as of exactly `version`, taken when the shard reaches
-  // it (and no slice is being applied). FAILED_PRECONDITION if already past;
-  // ABORTED if an Init comes meanwhile, even of the same job; the other
-  // errors as for Pull.
-  absl::StatusOr<std::shared_ptr<const Snapshot>> SnapshotAt(
-      uint64_t job_id, int64_t version, absl::Time deadline,
-      const std::function<bool()>& cancelled);
 
   // A replica of a job without ps whose state lives elsewhere (a GPU
   // worker's device) publishes it here as of `version`: the values and slots
@@ -329,8 +314,8 @@ class Shard {
   // publishes next.
   std::optional<int64_t> WantedSnapshot(int64_t from) const;
 
-  // The same calls without waiting, for servers whose waiting calls hold no
-  // thread: a waiter's `wake` runs at every change such a call may wait for
+  // Nothing here waits: a call that must wait (a pull, a snapshot) holds no
+  // thread of the shard's, only a waiter whose `wake` runs at every change such a call may wait for
   // (a slice applied, a new version, a new job, shutdown), until it is
   // removed, with the index of the slice applied, or -1 for any other
   // change (a call that waits for another slice may sleep on). `wake` runs
@@ -339,8 +324,11 @@ class Shard {
   // open), never call the shard.
   int64_t AddWaiter(std::function<void(int slice)> wake);
   void RemoveWaiter(int64_t id);
-  // PullSlice's answer if slice `slice` reached min_version (waited zero),
-  // nullopt if not yet; PullSlice's errors otherwise.
+  // Slice `slice` (an index into Slices()) if it reached min_version: at the
+  // shard's version if that is min_version or more (so that the slices of
+  // one pull agree), else at the slice's own; nullopt if not yet.
+  // FAILED_PRECONDITION for another job, UNAVAILABLE after Shutdown,
+  // INVALID_ARGUMENT for an index out of range.
   absl::StatusOr<std::optional<PulledSlice>> TryPullSlice(uint64_t job_id, int slice,
                                                           int64_t min_version);
   // TryPullSlice of the first of `slices` (in their order) that reached
@@ -360,14 +348,14 @@ class Shard {
     int64_t lag = 0;
   };
   absl::StatusOr<std::optional<ClockGrant>> TryClock(uint64_t job_id, int worker, int64_t clock);
-  // TryClock, waiting (errors as for Pull).
-  absl::StatusOr<ClockGrant> WaitClock(uint64_t job_id, int worker, int64_t clock,
-                                       absl::Time deadline, const std::function<bool()>& cancelled);
-  // SnapshotAt in three calls: RequestSnapshot asks for `version` (taken at
-  // once if the shard is there; FAILED_PRECONDITION if past); PollSnapshot
-  // gives it once taken (null while not yet; FAILED_PRECONDITION if the
-  // shard went past it first, ABORTED after an Init); every ticket is
-  // released once, whatever happened.
+  // Values and slots as of exactly one version, taken when the shard
+  // reaches it (and no slice is being applied), in three calls
+  // (ps/snapshot_session.h drives them): RequestSnapshot asks for `version`
+  // (taken at once if the shard is there; FAILED_PRECONDITION if past);
+  // PollSnapshot gives it once taken (null while not yet;
+  // FAILED_PRECONDITION if the shard went past it first, ABORTED after an
+  // Init, even of the same job; UNAVAILABLE after Shutdown); every ticket
+  // is released once, whatever happened.
   struct SnapshotTicket {
     uint64_t job_id = 0;
     int64_t version = 0;
@@ -394,9 +382,6 @@ class Shard {
   // `job_id` names the current job; FAILED_PRECONDITION otherwise. Cheap: no
   // copy of the job.
   absl::StatusOr<DataType> WireDtype(uint64_t job_id) const;
-  // Whether borrowed gradients (SliceGradient::borrowed) stay where they lie
-  // until applied: in a synchronous job. An asynchronous one copies them.
-  bool KeepsBorrowedGradients() const;
 
   // Wakes every waiting pull with UNAVAILABLE; later calls fail the same way.
   void Shutdown();
@@ -451,19 +436,12 @@ class Shard {
     // A buffer of the slice's size that no reader holds any more, reused for
     // the next published value (or null).
     std::shared_ptr<std::vector<float>> spare;
-    // Pushed gradients an apply is done with, for GradientBuffer (at most
+    // Pushed gradients an apply is done with, for BeginPush (at most
     // one per live worker).
     std::vector<std::vector<float>> spare_grads;
   };
 
   absl::Status CheckJobLocked(uint64_t job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The one wait of the pulls and SnapshotAt: returns OK once `reached()`
-  // holds (checked first, so a reached version is served past the deadline),
-  // or the error that ends the wait (see Pull). `what` names the call in
-  // messages, `version` is the version waited for.
-  absl::Status WaitLocked(uint64_t job_id, int64_t version, absl::Time deadline,
-                          const std::function<bool()>& cancelled, absl::string_view what,
-                          absl::FunctionRef<bool()> reached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every slice's published value at version_.
   std::shared_ptr<const Weights> WeightsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies slice `i` if every live worker has pushed it for the current
@@ -471,6 +449,9 @@ class Shard {
   // meanwhile (the slice is marked applying), so callers must look at the
   // state afresh afterwards.
   void MaybeApplySliceLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A spare gradient buffer of slice `slice` of `n` floats, or an empty
+  // vector (see BeginPush).
+  std::vector<float> GradientBufferLocked(int slice, int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Claims slice `i` for its apply if it is complete (null otherwise).
   std::shared_ptr<SliceApply> ClaimLocked(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the applied slice; the shard's version moves with the last.
@@ -526,8 +507,6 @@ class Shard {
   StepTrace* const trace_;  // may be null; not owned
 
   mutable absl::Mutex mu_;
-  // Signalled when a slice is applied, and on Init and Shutdown.
-  absl::CondVar version_changed_;
   bool initialized_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,5 +1,7 @@
 #include "ps/tensors.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace psflow::ps {
@@ -38,8 +40,8 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
-                                      std::vector<Shard::SliceGradient>* grads, Shard* shard,
-                                      bool borrow) {
+                                      std::vector<Shard::SliceGradient>* grads,
+                                      std::vector<std::vector<float>> buffers, bool borrow) {
   grads->assign(indices.size(), {});
   std::vector<TensorSink> sinks;
   for (size_t k = 0; k < indices.size(); ++k) {
@@ -54,8 +56,8 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
       sink.borrow = &g.borrowed.data;
       g.borrowed.count = NumElements(sink.shape);
       g.borrowed.dtype = dtype;
-    } else if (shard != nullptr) {
-      g.values = shard->GradientBuffer(g.slice, NumElements(sink.shape));
+    } else if (k < buffers.size()) {
+      g.values = std::move(buffers[k]);
     }
     sink.storage = &g.values;
     sink.non_finite = &g.non_finite;

@@ -31,16 +31,18 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // Storage for one push's gradients of the slices `indices` of `slices` (each
 // a valid index) and sinks into it that decode chunks of `dtype` (the job's
 // wire dtype): grads[k] is for slices[indices[k]], and so is the k-th sink.
-// A gradient's memory is a buffer `shard` (if not null) has from an earlier
-// step (Shard::GradientBuffer), or else allocated with its first chunk; its
-// values are checked for NaN and infinity as they are decoded
-// (finite_checked). With `borrow`, values that come in place (a shared
-// region, ChunkAssembler::AddInPlace) one chunk after another are left
-// there in `dtype`, checked where they lie: grads[k].borrowed.data points at them.
+// A gradient's memory is buffers[k] where it is not empty (a buffer of the
+// shard's from an earlier step, Shard::BeginPush), or else allocated with
+// its first chunk; its values are checked for NaN and infinity as they are
+// decoded (finite_checked). With `borrow`, values that come in place (a
+// shared region, ChunkAssembler::AddInPlace) one chunk after another are
+// left there in `dtype`, checked where they lie: grads[k].borrowed.data
+// points at them.
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads,
-                                      Shard* shard = nullptr, bool borrow = false);
+                                      std::vector<std::vector<float>> buffers = {},
+                                      bool borrow = false);
 
 // A skip push's gradients: a skip for each of `indices`, or for every one of
 // `num_slices` slices when `indices` is empty.

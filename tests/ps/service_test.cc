@@ -34,6 +34,7 @@
 #include "proto/ps.grpc.pb.h"
 #include "ps/grpc_client.h"
 #include "ps/shard.h"
+#include "ps/snapshot_session.h"
 #include "role/process_setup.h"
 #include "transport/call_channel.h"
 #include "transport/channel_server.h"
@@ -1633,13 +1634,17 @@ SnapshotTensors FreshSnapshotTensors(int64_t n) {
                          std::vector<float>(n, -1)};
 }
 
-// The snapshot is exactly the shard's own copy at version 1.
+// The snapshot is exactly the shard's own copy at version 1 (where the
+// shard is: taken at once).
 void ExpectTheShardsSnapshot(Shard& shard, const SnapshotTensors& big,
                              const SnapshotTensors& bias) {
-  absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> ref =
-      shard.SnapshotAt(kJob, 1, Deadline(), nullptr);
-  ASSERT_TRUE(ref.ok()) << ref.status();
-  const Shard::Snapshot& taken = **ref;
+  SnapshotRequest request;
+  request.set_job_id(kJob);
+  request.set_version(1);
+  SnapshotSession session(&shard, request, Deadline());
+  ASSERT_TRUE(session.Request().ok());
+  ASSERT_EQ(session.Next([] {}).action, SnapshotSession::Action::kSend);
+  const Shard::Snapshot& taken = *session.snapshot();
   ASSERT_EQ(taken.slot_names, (std::vector<std::string>{"m", "v"}));
   ASSERT_EQ(taken.weights->values.size(), 2u);
   ASSERT_EQ(taken.slots.size(), 2u);

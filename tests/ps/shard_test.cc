@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -12,8 +13,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -78,6 +81,121 @@ std::vector<std::vector<float>> Grads(float scale) {
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
+// The shard does not wait: its callers wait on its waiter API (as the
+// sessions' drivers do, ps/pull_session.h). These helpers are such callers,
+// blocking, for the tests: `look` runs again at every change of the shard
+// (and at least once a second, when `cancelled` is asked too) until it
+// gives a value or an error. Already there: served, even past the
+// deadline. A job replaced while waiting is ABORTED, as one reloaded with
+// fewer slices or workers (the look's FAILED_PRECONDITION or
+// INVALID_ARGUMENT after a wait).
+template <typename T>
+absl::StatusOr<T> WaitFor(Shard* shard, int64_t version, absl::Time deadline,
+                          const std::function<bool()>& cancelled,
+                          const std::function<absl::StatusOr<std::optional<T>>()>& look) {
+  absl::Mutex mu;
+  bool changed = false;
+  const int64_t id = shard->AddWaiter([&](int) {
+    absl::MutexLock lock(&mu);
+    changed = true;
+  });
+  absl::Cleanup remove = [&] { shard->RemoveWaiter(id); };
+  for (bool waited = false;; waited = true) {
+    {
+      absl::MutexLock lock(&mu);
+      changed = false;  // armed: a change after the look ends the wait
+    }
+    absl::StatusOr<std::optional<T>> got = look();
+    if (!got.ok()) {
+      if (waited &&
+          (absl::IsFailedPrecondition(got.status()) || absl::IsInvalidArgument(got.status()))) {
+        return absl::AbortedError(
+            absl::StrCat("the job was replaced while waiting: ", got.status().message()));
+      }
+      return got.status();
+    }
+    if (got->has_value()) return **std::move(got);
+    if (cancelled && cancelled()) return absl::CancelledError("wait cancelled");
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("version ", version, " not reached; ps is at ", shard->stats().version));
+    }
+    absl::MutexLock lock(&mu);
+    mu.AwaitWithDeadline(absl::Condition(&changed), std::min(deadline, now + absl::Seconds(1)));
+  }
+}
+
+// Every slice at the shard's version once it reaches min_version, and the
+// time waited.
+struct Pulled {
+  std::shared_ptr<const Shard::Weights> weights;
+  absl::Duration waited;
+};
+absl::StatusOr<Pulled> Pull(Shard* shard, uint64_t job, int64_t min_version, absl::Time deadline,
+                            const std::function<bool()>& cancelled) {
+  const absl::Time start = absl::Now();
+  using Found = std::shared_ptr<const Shard::Weights>;
+  // The slices one by one: all at the shard's version, or looked at again.
+  auto look = [&]() -> absl::StatusOr<std::optional<Found>> {
+    while (true) {
+      absl::StatusOr<std::optional<int64_t>> v = shard->TryVersion(job, min_version);
+      if (!v.ok()) return v.status();
+      if (!v->has_value()) return std::nullopt;
+      auto weights = std::make_shared<Shard::Weights>();
+      weights->version = **v;
+      absl::StatusOr<std::shared_ptr<const std::vector<SliceSpec>>> slices = shard->Slices(job);
+      if (!slices.ok()) return slices.status();
+      weights->slices = *slices;
+      bool one_version = true;
+      for (int i = 0; i < static_cast<int>((*slices)->size()) && one_version; ++i) {
+        absl::StatusOr<std::optional<Shard::PulledSlice>> s = shard->TryPullSlice(job, i, **v);
+        if (!s.ok()) return s.status();
+        one_version = s->has_value() && (*s)->version == **v;
+        if (one_version) weights->values.push_back((*s)->value);
+      }
+      if (one_version) return Found(std::move(weights));
+    }
+  };
+  absl::StatusOr<Found> weights = WaitFor<Found>(shard, min_version, deadline, cancelled, look);
+  if (!weights.ok()) return weights.status();
+  return Pulled{*std::move(weights), absl::Now() - start};
+}
+
+// Slice `slice` once it reaches min_version (Shard::TryPullSlice).
+absl::StatusOr<Shard::PulledSlice> PullSlice(Shard* shard, uint64_t job, int slice,
+                                             int64_t min_version, absl::Time deadline,
+                                             const std::function<bool()>& cancelled) {
+  return WaitFor<Shard::PulledSlice>(shard, min_version, deadline, cancelled,
+                                     [&] { return shard->TryPullSlice(job, slice, min_version); });
+}
+
+// An asynchronous job's pull condition, waited for (Shard::TryClock).
+absl::StatusOr<Shard::ClockGrant> WaitClock(Shard* shard, uint64_t job, int worker, int64_t clock,
+                                            absl::Time deadline,
+                                            const std::function<bool()>& cancelled) {
+  return WaitFor<Shard::ClockGrant>(shard, clock, deadline, cancelled,
+                                    [&] { return shard->TryClock(job, worker, clock); });
+}
+
+// The snapshot of `version` once taken (Shard::RequestSnapshot, then
+// PollSnapshot until it gives one).
+absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> SnapshotAt(
+    Shard* shard, uint64_t job, int64_t version, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
+  using Found = std::shared_ptr<const Shard::Snapshot>;
+  absl::StatusOr<Shard::SnapshotTicket> ticket = shard->RequestSnapshot(job, version);
+  if (!ticket.ok()) return ticket.status();
+  absl::Cleanup release = [&] { shard->ReleaseSnapshot(*ticket); };
+  return WaitFor<Found>(shard, version, deadline, cancelled,
+                        [&]() -> absl::StatusOr<std::optional<Found>> {
+                          absl::StatusOr<Found> taken = shard->PollSnapshot(*ticket);
+                          if (!taken.ok()) return taken.status();
+                          if (*taken == nullptr) return std::nullopt;
+                          return *std::move(taken);
+                        });
+}
+
 class ShardTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -86,7 +204,7 @@ class ShardTest : public ::testing::Test {
 
   // The values at the shard's current version.
   std::vector<std::vector<float>> Current() {
-    absl::StatusOr<Shard::Pulled> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
+    absl::StatusOr<Pulled> snap = Pull(&shard_, kJob, 0, Soon(), nullptr);
     EXPECT_TRUE(snap.ok()) << snap.status();
     return snap.ok() ? ValuesOf(*snap->weights) : std::vector<std::vector<float>>{};
   }
@@ -118,11 +236,41 @@ TEST_F(ShardTest, SlicesAndInitialPull) {
   EXPECT_EQ((**slices)[0].name(), "a");
   EXPECT_EQ((**slices)[1].name(), "b");
 
-  absl::StatusOr<Shard::Pulled> snap = shard_.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Pulled> snap = Pull(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(snap->weights->version, 0);
   ASSERT_EQ(snap->weights->slices->size(), 2u);
   EXPECT_EQ(ValuesOf(*snap->weights), (std::vector<std::vector<float>>{kA, kB}));
+}
+
+// A push's first and last calls (each one lock of the shard; PushSlices
+// between them once per part): BeginPush checks the job and the slices
+// named and gives what the push needs; FinishPush counts the outcome and
+// gives the version for the answer.
+TEST_F(ShardTest, BeginPushAndFinishPush) {
+  absl::StatusOr<Shard::PushStart> start = shard_.BeginPush(kJob, {1}, false, false);
+  ASSERT_TRUE(start.ok()) << start.status();
+  EXPECT_EQ(start->slices.get(), shard_.Slices(kJob)->get()) << "shared, not copied";
+  EXPECT_EQ(start->indices, std::vector<int>{1});
+  EXPECT_EQ(start->dtype, DT_FLOAT);
+  EXPECT_FALSE(start->borrow) << "not asked for";
+  EXPECT_EQ(start->buffers.size(), 1u);
+  EXPECT_EQ(shard_.BeginPush(kJob, {}, false, false)->indices, (std::vector<int>{0, 1}));
+  EXPECT_EQ(shard_.BeginPush(kJob + 1, {}, false, false).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(shard_.BeginPush(kJob, {2}, false, false).status().message(),
+              HasSubstr("push names slice #2; the ps holds 2 slices"));
+  EXPECT_THAT(shard_.BeginPush(kJob, {1, 1}, false, false).status().message(),
+              HasSubstr("push names slice #1 twice"));
+
+  MustPush(0, 0, Grads(1));
+  MustPush(1, 0, Grads(1));
+  EXPECT_EQ(shard_.FinishPush(PushResponse::STALE), 1);
+  EXPECT_EQ(shard_.FinishPush(PushResponse::DUPLICATE), 1);
+  EXPECT_EQ(shard_.FinishPush(PushResponse::ACCEPTED), 1);
+  const Shard::Stats stats = shard_.stats();
+  EXPECT_EQ(stats.stale, 1);
+  EXPECT_EQ(stats.duplicate, 1);
 }
 
 TEST_F(ShardTest, AveragesTwoWorkersWithSgd) {
@@ -161,22 +309,33 @@ TEST_F(ShardTest, WaitersHearTheSliceApplied) {
 }
 
 // The gradients an apply is done with are handed out again for later
-// pushes, one per live worker and slice; pushes into them give the same
-// weights as pushes of fresh memory.
+// pushes (BeginPush), one per live worker and slice; pushes into them give
+// the same weights as pushes of fresh memory.
 TEST_F(ShardTest, GradientBuffersOfAnAppliedStepAreReused) {
-  const int64_t a_size = static_cast<int64_t>(kA.size());
-  EXPECT_TRUE(shard_.GradientBuffer(0, a_size).empty()) << "nothing applied yet";
+  // The buffers BeginPush hands a push of `asked` (all slices: none named).
+  auto buffers = [&](std::vector<int32_t> asked) {
+    absl::StatusOr<Shard::PushStart> start = shard_.BeginPush(kJob, asked, false, false);
+    EXPECT_TRUE(start.ok()) << start.status();
+    return start.ok() ? std::move(start->buffers) : std::vector<std::vector<float>>{};
+  };
+  ASSERT_EQ(buffers({0}).size(), 1u);
+  EXPECT_TRUE(buffers({0})[0].empty()) << "nothing applied yet";
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(-3));
   const auto expected = SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(-3));
-  std::vector<float> first = shard_.GradientBuffer(0, a_size);
-  std::vector<float> second = shard_.GradientBuffer(0, a_size);
+  std::vector<std::vector<float>> both = buffers({});
+  ASSERT_EQ(both.size(), 2u);
+  std::vector<float> first = std::move(both[0]);
   EXPECT_EQ(first.size(), kA.size());
+  EXPECT_EQ(both[1].size(), kB.size()) << "slice b's, of b's size";
+  std::vector<float> second = std::move(buffers({0})[0]);
   EXPECT_EQ(second.size(), kA.size());
-  EXPECT_TRUE(shard_.GradientBuffer(0, a_size).empty()) << "one per live worker";
-  EXPECT_TRUE(shard_.GradientBuffer(1, a_size).empty()) << "slice b's are of b's size";
-  EXPECT_EQ(shard_.GradientBuffer(1, static_cast<int64_t>(kB.size())).size(), kB.size());
-  EXPECT_TRUE(shard_.GradientBuffer(7, a_size).empty());
+  EXPECT_TRUE(buffers({0})[0].empty()) << "one per live worker";
+  EXPECT_EQ(buffers({1})[0].size(), kB.size());
+  EXPECT_TRUE(buffers({1})[0].empty());
+  // A skip push, and one whose gradients stay borrowed, get none.
+  EXPECT_TRUE(shard_.BeginPush(kJob, {}, /*skip=*/true, false)->buffers.empty());
+  EXPECT_TRUE(shard_.BeginPush(kJob, {}, false, /*borrow=*/true)->buffers.empty());
   // Stale contents written over: the next step is exact.
   std::vector<std::vector<float>> g0 = Grads(2), g1 = Grads(2);
   std::copy(g0[0].begin(), g0[0].end(), first.begin());
@@ -198,7 +357,8 @@ TEST_F(ShardTest, EachApplyWritesIntoTheBufferOfTwoVersionsBefore) {
   // that equal addresses mean the same buffer, reused.
   std::vector<std::weak_ptr<const std::vector<float>>> seen;
   auto buffer_of = [&](int slice, int64_t version) -> const void* {
-    absl::StatusOr<Shard::PulledSlice> p = shard_.PullSlice(kJob, slice, version, Soon(), nullptr);
+    absl::StatusOr<Shard::PulledSlice> p =
+        PullSlice(&shard_, kJob, slice, version, Soon(), nullptr);
     EXPECT_TRUE(p.ok()) << p.status();
     if (!p.ok()) return nullptr;
     seen.push_back(p->value);
@@ -226,7 +386,7 @@ TEST_F(ShardTest, EachApplyWritesIntoTheBufferOfTwoVersionsBefore) {
   MustPush(0, 4, Grads(1));
   MustPush(1, 4, Grads(1));
   w = SgdAfter(w, 0.5f, Grads(1), Grads(1));
-  absl::StatusOr<Shard::Pulled> held = shard_.Pull(kJob, 5, Soon(), nullptr);
+  absl::StatusOr<Pulled> held = Pull(&shard_, kJob, 5, Soon(), nullptr);
   ASSERT_TRUE(held.ok()) << held.status();
   const void* held_a = held->weights->values[0].get();
   EXPECT_EQ(held_a, buffers[0][3]);
@@ -263,7 +423,7 @@ TEST(ShardSkipTest, ASkippedStepKeepsValuesAndSlotsAndTheNextStepApplies) {
   EXPECT_EQ(shard.stats().version, 1);
   EXPECT_EQ(shard.stats().skipped, 1);
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
-      shard.SnapshotAt(kJob, 1, Soon(), nullptr);
+      SnapshotAt(&shard, kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(ValuesOf(*(*snap)->weights), (std::vector<std::vector<float>>{kA, kB}));
   for (const auto& slice : (*snap)->slots) {
@@ -276,7 +436,7 @@ TEST(ShardSkipTest, ASkippedStepKeepsValuesAndSlotsAndTheNextStepApplies) {
   EXPECT_EQ(push(1, 1, grads(2)), PushResponse::ACCEPTED);
   EXPECT_EQ(shard.stats().version, 2);
   EXPECT_EQ(shard.stats().skipped, 1);
-  absl::StatusOr<Shard::Pulled> pulled = shard.Pull(kJob, 2, Soon(), nullptr);
+  absl::StatusOr<Pulled> pulled = Pull(&shard, kJob, 2, Soon(), nullptr);
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   // Momentum's first step from zero velocity is plain SGD.
   EXPECT_EQ(ValuesOf(*pulled->weights), SgdAfter({kA, kB}, 0.5f, Grads(2), Grads(2)));
@@ -308,7 +468,7 @@ TEST(ShardMirrorTest, MirroredStateIsServedAtItsVersion) {
   mirrored[1].slots = {{1, 2, 3, 4}};
   ASSERT_TRUE(shard.Mirror(kJob, 7, mirrored).ok());
   EXPECT_EQ(shard.stats().version, 7);
-  absl::StatusOr<Shard::Pulled> pulled = shard.Pull(kJob, 7, Soon(), nullptr);
+  absl::StatusOr<Pulled> pulled = Pull(&shard, kJob, 7, Soon(), nullptr);
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   EXPECT_EQ(pulled->weights->version, 7);
   EXPECT_EQ(ValuesOf(*pulled->weights),
@@ -386,7 +546,7 @@ TEST_F(ShardTest, WorkerNotLiveFails) {
 
 TEST_F(ShardTest, WrongJobFails) {
   EXPECT_EQ(shard_.Slices(kJob + 1).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(shard_.Pull(kJob + 1, 0, Soon(), nullptr).status().code(),
+  EXPECT_EQ(Pull(&shard_, kJob + 1, 0, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(shard_.Push(kJob + 1, 0, 0, Grads(1)).status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -395,7 +555,7 @@ TEST_F(ShardTest, WrongJobFails) {
 TEST(ShardNoJobTest, EverythingFailsBeforeInit) {
   Shard shard;
   EXPECT_EQ(shard.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(shard.Pull(kJob, 0, Soon(), nullptr).status().code(),
+  EXPECT_EQ(Pull(&shard, kJob, 0, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(shard.Push(kJob, 0, 0, Grads(1)).status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -474,7 +634,7 @@ TEST(ShardMovingAverageTest, NonTrainableSliceAveragesTheWorkersStatistics) {
     }
     ASSERT_EQ(shard.stats().version, 2);
     absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
-        shard.SnapshotAt(kJob, 2, Soon(), nullptr);
+        SnapshotAt(&shard, kJob, 2, Soon(), nullptr);
     ASSERT_TRUE(snap.ok()) << snap.status();
     const std::vector<float>& b = *(*snap)->weights->values[1];
     ASSERT_EQ(b.size(), want.size());
@@ -517,21 +677,21 @@ TEST(ShardInitTest, StartsAtTheHeaderVersion) {
   EXPECT_EQ(shard.Push(kJob, 3, 7, Grads(1)).value(), PushResponse::ACCEPTED);
   // One live worker: applied at once.
   EXPECT_EQ(shard.stats().version, 8);
-  absl::StatusOr<Shard::Pulled> snap = shard.Pull(kJob, 8, Soon(), nullptr);
+  absl::StatusOr<Pulled> snap = Pull(&shard, kJob, 8, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(ValuesOf(*snap->weights), SgdAfter({kA, kB}, 0.5f, Grads(1), Grads(1)));
 }
 
 // Runs a waiting call of the shard (Pull or SnapshotAt) on another thread;
 // `done` is notified when it returns.
-template <typename T, absl::StatusOr<T> (Shard::*kCall)(uint64_t, int64_t, absl::Time,
-                                                        const std::function<bool()>&)>
+template <typename T, absl::StatusOr<T> (*kCall)(Shard*, uint64_t, int64_t, absl::Time,
+                                                 const std::function<bool()>&)>
 class Async {
  public:
   Async(Shard* shard, uint64_t job, int64_t version, absl::Time deadline,
         std::function<bool()> cancelled = nullptr)
       : thread_([=, this] {
-          result_ = (shard->*kCall)(job, version, deadline, cancelled);
+          result_ = kCall(shard, job, version, deadline, cancelled);
           done_.Notify();
         }) {}
   ~Async() { thread_.join(); }
@@ -547,8 +707,8 @@ class Async {
   absl::StatusOr<T> result_;
   std::thread thread_;  // last: starts after the members it uses exist
 };
-using AsyncPull = Async<Shard::Pulled, &Shard::Pull>;
-using AsyncSnapshot = Async<std::shared_ptr<const Shard::Snapshot>, &Shard::SnapshotAt>;
+using AsyncPull = Async<Pulled, &Pull>;
+using AsyncSnapshot = Async<std::shared_ptr<const Shard::Snapshot>, &SnapshotAt>;
 
 TEST_F(ShardTest, PullBlocksUntilTheStepIsApplied) {
   AsyncPull pull(&shard_, kJob, 1, Soon());
@@ -566,17 +726,17 @@ TEST_F(ShardTest, PullBlocksUntilTheStepIsApplied) {
 
 TEST_F(ShardTest, PullDeadline) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<Shard::Pulled> r = shard_.Pull(kJob, 1, start + absl::Milliseconds(50), nullptr);
+  absl::StatusOr<Pulled> r = Pull(&shard_, kJob, 1, start + absl::Milliseconds(50), nullptr);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   // A version already reached is served even past the deadline.
-  EXPECT_TRUE(shard_.Pull(kJob, 0, absl::InfinitePast(), nullptr).ok());
+  EXPECT_TRUE(Pull(&shard_, kJob, 0, absl::InfinitePast(), nullptr).ok());
 }
 
 TEST_F(ShardTest, PullCancelled) {
   int asked = 0;
-  absl::StatusOr<Shard::Pulled> r = shard_.Pull(kJob, 1, Soon(), [&] {
+  absl::StatusOr<Pulled> r = Pull(&shard_, kJob, 1, Soon(), [&] {
     ++asked;
     return true;
   });
@@ -602,7 +762,8 @@ TEST_F(ShardTest, ShutdownWakesWaitingPull) {
   EXPECT_EQ(pull.result().status().code(), absl::StatusCode::kUnavailable)
       << pull.result().status();
   // Later calls fail the same way.
-  EXPECT_EQ(shard_.Pull(kJob, 0, Soon(), nullptr).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Pull(&shard_, kJob, 0, Soon(), nullptr).status().code(),
+            absl::StatusCode::kUnavailable);
   EXPECT_EQ(shard_.Push(kJob, 0, 0, Grads(1)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).code(),
             absl::StatusCode::kUnavailable);
@@ -627,7 +788,7 @@ TEST_F(ShardTest, ManyConcurrentPushesApplyEachStepOnce) {
   constexpr int kSteps = 50;
   auto worker = [&](int w) {
     for (int step = 0; step < kSteps; ++step) {
-      ASSERT_TRUE(shard_.Pull(kJob, step, Soon(), nullptr).ok());
+      ASSERT_TRUE(Pull(&shard_, kJob, step, Soon(), nullptr).ok());
       absl::StatusOr<PushResponse::Outcome> r = shard_.Push(kJob, w, step, Grads(w == 0 ? 1 : -1));
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_EQ(*r, PushResponse::ACCEPTED);
@@ -646,8 +807,8 @@ TEST_F(ShardTest, ManyConcurrentPushesApplyEachStepOnce) {
 // ---- One copy per version ----
 
 TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
-  absl::StatusOr<Shard::Pulled> p1 = shard_.Pull(kJob, 0, Soon(), nullptr);
-  absl::StatusOr<Shard::Pulled> p2 = shard_.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Pulled> p1 = Pull(&shard_, kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Pulled> p2 = Pull(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(p1.ok()) << p1.status();
   ASSERT_TRUE(p2.ok()) << p2.status();
   ASSERT_NE(p1->weights, nullptr);
@@ -656,11 +817,11 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
         << "the second pull made its own copy";
   }
   // A pull of one slice, and a snapshot of that version, read the same copy.
-  absl::StatusOr<Shard::PulledSlice> one = shard_.PullSlice(kJob, 1, 0, Soon(), nullptr);
+  absl::StatusOr<Shard::PulledSlice> one = PullSlice(&shard_, kJob, 1, 0, Soon(), nullptr);
   ASSERT_TRUE(one.ok()) << one.status();
   EXPECT_EQ(one->value.get(), p1->weights->values[1].get());
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> snap =
-      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+      SnapshotAt(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ((*snap)->weights->values[0].get(), p1->weights->values[0].get());
   // So do pulls from many threads at once.
@@ -668,7 +829,7 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
   std::vector<std::thread> pullers;
   for (size_t t = 0; t < seen.size(); ++t) {
     pullers.emplace_back([&, t] {
-      absl::StatusOr<Shard::Pulled> p = shard_.Pull(kJob, 0, Soon(), nullptr);
+      absl::StatusOr<Pulled> p = Pull(&shard_, kJob, 0, Soon(), nullptr);
       if (p.ok()) seen[t] = p->weights->values[0].get();
     });
   }
@@ -682,8 +843,8 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
   // The next version is a new copy, shared again.
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
-  absl::StatusOr<Shard::Pulled> q1 = shard_.Pull(kJob, 1, Soon(), nullptr);
-  absl::StatusOr<Shard::Pulled> q2 = shard_.Pull(kJob, 0, Soon(), nullptr);  // served at version 1
+  absl::StatusOr<Pulled> q1 = Pull(&shard_, kJob, 1, Soon(), nullptr);
+  absl::StatusOr<Pulled> q2 = Pull(&shard_, kJob, 0, Soon(), nullptr);  // served at version 1
   ASSERT_TRUE(q1.ok()) << q1.status();
   ASSERT_TRUE(q2.ok()) << q2.status();
   for (int i = 0; i < 2; ++i) {
@@ -694,7 +855,7 @@ TEST_F(ShardTest, PullsOfOneVersionShareOneCopy) {
 }
 
 TEST_F(ShardTest, APulledVersionIsNotChangedByLaterApplies) {
-  absl::StatusOr<Shard::Pulled> p0 = shard_.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Pulled> p0 = Pull(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(p0.ok()) << p0.status();
   const std::vector<std::vector<float>> want0 = {kA, kB};
   ASSERT_EQ(ValuesOf(*p0->weights), want0);
@@ -960,7 +1121,7 @@ void ExpectSnapshotIs(const Shard::Snapshot& snap, int64_t version, const Moment
 TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
   ASSERT_TRUE(shard_.Init(MomentumHeader({0, 1}), Values()).ok());
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s0 =
-      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+      SnapshotAt(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(s0.ok()) << s0.status();
   ExpectSnapshotIs(**s0, 0, MomentumStart());
 
@@ -977,7 +1138,7 @@ TEST_F(ShardTest, SnapshotOfTheCurrentVersionHasValuesAndSlots) {
 
   // A deadline already past does not matter: the version is there.
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s2 =
-      shard_.SnapshotAt(kJob, 2, absl::InfinitePast(), nullptr);
+      SnapshotAt(&shard_, kJob, 2, absl::InfinitePast(), nullptr);
   ASSERT_TRUE(s2.ok()) << s2.status();
   ExpectSnapshotIs(**s2, 2, want);
   ASSERT_EQ((*s2)->weights->values.size(), 2u);
@@ -992,7 +1153,7 @@ TEST_F(ShardTest, SnapshotKeepsInitialSlots) {
   v[1].slots = {{-1, -2, -3, -4}};
   ASSERT_TRUE(shard_.Init(MomentumHeader({0}), v).ok());
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
-      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+      SnapshotAt(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
   ExpectSnapshotIs(**s, 0, MomentumState{{kA, kB}, {v[0].slots[0], v[1].slots[0]}});
 }
@@ -1023,26 +1184,26 @@ TEST_F(ShardTest, SnapshotOfAPastVersionFails) {
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
-      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+      SnapshotAt(&shard_, kJob, 0, Soon(), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
-  EXPECT_EQ(shard_.SnapshotAt(kJob + 1, 1, Soon(), nullptr).status().code(),
+  EXPECT_EQ(SnapshotAt(&shard_, kJob + 1, 1, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
   Shard empty;
-  EXPECT_EQ(empty.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(),
+  EXPECT_EQ(SnapshotAt(&empty, kJob, 0, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(ShardTest, SnapshotDeadline) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
-      shard_.SnapshotAt(kJob, 1, start + absl::Milliseconds(50), nullptr);
+      SnapshotAt(&shard_, kJob, 1, start + absl::Milliseconds(50), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   // Once reached, the same version can be asked for again and is served.
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
-  s = shard_.SnapshotAt(kJob, 1, Soon(), nullptr);
+  s = SnapshotAt(&shard_, kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ((*s)->weights->version, 1);
   EXPECT_EQ(*(*s)->weights->values[0], Current()[0]);
@@ -1056,7 +1217,7 @@ TEST_F(ShardTest, ShutdownWakesWaitingSnapshot) {
       << "Shutdown must wake the snapshot, not its 1 s poll";
   EXPECT_EQ(snap.result().status().code(), absl::StatusCode::kUnavailable)
       << snap.result().status();
-  EXPECT_EQ(shard_.SnapshotAt(kJob, 0, Soon(), nullptr).status().code(),
+  EXPECT_EQ(SnapshotAt(&shard_, kJob, 0, Soon(), nullptr).status().code(),
             absl::StatusCode::kUnavailable);
 }
 
@@ -1082,14 +1243,14 @@ TEST_F(ShardTest, CancelledSnapshotDoesNotKeepACopy) {
   // the copy for good, and a later request for that (by then past) version
   // is served instead of refused.
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> s =
-      shard_.SnapshotAt(kJob, 1, Soon(), [] { return true; });
+      SnapshotAt(&shard_, kJob, 1, Soon(), [] { return true; });
   EXPECT_EQ(s.status().code(), absl::StatusCode::kCancelled) << s.status();
   for (int64_t step : {0, 1}) {
     MustPush(0, step, Grads(1));
     MustPush(1, step, Grads(1));
   }
   ASSERT_EQ(shard_.stats().version, 2);
-  s = shard_.SnapshotAt(kJob, 1, Soon(), nullptr);
+  s = SnapshotAt(&shard_, kJob, 1, Soon(), nullptr);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
 }
 
@@ -1214,7 +1375,7 @@ TEST(OptimizerTest, AdamOnShardUsesTheVersionAsStep) {
   InitHeader h = Header(OptimizerConfig::ADAM, 0.125f, {0});
   ASSERT_TRUE(shard.Init(h, Values()).ok());
   ASSERT_TRUE(shard.Push(kJob, 0, 0, Grads(3)).ok());
-  absl::StatusOr<Shard::Pulled> snap = shard.Pull(kJob, 1, Soon(), nullptr);
+  absl::StatusOr<Pulled> snap = Pull(&shard, kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(snap.ok()) << snap.status();
   const auto g = Grads(3);
   const std::vector<std::vector<float>> w0 = {kA, kB};
@@ -1346,7 +1507,7 @@ TEST_P(ShardParallelApplyTest, SameValuesAndSlotsAsTheSequentialApply) {
   }
 
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> want =
-      sequential.SnapshotAt(kJob, kSteps, Soon(), nullptr);
+      SnapshotAt(&sequential, kJob, kSteps, Soon(), nullptr);
   ASSERT_TRUE(want.ok()) << want.status();
   ASSERT_EQ((*want)->slots.size(), init.size());
   for (Shard* shard : shards) {
@@ -1355,10 +1516,10 @@ TEST_P(ShardParallelApplyTest, SameValuesAndSlotsAsTheSequentialApply) {
                  : shard == &parallel     ? "parallel, split ranges"
                                           : "parallel");
     EXPECT_EQ(shard->stats().version, kSteps);
-    absl::StatusOr<Shard::Pulled> pulled = shard->Pull(kJob, kSteps, Soon(), nullptr);
+    absl::StatusOr<Pulled> pulled = Pull(shard, kJob, kSteps, Soon(), nullptr);
     ASSERT_TRUE(pulled.ok()) << pulled.status();
     absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> got =
-        shard->SnapshotAt(kJob, kSteps, Soon(), nullptr);
+        SnapshotAt(shard, kJob, kSteps, Soon(), nullptr);
     ASSERT_TRUE(got.ok()) << got.status();
     for (size_t i = 0; i < init.size(); ++i) {
       EXPECT_EQ((*got)->weights->values[i], pulled->weights->values[i])
@@ -1393,13 +1554,13 @@ TEST(ShardParallelApplyContractTest, WaitingPullsSeeTheWholeApply) {
   ThreadPool pool(2);
   Shard shard(&pool, 5);
   ASSERT_TRUE(shard.Init(header, init).ok());
-  absl::StatusOr<Shard::Pulled> before = shard.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Pulled> before = Pull(&shard, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(before.ok());
 
   std::vector<std::thread> pullers;
-  std::vector<absl::StatusOr<Shard::Pulled>> pulled(4, absl::UnknownError("not run"));
+  std::vector<absl::StatusOr<Pulled>> pulled(4, absl::UnknownError("not run"));
   for (int t = 0; t < 4; ++t)
-    pullers.emplace_back([&, t] { pulled[t] = shard.Pull(kJob, 1, Soon(), nullptr); });
+    pullers.emplace_back([&, t] { pulled[t] = Pull(&shard, kJob, 1, Soon(), nullptr); });
   for (int w = 0; w < 3; ++w) {
     std::vector<std::vector<float>> g;
     for (const SliceSpec& s : header.slice()) g.emplace_back(s.shape(0), 2.0f * (w + 1));
@@ -1427,13 +1588,13 @@ TEST_F(ShardTest, AppliesEachSliceOnceEveryWorkerPushedIt) {
   ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(1, 1)).ok());
   ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, SliceGrad(1, 2)).ok());
   // Slice b is applied; slice a waits for its pushes, and so does the shard's version.
-  absl::StatusOr<Shard::PulledSlice> b = shard_.PullSlice(kJob, 1, 1, Soon(), nullptr);
+  absl::StatusOr<Shard::PulledSlice> b = PullSlice(&shard_, kJob, 1, 1, Soon(), nullptr);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->version, 1);
   EXPECT_EQ(*b->value, after[1]);
   EXPECT_EQ(shard_.stats().version, 0);
   EXPECT_EQ(
-      shard_.PullSlice(kJob, 0, 1, absl::Now() + absl::Milliseconds(20), nullptr).status().code(),
+      PullSlice(&shard_, kJob, 0, 1, absl::Now() + absl::Milliseconds(20), nullptr).status().code(),
       absl::StatusCode::kDeadlineExceeded);
   // A reader of the whole shard still sees version 0, b included.
   EXPECT_EQ(Current(), (std::vector<std::vector<float>>{kA, kB}));
@@ -1448,7 +1609,7 @@ TEST_F(ShardTest, APullOfASliceWakesWhenThatSliceIsApplied) {
   absl::StatusOr<Shard::PulledSlice> got;
   absl::Time returned;
   std::thread puller([&] {
-    got = shard_.PullSlice(kJob, 0, 1, Soon(), nullptr);
+    got = PullSlice(&shard_, kJob, 0, 1, Soon(), nullptr);
     returned = absl::Now();
   });
   absl::SleepFor(absl::Milliseconds(50));  // the pull is waiting by now
@@ -1478,7 +1639,7 @@ TEST_F(ShardTest, RepeatedSlicesAreDuplicatesAndBadOnesRefusedWhole) {
   EXPECT_EQ(shard_.PushSlices(kJob, 1, 0, {{0, Grads(1)[0]}, {1, Grads(1)[0]}}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(shard_.stats().version, 0) << "nothing of worker 1 was kept";
-  EXPECT_EQ(shard_.PullSlice(kJob, 2, 0, Soon(), nullptr).status().code(),
+  EXPECT_EQ(PullSlice(&shard_, kJob, 2, 0, Soon(), nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
   ASSERT_EQ(*shard_.PushSlices(kJob, 1, 0, {{1, Grads(1)[1]}, {0, Grads(1)[0]}}),
             PushResponse::ACCEPTED);
@@ -1491,7 +1652,7 @@ TEST_F(ShardTest, ADroppedWorkerTakesItsSlicesAway) {
   ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(1, 1)).ok());
   // Dropping worker 1 completes slice b (worker 0 alone) but forgets 1's a.
   ASSERT_TRUE(shard_.SetLiveWorkers(kJob, {0}, 0).ok());
-  absl::StatusOr<Shard::PulledSlice> b = shard_.PullSlice(kJob, 1, 1, Soon(), nullptr);
+  absl::StatusOr<Shard::PulledSlice> b = PullSlice(&shard_, kJob, 1, 1, Soon(), nullptr);
   ASSERT_TRUE(b.ok()) << b.status();
   ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, SliceGrad(0, 1)).ok());
   EXPECT_EQ(shard_.stats().version, 1);
@@ -1508,38 +1669,38 @@ TEST(ShardHalfAppliedTest, SnapshotsAndPullsOfTheVersionBeforeAreExact) {
   ASSERT_TRUE(shard.Push(kJob, 0, 0, Grads(1)).ok());
   ASSERT_TRUE(shard.Push(kJob, 1, 0, Grads(1)).ok());
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> at1 =
-      shard.SnapshotAt(kJob, 1, Soon(), nullptr);
+      SnapshotAt(&shard, kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(at1.ok()) << at1.status();
   // Step 1 applied to slice b only.
   ASSERT_TRUE(shard.PushSlices(kJob, 0, 1, SliceGrad(1, 2)).ok());
   ASSERT_TRUE(shard.PushSlices(kJob, 1, 1, SliceGrad(1, 2)).ok());
-  absl::StatusOr<Shard::PulledSlice> b2 = shard.PullSlice(kJob, 1, 2, Soon(), nullptr);
+  absl::StatusOr<Shard::PulledSlice> b2 = PullSlice(&shard, kJob, 1, 2, Soon(), nullptr);
   ASSERT_TRUE(b2.ok()) << b2.status();
   EXPECT_EQ(b2->version, 2);
   EXPECT_NE(*b2->value, *(*at1)->weights->values[1]) << "slice b moved on";
   // Version 1 again, taken now: the same values and slots as when it was reached.
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> again =
-      shard.SnapshotAt(kJob, 1, Soon(), nullptr);
+      SnapshotAt(&shard, kJob, 1, Soon(), nullptr);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(ValuesOf(*(*again)->weights), ValuesOf(*(*at1)->weights));
   EXPECT_EQ((*again)->slots, (*at1)->slots);
   // A pull asking for version 1 gets every slice at 1, b included.
-  absl::StatusOr<Shard::PulledSlice> b1 = shard.PullSlice(kJob, 1, 1, Soon(), nullptr);
+  absl::StatusOr<Shard::PulledSlice> b1 = PullSlice(&shard, kJob, 1, 1, Soon(), nullptr);
   ASSERT_TRUE(b1.ok()) << b1.status();
   EXPECT_EQ(b1->version, 1);
   EXPECT_EQ(*b1->value, *(*at1)->weights->values[1]);
   // One asked for ahead is taken the moment the shard gets there.
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> at2;
-  std::thread taker([&] { at2 = shard.SnapshotAt(kJob, 2, Soon(), nullptr); });
+  std::thread taker([&] { at2 = SnapshotAt(&shard, kJob, 2, Soon(), nullptr); });
   absl::SleepFor(absl::Milliseconds(20));
   ASSERT_TRUE(shard.PushSlices(kJob, 0, 1, SliceGrad(0, 2)).ok());
   ASSERT_TRUE(shard.PushSlices(kJob, 1, 1, SliceGrad(0, 2)).ok());
   taker.join();
   ASSERT_TRUE(at2.ok()) << at2.status();
-  absl::StatusOr<Shard::Pulled> now = shard.Pull(kJob, 2, Soon(), nullptr);
+  absl::StatusOr<Pulled> now = Pull(&shard, kJob, 2, Soon(), nullptr);
   ASSERT_TRUE(now.ok()) << now.status();
   EXPECT_EQ(ValuesOf(*(*at2)->weights), ValuesOf(*now->weights));
-  EXPECT_EQ(shard.SnapshotAt(kJob, 1, Soon(), nullptr).status().code(),
+  EXPECT_EQ(SnapshotAt(&shard, kJob, 1, Soon(), nullptr).status().code(),
             absl::StatusCode::kFailedPrecondition)
       << "past it";
 }
@@ -1548,13 +1709,13 @@ TEST(ShardHalfAppliedTest, SnapshotsAndPullsOfTheVersionBeforeAreExact) {
 // waits out its deadline) and leaves later snapshots alone.
 TEST_F(ShardTest, ASnapshotWaitingAcrossAReloadIsAborted) {
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> waiting;
-  std::thread taker([&] { waiting = shard_.SnapshotAt(kJob, 2, Soon(), nullptr); });
+  std::thread taker([&] { waiting = SnapshotAt(&shard_, kJob, 2, Soon(), nullptr); });
   absl::SleepFor(absl::Milliseconds(20));
   ASSERT_TRUE(shard_.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
   taker.join();
   EXPECT_EQ(waiting.status().code(), absl::StatusCode::kAborted) << waiting.status();
   absl::StatusOr<std::shared_ptr<const Shard::Snapshot>> now =
-      shard_.SnapshotAt(kJob, 0, Soon(), nullptr);
+      SnapshotAt(&shard_, kJob, 0, Soon(), nullptr);
   ASSERT_TRUE(now.ok()) << now.status();
   EXPECT_EQ(ValuesOf(*(*now)->weights), (std::vector<std::vector<float>>{kA, kB}));
 }
@@ -1618,8 +1779,8 @@ TEST_P(ShardConcurrencyTest, SliceBySlicePushesMatchWholePushes) {
       });
     }
     for (std::thread& t : workers) t.join();
-    absl::StatusOr<Shard::Pulled> a = whole.Pull(kJob, step + 1, Soon(), nullptr);
-    absl::StatusOr<Shard::Pulled> b = sliced.Pull(kJob, step + 1, Soon(), nullptr);
+    absl::StatusOr<Pulled> a = Pull(&whole, kJob, step + 1, Soon(), nullptr);
+    absl::StatusOr<Pulled> b = Pull(&sliced, kJob, step + 1, Soon(), nullptr);
     ASSERT_TRUE(a.ok() && b.ok());
     ASSERT_EQ(b->weights->version, step + 1);
     ASSERT_EQ(ValuesOf(*a->weights), ValuesOf(*b->weights)) << "step " << step;
@@ -1666,7 +1827,7 @@ absl::StatusOr<PushResponse::Outcome> PushAsync(Shard& shard, int worker, int64_
 }
 
 std::vector<std::vector<float>> ValuesNow(Shard& shard) {
-  absl::StatusOr<Shard::Pulled> p = shard.Pull(kJob, 0, Soon(), nullptr);
+  absl::StatusOr<Pulled> p = Pull(&shard, kJob, 0, Soon(), nullptr);
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? ValuesOf(*p->weights) : std::vector<std::vector<float>>{};
 }
@@ -1697,7 +1858,8 @@ std::vector<Shard::SliceGradient> Borrowed(const std::vector<std::vector<float>>
 TEST(BorrowedGradientsTest, AreAppliedWhereTheyLieAndLetGoOnceApplied) {
   Shard shard;
   ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
-  EXPECT_TRUE(shard.KeepsBorrowedGradients());
+  EXPECT_TRUE(shard.BeginPush(kJob, {}, false, /*borrow=*/true)->borrow);
+  EXPECT_FALSE(shard.BeginPush(kJob, {}, /*skip=*/true, /*borrow=*/true)->borrow);
   std::vector<std::vector<float>> memory;
   std::shared_ptr<int> released;
   ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, Borrowed(Grads(1), &memory, &released)),
@@ -1760,7 +1922,7 @@ TEST(BorrowedGradientsTest, ValuesChangedAfterTheCheckNeverReachTheWeights) {
 TEST(BorrowedGradientsTest, AnAsynchronousShardCopiesThem) {
   Shard shard;
   ASSERT_TRUE(shard.Init(AsyncHeader(JobConfig::ASYNC), Values()).ok());
-  EXPECT_FALSE(shard.KeepsBorrowedGradients());
+  EXPECT_FALSE(shard.BeginPush(kJob, {}, false, /*borrow=*/true)->borrow);
   ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(4)), PushResponse::ACCEPTED);
   std::vector<std::vector<float>> memory;
   std::shared_ptr<int> released;
@@ -1932,7 +2094,7 @@ TEST(AsyncShardTest, SspHoldsAWorkerWithinTheBoundOfTheSlowest) {
   ASSERT_TRUE(grant.ok());
   EXPECT_FALSE(grant->has_value());
   absl::StatusOr<Shard::ClockGrant> waited =
-      shard.WaitClock(kJob, 0, 2, absl::Now() + absl::Milliseconds(200), nullptr);
+      WaitClock(&shard, kJob, 0, 2, absl::Now() + absl::Milliseconds(200), nullptr);
   EXPECT_TRUE(absl::IsDeadlineExceeded(waited.status())) << waited.status();
   ASSERT_EQ(*PushAsync(shard, 1, 0, 0, Grads(-1)), PushResponse::ACCEPTED);
   grant = shard.TryClock(kJob, 0, 2);
@@ -2004,7 +2166,7 @@ struct HeldAppliers {
 
 // Waits until the shard reaches `version` (the appliers run on their own thread).
 void AwaitVersion(Shard& shard, int64_t version) {
-  absl::StatusOr<Shard::Pulled> p = shard.Pull(kJob, version, Soon(), nullptr);
+  absl::StatusOr<Pulled> p = Pull(&shard, kJob, version, Soon(), nullptr);
   ASSERT_TRUE(p.ok()) << p.status();
 }
 
@@ -2162,7 +2324,7 @@ TEST(ShardWireCopiesTest, SixteenBitJobsPublishEachValueInTheWireDtypeToo) {
         }
         for (int slice : {0, 1}) {
           absl::StatusOr<Shard::PulledSlice> p =
-              shard.PullSlice(kJob, slice, version, Soon(), nullptr);
+              PullSlice(&shard, kJob, slice, version, Soon(), nullptr);
           ASSERT_TRUE(p.ok()) << p.status();
           ASSERT_EQ(p->version, version);
           ASSERT_NE(p->halves, nullptr) << "slice " << slice << " version " << version;
@@ -2177,7 +2339,7 @@ TEST(ShardWireCopiesTest, SixteenBitJobsPublishEachValueInTheWireDtypeToo) {
       // Once let go, the buffers are reused: still equal afterwards.
       for (int64_t version = 4; version < 7; ++version) {
         for (int w : {0, 1}) ASSERT_TRUE(shard.Push(kJob, w, version - 1, Grads(0.5f)).ok());
-        absl::StatusOr<Shard::PulledSlice> p = shard.PullSlice(kJob, 0, version, Soon(), nullptr);
+        absl::StatusOr<Shard::PulledSlice> p = PullSlice(&shard, kJob, 0, version, Soon(), nullptr);
         ASSERT_TRUE(p.ok()) << p.status();
         EXPECT_EQ(*p->halves, Halves(dtype, *p->value)) << "version " << version;
       }
@@ -2190,7 +2352,7 @@ TEST(ShardWireCopiesTest, SixteenBitJobsPublishEachValueInTheWireDtypeToo) {
     if (!copies) h.mutable_job()->set_wire_dtype(JobConfig::BF16);
     ASSERT_TRUE(shard.Init(h, Values()).ok());
     for (int w : {0, 1}) ASSERT_TRUE(shard.Push(kJob, w, 0, Grads(1)).ok());
-    absl::StatusOr<Shard::PulledSlice> p = shard.PullSlice(kJob, 0, 1, Soon(), nullptr);
+    absl::StatusOr<Shard::PulledSlice> p = PullSlice(&shard, kJob, 0, 1, Soon(), nullptr);
     ASSERT_TRUE(p.ok()) << p.status();
     EXPECT_EQ(p->halves, nullptr) << (copies ? "an fp32 job" : "a bf16 job without copies");
   }
