@@ -1,5 +1,6 @@
 #include "chief/progress.h"
 
+#include <cinttypes>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -49,16 +50,9 @@ std::vector<StepMetrics> Steps(int worker, int64_t begin, int64_t end, int64_t c
   return out;
 }
 
-// The numbers of a progress line.
-struct Line {
-  int end = 0, total = 0, live = 0, workers = 0, ps_up = 0, ps = 0;
-  double epoch = 0, loss = 0, acc = 0, ex_per_s = 0, step_ms = 0, pull = 0, compute = 0, push = 0,
-         wait = 0;
-};
-
 // What a line should say about the records `ms` of an interval of `steps`
 // global steps (its step, epoch and counts aside), and the interval's size.
-struct Expected : Line {
+struct Expected : ProgressLine {
   int64_t examples = 0;
   double seconds = 0;  // steps * step_ms
 };
@@ -71,63 +65,65 @@ Expected Expect(const std::vector<StepMetrics>& ms, int64_t steps) {
     loss_sum += m.loss() * static_cast<double>(m.examples());
     correct += m.correct();
     e.examples += m.examples();
-    e.pull += m.pull_us();
-    e.compute += m.compute_us();
-    e.push += m.push_us();
-    e.wait += m.wait_us();
+    e.pull_ms += m.pull_us();
+    e.compute_ms += m.compute_us();
+    e.push_ms += m.push_us();
+    e.wait_ms += m.wait_us();
   }
   const double n = static_cast<double>(ms.size());
   e.loss = loss_sum / static_cast<double>(e.examples);
-  e.acc = static_cast<double>(correct) / static_cast<double>(e.examples);
-  e.pull /= n * 1000;
-  e.compute /= n * 1000;
-  e.push /= n * 1000;
-  e.wait /= n * 1000;
-  e.step_ms = e.pull + e.compute + e.push + e.wait;
+  e.accuracy = static_cast<double>(correct) / static_cast<double>(e.examples);
+  e.pull_ms /= n * 1000;
+  e.compute_ms /= n * 1000;
+  e.push_ms /= n * 1000;
+  e.wait_ms /= n * 1000;
+  e.step_ms = e.pull_ms + e.compute_ms + e.push_ms + e.wait_ms;
   e.seconds = static_cast<double>(steps) * e.step_ms / 1000.0;
-  e.ex_per_s = static_cast<double>(e.examples) / e.seconds;
+  e.examples_per_sec = static_cast<double>(e.examples) / e.seconds;
   return e;
 }
 
 // Parses a progress line; fails the test if it does not have the documented form.
-Line Parse(const std::string& text) {
-  Line l;
+ProgressLine Parse(const std::string& text) {
+  ProgressLine l;
   const int got =
       std::sscanf(text.c_str(),
-                  "step %d/%d epoch %lf loss %lf acc %lf | %lf ex/s | step %lf ms (pull %lf "
+                  "step %" SCNd64 "/%" SCNd64
+                  " epoch %lf loss %lf acc %lf | %lf ex/s | step %lf ms (pull %lf "
                   "compute %lf push %lf "
                   "wait %lf) | workers %d/%d ps %d/%d",
-                  &l.end, &l.total, &l.epoch, &l.loss, &l.acc, &l.ex_per_s, &l.step_ms, &l.pull,
-                  &l.compute, &l.push, &l.wait, &l.live, &l.workers, &l.ps_up, &l.ps);
+                  &l.step, &l.train_steps, &l.epoch, &l.loss, &l.accuracy, &l.examples_per_sec,
+                  &l.step_ms, &l.pull_ms, &l.compute_ms, &l.push_ms, &l.wait_ms, &l.live_workers,
+                  &l.num_workers, &l.live_ps, &l.num_ps);
   EXPECT_EQ(got, 15) << "unparsable line: " << text;
   return l;
 }
 
 // Checks the numbers a line prints, to the precision it prints them with.
-void ExpectPrintedNumbers(const Line& got, const Line& want) {
+void ExpectPrintedNumbers(const ProgressLine& got, const ProgressLine& want) {
   EXPECT_NEAR(got.epoch, want.epoch, 0.005 + 1e-9);
   EXPECT_NEAR(got.loss, want.loss, 0.00005 + 1e-9);
-  EXPECT_NEAR(got.acc, want.acc, 0.0005 + 1e-9);
-  EXPECT_NEAR(got.ex_per_s, want.ex_per_s, 0.5 + 1e-9);
+  EXPECT_NEAR(got.accuracy, want.accuracy, 0.0005 + 1e-9);
+  EXPECT_NEAR(got.examples_per_sec, want.examples_per_sec, 0.5 + 1e-9);
   EXPECT_NEAR(got.step_ms, want.step_ms, 0.05 + 1e-9);
-  EXPECT_NEAR(got.pull, want.pull, 0.05 + 1e-9);
-  EXPECT_NEAR(got.compute, want.compute, 0.05 + 1e-9);
-  EXPECT_NEAR(got.push, want.push, 0.05 + 1e-9);
-  EXPECT_NEAR(got.wait, want.wait, 0.05 + 1e-9);
+  EXPECT_NEAR(got.pull_ms, want.pull_ms, 0.05 + 1e-9);
+  EXPECT_NEAR(got.compute_ms, want.compute_ms, 0.05 + 1e-9);
+  EXPECT_NEAR(got.push_ms, want.push_ms, 0.05 + 1e-9);
+  EXPECT_NEAR(got.wait_ms, want.wait_ms, 0.05 + 1e-9);
 }
 
 // Checks a parsed line against expectations, within the printed precision.
-void ExpectLine(const Line& l, const Expected& e, int end) {
-  EXPECT_EQ(l.end, end);
-  EXPECT_EQ(l.total, kTrainSteps);
-  Line want = e;
+void ExpectLine(const ProgressLine& l, const Expected& e, int end) {
+  EXPECT_EQ(l.step, end);
+  EXPECT_EQ(l.train_steps, kTrainSteps);
+  ProgressLine want = e;
   want.epoch = static_cast<double>(end) / kStepsPerEpoch;
   ExpectPrintedNumbers(l, want);
   // ex/s is the interval's examples over steps * step time (as printed, to rounding).
   const int64_t steps = end - (end == kTrainSteps ? 20 : end - kLogEvery);
-  EXPECT_NEAR(l.ex_per_s,
+  EXPECT_NEAR(l.examples_per_sec,
               static_cast<double>(e.examples) / (static_cast<double>(steps) * l.step_ms / 1000.0),
-              0.01 * l.ex_per_s);
+              0.01 * l.examples_per_sec);
 }
 
 class ProgressTest : public ::testing::Test {
@@ -170,15 +166,15 @@ TEST(ProgressMetricsTest, LinesAndReportsGoToTheRegistry) {
   for (const StepMetrics& m : Steps(1, 0, 10)) interval.push_back(m);
   const Expected e = Expect(interval, 10);
   EXPECT_DOUBLE_EQ(gauge("psflow_loss"), e.loss);
-  EXPECT_DOUBLE_EQ(gauge("psflow_accuracy"), e.acc);
-  EXPECT_NEAR(gauge("psflow_examples_per_second"), e.ex_per_s, 1e-6 * e.ex_per_s);
-  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "pull"}}), e.pull / 1000, 1e-12);
-  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "compute"}}), e.compute / 1000, 1e-12);
-  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "push"}}), e.push / 1000, 1e-12);
-  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "wait"}}), e.wait / 1000, 1e-12);
+  EXPECT_DOUBLE_EQ(gauge("psflow_accuracy"), e.accuracy);
+  EXPECT_NEAR(gauge("psflow_examples_per_second"), e.examples_per_sec, 1e-6 * e.examples_per_sec);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "pull"}}), e.pull_ms / 1000, 1e-12);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "compute"}}), e.compute_ms / 1000, 1e-12);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "push"}}), e.push_ms / 1000, 1e-12);
+  EXPECT_NEAR(gauge("psflow_step_seconds", {{"phase", "wait"}}), e.wait_ms / 1000, 1e-12);
   EXPECT_NEAR(
       registry.GetCounter("psflow_step_phase_seconds_total", "", {{"phase", "compute"}})->value(),
-      e.compute * 20 / 1000, 1e-9);
+      e.compute_ms * 20 / 1000, 1e-9);
   const std::string text = registry.Render();
   EXPECT_THAT(text, HasSubstr("\npsflow_live_workers 2\n"));
   EXPECT_THAT(text, HasSubstr("\npsflow_live_ps 1\n"));
@@ -262,9 +258,9 @@ TEST_F(ProgressTest, CountsLiveWorkers) {
   progress_.Record(1, Steps(1, 0, 10), t0_ + Progress::kLiveWindow + absl::Seconds(1));
   ASSERT_EQ(lines_.size(), 1u);
   EXPECT_THAT(lines_[0], HasSubstr("| workers 1/2 ps 2/2"));
-  const Line l = Parse(lines_[0]);
-  EXPECT_EQ(l.live, 1);
-  EXPECT_EQ(l.workers, 2);
+  const ProgressLine l = Parse(lines_[0]);
+  EXPECT_EQ(l.live_workers, 1);
+  EXPECT_EQ(l.num_workers, 2);
 
   // Both recent again (exactly at the window's edge still counts as live).
   progress_.Record(0, Steps(0, 10, 20), t0_ + absl::Seconds(12));
@@ -324,7 +320,7 @@ TEST_F(ProgressTest, SummaryLeavesTheFirstIntervalOutOfTheRate) {
                      (e1.seconds + e2.seconds + e3.seconds);
   EXPECT_GT(s.examples_per_sec, 1.5 * all);
   EXPECT_DOUBLE_EQ(s.last_loss, e3.loss);
-  EXPECT_DOUBLE_EQ(s.last_accuracy, e3.acc);
+  EXPECT_DOUBLE_EQ(s.last_accuracy, e3.accuracy);
 }
 
 TEST_F(ProgressTest, IgnoresOutOfRangeWorkersAndSteps) {
@@ -430,8 +426,9 @@ TEST(ProgressLearningRateTest, LinesShowTheRateOfTheIntervalsLastStep) {
   EXPECT_THAT(lines[1], HasSubstr(" lr 0.0001464 | "));
   EXPECT_THAT(lines[2], HasSubstr(" lr 0 | "));
   // The rest of the line is unchanged.
-  Line l = Parse(lines[0].substr(0, lines[0].find(" lr ")) + lines[0].substr(lines[0].find(" | ")));
-  EXPECT_EQ(l.end, 10);
+  ProgressLine l =
+      Parse(lines[0].substr(0, lines[0].find(" lr ")) + lines[0].substr(lines[0].find(" | ")));
+  EXPECT_EQ(l.step, 10);
 }
 
 TEST_F(ProgressTest, NoRateWithoutALearningRateFunction) {
@@ -457,23 +454,14 @@ class RecordingListener : public ProgressListener {
 // learning rate of its step.
 void ExpectNumbersOfText(const ProgressLine& got, const std::string& text,
                          const OptimizerConfig& optimizer) {
-  const Line l = Parse(text.substr(0, text.find(" lr ")) + text.substr(text.find(" | ")));
-  EXPECT_EQ(got.step, l.end);
+  const ProgressLine l = Parse(text.substr(0, text.find(" lr ")) + text.substr(text.find(" | ")));
+  EXPECT_EQ(got.step, l.step);
   EXPECT_EQ(got.train_steps, kTrainSteps);
-  ExpectPrintedNumbers({.epoch = got.epoch,
-                        .loss = got.loss,
-                        .acc = got.accuracy,
-                        .ex_per_s = got.examples_per_sec,
-                        .step_ms = got.step_ms,
-                        .pull = got.pull_ms,
-                        .compute = got.compute_ms,
-                        .push = got.push_ms,
-                        .wait = got.wait_ms},
-                       l);
+  ExpectPrintedNumbers(got, l);
   EXPECT_NEAR(got.step_ms, got.pull_ms + got.compute_ms + got.push_ms + got.wait_ms, 1e-9);
-  EXPECT_EQ(got.live_workers, l.live);
+  EXPECT_EQ(got.live_workers, l.live_workers);
   EXPECT_EQ(got.num_workers, kWorkers);
-  EXPECT_EQ(got.live_ps, l.ps_up);
+  EXPECT_EQ(got.live_ps, l.live_ps);
   EXPECT_EQ(got.num_ps, kPs);
   ASSERT_TRUE(got.learning_rate.has_value());
   EXPECT_DOUBLE_EQ(*got.learning_rate, ps::LearningRate(optimizer, got.step - 1));
@@ -519,8 +507,8 @@ TEST(ProgressListenerTest, GetsTheLinesNumbersAndTheRestarts) {
   for (const StepMetrics& m : Steps(1, 0, 10)) first.push_back(m);
   const Expected e = Expect(first, 10);
   EXPECT_DOUBLE_EQ(listener.lines[0].loss, e.loss);
-  EXPECT_DOUBLE_EQ(listener.lines[0].accuracy, e.acc);
-  EXPECT_NEAR(listener.lines[0].examples_per_sec, e.ex_per_s, 1e-6);
+  EXPECT_DOUBLE_EQ(listener.lines[0].accuracy, e.accuracy);
+  EXPECT_NEAR(listener.lines[0].examples_per_sec, e.examples_per_sec, 1e-6);
   EXPECT_EQ(listener.lines[0].time, t0 + absl::Seconds(1));
   EXPECT_EQ(listener.lines[2].time, t0 + absl::Seconds(3));
   EXPECT_EQ(listener.lines[0].live_ps, 1);
@@ -597,10 +585,11 @@ TEST_F(ProgressTest, AsynchronousLinesShowStalenessAndFinishedWorkersHoldNothing
   std::vector<StepMetrics> all = w0;
   all.insert(all.end(), w1.begin(), w1.end());
   const Expected e = Expect(all, 10);
-  const Line l = Parse(lines_[0]);
+  const ProgressLine l = Parse(lines_[0]);
   // Each record is one worker's step; the 2 workers go side by side.
-  EXPECT_NEAR(l.ex_per_s, static_cast<double>(e.examples) / (10.0 * e.step_ms / 1000.0 / kWorkers),
-              0.01 * l.ex_per_s);
+  EXPECT_NEAR(l.examples_per_sec,
+              static_cast<double>(e.examples) / (10.0 * e.step_ms / 1000.0 / kWorkers),
+              0.01 * l.examples_per_sec);
   // Worker 0 takes the rest of the job's steps; worker 1's last read was
   // step 9: once it says it saw the end, the last lines come out.
   progress_.Record(0, Steps(0, 11, kTrainSteps), t0_ + absl::Seconds(2));
