@@ -6,20 +6,17 @@ PSFLOW_PYTORCHJOB_CRD); exits 77 (skipped) without it."""
 import contextlib
 import io
 import os
-import sys
 import tempfile
 import unittest
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "deploy"))
+import kubeflow_testing  # puts deploy/ on the import path
+from kubeflow_testing import ROOT
 import validate_pytorchjob  # noqa: E402
 
-CRD = os.environ.get("PSFLOW_PYTORCHJOB_CRD",
-                     os.path.join(ROOT, "..", "shared", "schemas", "kubeflow.org_pytorchjobs.yaml"))
-MANIFESTS = [os.path.join(ROOT, "deploy", "pytorchjob", f)
-             for f in sorted(os.listdir(os.path.join(ROOT, "deploy", "pytorchjob"))) if f.endswith(".yaml")]
+CRD = kubeflow_testing.crd("PSFLOW_PYTORCHJOB_CRD", "kubeflow.org_pytorchjobs.yaml")
+MANIFESTS = kubeflow_testing.manifests("pytorchjob")
 
 
 def replica(j, role):
@@ -233,7 +230,4 @@ class ValidatePytorchjobTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    if not os.path.exists(CRD):
-        print(f"SKIPPED: no PyTorchJob CRD at {CRD} (set PSFLOW_PYTORCHJOB_CRD)")
-        sys.exit(77)
-    unittest.main()
+    kubeflow_testing.main("PyTorchJob", CRD, "PSFLOW_PYTORCHJOB_CRD")

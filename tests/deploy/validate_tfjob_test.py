@@ -4,20 +4,16 @@ copies of them. Needs the Kubeflow TFJob CRD (shared/schemas beside the
 repository, or PSFLOW_TFJOB_CRD); exits 77 (skipped) without it."""
 import copy
 import os
-import sys
 import tempfile
 import unittest
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "deploy"))
+import kubeflow_testing  # puts deploy/ on the import path
 import validate_tfjob  # noqa: E402
 
-CRD = os.environ.get("PSFLOW_TFJOB_CRD",
-                     os.path.join(ROOT, "..", "shared", "schemas", "kubeflow.org_tfjobs.yaml"))
-MANIFESTS = [os.path.join(ROOT, "deploy", "tfjob", f)
-             for f in sorted(os.listdir(os.path.join(ROOT, "deploy", "tfjob"))) if f.endswith(".yaml")]
+CRD = kubeflow_testing.crd("PSFLOW_TFJOB_CRD", "kubeflow.org_tfjobs.yaml")
+MANIFESTS = kubeflow_testing.manifests("tfjob")
 
 
 def has_replicas(path, *roles):
@@ -298,7 +294,4 @@ class ValidateTfjobTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    if not os.path.exists(CRD):
-        print(f"SKIPPED: no TFJob CRD at {CRD} (set PSFLOW_TFJOB_CRD)")
-        sys.exit(77)
-    unittest.main()
+    kubeflow_testing.main("TFJob", CRD, "PSFLOW_TFJOB_CRD")
