@@ -25,13 +25,11 @@ ref_ps=${REF_PS:-8}
 data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 export NCCL_NVLS_ENABLE=0  # NCCL's NVLink multicast stays off
 
-gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l) || gpus=0
-[ "$gpus" -ge 2 ] || { echo "gpu_allreduce.sh: needs 2 GPUs, $gpus visible" >&2; exit 1; }
-[ -x "$bin/psflow-launch" ] || { echo "gpu_allreduce.sh: no $bin/psflow-launch (give the binaries' directory)" >&2; exit 1; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
+require_gpus gpu_allreduce.sh 2 psflow-launch
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 
 describe_machine gpu_allreduce.sh
 for model in $models; do

@@ -1,6 +1,19 @@
 # Shared by the bench scripts that set psflow on GPUs beside PyTorch DDP
 # (sourced after lib.sh, not run). They set $bin, $tmp, $here (the bench
-# directory), $data_dir (Fashion-MNIST), $resnet_steps and $cnn_steps first.
+# directory), $data_dir (Fashion-MNIST), $resnet_steps and $cnn_steps before
+# calling its functions.
+
+# require_gpus SCRIPT N TOOL...: exits (naming SCRIPT) unless N GPUs are
+# visible and every TOOL is an executable in $bin.
+require_gpus() {
+  local script=$1 need=$2 gpus tool
+  shift 2
+  gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l) || gpus=0
+  [ "$gpus" -ge "$need" ] || { echo "$script: needs $need GPUs, $gpus visible" >&2; exit 1; }
+  for tool in "$@"; do
+    [ -x "$bin/$tool" ] || { echo "$script: no $bin/$tool (give the binaries' directory)" >&2; exit 1; }
+  done
+}
 
 # describe_machine SCRIPT: prints the GPUs, the CPU cores and PyTorch's
 # version; exits (naming SCRIPT) when python3 cannot import torch.

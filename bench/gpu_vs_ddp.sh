@@ -41,11 +41,9 @@ multi_ps=${MULTI_PS:-2}
 data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 export NCCL_NVLS_ENABLE=0  # NCCL's NVLink multicast stays off
 
-gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l) || gpus=0
-[ "$gpus" -ge 2 ] || { echo "gpu_vs_ddp.sh: needs 2 GPUs, $gpus visible" >&2; exit 1; }
-for tool in psflow-launch psflow-bench-step; do
-  [ -x "$bin/$tool" ] || { echo "gpu_vs_ddp.sh: no $bin/$tool (give the binaries' directory)" >&2; exit 1; }
-done
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
+require_gpus gpu_vs_ddp.sh 2 psflow-launch psflow-bench-step
 for model in $models; do
   case $model in
     resnet) ;;
@@ -55,8 +53,6 @@ for model in $models; do
 done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 
 describe_machine gpu_vs_ddp.sh
 echo "== PyTorch DDP, 2 GPUs"

@@ -27,16 +27,12 @@ recipe=${RECIPE:-1}
 data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 export NCCL_NVLS_ENABLE=0  # NCCL's NVLink multicast stays off
 
-gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l) || gpus=0
-[ "$gpus" -ge 4 ] || { echo "gpu_vs_ddp_4.sh: needs 4 GPUs, $gpus visible" >&2; exit 1; }
-for tool in psflow-launch psflow-eval; do
-  [ -x "$bin/$tool" ] || { echo "gpu_vs_ddp_4.sh: no $bin/$tool (give the binaries' directory)" >&2; exit 1; }
-done
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
+require_gpus gpu_vs_ddp_4.sh 4 psflow-launch psflow-eval
 [ -d "$data_dir" ] || { echo "gpu_vs_ddp_4.sh: no Fashion-MNIST at $data_dir (set DATA_DIR)" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_lib.sh"
 
 describe_machine gpu_vs_ddp_4.sh
 echo "== PyTorch DDP on 1, 2 and 4 GPUs"
