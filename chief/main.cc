@@ -56,27 +56,24 @@ int main(int argc, char** argv) {
   o.coordinator.on_ready = [&readiness](bool ready) { readiness.Set(ready); };
   std::unique_ptr<psflow::chief::ChiefRole> chief =
       psflow::chief::ChiefRole::Create(o, *std::move(job), security, &metrics);
-  absl::StatusOr<std::unique_ptr<psflow::RoleServers>> servers =
-      psflow::ServeRole({.address = o.cluster.self_address,
-                         .services = {chief->service()},
-                         .callers = psflow::chief::ChiefCallers(),
-                         .security = security,
-                         .metrics = &metrics,
-                         .readiness = &readiness});
-  if (!servers.ok()) {
-    PSLOG(ERROR) << servers.status().message();
-    return psflow::kExitPermanent;
-  }
-  PSLOG(INFO) << "listening on " << o.cluster.self_address << "; loading the parameter servers";
   // A signal makes the coordinator checkpoint first; give that time, not forever.
-  const int code = psflow::RunRole(
-      [&] {
-        absl::Status s = chief->Run();
-        readiness.Set(false);  // the job is over: nothing left to be ready for
-        return s;
-      },
-      [&](int sig) { chief->Stop(sig); }, absl::Seconds(30), "stopping");
-  (*servers)->Stop(absl::Seconds(2));
-  psflow::LogResourceUsage();
-  return code;
+  return psflow::ServeAndRunRole(
+      {.address = o.cluster.self_address,
+       .services = {chief->service()},
+       .callers = psflow::chief::ChiefCallers(),
+       .security = security,
+       .metrics = &metrics,
+       .readiness = &readiness},
+      {.run =
+           [&] {
+             PSLOG(INFO) << "listening on " << o.cluster.self_address
+                         << "; loading the parameter servers";
+             absl::Status s = chief->Run();
+             readiness.Set(false);  // the job is over: nothing left to be ready for
+             return s;
+           },
+       .stop = [&](int sig) { chief->Stop(sig); },
+       .grace = absl::Seconds(30),
+       .what = "stopping",
+       .drain = absl::Seconds(2)});
 }

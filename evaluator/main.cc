@@ -126,20 +126,14 @@ int main(int argc, char** argv) {
   // cluster (TF_CONFIG's minimal form) listens on nothing, but still serves
   // /metrics with --metrics_port.
   psflow::evaluator::StatusService service(&evaluator);
-  absl::StatusOr<std::unique_ptr<psflow::RoleServers>> servers =
-      psflow::ServeRole({.address = config.self_port > 0 ? config.self_address : "",
-                         .services = {&service},
-                         .security = security,
-                         .metrics = &metrics,
-                         .readiness = &readiness});
-  if (!servers.ok()) {
-    PSLOG(ERROR) << servers.status().message();
-    return psflow::kExitPermanent;
-  }
-  const int code =
-      psflow::RunRole([&] { return evaluator.Run(); }, [&](int sig) { evaluator.Stop(sig); },
-                      absl::Seconds(6), "stopping after the call in flight");
-  (*servers)->Stop(absl::Seconds(1));
-  psflow::LogResourceUsage();
-  return code;
+  return psflow::ServeAndRunRole({.address = config.self_port > 0 ? config.self_address : "",
+                                  .services = {&service},
+                                  .security = security,
+                                  .metrics = &metrics,
+                                  .readiness = &readiness},
+                                 {.run = [&] { return evaluator.Run(); },
+                                  .stop = [&](int sig) { evaluator.Stop(sig); },
+                                  .grace = absl::Seconds(6),
+                                  .what = "stopping after the call in flight",
+                                  .drain = absl::Seconds(1)});
 }

@@ -6,7 +6,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include "common/cluster_config.h"
+#include "common/exit_codes.h"
+#include "common/log.h"
 #include "role/cluster_flags.h"
+#include "role/process_setup.h"
 
 namespace psflow {
 
@@ -41,6 +44,18 @@ absl::StatusOr<std::unique_ptr<RoleServers>> ServeRole(ServeOptions options) {
   if (!metrics_server.ok()) return metrics_server.status();
   servers->metrics_ = *std::move(metrics_server);
   return servers;
+}
+
+int ServeAndRunRole(ServeOptions serve, const RoleRun& role) {
+  absl::StatusOr<std::unique_ptr<RoleServers>> servers = ServeRole(std::move(serve));
+  if (!servers.ok()) {
+    PSLOG(ERROR) << servers.status().message();
+    return kExitPermanent;
+  }
+  const int code = RunRole(role.run, role.stop, role.grace, role.what);
+  (*servers)->Stop(role.drain);
+  LogResourceUsage();
+  return code;
 }
 
 }  // namespace psflow

@@ -6,10 +6,12 @@
 #ifndef PSFLOW_ROLE_SERVE_ROLE_H_
 #define PSFLOW_ROLE_SERVE_ROLE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
@@ -60,6 +62,21 @@ class RoleServers {
 // server; on an error (a port taken, a bad --metrics_port) stops what it
 // started and returns it, for the role to log and exit 1.
 absl::StatusOr<std::unique_ptr<RoleServers>> ServeRole(ServeOptions options);
+
+// A role's run once its servers are up: RunRole's arguments (role/cluster_flags.h)
+// and how long the servers then get for the calls in flight.
+struct RoleRun {
+  std::function<absl::Status()> run;
+  std::function<void(int)> stop;
+  absl::Duration grace;  // after a signal, before the process exits anyway
+  std::string what;      // logged at a signal: "signal N: <what>"
+  absl::Duration drain;  // RoleServers::Stop's grace
+};
+
+// The rest of a role's main (chief, evaluator): ServeRole(serve), RunRole
+// with `role`, the servers stopped, the resource usage logged. The exit code;
+// kExitPermanent, with the error logged, when the servers cannot start.
+int ServeAndRunRole(ServeOptions serve, const RoleRun& role);
 
 }  // namespace psflow
 
