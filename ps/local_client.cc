@@ -105,8 +105,8 @@ absl::Status CopyInto(const std::vector<TensorRef>& from, std::vector<TensorSink
   return filler.Finish();
 }
 
-// Wakes a LocalPull waiting on its shard: a waiter of the shard's, armed
-// (PullSession::Arm) before each look at the shard, as the service's
+// Wakes a LocalPull or a LocalSnapshot waiting on its shard: a waiter of
+// the shard's, armed before each look at the shard, as the service's
 // Waker is, so a change after the look ends the wait. Its lock is taken
 // under the shard's (in Wake) and never held while calling the shard.
 class ShardWakeup {

@@ -2,12 +2,15 @@
 // does in front of a Shard (checks the Init header, fills slices and their
 // optimizer slots by name and slot, converts through the wire dtype, reports
 // the version after a push), copying tensors straight between the caller's
-// TensorRef/TensorSink buffers and the shard, with no gRPC. A pull is the
-// service's own protocol (ps/pull_session.h), driven here on the calling
-// thread: it blocks on a waiter of the shard's and copies each message into
-// the sinks. ps::LocalClient serves a worker's
-// own replica in a job without ps (JobConfig.exchange ALL_REDUCE); the test
-// fake (tests/fakes/fake_ps.h) puts its faults in front of the same calls.
+// TensorRef/TensorSink buffers and the shard, with no gRPC. Pull, push and
+// snapshot are the service's own protocol (ps/pull_session.h,
+// ps/push_session.h, ps/snapshot_session.h), driven here on the calling
+// thread: a pull or a snapshot blocks on a waiter of the shard's and copies
+// what it is sent into the sinks; a push copies the tensors into the
+// session's sinks and hands them over at once. ps::LocalClient serves a
+// worker's own replica in a job without ps (JobConfig.exchange ALL_REDUCE);
+// the test fake (tests/fakes/fake_ps.h) puts its faults in front of the
+// same calls.
 //
 // Errors are the shard's own, INVALID_ARGUMENT for tensors an Init or a push
 // does not fit, DATA_LOSS for a pull or snapshot that does not fit the sinks,

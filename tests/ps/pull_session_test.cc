@@ -3,13 +3,10 @@
 // (a ps::GrpcClient).
 #include "ps/pull_session.h"
 
-#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -17,11 +14,8 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "ps/grpc_client.h"
-#include "ps/local_client.h"
-#include "ps/service.h"
 #include "ps/shard.h"
-#include "role/process_setup.h"
+#include "tests/ps/session_drivers.h"
 
 namespace psflow::ps {
 namespace {
@@ -275,60 +269,31 @@ TEST_F(PullSessionTest, AShardWithoutSlicesAnswersItsVersion) {
   EXPECT_EQ(message_.slices, 0u);
 }
 
-// The same pull through LocalPull (false) and through PsService on loopback
-// (true): answered "not yet" once max_wait passes, then, asked again, served
-// once both workers' pushes are applied.
-class PullSessionDriversTest : public ::testing::TestWithParam<bool> {
+// The same pull through LocalPull and through PsService on loopback:
+// answered "not yet" once max_wait passes, then, asked again, served once
+// both workers' pushes are applied.
+class PullSessionDriversTest : public testing::SessionDriversTest {
  protected:
-  void SetUp() override {
-    if (!GetParam()) {
-      client_ = std::make_unique<LocalClient>(&shard_);
-      return;
-    }
-    KeepGrpcUntilExit();
-    service_ = std::make_unique<PsService>(&shard_, PsServiceOptions{});
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    client_ = std::make_unique<GrpcClient>(
-        std::vector<std::string>{absl::StrCat("127.0.0.1:", port)}, GrpcClientOptions{});
-  }
-  void TearDown() override {
-    shard_.Shutdown();  // wakes any waiting pull
-    if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  }
-
   absl::StatusOr<Client::PullResult> Pull(absl::Duration max_wait) {
-    return client_->Pull(0, kJob, 1, {},
-                         {{"s0", "", {10}, s0_.data()}, {"s1", "", {20}, s1_.data()}}, Deadline(),
-                         max_wait);
+    return client_->Pull(0, testing::kSessionJob, 1, {},
+                         {{"s0", "", {10}, s0_.data()}, {"s1", "", {20}, s1_.data()}},
+                         testing::SessionDeadline(), max_wait);
   }
   absl::StatusOr<PushResponse> Push(int worker, float g) {
     PushHeader h;
-    h.set_job_id(kJob);
+    h.set_job_id(testing::kSessionJob);
     h.set_worker(worker);
     h.set_step(0);
     const std::vector<float> g0(10, g), g1(20, g);
     return client_->Push(0, h, {{"s0", "", {10}, g0.data()}, {"s1", "", {20}, g1.data()}},
-                         Deadline());
+                         testing::SessionDeadline());
   }
 
-  Shard shard_;
-  std::unique_ptr<PsService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<Client> client_;
   std::vector<float> s0_ = std::vector<float>(10, -1), s1_ = std::vector<float>(20, -1);
 };
 
 TEST_P(PullSessionDriversTest, APullNotYetIsServedWhenAskedAgain) {
-  const std::vector<Shard::SliceValues> values = Values({10, 20});
-  const absl::Status init = client_->Init(
-      0, Header({10, 20}),
-      {{"s0", "", {10}, values[0].value.data()}, {"s1", "", {20}, values[1].value.data()}},
-      Deadline());
+  const absl::Status init = InitJob({10, 20});
   ASSERT_TRUE(init.ok()) << init;
   ASSERT_TRUE(Push(0, 1).ok());  // version 1 waits for worker 1
 
@@ -352,14 +317,13 @@ TEST_P(PullSessionDriversTest, APullNotYetIsServedWhenAskedAgain) {
   // Woken by the apply, not found by a poll (a LocalPull looks once a second).
   EXPECT_LT(answered - pushed, absl::Milliseconds(900));
   EXPECT_EQ(served->version, 1);
+  // Momentum's first step: w - lr * mean(1, 3).
   EXPECT_EQ(s0_, std::vector<float>(10, 1 - 0.5f * 2));
   EXPECT_EQ(s1_, std::vector<float>(20, 2 - 0.5f * 2));
 }
 
 INSTANTIATE_TEST_SUITE_P(LocalAndGrpc, PullSessionDriversTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "PsServiceOnLoopback" : "LocalPull";
-                         });
+                         testing::SessionDriversTest::DriverName);
 
 }  // namespace
 }  // namespace psflow::ps
