@@ -34,7 +34,8 @@ namespace psflow::ps {
 // How a call may be ended from outside: `interrupted` returns a non-OK
 // status once the caller wants a wait to end (a cancel, a ps taken down),
 // and that status is the call's; waits look at it at least every
-// `poll_every` (and at least once a second, as the shard does).
+// `poll_every` (and at least once a second: LocalPull and LocalSnapshot wake
+// that often to look).
 struct LocalCall {
   std::function<absl::Status()> interrupted;
   absl::Duration poll_every = absl::InfiniteDuration();

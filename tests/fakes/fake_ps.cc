@@ -219,7 +219,7 @@ absl::Status FakePs::DoSnapshot(const std::atomic<bool>& cancelled, int ps, uint
   absl::StatusOr<std::shared_ptr<ps::Shard>> shard =
       Enter(ps, Method::kSnapshot, deadline, cancelled);
   if (!shard.ok()) return shard.status();
-  // Waits on the shard in one piece (within a second, as the shard checks).
+  // Waits on the shard in one piece (LocalSnapshot still looks at the call every second).
   ps::LocalCall call = Interruption(ps, cancelled);
   call.poll_every = absl::InfiniteDuration();
   return WithPs(ps, ps::LocalSnapshot(**shard, call, job_id, version, sinks, deadline));
