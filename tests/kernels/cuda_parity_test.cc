@@ -112,6 +112,19 @@ class CudaParityTest : public ::testing::Test {
                                    gpu.ok() ? *std::move(gpu) : nullptr);
   }
 
+  // A pooling op's Forward from nx random inputs to ny outputs and its
+  // Backward from ny random gradients to nx, on both backends, compared.
+  template <typename Op>
+  void ExpectPoolingParity(Op& cpu_op, Op& gpu_op, size_t nx, size_t ny) {
+    Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
+    PSFLOW_ASSERT_OK(cpu_op.Forward(x.c(), y.c()));
+    PSFLOW_ASSERT_OK(gpu_op.Forward(x.g(), y.g()));
+    ExpectMatch(y, kTol, "y");
+    PSFLOW_ASSERT_OK(cpu_op.Backward(dy.c(), dx.c()));
+    PSFLOW_ASSERT_OK(gpu_op.Backward(dy.g(), dx.g()));
+    ExpectMatch(dx, kTol, "dx");
+  }
+
   // The same values on both backends.
   Pair In(const std::vector<float>& host) { return {Upload(*cpu_, host), Upload(*gpu_, host)}; }
   Pair In(size_t n) { return In(Random(n)); }
@@ -217,14 +230,7 @@ TEST_P(CudaPoolParityTest, ForwardAndBackward) {
   ASSERT_TRUE(cpu_op && gpu_op);
   const size_t nx = size_t{1} * s.batch * s.channels * s.height * s.width;
   const size_t ny = size_t{1} * s.batch * s.channels * s.out_height() * s.out_width();
-  Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
-
-  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), y.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), y.g()));
-  ExpectMatch(y, kTol, "y");
-  PSFLOW_ASSERT_OK(cpu_op->Backward(dy.c(), dx.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Backward(dy.g(), dx.g()));
-  ExpectMatch(dx, kTol, "dx");
+  ASSERT_NO_FATAL_FAILURE(ExpectPoolingParity(*cpu_op, *gpu_op, nx, ny));
 }
 
 // Pool2DShape: {batch, channels, height, width, window, stride}.
@@ -376,13 +382,7 @@ TEST_F(CudaParityTest, GlobalAvgPool) {
     ASSERT_TRUE(cpu_op && gpu_op);
     const size_t nx = size_t{1} * s.batch * s.channels * s.height * s.width;
     const size_t ny = size_t{1} * s.batch * s.channels;
-    Pair x = In(nx), dy = In(ny), y = Out(ny), dx = Out(nx);
-    PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), y.c()));
-    PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), y.g()));
-    ExpectMatch(y, kTol, "y");
-    PSFLOW_ASSERT_OK(cpu_op->Backward(dy.c(), dx.c()));
-    PSFLOW_ASSERT_OK(gpu_op->Backward(dy.g(), dx.g()));
-    ExpectMatch(dx, kTol, "dx");
+    ASSERT_NO_FATAL_FAILURE(ExpectPoolingParity(*cpu_op, *gpu_op, nx, ny));
   }
 }
 
