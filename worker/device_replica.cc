@@ -64,21 +64,24 @@ absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> FormGpuGroup(
 }
 
 DeviceReplica::DeviceReplica(const JobConfig& job, DeviceReplicaOptions options,
-                             ModelReplicas* model, std::unique_ptr<kernels::PeerGroup> peers)
+                             ExchangeHooks hooks, ModelReplicas* model,
+                             std::unique_ptr<kernels::PeerGroup> peers)
     : job_(job),
       options_(options),
       model_(model),
       backend_(model->backend()),
-      peers_(std::move(peers)) {}
+      peers_(std::move(peers)),
+      hooks_(std::move(hooks)) {}
 
 DeviceReplica::~DeviceReplica() {
   if (publisher_.joinable()) publisher_.join();
 }
 
 absl::StatusOr<std::unique_ptr<DeviceReplica>> DeviceReplica::Create(
-    const JobConfig& job, DeviceReplicaOptions options, ModelReplicas* model,
+    const JobConfig& job, DeviceReplicaOptions options, ExchangeHooks hooks, ModelReplicas* model,
     std::unique_ptr<kernels::PeerGroup> peers) {
-  std::unique_ptr<DeviceReplica> replica(new DeviceReplica(job, options, model, std::move(peers)));
+  std::unique_ptr<DeviceReplica> replica(
+      new DeviceReplica(job, options, std::move(hooks), model, std::move(peers)));
   absl::StatusOr<std::unique_ptr<ps::Optimizer>> optimizer = ps::Optimizer::Create(job.optimizer());
   if (!optimizer.ok()) return Permanent(optimizer.status());
   replica->optimizer_ = *std::move(optimizer);
@@ -176,56 +179,81 @@ absl::Status DeviceReplica::Load(ps::Client* client) {
   return absl::OkStatus();
 }
 
-absl::Status DeviceReplica::Train(ps::Client* client, const data::Dataset& data,
-                                  const DeviceReplicaHooks& hooks) {
-  hooks_ = hooks;
-  example_floats_ = data.example_floats();
-  PSFLOW_RETURN_IF_ERROR(Load(client));
-  const int index = options_.worker_index;
-  WorkerBatches batches(data, job_, index);
-  while (step_ < job_.train_steps()) {
-    PSFLOW_RETURN_IF_ERROR(hooks.interrupted());
-    if (const int sig = hooks.stop_signal(); sig != 0) return Stopped(sig);
-    // The served replica gets this step's if a snapshot waits for it,
-    // and worker 0's at every multiple of kReplicaPublishSteps.
-    if (step_ != published_version_ && ((index == 0 && step_ % kReplicaPublishSteps == 0) ||
-                                        options_.replica->WantedSnapshot(step_) == step_)) {
-      PSFLOW_RETURN_IF_ERROR(Publish(step_, /*wait=*/false));
-    }
-    const absl::Time t1 = absl::Now();
-    absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
-    PSFLOW_RETURN_IF_ERROR(Compute(batches, &result));
-    if (!result.ok()) {
-      return absl::InternalError(
-          absl::StrCat("step ", step_, " failed: ", result.status().message()));
-    }
-    const absl::Time t2 = absl::Now();
-    bool finite = false;
-    PSFLOW_RETURN_IF_ERROR(Verdict(result->loss, &finite));
-    const bool skip = !finite && job_.on_nonfinite() == JobConfig::SKIP_STEP;
-    const float mean_loss = host_flags_->data()[0];
-    if (!finite && !skip) {
-      PSLOG(ERROR) << "step " << step_ << ": the mean loss (" << mean_loss
-                   << ") or the mean gradients are not finite; nothing applied";
-      return hooks.non_finite(step_);
-    }
-    if (skip) {
-      PSLOG(WARNING) << "step " << step_ << ": the mean loss (" << mean_loss
-                     << ") or the mean gradients are not finite; skipping the step";
-    } else {
-      PSFLOW_RETURN_IF_ERROR(Apply(step_));
-    }
-    StepMetrics m;
-    m.set_step(step_);
-    m.set_nonfinite(skip);
-    m.set_loss(skip ? 0 : result->loss);
-    m.set_correct(result->correct);
-    m.set_examples(batches.size());
-    m.set_compute_us(absl::ToInt64Microseconds(t2 - t1));
-    m.set_push_us(absl::ToInt64Microseconds(absl::Now() - t2));  // the all-reduce and the apply
-    ++step_;
-    hooks.step_done(std::move(m), step_);
+absl::Status DeviceReplica::Ended(const absl::Status& s) {
+  if (!s.ok() && ended_.ok()) ended_ = s;
+  return s;
+}
+
+absl::Status DeviceReplica::Pull(int64_t /*min_version*/, ExchangeRound* out) {
+  if (!loaded_) {
+    PSFLOW_RETURN_IF_ERROR(Ended(Load(options_.client)));
+    loaded_ = true;
   }
+  *out = ExchangeRound();
+  out->version = step_;
+  return absl::OkStatus();
+}
+
+void DeviceReplica::BeginStep(const StepPush& /*push*/, ExchangeRound* /*out*/) {
+  // The served replica gets this step's if a snapshot waits for it, and
+  // worker 0's at every multiple of kReplicaPublishSteps. (A failure ends
+  // the step at StepQueued, before the means are queued.)
+  if (step_ != published_version_ &&
+      ((options_.worker_index == 0 && step_ % kReplicaPublishSteps == 0) ||
+       options_.replica->WantedSnapshot(step_) == step_)) {
+    Ended(Publish(step_, /*wait=*/false)).IgnoreError();
+  }
+}
+
+absl::Status DeviceReplica::StepQueued() {
+  PSFLOW_RETURN_IF_ERROR(ended_);
+  if (peers_ == nullptr) return absl::OkStatus();
+  // Single-GPU workers: the step's graph is queued; the NCCL means of its
+  // gradients follow it bucket by bucket, each once the backward pass has
+  // passed the bucket's event, while the rest of the backward pass runs.
+  // Workers of several GPUs: their mean, after the step (a failure to mark
+  // it is the step's).
+  if (model_->several()) PSFLOW_RETURN_IF_ERROR(backend_->RecordEvent(buckets_[0].ready));
+  return Ended(AfterGroupCall(QueueMeans()));
+}
+
+absl::Status DeviceReplica::Reduce(int64_t /*step*/, float* mean_loss) {
+  PSFLOW_RETURN_IF_ERROR(Ended(Verdict(*mean_loss, &finite_)));
+  *mean_loss = host_flags_->data()[0];
+  return absl::OkStatus();
+}
+
+absl::Status DeviceReplica::PushStep(const StepPush& push, StepVerdictKind* verdict,
+                                     ExchangeRound* out) {
+  const bool skip = !finite_ && job_.on_nonfinite() == JobConfig::SKIP_STEP;
+  if (!finite_ && !skip) {
+    *verdict = StepVerdictKind::kNotFiniteMean;
+    return absl::OkStatus();
+  }
+  *verdict = skip ? StepVerdictKind::kSkipped : StepVerdictKind::kFinite;
+  if (skip) {
+    PSLOG(WARNING) << "step " << step_ << ": the mean loss (" << push.mean_loss
+                   << ") or the mean gradients are not finite; skipping the step";
+  } else {
+    PSFLOW_RETURN_IF_ERROR(Ended(Apply(step_)));
+  }
+  // The step's push time: the all-reduce and the apply.
+  if (push.on_pushed) push.on_pushed(absl::Now(), skip);
+  *out = ExchangeRound();
+  out->version = ++step_;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceReplica::Finish(const absl::Status& trained) {
+  // Stopped or broken by the replica's own calls: that published what it
+  // could already.
+  if (!ended_.ok()) return ended_;
+  if (!loaded_) return trained;
+  if (SignalOf(trained).has_value()) {
+    PublishLast("at the stop");
+    return trained;
+  }
+  if (!trained.ok()) return trained;
   // The final replica: the chief's final weights and every digest read it.
   absl::Status s = Publish(step_, /*wait=*/true);
   if (!s.ok()) {
@@ -234,52 +262,16 @@ absl::Status DeviceReplica::Train(ps::Client* client, const data::Dataset& data,
   return absl::OkStatus();
 }
 
-absl::Status DeviceReplica::Compute(WorkerBatches& batches,
-                                    absl::StatusOr<model::Network::Result>* result) {
-  const int batch = job_.batch_size();  // per replica
-  model::Network* const net = model_->net();
-  absl::Status s = batches.Gather(step_, job_.steps_per_epoch());
-  if (!s.ok()) {
-    *result = s;
-    return absl::OkStatus();
-  }
-  if (peers_ != nullptr && !model_->several()) {
-    // The step's graph is queued; the NCCL means of its gradients follow
-    // it bucket by bucket, each once the backward pass has passed the
-    // bucket's event, while the rest of the backward pass runs.
-    s = net->SetInputs(batches.images(), batches.labels(), batch);
-    if (s.ok()) s = net->StartTrainStep(batch);
-    if (s.ok()) PSFLOW_RETURN_IF_ERROR(AfterGroupCall(QueueMeans()));
-    if (s.ok()) {
-      *result = net->FinishStep(batch);
-    } else {
-      *result = s;
-    }
-    return absl::OkStatus();
-  }
-  *result = model_->several()
-                ? model_->Step(batches.images(), batches.labels(), batch, example_floats_)
-                : net->TrainStep(batches.images(), batches.labels(), batch);
-  if (!result->ok() || peers_ == nullptr) return absl::OkStatus();
-  // Workers of several GPUs: their mean, after the step.
-  s = backend_->RecordEvent(buckets_[0].ready);
-  if (!s.ok()) {
-    *result = s;
-    return absl::OkStatus();
-  }
-  return AfterGroupCall(QueueMeans());
-}
-
 absl::Status DeviceReplica::QueueMeans() {
   return peers_->QueueAllReduceMeans(buckets_, absl::Now() + options_.transfer_timeout,
                                      [this] { return Abandoned(); });
 }
 
-absl::Status DeviceReplica::Verdict(double loss, bool* finite) {
+absl::Status DeviceReplica::Verdict(float loss, bool* finite) {
   // The mean gradient and loss of every worker (the same bits on each), and
   // whether any of them is not finite: one verdict for the whole group.
   float* const host_flags = host_flags_->data();
-  host_flags[0] = static_cast<float>(loss);
+  host_flags[0] = loss;
   host_flags[1] = 0;
   absl::Status s = backend_->CopyToDevice(host_flags, 2, flags_->data());
   if (s.ok() && peers_ != nullptr) {

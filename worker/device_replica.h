@@ -1,16 +1,19 @@
 // A GPU worker's replica in a job without ps (JobConfig.exchange
-// ALL_REDUCE), kept on the device: the weights and the optimizer's slots
-// live there, each step's gradients and loss are averaged among the
-// workers' GPUs over NCCL (kernels::PeerGroup; a worker alone has none),
-// their non-finite values counted there, and the optimizer applied there:
-// no ps calls. The replica this worker's ps service serves (the one the
-// chief and the evaluator read) gets the state (ps::Replica::Mirror) when a
-// snapshot asks for a step, every kReplicaPublishSteps steps on worker 0,
-// at a stop, as the group breaks (worker 0) and at the end.
+// ALL_REDUCE), kept on the device, and the exchange of such a worker
+// (worker/exchange.h): the weights and the optimizer's slots live there,
+// each step's gradients and loss are averaged among the workers' GPUs over
+// NCCL (kernels::PeerGroup; a worker alone has none), their non-finite
+// values counted there, and the optimizer applied there: no ps calls. The
+// first Pull loads it from the replica this worker's ps service serves (the
+// one the chief and the evaluator read), which gets the state back
+// (ps::Replica::Mirror) when a snapshot asks for a step, every
+// kReplicaPublishSteps steps on worker 0 (BeginStep), at a stop, as the
+// group breaks (worker 0) and at the end (Finish).
 //
-// Thread-safety: the training thread's, but for a publish, which runs on a
-// thread of its own (one at a time). Ownership: the model, replica and ring
-// are not owned and outlive the replica; it owns the GPU group.
+// Thread-safety: as Exchange's (the training thread's), but for a publish,
+// which runs on a thread of its own (one at a time). Ownership: the model,
+// replica, client and ring are not owned and outlive the replica; it owns
+// the GPU group.
 #ifndef PSFLOW_WORKER_DEVICE_REPLICA_H_
 #define PSFLOW_WORKER_DEVICE_REPLICA_H_
 
@@ -25,15 +28,13 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "allreduce/ring.h"
-#include "data/mnist.h"
 #include "kernels/kernels.h"
-#include "model/network.h"
 #include "proto/chief.pb.h"
 #include "proto/job.pb.h"
 #include "ps/client.h"
 #include "ps/optimizer.h"
 #include "ps/replica.h"
-#include "worker/batches.h"
+#include "worker/exchange.h"
 #include "worker/model_replicas.h"
 
 namespace psflow::worker {
@@ -42,21 +43,9 @@ struct DeviceReplicaOptions {
   int worker_index = 0;
   absl::Duration transfer_timeout = absl::Seconds(120);
   ps::Replica* replica = nullptr;                 // the one this worker serves (not owned)
+  ps::Client* client = nullptr;                   // reaches that replica (not owned)
   allreduce::Ring* ring = nullptr;                // the workers' ring (not owned)
   const std::atomic<uint64_t>* job_id = nullptr;  // the registration's (not owned)
-};
-
-// What the replica's training asks of the worker. Every function is set.
-struct DeviceReplicaHooks {
-  // The chief failed the job or asks for a registration: the status that
-  // ends the training (else OK). A stop is stop_signal's.
-  std::function<absl::Status()> interrupted;
-  std::function<int()> stop_signal;
-  std::function<bool()> stopping;  // Stop, or the chief's FAIL
-  // After a step that was not finite: the status to end with.
-  std::function<absl::Status(int64_t step)> non_finite;
-  // A step's metrics, and the step reached.
-  std::function<void(StepMetrics metrics, int64_t next_step)> step_done;
 };
 
 // When every worker computes on GPUs (`on_gpu` for this one), joins them in
@@ -70,24 +59,51 @@ absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> FormGpuGroup(
     absl::Duration timeout, const std::function<int()>& stop_signal,
     const std::function<bool()>& abandoned);
 
-class DeviceReplica {
+class DeviceReplica final : public Exchange {
  public:
   // Allocates the optimizer's slots on the device of `model`'s replica 0;
   // `peers` (may be null: one worker) averages among the workers.
   static absl::StatusOr<std::unique_ptr<DeviceReplica>> Create(
-      const JobConfig& job, DeviceReplicaOptions options, ModelReplicas* model,
+      const JobConfig& job, DeviceReplicaOptions options, ExchangeHooks hooks, ModelReplicas* model,
       std::unique_ptr<kernels::PeerGroup> peers);
-  ~DeviceReplica();
+  ~DeviceReplica() override;
 
-  // Loads the replica from the one this worker serves (options.replica)
-  // through `client` and trains it to the last step (OK), publishing it
-  // there at the end.
-  absl::Status Train(ps::Client* client, const data::Dataset& data,
-                     const DeviceReplicaHooks& hooks);
+  // The first pull loads the device from the served replica (through
+  // options.client), at its version; after that the device holds the
+  // weights of the step it reached. `min_version` is not asked for.
+  absl::Status Pull(int64_t min_version, ExchangeRound* out) override;
+  // Publishes the step's replica (off the training thread) where a
+  // snapshot waits for it, or on worker 0 at every kReplicaPublishSteps; a
+  // failure ends the step at StepQueued.
+  void BeginStep(const StepPush& push, ExchangeRound* out) override;
+  // Queues the means of the step's gradients among the workers: for
+  // single-GPU workers once the step's graph is queued, bucket by bucket
+  // behind the backward pass; for workers of several GPUs once their GPUs
+  // averaged theirs (the step ran). A failure ends the step.
+  absl::Status StepQueued() override;
+  void GradientsOnHost(const std::vector<int>& /*variables*/) override {}
+  // The gradients stay on the device.
+  bool NeedsHostGradients() const override { return false; }
+  void EndCompute(const absl::StatusOr<double>& /*loss*/) override {}
+  void Abandon() override {}
+  // The mean loss among the workers, and whether any mean (loss or
+  // gradient) is not finite: one verdict for the whole group.
+  absl::Status Reduce(int64_t step, float* mean_loss) override;
+  // Applies the optimizer on the device (or skips the step, with
+  // on_nonfinite SKIP_STEP; kNotFiniteMean with FAIL: nothing applied).
+  absl::Status PushStep(const StepPush& push, StepVerdictKind* verdict,
+                        ExchangeRound* out) override;
+  // Publishes the replica it trained: the final one (waited for; a
+  // failure is the training's), or at a stop the last whole one. A failure
+  // of the replica's own that ended the training (a load, publish or apply
+  // that failed, a stop or a broken group seen by its calls on the group,
+  // which published what they could) is returned as it was, whatever the
+  // trainer made of it.
+  absl::Status Finish(const absl::Status& trained) override;
 
  private:
-  DeviceReplica(const JobConfig& job, DeviceReplicaOptions options, ModelReplicas* model,
-                std::unique_ptr<kernels::PeerGroup> peers);
+  DeviceReplica(const JobConfig& job, DeviceReplicaOptions options, ExchangeHooks hooks,
+                ModelReplicas* model, std::unique_ptr<kernels::PeerGroup> peers);
   absl::Status Allocate();
   absl::Status MakeBuckets();
   float* slot(size_t variable, int k) {
@@ -95,14 +111,12 @@ class DeviceReplica {
   }
   // Loads the device replica with the served one's state (step_ its version).
   absl::Status Load(ps::Client* client);
-  // The step's compute, with the NCCL means of its gradients queued; a
-  // status that ends the training (a stop, the group gone), else OK with
-  // the step's outcome in *result.
-  absl::Status Compute(WorkerBatches& batches, absl::StatusOr<model::Network::Result>* result);
+  // Keeps `s` (not OK) as the status the training ends with (Finish).
+  absl::Status Ended(const absl::Status& s);
   // Queues the means of the gradients among the workers (QueueAllReduceMeans).
   absl::Status QueueMeans();
   // The mean loss among the workers and whether any mean is not finite.
-  absl::Status Verdict(double loss, bool* finite);
+  absl::Status Verdict(float loss, bool* finite);
   absl::Status Apply(int64_t step);
   // Copies the replica (weights and slots) to page-locked memory and
   // publishes it into the served replica as of `version`: on a thread of
@@ -126,9 +140,12 @@ class DeviceReplica {
   // Every worker's replica 0, in one group (null: one worker). Declared
   // first: it goes last, after the buffers it queues on.
   const std::unique_ptr<kernels::PeerGroup> peers_;
-  DeviceReplicaHooks hooks_;    // Train's
-  int64_t step_ = 0;            // the step the device holds, whole, until its apply
-  int64_t example_floats_ = 0;  // of an image
+  const ExchangeHooks hooks_;
+  bool loaded_ = false;  // by the first Pull
+  int64_t step_ = 0;     // the step the device holds, whole, until its apply
+  bool finite_ = false;  // the step's verdict (Reduce)
+  // What ended the training (a failure of the replica's own), else OK.
+  absl::Status ended_;
   std::unique_ptr<ps::Optimizer> optimizer_;
   float bn_momentum_ = ps::kDefaultBnMomentum;
   int slots_ = 0;  // per variable

@@ -1,10 +1,12 @@
 // How a worker's synchronous step meets the other workers': the weights of
 // step k come in (Pull), the step's gradients go out and the weights of
 // step k+1 come back (PushStep), with hooks around the step's compute for
-// an exchange that overlaps it. One implementation per strategy: through
-// the ps in lanes (worker/ps_exchange.h), and the host ring all-reduce in
-// front of a replica in this process (worker/ring_exchange.h). The
-// trainer's step loop (worker/trainer.cc) does not know which one runs.
+// an exchange that overlaps it, and Finish when the loop ends. One
+// implementation per strategy: through the ps in lanes
+// (worker/ps_exchange.h), the host ring all-reduce in front of a replica in
+// this process (worker/ring_exchange.h), and a GPU worker's replica on the
+// device, averaged over NCCL (worker/device_replica.h). The trainer's step
+// loop (worker/trainer.cc) does not know which one runs.
 //
 // Thread-safety: one step at a time, from the training thread; an
 // implementation may run its work on threads of its own in between.
@@ -74,6 +76,9 @@ enum class StepVerdictKind {
   // Not finite, found while pushing during the backward pass: lanes of
   // finite gradients may have pushed them.
   kNotFiniteAfterPushes,
+  // The group's mean loss or mean gradients are not finite: nothing
+  // applied (a replica on the device).
+  kNotFiniteMean,
   // Pushing during the backward pass, a stop or the chief's FAIL ended the
   // lanes before the verdict (ExchangeHooks::stopping): not judged.
   kInterrupted,
@@ -90,8 +95,9 @@ class Exchange {
   // by PushStep's return). Not called when the step's input failed.
   virtual void BeginStep(const StepPush& push, ExchangeRound* out) = 0;
   // The step's graph is queued on the device (or ran): pulled weights may
-  // now wait for its events.
-  virtual void StepQueued() = 0;
+  // now wait for its events, and work of the exchange's may queue behind
+  // it. A failure ends the step there (its compute goes no further).
+  virtual absl::Status StepQueued() = 0;
   // A bucket of gradients is on the host (a GPU's), final for this step.
   virtual void GradientsOnHost(const std::vector<int>& variables) = 0;
   // The step's compute ended: its loss, or why it failed. After BeginStep
@@ -99,6 +105,9 @@ class Exchange {
   virtual void EndCompute(const absl::StatusOr<double>& loss) = 0;
   // After a failed step: waits for what BeginStep started.
   virtual void Abandon() = 0;
+  // Whether the step's gradients must be in the host buffers before
+  // Reduce: false where they stay on the device.
+  virtual bool NeedsHostGradients() const { return true; }
   // Averages the gradients and `*mean_loss` with the other workers where
   // the strategy does (else OK at once): a failure ends the training.
   virtual absl::Status Reduce(int64_t step, float* mean_loss) = 0;
@@ -107,6 +116,10 @@ class Exchange {
   // that. `*verdict` says what was found (set on every return).
   virtual absl::Status PushStep(const StepPush& push, StepVerdictKind* verdict,
                                 ExchangeRound* out) = 0;
+  // The step loop ended with `trained` (OK: the last step reached), once
+  // per loop: the status training ends with. Where nothing outlives the
+  // steps, `trained`.
+  virtual absl::Status Finish(const absl::Status& trained) { return trained; }
 };
 
 }  // namespace psflow::worker

@@ -204,7 +204,10 @@ void PsExchange::BeginStep(const StepPush& push, ExchangeRound* out) {
   });
 }
 
-void PsExchange::StepQueued() { SetStepQueued(true); }
+absl::Status PsExchange::StepQueued() {
+  SetStepQueued(true);
+  return absl::OkStatus();
+}
 
 void PsExchange::GradientsOnHost(const std::vector<int>& variables) {
   for (int v : variables) grads_ready_.MarkReady(backward_pos_[v]);

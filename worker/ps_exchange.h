@@ -97,7 +97,7 @@ class PsExchange final : public Exchange {
 
   absl::Status Pull(int64_t min_version, ExchangeRound* out) override;
   void BeginStep(const StepPush& push, ExchangeRound* out) override;
-  void StepQueued() override;
+  absl::Status StepQueued() override;
   void GradientsOnHost(const std::vector<int>& variables) override;
   void EndCompute(const absl::StatusOr<double>& loss) override;
   void Abandon() override;

@@ -41,7 +41,7 @@ class RingExchange final : public Exchange {
     return replica_->Pull(min_version, out);
   }
   void BeginStep(const StepPush& push, ExchangeRound* out) override;
-  void StepQueued() override { replica_->StepQueued(); }
+  absl::Status StepQueued() override { return replica_->StepQueued(); }
   void GradientsOnHost(const std::vector<int>& variables) override {
     replica_->GradientsOnHost(variables);
   }

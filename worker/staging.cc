@@ -244,7 +244,7 @@ absl::StatusOr<model::Network::Result> HostStaging::StepCopyingGradients(
   // The step is queued: from now on the lanes' uploads wait for its
   // events, and each bucket's copies wait on their own stream for the
   // backward pass to reach the bucket's event.
-  exchange->StepQueued();
+  PSFLOW_RETURN_IF_ERROR(exchange->StepQueued());
   const std::vector<float*> device = net_->DeviceGradients();
   absl::Status s;
   std::vector<kernels::HostCopy> copies;

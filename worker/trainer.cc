@@ -13,6 +13,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "data/source.h"
+#include "worker/device_replica.h"
 #include "worker/replica_tensors.h"
 #include "worker/ring_exchange.h"
 
@@ -304,13 +305,16 @@ absl::Status Trainer::MakeExchange() {
   if (!AllReduce()) {
     exchange_ = *std::move(lanes);
   } else {
-    PSFLOW_RETURN_IF_ERROR(MakeDeviceReplica());
+    absl::StatusOr<std::unique_ptr<Exchange>> device = MakeDeviceReplica();
+    if (!device.ok()) return device.status();
     // On a CPU the ring starts during the backward pass: each variable's
     // piece is ready once its layer's backward is done (the last variables
     // first), the loss once the step returns.
     const bool overlap = staging_->in_place() && !model_->several() && options_.ring->size() > 1;
-    exchange_ = std::make_unique<RingExchange>(options_.ring, WireDtypeOf(job_), *std::move(lanes),
-                                               model_->net(), staging_->grads(), overlap, Hooks());
+    exchange_ = *device != nullptr ? *std::move(device)
+                                   : std::make_unique<RingExchange>(
+                                         options_.ring, WireDtypeOf(job_), *std::move(lanes),
+                                         model_->net(), staging_->grads(), overlap, Hooks());
   }
   PSLOG(INFO) << "joined job: " << data_.count << " training examples, " << model_->Description()
               << ", " << job_.num_ps() << " ps, " << count << (count == 1 ? " lane" : " lanes")
@@ -318,7 +322,7 @@ absl::Status Trainer::MakeExchange() {
   return absl::OkStatus();
 }
 
-absl::Status Trainer::MakeDeviceReplica() {
+absl::StatusOr<std::unique_ptr<Exchange>> Trainer::MakeDeviceReplica() {
   absl::StatusOr<std::unique_ptr<kernels::PeerGroup>> peers = FormGpuGroup(
       options_.ring, model_->backend(), !staging_->in_place(), options_.worker_index,
       WireDtypeOf(job_), options_.startup_timeout, [this] { return stop_signal(); },
@@ -327,34 +331,18 @@ absl::Status Trainer::MakeDeviceReplica() {
   // GPU workers that average on their devices (or one alone) keep the
   // replica there too; CPU workers, and a group that mixes CPUs and GPUs,
   // apply to the shard.
-  if (staging_->in_place() || (*peers == nullptr && options_.ring->size() != 1)) {
-    return absl::OkStatus();
-  }
+  if (staging_->in_place() || (*peers == nullptr && options_.ring->size() != 1)) return nullptr;
   DeviceReplicaOptions o;
   o.worker_index = options_.worker_index;
   o.transfer_timeout = options_.transfer_timeout;
   o.replica = options_.replica;
+  o.client = ps();
   o.ring = options_.ring;
   o.job_id = &job_id_;
   absl::StatusOr<std::unique_ptr<DeviceReplica>> device =
-      DeviceReplica::Create(job_, o, model_.get(), *std::move(peers));
+      DeviceReplica::Create(job_, o, Hooks(), model_.get(), *std::move(peers));
   if (!device.ok()) return device.status();
-  device_ = *std::move(device);
-  return absl::OkStatus();
-}
-
-DeviceReplicaHooks Trainer::DeviceHooks() {
-  DeviceReplicaHooks hooks;
-  hooks.interrupted = [this] { return Interrupted(/*stop=*/false); };
-  hooks.stop_signal = [this] { return stop_signal(); };
-  hooks.stopping = [this] { return Stopping(); };
-  hooks.non_finite = [this](int64_t step) { return NonFinite(step); };
-  hooks.step_done = [this](StepMetrics metrics, int64_t next_step) {
-    register_backoff_.Reset();
-    reporter_.Add(std::move(metrics));
-    reporter_.SetStep(next_step);
-  };
-  return hooks;
+  return std::unique_ptr<Exchange>(*std::move(device));
 }
 
 bool Trainer::Async() const { return AppliesEachGradient(job_); }
@@ -446,13 +434,14 @@ absl::Status Trainer::Train(int64_t start) {
   at.step = start;
   at.steps_per_epoch = Async() ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
                                : job_.steps_per_epoch();
-  while (true) {
-    PSFLOW_RETURN_IF_ERROR(Interrupted(/*stop=*/true));
-    if (!at.have_weights) PSFLOW_RETURN_IF_ERROR(FirstPull(&at));
-    if (at.got.version >= job_.train_steps()) break;
-    PSFLOW_RETURN_IF_ERROR(TrainStep(batches, &at));
+  absl::Status s;
+  while (s.ok()) {
+    s = Interrupted(/*stop=*/true);
+    if (s.ok() && !at.have_weights) s = FirstPull(&at);
+    if (!s.ok() || at.got.version >= job_.train_steps()) break;
+    s = TrainStep(batches, &at);
   }
-  return absl::OkStatus();
+  return exchange_->Finish(s);
 }
 
 absl::Status Trainer::Interrupted(bool stop) const {
@@ -486,13 +475,22 @@ absl::Status Trainer::FirstPull(Position* at) {
 absl::StatusOr<model::Network::Result> Trainer::Compute(const WorkerBatches& batches) {
   const int batch = job_.batch_size();  // per replica
   if (model_->several()) {
-    return model_->Step(batches.images(), batches.labels(), batch, data_.example_floats());
+    absl::StatusOr<model::Network::Result> result =
+        model_->Step(batches.images(), batches.labels(), batch, data_.example_floats());
+    if (result.ok()) PSFLOW_RETURN_IF_ERROR(exchange_->StepQueued());  // it ran
+    return result;
   }
   if (staging_->copies_buckets()) {
     return staging_->StepCopyingGradients(batches.images(), batches.labels(), batch,
                                           exchange_.get(), options_.trace, trace_step_);
   }
-  return model_->net()->TrainStep(batches.images(), batches.labels(), batch);
+  // The network's TrainStep, with the exchange told between the step's
+  // queueing and its end.
+  model::Network* const net = model_->net();
+  PSFLOW_RETURN_IF_ERROR(net->SetInputs(batches.images(), batches.labels(), batch));
+  PSFLOW_RETURN_IF_ERROR(net->StartTrainStep(batch));
+  PSFLOW_RETURN_IF_ERROR(exchange_->StepQueued());
+  return net->FinishStep(batch);
 }
 
 absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
@@ -536,7 +534,7 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
   result = s.ok() ? Compute(batches) : absl::StatusOr<model::Network::Result>(s);
   compute_span.End();
   exchange_->EndCompute(result.ok() ? absl::StatusOr<double>(result->loss) : result.status());
-  if (result.ok()) s = staging_->FetchGradients();
+  if (result.ok() && exchange_->NeedsHostGradients()) s = staging_->FetchGradients();
   if (!result.ok() || !s.ok()) {
     // (Pushing during the backward pass, gradients are never fetched after
     // the step: a failure here is the step's.)
@@ -589,6 +587,11 @@ absl::Status Trainer::PushStep(const StepPush& push, ExchangeRound* got) {
                  << ") or the gradients are not finite (in the wire dtype); nothing pushed";
     return NonFinite(push.step);
   }
+  if (verdict == StepVerdictKind::kNotFiniteMean) {
+    PSLOG(ERROR) << "step " << push.step << ": the mean loss (" << push.mean_loss
+                 << ") or the mean gradients are not finite; nothing applied";
+    return NonFinite(push.step);
+  }
   // (Lanes stopped by a signal or by the chief's FAIL leave the verdict
   // failed too: that is not this step's fault.)
   if (const int sig = stop_signal(); sig != 0) return StoppedBySignal(sig);
@@ -604,8 +607,7 @@ absl::Status Trainer::PushStep(const StepPush& push, ExchangeRound* got) {
 
 absl::Status Trainer::TrainAndWait() {
   while (true) {
-    absl::Status s =
-        device_ != nullptr ? device_->Train(ps(), data_, DeviceHooks()) : Train(start_step_);
+    absl::Status s = Train(start_step_);
     if (IsRegisterAgain(s) && AllReduce()) {
       // The group formed for this job; it forms again only from the start.
       s = absl::UnavailableError(absl::StrCat(

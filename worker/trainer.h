@@ -9,10 +9,10 @@
 // exchange of the job's strategy (worker/exchange.h): with the ps in lanes
 // (worker/ps_exchange.h), or, in a job without ps (JobConfig.exchange
 // ALL_REDUCE), on the host ring in front of this worker's own replica
-// (worker/ring_exchange.h); GPU workers of such a job average over NCCL and
-// keep the replica on the device (worker/device_replica.h). The step's metrics go to
-// the report loop (worker/reporter.h), which sends them to the chief (the
-// reports are also its heartbeat). A ps that holds another job or none,
+// (worker/ring_exchange.h), or, GPU workers of such a job, over NCCL in
+// front of the replica they keep on the device (worker/device_replica.h).
+// The step's metrics go to the report loop (worker/reporter.h), which sends
+// them to the chief (the reports are also its heartbeat). A ps that holds another job or none,
 // drops this worker, or disagrees with its peers on the version, or a chief
 // that answers REGISTER, makes it register again and train on from the step
 // the chief names. When the ps reach the last step it reports `finished`
@@ -46,7 +46,6 @@
 #include "ps/client.h"
 #include "ps/replica.h"
 #include "worker/batches.h"
-#include "worker/device_replica.h"
 #include "worker/exchange.h"
 #include "worker/model_replicas.h"
 #include "worker/ps_exchange.h"
@@ -192,13 +191,12 @@ class Trainer {
   absl::Status Prepare();
   absl::Status CheckJob() const;
   absl::Status LoadData();
-  // The exchange of the job's strategy (after the staging), and a device
-  // replica where the job keeps one.
+  // The exchange of the job's strategy (after the staging): a replica on
+  // the device where the job keeps one (MakeDeviceReplica; else null).
   absl::Status MakeExchange();
   absl::StatusOr<std::unique_ptr<PsExchange>> MakeLanes();
-  absl::Status MakeDeviceReplica();
+  absl::StatusOr<std::unique_ptr<Exchange>> MakeDeviceReplica();
   ExchangeHooks Hooks();
-  DeviceReplicaHooks DeviceHooks();
   // A step's pushes start, and end (all answered, or given up): the end
   // carries out a StopAfterPushes that waits for it.
   void OpenPushes();
@@ -218,7 +216,7 @@ class Trainer {
   // Whether the job applies each worker's gradient alone (JobConfig.mode).
   bool Async() const;
   // Trains from `start` to the last step (OK), or ends with a status that
-  // IsRegisterAgain or that ends Run.
+  // IsRegisterAgain or that ends Run; the exchange's Finish says which.
   absl::Status Train(int64_t start);
   struct Position;
   // The chief failed the job or asks for a registration (or, with
@@ -273,10 +271,8 @@ class Trainer {
   data::Dataset data_;
   std::unique_ptr<ModelReplicas> model_;
   std::unique_ptr<HostStaging> staging_;
-  // GPU workers of a job without ps: the replica on the device (null
-  // otherwise; then exchange_ trains).
-  std::unique_ptr<DeviceReplica> device_;
-  // The exchange of the job's strategy (ps lanes, or the host ring).
+  // The exchange of the job's strategy (ps lanes, the host ring, or the
+  // replica on the device).
   std::unique_ptr<Exchange> exchange_;
   Backoff register_backoff_;  // between registrations that end in no step
 
