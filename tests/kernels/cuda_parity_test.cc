@@ -305,25 +305,35 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaDenseParityTest,
 
 // ------------------------------------------------------------ BatchNorm
 
-using CudaBatchNormParityTest = CudaParamParityTest<BatchNormShape>;
+// The batch-norm tests: the op on both backends, over n_ values in c_ channels.
+class CudaBatchNormParityTest : public CudaParamParityTest<BatchNormShape> {
+ protected:
+  void SetUp() override {
+    CudaParamParityTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    const BatchNormShape& s = GetParam();
+    std::tie(cpu_op_, gpu_op_) =
+        CreateOnBoth([&](Backend& backend) { return backend.CreateBatchNorm(s); });
+    ASSERT_TRUE(cpu_op_ && gpu_op_);
+    n_ = size_t{1} * s.batch * s.channels * s.height * s.width;
+    c_ = s.channels;
+  }
+
+  std::unique_ptr<BatchNorm> cpu_op_, gpu_op_;
+  size_t n_ = 0, c_ = 0;
+};
 
 TEST_P(CudaBatchNormParityTest, ForwardAndBackward) {
-  const BatchNormShape& s = GetParam();
-  auto [cpu_op, gpu_op] =
-      CreateOnBoth([&](Backend& backend) { return backend.CreateBatchNorm(s); });
-  ASSERT_TRUE(cpu_op && gpu_op);
-  const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
-  const size_t c = s.channels;
-  Pair x = In(n), gamma = In(c), beta = In(c), dy = In(n);
-  Pair y = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c), mean = Out(c), var = Out(c);
+  Pair x = In(n_), gamma = In(c_), beta = In(c_), dy = In(n_);
+  Pair y = Out(n_), dx = Out(n_), dgamma = Out(c_), dbeta = Out(c_), mean = Out(c_), var = Out(c_);
 
-  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), gamma.c(), beta.c(), y.c(), mean.c(), var.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), gamma.g(), beta.g(), y.g(), mean.g(), var.g()));
+  PSFLOW_ASSERT_OK(cpu_op_->Forward(x.c(), gamma.c(), beta.c(), y.c(), mean.c(), var.c()));
+  PSFLOW_ASSERT_OK(gpu_op_->Forward(x.g(), gamma.g(), beta.g(), y.g(), mean.g(), var.g()));
   ExpectMatch(y, kTol, "y");
   ExpectMatch(mean, kTol, "batch mean");
   ExpectMatch(var, kTol, "batch unbiased variance");
-  PSFLOW_ASSERT_OK(cpu_op->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
+  PSFLOW_ASSERT_OK(cpu_op_->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
+  PSFLOW_ASSERT_OK(gpu_op_->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
   ExpectMatch(dx, kTol, "dx");
   ExpectMatch(dgamma, kTol, "dgamma");
   ExpectMatch(dbeta, kTol, "dbeta");
@@ -333,30 +343,24 @@ TEST_P(CudaBatchNormParityTest, ForwardAndBackward) {
 // backends; then the Backward of a Forward before the inference is the
 // Forward's (inference leaves the saved statistics alone).
 TEST_P(CudaBatchNormParityTest, Inference) {
-  const BatchNormShape& s = GetParam();
-  auto [cpu_op, gpu_op] =
-      CreateOnBoth([&](Backend& backend) { return backend.CreateBatchNorm(s); });
-  ASSERT_TRUE(cpu_op && gpu_op);
-  const size_t n = size_t{1} * s.batch * s.channels * s.height * s.width;
-  const size_t c = s.channels;
-  std::vector<float> variances = Random(c);
+  std::vector<float> variances = Random(c_);
   for (float& v : variances) v = 0.1f + 2 * std::abs(v);  // positive
-  Pair x = In(n), other = In(n), gamma = In(c), beta = In(c), mean = In(c), var = In(variances),
-       dy = In(n);
-  Pair y = Out(n), yi = Out(n), dx = Out(n), dgamma = Out(c), dbeta = Out(c);
+  Pair x = In(n_), other = In(n_), gamma = In(c_), beta = In(c_), mean = In(c_),
+       var = In(variances), dy = In(n_);
+  Pair y = Out(n_), yi = Out(n_), dx = Out(n_), dgamma = Out(c_), dbeta = Out(c_);
 
-  PSFLOW_ASSERT_OK(cpu_op->Infer(x.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Infer(x.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
+  PSFLOW_ASSERT_OK(cpu_op_->Infer(x.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
+  PSFLOW_ASSERT_OK(gpu_op_->Infer(x.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
   ExpectMatch(yi, kTol, "inference y");
 
-  PSFLOW_ASSERT_OK(cpu_op->Forward(x.c(), gamma.c(), beta.c(), y.c(), nullptr, nullptr));
-  PSFLOW_ASSERT_OK(gpu_op->Forward(x.g(), gamma.g(), beta.g(), y.g(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK(cpu_op_->Forward(x.c(), gamma.c(), beta.c(), y.c(), nullptr, nullptr));
+  PSFLOW_ASSERT_OK(gpu_op_->Forward(x.g(), gamma.g(), beta.g(), y.g(), nullptr, nullptr));
   Poison(yi);
-  PSFLOW_ASSERT_OK(cpu_op->Infer(other.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Infer(other.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
+  PSFLOW_ASSERT_OK(cpu_op_->Infer(other.c(), gamma.c(), beta.c(), mean.c(), var.c(), yi.c()));
+  PSFLOW_ASSERT_OK(gpu_op_->Infer(other.g(), gamma.g(), beta.g(), mean.g(), var.g(), yi.g()));
   ExpectMatch(yi, kTol, "inference y of another input");
-  PSFLOW_ASSERT_OK(cpu_op->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
-  PSFLOW_ASSERT_OK(gpu_op->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
+  PSFLOW_ASSERT_OK(cpu_op_->Backward(x.c(), gamma.c(), dy.c(), dx.c(), dgamma.c(), dbeta.c()));
+  PSFLOW_ASSERT_OK(gpu_op_->Backward(x.g(), gamma.g(), dy.g(), dx.g(), dgamma.g(), dbeta.g()));
   ExpectMatch(dx, kTol, "dx");
   ExpectMatch(dgamma, kTol, "dgamma");
   ExpectMatch(dbeta, kTol, "dbeta");
