@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -22,48 +21,6 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-constexpr uint64_t kJob = 31;
-
-absl::Time Deadline() { return absl::Now() + absl::Seconds(20); }
-
-// A job of workers 0 and 1 with one slice "s<i>" of sizes[i] floats each
-// (SGD, lr 0.5); `mode` ASYNC makes it asynchronous.
-InitHeader Header(const std::vector<int64_t>& sizes, JobConfig::Mode mode = JobConfig::SYNC) {
-  InitHeader h;
-  h.set_job_id(kJob);
-  h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::SGD);
-  h.mutable_job()->mutable_optimizer()->set_learning_rate(0.5f);
-  h.mutable_job()->set_mode(mode);
-  h.mutable_job()->set_num_workers(2);
-  h.mutable_job()->set_train_steps(100);
-  h.add_live_workers(0);
-  h.add_live_workers(1);
-  // Each slice a whole variable on ps 0 (of 1), as an Init through a
-  // client must say.
-  Placement* placement = h.mutable_job()->mutable_placement();
-  placement->set_num_ps(1);
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    SliceSpec* s = h.add_slice();
-    s->set_name(absl::StrCat("s", i));
-    s->add_shape(sizes[i]);
-    s->set_row_end(sizes[i]);
-    VariablePlacement* v = placement->add_variable();
-    v->set_name(s->name());
-    v->add_shape(sizes[i]);
-    VariableSlice* slice = v->add_slice();
-    slice->set_ps(0);
-    slice->set_row_end(sizes[i]);
-  }
-  return h;
-}
-
-// Slice i holds i + 1 everywhere.
-std::vector<Shard::SliceValues> Values(const std::vector<int64_t>& sizes) {
-  std::vector<Shard::SliceValues> values(sizes.size());
-  for (size_t i = 0; i < sizes.size(); ++i) values[i].value.assign(sizes[i], i + 1.0f);
-  return values;
-}
 
 // A gradient of `value` for slice `slice` of `size` floats.
 Shard::SliceGradient Grad(int slice, int64_t size, float value) {
@@ -82,7 +39,7 @@ std::vector<std::string> Names(const std::vector<TensorRef>& refs) {
 class PullSessionTest : public ::testing::Test {
  protected:
   void Init(const std::vector<int64_t>& sizes, JobConfig::Mode mode = JobConfig::SYNC) {
-    ASSERT_TRUE(shard_.Init(Header(sizes, mode), Values(sizes)).ok());
+    ASSERT_TRUE(shard_.Init(SessionHeader(sizes, mode), SessionValues(sizes)).ok());
   }
 
   // Next on `session`, the range it armed in armed_ ({-2, -2}: none).
@@ -93,7 +50,7 @@ class PullSessionTest : public ::testing::Test {
 
   static PullRequest Request(int64_t min_version, std::vector<int> slices = {}) {
     PullRequest r;
-    r.set_job_id(kJob);
+    r.set_job_id(kSessionJob);
     r.set_min_version(min_version);
     for (int i : slices) r.add_slices(i);
     return r;
@@ -108,20 +65,20 @@ TEST_F(PullSessionTest, RefusesABadDtypeBadSlicesAndAnotherJob) {
   Init({4, 4});
   PullRequest bad_dtype = Request(0);
   bad_dtype.set_dtype(static_cast<DataType>(7));
-  PullSession dtype(&shard_, bad_dtype, absl::Now(), Deadline());
+  PullSession dtype(&shard_, bad_dtype, absl::Now(), SessionDeadline());
   EXPECT_EQ(dtype.Prepare().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(dtype.Prepare().message(), HasSubstr("not a wire dtype"));
 
   const PullRequest out_of_range = Request(0, {0, 2});
-  PullSession range(&shard_, out_of_range, absl::Now(), Deadline());
+  PullSession range(&shard_, out_of_range, absl::Now(), SessionDeadline());
   EXPECT_EQ(range.Prepare().code(), absl::StatusCode::kInvalidArgument);
   const PullRequest twice = Request(0, {1, 1});
-  PullSession repeated(&shard_, twice, absl::Now(), Deadline());
+  PullSession repeated(&shard_, twice, absl::Now(), SessionDeadline());
   EXPECT_EQ(repeated.Prepare().code(), absl::StatusCode::kInvalidArgument);
 
   PullRequest other_job = Request(0);
-  other_job.set_job_id(kJob + 1);
-  PullSession other(&shard_, other_job, absl::Now(), Deadline());
+  other_job.set_job_id(kSessionJob + 1);
+  PullSession other(&shard_, other_job, absl::Now(), SessionDeadline());
   EXPECT_EQ(other.Prepare().code(), absl::StatusCode::kFailedPrecondition);
 }
 
@@ -131,7 +88,7 @@ TEST_F(PullSessionTest, BatchesReadySlicesUpToTheLimit) {
   constexpr int64_t kBig = kPullBatchBytes / 4 + 1000;  // fp32: over the limit alone
   Init({10, 10, kBig, 10});
   const PullRequest request = Request(0);
-  PullSession session(&shard_, request, absl::Now(), Deadline());
+  PullSession session(&shard_, request, absl::Now(), SessionDeadline());
   ASSERT_TRUE(session.Prepare().ok());
 
   ASSERT_EQ(Next(session).action, PullSession::Action::kSend);
@@ -168,13 +125,13 @@ TEST_F(PullSessionTest, BatchesReadySlicesUpToTheLimit) {
 TEST_F(PullSessionTest, SendsEachSliceOnceItIsApplied) {
   Init({10, 10});
   const PullRequest request = Request(1, {0, 1});
-  PullSession session(&shard_, request, absl::Now(), Deadline());
+  PullSession session(&shard_, request, absl::Now(), SessionDeadline());
   ASSERT_TRUE(session.Prepare().ok());
   EXPECT_EQ(Next(session).action, PullSession::Action::kWait);
   EXPECT_EQ(armed_, std::make_pair(0, 1));
 
-  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, {Grad(1, 10, 1)}).ok());
-  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, {Grad(1, 10, 3)}).ok());
+  ASSERT_TRUE(shard_.PushSlices(kSessionJob, 0, 0, {Grad(1, 10, 1)}).ok());
+  ASSERT_TRUE(shard_.PushSlices(kSessionJob, 1, 0, {Grad(1, 10, 3)}).ok());
   ASSERT_EQ(Next(session).action, PullSession::Action::kSend);
   EXPECT_THAT(Names(message_.refs), ElementsAre("s1"));
   EXPECT_EQ(message_.fields.version(), 1);
@@ -183,8 +140,8 @@ TEST_F(PullSessionTest, SendsEachSliceOnceItIsApplied) {
 
   EXPECT_EQ(Next(session).action, PullSession::Action::kWait);
   EXPECT_EQ(armed_, std::make_pair(0, 0));
-  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, {Grad(0, 10, 1)}).ok());
-  ASSERT_TRUE(shard_.PushSlices(kJob, 1, 0, {Grad(0, 10, 1)}).ok());
+  ASSERT_TRUE(shard_.PushSlices(kSessionJob, 0, 0, {Grad(0, 10, 1)}).ok());
+  ASSERT_TRUE(shard_.PushSlices(kSessionJob, 1, 0, {Grad(0, 10, 1)}).ok());
   ASSERT_EQ(Next(session).action, PullSession::Action::kSend);
   EXPECT_THAT(Names(message_.refs), ElementsAre("s0"));
   EXPECT_FALSE(message_.fields.ready());
@@ -197,16 +154,16 @@ TEST_F(PullSessionTest, SendsEachSliceOnceItIsApplied) {
 TEST_F(PullSessionTest, GrantsAByClockPullOnceTheClockIsReached) {
   Init({10, 10}, JobConfig::ASYNC);
   PullRequest request;
-  request.set_job_id(kJob);
+  request.set_job_id(kSessionJob);
   request.set_by_clock(true);
   request.set_worker(0);
   request.set_clock(1);
-  PullSession session(&shard_, request, absl::Now(), Deadline());
+  PullSession session(&shard_, request, absl::Now(), SessionDeadline());
   ASSERT_TRUE(session.Prepare().ok());
   EXPECT_EQ(Next(session).action, PullSession::Action::kWait);
   EXPECT_EQ(armed_, std::make_pair(-1, -1));
 
-  ASSERT_TRUE(shard_.PushSlices(kJob, 0, 0, {Grad(0, 10, 2), Grad(1, 10, 2)}, 0).ok());
+  ASSERT_TRUE(shard_.PushSlices(kSessionJob, 0, 0, {Grad(0, 10, 2), Grad(1, 10, 2)}, 0).ok());
   ASSERT_EQ(Next(session).action, PullSession::Action::kSend);
   EXPECT_EQ(message_.fields.version(), 1);
   EXPECT_EQ(message_.fields.clock(), 1);
@@ -218,7 +175,7 @@ TEST_F(PullSessionTest, GrantsAByClockPullOnceTheClockIsReached) {
 
   // Of a synchronous job: refused.
   Init({10, 10});
-  PullSession sync(&shard_, request, absl::Now(), Deadline());
+  PullSession sync(&shard_, request, absl::Now(), SessionDeadline());
   ASSERT_TRUE(sync.Prepare().ok());
   const PullSession::Step refused = Next(sync);
   EXPECT_EQ(refused.action, PullSession::Action::kFinish);
@@ -232,7 +189,7 @@ TEST_F(PullSessionTest, AnswersNotYetAfterMaxWaitAndFailsAtTheDeadline) {
   PullRequest request = Request(1);
   request.set_max_wait_ms(1);
   const absl::Time start = absl::Now();
-  PullSession session(&shard_, request, start, Deadline());
+  PullSession session(&shard_, request, start, SessionDeadline());
   ASSERT_TRUE(session.Prepare().ok());
   const PullSession::Step wait = Next(session);
   EXPECT_EQ(wait.action, PullSession::Action::kWait);
@@ -259,7 +216,7 @@ TEST_F(PullSessionTest, AnswersNotYetAfterMaxWaitAndFailsAtTheDeadline) {
 TEST_F(PullSessionTest, AShardWithoutSlicesAnswersItsVersion) {
   Init({});
   const PullRequest request = Request(0);
-  PullSession session(&shard_, request, absl::Now(), Deadline());
+  PullSession session(&shard_, request, absl::Now(), SessionDeadline());
   ASSERT_TRUE(session.Prepare().ok());
   ASSERT_EQ(Next(session).action, PullSession::Action::kSend);
   EXPECT_EQ(armed_, std::make_pair(-1, -1));
@@ -272,21 +229,21 @@ TEST_F(PullSessionTest, AShardWithoutSlicesAnswersItsVersion) {
 // The same pull through LocalPull and through PsService on loopback:
 // answered "not yet" once max_wait passes, then, asked again, served once
 // both workers' pushes are applied.
-class PullSessionDriversTest : public testing::SessionDriversTest {
+class PullSessionDriversTest : public SessionDriversTest {
  protected:
   absl::StatusOr<Client::PullResult> Pull(absl::Duration max_wait) {
-    return client_->Pull(0, testing::kSessionJob, 1, {},
+    return client_->Pull(0, kSessionJob, 1, {},
                          {{"s0", "", {10}, s0_.data()}, {"s1", "", {20}, s1_.data()}},
-                         testing::SessionDeadline(), max_wait);
+                         SessionDeadline(), max_wait);
   }
   absl::StatusOr<PushResponse> Push(int worker, float g) {
     PushHeader h;
-    h.set_job_id(testing::kSessionJob);
+    h.set_job_id(kSessionJob);
     h.set_worker(worker);
     h.set_step(0);
     const std::vector<float> g0(10, g), g1(20, g);
     return client_->Push(0, h, {{"s0", "", {10}, g0.data()}, {"s1", "", {20}, g1.data()}},
-                         testing::SessionDeadline());
+                         SessionDeadline());
   }
 
   std::vector<float> s0_ = std::vector<float>(10, -1), s1_ = std::vector<float>(20, -1);
@@ -323,7 +280,7 @@ TEST_P(PullSessionDriversTest, APullNotYetIsServedWhenAskedAgain) {
 }
 
 INSTANTIATE_TEST_SUITE_P(LocalAndGrpc, PullSessionDriversTest, ::testing::Bool(),
-                         testing::SessionDriversTest::DriverName);
+                         SessionDriversTest::DriverName);
 
 }  // namespace
 }  // namespace psflow::ps

@@ -19,11 +19,6 @@
 namespace psflow::ps {
 namespace {
 
-using ::psflow::ps::testing::kSessionJob;
-using ::psflow::ps::testing::SessionDeadline;
-using ::psflow::ps::testing::SessionDriversTest;
-using ::psflow::ps::testing::SessionHeader;
-using ::psflow::ps::testing::SessionValues;
 using ::testing::HasSubstr;
 
 PushHeader Header(int worker, int64_t step, std::vector<int> slices = {}) {

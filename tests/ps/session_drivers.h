@@ -2,6 +2,7 @@
 // ps/snapshot_session.h): a small job, and one shard reached through either
 // of the sessions' drivers, LocalClient (false) or PsService on loopback
 // through a GrpcClient (true), so that a test asks both the same questions.
+// In psflow::ps, as the tests that use it are.
 #ifndef PSFLOW_TESTS_PS_SESSION_DRIVERS_H_
 #define PSFLOW_TESTS_PS_SESSION_DRIVERS_H_
 
@@ -22,21 +23,24 @@
 #include "ps/shard.h"
 #include "role/process_setup.h"
 
-namespace psflow::ps::testing {
+namespace psflow::ps {
 
 inline constexpr uint64_t kSessionJob = 41;
 
 inline absl::Time SessionDeadline() { return absl::Now() + absl::Seconds(20); }
 
-// A synchronous job of workers 0 and 1 with one slice "s<i>" of sizes[i]
-// floats each (Momentum, lr 0.5, so that snapshots carry a slot), each
-// slice a whole variable on ps 0 of 1, as an Init through a client must say.
-inline InitHeader SessionHeader(const std::vector<int64_t>& sizes) {
+// A job of workers 0 and 1 with one slice "s<i>" of sizes[i] floats each
+// (Momentum, lr 0.5, so that snapshots carry a slot), each slice a whole
+// variable on ps 0 of 1, as an Init through a client must say; `mode` ASYNC
+// makes it asynchronous.
+inline InitHeader SessionHeader(const std::vector<int64_t>& sizes,
+                                JobConfig::Mode mode = JobConfig::SYNC) {
   InitHeader h;
   h.set_job_id(kSessionJob);
   h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::MOMENTUM);
   h.mutable_job()->mutable_optimizer()->set_learning_rate(0.5f);
   h.mutable_job()->mutable_optimizer()->set_momentum(0.5f);
+  h.mutable_job()->set_mode(mode);
   h.mutable_job()->set_num_workers(2);
   h.mutable_job()->set_train_steps(100);
   h.mutable_job()->set_on_nonfinite(JobConfig::SKIP_STEP);
@@ -111,6 +115,6 @@ class SessionDriversTest : public ::testing::TestWithParam<bool> {
   std::unique_ptr<Client> client_;
 };
 
-}  // namespace psflow::ps::testing
+}  // namespace psflow::ps
 
 #endif  // PSFLOW_TESTS_PS_SESSION_DRIVERS_H_

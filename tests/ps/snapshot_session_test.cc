@@ -17,11 +17,6 @@
 namespace psflow::ps {
 namespace {
 
-using ::psflow::ps::testing::kSessionJob;
-using ::psflow::ps::testing::SessionDeadline;
-using ::psflow::ps::testing::SessionDriversTest;
-using ::psflow::ps::testing::SessionHeader;
-using ::psflow::ps::testing::SessionValues;
 using ::testing::HasSubstr;
 
 SnapshotRequest Request(int64_t version, bool values_only = false) {
