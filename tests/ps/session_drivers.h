@@ -1,7 +1,8 @@
-// For the tests of the ps's protocol sessions (ps/push_session.h,
-// ps/snapshot_session.h): a small job, and one shard reached through either
-// of the sessions' drivers, LocalClient (false) or PsService on loopback
-// through a GrpcClient (true), so that a test asks both the same questions.
+// For the tests of the ps's protocol sessions (ps/pull_session.h,
+// ps/push_session.h, ps/snapshot_session.h): a small job, and one shard
+// reached through either of the sessions' drivers, LocalClient (false) or
+// PsService on loopback through a GrpcClient (true), so that a test asks
+// both the same questions.
 // In psflow::ps, as the tests that use it are.
 #ifndef PSFLOW_TESTS_PS_SESSION_DRIVERS_H_
 #define PSFLOW_TESTS_PS_SESSION_DRIVERS_H_
