@@ -172,10 +172,14 @@ class PsServiceTest : public ::testing::Test {
                                                           .channels = channels});
   }
 
-  absl::Status InitJob() {
-    return client_->Init(
-        0, Header(), {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-        Deadline());
+  // The job of `header` (Header() by default), big_ and bias_ its values,
+  // through `client` (client_ by default).
+  absl::Status InitJob() { return InitJob(Header()); }
+  absl::Status InitJob(const InitHeader& header, Client* client = nullptr) {
+    return (client != nullptr ? client : client_.get())
+        ->Init(0, header,
+               {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+               Deadline());
   }
 
   struct Pulled {
@@ -1045,12 +1049,7 @@ TEST_P(SpreadWakesTest, EveryPullThatAnApplyWakesGetsItsWeights) {
   auto shared = std::make_unique<GrpcClient>(
       address, GrpcClientOptions{.connections_per_ps = 2, .shared_memory = true});
   auto network = std::make_unique<GrpcClient>(address, GrpcClientOptions{.connections_per_ps = 2});
-  ASSERT_TRUE(
-      shared
-          ->Init(0, Header(),
-                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                 Deadline())
-          .ok());
+  ASSERT_TRUE(InitJob(Header(), shared.get()).ok());
   constexpr int kPulls = 6;
   std::vector<std::vector<float>> big(kPulls, std::vector<float>(big_.size(), -1));
   std::vector<std::vector<float>> bias(kPulls, std::vector<float>(bias_.size(), -1));
@@ -1334,9 +1333,7 @@ TEST_F(PsServiceTest, PushForAnotherJobFails) {
 }
 
 TEST_F(PsServiceTest, InitForAnotherPsIsRefused) {
-  absl::Status s = client_->Init(
-      0, Header(/*ps_index=*/1),
-      {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}}, Deadline());
+  absl::Status s = InitJob(Header(/*ps_index=*/1));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("init for ps 1"));
   EXPECT_EQ(shard_.Slices(kJob).status().code(), absl::StatusCode::kFailedPrecondition)
@@ -1708,12 +1705,7 @@ TEST_F(PsServiceTest, SnapshotStreamsValuesAndAdamSlots) {
   InitHeader h = Header();
   h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
   h.mutable_job()->mutable_optimizer()->set_learning_rate(kAdamLr);
-  ASSERT_TRUE(
-      client_
-          ->Init(0, h,
-                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                 Deadline())
-          .ok());
+  ASSERT_TRUE(InitJob(h).ok());
   const std::vector<float> g0_big = Pattern(big_.size(), 7, 0.25f), g0_bias = Pattern(10, 3, 1.0f);
   const std::vector<float> g1_big = Pattern(big_.size(), 5, -0.5f), g1_bias = Pattern(10, 4, 0.5f);
   ASSERT_TRUE(PushAll(0, 0, g0_big, g0_bias).ok());
@@ -1922,9 +1914,7 @@ TEST_F(PsServiceTest, Bfloat16PushesThroughSharedMemoryAreAppliedWhereTheyLie) {
           .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = true});
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);
-  absl::Status init = client_->Init(
-      0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-      Deadline());
+  absl::Status init = InitJob(h);
   ASSERT_TRUE(init.ok()) << init;
   std::vector<float> g0 = Pattern(big_.size(), 7, 0.25f), g1 = Pattern(big_.size(), 5, -0.5f);
   for (size_t i = 0; i < g0.size(); ++i) g0[i] += static_cast<float>(i % 2) * 0x1p-9f;
@@ -2040,12 +2030,7 @@ TEST_P(PushInRunsTest, ValuesInTheWireDtypeAlreadyArePushedAsTheyLie) {
           .connections_per_ps = 2, .metrics = &client_metrics_, .shared_memory = GetParam() != 0});
   InitHeader init = Header();
   init.mutable_job()->set_wire_dtype(JobConfig::BF16);
-  ASSERT_TRUE(
-      client_
-          ->Init(0, init,
-                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                 Deadline())
-          .ok());
+  ASSERT_TRUE(InitJob(init).ok());
   const std::vector<float> g0 = Pattern(big_.size(), 7, 0.3f), gb0 = Pattern(10, 3, 1.1f);
   std::vector<float> g1 = Pattern(big_.size(), 5, -0.7f), gb1 = Pattern(10, 4, 0.9f);
   auto encode = [](const std::vector<float>& v) {
@@ -2101,12 +2086,7 @@ TEST_P(PushInRunsTest, ValuesInTheWireDtypeAlreadyArePushedAsTheyLie) {
 TEST_F(PsServiceTest, PushInAnotherDtypeThanTheJobsIsRefused) {
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(JobConfig::BF16);
-  ASSERT_TRUE(
-      client_
-          ->Init(0, h,
-                 {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-                 Deadline())
-          .ok());
+  ASSERT_TRUE(InitJob(h).ok());
   const std::vector<float> g(big_.size(), 1.0f), gb(10, 1.0f);
   for (DataType dtype : {DT_FLOAT, DT_HALF}) {
     absl::StatusOr<PushResponse> pushed = PushAll(0, 0, g, gb, dtype);
@@ -2125,9 +2105,7 @@ TEST_F(PsServiceTest, PushInAnotherDtypeThanTheJobsIsRefused) {
 TEST_F(PsServiceTest, UnknownWireDtypesAreRefused) {
   InitHeader h = Header();
   h.mutable_job()->set_wire_dtype(static_cast<JobConfig::WireDtype>(7));
-  absl::Status init = client_->Init(
-      0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
-      Deadline());
+  absl::Status init = InitJob(h);
   EXPECT_EQ(init.code(), absl::StatusCode::kInvalidArgument) << init;
   EXPECT_THAT(std::string(init.message()), HasSubstr("wire dtype"));
   ASSERT_TRUE(InitJob().ok());
