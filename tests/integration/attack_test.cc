@@ -36,6 +36,7 @@
 #include "proto/ps.grpc.pb.h"
 #include "tests/common/certs.h"
 #include "tests/integration/process.h"
+#include "tests/ps/huge_init.h"
 #include "transport/grpc_util.h"
 #include "transport/security.h"
 
@@ -139,24 +140,7 @@ class Attacker {
   // under its own placement; `during` runs while the stream is open, having
   // sent nothing else. Then the stream is let go.
   grpc::Status HeaderOnlyInit(uint64_t job_id, const std::function<void()>& during) {
-    InitHeader h;
-    h.set_job_id(job_id);
-    h.set_ps_index(0);
-    h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
-    h.mutable_job()->mutable_optimizer()->set_learning_rate(0.001f);
-    h.add_live_workers(0);
-    Placement* placement = h.mutable_job()->mutable_placement();
-    placement->set_num_ps(1);
-    VariablePlacement* v = placement->add_variable();
-    v->set_name("huge");
-    SliceSpec* spec = h.add_slice();
-    spec->set_name("huge");
-    for (int64_t d : {16384, 16384}) {
-      v->add_shape(d);
-      spec->add_shape(d);
-    }
-    v->add_slice()->set_row_end(16384);
-    spec->set_row_end(16384);
+    const InitHeader h = ps::HugeInitHeader(job_id);
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(Soon()));
     InitResponse response;

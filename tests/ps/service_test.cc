@@ -36,6 +36,7 @@
 #include "ps/shard.h"
 #include "ps/snapshot_session.h"
 #include "role/process_setup.h"
+#include "tests/ps/huge_init.h"
 #include "transport/call_channel.h"
 #include "transport/channel_server.h"
 #include "transport/grpc_util.h"
@@ -1353,25 +1354,7 @@ int64_t ResidentBytes() {
 // data leaves the ps's memory as it was; it fails when it ends, nothing
 // loaded.
 TEST_F(PsServiceTest, AnInitHeaderAloneAllocatesNothing) {
-  const std::vector<int64_t> shape = {16384, 16384};
-  InitHeader h;
-  h.set_job_id(kJob);
-  h.set_ps_index(0);
-  h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::ADAM);
-  h.mutable_job()->mutable_optimizer()->set_learning_rate(kLr);
-  h.add_live_workers(0);
-  Placement* placement = h.mutable_job()->mutable_placement();
-  placement->set_num_ps(1);
-  VariablePlacement* v = placement->add_variable();
-  v->set_name("huge");
-  SliceSpec* spec = h.add_slice();
-  spec->set_name("huge");
-  for (int64_t d : shape) {
-    v->add_shape(d);
-    spec->add_shape(d);
-  }
-  v->add_slice()->set_row_end(shape[0]);
-  spec->set_row_end(shape[0]);
+  const InitHeader h = HugeInitHeader(kJob);
   const int64_t before = ResidentBytes();
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(Deadline()));
