@@ -95,6 +95,17 @@ class Lent {
   std::shared_ptr<const void> keep_;
 };
 
+// What a pull asks whatever it waits for (a version, or a clock): the job,
+// its slices (none: all of them) and how long the ps may hold it.
+PullRequest PullRequestOf(uint64_t job_id, const std::vector<int>& slices,
+                          absl::Duration max_wait) {
+  PullRequest request;
+  request.set_job_id(job_id);
+  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
+  for (int i : slices) request.add_slices(i);
+  return request;
+}
+
 }  // namespace
 
 bool GrpcClient::Reachable(int ps) const {
@@ -345,11 +356,8 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::PullVersion(
     int ps, uint64_t job_id, int64_t min_version, std::vector<int> slices,
     std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait,
     const std::atomic<bool>* give_up) {
-  PullRequest request;
-  request.set_job_id(job_id);
+  PullRequest request = PullRequestOf(job_id, slices, max_wait);
   request.set_min_version(min_version);
-  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
-  for (int i : slices) request.add_slices(i);
   PullResult result;
   absl::StatusOr<PullResponse> first = RunPull(
       ps, std::move(request), std::move(sinks), deadline,
@@ -363,13 +371,10 @@ absl::StatusOr<GrpcClient::PullResult> GrpcClient::PullVersion(
 absl::StatusOr<GrpcClient::ClockedPull> GrpcClient::PullByClock(
     int ps, uint64_t job_id, int worker, int64_t clock, std::vector<int> slices,
     std::vector<TensorSink> sinks, absl::Time deadline, absl::Duration max_wait) {
-  PullRequest request;
-  request.set_job_id(job_id);
+  PullRequest request = PullRequestOf(job_id, slices, max_wait);
   request.set_by_clock(true);
   request.set_worker(worker);
   request.set_clock(clock);
-  request.set_max_wait_ms(absl::ToInt64Milliseconds(max_wait));
-  for (int i : slices) request.add_slices(i);
   ClockedPull result;
   absl::StatusOr<PullResponse> first = RunPull(
       ps, std::move(request), std::move(sinks), deadline,
