@@ -73,9 +73,10 @@ struct RoleRun {
   absl::Duration drain;  // RoleServers::Stop's grace
 };
 
-// The rest of a role's main (chief, evaluator): ServeRole(serve), RunRole
-// with `role`, the servers stopped, the resource usage logged. The exit code;
-// kExitPermanent, with the error logged, when the servers cannot start.
+// The rest of a role's run (chief, evaluator, worker): ServeRole(serve),
+// RunRole with `role`, the servers stopped, the resource usage logged. The
+// exit code; kExitPermanent, with the error logged, when the servers cannot
+// start.
 int ServeAndRunRole(ServeOptions serve, const RoleRun& role);
 
 }  // namespace psflow

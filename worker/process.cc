@@ -15,7 +15,6 @@
 #include "common/log.h"
 #include "ps/callers.h"
 #include "ps/grpc_client.h"
-#include "role/cluster_flags.h"
 #include "role/command_line.h"
 #include "role/serve_role.h"
 
@@ -123,35 +122,29 @@ std::vector<grpc::Service*> WorkerProcess::Services(CallerRoles* callers) {
 int WorkerProcess::Run() {
   CallerRoles callers;
   std::vector<grpc::Service*> services = Services(&callers);
-  absl::StatusOr<std::unique_ptr<RoleServers>> servers =
-      ServeRole({.address = options_.cluster.self_address,
-                 .services = services,
-                 .callers = callers,
-                 .security = options_.security,
-                 .metrics = &metrics_,
-                 .readiness = &readiness_});
-  if (!servers.ok()) {
-    PSLOG(ERROR) << servers.status().message();
-    return kExitPermanent;
-  }
-  if (chief_role_ != nullptr) {
-    PSLOG(INFO) << "the cluster has no chief: worker 0 runs the chief's duties on "
-                << options_.cluster.self_address;
-  }
+  const bool chief_duties = chief_role_ != nullptr;
   // Calls in flight are cancelled on a signal; do not wait for more than a
   // few seconds (the chief's duties: until their checkpoint is written).
-  const int code = RunRole([this] { return Train(); }, [this](int sig) { Stop(sig); },
-                           absl::Seconds(chief_role_ != nullptr ? 30 : 6),
-                           chief_role_ != nullptr || all_reduce_
-                               ? "stopping after the call in flight"
-                               : "stopping once the pushes of the step in flight are answered");
-  (*servers)->Stop(absl::Seconds(1));
-  LogResourceUsage();
-  return code;
+  return ServeAndRunRole(
+      {.address = options_.cluster.self_address,
+       .services = services,
+       .callers = callers,
+       .security = options_.security,
+       .metrics = &metrics_,
+       .readiness = &readiness_},
+      {.run = [this] { return Train(); },
+       .stop = [this](int sig) { Stop(sig); },
+       .grace = absl::Seconds(chief_duties ? 30 : 6),
+       .what = chief_duties || all_reduce_
+                   ? "stopping after the call in flight"
+                   : "stopping once the pushes of the step in flight are answered",
+       .drain = absl::Seconds(1)});
 }
 
 absl::Status WorkerProcess::Train() {
   if (chief_role_ == nullptr) return trainer_->Run();
+  PSLOG(INFO) << "the cluster has no chief: worker 0 runs the chief's duties on "
+              << options_.cluster.self_address;
   // Whichever side ends with an error first decides the exit code and
   // stops the other: a coordinator that failed (a diverged job, a ps
   // gone) leaves nothing to train for; a trainer that failed leaves
