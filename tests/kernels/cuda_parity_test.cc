@@ -399,7 +399,11 @@ TEST_F(CudaParityTest, SoftmaxCrossEntropy) {
        std::vector<std::pair<int, int>>{{64, 10}, {5, 1000}, {300, 3}, {1, 1}}) {
     SCOPED_TRACE(testing::Message() << "batch " << batch << ", classes " << classes);
     auto [cpu_op, gpu_op] = CreateOnBoth(
-        [&](Backend& backend) { return backend.CreateSoftmaxCrossEntropy(batch, classes); });
+        // (Structured bindings are captured by copy: C++17 lets no lambda
+        // capture them by reference.)
+        [b = batch, c = classes](Backend& backend) {
+          return backend.CreateSoftmaxCrossEntropy(b, c);
+        });
     ASSERT_TRUE(cpu_op && gpu_op);
     const size_t n = size_t{1} * batch * classes;
     const std::vector<float> logits_host = Random(n);
