@@ -212,28 +212,30 @@ absl::Status AddShared(const TensorChunk& header, const SharedSpan* region, Chun
   return s;
 }
 
-// One TensorChunk, `in` limited to it.
-absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
-                       absl::FunctionRef<absl::Status(int)> on_complete, int64_t* data_bytes,
-                       const SharedSpan* region) {
+// A chunk whose data (if any) came whole into `header`, its every field known.
+absl::Status AddHeld(const TensorChunk& header, ChunkTarget target) {
+  *target.data_bytes += static_cast<int64_t>(header.data().size());
+  int completed = -1;
+  absl::Status s = target.assembler->Add(header, &completed);
+  if (s.ok() && completed >= 0) s = target.on_complete(completed);
+  return s;
+}
+
+// One TensorChunk, `in` limited to it. Its fields may come in any order, as
+// protobuf allows: psflow's writers put the data last, and the data are
+// decoded straight from the buffer into their sink; data that other fields
+// follow (protobuf's own serializer writes row_begin, field 9, after the
+// data, field 6) are held in `header` until every field is known.
+absl::Status ReadChunk(CodedInputStream& in, ChunkTarget target, const SharedSpan* region) {
   TensorChunk header;
-  bool data_seen = false;
-  bool shared = false;  // a shared offset or size came
-  auto add = [&](int64_t size, ChunkAssembler::ChunkDecoder decode) -> absl::Status {
-    int completed = -1;
-    absl::Status s = assembler->AddFrom(header, size, decode, &completed);
-    if (s.ok() && completed >= 0) s = on_complete(completed);
-    return s;
-  };
+  bool data_seen = false;  // a data field came, held in `header` or decoded
+  bool decoded = false;    // the last field was the data, decoded into its sink
+  bool shared = false;     // a shared offset or size came
   while (const uint32_t tag = in.ReadTag()) {
     const int field = WireFormatLite::GetTagFieldNumber(tag);
     if ((data_seen && (field == kSharedOffset || field == kSharedBytes)) ||
         (field == kData && shared)) {
       return absl::InvalidArgumentError("a chunk has both data and a place in shared memory");
-    }
-    if (data_seen && ((field >= kName && field <= kOffset) || field == kRowBegin)) {
-      return absl::InvalidArgumentError(
-          "a chunk's name, shape, offset or row comes after its data");
     }
     if (field != kData) {
       PSFLOW_RETURN_IF_ERROR(ReadChunkField(in, tag, &header, &shared));
@@ -245,20 +247,32 @@ absl::Status ReadChunk(CodedInputStream& in, ChunkAssembler* assembler,
       return Malformed("chunk data");
     }
     data_seen = true;
-    *data_bytes += length;
-    absl::Status s = add(length, [&](DataType dtype, int64_t n, float* out) {
-      return ReadFloats(in, dtype, n, out);
-    });
+    if (static_cast<int64_t>(length) < in.BytesUntilLimit()) {
+      // Fields follow: a later data field replaces this one, as in protobuf.
+      if (!in.ReadString(header.mutable_data(), static_cast<int>(length))) {
+        return Malformed("chunk data");
+      }
+      continue;
+    }
+    header.clear_data();  // this last data field is the chunk's
+    *target.data_bytes += length;
+    int completed = -1;
+    absl::Status s = target.assembler->AddFrom(
+        header, length,
+        [&](DataType dtype, int64_t n, float* out) { return ReadFloats(in, dtype, n, out); },
+        &completed);
     // Data cut short is bytes that are not the wire format.
     if (absl::IsDataLoss(s)) return Malformed("chunk data");
+    if (s.ok() && completed >= 0) s = target.on_complete(completed);
     if (!s.ok()) return s;
+    decoded = true;
   }
   // A chunk that ends before its length: the message was cut short.
   if (!in.ConsumedEntireMessage() || in.BytesUntilLimit() > 0) return Malformed("chunk");
-  if (data_seen) return absl::OkStatus();
-  if (shared) return AddShared(header, region, {assembler, on_complete, data_bytes});
-  // proto3 leaves out empty bytes: a chunk of no data.
-  return add(0, [](DataType, int64_t, float*) { return true; });
+  if (decoded) return absl::OkStatus();
+  if (shared) return AddShared(header, region, target);
+  // The data held, or none (proto3 leaves out empty bytes: a chunk of no data).
+  return AddHeld(header, target);
 }
 
 }  // namespace
@@ -428,7 +442,7 @@ absl::Status ReadChunkMessage(grpc::ByteBuffer* buffer, int chunk_field,
         return Malformed("chunk length");
       }
       const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
-      absl::Status s = ReadChunk(in, target, on_complete, data_bytes, region);
+      absl::Status s = ReadChunk(in, {target, on_complete, data_bytes}, region);
       if (!s.ok()) return s;
       in.PopLimit(limit);
     } else {

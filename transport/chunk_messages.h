@@ -83,10 +83,12 @@ bool AllLieIn(absl::Span<const TensorRef> refs, SharedSpan region);
 // read. Each chunk of field `chunk_field` goes to the
 // assembler in turn, its data decoded straight from the buffer's slices into
 // its sink, and `on_complete(i)` runs for each sink `i` a chunk completed (an
-// error from it ends the read and is returned). *data_bytes adds up the
-// chunks' data bytes. INVALID_ARGUMENT for bytes that are not the message's
-// wire format, or for a chunk the assembler refuses (also one whose name,
-// shape or offset comes after its data). A chunk whose data lie in shared
+// error from it ends the read and is returned). A chunk's fields may come in
+// any order: data that other fields follow (protobuf's own serializer puts
+// row_begin after them) are copied out and decoded once the chunk has been
+// read. *data_bytes adds up the chunks' data bytes. INVALID_ARGUMENT for
+// bytes that are not the message's wire format, or for a chunk the assembler
+// refuses. A chunk whose data lie in shared
 // memory is decoded from `*region`, read when that chunk comes (so a
 // reader may set it on seeing the first message's fields); it is
 // INVALID_ARGUMENT without a region, or reaching outside it.

@@ -198,15 +198,16 @@ TEST(ChunkMessages, RefusesWhatIsNotTheWireFormat) {
   }
   EXPECT_EQ(Read(std::string("\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11), &out).code(),
             absl::StatusCode::kInvalidArgument);
-  // A chunk whose offset comes after its data (name, dtype, shape, data, offset).
+  // A field after the data that is cut short (name, dtype, shape, data,
+  // then a name of 5 bytes with 1 left in the chunk).
   std::string data_first = "\x12";  // field 2 (chunk), length-delimited
   std::string chunk = std::string("\x0a\x01t\x18\x01\x22\x01\x04\x32\x10", 10) +
-                      std::string(16, '\0') + std::string("\x28\x00", 2);
+                      std::string(16, '\0') + std::string("\x0a\x05t", 3);
   data_first += static_cast<char>(chunk.size());
   data_first += chunk;
   absl::Status s = Read(data_first, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("after its data"));
+  EXPECT_THAT(s.message(), HasSubstr("malformed message: chunk name"));
   // A chunk length past INT_MAX (a negative limit to protobuf, which would
   // ignore it) and a packed shape longer than its chunk.
   std::string huge = "\x12\x80\x80\x80\x80\x08";  // field 2, length 2^31
@@ -599,35 +600,108 @@ TEST(ChunkMessages, SlicesOfOneVariableAreToldApartByTheirFirstRow) {
       [](int) { return absl::OkStatus(); }, &bytes);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("unknown tensor 'w' from row 6"));
+}
 
-  // A row after the chunk's data (field 9 behind field 6) is refused like
-  // a name or shape there: the data may already be in the wrong place.
-  TensorChunk late;
-  late.set_name("w");
-  late.set_dtype(DT_FLOAT);
-  late.add_shape(2);
-  late.add_shape(300);
-  late.set_data(std::string(2 * 300 * 4, '\0'));
-  const std::string chunk_bytes = late.SerializeAsString() + std::string("\x48\x06", 2);
+// `chunks`, each a TensorChunk's bytes, as the chunk field of a PushRequest.
+std::string AsPushChunks(const std::vector<std::string>& chunks) {
+  using google::protobuf::internal::WireFormatLite;
   std::string message;
   {
     google::protobuf::io::StringOutputStream out(&message);
     google::protobuf::io::CodedOutputStream coded(&out);
-    coded.WriteTag(google::protobuf::internal::WireFormatLite::MakeTag(
-        PushRequest::kChunkFieldNumber,
-        google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-    coded.WriteVarint32(static_cast<uint32_t>(chunk_bytes.size()));
-    coded.WriteRaw(chunk_bytes.data(), static_cast<int>(chunk_bytes.size()));
+    for (const std::string& c : chunks) {
+      WireFormatLite::WriteBytes(PushRequest::kChunkFieldNumber, c, &coded);
+    }
   }
-  grpc::ByteBuffer buffer = Cut(message, 1 << 20);
-  std::vector<TensorSink> plain = {{"w", "", {2, 300}, scratch.data()}};
-  ChunkAssembler after(plain);
-  s = ReadChunkMessage(
-      &buffer, PushRequest::kChunkFieldNumber, &fields,
-      [&]() -> absl::StatusOr<ChunkAssembler*> { return &after; },
-      [](int) { return absl::OkStatus(); }, &bytes);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_THAT(s.message(), HasSubstr("comes after its data"));
+  return message;
+}
+
+// `c` with its fields in the reverse of their numbers' order (each shape
+// dimension a field of its own), as protobuf's parser takes them too.
+std::string ReversedChunk(const TensorChunk& c) {
+  using google::protobuf::internal::WireFormatLite;
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream out(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    WireFormatLite::WriteInt64(TensorChunk::kRowBeginFieldNumber, c.row_begin(), &coded);
+    WireFormatLite::WriteBytes(TensorChunk::kDataFieldNumber, c.data(), &coded);
+    WireFormatLite::WriteInt64(TensorChunk::kOffsetFieldNumber, c.offset(), &coded);
+    for (int64_t d : c.shape()) {
+      WireFormatLite::WriteInt64(TensorChunk::kShapeFieldNumber, d, &coded);
+    }
+    WireFormatLite::WriteEnum(TensorChunk::kDtypeFieldNumber, c.dtype(), &coded);
+    WireFormatLite::WriteString(TensorChunk::kSlotFieldNumber, c.slot(), &coded);
+    WireFormatLite::WriteString(TensorChunk::kNameFieldNumber, c.name(), &coded);
+  }
+  return bytes;
+}
+
+// protobuf writes a chunk's fields in their numbers' order, so its own
+// encoding puts row_begin (9) after the data (6); another writer may put
+// them in any order, and the data of one chunk may even come twice (the
+// last counts). Each reads into the slice protobuf's parser names, with the
+// values protobuf's parser reads, across any cut of gRPC's slices; the slice
+// of row 0, of the same name and shape, is left alone.
+TEST(ChunkMessages, ChunkFieldsAreReadInAnyOrder) {
+  const std::vector<float> values = Ramp(6, 1.5f), slot_values = Ramp(6, -0.5f);
+  TensorChunk rows;  // the value's slice from row 6
+  rows.set_name("w");
+  rows.set_dtype(DT_FLOAT);
+  rows.add_shape(2);
+  rows.add_shape(3);
+  rows.set_row_begin(6);
+  rows.set_data(reinterpret_cast<const char*>(values.data()), 6 * 4);
+  TensorChunk slot = rows;  // its optimizer slot, fields reversed
+  slot.set_slot("m");
+  slot.set_data(reinterpret_cast<const char*>(slot_values.data()), 6 * 4);
+  TensorChunk twice = rows;  // a third slice's data, first a wrong one then the right one
+  twice.set_row_begin(8);
+  twice.set_data(std::string(6 * 4, '\x7f'));
+  // field 6 (data) again, 24 bytes, after row_begin
+  const std::string twice_bytes =
+      twice.SerializeAsString() + std::string("\x32\x18", 2) + rows.data();
+  const std::string message =
+      AsPushChunks({rows.SerializeAsString(), ReversedChunk(slot), twice_bytes});
+  PushRequest parsed;  // what protobuf reads
+  ASSERT_TRUE(parsed.ParseFromString(message));
+  ASSERT_EQ(parsed.chunk_size(), 3);
+  EXPECT_EQ(parsed.chunk(0).row_begin(), 6);
+  EXPECT_EQ(parsed.chunk(1).slot(), "m");
+  EXPECT_EQ(parsed.chunk(2).data(), rows.data());
+
+  for (size_t cut : {size_t{1}, size_t{5}, size_t{1} << 20}) {
+    SCOPED_TRACE(cut);
+    std::vector<float> row0(6, -1.0f), row6(6, -1.0f), row6_m(6, -1.0f), row8(6, -1.0f);
+    std::vector<TensorSink> sinks = {{"w", "", {2, 3}, row0.data()},
+                                     {"w", "", {2, 3}, row6.data()},
+                                     {"w", "m", {2, 3}, row6_m.data()},
+                                     {"w", "", {2, 3}, row8.data()}};
+    sinks[1].row_begin = sinks[2].row_begin = 6;
+    sinks[3].row_begin = 8;
+    ChunkAssembler assembler(sinks);
+    std::vector<int> completed;
+    int64_t bytes = 0;
+    grpc::ByteBuffer buffer = Cut(message, cut);
+    PushRequest fields;
+    absl::Status s = ReadChunkMessage(
+        &buffer, PushRequest::kChunkFieldNumber, &fields,
+        [&]() -> absl::StatusOr<ChunkAssembler*> { return &assembler; },
+        [&](int i) {
+          completed.push_back(i);
+          return absl::OkStatus();
+        },
+        &bytes);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(completed, (std::vector<int>{1, 2, 3}));
+    EXPECT_EQ(bytes, 3 * 6 * 4);
+    EXPECT_EQ(row0, std::vector<float>(6, -1.0f));
+    EXPECT_FALSE(assembler.Complete("w", "", 0));
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(row6.data()), 24), parsed.chunk(0).data());
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(row6_m.data()), 24),
+              parsed.chunk(1).data());
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(row8.data()), 24), parsed.chunk(2).data());
+  }
 }
 
 TEST(ChunkMessages, ChunksInSharedMemoryMustStayInsideTheRegion) {
