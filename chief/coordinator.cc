@@ -952,11 +952,12 @@ void Coordinator::LogDone() {
 
 absl::Status Coordinator::Run() {
   // Find out now, not after training, that the outputs cannot be written.
-  // That is a matter of configuration: permanent.
-  for (const std::string& dir : {SavedModelDir(), CheckpointsDir(options_.model_dir)}) {
-    absl::Status writable = MakeDirectories(dir);
-    if (!writable.ok()) return absl::FailedPreconditionError(writable.message());
-  }
+  // That is a matter of configuration: permanent. The saved model's
+  // directory is only made when the model is written, so that a failed job
+  // leaves none.
+  absl::Status writable = model::CheckSavedModelDir(SavedModelDir());
+  if (writable.ok()) writable = MakeDirectories(CheckpointsDir(options_.model_dir));
+  if (!writable.ok()) return absl::FailedPreconditionError(writable.message());
   PSLOG(INFO) << DescribeJob(job_);
   absl::Status status = StartJob();
   if (status.ok()) status = Supervise();

@@ -1,6 +1,9 @@
 #include "model/saved_model.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 
@@ -37,6 +40,28 @@ absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int6
   absl::Status s = MakeDirectories(dir);
   if (!s.ok()) return s;
   return WriteFileAtomically(absl::StrCat(dir, "/", kSavedModelFile), saved.SerializeAsString());
+}
+
+absl::Status CheckSavedModelDir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  fs::path at = dir.empty() ? fs::path(".") : fs::path(dir);
+  std::error_code ec;
+  while (!fs::exists(at, ec) && !ec) {
+    const fs::path parent = at.parent_path();
+    at = parent.empty() ? fs::path(".") : parent;
+  }
+  const std::string cannot = absl::StrCat("cannot write the saved model to ", dir, ": ");
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrCat(cannot, at.string(), ": ", ec.message()));
+  }
+  if (!fs::is_directory(at, ec)) {
+    return absl::FailedPreconditionError(absl::StrCat(cannot, at.string(), " is not a directory"));
+  }
+  if (::access(at.c_str(), W_OK | X_OK) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(cannot, at.string(), ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LoadedModel> ReadSavedModel(const std::string& path) {

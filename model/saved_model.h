@@ -27,6 +27,13 @@ struct LoadedModel {
 absl::Status WriteSavedModel(const std::string& dir, const ModelSpec& spec, int64_t global_step,
                              const std::vector<std::vector<float>>& values);
 
+// Whether WriteSavedModel may write to `dir`, found without creating
+// anything (a job that fails leaves no empty directory behind): the nearest
+// directory of its path that exists (`dir` itself, or where it would be
+// created) must be a directory this process may write in.
+// FAILED_PRECONDITION naming the path otherwise.
+absl::Status CheckSavedModelDir(const std::string& dir);
+
 // `path` is a saved-model directory or the model file itself. A missing file,
 // a corrupt one (parse or checksum failure) or one whose variables do not
 // match its spec is an error naming the path (and the first variable of the

@@ -643,8 +643,23 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   absl::Status s = Join();
   EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
   EXPECT_EQ(ExitCodeFor(s), 1);
-  EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model/" + std::string(model::kSavedModelFile)));
+  // Not even an empty directory.
+  EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model"));
   EXPECT_TRUE(ps_->shut_down(0));
+}
+
+// A saved model's directory that could not be made fails the job at its
+// start, before any ps is loaded.
+TEST_F(CoordinatorTest, ASavedModelDirThatCannotBeMadeFailsAtTheStart) {
+  MakeJob(1, 1, 10);
+  std::ofstream(dir_ + "/file") << "not a directory";
+  CoordinatorOptions o = Options();
+  o.saved_model_dir = dir_ + "/file/saved_model";
+  Start(std::move(o));
+  absl::Status s = Join();
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr(dir_ + "/file"));
+  EXPECT_EQ(ps_->calls(0, FakePs::Method::kInit), 0);
 }
 
 // The cluster stopping as the chief of a failed job sends the ps their exit

@@ -1,5 +1,7 @@
 #include "model/saved_model.h"
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -83,6 +85,37 @@ TEST_F(SavedModelTest, WriteRejectsValuesThatDoNotMatchTheSpec) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("fc1/weights"));
   EXPECT_FALSE(std::filesystem::exists(file()));
+}
+
+// The chief checks the saved model's directory at its start and makes it
+// only when it writes the model: the check creates nothing, and refuses a
+// path the writer could not create.
+TEST_F(SavedModelTest, CheckingTheDirectoryCreatesNothing) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::path(dir_).parent_path().parent_path();  // .../<test>
+  fs::remove_all(root);
+  EXPECT_TRUE(CheckSavedModelDir(dir_).ok());
+  EXPECT_FALSE(fs::exists(root));
+
+  // A file where a directory of the path would go.
+  fs::create_directories(root);
+  WriteBytes((root / "nested").string(), "a file");
+  absl::Status s = CheckSavedModelDir(dir_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr((root / "nested").string()));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not a directory"));
+  EXPECT_FALSE(WriteSavedModel(dir_, spec_, 1, values_).ok());
+
+  fs::remove(root / "nested");
+  ASSERT_TRUE(WriteSavedModel(dir_, spec_, 1, values_).ok());
+  EXPECT_TRUE(CheckSavedModelDir(dir_).ok());
+  // A directory this process may not write in (root may write anywhere).
+  if (::geteuid() != 0) {
+    fs::permissions(dir_, fs::perms::owner_read | fs::perms::owner_exec);
+    s = CheckSavedModelDir(dir_);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    fs::permissions(dir_, fs::perms::owner_all);
+  }
 }
 
 TEST_F(SavedModelTest, FlippedByteInTheWeightsIsDataLoss) {
