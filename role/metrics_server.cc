@@ -51,12 +51,14 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port,
   }
   std::unique_ptr<MetricsServer> server(new MetricsServer(registry, std::move(ready)));
   // A scrape is one short request: two threads answer, idle connections
-  // are closed after 10 s.
+  // are closed after 10 s. The logger is the first option: libmicrohttpd
+  // reads them in order, prints what comes before it to stderr, and warns
+  // (there) of a logger that is not first.
   server->daemon_ = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, static_cast<uint16_t>(port), nullptr,
-      nullptr, &MetricsServer::Handle, server.get(), MHD_OPTION_THREAD_POOL_SIZE, 2u,
-      MHD_OPTION_THREAD_STACK_SIZE, kThreadStack, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
-      MHD_OPTION_EXTERNAL_LOGGER, &LogMessage, nullptr, MHD_OPTION_END);
+      nullptr, &MetricsServer::Handle, server.get(), MHD_OPTION_EXTERNAL_LOGGER, &LogMessage,
+      nullptr, MHD_OPTION_THREAD_POOL_SIZE, 2u, MHD_OPTION_THREAD_STACK_SIZE, kThreadStack,
+      MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on port ", port, ": it is in use or not allowed"));

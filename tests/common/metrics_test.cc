@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "role/metrics_server.h"
@@ -279,6 +281,28 @@ TEST(MetricsServerTest, APortInUseIsAnError) {
   EXPECT_TRUE(absl::IsUnavailable(second.status())) << second.status();
   EXPECT_THAT(std::string(second.status().message()),
               HasSubstr("port " + std::to_string((*first)->port())));
+}
+
+// A start writes nothing to stderr (libmicrohttpd warned there, at every
+// start, of its logger option given late); what the library says of a real
+// failure, the port taken, comes through psflow's log, line by line.
+TEST(MetricsServerTest, StartsQuietlyAndTheLibrarysErrorsGoThroughPsflowsLog) {
+  Registry r;
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<std::unique_ptr<MetricsServer>> first = MetricsServer::Start(0, &r);
+  const std::string at_start = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(at_start, "");
+
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<std::unique_ptr<MetricsServer>> second =
+      MetricsServer::Start((*first)->port(), &r);
+  const std::string refused = ::testing::internal::GetCapturedStderr();
+  ASSERT_FALSE(second.ok());
+  EXPECT_THAT(refused, HasSubstr("] metrics server: "));
+  for (absl::string_view line : absl::StrSplit(refused, '\n', absl::SkipEmpty())) {
+    EXPECT_THAT(std::string(line), HasSubstr("] metrics server: "));
+  }
 }
 
 }  // namespace
