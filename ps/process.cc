@@ -55,7 +55,8 @@ void AddShardMetrics(const Shard& shard, metrics::Registry& metrics) {
       read(&Stats::duplicate));
   metrics.SetCounterFunction(
       "psflow_ps_refused_pushes_total",
-      "Pushes refused for a non-finite gradient since this ps last took a job.",
+      "Pushes refused (a non-finite gradient, or a skip in a job that does not skip steps) since "
+      "this ps last took a job.",
       read(&Stats::refused_pushes));
   metrics.SetCounterFunction(
       "psflow_ps_gradients_changed_after_check_total",
@@ -137,9 +138,8 @@ int PsProcess::Run() {
   (*servers)->Stop(absl::Seconds(5));
   Shard::Stats stats = shard_.stats();
   PSLOG(INFO) << "exiting at version " << stats.version << " (stale pushes " << stats.stale
-              << ", duplicates " << stats.duplicate << ", refused for non-finite gradients "
-              << stats.refused_pushes << ", streams refused over a bound "
-              << service_.refused_streams() << ")";
+              << ", duplicates " << stats.duplicate << ", refused pushes " << stats.refused_pushes
+              << ", streams refused over a bound " << service_.refused_streams() << ")";
   LogResourceUsage();
   return code;
 }

@@ -39,7 +39,8 @@ class PushSession {
   PushSession& operator=(const PushSession&) = delete;
 
   // The header's checks (the shard's error for a job it does not hold,
-  // INVALID_ARGUMENT for slices out of range or named twice) and the
+  // INVALID_ARGUMENT for slices out of range or named twice, or for a skip
+  // push of a job that does not skip steps: Shard::BeginPush) and the
   // gradients' storage. `in_place`: the gradients come in a shared region
   // and may stay there until applied (borrowed; in a synchronous job, and
   // not for a skip push).

@@ -580,7 +580,7 @@ class PsService::PushReader final : public Base {
     // Gradients in a region are applied where they lie (16-bit ones widened
     // as the apply reads them), in a synchronous job.
     PSFLOW_RETURN_IF_ERROR(
-        session_.Begin(header, header.has_region() && service_->apply_in_place_));
+        Refused(session_.Begin(header, header.has_region() && service_->apply_in_place_)));
     if (header.has_region()) {
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header.region()));
       region_span_ = region_->data;

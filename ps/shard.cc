@@ -226,6 +226,15 @@ absl::StatusOr<Shard::PushStart> Shard::BeginPush(uint64_t job_id, absl::Span<co
                                                   bool skip, bool borrow) {
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
+  if (skip && job_.on_nonfinite() != JobConfig::SKIP_STEP) {
+    // No worker of this job skips a step: the skip is forged (or of another
+    // configuration), and taking it would pass this ps through a step that
+    // the others apply.
+    ++counters_.refused_pushes;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "skip push refused: job ", job_id, " runs on_nonfinite=",
+        JobConfig::NonFinitePolicy_Name(job_.on_nonfinite()), ", only SKIP_STEP jobs skip steps"));
+  }
   PushStart start;
   start.slices = slices_;
   PSFLOW_ASSIGN_OR_RETURN(start.indices,

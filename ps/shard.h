@@ -17,9 +17,10 @@
 // duplicate (ignored, counted); a push holding a non-finite gradient is
 // refused (counted) before anything else but its job is looked at. A worker
 // whose step was not finite may push skips instead (a job with
-// on_nonfinite SKIP_STEP): a slice that any live worker skipped is "applied"
-// unchanged, value and optimizer state, and moves to the next version as
-// usual, so the step passes with no update. A push
+// on_nonfinite SKIP_STEP; in any other a skip push is refused, counted): a
+// slice that any live worker skipped is "applied" unchanged, value and
+// optimizer state, and moves to the next version as usual, so the step
+// passes with no update. A push
 // for step k is accepted only at version k, and a worker pushes step k only
 // after pulling every slice at version k; so slices are never more than one
 // version apart, and at the moment the shard's version becomes k every
@@ -251,7 +252,9 @@ class Shard {
   //
   // BeginPush: what the push's header needs of the shard, if `job_id` names
   // the current job (FAILED_PRECONDITION otherwise, UNAVAILABLE after
-  // Shutdown): the slices, the indices `asked` names (SliceIndices' errors),
+  // Shutdown; a `skip` push is INVALID_ARGUMENT, counted in
+  // Counters::refused_pushes, unless the job runs on_nonfinite SKIP_STEP):
+  // the slices, the indices `asked` names (SliceIndices' errors),
   // the job's wire dtype, whether the gradients stay borrowed (`borrow`
   // asked, in a synchronous job: an asynchronous one copies borrowed values
   // as they come) and, for a push that neither borrows nor skips, a buffer
@@ -388,10 +391,12 @@ class Shard {
 
   // Counts since the last Init.
   struct Counters {
-    int64_t applied = 0;         // steps applied
-    int64_t stale = 0;           // pushes for an applied step, dropped
-    int64_t duplicate = 0;       // second pushes of a worker for a step, ignored
-    int64_t refused_pushes = 0;  // pushes refused for a non-finite gradient
+    int64_t applied = 0;    // steps applied
+    int64_t stale = 0;      // pushes for an applied step, dropped
+    int64_t duplicate = 0;  // second pushes of a worker for a step, ignored
+    // Pushes refused for a non-finite gradient, or for a skip in a job that
+    // does not skip steps.
+    int64_t refused_pushes = 0;
     // Applies that found a NaN or an infinity in borrowed gradients that had
     // been checked finite (the worker changed its region after the push):
     // those values counted as 0.

@@ -1,6 +1,8 @@
 // A training cluster on loopback attacked from outside by a client built
 // from psflow's own protos, as anyone who can reach its ports could:
 //   - a push of NaN gradients as live worker 0;
+//   - a skip push (no data: "my step was not finite") as worker 0, in a job
+//     that fails on non-finite steps, whose workers send none;
 //   - reports with impossible values (a NaN loss, 2^62 examples), and
 //     "finished" for every worker long before the last step;
 //   - an Init header that declares a gigabyte and sends nothing, one with no
@@ -108,6 +110,22 @@ class Attacker {
     std::vector<float> nan(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN());
     chunk->set_data(reinterpret_cast<const char*>(nan.data()), nan.size() * sizeof(float));
     writer->Write(data);
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  // Worker 0's skip of every slice of ps 0 at the ps's version.
+  grpc::Status SkipPush(const PsState& state) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    PushResponse response;
+    auto writer = ps_->Push(&context, &response);
+    PushRequest header;
+    header.mutable_header()->set_job_id(state.job_id());
+    header.mutable_header()->set_worker(0);
+    header.mutable_header()->set_step(state.version());
+    header.mutable_header()->set_skip(true);
+    writer->Write(header);
     writer->WritesDone();
     return writer->Finish();
   }
@@ -350,9 +368,28 @@ TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
   EXPECT_EQ(SavedModelFigures(model_dir), reference);
   EXPECT_THAT(outputs_, HasSubstr("refused a report from worker 0")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused a stream of")) << outputs_;
-  EXPECT_THAT(outputs_, HasSubstr("refused for non-finite gradients 1")) << outputs_;
+  EXPECT_THAT(outputs_, HasSubstr("refused pushes 1")) << outputs_;
   EXPECT_THAT(outputs_, ::testing::ContainsRegex("ps0\\] refused a push of .*non-finite gradient"))
       << outputs_;
+}
+
+// A forged skip push in a job that fails on non-finite steps (the default)
+// is refused and counted, and the job ends as usual.
+TEST_F(AttackTest, ForgedSkipPushIsRefusedInAJobThatFailsOnNonFiniteSteps) {
+  const std::string model_dir = dir_ + "/attacked";
+  ASSERT_TRUE(RunJob(model_dir, NoFlags, [&] {
+    Attacker attacker(chief(), ps0(), SecurityOptions{});
+    PsState state;
+    ASSERT_TRUE(attacker.GetState(&state).ok());
+    ASSERT_TRUE(state.holds_job());
+    const grpc::Status s = attacker.SkipPush(state);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("runs on_nonfinite=FAIL")) << s.error_message();
+  }));
+  EXPECT_NE(SavedModelFigures(model_dir), "");
+  EXPECT_THAT(outputs_, ::testing::ContainsRegex("ps0\\] refused a push of .*skip push refused"))
+      << outputs_;
+  EXPECT_THAT(outputs_, HasSubstr("refused pushes 1")) << outputs_;
 }
 
 // Every attack with mutual TLS and the job token on, from three callers: a

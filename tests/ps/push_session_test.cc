@@ -148,6 +148,35 @@ TEST_F(PushSessionTest, ASkipPushHasNoSinksAndIsNeverBorrowed) {
   EXPECT_TRUE(in_place.borrows());
 }
 
+// Only a job that skips non-finite steps takes skips: in a FAIL job a skip
+// push (forged: its workers send none) is refused at Begin, counted, and
+// the step goes on as if it never came.
+TEST_F(PushSessionTest, ASkipPushIsRefusedInAJobThatFailsOnNonFiniteSteps) {
+  const InitHeader fails = SessionHeader({4, 4}, JobConfig::SYNC, JobConfig::FAIL);
+  ASSERT_TRUE(shard_.Init(fails, SessionValues({4, 4})).ok());
+  PushHeader skip = Header(0, 0);
+  skip.set_skip(true);
+  PushSession forged(&shard_);
+  const absl::Status refused = forged.Begin(skip, /*in_place=*/false);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_EQ(refused.message(),
+            "skip push refused: job 41 runs on_nonfinite=FAIL, only SKIP_STEP jobs skip steps");
+  EXPECT_EQ(shard_.stats().refused_pushes, 1);
+  for (int worker : {0, 1}) {
+    PushSession session(&shard_);
+    ASSERT_TRUE(session.Begin(Header(worker, 0), false).ok());
+    std::vector<TensorSink> sinks = session.TakeSinks();
+    for (TensorSink& sink : sinks) std::fill_n(SinkData(sink, 4), 4, 1.0f);
+    ASSERT_TRUE(session.HandOverAll().ok());
+    absl::StatusOr<PushResponse> answer = session.End();
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(answer->outcome(), PushResponse::ACCEPTED) << "worker " << worker;
+  }
+  // Both workers' gradients applied: w - 0.5 * 1.
+  EXPECT_EQ(SliceAt(0, 1), std::vector<float>(4, 1 - 0.5f));
+  EXPECT_EQ(shard_.stats().skipped, 0);
+}
+
 // The same pushes through LocalPush and through PsService on loopback get
 // the same answers, refusals and counts.
 using PushSessionDriversTest = SessionDriversTest;
@@ -200,6 +229,32 @@ TEST_P(PushSessionDriversTest, GiveTheSameAnswers) {
   ASSERT_TRUE(pulled.ok()) << pulled.status();
   EXPECT_EQ(s0, std::vector<float>(4, 1 - 0.5f * 2));
   EXPECT_EQ(s1, std::vector<float>(8, 2 - 0.5f * 2));
+}
+
+// A forged skip push of a FAIL job is refused the same way through both
+// drivers; the job's own pushes then step as usual.
+TEST_P(PushSessionDriversTest, RefuseASkipPushOfAJobThatFailsOnNonFiniteSteps) {
+  ASSERT_TRUE(InitJob({4, 8}, JobConfig::FAIL).ok());
+  PushHeader skip = Header(0, 0);
+  skip.set_skip(true);
+  absl::StatusOr<PushResponse> refused = client_->Push(0, skip, {}, SessionDeadline());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("skip push refused: job 41 runs "
+                                                    "on_nonfinite=FAIL, only SKIP_STEP jobs skip "
+                                                    "steps"));
+  EXPECT_EQ(shard_.stats().refused_pushes, 1);
+  const std::vector<float> g0(4, 1), g1(8, 1);
+  for (int worker : {0, 1}) {
+    absl::StatusOr<PushResponse> r =
+        client_->Push(0, Header(worker, 0),
+                      {{"s0", "", {4}, g0.data()}, {"s1", "", {8}, g1.data()}}, SessionDeadline());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->outcome(), PushResponse::ACCEPTED) << "worker " << worker;
+  }
+  const Shard::Stats stats = shard_.stats();
+  EXPECT_EQ(stats.version, 1);
+  EXPECT_EQ(stats.skipped, 0);
+  EXPECT_EQ(stats.refused_pushes, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(LocalAndGrpc, PushSessionDriversTest, ::testing::Bool(),

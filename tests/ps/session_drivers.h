@@ -33,9 +33,10 @@ inline absl::Time SessionDeadline() { return absl::Now() + absl::Seconds(20); }
 // A job of workers 0 and 1 with one slice "s<i>" of sizes[i] floats each
 // (Momentum, lr 0.5, so that snapshots carry a slot), each slice a whole
 // variable on ps 0 of 1, as an Init through a client must say; `mode` ASYNC
-// makes it asynchronous.
+// makes it asynchronous; `on_nonfinite` FAIL makes its workers push no skips.
 inline InitHeader SessionHeader(const std::vector<int64_t>& sizes,
-                                JobConfig::Mode mode = JobConfig::SYNC) {
+                                JobConfig::Mode mode = JobConfig::SYNC,
+                                JobConfig::NonFinitePolicy on_nonfinite = JobConfig::SKIP_STEP) {
   InitHeader h;
   h.set_job_id(kSessionJob);
   h.mutable_job()->mutable_optimizer()->set_kind(OptimizerConfig::MOMENTUM);
@@ -44,7 +45,7 @@ inline InitHeader SessionHeader(const std::vector<int64_t>& sizes,
   h.mutable_job()->set_mode(mode);
   h.mutable_job()->set_num_workers(2);
   h.mutable_job()->set_train_steps(100);
-  h.mutable_job()->set_on_nonfinite(JobConfig::SKIP_STEP);
+  h.mutable_job()->set_on_nonfinite(on_nonfinite);
   h.add_live_workers(0);
   h.add_live_workers(1);
   Placement* placement = h.mutable_job()->mutable_placement();
@@ -100,14 +101,16 @@ class SessionDriversTest : public ::testing::TestWithParam<bool> {
     if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   }
 
-  // The job of SessionHeader(sizes), through the client.
-  absl::Status InitJob(const std::vector<int64_t>& sizes) {
+  // The job of SessionHeader(sizes, SYNC, on_nonfinite), through the client.
+  absl::Status InitJob(const std::vector<int64_t>& sizes,
+                       JobConfig::NonFinitePolicy on_nonfinite = JobConfig::SKIP_STEP) {
     const std::vector<Shard::SliceValues> values = SessionValues(sizes);
     std::vector<TensorRef> refs;
     for (size_t i = 0; i < sizes.size(); ++i) {
       refs.push_back({absl::StrCat("s", i), "", {sizes[i]}, values[i].value.data()});
     }
-    return client_->Init(0, SessionHeader(sizes), refs, SessionDeadline());
+    return client_->Init(0, SessionHeader(sizes, JobConfig::SYNC, on_nonfinite), refs,
+                         SessionDeadline());
   }
 
   Shard shard_;

@@ -333,8 +333,8 @@ TEST_F(ShardTest, GradientBuffersOfAnAppliedStepAreReused) {
   EXPECT_TRUE(buffers({0})[0].empty()) << "one per live worker";
   EXPECT_EQ(buffers({1})[0].size(), kB.size());
   EXPECT_TRUE(buffers({1})[0].empty());
-  // A skip push, and one whose gradients stay borrowed, get none.
-  EXPECT_TRUE(shard_.BeginPush(kJob, {}, /*skip=*/true, false)->buffers.empty());
+  // A push whose gradients stay borrowed gets none (nor does a skip push:
+  // ShardSkipTest).
   EXPECT_TRUE(shard_.BeginPush(kJob, {}, false, /*borrow=*/true)->buffers.empty());
   // Stale contents written over: the next step is exact.
   std::vector<std::vector<float>> g0 = Grads(2), g1 = Grads(2);
@@ -398,6 +398,30 @@ TEST_F(ShardTest, EachApplyWritesIntoTheBufferOfTwoVersionsBefore) {
   EXPECT_EQ(ValuesOf(*held->weights), w) << "a held version changed";
   for (int64_t step = 5; step < 8; ++step) w = SgdAfter(w, 0.5f, Grads(2), Grads(-1));
   EXPECT_EQ(Current(), w);
+}
+
+// Skips are a SKIP_STEP job's alone: in a FAIL job (the default) a skip
+// push is refused at BeginPush, counted with the refused pushes; in a
+// SKIP_STEP job it begins, with no buffers and nothing borrowed.
+TEST(ShardSkipTest, ASkipPushBeginsOnlyInAJobThatSkipsSteps) {
+  Shard shard;
+  ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
+  absl::StatusOr<Shard::PushStart> refused = shard.BeginPush(kJob, {}, /*skip=*/true, false);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("runs on_nonfinite=FAIL"));
+  EXPECT_EQ(shard.stats().refused_pushes, 1);
+  EXPECT_TRUE(shard.BeginPush(kJob, {}, /*skip=*/false, false).ok());
+
+  InitHeader skipping = Header(OptimizerConfig::SGD, 0.5f);
+  skipping.mutable_job()->set_on_nonfinite(JobConfig::SKIP_STEP);
+  ASSERT_TRUE(shard.Init(skipping, Values()).ok());
+  for (bool borrow : {false, true}) {
+    absl::StatusOr<Shard::PushStart> start = shard.BeginPush(kJob, {}, /*skip=*/true, borrow);
+    ASSERT_TRUE(start.ok()) << start.status();
+    EXPECT_TRUE(start->buffers.empty());
+    EXPECT_FALSE(start->borrow);
+  }
+  EXPECT_EQ(shard.stats().refused_pushes, 0);
 }
 
 // A worker whose step was not finite pushes skips (--on_nonfinite=skip_step):
@@ -1859,7 +1883,6 @@ TEST(BorrowedGradientsTest, AreAppliedWhereTheyLieAndLetGoOnceApplied) {
   Shard shard;
   ASSERT_TRUE(shard.Init(Header(OptimizerConfig::SGD, 0.5f), Values()).ok());
   EXPECT_TRUE(shard.BeginPush(kJob, {}, false, /*borrow=*/true)->borrow);
-  EXPECT_FALSE(shard.BeginPush(kJob, {}, /*skip=*/true, /*borrow=*/true)->borrow);
   std::vector<std::vector<float>> memory;
   std::shared_ptr<int> released;
   ASSERT_EQ(*shard.PushSlices(kJob, 0, 0, Borrowed(Grads(1), &memory, &released)),
