@@ -94,6 +94,7 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
                    .eval_every_steps = options_.eval_every_steps,
                    .eval_every_secs = options_.eval_every_secs,
                    .silence = options_.timeouts.evaluator,
+                   .unregistered_wait = options_.timeouts.unregistered_evaluator,
                    .final_wait = options_.timeouts.final_eval},
                   progress_.get()),
       metrics_(options_.metrics) {

@@ -71,6 +71,10 @@ struct Timeouts {
   // An evaluator not heard from for this long (it beats every second) is
   // not waited for at the end of the job.
   absl::Duration evaluator = absl::Seconds(30);
+  // When no evaluator ever called (one listed but not run), the end of the
+  // job waits this long (at most `evaluator`) for one starting late: a
+  // running one calls at least every 2 s (its registration's backoff).
+  absl::Duration unregistered_evaluator = absl::Seconds(5);
   // The end of the job waits at most this long for a live evaluator's
   // evaluation of the final model (--eval_final_timeout).
   absl::Duration final_eval = absl::Minutes(10);
@@ -95,7 +99,8 @@ struct CoordinatorOptions {
   // Evaluators: when they evaluate (handed to them at registration; 0 = not
   // by that measure; the final model always), and how many the cluster
   // lists. The end of the job waits for an evaluation of the final model
-  // when an evaluator is listed or has registered.
+  // when an evaluator has registered, and briefly
+  // (Timeouts::unregistered_evaluator) when one is listed but none came.
   int64_t eval_every_steps = 0;
   int64_t eval_every_secs = 60;
   int num_evaluators = 0;

@@ -123,9 +123,16 @@ void Evaluators::WaitForFinal() {
   auto got = [this]()
                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return final_.has_value() || cancelled_; };
   while (!got()) {
+    const absl::Time now = absl::Now();
+    // None ever called: most likely none runs. One starting this late gets
+    // the time to register; once it has called, it is waited for as any.
+    if (last_heard_.empty() && now - start > options_.unregistered_wait) {
+      PSLOG(WARNING) << "no evaluation of the final model: no evaluator registered (waited "
+                     << options_.unregistered_wait << " for one)";
+      return;
+    }
     absl::Time heard = start;
     for (const auto& [e, seen] : last_heard_) heard = std::max(heard, seen);
-    const absl::Time now = absl::Now();
     if (now - heard > options_.silence) {
       PSLOG(WARNING) << "no evaluation of the final model: no evaluator was heard from for "
                      << options_.silence;

@@ -34,6 +34,9 @@ struct EvaluatorsOptions {
   int64_t eval_every_secs = 60;
   // One not heard from for this long is not waited for (Timeouts::evaluator).
   absl::Duration silence = absl::Seconds(30);
+  // While none was ever heard from (listed, not running), the wait is this
+  // long at most (Timeouts::unregistered_evaluator).
+  absl::Duration unregistered_wait = absl::Seconds(5);
   // The longest wait for the final model's evaluation (Timeouts::final_eval).
   absl::Duration final_wait = absl::Minutes(10);
 };
@@ -70,8 +73,9 @@ class Evaluators {
   // final model's is kept (final_result) and answered with EXIT.
   absl::StatusOr<ReportEvalResponse> Report(const ReportEvalRequest& request, const JobState& job);
   // Waits for the final model's evaluation when an evaluator is listed or
-  // has registered, as long as one is heard from, at most
-  // options.final_wait, and until Cancel.
+  // has called, as long as one is heard from (options.silence), at most
+  // options.final_wait, and until Cancel; while none has ever called (one
+  // listed but not run), options.unregistered_wait at most.
   void WaitForFinal() ABSL_LOCKS_EXCLUDED(mu_);
   // The chief stops, or the job failed: WaitForFinal returns, now and later.
   void Cancel() ABSL_LOCKS_EXCLUDED(mu_);

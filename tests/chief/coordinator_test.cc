@@ -883,6 +883,37 @@ TEST_F(CoordinatorTest, TheEndGoesOnWithoutAnEvaluatorNotHeardFrom) {
   EXPECT_TRUE(ps_->shut_down(0));
 }
 
+// A listed evaluator that never called the chief (most likely never run)
+// holds the end only for Timeouts::unregistered_evaluator, not for
+// Timeouts::evaluator as a silent one that registered does.
+TEST_F(CoordinatorTest, TheEndWaitsOnlyBrieflyForAnEvaluatorThatNeverRegistered) {
+  MakeJob(1, 1, 3);
+  CoordinatorOptions o = Options();
+  o.num_evaluators = 1;
+  o.timeouts.evaluator = absl::Seconds(30);  // the default
+  o.timeouts.unregistered_evaluator = absl::Milliseconds(300);
+  EXPECT_LT(TrainAndTimeTheEnd(o, 3), absl::Seconds(3));  // not final_eval's 5 s
+  EXPECT_TRUE(ps_->shut_down(0));
+}
+
+// One that registered and went silent is still waited for
+// Timeouts::evaluator, however short the grace of one never heard from.
+TEST_F(CoordinatorTest, TheEndWaitsForARegisteredEvaluatorUntilItIsSilent) {
+  MakeJob(1, 1, 3);
+  CoordinatorOptions o = Options();
+  o.num_evaluators = 1;
+  o.timeouts.evaluator = absl::Seconds(1);
+  o.timeouts.unregistered_evaluator = absl::Milliseconds(100);
+  const uint64_t id = StartAndRegister(o);
+  ASSERT_TRUE(coordinator_->RegisterEvaluator(0).ok());
+  Train(id, {0}, 0, 3);
+  const absl::Time start = absl::Now();
+  FinishAndJoin(id, {0});
+  const absl::Duration end = absl::Now() - start;
+  EXPECT_GE(end, absl::Milliseconds(900));
+  EXPECT_LT(end, absl::Seconds(4));
+}
+
 // Without an evaluator in the cluster the end waits for none.
 TEST_F(CoordinatorTest, NoEvaluatorNoWait) {
   MakeJob(1, 1, 2);
