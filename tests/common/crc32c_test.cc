@@ -1,6 +1,7 @@
 #include "common/crc32c.h"
 
 #include <cstdint>
+#include <random>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -42,6 +43,40 @@ TEST(Crc32cTest, MaskRoundTripsAndChangesTheValue) {
   EXPECT_EQ(MaskCrc32c(0), 0xa282ead8u);
   EXPECT_EQ(MaskCrc32c(0x00008000u), 0xa282ead9u);
   EXPECT_EQ(MaskCrc32c(1), 0xa282ead8u + 0x20000u);
+}
+
+// The crc32 instruction and the table give the same CRC for every length
+// around the 8-byte steps, at every alignment of the start, from any initial
+// CRC. Where the CPU lacks the instruction only the table runs, which the
+// tests above check.
+TEST(Crc32cTest, HardwareAndTableAgree) {
+  if (!crc32c_internal::HardwareAvailable()) {
+    GTEST_SKIP() << "this CPU has no crc32 instruction";
+  }
+  std::mt19937 rng(17);
+  std::string buffer(4096 + 64, '\0');
+  for (char& c : buffer) c = static_cast<char>(rng());
+  for (size_t start = 0; start < 16; ++start) {
+    for (size_t length = 0; length < 300; ++length) {
+      const absl::string_view bytes(buffer.data() + start, length);
+      const uint32_t initial = static_cast<uint32_t>(rng());
+      ASSERT_EQ(crc32c_internal::ExtendHardware(initial, bytes),
+                crc32c_internal::ExtendPortable(initial, bytes))
+          << "start " << start << ", length " << length;
+    }
+  }
+  for (size_t length : {1000, 4095, 4096, 4097}) {
+    const absl::string_view bytes(buffer.data() + 3, length);
+    EXPECT_EQ(crc32c_internal::ExtendHardware(0, bytes), crc32c_internal::ExtendPortable(0, bytes));
+  }
+  EXPECT_EQ(crc32c_internal::ExtendHardware(0, "123456789"), 0xE3069283u);
+}
+
+// The known vectors again through the table alone, whichever path Crc32c takes.
+TEST(Crc32cTest, TableGivesKnownVectors) {
+  EXPECT_EQ(crc32c_internal::ExtendPortable(0, "123456789"), 0xE3069283u);
+  EXPECT_EQ(crc32c_internal::ExtendPortable(0, std::string(32, '\xFF')), 0x62A8AB43u);
+  EXPECT_EQ(crc32c_internal::ExtendPortable(0, Bytes(32, 0, 1)), 0x46DD794Eu);
 }
 
 }  // namespace
