@@ -1,0 +1,147 @@
+#include "data/image/transforms.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace psflow::data {
+namespace {
+
+// SplitMix64 (Steele, Lea and Flood): fully specified, so a seed gives the
+// same windows everywhere, unlike the distributions of <random>.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [lo, hi), from the top 53 bits.
+  double Uniform(double lo, double hi) {
+    return lo + (hi - lo) * (static_cast<double>(Next() >> 11) * 0x1.0p-53);
+  }
+  // Uniform in [0, n) for n > 0 (multiply-shift; bias below 2^-32 here).
+  int Below(int n) {
+    return static_cast<int>((static_cast<unsigned __int128>(Next()) * static_cast<uint64_t>(n)) >>
+                            64);
+  }
+
+ private:
+  uint64_t state_;
+};
+
+// Python's round(): half to even (the default floating-point rounding mode).
+int RoundHalfEven(double v) { return static_cast<int>(std::nearbyint(v)); }
+
+// One output coordinate's two source samples and the weight of the second.
+struct Tap {
+  int lo = 0, hi = 0;
+  float frac = 0;
+};
+
+// Half-pixel centers: output o samples input (o + 0.5) * in / out - 0.5,
+// clamped to [0, in - 1]; taps are offset by `origin` and multiplied by
+// `stride` (bytes between neighbours).
+std::vector<Tap> ComputeTaps(int in_size, int out_size, int origin, int stride) {
+  std::vector<Tap> taps(out_size);
+  const double scale = static_cast<double>(in_size) / out_size;
+  for (int o = 0; o < out_size; ++o) {
+    const double at = std::max(0.0, (o + 0.5) * scale - 0.5);
+    const int lo = std::min(static_cast<int>(at), in_size - 1);
+    const int hi = std::min(lo + 1, in_size - 1);
+    taps[o] = {(origin + lo) * stride, (origin + hi) * stride, static_cast<float>(at - lo)};
+  }
+  return taps;
+}
+
+}  // namespace
+
+CropWindow RandomResizedCrop(ImageSize size, uint64_t seed, double min_scale, double max_scale,
+                             double min_ratio, double max_ratio) {
+  const int height = size.height, width = size.width;
+  if (height <= 0 || width <= 0) return {};
+  SplitMix64 rng(seed);
+  const double area = static_cast<double>(height) * width;
+  const double log_min = std::log(min_ratio), log_max = std::log(max_ratio);
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    const double target_area = area * rng.Uniform(min_scale, max_scale);
+    const double ratio = std::exp(rng.Uniform(log_min, log_max));
+    const int w = RoundHalfEven(std::sqrt(target_area * ratio));
+    const int h = RoundHalfEven(std::sqrt(target_area / ratio));
+    if (w > 0 && w <= width && h > 0 && h <= height) {
+      const int y = rng.Below(height - h + 1);
+      const int x = rng.Below(width - w + 1);
+      return {y, x, h, w};
+    }
+  }
+  const double in_ratio = static_cast<double>(width) / height;
+  int w = width, h = height;
+  if (in_ratio < min_ratio) {
+    h = std::clamp(RoundHalfEven(w / min_ratio), 1, height);
+  } else if (in_ratio > max_ratio) {
+    w = std::clamp(RoundHalfEven(h * max_ratio), 1, width);
+  }
+  return {(height - h) / 2, (width - w) / 2, h, w};
+}
+
+CropWindow CenterCrop(ImageSize size, int resize_shorter, int out_height, int out_width) {
+  if (size.height <= 0 || size.width <= 0 || resize_shorter <= 0 || out_height <= 0 ||
+      out_width <= 0) {
+    return {};
+  }
+  // Original pixels per resized pixel.
+  const double scale = static_cast<double>(std::min(size.height, size.width)) / resize_shorter;
+  const int h = std::clamp(static_cast<int>(std::lround(out_height * scale)), 1, size.height);
+  const int w = std::clamp(static_cast<int>(std::lround(out_width * scale)), 1, size.width);
+  return {(size.height - h) / 2, (size.width - w) / 2, h, w};
+}
+
+absl::Status ResizeInto(const Image& src, CropWindow window, int out_height, int out_width,
+                        bool flip_horizontal, float* chw_out) {
+  const int channels = src.channels;
+  if (src.height <= 0 || src.width <= 0 || channels <= 0 ||
+      src.pixels.size() != size_t{1} * src.height * src.width * channels) {
+    return absl::InvalidArgumentError(absl::StrCat("resize: ", src.height, "x", src.width, "x",
+                                                   channels, " image of ", src.pixels.size(),
+                                                   " bytes"));
+  }
+  const CropWindow& w = window;
+  if (w.y < 0 || w.x < 0 || w.height <= 0 || w.width <= 0 || w.y > src.height - w.height ||
+      w.x > src.width - w.width) {
+    return absl::InvalidArgumentError(absl::StrCat("resize: window (y ", w.y, ", x ", w.x, ", ",
+                                                   w.height, "x", w.width, ") is not inside the ",
+                                                   src.height, "x", src.width, " image"));
+  }
+  if (out_height <= 0 || out_width <= 0 || chw_out == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resize: output of ", out_height, "x", out_width));
+  }
+  const int stride = src.width * channels;
+  const std::vector<Tap> rows = ComputeTaps(w.height, out_height, w.y, stride);
+  std::vector<Tap> cols = ComputeTaps(w.width, out_width, w.x, channels);
+  if (flip_horizontal) std::reverse(cols.begin(), cols.end());
+  const size_t plane = size_t{1} * out_height * out_width;
+  constexpr float kScale = 1.0f / 255;
+  for (int oy = 0; oy < out_height; ++oy) {
+    const uint8_t* top = src.pixels.data() + rows[oy].lo;
+    const uint8_t* bottom = src.pixels.data() + rows[oy].hi;
+    const float wy = rows[oy].frac;
+    for (int c = 0; c < channels; ++c) {
+      float* dst = chw_out + c * plane + size_t{1} * oy * out_width;
+      for (int ox = 0; ox < out_width; ++ox) {
+        const Tap& t = cols[ox];
+        const float a = top[t.lo + c], b = top[t.hi + c];
+        const float p = bottom[t.lo + c], q = bottom[t.hi + c];
+        const float upper = a + (b - a) * t.frac, lower = p + (q - p) * t.frac;
+        dst[ox] = (upper + (lower - upper) * wy) * kScale;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace psflow::data
