@@ -50,7 +50,7 @@ uint8_t Luma(const uint8_t* rgb) {
   return static_cast<uint8_t>((19595 * rgb[0] + 38470 * rgb[1] + 7471 * rgb[2] + 32768) >> 16);
 }
 
-// The window `w` of `src`, with `channels` channels (src has 1 or 3).
+// The window `w` of `src`, with `channels` channels: src's, or 1 from 3.
 Image ConvertWindow(const Image& src, const CropWindow& w, int channels) {
   Image out{w.height, w.width, channels, {}};
   out.pixels.resize(size_t{1} * w.height * w.width * channels);
@@ -60,10 +60,8 @@ Image ConvertWindow(const Image& src, const CropWindow& w, int channels) {
     uint8_t* d = out.pixels.data() + size_t{1} * r * w.width * channels;
     if (sc == channels) {
       std::memcpy(d, s, size_t{1} * w.width * channels);
-    } else if (channels == 1) {
-      for (int c = 0; c < w.width; ++c) d[c] = Luma(s + 3 * c);
     } else {
-      for (int c = 0; c < w.width; ++c) d[3 * c] = d[3 * c + 1] = d[3 * c + 2] = s[c];
+      for (int c = 0; c < w.width; ++c) d[c] = Luma(s + 3 * c);
     }
   }
   return out;

@@ -50,8 +50,9 @@ ImageFormat SniffImage(absl::string_view bytes);
 absl::StatusOr<ImageSize> PeekImageSize(absl::string_view bytes);
 
 // Decodes to `channels` (1 or 3). With `crop`, returns only that window
-// (which must lie inside the image): a JPEG decodes just the rows and
-// iMCU columns covering it; a PNG decodes whole and is cropped.
+// (which must lie inside the image), the same pixels as cropping the whole
+// decode: a JPEG decodes just the rows and iMCU columns covering it (so
+// damage below the window goes unseen); a PNG decodes whole and is cropped.
 absl::StatusOr<Image> DecodeImage(absl::string_view bytes, int channels,
                                   const CropWindow* crop = nullptr);
 

@@ -58,6 +58,25 @@ std::vector<Tap> ComputeTaps(int in_size, int out_size, int origin, int stride) 
   return taps;
 }
 
+// One output row of every channel (plane floats apart) from source rows
+// `top` and `bottom`. kChannels fixes the channel count at compile time for
+// the common 1 and 3, so the channel loop unrolls; 0 takes `channels`.
+template <int kChannels>
+void ResizeRow(const uint8_t* top, const uint8_t* bottom, float wy, const Tap* cols, int out_width,
+               int channels, size_t plane, float* dst) {
+  constexpr float kScale = 1.0f / 255;
+  const int n = kChannels > 0 ? kChannels : channels;
+  for (int ox = 0; ox < out_width; ++ox) {
+    const Tap& t = cols[ox];
+    const uint8_t *a = top + t.lo, *b = top + t.hi, *p = bottom + t.lo, *q = bottom + t.hi;
+    for (int c = 0; c < n; ++c) {
+      const float upper = a[c] + (b[c] - a[c]) * t.frac;
+      const float lower = p[c] + (q[c] - p[c]) * t.frac;
+      dst[c * plane + ox] = (upper + (lower - upper) * wy) * kScale;
+    }
+  }
+}
+
 }  // namespace
 
 CropWindow RandomResizedCrop(ImageSize size, uint64_t seed, double min_scale, double max_scale,
@@ -125,20 +144,19 @@ absl::Status ResizeInto(const Image& src, CropWindow window, int out_height, int
   std::vector<Tap> cols = ComputeTaps(w.width, out_width, w.x, channels);
   if (flip_horizontal) std::reverse(cols.begin(), cols.end());
   const size_t plane = size_t{1} * out_height * out_width;
-  constexpr float kScale = 1.0f / 255;
   for (int oy = 0; oy < out_height; ++oy) {
     const uint8_t* top = src.pixels.data() + rows[oy].lo;
     const uint8_t* bottom = src.pixels.data() + rows[oy].hi;
-    const float wy = rows[oy].frac;
-    for (int c = 0; c < channels; ++c) {
-      float* dst = chw_out + c * plane + size_t{1} * oy * out_width;
-      for (int ox = 0; ox < out_width; ++ox) {
-        const Tap& t = cols[ox];
-        const float a = top[t.lo + c], b = top[t.hi + c];
-        const float p = bottom[t.lo + c], q = bottom[t.hi + c];
-        const float upper = a + (b - a) * t.frac, lower = p + (q - p) * t.frac;
-        dst[ox] = (upper + (lower - upper) * wy) * kScale;
-      }
+    float* dst = chw_out + size_t{1} * oy * out_width;
+    switch (channels) {
+      case 1:
+        ResizeRow<1>(top, bottom, rows[oy].frac, cols.data(), out_width, 1, plane, dst);
+        break;
+      case 3:
+        ResizeRow<3>(top, bottom, rows[oy].frac, cols.data(), out_width, 3, plane, dst);
+        break;
+      default:
+        ResizeRow<0>(top, bottom, rows[oy].frac, cols.data(), out_width, channels, plane, dst);
     }
   }
   return absl::OkStatus();

@@ -74,7 +74,8 @@ double MeanAbsDiff(const Image& a, const Image& b) {
 // A PNG written with libpng directly, in the color types the encoder never
 // writes. `rows` are packed as the format stores them (16-bit big-endian).
 std::string WritePng(int height, int width, int color_type, int bit_depth,
-                     const std::vector<uint8_t>& rows, const std::vector<png_color>& palette = {}) {
+                     const std::vector<uint8_t>& rows, const std::vector<png_color>& palette = {},
+                     bool interlaced = false) {
   std::string out;
   png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
   png_infop info = png_create_info_struct(png);
@@ -84,12 +85,17 @@ std::string WritePng(int height, int width, int color_type, int bit_depth,
         static_cast<std::string*>(png_get_io_ptr(p))->append(reinterpret_cast<char*>(data), n);
       },
       nullptr);
-  png_set_IHDR(png, info, width, height, bit_depth, color_type, PNG_INTERLACE_NONE,
-               PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+  png_set_IHDR(png, info, width, height, bit_depth, color_type,
+               interlaced ? PNG_INTERLACE_ADAM7 : PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
+               PNG_FILTER_TYPE_DEFAULT);
   if (!palette.empty()) png_set_PLTE(png, info, palette.data(), palette.size());
   png_write_info(png, info);
   const size_t stride = rows.size() / height;
-  for (int y = 0; y < height; ++y) png_write_row(png, rows.data() + y * stride);
+  std::vector<png_bytep> row_pointers;
+  for (int y = 0; y < height; ++y) {
+    row_pointers.push_back(const_cast<png_bytep>(rows.data() + y * stride));
+  }
+  png_write_image(png, row_pointers.data());  // every Adam7 pass when interlaced
   png_write_end(png, nullptr);
   png_destroy_write_struct(&png, &info);
   return out;
@@ -179,6 +185,18 @@ TEST(ImageTest, RgbaPngDropsAlpha) {
     EXPECT_EQ(rgb.pixels[3 * i + 1], p[1]);
     EXPECT_EQ(rgb.pixels[3 * i + 2], p[2]);
     EXPECT_NEAR(gray.pixels[i], Luma(p[0], p[1], p[2]), 1);
+  }
+}
+
+TEST(ImageTest, InterlacedAndGrayAlphaPngs) {
+  const Image rgb = MakeImage(13, 17, 3);
+  EXPECT_EQ(Decode(WritePng(13, 17, PNG_COLOR_TYPE_RGB, 8, rgb.pixels, {}, true), 3).pixels,
+            rgb.pixels);
+  const Image gray_alpha = MakeImage(13, 17, 2);
+  const Image gray = Decode(WritePng(13, 17, PNG_COLOR_TYPE_GRAY_ALPHA, 8, gray_alpha.pixels), 3);
+  for (size_t i = 0; i < 13 * 17; ++i) {
+    EXPECT_EQ(gray.pixels[3 * i], gray_alpha.pixels[2 * i]);
+    EXPECT_EQ(gray.pixels[3 * i + 2], gray_alpha.pixels[2 * i]);
   }
 }
 
