@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   const int batch = absl::GetFlag(FLAGS_batch_size);
   if (batch <= 0) return psflow::FailWith("--batch_size must be positive");
   auto data =
-      psflow::data::LoadDataset({"idx", absl::GetFlag(FLAGS_data_dir), 0},
+      psflow::data::LoadDataset(psflow::data::InMemoryData("idx", absl::GetFlag(FLAGS_data_dir), 0),
                                 psflow::data::ModelInputOf(*spec), psflow::data::Split::kTrain);
   if (!data.ok()) return psflow::FailWith(data.status());
   auto backend = psflow::kernels::CreateBackend("cpu", absl::GetFlag(FLAGS_threads));

@@ -31,9 +31,9 @@ job cnn_b64 1 -- --model=cnn --batch_size=64 --train_steps=3000 --log_every_step
     --optimizer=sgd --learning_rate=0.05
 job cnn_b512 1 -- --model=cnn --batch_size=512 --train_steps=600 --log_every_steps=100 \
     --optimizer=sgd --learning_rate=0.05
-job resnet_b128 1 -- --model=resnet --dataset=synthetic --synthetic_examples=20000 --batch_size=128 \
+job resnet_b128 1 -- --model=resnet --data_format=synthetic --synthetic_examples=20000 --batch_size=128 \
     --train_steps=300 --log_every_steps=50 --optimizer=sgd --learning_rate=0.05
-"$bin/psflow-eval" --saved_model="$tmp/resnet_b128/saved_model" --dataset=synthetic --device="$device"
+"$bin/psflow-eval" --saved_model="$tmp/resnet_b128/saved_model" --data_format=synthetic --device="$device"
 job cnn_main 2 -- --model=cnn --epochs=5 --optimizer=adam --learning_rate=0.001 --batch_size=64 \
     --log_every_steps=1000
 "$bin/psflow-eval" --saved_model="$tmp/cnn_main/saved_model" --data_dir="$data_dir" --device="$device"

@@ -46,7 +46,7 @@ echo "worker on $device${gpu:+ ($gpu)}; $(nproc) CPU cores; $ps ps, wire $wire,"
   "${WORKER_ARGS:+worker args $WORKER_ARGS, }${PS_ARGS:+ps args $PS_ARGS, }resnet b128"
 "$bin/psflow-launch" --ps="$ps" --workers=1 --worker_devices="$device" \
   --worker_args="${WORKER_ARGS:-}" --ps_args="${PS_ARGS:-}" -- --model_dir="$tmp/model" \
-  --model=resnet --dataset=synthetic --synthetic_examples=20000 --batch_size=128 \
+  --model=resnet --data_format=synthetic --synthetic_examples=20000 --batch_size=128 \
   --train_steps="$steps" --log_every_steps=$((steps / 8)) --optimizer=sgd --learning_rate=0.05 \
   --wire_dtype="$wire" > "$tmp/job.log" 2>&1 &
 launcher=$!

@@ -49,7 +49,7 @@ ddp() {
 psflow() {
   local name=$1 workers=$2 devices=$3 ps=$4 wire=$5 model=$6 steps=$7 data
   if [ "$model" = resnet ]; then
-    data=(--dataset=synthetic --synthetic_examples=20000)
+    data=(--data_format=synthetic --synthetic_examples=20000)
   else
     data=(--data_dir="$data_dir")
   fi

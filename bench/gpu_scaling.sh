@@ -50,7 +50,7 @@ echo "GPUs: $gpus, ps: $ps on $(nproc) CPU cores"
 rb=${RESNET_BATCH:-128} rs=${RESNET_STEPS:-200} cb=${CNN_BATCH:-64} cs=${CNN_STEPS:-2000}
 declare -a resnet cnn
 for w in 1 2 4; do
-  resnet+=("$(job "resnet_$w" "$w" --model=resnet --dataset=synthetic --synthetic_examples=20000 \
+  resnet+=("$(job "resnet_$w" "$w" --model=resnet --data_format=synthetic --synthetic_examples=20000 \
       --batch_size="$rb" --train_steps="$rs" --log_every_steps=$((rs / 4)) --optimizer=sgd \
       --learning_rate=0.05)")
 done

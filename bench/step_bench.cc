@@ -102,8 +102,9 @@ class StepBench {
 
   // Every mode (and the profile) at batch size `batch`: one line each.
   absl::Status RunBatch(int batch) {
-    auto data = psflow::data::LoadDataset(
-        {"synthetic", "", batch}, psflow::data::ModelInputOf(spec_), psflow::data::Split::kTrain);
+    auto data =
+        psflow::data::LoadDataset(psflow::data::InMemoryData("synthetic", "", batch),
+                                  psflow::data::ModelInputOf(spec_), psflow::data::Split::kTrain);
     if (!data.ok()) return In("data", data.status());
     std::vector<std::string> runs = o_.modes;
     if (o_.profile) runs.push_back("profile");

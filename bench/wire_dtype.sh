@@ -34,7 +34,7 @@ compare() {  # title steps -- chief flags...
 
 compare "cnn b64" 1200 -- --model=cnn --batch_size=64 --optimizer=sgd --learning_rate=0.05
 if [ "$device" != cpu ]; then
-  compare "resnet b128" 300 -- --model=resnet --dataset=synthetic --synthetic_examples=20000 \
+  compare "resnet b128" 300 -- --model=resnet --data_format=synthetic --synthetic_examples=20000 \
     --batch_size=128 --optimizer=sgd --learning_rate=0.05
 fi
 echo "== ps apply of 11.2M floats (adam), 2 workers' pushes"

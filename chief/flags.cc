@@ -10,21 +10,31 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "data/flags.h"
 
-ABSL_FLAG(
-    std::string, model, "cnn",
-    "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
-    "(784-256-256-10), resnet (ResNet-18 for 32x32x3 inputs; use it with --dataset=synthetic), or "
-    "the path of a model spec in protobuf text format (see docs/models.md).");
+ABSL_FLAG(std::string, model, "cnn",
+          "Model to train: cnn (conv 20@5x5, pool, conv 50@5x5, pool, dense 500, dense 10), mlp "
+          "(784-256-256-10), resnet (ResNet-18 for 32x32x3 inputs; use it with "
+          "--data_format=synthetic), or "
+          "the path of a model spec in protobuf text format (see docs/models.md).");
 ABSL_FLAG(std::string, data_dir, psflow::chief::kDefaultDataDir,
-          "Directory with MNIST-format IDX files (train-images-idx3-ubyte[.gz], ...). Every worker "
-          "reads it at this path.");
-ABSL_FLAG(
-    std::string, dataset, "idx",
-    "Where examples come from: idx (the MNIST-format files in --data_dir) or synthetic (labelled "
-    "images of the model's input shape, made in every process, for benchmarks; see "
-    "--synthetic_examples).");
-ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --dataset=synthetic.");
+          "The folder of the data: MNIST-format IDX files (train-images-idx3-ubyte[.gz], ...), or "
+          "where the default files of the other formats are looked for (see --data_format). "
+          "Every process reads the data at the paths the chief resolves.");
+ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --data_format=synthetic.");
+ABSL_FLAG(std::string, train_files, "",
+          "The training data: comma-separated paths or glob patterns of TFRecord or CSV files, or "
+          "an image folder. Empty: train-* (tfrecord), train/ (image_folder) or train.csv/.tsv "
+          "(csv) in --data_dir. The chief counts their records at start.");
+ABSL_FLAG(bool, augment, false,
+          "Images: train on a random part of each image (8%-100% of its area, aspect ratio "
+          "3/4-4/3) resized to the model's input and flipped left to right half the time, the "
+          "usual ImageNet recipe; off, training uses the evaluation transform (--resize_shorter).");
+ABSL_FLAG(int, shuffle_buffer, 10000,
+          "Streamed data: records each worker holds to shuffle the order it reads its files in "
+          "(0: no shuffle beyond the order of the files, drawn each epoch).");
+ABSL_FLAG(int, prefetch_batches, 2,
+          "Streamed data: decoded batches each worker holds ready ahead of its steps (>= 1).");
 ABSL_FLAG(int, batch_size, 64,
           "Examples per step on each model replica: each worker, or each GPU of a worker with "
           "several (the global batch is this times the workers times --replicas_per_worker).");
@@ -176,8 +186,12 @@ absl::Status JobOptionsFromFlags(JobOptions* o) {
   JobOptions& job = *o;
   job.model = absl::GetFlag(FLAGS_model);
   job.data_dir = absl::GetFlag(FLAGS_data_dir);
-  job.dataset = absl::GetFlag(FLAGS_dataset);
   job.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
+  job.data = data::DataConfigFromFlags();
+  job.data.set_augment(absl::GetFlag(FLAGS_augment));
+  job.data.set_shuffle_buffer(absl::GetFlag(FLAGS_shuffle_buffer));
+  job.data.set_prefetch_batches(absl::GetFlag(FLAGS_prefetch_batches));
+  job.data_files = {absl::GetFlag(FLAGS_train_files), data::EvalFilesFromFlags()};
   job.batch_size = absl::GetFlag(FLAGS_batch_size);
   job.replicas_per_worker = absl::GetFlag(FLAGS_replicas_per_worker);
   job.global_batch_size = absl::GetFlag(FLAGS_global_batch_size);

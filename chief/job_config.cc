@@ -9,10 +9,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/cpu_count.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tensor_view.h"
 #include "data/mnist.h"
+#include "data/pipeline.h"
 #include "data/source.h"
 #include "data/synthetic.h"
 #include "model/spec.h"
@@ -28,6 +30,7 @@ struct TrainingDataStats {
   int64_t count = 0;
   int64_t height = 0, width = 0;
   double mean = 0, stddev = 0;
+  int64_t share = 0;  // the examples of the worker that reads fewest
 };
 
 // Sets stats->mean and stats->stddev from `pixels`, divided by `scale` to
@@ -215,6 +218,7 @@ struct CheckedOptions {
   JobConfig job;
   std::string model;
   int64_t synthetic_examples = 0;
+  data::DataFiles data_files;
   int64_t epochs = 0, train_steps = 0;  // at most one of them positive
   int64_t slice_bytes = 0;
 };
@@ -339,24 +343,46 @@ absl::Status CheckMessageSizes(const JobOptions& o, JobConfig* job, int64_t* sli
   return absl::OkStatus();
 }
 
+// The data flags that need no file: the format's name and the streaming
+// settings.
+absl::Status CheckData(const JobOptions& o, JobConfig* job) {
+  DataConfig& d = *job->mutable_data();
+  d = o.data;
+  d.set_data_dir(o.data_dir);
+  d.set_synthetic_examples(o.synthetic_examples);
+  const std::string& f = d.format();
+  if (!f.empty() && f != "idx" && f != "synthetic" && !data::IsStreamed(f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data_format '", f, "' is not one of ", data::kDataFormats));
+  }
+  if (d.shuffle_buffer() < 0 || d.shuffle_buffer() > 10'000'000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shuffle_buffer must be in [0, 10000000], got ", d.shuffle_buffer()));
+  }
+  if (d.prefetch_batches() < 1 || d.prefetch_batches() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefetch_batches must be in [1, 64], got ", d.prefetch_batches()));
+  }
+  if (d.resize_shorter() < 0 || d.label_offset() < 0) {
+    return absl::InvalidArgumentError("--resize_shorter and --label_offset must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
 // Every check that needs neither the model nor the data.
 absl::StatusOr<CheckedOptions> CheckJobOptions(const JobOptions& o, int num_workers, int num_ps) {
   CheckedOptions checked;
   JobConfig& job = checked.job;
   PSFLOW_RETURN_IF_ERROR(CheckBatchAndLength(o, num_workers, &job));
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_optimizer(), MakeOptimizer(o));
-  if (o.dataset != "synthetic" && o.dataset != "idx") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--dataset '", o.dataset, "' is not one of idx, synthetic"));
-  }
+  PSFLOW_RETURN_IF_ERROR(CheckData(o, &job));
   PSFLOW_RETURN_IF_ERROR(CheckModeAndExchange(o, num_ps, &job));
   PSFLOW_RETURN_IF_ERROR(CheckNumerics(o, &job));
   PSFLOW_RETURN_IF_ERROR(CheckMessageSizes(o, &job, &checked.slice_bytes));
-  job.set_data_dir(o.data_dir);
-  job.set_dataset(o.dataset);
   job.set_seed(o.seed);
   checked.model = o.model;
   checked.synthetic_examples = o.synthetic_examples;
+  checked.data_files = o.data_files;
   checked.epochs = o.epochs;
   checked.train_steps = o.train_steps;
   return checked;
@@ -364,10 +390,9 @@ absl::StatusOr<CheckedOptions> CheckJobOptions(const JobOptions& o, int num_work
 
 // The training data's measures for `spec`'s inputs: the synthetic set's
 // (checked to be makeable) or the IDX files' (checked to fit the model).
-absl::StatusOr<TrainingDataStats> MeasureTrainingData(const JobConfig& job,
-                                                      int64_t synthetic_examples,
-                                                      const ModelSpec& spec) {
-  if (job.dataset() == "synthetic") {
+absl::StatusOr<TrainingDataStats> MeasureInMemory(const JobConfig& job, const ModelSpec& spec) {
+  const int64_t synthetic_examples = job.data().synthetic_examples();
+  if (job.data().format() == "synthetic") {
     const InputSpec& in = spec.input();
     data::SyntheticShape shape{in.channels(), in.height(), in.width(), spec.num_classes()};
     // Check that the whole set can be made, then measure the pixels of its
@@ -382,21 +407,52 @@ absl::StatusOr<TrainingDataStats> MeasureTrainingData(const JobConfig& job,
     stats.count = synthetic_examples;
     return stats;
   }
-  absl::StatusOr<TrainingDataStats> stats = ReadTrainingDataStats(job.data_dir());
+  absl::StatusOr<TrainingDataStats> stats = ReadTrainingDataStats(job.data().data_dir());
   if (!stats.ok()) return stats.status();
-  const data::DataSource source{job.dataset(), job.data_dir(), synthetic_examples};
   PSFLOW_RETURN_IF_ERROR(
       data::CheckFitsModel({1, static_cast<int>(stats->height), static_cast<int>(stats->width), 10},
-                           data::DescribeSource(source), data::ModelInputOf(spec)));
+                           data::DescribeSource(job.data()), data::ModelInputOf(spec)));
+  return stats;
+}
+
+// The examples of streamed data sets whose pixels give the inputs' mean and
+// standard deviation (the first ones, in file order).
+constexpr int64_t kStatsSample = 1000;
+
+// The same for streamed data: its records counted (by ResolveDataFiles), the
+// share of the worker that reads fewest, and the pixels of a sample.
+absl::StatusOr<TrainingDataStats> MeasureStreamed(const JobConfig& job, const ModelSpec& spec) {
+  const data::ModelInput input = data::ModelInputOf(spec);
+  PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::DataFormat> format,
+                          data::OpenDataFormat(job.data(), input.shape, data::Split::kTrain));
+  PSFLOW_ASSIGN_OR_RETURN(data::Dataset sample,
+                          data::ReadExamples(*format, input.shape, kStatsSample, UsableCores()));
+  TrainingDataStats stats = StatsOf(sample);
+  std::vector<int64_t> records;
+  stats.count = 0;
+  for (int64_t f = 0; f < format->num_files(); ++f) {
+    records.push_back(format->records(f));
+    stats.count += records.back();
+  }
+  stats.share = data::SmallestShare(records, job.num_workers());
+  return stats;
+}
+
+absl::StatusOr<TrainingDataStats> MeasureTrainingData(JobConfig* job, const data::DataFiles& files,
+                                                      const ModelSpec& spec) {
+  PSFLOW_RETURN_IF_ERROR(data::ResolveDataFiles(files, job->mutable_data()));
+  if (data::IsStreamed(job->data().format())) return MeasureStreamed(*job, spec);
+  PSFLOW_ASSIGN_OR_RETURN(TrainingDataStats stats, MeasureInMemory(*job, spec));
+  // DistributedSampler: each worker sees ceil(count / workers) examples.
+  stats.share = (stats.count + job->num_workers() - 1) / job->num_workers();
   return stats;
 }
 
 // Steps per epoch and in all, from the examples each worker sees.
-absl::Status SetSteps(const CheckedOptions& c, int64_t examples, JobConfig* job) {
-  // DistributedSampler: each worker sees ceil(count / workers) examples per
-  // epoch, in full batches.
+absl::Status SetSteps(const CheckedOptions& c, int64_t shard, JobConfig* job) {
+  // Each worker takes `shard` examples per epoch (the fewest any worker
+  // reads), in full batches.
   const int64_t num_workers = job->num_workers();
-  const int64_t shard = (examples + num_workers - 1) / num_workers;
   // A worker's step takes a batch for each of its replicas.
   const int64_t worker_batch = static_cast<int64_t>(job->batch_size()) * job->replicas_per_worker();
   const int64_t steps_per_epoch = shard / worker_batch;
@@ -430,13 +486,13 @@ absl::StatusOr<JobConfig> AssembleJobConfig(CheckedOptions checked) {
   if (!spec.ok()) return spec.status();
   *job.mutable_model() = *spec;
   PSFLOW_ASSIGN_OR_RETURN(const TrainingDataStats stats,
-                          MeasureTrainingData(job, checked.synthetic_examples, *spec));
+                          MeasureTrainingData(&job, checked.data_files, *spec));
   if (stats.stddev > 0) {
     job.mutable_model()->mutable_input()->set_mean(static_cast<float>(stats.mean));
     job.mutable_model()->mutable_input()->set_stddev(static_cast<float>(stats.stddev));
   }
   job.set_num_examples(stats.count);
-  PSFLOW_RETURN_IF_ERROR(SetSteps(checked, stats.count, &job));
+  PSFLOW_RETURN_IF_ERROR(SetSteps(checked, stats.share, &job));
   PSFLOW_RETURN_IF_ERROR(FinishOptimizer(job.train_steps(), job.mutable_optimizer()));
   PSFLOW_ASSIGN_OR_RETURN(*job.mutable_placement(),
                           PlaceVariables(model::ModelVariables(*spec), job.num_ps(),
@@ -509,7 +565,8 @@ std::string DescribeJob(const JobConfig& job) {
        << OptimizerConfig::Decay_Name(job.optimizer().lr_decay()) << ", warmup "
        << job.optimizer().lr_warmup_steps() << ") weight decay " << job.optimizer().weight_decay()
        << ", inputs standardized with mean " << job.model().input().mean() << " stddev "
-       << job.model().input().stddev() << DescribePlacement(job);
+       << job.model().input().stddev() << DescribePlacement(job)
+       << "; data: " << data::DescribeData(job.data());
   return line.str();
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "data/formats.h"
 #include "proto/job.pb.h"
 
 namespace psflow::chief {
@@ -30,7 +31,10 @@ inline constexpr double kMaxSliceMb = 1024;
 struct JobOptions {
   std::string model = "cnn";  // built-in name or spec file
   std::string data_dir = kDefaultDataDir;
-  std::string dataset = "idx";         // idx (files in data_dir) or synthetic
+  // The data's format (empty: recognized) and how to read it, as the data
+  // flags set it (data/flags.h); data_dir and synthetic_examples go into it.
+  DataConfig data = data::DefaultDataConfig();
+  data::DataFiles data_files;          // --train_files, --eval_files
   int64_t synthetic_examples = 10000;  // training examples of the synthetic dataset
   int batch_size = 64;                 // per replica
   // When positive, the global batch of one step, whatever the number of

@@ -88,6 +88,13 @@ Progress::Gauges Progress::MakeGauges(metrics::Registry* m) {
         "Workers' time in each phase of their steps, summed over every reported step.",
         {{"phase", phases[i]}});
   }
+  g.input_seconds = m->GetGauge(
+      "psflow_step_input_seconds",
+      "Of the compute phase, the workers' mean time per step waiting for their batch of input "
+      "over the latest logged interval: near the compute time, the input is the bottleneck.");
+  g.input_seconds_total = m->GetCounter(
+      "psflow_input_wait_seconds_total",
+      "Workers' time waiting for their batches of input, summed over every reported step.");
   g.examples_total = m->GetCounter("psflow_examples_total",
                                    "Training examples of every step the workers reported.");
   // NaN (and step -1) until an evaluator's first result.
@@ -141,7 +148,7 @@ absl::Status CheckStepMetrics(const StepMetrics& m, int64_t train_steps, int bat
     return absl::InvalidArgumentError(
         absl::StrCat("correct ", m.correct(), " is not in [0, ", m.examples(), "]"));
   }
-  for (int64_t us : {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()}) {
+  for (int64_t us : {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us(), m.input_us()}) {
     if (us < 0 || us > kHourUs)
       return absl::InvalidArgumentError(absl::StrCat("a step time of ", us, " us"));
   }
@@ -208,6 +215,8 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     in.compute_us += m.compute_us();
     in.push_us += m.push_us();
     in.wait_us += m.wait_us();
+    in.input_us += m.input_us();
+    gauges_.input_seconds_total->Add(m.input_us() / 1e6);
     in.staleness_sum += m.staleness();
     in.staleness_max = std::max(in.staleness_max, m.staleness());
     total_examples_ += m.examples();
@@ -249,6 +258,7 @@ void Progress::EmitReadyLocked(absl::Time now) {
     gauges_.examples_per_sec->Set(line.examples_per_sec);
     const double phase_ms[4] = {line.pull_ms, line.compute_ms, line.push_ms, line.wait_ms};
     for (int i = 0; i < 4; ++i) gauges_.step_seconds[i]->Set(phase_ms[i] / 1000.0);
+    gauges_.input_seconds->Set(line.input_ms / 1000.0);
     if (logged_until_ >= 0) {  // the first interval holds start-up; leave it out of the mean
       steady_examples_ += in.examples;
       steady_seconds_ += interval_s;
@@ -278,6 +288,7 @@ ProgressLine Progress::MakeLineLocked(int64_t end, const Interval& in, double st
   line.compute_ms = in.compute_us / n / 1000.0;
   line.push_ms = in.push_us / n / 1000.0;
   line.wait_ms = in.wait_us / n / 1000.0;
+  line.input_ms = in.input_us / n / 1000.0;
   line.step_ms = (in.pull_us + in.compute_us + in.push_us + in.wait_us) / n / 1000.0;
   int members = 0;
   for (bool m : member_) members += m;

@@ -60,6 +60,7 @@ struct ProgressLine {
   double examples_per_sec = 0;
   double step_ms = 0;  // pull + compute + push + wait
   double pull_ms = 0, compute_ms = 0, push_ms = 0, wait_ms = 0;
+  double input_ms = 0;  // of compute_ms: waiting for the step's input
   // Jobs that apply each gradient alone: the interval's mean and max staleness.
   std::optional<double> staleness_mean;
   int64_t staleness_max = 0;
@@ -138,6 +139,7 @@ class Progress {
     double loss_sum = 0;  // loss * examples
     int64_t correct = 0, examples = 0, records = 0;
     int64_t pull_us = 0, compute_us = 0, push_us = 0, wait_us = 0;
+    int64_t input_us = 0;  // of compute_us
     int64_t staleness_sum = 0, staleness_max = 0;
   };
   void EmitReadyLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -161,6 +163,10 @@ class Progress {
     metrics::Gauge* step_seconds[4];           // pull, compute, push, wait
     metrics::Counter* phase_seconds_total[4];  // the same order
     metrics::Counter* examples_total;
+    // Of the compute phase, waiting for input: the latest interval's mean
+    // per step, and the sum.
+    metrics::Gauge* input_seconds;
+    metrics::Counter* input_seconds_total;
     metrics::Gauge *eval_step, *eval_loss, *eval_accuracy;  // the latest evaluation
   } gauges_;
   static Gauges MakeGauges(metrics::Registry* m);

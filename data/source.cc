@@ -1,6 +1,7 @@
 #include "data/source.h"
 
 #include "absl/strings/str_cat.h"
+#include "data/formats.h"
 #include "data/synthetic.h"
 
 namespace psflow::data {
@@ -17,9 +18,19 @@ ModelInput ModelInputOf(const ModelSpec& spec) {
   return {spec.name(), {in.channels(), in.height(), in.width(), spec.num_classes()}};
 }
 
-std::string DescribeSource(const DataSource& source) {
-  return source.dataset == "synthetic" ? "the synthetic images"
-                                       : absl::StrCat("the images in ", source.data_dir);
+DataConfig InMemoryData(const std::string& format, const std::string& data_dir,
+                        int64_t synthetic_examples) {
+  DataConfig config;
+  config.set_format(format);
+  config.set_data_dir(data_dir);
+  config.set_synthetic_examples(synthetic_examples);
+  return config;
+}
+
+std::string DescribeSource(const DataConfig& config) {
+  if (config.format() == "synthetic") return "the synthetic images";
+  if (config.format() == "idx") return absl::StrCat("the images in ", config.data_dir());
+  return absl::StrCat("the ", config.format(), " data");
 }
 
 absl::Status CheckFitsModel(const ExampleShape& data, absl::string_view origin,
@@ -38,19 +49,23 @@ absl::Status CheckFitsModel(const Dataset& data, const ModelInput& model) {
   return CheckFitsModel(data.shape(), "the data", model);
 }
 
-absl::StatusOr<Dataset> LoadDataset(const DataSource& source, const ModelInput& model,
-                                    Split split) {
+absl::StatusOr<Dataset> LoadDataset(const DataConfig& config, const ModelInput& model, Split split,
+                                    int threads) {
   absl::StatusOr<Dataset> data;
-  if (source.dataset == "idx") {
-    data = LoadMnist(source.data_dir, split);
-  } else if (source.dataset == "synthetic") {
-    data = MakeSynthetic(model.shape, source.synthetic_examples, split);
+  if (config.format() == "idx") {
+    data = LoadMnist(config.data_dir(), split);
+  } else if (config.format() == "synthetic") {
+    data = MakeSynthetic(model.shape, config.synthetic_examples(), split);
+  } else if (IsStreamed(config.format())) {
+    absl::StatusOr<std::unique_ptr<DataFormat>> format = OpenDataFormat(config, model.shape, split);
+    if (!format.ok()) return format.status();
+    data = ReadExamples(**format, model.shape, -1, threads);
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("dataset '", source.dataset, "' is not one of idx, synthetic"));
+        absl::StrCat("data format '", config.format(), "' is not one of ", kDataFormats));
   }
   if (!data.ok()) return data.status();
-  absl::Status fits = CheckFitsModel(data->shape(), DescribeSource(source), model);
+  absl::Status fits = CheckFitsModel(data->shape(), DescribeSource(config), model);
   if (!fits.ok()) return fits;
   return data;
 }

@@ -1,6 +1,6 @@
 // Where a job's examples come from, and whether they fit a model: the one
-// place that chooses between the IDX files and the synthetic dataset and
-// checks the data against the model's input. Reads a model's input from its
+// place that chooses between the data formats (DataConfig.format) and checks
+// the data against the model's input. Reads a model's input from its
 // spec (the proto) and needs nothing of model/ or kernels/, so the chief can
 // use it. Thread-safe (no shared state).
 #ifndef PSFLOW_DATA_SOURCE_H_
@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "data/mnist.h"
+#include "proto/data.pb.h"
 #include "proto/model.pb.h"
 
 namespace psflow::data {
@@ -28,24 +29,26 @@ struct ModelInput {
 // and width, and num_classes.
 ModelInput ModelInputOf(const ModelSpec& spec);
 
-struct DataSource {
-  // "idx": the MNIST-format IDX files in data_dir (10 classes); "synthetic":
-  // synthetic_examples examples made in memory in the model's input shape
-  // (see data/synthetic.h).
-  std::string dataset = "idx";
-  std::string data_dir;
-  int64_t synthetic_examples = 0;
-};
+// The values of --data_format, for messages.
+inline constexpr char kDataFormats[] = "idx, synthetic, tfrecord, image_folder, csv";
 
-// How messages name the data of a source: "the images in <data_dir>" or "the
-// synthetic images".
-std::string DescribeSource(const DataSource& source);
+// A DataConfig of idx or synthetic data, the formats held whole.
+DataConfig InMemoryData(const std::string& format, const std::string& data_dir,
+                        int64_t synthetic_examples);
 
-// The split of the source's data, after CheckFitsModel. INVALID_ARGUMENT for
-// an unknown dataset ("dataset 'x' is not one of idx, synthetic"), for files
-// that are missing or malformed (naming the file), for a synthetic count or
-// shape MakeSynthetic refuses, and for data that does not fit the model.
-absl::StatusOr<Dataset> LoadDataset(const DataSource& source, const ModelInput& model, Split split);
+// How messages name the data of a source: "the images in <data_dir>", "the
+// synthetic images" or "the tfrecord data".
+std::string DescribeSource(const DataConfig& config);
+
+// The split of the data, whole in memory, after CheckFitsModel: the IDX
+// files of data_dir, synthetic_examples synthetic examples, or every record
+// of a streamed format's split (data/formats.h; decoded on `threads`
+// threads). INVALID_ARGUMENT for an unknown format ("data format 'x' is not
+// one of ..."), for files that are missing or malformed (naming the file),
+// for a synthetic count or shape MakeSynthetic refuses, and for data that
+// does not fit the model.
+absl::StatusOr<Dataset> LoadDataset(const DataConfig& config, const ModelInput& model, Split split,
+                                    int threads = 1);
 
 // OK when examples of shape `data` (from `origin`, e.g. DescribeSource(...))
 // fit the model: same channels, height, width and class count. Otherwise

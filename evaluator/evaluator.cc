@@ -137,11 +137,15 @@ absl::Status Evaluator::Prepare() {
       kernels::CreateBackend(options_.device, options_.compute_threads);
   if (!backend.ok()) return Permanent(backend.status(), "");
   backend_ = *std::move(backend);
-  const data::DataSource source{job_.dataset(),
-                                options_.data_dir.empty() ? job_.data_dir() : options_.data_dir,
-                                options_.synthetic_examples};
-  absl::StatusOr<data::Dataset> test =
-      data::LoadDataset(source, data::ModelInputOf(job_.model()), data::Split::kTest);
+  DataConfig source = job_.data();
+  if (!options_.data_dir.empty()) source.set_data_dir(options_.data_dir);
+  if (!options_.eval_files.empty()) {
+    source.clear_eval();
+    source.add_eval(options_.eval_files);
+  }
+  source.set_synthetic_examples(options_.synthetic_examples);
+  absl::StatusOr<data::Dataset> test = data::LoadDataset(
+      source, data::ModelInputOf(job_.model()), data::Split::kTest, options_.input_threads);
   if (!test.ok()) return Permanent(test.status(), "");
   test_ = *std::move(test);
   memory_budget_ = options_.memory_limit;

@@ -57,6 +57,10 @@ struct EvaluatorOptions {
   // The test split comes from here instead of the job's data_dir when set.
   std::string data_dir;
   // Test examples of a job on the synthetic dataset (as psflow-eval's).
+  // Streamed jobs: the evaluation files instead of the job's when set, and
+  // the threads that decode them.
+  std::string eval_files;
+  int input_threads = 1;
   int64_t synthetic_examples = 2000;
   int batch_size = 500;  // examples per forward pass (psflow-eval's default)
   // Bytes the evaluation may take on the device (the network's weights and

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "chief/grpc_client.h"
+#include "common/cpu_count.h"
 #include "common/exit_codes.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -25,8 +26,14 @@
 ABSL_FLAG(std::string, device, "cpu",
           "Where to compute: cpu (oneDNN), or cuda:N (GPU N; in builds with CUDA).");
 ABSL_FLAG(std::string, eval_data_dir, "",
-          "Directory with the MNIST-format test files (t10k-*) to evaluate on. Default: the "
-          "job's --data_dir, as the chief hands it out.");
+          "Directory with the MNIST-format test files (t10k-*) to evaluate on (idx jobs). "
+          "Default: the job's --data_dir, as the chief hands it out.");
+ABSL_FLAG(std::string, eval_files, "",
+          "The evaluation data of a tfrecord, image_folder or csv job: comma-separated paths or "
+          "glob patterns (an image folder: its root). Default: the chief's --eval_files. The "
+          "whole split is decoded into memory once, at start.");
+ABSL_FLAG(int, input_threads, 0,
+          "Threads that decode the evaluation data at start. 0: the cores this process may use.");
 ABSL_FLAG(int, batch_size, 500,
           "Examples per forward pass (psflow-eval's default, so both give the same figures for "
           "the same weights); fewer where a pass that large would not fit --eval_memory_limit.");
@@ -42,7 +49,7 @@ ABSL_FLAG(int, compute_threads, 0,
           "CPU threads of the kernels; 0 = the cores this process may use (its CPU affinity, "
           "lowered to its cgroup's CPU quota).");
 ABSL_FLAG(int64_t, synthetic_examples, 2000,
-          "Test examples of a job on --dataset=synthetic (psflow-eval's default).");
+          "Test examples of a job on --data_format=synthetic (psflow-eval's default).");
 ABSL_FLAG(int, startup_timeout, 300,
           "Seconds to keep retrying to reach the chief before exiting with code 138.");
 
@@ -81,6 +88,10 @@ int OptionsFromFlags(const psflow::ClusterConfig& config,
   options->batch_size = absl::GetFlag(FLAGS_batch_size);
   options->memory_limit = *memory_limit;  // 0: auto
   options->synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
+  options->eval_files = absl::GetFlag(FLAGS_eval_files);
+  options->input_threads = absl::GetFlag(FLAGS_input_threads) > 0
+                               ? absl::GetFlag(FLAGS_input_threads)
+                               : psflow::UsableCores();
   options->chief_address = absl::StrCat("chief ", config.cluster.ChiefAddress());
   options->startup_timeout = absl::Seconds(absl::GetFlag(FLAGS_startup_timeout));
   return 0;

@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev
   libgtest-dev libgmock-dev zlib1g-dev libmicrohttpd-dev
+  libjpeg62-turbo-dev libpng-dev
   python3 python3-venv python3-yaml python3-jsonschema python3-prometheus-client
   clang-14 clang-format-14
   dataset-fashion-mnist

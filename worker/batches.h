@@ -1,55 +1,65 @@
-// A worker's batches: the examples of its step k, from its shard of the
-// epoch that step falls in (data::ShardSampler; the shard's order is drawn
-// once per epoch), gathered into buffers of its own.
+// A worker's batches: the examples of its step k, from its share of the
+// epoch that step falls in. Data held whole (IDX, synthetic) is sampled as
+// data::ShardSampler says (the share's order drawn once per epoch) and
+// gathered into buffers of its own; streamed data (TFRecord, image folders,
+// CSV) comes from a data::Pipeline reading the worker's pieces of the files.
 //
-// Thread-safety: none (the training thread's). `data` is not owned and
-// outlives the batches. Errors: Gather's, from data::GatherBatch.
+// Thread-safety: none (the training thread's). `data` and `format` are not
+// owned and outlive the batches. Errors: Gather's, from data::GatherBatch or
+// the pipeline (a record that cannot be read or decoded).
 #ifndef PSFLOW_WORKER_BATCHES_H_
 #define PSFLOW_WORKER_BATCHES_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/types/span.h"
-#include "common/placement.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "data/formats.h"
 #include "data/mnist.h"
-#include "data/source.h"
+#include "data/pipeline.h"
 #include "proto/job.pb.h"
 
 namespace psflow::worker {
 
 class WorkerBatches {
  public:
-  WorkerBatches(const data::Dataset& data, const JobConfig& job, int worker)
-      : data_(data),
-        sampler_(data.count, job.num_workers(), worker, job.seed()),
-        batch_(WorkerBatch(job)),
-        images_(static_cast<size_t>(batch_) * data.example_floats()),
-        labels_(batch_) {}
+  // Batches of data held whole.
+  WorkerBatches(const data::Dataset& data, const JobConfig& job, int worker);
+  // Batches of streamed data, `steps_per_epoch` of them in an epoch, decoded
+  // on `input_threads` threads.
+  static absl::StatusOr<std::unique_ptr<WorkerBatches>> Streamed(const data::DataFormat* format,
+                                                                 const JobConfig& job, int worker,
+                                                                 int64_t steps_per_epoch,
+                                                                 int input_threads);
 
   // Gathers the batch of `step` (of `steps_per_epoch` in an epoch).
-  absl::Status Gather(int64_t step, int64_t steps_per_epoch) {
-    const int64_t epoch = step / steps_per_epoch, position = step % steps_per_epoch;
-    if (epoch != epoch_) {
-      order_ = sampler_.EpochIndices(epoch);
-      epoch_ = epoch;
-    }
-    return data::GatherBatch(data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
-                             images_.data(), labels_.data());
-  }
-  const float* images() const { return images_.data(); }
-  const int32_t* labels() const { return labels_.data(); }
+  absl::Status Gather(int64_t step, int64_t steps_per_epoch);
+  const float* images() const { return images_; }
+  const int32_t* labels() const { return labels_; }
   int64_t size() const { return batch_; }
+  int64_t example_floats() const { return example_floats_; }
 
  private:
-  const data::Dataset& data_;
-  data::ShardSampler sampler_;
+  WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
+                int64_t example_floats);
+
+  const data::Dataset* const data_ = nullptr;
   const int64_t batch_;
-  std::vector<float> images_;
-  std::vector<int32_t> labels_;
+  const int64_t example_floats_;
+  // Data held whole.
+  std::unique_ptr<data::ShardSampler> sampler_;
+  std::vector<float> own_images_;
+  std::vector<int32_t> own_labels_;
   std::vector<int64_t> order_;
   int64_t epoch_ = -1;
+  // Streamed data.
+  std::unique_ptr<data::Pipeline> pipeline_;
+  // The latest batch.
+  const float* images_ = nullptr;
+  const int32_t* labels_ = nullptr;
 };
 
 }  // namespace psflow::worker

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "chief/coordinator.h"
 #include "chief/flags.h"
+#include "common/cpu_count.h"
 #include "common/exit_codes.h"
 #include "common/log.h"
 #include "common/step_trace.h"
@@ -108,6 +109,9 @@ ABSL_FLAG(
     "worker training alone on 16 cores 25 % slower. libgomp reads the policy as "
     "it loads, so a worker that changes it executes "
     "itself again at once (the same process). GPU workers ignore it.");
+ABSL_FLAG(int, input_threads, 0,
+          "Threads that decode streamed training data (TFRecord, image folders, CSV) ahead of "
+          "the steps. 0: half the cores this process may use, at least 1.");
 ABSL_FLAG(std::string, trace_dir, "", psflow::kTraceDirHelp);
 ABSL_FLAG(std::string, trace_steps, "100:101", psflow::kTraceStepsHelp);
 
@@ -180,6 +184,12 @@ int TrainerFromFlags(const psflow::ClusterConfig& config, psflow::worker::Traine
   const int ps_count = static_cast<int>(config.cluster.ps.size());
   options->lanes_per_ps = lanes > 0 ? lanes : std::clamp(16 / std::max(ps_count, 1), 1, 8);
   options->push_during_backward = absl::GetFlag(FLAGS_push_during_backward);
+  const int input_threads = absl::GetFlag(FLAGS_input_threads);
+  if (input_threads < 0 || input_threads > 256) {
+    return Refuse(absl::StrCat("--input_threads must be in [0, 256], got ", input_threads));
+  }
+  options->input_threads =
+      input_threads > 0 ? input_threads : std::max(psflow::UsableCores() / 2, 1);
   options->min_run_bytes = absl::GetFlag(FLAGS_min_push_run_bytes);
   if (options->min_run_bytes < 0) {
     return Refuse(

@@ -238,14 +238,25 @@ absl::Status Trainer::CheckJob() const {
 }
 
 absl::Status Trainer::LoadData() {
-  absl::StatusOr<data::Dataset> data =
-      data::LoadDataset({job_.dataset(), job_.data_dir(), job_.num_examples()},
-                        data::ModelInputOf(job_.model()), data::Split::kTrain);
+  const data::ModelInput input = data::ModelInputOf(job_.model());
+  if (data::IsStreamed(job_.data().format())) {
+    // The chief counted the files; the batches read them as steps go.
+    absl::StatusOr<std::unique_ptr<data::DataFormat>> format =
+        data::OpenDataFormat(job_.data(), input.shape, data::Split::kTrain);
+    if (!format.ok()) return Permanent(format.status());
+    format_ = *std::move(format);
+    data_ = data::Dataset();
+    return absl::OkStatus();
+  }
+  format_.reset();
+  DataConfig config = job_.data();
+  config.set_synthetic_examples(job_.num_examples());
+  absl::StatusOr<data::Dataset> data = data::LoadDataset(config, input, data::Split::kTrain);
   if (!data.ok()) return Permanent(data.status());
   data_ = *std::move(data);
   if (data_.count != job_.num_examples()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "this worker sees ", data_.count, " training examples in ", job_.data_dir(),
+        "this worker sees ", data_.count, " training examples in ", job_.data().data_dir(),
         ", the chief saw ", job_.num_examples(), ": every process needs the same data"));
   }
   return absl::OkStatus();
@@ -316,8 +327,9 @@ absl::Status Trainer::MakeExchange() {
                                          options_.ring, WireDtypeOf(job_), *std::move(lanes),
                                          model_->net(), staging_->grads(), overlap, Hooks());
   }
-  PSLOG(INFO) << "joined job: " << data_.count << " training examples, " << model_->Description()
-              << ", " << job_.num_ps() << " ps, " << count << (count == 1 ? " lane" : " lanes")
+  PSLOG(INFO) << "joined job: " << job_.num_examples() << " training examples, "
+              << model_->Description() << ", " << job_.num_ps() << " ps, " << count
+              << (count == 1 ? " lane" : " lanes")
               << (early ? ", pushing during the backward pass" : "");
   return absl::OkStatus();
 }
@@ -429,17 +441,25 @@ struct Trainer::Position {
 };
 
 absl::Status Trainer::Train(int64_t start) {
-  WorkerBatches batches(data_, job_, options_.worker_index);
   Position at;
   at.step = start;
   at.steps_per_epoch = Async() ? std::max<int64_t>(job_.steps_per_epoch() / job_.num_workers(), 1)
                                : job_.steps_per_epoch();
+  std::unique_ptr<WorkerBatches> batches;
+  if (format_ != nullptr) {
+    absl::StatusOr<std::unique_ptr<WorkerBatches>> streamed = WorkerBatches::Streamed(
+        format_.get(), job_, options_.worker_index, at.steps_per_epoch, options_.input_threads);
+    if (!streamed.ok()) return exchange_->Finish(Permanent(streamed.status()));
+    batches = *std::move(streamed);
+  } else {
+    batches = std::make_unique<WorkerBatches>(data_, job_, options_.worker_index);
+  }
   absl::Status s;
   while (s.ok()) {
     s = Interrupted(/*stop=*/true);
     if (s.ok() && !at.have_weights) s = FirstPull(&at);
     if (!s.ok() || at.got.version >= job_.train_steps()) break;
-    s = TrainStep(batches, &at);
+    s = TrainStep(*batches, &at);
   }
   return exchange_->Finish(s);
 }
@@ -476,7 +496,7 @@ absl::StatusOr<model::Network::Result> Trainer::Compute(const WorkerBatches& bat
   const int batch = job_.batch_size();  // per replica
   if (model_->several()) {
     absl::StatusOr<model::Network::Result> result =
-        model_->Step(batches.images(), batches.labels(), batch, data_.example_floats());
+        model_->Step(batches.images(), batches.labels(), batch, batches.example_floats());
     if (result.ok()) PSFLOW_RETURN_IF_ERROR(exchange_->StepQueued());  // it ran
     return result;
   }
@@ -504,6 +524,10 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
   TraceSpan input_span(options_.trace, "input", step);
   absl::Status s = batches.Gather(async ? at->clock : step, at->steps_per_epoch);
   input_span.End();
+  // A record that cannot be read or decoded fails the job (no retry mends
+  // it), unless the job skips bad records.
+  if (!s.ok()) return Permanent(s, absl::StrCat("the input of step ", step, ": "));
+  const int64_t input_us = Micros(absl::Now() - t1);
   // The step's outcome, and its metrics, which go out once every push is
   // answered (the pull that follows belongs to the next step).
   absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
@@ -521,6 +545,7 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
     m.set_correct(result->correct);
     m.set_examples(batches.size());
     SetTimes(*at, t1, t2, pushed_at, &m);
+    m.set_input_us(input_us);
     if (async) {
       async_metrics = std::move(m);  // reported with its staleness, once pulled
       return;

@@ -81,6 +81,9 @@ struct TrainerOptions {
   // pushes, each over its own connection when the ps client has as many:
   // worker/main.cc makes them match), of at least lane_bytes each.
   int lanes_per_ps = 4;
+  // Threads that decode streamed training data (TFRecord, image folders,
+  // CSV): the input pipeline's own pool (data/pipeline.h).
+  int input_threads = 1;
   int64_t lane_bytes = int64_t{1} << 20;
   // Each lane checks and pushes its gradients as soon as the backward pass
   // has completed them (and a GPU has copied them to the host), while the
@@ -268,7 +271,10 @@ class Trainer {
   // after what it uses: destroyed before it.
   JobConfig job_;
   int64_t start_step_ = 0;  // from the latest registration
+  // The training data: held whole (IDX, synthetic), or the streamed data
+  // set the batches read from.
   data::Dataset data_;
+  std::unique_ptr<data::DataFormat> format_;
   std::unique_ptr<ModelReplicas> model_;
   std::unique_ptr<HostStaging> staging_;
   // The exchange of the job's strategy (ps lanes, the host ring, or the

@@ -77,7 +77,7 @@ class CoordinatorTest : public ::testing::Test {
   void MakeJob(int workers, int num_ps, int64_t steps) {
     JobOptions o;
     o.model = "mlp";
-    o.dataset = "synthetic";
+    o.data.set_format("synthetic");
     o.synthetic_examples = 512;
     o.batch_size = kBatch;
     o.train_steps = steps;

@@ -104,7 +104,7 @@ TEST_F(JobConfigTest, DefaultsToOneEpoch) {
   EXPECT_EQ(job->batch_size(), 8);
   EXPECT_EQ(job->num_workers(), 2);
   EXPECT_EQ(job->num_ps(), 2);
-  EXPECT_EQ(job->data_dir(), dir_);
+  EXPECT_EQ(job->data().data_dir(), dir_);
   EXPECT_EQ(job->seed(), 1u);
   EXPECT_EQ(job->model().name(), "cnn");
   EXPECT_EQ(job->optimizer().kind(), OptimizerConfig::SGD);
@@ -563,16 +563,16 @@ TEST_F(JobConfigTest, RejectsMismatchedImagesAndLabels) {
   ExpectInvalid(BuildJobConfig(options_), "do not match");
 }
 
-// --dataset=synthetic: the examples are made, not read, so no data files are
+// --data_format=synthetic: the examples are made, not read, so no data files are
 // needed and any input shape works (the resnet's 3x32x32).
 TEST_F(JobConfigTest, SyntheticDatasetForTheResnet) {
   options_.job.model = "resnet";
-  options_.job.dataset = "synthetic";
+  options_.job.data.set_format("synthetic");
   options_.job.synthetic_examples = 1000;
   options_.job.data_dir = (fs::path(dir_) / "no-such-dir").string();
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
-  EXPECT_EQ(job->dataset(), "synthetic");
+  EXPECT_EQ(job->data().format(), "synthetic");
   EXPECT_EQ(job->num_examples(), 1000);
   // ceil(1000 / 2 workers) = 500 examples each: 62 full batches of 8.
   EXPECT_EQ(job->steps_per_epoch(), 62);
@@ -627,7 +627,7 @@ TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
   std::ofstream(spec) << "input { channels: 1 height: 6 width: 6 } num_classes: 5 "
                          "layer { name: \"d\" dense { units: 5 } }";
   options_.job.model = spec;
-  options_.job.dataset = "synthetic";
+  options_.job.data.set_format("synthetic");
   options_.job.synthetic_examples = 64;
   absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
   ASSERT_TRUE(job.ok()) << job.status();
@@ -637,24 +637,29 @@ TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
   EXPECT_GT(job->model().input().stddev(), 0.1);
 
   WriteData(kCount, 6, false);
-  options_.job.dataset = "idx";
+  options_.job.data.set_format("idx");
   ExpectInvalid(BuildJobConfig(options_), "with 5 classes, but the images in");
 }
 
 TEST_F(JobConfigTest, RejectsBadDatasets) {
   WriteData(kCount, 28, false);
-  options_.job.dataset = "imagenet";
-  ExpectInvalid(BuildJobConfig(options_), "--dataset 'imagenet' is not one of idx, synthetic");
-  options_.job.dataset = "";
-  ExpectInvalid(BuildJobConfig(options_), "--dataset");
+  options_.job.data.set_format("imagenet");
+  ExpectInvalid(
+      BuildJobConfig(options_),
+      "--data_format 'imagenet' is not one of idx, synthetic, tfrecord, image_folder, csv");
+  // No format: recognized from what --data_dir holds.
+  options_.job.data.set_format("");
+  absl::StatusOr<JobConfig> recognized = BuildJobConfig(options_);
+  ASSERT_TRUE(recognized.ok()) << recognized.status();
+  EXPECT_EQ(recognized->data().format(), "idx");
 
   // The resnet takes 3x32x32 images; the Fashion-MNIST files hold 1x28x28.
-  options_.job.dataset = "idx";
+  options_.job.data.set_format("idx");
   options_.job.model = "resnet";
   ExpectInvalid(BuildJobConfig(options_), "model resnet takes 3x32x32 inputs");
   ExpectInvalid(BuildJobConfig(options_), "are 1x28x28");
 
-  options_.job.dataset = "synthetic";
+  options_.job.data.set_format("synthetic");
   options_.job.synthetic_examples = 0;
   ExpectInvalid(BuildJobConfig(options_), "--synthetic_examples");
   options_.job.synthetic_examples = -10;

@@ -49,7 +49,7 @@ class DataSourceTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
   std::string Path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
 
-  DataSource Idx() const { return {"idx", dir_, 0}; }
+  DataConfig Idx() const { return InMemoryData("idx", dir_, 0); }
 
   std::string dir_;
 };
@@ -94,13 +94,14 @@ TEST_F(DataSourceTest, IdxErrorsNameTheFile) {
                 "t10k-images-idx3-ubyte");
   EXPECT_TRUE(LoadDataset(Idx(), {"tiny", {1, 6, 5, 10}}, Split::kTrain).ok());
   ExpectInvalid(
-      LoadDataset({"idx", Path("nowhere"), 0}, {"tiny", {1, 6, 5, 10}}, Split::kTrain).status(),
+      LoadDataset(InMemoryData("idx", Path("nowhere"), 0), {"tiny", {1, 6, 5, 10}}, Split::kTrain)
+          .status(),
       "nowhere");
 }
 
 TEST(DataSourceSyntheticTest, MadeInTheModelsShape) {
   const ModelInput model{"five", {2, 3, 4, 5}};
-  const DataSource source{"synthetic", "", 40};
+  const DataConfig source = InMemoryData("synthetic", "", 40);
   for (Split split : {Split::kTrain, Split::kTest}) {
     absl::StatusOr<Dataset> data = LoadDataset(source, model, split);
     ASSERT_TRUE(data.ok()) << data.status();
@@ -116,29 +117,34 @@ TEST(DataSourceSyntheticTest, MadeInTheModelsShape) {
   }
   // data_dir plays no part.
   absl::StatusOr<Dataset> elsewhere =
-      LoadDataset({"synthetic", "/nonexistent", 40}, model, Split::kTrain);
+      LoadDataset(InMemoryData("synthetic", "/nonexistent", 40), model, Split::kTrain);
   ASSERT_TRUE(elsewhere.ok()) << elsewhere.status();
 }
 
 TEST(DataSourceSyntheticTest, RefusesWhatMakeSyntheticRefuses) {
-  ExpectInvalid(LoadDataset({"synthetic", "", 0}, {"m", {1, 4, 4, 10}}, Split::kTrain).status(),
-                "positive count");
-  ExpectInvalid(LoadDataset({"synthetic", "", 10}, {"m", {1, 4, 4, 1}}, Split::kTrain).status(),
-                "2+ classes");
   ExpectInvalid(
-      LoadDataset({"synthetic", "", int64_t{1} << 40}, {"m", {1, 4, 4, 10}}, Split::kTrain)
-          .status(),
-      "too large");
+      LoadDataset(InMemoryData("synthetic", "", 0), {"m", {1, 4, 4, 10}}, Split::kTrain).status(),
+      "positive count");
+  ExpectInvalid(
+      LoadDataset(InMemoryData("synthetic", "", 10), {"m", {1, 4, 4, 1}}, Split::kTrain).status(),
+      "2+ classes");
+  ExpectInvalid(LoadDataset(InMemoryData("synthetic", "", int64_t{1} << 40), {"m", {1, 4, 4, 10}},
+                            Split::kTrain)
+                    .status(),
+                "too large");
 }
 
 TEST(DataSourceNameTest, UnknownDatasets) {
   const ModelInput model{"m", {1, 4, 4, 10}};
-  const absl::StatusOr<Dataset> data = LoadDataset({"imagenet", "/x", 10}, model, Split::kTrain);
+  const absl::StatusOr<Dataset> data =
+      LoadDataset(InMemoryData("imagenet", "/x", 10), model, Split::kTrain);
   EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(data.status().message(), "dataset 'imagenet' is not one of idx, synthetic");
-  ExpectInvalid(LoadDataset({"", "/x", 10}, model, Split::kTrain).status(),
-                "dataset '' is not one of");
-  ExpectInvalid(LoadDataset({"IDX", "/x", 10}, model, Split::kTrain).status(), "dataset 'IDX'");
+  EXPECT_EQ(data.status().message(),
+            "data format 'imagenet' is not one of idx, synthetic, tfrecord, image_folder, csv");
+  ExpectInvalid(LoadDataset(InMemoryData("", "/x", 10), model, Split::kTrain).status(),
+                "data format '' is not one of");
+  ExpectInvalid(LoadDataset(InMemoryData("IDX", "/x", 10), model, Split::kTrain).status(),
+                "data format 'IDX'");
 }
 
 TEST(CheckFitsModelTest, ComparesEveryDimensionAndTheClasses) {
@@ -181,9 +187,9 @@ TEST(ModelInputOfTest, ReadsTheSpec) {
 }
 
 TEST(DescribeSourceTest, NamesTheDirectoryOrTheSyntheticSet) {
-  EXPECT_EQ(DescribeSource({"idx", "/usr/share/datasets/fashion-mnist", 0}),
+  EXPECT_EQ(DescribeSource(InMemoryData("idx", "/usr/share/datasets/fashion-mnist", 0)),
             "the images in /usr/share/datasets/fashion-mnist");
-  EXPECT_EQ(DescribeSource({"synthetic", "/ignored", 100}), "the synthetic images");
+  EXPECT_EQ(DescribeSource(InMemoryData("synthetic", "/ignored", 100)), "the synthetic images");
 }
 
 }  // namespace

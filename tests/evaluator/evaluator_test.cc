@@ -65,7 +65,7 @@ class FakeEvaluatorChief final : public chief::EvaluatorClient {
 TEST(EvaluatorTest, ModelBeyondTheMemoryLimitIsRefusedWhenPrepared) {
   JobConfig job;
   *job.mutable_model() = model::ResolveModelSpec("mlp").value();
-  job.set_dataset("synthetic");
+  job.mutable_data()->set_format("synthetic");
   job.set_num_ps(1);
   job.mutable_placement()->set_num_ps(1);
   job.set_train_steps(10);

@@ -108,7 +108,7 @@ TEST_F(ClusterTest, BatchNormModelEvaluatesTheSameAtEveryBatchSize) {
   std::ofstream(spec) << model::kBatchNormSpec;
   const std::string model_dir = dir_ + "/model";
   Process launch(Bin("psflow-launch"),
-                 {"--ps=2", "--workers=2", "--", "--model=" + spec, "--dataset=synthetic",
+                 {"--ps=2", "--workers=2", "--", "--model=" + spec, "--data_format=synthetic",
                   "--synthetic_examples=2000", "--batch_size=32", "--train_steps=60",
                   "--optimizer=adam", "--learning_rate=0.01", "--bn_momentum=0.2",
                   "--log_every_steps=60", "--model_dir=" + model_dir});
@@ -117,7 +117,7 @@ TEST_F(ClusterTest, BatchNormModelEvaluatesTheSameAtEveryBatchSize) {
       << launch.Describe();
   std::string first;
   for (const char* batch : {"500", "7", "1"}) {
-    RunResult eval = RunEval(model_dir, {"--dataset=synthetic", "--synthetic_examples=500",
+    RunResult eval = RunEval(model_dir, {"--data_format=synthetic", "--synthetic_examples=500",
                                          std::string("--batch_size=") + batch});
     std::smatch m;
     ASSERT_EQ(eval.exit_code, 0) << eval.description;
@@ -774,7 +774,7 @@ TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
   // The chief has all it needs: the worker's refusal is what ends the job.
   Process launch(Bin("psflow-launch"),
                  {"--ps=1", "--workers=1", "--worker_args=--ps_lanes=99", "--", "--model=mlp",
-                  "--dataset=synthetic", "--train_steps=50",
+                  "--data_format=synthetic", "--train_steps=50",
                   "--model_dir=" + ::testing::TempDir() + "/psflow_worker_args"});
   EXPECT_EQ(launch.WaitOrKill(seconds(60)), 1) << launch.Describe();
   EXPECT_THAT(launch.output(), HasSubstr("--ps_lanes must be in [0, 64], not 99"))
@@ -790,7 +790,7 @@ TEST(ClusterCliTest, LaunchPassesWorkerArgsToTheWorkers) {
 TEST(ClusterCliTest, WorkersSetTheirKernelThreadsWaitBeforeTheyStart) {
   Process launch(Bin("psflow-launch"),
                  {"--ps=1", "--workers=2", "--worker_args=--kernel_threads_wait=passive", "--",
-                  "--model=mlp", "--dataset=synthetic", "--train_steps=20",
+                  "--model=mlp", "--data_format=synthetic", "--train_steps=20",
                   "--model_dir=" + ::testing::TempDir() + "/psflow_kernel_threads_wait"},
                  {{"OMP_WAIT_POLICY", "active"}});
   EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
@@ -813,7 +813,7 @@ TEST(ClusterCliTest, TheClosingLineSaysWhatThisRunTrained) {
                                          "--workers=1",
                                          "--",
                                          "--model=mlp",
-                                         "--dataset=synthetic",
+                                         "--data_format=synthetic",
                                          "--train_steps=40",
                                          "--log_every_steps=40",
                                          "--model_dir=" + model_dir};
@@ -867,7 +867,7 @@ TEST(ClusterCliTest, AWorkerRestartedForItsWaitPolicyKeepsFlagsReadFromAPipe) {
 TEST(ClusterCliTest, LaunchPassesPsArgsToThePs) {
   Process launch(Bin("psflow-launch"),
                  {"--ps=2", "--workers=1", "--ps_args=--apply_threads=3", "--", "--model=mlp",
-                  "--dataset=synthetic", "--train_steps=20",
+                  "--data_format=synthetic", "--train_steps=20",
                   "--model_dir=" + ::testing::TempDir() + "/psflow_ps_args"});
   EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
   for (const char* ps : {"[ps0]", "[ps1]"}) {
@@ -891,7 +891,7 @@ TEST(ClusterCliTest, WorkersOnThePsHostExchangeThroughSharedMemory) {
         ::testing::TempDir() + "/psflow_shared_memory_" + (shared ? "on" : "off");
     std::filesystem::remove_all(model_dir);
     for (const std::string& a :
-         {std::string("--"), std::string("--model=mlp"), std::string("--dataset=synthetic"),
+         {std::string("--"), std::string("--model=mlp"), std::string("--data_format=synthetic"),
           std::string("--train_steps=30"), "--model_dir=" + model_dir}) {
       args.push_back(a);
     }

@@ -49,7 +49,7 @@ class EvalTest : public TempDirTest {
   // (a batch-1 pass is slow to start a team of threads on a busy machine).
   RunResult Eval(const std::vector<std::string>& flags) {
     std::vector<std::string> args = {"--saved_model=" + dir_ + "/saved_model",
-                                     "--dataset=synthetic", "--synthetic_examples=24"};
+                                     "--data_format=synthetic", "--synthetic_examples=24"};
     args.insert(args.end(), flags.begin(), flags.end());
     return RunProcess(Bin("psflow-eval"), args, {{"OMP_NUM_THREADS", "1"}}, seconds(60));
   }

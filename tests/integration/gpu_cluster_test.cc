@@ -68,7 +68,7 @@ MlpJob TrainMlp(const std::string& model_dir, const std::string& wire,
                 const std::string& worker_args) {
   Process launch(Bin("psflow-launch"),
                  {"--ps=2", "--workers=1", "--worker_devices=cuda:0",
-                  "--worker_args=" + worker_args, "--", "--model=mlp", "--dataset=synthetic",
+                  "--worker_args=" + worker_args, "--", "--model=mlp", "--data_format=synthetic",
                   "--train_steps=300", "--batch_size=64", "--optimizer=sgd", "--learning_rate=0.05",
                   "--log_every_steps=100", "--wire_dtype=" + wire, "--model_dir=" + model_dir});
   MlpJob job;

@@ -42,7 +42,7 @@ JobConfig MakeJob(JobConfig::NonFinitePolicy on_nonfinite) {
              layer { name: "relu1" relu {} }
              layer { name: "fc2" dense { units: 4 } })spec",
       job.mutable_model()));
-  job.set_dataset("synthetic");
+  job.mutable_data()->set_format("synthetic");
   job.set_num_examples(64);
   job.set_batch_size(8);
   job.set_steps_per_epoch(8);

@@ -76,7 +76,7 @@ struct JobParams {
 JobConfig MakeJob(const JobParams& p) {
   JobConfig job;
   EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(p.model, job.mutable_model()));
-  job.set_dataset("synthetic");
+  job.mutable_data()->set_format("synthetic");
   job.set_num_examples(256);
   job.set_batch_size(8);
   job.set_steps_per_epoch((256 + p.num_workers - 1) / p.num_workers / 8);

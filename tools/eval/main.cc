@@ -10,7 +10,9 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/byte_size.h"
+#include "common/cpu_count.h"
 #include "common/log.h"
+#include "data/flags.h"
 #include "data/source.h"
 #include "evaluator/evaluation.h"
 #include "kernels/kernels.h"
@@ -26,11 +28,7 @@ ABSL_FLAG(std::string, data_dir, "/usr/share/datasets/fashion-mnist",
 ABSL_FLAG(int, batch_size, 500,
           "Examples per forward pass; fewer where a pass that large would not fit "
           "--eval_memory_limit (the figures stay the same).");
-ABSL_FLAG(
-    std::string, dataset, "idx",
-    "idx (the test files in --data_dir) or synthetic (the test split of the synthetic dataset "
-    "the chief's --dataset=synthetic trains on).");
-ABSL_FLAG(int64_t, synthetic_examples, 2000, "Test examples of --dataset=synthetic.");
+ABSL_FLAG(int64_t, synthetic_examples, 2000, "Test examples of --data_format=synthetic.");
 ABSL_FLAG(std::string, device, "cpu", "Where to compute: cpu, or cuda:N in builds with CUDA.");
 ABSL_FLAG(std::string, eval_memory_limit, "auto",
           "Memory the evaluation may take on --device: the model's weights and the buffers of a "
@@ -51,7 +49,8 @@ constexpr char kUsage[] =
 // What to evaluate, and how, from the flags.
 struct EvalOptions {
   std::string saved_model;
-  psflow::data::DataSource source;
+  psflow::DataConfig source;
+  int input_threads = 1;
   std::string device;
   int batch_size = 500;
   std::string memory_limit_flag;  // as given, for messages
@@ -73,8 +72,9 @@ absl::StatusOr<int64_t> MemoryBudget(int64_t limit, psflow::kernels::Backend* ba
 int Evaluate(const EvalOptions& o) {
   absl::StatusOr<psflow::model::LoadedModel> loaded = psflow::model::ReadSavedModel(o.saved_model);
   if (!loaded.ok()) return psflow::FailWith(loaded.status());
-  absl::StatusOr<psflow::data::Dataset> test = psflow::data::LoadDataset(
-      o.source, psflow::data::ModelInputOf(loaded->spec), psflow::data::Split::kTest);
+  absl::StatusOr<psflow::data::Dataset> test =
+      psflow::data::LoadDataset(o.source, psflow::data::ModelInputOf(loaded->spec),
+                                psflow::data::Split::kTest, o.input_threads);
   if (!test.ok()) return psflow::FailWith(test.status());
   absl::StatusOr<std::unique_ptr<psflow::kernels::Backend>> backend =
       psflow::kernels::CreateBackend(o.device);
@@ -129,8 +129,13 @@ int main(int argc, char** argv) {
       psflow::MemoryLimitFlag("--eval_memory_limit", o.memory_limit_flag);
   if (!limit.ok()) return psflow::FailWith(limit.status());
   o.memory_limit = *limit;
-  o.source = {absl::GetFlag(FLAGS_dataset), absl::GetFlag(FLAGS_data_dir),
-              absl::GetFlag(FLAGS_synthetic_examples)};
+  o.source = psflow::data::DataConfigFromFlags();
+  o.source.set_data_dir(absl::GetFlag(FLAGS_data_dir));
+  o.source.set_synthetic_examples(absl::GetFlag(FLAGS_synthetic_examples));
+  absl::Status resolved =
+      psflow::data::ResolveEvalFiles(psflow::data::EvalFilesFromFlags(), &o.source);
+  if (!resolved.ok()) return psflow::FailWith(resolved);
+  o.input_threads = psflow::UsableCores();
   o.device = absl::GetFlag(FLAGS_device);
   return Evaluate(o);
 }

@@ -1,0 +1,61 @@
+#include "worker/batches.h"
+
+#include <utility>
+
+#include "absl/types/span.h"
+#include "common/placement.h"
+#include "common/status_macros.h"
+
+namespace psflow::worker {
+
+WorkerBatches::WorkerBatches(const data::Dataset& data, const JobConfig& job, int worker)
+    : data_(&data),
+      batch_(WorkerBatch(job)),
+      example_floats_(data.example_floats()),
+      sampler_(std::make_unique<data::ShardSampler>(data.count, job.num_workers(), worker,
+                                                    job.seed())),
+      own_images_(static_cast<size_t>(batch_ * example_floats_)),
+      own_labels_(static_cast<size_t>(batch_)),
+      images_(own_images_.data()),
+      labels_(own_labels_.data()) {}
+
+WorkerBatches::WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
+                             int64_t example_floats)
+    : batch_(WorkerBatch(job)), example_floats_(example_floats), pipeline_(std::move(pipeline)) {}
+
+absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
+    const data::DataFormat* format, const JobConfig& job, int worker, int64_t steps_per_epoch,
+    int input_threads) {
+  data::PipelineOptions o;
+  o.num_workers = job.num_workers();
+  o.worker = worker;
+  o.seed = job.seed();
+  o.batch = WorkerBatch(job);
+  o.batches_per_epoch = steps_per_epoch;
+  o.train = true;
+  o.shuffle_buffer = job.data().shuffle_buffer();
+  o.prefetch_batches = std::max(job.data().prefetch_batches(), 1);
+  o.threads = std::max(input_threads, 1);
+  PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::Pipeline> pipeline,
+                          data::Pipeline::Create(format, o));
+  return std::unique_ptr<WorkerBatches>(
+      new WorkerBatches(job, std::move(pipeline), format->example_floats()));
+}
+
+absl::Status WorkerBatches::Gather(int64_t step, int64_t steps_per_epoch) {
+  const int64_t epoch = step / steps_per_epoch, position = step % steps_per_epoch;
+  if (pipeline_ != nullptr) {
+    PSFLOW_ASSIGN_OR_RETURN(const data::Batch* b, pipeline_->Get(epoch, position));
+    images_ = b->images.data();
+    labels_ = b->labels.data();
+    return absl::OkStatus();
+  }
+  if (epoch != epoch_) {
+    order_ = sampler_->EpochIndices(epoch);
+    epoch_ = epoch;
+  }
+  return data::GatherBatch(*data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
+                           own_images_.data(), own_labels_.data());
+}
+
+}  // namespace psflow::worker
