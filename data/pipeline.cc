@@ -142,15 +142,35 @@ uint64_t MixSeed(uint64_t a, uint64_t b) {
   return z ^ (z >> 31);
 }
 
+namespace {
+
+// Whole files, file f to worker f mod num_workers.
+std::vector<Piece> WholeFiles(const std::vector<int64_t>& records, int num_workers, int worker) {
+  std::vector<Piece> pieces;
+  for (size_t f = worker; f < records.size(); f += num_workers) {
+    if (records[f] > 0) pieces.push_back({static_cast<int64_t>(f), 0, records[f]});
+  }
+  return pieces;
+}
+
+// Whether whole files give every worker at least 90% of an even share.
+bool WholeFilesAreEven(const std::vector<int64_t>& records, int num_workers) {
+  if (static_cast<int64_t>(records.size()) < num_workers) return false;
+  int64_t total = 0, least = -1;
+  for (int64_t r : records) total += r;
+  for (int w = 0; w < num_workers; ++w) {
+    const int64_t n = RecordsOf(WholeFiles(records, num_workers, w));
+    least = least < 0 ? n : std::min(least, n);
+  }
+  return least * num_workers * 10 >= total * 9;
+}
+
+}  // namespace
+
 std::vector<Piece> AssignPieces(const std::vector<int64_t>& records, int num_workers, int worker) {
+  if (WholeFilesAreEven(records, num_workers)) return WholeFiles(records, num_workers, worker);
   std::vector<Piece> pieces;
   const int64_t files = static_cast<int64_t>(records.size());
-  if (files >= num_workers) {
-    for (int64_t f = worker; f < files; f += num_workers) {
-      if (records[f] > 0) pieces.push_back({f, 0, records[f]});
-    }
-    return pieces;
-  }
   int64_t total = 0;
   for (int64_t r : records) total += r;
   // Records [begin, end) of all files taken in order.

@@ -3,8 +3,9 @@
 // a pool of its own and handed out in batches, a bounded number read ahead.
 //
 // Which records a worker reads (AssignPieces): whole files, file i to worker
-// i mod num_workers, when there are at least as many files as workers; else
-// an equal range of all records, the files taken in order. Each epoch the
+// i mod num_workers, when that gives every worker at least 90% of an even
+// share (enough files of like sizes); else an equal range of all records,
+// the files taken in order (a worker then skips to its first record). Each epoch the
 // worker visits its pieces in an order drawn from (seed, epoch, worker) and
 // passes the records through a shuffle buffer of `shuffle_buffer` records
 // drawn from the same seed, so an epoch's sequence of batches is a pure

@@ -126,15 +126,29 @@ PipelineOptions Options(int workers, int worker) {
   return o;
 }
 
-TEST(AssignPiecesTest, WholeFilesRoundRobinWhenThereAreEnough) {
-  const std::vector<int64_t> records = {5, 6, 7, 8, 9};
+TEST(AssignPiecesTest, WholeFilesRoundRobinWhenThatIsEvenEnough) {
+  const std::vector<int64_t> records = {5, 6, 7, 8, 9, 5};
+  const std::vector<Piece> w1 = AssignPieces(records, 2, 1);
+  ASSERT_EQ(w1.size(), 3u);
+  EXPECT_EQ(w1[0].file, 1);
+  EXPECT_EQ(w1[1].file, 3);
+  EXPECT_EQ(w1[2].file, 5);
+  EXPECT_EQ(w1[0].first, 0);
+  EXPECT_EQ(RecordsOf(w1), 19);
+  EXPECT_EQ(RecordsOf(AssignPieces(records, 2, 0)), 21);
+  EXPECT_EQ(SmallestShare(records, 2), 19);
+}
+
+TEST(AssignPiecesTest, RecordRangesWhenWholeFilesWouldBeUneven) {
+  // Files 0 and 2 against file 1 would be 20 records to 10.
+  const std::vector<int64_t> records = {10, 10, 10};
+  EXPECT_EQ(RecordsOf(AssignPieces(records, 2, 0)), 15);
+  EXPECT_EQ(RecordsOf(AssignPieces(records, 2, 1)), 15);
   const std::vector<Piece> w1 = AssignPieces(records, 2, 1);
   ASSERT_EQ(w1.size(), 2u);
   EXPECT_EQ(w1[0].file, 1);
-  EXPECT_EQ(w1[1].file, 3);
-  EXPECT_EQ(RecordsOf(w1), 14);
-  EXPECT_EQ(RecordsOf(AssignPieces(records, 2, 0)), 21);
-  EXPECT_EQ(SmallestShare(records, 2), 14);
+  EXPECT_EQ(w1[0].first, 5);
+  EXPECT_EQ(SmallestShare(records, 2), 15);
 }
 
 TEST(AssignPiecesTest, RecordRangesCoverEveryRecordOnceWhenFilesAreFew) {
