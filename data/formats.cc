@@ -154,7 +154,8 @@ absl::StatusOr<FolderListing> ListFolder(const std::string& root) {
   std::sort(listing.classes.begin(), listing.classes.end());
   for (size_t c = 0; c < listing.classes.size(); ++c) {
     std::vector<std::string> files;
-    for (const fs::directory_entry& e : fs::directory_iterator(fs::path(root) / listing.classes[c], ec)) {
+    for (const fs::directory_entry& e :
+         fs::directory_iterator(fs::path(root) / listing.classes[c], ec)) {
       if (e.is_regular_file() && IsImageName(e.path())) files.push_back(e.path().string());
     }
     std::sort(files.begin(), files.end());
@@ -275,8 +276,8 @@ class CsvStream : public RecordStream {
 
 absl::Status CheckLabel(int64_t label, const ExampleShape& shape, absl::string_view hint) {
   if (label >= 0 && label < shape.num_classes) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("label ", label, " is outside [0, ",
-                                                 shape.num_classes, ")", hint));
+  return absl::InvalidArgumentError(
+      absl::StrCat("label ", label, " is outside [0, ", shape.num_classes, ")", hint));
 }
 
 class ImageDecoder : public Decoder {
@@ -296,10 +297,11 @@ class ImageDecoder : public Decoder {
       PSFLOW_ASSIGN_OR_RETURN(id, OneInt64(example, config_.label_key()));
       id -= config_.label_offset();
     }
-    PSFLOW_RETURN_IF_ERROR(CheckLabel(
-        id, shape_,
-        example_ && config_.label_offset() == 0 ? " (a set whose 0 is 'background' needs --label_offset=1)"
-                                                : ""));
+    PSFLOW_RETURN_IF_ERROR(
+        CheckLabel(id, shape_,
+                   example_ && config_.label_offset() == 0
+                       ? " (a set whose 0 is 'background' needs --label_offset=1)"
+                       : ""));
     PSFLOW_ASSIGN_OR_RETURN(const ImageSize size, PeekImageSize(bytes));
     const bool augment = train && config_.augment();
     const int shorter = config_.resize_shorter() > 0 ? config_.resize_shorter()
@@ -349,9 +351,7 @@ class FileFormat : public DataFormat {
         csv_decoder_(shape) {}
 
   int64_t num_files() const override { return static_cast<int64_t>(paths_.size()); }
-  int64_t records(int64_t file) const override {
-    return labels_.empty() ? records_[file] : 1;
-  }
+  int64_t records(int64_t file) const override { return labels_.empty() ? records_[file] : 1; }
   std::string file_name(int64_t file) const override { return paths_[file]; }
   int64_t example_floats() const override {
     return int64_t{shape_.channels} * shape_.height * shape_.width;
@@ -395,9 +395,9 @@ absl::Status CheckCsvColumns(const DataConfig& config, const std::string& first_
   for (const CsvColumn& c : reader->format().columns) numeric += c.type == ColumnType::kNumeric;
   const int64_t want = int64_t{shape.channels} * shape.height * shape.width;
   if (numeric != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        first_file, " has ", numeric, " numeric columns, but the model takes ", want,
-        " inputs (", shape.channels, "x", shape.height, "x", shape.width, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(first_file, " has ", numeric, " numeric columns, but the model takes ", want,
+                     " inputs (", shape.channels, "x", shape.height, "x", shape.width, ")"));
   }
   return absl::OkStatus();
 }
@@ -409,9 +409,8 @@ absl::Status CheckClasses(const std::vector<std::string>& classes, const DataCon
                                                    " class folders, but the model has ",
                                                    shape.num_classes, " classes"));
   }
-  if (config.classes_size() > 0 &&
-      !std::equal(classes.begin(), classes.end(), config.classes().begin(),
-                  config.classes().end())) {
+  if (config.classes_size() > 0 && !std::equal(classes.begin(), classes.end(),
+                                               config.classes().begin(), config.classes().end())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the class folders of ", root, " are not those the chief found in ", config.data_dir()));
   }
@@ -489,9 +488,8 @@ absl::Status ResolveEvalFiles(const std::string& eval_files, DataConfig* config)
   }
   if (!IsStreamed(config->format())) {
     if (!eval_files.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--eval_files is for tfrecord, image_folder and csv data, not ",
-                       config->format()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--eval_files is for tfrecord, image_folder and csv data, not ", config->format()));
     }
     return absl::OkStatus();
   }
@@ -508,8 +506,7 @@ absl::Status ResolveEvalFiles(const std::string& eval_files, DataConfig* config)
 }
 
 absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& config,
-                                                           const ExampleShape& shape,
-                                                           Split split) {
+                                                           const ExampleShape& shape, Split split) {
   if (!IsStreamed(config.format())) {
     return absl::InvalidArgumentError(absl::StrCat(config.format(), " data is not streamed"));
   }
@@ -520,13 +517,15 @@ absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& con
     return absl::InvalidArgumentError(
         absl::StrCat("the job names no evaluation data: give --eval_files"));
   }
-  const std::string root =
-      split == Split::kTest ? config.eval(0) : (config.train().empty() ? "" : config.train(0).path());
+  const std::string root = split == Split::kTest
+                               ? config.eval(0)
+                               : (config.train().empty() ? "" : config.train(0).path());
   if (config.format() == kImageFolder) {
     PSFLOW_ASSIGN_OR_RETURN(std::vector<std::string> roots, Expand(root, "the image folder"));
     PSFLOW_ASSIGN_OR_RETURN(FolderListing listing, ListFolder(roots[0]));
     PSFLOW_RETURN_IF_ERROR(CheckClasses(listing.classes, config, shape, roots[0]));
-    if (split == Split::kTrain && static_cast<int64_t>(listing.paths.size()) != config.train(0).records()) {
+    if (split == Split::kTrain &&
+        static_cast<int64_t>(listing.paths.size()) != config.train(0).records()) {
       return absl::FailedPreconditionError(absl::StrCat(
           roots[0], " holds ", listing.paths.size(), " images here, the chief counted ",
           config.train(0).records(), ": every process needs the same data"));
@@ -544,8 +543,8 @@ absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& con
     if (paths.empty()) return absl::InvalidArgumentError("the job lists no training files");
   }
   if (config.format() == kCsv) PSFLOW_RETURN_IF_ERROR(CheckCsvColumns(config, paths[0], shape));
-  return std::unique_ptr<DataFormat>(new FileFormat(config, shape, std::move(paths),
-                                                    std::move(records), std::move(labels)));
+  return std::unique_ptr<DataFormat>(
+      new FileFormat(config, shape, std::move(paths), std::move(records), std::move(labels)));
 }
 
 absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShape& shape,
@@ -614,9 +613,9 @@ std::string DescribeData(const DataConfig& config) {
   }
   int64_t total = 0;
   for (const DataFile& f : config.train()) total += f.records();
-  const std::string eval =
-      config.eval().empty() ? ", no evaluation files"
-                            : absl::StrCat(", evaluation ", absl::StrJoin(config.eval(), ","));
+  const std::string eval = config.eval().empty()
+                               ? ", no evaluation files"
+                               : absl::StrCat(", evaluation ", absl::StrJoin(config.eval(), ","));
   if (config.format() == kImageFolder) {
     return absl::StrCat("image_folder ", config.data_dir(), ", ", total, " images in ",
                         config.classes_size(), " classes", eval);

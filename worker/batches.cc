@@ -12,8 +12,8 @@ WorkerBatches::WorkerBatches(const data::Dataset& data, const JobConfig& job, in
     : data_(&data),
       batch_(WorkerBatch(job)),
       example_floats_(data.example_floats()),
-      sampler_(std::make_unique<data::ShardSampler>(data.count, job.num_workers(), worker,
-                                                    job.seed())),
+      sampler_(
+          std::make_unique<data::ShardSampler>(data.count, job.num_workers(), worker, job.seed())),
       own_images_(static_cast<size_t>(batch_ * example_floats_)),
       own_labels_(static_cast<size_t>(batch_)),
       images_(own_images_.data()),
