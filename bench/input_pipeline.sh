@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Images/s of psflow's input pipeline (psflow-bench-input, data/pipeline.h)
+# beside tf.data (bench/input_tf.py) on the same TFRecord shards of real
+# photos, on this machine, in one run: 224x224x3 floats in [0, 1], batches of
+# 64, after one warm-up batch, records through a shuffle buffer of 1000.
+#   psflow augment  DataConfig.augment: RandomResizedCrop (torchvision's
+#                   draw) decoded as a crop window, resized, flipped half
+#   psflow center   resize_shorter=256, central 224x224, one resampling
+#   tf fused        sample_distorted_bounding_box + decode_and_crop_jpeg
+#                   (the usual TF recipe), resize bilinear, random flip
+#   tf fused_tv     the same with psflow's (torchvision's) window draw
+#   tf naive        decode_jpeg whole, then the fused crop
+#   tf center       decode_jpeg, shorter side to 256, central 224x224
+# psflow decodes on THREADS threads (default: the cores) with 4 batches read
+# ahead; tf.data maps with AUTOTUNE and prefetches AUTOTUNE. Each is run
+# ROUNDS times (default 3), alternating; the table gives the median and the
+# ratios psflow / tf.data, then the time of each stage of psflow's decode on
+# one thread (--profile).
+# The shards: IMAGES (default 2000) distinct JPEGs of about 500x375 at
+# quality 90 cut from scikit-image's bundled photographs, 8 shards written by
+# tf.io.TFRecordWriter into SHARDS (default <build>/input-bench-shards, kept
+# and reused). The venv <build>/venv-tf (tensorflow-cpu, scikit-image,
+# pillow from PyPI) is made or reused, as scripts/check-tfrecord-tf.sh does.
+# Usage: bench/input_pipeline.sh [build]   (BATCHES: timed batches, 60)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+venv=$build/venv-tf
+rounds=${ROUNDS:-3}
+batches=${BATCHES:-60}
+images=${IMAGES:-2000}
+threads=${THREADS:-$(nproc)}
+shards=${SHARDS:-$build/input-bench-shards}
+
+if ! "$venv/bin/python" -c "import tensorflow, skimage, PIL" 2>/dev/null; then
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  "$venv/bin/pip" install -q tensorflow-cpu scikit-image pillow
+fi
+[ -x "$build/bin/psflow-bench-input" ] ||
+  flock /tmp/psflow-build.lock cmake --build "$build" -j2 --target psflow-bench-input >/dev/null
+export TF_CPP_MIN_LOG_LEVEL=2
+if [ "$(cat "$shards/images" 2>/dev/null)" != "$images" ]; then
+  rm -rf "$shards"
+  "$venv/bin/python" bench/input_tf.py make --output="$shards" --images="$images" --shards=8 \
+    2> >(grep -v "^WARNING: All log\|^I0000" >&2)
+  echo "$images" > "$shards/images"
+fi
+files="$shards/train-*"
+
+psflow() {  # mode -> images/s
+  "$build/bin/psflow-bench-input" --files="$files" --mode="$1" --batches="$batches" \
+    --threads="$threads" --prefetch=4 --shuffle_buffer=1000 |
+    sed -n 's/.*images_per_s=\([0-9.]*\).*/\1/p'
+}
+tfdata() {  # recipe -> images/s
+  "$venv/bin/python" bench/input_tf.py run --files="$files" --recipe="$1" --batches="$batches" \
+    2>/dev/null | sed -n 's/.*images_per_s=\([0-9.]*\).*/\1/p'
+}
+
+configs=("psflow augment" "psflow center" "tf fused" "tf fused_tv" "tf naive" "tf center")
+declare -A runs
+for ((r = 1; r <= rounds; r++)); do
+  for c in "${configs[@]}"; do
+    set -- $c
+    if [ "$1" = psflow ]; then v=$(psflow "$2"); else v=$(tfdata "$2"); fi
+    [ -n "$v" ] || { echo "$c failed" >&2; exit 1; }
+    runs[$c]="${runs[$c]:-} $v"
+    echo "round $r: $c $v images/s"
+  done
+done
+
+median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+declare -A med
+echo
+echo "machine: $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p'); $(tf_version=$("$venv/bin/python" -c 'import tensorflow as t; print(t.__version__)' 2>/dev/null); echo "TensorFlow $tf_version")"
+echo "images: $images JPEGs in 8 shards; batch 64, $batches timed batches; psflow threads=$threads"
+printf '%-16s %10s   %s\n' "pipeline" "images/s" "(each round)"
+for c in "${configs[@]}"; do
+  med[$c]=$(echo "${runs[$c]}" | median)
+  printf '%-16s %10.1f   %s\n' "$c" "${med[$c]}" "${runs[$c]# }"
+done
+ratio() { awk -v a="${med[$1]}" -v b="${med[$2]}" 'BEGIN {printf "%.2f", a / b}'; }
+echo
+echo "psflow augment / tf fused    = $(ratio "psflow augment" "tf fused")   (each its own usual crop draw)"
+echo "psflow augment / tf fused_tv = $(ratio "psflow augment" "tf fused_tv")   (the same crop draw)"
+echo "psflow augment / tf naive    = $(ratio "psflow augment" "tf naive")"
+echo "psflow center  / tf center   = $(ratio "psflow center" "tf center")"
+echo
+"$build/bin/psflow-bench-input" --files="$files" --mode=augment --batches=4 --profile | grep profile
+"$build/bin/psflow-bench-input" --files="$files" --mode=center --batches=4 --profile | grep profile
