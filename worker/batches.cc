@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
@@ -40,6 +41,12 @@ absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
                           data::Pipeline::Create(format, o));
   return std::unique_ptr<WorkerBatches>(
       new WorkerBatches(job, std::move(pipeline), format->example_floats()));
+}
+
+std::string WorkerBatches::Summary() const {
+  if (pipeline_ == nullptr) return "";
+  return absl::StrCat("input: waited ", absl::FormatDuration(pipeline_->waited()), " for batches; ",
+                      pipeline_->bad_records(), " corrupt records skipped");
 }
 
 absl::Status WorkerBatches::Gather(int64_t step, int64_t steps_per_epoch) {

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,6 +42,9 @@ class WorkerBatches {
   const int32_t* labels() const { return labels_; }
   int64_t size() const { return batch_; }
   int64_t example_floats() const { return example_floats_; }
+  // Streamed data: one line on the time waited for batches and the records
+  // skipped as corrupt, for the log; empty for data held whole.
+  std::string Summary() const;
 
  private:
   WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,

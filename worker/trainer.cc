@@ -461,6 +461,7 @@ absl::Status Trainer::Train(int64_t start) {
     if (!s.ok() || at.got.version >= job_.train_steps()) break;
     s = TrainStep(*batches, &at);
   }
+  if (const std::string summary = batches->Summary(); !summary.empty()) PSLOG(INFO) << summary;
   return exchange_->Finish(s);
 }
 
