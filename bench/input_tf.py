@@ -9,7 +9,7 @@
       image/class/label (the source photo), image/height, image/width,
       image/format, into DIR/train-SSSSS-of-NNNNN.
   run   --files=GLOB --recipe=fused|fused_tv|naive|center --batches=K
-      images/s of tf.data over the shards, batches of 64 of 224x224x3 floats
+      images/s (and CPU ms of the process per image) of tf.data over the shards, batches of 64 of 224x224x3 floats
       in [0, 1], after one warm-up batch:
         fused:  sample_distorted_bounding_box (area 0.08-1, ratio 3/4-4/3,
                 as the usual ImageNet recipe) + decode_and_crop_jpeg;
@@ -22,6 +22,10 @@
       images. Records go through shuffle(1000) and repeat() first, as psflow's
       shuffle buffer and epochs; map runs with num_parallel_calls=AUTOTUNE,
       then batch(64) and prefetch(AUTOTUNE).
+  profile --files=GLOB
+      ms per image of parse, decode_and_crop_jpeg (INTEGER_ACCURATE, as
+      psflow decodes, and TF's default) and resize + flip + scale, on one
+      thread, eager, with psflow's window draw.
 """
 
 import argparse
@@ -97,8 +101,31 @@ def make(args):
           f"{args.shards} shards, {total_bytes / args.images / 1024:.1f} KiB per image")
 
 
-def dataset(files, recipe, batch):
+def torchvision_window(data):
     import numpy as np
+    import tensorflow as tf
+    # torchvision's RandomResizedCrop.get_params, as psflow draws it: 10
+    # tries of an area uniform in [0.08, 1] and a log-uniform ratio, the
+    # first that fits; else the whole image's central crop, its ratio
+    # clamped to [3/4, 4/3].
+    shape = tf.cast(tf.io.extract_jpeg_shape(data)[:2], tf.float32)
+    h, w = shape[0], shape[1]
+    area = h * w * tf.random.uniform([10], 0.08, 1.0)
+    ratio = tf.exp(tf.random.uniform([10], np.log(3 / 4), np.log(4 / 3)))
+    cw, ch = tf.round(tf.sqrt(area * ratio)), tf.round(tf.sqrt(area / ratio))
+    fits = (cw > 0) & (ch > 0) & (cw <= w) & (ch <= h)
+    first = tf.argmax(tf.cast(fits, tf.int32))
+    r = tf.clip_by_value(w / h, 3 / 4, 4 / 3)
+    fw = tf.where(w / h > 4 / 3, tf.round(h * r), w)
+    fh = tf.where(w / h < 3 / 4, tf.round(w / r), h)
+    cw = tf.where(tf.reduce_any(fits), cw[first], fw)
+    ch = tf.where(tf.reduce_any(fits), ch[first], fh)
+    y = tf.floor(tf.random.uniform([]) * (h - ch + 1))
+    x = tf.floor(tf.random.uniform([]) * (w - cw + 1))
+    return tf.cast(tf.stack([y, x, ch, cw]), tf.int32)
+
+
+def dataset(files, recipe, batch):
     import tensorflow as tf
     spec = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
             "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
@@ -121,27 +148,6 @@ def dataset(files, recipe, batch):
         window = tf.stack([begin[0], begin[1], size[0], size[1]])
         image = tf.image.decode_and_crop_jpeg(ex["image/encoded"], window, channels=3)
         return augment_tail(image), ex["image/class/label"]
-
-    def torchvision_window(data):
-        # torchvision's RandomResizedCrop.get_params, as psflow draws it: 10
-        # tries of an area uniform in [0.08, 1] and a log-uniform ratio, the
-        # first that fits; else the whole image's central crop, its ratio
-        # clamped to [3/4, 4/3].
-        shape = tf.cast(tf.io.extract_jpeg_shape(data)[:2], tf.float32)
-        h, w = shape[0], shape[1]
-        area = h * w * tf.random.uniform([10], 0.08, 1.0)
-        ratio = tf.exp(tf.random.uniform([10], np.log(3 / 4), np.log(4 / 3)))
-        cw, ch = tf.round(tf.sqrt(area * ratio)), tf.round(tf.sqrt(area / ratio))
-        fits = (cw > 0) & (ch > 0) & (cw <= w) & (ch <= h)
-        first = tf.argmax(tf.cast(fits, tf.int32))
-        r = tf.clip_by_value(w / h, 3 / 4, 4 / 3)
-        fw = tf.where(w / h > 4 / 3, tf.round(h * r), w)
-        fh = tf.where(w / h < 3 / 4, tf.round(w / r), h)
-        cw = tf.where(tf.reduce_any(fits), cw[first], fw)
-        ch = tf.where(tf.reduce_any(fits), ch[first], fh)
-        y = tf.floor(tf.random.uniform([]) * (h - ch + 1))
-        x = tf.floor(tf.random.uniform([]) * (w - cw + 1))
-        return tf.cast(tf.stack([y, x, ch, cw]), tf.int32)
 
     def fused_tv(record):
         ex = tf.io.parse_single_example(record, spec)
@@ -176,13 +182,43 @@ def run(args):
     it = iter(dataset(files, args.recipe, args.batch))
     images, _ = next(it)  # warm-up: fills the shuffle buffer, starts the threads
     assert images.shape == (args.batch, SIDE, SIDE, 3), images.shape
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.batches):
         images, _ = next(it)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     print(f"tf.data recipe={args.recipe} batch={args.batch} batches={args.batches} "
-          f"images_per_s={args.batches * args.batch / seconds:.1f} (TensorFlow {tf.__version__}, "
+          f"images_per_s={args.batches * args.batch / seconds:.1f} "
+          f"cpu_ms_per_image={cpu * 1e3 / (args.batches * args.batch):.3f} (TensorFlow {tf.__version__}, "
           f"{tf.config.threading.get_inter_op_parallelism_threads() or 'default'} inter-op threads)")
+
+
+def profile(args):
+    """One thread: ms per image of each stage, on the same window draw as psflow."""
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    files = sorted(glob.glob(args.files))
+    spec = {"image/encoded": tf.io.FixedLenFeature([], tf.string)}
+    records = [r for r in tf.data.TFRecordDataset(files[:1]).take(args.images)]
+    # process_time: with one intra- and one inter-op thread, the CPU of this
+    # image's ops, which holds when other work shares the cores.
+    t = time.process_time()
+    data = [tf.io.parse_single_example(r, spec)["image/encoded"] for r in records]
+    parse = time.process_time() - t
+    windows = [torchvision_window(d) for d in data]
+    line = f"tf profile images={len(data)} cpu_ms_per_image: parse={parse * 1e3 / len(data):.3f}"
+    for dct in ("INTEGER_ACCURATE", ""):
+        t = time.process_time()
+        crops = [tf.image.decode_and_crop_jpeg(d, w, channels=3, dct_method=dct)
+                 for d, w in zip(data, windows)]
+        line += f" decode({dct or 'default'})={(time.process_time() - t) * 1e3 / len(data):.3f}"
+    t = time.process_time()
+    for c in crops:
+        tf.image.random_flip_left_right(tf.image.resize(c, [SIDE, SIDE])) / 255.0
+    line += f" resize+flip+scale={(time.process_time() - t) * 1e3 / len(data):.3f}"
+    area = np.mean([int(w[2]) * int(w[3]) for w in windows])
+    print(line + f" (eager, each op's dispatch included; window {area:.0f} pixels on average)")
 
 
 def main():
@@ -198,8 +234,11 @@ def main():
     r.add_argument("--recipe", choices=["fused", "fused_tv", "naive", "center"], default="fused")
     r.add_argument("--batch", type=int, default=64)
     r.add_argument("--batches", type=int, default=40)
+    f = sub.add_parser("profile")
+    f.add_argument("--files", required=True, help="a glob of the shards")
+    f.add_argument("--images", type=int, default=300)
     args = p.parse_args()
-    (make if args.command == "make" else run)(args)
+    {"make": make, "run": run, "profile": profile}[args.command](args)
 
 
 if __name__ == "__main__":
