@@ -5,14 +5,18 @@
 # (decode, random resized crop to 32x32, flip, --input_threads threads), in
 # alternating rounds; prints each job's examples/s and the ratio. The JPEGs
 # are Fashion-MNIST's training images (gray, 28x28: decoded to RGB and
-# resized up), written by psflow-data.
-# Usage: bench/gpu_input.sh [build/bin] [cuda:0]   (STEPS, ROUNDS, INPUT_THREADS to change)
+# resized up), written by psflow-data. PS=0: the worker alone, without ps or
+# chief, on its own replica on the GPU (a faster step to hide behind).
+# Usage: bench/gpu_input.sh [build/bin] [cuda:0]   (STEPS, ROUNDS, INPUT_THREADS, PS to change)
 set -euo pipefail
 bin=${1:-build/bin}
 device=${2:-cuda:0}
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/lib.sh"
 steps=${STEPS:-400}
+ps=${PS:-2}
+cluster=(--ps="$ps")
+[ "$ps" = 0 ] && cluster+=(--chief=false)
 rounds=${ROUNDS:-2}
 data_dir=${DATA_DIR:-/usr/share/datasets/fashion-mnist}
 tmp=$(mktemp -d)
@@ -29,7 +33,7 @@ echo "$(nproc) CPU cores"
 job() {  # name data-flags...
   local name=$1
   shift
-  launch_job "$name" --ps=2 --workers=1 --worker_devices="$device" \
+  launch_job "$name" "${cluster[@]}" --workers=1 --worker_devices="$device" \
     --worker_args="${INPUT_THREADS:+--input_threads=$INPUT_THREADS}" -- \
     --model=resnet --batch_size=128 --train_steps="$steps" --log_every_steps=$((steps / 8)) \
     --optimizer=sgd --learning_rate=0.05 "$@"
