@@ -41,6 +41,7 @@ StepMetrics Metric(int worker, int64_t step, int64_t compute_us = 5000) {
   m.set_compute_us(compute_us + 100 * worker);
   m.set_push_us(800 + 5 * step);
   m.set_wait_us(200 * worker + step);
+  m.set_input_us(30 * step + 7 * worker);  // part of compute_us
   return m;
 }
 
@@ -69,6 +70,7 @@ Expected Expect(const std::vector<StepMetrics>& ms, int64_t steps) {
     e.compute_ms += m.compute_us();
     e.push_ms += m.push_us();
     e.wait_ms += m.wait_us();
+    e.input_ms += m.input_us();
   }
   const double n = static_cast<double>(ms.size());
   e.loss = loss_sum / static_cast<double>(e.examples);
@@ -77,6 +79,7 @@ Expected Expect(const std::vector<StepMetrics>& ms, int64_t steps) {
   e.compute_ms /= n * 1000;
   e.push_ms /= n * 1000;
   e.wait_ms /= n * 1000;
+  e.input_ms /= n * 1000;
   e.step_ms = e.pull_ms + e.compute_ms + e.push_ms + e.wait_ms;
   e.seconds = static_cast<double>(steps) * e.step_ms / 1000.0;
   e.examples_per_sec = static_cast<double>(e.examples) / e.seconds;
@@ -175,6 +178,11 @@ TEST(ProgressMetricsTest, LinesAndReportsGoToTheRegistry) {
   EXPECT_NEAR(
       registry.GetCounter("psflow_step_phase_seconds_total", "", {{"phase", "compute"}})->value(),
       e.compute_ms * 20 / 1000, 1e-9);
+  // The input wait, part of the compute phase: its mean and its sum.
+  EXPECT_GT(e.input_ms, 0);
+  EXPECT_NEAR(gauge("psflow_step_input_seconds"), e.input_ms / 1000, 1e-12);
+  EXPECT_NEAR(registry.GetCounter("psflow_input_wait_seconds_total", "")->value(),
+              e.input_ms * 20 / 1000, 1e-9);
   const std::string text = registry.Render();
   EXPECT_THAT(text, HasSubstr("\npsflow_live_workers 2\n"));
   EXPECT_THAT(text, HasSubstr("\npsflow_live_ps 1\n"));
