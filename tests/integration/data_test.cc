@@ -83,14 +83,21 @@ class DataTest : public TempDirTest {
     }
   }
 
-  // Launches a cluster of 1 ps and 2 workers on the mlp with `flags`.
-  RunResult Train(const std::vector<std::string>& flags, int64_t timeout_s = 120) const {
-    std::vector<std::string> args = {
-        "--ps=1",          "--workers=2",          "--",
-        "--model=mlp",     "--optimizer=adam",     "--learning_rate=0.002",
-        "--batch_size=32", "--log_every_steps=50", "--model_dir=" + dir_ + "/model"};
+  // Launches a cluster of 1 ps and 2 workers (and `evaluators`) on the mlp
+  // with `flags`.
+  RunResult Train(const std::vector<std::string>& flags, int evaluators = 0) const {
+    std::vector<std::string> args = {"--ps=1",
+                                     "--workers=2",
+                                     "--evaluators=" + std::to_string(evaluators),
+                                     "--",
+                                     "--model=mlp",
+                                     "--optimizer=adam",
+                                     "--learning_rate=0.002",
+                                     "--batch_size=32",
+                                     "--log_every_steps=50",
+                                     "--model_dir=" + dir_ + "/model"};
     args.insert(args.end(), flags.begin(), flags.end());
-    return RunProcess(Bin("psflow-launch"), args, {}, seconds(timeout_s));
+    return RunProcess(Bin("psflow-launch"), args, {}, seconds(120));
   }
 
   static double Accuracy(const RunResult& eval) {
@@ -105,8 +112,10 @@ class DataTest : public TempDirTest {
 TEST_F(DataTest, TfRecordJobTrainsAndItsTestSplitGivesTheFiguresOfTheIdxFiles) {
   WriteShards(0, 0, 6000, 3, "train", /*gzip_first=*/true);
   WriteShards(1, 0, 10000, 2, "test");
+  // With an evaluator, which reads the test split from the chief's --eval_files.
   RunResult train = Train({"--train_files=" + dir_ + "/train-*", "--eval_files=" + dir_ + "/test-*",
-                           "--epochs=2", "--shuffle_buffer=500"});
+                           "--epochs=2", "--shuffle_buffer=500"},
+                          /*evaluators=*/1);
   ASSERT_EQ(train.exit_code, 0) << train.description;
   // Recognized from the files, counted, listed in the chief's job line.
   EXPECT_THAT(train.output, HasSubstr("data: tfrecord, 3 files (" + dir_ + "/train-00000-of-00003"))
@@ -121,6 +130,13 @@ TEST_F(DataTest, TfRecordJobTrainsAndItsTestSplitGivesTheFiguresOfTheIdxFiles) {
   ASSERT_EQ(from_tfrecord.exit_code, 0) << from_tfrecord.description;
   ASSERT_EQ(from_idx.exit_code, 0) << from_idx.description;
   EXPECT_EQ(from_tfrecord.out, from_idx.out) << "the same 10000 images, the same figures";
+  // The evaluator's figures of the final model are psflow-eval's.
+  std::smatch done;
+  ASSERT_TRUE(std::regex_search(
+      train.output, done,
+      std::regex(R"(chief\] done: .* test loss ([0-9.]+) acc ([0-9.]+) \(evaluator\))")))
+      << train.description;
+  EXPECT_THAT(from_idx.out, HasSubstr("accuracy: " + done[2].str() + "\nloss: " + done[1].str()));
   // 2 epochs of 6000 examples: well above chance (0.1).
   EXPECT_GE(Accuracy(from_tfrecord), 0.70) << from_tfrecord.description;
 }
