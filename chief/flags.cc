@@ -22,6 +22,13 @@ ABSL_FLAG(std::string, data_dir, psflow::chief::kDefaultDataDir,
           "where the default files of the other formats are looked for (see --data_format). "
           "Every process reads the data at the paths the chief resolves.");
 ABSL_FLAG(int64_t, synthetic_examples, 10000, "Training examples of --data_format=synthetic.");
+ABSL_FLAG(std::string, input_mean, "",
+          "The inputs' mean per channel, comma-separated (one value for every channel, or one per "
+          "channel; pixels are in [0, 1]), e.g. 0.485,0.456,0.406: the model feeds channel c as "
+          "(x - mean[c]) / stddev[c]. Goes with --input_stddev. Empty: one mean and standard "
+          "deviation measured on the training data.");
+ABSL_FLAG(std::string, input_stddev, "",
+          "The inputs' standard deviation per channel, as --input_mean (e.g. 0.229,0.224,0.225).");
 ABSL_FLAG(std::string, train_files, "",
           "The training data: comma-separated paths or glob patterns of TFRecord or CSV files, or "
           "an image folder. Empty: train-* (tfrecord), train/ (image_folder) or train.csv/.tsv "
@@ -188,6 +195,8 @@ absl::Status JobOptionsFromFlags(JobOptions* o) {
   job.data_dir = absl::GetFlag(FLAGS_data_dir);
   job.synthetic_examples = absl::GetFlag(FLAGS_synthetic_examples);
   job.data = data::DataConfigFromFlags();
+  job.input_mean = absl::GetFlag(FLAGS_input_mean);
+  job.input_stddev = absl::GetFlag(FLAGS_input_stddev);
   job.data.set_augment(absl::GetFlag(FLAGS_augment));
   job.data.set_shuffle_buffer(absl::GetFlag(FLAGS_shuffle_buffer));
   job.data.set_prefetch_batches(absl::GetFlag(FLAGS_prefetch_batches));

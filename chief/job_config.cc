@@ -7,8 +7,11 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/cpu_count.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
@@ -219,6 +222,7 @@ struct CheckedOptions {
   std::string model;
   int64_t synthetic_examples = 0;
   data::DataFiles data_files;
+  std::string input_mean, input_stddev;
   int64_t epochs = 0, train_steps = 0;  // at most one of them positive
   int64_t slice_bytes = 0;
 };
@@ -383,6 +387,8 @@ absl::StatusOr<CheckedOptions> CheckJobOptions(const JobOptions& o, int num_work
   checked.model = o.model;
   checked.synthetic_examples = o.synthetic_examples;
   checked.data_files = o.data_files;
+  checked.input_mean = o.input_mean;
+  checked.input_stddev = o.input_stddev;
   checked.epochs = o.epochs;
   checked.train_steps = o.train_steps;
   return checked;
@@ -448,6 +454,54 @@ absl::StatusOr<TrainingDataStats> MeasureTrainingData(JobConfig* job, const data
   return stats;
 }
 
+// The values of --input_mean or --input_stddev (`flag`): one, or one per
+// channel of the model's input, each finite (stddev: positive).
+absl::StatusOr<std::vector<float>> ChannelValues(const std::string& text, const char* flag,
+                                                 int channels, bool positive) {
+  std::vector<float> values;
+  for (absl::string_view v : absl::StrSplit(text, ',')) {
+    float f = 0;
+    if (!absl::SimpleAtof(absl::StripAsciiWhitespace(v), &f) || !std::isfinite(f) ||
+        (positive && !(f > 0))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": '", v, "' is not a ", positive ? "positive " : "", "number"));
+    }
+    values.push_back(f);
+  }
+  if (values.size() == 1) values.resize(channels, values[0]);
+  if (static_cast<int>(values.size()) != channels) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " has ", values.size(),
+                                                   " values; the model's input has ", channels,
+                                                   " channels (give 1 or ", channels, ")"));
+  }
+  return values;
+}
+
+// The inputs' normalization: per channel from the flags, else the measured
+// mean and stddev of the training data.
+absl::Status SetInputNormalization(const CheckedOptions& c, const TrainingDataStats& stats,
+                                   InputSpec* in) {
+  if (c.input_mean.empty() && c.input_stddev.empty()) {
+    if (stats.stddev > 0) {
+      in->set_mean(static_cast<float>(stats.mean));
+      in->set_stddev(static_cast<float>(stats.stddev));
+    }
+    return absl::OkStatus();
+  }
+  if (c.input_mean.empty() || c.input_stddev.empty()) {
+    return absl::InvalidArgumentError("--input_mean and --input_stddev go together");
+  }
+  PSFLOW_ASSIGN_OR_RETURN(std::vector<float> mean,
+                          ChannelValues(c.input_mean, "--input_mean", in->channels(), false));
+  PSFLOW_ASSIGN_OR_RETURN(std::vector<float> stddev,
+                          ChannelValues(c.input_stddev, "--input_stddev", in->channels(), true));
+  in->set_mean(0);
+  in->set_stddev(0);
+  *in->mutable_channel_mean() = {mean.begin(), mean.end()};
+  *in->mutable_channel_stddev() = {stddev.begin(), stddev.end()};
+  return absl::OkStatus();
+}
+
 // Steps per epoch and in all, from the examples each worker sees.
 absl::Status SetSteps(const CheckedOptions& c, int64_t shard, JobConfig* job) {
   // Each worker takes `shard` examples per epoch (the fewest any worker
@@ -487,10 +541,8 @@ absl::StatusOr<JobConfig> AssembleJobConfig(CheckedOptions checked) {
   *job.mutable_model() = *spec;
   PSFLOW_ASSIGN_OR_RETURN(const TrainingDataStats stats,
                           MeasureTrainingData(&job, checked.data_files, *spec));
-  if (stats.stddev > 0) {
-    job.mutable_model()->mutable_input()->set_mean(static_cast<float>(stats.mean));
-    job.mutable_model()->mutable_input()->set_stddev(static_cast<float>(stats.stddev));
-  }
+  PSFLOW_RETURN_IF_ERROR(
+      SetInputNormalization(checked, stats, job.mutable_model()->mutable_input()));
   job.set_num_examples(stats.count);
   PSFLOW_RETURN_IF_ERROR(SetSteps(checked, stats.share, &job));
   PSFLOW_RETURN_IF_ERROR(FinishOptimizer(job.train_steps(), job.mutable_optimizer()));
@@ -540,6 +592,22 @@ std::string DescribePlacement(const JobConfig& job) {
 
 }  // namespace
 
+namespace {
+
+// ", inputs standardized with mean M stddev S", or per channel.
+std::string DescribeNormalization(const InputSpec& in) {
+  if (in.channel_mean_size() > 0) {
+    return absl::StrCat(", inputs standardized per channel with mean ",
+                        absl::StrJoin(in.channel_mean(), ","), " stddev ",
+                        absl::StrJoin(in.channel_stddev(), ","));
+  }
+  std::ostringstream line;  // the numbers as the log has always written them
+  line << ", inputs standardized with mean " << in.mean() << " stddev " << in.stddev();
+  return line.str();
+}
+
+}  // namespace
+
 std::string DescribeJob(const JobConfig& job) {
   int64_t params = 0, statistics = 0;
   for (const VariableShape& v : model::ModelVariables(job.model()))
@@ -564,8 +632,7 @@ std::string DescribeJob(const JobConfig& job) {
        << job.optimizer().learning_rate() << " ("
        << OptimizerConfig::Decay_Name(job.optimizer().lr_decay()) << ", warmup "
        << job.optimizer().lr_warmup_steps() << ") weight decay " << job.optimizer().weight_decay()
-       << ", inputs standardized with mean " << job.model().input().mean() << " stddev "
-       << job.model().input().stddev() << DescribePlacement(job)
+       << DescribeNormalization(job.model().input()) << DescribePlacement(job)
        << "; data: " << data::DescribeData(job.data());
   return line.str();
 }

@@ -36,6 +36,10 @@ struct JobOptions {
   DataConfig data = data::DefaultDataConfig();
   data::DataFiles data_files;          // --train_files, --eval_files
   int64_t synthetic_examples = 10000;  // training examples of the synthetic dataset
+  // The inputs' normalization per channel (--input_mean, --input_stddev):
+  // comma-separated, one value for every channel or one per channel; both
+  // empty: one mean and stddev measured on the training data.
+  std::string input_mean, input_stddev;
   int batch_size = 64;                 // per replica
   // When positive, the global batch of one step, whatever the number of
   // workers: batch_size becomes global_batch_size / (workers * replicas),

@@ -238,6 +238,11 @@ class Backend {
   virtual absl::Status Add(const float* a, const float* b, float* y, int64_t n) = 0;
   // y = x * scale + shift.
   virtual absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) = 0;
+  // Per channel of an NCHW tensor of n images: y = x * scale[c] + shift[c]
+  // over `plane` values of each channel; scale and shift hold `channels`
+  // floats of backend memory.
+  virtual absl::Status ChannelAffine(const float* x, const float* scale, const float* shift,
+                                     float* y, int64_t n, int64_t channels, int64_t plane) = 0;
   // w -= learning_rate * g (plain SGD, for training without parameter servers).
   virtual absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) = 0;
   // dst = src, both backend memory.

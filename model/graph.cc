@@ -74,6 +74,20 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
   if (!(in.stddev() >= 0) || !std::isfinite(in.mean()) || !std::isfinite(in.stddev())) {
     return absl::InvalidArgumentError("input stddev must be finite and not negative");
   }
+  if (in.channel_mean_size() != 0 || in.channel_stddev_size() != 0) {
+    if (in.channel_mean_size() != in.channels() || in.channel_stddev_size() != in.channels()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "input channel_mean and channel_stddev need one value per channel (", in.channels(),
+          "), got ", in.channel_mean_size(), " and ", in.channel_stddev_size()));
+    }
+    for (int c = 0; c < in.channels(); ++c) {
+      if (!std::isfinite(in.channel_mean(c)) || !(in.channel_stddev(c) > 0) ||
+          !std::isfinite(in.channel_stddev(c))) {
+        return absl::InvalidArgumentError(
+            "input channel_mean must be finite and channel_stddev finite and positive");
+      }
+    }
+  }
   if (spec.layer_size() == 0) return absl::InvalidArgumentError("the model has no layers");
   absl::StatusOr<WiredLayers> wired = WireLayers(spec);
   if (!wired.ok()) return wired.status();

@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
     net->nodes_.push_back(node);
   }
   net->PlanForwardBuffers();
+  PSFLOW_RETURN_IF_ERROR(net->SetUpChannelNormalization());
   for (const VariableShape& v : net->variables_) {
     for (auto* list : {&net->weights_, &net->grads_}) {
       if (list == &net->grads_ && options.forward_only) continue;
@@ -353,10 +354,28 @@ absl::Status Network::CopyInputs(BatchState* st, const float* images, const int3
   return absl::OkStatus();
 }
 
+absl::Status Network::SetUpChannelNormalization() {
+  const InputSpec& in = spec_.input();
+  if (in.channel_mean_size() == 0) return absl::OkStatus();
+  // [scale | shift] per channel: (x - mean) / stddev = x * (1 / stddev) - mean / stddev.
+  std::vector<float> coef(2 * static_cast<size_t>(in.channels()));
+  for (int c = 0; c < in.channels(); ++c) {
+    coef[c] = 1.0f / in.channel_stddev(c);
+    coef[in.channels() + c] = -in.channel_mean(c) / in.channel_stddev(c);
+  }
+  PSFLOW_ASSIGN_OR_RETURN(channel_coef_, backend_->Allocate(coef.size()));
+  return backend_->CopyToDevice(coef.data(), coef.size(), channel_coef_->data());
+}
+
 absl::Status Network::QueueForward(BatchState* st, bool training) {
   const InputSpec& in = spec_.input();
   const int64_t input_size = static_cast<int64_t>(st->images->size());
-  if (in.stddev() > 0) {
+  if (channel_coef_ != nullptr) {
+    const float* coef = channel_coef_->data();
+    PSFLOW_RETURN_IF_ERROR(backend_->ChannelAffine(st->images->data(), coef, coef + in.channels(),
+                                                   st->acts[0], st->batch, in.channels(),
+                                                   int64_t{in.height()} * in.width()));
+  } else if (in.stddev() > 0) {
     const float scale = 1.0f / in.stddev();
     PSFLOW_RETURN_IF_ERROR(
         backend_->Affine(st->images->data(), scale, -in.mean() * scale, st->acts[0], input_size));

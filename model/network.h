@@ -223,6 +223,8 @@ class Network {
   // Shares buffers among the activations of a forward pass: fills
   // eval_buffer_of_ and eval_buffer_floats_.
   void PlanForwardBuffers();
+  // Allocates and fills channel_coef_ where the spec normalizes per channel.
+  absl::Status SetUpChannelNormalization();
   // Checks the labels and copies a batch into st's inputs.
   absl::Status CopyInputs(BatchState* st, const float* images, const int32_t* labels);
   absl::StatusOr<Result> ReadResult(BatchState* st);
@@ -247,6 +249,9 @@ class Network {
   std::vector<VariableShape> variables_;
   std::unique_ptr<const ModelGraph> graph_;  // the spec's layers, read once
   std::vector<Node> nodes_;
+  // The inputs' per-channel normalization, [scale | shift] (InputSpec's
+  // channel_mean and channel_stddev); null where the spec has none.
+  std::unique_ptr<kernels::Buffer> channel_coef_;
   std::vector<std::unique_ptr<kernels::Buffer>> weights_;
   std::vector<std::unique_ptr<kernels::Buffer>> grads_;     // empty when forward_only
   std::map<int, std::unique_ptr<BatchState>> states_;       // training steps', by batch size

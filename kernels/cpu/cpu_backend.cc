@@ -807,6 +807,27 @@ absl::Status CpuBackend::Affine(const float* x, float scale, float shift, float*
   });
 }
 
+absl::Status CpuBackend::ChannelAffine(const float* x, const float* scale, const float* shift,
+                                       float* y, int64_t n, int64_t channels, int64_t plane) {
+  const int64_t total = n * channels * plane;
+  PSFLOW_RETURN_IF_ERROR(CheckHelper("ChannelAffine", total, {{"x", x}, {"y", y}}));
+  if (total == 0) return absl::OkStatus();
+  if (scale == nullptr || shift == nullptr) {
+    return absl::InvalidArgumentError("ChannelAffine: null scale or shift");
+  }
+  const int64_t planes = n * channels;
+  return ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel : total >= kMinParallel)
+    for (int64_t p = 0; p < planes; ++p) {
+      const float a = scale[p % channels], b = shift[p % channels];
+      const float* in = x + p * plane;
+      float* out = y + p * plane;
+#pragma omp simd
+      for (int64_t i = 0; i < plane; ++i) out[i] = in[i] * a + b;
+    }
+  });
+}
+
 absl::Status CpuBackend::Sgd(float* w, const float* g, float learning_rate, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckHelper("Sgd", n, {{"w", w}, {"g", g}}));
   if (n == 0) return absl::OkStatus();

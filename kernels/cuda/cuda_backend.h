@@ -141,6 +141,8 @@ class CudaBackend final : public Backend {
 
   absl::Status Add(const float* a, const float* b, float* y, int64_t n) override;
   absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override;
+  absl::Status ChannelAffine(const float* x, const float* scale, const float* shift, float* y,
+                             int64_t n, int64_t channels, int64_t plane) override;
   absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override;
   absl::Status ApplyOptimizer(const OptimizerStep& step,
                               const std::vector<OptimizerTensor>& tensors) override;

@@ -41,6 +41,18 @@ absl::Status CudaBackend::Affine(const float* x, float scale, float shift, float
   });
 }
 
+absl::Status CudaBackend::ChannelAffine(const float* x, const float* scale, const float* shift,
+                                        float* y, int64_t n, int64_t channels, int64_t plane) {
+  PSFLOW_RETURN_IF_ERROR(CheckCount(n * channels * plane, "ChannelAffine"));
+  if (n * channels * plane == 0) return absl::OkStatus();
+  return RunIn(*ctx_, "ChannelAffine", n * channels * plane, "", [&]() -> absl::Status {
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"x", x}, {"y", y}, {"scale", scale}, {"shift", shift}}));
+    PSFLOW_CUDA_CHECK(
+        cuda_internal::LaunchChannelAffine(x, scale, shift, y, n, channels, plane, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
 absl::Status CudaBackend::Sgd(float* w, const float* g, float learning_rate, int64_t n) {
   PSFLOW_RETURN_IF_ERROR(CheckCount(n, "Sgd"));
   if (n == 0) return absl::OkStatus();

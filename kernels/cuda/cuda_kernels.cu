@@ -701,6 +701,13 @@ cudaError_t LaunchChannelSum(const float* dy, float* db, float* partial, int64_t
   return cudaGetLastError();
 }
 
+cudaError_t LaunchChannelAffine(const float* x, const float* scale, const float* shift, float* y,
+                                int64_t n, int64_t channels, int64_t hw, cudaStream_t stream) {
+  if (n <= 0 || channels <= 0 || hw <= 0) return cudaSuccess;
+  ChannelAffine(x, nullptr, y, scale, nullptr, shift, n, channels, hw, stream);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchBatchNormForward(const float* x, const float* gamma, const float* beta, float* y,
                                    float* saved, float* coef, float* partial, float* batch_mean,
                                    float* batch_var, int64_t n, int64_t channels, int64_t hw,

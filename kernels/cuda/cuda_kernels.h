@@ -25,6 +25,10 @@ cudaError_t LaunchAdd(const float* a, const float* b, float* y, int64_t n, cudaS
 cudaError_t LaunchAffine(const float* x, float scale, float shift, float* y, int64_t n,
                          cudaStream_t stream);
 
+// y = x * scale[c] + shift[c] per channel of an NCHW tensor (n, channels, hw).
+cudaError_t LaunchChannelAffine(const float* x, const float* scale, const float* shift, float* y,
+                                int64_t n, int64_t channels, int64_t hw, cudaStream_t stream);
+
 // w -= learning_rate * g.
 cudaError_t LaunchSgd(float* w, const float* g, float learning_rate, int64_t n,
                       cudaStream_t stream);

@@ -25,6 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 constexpr uint32_t kCount = 100;
@@ -639,6 +640,35 @@ TEST_F(JobConfigTest, SyntheticDatasetTakesAnyClassCount) {
   WriteData(kCount, 6, false);
   options_.job.data.set_format("idx");
   ExpectInvalid(BuildJobConfig(options_), "with 5 classes, but the images in");
+}
+
+// --input_mean/--input_stddev: per-channel standardization in the spec
+// instead of the measured mean and stddev; one value stands for every
+// channel; a wrong count, a stddev that is not positive, or one flag alone
+// is refused on one line.
+TEST_F(JobConfigTest, InputMeanAndStddevPerChannel) {
+  options_.job.model = "resnet";
+  options_.job.data.set_format("synthetic");
+  options_.job.synthetic_examples = 64;
+  options_.job.input_mean = "0.485, 0.456,0.406";
+  options_.job.input_stddev = "0.25";
+  absl::StatusOr<JobConfig> job = BuildJobConfig(options_);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const InputSpec& in = job->model().input();
+  EXPECT_THAT(in.channel_mean(), ElementsAre(0.485f, 0.456f, 0.406f));
+  EXPECT_THAT(in.channel_stddev(), ElementsAre(0.25f, 0.25f, 0.25f));
+  EXPECT_EQ(in.stddev(), 0);
+  EXPECT_THAT(DescribeJob(*job),
+              HasSubstr("inputs standardized per channel with mean 0.485,0.456,0.406 stddev "
+                        "0.25,0.25,0.25"));
+
+  options_.job.input_stddev = "0.2,0.2";
+  ExpectInvalid(BuildJobConfig(options_),
+                "--input_stddev has 2 values; the model's input has 3 channels (give 1 or 3)");
+  options_.job.input_stddev = "0.2,0,0.2";
+  ExpectInvalid(BuildJobConfig(options_), "--input_stddev: '0' is not a positive number");
+  options_.job.input_stddev = "";
+  ExpectInvalid(BuildJobConfig(options_), "--input_mean and --input_stddev go together");
 }
 
 TEST_F(JobConfigTest, RejectsBadDatasets) {

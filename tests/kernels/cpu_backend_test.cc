@@ -952,6 +952,26 @@ TEST_P(HelperTest, Affine) {
   ExpectClose(Download(*xd), want, "x in place");
 }
 
+TEST_P(HelperTest, ChannelAffine) {
+  // n images of 3 channels of `plane` values.
+  const int64_t plane = std::max<int64_t>(GetParam() / 6, 1), channels = 3, images = 2;
+  const int64_t n = images * channels * plane;
+  const auto x = Random(n, 143);
+  const std::vector<float> scale = {2.0f, -0.5f, 1.25f}, shift = {0.1f, 0.0f, -3.0f};
+  Ref want(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = (i / plane) % channels;
+    want[i] = double{x[i]} * scale[c] + shift[c];
+  }
+  auto xd = Upload(x), y = Filled(n, 7), sd = Upload(scale), hd = Upload(shift);
+  PSFLOW_ASSERT_OK(backend_->ChannelAffine(xd->data(), sd->data(), hd->data(), y->data(), images,
+                                           channels, plane));
+  ExpectClose(Download(*y), want, "y");
+  PSFLOW_ASSERT_OK(backend_->ChannelAffine(xd->data(), sd->data(), hd->data(), xd->data(), images,
+                                           channels, plane));
+  ExpectClose(Download(*xd), want, "x in place");
+}
+
 TEST_P(HelperTest, Sgd) {
   const int64_t n = GetParam();
   const auto w = Random(n, 151), g = Random(n, 152);

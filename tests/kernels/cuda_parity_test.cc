@@ -480,6 +480,20 @@ TEST_F(CudaParityTest, ElementwiseHelpers) {
     }
     if (offset == 0) ExpectMatch(z, kTol, "Affine");
 
+    // Per channel: 3 channels of planes that divide n where they can.
+    const int64_t channels = 3, plane = std::max<int64_t>(n / 6, 1), images = n / (3 * plane);
+    if (images > 0 && offset == 0) {
+      Pair scale = In({1.5f, -0.5f, 0.25f}), shift = In({0.1f, 0.0f, -2.0f}), c = Out(len);
+      for (bool gpu : {false, true}) {
+        Backend& backend = gpu ? *gpu_ : *cpu_;
+        PSFLOW_ASSERT_OK(backend.ChannelAffine(at(a, gpu), at(scale, gpu), at(shift, gpu),
+                                               at(c, gpu), images, channels, plane));
+      }
+      const std::vector<float> cg = Download(*gpu_, c.g(), len), cc = Download(*cpu_, c.c(), len);
+      const int64_t used = images * channels * plane;
+      for (int64_t i = 0; i < used; ++i) ASSERT_NEAR(cg[i], cc[i], kTol) << "ChannelAffine " << i;
+    }
+
     Pair w = In(len);  // updated in place
     for (bool gpu : {false, true}) {
       Backend& backend = gpu ? *gpu_ : *cpu_;

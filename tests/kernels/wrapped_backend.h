@@ -50,6 +50,10 @@ class WrappedBackend final : public Backend {
   absl::Status Affine(const float* x, float scale, float shift, float* y, int64_t n) override {
     return inner_->Affine(x, scale, shift, y, n);
   }
+  absl::Status ChannelAffine(const float* x, const float* scale, const float* shift, float* y,
+                             int64_t n, int64_t channels, int64_t plane) override {
+    return inner_->ChannelAffine(x, scale, shift, y, n, channels, plane);
+  }
   absl::Status Sgd(float* w, const float* g, float learning_rate, int64_t n) override {
     return inner_->Sgd(w, g, learning_rate, n);
   }

@@ -687,6 +687,46 @@ TEST_F(NetworkTest, StandardizesInputsAsTheSpecSays) {
   EXPECT_GT(std::abs(raw->loss - got->loss), 1e-4);
 }
 
+// Per-channel standardization (InputSpec channel_mean/channel_stddev): the
+// network on raw images equals one without standardization fed images
+// standardized by hand; a spec with the wrong number of values is refused.
+TEST(NetworkChannelsTest, StandardizesEachChannelAsTheSpecSays) {
+  ModelSpec plain = ParseSpec(R"(name: "two" input { channels: 2 height: 3 width: 4 }
+                                num_classes: 3 layer { name: "fc" dense { units: 3 } })");
+  ModelSpec standardized = plain;
+  InputSpec* in = standardized.mutable_input();
+  for (float m : {0.25f, -0.5f}) in->add_channel_mean(m);
+  for (float s : {0.5f, 2.0f}) in->add_channel_stddev(s);
+  auto backend = kernels::CreateBackend("cpu", 1);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto a = Network::Create(standardized, backend->get());
+  auto b = Network::Create(plain, backend->get());
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  std::vector<float> fc(3 * 24 + 3);
+  for (size_t i = 0; i < fc.size(); ++i) fc[i] = 0.01f * static_cast<float>(i % 17) - 0.05f;
+  const std::vector<float> w(fc.begin(), fc.begin() + 72), bias(fc.begin() + 72, fc.end());
+  ASSERT_TRUE((*a)->SetWeights({w.data(), bias.data()}).ok());
+  ASSERT_TRUE((*b)->SetWeights({w.data(), bias.data()}).ok());
+  const int batch = 2;
+  std::vector<float> images(batch * 24), pre(images.size());
+  for (size_t i = 0; i < images.size(); ++i) {
+    images[i] = static_cast<float>(i % 7) / 7.0f;
+    const int c = static_cast<int>(i / 12) % 2;
+    pre[i] = (images[i] - in->channel_mean(c)) / in->channel_stddev(c);
+  }
+  const std::vector<int32_t> labels = {0, 2};
+  auto got = (*a)->Evaluate(images.data(), labels.data(), batch);
+  auto want = (*b)->Evaluate(pre.data(), labels.data(), batch);
+  ASSERT_TRUE(got.ok() && want.ok());
+  EXPECT_NEAR(got->loss, want->loss, 1e-5);
+  EXPECT_EQ(got->correct, want->correct);
+
+  in->add_channel_mean(0.1f);  // three means for two channels
+  auto refused = Network::Create(standardized, backend->get());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("one value per channel (2)"));
+}
+
 TEST_F(NetworkTest, Errors) {
   EXPECT_EQ(net_->Evaluate(images_.data(), labels_.data(), 0).status().code(),
             absl::StatusCode::kInvalidArgument);
