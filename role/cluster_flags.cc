@@ -72,8 +72,8 @@ bool ExitWhenDone() { return absl::GetFlag(FLAGS_exit_when_done); }
 }  // namespace
 
 void ParseFlagsOrExit(int argc, char** argv, const std::string& usage) {
-  std::vector<char*> rest =
-      ParseCommandLine(argc, argv, usage, {"main.cc", "cluster_flags.cc", "chief/flags.cc"});
+  std::vector<char*> rest = ParseCommandLine(
+      argc, argv, usage, {"main.cc", "cluster_flags.cc", "chief/flags.cc", "data/flags.cc"});
   if (rest.size() > 1) {
     std::fprintf(stderr, "%s: unexpected argument '%s' (flags are written --name=value)\n", argv[0],
                  rest[1]);

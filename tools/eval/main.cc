@@ -115,7 +115,8 @@ int Evaluate(const EvalOptions& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<char*> rest = psflow::ParseCommandLine(argc, argv, kUsage);
+  std::vector<char*> rest =
+      psflow::ParseCommandLine(argc, argv, kUsage, {"main.cc", "data/flags.cc"});
   if (rest.size() > 1) {
     return psflow::FailWith(std::string("unexpected argument '") + rest[1] + "'");
   }
