@@ -58,24 +58,83 @@ std::vector<Tap> ComputeTaps(int in_size, int out_size, int origin, int stride) 
   return taps;
 }
 
-// One output row of every channel (plane floats apart) from source rows
-// `top` and `bottom`. kChannels fixes the channel count at compile time for
-// the common 1 and 3, so the channel loop unrolls; 0 takes `channels`.
+// Source row `row` (as floats) resampled along x: channel c of output
+// column ox at out[c * out_width + ox]. kChannels fixes the channel count at
+// compile time for the common 1 and 3, so the channel loop unrolls; 0 takes
+// `channels`.
 template <int kChannels>
-void ResizeRow(const uint8_t* top, const uint8_t* bottom, float wy, const Tap* cols, int out_width,
-               int channels, size_t plane, float* dst) {
-  constexpr float kScale = 1.0f / 255;
+void ResampleRow(const float* row, const Tap* cols, int out_width, int channels,
+                 float* __restrict out) {
   const int n = kChannels > 0 ? kChannels : channels;
   for (int ox = 0; ox < out_width; ++ox) {
     const Tap& t = cols[ox];
-    const uint8_t *a = top + t.lo, *b = top + t.hi, *p = bottom + t.lo, *q = bottom + t.hi;
-    for (int c = 0; c < n; ++c) {
-      const float upper = a[c] + (b[c] - a[c]) * t.frac;
-      const float lower = p[c] + (q[c] - p[c]) * t.frac;
-      dst[c * plane + ox] = (upper + (lower - upper) * wy) * kScale;
-    }
+    const float *a = row + t.lo, *b = row + t.hi;
+    for (int c = 0; c < n; ++c) out[c * out_width + ox] = a[c] + (b[c] - a[c]) * t.frac;
   }
 }
+
+void ResampleRow(const float* row, const Tap* cols, int out_width, int channels, float* out) {
+  switch (channels) {
+    case 1:
+      return ResampleRow<1>(row, cols, out_width, 1, out);
+    case 3:
+      return ResampleRow<3>(row, cols, out_width, 3, out);
+    default:
+      return ResampleRow<0>(row, cols, out_width, channels, out);
+  }
+}
+
+// Blends two rows resampled along x, `n` floats each, into `dst`. The float
+// operations and their order are those of the per-pixel form (along x in
+// both rows, then along y), so results are bit for bit the same.
+void BlendRows(const float* __restrict upper, const float* __restrict lower, float wy, int n,
+               float* __restrict dst) {
+  constexpr float kScale = 1.0f / 255;
+  for (int i = 0; i < n; ++i) dst[i] = (upper[i] + (lower[i] - upper[i]) * wy) * kScale;
+}
+
+// Two source rows resampled along x, tagged with their offsets in the
+// image, so consecutive output rows sharing a source row resample it once.
+// A row's window is converted to float first, in a loop the compiler
+// vectorizes; the taps then read floats (exact: they hold bytes).
+class RowCache {
+ public:
+  // `window`: the first of a row's `span` bytes in the window; `cols` are
+  // offsets from it.
+  RowCache(const uint8_t* window, int span, const Tap* cols, int out_width, int channels)
+      : window_(window), span_(span), cols_(cols), out_width_(out_width), channels_(channels) {
+    const size_t n = size_t{1} * out_width * channels;
+    buffer_.resize(2 * n + span);
+    slots_[0] = {-1, buffer_.data()};
+    slots_[1] = {-1, buffer_.data() + n};
+  }
+
+  // The resampled row at byte offset `offset`, keeping the one at `keep`.
+  const float* Get(int offset, int keep) {
+    for (const Slot& s : slots_) {
+      if (s.offset == offset) return s.data;
+    }
+    Slot& s = slots_[0].offset == keep ? slots_[1] : slots_[0];
+    s.offset = offset;
+    float* __restrict row = buffer_.data() + buffer_.size() - span_;
+    const uint8_t* __restrict bytes = window_ + offset;
+    for (int i = 0; i < span_; ++i) row[i] = bytes[i];
+    ResampleRow(row, cols_, out_width_, channels_, s.data);
+    return s.data;
+  }
+
+ private:
+  struct Slot {
+    int offset;
+    float* data;
+  };
+  const uint8_t* window_;
+  const int span_;
+  const Tap* cols_;
+  const int out_width_, channels_;
+  std::vector<float> buffer_;
+  Slot slots_[2];
+};
 
 }  // namespace
 
@@ -141,22 +200,20 @@ absl::Status ResizeInto(const Image& src, CropWindow window, int out_height, int
   }
   const int stride = src.width * channels;
   const std::vector<Tap> rows = ComputeTaps(w.height, out_height, w.y, stride);
-  std::vector<Tap> cols = ComputeTaps(w.width, out_width, w.x, channels);
+  std::vector<Tap> cols = ComputeTaps(w.width, out_width, 0, channels);
   if (flip_horizontal) std::reverse(cols.begin(), cols.end());
+  // Separable: each needed source row is resampled along x once into
+  // channel-planar floats, then pairs of them are blended along y.
+  RowCache cache(src.pixels.data() + w.x * channels, w.width * channels, cols.data(), out_width,
+                 channels);
   const size_t plane = size_t{1} * out_height * out_width;
   for (int oy = 0; oy < out_height; ++oy) {
-    const uint8_t* top = src.pixels.data() + rows[oy].lo;
-    const uint8_t* bottom = src.pixels.data() + rows[oy].hi;
-    float* dst = chw_out + size_t{1} * oy * out_width;
-    switch (channels) {
-      case 1:
-        ResizeRow<1>(top, bottom, rows[oy].frac, cols.data(), out_width, 1, plane, dst);
-        break;
-      case 3:
-        ResizeRow<3>(top, bottom, rows[oy].frac, cols.data(), out_width, 3, plane, dst);
-        break;
-      default:
-        ResizeRow<0>(top, bottom, rows[oy].frac, cols.data(), out_width, channels, plane, dst);
+    const Tap& r = rows[oy];
+    const float* upper = cache.Get(r.lo, r.hi);
+    const float* lower = cache.Get(r.hi, r.lo);
+    for (int c = 0; c < channels; ++c) {
+      BlendRows(upper + size_t{1} * c * out_width, lower + size_t{1} * c * out_width, r.frac,
+                out_width, chw_out + c * plane + size_t{1} * oy * out_width);
     }
   }
   return absl::OkStatus();

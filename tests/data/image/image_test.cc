@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -392,6 +393,65 @@ TEST(TransformsTest, ResizeFlipMirrors) {
   for (float v : plain) {
     EXPECT_GE(v, 0.0f);
     EXPECT_LE(v, 1.0f);
+  }
+}
+
+// The definition, one output value at a time in double: half-pixel
+// centers clamped to the window, taps clamped to its last row and column.
+std::vector<float> ReferenceResize(const Image& src, const CropWindow& w, int out_height,
+                                   int out_width, bool flip) {
+  auto tap = [](int o, int in, int out, int* lo, int* hi) {
+    const double at = std::max(0.0, (o + 0.5) * in / out - 0.5);
+    *lo = std::min(static_cast<int>(at), in - 1);
+    *hi = std::min(*lo + 1, in - 1);
+    return at - *lo;
+  };
+  std::vector<float> out(size_t{1} * src.channels * out_height * out_width);
+  for (int oy = 0; oy < out_height; ++oy) {
+    int y0, y1;
+    const double fy = tap(oy, w.height, out_height, &y0, &y1);
+    for (int ox = 0; ox < out_width; ++ox) {
+      int x0, x1;
+      const double fx = tap(flip ? out_width - 1 - ox : ox, w.width, out_width, &x0, &x1);
+      for (int c = 0; c < src.channels; ++c) {
+        auto at = [&](int y, int x) {
+          const size_t i = (size_t{1} * (w.y + y) * src.width + w.x + x) * src.channels + c;
+          return static_cast<double>(src.pixels[i]);
+        };
+        const double upper = at(y0, x0) + (at(y0, x1) - at(y0, x0)) * fx;
+        const double lower = at(y1, x0) + (at(y1, x1) - at(y1, x0)) * fx;
+        out[(size_t{1} * c * out_height + oy) * out_width + ox] =
+            static_cast<float>((upper + (lower - upper) * fy) / 255);
+      }
+    }
+  }
+  return out;
+}
+
+TEST(TransformsTest, ResizeMatchesReferenceOnRandomWindows) {
+  std::mt19937 rng(7);
+  auto uniform = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int trial = 0; trial < 200; ++trial) {
+    const int channels = trial % 4 + 1;
+    Image src{uniform(1, 60), uniform(1, 60), channels, {}};
+    src.pixels.resize(size_t{1} * src.height * src.width * channels);
+    for (uint8_t& p : src.pixels) p = static_cast<uint8_t>(uniform(0, 255));
+    CropWindow w;
+    w.height = uniform(1, src.height);
+    w.width = uniform(1, src.width);
+    w.y = uniform(0, src.height - w.height);
+    w.x = uniform(0, src.width - w.width);
+    const int out_height = uniform(1, 80), out_width = uniform(1, 80);
+    const bool flip = uniform(0, 1) == 1;
+    std::vector<float> out(size_t{1} * channels * out_height * out_width, -1.0f);
+    ASSERT_TRUE(ResizeInto(src, w, out_height, out_width, flip, out.data()).ok());
+    const std::vector<float> expected = ReferenceResize(src, w, out_height, out_width, flip);
+    float worst = 0;
+    for (size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::abs(out[i] - expected[i]));
+    EXPECT_LE(worst, 1e-6f) << "trial " << trial << ": " << src.height << "x" << src.width << "x"
+                            << channels << ", window " << w.y << "," << w.x << " " << w.height
+                            << "x" << w.width << " to " << out_height << "x" << out_width
+                            << (flip ? " flipped" : "");
   }
 }
 
