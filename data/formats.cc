@@ -308,10 +308,14 @@ class ImageDecoder : public Decoder {
                                                      : std::min(shape_.height, shape_.width);
     const CropWindow window = augment ? RandomResizedCrop(size, seed)
                                       : CenterCrop(size, shorter, shape_.height, shape_.width);
-    PSFLOW_ASSIGN_OR_RETURN(const Image image, DecodeImage(bytes, shape_.channels, &window));
+    // Each decoding thread reuses one buffer (no allocation, no fresh pages
+    // per image), but does not keep a huge image's.
+    thread_local Image image;
+    if (image.pixels.capacity() > (size_t{64} << 20)) image.pixels = {};
+    CropWindow placed;
+    PSFLOW_RETURN_IF_ERROR(DecodeImageInto(bytes, shape_.channels, &window, &image, &placed));
     const bool flip = augment && (MixSeed(seed, 3) & 1) != 0;
-    PSFLOW_RETURN_IF_ERROR(ResizeInto(image, {0, 0, image.height, image.width}, shape_.height,
-                                      shape_.width, flip, input));
+    PSFLOW_RETURN_IF_ERROR(ResizeInto(image, placed, shape_.height, shape_.width, flip, input));
     *label = static_cast<int32_t>(id);
     return absl::OkStatus();
   }

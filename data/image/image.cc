@@ -136,38 +136,66 @@ bool JpegReadHeader(JpegDecoder* d, absl::string_view bytes) {
   return true;
 }
 
-// Decodes window `w` into `out` (w.height * w.width * channels bytes).
-// jpeg_crop_scanline widens the columns to an iMCU boundary, so rows go
-// through `row` (image width * channels bytes) unless the window spans the
-// image; rows above are skipped, rows below never decoded.
-bool JpegDecodeWindow(JpegDecoder* d, const CropWindow& w, int channels, uint8_t* row,
-                      uint8_t* out) {
+// Starts decoding window `w`. jpeg_crop_scanline widens the columns to an
+// iMCU boundary: libjpeg outputs columns [*xoffset, *xoffset + *width) of
+// each row, rows from w.y on (those above are skipped, those below never
+// decoded).
+bool JpegStartWindow(JpegDecoder* d, const CropWindow& w, int channels, JDIMENSION* xoffset,
+                     JDIMENSION* width) {
   jpeg_decompress_struct* cinfo = &d->cinfo;
   if (setjmp(d->err.jump)) return false;
   cinfo->out_color_space = channels == 1 ? JCS_GRAYSCALE : JCS_RGB;
   jpeg_start_decompress(cinfo);
   // One more column on each side: fancy upsampling replicates the edge
   // samples of the decoded columns instead of reading their neighbours.
-  JDIMENSION xoffset = std::max(w.x - 1, 0);
-  JDIMENSION width = std::min<JDIMENSION>(w.x + w.width + 1, cinfo->output_width) - xoffset;
-  if (width < cinfo->output_width) jpeg_crop_scanline(cinfo, &xoffset, &width);
+  *xoffset = std::max(w.x - 1, 0);
+  *width = std::min<JDIMENSION>(w.x + w.width + 1, cinfo->output_width) - *xoffset;
+  if (*width < cinfo->output_width) jpeg_crop_scanline(cinfo, xoffset, width);
   if (w.y > 0 && jpeg_skip_scanlines(cinfo, w.y) != static_cast<JDIMENSION>(w.y)) {
     std::snprintf(d->err.message, sizeof(d->err.message), "could not skip %d rows", w.y);
     return false;
   }
-  const size_t left = size_t{1} * (w.x - xoffset) * channels;
-  const size_t row_bytes = size_t{1} * w.width * channels;
-  const bool direct = left == 0 && width == static_cast<JDIMENSION>(w.width);
-  for (int r = 0; r < w.height; ++r) {
-    uint8_t* dst = out + r * row_bytes;
-    JSAMPROW rows[1] = {direct ? dst : row};
-    if (jpeg_read_scanlines(cinfo, rows, 1) != 1) {
-      std::snprintf(d->err.message, sizeof(d->err.message), "no data for row %d", w.y + r);
+  return true;
+}
+
+// Rows per jpeg_read_scanlines call: it returns what one pass of its
+// upsampler and color converter made, often more than one row.
+constexpr int kJpegRowBatch = 16;
+
+// Reads the next `count` rows into `out`, `stride` bytes apart.
+bool JpegReadRows(JpegDecoder* d, int count, uint8_t* out, size_t stride) {
+  jpeg_decompress_struct* cinfo = &d->cinfo;
+  if (setjmp(d->err.jump)) return false;
+  for (int done = 0; done < count;) {
+    JSAMPROW rows[kJpegRowBatch];
+    const int n = std::min(count - done, kJpegRowBatch);
+    for (int i = 0; i < n; ++i) rows[i] = out + (done + i) * stride;
+    const JDIMENSION got = jpeg_read_scanlines(cinfo, rows, n);
+    if (got == 0) {
+      std::snprintf(d->err.message, sizeof(d->err.message), "no data for row %u",
+                    cinfo->output_scanline);
       return false;
     }
-    if (!direct) std::memcpy(dst, row + left, row_bytes);
+    done += static_cast<int>(got);
   }
-  jpeg_abort_decompress(cinfo);
+  return true;
+}
+
+// Window `w`, decoded from `left` columns into rows of `width` columns,
+// trimmed into `out` (w.height * w.width * channels bytes) through a buffer
+// of a few rows.
+bool JpegReadTrimmed(JpegDecoder* d, const CropWindow& w, int channels, int left, int width,
+                     uint8_t* out) {
+  const size_t stride = size_t{1} * width * channels, row_bytes = size_t{1} * w.width * channels;
+  std::vector<uint8_t> buffer(kJpegRowBatch * stride);
+  for (int r = 0; r < w.height; r += kJpegRowBatch) {
+    const int n = std::min(w.height - r, kJpegRowBatch);
+    if (!JpegReadRows(d, n, buffer.data(), stride)) return false;
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(out + (r + i) * row_bytes, buffer.data() + i * stride + left * channels,
+                  row_bytes);
+    }
+  }
   return true;
 }
 
@@ -177,7 +205,11 @@ absl::StatusOr<ImageSize> PeekJpeg(absl::string_view bytes) {
   return ImageSize{static_cast<int>(d.cinfo.image_height), static_cast<int>(d.cinfo.image_width)};
 }
 
-absl::StatusOr<Image> DecodeJpeg(absl::string_view bytes, int channels, const CropWindow* crop) {
+// Decodes the crop (or the whole image) into *out and sets *placed to where
+// it lies there: with `exact`, *out is the crop; else it keeps the columns
+// libjpeg decodes, so rows need no copy.
+absl::Status DecodeJpeg(absl::string_view bytes, int channels, const CropWindow* crop, bool exact,
+                        Image* out, CropWindow* placed) {
   JpegDecoder d;
   if (!JpegReadHeader(&d, bytes)) return d.Error();
   if (d.cinfo.jpeg_color_space == JCS_CMYK || d.cinfo.jpeg_color_space == JCS_YCCK) {
@@ -187,10 +219,30 @@ absl::StatusOr<Image> DecodeJpeg(absl::string_view bytes, int channels, const Cr
   if (absl::Status s = CheckPixelCount(height, width); !s.ok()) return s;
   const CropWindow w = crop != nullptr ? *crop : CropWindow{0, 0, height, width};
   if (absl::Status s = CheckWindow(w, height, width); !s.ok()) return s;
-  Image image{w.height, w.width, channels, {}};
-  image.pixels.resize(size_t{1} * w.height * w.width * channels);
-  std::vector<uint8_t> row(w.width < width ? size_t{1} * width * channels : 0);
-  if (!JpegDecodeWindow(&d, w, channels, row.data(), image.pixels.data())) return d.Error();
+  JDIMENSION xoffset = 0, decoded_width = 0;
+  if (!JpegStartWindow(&d, w, channels, &xoffset, &decoded_width)) return d.Error();
+  const int left = w.x - static_cast<int>(xoffset);
+  const bool whole_rows =
+      !exact || (left == 0 && decoded_width == static_cast<JDIMENSION>(w.width));
+  *out = Image{w.height, whole_rows ? static_cast<int>(decoded_width) : w.width, channels,
+               std::move(out->pixels)};
+  out->pixels.resize(size_t{1} * out->height * out->width * channels);
+  *placed = CropWindow{0, whole_rows ? left : 0, w.height, w.width};
+  const bool read =
+      whole_rows ? JpegReadRows(&d, w.height, out->pixels.data(), size_t{1} * out->width * channels)
+                 : JpegReadTrimmed(&d, w, channels, left, decoded_width, out->pixels.data());
+  if (!read) return d.Error();
+  jpeg_abort_decompress(&d.cinfo);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Image> DecodeJpeg(absl::string_view bytes, int channels, const CropWindow* crop) {
+  Image image;
+  CropWindow placed;
+  if (absl::Status s = DecodeJpeg(bytes, channels, crop, /*exact=*/true, &image, &placed);
+      !s.ok()) {
+    return s;
+  }
   return image;
 }
 
@@ -393,6 +445,27 @@ absl::StatusOr<Image> DecodeImage(absl::string_view bytes, int channels, const C
       return DecodeJpeg(bytes, channels, crop);
     case ImageFormat::kPng:
       return DecodePng(bytes, channels, crop);
+    case ImageFormat::kUnknown:
+      break;
+  }
+  return absl::InvalidArgumentError("not a JPEG or PNG image");
+}
+
+absl::Status DecodeImageInto(absl::string_view bytes, int channels, const CropWindow* crop,
+                             Image* out, CropWindow* window) {
+  if (channels != 1 && channels != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot decode to ", channels, " channels"));
+  }
+  switch (SniffImage(bytes)) {
+    case ImageFormat::kJpeg:
+      return DecodeJpeg(bytes, channels, crop, /*exact=*/false, out, window);
+    case ImageFormat::kPng: {
+      absl::StatusOr<Image> image = DecodePng(bytes, channels, crop);
+      if (!image.ok()) return image.status();
+      *out = *std::move(image);
+      *window = CropWindow{0, 0, out->height, out->width};
+      return absl::OkStatus();
+    }
     case ImageFormat::kUnknown:
       break;
   }

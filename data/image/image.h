@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -55,6 +56,16 @@ absl::StatusOr<ImageSize> PeekImageSize(absl::string_view bytes);
 // damage below the window goes unseen); a PNG decodes whole and is cropped.
 absl::StatusOr<Image> DecodeImage(absl::string_view bytes, int channels,
                                   const CropWindow* crop = nullptr);
+
+// DecodeImage for a loop that decodes many images: decodes the crop (or the
+// whole image) into *out and sets *window to where it lies there, rows
+// [0, crop height) and columns from window->x. A JPEG keeps the columns
+// libjpeg decodes around the crop (up to an iMCU boundary), so no row is
+// copied, and reuses out's pixel buffer (no allocation once it has held as
+// large an image); a PNG becomes exactly the crop. Errors as DecodeImage,
+// leaving *out unspecified.
+absl::Status DecodeImageInto(absl::string_view bytes, int channels, const CropWindow* crop,
+                             Image* out, CropWindow* window);
 
 // Lossless, for images of 1, 3 or 4 channels.
 absl::StatusOr<std::string> EncodePng(const Image& image);

@@ -256,6 +256,45 @@ TEST(ImageTest, CropDecodeMatchesFullDecode) {
   }
 }
 
+// DecodeImageInto keeps libjpeg's columns around the crop; the crop it
+// places there is DecodeImage's, and the buffer is reused.
+TEST(ImageTest, DecodeIntoPlacesTheCrop) {
+  const Image image = MakeImage(120, 160, 3);
+  const std::string jpeg = Encode(EncodeJpeg(image, 90));
+  const std::string png = Encode(EncodePng(image));
+  const CropWindow windows[] = {{0, 0, 120, 160},  {16, 32, 48, 64}, {17, 33, 50, 61},
+                                {5, 100, 115, 60}, {119, 159, 1, 1}, {40, 3, 20, 150}};
+  Image out;
+  for (int channels : {1, 3}) {
+    for (const std::string* bytes : {&jpeg, &png}) {
+      for (const CropWindow& w : windows) {
+        CropWindow placed;
+        ASSERT_TRUE(DecodeImageInto(*bytes, channels, &w, &out, &placed).ok());
+        EXPECT_EQ(out.channels, channels);
+        EXPECT_EQ(out.height, w.height);
+        EXPECT_EQ(placed.y, 0);
+        EXPECT_EQ(placed.height, w.height);
+        EXPECT_EQ(placed.width, w.width);
+        ASSERT_LE(placed.x + placed.width, out.width);
+        EXPECT_EQ(out.pixels.size(), size_t{1} * out.height * out.width * channels);
+        EXPECT_EQ(Crop(out, placed).pixels, Decode(*bytes, channels, &w).pixels)
+            << channels << " channels, window " << w.y << "," << w.x << " " << w.height << "x"
+            << w.width;
+      }
+    }
+  }
+  CropWindow whole;
+  ASSERT_TRUE(DecodeImageInto(jpeg, 3, nullptr, &out, &whole).ok());
+  const uint8_t* buffer = out.pixels.data();
+  ASSERT_TRUE(DecodeImageInto(jpeg, 3, &windows[1], &out, &whole).ok());
+  EXPECT_EQ(out.pixels.data(), buffer);
+  const CropWindow bad{100, 0, 21, 5};
+  EXPECT_EQ(DecodeImageInto(jpeg, 3, &bad, &out, &whole).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeImageInto("not an image", 3, nullptr, &out, &whole).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // Every prefix of a valid file and a few corruptions are one-line
 // INVALID_ARGUMENT errors (or, for corruption libjpeg cannot see, an image),
 // never a crash, and nothing is printed.
