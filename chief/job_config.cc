@@ -422,7 +422,7 @@ absl::StatusOr<TrainingDataStats> MeasureInMemory(const JobConfig& job, const Mo
 }
 
 // The examples of streamed data sets whose pixels give the inputs' mean and
-// standard deviation (the first ones, in file order).
+// standard deviation: the first ones of files spread over the set.
 constexpr int64_t kStatsSample = 1000;
 
 // The same for streamed data: its records counted (by ResolveDataFiles), the
@@ -431,8 +431,11 @@ absl::StatusOr<TrainingDataStats> MeasureStreamed(const JobConfig& job, const Mo
   const data::ModelInput input = data::ModelInputOf(spec);
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::DataFormat> format,
                           data::OpenDataFormat(job.data(), input.shape, data::Split::kTrain));
+  // Spread over the files: an image folder's images come class by class.
+  const std::unique_ptr<data::DataFormat> spread =
+      data::EveryNthFile(*format, format->num_files() / kStatsSample);
   PSFLOW_ASSIGN_OR_RETURN(data::Dataset sample,
-                          data::ReadExamples(*format, input.shape, kStatsSample, UsableCores()));
+                          data::ReadExamples(*spread, input.shape, kStatsSample, UsableCores()));
   TrainingDataStats stats = StatsOf(sample);
   std::vector<int64_t> records;
   stats.count = 0;

@@ -421,7 +421,28 @@ absl::Status CheckClasses(const std::vector<std::string>& classes, const DataCon
   return absl::OkStatus();
 }
 
+class StridedFormat : public DataFormat {
+ public:
+  StridedFormat(const DataFormat& inner, int64_t stride) : inner_(inner), stride_(stride) {}
+  int64_t num_files() const override { return (inner_.num_files() + stride_ - 1) / stride_; }
+  int64_t records(int64_t file) const override { return inner_.records(file * stride_); }
+  std::string file_name(int64_t file) const override { return inner_.file_name(file * stride_); }
+  absl::StatusOr<std::unique_ptr<RecordStream>> Open(int64_t file) const override {
+    return inner_.Open(file * stride_);
+  }
+  const Decoder& decoder() const override { return inner_.decoder(); }
+  int64_t example_floats() const override { return inner_.example_floats(); }
+
+ private:
+  const DataFormat& inner_;
+  const int64_t stride_;
+};
+
 }  // namespace
+
+std::unique_ptr<DataFormat> EveryNthFile(const DataFormat& format, int64_t stride) {
+  return std::make_unique<StridedFormat>(format, std::max<int64_t>(stride, 1));
+}
 
 DataConfig DefaultDataConfig() {
   DataConfig c;

@@ -66,6 +66,11 @@ absl::Status ResolveEvalFiles(const std::string& eval_files, DataConfig* config)
 absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& config,
                                                            const ExampleShape& shape, Split split);
 
+// A view of `format` holding its files 0, stride, 2 * stride, ... (stride
+// >= 1), for samples spread over a data set (an image folder's classes come
+// one after another). `format` outlives the view.
+std::unique_ptr<DataFormat> EveryNthFile(const DataFormat& format, int64_t stride);
+
 // The first `max_examples` examples of `format` (all when negative), in file
 // order, decoded with the evaluation transform on `threads` threads.
 absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShape& shape,

@@ -297,8 +297,14 @@ absl::Status Pipeline::ReadEpoch(int64_t epoch, int64_t position) {
   if (options_.train) Permute(&order, &order_draws);
   EpochRecords records(*format_, std::move(order), options_.train ? options_.shuffle_buffer : 0,
                        MixSeed(epoch_seed, 2), &bad_records_);
+  // Back to `position`: the records of the batches before it are read again
+  // (to fill the shuffle buffer as it was), not decoded.
   Record passed;
   for (int64_t i = 0; i < position * options_.batch; ++i) {
+    if (i % 256 == 0) {
+      absl::MutexLock l(&mu_);
+      if (cancel_) return absl::OkStatus();
+    }
     PSFLOW_RETURN_IF_ERROR(records.Next(&passed));
   }
   for (int64_t p = position; p < batches_per_epoch_; ++p) {
