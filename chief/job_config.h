@@ -40,7 +40,7 @@ struct JobOptions {
   // comma-separated, one value for every channel or one per channel; both
   // empty: one mean and stddev measured on the training data.
   std::string input_mean, input_stddev;
-  int batch_size = 64;                 // per replica
+  int batch_size = 64;  // per replica
   // When positive, the global batch of one step, whatever the number of
   // workers: batch_size becomes global_batch_size / (workers * replicas),
   // which must divide it exactly (strong scaling, as DDP with a fixed global
