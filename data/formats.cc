@@ -54,6 +54,11 @@ absl::StatusOr<std::vector<std::string>> Expand(absl::string_view patterns,
   return paths;
 }
 
+bool IsImageName(const fs::path& p) {
+  const std::string ext = absl::AsciiStrToLower(p.extension().string());
+  return ext == ".jpg" || ext == ".jpeg" || ext == ".png";
+}
+
 bool IsDir(const std::string& path) {
   std::error_code ec;
   return fs::is_directory(path, ec);
@@ -131,71 +136,10 @@ absl::StatusOr<std::string> Recognize(const DataFiles& files, const std::string&
       "train.csv): give --data_format and --train_files"));
 }
 
-// The image files of a folder of class folders, sorted, and their labels.
-struct FolderListing {
-  std::vector<std::string> classes;
-  std::vector<std::string> paths;
-  std::vector<int32_t> labels;
-};
-
-bool IsImageName(const fs::path& p) {
-  const std::string ext = absl::AsciiStrToLower(p.extension().string());
-  return ext == ".jpg" || ext == ".jpeg" || ext == ".png";
-}
-
-absl::StatusOr<FolderListing> ListFolder(const std::string& root) {
-  if (!IsDir(root)) return absl::NotFoundError(absl::StrCat(root, " is not a folder"));
-  FolderListing listing;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
-    if (e.is_directory()) listing.classes.push_back(e.path().filename().string());
-  }
-  if (ec) return absl::InvalidArgumentError(absl::StrCat("cannot list ", root, ": ", ec.message()));
-  std::sort(listing.classes.begin(), listing.classes.end());
-  for (size_t c = 0; c < listing.classes.size(); ++c) {
-    std::vector<std::string> files;
-    for (const fs::directory_entry& e :
-         fs::directory_iterator(fs::path(root) / listing.classes[c], ec)) {
-      if (e.is_regular_file() && IsImageName(e.path())) files.push_back(e.path().string());
-    }
-    std::sort(files.begin(), files.end());
-    for (std::string& f : files) {
-      listing.paths.push_back(std::move(f));
-      listing.labels.push_back(static_cast<int32_t>(c));
-    }
-  }
-  if (listing.paths.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        root, " holds no .jpg, .jpeg or .png image in a class folder (<root>/<class>/<image>)"));
-  }
-  return listing;
-}
-
 absl::StatusOr<CsvFormat> CsvFormatOf(const DataConfig& config) {
-  CsvFormat format;
-  if (config.csv_preset() == "criteo") {
-    format = CriteoFormat();
-  } else if (!config.csv_preset().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--csv_preset '", config.csv_preset(), "' is not criteo"));
-  } else {
-    if (config.csv_columns().empty()) {
-      return absl::InvalidArgumentError(
-          "--csv_columns must say which column is the label (e.g. 'label:label,*:numeric')");
-    }
-    PSFLOW_ASSIGN_OR_RETURN(format.columns, ParseColumns(config.csv_columns()));
-    format.header = config.csv_header();
-    const std::string& d = config.csv_delimiter();
-    if (d == "\\t" || d == "tab") {
-      format.delimiter = '\t';
-    } else if (d.size() == 1) {
-      format.delimiter = d[0];
-    } else if (!d.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--csv_delimiter '", d, "' is not one character (or tab)"));
-    }
-  }
-  return format;
+  return CsvFormatFromFlags(config.csv_preset(), config.csv_columns(),
+                            config.csv_delimiter().empty() ? "," : config.csv_delimiter(),
+                            config.csv_header());
 }
 
 // Counts the records of each file.
@@ -344,15 +288,17 @@ class CsvDecoder : public Decoder {
 // The files of a format, their counts and how to read them.
 class FileFormat : public DataFormat {
  public:
+  // `csv`: the layout of CSV files (parsed once, for every file opened).
   FileFormat(const DataConfig& config, const ExampleShape& shape, std::vector<std::string> paths,
-             std::vector<int64_t> records, std::vector<int32_t> labels)
+             std::vector<int64_t> records, std::vector<int32_t> labels, CsvFormat csv)
       : config_(config),
         shape_(shape),
         paths_(std::move(paths)),
         records_(std::move(records)),
         labels_(std::move(labels)),
         image_decoder_(shape, config, config.format() == kTfRecord),
-        csv_decoder_(shape) {}
+        csv_decoder_(shape),
+        csv_(std::move(csv)) {}
 
   int64_t num_files() const override { return static_cast<int64_t>(paths_.size()); }
   int64_t records(int64_t file) const override { return labels_.empty() ? records_[file] : 1; }
@@ -370,8 +316,7 @@ class FileFormat : public DataFormat {
       return std::unique_ptr<RecordStream>(new ImageFileStream(path, labels_[file]));
     }
     if (config_.format() == kCsv) {
-      PSFLOW_ASSIGN_OR_RETURN(CsvFormat format, CsvFormatOf(config_));
-      PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<CsvReader> reader, CsvReader::Open(path, format));
+      PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<CsvReader> reader, CsvReader::Open(path, csv_));
       return std::unique_ptr<RecordStream>(new CsvStream(std::move(reader)));
     }
     RecordReaderOptions o;
@@ -388,12 +333,12 @@ class FileFormat : public DataFormat {
   const std::vector<int32_t> labels_;  // image folders: each file's class
   const ImageDecoder image_decoder_;
   const CsvDecoder csv_decoder_;
+  const CsvFormat csv_;
 };
 
 // A CSV's numeric columns must make the model's input.
-absl::Status CheckCsvColumns(const DataConfig& config, const std::string& first_file,
+absl::Status CheckCsvColumns(const CsvFormat& format, const std::string& first_file,
                              const ExampleShape& shape) {
-  PSFLOW_ASSIGN_OR_RETURN(CsvFormat format, CsvFormatOf(config));
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<CsvReader> reader, CsvReader::Open(first_file, format));
   int64_t numeric = 0;
   for (const CsvColumn& c : reader->format().columns) numeric += c.type == ColumnType::kNumeric;
@@ -439,6 +384,38 @@ class StridedFormat : public DataFormat {
 };
 
 }  // namespace
+
+absl::StatusOr<ImageFolder> ListImageFolder(const std::string& root) {
+  if (!IsDir(root)) return absl::NotFoundError(absl::StrCat(root, " is not a folder"));
+  ImageFolder listing;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    if (e.is_directory()) listing.classes.push_back(e.path().filename().string());
+  }
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("cannot list ", root, ": ", ec.message()));
+  std::sort(listing.classes.begin(), listing.classes.end());
+  for (size_t c = 0; c < listing.classes.size(); ++c) {
+    std::vector<std::string> files;
+    for (const fs::directory_entry& e :
+         fs::directory_iterator(fs::path(root) / listing.classes[c], ec)) {
+      if (e.is_regular_file() && IsImageName(e.path())) files.push_back(e.path().string());
+    }
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot list ", root, "/", listing.classes[c], ": ", ec.message()));
+    }
+    std::sort(files.begin(), files.end());
+    for (std::string& f : files) {
+      listing.paths.push_back(std::move(f));
+      listing.labels.push_back(static_cast<int32_t>(c));
+    }
+  }
+  if (listing.paths.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        root, " holds no .jpg, .jpeg or .png image in a class folder (<root>/<class>/<image>)"));
+  }
+  return listing;
+}
 
 std::unique_ptr<DataFormat> EveryNthFile(const DataFormat& format, int64_t stride) {
   return std::make_unique<StridedFormat>(format, std::max<int64_t>(stride, 1));
@@ -488,7 +465,7 @@ absl::Status ResolveDataFiles(const DataFiles& files, DataConfig* config) {
     if (roots.size() != 1) {
       return absl::InvalidArgumentError("--train_files: an image folder is one folder");
     }
-    PSFLOW_ASSIGN_OR_RETURN(FolderListing listing, ListFolder(roots[0]));
+    PSFLOW_ASSIGN_OR_RETURN(ImageFolder listing, ListImageFolder(roots[0]));
     config->set_data_dir(roots[0]);
     for (std::string& c : listing.classes) config->add_classes(std::move(c));
     DataFile* f = config->add_train();
@@ -547,7 +524,7 @@ absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& con
                                : (config.train().empty() ? "" : config.train(0).path());
   if (config.format() == kImageFolder) {
     PSFLOW_ASSIGN_OR_RETURN(std::vector<std::string> roots, Expand(root, "the image folder"));
-    PSFLOW_ASSIGN_OR_RETURN(FolderListing listing, ListFolder(roots[0]));
+    PSFLOW_ASSIGN_OR_RETURN(ImageFolder listing, ListImageFolder(roots[0]));
     PSFLOW_RETURN_IF_ERROR(CheckClasses(listing.classes, config, shape, roots[0]));
     if (split == Split::kTrain &&
         static_cast<int64_t>(listing.paths.size()) != config.train(0).records()) {
@@ -567,9 +544,13 @@ absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& con
     }
     if (paths.empty()) return absl::InvalidArgumentError("the job lists no training files");
   }
-  if (config.format() == kCsv) PSFLOW_RETURN_IF_ERROR(CheckCsvColumns(config, paths[0], shape));
-  return std::unique_ptr<DataFormat>(
-      new FileFormat(config, shape, std::move(paths), std::move(records), std::move(labels)));
+  CsvFormat csv;
+  if (config.format() == kCsv) {
+    PSFLOW_ASSIGN_OR_RETURN(csv, CsvFormatOf(config));
+    PSFLOW_RETURN_IF_ERROR(CheckCsvColumns(csv, paths[0], shape));
+  }
+  return std::unique_ptr<DataFormat>(new FileFormat(
+      config, shape, std::move(paths), std::move(records), std::move(labels), std::move(csv)));
 }
 
 absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShape& shape,

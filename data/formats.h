@@ -66,6 +66,17 @@ absl::Status ResolveEvalFiles(const std::string& eval_files, DataConfig* config)
 absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& config,
                                                            const ExampleShape& shape, Split split);
 
+// A folder of class folders (<root>/<class>/<image>.jpg|.jpeg|.png, other
+// files ignored): the classes by sorted folder name, the images sorted by
+// path within a class, each with its class id. NOT_FOUND when root is no
+// folder; INVALID_ARGUMENT when it cannot be listed or holds no image.
+struct ImageFolder {
+  std::vector<std::string> classes;
+  std::vector<std::string> paths;
+  std::vector<int32_t> labels;
+};
+absl::StatusOr<ImageFolder> ListImageFolder(const std::string& root);
+
 // A view of `format` holding its files 0, stride, 2 * stride, ... (stride
 // >= 1), for samples spread over a data set (an image folder's classes come
 // one after another). `format` outlives the view.

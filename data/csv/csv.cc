@@ -725,4 +725,29 @@ absl::StatusOr<int64_t> CountRows(const std::string& path, const CsvFormat& form
   }
 }
 
+absl::StatusOr<CsvFormat> CsvFormatFromFlags(const std::string& preset, const std::string& columns,
+                                             const std::string& delimiter, bool header) {
+  if (preset == "criteo") return CriteoFormat();
+  if (!preset.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--csv_preset '", preset, "' is not criteo"));
+  }
+  if (columns.empty()) {
+    return absl::InvalidArgumentError(
+        "--csv_columns must say which column is the label (e.g. 'label:label,*:numeric'), or "
+        "give --csv_preset");
+  }
+  CsvFormat format;
+  PSFLOW_ASSIGN_OR_RETURN(format.columns, ParseColumns(columns));
+  format.header = header;
+  if (delimiter == "tab" || delimiter == "\\t") {
+    format.delimiter = '\t';
+  } else if (delimiter.size() == 1) {
+    format.delimiter = delimiter[0];
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--csv_delimiter '", delimiter, "' is not one character (or tab)"));
+  }
+  return format;
+}
+
 }  // namespace psflow::data

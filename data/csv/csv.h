@@ -64,6 +64,14 @@ absl::StatusOr<std::vector<CsvColumn>> ParseColumns(absl::string_view spec);
 // "C1".."C26" hex (8 hex digits, hashed by Criteo), any of I and C may be empty.
 CsvFormat CriteoFormat();
 
+// The layout the CSV flags give (--csv_preset, --csv_columns,
+// --csv_delimiter: one character, "tab" or "\\t", --csv_header): the named
+// preset ("criteo"), or the column spec with the delimiter and header.
+// INVALID_ARGUMENT naming the flag: an unknown preset, no columns, a
+// delimiter of another length, and ParseColumns' errors.
+absl::StatusOr<CsvFormat> CsvFormatFromFlags(const std::string& preset, const std::string& columns,
+                                             const std::string& delimiter, bool header);
+
 // Gives format.columns in the header's order, each typed by the spec entry of
 // its name or else by the "*" entry. A header column the spec neither lists
 // nor covers by "*" is an error (new columns in the data are not dropped

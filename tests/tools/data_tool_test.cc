@@ -286,7 +286,7 @@ TEST_F(DataToolTest, CsvRowsBecomeFeaturesOfTheirColumns) {
   o.output = Path("out");
   o.shards = 2;
   o.threads = 2;  // the second writer starts past the first's rows
-  absl::StatusOr<data::CsvFormat> format = CsvFormatOf(
+  absl::StatusOr<data::CsvFormat> format = data::CsvFormatFromFlags(
       "", "label:label,price:numeric,city:categorical,id:hex,title:text,skip:ignore", ",", true);
   ASSERT_TRUE(format.ok()) << format.status();
   o.csv = *format;
@@ -310,18 +310,21 @@ TEST_F(DataToolTest, CsvRowsBecomeFeaturesOfTheirColumns) {
 }
 
 TEST_F(DataToolTest, CsvFormatOfTheFlags) {
-  absl::StatusOr<data::CsvFormat> criteo = CsvFormatOf("criteo", "", ",", true);
+  absl::StatusOr<data::CsvFormat> criteo = data::CsvFormatFromFlags("criteo", "", ",", true);
   ASSERT_TRUE(criteo.ok());
   EXPECT_EQ(criteo->delimiter, '\t');
   EXPECT_FALSE(criteo->header);
   EXPECT_EQ(criteo->columns.size(), 40u);
-  absl::StatusOr<data::CsvFormat> tab = CsvFormatOf("", "y:label,*:numeric", "tab", false);
+  absl::StatusOr<data::CsvFormat> tab =
+      data::CsvFormatFromFlags("", "y:label,*:numeric", "tab", false);
   ASSERT_TRUE(tab.ok());
   EXPECT_EQ(tab->delimiter, '\t');
   EXPECT_FALSE(tab->header);
-  EXPECT_THAT(CsvFormatOf("", "", ",", true).status().message(), HasSubstr("--csv_columns"));
-  EXPECT_THAT(CsvFormatOf("kaggle", "", ",", true).status().message(), HasSubstr("--csv_preset"));
-  EXPECT_THAT(CsvFormatOf("", "y:label", ";;", true).status().message(),
+  EXPECT_THAT(data::CsvFormatFromFlags("", "", ",", true).status().message(),
+              HasSubstr("--csv_columns"));
+  EXPECT_THAT(data::CsvFormatFromFlags("kaggle", "", ",", true).status().message(),
+              HasSubstr("--csv_preset"));
+  EXPECT_THAT(data::CsvFormatFromFlags("", "y:label", ";;", true).status().message(),
               HasSubstr("--csv_delimiter"));
 }
 

@@ -177,30 +177,6 @@ int64_t CountOtherFiles(const std::string& dir, const std::string& prefix,
 
 }  // namespace
 
-absl::StatusOr<data::CsvFormat> CsvFormatOf(const std::string& preset, const std::string& columns,
-                                            const std::string& delimiter, bool header) {
-  if (preset == "criteo") return data::CriteoFormat();
-  if (!preset.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--csv_preset '", preset, "' is not criteo"));
-  }
-  if (columns.empty()) {
-    return absl::InvalidArgumentError(
-        "--from=csv needs --csv_columns (e.g. 'label:label,*:numeric') or --csv_preset");
-  }
-  data::CsvFormat format;
-  PSFLOW_ASSIGN_OR_RETURN(format.columns, data::ParseColumns(columns));
-  format.header = header;
-  if (delimiter == "tab" || delimiter == "\\t") {
-    format.delimiter = '\t';
-  } else if (delimiter.size() == 1) {
-    format.delimiter = delimiter[0];
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--csv_delimiter '", delimiter, "' is not one character (or tab)"));
-  }
-  return format;
-}
-
 std::string ShardName(const std::string& name, int shard, int shards) {
   return absl::StrFormat("%s-%05d-of-%05d", name, shard, shards);
 }

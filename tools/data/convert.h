@@ -49,12 +49,6 @@ struct ConvertSummary {
   int64_t other_files = 0;
 };
 
-// The CSV layout of the --csv_* flags, as data/flags.h reads them:
-// preset "criteo" (CriteoFormat), or `columns` (ParseColumns' spec, required
-// then) with `delimiter` (one character, or "tab") and `header`.
-absl::StatusOr<data::CsvFormat> CsvFormatOf(const std::string& preset, const std::string& columns,
-                                            const std::string& delimiter, bool header);
-
 // The name of shard `shard` of `shards`: "train-00002-of-00010".
 std::string ShardName(const std::string& name, int shard, int shards);
 

@@ -112,7 +112,7 @@ absl::StatusOr<psflow::data_tool::ConvertOptions> ConvertOptionsFromFlags() {
   o.compression = compression == "gzip" ? psflow::data::RecordCompression::kGzip
                                         : psflow::data::RecordCompression::kNone;
   if (o.from == "csv") {
-    absl::StatusOr<psflow::data::CsvFormat> csv = psflow::data_tool::CsvFormatOf(
+    absl::StatusOr<psflow::data::CsvFormat> csv = psflow::data::CsvFormatFromFlags(
         absl::GetFlag(FLAGS_csv_preset), absl::GetFlag(FLAGS_csv_columns),
         absl::GetFlag(FLAGS_csv_delimiter), absl::GetFlag(FLAGS_csv_header));
     if (!csv.ok()) return csv.status();

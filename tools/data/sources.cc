@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
+#include "data/formats.h"
 
 namespace psflow::data_tool {
 namespace {
@@ -143,26 +144,6 @@ class ImageFolderCursor : public ExampleCursor {
 
 absl::StatusOr<std::unique_ptr<ExampleCursor>> ImageFolderSource::NewCursor() const {
   return std::unique_ptr<ExampleCursor>(new ImageFolderCursor(this));
-}
-
-bool IsImageName(const fs::path& p) {
-  const std::string ext = absl::AsciiStrToLower(p.extension().string());
-  return ext == ".jpg" || ext == ".jpeg" || ext == ".png";
-}
-
-// The entries of `dir` for which `keep` holds, sorted by path.
-template <typename Keep>
-absl::StatusOr<std::vector<fs::path>> SortedEntries(const fs::path& dir, Keep keep) {
-  std::vector<fs::path> entries;
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    if (keep(e)) entries.push_back(e.path());
-  }
-  if (ec)
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
-  std::sort(entries.begin(), entries.end());
-  return entries;
 }
 
 // --- csv ---
@@ -316,31 +297,14 @@ absl::StatusOr<std::unique_ptr<ExampleSource>> OpenIdxSource(const std::string& 
 }
 
 absl::StatusOr<std::unique_ptr<ExampleSource>> OpenImageFolderSource(const std::string& root) {
-  std::error_code ec;
-  if (!fs::is_directory(root, ec)) {
-    return absl::NotFoundError(absl::StrCat(root, " is not a folder"));
-  }
-  PSFLOW_ASSIGN_OR_RETURN(
-      std::vector<fs::path> class_dirs,
-      SortedEntries(root, [](const fs::directory_entry& e) { return e.is_directory(); }));
-  std::vector<std::string> classes;
+  PSFLOW_ASSIGN_OR_RETURN(data::ImageFolder folder, data::ListImageFolder(root));
   std::vector<FolderImage> images;
-  for (const fs::path& dir : class_dirs) {
-    PSFLOW_ASSIGN_OR_RETURN(std::vector<fs::path> files,
-                            SortedEntries(dir, [](const fs::directory_entry& e) {
-                              return e.is_regular_file() && IsImageName(e.path());
-                            }));
-    for (const fs::path& f : files) {
-      images.push_back({f.string(), static_cast<int64_t>(classes.size())});
-    }
-    classes.push_back(dir.filename().string());
-  }
-  if (images.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        root, " holds no .jpg, .jpeg or .png image in a class folder (<root>/<class>/<image>)"));
+  images.reserve(folder.paths.size());
+  for (size_t i = 0; i < folder.paths.size(); ++i) {
+    images.push_back({std::move(folder.paths[i]), folder.labels[i]});
   }
   return std::unique_ptr<ExampleSource>(
-      new ImageFolderSource(std::move(classes), std::move(images)));
+      new ImageFolderSource(std::move(folder.classes), std::move(images)));
 }
 
 absl::StatusOr<std::unique_ptr<ExampleSource>> OpenCsvSource(const std::string& path,
