@@ -148,6 +148,11 @@ ABSL_FLAG(
     "skipped steps fail the job as fail does.");
 ABSL_FLAG(int64_t, max_skipped_steps, 100,
           "With --on_nonfinite=skip_step: the most steps a job may skip before it fails.");
+ABSL_FLAG(double, max_gradient_abs, 1e9,
+          "The ps refuse a pushed gradient holding a value of this magnitude or more (finite but "
+          "absurd: it would overflow the weights), as they refuse NaNs and infinities: the push "
+          "fails with INVALID_ARGUMENT and is counted among the ps's refused pushes. 0: no bound "
+          "but finiteness.");
 
 ABSL_FLAG(
     std::string, wire_dtype, "fp32",
@@ -237,6 +242,7 @@ absl::Status JobOptionsFromFlags(JobOptions* o) {
   job.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
   job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
+  job.max_gradient_abs = absl::GetFlag(FLAGS_max_gradient_abs);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
   job.allreduce_bucket_mb = absl::GetFlag(FLAGS_allreduce_bucket_mb);
   job.slice_mb = absl::GetFlag(FLAGS_slice_mb);

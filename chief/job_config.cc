@@ -297,7 +297,8 @@ absl::Status CheckModeAndExchange(const JobOptions& o, int num_ps, JobConfig* jo
   return absl::OkStatus();
 }
 
-// --on_nonfinite, --max_skipped_steps, --wire_dtype and --bn_momentum.
+// --on_nonfinite, --max_skipped_steps, --max_gradient_abs, --wire_dtype and
+// --bn_momentum.
 absl::Status CheckNumerics(const JobOptions& o, JobConfig* job) {
   if (o.on_nonfinite == "fail") {
     job->set_on_nonfinite(JobConfig::FAIL);
@@ -311,6 +312,12 @@ absl::Status CheckNumerics(const JobOptions& o, JobConfig* job) {
     return absl::InvalidArgumentError("--max_skipped_steps must not be negative");
   }
   job->set_max_skipped_steps(o.max_skipped_steps);
+  if (!(o.max_gradient_abs >= 0) || !std::isfinite(o.max_gradient_abs) ||
+      o.max_gradient_abs > std::numeric_limits<float>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_gradient_abs must be 0 (no bound) or a positive float, got ", o.max_gradient_abs));
+  }
+  job->set_max_gradient_abs(static_cast<float>(o.max_gradient_abs));
   const std::string wire = absl::AsciiStrToLower(o.wire_dtype);
   if (wire == "fp32") {
     job->set_wire_dtype(JobConfig::FP32);

@@ -1,6 +1,7 @@
 #include "common/float16.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -198,6 +199,26 @@ bool AnyNonFiniteIn(DataType dtype, const char* in, int64_t n) {
     default:
       return AnyNonFinite(reinterpret_cast<const float*>(in), n);
   }
+}
+
+bool AnyAtOrAboveIn(DataType dtype, const char* in, int64_t n, float limit) {
+  if (!(limit < std::numeric_limits<float>::infinity())) return AnyNonFiniteIn(dtype, in, n);
+  if (dtype != DT_BFLOAT16 && dtype != DT_HALF) {
+    return !AllBelow(reinterpret_cast<const float*>(in), n, limit);
+  }
+  // The least 16-bit magnitude whose value is >= limit: as positive values
+  // (and NaNs above infinity) order as their bits do, a compare of bits.
+  uint16_t least = 0;
+  if (dtype == DT_BFLOAT16) {
+    least = static_cast<uint16_t>((FloatBits(std::fabs(limit)) + 0xffffu) >> 16);
+  } else {
+    least = static_cast<uint16_t>(FloatToHalf(std::fabs(limit)) & 0x7fffu);
+    if (HalfToFloat(least) < std::fabs(limit)) ++least;
+  }
+  const uint16_t* v = reinterpret_cast<const uint16_t*>(in);
+  uint32_t any = 0;
+  for (int64_t i = 0; i < n; ++i) any |= (v[i] & 0x7fffu) >= least;
+  return any != 0;
 }
 
 bool AllBelow(const float* v, int64_t n, float limit) {

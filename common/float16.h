@@ -105,6 +105,10 @@ bool AnyNonFinite(const float* v, int64_t n);
 // DT_HALF) at `in` is a NaN or an infinity, read as they lie (no decoding;
 // `in` aligned to the element's size).
 bool AnyNonFiniteIn(DataType dtype, const char* in, int64_t n);
+// The same for values at or above `limit` in magnitude (NaNs included; an
+// infinite limit is AnyNonFiniteIn). 16-bit values compare exactly: the
+// limit is rounded up to the format's next value.
+bool AnyAtOrAboveIn(DataType dtype, const char* in, int64_t n, float limit);
 // Whether every one of the `n` values at `v` is below `limit` in magnitude
 // (false for a NaN): with limit = WireOverflow(dtype), whether each survives
 // encoding as a finite number. `limit` must be positive (infinity included).

@@ -8,6 +8,7 @@
 #define PSFLOW_COMMON_TENSOR_VIEW_H_
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -51,9 +52,11 @@ struct TensorSink {
   // over chunk by chunk: Finish() still fails unless every byte arrived).
   std::vector<float>* storage = nullptr;
   bool grow = false;
-  // If set: made true when a chunk brings a NaN or an infinity (checked as
-  // each chunk is decoded, while its values are in the cache).
+  // If set: made true when a chunk brings a NaN, an infinity or a value of
+  // magnitude_limit or more (checked as each chunk is decoded, while its
+  // values are in the cache).
   bool* non_finite = nullptr;
+  float magnitude_limit = std::numeric_limits<float>::infinity();
   // Of a slice, its first row within the variable: chunks are matched on
   // name, slot and this (TensorChunk.row_begin).
   int64_t row_begin = 0;

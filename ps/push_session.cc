@@ -14,7 +14,7 @@ absl::Status PushSession::Begin(const PushHeader& header, bool in_place) {
   // A skip push has no data: no sinks, so that a chunk is refused.
   if (!header_.skip()) {
     sinks_ = GradientSinks(*start_.slices, start_.indices, start_.dtype, &grads_,
-                           std::move(start_.buffers), start_.borrow);
+                           std::move(start_.buffers), start_.borrow, start_.magnitude_limit);
   }
   return absl::OkStatus();
 }

@@ -20,14 +20,21 @@
 namespace psflow::ps {
 namespace {
 
-// Whether a pushed gradient holds a NaN or an infinity (found while it was
-// decoded, or looked for now).
-bool NonFinite(const Shard::SliceGradient& g) {
+// Whether a pushed gradient holds a NaN, an infinity or a value of `limit`
+// or more in magnitude (found while it was decoded, or looked for now).
+bool NonFinite(const Shard::SliceGradient& g, float limit) {
   if (g.finite_checked) return g.non_finite;
   if (!g.borrowed.empty()) {
-    return AnyNonFiniteIn(g.borrowed.dtype, static_cast<const char*>(g.borrowed.data), g.count());
+    return AnyAtOrAboveIn(g.borrowed.dtype, static_cast<const char*>(g.borrowed.data), g.count(),
+                          limit);
   }
-  return AnyNonFinite(g.values.data(), static_cast<int64_t>(g.values.size()));
+  return !AllBelow(g.values.data(), static_cast<int64_t>(g.values.size()), limit);
+}
+
+// The bound of a job's pushed values: max_gradient_abs, or none (infinity).
+float MagnitudeLimit(const JobConfig& job) {
+  return job.max_gradient_abs() > 0 ? job.max_gradient_abs()
+                                    : std::numeric_limits<float>::infinity();
 }
 
 // The values of a pushed gradient for the shard to keep (a skip's are
@@ -139,6 +146,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   empty_pushes_.clear();
   step_skipped_ = false;
   job_ = header.job();
+  magnitude_limit_ = MagnitudeLimit(job_);
   halves_dtype_ = wire_copies_ && WireDtypeOf(job_) != DT_FLOAT ? WireDtypeOf(job_) : DT_FLOAT;
   if (halves_dtype_ != DT_FLOAT) {
     for (SliceState& s : slice_) {
@@ -240,6 +248,7 @@ absl::StatusOr<Shard::PushStart> Shard::BeginPush(uint64_t job_id, absl::Span<co
   PSFLOW_ASSIGN_OR_RETURN(start.indices,
                           SliceIndices(asked, static_cast<int>(slices_->size()), "push"));
   start.dtype = WireDtypeOf(job_);
+  start.magnitude_limit = MagnitudeLimit(job_);
   // An asynchronous shard would hold the push until its gradient's round:
   // it copies borrowed values as they come.
   start.borrow = borrow && !skip && !async_;
@@ -263,9 +272,10 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
                                                         std::vector<SliceGradient> grads,
                                                         int64_t read_version) {
   // Outside the lock: it reads every value.
+  const float limit = magnitude_limit_.load();
   int non_finite = -1;
   for (size_t k = 0; k < grads.size() && non_finite < 0; ++k) {
-    if (!grads[k].skip && NonFinite(grads[k])) non_finite = static_cast<int>(k);
+    if (!grads[k].skip && NonFinite(grads[k], limit)) non_finite = static_cast<int>(k);
   }
   absl::MutexLock lock(&mu_);
   PSFLOW_RETURN_IF_ERROR(CheckJobLocked(job_id));
@@ -276,9 +286,13 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   };
   if (non_finite >= 0) {
     ++counters_.refused_pushes;
-    return absl::InvalidArgumentError(
-        absl::StrCat("non-finite gradient for ", name_of(grads[non_finite].slice), " from worker ",
-                     worker, " at step ", step, ": push refused"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "non-finite gradient for ", name_of(grads[non_finite].slice), " from worker ", worker,
+        " at step ", step,
+        job_.max_gradient_abs() > 0
+            ? absl::StrCat(" (or one reaching max_gradient_abs ", job_.max_gradient_abs(), ")")
+            : "",
+        ": push refused"));
   }
   if (!live_workers_.contains(worker)) {
     return absl::FailedPreconditionError(

@@ -84,8 +84,10 @@
 #ifndef PSFLOW_PS_SHARD_H_
 #define PSFLOW_PS_SHARD_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -265,6 +267,8 @@ class Shard {
     std::shared_ptr<const std::vector<SliceSpec>> slices;  // of the job, shared
     std::vector<int> indices;
     DataType dtype = DT_FLOAT;
+    // The job's max_gradient_abs (infinity: none), for the sinks' checks.
+    float magnitude_limit = std::numeric_limits<float>::infinity();
     bool borrow = false;
     std::vector<std::vector<float>> buffers;  // follows indices, or empty
   };
@@ -544,6 +548,9 @@ class Shard {
   // whatever the job id, since Init drops the waiting entries.
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   Counters counters_ ABSL_GUARDED_BY(mu_);
+  // The job's max_gradient_abs (infinity: none), read by PushSlices outside
+  // the lock.
+  std::atomic<float> magnitude_limit_{std::numeric_limits<float>::infinity()};
   // Asynchronous jobs.
   bool async_ ABSL_GUARDED_BY(mu_) = false;
   int64_t staleness_ ABSL_GUARDED_BY(mu_) = -1;  // SSP's bound; -1: none (ASYNC)

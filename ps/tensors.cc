@@ -41,7 +41,8 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
                                       const std::vector<int>& indices, DataType dtype,
                                       std::vector<Shard::SliceGradient>* grads,
-                                      std::vector<std::vector<float>> buffers, bool borrow) {
+                                      std::vector<std::vector<float>> buffers, bool borrow,
+                                      float magnitude_limit) {
   grads->assign(indices.size(), {});
   std::vector<TensorSink> sinks;
   for (size_t k = 0; k < indices.size(); ++k) {
@@ -61,6 +62,7 @@ std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
     }
     sink.storage = &g.values;
     sink.non_finite = &g.non_finite;
+    sink.magnitude_limit = magnitude_limit;
     sink.row_begin = s.row_begin();
     g.finite_checked = true;
     sinks.push_back(std::move(sink));

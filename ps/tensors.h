@@ -6,6 +6,7 @@
 #ifndef PSFLOW_PS_TENSORS_H_
 #define PSFLOW_PS_TENSORS_H_
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -38,11 +39,10 @@ std::vector<TensorSink> InitSinks(const InitHeader& header,
 // shared region, ChunkAssembler::AddInPlace) one chunk after another are
 // left there in `dtype`, checked where they lie: grads[k].borrowed.data
 // points at them.
-std::vector<TensorSink> GradientSinks(const std::vector<SliceSpec>& slices,
-                                      const std::vector<int>& indices, DataType dtype,
-                                      std::vector<Shard::SliceGradient>* grads,
-                                      std::vector<std::vector<float>> buffers = {},
-                                      bool borrow = false);
+std::vector<TensorSink> GradientSinks(
+    const std::vector<SliceSpec>& slices, const std::vector<int>& indices, DataType dtype,
+    std::vector<Shard::SliceGradient>* grads, std::vector<std::vector<float>> buffers = {},
+    bool borrow = false, float magnitude_limit = std::numeric_limits<float>::infinity());
 
 // A skip push's gradients: a skip for each of `indices`, or for every one of
 // `num_slices` slices when `indices` is empty.

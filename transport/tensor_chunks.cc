@@ -198,7 +198,8 @@ absl::StatusOr<ChunkAssembler::Entry*> ChunkAssembler::Check(const TensorChunk& 
 
 void ChunkAssembler::Received(Entry& e, int64_t size, DataType dtype, const char* values,
                               int* completed) {
-  if (e.sink.non_finite != nullptr && AnyNonFiniteIn(dtype, values, size / e.element_bytes)) {
+  if (e.sink.non_finite != nullptr &&
+      AnyAtOrAboveIn(dtype, values, size / e.element_bytes, e.sink.magnitude_limit)) {
     *e.sink.non_finite = true;
   }
   e.received += size;

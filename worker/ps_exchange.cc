@@ -285,7 +285,7 @@ absl::Status PsExchange::RunLanes(int64_t push_step, int64_t min_version, bool s
   round.verdict = verdict;
   round.in_runs = verdict != nullptr && !skip;
   round.pull_early = verdict != nullptr && !buffers_.in_place;
-  round.overflow = WireOverflow(options_.dtype);
+  round.overflow = GradientLimit();
   round.header.set_job_id(job_id());
   round.header.set_worker(options_.push_worker);
   round.header.set_step(push_step);
@@ -660,12 +660,17 @@ void PsExchange::WaitStepQueued() {
   queued_mu_.Await(absl::Condition(&step_queued_));
 }
 
+float PsExchange::GradientLimit() const {
+  const float overflow = WireOverflow(options_.dtype);
+  return options_.max_gradient_abs > 0 ? std::min(overflow, options_.max_gradient_abs) : overflow;
+}
+
 bool PsExchange::LaneFinite(int l) const {
   // A gradient the wire dtype turns into infinity (fp16 from 65520 on) is
   // as diverged as one that already is. (To a replica of an all-reduce job
   // the exchange is fp32: its ring rounds the mean through the wire dtype
   // already, so an fp16 overflow is an infinity by then.)
-  const float overflow = WireOverflow(options_.dtype);
+  const float overflow = GradientLimit();
   for (const TensorRef& r : lanes_[l].refs) {
     if (!WireValuesBelow(r, 0, NumElements(r.shape), overflow)) return false;
   }

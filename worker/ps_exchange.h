@@ -63,6 +63,10 @@ struct PsExchangeOptions {
   // fails on a step that is not finite, and the worker has one device.
   bool push_during_backward = false;
   DataType dtype = DT_FLOAT;  // of pulls and pushes
+  // The job's max_gradient_abs (0: none): a gradient holding a value of it
+  // or more is as diverged as one the wire dtype turns into infinity (the ps
+  // would refuse it), so the step goes to the job's on_nonfinite policy.
+  float max_gradient_abs = 0;
   // Where set (not owned): the lanes' spans, at the step *trace_step.
   StepTrace* trace = nullptr;
   const std::atomic<int64_t>* trace_step = nullptr;
@@ -198,6 +202,9 @@ class PsExchange final : public Exchange {
   // Whether lane `l`'s gradients are finite in the exchange's dtype (what
   // it cannot hold counts as infinite).
   bool LaneFinite(int l) const;
+  // The magnitude a pushed value must stay below: the wire dtype's
+  // overflow, or the job's max_gradient_abs where that is lower.
+  float GradientLimit() const;
   // Whether the step the lanes exchange beside has been queued (pushing
   // during the backward pass, the lanes start before it): a lane queues its
   // uploads only after that, so that each waits for this step's record of

@@ -290,6 +290,7 @@ absl::StatusOr<std::unique_ptr<PsExchange>> Trainer::MakeLanes() {
                            job_.on_nonfinite() == JobConfig::FAIL;
   // Pulls and pushes to a replica (all-reduce) stay in this process: fp32.
   o.dtype = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
+  o.max_gradient_abs = job_.max_gradient_abs();
   o.trace = options_.trace;
   o.trace_step = &trace_step_;
   o.job_id = &job_id_;

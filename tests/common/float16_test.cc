@@ -296,6 +296,33 @@ TEST(AnyNonFinite, FindsANanOrAnInfinityAnywhereAndNothingElse) {
   }
 }
 
+// AnyAtOrAboveIn: for every 16-bit pattern of either format and limits that
+// fall on, between and beyond the format's values, it agrees with
+// !(|decoded| < limit); fp32 the same on chosen values; an infinite limit
+// is the finiteness check.
+TEST(AnyAtOrAboveIn, AgreesWithTheDecodedMagnitude) {
+  for (const DataType dtype : {DT_BFLOAT16, DT_HALF}) {
+    for (const float limit : {1.0f, 1.001f, 3.5f, 1000.0f, 65504.0f, 70000.0f, 1e9f}) {
+      for (uint32_t bits = 0; bits <= 0xffff; ++bits) {
+        const uint16_t h = static_cast<uint16_t>(bits);
+        float decoded = 0;
+        DecodeFloats(dtype, reinterpret_cast<const char*>(&h), 1, &decoded);
+        ASSERT_EQ(AnyAtOrAboveIn(dtype, reinterpret_cast<const char*>(&h), 1, limit),
+                  !(std::fabs(decoded) < limit))
+            << DataType_Name(dtype) << " 0x" << std::hex << bits << " limit " << limit;
+      }
+    }
+  }
+  const std::vector<float> v = {0.5f, -2.0f, 99.9f};
+  const char* in = reinterpret_cast<const char*>(v.data());
+  EXPECT_FALSE(AnyAtOrAboveIn(DT_FLOAT, in, 3, 100.0f));
+  EXPECT_TRUE(AnyAtOrAboveIn(DT_FLOAT, in, 3, 99.9f));
+  EXPECT_TRUE(AnyAtOrAboveIn(DT_FLOAT, in, 3, 2.0f)) << "-2 reaches 2 in magnitude";
+  EXPECT_FALSE(AnyAtOrAboveIn(DT_FLOAT, in, 3, std::numeric_limits<float>::infinity()));
+  const std::vector<float> nan = {1, std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_TRUE(AnyAtOrAboveIn(DT_FLOAT, reinterpret_cast<const char*>(nan.data()), 2, 1e9f));
+}
+
 // AnyNonFiniteIn reads 16-bit values as they lie: for every bit pattern of
 // either format, it agrees with the decoded value's isfinite, alone and
 // anywhere in a run of finite values; for fp32 it is AnyNonFinite.

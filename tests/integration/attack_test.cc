@@ -1,6 +1,7 @@
 // A training cluster on loopback attacked from outside by a client built
 // from psflow's own protos, as anyone who can reach its ports could:
-//   - a push of NaN gradients as live worker 0;
+//   - a push of NaN gradients as live worker 0, and one of 1e30s (finite,
+//     but over --max_gradient_abs);
 //   - a skip push (no data: "my step was not finite") as worker 0, in a job
 //     that fails on non-finite steps, whose workers send none;
 //   - reports with impossible values (a NaN loss, 2^62 examples), and
@@ -77,6 +78,11 @@ class Attacker {
 
   // Worker 0's NaN gradients for the first slice of ps 0.
   grpc::Status NanPush(const PsState& state) {
+    return ValuePush(state, std::numeric_limits<float>::quiet_NaN());
+  }
+
+  // Worker 0's gradients for the first slice of ps 0, every value `value`.
+  grpc::Status ValuePush(const PsState& state, float value) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(Soon()));
     PushResponse response;
@@ -107,8 +113,8 @@ class Attacker {
     chunk->set_name(name);
     chunk->set_dtype(DT_FLOAT);
     for (int64_t d : shape) chunk->add_shape(d);
-    std::vector<float> nan(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN());
-    chunk->set_data(reinterpret_cast<const char*>(nan.data()), nan.size() * sizeof(float));
+    std::vector<float> values(static_cast<size_t>(n), value);
+    chunk->set_data(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
     writer->Write(data);
     writer->WritesDone();
     return writer->Finish();
@@ -336,6 +342,10 @@ TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
     grpc::Status s = attacker.NanPush(state);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr("non-finite"));
+    // Finite but absurd: over the default --max_gradient_abs, refused alike.
+    s = attacker.ValuePush(state, 1e30f);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("max_gradient_abs 1e+09"));
 
     s = attacker.ImpossibleReport(state);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
@@ -368,7 +378,7 @@ TEST_F(AttackTest, NumericAndResourceGuardsHoldWithoutTls) {
   EXPECT_EQ(SavedModelFigures(model_dir), reference);
   EXPECT_THAT(outputs_, HasSubstr("refused a report from worker 0")) << outputs_;
   EXPECT_THAT(outputs_, HasSubstr("refused a stream of")) << outputs_;
-  EXPECT_THAT(outputs_, HasSubstr("refused pushes 1")) << outputs_;
+  EXPECT_THAT(outputs_, HasSubstr("refused pushes 2")) << outputs_;  // the NaNs and the 1e30s
   EXPECT_THAT(outputs_, ::testing::ContainsRegex("ps0\\] refused a push of .*non-finite gradient"))
       << outputs_;
 }

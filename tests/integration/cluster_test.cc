@@ -1112,6 +1112,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                              "checkpoint_every_secs",
                              "on_nonfinite",
                              "max_skipped_steps",
+                             "max_gradient_abs",
                              "keep_checkpoints",
                              "worker_timeout",
                              "eval_every_steps",

@@ -424,6 +424,32 @@ TEST(ShardSkipTest, ASkipPushBeginsOnlyInAJobThatSkipsSteps) {
   EXPECT_EQ(shard.stats().refused_pushes, 0);
 }
 
+// --max_gradient_abs: a finite gradient holding a value of the bound or more
+// in magnitude is refused and counted as a NaN is, through either check (the
+// decoding sinks' and the shard's own); values below it apply.
+TEST(ShardBoundTest, AGradientReachingMaxGradientAbsIsRefusedAndCounted) {
+  Shard shard;
+  InitHeader h = Header(OptimizerConfig::SGD, 0.5f);
+  h.mutable_job()->set_max_gradient_abs(100);
+  ASSERT_TRUE(shard.Init(h, Values()).ok());
+  absl::StatusOr<Shard::PushStart> start = shard.BeginPush(kJob, {}, false, false);
+  ASSERT_TRUE(start.ok()) << start.status();
+  EXPECT_EQ(start->magnitude_limit, 100);  // what the sinks check while decoding
+  for (float bad : {100.0f, -1e30f}) {
+    std::vector<std::vector<float>> g = Grads(1);
+    g[1][2] = bad;
+    absl::StatusOr<PushResponse::Outcome> r = shard.Push(kJob, 0, 0, g);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_THAT(std::string(r.status().message()),
+                HasSubstr("'b' from worker 0 at step 0 (or one reaching max_gradient_abs 100)"));
+  }
+  EXPECT_EQ(shard.stats().refused_pushes, 2);
+  // Below the bound: applied.
+  EXPECT_EQ(shard.Push(kJob, 0, 0, Grads(16)).value(), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.Push(kJob, 1, 0, Grads(-16)).value(), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.stats().version, 1);
+}
+
 // A worker whose step was not finite pushes skips (--on_nonfinite=skip_step):
 // the step passes with no update, optimizer state included, and the next
 // step applies as usual.
