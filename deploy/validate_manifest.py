@@ -88,12 +88,24 @@ def volume_at(pod, container, path):
     return volumes.get(mount.get("name"), {}), mount
 
 
+def insecure(args):
+    """Whether args hold --insecure (true)."""
+    return any(a in ("--insecure", "--insecure=true", "--insecure=1") for a in args)
+
+
 def security_problems(role, pod, container):
     """The security flags of one container: all TLS flags or none, each file
-    on a Secret mounted read-only. Returns (flags given, problems)."""
+    on a Secret mounted read-only, and at least one of TLS and the token
+    where the role listens (on its pod's address: beyond loopback, where a
+    role without either exits 1 unless given --insecure; a TFJob's Evaluator
+    listens on nothing). Returns (flags given, problems)."""
     args = args_of(container)
     given = {f: flag_value(args, f) for f in SECURITY_FLAGS if flag_value(args, f)}
     problems = []
+    if not given and role != "Evaluator" and not insecure(args):
+        problems.append(f"{role}: neither mutual TLS (--tls_cert, --tls_key, --tls_ca) nor --auth_token_file: "
+                        "psflow refuses to listen on a pod's address in plaintext without a token (it exits 1; "
+                        "--insecure accepts that)")
     tls = [f for f in TLS_FLAGS if f in given]
     if tls and len(tls) != len(TLS_FLAGS):
         problems.append(f"{role}: mutual TLS needs all of --tls_cert, --tls_key and --tls_ca")

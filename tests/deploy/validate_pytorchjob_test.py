@@ -200,6 +200,14 @@ class ValidatePytorchjobTest(unittest.TestCase):
             c = container(j, "Worker")
             c["args"] = [a for a in c["args"] if not a.startswith(("--tls_", "--auth_token_file"))]
         self.assertProblem(plaintext, "every replica needs the same security flags")
+        self.assertProblem(plaintext, "Worker: neither mutual TLS (--tls_cert, --tls_key, --tls_ca) nor "
+                                      "--auth_token_file")
+        def plaintext_insecure(j):
+            for role in ("Master", "Worker"):
+                c = container(j, role)
+                c["args"] = [a for a in c["args"] if not a.startswith(("--tls_", "--auth_token_file"))]
+                c["args"].append("--insecure")
+        self.assertEqual(self.problems_of(plaintext_insecure), [])
         def writable(j):
             for m in container(j, "Master")["volumeMounts"]:
                 m.pop("readOnly", None)

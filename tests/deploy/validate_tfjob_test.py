@@ -176,6 +176,18 @@ class ValidateTfjobTest(unittest.TestCase):
             c = pod(j, "Worker")["containers"][0]
             c["args"] = [a for a in c["args"] if not a.startswith(("--tls_", "--auth_token_file"))]
         self.assertTrue(any("same security flags" in p for p in self.problems_of(worker_in_plaintext)))
+        # Every replica in plaintext without a token: each that listens would exit 1.
+        def all_in_plaintext(j, extra=()):
+            for role in j["spec"]["tfReplicaSpecs"]:
+                c = pod(j, role)["containers"][0]
+                c["args"] = [a for a in c["args"] if not a.startswith(("--tls_", "--auth_token_file"))]
+                c["args"] += list(extra)
+        problems = self.problems_of(all_in_plaintext)
+        self.assertTrue(any(": PS: neither mutual TLS" in p for p in problems), problems)
+        self.assertTrue(any(": Worker: neither mutual TLS" in p for p in problems), problems)
+        self.assertFalse(any(": Evaluator: neither" in p for p in problems), problems)
+        problems = self.problems_of(lambda j: all_in_plaintext(j, ["--insecure"]))
+        self.assertFalse(any("neither mutual TLS" in p for p in problems), problems)
         def no_key(j):
             c = pod(j, "PS")["containers"][0]
             c["args"] = [a for a in c["args"] if not a.startswith("--tls_key")]
