@@ -48,6 +48,13 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "carries it and every server refuses calls without it, or with another, as "
           "UNAUTHENTICATED (counted and logged). With or without TLS; without TLS it travels in "
           "plaintext. Default: no token.");
+ABSL_FLAG(bool, insecure, false,
+          "Allow listening beyond loopback (any address but 127.0.0.0/8 and ::1; a DNS name "
+          "other than localhost means every interface) in plaintext without a job token. "
+          "Without it a process that would do so exits 1 at once: anyone who reaches such a port "
+          "could act as a member (push gradients, stop the job). Give --tls_cert/--tls_key/"
+          "--tls_ca or --auth_token_file instead where you can. Loopback needs neither; the "
+          "--metrics_port server (read-only HTTP) is not affected.");
 ABSL_FLAG(int, metrics_port, 0,
           "Serve Prometheus metrics (text format 0.0.4) over HTTP at "
           "http://0.0.0.0:<port>/metrics. 0: no metrics server (a local cluster runs many "
@@ -120,7 +127,8 @@ int RunRole(const std::function<absl::Status()>& run, const std::function<void(i
   return FinishOrIdle(code, terminated);
 }
 
-SecurityOptions LoadSecurityOrExit(Role role) {
+SecurityOptions LoadSecurityOrExit(const ClusterConfig& config) {
+  const Role role = config.role;
   SecurityFiles files;
   files.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   files.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -129,6 +137,13 @@ SecurityOptions LoadSecurityOrExit(Role role) {
   absl::StatusOr<SecurityOptions> security = LoadSecurityOptions(files);
   absl::Status s = security.ok() ? CheckOwnCertificate(*security, role) : security.status();
   if (!s.ok()) std::exit(FlagError(role, s.message()));
+  security->insecure = absl::GetFlag(FLAGS_insecure);
+  // Before anything is built or bound: StartServer checks again, too late
+  // for a clear exit before a ps or worker has loaded its data.
+  if (config.self_port > 0) {
+    s = CheckListenSecurity(config.self_address, *security);
+    if (!s.ok()) std::exit(FlagError(role, s.message()));
+  }
   if (security->tls() || !security->token.empty()) {
     PSLOG(INFO) << DescribeSecurity(*security, role);
   } else {

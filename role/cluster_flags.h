@@ -1,7 +1,7 @@
 // The command-line flags every role binary shares (--job_name, --task_id,
 // --task_index, --chief_hosts, --ps_hosts, --worker_hosts, --evaluator_hosts,
 // --exit_when_done, --metrics_port, and the security flags --tls_cert,
-// --tls_key, --tls_ca, --auth_token_file),
+// --tls_key, --tls_ca, --auth_token_file, --insecure),
 // and the start-up every main.cc runs: parse flags with --help covering the
 // shared flags, then resolve the cluster configuration or exit 1 with one line.
 #ifndef PSFLOW_ROLE_CLUSTER_FLAGS_H_
@@ -57,10 +57,12 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
 ClusterConfig ResolveClusterOrExit(Role role);
 
 // Reads the files of the security flags and checks this process's
-// certificate for `role`; on error prints "<binary>: <problem>" and exits 1.
-// Logs one line saying what protects this process (a warning when nothing
-// does). Call after SetLogTag.
-SecurityOptions LoadSecurityOrExit(Role role);
+// certificate for its role; where it listens (config.self_port > 0), checks
+// that it may listen there as secured (CheckListenSecurity: beyond loopback
+// only with TLS, a token or --insecure). On error prints "<binary>:
+// <problem>" and exits 1. Logs one line saying what protects this process (a
+// warning when nothing does). Call after SetLogTag.
+SecurityOptions LoadSecurityOrExit(const ClusterConfig& config);
 
 }  // namespace psflow
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -60,6 +61,9 @@ std::string ListenAddress(const std::string& self_address) {
   int port = 0;
   if (!ParseHostPort(self_address, &host, &port).ok()) return self_address;
   const std::string any = absl::StrCat("0.0.0.0:", port);
+  // "localhost" means this machine to every caller; listening beyond
+  // loopback for it would surprise, and would need security it does not.
+  if (absl::EqualsIgnoreCase(host, "localhost")) return absl::StrCat("127.0.0.1:", port);
   // An IP address of this machine is one a socket can bind to.
   sockaddr_storage addr{};
   socklen_t len = 0;
@@ -82,6 +86,31 @@ std::string ListenAddress(const std::string& self_address) {
   ::close(fd);
   if (!local) return any;
   return family == AF_INET6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+}
+
+bool IsLoopbackListenAddress(const std::string& listen_address) {
+  std::string host;
+  int port = 0;
+  if (!ParseHostPort(listen_address, &host, &port).ok()) return false;
+  in_addr v4{};
+  if (::inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, host.c_str(), &v6) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+  // ::ffff:127.x.x.x, an IPv4 loopback address in IPv6 form.
+  return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+}
+
+absl::Status CheckListenSecurity(const std::string& self_address, const SecurityOptions& security) {
+  if (security.tls() || !security.token.empty() || security.insecure) return absl::OkStatus();
+  const std::string listen = ListenAddress(self_address);
+  if (IsLoopbackListenAddress(listen)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to listen on ", listen,
+      listen == self_address ? "" : absl::StrCat(" (for ", self_address, ")"),
+      " in plaintext without a job token: anyone who reaches the port could act as a member. "
+      "Give --tls_cert, --tls_key and --tls_ca (scripts/make-certs.sh makes them) or "
+      "--auth_token_file, or --insecure to accept that"));
 }
 
 std::vector<int> FreePorts(const std::string& host, int n) {
@@ -119,6 +148,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
   std::string host;
   int port = 0;
   if (absl::Status s = ParseHostPort(self_address, &host, &port); !s.ok()) return s;
+  if (absl::Status s = CheckListenSecurity(self_address, security); !s.ok()) return s;
   // A process-wide switch that servers built from now on read.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

@@ -45,9 +45,23 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, Role peer
 
 // Where a member whose cluster address is `self_address` listens: that
 // address itself where its host is an IP address of this machine
-// (127.0.0.1:2222 stays on loopback), all interfaces (0.0.0.0:port)
-// otherwise, as for a DNS name.
+// (127.0.0.1:2222 stays on loopback), 127.0.0.1 for the name "localhost"
+// (which names nothing beyond this machine), all interfaces (0.0.0.0:port)
+// otherwise, as for any other DNS name.
 std::string ListenAddress(const std::string& self_address);
+
+// Whether `listen_address` (as ListenAddress returns it) is on loopback only:
+// 127.0.0.0/8 or ::1 (also written ::ffff:127.x.x.x). 0.0.0.0, any other
+// address, and anything that does not parse are not.
+bool IsLoopbackListenAddress(const std::string& listen_address);
+
+// Secure by default: a member that would listen beyond loopback (by
+// ListenAddress(self_address)) needs TLS or a job token, or
+// `security.insecure`, the operator's word that anyone who reaches the port
+// may act as a member. FAILED_PRECONDITION with one line naming the address
+// and the flags that fix it; OK otherwise. Reads no socket: it runs before
+// anything listens.
+absl::Status CheckListenSecurity(const std::string& self_address, const SecurityOptions& security);
 
 // `n` distinct TCP ports that were free on `host` (an IPv4 address) a moment
 // ago, bound all at once while picking; fewer if no more could be bound.
@@ -57,7 +71,8 @@ std::vector<int> FreePorts(const std::string& host, int n);
 // limits, without SO_REUSEPORT (a port another process holds is an error,
 // never shared), secured as `security` says: every call of every service
 // passes a CallGate first (the token; with TLS, `callers`). UNAVAILABLE
-// naming the port if it cannot listen there. The server also answers the
+// naming the port if it cannot listen there; CheckListenSecurity's
+// FAILED_PRECONDITION, before anything is bound, where it may not. The server also answers the
 // standard gRPC health service (grpc.health.v1.Health; through the gate like
 // every service): the server as a whole (service "") starts NOT_SERVING, for
 // its role to declare ready (Readiness below), and service kLivenessService

@@ -48,6 +48,9 @@ struct SecurityOptions {
   std::string ca_pem;    // the CA that signs every member's certificate
   // The job token; empty: calls carry none and servers ask for none.
   std::string token;
+  // --insecure: a server without TLS and without a token may listen beyond
+  // loopback (CheckListenSecurity in transport/grpc_util.h). Secures nothing.
+  bool insecure = false;
 
   bool tls() const { return !ca_pem.empty(); }
 };

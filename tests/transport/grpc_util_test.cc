@@ -46,12 +46,73 @@ int FreePort() {
 TEST(ListenAddressTest, OwnAddressWhereLocalElseAllInterfaces) {
   EXPECT_EQ(ListenAddress("127.0.0.1:2222"), "127.0.0.1:2222");
   EXPECT_EQ(ListenAddress("0.0.0.0:2222"), "0.0.0.0:2222");
-  // A DNS name (even one of this machine) and an address of another machine.
-  EXPECT_EQ(ListenAddress("localhost:2222"), "0.0.0.0:2222");
+  // "localhost" names this machine only: loopback.
+  EXPECT_EQ(ListenAddress("localhost:2222"), "127.0.0.1:2222");
+  EXPECT_EQ(ListenAddress("LocalHost:2222"), "127.0.0.1:2222");
+  // Another DNS name (even one of this machine) and an address of another machine.
+  EXPECT_EQ(ListenAddress("localhost.example:2222"), "0.0.0.0:2222");
   EXPECT_EQ(ListenAddress("psflow-ps-0.psflow-ps:2222"), "0.0.0.0:2222");
   EXPECT_EQ(ListenAddress("192.0.2.1:2222"), "0.0.0.0:2222");  // TEST-NET-1
   const std::string v6 = ListenAddress("[::1]:2222");
   EXPECT_TRUE(v6 == "[::1]:2222" || v6 == "0.0.0.0:2222") << v6;  // hosts without IPv6
+}
+
+TEST(IsLoopbackListenAddressTest, OnlyLoopbackAddresses) {
+  for (const char* address : {"127.0.0.1:2222", "127.1.2.3:1", "127.255.255.255:65535",
+                              "[::1]:2222", "[0:0:0:0:0:0:0:1]:2222", "[::ffff:127.0.0.1]:2222"}) {
+    EXPECT_TRUE(IsLoopbackListenAddress(address)) << address;
+  }
+  for (const char* address :
+       {"0.0.0.0:2222", "[::]:2222", "10.0.0.1:2222", "128.0.0.1:2222", "126.255.255.255:2222",
+        "192.0.2.1:2222", "[::2]:2222", "[::ffff:10.0.0.1]:2222", "localhost:2222",
+        "psflow-ps-0:2222", "127.0.0.1", "", "garbage"}) {
+    EXPECT_FALSE(IsLoopbackListenAddress(address)) << address;
+  }
+}
+
+// Beyond loopback, plaintext without a token needs --insecure.
+TEST(CheckListenSecurityTest, BeyondLoopbackNeedsTlsATokenOrInsecure) {
+  const SecurityOptions plaintext;
+  EXPECT_TRUE(CheckListenSecurity("127.0.0.1:2222", plaintext).ok());
+  EXPECT_TRUE(CheckListenSecurity("127.0.0.2:2222", plaintext).ok());
+  EXPECT_TRUE(CheckListenSecurity("localhost:2222", plaintext).ok());
+
+  const absl::Status by_name = CheckListenSecurity("psflow-ps-0.psflow-ps:2222", plaintext);
+  EXPECT_TRUE(absl::IsFailedPrecondition(by_name)) << by_name;
+  EXPECT_THAT(std::string(by_name.message()),
+              ::testing::StartsWith(
+                  "refusing to listen on 0.0.0.0:2222 (for psflow-ps-0.psflow-ps:2222) in "
+                  "plaintext without a job token"));
+  EXPECT_THAT(std::string(by_name.message()), ::testing::HasSubstr("--auth_token_file"));
+  EXPECT_THAT(std::string(by_name.message()), ::testing::HasSubstr("--insecure"));
+  EXPECT_EQ(std::string(by_name.message()).find('\n'), std::string::npos);
+  const absl::Status any = CheckListenSecurity("0.0.0.0:2222", plaintext);
+  EXPECT_TRUE(absl::IsFailedPrecondition(any)) << any;
+  EXPECT_THAT(std::string(any.message()),
+              ::testing::StartsWith("refusing to listen on 0.0.0.0:2222 in plaintext"));
+  // An address of another machine (listened for on every interface).
+  EXPECT_TRUE(absl::IsFailedPrecondition(CheckListenSecurity("192.0.2.1:2222", plaintext)));
+
+  SecurityOptions token;
+  token.token = "a-token";
+  EXPECT_TRUE(CheckListenSecurity("0.0.0.0:2222", token).ok());
+  SecurityOptions tls;  // only whether there is TLS matters here
+  tls.ca_pem = "-----BEGIN CERTIFICATE-----";
+  EXPECT_TRUE(CheckListenSecurity("0.0.0.0:2222", tls).ok());
+  SecurityOptions insecure;
+  insecure.insecure = true;
+  EXPECT_TRUE(CheckListenSecurity("0.0.0.0:2222", insecure).ok());
+}
+
+// StartServer makes the same check, before anything is bound.
+TEST(CheckListenSecurityTest, StartServerRefusesPlaintextBeyondLoopback) {
+  ParameterServer::Service service;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      StartServer(absl::StrCat("psflow-ps-0.psflow-ps:", FreePort()), &service, SecurityOptions{});
+  ASSERT_FALSE(server.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(server.status())) << server.status();
+  EXPECT_THAT(std::string(server.status().message()),
+              ::testing::HasSubstr("refusing to listen on 0.0.0.0:"));
 }
 
 constexpr char kShutdown[] = "/psflow.ParameterServer/Shutdown";
