@@ -1069,7 +1069,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
   auto role = [](std::vector<std::string> own) {
     for (const char* flag : {"job_name", "task_id", "task_index", "chief_hosts", "ps_hosts",
                              "worker_hosts", "evaluator_hosts", "exit_when_done", "tls_cert",
-                             "tls_key", "tls_ca", "auth_token_file", "metrics_port"}) {
+                             "tls_key", "tls_ca", "auth_token_file", "insecure", "metrics_port"}) {
       own.push_back(flag);
     }
     return own;
@@ -1130,7 +1130,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
       {"psflow-launch",
        {"ps", "workers", "evaluators", "evaluator_device", "host", "bin_dir", "grace_seconds",
         "restart", "worker_devices", "worker_args", "ps_args", "max_restarts", "tls_dir",
-        "metrics_base_port"}},
+        "token_file", "metrics_base_port"}},
       {"psflow-eval",
        {"saved_model", "data_dir", "data_format", "eval_files", "image_key", "label_key",
         "label_offset", "resize_shorter", "csv_columns", "csv_delimiter", "csv_header",

@@ -2,9 +2,16 @@
 // 127.0.0.1 with certificates from scripts/make-certs.sh, probed by clients in
 // this process that lack a certificate, hold one of another CA, lack the
 // token or hold a worker's certificate; the token alone; plaintext by
-// default; where a role listens; bad security flags.
+// default on loopback, and a refusal beyond it; where a role listens;
+// psflow-launch's job token; bad security flags.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -33,6 +40,7 @@ namespace psflow::itest {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::SizeIs;
 using testing_certs::MakeCerts;
 using testing_certs::Options;
@@ -294,9 +302,9 @@ std::vector<std::string> ListeningAddresses(int port) {
   return found;
 }
 
-// Without security flags a role runs in plaintext and says so in one line. It
-// listens on its own address where that is an IP address of this machine
-// (127.0.0.1 stays on loopback), on all interfaces for a DNS name.
+// Without security flags a role on loopback runs in plaintext and says so in
+// one line. It listens on its own address where that is an IP address of this
+// machine (127.0.0.1 stays on loopback), and on 127.0.0.1 for "localhost".
 TEST_F(SecureClusterTest, PlaintextByDefaultListeningOnItsOwnAddressWhereLocal) {
   std::vector<int> ports = FreePorts(4);
   ASSERT_THAT(ports, SizeIs(4));
@@ -318,9 +326,191 @@ TEST_F(SecureClusterTest, PlaintextByDefaultListeningOnItsOwnAddressWhereLocal) 
 
   auto by_name = ps("localhost");
   ASSERT_TRUE(by_name->WaitForOutput("listening on", seconds(30))) << by_name->Describe();
-  EXPECT_EQ(ListeningAddresses(ports[1]), std::vector<std::string>{"any"});
+  EXPECT_EQ(ListeningAddresses(ports[1]), std::vector<std::string>{"127.0.0.1"});
   by_name->Signal(SIGTERM);
   by_name->WaitOrKill(seconds(20));
+}
+
+// A DNS name no resolver knows: a member listens for it on every interface
+// (ListenAddress), without the name ever being looked up.
+constexpr char kNameBeyondLoopback[] = "psflow-member.invalid";
+
+// Secure by default: each role that would listen beyond loopback (for a DNS
+// name other than localhost, or 0.0.0.0) in plaintext without a job token
+// exits 1 at once with one line naming the address and the flags that fix
+// it. The check comes before anything is bound: the line is the process's
+// only output.
+TEST_F(SecureClusterTest, RefusesToListenBeyondLoopbackInPlaintextWithoutAToken) {
+  std::vector<int> ports = FreePorts(4);
+  ASSERT_THAT(ports, SizeIs(4));
+  struct Case {
+    std::string role;
+    int self;  // the index in `ports` of its own address
+    std::string host;
+  };
+  const std::vector<Case> cases = {{"ps", 1, kNameBeyondLoopback},
+                                   {"ps", 1, "0.0.0.0"},
+                                   {"worker", 2, kNameBeyondLoopback},
+                                   {"chief", 0, kNameBeyondLoopback},
+                                   {"evaluator", 3, kNameBeyondLoopback}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.role + " on " + c.host);
+    std::vector<std::string> hosts;
+    for (int i = 0; i < 4; ++i) {
+      hosts.push_back(i == c.self ? c.host + ":" + std::to_string(ports[i]) : Addr(ports[i]));
+    }
+    const std::string self = hosts[c.self];
+    std::vector<std::string> args = {"--job_name=" + c.role,       "--task_id=0",
+                                     "--chief_hosts=" + hosts[0],  "--ps_hosts=" + hosts[1],
+                                     "--worker_hosts=" + hosts[2], "--evaluator_hosts=" + hosts[3]};
+    if (c.role == "chief") args.push_back("--model_dir=" + dir_ + "/model");
+    RunResult r = RunProcess(Bin("psflow-" + c.role), args, {}, seconds(10));
+    EXPECT_EQ(r.exit_code, 1) << r.description;
+    EXPECT_LT(r.seconds, 5.0) << r.description;
+    EXPECT_EQ(r.out, "") << r.description;
+    EXPECT_THAT(Lines(r.err), SizeIs(1)) << r.description;
+    const std::string listen = "0.0.0.0:" + std::to_string(ports[c.self]);
+    EXPECT_THAT(r.err, HasSubstr("psflow-" + c.role + ": refusing to listen on " + listen +
+                                 (c.host == "0.0.0.0" ? "" : " (for " + self + ")") +
+                                 " in plaintext without a job token"))
+        << r.description;
+    EXPECT_THAT(r.err, HasSubstr("--tls_cert, --tls_key and --tls_ca")) << r.description;
+    EXPECT_THAT(r.err, HasSubstr("--auth_token_file, or --insecure")) << r.description;
+  }
+}
+
+// --insecure, or a job token, lets a role past that check to listen on every
+// interface, the plaintext warning line staying for --insecure. So that no
+// address beyond loopback is ever bound here, the test holds the port on
+// 127.0.0.1: the ps's bind on every interface then fails, which shows it got
+// past the check ("cannot listen on port P" instead of the refusal).
+TEST_F(SecureClusterTest, InsecureOrATokenPassesTheCheckBeyondLoopback) {
+  std::vector<int> ports = FreePorts(3);
+  ASSERT_THAT(ports, SizeIs(3));
+  const int held = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(held, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(ports[1]));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(held, 1), 0);
+  const std::string token_file = dir_ + "/token";
+  std::ofstream(token_file) << "a-job-token-of-this-test\n";
+  const std::string self = std::string(kNameBeyondLoopback) + ":" + std::to_string(ports[1]);
+  for (const std::string& flag : {std::string("--insecure"), "--auth_token_file=" + token_file}) {
+    SCOPED_TRACE(flag);
+    RunResult r = RunProcess(Bin("psflow-ps"),
+                             {"--job_name=ps", "--task_id=0", "--chief_hosts=" + Addr(ports[0]),
+                              "--ps_hosts=" + self, "--worker_hosts=" + Addr(ports[2]), flag},
+                             {}, seconds(10));
+    EXPECT_EQ(r.exit_code, 1) << r.description;
+    EXPECT_THAT(r.output, Not(HasSubstr("refusing to listen"))) << r.description;
+    EXPECT_THAT(r.output, HasSubstr("cannot listen on port " + std::to_string(ports[1]) +
+                                    " (0.0.0.0:" + std::to_string(ports[1]) + ")"))
+        << r.description;
+    EXPECT_EQ(CountLines(r.output, "security: none (plaintext, no job token)"),
+              flag == "--insecure" ? 1 : 0)
+        << r.description;
+  }
+  ::close(held);
+}
+
+// psflow-launch gives every cluster a job token of its own: a random one, in
+// a file only its owner may read (in a private directory), that every
+// process gets as --auth_token_file. A call without it (as from another user
+// of this machine) is refused UNAUTHENTICATED while the job trains; the file
+// goes with the launcher, stopped here as Ctrl-C stops it.
+TEST_F(SecureClusterTest, LaunchedClusterRunsWithAGeneratedToken) {
+  Process launch(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=1", "--", "--model=mlp", "--train_steps=1000000",
+                  "--log_every_steps=50", "--compute_threads=1", "--model_dir=" + dir_ + "/model"});
+  ASSERT_TRUE(launch.WaitForOutput("chief] step 50/1000000 ", seconds(120))) << launch.Describe();
+  std::smatch m;
+  const std::string out = launch.output();
+  ASSERT_TRUE(
+      std::regex_search(out, m,
+                        std::regex(R"(\[launch\] the cluster runs with a job token generated )"
+                                   R"(for it, in (\S+) \(removed at exit\))")))
+      << launch.Describe();
+  const std::string token_file = m[1].str();
+  struct stat st {};
+  ASSERT_EQ(::stat(token_file.c_str(), &st), 0) << token_file;
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  const std::string token_dir = std::filesystem::path(token_file).parent_path().string();
+  ASSERT_EQ(::stat(token_dir.c_str(), &st), 0) << token_dir;
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  std::ifstream in(token_file);
+  std::string token;
+  in >> token;
+  EXPECT_THAT(token, ::testing::MatchesRegex("[0-9a-f]{64}"));
+
+  // Every member (chief, ps0, worker0) has the token file.
+  const auto [chief, ps0] = LaunchAddresses(out);
+  ASSERT_NE(ps0, "") << launch.Describe();
+  std::vector<pid_t> members = FindProcesses("--chief_hosts=" + chief);
+  std::vector<pid_t> with_token = FindProcesses("--auth_token_file=" + token_file);
+  std::sort(members.begin(), members.end());
+  std::sort(with_token.begin(), with_token.end());
+  EXPECT_THAT(members, SizeIs(3));
+  EXPECT_EQ(with_token, members);
+
+  EXPECT_TRUE(
+      HasCode(PsProbe(ps0, SecurityOptions{}).GetState(), grpc::StatusCode::UNAUTHENTICATED));
+  EXPECT_TRUE(
+      HasCode(PsProbe(ps0, SecurityOptions{}).Shutdown(), grpc::StatusCode::UNAUTHENTICATED));
+  SecurityOptions with_the_token;
+  with_the_token.token = token;
+  PsState state;
+  grpc::Status s = PsProbe(ps0, with_the_token).GetState(&state);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(state.holds_job());
+  EXPECT_TRUE(launch.running()) << "the job ended before the probes did\n" << launch.Describe();
+
+  launch.Signal(SIGTERM);
+  EXPECT_EQ(launch.WaitOrKill(seconds(60)), 128 + SIGTERM) << launch.Describe();
+  EXPECT_EQ(CountLines(launch.output(), "ps0] security: a job token on every call"), 1)
+      << launch.Describe();
+  EXPECT_THAT(launch.output(),
+              HasSubstr("ps0] refused a call to /psflow.ParameterServer/GetState: UNAUTHENTICATED"))
+      << launch.Describe();
+  EXPECT_FALSE(std::filesystem::exists(token_file));
+  EXPECT_FALSE(std::filesystem::exists(token_dir));
+}
+
+// psflow-launch --token_file names the token's file and keeps it after the
+// run (for clients from outside); with a --tls_dir that holds a token it is
+// refused with one line.
+TEST_F(SecureClusterTest, LaunchTokenFileIsKeptAndExclusiveWithTheTlsDirsToken) {
+  const std::string token_file = dir_ + "/job.token";
+  // The chief refuses its flags at once; the cluster stops.
+  RunResult r =
+      RunProcess(Bin("psflow-launch"),
+                 {"--ps=1", "--workers=1", "--token_file=" + token_file, "--", "--no_such_flag"},
+                 {}, seconds(60));
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_THAT(r.output, HasSubstr("in " + token_file + " (kept: --token_file)")) << r.description;
+  struct stat st {};
+  ASSERT_EQ(::stat(token_file.c_str(), &st), 0) << r.description;
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::ifstream in(token_file);
+  std::string token;
+  in >> token;
+  EXPECT_THAT(token, ::testing::MatchesRegex("[0-9a-f]{64}"));
+
+  const std::string tls = dir_ + "/tls";  // only the names matter before anything starts
+  std::filesystem::create_directories(tls);
+  for (const char* name : {"ca.crt", "chief.crt", "chief.key", "ps.crt", "ps.key", "worker.crt",
+                           "worker.key", "token"}) {
+    std::ofstream(tls + "/" + name) << "x";
+  }
+  r = RunProcess(Bin("psflow-launch"), {"--tls_dir=" + tls, "--token_file=" + token_file}, {},
+                 seconds(10));
+  EXPECT_EQ(r.exit_code, 1) << r.description;
+  EXPECT_EQ(r.out, "") << r.description;
+  EXPECT_THAT(Lines(r.err), SizeIs(1)) << r.description;
+  EXPECT_THAT(r.err, HasSubstr("--token_file: the cluster uses the token in " + tls + "/token"))
+      << r.description;
 }
 
 // Security flags that cannot work exit 1 at once with one line.

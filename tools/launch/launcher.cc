@@ -10,9 +10,13 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
+#include <openssl/rand.h>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -105,21 +109,52 @@ bool Spawn(Child& c, const sigset_t& old_mask) {
   return true;
 }
 
-// The security flags of a process of `role` ("chief", "ps", ...) for
-// `tls_dir` (none when it is empty).
-std::vector<std::string> SecurityArgs(const std::string& tls_dir, const std::string& role) {
-  if (tls_dir.empty()) return {};
-  std::vector<std::string> args = {
-      absl::StrCat("--tls_cert=", tls_dir, "/", role, ".crt"),
-      absl::StrCat("--tls_key=", tls_dir, "/", role, ".key"),
-      absl::StrCat("--tls_ca=", tls_dir, "/ca.crt"),
-  };
-  const std::string token = absl::StrCat(tls_dir, "/token");
-  if (std::filesystem::exists(token)) args.push_back(absl::StrCat("--auth_token_file=", token));
+// The security flags of a process of `role` ("chief", "ps", ...): its
+// role's certificate from `tls_dir` (none when it is empty), and the job
+// token in `token_file`.
+std::vector<std::string> SecurityArgs(const std::string& tls_dir, const std::string& role,
+                                      const std::string& token_file) {
+  std::vector<std::string> args;
+  if (!tls_dir.empty()) {
+    args = {
+        absl::StrCat("--tls_cert=", tls_dir, "/", role, ".crt"),
+        absl::StrCat("--tls_key=", tls_dir, "/", role, ".key"),
+        absl::StrCat("--tls_ca=", tls_dir, "/ca.crt"),
+    };
+  }
+  args.push_back(absl::StrCat("--auth_token_file=", token_file));
   return args;
 }
 
 }  // namespace
+
+std::string NewJobToken() {
+  unsigned char bytes[32];
+  if (RAND_bytes(bytes, sizeof(bytes)) != 1) return "";
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+std::string WriteTokenFile(const std::string& path, const std::string& token) {
+  // mkstemp makes the file 0600 and new, so no one else can hold it open;
+  // rename replaces a link at `path` rather than writing through it.
+  std::string temp = absl::StrCat(path, ".XXXXXX");
+  const int fd = ::mkstemp(temp.data());
+  if (fd < 0) return absl::StrCat("cannot create ", temp, ": ", std::strerror(errno));
+  const std::string text = absl::StrCat(token, "\n");
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  const int write_errno = errno;
+  if (::close(fd) != 0 || !written) {
+    ::unlink(temp.c_str());
+    return absl::StrCat("cannot write ", temp, ": ", std::strerror(written ? errno : write_errno));
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temp.c_str());
+    return absl::StrCat("cannot create ", path, ": ", std::strerror(err));
+  }
+  return "";
+}
 
 std::string ParseWorkerDevices(const std::string& flag, int num_workers,
                                std::vector<std::string>* devices, int* replicas) {
@@ -183,6 +218,8 @@ class ClusterRun {
   explicit ClusterRun(const LaunchOptions& options) : o_(options) {}
   ~ClusterRun() {
     if (sig_fd_ >= 0) ::close(sig_fd_);
+    std::error_code ignored;
+    if (!temp_dir_.empty()) std::filesystem::remove_all(temp_dir_, ignored);
   }
   ClusterRun(const ClusterRun&) = delete;
   ClusterRun& operator=(const ClusterRun&) = delete;
@@ -193,6 +230,9 @@ class ClusterRun {
  private:
   // Picks the ports and makes the cluster flags; false (said) without ports.
   bool LayOut();
+  // Decides the job token's file (LaunchOptions::token_file), writing a new
+  // token where the cluster has none; false (said) when it cannot.
+  bool SetUpToken();
   std::string Address(int i) const { return absl::StrCat(o_.host, ":", ports_[i]); }
   // Blocks SIGINT, SIGTERM and SIGHUP, which come through sig_fd_ instead.
   void TakeSignals();
@@ -238,6 +278,8 @@ class ClusterRun {
   std::vector<int> ports_;
   std::vector<std::string> ps_hosts_, worker_hosts_, evaluator_hosts_;
   std::vector<std::string> cluster_args_;  // --chief_hosts, --ps_hosts, ...
+  std::string token_file_;                 // every process's --auth_token_file
+  std::string temp_dir_;                   // holds a token of this run only; removed at the end
   sigset_t old_mask_;                      // the children's signal mask
   int sig_fd_ = -1;
   std::vector<Child> children_;
@@ -250,7 +292,7 @@ class ClusterRun {
 };
 
 int ClusterRun::Run() {
-  if (!LayOut()) return 1;
+  if (!LayOut() || !SetUpToken()) return 1;
   TakeSignals();
   const bool started = StartAll();
   SayLayout();
@@ -291,6 +333,40 @@ bool ClusterRun::LayOut() {
   return true;
 }
 
+bool ClusterRun::SetUpToken() {
+  if (!o_.tls_dir.empty() && std::filesystem::exists(o_.tls_dir + "/token")) {
+    token_file_ = o_.tls_dir + "/token";
+    Say(absl::StrCat("job token: ", token_file_, " (--tls_dir)"));
+    return true;
+  }
+  const std::string token = NewJobToken();
+  if (token.empty()) {
+    Say("cannot generate a job token: the random generator failed");
+    return false;
+  }
+  if (o_.token_file.empty()) {
+    std::error_code ec;
+    std::string dir = (std::filesystem::temp_directory_path(ec) / "psflow-launch-XXXXXX").string();
+    if (ec || ::mkdtemp(dir.data()) == nullptr) {  // mode 0700
+      Say(absl::StrCat("cannot make a private directory for the job token (", dir,
+                       "): ", ec ? ec.message() : std::strerror(errno)));
+      return false;
+    }
+    temp_dir_ = dir;
+    token_file_ = dir + "/token";
+  } else {
+    token_file_ = std::filesystem::absolute(o_.token_file).string();
+  }
+  if (const std::string error = WriteTokenFile(token_file_, token); !error.empty()) {
+    Say(absl::StrCat("job token: ", error));
+    return false;
+  }
+  Say(absl::StrCat("the cluster runs with a job token generated for it, in ", token_file_,
+                   temp_dir_.empty() ? " (kept: --token_file)" : " (removed at exit)",
+                   "; calls without it are refused"));
+  return true;
+}
+
 void ClusterRun::TakeSignals() {
   sigset_t mask;
   sigemptyset(&mask);
@@ -307,7 +383,7 @@ bool ClusterRun::Start(const std::string& name, const std::string& role, int ind
   c.name = name;
   c.args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
   c.args.insert(c.args.end(), cluster_args_.begin(), cluster_args_.end());
-  const std::vector<std::string> security = SecurityArgs(o_.tls_dir, role);
+  const std::vector<std::string> security = SecurityArgs(o_.tls_dir, role, token_file_);
   c.args.insert(c.args.end(), security.begin(), security.end());
   c.args.insert(c.args.end(), extra.begin(), extra.end());
   c.binary = absl::StrCat(o_.bin_dir, "/psflow-", role);

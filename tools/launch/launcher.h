@@ -1,8 +1,9 @@
 // psflow-launch's engine: starts a whole cluster (chief, ps, workers, and
 // evaluators if asked) as child
-// processes of this one on free loopback ports, prefixes every output line
-// with its process's name, forwards SIGINT/SIGTERM, and makes sure no child
-// outlives it (children die with the launcher even if it is killed).
+// processes of this one on free loopback ports, with a job token of their
+// own, prefixes every output line with its process's name, forwards
+// SIGINT/SIGTERM, and makes sure no child outlives it (children die with the
+// launcher even if it is killed).
 #ifndef PSFLOW_TOOLS_LAUNCH_LAUNCHER_H_
 #define PSFLOW_TOOLS_LAUNCH_LAUNCHER_H_
 
@@ -38,6 +39,13 @@ struct LaunchOptions {
   // process gets its role's certificate and key, the CA, and the job token
   // where the directory has one.
   std::string tls_dir;
+  // Every cluster runs with a job token (--auth_token_file for every
+  // process): the one in tls_dir where there is one, else a fresh random one
+  // written to this file (mode 0600, replaced if it exists, kept after the
+  // run: for clients that call the cluster from outside) or, when this is
+  // empty, to a private temporary directory removed at exit. Other users of
+  // the machine reach loopback ports too; without the token they are refused.
+  std::string token_file;
   // Seconds the other processes get to exit on their own after the chief
   // has exited, before they are terminated.
   int grace_seconds = 15;
@@ -64,6 +72,15 @@ struct LaunchOptions {
 // the error message, or "" when the flag is good.
 std::string ParseWorkerDevices(const std::string& flag, int num_workers,
                                std::vector<std::string>* devices, int* replicas);
+
+// A job token: 256 bits from OpenSSL's cryptographic generator, as 64 hex
+// digits; "" if the generator fails.
+std::string NewJobToken();
+
+// Writes `token` and a newline to `path` as a file only its owner may read
+// or write (0600), replacing (never following) what is there: written to a
+// new file beside it, then renamed. Returns the error message, or "".
+std::string WriteTokenFile(const std::string& path, const std::string& token);
 
 // Runs the cluster; returns the chief's exit code (worker 0's without a
 // chief), or the code of the first other process that failed while the

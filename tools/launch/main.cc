@@ -71,7 +71,15 @@ ABSL_FLAG(std::string, tls_dir, "",
           "Run the cluster with mutual TLS and the job token from a directory made by "
           "scripts/make-certs.sh DIR: each process gets --tls_cert/--tls_key of its own role "
           "(DIR/<role>.crt, .key), --tls_ca=DIR/ca.crt and --auth_token_file=DIR/token (when "
-          "there is one). Default: plaintext.");
+          "there is one). Default: plaintext, with a job token generated for the cluster.");
+ABSL_FLAG(std::string, token_file, "",
+          "Write the job token generated for this cluster to this file (mode 0600, replaced if "
+          "it exists) and keep it after the run, for clients that call the cluster from outside "
+          "(they send it as \"authorization: Bearer <token>\"). Every cluster gets a fresh "
+          "random token (256 bits) and every process --auth_token_file, so that other users of "
+          "this machine cannot call it; by default the file lives in a private temporary "
+          "directory, removed at exit. Not with a --tls_dir that holds a token (that one is "
+          "used).");
 ABSL_FLAG(int, metrics_base_port, 0,
           "Serve each process's Prometheus metrics from this port on: --metrics_port of the chief "
           "is this port, of ps i this + 1 + i, of worker i this + 1 + --ps + i, of evaluator i "
@@ -130,6 +138,15 @@ bool ClusterFromFlags(LaunchOptions* o) {
   }
   o->tls_dir = absl::GetFlag(FLAGS_tls_dir);
   if (!o->tls_dir.empty() && !CheckTlsDir(*o)) return false;
+  o->token_file = absl::GetFlag(FLAGS_token_file);
+  if (!o->token_file.empty() && !o->tls_dir.empty() &&
+      std::filesystem::exists(o->tls_dir + "/token")) {
+    std::fprintf(stderr,
+                 "psflow-launch: --token_file: the cluster uses the token in %s/token "
+                 "(--tls_dir); give one or the other\n",
+                 o->tls_dir.c_str());
+    return false;
+  }
   if (o->metrics_base_port < 0 ||
       o->metrics_base_port + o->num_ps + o->num_workers + o->num_evaluators > 65535) {
     std::fprintf(stderr,
@@ -216,7 +233,7 @@ int main(int argc, char** argv) {
       "chief's arguments set --compute_threads, each worker gets cores / workers threads.\n"
       "Exits with the chief's code, or with the code of a ps or worker that failed first.\n"
       "With --chief=false there is no chief: worker 0 runs its duties and takes the arguments\n"
-      "after --.");
+      "after --. Every cluster runs with a job token of its own (see --token_file).");
   LaunchOptions o;
   if (!ClusterFromFlags(&o) || !ProcessArgsFromFlags(rest, &o)) return 1;
   return psflow::launch::RunCluster(o);
