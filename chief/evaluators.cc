@@ -81,7 +81,9 @@ absl::StatusOr<RegisterEvaluatorResponse> Evaluators::Register(int evaluator, co
     if (held != holders_.end() && held->second.lease != lease && !options_.identified &&
         now - held->second.last_heard <= options_.silence) {
       // Either may be the impostor: the one in place keeps the index until
-      // it falls silent (a restarted evaluator retries until then).
+      // it falls silent (a restarted evaluator retries until then, and the
+      // end of the job waits for it meanwhile).
+      last_applicant_ = now;
       return absl::UnavailableError(absl::StrCat(
           "evaluator ", evaluator, " is registered already and was heard from ",
           absl::FormatDuration(absl::Trunc(now - held->second.last_heard, absl::Milliseconds(1))),
@@ -181,7 +183,7 @@ void Evaluators::WaitForFinal() {
                      << options_.unregistered_wait << " for one)";
       return;
     }
-    absl::Time heard = start;
+    absl::Time heard = std::max(start, last_applicant_);
     for (const auto& [e, h] : holders_) heard = std::max(heard, h.last_heard);
     if (now - heard > options_.silence) {
       PSLOG(WARNING) << "no evaluation of the final model: no evaluator was heard from for "

@@ -87,9 +87,11 @@ class Evaluators {
   // (final_result) and answered with EXIT.
   absl::StatusOr<ReportEvalResponse> Report(const ReportEvalRequest& request, const JobState& job);
   // Waits for the final model's evaluation when an evaluator is listed or
-  // has called, as long as one is heard from (options.silence), at most
-  // options.final_wait, and until Cancel; while none has ever called (one
-  // listed but not run), options.unregistered_wait at most.
+  // has registered, as long as one is heard from (options.silence; a
+  // registration refused while another held its index counts), at most
+  // options.final_wait whatever it hears, and until Cancel; while none has
+  // ever registered (one listed but not run), options.unregistered_wait at
+  // most.
   void WaitForFinal() ABSL_LOCKS_EXCLUDED(mu_);
   // The chief stops, or the job failed: WaitForFinal returns, now and later.
   void Cancel() ABSL_LOCKS_EXCLUDED(mu_);
@@ -114,6 +116,8 @@ class Evaluators {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;  // impossible results (the first few are logged)
   int64_t foreign_ ABSL_GUARDED_BY(mu_) = 0;  // reports without their lease
+  // The latest registration refused while another held its index.
+  absl::Time last_applicant_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 }  // namespace psflow::chief
