@@ -48,8 +48,7 @@ int main(int argc, char** argv) {
     PSLOG(ERROR) << job.status().message();
     return psflow::ExitCodeFor(job.status());
   }
-  const psflow::SecurityOptions security =
-      psflow::LoadSecurityOrExit(psflow::Role::kChief, o.cluster.task_index);
+  const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(o.cluster);
   // Metrics and readiness (the gRPC health service): made before, and
   // served after, everything they read.
   psflow::metrics::Registry metrics;

@@ -123,8 +123,7 @@ int main(int argc, char** argv) {
   psflow::evaluator::EvaluatorOptions options;
   if (const int code = OptionsFromFlags(config, &options); code != 0) return code;
   psflow::SetLogTag(absl::StrCat("evaluator", config.task_index));
-  const psflow::SecurityOptions security =
-      psflow::LoadSecurityOrExit(psflow::Role::kEvaluator, config.task_index);
+  const psflow::SecurityOptions security = psflow::LoadSecurityOrExit(config);
   // Metrics and readiness: made before everything that records into them.
   psflow::metrics::Registry metrics;
   psflow::Readiness readiness;  // ready while registered with the chief

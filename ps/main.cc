@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
     return psflow::kExitPermanent;
   }
   options.trace = trace->get();
-  options.security = psflow::LoadSecurityOrExit(psflow::Role::kPs, options.cluster.task_index);
+  options.security = psflow::LoadSecurityOrExit(options.cluster);
   psflow::ps::PsProcess process(std::move(options));
   return process.Run();
 }

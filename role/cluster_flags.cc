@@ -120,7 +120,8 @@ int RunRole(const std::function<absl::Status()>& run, const std::function<void(i
   return FinishOrIdle(code, terminated);
 }
 
-SecurityOptions LoadSecurityOrExit(Role role, int task_index) {
+SecurityOptions LoadSecurityOrExit(const ClusterConfig& config) {
+  const Role role = config.role;
   SecurityFiles files;
   files.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   files.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -128,7 +129,7 @@ SecurityOptions LoadSecurityOrExit(Role role, int task_index) {
   files.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   absl::StatusOr<SecurityOptions> security = LoadSecurityOptions(files);
   absl::Status s =
-      security.ok() ? CheckOwnCertificate(*security, role, task_index) : security.status();
+      security.ok() ? CheckOwnCertificate(*security, role, config.task_index) : security.status();
   if (!s.ok()) std::exit(FlagError(role, s.message()));
   if (security->tls() || !security->token.empty()) {
     PSLOG(INFO) << DescribeSecurity(*security, role);

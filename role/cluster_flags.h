@@ -57,11 +57,11 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
 ClusterConfig ResolveClusterOrExit(Role role);
 
 // Reads the files of the security flags and checks this process's
-// certificate for `role` and task `task_index` (a per-task certificate must
-// be this task's); on error prints "<binary>: <problem>" and exits 1.
+// certificate for its role and task (config.role, config.task_index: a
+// per-task certificate must be this task's); on error prints "<binary>: <problem>" and exits 1.
 // Logs one line saying what protects this process (a warning when nothing
 // does). Call after SetLogTag.
-SecurityOptions LoadSecurityOrExit(Role role, int task_index);
+SecurityOptions LoadSecurityOrExit(const ClusterConfig& config);
 
 }  // namespace psflow
 

@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
   }
   options.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.same_host_channels = absl::GetFlag(FLAGS_same_host_channels);
-  options.security = psflow::LoadSecurityOrExit(psflow::Role::kWorker, options.cluster.task_index);
+  options.security = psflow::LoadSecurityOrExit(options.cluster);
   kernel_threads.Log();  // once every check of the command line has passed
   psflow::worker::WorkerProcess process(std::move(options));
   return process.Run();
