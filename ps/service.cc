@@ -102,7 +102,10 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   }
 
   absl::Status Prepare() ABSL_LOCKS_EXCLUDED(mu_) {
-    PSFLOW_RETURN_IF_ERROR(CheckCallerIndex(caller_, Role::kWorker, request_.worker()));
+    // Only a pull by clock names its worker (other pulls leave it 0).
+    if (request_.by_clock()) {
+      PSFLOW_RETURN_IF_ERROR(CheckCallerIndex(caller_, Role::kWorker, request_.worker()));
+    }
     {
       absl::MutexLock lock(&mu_);
       PSFLOW_RETURN_IF_ERROR(session_.Prepare());
