@@ -36,6 +36,12 @@ void ForEachRun(absl::Span<const absl::Span<float>> pieces, int64_t begin, int64
 
 bool IsWireDtype(DataType d) { return d == DT_FLOAT || d == DT_BFLOAT16 || d == DT_HALF; }
 
+// A piece or an abort without the ring's key: its sender learnt the job id
+// (which the chief's GetState tells anyone) but is no member.
+absl::Status NotAMember() {
+  return absl::PermissionDeniedError("not a member of this all-reduce ring (wrong ring key)");
+}
+
 }  // namespace
 
 Ring::Ring(RingOptions options, Peers* peers) : options_(std::move(options)), peers_(peers) {
@@ -44,9 +50,10 @@ Ring::Ring(RingOptions options, Peers* peers) : options_(std::move(options)), pe
 
 Ring::~Ring() = default;
 
-void Ring::Open(uint64_t job_id, int64_t bucket_bytes) {
+void Ring::Open(uint64_t job_id, int64_t bucket_bytes, uint64_t ring_key) {
   absl::MutexLock lock(&mu_);
   job_id_ = job_id;
+  ring_key_ = ring_key;
   bucket_bytes_ = std::max<int64_t>(bucket_bytes, 0);
 }
 
@@ -65,15 +72,14 @@ int64_t Ring::MaxPieceBytesLocked() const {
 }
 
 void Ring::Leave(const absl::Status& why) {
-  uint64_t job_id = 0;
+  RingAbort abort;
   {
     absl::MutexLock lock(&mu_);
     if (!left_.ok()) return;
     left_ = why;
-    job_id = job_id_;
+    abort.set_job_id(job_id_);
+    abort.set_ring_key(ring_key_);
   }
-  RingAbort abort;
-  abort.set_job_id(job_id);
   abort.set_from(options_.rank);
   abort.set_reason(std::string(why.message()));
   const absl::Time deadline = absl::Now() + absl::Seconds(2);
@@ -96,6 +102,7 @@ absl::Status Ring::Deliver(RingPiece piece) {
     return absl::FailedPreconditionError(
         absl::StrCat("a piece of job ", piece.job_id(), "; this worker is in job ", job_id_));
   }
+  if (piece.ring_key() != ring_key_) return NotAMember();
   const int prev = (options_.rank + options_.size - 1) % options_.size;
   const int rounds = 2 * (options_.size - 1);
   if (piece.from() != prev || piece.round() < 0 || piece.round() >= rounds || piece.bucket() < 0 ||
@@ -130,6 +137,7 @@ absl::Status Ring::PeerAborted(const RingAbort& abort) {
     if (job_id_ == 0 || abort.job_id() != job_id_) {
       return absl::FailedPreconditionError("another job");
     }
+    if (abort.ring_key() != ring_key_) return NotAMember();
     if (!left_.ok()) return absl::OkStatus();
     left_ = absl::UnavailableError(
         absl::StrCat("worker ", abort.from(), " left the all-reduce group: ", abort.reason()));
@@ -218,6 +226,7 @@ absl::Status Ring::ReduceBucket(int64_t step, int bucket, int64_t begin, int64_t
     {
       absl::MutexLock lock(&mu_);
       piece.set_job_id(job_id_);
+      piece.set_ring_key(ring_key_);
     }
     std::string* data = piece.mutable_data();
     data->resize(static_cast<size_t>((seg_begin(s + 1) - seg_begin(s)) * width));

@@ -118,8 +118,11 @@ class Ring {
 
   // Takes part in job `job_id` from now on (pieces of another job are
   // refused), with buckets of about `bucket_bytes` (> 0; 0 keeps
-  // RingOptions::bucket_bytes), which every member must share. Once per ring.
-  void Open(uint64_t job_id, int64_t bucket_bytes = 0);
+  // RingOptions::bucket_bytes), which every member must share. Pieces and
+  // aborts carry `ring_key` (the chief's RegisterWorkerResponse.ring_key),
+  // and those that come without it are refused: it proves membership where
+  // callers have no certificates. Once per ring.
+  void Open(uint64_t job_id, int64_t bucket_bytes = 0, uint64_t ring_key = 0);
 
   // Replaces the floats of `pieces` (the same lengths, in the same order, on
   // every member) by their mean over the members, rounded through `dtype`
@@ -182,6 +185,7 @@ class Ring {
 
   absl::Mutex mu_;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;       // 0 until Open
+  uint64_t ring_key_ ABSL_GUARDED_BY(mu_) = 0;     // from Open
   int64_t bucket_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the job's, from Open
   bool formed_ ABSL_GUARDED_BY(mu_) = false;       // an all-reduce completed
   int64_t step_ ABSL_GUARDED_BY(mu_) = -1;         // of the all-reduce in progress or last done

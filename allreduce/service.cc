@@ -11,12 +11,20 @@ CallerRoles AllReduceCallers() {
   };
 }
 
-grpc::Status AllReduceService::Send(grpc::ServerContext*, const RingPiece* request, RingPieceAck*) {
+// A per-task certificate sends pieces and aborts as its own rank only.
+grpc::Status AllReduceService::Send(grpc::ServerContext* context, const RingPiece* request,
+                                    RingPieceAck*) {
+  if (absl::Status s = CheckCallerIndex(*context, Role::kWorker, request->from()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   return ToGrpcStatus(ring_->Deliver(*request));
 }
 
-grpc::Status AllReduceService::Abort(grpc::ServerContext*, const RingAbort* request,
+grpc::Status AllReduceService::Abort(grpc::ServerContext* context, const RingAbort* request,
                                      RingAbortAck*) {
+  if (absl::Status s = CheckCallerIndex(*context, Role::kWorker, request->from()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   return ToGrpcStatus(ring_->PeerAborted(*request));
 }
 

@@ -37,10 +37,11 @@ class Client {
 class EvaluatorClient {
  public:
   virtual ~EvaluatorClient() = default;
-  // Registers evaluator `evaluator`: the job, the ps and when to evaluate.
-  // Waits for a chief that is not up yet until `deadline`.
-  virtual absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,
-                                                                      absl::Time deadline) = 0;
+  // Registers evaluator `request.evaluator()` (renewing `request.lease()`):
+  // the job, the ps, when to evaluate and the lease its reports carry. Waits
+  // for a chief that is not up yet until `deadline`.
+  virtual absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(
+      const RegisterEvaluatorRequest& request, absl::Time deadline) = 0;
   // A heartbeat, with a result when it has one; the answer says go on, exit,
   // register again or fail.
   virtual absl::StatusOr<ReportEvalResponse> ReportEval(const ReportEvalRequest& request,

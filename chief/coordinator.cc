@@ -90,6 +90,7 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
           },
           progress_listener, options_.metrics)),
       evaluators_({.num_evaluators = options_.num_evaluators,
+                   .identified = options_.identified_callers,
                    .train_steps = job_.train_steps(),
                    .eval_every_steps = options_.eval_every_steps,
                    .eval_every_secs = options_.eval_every_secs,
@@ -97,7 +98,8 @@ Coordinator::Coordinator(CoordinatorOptions options, JobConfig job, ps::Client* 
                    .unregistered_wait = options_.timeouts.unregistered_evaluator,
                    .final_wait = options_.timeouts.final_eval},
                   progress_.get()),
-      metrics_(options_.metrics) {
+      metrics_(options_.metrics),
+      ring_key_(NewJobId()) {
   progress_->SetAsynchronous(AppliesEachGradient(job_));
   progress_->SetAllReduce(AllReduce());
   absl::MutexLock lock(&mu_);
@@ -222,6 +224,7 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
   *response.mutable_job() = job_;
   for (const std::string& a : options_.ps_addresses) response.add_ps_address(a);
   response.set_start_step(start);
+  if (AllReduce()) response.set_ring_key(ring_key_);
   return response;
 }
 
@@ -321,9 +324,10 @@ JobState Coordinator::StateForEvaluators() {
   return {.failure = failure_, .done = done_, .ready = ready_, .job_id = job_id_};
 }
 
-absl::StatusOr<RegisterEvaluatorResponse> Coordinator::RegisterEvaluator(int evaluator) {
+absl::StatusOr<RegisterEvaluatorResponse> Coordinator::RegisterEvaluator(int evaluator,
+                                                                         uint64_t lease) {
   PSFLOW_ASSIGN_OR_RETURN(RegisterEvaluatorResponse response,
-                          evaluators_.Register(evaluator, StateForEvaluators()));
+                          evaluators_.Register(evaluator, StateForEvaluators(), lease));
   if (response.done()) return response;
   *response.mutable_job() = job_;
   for (const std::string& a : options_.ps_addresses) response.add_ps_address(a);

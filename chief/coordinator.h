@@ -104,6 +104,10 @@ struct CoordinatorOptions {
   int64_t eval_every_steps = 0;
   int64_t eval_every_secs = 60;
   int num_evaluators = 0;
+  // Callers present certificates (TLS): an evaluator index the cluster
+  // leaves out may register, and a new registration of an index replaces
+  // the old (Evaluators).
+  bool identified_callers = false;
   Timeouts timeouts;
   // Where the chief's metrics go (may be null); must outlive the coordinator
   // and not be rendered once it is gone.
@@ -158,7 +162,8 @@ class Coordinator {
   // hold it (UNAVAILABLE before; FAILED_PRECONDITION once the job failed;
   // `done` once it is over). INVALID_ARGUMENT for an evaluator index the
   // cluster does not have.
-  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator);
+  // `lease`: the evaluator's from its last registration (Evaluators::Register).
+  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator, uint64_t lease = 0);
   // An evaluator's heartbeat and result: logged as an `eval` line (and kept
   // for the closing line when it is of the final step). INVALID_ARGUMENT for
   // impossible values (nothing recorded); a result of another job (reloaded
@@ -263,6 +268,9 @@ class Coordinator {
   absl::Mutex membership_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   uint64_t job_id_ ABSL_GUARDED_BY(mu_) = 0;
+  // ALL_REDUCE jobs: the workers' proof of membership in their ring
+  // (RegisterWorkerResponse.ring_key), random per chief incarnation.
+  const uint64_t ring_key_;
   int stop_signal_ ABSL_GUARDED_BY(mu_) = 0;
   bool ready_ ABSL_GUARDED_BY(mu_) = false;    // every ps holds the job
   bool trained_ ABSL_GUARDED_BY(mu_) = false;  // every step applied: later reports change nothing

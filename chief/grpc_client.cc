@@ -32,11 +32,9 @@ absl::StatusOr<ReportResponse> GrpcClient::Report(const ReportRequest& request,
   return response;
 }
 
-absl::StatusOr<RegisterEvaluatorResponse> GrpcClient::RegisterEvaluator(int evaluator,
-                                                                        absl::Time deadline) {
+absl::StatusOr<RegisterEvaluatorResponse> GrpcClient::RegisterEvaluator(
+    const RegisterEvaluatorRequest& request, absl::Time deadline) {
   ActiveCalls::Scope call(&calls_, deadline, /*wait_for_ready=*/true);
-  RegisterEvaluatorRequest request;
-  request.set_evaluator(evaluator);
   RegisterEvaluatorResponse response;
   absl::Status s =
       errors_.Count("RegisterEvaluator",

@@ -22,8 +22,8 @@ class GrpcClient final : public Client, public EvaluatorClient {
              metrics::Registry* metrics = nullptr, Role server_role = Role::kChief);
   absl::StatusOr<RegisterWorkerResponse> RegisterWorker(int worker, absl::Time deadline) override;
   absl::StatusOr<ReportResponse> Report(const ReportRequest& request, absl::Time deadline) override;
-  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,
-                                                              absl::Time deadline) override;
+  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(
+      const RegisterEvaluatorRequest& request, absl::Time deadline) override;
   absl::StatusOr<ReportEvalResponse> ReportEval(const ReportEvalRequest& request,
                                                 absl::Time deadline) override;
   void CancelAll() override { calls_.CancelAll(); }

@@ -9,6 +9,7 @@ std::unique_ptr<ChiefRole> ChiefRole::Create(ChiefOptions options, JobConfig job
                                              const SecurityOptions& security,
                                              metrics::Registry* metrics) {
   options.coordinator.metrics = metrics;
+  options.coordinator.identified_callers = security.tls();
   return std::unique_ptr<ChiefRole>(new ChiefRole(options, std::move(job), security, metrics));
 }
 

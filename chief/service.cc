@@ -30,6 +30,10 @@ CallerRoles ChiefCallers() {
 grpc::Status GrpcChiefService::RegisterWorker(grpc::ServerContext* context,
                                               const RegisterWorkerRequest* request,
                                               RegisterWorkerResponse* response) {
+  // A per-task certificate registers (or rejoins) its own task only.
+  if (absl::Status s = CheckCallerIndex(*context, Role::kWorker, request->worker()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   return Answer(
       coordinator_->RegisterWorker(request->worker(), absl::FromChrono(context->deadline())),
       response);
@@ -37,18 +41,29 @@ grpc::Status GrpcChiefService::RegisterWorker(grpc::ServerContext* context,
 
 grpc::Status GrpcChiefService::Report(grpc::ServerContext* context, const ReportRequest* request,
                                       ReportResponse* response) {
+  if (absl::Status s = CheckCallerIndex(*context, Role::kWorker, request->worker()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   return Answer(coordinator_->Report(*request, absl::FromChrono(context->deadline())), response);
 }
 
 grpc::Status GrpcChiefService::RegisterEvaluator(grpc::ServerContext* context,
                                                  const RegisterEvaluatorRequest* request,
                                                  RegisterEvaluatorResponse* response) {
-  return Answer(coordinator_->RegisterEvaluator(request->evaluator()), response);
+  if (absl::Status s = CheckCallerIndex(*context, Role::kEvaluator, request->evaluator());
+      !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  return Answer(coordinator_->RegisterEvaluator(request->evaluator(), request->lease()), response);
 }
 
 grpc::Status GrpcChiefService::ReportEval(grpc::ServerContext* context,
                                           const ReportEvalRequest* request,
                                           ReportEvalResponse* response) {
+  if (absl::Status s = CheckCallerIndex(*context, Role::kEvaluator, request->evaluator());
+      !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   return Answer(coordinator_->ReportEval(*request), response);
 }
 

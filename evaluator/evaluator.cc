@@ -90,8 +90,11 @@ absl::Status Evaluator::Register(bool* done) {
   Backoff backoff;
   absl::Status last;
   while (absl::Now() < give_up && stop_signal() == 0) {
+    RegisterEvaluatorRequest request;
+    request.set_evaluator(options_.evaluator_index);
+    request.set_lease(lease_);
     absl::StatusOr<RegisterEvaluatorResponse> response = chief_->RegisterEvaluator(
-        options_.evaluator_index, std::min(give_up, absl::Now() + options_.register_timeout));
+        request, std::min(give_up, absl::Now() + options_.register_timeout));
     if (response.ok()) {
       if (response->done()) {
         *done = true;
@@ -102,6 +105,7 @@ absl::Status Evaluator::Register(bool* done) {
       }
       job_ = response->job();
       job_id_ = response->job_id();
+      lease_ = response->lease();
       {
         absl::MutexLock lock(&mu_);
         status_.set_job_id(job_id_);
@@ -183,6 +187,7 @@ absl::Status Evaluator::Report(const EvalResult* result) {
   ReportEvalRequest request;
   request.set_job_id(job_id_);
   request.set_evaluator(options_.evaluator_index);
+  request.set_lease(lease_);
   if (result != nullptr) *request.mutable_result() = *result;
   const absl::Time give_up = absl::Now() + options_.startup_timeout;
   Backoff backoff;

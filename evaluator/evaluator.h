@@ -152,6 +152,7 @@ class Evaluator {
 
   // Run's thread only.
   uint64_t job_id_ = 0;
+  uint64_t lease_ = 0;  // of its registration, which its reports carry
   JobConfig job_;
   int64_t every_steps_ = 0;
   int64_t every_secs_ = 0;

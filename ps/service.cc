@@ -84,10 +84,11 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
 
  public:
   template <typename... BaseArgs>
-  PullWriter(PsService* service, std::string peer, absl::Time deadline,
-             const grpc::ByteBuffer* request, BaseArgs... base_args)
+  PullWriter(PsService* service, std::string peer, std::optional<PeerIdentity> caller,
+             absl::Time deadline, const grpc::ByteBuffer* request, BaseArgs... base_args)
       : Writer(service, std::move(peer), deadline, base_args...),
         service_(service),
+        caller_(std::move(caller)),
         start_(absl::Now()),
         parsed_(Parse(*request, &request_)),
         session_(service->shard_, request_, start_, deadline) {
@@ -101,6 +102,10 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   }
 
   absl::Status Prepare() ABSL_LOCKS_EXCLUDED(mu_) {
+    // Only a pull by clock names its worker (other pulls leave it 0).
+    if (request_.by_clock()) {
+      PSFLOW_RETURN_IF_ERROR(CheckCallerIndex(caller_, Role::kWorker, request_.worker()));
+    }
     {
       absl::MutexLock lock(&mu_);
       PSFLOW_RETURN_IF_ERROR(session_.Prepare());
@@ -187,6 +192,7 @@ class PsService::PullWriter final : public WaitingWriter<grpc::ByteBuffer, Base>
   }
 
   PsService* const service_;
+  const std::optional<PeerIdentity> caller_;  // its certificate's (with TLS)
   const absl::Time start_;
   PullRequest request_;  // set once, in the constructor
   const bool parsed_;
@@ -406,7 +412,8 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
 grpc::ServerWriteReactor<grpc::ByteBuffer>* PsService::Pull(grpc::CallbackServerContext* context,
                                                             const grpc::ByteBuffer* request) {
   return new PullWriter<grpc::ServerWriteReactor<grpc::ByteBuffer>>(
-      this, context->peer(), absl::FromChrono(context->deadline()), request);
+      this, context->peer(), CallerIdentity(*context), absl::FromChrono(context->deadline()),
+      request);
 }
 
 // A push's message that can carry at most this many bytes of data still to
@@ -435,11 +442,12 @@ class PsService::PushReader final : public Base {
   // The answer goes into `response` (gRPC's), or one of the reader's own
   // (null) that the base (a channel's, given `base_args`) sends.
   template <typename... BaseArgs>
-  PushReader(PsService* service, std::string peer, grpc::ByteBuffer* response,
-             BaseArgs... base_args)
+  PushReader(PsService* service, std::string peer, std::optional<PeerIdentity> caller,
+             grpc::ByteBuffer* response, BaseArgs... base_args)
       : Base(base_args...),
         service_(service),
         peer_(std::move(peer)),
+        caller_(std::move(caller)),
         response_(response != nullptr ? response : &own_response_),
         session_(service->shard_),
         gate_(std::make_shared<Gate>(this)) {
@@ -575,6 +583,7 @@ class PsService::PushReader final : public Base {
     }
     started_ = true;
     const PushHeader& header = first.header();
+    PSFLOW_RETURN_IF_ERROR(CheckCallerIndex(caller_, Role::kWorker, header.worker()));
     start_ = absl::Now();  // an answered push goes to the metrics
     if (service_->trace_ != nullptr) service_->trace_->Reached(header.step());
     // Gradients in a region are applied where they lie (16-bit ones widened
@@ -626,7 +635,8 @@ class PsService::PushReader final : public Base {
 
   PsService* const service_;
   const std::string peer_;
-  grpc::ByteBuffer own_response_;  // a channel's call's answer
+  const std::optional<PeerIdentity> caller_;  // its certificate's (with TLS)
+  grpc::ByteBuffer own_response_;             // a channel's call's answer
   grpc::ByteBuffer* const response_;
   int64_t seq_ = 0;  // its number among the pushes admitted (pushes_admitted)
   bool admitted_ = false;
@@ -645,7 +655,8 @@ class PsService::PushReader final : public Base {
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* PsService::Push(grpc::CallbackServerContext* context,
                                                            grpc::ByteBuffer* response) {
-  return new PushReader<grpc::ServerReadReactor<grpc::ByteBuffer>>(this, context->peer(), response);
+  return new PushReader<grpc::ServerReadReactor<grpc::ByteBuffer>>(
+      this, context->peer(), CallerIdentity(*context), response);
 }
 
 grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateRequest* request,
@@ -741,12 +752,14 @@ grpc::Status PsService::OpenChannel(grpc::ServerContext* context, const OpenChan
     }
     channel_servers_.push_back(std::make_unique<ChannelServer>(
         *std::move(end), *std::move(mapping), peer,
-        [this](ChannelServer* host, ChannelMethod method, const std::string& peer,
-               absl::Time deadline, const grpc::ByteBuffer* request) {
+        // The channel's calls are its opener's: they act as its identity.
+        [this, caller = CallerIdentity(*context)](ChannelServer* host, ChannelMethod method,
+                                                  const std::string& peer, absl::Time deadline,
+                                                  const grpc::ByteBuffer* request) {
           if (method == ChannelMethod::kPush) {
-            new PushReader<ChannelReadReactor>(this, peer, nullptr, host);
+            new PushReader<ChannelReadReactor>(this, peer, caller, nullptr, host);
           } else {
-            new PullWriter<ChannelWriteReactor>(this, peer, deadline, request, host);
+            new PullWriter<ChannelWriteReactor>(this, peer, caller, deadline, request, host);
           }
         }));
   }

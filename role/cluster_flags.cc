@@ -135,7 +135,8 @@ SecurityOptions LoadSecurityOrExit(const ClusterConfig& config) {
   files.tls_ca = absl::GetFlag(FLAGS_tls_ca);
   files.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   absl::StatusOr<SecurityOptions> security = LoadSecurityOptions(files);
-  absl::Status s = security.ok() ? CheckOwnCertificate(*security, role) : security.status();
+  absl::Status s =
+      security.ok() ? CheckOwnCertificate(*security, role, config.task_index) : security.status();
   if (!s.ok()) std::exit(FlagError(role, s.message()));
   security->insecure = absl::GetFlag(FLAGS_insecure);
   // Before anything is built or bound: StartServer checks again, too late

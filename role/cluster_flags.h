@@ -57,11 +57,13 @@ absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> ServeMetrics(
 ClusterConfig ResolveClusterOrExit(Role role);
 
 // Reads the files of the security flags and checks this process's
-// certificate for its role; where it listens (config.self_port > 0), checks
-// that it may listen there as secured (CheckListenSecurity: beyond loopback
-// only with TLS, a token or --insecure). On error prints "<binary>:
-// <problem>" and exits 1. Logs one line saying what protects this process (a
-// warning when nothing does). Call after SetLogTag.
+// certificate for its role and task (config.role, config.task_index: a
+// per-task certificate must be this task's); where it listens
+// (config.self_port > 0), checks that it may listen there as secured
+// (CheckListenSecurity: beyond loopback only with TLS, a token or
+// --insecure). On error prints "<binary>: <problem>" and exits 1. Logs one
+// line saying what protects this process (a warning when nothing does). Call
+// after SetLogTag.
 SecurityOptions LoadSecurityOrExit(const ClusterConfig& config);
 
 }  // namespace psflow

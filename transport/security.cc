@@ -13,7 +13,9 @@
 #include <grpc/grpc_security_constants.h>
 #include <grpcpp/security/server_credentials.h>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -230,7 +232,29 @@ absl::StatusOr<SecurityOptions> LoadSecurityOptions(const SecurityFiles& files) 
   return o;
 }
 
-absl::Status CheckOwnCertificate(const SecurityOptions& options, Role role) {
+absl::StatusOr<PeerIdentity> ParseIdentity(absl::string_view cn) {
+  PeerIdentity id;
+  absl::string_view role = cn;
+  const size_t dash = cn.rfind('-');
+  if (dash != absl::string_view::npos) {
+    const absl::string_view digits = cn.substr(dash + 1);
+    int index = 0;
+    const bool canonical = !digits.empty() && digits.size() <= 6 &&
+                           absl::c_all_of(digits, absl::ascii_isdigit) &&
+                           (digits.size() == 1 || digits[0] != '0');
+    if (!canonical || !absl::SimpleAtoi(digits, &index)) {
+      return Invalid(absl::StrCat("'", cn, "' names no task: expected <role> or <role>-<index>"));
+    }
+    id.index = index;
+    role = cn.substr(0, dash);
+  }
+  absl::StatusOr<Role> parsed = ParseRole(std::string(role));
+  if (!parsed.ok()) return parsed.status();
+  id.role = *parsed;
+  return id;
+}
+
+absl::Status CheckOwnCertificate(const SecurityOptions& options, Role role, int task_index) {
   if (!options.tls()) return absl::OkStatus();
   const std::string role_name = RoleName(role);
   std::vector<std::unique_ptr<X509, X509Free>> chain = ReadCertificates(options.cert_pem);
@@ -274,12 +298,17 @@ absl::Status CheckOwnCertificate(const SecurityOptions& options, Role role) {
         "serverAuth): every role both calls and serves");
   }
   const std::optional<std::string> cn = CommonName(cert);
-  absl::StatusOr<Role> cn_role =
-      cn.has_value() ? ParseRole(*cn) : absl::StatusOr<Role>(absl::NotFoundError(""));
-  if (!cn_role.ok() || *cn_role != role) {
+  absl::StatusOr<PeerIdentity> id =
+      cn.has_value() ? ParseIdentity(*cn) : absl::StatusOr<PeerIdentity>(absl::NotFoundError(""));
+  if (!id.ok() || id->role != role) {
     return Invalid(absl::StrCat("--tls_cert is the certificate of '", cn.value_or(""),
                                 "' (its CN), but this process is the ", role_name,
                                 ": give each role its own role's certificate"));
+  }
+  if (id->index.has_value() && *id->index != task_index) {
+    return Invalid(absl::StrCat("--tls_cert is the certificate of ", role_name, " ", *id->index,
+                                " (CN ", *cn, "), but this process is ", role_name, " ", task_index,
+                                ": give each task its own certificate"));
   }
   if (X509_check_host(cert, role_name.data(), role_name.size(), 0, nullptr) != 1) {
     ERR_clear_error();
@@ -330,16 +359,42 @@ absl::Status CallGate::Admit(absl::string_view method,
   if (!tls_) return absl::OkStatus();
   const auto allowed = callers_.find(method);
   if (allowed == callers_.end()) return absl::OkStatus();
-  absl::StatusOr<Role> caller =
-      peer_cn.has_value() ? ParseRole(std::string(*peer_cn)) : absl::NotFoundError("");
+  absl::StatusOr<PeerIdentity> caller =
+      peer_cn.has_value() ? ParseIdentity(*peer_cn) : absl::NotFoundError("");
   const std::vector<Role>& roles = allowed->second;
-  if (caller.ok() && std::find(roles.begin(), roles.end(), *caller) != roles.end()) {
+  if (caller.ok() && std::find(roles.begin(), roles.end(), caller->role) != roles.end()) {
     return absl::OkStatus();
   }
   return Refuse(absl::PermissionDeniedError(
                     absl::StrCat("psflow: only the ", RoleList(roles), " may call ", method,
                                  "; the caller's certificate is for '", peer_cn.value_or(""), "'")),
                 method);
+}
+
+std::optional<PeerIdentity> CallerIdentity(const grpc::ServerContextBase& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr) return std::nullopt;
+  const std::vector<grpc::string_ref> cns = auth->FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME);
+  if (cns.empty()) return std::nullopt;
+  absl::StatusOr<PeerIdentity> id = ParseIdentity(absl::string_view(cns[0].data(), cns[0].size()));
+  if (!id.ok()) return std::nullopt;
+  return *id;
+}
+
+absl::Status CheckCallerIndex(const std::optional<PeerIdentity>& caller, Role role,
+                              int claimed_index) {
+  if (!caller.has_value() || caller->role != role || !caller->index.has_value() ||
+      *caller->index == claimed_index) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat("psflow: the caller's certificate is ", RoleName(role), " ", *caller->index,
+                   "'s; it may not act as ", RoleName(role), " ", claimed_index));
+}
+
+absl::Status CheckCallerIndex(const grpc::ServerContextBase& context, Role role,
+                              int claimed_index) {
+  return CheckCallerIndex(CallerIdentity(context), role, claimed_index);
 }
 
 absl::Status CallGate::Refuse(absl::Status status, absl::string_view method) {

@@ -3,9 +3,10 @@
 //
 // Identities (with TLS). Every member holds a certificate signed by the job's
 // CA whose subject common name (CN) is its role (chief, ps, worker,
-// evaluator) and which is valid for the DNS name of its role
+// evaluator: a per-role certificate) or its role and task index ("worker-1":
+// a per-task certificate), and which is valid for the DNS name of its role
 // (subjectAltName DNS:<role>). A server requires a client certificate the CA
-// signed and takes the caller's role from its CN; a client verifies the
+// signed and takes the caller's identity from its CN; a client verifies the
 // server's certificate against the CA and checks that it is valid for the
 // role it calls (the TLS target name is the role, not the host in the
 // address), so peers may be addressed by any DNS name or IP.
@@ -14,7 +15,11 @@
 // <token>" metadata on every call; servers refuse calls without it, or with
 // another, as UNAUTHENTICATED. Role checks refuse as PERMISSION_DENIED.
 //
-// Both checks run in one place, CallGate, which gRPC runs on every call of
+// A per-task certificate also binds the index: handlers refuse a request that
+// names another task of the caller's role (CheckCallerIndex) as
+// PERMISSION_DENIED. A per-role certificate acts as any task of its role.
+//
+// Both role and token checks run in one place, CallGate, which gRPC runs on every call of
 // every service of a server (its health service included) before any handler.
 #ifndef PSFLOW_TRANSPORT_SECURITY_H_
 #define PSFLOW_TRANSPORT_SECURITY_H_
@@ -70,11 +75,38 @@ struct SecurityFiles {
 // that cannot travel in metadata (outside printable ASCII).
 absl::StatusOr<SecurityOptions> LoadSecurityOptions(const SecurityFiles& files);
 
-// With TLS, checks this process's certificate for `role` before anything
-// listens or calls: it must parse, match the key, chain to the CA, be usable
-// by TLS clients and servers, have the role as its CN and be valid for the
-// DNS name of the role. INVALID_ARGUMENT naming the problem. OK without TLS.
-absl::Status CheckOwnCertificate(const SecurityOptions& options, Role role);
+// Who a certificate's CN says its holder is: a role, and a task index for a
+// per-task certificate.
+struct PeerIdentity {
+  Role role = Role::kWorker;
+  std::optional<int> index;  // nullopt: a per-role certificate
+};
+
+// "worker" -> worker; "worker-1" -> worker, task 1 (decimal, below 1e6, no
+// sign or leading zero); role names as ParseRole takes them. INVALID_ARGUMENT
+// otherwise.
+absl::StatusOr<PeerIdentity> ParseIdentity(absl::string_view cn);
+
+// With TLS, checks this process's certificate for `role` and task
+// `task_index` before anything listens or calls: it must parse, match the
+// key, chain to the CA, be usable by TLS clients and servers, have the role
+// (or the role and `task_index`) as its CN and be valid for the DNS name of
+// the role. INVALID_ARGUMENT naming the problem. OK without TLS.
+absl::Status CheckOwnCertificate(const SecurityOptions& options, Role role, int task_index = 0);
+
+// The identity of a call's caller, from its certificate's CN; nullopt
+// without TLS (or a CN that names no identity, which the CallGate refused
+// wherever a role is needed).
+std::optional<PeerIdentity> CallerIdentity(const grpc::ServerContextBase& context);
+
+// Whether a caller whose certificate says `caller` may act as task
+// `claimed_index` of `role`: PERMISSION_DENIED when it holds a per-task
+// certificate of `role` for another index. OK without an identity (no TLS),
+// for a per-role certificate, or for a caller of another role (the
+// CallGate's role rules decide about those).
+absl::Status CheckCallerIndex(const std::optional<PeerIdentity>& caller, Role role,
+                              int claimed_index);
+absl::Status CheckCallerIndex(const grpc::ServerContextBase& context, Role role, int claimed_index);
 
 // One log line saying what protects this process's connections.
 std::string DescribeSecurity(const SecurityOptions& options, Role role);

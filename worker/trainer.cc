@@ -170,6 +170,7 @@ absl::Status Trainer::Register() {
       // are done again.
       reporter_.Registered(response->job_id());
       job_id_ = response->job_id();
+      ring_key_ = response->ring_key();
       if (first) {
         absl::MutexLock lock(&mu_);
         ps_ = std::move(client);
@@ -202,7 +203,7 @@ absl::Status Trainer::Prepare() {
           "cluster with ps: give every process the same cluster");
     }
     if (options_.worker_index != 0) PSFLOW_RETURN_IF_ERROR(LoadReplica());
-    options_.ring->Open(job_id_, job_.allreduce_bucket_bytes());
+    options_.ring->Open(job_id_, job_.allreduce_bucket_bytes(), ring_key_);
   }
   absl::StatusOr<std::unique_ptr<ModelReplicas>> model =
       ModelReplicas::Create(options_.device, job_);

@@ -264,6 +264,7 @@ class Trainer {
 
   // Set at each registration by the training thread; read anywhere.
   std::atomic<uint64_t> job_id_{0};
+  uint64_t ring_key_ = 0;  // the chief's RegisterWorkerResponse.ring_key
   // The report loop, and what the chief answers it.
   Reporter reporter_;
 

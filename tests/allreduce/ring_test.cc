@@ -67,9 +67,9 @@ struct Group {
       rings.push_back(owned.back().get());
     }
   }
-  // Every member takes part in job `job_id`.
-  void Open(uint64_t job_id) {
-    for (Ring* r : rings) r->Open(job_id);
+  // Every member takes part in job `job_id`, with ring key `key`.
+  void Open(uint64_t job_id, uint64_t key = 0) {
+    for (Ring* r : rings) r->Open(job_id, 0, key);
   }
 };
 
@@ -386,6 +386,30 @@ TEST(RingTest, DeliverRefusesWhatItNeverTakes) {
   forged.set_job_id(5);
   forged.set_from(9);
   EXPECT_TRUE(absl::IsInvalidArgument(g.rings[0]->PeerAborted(forged)));
+}
+
+// Pieces and aborts carry the ring's key: the members' own pass (the
+// all-reduce works), a stranger's, who knows the job id but not the key, are
+// refused and the ring stays.
+TEST(RingTest, PiecesAndAbortsWithoutTheRingsKeyAreRefused) {
+  Group g(2, RingOptions());
+  constexpr uint64_t kKey = 0x5ec7e7;
+  g.Open(5, kKey);
+  RingPiece piece = Piece(5, 1, 8);
+  absl::Status s = g.rings[0]->Deliver(piece);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  RingAbort forged;
+  forged.set_job_id(5);
+  forged.set_from(1);
+  s = g.rings[0]->PeerAborted(forged);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  EXPECT_TRUE(g.rings[0]->status().ok());
+  std::vector<std::vector<std::vector<float>>> values;
+  for (int r = 0; r < 2; ++r) values.push_back(MemberValues(r, {100}));
+  for (absl::Status& r : RunAll(g, values, 0, DT_FLOAT)) ASSERT_TRUE(r.ok()) << r;
+  forged.set_ring_key(kKey);  // a member's abort
+  EXPECT_TRUE(g.rings[0]->PeerAborted(forged).ok());
+  EXPECT_TRUE(absl::IsUnavailable(g.rings[0]->status()));
 }
 
 TEST(RingTest, APieceOfTheWrongSizeFailsTheStep) {

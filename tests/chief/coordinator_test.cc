@@ -811,11 +811,13 @@ TEST_F(CoordinatorTest, SkippedStepsAreCountedOnceAndTooManyFailTheJob) {
 // ---------------------------------------------------------------------------
 // Evaluators
 
-ReportEvalRequest EvalReport(uint64_t job_id, int64_t step, double loss = 0.5, int64_t correct = 90,
-                             int64_t examples = 100) {
+// A report of evaluator 0, whose registration holds `lease`.
+ReportEvalRequest EvalReport(uint64_t lease, uint64_t job_id, int64_t step, double loss = 0.5,
+                             int64_t correct = 90, int64_t examples = 100) {
   ReportEvalRequest r;
   r.set_job_id(job_id);
   r.set_evaluator(0);
+  r.set_lease(lease);
   if (step >= 0) {
     EvalResult* e = r.mutable_result();
     e->set_step(step);
@@ -846,19 +848,20 @@ TEST_F(CoordinatorTest, TheEndWaitsForTheEvaluationOfTheFinalModel) {
   EXPECT_EQ(e->eval_every_steps(), 2);
   EXPECT_EQ(e->job().train_steps(), 4);
   EXPECT_EQ(e->ps_address_size(), 1);
+  const uint64_t lease = e->lease();
   Train(id, {0}, 0, 4);
   ASSERT_TRUE(Report(id, 0, -1, /*finished=*/true).ok());
   EXPECT_FALSE(returned_->WaitForNotificationWithTimeout(absl::Milliseconds(300)));
   EXPECT_FALSE(ps_->shut_down(0));
   // A result of an earlier step changes nothing; the final one ends the wait.
-  absl::StatusOr<ReportEvalResponse> r = coordinator_->ReportEval(EvalReport(id, 2));
+  absl::StatusOr<ReportEvalResponse> r = coordinator_->ReportEval(EvalReport(lease, id, 2));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
   EXPECT_FALSE(ps_->shut_down(0));
   EXPECT_EQ(gauge("psflow_eval_step"), 2);
   EXPECT_EQ(gauge("psflow_eval_loss"), 0.5);
   EXPECT_EQ(gauge("psflow_eval_accuracy"), 0.9);
-  r = coordinator_->ReportEval(EvalReport(id, 4, 0.25, 95, 100));
+  r = coordinator_->ReportEval(EvalReport(lease, id, 4, 0.25, 95, 100));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->action(), ReportEvalResponse::EXIT);
   EXPECT_EQ(gauge("psflow_eval_step"), 4);
@@ -929,22 +932,25 @@ TEST_F(CoordinatorTest, EvaluatorCallsAreCheckedAndOtherJobsResultsDropped) {
   const uint64_t id = StartAndRegister(o);
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterEvaluator(1).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->RegisterEvaluator(-1).status()));
-  ReportEvalRequest bad_index = EvalReport(id, 2);
+  absl::StatusOr<RegisterEvaluatorResponse> registered = coordinator_->RegisterEvaluator(0);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  const uint64_t lease = registered->lease();
+  ReportEvalRequest bad_index = EvalReport(lease, id, 2);
   bad_index.set_evaluator(3);
   EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->ReportEval(bad_index).status()));
   for (const ReportEvalRequest& impossible :
-       {EvalReport(id, 11), EvalReport(id, 2, NAN), EvalReport(id, 2, -1.0),
-        EvalReport(id, 2, 0.5, 101, 100), EvalReport(id, 2, 0.5, 0, 0),
-        EvalReport(id, 2, 0.5, -1, 100)}) {
+       {EvalReport(lease, id, 11), EvalReport(lease, id, 2, NAN), EvalReport(lease, id, 2, -1.0),
+        EvalReport(lease, id, 2, 0.5, 101, 100), EvalReport(lease, id, 2, 0.5, 0, 0),
+        EvalReport(lease, id, 2, 0.5, -1, 100)}) {
     EXPECT_TRUE(absl::IsInvalidArgument(coordinator_->ReportEval(impossible).status()))
         << impossible.DebugString();
   }
   // A heartbeat goes on; a result of another job (reloaded since) is dropped
   // with REGISTER.
-  absl::StatusOr<ReportEvalResponse> r = coordinator_->ReportEval(EvalReport(id, -1));
+  absl::StatusOr<ReportEvalResponse> r = coordinator_->ReportEval(EvalReport(lease, id, -1));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->action(), ReportEvalResponse::CONTINUE);
-  r = coordinator_->ReportEval(EvalReport(id + 1, 2));
+  r = coordinator_->ReportEval(EvalReport(lease, id + 1, 2));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->action(), ReportEvalResponse::REGISTER);
 }

@@ -28,8 +28,8 @@ class FakeEvaluatorChief final : public chief::EvaluatorClient {
  public:
   explicit FakeEvaluatorChief(JobConfig job) : job_(std::move(job)) {}
 
-  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(int evaluator,
-                                                              absl::Time deadline) override {
+  absl::StatusOr<RegisterEvaluatorResponse> RegisterEvaluator(
+      const RegisterEvaluatorRequest& request, absl::Time deadline) override {
     absl::MutexLock lock(&mu_);
     ++registrations_;
     RegisterEvaluatorResponse r;

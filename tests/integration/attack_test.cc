@@ -25,8 +25,10 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <regex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -35,6 +37,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/allreduce.grpc.pb.h"
 #include "proto/chief.grpc.pb.h"
 #include "proto/ps.grpc.pb.h"
 #include "tests/common/certs.h"
@@ -63,12 +66,18 @@ int64_t ResidentBytes(pid_t pid) {
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
-// The attacks, each as one call (or stream) with the security given.
+// The attacks, each as one call (or stream) with the security given. In a
+// workers-only job worker 0 serves the chief's service and its replica as
+// ps 0: `server_role` is then the worker (the name TLS checks).
 class Attacker {
  public:
-  Attacker(const std::string& chief, const std::string& ps0, const SecurityOptions& security)
-      : ps_(ParameterServer::NewStub(MakeChannel(ps0, Role::kPs, security, true))),
-        chief_(ChiefService::NewStub(MakeChannel(chief, Role::kChief, security, true))) {}
+  Attacker(const std::string& chief, const std::string& ps0, const SecurityOptions& security,
+           std::optional<Role> server_role = std::nullopt)
+      : ps_(ParameterServer::NewStub(
+            MakeChannel(ps0, server_role.value_or(Role::kPs), security, true))),
+        chief_(ChiefService::NewStub(
+            MakeChannel(chief, server_role.value_or(Role::kChief), security, true))),
+        security_(security) {}
 
   grpc::Status GetState(PsState* state) {
     grpc::ClientContext context;
@@ -81,15 +90,15 @@ class Attacker {
     return ValuePush(state, std::numeric_limits<float>::quiet_NaN());
   }
 
-  // Worker 0's gradients for the first slice of ps 0, every value `value`.
-  grpc::Status ValuePush(const PsState& state, float value) {
+  // Worker `w`'s gradients for the first slice of ps 0, every value `value`.
+  grpc::Status ValuePush(const PsState& state, float value, int w = 0) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(Soon()));
     PushResponse response;
     auto writer = ps_->Push(&context, &response);
     PushRequest header;
     header.mutable_header()->set_job_id(state.job_id());
-    header.mutable_header()->set_worker(0);
+    header.mutable_header()->set_worker(w);
     header.mutable_header()->set_step(state.version());
     header.mutable_header()->add_slices(0);
     writer->Write(header);
@@ -118,6 +127,109 @@ class Attacker {
     writer->Write(data);
     writer->WritesDone();
     return writer->Finish();
+  }
+
+  // Worker `w`'s pull of version 0 by its clock (ASYNC and SSP jobs' pull),
+  // on ps 0.
+  grpc::Status ClockPull(const PsState& state, int w) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    PullRequest pull;
+    pull.set_job_id(state.job_id());
+    pull.set_by_clock(true);
+    pull.set_worker(w);
+    auto reader = ps_->Pull(&context, pull);
+    PullResponse response;
+    while (reader->Read(&response)) {
+    }
+    return reader->Finish();
+  }
+
+  // Worker `w`'s registration (a rejoin, for a worker of the job).
+  grpc::Status RegisterWorker(int w) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    RegisterWorkerRequest request;
+    request.set_worker(w);
+    RegisterWorkerResponse response;
+    return chief_->RegisterWorker(&context, request, &response);
+  }
+
+  // "Worker `w`'s step was not finite", which fails a job that runs
+  // on_nonfinite=fail (the default).
+  grpc::Status NonfiniteReport(const PsState& state, int w) {
+    ReportRequest report;
+    report.set_job_id(state.job_id());
+    report.set_worker(w);
+    StepMetrics* m = report.add_metrics();
+    m->set_step(state.version());
+    m->set_examples(1);
+    m->set_nonfinite(true);
+    ReportResponse response;
+    return Report(report, &response);
+  }
+
+  // Evaluator `e`'s registration; *lease is the chief's answer's.
+  grpc::Status RegisterEvaluator(int e, uint64_t* lease) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    RegisterEvaluatorRequest request;
+    request.set_evaluator(e);
+    RegisterEvaluatorResponse response;
+    grpc::Status s = chief_->RegisterEvaluator(&context, request, &response);
+    *lease = response.lease();
+    return s;
+  }
+
+  // Evaluator `e`'s evaluation of the final model (step `steps`) with an
+  // accuracy of 0.9999, carrying `lease`; *action is the chief's answer.
+  grpc::Status ForgedFinalEval(const PsState& state, int e, int64_t steps, uint64_t lease,
+                               ReportEvalResponse::Action* action) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    ReportEvalRequest request;
+    request.set_job_id(state.job_id());
+    request.set_evaluator(e);
+    request.set_lease(lease);
+    EvalResult* r = request.mutable_result();
+    r->set_step(steps);
+    r->set_loss(0.001);
+    r->set_correct(9999);
+    r->set_examples(10000);
+    r->set_duration_us(1000);
+    ReportEvalResponse response;
+    grpc::Status s = chief_->ReportEval(&context, request, &response);
+    *action = response.action();
+    return s;
+  }
+
+  // "Member `from` left the ring", to the all-reduce service at `worker`
+  // (the ring's key unknown: GetState does not tell it).
+  grpc::Status RingAbortAs(const PsState& state, const std::string& worker, int from) {
+    auto ring = AllReduce::NewStub(MakeChannel(worker, Role::kWorker, security_, true));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    RingAbort abort;
+    abort.set_job_id(state.job_id());
+    abort.set_from(from);
+    abort.set_reason("forged");
+    RingAbortAck ack;
+    return ring->Abort(&context, abort, &ack);
+  }
+
+  // A piece from member `from`, to the all-reduce service at `worker`.
+  grpc::Status RingPieceAs(const PsState& state, const std::string& worker, int from) {
+    auto ring = AllReduce::NewStub(MakeChannel(worker, Role::kWorker, security_, true));
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(Soon()));
+    RingPiece piece;
+    piece.set_job_id(state.job_id());
+    piece.set_from(from);
+    piece.set_step(state.version() + 1);
+    piece.set_dtype(DT_FLOAT);
+    piece.set_data(std::string(16, '\0'));
+    RingPieceAck ack;
+    return ring->Send(&context, piece, &ack);
   }
 
   // Worker 0's skip of every slice of ps 0 at the ps's version.
@@ -268,6 +380,7 @@ class Attacker {
 
   std::unique_ptr<ParameterServer::Stub> ps_;
   std::unique_ptr<ChiefService::Stub> chief_;
+  const SecurityOptions security_;
 };
 
 class AttackTest : public TempDirTest {
@@ -285,7 +398,13 @@ class AttackTest : public TempDirTest {
     auto start = [&](const std::string& role, int index, std::vector<std::string> extra = {}) {
       std::vector<std::string> args = {"--job_name=" + role, "--task_id=" + std::to_string(index)};
       args.insert(args.end(), hosts.begin(), hosts.end());
-      for (const std::string& f : role_flags(role)) args.push_back(f);
+      std::vector<std::string> flags;
+      if constexpr (std::is_invocable_v<RoleFlags, const std::string&, int>) {
+        flags = role_flags(role, index);  // per task
+      } else {
+        flags = role_flags(role);
+      }
+      for (const std::string& f : flags) args.push_back(f);
       args.insert(args.end(), extra.begin(), extra.end());
       return std::make_unique<Process>(Bin("psflow-" + role), args);
     };
@@ -317,7 +436,45 @@ class AttackTest : public TempDirTest {
     return ok;
   }
 
+  // A workers-only job (2 workers that all-reduce; worker 0 runs the chief's
+  // duties), started by hand with worker w's `flags(w)`, training the mlp
+  // for `steps`; `attack` runs once both train. Returns whether both exited
+  // 0; their output is in outputs_, worker w's address is worker(w).
+  template <typename Flags, typename Attack>
+  bool RunWorkersOnlyJob(int64_t steps, const Flags& flags, const Attack& attack) {
+    ports_ = FreePorts(2);
+    if (ports_.size() != 2) return false;
+    const std::string hosts = "--worker_hosts=" + Addr(ports_[0]) + "," + Addr(ports_[1]);
+    std::vector<std::unique_ptr<Process>> workers;
+    for (int w = 0; w < 2; ++w) {
+      std::vector<std::string> args = {"--job_name=worker", "--task_id=" + std::to_string(w),
+                                       hosts};
+      for (const std::string& a : HandStartedMlpArgs(steps)) args.push_back(a);
+      for (const std::string& f : flags(w)) args.push_back(f);
+      workers.push_back(std::make_unique<Process>(Bin("psflow-worker"), args));
+    }
+    // The ring is open on both once a step is logged.
+    if (!workers[0]->WaitForOutput("] step 100/", seconds(60))) {
+      ADD_FAILURE() << workers[0]->Describe();
+      return false;
+    }
+    attack();
+    EXPECT_TRUE(workers[0]->running()) << "the job ended before the attacks did\n"
+                                       << workers[0]->Describe();
+    bool ok = true;
+    for (auto& w : workers) {
+      if (w->WaitOrKill(seconds(120)) != 0) {
+        ADD_FAILURE() << w->Describe();
+        ok = false;
+      }
+    }
+    outputs_.clear();
+    for (auto& w : workers) outputs_ += w->output();
+    return ok;
+  }
+
   std::string chief() const { return Addr(ports_[0]); }
+  std::string worker(int w) const { return Addr(ports_[w]); }
   std::string ps0() const { return Addr(ports_[1]); }
 
   std::vector<int> ports_;
@@ -467,6 +624,111 @@ TEST_F(AttackTest, EveryAttackFailsWithTlsAndToken) {
   }));
   EXPECT_EQ(SavedModelFigures(model_dir), reference);
   EXPECT_THAT(outputs_, Not(HasSubstr("reloading every ps"))) << outputs_;
+}
+
+// The mutual TLS flags of a make-certs.sh directory's certificate `name`
+// ("worker-1", "chief", ...), with its token.
+std::vector<std::string> TlsFlags(const std::string& certs, const std::string& name) {
+  return {"--tls_cert=" + certs + "/" + name + ".crt", "--tls_key=" + certs + "/" + name + ".key",
+          "--tls_ca=" + certs + "/ca.crt", "--auth_token_file=" + certs + "/token"};
+}
+
+// With per-task certificates a worker's credentials act as that worker only:
+// worker 1's cannot push, pull, report (a non-finite step, which would fail
+// the job) or register as worker 0, while as itself it still meets the
+// numeric guards; the job ends as usual.
+TEST_F(AttackTest, PerTaskCertificateCannotActAsAnotherWorker) {
+  const std::string certs = dir_ + "/certs";
+  ASSERT_TRUE(testing_certs::MakeCerts(certs));
+  auto per_task = [&](const std::string& role, int index) {
+    return TlsFlags(certs, role == "chief" ? role : role + "-" + std::to_string(index));
+  };
+  ASSERT_TRUE(RunJob(dir_ + "/model", per_task, [&] {
+    Attacker worker1(chief(), ps0(), testing_certs::Options(certs, "worker-1"));
+    PsState state;
+    ASSERT_TRUE(worker1.GetState(&state).ok());
+    ASSERT_TRUE(state.holds_job());
+    const grpc::StatusCode denied = grpc::StatusCode::PERMISSION_DENIED;
+    grpc::Status s = worker1.NanPush(state);
+    EXPECT_EQ(s.error_code(), denied) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("worker 1's; it may not act as worker 0"));
+    EXPECT_EQ(worker1.ClockPull(state, 0).error_code(), denied);
+    s = worker1.NonfiniteReport(state, 0);
+    EXPECT_EQ(s.error_code(), denied) << s.error_message();
+    s = worker1.RegisterWorker(0);
+    EXPECT_EQ(s.error_code(), denied) << s.error_message();
+    ReportResponse::Action action;
+    EXPECT_EQ(worker1.FinishedReport(state, 0, &action).error_code(), denied);
+    // As itself: past the identity check, to the guards.
+    s = worker1.ValuePush(state, std::numeric_limits<float>::quiet_NaN(), 1);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  }));
+  EXPECT_NE(SavedModelFigures(dir_ + "/model"), "");
+  EXPECT_THAT(outputs_, HasSubstr("done: 3000 steps")) << outputs_;
+}
+
+// A workers-only job in plaintext, attacked by a stranger who learnt the
+// job id from GetState: an abort "from worker 0" (which stopped the job in
+// a fraction of a second) is refused without the ring's key, and so is a
+// forged piece; an evaluator registration is refused (the cluster lists
+// none, and without TLS nothing else says who is an evaluator), and so is a
+// forged result of the final model ("acc 0.9999"): the job neither waits
+// for it nor prints it, and ends with exit 0.
+TEST_F(AttackTest, ForgedAbortAndForgedEvaluatorAreRefusedInAWorkersOnlyJob) {
+  ASSERT_TRUE(RunWorkersOnlyJob(
+      1500, [](int) { return std::vector<std::string>{}; },
+      [&] {
+        Attacker stranger(worker(0), worker(0), SecurityOptions{}, Role::kWorker);
+        PsState state;
+        ASSERT_TRUE(stranger.GetState(&state).ok());
+        ASSERT_NE(state.job_id(), 0u);
+        grpc::Status s = stranger.RingAbortAs(state, worker(1), 0);
+        EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+        EXPECT_THAT(s.error_message(), HasSubstr("not a member of this all-reduce ring"));
+        s = stranger.RingAbortAs(state, worker(0), 1);
+        EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+        s = stranger.RingPieceAs(state, worker(1), 0);
+        EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+
+        uint64_t lease = 0;
+        s = stranger.RegisterEvaluator(0, &lease);
+        EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+        EXPECT_THAT(s.error_message(), HasSubstr("lists no evaluators"));
+        ReportEvalResponse::Action action = ReportEvalResponse::CONTINUE;
+        s = stranger.ForgedFinalEval(state, 0, 1500, lease, &action);
+        EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      }));
+  EXPECT_THAT(outputs_, HasSubstr("done: 1500 steps")) << outputs_;
+  EXPECT_THAT(outputs_, Not(HasSubstr("(evaluator)"))) << outputs_;
+  EXPECT_THAT(outputs_, Not(HasSubstr("acc 0.9999"))) << outputs_;
+  EXPECT_THAT(outputs_, Not(HasSubstr("waiting for the evaluation of the final model")));
+  EXPECT_THAT(outputs_, Not(HasSubstr("left the all-reduce group"))) << outputs_;
+}
+
+// With per-task certificates in a workers-only job, worker 1's credentials
+// cannot abort the ring or send pieces as worker 0, nor report, rejoin or
+// pull as it; the job ends with exit 0.
+TEST_F(AttackTest, PerTaskCertificateCannotAbortTheRingAsAnotherWorker) {
+  const std::string certs = dir_ + "/certs";
+  ASSERT_TRUE(testing_certs::MakeCerts(certs));
+  ASSERT_TRUE(RunWorkersOnlyJob(
+      1500, [&](int w) { return TlsFlags(certs, "worker-" + std::to_string(w)); },
+      [&] {
+        Attacker worker1(worker(0), worker(0), testing_certs::Options(certs, "worker-1"),
+                         Role::kWorker);
+        PsState state;
+        ASSERT_TRUE(worker1.GetState(&state).ok());
+        const grpc::StatusCode denied = grpc::StatusCode::PERMISSION_DENIED;
+        grpc::Status s = worker1.RingAbortAs(state, worker(1), 0);
+        EXPECT_EQ(s.error_code(), denied) << s.error_message();
+        EXPECT_THAT(s.error_message(), HasSubstr("worker 1's; it may not act as worker 0"));
+        EXPECT_EQ(worker1.RingPieceAs(state, worker(1), 0).error_code(), denied);
+        EXPECT_EQ(worker1.NonfiniteReport(state, 0).error_code(), denied);
+        EXPECT_EQ(worker1.RegisterWorker(0).error_code(), denied);
+        EXPECT_EQ(worker1.ClockPull(state, 0).error_code(), denied);
+      }));
+  EXPECT_THAT(outputs_, HasSubstr("done: 1500 steps")) << outputs_;
+  EXPECT_THAT(outputs_, Not(HasSubstr("left the all-reduce group"))) << outputs_;
 }
 
 }  // namespace

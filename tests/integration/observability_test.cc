@@ -269,14 +269,16 @@ const std::map<std::string, std::string> kEvaluatorFamilies = {
 // A chief, one ps, two workers and an evaluator, each with --metrics_port,
 // training the mlp (evaluated every 100 steps), started on construction,
 // killed (SIGKILL) on destruction if still running. Ports `p`: gRPC chief,
-// ps, worker0, worker1 (p[4] unused: the evaluator listens on none); metrics
-// chief, ps, worker0, worker1, evaluator0.
+// ps, worker0, worker1, evaluator0 (listed: in plaintext the chief takes only
+// the evaluators its cluster lists); metrics chief, ps, worker0, worker1,
+// evaluator0.
 class MetricsCluster {
  public:
   MetricsCluster(std::vector<int> p, const std::string& model_dir)
       : p_(std::move(p)),
         hosts_({"--chief_hosts=" + Addr(p_[0]), "--ps_hosts=" + Addr(p_[1]),
-                "--worker_hosts=" + Addr(p_[2]) + "," + Addr(p_[3])}),
+                "--worker_hosts=" + Addr(p_[2]) + "," + Addr(p_[3]),
+                "--evaluator_hosts=" + Addr(p_[4])}),
         ps_(std::make_unique<Process>(Bin("psflow-ps"), Args("ps", 0, p_[6]))),
         worker0_(Bin("psflow-worker"), Args("worker", 0, p_[7])),
         worker1_(Bin("psflow-worker"), Args("worker", 1, p_[8])),

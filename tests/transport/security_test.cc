@@ -96,6 +96,65 @@ TEST_F(SecurityTest, OwnCertificateMustFitTheRole) {
               HasSubstr("--tls_cert holds no PEM certificate"));
 }
 
+// make-certs.sh's per-task certificates: each is good for its own role and
+// task only; a per-role certificate for any task of its role.
+TEST_F(SecurityTest, PerTaskCertificatesFitTheirOwnTaskOnly) {
+  EXPECT_TRUE(CheckOwnCertificate(Options(Job(), "worker-1"), Role::kWorker, 1).ok())
+      << CheckOwnCertificate(Options(Job(), "worker-1"), Role::kWorker, 1);
+  EXPECT_TRUE(CheckOwnCertificate(Options(Job(), "ps-1"), Role::kPs, 1).ok());
+  EXPECT_TRUE(CheckOwnCertificate(Options(Job(), "evaluator-0"), Role::kEvaluator, 0).ok());
+  EXPECT_TRUE(CheckOwnCertificate(Options(Job(), "worker"), Role::kWorker, 3).ok());
+  absl::Status s = CheckOwnCertificate(Options(Job(), "worker-0"), Role::kWorker, 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the certificate of worker 0 (CN worker-0), but this "
+                                     "process is worker 1"));
+  EXPECT_THAT(CheckOwnCertificate(Options(Job(), "worker-1"), Role::kPs, 1).message(),
+              HasSubstr("the certificate of 'worker-1' (its CN), but this process is the ps"));
+}
+
+TEST(ParseIdentityTest, RoleAndOptionalTaskIndex) {
+  absl::StatusOr<PeerIdentity> id = ParseIdentity("worker-1");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(id->role, Role::kWorker);
+  EXPECT_EQ(id->index, 1);
+  id = ParseIdentity("worker");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(id->role, Role::kWorker);
+  EXPECT_FALSE(id->index.has_value());
+  id = ParseIdentity("evaluator-12");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(id->role, Role::kEvaluator);
+  EXPECT_EQ(id->index, 12);
+  id = ParseIdentity("ps-0");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(id->role, Role::kPs);
+  EXPECT_EQ(id->index, 0);
+  id = ParseIdentity("chief");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(id->role, Role::kChief);
+  for (const char* bad : {"worker-", "worker-01", "worker--1", "worker-+1", "worker-1x",
+                          "worker-1234567", "admin-1", "-1", "", "psflow job CA", "worker 1"}) {
+    EXPECT_FALSE(ParseIdentity(bad).ok()) << bad;
+  }
+}
+
+TEST(CheckCallerIndexTest, APerTaskCertificateActsAsItsOwnIndexOnly) {
+  const PeerIdentity worker1{Role::kWorker, 1};
+  EXPECT_TRUE(CheckCallerIndex(worker1, Role::kWorker, 1).ok());
+  absl::Status s = CheckCallerIndex(worker1, Role::kWorker, 0);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the caller's certificate is worker 1's; it may not act as "
+                                     "worker 0"));
+  // A per-role certificate, no certificate (plaintext) and another role
+  // (whose rights the CallGate decides) keep their rights.
+  EXPECT_TRUE(CheckCallerIndex(PeerIdentity{Role::kWorker, std::nullopt}, Role::kWorker, 0).ok());
+  EXPECT_TRUE(CheckCallerIndex(std::nullopt, Role::kWorker, 0).ok());
+  EXPECT_TRUE(CheckCallerIndex(PeerIdentity{Role::kChief, std::nullopt}, Role::kWorker, 3).ok());
+  EXPECT_TRUE(CheckCallerIndex(PeerIdentity{Role::kEvaluator, 0}, Role::kWorker, 3).ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      CheckCallerIndex(PeerIdentity{Role::kEvaluator, 0}, Role::kEvaluator, 1)));
+}
+
 const CallerRoles& Callers() {
   static const auto* callers =
       new CallerRoles{{"/psflow.ParameterServer/Shutdown", {Role::kChief}},
@@ -129,6 +188,9 @@ TEST(CallGateTest, WithTlsOnlyTheListedRolesMayCall) {
   EXPECT_TRUE(gate.Admit("/psflow.ParameterServer/Shutdown", std::nullopt, "chief").ok());
   EXPECT_TRUE(gate.Admit("/psflow.ParameterServer/Shutdown", std::nullopt, "master").ok());
   EXPECT_TRUE(gate.Admit("/psflow.ParameterServer/Snapshot", std::nullopt, "evaluator").ok());
+  // Per-task certificates have their role's rights.
+  EXPECT_TRUE(gate.Admit("/psflow.ParameterServer/Snapshot", std::nullopt, "evaluator-0").ok());
+  EXPECT_TRUE(gate.Admit("/psflow.ParameterServer/Pull", std::nullopt, "worker-3").ok());
   // Methods not listed: any member.
   EXPECT_TRUE(gate.Admit("/psflow.ParameterServer/Pull", std::nullopt, "worker").ok());
   for (const auto& [method, cn] : std::vector<std::pair<std::string, std::optional<std::string>>>{
@@ -136,7 +198,9 @@ TEST(CallGateTest, WithTlsOnlyTheListedRolesMayCall) {
            {"/psflow.ParameterServer/Shutdown", "ps"},
            {"/psflow.ParameterServer/Shutdown", "admin"},
            {"/psflow.ParameterServer/Shutdown", std::nullopt},
-           {"/psflow.ParameterServer/Snapshot", "worker"}}) {
+           {"/psflow.ParameterServer/Snapshot", "worker"},
+           {"/psflow.ParameterServer/Snapshot", "worker-0"},
+           {"/psflow.ParameterServer/Shutdown", "chief-x"}}) {
     absl::Status s = gate.Admit(method, std::nullopt, cn);
     EXPECT_TRUE(absl::IsPermissionDenied(s)) << method << " " << cn.value_or("(none)") << ": " << s;
   }
@@ -144,7 +208,7 @@ TEST(CallGateTest, WithTlsOnlyTheListedRolesMayCall) {
   EXPECT_THAT(s.message(), HasSubstr("only the chief may call /psflow.ParameterServer/Shutdown"));
   EXPECT_THAT(gate.Admit("/psflow.ParameterServer/Snapshot", std::nullopt, "ps").message(),
               HasSubstr("only the chief or evaluator may call"));
-  EXPECT_EQ(gate.refused(), 7);
+  EXPECT_EQ(gate.refused(), 9);
 }
 
 TEST(CallGateTest, TheTokenComesBeforeTheRole) {
