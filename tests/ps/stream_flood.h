@@ -71,9 +71,8 @@ class StreamFlood {
     std::pair<const StreamFlood*, int> args(this, n);
     return mu_.AwaitWithTimeout(
         absl::Condition(
-            +[](std::pair<const StreamFlood*, int>* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return a->first->ended_count_ >= a->second;
-            },
+            +[](std::pair<const StreamFlood*, int>* a)
+                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->first->ended_count_ >= a->second; },
             &args),
         timeout);
   }
