@@ -70,12 +70,13 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
 class ContextCanceller {
  public:
   explicit ContextCanceller(grpc::ServerContext* context) : context_(context) {}
-  // True if the call was cancelled here.
-  bool Cancel() ABSL_LOCKS_EXCLUDED(mu_) {
+  // Calls `first` (before the caller can see the call end), then cancels
+  // the call, unless its handler let go of it.
+  void Cancel(const std::function<void()>& first) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    if (context_ == nullptr) return false;
+    if (context_ == nullptr) return;
+    first();
     context_->TryCancel();
-    return true;
   }
   void Release() ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -415,7 +416,7 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   // A silent stream is cancelled: its Read returns.
   auto cancel = std::make_shared<ContextCanceller>(context);
   FirstMessageTimer timer(streams_.limits().first_message_timeout, [this, cancel, peer] {
-    if (cancel->Cancel()) streams_.TimedOut(peer);
+    cancel->Cancel([&] { streams_.TimedOut(peer); });
   });
   absl::Cleanup let_out = [&] {
     cancel->Release();
@@ -506,9 +507,8 @@ class PsService::PushReader final : public Base {
       timer_ = std::make_unique<FirstMessageTimer>(
           service_->streams_.limits().first_message_timeout,
           [service = service_, peer = peer_, gate = gate_] {
-            if (gate->Answer(ToGrpcStatus(service->SilentStream()))) {
-              service->streams_.TimedOut(peer);
-            }
+            gate->Answer(ToGrpcStatus(service->SilentStream()),
+                         [&] { service->streams_.TimedOut(peer); });
           });
     }
     this->StartRead(&message_);
@@ -519,11 +519,11 @@ class PsService::PushReader final : public Base {
   // (holds keep it), which it does not touch once the call is finished.
   struct Gate {
     explicit Gate(PushReader* r) : reader(r) {}
-    // True if this answered the call.
-    bool Answer(const grpc::Status& status) {
-      if (answered.exchange(true)) return false;
+    // `first` runs if this answers the call, before the caller can see it.
+    void Answer(const grpc::Status& status, const std::function<void()>& first = nullptr) {
+      if (answered.exchange(true)) return;
+      if (first) first();
       reader->Finish(status);
-      return true;
     }
     PushReader* const reader;
     std::atomic<bool> answered{false};

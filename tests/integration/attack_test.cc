@@ -355,7 +355,7 @@ class AttackTest : public TempDirTest {
 
 std::vector<std::string> NoFlags(const std::string&) { return {}; }
 
-constexpr int kFloodJobSteps = 9000;
+constexpr int kFloodJobSteps = 6000;
 
 // The lines of `text` that contain both `a` and `b`.
 std::vector<std::string> LinesOf(const std::string& text, const std::string& a,
@@ -460,11 +460,14 @@ Floods Flood(const std::string& ps, const Open& open) {
   return floods;
 }
 
-// The calls of `floods` ended so far, by code.
-std::map<grpc::StatusCode, int> Ended(const Floods& floods) {
+// The calls of `floods` ended so far, by code; `*messages` gets a message
+// of each code.
+std::map<grpc::StatusCode, int> Ended(const Floods& floods,
+                                      std::map<grpc::StatusCode, std::string>* messages) {
   std::map<grpc::StatusCode, int> ended;
   for (const auto& f : floods) {
     for (const auto& [code, n] : f->ended()) ended[code] += n;
+    for (const auto& [code, m] : f->messages()) (*messages)[code] = m;
   }
   return ended;
 }
@@ -487,14 +490,15 @@ TEST_F(AttackTest, SilentStreamFloodLeavesTheJobItsRate) {
   double before = 0;
   double during = 0;
   std::map<grpc::StatusCode, int> ended;
+  std::map<grpc::StatusCode, std::string> messages;
   ASSERT_TRUE(RunJob(dir_ + "/attacked", LongerJob, [&] {
     Attacker attacker(chief(), ps0(), SecurityOptions{});
     ASSERT_TRUE(attacker.AtVersion(300));  // the workers' connections pushed
-    before = attacker.StepsPerSecond(absl::Seconds(3));
+    before = attacker.StepsPerSecond(absl::Seconds(2));
     Floods floods = Flood(ps0(), [](testing_flood::StreamFlood& f) { f.SilentPushes(250); });
-    during = attacker.StepsPerSecond(absl::Seconds(3));
+    during = attacker.StepsPerSecond(absl::Seconds(2));
     for (const auto& f : floods) EXPECT_TRUE(f->WaitEnded(250, absl::Seconds(20)));
-    ended = Ended(floods);
+    ended = Ended(floods, &messages);
   }));
   std::cout << "steps/s before the flood " << before << ", during it " << during << ", ratio "
             << during / before << std::endl;
@@ -522,6 +526,7 @@ TEST_F(AttackTest, SilentStreamFloodLeavesTheJobItsRate) {
 // most the pending part of the budget, and the workers train on.
 TEST_F(AttackTest, WaitingPullFloodDoesNotStopTheJob) {
   std::map<grpc::StatusCode, int> ended;
+  std::map<grpc::StatusCode, std::string> messages;
   double before = 0;
   double during = 0;
   ASSERT_TRUE(RunJob(dir_ + "/attacked", LongerJob, [&] {
@@ -532,13 +537,14 @@ TEST_F(AttackTest, WaitingPullFloodDoesNotStopTheJob) {
     before = attacker.StepsPerSecond(absl::Seconds(2));
     Floods floods =
         Flood(ps0(), [&](testing_flood::StreamFlood& f) { f.WaitingPulls(100, state.job_id()); });
-    during = attacker.StepsPerSecond(absl::Seconds(3));
-    ended = Ended(floods);
+    during = attacker.StepsPerSecond(absl::Seconds(2));
+    ended = Ended(floods, &messages);
   }));  // (the floods' pulls are cancelled as they go)
   std::cout << "steps/s before the flood " << before << ", during it " << during << std::endl;
   EXPECT_GT(during, 0.5 * before);
   // 36 of each connection over its bound, and 768 over the pending part.
-  EXPECT_EQ(ended.size(), 1u) << ::testing::PrintToString(ended);
+  EXPECT_EQ(ended.size(), 1u) << ::testing::PrintToString(ended)
+                              << ::testing::PrintToString(messages);
   EXPECT_GE(ended[grpc::StatusCode::RESOURCE_EXHAUSTED], 20 * 36 + 768);
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -64,6 +65,11 @@ class StreamFlood {
     absl::MutexLock lock(&mu_);
     return ended_;
   }
+  // The message of the first call that ended with each code.
+  std::map<grpc::StatusCode, std::string> messages() const {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
   // Waits until `n` calls in all have ended, or `timeout` passed: whether
   // they did.
   bool WaitEnded(int n, absl::Duration timeout) const {
@@ -79,6 +85,8 @@ class StreamFlood {
 
  private:
   struct Call {
+    // Each waits for its connection, as an attacker that tries again would.
+    Call() { context.set_wait_for_ready(true); }
     virtual ~Call() = default;
     grpc::ClientContext context;
   };
@@ -111,7 +119,7 @@ class StreamFlood {
 
   void Ended(const grpc::Status& s) {
     absl::MutexLock lock(&mu_);
-    ++ended_[s.error_code()];
+    if (++ended_[s.error_code()] == 1) messages_[s.error_code()] = s.error_message();
     ++ended_count_;
   }
 
@@ -119,6 +127,7 @@ class StreamFlood {
   std::vector<std::unique_ptr<Call>> calls_;  // added by the test's thread only
   mutable absl::Mutex mu_;
   std::map<grpc::StatusCode, int> ended_ ABSL_GUARDED_BY(mu_);
+  std::map<grpc::StatusCode, std::string> messages_ ABSL_GUARDED_BY(mu_);  // the first, by code
   int ended_count_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
