@@ -50,9 +50,9 @@ ABSL_FLAG(int, max_pending_streams, 0,
           "first push); more are refused with RESOURCE_EXHAUSTED, so the rest of --max_streams "
           "stays for the workers at work. 0 = half of --max_streams.");
 ABSL_FLAG(absl::Duration, stream_first_message_timeout, absl::Seconds(5),
-          "Cancel a Push or Init stream (DEADLINE_EXCEEDED) that has not sent a valid header "
-          "within this long of its start, so that silent streams cannot hold the stream budget; "
-          "counted in psflow_ps_streams_timed_out_total. 0 = never.");
+          "End a Push stream (DEADLINE_EXCEEDED) or an Init stream (cancelled) that has not sent "
+          "a valid header within this long of its start, so that silent streams cannot hold the "
+          "stream budget; counted in psflow_ps_streams_timed_out_total. 0 = never.");
 
 ABSL_FLAG(bool, shared_memory, true,
           "Map the shared memory that workers on this host offer for their pushes and pulls "

@@ -22,8 +22,10 @@
 // (GetState tells it to anyone) and hold waiting pulls, cannot take the
 // streams that the workers at work need. A Push or Init stream that has
 // shown no valid header (the right job id; this ps's index for an Init)
-// within StreamLimits::first_message_timeout is cancelled
-// (DEADLINE_EXCEEDED) and counted, whoever opened it. The limits: a
+// within StreamLimits::first_message_timeout is ended (a push answered
+// DEADLINE_EXCEEDED, an Init cancelled) and counted, whoever opened it; a
+// timer per stream, no thread (the calls of a same-host channel are not
+// timed: its thread waits only for its own worker). The limits: a
 // worker's first pulls come before its first push, so a worker that
 // (re)starts while strangers fill the pending part is refused until room
 // frees (silent streams leave within the timeout; waiting pulls hold theirs
