@@ -1032,6 +1032,17 @@ std::vector<BadCase> BadFlags(const Ports& ports, const std::string& model_dir) 
        Task0Args(ports, "ps", {"--stop_grace=-1s"}),
        {},
        "--stop_grace must be 0 (exit at once on a signal) or positive, not -1s"},
+      {"--max_pending_streams over --max_streams",
+       "psflow-ps",
+       Task0Args(ports, "ps", {"--max_pending_streams=5000"}),
+       {},
+       "--max_pending_streams must be 0 (half of --max_streams) or positive and at most "
+       "--max_streams, not 5000"},
+      {"negative --stream_first_message_timeout",
+       "psflow-ps",
+       Task0Args(ports, "ps", {"--stream_first_message_timeout=-1s"}),
+       {},
+       "--stream_first_message_timeout must be 0 (never) or positive, not -1s"},
   };
 }
 
