@@ -175,9 +175,10 @@ GrpcClient::GrpcClient(const std::vector<std::string>& addresses, GrpcClientOpti
   }
 }
 
-grpc::GenericStub* GrpcClient::NextStub(int ps) {
+grpc::GenericStub* GrpcClient::NextStub(int ps, ChannelMethod method) {
   Link& link = *links_[ps];
-  return link.raw[link.next.fetch_add(1, std::memory_order_relaxed) % link.raw.size()].get();
+  std::atomic<unsigned>& next = method == ChannelMethod::kPush ? link.next_push : link.next_pull;
+  return link.raw[next.fetch_add(1, std::memory_order_relaxed) % link.raw.size()].get();
 }
 
 absl::Status GrpcClient::Init(int ps, const InitHeader& header, std::vector<TensorRef> tensors,
@@ -605,7 +606,8 @@ std::unique_ptr<MessageCall> GrpcClient::OpenCall(int ps, ChannelMethod method,
                                                   const char* grpc_method,
                                                   grpc::ClientContext* context, absl::Time deadline,
                                                   ChannelPool::Channel* channel) {
-  if (channel == nullptr) return std::make_unique<RawCall>(NextStub(ps), context, grpc_method);
+  if (channel == nullptr)
+    return std::make_unique<RawCall>(NextStub(ps, method), context, grpc_method);
   channel_calls_->Add();
   return std::make_unique<ChannelCall>(channel->end.get(), channel->next_call++,
                                        static_cast<uint8_t>(method), deadline, &cancelled_);

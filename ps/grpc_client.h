@@ -185,12 +185,16 @@ class GrpcClient final : public Client, public SharedMemoryClient {
     // Pulls and pushes go as raw messages (transport/chunk_messages.h), one
     // stub per connection.
     std::vector<std::unique_ptr<grpc::GenericStub>> raw;
-    std::atomic<unsigned> next{0};              // the connection of the next pull or push
+    // The connections of the next pull and of the next push: each in turn,
+    // so that every connection pushes (a ps vouches for a connection by its
+    // pushes: see ps/service.h).
+    std::atomic<unsigned> next_pull{0};
+    std::atomic<unsigned> next_push{0};
     std::unique_ptr<RegionOffers> offers;       // with shared memory
     std::unique_ptr<ChannelPool> channel_pool;  // with shared memory and channels
   };
   // The raw stub of the next pull or push to `ps`.
-  grpc::GenericStub* NextStub(int ps);
+  grpc::GenericStub* NextStub(int ps, ChannelMethod method);
 
   std::vector<std::unique_ptr<Link>> links_;
   // With shared_memory; shared with the holds of pulls' borrowed values.

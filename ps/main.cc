@@ -44,6 +44,16 @@ ABSL_FLAG(int, max_streams, 1024,
           "are refused with RESOURCE_EXHAUSTED. Waiting pulls and snapshots hold no thread. Also "
           "the most same-host channels open at once (each holds a thread while it is open).");
 
+ABSL_FLAG(int, max_pending_streams, 0,
+          "Most streams open at once of client connections that have not proven to be the job's "
+          "(no push header or Init accepted on them yet: strangers, and workers before their "
+          "first push); more are refused with RESOURCE_EXHAUSTED, so the rest of --max_streams "
+          "stays for the workers at work. 0 = half of --max_streams.");
+ABSL_FLAG(absl::Duration, stream_first_message_timeout, absl::Seconds(5),
+          "End a Push stream (DEADLINE_EXCEEDED) or an Init stream (cancelled) that has not sent "
+          "a valid header within this long of its start, so that silent streams cannot hold the "
+          "stream budget; counted in psflow_ps_streams_timed_out_total. 0 = never.");
+
 ABSL_FLAG(bool, shared_memory, true,
           "Map the shared memory that workers on this host offer for their pushes and pulls "
           "(psflow-worker --shared_memory), so that their tensors do not cross the network. "
@@ -125,6 +135,20 @@ bool OptionsFromFlags(psflow::ps::PsProcessOptions* options) {
   options->limits.total = absl::GetFlag(FLAGS_max_streams);
   if (options->limits.per_peer < 1 || options->limits.total < options->limits.per_peer) {
     PSLOG(ERROR) << "--max_streams_per_peer must be positive and at most --max_streams";
+    return false;
+  }
+  const int pending = absl::GetFlag(FLAGS_max_pending_streams);
+  options->limits.pending = pending == 0 ? options->limits.total / 2 : pending;
+  if (pending < 0 || options->limits.pending > options->limits.total) {
+    PSLOG(ERROR) << "--max_pending_streams must be 0 (half of --max_streams) or positive and at "
+                    "most --max_streams, not "
+                 << pending;
+    return false;
+  }
+  options->limits.first_message_timeout = absl::GetFlag(FLAGS_stream_first_message_timeout);
+  if (options->limits.first_message_timeout < absl::ZeroDuration()) {
+    PSLOG(ERROR) << "--stream_first_message_timeout must be 0 (never) or positive, not "
+                 << absl::FormatDuration(options->limits.first_message_timeout);
     return false;
   }
   options->shared_memory = absl::GetFlag(FLAGS_shared_memory);

@@ -32,6 +32,7 @@
 #include "ps/tensors.h"
 #include "transport/call_channel.h"
 #include "transport/chunk_messages.h"
+#include "transport/first_message_timer.h"
 #include "transport/grpc_util.h"
 #include "transport/tensor_chunks.h"
 #include "transport/waiting_writer.h"
@@ -63,6 +64,29 @@ auto ReadHeader(grpc::ServerReader<Request>* reader, Request& request, absl::str
   }
   return std::move(*request.mutable_header());
 }
+
+// Cancels a synchronous call's context from another thread (a timer's)
+// until its handler lets go of it.
+class ContextCanceller {
+ public:
+  explicit ContextCanceller(grpc::ServerContext* context) : context_(context) {}
+  // Calls `first` (before the caller can see the call end), then cancels
+  // the call, unless its handler let go of it.
+  void Cancel(const std::function<void()>& first) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (context_ == nullptr) return;
+    first();
+    context_->TryCancel();
+  }
+  void Release() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    context_ = nullptr;
+  }
+
+ private:
+  absl::Mutex mu_;
+  grpc::ServerContext* context_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace
 
@@ -293,8 +317,12 @@ PsService::PsService(Shard* shard, PsServiceOptions options)
   m->SetCounterFunction(
       "psflow_ps_refused_streams_total",
       "Init, Pull, Push and Snapshot streams refused (RESOURCE_EXHAUSTED) over the bound per "
-      "client connection or in all, since this ps started.",
+      "client connection, of unproven peers, or in all, since this ps started.",
       [this] { return static_cast<double>(refused_streams()); });
+  m->SetCounterFunction("psflow_ps_streams_timed_out_total",
+                        "Init and Push streams cancelled for sending no valid header within "
+                        "--stream_first_message_timeout, since this ps started.",
+                        [this] { return static_cast<double>(streams_.timed_out()); });
   m->SetGaugeFunction(
       "psflow_ps_shared_regions",
       "Shared memory regions of workers on this host mapped by this ps (their pushes and pulls "
@@ -358,6 +386,12 @@ absl::Status PsService::Admit(const std::string& peer) { return streams_.Admit(p
 
 void PsService::LetOut(const std::string& peer) { streams_.LetOut(peer); }
 
+absl::Status PsService::SilentStream() const {
+  return absl::DeadlineExceededError(absl::StrCat(
+      "no valid header within ", absl::FormatDuration(streams_.limits().first_message_timeout),
+      " of the stream's start (--stream_first_message_timeout)"));
+}
+
 void PsService::LogRefusedPush(const std::string& peer, const absl::Status& why) {
   const int64_t refused = ++refused_pushes_;
   if (refused <= 10 || refused % 1000 == 0) {
@@ -378,11 +412,22 @@ bool PsService::pushes_open_up_to(int64_t seq) const {
 
 int64_t PsService::refused_streams() const { return streams_.refused(); }
 
+int64_t PsService::timed_out_streams() const { return streams_.timed_out(); }
+
 grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<InitRequest>* reader,
                              InitResponse* response) {
   const std::string peer = context->peer();
-  if (absl::Status s = Admit(peer); !s.ok()) return ToGrpcStatus(s);
-  absl::Cleanup let_out = [&] { LetOut(peer); };
+  bool pending = false;
+  if (absl::Status s = streams_.Admit(peer, &pending); !s.ok()) return ToGrpcStatus(s);
+  // A silent stream is cancelled: its Read returns.
+  auto cancel = std::make_shared<ContextCanceller>(context);
+  FirstMessageTimer timer(streams_.limits().first_message_timeout, [this, cancel, peer] {
+    cancel->Cancel([&] { streams_.TimedOut(peer); });
+  });
+  absl::Cleanup let_out = [&] {
+    cancel->Release();
+    LetOut(peer);
+  };
   InitRequest request;
   absl::StatusOr<InitHeader> read = ReadHeader(reader, request, "init");
   if (!read.ok()) return ToGrpcStatus(read.status());
@@ -396,12 +441,14 @@ grpc::Status PsService::Init(grpc::ServerContext* context, grpc::ServerReader<In
   const std::vector<std::string> slot_names = (*opt)->SlotNames();
   // Check every size before allocating anything: the header may be garbage.
   if (absl::Status s = CheckInitHeader(header, slot_names.size()); !s.ok()) return ToGrpcStatus(s);
+  if (!timer.Validated()) return ToGrpcStatus(SilentStream());
   std::vector<Shard::SliceValues> values;
   std::vector<TensorSink> sinks = InitSinks(header, slot_names, &values);
   ChunkAssembler assembler(std::move(sinks));
   absl::Status s = ReadChunks(reader, request, assembler);
   if (s.ok()) s = shard_->Init(header, std::move(values));
   if (!s.ok()) return ToGrpcStatus(s);
+  if (pending) streams_.Vouch(peer);  // the chief's connection
   PSLOG(INFO) << "holding " << header.slice_size() << " slices of job " << header.job_id()
               << " at version " << header.version() << " for " << header.live_workers_size()
               << " workers";
@@ -452,7 +499,7 @@ class PsService::PushReader final : public Base {
         session_(service->shard_),
         gate_(std::make_shared<Gate>(this)) {
     if constexpr (std::is_base_of_v<ChannelReadReactor, Base>) this->SetResponse(response_);
-    if (absl::Status s = service_->Admit(peer_); !s.ok()) {
+    if (absl::Status s = service_->streams_.Admit(peer_, &pending_); !s.ok()) {
       gate_->Answer(ToGrpcStatus(s));
       return;
     }
@@ -462,6 +509,16 @@ class PsService::PushReader final : public Base {
       seq_ = ++service_->pushes_admitted_;
       service_->open_pushes_.insert(seq_);
     }
+    // A silent stream is cancelled (a channel's thread is its worker's own:
+    // it only ever waits for that worker).
+    if constexpr (!std::is_base_of_v<ChannelReadReactor, Base>) {
+      timer_ = std::make_unique<FirstMessageTimer>(
+          service_->streams_.limits().first_message_timeout,
+          [service = service_, peer = peer_, gate = gate_] {
+            gate->Answer(ToGrpcStatus(service->SilentStream()),
+                         [&] { service->streams_.TimedOut(peer); });
+          });
+    }
     this->StartRead(&message_);
   }
 
@@ -470,8 +527,11 @@ class PsService::PushReader final : public Base {
   // (holds keep it), which it does not touch once the call is finished.
   struct Gate {
     explicit Gate(PushReader* r) : reader(r) {}
-    void Answer(const grpc::Status& status) {
-      if (!answered.exchange(true)) reader->Finish(status);
+    // `first` runs if this answers the call, before the caller can see it.
+    void Answer(const grpc::Status& status, const std::function<void()>& first = nullptr) {
+      if (answered.exchange(true)) return;
+      if (first) first();
+      reader->Finish(status);
     }
     PushReader* const reader;
     std::atomic<bool> answered{false};
@@ -590,6 +650,9 @@ class PsService::PushReader final : public Base {
     // as the apply reads them), in a synchronous job.
     PSFLOW_RETURN_IF_ERROR(
         Refused(session_.Begin(header, header.has_region() && service_->apply_in_place_)));
+    // An accepted header: the stream is in time, and its peer a member.
+    if (timer_ != nullptr && !timer_->Validated()) return service_->SilentStream();
+    if (pending_) service_->streams_.Vouch(peer_);
     if (header.has_region()) {
       PSFLOW_ASSIGN_OR_RETURN(region_, service_->AttachRegion(header.region()));
       region_span_ = region_->data;
@@ -640,6 +703,9 @@ class PsService::PushReader final : public Base {
   grpc::ByteBuffer* const response_;
   int64_t seq_ = 0;  // its number among the pushes admitted (pushes_admitted)
   bool admitted_ = false;
+  bool pending_ = false;  // admitted as a stream of a peer not vouched for
+  // Until the header is accepted; none on a channel.
+  std::unique_ptr<FirstMessageTimer> timer_;
   grpc::ByteBuffer message_;
   bool started_ = false;  // the header came
   absl::Time start_;

@@ -13,6 +13,25 @@
 // at once (Init, Pull, Push, Snapshot; a peer is one client connection) and
 // those of every peer together are bounded: a call over a bound fails at
 // once with RESOURCE_EXHAUSTED and costs nothing else.
+//
+// Admission before resources (transport/stream_budget.h). A connection is a
+// member once the ps accepted a push header or an Init on it; until then its
+// streams are pending, and the pending streams of every connection together
+// may hold only StreamLimits::pending of the budget: the rest is kept for
+// members. So a crowd of strangers, or of callers that learnt the job id
+// (GetState tells it to anyone) and hold waiting pulls, cannot take the
+// streams that the workers at work need. A Push or Init stream that has
+// shown no valid header (the right job id; this ps's index for an Init)
+// within StreamLimits::first_message_timeout is ended (a push answered
+// DEADLINE_EXCEEDED, an Init cancelled) and counted, whoever opened it; a
+// timer per stream, no thread (the calls of a same-host channel are not
+// timed: its thread waits only for its own worker). The limits: a
+// worker's first pulls come before its first push, so a worker that
+// (re)starts while strangers fill the pending part is refused until room
+// frees (silent streams leave within the timeout; waiting pulls hold theirs
+// as long as they wait). Without TLS anyone who knows the job id can forge
+// a push header and so become a member; with TLS and the job token
+// strangers never reach a handler.
 #ifndef PSFLOW_PS_SERVICE_H_
 #define PSFLOW_PS_SERVICE_H_
 
@@ -132,8 +151,10 @@ class PsService final
   grpc::Status OpenChannel(grpc::ServerContext* context, const OpenChannelRequest* request,
                            OpenChannelResponse* response) override;
 
-  // Streams refused for a bound so far.
+  // Streams refused for a bound so far, and cancelled for sending no valid
+  // header in time.
   int64_t refused_streams() const;
+  int64_t timed_out_streams() const;
   // Push streams are numbered as they are admitted (from 1): the number of
   // the latest, and whether any up to `seq` is still open. A ps that is
   // stopping lets the pushes of the workers' steps in flight end before it
@@ -159,9 +180,12 @@ class PsService final
 
  private:
   // Counts a stream of `peer` in, or refuses it (RESOURCE_EXHAUSTED) over a
-  // bound; every admitted stream is let out once.
+  // bound; every admitted stream is let out once. (Pulls and snapshots: they
+  // vouch for no peer.)
   absl::Status Admit(const std::string& peer) override;
   void LetOut(const std::string& peer) override;
+  // The status of a stream cancelled for showing no valid header in time.
+  absl::Status SilentStream() const;
   // The shard's changes wake the waiting calls.
   int64_t AddWaiter(std::function<void(int slice)> wake) override {
     return shard_->AddWaiter(std::move(wake));

@@ -1032,6 +1032,17 @@ std::vector<BadCase> BadFlags(const Ports& ports, const std::string& model_dir) 
        Task0Args(ports, "ps", {"--stop_grace=-1s"}),
        {},
        "--stop_grace must be 0 (exit at once on a signal) or positive, not -1s"},
+      {"--max_pending_streams over --max_streams",
+       "psflow-ps",
+       Task0Args(ports, "ps", {"--max_pending_streams=5000"}),
+       {},
+       "--max_pending_streams must be 0 (half of --max_streams) or positive and at most "
+       "--max_streams, not 5000"},
+      {"negative --stream_first_message_timeout",
+       "psflow-ps",
+       Task0Args(ports, "ps", {"--stream_first_message_timeout=-1s"}),
+       {},
+       "--stream_first_message_timeout must be 0 (never) or positive, not -1s"},
   };
 }
 
@@ -1118,7 +1129,8 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                              "eval_every_steps",
                              "eval_every_secs",
                              "eval_final_timeout"})},
-      {"psflow-ps", role({"apply_threads", "max_streams_per_peer", "max_streams", "shared_memory",
+      {"psflow-ps", role({"apply_threads", "max_streams_per_peer", "max_streams",
+                          "max_pending_streams", "stream_first_message_timeout", "shared_memory",
                           "same_host_channels", "apply_in_place", "wire_copies", "stop_grace"})},
       {"psflow-worker",
        role({"device", "startup_timeout", "ps_lanes", "push_during_backward", "min_push_run_bytes",

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,6 +38,7 @@
 #include "ps/snapshot_session.h"
 #include "role/process_setup.h"
 #include "tests/ps/huge_init.h"
+#include "tests/ps/stream_flood.h"
 #include "transport/call_channel.h"
 #include "transport/channel_server.h"
 #include "transport/grpc_util.h"
@@ -1478,6 +1480,98 @@ TEST_F(PsServiceTest, WaitingPullsHoldNoThreadAndAPeerIsBounded) {
   bool ok = false;
   while (cq.Next(&tag, &ok)) {
   }
+}
+
+// Push and Init streams that show no header within the ps's
+// first_message_timeout are cancelled and counted; a push whose header came
+// in time may take longer over its data.
+TEST_F(PsServiceTest, SilentStreamsAreCancelledAndCounted) {
+  OtherPs ps(/*shared_memory=*/false, /*channels=*/false,
+             StreamLimits{.first_message_timeout = absl::Milliseconds(300)});
+  ASSERT_NE(ps.server, nullptr);
+  GrpcClient member({ps.address()}, GrpcClientOptions{.metrics = &client_metrics_});
+  ASSERT_TRUE(InitJob(Header(), &member).ok());
+  const absl::Time start = absl::Now();
+  testing_flood::StreamFlood flood(
+      MakeChannel(ps.address(), Role::kPs, SecurityOptions{}, /*own_connection=*/true));
+  flood.SilentPushes(3);
+  flood.SilentInits(2);
+  ASSERT_TRUE(flood.WaitEnded(5, absl::Seconds(10)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  // (A cancelled Init's caller sees its cancel.)
+  EXPECT_EQ(flood.ended(),
+            (std::map<grpc::StatusCode, int>{{grpc::StatusCode::CANCELLED, 2},
+                                             {grpc::StatusCode::DEADLINE_EXCEEDED, 3}}));
+  EXPECT_EQ(ps.service.timed_out_streams(), 5);
+  EXPECT_THAT(ps.metrics.Render(), HasSubstr("\npsflow_ps_streams_timed_out_total 5\n"));
+
+  // A header in time, then its data later than the timeout: accepted.
+  std::unique_ptr<ParameterServer::Stub> stub =
+      ParameterServer::NewStub(MakeChannel(ps.address(), Role::kPs, SecurityOptions{}, true));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(Deadline()));
+  PushResponse response;
+  std::unique_ptr<grpc::ClientWriter<PushRequest>> writer = stub->Push(&context, &response);
+  PushRequest header;
+  header.mutable_header()->set_job_id(kJob);
+  header.mutable_header()->set_worker(0);
+  header.mutable_header()->add_slices(1);  // "bias"
+  ASSERT_TRUE(writer->Write(header));
+  absl::SleepFor(absl::Milliseconds(600));
+  PushRequest data;
+  TensorChunk* chunk = data.add_chunk();
+  chunk->set_name("bias");
+  chunk->set_dtype(DT_FLOAT);
+  for (int64_t d : kBiasShape) chunk->add_shape(d);
+  chunk->set_data(bias_.data(), bias_.size() * sizeof(float));
+  ASSERT_TRUE(writer->Write(data));
+  writer->WritesDone();
+  const grpc::Status pushed = writer->Finish();
+  EXPECT_TRUE(pushed.ok()) << pushed.error_message();
+  EXPECT_EQ(ps.service.timed_out_streams(), 5);
+}
+
+// Streams of connections the ps has not vouched for (no push header or Init
+// accepted on them) may hold only the pending part of the budget: strangers'
+// waiting pulls (with the job id) and silent pushes are refused over it,
+// and the member that loaded the job still trains its steps.
+TEST_F(PsServiceTest, StrangersCannotTakeTheStreamsOfTheJobsMembers) {
+  OtherPs ps(/*shared_memory=*/false, /*channels=*/false,
+             StreamLimits{.per_peer = 64, .total = 8, .pending = 4});
+  ASSERT_NE(ps.server, nullptr);
+  GrpcClient member({ps.address()}, GrpcClientOptions{.metrics = &client_metrics_});
+  ASSERT_TRUE(InitJob(Header(), &member).ok());  // its connection is vouched for
+  auto connection = [&] {
+    return MakeChannel(ps.address(), Role::kPs, SecurityOptions{}, /*own_connection=*/true);
+  };
+  testing_flood::StreamFlood pulls(connection());
+  pulls.WaitingPulls(6, kJob);
+  ASSERT_TRUE(pulls.WaitEnded(2, absl::Seconds(10)));
+  testing_flood::StreamFlood silent(connection());
+  silent.SilentPushes(3);
+  ASSERT_TRUE(silent.WaitEnded(3, absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(200));  // none other ends
+  EXPECT_EQ(pulls.ended(),
+            (std::map<grpc::StatusCode, int>{{grpc::StatusCode::RESOURCE_EXHAUSTED, 2}}));
+  EXPECT_EQ(silent.ended(),
+            (std::map<grpc::StatusCode, int>{{grpc::StatusCode::RESOURCE_EXHAUSTED, 3}}));
+  EXPECT_EQ(ps.service.refused_streams(), 5);
+  // The member's step: both workers' pushes, and the pull of its result.
+  for (int w : {0, 1}) {
+    PushHeader h;
+    h.set_job_id(kJob);
+    h.set_worker(w);
+    absl::StatusOr<PushResponse> r = member.Push(
+        0, h, {{"big", "", kBigShape, big_.data()}, {"bias", "", kBiasShape, bias_.data()}},
+        Deadline());
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  std::vector<float> big(big_.size()), bias(bias_.size());
+  absl::StatusOr<Client::PullResult> pulled = member.Pull(
+      0, kJob, 1, {}, {{"big", "", kBigShape, big.data()}, {"bias", "", kBiasShape, bias.data()}},
+      Deadline(), absl::ZeroDuration());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_EQ(pulled->version, 1);
 }
 
 TEST_F(PsServiceTest, InitWithMissingValuesIsRefused) {
