@@ -109,16 +109,23 @@ bool Spawn(Child& c, const sigset_t& old_mask) {
   return true;
 }
 
-// The security flags of a process of `role` ("chief", "ps", ...): its
-// role's certificate from `tls_dir` (none when it is empty), and the job
-// token in `token_file`.
+// The security flags of task `index` of `role` ("chief", "ps", ...): the
+// task's own certificate from `tls_dir` where the folder holds one
+// (<role>-<index>.crt, as scripts/make-certs.sh issues them: it may then act
+// only as itself), else its role's; none when `tls_dir` is empty. And the
+// job token in `token_file`.
 std::vector<std::string> SecurityArgs(const std::string& tls_dir, const std::string& role,
-                                      const std::string& token_file) {
+                                      int index, const std::string& token_file) {
   std::vector<std::string> args;
   if (!tls_dir.empty()) {
+    std::string name = absl::StrCat(role, "-", index);
+    if (role == "chief" || !std::filesystem::exists(absl::StrCat(tls_dir, "/", name, ".crt")) ||
+        !std::filesystem::exists(absl::StrCat(tls_dir, "/", name, ".key"))) {
+      name = role;
+    }
     args = {
-        absl::StrCat("--tls_cert=", tls_dir, "/", role, ".crt"),
-        absl::StrCat("--tls_key=", tls_dir, "/", role, ".key"),
+        absl::StrCat("--tls_cert=", tls_dir, "/", name, ".crt"),
+        absl::StrCat("--tls_key=", tls_dir, "/", name, ".key"),
         absl::StrCat("--tls_ca=", tls_dir, "/ca.crt"),
     };
   }
@@ -383,7 +390,7 @@ bool ClusterRun::Start(const std::string& name, const std::string& role, int ind
   c.name = name;
   c.args = {absl::StrCat("--job_name=", role), absl::StrCat("--task_id=", index)};
   c.args.insert(c.args.end(), cluster_args_.begin(), cluster_args_.end());
-  const std::vector<std::string> security = SecurityArgs(o_.tls_dir, role, token_file_);
+  const std::vector<std::string> security = SecurityArgs(o_.tls_dir, role, index, token_file_);
   c.args.insert(c.args.end(), security.begin(), security.end());
   c.args.insert(c.args.end(), extra.begin(), extra.end());
   c.binary = absl::StrCat(o_.bin_dir, "/psflow-", role);

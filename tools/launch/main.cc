@@ -69,8 +69,10 @@ ABSL_FLAG(std::string, evaluator_device, "",
 ABSL_FLAG(int, max_restarts, 20, "With --restart=on-failure: restarts allowed in all.");
 ABSL_FLAG(std::string, tls_dir, "",
           "Run the cluster with mutual TLS and the job token from a directory made by "
-          "scripts/make-certs.sh DIR: each process gets --tls_cert/--tls_key of its own role "
-          "(DIR/<role>.crt, .key), --tls_ca=DIR/ca.crt and --auth_token_file=DIR/token (when "
+          "scripts/make-certs.sh DIR: each process gets --tls_cert/--tls_key of its own task "
+          "where DIR holds them (DIR/<role>-<index>.crt, .key: it may then act only as itself), "
+          "else of its role (DIR/<role>.crt, .key), --tls_ca=DIR/ca.crt and "
+          "--auth_token_file=DIR/token (when "
           "there is one). Default: plaintext, with a job token generated for the cluster.");
 ABSL_FLAG(std::string, token_file, "",
           "Write the job token generated for this cluster to this file (mode 0600, replaced if "
