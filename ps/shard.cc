@@ -344,9 +344,10 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
 }
 
 void Shard::NotePushLocked(int worker) {
-  // A slice applied in this step had the gradient of every live worker.
+  // A slice applied (or being applied) in this step had the gradient of
+  // every live worker.
   for (const SliceState& s : slice_) {
-    if (s.version <= version_ && !s.pushes.contains(worker)) return;
+    if (s.version <= version_ && !s.applying && !s.pushes.contains(worker)) return;
   }
   pushed_steps_[worker] = version_;
 }
