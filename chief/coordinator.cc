@@ -49,6 +49,14 @@ std::vector<std::vector<const float*>> SlotBuffers(const std::vector<CheckpointT
 // A fresh random job id: calls that name an older one fail.
 uint64_t NewJobId() { return absl::Uniform<uint64_t>(absl::BitGen()); }
 
+// Why a job with --on_nonfinite=fail fails: worker `w`'s step `step`.
+absl::Status DivergedAt(int w, int64_t step) {
+  return absl::OutOfRangeError(
+      absl::StrCat("worker ", w, " computed a non-finite loss or gradients at step ", step,
+                   " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no "
+                   "saved model is written"));
+}
+
 std::vector<int> Sorted(const absl::flat_hash_set<int>& set) {
   std::vector<int> v(set.begin(), set.end());
   std::sort(v.begin(), v.end());
@@ -228,15 +236,53 @@ absl::StatusOr<RegisterWorkerResponse> Coordinator::RegisterWorker(int w, absl::
   return response;
 }
 
+bool Coordinator::ConfirmsNonfinite() const {
+  return job_.on_nonfinite() == JobConfig::FAIL && !AllReduce() && !AppliesEachGradient(job_);
+}
+
 void Coordinator::HandleNonfinite(const ReportRequest& request) {
   const int w = request.worker();
   for (const StepMetrics& m : request.metrics()) {
     if (!m.nonfinite()) continue;
+    if (ConfirmsNonfinite()) {
+      // Anyone who knows the job id can send this: it fails the job only once
+      // the ps bear it out (ResolveNonfinite). A claim the last look at the
+      // ps cannot place gets a fresh look first.
+      bool placed = false;
+      {
+        absl::MutexLock lock(&mu_);
+        placed = ps_view_.job_id == job_id_ && m.step() <= ps_view_.max_version;
+      }
+      if (!placed) States(job_id()).IgnoreError();
+    }
     {
       // A late report of an older job (reloaded since) or of a job already
       // trained to its end says nothing about the weights that stay.
       absl::MutexLock lock(&mu_);
       if (request.job_id() != job_id_ || trained_ || !failure_.ok()) continue;
+      if (ConfirmsNonfinite()) {
+        const bool known = std::any_of(
+            nonfinite_claims_.begin(), nonfinite_claims_.end(),
+            [&](const NonfiniteClaim& c) { return c.worker == w && c.step == m.step(); });
+        if (known) continue;
+        // A step no ps is at yet, or one every ps has this worker's
+        // gradients of, is refuted at once: the claims that wait are a
+        // worker's current step (or two), whatever is sent.
+        if (ps_view_.job_id != job_id_ || m.step() > ps_view_.max_version ||
+            PsHaveStep(w, m.step())) {
+          ++refuted_nonfinite_;
+          PSLOG(WARNING) << "ignored a report from worker " << w << " that step " << m.step()
+                         << " is not finite: the ps have its gradients of that step, or are not "
+                            "there yet ("
+                         << refuted_nonfinite_ << " ignored)";
+          continue;
+        }
+        nonfinite_claims_.push_back({job_id_, w, m.step(), absl::Now()});
+        PSLOG(WARNING) << "worker " << w << " reports step " << m.step()
+                       << " not finite; the job fails once the ps confirm that its gradients of "
+                          "that step never came";
+        continue;
+      }
       if (job_.on_nonfinite() == JobConfig::SKIP_STEP) {
         // Every worker of the step may say so: count the step once.
         if (!skipped_steps_.insert(m.step()).second) continue;
@@ -254,11 +300,40 @@ void Coordinator::HandleNonfinite(const ReportRequest& request) {
           "--learning_rate?); no saved model is written")));
       return;
     }
-    Fail(absl::OutOfRangeError(
-        absl::StrCat("worker ", w, " computed a non-finite loss or gradients at step ", m.step(),
-                     " (the job diverged; lower --learning_rate?); with --on_nonfinite=fail no "
-                     "saved model is written")));
+    Fail(DivergedAt(w, m.step()));
   }
+}
+
+void Coordinator::ResolveNonfinite(const std::vector<PsState>& states) {
+  std::vector<NonfiniteClaim> confirmed;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    auto settled = [&](const NonfiniteClaim& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (c.job_id != job_id_) return true;  // the job was reloaded since
+      bool beyond = false, withheld = false;
+      for (const PsState& st : states) {
+        beyond |= st.version() < c.step;
+        withheld |= c.worker >= st.pushed_steps_size() || st.pushed_steps(c.worker) < c.step;
+      }
+      if (!beyond && withheld) {
+        if (now - c.since < options_.timeouts.nonfinite_confirm) return false;
+        confirmed.push_back(c);
+        return true;
+      }
+      ++refuted_nonfinite_;
+      PSLOG(WARNING) << "ignored a report from worker " << c.worker << " that step " << c.step
+                     << " is not finite: "
+                     << (beyond ? "the ps are not at that step"
+                                : "every ps received its gradients of that step")
+                     << " (" << refuted_nonfinite_ << " ignored)";
+      return true;
+    };
+    nonfinite_claims_.erase(
+        std::remove_if(nonfinite_claims_.begin(), nonfinite_claims_.end(), settled),
+        nonfinite_claims_.end());
+  }
+  for (const NonfiniteClaim& c : confirmed) Fail(DivergedAt(c.worker, c.step));
 }
 
 absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
@@ -294,7 +369,7 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
     reported_.insert(w);
   }
   // Outside mu_: recording may write log lines.
-  progress_->Record(w, {request.metrics().begin(), request.metrics().end()}, absl::Now());
+  progress_->Record(w, CheckedMetrics(request), absl::Now());
   // A worker has finished only when the ps say the last step was applied:
   // a report alone (a forged one, say) cannot end the job.
   const bool finished = request.finished() && EveryPsAtTheEnd();
@@ -317,6 +392,49 @@ absl::StatusOr<ReportResponse> Coordinator::Report(const ReportRequest& request,
     released_.insert(w);
   }
   return response;
+}
+
+bool Coordinator::PsHaveStep(int w, int64_t step) const {
+  if (ps_view_.job_id != job_id_) return false;
+  // An asynchronous job's step is the version its worker read.
+  if (AppliesEachGradient(job_)) return step <= ps_view_.max_version;
+  return static_cast<size_t>(w) < ps_view_.pushed.size() && ps_view_.pushed[w] >= step;
+}
+
+std::vector<StepMetrics> Coordinator::CheckedMetrics(const ReportRequest& request) {
+  const int w = request.worker();
+  std::vector<StepMetrics> kept;
+  for (const StepMetrics& m : request.metrics()) {
+    if (m.nonfinite() && job_.on_nonfinite() == JobConfig::FAIL) continue;
+    kept.push_back(m);
+  }
+  // A replica of a job without ps hears its own worker alone: there is
+  // nothing to hold a worker's steps against.
+  if (kept.empty() || AllReduce()) return kept;
+  // A worker reports a step once every ps answered its push of the step:
+  // the ps have it by then, so a step they lack (far ahead, say) was not
+  // this worker's. The last look at the ps is usually a step behind.
+  auto borne_out = [&] {
+    absl::MutexLock lock(&mu_);
+    return std::all_of(kept.begin(), kept.end(),
+                       [&](const StepMetrics& m)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return PsHaveStep(w, m.step()); });
+  };
+  if (!borne_out()) States(job_id()).IgnoreError();
+  absl::MutexLock lock(&mu_);
+  std::vector<StepMetrics> accepted;
+  for (StepMetrics& m : kept) {
+    if (PsHaveStep(w, m.step())) {
+      accepted.push_back(std::move(m));
+      continue;
+    }
+    if (++refused_metrics_ <= 10 || refused_metrics_ % 1000 == 0) {
+      PSLOG(WARNING) << "refused worker " << w << "'s metrics of step " << m.step()
+                     << ": the ps do not have its gradients of that step (" << refused_metrics_
+                     << " refused)";
+    }
+  }
+  return accepted;
 }
 
 JobState Coordinator::StateForEvaluators() {
@@ -495,6 +613,29 @@ absl::StatusOr<std::vector<PsState>> Coordinator::States(uint64_t job_id) {
     states[p] = *std::move(st);
     return absl::OkStatus();
   }));
+  // The view the workers' reports are held against.
+  PsView view;
+  view.job_id = states.empty() ? 0 : states[0].job_id();
+  for (const PsState& st : states) {
+    if (st.job_id() != view.job_id) return states;  // no one view
+    view.max_version = std::max(view.max_version, st.version());
+    if (view.pushed.empty()) view.pushed.assign(st.pushed_steps().begin(), st.pushed_steps().end());
+    for (size_t w = 0; w < view.pushed.size(); ++w) {
+      view.pushed[w] = static_cast<int>(w) < st.pushed_steps_size()
+                           ? std::min(view.pushed[w], st.pushed_steps(static_cast<int>(w)))
+                           : -1;
+    }
+  }
+  // Looks that overlap may end out of order: each ps's steps only grow
+  // within a job, so the newest view of a job is the larger.
+  absl::MutexLock lock(&mu_);
+  if (view.job_id == ps_view_.job_id) {
+    view.max_version = std::max(view.max_version, ps_view_.max_version);
+    for (size_t w = 0; w < std::min(view.pushed.size(), ps_view_.pushed.size()); ++w) {
+      view.pushed[w] = std::max(view.pushed[w], ps_view_.pushed[w]);
+    }
+  }
+  ps_view_ = std::move(view);
   return states;
 }
 
@@ -718,6 +859,7 @@ absl::Status Coordinator::Supervise() {
     }
     const int64_t version = MaxVersion(*states);
     metrics_.SetGlobalStep(version);
+    ResolveNonfinite(*states);
     CheckWorkers();
     if (!CheckpointForStoppingPs(*states, version)) continue;  // failed: the next round ends it
     CheckpointIfDue(version);
@@ -951,6 +1093,7 @@ void Coordinator::LogDone() {
                 ? absl::StrFormat(", %.0f ex/s after the first interval", s.examples_per_sec)
                 : " (too few logged intervals for a rate after the first)";
     absl::StrAppendFormat(&line, ", final loss %.4f acc %.3f", s.last_loss, s.last_accuracy);
+    if (s.clipped > 0) absl::StrAppendFormat(&line, ", %d worker steps clipped", s.clipped);
   }
   PSLOG(INFO) << line << eval;
 }

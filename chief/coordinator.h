@@ -84,6 +84,11 @@ struct Timeouts {
   // Adopting a running job: how often to look for every ps at one step.
   int adopt_attempts = 40;
   absl::Duration adopt_retry = absl::Milliseconds(50);
+  // A synchronous job with ps and --on_nonfinite=fail fails on a worker's
+  // report of a step that is not finite once a ps has gone this long
+  // without that worker's gradients of the step (a real one never pushes
+  // them); the worker's push of the step refutes the report.
+  absl::Duration nonfinite_confirm = absl::Seconds(5);
 };
 
 struct CoordinatorOptions {
@@ -194,15 +199,33 @@ class Coordinator {
   // An all-reduce job's registration of worker `w`: one registering again
   // after all had breaks the group. The group's error once it is broken.
   absl::Status JoinGroup(int w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Fails the job for a report's non-finite steps, per --on_nonfinite.
+  // Fails the job for a report's non-finite steps, per --on_nonfinite; in a
+  // synchronous job with ps and FAIL, once the ps bear the report out
+  // (ResolveNonfinite).
   void HandleNonfinite(const ReportRequest& request);
+  // Whether a non-finite step reported under FAIL waits for the ps to bear
+  // it out: synchronous jobs with ps (the ps know each worker's pushes).
+  bool ConfirmsNonfinite() const;
+  // The claims of non-finite steps against the ps's `states`: fails the job
+  // for one they bear out (a ps still lacks the worker's gradients of the
+  // step after Timeouts::nonfinite_confirm), drops (logged, counted) one
+  // they refute (every ps has them, or the step is beyond a ps's version).
+  void ResolveNonfinite(const std::vector<PsState>& states) ABSL_LOCKS_EXCLUDED(mu_);
+  // A report's metrics that go to the progress log: each of a step the ps
+  // have this worker's gradients of (an asynchronous job: a version the
+  // ps reached), looked at afresh where the last look does not show it;
+  // those of other steps are dropped (logged, counted). With FAIL, steps
+  // that are not finite are ResolveNonfinite's, not progress.
+  std::vector<StepMetrics> CheckedMetrics(const ReportRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether worker `w`'s step `step` is borne out by the last look at the ps.
+  bool PsHaveStep(int w, int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the chief's live set to every ps if the set of any of `states`
   // differs from it (a broadcast that half failed, or a forged SetLiveWorkers).
   void RepairLiveSets(const std::vector<PsState>& states)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(membership_mu_);
   // Every ps's state, if every ps answers and holds a job (`job_id`, unless
   // 0); the first error otherwise. The one look at the ps.
-  absl::StatusOr<std::vector<PsState>> States(uint64_t job_id);
+  absl::StatusOr<std::vector<PsState>> States(uint64_t job_id) ABSL_LOCKS_EXCLUDED(mu_);
   static int64_t MaxVersion(const std::vector<PsState>& states);
   // Whether every ps holds this job at version train_steps or later.
   bool EveryPsAtTheEnd();
@@ -290,6 +313,26 @@ class Coordinator {
   absl::Status group_broken_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // with SKIP_STEP
+  // The last look at the ps (any States call): their lowest and highest
+  // version, and by worker the latest step every ps received whole from it
+  // (PsState.pushed_steps; synchronous jobs).
+  struct PsView {
+    uint64_t job_id = 0;
+    int64_t max_version = -1;
+    std::vector<int64_t> pushed;
+  };
+  PsView ps_view_ ABSL_GUARDED_BY(mu_);
+  // Reports of a step that is not finite, waiting for the ps to bear them
+  // out (ConfirmsNonfinite).
+  struct NonfiniteClaim {
+    uint64_t job_id = 0;
+    int worker = 0;
+    int64_t step = 0;
+    absl::Time since;
+  };
+  std::vector<NonfiniteClaim> nonfinite_claims_ ABSL_GUARDED_BY(mu_);
+  int64_t refuted_nonfinite_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t refused_metrics_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace psflow::chief

@@ -153,6 +153,11 @@ ABSL_FLAG(double, max_gradient_abs, 1e9,
           "absurd: it would overflow the weights), as they refuse NaNs and infinities: the push "
           "fails with INVALID_ARGUMENT and is counted among the ps's refused pushes. 0: no bound "
           "but finiteness.");
+ABSL_FLAG(double, clip_gradient_norm, 0,
+          "Global-norm gradient clipping on the workers (as TensorFlow's clip_by_global_norm and "
+          "PyTorch's clip_grad_norm_): when the L2 norm over all of a step's gradients (after "
+          "averaging over a worker's GPUs, or the all-reduce) exceeds this, every gradient is "
+          "scaled by this over the norm. Pushes then wait for the whole backward pass. 0: off.");
 
 ABSL_FLAG(
     std::string, wire_dtype, "fp32",
@@ -243,6 +248,7 @@ absl::Status JobOptionsFromFlags(JobOptions* o) {
   job.on_nonfinite = absl::GetFlag(FLAGS_on_nonfinite);
   job.max_skipped_steps = absl::GetFlag(FLAGS_max_skipped_steps);
   job.max_gradient_abs = absl::GetFlag(FLAGS_max_gradient_abs);
+  job.clip_gradient_norm = absl::GetFlag(FLAGS_clip_gradient_norm);
   job.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
   job.allreduce_bucket_mb = absl::GetFlag(FLAGS_allreduce_bucket_mb);
   job.slice_mb = absl::GetFlag(FLAGS_slice_mb);

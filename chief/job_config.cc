@@ -297,8 +297,8 @@ absl::Status CheckModeAndExchange(const JobOptions& o, int num_ps, JobConfig* jo
   return absl::OkStatus();
 }
 
-// --on_nonfinite, --max_skipped_steps, --max_gradient_abs, --wire_dtype and
-// --bn_momentum.
+// --on_nonfinite, --max_skipped_steps, --max_gradient_abs,
+// --clip_gradient_norm, --wire_dtype and --bn_momentum.
 absl::Status CheckNumerics(const JobOptions& o, JobConfig* job) {
   if (o.on_nonfinite == "fail") {
     job->set_on_nonfinite(JobConfig::FAIL);
@@ -318,6 +318,12 @@ absl::Status CheckNumerics(const JobOptions& o, JobConfig* job) {
         "--max_gradient_abs must be 0 (no bound) or a positive float, got ", o.max_gradient_abs));
   }
   job->set_max_gradient_abs(static_cast<float>(o.max_gradient_abs));
+  if (!(o.clip_gradient_norm >= 0) || !std::isfinite(o.clip_gradient_norm) ||
+      o.clip_gradient_norm > std::numeric_limits<float>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--clip_gradient_norm must be 0 (off) or a positive float, got ", o.clip_gradient_norm));
+  }
+  job->set_clip_gradient_norm(static_cast<float>(o.clip_gradient_norm));
   const std::string wire = absl::AsciiStrToLower(o.wire_dtype);
   if (wire == "fp32") {
     job->set_wire_dtype(JobConfig::FP32);
@@ -642,6 +648,9 @@ std::string DescribeJob(const JobConfig& job) {
        << job.optimizer().learning_rate() << " ("
        << OptimizerConfig::Decay_Name(job.optimizer().lr_decay()) << ", warmup "
        << job.optimizer().lr_warmup_steps() << ") weight decay " << job.optimizer().weight_decay()
+       << (job.clip_gradient_norm() > 0
+               ? absl::StrCat(", gradients clipped to global norm ", job.clip_gradient_norm())
+               : "")
        << DescribeNormalization(job.model().input()) << DescribePlacement(job)
        << "; data: " << data::DescribeData(job.data());
   return line.str();

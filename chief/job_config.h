@@ -72,6 +72,7 @@ struct JobOptions {
   std::string on_nonfinite = "fail";  // or "skip_step"
   int64_t max_skipped_steps = 100;    // with skip_step: more fail the job
   double max_gradient_abs = 1e9;      // the ps refuse gradients this large; 0: no bound
+  double clip_gradient_norm = 0;      // workers clip each step's global norm to it; 0: off
   // The dtype of the weights and gradients on the wire: fp32, bf16 or fp16
   // (JobConfig.wire_dtype); the ps keep fp32 masters either way.
   std::string wire_dtype = "fp32";

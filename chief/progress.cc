@@ -95,6 +95,10 @@ Progress::Gauges Progress::MakeGauges(metrics::Registry* m) {
   g.input_seconds_total = m->GetCounter(
       "psflow_input_wait_seconds_total",
       "Workers' time waiting for their batches of input, summed over every reported step.");
+  g.clipped_total = m->GetCounter(
+      "psflow_clipped_steps_total",
+      "Workers' steps whose gradients were clipped to --clip_gradient_norm (one per worker and "
+      "step).");
   g.examples_total = m->GetCounter("psflow_examples_total",
                                    "Training examples of every step the workers reported.");
   // NaN (and step -1) until an evaluator's first result.
@@ -189,6 +193,12 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
   if (worker < 0 || worker >= static_cast<int>(reported_.size())) return;
   last_seen_[worker] = now;
   for (const StepMetrics& m : metrics) {
+    // A worker reports each step once, in order: a second report of a step
+    // (or of one before its rejoin) is not the worker's.
+    if (m.step() < reported_[worker]) {
+      ++refused_;
+      continue;
+    }
     if (m.nonfinite()) {
       // Nothing of it was applied (a skipped step): it still counts as
       // reported, so that the interval's line is not held for it.
@@ -220,6 +230,10 @@ void Progress::Record(int worker, const std::vector<StepMetrics>& metrics, absl:
     in.staleness_sum += m.staleness();
     in.staleness_max = std::max(in.staleness_max, m.staleness());
     total_examples_ += m.examples();
+    if (m.clipped()) {
+      ++clipped_;
+      gauges_.clipped_total->Add(1);
+    }
     gauges_.examples_total->Add(static_cast<double>(m.examples()));
     const int64_t phase_us[4] = {m.pull_us(), m.compute_us(), m.push_us(), m.wait_us()};
     for (int i = 0; i < 4; ++i) gauges_.phase_seconds_total[i]->Add(phase_us[i] / 1e6);
@@ -326,6 +340,8 @@ Progress::Summary Progress::summary() const {
       steady_seconds_ > 0 ? static_cast<double>(steady_examples_) / steady_seconds_ : 0;
   s.last_loss = last_loss_;
   s.last_accuracy = last_acc_;
+  s.clipped = clipped_;
+  s.refused = refused_;
   return s;
 }
 

@@ -20,7 +20,7 @@
 // Given a metrics registry, each line's numbers also go to gauges there
 // (psflow_loss, psflow_accuracy, psflow_examples_per_second,
 // psflow_step_seconds{phase}), each report to counters (psflow_examples_total,
-// psflow_step_phase_seconds_total{phase}), each evaluator's result to
+// psflow_step_phase_seconds_total{phase}, psflow_clipped_steps_total), each evaluator's result to
 // psflow_eval_step, psflow_eval_loss and psflow_eval_accuracy, and the live
 // workers and ps are read at each scrape (psflow_live_workers, psflow_live_ps).
 // Thread-safe.
@@ -104,7 +104,9 @@ class Progress {
   static constexpr absl::Duration kLiveWindow = absl::Seconds(10);
 
   // Records a worker's metrics (a report is also its heartbeat) and emits
-  // every line that became complete.
+  // every line that became complete. A step the worker reported already (or
+  // one before the step it rejoined at) is dropped and counted
+  // (Summary::refused): each worker reports a step once, in order.
   void Record(int worker, const std::vector<StepMetrics>& metrics, absl::Time now);
 
   // The workers the synchronous steps wait for; lines wait for these only.
@@ -131,6 +133,8 @@ class Progress {
     absl::Duration elapsed;       // from the first reported step to the last
     double examples_per_sec = 0;  // over every logged interval but the first (start-up)
     double last_loss = 0, last_accuracy = 0;
+    int64_t clipped = 0;  // workers' steps whose gradients were clipped
+    int64_t refused = 0;  // second reports of a step, dropped
   };
   Summary summary() const;
 
@@ -163,6 +167,7 @@ class Progress {
     metrics::Gauge* step_seconds[4];           // pull, compute, push, wait
     metrics::Counter* phase_seconds_total[4];  // the same order
     metrics::Counter* examples_total;
+    metrics::Counter* clipped_total;  // psflow_clipped_steps_total
     // Of the compute phase, waiting for input: the latest interval's mean
     // per step, and the sum.
     metrics::Gauge* input_seconds;
@@ -186,6 +191,8 @@ class Progress {
   int64_t steady_examples_ ABSL_GUARDED_BY(mu_) = 0;
   double steady_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double last_loss_ ABSL_GUARDED_BY(mu_) = 0, last_acc_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t clipped_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_line_ ABSL_GUARDED_BY(mu_);      // when the latest line was written
   absl::Duration step_pace_ ABSL_GUARDED_BY(mu_);  // wall time per step, latest interval
 };

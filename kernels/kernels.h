@@ -268,6 +268,18 @@ class Backend {
   // (backend memory) that are NaN or infinite.
   virtual absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
                                       float* count) = 0;
+  // *norm (one float of backend memory) = the L2 norm over every float of
+  // `xs` (backend memory), summed in double in a fixed order: the same bits
+  // for the same values every time, so that replicas that clip their
+  // gradients by it (JobConfig.clip_gradient_norm) stay equal; infinite
+  // where the norm overflows fp32, NaN or infinite where a value is.
+  // `scratch`: kGlobalNormScratch floats of backend memory. UNIMPLEMENTED by
+  // default.
+  static constexpr int64_t kGlobalNormScratch = 320;
+  virtual absl::Status GlobalNorm(const std::vector<absl::Span<const float>>& xs, float* scratch,
+                                  float* norm) {
+    return absl::UnimplementedError(name() + " has no global norm");
+  }
 
   // Events: CreateEvent makes one; RecordEvent marks the point after the
   // work queued so far on this backend (inside Capture too: each replay of

@@ -116,4 +116,17 @@ absl::Status CheckNonFiniteCount(const std::vector<absl::Span<const float>>& xs,
   return absl::OkStatus();
 }
 
+absl::Status CheckGlobalNorm(const std::vector<absl::Span<const float>>& xs, const float* scratch,
+                             const float* norm) {
+  if (norm == nullptr || scratch == nullptr) {
+    return absl::InvalidArgumentError("GlobalNorm: norm or scratch is null");
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (!xs[i].empty() && xs[i].data() == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat("GlobalNorm: span %d is null", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace psflow::kernels

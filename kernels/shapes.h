@@ -37,6 +37,10 @@ absl::Status CheckOptimizerTensors(const OptimizerStep& step,
 // floats.
 absl::Status CheckNonFiniteCount(const std::vector<absl::Span<const float>>& xs,
                                  const float* count);
+// Backend::GlobalNorm's arguments: a null norm or scratch, or a null span
+// of floats.
+absl::Status CheckGlobalNorm(const std::vector<absl::Span<const float>>& xs, const float* scratch,
+                             const float* norm);
 
 }  // namespace psflow::kernels
 

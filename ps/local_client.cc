@@ -273,6 +273,7 @@ PsState LocalState(Shard& shard, int ps) {
   *state.mutable_job() = std::move(st.job);
   for (int w : st.live_workers) state.add_live_workers(w);
   for (int w : st.joining_workers) state.add_joining_workers(w);
+  for (int64_t step : st.pushed_steps) state.add_pushed_steps(step);
   return state;
 }
 

@@ -737,6 +737,7 @@ grpc::Status PsService::GetState(grpc::ServerContext* context, const GetStateReq
   for (int w : st.live_workers) response->add_live_workers(w);
   for (int w : st.joining_workers) response->add_joining_workers(w);
   for (int64_t c : st.clocks) response->add_clocks(c);
+  for (int64_t step : st.pushed_steps) response->add_pushed_steps(step);
   response->set_lag_count(st.lag_count);
   response->set_lag_sum(st.lag_sum);
   response->set_lag_max(st.lag_max);

@@ -160,6 +160,7 @@ absl::Status Shard::Init(const InitHeader& header, std::vector<SliceValues> valu
   live_workers_ =
       absl::flat_hash_set<int>(header.live_workers().begin(), header.live_workers().end());
   joining_.clear();
+  pushed_steps_.clear();
   snapshots_.clear();
   ++generation_;
   counters_ = Counters{};
@@ -325,6 +326,7 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
   if (async_) return PushAsyncLocked(worker, step, read_version, std::move(grads));
   if (slice_.empty()) {
     if (!empty_pushes_.insert(worker).second) return PushResponse::DUPLICATE;
+    pushed_steps_[worker] = version_;
     MaybeApplyAllLocked();
     return PushResponse::ACCEPTED;
   }
@@ -336,8 +338,18 @@ absl::StatusOr<PushResponse::Outcome> Shard::PushSlices(uint64_t job_id, int wor
     kept.push_back(g.slice);
   }
   if (kept.empty()) return PushResponse::DUPLICATE;
+  NotePushLocked(worker);
   for (int i : kept) MaybeApplySliceLocked(i);
   return PushResponse::ACCEPTED;
+}
+
+void Shard::NotePushLocked(int worker) {
+  // A slice applied (or being applied) in this step had the gradient of
+  // every live worker.
+  for (const SliceState& s : slice_) {
+    if (s.version <= version_ && !s.applying && !s.pushes.contains(worker)) return;
+  }
+  pushed_steps_[worker] = version_;
 }
 
 absl::StatusOr<PushResponse::Outcome> Shard::PushAsyncLocked(int worker, int64_t clock,
@@ -920,6 +932,11 @@ Shard::State Shard::state() const {
     st.lag_sum = lag_sum_;
     st.lag_max = lag_max_;
     st.clock_gap_max = clock_gap_max_;
+  } else {
+    st.pushed_steps.assign(std::max(job_.num_workers(), 0), -1);
+    for (const auto& [w, step] : pushed_steps_) {
+      if (w >= 0 && w < job_.num_workers()) st.pushed_steps[w] = step;
+    }
   }
   return st;
 }

@@ -382,6 +382,10 @@ class Shard {
     // Asynchronous jobs (PsState has the meaning of each).
     std::vector<int64_t> clocks;  // by worker index
     int64_t lag_count = 0, lag_sum = 0, lag_max = 0, clock_gap_max = 0;
+    // Synchronous jobs, by worker index: the latest step whose gradients
+    // of every slice the shard received from the worker (-1: none since
+    // Init). PsState.pushed_steps.
+    std::vector<int64_t> pushed_steps;
   };
   State state() const;
 
@@ -453,6 +457,9 @@ class Shard {
   absl::Status CheckJobLocked(uint64_t job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every slice's published value at version_.
   std::shared_ptr<const Weights> WeightsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a push of `worker` for the current step: notes the step in
+  // pushed_steps_ once every slice holds its gradient (or was applied).
+  void NotePushLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies slice `i` if every live worker has pushed it for the current
   // step: hands it to the appliers, or computes it here, releasing the lock
   // meanwhile (the slice is marked applying), so callers must look at the
@@ -537,6 +544,9 @@ class Shard {
   float bn_momentum_ ABSL_GUARDED_BY(mu_) = kDefaultBnMomentum;  // of non-trainable slices
   absl::flat_hash_set<int> live_workers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<int, int64_t> joining_ ABSL_GUARDED_BY(mu_);  // worker -> first version
+  // Synchronous jobs: the latest step each worker pushed whole here (every
+  // slice), since Init (State::pushed_steps).
+  absl::flat_hash_map<int, int64_t> pushed_steps_ ABSL_GUARDED_BY(mu_);
   // Snapshots asked for, by version: filled when the shard reaches it, and
   // dropped when the last caller waiting for it leaves.
   struct PendingSnapshot {

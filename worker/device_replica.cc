@@ -1,6 +1,7 @@
 #include "worker/device_replica.h"
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -11,6 +12,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tensor_view.h"
+#include "worker/clip.h"
 #include "worker/exchange.h"
 #include "worker/replica_tensors.h"
 #include "worker/staging.h"
@@ -109,8 +111,10 @@ absl::Status DeviceReplica::Allocate() {
     for (int k = 0; k <= slots_; ++k) PSFLOW_RETURN_IF_ERROR(allocate(n, true, &staging_));
   }
   std::vector<std::unique_ptr<kernels::Buffer>> flags;
-  PSFLOW_RETURN_IF_ERROR(allocate(2, false, &flags));
-  PSFLOW_RETURN_IF_ERROR(allocate(2, true, &flags));
+  // The loss, the count of non-finite values, the gradients' global norm
+  // and GlobalNorm's scratch.
+  PSFLOW_RETURN_IF_ERROR(allocate(3 + kernels::Backend::kGlobalNormScratch, false, &flags));
+  PSFLOW_RETURN_IF_ERROR(allocate(3, true, &flags));
   flags_ = std::move(flags[0]);
   host_flags_ = std::move(flags[1]);
   const std::vector<VariableShape>& variables = model_->net()->variables();
@@ -220,6 +224,38 @@ absl::Status DeviceReplica::StepQueued() {
 absl::Status DeviceReplica::Reduce(int64_t /*step*/, float* mean_loss) {
   PSFLOW_RETURN_IF_ERROR(Ended(Verdict(*mean_loss, &finite_)));
   *mean_loss = host_flags_->data()[0];
+  return absl::OkStatus();
+}
+
+absl::Status DeviceReplica::ClipOnDevice(float bound, bool* clipped) {
+  *clipped = false;
+  if (!finite_) return absl::OkStatus();  // PushStep's verdict, not a clip
+  // The mean gradients are the same bits on every worker, and so is their
+  // norm (GlobalNorm sums in a fixed order): every replica scales alike.
+  // (Batch norm's running statistics are not gradients: left alone.)
+  const std::vector<VariableShape>& variables = model_->net()->variables();
+  std::vector<absl::Span<float>> grads;
+  for (size_t v = 0; v < variables.size(); ++v) {
+    if (!variables[v].trainable) continue;
+    grads.emplace_back(model_->grads()[0][v], static_cast<size_t>(model_->variable_floats()[v]));
+  }
+  float* const flags = flags_->data();
+  absl::Status s = backend_->GlobalNorm(
+      std::vector<absl::Span<const float>>(grads.begin(), grads.end()), flags + 3, flags + 2);
+  if (s.ok()) s = backend_->CopyToHost(flags + 2, 1, host_flags_->data() + 2);
+  double norm = s.ok() ? host_flags_->data()[2] : 0;
+  // Finite gradients whose norm overflows fp32: as far as fp32 goes.
+  if (std::isinf(norm)) norm = std::numeric_limits<float>::max();
+  const float scale = ClipScale(norm, bound);
+  for (size_t k = 0; s.ok() && scale != 1.0f && k < grads.size(); ++k) {
+    s = backend_->Affine(grads[k].data(), scale, 0, grads[k].data(),
+                         static_cast<int64_t>(grads[k].size()));
+  }
+  if (!s.ok()) {
+    return Ended(absl::InternalError(
+        absl::StrCat("step ", step_, ": clipping the gradients failed: ", s.message())));
+  }
+  *clipped = scale != 1.0f;
   return absl::OkStatus();
 }
 

@@ -89,6 +89,9 @@ class DeviceReplica final : public Exchange {
   // The mean loss among the workers, and whether any mean (loss or
   // gradient) is not finite: one verdict for the whole group.
   absl::Status Reduce(int64_t step, float* mean_loss) override;
+  // Clips the mean gradients on the device (Backend::GlobalNorm, Affine),
+  // after a finite Reduce.
+  absl::Status ClipOnDevice(float bound, bool* clipped) override;
   // Applies the optimizer on the device (or skips the step, with
   // on_nonfinite SKIP_STEP; kNotFiniteMean with FAIL: nothing applied).
   absl::Status PushStep(const StepPush& push, StepVerdictKind* verdict,
@@ -156,8 +159,9 @@ class DeviceReplica final : public Exchange {
   // The slots on the device, [variable * slots + k], and their host copies
   // for publishing, [variable * (1 + slots) + k] (k = 0 the value).
   std::vector<std::unique_ptr<kernels::Buffer>> slot_buffers_, staging_;
-  // The mean loss and the count of non-finite values, on the device and in
-  // page-locked memory.
+  // The mean loss, the count of non-finite values and the gradients' norm,
+  // on the device (with Backend::GlobalNorm's scratch) and in page-locked
+  // memory.
   std::unique_ptr<kernels::Buffer> flags_, host_flags_;
   // The gradients and the loss: each step counts their non-finite values.
   std::vector<absl::Span<const float>> counted_;

@@ -111,6 +111,15 @@ class Exchange {
   // Averages the gradients and `*mean_loss` with the other workers where
   // the strategy does (else OK at once): a failure ends the training.
   virtual absl::Status Reduce(int64_t step, float* mean_loss) = 0;
+  // Where the gradients stay on the device (NeedsHostGradients false):
+  // clips them to global norm `bound` after Reduce, as worker/clip.h does
+  // to host gradients (*clipped: they were scaled). A step that is not
+  // finite is left to PushStep's verdict. Elsewhere the trainer clips the
+  // host buffers itself: OK, nothing done.
+  virtual absl::Status ClipOnDevice(float bound, bool* clipped) {
+    *clipped = false;
+    return absl::OkStatus();
+  }
   // Checks the step's gradients, pushes them (or the skip) and pulls the
   // weights of push.min_version into `out`; or, after BeginStep, waits for
   // that. `*verdict` says what was found (set on every return).

@@ -12,7 +12,9 @@
 #include "common/log.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
+#include "common/tensor_view.h"
 #include "data/source.h"
+#include "worker/clip.h"
 #include "worker/device_replica.h"
 #include "worker/replica_tensors.h"
 #include "worker/ring_exchange.h"
@@ -215,7 +217,7 @@ absl::Status Trainer::Prepare() {
   HostStagingOptions staging;
   staging.wire = WireDtypeOf(job_);
   staging.copy_buckets = !AllReduce() && !model_->several();
-  staging.narrow_on_device = options_.narrow_on_device;
+  staging.narrow_on_device = options_.narrow_on_device && !Clipping();
   staging.gradients_to_shared_memory = options_.gradients_to_shared_memory;
   absl::StatusOr<std::unique_ptr<HostStaging>> staged =
       HostStaging::Create(staging, model_->net(), model_->backend(), ps());
@@ -288,7 +290,7 @@ absl::StatusOr<std::unique_ptr<PsExchange>> Trainer::MakeLanes() {
   o.async = Async();
   o.skip_nonfinite = job_.on_nonfinite() == JobConfig::SKIP_STEP;
   o.push_during_backward = options_.push_during_backward && !AllReduce() && !model_->several() &&
-                           job_.on_nonfinite() == JobConfig::FAIL;
+                           job_.on_nonfinite() == JobConfig::FAIL && !Clipping();
   // Pulls and pushes to a replica (all-reduce) stay in this process: fp32.
   o.dtype = AllReduce() ? DT_FLOAT : WireDtypeOf(job_);
   o.max_gradient_abs = job_.max_gradient_abs();
@@ -332,7 +334,11 @@ absl::Status Trainer::MakeExchange() {
   PSLOG(INFO) << "joined job: " << job_.num_examples() << " training examples, "
               << model_->Description() << ", " << job_.num_ps() << " ps, " << count
               << (count == 1 ? " lane" : " lanes")
-              << (early ? ", pushing during the backward pass" : "");
+              << (early ? ", pushing during the backward pass" : "")
+              << (Clipping() ? absl::StrCat(", clipping gradients to global norm ",
+                                            job_.clip_gradient_norm(),
+                                            " (pushes wait for the whole backward pass)")
+                             : "");
   return absl::OkStatus();
 }
 
@@ -536,6 +542,7 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
   absl::StatusOr<model::Network::Result> result = absl::UnknownError("no step");
   absl::Time t2, pushed_at;
   StepMetrics async_metrics;
+  bool clipped = false;
   StepPush push = PushOf(step, async ? at->clock : step);
   push.on_pushed = [&](absl::Time last_answer, bool skip) {
     // (Pushes during the backward pass may all be answered before the
@@ -544,6 +551,7 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
     StepMetrics m;
     m.set_step(step);
     m.set_nonfinite(skip);  // the chief counts the skipped steps
+    m.set_clipped(clipped && !skip);
     m.set_loss(skip ? 0 : result->loss);
     m.set_correct(result->correct);
     m.set_examples(batches.size());
@@ -574,6 +582,7 @@ absl::Status Trainer::TrainStep(WorkerBatches& batches, Position* at) {
   push.loss = result->loss;
   push.mean_loss = static_cast<float>(result->loss);
   PSFLOW_RETURN_IF_ERROR(exchange_->Reduce(step, &push.mean_loss));
+  PSFLOW_RETURN_IF_ERROR(Clip(&clipped));
   PSFLOW_RETURN_IF_ERROR(PushStep(push, &at->got));
   Advance(step, pushed_at, async ? &async_metrics : nullptr, at);
   return absl::OkStatus();
@@ -605,6 +614,28 @@ void Trainer::Advance(int64_t step, absl::Time pushed_at, StepMetrics* async_met
     at->step = at->got.version;
   }
   reporter_.SetStep(at->step);
+}
+
+absl::Status Trainer::Clip(bool* clipped) {
+  *clipped = false;
+  if (!Clipping()) return absl::OkStatus();
+  if (!exchange_->NeedsHostGradients()) {
+    return exchange_->ClipOnDevice(job_.clip_gradient_norm(), clipped);
+  }
+  // What the worker pushes: the host buffers, after the average over its
+  // GPUs or the all-reduce (every worker of a ring clips the same bits
+  // alike). Batch-norm running statistics are not gradients: left alone.
+  const std::vector<VariableShape>& variables = model_->net()->variables();
+  const std::vector<float*>& grads = staging_->grads();
+  if (grads.size() != variables.size()) {
+    return absl::InternalError("clipping: the gradients are not in fp32 on the host");
+  }
+  std::vector<absl::Span<float>> trained;
+  for (size_t v = 0; v < variables.size(); ++v) {
+    if (variables[v].trainable) trained.emplace_back(grads[v], NumElements(variables[v].shape));
+  }
+  *clipped = ClipByGlobalNorm(trained, job_.clip_gradient_norm()).clipped;
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::PushStep(const StepPush& push, ExchangeRound* got) {

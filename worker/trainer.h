@@ -119,7 +119,8 @@ struct TrainerOptions {
   // gradients out during the step (one GPU): rounds them to the wire dtype
   // on the GPU, so that half the bytes cross to the host and its pushes send
   // them as they lie. False: copies the fp32 gradients and encodes them on
-  // the host as they are pushed.
+  // the host as they are pushed. (Not in jobs that clip gradients: the norm
+  // is taken in fp32 on the host.)
   bool narrow_on_device = true;
   // A job without ps (JobConfig.exchange ALL_REDUCE) needs both: the ring
   // of this worker and its peers, and this worker's own replica, the one
@@ -233,6 +234,11 @@ class Trainer {
   absl::Status TrainStep(WorkerBatches& batches, Position* at);
   // The step's forward and backward pass on the model's replicas.
   absl::StatusOr<model::Network::Result> Compute(const WorkerBatches& batches);
+  // JobConfig.clip_gradient_norm, after Reduce: clips the step's trainable
+  // gradients (the host buffers, or the exchange's on the device);
+  // *clipped: they were scaled.
+  absl::Status Clip(bool* clipped);
+  bool Clipping() const { return job_.clip_gradient_norm() > 0; }
   // The step's push and the pull that follows, with the step's verdict.
   absl::Status PushStep(const StepPush& push, ExchangeRound* got);
   // The times of a step's metrics: its wait and pull (before it), compute

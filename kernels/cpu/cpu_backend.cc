@@ -856,6 +856,18 @@ absl::Status CpuBackend::ApplyOptimizer(const OptimizerStep& step,
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::GlobalNorm(const std::vector<absl::Span<const float>>& xs, float* scratch,
+                                    float* norm) {
+  PSFLOW_RETURN_IF_ERROR(CheckGlobalNorm(xs, scratch, norm));
+  // In order, on one thread: the same sum every time.
+  double sum = 0;
+  for (absl::Span<const float> x : xs) {
+    for (float v : x) sum += static_cast<double>(v) * static_cast<double>(v);
+  }
+  *norm = static_cast<float>(std::sqrt(sum));
+  return absl::OkStatus();
+}
+
 absl::Status CpuBackend::CountNonFinite(const std::vector<absl::Span<const float>>& xs,
                                         float* count) {
   PSFLOW_RETURN_IF_ERROR(CheckNonFiniteCount(xs, count));

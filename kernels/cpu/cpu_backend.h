@@ -66,6 +66,8 @@ class CpuBackend final : public Backend {
                               const std::vector<OptimizerTensor>& tensors) override;
   absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
                               float* count) override;
+  absl::Status GlobalNorm(const std::vector<absl::Span<const float>>& xs, float* scratch,
+                          float* norm) override;
   absl::Status Copy(const float* src, float* dst, int64_t n) override;
 
   absl::StatusOr<std::unique_ptr<Conv2D>> CreateConv2D(const Conv2DShape& shape) override;

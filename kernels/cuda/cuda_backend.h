@@ -148,6 +148,8 @@ class CudaBackend final : public Backend {
                               const std::vector<OptimizerTensor>& tensors) override;
   absl::Status CountNonFinite(const std::vector<absl::Span<const float>>& xs,
                               float* count) override;
+  absl::Status GlobalNorm(const std::vector<absl::Span<const float>>& xs, float* scratch,
+                          float* norm) override;
   // src and dst must be the same or not overlap.
   absl::Status Copy(const float* src, float* dst, int64_t n) override;
   absl::Status NarrowToHalves(const float* x, int64_t n, bool bf16, uint16_t* y) override;

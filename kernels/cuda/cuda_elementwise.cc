@@ -1,5 +1,5 @@
 // CudaBackend's elementwise, optimizer and conversion helpers (Add, Affine,
-// Sgd, ApplyOptimizer, CountNonFinite, NarrowToHalves): argument checks, then
+// Sgd, ApplyOptimizer, CountNonFinite, GlobalNorm, NarrowToHalves): argument checks, then
 // one of psflow's own kernels (cuda_kernels.h) queued on the backend's
 // stream. See cuda_backend.h for the contract.
 #include <cuda_runtime.h>
@@ -95,6 +95,27 @@ absl::Status CudaBackend::CountNonFinite(const std::vector<absl::Span<const floa
   return RunIn(*ctx_, "CountNonFinite", "", [&]() -> absl::Status {
     PSFLOW_CUDA_CHECK(cuda_internal::LaunchCountNonFinite(
         x.data(), n.data(), static_cast<int>(x.size()), count, ctx_->stream));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::GlobalNorm(const std::vector<absl::Span<const float>>& xs, float* scratch,
+                                     float* norm) {
+  PSFLOW_RETURN_IF_ERROR(CheckGlobalNorm(xs, scratch, norm));
+  std::vector<const float*> x;
+  std::vector<int64_t> n;
+  for (absl::Span<const float> span : xs) {
+    if (span.empty()) continue;
+    x.push_back(span.data());
+    n.push_back(static_cast<int64_t>(span.size()));
+  }
+  static_assert(cuda_internal::kGlobalNormBlocks * sizeof(double) <=
+                    Backend::kGlobalNormScratch * sizeof(float),
+                "GlobalNorm's scratch holds a double per block");
+  return RunIn(*ctx_, "GlobalNorm", "", [&]() -> absl::Status {
+    PSFLOW_CUDA_CHECK(
+        cuda_internal::LaunchGlobalNorm(x.data(), n.data(), static_cast<int>(x.size()),
+                                        reinterpret_cast<double*>(scratch), norm, ctx_->stream));
     return absl::OkStatus();
   });
 }

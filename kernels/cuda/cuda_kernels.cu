@@ -509,6 +509,47 @@ cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int nu
 
 namespace {
 
+// Block b adds the squares of its stride of x to partial[b] (kThreads
+// threads, summed in shared memory in a fixed tree).
+__global__ void SquaresKernel(const float* x, int64_t n, double* partial) {
+  __shared__ double sums[kThreads];
+  double sum = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double v = x[i];
+    sum += v * v;
+  }
+  sums[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] += sums[0];
+}
+
+__global__ void NormKernel(const double* partial, int blocks, float* norm) {
+  double sum = 0;
+  for (int b = 0; b < blocks; ++b) sum += partial[b];
+  *norm = static_cast<float>(sqrt(sum));
+}
+
+}  // namespace
+
+cudaError_t LaunchGlobalNorm(const float* const* x, const int64_t* n, int num, double* partial,
+                             float* norm, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(partial, 0, kGlobalNormBlocks * sizeof(double), stream);
+  for (int i = 0; i < num && e == cudaSuccess; ++i) {
+    SquaresKernel<<<kGlobalNormBlocks, kThreads, 0, stream>>>(x[i], n[i], partial);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) return e;
+  NormKernel<<<1, 1, 0, stream>>>(partial, kGlobalNormBlocks, norm);
+  return cudaGetLastError();
+}
+
+namespace {
+
 // Element i of the 16-bit values at `wire` (bfloat16 with `bf16`, else IEEE
 // half) as a float (exact).
 __device__ inline float Widened(const void* wire, int64_t i, bool bf16) {

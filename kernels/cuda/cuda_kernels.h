@@ -56,6 +56,15 @@ cudaError_t LaunchApplyOptimizer(const OptimizerStep& step, const OptimizerArgs*
 cudaError_t LaunchCountNonFinite(const float* const* x, const int64_t* n, int num, float* count,
                                  cudaStream_t stream);
 
+// *norm = the L2 norm over the n[i] floats at x[i] for each i < num (host
+// arrays): each block of a fixed grid of kGlobalNormBlocks sums its squares
+// in double into its own element of `partial` (device memory, zeroed here),
+// one launch per array in order, then one thread sums the blocks in order.
+// No atomics: the same bits for the same values every time.
+inline constexpr int kGlobalNormBlocks = 160;
+cudaError_t LaunchGlobalNorm(const float* const* x, const int64_t* n, int num, double* partial,
+                             float* norm, cudaStream_t stream);
+
 // One float buffer of a run packed into (or unpacked from) a 16-bit wire
 // buffer: `count` floats at `data`, at element `offset` of the wire buffer.
 struct WirePiece {

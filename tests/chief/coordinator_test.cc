@@ -54,6 +54,7 @@ Timeouts ShortTimeouts() {
   t.adopt_retry = absl::Milliseconds(5);
   t.evaluator = absl::Seconds(1);
   t.final_eval = absl::Seconds(5);
+  t.nonfinite_confirm = absl::Milliseconds(50);
   return t;
 }
 
@@ -185,12 +186,18 @@ class CoordinatorTest : public ::testing::Test {
     r.set_finished(finished);
     return Send(r);
   }
-  // Worker w reports step 0 not finite (the job's default policy fails it);
-  // whether the chief answered FAIL.
-  bool ReportNonFinite(uint64_t job_id, int w) {
-    ReportRequest r = MakeReport(job_id, w, 0, std::nan(""));
+  // Worker w reports `step` not finite (the job's default policy fails it,
+  // once the ps confirm that w's gradients of the step never came), then
+  // beats until the chief answers FAIL (or a second went by); whether it did.
+  bool ReportNonFinite(uint64_t job_id, int w, int64_t step = 0) {
+    ReportRequest r = MakeReport(job_id, w, step, std::nan(""));
     r.mutable_metrics(0)->set_nonfinite(true);
     absl::StatusOr<ReportResponse> answer = Send(r);
+    const absl::Time give_up = absl::Now() + absl::Seconds(1);
+    while (answer.ok() && answer->action() != ReportResponse::FAIL && absl::Now() < give_up) {
+      absl::SleepFor(absl::Milliseconds(10));
+      answer = Report(job_id, w, -1);
+    }
     EXPECT_TRUE(answer.ok()) << answer.status();
     return answer.ok() && answer->action() == ReportResponse::FAIL;
   }
@@ -646,6 +653,72 @@ TEST_F(CoordinatorTest, NonFiniteStepFailsTheJobWithoutASavedModel) {
   // Not even an empty directory.
   EXPECT_FALSE(fs::exists(dir_ + "/model/saved_model"));
   EXPECT_TRUE(ps_->shut_down(0));
+}
+
+// A report that a step is not finite is anyone's to send (the job id is
+// public): it fails the job only once the ps confirm that the worker's
+// gradients of the step never came. One of a step the worker pushed, or of
+// a step the ps are not at, is ignored and the job trains on.
+TEST_F(CoordinatorTest, NonFiniteReportsThePsContradictAreIgnored) {
+  MakeJob(2, 2, 4);
+  CoordinatorOptions o = Options();
+  o.timeouts.worker = absl::Seconds(30);  // worker 0 waits out worker 1's reports
+  const uint64_t id = StartAndRegister(o, {0, 1});
+  ASSERT_TRUE(Push(id, 1, 0).ok());
+  EXPECT_FALSE(ReportNonFinite(id, 1, 0));  // pushed whole: every ps has it
+  EXPECT_FALSE(ReportNonFinite(id, 0, 3));  // far ahead of the ps
+  ASSERT_TRUE(Push(id, 0, 0).ok());
+  ASSERT_TRUE(Report(id, 0, 0).ok());
+  ASSERT_TRUE(Report(id, 1, 0).ok());
+  Train(id, {0, 1}, 1, 4);
+  FinishAndJoin(id, {0, 1});
+  EXPECT_TRUE(fs::exists(dir_ + "/model/saved_model"));
+}
+
+// Under --on_nonfinite=fail a real worker's non-finite step is confirmed
+// though it pushed to some ps (pushing during the backward pass, its finite
+// lanes go): one ps still lacks its gradients of the step.
+TEST_F(CoordinatorTest, NonFiniteStepPushedToSomePsIsConfirmedByTheOthers) {
+  MakeJob(1, 2, 4);
+  const uint64_t id = StartAndRegister(Options(), {0});
+  PushHeader h;
+  h.set_job_id(id);
+  h.set_worker(0);
+  h.set_step(0);
+  std::vector<std::vector<float>> zeros;
+  std::vector<const float*> buffers;
+  for (const VariablePlacement& v : job_.placement().variable()) {
+    zeros.emplace_back(NumElements(std::vector<int64_t>(v.shape().begin(), v.shape().end())));
+  }
+  for (const auto& z : zeros) buffers.push_back(z.data());
+  ASSERT_TRUE(
+      ps_->Push(0, h, SliceRefs(job_.placement(), 0, buffers), absl::Now() + absl::Seconds(1))
+          .ok());
+  EXPECT_TRUE(ReportNonFinite(id, 0, 0));
+  absl::Status s = Join();
+  EXPECT_TRUE(absl::IsOutOfRange(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              ::testing::HasSubstr("worker 0 computed a non-finite loss or gradients at step 0"));
+}
+
+// Metrics of a step the ps do not have the worker's gradients of (forged
+// for the last step, say), or a second report of a step, never reach the
+// progress log: its counts and final figures are the workers' own.
+TEST_F(CoordinatorTest, MetricsOfStepsThePsLackOrReportedTwiceAreRefused) {
+  MakeJob(1, 1, 4);
+  CoordinatorOptions o = Options();
+  o.metrics = &metrics_;
+  const uint64_t id = StartAndRegister(o, {0});
+  auto examples = [this] { return metrics_.GetCounter("psflow_examples_total", "")->value(); };
+  ASSERT_TRUE(Send(MakeReport(id, 0, 3, 0.01)).ok());  // the last step, forged
+  EXPECT_EQ(examples(), 0);
+  Train(id, {0}, 0, 2);
+  EXPECT_EQ(examples(), 2 * kBatch);
+  ASSERT_TRUE(Send(MakeReport(id, 0, 1, 0.01)).ok());  // step 1 again
+  EXPECT_EQ(examples(), 2 * kBatch);
+  Train(id, {0}, 2, 4);
+  EXPECT_EQ(examples(), 4 * kBatch);
+  FinishAndJoin(id, {0});
 }
 
 // A saved model's directory that could not be made fails the job at its

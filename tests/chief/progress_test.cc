@@ -236,6 +236,41 @@ TEST_F(ProgressTest, DropsStepsOfIntervalsAlreadyLogged) {
   EXPECT_EQ(progress_.summary().examples, examples);
 }
 
+// Each worker reports a step once, in order: a second report of a step (a
+// forged one, say, sent before or after the worker's own) is dropped and
+// counted, so the interval's figures are the worker's first report's.
+TEST_F(ProgressTest, DropsASecondReportOfAStep) {
+  StepMetrics forged = Metric(1, 9);
+  forged.set_loss(0.001);
+  forged.set_correct(forged.examples());
+  progress_.Record(1, Steps(1, 0, 10), t0_);
+  progress_.Record(1, {Metric(1, 3), forged}, t0_);
+  progress_.Record(0, Steps(0, 0, 10), t0_);
+  ASSERT_EQ(lines_.size(), 1u);
+  std::vector<StepMetrics> interval = Steps(0, 0, 10);
+  for (const StepMetrics& m : Steps(1, 0, 10)) interval.push_back(m);
+  const ProgressLine l = Parse(lines_[0]);
+  const Expected e = Expect(interval, 10);
+  EXPECT_NEAR(l.loss, e.loss, 1e-4);
+  EXPECT_NEAR(l.accuracy, e.accuracy, 1e-3);
+  EXPECT_EQ(progress_.summary().refused, 2);
+  EXPECT_EQ(progress_.summary().examples, e.examples);
+}
+
+// Workers' steps whose gradients were clipped are counted.
+TEST(ProgressMetricsTest, ClippedStepsAreCounted) {
+  metrics::Registry registry;
+  Progress progress(
+      kTrainSteps, kStepsPerEpoch, kLogEvery, kWorkers, kPs, [] { return kPs; },
+      [](const std::string&) {}, nullptr, /*listener=*/nullptr, &registry);
+  std::vector<StepMetrics> steps = Steps(0, 0, 4);
+  steps[1].set_clipped(true);
+  steps[3].set_clipped(true);
+  progress.Record(0, steps, absl::Now());
+  EXPECT_EQ(registry.GetCounter("psflow_clipped_steps_total", "")->value(), 2);
+  EXPECT_EQ(progress.summary().clipped, 2);
+}
+
 TEST_F(ProgressTest, LinesCarryTheIntervalsExampleWeightedMetrics) {
   std::vector<StepMetrics> first = Steps(0, 0, 10);
   for (const StepMetrics& m : Steps(1, 0, 10)) first.push_back(m);

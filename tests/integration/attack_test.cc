@@ -6,6 +6,9 @@
 //     that fails on non-finite steps, whose workers send none;
 //   - reports with impossible values (a NaN loss, 2^62 examples), and
 //     "finished" for every worker long before the last step;
+//   - reports that a step was not finite, of a step the worker pushed or
+//     one far ahead, and plausible metrics of the last step for every
+//     worker;
 //   - an Init header that declares a gigabyte and sends nothing, one with no
 //     job id, and a whole Init of another job (replacing the ps's);
 //   - SetLiveWorkers [7], and Shutdown of a ps;
@@ -161,20 +164,6 @@ class Attacker {
     return chief_->RegisterWorker(&context, request, &response);
   }
 
-  // "Worker `w`'s step was not finite", which fails a job that runs
-  // on_nonfinite=fail (the default).
-  grpc::Status NonfiniteReport(const PsState& state, int w) {
-    ReportRequest report;
-    report.set_job_id(state.job_id());
-    report.set_worker(w);
-    StepMetrics* m = report.add_metrics();
-    m->set_step(state.version());
-    m->set_examples(1);
-    m->set_nonfinite(true);
-    ReportResponse response;
-    return Report(report, &response);
-  }
-
   // Evaluator `e`'s registration; *lease is the chief's answer's.
   grpc::Status RegisterEvaluator(int e, uint64_t* lease) {
     grpc::ClientContext context;
@@ -276,6 +265,40 @@ class Attacker {
     grpc::Status s = Report(report, &response);
     *action = response.action();
     return s;
+  }
+
+  // Worker w's report that its step `step` was not finite (what a worker
+  // whose loss diverged sends, withholding its push, under
+  // --on_nonfinite=fail); *action is the chief's answer.
+  grpc::Status NonFiniteReport(const PsState& state, int w, int64_t step,
+                               ReportResponse::Action* action) {
+    ReportRequest report;
+    report.set_job_id(state.job_id());
+    report.set_worker(w);
+    StepMetrics* m = report.add_metrics();
+    m->set_step(step);
+    m->set_examples(1);
+    m->set_nonfinite(true);
+    ReportResponse response;
+    grpc::Status s = Report(report, &response);
+    *action = response.action();
+    return s;
+  }
+
+  // Worker w's plausible metrics of step `step`: a low loss, every example
+  // right, quick.
+  grpc::Status MetricsReport(const PsState& state, int w, int64_t step) {
+    ReportRequest report;
+    report.set_job_id(state.job_id());
+    report.set_worker(w);
+    StepMetrics* m = report.add_metrics();
+    m->set_step(step);
+    m->set_loss(0.001);
+    m->set_examples(1);
+    m->set_correct(1);
+    m->set_compute_us(1000);
+    ReportResponse response;
+    return Report(report, &response);
   }
 
   // An Init header declaring 1 GiB of values (and Adam's 2 GiB of slots)
@@ -705,6 +728,63 @@ TEST_F(AttackTest, WaitingPullFloodDoesNotStopTheJob) {
   EXPECT_GE(ended[grpc::StatusCode::RESOURCE_EXHAUSTED], 20 * 36 + 768);
 }
 
+// Forged reports that a step was not finite (GetState hands anyone the job
+// id) fail the job only once the ps confirm that the worker withheld its
+// gradients of the step: for a step the worker pushed, or one the ps are
+// not at, they are ignored (logged) and the job ends well.
+TEST_F(AttackTest, ForgedNonFiniteReportDoesNotFailAJobWithoutTls) {
+  const std::string model_dir = dir_ + "/attacked";
+  ASSERT_TRUE(RunJob(model_dir, NoFlags, [&] {
+    Attacker attacker(chief(), ps0(), SecurityOptions{});
+    PsState state;
+    ASSERT_TRUE(attacker.GetState(&state).ok());
+    ASSERT_TRUE(state.holds_job());
+    for (const auto& [w, step] : std::vector<std::pair<int, int64_t>>{
+             {0, state.version()}, {1, state.version()}, {0, 2999}}) {
+      ReportResponse::Action action;
+      const grpc::Status s = attacker.NonFiniteReport(state, w, step, &action);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(action, ReportResponse::CONTINUE);
+    }
+  }));
+  EXPECT_NE(SavedModelFigures(model_dir), "");
+  EXPECT_THAT(outputs_, HasSubstr("ignored a report from worker 0 that step")) << outputs_;
+  EXPECT_THAT(outputs_, Not(HasSubstr("computed a non-finite loss"))) << outputs_;
+}
+
+// Plausible forged metrics of the last step, for every worker, once gave the
+// progress log its end at once (silencing it) and its final loss and
+// accuracy. The chief takes a step's metrics only of a step the ps have the
+// worker's gradients of, once: every line still comes, and the closing
+// line's figures are the last line's, the workers' own.
+TEST_F(AttackTest, ForgedLastStepMetricsLeaveTheProgressLogAndFinalFiguresAlone) {
+  const std::string model_dir = dir_ + "/attacked";
+  ASSERT_TRUE(RunJob(model_dir, NoFlags, [&] {
+    Attacker attacker(chief(), ps0(), SecurityOptions{});
+    PsState state;
+    ASSERT_TRUE(attacker.GetState(&state).ok());
+    ASSERT_TRUE(state.holds_job());
+    for (int w : {0, 1}) {
+      const grpc::Status s = attacker.MetricsReport(state, w, 2999);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+  }));
+  std::smatch last, done;
+  const std::regex last_line("chief\\] step 3000/3000 epoch [0-9.]+ loss ([0-9.]+) acc ([0-9.]+)");
+  const std::regex done_line("chief\\] done: .* final loss ([0-9.]+) acc ([0-9.]+)");
+  ASSERT_TRUE(std::regex_search(outputs_, last, last_line)) << outputs_;
+  ASSERT_TRUE(std::regex_search(outputs_, done, done_line)) << outputs_;
+  EXPECT_EQ(done[1].str(), last[1].str()) << outputs_;
+  EXPECT_EQ(std::stod(done[2].str()), std::stod(last[2].str())) << outputs_;
+  EXPECT_NE(done[1].str(), "0.0010") << outputs_;
+  for (int step : {500, 1000, 1500, 2000, 2500}) {
+    const std::regex line("chief\\] step " + std::to_string(step) +
+                          "/3000 .*\\| workers 2/2 ps 2/2");
+    EXPECT_TRUE(std::regex_search(outputs_, line)) << step << "\n" << outputs_;
+  }
+  EXPECT_THAT(outputs_, HasSubstr("refused worker 0's metrics of step 2999")) << outputs_;
+}
+
 // Every attack with mutual TLS and the job token on, from three callers: a
 // stranger without a certificate (refused at the handshake: UNAVAILABLE), one
 // with the job's worker certificate but no token (UNAUTHENTICATED), and one
@@ -799,11 +879,11 @@ TEST_F(AttackTest, PerTaskCertificateCannotActAsAnotherWorker) {
     EXPECT_EQ(s.error_code(), denied) << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr("worker 1's; it may not act as worker 0"));
     EXPECT_EQ(worker1.ClockPull(state, 0).error_code(), denied);
-    s = worker1.NonfiniteReport(state, 0);
+    ReportResponse::Action action;
+    s = worker1.NonFiniteReport(state, 0, state.version(), &action);
     EXPECT_EQ(s.error_code(), denied) << s.error_message();
     s = worker1.RegisterWorker(0);
     EXPECT_EQ(s.error_code(), denied) << s.error_message();
-    ReportResponse::Action action;
     EXPECT_EQ(worker1.FinishedReport(state, 0, &action).error_code(), denied);
     // As itself: past the identity check, to the guards.
     s = worker1.ValuePush(state, std::numeric_limits<float>::quiet_NaN(), 1);
@@ -869,7 +949,8 @@ TEST_F(AttackTest, PerTaskCertificateCannotAbortTheRingAsAnotherWorker) {
         EXPECT_EQ(s.error_code(), denied) << s.error_message();
         EXPECT_THAT(s.error_message(), HasSubstr("worker 1's; it may not act as worker 0"));
         EXPECT_EQ(worker1.RingPieceAs(state, worker(1), 0).error_code(), denied);
-        EXPECT_EQ(worker1.NonfiniteReport(state, 0).error_code(), denied);
+        ReportResponse::Action action;
+        EXPECT_EQ(worker1.NonFiniteReport(state, 0, state.version(), &action).error_code(), denied);
         EXPECT_EQ(worker1.RegisterWorker(0).error_code(), denied);
         EXPECT_EQ(worker1.ClockPull(state, 0).error_code(), denied);
       }));

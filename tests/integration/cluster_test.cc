@@ -255,6 +255,40 @@ TEST_F(ClusterTest, DivergingJobFailsWithoutSavedModel) {
   }
 }
 
+// --clip_gradient_norm: each worker scales its step's gradients down to the
+// bound's global norm once the backward pass is done. With a bound far
+// below the mlp's gradients every step is clipped, said and counted, and
+// the job trains to its end (exit 0, a saved model) on a model other than
+// the same job's without a bound, which clips nothing.
+TEST_F(ClusterTest, ClipGradientNormClipsEveryStepOfATinyBound) {
+  std::map<std::string, std::string> outputs;
+  auto train = [&](const std::string& name, const std::vector<std::string>& extra) {
+    const std::string model_dir = dir_ + "/" + name;
+    std::vector<std::string> args = {"--ps=1",
+                                     "--workers=2",
+                                     "--",
+                                     "--model=mlp",
+                                     "--train_steps=60",
+                                     "--optimizer=sgd",
+                                     "--learning_rate=0.1",
+                                     "--log_every_steps=20",
+                                     "--model_dir=" + model_dir};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Process launch(Bin("psflow-launch"), args);
+    EXPECT_EQ(launch.WaitOrKill(seconds(120)), 0) << launch.Describe();
+    outputs[name] = launch.output();
+    return SavedModelFigures(model_dir);
+  };
+  const std::string free = train("free", {});
+  const std::string clipped = train("clipped", {"--clip_gradient_norm=0.001"});
+  EXPECT_NE(clipped, "");
+  EXPECT_NE(clipped, free);
+  EXPECT_THAT(outputs["clipped"], HasSubstr("gradients clipped to global norm 0.001"));
+  EXPECT_THAT(outputs["clipped"], HasSubstr("clipping gradients to global norm 0.001"));
+  EXPECT_THAT(outputs["clipped"], HasSubstr(", 120 worker steps clipped")) << outputs["clipped"];
+  EXPECT_THAT(outputs["free"], Not(HasSubstr("clipped"))) << outputs["free"];
+}
+
 // --on_nonfinite=skip_step: the diverging job skips its non-finite steps
 // (logged, no update) and fails once more than --max_skipped_steps were
 // skipped: exit 1, one line saying so, no saved model.
@@ -1011,6 +1045,16 @@ std::vector<BadCase> BadFlags(const Ports& ports, const std::string& model_dir) 
        chief({"--model=mlp", "--wire_dtype=int8", "--model_dir=" + model_dir}),
        {},
        "--wire_dtype 'int8' is not one of fp32, bf16, fp16"},
+      {"negative --clip_gradient_norm",
+       "psflow-chief",
+       chief({"--model=mlp", "--clip_gradient_norm=-1", "--model_dir=" + model_dir}),
+       {},
+       "--clip_gradient_norm must be 0 (off) or a positive float, got -1"},
+      {"non-finite --clip_gradient_norm",
+       "psflow-chief",
+       chief({"--model=mlp", "--clip_gradient_norm=nan", "--model_dir=" + model_dir}),
+       {},
+       "--clip_gradient_norm must be 0 (off) or a positive float, got nan"},
       {"negative --min_push_run_bytes",
        "psflow-worker",
        Task0Args(ports, "worker", {"--min_push_run_bytes=-1"}),
@@ -1124,6 +1168,7 @@ const std::map<std::string, std::vector<std::string>>& OwnFlags() {
                              "on_nonfinite",
                              "max_skipped_steps",
                              "max_gradient_abs",
+                             "clip_gradient_norm",
                              "keep_checkpoints",
                              "worker_timeout",
                              "eval_every_steps",

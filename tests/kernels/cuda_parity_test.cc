@@ -605,6 +605,28 @@ TEST_F(CudaParityTest, OptimizerRulesAndNonFiniteCount) {
   }
   EXPECT_EQ(Download(*gpu_, count.g(), 1)[0], 5.0f);
   EXPECT_EQ(Download(*cpu_, count.c(), 1)[0], 5.0f);
+  // The global norm (clipping on the device): the CPU's to rounding, and
+  // the same bits at every call (replicas must scale alike).
+  Pair finite = In(kN);
+  Pair norm = In(std::vector<float>{0});
+  Pair scratch = In(static_cast<size_t>(Backend::kGlobalNormScratch));
+  float first_norm = 0;
+  for (int call = 0; call < 3; ++call) {
+    for (bool gpu : {false, true}) {
+      Backend& backend = gpu ? *gpu_ : *cpu_;
+      std::vector<absl::Span<const float>> spans;
+      for (const auto& [at, n] : cuts) {
+        spans.push_back(
+            absl::MakeConstSpan((gpu ? finite.g() : finite.c()) + at, static_cast<size_t>(n)));
+      }
+      PSFLOW_ASSERT_OK(
+          backend.GlobalNorm(spans, gpu ? scratch.g() : scratch.c(), gpu ? norm.g() : norm.c()));
+    }
+    const float got = Download(*gpu_, norm.g(), 1)[0];
+    if (call == 0) first_norm = got;
+    EXPECT_EQ(got, first_norm);
+    EXPECT_NEAR(got, Download(*cpu_, norm.c(), 1)[0], 1e-5f * got);
+  }
 }
 
 TEST_F(CudaParityTest, BasicsAndErrors) {

@@ -396,6 +396,17 @@ TEST(OptimizerBackendTest, MovingAverageAndNonFiniteCount) {
           .ok());
   EXPECT_EQ(count, 4);
   EXPECT_TRUE(absl::IsInvalidArgument((*cpu)->CountNonFinite({}, nullptr)));
+  // The global norm of gradients that stay on the device (clipping), over
+  // every span: 3-4-5.
+  const std::vector<float> g = {3, 0, -4};
+  float norm = -1, scratch[kernels::Backend::kGlobalNormScratch];
+  ASSERT_TRUE((*cpu)
+                  ->GlobalNorm({absl::MakeConstSpan(g.data(), 1), absl::Span<const float>(),
+                                absl::MakeConstSpan(g.data() + 1, 2)},
+                               scratch, &norm)
+                  .ok());
+  EXPECT_EQ(norm, 5.0f);
+  EXPECT_TRUE(absl::IsInvalidArgument((*cpu)->GlobalNorm({}, scratch, nullptr)));
 }
 
 OptimizerConfig Config(OptimizerConfig::Kind kind, float lr, float weight_decay = 0) {

@@ -552,6 +552,31 @@ TEST(ShardMirrorTest, MirroredStateIsServedAtItsVersion) {
   EXPECT_TRUE(absl::IsFailedPrecondition(shard.Mirror(kJob, 1, mirrored)));
 }
 
+// The chief holds workers' reports against the steps each ps received
+// whole from them (PsState.pushed_steps): a push of some slices of a step
+// does not count until the last one comes; an applied step stays counted;
+// a new job starts over.
+TEST(ShardPushedStepsTest, CountsStepsEveryOneOfWhoseSlicesCame) {
+  Shard shard;
+  InitHeader h = Header(OptimizerConfig::SGD, 0.5f);
+  h.mutable_job()->set_num_workers(2);
+  ASSERT_TRUE(shard.Init(h, Values()).ok());
+  EXPECT_EQ(shard.state().pushed_steps, (std::vector<int64_t>{-1, -1}));
+  const std::vector<std::vector<float>> g = Grads(1);
+  ASSERT_TRUE(shard.PushSlices(kJob, 0, 0, {{0, g[0]}}).ok());
+  EXPECT_EQ(shard.state().pushed_steps, (std::vector<int64_t>{-1, -1})) << "one slice of two";
+  ASSERT_TRUE(shard.PushSlices(kJob, 1, 0, {{0, g[0]}}).ok());  // slice 0 applies
+  ASSERT_TRUE(shard.PushSlices(kJob, 0, 0, {{1, g[1]}}).ok());
+  EXPECT_EQ(shard.state().pushed_steps, (std::vector<int64_t>{0, -1}));
+  ASSERT_TRUE(shard.PushSlices(kJob, 1, 0, {{1, g[1]}}).ok());
+  EXPECT_EQ(shard.state().version, 1);
+  EXPECT_EQ(shard.state().pushed_steps, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(shard.Push(kJob, 1, 1, Grads(1)).value(), PushResponse::ACCEPTED);
+  EXPECT_EQ(shard.state().pushed_steps, (std::vector<int64_t>{0, 1}));
+  ASSERT_TRUE(shard.Init(h, Values()).ok());
+  EXPECT_EQ(shard.state().pushed_steps, (std::vector<int64_t>{-1, -1}));
+}
+
 TEST_F(ShardTest, StalePushIsDroppedAndCounted) {
   MustPush(0, 0, Grads(1));
   MustPush(1, 0, Grads(1));
