@@ -328,7 +328,19 @@ std::string DescribeSecurity(const SecurityOptions& options, Role role) {
     return "security: a job token on every call, in plaintext (no TLS: callers are not "
            "identified by role)";
   }
-  return absl::StrCat("security: mutual TLS as the ", RoleName(role),
+  // A per-task certificate (CN "worker-1") is named as its task: it may act
+  // only as that one.
+  std::string as = absl::StrCat("the ", RoleName(role));
+  if (std::vector<std::unique_ptr<X509, X509Free>> certs = ReadCertificates(options.cert_pem);
+      !certs.empty()) {
+    const std::optional<std::string> cn = CommonName(certs.front().get());
+    absl::StatusOr<PeerIdentity> id =
+        cn.has_value() ? ParseIdentity(*cn) : absl::StatusOr<PeerIdentity>(absl::NotFoundError(""));
+    if (id.ok() && id->index.has_value()) {
+      as = absl::StrCat(RoleName(role), " ", *id->index, " (a certificate of this task only)");
+    }
+  }
+  return absl::StrCat("security: mutual TLS as ", as,
                       options.token.empty() ? "" : ", and a job token on every call");
 }
 

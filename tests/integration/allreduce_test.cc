@@ -210,7 +210,9 @@ TEST_F(AllReduceTest, MutualTlsWithWorkerCertificatesOnly) {
                               "--log_every_steps=100", "--model_dir=" + dir_ + "/model"},
                              {}, seconds(180));
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_THAT(run.output, HasSubstr("worker0] security: mutual TLS as the worker"));
+  EXPECT_THAT(
+      run.output,
+      HasSubstr("worker0] security: mutual TLS as worker 0 (a certificate of this task only)"));
   EXPECT_THAT(run.output, HasSubstr("worker0] done: 200 steps"));
   EXPECT_THAT(run.output, HasSubstr("worker0] eval: step 200/200 "));
   EXPECT_THAT(run.output, Not(HasSubstr("PERMISSION_DENIED")));

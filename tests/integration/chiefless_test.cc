@@ -143,7 +143,9 @@ TEST_F(ChieflessTest, MutualTlsWithoutAChiefCertificate) {
        "--train_steps=300", "--log_every_steps=100", "--model_dir=" + dir_ + "/model"},
       {}, seconds(120));
   ASSERT_EQ(run.exit_code, 0) << run.output;
-  EXPECT_THAT(run.output, HasSubstr("worker0] security: mutual TLS as the worker"));
+  EXPECT_THAT(
+      run.output,
+      HasSubstr("worker0] security: mutual TLS as worker 0 (a certificate of this task only)"));
   EXPECT_THAT(run.output, HasSubstr("worker0] done: 300 steps"));
   EXPECT_THAT(run.output, Not(HasSubstr("PERMISSION_DENIED")));
   ExpectNoProcessesLeft(dir_);

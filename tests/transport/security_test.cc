@@ -43,6 +43,14 @@ TEST_F(SecurityTest, LoadsTheFilesAndStripsTheToken) {
   EXPECT_EQ(o->token, "abc-123");
   EXPECT_EQ(DescribeSecurity(*o, Role::kPs),
             "security: mutual TLS as the ps, and a job token on every call");
+  // A per-task certificate is named as its task.
+  files.tls_cert = Job() + "/ps-1.crt";
+  files.tls_key = Job() + "/ps-1.key";
+  o = LoadSecurityOptions(files);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(DescribeSecurity(*o, Role::kPs),
+            "security: mutual TLS as ps 1 (a certificate of this task only), and a job token on "
+            "every call");
 }
 
 TEST_F(SecurityTest, BadFilesAreOneLineErrors) {
