@@ -32,9 +32,11 @@ ABSL_FLAG(bool, exit_when_done, true,
 
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate of this process, signed by --tls_ca: its CN is this process's role "
-          "(chief, ps, worker or evaluator) and it is valid for the DNS name of the role "
-          "(subjectAltName DNS:<role>; scripts/make-certs.sh makes such ones). With --tls_key "
-          "and --tls_ca: mutual TLS on every connection. Default: plaintext.");
+          "(chief, ps, worker or evaluator), or its task (worker-1, ps-0, evaluator-0: a "
+          "certificate of that task only, which may then act only as itself), and it is valid "
+          "for the DNS name of the role (subjectAltName DNS:<role>; scripts/make-certs.sh makes "
+          "both kinds). With --tls_key and --tls_ca: mutual TLS on every connection. Default: "
+          "plaintext, listening on loopback only (see --insecure).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_ca, "",
           "PEM certificate of the CA that signs every member's certificate. Servers accept only "
