@@ -28,6 +28,7 @@
 #include "chief/job_config.h"
 #include "chief/metrics.h"
 #include "chief/progress.h"
+#include "chief/ps_witness.h"
 #include "common/cluster_config.h"
 #include "common/thread_pool.h"
 #include "proto/chief.pb.h"
@@ -217,8 +218,6 @@ class Coordinator {
   // those of other steps are dropped (logged, counted). With FAIL, steps
   // that are not finite are ResolveNonfinite's, not progress.
   std::vector<StepMetrics> CheckedMetrics(const ReportRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
-  // Whether worker `w`'s step `step` is borne out by the last look at the ps.
-  bool PsHaveStep(int w, int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the chief's live set to every ps if the set of any of `states`
   // differs from it (a broadcast that half failed, or a forged SetLiveWorkers).
   void RepairLiveSets(const std::vector<PsState>& states)
@@ -313,26 +312,9 @@ class Coordinator {
   absl::Status group_broken_ ABSL_GUARDED_BY(mu_);
   int64_t refused_reports_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<int64_t> skipped_steps_ ABSL_GUARDED_BY(mu_);  // with SKIP_STEP
-  // The last look at the ps (any States call): their lowest and highest
-  // version, and by worker the latest step every ps received whole from it
-  // (PsState.pushed_steps; synchronous jobs).
-  struct PsView {
-    uint64_t job_id = 0;
-    int64_t max_version = -1;
-    std::vector<int64_t> pushed;
-  };
-  PsView ps_view_ ABSL_GUARDED_BY(mu_);
-  // Reports of a step that is not finite, waiting for the ps to bear them
-  // out (ConfirmsNonfinite).
-  struct NonfiniteClaim {
-    uint64_t job_id = 0;
-    int worker = 0;
-    int64_t step = 0;
-    absl::Time since;
-  };
-  std::vector<NonfiniteClaim> nonfinite_claims_ ABSL_GUARDED_BY(mu_);
-  int64_t refuted_nonfinite_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t refused_metrics_ ABSL_GUARDED_BY(mu_) = 0;
+  // The last look at the ps (any States call) and the reports of steps
+  // that were not finite waiting for the ps to bear them out.
+  PsWitness witness_;
 };
 
 }  // namespace psflow::chief
