@@ -82,9 +82,9 @@ std::vector<PsWitness::Confirmed> PsWitness::Resolve(uint64_t job_id,
       confirmed.push_back({c.worker, c.step});
       return true;
     }
-    LogRefutedLocked(c.worker, c.step,
-                     beyond ? "the ps are not at that step"
-                            : "every ps received its gradients of that step");
+    LogRefutedLocked(
+        c.worker, c.step,
+        beyond ? "the ps are not at that step" : "every ps received its gradients of that step");
     return true;
   };
   waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), settled), waiting_.end());

@@ -81,16 +81,27 @@ absl::Status CudaBackend::ApplyOptimizer(const OptimizerStep& step,
   });
 }
 
+namespace {
+
+// The device pointers and lengths of the non-empty spans of `xs`, as the
+// multi-span kernels (CountNonFinite, GlobalNorm) take them.
+void NonEmptySpans(const std::vector<absl::Span<const float>>& xs, std::vector<const float*>* x,
+                   std::vector<int64_t>* n) {
+  for (absl::Span<const float> span : xs) {
+    if (span.empty()) continue;
+    x->push_back(span.data());
+    n->push_back(static_cast<int64_t>(span.size()));
+  }
+}
+
+}  // namespace
+
 absl::Status CudaBackend::CountNonFinite(const std::vector<absl::Span<const float>>& xs,
                                          float* count) {
   PSFLOW_RETURN_IF_ERROR(CheckNonFiniteCount(xs, count));
   std::vector<const float*> x;
   std::vector<int64_t> n;
-  for (absl::Span<const float> span : xs) {
-    if (span.empty()) continue;
-    x.push_back(span.data());
-    n.push_back(static_cast<int64_t>(span.size()));
-  }
+  NonEmptySpans(xs, &x, &n);
   if (x.empty()) return absl::OkStatus();
   return RunIn(*ctx_, "CountNonFinite", "", [&]() -> absl::Status {
     PSFLOW_CUDA_CHECK(cuda_internal::LaunchCountNonFinite(
@@ -104,11 +115,7 @@ absl::Status CudaBackend::GlobalNorm(const std::vector<absl::Span<const float>>&
   PSFLOW_RETURN_IF_ERROR(CheckGlobalNorm(xs, scratch, norm));
   std::vector<const float*> x;
   std::vector<int64_t> n;
-  for (absl::Span<const float> span : xs) {
-    if (span.empty()) continue;
-    x.push_back(span.data());
-    n.push_back(static_cast<int64_t>(span.size()));
-  }
+  NonEmptySpans(xs, &x, &n);
   static_assert(cuda_internal::kGlobalNormBlocks * sizeof(double) <=
                     Backend::kGlobalNormScratch * sizeof(float),
                 "GlobalNorm's scratch holds a double per block");
