@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
     const int64_t pos = step % per_epoch;
     absl::Status s =
         psflow::data::GatherBatch(*data, absl::MakeConstSpan(order).subspan(pos * batch, batch),
-                                  images.data(), labels.data());
+                                  images.data(), nullptr, labels.data());
     if (!s.ok()) return psflow::FailWith(s);
     auto r = (*net)->TrainStep(images.data(), labels.data(), batch);
     if (!r.ok()) return psflow::FailWith(r.status());

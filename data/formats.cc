@@ -198,15 +198,19 @@ class ImageFileStream : public RecordStream {
 };
 
 // CSV rows, typed on the reader thread: a record carries the numeric
-// columns' floats and the label.
+// columns' floats, then the categorical and hex columns' ids (uint64, in
+// column order), and the label.
 class CsvStream : public RecordStream {
  public:
   explicit CsvStream(std::unique_ptr<CsvReader> reader) : reader_(std::move(reader)) {}
   absl::StatusOr<bool> Next(Record* r) override {
     PSFLOW_ASSIGN_OR_RETURN(const bool got, reader_->Next(&row_));
     if (!got) return false;
-    r->bytes.assign(reinterpret_cast<const char*>(row_.numeric.data()),
-                    row_.numeric.size() * sizeof(float));
+    const size_t floats = row_.numeric.size() * sizeof(float);
+    const size_t ids = row_.categorical.size() * sizeof(uint64_t);
+    r->bytes.resize(floats + ids);
+    if (floats > 0) std::memcpy(r->bytes.data(), row_.numeric.data(), floats);
+    if (ids > 0) std::memcpy(r->bytes.data() + floats, row_.categorical.data(), ids);
     r->label = row_.label;
     return true;
   }
@@ -230,7 +234,7 @@ class ImageDecoder : public Decoder {
   ImageDecoder(const ExampleShape& shape, const DataConfig& config, bool example)
       : shape_(shape), config_(config), example_(example) {}
 
-  absl::Status Decode(const Record& record, uint64_t seed, bool train, float* input,
+  absl::Status Decode(const Record& record, uint64_t seed, bool train, float* input, uint64_t*,
                       int32_t* label) const override {
     absl::string_view bytes = record.bytes;
     int64_t id = record.label;
@@ -272,32 +276,46 @@ class ImageDecoder : public Decoder {
 
 class CsvDecoder : public Decoder {
  public:
-  explicit CsvDecoder(const ExampleShape& shape) : shape_(shape) {}
-  absl::Status Decode(const Record& record, uint64_t, bool, float* input,
+  CsvDecoder(const ExampleShape& shape, int64_t ids)
+      : shape_(shape), floats_(int64_t{shape.channels} * shape.height * shape.width), ids_(ids) {}
+  absl::Status Decode(const Record& record, uint64_t, bool, float* input, uint64_t* ids,
                       int32_t* label) const override {
     PSFLOW_RETURN_IF_ERROR(CheckLabel(record.label, shape_, ""));
-    std::memcpy(input, record.bytes.data(), record.bytes.size());
+    const size_t floats = floats_ * sizeof(float), id_bytes = ids_ * sizeof(uint64_t);
+    // Every file's header must give the columns the first file gave.
+    if (record.bytes.size() != floats + id_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the record has other columns than the first file (", floats_,
+                       " numeric and ", ids_, " categorical)"));
+    }
+    std::memcpy(input, record.bytes.data(), floats);
+    if (ids_ > 0) std::memcpy(ids, record.bytes.data() + floats, id_bytes);
     *label = static_cast<int32_t>(record.label);
     return absl::OkStatus();
   }
 
  private:
   const ExampleShape shape_;
+  const int64_t floats_;
+  const int64_t ids_;
 };
 
 // The files of a format, their counts and how to read them.
 class FileFormat : public DataFormat {
  public:
   // `csv`: the layout of CSV files (parsed once, for every file opened).
+  // `id_features`: the CSV's categorical and hex columns.
   FileFormat(const DataConfig& config, const ExampleShape& shape, std::vector<std::string> paths,
-             std::vector<int64_t> records, std::vector<int32_t> labels, CsvFormat csv)
+             std::vector<int64_t> records, std::vector<int32_t> labels, CsvFormat csv,
+             std::vector<IdFeature> id_features)
       : config_(config),
         shape_(shape),
         paths_(std::move(paths)),
         records_(std::move(records)),
         labels_(std::move(labels)),
+        id_features_(std::move(id_features)),
         image_decoder_(shape, config, config.format() == kTfRecord),
-        csv_decoder_(shape),
+        csv_decoder_(shape, IdsPerExample(id_features_)),
         csv_(std::move(csv)) {}
 
   int64_t num_files() const override { return static_cast<int64_t>(paths_.size()); }
@@ -310,6 +328,7 @@ class FileFormat : public DataFormat {
     if (config_.format() == kCsv) return csv_decoder_;
     return image_decoder_;
   }
+  const std::vector<IdFeature>& id_features() const override { return id_features_; }
   absl::StatusOr<std::unique_ptr<RecordStream>> Open(int64_t file) const override {
     const std::string& path = paths_[file];
     if (config_.format() == kImageFolder) {
@@ -331,24 +350,33 @@ class FileFormat : public DataFormat {
   const std::vector<std::string> paths_;
   const std::vector<int64_t> records_;
   const std::vector<int32_t> labels_;  // image folders: each file's class
+  const std::vector<IdFeature> id_features_;
   const ImageDecoder image_decoder_;
   const CsvDecoder csv_decoder_;
   const CsvFormat csv_;
 };
 
-// A CSV's numeric columns must make the model's input.
-absl::Status CheckCsvColumns(const CsvFormat& format, const std::string& first_file,
-                             const ExampleShape& shape) {
+// A CSV's numeric columns must make the model's input. Returns its
+// categorical and hex columns, one id each.
+absl::StatusOr<std::vector<IdFeature>> CheckCsvColumns(const CsvFormat& format,
+                                                       const std::string& first_file,
+                                                       const ExampleShape& shape) {
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<CsvReader> reader, CsvReader::Open(first_file, format));
   int64_t numeric = 0;
-  for (const CsvColumn& c : reader->format().columns) numeric += c.type == ColumnType::kNumeric;
+  std::vector<IdFeature> ids;
+  for (const CsvColumn& c : reader->format().columns) {
+    numeric += c.type == ColumnType::kNumeric;
+    if (c.type == ColumnType::kCategorical || c.type == ColumnType::kCategoricalHex) {
+      ids.push_back({.name = c.name, .width = 1});
+    }
+  }
   const int64_t want = int64_t{shape.channels} * shape.height * shape.width;
   if (numeric != want) {
     return absl::InvalidArgumentError(
         absl::StrCat(first_file, " has ", numeric, " numeric columns, but the model takes ", want,
                      " inputs (", shape.channels, "x", shape.height, "x", shape.width, ")"));
   }
-  return absl::OkStatus();
+  return ids;
 }
 
 absl::Status CheckClasses(const std::vector<std::string>& classes, const DataConfig& config,
@@ -377,6 +405,7 @@ class StridedFormat : public DataFormat {
   }
   const Decoder& decoder() const override { return inner_.decoder(); }
   int64_t example_floats() const override { return inner_.example_floats(); }
+  const std::vector<IdFeature>& id_features() const override { return inner_.id_features(); }
 
  private:
   const DataFormat& inner_;
@@ -545,12 +574,14 @@ absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& con
     if (paths.empty()) return absl::InvalidArgumentError("the job lists no training files");
   }
   CsvFormat csv;
+  std::vector<IdFeature> ids;
   if (config.format() == kCsv) {
     PSFLOW_ASSIGN_OR_RETURN(csv, CsvFormatOf(config));
-    PSFLOW_RETURN_IF_ERROR(CheckCsvColumns(csv, paths[0], shape));
+    PSFLOW_ASSIGN_OR_RETURN(ids, CheckCsvColumns(csv, paths[0], shape));
   }
-  return std::unique_ptr<DataFormat>(new FileFormat(
-      config, shape, std::move(paths), std::move(records), std::move(labels), std::move(csv)));
+  return std::unique_ptr<DataFormat>(new FileFormat(config, shape, std::move(paths),
+                                                    std::move(records), std::move(labels),
+                                                    std::move(csv), std::move(ids)));
 }
 
 absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShape& shape,
@@ -566,6 +597,8 @@ absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShap
   d.width = shape.width;
   d.num_classes = shape.num_classes;
   d.images.resize(static_cast<size_t>(n * d.example_floats()));
+  d.example_ids = format.example_ids();
+  d.ids.resize(static_cast<size_t>(n * d.example_ids));
   d.labels.resize(static_cast<size_t>(n));
   // Records are read in order on this thread, a chunk at a time, and each
   // chunk decoded on the pool.
@@ -594,9 +627,9 @@ absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShap
       chunk[k].index = index++;
     }
     pool.ParallelFor(static_cast<int>(size), [&](int k) {
-      status[k] = format.decoder().Decode(chunk[k], 0, /*train=*/false,
-                                          d.images.data() + (done + k) * d.example_floats(),
-                                          d.labels.data() + done + k);
+      status[k] = format.decoder().Decode(
+          chunk[k], 0, /*train=*/false, d.images.data() + (done + k) * d.example_floats(),
+          d.ids.data() + (done + k) * d.example_ids, d.labels.data() + done + k);
     });
     for (int64_t k = 0; k < size; ++k) {
       if (!status[k].ok()) {

@@ -8,8 +8,10 @@
 // the shorter side resized to resize_shorter (0: the model's shorter input
 // side) and the center cut out. Pixels land in [0, 1]. CSV files feed their
 // numeric columns, in column order, as the model's input (a missing value
-// is 0); categorical and text columns are checked and read, and left to
-// models that embed them.
+// is 0), and their categorical and hex columns as the examples' ids
+// (DataFormat::id_features: one id per column, named by it, in column
+// order; see data/csv/csv.h for how a value becomes an id); text columns
+// are checked and read, and left to models that embed them.
 //
 // Thread-safe (the formats are immutable once opened).
 #ifndef PSFLOW_DATA_FORMATS_H_

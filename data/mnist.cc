@@ -235,13 +235,14 @@ std::vector<int64_t> ShardSampler::EpochIndices(int64_t epoch) const {
 }
 
 absl::Status GatherBatch(const Dataset& dataset, absl::Span<const int64_t> indices, float* images,
-                         int32_t* labels) {
+                         uint64_t* ids, int32_t* labels) {
   if (indices.empty()) return absl::OkStatus();
-  if (images == nullptr || labels == nullptr) {
+  const int64_t floats = dataset.example_floats(), id_count = dataset.example_ids;
+  if (images == nullptr || labels == nullptr || (id_count > 0 && ids == nullptr)) {
     return absl::InvalidArgumentError("GatherBatch: null output buffer");
   }
-  const int64_t floats = dataset.example_floats();
   if (static_cast<int64_t>(dataset.images.size()) < dataset.count * floats ||
+      static_cast<int64_t>(dataset.ids.size()) < dataset.count * id_count ||
       static_cast<int64_t>(dataset.labels.size()) < dataset.count) {
     return absl::InvalidArgumentError("GatherBatch: dataset is smaller than its count says");
   }
@@ -256,6 +257,10 @@ absl::Status GatherBatch(const Dataset& dataset, absl::Span<const int64_t> indic
     const int64_t index = indices[i];
     std::memcpy(images + i * floats, dataset.images.data() + index * floats,
                 sizeof(float) * floats);
+    if (id_count > 0) {
+      std::memcpy(ids + i * id_count, dataset.ids.data() + index * id_count,
+                  sizeof(uint64_t) * id_count);
+    }
     labels[i] = dataset.labels[index];
   }
   return absl::OkStatus();

@@ -32,6 +32,10 @@ struct Dataset {
   std::vector<float> images;    // count * channels * height * width, in [0, 1]
   std::vector<int32_t> labels;  // count, each in [0, num_classes)
   int num_classes = 10;
+  // Categorical ids (data/reader.h), example_ids per example; none for
+  // images.
+  int64_t example_ids = 0;
+  std::vector<uint64_t> ids;  // count * example_ids
   int64_t example_floats() const { return int64_t{channels} * height * width; }
   ExampleShape shape() const { return {channels, height, width, num_classes}; }
 };
@@ -69,9 +73,10 @@ class ShardSampler {
 };
 
 // Copies the examples at `indices` into images (indices.size() * example
-// floats) and labels. An index out of range is INVALID_ARGUMENT.
+// floats), ids (indices.size() * example_ids; may be null where there are
+// none) and labels. An index out of range is INVALID_ARGUMENT.
 absl::Status GatherBatch(const Dataset& dataset, absl::Span<const int64_t> indices, float* images,
-                         int32_t* labels);
+                         uint64_t* ids, int32_t* labels);
 
 }  // namespace psflow::data
 

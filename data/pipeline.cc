@@ -229,6 +229,7 @@ Pipeline::Pipeline(const DataFormat* format, const PipelineOptions& options,
   for (int i = 0; i < options_.prefetch_batches + 1; ++i) {
     auto slot = std::make_unique<Slot>();
     slot->batch.images.resize(static_cast<size_t>(options_.batch * format_->example_floats()));
+    slot->batch.ids.resize(static_cast<size_t>(options_.batch * format_->example_ids()));
     slot->batch.labels.resize(static_cast<size_t>(options_.batch));
     slot->records.resize(static_cast<size_t>(options_.batch));
     free_.push_back(slot.get());
@@ -335,7 +336,7 @@ void Pipeline::Decode(Slot* slot, int index, uint64_t seed) {
   const Record& r = slot->records[index];
   absl::Status s = format_->decoder().Decode(
       r, seed, options_.train, slot->batch.images.data() + index * format_->example_floats(),
-      &slot->batch.labels[index]);
+      slot->batch.ids.data() + index * format_->example_ids(), &slot->batch.labels[index]);
   if (!s.ok()) {
     s = absl::Status(s.code(), absl::StrCat(format_->file_name(r.file), ", record ", r.index, ": ",
                                             s.message()));

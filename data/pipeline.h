@@ -72,6 +72,7 @@ struct PipelineOptions {
 
 struct Batch {
   std::vector<float> images;  // batch * example_floats
+  std::vector<uint64_t> ids;  // batch * example_ids (DataFormat)
   std::vector<int32_t> labels;
 };
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -38,16 +39,29 @@ class RecordStream {
   virtual int64_t bad_records() const { return 0; }
 };
 
+// A categorical input of the examples, for models that embed ids: `width`
+// 64-bit ids per example under the data's name for it (a CSV's categorical
+// or hex column gives one id per example, named by the column).
+struct IdFeature {
+  std::string name;
+  int width = 1;
+};
+
+// The ids of one example in total: the sum of the features' widths.
+int64_t IdsPerExample(const std::vector<IdFeature>& features);
+
 // Turns records into examples. Thread-safe: the decode pool calls it.
 class Decoder {
  public:
   virtual ~Decoder() = default;
   // Writes the model's input (example_floats floats, channels-first, pixels
-  // in [0, 1]) and *label. `train` chooses the training transform (random
-  // crop and flip, drawn from `seed`, the example's own) over the
-  // evaluation one. An error names what is wrong with the record.
+  // in [0, 1]), the example's ids (example_ids of them, the features' in
+  // DataFormat::id_features order; `ids` may be null where there are none)
+  // and *label. `train` chooses the training transform (random crop and
+  // flip, drawn from `seed`, the example's own) over the evaluation one. An
+  // error names what is wrong with the record.
   virtual absl::Status Decode(const Record& record, uint64_t seed, bool train, float* input,
-                              int32_t* label) const = 0;
+                              uint64_t* ids, int32_t* label) const = 0;
 };
 
 // A data set: files in a fixed order (the same in every process), each of a
@@ -63,6 +77,11 @@ class DataFormat {
   virtual const Decoder& decoder() const = 0;
   // The floats of one decoded example.
   virtual int64_t example_floats() const = 0;
+  // The categorical features of every example, in the order of their ids;
+  // none for images.
+  virtual const std::vector<IdFeature>& id_features() const;
+  // The ids of one decoded example: IdsPerExample(id_features()).
+  int64_t example_ids() const { return IdsPerExample(id_features()); }
 };
 
 }  // namespace psflow::data

@@ -13,16 +13,22 @@ WorkerBatches::WorkerBatches(const data::Dataset& data, const JobConfig& job, in
     : data_(&data),
       batch_(WorkerBatch(job)),
       example_floats_(data.example_floats()),
+      example_ids_(data.example_ids),
       sampler_(
           std::make_unique<data::ShardSampler>(data.count, job.num_workers(), worker, job.seed())),
       own_images_(static_cast<size_t>(batch_ * example_floats_)),
+      own_ids_(static_cast<size_t>(batch_ * example_ids_)),
       own_labels_(static_cast<size_t>(batch_)),
       images_(own_images_.data()),
+      ids_(example_ids_ > 0 ? own_ids_.data() : nullptr),
       labels_(own_labels_.data()) {}
 
 WorkerBatches::WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
-                             int64_t example_floats)
-    : batch_(WorkerBatch(job)), example_floats_(example_floats), pipeline_(std::move(pipeline)) {}
+                             int64_t example_floats, int64_t example_ids)
+    : batch_(WorkerBatch(job)),
+      example_floats_(example_floats),
+      example_ids_(example_ids),
+      pipeline_(std::move(pipeline)) {}
 
 absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
     const data::DataFormat* format, const JobConfig& job, int worker, int64_t steps_per_epoch,
@@ -40,7 +46,7 @@ absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::Pipeline> pipeline,
                           data::Pipeline::Create(format, o));
   return std::unique_ptr<WorkerBatches>(
-      new WorkerBatches(job, std::move(pipeline), format->example_floats()));
+      new WorkerBatches(job, std::move(pipeline), format->example_floats(), format->example_ids()));
 }
 
 std::string WorkerBatches::Summary() const {
@@ -54,6 +60,7 @@ absl::Status WorkerBatches::Gather(int64_t step, int64_t steps_per_epoch) {
   if (pipeline_ != nullptr) {
     PSFLOW_ASSIGN_OR_RETURN(const data::Batch* b, pipeline_->Get(epoch, position));
     images_ = b->images.data();
+    ids_ = example_ids_ > 0 ? b->ids.data() : nullptr;
     labels_ = b->labels.data();
     return absl::OkStatus();
   }
@@ -62,7 +69,7 @@ absl::Status WorkerBatches::Gather(int64_t step, int64_t steps_per_epoch) {
     epoch_ = epoch;
   }
   return data::GatherBatch(*data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
-                           own_images_.data(), own_labels_.data());
+                           own_images_.data(), own_ids_.data(), own_labels_.data());
 }
 
 }  // namespace psflow::worker

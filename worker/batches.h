@@ -39,6 +39,10 @@ class WorkerBatches {
   // Gathers the batch of `step` (of `steps_per_epoch` in an epoch).
   absl::Status Gather(int64_t step, int64_t steps_per_epoch);
   const float* images() const { return images_; }
+  // The batch's categorical ids, example_ids() per example (data/reader.h);
+  // null when the data has none.
+  const uint64_t* ids() const { return ids_; }
+  int64_t example_ids() const { return example_ids_; }
   const int32_t* labels() const { return labels_; }
   int64_t size() const { return batch_; }
   int64_t example_floats() const { return example_floats_; }
@@ -48,14 +52,16 @@ class WorkerBatches {
 
  private:
   WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
-                int64_t example_floats);
+                int64_t example_floats, int64_t example_ids);
 
   const data::Dataset* const data_ = nullptr;
   const int64_t batch_;
   const int64_t example_floats_;
+  const int64_t example_ids_;
   // Data held whole.
   std::unique_ptr<data::ShardSampler> sampler_;
   std::vector<float> own_images_;
+  std::vector<uint64_t> own_ids_;
   std::vector<int32_t> own_labels_;
   std::vector<int64_t> order_;
   int64_t epoch_ = -1;
@@ -63,6 +69,7 @@ class WorkerBatches {
   std::unique_ptr<data::Pipeline> pipeline_;
   // The latest batch.
   const float* images_ = nullptr;
+  const uint64_t* ids_ = nullptr;
   const int32_t* labels_ = nullptr;
 };
 

@@ -10,8 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "data/csv/csv.h"
 #include "data/image/image.h"
 #include "data/image/transforms.h"
+#include "data/pipeline.h"
 #include "data/tfrecord/example.h"
 #include "data/tfrecord/record_file.h"
 #include "gmock/gmock.h"
@@ -113,7 +115,7 @@ TEST_F(FormatsTest, AugmentationIsAFunctionOfTheSeed) {
   auto decode = [&](uint64_t seed, bool train) {
     std::vector<float> x(3 * 16 * 16);
     int32_t label = -1;
-    EXPECT_TRUE((*format)->decoder().Decode(r, seed, train, x.data(), &label).ok());
+    EXPECT_TRUE((*format)->decoder().Decode(r, seed, train, x.data(), nullptr, &label).ok());
     EXPECT_EQ(label, 1);
     return x;
   };
@@ -170,6 +172,56 @@ TEST_F(FormatsTest, CsvColumnsMustMakeTheModelsInput) {
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->images, (std::vector<float>{0.5f, 0.25f, 1, 1, 2, 3}));
   EXPECT_EQ(d->labels, (std::vector<int32_t>{1, 0}));
+  EXPECT_TRUE((*format)->id_features().empty());
+  EXPECT_EQ(d->example_ids, 0);
+}
+
+TEST_F(FormatsTest, CsvCategoricalColumnsBecomeTheExamplesIds) {
+  // Columns out of order, an empty categorical field, a hex id.
+  std::ofstream(dir_ + "/train.csv") << "city,label,price,shop,n\n"
+                                        "paris,1,2.5,ff,3\n"
+                                        ",0,1,1a,4\n";
+  DataConfig c = DefaultDataConfig();
+  c.set_format("csv");
+  c.set_csv_columns("label:label,city:categorical,shop:hex,*:numeric");
+  c.set_data_dir(dir_);
+  ASSERT_TRUE(ResolveDataFiles({}, &c).ok());
+  auto format = OpenDataFormat(c, {1, 1, 2, 2}, Split::kTrain);
+  ASSERT_TRUE(format.ok()) << format.status();
+  ASSERT_EQ((*format)->id_features().size(), 2u);
+  EXPECT_EQ((*format)->id_features()[0].name, "city");
+  EXPECT_EQ((*format)->id_features()[1].name, "shop");
+  EXPECT_EQ((*format)->example_ids(), 2);
+  absl::StatusOr<Dataset> d = ReadExamples(**format, {1, 1, 2, 2}, -1, 1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->example_ids, 2);
+  EXPECT_EQ(d->ids, (std::vector<uint64_t>{HashId("paris"), 0xff, kMissingId, 0x1a}));
+  EXPECT_EQ(d->images, (std::vector<float>{2.5f, 3, 1, 4}));
+  // The pipeline hands the same ids out with their batch.
+  PipelineOptions o;
+  o.batch = 2;
+  o.train = false;
+  auto pipeline = Pipeline::Create(format->get(), o);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  auto batch = (*pipeline)->Get(0, 0);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  EXPECT_EQ((*batch)->ids, d->ids);
+  EXPECT_EQ((*batch)->labels, (std::vector<int32_t>{1, 0}));
+}
+
+TEST_F(FormatsTest, CsvFilesWithOtherColumnsThanTheFirstAreRefusedByRecord) {
+  std::ofstream(dir_ + "/a.csv") << "label,x,c\n1,2,u\n";
+  std::ofstream(dir_ + "/b.csv") << "label,x\n0,5\n";
+  DataConfig c = DefaultDataConfig();
+  c.set_format("csv");
+  c.set_csv_columns("label:label,x:numeric,*:categorical");
+  ASSERT_TRUE(ResolveDataFiles({dir_ + "/a.csv," + dir_ + "/b.csv", ""}, &c).ok());
+  auto format = OpenDataFormat(c, {1, 1, 1, 2}, Split::kTrain);
+  ASSERT_TRUE(format.ok()) << format.status();
+  absl::StatusOr<Dataset> d = ReadExamples(**format, {1, 1, 1, 2}, -1, 1);
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(std::string(d.status().message()),
+              HasSubstr("b.csv, record 0: the record has other columns than the first file"));
 }
 
 TEST_F(FormatsTest, ResolutionRecognizesEachFormatAndCountsItsRecords) {

@@ -340,7 +340,7 @@ TEST(GatherBatchTest, CopiesExamplesInOrder) {
   const std::vector<int64_t> indices = {2, 0, 2};
   std::vector<float> images(6, -1.0f);
   std::vector<int32_t> labels(3, -1);
-  ASSERT_TRUE(GatherBatch(ds, indices, images.data(), labels.data()).ok());
+  ASSERT_TRUE(GatherBatch(ds, indices, images.data(), nullptr, labels.data()).ok());
   EXPECT_THAT(images, ElementsAre(2.0f, 2.1f, 0.0f, 0.1f, 2.0f, 2.1f));
   EXPECT_THAT(labels, ElementsAre(9, 7, 9));
 }
@@ -350,13 +350,30 @@ TEST(GatherBatchTest, OutOfRangeIsAnError) {
   std::vector<float> images(4, -1.0f);
   std::vector<int32_t> labels(2, -1);
   const std::vector<int64_t> too_big = {0, 3};
-  ExpectInvalid(GatherBatch(ds, too_big, images.data(), labels.data()),
+  ExpectInvalid(GatherBatch(ds, too_big, images.data(), nullptr, labels.data()),
                 "index 3 at position 1 is out of range [0, 3)");
   // Nothing was written.
   EXPECT_THAT(labels, ElementsAre(-1, -1));
   const std::vector<int64_t> negative = {-1};
-  ExpectInvalid(GatherBatch(ds, negative, images.data(), labels.data()), "index -1");
-  EXPECT_TRUE(GatherBatch(ds, {}, nullptr, nullptr).ok());
+  ExpectInvalid(GatherBatch(ds, negative, images.data(), nullptr, labels.data()), "index -1");
+  EXPECT_TRUE(GatherBatch(ds, {}, nullptr, nullptr, nullptr).ok());
+}
+
+TEST(GatherBatchTest, CopiesIdsWithTheirExamples) {
+  Dataset ds = TinyDataset();
+  ds.example_ids = 2;
+  ds.ids = {10, 11, 20, 21, 30, 31};
+  const std::vector<int64_t> indices = {2, 0};
+  std::vector<float> images(4);
+  std::vector<uint64_t> ids(4);
+  std::vector<int32_t> labels(2);
+  ASSERT_TRUE(GatherBatch(ds, indices, images.data(), ids.data(), labels.data()).ok());
+  EXPECT_THAT(ids, ElementsAre(30, 31, 10, 11));
+  ExpectInvalid(GatherBatch(ds, indices, images.data(), nullptr, labels.data()),
+                "null output buffer");
+  ds.ids.pop_back();
+  ExpectInvalid(GatherBatch(ds, indices, images.data(), ids.data(), labels.data()),
+                "smaller than its count says");
 }
 
 }  // namespace

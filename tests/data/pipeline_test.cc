@@ -72,7 +72,7 @@ class FakeFormat : public DataFormat {
 
   class FakeDecoder : public Decoder {
    public:
-    absl::Status Decode(const Record& r, uint64_t, bool, float* input,
+    absl::Status Decode(const Record& r, uint64_t, bool, float* input, uint64_t*,
                         int32_t* label) const override {
       if (r.bytes == "bad") return absl::InvalidArgumentError("not a number");
       const size_t colon = r.bytes.find(':');

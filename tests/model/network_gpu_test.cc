@@ -433,7 +433,7 @@ TEST_F(NetworkGpuTest, CnnLearnsFashionMnistWithLocalSgd) {
   for (int step = 0; step < kSteps; ++step) {
     ASSERT_TRUE(data::GatherBatch(
                     *train, absl::MakeConstSpan(order).subspan(int64_t{step} * kBatch, kBatch),
-                    images.data(), labels.data())
+                    images.data(), nullptr, labels.data())
                     .ok());
     // Queue the step and wait for it, as a benchmark loop would.
     ASSERT_TRUE(gpu->SetInputs(images.data(), labels.data(), kBatch).ok());
