@@ -170,6 +170,59 @@ class GlobalAvgPool {
   virtual absl::Status Backward(const float* dy, float* dx) = 0;
 };
 
+// The most operands a Concat or Interaction op takes (a GPU passes their
+// pointers to its kernels by value).
+inline constexpr int kMaxJoinOperands = 64;
+
+// Per-example vectors joined end to end: operand i gives widths[i] floats
+// per example.
+struct ConcatShape {
+  int batch = 0;
+  std::vector<int64_t> widths;
+  int64_t out_width() const {
+    int64_t w = 0;
+    for (int64_t x : widths) w += x;
+    return w;
+  }
+};
+
+class Concat {
+ public:
+  virtual ~Concat() = default;
+  // y[n] = xs[0][n] | xs[1][n] | ...: xs[i] is [N, widths[i]], y is
+  // [N, out_width()].
+  virtual absl::Status Forward(absl::Span<const float* const> xs, float* y) = 0;
+  // Operand i's part of dy, written to dxs[i] or, where add[i] is not 0,
+  // added to it; a null dxs[i] is not wanted. No two dxs[i] may be equal.
+  virtual absl::Status Backward(const float* dy, absl::Span<float* const> dxs,
+                                absl::Span<const uint8_t> add) = 0;
+};
+
+// DLRM's dot interaction of `features` vectors of `dim` floats per example:
+// y[n] = x0[n] followed by dot(x_i[n], x_j[n]) for each pair i > j (i >= j
+// with `self`) in the order (1,0), (2,0), (2,1), (3,0), ... (with `self`:
+// (0,0), (1,0), (1,1), (2,0), ...).
+struct InteractionShape {
+  int batch = 0, features = 0, dim = 0;
+  bool self = false;
+  int64_t pairs() const {
+    const int64_t f = features;
+    return self ? f * (f + 1) / 2 : f * (f - 1) / 2;
+  }
+  int64_t out_width() const { return dim + pairs(); }
+};
+
+class Interaction {
+ public:
+  virtual ~Interaction() = default;
+  // xs: `features` operands of [N, dim]; y: [N, out_width()].
+  virtual absl::Status Forward(absl::Span<const float* const> xs, float* y) = 0;
+  // The gradient of each operand, written to dxs[i] or added to it where
+  // add[i] is not 0 (null: not wanted), from the forward inputs and dy.
+  virtual absl::Status Backward(absl::Span<const float* const> xs, const float* dy,
+                                absl::Span<float* const> dxs, absl::Span<const uint8_t> add) = 0;
+};
+
 // Softmax over `classes` logits per example followed by cross-entropy against
 // integer labels, averaged over the batch.
 class SoftmaxCrossEntropy {
@@ -400,6 +453,9 @@ class Backend {
       const BatchNormShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
       const GlobalAvgPoolShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
+      const InteractionShape& shape) = 0;
 };
 
 // Creates the backend for a device name: "cpu" (oneDNN), or "cuda:N" (cuDNN

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace psflow::kernels {
@@ -73,6 +74,42 @@ absl::StatusOr<std::string> CheckShape(const GlobalAvgPoolShape& s) {
   return Checked(
       absl::StrFormat("GlobalAvgPool(N=%d C=%d H=%d W=%d)", s.batch, s.channels, s.height, s.width),
       bad ? "all dimensions must be positive" : nullptr);
+}
+
+absl::StatusOr<std::string> CheckShape(const ConcatShape& s) {
+  const int n = static_cast<int>(s.widths.size());
+  bool bad_width = false;
+  for (int64_t w : s.widths) bad_width |= w <= 0;
+  return Checked(absl::StrFormat("Concat(N=%d operands=%d width=%d)", s.batch, n, s.out_width()),
+                 s.batch <= 0 || bad_width       ? "the batch and every width must be positive"
+                 : n < 1 || n > kMaxJoinOperands ? "needs 1 to 64 operands"
+                                                 : nullptr);
+}
+
+absl::StatusOr<std::string> CheckShape(const InteractionShape& s) {
+  const int least = s.self ? 1 : 2;
+  return Checked(absl::StrFormat("Interaction(N=%d features=%d dim=%d%s)", s.batch, s.features,
+                                 s.dim, s.self ? " self" : ""),
+                 s.batch <= 0 || s.dim <= 0 ? "the batch and dim must be positive"
+                 : s.features < least || s.features > kMaxJoinOperands
+                     ? "needs 2 to 64 features (1 with self)"
+                     : nullptr);
+}
+
+absl::Status CheckJoinArgs(absl::string_view what, absl::Span<const float* const> xs,
+                           absl::Span<float* const> dxs, absl::Span<const uint8_t> add, size_t n) {
+  if (xs.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: %d inputs given for %d operands", what, xs.size(), n));
+  }
+  for (const float* x : xs) {
+    if (x == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": a null input"));
+  }
+  if (dxs.size() != n || add.size() != n) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %d gradients and %d flags given for %d operands", what, dxs.size(), add.size(), n));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> CheckRelu(int64_t size) {

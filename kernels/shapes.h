@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/kernels.h"
 
@@ -25,6 +26,14 @@ absl::StatusOr<std::string> CheckShape(const Pool2DShape& s);
 absl::StatusOr<std::string> CheckShape(const BatchNormShape& s);
 absl::StatusOr<std::string> CheckShape(const DenseShape& s);
 absl::StatusOr<std::string> CheckShape(const GlobalAvgPoolShape& s);
+// Concat and Interaction also need 1 to kMaxJoinOperands operands (2 or more
+// for Interaction without self).
+absl::StatusOr<std::string> CheckShape(const ConcatShape& s);
+absl::StatusOr<std::string> CheckShape(const InteractionShape& s);
+// The arguments of their calls: `n` operands (as created), no null input,
+// and `add` one flag per operand.
+absl::Status CheckJoinArgs(absl::string_view what, absl::Span<const float* const> xs,
+                           absl::Span<float* const> dxs, absl::Span<const uint8_t> add, size_t n);
 absl::StatusOr<std::string> CheckRelu(int64_t size);
 absl::StatusOr<std::string> CheckSoftmaxCrossEntropy(int batch, int classes);
 

@@ -1,16 +1,31 @@
 #include "model/graph.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "common/tensor_view.h"
 
 namespace psflow::model {
 namespace {
 
 constexpr int64_t kMaxParameters = int64_t{1} << 30;
+
+// A layer whose Backward writes each operand's gradient reads each output
+// at most once.
+absl::Status CheckDistinct(const ModelSpec& spec, const LayerSpec& layer, const LayerWiring& w) {
+  std::vector<int> all{w.input};
+  all.insert(all.end(), w.others.begin(), w.others.end());
+  std::sort(all.begin(), all.end());
+  const auto twice = std::adjacent_find(all.begin(), all.end());
+  if (twice == all.end()) return absl::OkStatus();
+  const std::string what =
+      *twice < 0 ? "the model input" : absl::StrCat("'", spec.layer(*twice).name(), "'");
+  return LayerError(layer, absl::StrCat("reads ", what, " twice"));
+}
 
 }  // namespace
 
@@ -35,14 +50,15 @@ absl::StatusOr<WiredLayers> WireLayers(const ModelSpec& spec) {
       }
       w.input = it->second;
     }
-    if (const std::string* other = (*created)->other_input(); other != nullptr) {
-      auto it = index.find(*other);
+    for (const std::string& other : (*created)->other_inputs()) {
+      auto it = index.find(other);
       if (it == index.end()) {
-        return LayerError(layer, absl::StrCat((*created)->other_field(), " '", *other,
+        return LayerError(layer, absl::StrCat((*created)->other_field(), " '", other,
                                               "' is not an earlier layer"));
       }
-      w.other = it->second;
+      w.others.push_back(it->second);
     }
+    if ((*created)->adds_to_gradients()) PSFLOW_RETURN_IF_ERROR(CheckDistinct(spec, layer, w));
     index[layer.name()] = i;
     out.layers.push_back(*std::move(created));
     out.wiring.push_back(w);
@@ -51,7 +67,7 @@ absl::StatusOr<WiredLayers> WireLayers(const ModelSpec& spec) {
   std::vector<bool> read(out.wiring.size(), false);
   for (const LayerWiring& w : out.wiring) {
     if (w.input >= 0) read[w.input] = true;
-    if (w.other >= 0) read[w.other] = true;
+    for (int o : w.others) read[o] = true;
   }
   for (size_t i = 0; i + 1 < read.size(); ++i) {
     if (!read[i]) return LayerError(spec.layer(static_cast<int>(i)), "its output is never read");
@@ -104,9 +120,9 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
     if (cur.size() > kMaxParameters) {
       return LayerError(layer, absl::StrCat("its input has more than ", kMaxParameters, " values"));
     }
-    const int other = g.wiring[i].other;
-    absl::StatusOr<ActivationShape> out =
-        kind.OutputShape(cur, other >= 0 ? &g.shapes[other] : nullptr);
+    std::vector<ActivationShape> others;
+    for (int o : g.wiring[i].others) others.push_back(g.shapes[o]);
+    absl::StatusOr<ActivationShape> out = kind.OutputShape(cur, others);
     if (!out.ok()) return LayerError(layer, out.status().message());
     for (LayerVariable& v : kind.Variables(cur)) {
       LayerVariables& owned = g.layer_vars[i];

@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/kernels.h"
 #include "model/spec.h"
 #include "proto/model.pb.h"
@@ -49,9 +51,10 @@ struct LayerVariable {
 // layer's first and second variables (weights and bias, gamma and beta) are
 // w and b; null where the layer has none.
 struct ForwardArgs {
-  const float* x = nullptr;      // the input activation
-  const float* other = nullptr;  // the second operand (layers with other_input())
-  float* y = nullptr;            // the output activation
+  const float* x = nullptr;  // the input activation
+  // The further operands (layers with other_inputs()), in their order.
+  absl::InlinedVector<const float*, 4> others;
+  float* y = nullptr;  // the output activation
   const float* w = nullptr;
   const float* b = nullptr;
   // Layers with running statistics (batch norm). Training normalizes with
@@ -76,6 +79,13 @@ struct BackwardArgs {
   float* db = nullptr;
   // At least as large as the layer's input, free for the layer's use.
   float* scratch = nullptr;
+  // Layers that adds_to_gradients(): the further operands' forward inputs
+  // and gradients (null: not needed), and for each operand, the input
+  // first, whether its gradient is to be added to what is there (another
+  // reader of the same output wrote it) instead of written.
+  absl::InlinedVector<const float*, 4> others;
+  absl::InlinedVector<float*, 4> dothers;
+  absl::InlinedVector<uint8_t, 4> add;
 };
 
 // A layer's kernels for one batch size, created once and run many times.
@@ -94,17 +104,18 @@ class Layer {
 
   const std::string& name() const { return name_; }
 
-  // The earlier layer whose output is the second operand (add.other), or
-  // null; `other_field` names the spec field that says so, for messages.
-  virtual const std::string* other_input() const { return nullptr; }
+  // The earlier layers whose outputs are further operands (add.other,
+  // concat.others, ...), in order; `other_field` names the spec field that
+  // says so, for messages.
+  virtual std::vector<std::string> other_inputs() const { return {}; }
   virtual const char* other_field() const { return ""; }
 
-  // Checks the parameters against the input shape (and the second operand's
-  // where other_input() is set; `other` is null otherwise) and returns the
-  // output shape. Errors are INVALID_ARGUMENT without the layer's name (the
-  // caller adds it).
-  virtual absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                                      const ActivationShape* other) const = 0;
+  // Checks the parameters against the input shape (and the further
+  // operands' shapes, one per other_inputs()) and returns the output shape.
+  // Errors are INVALID_ARGUMENT without the layer's name (the caller adds
+  // it).
+  virtual absl::StatusOr<ActivationShape> OutputShape(
+      const ActivationShape& in, absl::Span<const ActivationShape> others) const = 0;
 
   // The layer's variables for an input shape OutputShape accepted: none, or
   // two trainable ones (weights and bias, gamma and beta) of which the
@@ -117,13 +128,18 @@ class Layer {
   // (add): the network routes it to the inputs itself and never calls
   // Backward with a dx.
   virtual bool passes_gradient() const { return false; }
+  // True for layers of several operands whose Backward computes every
+  // operand's gradient (BackwardArgs: dx and dothers, with the add flags)
+  // instead of writing dx alone; their operands must be distinct layers.
+  virtual bool adds_to_gradients() const { return false; }
 
-  // The kernels for batches of `batch` examples of input shape `in`;
+  // The kernels for batches of `batch` examples of input shape `in` (and
+  // further operands of shapes `others`);
   // `forward_only`: kernels that only run Forward in inference mode
   // (kernels.h's forward-only ops), whose Backward fails.
-  virtual absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
-                                                              const ActivationShape& in,
-                                                              bool forward_only) const = 0;
+  virtual absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(
+      kernels::Backend* backend, int batch, const ActivationShape& in,
+      absl::Span<const ActivationShape> others, bool forward_only) const = 0;
 
  protected:
   explicit Layer(std::string name) : name_(std::move(name)) {}

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "model/layer.h"
 
 namespace psflow::model {
@@ -62,7 +63,7 @@ class Conv2DKind final : public Layer {
   }
 
   absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                              const ActivationShape*) const override {
+                                              absl::Span<const ActivationShape>) const override {
     if (in.height + 2 * padding_ < kernel_ || in.width + 2 * padding_ < kernel_) {
       return absl::InvalidArgumentError(absl::StrCat("kernel ", kernel_, " larger than its ",
                                                      in.height, "x", in.width, " input"));
@@ -81,6 +82,7 @@ class Conv2DKind final : public Layer {
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind(
         backend->CreateConv2D(Shape(batch, in, forward_only)),
@@ -121,7 +123,7 @@ class MaxPoolKind final : public Layer {
   }
 
   absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                              const ActivationShape*) const override {
+                                              absl::Span<const ActivationShape>) const override {
     if (in.height < size_ || in.width < size_) {
       return absl::InvalidArgumentError("pool window larger than its input");
     }
@@ -131,6 +133,7 @@ class MaxPoolKind final : public Layer {
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind(
         backend->CreateMaxPool2D(Shape(batch, in, forward_only)),
@@ -159,12 +162,13 @@ class ReluKind final : public Layer {
   }
 
   absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                              const ActivationShape*) const override {
+                                              absl::Span<const ActivationShape>) const override {
     return in;
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind(
         backend->CreateRelu(batch * in.size()),
@@ -187,7 +191,7 @@ class DenseKind final : public Layer {
   }
 
   absl::StatusOr<ActivationShape> OutputShape(const ActivationShape&,
-                                              const ActivationShape*) const override {
+                                              absl::Span<const ActivationShape>) const override {
     return ActivationShape{units_, 1, 1};
   }
 
@@ -198,6 +202,7 @@ class DenseKind final : public Layer {
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind(
         backend->CreateDense({batch, static_cast<int>(in.size()), units_, forward_only}),
@@ -226,7 +231,7 @@ class BatchNormKind final : public Layer {
   }
 
   absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                              const ActivationShape*) const override {
+                                              absl::Span<const ActivationShape>) const override {
     return in;
   }
 
@@ -240,6 +245,7 @@ class BatchNormKind final : public Layer {
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind(
         backend->CreateBatchNorm({batch, in.channels, in.height, in.width, epsilon_, forward_only}),
@@ -265,12 +271,13 @@ class AddKind final : public Layer {
     return std::unique_ptr<const Layer>(new AddKind(spec.name(), spec.add().other()));
   }
 
-  const std::string* other_input() const override { return &other_; }
+  std::vector<std::string> other_inputs() const override { return {other_}; }
   const char* other_field() const override { return "add.other"; }
   bool passes_gradient() const override { return true; }
 
-  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                              const ActivationShape* other) const override {
+  absl::StatusOr<ActivationShape> OutputShape(
+      const ActivationShape& in, absl::Span<const ActivationShape> others) const override {
+    const ActivationShape* other = &others[0];
     if (other->channels != in.channels || other->height != in.height || other->width != in.width) {
       return absl::InvalidArgumentError(
           absl::StrCat("adds ", other->channels, "x", other->height, "x", other->width, " from '",
@@ -281,11 +288,12 @@ class AddKind final : public Layer {
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind<Sum>(
         std::make_unique<Sum>(Sum{backend, batch * in.size()}),
         [](Sum& sum, const ForwardArgs& a) {
-          return sum.backend->Add(a.x, a.other, a.y, sum.floats);
+          return sum.backend->Add(a.x, a.others[0], a.y, sum.floats);
         },
         // Nothing to compute: the network routes dy to both operands.
         [](Sum&, const BackwardArgs&) { return absl::OkStatus(); });
@@ -309,12 +317,13 @@ class GlobalAvgPoolKind final : public Layer {
   }
 
   absl::StatusOr<ActivationShape> OutputShape(const ActivationShape& in,
-                                              const ActivationShape*) const override {
+                                              absl::Span<const ActivationShape>) const override {
     return ActivationShape{in.channels, 1, 1};
   }
 
   absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
                                                       const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
                                                       bool forward_only) const override {
     return Bind(
         backend->CreateGlobalAvgPool({batch, in.channels, in.height, in.width}),
@@ -326,6 +335,130 @@ class GlobalAvgPoolKind final : public Layer {
 
  private:
   using Layer::Layer;
+};
+
+// Layers that join the outputs of several layers: their operand list and
+// its check.
+absl::Status CheckOthers(const google::protobuf::RepeatedPtrField<std::string>& others,
+                         const char* kind) {
+  if (others.empty()) return absl::InvalidArgumentError(absl::StrCat(kind, " needs others"));
+  if (others.size() + 1 > kernels::kMaxJoinOperands) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kind, " joins at most ", kernels::kMaxJoinOperands, " operands"));
+  }
+  return absl::OkStatus();
+}
+
+// Runs a join op's forward and backward calls with the layer's operands:
+// the input first, then the others.
+absl::InlinedVector<const float*, 4> Inputs(const float* x,
+                                            const absl::InlinedVector<const float*, 4>& others) {
+  absl::InlinedVector<const float*, 4> xs{x};
+  xs.insert(xs.end(), others.begin(), others.end());
+  return xs;
+}
+
+absl::InlinedVector<float*, 4> Gradients(const BackwardArgs& a) {
+  absl::InlinedVector<float*, 4> dxs{a.dx};
+  dxs.insert(dxs.end(), a.dothers.begin(), a.dothers.end());
+  return dxs;
+}
+
+class ConcatKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    PSFLOW_RETURN_IF_ERROR(CheckOthers(spec.concat().others(), "concat"));
+    return std::unique_ptr<const Layer>(new ConcatKind(
+        spec.name(), {spec.concat().others().begin(), spec.concat().others().end()}));
+  }
+
+  std::vector<std::string> other_inputs() const override { return others_; }
+  const char* other_field() const override { return "concat.others"; }
+  bool adds_to_gradients() const override { return true; }
+
+  absl::StatusOr<ActivationShape> OutputShape(
+      const ActivationShape& in, absl::Span<const ActivationShape> others) const override {
+    int64_t size = in.size();
+    for (const ActivationShape& o : others) size += o.size();
+    if (size > (int64_t{1} << 30)) {
+      return absl::InvalidArgumentError(absl::StrCat("joins ", size, " values per example"));
+    }
+    return ActivationShape{static_cast<int>(size), 1, 1};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in,
+                                                      absl::Span<const ActivationShape> others,
+                                                      bool forward_only) const override {
+    kernels::ConcatShape shape{batch, {in.size()}};
+    for (const ActivationShape& o : others) shape.widths.push_back(o.size());
+    return Bind(
+        backend->CreateConcat(shape),
+        [](kernels::Concat& op, const ForwardArgs& a) {
+          return op.Forward(Inputs(a.x, a.others), a.y);
+        },
+        [](kernels::Concat& op, const BackwardArgs& a) {
+          return op.Backward(a.dy, Gradients(a), a.add);
+        });
+  }
+
+ private:
+  ConcatKind(const std::string& name, std::vector<std::string> others)
+      : Layer(name), others_(std::move(others)) {}
+
+  std::vector<std::string> others_;
+};
+
+class InteractionKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    const InteractionLayer& l = spec.interaction();
+    PSFLOW_RETURN_IF_ERROR(CheckOthers(l.others(), "interaction"));
+    return std::unique_ptr<const Layer>(new InteractionKind(
+        spec.name(), {l.others().begin(), l.others().end()}, l.self_interaction()));
+  }
+
+  std::vector<std::string> other_inputs() const override { return others_; }
+  const char* other_field() const override { return "interaction.others"; }
+  bool adds_to_gradients() const override { return true; }
+
+  absl::StatusOr<ActivationShape> OutputShape(
+      const ActivationShape& in, absl::Span<const ActivationShape> others) const override {
+    for (size_t i = 0; i < others.size(); ++i) {
+      if (others[i].size() != in.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("'", others_[i], "' gives ", others[i].size(),
+                         " values per example, its input ", in.size(), ": all must be equal"));
+      }
+    }
+    const kernels::InteractionShape shape = Shape(1, in);
+    return ActivationShape{static_cast<int>(shape.out_width()), 1, 1};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape& in,
+                                                      absl::Span<const ActivationShape>,
+                                                      bool forward_only) const override {
+    return Bind(
+        backend->CreateInteraction(Shape(batch, in)),
+        [](kernels::Interaction& op, const ForwardArgs& a) {
+          return op.Forward(Inputs(a.x, a.others), a.y);
+        },
+        [](kernels::Interaction& op, const BackwardArgs& a) {
+          return op.Backward(Inputs(a.x, a.others), a.dy, Gradients(a), a.add);
+        });
+  }
+
+ private:
+  InteractionKind(const std::string& name, std::vector<std::string> others, bool self)
+      : Layer(name), others_(std::move(others)), self_(self) {}
+
+  kernels::InteractionShape Shape(int batch, const ActivationShape& in) const {
+    return {batch, static_cast<int>(others_.size()) + 1, static_cast<int>(in.size()), self_};
+  }
+
+  std::vector<std::string> others_;
+  bool self_;
 };
 
 // The registry: every layer kind, in the order messages list them.
@@ -342,6 +475,8 @@ constexpr KindEntry kKinds[] = {
     {LayerSpec::kBatchNorm, "batch_norm", &BatchNormKind::Create},
     {LayerSpec::kAdd, "add", &AddKind::Create},
     {LayerSpec::kGlobalAvgPool, "global_avg_pool", &GlobalAvgPoolKind::Create},
+    {LayerSpec::kConcat, "concat", &ConcatKind::Create},
+    {LayerSpec::kInteraction, "interaction", &InteractionKind::Create},
 };
 
 // "conv2d, max_pool, ... or global_avg_pool".

@@ -23,11 +23,19 @@ absl::Status ForwardOnly(absl::string_view call) {
 // Activation 0 is the (standardized) model input; activation i + 1 is the
 // output of layer i.
 struct Network::Node {
-  const Layer* layer = nullptr;    // owned by graph_
-  int in_act = 0, other_act = -1;  // activations read (other_act: second operand)
+  const Layer* layer = nullptr;  // owned by graph_
+  int in_act = 0;                // the activation read
+  std::vector<int> other_acts;   // those of the further operands
   ActivationShape in, out;
-  int first = -1, second = -1;  // variables: weights/bias or gamma/beta
+  std::vector<ActivationShape> others;  // the further operands' shapes
+  int first = -1, second = -1;          // variables: weights/bias or gamma/beta
   int running_mean = -1, running_var = -1;
+  // The activations it reads: in_act, then other_acts.
+  absl::InlinedVector<int, 4> operands() const {
+    absl::InlinedVector<int, 4> a{in_act};
+    a.insert(a.end(), other_acts.begin(), other_acts.end());
+    return a;
+  }
   // The variables above that the layer has, in that order: what its
   // backward pass completes.
   absl::InlinedVector<int, 4> variables() const {
@@ -77,7 +85,10 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
     Node node;
     node.layer = g.layers[i].get();
     node.in_act = g.wiring[i].input + 1;
-    if (g.wiring[i].other >= 0) node.other_act = g.wiring[i].other + 1;
+    for (int o : g.wiring[i].others) {
+      node.other_acts.push_back(o + 1);
+      node.others.push_back(g.shapes[o]);
+    }
     node.in = g.input_of(i);
     node.out = g.shapes[i];
     node.first = g.layer_vars[i].first;
@@ -116,8 +127,8 @@ void Network::PlanForwardBuffers() {
   last_read[n] = n;                                                // the loss reads the logits
   for (int i = 0; i < n; ++i) {
     floats[i + 1] = nodes_[i].out.size();
-    for (int a : {nodes_[i].in_act, nodes_[i].other_act}) {
-      if (a >= 0) last_read[a] = std::max(last_read[a], i);
+    for (int a : nodes_[i].operands()) {
+      last_read[a] = std::max(last_read[a], i);
     }
   }
   std::vector<std::vector<int>> released_after(n + 1);  // by layer: activations it read last
@@ -325,7 +336,8 @@ absl::Status Network::CreateOps(BatchState* st) {
   PSFLOW_RETURN_IF_ERROR(alloc(2, &st->stats));
   for (size_t i = 0; i < n; ++i) {
     PSFLOW_ASSIGN_OR_RETURN(
-        st->ops[i], nodes_[i].layer->CreateOps(backend_, batch, nodes_[i].in, st->forward_only));
+        st->ops[i], nodes_[i].layer->CreateOps(backend_, batch, nodes_[i].in, nodes_[i].others,
+                                               st->forward_only));
   }
   PSFLOW_ASSIGN_OR_RETURN(st->loss,
                           backend_->CreateSoftmaxCrossEntropy(batch, spec_.num_classes()));
@@ -386,7 +398,7 @@ absl::Status Network::QueueForward(BatchState* st, bool training) {
     const Node& l = nodes_[i];
     ForwardArgs args;
     args.x = st->acts[l.in_act];
-    if (l.other_act >= 0) args.other = st->acts[l.other_act];
+    for (int a : l.other_acts) args.others.push_back(st->acts[a]);
     args.y = st->acts[i + 1];
     if (l.first >= 0) args.w = weights_[l.first]->data();
     if (l.second >= 0) args.b = weights_[l.second]->data();
@@ -426,7 +438,7 @@ absl::Status Network::QueueBackward(BatchState* st) {
       // added to a later one.
       PSFLOW_RETURN_IF_ERROR(Timed(static_cast<int>(i), "backward", [&]() -> absl::Status {
         const int64_t size = static_cast<int64_t>(st->dacts[i + 1]->size());
-        for (int act : {l.in_act, l.other_act}) {
+        for (int act : l.operands()) {
           if (act <= 0) continue;
           float* d = st->dacts[act]->data();
           if (!st->grad_written[act]) {
@@ -438,6 +450,10 @@ absl::Status Network::QueueBackward(BatchState* st) {
         }
         return absl::OkStatus();
       }));
+      continue;
+    }
+    if (l.layer->adds_to_gradients()) {
+      PSFLOW_RETURN_IF_ERROR(QueueJoinBackward(st, static_cast<int>(i), dy));
       continue;
     }
     // The gradient of the layer's input (the model input's is never needed).
@@ -482,6 +498,31 @@ absl::Status Network::QueueBackward(BatchState* st) {
         PSFLOW_RETURN_IF_ERROR(backend_->RecordEvent(gradient_events_[v]));
       }
     }
+  }
+  return absl::OkStatus();
+}
+
+// A layer of several operands computes each operand's gradient itself:
+// written where it is the first contribution, added to the others (its
+// operands are distinct, so no two of them share a gradient buffer).
+absl::Status Network::QueueJoinBackward(BatchState* st, int i, const float* dy) {
+  const Node& l = nodes_[i];
+  BackwardArgs args;
+  args.x = st->acts[l.in_act];
+  args.dy = dy;
+  args.scratch = st->scratch->data();
+  auto gradient = [&](int act) -> float* {
+    args.add.push_back(act > 0 && st->grad_written[act] ? 1 : 0);
+    return act > 0 ? st->dacts[act]->data() : nullptr;
+  };
+  args.dx = gradient(l.in_act);
+  for (int act : l.other_acts) {
+    args.others.push_back(st->acts[act]);
+    args.dothers.push_back(gradient(act));
+  }
+  PSFLOW_RETURN_IF_ERROR(Timed(i, "backward", [&] { return st->ops[i]->Backward(args); }));
+  for (int act : l.operands()) {
+    if (act > 0) st->grad_written[act] = true;
   }
   return absl::OkStatus();
 }

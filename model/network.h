@@ -230,6 +230,7 @@ class Network {
   absl::StatusOr<Result> ReadResult(BatchState* st);
   absl::Status QueueForward(BatchState* st, bool training);
   absl::Status QueueBackward(BatchState* st);
+  absl::Status QueueJoinBackward(BatchState* st, int layer, const float* dy);
   absl::Status QueueTrain(BatchState* st);
   absl::Status Run(BatchState* st, bool train);
   // Makes the work queued from now on wait for the copies of SetWeightAfter

@@ -36,10 +36,11 @@ struct ActivationShape {
 absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& spec);
 
 // Which layer outputs a layer reads: the index of an earlier layer, or -1 for
-// the model input. `other` is the second operand of an add layer.
+// the model input. `others` are the further operands (add.other,
+// concat.others, interaction.others), in order.
 struct LayerWiring {
   int input = -1;
-  int other = -1;
+  std::vector<int> others;
 };
 absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec);
 

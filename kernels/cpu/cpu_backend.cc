@@ -717,6 +717,162 @@ class LoopGlobalAvgPool final : public GlobalAvgPool {
   const int64_t planes_, plane_size_;
 };
 
+// ---------------------------------------------------------------- Concat and Interaction
+
+// Plain copies per example, OpenMP-parallel over the examples of a large
+// batch.
+class LoopConcat final : public Concat {
+ public:
+  LoopConcat(std::shared_ptr<DnnlContext> ctx, std::string what, const ConcatShape& s)
+      : ctx_(std::move(ctx)), what_(std::move(what)), shape_(s), out_(s.out_width()) {}
+
+  absl::Status Forward(absl::Span<const float* const> xs, float* y) override {
+    const size_t n = shape_.widths.size();
+    std::vector<float*> none(n, nullptr);
+    std::vector<uint8_t> flags(n, 0);
+    PSFLOW_RETURN_IF_ERROR(CheckJoinArgs(what_, xs, none, flags, n));
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Concat forward", {{"y", y}}));
+    const bool parallel = shape_.batch > 1 && shape_.batch * out_ >= kMinParallel;
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel)
+      for (int64_t e = 0; e < shape_.batch; ++e) {
+        float* out = y + e * out_;
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t w = shape_.widths[i];
+          std::memcpy(out, xs[i] + e * w, sizeof(float) * w);
+          out += w;
+        }
+      }
+    });
+  }
+
+  absl::Status Backward(const float* dy, absl::Span<float* const> dxs,
+                        absl::Span<const uint8_t> add) override {
+    const size_t n = shape_.widths.size();
+    std::vector<const float*> inputs(n, dy);
+    PSFLOW_RETURN_IF_ERROR(CheckJoinArgs(what_, inputs, dxs, add, n));
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Concat backward", {{"dy", dy}}));
+    const bool parallel = shape_.batch > 1 && shape_.batch * out_ >= kMinParallel;
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (parallel)
+      for (int64_t e = 0; e < shape_.batch; ++e) {
+        const float* in = dy + e * out_;
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t w = shape_.widths[i];
+          if (dxs[i] != nullptr) {
+            float* d = dxs[i] + e * w;
+            if (add[i] != 0) {
+#pragma omp simd
+              for (int64_t k = 0; k < w; ++k) d[k] += in[k];
+            } else {
+              std::memcpy(d, in, sizeof(float) * w);
+            }
+          }
+          in += w;
+        }
+      }
+    });
+  }
+
+ private:
+  std::shared_ptr<DnnlContext> ctx_;
+  const std::string what_;
+  const ConcatShape shape_;
+  const int64_t out_;
+};
+
+// The pairs of an interaction in output order: (i, j) for i > j (i >= j
+// with self), i ascending, then j.
+std::vector<std::pair<int, int>> InteractionPairs(const InteractionShape& s) {
+  std::vector<std::pair<int, int>> pairs;
+  for (int i = 0; i < s.features; ++i) {
+    for (int j = 0; j < (s.self ? i + 1 : i); ++j) pairs.emplace_back(i, j);
+  }
+  return pairs;
+}
+
+// Per example: a copy of x0, then one dot product per pair; backward, each
+// operand's gradient gathered in a buffer of the example's own. Parallel
+// over the examples.
+class LoopInteraction final : public Interaction {
+ public:
+  LoopInteraction(std::shared_ptr<DnnlContext> ctx, std::string what, const InteractionShape& s)
+      : ctx_(std::move(ctx)), what_(std::move(what)), shape_(s), pairs_(InteractionPairs(s)) {}
+
+  absl::Status Forward(absl::Span<const float* const> xs, float* y) override {
+    const size_t f = static_cast<size_t>(shape_.features);
+    std::vector<float*> none(f, nullptr);
+    std::vector<uint8_t> flags(f, 0);
+    PSFLOW_RETURN_IF_ERROR(CheckJoinArgs(what_, xs, none, flags, f));
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Interaction forward", {{"y", y}}));
+    const int64_t d = shape_.dim, out = shape_.out_width();
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (Parallel())
+      for (int64_t e = 0; e < shape_.batch; ++e) {
+        float* row = y + e * out;
+        std::memcpy(row, xs[0] + e * d, sizeof(float) * d);
+        for (size_t p = 0; p < pairs_.size(); ++p) {
+          const float* a = xs[pairs_[p].first] + e * d;
+          const float* b = xs[pairs_[p].second] + e * d;
+          float dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t k = 0; k < d; ++k) dot += a[k] * b[k];
+          row[d + static_cast<int64_t>(p)] = dot;
+        }
+      }
+    });
+  }
+
+  absl::Status Backward(absl::Span<const float* const> xs, const float* dy,
+                        absl::Span<float* const> dxs, absl::Span<const uint8_t> add) override {
+    PSFLOW_RETURN_IF_ERROR(
+        CheckJoinArgs(what_, xs, dxs, add, static_cast<size_t>(shape_.features)));
+    PSFLOW_RETURN_IF_ERROR(CheckNonNull("Interaction backward", {{"dy", dy}}));
+    return ctx_->RunLoops([&] {
+#pragma omp parallel for if (Parallel())
+      for (int64_t e = 0; e < shape_.batch; ++e) BackwardExample(e, xs, dy, dxs, add);
+    });
+  }
+
+ private:
+  bool Parallel() const {
+    return shape_.batch > 1 &&
+           shape_.batch * static_cast<int64_t>(pairs_.size() + 1) * shape_.dim >= kMinParallel;
+  }
+
+  void BackwardExample(int64_t e, absl::Span<const float* const> xs, const float* dy,
+                       absl::Span<float* const> dxs, absl::Span<const uint8_t> add) const {
+    const int64_t d = shape_.dim, f = shape_.features;
+    const float* g = dy + e * shape_.out_width();
+    thread_local std::vector<float> grad;
+    grad.assign(static_cast<size_t>(f * d), 0.0f);
+    std::memcpy(grad.data(), g, sizeof(float) * d);
+    for (size_t p = 0; p < pairs_.size(); ++p) {
+      const auto [i, j] = pairs_[p];
+      const float gp = g[d + static_cast<int64_t>(p)];
+      const float* a = xs[i] + e * d;
+      const float* b = xs[j] + e * d;
+      float* ga = grad.data() + i * d;
+      float* gb = grad.data() + j * d;
+      for (int64_t k = 0; k < d; ++k) {
+        ga[k] += gp * b[k];
+        gb[k] += gp * a[k];  // i == j: both terms, 2 gp x
+      }
+    }
+    for (int64_t i = 0; i < f; ++i) {
+      if (dxs[i] == nullptr) continue;
+      float* out = dxs[i] + e * d;
+      const float* src = grad.data() + i * d;
+      for (int64_t k = 0; k < d; ++k) out[k] = add[i] != 0 ? out[k] + src[k] : src[k];
+    }
+  }
+
+  std::shared_ptr<DnnlContext> ctx_;
+  const std::string what_;
+  const InteractionShape shape_;
+  const std::vector<std::pair<int, int>> pairs_;
+};
+
 // ---------------------------------------------------------------- elementwise helpers
 
 // n < 0 is INVALID_ARGUMENT; n == 0 is a no-op (null pointers allowed); else
@@ -942,6 +1098,18 @@ absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CpuBackend::CreateGlobalAvgPool(
   PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
   return Build<GlobalAvgPool>(what,
                               [&] { return std::make_unique<LoopGlobalAvgPool>(ctx_, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<Concat>> CpuBackend::CreateConcat(const ConcatShape& shape) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<Concat>(what, [&] { return std::make_unique<LoopConcat>(ctx_, what, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<Interaction>> CpuBackend::CreateInteraction(
+    const InteractionShape& shape) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  return Build<Interaction>(what,
+                            [&] { return std::make_unique<LoopInteraction>(ctx_, what, shape); });
 }
 
 }  // namespace psflow::kernels

@@ -79,6 +79,9 @@ class CpuBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const BatchNormShape& shape) override;
   absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
       const GlobalAvgPoolShape& shape) override;
+  absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) override;
+  absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
+      const InteractionShape& shape) override;
 
  private:
   CpuBackend(std::shared_ptr<cpu_internal::DnnlContext> ctx, int threads);

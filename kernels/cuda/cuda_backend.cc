@@ -781,4 +781,13 @@ absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CudaBackend::CreateGlobalAvgPool(
   return cuda_internal::CreateGlobalAvgPool(ctx_, shape);
 }
 
+absl::StatusOr<std::unique_ptr<Concat>> CudaBackend::CreateConcat(const ConcatShape& shape) {
+  return cuda_internal::CreateConcat(ctx_, shape);
+}
+
+absl::StatusOr<std::unique_ptr<Interaction>> CudaBackend::CreateInteraction(
+    const InteractionShape& shape) {
+  return cuda_internal::CreateInteraction(ctx_, shape);
+}
+
 }  // namespace psflow::kernels

@@ -170,6 +170,9 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const BatchNormShape& shape) override;
   absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
       const GlobalAvgPoolShape& shape) override;
+  absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) override;
+  absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
+      const InteractionShape& shape) override;
 
  private:
   explicit CudaBackend(std::shared_ptr<cuda_internal::CudaContext> ctx);

@@ -132,6 +132,111 @@ class CudaGlobalAvgPool final : public GlobalAvgPool {
   const std::string what_;
 };
 
+// ---------------------------------------------------------------- Concat and Interaction
+
+// The kernels' operand block for one call: inputs, gradients and flags
+// (gradients and flags empty for a forward call).
+absl::StatusOr<JoinOperands> Operands(absl::string_view what, absl::Span<const float* const> xs,
+                                      absl::Span<float* const> dxs, absl::Span<const uint8_t> add,
+                                      size_t n) {
+  std::vector<float*> none(n, nullptr);
+  std::vector<uint8_t> flags(n, 0);
+  const bool forward = dxs.empty() && add.empty();
+  PSFLOW_RETURN_IF_ERROR(CheckJoinArgs(what, xs, forward ? absl::MakeConstSpan(none) : dxs,
+                                       forward ? absl::MakeConstSpan(flags) : add, n));
+  JoinOperands ops{};
+  ops.n = static_cast<int>(n);
+  for (size_t i = 0; i < n; ++i) {
+    ops.x[i] = xs[i];
+    ops.dx[i] = forward ? nullptr : dxs[i];
+    ops.add[i] = forward ? 0 : add[i];
+  }
+  return ops;
+}
+
+class CudaConcat final : public Concat {
+ public:
+  CudaConcat(std::shared_ptr<CudaContext> ctx, absl::string_view what, const ConcatShape& s)
+      : ctx_(std::move(ctx)), shape_(s), out_(s.out_width()), what_(what) {}
+
+  absl::Status Init() { return absl::OkStatus(); }  // nothing to prepare
+
+  absl::Status Forward(absl::Span<const float* const> xs, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"y", y}}));
+      PSFLOW_ASSIGN_OR_RETURN(JoinOperands ops, Operands(what_, xs, {}, {}, Count()));
+      Place(ops);
+      PSFLOW_CUDA_CHECK(LaunchConcatForward(ops, y, shape_.batch, out_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* dy, absl::Span<float* const> dxs,
+                        absl::Span<const uint8_t> add) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"dy", dy}}));
+      std::vector<const float*> inputs(Count(), dy);
+      PSFLOW_ASSIGN_OR_RETURN(JoinOperands ops, Operands(what_, inputs, dxs, add, Count()));
+      Place(ops);
+      PSFLOW_CUDA_CHECK(LaunchConcatBackward(ops, dy, shape_.batch, out_, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  size_t Count() const { return shape_.widths.size(); }
+  void Place(JoinOperands& ops) const {
+    int64_t offset = 0;
+    for (size_t i = 0; i < Count(); ++i) {
+      ops.offset[i] = offset;
+      ops.width[i] = shape_.widths[i];
+      offset += shape_.widths[i];
+    }
+  }
+
+  std::shared_ptr<CudaContext> ctx_;
+  const ConcatShape shape_;
+  const int64_t out_;
+  const std::string what_;
+};
+
+class CudaInteraction final : public Interaction {
+ public:
+  CudaInteraction(std::shared_ptr<CudaContext> ctx, absl::string_view what,
+                  const InteractionShape& s)
+      : ctx_(std::move(ctx)), shape_(s), what_(what) {}
+
+  absl::Status Init() { return absl::OkStatus(); }  // nothing to prepare
+
+  absl::Status Forward(absl::Span<const float* const> xs, float* y) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"y", y}}));
+      PSFLOW_ASSIGN_OR_RETURN(const JoinOperands ops,
+                              Operands(what_, xs, {}, {}, static_cast<size_t>(shape_.features)));
+      PSFLOW_CUDA_CHECK(
+          LaunchInteractionForward(ops, y, shape_.batch, shape_.dim, shape_.self, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(absl::Span<const float* const> xs, const float* dy,
+                        absl::Span<float* const> dxs, absl::Span<const uint8_t> add) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(CheckNonNull({{"dy", dy}}));
+      PSFLOW_ASSIGN_OR_RETURN(const JoinOperands ops,
+                              Operands(what_, xs, dxs, add, static_cast<size_t>(shape_.features)));
+      PSFLOW_CUDA_CHECK(
+          LaunchInteractionBackward(ops, dy, shape_.batch, shape_.dim, shape_.self, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<CudaContext> ctx_;
+  const InteractionShape shape_;
+  const std::string what_;
+};
+
 // ---------------------------------------------------------------- SoftmaxCrossEntropy
 
 class CudaSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
@@ -188,6 +293,23 @@ absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
   PSFLOW_RETURN_IF_ERROR(CheckElementCount(
       what, {{"x", int64_t{shape.batch} * shape.channels * shape.height * shape.width}}));
   return Build<GlobalAvgPool, CudaGlobalAvgPool>(ctx, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const std::shared_ptr<CudaContext>& ctx,
+                                                     const ConcatShape& shape) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  PSFLOW_RETURN_IF_ERROR(
+      CheckElementCount(what, {{"y", int64_t{shape.batch} * shape.out_width()}}));
+  return Build<Concat, CudaConcat>(ctx, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
+    const std::shared_ptr<CudaContext>& ctx, const InteractionShape& shape) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
+  PSFLOW_RETURN_IF_ERROR(
+      CheckElementCount(what, {{"y", int64_t{shape.batch} * shape.out_width()},
+                               {"dx", int64_t{shape.batch} * shape.features * shape.dim}}));
+  return Build<Interaction, CudaInteraction>(ctx, what, shape);
 }
 
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(

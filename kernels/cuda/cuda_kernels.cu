@@ -787,4 +787,125 @@ cudaError_t LaunchBatchNormBackward(const float* x, const float* gamma, const fl
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------- concat and interaction
+
+// The operand whose columns hold column c of a concat's output.
+__device__ int OperandOf(const JoinOperands& ops, int64_t c) {
+  int k = 0;
+  while (k + 1 < ops.n && ops.offset[k + 1] <= c) ++k;
+  return k;
+}
+
+__global__ void ConcatForwardKernel(JoinOperands ops, float* y, int64_t n, int64_t out) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const int64_t e = i / out, c = i % out;
+    const int k = OperandOf(ops, c);
+    y[i] = ops.x[k][e * ops.width[k] + (c - ops.offset[k])];
+  }
+}
+
+__global__ void ConcatBackwardKernel(JoinOperands ops, const float* dy, int64_t n, int64_t out) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const int64_t e = i / out, c = i % out;
+    const int k = OperandOf(ops, c);
+    float* d = ops.dx[k];
+    if (d == nullptr) continue;
+    float& dst = d[e * ops.width[k] + (c - ops.offset[k])];
+    dst = ops.add[k] != 0 ? dst + dy[i] : dy[i];
+  }
+}
+
+// The output index of pair (i, j), i > j (i >= j with self), as
+// kernels::InteractionShape orders the pairs.
+__device__ int64_t PairIndex(int64_t i, int64_t j, bool self) {
+  return (self ? i * (i + 1) / 2 : i * (i - 1) / 2) + j;
+}
+
+// The pair at output index p: the largest i whose first index is <= p.
+__device__ void PairAt(int64_t p, bool self, int64_t* i, int64_t* j) {
+  int64_t r =
+      static_cast<int64_t>(self ? (sqrt(8.0 * p + 1) - 1) / 2 : (1 + sqrt(8.0 * p + 1)) / 2);
+  while (r > 0 && PairIndex(r, 0, self) > p) --r;
+  while (PairIndex(r + 1, 0, self) <= p) ++r;
+  *i = r;
+  *j = p - PairIndex(r, 0, self);
+}
+
+__global__ void InteractionForwardKernel(JoinOperands ops, float* y, int64_t batch, int dim,
+                                         bool self, int64_t out) {
+  const int64_t n = batch * out;
+  for (int64_t t = GlobalThread(); t < n; t += GridThreads()) {
+    const int64_t e = t / out, c = t % out;
+    if (c < dim) {
+      y[t] = ops.x[0][e * dim + c];
+      continue;
+    }
+    int64_t i = 0, j = 0;
+    PairAt(c - dim, self, &i, &j);
+    const float* a = ops.x[i] + e * dim;
+    const float* b = ops.x[j] + e * dim;
+    float dot = 0.0f;
+    for (int k = 0; k < dim; ++k) dot += a[k] * b[k];
+    y[t] = dot;
+  }
+}
+
+// One thread per (example, operand f, element k): the x0 part of dy for
+// f = 0, plus each pair's gradient times the other vector of the pair (twice
+// the vector itself for (f, f)). No atomics: every gradient element is
+// summed by one thread in a fixed order.
+__global__ void InteractionBackwardKernel(JoinOperands ops, const float* dy, int64_t batch, int dim,
+                                          bool self, int64_t out) {
+  const int64_t f_count = ops.n, n = batch * f_count * dim;
+  for (int64_t t = GlobalThread(); t < n; t += GridThreads()) {
+    const int64_t k = t % dim, f = (t / dim) % f_count, e = t / (dim * f_count);
+    float* d = ops.dx[f];
+    if (d == nullptr) continue;
+    const float* g = dy + e * out;
+    float sum = f == 0 ? g[k] : 0.0f;
+    for (int64_t m = 0; m < f_count; ++m) {
+      if (m == f && !self) continue;
+      const int64_t p = m < f ? PairIndex(f, m, self) : PairIndex(m, f, self);
+      const float other = ops.x[m][e * dim + k];
+      sum += g[dim + p] * (m == f ? 2.0f * other : other);
+    }
+    float& dst = d[e * dim + k];
+    dst = ops.add[f] != 0 ? dst + sum : sum;
+  }
+}
+
+cudaError_t LaunchConcatForward(const JoinOperands& ops, float* y, int64_t batch, int64_t out,
+                                cudaStream_t stream) {
+  const int64_t n = batch * out;
+  if (n <= 0) return cudaSuccess;
+  ConcatForwardKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(ops, y, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchConcatBackward(const JoinOperands& ops, const float* dy, int64_t batch,
+                                 int64_t out, cudaStream_t stream) {
+  const int64_t n = batch * out;
+  if (n <= 0) return cudaSuccess;
+  ConcatBackwardKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(ops, dy, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchInteractionForward(const JoinOperands& ops, float* y, int64_t batch, int dim,
+                                     bool self, cudaStream_t stream) {
+  const int64_t f = ops.n, out = dim + (self ? f * (f + 1) / 2 : f * (f - 1) / 2);
+  if (batch <= 0) return cudaSuccess;
+  InteractionForwardKernel<<<BlocksFor(batch * out, kThreads), kThreads, 0, stream>>>(
+      ops, y, batch, dim, self, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchInteractionBackward(const JoinOperands& ops, const float* dy, int64_t batch,
+                                      int dim, bool self, cudaStream_t stream) {
+  const int64_t f = ops.n, out = dim + (self ? f * (f + 1) / 2 : f * (f - 1) / 2);
+  if (batch <= 0) return cudaSuccess;
+  InteractionBackwardKernel<<<BlocksFor(batch * f * dim, kThreads), kThreads, 0, stream>>>(
+      ops, dy, batch, dim, self, out);
+  return cudaGetLastError();
+}
+
 }  // namespace psflow::kernels::cuda_internal

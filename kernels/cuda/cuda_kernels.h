@@ -174,6 +174,31 @@ cudaError_t LaunchBatchNormBackward(const float* x, const float* gamma, const fl
                                     float* partial, int64_t n, int64_t channels, int64_t hw,
                                     cudaStream_t stream);
 
+// The operands of a concat or interaction, passed to the kernels by value
+// (at most kJoinOperands: kernels::kMaxJoinOperands).
+inline constexpr int kJoinOperands = 64;
+struct JoinOperands {
+  const float* x[kJoinOperands];
+  float* dx[kJoinOperands];       // null: not wanted
+  int64_t offset[kJoinOperands];  // concat: the operand's first column in y
+  int64_t width[kJoinOperands];   // concat: its floats per example
+  uint8_t add[kJoinOperands];     // add to dx instead of writing it
+  int n;
+};
+
+// y[e] = x[0][e] | x[1][e] | ... for `batch` examples of `out` floats.
+cudaError_t LaunchConcatForward(const JoinOperands& ops, float* y, int64_t batch, int64_t out,
+                                cudaStream_t stream);
+// Each operand's part of dy into (or, with add, onto) its dx.
+cudaError_t LaunchConcatBackward(const JoinOperands& ops, const float* dy, int64_t batch,
+                                 int64_t out, cudaStream_t stream);
+// DLRM's dot interaction of ops.n vectors of `dim` floats per example (see
+// kernels::InteractionShape): y is [batch, dim + pairs].
+cudaError_t LaunchInteractionForward(const JoinOperands& ops, float* y, int64_t batch, int dim,
+                                     bool self, cudaStream_t stream);
+cudaError_t LaunchInteractionBackward(const JoinOperands& ops, const float* dy, int64_t batch,
+                                      int dim, bool self, cudaStream_t stream);
+
 }  // namespace psflow::kernels::cuda_internal
 
 #endif  // PSFLOW_KERNELS_CUDA_CUDA_KERNELS_H_

@@ -198,6 +198,10 @@ absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
     const std::shared_ptr<CudaContext>& ctx, const GlobalAvgPoolShape& shape);
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
     const std::shared_ptr<CudaContext>& ctx, int batch, int classes);
+absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const std::shared_ptr<CudaContext>& ctx,
+                                                     const ConcatShape& shape);
+absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
+    const std::shared_ptr<CudaContext>& ctx, const InteractionShape& shape);
 
 }  // namespace psflow::kernels::cuda_internal
 

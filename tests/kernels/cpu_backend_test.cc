@@ -1356,5 +1356,57 @@ TEST(ExpandDevicesTest, CpusFormNoDeviceGroup) {
       << group.status();
 }
 
+// ------------------------------------------------------------ Concat and Interaction
+
+TEST_F(CpuBackendTest, ConcatJoinsAndSplitsWithAddFlags) {
+  auto op = backend_->CreateConcat({2, {2, 1}}).value();
+  auto a = Upload({1, 2, 3, 4}), b = Upload({5, 6}), y = Filled(6, -1);
+  ASSERT_TRUE(op->Forward({a->data(), b->data()}, y->data()).ok());
+  EXPECT_EQ(Download(*y), (std::vector<float>{1, 2, 5, 3, 4, 6}));
+  auto dy = Upload({10, 20, 30, 40, 50, 60}), da = Filled(4, 1), db = Filled(2, 1);
+  // da is written, db added to.
+  const std::vector<uint8_t> add = {0, 1};
+  ASSERT_TRUE(op->Backward(dy->data(), {da->data(), db->data()}, add).ok());
+  EXPECT_EQ(Download(*da), (std::vector<float>{10, 20, 40, 50}));
+  EXPECT_EQ(Download(*db), (std::vector<float>{31, 61}));
+  // A gradient not wanted; wrong operand counts.
+  ASSERT_TRUE(op->Backward(dy->data(), {nullptr, db->data()}, {0, 0}).ok());
+  EXPECT_EQ(Download(*db), (std::vector<float>{30, 60}));
+  EXPECT_FALSE(op->Forward({a->data()}, y->data()).ok());
+  EXPECT_FALSE(backend_->CreateConcat({2, {}}).ok());
+  EXPECT_FALSE(backend_->CreateConcat({2, {3, 0}}).ok());
+}
+
+TEST_F(CpuBackendTest, InteractionDotsEveryPairAndAddsGradients) {
+  // One example, three vectors of 2: pairs (1,0), (2,0), (2,1).
+  auto op = backend_->CreateInteraction({1, 3, 2, false}).value();
+  auto x0 = Upload({1, 2}), x1 = Upload({3, 4}), x2 = Upload({5, 6}), y = Filled(5, -1);
+  ASSERT_TRUE(op->Forward({x0->data(), x1->data(), x2->data()}, y->data()).ok());
+  EXPECT_EQ(Download(*y), (std::vector<float>{1, 2, 11, 17, 39}));
+  // dy: 1 on x0's copy, then pair gradients 1, 10, 100.
+  auto dy = Upload({1, 1, 1, 10, 100});
+  auto d0 = Filled(2, 7), d1 = Filled(2, 7), d2 = Filled(2, 7);
+  const std::vector<uint8_t> add = {0, 0, 1};
+  ASSERT_TRUE(op->Backward({x0->data(), x1->data(), x2->data()}, dy->data(),
+                           {d0->data(), d1->data(), d2->data()}, add)
+                  .ok());
+  // d0 = dy[0:2] + 1*x1 + 10*x2; d1 = 1*x0 + 100*x2; d2 = 7 + 10*x0 + 100*x1.
+  EXPECT_EQ(Download(*d0), (std::vector<float>{1 + 3 + 50, 1 + 4 + 60}));
+  EXPECT_EQ(Download(*d1), (std::vector<float>{1 + 500, 2 + 600}));
+  EXPECT_EQ(Download(*d2), (std::vector<float>{7 + 10 + 300, 7 + 20 + 400}));
+  // With self: (0,0), (1,0), (1,1) for two vectors; a vector's own dot
+  // contributes twice its value.
+  auto self = backend_->CreateInteraction({1, 2, 2, true}).value();
+  auto ys = Filled(5, -1);
+  ASSERT_TRUE(self->Forward({x0->data(), x1->data()}, ys->data()).ok());
+  EXPECT_EQ(Download(*ys), (std::vector<float>{1, 2, 5, 11, 25}));
+  auto dys = Upload({0, 0, 1, 0, 0});
+  ASSERT_TRUE(
+      self->Backward({x0->data(), x1->data()}, dys->data(), {d0->data(), nullptr}, {0, 0}).ok());
+  EXPECT_EQ(Download(*d0), (std::vector<float>{2, 4}));
+  EXPECT_FALSE(backend_->CreateInteraction({1, 1, 2, false}).ok());
+  EXPECT_FALSE(backend_->CreateInteraction({1, kMaxJoinOperands + 1, 2, false}).ok());
+}
+
 }  // namespace
 }  // namespace psflow::kernels

@@ -390,6 +390,63 @@ TEST_F(CudaParityTest, GlobalAvgPool) {
   }
 }
 
+// ------------------------------------------------------------ Concat and Interaction
+
+// Forward, then backward with the first operand's gradient written and the
+// others' added to what is there (the same on both backends).
+TEST_F(CudaParityTest, ConcatAndInteraction) {
+  const int n = 37;
+  const std::vector<int64_t> widths = {5, 16, 1, 16};
+  auto [cpu_cat, gpu_cat] = CreateOnBoth([&](Backend& backend) {
+    return backend.CreateConcat({n, widths});
+  });
+  ASSERT_TRUE(cpu_cat && gpu_cat);
+  std::vector<Pair> xs, dxs;
+  for (int64_t w : widths) {
+    xs.push_back(In(static_cast<size_t>(n * w)));
+    dxs.push_back(In(static_cast<size_t>(n * w)));
+  }
+  auto pointers = [](std::vector<Pair>& ps, bool gpu) {
+    std::vector<float*> out;
+    for (Pair& p : ps) out.push_back(gpu ? p.g() : p.c());
+    return out;
+  };
+  const std::vector<uint8_t> add = {0, 1, 1, 1};
+  {
+    std::vector<float*> cm = pointers(xs, false), gm = pointers(xs, true);
+    const std::vector<const float*> cx(cm.begin(), cm.end()), gx(gm.begin(), gm.end());
+    Pair y = Out(static_cast<size_t>(n * 38)), dy = In(static_cast<size_t>(n * 38));
+    PSFLOW_ASSERT_OK(cpu_cat->Forward(cx, y.c()));
+    PSFLOW_ASSERT_OK(gpu_cat->Forward(gx, y.g()));
+    ExpectMatch(y, kTol, "concat y");
+    PSFLOW_ASSERT_OK(cpu_cat->Backward(dy.c(), pointers(dxs, false), add));
+    PSFLOW_ASSERT_OK(gpu_cat->Backward(dy.g(), pointers(dxs, true), add));
+    for (size_t i = 0; i < dxs.size(); ++i) ExpectMatch(dxs[i], kTol, "concat dx");
+  }
+  for (const bool self : {false, true}) {
+    SCOPED_TRACE(self ? "self" : "no self");
+    const InteractionShape s{n, 4, 16, self};
+    auto [cpu_op, gpu_op] =
+        CreateOnBoth([&](Backend& backend) { return backend.CreateInteraction(s); });
+    ASSERT_TRUE(cpu_op && gpu_op);
+    std::vector<Pair> vs, dvs;
+    for (int f = 0; f < s.features; ++f) {
+      vs.push_back(In(static_cast<size_t>(n * s.dim)));
+      dvs.push_back(In(static_cast<size_t>(n * s.dim)));
+    }
+    std::vector<float*> cv = pointers(vs, false), gv = pointers(vs, true);
+    const std::vector<const float*> ccv(cv.begin(), cv.end()), cgv(gv.begin(), gv.end());
+    const size_t ny = static_cast<size_t>(n * s.out_width());
+    Pair y = Out(ny), dy = In(ny);
+    PSFLOW_ASSERT_OK(cpu_op->Forward(ccv, y.c()));
+    PSFLOW_ASSERT_OK(gpu_op->Forward(cgv, y.g()));
+    ExpectMatch(y, kTol, "interaction y");
+    PSFLOW_ASSERT_OK(cpu_op->Backward(ccv, dy.c(), pointers(dvs, false), add));
+    PSFLOW_ASSERT_OK(gpu_op->Backward(cgv, dy.g(), pointers(dvs, true), add));
+    for (size_t i = 0; i < dvs.size(); ++i) ExpectMatch(dvs[i], kTol, "interaction dx");
+  }
+}
+
 // ------------------------------------------------------------ SoftmaxCrossEntropy
 
 TEST_F(CudaParityTest, SoftmaxCrossEntropy) {

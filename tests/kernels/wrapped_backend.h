@@ -95,6 +95,13 @@ class WrappedBackend final : public Backend {
       const GlobalAvgPoolShape& shape) override {
     return inner_->CreateGlobalAvgPool(shape);
   }
+  absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) override {
+    return inner_->CreateConcat(shape);
+  }
+  absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
+      const InteractionShape& shape) override {
+    return inner_->CreateInteraction(shape);
+  }
 
  private:
   Backend* const inner_;

@@ -53,6 +53,22 @@ constexpr char kResidualSpec[] = R"spec(
 
 constexpr int kBatch = 8;
 
+// DLRM's shape in small: a bottom layer and two "embeddings" (dense layers
+// here) meet in a dot interaction, whose output is joined with one of them
+// again, so e2's gradient has two contributions that the join layers add.
+constexpr char kJoinSpec[] = R"spec(
+  name: "join"
+  input { channels: 1 height: 1 width: 6 }
+  num_classes: 3
+  layer { name: "bottom" dense { units: 4 } }
+  layer { name: "brelu" relu {} }
+  layer { name: "e1" input: "bottom" dense { units: 4 } }
+  layer { name: "e2" input: "brelu" dense { units: 4 } }
+  layer { name: "inter" input: "brelu" interaction { others: "e1" others: "e2" } }
+  layer { name: "cat" concat { others: "e2" } }
+  layer { name: "fc" dense { units: 3 } }
+)spec";
+
 // InitialValues, with batch-norm gamma and beta moved off 1 and 0 so that
 // their gradients are generic.
 Weights ResidualWeights(const ModelSpec& spec, uint64_t seed) {
@@ -190,10 +206,16 @@ class Reference {
         BatchNorm(layer.batch_norm(), vars_[l], w, pass, training, stats);
         break;
       case LayerSpec::kAdd: {
-        const std::vector<double>& other = acts[wiring_[l].other + 1];
+        const std::vector<double>& other = acts[wiring_[l].others[0] + 1];
         for (size_t i = 0; i < y.size(); ++i) y[i] = pass.x[i] + other[i];
         break;
       }
+      case LayerSpec::kConcat:
+        Concat(Operands(l, acts), pass);
+        break;
+      case LayerSpec::kInteraction:
+        Interaction(Operands(l, acts), layer.interaction().self_interaction(), pass);
+        break;
       case LayerSpec::kGlobalAvgPool:
         GlobalAvgPool(pass);
         break;
@@ -202,6 +224,43 @@ class Reference {
         return false;
     }
     return true;
+  }
+
+  // Layer l's operands: its input, then its others.
+  std::vector<const std::vector<double>*> Operands(
+      int l, const std::vector<std::vector<double>>& acts) const {
+    std::vector<const std::vector<double>*> xs{&acts[wiring_[l].input + 1]};
+    for (int o : wiring_[l].others) xs.push_back(&acts[o + 1]);
+    return xs;
+  }
+
+  // Each example's operands end to end.
+  static void Concat(const std::vector<const std::vector<double>*>& xs, const Pass& pass) {
+    size_t at = 0;
+    for (int n = 0; n < pass.batch; ++n) {
+      for (const std::vector<double>* x : xs) {
+        const size_t per = x->size() / pass.batch;
+        for (size_t k = 0; k < per; ++k) pass.y[at++] = (*x)[n * per + k];
+      }
+    }
+  }
+
+  // x0, then the dot of every pair (i, j), i > j (i >= j with self), i
+  // ascending, then j.
+  static void Interaction(const std::vector<const std::vector<double>*>& xs, bool self,
+                          const Pass& pass) {
+    const size_t d = xs[0]->size() / pass.batch;
+    size_t at = 0;
+    for (int n = 0; n < pass.batch; ++n) {
+      for (size_t k = 0; k < d; ++k) pass.y[at++] = (*xs[0])[n * d + k];
+      for (size_t i = 0; i < xs.size(); ++i) {
+        for (size_t j = 0; j < (self ? i + 1 : i); ++j) {
+          double dot = 0;
+          for (size_t k = 0; k < d; ++k) dot += (*xs[i])[n * d + k] * (*xs[j])[n * d + k];
+          pass.y[at++] = dot;
+        }
+      }
+    }
   }
 
   static void Conv(const Conv2DLayer& c, const Pass& pass) {
@@ -848,6 +907,51 @@ class ResidualNetworkTest : public ::testing::Test {
   std::vector<float> images_;
   std::vector<int32_t> labels_;
 };
+
+class JoinNetworkTest : public ::testing::TestWithParam<bool> {};
+
+// Concat and interaction (with and without each vector's dot with itself)
+// against the double-precision reference, their operands' gradients
+// included; e2 feeds both, so its gradient is right only if the second
+// contribution is added to the first.
+TEST_P(JoinNetworkTest, GradientsMatchFiniteDifferences) {
+  ModelSpec spec = ParseSpec(kJoinSpec);
+  spec.mutable_layer(4)->mutable_interaction()->set_self_interaction(GetParam());
+  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
+  ASSERT_TRUE(shapes.ok()) << shapes.status();
+  EXPECT_EQ((*shapes)[4].channels, GetParam() ? 4 + 6 : 4 + 3);
+  EXPECT_EQ((*shapes)[5].channels, (*shapes)[4].channels + 4);
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::CreateBackend("cpu", 1);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(spec, backend->get());
+  ASSERT_TRUE(net.ok()) << net.status();
+  std::vector<float> images;
+  std::vector<int32_t> labels;
+  RandomBatch(spec, 6, 21, &images, &labels);
+  ExpectGradientsMatchFiniteDifferences(spec, **net, InitialValues(spec, 8), images, labels, 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(SelfInteraction, JoinNetworkTest, ::testing::Bool());
+
+TEST(JoinSpecTest, OperandsAreCheckedByName) {
+  auto error = [](const std::string& layers) {
+    const std::string text =
+        "input { channels: 1 height: 1 width: 4 } num_classes: 2 "
+        "layer { name: \"a\" dense { units: 4 } } "
+        "layer { name: \"b\" dense { units: 3 } } " +
+        layers + " layer { name: \"fc\" dense { units: 2 } }";
+    absl::StatusOr<std::vector<ActivationShape>> shapes =
+        ValidateModelSpec(ParseSpec(text.c_str()));
+    return shapes.ok() ? std::string("ok") : std::string(shapes.status().message());
+  };
+  EXPECT_EQ(error("layer { name: \"j\" interaction { others: \"a\" } }"),
+            "layer 'j': 'a' gives 4 values per example, its input 3: all must be equal");
+  EXPECT_EQ(error("layer { name: \"j\" concat { others: \"b\" } }"), "layer 'j': reads 'b' twice");
+  EXPECT_EQ(error("layer { name: \"j\" concat { others: \"z\" } }"),
+            "layer 'j': concat.others 'z' is not an earlier layer");
+  EXPECT_EQ(error("layer { name: \"j\" concat {} }"), "layer 'j': concat needs others");
+  EXPECT_EQ(error("layer { name: \"j\" concat { others: \"a\" } }"), "ok");
+}
 
 // r1 is read by both c2 and proj, so the gradients of c1 and bn1 are right
 // only if the network sums both contributions to r1's gradient (and `sum`

@@ -213,14 +213,14 @@ void ExpectResnetWiring(const ModelSpec& spec) {
   auto wire = [&](const std::string& name) { return (*wiring)[index.at(name)]; };
   EXPECT_EQ(wire("conv1").input, -1) << "reads the model input";
   EXPECT_EQ(wire("s1b1_add").input, index["s1b1_bn2"]);
-  EXPECT_EQ(wire("s1b1_add").other, index["relu1"]);
-  EXPECT_EQ(wire("s1b2_add").other, index["s1b1_relu2"]);
+  EXPECT_THAT(wire("s1b1_add").others, ElementsAre(index["relu1"]));
+  EXPECT_THAT(wire("s1b2_add").others, ElementsAre(index["s1b1_relu2"]));
   EXPECT_EQ(wire("s2b1_proj").input, index["s1b2_relu2"]);
   EXPECT_EQ(wire("s2b1_add").input, index["s2b1_bn2"]);
-  EXPECT_EQ(wire("s2b1_add").other, index["s2b1_proj_bn"]);
+  EXPECT_THAT(wire("s2b1_add").others, ElementsAre(index["s2b1_proj_bn"]));
   EXPECT_EQ(wire("s2b1_conv1").input, index["s1b2_relu2"]);
   EXPECT_EQ(wire("s2b1_relu2").input, index["s2b1_add"]);
-  EXPECT_EQ(wire("fc").other, -1);
+  EXPECT_TRUE(wire("fc").others.empty());
 }
 
 TEST(SpecTest, ResnetVariablesAndShapes) {
@@ -289,7 +289,9 @@ TEST(SpecTest, ResidualSpecInTextFormatLoads) {
   absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(*spec);
   ASSERT_TRUE(wiring.ok()) << wiring.status();
   std::vector<std::pair<int, int>> wires;
-  for (const LayerWiring& w : *wiring) wires.emplace_back(w.input, w.other);
+  for (const LayerWiring& w : *wiring) {
+    wires.emplace_back(w.input, w.others.empty() ? -1 : w.others[0]);
+  }
   EXPECT_EQ(wires, (std::vector<std::pair<int, int>>{{-1, -1},
                                                      {0, -1},
                                                      {1, -1},
