@@ -49,8 +49,8 @@ std::optional<double> MannWhitneyAuc(std::vector<double>* positive_scores,
     while (not_above < neg.size() && neg[not_above] <= p) ++not_above;
     twice_credit += below + not_above;
   }
-  const long double pairs = static_cast<long double>(positive_scores->size()) *
-                            static_cast<long double>(neg.size());
+  const long double pairs =
+      static_cast<long double>(positive_scores->size()) * static_cast<long double>(neg.size());
   return static_cast<double>(static_cast<long double>(twice_credit) / (2 * pairs));
 }
 
@@ -71,8 +71,8 @@ template <typename T>
 absl::Status BinaryScores::AddAll(absl::Span<const T> probabilities,
                                   absl::Span<const int64_t> labels) {
   if (probabilities.size() != labels.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(probabilities.size(), " probabilities but ",
-                                                   labels.size(), " labels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(probabilities.size(), " probabilities but ", labels.size(), " labels"));
   }
   for (size_t i = 0; i < labels.size(); ++i) {
     if (absl::Status s = CheckExample(probabilities[i], labels[i]); !s.ok()) {

@@ -45,8 +45,7 @@ TEST(BinaryScoresTest, SmallCaseByHand) {
   EXPECT_EQ(r.negatives(), 2);
   ASSERT_TRUE(r.auc.has_value());
   EXPECT_DOUBLE_EQ(*r.auc, 5.0 / 6.0);
-  const double log_loss =
-      -(std::log(0.9) + 2 * std::log(0.4) + std::log(0.6) + std::log(0.8)) / 5;
+  const double log_loss = -(std::log(0.9) + 2 * std::log(0.4) + std::log(0.6) + std::log(0.8)) / 5;
   ASSERT_TRUE(r.log_loss.has_value());
   EXPECT_NEAR(*r.log_loss, log_loss, 1e-12);
   // Right: 0.9 (positive), 0.4 and 0.2 as negatives; the positives at 0.4 are wrong.
@@ -70,7 +69,8 @@ TEST(BinaryScoresTest, MatchesEveryPairOnRandomScoresWithManyTies) {
     }
     // Added in three parts to three accumulators, then merged.
     BinaryScores a, b, c;
-    for (int i = 0; i < n; ++i) ASSERT_TRUE((i % 3 == 0 ? a : i % 3 == 1 ? b : c).Add(p[i], y[i]).ok());
+    for (int i = 0; i < n; ++i)
+      ASSERT_TRUE((i % 3 == 0 ? a : i % 3 == 1 ? b : c).Add(p[i], y[i]).ok());
     a.Merge(b);
     a.Merge(c);
     BinaryResult r = a.Result();

@@ -95,8 +95,8 @@ TEST_F(SynthCriteoTest, TheCriteoPresetReadsEveryRow) {
   SynthCriteoSummary summary = Run(o);
   EXPECT_EQ(summary.train_examples, 5000);
   EXPECT_EQ(summary.bayes.examples, 3000);
-  for (const auto& [name, rows] : {std::pair<std::string, int64_t>{"train.tsv", 5000},
-                                   {"test.tsv", 3000}}) {
+  for (const auto& [name, rows] :
+       {std::pair<std::string, int64_t>{"train.tsv", 5000}, {"test.tsv", 3000}}) {
     absl::StatusOr<std::unique_ptr<data::CsvReader>> reader =
         data::CsvReader::Open(Path("out/" + name), data::CriteoFormat());
     ASSERT_TRUE(reader.ok()) << reader.status();
@@ -297,10 +297,10 @@ Ran RunBinary(const std::string& dir, const std::string& args) {
 TEST_F(SynthCriteoTest, BinaryWritesAndExplains) {
   Ran help = RunBinary(dir_, "--help");
   EXPECT_EQ(help.status, 0);
-  for (const char* flag : {"psflow-data synth-criteo", "--train_examples", "--test_examples",
-                           "--seed", "--vocab_scale", "--positive_rate", "--missing_rate",
-                           "--interactions", "--vocab_sizes", "--zipf_exponents",
-                           "--weight_stddev", "--pair_scale"}) {
+  for (const char* flag :
+       {"psflow-data synth-criteo", "--train_examples", "--test_examples", "--seed",
+        "--vocab_scale", "--positive_rate", "--missing_rate", "--interactions", "--vocab_sizes",
+        "--zipf_exponents", "--weight_stddev", "--pair_scale"}) {
     EXPECT_THAT(help.out, HasSubstr(flag));
   }
   Ran ran = RunBinary(dir_, absl::StrCat("synth-criteo --output=", Path("out"),

@@ -34,8 +34,8 @@ constexpr int64_t kBlockRows = 8192;
 constexpr double kMaxInteger = (1 << 24) - 1;
 // log1p(I_i) is normal with these means (standard deviation kIntegerLogStddev):
 // counts from about 1 to a few hundred, as Criteo's.
-constexpr std::array<double, kCriteoIntegers> kIntegerLogMean = {
-    1.0, 2.5, 1.5, 2.0, 5.5, 3.0, 1.5, 2.5, 4.0, 0.5, 1.5, 0.5, 2.0};
+constexpr std::array<double, kCriteoIntegers> kIntegerLogMean = {1.0, 2.5, 1.5, 2.0, 5.5, 3.0, 1.5,
+                                                                 2.5, 4.0, 0.5, 1.5, 0.5, 2.0};
 constexpr double kIntegerLogStddev = 1.2;
 constexpr double kIntegerWeightStddev = 0.15;
 constexpr int kPairRank = 4;  // the length of the interaction vectors z
@@ -103,8 +103,8 @@ double ZipfSampler::HIntegralInverse(double x) const {
 std::vector<SynthColumn> DefaultSynthColumns() {
   // Criteo Kaggle's cardinalities, C1..C26, capped at 10^6.
   constexpr std::array<int64_t, kCriteoCategoricals> kVocab = {
-      1460, 583,  1000000, 1000000, 305, 24,      12517, 633, 3,      93145,  5683, 1000000, 3194,
-      27,   14992, 1000000, 10,      5652, 2173, 4,     1000000, 18, 15, 286181, 105,  142572};
+      1460,  583,     1000000, 1000000, 305,  24, 12517,   633, 3,  93145,  5683, 1000000, 3194, 27,
+      14992, 1000000, 10,      5652,    2173, 4,  1000000, 18,  15, 286181, 105,  142572};
   std::vector<SynthColumn> columns(kCriteoCategoricals);
   for (int c = 0; c < kCriteoCategoricals; ++c) {
     const int64_t v = kVocab[c];
@@ -126,7 +126,6 @@ uint32_t CriteoId(int column, int64_t rank) {
   return id == 0 ? 1 : id;
 }
 
-
 namespace {
 
 absl::Status CheckOptions(const SynthCriteoOptions& o) {
@@ -145,8 +144,7 @@ absl::Status CheckOptions(const SynthCriteoOptions& o) {
   if (!(o.pair_scale >= 0 && o.pair_scale <= 100))
     return bad("pair_scale ", o.pair_scale, " is not in [0, 100]");
   if (o.columns.size() != kCriteoCategoricals)
-    return bad(o.columns.size(), " categorical columns, Criteo's layout has ",
-               kCriteoCategoricals);
+    return bad(o.columns.size(), " categorical columns, Criteo's layout has ", kCriteoCategoricals);
   for (size_t c = 0; c < o.columns.size(); ++c) {
     const SynthColumn& col = o.columns[c];
     if (col.vocab < 1 || col.vocab > (int64_t{1} << 31))
@@ -171,7 +169,8 @@ absl::StatusOr<PlantedModel> PlantedModel::Create(const SynthCriteoOptions& opti
   m.columns_ = options.columns;
   for (SynthColumn& col : m.columns_) {
     const double scaled = std::round(static_cast<double>(col.vocab) * options.vocab_scale);
-    col.vocab = static_cast<int64_t>(std::clamp(scaled, 1.0, static_cast<double>(int64_t{1} << 31)));
+    col.vocab =
+        static_cast<int64_t>(std::clamp(scaled, 1.0, static_cast<double>(int64_t{1} << 31)));
     m.zipf_.emplace_back(col.vocab, col.zipf_exponent);
   }
   m.pairs_.assign(SynthInteractionPairs().begin(),
@@ -214,9 +213,9 @@ double PlantedModel::Probability(const std::array<int64_t, kCriteoIntegers>& int
 absl::StatusOr<double> PlantedModel::Probability(const data::CsvRow& row) const {
   if (row.numeric.size() != kCriteoIntegers || row.numeric_missing.size() != kCriteoIntegers ||
       row.categorical.size() != kCriteoCategoricals) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a row of ", row.numeric.size(), " numeric and ", row.categorical.size(),
-        " categorical columns is not of Criteo's layout (13 and 26)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a row of ", row.numeric.size(), " numeric and ", row.categorical.size(),
+                     " categorical columns is not of Criteo's layout (13 and 26)"));
   }
   std::array<int64_t, kCriteoIntegers> ints;
   std::array<uint64_t, kCriteoCategoricals> ids;
@@ -348,7 +347,8 @@ absl::StatusOr<SplitWritten> WriteSplit(const PlantedModel& model, SynthSplit sp
     return absl::InternalError(absl::StrCat(tmp, ": write failed"));
   std::error_code ec;
   fs::rename(tmp, path, ec);
-  if (ec) return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", ec.message()));
+  if (ec)
+    return absl::InternalError(absl::StrCat(path, ": cannot rename into place: ", ec.message()));
   return written;
 }
 
@@ -387,8 +387,8 @@ std::string PlantedText(const SynthCriteoOptions& o, const PlantedModel& model,
       "\nbias=", absl::StrFormat("%.17g", model.bias()), "\nmissing_rate=", o.missing_rate,
       "\ninteractions=", o.interactions, "\ninteraction_pairs=", absl::StrJoin(pairs, ","),
       "\npair_scale=", o.pair_scale, "\nvocab_sizes=", absl::StrJoin(vocab, ","),
-      "\nzipf_exponents=", absl::StrJoin(exponents, ","), "\nweight_stddevs=",
-      absl::StrJoin(stddevs, ","), "\n");
+      "\nzipf_exponents=", absl::StrJoin(exponents, ","),
+      "\nweight_stddevs=", absl::StrJoin(stddevs, ","), "\n");
 }
 
 }  // namespace
@@ -414,7 +414,8 @@ absl::StatusOr<SynthCriteoSummary> SynthCriteo(const SynthCriteoOptions& options
                  options.threads, pool, &probabilities, &labels);
   if (!test.ok()) return test.status();
   evaluator::BinaryScores bayes;
-  if (absl::Status s = bayes.AddBatch(absl::MakeConstSpan(probabilities), absl::MakeConstSpan(labels));
+  if (absl::Status s =
+          bayes.AddBatch(absl::MakeConstSpan(probabilities), absl::MakeConstSpan(labels));
       !s.ok()) {
     return s;
   }
@@ -439,7 +440,9 @@ std::string DescribeSynthSummary(const SynthCriteoOptions& options,
       summary.train_examples, summary.bayes.examples, options.output,
       static_cast<double>(summary.bytes) / (1 << 20), summary.seconds,
       static_cast<double>(rows) / std::max(summary.seconds, 1e-9),
-      absl::StrReplaceAll(summary.bayes.ToString(), {{"auc", "bayes_auc"}, {"log_loss", "bayes_logloss"}, {"accuracy", "bayes_accuracy"}}));
+      absl::StrReplaceAll(
+          summary.bayes.ToString(),
+          {{"auc", "bayes_auc"}, {"log_loss", "bayes_logloss"}, {"accuracy", "bayes_accuracy"}}));
 }
 
 }  // namespace psflow::data_tool

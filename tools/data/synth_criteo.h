@@ -36,9 +36,9 @@ inline constexpr int kCriteoIntegers = 13;
 inline constexpr int kCriteoCategoricals = 26;
 
 struct SynthColumn {
-  int64_t vocab = 1000;          // ranks 1..vocab, before --vocab_scale
-  double zipf_exponent = 1.05;   // P(rank k) proportional to k^-exponent; > 0
-  double weight_stddev = 0.3;    // of w_c(id)
+  int64_t vocab = 1000;         // ranks 1..vocab, before --vocab_scale
+  double zipf_exponent = 1.05;  // P(rank k) proportional to k^-exponent; > 0
+  double weight_stddev = 0.3;   // of w_c(id)
 };
 
 // The default columns: vocabularies shaped after Criteo's Kaggle set (3 to
@@ -156,8 +156,7 @@ struct SynthCriteoSummary {
 // Writes train.tsv, test.tsv and planted.txt into options.output (each as
 // <name>.tmp, renamed when complete). `pool` formats rows beside the calling
 // thread: give it options.threads - 1 threads.
-absl::StatusOr<SynthCriteoSummary> SynthCriteo(const SynthCriteoOptions& options,
-                                               ThreadPool* pool);
+absl::StatusOr<SynthCriteoSummary> SynthCriteo(const SynthCriteoOptions& options, ThreadPool* pool);
 
 // "wrote 1000000 train and 100000 test rows to /out (190.2 MiB) in 3.1 s,
 // 354839 rows/s; test: <bayes figures>".
