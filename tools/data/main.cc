@@ -80,7 +80,8 @@ ABSL_FLAG(double, weight_stddev, 0.25,
 namespace {
 
 constexpr char kUsage[] =
-    "converts data sets to TFRecord shards of tf.Example and inspects TFRecord files.\n"
+    "converts data sets to TFRecord shards of tf.Example, inspects TFRecord files and writes\n"
+    "synthetic click logs of a known best AUC.\n"
     "  psflow-data convert --from=idx|image_folder|csv --input=PATH --output=DIR [--shards=N]\n"
     "      [--threads=T] [--name=train] [--compression=none|gzip] ...\n"
     "    Records go to the shards in input order, contiguous ranges, keys as TensorFlow's\n"
