@@ -27,13 +27,13 @@ constexpr uint64_t kTagWeight = 0xbb67ae8584caa73bULL;
 constexpr uint64_t kTagInteger = 0x3c6ef372fe94f82bULL;
 constexpr uint64_t kTagPair = 0xa54ff53a5f1d36f1ULL;
 
-// The rows the bias is calibrated on, and the rows formatted per task.
+// The rows the bias is calibrated on, and the rows a thread formats at a time.
 constexpr int kCalibrationRows = 50000;
 constexpr int64_t kBlockRows = 8192;
 // Integers are written below 2^24, so a float (CsvRow::numeric) holds them exactly.
 constexpr double kMaxInteger = (1 << 24) - 1;
-// log1p(I_i) is normal with these means (standard deviation kIntegerLogStddev):
-// counts from about 1 to a few hundred, as Criteo's.
+// I_i is expm1 of a near-normal value with these means (standard deviation
+// kIntegerLogStddev), floored: counts from about 1 to a few hundred, as Criteo's.
 constexpr std::array<double, kCriteoIntegers> kIntegerLogMean = {1.0, 2.5, 1.5, 2.0, 5.5, 3.0, 1.5,
                                                                  2.5, 4.0, 0.5, 1.5, 0.5, 2.0};
 constexpr double kIntegerLogStddev = 1.2;
@@ -199,8 +199,9 @@ double PlantedModel::LogitWithoutBias(const std::array<int64_t, kCriteoIntegers>
       dot += Gaussian(Hash(seed_, kTagPair + k, a, ids[a])) *
              Gaussian(Hash(seed_, kTagPair + k, b, ids[b]));
     }
-    // Divided by sqrt(kPairRank), so that a term's variance is pair_scale^2.
-    logit += pair_scale_ * dot / 2;
+    // A dot product of kPairRank unit-variance products: divided by its
+    // standard deviation, the term's is pair_scale.
+    logit += pair_scale_ * dot / std::sqrt(static_cast<double>(kPairRank));
   }
   return logit;
 }
