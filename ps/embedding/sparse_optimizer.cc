@@ -66,8 +66,10 @@ absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& config) {
   if (auto s = CheckNonNegative("initial_accumulator", config.initial_accumulator()); !s.ok()) {
     return s;
   }
-  if (!(config.beta1() >= 0 && config.beta1() < 1)) return BadField("beta1", "in [0, 1)", config.beta1());
-  if (!(config.beta2() >= 0 && config.beta2() < 1)) return BadField("beta2", "in [0, 1)", config.beta2());
+  if (!(config.beta1() >= 0 && config.beta1() < 1))
+    return BadField("beta1", "in [0, 1)", config.beta1());
+  if (!(config.beta2() >= 0 && config.beta2() < 1))
+    return BadField("beta2", "in [0, 1)", config.beta2());
   if (auto s = CheckNonNegative("l1", config.l1()); !s.ok()) return s;
   return CheckNonNegative("l2", config.l2());
 }
@@ -75,7 +77,8 @@ absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& config) {
 absl::StatusOr<SparseOptimizerConfig::Kind> ParseSparseOptimizerKind(absl::string_view name) {
   const std::string lower = absl::AsciiStrToLower(name);
   if (lower == "sgd") return SparseOptimizerConfig::SGD;
-  if (lower == "adagrad" || lower == "rowwise_adagrad") return SparseOptimizerConfig::ROWWISE_ADAGRAD;
+  if (lower == "adagrad" || lower == "rowwise_adagrad")
+    return SparseOptimizerConfig::ROWWISE_ADAGRAD;
   if (lower == "lazy_adam") return SparseOptimizerConfig::LAZY_ADAM;
   if (lower == "ftrl") return SparseOptimizerConfig::FTRL;
   constexpr absl::string_view kChoices =
