@@ -1,15 +1,22 @@
 // One ps's shard of an embedding table: creation, lookups, admission,
-// updates, expiry, memory accounting and concurrent use.
+// updates, expiry, memory accounting, concurrent use, and its snapshot files.
 #include "ps/embedding/table.h"
+
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "ps/embedding/table_file.h"
 
 namespace psflow::ps::embedding {
 namespace {
@@ -272,6 +279,169 @@ TEST(EmbeddingShardTest, ConcurrentLookupsAndUpdatesLoseNothing) {
     for (int k = 0; k < kThreads * kRounds; ++k) w -= 0.5f * 0.25f;
   }
   EXPECT_EQ(Read(*shard, ids, false), want);
+}
+
+}  // namespace
+}  // namespace psflow::ps::embedding
+
+namespace psflow::ps::embedding {
+namespace {
+
+class EmbeddingFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/embedding_file_test_" + std::to_string(::getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+
+  std::string dir_;
+};
+
+std::vector<uint64_t> Range(uint64_t n) {
+  std::vector<uint64_t> ids(n);
+  for (uint64_t i = 0; i < n; ++i) ids[i] = i;
+  return ids;
+}
+
+// The ids of `all` that `shard` owns.
+std::vector<uint64_t> Mine(const EmbeddingShard& shard, const std::vector<uint64_t>& all) {
+  std::vector<uint64_t> ids;
+  for (uint64_t id : all) {
+    if (shard.sharding().Owner(id) == shard.ps_index()) ids.push_back(id);
+  }
+  return ids;
+}
+
+// Trains `shard` a little: lookups at steps 0..2, updates with gradients
+// that depend on the id, so rows and their optimizer state differ.
+void Train(EmbeddingShard& shard, const std::vector<uint64_t>& all) {
+  std::vector<uint64_t> ids = Mine(shard, all);
+  for (int64_t step = 0; step < 3; ++step) {
+    Read(shard, ids, true, step);
+    std::vector<float> grads;
+    for (uint64_t id : ids) {
+      for (int j = 0; j < shard.dim(); ++j) grads.push_back(0.01f * static_cast<float>(id % 7 + j));
+    }
+    ASSERT_TRUE(shard.Apply(ids, grads, step).ok());
+  }
+}
+
+TEST_F(EmbeddingFileTest, DynamicTableFromTwoPsRestoresOntoThree) {
+  EmbeddingTableSpec spec = Spec("clicks", 4, 0, SparseOptimizerConfig::ROWWISE_ADAGRAD);
+  spec.set_expire_steps(10);
+  const std::vector<uint64_t> all = Range(3000);
+  std::vector<std::unique_ptr<EmbeddingShard>> old;
+  std::vector<std::string> paths;
+  for (int ps = 0; ps < 2; ++ps) {
+    old.push_back(MakeShard(spec, 2, ps, 5));
+    Train(*old.back(), all);
+    paths.push_back(Path("clicks-" + std::to_string(ps)));
+    ASSERT_TRUE(WriteEmbeddingShard(*old.back(), paths.back()).ok());
+  }
+  ASSERT_EQ(old[0]->GetStats().rows + old[1]->GetStats().rows, 3000);
+  int64_t rows = 0;
+  for (int ps = 0; ps < 3; ++ps) {
+    auto shard = RestoreEmbeddingShard(spec, 3, ps, 5, paths);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    EmbeddingShard& fresh = **shard;
+    rows += fresh.GetStats().rows;
+    EXPECT_EQ(fresh.GetStats().rows, fresh.GetStats().rows_restored);
+    for (uint64_t id : Mine(fresh, all)) {
+      EmbeddingShard& before = *old[Sharding(0, 2).Owner(id)];
+      ASSERT_EQ(Read(fresh, {id}, false), Read(before, {id}, false)) << id;
+      // The accumulator came along: one more update moves both alike.
+      const std::vector<float> g = {0.3f, -0.2f, 0.1f, 0.5f};
+      ASSERT_TRUE(fresh.Apply({id}, g, 9).ok());
+      ASSERT_TRUE(before.Apply({id}, g, 9).ok());
+      ASSERT_EQ(Read(fresh, {id}, false), Read(before, {id}, false)) << id;
+    }
+    // The last touches came along: all were at step 2.
+    EXPECT_EQ(fresh.Expire(12), 0);
+    EXPECT_EQ(fresh.Expire(13), fresh.GetStats().rows_restored);
+  }
+  EXPECT_EQ(rows, 3000);
+}
+
+TEST_F(EmbeddingFileTest, FixedTableRestoresOntoAnotherPsCount) {
+  EmbeddingTableSpec spec = Spec("slots", 3, 50, SparseOptimizerConfig::FTRL);
+  const std::vector<uint64_t> all = Range(50);
+  std::vector<std::unique_ptr<EmbeddingShard>> old;
+  std::vector<std::string> paths;
+  for (int ps = 0; ps < 3; ++ps) {
+    old.push_back(MakeShard(spec, 3, ps, 2));
+    Train(*old.back(), all);
+    paths.push_back(Path("slots-" + std::to_string(ps)));
+    ASSERT_TRUE(WriteEmbeddingShard(*old.back(), paths.back()).ok());
+  }
+  for (int ps = 0; ps < 2; ++ps) {
+    auto shard = RestoreEmbeddingShard(spec, 2, ps, 2, paths);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    EXPECT_EQ((*shard)->GetStats().rows, 25);
+    EXPECT_EQ((*shard)->GetStats().rows_restored, 25);
+    for (uint64_t id : Mine(**shard, all)) {
+      EXPECT_EQ(Read(**shard, {id}, false), Read(*old[id % 3], {id}, false)) << id;
+    }
+  }
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void Spill(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST_F(EmbeddingFileTest, BadFilesAreOneClearError) {
+  EmbeddingTableSpec spec = Spec("t", 4, 0, SparseOptimizerConfig::LAZY_ADAM);
+  auto shard = MakeShard(spec);
+  Read(*shard, Range(5000), true);
+  const std::string path = Path("t-0");
+  ASSERT_TRUE(WriteEmbeddingShard(*shard, path).ok());
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_), {}), 1);  // no temporary
+  const std::string good = Slurp(path);
+  auto restore = [&](const EmbeddingTableSpec& s) {
+    return RestoreEmbeddingShard(s, 1, 0, 1, {path}).status();
+  };
+  ASSERT_TRUE(restore(spec).ok());
+  auto expect = [&](absl::StatusCode code, absl::string_view text) {
+    absl::Status s = restore(spec);
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(path));
+    EXPECT_THAT(std::string(s.message()), HasSubstr(text));
+  };
+  Spill(path, good.substr(0, good.size() - 100));
+  expect(absl::StatusCode::kDataLoss, "truncated in block ");
+  Spill(path, good.substr(0, 30));
+  expect(absl::StatusCode::kDataLoss, "truncated in the header");
+  std::string flipped = good;
+  flipped[good.size() / 2] ^= 0x20;
+  Spill(path, flipped);
+  expect(absl::StatusCode::kDataLoss, "checksum mismatch");
+  Spill(path, good + "x");
+  expect(absl::StatusCode::kDataLoss, "bytes after the last row");
+  Spill(path, "not a snapshot at all");
+  expect(absl::StatusCode::kDataLoss, "bad magic");
+  Spill(path, good);
+  EmbeddingTableSpec other = spec;
+  other.set_dim(8);
+  EXPECT_THAT(restore(other).message(), HasSubstr("dim 4, not 8"));
+  other = spec;
+  other.mutable_optimizer()->set_kind(SparseOptimizerConfig::FTRL);
+  EXPECT_THAT(restore(other).message(), HasSubstr("optimizer lazy_adam, not ftrl"));
+  EXPECT_EQ(restore(other).code(), absl::StatusCode::kFailedPrecondition);
+  other = spec;
+  other.set_name("u");
+  EXPECT_THAT(restore(other).message(), HasSubstr("table t, not u"));
+  EXPECT_EQ(RestoreEmbeddingShard(spec, 1, 0, 1, {Path("none")}).status().code(),
+            absl::StatusCode::kNotFound);
+  absl::Status s = WriteEmbeddingShard(*shard, Path("no/such/dir/t"));
+  EXPECT_THAT(s.message(), HasSubstr("no/such/dir/t"));
 }
 
 }  // namespace
