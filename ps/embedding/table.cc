@@ -39,6 +39,15 @@ int64_t MapBytes(size_t capacity, size_t slot_bytes) {
   return capacity == 0 ? 0 : static_cast<int64_t>(capacity * (slot_bytes + 1) + 16);
 }
 
+// A row's record spans at most two cache lines when it is short; the first
+// two are what an update or a lookup of a short row reads.
+void PrefetchRow(const char* row) {
+  if (row != nullptr) {
+    __builtin_prefetch(row);
+    __builtin_prefetch(row + 64);
+  }
+}
+
 absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("EmbeddingTableSpec.", what));
 }
@@ -247,6 +256,22 @@ void EmbeddingShard::GroupByStripe(absl::Span<const uint64_t> ids, std::vector<u
   for (size_t i = 0; i < ids.size(); ++i) (*order)[count[stripe[i]]++] = static_cast<uint32_t>(i);
 }
 
+void EmbeddingShard::FindRows(Stripe& s, absl::Span<const uint64_t> ids,
+                              absl::Span<const uint32_t> group, bool train, int64_t step,
+                              std::vector<char*>* rows) {
+  // Rows are scattered over the slabs and the index: ask for the index
+  // entries a few ids ahead, so that their cache misses overlap.
+  constexpr size_t kAhead = 8;
+  rows->resize(group.size());
+  for (size_t k = 0; k < group.size(); ++k) {
+    if (!sharding_.fixed() && k + kAhead < group.size()) {
+      s.index.prefetch(Key(ids[group[k + kAhead]]));
+    }
+    const uint64_t key = Key(ids[group[k]]);
+    (*rows)[k] = FindRow(s, PlaceOf(key), key, train, step);
+  }
+}
+
 absl::Status EmbeddingShard::Lookup(absl::Span<const uint64_t> ids, bool train, int64_t step,
                                     absl::Span<float> out) {
   if (out.size() != ids.size() * dim_) {
@@ -259,15 +284,17 @@ absl::Status EmbeddingShard::Lookup(absl::Span<const uint64_t> ids, bool train, 
   std::array<uint32_t, kStripes + 1> begin;
   GroupByStripe(ids, &order, &begin);
   const size_t value_bytes = sizeof(float) * dim_;
+  std::vector<char*> rows;
   for (int si = 0; si < kStripes; ++si) {
     if (begin[si] == begin[si + 1]) continue;
+    const auto group = absl::MakeConstSpan(order).subspan(begin[si], begin[si + 1] - begin[si]);
     Stripe& s = stripes_[si];
     absl::MutexLock lock(&s.mu);
-    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
-      const uint32_t i = order[k];
-      const uint64_t key = Key(ids[i]);
-      float* dst = out.data() + size_t{i} * dim_;
-      char* row = FindRow(s, PlaceOf(key), key, train, step);
+    FindRows(s, ids, group, train, step, &rows);
+    for (size_t k = 0; k < group.size(); ++k) {
+      if (k + 4 < group.size()) PrefetchRow(rows[k + 4]);
+      float* dst = out.data() + size_t{group[k]} * dim_;
+      char* row = rows[k];
       if (row == nullptr) {
         std::memset(dst, 0, value_bytes);
         continue;
@@ -319,21 +346,22 @@ absl::StatusOr<EmbeddingShard::ApplyResult> EmbeddingShard::Apply(absl::Span<con
   GroupByStripe(ids, &order, &begin);
   const SparseStep sparse_step = optimizer_.StepAt(step);
   ApplyResult result;
+  std::vector<char*> rows;
   for (int si = 0; si < kStripes; ++si) {
     if (begin[si] == begin[si + 1]) continue;
+    const auto group = absl::MakeConstSpan(order).subspan(begin[si], begin[si + 1] - begin[si]);
     Stripe& s = stripes_[si];
     absl::MutexLock lock(&s.mu);
-    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
-      const uint32_t i = order[k];
-      const uint64_t key = Key(ids[i]);
-      char* row = FindRow(s, PlaceOf(key), key, /*train=*/false, step);
-      if (row == nullptr) {
+    FindRows(s, ids, group, /*train=*/false, step, &rows);
+    for (size_t k = 0; k < group.size(); ++k) {
+      if (k + 4 < group.size()) PrefetchRow(rows[k + 4]);
+      if (rows[k] == nullptr) {
         ++s.skipped;
         ++result.skipped;
         continue;
       }
-      float* w = reinterpret_cast<float*>(row + 8);
-      optimizer_.ApplyRow(sparse_step, dim_, grads.data() + size_t{i} * dim_, w, w + dim_);
+      float* w = reinterpret_cast<float*>(rows[k] + 8);
+      optimizer_.ApplyRow(sparse_step, dim_, grads.data() + size_t{group[k]} * dim_, w, w + dim_);
       ++result.applied;
     }
   }

@@ -163,6 +163,10 @@ class EmbeddingShard {
   // The row of `key` in stripe `s`, or null. Training may create it.
   char* FindRow(Stripe& s, Place place, uint64_t key, bool train, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // FindRow for ids[group[k]] into (*rows)[k].
+  void FindRows(Stripe& s, absl::Span<const uint64_t> ids, absl::Span<const uint32_t> group,
+                bool train, int64_t step, std::vector<char*>* rows)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   bool Admit(Stripe& s, uint64_t id, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   void InitRecord(uint64_t key, int64_t touch, char* row) const;
   int64_t ExpireStripe(Stripe& s, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
