@@ -440,13 +440,8 @@ int64_t EmbeddingShard::ExportStripe(int stripe, std::string* out) const {
   return rows;
 }
 
-void EmbeddingShard::ImportRecord(const char* record) {
-  uint64_t key;
-  std::memcpy(&key, record, 8);
-  const Place place = PlaceOf(key);
-  Stripe& s = stripes_[place.stripe];
-  absl::MutexLock lock(&s.mu);
-  uint32_t pos = place.pos;
+void EmbeddingShard::ImportRecord(Stripe& s, uint64_t key, const char* record) {
+  uint32_t pos = PlaceOf(key).pos;
   if (!sharding_.fixed()) {
     auto [it, inserted] = s.index.try_emplace(key, 0);
     if (inserted) it->second = NewPosition(s);
@@ -459,7 +454,8 @@ void EmbeddingShard::ImportRecord(const char* record) {
 
 absl::StatusOr<int64_t> EmbeddingShard::ImportRecords(absl::string_view records) {
   const size_t n = records.size() / record_bytes();
-  int64_t kept = 0;
+  std::vector<uint64_t> keys;  // of the records this shard keeps
+  std::vector<const char*> kept;
   for (size_t i = 0; i < n; ++i) {
     const char* record = records.data() + i * record_bytes();
     uint64_t key;
@@ -470,10 +466,31 @@ absl::StatusOr<int64_t> EmbeddingShard::ImportRecords(absl::string_view records)
     }
     // A fixed table's key is its row, whose owner is the row mod num_ps.
     if (sharding_.Owner(key) != ps_index_) continue;
-    ImportRecord(record);
-    ++kept;
+    keys.push_back(key);
+    kept.push_back(record);
   }
-  return kept;
+  std::vector<uint32_t> order;
+  std::array<uint32_t, kStripes + 1> begin;
+  GroupByStripe(keys, &order, &begin);
+  for (int si = 0; si < kStripes; ++si) {
+    Stripe& s = stripes_[si];
+    absl::MutexLock lock(&s.mu);
+    for (uint32_t k = begin[si]; k < begin[si + 1]; ++k) {
+      if (!sharding_.fixed() && k + 8 < begin[si + 1]) s.index.prefetch(keys[order[k + 8]]);
+      ImportRecord(s, keys[order[k]], kept[order[k]]);
+    }
+  }
+  return static_cast<int64_t>(keys.size());
+}
+
+void EmbeddingShard::Reserve(int64_t rows) {
+  if (sharding_.fixed() || rows <= 0) return;
+  // Ids spread over the stripes by hash: allow for the spread.
+  const int64_t per_stripe = rows / kStripes + rows / kStripes / 50 + 64;
+  for (Stripe& s : stripes_) {
+    absl::MutexLock lock(&s.mu);
+    s.index.reserve(static_cast<size_t>(per_stripe));
+  }
 }
 
 }  // namespace psflow::ps::embedding

@@ -124,6 +124,9 @@ class EmbeddingShard {
   // under its sharding, replacing rows it holds; returns how many it kept.
   // INVALID_ARGUMENT for a fixed table's row out of range.
   absl::StatusOr<int64_t> ImportRecords(absl::string_view records);
+  // Dynamic tables: sizes the id index for about `rows` rows on this shard,
+  // so that growing to them does not rehash (a restore knows its count).
+  void Reserve(int64_t rows);
 
  private:
   struct Stripe {
@@ -170,7 +173,9 @@ class EmbeddingShard {
   bool Admit(Stripe& s, uint64_t id, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   void InitRecord(uint64_t key, int64_t touch, char* row) const;
   int64_t ExpireStripe(Stripe& s, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
-  void ImportRecord(const char* record);  // one record of a key this shard owns
+  // One record of `key`, which this shard owns.
+  void ImportRecord(Stripe& s, uint64_t key, const char* record)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
 
   const EmbeddingTableSpec spec_;
   const Sharding sharding_;

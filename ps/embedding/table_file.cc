@@ -219,15 +219,12 @@ absl::Status CheckMatches(const Header& h, const EmbeddingShard& shard, const st
   return absl::OkStatus();
 }
 
-absl::Status RestoreFile(const std::string& path, EmbeddingShard& shard, std::string& buffer) {
-  FileReader in(path);
-  if (auto s = in.Open(); !s.ok()) return s;
-  auto header = ReadHeader(in);
-  if (!header.ok()) return header.status();
-  if (auto s = CheckMatches(*header, shard, path); !s.ok()) return s;
+// Reads the blocks of `in`, whose header `header` was read and checked.
+absl::Status RestoreBlocks(FileReader& in, const Header& header, EmbeddingShard& shard,
+                           std::string& buffer) {
   const int64_t record_bytes = shard.record_bytes();
   const int64_t max_block_rows = std::max<int64_t>(1, kBlockBytes / record_bytes);
-  for (int64_t left = header->rows, block = 0; left > 0; ++block) {
+  for (int64_t left = header.rows, block = 0; left > 0; ++block) {
     uint32_t head[2];
     const std::string where = absl::StrCat("block ", block);
     if (auto s = in.Read(head, sizeof(head), where); !s.ok()) return s;
@@ -252,9 +249,24 @@ absl::StatusOr<std::unique_ptr<EmbeddingShard>> RestoreEmbeddingShard(
     const std::vector<std::string>& paths) {
   auto shard = EmbeddingShard::Create(spec, num_ps, ps_index, seed);
   if (!shard.ok()) return shard.status();
-  std::string buffer;
+  // Every header first: a mismatched file fails before any row is read, and
+  // the row count sizes the index once.
+  std::vector<std::unique_ptr<FileReader>> files;
+  std::vector<Header> headers;
+  int64_t rows = 0;
   for (const std::string& path : paths) {
-    if (auto s = RestoreFile(path, **shard, buffer); !s.ok()) return s;
+    files.push_back(std::make_unique<FileReader>(path));
+    if (auto s = files.back()->Open(); !s.ok()) return s;
+    auto header = ReadHeader(*files.back());
+    if (!header.ok()) return header.status();
+    if (auto s = CheckMatches(*header, **shard, path); !s.ok()) return s;
+    rows += header->rows;
+    headers.push_back(*std::move(header));
+  }
+  (*shard)->Reserve(rows / num_ps);
+  std::string buffer;
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (auto s = RestoreBlocks(*files[i], headers[i], **shard, buffer); !s.ok()) return s;
   }
   return shard;
 }
