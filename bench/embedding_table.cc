@@ -39,6 +39,7 @@ ABSL_FLAG(int, dim, 16, "Floats per row.");
 ABSL_FLAG(int, batch, 4096, "Ids per lookup and per update.");
 ABSL_FLAG(int64_t, batches, 400, "Timed batches of lookups and of updates.");
 ABSL_FLAG(std::string, dir, "/tmp", "Where the snapshot file goes (removed after).");
+ABSL_FLAG(bool, memory_only, false, "Only fill the table and print its memory line (for sizing).");
 
 namespace psflow::ps::embedding {
 namespace {
@@ -47,6 +48,7 @@ struct Options {
   int64_t rows, batches;
   int dim, batch;
   std::string dir;
+  bool memory_only;
 };
 
 double Seconds(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
@@ -178,6 +180,7 @@ absl::Status Run(const Options& o) {
       "created_per_s=%.3g\n",
       static_cast<long long>(st.rows), o.dim, static_cast<long long>(st.row_bytes),
       st.bytes_per_row, st.bytes / 1e6, st.rows / fill_s);
+  if (o.memory_only) return absl::OkStatus();
   if (auto s = BenchRows(**shard, o); !s.ok()) return s;
   return BenchFiles(**shard, o);
 }
@@ -190,8 +193,8 @@ int main(int argc, char** argv) {
   psflow::ParseCommandLine(argc, argv, "an embedding table shard's rates beside flat baselines.",
                            {"embedding_table.cc"});
   psflow::ps::embedding::Options o{absl::GetFlag(FLAGS_rows), absl::GetFlag(FLAGS_batches),
-                                   absl::GetFlag(FLAGS_dim), absl::GetFlag(FLAGS_batch),
-                                   absl::GetFlag(FLAGS_dir)};
+                                   absl::GetFlag(FLAGS_dim),  absl::GetFlag(FLAGS_batch),
+                                   absl::GetFlag(FLAGS_dir),  absl::GetFlag(FLAGS_memory_only)};
   if (o.rows <= 0 || o.batches <= 0 || o.dim <= 0 || o.batch <= 0) {
     return psflow::FailWith("--rows, --batches, --dim and --batch must be positive");
   }

@@ -233,6 +233,10 @@ TEST(EmbeddingShardTest, ExpireDropsStaleRowsAndReusesTheirSpace) {
   EXPECT_EQ(st.rows, 1000);
   EXPECT_EQ(st.rows_expired, 2000);
   EXPECT_EQ(Read(*shard, {1}, false), std::vector<float>(4, 0.0f));
+  auto gone = shard->Apply({1, 0}, {1, 1, 1, 1, 1, 1, 1, 1}, 16);  // 1 expired, 0 kept
+  ASSERT_TRUE(gone.ok());
+  EXPECT_EQ(gone->skipped, 1);
+  EXPECT_EQ(gone->applied, 1);
   // New rows take the freed positions: no slab grows.
   Read(*shard, old_ids, true, 17);
   EXPECT_EQ(shard->GetStats().bytes - st.bytes, 0);
@@ -273,6 +277,30 @@ TEST(EmbeddingShardTest, ConcurrentLookupsAndUpdatesLoseNothing) {
       }
     });
   }
+  // Snapshots, stats and expiry meanwhile: each row in a file is whole.
+  threads.emplace_back([&] {
+    const std::string path = ::testing::TempDir() + "/concurrent_" + std::to_string(::getpid());
+    for (int r = 0; r < 10; ++r) {
+      EXPECT_TRUE(WriteEmbeddingShard(*shard, path).ok());
+      EXPECT_EQ(shard->Expire(r), 0);  // expire_steps 0: never
+      EXPECT_EQ(shard->GetStats().rows, 512);
+    }
+    auto copy = RestoreEmbeddingShard(shard->spec(), 1, 0, 1, {path});
+    ASSERT_TRUE(copy.ok()) << copy.status();
+    EXPECT_EQ((*copy)->GetStats().rows, 512);
+    for (uint64_t id : ids) {
+      // An update subtracts 0.125 from every element of the row at once: the
+      // file holds each row after the same number of updates in all four.
+      std::vector<float> row = Read(**copy, {id}, false),
+                         w(start.begin() + id * 4, start.begin() + id * 4 + 4);
+      int updates = 0;
+      for (; w[0] != row[0] && updates <= kThreads * kRounds; ++updates) {
+        for (float& x : w) x -= 0.5f * 0.25f;
+      }
+      EXPECT_EQ(w, row) << id << " after " << updates << " updates";
+    }
+    std::filesystem::remove(path);
+  });
   for (auto& t : threads) t.join();
   std::vector<float> want = start;
   for (float& w : want) {
