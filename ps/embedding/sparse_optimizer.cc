@@ -83,12 +83,17 @@ absl::StatusOr<SparseOptimizerConfig::Kind> ParseSparseOptimizerKind(absl::strin
   if (lower == "ftrl") return SparseOptimizerConfig::FTRL;
   constexpr absl::string_view kChoices =
       "embedding tables take sgd, rowwise_adagrad (adagrad), lazy_adam or ftrl";
-  if (lower == "adam" || lower == "adamw" || lower == "momentum" || lower == "nesterov" ||
-      lower == "rmsprop") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer \"", name, "\" is dense: ", kChoices,
-                     ", which update only the rows a batch touches (a dense rule would move "
-                     "every row's state each step)"));
+  if (lower == "adam" || lower == "adamw") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer \"", name, "\" is dense: ", kChoices,
+        " (dense Adam would move every row's moments each step; lazy_adam moves only the rows "
+        "a batch touches)"));
+  }
+  if (lower == "momentum" || lower == "nesterov" || lower == "rmsprop") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer \"", name, "\" is dense: ", kChoices,
+        " (a dense rule would move every row's state each step, not only the rows a batch "
+        "touches)"));
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown optimizer \"", name, "\": ", kChoices));
 }

@@ -9,6 +9,7 @@
 #define PSFLOW_PS_EMBEDDING_SPARSE_OPTIMIZER_H_
 
 #include <cstdint>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -25,7 +26,8 @@ absl::Status ValidateSparseOptimizer(const SparseOptimizerConfig& config);
 // The kind an optimizer name chooses for a table: "sgd", "adagrad" or
 // "rowwise_adagrad", "lazy_adam", "ftrl" (case-insensitive). Any other name
 // is INVALID_ARGUMENT in one line listing these; dense names ("adam",
-// "momentum", ...) are told why they are not offered.
+// "momentum", ...) are told why they are not offered: a dense rule moves
+// every row's state each step, touched or not.
 absl::StatusOr<SparseOptimizerConfig::Kind> ParseSparseOptimizerKind(absl::string_view name);
 // The canonical name of a kind ("rowwise_adagrad" for ROWWISE_ADAGRAD).
 absl::string_view SparseOptimizerName(SparseOptimizerConfig::Kind kind);

@@ -7,7 +7,6 @@
 #include <numbers>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace psflow::ps::embedding {
@@ -340,6 +339,10 @@ absl::Status EmbeddingShard::CheckGradients(absl::Span<const uint64_t> ids,
 absl::StatusOr<EmbeddingShard::ApplyResult> EmbeddingShard::Apply(absl::Span<const uint64_t> ids,
                                                                   absl::Span<const float> grads,
                                                                   int64_t step) {
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("embedding table \"", name(), "\": update at step ", step, " (< 0)"));
+  }
   if (auto s = CheckGradients(ids, grads); !s.ok()) return s;
   std::vector<uint32_t> order;
   std::array<uint32_t, kStripes + 1> begin;

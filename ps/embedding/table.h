@@ -15,7 +15,9 @@
 // concurrently. A stripe keeps its rows in slabs of about 64 KiB, a row's
 // record (last touch, values, optimizer state) contiguous, found through an
 // id -> position map (dynamic tables; a fixed table's position is computed),
-// and reuses the positions of expired rows. No allocation per row.
+// and reuses the positions of expired rows (slabs never shrink). No
+// allocation per row. A stripe's index grows (rehashes) under its lock
+// alone, so the memory of a rehash is a 64th of the index's.
 //
 // Thread-safe: every method may be called from several threads at once. A
 // call locks one stripe at a time, so a concurrent call sees each row either
@@ -77,7 +79,7 @@ class EmbeddingShard {
   // with its gradient row of `grads` ([ids.size(), dim]). INVALID_ARGUMENT,
   // before any row changes: an id twice (for a fixed table, two ids of one
   // row: the caller sums them), a non-finite gradient, an id another ps owns,
-  // `grads` of the wrong size.
+  // `grads` of the wrong size, a negative step.
   absl::StatusOr<ApplyResult> Apply(absl::Span<const uint64_t> ids, absl::Span<const float> grads,
                                     int64_t step);
 
@@ -96,7 +98,9 @@ class EmbeddingShard {
     int64_t rows_expired = 0;
     int64_t rows_restored = 0;
     int64_t admissions_refused = 0;  // training touches of ids left without a row
-    int64_t pending_ids = 0;         // ids counting touches toward admit_min_count
+    // Ids counting touches toward admit_min_count: kept until admitted, so
+    // they grow with the distinct ids seen that never reach the count.
+    int64_t pending_ids = 0;
     int64_t apply_skipped = 0;
   };
   Stats GetStats() const;

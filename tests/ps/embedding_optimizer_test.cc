@@ -92,6 +92,7 @@ TEST(SparseOptimizerTest, ParsesTableOptimizerNames) {
   EXPECT_THAT(adam.status().message(), HasSubstr("lazy_adam"));
   EXPECT_THAT(adam.status().message(), HasSubstr("every row"));
   EXPECT_EQ(adam.status().message().find('\n'), absl::string_view::npos);
+  EXPECT_THAT(ParseSparseOptimizerKind("momentum").status().message(), HasSubstr("is dense"));
   EXPECT_THAT(ParseSparseOptimizerKind("lbfgs").status().message(), HasSubstr("unknown"));
   EXPECT_EQ(SparseOptimizerName(SparseOptimizerConfig::FTRL), "ftrl");
 }

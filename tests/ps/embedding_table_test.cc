@@ -177,6 +177,7 @@ TEST(EmbeddingShardTest, BadUpdatesChangeNothing) {
   auto nan = shard->Apply({1, 2}, {1, 1, 1, NAN}, 0);
   EXPECT_THAT(nan.status().message(), HasSubstr("non-finite gradient nan for id 2"));
   EXPECT_FALSE(shard->Apply({1, 2}, {1, 1, 1}, 0).ok());
+  EXPECT_THAT(shard->Apply({1}, {1, 1}, -1).status().message(), HasSubstr("step -1"));
   EXPECT_EQ(Read(*shard, {1, 2}, false), before);
   // A fixed table: two ids of one row in one update.
   auto fixed = MakeShard(Spec("f", 2, 5));
