@@ -1,7 +1,8 @@
 // Which ps owns an embedding id: a fixed, documented rule, so that workers,
 // the chief, restores onto another ps count and programs outside psflow can
-// compute it. Ids are unsigned 64-bit (an int64 id on the wire is read as its
-// two's-complement bits).
+// compute it. Ids are unsigned 64-bit: an int64 id on the wire is read as its
+// two's-complement bits (a span of int64_t may be passed on as uint64_t by
+// reinterpret_cast: the signed and unsigned types may alias).
 //
 // Dynamic tables (EmbeddingTableSpec.rows 0):
 //   owner = SplitMix64(id) mod num_ps

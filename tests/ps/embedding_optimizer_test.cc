@@ -46,8 +46,9 @@ TEST(ShardingTest, FixedRowsGoRoundRobin) {
   EXPECT_EQ(s.LocalIndex(3), 1);
   EXPECT_EQ(s.Owner(8), 2);
   EXPECT_EQ(s.LocalIndex(8), 2);
-  EXPECT_EQ(s.Owner(~0ull), static_cast<int>((~0ull % 10) % 3));  // row 5: ps 2
-  EXPECT_EQ(s.LocalRows(0), 4);                                   // rows 0 3 6 9
+  EXPECT_EQ(s.Row(~0ull), 5u);
+  EXPECT_EQ(s.Owner(~0ull), 2);
+  EXPECT_EQ(s.LocalRows(0), 4);  // rows 0 3 6 9
   EXPECT_EQ(s.LocalRows(1), 3);
   EXPECT_EQ(s.LocalRows(2), 3);
   EXPECT_EQ(Sharding(2, 3).LocalRows(2), 0);

@@ -228,6 +228,7 @@ TEST(EmbeddingShardTest, ExpireDropsStaleRowsAndReusesTheirSpace) {
   Read(*shard, new_ids, true, 0);
   Read(*shard, new_ids, true, 10);                        // the last touch of these: 10
   ASSERT_TRUE(shard->Apply({1}, {1, 1, 1, 1}, 10).ok());  // an update is not a touch
+  Read(*shard, old_ids, /*train=*/false, 14);             // nor is an evaluation lookup
   // Touched at 0: dropped. At 10: kept (15 - 10 is not more than 5).
   EXPECT_EQ(shard->Expire(15), static_cast<int64_t>(old_ids.size()));
   EmbeddingShard::Stats st = shard->GetStats();
