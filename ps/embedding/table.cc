@@ -127,6 +127,10 @@ EmbeddingShard::EmbeddingShard(const EmbeddingTableSpec& spec, int num_ps, int p
                       : static_cast<float>(1 / std::sqrt(static_cast<double>(dim_)))),
       name_hash_(Fnv1a64(spec.name())) {}
 
+int EmbeddingShard::FirstStripe() {
+  return static_cast<int>(next_first_stripe_.fetch_add(1, std::memory_order_relaxed) % kStripes);
+}
+
 void EmbeddingShard::AllocateFixedRows() {
   const int64_t local_rows = sharding_.LocalRows(ps_index_);
   for (int64_t local = 0; local < local_rows; ++local) {
@@ -284,7 +288,9 @@ absl::Status EmbeddingShard::Lookup(absl::Span<const uint64_t> ids, bool train, 
   GroupByStripe(ids, &order, &begin);
   const size_t value_bytes = sizeof(float) * dim_;
   std::vector<char*> rows;
-  for (int si = 0; si < kStripes; ++si) {
+  const int first = FirstStripe();
+  for (int n = 0; n < kStripes; ++n) {
+    const int si = (first + n) % kStripes;
     if (begin[si] == begin[si + 1]) continue;
     const auto group = absl::MakeConstSpan(order).subspan(begin[si], begin[si + 1] - begin[si]);
     Stripe& s = stripes_[si];
@@ -350,7 +356,9 @@ absl::StatusOr<EmbeddingShard::ApplyResult> EmbeddingShard::Apply(absl::Span<con
   const SparseStep sparse_step = optimizer_.StepAt(step);
   ApplyResult result;
   std::vector<char*> rows;
-  for (int si = 0; si < kStripes; ++si) {
+  const int first = FirstStripe();
+  for (int n = 0; n < kStripes; ++n) {
+    const int si = (first + n) % kStripes;
     if (begin[si] == begin[si + 1]) continue;
     const auto group = absl::MakeConstSpan(order).subspan(begin[si], begin[si + 1] - begin[si]);
     Stripe& s = stripes_[si];

@@ -29,6 +29,7 @@
 #define PSFLOW_PS_EMBEDDING_TABLE_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -155,6 +156,7 @@ class EmbeddingShard {
   EmbeddingShard(const EmbeddingTableSpec& spec, int num_ps, int ps_index, uint64_t seed,
                  SparseOptimizer optimizer);
   void AllocateFixedRows();
+  int FirstStripe();
   absl::Status CheckOwned(absl::Span<const uint64_t> ids) const;
   absl::Status CheckGradients(absl::Span<const uint64_t> ids, absl::Span<const float> grads) const;
   // The key of an id (its row for a fixed table) and where it lives.
@@ -192,6 +194,10 @@ class EmbeddingShard {
   const int slab_shift_;      // a slab holds 1 << slab_shift_ rows
   const float init_scale_;
   const uint64_t name_hash_;  // FNV-1a of the table name: seeds initial values
+  // Where the next Lookup or Apply starts its walk over the stripes: calls
+  // that start apart do not queue behind each other stripe after stripe. A
+  // hint only; any value is correct.
+  std::atomic<uint32_t> next_first_stripe_{0};
   std::array<Stripe, kStripes> stripes_;
 };
 
