@@ -781,4 +781,8 @@ absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CudaBackend::CreateGlobalAvgPool(
   return cuda_internal::CreateGlobalAvgPool(ctx_, shape);
 }
 
+absl::StatusOr<std::unique_ptr<EmbeddingBag>> CudaBackend::CreateEmbeddingBag(int64_t dim) {
+  return cuda_internal::CreateEmbeddingBag(ctx_, dim);
+}
+
 }  // namespace psflow::kernels

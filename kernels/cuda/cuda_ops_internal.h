@@ -198,6 +198,8 @@ absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CreateGlobalAvgPool(
     const std::shared_ptr<CudaContext>& ctx, const GlobalAvgPoolShape& shape);
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(
     const std::shared_ptr<CudaContext>& ctx, int batch, int classes);
+absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(
+    const std::shared_ptr<CudaContext>& ctx, int64_t dim);
 
 }  // namespace psflow::kernels::cuda_internal
 

@@ -95,6 +95,9 @@ class WrappedBackend final : public Backend {
       const GlobalAvgPoolShape& shape) override {
     return inner_->CreateGlobalAvgPool(shape);
   }
+  absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(int64_t dim) override {
+    return inner_->CreateEmbeddingBag(dim);
+  }
 
  private:
   Backend* const inner_;
