@@ -203,7 +203,8 @@ class EmbeddingBag {
   // page-locked memory of the op's (the plan may change once this returns);
   // it waits for the copy of the previous SetPlan, not for the work queued
   // since. Not inside Capture. INVALID_ARGUMENT for an inconsistent plan
-  // (CheckEmbeddingPlan), which leaves the previous plan in place.
+  // (CheckEmbeddingPlan), which leaves the previous plan in place; after
+  // any other error the op has no plan.
   virtual absl::Status SetPlan(const EmbeddingPlan& plan) = 0;
   // out[g] = sum over bag g's occurrences k of bag_coefs[k] * rows[bag_rows[k]].
   virtual absl::Status Forward(const float* rows, float* out) = 0;

@@ -748,6 +748,7 @@ class LoopEmbeddingBag final : public EmbeddingBag {
 
   absl::Status SetPlan(const EmbeddingPlan& plan) override {
     PSFLOW_RETURN_IF_ERROR(CheckEmbeddingPlan(plan));
+    has_plan_ = false;  // until this one is in place
     plan_.batch = plan.batch;
     plan_.features = plan.features;
     plan_.bag_offsets = plan.bag_offsets;

@@ -207,6 +207,7 @@ class CudaEmbeddingBag final : public EmbeddingBag {
   absl::Status SetPlan(const EmbeddingPlan& plan) override {
     PSFLOW_RETURN_IF_ERROR(Annotate(CheckEmbeddingPlan(plan), what_));
     return RunIn(*ctx_, what_, "plan", [&]() -> absl::Status {
+      has_plan_ = false;  // until this one is in place
       const std::array<Words, 6> arrays = {Words(plan.bag_offsets), Words(plan.bag_rows),
                                            Words(plan.bag_coefs),   Words(plan.row_offsets),
                                            Words(plan.row_bags),    Words(plan.row_coefs)};
@@ -289,7 +290,6 @@ class CudaEmbeddingBag final : public EmbeddingBag {
   // once the work queued on it is done (DeviceDeleter).
   absl::Status Reserve(size_t words) {
     if (words <= capacity_) return absl::OkStatus();
-    has_plan_ = false;  // its arrays go with the blocks
     capacity_ = 0;
     PSFLOW_CUDA_CHECK(cudaEventSynchronize(staged_));
     if (staging_ != nullptr) PSFLOW_CUDA_CHECK(cudaFreeHost(staging_));
