@@ -239,6 +239,37 @@ class SoftmaxCrossEntropy {
   virtual absl::Status Backward(const float* probs, const int32_t* labels, float* dlogits) = 0;
 };
 
+struct EmbeddingPlan;  // kernels/embedding_plan.h
+
+// The sums of a sparse embedding table's rows over bags, for one table of
+// `dim` floats a row, on the plan of one batch (kernels/embedding_plan.h).
+// rows and row_grads: [plan.unique(), dim], the plan's unique ids in order;
+// out and dy: [plan.bags(), dim], bag f * batch + b. Every output row is
+// written (zeros where nothing is summed), each by one thread summing in the
+// plan's order: no atomics, the same bits every run and at any thread count.
+class EmbeddingBag {
+ public:
+  virtual ~EmbeddingBag() = default;
+  // Copies the plan's index arrays into memory of the op's backend, which
+  // grows to the largest plan so far and is reused; the calls after it run
+  // on this plan. On a GPU the copy is queued on the backend's stream from
+  // page-locked memory of the op's (the plan may change once this returns);
+  // it waits for the copy of the previous SetPlan, not for the work queued
+  // since. Not inside Capture. INVALID_ARGUMENT for an inconsistent plan
+  // (CheckEmbeddingPlan), which leaves the previous plan in place; after
+  // any other error the op has no plan.
+  virtual absl::Status SetPlan(const EmbeddingPlan& plan) = 0;
+  // out[g] = sum over bag g's occurrences k of bag_coefs[k] * rows[bag_rows[k]].
+  virtual absl::Status Forward(const float* rows, float* out) = 0;
+  // row_grads[u] = sum over row u's occurrences k of row_coefs[k] *
+  // dy[row_bags[k]] (overwritten): the gradient of Forward's rows.
+  virtual absl::Status Backward(const float* dy, float* row_grads) = 0;
+  // The sizes of the plan set last (0 before the first SetPlan, when Forward
+  // and Backward are FAILED_PRECONDITION).
+  virtual int64_t bags() const = 0;
+  virtual int64_t unique() const = 0;
+};
+
 // A point in a backend's queued work that other queues (a GPU group's
 // communication) can wait for: RecordEvent sets it.
 class Event {
@@ -456,6 +487,8 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) = 0;
   virtual absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
       const InteractionShape& shape) = 0;
+  // dim: the floats of a row (> 0).
+  virtual absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(int64_t dim) = 0;
 };
 
 // Creates the backend for a device name: "cpu" (oneDNN), or "cuda:N" (cuDNN

@@ -117,6 +117,11 @@ absl::StatusOr<std::string> CheckRelu(int64_t size) {
                  size <= 0 ? "size must be positive" : nullptr);
 }
 
+absl::StatusOr<std::string> CheckEmbeddingBag(int64_t dim) {
+  return Checked(absl::StrFormat("EmbeddingBag(dim=%d)", dim),
+                 dim <= 0 ? "dim must be positive" : nullptr);
+}
+
 absl::StatusOr<std::string> CheckSoftmaxCrossEntropy(int batch, int classes) {
   return Checked(absl::StrFormat("SoftmaxCrossEntropy(N=%d classes=%d)", batch, classes),
                  batch <= 0 || classes <= 0 ? "all dimensions must be positive" : nullptr);

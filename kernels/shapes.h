@@ -20,7 +20,8 @@ namespace psflow::kernels {
 // or INVALID_ARGUMENT "<description>: <why>" unless the sizes are positive,
 // the padding is not negative, the kernel or window fits its (padded) input
 // and a batch-norm epsilon is finite and not negative. Relu and
-// SoftmaxCrossEntropy take plain sizes rather than a shape struct.
+// SoftmaxCrossEntropy take plain sizes rather than a shape struct, EmbeddingBag
+// its row size.
 absl::StatusOr<std::string> CheckShape(const Conv2DShape& s);
 absl::StatusOr<std::string> CheckShape(const Pool2DShape& s);
 absl::StatusOr<std::string> CheckShape(const BatchNormShape& s);
@@ -35,6 +36,7 @@ absl::StatusOr<std::string> CheckShape(const InteractionShape& s);
 absl::Status CheckJoinArgs(absl::string_view what, absl::Span<const float* const> xs,
                            absl::Span<float* const> dxs, absl::Span<const uint8_t> add, size_t n);
 absl::StatusOr<std::string> CheckRelu(int64_t size);
+absl::StatusOr<std::string> CheckEmbeddingBag(int64_t dim);
 absl::StatusOr<std::string> CheckSoftmaxCrossEntropy(int batch, int classes);
 
 // Backend::ApplyOptimizer's tensors: INVALID_ARGUMENT "ApplyOptimizer:

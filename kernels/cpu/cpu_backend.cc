@@ -22,6 +22,7 @@
 
 #include "common/cpu_count.h"
 #include "common/status_macros.h"
+#include "kernels/embedding_plan.h"
 #include "kernels/host_memory.h"
 #include "kernels/shapes.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -717,6 +718,93 @@ class LoopGlobalAvgPool final : public GlobalAvgPool {
   const int64_t planes_, plane_size_;
 };
 
+// ---------------------------------------------------------------- EmbeddingBag
+
+// dst[i] = sum over k in [offsets[i], offsets[i+1]) of coefs[k] *
+// src[index[k]], for n rows of dim floats: both directions of EmbeddingBag
+// (the backward map is the forward one transposed). One thread per output
+// row, summing in k order, so the bits do not depend on the team size.
+void GatherSum(const int32_t* offsets, const int32_t* index, const float* coefs, const float* src,
+               int64_t dim, int64_t n, float* dst, bool parallel) {
+#pragma omp parallel for schedule(dynamic, 16) if (parallel)
+  for (int64_t i = 0; i < n; ++i) {
+    float* out = dst + i * dim;
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) out[j] = 0.0f;
+    for (int32_t k = offsets[i]; k < offsets[i + 1]; ++k) {
+      const float c = coefs[k];
+      const float* in = src + static_cast<int64_t>(index[k]) * dim;
+#pragma omp simd
+      for (int64_t j = 0; j < dim; ++j) out[j] += c * in[j];
+    }
+  }
+}
+
+// Keeps a copy of the plan's maps (host memory is the backend's memory).
+class LoopEmbeddingBag final : public EmbeddingBag {
+ public:
+  LoopEmbeddingBag(std::shared_ptr<DnnlContext> ctx, int64_t dim)
+      : ctx_(std::move(ctx)), dim_(dim) {}
+
+  absl::Status SetPlan(const EmbeddingPlan& plan) override {
+    PSFLOW_RETURN_IF_ERROR(CheckEmbeddingPlan(plan));
+    has_plan_ = false;  // until this one is in place
+    plan_.batch = plan.batch;
+    plan_.features = plan.features;
+    plan_.bag_offsets = plan.bag_offsets;
+    plan_.bag_rows = plan.bag_rows;
+    plan_.bag_coefs = plan.bag_coefs;
+    plan_.row_offsets = plan.row_offsets;
+    plan_.row_bags = plan.row_bags;
+    plan_.row_coefs = plan.row_coefs;
+    unique_ = plan.unique();
+    has_plan_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const float* rows, float* out) override {
+    PSFLOW_RETURN_IF_ERROR(
+        Check("EmbeddingBag forward", {"rows", rows}, unique_, {"out", out}, bags()));
+    return Run(plan_.bag_offsets, plan_.bag_rows, plan_.bag_coefs, rows, bags(), out);
+  }
+
+  absl::Status Backward(const float* dy, float* row_grads) override {
+    PSFLOW_RETURN_IF_ERROR(
+        Check("EmbeddingBag backward", {"dy", dy}, bags(), {"row_grads", row_grads}, unique_));
+    return Run(plan_.row_offsets, plan_.row_bags, plan_.row_coefs, dy, unique_, row_grads);
+  }
+
+  int64_t bags() const override { return plan_.bags(); }
+  int64_t unique() const override { return unique_; }
+
+ private:
+  using Arg = std::pair<absl::string_view, const void*>;
+
+  // A plan, and the pointers to its sizes (null allowed where they are 0 rows).
+  absl::Status Check(absl::string_view op, Arg in, int64_t in_rows, Arg out,
+                     int64_t out_rows) const {
+    if (!has_plan_) return absl::FailedPreconditionError(absl::StrCat(op, ": no plan set"));
+    if (in_rows > 0) PSFLOW_RETURN_IF_ERROR(CheckNonNull(op, {in}));
+    if (out_rows > 0) PSFLOW_RETURN_IF_ERROR(CheckNonNull(op, {out}));
+    return absl::OkStatus();
+  }
+
+  absl::Status Run(const std::vector<int32_t>& offsets, const std::vector<int32_t>& index,
+                   const std::vector<float>& coefs, const float* src, int64_t n, float* dst) {
+    if (n == 0) return absl::OkStatus();
+    const bool parallel = n > 1 && (static_cast<int64_t>(index.size()) + n) * dim_ >= kMinParallel;
+    return ctx_->RunLoops([&] {
+      GatherSum(offsets.data(), index.data(), coefs.data(), src, dim_, n, dst, parallel);
+    });
+  }
+
+  std::shared_ptr<DnnlContext> ctx_;
+  const int64_t dim_;
+  EmbeddingPlan plan_;  // its maps; unique_ids stay empty (the op never needs them)
+  int64_t unique_ = 0;
+  bool has_plan_ = false;
+};
+
 // ---------------------------------------------------------------- Concat and Interaction
 
 // Plain copies per example, OpenMP-parallel over the examples of a large
@@ -1091,6 +1179,11 @@ absl::StatusOr<std::unique_ptr<BatchNorm>> CpuBackend::CreateBatchNorm(
     const BatchNormShape& shape) {
   PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckShape(shape));
   return Build<BatchNorm>(what, [&] { return std::make_unique<DnnlBatchNorm>(ctx_, shape); });
+}
+
+absl::StatusOr<std::unique_ptr<EmbeddingBag>> CpuBackend::CreateEmbeddingBag(int64_t dim) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckEmbeddingBag(dim));
+  return Build<EmbeddingBag>(what, [&] { return std::make_unique<LoopEmbeddingBag>(ctx_, dim); });
 }
 
 absl::StatusOr<std::unique_ptr<GlobalAvgPool>> CpuBackend::CreateGlobalAvgPool(

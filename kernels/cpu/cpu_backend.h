@@ -7,7 +7,7 @@
 // ops build their forward primitives alone; max pooling's is then oneDNN's
 // inference primitive, which needs no arg-max workspace. Work that
 // oneDNN has no primitive for (global average pooling, the elementwise
-// helpers, the loss) is plain loops, OpenMP-parallel where the size pays for
+// helpers, the loss, embedding bags) is plain loops, OpenMP-parallel where the size pays for
 // it. Buffers are 64-byte aligned, zero-filled host memory; Copy* is memcpy
 // and all work has finished when an op returns, so Synchronize has nothing to
 // wait for. There are no graphs: Capture is UNIMPLEMENTED.
@@ -82,6 +82,7 @@ class CpuBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) override;
   absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
       const InteractionShape& shape) override;
+  absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(int64_t dim) override;
 
  private:
   CpuBackend(std::shared_ptr<cpu_internal::DnnlContext> ctx, int threads);

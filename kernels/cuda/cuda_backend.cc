@@ -790,4 +790,8 @@ absl::StatusOr<std::unique_ptr<Interaction>> CudaBackend::CreateInteraction(
   return cuda_internal::CreateInteraction(ctx_, shape);
 }
 
+absl::StatusOr<std::unique_ptr<EmbeddingBag>> CudaBackend::CreateEmbeddingBag(int64_t dim) {
+  return cuda_internal::CreateEmbeddingBag(ctx_, dim);
+}
+
 }  // namespace psflow::kernels

@@ -43,6 +43,10 @@
 //   finds each window's maximum again from them): those buffers must still
 //   hold the forward's values when Backward is queued. BatchNorm keeps its
 //   saved mean and inverse standard deviation in buffers of its own.
+// - EmbeddingBag's SetPlan packs the plan's arrays into page-locked memory of
+//   the op's and queues one copy of them; before it packs the next plan
+//   there it waits (on the host) for that copy, which is why SetPlan has no
+//   place inside Capture. Forward and Backward are one kernel each.
 // - Every entry point (ops, helpers, buffers' and ops' destruction) makes the
 //   backend's GPU current on the calling thread and restores the previous one
 //   afterwards, so any thread may use the backend. Errors of CUDA, cuDNN and
@@ -173,6 +177,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const ConcatShape& shape) override;
   absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
       const InteractionShape& shape) override;
+  absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(int64_t dim) override;
 
  private:
   explicit CudaBackend(std::shared_ptr<cuda_internal::CudaContext> ctx);

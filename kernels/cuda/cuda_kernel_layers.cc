@@ -1,17 +1,23 @@
 // The ops on psflow's own kernels (cuda_kernels.cu): BatchNorm,
-// GlobalAvgPool and SoftmaxCrossEntropy, each owning its scratch memory. See
+// GlobalAvgPool, SoftmaxCrossEntropy and EmbeddingBag, each owning its
+// scratch memory. See
 // cuda_backend.h for the contract.
 #include <cuda_runtime.h>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/embedding_plan.h"
 #include "kernels/shapes.h"
 
 namespace psflow::kernels::cuda_internal {
@@ -277,6 +283,142 @@ class CudaSoftmaxCrossEntropy final : public SoftmaxCrossEntropy {
   const std::string what_;
   DevicePtr scratch_;
 };
+
+// ---------------------------------------------------------------- EmbeddingBag
+
+// The plan's six arrays (4-byte words all) are packed into one page-locked
+// staging block and cross in one copy into one device block; both grow to
+// the largest plan so far and are reused. The staging block changes only
+// once the copy out of it is done (`staged_`, recorded after that copy).
+class CudaEmbeddingBag final : public EmbeddingBag {
+ public:
+  CudaEmbeddingBag(std::shared_ptr<CudaContext> ctx, absl::string_view what, int64_t dim)
+      : ctx_(std::move(ctx)), what_(what), dim_(dim) {}
+
+  ~CudaEmbeddingBag() override {
+    Scope scope(*ctx_);
+    if (staged_ != nullptr) {
+      static_cast<void>(cudaEventSynchronize(staged_));
+      static_cast<void>(cudaEventDestroy(staged_));
+    }
+    if (staging_ != nullptr) static_cast<void>(cudaFreeHost(staging_));
+  }
+
+  absl::Status Init() {
+    PSFLOW_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
+
+  absl::Status SetPlan(const EmbeddingPlan& plan) override {
+    PSFLOW_RETURN_IF_ERROR(Annotate(CheckEmbeddingPlan(plan), what_));
+    return RunIn(*ctx_, what_, "plan", [&]() -> absl::Status {
+      has_plan_ = false;  // until this one is in place
+      const std::array<Words, 6> arrays = {Words(plan.bag_offsets), Words(plan.bag_rows),
+                                           Words(plan.bag_coefs),   Words(plan.row_offsets),
+                                           Words(plan.row_bags),    Words(plan.row_coefs)};
+      size_t words = 0;
+      for (const Words& a : arrays) words += a.size;
+      PSFLOW_RETURN_IF_ERROR(Reserve(words));
+      // The previous plan's copy may still be reading the staging block.
+      PSFLOW_CUDA_CHECK(cudaEventSynchronize(staged_));
+      int32_t* host = static_cast<int32_t*>(staging_);
+      int32_t* device = static_cast<int32_t*>(device_.get());
+      std::array<int32_t*, 6> placed{};
+      size_t at = 0;
+      for (size_t i = 0; i < arrays.size(); ++i) {
+        std::memcpy(host + at, arrays[i].data, arrays[i].size * sizeof(int32_t));
+        placed[i] = device + at;
+        at += arrays[i].size;
+      }
+      PSFLOW_CUDA_CHECK(cudaMemcpyAsync(device, host, words * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, ctx_->stream));
+      PSFLOW_CUDA_CHECK(cudaEventRecord(staged_, ctx_->stream));
+      forward_ = {placed[0], placed[1], reinterpret_cast<const float*>(placed[2])};
+      backward_ = {placed[3], placed[4], reinterpret_cast<const float*>(placed[5])};
+      bags_ = plan.bags(), unique_ = plan.unique();
+      has_plan_ = true;
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Forward(const float* rows, float* out) override {
+    return RunIn(*ctx_, what_, "forward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(Check({"rows", rows}, unique_, {"out", out}, bags_));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchGatherSum(
+          forward_.offsets, forward_.index, forward_.coefs, rows, dim_, bags_, out, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Backward(const float* dy, float* row_grads) override {
+    return RunIn(*ctx_, what_, "backward", [&]() -> absl::Status {
+      PSFLOW_RETURN_IF_ERROR(Check({"dy", dy}, bags_, {"row_grads", row_grads}, unique_));
+      PSFLOW_CUDA_CHECK(cuda_internal::LaunchGatherSum(backward_.offsets, backward_.index,
+                                                       backward_.coefs, dy, dim_, unique_,
+                                                       row_grads, ctx_->stream));
+      return absl::OkStatus();
+    });
+  }
+
+  int64_t bags() const override { return bags_; }
+  int64_t unique() const override { return unique_; }
+
+ private:
+  // One CSR map in the device block.
+  struct Map {
+    const int32_t* offsets = nullptr;
+    const int32_t* index = nullptr;
+    const float* coefs = nullptr;
+  };
+  using Arg = std::pair<absl::string_view, const void*>;
+
+  // One of the plan's arrays, as the 4-byte words it copies.
+  struct Words {
+    template <typename T>
+    explicit Words(const std::vector<T>& v) : data(v.data()), size(v.size()) {
+      static_assert(sizeof(T) == sizeof(int32_t));
+    }
+    const void* data;
+    size_t size;
+  };
+
+  // A plan, and the pointers to its sizes (null allowed where they are 0 rows).
+  absl::Status Check(Arg in, int64_t in_rows, Arg out, int64_t out_rows) const {
+    if (!has_plan_) return absl::FailedPreconditionError("no plan set");
+    if (in_rows > 0) PSFLOW_RETURN_IF_ERROR(CheckNonNull({in}));
+    if (out_rows > 0) PSFLOW_RETURN_IF_ERROR(CheckNonNull({out}));
+    return absl::OkStatus();
+  }
+
+  // Room for `words` in both blocks, half as much again as asked when they
+  // grow (batches differ a little in size); the old device block is freed
+  // once the work queued on it is done (DeviceDeleter).
+  absl::Status Reserve(size_t words) {
+    if (words <= capacity_) return absl::OkStatus();
+    capacity_ = 0;
+    PSFLOW_CUDA_CHECK(cudaEventSynchronize(staged_));
+    if (staging_ != nullptr) PSFLOW_CUDA_CHECK(cudaFreeHost(staging_));
+    staging_ = nullptr;
+    device_.reset();
+    const size_t grown = words + words / 2;
+    PSFLOW_CUDA_CHECK(cudaHostAlloc(&staging_, grown * sizeof(int32_t), cudaHostAllocPortable));
+    PSFLOW_RETURN_IF_ERROR(AllocateDevice(ctx_, grown * sizeof(int32_t), false, device_));
+    capacity_ = grown;
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<CudaContext> ctx_;
+  const std::string what_;
+  const int64_t dim_;
+  cudaEvent_t staged_ = nullptr;
+  void* staging_ = nullptr;  // page-locked, capacity_ words
+  DevicePtr device_;         // capacity_ words
+  size_t capacity_ = 0;
+  Map forward_, backward_;
+  int64_t bags_ = 0, unique_ = 0;
+  bool has_plan_ = false;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<BatchNorm>> CreateBatchNorm(const std::shared_ptr<CudaContext>& ctx,
@@ -310,6 +452,12 @@ absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
       CheckElementCount(what, {{"y", int64_t{shape.batch} * shape.out_width()},
                                {"dx", int64_t{shape.batch} * shape.features * shape.dim}}));
   return Build<Interaction, CudaInteraction>(ctx, what, shape);
+}
+
+absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(
+    const std::shared_ptr<CudaContext>& ctx, int64_t dim) {
+  PSFLOW_ASSIGN_OR_RETURN(const std::string what, CheckEmbeddingBag(dim));
+  return Build<EmbeddingBag, CudaEmbeddingBag>(ctx, what, dim);
 }
 
 absl::StatusOr<std::unique_ptr<SoftmaxCrossEntropy>> CreateSoftmaxCrossEntropy(

@@ -172,6 +172,22 @@ __global__ void GlobalAvgPoolBackwardKernel(const float* dy, float* dx, int64_t 
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) dx[i] = dy[i / hw] * inv;
 }
 
+// ---------------------------------------------------------------- embedding bags
+
+__global__ void GatherSumKernel(const int32_t* offsets, const int32_t* index, const float* coefs,
+                                const float* src, int64_t dim, int64_t n, float* dst) {
+  const int lane = Lane();
+  for (int64_t row = GlobalWarp(); row < n; row += GridWarps()) {
+    const int32_t begin = offsets[row], end = offsets[row + 1];
+    float* out = dst + row * dim;
+    for (int64_t j = lane; j < dim; j += kWarpSize) {
+      float sum = 0.0f;
+      for (int32_t k = begin; k < end; ++k) sum += coefs[k] * src[index[k] * dim + j];
+      out[j] = sum;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- softmax cross-entropy
 
 // One warp per example: max and first arg-max, sum of exp(x - max), then the
@@ -671,6 +687,15 @@ cudaError_t LaunchGlobalAvgPoolBackward(const float* dy, float* dx, int64_t rows
   if (rows <= 0 || hw <= 0) return cudaSuccess;
   const int64_t n = rows * hw;
   GlobalAvgPoolBackwardKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(dy, dx, n, hw);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherSum(const int32_t* offsets, const int32_t* index, const float* coefs,
+                            const float* src, int64_t dim, int64_t n, float* dst,
+                            cudaStream_t stream) {
+  if (n <= 0 || dim <= 0) return cudaSuccess;
+  GatherSumKernel<<<BlocksFor(n, kWarpsPerBlock), kThreads, 0, stream>>>(offsets, index, coefs, src,
+                                                                         dim, n, dst);
   return cudaGetLastError();
 }
 

@@ -117,6 +117,15 @@ cudaError_t LaunchGlobalAvgPoolForward(const float* x, float* y, int64_t rows, i
 cudaError_t LaunchGlobalAvgPoolBackward(const float* dy, float* dx, int64_t rows, int64_t hw,
                                         cudaStream_t stream);
 
+// dst[i, :] = sum over k in [offsets[i], offsets[i+1]) of coefs[k] *
+// src[index[k], :] for the n rows of dim floats of dst (int32 CSR arrays in
+// device memory): both directions of EmbeddingBag. One warp per row, each
+// lane its columns, summing in k order: every row written (zeros for an
+// empty one), no atomics, the same bits every run.
+cudaError_t LaunchGatherSum(const int32_t* offsets, const int32_t* index, const float* coefs,
+                            const float* src, int64_t dim, int64_t n, float* dst,
+                            cudaStream_t stream);
+
 // Softmax + cross-entropy over `batch` rows of `classes` logits.
 // probs[i, :] = softmax(logits[i, :]); per example the loss
 // logsumexp(logits[i, :]) - logits[i, labels[i]] and whether the first arg-max

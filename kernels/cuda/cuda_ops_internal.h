@@ -202,6 +202,8 @@ absl::StatusOr<std::unique_ptr<Concat>> CreateConcat(const std::shared_ptr<CudaC
                                                      const ConcatShape& shape);
 absl::StatusOr<std::unique_ptr<Interaction>> CreateInteraction(
     const std::shared_ptr<CudaContext>& ctx, const InteractionShape& shape);
+absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(
+    const std::shared_ptr<CudaContext>& ctx, int64_t dim);
 
 }  // namespace psflow::kernels::cuda_internal
 

@@ -102,6 +102,9 @@ class WrappedBackend final : public Backend {
       const InteractionShape& shape) override {
     return inner_->CreateInteraction(shape);
   }
+  absl::StatusOr<std::unique_ptr<EmbeddingBag>> CreateEmbeddingBag(int64_t dim) override {
+    return inner_->CreateEmbeddingBag(dim);
+  }
 
  private:
   Backend* const inner_;
