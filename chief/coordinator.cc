@@ -804,8 +804,9 @@ void Coordinator::LogDone() {
   const Progress::Summary s = progress_->summary();
   std::string eval;
   if (const std::optional<EvalResult> r = evaluators_.final_result(); r.has_value()) {
-    eval = absl::StrFormat(", test loss %.4f acc %.4f (evaluator)", r->loss(),
-                           static_cast<double>(r->correct()) / static_cast<double>(r->examples()));
+    eval = absl::StrFormat(", test loss %.4f acc %.4f%s (evaluator)", r->loss(),
+                           static_cast<double>(r->correct()) / static_cast<double>(r->examples()),
+                           AucText(*r));
   }
   std::string line = absl::StrFormat("done: %d steps", job_.train_steps());
   if (s.examples == 0) {

@@ -26,6 +26,10 @@ uint64_t NewLease() {
 
 }  // namespace
 
+std::string AucText(const EvalResult& r) {
+  return r.has_auc() ? absl::StrFormat(" auc %.4f", r.auc()) : "";
+}
+
 absl::Status CheckEvalResult(const EvalResult& r, int64_t train_steps) {
   auto bad = [](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("impossible evaluation result: ", what));
@@ -34,6 +38,7 @@ absl::Status CheckEvalResult(const EvalResult& r, int64_t train_steps) {
   if (r.examples() <= 0 || r.examples() > 1'000'000'000) return bad("example count");
   if (r.correct() < 0 || r.correct() > r.examples()) return bad("correct count");
   if (!std::isfinite(r.loss()) || r.loss() < 0) return bad("loss");
+  if (r.has_auc() && !(r.auc() >= 0 && r.auc() <= 1)) return bad("auc");
   if (r.duration_us() < 0 || r.duration_us() > int64_t{86400} * 1'000'000) return bad("duration");
   return absl::OkStatus();
 }
@@ -153,8 +158,8 @@ absl::StatusOr<ReportEvalResponse> Evaluators::Report(const ReportEvalRequest& r
   const EvalResult& r = request.result();
   if (progress_ != nullptr) progress_->Eval(r.step(), r.loss(), Accuracy(r));
   PSLOG(INFO) << absl::StrFormat(
-      "eval: step %d/%d loss %.4f acc %.4f | %d test examples, %.1f s, evaluator %d", r.step(),
-      options_.train_steps, r.loss(), Accuracy(r), r.examples(),
+      "eval: step %d/%d loss %.4f acc %.4f%s | %d test examples, %.1f s, evaluator %d", r.step(),
+      options_.train_steps, r.loss(), Accuracy(r), AucText(r), r.examples(),
       static_cast<double>(r.duration_us()) / 1e6, e);
   return response;
 }

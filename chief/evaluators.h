@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -28,6 +29,10 @@
 #include "proto/chief.pb.h"
 
 namespace psflow::chief {
+
+// " auc 0.8123" for an evaluation result that has an AUC (a model of two
+// classes), else "": what the chief's lines add after the accuracy.
+std::string AucText(const EvalResult& r);
 
 struct EvaluatorsOptions {
   // How many the cluster lists; 0: it leaves them out, and then any index

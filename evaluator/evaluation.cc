@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/byte_size.h"
 #include "common/status_macros.h"
+#include "evaluator/binary_scores.h"
 
 namespace psflow::evaluator {
 
@@ -52,6 +53,12 @@ absl::StatusOr<Evaluation> EvaluateDataset(model::Network* net, const data::Data
                           EvaluationBatch(*net, data.count, batch_size, memory_budget));
   double loss_sum = 0;
   Evaluation e;
+  e.binary = net->spec().num_classes() == 2;
+  BinaryScores scores;
+  bool scored = true;
+  std::vector<float> probs(e.binary ? 2 * static_cast<size_t>(batch) : 0);
+  std::vector<float> positive;
+  std::vector<int64_t> labels;
   const int64_t example = data.example_floats();
   for (int64_t begin = 0; begin < data.count; begin += batch) {
     if (begin > 0 && between_batches) PSFLOW_RETURN_IF_ERROR(between_batches());
@@ -61,9 +68,23 @@ absl::StatusOr<Evaluation> EvaluateDataset(model::Network* net, const data::Data
         net->Evaluate(data.images.data() + begin * example, data.labels.data() + begin, n));
     loss_sum += r.loss * n;
     e.correct += r.correct;
+    if (e.binary) {
+      PSFLOW_RETURN_IF_ERROR(net->ReadProbabilities(n, probs.data()));
+      positive.resize(n);
+      labels.resize(n);
+      for (int i = 0; i < n; ++i) {
+        // A probability a hair outside [0, 1] from rounding is still one.
+        positive[i] = std::clamp(probs[2 * static_cast<size_t>(i) + 1], 0.0f, 1.0f);
+        labels[i] = data.labels[begin + i];
+      }
+      // A probability that is not a number (a model that diverged) leaves
+      // the AUC undefined; the loss says the rest.
+      scored = scored && scores.AddBatch(positive, labels).ok();
+    }
   }
   e.examples = data.count;
   e.loss = loss_sum / static_cast<double>(data.count);
+  if (e.binary && scored) e.auc = scores.Result().auc;
   return e;
 }
 

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 
 #include "absl/status/statusor.h"
 #include "data/mnist.h"
@@ -28,6 +29,11 @@ struct Evaluation {
   double loss = 0;  // mean over the examples
   int64_t correct = 0;
   int64_t examples = 0;
+  // Models of two classes (class 1 the positive one): the ROC AUC of the
+  // probabilities of class 1 (evaluator/binary_scores.h); nullopt for other
+  // models and where the examples are all of one class.
+  bool binary = false;
+  std::optional<double> auc;
   double accuracy() const {
     return examples > 0 ? static_cast<double>(correct) / static_cast<double>(examples) : 0;
   }

@@ -302,6 +302,7 @@ absl::Status Evaluator::EvaluateVersion(int64_t version) {
   result.set_loss(e->loss);
   result.set_correct(e->correct);
   result.set_examples(e->examples);
+  if (e->auc.has_value()) result.set_auc(*e->auc);
   const absl::Duration took = absl::Now() - start;
   result.set_duration_us(absl::ToInt64Microseconds(took));
   {
@@ -315,8 +316,10 @@ absl::Status Evaluator::EvaluateVersion(int64_t version) {
   metrics_.accuracy->Set(e->accuracy());
   metrics_.evaluations->Add();
   metrics_.seconds->Observe(absl::ToDoubleSeconds(took));
-  PSLOG(INFO) << absl::StrFormat("step %d: loss %.4f acc %.4f (%d examples, %.1f s)", version,
-                                 e->loss, e->accuracy(), e->examples, absl::ToDoubleSeconds(took));
+  PSLOG(INFO) << absl::StrFormat("step %d: loss %.4f acc %.4f%s (%d examples, %.1f s)", version,
+                                 e->loss, e->accuracy(),
+                                 e->auc.has_value() ? absl::StrFormat(" auc %.4f", *e->auc) : "",
+                                 e->examples, absl::ToDoubleSeconds(took));
   return Report(&result);
 }
 

@@ -653,4 +653,14 @@ absl::StatusOr<Network::Result> Network::Evaluate(const float* images, const int
   return ReadResult(st);
 }
 
+absl::Status Network::ReadProbabilities(int batch, float* host) {
+  auto it = eval_states_.find(batch);
+  if (it == eval_states_.end() || !it->second->inputs_set) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ReadProbabilities: no evaluation of batch size ", batch, " yet"));
+  }
+  kernels::Buffer& probs = *it->second->probs;
+  return backend_->CopyToHost(probs.data(), probs.size(), host);
+}
+
 }  // namespace psflow::model

@@ -157,6 +157,10 @@ class Network {
   // Forward only, in inference mode (batch norm with its running statistics),
   // on the forward-only buffers of this batch size (made on its first call).
   absl::StatusOr<Result> Evaluate(const float* images, const int32_t* labels, int batch);
+  // The class probabilities (softmax of the logits) of the latest Evaluate
+  // of this batch size, [batch, num_classes] into host memory.
+  // FAILED_PRECONDITION before any.
+  absl::Status ReadProbabilities(int batch, float* host);
   // Copies the latest gradients out to host memory, one pointer per
   // variable: for a non-trainable variable, the latest training step's
   // statistic of the batch (mean or unbiased variance) instead.

@@ -174,6 +174,13 @@ TEST(EvaluatorsTest, ReportsAreCheckedAnsweredAndTheFinalResultKept) {
       absl::IsInvalidArgument(evaluators.Report(leased(Result(1, kSteps + 1)), Ready(1)).status()));
   EXPECT_TRUE(
       absl::IsInvalidArgument(evaluators.Report(leased(Result(1, 2, 0, NAN)), Ready(1)).status()));
+  // An AUC outside [0, 1] is as impossible; one inside is kept and shown.
+  ReportEvalRequest bad_auc = leased(Result(1, 2));
+  bad_auc.mutable_result()->set_auc(1.5);
+  EXPECT_TRUE(absl::IsInvalidArgument(evaluators.Report(bad_auc, Ready(1)).status()));
+  bad_auc.mutable_result()->set_auc(0.75);
+  EXPECT_EQ(AucText(bad_auc.result()), " auc 0.7500");
+  EXPECT_EQ(AucText(Result(1, 2).result()), "");
 
   absl::StatusOr<ReportEvalResponse> r = evaluators.Report(leased(Result(1, -1)), Ready(1));
   ASSERT_TRUE(r.ok()) << r.status();

@@ -189,5 +189,62 @@ TEST_F(EvaluationTest, ResnetIsTheSameAtBatch1And100And10000) {
   }
 }
 
+// A model of two classes gets the AUC of its probabilities of class 1, the
+// Mann-Whitney statistic of the examples' scores, whatever the pieces.
+TEST_F(EvaluationTest, TwoClassModelsGetTheAucOfClassOne) {
+  const ModelSpec spec = ParseSpec(R"spec(
+    name: "binary"
+    input { channels: 1 height: 1 width: 6 }
+    num_classes: 2
+    layer { name: "hidden" dense { units: 5 } }
+    layer { name: "relu" relu {} }
+    layer { name: "out" dense { units: 2 } }
+  )spec");
+  std::unique_ptr<Network> net = MakeNetwork(spec);
+  ASSERT_NE(net, nullptr);
+  const data::Dataset data = Synthetic(spec, 60);
+  ASSERT_GT(std::count(data.labels.begin(), data.labels.end(), 1), 0);
+  ASSERT_GT(std::count(data.labels.begin(), data.labels.end(), 0), 0);
+  // The probabilities of one pass over all, and their AUC pair by pair.
+  ASSERT_TRUE(net->Evaluate(data.images.data(), data.labels.data(), 60).ok());
+  std::vector<float> probs(120);
+  ASSERT_TRUE(net->ReadProbabilities(60, probs.data()).ok());
+  double wins = 0, pairs = 0;
+  for (int i = 0; i < 60; ++i) {
+    for (int j = 0; j < 60; ++j) {
+      if (data.labels[i] != 1 || data.labels[j] != 0) continue;
+      pairs += 1;
+      wins += probs[2 * i + 1] > probs[2 * j + 1]    ? 1
+              : probs[2 * i + 1] == probs[2 * j + 1] ? 0.5
+                                                     : 0;
+    }
+  }
+  absl::StatusOr<Evaluation> whole = EvaluateDataset(net.get(), data, 60, 0);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_TRUE(whole->binary);
+  ASSERT_TRUE(whole->auc.has_value());
+  EXPECT_DOUBLE_EQ(*whole->auc, wins / pairs);
+  absl::StatusOr<Evaluation> pieces = EvaluateDataset(net.get(), data, 7, 0);
+  ASSERT_TRUE(pieces.ok()) << pieces.status();
+  ASSERT_TRUE(pieces->auc.has_value());
+  EXPECT_NEAR(*pieces->auc, wins / pairs, 1e-9);
+  // One class only: no AUC. Four classes: none either.
+  data::Dataset ones = data;
+  std::fill(ones.labels.begin(), ones.labels.end(), 1);
+  absl::StatusOr<Evaluation> one_class = EvaluateDataset(net.get(), ones, 60, 0);
+  ASSERT_TRUE(one_class.ok()) << one_class.status();
+  EXPECT_TRUE(one_class->binary);
+  EXPECT_FALSE(one_class->auc.has_value());
+  const ModelSpec four = ParseSpec(kSmallSpec);
+  std::unique_ptr<Network> four_net = MakeNetwork(four);
+  absl::StatusOr<Evaluation> e = EvaluateDataset(four_net.get(), Synthetic(four, 20), 20, 0);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_FALSE(e->binary);
+  EXPECT_FALSE(e->auc.has_value());
+  // Probabilities are there only after an evaluation of that batch size.
+  EXPECT_EQ(four_net->ReadProbabilities(3, probs.data()).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace psflow::evaluator

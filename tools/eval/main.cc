@@ -1,5 +1,5 @@
-// psflow-eval: loads a saved model and reports its accuracy and loss on the
-// test split of an MNIST-format dataset.
+// psflow-eval: loads a saved model and reports its accuracy and loss (and, for
+// a model of two classes, its AUC) on the test split of its data.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -44,7 +44,8 @@ namespace {
 constexpr char kUsage[] =
     "prints the accuracy and mean loss of a saved model on the test split.\n"
     "  psflow-eval --saved_model=/tmp/run/saved_model [--data_dir=DIR]\n"
-    "Output: 'accuracy: X' and 'loss: Y', one per line.";
+    "Output: 'accuracy: X' and 'loss: Y', one per line; for a model of two classes also\n"
+    "'auc: Z', the ROC AUC of the probabilities of class 1.";
 
 // What to evaluate, and how, from the flags.
 struct EvalOptions {
@@ -109,6 +110,13 @@ int Evaluate(const EvalOptions& o) {
   std::printf("examples: %lld\n", static_cast<long long>(e->examples));
   std::printf("accuracy: %.4f\n", e->accuracy());
   std::printf("loss: %.4f\n", e->loss);
+  if (e->binary) {
+    if (e->auc.has_value()) {
+      std::printf("auc: %.4f\n", *e->auc);
+    } else {
+      std::printf("auc: undefined (the examples are of one class, or a probability is NaN)\n");
+    }
+  }
   return 0;
 }
 
