@@ -444,7 +444,7 @@ absl::Status Network::BuildPlans(BatchState* st) {
       st->bag_offsets[b] = int64_t{b} * l.id_width;
       const uint64_t* x = ids_.data() + b * ids_per_example_ + l.id_offset;
       for (int j = 0; j < l.id_width; ++j) {
-        st->bag_ids[b * l.id_width + j] = x[j] % static_cast<uint64_t>(l.rows);
+        st->bag_ids[static_cast<size_t>(b) * l.id_width + j] = x[j] % static_cast<uint64_t>(l.rows);
       }
     }
     st->bag_offsets[batch] = static_cast<int64_t>(st->bag_ids.size());
