@@ -41,7 +41,10 @@ absl::StatusOr<WiredLayers> WireLayers(const ModelSpec& spec) {
     absl::StatusOr<std::unique_ptr<const Layer>> created = CreateLayer(layer);
     if (!created.ok()) return created.status();
     LayerWiring w;
-    w.input = i - 1;
+    w.input = (*created)->reads_input() ? i - 1 : -1;
+    if (!(*created)->reads_input() && !layer.input().empty()) {
+      return LayerError(layer, "reads ids, not an activation: its input must be empty");
+    }
     if (!layer.input().empty()) {
       auto it = index.find(layer.input());
       if (it == index.end()) {
@@ -75,7 +78,10 @@ absl::StatusOr<WiredLayers> WireLayers(const ModelSpec& spec) {
   return out;
 }
 
-absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
+namespace {
+
+// The input's sizes and standardization, and its id features.
+absl::Status CheckInput(const ModelSpec& spec) {
   const InputSpec& in = spec.input();
   if (in.channels() <= 0 || in.height() <= 0 || in.width() <= 0) {
     return absl::InvalidArgumentError("input needs positive channels, height and width");
@@ -104,9 +110,46 @@ absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
       }
     }
   }
+  absl::flat_hash_map<std::string, int> names;
+  for (const IdFeatureSpec& f : in.id_feature()) {
+    if (f.name().empty()) return absl::InvalidArgumentError("every input id_feature needs a name");
+    if (!names.emplace(f.name(), 0).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("input id_feature '", f.name(), "' is named twice"));
+    }
+    if (f.width() < 0 || f.width() > kMaxSpecDim) {
+      return absl::InvalidArgumentError(absl::StrCat("input id_feature '", f.name(),
+                                                     "' needs a width in [1, ", kMaxSpecDim, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Each embedding layer reads an id feature the input names.
+absl::Status CheckEmbeddingFeatures(const ModelSpec& spec) {
+  for (const LayerSpec& layer : spec.layer()) {
+    if (!layer.has_embedding()) continue;
+    const auto& features = spec.input().id_feature();
+    const bool named = std::any_of(features.begin(), features.end(), [&](const IdFeatureSpec& f) {
+      return f.name() == layer.embedding().feature();
+    });
+    if (!named) {
+      return LayerError(layer, absl::StrCat("feature '", layer.embedding().feature(),
+                                            "' is not an input id_feature"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelGraph> BuildModelGraph(const ModelSpec& spec) {
+  PSFLOW_RETURN_IF_ERROR(CheckInput(spec));
+  const InputSpec& in = spec.input();
   if (spec.layer_size() == 0) return absl::InvalidArgumentError("the model has no layers");
   absl::StatusOr<WiredLayers> wired = WireLayers(spec);
   if (!wired.ok()) return wired.status();
+  PSFLOW_RETURN_IF_ERROR(CheckEmbeddingFeatures(spec));
   ModelGraph g;
   g.input = {in.channels(), in.height(), in.width()};
   g.layers = std::move(wired->layers);

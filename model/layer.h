@@ -66,6 +66,10 @@ struct ForwardArgs {
   const float* running_var = nullptr;
   float* batch_mean = nullptr;
   float* batch_var = nullptr;
+  // Embedding layers: the plan of this batch's ids for the layer's table
+  // (unique rows: every row of the table, in order), which Forward sets on
+  // its op; Backward runs on the plan of the Forward before it.
+  const kernels::EmbeddingPlan* plan = nullptr;
 };
 
 struct BackwardArgs {
@@ -109,6 +113,10 @@ class Layer {
   // says so, for messages.
   virtual std::vector<std::string> other_inputs() const { return {}; }
   virtual const char* other_field() const { return ""; }
+  // False for layers that read no activation (embedding: ids); their
+  // LayerSpec.input must be empty, and the model input stands in as their
+  // input (its shape is passed, its values unused, no gradient asked).
+  virtual bool reads_input() const { return true; }
 
   // Checks the parameters against the input shape (and the further
   // operands' shapes, one per other_inputs()) and returns the output shape.

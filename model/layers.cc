@@ -461,6 +461,61 @@ class InteractionKind final : public Layer {
   bool self_;
 };
 
+// Rows of an embedding table: int32 indexes them (kernels/embedding_plan.h),
+// and the model's parameter cap bounds rows * dim.
+constexpr int64_t kMaxEmbeddingRows = int64_t{1} << 30;
+
+class EmbeddingKind final : public Layer {
+ public:
+  static absl::StatusOr<std::unique_ptr<const Layer>> Create(const LayerSpec& spec) {
+    const EmbeddingLayer& e = spec.embedding();
+    if (e.feature().empty()) return absl::InvalidArgumentError("embedding needs a feature");
+    if (e.rows() <= 0 || e.rows() > kMaxEmbeddingRows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("embedding rows must be in [1, ", kMaxEmbeddingRows, "], got ", e.rows()));
+    }
+    if (e.dim() <= 0 || e.dim() > kMaxSpecDim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("embedding dim must be in [1, ", kMaxSpecDim, "], got ", e.dim()));
+    }
+    return std::unique_ptr<const Layer>(new EmbeddingKind(spec.name(), e.rows(), e.dim()));
+  }
+
+  bool reads_input() const override { return false; }
+
+  absl::StatusOr<ActivationShape> OutputShape(const ActivationShape&,
+                                              absl::Span<const ActivationShape>) const override {
+    return ActivationShape{dim_, 1, 1};
+  }
+
+  std::vector<LayerVariable> Variables(const ActivationShape&) const override {
+    return {{"table", {rows_, dim_}, LayerVariable::Init::kFanIn, dim_}};
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerOps>> CreateOps(kernels::Backend* backend, int batch,
+                                                      const ActivationShape&,
+                                                      absl::Span<const ActivationShape>,
+                                                      bool) const override {
+    // The plan's unique rows are the whole table, so rows are the table's
+    // weights and row gradients its dense gradient (every row written).
+    return Bind(
+        backend->CreateEmbeddingBag(dim_),
+        [](kernels::EmbeddingBag& op, const ForwardArgs& a) -> absl::Status {
+          if (a.plan == nullptr) return absl::FailedPreconditionError("embedding without ids");
+          PSFLOW_RETURN_IF_ERROR(op.SetPlan(*a.plan));
+          return op.Forward(a.w, a.y);
+        },
+        [](kernels::EmbeddingBag& op, const BackwardArgs& a) { return op.Backward(a.dy, a.dw); });
+  }
+
+ private:
+  EmbeddingKind(const std::string& name, int64_t rows, int dim)
+      : Layer(name), rows_(rows), dim_(dim) {}
+
+  int64_t rows_;
+  int dim_;
+};
+
 // The registry: every layer kind, in the order messages list them.
 struct KindEntry {
   LayerSpec::KindCase kind;
@@ -477,6 +532,7 @@ constexpr KindEntry kKinds[] = {
     {LayerSpec::kGlobalAvgPool, "global_avg_pool", &GlobalAvgPoolKind::Create},
     {LayerSpec::kConcat, "concat", &ConcatKind::Create},
     {LayerSpec::kInteraction, "interaction", &InteractionKind::Create},
+    {LayerSpec::kEmbedding, "embedding", &EmbeddingKind::Create},
 };
 
 // "conv2d, max_pool, ... or global_avg_pool".

@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/tensor_view.h"
+#include "kernels/embedding_plan.h"
 
 namespace psflow::model {
 namespace {
@@ -16,6 +17,50 @@ namespace {
 absl::Status ForwardOnly(absl::string_view call) {
   return absl::FailedPreconditionError(
       absl::StrCat(call, " on a forward-only network (NetworkOptions.forward_only)"));
+}
+
+kernels::Combiner ToCombiner(EmbeddingLayer::Combiner c) {
+  switch (c) {
+    case EmbeddingLayer::MEAN:
+      return kernels::Combiner::kMean;
+    case EmbeddingLayer::SQRTN:
+      return kernels::Combiner::kSqrtN;
+    default:
+      return kernels::Combiner::kSum;
+  }
+}
+
+// `sparse` (a plan over the unique rows a batch reads, by first sight) as a
+// plan over every row of a table of `rows`, in order: the op then reads the
+// table itself and writes its whole gradient, zeros where no id fell.
+void DensePlan(const kernels::EmbeddingPlan& sparse, int64_t rows, kernels::EmbeddingPlan* plan) {
+  plan->batch = sparse.batch;
+  plan->features = sparse.features;
+  plan->unique_ids.resize(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) plan->unique_ids[r] = static_cast<uint64_t>(r);
+  plan->bag_offsets = sparse.bag_offsets;
+  plan->bag_coefs = sparse.bag_coefs;
+  plan->bag_rows.resize(sparse.bag_rows.size());
+  for (size_t k = 0; k < sparse.bag_rows.size(); ++k) {
+    plan->bag_rows[k] = static_cast<int32_t>(sparse.unique_ids[sparse.bag_rows[k]]);
+  }
+  // Row r's occurrences are those of the unique row that is r (none if no
+  // id fell on it): count, sum up, then copy each unique row's run in place.
+  plan->row_offsets.assign(static_cast<size_t>(rows) + 1, 0);
+  for (int64_t u = 0; u < sparse.unique(); ++u) {
+    plan->row_offsets[sparse.unique_ids[u] + 1] = sparse.row_offsets[u + 1] - sparse.row_offsets[u];
+  }
+  for (int64_t r = 0; r < rows; ++r) plan->row_offsets[r + 1] += plan->row_offsets[r];
+  plan->row_bags.resize(sparse.row_bags.size());
+  plan->row_coefs.resize(sparse.row_coefs.size());
+  for (int64_t u = 0; u < sparse.unique(); ++u) {
+    const int32_t from = sparse.row_offsets[u], to = sparse.row_offsets[u + 1];
+    const int32_t at = plan->row_offsets[sparse.unique_ids[u]];
+    std::copy(sparse.row_bags.begin() + from, sparse.row_bags.begin() + to,
+              plan->row_bags.begin() + at);
+    std::copy(sparse.row_coefs.begin() + from, sparse.row_coefs.begin() + to,
+              plan->row_coefs.begin() + at);
+  }
 }
 
 }  // namespace
@@ -30,6 +75,12 @@ struct Network::Node {
   std::vector<ActivationShape> others;  // the further operands' shapes
   int first = -1, second = -1;          // variables: weights/bias or gamma/beta
   int running_mean = -1, running_var = -1;
+  // Embedding layers: the first of its feature's ids in an example's ids
+  // (-1 for other layers), their number, the table's rows and the combiner.
+  int64_t id_offset = -1;
+  int id_width = 0;
+  int64_t rows = 0;
+  kernels::Combiner combiner = kernels::Combiner::kSum;
   // The activations it reads: in_act, then other_acts.
   absl::InlinedVector<int, 4> operands() const {
     absl::InlinedVector<int, 4> a{in_act};
@@ -60,6 +111,11 @@ struct Network::BatchState {
   std::vector<std::unique_ptr<kernels::Buffer>> buffers, dacts;
   std::vector<float*> acts;
   std::vector<bool> grad_written;  // by activation, while queueing a backward pass
+  // Per layer, an embedding layer's plan of the ids of the inputs set last.
+  std::vector<kernels::EmbeddingPlan> plans;
+  kernels::EmbeddingPlan sparse;     // scratch of BuildPlans
+  std::vector<uint64_t> bag_ids;     // scratch of BuildPlans
+  std::vector<int64_t> bag_offsets;  // scratch of BuildPlans
   std::unique_ptr<kernels::Graph> train_graph, eval_graph;
   bool eager_train_done = false, eager_eval_done = false;
   bool graphs_off = false;  // the backend has none, or recording failed
@@ -95,6 +151,7 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const ModelSpec& spec,
     node.second = g.layer_vars[i].second;
     node.running_mean = g.layer_vars[i].running_mean;
     node.running_var = g.layer_vars[i].running_var;
+    if (spec.layer(i).has_embedding()) net->SetUpEmbedding(spec.layer(i).embedding(), &node);
     net->nodes_.push_back(node);
   }
   net->PlanForwardBuffers();
@@ -344,6 +401,60 @@ absl::Status Network::CreateOps(BatchState* st) {
   return absl::OkStatus();
 }
 
+void Network::SetUpEmbedding(const EmbeddingLayer& e, Node* node) {
+  int64_t offset = 0;
+  for (const IdFeatureSpec& f : spec_.input().id_feature()) {
+    const int width = std::max(f.width(), 1);
+    if (f.name() == e.feature()) {
+      node->id_offset = offset;
+      node->id_width = width;
+    }
+    offset += width;
+  }
+  node->rows = e.rows();
+  node->combiner = ToCombiner(e.combiner());
+  ids_per_example_ = offset;
+  has_embeddings_ = true;
+}
+
+absl::Status Network::SetIds(const uint64_t* ids, int batch) {
+  if (batch <= 0) return absl::InvalidArgumentError(absl::StrCat("SetIds for a batch of ", batch));
+  ids_.assign(ids, ids + int64_t{batch} * ids_per_example_);
+  ids_batch_ = batch;
+  return absl::OkStatus();
+}
+
+absl::Status Network::BuildPlans(BatchState* st) {
+  const int batch = st->batch;
+  if (ids_batch_ == 0) {
+    return absl::FailedPreconditionError(
+        "the model has embedding layers: SetIds must give the batch's ids first");
+  }
+  if (ids_batch_ != batch) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ids set are of a batch of ", ids_batch_, ", not ", batch));
+  }
+  st->plans.resize(nodes_.size());
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& l = nodes_[i];
+    if (l.id_offset < 0) continue;
+    st->bag_ids.resize(static_cast<size_t>(batch) * l.id_width);
+    st->bag_offsets.resize(static_cast<size_t>(batch) + 1);
+    for (int b = 0; b < batch; ++b) {
+      st->bag_offsets[b] = int64_t{b} * l.id_width;
+      const uint64_t* x = ids_.data() + b * ids_per_example_ + l.id_offset;
+      for (int j = 0; j < l.id_width; ++j) {
+        st->bag_ids[static_cast<size_t>(b) * l.id_width + j] = x[j] % static_cast<uint64_t>(l.rows);
+      }
+    }
+    st->bag_offsets[batch] = static_cast<int64_t>(st->bag_ids.size());
+    const kernels::EmbeddingFeatureBags bags{st->bag_offsets, st->bag_ids, {}, l.combiner};
+    PSFLOW_RETURN_IF_ERROR(kernels::BuildEmbeddingPlan(batch, {&bags, 1}, &st->sparse));
+    DensePlan(st->sparse, l.rows, &st->plans[i]);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Network::SetInputs(const float* images, const int32_t* labels, int batch) {
   if (options_.forward_only) return ForwardOnly("SetInputs");
   PSFLOW_ASSIGN_OR_RETURN(BatchState * st, StateFor(batch, /*forward_only=*/false));
@@ -357,6 +468,12 @@ absl::Status Network::CopyInputs(BatchState* st, const float* images, const int3
       return absl::InvalidArgumentError(absl::StrCat("label ", labels[i], " of example ", i,
                                                      " is outside [0, ", spec_.num_classes(), ")"));
     }
+  }
+  if (has_embeddings_) {
+    // The ids go with these inputs alone: a later batch needs its own.
+    absl::Status planned = BuildPlans(st);
+    ids_batch_ = 0;
+    PSFLOW_RETURN_IF_ERROR(planned);
   }
   PSFLOW_RETURN_IF_ERROR(backend_->CopyToDevice(images, st->images->size(), st->images->data()));
   static_assert(sizeof(int32_t) == sizeof(float));
@@ -403,6 +520,7 @@ absl::Status Network::QueueForward(BatchState* st, bool training) {
     if (l.first >= 0) args.w = weights_[l.first]->data();
     if (l.second >= 0) args.b = weights_[l.second]->data();
     args.training = training;
+    if (l.id_offset >= 0) args.plan = &st->plans[i];
     if (l.running_mean >= 0) {
       args.running_mean = weights_[l.running_mean]->data();
       if (training) args.batch_mean = grads_[l.running_mean]->data();
@@ -590,7 +708,10 @@ absl::Status Network::Run(BatchState* st, bool train) {
   if (graph != nullptr) return graph->Launch();
   // The first step of a batch size runs eagerly: it creates the workspaces
   // and lazily initialised library state that a recording must not.
-  if (!options_.use_graphs || options_.profile || st->graphs_off || !eager_done) {
+  // A graph would replay the plans of the batch it recorded: models with
+  // embedding layers run op by op.
+  if (!options_.use_graphs || options_.profile || st->graphs_off || !eager_done ||
+      has_embeddings_) {
     PSFLOW_RETURN_IF_ERROR(queue());
     eager_done = true;
     return absl::OkStatus();

@@ -25,7 +25,14 @@
 //
 // On a backend that records graphs (CUDA), the work of a step is queued as one
 // graph after the first eager step of each batch size, so a step costs one
-// launch instead of one per kernel.
+// launch instead of one per kernel. Not for models with embedding layers:
+// each batch's ids change the plan the embedding ops run on, which a graph
+// would replay as recorded, so they run op by op.
+//
+// Embedding layers read the batch's categorical ids (SetIds), not an
+// activation; a table "<layer>/table" is a dense variable like the others,
+// and its gradient is dense too (zeros in the rows no id of the batch fell
+// on).
 //
 // Not thread-safe: one Network per thread.
 #ifndef PSFLOW_MODEL_NETWORK_H_
@@ -166,6 +173,16 @@ class Network {
   // statistic of the batch (mean or unbiased variance) instead.
   absl::Status GetGradients(const std::vector<float*>& host);
 
+  // Models with embedding layers: the ids of the next batch, host memory of
+  // batch * ids-per-example ids (the InputSpec.id_feature widths summed),
+  // each example's in id_feature order. The next TrainStep, SetInputs or
+  // Evaluate (of this batch size) takes them with its images and labels;
+  // they are used by that call alone, so every batch needs its own SetIds.
+  // Those calls are FAILED_PRECONDITION for a model with embedding layers
+  // without ids of their batch size. Ignored by models without embedding
+  // layers. INVALID_ARGUMENT for a batch below 1.
+  absl::Status SetIds(const uint64_t* ids, int batch);
+
   // The same step in parts, for callers that keep a batch on the device:
   // SetInputs copies a batch in; StartTrainStep queues a step on the inputs
   // last set for that batch size and returns before it finishes;
@@ -231,6 +248,11 @@ class Network {
   absl::Status SetUpChannelNormalization();
   // Checks the labels and copies a batch into st's inputs.
   absl::Status CopyInputs(BatchState* st, const float* images, const int32_t* labels);
+  // Fills node's embedding fields (and ids_per_example_) for layer spec e.
+  void SetUpEmbedding(const EmbeddingLayer& e, Node* node);
+  // Builds st's plans from ids_ (FAILED_PRECONDITION without ids of its
+  // batch size).
+  absl::Status BuildPlans(BatchState* st);
   absl::StatusOr<Result> ReadResult(BatchState* st);
   absl::Status QueueForward(BatchState* st, bool training);
   absl::Status QueueBackward(BatchState* st);
@@ -266,6 +288,12 @@ class Network {
   std::vector<int> eval_buffer_of_;
   std::vector<int64_t> eval_buffer_floats_;
   std::vector<std::pair<std::string, double>> layer_times_;
+  // Embedding layers: whether the model has any, the ids of one example,
+  // and those SetIds gave (for a batch of ids_batch_; 0: none pending).
+  bool has_embeddings_ = false;
+  int64_t ids_per_example_ = 0;
+  std::vector<uint64_t> ids_;
+  int ids_batch_ = 0;
 };
 
 }  // namespace psflow::model

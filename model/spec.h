@@ -31,7 +31,8 @@ struct ActivationShape {
 
 // Checks layer names (unique, non-empty), wiring (inputs name earlier layers,
 // every output but the last is read, added shapes agree), parameters
-// (positive, kernels that fit), and that the last layer is a dense layer with
+// (positive, kernels that fit), the input's id features and that each
+// embedding layer reads one of them, and that the last layer is a dense layer with
 // num_classes units. Returns the activation shape after each layer.
 absl::StatusOr<std::vector<ActivationShape>> ValidateModelSpec(const ModelSpec& spec);
 
@@ -49,7 +50,8 @@ absl::StatusOr<std::vector<LayerWiring>> ResolveWiring(const ModelSpec& spec);
 // dense "<layer>/weights" [units, in_features] and "<layer>/bias" [units];
 // batch_norm "<layer>/gamma", "<layer>/beta", and the non-trainable
 // (VariableShape.trainable false) "<layer>/running_mean" and
-// "<layer>/running_var", all [channels].
+// "<layer>/running_var", all [channels]; embedding "<layer>/table" [rows,
+// dim].
 std::vector<VariableShape> ModelVariables(const ModelSpec& spec);
 
 // Per layer, the indices into ModelVariables of its variables: weights and
@@ -64,7 +66,8 @@ std::vector<LayerVariables> LayerVariableIndices(const ModelSpec& spec);
 
 // Initial values, deterministic in `seed`: weights and biases uniform in
 // (-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in being the inputs of one output
-// unit; batch-norm gamma 1 and beta 0, running mean 0 and running variance 1.
+// unit (an embedding table's row: fan_in = dim); batch-norm gamma 1 and beta
+// 0, running mean 0 and running variance 1.
 std::vector<std::vector<float>> InitialValues(const ModelSpec& spec, uint64_t seed);
 
 }  // namespace psflow::model

@@ -27,6 +27,7 @@
 #include "model/network.h"
 #include "model/spec.h"
 #include "tests/model/network_testing.h"
+#include "tests/model/test_specs.h"
 
 namespace psflow::model {
 namespace {
@@ -254,6 +255,53 @@ class NetworkGpuTest : public ::testing::Test {
 TEST_F(NetworkGpuTest, CnnMatchesTheCpu) { ExpectParity(Standardized("cnn"), 16); }
 
 TEST_F(NetworkGpuTest, ResnetMatchesTheCpu) { ExpectParity(Standardized("resnet"), 8); }
+
+// Embedding layers on the GPU: each step's ids give its own plan (the
+// whole table's rows, so the op writes the table's dense gradient), and a
+// network that would replay graphs runs such a model op by op instead: three
+// steps on three batches of ids match the CPU's, step by step.
+TEST_F(NetworkGpuTest, EmbeddingStepsWithNewIdsMatchTheCpu) {
+  const ModelSpec spec = ParseSpec(R"spec(
+    name: "embedding"
+    input { channels: 1 height: 1 width: 6
+            id_feature { name: "city" } id_feature { name: "tags" width: 3 } }
+    num_classes: 3
+    layer { name: "bottom" dense { units: 8 } }
+    layer { name: "brelu" relu {} }
+    layer { name: "city_emb" embedding { feature: "city" rows: 50 dim: 8 } }
+    layer { name: "tag_emb" embedding { feature: "tags" rows: 20 dim: 8 combiner: SQRTN } }
+    layer { name: "inter" input: "brelu" interaction { others: "city_emb" others: "tag_emb" } }
+    layer { name: "fc" dense { units: 3 } }
+  )spec");
+  constexpr int kBatch = 16;
+  std::unique_ptr<Network> cpu = Make(spec, cpu_.get());
+  NetworkOptions graphs;
+  graphs.use_graphs = true;
+  std::unique_ptr<Network> gpu = Make(spec, gpu_.get(), graphs);
+  ASSERT_TRUE(cpu != nullptr && gpu != nullptr);
+  const Weights weights = InitialValues(spec, 1);
+  ASSERT_TRUE(SetNetWeights(*cpu, weights).ok());
+  ASSERT_TRUE(SetNetWeights(*gpu, weights).ok());
+  const data::Dataset d = SyntheticBatch(spec, kBatch, data::Split::kTrain);
+  uint64_t next_id = 12345;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<uint64_t> ids(kBatch * 4);
+    for (uint64_t& id : ids)
+      id = (next_id = next_id * 6364136223846793005ull + 1442695040888963407ull);
+    for (Network* net : {cpu.get(), gpu.get()}) ASSERT_TRUE(net->SetIds(ids.data(), kBatch).ok());
+    absl::StatusOr<Network::Result> want = cpu->TrainStep(d.images.data(), d.labels.data(), kBatch);
+    absl::StatusOr<Network::Result> got = gpu->TrainStep(d.images.data(), d.labels.data(), kBatch);
+    ASSERT_TRUE(want.ok() && got.ok()) << want.status() << " " << got.status();
+    EXPECT_FALSE(gpu->UsesGraph(kBatch)) << "embedding models run op by op";
+    EXPECT_NEAR(got->loss, want->loss, kLossTolerance * want->loss) << "step " << step;
+    const Weights cpu_grads = NetGradients(*cpu);
+    const Weights gpu_grads = NetGradients(*gpu);
+    for (size_t v = 0; v < cpu_grads.size(); ++v) {
+      EXPECT_LT(RelativeL2(gpu_grads[v], cpu_grads[v]), kGradientTolerance)
+          << cpu->variables()[v].name << ", step " << step;
+    }
+  }
+}
 
 TEST_F(NetworkGpuTest, CnnGraphReplaysReadCurrentInputsAndWeights) {
   ExpectGraphReplaysReadCurrentInputs(Standardized("cnn"), 16);

@@ -115,7 +115,9 @@ WeightsD ToDouble(const Weights& w) {
 // finite-difference step crosses a kink.
 class Reference {
  public:
-  explicit Reference(const ModelSpec& spec) : spec_(spec) {
+  // `ids`: the batch's ids, for models with embedding layers (Network::SetIds).
+  explicit Reference(const ModelSpec& spec, std::vector<uint64_t> ids = {})
+      : spec_(spec), ids_(std::move(ids)) {
     absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
     absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
     EXPECT_TRUE(shapes.ok() && wiring.ok());
@@ -219,6 +221,9 @@ class Reference {
       case LayerSpec::kGlobalAvgPool:
         GlobalAvgPool(pass);
         break;
+      case LayerSpec::kEmbedding:
+        Embedding(layer.embedding(), pass);
+        break;
       case LayerSpec::KIND_NOT_SET:
         ADD_FAILURE() << "layer without kind";
         return false;
@@ -232,6 +237,31 @@ class Reference {
     std::vector<const std::vector<double>*> xs{&acts[wiring_[l].input + 1]};
     for (int o : wiring_[l].others) xs.push_back(&acts[o + 1]);
     return xs;
+  }
+
+  // Per example, the rows (id mod rows) of its bag of the layer's feature,
+  // summed, averaged or summed over sqrt(width).
+  void Embedding(const EmbeddingLayer& e, const Pass& pass) const {
+    size_t per = 0, offset = 0, width = 0;
+    for (const IdFeatureSpec& f : spec_.input().id_feature()) {
+      const size_t w = static_cast<size_t>(std::max(f.width(), 1));
+      if (f.name() == e.feature()) {
+        offset = per;
+        width = w;
+      }
+      per += w;
+    }
+    ASSERT_EQ(ids_.size(), per * pass.batch) << "ids for every example";
+    double scale = 1;
+    if (e.combiner() == EmbeddingLayer::MEAN) scale = 1.0 / width;
+    if (e.combiner() == EmbeddingLayer::SQRTN) scale = 1.0 / std::sqrt(static_cast<double>(width));
+    const size_t dim = static_cast<size_t>(e.dim());
+    for (size_t n = 0; n < static_cast<size_t>(pass.batch); ++n) {
+      for (size_t j = 0; j < width; ++j) {
+        const uint64_t row = ids_[n * per + offset + j] % static_cast<uint64_t>(e.rows());
+        for (size_t k = 0; k < dim; ++k) pass.y[n * dim + k] += scale * (*pass.w1)[row * dim + k];
+      }
+    }
   }
 
   // Each example's operands end to end.
@@ -406,6 +436,7 @@ class Reference {
   }
 
   ModelSpec spec_;
+  std::vector<uint64_t> ids_;
   std::vector<ActivationShape> shapes_;
   std::vector<LayerWiring> wiring_;
   std::vector<LayerVariables> vars_;
@@ -416,19 +447,22 @@ class Reference {
 class GradientCheck {
  public:
   GradientCheck(const ModelSpec& spec, Network& net, const Weights& w,
-                const std::vector<float>& images, const std::vector<int32_t>& labels, int batch)
+                const std::vector<float>& images, const std::vector<int32_t>& labels, int batch,
+                const std::vector<uint64_t>& ids)
       : net_(net),
         w_(w),
         images_(images),
         labels_(labels),
         batch_(batch),
-        ref_(spec),
+        ids_(ids),
+        ref_(spec, ids),
         wd_(ToDouble(w)) {}
 
   // The network's step at w: its loss is the reference's, and its running
   // statistics' "gradients" the batch's statistics.
   void Step() {
     ASSERT_TRUE(SetNetWeights(net_, w_).ok());
+    ASSERT_TRUE(SetIds().ok());
     absl::StatusOr<Network::Result> step = net_.TrainStep(images_.data(), labels_.data(), batch_);
     ASSERT_TRUE(step.ok()) << step.status();
     grads_ = NetGradients(net_);
@@ -486,6 +520,10 @@ class GradientCheck {
 
  private:
   bool trainable(size_t v) const { return net_.variables()[v].trainable; }
+  // Every step needs its batch's ids (models with embedding layers).
+  absl::Status SetIds() {
+    return ids_.empty() ? absl::OkStatus() : net_.SetIds(ids_.data(), batch_);
+  }
 
   // Running statistics have no gradient: the step leaves the batch's
   // statistics in their place.
@@ -528,6 +566,7 @@ class GradientCheck {
   // The training-mode loss (batch norm with the batch's statistics).
   double NetLoss(const Weights& p) {
     EXPECT_TRUE(SetNetWeights(net_, p).ok());
+    EXPECT_TRUE(SetIds().ok());
     absl::StatusOr<Network::Result> r = net_.TrainStep(images_.data(), labels_.data(), batch_);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->loss : NAN;
@@ -586,6 +625,7 @@ class GradientCheck {
   const std::vector<float>& images_;
   const std::vector<int32_t>& labels_;
   const int batch_;
+  const std::vector<uint64_t>& ids_;
   const Reference ref_;
   const WeightsD wd_;
   Weights grads_;
@@ -618,8 +658,9 @@ class GradientCheck {
 //    the smallest h gives way to the next one.
 void ExpectGradientsMatchFiniteDifferences(const ModelSpec& spec, Network& net, const Weights& w,
                                            const std::vector<float>& images,
-                                           const std::vector<int32_t>& labels, int batch) {
-  GradientCheck check(spec, net, w, images, labels, batch);
+                                           const std::vector<int32_t>& labels, int batch,
+                                           const std::vector<uint64_t>& ids = {}) {
+  GradientCheck check(spec, net, w, images, labels, batch, ids);
   ASSERT_NO_FATAL_FAILURE(check.Step());
   check.ExpectEveryElementMatchesTheReference();
   check.ExpectPickedElementsMatchTheNetworkLoss();
@@ -951,6 +992,126 @@ TEST(JoinSpecTest, OperandsAreCheckedByName) {
             "layer 'j': concat.others 'z' is not an earlier layer");
   EXPECT_EQ(error("layer { name: \"j\" concat {} }"), "layer 'j': concat needs others");
   EXPECT_EQ(error("layer { name: \"j\" concat { others: \"a\" } }"), "ok");
+}
+
+// DLRM in small with real embedding layers: a bottom layer meets two
+// tables in a dot interaction, one reading a single id ("city", SUM), one
+// a bag of 3 ("tags", MEAN), and the joined vector is concatenated with the
+// city embedding again before the classifier.
+constexpr char kEmbeddingSpec[] = R"spec(
+  name: "embedding"
+  input {
+    channels: 1 height: 1 width: 5
+    id_feature { name: "city" }
+    id_feature { name: "tags" width: 3 }
+  }
+  num_classes: 3
+  layer { name: "bottom" dense { units: 4 } }
+  layer { name: "brelu" relu {} }
+  layer { name: "city_emb" embedding { feature: "city" rows: 7 dim: 4 } }
+  layer { name: "tag_emb" embedding { feature: "tags" rows: 5 dim: 4 combiner: MEAN } }
+  layer { name: "inter" input: "brelu" interaction { others: "city_emb" others: "tag_emb" } }
+  layer { name: "cat" concat { others: "city_emb" } }
+  layer { name: "fc" dense { units: 3 } }
+)spec";
+
+class EmbeddingNetworkTest : public ::testing::Test {
+ protected:
+  static constexpr int kExamples = 6;
+
+  void SetUp() override {
+    spec_ = ParseSpec(kEmbeddingSpec);
+    absl::StatusOr<std::unique_ptr<kernels::Backend>> backend = kernels::CreateBackend("cpu", 1);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = *std::move(backend);
+    absl::StatusOr<std::unique_ptr<Network>> net = Network::Create(spec_, backend_.get());
+    ASSERT_TRUE(net.ok()) << net.status();
+    net_ = *std::move(net);
+    RandomBatch(spec_, kExamples, 31, &images_, &labels_);
+    // Ids far above the tables' rows, so that only their hashing (x mod
+    // rows) finds the rows; example 0's tags hold one id twice.
+    std::mt19937_64 rng(17);
+    for (uint64_t& id : ids_) id = rng();
+    ids_[2] = ids_[1] + 5 * 1000003;
+    weights_ = InitialValues(spec_, 4);
+    ASSERT_TRUE(SetNetWeights(*net_, weights_).ok());
+  }
+
+  ModelSpec spec_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Network> net_;
+  Weights weights_;
+  std::vector<float> images_;
+  std::vector<int32_t> labels_;
+  std::vector<uint64_t> ids_ = std::vector<uint64_t>(kExamples * 4);
+};
+
+// Both tables' gradients (dense: zeros in the rows no id fell on), and those
+// of the layers their outputs feed, against the double-precision reference.
+TEST_F(EmbeddingNetworkTest, GradientsMatchFiniteDifferences) {
+  ASSERT_EQ(net_->variables()[2].name, "city_emb/table");
+  EXPECT_EQ(net_->variables()[2].shape, (std::vector<int64_t>{7, 4}));
+  ExpectGradientsMatchFiniteDifferences(spec_, *net_, weights_, images_, labels_, kExamples, ids_);
+  // A row no id of the batch fell on has no gradient.
+  std::vector<bool> used(5, false);
+  for (int n = 0; n < kExamples; ++n) {
+    for (int j = 1; j < 4; ++j) used[ids_[n * 4 + j] % 5] = true;
+  }
+  const Weights grads = NetGradients(*net_);
+  for (int r = 0; r < 5; ++r) {
+    double sum = 0;
+    for (int k = 0; k < 4; ++k) sum += std::abs(grads[3][r * 4 + k]);
+    EXPECT_EQ(sum == 0, !used[r]) << "tag_emb/table row " << r;
+  }
+}
+
+TEST_F(EmbeddingNetworkTest, EvaluateReadsTheIdsGiven) {
+  const Reference ref(spec_, ids_);
+  ASSERT_TRUE(net_->SetIds(ids_.data(), kExamples).ok());
+  absl::StatusOr<Network::Result> r = net_->Evaluate(images_.data(), labels_.data(), kExamples);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double expected =
+      ref.Loss(ToDouble(weights_), images_.data(), labels_.data(), kExamples, nullptr, false);
+  EXPECT_NEAR(r->loss, expected, 1e-5 * expected);
+  // Ids that hash to the same rows give the same loss; others another.
+  std::vector<uint64_t> same = ids_;
+  for (int n = 0; n < kExamples; ++n) same[n * 4] += 7 * 12345;
+  ASSERT_TRUE(net_->SetIds(same.data(), kExamples).ok());
+  absl::StatusOr<Network::Result> again = net_->Evaluate(images_.data(), labels_.data(), kExamples);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->loss, r->loss);
+  std::vector<uint64_t> other = ids_;
+  for (int n = 0; n < kExamples; ++n) other[n * 4] += 1;
+  ASSERT_TRUE(net_->SetIds(other.data(), kExamples).ok());
+  absl::StatusOr<Network::Result> moved = net_->Evaluate(images_.data(), labels_.data(), kExamples);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_NE(moved->loss, r->loss);
+}
+
+TEST_F(EmbeddingNetworkTest, WithoutIdsOfTheBatchIsFailedPrecondition) {
+  const float* x = images_.data();
+  const int32_t* y = labels_.data();
+  auto code = [](const absl::Status& s) { return s.code(); };
+  EXPECT_EQ(code(net_->TrainStep(x, y, kExamples).status()), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(code(net_->Evaluate(x, y, kExamples).status()), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(code(net_->SetInputs(x, y, kExamples)), absl::StatusCode::kFailedPrecondition);
+  absl::Status wrong_size = net_->SetInputs(x, y, 4);
+  ASSERT_TRUE(net_->SetIds(ids_.data(), kExamples).ok());
+  wrong_size = net_->SetInputs(x, y, 4);
+  EXPECT_EQ(code(wrong_size), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(wrong_size.message()), HasSubstr("a batch of 6, not 4"));
+  // Ids serve one batch: the next needs its own.
+  ASSERT_TRUE(net_->SetIds(ids_.data(), kExamples).ok());
+  EXPECT_TRUE(net_->TrainStep(x, y, kExamples).ok());
+  EXPECT_EQ(code(net_->TrainStep(x, y, kExamples).status()), absl::StatusCode::kFailedPrecondition);
+  // SetInputs keeps them with its inputs for every StartTrainStep on them.
+  ASSERT_TRUE(net_->SetIds(ids_.data(), kExamples).ok());
+  ASSERT_TRUE(net_->SetInputs(x, y, kExamples).ok());
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(net_->StartTrainStep(kExamples).ok());
+    EXPECT_TRUE(net_->FinishStep(kExamples).ok());
+  }
+  EXPECT_EQ(code(net_->SetIds(ids_.data(), 0)), absl::StatusCode::kInvalidArgument);
 }
 
 // r1 is read by both c2 and proj, so the gradients of c1 and bn1 are right

@@ -1,5 +1,6 @@
 #include "model/spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -519,6 +520,94 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 #undef INPUT
+
+// Two id features (one a bag of 3) and an embedding layer on each: tables
+// "<layer>/table" [rows, dim], outputs [dim, 1, 1], initial values within
+// +-1/sqrt(dim).
+constexpr char kEmbeddingSpec[] = R"spec(
+  input {
+    channels: 1 height: 1 width: 4
+    id_feature { name: "city" }
+    id_feature { name: "tags" width: 3 }
+  }
+  num_classes: 2
+  layer { name: "bottom" dense { units: 8 } }
+  layer { name: "city_emb" embedding { feature: "city" rows: 100 dim: 8 } }
+  layer { name: "tag_emb" embedding { feature: "tags" rows: 30 dim: 8 combiner: MEAN } }
+  layer { name: "inter" input: "bottom" interaction { others: "city_emb" others: "tag_emb" } }
+  layer { name: "fc" dense { units: 2 } }
+)spec";
+
+TEST(EmbeddingSpecTest, TablesAreVariablesAndOutputsAreDimWide) {
+  const ModelSpec spec = Parse(kEmbeddingSpec);
+  absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(spec);
+  ASSERT_TRUE(shapes.ok()) << shapes.status();
+  EXPECT_EQ((*shapes)[1].channels, 8);
+  EXPECT_EQ((*shapes)[1].size(), 8);
+  EXPECT_EQ((*shapes)[2].size(), 8);
+  EXPECT_EQ((*shapes)[3].size(), 8 + 3);
+  std::vector<Var> vars;
+  for (const VariableShape& v : ModelVariables(spec)) vars.emplace_back(v.name, v.shape);
+  EXPECT_THAT(vars, ElementsAre(Var{"bottom/weights", {8, 4}}, Var{"bottom/bias", {8}},
+                                Var{"city_emb/table", {100, 8}}, Var{"tag_emb/table", {30, 8}},
+                                Var{"fc/weights", {2, 11}}, Var{"fc/bias", {2}}));
+  // Embedding layers read no activation: neither the model input nor the
+  // layer before them.
+  absl::StatusOr<std::vector<LayerWiring>> wiring = ResolveWiring(spec);
+  ASSERT_TRUE(wiring.ok()) << wiring.status();
+  EXPECT_EQ((*wiring)[1].input, -1);
+  EXPECT_EQ((*wiring)[2].input, -1);
+  const std::vector<std::vector<float>> values = InitialValues(spec, 5);
+  const float bound = 1.0f / std::sqrt(8.0f);
+  float largest = 0;
+  for (float x : values[2]) largest = std::max(largest, std::abs(x));
+  EXPECT_LE(largest, bound);
+  EXPECT_GT(largest, 0.9f * bound) << "uniform over the whole range";
+}
+
+TEST(EmbeddingSpecTest, ErrorsNameTheLayerOrFeature) {
+  auto error = [](const std::string& input, const std::string& layers) {
+    const std::string text = "input { channels: 1 height: 1 width: 4 " + input +
+                             " } num_classes: 2 "
+                             "layer { name: \"b\" dense { units: 4 } } " +
+                             layers +
+                             " layer { name: \"j\" input: \"b\" concat { others: \"e\" } }"
+                             " layer { name: \"fc\" dense { units: 2 } }";
+    absl::StatusOr<std::vector<ActivationShape>> shapes = ValidateModelSpec(Parse(text));
+    return shapes.ok() ? std::string("ok") : std::string(shapes.status().message());
+  };
+  const std::string city = "id_feature { name: \"city\" }";
+  auto emb = [](const std::string& body) {
+    return "layer { name: \"e\" embedding { " + body + " } }";
+  };
+  EXPECT_EQ(error(city, emb("feature: \"city\" rows: 10 dim: 4")), "ok");
+  EXPECT_EQ(error(city, emb("feature: \"zip\" rows: 10 dim: 4")),
+            "layer 'e': feature 'zip' is not an input id_feature");
+  EXPECT_EQ(error("", emb("feature: \"city\" rows: 10 dim: 4")),
+            "layer 'e': feature 'city' is not an input id_feature");
+  EXPECT_EQ(error(city, emb("rows: 10 dim: 4")), "layer 'e': embedding needs a feature");
+  EXPECT_EQ(error(city, emb("feature: \"city\" rows: 0 dim: 4")),
+            "layer 'e': embedding rows must be in [1, 1073741824], got 0");
+  EXPECT_EQ(error(city, emb("feature: \"city\" rows: 2000000000 dim: 4")),
+            "layer 'e': embedding rows must be in [1, 1073741824], got 2000000000");
+  EXPECT_EQ(error(city, emb("feature: \"city\" rows: 10 dim: 0")),
+            "layer 'e': embedding dim must be in [1, 65536], got 0");
+  EXPECT_EQ(error(city, emb("feature: \"city\" rows: 10 dim: 70000")),
+            "layer 'e': embedding dim must be in [1, 65536], got 70000");
+  EXPECT_EQ(error(city, emb("feature: \"city\" rows: 1073741824 dim: 2")),
+            "layer 'e': the model exceeds 1073741824 parameters");
+  EXPECT_EQ(error(city,
+                  "layer { name: \"e\" input: \"b\" embedding { feature: \"city\" rows: 10 "
+                  "dim: 4 } }"),
+            "layer 'e': reads ids, not an activation: its input must be empty");
+  EXPECT_EQ(error(city + " " + city, emb("feature: \"city\" rows: 10 dim: 4")),
+            "input id_feature 'city' is named twice");
+  EXPECT_EQ(error("id_feature { width: 2 }", emb("feature: \"city\" rows: 10 dim: 4")),
+            "every input id_feature needs a name");
+  EXPECT_EQ(
+      error("id_feature { name: \"city\" width: -1 }", emb("feature: \"city\" rows: 10 dim: 4")),
+      "input id_feature 'city' needs a width in [1, 65536]");
+}
 
 TEST(SpecTest, ModelVariablesOfAnInvalidSpecIsEmpty) {
   EXPECT_TRUE(ModelVariables(ModelSpec()).empty());
