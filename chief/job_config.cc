@@ -444,6 +444,10 @@ absl::StatusOr<TrainingDataStats> MeasureStreamed(const JobConfig& job, const Mo
   const data::ModelInput input = data::ModelInputOf(spec);
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::DataFormat> format,
                           data::OpenDataFormat(job.data(), input.shape, data::Split::kTrain));
+  // The ids the model's embedding layers read must be in the data.
+  PSFLOW_RETURN_IF_ERROR(
+      data::IdSelection::Create(format->id_features(), data::DescribeSource(job.data()), spec)
+          .status());
   // Spread over the files: an image folder's images come class by class.
   const std::unique_ptr<data::DataFormat> spread =
       data::EveryNthFile(*format, format->num_files() / kStatsSample);
@@ -464,6 +468,9 @@ absl::StatusOr<TrainingDataStats> MeasureTrainingData(JobConfig* job, const data
                                                       const ModelSpec& spec) {
   PSFLOW_RETURN_IF_ERROR(data::ResolveDataFiles(files, job->mutable_data()));
   if (data::IsStreamed(job->data().format())) return MeasureStreamed(*job, spec);
+  // Data held whole carries no ids.
+  PSFLOW_RETURN_IF_ERROR(
+      data::IdSelection::Create({}, data::DescribeSource(job->data()), spec).status());
   PSFLOW_ASSIGN_OR_RETURN(TrainingDataStats stats, MeasureInMemory(*job, spec));
   // DistributedSampler: each worker sees ceil(count / workers) examples.
   stats.share = (stats.count + job->num_workers() - 1) / job->num_workers();

@@ -598,6 +598,7 @@ absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShap
   d.num_classes = shape.num_classes;
   d.images.resize(static_cast<size_t>(n * d.example_floats()));
   d.example_ids = format.example_ids();
+  d.id_features = format.id_features();
   d.ids.resize(static_cast<size_t>(n * d.example_ids));
   d.labels.resize(static_cast<size_t>(n));
   // Records are read in order on this thread, a chunk at a time, and each

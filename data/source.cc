@@ -1,6 +1,7 @@
 #include "data/source.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "data/formats.h"
 #include "data/synthetic.h"
 
@@ -68,6 +69,44 @@ absl::StatusOr<Dataset> LoadDataset(const DataConfig& config, const ModelInput& 
   absl::Status fits = CheckFitsModel(data->shape(), DescribeSource(config), model);
   if (!fits.ok()) return fits;
   return data;
+}
+
+absl::StatusOr<IdSelection> IdSelection::Create(const std::vector<IdFeature>& data,
+                                                absl::string_view origin, const ModelSpec& model) {
+  IdSelection s;
+  s.data_ids_ = IdsPerExample(data);
+  for (const IdFeatureSpec& want : model.input().id_feature()) {
+    const int width = want.width() > 0 ? want.width() : 1;
+    int64_t first = 0;
+    bool found = false;
+    for (const IdFeature& f : data) {
+      if (f.name == want.name() && f.width == width) {
+        for (int k = 0; k < width; ++k) s.sources_.push_back(first + k);
+        found = true;
+        break;
+      }
+      first += f.width;
+    }
+    if (found) continue;
+    std::vector<std::string> have;
+    for (const IdFeature& f : data) {
+      have.push_back(f.width == 1 ? f.name : absl::StrCat(f.name, " (", f.width, ")"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", model.name(), " reads id feature '", want.name(), "' (", width,
+        width == 1 ? " id" : " ids", " per example), which ", origin, " lack (",
+        have.empty() ? "they carry no ids" : absl::StrCat("they have ", absl::StrJoin(have, ", ")),
+        ")"));
+  }
+  return s;
+}
+
+void IdSelection::Select(const uint64_t* data, int64_t examples, uint64_t* out) const {
+  const int64_t n = model_ids();
+  for (int64_t e = 0; e < examples; ++e) {
+    const uint64_t* in = data + e * data_ids_;
+    for (int64_t k = 0; k < n; ++k) out[e * n + k] = in[sources_[k]];
+  }
 }
 
 }  // namespace psflow::data

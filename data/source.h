@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -59,6 +60,27 @@ absl::Status CheckFitsModel(const ExampleShape& data, absl::string_view origin,
 
 // The same for a loaded dataset; its origin is named "the data".
 absl::Status CheckFitsModel(const Dataset& data, const ModelInput& model);
+
+// The ids a model's embedding layers read (InputSpec.id_feature, in its
+// order) picked by name out of the ids the data carries (data/reader.h).
+// Immutable once made: thread-safe.
+class IdSelection {
+ public:
+  // INVALID_ARGUMENT on one line for a feature the model reads that the
+  // data lacks, or has with another width: "model dlrm reads id feature
+  // 'C27' (1 id per example), which <origin> lack (they have C1, ..., C26)".
+  static absl::StatusOr<IdSelection> Create(const std::vector<IdFeature>& data,
+                                            absl::string_view origin, const ModelSpec& model);
+  // The model's ids per example (0: it reads none).
+  int64_t model_ids() const { return static_cast<int64_t>(sources_.size()); }
+  // `examples` examples' ids, data_ids() of the data's each, into `out`
+  // (examples * model_ids()).
+  void Select(const uint64_t* data, int64_t examples, uint64_t* out) const;
+
+ private:
+  std::vector<int64_t> sources_;  // per model id: its index among the data's
+  int64_t data_ids_ = 0;
+};
 
 }  // namespace psflow::data
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/byte_size.h"
 #include "common/status_macros.h"
+#include "data/source.h"
 #include "evaluator/binary_scores.h"
 
 namespace psflow::evaluator {
@@ -51,6 +52,10 @@ absl::StatusOr<Evaluation> EvaluateDataset(model::Network* net, const data::Data
                                            const std::function<absl::Status()>& between_batches) {
   PSFLOW_ASSIGN_OR_RETURN(const int batch,
                           EvaluationBatch(*net, data.count, batch_size, memory_budget));
+  // A model with embedding layers reads its ids by name out of the data's.
+  PSFLOW_ASSIGN_OR_RETURN(const data::IdSelection ids,
+                          data::IdSelection::Create(data.id_features, "the data", net->spec()));
+  std::vector<uint64_t> batch_ids(static_cast<size_t>(batch * ids.model_ids()));
   double loss_sum = 0;
   Evaluation e;
   e.binary = net->spec().num_classes() == 2;
@@ -63,6 +68,10 @@ absl::StatusOr<Evaluation> EvaluateDataset(model::Network* net, const data::Data
   for (int64_t begin = 0; begin < data.count; begin += batch) {
     if (begin > 0 && between_batches) PSFLOW_RETURN_IF_ERROR(between_batches());
     const int n = static_cast<int>(std::min<int64_t>(batch, data.count - begin));
+    if (ids.model_ids() > 0) {
+      ids.Select(data.ids.data() + begin * data.example_ids, n, batch_ids.data());
+      PSFLOW_RETURN_IF_ERROR(net->SetIds(batch_ids.data(), n));
+    }
     PSFLOW_ASSIGN_OR_RETURN(
         model::Network::Result r,
         net->Evaluate(data.images.data() + begin * example, data.labels.data() + begin, n));

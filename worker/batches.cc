@@ -20,15 +20,35 @@ WorkerBatches::WorkerBatches(const data::Dataset& data, const JobConfig& job, in
       own_ids_(static_cast<size_t>(batch_ * example_ids_)),
       own_labels_(static_cast<size_t>(batch_)),
       images_(own_images_.data()),
-      ids_(example_ids_ > 0 ? own_ids_.data() : nullptr),
-      labels_(own_labels_.data()) {}
+      labels_(own_labels_.data()) {
+  SelectIds(job, data.id_features);
+}
 
 WorkerBatches::WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
-                             int64_t example_floats, int64_t example_ids)
+                             int64_t example_floats, int64_t example_ids,
+                             const std::vector<data::IdFeature>& id_features)
     : batch_(WorkerBatch(job)),
       example_floats_(example_floats),
       example_ids_(example_ids),
-      pipeline_(std::move(pipeline)) {}
+      pipeline_(std::move(pipeline)) {
+  SelectIds(job, id_features);
+}
+
+void WorkerBatches::SelectIds(const JobConfig& job,
+                              const std::vector<data::IdFeature>& id_features) {
+  absl::StatusOr<data::IdSelection> s =
+      data::IdSelection::Create(id_features, "the worker's data", job.model());
+  if (!s.ok()) {
+    selection_status_ = s.status();
+    return;
+  }
+  selection_ = *std::move(s);
+  model_ids_.resize(static_cast<size_t>(batch_ * selection_.model_ids()));
+}
+
+void WorkerBatches::PickIds(const uint64_t* data_ids) {
+  if (selection_.model_ids() > 0) selection_.Select(data_ids, batch_, model_ids_.data());
+}
 
 absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
     const data::DataFormat* format, const JobConfig& job, int worker, int64_t steps_per_epoch,
@@ -46,7 +66,8 @@ absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::Pipeline> pipeline,
                           data::Pipeline::Create(format, o));
   return std::unique_ptr<WorkerBatches>(
-      new WorkerBatches(job, std::move(pipeline), format->example_floats(), format->example_ids()));
+      new WorkerBatches(job, std::move(pipeline), format->example_floats(), format->example_ids(),
+                        format->id_features()));
 }
 
 std::string WorkerBatches::Summary() const {
@@ -56,11 +77,12 @@ std::string WorkerBatches::Summary() const {
 }
 
 absl::Status WorkerBatches::Gather(int64_t step, int64_t steps_per_epoch) {
+  PSFLOW_RETURN_IF_ERROR(selection_status_);
   const int64_t epoch = step / steps_per_epoch, position = step % steps_per_epoch;
   if (pipeline_ != nullptr) {
     PSFLOW_ASSIGN_OR_RETURN(const data::Batch* b, pipeline_->Get(epoch, position));
     images_ = b->images.data();
-    ids_ = example_ids_ > 0 ? b->ids.data() : nullptr;
+    PickIds(b->ids.data());
     labels_ = b->labels.data();
     return absl::OkStatus();
   }
@@ -68,8 +90,11 @@ absl::Status WorkerBatches::Gather(int64_t step, int64_t steps_per_epoch) {
     order_ = sampler_->EpochIndices(epoch);
     epoch_ = epoch;
   }
-  return data::GatherBatch(*data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
-                           own_images_.data(), own_ids_.data(), own_labels_.data());
+  PSFLOW_RETURN_IF_ERROR(
+      data::GatherBatch(*data_, absl::MakeConstSpan(order_).subspan(position * batch_, batch_),
+                        own_images_.data(), own_ids_.data(), own_labels_.data()));
+  PickIds(own_ids_.data());
+  return absl::OkStatus();
 }
 
 }  // namespace psflow::worker

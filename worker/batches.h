@@ -21,6 +21,7 @@
 #include "data/formats.h"
 #include "data/mnist.h"
 #include "data/pipeline.h"
+#include "data/source.h"
 #include "proto/job.pb.h"
 
 namespace psflow::worker {
@@ -39,10 +40,11 @@ class WorkerBatches {
   // Gathers the batch of `step` (of `steps_per_epoch` in an epoch).
   absl::Status Gather(int64_t step, int64_t steps_per_epoch);
   const float* images() const { return images_; }
-  // The batch's categorical ids, example_ids() per example (data/reader.h);
-  // null when the data has none.
-  const uint64_t* ids() const { return ids_; }
-  int64_t example_ids() const { return example_ids_; }
+  // The batch's ids that the model's embedding layers read, model_ids() per
+  // example in the model's id-feature order (data::IdSelection); null when
+  // it reads none.
+  const uint64_t* ids() const { return model_ids_.empty() ? nullptr : model_ids_.data(); }
+  int64_t model_ids() const { return selection_.model_ids(); }
   const int32_t* labels() const { return labels_; }
   int64_t size() const { return batch_; }
   int64_t example_floats() const { return example_floats_; }
@@ -52,7 +54,13 @@ class WorkerBatches {
 
  private:
   WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
-                int64_t example_floats, int64_t example_ids);
+                int64_t example_floats, int64_t example_ids,
+                const std::vector<data::IdFeature>& id_features);
+  // Picks the model's ids out of the data's (`id_features`); an error
+  // (the data lacks one) is kept for Gather to return.
+  void SelectIds(const JobConfig& job, const std::vector<data::IdFeature>& id_features);
+  // The latest batch's model ids out of its data ids.
+  void PickIds(const uint64_t* data_ids);
 
   const data::Dataset* const data_ = nullptr;
   const int64_t batch_;
@@ -69,7 +77,9 @@ class WorkerBatches {
   std::unique_ptr<data::Pipeline> pipeline_;
   // The latest batch.
   const float* images_ = nullptr;
-  const uint64_t* ids_ = nullptr;
+  data::IdSelection selection_;
+  absl::Status selection_status_;
+  std::vector<uint64_t> model_ids_;
   const int32_t* labels_ = nullptr;
 };
 

@@ -67,9 +67,10 @@ std::string ModelReplicas::Description() const {
   return absl::StrCat("device ", backend_->Description());
 }
 
-absl::StatusOr<model::Network::Result> ModelReplicas::Step(const float* images,
+absl::StatusOr<model::Network::Result> ModelReplicas::Step(const float* images, const uint64_t* ids,
                                                            const int32_t* labels, int batch,
-                                                           int64_t example_floats) {
+                                                           int64_t example_floats,
+                                                           int64_t example_ids) {
   // Names the GPU whose work failed: a lost GPU ends the worker with a
   // retryable exit code (INTERNAL), to be restarted.
   auto on = [&](size_t r, const absl::Status& s) {
@@ -81,7 +82,10 @@ absl::StatusOr<model::Network::Result> ModelReplicas::Step(const float* images,
   if (!s.ok())
     return absl::InternalError(absl::StrCat("copying weights among the GPUs: ", s.message()));
   for (size_t r = 0; r < nets_.size(); ++r) {
-    s = nets_[r]->SetInputs(images + r * batch * example_floats, labels + r * batch, batch);
+    if (ids != nullptr) s = nets_[r]->SetIds(ids + r * batch * example_ids, batch);
+    if (s.ok()) {
+      s = nets_[r]->SetInputs(images + r * batch * example_floats, labels + r * batch, batch);
+    }
     if (s.ok()) s = nets_[r]->StartTrainStep(batch);
     if (!s.ok()) return on(r, s);
   }

@@ -41,11 +41,14 @@ class ModelReplicas {
   std::string Description() const;
 
   // One step of every replica, each on `batch` examples of images/labels in
-  // turn (replica r on the r-th batch, `example_floats` floats an image),
-  // then their gradients averaged among the GPUs into replica 0's; the loss
-  // is the mean over the replicas. Several replicas only.
-  absl::StatusOr<model::Network::Result> Step(const float* images, const int32_t* labels, int batch,
-                                              int64_t example_floats);
+  // turn (replica r on the r-th batch, `example_floats` floats an image, and
+  // `example_ids` ids from `ids` for the embedding layers; ids null where
+  // the model reads none), then their gradients averaged among the GPUs
+  // into replica 0's; the loss is the mean over the replicas. Several
+  // replicas only.
+  absl::StatusOr<model::Network::Result> Step(const float* images, const uint64_t* ids,
+                                              const int32_t* labels, int batch,
+                                              int64_t example_floats, int64_t example_ids);
 
  private:
   ModelReplicas() = default;

@@ -505,10 +505,13 @@ absl::StatusOr<model::Network::Result> Trainer::Compute(const WorkerBatches& bat
   const int batch = job_.batch_size();  // per replica
   if (model_->several()) {
     absl::StatusOr<model::Network::Result> result =
-        model_->Step(batches.images(), batches.labels(), batch, batches.example_floats());
+        model_->Step(batches.images(), batches.ids(), batches.labels(), batch,
+                     batches.example_floats(), batches.model_ids());
     if (result.ok()) PSFLOW_RETURN_IF_ERROR(exchange_->StepQueued());  // it ran
     return result;
   }
+  // The ids of the model's embedding layers, for the step queued next.
+  if (batches.ids() != nullptr) PSFLOW_RETURN_IF_ERROR(model_->net()->SetIds(batches.ids(), batch));
   if (staging_->copies_buckets()) {
     return staging_->StepCopyingGradients(batches.images(), batches.labels(), batch,
                                           exchange_.get(), options_.trace, trace_step_);

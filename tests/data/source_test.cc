@@ -192,5 +192,37 @@ TEST(DescribeSourceTest, NamesTheDirectoryOrTheSyntheticSet) {
   EXPECT_EQ(DescribeSource(InMemoryData("synthetic", "/ignored", 100)), "the synthetic images");
 }
 
+TEST(IdSelectionTest, PicksTheModelsFeaturesByNameInItsOrder) {
+  ModelSpec model;
+  model.set_name("rec");
+  IdFeatureSpec* bag = model.mutable_input()->add_id_feature();
+  bag->set_name("tags");
+  bag->set_width(2);
+  model.mutable_input()->add_id_feature()->set_name("city");
+  const std::vector<IdFeature> data = {{"city", 1}, {"shop", 1}, {"tags", 2}};
+  absl::StatusOr<IdSelection> s = IdSelection::Create(data, "the csv data", model);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->model_ids(), 3);
+  // Two examples of the data's 4 ids each.
+  const std::vector<uint64_t> ids = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<uint64_t> out(6);
+  s->Select(ids.data(), 2, out.data());
+  EXPECT_EQ(out, (std::vector<uint64_t>{3, 4, 1, 7, 8, 5}));
+  // A model reading no ids reads none of any data.
+  absl::StatusOr<IdSelection> none = IdSelection::Create({}, "the images", ModelSpec());
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->model_ids(), 0);
+  // A feature the data lacks, or has with another width.
+  absl::StatusOr<IdSelection> lacking = IdSelection::Create({{"city", 1}}, "the csv data", model);
+  EXPECT_EQ(lacking.status().message(),
+            "model rec reads id feature 'tags' (2 ids per example), which the csv data lack (they "
+            "have city)");
+  absl::StatusOr<IdSelection> narrow =
+      IdSelection::Create({{"tags", 1}, {"city", 1}}, "the data", model);
+  EXPECT_FALSE(narrow.ok());
+  absl::StatusOr<IdSelection> images = IdSelection::Create({}, "the images in /d", model);
+  EXPECT_THAT(std::string(images.status().message()), HasSubstr("(they carry no ids)"));
+}
+
 }  // namespace
 }  // namespace psflow::data
