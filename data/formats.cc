@@ -300,20 +300,24 @@ class CsvDecoder : public Decoder {
   const int64_t ids_;
 };
 
+std::vector<IdFeature> CsvIdFeatures(const std::vector<CsvColumn>& columns);
+std::string DescribeColumns(const std::vector<CsvColumn>& columns);
+
 // The files of a format, their counts and how to read them.
 class FileFormat : public DataFormat {
  public:
-  // `csv`: the layout of CSV files (parsed once, for every file opened).
-  // `id_features`: the CSV's categorical and hex columns.
+  // `csv`: the layout of CSV files (parsed once, for every file opened);
+  // `columns`: the first file's, as its header resolves them.
   FileFormat(const DataConfig& config, const ExampleShape& shape, std::vector<std::string> paths,
              std::vector<int64_t> records, std::vector<int32_t> labels, CsvFormat csv,
-             std::vector<IdFeature> id_features)
+             std::vector<CsvColumn> columns)
       : config_(config),
         shape_(shape),
         paths_(std::move(paths)),
         records_(std::move(records)),
         labels_(std::move(labels)),
-        id_features_(std::move(id_features)),
+        columns_(std::move(columns)),
+        id_features_(CsvIdFeatures(columns_)),
         image_decoder_(shape, config, config.format() == kTfRecord),
         csv_decoder_(shape, IdsPerExample(id_features_)),
         csv_(std::move(csv)) {}
@@ -336,6 +340,13 @@ class FileFormat : public DataFormat {
     }
     if (config_.format() == kCsv) {
       PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<CsvReader> reader, CsvReader::Open(path, csv_));
+      // Every file's header must give the first file's columns in its order:
+      // a column read under another's name would feed the wrong input.
+      if (reader->format().columns != columns_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, " has the columns ", DescribeColumns(reader->format().columns), ", but ",
+            paths_[0], " has ", DescribeColumns(columns_), ": every file needs the same"));
+      }
       return std::unique_ptr<RecordStream>(new CsvStream(std::move(reader)));
     }
     RecordReaderOptions o;
@@ -349,34 +360,47 @@ class FileFormat : public DataFormat {
   const ExampleShape shape_;
   const std::vector<std::string> paths_;
   const std::vector<int64_t> records_;
-  const std::vector<int32_t> labels_;  // image folders: each file's class
+  const std::vector<int32_t> labels_;     // image folders: each file's class
+  const std::vector<CsvColumn> columns_;  // CSV: the first file's
   const std::vector<IdFeature> id_features_;
   const ImageDecoder image_decoder_;
   const CsvDecoder csv_decoder_;
   const CsvFormat csv_;
 };
 
-// A CSV's numeric columns must make the model's input. Returns its
-// categorical and hex columns, one id each.
-absl::StatusOr<std::vector<IdFeature>> CheckCsvColumns(const CsvFormat& format,
+// A CSV's numeric columns must make the model's input. Returns the first
+// file's columns as its header resolves them, which every file must have.
+absl::StatusOr<std::vector<CsvColumn>> CheckCsvColumns(const CsvFormat& format,
                                                        const std::string& first_file,
                                                        const ExampleShape& shape) {
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<CsvReader> reader, CsvReader::Open(first_file, format));
   int64_t numeric = 0;
-  std::vector<IdFeature> ids;
-  for (const CsvColumn& c : reader->format().columns) {
-    numeric += c.type == ColumnType::kNumeric;
-    if (c.type == ColumnType::kCategorical || c.type == ColumnType::kCategoricalHex) {
-      ids.push_back({.name = c.name, .width = 1});
-    }
-  }
+  for (const CsvColumn& c : reader->format().columns) numeric += c.type == ColumnType::kNumeric;
   const int64_t want = int64_t{shape.channels} * shape.height * shape.width;
   if (numeric != want) {
     return absl::InvalidArgumentError(
         absl::StrCat(first_file, " has ", numeric, " numeric columns, but the model takes ", want,
                      " inputs (", shape.channels, "x", shape.height, "x", shape.width, ")"));
   }
+  return reader->format().columns;
+}
+
+// The categorical and hex columns of resolved CSV columns, one id each.
+std::vector<IdFeature> CsvIdFeatures(const std::vector<CsvColumn>& columns) {
+  std::vector<IdFeature> ids;
+  for (const CsvColumn& c : columns) {
+    if (c.type == ColumnType::kCategorical || c.type == ColumnType::kCategoricalHex) {
+      ids.push_back({.name = c.name, .width = 1});
+    }
+  }
   return ids;
+}
+
+// "label:label,price:numeric,...": columns for messages.
+std::string DescribeColumns(const std::vector<CsvColumn>& columns) {
+  return absl::StrJoin(columns, ",", [](std::string* out, const CsvColumn& c) {
+    absl::StrAppend(out, c.name, ":", ColumnTypeName(c.type));
+  });
 }
 
 absl::Status CheckClasses(const std::vector<std::string>& classes, const DataConfig& config,
@@ -574,14 +598,14 @@ absl::StatusOr<std::unique_ptr<DataFormat>> OpenDataFormat(const DataConfig& con
     if (paths.empty()) return absl::InvalidArgumentError("the job lists no training files");
   }
   CsvFormat csv;
-  std::vector<IdFeature> ids;
+  std::vector<CsvColumn> columns;
   if (config.format() == kCsv) {
     PSFLOW_ASSIGN_OR_RETURN(csv, CsvFormatOf(config));
-    PSFLOW_ASSIGN_OR_RETURN(ids, CheckCsvColumns(csv, paths[0], shape));
+    PSFLOW_ASSIGN_OR_RETURN(columns, CheckCsvColumns(csv, paths[0], shape));
   }
   return std::unique_ptr<DataFormat>(new FileFormat(config, shape, std::move(paths),
                                                     std::move(records), std::move(labels),
-                                                    std::move(csv), std::move(ids)));
+                                                    std::move(csv), std::move(columns)));
 }
 
 absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShape& shape,

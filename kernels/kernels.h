@@ -218,7 +218,8 @@ class Interaction {
   // xs: `features` operands of [N, dim]; y: [N, out_width()].
   virtual absl::Status Forward(absl::Span<const float* const> xs, float* y) = 0;
   // The gradient of each operand, written to dxs[i] or added to it where
-  // add[i] is not 0 (null: not wanted), from the forward inputs and dy.
+  // add[i] is not 0 (null: not wanted), from the forward inputs and dy. No
+  // two dxs[i] may be equal (a GPU computes them at once).
   virtual absl::Status Backward(absl::Span<const float* const> xs, const float* dy,
                                 absl::Span<float* const> dxs, absl::Span<const uint8_t> add) = 0;
 };

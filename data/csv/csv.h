@@ -39,6 +39,7 @@ absl::string_view ColumnTypeName(ColumnType type);
 struct CsvColumn {
   std::string name;
   ColumnType type = ColumnType::kNumeric;
+  bool operator==(const CsvColumn&) const = default;
 };
 
 struct CsvFormat {

@@ -209,7 +209,27 @@ TEST_F(FormatsTest, CsvCategoricalColumnsBecomeTheExamplesIds) {
   EXPECT_EQ((*batch)->labels, (std::vector<int32_t>{1, 0}));
 }
 
-TEST_F(FormatsTest, CsvFilesWithOtherColumnsThanTheFirstAreRefusedByRecord) {
+TEST_F(FormatsTest, CsvFilesWithColumnsInAnotherOrderAreRefused) {
+  // The same columns, two of them swapped: of equal record size, but read
+  // under each other's names.
+  std::ofstream(dir_ + "/a.csv") << "label,x,c,d\n1,2,u,v\n";
+  std::ofstream(dir_ + "/b.csv") << "label,x,d,c\n0,5,v,u\n";
+  DataConfig c = DefaultDataConfig();
+  c.set_format("csv");
+  c.set_csv_columns("label:label,x:numeric,*:categorical");
+  ASSERT_TRUE(ResolveDataFiles({dir_ + "/a.csv," + dir_ + "/b.csv", ""}, &c).ok());
+  auto format = OpenDataFormat(c, {1, 1, 1, 2}, Split::kTrain);
+  ASSERT_TRUE(format.ok()) << format.status();
+  EXPECT_TRUE((*format)->Open(0).ok());
+  auto second = (*format)->Open(1);
+  ASSERT_FALSE(second.ok());
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr("b.csv has the columns label:label,x:numeric,d:categorical,c:categorical, "
+                        "but " +
+                        dir_ + "/a.csv has label:label,x:numeric,c:categorical,d:categorical"));
+}
+
+TEST_F(FormatsTest, CsvFilesWithOtherColumnsThanTheFirstAreRefused) {
   std::ofstream(dir_ + "/a.csv") << "label,x,c\n1,2,u\n";
   std::ofstream(dir_ + "/b.csv") << "label,x\n0,5\n";
   DataConfig c = DefaultDataConfig();
@@ -221,7 +241,8 @@ TEST_F(FormatsTest, CsvFilesWithOtherColumnsThanTheFirstAreRefusedByRecord) {
   absl::StatusOr<Dataset> d = ReadExamples(**format, {1, 1, 1, 2}, -1, 1);
   ASSERT_FALSE(d.ok());
   EXPECT_THAT(std::string(d.status().message()),
-              HasSubstr("b.csv, record 0: the record has other columns than the first file"));
+              HasSubstr("b.csv has the columns label:label,x:numeric, but " + dir_ +
+                        "/a.csv has label:label,x:numeric,c:categorical"));
 }
 
 TEST_F(FormatsTest, ResolutionRecognizesEachFormatAndCountsItsRecords) {
