@@ -13,6 +13,9 @@ namespace psflow::ps::embedding {
 namespace {
 
 constexpr int kMaxDim = 1 << 16;
+// Fixed tables are allocated whole at once: a bound that catches a typo
+// before it takes the machine's memory.
+constexpr int64_t kMaxFixedRows = int64_t{1} << 34;
 constexpr int64_t kSlabTargetBytes = 64 << 10;
 // Salts that keep the streams of initial values and admission draws apart.
 constexpr uint64_t kInitSalt = 0x5EED1A17ull;
@@ -76,6 +79,10 @@ absl::Status ValidateEmbeddingTableSpec(const EmbeddingTableSpec& spec) {
     return Bad(absl::StrCat("dim must be in [1, ", kMaxDim, "], got ", spec.dim()));
   }
   if (spec.rows() < 0) return Bad(absl::StrCat("rows must be >= 0, got ", spec.rows()));
+  if (spec.rows() > kMaxFixedRows) {
+    return Bad(absl::StrCat("rows must be at most 2^34 (a fixed table is allocated whole), got ",
+                            spec.rows(), "; a dynamic table (rows 0) takes any number of ids"));
+  }
   if (!EmbeddingTableSpec::Initializer_IsValid(spec.initializer())) {
     return Bad(absl::StrCat("initializer ", static_cast<int>(spec.initializer()), " is unknown"));
   }

@@ -260,6 +260,15 @@ absl::StatusOr<std::unique_ptr<EmbeddingShard>> RestoreEmbeddingShard(
     auto header = ReadHeader(*files.back());
     if (!header.ok()) return header.status();
     if (auto s = CheckMatches(*header, **shard, path); !s.ok()) return s;
+    // The count sizes the index before any row is read: it must fit the file.
+    std::error_code error;
+    const uintmax_t size = std::filesystem::file_size(path, error);
+    const uintmax_t record = static_cast<uintmax_t>((*shard)->record_bytes());
+    if (!error && (header->rows < 0 || static_cast<uintmax_t>(header->rows) > size / record)) {
+      return absl::DataLossError(absl::StrCat("embedding snapshot ", path, ": the header counts ",
+                                              header->rows, " rows, more than its ", size,
+                                              " bytes hold"));
+    }
     rows += header->rows;
     headers.push_back(*std::move(header));
   }

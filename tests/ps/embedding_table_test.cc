@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/crc32c.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ps/embedding/table_file.h"
@@ -72,6 +74,8 @@ TEST(EmbeddingShardTest, CreateRefusesBadSpecs) {
   EXPECT_THAT(code(Spec("", 4, 0)).message(), HasSubstr("name"));
   EXPECT_THAT(code(Spec("t", 0, 0)).message(), HasSubstr("dim"));
   EXPECT_THAT(code(Spec("t", 4, -1)).message(), HasSubstr("rows"));
+  EXPECT_THAT(code(Spec("t", 4, int64_t{1} << 40)).message(),
+              HasSubstr("rows must be at most 2^34 (a fixed table is allocated whole)"));
   EmbeddingTableSpec spec = Spec("t", 4, 10);
   spec.set_expire_steps(5);
   EXPECT_THAT(code(spec).message(), HasSubstr("dynamic"));
@@ -457,6 +461,17 @@ TEST_F(EmbeddingFileTest, BadFilesAreOneClearError) {
   expect(absl::StatusCode::kDataLoss, "bytes after the last row");
   Spill(path, "not a snapshot at all");
   expect(absl::StatusCode::kDataLoss, "bad magic");
+  // A header (checksum and all) that counts far more rows than the file
+  // holds is refused before anything is sized by it. Its row count is the
+  // int64 before the header's checksum.
+  std::string huge = good;
+  const size_t header_end = 8 + 4 + 4 + 1 + 4 + 4 + 4 + 8 + 8;  // magic .. rows ("t": 1 byte)
+  const int64_t rows = int64_t{1} << 50;
+  std::memcpy(&huge[header_end - 8], &rows, sizeof(rows));
+  const uint32_t crc = MaskCrc32c(Crc32c(absl::string_view(huge).substr(0, header_end)));
+  std::memcpy(&huge[header_end], &crc, sizeof(crc));
+  Spill(path, huge);
+  expect(absl::StatusCode::kDataLoss, "the header counts 1125899906842624 rows, more than its");
   Spill(path, good);
   EmbeddingTableSpec other = spec;
   other.set_dim(8);

@@ -38,7 +38,7 @@ inline constexpr int kCriteoCategoricals = 26;
 struct SynthColumn {
   int64_t vocab = 1000;         // ranks 1..vocab, before --vocab_scale
   double zipf_exponent = 1.05;  // P(rank k) proportional to k^-exponent; > 0
-  double weight_stddev = 0.3;   // of w_c(id)
+  double weight_stddev = 0.25;  // of w_c(id); psflow-data's default too
 };
 
 // The default columns: vocabularies shaped after Criteo's Kaggle set (3 to
