@@ -33,7 +33,7 @@
 namespace psflow::kernels {
 
 namespace cpu_internal {
-struct DnnlContext;  // engine + stream + its mutex; defined in cpu_backend.cc
+struct DnnlContext;  // engine + stream + its mutex; defined in cpu_internal.h
 }  // namespace cpu_internal
 
 class CpuBackend final : public Backend {
