@@ -61,8 +61,8 @@ struct DnnlContext {
 // the OpenMP team costs more than the loop.
 inline constexpr int64_t kMinParallel = int64_t{1} << 15;
 
-inline absl::Status CheckNonNull(absl::string_view op,
-                          std::initializer_list<std::pair<absl::string_view, const void*>> args) {
+inline absl::Status CheckNonNull(
+    absl::string_view op, std::initializer_list<std::pair<absl::string_view, const void*>> args) {
   for (const auto& [name, ptr] : args) {
     if (ptr == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is null"));
   }

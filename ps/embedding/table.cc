@@ -282,18 +282,12 @@ void EmbeddingShard::FindRows(Stripe& s, absl::Span<const uint64_t> ids,
   }
 }
 
-absl::Status EmbeddingShard::Lookup(absl::Span<const uint64_t> ids, bool train, int64_t step,
-                                    absl::Span<float> out) {
-  if (out.size() != ids.size() * dim_) {
-    return absl::InvalidArgumentError(absl::StrCat("embedding table \"", name(), "\": lookup of ",
-                                                   ids.size(), " ids into ", out.size(),
-                                                   " floats (dim ", dim_, ")"));
-  }
-  if (auto s = CheckOwned(ids); !s.ok()) return s;
+template <typename Fn>
+void EmbeddingShard::ForEachStripe(absl::Span<const uint64_t> ids, bool train, int64_t step,
+                                   Fn&& fn) {
   std::vector<uint32_t> order;
   std::array<uint32_t, kStripes + 1> begin;
   GroupByStripe(ids, &order, &begin);
-  const size_t value_bytes = sizeof(float) * dim_;
   std::vector<char*> rows;
   const int first = FirstStripe();
   for (int n = 0; n < kStripes; ++n) {
@@ -303,20 +297,35 @@ absl::Status EmbeddingShard::Lookup(absl::Span<const uint64_t> ids, bool train, 
     Stripe& s = stripes_[si];
     absl::MutexLock lock(&s.mu);
     FindRows(s, ids, group, train, step, &rows);
-    for (size_t k = 0; k < group.size(); ++k) {
-      if (k + 4 < group.size()) PrefetchRow(rows[k + 4]);
-      float* dst = out.data() + size_t{group[k]} * dim_;
-      char* row = rows[k];
-      if (row == nullptr) {
-        std::memset(dst, 0, value_bytes);
-        continue;
-      }
-      std::memcpy(dst, row + 8, value_bytes);
-      int64_t touch;
-      std::memcpy(&touch, row, 8);
-      if (train && step > touch) std::memcpy(row, &step, 8);
-    }
+    fn(s, group, rows);
   }
+}
+
+absl::Status EmbeddingShard::Lookup(absl::Span<const uint64_t> ids, bool train, int64_t step,
+                                    absl::Span<float> out) {
+  if (out.size() != ids.size() * dim_) {
+    return absl::InvalidArgumentError(absl::StrCat("embedding table \"", name(), "\": lookup of ",
+                                                   ids.size(), " ids into ", out.size(),
+                                                   " floats (dim ", dim_, ")"));
+  }
+  if (auto s = CheckOwned(ids); !s.ok()) return s;
+  const size_t value_bytes = sizeof(float) * dim_;
+  ForEachStripe(ids, train, step,
+                [&](Stripe&, absl::Span<const uint32_t> group, const std::vector<char*>& rows) {
+                  for (size_t k = 0; k < group.size(); ++k) {
+                    if (k + 4 < group.size()) PrefetchRow(rows[k + 4]);
+                    float* dst = out.data() + size_t{group[k]} * dim_;
+                    char* row = rows[k];
+                    if (row == nullptr) {
+                      std::memset(dst, 0, value_bytes);
+                      continue;
+                    }
+                    std::memcpy(dst, row + 8, value_bytes);
+                    int64_t touch;
+                    std::memcpy(&touch, row, 8);
+                    if (train && step > touch) std::memcpy(row, &step, 8);
+                  }
+                });
   return absl::OkStatus();
 }
 
@@ -357,32 +366,23 @@ absl::StatusOr<EmbeddingShard::ApplyResult> EmbeddingShard::Apply(absl::Span<con
         absl::StrCat("embedding table \"", name(), "\": update at step ", step, " (< 0)"));
   }
   if (auto s = CheckGradients(ids, grads); !s.ok()) return s;
-  std::vector<uint32_t> order;
-  std::array<uint32_t, kStripes + 1> begin;
-  GroupByStripe(ids, &order, &begin);
   const SparseStep sparse_step = optimizer_.StepAt(step);
   ApplyResult result;
-  std::vector<char*> rows;
-  const int first = FirstStripe();
-  for (int n = 0; n < kStripes; ++n) {
-    const int si = (first + n) % kStripes;
-    if (begin[si] == begin[si + 1]) continue;
-    const auto group = absl::MakeConstSpan(order).subspan(begin[si], begin[si + 1] - begin[si]);
-    Stripe& s = stripes_[si];
-    absl::MutexLock lock(&s.mu);
-    FindRows(s, ids, group, /*train=*/false, step, &rows);
-    for (size_t k = 0; k < group.size(); ++k) {
-      if (k + 4 < group.size()) PrefetchRow(rows[k + 4]);
-      if (rows[k] == nullptr) {
-        ++s.skipped;
-        ++result.skipped;
-        continue;
-      }
-      float* w = reinterpret_cast<float*>(rows[k] + 8);
-      optimizer_.ApplyRow(sparse_step, dim_, grads.data() + size_t{group[k]} * dim_, w, w + dim_);
-      ++result.applied;
-    }
-  }
+  ForEachStripe(ids, /*train=*/false, step,
+                [&](Stripe&, absl::Span<const uint32_t> group, const std::vector<char*>& rows) {
+                  for (size_t k = 0; k < group.size(); ++k) {
+                    if (k + 4 < group.size()) PrefetchRow(rows[k + 4]);
+                    if (rows[k] == nullptr) {
+                      ++result.skipped;
+                      continue;
+                    }
+                    float* w = reinterpret_cast<float*>(rows[k] + 8);
+                    optimizer_.ApplyRow(sparse_step, dim_, grads.data() + size_t{group[k]} * dim_,
+                                        w, w + dim_);
+                    ++result.applied;
+                  }
+                });
+  apply_skipped_ += result.skipped;
   return result;
 }
 
@@ -429,8 +429,8 @@ EmbeddingShard::Stats EmbeddingShard::GetStats() const {
     st.rows_restored += s.restored;
     st.admissions_refused += s.refused;
     st.pending_ids += static_cast<int64_t>(s.pending.size());
-    st.apply_skipped += s.skipped;
   }
+  st.apply_skipped = apply_skipped_.load();
   st.bytes += static_cast<int64_t>(sizeof(*this));
   st.bytes_per_row = st.rows > 0 ? static_cast<double>(st.bytes) / st.rows : 0;
   return st;

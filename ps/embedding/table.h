@@ -145,7 +145,6 @@ class EmbeddingShard {
     int64_t expired ABSL_GUARDED_BY(mu) = 0;
     int64_t restored ABSL_GUARDED_BY(mu) = 0;
     int64_t refused ABSL_GUARDED_BY(mu) = 0;
-    int64_t skipped ABSL_GUARDED_BY(mu) = 0;
   };
   // Where a key's row is, or would be.
   struct Place {
@@ -176,6 +175,12 @@ class EmbeddingShard {
   void FindRows(Stripe& s, absl::Span<const uint64_t> ids, absl::Span<const uint32_t> group,
                 bool train, int64_t step, std::vector<char*>* rows)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
+  // Calls fn(s, group, rows) once for each stripe s holding some of `ids`,
+  // under s's lock, the walk starting at FirstStripe(): `group` are the
+  // positions in `ids` of s's ids and rows[k] is the row of ids[group[k]]
+  // (FindRows with `train` and `step`).
+  template <typename Fn>
+  void ForEachStripe(absl::Span<const uint64_t> ids, bool train, int64_t step, Fn&& fn);
   bool Admit(Stripe& s, uint64_t id, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
   void InitRecord(uint64_t key, int64_t touch, char* row) const;
   int64_t ExpireStripe(Stripe& s, int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu);
@@ -198,6 +203,7 @@ class EmbeddingShard {
   // that start apart do not queue behind each other stripe after stripe. A
   // hint only; any value is correct.
   std::atomic<uint32_t> next_first_stripe_{0};
+  std::atomic<int64_t> apply_skipped_{0};  // Stats::apply_skipped
   std::array<Stripe, kStripes> stripes_;
 };
 
