@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "data/csv/csv.h"
 #include "data/image/image.h"
 #include "data/image/transforms.h"
@@ -209,16 +210,24 @@ TEST_F(FormatsTest, CsvCategoricalColumnsBecomeTheExamplesIds) {
   EXPECT_EQ((*batch)->labels, (std::vector<int32_t>{1, 0}));
 }
 
-TEST_F(FormatsTest, CsvFilesWithColumnsInAnotherOrderAreRefused) {
-  // The same columns, two of them swapped: of equal record size, but read
-  // under each other's names.
-  std::ofstream(dir_ + "/a.csv") << "label,x,c,d\n1,2,u,v\n";
-  std::ofstream(dir_ + "/b.csv") << "label,x,d,c\n0,5,v,u\n";
+// The training files a.csv and b.csv holding `a` and `b`, opened as one
+// data set of a label, a numeric column x and categorical columns.
+absl::StatusOr<std::unique_ptr<DataFormat>> OpenTwoCsvFiles(const std::string& dir,
+                                                            const std::string& a,
+                                                            const std::string& b) {
+  std::ofstream(dir + "/a.csv") << a;
+  std::ofstream(dir + "/b.csv") << b;
   DataConfig c = DefaultDataConfig();
   c.set_format("csv");
   c.set_csv_columns("label:label,x:numeric,*:categorical");
-  ASSERT_TRUE(ResolveDataFiles({dir_ + "/a.csv," + dir_ + "/b.csv", ""}, &c).ok());
-  auto format = OpenDataFormat(c, {1, 1, 1, 2}, Split::kTrain);
+  PSFLOW_RETURN_IF_ERROR(ResolveDataFiles({dir + "/a.csv," + dir + "/b.csv", ""}, &c));
+  return OpenDataFormat(c, {1, 1, 1, 2}, Split::kTrain);
+}
+
+TEST_F(FormatsTest, CsvFilesWithColumnsInAnotherOrderAreRefused) {
+  // The same columns, two of them swapped: of equal record size, but read
+  // under each other's names.
+  auto format = OpenTwoCsvFiles(dir_, "label,x,c,d\n1,2,u,v\n", "label,x,d,c\n0,5,v,u\n");
   ASSERT_TRUE(format.ok()) << format.status();
   EXPECT_TRUE((*format)->Open(0).ok());
   auto second = (*format)->Open(1);
@@ -230,13 +239,7 @@ TEST_F(FormatsTest, CsvFilesWithColumnsInAnotherOrderAreRefused) {
 }
 
 TEST_F(FormatsTest, CsvFilesWithOtherColumnsThanTheFirstAreRefused) {
-  std::ofstream(dir_ + "/a.csv") << "label,x,c\n1,2,u\n";
-  std::ofstream(dir_ + "/b.csv") << "label,x\n0,5\n";
-  DataConfig c = DefaultDataConfig();
-  c.set_format("csv");
-  c.set_csv_columns("label:label,x:numeric,*:categorical");
-  ASSERT_TRUE(ResolveDataFiles({dir_ + "/a.csv," + dir_ + "/b.csv", ""}, &c).ok());
-  auto format = OpenDataFormat(c, {1, 1, 1, 2}, Split::kTrain);
+  auto format = OpenTwoCsvFiles(dir_, "label,x,c\n1,2,u\n", "label,x\n0,5\n");
   ASSERT_TRUE(format.ok()) << format.status();
   absl::StatusOr<Dataset> d = ReadExamples(**format, {1, 1, 1, 2}, -1, 1);
   ASSERT_FALSE(d.ok());
