@@ -621,9 +621,8 @@ absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShap
   d.width = shape.width;
   d.num_classes = shape.num_classes;
   d.images.resize(static_cast<size_t>(n * d.example_floats()));
-  d.example_ids = format.example_ids();
   d.id_features = format.id_features();
-  d.ids.resize(static_cast<size_t>(n * d.example_ids));
+  d.ids.resize(static_cast<size_t>(n * d.example_ids()));
   d.labels.resize(static_cast<size_t>(n));
   // Records are read in order on this thread, a chunk at a time, and each
   // chunk decoded on the pool.
@@ -654,7 +653,7 @@ absl::StatusOr<Dataset> ReadExamples(const DataFormat& format, const ExampleShap
     pool.ParallelFor(static_cast<int>(size), [&](int k) {
       status[k] = format.decoder().Decode(
           chunk[k], 0, /*train=*/false, d.images.data() + (done + k) * d.example_floats(),
-          d.ids.data() + (done + k) * d.example_ids, d.labels.data() + done + k);
+          d.ids.data() + (done + k) * d.example_ids(), d.labels.data() + done + k);
     });
     for (int64_t k = 0; k < size; ++k) {
       if (!status[k].ok()) {

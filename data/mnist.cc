@@ -237,7 +237,7 @@ std::vector<int64_t> ShardSampler::EpochIndices(int64_t epoch) const {
 absl::Status GatherBatch(const Dataset& dataset, absl::Span<const int64_t> indices, float* images,
                          uint64_t* ids, int32_t* labels) {
   if (indices.empty()) return absl::OkStatus();
-  const int64_t floats = dataset.example_floats(), id_count = dataset.example_ids;
+  const int64_t floats = dataset.example_floats(), id_count = dataset.example_ids();
   if (images == nullptr || labels == nullptr || (id_count > 0 && ids == nullptr)) {
     return absl::InvalidArgumentError("GatherBatch: null output buffer");
   }

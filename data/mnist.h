@@ -33,11 +33,11 @@ struct Dataset {
   std::vector<float> images;    // count * channels * height * width, in [0, 1]
   std::vector<int32_t> labels;  // count, each in [0, num_classes)
   int num_classes = 10;
-  // Categorical ids (data/reader.h), example_ids per example, of the
+  // Categorical ids (data/reader.h), example_ids() per example, of the
   // features `id_features` in order; none for images.
-  int64_t example_ids = 0;
-  std::vector<uint64_t> ids;  // count * example_ids
+  std::vector<uint64_t> ids;  // count * example_ids()
   std::vector<IdFeature> id_features;
+  int64_t example_ids() const { return IdsPerExample(id_features); }
   int64_t example_floats() const { return int64_t{channels} * height * width; }
   ExampleShape shape() const { return {channels, height, width, num_classes}; }
 };

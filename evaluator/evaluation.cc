@@ -69,7 +69,7 @@ absl::StatusOr<Evaluation> EvaluateDataset(model::Network* net, const data::Data
     if (begin > 0 && between_batches) PSFLOW_RETURN_IF_ERROR(between_batches());
     const int n = static_cast<int>(std::min<int64_t>(batch, data.count - begin));
     if (ids.model_ids() > 0) {
-      ids.Select(data.ids.data() + begin * data.example_ids, n, batch_ids.data());
+      ids.Select(data.ids.data() + begin * data.example_ids(), n, batch_ids.data());
       PSFLOW_RETURN_IF_ERROR(net->SetIds(batch_ids.data(), n));
     }
     PSFLOW_ASSIGN_OR_RETURN(

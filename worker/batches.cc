@@ -13,7 +13,7 @@ WorkerBatches::WorkerBatches(const data::Dataset& data, const JobConfig& job, in
     : data_(&data),
       batch_(WorkerBatch(job)),
       example_floats_(data.example_floats()),
-      example_ids_(data.example_ids),
+      example_ids_(data.example_ids()),
       sampler_(
           std::make_unique<data::ShardSampler>(data.count, job.num_workers(), worker, job.seed())),
       own_images_(static_cast<size_t>(batch_ * example_floats_)),
@@ -25,11 +25,11 @@ WorkerBatches::WorkerBatches(const data::Dataset& data, const JobConfig& job, in
 }
 
 WorkerBatches::WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
-                             int64_t example_floats, int64_t example_ids,
+                             int64_t example_floats,
                              const std::vector<data::IdFeature>& id_features)
     : batch_(WorkerBatch(job)),
       example_floats_(example_floats),
-      example_ids_(example_ids),
+      example_ids_(data::IdsPerExample(id_features)),
       pipeline_(std::move(pipeline)) {
   SelectIds(job, id_features);
 }
@@ -66,8 +66,7 @@ absl::StatusOr<std::unique_ptr<WorkerBatches>> WorkerBatches::Streamed(
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<data::Pipeline> pipeline,
                           data::Pipeline::Create(format, o));
   return std::unique_ptr<WorkerBatches>(
-      new WorkerBatches(job, std::move(pipeline), format->example_floats(), format->example_ids(),
-                        format->id_features()));
+      new WorkerBatches(job, std::move(pipeline), format->example_floats(), format->id_features()));
 }
 
 std::string WorkerBatches::Summary() const {

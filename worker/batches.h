@@ -54,8 +54,7 @@ class WorkerBatches {
 
  private:
   WorkerBatches(const JobConfig& job, std::unique_ptr<data::Pipeline> pipeline,
-                int64_t example_floats, int64_t example_ids,
-                const std::vector<data::IdFeature>& id_features);
+                int64_t example_floats, const std::vector<data::IdFeature>& id_features);
   // Picks the model's ids out of the data's (`id_features`); an error
   // (the data lacks one) is kept for Gather to return.
   void SelectIds(const JobConfig& job, const std::vector<data::IdFeature>& id_features);

@@ -174,7 +174,7 @@ TEST_F(FormatsTest, CsvColumnsMustMakeTheModelsInput) {
   EXPECT_EQ(d->images, (std::vector<float>{0.5f, 0.25f, 1, 1, 2, 3}));
   EXPECT_EQ(d->labels, (std::vector<int32_t>{1, 0}));
   EXPECT_TRUE((*format)->id_features().empty());
-  EXPECT_EQ(d->example_ids, 0);
+  EXPECT_EQ(d->example_ids(), 0);
 }
 
 TEST_F(FormatsTest, CsvCategoricalColumnsBecomeTheExamplesIds) {
@@ -195,7 +195,7 @@ TEST_F(FormatsTest, CsvCategoricalColumnsBecomeTheExamplesIds) {
   EXPECT_EQ((*format)->example_ids(), 2);
   absl::StatusOr<Dataset> d = ReadExamples(**format, {1, 1, 2, 2}, -1, 1);
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->example_ids, 2);
+  EXPECT_EQ(d->example_ids(), 2);
   EXPECT_EQ(d->ids, (std::vector<uint64_t>{HashId("paris"), 0xff, kMissingId, 0x1a}));
   EXPECT_EQ(d->images, (std::vector<float>{2.5f, 3, 1, 4}));
   // The pipeline hands the same ids out with their batch.

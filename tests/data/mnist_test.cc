@@ -361,7 +361,7 @@ TEST(GatherBatchTest, OutOfRangeIsAnError) {
 
 TEST(GatherBatchTest, CopiesIdsWithTheirExamples) {
   Dataset ds = TinyDataset();
-  ds.example_ids = 2;
+  ds.id_features = {{"a", 1}, {"b", 1}};
   ds.ids = {10, 11, 20, 21, 30, 31};
   const std::vector<int64_t> indices = {2, 0};
   std::vector<float> images(4);
