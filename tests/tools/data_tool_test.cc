@@ -1,6 +1,5 @@
 // psflow-data: conversion of IDX files, image folders and CSV files to
 // TFRecord shards, inspection of TFRecord files, and the binary's command line.
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/data/idx_files.h"
+#include "tests/tools/run_data_tool.h"
 #include "tools/data/convert.h"
 #include "tools/data/inspect.h"
 #include "tools/data/sources.h"
@@ -413,23 +413,6 @@ TEST_F(DataToolTest, InspectOfACorruptFilePrintsWhatItReadThenFails) {
 }
 
 // The binary: exit status, stdout and stderr of `args`.
-struct Ran {
-  int status = -1;
-  std::string out, err;
-};
-
-Ran RunBinary(const std::string& dir, const std::string& args) {
-  const std::string out = dir + "/stdout", err = dir + "/stderr";
-  const std::string command =
-      absl::StrCat(PSFLOW_BIN_DIR, "/psflow-data ", args, " >", out, " 2>", err);
-  Ran ran;
-  const int status = std::system(command.c_str());
-  ran.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  ran.out = ReadFile(out).value_or("");
-  ran.err = ReadFile(err).value_or("");
-  return ran;
-}
-
 TEST_F(DataToolTest, BinaryHelpAndOneLineErrors) {
   Ran help = RunBinary(dir_, "--help");
   EXPECT_EQ(help.status, 0);

@@ -3,8 +3,6 @@
 // planted probabilities of the rows read back, Zipf ids, and the command line.
 #include "tools/data/synth_criteo.h"
 
-#include <sys/wait.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +24,7 @@
 #include "evaluator/binary_scores.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/tools/run_data_tool.h"
 
 namespace psflow::data_tool {
 namespace {
@@ -276,22 +275,6 @@ TEST_F(SynthCriteoTest, RefusesBadOptions) {
   short_row.numeric.resize(3);
   EXPECT_THAT(PlantedModel::Create(Small("x"))->Probability(short_row).status().message(),
               HasSubstr("not of Criteo's layout"));
-}
-
-struct Ran {
-  int status = -1;
-  std::string out, err;
-};
-
-Ran RunBinary(const std::string& dir, const std::string& args) {
-  const std::string out = dir + "/stdout", err = dir + "/stderr";
-  const int status = std::system(
-      absl::StrCat(PSFLOW_BIN_DIR, "/psflow-data ", args, " >", out, " 2>", err).c_str());
-  Ran ran;
-  ran.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  ran.out = ReadFile(out).value_or("");
-  ran.err = ReadFile(err).value_or("");
-  return ran;
 }
 
 TEST_F(SynthCriteoTest, BinaryWritesAndExplains) {
