@@ -36,8 +36,12 @@ kernels::Combiner ToCombiner(EmbeddingLayer::Combiner c) {
 void DensePlan(const kernels::EmbeddingPlan& sparse, int64_t rows, kernels::EmbeddingPlan* plan) {
   plan->batch = sparse.batch;
   plan->features = sparse.features;
-  plan->unique_ids.resize(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) plan->unique_ids[r] = static_cast<uint64_t>(r);
+  // The "unique" rows are every row, in order: the same every step, so
+  // written once (a plan is kept per layer and batch size).
+  if (plan->unique_ids.size() != static_cast<size_t>(rows)) {
+    plan->unique_ids.resize(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) plan->unique_ids[r] = static_cast<uint64_t>(r);
+  }
   plan->bag_offsets = sparse.bag_offsets;
   plan->bag_coefs = sparse.bag_coefs;
   plan->bag_rows.resize(sparse.bag_rows.size());
